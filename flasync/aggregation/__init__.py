@@ -1,0 +1,32 @@
+"""Pure, synchronous aggregation math over flat tensors: FedAvg, FedBuff, FedAsync and server optimizers.
+
+Nothing here touches the event loop. A model state is one flat tensor, and a client's update is its delta
+``w_base - w_local`` (a pseudo-gradient). The pieces compose: a `StalenessWeight` discounts stale updates, an
+`UpdateBuffer` (or `fedbuff`) combines them, and a `ServerOptimizer` steps the global weights with the result.
+"""
+
+from __future__ import annotations
+
+from flasync.aggregation.buffer import UpdateBuffer
+from flasync.aggregation.functional import fedasync_mix_, fedavg, fedbuff, normalized, weighted_mean
+from flasync.aggregation.optimizers import ServerOptimizer
+from flasync.aggregation.staleness import (
+    ConstantStaleness,
+    HingeStaleness,
+    PolynomialStaleness,
+    StalenessWeight,
+)
+
+__all__ = [
+    "ConstantStaleness",
+    "HingeStaleness",
+    "PolynomialStaleness",
+    "ServerOptimizer",
+    "StalenessWeight",
+    "UpdateBuffer",
+    "fedasync_mix_",
+    "fedavg",
+    "fedbuff",
+    "normalized",
+    "weighted_mean",
+]

@@ -1,0 +1,175 @@
+"""A preallocated accumulator that folds client deltas into a FedBuff aggregate one at a time."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["UpdateBuffer"]
+
+
+class UpdateBuffer:
+    """Accumulate weighted client deltas in one flat tensor, in place, for FedBuff.
+
+    Each `add` computes ``acc += e_k * s_k * delta_k`` and ``E += e_k``; `pseudo_gradient` returns
+    ``acc / E``. After ``K`` updates this equals `flasync.aggregation.fedbuff` of the same deltas (Nguyen et
+    al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022, Algorithm 1)::
+
+        acc / E = sum_k (e_k / sum_j e_j) * s(tau_k) * delta_k
+
+    but never holds more than one model's worth of memory, however many updates it has taken. The buffer does
+    not decide when it is full: the server steps its optimizer after ``K`` updates (``count``) and calls
+    `reset`.
+
+    An edge aggregator can forward ``pseudo_gradient()`` upstream with
+    ``example_weight=total_example_weight``.
+
+    Args:
+        num_params: Length of the flat model vector, >= 1.
+        dtype: Element type of the accumulator and of the deltas it accepts.
+        device: Where the accumulator lives; deltas must be on the same device.
+
+    Raises:
+        ValueError: If ``num_params < 1``.
+    """
+
+    __slots__ = ("_acc", "_count", "_total_example_weight")
+
+    def __init__(
+        self, num_params: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        if num_params < 1:
+            raise ValueError(f"num_params must be >= 1, got {num_params}")
+        self._acc = torch.zeros(num_params, dtype=dtype, device=device)
+        self._count = 0
+        self._total_example_weight = 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"UpdateBuffer(num_params={self.num_params}, dtype={self._acc.dtype}, device={self._acc.device}, "
+            f"count={self._count}, total_example_weight={self._total_example_weight})"
+        )
+
+    @property
+    def num_params(self) -> int:
+        """Length of the flat model vector."""
+        return self._acc.numel()
+
+    @property
+    def count(self) -> int:
+        """Number of updates added since construction or the last `reset`."""
+        return self._count
+
+    @property
+    def total_example_weight(self) -> float:
+        """Sum of the example weights added since construction or the last `reset`."""
+        return self._total_example_weight
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the accumulator, in bytes."""
+        return self._acc.numel() * self._acc.element_size()
+
+    def add(self, delta: Tensor, *, example_weight: float, staleness_weight: float) -> None:
+        """Fold one client delta into the buffer, in place.
+
+        Args:
+            delta: Flat client delta ``w_base - w_local`` of ``num_params`` elements, with the buffer's dtype
+                and device. It is read, not kept.
+            example_weight: The update's weight ``e_k`` (e.g. its number of samples), finite and > 0.
+            staleness_weight: The discount ``s(tau_k)`` from a `StalenessWeight`, finite and >= 0.
+
+        Raises:
+            ValueError: If ``delta`` has the wrong shape, dtype or device, or a weight is out of range. The
+                buffer is left unchanged.
+        """
+        if delta.dim() != 1:
+            raise ValueError(f"delta must be flat (1-D), got shape {tuple(delta.shape)}")
+        if delta.numel() != self._acc.numel():
+            raise ValueError(f"delta has {delta.numel()} elements, expected {self._acc.numel()}")
+        if delta.dtype != self._acc.dtype:
+            raise ValueError(f"delta has dtype {delta.dtype}, expected {self._acc.dtype}")
+        if delta.device != self._acc.device:
+            raise ValueError(f"delta is on device {delta.device}, expected {self._acc.device}")
+        if not example_weight > 0 or not math.isfinite(example_weight):
+            raise ValueError(f"example_weight must be finite and > 0, got {example_weight}")
+        if not staleness_weight >= 0 or not math.isfinite(staleness_weight):
+            raise ValueError(f"staleness_weight must be finite and >= 0, got {staleness_weight}")
+        self._acc.add_(delta, alpha=example_weight * staleness_weight)
+        self._total_example_weight += example_weight
+        self._count += 1
+
+    def pseudo_gradient(self) -> Tensor:
+        """Return the aggregate ``acc / total_example_weight`` as a new tensor.
+
+        The buffer is left as it is; call `reset` to start the next round of updates.
+
+        Returns:
+            A new flat tensor of ``num_params`` elements, the weighted mean delta, to feed a
+            `ServerOptimizer`.
+
+        Raises:
+            ValueError: If no update has been added since construction or the last `reset`.
+        """
+        if self._count == 0:
+            raise ValueError("the buffer is empty; add at least one update before taking its pseudo-gradient")
+        return self._acc / self._total_example_weight
+
+    def reset(self) -> None:
+        """Empty the buffer, zeroing the accumulator in place (no reallocation)."""
+        self._acc.zero_()
+        self._count = 0
+        self._total_example_weight = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return a snapshot of the buffer for a checkpoint.
+
+        The accumulator is copied, so later updates do not change the snapshot (it can be written from another
+        thread while the buffer goes on filling).
+
+        Returns:
+            ``{"accumulator": Tensor, "count": int, "total_example_weight": float}``.
+        """
+        return {
+            "accumulator": self._acc.detach().clone(),
+            "count": self._count,
+            "total_example_weight": self._total_example_weight,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the buffer from a `state_dict` snapshot, copying into the existing accumulator.
+
+        Args:
+            state: A mapping as returned by `state_dict`, from a buffer of the same ``num_params``.
+
+        Raises:
+            ValueError: If a key is missing, the accumulator's shape differs, or the count and total weight
+                are inconsistent. The buffer is left unchanged.
+        """
+        missing = sorted({"accumulator", "count", "total_example_weight"} - state.keys())
+        if missing:
+            raise ValueError(f"state is missing keys {missing}")
+        accumulator = state["accumulator"]
+        count = state["count"]
+        total = state["total_example_weight"]
+        if not isinstance(accumulator, Tensor):
+            raise ValueError(f"state['accumulator'] must be a Tensor, got {type(accumulator).__name__}")
+        if accumulator.shape != self._acc.shape:
+            raise ValueError(
+                f"state['accumulator'] has shape {tuple(accumulator.shape)}, expected {tuple(self._acc.shape)}"
+            )
+        if not isinstance(count, int) or count < 0:
+            raise ValueError(f"state['count'] must be an int >= 0, got {count!r}")
+        total = float(total)
+        if not total >= 0 or not math.isfinite(total):
+            raise ValueError(f"state['total_example_weight'] must be finite and >= 0, got {total}")
+        if (count == 0) != (total == 0):
+            raise ValueError(
+                f"state has count {count} but total_example_weight {total}; both must be zero or both positive"
+            )
+        self._acc.copy_(accumulator)
+        self._count = count
+        self._total_example_weight = total

@@ -1,0 +1,164 @@
+"""The ``flasync`` command line.
+
+Exit status: 0 on success, 2 for bad input (config file, ``--set``, flags, data, model) with a one-line message
+on stderr, 1 for an unexpected failure, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any, NoReturn, TypeVar
+
+import yaml
+
+import tracking
+from flasync._version import __version__
+from flasync.config import RunConfig, load_config
+from flasync.errors import FlasyncError
+from flasync.runtime import Federation, RunSummary
+
+__all__ = ["main"]
+
+T = TypeVar("T")
+
+
+class _UsageError(Exception):
+    """A malformed command line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Raise instead of printing the usage block."""
+        raise _UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(
+        prog="flasync",
+        description="Asynchronous federated learning: FedBuff, FedAsync and FedAvg with virtual time and MLflow.",
+    )
+    parser.add_argument("--version", action="version", version=f"flasync {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    run = commands.add_parser(
+        "run",
+        help="run an experiment (default: digits, 100 clients, FedBuff on the virtual clock)",
+        description="Run one federated experiment and log it to MLflow.",
+    )
+    run.add_argument("config", nargs="?", help="a .toml or .yaml run config (default: the built-in experiment)")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override one field, e.g. --set server.buffer_size=20 (repeatable)",
+    )
+    run.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    run.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/)")
+    run.add_argument("--experiment", help="MLflow experiment name")
+    run.add_argument("--run-name", help="MLflow run name")
+    run.add_argument("--no-tracking", action="store_true", help="turn MLflow off (structured logs still print)")
+    run.add_argument("--no-system-metrics", action="store_true", help="turn off MLflow's CPU/GPU/memory monitor")
+    run.add_argument("--log-format", choices=["console", "json"], default="console", help="log line format")
+    run.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="lowest level printed (default: info)",
+    )
+    return parser
+
+
+def _resolve(args: argparse.Namespace) -> RunConfig:
+    overrides = list(args.overrides)
+    if args.tracking_uri:
+        overrides.append(f"tracking.uri={args.tracking_uri}")
+    if args.experiment:
+        overrides.append(f"tracking.experiment={args.experiment}")
+    if args.run_name:
+        overrides.append(f"tracking.run_name={args.run_name}")
+    if args.no_tracking:
+        overrides.append("tracking.enabled=false")
+    if args.log_level:
+        overrides.append(f"tracking.log_level={args.log_level}")
+    config = load_config(args.config, overrides)
+    if not args.no_system_metrics and config.tracking.enabled:
+        config = config.model_copy(update={"tracking": config.tracking.model_copy(update={"system_metrics": True})})
+    return config
+
+
+def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return asyncio.run(coro)
+    result: T = uvloop.run(coro)
+    return result
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def _print_summary(summary: RunSummary, config: RunConfig, ui_command: str | None) -> None:
+    lines = [
+        "",
+        f"flasync run finished ({summary.stop_reason})",
+        f"  accuracy        {summary.accuracy:.4f}   loss {summary.loss:.4f}",
+        f"  updates         {summary.updates_accepted} accepted, {summary.updates_dropped} dropped, "
+        f"{summary.updates_failed} failed ({summary.updates_per_s:.1f}/s)",
+        f"  versions        {summary.versions}   staleness mean {summary.staleness_mean:.2f}, "
+        f"max {summary.staleness_max}",
+        f"  time            wall {summary.wall_s:.2f} s, simulated {summary.simulated_s:.1f} s ({config.clock} clock)",
+        f"  bytes           up {_format_bytes(summary.upload_bytes)}, down {_format_bytes(summary.download_bytes)}",
+        f"  weights sha256  {summary.weights_sha256}",
+    ]
+    if summary.run_id:
+        lines.append(f"  MLflow run      {summary.run_id} (experiment {config.tracking.experiment!r})")
+    if ui_command:
+        lines.append(f"  open the UI     {ui_command}")
+    print("\n".join(lines), flush=True)
+
+
+def _command_run(args: argparse.Namespace) -> int:
+    config = _resolve(args)
+    if args.print_config:
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+    tracking.configure_logging(fmt=args.log_format, level=config.tracking.log_level)
+    tracker: tracking.Tracker
+    if config.tracking.enabled:
+        tracker = tracking.MlflowTracker(config.tracking.uri, system_metrics=config.tracking.system_metrics)
+    else:
+        tracker = tracking.NullTracker()
+    summary = _run_loop(Federation(config, tracker=tracker).run())
+    _print_summary(summary, config, tracker.ui_command())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        return _command_run(args)
+    except _UsageError as exc:
+        print(f"flasync: error: {exc}", file=sys.stderr)
+        return 2
+    except FlasyncError as exc:
+        print(f"flasync: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flasync: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,140 @@
+"""The client coroutine: download, train in an executor, encode, upload.
+
+A client exists only while it has a task: the server materialises a :class:`Client` (an id and the indices of its
+samples) when it samples one, and the coroutine ends when its update has been published on the bus.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+
+from flasync import codecs, seeding
+from flasync.context import RunContext
+from flasync.events import ClientFailed, ClientId, TaskAssigned, UpdateUploaded, Version
+from flasync.executors import ModelPool
+from flasync.training import LocalResult, LocalTraining, train
+
+__all__ = ["Client", "ModelSnapshot", "TrainedUpdate"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSnapshot:
+    """One published global model: weights shared read-only by every client that downloads it."""
+
+    version: Version
+    weights: torch.Tensor
+    download_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainedUpdate:
+    """What a training job hands back to its client coroutine."""
+
+    result: LocalResult
+    payload: bytes
+    encode_s: float
+
+
+def _train_job(
+    models: ModelPool,
+    base: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    indices: np.ndarray,
+    cfg: LocalTraining,
+    generator: torch.Generator,
+) -> TrainedUpdate:
+    """Gather the client's samples, train on the worker's model and encode the delta (runs in a worker)."""
+    index = torch.from_numpy(indices)
+    result = train(models.get(), base, x[index], y[index], cfg, generator)
+    start = time.perf_counter()
+    payload = codecs.encode(result.delta)
+    return TrainedUpdate(result=result, payload=payload, encode_s=time.perf_counter() - start)
+
+
+class Client:
+    """A sampled client: its id, its samples, and the coroutine that runs one task.
+
+    Args:
+        client_id: Index in the population.
+        ctx: The run's shared wiring.
+    """
+
+    __slots__ = ("client_id", "ctx")
+
+    def __init__(self, client_id: ClientId, ctx: RunContext) -> None:
+        """Bind the client to the run."""
+        self.client_id = client_id
+        self.ctx = ctx
+
+    async def run(self, task: TaskAssigned, model: ModelSnapshot) -> None:
+        """Run one task: download ``model``, train locally, upload the encoded delta on the bus.
+
+        A failure of local training is published as :class:`ClientFailed`; it never propagates.
+        """
+        ctx, cid = self.ctx, self.client_id
+        clock, log = ctx.clock, ctx.log
+        with structlog.contextvars.bound_contextvars(client_id=int(cid), base_version=int(task.base_version)):
+            await clock.sleep(ctx.network.download_seconds(cid, model.download_bytes))
+            indices = ctx.partition[cid]
+            steps = ctx.local.steps_for(len(indices))
+            simulated = ctx.population.train_seconds(cid, steps, task.task_id)
+            generator = seeding.torch_stream(ctx.config.seed, seeding.TASK, task.task_id)
+            try:
+                trained = await clock.run(
+                    ctx.executor.pool,
+                    lambda: _train_job(
+                        ctx.executor.models,
+                        model.weights,
+                        ctx.train_x,
+                        ctx.train_y,
+                        indices,
+                        ctx.local,
+                        generator,
+                    ),
+                    simulated_s=simulated,
+                )
+            except Exception as exc:
+                log.warning("client.failed", step=task.task_id, error=f"{type(exc).__name__}: {exc}", metrics=False)
+                await ctx.bus.publish(
+                    ClientFailed(
+                        task_id=task.task_id,
+                        client_id=cid,
+                        base_version=task.base_version,
+                        error=f"{type(exc).__name__}: {exc}",
+                        simulated_s=clock.now(),
+                    )
+                )
+                return
+            result = trained.result
+            log.debug(
+                "client",
+                step=task.task_id,
+                train_s=result.train_s,
+                sim_train_s=simulated,
+                samples=result.num_samples,
+                steps=result.steps,
+                loss=result.loss,
+                peak_mem_bytes=result.peak_mem_bytes,
+                encode_s=trained.encode_s,
+                download_bytes=model.download_bytes,
+                upload_bytes=len(trained.payload),
+            )
+            await clock.sleep(ctx.network.upload_seconds(cid, len(trained.payload)))
+            await ctx.bus.publish(
+                UpdateUploaded(
+                    task_id=task.task_id,
+                    client_id=cid,
+                    base_version=task.base_version,
+                    num_samples=result.num_samples,
+                    payload=trained.payload,
+                    train_loss=result.loss,
+                    simulated_s=clock.now(),
+                    sent_wall_s=ctx.wall(),
+                )
+            )

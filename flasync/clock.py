@@ -1,0 +1,220 @@
+"""Clocks: real time for deployment, discrete-event virtual time for simulation.
+
+Both clocks offer the same three awaitables, and orchestration code uses nothing else to wait:
+
+* ``sleep(seconds)`` - a delay (a simulated transfer, a deadline);
+* ``run(executor, fn, simulated_s=...)`` - real work (local training, evaluation) handed to an executor so the
+  event loop never blocks; under the virtual clock the job *also* takes ``simulated_s`` of virtual time;
+* ``now()`` - seconds since the clock started.
+
+:class:`VirtualClock` is a discrete-event scheduler in the manner of trio's ``MockClock`` with autojump: a driver
+task (:meth:`VirtualClock.drive`) fires timers one at a time in ``(time, sequence)`` order. Before firing the next
+timer it waits until the loop has settled (no registered activity for a few loop passes), and a timer that stands
+for real work fires only once that work is done. So the order in which coroutines resume depends on virtual
+times alone, never on how fast threads ran: the same seed gives the same weights, bit for bit, whatever the
+number of executor threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar, runtime_checkable
+
+__all__ = ["Clock", "VirtualClock", "WallClock"]
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """What orchestration code waits with."""
+
+    @property
+    def virtual(self) -> bool:
+        """Tell whether time is simulated."""
+        ...
+
+    def now(self) -> float:
+        """Return seconds since the clock started."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait ``seconds``."""
+        ...
+
+    async def run(self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0) -> T:
+        """Run ``fn`` in ``executor``; under virtual time it also takes ``simulated_s``."""
+        ...
+
+    async def drive(self) -> None:
+        """Advance time until :meth:`stop` (a no-op for real time)."""
+        ...
+
+    def stop(self) -> None:
+        """Make :meth:`drive` return."""
+        ...
+
+    def poke(self) -> None:
+        """Note in-loop activity (the bus calls it on every publish and delivery)."""
+        ...
+
+
+class WallClock:
+    """Real time from an injected monotonic function; simulated durations are ignored."""
+
+    virtual = False
+
+    def __init__(self, time_fn: Callable[[], float] = time.monotonic) -> None:
+        """Start the clock at ``time_fn()``."""
+        self._time_fn = time_fn
+        self._start = time_fn()
+
+    def now(self) -> float:
+        """Return real seconds since the clock started."""
+        return self._time_fn() - self._start
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds`` of real time."""
+        await asyncio.sleep(seconds)
+
+    async def run(self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0) -> T:
+        """Run ``fn`` in ``executor`` and return its result (``simulated_s`` is ignored)."""
+        return await asyncio.get_running_loop().run_in_executor(executor, fn)
+
+    async def drive(self) -> None:
+        """Return at once: real time advances by itself."""
+
+    def stop(self) -> None:
+        """Do nothing."""
+
+    def poke(self) -> None:
+        """Do nothing."""
+
+
+@dataclass(order=True, slots=True)
+class _Timer:
+    when: float
+    seq: int
+    waiter: asyncio.Future[None] = field(compare=False)
+    job: asyncio.Future[object] | None = field(compare=False, default=None)
+
+
+class VirtualClock:
+    """Discrete-event virtual time driven by :meth:`drive` inside the run's task group.
+
+    Args:
+        start: Initial virtual time in seconds.
+        settle_passes: Consecutive loop passes without activity that count as "the loop has settled". Every
+            step of flasync's own orchestration registers activity (timers, bus traffic), and no chain of its
+            steps has more than one unregistered pass between registered ones, so a small number suffices.
+    """
+
+    virtual = True
+
+    def __init__(self, *, start: float = 0.0, settle_passes: int = 3) -> None:
+        """Create a stopped clock at ``start``."""
+        if settle_passes < 1:
+            raise ValueError(f"settle_passes must be >= 1, got {settle_passes}")
+        self._now = float(start)
+        self._settle_passes = settle_passes
+        self._heap: list[_Timer] = []
+        self._seq = 0
+        self._activity = 0
+        self._attention: asyncio.Future[None] | None = None
+        self._stopped = False
+        self.fired = 0
+
+    def now(self) -> float:
+        """Return the current virtual time in seconds."""
+        return self._now
+
+    def poke(self) -> None:
+        """Note in-loop activity, postponing the next time advance."""
+        self._activity += 1
+
+    @property
+    def pending(self) -> int:
+        """Count timers not yet fired (cancelled ones included until they reach the head)."""
+        return len(self._heap)
+
+    def _push(self, delay: float, job: asyncio.Future[object] | None) -> asyncio.Future[None]:
+        if not delay >= 0.0:  # also rejects NaN
+            raise ValueError(f"a delay must be a finite number >= 0, got {delay}")
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, _Timer(self._now + delay, self._seq, waiter, job))
+        self._seq += 1
+        self._activity += 1
+        self._wake()
+        return waiter
+
+    def _wake(self, _: object = None) -> None:
+        attention = self._attention
+        if attention is not None and not attention.done():
+            attention.set_result(None)
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` of virtual time."""
+        await self._push(seconds, None)
+
+    async def sleep_until(self, when: float) -> None:
+        """Wait until virtual time ``when`` (at once if it has passed)."""
+        await self._push(max(0.0, when - self._now), None)
+
+    async def run(self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0) -> T:
+        """Run ``fn`` in ``executor``; resume ``simulated_s`` virtual seconds later, once ``fn`` has returned.
+
+        The job starts at once in real time; only its *completion*, as seen by the caller, is placed on the
+        virtual timeline, and time does not pass that point until the job is really done.
+        """
+        job = asyncio.wrap_future(executor.submit(fn))
+        waiter = self._push(simulated_s, job)  # type: ignore[arg-type]
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+        return job.result()
+
+    def stop(self) -> None:
+        """Make :meth:`drive` return at its next step (a stopped clock cannot be driven again)."""
+        self._stopped = True
+        self._wake()
+
+    async def drive(self) -> None:
+        """Fire timers in virtual-time order until :meth:`stop` is called."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._settle()
+            if self._stopped:
+                break
+            heap = self._heap
+            while heap and heap[0].waiter.done():  # cancelled waiters
+                heapq.heappop(heap)
+            if not heap or (heap[0].job is not None and not heap[0].job.done()):
+                # Nothing to fire yet: wait for a new timer, the head job's completion or stop().
+                self._attention = loop.create_future()
+                if heap and heap[0].job is not None:
+                    heap[0].job.add_done_callback(self._wake)
+                try:
+                    await self._attention
+                finally:
+                    self._attention = None
+                continue
+            timer = heapq.heappop(heap)
+            if timer.when > self._now:
+                self._now = timer.when
+            self._activity += 1
+            self.fired += 1
+            timer.waiter.set_result(None)
+
+    async def _settle(self) -> None:
+        quiet = 0
+        while quiet < self._settle_passes:
+            mark = self._activity
+            await asyncio.sleep(0)
+            quiet = quiet + 1 if self._activity == mark else 0

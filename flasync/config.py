@@ -1,0 +1,520 @@
+"""Typed run configuration: pydantic models, file loading and ``--set`` overrides.
+
+Every component is chosen by a discriminated union on ``kind``; every model forbids unknown keys, so a typo is an
+error that names the field. :func:`load_config` turns a TOML or YAML file plus ``path.to.field=value`` overrides
+into a validated :class:`RunConfig` or raises :class:`~flasync.errors.ConfigError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flasync.errors import ConfigError
+
+__all__ = [
+    "AdamServerOptimizer",
+    "ClientConfig",
+    "ConstantSpeed",
+    "ConstantStalenessConfig",
+    "DigitsData",
+    "DirichletPartition",
+    "EvalConfig",
+    "ExecutorConfig",
+    "FedAsyncServer",
+    "FedAvgServer",
+    "FedBuffServer",
+    "HalfNormalSpeed",
+    "HingeStalenessConfig",
+    "IIDPartition",
+    "LogNormalSpeed",
+    "MLPModel",
+    "NetworkConfig",
+    "PolynomialStalenessConfig",
+    "PopulationConfig",
+    "RunConfig",
+    "SGDServerOptimizer",
+    "ShardsPartition",
+    "SmallCNNModel",
+    "StopConfig",
+    "SyntheticData",
+    "TrackingConfig",
+    "apply_override",
+    "flatten",
+    "format_validation_error",
+    "load_config",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_kinds(cls, data: Any) -> Any:
+        """Give a partial component table the default component's ``kind`` (``--set model.hidden=[32]``)."""
+        if not isinstance(data, Mapping):
+            return data
+        filled: dict[str, Any] | None = None
+        for name, info in cls.model_fields.items():
+            value = data.get(name)
+            default = info.default
+            if isinstance(value, Mapping) and "kind" not in value and isinstance(default, BaseModel):
+                kind = getattr(default, "kind", None)
+                if kind is not None:
+                    filled = filled if filled is not None else dict(data)
+                    filled[name] = {"kind": kind, **value}
+        return data if filled is None else filled
+
+
+# --------------------------------------------------------------------------------------------------------- data
+class DigitsData(_Section):
+    """scikit-learn's handwritten digits: 1797 images of 8x8 pixels, 10 classes, shipped with the package."""
+
+    kind: Literal["digits"] = "digits"
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out share, stratified by label.")
+
+
+class SyntheticData(_Section):
+    """The tutorials' generator: ``x ~ N(0, 1)``, ``y`` uniform, ``x[y mod d] += 2``."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    samples_per_client: int = Field(200, ge=1, description="Training samples generated per client.")
+    num_features: int = Field(32, ge=1)
+    num_classes: int = Field(10, ge=2)
+    test_samples: int = Field(2000, ge=1)
+
+
+DataSource = Annotated[DigitsData | SyntheticData, Field(discriminator="kind")]
+
+
+class IIDPartition(_Section):
+    """Shuffle and deal samples evenly."""
+
+    kind: Literal["iid"] = "iid"
+
+
+class DirichletPartition(_Section):
+    """Per-label Dirichlet(alpha) proportions over clients (Hsu et al. 2019); small alpha = more skew."""
+
+    kind: Literal["dirichlet"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0.0)
+    min_samples: int = Field(1, ge=1)
+
+
+class ShardsPartition(_Section):
+    """Sort by label, cut into shards, deal ``shards_per_client`` to each client (McMahan et al. 2017)."""
+
+    kind: Literal["shards"] = "shards"
+    shards_per_client: int = Field(2, ge=1)
+
+
+PartitionConfig = Annotated[IIDPartition | DirichletPartition | ShardsPartition, Field(discriminator="kind")]
+
+
+# ------------------------------------------------------------------------------------------------------- models
+class MLPModel(_Section):
+    """Fully connected ReLU network."""
+
+    kind: Literal["mlp"] = "mlp"
+    hidden: tuple[int, ...] = Field((64,), description="Widths of the hidden layers.")
+
+    @model_validator(mode="after")
+    def _positive(self) -> MLPModel:
+        if any(h < 1 for h in self.hidden):
+            raise ValueError("hidden widths must be >= 1")
+        return self
+
+
+class SmallCNNModel(_Section):
+    """Two conv layers and a linear head; flat inputs are reshaped to ``(C, H, W)``."""
+
+    kind: Literal["cnn"] = "cnn"
+    in_channels: int = Field(1, ge=1)
+    image_size: tuple[int, int] = (8, 8)
+    channels: tuple[int, int] = (16, 32)
+
+
+ModelConfig = Annotated[MLPModel | SmallCNNModel, Field(discriminator="kind")]
+
+
+# ----------------------------------------------------------------------------------------------- population/time
+class ConstantSpeed(_Section):
+    """Every client takes ``seconds_per_step`` simulated seconds per local step."""
+
+    kind: Literal["constant"] = "constant"
+    seconds_per_step: float = Field(0.05, gt=0.0)
+
+
+class LogNormalSpeed(_Section):
+    """Each client is slower by a fixed factor ``exp(N(0, sigma))`` drawn once per client (heavy-tailed stragglers).
+
+    ``jitter`` adds a per-task factor ``exp(N(0, jitter))`` on top.
+    """
+
+    kind: Literal["lognormal"] = "lognormal"
+    seconds_per_step: float = Field(0.05, gt=0.0)
+    sigma: float = Field(1.0, ge=0.0)
+    jitter: float = Field(0.1, ge=0.0)
+
+
+class HalfNormalSpeed(_Section):
+    """Each task takes ``steps * seconds_per_step * (1 + |N(0, sigma)|)`` (the FedBuff paper's timing model)."""
+
+    kind: Literal["halfnormal"] = "halfnormal"
+    seconds_per_step: float = Field(0.05, gt=0.0)
+    sigma: float = Field(1.0, ge=0.0)
+
+
+SpeedConfig = Annotated[ConstantSpeed | LogNormalSpeed | HalfNormalSpeed, Field(discriminator="kind")]
+
+
+class PopulationConfig(_Section):
+    """Who the clients are and how fast they compute."""
+
+    num_clients: int = Field(100, ge=1)
+    speed: SpeedConfig = LogNormalSpeed()
+
+
+class NetworkConfig(_Section):
+    """Simulated links: transfer time is ``latency_s + bytes / bytes_per_s`` on the virtual clock."""
+
+    latency_s: float = Field(0.05, ge=0.0)
+    upload_bytes_per_s: float = Field(1.25e6, gt=0.0, description="Client uplink (default 10 Mbit/s).")
+    download_bytes_per_s: float = Field(5.0e6, gt=0.0, description="Client downlink (default 40 Mbit/s).")
+
+
+class ClientConfig(_Section):
+    """Local training of one client task: SGD over the client's own samples."""
+
+    epochs: int = Field(5, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Cap on local steps per task (None: whole epochs).")
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(0.1, gt=0.0)
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    clip_norm: float | None = Field(None, gt=0.0, description="Clip the gradient's global L2 norm.")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16 = autocast of the forward pass on CPU.")
+
+
+# ------------------------------------------------------------------------------------------------- aggregation
+class ConstantStalenessConfig(_Section):
+    """``s(tau) = 1``."""
+
+    kind: Literal["constant"] = "constant"
+
+
+class PolynomialStalenessConfig(_Section):
+    """``s(tau) = (1 + tau)^-a``."""
+
+    kind: Literal["polynomial"] = "polynomial"
+    a: float = Field(0.5, ge=0.0)
+
+
+class HingeStalenessConfig(_Section):
+    """``s(tau) = 1`` if ``tau <= b`` else ``1 / (a (tau - b) + 1)``."""
+
+    kind: Literal["hinge"] = "hinge"
+    a: float = Field(10.0, ge=0.0)
+    b: int = Field(4, ge=0)
+
+
+StalenessConfig = Annotated[
+    ConstantStalenessConfig | PolynomialStalenessConfig | HingeStalenessConfig,
+    Field(discriminator="kind"),
+]
+
+
+class SGDServerOptimizer(_Section):
+    """``w <- w - lr * m``, ``m <- momentum * m + g`` with ``g`` the averaged client delta."""
+
+    kind: Literal["sgd"] = "sgd"
+    lr: float = Field(1.0, gt=0.0)
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+class AdamServerOptimizer(_Section):
+    """Server Adam on the pseudo-gradient (FedAdam, Reddi et al. 2021)."""
+
+    kind: Literal["adam"] = "adam"
+    lr: float = Field(0.01, gt=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    eps: float = Field(1e-3, gt=0.0)
+
+
+ServerOptimizerConfig = Annotated[SGDServerOptimizer | AdamServerOptimizer, Field(discriminator="kind")]
+
+
+class FedAvgServer(_Section):
+    """Synchronous FedAvg: sample a cohort per round, wait for all of it, sample-weighted mean."""
+
+    kind: Literal["fedavg"] = "fedavg"
+    clients_per_round: int = Field(10, ge=1)
+    optimizer: ServerOptimizerConfig = SGDServerOptimizer()
+
+
+class FedBuffServer(_Section):
+    """Buffered asynchronous aggregation (Nguyen et al., AISTATS 2022)."""
+
+    kind: Literal["fedbuff"] = "fedbuff"
+    buffer_size: int = Field(10, ge=1, description="K: updates per server step.")
+    concurrency: int = Field(20, ge=1, description="C: client tasks in flight.")
+    staleness: StalenessConfig = PolynomialStalenessConfig()
+    max_staleness: int | None = Field(None, ge=0, description="Drop (and count) older updates.")
+    example_weight: Literal["equal", "samples"] = "equal"
+    optimizer: ServerOptimizerConfig = SGDServerOptimizer()
+
+
+class FedAsyncServer(_Section):
+    """Per-update mixing ``w <- (1 - a_tau) w + a_tau w_local`` (Xie et al. 2019)."""
+
+    kind: Literal["fedasync"] = "fedasync"
+    alpha: float = Field(0.6, gt=0.0, le=1.0)
+    concurrency: int = Field(20, ge=1)
+    staleness: StalenessConfig = PolynomialStalenessConfig()
+    max_staleness: int | None = Field(None, ge=0)
+
+
+ServerConfig = Annotated[FedAvgServer | FedBuffServer | FedAsyncServer, Field(discriminator="kind")]
+
+
+# ---------------------------------------------------------------------------------------------------- runtime
+class EvalConfig(_Section):
+    """Server-side evaluation on the held-out split."""
+
+    every_versions: int = Field(5, ge=1, description="Evaluate every N model versions (and at the end).")
+    batch_size: int = Field(1024, ge=1)
+
+
+class StopConfig(_Section):
+    """When the run ends: the first limit reached wins."""
+
+    max_versions: int = Field(120, ge=1)
+    target_accuracy: float | None = Field(None, gt=0.0, le=1.0, description="Stop once reached.")
+    max_simulated_s: float | None = Field(None, gt=0.0)
+    max_wall_s: float | None = Field(None, gt=0.0)
+
+
+class ExecutorConfig(_Section):
+    """Where local training runs: a pool of worker threads, each reusing one model instance."""
+
+    kind: Literal["thread"] = "thread"
+    workers: int = Field(2, ge=1, le=256)
+
+
+class TrackingConfig(_Section):
+    """Structured logs and MLflow."""
+
+    enabled: bool = True
+    uri: str | None = Field(None, description="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/).")
+    experiment: str = Field("flasync", min_length=1)
+    run_name: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_model: bool = Field(True, description="Also log the final model with mlflow.pytorch.")
+    system_metrics: bool = Field(False, description="MLflow's CPU/GPU/memory monitor (on for CLI runs).")
+
+
+class RunConfig(_Section):
+    """One federated run: data, model, clients, server, time and tracking."""
+
+    seed: int = Field(0, ge=0)
+    data: DataSource = DigitsData()
+    partition: PartitionConfig = DirichletPartition()
+    model: ModelConfig = MLPModel()
+    population: PopulationConfig = PopulationConfig()
+    client: ClientConfig = ClientConfig()
+    server: ServerConfig = FedBuffServer()
+    network: NetworkConfig = NetworkConfig()
+    eval: EvalConfig = EvalConfig()
+    stop: StopConfig = StopConfig()
+    executor: ExecutorConfig = ExecutorConfig()
+    clock: Literal["virtual", "wall"] = "virtual"
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        n = self.population.num_clients
+        server = self.server
+        if isinstance(server, FedAvgServer) and server.clients_per_round > n:
+            raise _FieldError(
+                ("server", "clients_per_round"),
+                f"must be <= population.num_clients ({n}), got {server.clients_per_round}",
+            )
+        if isinstance(server, FedBuffServer | FedAsyncServer) and server.concurrency > n:
+            raise _FieldError(
+                ("server", "concurrency"),
+                f"must be <= population.num_clients ({n}), got {server.concurrency}",
+            )
+        return self
+
+
+class _FieldError(ValueError):
+    """A cross-field check that knows which field is wrong."""
+
+    def __init__(self, loc: tuple[str, ...], message: str) -> None:
+        super().__init__(f"{'.'.join(loc)}: {message}")
+        self.loc = loc
+        self.message = message
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load a run configuration from a TOML/YAML file (or the defaults) and apply ``--set`` overrides.
+
+    Args:
+        path: A ``.toml``, ``.yaml`` or ``.yml`` file; ``None`` starts from the defaults.
+        overrides: ``path.to.field=value`` strings; values are parsed as YAML scalars or lists
+            (``0.5``, ``true``, ``[64, 64]``, ``fedasync``).
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: With a one-line message naming the file or field that is wrong.
+    """
+    data: dict[str, Any] = {} if path is None else _read_file(Path(path))
+    for override in overrides:
+        apply_override(data, override)
+    return validate(data)
+
+
+def validate(data: Mapping[str, Any]) -> RunConfig:
+    """Validate a plain mapping into a :class:`RunConfig`.
+
+    Raises:
+        ConfigError: With a one-line message naming the first wrong field.
+    """
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, data)) from None
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    if not path.is_file():
+        raise ConfigError(f"config path is not a file: {path}")
+    suffix = path.suffix.lower()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    loaded: Any
+    if suffix == ".toml":
+        try:
+            loaded = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    elif suffix in (".yaml", ".yml"):
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            detail = " ".join(str(exc).split())
+            raise ConfigError(f"{path}: invalid YAML: {detail}") from None
+        if loaded is None:
+            loaded = {}
+    else:
+        raise ConfigError(f"{path}: unsupported config format {suffix!r} (use .toml, .yaml or .yml)")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a table/mapping, got {type(loaded).__name__}")
+    return loaded
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set ``path.to.field=value`` in a nested mapping, in place.
+
+    Raises:
+        ConfigError: If the override is malformed or walks through a value that is not a table.
+    """
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {override!r}: expected path.to.field=value")
+    parts = key.split(".")
+    if any(not p.strip() or not p.replace("_", "a").isalnum() for p in parts):
+        raise ConfigError(f"--set {override!r}: {key!r} is not a dotted field path")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise ConfigError(f"--set {override!r}: {where} is a value, not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+def format_validation_error(exc: ValidationError, data: Mapping[str, Any] | None = None) -> str:
+    """Render a pydantic error as one line naming the field, e.g. ``server.buffer_size: must be >= 1 (got 0)``."""
+    errors = exc.errors()
+    first = errors[0]
+    ctx_error = (first.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, _FieldError):
+        where, message = ".".join(ctx_error.loc), ctx_error.message
+    else:
+        where = ".".join(_strip_tags(first["loc"], data)) or "config"
+        message = _message(first)
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {message}{more}"
+
+
+def _strip_tags(loc: Sequence[int | str], data: Mapping[str, Any] | None) -> list[str]:
+    """Drop discriminator tags (``server.fedbuff.buffer_size`` -> ``server.buffer_size``)."""
+    out: list[str] = []
+    node: Any = data
+    last = len(loc) - 1
+    for i, part in enumerate(loc):
+        tag = isinstance(node, Mapping) and part not in node and node.get("kind", part) == part
+        if tag and i < last:
+            continue
+        out.append(str(part))
+        if isinstance(node, Mapping):
+            node = node.get(part)
+        elif isinstance(node, list | tuple) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            node = None
+    return out
+
+
+def _message(error: Mapping[str, Any]) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "union_tag_invalid":
+        expected = (error.get("ctx") or {}).get("expected_tags", "")
+        return f"unknown kind {error['input']!r} (expected one of {expected})"
+    message = str(error["msg"])
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    if "input" in error and not isinstance(error["input"], Mapping):
+        message += f" (got {error['input']!r})"
+    return message
+
+
+def flatten(config: BaseModel) -> dict[str, Any]:
+    """Flatten a configuration to ``{"server.buffer_size": 10, ...}`` for MLflow params."""
+    return dict(_flatten(config.model_dump(mode="json"), ""))
+
+
+def _flatten(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+    else:
+        if isinstance(node, float) and not math.isfinite(node):
+            node = str(node)
+        yield prefix[:-1], node

@@ -1,0 +1,58 @@
+"""What the server and client coroutines of one run share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flasync.bus import EventBus
+from flasync.clock import Clock
+from flasync.config import RunConfig
+from flasync.data import Partition
+from flasync.executors import ThreadTrainingExecutor
+from flasync.population import Network, Population
+from flasync.training import LocalTraining
+
+__all__ = ["RunContext"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunContext:
+    """The wiring of one run, built by :class:`flasync.Federation`.
+
+    Attributes:
+        config: The validated run configuration.
+        clock: Virtual or wall clock.
+        bus: The run's event bus.
+        executor: Training threads and their models.
+        train_x: All training inputs, one contiguous tensor ``(N, *features)``.
+        train_y: All training labels ``(N,)``.
+        test_x: Held-out inputs evaluated by the server.
+        test_y: Held-out labels.
+        partition: Client id -> indices into ``train_x``.
+        population: Per-client sizes and speeds.
+        network: Simulated links.
+        local: Local training hyper-parameters.
+        num_params: Length of the flat model vector.
+        log: The run's structlog logger (metrics processor included when tracking is on).
+        wall: Monotonic real seconds (injected; ``time.perf_counter`` by default).
+    """
+
+    config: RunConfig
+    clock: Clock
+    bus: EventBus
+    executor: ThreadTrainingExecutor
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    partition: Partition
+    population: Population
+    network: Network
+    local: LocalTraining
+    num_params: int
+    log: Any
+    wall: Callable[[], float]

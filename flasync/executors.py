@@ -1,0 +1,60 @@
+"""Where local training runs: worker threads that each reuse one model.
+
+PyTorch releases the GIL inside its kernels, so a small pool of threads overlaps client training without
+pickling models or data between processes. Each worker thread builds its model once, on first use, and reuses it
+for every client it trains (weights are loaded with one ``copy_``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+
+from torch import nn
+
+from flasync.training import FlatModel
+
+__all__ = ["ModelPool", "ThreadTrainingExecutor"]
+
+
+class ModelPool:
+    """One :class:`FlatModel` per worker thread, built lazily from a factory."""
+
+    def __init__(self, factory: Callable[[], nn.Module]) -> None:
+        """Remember the factory; nothing is built yet."""
+        self._factory = factory
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.built = 0
+
+    def get(self) -> FlatModel:
+        """Return the calling thread's model, building it on first use."""
+        model: FlatModel | None = getattr(self._local, "model", None)
+        if model is None:
+            model = FlatModel(self._factory())
+            self._local.model = model
+            with self._lock:
+                self.built += 1
+        return model
+
+
+class ThreadTrainingExecutor:
+    """A thread pool plus the per-thread models its jobs train.
+
+    Args:
+        factory: Builds the user's ``nn.Module`` (called once per worker thread).
+        workers: Number of threads.
+    """
+
+    def __init__(self, factory: Callable[[], nn.Module], *, workers: int) -> None:
+        """Start no threads yet; they start with the first job."""
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+        self.models = ModelPool(factory)
+        self.pool: Executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flasync-train")
+
+    def shutdown(self) -> None:
+        """Cancel queued jobs and wait for running ones."""
+        self.pool.shutdown(wait=True, cancel_futures=True)

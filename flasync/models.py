@@ -1,0 +1,126 @@
+"""Build the small classifiers that federated clients train.
+
+Both models are plain stacks of stateless layers: no BatchNorm (no running statistics to average or to race
+on between threads), no dropout (training is a deterministic function of weights, data and batch order), no
+in-place operations and no branching on values, so :func:`torch.func.functional_call` and
+:func:`torch.func.vmap` work on them. Weights are initialised by PyTorch's default initialisers, which draw
+from torch's default generator; callers that need reproducible weights seed it for the construction (as the
+runtime does) or load a state dict.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["MLP", "SmallCNN", "num_parameters"]
+
+
+class MLP(nn.Module):
+    """Classify flattened inputs with a fully connected ReLU network.
+
+    ``Linear(in_features, hidden[0]) -> ReLU -> ... -> Linear(hidden[-1], num_classes)``; with ``hidden=()``
+    it is multinomial logistic regression. Inputs of shape ``(N, *shape)`` are flattened to
+    ``(N, prod(shape))``.
+
+    Args:
+        in_features: Number of input features after flattening.
+        hidden: Widths of the hidden layers, in order.
+        num_classes: Number of output logits.
+
+    Raises:
+        ValueError: If a size is not positive.
+    """
+
+    def __init__(self, in_features: int, hidden: Sequence[int], num_classes: int) -> None:
+        super().__init__()
+        widths = [in_features, *hidden, num_classes]
+        if any(width < 1 for width in widths):
+            raise ValueError(
+                f"MLP sizes must be >= 1; got in_features={in_features}, hidden={tuple(hidden)}, "
+                f"num_classes={num_classes}."
+            )
+        layers: list[nn.Module] = []
+        for fan_in, fan_out in itertools.pairwise(widths[:-1]):
+            layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+        layers.append(nn.Linear(widths[-2], widths[-1]))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(N, num_classes)`` for inputs of shape ``(N, *shape)``."""
+        logits: torch.Tensor = self.layers(x.flatten(1))
+        return logits
+
+
+class SmallCNN(nn.Module):
+    """Classify small images with two 3x3 convolutions and a linear head.
+
+    ``conv3x3(C -> c1, pad 1) -> ReLU -> maxpool 2 -> conv3x3(c1 -> c2, pad 1) -> ReLU -> flatten ->
+    Linear(c2 * (H // 2) * (W // 2) -> num_classes)``. The head sees every spatial position instead of a
+    global average: on 8x8 digits, 5 epochs of SGD reach about 95% test accuracy this way and under 50% with
+    adaptive average pooling.
+
+    Accepts images ``(N, C, H, W)`` or flat rows ``(N, C * H * W)``, which it reshapes itself, so the digits
+    data set ``(N, 64)`` works with ``in_channels=1, image_size=(8, 8)``.
+
+    Args:
+        in_channels: Input channels ``C``.
+        image_size: ``(H, W)``, each at least 2.
+        num_classes: Number of output logits.
+        channels: Output channels ``(c1, c2)`` of the two convolutions.
+
+    Raises:
+        ValueError: If a size is out of range.
+    """
+
+    def __init__(
+        self,
+        *,
+        in_channels: int,
+        image_size: tuple[int, int],
+        num_classes: int,
+        channels: tuple[int, int] = (16, 32),
+    ) -> None:
+        super().__init__()
+        height, width = image_size
+        if min(in_channels, num_classes, *channels) < 1 or min(height, width) < 2:
+            raise ValueError(
+                f"SmallCNN needs sizes >= 1 and an image of at least 2x2; got in_channels={in_channels}, "
+                f"image_size={tuple(image_size)}, num_classes={num_classes}, channels={tuple(channels)}."
+            )
+        self.image_shape = (in_channels, height, width)
+        first, second = channels
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, first, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(first, second, kernel_size=3, padding=1),
+            nn.ReLU(),
+        )
+        self.head = nn.Linear(second * (height // 2) * (width // 2), num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(N, num_classes)`` for inputs ``(N, C, H, W)`` or ``(N, C * H * W)``.
+
+        Raises:
+            ValueError: If the input is neither ``(N, C * H * W)`` nor 4-d with ``C`` channels.
+        """
+        channels, height, width = self.image_shape
+        if x.dim() == 2 and x.shape[1] == channels * height * width:
+            x = x.reshape(x.shape[0], channels, height, width)
+        elif x.dim() != 4 or x.shape[1] != channels:
+            raise ValueError(
+                f"SmallCNN expects input of shape (N, {channels}, H, W) or (N, {channels * height * width}); "
+                f"got {tuple(x.shape)}."
+            )
+        features: torch.Tensor = self.features(x)
+        logits: torch.Tensor = self.head(features.flatten(1))
+        return logits
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Return the number of scalar parameters of ``model``, counting shared parameters once."""
+    return sum(parameter.numel() for parameter in model.parameters())

@@ -1,0 +1,432 @@
+"""The runtime: wires data, model, clock, bus, executor, server and tracking into one run.
+
+``await Federation(config).run()`` works inside any running event loop (a web service's, say): it creates no loop,
+closes none, and never blocks the loop - data preparation, training, evaluation and every MLflow call run in
+worker threads. Every task it starts belongs to its ``asyncio.TaskGroup``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+import structlog
+import torch
+import yaml
+from torch import nn
+
+import tracking
+from flasync import seeding
+from flasync._version import __version__
+from flasync.bus import EventBus
+from flasync.clock import Clock, VirtualClock, WallClock
+from flasync.config import (
+    DigitsData,
+    DirichletPartition,
+    FedAvgServer,
+    IIDPartition,
+    MLPModel,
+    RunConfig,
+    ShardsPartition,
+    SmallCNNModel,
+    SyntheticData,
+    flatten,
+    validate,
+)
+from flasync.context import RunContext
+from flasync.data import (
+    ArrayData,
+    Partition,
+    from_dataset,
+    load_digits,
+    make_synthetic,
+    partition_dirichlet,
+    partition_iid,
+    partition_shards,
+    train_test_split,
+)
+from flasync.errors import ConfigError, DataError
+from flasync.executors import ThreadTrainingExecutor
+from flasync.models import MLP, SmallCNN
+from flasync.population import Network, Population
+from flasync.server import Server
+from flasync.training import LocalTraining, flat_parameters
+
+__all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
+
+ModelFactory = Callable[[], nn.Module]
+_METRIC_EXCLUDE = frozenset(tracking.DEFAULT_EXCLUDE | {"version"})
+
+
+def weights_sha256(weights: torch.Tensor) -> str:
+    """Return the sha256 of a flat vector's little-endian float32 bytes."""
+    array = weights.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False)
+    return hashlib.sha256(array.tobytes()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSummary:
+    """What a run achieved and cost; also written as ``summary.json``."""
+
+    run_id: str | None
+    accuracy: float
+    loss: float
+    updates_accepted: int
+    updates_dropped: int
+    updates_failed: int
+    tasks_dispatched: int
+    versions: int
+    wall_s: float
+    simulated_s: float
+    upload_bytes: int
+    download_bytes: int
+    staleness_mean: float
+    staleness_max: int
+    updates_per_s: float
+    stop_reason: str
+    weights_sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the summary as a JSON-ready dict (NaN becomes None)."""
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    train: ArrayData
+    test: ArrayData
+    partition: Partition
+    factory: ModelFactory
+    initial: torch.Tensor
+
+
+class Federation:
+    """One federated run, awaitable from any event loop.
+
+    Args:
+        config: A :class:`RunConfig` or a mapping validated into one (``None``: the defaults).
+        dataset: Training data instead of ``config.data``: an :class:`ArrayData` or any map-style torch
+            ``Dataset`` of ``(x, y)`` pairs. It is partitioned over clients as ``config.partition`` says.
+        test_dataset: Held-out data evaluated by the server (default: a stratified split of ``dataset`` by
+            ``config.data.test_fraction``).
+        model_factory: Builds the ``nn.Module`` to train instead of ``config.model``; called once for the initial
+            weights (under the run's seed) and once per worker thread.
+        tracker: Where params, metrics and artifacts go (default: MLflow per ``config.tracking``).
+        clock: Overrides the clock ``config.clock`` names.
+        wall: Monotonic real seconds (injected for tests).
+
+    Raises:
+        ConfigError: If ``config`` is not a valid configuration.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig | Mapping[str, Any] | None = None,
+        *,
+        dataset: ArrayData | torch.utils.data.Dataset[Any] | None = None,
+        test_dataset: ArrayData | torch.utils.data.Dataset[Any] | None = None,
+        model_factory: ModelFactory | None = None,
+        tracker: tracking.Tracker | None = None,
+        clock: Clock | None = None,
+        wall: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """Validate the configuration and create the clock and bus (nothing runs yet)."""
+        if config is None:
+            config = RunConfig()
+        elif not isinstance(config, RunConfig):
+            config = validate(config)
+        self.config: RunConfig = config
+        self._dataset = dataset
+        self._test_dataset = test_dataset
+        self._model_factory = model_factory
+        self._tracker = tracker
+        self.clock: Clock = clock or (VirtualClock() if config.clock == "virtual" else WallClock())
+        self.bus = EventBus(on_activity=self.clock.poke)
+        self._wall = wall
+        self.weights: torch.Tensor | None = None
+        self.run_id: str | None = None
+
+    # -------------------------------------------------------------------------------------------- preparation
+    def _load_data(self) -> tuple[ArrayData, ArrayData]:
+        cfg = self.config
+        if self._dataset is not None:
+            train = self._dataset if isinstance(self._dataset, ArrayData) else from_dataset(self._dataset)
+            if self._test_dataset is not None:
+                test = (
+                    self._test_dataset
+                    if isinstance(self._test_dataset, ArrayData)
+                    else from_dataset(self._test_dataset, num_classes=train.num_classes)
+                )
+                return train, test
+            fraction = cfg.data.test_fraction if isinstance(cfg.data, DigitsData) else 0.2
+            return train_test_split(train, test_fraction=fraction, rng=seeding.numpy_stream(cfg.seed, seeding.DATA))
+        source = cfg.data
+        if isinstance(source, DigitsData):
+            return train_test_split(
+                load_digits(),
+                test_fraction=source.test_fraction,
+                rng=seeding.numpy_stream(cfg.seed, seeding.DATA),
+            )
+        assert isinstance(source, SyntheticData)
+        train = make_synthetic(
+            num_samples=source.samples_per_client * cfg.population.num_clients,
+            num_features=source.num_features,
+            num_classes=source.num_classes,
+            rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 0),
+        )
+        test = make_synthetic(
+            num_samples=source.test_samples,
+            num_features=source.num_features,
+            num_classes=source.num_classes,
+            rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 1),
+        )
+        return train, test
+
+    def _partition(self, train: ArrayData) -> Partition:
+        cfg = self.config
+        n, rng = cfg.population.num_clients, seeding.numpy_stream(cfg.seed, seeding.PARTITION)
+        part = cfg.partition
+        if isinstance(part, IIDPartition):
+            partition = partition_iid(len(train), n, rng=rng)
+        elif isinstance(part, DirichletPartition):
+            partition = partition_dirichlet(train.y.numpy(), n, alpha=part.alpha, rng=rng, min_samples=part.min_samples)
+        else:
+            assert isinstance(part, ShardsPartition)
+            partition = partition_shards(train.y.numpy(), n, shards_per_client=part.shards_per_client, rng=rng)
+        empty = np.flatnonzero(partition.sizes == 0)
+        if len(empty):
+            raise DataError(f"partition leaves {len(empty)} client(s) with 0 samples (first: client {empty[0]})")
+        return partition
+
+    def _factory(self, train: ArrayData) -> ModelFactory:
+        if self._model_factory is not None:
+            return self._model_factory
+        model = self.config.model
+        features = int(np.prod(train.feature_shape))
+        classes = train.num_classes
+        if isinstance(model, MLPModel):
+            hidden = model.hidden
+            return lambda: MLP(features, hidden, classes)
+        assert isinstance(model, SmallCNNModel)
+        expected = model.in_channels * model.image_size[0] * model.image_size[1]
+        if expected != features:
+            raise ConfigError(
+                f"model.image_size: {model.in_channels}x{model.image_size[0]}x{model.image_size[1]} = {expected} "
+                f"values, but samples have {features}"
+            )
+        channels, size, in_channels = model.channels, model.image_size, model.in_channels
+        return lambda: SmallCNN(in_channels=in_channels, image_size=size, num_classes=classes, channels=channels)
+
+    def _initial_weights(self, factory: ModelFactory, sample: ArrayData) -> torch.Tensor:
+        seed = seeding.stream_seed(self.config.seed, seeding.MODEL_INIT)
+        try:
+            # The factory's initialisers draw from torch's default generator: seed it for this call only.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                module = factory()
+        except Exception as exc:
+            raise ConfigError(f"model factory failed: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"model factory must return a torch.nn.Module, got {type(module).__name__}")
+        try:
+            with torch.no_grad():
+                out = module(sample.x[:2])
+        except Exception as exc:
+            raise ConfigError(
+                f"model cannot take samples of shape {tuple(sample.feature_shape)}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if out.dim() != 2 or out.shape[1] != sample.num_classes:
+            raise ConfigError(
+                f"model outputs shape {tuple(out.shape)} for 2 samples, expected (2, {sample.num_classes}) logits"
+            )
+        return flat_parameters(module)
+
+    def _prepare(self) -> _Prepared:
+        train, test = self._load_data()
+        if len(test) == 0:
+            raise DataError("the held-out split is empty")
+        if test.num_classes != train.num_classes or test.feature_shape != train.feature_shape:
+            raise DataError("test data must have the training data's feature shape and classes")
+        partition = self._partition(train)
+        factory = self._factory(train)
+        initial = self._initial_weights(factory, train)
+        return _Prepared(train, test, partition, factory, initial)
+
+    def _make_tracker(self) -> tracking.Tracker:
+        if self._tracker is not None:
+            return self._tracker
+        cfg = self.config.tracking
+        if not cfg.enabled:
+            return tracking.NullTracker()
+        return tracking.MlflowTracker(cfg.uri, system_metrics=cfg.system_metrics)
+
+    def _tags(self) -> dict[str, str]:
+        cfg = self.config
+        return {
+            "flasync.version": __version__,
+            "aggregator": cfg.server.kind,
+            "mode": "sync" if isinstance(cfg.server, FedAvgServer) else "async",
+            "clock": "virtual" if self.clock.virtual else "wall",
+            "topology": "flat",
+            "seed": str(cfg.seed),
+        }
+
+    # ---------------------------------------------------------------------------------------------------- run
+    async def run(self) -> RunSummary:
+        """Run the federation to its stop condition and return its summary.
+
+        Raises:
+            ConfigError: If the data, partition or model do not fit the configuration (no MLflow run is left).
+            DataError: If the data set cannot be used.
+        """
+        cfg = self.config
+        prepared = await asyncio.to_thread(self._prepare)
+        tracker = self._make_tracker()
+        processors: list[Any] = []
+        if not isinstance(tracker, tracking.NullTracker):
+            processors.append(tracking.MetricsProcessor(tracker.log_metrics, exclude=_METRIC_EXCLUDE))
+        log = tracking.make_logger(level=cfg.tracking.log_level, processors_before=processors)
+        self.run_id = await asyncio.to_thread(
+            tracker.start,
+            experiment=cfg.tracking.experiment,
+            run_name=cfg.tracking.run_name,
+            params=flatten(cfg),
+            tags=self._tags(),
+        )
+        executor = ThreadTrainingExecutor(prepared.factory, workers=cfg.executor.workers)
+        status: Literal["FINISHED", "FAILED", "KILLED"] = "FAILED"
+        try:
+            with structlog.contextvars.bound_contextvars(run_id=self.run_id):
+                summary = await self._simulate(prepared, executor, log)
+                await asyncio.to_thread(self._log_artifacts, tracker, prepared, summary, log)
+            status = "FINISHED"
+            return summary
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            status = "KILLED"
+            raise
+        finally:
+            # Blocking on purpose: this must complete even while the task is being cancelled.
+            executor.shutdown()
+            tracker.finish(status)
+
+    async def _simulate(self, prepared: _Prepared, executor: ThreadTrainingExecutor, log: Any) -> RunSummary:
+        cfg = self.config
+        local = LocalTraining(**cfg.client.model_dump())
+        ctx = RunContext(
+            config=cfg,
+            clock=self.clock,
+            bus=self.bus,
+            executor=executor,
+            train_x=prepared.train.x,
+            train_y=prepared.train.y,
+            test_x=prepared.test.x,
+            test_y=prepared.test.y,
+            partition=prepared.partition,
+            population=Population(prepared.partition.sizes, cfg.population.speed, cfg.seed),
+            network=Network(cfg.network),
+            local=local,
+            num_params=prepared.initial.numel(),
+            log=log,
+            wall=self._wall,
+        )
+        weights = prepared.initial.clone()
+        server = Server(ctx, weights)
+        start_wall, start_sim = self._wall(), self.clock.now()
+        log.info(
+            "run.started",
+            run_id=self.run_id,
+            clients=cfg.population.num_clients,
+            aggregator=cfg.server.kind,
+            clock=cfg.clock,
+            params=prepared.initial.numel(),
+            metrics=False,
+        )
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.clock.drive(), name="flasync-clock")
+            try:
+                stats = await server.run()
+            finally:
+                self.clock.stop()
+                self.bus.close()
+        wall_s = self._wall() - start_wall
+        simulated_s = self.clock.now() - start_sim
+        self.weights = weights
+        summary = RunSummary(
+            run_id=self.run_id,
+            accuracy=stats.accuracy,
+            loss=stats.loss,
+            updates_accepted=stats.updates_accepted,
+            updates_dropped=stats.updates_dropped,
+            updates_failed=stats.updates_failed,
+            tasks_dispatched=stats.tasks_dispatched,
+            versions=stats.versions,
+            wall_s=wall_s,
+            simulated_s=simulated_s,
+            upload_bytes=stats.upload_bytes,
+            download_bytes=stats.download_bytes,
+            staleness_mean=stats.staleness_sum / max(stats.updates_accepted, 1),
+            staleness_max=stats.staleness_max,
+            updates_per_s=stats.updates_accepted / wall_s if wall_s > 0 else 0.0,
+            stop_reason=stats.stop_reason,
+            weights_sha256=weights_sha256(weights),
+        )
+        log.info(
+            "run.finished",
+            step=stats.versions,
+            accuracy=summary.accuracy,
+            loss=summary.loss,
+            updates_accepted=summary.updates_accepted,
+            updates_dropped=summary.updates_dropped,
+            updates_failed=summary.updates_failed,
+            versions=summary.versions,
+            wall_s=wall_s,
+            simulated_s=simulated_s,
+            upload_bytes=summary.upload_bytes,
+            download_bytes=summary.download_bytes,
+            updates_per_s=summary.updates_per_s,
+            staleness_mean=summary.staleness_mean,
+            bus_dropped=self.bus.statistics().dropped,
+            bus_high_water=self.bus.statistics().high_water,
+        )
+        return summary
+
+    def _log_artifacts(self, tracker: tracking.Tracker, prepared: _Prepared, summary: RunSummary, log: Any) -> None:
+        if isinstance(tracker, tracking.NullTracker):
+            return
+        tracker.log_dict(summary.to_dict(), "summary.json")
+        config_text = yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False)
+        tracker.log_bytes(config_text.encode(), "config.yaml")
+        assert self.weights is not None
+        module = prepared.factory()
+        offset = 0
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
+                n = tensor.numel()
+                tensor.copy_(self.weights[offset : offset + n].view_as(tensor))
+                offset += n
+        buffer = io.BytesIO()
+        torch.save({"flat": self.weights, "state_dict": module.state_dict()}, buffer)
+        tracker.log_bytes(buffer.getvalue(), "weights.pt")
+        if self.config.tracking.log_model and isinstance(tracker, tracking.MlflowTracker):
+            try:
+                seconds = tracker.log_model(module)
+                log.debug("tracking.log_model", seconds=seconds, metrics=False)
+            except Exception as exc:  # a model MLflow cannot serialise must not fail the run
+                log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+
+
+def run(config: RunConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> RunSummary:
+    """Run a federation synchronously in a new event loop (for scripts and notebooks without a loop).
+
+    Args:
+        config: As for :class:`Federation`.
+        **kwargs: Passed to :class:`Federation`.
+    """
+    return asyncio.run(Federation(config, **kwargs).run())

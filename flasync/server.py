@@ -1,0 +1,494 @@
+"""The server coroutine: dispatch client tasks, receive updates from the bus, aggregate, publish versions.
+
+Two modes share one loop body:
+
+* **async** (FedBuff, FedAsync): ``concurrency`` tasks are always in flight; every arriving update is checked,
+  weighted by its staleness ``tau = version_now - base_version`` and folded in; each arrival frees a slot that is
+  refilled at once with a newly sampled idle client.
+* **sync** (FedAvg): each round samples a cohort, waits for every member (a barrier), and takes one server step.
+
+The maths lives in :mod:`flasync.aggregation`; this module only orchestrates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from flasync import codecs, seeding
+from flasync.aggregation import (
+    ConstantStaleness,
+    HingeStaleness,
+    PolynomialStaleness,
+    ServerOptimizer,
+    StalenessWeight,
+    UpdateBuffer,
+    fedasync_mix_,
+)
+from flasync.client import Client, ModelSnapshot
+from flasync.config import (
+    AdamServerOptimizer,
+    ConstantStalenessConfig,
+    FedAsyncServer,
+    FedAvgServer,
+    FedBuffServer,
+    HingeStalenessConfig,
+    ServerOptimizerConfig,
+    StalenessConfig,
+)
+from flasync.context import RunContext
+from flasync.errors import DecodeError
+from flasync.events import (
+    Aggregated,
+    ClientFailed,
+    ClientId,
+    Evaluated,
+    ModelPublished,
+    RunFinished,
+    TaskAssigned,
+    UpdateReceived,
+    UpdateRejected,
+    UpdateUploaded,
+    Version,
+)
+from flasync.training import evaluate
+
+__all__ = ["Server", "ServerStats", "make_server_optimizer", "make_staleness_weight"]
+
+
+def make_staleness_weight(config: StalenessConfig) -> StalenessWeight:
+    """Build the staleness weight function a config names."""
+    if isinstance(config, ConstantStalenessConfig):
+        return ConstantStaleness()
+    if isinstance(config, HingeStalenessConfig):
+        return HingeStaleness(a=config.a, b=config.b)
+    return PolynomialStaleness(a=config.a)
+
+
+def make_server_optimizer(weights: torch.Tensor, config: ServerOptimizerConfig) -> ServerOptimizer:
+    """Build the server optimizer a config names, stepping ``weights`` in place."""
+    if isinstance(config, AdamServerOptimizer):
+        return ServerOptimizer.adam(weights, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
+    return ServerOptimizer.sgd(weights, lr=config.lr, momentum=config.momentum)
+
+
+@dataclass(slots=True)
+class ServerStats:
+    """Counters and last figures of a server run."""
+
+    updates_accepted: int = 0
+    updates_dropped: int = 0
+    updates_failed: int = 0
+    tasks_dispatched: int = 0
+    upload_bytes: int = 0
+    download_bytes: int = 0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    versions: int = 0
+    accuracy: float = math.nan
+    loss: float = math.nan
+    evaluated_version: int = -1
+    stop_reason: str = ""
+    drop_reasons: Counter[str] = field(default_factory=Counter)
+
+
+class _Strategy(Protocol):
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        """Fold one update in; return its staleness weight."""
+        ...
+
+    def ready(self) -> bool:
+        """Tell whether a new version should be produced now."""
+        ...
+
+    def step(self) -> None:
+        """Apply the pending aggregate to the server weights (in place)."""
+        ...
+
+
+class _Buffered:
+    """FedBuff and FedAvg: accumulate weighted deltas, then one server-optimizer step."""
+
+    def __init__(
+        self,
+        weights: torch.Tensor,
+        *,
+        size: int,
+        staleness: StalenessWeight,
+        by_samples: bool,
+        optimizer: ServerOptimizerConfig,
+    ) -> None:
+        self.buffer = UpdateBuffer(weights.numel(), device=weights.device)
+        self.optimizer = make_server_optimizer(weights, optimizer)
+        self.size = size
+        self.staleness = staleness
+        self.by_samples = by_samples
+
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        weight = self.staleness(staleness)
+        example = float(num_samples) if self.by_samples else 1.0
+        self.buffer.add(delta, example_weight=example, staleness_weight=weight)
+        return weight
+
+    def ready(self) -> bool:
+        return self.buffer.count >= self.size
+
+    def step(self) -> None:
+        self.optimizer.step(self.buffer.pseudo_gradient())
+        self.buffer.reset()
+
+
+class _Mixing:
+    """FedAsync: every update is mixed into the weights at once."""
+
+    def __init__(self, weights: torch.Tensor, *, alpha: float, staleness: StalenessWeight) -> None:
+        self.weights = weights
+        self.alpha = alpha
+        self.staleness = staleness
+        self._pending = False
+
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        weight = self.staleness(staleness)
+        local = base - delta
+        fedasync_mix_(self.weights, local, self.alpha * weight)
+        self._pending = True
+        return weight
+
+    def ready(self) -> bool:
+        return self._pending
+
+    def step(self) -> None:
+        self._pending = False
+
+
+class Server:
+    """The server of one run.
+
+    Args:
+        ctx: The run's shared wiring.
+        weights: Initial flat global weights; the server owns and updates this tensor.
+    """
+
+    def __init__(self, ctx: RunContext, weights: torch.Tensor) -> None:
+        """Subscribe to client results and build the aggregation strategy."""
+        self.ctx = ctx
+        self.cfg = ctx.config.server
+        self.weights = weights
+        self.version = Version(0)
+        self.stats = ServerStats()
+        self._rng = seeding.numpy_stream(ctx.config.seed, seeding.SERVER)
+        self._snapshot: ModelSnapshot | None = None
+        self._bases: dict[Version, ModelSnapshot] = {}
+        self._base_refs: Counter[Version] = Counter()
+        self._in_flight: set[ClientId] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._tg: asyncio.TaskGroup | None = None
+        self._start_wall = 0.0
+        self._round_staleness: list[int] = []
+        cfg = self.cfg
+        capacity = 2 * (cfg.clients_per_round if isinstance(cfg, FedAvgServer) else cfg.concurrency) + 8
+        self._inbox = ctx.bus.subscribe(UpdateUploaded, ClientFailed, capacity=capacity, name="server")
+        self.strategy: _Strategy
+        if isinstance(cfg, FedAvgServer):
+            self.strategy = _Buffered(
+                weights,
+                size=cfg.clients_per_round,
+                staleness=ConstantStaleness(),
+                by_samples=True,
+                optimizer=cfg.optimizer,
+            )
+        elif isinstance(cfg, FedBuffServer):
+            self.strategy = _Buffered(
+                weights,
+                size=cfg.buffer_size,
+                staleness=make_staleness_weight(cfg.staleness),
+                by_samples=cfg.example_weight == "samples",
+                optimizer=cfg.optimizer,
+            )
+        else:
+            self.strategy = _Mixing(weights, alpha=cfg.alpha, staleness=make_staleness_weight(cfg.staleness))
+
+    # ------------------------------------------------------------------------------------------------ run
+    async def run(self) -> ServerStats:
+        """Run until a stop condition holds; return the final counters (the final model is :attr:`weights`)."""
+        self._start_wall = self.ctx.wall()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                try:
+                    await self._publish()
+                    await self._evaluate()
+                    if isinstance(self.cfg, FedAvgServer):
+                        await self._run_sync(self.cfg)
+                    else:
+                        await self._run_async(self.cfg.concurrency)
+                finally:
+                    for task in list(self._tasks):
+                        task.cancel()
+        finally:
+            self._inbox.close()
+            self._tg = None
+        if self.stats.evaluated_version != self.version:
+            await self._evaluate()
+        ctx, stats = self.ctx, self.stats
+        await ctx.bus.publish(
+            RunFinished(
+                reason=stats.stop_reason,
+                versions=stats.versions,
+                updates_accepted=stats.updates_accepted,
+                simulated_s=ctx.clock.now(),
+                wall_s=ctx.wall() - self._start_wall,
+            )
+        )
+        return stats
+
+    async def _run_async(self, concurrency: int) -> None:
+        while len(self._in_flight) < concurrency:
+            await self._dispatch(self._sample_idle())
+        async for message in self._inbox:
+            await self._handle(message)
+            if self._stop_reason():
+                return
+            while len(self._in_flight) < concurrency:
+                await self._dispatch(self._sample_idle())
+
+    async def _run_sync(self, cfg: FedAvgServer) -> None:
+        num_clients = len(self.ctx.population)
+        while not self._stop_reason():
+            cohort = self._rng.choice(num_clients, size=cfg.clients_per_round, replace=False)
+            for client_id in cohort.tolist():
+                await self._dispatch(ClientId(client_id))
+            while self._in_flight:
+                await self._handle(await self._inbox.receive())
+            if self._stop_reason():  # a wall-time limit may end a round early
+                return
+            if not self.strategy.ready() and isinstance(self.strategy, _Buffered) and self.strategy.buffer.count:
+                await self._new_version()  # some members failed: aggregate the ones that answered
+            elif not self.strategy.ready():
+                self.ctx.log.warning("server.round_empty", step=int(self.version), metrics=False)
+
+    # ------------------------------------------------------------------------------------------- dispatch
+    def _sample_idle(self) -> ClientId:
+        num_clients = len(self.ctx.population)
+        while True:
+            candidate = ClientId(int(self._rng.integers(num_clients)))
+            if candidate not in self._in_flight:
+                return candidate
+
+    async def _dispatch(self, client_id: ClientId) -> None:
+        assert self._tg is not None and self._snapshot is not None
+        snapshot = self._snapshot
+        task = TaskAssigned(
+            task_id=self.stats.tasks_dispatched,
+            client_id=client_id,
+            base_version=snapshot.version,
+            simulated_s=self.ctx.clock.now(),
+        )
+        self.stats.tasks_dispatched += 1
+        self.stats.download_bytes += snapshot.download_bytes
+        self._in_flight.add(client_id)
+        self._base_refs[snapshot.version] += 1
+        await self.ctx.bus.publish(task)
+        handle = self._tg.create_task(
+            Client(client_id, self.ctx).run(task, snapshot),
+            name=f"flasync-client-{client_id}-task-{task.task_id}",
+        )
+        self._tasks.add(handle)
+        handle.add_done_callback(self._tasks.discard)
+
+    def _release(self, client_id: ClientId, base_version: Version) -> None:
+        self._in_flight.discard(client_id)
+        self._base_refs[base_version] -= 1
+        if self._base_refs[base_version] <= 0:
+            del self._base_refs[base_version]
+            if self._snapshot is None or base_version != self._snapshot.version:
+                self._bases.pop(base_version, None)
+
+    # ------------------------------------------------------------------------------------------- receive
+    async def _handle(self, message: UpdateUploaded | ClientFailed) -> None:
+        if isinstance(message, ClientFailed):
+            self._release(message.client_id, message.base_version)
+            self.stats.updates_failed += 1
+            return
+        base = self._bases.get(message.base_version)
+        self._release(message.client_id, message.base_version)
+        ctx, stats = self.ctx, self.stats
+        received_wall = ctx.wall()
+        stats.upload_bytes += len(message.payload)
+        staleness = int(self.version) - int(message.base_version)
+        if base is None or staleness < 0:
+            await self._reject(message, "unknown_version", f"base version {message.base_version} was never published")
+            return
+        limit = self.cfg.max_staleness if isinstance(self.cfg, FedBuffServer | FedAsyncServer) else None
+        if limit is not None and staleness > limit:
+            await self._reject(message, "stale", f"staleness {staleness} > max_staleness {limit}")
+            return
+        try:
+            delta = codecs.decode(message.payload, expected_elements=ctx.num_params)
+        except DecodeError as exc:
+            await self._reject(message, "decode", str(exc))
+            return
+        decode_s = ctx.wall() - received_wall
+        if not bool(torch.isfinite(delta).all()):
+            await self._reject(message, "non_finite", "update contains NaN or Inf")
+            return
+        weight = self.strategy.add(delta, staleness=staleness, num_samples=message.num_samples, base=base.weights)
+        stats.updates_accepted += 1
+        stats.staleness_sum += staleness
+        stats.staleness_max = max(stats.staleness_max, staleness)
+        self._round_staleness.append(staleness)
+        ctx.log.debug(
+            "server.update",
+            step=stats.updates_accepted,
+            staleness=staleness,
+            staleness_weight=weight,
+            upload_bytes=len(message.payload),
+            samples=message.num_samples,
+            queue_wait_s=received_wall - message.sent_wall_s,
+            decode_s=decode_s,
+        )
+        await ctx.bus.publish(
+            UpdateReceived(
+                task_id=message.task_id,
+                client_id=message.client_id,
+                base_version=message.base_version,
+                version=self.version,
+                staleness=staleness,
+                upload_bytes=len(message.payload),
+                simulated_s=ctx.clock.now(),
+            )
+        )
+        if self.strategy.ready():
+            await self._new_version()
+
+    async def _reject(self, message: UpdateUploaded, reason: str, detail: str) -> None:
+        self.stats.updates_dropped += 1
+        self.stats.drop_reasons[reason] += 1
+        self.ctx.log.info(
+            "server.rejected",
+            step=self.stats.updates_dropped,
+            reason=reason,
+            detail=detail,
+            task_id=message.task_id,
+            client_id=int(message.client_id),
+            dropped=self.stats.updates_dropped,
+        )
+        await self.ctx.bus.publish(
+            UpdateRejected(
+                task_id=message.task_id,
+                client_id=message.client_id,
+                base_version=message.base_version,
+                reason=reason,
+                detail=detail,
+                simulated_s=self.ctx.clock.now(),
+            )
+        )
+
+    # ------------------------------------------------------------------------------------------- versions
+    async def _new_version(self) -> None:
+        ctx, stats = self.ctx, self.stats
+        start = ctx.wall()
+        num_updates = len(self._round_staleness)
+        self.strategy.step()
+        aggregate_s = ctx.wall() - start
+        self.version = Version(self.version + 1)
+        stats.versions = int(self.version)
+        mean_staleness = sum(self._round_staleness) / max(num_updates, 1)
+        self._round_staleness.clear()
+        await self._publish()
+        wall_s = ctx.wall() - self._start_wall
+        ctx.log.debug(
+            "server.version",
+            step=int(self.version),
+            aggregate_s=aggregate_s,
+            updates=num_updates,
+            staleness_mean=mean_staleness,
+            in_flight=len(self._in_flight),
+            simulated_s=ctx.clock.now(),
+            wall_s=wall_s,
+            versions_per_s=int(self.version) / wall_s if wall_s > 0 else 0.0,
+        )
+        await ctx.bus.publish(
+            Aggregated(
+                version=self.version,
+                num_updates=num_updates,
+                mean_staleness=mean_staleness,
+                aggregate_s=aggregate_s,
+                simulated_s=ctx.clock.now(),
+            )
+        )
+        if int(self.version) % ctx.config.eval.every_versions == 0:
+            await self._evaluate()
+
+    async def _publish(self) -> None:
+        weights = self.weights.detach().clone()
+        snapshot = ModelSnapshot(version=self.version, weights=weights, download_bytes=len(codecs.encode(weights)))
+        previous = self._snapshot
+        self._snapshot = snapshot
+        self._bases[snapshot.version] = snapshot
+        if previous is not None and previous.version not in self._base_refs:
+            self._bases.pop(previous.version, None)
+        await self.ctx.bus.publish(
+            ModelPublished(
+                version=self.version, simulated_s=self.ctx.clock.now(), download_bytes=snapshot.download_bytes
+            )
+        )
+
+    async def _evaluate(self) -> None:
+        ctx, stats = self.ctx, self.stats
+        snapshot = self._snapshot
+        assert snapshot is not None
+        if ctx.test_y.numel() == 0:
+            return
+        models, x, y, batch = ctx.executor.models, ctx.test_x, ctx.test_y, ctx.config.eval.batch_size
+        weights = snapshot.weights
+        result = await ctx.clock.run(
+            ctx.executor.pool,
+            lambda: evaluate(models.get(), weights, x, y, batch_size=batch),
+            simulated_s=0.0,
+        )
+        stats.accuracy, stats.loss, stats.evaluated_version = (
+            result.accuracy,
+            result.loss,
+            int(snapshot.version),
+        )
+        wall_s = ctx.wall() - self._start_wall
+        ctx.log.info(
+            "server.eval",
+            step=int(snapshot.version),
+            version=int(snapshot.version),
+            accuracy=result.accuracy,
+            loss=result.loss,
+            updates=stats.updates_accepted,
+            simulated_s=ctx.clock.now(),
+            wall_s=wall_s,
+        )
+        await ctx.bus.publish(
+            Evaluated(
+                version=snapshot.version,
+                accuracy=result.accuracy,
+                loss=result.loss,
+                simulated_s=ctx.clock.now(),
+                wall_s=wall_s,
+            )
+        )
+
+    def _stop_reason(self) -> str:
+        ctx, stats, stop = self.ctx, self.stats, self.ctx.config.stop
+        reason = ""
+        if stats.versions >= stop.max_versions:
+            reason = "max_versions"
+        elif stop.target_accuracy is not None and stats.accuracy >= stop.target_accuracy:
+            reason = "target_accuracy"
+        elif stop.max_simulated_s is not None and ctx.clock.now() >= stop.max_simulated_s:
+            reason = "max_simulated_s"
+        elif stop.max_wall_s is not None and ctx.wall() - self._start_wall >= stop.max_wall_s:
+            reason = "max_wall_s"
+        if reason:
+            stats.stop_reason = reason
+        return reason

@@ -1,0 +1,195 @@
+"""Virtual and wall clocks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from flasync.clock import Clock, VirtualClock, WallClock
+
+
+async def _drive(clock: VirtualClock, body: object) -> None:
+    """Run ``body`` (a coroutine) while the clock is driven, then stop the clock."""
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(clock.drive())
+        try:
+            await body  # type: ignore[misc]
+        finally:
+            clock.stop()
+
+
+async def test_sleepers_wake_in_virtual_time_order() -> None:
+    """Sleepers resume in order of their virtual wake times, at those times."""
+    clock = VirtualClock()
+    woke: list[tuple[str, float]] = []
+
+    async def sleeper(name: str, seconds: float) -> None:
+        await clock.sleep(seconds)
+        woke.append((name, clock.now()))
+
+    async def body() -> None:
+        async with asyncio.TaskGroup() as tg:
+            for name, seconds in [("c", 3.0), ("a", 1.0), ("b", 2.0)]:
+                tg.create_task(sleeper(name, seconds))
+
+    await _drive(clock, body())
+    assert woke == [("a", 1.0), ("b", 2.0), ("c", 3.0)]
+
+
+async def test_ties_break_by_registration_order() -> None:
+    """Timers at the same virtual time fire in the order they were registered."""
+    clock = VirtualClock()
+    woke: list[int] = []
+
+    async def sleeper(i: int) -> None:
+        await clock.sleep(5.0)
+        woke.append(i)
+
+    async def body() -> None:
+        async with asyncio.TaskGroup() as tg:
+            for i in range(10):
+                tg.create_task(sleeper(i))
+
+    await _drive(clock, body())
+    assert woke == list(range(10))
+
+
+async def test_virtual_time_does_not_wait_in_real_time() -> None:
+    """An hour of virtual sleep returns at once."""
+    clock = VirtualClock()
+    start = time.monotonic()
+    await _drive(clock, clock.sleep(3600.0))
+    assert clock.now() == 3600.0
+    assert time.monotonic() - start < 5.0
+
+
+async def test_job_completion_follows_simulated_not_real_duration() -> None:
+    """A job that is slow in real time but short in simulated time resumes first."""
+    clock = VirtualClock()
+    order: list[str] = []
+    with ThreadPoolExecutor(2) as pool:
+
+        async def job(name: str, real_s: float, simulated_s: float) -> None:
+            await clock.run(pool, lambda: time.sleep(real_s), simulated_s=simulated_s)
+            order.append(name)
+
+        async def body() -> None:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(job("slow-real-short-sim", 0.3, 1.0))
+                tg.create_task(job("fast-real-long-sim", 0.0, 2.0))
+
+        await _drive(clock, body())
+    assert order == ["slow-real-short-sim", "fast-real-long-sim"]
+    assert clock.now() == 2.0
+
+
+async def test_job_result_and_exception_propagate() -> None:
+    """The caller gets the job's return value, or its exception."""
+    clock = VirtualClock()
+    with ThreadPoolExecutor(1) as pool:
+
+        def boom() -> int:
+            raise RuntimeError("boom")
+
+        async def body() -> None:
+            assert await clock.run(pool, lambda: 41 + 1, simulated_s=1.0) == 42
+            with pytest.raises(RuntimeError, match="boom"):
+                await clock.run(pool, boom, simulated_s=1.0)
+
+        await _drive(clock, body())
+    assert clock.now() == 2.0
+
+
+def _order_with_threads(workers: int, seed: int) -> list[tuple[int, float]]:
+    """Run 40 jobs with random real durations and chained sleeps; return the resume order."""
+    clock = VirtualClock()
+    jitter = random.Random(seed)
+    delays = [jitter.uniform(0.0, 0.01) for _ in range(40)]
+    order: list[tuple[int, float]] = []
+
+    async def client(i: int, pool: ThreadPoolExecutor) -> None:
+        await clock.sleep(0.5 * (i % 3))
+        await clock.run(pool, lambda: time.sleep(delays[i]), simulated_s=1.0 + (i % 5))
+        await clock.sleep(0.25)
+        order.append((i, clock.now()))
+
+    async def main() -> None:
+        with ThreadPoolExecutor(workers) as pool:
+
+            async def body() -> None:
+                async with asyncio.TaskGroup() as tg:
+                    for i in range(40):
+                        tg.create_task(client(i, pool))
+
+            await _drive(clock, body())
+
+    asyncio.run(main())
+    return order
+
+
+def test_resume_order_is_independent_of_threads_and_real_durations() -> None:
+    """The same workload resumes in the same order with 1 or 4 threads and different real durations."""
+    reference = _order_with_threads(1, seed=1)
+    assert _order_with_threads(4, seed=2) == reference
+    assert _order_with_threads(3, seed=3) == reference
+
+
+async def test_cancelled_sleeper_does_not_block_others() -> None:
+    """Cancelling a waiting task leaves the timeline moving."""
+    clock = VirtualClock()
+
+    async def body() -> None:
+        doomed = asyncio.create_task(clock.sleep(1.0))
+        await asyncio.sleep(0)
+        doomed.cancel()
+        await clock.sleep(2.0)
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+
+    await _drive(clock, body())
+    assert clock.now() == 2.0
+
+
+async def test_negative_or_nan_delay_is_rejected() -> None:
+    """A negative or NaN delay raises ValueError."""
+    clock = VirtualClock()
+    with pytest.raises(ValueError, match="delay"):
+        await clock.sleep(-1.0)
+    with pytest.raises(ValueError, match="delay"):
+        await clock.sleep(float("nan"))
+
+
+async def test_job_runs_off_the_event_loop_thread() -> None:
+    """Work handed to ``run`` executes on a worker thread, not the loop's."""
+    clock = VirtualClock()
+    loop_thread = threading.get_ident()
+    with ThreadPoolExecutor(1) as pool:
+
+        async def body() -> None:
+            ident = await clock.run(pool, threading.get_ident, simulated_s=0.0)
+            assert ident != loop_thread
+
+        await _drive(clock, body())
+
+
+async def test_wall_clock_uses_injected_time() -> None:
+    """WallClock.now() is measured with the injected time function."""
+    ticks = iter([100.0, 107.5])
+    clock = WallClock(time_fn=lambda: next(ticks))
+    assert clock.now() == 7.5
+    assert not clock.virtual
+    assert isinstance(clock, Clock)
+
+
+async def test_wall_clock_runs_jobs_and_sleeps() -> None:
+    """WallClock runs jobs in the executor and sleeps in real time."""
+    clock = WallClock()
+    with ThreadPoolExecutor(1) as pool:
+        assert await clock.run(pool, lambda: 7, simulated_s=100.0) == 7
+    await clock.sleep(0.0)
+    await clock.drive()

@@ -1,0 +1,159 @@
+"""Run configuration: defaults, files, overrides and one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flasync.config import (
+    DigitsData,
+    DirichletPartition,
+    FedAsyncServer,
+    FedBuffServer,
+    LogNormalSpeed,
+    PolynomialStalenessConfig,
+    RunConfig,
+    apply_override,
+    flatten,
+    load_config,
+)
+from flasync.errors import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _error(path: str | Path | None = None, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides or [])
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults_are_the_showcase_experiment() -> None:
+    """The default config is digits, 100 clients, Dirichlet(0.5), FedBuff K=10 C=20, poly a=0.5, virtual time."""
+    cfg = RunConfig()
+    assert isinstance(cfg.data, DigitsData)
+    assert cfg.population.num_clients == 100
+    assert cfg.partition == DirichletPartition(alpha=0.5)
+    assert isinstance(cfg.server, FedBuffServer)
+    assert (cfg.server.buffer_size, cfg.server.concurrency) == (10, 20)
+    assert cfg.server.staleness == PolynomialStalenessConfig(a=0.5)
+    assert isinstance(cfg.population.speed, LogNormalSpeed)
+    assert cfg.clock == "virtual"
+
+
+@pytest.mark.parametrize("name", ["fedbuff.toml", "fedasync.toml", "fedavg.yaml"])
+def test_examples_load(name: str) -> None:
+    """Every example config in examples/ validates."""
+    cfg = load_config(EXAMPLES / name)
+    assert cfg.server.kind in name
+
+
+def test_override_parses_types_and_nests() -> None:
+    """--set values are parsed as YAML scalars and lists into nested tables."""
+    cfg = load_config(None, ["server.buffer_size=7", "model.hidden=[32, 16]", "client.precision=bf16", "seed=3"])
+    assert isinstance(cfg.server, FedBuffServer)
+    assert cfg.server.buffer_size == 7
+    assert cfg.model.kind == "mlp" and cfg.model.hidden == (32, 16)
+    assert cfg.client.precision == "bf16"
+    assert cfg.seed == 3
+
+
+def test_override_switches_component_kind() -> None:
+    """Setting server.kind picks another member of the discriminated union."""
+    cfg = load_config(None, ["server.kind=fedasync", "server.alpha=0.3"])
+    assert isinstance(cfg.server, FedAsyncServer)
+    assert cfg.server.alpha == 0.3
+
+
+def test_yaml_and_toml_files_agree(tmp_path: Path) -> None:
+    """The same settings in TOML and YAML give the same config."""
+    (tmp_path / "a.toml").write_text('seed = 5\n[server]\nkind = "fedasync"\nalpha = 0.5\n')
+    (tmp_path / "a.yaml").write_text("seed: 5\nserver:\n  kind: fedasync\n  alpha: 0.5\n")
+    assert load_config(tmp_path / "a.toml") == load_config(tmp_path / "a.yaml")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    """A missing file is named."""
+    assert "not found" in _error(tmp_path / "nope.toml")
+
+
+def test_unparsable_toml(tmp_path: Path) -> None:
+    """A TOML syntax error names the file."""
+    path = tmp_path / "bad.toml"
+    path.write_text("[server\nkind = 1\n")
+    assert "invalid TOML" in _error(path)
+
+
+def test_unparsable_yaml(tmp_path: Path) -> None:
+    """A YAML syntax error names the file."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("server: [unclosed\n")
+    assert "invalid YAML" in _error(path)
+
+
+def test_unsupported_extension(tmp_path: Path) -> None:
+    """A file that is neither TOML nor YAML is refused."""
+    path = tmp_path / "cfg.json"
+    path.write_text("{}")
+    assert "unsupported config format" in _error(path)
+
+
+def test_unknown_key_names_the_field() -> None:
+    """An unknown key is reported with its dotted path (discriminator tags stripped)."""
+    assert _error(None, ["server.bufer_size=3"]) == "server.bufer_size: unknown field"
+
+
+def test_wrong_type_names_the_field() -> None:
+    """A value of the wrong type is reported with the field and the value."""
+    message = _error(None, ["population.num_clients=many"])
+    assert message.startswith("population.num_clients:") and "'many'" in message
+
+
+def test_out_of_range_names_the_field() -> None:
+    """An out-of-range value is reported with the bound."""
+    message = _error(None, ["server.buffer_size=0"])
+    assert message.startswith("server.buffer_size:") and "greater than or equal to 1" in message
+
+
+def test_unknown_kind_lists_choices() -> None:
+    """An unknown component kind lists the valid ones."""
+    message = _error(None, ["server.kind=fedprox"])
+    assert message.startswith("server:") and "fedbuff" in message
+
+
+def test_cross_field_error_names_the_field() -> None:
+    """Concurrency above the population size is an error on server.concurrency."""
+    message = _error(None, ["population.num_clients=5"])
+    assert message.startswith("server.concurrency:") and "<= population.num_clients (5)" in message
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("server.buffer_size", "expected path.to.field=value"),
+        ("=3", "expected path.to.field=value"),
+        ("server..kind=x", "is not a dotted field path"),
+        ("seed.inner=1", "seed: Input should be a valid integer"),
+    ],
+)
+def test_malformed_set(override: str, expected: str) -> None:
+    """A malformed --set is a one-line ConfigError."""
+    assert expected in _error(None, [override])
+
+
+def test_apply_override_creates_tables() -> None:
+    """apply_override creates intermediate tables."""
+    data: dict[str, object] = {}
+    apply_override(data, "a.b.c=1.5")
+    assert data == {"a": {"b": {"c": 1.5}}}
+
+
+def test_flatten_gives_dotted_params() -> None:
+    """flatten produces dotted keys for MLflow params."""
+    flat = flatten(RunConfig())
+    assert flat["server.buffer_size"] == 10
+    assert flat["server.staleness.kind"] == "polynomial"
+    assert flat["population.speed.kind"] == "lognormal"

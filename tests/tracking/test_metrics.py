@@ -1,0 +1,109 @@
+"""Tests of tracking.metrics: structlog events become MLflow metrics."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from mlflow.entities import Metric
+from structlog.typing import EventDict
+
+from tracking import DEFAULT_EXCLUDE, MetricsProcessor
+
+
+class Sink:
+    """Collects what the processor sends, one list per call."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[Metric]] = []
+
+    def __call__(self, metrics: list[Metric]) -> None:
+        self.calls.append(metrics)
+
+    def by_key(self) -> dict[str, Metric]:
+        return {m.key: m for call in self.calls for m in call}
+
+
+def run(event: str, **fields: Any) -> tuple[Sink, EventDict]:
+    sink = Sink()
+    processor = MetricsProcessor(sink, clock_ms=lambda: 1234)
+    out = processor(None, "debug", {"event": event, **fields})
+    return sink, out
+
+
+def test_numeric_fields_become_dotted_keys_at_the_event_step() -> None:
+    """Each int or float field becomes `<event>.<field>` at the event's step and clock time."""
+    sink, _ = run("client.trained", step=7, train_s=0.25, samples=64)
+    metrics = sink.by_key()
+    assert set(metrics) == {"client.trained.train_s", "client.trained.samples"}
+    assert metrics["client.trained.train_s"].value == 0.25
+    assert metrics["client.trained.samples"].value == 64.0
+    assert isinstance(metrics["client.trained.samples"].value, float)
+    assert {(m.step, m.timestamp) for m in metrics.values()} == {(7, 1234)}
+
+
+def test_one_sink_call_per_event() -> None:
+    """All metrics of one event go to the sink in a single call."""
+    sink, _ = run("server.aggregated", step=1, a=1, b=2.0, c=3)
+    assert len(sink.calls) == 1
+    assert len(sink.calls[0]) == 3
+
+
+def test_event_is_returned_unchanged() -> None:
+    """The processor passes the event on as it came."""
+    _, out = run("client.trained", step=2, train_s=0.5, note="x")
+    assert out == {"event": "client.trained", "step": 2, "train_s": 0.5, "note": "x"}
+
+
+def test_bools_and_strings_are_not_metrics() -> None:
+    """Booleans, strings and None are skipped, and an event without numbers sends nothing."""
+    sink, _ = run("client.failed", ok=False, reason="timeout", detail=None)
+    assert sink.calls == []
+
+
+def test_excluded_identifiers_are_not_metrics() -> None:
+    """Ids, versions and the step itself are never metrics."""
+    ids = dict.fromkeys(DEFAULT_EXCLUDE, 3)
+    sink, _ = run("update.received", staleness=2, **ids)
+    assert list(sink.by_key()) == ["update.received.staleness"]
+
+
+def test_custom_exclude_replaces_the_default() -> None:
+    """A given exclude set is used instead of DEFAULT_EXCLUDE."""
+    sink = Sink()
+    MetricsProcessor(sink, exclude={"bytes"})(None, "info", {"event": "e", "bytes": 3, "client_id": 1})
+    assert list(sink.by_key()) == ["e.client_id"]
+
+
+def test_metrics_false_skips_the_event_and_drops_the_flag() -> None:
+    """An event logged with metrics=False sends nothing and loses its `metrics` key."""
+    sink, out = run("writer.warning", metrics=False, pending=10)
+    assert sink.calls == []
+    assert "metrics" not in out
+
+
+def test_nan_and_infinity_pass_through() -> None:
+    """Non-finite values are sent as they are."""
+    sink, _ = run("diag", step=0, loss=math.nan, grad=-math.inf)
+    metrics = sink.by_key()
+    assert math.isnan(metrics["diag.loss"].value)
+    assert metrics["diag.grad"].value == -math.inf
+
+
+def test_numpy_scalars_are_numbers() -> None:
+    """NumPy integer and float scalars count as numbers."""
+    sink, _ = run("e", a=np.float32(0.5), b=np.int64(3), c=np.bool_(True))
+    assert {k: m.value for k, m in sink.by_key().items()} == {"e.a": 0.5, "e.b": 3.0}
+
+
+def test_missing_or_odd_step_means_step_zero() -> None:
+    """Without a usable step the metrics are logged at step 0."""
+    sink, _ = run("e", step="late", x=1)
+    assert sink.by_key()["e.x"].step == 0
+
+
+def test_keys_mlflow_would_refuse_are_made_valid() -> None:
+    """Characters MLflow rejects in keys are replaced by underscores."""
+    sink, _ = run("edge<3>:merged", bytes_in=10)
+    assert list(sink.by_key()) == ["edge_3__merged.bytes_in"]

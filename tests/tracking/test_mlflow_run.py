@@ -1,0 +1,224 @@
+"""Tests of tracking.mlflow_run on a real, temporary MLflow store."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from mlflow.entities import LoggedModelStatus, Metric
+
+from tracking import (
+    DEFAULT_TRACKING_URI,
+    MetricsProcessor,
+    MlflowTracker,
+    NullTracker,
+    RunStatus,
+    Tracker,
+    make_logger,
+)
+
+
+@pytest.fixture(scope="module")
+def client(tracking_uri: str) -> mlflow.MlflowClient:
+    """Return a client of the module's store (created once, here)."""
+    client = mlflow.MlflowClient(tracking_uri)
+    client.search_experiments()
+    return client
+
+
+@pytest.fixture
+def tracker(tracking_uri: str, client: mlflow.MlflowClient) -> MlflowTracker:
+    """Return a tracker on the module's store, not started."""
+    return MlflowTracker(tracking_uri, flush_interval_s=0.05)
+
+
+def test_start_records_params_in_chunks_and_tags(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
+    """More than 100 params (stringified) and the tags are all recorded."""
+    params = {f"server.p{i}": i for i in range(250)} | {"long": "x" * 7000}
+    run_id = tracker.start(experiment="params", run_name="r", params=params, tags={"mode": "sim"})
+    run = client.get_run(run_id)
+    assert len(run.data.params) == 251
+    assert run.data.params["server.p249"] == "249"
+    assert len(run.data.params["long"]) == 6000
+    assert run.data.tags["mode"] == "sim"
+    assert run.info.run_name == "r"
+    tracker.finish("FINISHED")
+
+
+def test_logged_events_become_metrics_with_their_steps(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
+    """Events logged through a MetricsProcessor logger are stored at their steps."""
+    run_id = tracker.start(experiment="metrics")
+    log = make_logger(processors_before=[MetricsProcessor(tracker.log_metrics)])
+    for version in range(3):
+        log.debug("server.aggregated", step=version, staleness_mean=version / 2, client_id=9)
+    tracker.flush()
+    history = client.get_metric_history(run_id, "server.aggregated.staleness_mean")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 0.5), (2, 1.0)]
+    assert "server.aggregated.client_id" not in client.get_run(run_id).data.metrics
+    tracker.finish("FINISHED")
+
+
+def test_finish_writes_queued_metrics(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
+    """Metrics queued before finish are stored, in batches of at most 1000."""
+    run_id = tracker.start(experiment="metrics")
+    tracker.log_metrics([Metric("m", float(i), 0, i) for i in range(1500)])
+    tracker.finish("FINISHED")
+    assert len(client.get_metric_history(run_id, "m")) == 1500
+    assert tracker.writer is not None
+    assert tracker.writer.batches == 2
+
+
+def test_dict_and_bytes_artifacts_are_stored(
+    tracker: MlflowTracker, client: mlflow.MlflowClient, tmp_path: Path
+) -> None:
+    """log_dict, log_bytes and log_file put their files in the run's artifacts."""
+    run_id = tracker.start(experiment="artifacts")
+    tracker.log_dict({"lr": 0.1, "path": tmp_path}, "config/run.json")
+    tracker.log_bytes(b"client,bytes\n1,10\n", "clients/table.csv")
+    (tmp_path / "notes.txt").write_text("hi")
+    tracker.log_file(tmp_path / "notes.txt", "extra")
+    tracker.finish("FINISHED")
+    listed = {a.path for folder in ("config", "clients", "extra") for a in client.list_artifacts(run_id, folder)}
+    assert listed == {"config/run.json", "clients/table.csv", "extra/notes.txt"}
+    local = Path(
+        mlflow.artifacts.download_artifacts(
+            run_id=run_id, tracking_uri=tracker.tracking_uri, dst_path=str(tmp_path / "dl")
+        )
+    )
+    assert json.loads((local / "config" / "run.json").read_text()) == {"lr": 0.1, "path": str(tmp_path)}
+    assert (local / "clients" / "table.csv").read_bytes() == b"client,bytes\n1,10\n"
+
+
+@pytest.mark.parametrize("status", ["FINISHED", "FAILED", "KILLED"])
+def test_finish_sets_the_run_status(tracker: MlflowTracker, client: mlflow.MlflowClient, status: RunStatus) -> None:
+    """finish ends the run with the given status."""
+    run_id = tracker.start(experiment="status")
+    tracker.finish(status)
+    run = client.get_run(run_id)
+    assert run.info.status == status
+    assert run.info.end_time is not None
+
+
+def test_finish_is_idempotent(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
+    """A second finish changes nothing."""
+    run_id = tracker.start(experiment="status")
+    tracker.finish("FAILED")
+    tracker.finish("FINISHED")
+    assert client.get_run(run_id).info.status == "FAILED"
+
+
+def test_finish_refuses_an_unknown_status(tracker: MlflowTracker) -> None:
+    """A status other than FINISHED, FAILED or KILLED raises ValueError."""
+    tracker.start(experiment="status")
+    with pytest.raises(ValueError, match="RUNNING"):
+        tracker.finish("RUNNING")  # type: ignore[arg-type]
+    tracker.finish("FINISHED")
+
+
+def test_environment_variable_names_the_store(
+    tracking_uri: str, client: mlflow.MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without an argument the tracker uses MLFLOW_TRACKING_URI."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    tracker = MlflowTracker()
+    assert tracker.tracking_uri == tracking_uri
+    run_id = tracker.start(experiment="env")
+    tracker.finish("FINISHED")
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_default_store_is_sqlite_under_mlruns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no argument and no environment variable the store is ./mlruns/mlflow.db, made absolute."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.chdir(tmp_path)
+    tracker = MlflowTracker()
+    assert DEFAULT_TRACKING_URI == "sqlite:///mlruns/mlflow.db"
+    assert tracker.tracking_uri == f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_artifacts_default_to_a_folder_next_to_the_database(tracker: MlflowTracker, store_dir: Path) -> None:
+    """Without artifact_root, a new experiment keeps its artifacts in <db folder>/artifacts/<name>."""
+    run_id = tracker.start(experiment="fresh one")
+    tracker.log_bytes(b"x", "x.txt")
+    tracker.finish("FINISHED")
+    assert (store_dir / "artifacts" / "fresh_one" / run_id / "artifacts" / "x.txt").read_bytes() == b"x"
+
+
+def test_new_experiment_keeps_artifacts_under_artifact_root(
+    tracking_uri: str, client: mlflow.MlflowClient, tmp_path: Path
+) -> None:
+    """A new experiment's artifact location is file://<artifact_root>/<sanitized name>."""
+    tracker = MlflowTracker(tracking_uri, artifact_root=str(tmp_path / "art"))
+    tracker.start(experiment="digits / fedbuff")
+    tracker.finish("FINISHED")
+    experiment = client.get_experiment_by_name("digits / fedbuff")
+    assert experiment is not None
+    assert experiment.artifact_location == (tmp_path / "art" / "digits___fedbuff").as_uri()
+
+
+def test_ui_command_opens_the_store(tracker: MlflowTracker) -> None:
+    """ui_command names the tracker's store."""
+    assert tracker.ui_command() == f"mlflow ui --backend-store-uri {tracker.tracking_uri}"
+
+
+def test_start_twice_is_refused(tracker: MlflowTracker) -> None:
+    """A tracker records one run only."""
+    tracker.start(experiment="twice")
+    with pytest.raises(RuntimeError, match="already started"):
+        tracker.start(experiment="twice")
+    tracker.finish("FINISHED")
+
+
+def test_artifacts_before_start_are_refused(tracker: MlflowTracker) -> None:
+    """Logging an artifact before start raises RuntimeError."""
+    with pytest.raises(RuntimeError, match="start"):
+        tracker.log_dict({}, "x.json")
+
+
+def test_log_model_stores_a_logged_model_of_the_run(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
+    """log_model records a READY logged model whose source is the run, and returns its duration."""
+    run_id = tracker.start(experiment="models")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    seconds = tracker.log_model(model, name="mlp")
+    tracker.finish("FINISHED")
+    assert seconds > 0
+    assert tracker.experiment_id is not None
+    (logged,) = client.search_logged_models([tracker.experiment_id])
+    assert (logged.name, logged.source_run_id, logged.status) == ("mlp", run_id, LoggedModelStatus.READY)
+    outputs = client.get_run(run_id).outputs
+    assert outputs is not None
+    assert [o.model_id for o in outputs.model_outputs] == [logged.model_id]
+
+
+def test_system_metrics_are_recorded(
+    tracker: MlflowTracker, client: mlflow.MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With system_metrics, MLflow's monitor writes system/ metrics until finish."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.1")
+    tracker = MlflowTracker(tracker.tracking_uri, system_metrics=True)
+    run_id = tracker.start(experiment="system")
+    deadline = time.monotonic() + 10
+    while not any(k.startswith("system/") for k in client.get_run(run_id).data.metrics):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    tracker.finish("FINISHED")
+
+
+def test_null_tracker_does_nothing() -> None:
+    """NullTracker accepts every call and records nothing."""
+    tracker: Tracker = NullTracker()
+    tracker.start(experiment="x", run_name=None, params={"a": 1}, tags={})
+    tracker.log_metrics([Metric("m", 1.0, 0, 0)])
+    tracker.log_dict({"a": 1}, "a.json")
+    tracker.log_bytes(b"", "b.bin")
+    tracker.log_file("missing.txt")
+    tracker.set_tags({"a": "b"})
+    tracker.flush()
+    tracker.finish("FINISHED")
+    assert tracker.run_id is None
+    assert tracker.ui_command() is None

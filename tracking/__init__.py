@@ -1,0 +1,37 @@
+"""Structured logging and MLflow tracking for flasync.
+
+Logging goes through structlog: the CLI calls :func:`configure_logging` once, library code builds
+loggers with :func:`make_logger`. A :class:`MetricsProcessor` in such a logger turns numeric event
+fields into MLflow metrics, which a :class:`MetricWriter` sends in batches from a background
+thread to the run of a :class:`Tracker` (:class:`MlflowTracker`, or :class:`NullTracker`).
+"""
+
+from __future__ import annotations
+
+from tracking.logs import LevelFilter, configure_logging, make_logger
+from tracking.metrics import DEFAULT_EXCLUDE, MetricsProcessor
+from tracking.mlflow_run import (
+    DEFAULT_ARTIFACT_ROOT,
+    DEFAULT_TRACKING_URI,
+    MlflowTracker,
+    NullTracker,
+    RunStatus,
+    Tracker,
+)
+from tracking.writer import MetricWriter, WriterStatistics
+
+__all__ = [
+    "DEFAULT_ARTIFACT_ROOT",
+    "DEFAULT_EXCLUDE",
+    "DEFAULT_TRACKING_URI",
+    "LevelFilter",
+    "MetricWriter",
+    "MetricsProcessor",
+    "MlflowTracker",
+    "NullTracker",
+    "RunStatus",
+    "Tracker",
+    "WriterStatistics",
+    "configure_logging",
+    "make_logger",
+]

@@ -1,0 +1,191 @@
+"""Configure structlog once for the CLI, and build loggers without touching global state.
+
+Only the command line calls :func:`configure_logging`. Library code calls :func:`make_logger`,
+which reads the global configuration (renderer, output) but builds its own processor chain, so
+that a processor placed before the level filter (e.g. a
+:class:`~tracking.metrics.MetricsProcessor`) sees debug events that the console never shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Literal, TextIO
+
+import structlog
+from structlog.contextvars import merge_contextvars
+from structlog.processors import add_log_level
+from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
+
+__all__ = ["LevelFilter", "configure_logging", "make_logger"]
+
+_LEVELS: dict[str, int] = {
+    "critical": logging.CRITICAL,
+    "fatal": logging.CRITICAL,
+    "exception": logging.ERROR,
+    "error": logging.ERROR,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "info": logging.INFO,
+    "msg": logging.INFO,
+    "debug": logging.DEBUG,
+    "notset": logging.NOTSET,
+}
+
+# Logs everything: flasync's loggers must see debug events to turn them into metrics, so the level
+# is applied by a processor (LevelFilter) placed after the metrics processor, never by the wrapper.
+_NON_FILTERING: type[FilteringBoundLogger] = structlog.make_filtering_bound_logger(logging.NOTSET)
+
+
+def _level_number(level: str) -> int:
+    try:
+        return _LEVELS[level.lower()]
+    except KeyError:
+        known = ", ".join(sorted(_LEVELS))
+        raise ValueError(f"unknown log level {level!r}; expected one of: {known}") from None
+
+
+class LevelFilter:
+    """Drop events below a level; a structlog processor.
+
+    It decides on the log method's name alone (``debug``, ``info``, ...), so an event it drops
+    costs one set lookup and one raised :class:`structlog.DropEvent`. Method names it does not
+    know (custom ones on a generic bound logger) pass.
+
+    Args:
+        level: The lowest level that passes: ``"debug"``, ``"info"``, ``"warning"``,
+            ``"error"`` or ``"critical"`` (case-insensitive).
+
+    Raises:
+        ValueError: ``level`` is not a level name.
+    """
+
+    __slots__ = ("_dropped", "level")
+
+    def __init__(self, level: str = "info") -> None:
+        self.level = _level_number(level)
+        self._dropped = frozenset(name for name, number in _LEVELS.items() if number < self.level)
+
+    def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+        """Raise :class:`structlog.DropEvent` if ``method_name`` is below the level.
+
+        Args:
+            logger: The wrapped logger (unused).
+            method_name: The name of the log method that was called, e.g. ``"debug"``.
+            event_dict: The event.
+
+        Returns:
+            ``event_dict`` unchanged.
+
+        Raises:
+            structlog.DropEvent: The event is below the level.
+        """
+        if method_name in self._dropped:
+            raise structlog.DropEvent
+        return event_dict
+
+    def __repr__(self) -> str:
+        return f"LevelFilter({logging.getLevelName(self.level).lower()!r})"
+
+
+def configure_logging(
+    *,
+    fmt: Literal["console", "json"] = "console",
+    level: str = "info",
+    stream: TextIO | None = None,
+) -> None:
+    """Configure structlog for the whole process; only the command line calls this.
+
+    The chain is ``merge_contextvars``, ``add_log_level``, ``LevelFilter(level)``,
+    ``TimeStamper(fmt="iso")`` and a renderer: a console renderer (colours only when ``stream``
+    is a terminal) or one JSON object per line. The wrapper class does not filter by level, so a
+    logger from :func:`make_logger` still sees debug events; ``level`` applies to loggers taken
+    with ``structlog.get_logger()``, and :func:`make_logger` replaces it with its own.
+
+    Args:
+        fmt: ``"console"`` for humans, ``"json"`` for machines.
+        level: The lowest level rendered by plain ``structlog.get_logger()`` loggers.
+        stream: Where lines go; ``sys.stderr`` (as it is at this call) when None.
+
+    Raises:
+        ValueError: ``fmt`` or ``level`` is unknown.
+    """
+    out = sys.stderr if stream is None else stream
+    tail: list[Processor]
+    if fmt == "json":
+        tail = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+    elif fmt == "console":
+        tail = [structlog.dev.ConsoleRenderer(colors=_is_tty(out))]
+    else:
+        raise ValueError(f"unknown log format {fmt!r}; expected 'console' or 'json'")
+    structlog.configure(
+        processors=[
+            merge_contextvars,
+            add_log_level,
+            LevelFilter(level),
+            structlog.processors.TimeStamper(fmt="iso"),
+            *tail,
+        ],
+        wrapper_class=_NON_FILTERING,
+        logger_factory=structlog.WriteLoggerFactory(file=out),
+        cache_logger_on_first_use=False,
+    )
+
+
+def make_logger(
+    *,
+    name: str = "flasync",
+    level: str = "info",
+    processors_before: Sequence[Processor] = (),
+) -> FilteringBoundLogger:
+    """Build a logger from the global configuration without changing it.
+
+    The chain is ``merge_contextvars``, ``add_log_level``, ``*processors_before``,
+    ``LevelFilter(level)``, then the global chain minus its own ``merge_contextvars``,
+    ``add_log_level`` and level filters (timestamper, renderer, ...). The output goes to
+    the configured logger factory. With no ``processors_before`` the level is applied by the
+    wrapper class instead, so a dropped event costs a no-op method call.
+
+    Args:
+        name: Passed to the configured logger factory (the stdlib logger name, when it is one).
+        level: The lowest level that reaches the rest of the chain (the renderer).
+        processors_before: Processors that see every event, debug included, before the level
+            filter, e.g. ``[MetricsProcessor(tracker.log_metrics)]``.
+
+    Returns:
+        A bound logger (``debug``, ``info``, ..., ``bind``, and the ``a``-prefixed async variants).
+
+    Raises:
+        ValueError: ``level`` is not a level name.
+    """
+    config = structlog.get_config()
+    rest = [p for p in config["processors"] if not _is_head_processor(p)]
+    level_filter = LevelFilter(level)
+    processors: list[Processor]
+    wrapper: type[FilteringBoundLogger]
+    if processors_before:
+        processors = [merge_contextvars, add_log_level, *processors_before, level_filter, *rest]
+        wrapper = _NON_FILTERING
+    else:
+        processors = [merge_contextvars, add_log_level, *rest]
+        wrapper = structlog.make_filtering_bound_logger(level_filter.level)
+    # bind() resolves wrap_logger's lazy proxy now, so log calls never re-read the configuration.
+    logger: FilteringBoundLogger = structlog.wrap_logger(
+        config["logger_factory"](name),
+        processors=processors,
+        wrapper_class=wrapper,
+        context_class=config["context_class"],
+    ).bind()
+    return logger
+
+
+def _is_head_processor(processor: Processor) -> bool:
+    return processor is merge_contextvars or processor is add_log_level or isinstance(processor, LevelFilter)
+
+
+def _is_tty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,521 @@
+"""One MLflow run per federation, written through an explicit ``MlflowClient``.
+
+Nothing here touches MLflow's global state (tracking URI, active run, experiment): every call goes
+through ``MlflowClient(tracking_uri)`` with an explicit run id, so several trackers, on different
+stores, can live in one process. All methods block on I/O except :meth:`Tracker.log_metrics`;
+async callers run them in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, get_args
+
+import mlflow
+import structlog
+from mlflow.entities import LoggedModelOutput, Metric, Param, RunTag
+
+from tracking._keys import safe_key
+from tracking.writer import MetricWriter
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_ARTIFACT_ROOT",
+    "DEFAULT_TRACKING_URI",
+    "MlflowTracker",
+    "NullTracker",
+    "RunStatus",
+    "Tracker",
+]
+
+DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
+"""The local store used when neither an argument nor ``MLFLOW_TRACKING_URI`` names one."""
+DEFAULT_ARTIFACT_ROOT = "mlruns/artifacts"
+"""Where the default store keeps artifacts (one folder per experiment), relative to the cwd."""
+
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+
+_MAX_PARAMS_PER_CALL = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
+_MAX_PARAM_VALUE = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
+_MAX_TAG_VALUE = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
+_SYSTEM_METRICS_INTERVAL_S = 2.0
+_NOTHING: Mapping[str, Any] = MappingProxyType({})
+_UNSAFE_DIR_CHARS = re.compile(r"[^\w.\-]")
+
+_T = TypeVar("_T")
+
+
+class Tracker(Protocol):
+    """Where a federation records its run: parameters, tags, metrics and artifacts.
+
+    ``run_id`` is None until :meth:`start`. Every method but :meth:`log_metrics` may block.
+    """
+
+    run_id: str | None
+
+    def start(
+        self,
+        *,
+        experiment: str,
+        run_name: str | None = None,
+        params: Mapping[str, Any] = _NOTHING,
+        tags: Mapping[str, str] = _NOTHING,
+    ) -> str:
+        """Open the run and record its parameters and tags; return its id."""
+        ...
+
+    def log_metrics(self, metrics: list[Metric]) -> None:
+        """Queue metrics for the run without blocking."""
+        ...
+
+    def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
+        """Store ``data`` as a JSON (or YAML, by suffix) artifact at ``artifact_file``."""
+        ...
+
+    def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Store a local file (or folder) as an artifact, in folder ``artifact_path``."""
+        ...
+
+    def log_bytes(self, data: bytes, artifact_file: str) -> None:
+        """Store ``data`` as an artifact at ``artifact_file``."""
+        ...
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set tags on the run."""
+        ...
+
+    def flush(self) -> None:
+        """Block until queued metrics were written (or a bounded wait passed)."""
+        ...
+
+    def finish(self, status: RunStatus) -> None:
+        """Write what is queued and close the run with ``status``; idempotent."""
+        ...
+
+    def ui_command(self) -> str | None:
+        """Return the shell command that opens the store in the MLflow UI, if there is one."""
+        ...
+
+
+class NullTracker:
+    """A :class:`Tracker` that records nothing (``--no-tracking``)."""
+
+    def __init__(self) -> None:
+        self.run_id: str | None = None
+
+    def start(
+        self,
+        *,
+        experiment: str,
+        run_name: str | None = None,
+        params: Mapping[str, Any] = _NOTHING,
+        tags: Mapping[str, str] = _NOTHING,
+    ) -> str:
+        """Do nothing; return an empty run id."""
+        return ""
+
+    def log_metrics(self, metrics: list[Metric]) -> None:
+        """Drop the metrics."""
+
+    def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
+        """Drop the data."""
+
+    def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Ignore the file."""
+
+    def log_bytes(self, data: bytes, artifact_file: str) -> None:
+        """Drop the bytes."""
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Drop the tags."""
+
+    def flush(self) -> None:
+        """Return at once."""
+
+    def finish(self, status: RunStatus) -> None:
+        """Do nothing."""
+
+    def ui_command(self) -> str | None:
+        """Return None: there is no store."""
+        return None
+
+
+class MlflowTracker:
+    """A :class:`Tracker` writing one MLflow run through ``MlflowClient(tracking_uri)``.
+
+    Metrics go through a :class:`~tracking.writer.MetricWriter` (batched ``log_batch`` calls from
+    a background thread); everything else is a direct, blocking client call.
+
+    On a local store (SQLite or files) a new experiment gets the artifact location
+    ``file://<artifact_root>/<experiment name>``; by default ``artifact_root`` is the ``artifacts``
+    folder next to the SQLite file, i.e. ``mlruns/artifacts`` for the default store.
+
+    Args:
+        tracking_uri: The store; ``MLFLOW_TRACKING_URI`` if set, else
+            :data:`DEFAULT_TRACKING_URI`, when None. A relative SQLite path is made absolute
+            against the current directory now.
+        artifact_root: Folder or URI under which new experiments keep their artifacts.
+        system_metrics: Also run MLflow's ``SystemMetricsMonitor`` (CPU, memory, disk, network,
+            GPU) for the run, sampling every 2 s.
+        max_batch: Most metrics per ``log_batch`` call (MLflow accepts 1000).
+        flush_interval_s: Longest time a metric waits before it is written, in seconds.
+        flush_timeout_s: Longest wait of :meth:`flush` and of :meth:`finish` for a failing
+            backend, in seconds.
+        logger: Where warnings go; ``structlog.get_logger("tracking.mlflow")`` when None.
+    """
+
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        *,
+        artifact_root: str | None = None,
+        system_metrics: bool = False,
+        max_batch: int = 1000,
+        flush_interval_s: float = 0.5,
+        flush_timeout_s: float = 30.0,
+        logger: Any = None,
+    ) -> None:
+        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+        self.tracking_uri = _absolute_sqlite_uri(uri)
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self._experiment = ""
+        self._artifact_root = artifact_root
+        self._system_metrics = system_metrics
+        self._max_batch = max_batch
+        self._flush_interval = flush_interval_s
+        self._flush_timeout = flush_timeout_s
+        self._log = logger if logger is not None else structlog.get_logger("tracking.mlflow")
+        # Made in start(): a client opens (and may create) its store as soon as it exists.
+        self._client: mlflow.MlflowClient | None = None
+        self._writer: MetricWriter | None = None
+        self._monitor: Any = None
+        self._finished = False
+
+    @property
+    def writer(self) -> MetricWriter | None:
+        """The metric writer of the run (for its statistics); None before :meth:`start`."""
+        return self._writer
+
+    def start(
+        self,
+        *,
+        experiment: str,
+        run_name: str | None = None,
+        params: Mapping[str, Any] = _NOTHING,
+        tags: Mapping[str, str] = _NOTHING,
+    ) -> str:
+        """Create the run (and the experiment if needed), then record params and tags.
+
+        Params are sent with ``log_batch`` in calls of at most 100, values stringified and cut to
+        6000 characters; keys and tag keys that MLflow would refuse have their odd characters
+        replaced by ``_``. If recording the params fails, the run is marked ``FAILED``.
+
+        Args:
+            experiment: The experiment's name; created when missing.
+            run_name: The run's display name; MLflow picks one when None.
+            params: The run's parameters, e.g. the flattened configuration.
+            tags: The run's tags.
+
+        Returns:
+            The run id.
+
+        Raises:
+            RuntimeError: The tracker was already started, or the experiment is deleted.
+            mlflow.exceptions.MlflowException: The store refused a call.
+        """
+        if self.run_id is not None:
+            raise RuntimeError(f"this tracker already started run {self.run_id}")
+        db = _sqlite_path(self.tracking_uri)
+        if db is not None:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        if self._client is None:
+            self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        client = self._client
+        experiment_id = self._experiment_id(client, experiment)
+        run = client.create_run(
+            experiment_id,
+            run_name=run_name,
+            tags={safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in tags.items()},
+        )
+        run_id: str = run.info.run_id
+        try:
+            entries = [Param(safe_key(k), _param_value(v)) for k, v in params.items()]
+            for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
+                client.log_batch(run_id, params=chunk, synchronous=True)
+        except BaseException:
+            client.set_terminated(run_id, "FAILED")
+            raise
+        self.experiment_id = self._experiment = experiment_id
+        self.run_id = run_id
+        self._writer = MetricWriter(
+            self._log_metric_batch,
+            max_batch=self._max_batch,
+            flush_interval_s=self._flush_interval,
+            close_timeout_s=self._flush_timeout,
+            logger=self._log,
+        )
+        if self._system_metrics:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            # MLflow leaves this class unannotated.
+            self._monitor = SystemMetricsMonitor(  # type: ignore[no-untyped-call]
+                run_id, sampling_interval=_SYSTEM_METRICS_INTERVAL_S, tracking_uri=self.tracking_uri
+            )
+            self._monitor.start()
+        return run_id
+
+    def log_metrics(self, metrics: list[Metric]) -> None:
+        """Queue metrics for the run; never blocks (dropped before start and after finish).
+
+        Args:
+            metrics: The metrics; the list is handed over.
+        """
+        if self._writer is not None:
+            self._writer.submit(metrics)
+
+    def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
+        """Store ``data`` as an artifact: YAML for ``.yaml``/``.yml``, JSON otherwise.
+
+        JSON values it cannot encode (paths, NumPy scalars, ...) are written as their ``str``.
+
+        Args:
+            data: A JSON-like mapping.
+            artifact_file: Path of the artifact inside the run, e.g. ``"config/run.json"``.
+        """
+        run_id, client = self._started()
+        if artifact_file.endswith((".yaml", ".yml")):
+            client.log_dict(run_id, dict(data), artifact_file)
+        else:
+            text = json.dumps(data, indent=2, default=str, allow_nan=True)
+            self.log_bytes(text.encode(), artifact_file)
+
+    def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Store a local file or folder as an artifact.
+
+        Args:
+            path: The local file or folder.
+            artifact_path: Folder inside the run's artifacts; the root when None.
+        """
+        run_id, client = self._started()
+        client.log_artifact(run_id, os.fspath(path), artifact_path)
+
+    def log_bytes(self, data: bytes, artifact_file: str) -> None:
+        """Store ``data`` as an artifact.
+
+        Args:
+            data: The file's content.
+            artifact_file: Path of the artifact inside the run, e.g. ``"clients/table.csv"``.
+        """
+        run_id, client = self._started()
+        folder, name = os.path.split(artifact_file.strip("/"))
+        if not name:
+            raise ValueError(f"artifact_file {artifact_file!r} names no file")
+        with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
+            local = Path(tmp, name)
+            local.write_bytes(data)
+            client.log_artifact(run_id, str(local), folder or None)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set tags on the run (values stringified and cut to 8000 characters).
+
+        Args:
+            tags: Tag names and values.
+        """
+        run_id, client = self._started()
+        entries = [RunTag(safe_key(k), str(v)[:_MAX_TAG_VALUE]) for k, v in tags.items()]
+        for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
+            client.log_batch(run_id, tags=chunk, synchronous=True)
+
+    def flush(self) -> None:
+        """Block until queued metrics were written, or ``flush_timeout_s`` passed (then warn)."""
+        if self._writer is None:
+            return
+        try:
+            self._writer.flush(self._flush_timeout)
+        except TimeoutError:
+            self._log.warning(
+                "tracker.flush_timeout",
+                pending=self._writer.pending,
+                timeout_s=self._flush_timeout,
+                metrics=False,
+            )
+
+    def finish(self, status: RunStatus) -> None:
+        """Write queued metrics, stop the system monitor and close the run; idempotent.
+
+        With a failing backend, metrics are retried for at most ``flush_timeout_s``, then counted
+        as lost (a warning says how many).
+
+        Args:
+            status: ``"FINISHED"``, ``"FAILED"`` or ``"KILLED"``.
+
+        Raises:
+            ValueError: ``status`` is not one of those.
+            mlflow.exceptions.MlflowException: The store refused to close the run.
+        """
+        if status not in get_args(RunStatus):
+            raise ValueError(f"status must be one of {get_args(RunStatus)}, not {status!r}")
+        if self.run_id is None or self._client is None or self._finished:
+            return
+        self._finished = True
+        try:
+            if self._monitor is not None:
+                self._monitor.finish()
+                self._monitor = None
+        finally:
+            if self._writer is not None:
+                self._writer.close(self._flush_timeout)
+            self._client.set_terminated(self.run_id, status)
+
+    def ui_command(self) -> str | None:
+        """Return the shell command that opens this store in the MLflow UI.
+
+        Artifacts under the experiments' ``file://`` locations are served by the UI as they are;
+        it needs no artifact flag. None when the store is a server (open its URL instead).
+
+        Returns:
+            E.g. ``"mlflow ui --backend-store-uri sqlite:////home/me/proj/mlruns/mlflow.db"``.
+        """
+        scheme = self.tracking_uri.partition(":")[0].lower()
+        if scheme in ("http", "https", "databricks", "databricks-uc", "uc"):
+            return None
+        return f"mlflow ui --backend-store-uri {shlex.quote(self.tracking_uri)}"
+
+    def log_model(self, model: torch.nn.Module, *, name: str = "model") -> float:
+        """Store a PyTorch model as an MLflow logged model of this run; return the seconds taken.
+
+        ``mlflow.pytorch.log_model`` accepts a ``run_id`` but always writes through the global
+        tracking URI, so it is not used: the model is saved locally with
+        ``mlflow.pytorch.save_model`` (explicit pip requirements, nothing inferred) and sent with
+        this tracker's client as a logged model linked to the run (its output at step 0).
+
+        Args:
+            model: The model; pickled whole, so its class must be importable where it is loaded.
+            name: The logged model's name.
+
+        Returns:
+            Wall-clock seconds spent.
+
+        Raises:
+            RuntimeError: :meth:`start` was not called.
+        """
+        import mlflow.pytorch
+        import torch
+        from mlflow.models import Model
+
+        began = time.perf_counter()
+        run_id, client = self._started()
+        logged = client.create_logged_model(self._experiment, name=name, source_run_id=run_id)
+        try:
+            with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
+                local = os.path.join(tmp, "model")
+                description = Model(
+                    artifact_path=logged.artifact_location,
+                    run_id=run_id,
+                    model_uuid=logged.model_id,
+                    model_id=logged.model_id,
+                )
+                mlflow.pytorch.save_model(
+                    model,
+                    local,
+                    mlflow_model=description,
+                    # MLflow 3.17 defaults to "pt2", which needs an input example to trace.
+                    serialization_format="pickle",
+                    pip_requirements=[
+                        f"mlflow=={mlflow.__version__}",
+                        f"torch=={torch.__version__.split('+')[0]}",
+                    ],
+                )
+                client.log_model_artifacts(logged.model_id, local)
+            client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
+            client.finalize_logged_model(logged.model_id, "READY")
+        except BaseException:
+            client.finalize_logged_model(logged.model_id, "FAILED")
+            raise
+        return time.perf_counter() - began
+
+    def _started(self) -> tuple[str, mlflow.MlflowClient]:
+        if self.run_id is None or self._client is None:
+            raise RuntimeError("call start() before logging to the tracker")
+        return self.run_id, self._client
+
+    def _log_metric_batch(self, metrics: list[Metric]) -> None:
+        run_id, client = self._started()
+        client.log_batch(run_id, metrics=metrics, synchronous=True)
+
+    def _experiment_id(self, client: mlflow.MlflowClient, name: str) -> str:
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                created: str = client.create_experiment(name, artifact_location=self._artifact_location(name))
+                return created
+            except mlflow.exceptions.MlflowException:
+                # Another process may have created it meanwhile.
+                experiment = client.get_experiment_by_name(name)
+                if experiment is None:
+                    raise
+        if experiment.lifecycle_stage != "active":
+            raise RuntimeError(
+                f"MLflow experiment {name!r} is deleted; restore it with "
+                f"`mlflow experiments restore --experiment-id {experiment.experiment_id}` "
+                "or choose another name"
+            )
+        found: str = experiment.experiment_id
+        return found
+
+    def _artifact_location(self, experiment: str) -> str | None:
+        folder = _UNSAFE_DIR_CHARS.sub("_", experiment).strip(".") or "experiment"
+        root = self._artifact_root
+        if root is None:
+            db = _sqlite_path(self.tracking_uri)
+            if db is None:
+                return None  # a file store or a server picks its own location
+            return (db.parent / "artifacts" / folder).as_uri()
+        if "://" in root:
+            return f"{root.rstrip('/')}/{folder}"
+        return (Path(root).expanduser().absolute() / folder).as_uri()
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """Return the database file of a ``sqlite:///`` URI, None for other or in-memory stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///") :].partition("?")[0]
+    if not path or path == ":memory:":
+        return None
+    return Path(path)
+
+
+def _absolute_sqlite_uri(uri: str) -> str:
+    """Anchor a relative SQLite path to the current directory, so a later chdir cannot move it."""
+    path = _sqlite_path(uri)
+    if path is None or path.is_absolute():
+        return uri
+    query = uri.partition("?")[2]
+    absolute = "sqlite:///" + path.expanduser().absolute().as_posix()
+    return f"{absolute}?{query}" if query else absolute
+
+
+def _param_value(value: Any) -> str:
+    return str(value)[:_MAX_PARAM_VALUE]
+
+
+def _chunks(items: Sequence[_T], size: int) -> Iterator[list[_T]]:
+    for begin in range(0, len(items), size):
+        yield list(items[begin : begin + size])
+
+
+if TYPE_CHECKING:
+    # Both classes must satisfy the protocol; mypy checks this assignment.
+    _TRACKERS: tuple[Tracker, Tracker] = (NullTracker(), MlflowTracker())

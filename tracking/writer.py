@@ -1,0 +1,340 @@
+"""Send metrics to MLflow in batches from a background thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from itertools import islice
+from queue import Empty, SimpleQueue
+from typing import Any, NamedTuple
+
+import structlog
+from mlflow.entities import Metric
+
+__all__ = ["MetricWriter", "WriterStatistics"]
+
+_FIRST_BACKOFF_S = 0.1
+_MAX_BACKOFF_S = 5.0
+
+
+class WriterStatistics(NamedTuple):
+    """Counters of a :class:`MetricWriter`, all in metrics except ``batches`` and ``errors``."""
+
+    submitted: int
+    """Metrics handed to :meth:`MetricWriter.submit` (dropped ones included)."""
+    sent: int
+    """Metrics that ``log_batch`` accepted."""
+    batches: int
+    """Successful ``log_batch`` calls."""
+    errors: int
+    """Failed ``log_batch`` calls."""
+    dropped: int
+    """Metrics given up on: backlog overflow, or submitted after :meth:`MetricWriter.close`."""
+    pending: int
+    """Metrics submitted but neither sent nor dropped yet."""
+
+
+class _Flush:
+    __slots__ = ("done", "target")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.target = 0
+
+
+class _Stop:
+    __slots__ = ("timeout",)
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+
+
+class MetricWriter:
+    """Batch metrics and send them with ``log_batch`` from a daemon thread.
+
+    :meth:`submit` only puts a list on a queue, so it never blocks and never calls MLflow on the
+    caller's thread. The thread groups queued metrics into calls of at most ``max_batch`` metrics:
+    full batches go at once, the rest at the latest ``flush_interval_s`` after it arrived.
+
+    A failing ``log_batch`` loses nothing: the metrics stay in a backlog and the call is retried
+    with backoff (0.1 s doubling to 5 s); one warning is logged per failure streak. The backlog is
+    bounded by ``max_backlog``; beyond it the oldest metrics are dropped (and counted). No
+    exception escapes the thread.
+
+    Args:
+        log_batch: Sends one batch, e.g. ``functools.partial(client.log_batch, run_id)``
+            applied as ``log_batch(metrics)``; raises on failure.
+        max_batch: Most metrics per ``log_batch`` call (MLflow accepts 1000).
+        flush_interval_s: Longest time a metric waits for its batch to fill, in seconds.
+        max_backlog: Most metrics kept while the backend fails.
+        close_timeout_s: How long :meth:`close` keeps retrying a failing backend, in seconds.
+        logger: Where warnings go; ``structlog.get_logger("tracking.writer")`` when None.
+
+    Raises:
+        ValueError: A size or interval is not positive.
+    """
+
+    def __init__(
+        self,
+        log_batch: Callable[[list[Metric]], None],
+        *,
+        max_batch: int = 1000,
+        flush_interval_s: float = 0.5,
+        max_backlog: int = 200_000,
+        close_timeout_s: float = 10.0,
+        logger: Any = None,
+    ) -> None:
+        if max_batch < 1 or max_backlog < 1:
+            raise ValueError(f"max_batch ({max_batch}) and max_backlog ({max_backlog}) must be >= 1")
+        if flush_interval_s <= 0 or close_timeout_s < 0:
+            raise ValueError(
+                f"flush_interval_s ({flush_interval_s}) must be > 0 and close_timeout_s ({close_timeout_s}) >= 0"
+            )
+        self._log_batch = log_batch
+        self._max_batch = max_batch
+        self._interval = flush_interval_s
+        self._max_backlog = max_backlog
+        self._close_timeout = close_timeout_s
+        self._log = logger if logger is not None else structlog.get_logger("tracking.writer")
+        self._queue: SimpleQueue[list[Metric] | _Flush | _Stop] = SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._submitted = 0
+        self._sent = 0
+        self._batches = 0
+        self._errors = 0
+        self._dropped = 0
+        self._late = 0  # dropped because submitted after close (counted by the caller thread)
+        self._thread = threading.Thread(target=self._run, name="tracking-metric-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def sent(self) -> int:
+        """Metrics that ``log_batch`` accepted."""
+        return self._sent
+
+    @property
+    def batches(self) -> int:
+        """Successful ``log_batch`` calls."""
+        return self._batches
+
+    @property
+    def errors(self) -> int:
+        """Failed ``log_batch`` calls."""
+        return self._errors
+
+    @property
+    def dropped(self) -> int:
+        """Metrics given up on (backlog overflow, or submitted after close)."""
+        return self._dropped + self._late
+
+    @property
+    def pending(self) -> int:
+        """Metrics submitted but neither sent nor dropped yet."""
+        return self._submitted - self._sent - self._dropped - self._late
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def statistics(self) -> WriterStatistics:
+        """Return a snapshot of the counters."""
+        return WriterStatistics(
+            submitted=self._submitted,
+            sent=self._sent,
+            batches=self._batches,
+            errors=self._errors,
+            dropped=self.dropped,
+            pending=self.pending,
+        )
+
+    def submit(self, metrics: list[Metric]) -> None:
+        """Queue metrics for sending; never blocks on I/O.
+
+        The list is handed over: do not change it afterwards. After :meth:`close` the metrics are
+        dropped and counted in :attr:`dropped`.
+
+        Args:
+            metrics: The metrics, in any number (they are re-batched).
+        """
+        if not metrics:
+            return
+        with self._lock:
+            self._submitted += len(metrics)
+            if self._closed:
+                self._late += len(metrics)
+                return
+            self._queue.put(metrics)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every metric submitted before this call was sent (or dropped).
+
+        Returns at once after :meth:`close`.
+
+        Args:
+            timeout: Longest wait in seconds; None waits as long as it takes.
+
+        Raises:
+            TimeoutError: The metrics were not all sent within ``timeout`` (they stay queued).
+        """
+        request = _Flush()
+        with self._lock:
+            if self._closed:
+                return
+            self._queue.put(request)
+        if not request.done.wait(timeout):
+            raise TimeoutError(f"{self.pending} metrics still unsent after {timeout} s")
+
+    def close(self, timeout: float | None = None) -> int:
+        """Send what is queued, then stop the thread; idempotent.
+
+        With a failing backend it keeps retrying for at most ``timeout`` seconds, then gives up
+        and logs how many metrics were lost.
+
+        Args:
+            timeout: Longest time to keep retrying, in seconds; ``close_timeout_s`` when None.
+
+        Returns:
+            The number of metrics that were not sent.
+        """
+        limit = self._close_timeout if timeout is None else max(0.0, timeout)
+        with self._lock:
+            first = not self._closed
+            if first:
+                self._closed = True
+                self._queue.put(_Stop(limit))
+        if first:
+            # A log_batch call stuck in I/O is not interruptible; stop waiting for it after a grace.
+            self._thread.join(limit + 1.0)
+        unsent = self.pending + self._late
+        if first and unsent:
+            self._log.warning(
+                "metric_writer.unsent",
+                unsent=unsent,
+                sent=self._sent,
+                errors=self._errors,
+                metrics=False,
+            )
+        return unsent
+
+    def _run(self) -> None:
+        buffer: deque[Metric] = deque()
+        waiters: list[_Flush] = []
+        received = 0  # metrics taken off the queue
+        oldest_at = 0.0  # monotonic time the oldest buffered metric arrived
+        retry_at = 0.0  # no send before this (backoff)
+        backoff = 0.0  # 0 while the backend works
+        streak = 0  # failed calls in the current failure streak
+        overflowing = False
+        stop_at: float | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                wait: float | None = None
+                if buffer:
+                    due = now if (waiters or stop_at is not None) else oldest_at + self._interval
+                    wait = max(0.0, max(due, retry_at) - now)
+                if stop_at is not None:
+                    wait = max(0.0, stop_at - now) if wait is None else min(wait, max(0.0, stop_at - now))
+                items = self._take(wait)
+                for item in items:
+                    if isinstance(item, list):
+                        if not buffer:
+                            oldest_at = time.monotonic()
+                        buffer.extend(item)
+                        received += len(item)
+                    elif isinstance(item, _Flush):
+                        item.target = received
+                        waiters.append(item)
+                    elif stop_at is None:
+                        stop_at = time.monotonic() + item.timeout
+                if len(buffer) > self._max_backlog:
+                    excess = len(buffer) - self._max_backlog
+                    for _ in range(excess):
+                        buffer.popleft()
+                    self._dropped += excess
+                    if not overflowing:
+                        overflowing = True
+                        self._log.warning(
+                            "metric_writer.backlog_full",
+                            dropped=excess,
+                            max_backlog=self._max_backlog,
+                            metrics=False,
+                        )
+                elif overflowing and len(buffer) < self._max_backlog // 2:
+                    overflowing = False
+
+                now = time.monotonic()
+                if buffer and now >= retry_at:
+                    urgent = bool(waiters) or stop_at is not None or now >= oldest_at + self._interval
+                    error = self._send(buffer, urgent=urgent)
+                    if error is None:
+                        if streak:
+                            self._log.info("metric_writer.recovered", failed_calls=streak, metrics=False)
+                        streak, backoff = 0, 0.0
+                    else:
+                        streak += 1
+                        backoff = _FIRST_BACKOFF_S if backoff == 0.0 else min(2 * backoff, _MAX_BACKOFF_S)
+                        retry_at = time.monotonic() + backoff
+                        if streak == 1:
+                            self._log.warning(
+                                "metric_writer.log_batch_failed",
+                                error=repr(error),
+                                pending=len(buffer),
+                                retry_in_s=backoff,
+                                metrics=False,
+                            )
+
+                done = self._sent + self._dropped
+                if waiters:
+                    for waiter in [w for w in waiters if w.target <= done]:
+                        waiter.done.set()
+                        waiters.remove(waiter)
+                if stop_at is not None and (not buffer or time.monotonic() >= stop_at):
+                    return
+        except BaseException as exc:  # pragma: no cover - a bug here must not kill the process quietly
+            self._log.error("metric_writer.crashed", error=repr(exc), metrics=False)
+        finally:
+            with self._lock:
+                self._closed = True
+            for waiter in waiters:
+                waiter.done.set()
+            # Release flushers that queued a request after the loop ended.
+            for item in self._drain():
+                if isinstance(item, _Flush):
+                    item.done.set()
+
+    def _take(self, wait: float | None) -> list[list[Metric] | _Flush | _Stop]:
+        """Block for one queue item (at most ``wait`` seconds), then take all that are ready."""
+        try:
+            first = self._queue.get(timeout=wait) if wait is None or wait > 0 else self._queue.get_nowait()
+        except Empty:
+            return []
+        return [first, *self._drain()]
+
+    def _drain(self) -> list[list[Metric] | _Flush | _Stop]:
+        items: list[list[Metric] | _Flush | _Stop] = []
+        try:
+            while True:
+                items.append(self._queue.get_nowait())
+        except Empty:
+            return items
+
+    def _send(self, buffer: deque[Metric], *, urgent: bool) -> BaseException | None:
+        """Send full batches, and the remainder if ``urgent``; return the error that stopped it."""
+        while buffer and (urgent or len(buffer) >= self._max_batch):
+            size = min(self._max_batch, len(buffer))
+            batch = list(islice(buffer, size))
+            try:
+                self._log_batch(batch)
+            except Exception as exc:
+                self._errors += 1
+                return exc
+            for _ in range(size):
+                buffer.popleft()
+            self._sent += size
+            self._batches += 1
+        return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import structlog
 import torch
 
@@ -45,13 +44,12 @@ def _train_job(
     base: torch.Tensor,
     x: torch.Tensor,
     y: torch.Tensor,
-    indices: np.ndarray,
+    indices: torch.Tensor,
     cfg: LocalTraining,
     generator: torch.Generator,
 ) -> TrainedUpdate:
     """Gather the client's samples, train on the worker's model and encode the delta (runs in a worker)."""
-    index = torch.from_numpy(indices)
-    result = train(models.get(), base, x[index], y[index], cfg, generator)
+    result = train(models.get(), base, x[indices], y[indices], cfg, generator)
     start = time.perf_counter()
     payload = codecs.encode(result.delta)
     return TrainedUpdate(result=result, payload=payload, encode_s=time.perf_counter() - start)
@@ -80,24 +78,20 @@ class Client:
         ctx, cid = self.ctx, self.client_id
         clock, log = ctx.clock, ctx.log
         with structlog.contextvars.bound_contextvars(client_id=int(cid), base_version=int(task.base_version)):
-            await clock.sleep(ctx.network.download_seconds(cid, model.download_bytes))
-            indices = ctx.partition[cid]
+            download_s = ctx.network.download_seconds(cid, model.download_bytes)
+            indices = ctx.client_indices(cid)
             steps = ctx.local.steps_for(len(indices))
             simulated = ctx.population.train_seconds(cid, steps, task.task_id)
             generator = seeding.torch_stream(ctx.config.seed, seeding.TASK, task.task_id)
             try:
+                # Everything the job needs is known now, so it starts at once in real time; on the virtual
+                # clock it completes after the simulated download and training.
                 trained = await clock.run(
                     ctx.executor.pool,
                     lambda: _train_job(
-                        ctx.executor.models,
-                        model.weights,
-                        ctx.train_x,
-                        ctx.train_y,
-                        indices,
-                        ctx.local,
-                        generator,
+                        ctx.executor.models, model.weights, ctx.train_x, ctx.train_y, indices, ctx.local, generator
                     ),
-                    simulated_s=simulated,
+                    simulated_s=download_s + simulated,
                 )
             except Exception as exc:
                 log.warning("client.failed", step=task.task_id, error=f"{type(exc).__name__}: {exc}", metrics=False)
@@ -117,8 +111,8 @@ class Client:
                 step=task.task_id,
                 train_s=result.train_s,
                 sim_train_s=simulated,
+                sim_download_s=download_s,
                 samples=result.num_samples,
-                steps=result.steps,
                 loss=result.loss,
                 peak_mem_bytes=result.peak_mem_bytes,
                 encode_s=trained.encode_s,

@@ -306,7 +306,10 @@ class ExecutorConfig(_Section):
     """Where local training runs: a pool of worker threads, each reusing one model instance."""
 
     kind: Literal["thread"] = "thread"
-    workers: int = Field(2, ge=1, le=256)
+    workers: int = Field(
+        1, ge=1, le=256, description="Training threads (more help when kernels, not Python, dominate a step)."
+    )
+    threads_per_worker: int = Field(1, ge=1, le=256, description="Intra-op torch threads of each worker.")
 
 
 class TrackingConfig(_Section):

@@ -39,6 +39,7 @@ class RunContext:
         num_params: Length of the flat model vector.
         log: The run's structlog logger (metrics processor included when tracking is on).
         wall: Monotonic real seconds (injected; ``time.perf_counter`` by default).
+        partition_index: ``partition.indices`` as one int64 tensor, sliced per client.
     """
 
     config: RunConfig
@@ -56,3 +57,9 @@ class RunContext:
     num_params: int
     log: Any
     wall: Callable[[], float]
+    partition_index: torch.Tensor
+
+    def client_indices(self, client_id: int) -> torch.Tensor:
+        """Return the indices of ``client_id``'s samples in :attr:`train_x` (a view, no copy)."""
+        offsets = self.partition.offsets
+        return self.partition_index[int(offsets[client_id]) : int(offsets[client_id + 1])]

@@ -6,6 +6,8 @@ is a few bytes per client. Durations are simulated seconds on the virtual clock.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from flasync import seeding
@@ -44,12 +46,11 @@ class Population:
         base = steps * speed.seconds_per_step
         if isinstance(speed, ConstantSpeed):
             return base
-        rng = seeding.numpy_stream(self.seed, seeding.TASK_SPEED, task_id)
+        draw = seeding.stream_normal(self.seed, seeding.TASK_SPEED, task_id)
         if isinstance(speed, LogNormalSpeed):
-            jitter = float(np.exp(rng.normal(0.0, speed.jitter))) if speed.jitter else 1.0
-            return base * float(self.slowdown[client_id]) * jitter
+            return base * float(self.slowdown[client_id]) * math.exp(speed.jitter * draw)
         if isinstance(speed, HalfNormalSpeed):
-            return base * (1.0 + abs(float(rng.normal(0.0, speed.sigma))))
+            return base * (1.0 + abs(speed.sigma * draw))
         raise AssertionError(f"unhandled speed model {speed!r}")  # pragma: no cover
 
 

@@ -300,7 +300,9 @@ class Federation:
             params=flatten(cfg),
             tags=self._tags(),
         )
-        executor = ThreadTrainingExecutor(prepared.factory, workers=cfg.executor.workers)
+        executor = ThreadTrainingExecutor(
+            prepared.factory, workers=cfg.executor.workers, threads_per_worker=cfg.executor.threads_per_worker
+        )
         status: Literal["FINISHED", "FAILED", "KILLED"] = "FAILED"
         try:
             with structlog.contextvars.bound_contextvars(run_id=self.run_id):
@@ -335,6 +337,7 @@ class Federation:
             num_params=prepared.initial.numel(),
             log=log,
             wall=self._wall,
+            partition_index=torch.from_numpy(np.array(prepared.partition.indices, dtype=np.int64)),
         )
         weights = prepared.initial.clone()
         server = Server(ctx, weights)
@@ -423,10 +426,16 @@ class Federation:
 
 
 def run(config: RunConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> RunSummary:
-    """Run a federation synchronously in a new event loop (for scripts and notebooks without a loop).
+    """Run a federation synchronously in a new event loop (uvloop when installed), for code without a loop.
 
     Args:
         config: As for :class:`Federation`.
         **kwargs: Passed to :class:`Federation`.
     """
-    return asyncio.run(Federation(config, **kwargs).run())
+    coro = Federation(config, **kwargs).run()
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return asyncio.run(coro)
+    summary: RunSummary = uvloop.run(coro)
+    return summary

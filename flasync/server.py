@@ -252,6 +252,8 @@ class Server:
             await self._dispatch(self._sample_idle())
         async for message in self._inbox:
             await self._handle(message)
+            if self.strategy.ready():
+                await self._new_version()
             if self._stop_reason():
                 return
             while len(self._in_flight) < concurrency:
@@ -267,9 +269,9 @@ class Server:
                 await self._handle(await self._inbox.receive())
             if self._stop_reason():  # a wall-time limit may end a round early
                 return
-            if not self.strategy.ready() and isinstance(self.strategy, _Buffered) and self.strategy.buffer.count:
-                await self._new_version()  # some members failed: aggregate the ones that answered
-            elif not self.strategy.ready():
+            if isinstance(self.strategy, _Buffered) and self.strategy.buffer.count:
+                await self._new_version()  # with failed members, the ones that answered
+            else:
                 self.ctx.log.warning("server.round_empty", step=int(self.version), metrics=False)
 
     # ------------------------------------------------------------------------------------------- dispatch
@@ -347,8 +349,6 @@ class Server:
             step=stats.updates_accepted,
             staleness=staleness,
             staleness_weight=weight,
-            upload_bytes=len(message.payload),
-            samples=message.num_samples,
             queue_wait_s=received_wall - message.sent_wall_s,
             decode_s=decode_s,
         )
@@ -363,8 +363,6 @@ class Server:
                 simulated_s=ctx.clock.now(),
             )
         )
-        if self.strategy.ready():
-            await self._new_version()
 
     async def _reject(self, message: UpdateUploaded, reason: str, detail: str) -> None:
         self.stats.updates_dropped += 1

@@ -197,6 +197,7 @@ def train(
     momentum.zero_()
     device = model.flat.device
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    bf16 = cfg.precision == "bf16"
     steps = 0
     seen = 0
     peak_activation = 0
@@ -212,10 +213,12 @@ def train(
                 loss = F.cross_entropy(out.float(), yb)
             peak_activation = saved.total
             batch_bytes = xb.numel() * xb.element_size() + yb.numel() * yb.element_size()
-        else:
+        elif bf16:
             with _autocast(cfg.precision, device):
                 out = module(xb)
             loss = F.cross_entropy(out.float(), yb)
+        else:
+            loss = F.cross_entropy(module(xb), yb)
         loss.backward()  # type: ignore[no-untyped-call]
         with torch.no_grad():
             if cfg.clip_norm is not None:
@@ -228,7 +231,7 @@ def train(
                 params.add_(momentum, alpha=-cfg.lr)
             else:
                 params.add_(grad, alpha=-cfg.lr)
-            loss_sum += loss.detach() * idx.numel()
+            loss_sum.add_(loss.detach(), alpha=idx.numel())
         seen += idx.numel()
         steps += 1
     with torch.no_grad():

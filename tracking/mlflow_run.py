@@ -23,6 +23,7 @@ import mlflow
 import structlog
 from mlflow.entities import LoggedModelOutput, Metric, Param, RunTag
 
+from tracking._child import ChildLogBatch
 from tracking._keys import safe_key
 from tracking.writer import MetricWriter
 
@@ -171,6 +172,8 @@ class MlflowTracker:
         flush_interval_s: Longest time a metric waits before it is written, in seconds.
         flush_timeout_s: Longest wait of :meth:`flush` and of :meth:`finish` for a failing
             backend, in seconds.
+        writer_process: Send metric batches from a spawned child process (see :mod:`tracking._child`), so
+            MLflow's SQL work does not compete with training for this process's GIL.
         logger: Where warnings go; ``structlog.get_logger("tracking.mlflow")`` when None.
     """
 
@@ -183,6 +186,7 @@ class MlflowTracker:
         max_batch: int = 1000,
         flush_interval_s: float = 0.5,
         flush_timeout_s: float = 30.0,
+        writer_process: bool = True,
         logger: Any = None,
     ) -> None:
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
@@ -201,6 +205,8 @@ class MlflowTracker:
         self._writer: MetricWriter | None = None
         self._monitor: Any = None
         self._finished = False
+        self._writer_process = writer_process
+        self._child: ChildLogBatch | None = None
 
     @property
     def writer(self) -> MetricWriter | None:
@@ -258,6 +264,8 @@ class MlflowTracker:
             raise
         self.experiment_id = self._experiment = experiment_id
         self.run_id = run_id
+        if self._writer_process:
+            self._child = ChildLogBatch(self.tracking_uri, run_id)
         self._writer = MetricWriter(
             self._log_metric_batch,
             max_batch=self._max_batch,
@@ -376,6 +384,9 @@ class MlflowTracker:
         finally:
             if self._writer is not None:
                 self._writer.close(self._flush_timeout)
+            if self._child is not None:
+                self._child.close()
+                self._child = None
             self._client.set_terminated(self.run_id, status)
 
     def ui_command(self) -> str | None:
@@ -451,6 +462,15 @@ class MlflowTracker:
         return self.run_id, self._client
 
     def _log_metric_batch(self, metrics: list[Metric]) -> None:
+        child = self._child
+        if child is not None:
+            try:
+                child(metrics)
+                return
+            except ConnectionError as exc:
+                # The child died: write from this process from now on rather than lose metrics.
+                self._log.warning("tracking.writer_process_lost", error=str(exc), metrics=False)
+                self._child = None
         run_id, client = self._started()
         client.log_batch(run_id, metrics=metrics, synchronous=True)
 

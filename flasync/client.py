@@ -81,8 +81,9 @@ class Client:
             download_s = ctx.network.download_seconds(cid, model.download_bytes)
             indices = ctx.client_indices(cid)
             steps = ctx.local.steps_for(len(indices))
-            simulated = ctx.population.train_seconds(cid, steps, task.task_id)
-            generator = seeding.torch_stream(ctx.config.seed, seeding.TASK, task.task_id)
+            # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
+            simulated = ctx.population.train_seconds(cid, steps, task.participation)
+            generator = seeding.torch_stream(ctx.config.seed, seeding.TASK, cid, task.participation)
             try:
                 # Everything the job needs is known now, so it starts at once in real time; on the virtual
                 # clock it completes after the simulated download and training.

@@ -498,8 +498,8 @@ def _message(error: Mapping[str, Any]) -> str:
     if kind == "missing":
         return "required field is missing"
     if kind == "union_tag_invalid":
-        expected = (error.get("ctx") or {}).get("expected_tags", "")
-        return f"unknown kind {error['input']!r} (expected one of {expected})"
+        ctx = error.get("ctx") or {}
+        return f"unknown kind {ctx.get('tag', error['input'])!r} (expected one of {ctx.get('expected_tags', '')})"
     message = str(error["msg"])
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]

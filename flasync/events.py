@@ -38,10 +38,11 @@ class ModelPublished:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskAssigned:
-    """Client ``client_id`` was given task ``task_id`` starting from model ``base_version``."""
+    """Client ``client_id`` was given task ``task_id`` (its ``participation``-th, from 0) on model ``base_version``."""
 
     task_id: int
     client_id: ClientId
+    participation: int
     base_version: Version
     simulated_s: float
 

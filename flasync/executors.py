@@ -4,9 +4,10 @@ PyTorch releases the GIL inside its kernels, so a small pool of threads overlaps
 pickling models or data between processes. Each worker thread builds its model once, on first use, and reuses it
 for every client it trains (weights are loaded with one ``copy_``).
 
-Each worker also gets its own intra-op thread count (``torch.set_num_threads`` in the worker applies to that thread's
-OpenMP team only). The default of one is what small FL models want: an intra-op team per worker would spin on the
-cores the event loop and the other workers need, which measured 3.6x slower per client on two cores.
+Each worker also gets its own intra-op thread count: with torch's OpenMP backend, ``torch.set_num_threads`` called in
+a thread sizes that thread's OpenMP team. The default of one is what small FL models want: an intra-op team per
+worker would spin on the cores the event loop and the other workers need, which measured 3.6x slower per client on
+two cores.
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ class ModelPool:
         return model
 
 
+def _init_worker(threads: int, default: int) -> None:
+    """Size this worker's OpenMP team, leaving torch's default for other threads as it was."""
+    # torch sizes a thread's team from the process default on the thread's first parallel call; make that happen
+    # now, or it would later undo the size set below.
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+    # set_num_threads also stores the count that threads created later start with; a throwaway thread puts that
+    # default back without touching this worker's own team.
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="flasync-threads-restore")
+    restore.start()
+    restore.join()
+
+
 class ThreadTrainingExecutor:
     """A thread pool plus the per-thread models its jobs train.
 
@@ -65,8 +79,8 @@ class ThreadTrainingExecutor:
         self.pool: Executor = ThreadPoolExecutor(
             max_workers=workers,
             thread_name_prefix="flasync-train",
-            initializer=torch.set_num_threads,
-            initargs=(threads_per_worker,),
+            initializer=_init_worker,
+            initargs=(threads_per_worker, torch.get_num_threads()),
         )
 
     def shutdown(self) -> None:

@@ -40,13 +40,13 @@ class Population:
         """Return the number of clients."""
         return len(self.sizes)
 
-    def train_seconds(self, client_id: int, steps: int, task_id: int) -> float:
-        """Return the simulated seconds task ``task_id`` of ``client_id`` takes for ``steps`` local steps."""
+    def train_seconds(self, client_id: int, steps: int, participation: int) -> float:
+        """Return simulated seconds of ``client_id``'s ``participation``-th task of ``steps`` local steps."""
         speed = self.speed
         base = steps * speed.seconds_per_step
         if isinstance(speed, ConstantSpeed):
             return base
-        draw = seeding.stream_normal(self.seed, seeding.TASK_SPEED, task_id)
+        draw = seeding.stream_normal(self.seed, seeding.TASK_SPEED, client_id, participation)
         if isinstance(speed, LogNormalSpeed):
             return base * float(self.slowdown[client_id]) * math.exp(speed.jitter * draw)
         if isinstance(speed, HalfNormalSpeed):

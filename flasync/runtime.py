@@ -31,6 +31,7 @@ from flasync.config import (
     DigitsData,
     DirichletPartition,
     FedAvgServer,
+    FedBuffServer,
     IIDPartition,
     MLPModel,
     RunConfig,
@@ -56,7 +57,7 @@ from flasync.errors import ConfigError, DataError
 from flasync.executors import ThreadTrainingExecutor
 from flasync.models import MLP, SmallCNN
 from flasync.population import Network, Population
-from flasync.server import Server
+from flasync.server import Server, warm_up
 from flasync.training import LocalTraining, flat_parameters
 
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
@@ -257,6 +258,8 @@ class Federation:
         partition = self._partition(train)
         factory = self._factory(train)
         initial = self._initial_weights(factory, train)
+        server = self.config.server
+        warm_up(server.optimizer if isinstance(server, FedAvgServer | FedBuffServer) else None)
         return _Prepared(train, test, partition, factory, initial)
 
     def _make_tracker(self) -> tracking.Tracker:
@@ -351,13 +354,16 @@ class Federation:
             params=prepared.initial.numel(),
             metrics=False,
         )
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self.clock.drive(), name="flasync-clock")
-            try:
-                stats = await server.run()
-            finally:
-                self.clock.stop()
-                self.bus.close()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.clock.drive(), name="flasync-clock")
+                try:
+                    stats = await server.run()
+                finally:
+                    self.clock.stop()
+                    self.bus.close()
+        except BaseExceptionGroup as group:
+            raise _root_cause(group) from None
         wall_s = self._wall() - start_wall
         simulated_s = self.clock.now() - start_sim
         self.weights = weights
@@ -423,6 +429,16 @@ class Federation:
                 log.debug("tracking.log_model", seconds=seconds, metrics=False)
             except Exception as exc:  # a model MLflow cannot serialise must not fail the run
                 log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+
+
+def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """Return the first error of a (nested) exception group that is not a cancellation."""
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            return _root_cause(error)
+        if not isinstance(error, asyncio.CancelledError):
+            return error
+    return group.exceptions[0]
 
 
 def run(config: RunConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> RunSummary:

@@ -64,7 +64,7 @@ def stream_seed(seed: int, *key: int) -> int:
 def stream_normal(seed: int, *key: int) -> float:
     """Return one standard normal draw for the stream ``key`` of ``seed`` (Box-Muller over two 53-bit uniforms)."""
     state = _mix(seed, key)
-    second = _splitmix64(state)
+    second = _splitmix64(state ^ 0x5851F42D4C957F2D)  # not the state of any small-integer key extension
     u1 = ((state >> 11) + 1) / 9007199254740993.0  # in (0, 1]
     u2 = (second >> 11) / 9007199254740992.0  # in [0, 1)
     return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)

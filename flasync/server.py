@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from flasync import codecs, seeding
@@ -42,7 +43,7 @@ from flasync.config import (
     StalenessConfig,
 )
 from flasync.context import RunContext
-from flasync.errors import DecodeError
+from flasync.errors import DecodeError, TrainingError
 from flasync.events import (
     Aggregated,
     ClientFailed,
@@ -58,7 +59,7 @@ from flasync.events import (
 )
 from flasync.training import evaluate
 
-__all__ = ["Server", "ServerStats", "make_server_optimizer", "make_staleness_weight"]
+__all__ = ["Server", "ServerStats", "make_server_optimizer", "make_staleness_weight", "warm_up"]
 
 
 def make_staleness_weight(config: StalenessConfig) -> StalenessWeight:
@@ -75,6 +76,16 @@ def make_server_optimizer(weights: torch.Tensor, config: ServerOptimizerConfig) 
     if isinstance(config, AdamServerOptimizer):
         return ServerOptimizer.adam(weights, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
     return ServerOptimizer.sgd(weights, lr=config.lr, momentum=config.momentum)
+
+
+def warm_up(config: ServerOptimizerConfig | None) -> None:
+    """Build and step a throwaway server optimizer, off the event loop.
+
+    ``torch.optim`` imports ``torch._dynamo`` (over a second) the first time an optimizer is built; the runtime calls
+    this from its preparation thread so that import never stalls the event loop.
+    """
+    if config is not None:
+        make_server_optimizer(torch.zeros(1), config).step(torch.zeros(1))
 
 
 @dataclass(slots=True)
@@ -186,12 +197,17 @@ class Server:
         self._bases: dict[Version, ModelSnapshot] = {}
         self._base_refs: Counter[Version] = Counter()
         self._in_flight: set[ClientId] = set()
+        self._participations = np.zeros(len(ctx.population), dtype=np.int64)
+        self._failure_streak = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._start_wall = 0.0
         self._round_staleness: list[int] = []
         cfg = self.cfg
-        capacity = 2 * (cfg.clients_per_round if isinstance(cfg, FedAvgServer) else cfg.concurrency) + 8
+        in_flight = cfg.clients_per_round if isinstance(cfg, FedAvgServer) else cfg.concurrency
+        capacity = 2 * in_flight + 8
+        # Every task of several waves failing means the model or data is broken, not an unlucky client.
+        self._failure_limit = max(3 * in_flight, 30)
         self._inbox = ctx.bus.subscribe(UpdateUploaded, ClientFailed, capacity=capacity, name="server")
         self.strategy: _Strategy
         if isinstance(cfg, FedAvgServer):
@@ -285,9 +301,12 @@ class Server:
     async def _dispatch(self, client_id: ClientId) -> None:
         assert self._tg is not None and self._snapshot is not None
         snapshot = self._snapshot
+        participation = int(self._participations[client_id])
+        self._participations[client_id] = participation + 1
         task = TaskAssigned(
             task_id=self.stats.tasks_dispatched,
             client_id=client_id,
+            participation=participation,
             base_version=snapshot.version,
             simulated_s=self.ctx.clock.now(),
         )
@@ -316,7 +335,13 @@ class Server:
         if isinstance(message, ClientFailed):
             self._release(message.client_id, message.base_version)
             self.stats.updates_failed += 1
+            self._failure_streak += 1
+            if self._failure_streak >= self._failure_limit:
+                raise TrainingError(
+                    f"the last {self._failure_streak} client tasks all failed; the last error: {message.error}"
+                )
             return
+        self._failure_streak = 0
         base = self._bases.get(message.base_version)
         self._release(message.client_id, message.base_version)
         ctx, stats = self.ctx, self.stats

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Literal, TextIO
+from typing import Any, Literal, TextIO
 
 import structlog
 from structlog.contextvars import merge_contextvars
@@ -89,6 +89,22 @@ class LevelFilter:
         return f"LevelFilter({logging.getLevelName(self.level).lower()!r})"
 
 
+class _StderrLogger:
+    """Write each rendered line to the ``sys.stderr`` of the moment."""
+
+    def msg(self, message: str) -> None:
+        stream = sys.stderr
+        stream.write(message + "\n")
+        stream.flush()
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = failure = err = msg
+
+
+class _StderrLoggerFactory:
+    def __call__(self, *args: Any) -> _StderrLogger:
+        return _StderrLogger()
+
+
 def configure_logging(
     *,
     fmt: Literal["console", "json"] = "console",
@@ -106,7 +122,8 @@ def configure_logging(
     Args:
         fmt: ``"console"`` for humans, ``"json"`` for machines.
         level: The lowest level rendered by plain ``structlog.get_logger()`` loggers.
-        stream: Where lines go; ``sys.stderr`` (as it is at this call) when None.
+        stream: Where lines go; when None, whatever ``sys.stderr`` is at each write (so a later redirection
+            of ``sys.stderr``, as test runners do, is followed).
 
     Raises:
         ValueError: ``fmt`` or ``level`` is unknown.
@@ -128,7 +145,7 @@ def configure_logging(
             *tail,
         ],
         wrapper_class=_NON_FILTERING,
-        logger_factory=structlog.WriteLoggerFactory(file=out),
+        logger_factory=structlog.WriteLoggerFactory(file=out) if stream is not None else _StderrLoggerFactory(),
         cache_logger_on_first_use=False,
     )
 

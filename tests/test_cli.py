@@ -1,0 +1,148 @@
+"""The command line: bad input exits 2 with one line, the default experiment runs and lands in MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+
+from flasync.cli import main
+from flasync.config import load_config
+
+
+def _fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run the CLI in-process, expect exit status 2 and return its one-line error."""
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("flasync: error: ")
+    return lines[0]
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Work in a temporary directory with a temporary MLflow store."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+
+
+def _runs(uri: str) -> list[mlflow.entities.Run]:
+    db = Path(uri.removeprefix("sqlite:///"))
+    if not db.exists():
+        return []
+    client = mlflow.MlflowClient(uri)
+    return [run for exp in client.search_experiments() for run in client.search_runs([exp.experiment_id])]
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str], store: str) -> None:
+    """A missing config file exits 2 naming it."""
+    assert "config file not found: nope.toml" in _fails(capsys, "run", "nope.toml", "--tracking-uri", store)
+    assert _runs(store) == []
+
+
+def test_unparsable_toml(capsys: pytest.CaptureFixture[str], store: str, tmp_path: Path) -> None:
+    """A TOML syntax error exits 2."""
+    (tmp_path / "bad.toml").write_text("seed = = 1\n")
+    assert "invalid TOML" in _fails(capsys, "run", "bad.toml", "--tracking-uri", store)
+
+
+def test_unparsable_yaml(capsys: pytest.CaptureFixture[str], store: str, tmp_path: Path) -> None:
+    """A YAML syntax error exits 2."""
+    (tmp_path / "bad.yaml").write_text("server: {kind: fedbuff\n")
+    assert "invalid YAML" in _fails(capsys, "run", "bad.yaml", "--tracking-uri", store)
+
+
+def test_unknown_key_in_file(capsys: pytest.CaptureFixture[str], store: str, tmp_path: Path) -> None:
+    """An unknown key in a file exits 2 naming the dotted field."""
+    (tmp_path / "c.toml").write_text("[server]\nkind = 'fedbuff'\nbuffersize = 3\n")
+    assert _fails(capsys, "run", "c.toml", "--tracking-uri", store).endswith("server.buffersize: unknown field")
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("client.lr=fast", "client.lr: Input should be a valid number"),
+        ("client.lr=-1", "client.lr: Input should be greater than 0"),
+        ("server.kind=fedsgd", "server: unknown kind 'fedsgd'"),
+        ("server.concurrency=500", "server.concurrency: must be <= population.num_clients (100), got 500"),
+        ("clientlr", "--set 'clientlr': expected path.to.field=value"),
+        ("client..lr=1", "is not a dotted field path"),
+    ],
+)
+def test_bad_set(capsys: pytest.CaptureFixture[str], store: str, override: str, expected: str) -> None:
+    """A bad --set (wrong type, out of range, unknown kind, cross-field, malformed) exits 2 naming the field."""
+    assert expected in _fails(capsys, "run", "--set", override, "--tracking-uri", store)
+    assert _runs(store) == []
+
+
+def test_unknown_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown flag exits 2 with one line."""
+    assert "unrecognized arguments: --fast" in _fails(capsys, "run", "--fast")
+
+
+def test_bad_data_leaves_no_run(capsys: pytest.CaptureFixture[str], store: str) -> None:
+    """More clients than samples exits 2 before any MLflow run exists."""
+    message = _fails(capsys, "run", "--set", "population.num_clients=5000", "--tracking-uri", store)
+    assert "5000" in message
+    assert all(run.info.status != "RUNNING" for run in _runs(store))
+
+
+def test_print_config_round_trips(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--print-config prints YAML that loads back into the same config."""
+    assert main(["run", "--print-config", "--set", "server.buffer_size=7", "--no-system-metrics"]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "resolved.yaml").write_text(printed)
+    resolved = load_config(tmp_path / "resolved.yaml")
+    assert resolved == load_config(None, ["server.buffer_size=7"])
+    assert yaml.safe_load(printed)["server"]["buffer_size"] == 7
+
+
+def test_help_lists_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help exits 0 and lists the run command."""
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert "run" in capsys.readouterr().out
+
+
+def test_default_experiment_end_to_end(tmp_path: Path) -> None:
+    """`python -m flasync run` with no arguments reaches 0.90 and logs to sqlite:///mlruns/mlflow.db."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    done = subprocess.run(
+        [sys.executable, "-m", "flasync", "run"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "flasync run finished" in done.stdout
+    assert "mlflow ui --backend-store-uri sqlite:///" in done.stdout
+    assert "server.eval" in done.stderr  # progress lines while it runs
+    uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
+    (run,) = _runs(uri)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["server.kind"] == "fedbuff"
+    assert run.data.tags["aggregator"] == "fedbuff"
+    client = mlflow.MlflowClient(uri)
+    summary = json.loads(Path(client.download_artifacts(run.info.run_id, "summary.json", str(tmp_path))).read_text())
+    assert summary["accuracy"] >= 0.90
+    assert summary["versions"] == 120
+    assert run.data.metrics["server.eval.accuracy"] == pytest.approx(summary["accuracy"])
+    history = client.get_metric_history(run.info.run_id, "client.train_s")
+    # One point per trained task: every accepted update, plus tasks still uploading when the run stopped.
+    assert summary["updates_accepted"] <= len(history) <= summary["tasks_dispatched"]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"summary.json", "config.yaml", "weights.pt"} <= artifacts
+    artifact_root = Path(run.info.artifact_uri.removeprefix("file://"))
+    assert artifact_root.is_relative_to(tmp_path / "mlruns")

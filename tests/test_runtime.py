@@ -1,0 +1,368 @@
+"""The runtime end to end: determinism, events, embedding, summaries, bad data and models."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import uvloop
+from torch import nn
+
+import flasync
+from flasync.clock import VirtualClock
+from flasync.data import ArrayData
+from flasync.errors import ConfigError, DataError, TrainingError
+from flasync.events import (
+    Aggregated,
+    ClientFailed,
+    Evaluated,
+    ModelPublished,
+    RunFinished,
+    TaskAssigned,
+    UpdateReceived,
+    UpdateRejected,
+    UpdateUploaded,
+)
+from flasync.runtime import weights_sha256
+from flasync.testing import EventRecorder, MemoryTracker, small_config
+
+SUMMARY_KEYS = {
+    "accuracy",
+    "loss",
+    "updates_accepted",
+    "updates_dropped",
+    "versions",
+    "wall_s",
+    "simulated_s",
+    "upload_bytes",
+    "download_bytes",
+    "weights_sha256",
+}
+
+
+def _sha(*overrides: str, **kwargs: Any) -> str:
+    return flasync.run(small_config(*overrides), **kwargs).weights_sha256
+
+
+def test_same_seed_same_weights() -> None:
+    """Two runs with one seed end with bit-identical weights."""
+    assert _sha() == _sha()
+
+
+def test_thread_count_does_not_change_weights() -> None:
+    """1 and 3 executor threads give the same weights under the virtual clock."""
+    assert _sha("executor.workers=1") == _sha("executor.workers=3")
+
+
+def test_other_seed_other_weights() -> None:
+    """Another seed gives other weights."""
+    assert _sha("seed=0") != _sha("seed=1")
+
+
+def test_event_loop_implementation_does_not_change_weights() -> None:
+    """The stdlib asyncio loop and uvloop give the same weights."""
+    config = small_config("stop.max_versions=30", server={"kind": "fedasync", "concurrency": 6})
+    on_asyncio = asyncio.run(flasync.Federation(config).run()).weights_sha256
+    on_uvloop = uvloop.run(flasync.Federation(config).run()).weights_sha256
+    assert on_asyncio == on_uvloop
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        {"kind": "fedavg", "clients_per_round": 5},
+        {"kind": "fedbuff", "buffer_size": 3, "concurrency": 6},
+        {"kind": "fedasync", "alpha": 0.5, "concurrency": 6},
+    ],
+)
+def test_every_aggregator_is_deterministic(server: dict[str, Any]) -> None:
+    """FedAvg, FedBuff and FedAsync each reproduce their weights with 1 and 2 threads."""
+    first = flasync.run(small_config("executor.workers=1", server=server))
+    second = flasync.run(small_config("executor.workers=2", server=server))
+    assert first.weights_sha256 == second.weights_sha256
+    assert first.versions == 12
+
+
+async def test_summary_has_the_documented_keys() -> None:
+    """The summary (and summary.json) carries the documented keys with consistent values."""
+    tracker = MemoryTracker()
+    summary = await flasync.Federation(small_config(), tracker=tracker).run()
+    data = summary.to_dict()
+    assert data.keys() >= SUMMARY_KEYS
+    assert data["versions"] == 12
+    assert data["updates_accepted"] == 12 * 4
+    assert data["simulated_s"] > 0 and data["wall_s"] > 0
+    import json
+
+    assert json.loads(tracker.artifacts["summary.json"]) == data
+
+
+async def test_bus_carries_the_run_as_events() -> None:
+    """Observers on the bus see every published version, task, update and the end of the run."""
+    federation = flasync.Federation(small_config())
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    assert recorder.dropped == 0
+    assert recorder.count(ModelPublished) == summary.versions + 1
+    assert recorder.count(Aggregated) == summary.versions
+    assert recorder.count(TaskAssigned) == summary.tasks_dispatched
+    assert recorder.count(UpdateReceived) == summary.updates_accepted
+    assert recorder.count(UpdateUploaded) >= summary.updates_accepted
+    assert recorder.count(Evaluated) >= 1
+    (finished,) = recorder.of(RunFinished)
+    assert finished.versions == summary.versions
+    versions = [e.version for e in recorder.of(ModelPublished)]
+    assert versions == list(range(summary.versions + 1))
+
+
+async def test_staleness_is_counted_in_versions() -> None:
+    """With C > K, updates arrive stale; staleness is version_now - base_version."""
+    federation = flasync.Federation(small_config("server.buffer_size=2", "server.concurrency=10"))
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    received = recorder.of(UpdateReceived)
+    assert all(e.staleness == e.version - e.base_version for e in received)
+    assert max(e.staleness for e in received) > 0
+    assert summary.staleness_max == max(e.staleness for e in received)
+
+
+async def test_max_staleness_drops_and_counts() -> None:
+    """Updates older than max_staleness are rejected as stale and counted as dropped."""
+    federation = flasync.Federation(
+        small_config("server.buffer_size=2", "server.concurrency=10", "server.max_staleness=0")
+    )
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    rejected = recorder.of(UpdateRejected)
+    assert summary.updates_dropped == len(rejected) > 0
+    assert {e.reason for e in rejected} == {"stale"}
+    assert all(e.staleness == 0 for e in recorder.of(UpdateReceived))
+
+
+async def test_fedbuff_with_everyone_at_tau_zero_is_fedavg() -> None:
+    """FedBuff with K = C = N, sample weights and tau = 0 produces FedAvg's first version (up to summation order)."""
+    n = 10
+    population = {"num_clients": n, "speed": {"kind": "constant"}}
+    fedbuff = flasync.Federation(
+        small_config(
+            "stop.max_versions=1",
+            population=population,
+            server={
+                "kind": "fedbuff",
+                "buffer_size": n,
+                "concurrency": n,
+                "example_weight": "samples",
+                "staleness": {"kind": "constant"},
+            },
+        )
+    )
+    fedavg = flasync.Federation(
+        small_config("stop.max_versions=1", population=population, server={"kind": "fedavg", "clients_per_round": n})
+    )
+    recorder = EventRecorder(fedbuff.bus)
+    await fedbuff.run()
+    await fedavg.run()
+    assert {e.staleness for e in recorder.of(UpdateReceived)} == {0}
+    assert fedbuff.weights is not None and fedavg.weights is not None
+    torch.testing.assert_close(fedbuff.weights, fedavg.weights, rtol=0, atol=1e-6)
+
+
+async def test_runs_inside_a_running_loop_without_blocking_it() -> None:
+    """Federation.run() is awaited in an existing loop, which keeps serving other tasks throughout."""
+    ticks: list[float] = []
+    stop = asyncio.Event()
+
+    async def heartbeat() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.01)
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(heartbeat())
+        summary = await flasync.Federation(small_config("stop.max_versions=20")).run()
+        stop.set()
+    assert summary.versions == 20
+    gaps = np.diff(ticks)
+    # A loop blocked by training or MLflow would show gaps of the whole run; 2 s is generous for a shared machine.
+    assert len(ticks) > 5 and gaps.max() < 2.0
+    assert asyncio.get_running_loop().is_running()
+
+
+async def test_wall_clock_runs_the_same_code() -> None:
+    """The wall clock runs a federation in real time and reports real seconds."""
+    summary = await flasync.Federation(small_config("clock=wall", "stop.max_versions=4")).run()
+    assert summary.versions == 4
+    assert summary.simulated_s == pytest.approx(summary.wall_s, rel=0.5)
+
+
+async def test_virtual_time_is_simulated_durations_not_wall_time() -> None:
+    """Under the virtual clock, simulated seconds follow the speed model, far beyond the wall time."""
+    config = small_config(population={"num_clients": 20, "speed": {"kind": "constant", "seconds_per_step": 10.0}})
+    summary = await flasync.Federation(config).run()
+    assert summary.simulated_s > 100 * summary.wall_s
+
+
+async def test_custom_dataset_and_model_factory() -> None:
+    """Any torch Dataset of (x, y) pairs and any nn.Module factory train through the Python API."""
+
+    class Blobs(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+        def __init__(self, n: int) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.y = torch.randint(0, 3, (n,), generator=g)
+            self.x = torch.randn(n, 5, generator=g) + 3.0 * nn.functional.one_hot(self.y, 5).float()
+
+        def __len__(self) -> int:
+            return len(self.y)
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            return self.x[i], int(self.y[i])
+
+    def factory() -> nn.Module:
+        return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    summary = await flasync.Federation(
+        small_config("stop.max_versions=30"), dataset=Blobs(600), model_factory=factory
+    ).run()
+    assert summary.accuracy > 0.9
+
+
+async def test_clients_with_no_samples_are_a_data_error() -> None:
+    """More clients than samples is a DataError before any run starts."""
+    data = ArrayData(x=torch.randn(30, 4), y=torch.randint(0, 2, (30,)), num_classes=2)
+    tracker = MemoryTracker()
+    with pytest.raises(DataError, match="client"):
+        await flasync.Federation(small_config("population.num_clients=50"), dataset=data, tracker=tracker).run()
+    assert tracker.run_id is None
+
+
+async def test_model_factory_that_raises_is_a_config_error() -> None:
+    """A model factory that raises is reported as a ConfigError and starts no run."""
+
+    def broken() -> nn.Module:
+        raise RuntimeError("no weights today")
+
+    tracker = MemoryTracker()
+    with pytest.raises(ConfigError, match="model factory failed: RuntimeError: no weights today"):
+        await flasync.Federation(small_config(), model_factory=broken, tracker=tracker).run()
+    assert tracker.run_id is None
+
+
+async def test_model_with_wrong_output_is_a_config_error() -> None:
+    """A model whose output is not (batch, classes) logits is refused."""
+    with pytest.raises(ConfigError, match="expected \\(2, 10\\) logits"):
+        await flasync.Federation(small_config(), model_factory=lambda: nn.Linear(64, 3)).run()
+
+
+async def test_every_client_failing_ends_the_run_failed() -> None:
+    """A run whose every client task fails stops with TrainingError and ends FAILED."""
+
+    class Fragile(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled():
+                raise RuntimeError("cannot train")
+            return self.linear(x)
+
+    tracker = MemoryTracker()
+    federation = flasync.Federation(small_config(), model_factory=Fragile, tracker=tracker)
+    recorder = EventRecorder(federation.bus)
+    with pytest.raises(TrainingError, match="client tasks all failed; the last error: RuntimeError: cannot train"):
+        await federation.run()
+    assert tracker.status == "FAILED"
+    assert recorder.count(ClientFailed) >= 30
+
+
+async def test_cancelled_run_ends_killed() -> None:
+    """Cancelling the run's task ends its tracking run as KILLED."""
+    tracker = MemoryTracker()
+    federation = flasync.Federation(small_config("clock=wall", "stop.max_versions=100000"), tracker=tracker)
+    published = federation.bus.subscribe(ModelPublished, policy="drop_oldest")
+    task = asyncio.create_task(federation.run())
+    await published.receive()
+    await published.receive()  # a version was aggregated: training is under way
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert tracker.status == "KILLED"
+
+
+async def test_metrics_keys_are_bounded_and_stepped() -> None:
+    """Metric keys do not grow with clients; per-update figures step by update, per-version by version."""
+    tracker = MemoryTracker()
+    summary = await flasync.Federation(small_config("tracking.log_level=debug"), tracker=tracker).run()
+    keys = tracker.metric_keys()
+    assert len(keys) < 60
+    assert not any(str(i) in key.split(".")[-1] for key in keys for i in range(20) if key.endswith(f"_{i}"))
+    for key in (
+        "client.train_s",
+        "client.samples",
+        "client.loss",
+        "client.peak_mem_bytes",
+        "client.upload_bytes",
+        "client.download_bytes",
+        "server.update.staleness",
+        "server.update.queue_wait_s",
+        "server.version.aggregate_s",
+        "server.version.versions_per_s",
+        "server.version.simulated_s",
+        "server.version.wall_s",
+        "server.eval.accuracy",
+        "server.eval.loss",
+    ):
+        assert key in keys, key
+    assert [step for step, _ in tracker.history("server.version.aggregate_s")] == list(range(1, 13))
+    staleness_steps = [step for step, _ in tracker.history("server.update.staleness")]
+    assert staleness_steps == list(range(1, summary.updates_accepted + 1))
+    assert tracker.history("server.eval.accuracy")[-1][1] == pytest.approx(summary.accuracy)
+
+
+async def test_logged_bytes_are_payload_lengths() -> None:
+    """Upload bytes in metrics and summary are the real lengths of the encoded payloads."""
+    tracker = MemoryTracker()
+    federation = flasync.Federation(small_config(), tracker=tracker)
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    uploads = recorder.of(UpdateUploaded)
+    assert summary.upload_bytes == sum(len(e.payload) for e in uploads)
+    params = sum(p.numel() for p in flasync.models.MLP(64, (32,), 10).parameters())
+    assert {v for _, v in tracker.history("client.upload_bytes")} == {24 + 4 * params}
+
+
+async def test_final_weights_artifact_matches_the_summary() -> None:
+    """weights.pt loads with weights_only=True and hashes to the summary's sha256."""
+    tracker = MemoryTracker()
+    summary = await flasync.Federation(small_config(), tracker=tracker).run()
+    saved = torch.load(io.BytesIO(tracker.artifacts["weights.pt"]), weights_only=True)
+    assert weights_sha256(saved["flat"]) == summary.weights_sha256
+    assert (
+        set(saved["state_dict"]) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"} or saved["state_dict"]
+    )
+    assert b"server:" in tracker.artifacts["config.yaml"]
+
+
+async def test_params_and_tags() -> None:
+    """Params are the flattened config; tags name aggregator, mode, clock, seed and version."""
+    tracker = MemoryTracker()
+    await flasync.Federation(small_config("seed=7"), tracker=tracker).run()
+    assert tracker.params["server.buffer_size"] == 4
+    assert tracker.params["seed"] == 7
+    assert tracker.tags["aggregator"] == "fedbuff"
+    assert tracker.tags["mode"] == "async"
+    assert tracker.tags["clock"] == "virtual"
+    assert tracker.tags["seed"] == "7"
+    assert tracker.tags["flasync.version"] == flasync.__version__
+
+
+def test_injected_clock_is_used() -> None:
+    """A clock passed to the Federation drives the run."""
+    clock = VirtualClock(start=1000.0)
+    flasync.run(small_config("stop.max_versions=2"), clock=clock)
+    assert clock.now() > 1000.0 and clock.fired > 0

@@ -296,19 +296,21 @@ class Federation:
         if not isinstance(tracker, tracking.NullTracker):
             processors.append(tracking.MetricsProcessor(tracker.log_metrics, exclude=_METRIC_EXCLUDE))
         log = tracking.make_logger(level=cfg.tracking.log_level, processors_before=processors)
-        self.run_id = await asyncio.to_thread(
+        run_id = await asyncio.to_thread(
             tracker.start,
             experiment=cfg.tracking.experiment,
             run_name=cfg.tracking.run_name,
             params=flatten(cfg),
             tags=self._tags(),
         )
+        self.run_id = run_id or None
         executor = ThreadTrainingExecutor(
             prepared.factory, workers=cfg.executor.workers, threads_per_worker=cfg.executor.threads_per_worker
         )
         status: Literal["FINISHED", "FAILED", "KILLED"] = "FAILED"
         try:
-            with structlog.contextvars.bound_contextvars(run_id=self.run_id):
+            context = {"run_id": self.run_id} if self.run_id else {}
+            with structlog.contextvars.bound_contextvars(**context):
                 summary = await self._simulate(prepared, executor, log)
                 await asyncio.to_thread(self._log_artifacts, tracker, prepared, summary, log)
             status = "FINISHED"
@@ -386,24 +388,13 @@ class Federation:
             stop_reason=stats.stop_reason,
             weights_sha256=weights_sha256(weights),
         )
-        log.info(
-            "run.finished",
-            step=stats.versions,
-            accuracy=summary.accuracy,
-            loss=summary.loss,
-            updates_accepted=summary.updates_accepted,
-            updates_dropped=summary.updates_dropped,
-            updates_failed=summary.updates_failed,
-            versions=summary.versions,
-            wall_s=wall_s,
-            simulated_s=simulated_s,
-            upload_bytes=summary.upload_bytes,
-            download_bytes=summary.download_bytes,
-            updates_per_s=summary.updates_per_s,
-            staleness_mean=summary.staleness_mean,
-            bus_dropped=self.bus.statistics().dropped,
-            bus_high_water=self.bus.statistics().high_water,
-        )
+        figures = {
+            key: value
+            for key, value in summary.to_dict().items()
+            if isinstance(value, int | float) and not isinstance(value, bool)
+        }
+        bus = self.bus.statistics()
+        log.info("run.finished", step=stats.versions, **figures, bus_dropped=bus.dropped, bus_high_water=bus.high_water)
         return summary
 
     def _log_artifacts(self, tracker: tracking.Tracker, prepared: _Prepared, summary: RunSummary, log: Any) -> None:

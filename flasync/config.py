@@ -20,7 +20,9 @@ from flasync.errors import ConfigError
 
 __all__ = [
     "AdamServerOptimizer",
+    "BFloat16Stage",
     "ClientConfig",
+    "CodecConfig",
     "ConstantSpeed",
     "ConstantStalenessConfig",
     "DigitsData",
@@ -30,20 +32,24 @@ __all__ = [
     "FedAsyncServer",
     "FedAvgServer",
     "FedBuffServer",
+    "Float16Stage",
     "HalfNormalSpeed",
     "HingeStalenessConfig",
     "IIDPartition",
+    "Int8Stage",
     "LogNormalSpeed",
     "MLPModel",
     "NetworkConfig",
     "PolynomialStalenessConfig",
     "PopulationConfig",
+    "RandomKStage",
     "RunConfig",
     "SGDServerOptimizer",
     "ShardsPartition",
     "SmallCNNModel",
     "StopConfig",
     "SyntheticData",
+    "TopKStage",
     "TrackingConfig",
     "apply_override",
     "flatten",
@@ -183,11 +189,86 @@ class PopulationConfig(_Section):
 
 
 class NetworkConfig(_Section):
-    """Simulated links: transfer time is ``latency_s + bytes / bytes_per_s`` on the virtual clock."""
+    """Simulated links: transfer time is ``latency + bytes / bandwidth`` on the virtual clock.
 
-    latency_s: float = Field(0.05, ge=0.0)
-    upload_bytes_per_s: float = Field(1.25e6, gt=0.0, description="Client uplink (default 10 Mbit/s).")
-    download_bytes_per_s: float = Field(5.0e6, gt=0.0, description="Client downlink (default 40 Mbit/s).")
+    Each client's latency and bandwidths are the configured medians times ``exp(N(0, sigma))``, drawn once per client
+    from the run's seed (``sigma = 0``: every client has the medians).
+    """
+
+    latency_s: float = Field(0.05, ge=0.0, description="Median one-way latency.")
+    upload_bytes_per_s: float = Field(1.25e6, gt=0.0, description="Median client uplink (default 10 Mbit/s).")
+    download_bytes_per_s: float = Field(5.0e6, gt=0.0, description="Median client downlink (default 40 Mbit/s).")
+    latency_sigma: float = Field(0.0, ge=0.0, le=5.0, description="Log-space spread of latency across clients.")
+    bandwidth_sigma: float = Field(0.0, ge=0.0, le=5.0, description="Log-space spread of bandwidth across clients.")
+
+
+class Float16Stage(_Section):
+    """Values as IEEE half precision."""
+
+    kind: Literal["fp16"] = "fp16"
+
+
+class BFloat16Stage(_Section):
+    """Values as bfloat16."""
+
+    kind: Literal["bf16"] = "bf16"
+
+
+class Int8Stage(_Section):
+    """Values as int8 with a float32 scale per tensor (``chunk`` unset) or per chunk; stochastic rounding."""
+
+    kind: Literal["int8"] = "int8"
+    chunk: int | None = Field(None, ge=1)
+    stochastic: bool = True
+
+
+class TopKStage(_Section):
+    """Keep the ``ratio`` largest-magnitude values; the rest goes to the client's error-feedback residual."""
+
+    kind: Literal["topk"] = "topk"
+    ratio: float = Field(0.01, gt=0.0, le=1.0)
+    error_feedback: bool = True
+
+
+class RandomKStage(_Section):
+    """Keep a random ``ratio`` of the values."""
+
+    kind: Literal["randomk"] = "randomk"
+    ratio: float = Field(0.01, gt=0.0, le=1.0)
+    error_feedback: bool = True
+
+
+CodecStage = Annotated[Float16Stage | BFloat16Stage | Int8Stage | TopKStage | RandomKStage, Field(discriminator="kind")]
+_SPARSIFIERS = (TopKStage, RandomKStage)
+_VALUE_ENCODERS = (Float16Stage, BFloat16Stage, Int8Stage)
+
+
+class CodecConfig(_Section):
+    """What crosses the wire: a pipeline of stages per direction (empty = dense float32, lossless).
+
+    An upload pipeline is at most one sparsifier (``topk``/``randomk``) first, then at most one value encoder
+    (``fp16``/``bf16``/``int8``). Downloads take a value encoder only (the model is dense).
+    """
+
+    upload: tuple[CodecStage, ...] = ()
+    download: tuple[CodecStage, ...] = ()
+    max_residuals_in_memory: int = Field(
+        1024, ge=1, description="Error-feedback residuals kept in memory; older ones spill to disk."
+    )
+    residual_dir: str | None = Field(None, description="Where residuals spill (default: a temporary folder).")
+
+    @model_validator(mode="after")
+    def _stage_order(self) -> CodecConfig:
+        for direction, stages in (("upload", self.upload), ("download", self.download)):
+            sparsifiers = [i for i, st in enumerate(stages) if isinstance(st, _SPARSIFIERS)]
+            encoders = [i for i, st in enumerate(stages) if isinstance(st, _VALUE_ENCODERS)]
+            if direction == "download" and sparsifiers:
+                raise _FieldError(("codec", "download"), "only fp16, bf16 and int8 stages apply to downloads")
+            if len(sparsifiers) > 1 or (sparsifiers and sparsifiers[0] != 0):
+                raise _FieldError(("codec", direction), "at most one topk/randomk stage, and it must come first")
+            if len(encoders) > 1 or (encoders and encoders[0] != len(stages) - 1):
+                raise _FieldError(("codec", direction), "at most one fp16/bf16/int8 stage, and it must come last")
+        return self
 
 
 class ClientConfig(_Section):
@@ -296,7 +377,7 @@ class EvalConfig(_Section):
 class StopConfig(_Section):
     """When the run ends: the first limit reached wins."""
 
-    max_versions: int = Field(120, ge=1)
+    max_versions: int = Field(150, ge=1)
     target_accuracy: float | None = Field(None, gt=0.0, le=1.0, description="Stop once reached.")
     max_simulated_s: float | None = Field(None, gt=0.0)
     max_wall_s: float | None = Field(None, gt=0.0)
@@ -335,6 +416,7 @@ class RunConfig(_Section):
     client: ClientConfig = ClientConfig()
     server: ServerConfig = FedBuffServer()
     network: NetworkConfig = NetworkConfig()
+    codec: CodecConfig = CodecConfig()
     eval: EvalConfig = EvalConfig()
     stop: StopConfig = StopConfig()
     executor: ExecutorConfig = ExecutorConfig()

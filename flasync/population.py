@@ -55,16 +55,28 @@ class Population:
 
 
 class Network:
-    """Transfer times: ``latency_s + bytes / bytes_per_s`` in each direction."""
+    """Per-client links: transfer time is ``latency + bytes / bandwidth`` in each direction.
 
-    def __init__(self, config: NetworkConfig) -> None:
-        """Use one link model for every client."""
+    Args:
+        config: Medians and log-space spreads.
+        num_clients: Population size.
+        seed: The run's seed (the draws use their own stream, once per client).
+    """
+
+    def __init__(self, config: NetworkConfig, num_clients: int = 1, seed: int = 0) -> None:
+        """Draw every client's latency and bandwidths."""
         self.config = config
+        rng = seeding.numpy_stream(seed, seeding.NETWORK)
+        shape = (num_clients,)
+        self.latency_s = config.latency_s * np.exp(rng.normal(0.0, config.latency_sigma, shape))
+        spread = np.exp(rng.normal(0.0, config.bandwidth_sigma, (2, num_clients)))
+        self.upload_bytes_per_s = config.upload_bytes_per_s * spread[0]
+        self.download_bytes_per_s = config.download_bytes_per_s * spread[1]
 
     def upload_seconds(self, client_id: int, num_bytes: int) -> float:
         """Return simulated seconds for ``client_id`` to upload ``num_bytes``."""
-        return self.config.latency_s + num_bytes / self.config.upload_bytes_per_s
+        return float(self.latency_s[client_id] + num_bytes / self.upload_bytes_per_s[client_id])
 
     def download_seconds(self, client_id: int, num_bytes: int) -> float:
         """Return simulated seconds for ``client_id`` to download ``num_bytes``."""
-        return self.config.latency_s + num_bytes / self.config.download_bytes_per_s
+        return float(self.latency_s[client_id] + num_bytes / self.download_bytes_per_s[client_id])

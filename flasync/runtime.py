@@ -337,7 +337,7 @@ class Federation:
             test_y=prepared.test.y,
             partition=prepared.partition,
             population=Population(prepared.partition.sizes, cfg.population.speed, cfg.seed),
-            network=Network(cfg.network),
+            network=Network(cfg.network, cfg.population.num_clients, cfg.seed),
             local=local,
             num_params=prepared.initial.numel(),
             log=log,

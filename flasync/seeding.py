@@ -17,8 +17,10 @@ import numpy as np
 import torch
 
 __all__ = [
+    "CODEC",
     "DATA",
     "MODEL_INIT",
+    "NETWORK",
     "PARTITION",
     "SERVER",
     "SPEED",
@@ -38,6 +40,8 @@ SPEED = 3
 SERVER = 4
 TASK = 5
 TASK_SPEED = 6
+NETWORK = 7
+CODEC = 8
 
 _MASK = (1 << 64) - 1
 

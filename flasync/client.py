@@ -14,19 +14,24 @@ import torch
 
 from flasync import codecs, seeding
 from flasync.context import RunContext
+from flasync.errors import TrainingError
 from flasync.events import ClientFailed, ClientId, TaskAssigned, UpdateUploaded, Version
-from flasync.executors import ModelPool
-from flasync.training import LocalResult, LocalTraining, train
+from flasync.training import LocalResult, train
 
 __all__ = ["Client", "ModelSnapshot", "TrainedUpdate"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSnapshot:
-    """One published global model: weights shared read-only by every client that downloads it."""
+    """One published global model: weights shared read-only by every client that downloads it.
+
+    ``weights`` is what clients receive (the decoded download, equal to ``exact`` for a lossless download codec);
+    ``exact`` is the server's own copy.
+    """
 
     version: Version
     weights: torch.Tensor
+    exact: torch.Tensor
     download_bytes: int
 
 
@@ -37,22 +42,36 @@ class TrainedUpdate:
     result: LocalResult
     payload: bytes
     encode_s: float
+    residual_norm: float | None
 
 
 def _train_job(
-    models: ModelPool,
+    ctx: RunContext,
+    client_id: ClientId,
     base: torch.Tensor,
-    x: torch.Tensor,
-    y: torch.Tensor,
     indices: torch.Tensor,
-    cfg: LocalTraining,
     generator: torch.Generator,
+    codec_generator: torch.Generator,
 ) -> TrainedUpdate:
-    """Gather the client's samples, train on the worker's model and encode the delta (runs in a worker)."""
-    result = train(models.get(), base, x[indices], y[indices], cfg, generator)
+    """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
+    result = train(ctx.executor.models.get(), base, ctx.train_x[indices], ctx.train_y[indices], ctx.local, generator)
+    if not bool(torch.isfinite(result.delta).all()):
+        # Fail the task before encoding: a NaN would otherwise stay in the client's error-feedback residual forever.
+        raise TrainingError(f"local training diverged: the update has NaN or Inf (loss {result.loss})")
     start = time.perf_counter()
-    payload = codecs.encode(result.delta)
-    return TrainedUpdate(result=result, payload=payload, encode_s=time.perf_counter() - start)
+    residuals = ctx.residuals
+    residual = None
+    if residuals is not None:
+        with ctx.residual_lock:
+            residual = residuals.get(client_id)
+    encoded = ctx.upload_codec.encode(result.delta, generator=codec_generator, residual=residual)
+    encode_s = time.perf_counter() - start
+    norm = None
+    if residuals is not None and encoded.residual is not None:
+        norm = float(torch.linalg.vector_norm(encoded.residual))
+        with ctx.residual_lock:
+            residuals.put(client_id, encoded.residual)
+    return TrainedUpdate(result=result, payload=encoded.payload, encode_s=encode_s, residual_norm=norm)
 
 
 class Client:
@@ -84,14 +103,13 @@ class Client:
             # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
             simulated = ctx.population.train_seconds(cid, steps, task.participation)
             generator = seeding.torch_stream(ctx.config.seed, seeding.TASK, cid, task.participation)
+            codec_generator = seeding.torch_stream(ctx.config.seed, seeding.CODEC, cid, task.participation)
             try:
                 # Everything the job needs is known now, so it starts at once in real time; on the virtual
                 # clock it completes after the simulated download and training.
                 trained = await clock.run(
                     ctx.executor.pool,
-                    lambda: _train_job(
-                        ctx.executor.models, model.weights, ctx.train_x, ctx.train_y, indices, ctx.local, generator
-                    ),
+                    lambda: _train_job(ctx, cid, model.weights, indices, generator, codec_generator),
                     simulated_s=download_s + simulated,
                 )
             except Exception as exc:
@@ -119,6 +137,8 @@ class Client:
                 encode_s=trained.encode_s,
                 download_bytes=model.download_bytes,
                 upload_bytes=len(trained.payload),
+                compression=(codecs.HEADER.size + 4 * ctx.num_params) / len(trained.payload),
+                **({} if trained.residual_norm is None else {"residual_norm": trained.residual_norm}),
             )
             await clock.sleep(ctx.network.upload_seconds(cid, len(trained.payload)))
             await ctx.bus.publish(

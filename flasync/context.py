@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -10,10 +11,12 @@ import torch
 
 from flasync.bus import EventBus
 from flasync.clock import Clock
+from flasync.codecs import Pipeline
 from flasync.config import RunConfig
 from flasync.data import Partition
 from flasync.executors import ThreadTrainingExecutor
 from flasync.population import Network, Population
+from flasync.residuals import ResidualStore
 from flasync.training import LocalTraining
 
 __all__ = ["RunContext"]
@@ -40,6 +43,10 @@ class RunContext:
         log: The run's structlog logger (metrics processor included when tracking is on).
         wall: Monotonic real seconds (injected; ``time.perf_counter`` by default).
         partition_index: ``partition.indices`` as one int64 tensor, sliced per client.
+        upload_codec: How clients encode their deltas (the server decodes with it).
+        download_codec: How the server encodes each published model.
+        residuals: Clients' error-feedback residuals (None when the upload codec keeps none).
+        residual_lock: Guards ``residuals``, which training threads read and write.
     """
 
     config: RunConfig
@@ -58,6 +65,10 @@ class RunContext:
     log: Any
     wall: Callable[[], float]
     partition_index: torch.Tensor
+    upload_codec: Pipeline
+    download_codec: Pipeline
+    residuals: ResidualStore | None
+    residual_lock: threading.Lock
 
     def client_indices(self, client_id: int) -> torch.Tensor:
         """Return the indices of ``client_id``'s samples in :attr:`train_x` (a view, no copy)."""

@@ -76,7 +76,8 @@ class UpdateReceived:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateRejected:
-    """The server refused an update (``reason``: ``stale``, ``decode``, ``non_finite``, ``unknown_version``)."""
+    """The server refused an update (``reason``: ``stale``, ``decode``, ``non_finite``, ``unknown_version``,
+    ``unexpected``: no such task in flight)."""
 
     task_id: int
     client_id: ClientId

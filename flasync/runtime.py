@@ -11,8 +11,11 @@ import asyncio
 import hashlib
 import io
 import math
+import shutil
+import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -23,21 +26,27 @@ import yaml
 from torch import nn
 
 import tracking
-from flasync import seeding
+from flasync import codecs, seeding
 from flasync._version import __version__
 from flasync.bus import EventBus
 from flasync.clock import Clock, VirtualClock, WallClock
 from flasync.config import (
+    BFloat16Stage,
+    CodecStage,
     DigitsData,
     DirichletPartition,
     FedAvgServer,
     FedBuffServer,
+    Float16Stage,
     IIDPartition,
+    Int8Stage,
     MLPModel,
+    RandomKStage,
     RunConfig,
     ShardsPartition,
     SmallCNNModel,
     SyntheticData,
+    TopKStage,
     flatten,
     validate,
 )
@@ -57,6 +66,7 @@ from flasync.errors import ConfigError, DataError
 from flasync.executors import ThreadTrainingExecutor
 from flasync.models import MLP, SmallCNN
 from flasync.population import Network, Population
+from flasync.residuals import ResidualStore
 from flasync.server import Server, warm_up
 from flasync.training import LocalTraining, flat_parameters
 
@@ -64,6 +74,24 @@ __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
 ModelFactory = Callable[[], nn.Module]
 _METRIC_EXCLUDE = frozenset(tracking.DEFAULT_EXCLUDE | {"version"})
+
+
+def pipeline(stages: Sequence[CodecStage]) -> codecs.Pipeline:
+    """Build the codec pipeline a config's stages describe."""
+    built: list[codecs.Stage] = []
+    for stage in stages:
+        if isinstance(stage, Float16Stage):
+            built.append(codecs.Float16())
+        elif isinstance(stage, BFloat16Stage):
+            built.append(codecs.BFloat16())
+        elif isinstance(stage, Int8Stage):
+            built.append(codecs.Int8(chunk=stage.chunk, stochastic=stage.stochastic))
+        elif isinstance(stage, TopKStage):
+            built.append(codecs.TopK(ratio=stage.ratio, error_feedback=stage.error_feedback))
+        else:
+            assert isinstance(stage, RandomKStage)
+            built.append(codecs.RandomK(ratio=stage.ratio, error_feedback=stage.error_feedback))
+    return codecs.Pipeline(built)
 
 
 def weights_sha256(weights: torch.Tensor) -> str:
@@ -90,6 +118,7 @@ class RunSummary:
     download_bytes: int
     staleness_mean: float
     staleness_max: int
+    upload_compression: float
     updates_per_s: float
     stop_reason: str
     weights_sha256: str
@@ -153,6 +182,7 @@ class Federation:
         self._wall = wall
         self.weights: torch.Tensor | None = None
         self.run_id: str | None = None
+        self._scratch: str | None = None
 
     # -------------------------------------------------------------------------------------------- preparation
     def _load_data(self) -> tuple[ArrayData, ArrayData]:
@@ -326,6 +356,15 @@ class Federation:
     async def _simulate(self, prepared: _Prepared, executor: ThreadTrainingExecutor, log: Any) -> RunSummary:
         cfg = self.config
         local = LocalTraining(**cfg.client.model_dump())
+        upload_codec = pipeline(cfg.codec.upload)
+        residuals: ResidualStore | None = None
+        if upload_codec.error_feedback:
+            spill = cfg.codec.residual_dir
+            if spill is None:
+                spill = self._scratch = tempfile.mkdtemp(prefix="flasync-residuals-")
+            residuals = ResidualStore(
+                prepared.initial.numel(), max_in_memory=cfg.codec.max_residuals_in_memory, spill_dir=spill
+            )
         ctx = RunContext(
             config=cfg,
             clock=self.clock,
@@ -343,6 +382,10 @@ class Federation:
             log=log,
             wall=self._wall,
             partition_index=torch.from_numpy(np.array(prepared.partition.indices, dtype=np.int64)),
+            upload_codec=upload_codec,
+            download_codec=pipeline(cfg.codec.download),
+            residuals=residuals,
+            residual_lock=threading.Lock(),
         )
         weights = prepared.initial.clone()
         server = Server(ctx, weights)
@@ -366,6 +409,21 @@ class Federation:
                     self.bus.close()
         except BaseExceptionGroup as group:
             raise _root_cause(group) from None
+        finally:
+            if residuals is not None:
+                residuals_in_memory, residuals_on_disk = residuals.memory_bytes, residuals.disk_bytes
+                residuals.close()
+                log.debug(
+                    "codec.residuals",
+                    clients=len(residuals),
+                    memory_bytes=residuals_in_memory,
+                    disk_bytes=residuals_on_disk,
+                    spills=residuals.spills,
+                    loads=residuals.loads,
+                )
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
         wall_s = self._wall() - start_wall
         simulated_s = self.clock.now() - start_sim
         self.weights = weights
@@ -384,6 +442,13 @@ class Federation:
             download_bytes=stats.download_bytes,
             staleness_mean=stats.staleness_sum / max(stats.updates_accepted, 1),
             staleness_max=stats.staleness_max,
+            upload_compression=(
+                (stats.updates_accepted + stats.updates_dropped)
+                * (codecs.HEADER.size + 4 * prepared.initial.numel())
+                / stats.upload_bytes
+                if stats.upload_bytes
+                else 1.0
+            ),
             updates_per_s=stats.updates_accepted / wall_s if wall_s > 0 else 0.0,
             stop_reason=stats.stop_reason,
             weights_sha256=weights_sha256(weights),

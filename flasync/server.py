@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from flasync import codecs, seeding
+from flasync import seeding
 from flasync.aggregation import (
     ConstantStaleness,
     HingeStaleness,
@@ -196,7 +196,7 @@ class Server:
         self._snapshot: ModelSnapshot | None = None
         self._bases: dict[Version, ModelSnapshot] = {}
         self._base_refs: Counter[Version] = Counter()
-        self._in_flight: set[ClientId] = set()
+        self._in_flight: dict[ClientId, TaskAssigned] = {}
         self._participations = np.zeros(len(ctx.population), dtype=np.int64)
         self._failure_streak = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -312,7 +312,7 @@ class Server:
         )
         self.stats.tasks_dispatched += 1
         self.stats.download_bytes += snapshot.download_bytes
-        self._in_flight.add(client_id)
+        self._in_flight[client_id] = task
         self._base_refs[snapshot.version] += 1
         await self.ctx.bus.publish(task)
         handle = self._tg.create_task(
@@ -322,18 +322,25 @@ class Server:
         self._tasks.add(handle)
         handle.add_done_callback(self._tasks.discard)
 
-    def _release(self, client_id: ClientId, base_version: Version) -> None:
-        self._in_flight.discard(client_id)
+    def _release(self, message: UpdateUploaded | ClientFailed) -> bool:
+        """Close the task a message answers; False if no such task is in flight (nothing is changed then)."""
+        task = self._in_flight.get(message.client_id)
+        if task is None or task.task_id != message.task_id or task.base_version != message.base_version:
+            return False
+        del self._in_flight[message.client_id]
+        base_version = task.base_version
         self._base_refs[base_version] -= 1
         if self._base_refs[base_version] <= 0:
             del self._base_refs[base_version]
             if self._snapshot is None or base_version != self._snapshot.version:
                 self._bases.pop(base_version, None)
+        return True
 
     # ------------------------------------------------------------------------------------------- receive
     async def _handle(self, message: UpdateUploaded | ClientFailed) -> None:
         if isinstance(message, ClientFailed):
-            self._release(message.client_id, message.base_version)
+            if not self._release(message):
+                return
             self.stats.updates_failed += 1
             self._failure_streak += 1
             if self._failure_streak >= self._failure_limit:
@@ -341,12 +348,13 @@ class Server:
                     f"the last {self._failure_streak} client tasks all failed; the last error: {message.error}"
                 )
             return
-        self._failure_streak = 0
         base = self._bases.get(message.base_version)
-        self._release(message.client_id, message.base_version)
         ctx, stats = self.ctx, self.stats
         received_wall = ctx.wall()
         stats.upload_bytes += len(message.payload)
+        if not self._release(message):
+            await self._reject(message, "unexpected", f"client {message.client_id} has no task {message.task_id}")
+            return
         staleness = int(self.version) - int(message.base_version)
         if base is None or staleness < 0:
             await self._reject(message, "unknown_version", f"base version {message.base_version} was never published")
@@ -356,7 +364,7 @@ class Server:
             await self._reject(message, "stale", f"staleness {staleness} > max_staleness {limit}")
             return
         try:
-            delta = codecs.decode(message.payload, expected_elements=ctx.num_params)
+            delta = ctx.upload_codec.decode(message.payload, expected_elements=ctx.num_params)
         except DecodeError as exc:
             await self._reject(message, "decode", str(exc))
             return
@@ -365,6 +373,7 @@ class Server:
             await self._reject(message, "non_finite", "update contains NaN or Inf")
             return
         weight = self.strategy.add(delta, staleness=staleness, num_samples=message.num_samples, base=base.weights)
+        self._failure_streak = 0
         stats.updates_accepted += 1
         stats.staleness_sum += staleness
         stats.staleness_max = max(stats.staleness_max, staleness)
@@ -449,8 +458,12 @@ class Server:
             await self._evaluate()
 
     async def _publish(self) -> None:
-        weights = self.weights.detach().clone()
-        snapshot = ModelSnapshot(version=self.version, weights=weights, download_bytes=len(codecs.encode(weights)))
+        exact = self.weights.detach().clone()
+        codec = self.ctx.download_codec
+        payload = codec.encode(exact).payload
+        # One download is encoded (and, if lossy, decoded) per version, not per client.
+        weights = exact if codec.lossless else codec.decode(payload, expected_elements=exact.numel())
+        snapshot = ModelSnapshot(version=self.version, weights=weights, exact=exact, download_bytes=len(payload))
         previous = self._snapshot
         self._snapshot = snapshot
         self._bases[snapshot.version] = snapshot

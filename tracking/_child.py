@@ -27,7 +27,12 @@ def _serve(conn: Connection, tracking_uri: str, run_id: str) -> None:
     """Answer batches of ``(key, value, timestamp, step)`` tuples until told to stop (runs in the child)."""
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    try:
+        client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        client.get_run(run_id)  # connect now, so a store the child cannot reach is known before training starts
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
     conn.send(("ready", ""))
     while True:
         try:
@@ -83,6 +88,20 @@ class ChildLogBatch:
             raise RuntimeError(detail)
         if state not in states:  # pragma: no cover - protocol violation
             raise ConnectionError(f"unexpected answer {state!r} from the MLflow writer process")
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the child has connected to the store.
+
+        Raises:
+            ConnectionError: If the child died, failed to connect, or did not answer within ``timeout`` seconds.
+        """
+        with self._lock:
+            if self._ready:
+                return
+            if not self._conn.poll(timeout):
+                raise ConnectionError(f"the MLflow writer process did not start within {timeout:.0f} s")
+            self._expect("ready")
+            self._ready = True
 
     def __call__(self, metrics: list[Metric]) -> None:
         """Write one batch through the child; return when the store has it."""

@@ -50,6 +50,7 @@ _MAX_PARAMS_PER_CALL = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
 _MAX_PARAM_VALUE = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
 _MAX_TAG_VALUE = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
 _SYSTEM_METRICS_INTERVAL_S = 2.0
+_CHILD_START_TIMEOUT_S = 60.0
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
 _UNSAFE_DIR_CHARS = re.compile(r"[^\w.\-]")
 
@@ -265,7 +266,14 @@ class MlflowTracker:
         self.experiment_id = self._experiment = experiment_id
         self.run_id = run_id
         if self._writer_process:
-            self._child = ChildLogBatch(self.tracking_uri, run_id)
+            child = ChildLogBatch(self.tracking_uri, run_id)
+            try:
+                # Pay the child's start-up (importing MLflow, connecting) before training, not during it.
+                child.wait_ready(_CHILD_START_TIMEOUT_S)
+                self._child = child
+            except (ConnectionError, RuntimeError) as exc:
+                self._log.warning("tracking.writer_process_failed", error=str(exc), metrics=False)
+                child.close()
         self._writer = MetricWriter(
             self._log_metric_batch,
             max_batch=self._max_batch,

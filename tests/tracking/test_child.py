@@ -37,7 +37,7 @@ def test_dead_child_raises_connection_error(tracking_uri: str) -> None:
     child = ChildLogBatch(tracking_uri, run_id)
     child.wait_ready(60)
     child._process.kill()
-    child._process.join(10)
+    child._process.wait(10)
     with pytest.raises(ConnectionError, match="gone"):
         child(_metrics("b", range(3)))
     child.close()
@@ -51,7 +51,7 @@ def test_tracker_falls_back_when_the_child_dies(tracking_uri: str) -> None:
     tracker.flush()
     assert tracker._child is not None
     tracker._child._process.kill()
-    tracker._child._process.join(10)
+    tracker._child._process.wait(10)
     tracker.log_metrics(_metrics("c", range(10, 25)))
     tracker.finish("FINISHED")
     client = mlflow.MlflowClient(tracking_uri)

@@ -7,12 +7,15 @@ virtual clock, with MLflow tracking on (a temporary sqlite store) and off.
 
     python benchmarks/throughput.py [--clients 100 1000] [--updates 2000] [--repeats 3]
 
-Each figure is the best of ``--repeats`` runs (the machine is shared; the best run is the least disturbed one).
+Each repeat runs every runner once, back to back. Printed: the best rate of each runner and its ratio to the best
+plain-loop rate, and the median over repeats of the ratio within a repeat ("paired"), which cancels the drift of a
+shared machine's load between repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -111,7 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     tracking.configure_logging(level="warning")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; best of {args.repeats} runs")
-    print(f"{'clients':>8} {'runner':<24} {'updates/s':>10} {'vs plain':>9}")
+    print(f"{'clients':>8} {'runner':<24} {'updates/s':>10} {'vs plain':>9} {'paired':>11}")
+    print(f"{'':>8} {'':<24} {'(best)':>10} {'(best)':>9} {'(median)':>11}")
     with tempfile.TemporaryDirectory() as tmp:
         uri = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
         for num_clients in args.clients:
@@ -129,15 +133,24 @@ def main() -> None:
                     "fedbuff", n, args.updates, tracking_uri=uri
                 ),
             }
+            samples: dict[str, list[float]] = {name: [] for name in runners}
             for _ in range(args.repeats):  # interleaved, so drifts in machine load hit every runner alike
                 for name, runner in runners.items():
-                    rates[name] = max(rates.get(name, 0.0), runner())
+                    samples[name].append(runner())
+            rates = {name: max(values) for name, values in samples.items()}
             plain = rates["plain loop"]
             for name, rate in rates.items():
-                print(f"{num_clients:>8} {name:<24} {rate:>10.1f} {rate / plain:>8.2f}x")
+                # Median of the ratios within each repeat: runners of one repeat ran back to back, so the machine's
+                # drift between repeats cancels out of each ratio.
+                paired = statistics.median(
+                    value / base for value, base in zip(samples[name], samples["plain loop"], strict=True)
+                )
+                print(f"{num_clients:>8} {name:<24} {rate:>10.1f} {rate / plain:>8.2f}x {paired:>10.2f}x")
             for kind in ("fedavg", "fedbuff"):
-                on, off = rates[f"{kind}, tracking on"], rates[f"{kind}, tracking off"]
-                print(f"{num_clients:>8} {kind + ' tracking on/off':<24} {'':>10} {on / off:>8.2f}x")
+                on, off = samples[f"{kind}, tracking on"], samples[f"{kind}, tracking off"]
+                paired = statistics.median(a / b for a, b in zip(on, off, strict=True))
+                best = rates[f"{kind}, tracking on"] / rates[f"{kind}, tracking off"]
+                print(f"{num_clients:>8} {kind + ' tracking on/off':<24} {'':>10} {best:>8.2f}x {paired:>10.2f}x")
 
 
 if __name__ == "__main__":

@@ -411,6 +411,8 @@ class Federation:
             raise _root_cause(group) from None
         finally:
             if residuals is not None:
+                # Jobs of cancelled clients may still be running and about to store residuals: let them finish.
+                await asyncio.to_thread(executor.shutdown)
                 residuals_in_memory, residuals_on_disk = residuals.memory_bytes, residuals.disk_bytes
                 residuals.close()
                 log.debug(

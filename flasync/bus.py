@@ -5,6 +5,11 @@ An event is any Python object, by convention a frozen, slotted, keyword-only dat
 fact (``UpdateReceived``); a subscription names the event types it wants and receives, in publish order, every
 published event that is an instance of one of them.
 
+An event with a ``to`` attribute is addressed: a subscription made with ``address=`` receives only the events
+addressed to it (``to == address``), so an edge and the cloud can both subscribe to ``UpdateUploaded`` and each
+get only its own clients'; a subscription without an address receives every event of its types, addressed or
+not (an observer such as a profiler sees all traffic).
+
 Each subscription owns a bounded queue and an :class:`OverflowPolicy` that says what a publisher does when
 that queue is full: wait for room (``block``, i.e. backpressure) or drop the oldest queued event
 (``drop_oldest``). The model is anyio's memory object streams: ``publish`` waits, ``publish_nowait`` raises
@@ -95,7 +100,7 @@ class BusStatistics(NamedTuple):
 
 
 class _Route(NamedTuple):
-    """The subscriptions one concrete event type goes to."""
+    """The subscriptions one concrete event type, sent to one address, goes to."""
 
     targets: tuple[Subscription[Any], ...]
     blocking: tuple[Subscription[Any], ...]
@@ -149,6 +154,7 @@ class Subscription(Generic[E_co]):
     """
 
     __slots__ = (
+        "_address",
         "_bus",
         "_capacity",
         "_closed",
@@ -171,8 +177,10 @@ class Subscription(Generic[E_co]):
         capacity: int,
         policy: OverflowPolicy,
         name: str,
+        address: str | None = None,
     ) -> None:
         """Create a subscription; use :meth:`EventBus.subscribe` instead."""
+        self._address = address
         self._bus = bus
         self._types = types
         self._capacity = capacity
@@ -197,6 +205,11 @@ class Subscription(Generic[E_co]):
     def types(self) -> tuple[type[Any], ...]:
         """Return the event types subscribed to (empty: every event)."""
         return self._types
+
+    @property
+    def address(self) -> str | None:
+        """Return the address this subscription receives addressed events for (None: all of them)."""
+        return self._address
 
     @property
     def policy(self) -> OverflowPolicy:
@@ -382,7 +395,7 @@ class EventBus:
         """Create an open bus without subscriptions."""
         self._on_activity = on_activity
         self._subscriptions: list[Subscription[Any]] = []
-        self._routes: dict[type[Any], _Route] = {}
+        self._routes: dict[tuple[type[Any], Any], _Route] = {}
         self._closed = False
         self._published = 0
         self._delivered = 0
@@ -408,6 +421,7 @@ class EventBus:
         capacity: int = ...,
         policy: OverflowPolicy = ...,
         name: str = ...,
+        address: str | None = ...,
     ) -> Subscription[E]: ...
 
     @overload
@@ -420,6 +434,7 @@ class EventBus:
         capacity: int = ...,
         policy: OverflowPolicy = ...,
         name: str = ...,
+        address: str | None = ...,
     ) -> Subscription[E1 | E2]: ...
 
     @overload
@@ -433,6 +448,7 @@ class EventBus:
         capacity: int = ...,
         policy: OverflowPolicy = ...,
         name: str = ...,
+        address: str | None = ...,
     ) -> Subscription[E1 | E2 | E3]: ...
 
     @overload
@@ -442,6 +458,7 @@ class EventBus:
         capacity: int = ...,
         policy: OverflowPolicy = ...,
         name: str = ...,
+        address: str | None = ...,
     ) -> Subscription[Any]: ...
 
     def subscribe(
@@ -450,6 +467,7 @@ class EventBus:
         capacity: int = 1024,
         policy: OverflowPolicy = OverflowPolicy.BLOCK,
         name: str = "",
+        address: str | None = None,
     ) -> Subscription[Any]:
         """Subscribe to the events that are instances of any of ``types``.
 
@@ -460,6 +478,8 @@ class EventBus:
             capacity: Most events its queue holds, at least 1.
             policy: What a publisher does when the queue is full (a string such as ``"drop_oldest"`` works).
             name: Name shown in statistics and logs; by default made from the types' names.
+            address: Receive only events whose ``to`` attribute equals this (and events without one); None:
+                every event of ``types`` whatever its ``to``.
 
         Returns:
             The subscription, to iterate with ``async for`` and to close when done.
@@ -479,7 +499,7 @@ class EventBus:
                 raise TypeError(f"event types must be classes, got {event_type!r}")
         if not name:
             name = "|".join(t.__qualname__ for t in types) or "*"
-        subscription: Subscription[Any] = Subscription(self, types, capacity, policy, name)
+        subscription: Subscription[Any] = Subscription(self, types, capacity, policy, name, address)
         self._subscriptions.append(subscription)
         self._routes.clear()
         return subscription
@@ -500,9 +520,10 @@ class EventBus:
             raise BusClosed("cannot publish on a closed bus")
         if self._on_activity is not None:
             self._on_activity()
-        route = self._routes.get(type(event))
+        key = (type(event), getattr(event, "to", None))
+        route = self._routes.get(key)
         if route is None:
-            route = self._route(event)
+            route = self._route(event, key)
         for subscription in route.blocking:
             if len(subscription._queue) + subscription._reserved >= subscription._capacity:
                 await self._publish_when_room(event, route)
@@ -525,9 +546,10 @@ class EventBus:
             raise BusClosed("cannot publish on a closed bus")
         if self._on_activity is not None:
             self._on_activity()
-        route = self._routes.get(type(event))
+        key = (type(event), getattr(event, "to", None))
+        route = self._routes.get(key)
         if route is None:
-            route = self._route(event)
+            route = self._route(event, key)
         for subscription in route.blocking:
             if len(subscription._queue) + subscription._reserved >= subscription._capacity:
                 raise BusFull(
@@ -561,11 +583,16 @@ class EventBus:
             subscribers=len(self._subscriptions),
         )
 
-    def _route(self, event: object) -> _Route:
-        """Find and cache the subscriptions events of this concrete class go to."""
-        targets = tuple(s for s in self._subscriptions if not s._types or isinstance(event, s._types))
+    def _route(self, event: object, key: tuple[type[Any], Any]) -> _Route:
+        """Find and cache the subscriptions events of this concrete class and address go to."""
+        to = key[1]
+        targets = tuple(
+            s
+            for s in self._subscriptions
+            if (not s._types or isinstance(event, s._types)) and (s._address is None or to is None or s._address == to)
+        )
         route = _Route(targets, tuple(s for s in targets if s._policy is OverflowPolicy.BLOCK))
-        self._routes[type(event)] = route
+        self._routes[key] = route
         return route
 
     def _unsubscribe(self, subscription: Subscription[Any]) -> None:

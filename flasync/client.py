@@ -116,6 +116,7 @@ class Client:
                 log.warning("client.failed", step=task.task_id, error=f"{type(exc).__name__}: {exc}", metrics=False)
                 await ctx.bus.publish(
                     ClientFailed(
+                        to=task.reply_to,
                         task_id=task.task_id,
                         client_id=cid,
                         base_version=task.base_version,
@@ -143,6 +144,7 @@ class Client:
             await clock.sleep(ctx.network.upload_seconds(cid, len(trained.payload)))
             await ctx.bus.publish(
                 UpdateUploaded(
+                    to=task.reply_to,
                     task_id=task.task_id,
                     client_id=cid,
                     base_version=task.base_version,

@@ -27,11 +27,14 @@ __all__ = [
     "ConstantStalenessConfig",
     "DigitsData",
     "DirichletPartition",
+    "EdgeLinkConfig",
+    "EdgeSpec",
     "EvalConfig",
     "ExecutorConfig",
     "FedAsyncServer",
     "FedAvgServer",
     "FedBuffServer",
+    "FlatTopology",
     "Float16Stage",
     "HalfNormalSpeed",
     "HingeStalenessConfig",
@@ -51,6 +54,7 @@ __all__ = [
     "SyntheticData",
     "TopKStage",
     "TrackingConfig",
+    "TreeTopology",
     "apply_override",
     "flatten",
     "format_validation_error",
@@ -186,6 +190,9 @@ class PopulationConfig(_Section):
 
     num_clients: int = Field(100, ge=1)
     speed: SpeedConfig = LogNormalSpeed()
+    regions: int | None = Field(
+        None, ge=1, description="Give each client a seeded uniform 'region' attribute in 0..regions-1."
+    )
 
 
 class NetworkConfig(_Section):
@@ -366,6 +373,58 @@ class FedAsyncServer(_Section):
 ServerConfig = Annotated[FedAvgServer | FedBuffServer | FedAsyncServer, Field(discriminator="kind")]
 
 
+# --------------------------------------------------------------------------------------------------- topology
+class FlatTopology(_Section):
+    """Every client talks to the server (the cloud) directly."""
+
+    kind: Literal["flat"] = "flat"
+
+
+class EdgeLinkConfig(_Section):
+    """The simulated link between an edge and its parent: ``latency + bytes / bandwidth`` each way."""
+
+    latency_s: float = Field(0.01, ge=0.0, description="One-way latency.")
+    upload_bytes_per_s: float = Field(1.25e8, gt=0.0, description="Edge uplink (default 1 Gbit/s).")
+    download_bytes_per_s: float = Field(1.25e8, gt=0.0, description="Edge downlink (default 1 Gbit/s).")
+
+
+class EdgeSpec(_Section):
+    """One edge of an explicit tree: its name, its parent, and the clients attached to it."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    parent: str = Field("cloud", min_length=1, description="'cloud' or the name of another edge.")
+    clients: tuple[int | str, ...] = Field((), description="Client ids and inclusive ranges such as '0-99'.")
+
+
+class TreeTopology(_Section):
+    """Clients -> edges -> ... -> cloud (Liu et al., "Client-Edge-Cloud Hierarchical Federated Learning", 2020).
+
+    The tree is either generated (``fanout``, top-down: ``[10]`` is 10 edges under the cloud, ``[10, 10]`` 10 edges
+    with 10 sub-edges each) with clients assigned to the leaf edges by ``assign``, or given explicitly in ``edges``.
+    With a ``fedavg`` server the edges run synchronous HierFAVG (``kappa2`` edge rounds per cloud round); with
+    ``fedbuff`` or ``fedasync`` they aggregate asynchronously and forward every ``buffer_size`` updates or
+    ``max_wait_s``.
+    """
+
+    kind: Literal["tree"] = "tree"
+    fanout: tuple[Annotated[int, Field(ge=1)], ...] = Field((10,), description="Edges per level, top-down.")
+    assign: Literal["blocks", "round_robin", "attribute"] = Field(
+        "blocks", description="Clients to leaf edges: contiguous blocks, round-robin, or one edge per attribute value."
+    )
+    attribute: str = Field("region", min_length=1, description="The client attribute 'attribute' assignment uses.")
+    edges: tuple[EdgeSpec, ...] = Field((), description="An explicit tree (overrides fanout and assign).")
+    buffer_size: int = Field(10, ge=1, description="K_e: updates an async edge folds before forwarding.")
+    max_wait_s: float | None = Field(
+        None, gt=0.0, description="An async edge forwards what it holds this long after its first update."
+    )
+    kappa2: int = Field(1, ge=1, description="Sync HierFAVG: edge aggregations per cloud aggregation.")
+    link: EdgeLinkConfig = EdgeLinkConfig()
+    per_edge_metrics: bool = Field(False, description="Also log figures per edge name (at most 32 edges).")
+
+
+TopologyConfig = Annotated[FlatTopology | TreeTopology, Field(discriminator="kind")]
+
+
 # ---------------------------------------------------------------------------------------------------- runtime
 class EvalConfig(_Section):
     """Server-side evaluation on the held-out split."""
@@ -416,6 +475,7 @@ class RunConfig(_Section):
     client: ClientConfig = ClientConfig()
     server: ServerConfig = FedBuffServer()
     network: NetworkConfig = NetworkConfig()
+    topology: TopologyConfig = FlatTopology()
     codec: CodecConfig = CodecConfig()
     eval: EvalConfig = EvalConfig()
     stop: StopConfig = StopConfig()
@@ -437,6 +497,11 @@ class RunConfig(_Section):
                 ("server", "concurrency"),
                 f"must be <= population.num_clients ({n}), got {server.concurrency}",
             )
+        topology = self.topology
+        if isinstance(topology, TreeTopology) and topology.per_edge_metrics:
+            count = len(topology.edges) or sum(math.prod(topology.fanout[: i + 1]) for i in range(len(topology.fanout)))
+            if count > 32:
+                raise _FieldError(("topology", "per_edge_metrics"), f"at most 32 edges, the tree has {count}")
         return self
 
 

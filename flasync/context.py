@@ -17,6 +17,7 @@ from flasync.data import Partition
 from flasync.executors import ThreadTrainingExecutor
 from flasync.population import Network, Population
 from flasync.residuals import ResidualStore
+from flasync.topology import Tree
 from flasync.training import LocalTraining
 
 __all__ = ["RunContext"]
@@ -47,6 +48,7 @@ class RunContext:
         download_codec: How the server encodes each published model.
         residuals: Clients' error-feedback residuals (None when the upload codec keeps none).
         residual_lock: Guards ``residuals``, which training threads read and write.
+        tree: The aggregation tree (None: a flat run, every client talks to the cloud).
     """
 
     config: RunConfig
@@ -69,6 +71,7 @@ class RunContext:
     download_codec: Pipeline
     residuals: ResidualStore | None
     residual_lock: threading.Lock
+    tree: Tree | None = None
 
     def client_indices(self, client_id: int) -> torch.Tensor:
         """Return the indices of ``client_id``'s samples in :attr:`train_x` (a view, no copy)."""

@@ -10,13 +10,16 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 __all__ = [
+    "CLOUD",
     "Aggregated",
     "ClientFailed",
     "ClientId",
+    "EdgeForwarded",
     "Evaluated",
     "ModelPublished",
     "RunFinished",
     "TaskAssigned",
+    "TaskClosed",
     "UpdateReceived",
     "UpdateRejected",
     "UpdateUploaded",
@@ -25,6 +28,9 @@ __all__ = [
 
 ClientId = NewType("ClientId", int)
 Version = NewType("Version", int)
+
+CLOUD = "cloud"
+"""The bus address of the server; an edge's address is its name. Events with a ``to`` field are addressed."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,12 +51,14 @@ class TaskAssigned:
     participation: int
     base_version: Version
     simulated_s: float
+    reply_to: str = CLOUD
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateUploaded:
-    """A client finished its upload; ``payload`` holds the encoded delta ``w_base - w_local``."""
+    """A client finished its upload to ``to``; ``payload`` holds the encoded delta ``w_base - w_local``."""
 
+    to: str = CLOUD
     task_id: int
     client_id: ClientId
     base_version: Version
@@ -85,12 +93,60 @@ class UpdateRejected:
     reason: str
     detail: str
     simulated_s: float
+    where: str = CLOUD
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskClosed:
+    """Edge ``edge`` took a client's answer to a task the cloud dispatched: the cloud may refill the slot.
+
+    ``outcome`` is ``accepted`` (folded into the edge's buffer), ``rejected`` (``reason`` as for
+    :class:`UpdateRejected`) or ``failed`` (the client reported :class:`ClientFailed`; ``reason`` is its error).
+    """
+
+    to: str = CLOUD
+    edge: str
+    task_id: int
+    client_id: ClientId
+    base_version: Version
+    outcome: str
+    reason: str
+    staleness: int
+    upload_bytes: int
+    simulated_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EdgeForwarded:
+    """Edge ``edge`` (tier ``tier``) sent its partial aggregate to ``to``, its parent.
+
+    ``payload`` is the encoded weighted sum of the ``count`` client deltas it folded, ``sum_k e_k s_k delta_k``,
+    and ``example_weight`` is ``sum_k e_k``, so a parent that adds partials gets exactly what it would have got
+    from the clients' updates. ``raw`` partials carry one client's upload unchanged (its ``payload``, ``task_id``,
+    ``client_id``, ``base_version`` and ``num_samples``), and the parent weighs it as if the client had sent it.
+    ``base_version`` is otherwise the newest cloud version the edge knew when it folded.
+    """
+
+    to: str
+    edge: str
+    tier: str
+    raw: bool
+    count: int
+    num_samples: int
+    example_weight: float
+    base_version: Version
+    task_id: int = -1
+    client_id: ClientId = ClientId(-1)
+    payload: bytes = field(repr=False)
+    simulated_s: float
+    sent_wall_s: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientFailed:
-    """A client task ended with an error instead of an update."""
+    """A client task ended with an error instead of an update (reported to ``to``)."""
 
+    to: str = CLOUD
     task_id: int
     client_id: ClientId
     base_version: Version

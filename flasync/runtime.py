@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -47,6 +47,7 @@ from flasync.config import (
     SmallCNNModel,
     SyntheticData,
     TopKStage,
+    TreeTopology,
     flatten,
     validate,
 )
@@ -68,6 +69,7 @@ from flasync.models import MLP, SmallCNN
 from flasync.population import Network, Population
 from flasync.residuals import ResidualStore
 from flasync.server import Server, warm_up
+from flasync.topology import Tree, build_tree
 from flasync.training import LocalTraining, flat_parameters
 
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
@@ -122,10 +124,22 @@ class RunSummary:
     updates_per_s: float
     stop_reason: str
     weights_sha256: str
+    cloud_ingress_bytes: int = 0
+    cloud_egress_bytes: int = 0
+    topology: str = "flat"
+    tiers: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the summary as a JSON-ready dict (NaN becomes None)."""
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+        def clean(value: Any) -> Any:
+            if isinstance(value, float) and not math.isfinite(value):
+                return None
+            if isinstance(value, dict):
+                return {k: clean(v) for k, v in value.items()}
+            return value
+
+        return {k: clean(v) for k, v in asdict(self).items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +149,7 @@ class _Prepared:
     partition: Partition
     factory: ModelFactory
     initial: torch.Tensor
+    tree: Tree | None
 
 
 class Federation:
@@ -149,6 +164,8 @@ class Federation:
         model_factory: Builds the ``nn.Module`` to train instead of ``config.model``; called once for the initial
             weights (under the run's seed) and once per worker thread.
         tracker: Where params, metrics and artifacts go (default: MLflow per ``config.tracking``).
+        client_attributes: Per-client attribute arrays of ``population.num_clients`` values each, e.g.
+            ``{"region": [...]}``, for ``topology.assign = "attribute"``.
         clock: Overrides the clock ``config.clock`` names.
         wall: Monotonic real seconds (injected for tests).
 
@@ -164,6 +181,7 @@ class Federation:
         test_dataset: ArrayData | torch.utils.data.Dataset[Any] | None = None,
         model_factory: ModelFactory | None = None,
         tracker: tracking.Tracker | None = None,
+        client_attributes: Mapping[str, Sequence[Any] | np.ndarray] | None = None,
         clock: Clock | None = None,
         wall: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -177,6 +195,7 @@ class Federation:
         self._test_dataset = test_dataset
         self._model_factory = model_factory
         self._tracker = tracker
+        self._client_attributes = dict(client_attributes or {})
         self.clock: Clock = clock or (VirtualClock() if config.clock == "virtual" else WallClock())
         self.bus = EventBus(on_activity=self.clock.poke)
         self._wall = wall
@@ -290,7 +309,21 @@ class Federation:
         initial = self._initial_weights(factory, train)
         server = self.config.server
         warm_up(server.optimizer if isinstance(server, FedAvgServer | FedBuffServer) else None)
-        return _Prepared(train, test, partition, factory, initial)
+        return _Prepared(train, test, partition, factory, initial, self._tree())
+
+    def _tree(self) -> Tree | None:
+        cfg = self.config
+        if not isinstance(cfg.topology, TreeTopology):
+            return None
+        n = cfg.population.num_clients
+        attributes = {name: np.asarray(values) for name, values in self._client_attributes.items()}
+        if cfg.population.regions is not None:
+            rng = seeding.numpy_stream(cfg.seed, seeding.TOPOLOGY)
+            attributes.setdefault("region", rng.integers(cfg.population.regions, size=n))
+        for name, values in attributes.items():
+            if values.shape != (n,):
+                raise ConfigError(f"client_attributes[{name!r}]: {values.size} values for {n} clients")
+        return build_tree(cfg.topology, n, attributes)
 
     def _make_tracker(self) -> tracking.Tracker:
         if self._tracker is not None:
@@ -307,9 +340,17 @@ class Federation:
             "aggregator": cfg.server.kind,
             "mode": "sync" if isinstance(cfg.server, FedAvgServer) else "async",
             "clock": "virtual" if self.clock.virtual else "wall",
-            "topology": "flat",
+            "topology": self._topology_name(),
             "seed": str(cfg.seed),
         }
+
+    def _topology_name(self) -> str:
+        topology = self.config.topology
+        if not isinstance(topology, TreeTopology):
+            return "flat"
+        if topology.edges:
+            return f"tree({len(topology.edges)} edges)"
+        return "tree(" + "x".join(str(f) for f in topology.fanout) + ")"
 
     # ---------------------------------------------------------------------------------------------------- run
     async def run(self) -> RunSummary:
@@ -386,6 +427,7 @@ class Federation:
             download_codec=pipeline(cfg.codec.download),
             residuals=residuals,
             residual_lock=threading.Lock(),
+            tree=prepared.tree,
         )
         weights = prepared.initial.clone()
         server = Server(ctx, weights)
@@ -454,6 +496,10 @@ class Federation:
             updates_per_s=stats.updates_accepted / wall_s if wall_s > 0 else 0.0,
             stop_reason=stats.stop_reason,
             weights_sha256=weights_sha256(weights),
+            cloud_ingress_bytes=stats.cloud_ingress_bytes,
+            cloud_egress_bytes=stats.cloud_egress_bytes,
+            topology=self._topology_name(),
+            tiers=server.edges.summary() if server.edges is not None else {},
         )
         figures = {
             key: value
@@ -462,6 +508,8 @@ class Federation:
         }
         bus = self.bus.statistics()
         log.info("run.finished", step=stats.versions, **figures, bus_dropped=bus.dropped, bus_high_water=bus.high_water)
+        if summary.tiers:
+            log.info("run.tiers", step=stats.versions, **summary.tiers)
         return summary
 
     def _log_artifacts(self, tracker: tracking.Tracker, prepared: _Prepared, summary: RunSummary, log: Any) -> None:

@@ -42,6 +42,7 @@ TASK = 5
 TASK_SPEED = 6
 NETWORK = 7
 CODEC = 8
+TOPOLOGY = 9
 
 _MASK = (1 << 64) - 1
 

@@ -16,12 +16,12 @@ import asyncio
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from flasync import seeding
+from flasync import codecs, seeding
 from flasync.aggregation import (
     ConstantStaleness,
     HingeStaleness,
@@ -41,23 +41,30 @@ from flasync.config import (
     HingeStalenessConfig,
     ServerOptimizerConfig,
     StalenessConfig,
+    TreeTopology,
 )
 from flasync.context import RunContext
+from flasync.edge import EdgeNetwork
 from flasync.errors import DecodeError, TrainingError
 from flasync.events import (
+    CLOUD,
     Aggregated,
     ClientFailed,
     ClientId,
+    EdgeForwarded,
     Evaluated,
     ModelPublished,
     RunFinished,
     TaskAssigned,
+    TaskClosed,
     UpdateReceived,
     UpdateRejected,
     UpdateUploaded,
     Version,
 )
 from flasync.training import evaluate
+
+_DENSE = codecs.Pipeline()
 
 __all__ = ["Server", "ServerStats", "make_server_optimizer", "make_staleness_weight", "warm_up"]
 
@@ -100,6 +107,9 @@ class ServerStats:
     download_bytes: int = 0
     staleness_sum: int = 0
     staleness_max: int = 0
+    cloud_ingress_bytes: int = 0
+    cloud_egress_bytes: int = 0
+    partials_received: int = 0
     versions: int = 0
     accuracy: float = math.nan
     loss: float = math.nan
@@ -111,6 +121,10 @@ class ServerStats:
 class _Strategy(Protocol):
     def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
         """Fold one update in; return its staleness weight."""
+        ...
+
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        """Fold an edge's partial aggregate ``sum_k e_k s_k delta_k`` in; return its staleness weight."""
         ...
 
     def ready(self) -> bool:
@@ -146,6 +160,11 @@ class _Buffered:
         self.buffer.add(delta, example_weight=example, staleness_weight=weight)
         return weight
 
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        weight = self.staleness(staleness)
+        self.buffer.add_sum(weighted_sum, example_weight=example_weight, staleness_weight=weight)
+        return weight
+
     def ready(self) -> bool:
         return self.buffer.count >= self.size
 
@@ -167,6 +186,13 @@ class _Mixing:
         weight = self.staleness(staleness)
         local = base - delta
         fedasync_mix_(self.weights, local, self.alpha * weight)
+        self._pending = True
+        return weight
+
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        # The edge's mean delta applied at rate alpha * s: w <- (1 - a) w + a (w - mean delta).
+        weight = self.staleness(staleness)
+        self.weights.sub_(weighted_sum, alpha=self.alpha * weight / example_weight)
         self._pending = True
         return weight
 
@@ -208,7 +234,14 @@ class Server:
         capacity = 2 * in_flight + 8
         # Every task of several waves failing means the model or data is broken, not an unlucky client.
         self._failure_limit = max(3 * in_flight, 30)
-        self._inbox = ctx.bus.subscribe(UpdateUploaded, ClientFailed, capacity=capacity, name="server")
+        self._ingress_since_version = 0
+        self._egress_since_version = 0
+        # Edges may hold many finished tasks' answers at once: the cloud's inbox must never block them.
+        capacity = capacity if ctx.tree is None else max(capacity, 4 * ctx.tree.num_edges + 2 * in_flight + 8)
+        self._inbox = ctx.bus.subscribe(
+            UpdateUploaded, ClientFailed, EdgeForwarded, TaskClosed, capacity=capacity, name="server", address=CLOUD
+        )
+        self.max_staleness = cfg.max_staleness if isinstance(cfg, FedBuffServer | FedAsyncServer) else None
         self.strategy: _Strategy
         if isinstance(cfg, FedAvgServer):
             self.strategy = _Buffered(
@@ -228,6 +261,20 @@ class Server:
             )
         else:
             self.strategy = _Mixing(weights, alpha=cfg.alpha, staleness=make_staleness_weight(cfg.staleness))
+        self.edges: EdgeNetwork | None = None
+        if ctx.tree is not None:
+            assert isinstance(ctx.config.topology, TreeTopology)
+            self.edges = EdgeNetwork(
+                ctx.tree,
+                ctx.config.topology,
+                ctx,
+                self,
+                staleness=make_staleness_weight(cfg.staleness)
+                if isinstance(cfg, FedBuffServer | FedAsyncServer)
+                else ConstantStaleness(),
+                by_samples=isinstance(cfg, FedBuffServer) and cfg.example_weight == "samples",
+                spawn=self._spawn,
+            )
 
     # ------------------------------------------------------------------------------------------------ run
     async def run(self) -> ServerStats:
@@ -237,6 +284,9 @@ class Server:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 try:
+                    if self.edges is not None and not isinstance(self.cfg, FedAvgServer):
+                        for node in self.edges.nodes:
+                            self._spawn(node.run_async(), f"flasync-edge-{node.name}")
                     await self._publish()
                     await self._evaluate()
                     if isinstance(self.cfg, FedAvgServer):
@@ -248,6 +298,8 @@ class Server:
                         task.cancel()
         finally:
             self._inbox.close()
+            if self.edges is not None:
+                self.edges.close()
             self._tg = None
         if self.stats.evaluated_version != self.version:
             await self._evaluate()
@@ -265,7 +317,7 @@ class Server:
 
     async def _run_async(self, concurrency: int) -> None:
         while len(self._in_flight) < concurrency:
-            await self._dispatch(self._sample_idle())
+            await self.dispatch(self._sample_idle())
         async for message in self._inbox:
             await self._handle(message)
             if self.strategy.ready():
@@ -273,22 +325,60 @@ class Server:
             if self._stop_reason():
                 return
             while len(self._in_flight) < concurrency:
-                await self._dispatch(self._sample_idle())
+                await self.dispatch(self._sample_idle())
 
     async def _run_sync(self, cfg: FedAvgServer) -> None:
         num_clients = len(self.ctx.population)
         while not self._stop_reason():
             cohort = self._rng.choice(num_clients, size=cfg.clients_per_round, replace=False)
-            for client_id in cohort.tolist():
-                await self._dispatch(ClientId(client_id))
-            while self._in_flight:
-                await self._handle(await self._inbox.receive())
+            if self.edges is not None:
+                await self._sync_tree_round(self.edges, set(cohort.tolist()))
+            else:
+                for client_id in cohort.tolist():
+                    await self.dispatch(ClientId(client_id))
+                while self._in_flight:
+                    await self._handle(await self._inbox.receive())
             if self._stop_reason():  # a wall-time limit may end a round early
                 return
             if isinstance(self.strategy, _Buffered) and self.strategy.buffer.count:
                 await self._new_version()  # with failed members, the ones that answered
             else:
                 self.ctx.log.warning("server.round_empty", step=int(self.version), metrics=False)
+
+    async def _sync_tree_round(self, edges: EdgeNetwork, cohort: set[int]) -> None:
+        """One HierFAVG cloud round: every top edge with cohort members runs its rounds and forwards a partial."""
+        assert self._snapshot is not None
+        active = [edge for edge in edges.tree.top if edges.subtree_has(edge, cohort)]
+        self.stats.cloud_egress_bytes += len(active) * self._snapshot.download_bytes
+        self._egress_since_version += len(active) * self._snapshot.download_bytes
+        for edge in active:
+            self._spawn(edges.nodes[edge].sync_round(self._snapshot, cohort), f"flasync-edge-{edge}-round")
+        pending = len(active)
+        while pending:
+            message = await self._inbox.receive()
+            pending -= isinstance(message, EdgeForwarded)
+            await self._handle(message)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        """Start a background task of this run (cancelled when the server stops)."""
+        assert self._tg is not None
+        handle = self._tg.create_task(coro, name=name)
+        self._tasks.add(handle)
+        handle.add_done_callback(self._tasks.discard)
+
+    def count_accepted(self, staleness: int) -> None:
+        """Count one client update an edge folded in."""
+        stats = self.stats
+        self._failure_streak = 0
+        stats.updates_accepted += 1
+        stats.staleness_sum += staleness
+        stats.staleness_max = max(stats.staleness_max, staleness)
+        self._round_staleness.append(staleness)
+
+    def count_rejected(self, reason: str) -> None:
+        """Count one client update an edge refused."""
+        self.stats.updates_dropped += 1
+        self.stats.drop_reasons[reason] += 1
 
     # ------------------------------------------------------------------------------------------- dispatch
     def _sample_idle(self) -> ClientId:
@@ -298,9 +388,25 @@ class Server:
             if candidate not in self._in_flight:
                 return candidate
 
-    async def _dispatch(self, client_id: ClientId) -> None:
+    async def dispatch(
+        self, client_id: ClientId | int, snapshot: ModelSnapshot | None = None, *, reply_to: str | None = None
+    ) -> None:
+        """Start a task for ``client_id`` on ``snapshot`` (default: the model its edge, or the cloud, holds).
+
+        Args:
+            client_id: The client.
+            snapshot: The model to train from (a sync edge passes its edge model).
+            reply_to: Where the client uploads (default: its edge, or the cloud).
+        """
         assert self._tg is not None and self._snapshot is not None
-        snapshot = self._snapshot
+        client_id = ClientId(int(client_id))
+        edges = self.edges
+        if snapshot is None:
+            snapshot = (edges.snapshot_for(client_id) if edges is not None else None) or self._snapshot
+        if reply_to is None:
+            reply_to = edges.address_of(client_id) if edges is not None else CLOUD
+        # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.
+        self._bases.setdefault(snapshot.version, snapshot)
         participation = int(self._participations[client_id])
         self._participations[client_id] = participation + 1
         task = TaskAssigned(
@@ -309,9 +415,13 @@ class Server:
             participation=participation,
             base_version=snapshot.version,
             simulated_s=self.ctx.clock.now(),
+            reply_to=reply_to,
         )
         self.stats.tasks_dispatched += 1
         self.stats.download_bytes += snapshot.download_bytes
+        if edges is None:
+            self.stats.cloud_egress_bytes += snapshot.download_bytes
+            self._egress_since_version += snapshot.download_bytes
         self._in_flight[client_id] = task
         self._base_refs[snapshot.version] += 1
         await self.ctx.bus.publish(task)
@@ -322,7 +432,7 @@ class Server:
         self._tasks.add(handle)
         handle.add_done_callback(self._tasks.discard)
 
-    def _release(self, message: UpdateUploaded | ClientFailed) -> bool:
+    def release(self, message: UpdateUploaded | ClientFailed | EdgeForwarded | TaskClosed) -> bool:
         """Close the task a message answers; False if no such task is in flight (nothing is changed then)."""
         task = self._in_flight.get(message.client_id)
         if task is None or task.task_id != message.task_id or task.base_version != message.base_version:
@@ -337,22 +447,26 @@ class Server:
         return True
 
     # ------------------------------------------------------------------------------------------- receive
-    async def _handle(self, message: UpdateUploaded | ClientFailed) -> None:
-        if isinstance(message, ClientFailed):
-            if not self._release(message):
-                return
-            self.stats.updates_failed += 1
-            self._failure_streak += 1
-            if self._failure_streak >= self._failure_limit:
-                raise TrainingError(
-                    f"the last {self._failure_streak} client tasks all failed; the last error: {message.error}"
-                )
+    async def _handle(self, message: UpdateUploaded | ClientFailed | EdgeForwarded | TaskClosed) -> None:
+        if isinstance(message, TaskClosed):
+            self._task_closed(message)
             return
+        if isinstance(message, ClientFailed):
+            if self.release(message):
+                self._count_failure(message.error)
+            return
+        self.stats.cloud_ingress_bytes += len(message.payload)
+        self._ingress_since_version += len(message.payload)
+        if isinstance(message, EdgeForwarded):
+            self.stats.partials_received += 1
+            if not message.raw:
+                self._fold_partial(message)
+                return
         base = self._bases.get(message.base_version)
         ctx, stats = self.ctx, self.stats
         received_wall = ctx.wall()
         stats.upload_bytes += len(message.payload)
-        if not self._release(message):
+        if not self.release(message):
             await self._reject(message, "unexpected", f"client {message.client_id} has no task {message.task_id}")
             return
         staleness = int(self.version) - int(message.base_version)
@@ -398,7 +512,43 @@ class Server:
             )
         )
 
-    async def _reject(self, message: UpdateUploaded, reason: str, detail: str) -> None:
+    def _count_failure(self, error: str) -> None:
+        self.stats.updates_failed += 1
+        self._failure_streak += 1
+        if self._failure_streak >= self._failure_limit:
+            raise TrainingError(f"the last {self._failure_streak} client tasks all failed; the last error: {error}")
+
+    def _task_closed(self, message: TaskClosed) -> None:
+        """An edge took a client's answer (it released the task itself): count the outcome."""
+        self.stats.upload_bytes += message.upload_bytes
+        if message.outcome == "accepted":
+            self.count_accepted(message.staleness)
+        elif message.outcome == "rejected":
+            self.count_rejected(message.reason)
+        else:
+            self._count_failure(message.reason)
+
+    def _fold_partial(self, message: EdgeForwarded) -> None:
+        """Fold an edge's partial aggregate, discounted by how many versions passed since the edge folded it."""
+        if message.count == 0:
+            return
+        ctx = self.ctx
+        start = ctx.wall()
+        partial = _DENSE.decode(message.payload, expected_elements=ctx.num_params)
+        staleness = max(int(self.version) - int(message.base_version), 0)
+        weight = self.strategy.add_partial(partial, example_weight=message.example_weight, staleness=staleness)
+        ctx.log.debug(
+            "server.partial",
+            step=self.stats.partials_received,
+            updates=message.count,
+            bytes=len(message.payload),
+            staleness=staleness,
+            staleness_weight=weight,
+            queue_wait_s=start - message.sent_wall_s,
+            decode_s=ctx.wall() - start,
+        )
+
+    async def _reject(self, message: UpdateUploaded | EdgeForwarded, reason: str, detail: str) -> None:
         self.stats.updates_dropped += 1
         self.stats.drop_reasons[reason] += 1
         self.ctx.log.info(
@@ -441,10 +591,13 @@ class Server:
             updates=num_updates,
             staleness_mean=mean_staleness,
             in_flight=len(self._in_flight),
+            ingress_bytes=self._ingress_since_version,
+            egress_bytes=self._egress_since_version,
             simulated_s=ctx.clock.now(),
             wall_s=wall_s,
             versions_per_s=int(self.version) / wall_s if wall_s > 0 else 0.0,
         )
+        self._ingress_since_version = self._egress_since_version = 0
         await ctx.bus.publish(
             Aggregated(
                 version=self.version,
@@ -469,6 +622,10 @@ class Server:
         self._bases[snapshot.version] = snapshot
         if previous is not None and previous.version not in self._base_refs:
             self._bases.pop(previous.version, None)
+        if self.edges is not None and not isinstance(self.cfg, FedAvgServer):
+            sent = self.edges.publish(snapshot)
+            self.stats.cloud_egress_bytes += sent
+            self._egress_since_version += sent
         await self.ctx.bus.publish(
             ModelPublished(
                 version=self.version, simulated_s=self.ctx.clock.now(), download_bytes=snapshot.download_bytes

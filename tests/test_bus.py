@@ -571,3 +571,46 @@ def test_conservation_law_with_waiting_and_cancelled_publishers(
         assert bus.statistics().published == len(committed)
 
     asyncio.run(scenario())
+
+
+@dataclass(frozen=True)
+class _Letter:
+    to: str
+    body: int
+
+
+async def test_addressed_events_reach_only_their_address_and_observers() -> None:
+    """``to`` routes an event to the subscription with that address; unaddressed subscriptions see all."""
+    bus = EventBus()
+    alice = bus.subscribe(_Letter, address="alice")
+    bob = bus.subscribe(_Letter, address="bob")
+    observer = bus.subscribe(_Letter)
+    bus.publish_nowait(_Letter(to="alice", body=1))
+    bus.publish_nowait(_Letter(to="bob", body=2))
+    await bus.publish(_Letter(to="carol", body=3))
+    assert [alice.receive_nowait().body] == [1]
+    assert [bob.receive_nowait().body] == [2]
+    assert [observer.receive_nowait().body for _ in range(3)] == [1, 2, 3]
+    assert alice.statistics().queued == bob.statistics().queued == 0
+    assert alice.address == "alice" and observer.address is None
+
+
+async def test_unaddressed_events_reach_addressed_subscriptions() -> None:
+    """An event without ``to`` is for everyone subscribed to its type."""
+    bus = EventBus()
+    alice = bus.subscribe(int, address="alice")
+    bus.publish_nowait(5)
+    assert alice.receive_nowait() == 5
+
+
+async def test_a_full_addressed_subscription_blocks_only_its_own_mail() -> None:
+    """Backpressure follows the address: a full mailbox does not block letters to others."""
+    bus = EventBus()
+    alice = bus.subscribe(_Letter, capacity=1, address="alice")
+    bob = bus.subscribe(_Letter, capacity=1, address="bob")
+    bus.publish_nowait(_Letter(to="alice", body=1))
+    with pytest.raises(BusFull):
+        bus.publish_nowait(_Letter(to="alice", body=2))
+    bus.publish_nowait(_Letter(to="bob", body=3))
+    assert bob.receive_nowait().body == 3
+    assert alice.receive_nowait().body == 1

@@ -86,6 +86,12 @@ class UpdateBuffer:
             ValueError: If ``delta`` has the wrong shape, dtype or device, or a weight is out of range. The
                 buffer is left unchanged.
         """
+        self._check(delta, example_weight, staleness_weight)
+        self._acc.add_(delta, alpha=example_weight * staleness_weight)
+        self._total_example_weight += example_weight
+        self._count += 1
+
+    def _check(self, delta: Tensor, example_weight: float, staleness_weight: float) -> None:
         if delta.dim() != 1:
             raise ValueError(f"delta must be flat (1-D), got shape {tuple(delta.shape)}")
         if delta.numel() != self._acc.numel():
@@ -98,7 +104,24 @@ class UpdateBuffer:
             raise ValueError(f"example_weight must be finite and > 0, got {example_weight}")
         if not staleness_weight >= 0 or not math.isfinite(staleness_weight):
             raise ValueError(f"staleness_weight must be finite and >= 0, got {staleness_weight}")
-        self._acc.add_(delta, alpha=example_weight * staleness_weight)
+
+    def add_sum(self, weighted_sum: Tensor, *, example_weight: float, staleness_weight: float = 1.0) -> None:
+        """Fold an edge's partial aggregate in: ``acc += s * weighted_sum`` and ``E += example_weight``.
+
+        ``weighted_sum`` is ``sum_j e_j s_j delta_j`` over the updates an edge folded and ``example_weight`` their
+        ``sum_j e_j``, so the pseudo-gradient is what the same updates added one by one would give. The partial
+        counts as one arrival towards ``count`` (the server's ``K`` counts what reaches it).
+
+        Args:
+            weighted_sum: Flat tensor of ``num_params`` elements, the buffer's dtype and device; read, not kept.
+            example_weight: The partial's total example weight, finite and > 0.
+            staleness_weight: A further discount of the whole partial, finite and >= 0.
+
+        Raises:
+            ValueError: As for `add`; the buffer is left unchanged.
+        """
+        self._check(weighted_sum, example_weight, staleness_weight)
+        self._acc.add_(weighted_sum, alpha=staleness_weight)
         self._total_example_weight += example_weight
         self._count += 1
 

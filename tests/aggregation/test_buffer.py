@@ -209,3 +209,25 @@ def test_reset_buffer_matches_fresh_buffer(updates: tuple[list[Tensor], list[int
         for delta, example in zip(deltas, examples, strict=True):
             buffer.add(delta, example_weight=example, staleness_weight=1.0)
     assert torch.equal(reused.pseudo_gradient(), fresh.pseudo_gradient())
+
+
+def test_add_sum_of_a_partial_equals_adding_its_updates() -> None:
+    """An edge's partial (sum of e*s*delta, sum of e) folds to the same pseudo-gradient as its updates one by one."""
+    gen = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(50, generator=gen) for _ in range(5)]
+    examples = [3.0, 1.0, 4.0, 1.0, 5.0]
+    stale = [1.0, 0.5, 0.25, 1.0, 0.7]
+    flat = UpdateBuffer(50)
+    for d, e, s in zip(deltas, examples, stale, strict=True):
+        flat.add(d, example_weight=e, staleness_weight=s)
+    edge_a = sum(e * s * d for d, e, s in zip(deltas[:2], examples[:2], stale[:2], strict=True))
+    edge_b = sum(e * s * d for d, e, s in zip(deltas[2:], examples[2:], stale[2:], strict=True))
+    tiered = UpdateBuffer(50)
+    tiered.add_sum(edge_a, example_weight=sum(examples[:2]))
+    tiered.add_sum(edge_b, example_weight=sum(examples[2:]))
+    assert tiered.count == 2
+    assert tiered.total_example_weight == flat.total_example_weight
+    torch.testing.assert_close(tiered.pseudo_gradient(), flat.pseudo_gradient())
+    with pytest.raises(ValueError, match="example_weight"):
+        tiered.add_sum(edge_a, example_weight=0.0)
+    assert tiered.count == 2

@@ -164,20 +164,11 @@ class EdgeNode:
         if limit is not None and staleness > limit:
             await self._reject(message, "stale", f"staleness {staleness} > max_staleness {limit}")
             return
-        try:
-            delta = net.ctx.upload_codec.decode(message.payload, expected_elements=net.ctx.num_params)
-        except DecodeError as exc:
-            await self._reject(message, "decode", str(exc))
-            return
-        if not bool(torch.isfinite(delta).all()):
-            await self._reject(message, "non_finite", "update contains NaN or Inf")
+        delta = await self._decode(message)
+        if delta is None:
             return
         example = float(message.num_samples) if net.by_samples else 1.0
-        self._acc.add_(delta, alpha=example * net.staleness(staleness))
-        self._weight += example
-        self._count += 1
-        self._round_updates += 1
-        self._samples += message.num_samples
+        self._fold(delta, message.num_samples, example, net.staleness(staleness))
         self._aggregate_s += time.perf_counter() - start
         await self._close(
             message.task_id,
@@ -189,6 +180,27 @@ class EdgeNode:
             len(message.payload),
         )
         await self._folded()
+
+    async def _decode(self, message: UpdateUploaded | EdgeForwarded) -> torch.Tensor | None:
+        """Decode a client's update with full validation; None (and the update rejected) if it is unusable."""
+        ctx = self.net.ctx
+        try:
+            delta = ctx.upload_codec.decode(message.payload, expected_elements=ctx.num_params)
+        except DecodeError as exc:
+            await self._reject(message, "decode", str(exc))
+            return None
+        if not bool(torch.isfinite(delta).all()):
+            await self._reject(message, "non_finite", "update contains NaN or Inf")
+            return None
+        return delta
+
+    def _fold(self, delta: torch.Tensor, num_samples: int, example: float, staleness_weight: float) -> None:
+        """Add one client's delta with weight ``e * s(tau)``."""
+        self._acc.add_(delta, alpha=example * staleness_weight)
+        self._weight += example
+        self._count += 1
+        self._round_updates += 1
+        self._samples += num_samples
 
     def _fold_partial(self, message: EdgeForwarded) -> bool:
         """Add a sub-edge's partial aggregate; False if it held no update."""
@@ -398,7 +410,6 @@ class EdgeNode:
 
     async def _fold_sync(self, message: UpdateUploaded | ClientFailed | EdgeForwarded) -> None:
         server = self.net.server
-        ctx = self.net.ctx
         if isinstance(message, EdgeForwarded):  # pragma: no cover - leaves have no sub-edges
             raise AssertionError("a leaf edge received a partial")
         if not server.release(message):
@@ -408,20 +419,11 @@ class EdgeNode:
             return
         self._bytes_in += len(message.payload)
         start = time.perf_counter()
-        try:
-            delta = ctx.upload_codec.decode(message.payload, expected_elements=ctx.num_params)
-        except DecodeError as exc:
-            await self._reject(message, "decode", str(exc))
+        delta = await self._decode(message)
+        if delta is None:
             return
-        if not bool(torch.isfinite(delta).all()):
-            await self._reject(message, "non_finite", "update contains NaN or Inf")
-            return
-        self._acc.add_(delta, alpha=float(message.num_samples))
+        self._fold(delta, message.num_samples, float(message.num_samples), 1.0)
         self._aggregate_s += time.perf_counter() - start
-        self._weight += float(message.num_samples)
-        self._count += 1
-        self._round_updates += 1
-        self._samples += message.num_samples
         await self._close(
             message.task_id, message.client_id, message.base_version, "accepted", "", 0, len(message.payload)
         )

@@ -126,6 +126,7 @@ class RunSummary:
     weights_sha256: str
     cloud_ingress_bytes: int = 0
     cloud_egress_bytes: int = 0
+    cloud_aggregate_s: float = 0.0
     topology: str = "flat"
     tiers: dict[str, float] = field(default_factory=dict)
 
@@ -498,6 +499,7 @@ class Federation:
             weights_sha256=weights_sha256(weights),
             cloud_ingress_bytes=stats.cloud_ingress_bytes,
             cloud_egress_bytes=stats.cloud_egress_bytes,
+            cloud_aggregate_s=stats.cloud_aggregate_s,
             topology=self._topology_name(),
             tiers=server.edges.summary() if server.edges is not None else {},
         )

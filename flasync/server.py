@@ -109,6 +109,7 @@ class ServerStats:
     staleness_max: int = 0
     cloud_ingress_bytes: int = 0
     cloud_egress_bytes: int = 0
+    cloud_aggregate_s: float = 0.0
     partials_received: int = 0
     versions: int = 0
     accuracy: float = math.nan
@@ -487,6 +488,7 @@ class Server:
             await self._reject(message, "non_finite", "update contains NaN or Inf")
             return
         weight = self.strategy.add(delta, staleness=staleness, num_samples=message.num_samples, base=base.weights)
+        stats.cloud_aggregate_s += ctx.wall() - received_wall
         self._failure_streak = 0
         stats.updates_accepted += 1
         stats.staleness_sum += staleness
@@ -537,6 +539,7 @@ class Server:
         partial = _DENSE.decode(message.payload, expected_elements=ctx.num_params)
         staleness = max(int(self.version) - int(message.base_version), 0)
         weight = self.strategy.add_partial(partial, example_weight=message.example_weight, staleness=staleness)
+        self.stats.cloud_aggregate_s += ctx.wall() - start
         ctx.log.debug(
             "server.partial",
             step=self.stats.partials_received,
@@ -578,6 +581,7 @@ class Server:
         num_updates = len(self._round_staleness)
         self.strategy.step()
         aggregate_s = ctx.wall() - start
+        stats.cloud_aggregate_s += aggregate_s
         self.version = Version(self.version + 1)
         stats.versions = int(self.version)
         mean_staleness = sum(self._round_staleness) / max(num_updates, 1)

@@ -18,6 +18,7 @@ import select
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
@@ -66,14 +67,16 @@ class ChildLogBatch:
     Args:
         tracking_uri: The store the child writes to (absolute: the child does not share relative paths' meaning).
         run_id: The run the metrics belong to.
+        extra_env: Environment variables set for the child only, e.g. bounds on MLflow's HTTP timeout and retries.
 
     ``__call__`` raises ``RuntimeError`` with the child's error message, or ``ConnectionError`` when the child is
     gone; the caller (a :class:`~tracking.writer.MetricWriter`) keeps the batch and retries or falls back.
     """
 
-    def __init__(self, tracking_uri: str, run_id: str) -> None:
+    def __init__(self, tracking_uri: str, run_id: str, *, extra_env: Mapping[str, str] | None = None) -> None:
         """Start the child (it imports MLflow and connects in the background)."""
         env = dict(os.environ)
+        env.update(extra_env or {})
         # The child imports this package from wherever the parent did, installed or not.
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])

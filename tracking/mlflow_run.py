@@ -8,23 +8,38 @@ async callers run them in a thread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
+import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, get_args
 
 import mlflow
 import structlog
+import yaml
 from mlflow.entities import LoggedModelOutput, Metric, Param, RunTag
 
 from tracking._child import ChildLogBatch
 from tracking._keys import safe_key
+from tracking.spool import (
+    Replayer,
+    SpoolWriter,
+    bounded_http,
+    default_spool_path,
+    http_env,
+    is_remote,
+    iter_records,
+    rejected,
+    save_progress,
+)
 from tracking.writer import MetricWriter
 
 if TYPE_CHECKING:
@@ -33,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_ARTIFACT_ROOT",
     "DEFAULT_TRACKING_URI",
+    "ExperimentDeletedError",
     "MlflowTracker",
     "NullTracker",
     "RunStatus",
@@ -55,6 +71,10 @@ _NOTHING: Mapping[str, Any] = MappingProxyType({})
 _UNSAFE_DIR_CHARS = re.compile(r"[^\w.\-]")
 
 _T = TypeVar("_T")
+
+
+class ExperimentDeletedError(RuntimeError):
+    """The run's MLflow experiment exists but is deleted (a user decision, never spooled around)."""
 
 
 class Tracker(Protocol):
@@ -158,6 +178,15 @@ class MlflowTracker:
     Metrics go through a :class:`~tracking.writer.MetricWriter` (batched ``log_batch`` calls from
     a background thread); everything else is a direct, blocking client call.
 
+    Tracking never takes the run down: when the store cannot be reached or errors - at :meth:`start` or later -
+    every record (params, tags, metrics, artifacts, the final status) goes to a JSON-lines spool (see
+    :mod:`tracking.spool`), whose path is logged (``tracking.spooling``) and printed on stderr once. While
+    spooling, the store is tried again at most every ``retry_interval_s`` (when there is something to write);
+    once it answers, the spool is replayed in order and records go direct again. What is left at :meth:`finish`
+    stays in the spool, and the ``flasync tracking replay PATH`` command that sends it is logged and printed.
+    Calls to an HTTP(S) server are bounded to ``http_timeout_s`` per request and ``http_retries`` retries
+    (:func:`tracking.spool.bounded_http`; the metric child process gets the same bounds in its environment).
+
     On a local store (SQLite or files) a new experiment gets the artifact location
     ``file://<artifact_root>/<experiment name>``; by default ``artifact_root`` is the ``artifacts``
     folder next to the SQLite file, i.e. ``mlruns/artifacts`` for the default store.
@@ -176,6 +205,11 @@ class MlflowTracker:
         writer_process: Send metric batches from a spawned child process (see :mod:`tracking._child`), so
             MLflow's SQL work does not compete with training for this process's GIL.
         logger: Where warnings go; ``structlog.get_logger("tracking.mlflow")`` when None.
+        spool_path: The spool file used if the store fails; a new file under ``spool_root`` when None.
+        spool_root: Folder of default spool files, relative to the current directory now.
+        retry_interval_s: Least time between two tries to reach a failed store, in seconds.
+        http_timeout_s: Connect/read timeout of one request to an HTTP(S) server, in seconds.
+        http_retries: Retries of one request to an HTTP(S) server.
     """
 
     def __init__(
@@ -189,6 +223,11 @@ class MlflowTracker:
         flush_timeout_s: float = 30.0,
         writer_process: bool = True,
         logger: Any = None,
+        spool_path: str | Path | None = None,
+        spool_root: str | Path = "mlruns/spool",
+        retry_interval_s: float = 5.0,
+        http_timeout_s: int = 10,
+        http_retries: int = 1,
     ) -> None:
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
         self.tracking_uri = _absolute_sqlite_uri(uri)
@@ -208,6 +247,37 @@ class MlflowTracker:
         self._finished = False
         self._writer_process = writer_process
         self._child: ChildLogBatch | None = None
+        self._started_at: int | None = None  # ms since the epoch; set by start()
+        self._run_name: str | None = None
+        self._spool_path = Path(spool_path).absolute() if spool_path is not None else None
+        self._spool_root = Path(spool_root).expanduser().absolute()
+        self._retry_interval = retry_interval_s
+        self._http_timeout = http_timeout_s
+        self._http_retries = http_retries
+        # Serialises every write (direct or spooled) and the replay, so records keep their order.
+        self._route = threading.RLock()
+        self._spool: SpoolWriter | None = None
+        self._offline = False
+        self._next_try = 0.0
+        self._replay_offset = 0
+        self._replayed = 0
+        self._replayer: Replayer | None = None
+
+    @property
+    def spool_path(self) -> Path | None:
+        """The spool file, if the store failed at some point of this run; else None."""
+        return self._spool.path if self._spool is not None else None
+
+    @property
+    def offline(self) -> bool:
+        """Whether records currently go to the spool (the store failed and has not answered since)."""
+        return self._offline
+
+    def replay_command(self) -> str | None:
+        """Return the command that sends what is left in the spool, or None when nothing is left."""
+        if self._spool is None or not self._offline:
+            return None
+        return f"flasync tracking replay {shlex.quote(str(self._spool.path))}"
 
     @property
     def writer(self) -> MetricWriter | None:
@@ -241,32 +311,64 @@ class MlflowTracker:
             RuntimeError: The tracker was already started, or the experiment is deleted.
             mlflow.exceptions.MlflowException: The store refused a call.
         """
-        if self.run_id is not None:
-            raise RuntimeError(f"this tracker already started run {self.run_id}")
+        if self._started_at is not None:
+            raise RuntimeError(f"this tracker already started run {self.run_id or '(spooled)'}")
+        self._started_at = int(time.time() * 1000)
+        self._experiment, self._run_name = experiment, run_name
+        clean_tags = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in tags.items()}
+        clean_params = {safe_key(k): _param_value(v) for k, v in params.items()}
         db = _sqlite_path(self.tracking_uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
-        if self._client is None:
-            self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
-        client = self._client
-        experiment_id = self._experiment_id(client, experiment)
-        run = client.create_run(
-            experiment_id,
-            run_name=run_name,
-            tags={safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in tags.items()},
+        with self._route:
+            try:
+                with self._http():
+                    if self._client is None:
+                        self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+                    client = self._client
+                    experiment_id = self._experiment_id(client, experiment)
+                    run = client.create_run(
+                        experiment_id, run_name=run_name, tags=clean_tags, start_time=self._started_at
+                    )
+                    self.experiment_id = experiment_id
+                    self.run_id = run.info.run_id
+                    entries = [Param(k, v) for k, v in clean_params.items()]
+                    for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
+                        client.log_batch(run.info.run_id, params=chunk, synchronous=True)
+            except ExperimentDeletedError:
+                self._started_at = None
+                raise
+            except Exception as exc:
+                spool = self._go_offline(exc)
+                if self.run_id is None:
+                    spool.tags(clean_tags)
+                spool.params(clean_params)
+        if self.run_id is not None and not self._offline:
+            self._start_writers(self.run_id)
+        else:
+            self._writer = self._metric_writer()
+        return self.run_id or ""
+
+    def _metric_writer(self) -> MetricWriter:
+        return MetricWriter(
+            self._log_metric_batch,
+            max_batch=self._max_batch,
+            flush_interval_s=self._flush_interval,
+            close_timeout_s=self._flush_timeout,
+            logger=self._log,
         )
-        run_id: str = run.info.run_id
-        try:
-            entries = [Param(safe_key(k), _param_value(v)) for k, v in params.items()]
-            for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
-                client.log_batch(run_id, params=chunk, synchronous=True)
-        except BaseException:
-            client.set_terminated(run_id, "FAILED")
-            raise
-        self.experiment_id = self._experiment = experiment_id
-        self.run_id = run_id
+
+    def _http(self) -> contextlib.AbstractContextManager[None]:
+        return bounded_http(self.tracking_uri, timeout_s=self._http_timeout, retries=self._http_retries)
+
+    def _start_writers(self, run_id: str) -> None:
+        """Start the metric child process (if wanted), the metric writer and the system monitor."""
         if self._writer_process:
-            child = ChildLogBatch(self.tracking_uri, run_id)
+            extra = {}
+            if is_remote(self.tracking_uri):
+                bounds = http_env(self._http_timeout, self._http_retries)
+                extra = {k: v for k, v in bounds.items() if k not in os.environ}
+            child = ChildLogBatch(self.tracking_uri, run_id, extra_env=extra)
             try:
                 # Pay the child's start-up (importing MLflow, connecting) before training, not during it.
                 child.wait_ready(_CHILD_START_TIMEOUT_S)
@@ -274,13 +376,7 @@ class MlflowTracker:
             except (ConnectionError, RuntimeError) as exc:
                 self._log.warning("tracking.writer_process_failed", error=str(exc), metrics=False)
                 child.close()
-        self._writer = MetricWriter(
-            self._log_metric_batch,
-            max_batch=self._max_batch,
-            flush_interval_s=self._flush_interval,
-            close_timeout_s=self._flush_timeout,
-            logger=self._log,
-        )
+        self._writer = self._metric_writer()
         if self._system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -289,7 +385,6 @@ class MlflowTracker:
                 run_id, sampling_interval=_SYSTEM_METRICS_INTERVAL_S, tracking_uri=self.tracking_uri
             )
             self._monitor.start()
-        return run_id
 
     def log_metrics(self, metrics: list[Metric]) -> None:
         """Queue metrics for the run; never blocks (dropped before start and after finish).
@@ -309,12 +404,11 @@ class MlflowTracker:
             data: A JSON-like mapping.
             artifact_file: Path of the artifact inside the run, e.g. ``"config/run.json"``.
         """
-        run_id, client = self._started()
         if artifact_file.endswith((".yaml", ".yml")):
-            client.log_dict(run_id, dict(data), artifact_file)
+            text = yaml.safe_dump(json.loads(json.dumps(dict(data), default=str)), indent=2, sort_keys=False)
         else:
             text = json.dumps(data, indent=2, default=str, allow_nan=True)
-            self.log_bytes(text.encode(), artifact_file)
+        self.log_bytes(text.encode(), artifact_file)
 
     def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Store a local file or folder as an artifact.
@@ -323,8 +417,13 @@ class MlflowTracker:
             path: The local file or folder.
             artifact_path: Folder inside the run's artifacts; the root when None.
         """
-        run_id, client = self._started()
-        client.log_artifact(run_id, os.fspath(path), artifact_path)
+        self._check_started()
+        local = os.fspath(path)
+
+        def send(run_id: str, client: mlflow.MlflowClient) -> None:
+            client.log_artifact(run_id, local, artifact_path)
+
+        self._deliver(send, lambda spool: spool.artifact_path(local, artifact_path))
 
     def log_bytes(self, data: bytes, artifact_file: str) -> None:
         """Store ``data`` as an artifact.
@@ -333,14 +432,18 @@ class MlflowTracker:
             data: The file's content.
             artifact_file: Path of the artifact inside the run, e.g. ``"clients/table.csv"``.
         """
-        run_id, client = self._started()
+        self._check_started()
         folder, name = os.path.split(artifact_file.strip("/"))
         if not name:
             raise ValueError(f"artifact_file {artifact_file!r} names no file")
-        with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
-            local = Path(tmp, name)
-            local.write_bytes(data)
-            client.log_artifact(run_id, str(local), folder or None)
+
+        def send(run_id: str, client: mlflow.MlflowClient) -> None:
+            with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
+                local = Path(tmp, name)
+                local.write_bytes(data)
+                client.log_artifact(run_id, str(local), folder or None)
+
+        self._deliver(send, lambda spool: spool.artifact_bytes(data, artifact_file))
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set tags on the run (values stringified and cut to 8000 characters).
@@ -348,13 +451,18 @@ class MlflowTracker:
         Args:
             tags: Tag names and values.
         """
-        run_id, client = self._started()
-        entries = [RunTag(safe_key(k), str(v)[:_MAX_TAG_VALUE]) for k, v in tags.items()]
-        for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
-            client.log_batch(run_id, tags=chunk, synchronous=True)
+        self._check_started()
+        clean = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in tags.items()}
+
+        def send(run_id: str, client: mlflow.MlflowClient) -> None:
+            entries = [RunTag(k, v) for k, v in clean.items()]
+            for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
+                client.log_batch(run_id, tags=chunk, synchronous=True)
+
+        self._deliver(send, lambda spool: spool.tags(clean))
 
     def flush(self) -> None:
-        """Block until queued metrics were written, or ``flush_timeout_s`` passed (then warn)."""
+        """Block until queued metrics were written (or spooled), or ``flush_timeout_s`` passed (then warn)."""
         if self._writer is None:
             return
         try:
@@ -370,19 +478,19 @@ class MlflowTracker:
     def finish(self, status: RunStatus) -> None:
         """Write queued metrics, stop the system monitor and close the run; idempotent.
 
-        With a failing backend, metrics are retried for at most ``flush_timeout_s``, then counted
-        as lost (a warning says how many).
+        Whatever the store does not take goes to the spool; the store is tried once more (whatever
+        ``retry_interval_s`` says) before the spool is left for ``flasync tracking replay``, whose command is then
+        logged (``tracking.spool_left``) and printed on stderr.
 
         Args:
             status: ``"FINISHED"``, ``"FAILED"`` or ``"KILLED"``.
 
         Raises:
             ValueError: ``status`` is not one of those.
-            mlflow.exceptions.MlflowException: The store refused to close the run.
         """
         if status not in get_args(RunStatus):
             raise ValueError(f"status must be one of {get_args(RunStatus)}, not {status!r}")
-        if self.run_id is None or self._client is None or self._finished:
+        if self._started_at is None or self._finished:
             return
         self._finished = True
         try:
@@ -395,7 +503,32 @@ class MlflowTracker:
             if self._child is not None:
                 self._child.close()
                 self._child = None
-            self._client.set_terminated(self.run_id, status)
+            end = int(time.time() * 1000)
+
+            def send(run_id: str, client: mlflow.MlflowClient) -> None:
+                client.set_terminated(run_id, status, end_time=end)
+
+            with self._route:
+                if self._offline:
+                    self._try_recover(force=True)
+                self._deliver(send, lambda spool: spool.status(status, end))
+                if self._spool is not None:
+                    self._spool.close()
+                    command = self.replay_command()
+                    if command is not None:
+                        self._log.warning(
+                            "tracking.spool_left",
+                            path=str(self._spool.path),
+                            records=self._spool.records - self._replayed,
+                            replay=command,
+                            metrics=False,
+                        )
+                        print(
+                            f"flasync: MLflow at {self.tracking_uri} did not answer; the run's tracking records are "
+                            f"in {self._spool.path}; send them with: {command}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
 
     def ui_command(self) -> str | None:
         """Return the shell command that opens this store in the MLflow UI.
@@ -418,6 +551,8 @@ class MlflowTracker:
         tracking URI, so it is not used: the model is saved locally with
         ``mlflow.pytorch.save_model`` (explicit pip requirements, nothing inferred) and sent with
         this tracker's client as a logged model linked to the run (its output at step 0).
+        While the store is failing, the saved model folder is spooled as the run artifact ``model/``
+        instead (replayed as a plain artifact folder, not as a logged model).
 
         Args:
             model: The model; pickled whole, so its class must be importable where it is loaded.
@@ -434,42 +569,157 @@ class MlflowTracker:
         from mlflow.models import Model
 
         began = time.perf_counter()
-        run_id, client = self._started()
-        logged = client.create_logged_model(self._experiment, name=name, source_run_id=run_id)
-        try:
+        self._check_started()
+        requirements = [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
+
+        def send(run_id: str, client: mlflow.MlflowClient) -> None:
+            logged = client.create_logged_model(str(self.experiment_id), name=name, source_run_id=run_id)
+            try:
+                with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
+                    local = os.path.join(tmp, "model")
+                    description = Model(
+                        artifact_path=logged.artifact_location,
+                        run_id=run_id,
+                        model_uuid=logged.model_id,
+                        model_id=logged.model_id,
+                    )
+                    mlflow.pytorch.save_model(
+                        model,
+                        local,
+                        mlflow_model=description,
+                        # MLflow 3.17 defaults to "pt2", which needs an input example to trace.
+                        serialization_format="pickle",
+                        pip_requirements=requirements,
+                    )
+                    client.log_model_artifacts(logged.model_id, local)
+                client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
+                client.finalize_logged_model(logged.model_id, "READY")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    client.finalize_logged_model(logged.model_id, "FAILED")
+                raise
+
+        def spool(writer: SpoolWriter) -> None:
             with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
-                local = os.path.join(tmp, "model")
-                description = Model(
-                    artifact_path=logged.artifact_location,
-                    run_id=run_id,
-                    model_uuid=logged.model_id,
-                    model_id=logged.model_id,
-                )
-                mlflow.pytorch.save_model(
-                    model,
-                    local,
-                    mlflow_model=description,
-                    # MLflow 3.17 defaults to "pt2", which needs an input example to trace.
-                    serialization_format="pickle",
-                    pip_requirements=[
-                        f"mlflow=={mlflow.__version__}",
-                        f"torch=={torch.__version__.split('+')[0]}",
-                    ],
-                )
-                client.log_model_artifacts(logged.model_id, local)
-            client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
-            client.finalize_logged_model(logged.model_id, "READY")
-        except BaseException:
-            client.finalize_logged_model(logged.model_id, "FAILED")
-            raise
+                local = os.path.join(tmp, name)
+                mlflow.pytorch.save_model(model, local, serialization_format="pickle", pip_requirements=requirements)
+                writer.artifact_path(local, None)
+
+        self._deliver(send, spool)
         return time.perf_counter() - began
 
-    def _started(self) -> tuple[str, mlflow.MlflowClient]:
-        if self.run_id is None or self._client is None:
+    def _check_started(self) -> None:
+        if self._started_at is None:
             raise RuntimeError("call start() before logging to the tracker")
-        return self.run_id, self._client
+
+    def _deliver(
+        self,
+        send: Callable[[str, mlflow.MlflowClient], None],
+        spool: Callable[[SpoolWriter], None],
+    ) -> None:
+        """Send one record to the store, or to the spool while (or when) the store fails; order is kept."""
+        with self._route:
+            if not self._offline or self._try_recover():
+                assert self.run_id is not None and self._client is not None
+                try:
+                    with self._http():
+                        send(self.run_id, self._client)
+                    return
+                except Exception as exc:
+                    self._go_offline(exc)
+            assert self._spool is not None
+            spool(self._spool)
+
+    def _go_offline(self, error: BaseException) -> SpoolWriter:
+        """Send records to the spool from now on (creating it, and saying where, the first time)."""
+        self._offline = True
+        self._next_try = time.monotonic() + self._retry_interval
+        reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        if self._spool is not None:
+            self._log.warning("tracking.spooling_again", path=str(self._spool.path), error=reason, metrics=False)
+            return self._spool
+        assert self._started_at is not None
+        path = self._spool_path or default_spool_path(self._experiment or "experiment", self._spool_root)
+        self._spool = SpoolWriter(
+            path,
+            tracking_uri=self.tracking_uri,
+            experiment=self._experiment,
+            run_name=self._run_name,
+            run_id=self.run_id,
+            start_time=self._started_at,
+        )
+        self._replay_offset = self._spool.size
+        self._log.warning(
+            "tracking.spooling", path=str(self._spool.path), tracking_uri=self.tracking_uri, error=reason, metrics=False
+        )
+        print(
+            f"flasync: MLflow at {self.tracking_uri} failed ({reason}); tracking records go to {self._spool.path}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return self._spool
+
+    def _try_recover(self, *, force: bool = False) -> bool:
+        """Replay the spool into the store if it answers (at most every ``retry_interval_s``); True when done."""
+        if not force and time.monotonic() < self._next_try:
+            return False
+        self._next_try = time.monotonic() + self._retry_interval
+        spool = self._spool
+        assert spool is not None
+        replayed = 0
+        try:
+            with self._http():
+                if self._client is None:
+                    self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+                if self._replayer is None:
+                    self._replayer = Replayer(
+                        self._client, spool.header, spool.path.parent, self._remember_experiment, self.run_id
+                    )
+                replayer = self._replayer
+                for record, end in iter_records(spool.path, self._replay_offset):
+                    try:
+                        replayer.apply(record)
+                    except Exception as exc:
+                        if not rejected(exc):
+                            raise
+                        self._log.warning(
+                            "tracking.record_rejected", type=record["type"], error=str(exc), metrics=False
+                        )
+                    self.run_id = replayer.run_id
+                    self._replay_offset = end
+                    self._replayed += 1
+                    replayed += 1
+                    save_progress(
+                        spool.path, self.tracking_uri, run_id=replayer.ensure_run(), records=self._replayed, offset=end
+                    )
+                if self.run_id is None:  # nothing was spooled yet
+                    self.run_id = replayer.ensure_run()
+        except Exception as exc:
+            if replayed:
+                self._log.info("tracking.replay_partial", replayed=replayed, error=str(exc)[:300], metrics=False)
+            return False
+        self._offline = False
+        self._log.warning("tracking.recovered", replayed=replayed, path=str(spool.path), metrics=False)
+        return True
+
+    def _remember_experiment(self, name: str) -> str:
+        assert self._client is not None
+        self.experiment_id = self._experiment_id(self._client, name)
+        return self.experiment_id
 
     def _log_metric_batch(self, metrics: list[Metric]) -> None:
+        """Write one batch (called by the metric writer's thread): direct, or to the spool; never raises."""
+        with self._route:
+            if not self._offline or self._try_recover():
+                try:
+                    self._send_metrics(metrics)
+                    return
+                except Exception as exc:
+                    self._go_offline(exc)
+            assert self._spool is not None
+            self._spool.metrics(metrics)
+
+    def _send_metrics(self, metrics: list[Metric]) -> None:
         child = self._child
         if child is not None:
             try:
@@ -479,8 +729,9 @@ class MlflowTracker:
                 # The child died: write from this process from now on rather than lose metrics.
                 self._log.warning("tracking.writer_process_lost", error=str(exc), metrics=False)
                 self._child = None
-        run_id, client = self._started()
-        client.log_batch(run_id, metrics=metrics, synchronous=True)
+        assert self.run_id is not None and self._client is not None
+        with self._http():
+            self._client.log_batch(self.run_id, metrics=metrics, synchronous=True)
 
     def _experiment_id(self, client: mlflow.MlflowClient, name: str) -> str:
         experiment = client.get_experiment_by_name(name)
@@ -494,7 +745,7 @@ class MlflowTracker:
                 if experiment is None:
                     raise
         if experiment.lifecycle_stage != "active":
-            raise RuntimeError(
+            raise ExperimentDeletedError(
                 f"MLflow experiment {name!r} is deleted; restore it with "
                 f"`mlflow experiments restore --experiment-id {experiment.experiment_id}` "
                 "or choose another name"
@@ -503,16 +754,29 @@ class MlflowTracker:
         return found
 
     def _artifact_location(self, experiment: str) -> str | None:
-        folder = _UNSAFE_DIR_CHARS.sub("_", experiment).strip(".") or "experiment"
-        root = self._artifact_root
-        if root is None:
-            db = _sqlite_path(self.tracking_uri)
-            if db is None:
-                return None  # a file store or a server picks its own location
-            return (db.parent / "artifacts" / folder).as_uri()
-        if "://" in root:
-            return f"{root.rstrip('/')}/{folder}"
-        return (Path(root).expanduser().absolute() / folder).as_uri()
+        return artifact_location(self.tracking_uri, experiment, self._artifact_root)
+
+
+def artifact_location(tracking_uri: str, experiment: str, artifact_root: str | None = None) -> str | None:
+    """Return where a new experiment of a store keeps its artifacts (see :class:`MlflowTracker`).
+
+    Args:
+        tracking_uri: The store.
+        experiment: The experiment's name (made a safe folder name).
+        artifact_root: Folder or URI of experiments' artifact folders; next to a SQLite file when None.
+
+    Returns:
+        A URI, or None to let the store choose (file stores, servers).
+    """
+    folder = _UNSAFE_DIR_CHARS.sub("_", experiment).strip(".") or "experiment"
+    if artifact_root is None:
+        db = _sqlite_path(tracking_uri)
+        if db is None:
+            return None  # a file store or a server picks its own location
+        return (db.parent / "artifacts" / folder).as_uri()
+    if "://" in artifact_root:
+        return f"{artifact_root.rstrip('/')}/{folder}"
+    return (Path(artifact_root).expanduser().absolute() / folder).as_uri()
 
 
 def _sqlite_path(uri: str) -> Path | None:
@@ -533,6 +797,10 @@ def _absolute_sqlite_uri(uri: str) -> str:
     query = uri.partition("?")[2]
     absolute = "sqlite:///" + path.expanduser().absolute().as_posix()
     return f"{absolute}?{query}" if query else absolute
+
+
+sqlite_path = _sqlite_path
+absolute_tracking_uri = _absolute_sqlite_uri
 
 
 def _param_value(value: Any) -> str:

@@ -1,0 +1,554 @@
+"""A local JSON-lines spool for what an MLflow run could not send, and its replay.
+
+When the MLflow backend cannot be reached (or errors), :class:`~tracking.mlflow_run.MlflowTracker` writes every
+record it would have sent - params, tags, metrics with their steps and timestamps, artifacts, the final status - to a
+spool file, one JSON object per line, and replays the file in order once the backend answers again. What is still in
+the spool when the run ends is replayed later with ``flasync tracking replay SPOOL`` (or :func:`replay`).
+
+The file starts with a header record::
+
+    {"type": "header", "format": "flasync-tracking-spool", "version": 1, "tracking_uri": "...",
+     "experiment": "...", "run_name": null, "run_id": null, "start_time": 1763782000000, "created": "..."}
+
+followed by records of these types::
+
+    {"type": "params", "params": {"seed": "0", ...}}
+    {"type": "tags", "tags": {"mode": "async", ...}}
+    {"type": "metrics", "metrics": [["server.loss", 0.31, 1763782001234, 4], ...]}   # key, value, ms, step
+    {"type": "artifact", "file": "run.artifacts/3/summary.json", "artifact_path": null}
+    {"type": "status", "status": "FINISHED", "end_time": 1763782009876}
+
+Artifact files are copied into the folder ``<spool stem>.artifacts/`` next to the spool; ``file`` is relative to the
+spool's folder. Replay progress (per target store: the run written to, the records and bytes done) is kept in
+``<spool>.progress.json``, so a replay that stops half-way continues where it stopped and a finished one is not
+repeated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from mlflow.entities import Metric, Param, RunTag
+
+__all__ = [
+    "SPOOL_FORMAT",
+    "SPOOL_VERSION",
+    "ReplayResult",
+    "Replayer",
+    "SpoolError",
+    "SpoolWriter",
+    "bounded_http",
+    "default_spool_path",
+    "is_remote",
+    "iter_records",
+    "load_progress",
+    "read_header",
+    "replay",
+    "save_progress",
+]
+
+SPOOL_FORMAT = "flasync-tracking-spool"
+SPOOL_VERSION = 1
+RECORD_TYPES = frozenset({"params", "tags", "metrics", "artifact", "status"})
+STATUSES = frozenset({"FINISHED", "FAILED", "KILLED"})
+
+_MAX_METRICS_PER_CALL = 1000
+_MAX_ENTRIES_PER_CALL = 100
+_UNSAFE = re.compile(r"[^\w.\-]")
+
+# Process-wide bookkeeping of bounded_http(): entered scopes and the values they replaced.
+_HTTP_LOCK = threading.Lock()
+_HTTP_DEPTH = 0
+_HTTP_SAVED: dict[str, str | None] = {}
+
+
+class SpoolError(ValueError):
+    """A spool file cannot be read: missing, not JSON lines, no valid header, or a malformed record."""
+
+
+def is_remote(tracking_uri: str) -> bool:
+    """Tell whether a tracking URI names an MLflow server reached over HTTP(S)."""
+    return tracking_uri.partition(":")[0].lower() in ("http", "https")
+
+
+def http_env(timeout_s: int, retries: int) -> dict[str, str]:
+    """Return the MLflow environment variables that bound one HTTP request's connect/read time and retries."""
+    return {
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(timeout_s))),
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(max(0, int(retries))),
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
+    }
+
+
+@contextlib.contextmanager
+def bounded_http(tracking_uri: str, *, timeout_s: int = 10, retries: int = 1) -> Iterator[None]:
+    """Bound MLflow's HTTP timeout and retries for the calls made inside the block, for a server URI only.
+
+    MLflow reads ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (default 120 s and 7 retries
+    with exponential backoff, minutes in all) from the environment on every request; nothing else bounds a call to
+    a server that does not answer. Inside this block those variables the user has not set are set to the given
+    bounds, and restored when the last such block (of any thread) exits. Variables the user set are left alone.
+    Local stores (SQLite, files) are not affected at all.
+    """
+    if not is_remote(tracking_uri):
+        yield
+        return
+    global _HTTP_DEPTH
+    with _HTTP_LOCK:
+        if _HTTP_DEPTH == 0:
+            _HTTP_SAVED.clear()
+            for name, value in http_env(timeout_s, retries).items():
+                if name not in os.environ:
+                    _HTTP_SAVED[name] = None
+                    os.environ[name] = value
+        _HTTP_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _HTTP_LOCK:
+            _HTTP_DEPTH -= 1
+            if _HTTP_DEPTH == 0:
+                for name in _HTTP_SAVED:
+                    os.environ.pop(name, None)
+                _HTTP_SAVED.clear()
+
+
+def default_spool_path(experiment: str, root: str | Path = "mlruns/spool") -> Path:
+    """Return a new spool path ``<root>/<UTC time>-<experiment>-<pid>.jsonl``, absolute against the cwd."""
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    name = _UNSAFE.sub("_", experiment).strip(".") or "experiment"
+    return Path(root).expanduser().absolute() / f"{stamp}-{name}-{os.getpid()}.jsonl"
+
+
+def _json_line(record: Mapping[str, Any]) -> str:
+    # NaN and infinities are legal metric values; Python's json reads back what it writes.
+    return json.dumps(record, separators=(",", ":"), allow_nan=True, default=str) + "\n"
+
+
+class SpoolWriter:
+    """Append records to a spool file; thread-safe, each record flushed to the OS as it is written.
+
+    Args:
+        path: The spool file; its folder is created. An existing file is refused.
+        tracking_uri: The store the records were meant for.
+        experiment: The experiment's name.
+        run_name: The run's name, if any.
+        run_id: The run's id if it was created before the backend failed, else None.
+        start_time: The run's start, in ms since the epoch.
+
+    Raises:
+        FileExistsError: ``path`` exists.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        tracking_uri: str,
+        experiment: str,
+        run_name: str | None,
+        run_id: str | None,
+        start_time: int,
+    ) -> None:
+        self.path = Path(path).absolute()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.artifacts_dir = self.path.with_suffix(".artifacts")
+        self._lock = threading.Lock()
+        self._file: IO[str] = self.path.open("x", encoding="utf-8")
+        self._artifacts = 0
+        self.records = 0
+        self.header: dict[str, Any] = {
+            "type": "header",
+            "format": SPOOL_FORMAT,
+            "version": SPOOL_VERSION,
+            "tracking_uri": tracking_uri,
+            "experiment": experiment,
+            "run_name": run_name,
+            "run_id": run_id,
+            "start_time": int(start_time),
+            "created": datetime.now(UTC).isoformat(),
+            "artifacts": self.artifacts_dir.name,
+        }
+        self._write(self.header)
+        self.records = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far (the offset just past the last record)."""
+        with self._lock:
+            return self._file.tell()
+
+    def _write(self, record: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._file.write(_json_line(record))
+            self._file.flush()
+            self.records += 1
+
+    def params(self, params: Mapping[str, Any]) -> None:
+        """Spool run parameters (values as strings)."""
+        if params:
+            self._write({"type": "params", "params": {str(k): str(v) for k, v in params.items()}})
+
+    def tags(self, tags: Mapping[str, Any]) -> None:
+        """Spool run tags (values as strings)."""
+        if tags:
+            self._write({"type": "tags", "tags": {str(k): str(v) for k, v in tags.items()}})
+
+    def metrics(self, metrics: list[Metric]) -> None:
+        """Spool metrics with their values, timestamps and steps."""
+        if metrics:
+            rows = [[m.key, float(m.value), int(m.timestamp), int(m.step)] for m in metrics]
+            self._write({"type": "metrics", "metrics": rows})
+
+    def status(self, status: str, end_time: int | None = None) -> None:
+        """Spool the run's final status and end time (ms since the epoch; now when None)."""
+        end = int(time.time() * 1000) if end_time is None else int(end_time)
+        self._write({"type": "status", "status": status, "end_time": end})
+
+    def artifact_bytes(self, data: bytes, artifact_file: str) -> None:
+        """Keep ``data`` in the spool's artifact folder and spool a record placing it at ``artifact_file``."""
+        folder, name = os.path.split(artifact_file.strip("/"))
+        if not name:
+            raise ValueError(f"artifact_file {artifact_file!r} names no file")
+        local = self._new_slot() / name
+        local.write_bytes(data)
+        self._artifact_record(local, folder or None)
+
+    def artifact_path(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Copy a local file or folder into the spool's artifact folder and spool a record for it."""
+        source = Path(path)
+        local = self._new_slot() / source.name
+        if source.is_dir():
+            shutil.copytree(source, local)
+        else:
+            shutil.copyfile(source, local)
+        self._artifact_record(local, artifact_path)
+
+    def _new_slot(self) -> Path:
+        with self._lock:
+            self._artifacts += 1
+            slot = self.artifacts_dir / str(self._artifacts)
+        slot.mkdir(parents=True, exist_ok=True)
+        return slot
+
+    def _artifact_record(self, local: Path, artifact_path: str | None) -> None:
+        relative = local.relative_to(self.path.parent).as_posix()
+        self._write({"type": "artifact", "file": relative, "artifact_path": artifact_path})
+
+    def close(self) -> None:
+        """Close the file; idempotent."""
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+
+def _check_record(record: Any, where: str) -> dict[str, Any]:
+    """Return ``record`` if it is a well-formed spool record, else raise :class:`SpoolError`."""
+    if not isinstance(record, dict) or record.get("type") not in RECORD_TYPES:
+        kind = record.get("type") if isinstance(record, dict) else type(record).__name__
+        raise SpoolError(f"{where}: not a spool record (type {kind!r})")
+    kind = record["type"]
+    ok = True
+    if kind in ("params", "tags"):
+        ok = isinstance(record.get(kind), dict)
+    elif kind == "metrics":
+        rows = record.get("metrics")
+        ok = isinstance(rows, list) and all(
+            isinstance(r, list)
+            and len(r) == 4
+            and isinstance(r[0], str)
+            and isinstance(r[1], int | float)
+            and isinstance(r[2], int)
+            and isinstance(r[3], int)
+            for r in rows
+        )
+    elif kind == "artifact":
+        ok = isinstance(record.get("file"), str) and isinstance(record.get("artifact_path"), str | None)
+    elif kind == "status":
+        ok = record.get("status") in STATUSES and isinstance(record.get("end_time"), int)
+    if not ok:
+        raise SpoolError(f"{where}: malformed {kind!r} record")
+    return record
+
+
+def read_header(path: str | Path) -> tuple[dict[str, Any], int]:
+    """Read and check a spool's header; return it with the byte offset of the first record.
+
+    Raises:
+        SpoolError: The file is missing, unreadable, or does not start with a version-1 spool header.
+    """
+    spool = Path(path)
+    try:
+        with spool.open("rb") as file:
+            line = file.readline()
+    except OSError as exc:
+        raise SpoolError(f"cannot read spool {spool}: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SpoolError(f"{spool}: line 1 is not JSON; not a flasync tracking spool") from None
+    if not isinstance(header, dict) or header.get("type") != "header" or header.get("format") != SPOOL_FORMAT:
+        raise SpoolError(f"{spool}: line 1 is not a flasync tracking spool header")
+    if header.get("version") != SPOOL_VERSION:
+        version = header.get("version")
+        raise SpoolError(f"{spool}: spool version {version!r} is not supported (expected {SPOOL_VERSION})")
+    for key in ("tracking_uri", "experiment"):
+        if not isinstance(header.get(key), str) or not header[key]:
+            raise SpoolError(f"{spool}: header has no {key!r}")
+    if not isinstance(header.get("start_time"), int):
+        raise SpoolError(f"{spool}: header has no integer 'start_time'")
+    return header, len(line)
+
+
+def iter_records(path: str | Path, offset: int) -> Iterator[tuple[dict[str, Any], int]]:
+    """Yield ``(record, end offset)`` for each complete record from byte ``offset`` on.
+
+    A last line without its newline (a write cut short by a crash) is not yielded.
+
+    Raises:
+        SpoolError: A line is not JSON or not a well-formed record (the message names the line).
+    """
+    spool = Path(path)
+    try:
+        file = spool.open("rb")
+    except OSError as exc:
+        raise SpoolError(f"cannot read spool {spool}: {exc.strerror or exc}") from None
+    with file:
+        file.seek(offset)
+        position = offset
+        number = 0
+        for raw in file:
+            number += 1
+            if not raw.endswith(b"\n"):
+                return
+            position += len(raw)
+            if not raw.strip():
+                continue
+            where = f"{spool}: record {number} after byte {offset}" if offset else f"{spool}: line {number}"
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise SpoolError(f"{where} is not JSON") from None
+            yield _check_record(record, where), position
+
+
+def _progress_path(path: str | Path) -> Path:
+    spool = Path(path)
+    return spool.with_name(spool.name + ".progress.json")
+
+
+def load_progress(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Return the replay progress of a spool: per target tracking URI, ``run_id``, ``records`` and ``offset``."""
+    try:
+        data = json.loads(_progress_path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    targets = data.get("targets") if isinstance(data, dict) else None
+    return {str(k): v for k, v in targets.items() if isinstance(v, dict)} if isinstance(targets, dict) else {}
+
+
+def save_progress(path: str | Path, tracking_uri: str, *, run_id: str, records: int, offset: int) -> None:
+    """Record (atomically) that ``records`` records, up to byte ``offset``, were replayed into ``run_id``."""
+    targets = load_progress(path)
+    targets[tracking_uri] = {"run_id": run_id, "records": records, "offset": offset}
+    target = _progress_path(path)
+    temporary = target.with_name(target.name + ".tmp")
+    temporary.write_text(json.dumps({"version": SPOOL_VERSION, "targets": targets}, indent=1), encoding="utf-8")
+    os.replace(temporary, target)
+
+
+def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for begin in range(0, len(items), size):
+        yield items[begin : begin + size]
+
+
+def rejected(exc: BaseException) -> bool:
+    """Tell whether the store refused a record for good (invalid value), rather than failed to answer."""
+    code = getattr(exc, "error_code", None)
+    return code in ("INVALID_PARAMETER_VALUE", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS")
+
+
+@dataclass
+class Replayer:
+    """Apply spool records to one run of a store, creating the run (and experiment) on first need.
+
+    Args:
+        client: An ``mlflow.MlflowClient`` of the target store.
+        header: The spool's header record.
+        spool_dir: The spool's folder (artifact records are relative to it).
+        experiment_id: Returns the id of the named experiment, creating it when missing.
+        run_id: The run to continue; None creates one at the first record.
+    """
+
+    client: Any
+    header: Mapping[str, Any]
+    spool_dir: Path
+    experiment_id: Callable[[str], str]
+    run_id: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+    status: str | None = None
+
+    def ensure_run(self) -> str:
+        """Return the target run's id, creating the run from the header's experiment, name and start time."""
+        if self.run_id is None:
+            run = self.client.create_run(
+                self.experiment_id(str(self.header["experiment"])),
+                start_time=int(self.header["start_time"]),
+                run_name=self.header.get("run_name"),
+            )
+            self.run_id = str(run.info.run_id)
+        return self.run_id
+
+    def apply(self, record: Mapping[str, Any]) -> None:
+        """Send one record to the run; raises what the store raised."""
+        run_id = self.ensure_run()
+        kind = record["type"]
+        client = self.client
+        if kind == "params":
+            params = [Param(k, v) for k, v in record["params"].items()]
+            for chunk in _chunks(params, _MAX_ENTRIES_PER_CALL):
+                client.log_batch(run_id, params=chunk, synchronous=True)
+            self._count("params", len(params))
+        elif kind == "tags":
+            tags = [RunTag(k, v) for k, v in record["tags"].items()]
+            for chunk in _chunks(tags, _MAX_ENTRIES_PER_CALL):
+                client.log_batch(run_id, tags=chunk, synchronous=True)
+            self._count("tags", len(tags))
+        elif kind == "metrics":
+            metrics = [Metric(k, float(v), int(t), int(s)) for k, v, t, s in record["metrics"]]
+            for chunk in _chunks(metrics, _MAX_METRICS_PER_CALL):
+                client.log_batch(run_id, metrics=chunk, synchronous=True)
+            self._count("metrics", len(metrics))
+        elif kind == "artifact":
+            local = self.spool_dir / record["file"]
+            if not local.exists():
+                raise SpoolError(f"artifact file {local} named by the spool is missing")
+            client.log_artifact(run_id, os.fspath(local), record["artifact_path"])
+            self._count("artifacts", 1)
+        else:
+            client.set_terminated(run_id, record["status"], end_time=int(record["end_time"]))
+            self.counts["status"] = 1
+            self.status = str(record["status"])
+
+    def _count(self, key: str, n: int) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """What :func:`replay` did."""
+
+    tracking_uri: str
+    run_id: str | None
+    records: int
+    """Records applied by this call."""
+    already: int
+    """Records skipped because an earlier replay into the same store applied them."""
+    params: int
+    tags: int
+    metrics: int
+    artifacts: int
+    rejected: int
+    """Records the store refused as invalid (skipped, with a warning)."""
+    status: str | None
+    """The run status set by this call, if the spool has one."""
+
+
+def replay(
+    path: str | Path,
+    tracking_uri: str | None = None,
+    *,
+    on_rejected: Callable[[Mapping[str, Any], BaseException], None] | None = None,
+) -> ReplayResult:
+    """Replay a spool into a store, continuing an earlier replay into the same store.
+
+    The run is the one an earlier replay (or the live run, when it recovered) wrote to; else the header's run id,
+    when the target is the spool's own store and has that run; else a new run of the header's experiment. Progress
+    is saved after each record, so rerunning after a failure neither loses nor repeats records.
+
+    Args:
+        path: The spool file.
+        tracking_uri: The target store; the spool header's when None.
+        on_rejected: Called for each record the store refuses as invalid (it is skipped).
+
+    Returns:
+        The counts.
+
+    Raises:
+        SpoolError: The spool cannot be read or is malformed (nothing is sent before the whole file was checked).
+        mlflow.exceptions.MlflowException: The store failed; progress so far is kept.
+    """
+    import mlflow
+
+    from tracking.mlflow_run import absolute_tracking_uri, artifact_location, sqlite_path
+
+    spool = Path(path).absolute()
+    header, first = read_header(spool)
+    records = list(iter_records(spool, first))  # validate everything before sending anything
+    uri = absolute_tracking_uri(tracking_uri or str(header["tracking_uri"]))
+    done = load_progress(spool).get(uri, {})
+    skip = int(done.get("records", 0)) if isinstance(done.get("records"), int) else 0
+    run_id = done.get("run_id") if isinstance(done.get("run_id"), str) else None
+    db = sqlite_path(uri)
+    if db is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
+    applied = refused = 0
+    with bounded_http(uri):
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        if run_id is None and header.get("run_id") and uri == absolute_tracking_uri(str(header["tracking_uri"])):
+            with contextlib.suppress(Exception):
+                if client.get_run(str(header["run_id"])).info.lifecycle_stage == "active":
+                    run_id = str(header["run_id"])
+
+        def experiment_id(name: str) -> str:
+            found = client.get_experiment_by_name(name)
+            if found is not None and found.lifecycle_stage == "active":
+                return str(found.experiment_id)
+            if found is not None:
+                raise SpoolError(f"experiment {name!r} is deleted in {uri}; restore it or replay into another store")
+            return str(client.create_experiment(name, artifact_location=artifact_location(uri, name)))
+
+        replayer = Replayer(client, header, spool.parent, experiment_id, run_id)
+        for index, (record, end) in enumerate(records):
+            if index < skip:
+                continue
+            try:
+                replayer.apply(record)
+            except SpoolError:
+                raise
+            except Exception as exc:
+                if not rejected(exc):
+                    raise
+                refused += 1
+                if on_rejected is not None:
+                    on_rejected(record, exc)
+            applied += 1
+            save_progress(spool, uri, run_id=replayer.ensure_run(), records=index + 1, offset=end)
+        if not records and replayer.run_id is None:
+            replayer.ensure_run()
+            save_progress(spool, uri, run_id=replayer.ensure_run(), records=0, offset=first)
+    counts = replayer.counts
+    return ReplayResult(
+        tracking_uri=uri,
+        run_id=replayer.run_id,
+        records=applied,
+        already=min(skip, len(records)),
+        params=counts.get("params", 0),
+        tags=counts.get("tags", 0),
+        metrics=counts.get("metrics", 0),
+        artifacts=counts.get("artifacts", 0),
+        rejected=refused,
+        status=replayer.status,
+    )

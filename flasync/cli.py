@@ -70,7 +70,62 @@ def _build_parser() -> _Parser:
         choices=["debug", "info", "warning", "error"],
         help="lowest level printed (default: info)",
     )
+    _add_tracking_commands(commands)
     return parser
+
+
+def _add_tracking_commands(commands: Any) -> None:
+    """Add ``flasync tracking replay SPOOL [--tracking-uri URI]``."""
+    group = commands.add_parser(
+        "tracking",
+        help="tracking tools (replay a spool written while MLflow was unreachable)",
+        description="Tools for a run's MLflow tracking.",
+    )
+    actions = group.add_subparsers(dest="tracking_command", metavar="ACTION", parser_class=_Parser)
+    replay = actions.add_parser(
+        "replay",
+        help="send a tracking spool (.jsonl) to MLflow",
+        description="Send the records of a tracking spool to an MLflow store: the run is created, or continued "
+        "where an earlier replay into the same store stopped (safe to rerun).",
+    )
+    replay.add_argument("spool", metavar="SPOOL", help="the spool file printed by the run")
+    replay.add_argument("--tracking-uri", help="the target store (default: the one the run was tracking to)")
+
+
+def _command_tracking(args: argparse.Namespace) -> int:
+    """Run ``flasync tracking ACTION``: exit 0 when replayed, 2 for a bad spool, 1 when the store fails."""
+    if args.tracking_command != "replay":
+        raise _UsageError("tracking needs an action: replay (see flasync tracking --help)")
+    from tracking.spool import SpoolError, replay
+
+    try:
+        result = replay(
+            args.spool,
+            args.tracking_uri,
+            on_rejected=lambda record, exc: print(
+                f"flasync: warning: the store refused a {record['type']} record: {str(exc).splitlines()[0]}",
+                file=sys.stderr,
+            ),
+        )
+    except SpoolError as exc:
+        print(f"flasync: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        first = (str(exc).splitlines() or [""])[0][:300]
+        print(
+            f"flasync: error: replay of {args.spool} stopped: {type(exc).__name__}: {first} "
+            "(progress is kept; run the same command again to continue)",
+            file=sys.stderr,
+        )
+        return 1
+    print(
+        f"replayed {result.records} record(s) into run {result.run_id} at {result.tracking_uri}: "
+        f"{result.params} params, {result.tags} tags, {result.metrics} metric values, {result.artifacts} artifacts, "
+        f"status {result.status or '-'}; {result.already} record(s) were already replayed, "
+        f"{result.rejected} refused by the store",
+        flush=True,
+    )
+    return 0
 
 
 def _resolve(args: argparse.Namespace) -> RunConfig:
@@ -141,6 +196,9 @@ def _command_run(args: argparse.Namespace) -> int:
         tracker = tracking.NullTracker()
     summary = _run_loop(Federation(config, tracker=tracker).run())
     _print_summary(summary, config, tracker.ui_command())
+    replay_command = tracker.replay_command() if isinstance(tracker, tracking.MlflowTracker) else None
+    if replay_command:
+        print(f"  tracking spool  MLflow did not answer; send the spool with: {replay_command}", flush=True)
     return 0
 
 
@@ -152,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
+        if args.command == "tracking":
+            return _command_tracking(args)
         return _command_run(args)
     except _UsageError as exc:
         print(f"flasync: error: {exc}", file=sys.stderr)

@@ -312,8 +312,10 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], int]:
     return header, len(line)
 
 
-def iter_records(path: str | Path, offset: int) -> Iterator[tuple[dict[str, Any], int]]:
+def iter_records(path: str | Path, offset: int, first_line: int | None = None) -> Iterator[tuple[dict[str, Any], int]]:
     """Yield ``(record, end offset)`` for each complete record from byte ``offset`` on.
+
+    ``first_line`` is the line number at ``offset`` (2 just after the header), for error messages.
 
     A last line without its newline (a write cut short by a crash) is not yielded.
 
@@ -336,7 +338,10 @@ def iter_records(path: str | Path, offset: int) -> Iterator[tuple[dict[str, Any]
             position += len(raw)
             if not raw.strip():
                 continue
-            where = f"{spool}: record {number} after byte {offset}" if offset else f"{spool}: line {number}"
+            if first_line is None:
+                where = f"{spool}: record {number} after byte {offset}"
+            else:
+                where = f"{spool}: line {first_line + number - 1}"
             try:
                 record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
@@ -496,7 +501,7 @@ def replay(
 
     spool = Path(path).absolute()
     header, first = read_header(spool)
-    records = list(iter_records(spool, first))  # validate everything before sending anything
+    records = list(iter_records(spool, first, first_line=2))  # validate everything before sending anything
     uri = absolute_tracking_uri(tracking_uri or str(header["tracking_uri"]))
     done = load_progress(spool).get(uri, {})
     skip = int(done.get("records", 0)) if isinstance(done.get("records"), int) else 0

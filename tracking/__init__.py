@@ -4,6 +4,8 @@ Logging goes through structlog: the CLI calls :func:`configure_logging` once, li
 loggers with :func:`make_logger`. A :class:`MetricsProcessor` in such a logger turns numeric event
 fields into MLflow metrics, which a :class:`MetricWriter` sends in batches from a background
 thread to the run of a :class:`Tracker` (:class:`MlflowTracker`, or :class:`NullTracker`).
+While the MLflow store cannot be reached, an :class:`MlflowTracker` writes everything to a JSON-lines spool
+(:mod:`tracking.spool`) and replays it when the store answers again, or later with :func:`replay`.
 """
 
 from __future__ import annotations
@@ -13,25 +15,31 @@ from tracking.metrics import DEFAULT_EXCLUDE, MetricsProcessor
 from tracking.mlflow_run import (
     DEFAULT_ARTIFACT_ROOT,
     DEFAULT_TRACKING_URI,
+    ExperimentDeletedError,
     MlflowTracker,
     NullTracker,
     RunStatus,
     Tracker,
 )
+from tracking.spool import ReplayResult, SpoolError, replay
 from tracking.writer import MetricWriter, WriterStatistics
 
 __all__ = [
     "DEFAULT_ARTIFACT_ROOT",
     "DEFAULT_EXCLUDE",
     "DEFAULT_TRACKING_URI",
+    "ExperimentDeletedError",
     "LevelFilter",
     "MetricWriter",
     "MetricsProcessor",
     "MlflowTracker",
     "NullTracker",
+    "ReplayResult",
     "RunStatus",
+    "SpoolError",
     "Tracker",
     "WriterStatistics",
     "configure_logging",
     "make_logger",
+    "replay",
 ]

@@ -67,6 +67,7 @@ _MAX_PARAM_VALUE = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
 _MAX_TAG_VALUE = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
 _SYSTEM_METRICS_INTERVAL_S = 2.0
 _CHILD_START_TIMEOUT_S = 60.0
+_MONITOR_STOP_TIMEOUT_S = 5.0
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
 _UNSAFE_DIR_CHARS = re.compile(r"[^\w.\-]")
 
@@ -384,6 +385,8 @@ class MlflowTracker:
             self._monitor = SystemMetricsMonitor(  # type: ignore[no-untyped-call]
                 run_id, sampling_interval=_SYSTEM_METRICS_INTERVAL_S, tracking_uri=self.tracking_uri
             )
+            # Its samples go through this tracker's writer (batched, and spooled while the store fails).
+            self._monitor.mlflow_logger = _MonitorSink(self.log_metrics)
             self._monitor.start()
 
     def log_metrics(self, metrics: list[Metric]) -> None:
@@ -495,7 +498,7 @@ class MlflowTracker:
         self._finished = True
         try:
             if self._monitor is not None:
-                self._monitor.finish()
+                self._stop_monitor(self._monitor)
                 self._monitor = None
         finally:
             if self._writer is not None:
@@ -607,6 +610,14 @@ class MlflowTracker:
 
         self._deliver(send, spool)
         return time.perf_counter() - began
+
+    def _stop_monitor(self, monitor: Any) -> None:
+        """Stop the system monitor, waiting a bounded time: its loop asks the store for the run's status."""
+        stopper = threading.Thread(target=monitor.finish, name="tracking-monitor-stop", daemon=True)
+        stopper.start()
+        stopper.join(_MONITOR_STOP_TIMEOUT_S)
+        if stopper.is_alive():
+            self._log.warning("tracking.system_monitor_stuck", timeout_s=_MONITOR_STOP_TIMEOUT_S, metrics=False)
 
     def _check_started(self) -> None:
         if self._started_at is None:
@@ -777,6 +788,29 @@ def artifact_location(tracking_uri: str, experiment: str, artifact_root: str | N
     if "://" in artifact_root:
         return f"{artifact_root.rstrip('/')}/{folder}"
     return (Path(artifact_root).expanduser().absolute() / folder).as_uri()
+
+
+class _MonitorSink:
+    """Takes the place of the ``BatchMetricsLogger`` of MLflow's ``SystemMetricsMonitor``.
+
+    The monitor calls ``record_metrics({key: value}, step)`` and ``flush()``, and reads three counters in debug
+    messages; the samples are handed to a non-blocking sink (the tracker's metric writer) instead of being sent
+    with a blocking ``log_batch`` of the monitor's own.
+    """
+
+    def __init__(self, sink: Callable[[list[Metric]], None]) -> None:
+        self._sink = sink
+        self.data: list[Metric] = []
+        self.total_training_time = 0.0
+        self.total_log_batch_time = 0.0
+
+    def record_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Hand one sample of every system metric to the sink."""
+        now = int(time.time() * 1000)
+        self._sink([Metric(safe_key(k), float(v), now, int(step or 0)) for k, v in metrics.items()])
+
+    def flush(self) -> None:
+        """Nothing to do: the sink owns what was recorded."""
 
 
 def _sqlite_path(uri: str) -> Path | None:

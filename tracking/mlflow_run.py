@@ -344,6 +344,13 @@ class MlflowTracker:
                 if self.run_id is None:
                     spool.tags(clean_tags)
                 spool.params(clean_params)
+            except BaseException:
+                # Interrupted while recording the params: leave no RUNNING run behind.
+                self._finished = True
+                if self.run_id is not None and self._client is not None:
+                    with contextlib.suppress(Exception), self._http():
+                        self._client.set_terminated(self.run_id, "KILLED")
+                raise
         if self.run_id is not None and not self._offline:
             self._start_writers(self.run_id)
         else:

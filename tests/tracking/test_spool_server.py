@@ -112,7 +112,7 @@ def test_a_server_that_comes_up_and_goes_away(server: _Server, tmp_path: Path) -
     assert [m.step for m in client.get_metric_history(first.run_id, "m")] == list(range(20))
 
     # Up at start (metrics through the writer child process), then the server goes away.
-    second = MlflowTracker(server.url, spool_path=tmp_path / "second.jsonl", retry_interval_s=0.2)
+    second = MlflowTracker(server.url, spool_path=tmp_path / "second.jsonl", retry_interval_s=0.2, system_metrics=True)
     run_id = second.start(experiment="served", params={"b": 2})
     second.log_metrics(_metrics(0, 5))
     second.flush()

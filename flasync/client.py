@@ -16,6 +16,7 @@ from flasync import codecs, seeding
 from flasync.context import RunContext
 from flasync.errors import TrainingError
 from flasync.events import ClientFailed, ClientId, TaskAssigned, UpdateUploaded, Version
+from flasync.executors import TrainingJob
 from flasync.training import LocalResult, train
 
 __all__ = ["Client", "ModelSnapshot", "TrainedUpdate"]
@@ -54,7 +55,18 @@ def _train_job(
     codec_generator: torch.Generator,
 ) -> TrainedUpdate:
     """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
-    result = train(ctx.executor.models.get(), base, ctx.train_x[indices], ctx.train_y[indices], ctx.local, generator)
+    model = ctx.executor.models.get()
+    device = model.flat.device  # data kept in host memory is copied to the model's device batch-free, here
+    x = ctx.train_x[indices].to(device, non_blocking=True)
+    y = ctx.train_y[indices].to(device, non_blocking=True)
+    result = train(model, base, x, y, ctx.local, generator)
+    return _finish_job(ctx, client_id, result, codec_generator)
+
+
+def _finish_job(
+    ctx: RunContext, client_id: ClientId, result: LocalResult, codec_generator: torch.Generator
+) -> TrainedUpdate:
+    """Check and encode a trained delta, with error feedback (runs in a worker thread)."""
     if not bool(torch.isfinite(result.delta).all()):
         # Fail the task before encoding: a NaN would otherwise stay in the client's error-feedback residual forever.
         raise TrainingError(f"local training diverged: the update has NaN or Inf (loss {result.loss})")
@@ -64,7 +76,8 @@ def _train_job(
     if residuals is not None:
         with ctx.residual_lock:
             residual = residuals.get(client_id)
-    encoded = ctx.upload_codec.encode(result.delta, generator=codec_generator, residual=residual)
+    delta = result.delta if result.delta.device.type == "cpu" else result.delta.cpu()  # the codec writes bytes
+    encoded = ctx.upload_codec.encode(delta, generator=codec_generator, residual=residual)
     encode_s = time.perf_counter() - start
     norm = None
     if residuals is not None and encoded.residual is not None:
@@ -107,11 +120,18 @@ class Client:
             try:
                 # Everything the job needs is known now, so it starts at once in real time; on the virtual
                 # clock it completes after the simulated download and training.
-                trained = await clock.run(
-                    ctx.executor.pool,
-                    lambda: _train_job(ctx, cid, model.weights, indices, generator, codec_generator),
-                    simulated_s=download_s + simulated,
+                job = TrainingJob(
+                    base=model.weights,
+                    x=ctx.train_x,
+                    y=ctx.train_y,
+                    indices=indices,
+                    cfg=ctx.local,
+                    generator=generator,
+                    finish=lambda result: _finish_job(ctx, cid, result, codec_generator),
+                    solo=lambda: _train_job(ctx, cid, model.weights, indices, generator, codec_generator),
                 )
+                # A batching executor trains this job together with others of the same base version.
+                trained = await clock.run(ctx.executor.pool, job, simulated_s=download_s + simulated)
             except Exception as exc:
                 log.warning("client.failed", step=task.task_id, error=f"{type(exc).__name__}: {exc}", metrics=False)
                 await ctx.bus.publish(

@@ -21,7 +21,7 @@ import asyncio
 import heapq
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -102,6 +102,7 @@ class _Timer:
     seq: int
     waiter: asyncio.Future[None] = field(compare=False)
     job: asyncio.Future[object] | None = field(compare=False, default=None)
+    source: Future[object] | None = field(compare=False, default=None)
 
 
 class VirtualClock:
@@ -127,6 +128,7 @@ class VirtualClock:
         self._activity = 0
         self._attention: asyncio.Future[None] | None = None
         self._stopped = False
+        self._on_wait: list[Callable[[Future[object]], None]] = []
         self.fired = 0
 
     def now(self) -> float:
@@ -137,16 +139,27 @@ class VirtualClock:
         """Note in-loop activity, postponing the next time advance."""
         self._activity += 1
 
+    def on_wait(self, callback: Callable[[Future[object]], None]) -> None:
+        """Call ``callback(job)`` whenever the loop has settled and the next timer stands for the executor job ``job``.
+
+        ``job`` is the future the executor returned. A batching executor uses this to start the jobs it holds
+        back once the first of them is needed: whether a held job is needed depends on virtual times alone (never
+        on how fast other jobs ran), so its batches, and the run, are deterministic.
+        """
+        self._on_wait.append(callback)
+
     @property
     def pending(self) -> int:
         """Count timers not yet fired (cancelled ones included until they reach the head)."""
         return len(self._heap)
 
-    def _push(self, delay: float, job: asyncio.Future[object] | None) -> asyncio.Future[None]:
+    def _push(
+        self, delay: float, job: asyncio.Future[object] | None, source: Future[object] | None = None
+    ) -> asyncio.Future[None]:
         if not delay >= 0.0:  # also rejects NaN
             raise ValueError(f"a delay must be a finite number >= 0, got {delay}")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, _Timer(self._now + delay, self._seq, waiter, job))
+        heapq.heappush(self._heap, _Timer(self._now + delay, self._seq, waiter, job, source))
         self._seq += 1
         self._activity += 1
         self._wake()
@@ -171,8 +184,9 @@ class VirtualClock:
         The job starts at once in real time; only its *completion*, as seen by the caller, is placed on the
         virtual timeline, and time does not pass that point until the job is really done.
         """
-        job = asyncio.wrap_future(executor.submit(fn))
-        waiter = self._push(simulated_s, job)  # type: ignore[arg-type]
+        source = executor.submit(fn)
+        job = asyncio.wrap_future(source)
+        waiter = self._push(simulated_s, job, source)  # type: ignore[arg-type]
         try:
             await waiter
         except asyncio.CancelledError:
@@ -195,6 +209,9 @@ class VirtualClock:
             heap = self._heap
             while heap and heap[0].waiter.done():  # cancelled waiters
                 heapq.heappop(heap)
+            if heap and heap[0].source is not None:
+                for callback in self._on_wait:
+                    callback(heap[0].source)
             if not heap or (heap[0].job is not None and not heap[0].job.done()):
                 # Nothing to fire yet: wait for a new timer, the head job's completion or stop().
                 self._attention = loop.create_future()

@@ -288,7 +288,9 @@ class ClientConfig(_Section):
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     clip_norm: float | None = Field(None, gt=0.0, description="Clip the gradient's global L2 norm.")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16 = autocast of the forward pass on CPU.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="bf16 = autocast of the forward pass; fp16 = autocast with dynamic loss scaling (CUDA)."
+    )
 
 
 # ------------------------------------------------------------------------------------------------- aggregation
@@ -443,13 +445,27 @@ class StopConfig(_Section):
 
 
 class ExecutorConfig(_Section):
-    """Where local training runs: a pool of worker threads, each reusing one model instance."""
+    """Where local training runs: a pool of worker threads, each reusing one model instance.
 
-    kind: Literal["thread"] = "thread"
+    ``kind = "vectorized"`` trains clients that start from the same model version together, as one batched job
+    of up to ``max_cohort`` clients (:mod:`flasync.cohort`); results match one-at-a-time training to float
+    rounding, and a model ``vmap`` cannot batch is trained one client at a time (with a warning saying why).
+    """
+
+    kind: Literal["thread", "vectorized"] = "thread"
     workers: int = Field(
         1, ge=1, le=256, description="Training threads (more help when kernels, not Python, dominate a step)."
     )
     threads_per_worker: int = Field(1, ge=1, le=256, description="Intra-op torch threads of each worker.")
+    max_cohort: int = Field(256, ge=1, description="Most clients trained in one vectorized job.")
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda|cuda:[0-9]+|auto)$",
+        description="cpu, cuda, cuda:N or auto (cuda when available): where data, models and aggregation live.",
+    )
+    data_on_device: bool = Field(
+        True, description="Keep the training data on the device; False: in pinned host memory, batches prefetched."
+    )
 
 
 class TrackingConfig(_Section):

@@ -12,24 +12,48 @@ two cores.
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable, Hashable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
-from flasync.training import FlatModel
+from flasync.cohort import CohortMember, CohortTrainer
+from flasync.training import FlatModel, LocalResult, LocalTraining
 
-__all__ = ["ModelPool", "ThreadTrainingExecutor"]
+__all__ = ["CohortBatcher", "ModelPool", "ThreadTrainingExecutor", "TrainingJob", "resolve_device"]
+
+T = TypeVar("T")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """Turn ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` into a device that exists here.
+
+    Raises:
+        ValueError: If a CUDA device is asked for and this machine has none (or not that many).
+    """
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} was asked for but CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
 
 
 class ModelPool:
-    """One :class:`FlatModel` per worker thread, built lazily from a factory."""
+    """One :class:`FlatModel` per worker thread, built lazily from a factory, on ``device``."""
 
-    def __init__(self, factory: Callable[[], nn.Module]) -> None:
+    def __init__(self, factory: Callable[[], nn.Module], device: torch.device | str = "cpu") -> None:
         """Remember the factory; nothing is built yet."""
         self._factory = factory
+        self.device = torch.device(device)
         self._local = threading.local()
         self._lock = threading.Lock()
         self.built = 0
@@ -38,11 +62,71 @@ class ModelPool:
         """Return the calling thread's model, building it on first use."""
         model: FlatModel | None = getattr(self._local, "model", None)
         if model is None:
-            model = FlatModel(self._factory())
+            model = FlatModel(self._factory().to(self.device))
             self._local.model = model
             with self._lock:
                 self.built += 1
         return model
+
+    def cohort_trainer(self) -> CohortTrainer:
+        """Return the calling thread's vectorized trainer, building it on first use."""
+        trainer: CohortTrainer | None = getattr(self._local, "trainer", None)
+        if trainer is None:
+            trainer = CohortTrainer(self._factory().to(self.device))
+            self._local.trainer = trainer
+        return trainer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class TrainingJob(Generic[T]):
+    """One client's local training, in a form a :class:`CohortBatcher` can batch with others.
+
+    Called directly (by any executor) it runs ``solo``, which trains the client alone. A batcher instead trains the
+    jobs that share ``base``, data and hyper-parameters as one cohort and calls each job's ``finish`` with its own
+    :class:`LocalResult`; ``solo()`` must equal ``finish(train(...))`` of the same client.
+
+    Attributes:
+        base: Flat weights the client starts from (jobs with the same tensor object share a cohort).
+        x: The data set's inputs; ``indices`` select the client's samples.
+        y: The data set's labels.
+        indices: The client's sample indices (int64).
+        cfg: Local hyper-parameters.
+        generator: The task's random stream (batch order).
+        finish: Turns the training result into what the job returns (e.g. encodes the delta); runs in the worker.
+        solo: Trains this client alone and finishes.
+    """
+
+    base: torch.Tensor
+    x: torch.Tensor
+    y: torch.Tensor
+    indices: torch.Tensor
+    cfg: LocalTraining
+    generator: torch.Generator
+    finish: Callable[[LocalResult], T]
+    solo: Callable[[], T]
+
+    def __call__(self) -> T:
+        """Train this client alone and finish."""
+        return self.solo()
+
+    @property
+    def group(self) -> Hashable:
+        """Jobs with equal groups can train as one cohort."""
+        return (id(self.base), id(self.x), id(self.y), self.cfg)
+
+
+class _HeldFuture(Future[T]):
+    """A job's future that knows whether its job is still held back by the batcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = True
+
+
+@dataclass(slots=True)
+class _Held:
+    jobs: list[TrainingJob[Any]] = field(default_factory=list)
+    futures: list[_HeldFuture[Any]] = field(default_factory=list)
 
 
 def _init_worker(threads: int, default: int) -> None:
@@ -58,6 +142,159 @@ def _init_worker(threads: int, default: int) -> None:
     restore.join()
 
 
+class CohortBatcher(Executor):
+    """An executor that holds :class:`TrainingJob` submissions back and runs those sharing a base as one cohort.
+
+    Anything else submitted goes straight to the inner pool. Held jobs start when :meth:`flush` is called: by the
+    virtual clock when it has to wait for real work (so cohorts depend on virtual times only, and runs stay
+    deterministic), after a few quiet event-loop passes under real time, or as soon as a group reaches
+    ``max_cohort``. Each job's future is resolved with its own result, or its own exception.
+
+    Args:
+        inner: The worker pool that runs cohorts.
+        models: Per-thread models and vectorized trainers.
+        max_cohort: Largest number of clients trained in one vectorized call.
+        on_fallback: Called (in a worker thread) with the reason whenever a cohort had to be trained one client
+            at a time.
+        settle_passes: Quiet event-loop passes before held jobs start, when no clock drives :meth:`flush`.
+    """
+
+    def __init__(
+        self,
+        inner: Executor,
+        models: ModelPool,
+        *,
+        max_cohort: int = 256,
+        on_fallback: Callable[[str], None] | None = None,
+        settle_passes: int = 2,
+    ) -> None:
+        """Hold nothing yet."""
+        if max_cohort < 1:
+            raise ValueError(f"max_cohort must be >= 1, got {max_cohort}")
+        self.inner = inner
+        self.models = models
+        self.max_cohort = max_cohort
+        self.on_fallback = on_fallback
+        self._settle_passes = settle_passes
+        self._held: dict[Hashable, _Held] = {}
+        self._lock = threading.Lock()
+        self._driven = False
+        self._scheduled = False
+        self._submitted = 0
+        self.cohorts = 0
+        self.vectorized_clients = 0
+        self.fallback_clients = 0
+
+    def attach(self, clock: object) -> None:
+        """Let ``clock`` start held jobs when the first of them is needed (a clock with ``on_wait``; else no-op)."""
+        on_wait = getattr(clock, "on_wait", None)
+        if callable(on_wait):
+            on_wait(self._needed)
+            self._driven = True
+
+    def _needed(self, future: Future[Any]) -> None:
+        """Start every held job if ``future`` is one of them (the clock cannot go on without its result)."""
+        if isinstance(future, _HeldFuture) and future.held:
+            self.flush()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Hold a :class:`TrainingJob`; pass anything else to the inner pool."""
+        if not isinstance(fn, TrainingJob) or args or kwargs:
+            return self.inner.submit(fn, *args, **kwargs)
+        future: _HeldFuture[T] = _HeldFuture()
+        with self._lock:
+            held = self._held.setdefault(fn.group, _Held())
+            held.jobs.append(fn)
+            held.futures.append(future)
+            self._submitted += 1
+            full = len(held.jobs) >= self.max_cohort
+            if full:
+                del self._held[fn.group]
+        if full:
+            self._start(held)
+        elif not self._driven and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._tick, self._submitted, 0)
+        return future
+
+    def _tick(self, mark: int, quiet: int) -> None:
+        quiet = quiet + 1 if self._submitted == mark else 0
+        if quiet >= self._settle_passes:
+            self._scheduled = False
+            self.flush()
+        else:
+            asyncio.get_running_loop().call_soon(self._tick, self._submitted, quiet)
+
+    def flush(self) -> None:
+        """Start every held job now, one cohort per group."""
+        with self._lock:
+            groups = list(self._held.values())
+            self._held.clear()
+        for held in groups:
+            self._start(held)
+
+    def _start(self, held: _Held) -> None:
+        for future in held.futures:
+            future.held = False
+        started = self.inner.submit(self._run, held)
+
+        def cancelled(done: Future[None]) -> None:
+            if done.cancelled():  # the pool shut down before the cohort started: its jobs never will
+                for future in held.futures:
+                    future.cancel()
+
+        started.add_done_callback(cancelled)
+
+    def _run(self, held: _Held) -> None:
+        jobs, futures = [], []
+        for job, future in zip(held.jobs, held.futures, strict=True):
+            if future.set_running_or_notify_cancel():  # skip jobs whose client was cancelled meanwhile
+                jobs.append(job)
+                futures.append(future)
+        if not jobs:
+            return
+        if len(jobs) == 1:
+            self._resolve(futures[0], jobs[0], None)
+            return
+        try:
+            trainer = self.models.cohort_trainer()
+            first = jobs[0]
+            members = [CohortMember(indices=job.indices, generator=job.generator) for job in jobs]
+            outcome = trainer.train(first.base, first.x, first.y, members, first.cfg)
+        except Exception as exc:
+            for future in futures:
+                future.set_exception(exc)
+            return
+        self.cohorts += 1
+        if outcome.vectorized:
+            self.vectorized_clients += len(jobs)
+        else:
+            self.fallback_clients += len(jobs)
+            if self.on_fallback is not None and outcome.fallback_reason is not None:
+                self.on_fallback(outcome.fallback_reason)
+        for job, future, result in zip(jobs, futures, outcome.results, strict=True):
+            self._resolve(future, job, result)
+
+    @staticmethod
+    def _resolve(future: Future[Any], job: TrainingJob[Any], result: LocalResult | None) -> None:
+        try:
+            value = job() if result is None else job.finish(result)
+        except Exception as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Cancel held jobs, then shut the inner pool down."""
+        with self._lock:
+            groups = list(self._held.values())
+            self._held.clear()
+        for held in groups:
+            for future in held.futures:
+                future.cancel()
+        self.inner.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
 class ThreadTrainingExecutor:
     """A thread pool plus the per-thread models its jobs train.
 
@@ -65,9 +302,23 @@ class ThreadTrainingExecutor:
         factory: Builds the user's ``nn.Module`` (called once per worker thread).
         workers: Number of threads.
         threads_per_worker: Intra-op (OpenMP) threads of each worker's torch kernels.
+        vectorized: Batch :class:`TrainingJob` submissions into cohorts (:class:`CohortBatcher`).
+        max_cohort: Largest cohort, when vectorized.
+        device: Where models (and so training) live.
+        on_fallback: Told why a cohort was trained one client at a time.
     """
 
-    def __init__(self, factory: Callable[[], nn.Module], *, workers: int, threads_per_worker: int = 1) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], nn.Module],
+        *,
+        workers: int,
+        threads_per_worker: int = 1,
+        vectorized: bool = False,
+        max_cohort: int = 256,
+        device: torch.device | str = "cpu",
+        on_fallback: Callable[[str], None] | None = None,
+    ) -> None:
         """Start no threads yet; they start with the first job."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -75,13 +326,23 @@ class ThreadTrainingExecutor:
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
         self.workers = workers
         self.threads_per_worker = threads_per_worker
-        self.models = ModelPool(factory)
-        self.pool: Executor = ThreadPoolExecutor(
+        self.device = torch.device(device)
+        self.models = ModelPool(factory, self.device)
+        threads: Executor = ThreadPoolExecutor(
             max_workers=workers,
             thread_name_prefix="flasync-train",
             initializer=_init_worker,
             initargs=(threads_per_worker, torch.get_num_threads()),
         )
+        self.batcher: CohortBatcher | None = None
+        if vectorized:
+            self.batcher = CohortBatcher(threads, self.models, max_cohort=max_cohort, on_fallback=on_fallback)
+        self.pool: Executor = self.batcher if self.batcher is not None else threads
+
+    def attach(self, clock: object) -> None:
+        """Let a virtual clock start held cohorts when it must wait for them (no-op without batching)."""
+        if self.batcher is not None:
+            self.batcher.attach(clock)
 
     def shutdown(self) -> None:
         """Cancel queued jobs and wait for running ones."""

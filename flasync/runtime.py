@@ -64,7 +64,7 @@ from flasync.data import (
     train_test_split,
 )
 from flasync.errors import ConfigError, DataError
-from flasync.executors import ThreadTrainingExecutor
+from flasync.executors import ThreadTrainingExecutor, resolve_device
 from flasync.models import MLP, SmallCNN
 from flasync.population import Network, Population
 from flasync.residuals import ResidualStore
@@ -151,6 +151,7 @@ class _Prepared:
     factory: ModelFactory
     initial: torch.Tensor
     tree: Tree | None
+    device: torch.device
 
 
 class Federation:
@@ -299,7 +300,18 @@ class Federation:
             )
         return flat_parameters(module)
 
+    def _device(self) -> torch.device:
+        executor = self.config.executor
+        try:
+            device = resolve_device(executor.device)
+        except ValueError as exc:
+            raise ConfigError(f"executor.device: {exc}") from exc
+        if self.config.client.precision == "fp16" and device.type != "cuda":
+            raise ConfigError(f"client.precision: fp16 needs a CUDA device, but training runs on {device}")
+        return device
+
     def _prepare(self) -> _Prepared:
+        device = self._device()
         train, test = self._load_data()
         if len(test) == 0:
             raise DataError("the held-out split is empty")
@@ -310,7 +322,7 @@ class Federation:
         initial = self._initial_weights(factory, train)
         server = self.config.server
         warm_up(server.optimizer if isinstance(server, FedAvgServer | FedBuffServer) else None)
-        return _Prepared(train, test, partition, factory, initial, self._tree())
+        return _Prepared(train, test, partition, factory, initial, self._tree(), device)
 
     def _tree(self) -> Tree | None:
         cfg = self.config
@@ -376,9 +388,23 @@ class Federation:
             tags=self._tags(),
         )
         self.run_id = run_id or None
+        warned: set[str] = set()
+
+        def on_fallback(reason: str) -> None:
+            if reason not in warned:  # once per reason, not once per cohort
+                warned.add(reason)
+                log.warning("executor.fallback", reason=reason, metrics=False)
+
         executor = ThreadTrainingExecutor(
-            prepared.factory, workers=cfg.executor.workers, threads_per_worker=cfg.executor.threads_per_worker
+            prepared.factory,
+            workers=cfg.executor.workers,
+            threads_per_worker=cfg.executor.threads_per_worker,
+            vectorized=cfg.executor.kind == "vectorized",
+            max_cohort=cfg.executor.max_cohort,
+            device=prepared.device,
+            on_fallback=on_fallback,
         )
+        executor.attach(self.clock)
         status: Literal["FINISHED", "FAILED", "KILLED"] = "FAILED"
         try:
             context = {"run_id": self.run_id} if self.run_id else {}
@@ -407,15 +433,21 @@ class Federation:
             residuals = ResidualStore(
                 prepared.initial.numel(), max_in_memory=cfg.codec.max_residuals_in_memory, spill_dir=spill
             )
+        device = prepared.device
+        # Data, weights and the aggregation buffers (which follow the weights) live on the training device.
+        data_device = device if cfg.executor.data_on_device else torch.device("cpu")
+        train_x, train_y = prepared.train.x.to(data_device), prepared.train.y.to(data_device)
+        if device.type == "cuda" and not cfg.executor.data_on_device:
+            train_x, train_y = train_x.pin_memory(), train_y.pin_memory()
         ctx = RunContext(
             config=cfg,
             clock=self.clock,
             bus=self.bus,
             executor=executor,
-            train_x=prepared.train.x,
-            train_y=prepared.train.y,
-            test_x=prepared.test.x,
-            test_y=prepared.test.y,
+            train_x=train_x,
+            train_y=train_y,
+            test_x=prepared.test.x.to(device),
+            test_y=prepared.test.y.to(device),
             partition=prepared.partition,
             population=Population(prepared.partition.sizes, cfg.population.speed, cfg.seed),
             network=Network(cfg.network, cfg.population.num_clients, cfg.seed),
@@ -423,14 +455,14 @@ class Federation:
             num_params=prepared.initial.numel(),
             log=log,
             wall=self._wall,
-            partition_index=torch.from_numpy(np.array(prepared.partition.indices, dtype=np.int64)),
+            partition_index=torch.from_numpy(np.array(prepared.partition.indices, dtype=np.int64)).to(data_device),
             upload_codec=upload_codec,
             download_codec=pipeline(cfg.codec.download),
             residuals=residuals,
             residual_lock=threading.Lock(),
             tree=prepared.tree,
         )
-        weights = prepared.initial.clone()
+        weights = prepared.initial.to(device, copy=True)
         server = Server(ctx, weights)
         start_wall, start_sim = self._wall(), self.clock.now()
         log.info(
@@ -471,7 +503,7 @@ class Federation:
                 self._scratch = None
         wall_s = self._wall() - start_wall
         simulated_s = self.clock.now() - start_sim
-        self.weights = weights
+        self.weights = weights.cpu()  # artifacts and callers get host tensors, whatever the training device
         summary = RunSummary(
             run_id=self.run_id,
             accuracy=stats.accuracy,

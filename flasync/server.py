@@ -479,7 +479,7 @@ class Server:
             await self._reject(message, "stale", f"staleness {staleness} > max_staleness {limit}")
             return
         try:
-            delta = ctx.upload_codec.decode(message.payload, expected_elements=ctx.num_params)
+            delta = ctx.upload_codec.decode(message.payload, expected_elements=ctx.num_params).to(self.weights.device)
         except DecodeError as exc:
             await self._reject(message, "decode", str(exc))
             return
@@ -619,7 +619,7 @@ class Server:
         codec = self.ctx.download_codec
         payload = codec.encode(exact).payload
         # One download is encoded (and, if lossy, decoded) per version, not per client.
-        weights = exact if codec.lossless else codec.decode(payload, expected_elements=exact.numel())
+        weights = exact if codec.lossless else codec.decode(payload, expected_elements=exact.numel()).to(exact.device)
         snapshot = ModelSnapshot(version=self.version, weights=weights, exact=exact, download_bytes=len(payload))
         previous = self._snapshot
         self._snapshot = snapshot

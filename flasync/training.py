@@ -21,7 +21,16 @@ from torch import nn
 
 from flasync.errors import TrainingError
 
-__all__ = ["EvalResult", "FlatModel", "LocalResult", "LocalTraining", "evaluate", "flat_parameters", "train"]
+__all__ = [
+    "EvalResult",
+    "FlatModel",
+    "LocalResult",
+    "LocalTraining",
+    "LossScaler",
+    "evaluate",
+    "flat_parameters",
+    "train",
+]
 
 
 def flat_parameters(module: nn.Module) -> torch.Tensor:
@@ -125,7 +134,61 @@ class EvalResult:
 def _autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision == "fp16":
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
     return nullcontext()
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 training, one scale per row (client), as ``torch.amp.GradScaler`` does it.
+
+    The loss is multiplied by ``scale`` before the backward pass and the gradient divided by it after; a step whose
+    gradient has an Inf or NaN is skipped and its row's scale halved, and after ``growth_interval`` good steps in a
+    row the scale doubles (GradScaler's defaults). flasync's optimizer is a few fused vector operations rather than
+    a ``torch.optim`` optimizer, so the scaler works on gradient rows directly.
+
+    Args:
+        rows: Number of independent scales (1 for one client, K for a cohort).
+        device: Where the scales live.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        device: torch.device,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        """Start every row at ``init_scale``."""
+        self.scale = torch.full((rows,), init_scale, dtype=torch.float32, device=device)
+        self._good = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+
+    @classmethod
+    def for_rows(cls, rows: int, device: torch.device) -> LossScaler:
+        """Return a scaler with GradScaler's defaults for ``rows`` clients."""
+        return cls(rows, device)
+
+    def update_rows(self, grads: torch.Tensor, k: int) -> torch.Tensor:
+        """Update the first ``k`` scales from unscaled gradients ``(k, P)``; return which rows may step (bool)."""
+        finite = torch.isfinite(grads).all(dim=1)
+        scale, good = self.scale[:k], self._good[:k]
+        good.copy_(torch.where(finite, good + 1, torch.zeros_like(good)))
+        grow = good >= self.growth_interval
+        scale.copy_(
+            torch.where(
+                finite,
+                torch.where(grow, scale * self.growth_factor, scale),
+                scale * self.backoff_factor,
+            )
+        )
+        good.masked_fill_(grow, 0)
+        return finite
 
 
 class _SavedBytes:
@@ -197,7 +260,8 @@ def train(
     momentum.zero_()
     device = model.flat.device
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    bf16 = cfg.precision == "bf16"
+    cast = cfg.precision in ("bf16", "fp16")
+    scaler = LossScaler.for_rows(1, device) if cfg.precision == "fp16" else None
     steps = 0
     seen = 0
     peak_activation = 0
@@ -213,14 +277,24 @@ def train(
                 loss = F.cross_entropy(out.float(), yb)
             peak_activation = saved.total
             batch_bytes = xb.numel() * xb.element_size() + yb.numel() * yb.element_size()
-        elif bf16:
+        elif cast:
             with _autocast(cfg.precision, device):
                 out = module(xb)
             loss = F.cross_entropy(out.float(), yb)
         else:
             loss = F.cross_entropy(module(xb), yb)
-        loss.backward()  # type: ignore[no-untyped-call]
+        if scaler is not None:
+            (loss * scaler.scale[0]).backward()  # type: ignore[no-untyped-call]
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
         with torch.no_grad():
+            if scaler is not None:
+                grad.div_(scaler.scale[0])
+                if not bool(scaler.update_rows(grad.view(1, -1), 1)[0]):  # an overflow: skip this step
+                    loss_sum.add_(loss.detach(), alpha=idx.numel())
+                    seen += idx.numel()
+                    steps += 1
+                    continue
             if cfg.clip_norm is not None:
                 norm = torch.linalg.vector_norm(grad)
                 grad.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
@@ -256,8 +330,8 @@ def evaluate(
     module = model.module
     module.eval()
     n = int(y.shape[0])
-    correct = torch.zeros((), dtype=torch.int64)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    correct = torch.zeros((), dtype=torch.int64, device=x.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
     for start in range(0, n, batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         out = module(xb).float()

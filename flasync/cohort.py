@@ -1,0 +1,311 @@
+"""Vectorized local training: a cohort of K clients that start from the same weights trains as one batched job.
+
+Every client keeps what it has in :func:`flasync.training.train`: its own samples, its own batch order (drawn from
+its own generator exactly as the per-client path draws it), its own SGD momentum, weight decay and gradient
+clipping. What changes is how the work is laid out: the K weight vectors are rows of one ``(K, P)`` tensor, and
+one step of the cohort is one call of ``vmap(grad_and_value(loss))`` over the rows - a batched matrix multiply
+instead of K small ones - followed by the optimizer as a handful of ``(K, P)`` tensor operations.
+
+Ragged clients are handled in two ways at once:
+
+* a short last batch of an epoch is padded to ``batch_size`` with a mask, and the loss is the masked mean, which
+  is the per-client mean over the real samples;
+* clients are ordered by their number of steps (most first), so the clients still training at step ``s`` are a
+  prefix of the rows and step ``s`` works on a view ``W[:k_s]``, never on finished clients.
+
+Models whose layers ``vmap`` cannot batch (BatchNorm in training mode, dropout and other random layers, buffers
+that training updates) are detected up front or by the first vectorized call, and the cohort is trained one client
+at a time instead, with the reason returned in :attr:`CohortResult.fallback_reason`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from flasync.errors import TrainingError
+from flasync.training import FlatModel, LocalResult, LocalTraining, LossScaler, train
+
+__all__ = ["CohortMember", "CohortResult", "CohortTrainer", "unsupported_reason"]
+
+_RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Return why ``module`` cannot be trained vectorized (None if nothing is known against it).
+
+    A ``None`` is not a promise: a layer ``vmap`` has no batching rule for is found by the first vectorized step.
+    """
+    for name, sub in module.named_modules():
+        if isinstance(sub, _RANDOM_LAYERS) and sub.p > 0:
+            return f"layer {name or type(sub).__name__} ({type(sub).__name__}) draws random numbers in training"
+        if isinstance(sub, _NORM_LAYERS) and (sub.track_running_stats or sub.training):
+            return f"layer {name or type(sub).__name__} ({type(sub).__name__}) updates running statistics"
+    floating = [n for n, b in module.named_buffers() if b.is_floating_point()]
+    if floating:
+        return f"the model has floating-point buffers that training may update ({', '.join(floating[:3])})"
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CohortMember:
+    """One client of a cohort.
+
+    Attributes:
+        indices: The client's sample indices into the cohort's data tensors (int64, on the data's device).
+        generator: The client's task stream; batch order is drawn from it as :func:`train` draws it.
+    """
+
+    indices: torch.Tensor
+    generator: torch.Generator
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CohortResult:
+    """What a cohort produced: one :class:`LocalResult` per member, in member order."""
+
+    results: list[LocalResult]
+    vectorized: bool
+    fallback_reason: str | None
+    train_s: float
+
+
+def _autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision == "fp16":
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
+    return nullcontext()
+
+
+class CohortTrainer:
+    """Train cohorts of clients of one model architecture, vectorized when the model allows it.
+
+    Args:
+        module: An instance of the model (its weights are never used; its structure is). It is also the model the
+            per-client fallback trains, through a :class:`FlatModel` built from it.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        """Record parameter names and shapes, and check the model's layers."""
+        module.train()
+        self.reason = unsupported_reason(module)
+        self.flat_model = FlatModel(module)
+        self.module = module
+        named = list(module.named_parameters())
+        self._names = [name for name, _ in named]
+        self._shapes = [tuple(p.shape) for _, p in named]
+        self._sizes = [p.numel() for _, p in named]
+        self.num_params = sum(self._sizes)
+        self.device = self.flat_model.flat.device
+        self._precision = "fp32"
+
+    # ------------------------------------------------------------------------------------------------ public
+    def train(
+        self,
+        base: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        members: Sequence[CohortMember],
+        cfg: LocalTraining,
+        *,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> CohortResult:
+        """Train every member from ``base`` on its own samples of ``(x, y)``; return their deltas and figures.
+
+        Args:
+            base: Flat global weights every member starts from (read only).
+            x: Inputs of all members' samples ``(N, *features)``; on the model's device, or on the host (pinned
+                or not) when the data does not fit on the device - batches are then prefetched one step ahead.
+            y: Labels ``(N,)``, int64, where ``x`` is.
+            members: The clients; each member's generator is consumed as :func:`train` would consume it.
+            cfg: Local hyper-parameters (shared by the cohort).
+            timer: Monotonic seconds.
+
+        Raises:
+            TrainingError: If a member has no samples (before anything is trained).
+        """
+        start = timer()
+        for k, member in enumerate(members):
+            if member.indices.numel() == 0:
+                raise TrainingError(f"cohort member {k} has no samples")
+        reason = self.reason
+        if reason is None and self.flat_model.flat.numel() != self.num_params:
+            reason = "the model has buffers outside its parameters"
+        if reason is None:
+            states = [m.generator.get_state() for m in members]
+            try:
+                results = self._train_vectorized(base, x, y, members, cfg, timer, start)
+            except _Unsupported as exc:
+                reason = str(exc)
+                for member, state in zip(members, states, strict=True):
+                    member.generator.set_state(state)
+            else:
+                return CohortResult(results=results, vectorized=True, fallback_reason=None, train_s=timer() - start)
+        results = [self._train_one(base, x, y, member, cfg, timer) for member in members]
+        return CohortResult(results=results, vectorized=False, fallback_reason=reason, train_s=timer() - start)
+
+    # ----------------------------------------------------------------------------------------------- private
+    def _train_one(
+        self,
+        base: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        member: CohortMember,
+        cfg: LocalTraining,
+        timer: Callable[[], float],
+    ) -> LocalResult:
+        device = self.device
+        xb, yb = x[member.indices.to(x.device)], y[member.indices.to(y.device)]
+        return train(self.flat_model, base, xb.to(device), yb.to(device), cfg, member.generator, timer=timer)
+
+    def _loss(
+        self, flat: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        params = {
+            name: chunk.view(shape)
+            for name, chunk, shape in zip(self._names, flat.split(self._sizes), self._shapes, strict=True)
+        }
+        with _autocast(self._precision, self.device):
+            out = functional_call(self.module, params, (xb,))
+        losses = F.cross_entropy(out.float(), yb, reduction="none")
+        loss = (losses * mask).sum() / mask.sum()
+        return loss * scale, loss.detach()
+
+    def _orders(
+        self, members: Sequence[CohortMember], cfg: LocalTraining, steps: list[int], order: list[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return global sample indices ``(S, K, B)`` and a float mask ``(S, K, B)`` in cohort (sorted) order."""
+        batch = cfg.batch_size
+        total_steps = steps[order[0]]
+        rows_index: list[torch.Tensor] = []
+        rows_mask: list[torch.Tensor] = []
+        for k in order:
+            indices = members[k].indices
+            n = int(indices.numel())
+            per_epoch = -(-n // batch)
+            padded = per_epoch * batch
+            pieces, masks = [], []
+            for _ in range(-(-steps[k] // per_epoch)):  # epochs started, as _batches draws them
+                perm = torch.randperm(n, generator=members[k].generator)
+                piece = torch.zeros(padded, dtype=torch.int64)
+                piece[:n] = perm
+                valid = torch.zeros(padded, dtype=torch.float32)
+                valid[:n] = 1.0
+                pieces.append(piece)
+                masks.append(valid)
+            local = torch.cat(pieces)[: steps[k] * batch]
+            valid = torch.cat(masks)[: steps[k] * batch]
+            fill = total_steps * batch - local.numel()
+            local = F.pad(local, (0, fill))
+            valid = F.pad(valid, (0, fill))
+            rows_index.append(indices.to(local.device)[local])
+            rows_mask.append(valid)
+        index = torch.stack(rows_index).view(len(order), total_steps, batch).transpose(0, 1)
+        mask = torch.stack(rows_mask).view(len(order), total_steps, batch).transpose(0, 1)
+        return index.contiguous().to(device), mask.contiguous().to(device)
+
+    def _train_vectorized(
+        self,
+        base: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        members: Sequence[CohortMember],
+        cfg: LocalTraining,
+        timer: Callable[[], float],
+        start: float,
+    ) -> list[LocalResult]:
+        """Train the cohort as rows of one tensor; ``train_s`` of each result is its share of the cohort's time."""
+        device = self.device
+        num = len(members)
+        steps = [cfg.steps_for(int(m.indices.numel())) for m in members]
+        order = sorted(range(num), key=lambda k: -steps[k])  # stable: ties keep member order
+        index, mask = self._orders(members, cfg, steps, order, x.device)
+        mask = mask.to(device)
+        active_counts = [sum(1 for k in order if steps[k] > s) for s in range(steps[order[0]])]
+        weights = base.to(device, torch.float32).expand(num, -1).clone()
+        momentum = torch.zeros_like(weights) if cfg.momentum else None
+        loss_sum = torch.zeros(num, dtype=torch.float32, device=device)
+        self._precision = cfg.precision
+        scaler = LossScaler.for_rows(num, device) if cfg.precision == "fp16" else None
+        ones = torch.ones(num, dtype=torch.float32, device=device)
+        step_fn = vmap(grad_and_value(self._loss, has_aux=True))
+        host_data = x.device != device
+        pending = self._fetch(x, y, index[0, : active_counts[0]], host_data) if active_counts else None
+        for s, k in enumerate(active_counts):
+            assert pending is not None
+            xb, yb = pending
+            if s + 1 < len(active_counts):  # prefetch the next batch while this one computes
+                pending = self._fetch(x, y, index[s + 1, : active_counts[s + 1]], host_data)
+            w, m = weights[:k], mask[s, :k]
+            scale = scaler.scale[:k] if scaler is not None else ones[:k]
+            try:
+                grads, (_, loss) = step_fn(w, xb, yb, m, scale)
+            except Exception as exc:
+                if s == 0:
+                    raise _Unsupported(f"vmap cannot batch the model: {type(exc).__name__}: {exc}") from exc
+                raise
+            with torch.no_grad():
+                apply = None
+                if scaler is not None:
+                    grads = grads / scaler.scale[:k, None]
+                    apply = scaler.update_rows(grads, k)
+                if cfg.clip_norm is not None:
+                    norm = torch.linalg.vector_norm(grads, dim=1, keepdim=True)
+                    grads.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
+                if cfg.weight_decay:
+                    grads.add_(w, alpha=cfg.weight_decay)
+                if momentum is not None:
+                    mk = momentum[:k]
+                    if apply is None:
+                        mk.mul_(cfg.momentum).add_(grads)
+                        w.add_(mk, alpha=-cfg.lr)
+                    else:
+                        mk.copy_(torch.where(apply[:, None], mk * cfg.momentum + grads, mk))
+                        w.sub_(torch.where(apply[:, None], mk * cfg.lr, torch.zeros_like(mk)))
+                elif apply is None:
+                    w.add_(grads, alpha=-cfg.lr)
+                else:
+                    w.sub_(torch.where(apply[:, None], grads * cfg.lr, torch.zeros_like(grads)))
+                loss_sum[:k].add_(loss * m.sum(dim=1))
+        share = (timer() - start) / num
+        seen = mask.sum(dim=(0, 2)).tolist()
+        deltas = base.to(device, torch.float32) - weights
+        losses = loss_sum.tolist()
+        per_client_bytes = 4 * self.num_params * (3 if momentum is not None else 2)
+        results: list[LocalResult | None] = [None] * num
+        for row, k in enumerate(order):
+            n = int(members[k].indices.numel())
+            batch_bytes = cfg.batch_size * (x[0].numel() * x.element_size() + y.element_size())
+            results[k] = LocalResult(
+                delta=deltas[row].clone(),
+                num_samples=n,
+                steps=steps[k],
+                loss=losses[row] / max(seen[row], 1.0),
+                train_s=share,
+                peak_mem_bytes=per_client_bytes + batch_bytes,
+            )
+        return [r for r in results if r is not None]
+
+    def _fetch(
+        self, x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, host_data: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather one step's batches ``(k, B, ...)``; from host data, through pinned memory, asynchronously."""
+        xb, yb = x[index], y[index]
+        if not host_data:
+            return xb, yb
+        if self.device.type == "cuda":
+            xb, yb = xb.pin_memory(), yb.pin_memory()
+        return xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
+
+
+class _Unsupported(Exception):
+    """The model cannot be trained vectorized (raised before any member has been trained)."""

@@ -1,0 +1,336 @@
+"""Vectorized cohorts (flasync.cohort) against one-client-at-a-time training, and the batching executor."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+
+import flasync
+from flasync import seeding
+from flasync.cohort import CohortMember, CohortTrainer, unsupported_reason
+from flasync.errors import ConfigError, TrainingError
+from flasync.executors import CohortBatcher, ModelPool, TrainingJob, resolve_device
+from flasync.models import MLP, SmallCNN
+from flasync.testing import small_config
+from flasync.training import FlatModel, LocalResult, LocalTraining, flat_parameters, train
+
+FEATURES, CLASSES = 64, 10
+SIZES = (37, 50, 5, 64, 100, 17, 1)  # ragged: short last batches, different step counts, a one-sample client
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _seeded_torch() -> Iterator[None]:
+    """Seed torch's default generator for each test and restore it afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
+
+
+def _mlp() -> nn.Module:
+    return MLP(FEATURES, [32], CLASSES)
+
+
+def _cnn() -> nn.Module:
+    return SmallCNN(in_channels=1, image_size=(8, 8), num_classes=CLASSES, channels=(4, 6))
+
+
+class _BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.body(x)
+        return out
+
+
+class _ValueBranching(nn.Module):
+    """A model vmap cannot batch (it reads a tensor's value in Python), with nothing a static check sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x)
+        return out * 2 if float(out.detach().sum()) > 1e9 else out
+
+
+def _data(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    total = sum(SIZES)
+    x = torch.randn(total, FEATURES)
+    y = torch.randint(0, CLASSES, (total,))
+    order = torch.randperm(total)
+    parts, offset = [], 0
+    for size in SIZES:
+        parts.append(order[offset : offset + size].to(device))
+        offset += size
+    return x.to(device), y.to(device), parts
+
+
+def _no_single_sample_batches(parts: list[torch.Tensor], batch: int = 16) -> list[torch.Tensor]:
+    """Drop clients whose last batch would hold one sample (BatchNorm cannot train on those)."""
+    return [p for p in parts if p.numel() % batch != 1]
+
+
+def _members(parts: list[torch.Tensor]) -> list[CohortMember]:
+    return [CohortMember(indices=p, generator=seeding.torch_stream(3, seeding.TASK, k, 0)) for k, p in enumerate(parts)]
+
+
+def _alone(
+    factory: Callable[[], nn.Module],
+    base: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: list[torch.Tensor],
+    cfg: LocalTraining,
+) -> list[LocalResult]:
+    model = FlatModel(factory().to(x.device))
+    return [
+        train(model, base, x[p], y[p], cfg, seeding.torch_stream(3, seeding.TASK, k, 0)) for k, p in enumerate(parts)
+    ]
+
+
+CONFIGS = [
+    pytest.param(LocalTraining(epochs=1, batch_size=32, lr=0.01), id="plain-sgd"),
+    pytest.param(
+        LocalTraining(epochs=2, batch_size=16, lr=0.1, momentum=0.9, weight_decay=1e-3, clip_norm=0.5),
+        id="momentum-wd-clip",
+    ),
+    pytest.param(LocalTraining(epochs=3, max_steps=7, batch_size=8, lr=0.05, momentum=0.5), id="max-steps"),
+]
+
+
+@pytest.mark.parametrize("factory", [_mlp, _cnn], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_vectorized_equals_one_client_at_a_time(factory: Callable[[], nn.Module], cfg: LocalTraining) -> None:
+    """Every member's delta is within 1e-5 of training it alone; steps, samples and mean loss match."""
+    x, y, parts = _data()
+    base = flat_parameters(factory())
+    outcome = CohortTrainer(factory()).train(base, x, y, _members(parts), cfg)
+    assert outcome.vectorized
+    assert outcome.fallback_reason is None
+    expected = _alone(factory, base, x, y, parts, cfg)
+    assert len(outcome.results) == len(parts)
+    for got, want in zip(outcome.results, expected, strict=True):
+        assert got.steps == want.steps
+        assert got.num_samples == want.num_samples
+        assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
+        assert got.loss == pytest.approx(want.loss, rel=1e-5)
+        assert bool(got.delta.abs().sum() > 0)
+
+
+def test_bf16_autocast_is_close_to_one_client_at_a_time() -> None:
+    """Under bf16 autocast the cohort stays close to per-client bf16 training (bf16 rounding differs slightly)."""
+    x, y, parts = _data()
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05, precision="bf16")
+    base = flat_parameters(_mlp())
+    outcome = CohortTrainer(_mlp()).train(base, x, y, _members(parts), cfg)
+    assert outcome.vectorized
+    for got, want in zip(outcome.results, _alone(_mlp, base, x, y, parts, cfg), strict=True):
+        assert torch.allclose(got.delta, want.delta, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("factory", "reason"),
+    [
+        (_BatchNormNet, "BatchNorm1d"),
+        (lambda: nn.Sequential(nn.Linear(FEATURES, 8), nn.Dropout(0.2), nn.Linear(8, CLASSES)), "random"),
+        (_ValueBranching, "vmap cannot batch the model"),
+    ],
+    ids=["batchnorm", "dropout", "vmap-error"],
+)
+def test_unsupported_models_fall_back_with_a_reason(factory: Callable[[], nn.Module], reason: str) -> None:
+    """A model vmap cannot batch is trained one client at a time, from untouched generators, and says why."""
+    x, y, parts = _data()
+    parts = _no_single_sample_batches(parts)
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+    base = flat_parameters(factory())
+    with torch.random.fork_rng(devices=[]):
+        outcome = CohortTrainer(factory()).train(base, x, y, _members(parts), cfg)
+    assert not outcome.vectorized
+    assert outcome.fallback_reason is not None and reason in outcome.fallback_reason
+    if reason != "random":  # dropout draws from torch's global generator: compare only deterministic models
+        for got, want in zip(outcome.results, _alone(factory, base, x, y, parts, cfg), strict=True):
+            assert torch.equal(got.delta, want.delta)
+
+
+def test_static_check_names_the_layer() -> None:
+    """unsupported_reason names the offending layer, and passes the built-in models."""
+    assert unsupported_reason(_mlp()) is None
+    assert unsupported_reason(_cnn()) is None
+    reason = unsupported_reason(_BatchNormNet())
+    assert reason is not None and "body.1" in reason
+
+
+def test_a_member_without_samples_is_an_error() -> None:
+    """An empty client fails the cohort call before anything trains."""
+    x, y, parts = _data()
+    parts[2] = parts[2][:0]
+    with pytest.raises(TrainingError, match="member 2 has no samples"):
+        CohortTrainer(_mlp()).train(flat_parameters(_mlp()), x, y, _members(parts), LocalTraining())
+
+
+# ------------------------------------------------------------------------------------------------ batching
+def _job(base: torch.Tensor, x: torch.Tensor, y: torch.Tensor, part: torch.Tensor, k: int, pool: ModelPool) -> TrainingJob[LocalResult]:
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+    generator = seeding.torch_stream(3, seeding.TASK, k, 0)
+    return TrainingJob(
+        base=base,
+        x=x,
+        y=y,
+        indices=part,
+        cfg=cfg,
+        generator=generator,
+        finish=lambda result: result,
+        solo=lambda: train(pool.get(), base, x[part], y[part], cfg, generator),
+    )
+
+
+@pytest.mark.parametrize("factory", [_mlp, _BatchNormNet], ids=["vectorized", "fallback"])
+async def test_batcher_trains_jobs_of_one_base_together(factory: Callable[[], nn.Module]) -> None:
+    """Jobs submitted in one loop tick with the same base run as one cohort; each future gets its own result."""
+    x, y, parts = _data()
+    parts = _no_single_sample_batches(parts)
+    base = flat_parameters(factory())
+    other = base.clone()
+    pool = ModelPool(factory)
+    reasons: list[str] = []
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool, max_cohort=4, on_fallback=reasons.append)
+    try:
+        bases = [base if k % 2 == 0 else other for k in range(len(parts))]
+        futures = [
+            asyncio.wrap_future(batcher.submit(_job(b, x, y, p, k, pool))) for k, (b, p) in enumerate(zip(bases, parts, strict=True))
+        ]
+        results = await asyncio.gather(*futures)
+    finally:
+        batcher.shutdown()
+    # two groups (by base); each is at most max_cohort = 4 jobs, so all are cohorts of 2 or more
+    assert batcher.cohorts == 2
+    expected = _alone(factory, base, x, y, parts, LocalTraining(epochs=1, batch_size=16, lr=0.05, momentum=0.9))
+    for got, want in zip(results, expected, strict=True):
+        assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
+    if factory is _BatchNormNet:
+        assert batcher.fallback_clients == len(parts) and reasons and "BatchNorm1d" in reasons[0]
+    else:
+        assert batcher.vectorized_clients == len(parts) and not reasons
+
+
+async def test_batcher_passes_other_callables_through() -> None:
+    """Anything that is not a TrainingJob runs in the inner pool as submitted."""
+    batcher = CohortBatcher(ThreadPoolExecutor(1), ModelPool(_mlp))
+    try:
+        assert await asyncio.wrap_future(batcher.submit(lambda: 41 + 1)) == 42
+    finally:
+        batcher.shutdown()
+
+
+async def test_failed_member_fails_alone() -> None:
+    """A job whose finish raises gets that exception; the other members of its cohort succeed."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool)
+    jobs = [_job(base, x, y, p, k, pool) for k, p in enumerate(parts[:3])]
+
+    def boom(result: LocalResult) -> LocalResult:
+        raise TrainingError("diverged")
+
+    jobs[1] = TrainingJob(**{**{f: getattr(jobs[1], f) for f in TrainingJob.__dataclass_fields__}, "finish": boom})
+    try:
+        outcomes = await asyncio.gather(*(asyncio.wrap_future(batcher.submit(j)) for j in jobs), return_exceptions=True)
+    finally:
+        batcher.shutdown()
+    assert isinstance(outcomes[1], TrainingError)
+    assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
+
+
+# ------------------------------------------------------------------------------------------------ engine
+SERVERS = [
+    {"kind": "fedavg", "clients_per_round": 8},
+    {"kind": "fedbuff", "buffer_size": 4, "concurrency": 8},
+]
+
+
+@pytest.mark.parametrize("server", SERVERS, ids=["fedavg", "fedbuff"])
+async def test_vectorized_runs_are_deterministic(server: dict[str, object]) -> None:
+    """Same seed, same weights bit for bit, with one or two workers; accuracy as with the thread executor."""
+    hashes = set()
+    for workers in (1, 2, 1):
+        config = small_config("executor.kind=vectorized", f"executor.workers={workers}", server=server)
+        summary = await flasync.Federation(config).run()
+        hashes.add(summary.weights_sha256)
+    assert len(hashes) == 1
+    threads = await flasync.Federation(small_config(server=server)).run()
+    assert summary.accuracy == pytest.approx(threads.accuracy, abs=0.02)
+    assert summary.updates_accepted == threads.updates_accepted
+
+
+async def test_vectorized_run_with_an_unbatchable_model_falls_back() -> None:
+    """A model with BatchNorm trains one client at a time under the vectorized executor, and finishes."""
+    config = small_config("executor.kind=vectorized", "data.kind=synthetic", "data.num_features=64")
+    summary = await flasync.Federation(config, model_factory=_BatchNormNet).run()
+    assert summary.updates_accepted > 0
+
+
+def test_device_config_is_validated() -> None:
+    """A device that is neither cpu, cuda, cuda:N nor auto is a config error naming the field."""
+    with pytest.raises(ConfigError, match="executor.device"):
+        small_config("executor.device=gpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type in {"cpu", "cuda"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+async def test_cuda_without_cuda_is_a_config_error() -> None:
+    """Asking for CUDA on a machine without it, or for fp16 on the CPU, fails before the run starts."""
+    with pytest.raises(ConfigError, match="executor.device: device 'cuda' was asked for but CUDA is not available"):
+        await flasync.Federation(small_config("executor.device=cuda")).run()
+    with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
+        await flasync.Federation(small_config("client.precision=fp16")).run()
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+@CUDA
+@pytest.mark.parametrize("factory", [_mlp, _cnn], ids=["mlp", "cnn"])
+def test_vectorized_equals_alone_on_cuda(factory: Callable[[], nn.Module]) -> None:
+    """On the GPU too, the cohort matches one-at-a-time training (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    x, y, parts = _data("cuda")
+    cfg = LocalTraining(epochs=2, batch_size=16, lr=0.1, momentum=0.9, clip_norm=0.5)
+    base = flat_parameters(factory()).cuda()
+    outcome = CohortTrainer(factory().cuda()).train(base, x, y, _members(parts), cfg)
+    assert outcome.vectorized
+    for got, want in zip(outcome.results, _alone(factory, base, x, y, parts, cfg), strict=True):
+        assert got.delta.device.type == "cuda"
+        assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
+
+
+@CUDA
+def test_host_data_is_prefetched_to_cuda() -> None:
+    """Data left in (pinned) host memory trains to the same result as data on the GPU."""
+    x, y, parts = _data()
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05)
+    base = flat_parameters(_mlp()).cuda()
+    trainer = CohortTrainer(_mlp().cuda())
+    on_host = trainer.train(base, x.pin_memory(), y.pin_memory(), _members(parts), cfg)
+    on_device = trainer.train(base, x.cuda(), y.cuda(), _members([p.cuda() for p in parts]), cfg)
+    for a, b in zip(on_host.results, on_device.results, strict=True):
+        assert torch.equal(a.delta, b.delta)
+
+
+@CUDA
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["thread", "vectorized"])
+async def test_cuda_runs(precision: str, kind: str) -> None:
+    """Runs on the GPU with each precision and executor, and learns."""
+    config = small_config(f"executor.kind={kind}", "executor.device=cuda", f"client.precision={precision}")
+    summary = await flasync.Federation(config).run()
+    assert summary.accuracy > 0.5

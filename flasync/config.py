@@ -193,6 +193,14 @@ class PopulationConfig(_Section):
     regions: int | None = Field(
         None, ge=1, description="Give each client a seeded uniform 'region' attribute in 0..regions-1."
     )
+    sampling: Literal["uniform", "weighted", "lru", "available"] = Field(
+        "uniform",
+        description="How the server picks clients: uniform, weighted by samples, least recently used, available now.",
+    )
+    available_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="Share of its availability period a client is online (1: always)."
+    )
+    availability_period_s: float = Field(86_400.0, gt=0.0, description="Simulated seconds of one on/off cycle.")
 
 
 class NetworkConfig(_Section):

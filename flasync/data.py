@@ -22,7 +22,9 @@ from flasync.errors import DataError
 
 __all__ = [
     "ArrayData",
+    "LazyIIDPartition",
     "Partition",
+    "SyntheticClients",
     "from_dataset",
     "load_digits",
     "make_synthetic",
@@ -629,3 +631,96 @@ def _stable_argsort(keys: np.ndarray) -> np.ndarray:
         keys = keys.astype(np.uint16)
     order: np.ndarray = np.argsort(keys, kind="stable")
     return order
+
+
+class LazyIIDPartition:
+    """An IID split of ``N`` samples over ``K`` clients that stores nothing per client or per sample.
+
+    Client ``k`` holds positions ``[offset_k, offset_{k+1})`` of a pseudo-random permutation of ``range(N)``, the
+    affine bijection ``i -> (a * i + b) mod N`` with ``a`` coprime to ``N`` drawn from ``rng``; offsets follow from
+    ``k`` alone (sizes ``N // K`` or ``N // K + 1``, larger ones first, as :func:`partition_iid`). Its indices are
+    computed when a client is sampled, so a million clients over hundreds of millions of samples cost nothing until
+    then. The permutation is cheap rather than uniform: good enough to spread a shuffled or synthetic data set.
+
+    Args:
+        num_samples: ``N``.
+        num_clients: ``K``, ``1 <= K <= N``.
+        rng: Draws ``a`` and ``b``.
+
+    Raises:
+        DataError: If ``num_clients < 1`` or ``num_clients > num_samples``.
+    """
+
+    def __init__(self, num_samples: int, num_clients: int, *, rng: np.random.Generator) -> None:
+        """Draw the permutation's two numbers."""
+        _check_client_count(num_samples, num_clients)
+        self.num_samples = num_samples
+        self.num_clients = num_clients
+        self._base, self._extra = divmod(num_samples, num_clients)
+        multiplier = int(rng.integers(1, max(num_samples, 2)))
+        while math.gcd(multiplier, num_samples) != 1:
+            multiplier = multiplier % num_samples + 1
+        self._a = multiplier
+        self._b = int(rng.integers(0, num_samples))
+
+    def __len__(self) -> int:
+        """Return the number of clients."""
+        return self.num_clients
+
+    def size(self, client: int) -> int:
+        """Return the number of samples of ``client``."""
+        return self._base + (1 if client < self._extra else 0)
+
+    def offset(self, client: int) -> int:
+        """Return the first permutation position of ``client``."""
+        return client * self._base + min(client, self._extra)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Number of samples of each client, ``int64`` of shape ``(num_clients,)`` (built on each call)."""
+        sizes = np.full(self.num_clients, self._base, dtype=np.int64)
+        sizes[: self._extra] += 1
+        return sizes
+
+    def __getitem__(self, client: int) -> np.ndarray:
+        """Return the sample indices of ``client`` (a new ``int64`` array)."""
+        k = operator.index(client)
+        if not 0 <= k < self.num_clients:
+            raise IndexError(f"client {client} is out of range for a partition of {self.num_clients} clients.")
+        positions = np.arange(self.offset(k), self.offset(k) + self.size(k), dtype=np.int64)
+        indices: np.ndarray = (positions * self._a + self._b) % self.num_samples
+        return indices
+
+
+class SyntheticClients:
+    """:func:`make_synthetic` data drawn per client on demand: client ``k``'s samples come from its own stream.
+
+    Nothing is stored per client: ``client(k)`` draws ``sizes[k]`` samples from ``numpy_stream(seed, DATA, 2, k)``
+    every time it is called (the same samples each time), so a population of any size costs its ``sizes`` array.
+
+    Args:
+        sizes: Samples per client.
+        num_features: Feature dimension.
+        num_classes: Number of classes.
+        seed: The run's seed.
+    """
+
+    def __init__(self, sizes: np.ndarray, *, num_features: int = 32, num_classes: int = 10, seed: int = 0) -> None:
+        """Remember the sizes; draw nothing yet."""
+        self.sizes = np.asarray(sizes, dtype=np.int32)
+        self.num_features = num_features
+        self.num_classes = num_classes
+        self.seed = seed
+
+    def __len__(self) -> int:
+        """Return the number of clients."""
+        return len(self.sizes)
+
+    def client(self, k: int) -> ArrayData:
+        """Draw client ``k``'s samples."""
+        from flasync import seeding  # flasync.seeding imports nothing from here; kept local to keep data.py leaf
+
+        rng = seeding.numpy_stream(self.seed, seeding.DATA, 2, k)
+        return make_synthetic(
+            num_samples=int(self.sizes[k]), num_features=self.num_features, num_classes=self.num_classes, rng=rng
+        )

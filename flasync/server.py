@@ -330,8 +330,14 @@ class Server:
 
     async def _run_sync(self, cfg: FedAvgServer) -> None:
         num_clients = len(self.ctx.population)
+        strategy = self.ctx.config.population.sampling
         while not self._stop_reason():
-            cohort = self._rng.choice(num_clients, size=cfg.clients_per_round, replace=False)
+            if strategy == "uniform":
+                cohort = self._rng.choice(num_clients, size=cfg.clients_per_round, replace=False)
+            else:
+                cohort = self.ctx.population.sample(
+                    cfg.clients_per_round, self._rng, strategy=strategy, now=self.ctx.clock.now()
+                )
             if self.edges is not None:
                 await self._sync_tree_round(self.edges, set(cohort.tolist()))
             else:
@@ -383,7 +389,12 @@ class Server:
 
     # ------------------------------------------------------------------------------------------- dispatch
     def _sample_idle(self) -> ClientId:
-        num_clients = len(self.ctx.population)
+        population = self.ctx.population
+        strategy = self.ctx.config.population.sampling
+        if strategy != "uniform":
+            drawn = population.sample(1, self._rng, strategy=strategy, now=self.ctx.clock.now(), exclude=self._in_flight)
+            return ClientId(int(drawn[0]))
+        num_clients = len(population)
         while True:
             candidate = ClientId(int(self._rng.integers(num_clients)))
             if candidate not in self._in_flight:
@@ -410,6 +421,7 @@ class Server:
         self._bases.setdefault(snapshot.version, snapshot)
         participation = int(self._participations[client_id])
         self._participations[client_id] = participation + 1
+        self.ctx.population.mark_used([client_id])
         task = TaskAssigned(
             task_id=self.stats.tasks_dispatched,
             client_id=client_id,

@@ -589,3 +589,25 @@ def test_partition_dirichlet_handles_sparse_label_values() -> None:
     labels = np.repeat(np.array([0, 10**9]), 50)
     partition = partition_dirichlet(labels, 4, alpha=0.5, rng=np.random.default_rng(0))
     _assert_exact_cover(partition, 100)
+
+
+def test_lazy_iid_partition_covers_every_sample_once() -> None:
+    """The lazy IID split gives each sample to exactly one client, with partition_iid's sizes."""
+    from flasync.data import LazyIIDPartition
+
+    partition = LazyIIDPartition(1003, 10, rng=np.random.default_rng(0))
+    parts = [partition[k] for k in range(len(partition))]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(1003))
+    assert [len(p) for p in parts] == partition.sizes.tolist() == [101, 101, 101, 100, 100, 100, 100, 100, 100, 100]
+    with pytest.raises(IndexError, match="client 10 is out of range"):
+        partition[10]
+
+
+def test_synthetic_clients_draw_the_same_samples_every_time() -> None:
+    """A client's lazily drawn samples are a function of the seed and its id only."""
+    from flasync.data import SyntheticClients
+
+    clients = SyntheticClients(np.array([3, 5, 7]), num_features=4, num_classes=3, seed=1)
+    first, again, other = clients.client(1), clients.client(1), clients.client(2)
+    assert first.x.shape == (5, 4) and other.x.shape == (7, 4)
+    assert torch.equal(first.x, again.x) and torch.equal(first.y, again.y)

@@ -74,3 +74,87 @@ def test_fewer_bytes_take_less_time() -> None:
     """Transfer time grows with the payload, so compression shortens simulated time."""
     network = Network(NetworkConfig(bandwidth_sigma=0.3), 10, 0)
     assert network.upload_seconds(3, 1_000) < network.upload_seconds(3, 100_000)
+
+
+# ------------------------------------------------------------------------------------------- sampling at scale
+def _population(n: int, **kwargs: float) -> Population:
+    return Population(np.arange(1, n + 1, dtype=np.int64), ConstantSpeed(), seed=0, **kwargs)
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "weighted", "lru", "available"])
+def test_every_strategy_draws_distinct_eligible_clients(strategy: str) -> None:
+    """k distinct ids, none excluded, whatever the strategy."""
+    population = _population(1000, available_fraction=0.5, availability_period_s=10.0)
+    rng = np.random.default_rng(0)
+    excluded = set(range(0, 1000, 3))
+    for step in range(5):
+        drawn = population.sample(200, rng, strategy=strategy, now=float(step), exclude=excluded)  # type: ignore[arg-type]
+        assert len(drawn) == 200 == len(set(drawn.tolist()))
+        assert not set(drawn.tolist()) & excluded
+        population.mark_used(drawn)
+
+
+def test_too_many_clients_or_an_unknown_strategy_is_an_error() -> None:
+    """Drawing more clients than are eligible, or by an unknown rule, raises ValueError naming the problem."""
+    population = _population(10)
+    with pytest.raises(ValueError, match="cannot draw 9 clients from 10 with 2 excluded"):
+        population.sample(9, np.random.default_rng(0), exclude={1, 2})
+    with pytest.raises(ValueError, match="unknown sampling strategy 'best'"):
+        population.sample(1, np.random.default_rng(0), strategy="best")  # type: ignore[arg-type]
+
+
+def test_weighted_sampling_follows_sample_counts() -> None:
+    """With sizes 1 and 9, the larger client is drawn first about 90% of the time."""
+    population = Population(np.array([1, 9]), ConstantSpeed(), seed=0)
+    rng = np.random.default_rng(0)
+    draws = [int(population.sample(1, rng, strategy="weighted")[0]) for _ in range(4000)]
+    assert np.mean(draws) == pytest.approx(0.9, abs=0.02)
+
+
+def test_least_recently_used_cycles_through_everyone() -> None:
+    """LRU draws every client once before any twice, then the oldest first; excluded ones come back later."""
+    population = _population(10)
+    rng = np.random.default_rng(0)
+    first = population.sample(4, rng, strategy="lru", exclude={7})
+    population.mark_used(first)
+    second = population.sample(5, rng, strategy="lru", exclude={7})
+    population.mark_used(second)
+    assert sorted([*first.tolist(), *second.tolist()]) == [c for c in range(10) if c != 7]
+    assert population.sample(1, rng, strategy="lru").tolist() == [7]  # never used: ahead of everyone
+    population.mark_used([7])
+    assert population.sample(4, rng, strategy="lru").tolist() == first.tolist()  # then oldest use first
+
+
+def test_available_now_follows_the_phases() -> None:
+    """Available-now draws only online clients while enough are online, and fills with offline ones otherwise."""
+    population = _population(1000, available_fraction=0.2, availability_period_s=100.0)
+    rng = np.random.default_rng(0)
+    drawn = population.sample(50, rng, strategy="available", now=30.0)
+    assert population.available(drawn, 30.0).all()
+    online = int(population.available(np.arange(1000), 30.0).sum())
+    everyone = population.sample(online + 10, rng, strategy="available", now=30.0)
+    assert int(population.available(everyone, 30.0).sum()) == online
+
+
+def test_a_million_clients_cost_tens_of_bytes_each() -> None:
+    """Population arrays, LRU state and weights included, stay under 100 bytes per client."""
+    population = _population(1_000_000, available_fraction=0.5)
+    rng = np.random.default_rng(0)
+    population.mark_used(population.sample(1000, rng, strategy="weighted"))
+    population.mark_used(population.sample(1000, rng, strategy="lru"))
+    assert population.nbytes < 100 * 1_000_000
+
+
+async def test_lru_sampling_in_a_sync_run_visits_every_client() -> None:
+    """FedAvg with LRU sampling: 4 rounds of 5 over 20 clients dispatch each client exactly once."""
+    import flasync
+    from flasync.events import TaskAssigned
+    from flasync.testing import EventRecorder, small_config
+
+    config = small_config(
+        "population.sampling=lru", "stop.max_versions=4", server={"kind": "fedavg", "clients_per_round": 5}
+    )
+    federation = flasync.Federation(config)
+    recorder = EventRecorder(federation.bus)
+    await federation.run()
+    assert sorted(task.client_id for task in recorder.of(TaskAssigned)) == list(range(20))

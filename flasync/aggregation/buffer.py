@@ -125,6 +125,41 @@ class UpdateBuffer:
         self._total_example_weight += example_weight
         self._count += 1
 
+    def add_stacked(self, deltas: Tensor, *, example_weights: Tensor, staleness_weights: Tensor) -> None:
+        """Fold ``K`` client deltas, the rows of ``deltas``, into the buffer in one fused pass.
+
+        Equal to calling :meth:`add` for each row in order, up to float rounding: ``acc += deltas^T (e * s)`` is
+        one ``addmv_`` that reads each delta once, instead of ``K`` passes over the accumulator. A vectorized
+        cohort's deltas arrive this way.
+
+        Args:
+            deltas: ``(K, num_params)`` with the buffer's dtype and device.
+            example_weights: ``(K,)`` weights ``e_k``, finite and > 0.
+            staleness_weights: ``(K,)`` discounts ``s(tau_k)``, finite and >= 0.
+
+        Raises:
+            ValueError: If a shape, dtype or device is wrong or a weight is out of range (nothing is changed).
+        """
+        if deltas.dim() != 2 or deltas.shape[1] != self._acc.numel():
+            raise ValueError(f"deltas must have shape (K, {self._acc.numel()}), got {tuple(deltas.shape)}")
+        if deltas.dtype != self._acc.dtype or deltas.device != self._acc.device:
+            raise ValueError(
+                f"deltas are {deltas.dtype} on {deltas.device}, expected {self._acc.dtype} on {self._acc.device}"
+            )
+        rows = deltas.shape[0]
+        if example_weights.shape != (rows,) or staleness_weights.shape != (rows,):
+            raise ValueError(f"weights must have shape ({rows},)")
+        e = example_weights.detach().to("cpu", torch.float64)
+        s = staleness_weights.detach().to("cpu", torch.float64)
+        if not bool(torch.isfinite(e).all() and (e > 0).all()):
+            raise ValueError("example_weights must be finite and > 0")
+        if not bool(torch.isfinite(s).all() and (s >= 0).all()):
+            raise ValueError("staleness_weights must be finite and >= 0")
+        weights = (e * s).to(self._acc.device, self._acc.dtype)
+        self._acc.addmv_(deltas.t(), weights)
+        self._total_example_weight += float(e.sum())
+        self._count += rows
+
     def pseudo_gradient(self) -> Tensor:
         """Return the aggregate ``acc / total_example_weight`` as a new tensor.
 

@@ -231,3 +231,29 @@ def test_add_sum_of_a_partial_equals_adding_its_updates() -> None:
     with pytest.raises(ValueError, match="example_weight"):
         tiered.add_sum(edge_a, example_weight=0.0)
     assert tiered.count == 2
+
+
+def test_add_stacked_equals_adding_rows_one_by_one() -> None:
+    """One fused addmv_ over K rows gives what K calls of add give, and counts K updates."""
+    generator = torch.Generator().manual_seed(0)
+    deltas = torch.randn(5, 33, generator=generator)
+    e = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    s = torch.tensor([1.0, 0.5, 0.25, 1.0, 0.0])
+    one_by_one = UpdateBuffer(33)
+    for row, ew, sw in zip(deltas, e.tolist(), s.tolist(), strict=True):
+        one_by_one.add(row, example_weight=ew, staleness_weight=sw)
+    stacked = UpdateBuffer(33)
+    stacked.add_stacked(deltas, example_weights=e, staleness_weights=s)
+    assert stacked.count == one_by_one.count == 5
+    assert stacked.total_example_weight == one_by_one.total_example_weight
+    assert torch.allclose(stacked.pseudo_gradient(), one_by_one.pseudo_gradient(), atol=1e-6)
+
+
+def test_add_stacked_rejects_bad_weights_without_change() -> None:
+    """A non-positive example weight is an error and leaves the buffer empty."""
+    buffer = UpdateBuffer(3)
+    with pytest.raises(ValueError, match="example_weights must be finite and > 0"):
+        buffer.add_stacked(torch.ones(2, 3), example_weights=torch.tensor([1.0, 0.0]), staleness_weights=torch.ones(2))
+    with pytest.raises(ValueError, match=r"deltas must have shape \(K, 3\)"):
+        buffer.add_stacked(torch.ones(2, 4), example_weights=torch.ones(2), staleness_weights=torch.ones(2))
+    assert buffer.count == 0

@@ -1,0 +1,92 @@
+"""In-place aggregation bandwidth as a fraction of a plain ``copy_`` of the same size, measured in the same run.
+
+    python benchmarks/aggregation.py [--params 1000000 10000000] [--repeats 30] [--cohort 16] [--device cpu|cuda]
+                                     [--threads 1]
+
+For each model size it times, interleaved so that load drifts hit every operation alike:
+
+* ``copy_``: ``dst.copy_(src)`` - reads and writes one model (2 x 4 bytes per parameter), the reference;
+* ``UpdateBuffer.add``: ``acc.add_(delta, alpha=e*s)`` with the buffer's checks - reads two, writes one (12 B/param);
+* ``addcmul_``: ``acc.addcmul_(delta, mask, value=w)``, a masked (e.g. sparse-coordinate) fold - 16 B/param;
+* ``UpdateBuffer.add_stacked``: ``--cohort`` deltas folded by one ``addmv_`` - reads K + 1, writes 1 model.
+
+Bandwidth is the bytes an operation must move over its median time; the printed fraction is that over the
+``copy_`` bandwidth of the same repeat, then the median over repeats ("paired"). Target: >= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from flasync.aggregation import UpdateBuffer
+
+
+def _discard(_: object) -> None:
+    """Drop an in-place op's return value."""
+
+
+def _timed(fn: Callable[[], None], sync: Callable[[], None]) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    """Print bandwidths and fractions of copy bandwidth."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--cohort", type=int, default=16)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op torch threads (CPU)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} intra-op threads")
+    print(f"{'params':>11} {'operation':<28} {'GB/s':>8} {'vs copy_':>9}")
+    for n in args.params:
+        src = torch.randn(n, device=device)
+        dst = torch.empty_like(src)
+        buffer = UpdateBuffer(n, device=device)
+        acc = torch.zeros_like(src)
+        mask = (torch.rand(n, device=device) < 0.5).float()
+        stack = torch.randn(args.cohort, n, device=device)
+        e = torch.ones(args.cohort, device=device)
+        s = torch.full((args.cohort,), 0.5, device=device)
+        ops: dict[str, tuple[Callable[[], None], int]] = {
+            "copy_": (lambda: _discard(dst.copy_(src)), 8 * n),
+            "UpdateBuffer.add (add_)": (
+                lambda: buffer.add(src, example_weight=2.0, staleness_weight=0.5),
+                12 * n,
+            ),
+            "addcmul_ (masked)": (lambda: _discard(acc.addcmul_(src, mask, value=0.5)), 16 * n),
+            f"add_stacked (K={args.cohort})": (
+                lambda: buffer.add_stacked(stack, example_weights=e, staleness_weights=s),
+                4 * n * (args.cohort + 2),
+            ),
+        }
+        for fn, _ in ops.values():  # warm up
+            fn()
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        for _ in range(args.repeats):
+            for name, (fn, _) in ops.items():
+                times[name].append(_timed(fn, sync))
+            buffer.reset()
+        for name, (_, nbytes) in ops.items():
+            bandwidth = nbytes / statistics.median(times[name]) / 1e9
+            paired = statistics.median(
+                (nbytes / t) / (8 * n / c) for t, c in zip(times[name], times["copy_"], strict=True)
+            )
+            print(f"{n:>11,} {name:<28} {bandwidth:8.2f} {paired:8.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -53,39 +53,42 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} intra-op threads")
     print(f"{'params':>11} {'operation':<28} {'GB/s':>8} {'vs copy_':>9}")
     for n in args.params:
-        src = torch.randn(n, device=device)
-        dst = torch.empty_like(src)
-        buffer = UpdateBuffer(n, device=device)
-        acc = torch.zeros_like(src)
-        mask = (torch.rand(n, device=device) < 0.5).float()
-        stack = torch.randn(args.cohort, n, device=device)
-        e = torch.ones(args.cohort, device=device)
-        s = torch.full((args.cohort,), 0.5, device=device)
-        ops: dict[str, tuple[Callable[[], None], int]] = {
-            "copy_": (lambda: _discard(dst.copy_(src)), 8 * n),
-            "UpdateBuffer.add (add_)": (
-                lambda: buffer.add(src, example_weight=2.0, staleness_weight=0.5),
-                12 * n,
-            ),
-            "addcmul_ (masked)": (lambda: _discard(acc.addcmul_(src, mask, value=0.5)), 16 * n),
-            f"add_stacked (K={args.cohort})": (
-                lambda: buffer.add_stacked(stack, example_weights=e, staleness_weights=s),
-                4 * n * (args.cohort + 2),
-            ),
-        }
-        for fn, _ in ops.values():  # warm up
-            fn()
-        times: dict[str, list[float]] = {name: [] for name in ops}
-        for _ in range(args.repeats):
-            for name, (fn, _) in ops.items():
-                times[name].append(_timed(fn, sync))
-            buffer.reset()
-        for name, (_, nbytes) in ops.items():
-            bandwidth = nbytes / statistics.median(times[name]) / 1e9
-            paired = statistics.median(
-                (nbytes / t) / (8 * n / c) for t, c in zip(times[name], times["copy_"], strict=True)
-            )
-            print(f"{n:>11,} {name:<28} {bandwidth:8.2f} {paired:8.2f}x")
+        _measure(n, args.repeats, args.cohort, device, sync)
+
+
+def _measure(n: int, repeats: int, cohort: int, device: torch.device, sync: Callable[[], None]) -> None:
+    """Time every operation on ``n`` parameters, interleaved, and print one line each."""
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    buffer = UpdateBuffer(n, device=device)
+    acc = torch.zeros_like(src)
+    mask = (torch.rand(n, device=device) < 0.5).float()
+    stack = torch.randn(cohort, n, device=device)
+    e = torch.ones(cohort, device=device)
+    s = torch.full((cohort,), 0.5, device=device)
+    ops: dict[str, tuple[Callable[[], None], int]] = {
+        "copy_": (lambda: _discard(dst.copy_(src)), 8 * n),
+        "UpdateBuffer.add (add_)": (
+            lambda: buffer.add(src, example_weight=2.0, staleness_weight=0.5),
+            12 * n,
+        ),
+        "addcmul_ (masked)": (lambda: _discard(acc.addcmul_(src, mask, value=0.5)), 16 * n),
+        f"add_stacked (K={cohort})": (
+            lambda: buffer.add_stacked(stack, example_weights=e, staleness_weights=s),
+            4 * n * (cohort + 2),
+        ),
+    }
+    for fn, _ in ops.values():  # warm up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, (fn, _) in ops.items():
+            times[name].append(_timed(fn, sync))
+        buffer.reset()
+    for name, (_, nbytes) in ops.items():
+        bandwidth = nbytes / statistics.median(times[name]) / 1e9
+        paired = statistics.median((nbytes / t) / (8 * n / c) for t, c in zip(times[name], times["copy_"], strict=True))
+        print(f"{n:>11,} {name:<28} {bandwidth:8.2f} {paired:8.2f}x")
 
 
 if __name__ == "__main__":

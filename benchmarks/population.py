@@ -55,8 +55,7 @@ def main() -> None:
     tracemalloc.stop()
     rss_delta = process.memory_info().rss - rss_before
     per_client = population.nbytes + sum(
-        a.nbytes
-        for a in (network.latency_s, network.upload_bytes_per_s, network.download_bytes_per_s, participations)
+        a.nbytes for a in (network.latency_s, network.upload_bytes_per_s, network.download_bytes_per_s, participations)
     )
     print(f"{n:,} clients, {SAMPLES_PER_CLIENT} samples each ({SAMPLES_PER_CLIENT * n:,} samples, lazy)")
     print(f"  build            {build_s * 1e3:8.1f} ms")

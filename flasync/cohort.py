@@ -172,7 +172,7 @@ class CohortTrainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         params = {
             name: chunk.view(shape)
-            for name, chunk, shape in zip(self._names, flat.split(self._sizes), self._shapes, strict=True)
+            for name, chunk, shape in zip(self._names, torch.split(flat, self._sizes), self._shapes, strict=True)
         }
         with _autocast(self._precision, self.device):
             out = functional_call(self.module, params, (xb,))
@@ -181,37 +181,38 @@ class CohortTrainer:
         return loss * scale, loss.detach()
 
     def _orders(
-        self, members: Sequence[CohortMember], cfg: LocalTraining, steps: list[int], order: list[int], device: torch.device
+        self,
+        members: Sequence[CohortMember],
+        cfg: LocalTraining,
+        steps: list[int],
+        order: list[int],
+        device: torch.device,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return global sample indices ``(S, K, B)`` and a float mask ``(S, K, B)`` in cohort (sorted) order."""
         batch = cfg.batch_size
         total_steps = steps[order[0]]
-        rows_index: list[torch.Tensor] = []
+        rows_local: list[torch.Tensor] = []
         rows_mask: list[torch.Tensor] = []
         for k in order:
-            indices = members[k].indices
-            n = int(indices.numel())
+            n = int(members[k].indices.numel())
             per_epoch = -(-n // batch)
             padded = per_epoch * batch
             pieces, masks = [], []
-            for _ in range(-(-steps[k] // per_epoch)):  # epochs started, as _batches draws them
+            for _ in range(-(-steps[k] // per_epoch)):  # the epochs _batches starts, drawn in its order
                 perm = torch.randperm(n, generator=members[k].generator)
-                piece = torch.zeros(padded, dtype=torch.int64)
-                piece[:n] = perm
-                valid = torch.zeros(padded, dtype=torch.float32)
-                valid[:n] = 1.0
-                pieces.append(piece)
-                masks.append(valid)
+                pieces.append(F.pad(perm, (0, padded - n)))
+                masks.append(torch.arange(padded) < n)
             local = torch.cat(pieces)[: steps[k] * batch]
             valid = torch.cat(masks)[: steps[k] * batch]
             fill = total_steps * batch - local.numel()
-            local = F.pad(local, (0, fill))
-            valid = F.pad(valid, (0, fill))
-            rows_index.append(indices.to(local.device)[local])
-            rows_mask.append(valid)
-        index = torch.stack(rows_index).view(len(order), total_steps, batch).transpose(0, 1)
-        mask = torch.stack(rows_mask).view(len(order), total_steps, batch).transpose(0, 1)
-        return index.contiguous().to(device), mask.contiguous().to(device)
+            rows_local.append(F.pad(local, (0, fill)))
+            rows_mask.append(F.pad(valid, (0, fill)))
+        # Positions within each client -> sample indices: one gather where the indices live (no per-client copy).
+        owned = nn.utils.rnn.pad_sequence([members[k].indices for k in order], batch_first=True)
+        local_matrix = torch.stack(rows_local).to(owned.device, non_blocking=True)
+        index = owned.gather(1, local_matrix).view(len(order), total_steps, batch).transpose(0, 1)
+        mask = torch.stack(rows_mask).to(torch.float32).view(len(order), total_steps, batch).transpose(0, 1)
+        return index.contiguous().to(device), mask.contiguous()
 
     def _train_vectorized(
         self,

@@ -9,7 +9,7 @@ Durations are simulated seconds on the virtual clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Literal
 
 import numpy as np
@@ -154,10 +154,16 @@ class Population:
         if strategy == "available":
             if self.phase is None:
                 return self.sample(k, rng, strategy="uniform", exclude=excluded)
+
+            def online_candidates(m: int) -> np.ndarray:
+                candidates: np.ndarray = rng.integers(n, size=m)
+                online: np.ndarray = candidates[self.available(candidates, now)]
+                return online
+
             online = self._rejection(
                 k,
                 excluded,
-                lambda m: (lambda c: c[self.available(c, now)])(rng.integers(n, size=m)),
+                online_candidates,
                 limit=16,
                 oversample=1.0 / self.available_fraction,
             )
@@ -193,18 +199,17 @@ class Population:
     def _rejection(
         k: int,
         excluded: set[int],
-        draw: object,
+        draw: Callable[[int], np.ndarray],
         *,
         limit: int = 1_000,
         oversample: float = 1.0,
     ) -> np.ndarray:
         """Draw candidates in batches, keeping new, non-excluded ones in draw order, until ``k`` are kept."""
-        assert callable(draw)
         chosen: list[int] = []
         seen: set[int] = set(excluded)
         for _ in range(limit):
             want = k - len(chosen)
-            batch = draw(int(math.ceil((want + len(excluded)) * oversample * 1.25)) + 8)
+            batch = draw(math.ceil((want + len(excluded)) * oversample * 1.25) + 8)
             for candidate in np.asarray(batch).tolist():
                 if candidate not in seen:
                     seen.add(candidate)

@@ -392,7 +392,9 @@ class Server:
         population = self.ctx.population
         strategy = self.ctx.config.population.sampling
         if strategy != "uniform":
-            drawn = population.sample(1, self._rng, strategy=strategy, now=self.ctx.clock.now(), exclude=self._in_flight)
+            drawn = population.sample(
+                1, self._rng, strategy=strategy, now=self.ctx.clock.now(), exclude=self._in_flight
+            )
             return ClientId(int(drawn[0]))
         num_clients = len(population)
         while True:

@@ -178,7 +178,9 @@ def test_a_member_without_samples_is_an_error() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ batching
-def _job(base: torch.Tensor, x: torch.Tensor, y: torch.Tensor, part: torch.Tensor, k: int, pool: ModelPool) -> TrainingJob[LocalResult]:
+def _job(
+    base: torch.Tensor, x: torch.Tensor, y: torch.Tensor, part: torch.Tensor, k: int, pool: ModelPool
+) -> TrainingJob[LocalResult]:
     cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
     generator = seeding.torch_stream(3, seeding.TASK, k, 0)
     return TrainingJob(
@@ -206,7 +208,8 @@ async def test_batcher_trains_jobs_of_one_base_together(factory: Callable[[], nn
     try:
         bases = [base if k % 2 == 0 else other for k in range(len(parts))]
         futures = [
-            asyncio.wrap_future(batcher.submit(_job(b, x, y, p, k, pool))) for k, (b, p) in enumerate(zip(bases, parts, strict=True))
+            asyncio.wrap_future(batcher.submit(_job(b, x, y, p, k, pool)))
+            for k, (b, p) in enumerate(zip(bases, parts, strict=True))
         ]
         results = await asyncio.gather(*futures)
     finally:
@@ -281,7 +284,7 @@ async def test_vectorized_run_with_an_unbatchable_model_falls_back() -> None:
 
 def test_device_config_is_validated() -> None:
     """A device that is neither cpu, cuda, cuda:N nor auto is a config error naming the field."""
-    with pytest.raises(ConfigError, match="executor.device"):
+    with pytest.raises(ConfigError, match=r"executor\.device"):
         small_config("executor.device=gpu")
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type in {"cpu", "cuda"}
@@ -290,7 +293,7 @@ def test_device_config_is_validated() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 async def test_cuda_without_cuda_is_a_config_error() -> None:
     """Asking for CUDA on a machine without it, or for fp16 on the CPU, fails before the run starts."""
-    with pytest.raises(ConfigError, match="executor.device: device 'cuda' was asked for but CUDA is not available"):
+    with pytest.raises(ConfigError, match=r"executor\.device: device 'cuda' was asked for but CUDA is not available"):
         await flasync.Federation(small_config("executor.device=cuda")).run()
     with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
         await flasync.Federation(small_config("client.precision=fp16")).run()

@@ -1,0 +1,186 @@
+"""Client updates per second: vectorized cohorts against a plain one-client-at-a-time PyTorch loop, same run.
+
+The tutorial workload: synthetic data (32 features, 10 classes), MLP 32-64-10, 200 samples per client, batch 32,
+1 local epoch, SGD lr 0.01. Every runner trains each of ``--clients`` clients once from the same global weights and
+sums the deltas (sample-weighted), as one FedAvg round does:
+
+* ``plain loop``: a bare ``for`` loop over clients with ``torch.optim.SGD``, indexing in-memory tensors (no
+  DataLoader) - what a per-client FL simulator does at best;
+* ``flasync train()``: flasync's per-client path (:func:`flasync.training.train` on a flat model), one at a time;
+* ``vectorized``: :class:`flasync.cohort.CohortTrainer`, cohorts of ``--max-cohort`` clients, deltas folded with
+  ``UpdateBuffer.add_stacked``.
+
+    python benchmarks/cohort.py [--clients 100 1000 10000] [--repeats 3] [--max-cohort 1000] [--device cpu|cuda]
+                                [--threads 1] [--no-per-client]
+
+With ``--device cuda`` the plain loop runs on the CPU (the CPU baseline) and again on the GPU (one client at a time
+on the same GPU), and flasync's runners on the GPU. Each repeat runs every runner once, interleaved; printed are
+the median rate of each runner, its ratio to the plain loop's median, and the median over repeats of the ratio
+within a repeat ("paired"), which cancels drifts in the load of a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from flasync import seeding
+from flasync.aggregation import UpdateBuffer
+from flasync.cohort import CohortMember, CohortTrainer
+from flasync.data import make_synthetic, partition_iid
+from flasync.models import MLP
+from flasync.training import FlatModel, LocalTraining, flat_parameters, train
+
+FEATURES, CLASSES, HIDDEN, SAMPLES, BATCH, LR = 32, 10, (64,), 200, 32, 0.01
+CFG = LocalTraining(epochs=1, batch_size=BATCH, lr=LR)
+
+
+class Workload:
+    """Data, partition and initial weights of ``num_clients`` tutorial clients on ``device``."""
+
+    def __init__(self, num_clients: int, device: torch.device) -> None:
+        """Draw the data and the partition."""
+        data = make_synthetic(
+            num_samples=SAMPLES * num_clients,
+            num_features=FEATURES,
+            num_classes=CLASSES,
+            rng=seeding.numpy_stream(0, seeding.DATA),
+        )
+        partition = partition_iid(len(data), num_clients, rng=seeding.numpy_stream(0, seeding.PARTITION))
+        self.device = device
+        self.x, self.y = data.x.to(device), data.y.to(device)
+        index = torch.from_numpy(partition.indices.copy()).to(device)
+        offsets = partition.offsets.tolist()
+        self.parts = [index[offsets[k] : offsets[k + 1]] for k in range(num_clients)]
+        torch.manual_seed(0)
+        self.base = flat_parameters(MLP(FEATURES, HIDDEN, CLASSES)).to(device)
+
+    def generator(self, client: int) -> torch.Generator:
+        """Return the client's batch-order stream."""
+        return seeding.torch_stream(0, seeding.TASK, client, 0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_loop(work: Workload, device: torch.device) -> float:
+    """Train every client one at a time with torch.optim.SGD on ``device``; return updates per second."""
+    x, y = work.x.to(device), work.y.to(device)
+    parts = [p.to(device) for p in work.parts]
+    torch.manual_seed(0)
+    model = MLP(FEATURES, HIDDEN, CLASSES).to(device)
+    params = list(model.parameters())
+    offset, global_weights = 0, []
+    for p in params:
+        global_weights.append(work.base[offset : offset + p.numel()].view_as(p).to(device).clone())
+        offset += p.numel()
+    accumulator = [torch.zeros_like(p) for p in params]
+    optimizer = torch.optim.SGD(params, lr=LR)
+    _sync(device)
+    start = time.perf_counter()
+    for client, index in enumerate(parts):
+        cx, cy = x[index], y[index]
+        with torch.no_grad():
+            for p, g in zip(params, global_weights, strict=True):
+                p.copy_(g)
+        perm = torch.randperm(len(index), generator=work.generator(client)).to(device)
+        for begin in range(0, len(index), BATCH):
+            batch = perm[begin : begin + BATCH]
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(cx[batch]), cy[batch])
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+        with torch.no_grad():
+            for acc, p, g in zip(accumulator, params, global_weights, strict=True):
+                acc.add_(g - p, alpha=len(index))
+    _sync(device)
+    return len(parts) / (time.perf_counter() - start)
+
+
+def flasync_per_client(work: Workload) -> float:
+    """Train every client one at a time with flasync's train(); return updates per second."""
+    model = FlatModel(MLP(FEATURES, HIDDEN, CLASSES).to(work.device))
+    buffer = UpdateBuffer(work.base.numel(), device=work.device)
+    _sync(work.device)
+    start = time.perf_counter()
+    for client, index in enumerate(work.parts):
+        result = train(model, work.base, work.x[index], work.y[index], CFG, work.generator(client))
+        buffer.add(result.delta, example_weight=float(result.num_samples), staleness_weight=1.0)
+    _sync(work.device)
+    return len(work.parts) / (time.perf_counter() - start)
+
+
+def vectorized(work: Workload, max_cohort: int) -> float:
+    """Train every client in cohorts of ``max_cohort``; return updates per second."""
+    trainer = CohortTrainer(MLP(FEATURES, HIDDEN, CLASSES).to(work.device))
+    buffer = UpdateBuffer(work.base.numel(), device=work.device)
+    _sync(work.device)
+    start = time.perf_counter()
+    for first in range(0, len(work.parts), max_cohort):
+        clients = range(first, min(first + max_cohort, len(work.parts)))
+        members = [CohortMember(indices=work.parts[c], generator=work.generator(c)) for c in clients]
+        outcome = trainer.train(work.base, work.x, work.y, members, CFG)
+        deltas = torch.stack([r.delta for r in outcome.results])
+        samples = torch.tensor([float(r.num_samples) for r in outcome.results], device=work.device)
+        buffer.add_stacked(deltas, example_weights=samples, staleness_weights=torch.ones_like(samples))
+    _sync(work.device)
+    return len(work.parts) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    """Print updates/s and ratios against the plain loop."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000, 10_000])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-cohort", type=int, default=1000)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--no-per-client", action="store_true", help="skip flasync's one-at-a-time runner")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op torch threads (1, as flasync's workers: robust when shared)"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = "CPU"
+    print(f"torch {torch.__version__}, {name}, {torch.get_num_threads()} intra-op threads, {args.repeats} repeats")
+    print(f"{'clients':>8} {'runner':<26} {'updates/s':>11} {'vs plain':>9} {'paired':>9}")
+    for num_clients in args.clients:
+        work = Workload(num_clients, device)
+        runners: dict[str, Callable[[], float]] = {
+            "plain loop (cpu)": lambda w=work: plain_loop(w, torch.device("cpu"))
+        }
+        if device.type == "cuda":
+            runners["plain loop (cuda)"] = lambda w=work: plain_loop(w, device)
+        if not args.no_per_client:
+            runners[f"flasync train() ({device.type})"] = lambda w=work: flasync_per_client(w)
+        runners[f"vectorized ({device.type}, K<={args.max_cohort})"] = lambda w=work: vectorized(w, args.max_cohort)
+        vectorized(Workload(min(num_clients, 8), device), 8)  # warm up torch.func and kernels
+        rates: dict[str, list[float]] = {name: [] for name in runners}
+        for _ in range(args.repeats):
+            for runner_name, runner in runners.items():
+                rates[runner_name].append(runner())
+        baseline = rates["plain loop (cpu)"]
+        for runner_name, values in rates.items():
+            paired = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
+            median = statistics.median(values)
+            ratio = median / statistics.median(baseline)
+            print(f"{num_clients:>8} {runner_name:<26} {median:11.0f} {ratio:8.2f}x {paired:8.2f}x")
+        if device.type == "cuda":
+            gpu_plain, vec = rates["plain loop (cuda)"], rates[list(runners)[-1]]
+            paired = statistics.median(v / b for v, b in zip(vec, gpu_plain, strict=True))
+            print(f"{num_clients:>8} {'vectorized vs plain (cuda)':<26} {'':>11} {'':>9} {paired:8.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -50,15 +50,16 @@ def _train_job(
     ctx: RunContext,
     client_id: ClientId,
     base: torch.Tensor,
-    indices: torch.Tensor,
+    samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     generator: torch.Generator,
     codec_generator: torch.Generator,
 ) -> TrainedUpdate:
     """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
     model = ctx.executor.models.get()
-    device = model.flat.device  # data kept in host memory is copied to the model's device batch-free, here
-    x = ctx.train_x[indices].to(device, non_blocking=True)
-    y = ctx.train_y[indices].to(device, non_blocking=True)
+    device = model.flat.device  # data kept in host memory is copied to the model's device here
+    data_x, data_y, indices = samples
+    x = data_x[indices].to(device, non_blocking=True)
+    y = data_y[indices].to(device, non_blocking=True)
     result = train(model, base, x, y, ctx.local, generator)
     return _finish_job(ctx, client_id, result, codec_generator)
 
@@ -111,7 +112,8 @@ class Client:
         clock, log = ctx.clock, ctx.log
         with structlog.contextvars.bound_contextvars(client_id=int(cid), base_version=int(task.base_version)):
             download_s = ctx.network.download_seconds(cid, model.download_bytes)
-            indices = ctx.client_indices(cid)
+            samples = ctx.client_samples(cid)
+            indices = samples[2]
             steps = ctx.local.steps_for(len(indices))
             # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
             simulated = ctx.population.train_seconds(cid, steps, task.participation)
@@ -122,13 +124,13 @@ class Client:
                 # clock it completes after the simulated download and training.
                 job = TrainingJob(
                     base=model.weights,
-                    x=ctx.train_x,
-                    y=ctx.train_y,
+                    x=samples[0],
+                    y=samples[1],
                     indices=indices,
                     cfg=ctx.local,
                     generator=generator,
                     finish=lambda result: _finish_job(ctx, cid, result, codec_generator),
-                    solo=lambda: _train_job(ctx, cid, model.weights, indices, generator, codec_generator),
+                    solo=lambda: _train_job(ctx, cid, model.weights, samples, generator, codec_generator),
                 )
                 # A batching executor trains this job together with others of the same base version.
                 trained = await clock.run(ctx.executor.pool, job, simulated_s=download_s + simulated)

@@ -99,6 +99,11 @@ class SyntheticData(_Section):
     num_features: int = Field(32, ge=1)
     num_classes: int = Field(10, ge=2)
     test_samples: int = Field(2000, ge=1)
+    lazy: bool = Field(
+        False,
+        description="Draw each client's samples when it is sampled, from its own stream (for millions of clients; "
+        "every client holds samples_per_client, so the partition is ignored).",
+    )
 
 
 DataSource = Annotated[DigitsData | SyntheticData, Field(discriminator="kind")]

@@ -13,7 +13,7 @@ from flasync.bus import EventBus
 from flasync.clock import Clock
 from flasync.codecs import Pipeline
 from flasync.config import RunConfig
-from flasync.data import Partition
+from flasync.data import Partition, SyntheticClients
 from flasync.executors import ThreadTrainingExecutor
 from flasync.population import Network, Population
 from flasync.residuals import ResidualStore
@@ -49,6 +49,7 @@ class RunContext:
         residuals: Clients' error-feedback residuals (None when the upload codec keeps none).
         residual_lock: Guards ``residuals``, which training threads read and write.
         tree: The aggregation tree (None: a flat run, every client talks to the cloud).
+        lazy_clients: Clients whose samples are drawn when they are sampled (then ``train_x`` is unused).
     """
 
     config: RunConfig
@@ -72,6 +73,17 @@ class RunContext:
     residuals: ResidualStore | None
     residual_lock: threading.Lock
     tree: Tree | None = None
+    lazy_clients: SyntheticClients | None = None
+
+    def client_samples(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return ``(x, y, indices)``: a data tensor pair and the positions of ``client_id``'s samples in it."""
+        lazy = self.lazy_clients
+        if lazy is None:
+            return self.train_x, self.train_y, self.client_indices(client_id)
+        data = lazy.client(client_id)
+        device = self.train_x.device
+        x, y = data.x.to(device), data.y.to(device)
+        return x, y, torch.arange(len(y), device=device)
 
     def client_indices(self, client_id: int) -> torch.Tensor:
         """Return the indices of ``client_id``'s samples in :attr:`train_x` (a view, no copy)."""

@@ -111,8 +111,22 @@ class TrainingJob(Generic[T]):
 
     @property
     def group(self) -> Hashable:
-        """Jobs with equal groups can train as one cohort."""
-        return (id(self.base), id(self.x), id(self.y), self.cfg)
+        """Jobs with equal groups can train as one cohort (their data may differ: a cohort gathers its own)."""
+        return (id(self.base), self.cfg, self.x.device, self.x.dtype, tuple(self.x.shape[1:]))
+
+
+def _cohort_data(jobs: list[TrainingJob[Any]]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Return one data pair for a cohort: the jobs' shared tensors, or their own samples concatenated."""
+    first = jobs[0]
+    if all(job.x is first.x and job.y is first.y for job in jobs):
+        return first.x, first.y, [job.indices for job in jobs]
+    xs = [job.x[job.indices] for job in jobs]
+    ys = [job.y[job.indices] for job in jobs]
+    parts, offset = [], 0
+    for part in ys:
+        parts.append(torch.arange(offset, offset + len(part), device=part.device))
+        offset += len(part)
+    return torch.cat(xs), torch.cat(ys), parts
 
 
 class _HeldFuture(Future[T]):
@@ -259,8 +273,11 @@ class CohortBatcher(Executor):
         try:
             trainer = self.models.cohort_trainer()
             first = jobs[0]
-            members = [CohortMember(indices=job.indices, generator=job.generator) for job in jobs]
-            outcome = trainer.train(first.base, first.x, first.y, members, first.cfg)
+            x, y, parts = _cohort_data(jobs)
+            members = [
+                CohortMember(indices=part, generator=job.generator) for job, part in zip(jobs, parts, strict=True)
+            ]
+            outcome = trainer.train(first.base, x, y, members, first.cfg)
         except Exception as exc:
             for future in futures:
                 future.set_exception(exc)

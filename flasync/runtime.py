@@ -55,6 +55,7 @@ from flasync.context import RunContext
 from flasync.data import (
     ArrayData,
     Partition,
+    SyntheticClients,
     from_dataset,
     load_digits,
     make_synthetic,
@@ -152,6 +153,8 @@ class _Prepared:
     initial: torch.Tensor
     tree: Tree | None
     device: torch.device
+    sizes: np.ndarray
+    lazy: SyntheticClients | None
 
 
 class Federation:
@@ -227,6 +230,15 @@ class Federation:
                 rng=seeding.numpy_stream(cfg.seed, seeding.DATA),
             )
         assert isinstance(source, SyntheticData)
+        if source.lazy:  # only a sample for shapes: clients draw their own data when sampled
+            train = self._lazy_clients().client(0)
+            test = make_synthetic(
+                num_samples=source.test_samples,
+                num_features=source.num_features,
+                num_classes=source.num_classes,
+                rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 1),
+            )
+            return train, test
         train = make_synthetic(
             num_samples=source.samples_per_client * cfg.population.num_clients,
             num_features=source.num_features,
@@ -240,6 +252,13 @@ class Federation:
             rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 1),
         )
         return train, test
+
+    def _lazy_clients(self) -> SyntheticClients:
+        cfg = self.config
+        source = cfg.data
+        assert isinstance(source, SyntheticData)
+        sizes = np.full(cfg.population.num_clients, source.samples_per_client, dtype=np.int32)
+        return SyntheticClients(sizes, num_features=source.num_features, num_classes=source.num_classes, seed=cfg.seed)
 
     def _partition(self, train: ArrayData) -> Partition:
         cfg = self.config
@@ -317,12 +336,21 @@ class Federation:
             raise DataError("the held-out split is empty")
         if test.num_classes != train.num_classes or test.feature_shape != train.feature_shape:
             raise DataError("test data must have the training data's feature shape and classes")
-        partition = self._partition(train)
+        lazy = None
+        if isinstance(self.config.data, SyntheticData) and self.config.data.lazy:
+            if self._dataset is not None:
+                raise ConfigError("data.lazy: a lazy synthetic source cannot be combined with a given dataset")
+            lazy = self._lazy_clients()
+            partition = Partition(np.zeros(0, dtype=np.int64), np.zeros(len(lazy) + 1, dtype=np.int64))
+            sizes = lazy.sizes.astype(np.int64)
+        else:
+            partition = self._partition(train)
+            sizes = partition.sizes
         factory = self._factory(train)
         initial = self._initial_weights(factory, train)
         server = self.config.server
         warm_up(server.optimizer if isinstance(server, FedAvgServer | FedBuffServer) else None)
-        return _Prepared(train, test, partition, factory, initial, self._tree(), device)
+        return _Prepared(train, test, partition, factory, initial, self._tree(), device, sizes, lazy)
 
     def _tree(self) -> Tree | None:
         cfg = self.config
@@ -450,7 +478,7 @@ class Federation:
             test_y=prepared.test.y.to(device),
             partition=prepared.partition,
             population=Population(
-                prepared.partition.sizes,
+                prepared.sizes,
                 cfg.population.speed,
                 cfg.seed,
                 available_fraction=cfg.population.available_fraction,
@@ -467,6 +495,7 @@ class Federation:
             residuals=residuals,
             residual_lock=threading.Lock(),
             tree=prepared.tree,
+            lazy_clients=prepared.lazy,
         )
         weights = prepared.initial.to(device, copy=True)
         server = Server(ctx, weights)

@@ -337,3 +337,24 @@ async def test_cuda_runs(precision: str, kind: str) -> None:
     config = small_config(f"executor.kind={kind}", "executor.device=cuda", f"client.precision={precision}")
     summary = await flasync.Federation(config).run()
     assert summary.accuracy > 0.5
+
+
+async def test_lazy_synthetic_clients_scale_to_a_large_population() -> None:
+    """200,000 clients whose data is drawn when sampled: a vectorized run is deterministic and equals threads."""
+    config = small_config(
+        "executor.kind=vectorized",
+        "population.num_clients=200000",
+        "data.kind=synthetic",
+        "data.lazy=true",
+        "data.test_samples=200",
+        "client.epochs=1",
+        "stop.max_versions=3",
+        server={"kind": "fedavg", "clients_per_round": 16},
+    )
+    runs = [await flasync.Federation(config).run() for _ in range(2)]
+    threads = await flasync.Federation(
+        config.model_copy(update={"executor": config.executor.model_copy(update={"kind": "thread"})})
+    ).run()
+    assert runs[0].weights_sha256 == runs[1].weights_sha256
+    assert runs[0].updates_accepted == threads.updates_accepted == 48
+    assert runs[0].accuracy == pytest.approx(threads.accuracy, abs=0.02)

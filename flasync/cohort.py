@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from flasync.errors import TrainingError
-from flasync.training import FlatModel, LocalResult, LocalTraining, LossScaler, train
+from flasync.training import FlatModel, LocalResult, LocalTraining, LossScaler, _SavedBytes, _unpack, train
 
 __all__ = ["CohortMember", "CohortResult", "CohortTrainer", "unsupported_reason"]
 
@@ -107,6 +107,7 @@ class CohortTrainer:
         self.num_params = sum(self._sizes)
         self.device = self.flat_model.flat.device
         self._precision = "fp32"
+        self._activations: dict[tuple[object, ...], int] = {}
 
     # ------------------------------------------------------------------------------------------------ public
     def train(
@@ -240,10 +241,13 @@ class CohortTrainer:
         ones = torch.ones(num, dtype=torch.float32, device=device)
         step_fn = vmap(grad_and_value(self._loss, has_aux=True))
         host_data = x.device != device
+        activation_bytes = 0
         pending = self._fetch(x, y, index[0, : active_counts[0]], host_data) if active_counts else None
         for s, k in enumerate(active_counts):
             assert pending is not None
             xb, yb = pending
+            if s == 0:
+                activation_bytes = self._activation_bytes(xb[0], yb[0])
             if s + 1 < len(active_counts):  # prefetch the next batch while this one computes
                 pending = self._fetch(x, y, index[s + 1, : active_counts[s + 1]], host_data)
             w, m = weights[:k], mask[s, :k]
@@ -281,7 +285,7 @@ class CohortTrainer:
         seen = mask.sum(dim=(0, 2)).tolist()
         deltas = base.to(device, torch.float32) - weights
         losses = loss_sum.tolist()
-        per_client_bytes = 4 * self.num_params * (3 if momentum is not None else 2)
+        per_client_bytes = 4 * self.num_params * 3 + activation_bytes  # weights, gradients, momentum (as train())
         results: list[LocalResult | None] = [None] * num
         for row, k in enumerate(order):
             n = int(members[k].indices.numel())
@@ -295,6 +299,18 @@ class CohortTrainer:
                 peak_mem_bytes=per_client_bytes + batch_bytes,
             )
         return [r for r in results if r is not None]
+
+    def _activation_bytes(self, xb: torch.Tensor, yb: torch.Tensor) -> int:
+        """Return the bytes autograd saves for one client's batch (one plain forward pass, cached by shape)."""
+        key = (tuple(xb.shape), xb.dtype, self._precision)
+        if key not in self._activations:
+            saved = _SavedBytes()
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
+                with _autocast(self._precision, self.device):
+                    out = self.module(xb)
+                F.cross_entropy(out.float(), yb)
+            self._activations[key] = saved.total
+        return self._activations[key]
 
     def _fetch(
         self, x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, host_data: bool

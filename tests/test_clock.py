@@ -193,3 +193,51 @@ async def test_wall_clock_runs_jobs_and_sleeps() -> None:
         assert await clock.run(pool, lambda: 7, simulated_s=100.0) == 7
     await clock.sleep(0.0)
     await clock.drive()
+
+
+class _HoldingExecutor(ThreadPoolExecutor):
+    """Holds every job back until told to start them all, like a batching executor."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.held: list[tuple[object, object]] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        from concurrent.futures import Future
+
+        future: Future[object] = Future()
+        self.held.append((fn, future))
+        return future
+
+    def start_all(self, needed: object) -> None:
+        self.needed.append(needed)
+        for fn, future in self.held:
+            future.set_result(fn())  # type: ignore[operator, attr-defined]
+        self.held.clear()
+
+    needed: list[object]
+
+
+async def test_on_wait_starts_held_jobs_only_when_needed() -> None:
+    """on_wait callbacks get the head timer's job; jobs held back are started then, and all complete in order."""
+    clock = VirtualClock()
+    executor = _HoldingExecutor()
+    executor.needed = []
+    clock.on_wait(executor.start_all)
+    done: list[tuple[int, float]] = []
+
+    async def client(i: int) -> None:
+        value = await clock.run(executor, lambda: i, simulated_s=float(i + 1))
+        done.append((value, clock.now()))
+
+    async def body() -> None:
+        async with asyncio.TaskGroup() as tg:
+            for i in range(3):
+                tg.create_task(client(i))
+
+    try:
+        await _drive(clock, body())
+    finally:
+        executor.shutdown()
+    assert done == [(0, 1.0), (1, 2.0), (2, 3.0)]
+    assert len(executor.needed) >= 1  # called with a job future while the jobs were held

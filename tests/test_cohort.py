@@ -124,6 +124,8 @@ def test_vectorized_equals_one_client_at_a_time(factory: Callable[[], nn.Module]
         assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
         assert got.loss == pytest.approx(want.loss, rel=1e-5)
         assert bool(got.delta.abs().sum() > 0)
+        if want.num_samples >= cfg.batch_size:  # same first-batch shape: the same memory estimate
+            assert got.peak_mem_bytes == want.peak_mem_bytes
 
 
 def test_bf16_autocast_is_close_to_one_client_at_a_time() -> None:

@@ -425,3 +425,15 @@ def test_executor_leaves_other_threads_default(main_threads: int) -> None:
     thread.start()
     thread.join()
     assert counts == [main_threads]
+
+
+def test_loss_scaler_backs_off_on_overflow_and_grows_after_good_steps() -> None:
+    """A row with Inf is skipped and its scale halved; after growth_interval good steps a scale doubles."""
+    from flasync.training import LossScaler
+
+    scaler = LossScaler(2, torch.device("cpu"), init_scale=8.0, growth_interval=2)
+    ok = scaler.update_rows(torch.tensor([[1.0, 2.0], [math.inf, 0.0]]), 2)
+    assert ok.tolist() == [True, False]
+    assert scaler.scale.tolist() == [8.0, 4.0]
+    scaler.update_rows(torch.ones(2, 2), 2)
+    assert scaler.scale.tolist() == [16.0, 4.0]  # row 0: two good steps in a row; row 1: one since its overflow

@@ -8,10 +8,12 @@ sums the deltas (sample-weighted), as one FedAvg round does:
   DataLoader) - what a per-client FL simulator does at best;
 * ``flasync train()``: flasync's per-client path (:func:`flasync.training.train` on a flat model), one at a time;
 * ``vectorized``: :class:`flasync.cohort.CohortTrainer`, cohorts of ``--max-cohort`` clients, deltas folded with
-  ``UpdateBuffer.add_stacked``.
+  ``UpdateBuffer.add_stacked``;
+* with ``--engine``, the whole engine (``flasync.run``: sync FedAvg rounds of ``min(clients, --max-cohort)``, virtual
+  clock, tracking off) with ``executor.kind = "thread"`` and ``"vectorized"``, each client trained once.
 
     python benchmarks/cohort.py [--clients 100 1000 10000] [--repeats 3] [--max-cohort 1000] [--device cpu|cuda]
-                                [--threads 1] [--no-per-client]
+                                [--threads 1] [--no-per-client] [--engine]
 
 With ``--device cuda`` the plain loop runs on the CPU (the CPU baseline) and again on the GPU (one client at a time
 on the same GPU), and flasync's runners on the GPU. Each repeat runs every runner once, interleaved; printed are
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+import flasync
 from flasync import seeding
 from flasync.aggregation import UpdateBuffer
 from flasync.cohort import CohortMember, CohortTrainer
@@ -134,6 +137,26 @@ def vectorized(work: Workload, max_cohort: int) -> float:
     return len(work.parts) / (time.perf_counter() - start)
 
 
+def engine(num_clients: int, kind: str, max_cohort: int, device: torch.device) -> float:
+    """Run FedAvg over every client once with the given executor; return accepted updates per wall second."""
+    per_round = min(num_clients, max_cohort)
+    config = {
+        "seed": 0,
+        "data": {"kind": "synthetic", "samples_per_client": SAMPLES, "num_features": FEATURES, "test_samples": 500},
+        "partition": {"kind": "iid"},
+        "model": {"kind": "mlp", "hidden": list(HIDDEN)},
+        "population": {"num_clients": num_clients, "speed": {"kind": "constant"}, "sampling": "lru"},
+        "client": {"epochs": 1, "batch_size": BATCH, "lr": LR},
+        "server": {"kind": "fedavg", "clients_per_round": per_round},
+        "executor": {"kind": kind, "max_cohort": max_cohort, "device": device.type},
+        "eval": {"every_versions": 10_000},
+        "stop": {"max_versions": max(1, num_clients // per_round)},
+        "tracking": {"enabled": False, "log_level": "warning", "log_model": False},
+    }
+    summary = flasync.run(config)
+    return summary.updates_accepted / summary.wall_s
+
+
 def main() -> None:
     """Print updates/s and ratios against the plain loop."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -142,6 +165,7 @@ def main() -> None:
     parser.add_argument("--max-cohort", type=int, default=1000)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--no-per-client", action="store_true", help="skip flasync's one-at-a-time runner")
+    parser.add_argument("--engine", action="store_true", help="also time whole FedAvg runs, thread vs vectorized")
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op torch threads (1, as flasync's workers: robust when shared)"
     )
@@ -165,6 +189,9 @@ def main() -> None:
         if not args.no_per_client:
             runners[f"flasync train() ({device.type})"] = lambda w=work: flasync_per_client(w)
         runners[f"vectorized ({device.type}, K<={args.max_cohort})"] = lambda w=work: vectorized(w, args.max_cohort)
+        if args.engine:
+            for kind in ("thread", "vectorized"):
+                runners[f"engine, {kind}"] = lambda n=num_clients, k=kind: engine(n, k, args.max_cohort, device)
         vectorized(Workload(min(num_clients, 8), device), 8)  # warm up torch.func and kernels
         rates: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(args.repeats):

@@ -550,7 +550,7 @@ class Server:
             return
         ctx = self.ctx
         start = ctx.wall()
-        partial = _DENSE.decode(message.payload, expected_elements=ctx.num_params)
+        partial = _DENSE.decode(message.payload, expected_elements=ctx.num_params).to(self.weights.device)
         staleness = max(int(self.version) - int(message.base_version), 0)
         weight = self.strategy.add_partial(partial, example_weight=message.example_weight, staleness=staleness)
         self.stats.cloud_aggregate_s += ctx.wall() - start

@@ -31,7 +31,16 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from flasync.errors import TrainingError
-from flasync.training import FlatModel, LocalResult, LocalTraining, LossScaler, _SavedBytes, _unpack, train
+from flasync.training import (
+    FlatModel,
+    LocalResult,
+    LocalTraining,
+    LossScaler,
+    _SavedBytes,
+    _unpack,
+    after_default_stream,
+    train,
+)
 
 __all__ = ["CohortMember", "CohortResult", "CohortTrainer", "unsupported_reason"]
 
@@ -135,6 +144,7 @@ class CohortTrainer:
             TrainingError: If a member has no samples (before anything is trained).
         """
         start = timer()
+        after_default_stream(self.device)
         for k, member in enumerate(members):
             if member.indices.numel() == 0:
                 raise TrainingError(f"cohort member {k} has no samples")

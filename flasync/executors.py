@@ -143,8 +143,15 @@ class _Held:
     futures: list[_HeldFuture[Any]] = field(default_factory=list)
 
 
-def _init_worker(threads: int, default: int) -> None:
-    """Size this worker's OpenMP team, leaving torch's default for other threads as it was."""
+def _init_worker(threads: int, default: int, device: torch.device | None = None) -> None:
+    """Size this worker's OpenMP team (leaving torch's default for other threads as it was); give it a CUDA stream.
+
+    On CUDA each worker gets its own stream, so that several workers train clients concurrently on one GPU (the
+    current stream is per thread in PyTorch; :func:`flasync.training.train` orders its work after the default
+    stream's).
+    """
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_stream(torch.cuda.Stream(device=device))  # type: ignore[no-untyped-call]
     # torch sizes a thread's team from the process default on the thread's first parallel call; make that happen
     # now, or it would later undo the size set below.
     torch.get_num_threads()
@@ -349,7 +356,7 @@ class ThreadTrainingExecutor:
             max_workers=workers,
             thread_name_prefix="flasync-train",
             initializer=_init_worker,
-            initargs=(threads_per_worker, torch.get_num_threads()),
+            initargs=(threads_per_worker, torch.get_num_threads(), self.device),
         )
         self.batcher: CohortBatcher | None = None
         if vectorized:

@@ -27,6 +27,7 @@ __all__ = [
     "LocalResult",
     "LocalTraining",
     "LossScaler",
+    "after_default_stream",
     "evaluate",
     "flat_parameters",
     "train",
@@ -206,6 +207,19 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def after_default_stream(device: torch.device) -> None:
+    """On CUDA, order the calling thread's current stream after the default stream's queued work.
+
+    Global weights and data are written on the default stream (by the event loop's thread); a worker training on
+    its own stream must not read them before that work is done. A no-op on the CPU or on the default stream.
+    """
+    if device.type == "cuda":
+        current = torch.cuda.current_stream(device)
+        default = torch.cuda.default_stream(device)
+        if current != default:
+            current.wait_stream(default)
+
+
 def _batches(n: int, cfg: LocalTraining, generator: torch.Generator) -> Iterator[torch.Tensor]:
     steps = 0
     for _ in range(cfg.epochs):
@@ -255,6 +269,7 @@ def train(
         raise TrainingError("client has no samples")
     module = model.module
     module.train()
+    after_default_stream(model.flat.device)
     model.load_(base)
     params, grad, momentum = model.params, model.grad, model.momentum
     momentum.zero_()
@@ -326,6 +341,7 @@ def evaluate(
     model: FlatModel, weights: torch.Tensor, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 1024
 ) -> EvalResult:
     """Return accuracy and mean cross-entropy of ``weights`` on ``(x, y)``."""
+    after_default_stream(model.flat.device)
     model.load_(weights)
     module = model.module
     module.eval()

@@ -360,3 +360,12 @@ async def test_lazy_synthetic_clients_scale_to_a_large_population() -> None:
     assert runs[0].weights_sha256 == runs[1].weights_sha256
     assert runs[0].updates_accepted == threads.updates_accepted == 48
     assert runs[0].accuracy == pytest.approx(threads.accuracy, abs=0.02)
+
+
+@CUDA
+async def test_cuda_workers_train_on_their_own_streams_deterministically() -> None:
+    """Two workers, each on its own CUDA stream, give the same weights run after run."""
+    config = small_config("executor.device=cuda", "executor.workers=2")
+    first = await flasync.Federation(config).run()
+    second = await flasync.Federation(config).run()
+    assert first.weights_sha256 == second.weights_sha256

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,7 @@ from flasync.training import (
     _SavedBytes,
     _unpack,
     after_default_stream,
+    autocast,
     train,
 )
 
@@ -85,14 +85,6 @@ class CohortResult:
     vectorized: bool
     fallback_reason: str | None
     train_s: float
-
-
-def _autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    if precision == "fp16":
-        return torch.autocast(device_type=device.type, dtype=torch.float16)
-    return nullcontext()
 
 
 class CohortTrainer:
@@ -149,6 +141,8 @@ class CohortTrainer:
             if member.indices.numel() == 0:
                 raise TrainingError(f"cohort member {k} has no samples")
         reason = self.reason
+        if reason is None and cfg.checkpoint_segments:
+            reason = "gradient checkpointing trains one client at a time"
         if reason is None and self.flat_model.flat.numel() != self.num_params:
             reason = "the model has buffers outside its parameters"
         if reason is None:
@@ -185,7 +179,7 @@ class CohortTrainer:
             name: chunk.view(shape)
             for name, chunk, shape in zip(self._names, torch.split(flat, self._sizes), self._shapes, strict=True)
         }
-        with _autocast(self._precision, self.device):
+        with autocast(self._precision, self.device):
             out = functional_call(self.module, params, (xb,))
         losses = F.cross_entropy(out.float(), yb, reduction="none")
         loss = (losses * mask).sum() / mask.sum()
@@ -316,7 +310,7 @@ class CohortTrainer:
         if key not in self._activations:
             saved = _SavedBytes()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
-                with _autocast(self._precision, self.device):
+                with autocast(self._precision, self.device):
                     out = self.module(xb)
                 F.cross_entropy(out.float(), yb)
             self._activations[key] = saved.total

@@ -304,6 +304,11 @@ class ClientConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="bf16 = autocast of the forward pass; fp16 = autocast with dynamic loss scaling (CUDA)."
     )
+    checkpoint_segments: int = Field(
+        0,
+        ge=0,
+        description="Gradient checkpointing: recompute each nn.Sequential block in this many segments (0: off).",
+    )
 
 
 # ------------------------------------------------------------------------------------------------- aggregation

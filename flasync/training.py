@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
 
 from flasync.errors import TrainingError
 
@@ -28,8 +30,10 @@ __all__ = [
     "LocalTraining",
     "LossScaler",
     "after_default_stream",
+    "autocast",
     "evaluate",
     "flat_parameters",
+    "set_checkpointing",
     "train",
 ]
 
@@ -61,6 +65,7 @@ class FlatModel:
         self.flat = torch.zeros(total, dtype=torch.float32, device=device)
         self.grad = torch.zeros(self.num_trainable, dtype=torch.float32, device=device)
         self.momentum = torch.zeros_like(self.grad)
+        self.checkpoint_segments = 0  # what set_checkpointing last applied to ``module``
         offset = 0
         with torch.no_grad():
             for p in params:
@@ -104,6 +109,7 @@ class LocalTraining:
     weight_decay: float = 0.0
     clip_norm: float | None = None
     precision: str = "fp32"
+    checkpoint_segments: int = 0
 
     def steps_for(self, num_samples: int) -> int:
         """Return the number of optimizer steps a client with ``num_samples`` samples takes."""
@@ -132,7 +138,8 @@ class EvalResult:
     num_samples: int
 
 
-def _autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
+def autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
+    """Return the autocast context of a ``client.precision`` (``fp32``: none)."""
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     if precision == "fp16":
@@ -231,6 +238,47 @@ def _batches(n: int, cfg: LocalTraining, generator: torch.Generator) -> Iterator
             steps += 1
 
 
+_CHECKPOINTED = "_flasync_checkpoint_segments"
+
+
+def _checkpointed_forward(sequential: nn.Sequential, segments: int, x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        plain: torch.Tensor = nn.Sequential.forward(sequential, x)  # type: ignore[no-untyped-call]
+        return plain
+    out: torch.Tensor = checkpoint_sequential(  # type: ignore[no-untyped-call]
+        sequential, min(segments, len(sequential)), x, use_reentrant=False
+    )
+    return out
+
+
+def set_checkpointing(module: nn.Module, segments: int) -> int:
+    """Turn gradient checkpointing of ``module``'s ``nn.Sequential`` blocks on (``segments`` >= 1) or off (0).
+
+    Each outermost ``nn.Sequential`` of two or more layers keeps only the inputs of its ``segments`` segments
+    during the forward pass and recomputes the rest in the backward pass (``torch.utils.checkpoint``, non-reentrant):
+    activation memory falls from one tensor per layer to one per segment, for one more forward pass. Parameters are
+    untouched, so the flat views of :class:`FlatModel` stay valid; the results are those of plain training.
+
+    Returns:
+        The number of blocks checkpointed (0: the model has no ``nn.Sequential`` of two or more layers).
+    """
+    count = 0
+    pending = [module]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, nn.Sequential) and len(node) >= 2:
+            if segments:
+                node.forward = partial(_checkpointed_forward, node, segments)  # type: ignore[method-assign]
+                setattr(node, _CHECKPOINTED, segments)
+                count += 1
+            elif hasattr(node, _CHECKPOINTED):
+                del node.forward
+                delattr(node, _CHECKPOINTED)
+            continue
+        pending.extend(node.children())
+    return count
+
+
 def train(
     model: FlatModel,
     base: torch.Tensor,
@@ -269,6 +317,9 @@ def train(
         raise TrainingError("client has no samples")
     module = model.module
     module.train()
+    if model.checkpoint_segments != cfg.checkpoint_segments:
+        set_checkpointing(module, cfg.checkpoint_segments)
+        model.checkpoint_segments = cfg.checkpoint_segments
     after_default_stream(model.flat.device)
     model.load_(base)
     params, grad, momentum = model.params, model.grad, model.momentum
@@ -287,13 +338,13 @@ def train(
         if steps == 0:
             saved = _SavedBytes()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
-                with _autocast(cfg.precision, device):
+                with autocast(cfg.precision, device):
                     out = module(xb)
                 loss = F.cross_entropy(out.float(), yb)
             peak_activation = saved.total
             batch_bytes = xb.numel() * xb.element_size() + yb.numel() * yb.element_size()
         elif cast:
-            with _autocast(cfg.precision, device):
+            with autocast(cfg.precision, device):
                 out = module(xb)
             loss = F.cross_entropy(out.float(), yb)
         else:

@@ -369,3 +369,15 @@ async def test_cuda_workers_train_on_their_own_streams_deterministically() -> No
     first = await flasync.Federation(config).run()
     second = await flasync.Federation(config).run()
     assert first.weights_sha256 == second.weights_sha256
+
+
+def test_gradient_checkpointing_falls_back_to_one_client_at_a_time() -> None:
+    """Checkpointed training is not vectorized; the per-client results still match training alone."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05, checkpoint_segments=2)
+    outcome = CohortTrainer(_mlp()).train(base, x, y, _members(parts), cfg)
+    assert not outcome.vectorized
+    assert outcome.fallback_reason is not None and "checkpointing" in outcome.fallback_reason
+    for got, want in zip(outcome.results, _alone(_mlp, base, x, y, parts, cfg), strict=True):
+        torch.testing.assert_close(got.delta, want.delta)

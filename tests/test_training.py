@@ -437,3 +437,28 @@ def test_loss_scaler_backs_off_on_overflow_and_grows_after_good_steps() -> None:
     assert scaler.scale.tolist() == [8.0, 4.0]
     scaler.update_rows(torch.ones(2, 2), 2)
     assert scaler.scale.tolist() == [16.0, 4.0]  # row 0: two good steps in a row; row 1: one since its overflow
+
+
+def test_gradient_checkpointing_gives_the_same_update_with_less_activation_memory() -> None:
+    """checkpoint_segments recomputes Sequential blocks: same delta (to float rounding), smaller saved activations."""
+    from flasync.models import MLP
+    from flasync.training import FlatModel, LocalTraining, set_checkpointing, train
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 32)
+    y = torch.randint(0, 10, (256,))
+    base_model = MLP(32, (256, 256, 256, 256), 10)
+    base = FlatModel(base_model).flat.clone()
+    results = {}
+    for segments in (0, 2):
+        model = FlatModel(MLP(32, (256, 256, 256, 256), 10))
+        cfg = LocalTraining(epochs=1, batch_size=64, lr=0.05, momentum=0.9, checkpoint_segments=segments)
+        results[segments] = train(model, base, x, y, cfg, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(results[2].delta, results[0].delta, rtol=1e-5, atol=1e-6)
+    assert results[2].peak_mem_bytes < results[0].peak_mem_bytes
+    # Switching it off restores the plain forward.
+    module = MLP(32, (16,), 10)
+    assert set_checkpointing(module, 3) == 1
+    assert "forward" in vars(module.layers)
+    set_checkpointing(module, 0)
+    assert "forward" not in vars(module.layers)

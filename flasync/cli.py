@@ -1,7 +1,7 @@
-"""The ``flasync`` command line.
+"""The ``flasync`` command line: ``run``, ``report`` and ``compare``.
 
-Exit status: 0 on success, 2 for bad input (config file, ``--set``, flags, data, model) with a one-line message
-on stderr, 1 for an unexpected failure, 130 when interrupted.
+Exit status: 0 on success, 2 for bad input (config file, ``--set``, flags, data, model, unknown run or experiment)
+with a one-line message on stderr, 1 for an unexpected failure, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from flasync._version import __version__
 from flasync.config import RunConfig, load_config
 from flasync.errors import FlasyncError
 from flasync.runtime import Federation, RunSummary
+from tracking.compare import comparison_table, default_target, fetch_runs, plot_comparison
+from tracking.report import RunLookupError, format_report, get_run, load_profile, open_store
 
 __all__ = ["main"]
 
@@ -71,6 +73,28 @@ def _build_parser() -> _Parser:
         help="lowest level printed (default: info)",
     )
     _add_tracking_commands(commands)
+    report = commands.add_parser(
+        "report",
+        help="print one run's profile (time, clients, bytes, memory, alerts)",
+        description="Print the profile summary of one MLflow run (its profile.json artifact and final metrics).",
+    )
+    report.add_argument("run_id", metavar="RUN_ID", help="the MLflow run id")
+    report.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/)")
+    compare = commands.add_parser(
+        "compare",
+        help="compare runs side by side",
+        description="Print a side-by-side table of MLflow runs: final accuracy, time to a target accuracy, bytes, "
+        "updates, staleness and the config fields that differ. Without run ids: the runs of --experiment.",
+    )
+    compare.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="runs to compare (default: the experiment's)")
+    compare.add_argument("--experiment", help="compare the runs of this experiment (default: flasync)")
+    compare.add_argument(
+        "--target-accuracy",
+        type=float,
+        help="accuracy for the time-to-target rows (default: the lowest final accuracy of the runs)",
+    )
+    compare.add_argument("--plot", metavar="PATH", help="also write a PNG of accuracy against time")
+    compare.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/)")
     return parser
 
 
@@ -176,10 +200,18 @@ def _print_summary(summary: RunSummary, config: RunConfig, ui_command: str | Non
         f"  bytes           up {_format_bytes(summary.upload_bytes)}, down {_format_bytes(summary.download_bytes)}",
         f"  weights sha256  {summary.weights_sha256}",
     ]
+    if summary.peak_rss_bytes:
+        profile = f"  profile         peak RSS {_format_bytes(summary.peak_rss_bytes)}, alerts {summary.alerts}"
+        if summary.stragglers:
+            profile += f", server idle {100 * summary.server_idle_fraction:.0f}%, slowest clients "
+            profile += ", ".join(str(c) for c in summary.stragglers[:3])
+        lines.append(profile)
     if summary.run_id:
         lines.append(f"  MLflow run      {summary.run_id} (experiment {config.tracking.experiment!r})")
     if ui_command:
         lines.append(f"  open the UI     {ui_command}")
+    if summary.run_id and summary.stragglers:
+        lines.append(f"  full profile    flasync report {summary.run_id}")
     print("\n".join(lines), flush=True)
 
 
@@ -202,6 +234,34 @@ def _command_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_report(args: argparse.Namespace) -> int:
+    client = open_store(args.tracking_uri)
+    run = get_run(client, args.run_id)
+    text = format_report(
+        run.info.run_id,
+        run.info.run_name or run.info.run_id[:8],
+        dict(run.data.metrics),
+        load_profile(client, run.info.run_id),
+    )
+    print(text, flush=True)
+    return 0
+
+
+def _command_compare(args: argparse.Namespace) -> int:
+    target = args.target_accuracy
+    if target is not None and not 0.0 < target <= 1.0:
+        raise _UsageError(f"--target-accuracy must be in (0, 1], got {target}")
+    client = open_store(args.tracking_uri)
+    records = fetch_runs(client, args.run_ids, experiment=args.experiment)
+    if target is None:
+        target = default_target(records)
+    print(comparison_table(records, target=target), flush=True)
+    if args.plot:
+        plot_comparison(records, args.plot, target=target)
+        print(f"plot written to {args.plot}", flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = _build_parser()
@@ -212,8 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "tracking":
             return _command_tracking(args)
+        if args.command == "report":
+            return _command_report(args)
+        if args.command == "compare":
+            return _command_compare(args)
         return _command_run(args)
-    except _UsageError as exc:
+    except (_UsageError, RunLookupError) as exc:
         print(f"flasync: error: {exc}", file=sys.stderr)
         return 2
     except FlasyncError as exc:

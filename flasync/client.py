@@ -14,8 +14,8 @@ import torch
 
 from flasync import codecs, seeding
 from flasync.context import RunContext
-from flasync.errors import TrainingError
-from flasync.events import ClientFailed, ClientId, TaskAssigned, UpdateUploaded, Version
+from flasync.diagnostics import DivergedTraining, TrainingDiagnostics
+from flasync.events import ClientFailed, ClientId, TaskAssigned, TaskDiagnosis, UpdateUploaded, Version
 from flasync.executors import TrainingJob
 from flasync.training import LocalResult, train
 
@@ -44,6 +44,7 @@ class TrainedUpdate:
     payload: bytes
     encode_s: float
     residual_norm: float | None
+    diagnosis: TaskDiagnosis | None = None
 
 
 def _train_job(
@@ -53,6 +54,7 @@ def _train_job(
     samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     generator: torch.Generator,
     codec_generator: torch.Generator,
+    task_id: int = 0,
 ) -> TrainedUpdate:
     """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
     model = ctx.executor.models.get()
@@ -60,17 +62,36 @@ def _train_job(
     data_x, data_y, indices = samples
     x = data_x[indices].to(device, non_blocking=True)
     y = data_y[indices].to(device, non_blocking=True)
-    result = train(model, base, x, y, ctx.local, generator)
-    return _finish_job(ctx, client_id, result, codec_generator)
+    diagnostics = ctx.diagnostics or _NO_DIAGNOSTICS
+    result, diagnosis = diagnostics.train(
+        model,
+        base,
+        x,
+        y,
+        ctx.local,
+        generator,
+        task_id=task_id,
+        train_fn=train,  # looked up here, so that tests can replace flasync.client.train
+    )
+    return _finish_job(ctx, client_id, result, codec_generator, diagnosis)
 
 
 def _finish_job(
-    ctx: RunContext, client_id: ClientId, result: LocalResult, codec_generator: torch.Generator
+    ctx: RunContext,
+    client_id: ClientId,
+    result: LocalResult,
+    codec_generator: torch.Generator,
+    diagnosis: TaskDiagnosis | None = None,
 ) -> TrainedUpdate:
-    """Check and encode a trained delta, with error feedback (runs in a worker thread)."""
-    if not bool(torch.isfinite(result.delta).all()):
+    """Check and encode a trained delta, with error feedback (runs in a worker thread).
+
+    ``diagnosis`` is None for a delta trained in a cohort: it is diagnosed here (no per-step gradient statistics).
+    """
+    if diagnosis is None:
+        diagnosis = (ctx.diagnostics or _NO_DIAGNOSTICS).diagnose(result)
+    if not diagnosis.update_finite:
         # Fail the task before encoding: a NaN would otherwise stay in the client's error-feedback residual forever.
-        raise TrainingError(f"local training diverged: the update has NaN or Inf (loss {result.loss})")
+        raise DivergedTraining(f"local training diverged: the update has NaN or Inf (loss {result.loss})", diagnosis)
     start = time.perf_counter()
     residuals = ctx.residuals
     residual = None
@@ -85,7 +106,12 @@ def _finish_job(
         norm = float(torch.linalg.vector_norm(encoded.residual))
         with ctx.residual_lock:
             residuals.put(client_id, encoded.residual)
-    return TrainedUpdate(result=result, payload=encoded.payload, encode_s=encode_s, residual_norm=norm)
+    return TrainedUpdate(
+        result=result, payload=encoded.payload, encode_s=encode_s, residual_norm=norm, diagnosis=diagnosis
+    )
+
+
+_NO_DIAGNOSTICS = TrainingDiagnostics("off")
 
 
 class Client:
@@ -130,7 +156,7 @@ class Client:
                     cfg=ctx.local,
                     generator=generator,
                     finish=lambda result: _finish_job(ctx, cid, result, codec_generator),
-                    solo=lambda: _train_job(ctx, cid, model.weights, samples, generator, codec_generator),
+                    solo=lambda: _train_job(ctx, cid, model.weights, samples, generator, codec_generator, task.task_id),
                 )
                 # A batching executor trains this job together with others of the same base version.
                 trained = await clock.run(ctx.executor.pool, job, simulated_s=download_s + simulated)
@@ -144,6 +170,7 @@ class Client:
                         base_version=task.base_version,
                         error=f"{type(exc).__name__}: {exc}",
                         simulated_s=clock.now(),
+                        diagnosis=exc.diagnosis if isinstance(exc, DivergedTraining) else None,
                     )
                 )
                 return
@@ -163,7 +190,8 @@ class Client:
                 compression=(codecs.HEADER.size + 4 * ctx.num_params) / len(trained.payload),
                 **({} if trained.residual_norm is None else {"residual_norm": trained.residual_norm}),
             )
-            await clock.sleep(ctx.network.upload_seconds(cid, len(trained.payload)))
+            upload_s = ctx.network.upload_seconds(cid, len(trained.payload))
+            await clock.sleep(upload_s)
             await ctx.bus.publish(
                 UpdateUploaded(
                     to=task.reply_to,
@@ -175,5 +203,13 @@ class Client:
                     train_loss=result.loss,
                     simulated_s=clock.now(),
                     sent_wall_s=ctx.wall(),
+                    compute_s=result.train_s,
+                    encode_s=trained.encode_s,
+                    sim_download_s=download_s,
+                    sim_train_s=simulated,
+                    sim_upload_s=upload_s,
+                    download_bytes=model.download_bytes,
+                    peak_mem_bytes=result.peak_mem_bytes,
+                    diagnosis=trained.diagnosis,
                 )
             )

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flasync.errors import ConfigError
 
@@ -25,6 +25,7 @@ __all__ = [
     "CodecConfig",
     "ConstantSpeed",
     "ConstantStalenessConfig",
+    "DiagnosticsConfig",
     "DigitsData",
     "DirichletPartition",
     "EdgeLinkConfig",
@@ -206,6 +207,21 @@ class PopulationConfig(_Section):
         1.0, gt=0.0, le=1.0, description="Share of its availability period a client is online (1: always)."
     )
     availability_period_s: float = Field(86_400.0, gt=0.0, description="Simulated seconds of one on/off cycle.")
+    slow_clients: dict[int, float] = Field(
+        default_factory=dict,
+        description="Fixed slowdown factors of named clients (client id -> factor), on top of the speed model.",
+    )
+
+    @model_validator(mode="after")
+    def _check_slow_clients(self) -> PopulationConfig:
+        for client_id, factor in self.slow_clients.items():
+            if not 0 <= client_id < self.num_clients:
+                raise _FieldError(
+                    ("population", "slow_clients"), f"client {client_id} is not in 0..{self.num_clients - 1}"
+                )
+            if not (math.isfinite(factor) and factor > 0):
+                raise _FieldError(("population", "slow_clients"), f"factor of client {client_id} must be > 0")
+        return self
 
 
 class NetworkConfig(_Section):
@@ -486,6 +502,38 @@ class ExecutorConfig(_Section):
     )
 
 
+class DiagnosticsConfig(_Section):
+    """What a run measures about itself beyond the tracking of its progress.
+
+    ``profile`` collects the time, memory and communication profile (``profile.json`` and plots at the end);
+    ``level`` selects training diagnostics: ``off`` (NaN/Inf checks only, which are free), ``basic`` (+ update
+    norms, weight norms and drift per version, exploding-update and divergence alerts), ``full`` (+ per-layer
+    gradient-norm statistics in every training step and exploding/vanishing-gradient alerts).
+    """
+
+    profile: bool = Field(True, description="Collect the time/memory/communication profile and write reports.")
+    level: Literal["off", "basic", "full"] = "basic"
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value: Any) -> Any:
+        # YAML reads a bare `off` (in files and in --set) as false.
+        return "off" if value is False else value
+
+    plots: bool = Field(True, description="Write PNG plots with profile.json.")
+    torch_profiler_tasks: int = Field(
+        0, ge=0, le=100, description="Trace the first N local training calls with torch.profiler (Chrome traces)."
+    )
+    stragglers: int = Field(5, ge=0, description="Slowest clients named in the profile.")
+    exploding_factor: float = Field(
+        10.0, gt=1.0, description="Alert when an update norm exceeds this multiple of the running median."
+    )
+    grad_norm_max: float = Field(1e3, gt=0.0, description="Alert when a layer's gradient norm exceeds this (full).")
+    grad_norm_min: float = Field(1e-7, ge=0.0, description="Alert when a layer's mean gradient norm is below (full).")
+    divergence_window: int = Field(3, ge=1, description="Alert when the server loss rose in this many evaluations.")
+    divergence_tolerance: float = Field(0.1, ge=0.0, description="... and is this fraction above its best.")
+
+
 class TrackingConfig(_Section):
     """Structured logs and MLflow."""
 
@@ -516,6 +564,7 @@ class RunConfig(_Section):
     executor: ExecutorConfig = ExecutorConfig()
     clock: Literal["virtual", "wall"] = "virtual"
     tracking: TrackingConfig = TrackingConfig()
+    diagnostics: DiagnosticsConfig = DiagnosticsConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:

@@ -14,6 +14,7 @@ from flasync.clock import Clock
 from flasync.codecs import Pipeline
 from flasync.config import RunConfig
 from flasync.data import Partition, SyntheticClients
+from flasync.diagnostics import TrainingDiagnostics
 from flasync.executors import ThreadTrainingExecutor
 from flasync.population import Network, Population
 from flasync.residuals import ResidualStore
@@ -50,6 +51,7 @@ class RunContext:
         residual_lock: Guards ``residuals``, which training threads read and write.
         tree: The aggregation tree (None: a flat run, every client talks to the cloud).
         lazy_clients: Clients whose samples are drawn when they are sampled (then ``train_x`` is unused).
+        diagnostics: Training diagnostics run in the training threads (None: NaN/Inf checks only).
     """
 
     config: RunConfig
@@ -84,6 +86,8 @@ class RunContext:
         device = self.train_x.device
         x, y = data.x.to(device), data.y.to(device)
         return x, y, torch.arange(len(y), device=device)
+
+    diagnostics: TrainingDiagnostics | None = None
 
     def client_indices(self, client_id: int) -> torch.Tensor:
         """Return the indices of ``client_id``'s samples in :attr:`train_x` (a view, no copy)."""

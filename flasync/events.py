@@ -6,12 +6,14 @@ Tensors never travel in events; the one event that carries an update carries the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NewType
 
 __all__ = [
     "CLOUD",
     "Aggregated",
+    "AlertRaised",
     "ClientFailed",
     "ClientId",
     "EdgeForwarded",
@@ -20,6 +22,7 @@ __all__ = [
     "RunFinished",
     "TaskAssigned",
     "TaskClosed",
+    "TaskDiagnosis",
     "UpdateReceived",
     "UpdateRejected",
     "UpdateUploaded",
@@ -34,12 +37,36 @@ CLOUD = "cloud"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TaskDiagnosis:
+    """What the training thread found about one local training call (numbers only, never tensors).
+
+    ``loss_finite`` and ``update_finite`` are checked at every diagnostics level; ``update_norm`` from level
+    ``basic``; the gradient fields only at level ``full`` (per layer, in the model's parameter order; see
+    :func:`flasync.diagnostics.layer_layout`), else empty/NaN.
+    """
+
+    loss_finite: bool = True
+    update_finite: bool = True
+    grad_finite: bool = True
+    update_norm: float = math.nan
+    grad_norm_max: float = math.nan
+    layer_grad_norm_mean: tuple[float, ...] = ()
+    layer_grad_norm_max: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelPublished:
-    """The server made global model ``version`` available for download."""
+    """The server made global model ``version`` available for download.
+
+    ``tier`` names the publishing node's tier (``"cloud"`` for the server); ``encode_s`` is the wall time spent
+    encoding the download.
+    """
 
     version: Version
     simulated_s: float
     download_bytes: int
+    tier: str = "cloud"
+    encode_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,7 +83,13 @@ class TaskAssigned:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateUploaded:
-    """A client finished its upload to ``to``; ``payload`` holds the encoded delta ``w_base - w_local``."""
+    """A client finished its upload to ``to``; ``payload`` holds the encoded delta ``w_base - w_local``.
+
+    The cost of the task: ``compute_s`` and ``encode_s`` are wall seconds of local training and encoding in the
+    worker thread; ``sim_download_s``, ``sim_train_s`` and ``sim_upload_s`` are its simulated durations;
+    ``download_bytes`` the model it downloaded; ``peak_mem_bytes`` the training call's peak tensor memory;
+    ``tier`` the uploading node's tier (``"client"``).
+    """
 
     to: str = CLOUD
     task_id: int
@@ -67,6 +100,15 @@ class UpdateUploaded:
     train_loss: float
     simulated_s: float
     sent_wall_s: float
+    tier: str = "client"
+    compute_s: float = 0.0
+    encode_s: float = 0.0
+    sim_download_s: float = 0.0
+    sim_train_s: float = 0.0
+    sim_upload_s: float = 0.0
+    download_bytes: int = 0
+    peak_mem_bytes: int = 0
+    diagnosis: TaskDiagnosis | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +122,9 @@ class UpdateReceived:
     staleness: int
     upload_bytes: int
     simulated_s: float
+    tier: str = "client"
+    decode_s: float = 0.0
+    queue_wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,7 +189,8 @@ class EdgeForwarded:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientFailed:
-    """A client task ended with an error instead of an update (reported to ``to``)."""
+    """A client task ended with an error instead of an update, reported to ``to`` (``diagnosis``: when training
+    found NaN/Inf)."""
 
     to: str = CLOUD
     task_id: int
@@ -152,6 +198,7 @@ class ClientFailed:
     base_version: Version
     error: str
     simulated_s: float
+    diagnosis: TaskDiagnosis | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,6 +210,7 @@ class Aggregated:
     mean_staleness: float
     aggregate_s: float
     simulated_s: float
+    wall_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,6 +222,7 @@ class Evaluated:
     loss: float
     simulated_s: float
     wall_s: float
+    eval_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,3 +234,17 @@ class RunFinished:
     updates_accepted: int
     simulated_s: float
     wall_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlertRaised:
+    """A diagnostic found something wrong (``kind``: ``nan``, ``exploding_gradient``, ``vanishing_gradient``,
+    ``exploding_update``, ``divergence``); ``count`` is how many alerts of this kind the run has raised so far."""
+
+    kind: str
+    message: str
+    value: float
+    count: int
+    version: Version
+    client_id: ClientId | None
+    simulated_s: float

@@ -9,7 +9,7 @@ Durations are simulated seconds on the virtual clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Literal
 
 import numpy as np
@@ -34,6 +34,7 @@ class Population:
         available_fraction: Share of each availability period a client is online (1: always).
         availability_period_s: Length of a client's on/off cycle in simulated seconds (a day, by default); each
             client's cycle starts at its own random phase.
+        slow_clients: Fixed slowdown factors of some clients (id -> factor), multiplying their training time.
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class Population:
         *,
         available_fraction: float = 1.0,
         availability_period_s: float = 86_400.0,
+        slow_clients: Mapping[int, float] | None = None,
     ) -> None:
         """Draw per-client speed factors and availability phases once, from the run's seed."""
         if not 0.0 < available_fraction <= 1.0:
@@ -77,6 +79,9 @@ class Population:
         self._queue_head = 0
         self._queue_tail = 0
         self._cdf: np.ndarray | None = None
+        self.fixed_slowdown = np.ones(n)
+        for client_id, factor in (slow_clients or {}).items():
+            self.fixed_slowdown[client_id] = factor
 
     def __len__(self) -> int:
         """Return the number of clients."""
@@ -91,7 +96,7 @@ class Population:
     def train_seconds(self, client_id: int, steps: int, participation: int) -> float:
         """Return simulated seconds of ``client_id``'s ``participation``-th task of ``steps`` local steps."""
         speed = self.speed
-        base = steps * speed.seconds_per_step
+        base = steps * speed.seconds_per_step * float(self.fixed_slowdown[client_id])
         if isinstance(speed, ConstantSpeed):
             return base
         draw = seeding.stream_normal(self.seed, seeding.TASK_SPEED, client_id, participation)

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -64,10 +64,21 @@ from flasync.data import (
     partition_shards,
     train_test_split,
 )
+from flasync.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, layer_layout
 from flasync.errors import ConfigError, DataError
 from flasync.executors import ThreadTrainingExecutor, resolve_device
 from flasync.models import MLP, SmallCNN
 from flasync.population import Network, Population
+from flasync.profiling import (
+    Instrumentation,
+    Profiler,
+    build_profile,
+    gpu_status,
+    headline,
+    peak_rss_bytes,
+    render_plots,
+    torch_memory,
+)
 from flasync.residuals import ResidualStore
 from flasync.server import Server, warm_up
 from flasync.topology import Tree, build_tree
@@ -130,15 +141,21 @@ class RunSummary:
     cloud_aggregate_s: float = 0.0
     topology: str = "flat"
     tiers: dict[str, float] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
+    alerts: int = 0
+    stragglers: tuple[int, ...] = ()
+    server_idle_fraction: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the summary as a JSON-ready dict (NaN becomes None)."""
+        """Return the summary as a JSON-ready dict (NaN becomes None, tuples lists)."""
 
         def clean(value: Any) -> Any:
             if isinstance(value, float) and not math.isfinite(value):
                 return None
             if isinstance(value, dict):
                 return {k: clean(v) for k, v in value.items()}
+            if isinstance(value, tuple):
+                return [clean(v) for v in value]
             return value
 
         return {k: clean(v) for k, v in asdict(self).items()}
@@ -206,7 +223,10 @@ class Federation:
         self._wall = wall
         self.weights: torch.Tensor | None = None
         self.run_id: str | None = None
+        self.profile: dict[str, Any] | None = None
+        """The run's profile (``profile.json``) once it finished with ``diagnostics.profile`` on."""
         self._scratch: str | None = None
+        self._traces: TrainingDiagnostics | None = None
 
     # -------------------------------------------------------------------------------------------- preparation
     def _load_data(self) -> tuple[ArrayData, ArrayData]:
@@ -439,7 +459,7 @@ class Federation:
         try:
             context = {"run_id": self.run_id} if self.run_id else {}
             with structlog.contextvars.bound_contextvars(**context):
-                summary = await self._simulate(prepared, executor, log)
+                summary = await self._simulate(prepared, executor, log, tracker)
                 await asyncio.to_thread(self._log_artifacts, tracker, prepared, summary, log)
             status = "FINISHED"
             return summary
@@ -450,9 +470,24 @@ class Federation:
             # Blocking on purpose: this must complete even while the task is being cancelled.
             executor.shutdown()
             tracker.finish(status)
+            if self._traces is not None and self._traces.trace_dir is not None:
+                shutil.rmtree(self._traces.trace_dir, ignore_errors=True)
 
-    async def _simulate(self, prepared: _Prepared, executor: ThreadTrainingExecutor, log: Any) -> RunSummary:
+    async def _simulate(
+        self, prepared: _Prepared, executor: ThreadTrainingExecutor, log: Any, tracker: tracking.Tracker
+    ) -> RunSummary:
         cfg = self.config
+        dcfg = cfg.diagnostics
+        layout: LayerLayout | None = None
+        if dcfg.profile or dcfg.level == "full":
+            layout = await asyncio.to_thread(lambda: layer_layout(prepared.factory()))
+        diagnostics = TrainingDiagnostics(
+            dcfg.level,
+            layout,
+            profile_tasks=dcfg.torch_profiler_tasks,
+            trace_dir=tempfile.mkdtemp(prefix="flasync-traces-") if dcfg.torch_profiler_tasks else None,
+        )
+        self._traces = diagnostics
         local = LocalTraining(**cfg.client.model_dump())
         upload_codec = pipeline(cfg.codec.upload)
         residuals: ResidualStore | None = None
@@ -485,6 +520,7 @@ class Federation:
                 cfg.seed,
                 available_fraction=cfg.population.available_fraction,
                 availability_period_s=cfg.population.availability_period_s,
+                slow_clients=cfg.population.slow_clients,
             ),
             network=Network(cfg.network, cfg.population.num_clients, cfg.seed),
             local=local,
@@ -498,9 +534,26 @@ class Federation:
             residual_lock=threading.Lock(),
             tree=prepared.tree,
             lazy_clients=prepared.lazy,
+            diagnostics=diagnostics,
         )
         weights = prepared.initial.to(device, copy=True)
         server = Server(ctx, weights)
+        instrumentation: Instrumentation | None = None
+        if dcfg.profile or dcfg.level != "off":
+            instrumentation = Instrumentation(
+                self.bus,
+                profiler=Profiler() if dcfg.profile else None,
+                monitor=AlertMonitor(
+                    dcfg,
+                    layer_names=layout.names if layout is not None else (),
+                    weights=lambda: (int(server.version), server.weights),
+                    initial=weights.clone() if dcfg.level != "off" else None,
+                ),
+                log=log,
+                set_tags=tracker.set_tags,
+                now=self.clock.now,
+            )
+        residual_memory: dict[str, int] = {}
         start_wall, start_sim = self._wall(), self.clock.now()
         log.info(
             "run.started",
@@ -514,8 +567,12 @@ class Federation:
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.clock.drive(), name="flasync-clock")
+                if instrumentation is not None:
+                    tg.create_task(instrumentation.run(), name="flasync-instrumentation")
                 try:
                     stats = await server.run()
+                    if instrumentation is not None:
+                        await instrumentation.drain()  # alerts of the last events still go on the bus
                 finally:
                     self.clock.stop()
                     self.bus.close()
@@ -526,6 +583,10 @@ class Federation:
                 # Jobs of cancelled clients may still be running and about to store residuals: let them finish.
                 await asyncio.to_thread(executor.shutdown)
                 residuals_in_memory, residuals_on_disk = residuals.memory_bytes, residuals.disk_bytes
+                residual_memory = {
+                    "residual_memory_bytes": residuals_in_memory,
+                    "residual_disk_bytes": residuals_on_disk,
+                }
                 residuals.close()
                 log.debug(
                     "codec.residuals",
@@ -581,12 +642,89 @@ class Federation:
         log.info("run.finished", step=stats.versions, **figures, bus_dropped=bus.dropped, bus_high_water=bus.high_water)
         if summary.tiers:
             log.info("run.tiers", step=stats.versions, **summary.tiers)
+        if instrumentation is not None:
+            # In a thread: summarising a long run's records must not stall the caller's event loop.
+            summary = await asyncio.to_thread(
+                self._finish_profile, summary, instrumentation, server, executor, layout, residual_memory, log
+            )
         return summary
+
+    def _finish_profile(
+        self,
+        summary: RunSummary,
+        instrumentation: Instrumentation,
+        server: Server,
+        executor: ThreadTrainingExecutor,
+        layout: LayerLayout | None,
+        residual_memory: Mapping[str, int],
+        log: Any,
+    ) -> RunSummary:
+        """Build the profile from the instrumentation's records, log its headline metrics, extend the summary."""
+        cfg = self.config
+        monitor = instrumentation.monitor
+        alerts = dict(monitor.counts) if monitor is not None else {}
+        rss = peak_rss_bytes()
+        summary = replace(summary, peak_rss_bytes=rss, alerts=sum(alerts.values()))
+        if instrumentation.profiler is None:
+            return summary
+        num_params = self.weights.numel() if self.weights is not None else 0
+        trainable = layout.num_trainable if layout is not None else num_params
+        strategy = server.strategy
+        buffer, optimizer = getattr(strategy, "buffer", None), getattr(strategy, "optimizer", None)
+        aggregator = int(getattr(buffer, "nbytes", 0)) + int(getattr(optimizer, "state_nbytes", 0))
+        memory: dict[str, Any] = {
+            "peak_rss_bytes": rss,
+            "model_bytes": 4 * num_params,
+            "gradient_bytes": 4 * trainable,
+            "optimizer_bytes": 4 * trainable,
+            "worker_models": executor.models.built,
+            "aggregator_bytes": aggregator,
+            **residual_memory,
+            **torch_memory(),
+            "gpus": gpu_status(),
+        }
+        profile = build_profile(
+            instrumentation.profiler.records,
+            mode="sync" if isinstance(cfg.server, FedAvgServer) else "async",
+            num_params=num_params,
+            dense_bytes=codecs.HEADER.size + 4 * num_params,
+            stragglers=cfg.diagnostics.stragglers,
+            memory=memory,
+            diagnostics=monitor.summary() if monitor is not None else None,
+        )
+        profile["alerts"] = alerts
+        if summary.tiers:
+            profile["communication"]["edge_tiers"] = dict(summary.tiers)
+        profile["layers"] = list(layout.names) if layout is not None else []
+        if layout is not None and self.weights is not None and layout.num_trainable <= self.weights.numel():
+            parts = torch.split(self.weights[: layout.num_trainable], list(layout.lengths))
+            profile["diagnostics"]["layer_weight_norms"] = {
+                name: float(torch.linalg.vector_norm(part)) for name, part in zip(layout.names, parts, strict=True)
+            }
+        self.profile = profile
+        log.info("profile", step=summary.versions, **headline(profile))
+        for row in profile["time"]["per_version"]:
+            log.debug("profile.version", step=int(row["version"]), **row)
+        return replace(
+            summary,
+            stragglers=tuple(int(row["client_id"]) for row in profile["clients"]["stragglers"]),
+            server_idle_fraction=float(profile["time"]["server_idle_fraction"]),
+        )
 
     def _log_artifacts(self, tracker: tracking.Tracker, prepared: _Prepared, summary: RunSummary, log: Any) -> None:
         if isinstance(tracker, tracking.NullTracker):
             return
         tracker.log_dict(summary.to_dict(), "summary.json")
+        if self.profile is not None:
+            tracker.log_dict(_json_ready(self.profile), "profile.json")
+            if self.config.diagnostics.plots:
+                for name, image in render_plots(self.profile).items():
+                    tracker.log_bytes(image, f"plots/{name}")
+        if self._traces is not None:
+            for path in self._traces.traces:
+                tracker.log_file(path, "torch_profiler")
+        if summary.alerts and self.profile is not None:
+            tracker.set_tags({"alerts": ", ".join(f"{k}={v}" for k, v in sorted(self.profile["alerts"].items()))})
         config_text = yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False)
         tracker.log_bytes(config_text.encode(), "config.yaml")
         assert self.weights is not None
@@ -606,6 +744,17 @@ class Federation:
                 log.debug("tracking.log_model", seconds=seconds, metrics=False)
             except Exception as exc:  # a model MLflow cannot serialise must not fail the run
                 log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+
+
+def _json_ready(value: Any) -> Any:
+    """Return ``value`` with non-finite floats replaced by None (strict JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(v) for v in value]
+    return value
 
 
 def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -525,6 +525,9 @@ class Server:
                 staleness=staleness,
                 upload_bytes=len(message.payload),
                 simulated_s=ctx.clock.now(),
+                tier=message.tier,
+                decode_s=decode_s,
+                queue_wait_s=received_wall - message.sent_wall_s,
             )
         )
 
@@ -623,12 +626,14 @@ class Server:
                 mean_staleness=mean_staleness,
                 aggregate_s=aggregate_s,
                 simulated_s=ctx.clock.now(),
+                wall_s=wall_s,
             )
         )
         if int(self.version) % ctx.config.eval.every_versions == 0:
             await self._evaluate()
 
     async def _publish(self) -> None:
+        start = self.ctx.wall()
         exact = self.weights.detach().clone()
         codec = self.ctx.download_codec
         payload = codec.encode(exact).payload
@@ -646,7 +651,10 @@ class Server:
             self._egress_since_version += sent
         await self.ctx.bus.publish(
             ModelPublished(
-                version=self.version, simulated_s=self.ctx.clock.now(), download_bytes=snapshot.download_bytes
+                version=self.version,
+                simulated_s=self.ctx.clock.now(),
+                download_bytes=snapshot.download_bytes,
+                encode_s=self.ctx.wall() - start,
             )
         )
 
@@ -658,6 +666,7 @@ class Server:
             return
         models, x, y, batch = ctx.executor.models, ctx.test_x, ctx.test_y, ctx.config.eval.batch_size
         weights = snapshot.weights
+        start = ctx.wall()
         result = await ctx.clock.run(
             ctx.executor.pool,
             lambda: evaluate(models.get(), weights, x, y, batch_size=batch),
@@ -686,6 +695,7 @@ class Server:
                 loss=result.loss,
                 simulated_s=ctx.clock.now(),
                 wall_s=wall_s,
+                eval_s=ctx.wall() - start,
             )
         )
 

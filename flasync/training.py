@@ -288,6 +288,7 @@ def train(
     generator: torch.Generator,
     *,
     timer: Callable[[], float] = time.perf_counter,
+    on_backward: Callable[[torch.Tensor], None] | None = None,
 ) -> LocalResult:
     """Train ``model`` from ``base`` on ``(x, y)`` with SGD and return the delta ``base - w_local``.
 
@@ -302,6 +303,7 @@ def train(
         cfg: Local hyper-parameters.
         generator: The task's own random stream (batch order).
         timer: Monotonic seconds, for ``train_s``.
+        on_backward: Called with the flat gradient after each backward pass, before clipping (diagnostics).
 
     Returns:
         The delta, sample count, steps, mean training loss, seconds and peak tensor memory in bytes
@@ -361,6 +363,8 @@ def train(
                     seen += idx.numel()
                     steps += 1
                     continue
+            if on_backward is not None:
+                on_backward(grad)  # unscaled, before clipping
             if cfg.clip_norm is not None:
                 norm = torch.linalg.vector_norm(grad)
                 grad.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))

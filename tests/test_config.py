@@ -157,3 +157,16 @@ def test_flatten_gives_dotted_params() -> None:
     assert flat["server.buffer_size"] == 10
     assert flat["server.staleness.kind"] == "polynomial"
     assert flat["population.speed.kind"] == "lognormal"
+
+
+def test_diagnostics_and_slow_clients_settings() -> None:
+    """Diagnostics levels and fixed client slowdowns are validated with one-line errors."""
+    config = load_config(None, ["diagnostics.level=full", "population.slow_clients={3: 2.5}"])
+    assert config.diagnostics.level == "full"
+    assert config.population.slow_clients == {3: 2.5}
+    with pytest.raises(ConfigError, match=r"diagnostics\.level"):
+        load_config(None, ["diagnostics.level=loud"])
+    with pytest.raises(ConfigError, match=r"population.slow_clients: client 100 is not in 0..99"):
+        load_config(None, ["population.slow_clients={100: 2.0}"])
+    with pytest.raises(ConfigError, match="must be > 0"):
+        load_config(None, ["population.slow_clients={1: 0}"])

@@ -158,3 +158,12 @@ async def test_lru_sampling_in_a_sync_run_visits_every_client() -> None:
     recorder = EventRecorder(federation.bus)
     await federation.run()
     assert sorted(task.client_id for task in recorder.of(TaskAssigned)) == list(range(20))
+
+
+def test_slow_clients_multiply_their_training_time() -> None:
+    """A fixed slowdown factor multiplies one client's simulated training time and no other's."""
+    speed = ConstantSpeed(seconds_per_step=0.5)
+    plain = Population(SIZES, speed, seed=0)
+    slowed = Population(SIZES, speed, seed=0, slow_clients={2: 3.0})
+    assert slowed.train_seconds(2, steps=8, participation=0) == 3.0 * plain.train_seconds(2, steps=8, participation=0)
+    assert slowed.train_seconds(1, steps=8, participation=0) == plain.train_seconds(1, steps=8, participation=0)

@@ -53,6 +53,8 @@ __all__ = [
     "NullTracker",
     "RunStatus",
     "Tracker",
+    "resolve_tracking_uri",
+    "sqlite_path",
 ]
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
@@ -230,8 +232,7 @@ class MlflowTracker:
         http_timeout_s: int = 10,
         http_retries: int = 1,
     ) -> None:
-        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-        self.tracking_uri = _absolute_sqlite_uri(uri)
+        self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self._experiment = ""
@@ -818,6 +819,12 @@ class _MonitorSink:
 
     def flush(self) -> None:
         """Nothing to do: the sink owns what was recorded."""
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """Return the store a tracker with ``tracking_uri=uri`` would use: ``uri``, else ``$MLFLOW_TRACKING_URI``, else
+    :data:`DEFAULT_TRACKING_URI`; a relative SQLite path is made absolute against the current directory."""
+    return _absolute_sqlite_uri(uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
 
 
 def _sqlite_path(uri: str) -> Path | None:

@@ -1,0 +1,203 @@
+"""The run profile: pure summaries of records, and profiles of controlled runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import flasync
+from flasync.events import (
+    Aggregated,
+    ClientId,
+    EdgeForwarded,
+    ModelPublished,
+    RunFinished,
+    TaskAssigned,
+    UpdateReceived,
+    UpdateUploaded,
+    Version,
+)
+from flasync.profiling import Profiler, build_profile, headline, quantiles
+from flasync.testing import EventRecorder, MemoryTracker, small_config
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_quantiles_interpolate() -> None:
+    """p50/p90 interpolate linearly between order statistics."""
+    summary = quantiles([float(v) for v in range(11)])
+    assert summary == {"p50": 5.0, "p90": 9.0, "max": 10.0, "mean": 5.0, "count": 11.0}
+    assert quantiles([]) is None
+
+
+def _feed(profiler: Profiler) -> None:
+    """One sync round of three clients (simulated tasks of 1, 2 and 6 s) producing version 1."""
+    profiler.observe(ModelPublished(version=Version(0), simulated_s=0.0, download_bytes=100, encode_s=0.5))
+    for task_id, (client, train_s) in enumerate([(0, 1.0), (1, 2.0), (2, 6.0)]):
+        cid = ClientId(client)
+        profiler.observe(
+            TaskAssigned(task_id=task_id, client_id=cid, participation=0, base_version=Version(0), simulated_s=0.0)
+        )
+        profiler.observe(
+            UpdateUploaded(
+                task_id=task_id,
+                client_id=cid,
+                base_version=Version(0),
+                num_samples=10,
+                payload=b"x" * (10 + client),
+                train_loss=1.0,
+                simulated_s=train_s,
+                sent_wall_s=0.0,
+                compute_s=1.0,
+                encode_s=0.25,
+                sim_train_s=train_s,
+                sim_download_s=0.0,
+                sim_upload_s=0.0,
+                download_bytes=100,
+            )
+        )
+        profiler.observe(
+            UpdateReceived(
+                task_id=task_id,
+                client_id=cid,
+                base_version=Version(0),
+                version=Version(0),
+                staleness=0,
+                upload_bytes=10 + client,
+                simulated_s=train_s,
+                decode_s=0.5,
+                queue_wait_s=0.125,
+            )
+        )
+    profiler.observe(ModelPublished(version=Version(1), simulated_s=6.0, download_bytes=100, encode_s=0.5))
+    profiler.observe(
+        Aggregated(version=Version(1), num_updates=3, mean_staleness=0.0, aggregate_s=1.0, simulated_s=6.0, wall_s=10.0)
+    )
+    profiler.observe(RunFinished(reason="max_versions", versions=1, updates_accepted=3, simulated_s=6.0, wall_s=10.0))
+
+
+def test_build_profile_breaks_down_a_round() -> None:
+    """The breakdown sums the round's costs; idle is the rest of the wall interval; sync straggler wait = max - p50."""
+    profiler = Profiler()
+    _feed(profiler)
+    profile = build_profile(profiler.records, mode="sync", num_params=4, dense_bytes=40, stragglers=2)
+    (row,) = profile["time"]["per_version"]
+    assert row["compute_s"] == 3.0
+    assert row["encode_s"] == 3 * 0.25 + 0.5  # clients' uploads + the published download of version 1
+    assert row["decode_s"] == 1.5 and row["queue_wait_s"] == 0.375 and row["aggregate_s"] == 1.0
+    assert row["idle_s"] == 10.0 - (1.5 + 1.0 + 0.5)
+    assert row["straggler_wait_sim_s"] == 6.0 - 2.0
+    assert row["upload_bytes"] == 33 and row["download_bytes"] == 300
+    stragglers = profile["clients"]["stragglers"]
+    assert [s["client_id"] for s in stragglers] == [2, 1]
+    assert stragglers[0]["times_median"] == 3.0
+    comm = profile["communication"]
+    assert comm["upload_bytes"] == 33 and comm["download_bytes"] == 300
+    assert comm["per_tier"] == {"client": {"upload_bytes": 33, "download_bytes": 300}}
+    assert comm["upload_compression"] == pytest.approx(40 * 3 / 33)
+    assert profile["staleness"]["histogram"] == {"0": 3}
+    figures = headline(profile)
+    assert figures["time_idle_s"] == 7.0 and figures["client_upload_bytes"] == 33.0
+
+
+async def test_slow_client_is_named_first_straggler() -> None:
+    """A client with a fixed 3x slowdown is the first straggler, about 3x the median, in profile and summary."""
+    config = small_config(
+        "population.num_clients=8",
+        "population.speed={kind: constant, seconds_per_step: 0.05}",
+        "population.slow_clients={5: 3.0}",
+        "stop.max_versions=3",
+        server={"kind": "fedavg", "clients_per_round": 8},
+    )
+    federation = flasync.Federation(config)
+    summary = await federation.run()
+    assert federation.profile is not None
+    first = federation.profile["clients"]["stragglers"][0]
+    assert first["client_id"] == 5
+    assert first["times_median"] == pytest.approx(3.0, rel=0.15)
+    assert summary.stragglers[0] == 5
+    rows = federation.profile["time"]["per_version"]
+    assert all(row["straggler_wait_sim_s"] > 0 for row in rows)
+
+
+async def test_profiled_bytes_are_the_encoded_payload_lengths() -> None:
+    """Bytes in the profile (total, per client, per tier, per version) and its metrics are the payloads' lengths."""
+    tracker = MemoryTracker()
+    config = small_config(codec={"upload": [{"kind": "topk", "ratio": 0.1}, {"kind": "int8"}]})
+    federation = flasync.Federation(config, tracker=tracker)
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    assert federation.profile is not None
+    comm = federation.profile["communication"]
+    uploads = recorder.of(UpdateUploaded)
+    total = sum(len(e.payload) for e in uploads)
+    assert comm["upload_bytes"] == total == summary.upload_bytes
+    assert comm["per_tier"]["client"]["upload_bytes"] == total
+    per_client: dict[int, int] = {}
+    for event in uploads:
+        per_client[event.client_id] = per_client.get(event.client_id, 0) + len(event.payload)
+    assert comm["upload_bytes_per_client"]["max"] == max(per_client.values())
+    received = {e.task_id for e in recorder.of(UpdateReceived)}
+    rows = federation.profile["time"]["per_version"]
+    assert sum(r["upload_bytes"] for r in rows) == sum(len(e.payload) for e in uploads if e.task_id in received)
+    assert comm["download_bytes"] == summary.download_bytes
+    assert comm["upload_compression"] > 5
+    assert tracker.history("profile.client_upload_bytes") == [(summary.versions, float(total))]
+
+
+async def test_profile_json_and_plots_are_artifacts() -> None:
+    """profile.json and five PNG plots are logged, non-empty; the profile carries every section."""
+    tracker = MemoryTracker()
+    summary = await flasync.Federation(small_config(), tracker=tracker).run()
+    profile = json.loads(tracker.artifacts["profile.json"])
+    assert profile.keys() >= {"time", "clients", "communication", "staleness", "memory", "diagnostics", "evaluations"}
+    assert len(profile["time"]["per_version"]) == summary.versions
+    assert profile["memory"]["peak_rss_bytes"] > 0 and profile["memory"]["model_bytes"] > 0
+    assert profile["memory"]["training_call_peak_bytes"]["max"] > profile["memory"]["model_bytes"]
+    plots = {k: v for k, v in tracker.artifacts.items() if k.startswith("plots/")}
+    assert set(plots) == {
+        f"plots/{name}.png" for name in ("accuracy", "staleness", "time_breakdown", "bytes", "client_times")
+    }
+    assert all(image.startswith(PNG_MAGIC) and len(image) > 1000 for image in plots.values())
+    assert summary.peak_rss_bytes > 0 and 0 <= summary.server_idle_fraction <= 1
+
+
+async def test_torch_profiler_trace_is_an_artifact() -> None:
+    """diagnostics.torch_profiler_tasks=1 logs one Chrome trace of a local training call."""
+    tracker = MemoryTracker()
+    await flasync.Federation(
+        small_config("diagnostics.torch_profiler_tasks=1", "stop.max_versions=1", "diagnostics.plots=false"),
+        tracker=tracker,
+    ).run()
+    traces = [k for k in tracker.artifacts if k.startswith("torch_profiler/")]
+    assert len(traces) == 1
+    assert "traceEvents" in json.loads(tracker.artifacts[traces[0]])
+
+
+async def test_no_instrumentation_switch() -> None:
+    """With profile off and level off, nothing subscribes and no profile is written; weights are unchanged."""
+    tracker = MemoryTracker()
+    federation = flasync.Federation(small_config("diagnostics.profile=false", "diagnostics.level=off"), tracker=tracker)
+    bare = await federation.run()
+    assert federation.profile is None and "profile.json" not in tracker.artifacts
+    assert math.isnan(bare.server_idle_fraction)
+    instrumented = await flasync.Federation(small_config("diagnostics.level=full")).run()
+    assert bare.weights_sha256 == instrumented.weights_sha256
+
+
+async def test_hierarchy_bytes_per_tier() -> None:
+    """With edges, the profile counts client uploads at tier client and the edges' forwards at their own tier."""
+    config = small_config(topology={"kind": "tree", "fanout": [4], "buffer_size": 2})
+    federation = flasync.Federation(config)
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    assert federation.profile is not None
+    tiers = federation.profile["communication"]["per_tier"]
+    forwarded = recorder.of(EdgeForwarded)
+    assert tiers["client"]["upload_bytes"] == sum(len(e.payload) for e in recorder.of(UpdateUploaded))
+    assert tiers["edge1"]["upload_bytes"] == sum(len(e.payload) for e in forwarded) > 0
+    assert tiers["edge1"]["forwards"] == len(forwarded)
+    rows = federation.profile["time"]["per_version"]
+    assert len(rows) == summary.versions and sum(r["updates"] for r in rows) > 0

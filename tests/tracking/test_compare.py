@@ -1,0 +1,135 @@
+"""``flasync compare`` and ``flasync report`` on real runs in a temporary MLflow store, and their pure parts."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import flasync
+import tracking
+from flasync.cli import main
+from flasync.testing import small_config
+from tracking.compare import EvalPoint, RunRecord, comparison_table, config_differences, time_to_target
+from tracking.report import format_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def three_runs(tracking_uri: str) -> list[str]:
+    """Run three small federations (buffer sizes 2, 3, 4) into the module's store; return their run ids."""
+    ids = []
+    for size in (2, 3, 4):
+        config = small_config(
+            f"server.buffer_size={size}",
+            "stop.max_versions=4",
+            "eval.every_versions=2",
+            "tracking.enabled=true",
+            f"tracking.uri={tracking_uri}",
+            "tracking.experiment=compare-test",
+            f"tracking.run_name=buffer-{size}",
+            "diagnostics.plots=false",
+        )
+        tracker = tracking.MlflowTracker(tracking_uri, writer_process=False)
+        summary = asyncio.run(flasync.Federation(config, tracker=tracker).run())
+        assert summary.run_id is not None
+        ids.append(summary.run_id)
+    return ids
+
+
+def test_compare_names_all_three_runs(
+    three_runs: list[str], tracking_uri: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """By ids: one column per run, the buffer size as the config difference, and a comparison plot."""
+    plot = tmp_path / "compare.png"
+    code = main(["compare", *three_runs, "--tracking-uri", tracking_uri, "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert code == 0
+    for run_id, name in zip(three_runs, ("buffer-2", "buffer-3", "buffer-4"), strict=True):
+        assert run_id in out and name in out
+    row = next(line for line in out.splitlines() if "server.buffer_size" in line)
+    assert row.split()[1:] == ["2", "3", "4"]
+    assert any(line.startswith("final accuracy") for line in out.splitlines())
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_compare_by_experiment(three_runs: list[str], tracking_uri: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """By experiment: the experiment's runs, oldest first, with time to the given target accuracy."""
+    code = main(
+        ["compare", "--experiment", "compare-test", "--tracking-uri", tracking_uri, "--target-accuracy", "0.05"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    header = out.splitlines()[1]
+    assert header.split()[2:] == three_runs
+    reached = next(line for line in out.splitlines() if line.startswith("version at acc 0.05"))
+    assert reached.split()[-3:] == ["0", "0", "0"]  # the initial model beats a 5% target
+
+
+def test_report_prints_the_profile(
+    three_runs: list[str], tracking_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """flasync report prints the profile's sections for a run."""
+    assert main(["report", three_runs[0], "--tracking-uri", tracking_uri]) == 0
+    out = capsys.readouterr().out
+    for text in ("run buffer-2", "idle_s", "stragglers", "tier client", "peak RSS", "diagnostics (level basic)"):
+        assert text in out, text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["report", "0123456789abcdef"], "no run '0123456789abcdef'"),
+        (["compare", "nope-run"], "no run 'nope-run'"),
+        (["compare", "--experiment", "no-such-experiment"], "no experiment 'no-such-experiment'"),
+        (["compare", "--target-accuracy", "2"], "--target-accuracy must be in (0, 1]"),
+    ],
+)
+def test_bad_lookups_exit_2_with_one_line(
+    three_runs: list[str], tracking_uri: str, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """Unknown runs and experiments, and bad flags, are one-line errors with exit status 2."""
+    assert main([*argv, "--tracking-uri", tracking_uri]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_missing_store_is_not_created(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A store that does not exist is an error, and no database file is made."""
+    db = tmp_path / "absent" / "mlflow.db"
+    assert main(["report", "abc", "--tracking-uri", f"sqlite:///{db}"]) == 2
+    assert "no MLflow store" in capsys.readouterr().err
+    assert not db.exists()
+
+
+def _record(name: str, accuracies: list[float], params: dict[str, str]) -> RunRecord:
+    history = [EvalPoint(i, a, 10.0 * i, 1.0 * i) for i, a in enumerate(accuracies)]
+    return RunRecord(
+        run_id=f"id-{name}",
+        name=name,
+        status="FINISHED",
+        params=params,
+        metrics={"run.finished.accuracy": accuracies[-1], "run.finished.upload_bytes": 2000.0},
+        history=history,
+    )
+
+
+def test_time_to_target_and_differences() -> None:
+    """Time to target is the first evaluation at or above it; only differing params are listed."""
+    a = _record("a", [0.1, 0.5, 0.9], {"seed": "0", "server.buffer_size": "2"})
+    b = _record("b", [0.1, 0.3, 0.6], {"seed": "0", "server.buffer_size": "4"})
+    assert time_to_target(a.history, 0.5) == EvalPoint(1, 0.5, 10.0, 1.0)
+    assert time_to_target(b.history, 0.9) is None
+    assert config_differences([a, b]) == {"server.buffer_size": ["2", "4"]}
+    table = comparison_table([a, b])  # default target: the lowest final accuracy, 0.6
+    lines = {line.split("  ")[0].strip(): line for line in table.splitlines()}
+    assert lines["sim s to acc 0.6"].split()[-2:] == ["20", "20"]
+    assert "2.0 kB" in lines["bytes up"]
+
+
+def test_format_report_without_profile() -> None:
+    """A run without profile.json still reports its headline and says why the rest is missing."""
+    text = format_report("abc", "run-x", {"run.finished.accuracy": 0.5}, None)
+    assert "run run-x (abc)" in text and "0.5" in text and "diagnostics.profile off" in text

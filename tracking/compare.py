@@ -1,0 +1,224 @@
+"""Compare runs side by side from MLflow (``flasync compare``).
+
+:func:`fetch_runs` reads runs through ``MlflowClient`` (params, latest metrics and the accuracy history);
+:func:`comparison_table` and :func:`time_to_target` are pure functions of what was read, and :func:`plot_comparison`
+draws the runs' accuracy against simulated and wall time.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlflow
+
+from tracking.report import RunLookupError, get_run
+
+__all__ = [
+    "EvalPoint",
+    "RunRecord",
+    "comparison_table",
+    "config_differences",
+    "default_target",
+    "fetch_runs",
+    "plot_comparison",
+    "time_to_target",
+]
+
+_MAX_RUNS = 50
+
+
+@dataclass(frozen=True, slots=True)
+class EvalPoint:
+    """One evaluation of a run's global model."""
+
+    version: int
+    accuracy: float
+    simulated_s: float
+    wall_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """What a comparison needs of one run."""
+
+    run_id: str
+    name: str
+    status: str
+    params: dict[str, str]
+    metrics: dict[str, float]
+    history: list[EvalPoint] = field(default_factory=list)
+
+
+def _history(client: mlflow.MlflowClient, run_id: str) -> list[EvalPoint]:
+    accuracy = {m.step: m.value for m in client.get_metric_history(run_id, "server.eval.accuracy")}
+    simulated = {m.step: m.value for m in client.get_metric_history(run_id, "server.eval.simulated_s")}
+    wall = {m.step: m.value for m in client.get_metric_history(run_id, "server.eval.wall_s")}
+    return [
+        EvalPoint(step, value, simulated.get(step, math.nan), wall.get(step, math.nan))
+        for step, value in sorted(accuracy.items())
+    ]
+
+
+def fetch_runs(
+    client: mlflow.MlflowClient, run_ids: Sequence[str] = (), *, experiment: str | None = None
+) -> list[RunRecord]:
+    """Read the runs to compare: the given ids, else the (latest 50) runs of ``experiment``, oldest first.
+
+    Raises:
+        RunLookupError: A run id or the experiment does not exist, or the experiment has no runs.
+    """
+    if run_ids:
+        runs = [get_run(client, run_id) for run_id in run_ids]
+    else:
+        name = experiment or "flasync"
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise RunLookupError(f"no experiment {name!r} in {client.tracking_uri}")
+        runs = list(
+            client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=_MAX_RUNS)
+        )
+        if not runs:
+            raise RunLookupError(f"experiment {name!r} has no runs")
+        runs.reverse()
+    return [
+        RunRecord(
+            run_id=run.info.run_id,
+            name=run.info.run_name or run.info.run_id[:8],
+            status=run.info.status,
+            params=dict(run.data.params),
+            metrics=dict(run.data.metrics),
+            history=_history(client, run.info.run_id),
+        )
+        for run in runs
+    ]
+
+
+def time_to_target(history: Sequence[EvalPoint], target: float) -> EvalPoint | None:
+    """Return the first evaluation whose accuracy reached ``target`` (None if none did)."""
+    for point in history:
+        if point.accuracy >= target:
+            return point
+    return None
+
+
+def default_target(records: Sequence[RunRecord]) -> float | None:
+    """Return the lowest final accuracy of the runs: the target every run reached (None without accuracies)."""
+    finals = [r.metrics["run.finished.accuracy"] for r in records if "run.finished.accuracy" in r.metrics]
+    finals = [a for a in finals if math.isfinite(a)]
+    return min(finals) if finals else None
+
+
+def config_differences(records: Sequence[RunRecord]) -> dict[str, list[str]]:
+    """Return the params whose values are not the same in every run (``-`` where a run lacks one)."""
+    keys = sorted({k for r in records for k in r.params})
+    out: dict[str, list[str]] = {}
+    for key in keys:
+        values = [r.params.get(key, "-") for r in records]
+        if len(set(values)) > 1:
+            out[key] = values
+    return out
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}g}"
+
+
+def _fmt_bytes(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    n = value
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def comparison_table(records: Sequence[RunRecord], *, target: float | None = None) -> str:
+    """Return a side-by-side text table of runs: one column per run, one row per figure or differing param.
+
+    Args:
+        records: The runs.
+        target: Accuracy for the time-to-target rows (default: :func:`default_target`).
+    """
+    if target is None:
+        target = default_target(records)
+
+    def metric(record: RunRecord, key: str) -> float | None:
+        return record.metrics.get(f"run.finished.{key}")
+
+    rows: list[tuple[str, list[str]]] = [
+        ("run", [r.name for r in records]),
+        ("run id", [r.run_id for r in records]),
+        ("status", [r.status for r in records]),
+        ("final accuracy", [_fmt(metric(r, "accuracy")) for r in records]),
+        ("final loss", [_fmt(metric(r, "loss")) for r in records]),
+    ]
+    if target is not None:
+        reached = [time_to_target(r.history, target) for r in records]
+        rows.append((f"sim s to acc {target:.4g}", [_fmt(p.simulated_s) if p else "never" for p in reached]))
+        rows.append((f"wall s to acc {target:.4g}", [_fmt(p.wall_s) if p else "never" for p in reached]))
+        rows.append((f"version at acc {target:.4g}", [str(p.version) if p else "never" for p in reached]))
+
+    def total_bytes(r: RunRecord) -> float | None:
+        up, down = metric(r, "upload_bytes"), metric(r, "download_bytes")
+        return None if up is None or down is None else up + down
+
+    rows += [
+        ("bytes up", [_fmt_bytes(metric(r, "upload_bytes")) for r in records]),
+        ("bytes down", [_fmt_bytes(metric(r, "download_bytes")) for r in records]),
+        ("bytes total", [_fmt_bytes(total_bytes(r)) for r in records]),
+        ("updates accepted", [_fmt(metric(r, "updates_accepted"), 9) for r in records]),
+        ("updates dropped", [_fmt(metric(r, "updates_dropped"), 9) for r in records]),
+        ("versions", [_fmt(metric(r, "versions"), 9) for r in records]),
+        ("staleness mean", [_fmt(metric(r, "staleness_mean"), 3) for r in records]),
+        ("staleness max", [_fmt(metric(r, "staleness_max"), 9) for r in records]),
+        ("wall s", [_fmt(metric(r, "wall_s")) for r in records]),
+        ("simulated s", [_fmt(metric(r, "simulated_s")) for r in records]),
+        ("updates/s", [_fmt(metric(r, "updates_per_s")) for r in records]),
+    ]
+    differences = config_differences(records)
+    if differences:
+        rows.append(("config differences", [""] * len(records)))
+        rows += [(f"  {key}", values) for key, values in differences.items()]
+    else:
+        rows.append(("config differences", ["none"] + [""] * (len(records) - 1)))
+    label_width = max(len(label) for label, _ in rows)
+    widths = [max(len(values[i]) for _, values in rows) for i in range(len(records))]
+    lines = []
+    for label, values in rows:
+        cells = "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True))
+        lines.append(f"{label.ljust(label_width)}  {cells}".rstrip())
+    return "\n".join(lines)
+
+
+def plot_comparison(records: Sequence[RunRecord], path: str | Path, *, target: float | None = None) -> None:
+    """Write a PNG of the runs' accuracy against simulated and wall time (a dashed line at ``target``)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2)
+    for record in records:
+        label = f"{record.name} ({record.run_id[:8]})"
+        axes[0].plot([p.simulated_s for p in record.history], [p.accuracy for p in record.history], label=label)
+        axes[1].plot([p.wall_s for p in record.history], [p.accuracy for p in record.history], label=label)
+    for ax, xlabel in zip(axes, ("simulated seconds", "wall seconds"), strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+        if target is not None:
+            ax.axhline(target, color="k", linestyle="--", linewidth=0.8)
+    axes[0].legend(fontsize="small")
+    fig.suptitle("flasync runs compared")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    Path(path).write_bytes(buffer.getvalue())

@@ -1,0 +1,180 @@
+"""Read a finished run back from MLflow and print its profile (``flasync report RUN_ID``).
+
+Everything is read through ``MlflowClient``: the run's metrics and its ``profile.json`` artifact. Formatting is a
+pure function of the run's data and the profile dict, so it is testable without a store.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import Run
+
+from tracking.mlflow_run import resolve_tracking_uri, sqlite_path
+
+__all__ = ["RunLookupError", "format_report", "get_run", "load_profile", "open_store"]
+
+
+class RunLookupError(LookupError):
+    """A store, experiment or run that was asked for does not exist (the message is one line)."""
+
+
+def open_store(uri: str | None = None) -> mlflow.MlflowClient:
+    """Return a client of the store ``uri`` names (resolved as a tracker resolves it).
+
+    Raises:
+        RunLookupError: The URI names a SQLite file that does not exist (nothing is created).
+    """
+    resolved = resolve_tracking_uri(uri)
+    db = sqlite_path(resolved)
+    if db is not None and not db.exists():
+        raise RunLookupError(f"no MLflow store at {db} (pass --tracking-uri)")
+    return mlflow.MlflowClient(tracking_uri=resolved)
+
+
+def get_run(client: mlflow.MlflowClient, run_id: str) -> Run:
+    """Return the run ``run_id``.
+
+    Raises:
+        RunLookupError: There is no such run in the store.
+    """
+    try:
+        return client.get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        raise RunLookupError(f"no run {run_id!r} in {client.tracking_uri}") from None
+
+
+def load_profile(client: mlflow.MlflowClient, run_id: str) -> dict[str, Any] | None:
+    """Return the run's ``profile.json`` artifact, or None when the run has none."""
+    with tempfile.TemporaryDirectory(prefix="tracking-report-") as tmp:
+        try:
+            path = client.download_artifacts(run_id, "profile.json", tmp)
+        except Exception:
+            return None
+        loaded: dict[str, Any] = json.loads(Path(path).read_text())
+        return loaded
+
+
+def _num(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _bytes(value: Any) -> str:
+    if value is None:
+        return "-"
+    n = float(value)
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def _spread(summary: Mapping[str, Any] | None, fmt: Any = _num) -> str:
+    if not summary:
+        return "-"
+    return f"p50 {fmt(summary['p50'])}  p90 {fmt(summary['p90'])}  max {fmt(summary['max'])}"
+
+
+def format_report(run_id: str, name: str, metrics: Mapping[str, float], profile: Mapping[str, Any] | None) -> str:
+    """Return the text report of one run.
+
+    Args:
+        run_id: The run's id.
+        name: The run's name.
+        metrics: The run's latest metric values (``run.finished.*`` are used).
+        profile: The run's ``profile.json`` (None: only the headline is printed).
+    """
+    m = metrics
+    lines = [
+        f"run {name} ({run_id})",
+        f"  accuracy      {_num(m.get('run.finished.accuracy'))}   loss {_num(m.get('run.finished.loss'))}",
+        f"  updates       {_num(m.get('run.finished.updates_accepted'))} accepted, "
+        f"{_num(m.get('run.finished.updates_dropped'))} dropped, {_num(m.get('run.finished.updates_failed'))} failed",
+        f"  versions      {_num(m.get('run.finished.versions'))}   wall {_num(m.get('run.finished.wall_s'))} s, "
+        f"simulated {_num(m.get('run.finished.simulated_s'))} s",
+    ]
+    if profile is None:
+        lines.append("  (no profile.json: the run had diagnostics.profile off)")
+        return "\n".join(lines)
+    time = profile["time"]
+    totals = time["totals"]
+    wall = profile.get("wall_s") or 0.0
+    lines.append("time (wall seconds; client columns summed over clients; sim = simulated seconds)")
+    for key, value in totals.items():
+        share = f"  ({100 * value / wall:.1f}% of wall)" if key in _SERVER_KEYS and wall else ""
+        lines.append(f"  {key:<22}{_num(value)}{share}")
+    lines.append(f"  server idle fraction  {_num(time.get('server_idle_fraction'))}")
+    clients = profile["clients"]
+    lines.append(
+        f"clients ({clients['participants']} took part, {clients['tasks_completed']} tasks completed, "
+        f"{clients['tasks_failed']} failed)"
+    )
+    lines.append(f"  task time (sim s)     {_spread(clients['sim_task_s'])}")
+    lines.append(f"  compute (wall s)      {_spread(clients['compute_s'])}")
+    if clients["stragglers"]:
+        lines.append("  stragglers (slowest median task time):")
+        for row in clients["stragglers"]:
+            lines.append(
+                f"    client {row['client_id']:<6} {_num(row['task_sim_s'])} sim s  "
+                f"{_num(row['times_median'], 3)}x the median  ({row['tasks']} tasks)"
+            )
+    comm = profile["communication"]
+    lines.append(
+        f"communication: up {_bytes(comm['upload_bytes'])}, down {_bytes(comm['download_bytes'])}, "
+        f"compression up {_num(comm['upload_compression'], 3)}x, down {_num(comm['download_compression'], 3)}x"
+    )
+    for tier, figures in comm["per_tier"].items():
+        lines.append(
+            f"  tier {tier:<10} up {_bytes(figures['upload_bytes'])}, down {_bytes(figures['download_bytes'])}"
+        )
+    lines.append(f"  per client up         {_spread(comm['upload_bytes_per_client'], _bytes)}")
+    lines.append(f"  per client down       {_spread(comm['download_bytes_per_client'], _bytes)}")
+    staleness = profile["staleness"]["summary"]
+    lines.append(f"staleness               {_spread(staleness)}")
+    memory = profile["memory"]
+    lines.append(
+        f"memory: peak RSS {_bytes(memory.get('peak_rss_bytes'))}, model {_bytes(memory.get('model_bytes'))}, "
+        f"gradients {_bytes(memory.get('gradient_bytes'))}, optimizer {_bytes(memory.get('optimizer_bytes'))}, "
+        f"aggregator {_bytes(memory.get('aggregator_bytes'))}"
+    )
+    lines.append(f"  training call peak    {_spread(memory.get('training_call_peak_bytes'), _bytes)}")
+    for gpu in memory.get("gpus") or []:
+        lines.append(
+            f"  gpu {gpu['index']} {gpu['name']}: {_bytes(gpu['memory_used_bytes'])} used, "
+            f"{_num(gpu['utilization_percent'])}% busy"
+        )
+    diagnostics = profile.get("diagnostics") or {}
+    alerts = profile.get("alerts") or {}
+    lines.append(
+        f"diagnostics (level {diagnostics.get('level', '-')}): alerts "
+        + (", ".join(f"{k} x{v}" for k, v in sorted(alerts.items())) or "none")
+    )
+    if diagnostics.get("update_norm"):
+        lines.append(f"  update norm           {_spread(diagnostics['update_norm'])}")
+    weights = diagnostics.get("weights") or []
+    if weights:
+        last = weights[-1]
+        lines.append(f"  weights (version {last['version']})  norm {_num(last['norm'])}, drift {_num(last['drift'])}")
+    for layer in diagnostics.get("layers") or []:
+        lines.append(
+            f"  grad norm {layer['name']:<24} mean {_num(layer['grad_norm_mean'])}  max {_num(layer['grad_norm_max'])}"
+        )
+    for name, norm in (diagnostics.get("layer_weight_norms") or {}).items():
+        lines.append(f"  weight norm {name:<22} {_num(norm)}")
+    return "\n".join(lines)
+
+
+_SERVER_KEYS = frozenset({"decode_s", "aggregate_s", "eval_s", "idle_s"})

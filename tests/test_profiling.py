@@ -201,3 +201,15 @@ async def test_hierarchy_bytes_per_tier() -> None:
     assert tiers["edge1"]["forwards"] == len(forwarded)
     rows = federation.profile["time"]["per_version"]
     assert len(rows) == summary.versions and sum(r["updates"] for r in rows) > 0
+
+
+async def test_vectorized_cohorts_are_profiled_and_diagnosed() -> None:
+    """Clients trained together in a vectorized cohort carry timings, bytes and update norms like solo ones."""
+    federation = flasync.Federation(small_config("executor.kind=vectorized", "stop.max_versions=4"))
+    recorder = EventRecorder(federation.bus)
+    await federation.run()
+    assert federation.profile is not None
+    uploads = recorder.of(UpdateUploaded)
+    assert all(e.diagnosis is not None and e.diagnosis.update_norm > 0 for e in uploads)
+    assert federation.profile["communication"]["upload_bytes"] == sum(len(e.payload) for e in uploads)
+    assert federation.profile["diagnostics"]["update_norm"]["count"] == len(uploads)

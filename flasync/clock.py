@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -47,12 +48,26 @@ class Clock(Protocol):
         """Wait ``seconds``."""
         ...
 
-    async def run(self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0) -> T:
-        """Run ``fn`` in ``executor``; under virtual time it also takes ``simulated_s``."""
+    async def run(
+        self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0, until: float | None = None
+    ) -> T:
+        """Run ``fn`` in ``executor``; under virtual time it also takes ``simulated_s`` (or lasts ``until``)."""
+        ...
+
+    async def sleep_until(self, when: float) -> None:
+        """Wait until the clock reads ``when`` (at once if it has passed)."""
         ...
 
     async def drive(self) -> None:
         """Advance time until :meth:`stop` (a no-op for real time)."""
+        ...
+
+    def state(self) -> dict[str, float | int]:
+        """Return what a checkpoint needs to continue this clock."""
+        ...
+
+    def restore(self, state: dict[str, float | int]) -> None:
+        """Continue from :meth:`state` (before the run starts)."""
         ...
 
     def stop(self) -> None:
@@ -82,8 +97,24 @@ class WallClock:
         """Sleep ``seconds`` of real time."""
         await asyncio.sleep(seconds)
 
-    async def run(self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0) -> T:
-        """Run ``fn`` in ``executor`` and return its result (``simulated_s`` is ignored)."""
+    def state(self) -> dict[str, float | int]:
+        """Return the clock's reading (for a checkpoint)."""
+        return {"now": self.now()}
+
+    def restore(self, state: dict[str, float | int]) -> None:
+        """Continue from a checkpoint's reading: ``now()`` goes on from ``state["now"]``."""
+        self._start = self._time_fn() - float(state["now"])
+
+    async def sleep_until(self, when: float) -> None:
+        """Sleep until ``now() >= when``."""
+        delay = when - self.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def run(
+        self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0, until: float | None = None
+    ) -> T:
+        """Run ``fn`` in ``executor`` and return its result (``simulated_s`` and ``until`` are ignored)."""
         return await asyncio.get_running_loop().run_in_executor(executor, fn)
 
     async def drive(self) -> None:
@@ -153,13 +184,33 @@ class VirtualClock:
         """Count timers not yet fired (cancelled ones included until they reach the head)."""
         return len(self._heap)
 
+    def state(self) -> dict[str, float | int]:
+        """Return what a checkpoint needs to restart this clock: the time and the timer sequence counter.
+
+        Pending timers belong to the coroutines that wait on them; a resumed run re-creates them (at the same
+        absolute times, see :meth:`sleep_until` and ``run(..., until=...)``).
+        """
+        return {"now": self._now, "seq": self._seq}
+
+    def restore(self, state: dict[str, float | int]) -> None:
+        """Set the time and sequence counter from :meth:`state` (before :meth:`drive` starts)."""
+        self._now = float(state["now"])
+        self._seq = int(state["seq"])
+
     def _push(
         self, delay: float, job: asyncio.Future[object] | None, source: Future[object] | None = None
     ) -> asyncio.Future[None]:
         if not delay >= 0.0:  # also rejects NaN
             raise ValueError(f"a delay must be a finite number >= 0, got {delay}")
+        return self._push_at(self._now + delay, job, source)
+
+    def _push_at(
+        self, when: float, job: asyncio.Future[object] | None, source: Future[object] | None = None
+    ) -> asyncio.Future[None]:
+        if math.isnan(when):
+            raise ValueError("a timer's time must not be NaN")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, _Timer(self._now + delay, self._seq, waiter, job, source))
+        heapq.heappush(self._heap, _Timer(when, self._seq, waiter, job, source))
         self._seq += 1
         self._activity += 1
         self._wake()
@@ -175,18 +226,25 @@ class VirtualClock:
         await self._push(seconds, None)
 
     async def sleep_until(self, when: float) -> None:
-        """Wait until virtual time ``when`` (at once if it has passed)."""
-        await self._push(max(0.0, when - self._now), None)
+        """Wait until virtual time ``when`` exactly (at once, without moving time back, if it has passed)."""
+        await self._push_at(when, None)
 
-    async def run(self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0) -> T:
+    async def run(
+        self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0, until: float | None = None
+    ) -> T:
         """Run ``fn`` in ``executor``; resume ``simulated_s`` virtual seconds later, once ``fn`` has returned.
 
         The job starts at once in real time; only its *completion*, as seen by the caller, is placed on the
-        virtual timeline, and time does not pass that point until the job is really done.
+        virtual timeline, and time does not pass that point until the job is really done. ``until`` places the
+        completion at that absolute time instead (a resumed task keeps the timeline it started with).
         """
         source = executor.submit(fn)
         job = asyncio.wrap_future(source)
-        waiter = self._push(simulated_s, job, source)  # type: ignore[arg-type]
+        waiter = (
+            self._push(simulated_s, job, source)  # type: ignore[arg-type]
+            if until is None
+            else self._push_at(until, job, source)  # type: ignore[arg-type]
+        )
         try:
             await waiter
         except asyncio.CancelledError:

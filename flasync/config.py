@@ -20,7 +20,9 @@ from flasync.errors import ConfigError
 
 __all__ = [
     "AdamServerOptimizer",
+    "AvailabilityConfig",
     "BFloat16Stage",
+    "CheckpointConfig",
     "ClientConfig",
     "CodecConfig",
     "ConstantSpeed",
@@ -32,6 +34,7 @@ __all__ = [
     "EdgeSpec",
     "EvalConfig",
     "ExecutorConfig",
+    "FaultsConfig",
     "FedAsyncServer",
     "FedAvgServer",
     "FedBuffServer",
@@ -47,6 +50,7 @@ __all__ = [
     "PolynomialStalenessConfig",
     "PopulationConfig",
     "RandomKStage",
+    "ResilienceConfig",
     "RunConfig",
     "SGDServerOptimizer",
     "ShardsPartition",
@@ -461,6 +465,74 @@ class TreeTopology(_Section):
 TopologyConfig = Annotated[FlatTopology | TreeTopology, Field(discriminator="kind")]
 
 
+# ------------------------------------------------------------------------------------------------- faults
+class AvailabilityConfig(_Section):
+    """Periodic availability: each client is online for ``online_fraction`` of every ``period_s`` seconds.
+
+    Each client's window starts at its own phase, drawn once from the run's seed. The server samples only online
+    clients, and a client whose window closes before its upload is done drops out at that moment.
+    """
+
+    period_s: float = Field(gt=0.0, description="Length of one availability cycle, in (simulated) seconds.")
+    online_fraction: float = Field(gt=0.0, le=1.0, description="Share of every cycle a client is online.")
+
+
+class FaultsConfig(_Section):
+    """Simulated client failures, drawn per client task from the run's seed (deterministic on the virtual clock).
+
+    For each task one uniform draw ``u`` decides its fate: ``u < crash`` the training raises; then ``hang``
+    (the client never answers: only ``resilience.task_timeout_s`` ends the task); then ``dropout`` (the client
+    disconnects part-way through training). The three rates must sum to less than 1.
+    """
+
+    crash: float = Field(0.0, ge=0.0, lt=1.0, description="Probability that a task's training raises.")
+    hang: float = Field(0.0, ge=0.0, lt=1.0, description="Probability that a task never returns.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Probability that a client leaves mid-training.")
+    availability: AvailabilityConfig | None = None
+
+    @model_validator(mode="after")
+    def _rates(self) -> FaultsConfig:
+        total = self.crash + self.hang + self.dropout
+        if not total < 1.0:
+            raise _FieldError(("faults",), f"crash + hang + dropout must be < 1, got {total:g}")
+        return self
+
+
+class ResilienceConfig(_Section):
+    """How the server copes with failing clients and suspicious updates."""
+
+    task_timeout_s: float | None = Field(
+        None, gt=0.0, description="A task not answered this many seconds after dispatch is abandoned (timed out)."
+    )
+    round_quorum: float = Field(
+        1.0, gt=0.0, le=1.0, description="Sync: a round closes once this share of clients_per_round answered."
+    )
+    round_deadline_s: float | None = Field(
+        None, gt=0.0, description="Sync: a round closes this many seconds after it started, with who answered."
+    )
+    over_selection: float = Field(
+        0.0, ge=0.0, le=10.0, description="Sync: sample ceil((1 + x) * clients_per_round) clients per round."
+    )
+    max_update_norm: float | None = Field(None, gt=0.0, description="Reject updates whose L2 norm is larger.")
+    zscore_threshold: float | None = Field(
+        None, gt=0.0, description="Reject updates whose norm's robust z-score over recent updates is larger."
+    )
+    zscore_window: int = Field(50, ge=3, description="Accepted update norms the robust z-score looks at.")
+    zscore_min_history: int = Field(10, ge=3, description="Norms needed before the z-score check applies.")
+    clip_update_norm: float | None = Field(None, gt=0.0, description="Scale accepted updates down to this norm.")
+    aggregation: Literal["mean", "median", "trimmed_mean"] = Field(
+        "mean", description="Sync: combine a round's updates by weighted mean, coordinate-wise median or trimmed mean."
+    )
+    trim_fraction: float = Field(0.1, ge=0.0, lt=0.5, description="trimmed_mean: share cut at each end.")
+
+
+class CheckpointConfig(_Section):
+    """Checkpoints of the whole run state, written as MLflow artifacts (``checkpoints/latest.pt``)."""
+
+    every_versions: int | None = Field(None, ge=1, description="Write a checkpoint every N model versions.")
+    on_interrupt: bool = Field(True, description="Write a checkpoint when SIGINT/SIGTERM stops the run.")
+
+
 # ---------------------------------------------------------------------------------------------------- runtime
 class EvalConfig(_Section):
     """Server-side evaluation on the held-out split."""
@@ -565,6 +637,9 @@ class RunConfig(_Section):
     clock: Literal["virtual", "wall"] = "virtual"
     tracking: TrackingConfig = TrackingConfig()
     diagnostics: DiagnosticsConfig = DiagnosticsConfig()
+    faults: FaultsConfig = FaultsConfig()
+    resilience: ResilienceConfig = ResilienceConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
@@ -585,6 +660,23 @@ class RunConfig(_Section):
             count = len(topology.edges) or sum(math.prod(topology.fanout[: i + 1]) for i in range(len(topology.fanout)))
             if count > 32:
                 raise _FieldError(("topology", "per_edge_metrics"), f"at most 32 edges, the tree has {count}")
+
+        res = self.resilience
+        if self.faults.hang > 0 and res.task_timeout_s is None:
+            raise _FieldError(
+                ("resilience", "task_timeout_s"),
+                f"must be set when faults.hang > 0 (got hang={self.faults.hang:g}): hanging clients never answer",
+            )
+        if res.aggregation != "mean" and not isinstance(server, FedAvgServer):
+            raise _FieldError(
+                ("resilience", "aggregation"),
+                f"{res.aggregation!r} applies to sync rounds only (server.kind = 'fedavg'), not {server.kind!r}",
+            )
+        if res.zscore_min_history > res.zscore_window:
+            raise _FieldError(
+                ("resilience", "zscore_min_history"),
+                f"must be <= resilience.zscore_window ({res.zscore_window}), got {res.zscore_min_history}",
+            )
         return self
 
 

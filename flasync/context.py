@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from flasync.config import RunConfig
 from flasync.data import Partition, SyntheticClients
 from flasync.diagnostics import TrainingDiagnostics
 from flasync.executors import ThreadTrainingExecutor
+from flasync.faults import FaultModel
 from flasync.population import Network, Population
 from flasync.residuals import ResidualStore
 from flasync.topology import Tree
@@ -52,6 +53,9 @@ class RunContext:
         tree: The aggregation tree (None: a flat run, every client talks to the cloud).
         lazy_clients: Clients whose samples are drawn when they are sampled (then ``train_x`` is unused).
         diagnostics: Training diagnostics run in the training threads (None: NaN/Inf checks only).
+        faults: The simulated failure model (None: no faults).
+        pre_task_residuals: When checkpoints are on, each in-flight task's residual as it was when the task
+            started (None: not recorded), by task id; the server drops an entry when it closes the task.
     """
 
     config: RunConfig
@@ -86,6 +90,8 @@ class RunContext:
         device = self.train_x.device
         x, y = data.x.to(device), data.y.to(device)
         return x, y, torch.arange(len(y), device=device)
+    faults: FaultModel | None = None
+    pre_task_residuals: dict[int, torch.Tensor | None] | None = field(default=None)
 
     diagnostics: TrainingDiagnostics | None = None
 

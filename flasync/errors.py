@@ -5,10 +5,13 @@ from __future__ import annotations
 __all__ = [
     "BusClosed",
     "BusFull",
+    "CheckpointError",
     "ConfigError",
     "DataError",
     "DecodeError",
     "FlasyncError",
+    "InjectedFault",
+    "RunInterrupted",
     "TrainingError",
 ]
 
@@ -39,3 +42,29 @@ class BusClosed(FlasyncError):
 
 class BusFull(FlasyncError):
     """``publish_nowait`` found a subscriber with the ``block`` policy whose queue is full."""
+
+
+class InjectedFault(FlasyncError, RuntimeError):
+    """A failure the run's fault model injected on purpose (``faults.crash``)."""
+
+
+class CheckpointError(FlasyncError, ValueError):
+    """A checkpoint cannot be found, read or applied to this run."""
+
+
+class RunInterrupted(FlasyncError):
+    """The run was stopped by a signal (or :meth:`flasync.Federation.request_stop`) before its stop condition.
+
+    Attributes:
+        reason: What stopped it, e.g. ``"SIGINT"``.
+        run_id: The MLflow run (ended as ``KILLED``), if tracking was on.
+        checkpoint: The artifact path of the checkpoint written, if any.
+    """
+
+    def __init__(self, reason: str, *, run_id: str | None = None, checkpoint: str | None = None) -> None:
+        """Describe the interruption."""
+        where = f"; checkpoint {checkpoint} in MLflow run {run_id}" if checkpoint and run_id else ""
+        super().__init__(f"interrupted ({reason}){where}")
+        self.reason = reason
+        self.run_id = run_id
+        self.checkpoint = checkpoint

@@ -17,9 +17,12 @@ __all__ = [
     "ClientFailed",
     "ClientId",
     "EdgeForwarded",
+    "ClientTimedOut",
     "Evaluated",
     "ModelPublished",
+    "RoundDeadlinePassed",
     "RunFinished",
+    "StopRequested",
     "TaskAssigned",
     "TaskClosed",
     "TaskDiagnosis",
@@ -129,8 +132,13 @@ class UpdateReceived:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateRejected:
-    """The server refused an update (``reason``: ``stale``, ``decode``, ``non_finite``, ``unknown_version``,
-    ``unexpected``: no such task in flight)."""
+    """The server refused an update; aggregation state is left as it was.
+
+    ``reason``: ``stale``, ``decode`` (malformed payload), ``shape`` or ``dtype`` (a decoded update of the wrong
+    form), ``non_finite`` (NaN/Inf), ``norm`` (above ``resilience.max_update_norm``), ``zscore`` (a norm far
+    above recent ones), ``unknown_version`` (a base version never published), ``unexpected`` (no such task in
+    flight).
+    """
 
     task_id: int
     client_id: ClientId
@@ -190,7 +198,11 @@ class EdgeForwarded:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientFailed:
     """A client task ended with an error instead of an update, reported to ``to`` (``diagnosis``: when training
-    found NaN/Inf)."""
+    found NaN/Inf).
+
+    ``kind``: ``error`` (training raised), ``crash`` (an injected crash, ``faults.crash``), ``dropout`` (the client
+    left mid-training, ``faults.dropout``), ``offline`` (its availability window closed before it was done).
+    """
 
     to: str = CLOUD
     task_id: int
@@ -199,6 +211,33 @@ class ClientFailed:
     error: str
     simulated_s: float
     diagnosis: TaskDiagnosis | None = None
+    kind: str = "error"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientTimedOut:
+    """A client task was not answered within ``timeout_s`` of its dispatch; the server abandoned it."""
+
+    task_id: int
+    client_id: ClientId
+    base_version: Version
+    timeout_s: float
+    simulated_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundDeadlinePassed:
+    """The deadline of the sync round that started from model ``version`` passed."""
+
+    version: Version
+    simulated_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRequested:
+    """Something outside the run (a signal, :meth:`flasync.Federation.request_stop`) asked it to stop."""
+
+    reason: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,8 +17,10 @@ import numpy as np
 import torch
 
 __all__ = [
+    "AVAILABILITY",
     "CODEC",
     "DATA",
+    "FAULTS",
     "MODEL_INIT",
     "NETWORK",
     "PARTITION",
@@ -29,6 +31,7 @@ __all__ = [
     "numpy_stream",
     "stream_normal",
     "stream_seed",
+    "stream_uniform",
     "torch_stream",
 ]
 
@@ -43,6 +46,8 @@ TASK_SPEED = 6
 NETWORK = 7
 CODEC = 8
 TOPOLOGY = 9
+FAULTS = 10
+AVAILABILITY = 11
 
 _MASK = (1 << 64) - 1
 
@@ -73,6 +78,11 @@ def stream_normal(seed: int, *key: int) -> float:
     u1 = ((state >> 11) + 1) / 9007199254740993.0  # in (0, 1]
     u2 = (second >> 11) / 9007199254740992.0  # in [0, 1)
     return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+
+
+def stream_uniform(seed: int, *key: int) -> float:
+    """Return one uniform draw in ``[0, 1)`` for the stream ``key`` of ``seed`` (53 bits)."""
+    return (_mix(seed, key) >> 11) / 9007199254740992.0
 
 
 def numpy_stream(seed: int, *key: int) -> np.random.Generator:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from flasync.aggregation.buffer import UpdateBuffer
 from flasync.aggregation.functional import fedasync_mix_, fedavg, fedbuff, normalized, weighted_mean
 from flasync.aggregation.optimizers import ServerOptimizer
+from flasync.aggregation.robust import coordinate_median, trimmed_mean
 from flasync.aggregation.staleness import (
     ConstantStaleness,
     HingeStaleness,
@@ -24,9 +25,11 @@ __all__ = [
     "ServerOptimizer",
     "StalenessWeight",
     "UpdateBuffer",
+    "coordinate_median",
     "fedasync_mix_",
     "fedavg",
     "fedbuff",
     "normalized",
+    "trimmed_mean",
     "weighted_mean",
 ]

@@ -1,0 +1,141 @@
+"""Checks on a decoded client update before it may touch the aggregator.
+
+:class:`UpdateValidator` is pure bookkeeping over tensors: it says why an update is refused (or ``None``), and
+keeps the norms of recently *accepted* updates for the robust z-score. The server calls it after decoding and before
+aggregating, so a refused update leaves the aggregator exactly as it was.
+
+The robust z-score of a norm ``x`` over recent norms ``h`` is ``(x - median(h)) / (1.4826 * MAD(h))`` (MAD: the
+median absolute deviation; 1.4826 makes it estimate the standard deviation of normal data), so one huge update
+cannot inflate the scale it is judged by, as it would a mean and standard deviation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Verdict", "UpdateValidator", "clip_to_norm", "robust_zscore"]
+
+_MAD_TO_SIGMA = 1.4826
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Why an update is refused: ``reason`` (a short key, e.g. ``"norm"``) and a one-line ``detail``."""
+
+    reason: str
+    detail: str
+
+
+def robust_zscore(value: float, history: Iterable[float]) -> float:
+    """Return ``(value - median) / (1.4826 * MAD)`` over ``history`` (0 when history is empty or has no spread).
+
+    With a zero MAD (most norms equal), any value above the median scores ``inf`` and any other value 0.
+    """
+    values = sorted(history)
+    if not values:
+        return 0.0
+    median = _median(values)
+    mad = _median(sorted(abs(v - median) for v in values))
+    if mad == 0.0:
+        return math.inf if value > median else 0.0
+    return (value - median) / (_MAD_TO_SIGMA * mad)
+
+
+def _median(sorted_values: list[float]) -> float:
+    n = len(sorted_values)
+    middle = n // 2
+    return sorted_values[middle] if n % 2 else 0.5 * (sorted_values[middle - 1] + sorted_values[middle])
+
+
+def clip_to_norm(delta: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, float]:
+    """Return ``delta`` scaled down to L2 norm ``max_norm`` if it is longer (a new tensor then), and its norm.
+
+    Raises:
+        ValueError: If ``max_norm`` is not a finite number > 0.
+    """
+    if not max_norm > 0 or not math.isfinite(max_norm):
+        raise ValueError(f"max_norm must be finite and > 0, got {max_norm}")
+    norm = float(torch.linalg.vector_norm(delta))
+    if norm <= max_norm:
+        return delta, norm
+    return delta * (max_norm / norm), norm
+
+
+class UpdateValidator:
+    """Validate decoded updates: form, finiteness, norm bound and robust z-score of the norm.
+
+    Args:
+        num_params: Expected length of every update (a flat vector).
+        dtype: Expected element type.
+        max_norm: Refuse updates with a larger L2 norm (``None``: no bound).
+        zscore_threshold: Refuse updates whose norm's robust z-score exceeds this (``None``: off).
+        window: How many accepted norms the z-score looks at.
+        min_history: Accepted norms needed before the z-score check applies.
+    """
+
+    def __init__(
+        self,
+        num_params: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        max_norm: float | None = None,
+        zscore_threshold: float | None = None,
+        window: int = 50,
+        min_history: int = 10,
+    ) -> None:
+        """Start with no history."""
+        if window < 1 or min_history < 1:
+            raise ValueError(f"window and min_history must be >= 1, got {window} and {min_history}")
+        self.num_params = num_params
+        self.dtype = dtype
+        self.max_norm = max_norm
+        self.zscore_threshold = zscore_threshold
+        self.min_history = min_history
+        self._norms: deque[float] = deque(maxlen=window)
+
+    @property
+    def norms(self) -> list[float]:
+        """The accepted norms the z-score currently looks at, oldest first."""
+        return list(self._norms)
+
+    def load_norms(self, norms: Iterable[float]) -> None:
+        """Replace the history of accepted norms (from a checkpoint)."""
+        self._norms.clear()
+        self._norms.extend(float(n) for n in norms)
+
+    def check(self, delta: torch.Tensor) -> tuple[Verdict | None, float]:
+        """Return ``(verdict, norm)``: ``verdict`` is ``None`` if ``delta`` may be aggregated.
+
+        Nothing is recorded; call :meth:`accepted` once the update was really aggregated.
+        """
+        if delta.dim() != 1 or delta.numel() != self.num_params:
+            return Verdict("shape", f"update has shape {tuple(delta.shape)}, expected ({self.num_params},)"), math.nan
+        if delta.dtype != self.dtype:
+            return Verdict("dtype", f"update has dtype {delta.dtype}, expected {self.dtype}"), math.nan
+        if not bool(torch.isfinite(delta).all()):
+            return Verdict("non_finite", "update contains NaN or Inf"), math.nan
+        norm = float(torch.linalg.vector_norm(delta))
+        if self.max_norm is not None and norm > self.max_norm:
+            return Verdict("norm", f"update norm {norm:.4g} > max_update_norm {self.max_norm:g}"), norm
+        if self.zscore_threshold is not None and len(self._norms) >= self.min_history:
+            score = robust_zscore(norm, self._norms)
+            if score > self.zscore_threshold:
+                return (
+                    Verdict(
+                        "zscore",
+                        f"update norm {norm:.4g} has robust z-score {score:.3g} > {self.zscore_threshold:g} "
+                        f"over the last {len(self._norms)} accepted updates",
+                    ),
+                    norm,
+                )
+        return None, norm
+
+    def accepted(self, norm: float) -> None:
+        """Record the norm of an update that was aggregated."""
+        if math.isfinite(norm):
+            self._norms.append(norm)

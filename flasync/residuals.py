@@ -154,6 +154,11 @@ class ResidualStore:
                 self._path(client_id).unlink(missing_ok=True)
                 self._on_disk.discard(client_id)
 
+    def client_ids(self) -> list[int]:
+        """Return the ids of the clients that hold a residual, in memory or on disk, sorted."""
+        with self._lock:
+            return sorted({*self._memory, *self._on_disk})
+
     def norm(self, client_id: int) -> float | None:
         """Return the L2 norm of the client's residual, or ``None`` if it has none (reads a spilled one back)."""
         residual = self.get(client_id)

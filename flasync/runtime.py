@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -26,7 +27,7 @@ import yaml
 from torch import nn
 
 import tracking
-from flasync import codecs, seeding
+from flasync import checkpoint, codecs, seeding
 from flasync._version import __version__
 from flasync.bus import EventBus
 from flasync.clock import Clock, VirtualClock, WallClock
@@ -65,8 +66,9 @@ from flasync.data import (
     train_test_split,
 )
 from flasync.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, layer_layout
-from flasync.errors import ConfigError, DataError
+from flasync.errors import ConfigError, DataError, RunInterrupted
 from flasync.executors import ThreadTrainingExecutor, resolve_device
+from flasync.faults import FaultModel
 from flasync.models import MLP, SmallCNN
 from flasync.population import Network, Population
 from flasync.profiling import (
@@ -125,6 +127,8 @@ class RunSummary:
     updates_dropped: int
     updates_failed: int
     tasks_dispatched: int
+    tasks_timed_out: int
+    tasks_abandoned: int
     versions: int
     wall_s: float
     simulated_s: float
@@ -190,6 +194,9 @@ class Federation:
             ``{"region": [...]}``, for ``topology.assign = "attribute"``.
         clock: Overrides the clock ``config.clock`` names.
         wall: Monotonic real seconds (injected for tests).
+        resume: Continue from a checkpoint (see :mod:`flasync.checkpoint`) instead of starting afresh; its
+            ``run_id`` (if any) is the MLflow run to continue. ``config`` must be the checkpointed run's config
+            (its ``stop`` section may differ).
 
     Raises:
         ConfigError: If ``config`` is not a valid configuration.
@@ -206,6 +213,7 @@ class Federation:
         client_attributes: Mapping[str, Sequence[Any] | np.ndarray] | None = None,
         clock: Clock | None = None,
         wall: Callable[[], float] = time.perf_counter,
+        resume: checkpoint.ResumePoint | None = None,
     ) -> None:
         """Validate the configuration and create the clock and bus (nothing runs yet)."""
         if config is None:
@@ -227,6 +235,26 @@ class Federation:
         """The run's profile (``profile.json``) once it finished with ``diagnostics.profile`` on."""
         self._scratch: str | None = None
         self._traces: TrainingDiagnostics | None = None
+        self._resume = resume
+        self._server: Server | None = None
+        self._stop_requested = ""
+
+    def request_stop(self, reason: str = "interrupted") -> None:
+        """Ask the run to stop soon, checkpoint and end as ``KILLED``; :meth:`run` then raises ``RunInterrupted``.
+
+        Call it from the run's event loop (a signal handler installed with ``loop.add_signal_handler`` is). The
+        server finishes the message at hand, clients are cancelled, every metric is flushed, a checkpoint is
+        written (``checkpoint.on_interrupt``) and the tracking run ends ``KILLED``.
+        """
+        if not self._stop_requested:
+            self._stop_requested = reason
+        if self._server is not None:
+            self._server.request_stop(reason)
+
+    @property
+    def stop_requested(self) -> str:
+        """What asked the run to stop (empty if nothing did)."""
+        return self._stop_requested
 
     # -------------------------------------------------------------------------------------------- preparation
     def _load_data(self) -> tuple[ArrayData, ArrayData]:
@@ -425,18 +453,23 @@ class Federation:
         """
         cfg = self.config
         prepared = await asyncio.to_thread(self._prepare)
+        if self._stop_requested:
+            raise RunInterrupted(self._stop_requested)  # before any tracking run exists
         tracker = self._make_tracker()
         processors: list[Any] = []
         if not isinstance(tracker, tracking.NullTracker):
             processors.append(tracking.MetricsProcessor(tracker.log_metrics, exclude=_METRIC_EXCLUDE))
         log = tracking.make_logger(level=cfg.tracking.log_level, processors_before=processors)
-        run_id = await asyncio.to_thread(
-            tracker.start,
-            experiment=cfg.tracking.experiment,
-            run_name=cfg.tracking.run_name,
-            params=flatten(cfg),
-            tags=self._tags(),
-        )
+        if self._resume is not None and self._resume.run_id:
+            run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
+        else:
+            run_id = await asyncio.to_thread(
+                tracker.start,
+                experiment=cfg.tracking.experiment,
+                run_name=cfg.tracking.run_name,
+                params=flatten(cfg),
+                tags=self._tags(),
+            )
         self.run_id = run_id or None
         warned: set[str] = set()
 
@@ -463,7 +496,7 @@ class Federation:
                 await asyncio.to_thread(self._log_artifacts, tracker, prepared, summary, log)
             status = "FINISHED"
             return summary
-        except (asyncio.CancelledError, KeyboardInterrupt):
+        except (asyncio.CancelledError, KeyboardInterrupt, RunInterrupted):
             status = "KILLED"
             raise
         finally:
@@ -535,9 +568,19 @@ class Federation:
             tree=prepared.tree,
             lazy_clients=prepared.lazy,
             diagnostics=diagnostics,
+            faults=FaultModel(cfg.faults, cfg.seed, cfg.population.num_clients),
+            pre_task_residuals={} if residuals is not None else None,
         )
         weights = prepared.initial.to(device, copy=True)
         server = Server(ctx, weights)
+        if self._resume is not None:
+            server.restore(self._resume.state)
+            self.clock.restore(self._resume.state["clock"])
+        writes = _CheckpointWriter(tracker, cfg, log)
+        server.on_checkpoint = writes.submit
+        self._server = server
+        if self._stop_requested:
+            server.request_stop(self._stop_requested)
         instrumentation: Instrumentation | None = None
         if dcfg.profile or dcfg.level != "off":
             instrumentation = Instrumentation(
@@ -579,6 +622,10 @@ class Federation:
         except BaseExceptionGroup as group:
             raise _root_cause(group) from None
         finally:
+            self._server = None
+            if server.interrupted_state is not None and cfg.checkpoint.on_interrupt:
+                writes.submit(server.interrupted_state)
+            await asyncio.to_thread(writes.close)
             if residuals is not None:
                 # Jobs of cancelled clients may still be running and about to store residuals: let them finish.
                 await asyncio.to_thread(executor.shutdown)
@@ -602,6 +649,17 @@ class Federation:
         wall_s = self._wall() - start_wall
         simulated_s = self.clock.now() - start_sim
         self.weights = weights.cpu()  # artifacts and callers get host tensors, whatever the training device
+        if server.stop_requested:
+            log.warning(
+                "run.interrupted",
+                reason=server.stop_requested,
+                step=stats.versions,
+                versions=stats.versions,
+                updates_accepted=stats.updates_accepted,
+                checkpoint=writes.last_saved,
+                metrics=False,
+            )
+            raise RunInterrupted(server.stop_requested, run_id=self.run_id, checkpoint=writes.last_saved)
         summary = RunSummary(
             run_id=self.run_id,
             accuracy=stats.accuracy,
@@ -610,6 +668,8 @@ class Federation:
             updates_dropped=stats.updates_dropped,
             updates_failed=stats.updates_failed,
             tasks_dispatched=stats.tasks_dispatched,
+            tasks_timed_out=stats.tasks_timed_out,
+            tasks_abandoned=stats.tasks_abandoned,
             versions=stats.versions,
             wall_s=wall_s,
             simulated_s=simulated_s,
@@ -755,6 +815,46 @@ def _json_ready(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_json_ready(v) for v in value]
     return value
+
+
+class _CheckpointWriter:
+    """Serialise and upload checkpoints on one background thread, in order; failures are logged, never raised."""
+
+    def __init__(self, tracker: tracking.Tracker, config: RunConfig, log: Any) -> None:
+        self._tracker = tracker
+        self._config = config
+        self._log = log
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[None]] = []
+        self.last_saved: str | None = None
+
+    def submit(self, state: dict[str, Any]) -> None:
+        """Queue ``state`` for writing (returns at once: the event loop must not wait)."""
+        if isinstance(self._tracker, tracking.NullTracker):
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-checkpoint")
+        self._pending.append(self._pool.submit(self._write, state))
+
+    def _write(self, state: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        version = int(state["version"])
+        try:
+            data = checkpoint.encode(state, self._config)
+            self._tracker.log_bytes(data, checkpoint.CHECKPOINT_ARTIFACT)
+        except Exception as exc:  # a failing store must not take the run down
+            self._log.warning("checkpoint.failed", version=version, error=f"{type(exc).__name__}: {exc}", metrics=False)
+            return
+        self.last_saved = checkpoint.CHECKPOINT_ARTIFACT
+        self._log.debug(
+            "checkpoint", step=version, bytes=len(data), seconds=time.perf_counter() - start, in_flight=len(state["in_flight"])
+        )
+
+    def close(self) -> None:
+        """Wait for every queued checkpoint to be written."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -5,7 +5,13 @@ Two modes share one loop body:
 * **async** (FedBuff, FedAsync): ``concurrency`` tasks are always in flight; every arriving update is checked,
   weighted by its staleness ``tau = version_now - base_version`` and folded in; each arrival frees a slot that is
   refilled at once with a newly sampled idle client.
-* **sync** (FedAvg): each round samples a cohort, waits for every member (a barrier), and takes one server step.
+* **sync** (FedAvg): each round samples a cohort, waits for its members (a barrier that closes early once
+  ``resilience.round_quorum`` of them answered or ``resilience.round_deadline_s`` passed), and takes one server step.
+
+Failed clients (:class:`ClientFailed`) and tasks not answered within ``resilience.task_timeout_s``
+(:class:`ClientTimedOut`) are counted and their slots refilled; every decoded update is validated
+(:mod:`flasync.validation`) before it may touch the aggregator. :meth:`Server.checkpoint_state` captures
+everything needed to continue the run exactly (see :mod:`flasync.checkpoint`).
 
 The maths lives in :mod:`flasync.aggregation`; this module only orchestrates.
 """
@@ -13,9 +19,12 @@ The maths lives in :mod:`flasync.aggregation`; this module only orchestrates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,7 +38,9 @@ from flasync.aggregation import (
     ServerOptimizer,
     StalenessWeight,
     UpdateBuffer,
+    coordinate_median,
     fedasync_mix_,
+    trimmed_mean,
 )
 from flasync.client import Client, ModelSnapshot
 from flasync.config import (
@@ -45,16 +56,19 @@ from flasync.config import (
 )
 from flasync.context import RunContext
 from flasync.edge import EdgeNetwork
-from flasync.errors import DecodeError, TrainingError
+from flasync.errors import BusClosed, BusFull, CheckpointError, DecodeError, TrainingError
 from flasync.events import (
     CLOUD,
     Aggregated,
     ClientFailed,
     ClientId,
+    ClientTimedOut,
     EdgeForwarded,
     Evaluated,
     ModelPublished,
+    RoundDeadlinePassed,
     RunFinished,
+    StopRequested,
     TaskAssigned,
     TaskClosed,
     UpdateReceived,
@@ -63,10 +77,15 @@ from flasync.events import (
     Version,
 )
 from flasync.training import evaluate
+from flasync.validation import UpdateValidator, clip_to_norm
 
+ServerMessage = (
+    UpdateUploaded | ClientFailed | EdgeForwarded | TaskClosed | ClientTimedOut | RoundDeadlinePassed | StopRequested
+)
+INTERRUPTED = "interrupted"
 _DENSE = codecs.Pipeline()
 
-__all__ = ["Server", "ServerStats", "make_server_optimizer", "make_staleness_weight", "warm_up"]
+__all__ = ["INTERRUPTED", "Server", "ServerStats", "make_server_optimizer", "make_staleness_weight", "warm_up"]
 
 
 def make_staleness_weight(config: StalenessConfig) -> StalenessWeight:
@@ -116,7 +135,28 @@ class ServerStats:
     loss: float = math.nan
     evaluated_version: int = -1
     stop_reason: str = ""
+    tasks_timed_out: int = 0
+    tasks_abandoned: int = 0
     drop_reasons: Counter[str] = field(default_factory=Counter)
+    failure_kinds: Counter[str] = field(default_factory=Counter)
+
+    def to_state(self) -> dict[str, Any]:
+        """Return the counters as plain values (for a checkpoint)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = dict(value) if isinstance(value, Counter) else value
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> ServerStats:
+        """Rebuild counters from :meth:`to_state`."""
+        stats = cls()
+        for f in fields(stats):
+            if f.name in state:
+                value = state[f.name]
+                setattr(stats, f.name, Counter(value) if isinstance(getattr(stats, f.name), Counter) else value)
+        return stats
 
 
 class _Strategy(Protocol):
@@ -134,6 +174,18 @@ class _Strategy(Protocol):
 
     def step(self) -> None:
         """Apply the pending aggregate to the server weights (in place)."""
+        ...
+
+    def count(self) -> int:
+        """Count the updates waiting for the next step."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the strategy's state (buffer, optimizer) for a checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
         ...
 
 
@@ -173,6 +225,60 @@ class _Buffered:
         self.optimizer.step(self.buffer.pseudo_gradient())
         self.buffer.reset()
 
+    def count(self) -> int:
+        return self.buffer.count
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "buffered", "buffer": self.buffer.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "buffered":
+            raise CheckpointError(f"checkpoint holds a {state.get('kind')!r} aggregator, this run a buffered one")
+        self.buffer.load_state_dict(state["buffer"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class _Robust:
+    """Sync rounds with a robust rule: keep the round's deltas, combine them coordinate-wise, one server step."""
+
+    def __init__(
+        self, weights: torch.Tensor, *, rule: str, trim_fraction: float, optimizer: ServerOptimizerConfig
+    ) -> None:
+        self.optimizer = make_server_optimizer(weights, optimizer)
+        self.rule = rule
+        self.trim_fraction = trim_fraction
+        self.deltas: list[torch.Tensor] = []
+
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        self.deltas.append(delta.detach().clone())
+        return 1.0
+
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        raise ValueError("robust aggregation combines client updates, not edge partial aggregates")
+
+    def ready(self) -> bool:
+        return False  # the sync loop decides when a round is over
+
+    def step(self) -> None:
+        if self.rule == "median":
+            aggregate = coordinate_median(self.deltas)
+        else:
+            aggregate = trimmed_mean(self.deltas, self.trim_fraction)
+        self.optimizer.step(aggregate)
+        self.deltas.clear()
+
+    def count(self) -> int:
+        return len(self.deltas)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "robust", "deltas": [d.clone() for d in self.deltas], "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "robust":
+            raise CheckpointError(f"checkpoint holds a {state.get('kind')!r} aggregator, this run a robust one")
+        self.deltas = [d.clone() for d in state["deltas"]]
+        self.optimizer.load_state_dict(state["optimizer"])
+
 
 class _Mixing:
     """FedAsync: every update is mixed into the weights at once."""
@@ -203,6 +309,29 @@ class _Mixing:
     def step(self) -> None:
         self._pending = False
 
+    def count(self) -> int:
+        return int(self._pending)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "mixing", "pending": self._pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "mixing":
+            raise CheckpointError(f"checkpoint holds a {state.get('kind')!r} aggregator, this run a mixing one")
+        self._pending = bool(state["pending"])
+
+
+@dataclass(slots=True)
+class _Round:
+    """The sync round in progress."""
+
+    version: int
+    target: int
+    started_s: float
+    deadline_s: float | None
+    accepted: int = 0
+    deadline_passed: bool = False
+
 
 class Server:
     """The server of one run.
@@ -210,41 +339,79 @@ class Server:
     Args:
         ctx: The run's shared wiring.
         weights: Initial flat global weights; the server owns and updates this tensor.
+
+    Attributes:
+        on_checkpoint: Called with :meth:`checkpoint_state` every ``checkpoint.every_versions`` versions (it must
+            not block: hand the writing to a thread).
+        interrupted_state: The state captured when a stop request ended the run, else None.
     """
 
     def __init__(self, ctx: RunContext, weights: torch.Tensor) -> None:
         """Subscribe to client results and build the aggregation strategy."""
         self.ctx = ctx
         self.cfg = ctx.config.server
+        self.res = ctx.config.resilience
         self.weights = weights
         self.version = Version(0)
         self.stats = ServerStats()
+        self.on_checkpoint: Callable[[dict[str, Any]], None] | None = None
+        self.interrupted_state: dict[str, Any] | None = None
         self._rng = seeding.numpy_stream(ctx.config.seed, seeding.SERVER)
         self._snapshot: ModelSnapshot | None = None
         self._bases: dict[Version, ModelSnapshot] = {}
         self._base_refs: Counter[Version] = Counter()
         self._in_flight: dict[ClientId, TaskAssigned] = {}
+        self._handles: dict[int, asyncio.Task[None]] = {}
+        self._watchdogs: dict[int, asyncio.Task[None]] = {}
         self._participations = np.zeros(len(ctx.population), dtype=np.int64)
         self._failure_streak = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._start_wall = 0.0
         self._round_staleness: list[int] = []
+        self._round: _Round | None = None
+        self._deadline: asyncio.Task[None] | None = None
+        self._stop_requested = ""
+        self._restored = False
+        res = self.res
+        self._validator = UpdateValidator(
+            ctx.num_params,
+            max_norm=res.max_update_norm,
+            zscore_threshold=res.zscore_threshold,
+            window=res.zscore_window,
+            min_history=res.zscore_min_history,
+        )
         cfg = self.cfg
         in_flight = cfg.clients_per_round if isinstance(cfg, FedAvgServer) else cfg.concurrency
+        if isinstance(cfg, FedAvgServer):
+            in_flight = self._cohort_size(cfg)
         capacity = 2 * in_flight + 8
-        # Every task of several waves failing means the model or data is broken, not an unlucky client.
+        # Every task of several waves failing means the model or data is broken, not an unlucky client. Only
+        # genuine training errors count: injected faults, dropouts and timeouts never do.
         self._failure_limit = max(3 * in_flight, 30)
         self._ingress_since_version = 0
         self._egress_since_version = 0
         # Edges may hold many finished tasks' answers at once: the cloud's inbox must never block them.
         capacity = capacity if ctx.tree is None else max(capacity, 4 * ctx.tree.num_edges + 2 * in_flight + 8)
         self._inbox = ctx.bus.subscribe(
-            UpdateUploaded, ClientFailed, EdgeForwarded, TaskClosed, capacity=capacity, name="server", address=CLOUD
+            UpdateUploaded,
+            ClientFailed,
+            EdgeForwarded,
+            TaskClosed,
+            ClientTimedOut,
+            RoundDeadlinePassed,
+            StopRequested,
+            capacity=capacity,
+            name="server",
+            address=CLOUD,
         )
         self.max_staleness = cfg.max_staleness if isinstance(cfg, FedBuffServer | FedAsyncServer) else None
         self.strategy: _Strategy
-        if isinstance(cfg, FedAvgServer):
+        if isinstance(cfg, FedAvgServer) and res.aggregation != "mean":
+            self.strategy = _Robust(
+                weights, rule=res.aggregation, trim_fraction=res.trim_fraction, optimizer=cfg.optimizer
+            )
+        elif isinstance(cfg, FedAvgServer):
             self.strategy = _Buffered(
                 weights,
                 size=cfg.clients_per_round,
@@ -277,6 +444,28 @@ class Server:
                 spawn=self._spawn,
             )
 
+    def _cohort_size(self, cfg: FedAvgServer) -> int:
+        n = len(self.ctx.population)
+        return min(n, math.ceil((1.0 + self.res.over_selection) * cfg.clients_per_round - 1e-9))
+
+    # ------------------------------------------------------------------------------------------- stopping
+    def request_stop(self, reason: str) -> None:
+        """Ask the run to stop at its next consistent point (call from the loop's thread, e.g. a signal handler).
+
+        The server finishes handling the message at hand, captures :attr:`interrupted_state`, cancels the
+        client tasks and returns with ``stop_reason == "interrupted"``.
+        """
+        if self._stop_requested:
+            return
+        self._stop_requested = reason or INTERRUPTED
+        with contextlib.suppress(BusFull, BusClosed):  # a full inbox is being drained: the flag is seen anyway
+            self.ctx.bus.publish_nowait(StopRequested(reason=self._stop_requested))
+
+    @property
+    def stop_requested(self) -> str:
+        """What asked the run to stop (empty if nothing did)."""
+        return self._stop_requested
+
     # ------------------------------------------------------------------------------------------------ run
     async def run(self) -> ServerStats:
         """Run until a stop condition holds; return the final counters (the final model is :attr:`weights`)."""
@@ -288,12 +477,17 @@ class Server:
                     if self.edges is not None and not isinstance(self.cfg, FedAvgServer):
                         for node in self.edges.nodes:
                             self._spawn(node.run_async(), f"flasync-edge-{node.name}")
-                    await self._publish()
-                    await self._evaluate()
+                    if self._restored:
+                        self._redispatch()
+                    else:
+                        await self._publish()
+                        await self._evaluate()
                     if isinstance(self.cfg, FedAvgServer):
                         await self._run_sync(self.cfg)
                     else:
                         await self._run_async(self.cfg.concurrency)
+                    if self._stop_requested and self.edges is None:  # edges keep state a checkpoint lacks
+                        self.interrupted_state = self.checkpoint_state()
                 finally:
                     for task in list(self._tasks):
                         task.cancel()
@@ -302,7 +496,7 @@ class Server:
             if self.edges is not None:
                 self.edges.close()
             self._tg = None
-        if self.stats.evaluated_version != self.version:
+        if self.stats.evaluated_version != self.version and not self._stop_requested:
             await self._evaluate()
         ctx, stats = self.ctx, self.stats
         await ctx.bus.publish(
@@ -317,38 +511,60 @@ class Server:
         return stats
 
     async def _run_async(self, concurrency: int) -> None:
-        while len(self._in_flight) < concurrency:
-            await self.dispatch(self._sample_idle())
-        async for message in self._inbox:
-            await self._handle(message)
+        # A checkpoint is taken after a message was handled and before the slots are refilled, so a resumed run
+        # starts here: refill, then wait for the next message.
+        if self._stop_reason():
+            return
+        while True:
+            await self._refill(concurrency)
+            await self._handle(await self._inbox.receive())
             if self.strategy.ready():
                 await self._new_version()
             if self._stop_reason():
                 return
-            while len(self._in_flight) < concurrency:
-                await self.dispatch(self._sample_idle())
+
+    async def _refill(self, concurrency: int) -> None:
+        while len(self._in_flight) < concurrency:
+            client_id = self._sample_idle()
+            if client_id is None:
+                if self._in_flight:
+                    return  # the free slots are filled at the next message
+                faults = self.ctx.faults
+                assert faults is not None  # without availability windows an idle client always exists
+                await self.ctx.clock.sleep_until(faults.next_online(self.ctx.clock.now()))
+                continue
+            await self.dispatch(client_id)
 
     async def _run_sync(self, cfg: FedAvgServer) -> None:
-        num_clients = len(self.ctx.population)
-        strategy = self.ctx.config.population.sampling
+        if self.edges is not None:
+            await self._run_sync_tree(cfg, self.edges)
+            return
         while not self._stop_reason():
-            if strategy == "uniform":
-                cohort = self._rng.choice(num_clients, size=cfg.clients_per_round, replace=False)
-            else:
-                cohort = self.ctx.population.sample(
-                    cfg.clients_per_round, self._rng, strategy=strategy, now=self.ctx.clock.now()
-                )
-            if self.edges is not None:
-                await self._sync_tree_round(self.edges, set(cohort.tolist()))
-            else:
-                for client_id in cohort.tolist():
-                    await self.dispatch(ClientId(client_id))
-                while self._in_flight:
-                    await self._handle(await self._inbox.receive())
+            if self._round is None:
+                await self._start_round(cfg)
+            round_ = self._round
+            assert round_ is not None
+            while self._in_flight and round_.accepted < round_.target and not round_.deadline_passed:
+                await self._handle(await self._inbox.receive())
+                if self._stop_requested:
+                    self._stop_reason()
+                    return  # mid-round: the checkpoint keeps the round and its tasks in flight
             if self._stop_reason():  # a wall-time limit may end a round early
                 return
-            if isinstance(self.strategy, _Buffered) and self.strategy.buffer.count:
+            self._close_round()
+            if self.strategy.count():
                 await self._new_version()  # with failed members, the ones that answered
+            else:
+                self.ctx.log.warning("server.round_empty", step=int(self.version), metrics=False)
+
+    async def _run_sync_tree(self, cfg: FedAvgServer, edges: EdgeNetwork) -> None:
+        while not self._stop_reason():
+            cohort = self._draw_cohort(cfg.clients_per_round)
+            await self._sync_tree_round(edges, set(cohort.tolist()))
+            if self._stop_reason():  # a wall-time limit may end a round early
+                return
+            if self.strategy.count():
+                await self._new_version()
             else:
                 self.ctx.log.warning("server.round_empty", step=int(self.version), metrics=False)
 
@@ -387,8 +603,76 @@ class Server:
         self.stats.updates_dropped += 1
         self.stats.drop_reasons[reason] += 1
 
+    def _draw_cohort(self, size: int) -> np.ndarray:
+        """Sample ``size`` distinct clients by the configured strategy."""
+        strategy = self.ctx.config.population.sampling
+        if strategy == "uniform":
+            return self._rng.choice(len(self.ctx.population), size=size, replace=False)
+        return self.ctx.population.sample(size, self._rng, strategy=strategy, now=self.ctx.clock.now())
+
+    async def _start_round(self, cfg: FedAvgServer) -> None:
+        ctx = self.ctx
+        num_clients = len(ctx.population)
+        size = self._cohort_size(cfg)
+        faults = ctx.faults
+        if faults is None or faults.config.availability is None:
+            cohort = self._draw_cohort(size)
+        else:
+            while True:
+                online = np.flatnonzero(faults.online_mask(ctx.clock.now()))
+                if len(online):
+                    break
+                await ctx.clock.sleep_until(faults.next_online(ctx.clock.now()))
+            cohort = self._rng.choice(online, size=min(size, len(online)), replace=False)
+        now = ctx.clock.now()
+        deadline = None if self.res.round_deadline_s is None else now + self.res.round_deadline_s
+        target = max(1, math.ceil(self.res.round_quorum * cfg.clients_per_round - 1e-9))
+        self._round = _Round(version=int(self.version), target=target, started_s=now, deadline_s=deadline)
+        self._start_deadline()
+        for client_id in cohort.tolist():
+            await self.dispatch(ClientId(client_id))
+
+    def _start_deadline(self) -> None:
+        round_ = self._round
+        if round_ is None or round_.deadline_s is None or round_.deadline_passed:
+            return
+        assert self._tg is not None
+        self._deadline = self._tg.create_task(self._deadline_timer(round_), name="flasync-round-deadline")
+        self._tasks.add(self._deadline)
+        self._deadline.add_done_callback(self._tasks.discard)
+
+    async def _deadline_timer(self, round_: _Round) -> None:
+        assert round_.deadline_s is not None
+        await self.ctx.clock.sleep_until(round_.deadline_s)
+        if self._round is round_:
+            await self.ctx.bus.publish(
+                RoundDeadlinePassed(version=Version(round_.version), simulated_s=self.ctx.clock.now())
+            )
+
+    def _close_round(self) -> None:
+        """End the round: abandon the tasks still in flight (over-selected, late or hanging clients)."""
+        round_ = self._round
+        self._round = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        abandoned = 0
+        for task in sorted(self._in_flight.values(), key=lambda t: t.task_id):
+            self.release(task)
+            abandoned += 1
+        self.stats.tasks_abandoned += abandoned
+        if round_ is not None:
+            self.ctx.log.debug(
+                "server.round",
+                step=int(self.version),
+                accepted=round_.accepted,
+                abandoned=abandoned,
+                deadline_passed=int(round_.deadline_passed),
+                simulated_s=self.ctx.clock.now(),
+            )
+
     # ------------------------------------------------------------------------------------------- dispatch
-    def _sample_idle(self) -> ClientId:
+    def _sample_idle(self) -> ClientId | None:
         population = self.ctx.population
         strategy = self.ctx.config.population.sampling
         if strategy != "uniform":
@@ -397,10 +681,21 @@ class Server:
             )
             return ClientId(int(drawn[0]))
         num_clients = len(population)
-        while True:
+        faults = self.ctx.faults
+        if faults is None or faults.config.availability is None:
+            while True:
+                candidate = ClientId(int(self._rng.integers(num_clients)))
+                if candidate not in self._in_flight:
+                    return candidate
+        now = self.ctx.clock.now()
+        for _ in range(8 * num_clients):
             candidate = ClientId(int(self._rng.integers(num_clients)))
-            if candidate not in self._in_flight:
+            if candidate not in self._in_flight and faults.online(candidate, now):
                 return candidate
+        idle = [c for c in np.flatnonzero(faults.online_mask(now)).tolist() if c not in self._in_flight]
+        if not idle:
+            return None
+        return ClientId(idle[int(self._rng.integers(len(idle)))])
 
     async def dispatch(
         self, client_id: ClientId | int, snapshot: ModelSnapshot | None = None, *, reply_to: str | None = None
@@ -440,19 +735,63 @@ class Server:
         self._in_flight[client_id] = task
         self._base_refs[snapshot.version] += 1
         await self.ctx.bus.publish(task)
+        self._start_client(task, snapshot)
+
+    def _start_client(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
+        assert self._tg is not None
+        client_id = task.client_id
         handle = self._tg.create_task(
             Client(client_id, self.ctx).run(task, snapshot),
             name=f"flasync-client-{client_id}-task-{task.task_id}",
         )
         self._tasks.add(handle)
+        self._handles[task.task_id] = handle
         handle.add_done_callback(self._tasks.discard)
+        timeout = self.res.task_timeout_s
+        if timeout is not None:
+            watchdog = self._tg.create_task(
+                self._watch(task, task.simulated_s + timeout, timeout), name=f"flasync-timeout-{task.task_id}"
+            )
+            self._tasks.add(watchdog)
+            self._watchdogs[task.task_id] = watchdog
+            watchdog.add_done_callback(self._tasks.discard)
 
-    def release(self, message: UpdateUploaded | ClientFailed | EdgeForwarded | TaskClosed) -> bool:
+    async def _watch(self, task: TaskAssigned, when: float, timeout: float) -> None:
+        await self.ctx.clock.sleep_until(when)
+        current = self._in_flight.get(task.client_id)
+        if current is not None and current.task_id == task.task_id:
+            await self.ctx.bus.publish(
+                ClientTimedOut(
+                    task_id=task.task_id,
+                    client_id=task.client_id,
+                    base_version=task.base_version,
+                    timeout_s=timeout,
+                    simulated_s=self.ctx.clock.now(),
+                )
+            )
+
+    def _redispatch(self) -> None:
+        """Start again the tasks a checkpoint had in flight, on their original timelines."""
+        for task in sorted(self._in_flight.values(), key=lambda t: t.task_id):
+            self._start_client(task, self._bases[task.base_version])
+        self._start_deadline()
+
+    def release(
+        self, message: UpdateUploaded | ClientFailed | EdgeForwarded | TaskClosed | ClientTimedOut | TaskAssigned
+    ) -> bool:
         """Close the task a message answers; False if no such task is in flight (nothing is changed then)."""
         task = self._in_flight.get(message.client_id)
         if task is None or task.task_id != message.task_id or task.base_version != message.base_version:
             return False
         del self._in_flight[message.client_id]
+        handle = self._handles.pop(task.task_id, None)
+        if handle is not None and not handle.done():
+            handle.cancel()  # a timed-out or abandoned client; one that answered has ended already
+        watchdog = self._watchdogs.pop(task.task_id, None)
+        if watchdog is not None:
+            watchdog.cancel()
+        if self.ctx.pre_task_residuals is not None:
+            self.ctx.pre_task_residuals.pop(task.task_id, None)
         base_version = task.base_version
         self._base_refs[base_version] -= 1
         if self._base_refs[base_version] <= 0:
@@ -462,13 +801,44 @@ class Server:
         return True
 
     # ------------------------------------------------------------------------------------------- receive
-    async def _handle(self, message: UpdateUploaded | ClientFailed | EdgeForwarded | TaskClosed) -> None:
+    async def _handle(self, message: ServerMessage) -> None:
+        if isinstance(message, StopRequested):
+            return  # the flag is already set; the loop stops after this message
+        if isinstance(message, RoundDeadlinePassed):
+            if self._round is not None and message.version == self._round.version:
+                self._round.deadline_passed = True
+            return
         if isinstance(message, TaskClosed):
             self._task_closed(message)
             return
+        if isinstance(message, ClientTimedOut):
+            if not self.release(message):
+                return
+            self.stats.tasks_timed_out += 1
+            self.ctx.log.info(
+                "server.timeout",
+                step=self.stats.tasks_timed_out,
+                task_id=message.task_id,
+                client_id=int(message.client_id),
+                timed_out=self.stats.tasks_timed_out,
+            )
+            return
         if isinstance(message, ClientFailed):
-            if self.release(message):
-                self._count_failure(message.error)
+            if not self.release(message):
+                return
+            stats = self.stats
+            stats.updates_failed += 1
+            stats.failure_kinds[message.kind] += 1
+            self.ctx.log.debug(
+                "server.failure",
+                step=stats.updates_failed,
+                kind=message.kind,
+                task_id=message.task_id,
+                client_id=int(message.client_id),
+                failed=stats.updates_failed,
+            )
+            if message.kind == "error":
+                self._count_streak(message.error)
             return
         self.stats.cloud_ingress_bytes += len(message.payload)
         self._ingress_since_version += len(message.payload)
@@ -498,12 +868,18 @@ class Server:
             await self._reject(message, "decode", str(exc))
             return
         decode_s = ctx.wall() - received_wall
-        if not bool(torch.isfinite(delta).all()):
-            await self._reject(message, "non_finite", "update contains NaN or Inf")
+        verdict, norm = self._validator.check(delta)
+        if verdict is not None:
+            await self._reject(message, verdict.reason, verdict.detail)
             return
+        if self.res.clip_update_norm is not None:
+            delta, _ = clip_to_norm(delta, self.res.clip_update_norm)
         weight = self.strategy.add(delta, staleness=staleness, num_samples=message.num_samples, base=base.weights)
         stats.cloud_aggregate_s += ctx.wall() - received_wall
+        self._validator.accepted(norm)
         self._failure_streak = 0
+        if self._round is not None:
+            self._round.accepted += 1
         stats.updates_accepted += 1
         stats.staleness_sum += staleness
         stats.staleness_max = max(stats.staleness_max, staleness)
@@ -515,6 +891,7 @@ class Server:
             staleness_weight=weight,
             queue_wait_s=received_wall - message.sent_wall_s,
             decode_s=decode_s,
+            norm=norm,
         )
         await ctx.bus.publish(
             UpdateReceived(
@@ -531,8 +908,7 @@ class Server:
             )
         )
 
-    def _count_failure(self, error: str) -> None:
-        self.stats.updates_failed += 1
+    def _count_streak(self, error: str) -> None:
         self._failure_streak += 1
         if self._failure_streak >= self._failure_limit:
             raise TrainingError(f"the last {self._failure_streak} client tasks all failed; the last error: {error}")
@@ -545,7 +921,8 @@ class Server:
         elif message.outcome == "rejected":
             self.count_rejected(message.reason)
         else:
-            self._count_failure(message.reason)
+            self.stats.updates_failed += 1
+            self._count_streak(message.reason)
 
     def _fold_partial(self, message: EdgeForwarded) -> None:
         """Fold an edge's partial aggregate, discounted by how many versions passed since the edge folded it."""
@@ -631,6 +1008,148 @@ class Server:
         )
         if int(self.version) % ctx.config.eval.every_versions == 0:
             await self._evaluate()
+        every = ctx.config.checkpoint.every_versions
+        if every is not None and self.on_checkpoint is not None and int(self.version) % every == 0:
+            if stats.versions < ctx.config.stop.max_versions:  # the last version is the run's result, not a restart
+                self.on_checkpoint(self.checkpoint_state())
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Return everything needed to continue this run exactly: plain values and tensors, copied.
+
+        Call it between messages (the server does, after a message was handled and before slots are
+        refilled). In-flight tasks are kept as their :class:`TaskAssigned` records with the models they started
+        from; a resumed run starts them again on their original timelines, and since every random draw of a
+        task is keyed by client and participation, they replay exactly.
+        """
+        ctx = self.ctx
+        assert self._snapshot is not None
+        in_flight = sorted(self._in_flight.values(), key=lambda t: t.task_id)
+        bases = sorted(self._bases)
+        state: dict[str, Any] = {
+            "version": int(self.version),
+            "weights": self.weights.detach().clone(),
+            "snapshot_version": int(self._snapshot.version),
+            "bases": [
+                {
+                    "version": int(v),
+                    "weights": self._bases[v].weights.clone(),
+                    "exact": self._bases[v].exact.clone(),
+                    "download_bytes": self._bases[v].download_bytes,
+                }
+                for v in bases
+            ],
+            "strategy": self.strategy.state_dict(),
+            "stats": self.stats.to_state(),
+            "rng": json.dumps(self._rng.bit_generator.state),
+            "participations": torch.from_numpy(self._participations.copy()),
+            "failure_streak": self._failure_streak,
+            "round_staleness": list(self._round_staleness),
+            "validator_norms": self._validator.norms,
+            "in_flight": [
+                {
+                    "task_id": t.task_id,
+                    "client_id": int(t.client_id),
+                    "participation": t.participation,
+                    "base_version": int(t.base_version),
+                    "simulated_s": t.simulated_s,
+                }
+                for t in in_flight
+            ],
+            "round": None
+            if self._round is None
+            else {
+                "version": self._round.version,
+                "target": self._round.target,
+                "started_s": self._round.started_s,
+                "deadline_s": self._round.deadline_s,
+                "accepted": self._round.accepted,
+                "deadline_passed": self._round.deadline_passed,
+            },
+            "clock": ctx.clock.state(),
+            "residuals": self._residual_state({t.task_id: int(t.client_id) for t in in_flight}),
+        }
+        return state
+
+    def _residual_state(self, in_flight: dict[int, int]) -> dict[str, Any]:
+        ctx = self.ctx
+        store = ctx.residuals
+        if store is None:
+            return {"ids": [], "values": torch.zeros(0)}
+        recorded = ctx.pre_task_residuals if ctx.pre_task_residuals is not None else {}
+        values: dict[int, torch.Tensor] = {}
+        with ctx.residual_lock:
+            for client_id in store.client_ids():
+                held = store.get(client_id)
+                if held is not None:
+                    values[client_id] = held
+            for task_id, client_id in in_flight.items():
+                # A task in flight may have stored its new residual already: keep the one it started from.
+                if task_id in recorded:
+                    before = recorded[task_id]
+                    if before is None:
+                        values.pop(client_id, None)
+                    else:
+                        values[client_id] = before.clone()
+        ids = sorted(values)
+        stacked = torch.stack([values[i] for i in ids]) if ids else torch.zeros(0)
+        return {"ids": ids, "values": stacked}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Load :meth:`checkpoint_state` before :meth:`run`; the run then continues where that state was taken.
+
+        Raises:
+            CheckpointError: If the state does not fit this run (another model size or aggregator).
+        """
+        ctx = self.ctx
+        weights = state["weights"]
+        if not isinstance(weights, torch.Tensor) or weights.shape != self.weights.shape:
+            shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise CheckpointError(f"checkpoint weights have shape {shape}, this model {tuple(self.weights.shape)}")
+        participations = state["participations"]
+        if participations.shape != (len(ctx.population),):
+            raise CheckpointError(
+                f"checkpoint has {participations.shape[0]} clients, this run {len(ctx.population)}"
+            )
+        with torch.no_grad():
+            self.weights.copy_(weights)
+        self.version = Version(int(state["version"]))
+        self.strategy.load_state_dict(state["strategy"])
+        self.stats = ServerStats.from_state(state["stats"])
+        self._rng.bit_generator.state = json.loads(state["rng"])
+        self._participations = participations.numpy().astype(np.int64, copy=True)
+        self._failure_streak = int(state["failure_streak"])
+        self._round_staleness = [int(x) for x in state["round_staleness"]]
+        self._validator.load_norms(state["validator_norms"])
+        self._bases = {
+            Version(int(b["version"])): ModelSnapshot(
+                version=Version(int(b["version"])),
+                weights=b["weights"].to(self.weights.device),
+                exact=b["exact"].to(self.weights.device),
+                download_bytes=int(b["download_bytes"]),
+            )
+            for b in state["bases"]
+        }
+        self._snapshot = self._bases[Version(int(state["snapshot_version"]))]
+        self._in_flight = {}
+        self._base_refs = Counter()
+        for record in state["in_flight"]:
+            task = TaskAssigned(
+                task_id=int(record["task_id"]),
+                client_id=ClientId(int(record["client_id"])),
+                participation=int(record["participation"]),
+                base_version=Version(int(record["base_version"])),
+                simulated_s=float(record["simulated_s"]),
+            )
+            self._in_flight[task.client_id] = task
+            self._base_refs[task.base_version] += 1
+        round_ = state["round"]
+        self._round = None if round_ is None else _Round(**round_)
+        residuals = state["residuals"]
+        if ctx.residuals is not None:
+            for i, client_id in enumerate(residuals["ids"]):
+                ctx.residuals.put(int(client_id), residuals["values"][i])
+        self._restored = True
 
     async def _publish(self) -> None:
         start = self.ctx.wall()
@@ -702,7 +1221,9 @@ class Server:
     def _stop_reason(self) -> str:
         ctx, stats, stop = self.ctx, self.stats, self.ctx.config.stop
         reason = ""
-        if stats.versions >= stop.max_versions:
+        if self._stop_requested:
+            reason = INTERRUPTED
+        elif stats.versions >= stop.max_versions:
             reason = "max_versions"
         elif stop.target_accuracy is not None and stats.accuracy >= stop.target_accuracy:
             reason = "target_accuracy"

@@ -89,6 +89,12 @@ class MemoryTracker:
         self.tags.update(tags or {})
         return self.run_id
 
+    def resume(self, run_id: str) -> str:
+        """Reopen the run ``run_id``: later metrics and artifacts add to what is kept."""
+        self.run_id = run_id
+        self.status = None
+        return run_id
+
     def log_metrics(self, metrics: list[Metric]) -> None:
         """Keep the metrics."""
         self.metrics.extend(metrics)

@@ -99,6 +99,10 @@ class Tracker(Protocol):
         """Open the run and record its parameters and tags; return its id."""
         ...
 
+    def resume(self, run_id: str) -> str:
+        """Reopen an existing run (status back to ``RUNNING``) to log more to it; return its id."""
+        ...
+
     def log_metrics(self, metrics: list[Metric]) -> None:
         """Queue metrics for the run without blocking."""
         ...
@@ -146,6 +150,10 @@ class NullTracker:
         params: Mapping[str, Any] = _NOTHING,
         tags: Mapping[str, str] = _NOTHING,
     ) -> str:
+        """Do nothing; return an empty run id."""
+        return ""
+
+    def resume(self, run_id: str) -> str:
         """Do nothing; return an empty run id."""
         return ""
 
@@ -366,6 +374,37 @@ class MlflowTracker:
             close_timeout_s=self._flush_timeout,
             logger=self._log,
         )
+
+    def resume(self, run_id: str) -> str:
+        """Reopen an existing run: set its status back to ``RUNNING`` and log to it from now on.
+
+        Unlike :meth:`start`, this needs the store: a run that cannot be reached cannot be continued.
+
+        Args:
+            run_id: The run to continue (e.g. one ended ``KILLED`` by an interrupt).
+
+        Returns:
+            ``run_id``.
+
+        Raises:
+            RuntimeError: The tracker was already started.
+            mlflow.exceptions.MlflowException: The run does not exist, or the store refused a call.
+        """
+        if self._started_at is not None:
+            raise RuntimeError(f"this tracker already started run {self.run_id or '(spooled)'}")
+        if self._client is None:
+            self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        client = self._client
+        with self._http():
+            run = client.get_run(run_id)
+            experiment = client.get_experiment(run.info.experiment_id)
+            client.update_run(run_id, status="RUNNING")
+        self._started_at = int(time.time() * 1000)
+        self._experiment, self._run_name = experiment.name, run.info.run_name
+        self.experiment_id = run.info.experiment_id
+        self.run_id = run_id
+        self._start_writers(run_id)
+        return run_id
 
     def _http(self) -> contextlib.AbstractContextManager[None]:
         return bounded_http(self.tracking_uri, timeout_s=self._http_timeout, retries=self._http_retries)

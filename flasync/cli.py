@@ -1,13 +1,19 @@
 """The ``flasync`` command line: ``run``, ``report`` and ``compare``.
 
-Exit status: 0 on success, 2 for bad input (config file, ``--set``, flags, data, model, unknown run or experiment)
-with a one-line message on stderr, 1 for an unexpected failure, 130 when interrupted.
+Exit status: 0 on success, 2 for bad input (config file, ``--set``, flags, data, model, unknown run or experiment,
+a run to resume) with a one-line message on stderr, 1 for an unexpected failure, 130 when interrupted by SIGINT
+(Ctrl-C) and 143 by SIGTERM.
+
+The first SIGINT or SIGTERM asks the run to stop: it finishes the message at hand, cancels the clients, flushes
+every metric, writes a checkpoint and ends the MLflow run as ``KILLED``; ``flasync run --resume RUN_ID`` continues
+it. A second signal stops at once (still ``KILLED``, no checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -16,8 +22,9 @@ import yaml
 
 import tracking
 from flasync._version import __version__
-from flasync.config import RunConfig, load_config
-from flasync.errors import FlasyncError
+from flasync import checkpoint
+from flasync.config import RunConfig, apply_override, load_config, validate
+from flasync.errors import ConfigError, FlasyncError, RunInterrupted
 from flasync.runtime import Federation, RunSummary
 from tracking.compare import comparison_table, default_target, fetch_runs, plot_comparison
 from tracking.report import RunLookupError, format_report, get_run, load_profile, open_store
@@ -61,6 +68,11 @@ def _build_parser() -> _Parser:
         help="override one field, e.g. --set server.buffer_size=20 (repeatable)",
     )
     run.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue an interrupted MLflow run from its latest checkpoint (its config is used; --set stop.* only)",
+    )
     run.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/)")
     run.add_argument("--experiment", help="MLflow experiment name")
     run.add_argument("--run-name", help="MLflow run name")
@@ -152,6 +164,31 @@ def _command_tracking(args: argparse.Namespace) -> int:
     return 0
 
 
+_SIGNAL_STATUS = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def _resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.ResumePoint, tracking.MlflowTracker]:
+    """Fetch the run's checkpoint and config; only ``stop.*`` may be overridden."""
+    if args.config:
+        raise ConfigError(f"--resume takes the config from run {args.resume}'s checkpoint; drop {args.config}")
+    if args.no_tracking:
+        raise ConfigError("--resume continues an MLflow run; it cannot be combined with --no-tracking")
+    for override in args.overrides:
+        if not override.strip().startswith("stop."):
+            raise ConfigError(f"--set {override!r}: with --resume only stop.* may change")
+    tracker = tracking.MlflowTracker(args.tracking_uri, system_metrics=not args.no_system_metrics)
+    config, state, status = checkpoint.fetch(args.resume, tracker.tracking_uri)
+    if status == "FINISHED":
+        raise ConfigError(f"MLflow run {args.resume} already FINISHED; there is nothing to resume")
+    data = config.model_dump(mode="json")
+    data["tracking"] |= {"uri": tracker.tracking_uri, "system_metrics": not args.no_system_metrics}
+    if args.log_level:
+        data["tracking"]["log_level"] = args.log_level
+    for override in args.overrides:
+        apply_override(data, override)
+    return validate(data), checkpoint.ResumePoint(args.resume, state), tracker
+
+
 def _resolve(args: argparse.Namespace) -> RunConfig:
     overrides = list(args.overrides)
     if args.tracking_uri:
@@ -215,18 +252,62 @@ def _print_summary(summary: RunSummary, config: RunConfig, ui_command: str | Non
     print("\n".join(lines), flush=True)
 
 
+async def _run_with_signals(federation: Federation, received: list[str]) -> RunSummary:
+    """Run ``federation``; the first SIGINT/SIGTERM asks it to stop cleanly, a second one cancels it."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def on_signal(name: str) -> None:
+        received.append(name)
+        print(f"flasync: {name} received; stopping (checkpoint, flush, MLflow run KILLED)", file=sys.stderr, flush=True)
+        if len(received) > 1:
+            task.cancel()
+        else:
+            federation.request_stop(name)
+
+    installed: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig.name)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - not on the main thread / Windows
+            pass
+    try:
+        return await federation.run()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
 def _command_run(args: argparse.Namespace) -> int:
-    config = _resolve(args)
+    resume: checkpoint.ResumePoint | None = None
+    tracker: tracking.Tracker
+    if args.resume:
+        config, resume, tracker = _resolve_resume(args)
+    else:
+        config = _resolve(args)
+        if config.tracking.enabled:
+            tracker = tracking.MlflowTracker(config.tracking.uri, system_metrics=config.tracking.system_metrics)
+        else:
+            tracker = tracking.NullTracker()
     if args.print_config:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     tracking.configure_logging(fmt=args.log_format, level=config.tracking.log_level)
-    tracker: tracking.Tracker
-    if config.tracking.enabled:
-        tracker = tracking.MlflowTracker(config.tracking.uri, system_metrics=config.tracking.system_metrics)
-    else:
-        tracker = tracking.NullTracker()
-    summary = _run_loop(Federation(config, tracker=tracker).run())
+    received: list[str] = []
+    try:
+        summary = _run_loop(_run_with_signals(Federation(config, tracker=tracker, resume=resume), received))
+    except RunInterrupted as exc:
+        hint = f"; resume with: python -m flasync run --resume {exc.run_id}" if exc.checkpoint and exc.run_id else ""
+        print(f"flasync: {exc}{hint}", file=sys.stderr)
+        spooled = tracker.replay_command() if isinstance(tracker, tracking.MlflowTracker) else None
+        if spooled:
+            print(f"flasync: MLflow did not answer; send the spool with: {spooled}", file=sys.stderr)
+        return _SIGNAL_STATUS.get(exc.reason, 130)
+    except asyncio.CancelledError:
+        print("flasync: stopped at once (second signal); no checkpoint written", file=sys.stderr)
+        return _SIGNAL_STATUS.get(received[-1] if received else "SIGINT", 130)
     _print_summary(summary, config, tracker.ui_command())
     replay_command = tracker.replay_command() if isinstance(tracker, tracking.MlflowTracker) else None
     if replay_command:

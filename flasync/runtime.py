@@ -256,6 +256,11 @@ class Federation:
         """What asked the run to stop (empty if nothing did)."""
         return self._stop_requested
 
+    @property
+    def server(self) -> Server | None:
+        """The running server (for inspection, e.g. :meth:`Server.checkpoint_state`), None outside :meth:`run`."""
+        return self._server
+
     # -------------------------------------------------------------------------------------------- preparation
     def _load_data(self) -> tuple[ArrayData, ArrayData]:
         cfg = self.config
@@ -573,6 +578,7 @@ class Federation:
         )
         weights = prepared.initial.to(device, copy=True)
         server = Server(ctx, weights)
+        start_sim = self.clock.now()  # a resumed run reports simulated time from the start of the run
         if self._resume is not None:
             server.restore(self._resume.state)
             self.clock.restore(self._resume.state["clock"])
@@ -597,7 +603,7 @@ class Federation:
                 now=self.clock.now,
             )
         residual_memory: dict[str, int] = {}
-        start_wall, start_sim = self._wall(), self.clock.now()
+        start_wall = self._wall()
         log.info(
             "run.started",
             run_id=self.run_id,

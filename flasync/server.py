@@ -815,7 +815,7 @@ class Server:
             if not self.release(message):
                 return
             self.stats.tasks_timed_out += 1
-            self.ctx.log.info(
+            self.ctx.log.debug(
                 "server.timeout",
                 step=self.stats.tasks_timed_out,
                 task_id=message.task_id,

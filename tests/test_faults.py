@@ -1,0 +1,237 @@
+"""The failure model and the server's accounting: crashes, hangs, dropouts, availability, quorum rounds."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import flasync
+from flasync.config import FaultsConfig
+from flasync.errors import ConfigError, TrainingError
+from flasync.events import (
+    Aggregated,
+    ClientFailed,
+    ClientTimedOut,
+    RoundDeadlinePassed,
+    TaskAssigned,
+    UpdateReceived,
+    UpdateRejected,
+)
+from flasync.faults import Fate, FaultModel
+from flasync.testing import EventRecorder, MemoryTracker, small_config
+
+FAULTY = ("faults.crash=0.3", "faults.hang=0.1", "resilience.task_timeout_s=10")
+
+
+# ------------------------------------------------------------------------------------------ the model itself
+def test_fates_are_a_pure_function_of_seed_client_and_participation() -> None:
+    """The same (seed, client, participation) always gets the same fate; another seed another pattern."""
+    config = FaultsConfig(crash=0.3, hang=0.1, dropout=0.1)
+    first = FaultModel(config, seed=1, num_clients=50)
+    again = FaultModel(config, seed=1, num_clients=50)
+    other = FaultModel(config, seed=2, num_clients=50)
+    keys = [(c, p) for c in range(50) for p in range(20)]
+    fates = [first.fate(c, p) for c, p in keys]
+    assert fates == [again.fate(c, p) for c, p in reversed(keys)][::-1]
+    assert fates != [other.fate(c, p) for c, p in keys]
+    assert all(0.0 <= f.fraction <= 1.0 for f in fates)
+
+
+def test_fate_rates_match_the_configured_probabilities() -> None:
+    """Over many tasks, the shares of crash, hang and dropout are the configured rates (binomial bounds)."""
+    model = FaultModel(FaultsConfig(crash=0.3, hang=0.1, dropout=0.05), seed=0, num_clients=200)
+    n = 200 * 50
+    counts = {fate: 0 for fate in Fate}
+    for client in range(200):
+        for participation in range(50):
+            counts[model.fate(client, participation).fate] += 1
+    for fate, rate in ((Fate.CRASH, 0.3), (Fate.HANG, 0.1), (Fate.DROPOUT, 0.05)):
+        assert abs(counts[fate] / n - rate) < 5 * math.sqrt(rate * (1 - rate) / n)
+
+
+def test_no_faults_means_every_task_is_ok() -> None:
+    """The default config injects nothing."""
+    model = FaultModel(FaultsConfig(), seed=0, num_clients=10)
+    assert not model.active
+    assert {model.fate(c, p).fate for c in range(10) for p in range(10)} == {Fate.OK}
+
+
+def test_availability_windows() -> None:
+    """A client is online for online_fraction of each period, from its own phase; the helpers agree."""
+    config = FaultsConfig.model_validate({"availability": {"period_s": 10.0, "online_fraction": 0.3}})
+    model = FaultModel(config, seed=0, num_clients=40)
+    times = np.linspace(0.0, 100.0, 2001)
+    for client in range(40):
+        online = np.array([model.online(client, float(t)) for t in times])
+        assert abs(online.mean() - 0.3) < 0.02
+    mask = model.online_mask(12.34)
+    assert mask.tolist() == [model.online(c, 12.34) for c in range(40)]
+    for client in np.flatnonzero(mask).tolist():
+        end = model.offline_at(client, 12.34)
+        assert 12.34 < end <= 12.34 + 3.0 + 1e-9
+        assert model.online(client, end - 1e-6) and not model.online(client, end + 1e-6)
+    start = model.next_online(0.0)
+    assert model.online_mask(start).any()
+
+
+def test_fault_rates_must_leave_room_for_success() -> None:
+    """crash + hang + dropout >= 1 is a config error; so is hang without a task timeout."""
+    with pytest.raises(ConfigError, match="faults: crash \\+ hang \\+ dropout must be < 1, got 1"):
+        small_config("faults.crash=0.5", "faults.dropout=0.5")
+    with pytest.raises(ConfigError, match="resilience.task_timeout_s: must be set when faults.hang > 0"):
+        small_config("faults.hang=0.1")
+
+
+# ------------------------------------------------------------------------------------------------ async runs
+def _closing_events(recorder: EventRecorder) -> dict[int, object]:
+    closed: dict[int, object] = {}
+    for event in recorder.events:
+        if isinstance(event, ClientFailed | ClientTimedOut | UpdateReceived | UpdateRejected):
+            closed.setdefault(event.task_id, event)
+    return closed
+
+
+async def test_crashing_and_hanging_clients_give_exact_predicted_counts() -> None:
+    """30% crashing and 10% hanging clients: the run finishes, and each closed task ended as its seeded fate says."""
+    config = small_config(*FAULTY)
+    tracker = MemoryTracker()
+    federation = flasync.Federation(config, tracker=tracker)
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+
+    assert summary.stop_reason == "max_versions" and summary.versions == 12
+    assert tracker.status == "FINISHED"
+    model = FaultModel(config.faults, config.seed, config.population.num_clients)
+    assigned = recorder.of(TaskAssigned)
+    assert len(assigned) == summary.tasks_dispatched
+    closed = _closing_events(recorder)
+    predicted = {fate: 0 for fate in Fate}
+    for task in assigned:
+        if task.task_id not in closed:
+            continue  # still in flight when the run stopped (cancelled)
+        fate = model.fate(task.client_id, task.participation).fate
+        predicted[fate] += 1
+        event = closed[task.task_id]
+        expected = {
+            Fate.CRASH: ClientFailed,
+            Fate.HANG: ClientTimedOut,
+            Fate.OK: UpdateReceived,
+        }[fate]
+        assert isinstance(event, expected), (task, fate, event)
+    assert summary.tasks_dispatched - len(closed) <= config.server.concurrency  # type: ignore[union-attr]
+    assert summary.updates_failed == predicted[Fate.CRASH] == recorder.count(ClientFailed) > 0
+    assert summary.tasks_timed_out == predicted[Fate.HANG] == recorder.count(ClientTimedOut) > 0
+    assert summary.updates_accepted == predicted[Fate.OK] == 12 * 4
+    assert {e.kind for e in recorder.of(ClientFailed)} == {"crash"}
+    # The figures are metrics too.
+    assert tracker.history("server.timeout.timed_out")[-1][1] == summary.tasks_timed_out
+    assert tracker.history("run.finished.updates_failed")[-1][1] == summary.updates_failed
+
+
+def test_faulty_runs_are_deterministic() -> None:
+    """The same faulty config gives the same weights and the same counts, with one or two training threads."""
+    first = flasync.run(small_config(*FAULTY, "faults.dropout=0.1", "executor.workers=1"))
+    second = flasync.run(small_config(*FAULTY, "faults.dropout=0.1", "executor.workers=2"))
+    assert first.weights_sha256 == second.weights_sha256
+    assert (first.updates_failed, first.tasks_timed_out) == (second.updates_failed, second.tasks_timed_out)
+
+
+async def test_dropouts_are_failures_of_their_own_kind() -> None:
+    """A client that leaves mid-training is a ClientFailed(kind="dropout") at a time before its training would end."""
+    federation = flasync.Federation(small_config("faults.dropout=0.3"))
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    failed = recorder.of(ClientFailed)
+    assert failed and {e.kind for e in failed} == {"dropout"}
+    assert summary.updates_failed == len(failed)
+    dispatched = {t.task_id: t for t in recorder.of(TaskAssigned)}
+    assert all(e.simulated_s > dispatched[e.task_id].simulated_s for e in failed)
+
+
+async def test_injected_faults_never_trip_the_broken_model_guard() -> None:
+    """Even when most tasks crash, the run finishes: only genuine training errors count as a broken model."""
+    federation = flasync.Federation(small_config("faults.crash=0.9", "stop.max_versions=3"))
+    summary = await federation.run()
+    assert summary.versions == 3
+    assert summary.updates_failed > 40  # far beyond the guard's limit of 30 failures in a row
+
+
+async def test_a_genuinely_broken_model_still_fails_the_run() -> None:
+    """With injected faults on, a model that cannot train still ends the run with TrainingError."""
+
+    class Fragile(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled():
+                raise RuntimeError("cannot train")
+            return self.linear(x)
+
+    tracker = MemoryTracker()
+    federation = flasync.Federation(small_config("faults.crash=0.3"), model_factory=Fragile, tracker=tracker)
+    with pytest.raises(TrainingError, match="cannot train"):
+        await federation.run()
+    assert tracker.status == "FAILED"
+
+
+async def test_availability_windows_limit_who_is_sampled() -> None:
+    """Only online clients get tasks; clients whose window closes mid-task fail as "offline"; the run finishes."""
+    config = small_config("faults.availability.period_s=5", "faults.availability.online_fraction=0.4")
+    model = FaultModel(config.faults, config.seed, config.population.num_clients)
+    federation = flasync.Federation(config)
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    assert summary.versions == 12
+    for task in recorder.of(TaskAssigned):
+        assert model.online(task.client_id, task.simulated_s)
+    failed = recorder.of(ClientFailed)
+    assert {e.kind for e in failed} <= {"offline"}
+    assert all(not model.online(e.client_id, e.simulated_s + 1e-6) for e in failed)
+
+
+# ------------------------------------------------------------------------------------------------- sync rounds
+def _fedavg(*overrides: str) -> flasync.RunConfig:
+    return small_config(*overrides, server={"kind": "fedavg", "clients_per_round": 5})
+
+
+async def test_sync_rounds_close_at_quorum_with_over_selection() -> None:
+    """Over-selected rounds close once the quorum answered; the rest are abandoned, not failed."""
+    federation = flasync.Federation(_fedavg("resilience.over_selection=0.6", "resilience.round_quorum=0.6"))
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    assert summary.versions == 12
+    assert {e.num_updates for e in recorder.of(Aggregated)} == {3}  # ceil(0.6 * 5)
+    assert summary.tasks_dispatched == 12 * 8  # ceil(1.6 * 5) per round
+    assert summary.tasks_abandoned == 12 * 5
+    assert summary.updates_failed == 0
+
+
+async def test_sync_rounds_survive_hanging_clients_by_deadline() -> None:
+    """With hanging clients and no quorum shortcut, each round closes at its deadline with those that answered."""
+    federation = flasync.Federation(
+        _fedavg("faults.hang=0.3", "resilience.task_timeout_s=100", "resilience.round_deadline_s=5")
+    )
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    assert summary.versions == 12
+    assert recorder.count(RoundDeadlinePassed) > 0
+    assert summary.tasks_timed_out == 0  # the deadline came first; the hanging tasks were abandoned
+    assert summary.tasks_abandoned > 0
+    aggregated = recorder.of(Aggregated)
+    assert all(1 <= e.num_updates <= 5 for e in aggregated) and min(e.num_updates for e in aggregated) < 5
+
+
+async def test_sync_rounds_count_failures_and_refill_nothing() -> None:
+    """Crashing members of a round are failures; the round aggregates the ones that answered."""
+    federation = flasync.Federation(_fedavg("faults.crash=0.3"))
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    assert summary.versions == 12
+    assert summary.updates_failed == recorder.count(ClientFailed) > 0
+    assert summary.updates_accepted + summary.updates_failed == summary.tasks_dispatched == 60

@@ -1,0 +1,155 @@
+"""Update validation: the pure checks, and a poisoned update refused by the server without touching aggregation."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import flasync
+from flasync.events import ClientFailed, ClientId, TaskAssigned, UpdateRejected, UpdateUploaded, Version
+from flasync.testing import EventRecorder, small_config
+from flasync.validation import UpdateValidator, clip_to_norm, robust_zscore
+
+
+def test_accepts_a_plain_update() -> None:
+    """A finite float32 vector of the right length passes and reports its norm."""
+    verdict, norm = UpdateValidator(4).check(torch.tensor([3.0, 4.0, 0.0, 0.0]))
+    assert verdict is None and norm == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize(
+    ("delta", "reason"),
+    [
+        (torch.zeros(3), "shape"),
+        (torch.zeros(2, 2), "shape"),
+        (torch.zeros(4, dtype=torch.float64), "dtype"),
+        (torch.tensor([0.0, math.nan, 0.0, 0.0]), "non_finite"),
+        (torch.tensor([0.0, math.inf, 0.0, 0.0]), "non_finite"),
+        (torch.tensor([100.0, 0.0, 0.0, 0.0]), "norm"),
+    ],
+)
+def test_refuses_malformed_or_oversized_updates(delta: torch.Tensor, reason: str) -> None:
+    """Wrong length/shape/dtype, NaN/Inf and a norm above the bound each have their reason."""
+    verdict, _ = UpdateValidator(4, max_norm=10.0).check(delta)
+    assert verdict is not None and verdict.reason == reason
+    assert verdict.detail and "\n" not in verdict.detail
+
+
+def test_robust_zscore() -> None:
+    """The z-score uses median and MAD, so one outlier in the history does not hide the next."""
+    history = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 50.0]
+    assert robust_zscore(1.0, history) == pytest.approx(0.0)
+    assert robust_zscore(10.0, history) > 50
+    assert robust_zscore(5.0, []) == 0.0
+    assert robust_zscore(2.0, [1.0, 1.0, 1.0]) == math.inf
+    assert robust_zscore(1.0, [1.0, 1.0, 1.0]) == 0.0
+
+
+def test_zscore_check_needs_history_and_records_only_accepted_norms() -> None:
+    """The z-score check applies after min_history accepted norms; refused norms never enter the history."""
+    validator = UpdateValidator(2, zscore_threshold=4.0, window=5, min_history=3)
+    big = torch.tensor([100.0, 0.0])
+    assert validator.check(big)[0] is None  # no history yet
+    for value in (1.0, 1.2, 0.8):
+        verdict, norm = validator.check(torch.tensor([value, 0.0]))
+        assert verdict is None
+        validator.accepted(norm)
+    verdict, _ = validator.check(big)
+    assert verdict is not None and verdict.reason == "zscore"
+    assert validator.norms == pytest.approx([1.0, 1.2, 0.8])
+    for _ in range(10):
+        validator.accepted(1.0)
+    assert len(validator.norms) == 5
+
+
+def test_clip_to_norm() -> None:
+    """Longer updates are scaled to the bound, shorter ones returned as they are."""
+    short = torch.tensor([0.3, 0.4])
+    same, norm = clip_to_norm(short, 1.0)
+    assert same is short and norm == pytest.approx(0.5)
+    clipped, norm = clip_to_norm(torch.tensor([30.0, 40.0]), 1.0)
+    assert norm == pytest.approx(50.0)
+    torch.testing.assert_close(clipped, torch.tensor([0.6, 0.8]))
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_to_norm(short, 0.0)
+
+
+# ------------------------------------------------------------------------------------------- through the server
+async def _run_with_intruder(config: flasync.RunConfig, make_event: Any, victim: int = 20) -> tuple[str, list[Any]]:
+    """Run, publishing ``make_event(task, federation)`` for task ``victim`` as soon as it is assigned."""
+    federation = flasync.Federation(config)
+    recorder = EventRecorder(federation.bus)
+    assigned = federation.bus.subscribe(TaskAssigned, policy="drop_oldest", capacity=1024)
+
+    async def intrude() -> None:
+        async for task in assigned:
+            if task.task_id == victim:
+                await federation.bus.publish(make_event(task, federation))
+                return
+
+    intruder = asyncio.create_task(intrude())
+    summary = await federation.run()
+    intruder.cancel()
+    return summary.weights_sha256, recorder.events
+
+
+def _poison(values: torch.Tensor) -> Any:
+    def make(task: TaskAssigned, federation: flasync.Federation) -> UpdateUploaded:
+        server = federation.server
+        assert server is not None
+        payload = server.ctx.upload_codec.encode(values(server.ctx.num_params)).payload
+        return UpdateUploaded(
+            task_id=task.task_id,
+            client_id=task.client_id,
+            base_version=task.base_version,
+            num_samples=10,
+            payload=payload,
+            train_loss=0.0,
+            simulated_s=task.simulated_s,
+            sent_wall_s=0.0,
+        )
+
+    return make
+
+
+def _dropout(task: TaskAssigned, federation: flasync.Federation) -> ClientFailed:
+    return ClientFailed(
+        task_id=task.task_id,
+        client_id=ClientId(task.client_id),
+        base_version=Version(task.base_version),
+        error="left",
+        simulated_s=task.simulated_s,
+        kind="dropout",
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "values", "reason"),
+    [
+        (("resilience.max_update_norm=50",), lambda n: torch.full((n,), 10.0), "norm"),
+        (
+            ("resilience.zscore_threshold=6", "resilience.zscore_min_history=3"),
+            lambda n: torch.full((n,), 10.0),
+            "zscore",
+        ),
+        ((), lambda n: torch.full((n,), math.nan), "non_finite"),
+    ],
+)
+async def test_a_refused_update_leaves_aggregation_unchanged(overrides: Any, values: Any, reason: str) -> None:
+    """A poisoned upload is refused with its reason, and the run ends exactly as if that client had left.
+
+    Both runs close the victim's task at the same moment without aggregating anything for it; equal final weights
+    show the refused update changed no aggregator state.
+    """
+    config = small_config(*overrides, "stop.max_versions=6")
+    poisoned_sha, events = await _run_with_intruder(config, _poison(values))
+    dropout_sha, _ = await _run_with_intruder(config, _dropout)
+    rejected = [e for e in events if isinstance(e, UpdateRejected) and e.task_id == 20]
+    assert [e.reason for e in rejected][:1] == [reason]
+    assert poisoned_sha == dropout_sha
+    # The real client's later upload for the same task is refused as unexpected, not aggregated twice.
+    assert [e.reason for e in rejected][1:] in ([], ["unexpected"])

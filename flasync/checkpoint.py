@@ -85,6 +85,10 @@ def fetch(run_id: str, tracking_uri: str) -> tuple[RunConfig, dict[str, Any], st
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri.removeprefix("sqlite:///").partition("?")[0])
+        if not db.is_file():  # do not let MLflow create an empty store just to find no run in it
+            raise CheckpointError(f"no MLflow run {run_id!r}: there is no store at {tracking_uri}")
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     try:
         run = client.get_run(run_id)

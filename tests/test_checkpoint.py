@@ -1,0 +1,234 @@
+"""Checkpoints and exact resume: in process, from periodic checkpoints, and after SIGINT/SIGTERM of the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pytest
+import torch
+
+import flasync
+from flasync import checkpoint
+from flasync.config import load_config
+from flasync.errors import CheckpointError, RunInterrupted
+from flasync.events import Aggregated
+from flasync.testing import MemoryTracker, small_config
+
+ROOT = Path(flasync.__file__).resolve().parents[1]
+FAULTY = ("faults.crash=0.2", "faults.hang=0.1", "faults.dropout=0.05", "resilience.task_timeout_s=3")
+TOPK = "codec.upload=[{kind: topk, ratio: 0.05}]"
+
+
+async def _interrupt_at(config: flasync.RunConfig, version: int) -> MemoryTracker:
+    """Run ``config`` and request a stop once ``version`` was aggregated; return the tracker it wrote to."""
+    tracker = MemoryTracker()
+    federation = flasync.Federation(config, tracker=tracker)
+    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
+    task = asyncio.create_task(federation.run())
+    async for event in aggregated:
+        if event.version >= version:
+            federation.request_stop("SIGINT")
+            break
+    with pytest.raises(RunInterrupted, match="interrupted \\(SIGINT\\)"):
+        await task
+    assert tracker.status == "KILLED"
+    return tracker
+
+
+def _resume(tracker: MemoryTracker) -> flasync.RunSummary:
+    config, state = checkpoint.decode(tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    return flasync.run(config, resume=checkpoint.ResumePoint(None, state))
+
+
+@pytest.mark.parametrize(
+    ("server", "overrides"),
+    [
+        ({"kind": "fedbuff", "buffer_size": 4, "concurrency": 8}, (*FAULTY, TOPK)),
+        ({"kind": "fedasync", "concurrency": 8}, ("faults.availability.period_s=4", "faults.availability.online_fraction=0.6")),
+        (
+            {"kind": "fedavg", "clients_per_round": 5},
+            (*FAULTY, TOPK, "resilience.over_selection=0.4", "resilience.round_quorum=0.8", "resilience.round_deadline_s=2.5"),
+        ),
+    ],
+    ids=["fedbuff-faults-topk", "fedasync-availability", "fedavg-quorum-deadline"],
+)
+async def test_stop_and_resume_gives_the_uninterrupted_weights(server: dict[str, Any], overrides: tuple[str, ...]) -> None:
+    """A run stopped mid-way and resumed from its checkpoint ends with the uninterrupted run's weights and counts."""
+    config = small_config("stop.max_versions=16", *overrides, server=server)
+    full = await flasync.Federation(config).run()
+    tracker = await _interrupt_at(config, 5)
+    _, state = checkpoint.decode(tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    assert 5 <= state["version"] < 16
+    resumed = await asyncio.to_thread(_resume, tracker)
+    assert resumed.weights_sha256 == full.weights_sha256
+    for key in ("tasks_dispatched", "updates_accepted", "updates_failed", "tasks_timed_out", "simulated_s"):
+        assert getattr(resumed, key) == getattr(full, key), key
+
+
+def test_periodic_checkpoints_resume_exactly() -> None:
+    """Every N versions a checkpoint is written; resuming from the last one reproduces the end of the run."""
+    config = small_config("stop.max_versions=14", "checkpoint.every_versions=5", *FAULTY, TOPK)
+    tracker = MemoryTracker()
+    full = flasync.run(config, tracker=tracker)
+    _, state = checkpoint.decode(tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    assert state["version"] == 10
+    assert tracker.history("checkpoint.bytes")  # one metric per checkpoint written
+    assert _resume(tracker).weights_sha256 == full.weights_sha256
+
+
+def test_checkpoint_holds_only_plain_values_and_loads_with_weights_only() -> None:
+    """The file is torch.save of tensors and plain values; torch.load(weights_only=True) reads it."""
+    tracker = MemoryTracker()
+    flasync.run(small_config("stop.max_versions=6", "checkpoint.every_versions=5", TOPK), tracker=tracker)
+    data = tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT]
+    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    assert loaded["format"] == checkpoint.FORMAT
+    state = loaded["state"]
+    assert state["version"] == 5
+    assert {"weights", "strategy", "rng", "participations", "in_flight", "clock", "residuals", "bases"} <= set(state)
+    assert state["residuals"]["values"].shape[0] == len(state["residuals"]["ids"]) > 0
+    assert state["strategy"]["kind"] == "buffered" and "optimizer" in state["strategy"]
+
+
+@pytest.mark.parametrize("data", [b"", b"not a checkpoint", b"PK\x03\x04garbage"])
+def test_unreadable_checkpoints_are_one_line_errors(data: bytes) -> None:
+    """Garbage is refused with CheckpointError, never unpickled."""
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.decode(data)
+    assert "\n" not in str(info.value)
+
+
+def test_a_pickled_object_is_refused() -> None:
+    """A file holding an arbitrary Python object does not load (weights_only)."""
+    buffer = io.BytesIO()
+    torch.save({"format": 1, "state": {}, "config": "", "evil": Path("/")}, buffer)
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        checkpoint.decode(buffer.getvalue())
+
+
+# ------------------------------------------------------------------------------------------ the command line
+CONFIG = """
+seed: 3
+data: {kind: digits}
+partition: {kind: iid}
+model: {kind: mlp, hidden: [32]}
+population: {num_clients: 20, speed: {kind: lognormal, sigma: 0.5}}
+client: {epochs: 2, batch_size: 16, lr: 0.1}
+server: {kind: fedbuff, buffer_size: 4, concurrency: 8}
+eval: {every_versions: 2}
+stop: {max_versions: 80}
+faults: {crash: 0.3, hang: 0.1}
+resilience: {task_timeout_s: 3.0}
+codec: {upload: [{kind: topk, ratio: 0.05}]}
+checkpoint: {every_versions: 10}
+tracking: {log_model: false}
+"""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def _run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flasync", "run", *args, "--no-system-metrics"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _interrupt_cli(tmp_path: Path, store: str, sig: signal.Signals) -> tuple[int, str]:
+    """Start the CLI, send ``sig`` once version 6 was evaluated, return its exit status and stderr."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flasync", "run", "cfg.yaml", "--tracking-uri", store, "--no-system-metrics"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    lines: list[str] = []
+    for line in process.stdout:
+        lines.append(line)
+        if "server.eval" in line and re.search(r"\bversion=([6-9]|\d\d)\b", line):
+            process.send_signal(sig)
+            break
+    rest, _ = process.communicate(timeout=120)
+    return process.returncode, "".join(lines) + rest
+
+
+@pytest.fixture(scope="module")
+def cli_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A working folder with the config, shared by the command-line tests (one MLflow store, created once)."""
+    folder = tmp_path_factory.mktemp("cli")
+    (folder / "cfg.yaml").write_text(CONFIG)
+    return folder
+
+
+def _store(folder: Path) -> str:
+    return f"sqlite:///{folder / 'store' / 'mlflow.db'}"
+
+
+def test_sigint_then_resume_gives_the_uninterrupted_sha(cli_dir: Path) -> None:
+    """SIGINT: exit 130, run KILLED with a checkpoint; --resume continues the same run to the same sha256."""
+    tmp_path, store = cli_dir, _store(cli_dir)
+    status, output = _interrupt_cli(tmp_path, store, signal.SIGINT)
+    assert status == 130, output
+    last = output.strip().splitlines()[-1]
+    match = re.fullmatch(r"flasync: interrupted \(SIGINT\); checkpoint checkpoints/latest\.pt in MLflow run (\w+); "
+                         r"resume with: python -m flasync run --resume \1", last)
+    assert match, last
+    run_id = match.group(1)
+    client = mlflow.MlflowClient(store)
+    killed = client.get_run(run_id)
+    assert killed.info.status == "KILLED"
+    steps_before = [m.step for m in client.get_metric_history(run_id, "server.eval.accuracy")]
+    assert steps_before and max(steps_before) < 80
+
+    resumed = _run_cli(tmp_path, "--resume", run_id, "--tracking-uri", store)
+    assert resumed.returncode == 0, resumed.stderr
+    sha = re.search(r"weights sha256  ([0-9a-f]{64})", resumed.stdout)
+    assert sha is not None
+    uninterrupted = flasync.run(load_config(tmp_path / "cfg.yaml", ["tracking.enabled=false"]))
+    assert sha.group(1) == uninterrupted.weights_sha256
+
+    finished = client.get_run(run_id)
+    assert finished.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run_id, "server.eval.accuracy")]
+    assert set(steps_before) < set(steps) and max(steps) == 80  # metrics of both parts, in one run
+    runs = client.search_runs([finished.info.experiment_id])
+    assert run_id in [r.info.run_id for r in runs]
+    assert "RUNNING" not in [r.info.status for r in runs]
+
+
+def test_sigterm_exits_143_and_kills_the_run(cli_dir: Path) -> None:
+    """SIGTERM: exit 143, every metric so far flushed, a checkpoint written, the run KILLED (no RUNNING left)."""
+    tmp_path, store = cli_dir, _store(cli_dir)
+    status, output = _interrupt_cli(tmp_path, store, signal.SIGTERM)
+    assert status == 143, output
+    run_id = re.findall(r"MLflow run (\w+)", output)[-1]
+    client = mlflow.MlflowClient(store)
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED"
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/latest.pt"]
+    # The last evaluation printed before the signal is in the store.
+    printed = [int(v) for v in re.findall(r"server\.eval .*?\bversion=(\d+)", output)]
+    logged = [m.step for m in client.get_metric_history(run.info.run_id, "server.eval.accuracy")]
+    assert printed and set(printed) <= set(logged)

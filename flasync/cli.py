@@ -21,8 +21,8 @@ from typing import Any, NoReturn, TypeVar
 import yaml
 
 import tracking
-from flasync._version import __version__
 from flasync import checkpoint
+from flasync._version import __version__
 from flasync.config import RunConfig, apply_override, load_config, validate
 from flasync.errors import ConfigError, FlasyncError, RunInterrupted
 from flasync.runtime import Federation, RunSummary
@@ -266,7 +266,7 @@ async def _run_with_signals(federation: Federation, received: list[str]) -> RunS
         else:
             federation.request_stop(name)
 
-    installed: list[int] = []
+    installed: list[signal.Signals] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             loop.add_signal_handler(sig, on_signal, sig.name)

@@ -853,7 +853,11 @@ class _CheckpointWriter:
             return
         self.last_saved = checkpoint.CHECKPOINT_ARTIFACT
         self._log.debug(
-            "checkpoint", step=version, bytes=len(data), seconds=time.perf_counter() - start, in_flight=len(state["in_flight"])
+            "checkpoint",
+            step=version,
+            bytes=len(data),
+            seconds=time.perf_counter() - start,
+            in_flight=len(state["in_flight"]),
         )
 
     def close(self) -> None:

@@ -750,13 +750,13 @@ class Server:
         timeout = self.res.task_timeout_s
         if timeout is not None:
             watchdog = self._tg.create_task(
-                self._watch(task, task.simulated_s + timeout, timeout), name=f"flasync-timeout-{task.task_id}"
+                self._watch(task, task.simulated_s + timeout, limit_s=timeout), name=f"flasync-timeout-{task.task_id}"
             )
             self._tasks.add(watchdog)
             self._watchdogs[task.task_id] = watchdog
             watchdog.add_done_callback(self._tasks.discard)
 
-    async def _watch(self, task: TaskAssigned, when: float, timeout: float) -> None:
+    async def _watch(self, task: TaskAssigned, when: float, *, limit_s: float) -> None:
         await self.ctx.clock.sleep_until(when)
         current = self._in_flight.get(task.client_id)
         if current is not None and current.task_id == task.task_id:
@@ -765,7 +765,7 @@ class Server:
                     task_id=task.task_id,
                     client_id=task.client_id,
                     base_version=task.base_version,
-                    timeout_s=timeout,
+                    timeout_s=limit_s,
                     simulated_s=self.ctx.clock.now(),
                 )
             )
@@ -851,6 +851,10 @@ class Server:
         ctx, stats = self.ctx, self.stats
         received_wall = ctx.wall()
         stats.upload_bytes += len(message.payload)
+        if not 0 <= int(message.base_version) <= int(self.version):
+            # Refused before it can close a task: a forged or corrupt message must not cost the real answer.
+            await self._reject(message, "unknown_version", f"base version {message.base_version} was never published")
+            return
         if not self.release(message):
             await self._reject(message, "unexpected", f"client {message.client_id} has no task {message.task_id}")
             return
@@ -1009,9 +1013,14 @@ class Server:
         if int(self.version) % ctx.config.eval.every_versions == 0:
             await self._evaluate()
         every = ctx.config.checkpoint.every_versions
-        if every is not None and self.on_checkpoint is not None and int(self.version) % every == 0:
-            if stats.versions < ctx.config.stop.max_versions:  # the last version is the run's result, not a restart
-                self.on_checkpoint(self.checkpoint_state())
+        # The last version is the run's result, not a point to restart from.
+        if (
+            every is not None
+            and self.on_checkpoint is not None
+            and int(self.version) % every == 0
+            and stats.versions < ctx.config.stop.max_versions
+        ):
+            self.on_checkpoint(self.checkpoint_state())
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
@@ -1108,9 +1117,7 @@ class Server:
             raise CheckpointError(f"checkpoint weights have shape {shape}, this model {tuple(self.weights.shape)}")
         participations = state["participations"]
         if participations.shape != (len(ctx.population),):
-            raise CheckpointError(
-                f"checkpoint has {participations.shape[0]} clients, this run {len(ctx.population)}"
-            )
+            raise CheckpointError(f"checkpoint has {participations.shape[0]} clients, this run {len(ctx.population)}")
         with torch.no_grad():
             self.weights.copy_(weights)
         self.version = Version(int(state["version"]))

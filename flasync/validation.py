@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Verdict", "UpdateValidator", "clip_to_norm", "robust_zscore"]
+__all__ = ["UpdateValidator", "Verdict", "clip_to_norm", "robust_zscore"]
 
 _MAD_TO_SIGMA = 1.4826
 

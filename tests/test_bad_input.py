@@ -94,7 +94,10 @@ def test_bad_overrides(capsys: pytest.CaptureFixture[str], store: str, overrides
         (["run", "--fast"], "unrecognized arguments: --fast"),
         (["run", "--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
         (["run", "--resume"], "argument --resume: expected one argument"),
-        (["run", "--resume", "abc123", "cfg.toml"], "--resume takes the config from run abc123's checkpoint; drop cfg.toml"),
+        (
+            ["run", "--resume", "abc123", "cfg.toml"],
+            "--resume takes the config from run abc123's checkpoint; drop cfg.toml",
+        ),
         (["run", "--resume", "abc123", "--no-tracking"], "--resume continues an MLflow run; it cannot be combined"),
         (["run", "--resume", "abc123", "--set", "server.buffer_size=3"], "with --resume only stop.* may change"),
         (["run", "--resume", "abc123"], "no MLflow run 'abc123': there is no store at sqlite:///"),

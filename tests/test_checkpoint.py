@@ -28,10 +28,12 @@ FAULTY = ("faults.crash=0.2", "faults.hang=0.1", "faults.dropout=0.05", "resilie
 TOPK = "codec.upload=[{kind: topk, ratio: 0.05}]"
 
 
-async def _interrupt_at(config: flasync.RunConfig, version: int) -> MemoryTracker:
+async def _interrupt_at(
+    config: flasync.RunConfig, version: int, resume: checkpoint.ResumePoint | None = None
+) -> MemoryTracker:
     """Run ``config`` and request a stop once ``version`` was aggregated; return the tracker it wrote to."""
     tracker = MemoryTracker()
-    federation = flasync.Federation(config, tracker=tracker)
+    federation = flasync.Federation(config, tracker=tracker, resume=resume)
     aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
     task = asyncio.create_task(federation.run())
     async for event in aggregated:
@@ -53,15 +55,26 @@ def _resume(tracker: MemoryTracker) -> flasync.RunSummary:
     ("server", "overrides"),
     [
         ({"kind": "fedbuff", "buffer_size": 4, "concurrency": 8}, (*FAULTY, TOPK)),
-        ({"kind": "fedasync", "concurrency": 8}, ("faults.availability.period_s=4", "faults.availability.online_fraction=0.6")),
+        (
+            {"kind": "fedasync", "concurrency": 8},
+            ("faults.availability.period_s=4", "faults.availability.online_fraction=0.6"),
+        ),
         (
             {"kind": "fedavg", "clients_per_round": 5},
-            (*FAULTY, TOPK, "resilience.over_selection=0.4", "resilience.round_quorum=0.8", "resilience.round_deadline_s=2.5"),
+            (
+                *FAULTY,
+                TOPK,
+                "resilience.over_selection=0.4",
+                "resilience.round_quorum=0.8",
+                "resilience.round_deadline_s=2.5",
+            ),
         ),
     ],
     ids=["fedbuff-faults-topk", "fedasync-availability", "fedavg-quorum-deadline"],
 )
-async def test_stop_and_resume_gives_the_uninterrupted_weights(server: dict[str, Any], overrides: tuple[str, ...]) -> None:
+async def test_stop_and_resume_gives_the_uninterrupted_weights(
+    server: dict[str, Any], overrides: tuple[str, ...]
+) -> None:
     """A run stopped mid-way and resumed from its checkpoint ends with the uninterrupted run's weights and counts."""
     config = small_config("stop.max_versions=16", *overrides, server=server)
     full = await flasync.Federation(config).run()
@@ -72,6 +85,18 @@ async def test_stop_and_resume_gives_the_uninterrupted_weights(server: dict[str,
     assert resumed.weights_sha256 == full.weights_sha256
     for key in ("tasks_dispatched", "updates_accepted", "updates_failed", "tasks_timed_out", "simulated_s"):
         assert getattr(resumed, key) == getattr(full, key), key
+
+
+async def test_a_resumed_run_can_be_interrupted_and_resumed_again() -> None:
+    """Stop, resume, stop again, resume again: still the uninterrupted weights."""
+    config = small_config("stop.max_versions=14", *FAULTY, TOPK)
+    full = await flasync.Federation(config).run()
+    first = await _interrupt_at(config, 4)
+    _, state = checkpoint.decode(first.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    second = await _interrupt_at(config, 9, resume=checkpoint.ResumePoint(None, state))
+    _, again = checkpoint.decode(second.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    assert state["version"] < again["version"] < 14
+    assert (await asyncio.to_thread(_resume, second)).weights_sha256 == full.weights_sha256
 
 
 def test_periodic_checkpoints_resume_exactly() -> None:
@@ -192,8 +217,11 @@ def test_sigint_then_resume_gives_the_uninterrupted_sha(cli_dir: Path) -> None:
     status, output = _interrupt_cli(tmp_path, store, signal.SIGINT)
     assert status == 130, output
     last = output.strip().splitlines()[-1]
-    match = re.fullmatch(r"flasync: interrupted \(SIGINT\); checkpoint checkpoints/latest\.pt in MLflow run (\w+); "
-                         r"resume with: python -m flasync run --resume \1", last)
+    match = re.fullmatch(
+        r"flasync: interrupted \(SIGINT\); checkpoint checkpoints/latest\.pt in MLflow run (\w+); "
+        r"resume with: python -m flasync run --resume \1",
+        last,
+    )
     assert match, last
     run_id = match.group(1)
     client = mlflow.MlflowClient(store)

@@ -82,7 +82,7 @@ def test_fault_rates_must_leave_room_for_success() -> None:
     """crash + hang + dropout >= 1 is a config error; so is hang without a task timeout."""
     with pytest.raises(ConfigError, match="faults: crash \\+ hang \\+ dropout must be < 1, got 1"):
         small_config("faults.crash=0.5", "faults.dropout=0.5")
-    with pytest.raises(ConfigError, match="resilience.task_timeout_s: must be set when faults.hang > 0"):
+    with pytest.raises(ConfigError, match=r"resilience\.task_timeout_s: must be set when faults\.hang > 0"):
         small_config("faults.hang=0.1")
 
 

@@ -153,3 +153,26 @@ async def test_a_refused_update_leaves_aggregation_unchanged(overrides: Any, val
     assert poisoned_sha == dropout_sha
     # The real client's later upload for the same task is refused as unexpected, not aggregated twice.
     assert [e.reason for e in rejected][1:] in ([], ["unexpected"])
+
+
+async def test_an_unknown_base_version_is_refused_and_changes_nothing() -> None:
+    """An upload naming a version never published is refused without closing the task: the run is unchanged."""
+    config = small_config("stop.max_versions=6")
+
+    def forged(task: TaskAssigned, federation: flasync.Federation) -> UpdateUploaded:
+        event = _poison(lambda n: torch.zeros(n))(task, federation)
+        return UpdateUploaded(
+            task_id=event.task_id,
+            client_id=event.client_id,
+            base_version=Version(999),
+            num_samples=event.num_samples,
+            payload=event.payload,
+            train_loss=0.0,
+            simulated_s=event.simulated_s,
+            sent_wall_s=0.0,
+        )
+
+    forged_sha, events = await _run_with_intruder(config, forged)
+    clean = await flasync.Federation(config).run()
+    assert [e.reason for e in events if isinstance(e, UpdateRejected)] == ["unknown_version"]
+    assert forged_sha == clean.weights_sha256

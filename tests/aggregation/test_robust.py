@@ -52,8 +52,11 @@ def test_bad_inputs(call: object) -> None:
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
 def test_sync_runs_with_robust_rules(rule: str) -> None:
     """FedAvg rounds aggregate with the robust rule, deterministically, and still learn."""
-    config = small_config(f"resilience.aggregation={rule}", "resilience.trim_fraction=0.2",
-                          server={"kind": "fedavg", "clients_per_round": 5})
+    config = small_config(
+        f"resilience.aggregation={rule}",
+        "resilience.trim_fraction=0.2",
+        server={"kind": "fedavg", "clients_per_round": 5},
+    )
     first, second = flasync.run(config), flasync.run(config)
     assert first.weights_sha256 == second.weights_sha256
     assert first.versions == 12 and first.accuracy > 0.5
@@ -84,5 +87,5 @@ async def test_clipping_bounds_each_server_step() -> None:
 
 def test_robust_rules_are_for_sync_rounds_only() -> None:
     """Asking an async server for a median is a config error naming the field."""
-    with pytest.raises(flasync.ConfigError, match="resilience.aggregation: 'median' applies to sync rounds only"):
+    with pytest.raises(flasync.ConfigError, match=r"resilience\.aggregation: 'median' applies to sync rounds only"):
         small_config("resilience.aggregation=median")

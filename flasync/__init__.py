@@ -9,16 +9,26 @@ from __future__ import annotations
 
 from flasync._version import __version__
 from flasync.config import RunConfig, load_config
-from flasync.errors import ConfigError, DataError, DecodeError, FlasyncError, TrainingError
+from flasync.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DecodeError,
+    FlasyncError,
+    RunInterrupted,
+    TrainingError,
+)
 from flasync.runtime import Federation, RunSummary, run
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "DataError",
     "DecodeError",
     "Federation",
     "FlasyncError",
     "RunConfig",
+    "RunInterrupted",
     "RunSummary",
     "TrainingError",
     "__version__",

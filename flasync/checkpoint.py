@@ -57,8 +57,10 @@ def decode(data: bytes) -> tuple[RunConfig, dict[str, Any]]:
     try:
         loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises several types for corrupt or foreign files
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise CheckpointError(f"not a readable checkpoint: {type(exc).__name__}: {first}") from None
+        raise CheckpointError(
+            f"not a readable checkpoint ({type(exc).__name__}): only files of tensors and plain values that "
+            "flasync wrote are loaded, with weights_only=True"
+        ) from None
     if not isinstance(loaded, dict) or "format" not in loaded or "state" not in loaded:
         raise CheckpointError("not a flasync checkpoint (no format/state entries)")
     if loaded["format"] != FORMAT:

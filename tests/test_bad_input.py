@@ -132,7 +132,7 @@ def test_resume_problems(capsys: pytest.CaptureFixture[str], store: str) -> None
     )
     corrupt = _run_with_checkpoint(store, "KILLED", b"garbage")
     _quiet(capsys)
-    assert _fails(capsys, store, "run", "--resume", corrupt).startswith("not a readable checkpoint: ")
+    assert _fails(capsys, store, "run", "--resume", corrupt).startswith("not a readable checkpoint (UnpicklingError): ")
     memory = MemoryTracker()
     flasync.runtime.run(small_config("stop.max_versions=5", "checkpoint.every_versions=4"), tracker=memory)
     done = _run_with_checkpoint(store, "FINISHED", memory.artifacts[checkpoint.CHECKPOINT_ARTIFACT])

@@ -662,6 +662,18 @@ class RunConfig(_Section):
                 raise _FieldError(("topology", "per_edge_metrics"), f"at most 32 edges, the tree has {count}")
 
         res = self.resilience
+        if isinstance(topology, TreeTopology):
+            # Edges close tasks and aggregate on their own: the failure model, the server's resilience options and
+            # checkpoints cover flat runs only.
+            for section, value, default in (
+                ("faults", self.faults, FaultsConfig()),
+                ("resilience", res, ResilienceConfig()),
+                ("checkpoint.every_versions", self.checkpoint.every_versions, None),
+            ):
+                if value != default:
+                    raise _FieldError(
+                        tuple(section.split(".")), "is not supported with topology.kind = 'tree' (flat runs only)"
+                    )
         if self.faults.hang > 0 and res.task_timeout_s is None:
             raise _FieldError(
                 ("resilience", "task_timeout_s"),

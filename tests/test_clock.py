@@ -241,3 +241,29 @@ async def test_on_wait_starts_held_jobs_only_when_needed() -> None:
         executor.shutdown()
     assert done == [(0, 1.0), (1, 2.0), (2, 3.0)]
     assert len(executor.needed) >= 1  # called with a job future while the jobs were held
+
+
+async def test_absolute_timers_land_exactly_and_never_move_time_back() -> None:
+    """sleep_until and run(until=...) fire at exactly the given time; a time already past fires at once."""
+    clock = VirtualClock()
+    clock.restore({"now": 10.0, "seq": 7})
+    seen: list[float] = []
+
+    async def body() -> None:
+        await clock.sleep_until(10.1 + 0.2)
+        seen.append(clock.now())
+        with ThreadPoolExecutor(1) as pool:
+            assert await clock.run(pool, lambda: 5, simulated_s=99.0, until=3.0) == 5
+        seen.append(clock.now())
+
+    await _drive(clock, body())
+    assert seen == [10.1 + 0.2, 10.1 + 0.2]
+    assert clock.state() == {"now": 10.1 + 0.2, "seq": 9}
+
+
+def test_wall_clock_restore_continues_its_reading() -> None:
+    """A wall clock restored from a checkpoint reads on from the checkpoint's time."""
+    ticks = iter([100.0, 250.0, 251.5])
+    clock = WallClock(time_fn=lambda: next(ticks))
+    clock.restore({"now": 40.0})
+    assert clock.now() == pytest.approx(41.5)

@@ -674,6 +674,17 @@ class RunConfig(_Section):
                     raise _FieldError(
                         tuple(section.split(".")), "is not supported with topology.kind = 'tree' (flat runs only)"
                     )
+        sampling = self.population.sampling
+        if self.faults.availability is not None and sampling != "uniform":
+            raise _FieldError(
+                ("faults", "availability"),
+                f"windows pick online clients themselves; they need population.sampling = 'uniform', not {sampling!r}",
+            )
+        if self.checkpoint.every_versions is not None and sampling == "lru":
+            raise _FieldError(
+                ("checkpoint", "every_versions"),
+                "checkpoints do not hold the least-recently-used sampler's queue; use another population.sampling",
+            )
         if self.faults.hang > 0 and res.task_timeout_s is None:
             raise _FieldError(
                 ("resilience", "task_timeout_s"),

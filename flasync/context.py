@@ -90,6 +90,7 @@ class RunContext:
         device = self.train_x.device
         x, y = data.x.to(device), data.y.to(device)
         return x, y, torch.arange(len(y), device=device)
+
     faults: FaultModel | None = None
     pre_task_residuals: dict[int, torch.Tensor | None] | None = field(default=None)
 

@@ -88,6 +88,11 @@ _DENSE = codecs.Pipeline()
 __all__ = ["INTERRUPTED", "Server", "ServerStats", "make_server_optimizer", "make_staleness_weight", "warm_up"]
 
 
+def ctx_sampling(ctx: RunContext) -> str:
+    """Return the run's client sampling strategy."""
+    return str(ctx.config.population.sampling)
+
+
 def make_staleness_weight(config: StalenessConfig) -> StalenessWeight:
     """Build the staleness weight function a config names."""
     if isinstance(config, ConstantStalenessConfig):
@@ -486,7 +491,8 @@ class Server:
                         await self._run_sync(self.cfg)
                     else:
                         await self._run_async(self.cfg.concurrency)
-                    if self._stop_requested and self.edges is None:  # edges keep state a checkpoint lacks
+                    # Edges and the least-recently-used sampler keep state a checkpoint lacks.
+                    if self._stop_requested and self.edges is None and ctx_sampling(self.ctx) != "lru":
                         self.interrupted_state = self.checkpoint_state()
                 finally:
                     for task in list(self._tasks):
@@ -612,7 +618,6 @@ class Server:
 
     async def _start_round(self, cfg: FedAvgServer) -> None:
         ctx = self.ctx
-        num_clients = len(ctx.population)
         size = self._cohort_size(cfg)
         faults = ctx.faults
         if faults is None or faults.config.availability is None:

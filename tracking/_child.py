@@ -37,7 +37,7 @@ def _serve(tracking_uri: str, run_id: str, requests: IO[str], replies: IO[str]) 
     if hasattr(os, "nice"):
         # Writing metrics is background work: on a busy machine it yields the CPU to training and catches up in
         # idle moments (and at the final flush).
-        os.nice(10)
+        os.nice(19)
 
     def reply(word: str) -> None:
         replies.write(word.replace("\n", " ") + "\n")

@@ -44,6 +44,13 @@ class _Flush:
         self.target = 0
 
 
+class _Wake:
+    """Metrics are waiting in the writer's incoming list."""
+
+
+_WAKE = _Wake()
+
+
 class _Stop:
     __slots__ = ("timeout",)
 
@@ -98,8 +105,11 @@ class MetricWriter:
         self._max_backlog = max_backlog
         self._close_timeout = close_timeout_s
         self._log = logger if logger is not None else structlog.get_logger("tracking.writer")
-        self._queue: SimpleQueue[list[Metric] | _Flush | _Stop] = SimpleQueue()
+        self._queue: SimpleQueue[_Wake | _Flush | _Stop] = SimpleQueue()
         self._lock = threading.Lock()
+        # Submitted metrics wait here; the thread is woken only when this list starts or fills a batch, not per call
+        # (a wake-up per logged event makes the threads of a busy process fight for the GIL).
+        self._incoming: list[Metric] = []
         self._closed = False
         self._submitted = 0
         self._sent = 0
@@ -167,7 +177,11 @@ class MetricWriter:
             if self._closed:
                 self._late += len(metrics)
                 return
-            self._queue.put(metrics)
+            incoming = self._incoming
+            wake = not incoming or len(incoming) // self._max_batch < (len(incoming) + len(metrics)) // self._max_batch
+            incoming.extend(metrics)
+        if wake:
+            self._queue.put(_WAKE)
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every metric submitted before this call was sent (or dropped).
@@ -240,13 +254,18 @@ class MetricWriter:
                 if stop_at is not None:
                     wait = max(0.0, stop_at - now) if wait is None else min(wait, max(0.0, stop_at - now))
                 items = self._take(wait)
+                # Everything submitted before a flush request was queued is in ``incoming`` by now.
+                with self._lock:
+                    arrived, self._incoming = self._incoming, []
+                if arrived:
+                    if not buffer:
+                        oldest_at = time.monotonic()
+                    buffer.extend(arrived)
+                    received += len(arrived)
                 for item in items:
-                    if isinstance(item, list):
-                        if not buffer:
-                            oldest_at = time.monotonic()
-                        buffer.extend(item)
-                        received += len(item)
-                    elif isinstance(item, _Flush):
+                    if isinstance(item, _Wake):
+                        continue
+                    if isinstance(item, _Flush):
                         item.target = received
                         waiters.append(item)
                     elif stop_at is None:
@@ -307,7 +326,7 @@ class MetricWriter:
                 if isinstance(item, _Flush):
                     item.done.set()
 
-    def _take(self, wait: float | None) -> list[list[Metric] | _Flush | _Stop]:
+    def _take(self, wait: float | None) -> list[_Wake | _Flush | _Stop]:
         """Block for one queue item (at most ``wait`` seconds), then take all that are ready."""
         try:
             first = self._queue.get(timeout=wait) if wait is None or wait > 0 else self._queue.get_nowait()
@@ -315,8 +334,8 @@ class MetricWriter:
             return []
         return [first, *self._drain()]
 
-    def _drain(self) -> list[list[Metric] | _Flush | _Stop]:
-        items: list[list[Metric] | _Flush | _Stop] = []
+    def _drain(self) -> list[_Wake | _Flush | _Stop]:
+        items: list[_Wake | _Flush | _Stop] = []
         try:
             while True:
                 items.append(self._queue.get_nowait())

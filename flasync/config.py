@@ -615,6 +615,11 @@ class TrackingConfig(_Section):
     run_name: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_model: bool = Field(True, description="Also log the final model with mlflow.pytorch.")
+    metrics: Literal["standard", "all"] = Field(
+        "standard",
+        description="Per-update metrics: 'standard' (training s, samples, loss, peak memory, bytes, staleness, queue "
+        "wait) or 'all' (also encode/decode s, simulated s, compression, residual and update norms, staleness weight).",
+    )
     system_metrics: bool = Field(False, description="MLflow's CPU/GPU/memory monitor (on for CLI runs).")
 
 

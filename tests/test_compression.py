@@ -18,7 +18,7 @@ TOPK_EF = [{"kind": "topk", "ratio": 0.01, "error_feedback": True}]
 
 def _config(*overrides: str, upload: list[dict[str, Any]] | None = None, **sections: Any) -> flasync.RunConfig:
     codec = {"upload": upload if upload is not None else TOPK_EF}
-    return small_config("tracking.log_level=debug", *overrides, codec=codec, **sections)
+    return small_config("tracking.log_level=debug", "tracking.metrics=all", *overrides, codec=codec, **sections)
 
 
 async def test_upload_bytes_are_the_compressed_payloads() -> None:

@@ -366,3 +366,16 @@ def test_injected_clock_is_used() -> None:
     clock = VirtualClock(start=1000.0)
     flasync.run(small_config("stop.max_versions=2"), clock=clock)
     assert clock.now() > 1000.0 and clock.fired > 0
+
+
+async def test_standard_metrics_leave_out_the_per_update_details() -> None:
+    """tracking.metrics = standard keeps the required per-update figures; all adds the details."""
+    standard, full = MemoryTracker(), MemoryTracker()
+    await flasync.Federation(small_config("tracking.log_level=debug"), tracker=standard).run()
+    await flasync.Federation(small_config("tracking.log_level=debug", "tracking.metrics=all"), tracker=full).run()
+    details = {"client.encode_s", "client.sim_train_s", "server.update.decode_s", "server.update.staleness_weight"}
+    assert not details & set(standard.metric_keys())
+    assert details <= set(full.metric_keys())
+    required = {"client.train_s", "client.loss", "client.upload_bytes", "server.update.queue_wait_s"}
+    assert required <= set(standard.metric_keys())
+    assert "profile.version.encode_s" in standard.metric_keys()

@@ -46,20 +46,23 @@ class MetricsProcessor:
         sink: Receives the metrics of one event; must not block (e.g.
             :meth:`~tracking.mlflow_run.MlflowTracker.log_metrics`).
         exclude: Field names that are never metrics.
+        drop_keys: Whole metric keys (``event.field``) that are not sent.
         clock_ms: Wall-clock time in milliseconds since the epoch, stamped on every metric.
     """
 
-    __slots__ = ("_clock_ms", "_exclude", "_keys", "_sink")
+    __slots__ = ("_clock_ms", "_drop", "_exclude", "_keys", "_sink")
 
     def __init__(
         self,
         sink: Callable[[list[Metric]], None],
         *,
         exclude: Collection[str] = DEFAULT_EXCLUDE,
+        drop_keys: Collection[str] = (),
         clock_ms: Callable[[], int] = _wall_clock_ms,
     ) -> None:
         self._sink = sink
         self._exclude = frozenset(exclude)
+        self._drop = frozenset(drop_keys)
         self._clock_ms = clock_ms
         self._keys: dict[tuple[str, str], str] = {}
 
@@ -94,11 +97,14 @@ class MetricsProcessor:
             number = _to_float(value)
             if number is None:
                 continue
+            key = self._key(event, field)
+            if key in self._drop:
+                continue
             if metrics is None:
                 metrics = []
                 timestamp = self._clock_ms()
                 step = _to_step(event_dict.get("step", 0))
-            metrics.append(Metric(self._key(event, field), number, timestamp, step))
+            metrics.append(Metric(key, number, timestamp, step))
         if metrics:
             self._sink(metrics)
         return event_dict

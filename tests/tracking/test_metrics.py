@@ -107,3 +107,15 @@ def test_keys_mlflow_would_refuse_are_made_valid() -> None:
     """Characters MLflow rejects in keys are replaced by underscores."""
     sink, _ = run("edge<3>:merged", bytes_in=10)
     assert list(sink.by_key()) == ["edge_3__merged.bytes_in"]
+
+
+def test_dropped_keys_are_not_sent_and_other_events_keep_the_field() -> None:
+    """drop_keys removes one event's field, not the same field name of other events."""
+    sink = Sink()
+    processor = MetricsProcessor(sink, clock_ms=lambda: 1, drop_keys={"client.encode_s"})
+    processor(None, "debug", {"event": "client", "step": 1, "encode_s": 0.1, "loss": 2.0})
+    processor(None, "debug", {"event": "profile.version", "step": 1, "encode_s": 0.3})
+    assert set(sink.by_key()) == {"client.loss", "profile.version.encode_s"}
+    sink.calls.clear()
+    processor(None, "debug", {"event": "client", "step": 2, "encode_s": 0.1})
+    assert sink.calls == []

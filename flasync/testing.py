@@ -21,15 +21,34 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from mlflow.entities import Metric
+from torch import nn
 
 from flasync.bus import EventBus, OverflowPolicy
 from flasync.config import RunConfig, apply_override, validate
 from flasync.errors import BusClosed
 
-__all__ = ["EventRecorder", "MemoryTracker", "small_config"]
+__all__ = ["EventRecorder", "MemoryTracker", "UntrainableModel", "small_config"]
 
 E = TypeVar("E")
+
+
+class UntrainableModel(nn.Module):
+    """A digits classifier (64 -> 10) that evaluates but raises in every training step: a broken model."""
+
+    def __init__(self) -> None:
+        """Build the one linear layer."""
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits when gradients are off; raise when training."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("cannot train")
+        out: torch.Tensor = self.linear(x)
+        return out
+
 
 _SMALL: dict[str, Any] = {
     "seed": 0,

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import structlog
+import torch
 
 
 @pytest.fixture(autouse=True)
@@ -14,3 +15,11 @@ def _restore_structlog() -> Iterator[None]:
     before = structlog.get_config()
     yield
     structlog.configure(**before)
+
+
+@pytest.fixture
+def seeded_torch() -> Iterator[None]:
+    """Seed torch's default generator for a test and restore it afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -24,12 +24,7 @@ SIZES = (37, 50, 5, 64, 100, 17, 1)  # ragged: short last batches, different ste
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(autouse=True)
-def _seeded_torch() -> Iterator[None]:
-    """Seed torch's default generator for each test and restore it afterwards."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        yield
+pytestmark = pytest.mark.usefixtures("seeded_torch")
 
 
 def _mlp() -> nn.Module:

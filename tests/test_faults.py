@@ -6,8 +6,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
-from torch import nn
 
 import flasync
 from flasync.config import FaultsConfig
@@ -22,7 +20,7 @@ from flasync.events import (
     UpdateRejected,
 )
 from flasync.faults import Fate, FaultModel
-from flasync.testing import EventRecorder, MemoryTracker, small_config
+from flasync.testing import EventRecorder, MemoryTracker, UntrainableModel, small_config
 
 FAULTY = ("faults.crash=0.3", "faults.hang=0.1", "resilience.task_timeout_s=10")
 
@@ -163,18 +161,8 @@ async def test_injected_faults_never_trip_the_broken_model_guard() -> None:
 async def test_a_genuinely_broken_model_still_fails_the_run() -> None:
     """With injected faults on, a model that cannot train still ends the run with TrainingError."""
 
-    class Fragile(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(64, 10)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if torch.is_grad_enabled():
-                raise RuntimeError("cannot train")
-            return self.linear(x)
-
     tracker = MemoryTracker()
-    federation = flasync.Federation(small_config("faults.crash=0.3"), model_factory=Fragile, tracker=tracker)
+    federation = flasync.Federation(small_config("faults.crash=0.3"), model_factory=UntrainableModel, tracker=tracker)
     with pytest.raises(TrainingError, match="cannot train"):
         await federation.run()
     assert tracker.status == "FAILED"

@@ -29,7 +29,7 @@ from flasync.events import (
     UpdateUploaded,
 )
 from flasync.runtime import weights_sha256
-from flasync.testing import EventRecorder, MemoryTracker, small_config
+from flasync.testing import EventRecorder, MemoryTracker, UntrainableModel, small_config
 
 SUMMARY_KEYS = {
     "accuracy",
@@ -261,18 +261,8 @@ async def test_model_with_wrong_output_is_a_config_error() -> None:
 async def test_every_client_failing_ends_the_run_failed() -> None:
     """A run whose every client task fails stops with TrainingError and ends FAILED."""
 
-    class Fragile(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(64, 10)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if torch.is_grad_enabled():
-                raise RuntimeError("cannot train")
-            return self.linear(x)
-
     tracker = MemoryTracker()
-    federation = flasync.Federation(small_config(), model_factory=Fragile, tracker=tracker)
+    federation = flasync.Federation(small_config(), model_factory=UntrainableModel, tracker=tracker)
     recorder = EventRecorder(federation.bus)
     with pytest.raises(TrainingError, match="client tasks all failed; the last error: RuntimeError: cannot train"):
         await federation.run()

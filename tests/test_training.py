@@ -24,12 +24,7 @@ NUM_FEATURES = 16  # the CNN sees these as one 4x4 image
 NUM_CLASSES = 3
 
 
-@pytest.fixture(autouse=True)
-def _seeded_torch() -> Iterator[None]:
-    """Seed torch's default generator for each test and restore it afterwards."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        yield
+pytestmark = pytest.mark.usefixtures("seeded_torch")
 
 
 def _mlp() -> nn.Module:

@@ -459,7 +459,16 @@ class TreeTopology(_Section):
     )
     kappa2: int = Field(1, ge=1, description="Sync HierFAVG: edge aggregations per cloud aggregation.")
     link: EdgeLinkConfig = EdgeLinkConfig()
+    codec: tuple[CodecStage, ...] = Field(
+        (), description="How edges encode the partials they send up: one fp16, bf16 or int8 stage (empty: float32)."
+    )
     per_edge_metrics: bool = Field(False, description="Also log figures per edge name (at most 32 edges).")
+
+    @model_validator(mode="after")
+    def _edge_codec(self) -> TreeTopology:
+        if len(self.codec) > 1 or any(not isinstance(stage, _VALUE_ENCODERS) for stage in self.codec):
+            raise _FieldError(("topology", "codec"), "one fp16, bf16 or int8 stage at most (partials keep no residual)")
+        return self
 
 
 TopologyConfig = Annotated[FlatTopology | TreeTopology, Field(discriminator="kind")]

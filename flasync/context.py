@@ -51,6 +51,7 @@ class RunContext:
         residuals: Clients' error-feedback residuals (None when the upload codec keeps none).
         residual_lock: Guards ``residuals``, which training threads read and write.
         tree: The aggregation tree (None: a flat run, every client talks to the cloud).
+        edge_codec: How edges encode the partial aggregates they send up (and their parents decode them).
         lazy_clients: Clients whose samples are drawn when they are sampled (then ``train_x`` is unused).
         diagnostics: Training diagnostics run in the training threads (None: NaN/Inf checks only).
         faults: The simulated failure model (None: no faults).
@@ -79,6 +80,7 @@ class RunContext:
     residuals: ResidualStore | None
     residual_lock: threading.Lock
     tree: Tree | None = None
+    edge_codec: Pipeline = field(default_factory=Pipeline)
     lazy_clients: SyntheticClients | None = None
 
     def client_samples(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from flasync import codecs
+from flasync import seeding
 from flasync.aggregation import StalenessWeight
 from flasync.client import ModelSnapshot
 from flasync.config import EdgeLinkConfig, TreeTopology
@@ -49,8 +49,6 @@ if TYPE_CHECKING:
     from flasync.server import Server
 
 __all__ = ["EdgeNetwork", "EdgeNode", "TierStats", "link_seconds"]
-
-_DENSE = codecs.Pipeline()
 
 
 def link_seconds(link: EdgeLinkConfig, num_bytes: int, *, up: bool) -> float:
@@ -208,7 +206,7 @@ class EdgeNode:
         if message.count == 0:
             return False
         try:
-            partial = _DENSE.decode(message.payload, expected_elements=self.net.ctx.num_params)
+            partial = self.net.ctx.edge_codec.decode(message.payload, expected_elements=self.net.ctx.num_params)
         except DecodeError as exc:  # pragma: no cover - edges encode these themselves
             raise AssertionError(f"edge {message.edge} sent an undecodable partial: {exc}") from exc
         self._acc.add_(partial)
@@ -255,7 +253,9 @@ class EdgeNode:
     async def _forward(self) -> None:
         """Encode the accumulator, reset it, and send it to the parent over the simulated link."""
         start = time.perf_counter()
-        payload = _DENSE.encode(self._acc).payload
+        ctx = self.net.ctx
+        generator = seeding.torch_stream(ctx.config.seed, seeding.EDGE_CODEC, self.index, self._generation)
+        payload = ctx.edge_codec.encode(self._acc, generator=generator).payload
         known = self.snapshot.version if self.snapshot is not None else Version(0)
         partial = EdgeForwarded(
             to=self.parent,

@@ -586,6 +586,7 @@ class Federation:
             residuals=residuals,
             residual_lock=threading.Lock(),
             tree=prepared.tree,
+            edge_codec=pipeline(cfg.topology.codec if isinstance(cfg.topology, TreeTopology) else ()),
             lazy_clients=prepared.lazy,
             diagnostics=diagnostics,
             faults=FaultModel(cfg.faults, cfg.seed, cfg.population.num_clients),

@@ -20,6 +20,7 @@ __all__ = [
     "AVAILABILITY",
     "CODEC",
     "DATA",
+    "EDGE_CODEC",
     "FAULTS",
     "MODEL_INIT",
     "NETWORK",
@@ -48,6 +49,7 @@ CODEC = 8
 TOPOLOGY = 9
 FAULTS = 10
 AVAILABILITY = 11
+EDGE_CODEC = 12
 
 _MASK = (1 << 64) - 1
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from flasync import codecs, seeding
+from flasync import seeding
 from flasync.aggregation import (
     ConstantStaleness,
     HingeStaleness,
@@ -83,7 +83,6 @@ ServerMessage = (
     UpdateUploaded | ClientFailed | EdgeForwarded | TaskClosed | ClientTimedOut | RoundDeadlinePassed | StopRequested
 )
 INTERRUPTED = "interrupted"
-_DENSE = codecs.Pipeline()
 
 __all__ = ["INTERRUPTED", "Server", "ServerStats", "make_server_optimizer", "make_staleness_weight", "warm_up"]
 
@@ -939,7 +938,7 @@ class Server:
             return
         ctx = self.ctx
         start = ctx.wall()
-        partial = _DENSE.decode(message.payload, expected_elements=ctx.num_params).to(self.weights.device)
+        partial = ctx.edge_codec.decode(message.payload, expected_elements=ctx.num_params).to(self.weights.device)
         staleness = max(int(self.version) - int(message.base_version), 0)
         weight = self.strategy.add_partial(partial, example_weight=message.example_weight, staleness=staleness)
         self.stats.cloud_aggregate_s += ctx.wall() - start

@@ -254,3 +254,23 @@ def test_topology_errors_exit_2_without_a_run(
         client = mlflow.MlflowClient(uri)
         experiment = client.get_experiment_by_name("flasync")
         assert experiment is None or not client.search_runs([experiment.experiment_id])
+
+
+async def test_edges_can_compress_their_partials() -> None:
+    """topology.codec = int8: partials reach the cloud ~4x smaller, deterministically, and the run still learns."""
+    dense, _, _ = await _run(small_config(topology=_tree(fanout=[4], buffer_size=4)))
+    tree = _tree(fanout=[4], buffer_size=4, codec=[{"kind": "int8", "chunk": 256}])
+    small, _, events = await _run(small_config(topology=tree))
+    again, _, _ = await _run(small_config(topology=tree))
+    partials = [e for e in events.of(EdgeForwarded) if e.to == "cloud"]
+    per_partial = small.cloud_ingress_bytes / len(partials)
+    assert per_partial < dense.cloud_ingress_bytes / dense.tiers["edge1.aggregations"] / 3.5
+    assert small.weights_sha256 == again.weights_sha256
+    assert small.accuracy > 0.5
+
+
+def test_edge_codec_takes_one_value_encoder(capsys: pytest.CaptureFixture[str]) -> None:
+    """A sparsifier (no residual at an edge) or two stages on the edge uplink are config errors."""
+    argv = ["run", "--set", "topology.kind=tree", "--set", "topology.codec=[{kind: topk, ratio: 0.1}]"]
+    assert main(argv) == 2
+    assert "topology.codec: one fp16, bf16 or int8 stage at most" in capsys.readouterr().err

@@ -297,26 +297,19 @@ class Federation:
                 rng=seeding.numpy_stream(cfg.seed, seeding.DATA),
             )
         assert isinstance(source, SyntheticData)
-        if source.lazy:  # only a sample for shapes: clients draw their own data when sampled
-            train = self._lazy_clients().client(0)
-            test = make_synthetic(
-                num_samples=source.test_samples,
-                num_features=source.num_features,
-                num_classes=source.num_classes,
-                rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 1),
-            )
-            return train, test
-        train = make_synthetic(
-            num_samples=source.samples_per_client * cfg.population.num_clients,
-            num_features=source.num_features,
-            num_classes=source.num_classes,
-            rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 0),
-        )
         test = make_synthetic(
             num_samples=source.test_samples,
             num_features=source.num_features,
             num_classes=source.num_classes,
             rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 1),
+        )
+        if source.lazy:  # only a sample for shapes: clients draw their own data when sampled
+            return self._lazy_clients().client(0), test
+        train = make_synthetic(
+            num_samples=source.samples_per_client * cfg.population.num_clients,
+            num_features=source.num_features,
+            num_classes=source.num_classes,
+            rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 0),
         )
         return train, test
 

@@ -26,8 +26,6 @@ from flasync._version import __version__
 from flasync.config import RunConfig, apply_override, load_config, validate
 from flasync.errors import ConfigError, FlasyncError, RunInterrupted
 from flasync.runtime import Federation, RunSummary
-from tracking.compare import comparison_table, default_target, fetch_runs, plot_comparison
-from tracking.report import RunLookupError, format_report, get_run, load_profile, open_store
 
 __all__ = ["main"]
 
@@ -316,8 +314,14 @@ def _command_run(args: argparse.Namespace) -> int:
 
 
 def _command_report(args: argparse.Namespace) -> int:
-    client = open_store(args.tracking_uri)
-    run = get_run(client, args.run_id)
+    # Imported here: they import MLflow, which `flasync run --no-tracking` never needs.
+    from tracking.report import RunLookupError, format_report, get_run, load_profile, open_store
+
+    try:
+        client = open_store(args.tracking_uri)
+        run = get_run(client, args.run_id)
+    except RunLookupError as exc:
+        raise _UsageError(str(exc)) from None
     text = format_report(
         run.info.run_id,
         run.info.run_name or run.info.run_id[:8],
@@ -329,11 +333,17 @@ def _command_report(args: argparse.Namespace) -> int:
 
 
 def _command_compare(args: argparse.Namespace) -> int:
+    from tracking.compare import comparison_table, default_target, fetch_runs, plot_comparison
+    from tracking.report import RunLookupError, open_store
+
     target = args.target_accuracy
     if target is not None and not 0.0 < target <= 1.0:
         raise _UsageError(f"--target-accuracy must be in (0, 1], got {target}")
-    client = open_store(args.tracking_uri)
-    records = fetch_runs(client, args.run_ids, experiment=args.experiment)
+    try:
+        client = open_store(args.tracking_uri)
+        records = fetch_runs(client, args.run_ids, experiment=args.experiment)
+    except RunLookupError as exc:
+        raise _UsageError(str(exc)) from None
     if target is None:
         target = default_target(records)
     print(comparison_table(records, target=target), flush=True)
@@ -358,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "compare":
             return _command_compare(args)
         return _command_run(args)
-    except (_UsageError, RunLookupError) as exc:
+    except _UsageError as exc:
         print(f"flasync: error: {exc}", file=sys.stderr)
         return 2
     except FlasyncError as exc:

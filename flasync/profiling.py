@@ -438,6 +438,9 @@ def torch_memory() -> dict[str, int]:
     }
 
 
+_MAX_BARS = 60  # per-version plots draw areas and lines beyond this many versions
+
+
 def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     """Draw the profile as PNG images; return ``{file name: PNG bytes}``.
 
@@ -478,13 +481,21 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
 
     rows = profile["time"]["per_version"]
     versions = [int(r["version"]) for r in rows]
+    # One bar per version while bars stay readable; beyond that, areas and lines (a bar is one matplotlib artist,
+    # and a thousand of them take seconds to draw).
+    as_bars = len(rows) <= _MAX_BARS
     fig = Figure(figsize=(10, 4))
     ax = fig.subplots()
-    bottom = [0.0] * len(rows)
-    for key in ("compute_s", "encode_s", "decode_s", "queue_wait_s", "aggregate_s", "eval_s", "idle_s"):
-        heights = [r[key] for r in rows]
-        ax.bar(versions, heights, bottom=bottom, label=key.removesuffix("_s"), width=0.9)
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    keys = ("compute_s", "encode_s", "decode_s", "queue_wait_s", "aggregate_s", "eval_s", "idle_s")
+    if as_bars:
+        bottom = [0.0] * len(rows)
+        for key in keys:
+            heights = [r[key] for r in rows]
+            ax.bar(versions, heights, bottom=bottom, label=key.removesuffix("_s"), width=0.9)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    elif rows:
+        series = [[r[key] for r in rows] for key in keys]
+        ax.stackplot(versions, *series, labels=[key.removesuffix("_s") for key in keys], step="mid")
     ax.set_xlabel("version")
     ax.set_ylabel("wall seconds (client columns summed over clients)")
     ax.set_title("Time breakdown per version")
@@ -493,9 +504,13 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
 
     fig = Figure(figsize=(10, 4))
     ax = fig.subplots()
-    width = 0.4
-    ax.bar([v - width / 2 for v in versions], [r["upload_bytes"] for r in rows], width=width, label="up")
-    ax.bar([v + width / 2 for v in versions], [r["download_bytes"] for r in rows], width=width, label="down")
+    if as_bars:
+        width = 0.4
+        ax.bar([v - width / 2 for v in versions], [r["upload_bytes"] for r in rows], width=width, label="up")
+        ax.bar([v + width / 2 for v in versions], [r["download_bytes"] for r in rows], width=width, label="down")
+    else:
+        ax.plot(versions, [r["upload_bytes"] for r in rows], drawstyle="steps-mid", label="up")
+        ax.plot(versions, [r["download_bytes"] for r in rows], drawstyle="steps-mid", label="down")
     ax.set_xlabel("version")
     ax.set_ylabel("bytes")
     ax.set_title("Bytes per version (of the updates folded into it)")

@@ -464,10 +464,15 @@ class Federation:
             DataError: If the data set cannot be used.
         """
         cfg = self.config
-        prepared = await asyncio.to_thread(self._prepare)
-        if self._stop_requested:
-            raise RunInterrupted(self._stop_requested)  # before any tracking run exists
         tracker = self._make_tracker()
+        tracker.prepare()  # e.g. its MLflow writer process starts up while the data loads
+        try:
+            prepared = await asyncio.to_thread(self._prepare)
+            if self._stop_requested:
+                raise RunInterrupted(self._stop_requested)  # before any tracking run exists
+        except BaseException:
+            tracker.finish("FAILED")  # no run exists yet: this only stops what prepare() started
+            raise
         processors: list[Any] = []
         if not isinstance(tracker, tracking.NullTracker):
             drop = _DETAIL_KEYS if cfg.tracking.metrics == "standard" else ()

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from mlflow.entities import Metric
 from torch import nn
 
 from flasync.bus import EventBus, OverflowPolicy
 from flasync.config import RunConfig, apply_override, validate
 from flasync.errors import BusClosed
+from tracking.metrics import MetricRow
 
 __all__ = ["EventRecorder", "MemoryTracker", "UntrainableModel", "small_config"]
 
@@ -88,10 +88,15 @@ class MemoryTracker:
         self.run_name: str | None = None
         self.params: dict[str, Any] = {}
         self.tags: dict[str, str] = {}
-        self.metrics: list[Metric] = []
+        self.metrics: list[MetricRow] = []
         self.artifacts: dict[str, bytes] = {}
         self.status: str | None = None
         self.flushes = 0
+        self.prepared = False
+
+    def prepare(self) -> None:
+        """Record the call."""
+        self.prepared = True
 
     def start(
         self,
@@ -114,7 +119,7 @@ class MemoryTracker:
         self.status = None
         return run_id
 
-    def log_metrics(self, metrics: list[Metric]) -> None:
+    def log_metrics(self, metrics: list[MetricRow]) -> None:
         """Keep the metrics."""
         self.metrics.extend(metrics)
 
@@ -140,8 +145,9 @@ class MemoryTracker:
         self.flushes += 1
 
     def finish(self, status: str) -> None:
-        """Record the final status."""
-        self.status = status
+        """Record the final status (of a started run: finishing a tracker that never started records nothing)."""
+        if self.run_id is not None:
+            self.status = status
 
     def ui_command(self) -> str | None:
         """Return None: there is no store to open."""

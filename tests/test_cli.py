@@ -93,6 +93,32 @@ def test_bad_data_leaves_no_run(capsys: pytest.CaptureFixture[str], store: str) 
     message = _fails(capsys, "run", "--set", "population.num_clients=5000", "--tracking-uri", store)
     assert "5000" in message
     assert all(run.info.status != "RUNNING" for run in _runs(store))
+    assert _writer_processes() == []  # the MLflow writer process started beside the data loading is gone
+
+
+def _writer_processes() -> list[int]:
+    """Return the pids of this process's live MLflow writer children (Linux's /proc; empty elsewhere)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"tracking._child" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_no_tracking_never_imports_mlflow() -> None:
+    """Importing flasync and running with tracking off does not load MLflow (over a second of imports)."""
+    code = (
+        "import sys, flasync, flasync.testing\n"
+        "assert 'mlflow' not in sys.modules, 'import'\n"
+        "flasync.run(flasync.testing.small_config('stop.max_versions=1', 'diagnostics.plots=false'))\n"
+        "assert 'mlflow' not in sys.modules, 'run'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_print_config_round_trips(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

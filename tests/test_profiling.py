@@ -19,7 +19,7 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
-from flasync.profiling import Profiler, build_profile, headline, quantiles
+from flasync.profiling import Profiler, build_profile, headline, quantiles, render_plots
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -162,6 +162,17 @@ async def test_profile_json_and_plots_are_artifacts() -> None:
     }
     assert all(image.startswith(PNG_MAGIC) and len(image) > 1000 for image in plots.values())
     assert summary.peak_rss_bytes > 0 and 0 <= summary.server_idle_fraction <= 1
+
+
+async def test_plots_of_a_long_run_draw_areas_not_bars() -> None:
+    """Beyond 60 versions the per-version plots switch from one bar per version to areas and lines, still PNGs."""
+    tracker = MemoryTracker()
+    await flasync.Federation(small_config("stop.max_versions=80", "eval.every_versions=40"), tracker=tracker).run()
+    profile = json.loads(tracker.artifacts["profile.json"])
+    assert len(profile["time"]["per_version"]) == 80
+    plots = render_plots(profile)
+    assert set(plots) == {f"{name}.png" for name in ("accuracy", "staleness", "time_breakdown", "bytes", "client_times")}
+    assert all(image.startswith(PNG_MAGIC) and len(image) > 1000 for image in plots.values())
 
 
 async def test_torch_profiler_trace_is_an_artifact() -> None:

@@ -3,11 +3,11 @@
 Writing a metric to MLflow's SQLAlchemy store costs about 90 microseconds of pure-Python work. Done on a thread of
 the training process, that work competes with the event loop and the training threads for the GIL; a run that logs a
 dozen figures per client update loses a large share of its throughput. :class:`ChildLogBatch` starts
-``python -m tracking._child URI RUN_ID`` and sends it each batch as one line of JSON (``[[key, value, timestamp,
-step], ...]``) on its standard input; the child answers each line with one word on its standard output (``ready``
-once connected, then ``ok`` or ``error: ...`` per batch). A plain subprocess, not ``multiprocessing``: it never
-re-imports the parent's ``__main__`` (a script without an ``if __name__ == "__main__"`` guard stays safe), and
-nothing is pickled.
+``python -m tracking._child URI``, which imports MLflow at once (over a second, while the parent does other work),
+then reads the run id as the first line of its standard input, connects and answers ``ready``. Each batch follows
+as one line of JSON (``[[key, value, timestamp, step], ...]``), answered ``ok`` or ``error: ...``. A plain
+subprocess, not ``multiprocessing``: it never re-imports the parent's ``__main__`` (a script without an
+``if __name__ == "__main__"`` guard stays safe), and nothing is pickled.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import select
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from mlflow.entities import Metric
+from tracking.metrics import MetricRow
 
 __all__ = ["ChildLogBatch"]
 
@@ -30,9 +30,10 @@ _STOP = "stop"
 _EXIT_TIMEOUT_S = 10.0
 
 
-def _serve(tracking_uri: str, run_id: str, requests: IO[str], replies: IO[str]) -> None:
-    """Answer batches read from ``requests`` until told to stop (runs in the child)."""
+def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
+    """Read the run id, then answer batches read from ``requests`` until told to stop (runs in the child)."""
     import mlflow
+    from mlflow.entities import Metric
 
     if hasattr(os, "nice"):
         # Writing metrics is background work: on a busy machine it yields the CPU to training and catches up in
@@ -43,6 +44,9 @@ def _serve(tracking_uri: str, run_id: str, requests: IO[str], replies: IO[str]) 
         replies.write(word.replace("\n", " ") + "\n")
         replies.flush()
 
+    run_id = requests.readline().strip()
+    if not run_id or run_id == _STOP:
+        return
     try:
         client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         client.get_run(run_id)  # connect now, so a store the child cannot reach is known before training starts
@@ -64,24 +68,29 @@ def _serve(tracking_uri: str, run_id: str, requests: IO[str], replies: IO[str]) 
 class ChildLogBatch:
     """A ``log_batch(metrics)`` callable whose MLflow calls run in a child process.
 
+    The child starts at once; it connects to the store when it learns the run (``run_id`` here, or :meth:`bind`
+    later), so a tracker can start it before it creates its run and let both import MLflow at the same time.
+
     Args:
         tracking_uri: The store the child writes to (absolute: the child does not share relative paths' meaning).
-        run_id: The run the metrics belong to.
+        run_id: The run the metrics belong to; None: given later with :meth:`bind`.
         extra_env: Environment variables set for the child only, e.g. bounds on MLflow's HTTP timeout and retries.
 
     ``__call__`` raises ``RuntimeError`` with the child's error message, or ``ConnectionError`` when the child is
     gone; the caller (a :class:`~tracking.writer.MetricWriter`) keeps the batch and retries or falls back.
     """
 
-    def __init__(self, tracking_uri: str, run_id: str, *, extra_env: Mapping[str, str] | None = None) -> None:
-        """Start the child (it imports MLflow and connects in the background)."""
+    def __init__(
+        self, tracking_uri: str, run_id: str | None = None, *, extra_env: Mapping[str, str] | None = None
+    ) -> None:
+        """Start the child (it imports MLflow in the background, and connects once it has the run id)."""
         env = dict(os.environ)
         env.update(extra_env or {})
         # The child imports this package from wherever the parent did, installed or not.
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "tracking._child", tracking_uri, run_id],
+            [sys.executable, "-m", "tracking._child", tracking_uri],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -90,7 +99,33 @@ class ChildLogBatch:
             env=env,
         )
         self._ready = False
+        self._bound = False
         self._lock = threading.Lock()
+        if run_id is not None:
+            self.bind(run_id)
+
+    def bind(self, run_id: str) -> None:
+        """Tell the child which run its metrics belong to (once); it connects to the store then.
+
+        Raises:
+            ValueError: A run id was already given, or ``run_id`` is empty or spans lines.
+            ConnectionError: The child is gone.
+        """
+        if not run_id or "\n" in run_id:
+            raise ValueError(f"not a run id: {run_id!r}")
+        with self._lock:
+            if self._bound:
+                raise ValueError("the writer process already has its run")
+            self._bound = True
+            self._write(run_id)
+
+    def _write(self, line: str) -> None:
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.write(line + "\n")
+            self._process.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            raise ConnectionError("the MLflow writer process is gone") from None
 
     @property
     def alive(self) -> bool:
@@ -112,11 +147,13 @@ class ChildLogBatch:
 
         Raises:
             ConnectionError: If the child died or did not answer within ``timeout`` seconds.
-            RuntimeError: If the child could not reach the store (its message).
+            RuntimeError: If the child could not reach the store (its message), or has no run yet (:meth:`bind`).
         """
         with self._lock:
             if self._ready:
                 return
+            if not self._bound:
+                raise RuntimeError("the writer process has no run yet: call bind(run_id) first")
             assert self._process.stdout is not None
             readable, _, _ = select.select([self._process.stdout], [], [], timeout)
             if not readable:
@@ -124,24 +161,32 @@ class ChildLogBatch:
             self._expect("ready")
             self._ready = True
 
-    def __call__(self, metrics: list[Metric]) -> None:
-        """Write one batch through the child; return when the store has it."""
+    def __call__(self, metrics: Sequence[MetricRow]) -> None:
+        """Write one batch through the child; return when the store has it.
+
+        Raises:
+            ConnectionError: The child is gone.
+            RuntimeError: The store refused the batch (its message), or the child has no run yet.
+        """
         line = json.dumps([[m.key, m.value, m.timestamp, m.step] for m in metrics])
         with self._lock:
+            if not self._bound:
+                raise RuntimeError("the writer process has no run yet: call bind(run_id) first")
             if not self._ready:
                 self._expect("ready")
                 self._ready = True
-            assert self._process.stdin is not None
-            try:
-                self._process.stdin.write(line + "\n")
-                self._process.stdin.flush()
-            except (BrokenPipeError, OSError):
-                raise ConnectionError("the MLflow writer process is gone") from None
+            self._write(line)
             self._expect("ok")
 
     def close(self) -> None:
-        """Stop the child (after the batches already sent) and reap it; idempotent."""
+        """Stop the child (after the batches already sent) and reap it; idempotent.
+
+        A child that never got its run has nothing to write and is killed at once, rather than left to finish
+        importing MLflow.
+        """
         with self._lock:
+            if not self._bound and self._process.poll() is None:
+                self._process.kill()
             stdin = self._process.stdin
             if stdin is not None and not stdin.closed:
                 try:
@@ -159,4 +204,4 @@ class ChildLogBatch:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], sys.argv[2], sys.stdin, sys.stdout)
+    _serve(sys.argv[1], sys.stdin, sys.stdout)

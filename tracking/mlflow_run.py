@@ -3,7 +3,8 @@
 Nothing here touches MLflow's global state (tracking URI, active run, experiment): every call goes
 through ``MlflowClient(tracking_uri)`` with an explicit run id, so several trackers, on different
 stores, can live in one process. All methods block on I/O except :meth:`Tracker.log_metrics`;
-async callers run them in a thread.
+async callers run them in a thread. MLflow itself (over a second to import) is imported when a tracker
+first needs it, so a run without tracking never loads it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, get_args
 
-import mlflow
 import structlog
 import yaml
-from mlflow.entities import LoggedModelOutput, Metric, Param, RunTag
 
 from tracking._child import ChildLogBatch
 from tracking._keys import safe_key
+from tracking.metrics import MetricRow
 from tracking.spool import (
     Replayer,
     SpoolWriter,
@@ -43,6 +43,7 @@ from tracking.spool import (
 from tracking.writer import MetricWriter
 
 if TYPE_CHECKING:
+    import mlflow
     import torch
 
 __all__ = [
@@ -88,6 +89,13 @@ class Tracker(Protocol):
 
     run_id: str | None
 
+    def prepare(self) -> None:
+        """Get ready for :meth:`start` without blocking, e.g. start helper processes; may do nothing.
+
+        A federation calls it before it loads its data, so that work overlaps with the data's preparation.
+        """
+        ...
+
     def start(
         self,
         *,
@@ -103,7 +111,7 @@ class Tracker(Protocol):
         """Reopen an existing run (status back to ``RUNNING``) to log more to it; return its id."""
         ...
 
-    def log_metrics(self, metrics: list[Metric]) -> None:
+    def log_metrics(self, metrics: list[MetricRow]) -> None:
         """Queue metrics for the run without blocking."""
         ...
 
@@ -128,7 +136,10 @@ class Tracker(Protocol):
         ...
 
     def finish(self, status: RunStatus) -> None:
-        """Write what is queued and close the run with ``status``; idempotent."""
+        """Write what is queued and close the run with ``status``; idempotent.
+
+        Before :meth:`start`, it only stops what :meth:`prepare` started.
+        """
         ...
 
     def ui_command(self) -> str | None:
@@ -141,6 +152,9 @@ class NullTracker:
 
     def __init__(self) -> None:
         self.run_id: str | None = None
+
+    def prepare(self) -> None:
+        """Do nothing."""
 
     def start(
         self,
@@ -157,7 +171,7 @@ class NullTracker:
         """Do nothing; return an empty run id."""
         return ""
 
-    def log_metrics(self, metrics: list[Metric]) -> None:
+    def log_metrics(self, metrics: list[MetricRow]) -> None:
         """Drop the metrics."""
 
     def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
@@ -294,6 +308,21 @@ class MlflowTracker:
         """The metric writer of the run (for its statistics); None before :meth:`start`."""
         return self._writer
 
+    def prepare(self) -> None:
+        """Start the metric writer process now, if this tracker uses one; never blocks; idempotent.
+
+        The process imports MLflow (over a second) while the caller goes on, e.g. loads its data; :meth:`start`
+        hands it the run once the run exists (and starts it itself if this was not called). :meth:`finish` stops
+        it, also when :meth:`start` never came.
+        """
+        if not self._writer_process or self._child is not None or self._started_at is not None:
+            return
+        extra = {}
+        if is_remote(self.tracking_uri):
+            bounds = http_env(self._http_timeout, self._http_retries)
+            extra = {k: v for k, v in bounds.items() if k not in os.environ}
+        self._child = ChildLogBatch(self.tracking_uri, extra_env=extra)
+
     def start(
         self,
         *,
@@ -323,6 +352,10 @@ class MlflowTracker:
         """
         if self._started_at is not None:
             raise RuntimeError(f"this tracker already started run {self.run_id or '(spooled)'}")
+        self.prepare()  # the writer process imports MLflow while this thread does too, and creates the run
+        import mlflow
+        from mlflow.entities import Param
+
         self._started_at = int(time.time() * 1000)
         self._experiment, self._run_name = experiment, run_name
         clean_tags = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in tags.items()}
@@ -347,6 +380,7 @@ class MlflowTracker:
                         client.log_batch(run.info.run_id, params=chunk, synchronous=True)
             except ExperimentDeletedError:
                 self._started_at = None
+                self._stop_child()
                 raise
             except Exception as exc:
                 spool = self._go_offline(exc)
@@ -356,6 +390,7 @@ class MlflowTracker:
             except BaseException:
                 # Interrupted while recording the params: leave no RUNNING run behind.
                 self._finished = True
+                self._stop_child()
                 if self.run_id is not None and self._client is not None:
                     with contextlib.suppress(Exception), self._http():
                         self._client.set_terminated(self.run_id, "KILLED")
@@ -363,8 +398,14 @@ class MlflowTracker:
         if self.run_id is not None and not self._offline:
             self._start_writers(self.run_id)
         else:
+            self._stop_child()
             self._writer = self._metric_writer()
         return self.run_id or ""
+
+    def _stop_child(self) -> None:
+        if self._child is not None:
+            self._child.close()
+            self._child = None
 
     def _metric_writer(self) -> MetricWriter:
         return MetricWriter(
@@ -392,6 +433,9 @@ class MlflowTracker:
         """
         if self._started_at is not None:
             raise RuntimeError(f"this tracker already started run {self.run_id or '(spooled)'}")
+        self.prepare()
+        import mlflow
+
         if self._client is None:
             self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         client = self._client
@@ -410,20 +454,16 @@ class MlflowTracker:
         return bounded_http(self.tracking_uri, timeout_s=self._http_timeout, retries=self._http_retries)
 
     def _start_writers(self, run_id: str) -> None:
-        """Start the metric child process (if wanted), the metric writer and the system monitor."""
-        if self._writer_process:
-            extra = {}
-            if is_remote(self.tracking_uri):
-                bounds = http_env(self._http_timeout, self._http_retries)
-                extra = {k: v for k, v in bounds.items() if k not in os.environ}
-            child = ChildLogBatch(self.tracking_uri, run_id, extra_env=extra)
+        """Hand the metric child process (if any) its run, then start the metric writer and the system monitor."""
+        child = self._child
+        if child is not None:
             try:
+                child.bind(run_id)
                 # Pay the child's start-up (importing MLflow, connecting) before training, not during it.
                 child.wait_ready(_CHILD_START_TIMEOUT_S)
-                self._child = child
             except (ConnectionError, RuntimeError) as exc:
                 self._log.warning("tracking.writer_process_failed", error=str(exc), metrics=False)
-                child.close()
+                self._stop_child()
         self._writer = self._metric_writer()
         if self._system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -436,7 +476,7 @@ class MlflowTracker:
             self._monitor.mlflow_logger = _MonitorSink(self.log_metrics)
             self._monitor.start()
 
-    def log_metrics(self, metrics: list[Metric]) -> None:
+    def log_metrics(self, metrics: list[MetricRow]) -> None:
         """Queue metrics for the run; never blocks (dropped before start and after finish).
 
         Args:
@@ -505,6 +545,8 @@ class MlflowTracker:
         clean = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in tags.items()}
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
+            from mlflow.entities import RunTag
+
             entries = [RunTag(k, v) for k, v in clean.items()]
             for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
                 client.log_batch(run_id, tags=chunk, synchronous=True)
@@ -541,6 +583,7 @@ class MlflowTracker:
         if status not in get_args(RunStatus):
             raise ValueError(f"status must be one of {get_args(RunStatus)}, not {status!r}")
         if self._started_at is None or self._finished:
+            self._stop_child()  # prepared, never started (or stopped already)
             return
         self._finished = True
         try:
@@ -550,9 +593,7 @@ class MlflowTracker:
         finally:
             if self._writer is not None:
                 self._writer.close(self._flush_timeout)
-            if self._child is not None:
-                self._child.close()
-                self._child = None
+            self._stop_child()
             end = int(time.time() * 1000)
 
             def send(run_id: str, client: mlflow.MlflowClient) -> None:
@@ -616,6 +657,7 @@ class MlflowTracker:
         """
         import mlflow.pytorch
         import torch
+        from mlflow.entities import LoggedModelOutput
         from mlflow.models import Model
 
         began = time.perf_counter()
@@ -728,6 +770,8 @@ class MlflowTracker:
         try:
             with self._http():
                 if self._client is None:
+                    import mlflow
+
                     self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
                 if self._replayer is None:
                     self._replayer = Replayer(
@@ -765,7 +809,7 @@ class MlflowTracker:
         self.experiment_id = self._experiment_id(self._client, name)
         return self.experiment_id
 
-    def _log_metric_batch(self, metrics: list[Metric]) -> None:
+    def _log_metric_batch(self, metrics: list[MetricRow]) -> None:
         """Write one batch (called by the metric writer's thread): direct, or to the spool; never raises."""
         with self._route:
             if not self._offline or self._try_recover():
@@ -777,7 +821,7 @@ class MlflowTracker:
             assert self._spool is not None
             self._spool.metrics(metrics)
 
-    def _send_metrics(self, metrics: list[Metric]) -> None:
+    def _send_metrics(self, metrics: list[MetricRow]) -> None:
         child = self._child
         if child is not None:
             try:
@@ -787,11 +831,16 @@ class MlflowTracker:
                 # The child died: write from this process from now on rather than lose metrics.
                 self._log.warning("tracking.writer_process_lost", error=str(exc), metrics=False)
                 self._child = None
+        from mlflow.entities import Metric
+
         assert self.run_id is not None and self._client is not None
+        entities = [Metric(m.key, m.value, m.timestamp, m.step) for m in metrics]
         with self._http():
-            self._client.log_batch(self.run_id, metrics=metrics, synchronous=True)
+            self._client.log_batch(self.run_id, metrics=entities, synchronous=True)
 
     def _experiment_id(self, client: mlflow.MlflowClient, name: str) -> str:
+        import mlflow
+
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
             try:
@@ -845,16 +894,16 @@ class _MonitorSink:
     with a blocking ``log_batch`` of the monitor's own.
     """
 
-    def __init__(self, sink: Callable[[list[Metric]], None]) -> None:
+    def __init__(self, sink: Callable[[list[MetricRow]], None]) -> None:
         self._sink = sink
-        self.data: list[Metric] = []
+        self.data: list[MetricRow] = []
         self.total_training_time = 0.0
         self.total_log_batch_time = 0.0
 
     def record_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Hand one sample of every system metric to the sink."""
         now = int(time.time() * 1000)
-        self._sink([Metric(safe_key(k), float(v), now, int(step or 0)) for k, v in metrics.items()])
+        self._sink([MetricRow(safe_key(k), float(v), now, int(step or 0)) for k, v in metrics.items()])
 
     def flush(self) -> None:
         """Nothing to do: the sink owns what was recorded."""

@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from mlflow.entities import Metric, Param, RunTag
+from tracking.metrics import MetricRow
 
 __all__ = [
     "SPOOL_FORMAT",
@@ -206,7 +206,7 @@ class SpoolWriter:
         if tags:
             self._write({"type": "tags", "tags": {str(k): str(v) for k, v in tags.items()}})
 
-    def metrics(self, metrics: list[Metric]) -> None:
+    def metrics(self, metrics: list[MetricRow]) -> None:
         """Spool metrics with their values, timestamps and steps."""
         if metrics:
             rows = [[m.key, float(m.value), int(m.timestamp), int(m.step)] for m in metrics]
@@ -418,6 +418,8 @@ class Replayer:
 
     def apply(self, record: Mapping[str, Any]) -> None:
         """Send one record to the run; raises what the store raised."""
+        from mlflow.entities import Metric, Param, RunTag
+
         run_id = self.ensure_run()
         kind = record["type"]
         client = self.client

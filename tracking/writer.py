@@ -11,7 +11,8 @@ from queue import Empty, SimpleQueue
 from typing import Any, NamedTuple
 
 import structlog
-from mlflow.entities import Metric
+
+from tracking.metrics import MetricRow
 
 __all__ = ["MetricWriter", "WriterStatistics"]
 
@@ -85,7 +86,7 @@ class MetricWriter:
 
     def __init__(
         self,
-        log_batch: Callable[[list[Metric]], None],
+        log_batch: Callable[[list[MetricRow]], None],
         *,
         max_batch: int = 1000,
         flush_interval_s: float = 0.5,
@@ -109,7 +110,7 @@ class MetricWriter:
         self._lock = threading.Lock()
         # Submitted metrics wait here; the thread is woken only when this list starts or fills a batch, not per call
         # (a wake-up per logged event makes the threads of a busy process fight for the GIL).
-        self._incoming: list[Metric] = []
+        self._incoming: list[MetricRow] = []
         self._closed = False
         self._submitted = 0
         self._sent = 0
@@ -161,7 +162,7 @@ class MetricWriter:
             pending=self.pending,
         )
 
-    def submit(self, metrics: list[Metric]) -> None:
+    def submit(self, metrics: list[MetricRow]) -> None:
         """Queue metrics for sending; never blocks on I/O.
 
         The list is handed over: do not change it afterwards. After :meth:`close` the metrics are
@@ -235,7 +236,7 @@ class MetricWriter:
         return unsent
 
     def _run(self) -> None:
-        buffer: deque[Metric] = deque()
+        buffer: deque[MetricRow] = deque()
         waiters: list[_Flush] = []
         received = 0  # metrics taken off the queue
         oldest_at = 0.0  # monotonic time the oldest buffered metric arrived
@@ -342,7 +343,7 @@ class MetricWriter:
         except Empty:
             return items
 
-    def _send(self, buffer: deque[Metric], *, urgent: bool) -> BaseException | None:
+    def _send(self, buffer: deque[MetricRow], *, urgent: bool) -> BaseException | None:
         """Send full batches, and the remainder if ``urgent``; return the error that stopped it."""
         while buffer and (urgent or len(buffer) >= self._max_batch):
             size = min(self._max_batch, len(buffer))

@@ -37,7 +37,6 @@ from flasync.config import (
     DigitsData,
     DirichletPartition,
     FedAvgServer,
-    FedBuffServer,
     Float16Stage,
     IIDPartition,
     Int8Stage,
@@ -82,7 +81,7 @@ from flasync.profiling import (
     torch_memory,
 )
 from flasync.residuals import ResidualStore
-from flasync.server import Server, warm_up
+from flasync.server import Server
 from flasync.topology import Tree, build_tree
 from flasync.training import LocalTraining, flat_parameters
 
@@ -410,8 +409,6 @@ class Federation:
             sizes = partition.sizes
         factory = self._factory(train)
         initial = self._initial_weights(factory, train)
-        server = self.config.server
-        warm_up(server.optimizer if isinstance(server, FedAvgServer | FedBuffServer) else None)
         return _Prepared(train, test, partition, factory, initial, self._tree(), device, sizes, lazy)
 
     def _tree(self) -> Tree | None:

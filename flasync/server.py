@@ -84,7 +84,7 @@ ServerMessage = (
 )
 INTERRUPTED = "interrupted"
 
-__all__ = ["INTERRUPTED", "Server", "ServerStats", "make_server_optimizer", "make_staleness_weight", "warm_up"]
+__all__ = ["INTERRUPTED", "Server", "ServerStats", "make_server_optimizer", "make_staleness_weight"]
 
 
 def ctx_sampling(ctx: RunContext) -> str:
@@ -106,16 +106,6 @@ def make_server_optimizer(weights: torch.Tensor, config: ServerOptimizerConfig) 
     if isinstance(config, AdamServerOptimizer):
         return ServerOptimizer.adam(weights, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
     return ServerOptimizer.sgd(weights, lr=config.lr, momentum=config.momentum)
-
-
-def warm_up(config: ServerOptimizerConfig | None) -> None:
-    """Build and step a throwaway server optimizer, off the event loop.
-
-    ``torch.optim`` imports ``torch._dynamo`` (over a second) the first time an optimizer is built; the runtime calls
-    this from its preparation thread so that import never stalls the event loop.
-    """
-    if config is not None:
-        make_server_optimizer(torch.zeros(1), config).step(torch.zeros(1))
 
 
 @dataclass(slots=True)

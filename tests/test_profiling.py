@@ -171,7 +171,8 @@ async def test_plots_of_a_long_run_draw_areas_not_bars() -> None:
     profile = json.loads(tracker.artifacts["profile.json"])
     assert len(profile["time"]["per_version"]) == 80
     plots = render_plots(profile)
-    assert set(plots) == {f"{name}.png" for name in ("accuracy", "staleness", "time_breakdown", "bytes", "client_times")}
+    names = ("accuracy", "staleness", "time_breakdown", "bytes", "client_times")
+    assert set(plots) == {f"{name}.png" for name in names}
     assert all(image.startswith(PNG_MAGIC) and len(image) > 1000 for image in plots.values())
 
 

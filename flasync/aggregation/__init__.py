@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flasync.aggregation.buffer import UpdateBuffer
 from flasync.aggregation.functional import fedasync_mix_, fedavg, fedbuff, normalized, weighted_mean
-from flasync.aggregation.optimizers import ServerOptimizer
+from flasync.aggregation.optimizers import FlatAdam, FlatSGD, ServerOptimizer, TorchServerOptimizer
 from flasync.aggregation.robust import coordinate_median, trimmed_mean
 from flasync.aggregation.staleness import (
     ConstantStaleness,
@@ -20,10 +20,13 @@ from flasync.aggregation.staleness import (
 
 __all__ = [
     "ConstantStaleness",
+    "FlatAdam",
+    "FlatSGD",
     "HingeStaleness",
     "PolynomialStaleness",
     "ServerOptimizer",
     "StalenessWeight",
+    "TorchServerOptimizer",
     "UpdateBuffer",
     "coordinate_median",
     "fedasync_mix_",

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from flasync.aggregation import ServerOptimizer, fedavg
+from flasync.aggregation import ServerOptimizer, TorchServerOptimizer, fedavg
 
 _VALUES = st.floats(min_value=-10.0, max_value=10.0, width=32)
 
@@ -98,9 +102,10 @@ def test_nesterov_hand_computed() -> None:
     assert torch.allclose(weights, torch.tensor([-6.5]))
 
 
+@settings(deadline=None)  # the first torch.optim optimizer imports torch._dynamo, for seconds
 @given(vectors=_vectors(4), lr=st.floats(min_value=1e-4, max_value=1.0))
 def test_adam_matches_torch_adam(vectors: list[Tensor], lr: float) -> None:
-    """ServerOptimizer.adam follows torch.optim.Adam fed the same gradients."""
+    """ServerOptimizer.adam takes the very steps of torch.optim.Adam fed the same gradients (same bits on the CPU)."""
     weights, *gradients = vectors
     reference = weights.clone().requires_grad_(True)
     torch_adam = torch.optim.Adam([reference], lr=lr, betas=(0.8, 0.99), eps=1e-6)
@@ -109,7 +114,55 @@ def test_adam_matches_torch_adam(vectors: list[Tensor], lr: float) -> None:
         server.step(gradient)
         reference.grad = gradient.clone()
         torch_adam.step()
-    assert torch.allclose(weights, reference.detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(weights, reference.detach())
+
+
+@settings(deadline=None)
+@given(
+    vectors=_vectors(4),
+    lr=st.floats(min_value=1e-4, max_value=2.0),
+    momentum=st.sampled_from([0.0, 0.5, 0.9]),
+    nesterov=st.booleans(),
+)
+def test_sgd_matches_torch_sgd(vectors: list[Tensor], lr: float, momentum: float, nesterov: bool) -> None:
+    """ServerOptimizer.sgd takes the very steps of torch.optim.SGD (heavy ball or Nesterov)."""
+    nesterov = nesterov and momentum > 0
+    weights, *gradients = vectors
+    reference = weights.clone().requires_grad_(True)
+    torch_sgd = torch.optim.SGD([reference], lr=lr, momentum=momentum, nesterov=nesterov)
+    server = ServerOptimizer.sgd(weights, lr=lr, momentum=momentum, nesterov=nesterov)
+    for gradient in gradients:
+        server.step(gradient)
+        reference.grad = gradient.clone()
+        torch_sgd.step()
+    assert torch.equal(weights, reference.detach())
+
+
+def test_built_in_optimizers_do_not_import_dynamo() -> None:
+    """Building and stepping sgd/adam never imports torch._dynamo (torch.optim does, for seconds)."""
+    code = (
+        "import sys, torch\n"
+        "from flasync.aggregation import ServerOptimizer\n"
+        "for make in (ServerOptimizer.sgd, ServerOptimizer.adam):\n"
+        "    make(torch.zeros(3)).step(torch.ones(3))\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_torch_server_optimizer_steps_a_torch_optimizer() -> None:
+    """TorchServerOptimizer steps any torch optimizer over the weights and clears the gradient after."""
+    weights = torch.tensor([1.0, 2.0])
+    server = TorchServerOptimizer(weights, torch.optim.SGD([weights], lr=0.5, momentum=0.9))
+    server.step(torch.tensor([2.0, -2.0]))
+    assert torch.equal(weights, torch.tensor([0.0, 3.0]))
+    assert weights.grad is None and server.state_nbytes == 8
+    restored_weights = weights.clone()
+    restored = TorchServerOptimizer(restored_weights, torch.optim.SGD([restored_weights], lr=0.5, momentum=0.9))
+    restored.load_state_dict(server.state_dict())
+    server.step(torch.ones(2))
+    restored.step(torch.ones(2))
+    assert torch.equal(restored_weights, weights)
 
 
 def test_adam_first_step_hand_computed() -> None:
@@ -138,8 +191,7 @@ def test_state_nbytes_counts_adam_moments() -> None:
     optimizer = ServerOptimizer.adam(torch.zeros(10))
     assert optimizer.state_nbytes == 0
     optimizer.step(torch.ones(10))
-    step = optimizer.optimizer.state[optimizer.weights]["step"]
-    assert optimizer.state_nbytes == 2 * 40 + step.numel() * step.element_size()
+    assert optimizer.state_nbytes == 2 * 40
 
 
 def test_state_dict_round_trip_continues_identically() -> None:
@@ -155,13 +207,37 @@ def test_state_dict_round_trip_continues_identically() -> None:
     assert torch.equal(restored_weights, original_weights)
 
 
+def test_sgd_state_dict_round_trip_through_torch_save(tmp_path: Path) -> None:
+    """A momentum state survives torch.save / torch.load(weights_only=True), as in a checkpoint."""
+    original_weights = torch.tensor([1.0, -1.0])
+    original = ServerOptimizer.sgd(original_weights, lr=0.5, momentum=0.9, nesterov=True)
+    original.step(torch.tensor([0.5, 2.0]))
+    torch.save(original.state_dict(), tmp_path / "state.pt")
+    restored_weights = original_weights.clone()
+    restored = ServerOptimizer.sgd(restored_weights, lr=0.5, momentum=0.9, nesterov=True)
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    original.step(torch.tensor([-1.0, 1.0]))
+    restored.step(torch.tensor([-1.0, 1.0]))
+    assert torch.equal(restored_weights, original_weights)
+
+
+def test_load_state_dict_refuses_another_kind_or_size() -> None:
+    """An Adam state does not load into SGD; moments of another size do not load at all."""
+    adam = ServerOptimizer.adam(torch.zeros(2))
+    adam.step(torch.ones(2))
+    with pytest.raises(ValueError, match="not an SGD optimizer state"):
+        ServerOptimizer.sgd(torch.zeros(2)).load_state_dict(adam.state_dict())
+    with pytest.raises(ValueError, match=r"expected a tensor of shape \(3,\)"):
+        ServerOptimizer.adam(torch.zeros(3)).load_state_dict(adam.state_dict())
+
+
 def test_state_dict_is_a_snapshot() -> None:
     """state_dict copies the state tensors, so later steps do not change it."""
     optimizer = ServerOptimizer.sgd(torch.zeros(2), momentum=0.9)
     optimizer.step(torch.ones(2))
     state = optimizer.state_dict()
     optimizer.step(torch.ones(2))
-    assert torch.equal(state["state"][0]["momentum_buffer"], torch.ones(2))
+    assert torch.equal(state["buffer"], torch.ones(2))
 
 
 def test_step_rejects_wrong_shape() -> None:
@@ -186,16 +262,16 @@ def test_rejects_integer_weights() -> None:
     """A server optimizer needs floating-point weights."""
     weights = torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="floating point"):
-        ServerOptimizer(weights, torch.optim.SGD([torch.zeros(2)], lr=1.0))
+        ServerOptimizer.sgd(weights)
 
 
 def test_rejects_optimizer_over_other_tensors() -> None:
     """A server optimizer refuses a torch optimizer that does not hold exactly its weights."""
     weights = torch.zeros(2)
     with pytest.raises(ValueError, match="another tensor"):
-        ServerOptimizer(weights, torch.optim.SGD([torch.zeros(2)], lr=1.0))
+        TorchServerOptimizer(weights, torch.optim.SGD([torch.zeros(2)], lr=1.0))
     with pytest.raises(ValueError, match="2 tensors"):
-        ServerOptimizer(weights, torch.optim.SGD([weights, torch.zeros(2)], lr=1.0))
+        TorchServerOptimizer(weights, torch.optim.SGD([weights, torch.zeros(2)], lr=1.0))
 
 
 @pytest.mark.parametrize(
@@ -204,7 +280,7 @@ def test_rejects_optimizer_over_other_tensors() -> None:
 )
 def test_sgd_rejects_invalid_hyperparameters(kwargs: dict[str, float]) -> None:
     """sgd raises ValueError on a negative lr or momentum, or Nesterov without momentum."""
-    with pytest.raises(ValueError):  # noqa: PT011 - torch words these messages
+    with pytest.raises(ValueError, match=r"lr|momentum"):
         ServerOptimizer.sgd(torch.zeros(2), **kwargs)  # type: ignore[arg-type]
 
 
@@ -214,5 +290,5 @@ def test_sgd_rejects_invalid_hyperparameters(kwargs: dict[str, float]) -> None:
 )
 def test_adam_rejects_invalid_hyperparameters(kwargs: dict[str, object]) -> None:
     """adam raises ValueError on a negative lr or eps, or a beta outside [0, 1)."""
-    with pytest.raises(ValueError):  # noqa: PT011 - torch words these messages
+    with pytest.raises(ValueError, match=r"lr|eps|beta"):
         ServerOptimizer.adam(torch.zeros(2), **kwargs)  # type: ignore[arg-type]

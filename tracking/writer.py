@@ -111,6 +111,7 @@ class MetricWriter:
         # Submitted metrics wait here; the thread is woken only when this list starts or fills a batch, not per call
         # (a wake-up per logged event makes the threads of a busy process fight for the GIL).
         self._incoming: list[MetricRow] = []
+        self._incoming_since = 0.0  # monotonic time the oldest metric in _incoming arrived
         self._closed = False
         self._submitted = 0
         self._sent = 0
@@ -179,6 +180,11 @@ class MetricWriter:
                 self._late += len(metrics)
                 return
             incoming = self._incoming
+            if not incoming:
+                self._incoming_since = time.monotonic()
+            # Woken when the list starts (to time its flush) or fills a batch. The thread leaves the list alone until
+            # it sends, so a burst of calls wakes it once, not once per call (each wake-up takes the GIL from
+            # training).
             wake = not incoming or len(incoming) // self._max_batch < (len(incoming) + len(metrics)) // self._max_batch
             incoming.extend(metrics)
         if wake:
@@ -248,19 +254,36 @@ class MetricWriter:
         try:
             while True:
                 now = time.monotonic()
+                with self._lock:
+                    arrived_at = self._incoming_since if self._incoming else None
+                first = oldest_at if buffer else arrived_at
                 wait: float | None = None
-                if buffer:
-                    due = now if (waiters or stop_at is not None) else oldest_at + self._interval
+                if first is not None:
+                    due = now if (waiters or stop_at is not None) else first + self._interval
                     wait = max(0.0, max(due, retry_at) - now)
                 if stop_at is not None:
                     wait = max(0.0, stop_at - now) if wait is None else min(wait, max(0.0, stop_at - now))
                 items = self._take(wait)
-                # Everything submitted before a flush request was queued is in ``incoming`` by now.
+                control = any(not isinstance(item, _Wake) for item in items)
+                now = time.monotonic()
                 with self._lock:
-                    arrived, self._incoming = self._incoming, []
+                    incoming = self._incoming
+                    # Take the submitted metrics only to send them (or for a flush, whose target counts everything
+                    # submitted before it): while they stay in the list, further submits do not wake this thread.
+                    take = bool(incoming) and (
+                        control
+                        or bool(waiters)
+                        or stop_at is not None
+                        or len(buffer) + len(incoming) >= self._max_batch
+                        or (oldest_at if buffer else self._incoming_since) + self._interval <= now
+                    )
+                    arrived: list[MetricRow] = []
+                    if take:
+                        arrived, self._incoming = incoming, []
+                    arrived_at = self._incoming_since
                 if arrived:
                     if not buffer:
-                        oldest_at = time.monotonic()
+                        oldest_at = arrived_at
                     buffer.extend(arrived)
                     received += len(arrived)
                 for item in items:

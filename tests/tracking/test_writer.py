@@ -7,9 +7,10 @@ import time
 
 import pytest
 import structlog
-from mlflow.entities import Metric
 
 from tracking import MetricWriter
+from tracking.metrics import MetricRow as Metric
+from tracking.writer import _WAKE
 
 
 def metrics(n: int, key: str = "k") -> list[Metric]:
@@ -57,6 +58,39 @@ def test_small_submissions_are_grouped() -> None:
     writer.flush(timeout=5)
     assert len(backend.batches) <= 3
     assert backend.values == [float(i) for i in range(2500)]
+    writer.close()
+
+
+def test_a_burst_of_submissions_wakes_the_thread_once() -> None:
+    """Metrics wait in place for their flush: 200 one-metric calls wake the writer thread once, not 200 times."""
+    backend = Backend()
+    writer = MetricWriter(backend, max_batch=1000, flush_interval_s=30.0)
+    queue = writer._queue
+    wakes = 0
+
+    class CountingQueue:  # SimpleQueue's methods are read-only: wrap the queue the thread already waits on
+        def put(self, item: object) -> None:
+            nonlocal wakes
+            wakes += item is _WAKE
+            queue.put(item)  # type: ignore[arg-type]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(queue, name)
+
+    writer._queue = CountingQueue()  # type: ignore[assignment]
+    for i in range(200):
+        writer.submit([Metric("k", float(i), 0, i)])
+        time.sleep(0.001)  # the writer thread gets the GIL between calls, as it does beside a training loop
+    assert wakes == 1
+    assert backend.calls == 0  # nothing is due before the flush interval
+    writer.flush(timeout=5)
+    assert backend.values == [float(i) for i in range(200)]
+    for i in range(1200):  # a full batch still goes at once
+        writer.submit([Metric("k", float(i), 0, i)])
+    deadline = time.monotonic() + 5
+    while len(backend.batches) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [len(batch) for batch in backend.batches] == [200, 1000]
     writer.close()
 
 

@@ -102,6 +102,17 @@ async def test_summary_has_the_documented_keys() -> None:
     assert json.loads(tracker.artifacts["summary.json"]) == data
 
 
+async def test_tracker_is_prepared_before_the_data_and_finished_after_bad_data() -> None:
+    """The runtime calls prepare() first; data that cannot be used ends the tracker before any run starts."""
+    tracker = MemoryTracker()
+    await flasync.Federation(small_config("stop.max_versions=1"), tracker=tracker).run()
+    assert tracker.prepared and tracker.status == "FINISHED"
+    failed = MemoryTracker()
+    with pytest.raises(DataError, match="5000 clients"):
+        await flasync.Federation(small_config("population.num_clients=5000"), tracker=failed).run()
+    assert failed.prepared and failed.run_id is None and failed.status is None
+
+
 async def test_bus_carries_the_run_as_events() -> None:
     """Observers on the bus see every published version, task, update and the end of the run."""
     federation = flasync.Federation(small_config())

@@ -11,7 +11,7 @@ While the MLflow store cannot be reached, an :class:`MlflowTracker` writes every
 from __future__ import annotations
 
 from tracking.logs import LevelFilter, configure_logging, make_logger
-from tracking.metrics import DEFAULT_EXCLUDE, MetricsProcessor
+from tracking.metrics import DEFAULT_EXCLUDE, MetricRow, MetricsProcessor
 from tracking.mlflow_run import (
     DEFAULT_ARTIFACT_ROOT,
     DEFAULT_TRACKING_URI,
@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_TRACKING_URI",
     "ExperimentDeletedError",
     "LevelFilter",
+    "MetricRow",
     "MetricWriter",
     "MetricsProcessor",
     "MlflowTracker",

@@ -29,6 +29,8 @@ from flasync.runtime import Federation, RunSummary
 
 __all__ = ["main"]
 
+_TRACKING_URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db)"
+
 T = TypeVar("T")
 
 
@@ -71,7 +73,7 @@ def _build_parser() -> _Parser:
         metavar="RUN_ID",
         help="continue an interrupted MLflow run from its latest checkpoint (its config is used; --set stop.* only)",
     )
-    run.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/)")
+    run.add_argument("--tracking-uri", help=_TRACKING_URI_HELP)
     run.add_argument("--experiment", help="MLflow experiment name")
     run.add_argument("--run-name", help="MLflow run name")
     run.add_argument("--no-tracking", action="store_true", help="turn MLflow off (structured logs still print)")
@@ -89,7 +91,7 @@ def _build_parser() -> _Parser:
         description="Print the profile summary of one MLflow run (its profile.json artifact and final metrics).",
     )
     report.add_argument("run_id", metavar="RUN_ID", help="the MLflow run id")
-    report.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/)")
+    report.add_argument("--tracking-uri", help=_TRACKING_URI_HELP)
     compare = commands.add_parser(
         "compare",
         help="compare runs side by side",
@@ -104,7 +106,7 @@ def _build_parser() -> _Parser:
         help="accuracy for the time-to-target rows (default: the lowest final accuracy of the runs)",
     )
     compare.add_argument("--plot", metavar="PATH", help="also write a PNG of accuracy against time")
-    compare.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/)")
+    compare.add_argument("--tracking-uri", help=_TRACKING_URI_HELP)
     return parser
 
 

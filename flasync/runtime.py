@@ -322,6 +322,10 @@ class Federation:
     def _partition(self, train: ArrayData) -> Partition:
         cfg = self.config
         n, rng = cfg.population.num_clients, seeding.numpy_stream(cfg.seed, seeding.PARTITION)
+        if n > len(train):
+            raise DataError(
+                f"population.num_clients: {n} clients need one training sample each, but the data has {len(train)}"
+            )
         part = cfg.partition
         if isinstance(part, IIDPartition):
             partition = partition_iid(len(train), n, rng=rng)
@@ -589,6 +593,8 @@ class Federation:
         )
         weights = prepared.initial.to(device, copy=True)
         server = Server(ctx, weights)
+        if not self.clock.virtual and self._resume is None:
+            self.clock.restore({"now": 0.0})  # wall time counts from the federation's start, not from its set-up
         start_sim = self.clock.now()  # a resumed run reports simulated time from the start of the run
         if self._resume is not None:
             server.restore(self._resume.state)
@@ -709,6 +715,7 @@ class Federation:
             cloud_aggregate_s=stats.cloud_aggregate_s,
             topology=self._topology_name(),
             tiers=server.edges.summary() if server.edges is not None else {},
+            peak_rss_bytes=peak_rss_bytes(),
         )
         figures = {
             key: value

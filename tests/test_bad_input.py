@@ -157,8 +157,14 @@ def test_labels_out_of_range(capsys: pytest.CaptureFixture[str], store: str, mon
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["partition.kind=iid", "population.num_clients=2000"], "cannot split 1438 samples among 2000 clients"),
-        (["partition.alpha=0.01", "population.num_clients=5000"], "cannot split 1438 samples among 5000 clients"),
+        (
+            ["partition.kind=iid", "population.num_clients=2000"],
+            "population.num_clients: 2000 clients need one training sample each, but the data has 1438",
+        ),
+        (
+            ["partition.alpha=0.01", "population.num_clients=5000"],
+            "population.num_clients: 5000 clients need one training sample each, but the data has 1438",
+        ),
         (
             ["partition.kind=shards", "partition.shards_per_client=3", "population.num_clients=1000"],
             "cannot cut 1438 samples into 3000 shards (1000 clients x 3 shards each).",

@@ -162,6 +162,8 @@ async def test_profile_json_and_plots_are_artifacts() -> None:
     }
     assert all(image.startswith(PNG_MAGIC) and len(image) > 1000 for image in plots.values())
     assert summary.peak_rss_bytes > 0 and 0 <= summary.server_idle_fraction <= 1
+    [(_, logged_rss)] = tracker.history("run.finished.peak_rss_bytes")
+    assert logged_rss > 0  # the run.finished event carries it too, not only summary.json
 
 
 async def test_plots_of_a_long_run_draw_areas_not_bars() -> None:

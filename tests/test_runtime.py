@@ -108,9 +108,18 @@ async def test_tracker_is_prepared_before_the_data_and_finished_after_bad_data()
     await flasync.Federation(small_config("stop.max_versions=1"), tracker=tracker).run()
     assert tracker.prepared and tracker.status == "FINISHED"
     failed = MemoryTracker()
-    with pytest.raises(DataError, match="5000 clients"):
+    with pytest.raises(DataError, match=r"population\.num_clients: 5000 clients"):
         await flasync.Federation(small_config("population.num_clients=5000"), tracker=failed).run()
     assert failed.prepared and failed.run_id is None and failed.status is None
+
+
+async def test_wall_clock_times_count_from_the_federation_start() -> None:
+    """Under the wall clock, the evaluations' times and the summary's simulated_s share one origin."""
+    tracker = MemoryTracker()
+    summary = await flasync.Federation(small_config("clock=wall", "stop.max_versions=4"), tracker=tracker).run()
+    evaluations = [value for _, value in tracker.history("server.eval.simulated_s")]
+    assert evaluations and evaluations == sorted(evaluations)
+    assert evaluations[-1] <= summary.simulated_s <= summary.wall_s + 0.5
 
 
 async def test_bus_carries_the_run_as_events() -> None:

@@ -360,11 +360,18 @@ StalenessConfig = Annotated[
 
 
 class SGDServerOptimizer(_Section):
-    """``w <- w - lr * m``, ``m <- momentum * m + g`` with ``g`` the averaged client delta."""
+    """``w <- w - lr * m``, ``m <- momentum * m + g`` with ``g`` the averaged client delta (FedAvgM with momentum)."""
 
     kind: Literal["sgd"] = "sgd"
     lr: float = Field(1.0, gt=0.0)
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    nesterov: bool = Field(False, description="Step with g + momentum * m instead of m (needs momentum > 0).")
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> SGDServerOptimizer:
+        if self.nesterov and self.momentum <= 0:
+            raise _FieldError(("server", "optimizer", "nesterov"), "needs momentum > 0")
+        return self
 
 
 class AdamServerOptimizer(_Section):

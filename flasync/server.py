@@ -105,7 +105,7 @@ def make_server_optimizer(weights: torch.Tensor, config: ServerOptimizerConfig) 
     """Build the server optimizer a config names, stepping ``weights`` in place."""
     if isinstance(config, AdamServerOptimizer):
         return ServerOptimizer.adam(weights, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
-    return ServerOptimizer.sgd(weights, lr=config.lr, momentum=config.momentum)
+    return ServerOptimizer.sgd(weights, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov)
 
 
 @dataclass(slots=True)

@@ -118,6 +118,14 @@ def test_out_of_range_names_the_field() -> None:
     assert message.startswith("server.buffer_size:") and "greater than or equal to 1" in message
 
 
+def test_nesterov_without_momentum_names_the_optimizer() -> None:
+    """server.optimizer.nesterov needs momentum; the error names the field."""
+    message = _error(None, ["server.optimizer.nesterov=true"])
+    assert message == "server.optimizer.nesterov: needs momentum > 0"
+    config = load_config(None, ["server.optimizer.nesterov=true", "server.optimizer.momentum=0.9"])
+    assert config.server.optimizer.nesterov  # type: ignore[union-attr]
+
+
 def test_unknown_kind_lists_choices() -> None:
     """An unknown component kind lists the valid ones."""
     message = _error(None, ["server.kind=fedprox"])

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from flasync.aggregation import ServerOptimizer, TorchServerOptimizer, fedavg
+from flasync.aggregation import FlatAdam, FlatSGD, ServerOptimizer, TorchServerOptimizer, fedavg
 
 _VALUES = st.floats(min_value=-10.0, max_value=10.0, width=32)
 
@@ -292,3 +292,14 @@ def test_adam_rejects_invalid_hyperparameters(kwargs: dict[str, object]) -> None
     """adam raises ValueError on a negative lr or eps, or a beta outside [0, 1)."""
     with pytest.raises(ValueError, match=r"lr|eps|beta"):
         ServerOptimizer.adam(torch.zeros(2), **kwargs)  # type: ignore[arg-type]
+
+
+def test_config_builds_nesterov_sgd_and_adam() -> None:
+    """server.optimizer configs become the flat optimizers with their hyperparameters."""
+    from flasync.config import AdamServerOptimizer, SGDServerOptimizer
+    from flasync.server import make_server_optimizer
+
+    sgd = make_server_optimizer(torch.zeros(2), SGDServerOptimizer(lr=0.5, momentum=0.9, nesterov=True))
+    assert isinstance(sgd, FlatSGD) and (sgd.lr, sgd.momentum, sgd.nesterov) == (0.5, 0.9, True)
+    adam = make_server_optimizer(torch.zeros(2), AdamServerOptimizer(lr=0.1, beta1=0.8, beta2=0.9, eps=1e-4))
+    assert isinstance(adam, FlatAdam) and (adam.lr, adam.beta1, adam.beta2, adam.eps) == (0.1, 0.8, 0.9, 1e-4)

@@ -474,11 +474,12 @@ class Federation:
         except BaseException:
             tracker.finish("FAILED")  # no run exists yet: this only stops what prepare() started
             raise
-        processors: list[Any] = []
+        metrics: tracking.MetricsProcessor | None = None
         if not isinstance(tracker, tracking.NullTracker):
             drop = _DETAIL_KEYS if cfg.tracking.metrics == "standard" else ()
-            processors.append(tracking.MetricsProcessor(tracker.log_metrics, exclude=_METRIC_EXCLUDE, drop_keys=drop))
-        log = tracking.make_logger(level=cfg.tracking.log_level, processors_before=processors)
+            metrics = tracking.MetricsProcessor(tracker.log_metrics, exclude=_METRIC_EXCLUDE, drop_keys=drop)
+        # Metrics are taken at each log call; events below the log level skip structlog's chain.
+        log = tracking.make_logger(level=cfg.tracking.log_level, metrics=metrics)
         if self._resume is not None and self._resume.run_id:
             run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
         else:

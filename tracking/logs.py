@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any, Literal, TextIO
+from typing import Any, Literal, TextIO, cast
 
 import structlog
 from structlog.contextvars import merge_contextvars
 from structlog.processors import add_log_level
 from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
+
+from tracking.metrics import MetricsProcessor
 
 __all__ = ["LevelFilter", "configure_logging", "make_logger"]
 
@@ -84,6 +86,11 @@ class LevelFilter:
         if method_name in self._dropped:
             raise structlog.DropEvent
         return event_dict
+
+    @property
+    def dropped_methods(self) -> frozenset[str]:
+        """The log methods' names below the level (the events this filter drops)."""
+        return self._dropped
 
     def __repr__(self) -> str:
         return f"LevelFilter({logging.getLevelName(self.level).lower()!r})"
@@ -155,6 +162,7 @@ def make_logger(
     name: str = "flasync",
     level: str = "info",
     processors_before: Sequence[Processor] = (),
+    metrics: MetricsProcessor | None = None,
 ) -> FilteringBoundLogger:
     """Build a logger from the global configuration without changing it.
 
@@ -164,11 +172,19 @@ def make_logger(
     the configured logger factory. With no ``processors_before`` the level is applied by the
     wrapper class instead, so a dropped event costs a no-op method call.
 
+    With ``metrics``, every log call first hands its fields (the logger's bound context and the
+    call's keywords, not context variables) to :meth:`MetricsProcessor.emit`; without
+    ``processors_before``, an event below ``level`` then ends there, without running the chain.
+    That is the cheap way to turn debug events into metrics: a dropped event costs the metrics
+    alone (about half of what the chain costs), not structlog's context merge, level filter and
+    ``DropEvent``.
+
     Args:
         name: Passed to the configured logger factory (the stdlib logger name, when it is one).
         level: The lowest level that reaches the rest of the chain (the renderer).
         processors_before: Processors that see every event, debug included, before the level
             filter, e.g. ``[MetricsProcessor(tracker.log_metrics)]``.
+        metrics: Sees the fields of every event at the call, before the chain (see above).
 
     Returns:
         A bound logger (``debug``, ``info``, ..., ``bind``, and the ``a``-prefixed async variants).
@@ -181,7 +197,13 @@ def make_logger(
     level_filter = LevelFilter(level)
     processors: list[Processor]
     wrapper: type[FilteringBoundLogger]
-    if processors_before:
+    if metrics is not None:
+        # processors_before still see every event (the level filter follows them); without any, events below the
+        # level end at the call.
+        filtered = [level_filter] if processors_before else []
+        processors = [merge_contextvars, add_log_level, *processors_before, *filtered, *rest]
+        wrapper = _metrics_logger_class(metrics, frozenset() if processors_before else level_filter.dropped_methods)
+    elif processors_before:
         processors = [merge_contextvars, add_log_level, *processors_before, level_filter, *rest]
         wrapper = _NON_FILTERING
     else:
@@ -195,6 +217,24 @@ def make_logger(
         context_class=config["context_class"],
     ).bind()
     return logger
+
+
+def _metrics_logger_class(metrics: MetricsProcessor, dropped: frozenset[str]) -> type[FilteringBoundLogger]:
+    """Return a bound-logger class that emits each call's metrics, then ends the calls named in ``dropped``."""
+    proxy = structlog.BoundLoggerBase._proxy_to_logger
+
+    def _proxy_to_logger(self: Any, method_name: str, event: str | None = None, **event_kw: Any) -> Any:
+        # Every log method of the non-filtering class (sync, async, exception, log) ends here.
+        if event_kw.pop("metrics", True) is not False:
+            context = self._context
+            metrics.emit(event, {**context, **event_kw} if context else event_kw)
+        if method_name in dropped:
+            return None
+        return proxy(self, method_name, event, **event_kw)
+
+    # Built with type(): the base is only known as a value (structlog makes one class per level).
+    cls = type("MetricsBoundLogger", (_NON_FILTERING,), {"_proxy_to_logger": _proxy_to_logger})
+    return cast("type[FilteringBoundLogger]", cls)
 
 
 def _is_head_processor(processor: Processor) -> bool:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+from typing import Any
 
 import pytest
 import structlog
-from structlog.typing import EventDict, WrappedLogger
+from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
 
-from tracking import LevelFilter, configure_logging, make_logger
+from tracking import LevelFilter, MetricRow, MetricsProcessor, configure_logging, make_logger
 
 
 class Recorder:
@@ -119,3 +121,84 @@ def test_unknown_level_is_refused() -> None:
     """An unknown level name raises ValueError naming it."""
     with pytest.raises(ValueError, match="verbose"):
         make_logger(level="verbose")
+
+
+class Rows:
+    """A metrics sink that keeps every row."""
+
+    def __init__(self) -> None:
+        self.rows: list[MetricRow] = []
+
+    def __call__(self, rows: list[MetricRow]) -> None:
+        self.rows.extend(rows)
+
+    def values(self) -> dict[str, tuple[float, int]]:
+        return {row.key: (row.value, row.step) for row in self.rows}
+
+
+def metrics_logger(level: str, stream: io.StringIO, **kwargs: Any) -> tuple[FilteringBoundLogger, Rows]:
+    configure_logging(fmt="json", stream=stream)
+    rows = Rows()
+    return make_logger(level=level, metrics=MetricsProcessor(rows, clock_ms=lambda: 7), **kwargs), rows
+
+
+def test_metrics_logger_takes_metrics_of_dropped_and_rendered_events() -> None:
+    """With metrics=, a debug event below the level gives its metrics and is not rendered; an info event gives both."""
+    stream = io.StringIO()
+    log, rows = metrics_logger("info", stream)
+    log.debug("client", step=2, loss=0.5, client_id=9)
+    log.info("server.version", step=3, accuracy=0.9)
+    assert rows.values() == {"client.loss": (0.5, 2), "server.version.accuracy": (0.9, 3)}
+    records = [json.loads(line) for line in lines(stream)]
+    assert [r["event"] for r in records] == ["server.version"]
+    assert records[0]["accuracy"] == 0.9 and records[0]["level"] == "info"
+
+
+def test_metrics_logger_honours_metrics_false_and_never_renders_the_flag() -> None:
+    """metrics=False keeps an event out of the metrics; the flag itself is never rendered."""
+    stream = io.StringIO()
+    log, rows = metrics_logger("info", stream)
+    log.info("run.started", clients=100, metrics=False)
+    log.warning("run.slow", lag_s=2.0)
+    assert rows.values() == {"run.slow.lag_s": (2.0, 0)}
+    records = [json.loads(line) for line in lines(stream)]
+    assert [r["event"] for r in records] == ["run.started", "run.slow"]
+    assert records[0]["clients"] == 100
+    assert all("metrics" not in r for r in records)
+
+
+def test_metrics_logger_reads_the_bound_context_but_not_context_variables() -> None:
+    """Fields bound with bind() are metrics (the call's keywords win); context variables are not."""
+    log, rows = metrics_logger("info", io.StringIO())
+    with structlog.contextvars.bound_contextvars(temperature=3.0):
+        log.bind(lr=0.1, loss=9.0).debug("e", step=1, loss=2.0)
+    assert rows.values() == {"e.lr": (0.1, 1), "e.loss": (2.0, 1)}
+
+
+def test_metrics_logger_async_and_exception_methods_give_metrics() -> None:
+    """The async variants and exception() go through the same call path."""
+    stream = io.StringIO()
+    log, rows = metrics_logger("warning", stream)
+
+    async def main() -> None:
+        await log.adebug("a", x=1.0)
+
+    asyncio.run(main())
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed", attempts=3)
+    assert rows.values() == {"a.x": (1.0, 0), "failed.attempts": (3.0, 0)}
+    assert [json.loads(line)["event"] for line in lines(stream)] == ["failed"]
+
+
+def test_metrics_logger_with_processors_before_still_shows_them_every_event() -> None:
+    """processors_before keep seeing debug events when metrics= is given too."""
+    stream = io.StringIO()
+    recorder = Recorder()
+    log, rows = metrics_logger("info", stream, processors_before=[recorder])
+    log.debug("quiet", x=1.0)
+    assert [e["event"] for e in recorder.events] == ["quiet"]
+    assert "metrics" not in recorder.events[0]
+    assert rows.values() == {"quiet.x": (1.0, 0)}
+    assert lines(stream) == []

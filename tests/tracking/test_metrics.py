@@ -9,7 +9,7 @@ import numpy as np
 from mlflow.entities import Metric
 from structlog.typing import EventDict
 
-from tracking import DEFAULT_EXCLUDE, MetricsProcessor
+from tracking import DEFAULT_EXCLUDE, MetricRow, MetricsProcessor
 
 
 class Sink:
@@ -119,3 +119,33 @@ def test_dropped_keys_are_not_sent_and_other_events_keep_the_field() -> None:
     sink.calls.clear()
     processor(None, "debug", {"event": "client", "step": 2, "encode_s": 0.1})
     assert sink.calls == []
+
+
+def test_emit_takes_fields_without_an_event_dict() -> None:
+    """emit(event, fields) sends the same rows as the processor would, as MetricRow tuples."""
+    sink = Sink()
+    processor = MetricsProcessor(sink, clock_ms=lambda: 5)
+    processor.emit("client", {"step": 3, "loss": 0.5, "client_id": 4, "note": "x"})
+    assert sink.calls == [[MetricRow("client.loss", 0.5, 5, 3)]]
+    assert isinstance(sink.calls[0][0], MetricRow)
+
+
+def test_a_field_is_judged_by_its_value_each_time() -> None:
+    """A field first seen holding text still becomes a metric when it later holds a number."""
+    sink = Sink()
+    processor = MetricsProcessor(sink, clock_ms=lambda: 1)
+    processor.emit("e", {"x": "n/a"})
+    processor.emit("e", {"x": 2, "y": True})
+    processor.emit("e", {"x": None})
+    assert sink.calls == [[MetricRow("e.x", 2.0, 1, 0)]]
+
+
+def test_many_event_names_and_fields_keep_the_right_keys() -> None:
+    """Past the cache's bounds (events and fields named at run time), every key is still right."""
+    sink = Sink()
+    processor = MetricsProcessor(sink, clock_ms=lambda: 1, exclude={"skip"})
+    for index in range(2500):
+        processor.emit(f"event{index % 1200}", {f"f{index}": index, "skip": 1.0})
+        processor.emit("wide", {f"g{index}": index})
+    keys = [row.key for call in sink.calls for row in call]
+    assert keys == [key for index in range(2500) for key in (f"event{index % 1200}.f{index}", f"wide.g{index}")]

@@ -5,7 +5,7 @@ The tutorial workload: synthetic data (32 features, 10 classes), MLP 32-64-10, 2
 indexes in-memory tensors (no DataLoader) and averages their deltas; flasync runs sync FedAvg and FedBuff on the
 virtual clock, with MLflow tracking on (a temporary sqlite store) and off.
 
-    python benchmarks/throughput.py [--clients 100 1000] [--updates 2000] [--repeats 3] [--pairs 20]
+    python benchmarks/throughput.py [--clients 100 1000] [--updates 2000] [--repeats 3] [--pairs 20] [--windows 15000]
 
 Each repeat runs every runner once, back to back. Printed: the best rate of each runner and its ratio to the best
 plain-loop rate, and the median over repeats of the ratio within a repeat ("paired"), which cancels the drift of a
@@ -17,14 +17,25 @@ and off, back to back, in alternating order (on-off, off-on, ...), so a trend in
 alike. Printed: the median of the per-pair ratios of updates per second (the federation's own wall time: the MLflow
 run's creation before it and the final flush after it are fixed costs, printed separately as the median extra
 seconds of a whole ``flasync.run`` call), with a 95% bootstrap interval of that median.
+
+The machine's speed also changes from one second to the next (runs of one config differ by 15%), so ``--windows``
+measures tracking inside one long tracked run: its tracker sends metrics only in every other window of
+``--window-s`` seconds (the writer thread and the MLflow process idle in the others) and counts client updates in
+each. Each sending window is compared with the mean of its two neighbours, which cancels drift slower than a few
+seconds. What windows cannot switch off, the extraction of metrics from each log call on the event loop, is timed
+apart (per update, against the time of an update) and printed with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import statistics
 import tempfile
 import time
+import timeit
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +131,99 @@ def timed_run(kind: str, num_clients: int, updates: int, *, tracking_uri: str | 
     return summary.updates_accepted / summary.wall_s, time.perf_counter() - began
 
 
+class WindowedTracker(tracking.MlflowTracker):
+    """An MLflow tracker that sends metrics only in every other window of ``window_s`` seconds.
+
+    Metrics of the other windows are dropped before they reach the writer, so its thread and the MLflow writer
+    process idle then; the time of every client update (its ``client.train_s`` row) is recorded in both.
+    """
+
+    def __init__(self, tracking_uri: str, window_s: float) -> None:
+        super().__init__(tracking_uri)
+        self.window_s = window_s
+        self.origin: float | None = None
+        self.update_times: list[float] = []
+
+    def log_metrics(self, metrics: list[tracking.MetricRow]) -> None:
+        """Record update times; forward the metrics in sending windows only."""
+        now = time.perf_counter()
+        if self.origin is None:
+            self.origin = now
+        if metrics[0].key.startswith("client.") and any(m.key == "client.train_s" for m in metrics):
+            self.update_times.append(now)
+        if int((now - self.origin) // self.window_s) % 2 == 0:
+            super().log_metrics(metrics)
+
+
+def window_ratios(tracker: WindowedTracker) -> list[float]:
+    """Return, per complete sending window, its updates over the mean of its two neighbours' (drift cancels)."""
+    assert tracker.origin is not None
+    times = np.asarray(tracker.update_times)
+    edges = tracker.origin + tracker.window_s * np.arange(int((times[-1] - tracker.origin) // tracker.window_s) + 1)
+    counts, _ = np.histogram(times, edges)
+    # The first and last windows are partial (start-up, the end of the run); even windows send.
+    return [
+        float(counts[i] / ((counts[i - 1] + counts[i + 1]) / 2))
+        for i in range(2, len(counts) - 2, 2)
+        if counts[i - 1] + counts[i + 1] > 0
+    ]
+
+
+def extraction_us_per_update(events_per_update: float, repeats: int = 20_000) -> float:
+    """Time the metrics of one per-update event on the event loop (extraction, writer queue) in microseconds.
+
+    The event is flasync's per-update ``client`` event with a real :class:`~tracking.MetricsProcessor` and
+    :class:`~tracking.MetricWriter` (whose sink discards), minus the same call on an untracked logger.
+    """
+    writer = tracking.MetricWriter(lambda rows: None, flush_interval_s=0.5)
+    tracked = tracking.make_logger(level="warning", metrics=tracking.MetricsProcessor(writer.submit))
+    untracked = tracking.make_logger(level="warning")
+
+    def event(log: Any) -> None:
+        log.debug(
+            "client",
+            step=5,
+            train_s=0.01,
+            sim_train_s=1.2,
+            sim_download_s=0.1,
+            samples=200,
+            loss=0.5,
+            peak_mem_bytes=1000,
+            encode_s=0.0001,
+            download_bytes=9000,
+            upload_bytes=9000,
+            compression=1.0,
+        )
+
+    try:
+        costs = [
+            min(timeit.repeat(functools.partial(event, log), number=repeats, repeat=5)) / repeats
+            for log in (tracked, untracked)
+        ]
+    finally:
+        writer.close()
+    return (costs[0] - costs[1]) * 1e6 * events_per_update
+
+
+def tracking_windows(kind: str, num_clients: int, updates: int, window_s: float, uri: str) -> None:
+    """Print the on/off ratio of alternating windows of one tracked run (see the module docstring)."""
+    tracker = WindowedTracker(uri, window_s)
+    summary = asyncio.run(
+        flasync.Federation(flasync_config(kind, num_clients, updates, tracking_uri=uri), tracker=tracker).run()
+    )
+    ratios = window_ratios(tracker)
+    low, high = median_interval(ratios, rng=np.random.default_rng(0))
+    rate = summary.updates_accepted / summary.wall_s
+    # Per update: the client's event, the server's, and one version event per update of a version.
+    per_version = min(100, num_clients) if kind == "fedavg" else 10
+    extraction = extraction_us_per_update(2 + 1 / per_version)
+    share = extraction * 1e-6 * rate
+    print(
+        f"{num_clients:>8} {kind + ' on/off':<16} {len(ratios):>7} {statistics.median(ratios):>8.3f}x"
+        f" {low:>7.3f}-{high:.3f} {extraction:>9.1f} us {share:>6.1%} {statistics.median(ratios) * (1 - share):>8.3f}x"
+    )
+
+
 def median_interval(values: list[float], *, rng: np.random.Generator, resamples: int = 10_000) -> tuple[float, float]:
     """Return a 95% percentile-bootstrap interval of the median of ``values``."""
     data = np.asarray(values)
@@ -147,6 +251,15 @@ def tracking_pairs(kind: str, num_clients: int, updates: int, pairs: int, uri: s
     )
 
 
+def section(title: str, header: str, clients: list[int], measure: Callable[[str, int], None]) -> None:
+    """Print a table: its title and header, then one row per client count and workload."""
+    print(f"\n{title}")
+    print(header)
+    for num_clients in clients:
+        for kind in ("fedavg", "fedbuff"):
+            measure(kind, num_clients)
+
+
 def main() -> None:
     """Print updates/s and ratios against the plain loop."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -155,6 +268,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the runners against the loop (0: skip)")
     parser.add_argument("--pairs", type=int, default=20, help="tracking on/off pairs per workload (0: skip)")
     parser.add_argument("--pair-updates", type=int, default=1000, help="client updates of each run of a pair")
+    parser.add_argument("--windows", type=int, default=15000, help="updates of the windowed run (0: skip)")
+    parser.add_argument("--window-s", type=float, default=1.0, help="seconds of each window of the windowed run")
     args = parser.parse_args()
     tracking.configure_logging(level="warning")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; best of {args.repeats} runs")
@@ -195,14 +310,22 @@ def main() -> None:
                 best = rates[f"{kind}, tracking on"] / rates[f"{kind}, tracking off"]
                 print(f"{num_clients:>8} {kind + ' tracking on/off':<24} {'':>10} {best:>8.2f}x {paired:>10.2f}x")
         if args.pairs > 0:
-            print(f"\ntracking on/off: {args.pairs} interleaved pairs of {args.pair_updates}-update runs per row")
-            print(
+            section(
+                f"tracking on/off: {args.pairs} interleaved pairs of {args.pair_updates}-update runs per row",
                 f"{'clients':>8} {'workload':<16} {'pairs':>5} {'median':>9} {'95% CI':>13} {'quartiles':>13}"
-                f" {'run cost':>10}"
+                f" {'run cost':>10}",
+                args.clients,
+                lambda kind, n: tracking_pairs(kind, n, args.pair_updates, args.pairs, uri),
             )
-            for num_clients in args.clients:
-                for kind in ("fedavg", "fedbuff"):
-                    tracking_pairs(kind, num_clients, args.pair_updates, args.pairs, uri)
+        if args.windows > 0:
+            section(
+                f"tracking on/off inside one run of {args.windows} updates: metrics sent in alternate"
+                f" {args.window_s:g}-s windows; extraction timed apart",
+                f"{'clients':>8} {'workload':<16} {'windows':>7} {'median':>9} {'95% CI':>13} {'extraction':>12}"
+                f" {'share':>6} {'total':>9}",
+                args.clients,
+                lambda kind, n: tracking_windows(kind, n, args.windows, args.window_s, uri),
+            )
 
 
 if __name__ == "__main__":

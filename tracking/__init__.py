@@ -1,9 +1,10 @@
 """Structured logging and MLflow tracking for flasync.
 
 Logging goes through structlog: the CLI calls :func:`configure_logging` once, library code builds
-loggers with :func:`make_logger`. A :class:`MetricsProcessor` in such a logger turns numeric event
-fields into MLflow metrics, which a :class:`MetricWriter` sends in batches from a background
-thread to the run of a :class:`Tracker` (:class:`MlflowTracker`, or :class:`NullTracker`).
+loggers with :func:`make_logger`. A :class:`MetricsProcessor` given to such a logger (``metrics=``)
+turns the numeric fields of every log call, debug ones included, into MLflow metrics, which a
+:class:`MetricWriter` sends in batches from a background thread to the run of a :class:`Tracker`
+(:class:`MlflowTracker`, or :class:`NullTracker`).
 While the MLflow store cannot be reached, an :class:`MlflowTracker` writes everything to a JSON-lines spool
 (:mod:`tracking.spool`) and replays it when the store answers again, or later with :func:`replay`.
 """

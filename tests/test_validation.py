@@ -39,6 +39,14 @@ def test_refuses_malformed_or_oversized_updates(delta: torch.Tensor, reason: str
     assert verdict.detail and "\n" not in verdict.detail
 
 
+def test_finite_update_whose_norm_overflows_is_not_called_non_finite() -> None:
+    """Elements near float32's maximum overflow the norm to infinity; the update is finite, so not non_finite."""
+    verdict, norm = UpdateValidator(4).check(torch.tensor([3e38, 3e38, 0.0, 0.0]))
+    assert verdict is None and norm == math.inf
+    verdict, _ = UpdateValidator(4).check(torch.tensor([3e38, -math.inf, 0.0, 0.0]))
+    assert verdict is not None and verdict.reason == "non_finite"
+
+
 def test_robust_zscore() -> None:
     """The z-score uses median and MAD, so one outlier in the history does not hide the next."""
     history = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 50.0]

@@ -65,7 +65,9 @@ class FlatModel:
         self.flat = torch.zeros(total, dtype=torch.float32, device=device)
         self.grad = torch.zeros(self.num_trainable, dtype=torch.float32, device=device)
         self.momentum = torch.zeros_like(self.grad)
+        self.params = self.flat[: self.num_trainable]  # the trainable prefix of ``flat`` (a view)
         self.checkpoint_segments = 0  # what set_checkpointing last applied to ``module``
+        self._training: bool | None = None  # the mode set_mode last applied to ``module`` (None: not yet)
         offset = 0
         with torch.no_grad():
             for p in params:
@@ -80,10 +82,15 @@ class FlatModel:
                 b.data = self.flat[offset : offset + n].view_as(b)
                 offset += n
 
-    @property
-    def params(self) -> torch.Tensor:
-        """Return the trainable prefix of :attr:`flat` (a view)."""
-        return self.flat[: self.num_trainable]
+    def set_mode(self, *, training: bool) -> None:
+        """Put the module in training or evaluation mode (``module.train(training)``), unless it already is.
+
+        Only this model's training and evaluation change its module's mode, so the last mode set is the mode it
+        has, and the walk over every submodule that ``nn.Module.train`` does is made once per change.
+        """
+        if self._training is not training:
+            self.module.train(training)
+            self._training = training
 
     def load_(self, weights: torch.Tensor) -> None:
         """Copy a flat weight vector into the model."""
@@ -227,15 +234,26 @@ def after_default_stream(device: torch.device) -> None:
             current.wait_stream(default)
 
 
-def _batches(n: int, cfg: LocalTraining, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    steps = 0
+def _batches(
+    x: torch.Tensor, y: torch.Tensor, cfg: LocalTraining, generator: torch.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield the ``(inputs, labels)`` batches of local training, in the order ``generator`` draws.
+
+    Each epoch draws a permutation of the samples, gathers them in that order once, and cuts the result into views
+    of ``batch_size`` rows (the last one shorter), stopping after ``cfg.max_steps`` steps in all: the batches of
+    ``x[perm[i : i + batch_size]]``, with two gathers per epoch instead of two per step.
+    """
+    n = int(y.shape[0])
+    per_epoch = -(-n // cfg.batch_size)
+    remaining = cfg.steps_for(n)
     for _ in range(cfg.epochs):
+        if remaining <= 0:
+            return
         order = torch.randperm(n, generator=generator)
-        for start in range(0, n, cfg.batch_size):
-            if cfg.max_steps is not None and steps >= cfg.max_steps:
-                return
-            yield order[start : start + cfg.batch_size]
-            steps += 1
+        if remaining < per_epoch:
+            order = order[: remaining * cfg.batch_size]
+        remaining -= per_epoch
+        yield from zip(torch.split(x[order], cfg.batch_size), torch.split(y[order], cfg.batch_size), strict=True)
 
 
 _CHECKPOINTED = "_flasync_checkpoint_segments"
@@ -318,7 +336,7 @@ def train(
     if n == 0:
         raise TrainingError("client has no samples")
     module = model.module
-    module.train()
+    model.set_mode(training=True)
     if model.checkpoint_segments != cfg.checkpoint_segments:
         set_checkpointing(module, cfg.checkpoint_segments)
         model.checkpoint_segments = cfg.checkpoint_segments
@@ -334,8 +352,11 @@ def train(
     seen = 0
     peak_activation = 0
     batch_bytes = 0
-    for idx in _batches(n, cfg, generator):
-        xb, yb = x[idx], y[idx]
+    # The optimizer below runs with autograd on: ``flat``, ``grad`` and ``momentum`` are plain tensors that do
+    # not require grad (the parameters are views of them), so no graph is recorded, and a ``no_grad`` block per
+    # step would only add its cost.
+    for xb, yb in _batches(x, y, cfg, generator):
+        rows = int(yb.shape[0])
         grad.zero_()
         if steps == 0:
             saved = _SavedBytes()
@@ -353,30 +374,28 @@ def train(
             loss = F.cross_entropy(module(xb), yb)
         if scaler is not None:
             (loss * scaler.scale[0]).backward()  # type: ignore[no-untyped-call]
+            grad.div_(scaler.scale[0])
+            if not bool(scaler.update_rows(grad.view(1, -1), 1)[0]):  # an overflow: skip this step
+                loss_sum.add_(loss.detach(), alpha=rows)
+                seen += rows
+                steps += 1
+                continue
         else:
             loss.backward()  # type: ignore[no-untyped-call]
-        with torch.no_grad():
-            if scaler is not None:
-                grad.div_(scaler.scale[0])
-                if not bool(scaler.update_rows(grad.view(1, -1), 1)[0]):  # an overflow: skip this step
-                    loss_sum.add_(loss.detach(), alpha=idx.numel())
-                    seen += idx.numel()
-                    steps += 1
-                    continue
-            if on_backward is not None:
-                on_backward(grad)  # unscaled, before clipping
-            if cfg.clip_norm is not None:
-                norm = torch.linalg.vector_norm(grad)
-                grad.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
-            if cfg.weight_decay:
-                grad.add_(params, alpha=cfg.weight_decay)
-            if cfg.momentum:
-                momentum.mul_(cfg.momentum).add_(grad)
-                params.add_(momentum, alpha=-cfg.lr)
-            else:
-                params.add_(grad, alpha=-cfg.lr)
-            loss_sum.add_(loss.detach(), alpha=idx.numel())
-        seen += idx.numel()
+        if on_backward is not None:
+            on_backward(grad)  # unscaled, before clipping
+        if cfg.clip_norm is not None:
+            norm = torch.linalg.vector_norm(grad)
+            grad.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
+        if cfg.weight_decay:
+            grad.add_(params, alpha=cfg.weight_decay)
+        if cfg.momentum:
+            momentum.mul_(cfg.momentum).add_(grad)
+            params.add_(momentum, alpha=-cfg.lr)
+        else:
+            params.add_(grad, alpha=-cfg.lr)
+        loss_sum.add_(loss.detach(), alpha=rows)
+        seen += rows
         steps += 1
     with torch.no_grad():
         delta = base - model.flat
@@ -399,7 +418,7 @@ def evaluate(
     after_default_stream(model.flat.device)
     model.load_(weights)
     module = model.module
-    module.eval()
+    model.set_mode(training=False)
     n = int(y.shape[0])
     correct = torch.zeros((), dtype=torch.int64, device=x.device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)

@@ -326,6 +326,34 @@ def test_evaluate_accuracy_and_loss_by_hand() -> None:
     assert result.loss == pytest.approx(float(F.cross_entropy(x, y)), rel=1e-6)
 
 
+class _ModeProbe(nn.Module):
+    """A linear layer whose submodule records the mode of every forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(NUM_FEATURES, NUM_CLASSES))
+        self.modes: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes.append(self.inner.training)
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+def test_train_and_evaluate_switch_every_submodule_mode_in_turn() -> None:
+    """Training after evaluation runs in training mode, and evaluation after training in evaluation mode."""
+    probe = _ModeProbe().eval()
+    model = FlatModel(probe)
+    x, y = _data(8)
+    for _ in range(2):
+        probe.modes.clear()
+        train(model, model.flat.clone(), x, y, LocalTraining(batch_size=4), _gen())
+        assert probe.modes == [True, True]
+        probe.modes.clear()
+        evaluate(model, model.flat.clone(), x, y)
+        assert probe.modes == [False]
+
+
 # --------------------------------------------------------------------------------------------- steps_for
 @pytest.mark.parametrize(
     ("epochs", "batch_size", "max_steps", "num_samples", "expected"),

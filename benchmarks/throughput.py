@@ -3,9 +3,11 @@
 The tutorial workload: synthetic data (32 features, 10 classes), MLP 32-64-10, 200 samples per client, batch 32,
 1 local epoch, SGD lr 0.01. The baseline trains the same clients one after another in a bare ``for`` loop that
 indexes in-memory tensors (no DataLoader) and averages their deltas; flasync runs sync FedAvg and FedBuff on the
-virtual clock, with MLflow tracking on (a temporary sqlite store) and off.
+virtual clock, with MLflow tracking on (a temporary sqlite store) and off. A third runner, *flasync training alone*,
+calls flasync's local training function on the same clients in a bare loop: against the plain loop it shows what
+flasync's training code gains or loses, and the federations against it show what the orchestration costs.
 
-    python benchmarks/throughput.py [--clients 100 1000] [--updates 2000] [--repeats 3] [--pairs 20] [--windows 15000]
+    python benchmarks/throughput.py [--clients 100 1000] [--updates 2000] [--repeats 3] [--pairs 20] [--windows 40000]
 
 Each repeat runs every runner once, back to back. Printed: the best rate of each runner and its ratio to the best
 plain-loop rate, and the median over repeats of the ratio within a repeat ("paired"), which cancels the drift of a
@@ -48,6 +50,7 @@ import tracking
 from flasync import seeding
 from flasync.data import make_synthetic, partition_iid
 from flasync.models import MLP
+from flasync.training import FlatModel, LocalTraining, train
 
 FEATURES, CLASSES, HIDDEN, SAMPLES, BATCH, LR = 32, 10, (64,), 200, 32, 0.01
 
@@ -86,6 +89,34 @@ def plain_loop(num_clients: int, updates: int, seed: int = 0) -> float:
         with torch.no_grad():
             for acc, p, g in zip(accumulator, params, global_weights, strict=True):
                 acc.add_(g - p, alpha=len(y))
+    return updates / (time.perf_counter() - start)
+
+
+def training_alone(num_clients: int, updates: int, seed: int = 0) -> float:
+    """Train the same clients with flasync's local training function in a bare loop; return updates per second.
+
+    No event loop, executor, codec or server: what flasync's :func:`~flasync.training.train` costs by itself, so
+    that the gap between it and a federation is the framework's orchestration.
+    """
+    data = make_synthetic(
+        num_samples=SAMPLES * num_clients,
+        num_features=FEATURES,
+        num_classes=CLASSES,
+        rng=seeding.numpy_stream(seed, 1),
+    )
+    partition = partition_iid(len(data), num_clients, rng=seeding.numpy_stream(seed, 2))
+    torch.manual_seed(seed)
+    model = FlatModel(MLP(FEATURES, HIDDEN, CLASSES))
+    global_weights = model.flat.clone()
+    accumulator = torch.zeros_like(global_weights)
+    cfg = LocalTraining(epochs=1, batch_size=BATCH, lr=LR)
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randint(num_clients, (updates,), generator=generator).tolist()
+    start = time.perf_counter()
+    for client in order:
+        index = torch.from_numpy(partition[client].copy())
+        result = train(model, global_weights, data.x[index], data.y[index], cfg, generator)
+        accumulator.add_(result.delta, alpha=result.num_samples)
     return updates / (time.perf_counter() - start)
 
 
@@ -268,7 +299,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the runners against the loop (0: skip)")
     parser.add_argument("--pairs", type=int, default=20, help="tracking on/off pairs per workload (0: skip)")
     parser.add_argument("--pair-updates", type=int, default=1000, help="client updates of each run of a pair")
-    parser.add_argument("--windows", type=int, default=15000, help="updates of the windowed run (0: skip)")
+    parser.add_argument("--windows", type=int, default=40000, help="updates of the windowed run (0: skip)")
     parser.add_argument("--window-s", type=float, default=1.0, help="seconds of each window of the windowed run")
     args = parser.parse_args()
     tracking.configure_logging(level="warning")
@@ -278,18 +309,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         uri = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
         for num_clients in args.clients if args.repeats > 0 else ():
-            runners = {
-                "plain loop": lambda n=num_clients: plain_loop(n, args.updates),
-                "fedavg, tracking off": lambda n=num_clients: flasync_rate(
-                    "fedavg", n, args.updates, tracking_uri=None
-                ),
-                "fedavg, tracking on": lambda n=num_clients: flasync_rate("fedavg", n, args.updates, tracking_uri=uri),
-                "fedbuff, tracking off": lambda n=num_clients: flasync_rate(
-                    "fedbuff", n, args.updates, tracking_uri=None
-                ),
-                "fedbuff, tracking on": lambda n=num_clients: flasync_rate(
-                    "fedbuff", n, args.updates, tracking_uri=uri
-                ),
+            p = functools.partial
+            runners: dict[str, Callable[[], float]] = {
+                "plain loop": p(plain_loop, num_clients, args.updates),
+                "flasync training alone": p(training_alone, num_clients, args.updates),
+                "fedavg, tracking off": p(flasync_rate, "fedavg", num_clients, args.updates, tracking_uri=None),
+                "fedavg, tracking on": p(flasync_rate, "fedavg", num_clients, args.updates, tracking_uri=uri),
+                "fedbuff, tracking off": p(flasync_rate, "fedbuff", num_clients, args.updates, tracking_uri=None),
+                "fedbuff, tracking on": p(flasync_rate, "fedbuff", num_clients, args.updates, tracking_uri=uri),
             }
             samples: dict[str, list[float]] = {name: [] for name in runners}
             for _ in range(args.repeats):  # interleaved, so drifts in machine load hit every runner alike

@@ -321,7 +321,9 @@ def train(
         cfg: Local hyper-parameters.
         generator: The task's own random stream (batch order).
         timer: Monotonic seconds, for ``train_s``.
-        on_backward: Called with the flat gradient after each backward pass, before clipping (diagnostics).
+        on_backward: Called with the flat gradient after each backward pass, before clipping (diagnostics), with
+            autograd on (the gradient does not require grad; a callback that reads the module's parameters wraps
+            its work in ``torch.no_grad()``).
 
     Returns:
         The delta, sample count, steps, mean training loss, seconds and peak tensor memory in bytes

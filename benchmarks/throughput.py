@@ -48,15 +48,18 @@ import torch.nn.functional as F
 import flasync
 import tracking
 from flasync import seeding
-from flasync.data import make_synthetic, partition_iid
+from flasync.data import ArrayData, Partition, make_synthetic, partition_iid
 from flasync.models import MLP
 from flasync.training import FlatModel, LocalTraining, train
 
 FEATURES, CLASSES, HIDDEN, SAMPLES, BATCH, LR = 32, 10, (64,), 200, 32, 0.01
 
 
-def plain_loop(num_clients: int, updates: int, seed: int = 0) -> float:
-    """Train ``updates`` clients one at a time in a bare loop; return updates per second."""
+def workload(num_clients: int, updates: int, seed: int) -> tuple[ArrayData, Partition, torch.Generator, list[int]]:
+    """Return the bare loops' data, each client's sample indices, their random stream and the clients to train.
+
+    Also seeds torch's global generator, from which the loops draw their model's initial weights.
+    """
     data = make_synthetic(
         num_samples=SAMPLES * num_clients,
         num_features=FEATURES,
@@ -65,13 +68,19 @@ def plain_loop(num_clients: int, updates: int, seed: int = 0) -> float:
     )
     partition = partition_iid(len(data), num_clients, rng=seeding.numpy_stream(seed, 2))
     torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randint(num_clients, (updates,), generator=generator).tolist()
+    return data, partition, generator, order
+
+
+def plain_loop(num_clients: int, updates: int, seed: int = 0) -> float:
+    """Train ``updates`` clients one at a time in a bare loop; return updates per second."""
+    data, partition, generator, order = workload(num_clients, updates, seed)
     model = MLP(FEATURES, HIDDEN, CLASSES)
     params = list(model.parameters())
     global_weights = [p.detach().clone() for p in params]
     accumulator = [torch.zeros_like(p) for p in params]
     optimizer = torch.optim.SGD(params, lr=LR)
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.randint(num_clients, (updates,), generator=generator).tolist()
     start = time.perf_counter()
     for client in order:
         index = torch.from_numpy(partition[client].copy())
@@ -98,20 +107,11 @@ def training_alone(num_clients: int, updates: int, seed: int = 0) -> float:
     No event loop, executor, codec or server: what flasync's :func:`~flasync.training.train` costs by itself, so
     that the gap between it and a federation is the framework's orchestration.
     """
-    data = make_synthetic(
-        num_samples=SAMPLES * num_clients,
-        num_features=FEATURES,
-        num_classes=CLASSES,
-        rng=seeding.numpy_stream(seed, 1),
-    )
-    partition = partition_iid(len(data), num_clients, rng=seeding.numpy_stream(seed, 2))
-    torch.manual_seed(seed)
+    data, partition, generator, order = workload(num_clients, updates, seed)
     model = FlatModel(MLP(FEATURES, HIDDEN, CLASSES))
     global_weights = model.flat.clone()
     accumulator = torch.zeros_like(global_weights)
     cfg = LocalTraining(epochs=1, batch_size=BATCH, lr=LR)
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.randint(num_clients, (updates,), generator=generator).tolist()
     start = time.perf_counter()
     for client in order:
         index = torch.from_numpy(partition[client].copy())

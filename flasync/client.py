@@ -64,20 +64,25 @@ def _train_job(
 ) -> TrainedUpdate:
     """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
     model = ctx.executor.models.get()
-    device = model.flat.device  # data kept in host memory is copied to the model's device here
+    device = model.flat.device
     data_x, data_y, indices = samples
-    x = data_x[indices].to(device, non_blocking=True)
-    y = data_y[indices].to(device, non_blocking=True)
+    rows: torch.Tensor | None = indices
+    if data_x.device != device or data_y.device != device or indices.device != device:
+        # Data kept in host memory: the client's samples are gathered and copied to the model's device.
+        data_x = data_x[indices].to(device, non_blocking=True)
+        data_y = data_y[indices].to(device, non_blocking=True)
+        rows = None
     diagnostics = ctx.diagnostics or _NO_DIAGNOSTICS
     result, diagnosis = diagnostics.train(
         model,
         base,
-        x,
-        y,
+        data_x,
+        data_y,
         ctx.local,
         generator,
         task_id=task_id,
         train_fn=train,  # looked up here, so that tests can replace flasync.client.train
+        indices=rows,
     )
     return _finish_job(ctx, client_id, result, codec_generator, diagnosis)
 

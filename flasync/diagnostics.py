@@ -154,8 +154,12 @@ class TrainingDiagnostics:
         *,
         task_id: int = 0,
         train_fn: Callable[..., LocalResult] = train,
+        indices: torch.Tensor | None = None,
     ) -> tuple[LocalResult, TaskDiagnosis]:
-        """Run ``train_fn`` (:func:`flasync.training.train`) and diagnose the result (see the module docstring)."""
+        """Run ``train_fn`` (:func:`flasync.training.train`) and diagnose the result (see the module docstring).
+
+        ``indices``: train on those rows of ``x`` and ``y`` (see :func:`~flasync.training.train`).
+        """
         stats: _GradientStats | None = None
         if self.level == "full" and self._lengths is not None and self._lengths.numel():
             stats = _GradientStats(self._lengths.to(model.grad.device))
@@ -168,18 +172,20 @@ class TrainingDiagnostics:
                 activities.append(ProfilerActivity.CUDA)
             # One profiler at a time: torch's profiler is process-wide.
             with self._profiler_lock, profile(activities=activities, record_shapes=True) as prof:
-                result = train_fn(model, base, x, y, cfg, generator, on_backward=stats)
+                result = train_fn(model, base, x, y, cfg, generator, on_backward=stats, indices=indices)
             path = os.path.join(self.trace_dir, f"train-task-{task_id}.json")
             prof.export_chrome_trace(path)
             with self._lock:
                 self.traces.append(path)
         else:
-            result = train_fn(model, base, x, y, cfg, generator, on_backward=stats)
+            result = train_fn(model, base, x, y, cfg, generator, on_backward=stats, indices=indices)
         return result, self.diagnose(result, stats)
 
     def diagnose(self, result: LocalResult, stats: _GradientStats | None = None) -> TaskDiagnosis:
         """Return the diagnosis of one training result at this object's level."""
-        update_finite = bool(torch.isfinite(result.delta).all())
+        # A NaN or Inf element makes the sum NaN or infinite, so a finite sum proves the delta finite; the
+        # element-wise test runs only for the rest (non-finite elements, or a sum that overflowed).
+        update_finite = math.isfinite(float(result.delta.sum())) or bool(torch.isfinite(result.delta).all())
         loss_finite = math.isfinite(result.loss)
         if self.level == "off":
             return TaskDiagnosis(loss_finite=loss_finite, update_finite=update_finite)

@@ -861,10 +861,12 @@ class Server:
             await self._reject(message, "stale", f"staleness {staleness} > max_staleness {limit}")
             return
         try:
-            delta = ctx.upload_codec.decode(message.payload, expected_elements=ctx.num_params).to(self.weights.device)
+            delta = ctx.upload_codec.decode(message.payload, expected_elements=ctx.num_params)
         except DecodeError as exc:
             await self._reject(message, "decode", str(exc))
             return
+        if delta.device != self.weights.device:
+            delta = delta.to(self.weights.device)
         decode_s = ctx.wall() - received_wall
         verdict, norm = self._validator.check(delta)
         if verdict is not None:

@@ -235,15 +235,21 @@ def after_default_stream(device: torch.device) -> None:
 
 
 def _batches(
-    x: torch.Tensor, y: torch.Tensor, cfg: LocalTraining, generator: torch.Generator
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: LocalTraining,
+    generator: torch.Generator,
+    indices: torch.Tensor | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield the ``(inputs, labels)`` batches of local training, in the order ``generator`` draws.
 
     Each epoch draws a permutation of the samples, gathers them in that order once, and cuts the result into views
     of ``batch_size`` rows (the last one shorter), stopping after ``cfg.max_steps`` steps in all: the batches of
-    ``x[perm[i : i + batch_size]]``, with two gathers per epoch instead of two per step.
+    ``x[perm[i : i + batch_size]]``, with two gathers per epoch instead of two per step. With ``indices`` the
+    samples are the rows ``indices`` of ``x`` and ``y``, gathered straight from there in permuted order: the batches
+    of ``x[indices][perm[...]]``, without a copy of the client's samples made first.
     """
-    n = int(y.shape[0])
+    n = int(y.shape[0]) if indices is None else int(indices.shape[0])
     per_epoch = -(-n // cfg.batch_size)
     remaining = cfg.steps_for(n)
     for _ in range(cfg.epochs):
@@ -253,7 +259,8 @@ def _batches(
         if remaining < per_epoch:
             order = order[: remaining * cfg.batch_size]
         remaining -= per_epoch
-        yield from zip(torch.split(x[order], cfg.batch_size), torch.split(y[order], cfg.batch_size), strict=True)
+        rows = order if indices is None else indices[order]
+        yield from zip(torch.split(x[rows], cfg.batch_size), torch.split(y[rows], cfg.batch_size), strict=True)
 
 
 _CHECKPOINTED = "_flasync_checkpoint_segments"
@@ -307,6 +314,7 @@ def train(
     *,
     timer: Callable[[], float] = time.perf_counter,
     on_backward: Callable[[torch.Tensor], None] | None = None,
+    indices: torch.Tensor | None = None,
 ) -> LocalResult:
     """Train ``model`` from ``base`` on ``(x, y)`` with SGD and return the delta ``base - w_local``.
 
@@ -324,6 +332,9 @@ def train(
         on_backward: Called with the flat gradient after each backward pass, before clipping (diagnostics), with
             autograd on (the gradient does not require grad; a callback that reads the module's parameters wraps
             its work in ``torch.no_grad()``).
+        indices: Train on the rows ``indices`` (int64, on ``x``'s device) of ``x`` and ``y`` only: the same result
+            as ``train(..., x[indices], y[indices], ...)``, without that copy (each epoch gathers its batches
+            straight from ``x`` and ``y``).
 
     Returns:
         The delta, sample count, steps, mean training loss, seconds and peak tensor memory in bytes
@@ -334,7 +345,7 @@ def train(
         TrainingError: If the client has no samples.
     """
     start = timer()
-    n = int(y.shape[0])
+    n = int(y.shape[0]) if indices is None else int(indices.shape[0])
     if n == 0:
         raise TrainingError("client has no samples")
     module = model.module
@@ -357,7 +368,7 @@ def train(
     # The optimizer below runs with autograd on: ``flat``, ``grad`` and ``momentum`` are plain tensors that do
     # not require grad (the parameters are views of them), so no graph is recorded, and a ``no_grad`` block per
     # step would only add its cost.
-    for xb, yb in _batches(x, y, cfg, generator):
+    for xb, yb in _batches(x, y, cfg, generator, indices):
         rows = int(yb.shape[0])
         grad.zero_()
         if steps == 0:

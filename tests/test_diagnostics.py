@@ -17,7 +17,7 @@ from flasync.data import ArrayData, load_digits
 from flasync.diagnostics import DivergedTraining, TrainingDiagnostics, is_diverging, layer_layout, task_alerts
 from flasync.events import AlertRaised, ClientFailed, TaskDiagnosis
 from flasync.testing import EventRecorder, MemoryTracker, small_config
-from flasync.training import FlatModel, LocalTraining
+from flasync.training import FlatModel, LocalResult, LocalTraining
 
 CONFIG = DiagnosticsConfig()
 
@@ -96,6 +96,26 @@ def test_off_level_only_checks_finiteness() -> None:
     _, diagnosis = TrainingDiagnostics("off").train(model, model.flat.clone(), x, y, cfg, torch.Generator())
     assert diagnosis.update_finite and diagnosis.loss_finite
     assert math.isnan(diagnosis.update_norm) and diagnosis.layer_grad_norm_mean == ()
+
+
+@pytest.mark.parametrize(
+    ("values", "finite"),
+    [
+        ([1.0, -2.0, 3.0], True),
+        ([3.0e38, 3.0e38, 1.0], True),  # the float32 sum overflows, every element is finite
+        ([-3.0e38, -3.0e38, 1.0], True),
+        ([1.0, math.nan, 2.0], False),
+        ([1.0, math.inf, 2.0], False),
+        ([math.inf, -math.inf, 0.0], False),  # the sum is NaN
+        ([-math.inf, 1.0, 1.0], False),
+    ],
+)
+def test_diagnose_tells_finite_deltas_from_non_finite_ones(values: list[float], finite: bool) -> None:
+    """A delta is finite exactly when all its elements are, also when their sum overflows."""
+    delta = torch.tensor(values, dtype=torch.float32)
+    result = LocalResult(delta=delta, num_samples=1, steps=1, loss=0.5, train_s=0.0, peak_mem_bytes=0)
+    assert TrainingDiagnostics("off").diagnose(result).update_finite is finite
+    assert TrainingDiagnostics("basic").diagnose(result).update_finite is finite
 
 
 def _nan_data() -> tuple[ArrayData, ArrayData]:

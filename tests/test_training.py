@@ -292,6 +292,29 @@ def test_train_batch_order_depends_on_seed() -> None:
     assert not torch.equal(first.delta, second.delta)
 
 
+@pytest.mark.parametrize("max_steps", [None, 3])
+def test_train_on_indices_equals_train_on_the_gathered_rows(max_steps: int | None) -> None:
+    """``indices=`` trains on those rows of the data set, bit for bit as if they had been gathered first."""
+    x, y = _data(60)
+    rows = torch.tensor([5, 0, 41, 17, 33, 2, 59, 8, 21, 30, 12, 47, 3, 38, 26, 50, 9, 44, 1, 55])
+    cfg = LocalTraining(epochs=2, batch_size=6, momentum=0.9, max_steps=max_steps)
+    model = FlatModel(_mlp())
+    base = model.flat.clone()
+    gathered = train(model, base, x[rows], y[rows], cfg, _gen(3))
+    direct = train(model, base, x, y, cfg, _gen(3), indices=rows)
+    assert torch.equal(gathered.delta, direct.delta)
+    assert (direct.num_samples, direct.steps, direct.loss) == (20, gathered.steps, gathered.loss)
+    assert direct.peak_mem_bytes == gathered.peak_mem_bytes
+
+
+def test_train_rejects_empty_indices() -> None:
+    """No rows to train on is a TrainingError, like a client without samples."""
+    model = FlatModel(_mlp())
+    x, y = _data(10)
+    with pytest.raises(TrainingError, match="no samples"):
+        train(model, model.flat.clone(), x, y, LocalTraining(), _gen(), indices=torch.zeros(0, dtype=torch.int64))
+
+
 def test_train_rejects_empty_client() -> None:
     """A client without samples is a TrainingError."""
     model = FlatModel(_mlp())

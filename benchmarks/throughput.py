@@ -141,7 +141,7 @@ def _training_alone(num_clients: int, updates: int, seed: int) -> float:
     start = time.perf_counter()
     for client in order:
         index = torch.from_numpy(partition[client].copy())
-        result = train(model, global_weights, data.x[index], data.y[index], cfg, generator)
+        result = train(model, global_weights, data.x, data.y, cfg, generator, indices=index)
         accumulator.add_(result.delta, alpha=result.num_samples)
     return updates / (time.perf_counter() - start)
 

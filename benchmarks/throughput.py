@@ -2,16 +2,18 @@
 
 The tutorial workload: synthetic data (32 features, 10 classes), MLP 32-64-10, 200 samples per client, batch 32,
 1 local epoch, SGD lr 0.01. The baseline trains the same clients one after another in a bare ``for`` loop that
-indexes in-memory tensors (no DataLoader) and averages their deltas; flasync runs sync FedAvg and FedBuff on the
-virtual clock, with MLflow tracking on (a temporary sqlite store) and off. A third runner, *flasync training alone*,
-calls flasync's local training function on the same clients in a bare loop: against the plain loop it shows what
-flasync's training code gains or loses, and the federations against it show what the orchestration costs.
+indexes in-memory tensors (no DataLoader) and averages their deltas, once on torch's default intra-op threads and
+once on one thread (flasync's workers train on one thread each); the faster of the two in each repeat is the
+baseline. flasync runs sync FedAvg and FedBuff on the virtual clock, with MLflow tracking on (a temporary sqlite
+store) and off. A further runner, *flasync training alone*, calls flasync's local training function on the same
+clients in a bare loop: against the plain loop it shows what flasync's training code gains or loses, and the
+federations against it show what the orchestration costs.
 
     python benchmarks/throughput.py [--clients 100 1000] [--updates 2000] [--repeats 3] [--pairs 20] [--windows 40000]
 
 Each repeat runs every runner once, back to back. Printed: the best rate of each runner and its ratio to the best
-plain-loop rate, and the median over repeats of the ratio within a repeat ("paired"), which cancels the drift of a
-shared machine's load between repeats.
+baseline rate, and the median over repeats of the ratio to the baseline of the same repeat ("paired"), which cancels
+the drift of a shared machine's load between repeats.
 
 Tracking on against off is then measured on its own, because a 5% difference is smaller than the drift of a shared
 machine between two runs a few seconds apart: ``--pairs`` short runs (``--pair-updates`` updates) with tracking on

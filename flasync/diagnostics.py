@@ -37,6 +37,7 @@ from flasync.events import (
     UpdateUploaded,
 )
 from flasync.training import FlatModel, LocalResult, LocalTraining, train
+from flasync.validation import finite_norm
 
 __all__ = [
     "Alert",
@@ -183,13 +184,11 @@ class TrainingDiagnostics:
 
     def diagnose(self, result: LocalResult, stats: _GradientStats | None = None) -> TaskDiagnosis:
         """Return the diagnosis of one training result at this object's level."""
-        # A NaN or Inf element makes the sum NaN or infinite, so a finite sum proves the delta finite; the
-        # element-wise test runs only for the rest (non-finite elements, or a sum that overflowed).
-        update_finite = math.isfinite(float(result.delta.sum())) or bool(torch.isfinite(result.delta).all())
+        norm = finite_norm(result.delta)  # NaN: the delta has a NaN or Inf element
+        update_finite = not math.isnan(norm)
         loss_finite = math.isfinite(result.loss)
         if self.level == "off":
             return TaskDiagnosis(loss_finite=loss_finite, update_finite=update_finite)
-        norm = float(torch.linalg.vector_norm(result.delta)) if update_finite else math.nan
         if stats is None or stats.total is None or stats.peak is None:
             return TaskDiagnosis(loss_finite=loss_finite, update_finite=update_finite, update_norm=norm)
         mean = (stats.total / max(stats.steps, 1)).tolist()

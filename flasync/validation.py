@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["UpdateValidator", "Verdict", "clip_to_norm", "robust_zscore"]
+__all__ = ["UpdateValidator", "Verdict", "clip_to_norm", "finite_norm", "robust_zscore"]
 
 _MAD_TO_SIGMA = 1.4826
 
@@ -50,6 +50,19 @@ def _median(sorted_values: list[float]) -> float:
     n = len(sorted_values)
     middle = n // 2
     return sorted_values[middle] if n % 2 else 0.5 * (sorted_values[middle - 1] + sorted_values[middle])
+
+
+def finite_norm(delta: torch.Tensor) -> float:
+    """Return the L2 norm of ``delta``, or NaN if an element of ``delta`` is NaN or infinite.
+
+    A NaN or infinite element makes the norm NaN or infinite, so a finite norm proves every element finite, and the
+    element-wise test (five times the norm's cost) runs only for the rest: non-finite elements, or finite ones whose
+    norm overflowed (``inf`` is returned then).
+    """
+    norm = float(torch.linalg.vector_norm(delta))
+    if not math.isfinite(norm) and not bool(torch.isfinite(delta).all()):
+        return math.nan
+    return norm
 
 
 def clip_to_norm(delta: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, float]:
@@ -117,10 +130,8 @@ class UpdateValidator:
             return Verdict("shape", f"update has shape {tuple(delta.shape)}, expected ({self.num_params},)"), math.nan
         if delta.dtype != self.dtype:
             return Verdict("dtype", f"update has dtype {delta.dtype}, expected {self.dtype}"), math.nan
-        norm = float(torch.linalg.vector_norm(delta))
-        # A NaN or infinite element makes the norm NaN or infinite, so a finite norm proves the update finite and
-        # the element-wise test (five times the norm's cost) runs only for the rest (NaN/Inf, or a norm overflow).
-        if not math.isfinite(norm) and not bool(torch.isfinite(delta).all()):
+        norm = finite_norm(delta)
+        if math.isnan(norm):
             return Verdict("non_finite", "update contains NaN or Inf"), math.nan
         if self.max_norm is not None and norm > self.max_norm:
             return Verdict("norm", f"update norm {norm:.4g} > max_update_norm {self.max_norm:g}"), norm

@@ -12,7 +12,7 @@ import torch
 import flasync
 from flasync.events import ClientFailed, ClientId, TaskAssigned, UpdateRejected, UpdateUploaded, Version
 from flasync.testing import EventRecorder, small_config
-from flasync.validation import UpdateValidator, clip_to_norm, robust_zscore
+from flasync.validation import UpdateValidator, clip_to_norm, finite_norm, robust_zscore
 
 
 def test_accepts_a_plain_update() -> None:
@@ -45,6 +45,22 @@ def test_finite_update_whose_norm_overflows_is_not_called_non_finite() -> None:
     assert verdict is None and norm == math.inf
     verdict, _ = UpdateValidator(4).check(torch.tensor([3e38, -math.inf, 0.0, 0.0]))
     assert verdict is not None and verdict.reason == "non_finite"
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([3.0, 4.0], 5.0),
+        ([3e38, 3e38], math.inf),  # finite elements, the norm overflows
+        ([1.0, math.nan], math.nan),
+        ([1.0, -math.inf], math.nan),
+        ([math.inf, -math.inf], math.nan),
+    ],
+)
+def test_finite_norm_is_nan_exactly_for_non_finite_elements(values: list[float], expected: float) -> None:
+    """The norm of a finite vector (inf when it overflows); NaN when an element is NaN or infinite."""
+    norm = finite_norm(torch.tensor(values))
+    assert math.isnan(norm) if math.isnan(expected) else norm == pytest.approx(expected)
 
 
 def test_robust_zscore() -> None:

@@ -1,9 +1,10 @@
 """Checkpoints: the whole state of a run, written as an MLflow artifact, read back to resume it exactly.
 
-A checkpoint holds the global weights and the models in-flight tasks started from, the server optimizer's state,
-the aggregator's buffer, the version, the server's random generator state and the clients' participation counters,
-the error-feedback residuals, the clock's reading, the tasks in flight (their :class:`~flasync.events.TaskAssigned`
-records), the counters, and the resolved config. It is one file written with ``torch.save`` of plain values and
+A checkpoint holds the version and the global weights, then one entry per component, each its own
+``state_dict()``: the aggregator (buffer, server optimizer), the sampler (random generator), the task registry
+(the tasks in flight as :class:`~flasync.events.TaskAssigned` records, the models they started from, the clients'
+participation counters), the accounting (counters), the intake (validation history), the policy (an open round,
+the edges), the clock's reading and the error-feedback residuals; and the resolved config. It is one file written with ``torch.save`` of plain values and
 tensors only, and read with ``torch.load(..., weights_only=True)``: no pickled objects, so loading one runs no code.
 
 Under the virtual clock a resumed run ends with the same ``weights_sha256`` as an uninterrupted one: tasks in flight
@@ -29,12 +30,12 @@ __all__ = ["CHECKPOINT_ARTIFACT", "FORMAT", "ResumePoint", "decode", "encode", "
 
 CHECKPOINT_ARTIFACT = "checkpoints/latest.pt"
 """Where a run's latest checkpoint lives among its MLflow artifacts."""
-FORMAT = 1
-"""Version of the checkpoint layout; a reader refuses others."""
+FORMAT = 2
+"""Version of the checkpoint layout; a reader refuses others (2: one entry per component's ``state_dict()``)."""
 
 
 def encode(state: dict[str, Any], config: RunConfig) -> bytes:
-    """Serialise a server state (see :meth:`flasync.server.Server.checkpoint_state`) and the run's config."""
+    """Serialise a server state (see :meth:`flasync.server.Server.state_dict`) and the run's config."""
     buffer = io.BytesIO()
     torch.save(
         {

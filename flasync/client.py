@@ -1,154 +1,140 @@
 """The client coroutine: download, train in an executor, encode, upload.
 
-A client exists only while it has a task: the server materialises a :class:`Client` (an id and the indices of its
-samples) when it samples one, and the coroutine ends when its update has been published on the bus.
+A client exists only while it has a task: the task registry starts :meth:`Client.run` for one task, and the
+coroutine ends when its update (or its failure) is on the bus. The training itself runs in a worker thread
+(:mod:`flasync.jobs`); the coroutine places each step on the run's clock from the simulated world (network,
+speeds, faults).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
 
 from flasync import codecs, seeding
-from flasync.context import RunContext
-from flasync.diagnostics import DivergedTraining, TrainingDiagnostics
+from flasync.bus import EventBus
+from flasync.clock import Clock
+from flasync.diagnostics import DivergedTraining
 from flasync.errors import InjectedFault
-from flasync.events import ClientFailed, ClientId, TaskAssigned, TaskDiagnosis, UpdateUploaded, Version
+from flasync.events import ClientFailed, ClientId, FailureKind, TaskAssigned, TaskDiagnosis, UpdateUploaded
 from flasync.executors import TrainingJob
-from flasync.faults import Fate
-from flasync.training import LocalResult, train
+from flasync.faults import Fate, FaultModel
+from flasync.jobs import ClientSamples, JobContext, TrainedUpdate, finish_job, injected_crash, train_job
+from flasync.population import Network, Population
+from flasync.snapshots import ModelSnapshot
 
-__all__ = ["Client", "ModelSnapshot", "TrainedUpdate"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelSnapshot:
-    """One published global model: weights shared read-only by every client that downloads it.
-
-    ``weights`` is what clients receive (the decoded download, equal to ``exact`` for a lossless download codec);
-    ``exact`` is the server's own copy.
-    """
-
-    version: Version
-    weights: torch.Tensor
-    exact: torch.Tensor
-    download_bytes: int
+__all__ = ["Client", "ClientResiduals", "ClientWorld", "ModelSnapshot"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TrainedUpdate:
-    """What a training job hands back to its client coroutine."""
+class ClientWorld:
+    """What a simulated client's coroutine needs: the clock and the bus, the simulated world, and where to train.
 
-    result: LocalResult
-    payload: bytes
-    encode_s: float
-    residual_norm: float | None
-    diagnosis: TaskDiagnosis | None = None
-    residual: torch.Tensor | None = None
-
-
-def _train_job(
-    ctx: RunContext,
-    client_id: ClientId,
-    base: torch.Tensor,
-    samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    generator: torch.Generator,
-    codec_generator: torch.Generator,
-    task_id: int = 0,
-) -> TrainedUpdate:
-    """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
-    model = ctx.executor.models.get()
-    device = model.flat.device
-    data_x, data_y, indices = samples
-    rows: torch.Tensor | None = indices
-    if data_x.device != device or data_y.device != device or indices.device != device:
-        # Data kept in host memory: the client's samples are gathered and copied to the model's device.
-        data_x = data_x[indices].to(device, non_blocking=True)
-        data_y = data_y[indices].to(device, non_blocking=True)
-        rows = None
-    diagnostics = ctx.diagnostics or _NO_DIAGNOSTICS
-    result, diagnosis = diagnostics.train(
-        model,
-        base,
-        data_x,
-        data_y,
-        ctx.local,
-        generator,
-        task_id=task_id,
-        train_fn=train,  # looked up here, so that tests can replace flasync.client.train
-        indices=rows,
-    )
-    return _finish_job(ctx, client_id, result, codec_generator, diagnosis)
-
-
-def _finish_job(
-    ctx: RunContext,
-    client_id: ClientId,
-    result: LocalResult,
-    codec_generator: torch.Generator,
-    diagnosis: TaskDiagnosis | None = None,
-) -> TrainedUpdate:
-    """Check and encode a trained delta, with error feedback (runs in a worker thread).
-
-    The new residual is returned, not stored: the client coroutine stores it when the training ends in (virtual)
-    time, so a task abandoned before then leaves the client's residual as it was. ``diagnosis`` is None for a delta
-    trained in a cohort: it is diagnosed here (no per-step gradient statistics).
+    Attributes:
+        clock: The run's clock.
+        bus: Where answers go.
+        log: The run's logger.
+        wall: Monotonic real seconds.
+        seed: The run's seed (each task's random streams are keyed by client and participation).
+        population: Sizes and speeds.
+        network: Simulated links.
+        faults: The simulated failure model (None: no faults).
+        samples: Each client's training data.
+        pool: The training executor's pool.
+        job: What the worker-thread side of a task needs.
+        pre_task_residuals: When checkpoints are on, each in-flight task's residual as it was when the task
+            started, by task id (the registry forgets a task's entry when it releases it).
     """
-    if diagnosis is None:
-        diagnosis = (ctx.diagnostics or _NO_DIAGNOSTICS).diagnose(result)
-    if not diagnosis.update_finite:
-        # Fail the task before encoding: a NaN would otherwise stay in the client's error-feedback residual forever.
-        raise DivergedTraining(f"local training diverged: the update has NaN or Inf (loss {result.loss})", diagnosis)
-    start = time.perf_counter()
-    residuals = ctx.residuals
-    residual = None
-    if residuals is not None:
-        with ctx.residual_lock:
-            residual = residuals.get(client_id)
-    delta = result.delta if result.delta.device.type == "cpu" else result.delta.cpu()  # the codec writes bytes
-    encoded = ctx.upload_codec.encode(delta, generator=codec_generator, residual=residual)
-    encode_s = time.perf_counter() - start
-    norm = None
-    if residuals is not None and encoded.residual is not None:
-        norm = float(torch.linalg.vector_norm(encoded.residual))
-    return TrainedUpdate(
-        result=result,
-        payload=encoded.payload,
-        encode_s=encode_s,
-        residual_norm=norm,
-        diagnosis=diagnosis,
-        residual=encoded.residual,
-    )
+
+    clock: Clock
+    bus: EventBus
+    log: Any
+    wall: Callable[[], float]
+    seed: int
+    population: Population
+    network: Network
+    faults: FaultModel | None
+    samples: ClientSamples
+    pool: Executor
+    job: JobContext
+    pre_task_residuals: dict[int, torch.Tensor | None] | None = None
+
+    def forget(self, task: TaskAssigned) -> None:
+        """Drop what was recorded for a task that ended."""
+        if self.pre_task_residuals is not None:
+            self.pre_task_residuals.pop(task.task_id, None)
 
 
-_NO_DIAGNOSTICS = TrainingDiagnostics("off")
+class ClientResiduals:
+    """The clients' error-feedback residuals as checkpoint state.
 
+    A task in flight may have stored its new residual already; the state keeps the residual it started from, so
+    a resumed run trains it again from there.
 
-def _injected_crash(fraction: float) -> TrainedUpdate:
-    """Raise the fault model's crash, in the worker thread like a real training error."""
-    raise InjectedFault(f"injected crash after {fraction:.0%} of training")
+    Args:
+        world: The clients' world (its residual store and what each task in flight started from).
+        in_flight: The tasks in flight now.
+    """
+
+    def __init__(self, world: ClientWorld, in_flight: Callable[[], Iterable[TaskAssigned]]) -> None:
+        """Bind the world and the registry's view of the tasks in flight."""
+        self.world = world
+        self.in_flight = in_flight
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return ``{"ids": [...], "values": Tensor(len(ids), num_params)}``."""
+        job = self.world.job
+        store = job.residuals
+        if store is None:
+            return {"ids": [], "values": torch.zeros(0)}
+        recorded = self.world.pre_task_residuals if self.world.pre_task_residuals is not None else {}
+        values: dict[int, torch.Tensor] = {}
+        with job.residual_lock:
+            for client_id in store.client_ids():
+                held = store.get(client_id)
+                if held is not None:
+                    values[client_id] = held
+            for task in self.in_flight():
+                if task.task_id in recorded:
+                    before = recorded[task.task_id]
+                    if before is None:
+                        values.pop(int(task.client_id), None)
+                    else:
+                        values[int(task.client_id)] = before.clone()
+        ids = sorted(values)
+        stacked = torch.stack([values[i] for i in ids]) if ids else torch.zeros(0)
+        return {"ids": ids, "values": stacked}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put the checkpoint's residuals back into the store."""
+        store = self.world.job.residuals
+        if store is None:
+            return
+        for i, client_id in enumerate(state["ids"]):
+            store.put(int(client_id), state["values"][i])
 
 
 class Client:
-    """A sampled client: its id, its samples, and the coroutine that runs one task.
+    """A sampled client: its id, and the coroutine that runs one task.
 
     Args:
         client_id: Index in the population.
-        ctx: The run's shared wiring.
+        world: The simulated world the client lives in.
     """
 
-    __slots__ = ("client_id", "ctx")
+    __slots__ = ("client_id", "world")
 
-    def __init__(self, client_id: ClientId, ctx: RunContext) -> None:
+    def __init__(self, client_id: ClientId, world: ClientWorld) -> None:
         """Bind the client to the run."""
         self.client_id = client_id
-        self.ctx = ctx
+        self.world = world
 
     async def run(self, task: TaskAssigned, model: ModelSnapshot) -> None:
         """Run one task: download ``model``, train locally, upload the encoded delta on the bus.
@@ -158,24 +144,25 @@ class Client:
         task crash, hang or drop out (see :mod:`flasync.faults`). A failure of local training is published as
         :class:`ClientFailed`; it never propagates.
         """
-        ctx, cid = self.ctx, self.client_id
-        clock, log = ctx.clock, ctx.log
+        world, cid = self.world, self.client_id
+        clock, log, job_ctx = world.clock, world.log, world.job
         with structlog.contextvars.bound_contextvars(client_id=int(cid), base_version=int(task.base_version)):
-            download_s = ctx.network.download_seconds(cid, model.download_bytes)
-            samples = ctx.client_samples(cid)
+            download_s = world.network.download_seconds(cid, model.download_bytes)
+            samples = world.samples(cid)
             indices = samples[2]
-            steps = ctx.local.steps_for(len(indices))
+            steps = job_ctx.local.steps_for(len(indices))
             # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
-            simulated = ctx.population.train_seconds(cid, steps, task.participation)
+            simulated = world.population.train_seconds(cid, steps, task.participation)
             done_at = task.simulated_s + (download_s + simulated)
-            if ctx.pre_task_residuals is not None and ctx.residuals is not None:
-                with ctx.residual_lock:  # what a checkpoint taken while this task is in flight must restore
-                    ctx.pre_task_residuals[task.task_id] = ctx.residuals.get(cid)
-            faults = ctx.faults
+            residuals = job_ctx.residuals
+            if world.pre_task_residuals is not None and residuals is not None:
+                with job_ctx.residual_lock:  # what a checkpoint taken while this task is in flight must restore
+                    world.pre_task_residuals[task.task_id] = residuals.get(cid)
+            faults = world.faults
             fate = faults.fate(cid, task.participation) if faults is not None else None
             offline_at = faults.offline_at(cid, task.simulated_s) if faults is not None else float("inf")
             if fate is not None and fate.fate is Fate.HANG:
-                await asyncio.get_running_loop().create_future()  # never answers; the server times the task out
+                await asyncio.get_running_loop().create_future()  # never answers; the registry times the task out
             if fate is not None and fate.fate is Fate.DROPOUT:
                 left_at = task.simulated_s + (download_s + fate.fraction * simulated)
                 await self._fail(task, "dropout", f"dropped out after {fate.fraction:.0%} of training", left_at)
@@ -183,12 +170,12 @@ class Client:
             if offline_at < done_at:
                 await self._fail(task, "offline", "availability window closed during training", offline_at)
                 return
-            generator = seeding.torch_stream(ctx.config.seed, seeding.TASK, cid, task.participation)
-            codec_generator = seeding.torch_stream(ctx.config.seed, seeding.CODEC, cid, task.participation)
+            generator = seeding.torch_stream(world.seed, seeding.TASK, cid, task.participation)
+            codec_generator = seeding.torch_stream(world.seed, seeding.CODEC, cid, task.participation)
             job: Callable[[], TrainedUpdate]
             if fate is not None and fate.fate is Fate.CRASH:
                 fraction = fate.fraction
-                job = functools.partial(_injected_crash, fraction)
+                job = functools.partial(injected_crash, fraction)
                 done_at = task.simulated_s + (download_s + fraction * simulated)
             else:
                 # A batching executor trains this job together with others of the same base version.
@@ -197,29 +184,31 @@ class Client:
                     x=samples[0],
                     y=samples[1],
                     indices=indices,
-                    cfg=ctx.local,
+                    cfg=job_ctx.local,
                     generator=generator,
-                    finish=lambda result: _finish_job(ctx, cid, result, codec_generator),
-                    solo=lambda: _train_job(ctx, cid, model.weights, samples, generator, codec_generator, task.task_id),
+                    finish=lambda result: finish_job(job_ctx, cid, result, codec_generator),
+                    solo=lambda: train_job(
+                        job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id
+                    ),
                 )
             try:
                 # Everything the job needs is known now, so it starts at once in real time; on the virtual
                 # clock it completes after the simulated download and training.
-                trained = await clock.run(ctx.executor.pool, job, simulated_s=download_s + simulated, until=done_at)
+                trained = await clock.run(world.pool, job, simulated_s=download_s + simulated, until=done_at)
             except Exception as exc:
-                kind = "crash" if isinstance(exc, InjectedFault) else "error"
+                kind: FailureKind = "crash" if isinstance(exc, InjectedFault) else "error"
                 diagnosis = exc.diagnosis if isinstance(exc, DivergedTraining) else None
                 await self._fail(task, kind, f"{type(exc).__name__}: {exc}", None, diagnosis)
                 return
             result = trained.result
-            upload_s = ctx.network.upload_seconds(cid, len(trained.payload))
+            upload_s = world.network.upload_seconds(cid, len(trained.payload))
             up_at = done_at + upload_s
             if offline_at < up_at:
                 await self._fail(task, "offline", "availability window closed during upload", offline_at)
                 return
-            if ctx.residuals is not None and trained.residual is not None:
-                with ctx.residual_lock:
-                    ctx.residuals.put(cid, trained.residual)
+            if residuals is not None and trained.residual is not None:
+                with job_ctx.residual_lock:
+                    residuals.put(cid, trained.residual)
             log.debug(
                 "client",
                 step=task.task_id,
@@ -232,14 +221,14 @@ class Client:
                 encode_s=trained.encode_s,
                 download_bytes=model.download_bytes,
                 upload_bytes=len(trained.payload),
-                compression=(codecs.HEADER.size + 4 * ctx.num_params) / len(trained.payload),
+                compression=(codecs.HEADER.size + 4 * job_ctx.num_params) / len(trained.payload),
                 **({} if trained.residual_norm is None else {"residual_norm": trained.residual_norm}),
             )
             if clock.virtual:
                 await clock.sleep_until(up_at)
             else:
                 await clock.sleep(upload_s)
-            await ctx.bus.publish(
+            await world.bus.publish(
                 UpdateUploaded(
                     to=task.reply_to,
                     task_id=task.task_id,
@@ -249,7 +238,7 @@ class Client:
                     payload=trained.payload,
                     train_loss=result.loss,
                     simulated_s=clock.now(),
-                    sent_wall_s=ctx.wall(),
+                    sent_wall_s=world.wall(),
                     compute_s=result.train_s,
                     encode_s=trained.encode_s,
                     sim_download_s=download_s,
@@ -262,24 +251,29 @@ class Client:
             )
 
     async def _fail(
-        self, task: TaskAssigned, kind: str, error: str, at: float | None, diagnosis: TaskDiagnosis | None = None
+        self,
+        task: TaskAssigned,
+        kind: FailureKind,
+        error: str,
+        at: float | None,
+        diagnosis: TaskDiagnosis | None = None,
     ) -> None:
         """Publish :class:`ClientFailed` at time ``at`` (now if None)."""
-        ctx = self.ctx
+        world = self.world
         if at is not None:
-            await ctx.clock.sleep_until(at)
+            await world.clock.sleep_until(at)
         if kind == "error":
-            ctx.log.warning("client.failed", step=task.task_id, error=error, metrics=False)
+            world.log.warning("client.failed", step=task.task_id, error=error, metrics=False)
         else:
-            ctx.log.debug("client.failed", step=task.task_id, kind=kind, error=error, metrics=False)
-        await ctx.bus.publish(
+            world.log.debug("client.failed", step=task.task_id, kind=kind, error=error, metrics=False)
+        await world.bus.publish(
             ClientFailed(
                 to=task.reply_to,
                 task_id=task.task_id,
                 client_id=self.client_id,
                 base_version=task.base_version,
                 error=error,
-                simulated_s=ctx.clock.now(),
+                simulated_s=world.clock.now(),
                 diagnosis=diagnosis,
                 kind=kind,
             )

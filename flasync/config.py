@@ -388,11 +388,19 @@ ServerOptimizerConfig = Annotated[SGDServerOptimizer | AdamServerOptimizer, Fiel
 
 
 class FedAvgServer(_Section):
-    """Synchronous FedAvg: sample a cohort per round, wait for all of it, sample-weighted mean."""
+    """Synchronous FedAvg: sample a cohort per round, wait for it, combine the round's updates, one server step.
+
+    ``aggregation`` combines a round's updates by sample-weighted mean (McMahan et al., AISTATS 2017), or
+    coordinate-wise median or trimmed mean (Yin et al., ICML 2018), robust to a minority of broken clients.
+    """
 
     kind: Literal["fedavg"] = "fedavg"
     clients_per_round: int = Field(10, ge=1)
     optimizer: ServerOptimizerConfig = SGDServerOptimizer()
+    aggregation: Literal["mean", "median", "trimmed_mean"] = Field(
+        "mean", description="Combine a round's updates by weighted mean, coordinate-wise median or trimmed mean."
+    )
+    trim_fraction: float = Field(0.1, ge=0.0, lt=0.5, description="trimmed_mean: share cut at each end.")
 
 
 class FedBuffServer(_Section):
@@ -536,10 +544,6 @@ class ResilienceConfig(_Section):
     zscore_window: int = Field(50, ge=3, description="Accepted update norms the robust z-score looks at.")
     zscore_min_history: int = Field(10, ge=3, description="Norms needed before the z-score check applies.")
     clip_update_norm: float | None = Field(None, gt=0.0, description="Scale accepted updates down to this norm.")
-    aggregation: Literal["mean", "median", "trimmed_mean"] = Field(
-        "mean", description="Sync: combine a round's updates by weighted mean, coordinate-wise median or trimmed mean."
-    )
-    trim_fraction: float = Field(0.1, ge=0.0, lt=0.5, description="trimmed_mean: share cut at each end.")
 
 
 class CheckpointConfig(_Section):
@@ -662,6 +666,33 @@ class RunConfig(_Section):
     resilience: ResilienceConfig = ResilienceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _robust_rule_belongs_to_the_server(cls, data: Any) -> Any:
+        # `resilience.aggregation` and `resilience.trim_fraction` were where the robust rule was chosen; it is a
+        # choice of the FedAvg server now (`server.aggregation`), and the old keys still mean the same.
+        if not isinstance(data, Mapping):
+            return data
+        resilience = data.get("resilience")
+        if not isinstance(resilience, Mapping) or not {"aggregation", "trim_fraction"} & resilience.keys():
+            return data
+        resilience = dict(resilience)
+        moved = {key: resilience.pop(key) for key in ("aggregation", "trim_fraction") if key in resilience}
+        server = data.get("server")
+        server = dict(server) if isinstance(server, Mapping) else {"kind": "fedbuff"} if server is None else server
+        kind = server.get("kind", "fedbuff") if isinstance(server, dict) else getattr(server, "kind", "fedbuff")
+        if kind != "fedavg":
+            rule = moved.get("aggregation", "mean")
+            if rule != "mean":
+                raise _FieldError(
+                    ("resilience", "aggregation"),
+                    f"{rule!r} applies to sync rounds only (server.kind = 'fedavg'), not {kind!r}",
+                )
+            return {**data, "resilience": resilience}
+        if not isinstance(server, dict):
+            server = server.model_dump()
+        return {**data, "resilience": resilience, "server": {**moved, **server}}
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         n = self.population.num_clients
@@ -684,17 +715,23 @@ class RunConfig(_Section):
 
         res = self.resilience
         if isinstance(topology, TreeTopology):
-            # Edges close tasks and aggregate on their own: the failure model, the server's resilience options and
-            # checkpoints cover flat runs only.
-            for section, value, default in (
-                ("faults", self.faults, FaultsConfig()),
-                ("resilience", res, ResilienceConfig()),
-                ("checkpoint.every_versions", self.checkpoint.every_versions, None),
+            # Edges close their clients' tasks and aggregate them: validation, clipping, timeouts and the failure
+            # model apply at every edge; a round's quorum, deadline and over-selection, and a coordinate-wise rule
+            # (which needs every client update at the cloud) do not.
+            for field_loc, value, default in (
+                (("resilience", "round_quorum"), res.round_quorum, 1.0),
+                (("resilience", "round_deadline_s"), res.round_deadline_s, None),
+                (("resilience", "over_selection"), res.over_selection, 0.0),
+                (("server", "aggregation"), getattr(server, "aggregation", "mean"), "mean"),
             ):
                 if value != default:
-                    raise _FieldError(
-                        tuple(section.split(".")), "is not supported with topology.kind = 'tree' (flat runs only)"
-                    )
+                    raise _FieldError(field_loc, "is not supported with topology.kind = 'tree' (flat runs only)")
+            if self.checkpoint.every_versions is not None and not isinstance(server, FedAvgServer):
+                raise _FieldError(
+                    ("checkpoint", "every_versions"),
+                    "an async tree's edges hold partials in transit that a checkpoint does not capture; "
+                    "checkpoints of trees need server.kind = 'fedavg' (HierFAVG, checkpointed between rounds)",
+                )
         sampling = self.population.sampling
         if self.faults.availability is not None and sampling != "uniform":
             raise _FieldError(
@@ -710,11 +747,6 @@ class RunConfig(_Section):
             raise _FieldError(
                 ("resilience", "task_timeout_s"),
                 f"must be set when faults.hang > 0 (got hang={self.faults.hang:g}): hanging clients never answer",
-            )
-        if res.aggregation != "mean" and not isinstance(server, FedAvgServer):
-            raise _FieldError(
-                ("resilience", "aggregation"),
-                f"{res.aggregation!r} applies to sync rounds only (server.kind = 'fedavg'), not {server.kind!r}",
             )
         if res.zscore_min_history > res.zscore_window:
             raise _FieldError(

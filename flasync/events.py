@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Literal, NewType
 
 __all__ = [
     "CLOUD",
@@ -19,6 +19,7 @@ __all__ = [
     "ClientTimedOut",
     "EdgeForwarded",
     "Evaluated",
+    "FailureKind",
     "ModelPublished",
     "RoundDeadlinePassed",
     "RunFinished",
@@ -26,6 +27,7 @@ __all__ = [
     "TaskAssigned",
     "TaskClosed",
     "TaskDiagnosis",
+    "TaskOutcome",
     "UpdateReceived",
     "UpdateRejected",
     "UpdateUploaded",
@@ -33,6 +35,10 @@ __all__ = [
 ]
 
 ClientId = NewType("ClientId", int)
+TaskOutcome = Literal["accepted", "rejected", "failed", "timed_out"]
+"""How a task ended, as an edge reports it to the cloud."""
+FailureKind = Literal["error", "crash", "dropout", "offline"]
+"""Why a client's task failed: a genuine training error, or a fault the run simulates."""
 Version = NewType("Version", int)
 
 CLOUD = "cloud"
@@ -151,10 +157,11 @@ class UpdateRejected:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskClosed:
-    """Edge ``edge`` took a client's answer to a task the cloud dispatched: the cloud may refill the slot.
+    """Edge ``edge`` took a client's answer to a task the cloud dispatched: the cloud counts it and may refill the slot.
 
     ``outcome`` is ``accepted`` (folded into the edge's buffer), ``rejected`` (``reason`` as for
-    :class:`UpdateRejected`) or ``failed`` (the client reported :class:`ClientFailed`; ``reason`` is its error).
+    :class:`UpdateRejected`), ``failed`` (the client reported :class:`ClientFailed`; ``reason`` is its error and
+    ``kind`` its kind) or ``timed_out`` (the task's time limit passed first).
     """
 
     to: str = CLOUD
@@ -162,11 +169,12 @@ class TaskClosed:
     task_id: int
     client_id: ClientId
     base_version: Version
-    outcome: str
+    outcome: TaskOutcome
     reason: str
     staleness: int
     upload_bytes: int
     simulated_s: float
+    kind: FailureKind = "error"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -175,21 +183,17 @@ class EdgeForwarded:
 
     ``payload`` is the encoded weighted sum of the ``count`` client deltas it folded, ``sum_k e_k s_k delta_k``,
     and ``example_weight`` is ``sum_k e_k``, so a parent that adds partials gets exactly what it would have got
-    from the clients' updates. ``raw`` partials carry one client's upload unchanged (its ``payload``, ``task_id``,
-    ``client_id``, ``base_version`` and ``num_samples``), and the parent weighs it as if the client had sent it.
-    ``base_version`` is otherwise the newest cloud version the edge knew when it folded.
+    from the clients' updates. ``base_version`` is the newest cloud version the edge knew when it folded. (An edge
+    that forwards every update unchanged relays the client's :class:`UpdateUploaded` itself, re-addressed.)
     """
 
     to: str
     edge: str
     tier: str
-    raw: bool
     count: int
     num_samples: int
     example_weight: float
     base_version: Version
-    task_id: int = -1
-    client_id: ClientId = ClientId(-1)
     payload: bytes = field(repr=False)
     simulated_s: float
     sent_wall_s: float
@@ -211,13 +215,17 @@ class ClientFailed:
     error: str
     simulated_s: float
     diagnosis: TaskDiagnosis | None = None
-    kind: str = "error"
+    kind: FailureKind = "error"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientTimedOut:
-    """A client task was not answered within ``timeout_s`` of its dispatch; the server abandoned it."""
+    """A client task was not answered within ``timeout_s`` of its dispatch; whoever it answers to abandons it.
 
+    It goes where the task's answer would have gone (``to``: the cloud, or the client's edge).
+    """
+
+    to: str = CLOUD
     task_id: int
     client_id: ClientId
     base_version: Version

@@ -29,29 +29,24 @@ from torch import nn
 import tracking
 from flasync import checkpoint, codecs, seeding
 from flasync._version import __version__
+from flasync.assembly import build_server, pipeline
 from flasync.bus import EventBus
+from flasync.client import ClientWorld
 from flasync.clock import Clock, VirtualClock, WallClock
 from flasync.config import (
-    BFloat16Stage,
-    CodecStage,
     DigitsData,
     DirichletPartition,
     FedAvgServer,
-    Float16Stage,
     IIDPartition,
-    Int8Stage,
     MLPModel,
-    RandomKStage,
     RunConfig,
     ShardsPartition,
     SmallCNNModel,
     SyntheticData,
-    TopKStage,
     TreeTopology,
     flatten,
     validate,
 )
-from flasync.context import RunContext
 from flasync.data import (
     ArrayData,
     Partition,
@@ -68,6 +63,7 @@ from flasync.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, 
 from flasync.errors import ConfigError, DataError, RunInterrupted
 from flasync.executors import ThreadTrainingExecutor, resolve_device
 from flasync.faults import FaultModel
+from flasync.jobs import ClientSamples, JobContext
 from flasync.models import MLP, SmallCNN
 from flasync.population import Network, Population
 from flasync.profiling import (
@@ -83,7 +79,7 @@ from flasync.profiling import (
 from flasync.residuals import ResidualStore
 from flasync.server import Server
 from flasync.topology import Tree, build_tree
-from flasync.training import LocalTraining, flat_parameters
+from flasync.training import EvalResult, LocalTraining, evaluate, flat_parameters
 
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
@@ -103,24 +99,6 @@ _DETAIL_KEYS = frozenset(
         "server.update.norm",
     }
 )
-
-
-def pipeline(stages: Sequence[CodecStage]) -> codecs.Pipeline:
-    """Build the codec pipeline a config's stages describe."""
-    built: list[codecs.Stage] = []
-    for stage in stages:
-        if isinstance(stage, Float16Stage):
-            built.append(codecs.Float16())
-        elif isinstance(stage, BFloat16Stage):
-            built.append(codecs.BFloat16())
-        elif isinstance(stage, Int8Stage):
-            built.append(codecs.Int8(chunk=stage.chunk, stochastic=stage.stochastic))
-        elif isinstance(stage, TopKStage):
-            built.append(codecs.TopK(ratio=stage.ratio, error_feedback=stage.error_feedback))
-        else:
-            assert isinstance(stage, RandomKStage)
-            built.append(codecs.RandomK(ratio=stage.ratio, error_feedback=stage.error_feedback))
-    return codecs.Pipeline(built)
 
 
 def weights_sha256(weights: torch.Tensor) -> str:
@@ -271,7 +249,7 @@ class Federation:
 
     @property
     def server(self) -> Server | None:
-        """The running server (for inspection, e.g. :meth:`Server.checkpoint_state`), None outside :meth:`run`."""
+        """The running server (for inspection, e.g. :meth:`Server.state_dict`), None outside :meth:`run`."""
         return self._server
 
     # -------------------------------------------------------------------------------------------- preparation
@@ -557,48 +535,76 @@ class Federation:
         train_x, train_y = prepared.train.x.to(data_device), prepared.train.y.to(data_device)
         if device.type == "cuda" and not cfg.executor.data_on_device:
             train_x, train_y = train_x.pin_memory(), train_y.pin_memory()
-        ctx = RunContext(
-            config=cfg,
-            clock=self.clock,
-            bus=self.bus,
-            executor=executor,
-            train_x=train_x,
-            train_y=train_y,
-            test_x=prepared.test.x.to(device),
-            test_y=prepared.test.y.to(device),
-            partition=prepared.partition,
-            population=Population(
-                prepared.sizes,
-                cfg.population.speed,
-                cfg.seed,
-                available_fraction=cfg.population.available_fraction,
-                availability_period_s=cfg.population.availability_period_s,
-                slow_clients=cfg.population.slow_clients,
-            ),
-            network=Network(cfg.network, cfg.population.num_clients, cfg.seed),
+        samples = ClientSamples(
+            train_x,
+            train_y,
+            prepared.partition,
+            torch.from_numpy(np.array(prepared.partition.indices, dtype=np.int64)).to(data_device),
+            prepared.lazy,
+        )
+        job = JobContext(
+            models=executor.models,
             local=local,
-            num_params=prepared.initial.numel(),
-            log=log,
-            wall=self._wall,
-            partition_index=torch.from_numpy(np.array(prepared.partition.indices, dtype=np.int64)).to(data_device),
             upload_codec=upload_codec,
-            download_codec=pipeline(cfg.codec.download),
+            num_params=prepared.initial.numel(),
             residuals=residuals,
             residual_lock=threading.Lock(),
-            tree=prepared.tree,
-            edge_codec=pipeline(cfg.topology.codec if isinstance(cfg.topology, TreeTopology) else ()),
-            lazy_clients=prepared.lazy,
             diagnostics=diagnostics,
+            wall=self._wall,
+        )
+        population = Population(
+            prepared.sizes,
+            cfg.population.speed,
+            cfg.seed,
+            available_fraction=cfg.population.available_fraction,
+            availability_period_s=cfg.population.availability_period_s,
+            slow_clients=cfg.population.slow_clients,
+        )
+        world = ClientWorld(
+            clock=self.clock,
+            bus=self.bus,
+            log=log,
+            wall=self._wall,
+            seed=cfg.seed,
+            population=population,
+            network=Network(cfg.network, cfg.population.num_clients, cfg.seed),
             faults=FaultModel(cfg.faults, cfg.seed, cfg.population.num_clients),
+            samples=samples,
+            pool=executor.pool,
+            job=job,
             pre_task_residuals={} if residuals is not None else None,
         )
+        test_x, test_y = prepared.test.x.to(device), prepared.test.y.to(device)
+        clock, batch_size = self.clock, cfg.eval.batch_size
+
+        async def evaluate_weights(flat: torch.Tensor) -> EvalResult | None:
+            if test_y.numel() == 0:
+                return None
+            return await clock.run(
+                executor.pool,
+                lambda: evaluate(executor.models.get(), flat, test_x, test_y, batch_size=batch_size),
+                simulated_s=0.0,
+            )
+
         weights = prepared.initial.to(device, copy=True)
-        server = Server(ctx, weights)
+        parts = build_server(
+            cfg,
+            weights,
+            bus=self.bus,
+            clock=self.clock,
+            wall=self._wall,
+            log=log,
+            population=population,
+            world=world,
+            tree=prepared.tree,
+            evaluate=evaluate_weights,
+        )
+        server = parts.server
         if not self.clock.virtual and self._resume is None:
             self.clock.restore({"now": 0.0})  # wall time counts from the federation's start, not from its set-up
         start_sim = self.clock.now()  # a resumed run reports simulated time from the start of the run
         if self._resume is not None:
-            server.restore(self._resume.state)
+            server.load_state_dict(self._resume.state)
             self.clock.restore(self._resume.state["clock"])
         writes = _CheckpointWriter(tracker, cfg, log)
         server.on_checkpoint = writes.submit
@@ -715,7 +721,7 @@ class Federation:
             cloud_egress_bytes=stats.cloud_egress_bytes,
             cloud_aggregate_s=stats.cloud_aggregate_s,
             topology=self._topology_name(),
-            tiers=server.edges.summary() if server.edges is not None else {},
+            tiers=parts.edges.summary() if parts.edges is not None else {},
             peak_rss_bytes=peak_rss_bytes(),
         )
         figures = {
@@ -754,9 +760,7 @@ class Federation:
             return summary
         num_params = self.weights.numel() if self.weights is not None else 0
         trainable = layout.num_trainable if layout is not None else num_params
-        strategy = server.strategy
-        buffer, optimizer = getattr(strategy, "buffer", None), getattr(strategy, "optimizer", None)
-        aggregator = int(getattr(buffer, "nbytes", 0)) + int(getattr(optimizer, "state_nbytes", 0))
+        aggregator = server.aggregator.nbytes
         memory: dict[str, Any] = {
             "peak_rss_bytes": rss,
             "model_bytes": 4 * num_params,
@@ -876,7 +880,7 @@ class _CheckpointWriter:
             step=version,
             bytes=len(data),
             seconds=time.perf_counter() - start,
-            in_flight=len(state["in_flight"]),
+            in_flight=len(state["registry"]["in_flight"]),
         )
 
     def close(self) -> None:

@@ -119,9 +119,12 @@ def test_checkpoint_holds_only_plain_values_and_loads_with_weights_only() -> Non
     assert loaded["format"] == checkpoint.FORMAT
     state = loaded["state"]
     assert state["version"] == 5
-    assert {"weights", "strategy", "rng", "participations", "in_flight", "clock", "residuals", "bases"} <= set(state)
+    # One entry per component, each its own state_dict().
+    assert {"weights", "aggregator", "sampler", "registry", "accounting", "intake", "policy", "clock"} <= set(state)
+    assert {"participations", "in_flight", "bases"} <= set(state["registry"])
+    assert "rng" in state["sampler"]
     assert state["residuals"]["values"].shape[0] == len(state["residuals"]["ids"]) > 0
-    assert state["strategy"]["kind"] == "buffered" and "optimizer" in state["strategy"]
+    assert state["aggregator"]["kind"] == "buffered" and "optimizer" in state["aggregator"]
 
 
 @pytest.mark.parametrize("data", [b"", b"not a checkpoint", b"PK\x03\x04garbage"])

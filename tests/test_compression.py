@@ -9,6 +9,7 @@ import pytest
 
 import flasync
 import flasync.client
+import flasync.jobs
 import flasync.training
 from flasync.events import ModelPublished, UpdateRejected, UpdateUploaded
 from flasync.testing import EventRecorder, MemoryTracker, small_config
@@ -77,20 +78,20 @@ async def test_lossy_download_is_decoded_once_per_version() -> None:
 
 async def test_malformed_payloads_are_rejected_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Truncated, oversized and garbage payloads are dropped with reason 'decode'; the run completes."""
-    original = flasync.client._train_job
+    original = flasync.jobs.train_job
     calls = {"n": 0}
 
-    def corrupting(*args: Any, **kwargs: Any) -> flasync.client.TrainedUpdate:
+    def corrupting(*args: Any, **kwargs: Any) -> flasync.jobs.TrainedUpdate:
         trained = original(*args, **kwargs)
         calls["n"] += 1
         bad = {1: trained.payload[:-3], 2: trained.payload + b"\0", 3: b"not an update at all"}.get(calls["n"] % 7)
         if bad is None:
             return trained
-        return flasync.client.TrainedUpdate(
+        return flasync.jobs.TrainedUpdate(
             result=trained.result, payload=bad, encode_s=trained.encode_s, residual_norm=trained.residual_norm
         )
 
-    monkeypatch.setattr(flasync.client, "_train_job", corrupting)
+    monkeypatch.setattr(flasync.client, "train_job", corrupting)
     federation = flasync.Federation(_config())
     recorder = EventRecorder(federation.bus)
     summary = await federation.run()
@@ -141,7 +142,7 @@ async def test_diverged_client_fails_without_poisoning_its_residual(monkeypatch:
             result.delta[0] = float("nan")
         return result
 
-    monkeypatch.setattr(flasync.client, "train", diverging)
+    monkeypatch.setattr(flasync.jobs, "train", diverging)
     federation = flasync.Federation(_config())
     recorder = EventRecorder(federation.bus)
     summary = await federation.run()

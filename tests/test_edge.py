@@ -40,16 +40,20 @@ async def _run(config: Any, **kwargs: Any) -> tuple[flasync.RunSummary, torch.Te
     ],
 )
 async def test_edges_that_forward_each_update_unchanged_give_the_flat_result(server: dict[str, Any]) -> None:
-    """buffer_size 1 and instant links: every edge relays each update raw, and the weights are bit-identical."""
+    """buffer_size 1 and instant links: every edge relays each upload unchanged, and the weights are bit-identical."""
     flat, _, _ = await _run(small_config(server=server))
     tree, _, events = await _run(small_config(server=server, topology=_tree(fanout=[4], buffer_size=1, link=INSTANT)))
     assert tree.weights_sha256 == flat.weights_sha256
     assert tree.updates_accepted == flat.updates_accepted
     assert tree.updates_dropped == flat.updates_dropped
-    forwarded = events.of(EdgeForwarded)
-    assert forwarded and all(e.raw and e.count == 1 for e in forwarded)
-    # Every upload went to an edge, not to the cloud.
-    assert {e.to for e in events.of(UpdateUploaded)} <= {"edge0", "edge1", "edge2", "edge3"}
+    assert not events.of(EdgeForwarded)
+    uploads = events.of(UpdateUploaded)
+    # Every client upload went to an edge, and each edge relayed it unchanged to the cloud.
+    from_clients = [e for e in uploads if e.tier == "client"]
+    relayed = [e for e in uploads if e.to == "cloud"]
+    assert from_clients and {e.to for e in from_clients} <= {"edge0", "edge1", "edge2", "edge3"}
+    assert sorted(e.task_id for e in relayed) == sorted(e.task_id for e in from_clients)
+    assert all(e.tier == "edge1" for e in relayed)
 
 
 async def test_nested_raw_relays_are_still_flat() -> None:
@@ -103,7 +107,7 @@ async def test_cloud_ingress_shrinks_by_the_fan_in() -> None:
     per_update_flat = flat.cloud_ingress_bytes / flat.updates_accepted
     partials = [e for e in events.of(EdgeForwarded) if e.to == "cloud"]
     folded = sum(e.count for e in partials)
-    assert all(e.count == 4 and not e.raw for e in partials)
+    assert all(e.count == 4 for e in partials)
     assert tree.cloud_ingress_bytes == sum(len(e.payload) for e in partials)
     assert tree.cloud_ingress_bytes / folded == pytest.approx(per_update_flat / 4)
     assert tree.tiers["edge1.updates_per_aggregation"] == 4.0

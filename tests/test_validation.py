@@ -125,7 +125,7 @@ def _poison(values: torch.Tensor) -> Any:
     def make(task: TaskAssigned, federation: flasync.Federation) -> UpdateUploaded:
         server = federation.server
         assert server is not None
-        payload = server.ctx.upload_codec.encode(values(server.ctx.num_params)).payload
+        payload = server.intake.codec.encode(values(server.intake.num_params)).payload
         return UpdateUploaded(
             task_id=task.task_id,
             client_id=task.client_id,

@@ -7,8 +7,16 @@ Nothing here touches the event loop. A model state is one flat tensor, and a cli
 
 from __future__ import annotations
 
+from flasync.aggregation.aggregators import (
+    Aggregator,
+    BufferedAggregator,
+    MixingAggregator,
+    RobustAggregator,
+    RobustRule,
+)
 from flasync.aggregation.buffer import UpdateBuffer
 from flasync.aggregation.functional import fedasync_mix_, fedavg, fedbuff, normalized, weighted_mean
+from flasync.aggregation.hierarchy import edge_model, edge_progress, mix_partial_
 from flasync.aggregation.optimizers import FlatAdam, FlatSGD, ServerOptimizer, TorchServerOptimizer
 from flasync.aggregation.robust import coordinate_median, trimmed_mean
 from flasync.aggregation.staleness import (
@@ -17,21 +25,33 @@ from flasync.aggregation.staleness import (
     PolynomialStaleness,
     StalenessWeight,
 )
+from flasync.aggregation.weights import EqualExampleWeight, ExampleWeight, SampleExampleWeight
 
 __all__ = [
+    "Aggregator",
+    "BufferedAggregator",
     "ConstantStaleness",
+    "EqualExampleWeight",
+    "ExampleWeight",
     "FlatAdam",
     "FlatSGD",
     "HingeStaleness",
+    "MixingAggregator",
     "PolynomialStaleness",
+    "RobustAggregator",
+    "RobustRule",
+    "SampleExampleWeight",
     "ServerOptimizer",
     "StalenessWeight",
     "TorchServerOptimizer",
     "UpdateBuffer",
     "coordinate_median",
+    "edge_model",
+    "edge_progress",
     "fedasync_mix_",
     "fedavg",
     "fedbuff",
+    "mix_partial_",
     "normalized",
     "trimmed_mean",
     "weighted_mean",

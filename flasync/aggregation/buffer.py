@@ -69,6 +69,11 @@ class UpdateBuffer:
         return self._total_example_weight
 
     @property
+    def weighted_sum(self) -> Tensor:
+        """The accumulator ``sum_k e_k s_k delta_k`` itself (a read-only view: do not modify it)."""
+        return self._acc
+
+    @property
     def nbytes(self) -> int:
         """Size of the accumulator, in bytes."""
         return self._acc.numel() * self._acc.element_size()

@@ -1,0 +1,181 @@
+"""The worker-thread side of a client task: train, diagnose, encode.
+
+A job runs in a training executor's worker, never on the event loop. It gets a :class:`JobContext` (the worker's
+models, the local hyper-parameters, the upload codec, the error-feedback residuals, the diagnostics) and returns a
+:class:`TrainedUpdate`: the encoded delta and its figures. The new residual is returned, not stored: the client
+coroutine stores it when the training ends in (virtual) time, so a task abandoned before then leaves the client's
+residual as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from flasync.codecs import Pipeline
+from flasync.data import Partition, SyntheticClients
+from flasync.diagnostics import DivergedTraining, TrainingDiagnostics
+from flasync.errors import InjectedFault
+from flasync.events import ClientId, TaskDiagnosis
+from flasync.executors import ModelPool
+from flasync.residuals import ResidualStore
+from flasync.training import LocalResult, LocalTraining, train
+
+__all__ = ["ClientSamples", "JobContext", "TrainedUpdate", "finish_job", "injected_crash", "train_job"]
+
+_NO_DIAGNOSTICS = TrainingDiagnostics("off")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobContext:
+    """What a training job needs in its worker thread.
+
+    Attributes:
+        models: The worker threads' reusable models.
+        local: Local training hyper-parameters.
+        upload_codec: How deltas are encoded for upload.
+        num_params: Length of the flat model.
+        residuals: Clients' error-feedback residuals (None when the codec keeps none).
+        residual_lock: Guards ``residuals`` across worker threads and the event loop.
+        diagnostics: Training diagnostics (None: NaN/Inf checks only).
+        wall: Monotonic real seconds (encode timing).
+    """
+
+    models: ModelPool
+    local: LocalTraining
+    upload_codec: Pipeline
+    num_params: int
+    residuals: ResidualStore | None = None
+    residual_lock: threading.Lock = field(default_factory=threading.Lock)
+    diagnostics: TrainingDiagnostics | None = None
+    wall: Callable[[], float] = time.perf_counter
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainedUpdate:
+    """What a training job hands back to its client coroutine."""
+
+    result: LocalResult
+    payload: bytes
+    encode_s: float
+    residual_norm: float | None
+    diagnosis: TaskDiagnosis | None = None
+    residual: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSamples:
+    """Where each client's training samples are: rows of one contiguous data set, or drawn when sampled.
+
+    Args:
+        x: All training inputs ``(N, *features)``.
+        y: All training labels ``(N,)``.
+        partition: Client id -> rows of ``x``.
+        index: ``partition.indices`` as one int64 tensor on the data's device, sliced per client.
+        lazy: Clients whose samples are drawn when they are sampled (then ``x`` and ``y`` only give the device).
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    partition: Partition
+    index: torch.Tensor
+    lazy: SyntheticClients | None = None
+
+    def __call__(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return ``(x, y, indices)``: a data tensor pair and the positions of ``client_id``'s samples in it."""
+        lazy = self.lazy
+        if lazy is None:
+            return self.x, self.y, self.indices(client_id)
+        data = lazy.client(client_id)
+        device = self.x.device
+        x, y = data.x.to(device), data.y.to(device)
+        return x, y, torch.arange(len(y), device=device)
+
+    def indices(self, client_id: int) -> torch.Tensor:
+        """Return the rows of ``client_id``'s samples in :attr:`x` (a view, no copy)."""
+        offsets = self.partition.offsets
+        return self.index[int(offsets[client_id]) : int(offsets[client_id + 1])]
+
+
+def train_job(
+    ctx: JobContext,
+    client_id: ClientId,
+    base: torch.Tensor,
+    samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    generator: torch.Generator,
+    codec_generator: torch.Generator,
+    task_id: int = 0,
+) -> TrainedUpdate:
+    """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
+    model = ctx.models.get()
+    device = model.flat.device
+    data_x, data_y, indices = samples
+    rows: torch.Tensor | None = indices
+    if data_x.device != device or data_y.device != device or indices.device != device:
+        # Data kept in host memory: the client's samples are gathered and copied to the model's device.
+        data_x = data_x[indices].to(device, non_blocking=True)
+        data_y = data_y[indices].to(device, non_blocking=True)
+        rows = None
+    diagnostics = ctx.diagnostics or _NO_DIAGNOSTICS
+    result, diagnosis = diagnostics.train(
+        model,
+        base,
+        data_x,
+        data_y,
+        ctx.local,
+        generator,
+        task_id=task_id,
+        train_fn=train,  # looked up here, so that tests can replace flasync.jobs.train
+        indices=rows,
+    )
+    return finish_job(ctx, client_id, result, codec_generator, diagnosis)
+
+
+def finish_job(
+    ctx: JobContext,
+    client_id: ClientId,
+    result: LocalResult,
+    codec_generator: torch.Generator,
+    diagnosis: TaskDiagnosis | None = None,
+) -> TrainedUpdate:
+    """Check and encode a trained delta, with error feedback (runs in a worker thread).
+
+    ``diagnosis`` is None for a delta trained in a cohort: it is diagnosed here (no per-step gradient statistics).
+
+    Raises:
+        DivergedTraining: If the delta has NaN or Inf (before encoding: a NaN would otherwise stay in the client's
+            error-feedback residual for ever).
+    """
+    if diagnosis is None:
+        diagnosis = (ctx.diagnostics or _NO_DIAGNOSTICS).diagnose(result)
+    if not diagnosis.update_finite:
+        raise DivergedTraining(f"local training diverged: the update has NaN or Inf (loss {result.loss})", diagnosis)
+    start = ctx.wall()
+    residuals = ctx.residuals
+    residual = None
+    if residuals is not None:
+        with ctx.residual_lock:
+            residual = residuals.get(client_id)
+    delta = result.delta if result.delta.device.type == "cpu" else result.delta.cpu()  # the codec writes bytes
+    encoded = ctx.upload_codec.encode(delta, generator=codec_generator, residual=residual)
+    encode_s = ctx.wall() - start
+    norm = None
+    if residuals is not None and encoded.residual is not None:
+        norm = float(torch.linalg.vector_norm(encoded.residual))
+    return TrainedUpdate(
+        result=result,
+        payload=encoded.payload,
+        encode_s=encode_s,
+        residual_norm=norm,
+        diagnosis=diagnosis,
+        residual=encoded.residual,
+    )
+
+
+def injected_crash(fraction: float) -> TrainedUpdate:
+    """Raise the fault model's crash, in the worker thread like a real training error."""
+    raise InjectedFault(f"injected crash after {fraction:.0%} of training")

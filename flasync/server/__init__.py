@@ -1,0 +1,46 @@
+"""The server of a run, in rooms with one job each.
+
+* :mod:`~flasync.server.loop` - the loop: receive, route, admit, aggregate, publish, evaluate, stop.
+* :mod:`~flasync.server.policies` - when tasks start and versions are due (async slots, sync rounds, tree rounds).
+* :mod:`~flasync.server.registry` - the tasks in flight, their base models, watchdogs and redispatch.
+* :mod:`~flasync.server.intake` - one admission path for updates (cloud and edges).
+* :mod:`~flasync.server.accounting` - every outcome and byte counted once.
+* :mod:`~flasync.server.sampler` - who trains next.
+* :mod:`~flasync.server.edges` - hierarchical edges built on the registry, the intake and the update buffer.
+"""
+
+from __future__ import annotations
+
+from flasync.server.accounting import Accounting, ServerStats, VersionFigures
+from flasync.server.edges import EdgeNetwork, EdgeNode, EdgeSettings, TierStats, link_seconds
+from flasync.server.intake import Admitted, Intake, Refused
+from flasync.server.loop import INTERRUPTED, Evaluator, Server, StopRules
+from flasync.server.policies import AsyncSlots, Policy, SyncRounds, TreeRounds
+from flasync.server.registry import StartTask, TaskRegistry, Timer
+from flasync.server.sampler import ClientSampler
+
+__all__ = [
+    "INTERRUPTED",
+    "Accounting",
+    "Admitted",
+    "AsyncSlots",
+    "ClientSampler",
+    "EdgeNetwork",
+    "EdgeNode",
+    "EdgeSettings",
+    "Evaluator",
+    "Intake",
+    "Policy",
+    "Refused",
+    "Server",
+    "ServerStats",
+    "StartTask",
+    "StopRules",
+    "SyncRounds",
+    "TaskRegistry",
+    "TierStats",
+    "Timer",
+    "TreeRounds",
+    "VersionFigures",
+    "link_seconds",
+]

@@ -1,0 +1,184 @@
+"""Accounting: every outcome of a task counted once, and the bytes that crossed each link, per version and tier."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from flasync.errors import TrainingError
+
+__all__ = ["Accounting", "ServerStats", "VersionFigures"]
+
+
+@dataclass(slots=True)
+class ServerStats:
+    """Counters and last figures of a server run."""
+
+    updates_accepted: int = 0
+    updates_dropped: int = 0
+    updates_failed: int = 0
+    tasks_dispatched: int = 0
+    upload_bytes: int = 0
+    download_bytes: int = 0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    cloud_ingress_bytes: int = 0
+    cloud_egress_bytes: int = 0
+    cloud_aggregate_s: float = 0.0
+    partials_received: int = 0
+    versions: int = 0
+    accuracy: float = math.nan
+    loss: float = math.nan
+    evaluated_version: int = -1
+    stop_reason: str = ""
+    tasks_timed_out: int = 0
+    tasks_abandoned: int = 0
+    drop_reasons: Counter[str] = field(default_factory=Counter)
+    failure_kinds: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def staleness_mean(self) -> float:
+        """Mean staleness of the accepted updates (0 when none was accepted)."""
+        return self.staleness_sum / max(self.updates_accepted, 1)
+
+    def to_state(self) -> dict[str, Any]:
+        """Return the counters as plain values (for a checkpoint)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = dict(value) if isinstance(value, Counter) else value
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> ServerStats:
+        """Rebuild counters from :meth:`to_state`."""
+        stats = cls()
+        for f in fields(stats):
+            if f.name in state:
+                value = state[f.name]
+                setattr(stats, f.name, Counter(value) if isinstance(getattr(stats, f.name), Counter) else value)
+        return stats
+
+
+@dataclass(frozen=True, slots=True)
+class VersionFigures:
+    """What went into one model version: updates, their mean staleness, and the cloud's bytes since the last one."""
+
+    updates: int
+    staleness_mean: float
+    ingress_bytes: int
+    egress_bytes: int
+
+
+class Accounting:
+    """Count each task's outcome once, the bytes on every link, and what each version was made of.
+
+    Args:
+        failure_limit: Consecutive genuine training errors (not injected faults, dropouts or timeouts) after which
+            the model or the data is taken to be broken and the run fails.
+    """
+
+    def __init__(self, failure_limit: int) -> None:
+        """Start with zero counts."""
+        self.stats = ServerStats()
+        self.failure_limit = failure_limit
+        self._failure_streak = 0
+        self._staleness: list[int] = []
+        self._ingress = 0
+        self._egress = 0
+
+    # --------------------------------------------------------------------------------------------- outcomes
+    def accepted(self, staleness: int) -> None:
+        """Count one update folded in (by the cloud or an edge)."""
+        stats = self.stats
+        self._failure_streak = 0
+        stats.updates_accepted += 1
+        stats.staleness_sum += staleness
+        stats.staleness_max = max(stats.staleness_max, staleness)
+        self._staleness.append(staleness)
+
+    def rejected(self, reason: str) -> None:
+        """Count one update refused by an intake."""
+        self.stats.updates_dropped += 1
+        self.stats.drop_reasons[reason] += 1
+
+    def failed(self, kind: str, error: str) -> None:
+        """Count one task whose client reported a failure.
+
+        Raises:
+            TrainingError: If this genuine error (``kind == "error"``) ends a streak of ``failure_limit``.
+        """
+        self.stats.updates_failed += 1
+        self.stats.failure_kinds[kind] += 1
+        if kind == "error":
+            self._failure_streak += 1
+            if self._failure_streak >= self.failure_limit:
+                raise TrainingError(f"the last {self._failure_streak} client tasks all failed; the last error: {error}")
+
+    def timed_out(self) -> None:
+        """Count one task the registry's watchdog ended."""
+        self.stats.tasks_timed_out += 1
+
+    def abandoned(self, count: int) -> None:
+        """Count tasks a closed round left behind."""
+        self.stats.tasks_abandoned += count
+
+    # ------------------------------------------------------------------------------------------------ bytes
+    def dispatched(self, download_bytes: int, *, from_cloud: bool) -> int:
+        """Count one task and its model download; return the task's id (the count before it)."""
+        stats = self.stats
+        task_id = stats.tasks_dispatched
+        stats.tasks_dispatched += 1
+        stats.download_bytes += download_bytes
+        if from_cloud:
+            self.egress(download_bytes)
+        return task_id
+
+    def uploaded(self, num_bytes: int) -> None:
+        """Count a client's upload, whatever becomes of it."""
+        self.stats.upload_bytes += num_bytes
+
+    def ingress(self, num_bytes: int) -> None:
+        """Count bytes that reached the cloud."""
+        self.stats.cloud_ingress_bytes += num_bytes
+        self._ingress += num_bytes
+
+    def egress(self, num_bytes: int) -> None:
+        """Count bytes that left the cloud."""
+        self.stats.cloud_egress_bytes += num_bytes
+        self._egress += num_bytes
+
+    # --------------------------------------------------------------------------------------------- versions
+    def close_version(self, version: int) -> VersionFigures:
+        """Record a new version and return what went into it (the per-version figures start afresh)."""
+        self.stats.versions = version
+        updates = len(self._staleness)
+        figures = VersionFigures(
+            updates=updates,
+            staleness_mean=sum(self._staleness) / max(updates, 1),
+            ingress_bytes=self._ingress,
+            egress_bytes=self._egress,
+        )
+        self._staleness.clear()
+        self._ingress = self._egress = 0
+        return figures
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the counters for a checkpoint."""
+        return {
+            "stats": self.stats.to_state(),
+            "failure_streak": self._failure_streak,
+            "round_staleness": list(self._staleness),
+            "ingress": self._ingress,
+            "egress": self._egress,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.stats = ServerStats.from_state(state["stats"])
+        self._failure_streak = int(state["failure_streak"])
+        self._staleness = [int(x) for x in state["round_staleness"]]
+        self._ingress = int(state.get("ingress", 0))
+        self._egress = int(state.get("egress", 0))

@@ -1,0 +1,578 @@
+"""Edge coroutines: an aggregator for the clients (or sub-edges) below, a client of the parent above.
+
+An edge is built from the server's own mechanisms: it closes the tasks of its clients in the run's
+:class:`~flasync.server.registry.TaskRegistry`, admits their updates through an
+:class:`~flasync.server.intake.Intake` (version, staleness limit, decoding, validation, clipping), and folds them
+into an :class:`~flasync.aggregation.UpdateBuffer` on the run's device: ``sum_k e_k s_k delta_k`` and
+``sum_k e_k``. It forwards that partial aggregate to its parent as one dense message; a parent adds partials, so
+the cloud ends with the sums it would have built from the clients' updates (in floating point: up to the order of
+the additions). Edges relay each new global model down, one download per edge per version, and clients download
+from their edge. Each task's outcome goes to the cloud as a :class:`~flasync.events.TaskClosed`, counted there once.
+
+* **async** (the cloud runs FedBuff or FedAsync): the cloud dispatches clients as in a flat run; an edge folds
+  each update with the staleness weight ``s(tau)``, ``tau`` counted against the cloud version the edge knows, and
+  forwards after ``buffer_size`` folds or ``max_wait_s`` after its first. With ``buffer_size = 1`` an edge relays
+  each client's upload unchanged to its parent, and the cloud admits it exactly as a flat server would.
+* **sync** (HierFAVG, Liu et al., ICC 2020): per cloud round each edge runs ``kappa2`` edge rounds over its
+  members of the cloud's cohort (each ``client.epochs``/``max_steps`` local training, kappa1), averages them into
+  its edge model between rounds (:func:`~flasync.aggregation.edge_model`), and forwards
+  ``E (w_cloud - w_edge)`` (:func:`~flasync.aggregation.edge_progress`) with ``E`` its members' samples.
+
+Simulated links between an edge and its parent cost ``latency + bytes / bandwidth`` on the run's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flasync import seeding
+from flasync.aggregation import ExampleWeight, StalenessWeight, UpdateBuffer, edge_model, edge_progress
+from flasync.bus import EventBus
+from flasync.codecs import Pipeline
+from flasync.config import EdgeLinkConfig
+from flasync.events import (
+    ClientFailed,
+    ClientTimedOut,
+    EdgeForwarded,
+    FailureKind,
+    TaskAssigned,
+    TaskClosed,
+    TaskOutcome,
+    UpdateRejected,
+    UpdateUploaded,
+    Version,
+)
+from flasync.server.intake import Intake, Refused
+from flasync.server.registry import TaskRegistry, Timer
+from flasync.snapshots import ModelSnapshot
+from flasync.topology import Tree
+
+__all__ = ["EdgeNetwork", "EdgeNode", "EdgeSettings", "TierStats", "link_seconds"]
+
+EdgeMessage = UpdateUploaded | ClientFailed | ClientTimedOut | EdgeForwarded
+
+
+def link_seconds(link: EdgeLinkConfig, num_bytes: int, *, up: bool) -> float:
+    """Return simulated seconds to move ``num_bytes`` over an edge's link (``up``: towards the cloud)."""
+    rate = link.upload_bytes_per_s if up else link.download_bytes_per_s
+    return link.latency_s + num_bytes / rate
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Totals of one tier (``edge1``, ``edge2``, ...)."""
+
+    aggregations: int = 0
+    updates_folded: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    model_bytes_in: int = 0
+    aggregate_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EdgeSettings:
+    """How the edges of a run aggregate and talk to their parents.
+
+    Attributes:
+        buffer_size: Async: folds before a forward (1: relay each upload unchanged).
+        max_wait_s: Async: forward what is held this long after the first fold (None: never).
+        kappa2: Sync: edge aggregations per cloud round.
+        link: The simulated link to the parent.
+        per_edge_metrics: Also log figures per edge name.
+        staleness: Async: ``s(tau)`` of an update at an edge.
+        example_weight: ``e_k`` of an update at an edge.
+        seed: The run's seed (partials' codec streams).
+    """
+
+    buffer_size: int
+    max_wait_s: float | None
+    kappa2: int
+    link: EdgeLinkConfig
+    per_edge_metrics: bool
+    staleness: StalenessWeight
+    example_weight: ExampleWeight
+    seed: int
+
+
+class EdgeNode:
+    """One edge of the tree.
+
+    Args:
+        index: The edge's number in the tree.
+        network: The edges of the run (shared counters, the tree, the registry).
+        intake: This edge's admission of its clients' updates.
+    """
+
+    def __init__(self, index: int, network: EdgeNetwork, intake: Intake) -> None:
+        """Subscribe to what the edge's children send it."""
+        self.index = index
+        self.net = network
+        self.intake = intake
+        tree = network.tree
+        self.name = tree.names[index]
+        self.tier = tree.tier(index)
+        self.parent = tree.parent_address(index)
+        self.children = tree.children[index]
+        self.members = tree.members[index]
+        self.snapshot: ModelSnapshot | None = None
+        self.buffer = UpdateBuffer(network.num_params, device=network.device)
+        self._updates = 0  # client updates in the buffer
+        self._round_updates = 0  # client updates folded since the last recorded aggregation
+        self._samples = 0
+        self._bytes_in = 0
+        self._aggregate_s = 0.0
+        self._generation = 0
+        self.inbox = network.bus.subscribe(
+            UpdateUploaded,
+            ClientFailed,
+            ClientTimedOut,
+            EdgeForwarded,
+            capacity=1_000_000,
+            name=f"edge:{self.name}",
+            address=self.name,
+        )
+
+    @property
+    def known_version(self) -> Version:
+        """The newest cloud version this edge holds (0 before the first arrives)."""
+        return self.snapshot.version if self.snapshot is not None else Version(0)
+
+    # ------------------------------------------------------------------------------------------ model relay
+    def offer(self, snapshot: ModelSnapshot) -> None:
+        """Start downloading a new global model from the parent; children get it once this edge has it."""
+        net = self.net
+        seconds = link_seconds(net.settings.link, snapshot.download_bytes, up=False)
+        net.tiers[self.tier].model_bytes_in += snapshot.download_bytes
+        if seconds <= 0.0:
+            self._install(snapshot)
+        else:
+            net.registry.spawn(self._install_later(snapshot, seconds), f"flasync-edge-{self.name}-model")
+
+    async def _install_later(self, snapshot: ModelSnapshot, seconds: float) -> None:
+        await self.net.clock.sleep(seconds)
+        self._install(snapshot)
+
+    def _install(self, snapshot: ModelSnapshot) -> None:
+        if self.snapshot is not None and self.snapshot.version >= snapshot.version:
+            return
+        self.snapshot = snapshot
+        for child in self.children:
+            self.net.nodes[child].offer(snapshot)
+
+    # ------------------------------------------------------------------------------------------- async mode
+    async def run_async(self) -> None:
+        """Fold and forward what arrives, until the run ends."""
+        async for message in self.inbox:
+            await self._receive_async(message)
+
+    async def _receive_async(self, message: EdgeMessage) -> None:
+        """Handle one message: fold it, and forward when the buffer is full."""
+        if isinstance(message, ClientFailed | ClientTimedOut):
+            await self._ended(message)
+            return
+        if isinstance(message, EdgeForwarded):
+            if self._fold_partial(message):
+                await self._folded()
+            return
+        self._bytes_in += len(message.payload)
+        if self.net.settings.buffer_size == 1:
+            await self._relay(message)
+            return
+        if await self._admit(message, version=int(self.known_version), staleness_weighted=True):
+            await self._folded()
+
+    async def _ended(self, message: ClientFailed | ClientTimedOut) -> None:
+        """Close a task whose client failed or timed out (if it is still in flight)."""
+        if not self.net.registry.release(message):
+            return
+        if isinstance(message, ClientFailed):
+            await self._close(message, "failed", message.error, kind=message.kind)
+        else:
+            await self._close(message, "timed_out", f"no answer within {message.timeout_s:g} s")
+
+    async def _admit(self, message: UpdateUploaded, *, version: int, staleness_weighted: bool) -> bool:
+        """Admit a client's update through the intake and fold it; False (and the update refused) if unusable.
+
+        Args:
+            message: The upload.
+            version: The model version the edge holds (async) or runs its round on (sync).
+            staleness_weighted: Discount by ``s(tau)`` (async) or not (sync rounds).
+        """
+        wall = self.net.wall
+        start = wall()
+        verdict = self.intake.admit(message, version=version)
+        if isinstance(verdict, Refused):
+            await self._reject(message, verdict.reason, verdict.detail)
+            return False
+        settings = self.net.settings
+        weight = settings.staleness(verdict.staleness) if staleness_weighted else 1.0
+        self.buffer.add(
+            verdict.delta, example_weight=settings.example_weight(message.num_samples), staleness_weight=weight
+        )
+        self.intake.accepted(verdict)
+        self._updates += 1
+        self._round_updates += 1
+        self._samples += message.num_samples
+        self._aggregate_s += wall() - start
+        await self._close(message, "accepted", "", staleness=verdict.staleness, upload_bytes=len(message.payload))
+        return True
+
+    def _fold_partial(self, message: EdgeForwarded) -> bool:
+        """Add a sub-edge's partial aggregate; False if it held no update."""
+        self._bytes_in += len(message.payload)
+        if message.count == 0:
+            return False
+        net = self.net
+        partial = net.edge_codec.decode(message.payload, expected_elements=net.num_params).to(net.device)
+        self.buffer.add_sum(partial, example_weight=message.example_weight)
+        self._updates += message.count
+        self._round_updates += message.count
+        self._samples += message.num_samples
+        return True
+
+    async def _folded(self) -> None:
+        if self.buffer.count >= self.net.settings.buffer_size:
+            await self._forward()
+        elif self.buffer.count == 1 and self.net.settings.max_wait_s is not None:
+            self.net.registry.spawn(self._deadline(self._generation), f"flasync-edge-{self.name}-deadline")
+
+    async def _deadline(self, generation: int) -> None:
+        wait = self.net.settings.max_wait_s
+        assert wait is not None
+        await self.net.clock.sleep(wait)
+        if generation == self._generation and self.buffer.count:
+            await self._forward()
+
+    async def _relay(self, message: UpdateUploaded) -> None:
+        """Pass one client's upload up unchanged (``buffer_size = 1``)."""
+        size = len(message.payload)
+        self._record(1, size, size)
+        await self._send(dataclasses.replace(message, to=self.parent, tier=self.tier))
+
+    async def _forward(self) -> None:
+        """Encode the buffer's partial aggregate, empty the buffer, and send it to the parent over the link."""
+        net = self.net
+        start = net.wall()
+        generator = seeding.torch_stream(net.settings.seed, seeding.EDGE_CODEC, self.index, self._generation)
+        weighted_sum = self.buffer.weighted_sum
+        if weighted_sum.device.type != "cpu":
+            weighted_sum = weighted_sum.cpu()  # the codec writes bytes
+        payload = net.edge_codec.encode(weighted_sum, generator=generator).payload
+        partial = EdgeForwarded(
+            to=self.parent,
+            edge=self.name,
+            tier=self.tier,
+            count=self._updates,
+            num_samples=self._samples,
+            example_weight=self.buffer.total_example_weight,
+            base_version=self.known_version,
+            payload=payload,
+            simulated_s=net.clock.now(),
+            sent_wall_s=net.wall(),
+        )
+        self._aggregate_s += net.wall() - start
+        self._record(self._round_updates, self._bytes_in, len(payload))
+        self.buffer.reset()
+        self._updates, self._samples, self._bytes_in = 0, 0, 0
+        self._generation += 1
+        await self._send(partial)
+
+    async def _send(self, message: EdgeForwarded | UpdateUploaded) -> None:
+        net = self.net
+        seconds = link_seconds(net.settings.link, len(message.payload), up=True)
+        if seconds > 0.0:
+            await net.clock.sleep(seconds)
+        await net.bus.publish(message)
+
+    def _record(self, updates: int, bytes_in: int, bytes_out: int) -> None:
+        """Count one edge aggregation in its tier and log it (per tier; per edge when configured)."""
+        net = self.net
+        tier = net.tiers[self.tier]
+        tier.aggregations += 1
+        tier.updates_folded += updates
+        tier.bytes_in += bytes_in
+        tier.bytes_out += bytes_out
+        tier.aggregate_s += self._aggregate_s
+        self._round_updates = 0
+        figures = {
+            "updates": updates,
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            "aggregate_s": self._aggregate_s,
+            "queue_depth": self.inbox.statistics().queued,
+        }
+        self._aggregate_s = 0.0
+        net.log.debug(f"tier.{self.tier}", step=tier.aggregations, **figures)
+        if net.settings.per_edge_metrics:
+            net.edge_steps[self.name] += 1
+            net.log.debug(f"edge.{self.name}", step=net.edge_steps[self.name], **figures)
+
+    async def _close(
+        self,
+        task: UpdateUploaded | ClientFailed | ClientTimedOut,
+        outcome: TaskOutcome,
+        reason: str,
+        *,
+        staleness: int = 0,
+        upload_bytes: int = 0,
+        kind: FailureKind = "error",
+    ) -> None:
+        """Tell the cloud a task it dispatched is over (it counts the outcome and refills the slot)."""
+        await self.net.bus.publish(
+            TaskClosed(
+                edge=self.name,
+                task_id=task.task_id,
+                client_id=task.client_id,
+                base_version=task.base_version,
+                outcome=outcome,
+                reason=reason,
+                staleness=staleness,
+                upload_bytes=upload_bytes,
+                simulated_s=self.net.clock.now(),
+                kind=kind,
+            )
+        )
+
+    async def _reject(self, message: UpdateUploaded, reason: str, detail: str) -> None:
+        await self.net.bus.publish(
+            UpdateRejected(
+                task_id=message.task_id,
+                client_id=message.client_id,
+                base_version=message.base_version,
+                reason=reason,
+                detail=detail,
+                simulated_s=self.net.clock.now(),
+                where=self.name,
+            )
+        )
+        await self._close(message, "rejected", reason, upload_bytes=len(message.payload))
+
+    # -------------------------------------------------------------------------------------------- sync mode
+    async def sync_round(self, snapshot: ModelSnapshot, cohort: set[int]) -> None:
+        """Run one cloud round of HierFAVG below this edge and forward the result to the parent.
+
+        Args:
+            snapshot: The cloud's model for this round (as the parent sent it).
+            cohort: The clients the cloud sampled for this round.
+        """
+        net = self.net
+        seconds = link_seconds(net.settings.link, snapshot.download_bytes, up=False)
+        net.tiers[self.tier].model_bytes_in += snapshot.download_bytes
+        if seconds > 0.0:
+            await net.clock.sleep(seconds)
+        if self.children:
+            await self._sync_children(snapshot, cohort)
+        else:
+            await self._sync_leaf(snapshot, [int(c) for c in self.members if int(c) in cohort])
+        await self._forward()
+
+    async def _sync_children(self, snapshot: ModelSnapshot, cohort: set[int]) -> None:
+        net = self.net
+        active = [child for child in self.children if net.subtree_has(child, cohort)]
+        async with asyncio.TaskGroup() as tg:
+            for child in active:
+                tg.create_task(net.nodes[child].sync_round(snapshot, cohort), name=f"flasync-edge-{child}")
+            for _ in active:
+                message = await self.inbox.receive()
+                assert isinstance(message, EdgeForwarded)
+                start = net.wall()
+                self._fold_partial(message)
+                self._aggregate_s += net.wall() - start
+
+    async def _sync_leaf(self, snapshot: ModelSnapshot, members: list[int]) -> None:
+        net = self.net
+        kappa2 = net.settings.kappa2
+        weights = snapshot.weights
+        total = 0
+        for edge_round in range(kappa2):
+            model = ModelSnapshot(
+                version=snapshot.version, weights=weights, exact=weights, download_bytes=snapshot.download_bytes
+            )
+            tasks: list[TaskAssigned] = []
+            for client in members:
+                tasks.append(await net.registry.dispatch(client, model, reply_to=self.name))
+            self.buffer.reset()
+            self._updates, self._samples = 0, 0
+            # Every task ends once: answered, failed, refused or timed out (a late duplicate finds nothing).
+            while any(net.registry.busy.get(t.client_id) is t for t in tasks):
+                await self._fold_sync(await self.inbox.receive(), int(snapshot.version))
+            total += self._updates
+            if edge_round < kappa2 - 1:
+                if self._updates:
+                    weights = edge_model(weights, self.buffer.weighted_sum, self.buffer.total_example_weight)
+                self._record(self._round_updates, self._bytes_in, 0)
+                self._bytes_in = 0
+        if kappa2 > 1 and self._updates:
+            example_weight = self.buffer.total_example_weight
+            weights = edge_model(weights, self.buffer.weighted_sum, example_weight)
+            progress = edge_progress(snapshot.weights, weights, example_weight)
+            self.buffer.reset()
+            self.buffer.add_sum(progress, example_weight=example_weight)
+        self._updates = total
+
+    async def _fold_sync(self, message: EdgeMessage, version: int) -> None:
+        if isinstance(message, EdgeForwarded):  # pragma: no cover - leaves have no sub-edges
+            raise AssertionError("a leaf edge received a partial")
+        if isinstance(message, ClientFailed | ClientTimedOut):
+            await self._ended(message)
+            return
+        self._bytes_in += len(message.payload)
+        await self._admit(message, version=version, staleness_weighted=False)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Return the edge's buffer, counters and intake state."""
+        return {
+            "buffer": self.buffer.state_dict(),
+            "updates": self._updates,
+            "round_updates": self._round_updates,
+            "samples": self._samples,
+            "bytes_in": self._bytes_in,
+            "generation": self._generation,
+            "intake": self.intake.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.buffer.load_state_dict(state["buffer"])
+        self._updates = int(state["updates"])
+        self._round_updates = int(state["round_updates"])
+        self._samples = int(state["samples"])
+        self._bytes_in = int(state["bytes_in"])
+        self._generation = int(state["generation"])
+        self.intake.load_state_dict(state["intake"])
+
+
+class EdgeNetwork:
+    """All the edges of a run, their shared counters, and their links.
+
+    Args:
+        tree: The aggregation tree.
+        settings: How edges aggregate and forward.
+        registry: The run's task registry (edges dispatch and close tasks there, and own their tasks by it).
+        make_intake: Builds one edge's intake (each edge keeps its own validation history).
+        bus: The run's event bus.
+        clock: The run's clock.
+        wall: Monotonic real seconds.
+        log: The run's logger.
+        edge_codec: Encodes and decodes partials.
+        num_params: Length of the flat model.
+        device: Where edge buffers live (the run's device).
+    """
+
+    def __init__(
+        self,
+        tree: Tree,
+        settings: EdgeSettings,
+        *,
+        registry: TaskRegistry,
+        make_intake: Callable[[], Intake],
+        bus: EventBus,
+        clock: Timer,
+        wall: Callable[[], float],
+        log: Any,
+        edge_codec: Pipeline,
+        num_params: int,
+        device: torch.device,
+    ) -> None:
+        """Create every edge (each subscribes to its address on the bus)."""
+        self.tree = tree
+        self.settings = settings
+        self.registry = registry
+        self.bus = bus
+        self.clock = clock
+        self.wall = wall
+        self.log = log
+        self.edge_codec = edge_codec
+        self.num_params = num_params
+        self.device = device
+        self.tiers = {f"edge{d}": TierStats() for d in sorted(set(tree.depths))}
+        self.edge_steps: Counter[str] = Counter()
+        self.nodes = [EdgeNode(i, self, make_intake()) for i in range(tree.num_edges)]
+        # For each edge, the clients below it (to tell which subtrees a sync cohort touches).
+        below: list[np.ndarray] = [np.asarray(m, dtype=np.int64) for m in tree.members]
+        for edge in reversed(range(tree.num_edges)):
+            parent = tree.parents[edge]
+            if parent >= 0:
+                below[parent] = np.concatenate([below[parent], below[edge]])
+        self._below = [frozenset(int(c) for c in b) for b in below]
+
+    def start(self) -> None:
+        """Start every edge's async receive loop in the registry's task group."""
+        for node in self.nodes:
+            self.registry.spawn(node.run_async(), f"flasync-edge-{node.name}")
+
+    def subtree_has(self, edge: int, cohort: set[int]) -> bool:
+        """Tell whether any client of ``cohort`` is below ``edge``."""
+        below = self._below[edge]
+        return any(client in below for client in cohort)
+
+    def snapshot_for(self, client_id: int) -> ModelSnapshot | None:
+        """Return the model ``client_id``'s edge holds (None before the first one arrives)."""
+        return self.nodes[int(self.tree.client_edge[client_id])].snapshot
+
+    def address_of(self, client_id: int) -> str:
+        """Return the bus address ``client_id`` uploads to."""
+        return self.tree.names[int(self.tree.client_edge[client_id])]
+
+    def publish(self, snapshot: ModelSnapshot) -> int:
+        """Send a new global model to the top edges; return the bytes that left the cloud."""
+        top = self.tree.top
+        for edge in top:
+            self.nodes[edge].offer(snapshot)
+        return len(top) * snapshot.download_bytes
+
+    def sync_round(self, snapshot: ModelSnapshot, cohort: set[int]) -> int:
+        """Start a HierFAVG cloud round in every top edge with cohort members; return how many started."""
+        active = [edge for edge in self.tree.top if self.subtree_has(edge, cohort)]
+        for edge in active:
+            self.registry.spawn(self.nodes[edge].sync_round(snapshot, cohort), f"flasync-edge-{edge}-round")
+        return len(active)
+
+    def resumed(self) -> None:
+        """Nothing to restart: edge timers are not part of a checkpoint."""
+
+    def close(self) -> None:
+        """Unsubscribe every edge."""
+        for node in self.nodes:
+            node.inbox.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return every edge's state and the tiers' counters."""
+        return {
+            "nodes": [node.state_dict() for node in self.nodes],
+            "tiers": {name: dataclasses.asdict(tier) for name, tier in self.tiers.items()},
+            "edge_steps": dict(self.edge_steps),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        for node, node_state in zip(self.nodes, state["nodes"], strict=True):
+            node.load_state_dict(node_state)
+        self.tiers = {name: TierStats(**values) for name, values in state["tiers"].items()}
+        self.edge_steps = Counter(state["edge_steps"])
+
+    def summary(self) -> dict[str, float]:
+        """Return per-tier totals, flattened as ``{tier}.{figure}``."""
+        out: dict[str, float] = {}
+        for name, tier in self.tiers.items():
+            out[f"{name}.aggregations"] = tier.aggregations
+            out[f"{name}.updates_folded"] = tier.updates_folded
+            out[f"{name}.bytes_in"] = tier.bytes_in
+            out[f"{name}.bytes_out"] = tier.bytes_out
+            out[f"{name}.model_bytes_in"] = tier.model_bytes_in
+            out[f"{name}.aggregate_s"] = tier.aggregate_s
+            out[f"{name}.updates_per_aggregation"] = (
+                tier.updates_folded / tier.aggregations if tier.aggregations else math.nan
+            )
+        return out

@@ -1,0 +1,129 @@
+"""The intake: one admission path for every update, at the cloud and at every edge.
+
+An update is admitted only if it answers a task in flight, was trained from a version that exists and is not too
+stale, decodes into a vector of the model's length, and passes validation (form, finiteness, norm bound, robust
+z-score); an admitted update is clipped to the configured norm. A refusal names its reason and is never an
+exception: a forged or broken upload costs its sender, never the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flasync.codecs import Pipeline
+from flasync.errors import DecodeError
+from flasync.events import UpdateUploaded
+from flasync.server.registry import TaskRegistry
+from flasync.snapshots import ModelSnapshot
+from flasync.validation import UpdateValidator, clip_to_norm
+
+__all__ = ["Admitted", "Intake", "Refused"]
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """An update that may be aggregated: the decoded (and clipped) delta and what was learnt about it."""
+
+    delta: torch.Tensor
+    staleness: int
+    norm: float
+    base: ModelSnapshot
+    received_wall: float
+    decode_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An update that must not be aggregated: a short ``reason`` key and a one-line ``detail``."""
+
+    reason: str
+    detail: str
+
+
+class Intake:
+    """Admit or refuse uploaded updates.
+
+    Args:
+        registry: The tasks in flight (an admitted update releases its task) and the models they started from.
+        codec: How clients encoded their deltas.
+        num_params: Length of the flat model.
+        device: Where admitted deltas go (the aggregator's device).
+        validator: Form, finiteness and norm checks; it remembers accepted norms.
+        max_staleness: Refuse updates more versions old than this (None: no limit).
+        clip_norm: Scale admitted updates down to this L2 norm (None: no clipping).
+        wall: Monotonic real seconds (decode timing).
+    """
+
+    def __init__(
+        self,
+        *,
+        registry: TaskRegistry,
+        codec: Pipeline,
+        num_params: int,
+        device: torch.device,
+        validator: UpdateValidator,
+        max_staleness: int | None,
+        clip_norm: float | None,
+        wall: Callable[[], float],
+    ) -> None:
+        """Bind the registry, codec and checks."""
+        self.registry = registry
+        self.codec = codec
+        self.num_params = num_params
+        self.device = device
+        self.validator = validator
+        self.max_staleness = max_staleness
+        self.clip_norm = clip_norm
+        self.wall = wall
+
+    def admit(self, message: UpdateUploaded, *, version: int) -> Admitted | Refused:
+        """Check ``message`` against the model ``version`` it would join; release its task unless it is forged.
+
+        Args:
+            message: The upload.
+            version: The version the receiver holds now (the cloud's, or the one an edge last installed).
+        """
+        base = self.registry.base(message.base_version)
+        received_wall = self.wall()
+        if not 0 <= int(message.base_version) <= version:
+            # Refused before it can close a task: a forged or corrupt message must not cost the real answer.
+            return Refused("unknown_version", f"base version {message.base_version} was never published")
+        if not self.registry.release(message):
+            return Refused("unexpected", f"client {message.client_id} has no task {message.task_id}")
+        staleness = version - int(message.base_version)
+        if base is None or staleness < 0:
+            return Refused("unknown_version", f"base version {message.base_version} was never published")
+        limit = self.max_staleness
+        if limit is not None and staleness > limit:
+            return Refused("stale", f"staleness {staleness} > max_staleness {limit}")
+        try:
+            delta = self.codec.decode(message.payload, expected_elements=self.num_params)
+        except DecodeError as exc:
+            return Refused("decode", str(exc))
+        if delta.device != self.device:
+            delta = delta.to(self.device)
+        decode_s = self.wall() - received_wall
+        verdict, norm = self.validator.check(delta)
+        if verdict is not None:
+            return Refused(verdict.reason, verdict.detail)
+        if self.clip_norm is not None:
+            delta, _ = clip_to_norm(delta, self.clip_norm)
+        return Admitted(delta, staleness, norm, base, received_wall, decode_s)
+
+    def accepted(self, admitted: Admitted) -> None:
+        """Record that ``admitted`` was aggregated (its norm joins the z-score's reference)."""
+        if math.isfinite(admitted.norm):
+            self.validator.accepted(admitted.norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the validator's reference norms."""
+        return {"validator_norms": self.validator.norms}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.validator.load_norms(state["validator_norms"])

@@ -1,0 +1,391 @@
+"""Policies: when tasks start and when a new version is due, behind one Protocol the server loop drives.
+
+* :class:`AsyncSlots` (FedBuff, FedAsync): ``concurrency`` tasks always in flight; each answer frees a slot that
+  is refilled at once; the aggregator says when a version is due.
+* :class:`SyncRounds` (FedAvg): each round samples a cohort (over-selected by ``over_selection``) and closes once
+  ``quorum`` of ``clients_per_round`` answered, its deadline passed, or nothing is left in flight; the clients
+  still training are abandoned (McMahan et al., AISTATS 2017; Bonawitz et al., MLSys 2019 for over-selection).
+* :class:`TreeRounds` (HierFAVG, Liu et al., ICC 2020): each cloud round samples a cohort and lets every top edge
+  with members in it run its ``kappa2`` edge rounds; the round closes once every such edge forwarded its partial.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from flasync.bus import EventBus
+from flasync.events import EdgeForwarded, RoundDeadlinePassed, Version
+from flasync.server.accounting import Accounting
+from flasync.server.registry import TaskRegistry, Timer
+from flasync.server.sampler import ClientSampler
+from flasync.snapshots import ModelSnapshot
+
+if TYPE_CHECKING:
+    from flasync.server.edges import EdgeNetwork
+
+__all__ = ["AsyncSlots", "Policy", "SyncRounds", "TreeRounds"]
+
+
+class Policy(Protocol):
+    """When tasks start and when the loop makes a new version.
+
+    Attributes:
+        rounds: Stop conditions are checked only when a version is due (between rounds), not after every message.
+        interruptible: A stop request ends the run in the middle of a round (its state is checkpointed there).
+    """
+
+    rounds: bool
+    interruptible: bool
+
+    def start(self) -> None:
+        """Start what runs beside the loop for the whole run (e.g. async edges)."""
+        ...
+
+    async def fill(self) -> None:
+        """Start the tasks the policy wants in flight now."""
+        ...
+
+    def note(self, message: object, *, accepted: bool) -> None:
+        """Learn of a message the loop handled (``accepted``: it was an update folded in)."""
+        ...
+
+    def step_due(self) -> bool:
+        """Tell whether the loop should make a new version now."""
+        ...
+
+    def close_step(self) -> None:
+        """End the aggregation period before its version is made (a round abandons its stragglers)."""
+        ...
+
+    def published(self, snapshot: ModelSnapshot) -> None:
+        """Learn of a new model (e.g. send it down to the edges)."""
+        ...
+
+    def resumed(self) -> None:
+        """Restart the timers of a restored state (after :meth:`load_state_dict`, inside the run)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the policy's state for a checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        ...
+
+
+class AsyncSlots:
+    """Keep ``concurrency`` tasks in flight; a version is due when the aggregator says so.
+
+    Args:
+        concurrency: Tasks in flight.
+        registry: Dispatches tasks.
+        sampler: Draws idle clients.
+        clock: Waits for a client to come online.
+        ready: The aggregator's "a version is due".
+        edges: Async edges that relay each new model down (None: a flat run).
+        accounting: Counts the bytes sent to the edges.
+    """
+
+    rounds = False
+    interruptible = False
+
+    def __init__(
+        self,
+        *,
+        concurrency: int,
+        registry: TaskRegistry,
+        sampler: ClientSampler,
+        clock: Timer,
+        ready: Callable[[], bool],
+        accounting: Accounting,
+        edges: EdgeNetwork | None = None,
+    ) -> None:
+        """Bind the registry and the sampler."""
+        self.concurrency = concurrency
+        self.registry = registry
+        self.sampler = sampler
+        self.clock = clock
+        self.ready = ready
+        self.accounting = accounting
+        self.edges = edges
+
+    def start(self) -> None:
+        """Start every edge's receive loop."""
+        if self.edges is not None:
+            self.edges.start()
+
+    async def fill(self) -> None:
+        """Refill the free slots with newly sampled idle clients."""
+        registry = self.registry
+        while len(registry) < self.concurrency:
+            client_id = self.sampler.sample_idle(registry.busy, self.clock.now())
+            if client_id is None:
+                if len(registry):
+                    return  # the free slots are filled at the next message
+                await self.clock.sleep_until(self.sampler.next_online(self.clock.now()))
+                continue
+            edges = self.edges
+            if edges is None:
+                await registry.dispatch(client_id)
+            else:
+                await registry.dispatch(
+                    client_id, edges.snapshot_for(client_id) or registry.current, reply_to=edges.address_of(client_id)
+                )
+
+    def note(self, message: object, *, accepted: bool) -> None:
+        """Nothing to learn: slots are refilled by :meth:`fill`."""
+
+    def step_due(self) -> bool:
+        """Ask the aggregator."""
+        return self.ready()
+
+    def close_step(self) -> None:
+        """Nothing to close: tasks keep running across versions."""
+
+    def published(self, snapshot: ModelSnapshot) -> None:
+        """Send the model down to the top edges (they relay it further)."""
+        if self.edges is not None:
+            self.accounting.egress(self.edges.publish(snapshot))
+
+    def resumed(self) -> None:
+        """Restart the edges' timers."""
+        if self.edges is not None:
+            self.edges.resumed()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the edges' state (a flat run has none)."""
+        return {"edges": None if self.edges is None else self.edges.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if self.edges is not None:
+            self.edges.load_state_dict(state["edges"])
+
+
+@dataclass(slots=True)
+class _Round:
+    """The sync round in progress."""
+
+    version: int
+    target: int
+    started_s: float
+    deadline_s: float | None
+    accepted: int = 0
+    deadline_passed: bool = False
+
+
+class SyncRounds:
+    """Synchronous rounds with a quorum, a deadline and over-selection.
+
+    Args:
+        clients_per_round: ``K``, the clients a round wants.
+        over_selection: Sample ``ceil((1 + x) K)`` clients (at most the population).
+        quorum: The round closes once ``ceil(quorum K)`` answered.
+        deadline_s: The round closes this long after it started (None: no deadline).
+        registry: Dispatches and abandons tasks.
+        sampler: Draws cohorts.
+        clock: Times the deadline.
+        bus: Carries the deadline notice to the loop.
+        accounting: Counts abandoned tasks.
+        log: The run's logger.
+    """
+
+    rounds = True
+    interruptible = True
+
+    def __init__(
+        self,
+        *,
+        clients_per_round: int,
+        over_selection: float,
+        quorum: float,
+        deadline_s: float | None,
+        registry: TaskRegistry,
+        sampler: ClientSampler,
+        clock: Timer,
+        bus: EventBus,
+        accounting: Accounting,
+        log: Any,
+    ) -> None:
+        """Start with no round open."""
+        self.cohort_size = min(len(sampler.population), math.ceil((1.0 + over_selection) * clients_per_round - 1e-9))
+        self.target = max(1, math.ceil(quorum * clients_per_round - 1e-9))
+        self.deadline_s = deadline_s
+        self.registry = registry
+        self.sampler = sampler
+        self.clock = clock
+        self.bus = bus
+        self.accounting = accounting
+        self.log = log
+        self._round: _Round | None = None
+        self._deadline: Any = None
+
+    def start(self) -> None:
+        """Nothing runs beside the loop."""
+
+    async def fill(self) -> None:
+        """Open a round if none is open: draw a cohort of online clients and dispatch it."""
+        if self._round is not None:
+            return
+        clock = self.clock
+        while True:
+            cohort = self.sampler.cohort(self.cohort_size, clock.now())
+            if cohort is not None:
+                break
+            await clock.sleep_until(self.sampler.next_online(clock.now()))
+        now = clock.now()
+        current = self.registry.current
+        assert current is not None
+        deadline = None if self.deadline_s is None else now + self.deadline_s
+        self._round = _Round(version=int(current.version), target=self.target, started_s=now, deadline_s=deadline)
+        self._start_deadline()
+        for client_id in cohort.tolist():
+            await self.registry.dispatch(client_id)
+
+    def _start_deadline(self) -> None:
+        round_ = self._round
+        if round_ is None or round_.deadline_s is None or round_.deadline_passed:
+            return
+        self._deadline = self.registry.spawn(self._deadline_timer(round_), "flasync-round-deadline")
+
+    async def _deadline_timer(self, round_: _Round) -> None:
+        assert round_.deadline_s is not None
+        await self.clock.sleep_until(round_.deadline_s)
+        if self._round is round_:
+            await self.bus.publish(RoundDeadlinePassed(version=Version(round_.version), simulated_s=self.clock.now()))
+
+    def note(self, message: object, *, accepted: bool) -> None:
+        """Count an accepted member; mark the deadline passed."""
+        round_ = self._round
+        if round_ is None:
+            return
+        if accepted:
+            round_.accepted += 1
+        elif isinstance(message, RoundDeadlinePassed) and message.version == round_.version:
+            round_.deadline_passed = True
+
+    def step_due(self) -> bool:
+        """Tell whether the open round is over (quorum, deadline, or nothing left in flight)."""
+        round_ = self._round
+        if round_ is None:
+            return False
+        return not len(self.registry) or round_.accepted >= round_.target or round_.deadline_passed
+
+    def close_step(self) -> None:
+        """End the round: abandon the tasks still in flight (over-selected, late or hanging clients)."""
+        round_ = self._round
+        self._round = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        abandoned = self.registry.release_all()
+        self.accounting.abandoned(abandoned)
+        if round_ is not None:
+            self.log.debug(
+                "server.round",
+                step=round_.version,
+                accepted=round_.accepted,
+                abandoned=abandoned,
+                deadline_passed=int(round_.deadline_passed),
+                simulated_s=self.clock.now(),
+            )
+
+    def published(self, snapshot: ModelSnapshot) -> None:
+        """Nothing to do: rounds dispatch from the current model."""
+
+    def resumed(self) -> None:
+        """Restart the open round's deadline timer."""
+        self._start_deadline()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the open round."""
+        return {"round": None if self._round is None else asdict(self._round)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        round_ = state["round"]
+        self._round = None if round_ is None else _Round(**round_)
+
+
+class TreeRounds:
+    """HierFAVG cloud rounds: the top edges with cohort members run their edge rounds and forward one partial each.
+
+    Args:
+        clients_per_round: The cloud cohort's size.
+        edges: The edges.
+        registry: Holds the current model.
+        sampler: Draws cohorts.
+        clock: Waits for clients to come online.
+        accounting: Counts the model bytes sent to the edges.
+    """
+
+    rounds = True
+    interruptible = False
+
+    def __init__(
+        self,
+        *,
+        clients_per_round: int,
+        edges: EdgeNetwork,
+        registry: TaskRegistry,
+        sampler: ClientSampler,
+        clock: Timer,
+        accounting: Accounting,
+    ) -> None:
+        """Start with no round open."""
+        self.clients_per_round = clients_per_round
+        self.edges = edges
+        self.registry = registry
+        self.sampler = sampler
+        self.clock = clock
+        self.accounting = accounting
+        self._pending: int | None = None
+
+    def start(self) -> None:
+        """Nothing runs beside the loop: edges run their rounds when asked."""
+
+    async def fill(self) -> None:
+        """Open a cloud round if none is open."""
+        if self._pending is not None:
+            return
+        clock = self.clock
+        while True:
+            cohort = self.sampler.cohort(self.clients_per_round, clock.now())
+            if cohort is not None:
+                break
+            await clock.sleep_until(self.sampler.next_online(clock.now()))
+        snapshot = self.registry.current
+        assert snapshot is not None
+        self._pending = self.edges.sync_round(snapshot, set(cohort.tolist()))
+        self.accounting.egress(self._pending * snapshot.download_bytes)
+
+    def note(self, message: object, *, accepted: bool) -> None:
+        """Count a top edge's partial."""
+        if isinstance(message, EdgeForwarded) and self._pending is not None:
+            self._pending -= 1
+
+    def step_due(self) -> bool:
+        """Tell whether every active top edge forwarded its partial."""
+        return self._pending == 0
+
+    def close_step(self) -> None:
+        """Close the cloud round."""
+        self._pending = None
+
+    def published(self, snapshot: ModelSnapshot) -> None:
+        """Nothing to do: each round sends the current model down."""
+
+    def resumed(self) -> None:
+        """Nothing to restart: checkpoints are taken between rounds."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the edges' counters (no round is open between rounds)."""
+        return {"edges": self.edges.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.edges.load_state_dict(state["edges"])

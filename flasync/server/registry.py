@@ -1,0 +1,313 @@
+"""The task registry: which client trains from which model version, and every task's lifetime.
+
+The registry dispatches a task (a :class:`~flasync.events.TaskAssigned` record, a model download, a coroutine that
+runs it), starts a watchdog when tasks have a time limit, releases a task exactly once when its answer, failure or
+timeout arrives (a second answer finds nothing to release), and starts a checkpoint's tasks again on their original
+timelines. It keeps each base model a task started from until the last such task is released, and owns every task
+it starts in the run's ``TaskGroup``. How a task runs (an in-process client coroutine, a remote device) is the
+``start_task`` callable it is given: the transport seam.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from flasync.bus import EventBus
+from flasync.errors import CheckpointError
+from flasync.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, Version
+from flasync.server.accounting import Accounting
+from flasync.snapshots import ModelSnapshot
+
+__all__ = ["Answer", "StartTask", "TaskRegistry", "Timer"]
+
+StartTask = Callable[[TaskAssigned, ModelSnapshot], Coroutine[Any, Any, None]]
+"""Run one task: train ``snapshot`` on the task's client and put the answer on the bus (never raise)."""
+
+
+class Timer(Protocol):
+    """The clock the server's components need: read it and wait."""
+
+    def now(self) -> float:
+        """Return seconds since the clock started."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait ``seconds``."""
+        ...
+
+    async def sleep_until(self, when: float) -> None:
+        """Wait until the clock reads ``when``."""
+        ...
+
+
+class Answer(Protocol):
+    """Anything that names a task: an upload, a failure, a timeout, a closing notice."""
+
+    @property
+    def task_id(self) -> int: ...
+
+    @property
+    def client_id(self) -> ClientId: ...
+
+    @property
+    def base_version(self) -> Version: ...
+
+
+class TaskRegistry:
+    """The tasks in flight and the models they started from.
+
+    Args:
+        bus: Where :class:`TaskAssigned` and :class:`ClientTimedOut` go.
+        clock: Times watchdogs.
+        accounting: Counts dispatches and their downloads.
+        num_clients: Size of the population (participation counters).
+        start_task: Runs one task (see :data:`StartTask`).
+        timeout_s: A task not answered this long after dispatch is timed out (None: never).
+        mark_used: Told the clients dispatched (e.g. a least-recently-used sampler).
+        on_release: Told each task released (e.g. to forget what a checkpoint would restore for it).
+    """
+
+    def __init__(
+        self,
+        *,
+        bus: EventBus,
+        clock: Timer,
+        accounting: Accounting,
+        num_clients: int,
+        start_task: StartTask,
+        timeout_s: float | None = None,
+        mark_used: Callable[[list[int]], None] | None = None,
+        on_release: Callable[[TaskAssigned], None] | None = None,
+    ) -> None:
+        """Start with no task and no model."""
+        self._bus = bus
+        self._clock = clock
+        self._accounting = accounting
+        self._start_task = start_task
+        self.timeout_s = timeout_s
+        self._mark_used = mark_used
+        self._on_release = on_release
+        self.current: ModelSnapshot | None = None
+        self._bases: dict[Version, ModelSnapshot] = {}
+        self._base_refs: Counter[Version] = Counter()
+        self._in_flight: dict[ClientId, TaskAssigned] = {}
+        self._handles: dict[int, asyncio.Task[None]] = {}
+        self._watchdogs: dict[int, asyncio.Task[None]] = {}
+        self._participations = np.zeros(num_clients, dtype=np.int64)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._tg: asyncio.TaskGroup | None = None
+
+    # ---------------------------------------------------------------------------------------------- tasks
+    def attach(self, tg: asyncio.TaskGroup) -> None:
+        """Own every task started from now on in ``tg`` (the run's task group)."""
+        self._tg = tg
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Start a background task of the run (cancelled by :meth:`cancel_all`)."""
+        if self._tg is None:
+            raise RuntimeError("the registry has no task group: call attach() inside the run")
+        handle = self._tg.create_task(coro, name=name)
+        self._tasks.add(handle)
+        handle.add_done_callback(self._tasks.discard)
+        return handle
+
+    def cancel_all(self) -> None:
+        """Cancel every task the registry started and detach from the task group."""
+        for task in list(self._tasks):
+            task.cancel()
+        self._tg = None
+
+    # --------------------------------------------------------------------------------------------- models
+    def publish(self, snapshot: ModelSnapshot) -> None:
+        """Make ``snapshot`` the current model; the previous one is kept only while tasks use it."""
+        previous = self.current
+        self.current = snapshot
+        self._bases[snapshot.version] = snapshot
+        if previous is not None and previous.version not in self._base_refs:
+            self._bases.pop(previous.version, None)
+
+    def base(self, version: Version) -> ModelSnapshot | None:
+        """Return the model of ``version`` if a task in flight started from it (or it is current)."""
+        return self._bases.get(version)
+
+    # -------------------------------------------------------------------------------------------- in flight
+    def __len__(self) -> int:
+        """Count the tasks in flight."""
+        return len(self._in_flight)
+
+    def __contains__(self, client_id: object) -> bool:
+        """Tell whether ``client_id`` has a task in flight."""
+        return client_id in self._in_flight
+
+    def __iter__(self) -> Iterator[TaskAssigned]:
+        """Iterate over the tasks in flight, oldest first."""
+        return iter(sorted(self._in_flight.values(), key=lambda t: t.task_id))
+
+    @property
+    def busy(self) -> dict[ClientId, TaskAssigned]:
+        """The tasks in flight by client (read-only use)."""
+        return self._in_flight
+
+    async def dispatch(
+        self, client_id: ClientId | int, snapshot: ModelSnapshot | None = None, *, reply_to: str = CLOUD
+    ) -> TaskAssigned:
+        """Start a task for ``client_id`` on ``snapshot`` (default: the current model).
+
+        Args:
+            client_id: The client.
+            snapshot: The model to train from (an edge passes the model it holds).
+            reply_to: Where the client uploads (the cloud or an edge's address).
+        """
+        current = self.current
+        if snapshot is None:
+            if current is None:
+                raise RuntimeError("no model was published before the first dispatch")
+            snapshot = current
+        client_id = ClientId(int(client_id))
+        # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.
+        self._bases.setdefault(snapshot.version, snapshot)
+        participation = int(self._participations[client_id])
+        self._participations[client_id] = participation + 1
+        if self._mark_used is not None:
+            self._mark_used([client_id])
+        task = TaskAssigned(
+            task_id=self._accounting.dispatched(snapshot.download_bytes, from_cloud=reply_to == CLOUD),
+            client_id=client_id,
+            participation=participation,
+            base_version=snapshot.version,
+            simulated_s=self._clock.now(),
+            reply_to=reply_to,
+        )
+        self._in_flight[client_id] = task
+        self._base_refs[snapshot.version] += 1
+        await self._bus.publish(task)
+        self._start(task, snapshot)
+        return task
+
+    def _start(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
+        client_id = task.client_id
+        handle = self.spawn(self._start_task(task, snapshot), name=f"flasync-client-{client_id}-task-{task.task_id}")
+        self._handles[task.task_id] = handle
+        if self.timeout_s is not None:
+            self._watchdogs[task.task_id] = self.spawn(
+                self._watch(task, task.simulated_s + self.timeout_s, limit_s=self.timeout_s),
+                name=f"flasync-timeout-{task.task_id}",
+            )
+
+    async def _watch(self, task: TaskAssigned, when: float, *, limit_s: float) -> None:
+        await self._clock.sleep_until(when)
+        current = self._in_flight.get(task.client_id)
+        if current is not None and current.task_id == task.task_id:
+            await self._bus.publish(
+                ClientTimedOut(
+                    to=task.reply_to,
+                    task_id=task.task_id,
+                    client_id=task.client_id,
+                    base_version=task.base_version,
+                    timeout_s=limit_s,
+                    simulated_s=self._clock.now(),
+                )
+            )
+
+    def redispatch(self) -> None:
+        """Start again the tasks a checkpoint had in flight, on their original timelines."""
+        for task in self:
+            self._start(task, self._bases[task.base_version])
+
+    def release(self, message: Answer) -> bool:
+        """Close the task ``message`` answers; False if no such task is in flight (nothing changes then)."""
+        task = self._in_flight.get(message.client_id)
+        if task is None or task.task_id != message.task_id or task.base_version != message.base_version:
+            return False
+        del self._in_flight[message.client_id]
+        handle = self._handles.pop(task.task_id, None)
+        if handle is not None and not handle.done():
+            handle.cancel()  # a timed-out or abandoned client; one that answered has ended already
+        watchdog = self._watchdogs.pop(task.task_id, None)
+        if watchdog is not None:
+            watchdog.cancel()
+        if self._on_release is not None:
+            self._on_release(task)
+        base_version = task.base_version
+        self._base_refs[base_version] -= 1
+        if self._base_refs[base_version] <= 0:
+            del self._base_refs[base_version]
+            if self.current is None or base_version != self.current.version:
+                self._bases.pop(base_version, None)
+        return True
+
+    def release_all(self) -> int:
+        """Release every task in flight (a round closed without them); return how many."""
+        released = 0
+        for task in self:
+            self.release(task)
+            released += 1
+        return released
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Return the models in use, the participation counters and the tasks in flight (copied)."""
+        if self.current is None:
+            raise RuntimeError("nothing was published yet")
+        return {
+            "snapshot_version": int(self.current.version),
+            "bases": [
+                {
+                    "version": int(v),
+                    "weights": self._bases[v].weights.clone(),
+                    "exact": self._bases[v].exact.clone(),
+                    "download_bytes": self._bases[v].download_bytes,
+                }
+                for v in sorted(self._bases)
+            ],
+            "participations": torch.from_numpy(self._participations.copy()),
+            "in_flight": [
+                {
+                    "task_id": t.task_id,
+                    "client_id": int(t.client_id),
+                    "participation": t.participation,
+                    "base_version": int(t.base_version),
+                    "simulated_s": t.simulated_s,
+                    "reply_to": t.reply_to,
+                }
+                for t in self
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, device: torch.device) -> None:
+        """Restore :meth:`state_dict` (before the run starts; :meth:`redispatch` then starts the tasks)."""
+        participations = state["participations"]
+        if participations.shape != self._participations.shape:
+            raise CheckpointError(
+                f"checkpoint has {participations.shape[0]} clients, this run {self._participations.shape[0]}"
+            )
+        self._participations = participations.numpy().astype(np.int64, copy=True)
+        self._bases = {
+            Version(int(b["version"])): ModelSnapshot(
+                version=Version(int(b["version"])),
+                weights=b["weights"].to(device),
+                exact=b["exact"].to(device),
+                download_bytes=int(b["download_bytes"]),
+            )
+            for b in state["bases"]
+        }
+        self.current = self._bases[Version(int(state["snapshot_version"]))]
+        self._in_flight = {}
+        self._base_refs = Counter()
+        for record in state["in_flight"]:
+            task = TaskAssigned(
+                task_id=int(record["task_id"]),
+                client_id=ClientId(int(record["client_id"])),
+                participation=int(record["participation"]),
+                base_version=Version(int(record["base_version"])),
+                simulated_s=float(record["simulated_s"]),
+                reply_to=str(record.get("reply_to", CLOUD)),
+            )
+            self._in_flight[task.client_id] = task
+            self._base_refs[task.base_version] += 1

@@ -1,0 +1,98 @@
+"""Client sampling: who trains next, drawn from the server's own random stream.
+
+The sampler draws idle clients one at a time (async slots) or a cohort at once (sync rounds) by the population's
+strategy (uniform, weighted by samples, least recently used, available now), and only online clients when the
+fault model has availability windows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from typing import Any
+
+import numpy as np
+
+from flasync.events import ClientId
+from flasync.faults import FaultModel
+from flasync.population import Population, SamplingStrategy
+
+__all__ = ["ClientSampler"]
+
+
+class ClientSampler:
+    """Draw clients for tasks.
+
+    Args:
+        population: The clients.
+        strategy: How to draw (``uniform``, ``weighted``, ``lru`` or ``available``).
+        rng: The server's random stream (its state is part of a checkpoint).
+        faults: The failure model; its availability windows, if any, restrict draws to online clients.
+    """
+
+    def __init__(
+        self,
+        population: Population,
+        strategy: SamplingStrategy,
+        rng: np.random.Generator,
+        faults: FaultModel | None = None,
+    ) -> None:
+        """Bind the population and the random stream."""
+        self.population = population
+        self.strategy = strategy
+        self.rng = rng
+        self.faults = faults if faults is not None and faults.config.availability is not None else None
+
+    @property
+    def checkpointable(self) -> bool:
+        """Tell whether :meth:`state_dict` holds everything the sampler needs (the LRU queue is not kept)."""
+        return self.strategy != "lru"
+
+    def sample_idle(self, busy: Collection[int], now: float) -> ClientId | None:
+        """Return one client not in ``busy`` (None if no idle client is online now)."""
+        population, rng = self.population, self.rng
+        if self.strategy != "uniform":
+            drawn = population.sample(1, rng, strategy=self.strategy, now=now, exclude=busy)
+            return ClientId(int(drawn[0]))
+        num_clients = len(population)
+        faults = self.faults
+        if faults is None:
+            while True:
+                candidate = ClientId(int(rng.integers(num_clients)))
+                if candidate not in busy:
+                    return candidate
+        for _ in range(8 * num_clients):
+            candidate = ClientId(int(rng.integers(num_clients)))
+            if candidate not in busy and faults.online(candidate, now):
+                return candidate
+        idle = [c for c in np.flatnonzero(faults.online_mask(now)).tolist() if c not in busy]
+        if not idle:
+            return None
+        return ClientId(idle[int(rng.integers(len(idle)))])
+
+    def next_online(self, now: float) -> float:
+        """Return when the next client comes online (now, without availability windows)."""
+        return now if self.faults is None else self.faults.next_online(now)
+
+    def cohort(self, size: int, now: float) -> np.ndarray | None:
+        """Draw ``size`` distinct clients (fewer if fewer are online; None if none is online now)."""
+        if self.faults is None:
+            return self.draw(size, now)
+        online = np.flatnonzero(self.faults.online_mask(now))
+        if not len(online):
+            return None
+        return self.rng.choice(online, size=min(size, len(online)), replace=False)
+
+    def draw(self, size: int, now: float) -> np.ndarray:
+        """Draw ``size`` distinct clients by the strategy, ignoring availability."""
+        if self.strategy == "uniform":
+            return self.rng.choice(len(self.population), size=size, replace=False)
+        return self.population.sample(size, self.rng, strategy=self.strategy, now=now)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the random stream's state."""
+        return {"rng": json.dumps(self.rng.bit_generator.state)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.rng.bit_generator.state = json.loads(state["rng"])

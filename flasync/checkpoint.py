@@ -4,8 +4,9 @@ A checkpoint holds the version and the global weights, then one entry per compon
 ``state_dict()``: the aggregator (buffer, server optimizer), the sampler (random generator), the task registry
 (the tasks in flight as :class:`~flasync.events.TaskAssigned` records, the models they started from, the clients'
 participation counters), the accounting (counters), the intake (validation history), the policy (an open round,
-the edges), the clock's reading and the error-feedback residuals; and the resolved config. It is one file written with ``torch.save`` of plain values and
-tensors only, and read with ``torch.load(..., weights_only=True)``: no pickled objects, so loading one runs no code.
+the edges), the clock's reading and the error-feedback residuals; and the resolved config. It is one file written
+with ``torch.save`` of plain values and tensors only, and read with ``torch.load(..., weights_only=True)``: no
+pickled objects, so loading one runs no code.
 
 Under the virtual clock a resumed run ends with the same ``weights_sha256`` as an uninterrupted one: tasks in flight
 are started again on their original timelines, and each of their random draws is keyed by client and participation.

@@ -368,8 +368,6 @@ class Federation:
             raise ConfigError(f"executor.device: {exc}") from exc
         if self.config.client.precision == "fp16" and device.type != "cuda":
             raise ConfigError(f"client.precision: fp16 needs a CUDA device, but training runs on {device}")
-        if device.type != "cpu" and isinstance(self.config.topology, TreeTopology):
-            raise ConfigError("executor.device: edge aggregators run on the CPU; a tree topology needs device cpu")
         return device
 
     def _prepare(self) -> _Prepared:

@@ -263,3 +263,42 @@ def test_sigterm_exits_143_and_kills_the_run(cli_dir: Path) -> None:
     printed = [int(v) for v in re.findall(r"server\.eval .*?\bversion=(\d+)", output)]
     logged = [m.step for m in client.get_metric_history(run.info.run_id, "server.eval.accuracy")]
     assert printed and set(printed) <= set(logged)
+
+
+TREE_FAULTY = (
+    "faults.crash=0.2",
+    "faults.hang=0.05",
+    "resilience.task_timeout_s=3",
+    "resilience.max_update_norm=50",
+    "resilience.clip_update_norm=5",
+    "checkpoint.every_versions=3",
+)
+
+
+@pytest.mark.parametrize("fanout", [[4], [2, 2]], ids=["depth1", "depth2"])
+async def test_a_tree_with_faults_validation_and_timeouts_resumes_exactly(fanout: list[int]) -> None:
+    """HierFAVG with 20% crashing clients, hangs timed out at the edges, validation and clipping: stopped by a
+    signal and resumed from its checkpoint, it ends with the uninterrupted run's weights and counts."""
+    config = small_config(
+        "stop.max_versions=9",
+        *TREE_FAULTY,
+        server={"kind": "fedavg", "clients_per_round": 8},
+        topology={"kind": "tree", "fanout": fanout, "kappa2": 2},
+    )
+    full = await flasync.Federation(config).run()
+    assert full.updates_failed > 0 and full.tasks_timed_out > 0  # the faults really happened, at the edges
+    tracker = await _interrupt_at(config, 4)
+    _, state = checkpoint.decode(tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    assert 4 <= state["version"] < 9
+    resumed = await asyncio.to_thread(_resume, tracker)
+    assert resumed.weights_sha256 == full.weights_sha256
+    for field in ("updates_accepted", "updates_failed", "tasks_timed_out", "tasks_dispatched", "versions"):
+        assert getattr(resumed, field) == getattr(full, field), field
+    counts = {key: value for key, value in full.tiers.items() if not key.endswith("_s")}  # not wall seconds
+    assert {key: resumed.tiers[key] for key in counts} == counts
+
+
+def test_async_trees_refuse_checkpoints_with_the_reason() -> None:
+    """An async tree asks for HierFAVG to be checkpointed, in one line naming the field."""
+    with pytest.raises(flasync.ConfigError, match=r"checkpoint\.every_versions: an async tree's edges"):
+        small_config("checkpoint.every_versions=3", topology={"kind": "tree", "fanout": [2]})

@@ -278,3 +278,17 @@ def test_edge_codec_takes_one_value_encoder(capsys: pytest.CaptureFixture[str]) 
     argv = ["run", "--set", "topology.kind=tree", "--set", "topology.codec=[{kind: topk, ratio: 0.1}]"]
     assert main(argv) == 2
     assert "topology.codec: one fp16, bf16 or int8 stage at most" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "server",
+    [{"kind": "fedbuff", "buffer_size": 4, "concurrency": 8}, {"kind": "fedavg", "clients_per_round": 8}],
+)
+async def test_a_tree_runs_on_cuda_with_edge_buffers_on_the_device(server: dict[str, Any]) -> None:
+    """Edges fold on the training device; the run finishes and learns like on the CPU."""
+    topology = _tree(fanout=[2, 2], kappa2=2) if server["kind"] == "fedavg" else _tree(fanout=[2, 2], buffer_size=3)
+    cuda = await flasync.Federation(small_config("executor.device=cuda", server=server, topology=topology)).run()
+    cpu = await flasync.Federation(small_config(server=server, topology=topology)).run()
+    assert cuda.versions == cpu.versions and cuda.updates_accepted == cpu.updates_accepted
+    assert cuda.accuracy == pytest.approx(cpu.accuracy, abs=0.05)

@@ -394,6 +394,7 @@ class EdgeNode:
         kappa2 = net.settings.kappa2
         weights = snapshot.weights
         total = 0
+        last_weight = 0.0  # E of the last edge round anybody answered in
         for edge_round in range(kappa2):
             model = ModelSnapshot(
                 version=snapshot.version, weights=weights, exact=weights, download_bytes=snapshot.download_bytes
@@ -407,17 +408,20 @@ class EdgeNode:
             while any(net.registry.busy.get(t.client_id) is t for t in tasks):
                 await self._fold_sync(await self.inbox.receive(), int(snapshot.version))
             total += self._updates
+            if self._updates:
+                last_weight = self.buffer.total_example_weight
             if edge_round < kappa2 - 1:
                 if self._updates:
-                    weights = edge_model(weights, self.buffer.weighted_sum, self.buffer.total_example_weight)
+                    weights = edge_model(weights, self.buffer.weighted_sum, last_weight)
                 self._record(self._round_updates, self._bytes_in, 0)
                 self._bytes_in = 0
-        if kappa2 > 1 and self._updates:
-            example_weight = self.buffer.total_example_weight
-            weights = edge_model(weights, self.buffer.weighted_sum, example_weight)
-            progress = edge_progress(snapshot.weights, weights, example_weight)
+        if kappa2 > 1 and total:
+            if self._updates:
+                weights = edge_model(weights, self.buffer.weighted_sum, last_weight)
+            # The edge's whole progress this cloud round, weighted by the samples of its last answering members.
+            progress = edge_progress(snapshot.weights, weights, last_weight)
             self.buffer.reset()
-            self.buffer.add_sum(progress, example_weight=example_weight)
+            self.buffer.add_sum(progress, example_weight=last_weight)
         self._updates = total
 
     async def _fold_sync(self, message: EdgeMessage, version: int) -> None:

@@ -8,13 +8,16 @@ component kind means a config model and one branch here.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
 
 from flasync import codecs, seeding
+from flasync._version import __version__
 from flasync.aggregation import (
     Aggregator,
     BufferedAggregator,
@@ -37,20 +40,42 @@ from flasync.config import (
     BFloat16Stage,
     CodecStage,
     ConstantStalenessConfig,
+    DigitsData,
+    DirichletPartition,
     FedAsyncServer,
     FedAvgServer,
     FedBuffServer,
     Float16Stage,
     HingeStalenessConfig,
+    IIDPartition,
     Int8Stage,
+    MLPModel,
     RandomKStage,
     RunConfig,
     ServerConfig,
     ServerOptimizerConfig,
+    ShardsPartition,
+    SmallCNNModel,
     StalenessConfig,
+    SyntheticData,
     TopKStage,
     TreeTopology,
 )
+from flasync.data import (
+    ArrayData,
+    Partition,
+    SyntheticClients,
+    from_dataset,
+    load_digits,
+    make_synthetic,
+    partition_dirichlet,
+    partition_iid,
+    partition_shards,
+    train_test_split,
+)
+from flasync.errors import ConfigError, DataError
+from flasync.executors import resolve_device
+from flasync.models import MLP, SmallCNN
 from flasync.population import Population
 from flasync.server import (
     Accounting,
@@ -67,10 +92,14 @@ from flasync.server import (
     TreeRounds,
 )
 from flasync.server.loop import Evaluator
-from flasync.topology import Tree
+from flasync.topology import Tree, build_tree
+from flasync.training import flat_parameters
 from flasync.validation import UpdateValidator
 
 __all__ = [
+    "ModelFactory",
+    "Prepared",
+    "RunInputs",
     "ServerParts",
     "build_server",
     "make_aggregator",
@@ -78,7 +107,241 @@ __all__ = [
     "make_server_optimizer",
     "make_staleness_weight",
     "pipeline",
+    "run_mode",
+    "run_tags",
+    "topology_name",
 ]
+
+
+ModelFactory = Callable[[], nn.Module]
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What a run is made of before it starts: data, partition, model, initial weights, tree, device."""
+
+    train: ArrayData
+    test: ArrayData
+    partition: Partition
+    factory: ModelFactory
+    initial: torch.Tensor
+    tree: Tree | None
+    device: torch.device
+    sizes: np.ndarray
+    lazy: SyntheticClients | None
+
+
+class RunInputs:
+    """A run's configuration and what a caller gives besides it (data, model, client attributes).
+
+    Args:
+        config: The run's configuration.
+        dataset: Training data instead of ``config.data``.
+        test_dataset: Held-out data (default: a split of ``dataset``).
+        model_factory: The model to train instead of ``config.model``.
+        client_attributes: Per-client attribute arrays (``topology.assign = "attribute"``).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        dataset: ArrayData | torch.utils.data.Dataset[Any] | None = None,
+        test_dataset: ArrayData | torch.utils.data.Dataset[Any] | None = None,
+        model_factory: ModelFactory | None = None,
+        client_attributes: Mapping[str, Sequence[Any] | np.ndarray] | None = None,
+    ) -> None:
+        """Keep the inputs (nothing is loaded yet)."""
+        self.config = config
+        self._dataset = dataset
+        self._test_dataset = test_dataset
+        self._model_factory = model_factory
+        self._client_attributes = dict(client_attributes or {})
+
+    def _load_data(self) -> tuple[ArrayData, ArrayData]:
+        cfg = self.config
+        if self._dataset is not None:
+            train = self._dataset if isinstance(self._dataset, ArrayData) else from_dataset(self._dataset)
+            if self._test_dataset is not None:
+                test = (
+                    self._test_dataset
+                    if isinstance(self._test_dataset, ArrayData)
+                    else from_dataset(self._test_dataset, num_classes=train.num_classes)
+                )
+                return train, test
+            fraction = cfg.data.test_fraction if isinstance(cfg.data, DigitsData) else 0.2
+            return train_test_split(train, test_fraction=fraction, rng=seeding.numpy_stream(cfg.seed, seeding.DATA))
+        source = cfg.data
+        if isinstance(source, DigitsData):
+            return train_test_split(
+                load_digits(),
+                test_fraction=source.test_fraction,
+                rng=seeding.numpy_stream(cfg.seed, seeding.DATA),
+            )
+        assert isinstance(source, SyntheticData)
+        test = make_synthetic(
+            num_samples=source.test_samples,
+            num_features=source.num_features,
+            num_classes=source.num_classes,
+            rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 1),
+        )
+        if source.lazy:  # only a sample for shapes: clients draw their own data when sampled
+            return self._lazy_clients().client(0), test
+        train = make_synthetic(
+            num_samples=source.samples_per_client * cfg.population.num_clients,
+            num_features=source.num_features,
+            num_classes=source.num_classes,
+            rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 0),
+        )
+        return train, test
+
+    def _lazy_clients(self) -> SyntheticClients:
+        cfg = self.config
+        source = cfg.data
+        assert isinstance(source, SyntheticData)
+        sizes = np.full(cfg.population.num_clients, source.samples_per_client, dtype=np.int32)
+        return SyntheticClients(sizes, num_features=source.num_features, num_classes=source.num_classes, seed=cfg.seed)
+
+    def _partition(self, train: ArrayData) -> Partition:
+        cfg = self.config
+        n, rng = cfg.population.num_clients, seeding.numpy_stream(cfg.seed, seeding.PARTITION)
+        if n > len(train):
+            raise DataError(
+                f"population.num_clients: {n} clients need one training sample each, but the data has {len(train)}"
+            )
+        part = cfg.partition
+        if isinstance(part, IIDPartition):
+            partition = partition_iid(len(train), n, rng=rng)
+        elif isinstance(part, DirichletPartition):
+            partition = partition_dirichlet(train.y.numpy(), n, alpha=part.alpha, rng=rng, min_samples=part.min_samples)
+        else:
+            assert isinstance(part, ShardsPartition)
+            partition = partition_shards(train.y.numpy(), n, shards_per_client=part.shards_per_client, rng=rng)
+        empty = np.flatnonzero(partition.sizes == 0)
+        if len(empty):
+            raise DataError(f"partition leaves {len(empty)} client(s) with 0 samples (first: client {empty[0]})")
+        return partition
+
+    def _factory(self, train: ArrayData) -> ModelFactory:
+        if self._model_factory is not None:
+            return self._model_factory
+        model = self.config.model
+        features = int(np.prod(train.feature_shape))
+        classes = train.num_classes
+        if isinstance(model, MLPModel):
+            hidden = model.hidden
+            return lambda: MLP(features, hidden, classes)
+        assert isinstance(model, SmallCNNModel)
+        expected = model.in_channels * model.image_size[0] * model.image_size[1]
+        if expected != features:
+            raise ConfigError(
+                f"model.image_size: {model.in_channels}x{model.image_size[0]}x{model.image_size[1]} = {expected} "
+                f"values, but samples have {features}"
+            )
+        channels, size, in_channels = model.channels, model.image_size, model.in_channels
+        return lambda: SmallCNN(in_channels=in_channels, image_size=size, num_classes=classes, channels=channels)
+
+    def _initial_weights(self, factory: ModelFactory, sample: ArrayData) -> torch.Tensor:
+        seed = seeding.stream_seed(self.config.seed, seeding.MODEL_INIT)
+        try:
+            # The factory's initialisers draw from torch's default generator: seed it for this call only.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                module = factory()
+        except Exception as exc:
+            raise ConfigError(f"model factory failed: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"model factory must return a torch.nn.Module, got {type(module).__name__}")
+        try:
+            with torch.no_grad():
+                out = module(sample.x[:2])
+        except Exception as exc:
+            raise ConfigError(
+                f"model cannot take samples of shape {tuple(sample.feature_shape)}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if out.dim() != 2 or out.shape[1] != sample.num_classes:
+            raise ConfigError(
+                f"model outputs shape {tuple(out.shape)} for 2 samples, expected (2, {sample.num_classes}) logits"
+            )
+        return flat_parameters(module)
+
+    def _device(self) -> torch.device:
+        executor = self.config.executor
+        try:
+            device = resolve_device(executor.device)
+        except ValueError as exc:
+            raise ConfigError(f"executor.device: {exc}") from exc
+        if self.config.client.precision == "fp16" and device.type != "cuda":
+            raise ConfigError(f"client.precision: fp16 needs a CUDA device, but training runs on {device}")
+        return device
+
+    def prepare(self) -> Prepared:
+        """Load and check the data, partition it, build the model and the tree.
+
+        Raises:
+            ConfigError: If the model or the topology does not fit the data.
+            DataError: If the data set cannot be used.
+        """
+        device = self._device()
+        train, test = self._load_data()
+        if len(test) == 0:
+            raise DataError("the held-out split is empty")
+        if test.num_classes != train.num_classes or test.feature_shape != train.feature_shape:
+            raise DataError("test data must have the training data's feature shape and classes")
+        lazy = None
+        if isinstance(self.config.data, SyntheticData) and self.config.data.lazy:
+            if self._dataset is not None:
+                raise ConfigError("data.lazy: a lazy synthetic source cannot be combined with a given dataset")
+            lazy = self._lazy_clients()
+            partition = Partition(np.zeros(0, dtype=np.int64), np.zeros(len(lazy) + 1, dtype=np.int64))
+            sizes = lazy.sizes.astype(np.int64)
+        else:
+            partition = self._partition(train)
+            sizes = partition.sizes
+        factory = self._factory(train)
+        initial = self._initial_weights(factory, train)
+        return Prepared(train, test, partition, factory, initial, self._tree(), device, sizes, lazy)
+
+    def _tree(self) -> Tree | None:
+        cfg = self.config
+        if not isinstance(cfg.topology, TreeTopology):
+            return None
+        n = cfg.population.num_clients
+        attributes = {name: np.asarray(values) for name, values in self._client_attributes.items()}
+        if cfg.population.regions is not None:
+            rng = seeding.numpy_stream(cfg.seed, seeding.TOPOLOGY)
+            attributes.setdefault("region", rng.integers(cfg.population.regions, size=n))
+        for name, values in attributes.items():
+            if values.shape != (n,):
+                raise ConfigError(f"client_attributes[{name!r}]: {values.size} values for {n} clients")
+        return build_tree(cfg.topology, n, attributes)
+
+
+def topology_name(config: RunConfig) -> str:
+    """Return a short name of the run's topology (``flat``, ``tree(10x4)``, ``tree(3 edges)``)."""
+    topology = config.topology
+    if not isinstance(topology, TreeTopology):
+        return "flat"
+    if topology.edges:
+        return f"tree({len(topology.edges)} edges)"
+    return "tree(" + "x".join(str(f) for f in topology.fanout) + ")"
+
+
+def run_mode(config: RunConfig) -> str:
+    """Return ``sync`` for round-based servers and ``async`` for the others."""
+    return "sync" if isinstance(config.server, FedAvgServer) else "async"
+
+
+def run_tags(config: RunConfig, *, virtual_clock: bool) -> dict[str, str]:
+    """Return the tracking tags of a run: flasync version, aggregator, mode, clock, topology, seed."""
+    return {
+        "flasync.version": __version__,
+        "aggregator": config.server.kind,
+        "mode": run_mode(config),
+        "clock": "virtual" if virtual_clock else "wall",
+        "topology": topology_name(config),
+        "seed": str(config.seed),
+    }
 
 
 def pipeline(stages: Sequence[CodecStage]) -> codecs.Pipeline:

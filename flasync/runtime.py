@@ -8,63 +8,49 @@ worker threads. Every task it starts belongs to its ``asyncio.TaskGroup``.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
-import math
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
 import structlog
 import torch
 import yaml
-from torch import nn
 
 import tracking
-from flasync import checkpoint, codecs, seeding
-from flasync._version import __version__
-from flasync.assembly import build_server, pipeline
+from flasync import checkpoint, codecs
+from flasync.assembly import (
+    ModelFactory,
+    Prepared,
+    RunInputs,
+    build_server,
+    pipeline,
+    run_mode,
+    run_tags,
+    topology_name,
+)
 from flasync.bus import EventBus
 from flasync.client import ClientWorld
 from flasync.clock import Clock, VirtualClock, WallClock
 from flasync.config import (
-    DigitsData,
-    DirichletPartition,
-    FedAvgServer,
-    IIDPartition,
-    MLPModel,
     RunConfig,
-    ShardsPartition,
-    SmallCNNModel,
-    SyntheticData,
-    TreeTopology,
     flatten,
     validate,
 )
 from flasync.data import (
     ArrayData,
-    Partition,
-    SyntheticClients,
-    from_dataset,
-    load_digits,
-    make_synthetic,
-    partition_dirichlet,
-    partition_iid,
-    partition_shards,
-    train_test_split,
 )
 from flasync.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, layer_layout
-from flasync.errors import ConfigError, DataError, RunInterrupted
-from flasync.executors import ThreadTrainingExecutor, resolve_device
+from flasync.errors import RunInterrupted
+from flasync.executors import ThreadTrainingExecutor
 from flasync.faults import FaultModel
 from flasync.jobs import ClientSamples, JobContext
-from flasync.models import MLP, SmallCNN
 from flasync.population import Network, Population
 from flasync.profiling import (
     Instrumentation,
@@ -78,12 +64,11 @@ from flasync.profiling import (
 )
 from flasync.residuals import ResidualStore
 from flasync.server import Server
-from flasync.topology import Tree, build_tree
-from flasync.training import EvalResult, LocalTraining, evaluate, flat_parameters
+from flasync.summary import RunSummary, json_ready, weights_sha256
+from flasync.training import EvalResult, LocalTraining, evaluate
 
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
-ModelFactory = Callable[[], nn.Module]
 _METRIC_EXCLUDE = frozenset(tracking.DEFAULT_EXCLUDE | {"version"})
 # Per-update figures logged only with ``tracking.metrics = "all"``; their per-version sums are in ``profile.version.*``
 # and profile.json either way. Each MLflow metric row costs the store's writer ~0.2 ms of CPU (sqlite).
@@ -99,74 +84,6 @@ _DETAIL_KEYS = frozenset(
         "server.update.norm",
     }
 )
-
-
-def weights_sha256(weights: torch.Tensor) -> str:
-    """Return the sha256 of a flat vector's little-endian float32 bytes."""
-    array = weights.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False)
-    return hashlib.sha256(array.tobytes()).hexdigest()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunSummary:
-    """What a run achieved and cost; also written as ``summary.json``."""
-
-    run_id: str | None
-    accuracy: float
-    loss: float
-    updates_accepted: int
-    updates_dropped: int
-    updates_failed: int
-    tasks_dispatched: int
-    tasks_timed_out: int
-    tasks_abandoned: int
-    versions: int
-    wall_s: float
-    simulated_s: float
-    upload_bytes: int
-    download_bytes: int
-    staleness_mean: float
-    staleness_max: int
-    upload_compression: float
-    updates_per_s: float
-    stop_reason: str
-    weights_sha256: str
-    cloud_ingress_bytes: int = 0
-    cloud_egress_bytes: int = 0
-    cloud_aggregate_s: float = 0.0
-    topology: str = "flat"
-    tiers: dict[str, float] = field(default_factory=dict)
-    peak_rss_bytes: int = 0
-    alerts: int = 0
-    stragglers: tuple[int, ...] = ()
-    server_idle_fraction: float = math.nan
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the summary as a JSON-ready dict (NaN becomes None, tuples lists)."""
-
-        def clean(value: Any) -> Any:
-            if isinstance(value, float) and not math.isfinite(value):
-                return None
-            if isinstance(value, dict):
-                return {k: clean(v) for k, v in value.items()}
-            if isinstance(value, tuple):
-                return [clean(v) for v in value]
-            return value
-
-        return {k: clean(v) for k, v in asdict(self).items()}
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    train: ArrayData
-    test: ArrayData
-    partition: Partition
-    factory: ModelFactory
-    initial: torch.Tensor
-    tree: Tree | None
-    device: torch.device
-    sizes: np.ndarray
-    lazy: SyntheticClients | None
 
 
 class Federation:
@@ -252,158 +169,14 @@ class Federation:
         """The running server (for inspection, e.g. :meth:`Server.state_dict`), None outside :meth:`run`."""
         return self._server
 
-    # -------------------------------------------------------------------------------------------- preparation
-    def _load_data(self) -> tuple[ArrayData, ArrayData]:
-        cfg = self.config
-        if self._dataset is not None:
-            train = self._dataset if isinstance(self._dataset, ArrayData) else from_dataset(self._dataset)
-            if self._test_dataset is not None:
-                test = (
-                    self._test_dataset
-                    if isinstance(self._test_dataset, ArrayData)
-                    else from_dataset(self._test_dataset, num_classes=train.num_classes)
-                )
-                return train, test
-            fraction = cfg.data.test_fraction if isinstance(cfg.data, DigitsData) else 0.2
-            return train_test_split(train, test_fraction=fraction, rng=seeding.numpy_stream(cfg.seed, seeding.DATA))
-        source = cfg.data
-        if isinstance(source, DigitsData):
-            return train_test_split(
-                load_digits(),
-                test_fraction=source.test_fraction,
-                rng=seeding.numpy_stream(cfg.seed, seeding.DATA),
-            )
-        assert isinstance(source, SyntheticData)
-        test = make_synthetic(
-            num_samples=source.test_samples,
-            num_features=source.num_features,
-            num_classes=source.num_classes,
-            rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 1),
-        )
-        if source.lazy:  # only a sample for shapes: clients draw their own data when sampled
-            return self._lazy_clients().client(0), test
-        train = make_synthetic(
-            num_samples=source.samples_per_client * cfg.population.num_clients,
-            num_features=source.num_features,
-            num_classes=source.num_classes,
-            rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 0),
-        )
-        return train, test
-
-    def _lazy_clients(self) -> SyntheticClients:
-        cfg = self.config
-        source = cfg.data
-        assert isinstance(source, SyntheticData)
-        sizes = np.full(cfg.population.num_clients, source.samples_per_client, dtype=np.int32)
-        return SyntheticClients(sizes, num_features=source.num_features, num_classes=source.num_classes, seed=cfg.seed)
-
-    def _partition(self, train: ArrayData) -> Partition:
-        cfg = self.config
-        n, rng = cfg.population.num_clients, seeding.numpy_stream(cfg.seed, seeding.PARTITION)
-        if n > len(train):
-            raise DataError(
-                f"population.num_clients: {n} clients need one training sample each, but the data has {len(train)}"
-            )
-        part = cfg.partition
-        if isinstance(part, IIDPartition):
-            partition = partition_iid(len(train), n, rng=rng)
-        elif isinstance(part, DirichletPartition):
-            partition = partition_dirichlet(train.y.numpy(), n, alpha=part.alpha, rng=rng, min_samples=part.min_samples)
-        else:
-            assert isinstance(part, ShardsPartition)
-            partition = partition_shards(train.y.numpy(), n, shards_per_client=part.shards_per_client, rng=rng)
-        empty = np.flatnonzero(partition.sizes == 0)
-        if len(empty):
-            raise DataError(f"partition leaves {len(empty)} client(s) with 0 samples (first: client {empty[0]})")
-        return partition
-
-    def _factory(self, train: ArrayData) -> ModelFactory:
-        if self._model_factory is not None:
-            return self._model_factory
-        model = self.config.model
-        features = int(np.prod(train.feature_shape))
-        classes = train.num_classes
-        if isinstance(model, MLPModel):
-            hidden = model.hidden
-            return lambda: MLP(features, hidden, classes)
-        assert isinstance(model, SmallCNNModel)
-        expected = model.in_channels * model.image_size[0] * model.image_size[1]
-        if expected != features:
-            raise ConfigError(
-                f"model.image_size: {model.in_channels}x{model.image_size[0]}x{model.image_size[1]} = {expected} "
-                f"values, but samples have {features}"
-            )
-        channels, size, in_channels = model.channels, model.image_size, model.in_channels
-        return lambda: SmallCNN(in_channels=in_channels, image_size=size, num_classes=classes, channels=channels)
-
-    def _initial_weights(self, factory: ModelFactory, sample: ArrayData) -> torch.Tensor:
-        seed = seeding.stream_seed(self.config.seed, seeding.MODEL_INIT)
-        try:
-            # The factory's initialisers draw from torch's default generator: seed it for this call only.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                module = factory()
-        except Exception as exc:
-            raise ConfigError(f"model factory failed: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(module, nn.Module):
-            raise ConfigError(f"model factory must return a torch.nn.Module, got {type(module).__name__}")
-        try:
-            with torch.no_grad():
-                out = module(sample.x[:2])
-        except Exception as exc:
-            raise ConfigError(
-                f"model cannot take samples of shape {tuple(sample.feature_shape)}: {type(exc).__name__}: {exc}"
-            ) from exc
-        if out.dim() != 2 or out.shape[1] != sample.num_classes:
-            raise ConfigError(
-                f"model outputs shape {tuple(out.shape)} for 2 samples, expected (2, {sample.num_classes}) logits"
-            )
-        return flat_parameters(module)
-
-    def _device(self) -> torch.device:
-        executor = self.config.executor
-        try:
-            device = resolve_device(executor.device)
-        except ValueError as exc:
-            raise ConfigError(f"executor.device: {exc}") from exc
-        if self.config.client.precision == "fp16" and device.type != "cuda":
-            raise ConfigError(f"client.precision: fp16 needs a CUDA device, but training runs on {device}")
-        return device
-
-    def _prepare(self) -> _Prepared:
-        device = self._device()
-        train, test = self._load_data()
-        if len(test) == 0:
-            raise DataError("the held-out split is empty")
-        if test.num_classes != train.num_classes or test.feature_shape != train.feature_shape:
-            raise DataError("test data must have the training data's feature shape and classes")
-        lazy = None
-        if isinstance(self.config.data, SyntheticData) and self.config.data.lazy:
-            if self._dataset is not None:
-                raise ConfigError("data.lazy: a lazy synthetic source cannot be combined with a given dataset")
-            lazy = self._lazy_clients()
-            partition = Partition(np.zeros(0, dtype=np.int64), np.zeros(len(lazy) + 1, dtype=np.int64))
-            sizes = lazy.sizes.astype(np.int64)
-        else:
-            partition = self._partition(train)
-            sizes = partition.sizes
-        factory = self._factory(train)
-        initial = self._initial_weights(factory, train)
-        return _Prepared(train, test, partition, factory, initial, self._tree(), device, sizes, lazy)
-
-    def _tree(self) -> Tree | None:
-        cfg = self.config
-        if not isinstance(cfg.topology, TreeTopology):
-            return None
-        n = cfg.population.num_clients
-        attributes = {name: np.asarray(values) for name, values in self._client_attributes.items()}
-        if cfg.population.regions is not None:
-            rng = seeding.numpy_stream(cfg.seed, seeding.TOPOLOGY)
-            attributes.setdefault("region", rng.integers(cfg.population.regions, size=n))
-        for name, values in attributes.items():
-            if values.shape != (n,):
-                raise ConfigError(f"client_attributes[{name!r}]: {values.size} values for {n} clients")
-        return build_tree(cfg.topology, n, attributes)
+    def _prepare(self) -> Prepared:
+        return RunInputs(
+            self.config,
+            dataset=self._dataset,
+            test_dataset=self._test_dataset,
+            model_factory=self._model_factory,
+            client_attributes=self._client_attributes,
+        ).prepare()
 
     def _make_tracker(self) -> tracking.Tracker:
         if self._tracker is not None:
@@ -414,23 +187,7 @@ class Federation:
         return tracking.MlflowTracker(cfg.uri, system_metrics=cfg.system_metrics)
 
     def _tags(self) -> dict[str, str]:
-        cfg = self.config
-        return {
-            "flasync.version": __version__,
-            "aggregator": cfg.server.kind,
-            "mode": "sync" if isinstance(cfg.server, FedAvgServer) else "async",
-            "clock": "virtual" if self.clock.virtual else "wall",
-            "topology": self._topology_name(),
-            "seed": str(cfg.seed),
-        }
-
-    def _topology_name(self) -> str:
-        topology = self.config.topology
-        if not isinstance(topology, TreeTopology):
-            return "flat"
-        if topology.edges:
-            return f"tree({len(topology.edges)} edges)"
-        return "tree(" + "x".join(str(f) for f in topology.fanout) + ")"
+        return run_tags(self.config, virtual_clock=self.clock.virtual)
 
     # ---------------------------------------------------------------------------------------------------- run
     async def run(self) -> RunSummary:
@@ -503,7 +260,7 @@ class Federation:
                 shutil.rmtree(self._traces.trace_dir, ignore_errors=True)
 
     async def _simulate(
-        self, prepared: _Prepared, executor: ThreadTrainingExecutor, log: Any, tracker: tracking.Tracker
+        self, prepared: Prepared, executor: ThreadTrainingExecutor, log: Any, tracker: tracking.Tracker
     ) -> RunSummary:
         cfg = self.config
         dcfg = cfg.diagnostics
@@ -604,6 +361,7 @@ class Federation:
         if self._resume is not None:
             server.load_state_dict(self._resume.state)
             self.clock.restore(self._resume.state["clock"])
+        updates_before = server.stats.updates_accepted  # a resumed run's rate counts its own updates only
         writes = _CheckpointWriter(tracker, cfg, log)
         server.on_checkpoint = writes.submit
         self._server = server
@@ -688,39 +446,16 @@ class Federation:
                 metrics=False,
             )
             raise RunInterrupted(server.stop_requested, run_id=self.run_id, checkpoint=writes.last_saved)
-        summary = RunSummary(
+        summary = RunSummary.from_stats(
+            stats,
             run_id=self.run_id,
-            accuracy=stats.accuracy,
-            loss=stats.loss,
-            updates_accepted=stats.updates_accepted,
-            updates_dropped=stats.updates_dropped,
-            updates_failed=stats.updates_failed,
-            tasks_dispatched=stats.tasks_dispatched,
-            tasks_timed_out=stats.tasks_timed_out,
-            tasks_abandoned=stats.tasks_abandoned,
-            versions=stats.versions,
             wall_s=wall_s,
             simulated_s=simulated_s,
-            upload_bytes=stats.upload_bytes,
-            download_bytes=stats.download_bytes,
-            staleness_mean=stats.staleness_sum / max(stats.updates_accepted, 1),
-            staleness_max=stats.staleness_max,
-            upload_compression=(
-                (stats.updates_accepted + stats.updates_dropped)
-                * (codecs.HEADER.size + 4 * prepared.initial.numel())
-                / stats.upload_bytes
-                if stats.upload_bytes
-                else 1.0
-            ),
-            updates_per_s=stats.updates_accepted / wall_s if wall_s > 0 else 0.0,
-            stop_reason=stats.stop_reason,
-            weights_sha256=weights_sha256(weights),
-            cloud_ingress_bytes=stats.cloud_ingress_bytes,
-            cloud_egress_bytes=stats.cloud_egress_bytes,
-            cloud_aggregate_s=stats.cloud_aggregate_s,
-            topology=self._topology_name(),
+            num_params=prepared.initial.numel(),
+            weights=weights,
+            updates_before=updates_before,
+            topology=topology_name(self.config),
             tiers=parts.edges.summary() if parts.edges is not None else {},
-            peak_rss_bytes=peak_rss_bytes(),
         )
         figures = {
             key: value
@@ -772,7 +507,7 @@ class Federation:
         }
         profile = build_profile(
             instrumentation.profiler.records,
-            mode="sync" if isinstance(cfg.server, FedAvgServer) else "async",
+            mode=run_mode(cfg),
             num_params=num_params,
             dense_bytes=codecs.HEADER.size + 4 * num_params,
             stragglers=cfg.diagnostics.stragglers,
@@ -798,12 +533,12 @@ class Federation:
             server_idle_fraction=float(profile["time"]["server_idle_fraction"]),
         )
 
-    def _log_artifacts(self, tracker: tracking.Tracker, prepared: _Prepared, summary: RunSummary, log: Any) -> None:
+    def _log_artifacts(self, tracker: tracking.Tracker, prepared: Prepared, summary: RunSummary, log: Any) -> None:
         if isinstance(tracker, tracking.NullTracker):
             return
         tracker.log_dict(summary.to_dict(), "summary.json")
         if self.profile is not None:
-            tracker.log_dict(_json_ready(self.profile), "profile.json")
+            tracker.log_dict(json_ready(self.profile), "profile.json")
             if self.config.diagnostics.plots:
                 for name, image in render_plots(self.profile).items():
                     tracker.log_bytes(image, f"plots/{name}")
@@ -831,17 +566,6 @@ class Federation:
                 log.debug("tracking.log_model", seconds=seconds, metrics=False)
             except Exception as exc:  # a model MLflow cannot serialise must not fail the run
                 log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
-
-
-def _json_ready(value: Any) -> Any:
-    """Return ``value`` with non-finite floats replaced by None (strict JSON)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): _json_ready(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_ready(v) for v in value]
-    return value
 
 
 class _CheckpointWriter:

@@ -1,4 +1,6 @@
-"""Helpers for testing code that uses flasync: a small fast config, an in-memory tracker, an event recorder.
+"""Helpers for testing code that uses flasync: a small fast config, an in-memory tracker, an event recorder, and a
+server harness (bus + virtual clock + scripted clients) that builds a :class:`~flasync.server.Server` without a
+federation.
 
 Example::
 
@@ -17,19 +19,54 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
+from flasync import codecs
+from flasync.aggregation import (
+    Aggregator,
+    BufferedAggregator,
+    ConstantStaleness,
+    EqualExampleWeight,
+    ServerOptimizer,
+)
 from flasync.bus import EventBus, OverflowPolicy
-from flasync.config import RunConfig, apply_override, validate
+from flasync.clock import VirtualClock
+from flasync.config import ConstantSpeed, RunConfig, apply_override, validate
 from flasync.errors import BusClosed
+from flasync.events import ClientFailed, TaskAssigned, UpdateUploaded
+from flasync.population import Population
+from flasync.server import (
+    Accounting,
+    AsyncSlots,
+    ClientSampler,
+    Intake,
+    Policy,
+    Server,
+    ServerStats,
+    StopRules,
+    TaskRegistry,
+)
+from flasync.snapshots import ModelSnapshot
+from flasync.training import EvalResult
+from flasync.validation import UpdateValidator
 from tracking.metrics import MetricRow
 
-__all__ = ["EventRecorder", "MemoryTracker", "UntrainableModel", "small_config"]
+__all__ = [
+    "EventRecorder",
+    "MemoryTracker",
+    "NullLog",
+    "ScriptedClients",
+    "ServerHarness",
+    "UntrainableModel",
+    "small_config",
+]
 
 E = TypeVar("E")
 
@@ -203,3 +240,205 @@ class EventRecorder:
     def dropped(self) -> int:
         """Return events dropped because the recorder was full."""
         return self._subscription.statistics().dropped
+
+
+class NullLog:
+    """A logger that keeps the events it is given (``records``) and prints nothing."""
+
+    def __init__(self) -> None:
+        """Start with no records."""
+        self.records: list[tuple[str, str, dict[str, Any]]] = []
+
+    def _log(self, level: str, event: str, **fields: Any) -> None:
+        self.records.append((level, event, fields))
+
+    def debug(self, event: str, **fields: Any) -> None:
+        """Keep a debug event."""
+        self._log("debug", event, **fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        """Keep an info event."""
+        self._log("info", event, **fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        """Keep a warning."""
+        self._log("warning", event, **fields)
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """Return the fields of every kept event called ``name``."""
+        return [fields for _, event, fields in self.records if event == name]
+
+
+@dataclass
+class ScriptedClients:
+    """Clients whose answers a test decides: a task answers ``delay_s(task)`` virtual seconds after its dispatch.
+
+    ``delta(task)`` is the flat delta uploaded (encoded with ``codec``); ``fail(task)`` returning a kind
+    (``"error"``, ``"crash"``, ...) makes the task fail instead, and returning ``"hang"`` makes it never answer.
+    Use an instance as a registry's ``start_task``.
+    """
+
+    bus: EventBus
+    clock: VirtualClock
+    num_params: int
+    codec: codecs.Pipeline = field(default_factory=codecs.Pipeline)
+    delta: Callable[[TaskAssigned], torch.Tensor] | None = None
+    delay_s: Callable[[TaskAssigned], float] = lambda task: 1.0 + 0.1 * (int(task.client_id) % 7)
+    fail: Callable[[TaskAssigned], str | None] = lambda task: None
+    num_samples: int = 10
+    started: list[TaskAssigned] = field(default_factory=list)
+
+    async def __call__(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
+        """Answer ``task`` as scripted."""
+        self.started.append(task)
+        await self.clock.sleep_until(task.simulated_s + self.delay_s(task))
+        kind = self.fail(task)
+        if kind == "hang":
+            await asyncio.get_running_loop().create_future()
+        if kind is not None:
+            await self.bus.publish(
+                ClientFailed(
+                    to=task.reply_to,
+                    task_id=task.task_id,
+                    client_id=task.client_id,
+                    base_version=task.base_version,
+                    error=f"scripted {kind}",
+                    simulated_s=self.clock.now(),
+                    kind=kind,  # type: ignore[arg-type]
+                )
+            )
+            return
+        delta = self.delta(task) if self.delta is not None else torch.full((self.num_params,), 0.01)
+        await self.bus.publish(
+            UpdateUploaded(
+                to=task.reply_to,
+                task_id=task.task_id,
+                client_id=task.client_id,
+                base_version=task.base_version,
+                num_samples=self.num_samples,
+                payload=self.codec.encode(delta).payload,
+                train_loss=0.0,
+                simulated_s=self.clock.now(),
+                sent_wall_s=0.0,
+            )
+        )
+
+
+class ServerHarness:
+    """A :class:`~flasync.server.Server` on a bus and a virtual clock with scripted clients: no data, no model.
+
+    Args:
+        num_params: Length of the flat model.
+        num_clients: Size of the population.
+        max_versions: Versions before the run stops.
+        concurrency: Tasks in flight (the default policy is :class:`~flasync.server.AsyncSlots`).
+        buffer_size: ``K`` of the default FedBuff aggregator (server SGD, lr 1, equal weights, no staleness weight).
+        timeout_s: A task's time limit (None: none).
+        max_update_norm: The intake's norm bound (None: none).
+        failure_limit: Consecutive genuine errors that fail the run.
+        policy: Builds another policy from the harness (called after the registry and sampler exist).
+        aggregator: Builds another aggregator over the weights.
+        clients: Builds the scripted clients from the bus and clock (default: :class:`ScriptedClients`).
+        evaluate: Returns the accuracy of a model (default: none is evaluated).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_params: int = 4,
+        num_clients: int = 10,
+        max_versions: int = 3,
+        concurrency: int = 2,
+        buffer_size: int = 2,
+        timeout_s: float | None = None,
+        max_update_norm: float | None = None,
+        failure_limit: int = 30,
+        policy: Callable[[ServerHarness], Policy] | None = None,
+        aggregator: Callable[[torch.Tensor], Aggregator] | None = None,
+        clients: Callable[[EventBus, VirtualClock], ScriptedClients] | None = None,
+        evaluate: Callable[[torch.Tensor], float] | None = None,
+    ) -> None:
+        """Build every component (nothing runs yet)."""
+        self.clock = VirtualClock()
+        self.bus = EventBus(on_activity=self.clock.poke)
+        self.log = NullLog()
+        self.weights = torch.zeros(num_params)
+        self.clients = (clients or (lambda bus, clock: ScriptedClients(bus, clock, num_params)))(self.bus, self.clock)
+        self.accounting = Accounting(failure_limit=failure_limit)
+        self.registry = TaskRegistry(
+            bus=self.bus,
+            clock=self.clock,
+            accounting=self.accounting,
+            num_clients=num_clients,
+            start_task=self.clients,
+            timeout_s=timeout_s,
+        )
+        self.population = Population(np.full(num_clients, 10), ConstantSpeed(), seed=0)
+        self.sampler = ClientSampler(self.population, "uniform", np.random.default_rng(0))
+        self.intake = Intake(
+            registry=self.registry,
+            codec=self.clients.codec,
+            num_params=num_params,
+            device=self.weights.device,
+            validator=UpdateValidator(num_params, max_norm=max_update_norm),
+            max_staleness=None,
+            clip_norm=None,
+            wall=lambda: 0.0,
+        )
+        self.aggregator = (
+            aggregator(self.weights)
+            if aggregator is not None
+            else BufferedAggregator(
+                self.weights,
+                size=buffer_size,
+                optimizer=ServerOptimizer.sgd(self.weights, lr=1.0),
+                staleness=ConstantStaleness(),
+                example_weight=EqualExampleWeight(),
+            )
+        )
+        self.policy = (
+            policy(self)
+            if policy is not None
+            else AsyncSlots(
+                concurrency=concurrency,
+                registry=self.registry,
+                sampler=self.sampler,
+                clock=self.clock,
+                ready=self.aggregator.ready,
+                accounting=self.accounting,
+            )
+        )
+        scorer = evaluate
+
+        async def evaluate_weights(weights: torch.Tensor) -> EvalResult | None:
+            if scorer is None:
+                return None
+            return EvalResult(accuracy=scorer(weights), loss=0.0, num_samples=1)
+
+        self.server = Server(
+            self.weights,
+            bus=self.bus,
+            clock=self.clock,
+            wall=lambda: 0.0,
+            log=self.log,
+            aggregator=self.aggregator,
+            policy=self.policy,
+            registry=self.registry,
+            intake=self.intake,
+            accounting=self.accounting,
+            sampler=self.sampler,
+            download_codec=codecs.Pipeline(),
+            edge_codec=codecs.Pipeline(),
+            evaluate=evaluate_weights,
+            rules=StopRules(max_versions=max_versions),
+            inbox_capacity=2 * num_clients + 8,
+        )
+
+    async def run(self) -> ServerStats:
+        """Drive the virtual clock and run the server to its stop condition; return its counters."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.clock.drive())
+            try:
+                return await self.server.run()
+            finally:
+                self.clock.stop()

@@ -28,7 +28,7 @@ from flasync.events import (
     UpdateRejected,
     UpdateUploaded,
 )
-from flasync.runtime import weights_sha256
+from flasync.summary import weights_sha256
 from flasync.testing import EventRecorder, MemoryTracker, UntrainableModel, small_config
 
 SUMMARY_KEYS = {

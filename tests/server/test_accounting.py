@@ -1,0 +1,88 @@
+"""Accounting: every outcome counted once, genuine error streaks fail the run, per-version figures start afresh."""
+
+from __future__ import annotations
+
+import pytest
+
+from flasync.errors import TrainingError
+from flasync.server import Accounting
+from flasync.testing import ScriptedClients, ServerHarness
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_outcomes_and_bytes_are_counted() -> None:
+    """Accepted, rejected, failed, timed out and abandoned tasks each land in their own counter."""
+    accounting = Accounting(failure_limit=10)
+    accounting.accepted(2)
+    accounting.accepted(0)
+    accounting.rejected("norm")
+    accounting.failed("crash", "injected")
+    accounting.timed_out()
+    accounting.abandoned(3)
+    accounting.uploaded(100)
+    stats = accounting.stats
+    assert (stats.updates_accepted, stats.updates_dropped, stats.updates_failed) == (2, 1, 1)
+    assert (stats.tasks_timed_out, stats.tasks_abandoned, stats.upload_bytes) == (1, 3, 100)
+    assert (stats.staleness_sum, stats.staleness_max, stats.staleness_mean) == (2, 2, 1.0)
+    assert stats.drop_reasons == {"norm": 1} and stats.failure_kinds == {"crash": 1}
+
+
+def test_a_streak_of_genuine_errors_fails_the_run_and_injected_faults_never_do() -> None:
+    """failure_limit consecutive 'error' failures raise; crashes, dropouts and an accepted update break no streak."""
+    accounting = Accounting(failure_limit=3)
+    for _ in range(10):
+        accounting.failed("crash", "injected")
+        accounting.failed("dropout", "left")
+    accounting.failed("error", "boom")
+    accounting.failed("error", "boom")
+    accounting.accepted(0)  # a success resets the streak
+    accounting.failed("error", "boom")
+    accounting.failed("error", "boom")
+    with pytest.raises(TrainingError, match="the last 3 client tasks all failed; the last error: boom"):
+        accounting.failed("error", "boom")
+
+
+def test_version_figures_cover_what_came_since_the_last_version() -> None:
+    """close_version returns the updates, mean staleness and cloud bytes since the previous one, then resets."""
+    accounting = Accounting(failure_limit=3)
+    accounting.accepted(1)
+    accounting.accepted(3)
+    accounting.ingress(10)
+    accounting.dispatched(7, from_cloud=True)
+    accounting.dispatched(5, from_cloud=False)  # an edge's client downloads from its edge
+    figures = accounting.close_version(1)
+    assert (figures.updates, figures.staleness_mean, figures.ingress_bytes, figures.egress_bytes) == (2, 2.0, 10, 7)
+    assert accounting.stats.versions == 1 and accounting.stats.download_bytes == 12
+    empty = accounting.close_version(2)
+    assert (empty.updates, empty.ingress_bytes, empty.egress_bytes) == (0, 0, 0)
+
+
+def test_state_round_trip() -> None:
+    """Counters, the streak and the open version's figures survive a checkpoint."""
+    accounting = Accounting(failure_limit=2)
+    accounting.accepted(4)
+    accounting.failed("error", "x")
+    accounting.ingress(9)
+    restored = Accounting(failure_limit=2)
+    restored.load_state_dict(accounting.state_dict())
+    assert restored.stats == accounting.stats
+    with pytest.raises(TrainingError):
+        restored.failed("error", "x")  # the streak of one came along
+    assert restored.close_version(1).ingress_bytes == 9
+
+
+async def test_a_server_counts_failures_once_and_refills_their_slots() -> None:
+    """Every third client crashes: the run still makes its versions, and each failure is counted once."""
+    harness = ServerHarness(
+        max_versions=4,
+        clients=lambda bus, clock: ScriptedClients(
+            bus, clock, 4, fail=lambda task: "crash" if int(task.client_id) % 3 == 0 else None
+        ),
+    )
+    stats = await harness.run()
+    crashed = [t for t in harness.clients.started if int(t.client_id) % 3 == 0 and t.task_id < stats.tasks_dispatched]
+    assert stats.versions == 4 and stats.updates_accepted == 8
+    assert stats.updates_failed == len(harness.log.events("server.failure"))
+    assert stats.updates_failed <= len(crashed)
+    assert stats.failure_kinds == {"crash": stats.updates_failed}

@@ -1,0 +1,149 @@
+"""The intake: each refusal with its reason, the forged ones refused before they can close a task."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flasync import codecs
+from flasync.events import ClientId, UpdateUploaded, Version
+from flasync.server import Admitted, Intake, Refused
+from flasync.snapshots import ModelSnapshot
+from flasync.testing import ServerHarness
+from flasync.validation import UpdateValidator
+
+pytestmark = pytest.mark.timeout(30)
+
+N = 4
+
+
+def _upload(task_id: int, client: int, base: int, delta: torch.Tensor | bytes) -> UpdateUploaded:
+    payload = delta if isinstance(delta, bytes) else codecs.Pipeline().encode(delta).payload
+    return UpdateUploaded(
+        task_id=task_id,
+        client_id=ClientId(client),
+        base_version=Version(base),
+        num_samples=10,
+        payload=payload,
+        train_loss=0.0,
+        simulated_s=0.0,
+        sent_wall_s=0.0,
+    )
+
+
+class _Tasks:
+    """A registry stand-in: the tasks in flight by (task, client, base), and the published versions."""
+
+    def __init__(self, *tasks: tuple[int, int, int]) -> None:
+        self.tasks = set(tasks)
+        self.released: list[int] = []
+
+    def base(self, version: Version) -> ModelSnapshot | None:
+        weights = torch.zeros(N)
+        return ModelSnapshot(version=version, weights=weights, exact=weights, download_bytes=0)
+
+    def release(self, message: UpdateUploaded) -> bool:
+        key = (message.task_id, int(message.client_id), int(message.base_version))
+        if key not in self.tasks:
+            return False
+        self.tasks.remove(key)
+        self.released.append(message.task_id)
+        return True
+
+
+def _intake(tasks: _Tasks, **kwargs: object) -> Intake:
+    options: dict[str, object] = {"max_staleness": None, "clip_norm": None}
+    options.update(kwargs)
+    return Intake(
+        registry=tasks,  # type: ignore[arg-type]
+        codec=codecs.Pipeline(),
+        num_params=N,
+        device=torch.device("cpu"),
+        validator=UpdateValidator(N, max_norm=options.pop("max_norm", None)),  # type: ignore[arg-type]
+        wall=lambda: 0.0,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def test_an_answer_to_a_task_in_flight_is_admitted_and_releases_it() -> None:
+    """A good update is admitted with its staleness and norm, and its task is released."""
+    tasks = _Tasks((0, 3, 1))
+    verdict = _intake(tasks).admit(_upload(0, 3, 1, torch.full((N,), 0.5)), version=4)
+    assert isinstance(verdict, Admitted)
+    assert verdict.staleness == 3 and verdict.norm == pytest.approx(1.0)
+    assert tasks.released == [0]
+
+
+def test_a_version_never_published_is_refused_without_closing_the_task() -> None:
+    """A forged base version is refused before release: the real answer can still come."""
+    tasks = _Tasks((0, 3, 9))
+    verdict = _intake(tasks).admit(_upload(0, 3, 9, torch.zeros(N)), version=4)
+    assert verdict == Refused("unknown_version", "base version 9 was never published")
+    assert tasks.released == []
+
+
+def test_an_answer_to_no_task_is_unexpected() -> None:
+    """An upload for a task not in flight is refused as unexpected."""
+    verdict = _intake(_Tasks()).admit(_upload(7, 3, 0, torch.zeros(N)), version=0)
+    assert isinstance(verdict, Refused) and verdict.reason == "unexpected"
+
+
+def test_staleness_over_the_limit_is_refused_after_release() -> None:
+    """Too stale: refused as 'stale', and the task is over (it answered)."""
+    tasks = _Tasks((0, 1, 0))
+    verdict = _intake(tasks, max_staleness=2).admit(_upload(0, 1, 0, torch.zeros(N)), version=3)
+    assert isinstance(verdict, Refused) and verdict.reason == "stale"
+    assert tasks.released == [0]
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"garbage", "decode"),
+        (codecs.Pipeline().encode(torch.zeros(N + 1)).payload, "decode"),
+        (codecs.Pipeline().encode(torch.tensor([1.0, math.nan, 0.0, 0.0])).payload, "non_finite"),
+        (codecs.Pipeline().encode(torch.full((N,), 100.0)).payload, "norm"),
+    ],
+    ids=["garbage", "wrong-length", "nan", "norm"],
+)
+def test_unusable_updates_are_refused_with_their_reason(payload: bytes, reason: str) -> None:
+    """Bytes that do not decode to the model's length, NaN, or a norm over the bound are refused by name."""
+    verdict = _intake(_Tasks((0, 1, 0)), max_norm=10.0).admit(_upload(0, 1, 0, payload), version=0)
+    assert isinstance(verdict, Refused) and verdict.reason == reason
+
+
+def test_admitted_updates_are_clipped_and_their_norm_remembered() -> None:
+    """Clipping scales the admitted delta to the bound; accepted() adds its norm to the validator's history."""
+    intake = _intake(_Tasks((0, 1, 0)), clip_norm=1.0)
+    verdict = intake.admit(_upload(0, 1, 0, torch.full((N,), 3.0)), version=0)
+    assert isinstance(verdict, Admitted)
+    assert float(torch.linalg.vector_norm(verdict.delta)) == pytest.approx(1.0)
+    assert verdict.norm == pytest.approx(6.0)
+    intake.accepted(verdict)
+    assert intake.state_dict() == {"validator_norms": [pytest.approx(6.0)]}
+
+
+async def test_the_cloud_counts_each_refusal_once_and_keeps_serving() -> None:
+    """Through a whole server: a NaN client's tasks are refused (not failed), counted once each, and the run ends."""
+    harness = ServerHarness(
+        max_versions=3,
+        clients=lambda bus, clock: _nan_for_odd_clients(bus, clock),
+    )
+    stats = await harness.run()
+    refused = harness.log.events("server.rejected")
+    assert stats.versions == 3
+    assert stats.updates_dropped == len(refused) > 0 == stats.updates_failed
+    assert stats.drop_reasons == {"non_finite": len(refused)}
+
+
+def _nan_for_odd_clients(bus: object, clock: object) -> object:
+    from flasync.testing import ScriptedClients
+
+    return ScriptedClients(
+        bus,  # type: ignore[arg-type]
+        clock,  # type: ignore[arg-type]
+        N,
+        delta=lambda task: torch.full((N,), math.nan if int(task.client_id) % 2 else 0.01),
+    )

@@ -1,0 +1,142 @@
+"""The task registry: dispatch, release exactly once, base models kept while used, watchdogs, checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from flasync.bus import EventBus
+from flasync.clock import VirtualClock
+from flasync.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, Version
+from flasync.snapshots import ModelSnapshot
+from flasync.testing import EventRecorder, ScriptedClients, ServerHarness
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _silent(bus: EventBus, clock: VirtualClock) -> ScriptedClients:
+    """Clients that never answer: the registry's own behaviour is under test."""
+    return ScriptedClients(bus, clock, 4, fail=lambda task: "hang")
+
+
+def _snapshot(version: int) -> ModelSnapshot:
+    weights = torch.full((4,), float(version))
+    return ModelSnapshot(version=Version(version), weights=weights, exact=weights, download_bytes=100)
+
+
+async def _started(harness: ServerHarness, body: object) -> None:
+    async with asyncio.TaskGroup() as tg:
+        harness.registry.attach(tg)
+        try:
+            await body  # type: ignore[misc]
+        finally:
+            harness.registry.cancel_all()
+
+
+async def test_dispatch_records_the_task_counts_the_download_and_publishes_it() -> None:
+    """A dispatch numbers the task, counts one participation and its download, and announces it on the bus."""
+    harness = ServerHarness(clients=_silent)
+    events = EventRecorder(harness.bus)
+    registry = harness.registry
+    registry.publish(_snapshot(0))
+
+    async def body() -> None:
+        first = await registry.dispatch(3)
+        second = await registry.dispatch(3 + 1)
+        assert (first.task_id, second.task_id) == (0, 1)
+        assert first.participation == 0 and first.reply_to == CLOUD
+        assert 3 in registry and len(registry) == 2
+        registry.release(first)
+        third = await registry.dispatch(3)
+        assert third.participation == 1  # the client's second task
+
+    await _started(harness, body())
+    await asyncio.sleep(0)
+    assert [e.task_id for e in events.of(TaskAssigned)] == [0, 1, 2]
+    assert harness.accounting.stats.tasks_dispatched == 3
+    assert harness.accounting.stats.download_bytes == 300 == harness.accounting.stats.cloud_egress_bytes
+
+
+async def test_a_task_is_released_once_and_only_by_its_own_answer() -> None:
+    """Release takes the exact task (id, client, base version); a repeat or a forged answer finds nothing."""
+    harness = ServerHarness(clients=_silent)
+    registry = harness.registry
+    registry.publish(_snapshot(0))
+
+    async def body() -> None:
+        task = await registry.dispatch(5)
+        forged = TaskAssigned(
+            task_id=task.task_id, client_id=ClientId(5), participation=0, base_version=Version(7), simulated_s=0.0
+        )
+        assert not registry.release(forged)
+        assert registry.release(task)
+        assert not registry.release(task)
+        assert len(registry) == 0
+
+    await _started(harness, body())
+
+
+async def test_an_old_base_model_is_kept_while_a_task_uses_it() -> None:
+    """Publishing v1 keeps v0 for the task that started from it, and drops it when that task is released."""
+    harness = ServerHarness(clients=_silent)
+    registry = harness.registry
+    registry.publish(_snapshot(0))
+
+    async def body() -> None:
+        task = await registry.dispatch(1)
+        registry.publish(_snapshot(1))
+        assert registry.base(Version(0)) is not None
+        registry.release(task)
+        assert registry.base(Version(0)) is None
+        assert registry.base(Version(1)) is registry.current
+
+    await _started(harness, body())
+
+
+async def test_an_unused_old_model_is_dropped_at_once() -> None:
+    """Without tasks on it, the previous model is not kept when a new one is published."""
+    harness = ServerHarness()
+    harness.registry.publish(_snapshot(0))
+    harness.registry.publish(_snapshot(1))
+    assert harness.registry.base(Version(0)) is None
+
+
+async def test_the_watchdog_times_out_a_silent_task_to_whoever_it_answers() -> None:
+    """A task not answered within timeout_s produces one ClientTimedOut addressed like its answer."""
+    harness = ServerHarness(timeout_s=5.0, clients=_silent)
+    registry = harness.registry
+    registry.publish(_snapshot(0))
+    timeouts = harness.bus.subscribe(ClientTimedOut, address="edge7")
+
+    async def body() -> None:
+        drive = asyncio.create_task(harness.clock.drive())
+        task = await registry.dispatch(2, reply_to="edge7")
+        timed_out = await timeouts.receive()
+        assert (timed_out.task_id, timed_out.to, timed_out.timeout_s) == (task.task_id, "edge7", 5.0)
+        assert harness.clock.now() == pytest.approx(5.0)
+        harness.clock.stop()
+        await drive
+
+    await _started(harness, body())
+
+
+async def test_state_round_trip_restores_tasks_models_and_participations() -> None:
+    """A registry loaded from another's state has the same tasks in flight, base models and counters."""
+    source = ServerHarness(clients=_silent)
+    source.registry.publish(_snapshot(0))
+
+    async def body() -> None:
+        await source.registry.dispatch(4)
+        source.registry.publish(_snapshot(1))
+        await source.registry.dispatch(6, reply_to="edge1")
+
+    await _started(source, body())
+    state = source.registry.state_dict()
+    target = ServerHarness()
+    target.registry.load_state_dict(state, device=torch.device("cpu"))
+    assert [(t.client_id, t.base_version, t.reply_to) for t in target.registry] == [(4, 0, CLOUD), (6, 1, "edge1")]
+    assert target.registry.current is not None and target.registry.current.version == 1
+    assert target.registry.base(Version(0)) is not None
+    assert target.registry.state_dict()["participations"].tolist() == state["participations"].tolist()

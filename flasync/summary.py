@@ -92,7 +92,8 @@ class RunSummary:
             updates_before: Updates accepted before this process took over (a resumed run's rate counts its own).
             **extra: Further fields (``topology``, ``tiers``, ...).
         """
-        shared = {f.name: getattr(stats, f.name) for f in fields(cls) if hasattr(stats, f.name)}
+        counters = {f.name for f in fields(stats)}
+        shared = {f.name: getattr(stats, f.name) for f in fields(cls) if f.name in counters}
         sent = stats.updates_accepted + stats.updates_dropped
         dense = codecs.HEADER.size + 4 * num_params
         return cls(

@@ -36,6 +36,7 @@ from flasync.events import (
     UpdateRejected,
     UpdateUploaded,
 )
+from flasync.quantiles import percentile
 from flasync.training import FlatModel, LocalResult, LocalTraining, train
 from flasync.validation import finite_norm
 
@@ -440,8 +441,10 @@ def _quantiles(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     ordered = sorted(values)
-
-    def q(p: float) -> float:
-        return ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))]
-
-    return {"p10": q(0.1), "p50": q(0.5), "p90": q(0.9), "max": ordered[-1], "count": float(len(ordered))}
+    return {
+        "p10": percentile(ordered, 0.1),
+        "p50": percentile(ordered, 0.5),
+        "p90": percentile(ordered, 0.9),
+        "max": ordered[-1],
+        "count": float(len(ordered)),
+    }

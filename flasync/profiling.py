@@ -45,6 +45,7 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
+from flasync.quantiles import percentile
 
 __all__ = [
     "Instrumentation",
@@ -63,17 +64,9 @@ def quantiles(values: Sequence[float]) -> dict[str, float] | None:
     if not values:
         return None
     ordered = sorted(values)
-    last = len(ordered) - 1
-
-    def q(p: float) -> float:
-        position = p * last
-        low = math.floor(position)
-        high = min(low + 1, last)
-        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
     return {
-        "p50": q(0.5),
-        "p90": q(0.9),
+        "p50": percentile(ordered, 0.5),
+        "p90": percentile(ordered, 0.9),
         "max": ordered[-1],
         "mean": sum(ordered) / len(ordered),
         "count": float(len(ordered)),

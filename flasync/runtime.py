@@ -456,6 +456,7 @@ class Federation:
             updates_before=updates_before,
             topology=topology_name(self.config),
             tiers=parts.edges.summary() if parts.edges is not None else {},
+            peak_rss_bytes=peak_rss_bytes(),
         )
         figures = {
             key: value

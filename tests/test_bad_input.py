@@ -8,6 +8,7 @@ import mlflow
 import pytest
 import torch
 
+import flasync.assembly
 import flasync.runtime
 import tracking
 from flasync import checkpoint
@@ -150,7 +151,7 @@ def test_labels_out_of_range(capsys: pytest.CaptureFixture[str], store: str, mon
     def bad_digits() -> ArrayData:
         return ArrayData(x=torch.zeros(100, 64), y=torch.full((100,), 12, dtype=torch.int64), num_classes=10)
 
-    monkeypatch.setattr(flasync.runtime, "load_digits", bad_digits)
+    monkeypatch.setattr(flasync.assembly, "load_digits", bad_digits)
     assert _fails(capsys, store, "run") == "labels must be in [0, 10); found 12 at index 0."
 
 
@@ -187,7 +188,7 @@ def test_model_factory_that_raises(
     def broken(*args: object, **kwargs: object) -> torch.nn.Module:
         raise RuntimeError("no GPU here")
 
-    monkeypatch.setattr(flasync.runtime, "MLP", broken)
+    monkeypatch.setattr(flasync.assembly, "MLP", broken)
     assert _fails(capsys, store, "run") == "model factory failed: RuntimeError: no GPU here"
 
 

@@ -227,3 +227,20 @@ async def test_vectorized_cohorts_are_profiled_and_diagnosed() -> None:
     assert all(e.diagnosis is not None and e.diagnosis.update_norm > 0 for e in uploads)
     assert federation.profile["communication"]["upload_bytes"] == sum(len(e.payload) for e in uploads)
     assert federation.profile["diagnostics"]["update_norm"]["count"] == len(uploads)
+
+
+def test_profiles_and_diagnostics_share_one_percentile_definition() -> None:
+    """Both summaries interpolate linearly between ranks, as numpy's default does."""
+    import numpy as np
+
+    from flasync.diagnostics import _quantiles
+    from flasync.profiling import quantiles
+    from flasync.quantiles import percentile
+
+    values = [5.0, 1.0, 4.0, 2.0, 10.0, 3.0]
+    for p in (0.1, 0.5, 0.9):
+        assert percentile(sorted(values), p) == pytest.approx(float(np.quantile(values, p)))
+    profile, diagnosis = quantiles(values), _quantiles(values)
+    assert profile is not None and diagnosis is not None
+    assert profile["p50"] == diagnosis["p50"] == pytest.approx(3.5)
+    assert profile["p90"] == diagnosis["p90"]

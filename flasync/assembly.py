@@ -74,7 +74,7 @@ from flasync.data import (
     train_test_split,
 )
 from flasync.errors import ConfigError, DataError
-from flasync.executors import resolve_device
+from flasync.executors import ThreadTrainingExecutor, TrainingExecutor, resolve_device
 from flasync.models import MLP, SmallCNN
 from flasync.population import Population
 from flasync.server import (
@@ -104,6 +104,7 @@ __all__ = [
     "build_server",
     "make_aggregator",
     "make_example_weight",
+    "make_executor",
     "make_server_optimizer",
     "make_staleness_weight",
     "pipeline",
@@ -315,6 +316,22 @@ class RunInputs:
             if values.shape != (n,):
                 raise ConfigError(f"client_attributes[{name!r}]: {values.size} values for {n} clients")
         return build_tree(cfg.topology, n, attributes)
+
+
+def make_executor(
+    config: RunConfig, prepared: Prepared, *, on_fallback: Callable[[str], None] | None = None
+) -> TrainingExecutor:
+    """Build the executor a run's training jobs run in (threads, or vectorized cohorts on the threads)."""
+    executor = config.executor
+    return ThreadTrainingExecutor(
+        prepared.factory,
+        workers=executor.workers,
+        threads_per_worker=executor.threads_per_worker,
+        vectorized=executor.kind == "vectorized",
+        max_cohort=executor.max_cohort,
+        device=prepared.device,
+        on_fallback=on_fallback,
+    )
 
 
 def topology_name(config: RunConfig) -> str:

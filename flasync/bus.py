@@ -507,8 +507,9 @@ class EventBus:
     async def publish(self, event: object) -> None:
         """Deliver ``event`` to every matching subscription, waiting for room where the policy is ``block``.
 
-        Full ``drop_oldest`` subscriptions drop their oldest event instead. Cancelling a waiting publish
-        delivers the event to no one and leaves no trace in the statistics.
+        This is :meth:`publish_nowait` that waits instead of raising :class:`BusFull`. Full ``drop_oldest``
+        subscriptions drop their oldest event instead. Cancelling a waiting publish delivers the event to no one and
+        leaves no trace in the statistics.
 
         Args:
             event: The event; it is not copied, so make it immutable.
@@ -516,18 +517,10 @@ class EventBus:
         Raises:
             BusClosed: The bus is closed, or closes while this publish waits.
         """
-        if self._closed:
-            raise BusClosed("cannot publish on a closed bus")
-        if self._on_activity is not None:
-            self._on_activity()
-        key = (type(event), getattr(event, "to", None))
-        route = self._routes.get(key)
-        if route is None:
-            route = self._route(event, key)
-        for subscription in route.blocking:
-            if len(subscription._queue) + subscription._reserved >= subscription._capacity:
-                await self._publish_when_room(event, route)
-                return
+        route = self._route_for(event)
+        if self._first_full(route) is not None:
+            await self._publish_when_room(event, route)
+            return
         self._deliver(event, route.targets)
 
     def publish_nowait(self, event: object) -> None:
@@ -542,6 +535,14 @@ class EventBus:
             BusClosed: The bus is closed.
             BusFull: A matching ``block`` subscription is full; the event was delivered to no one.
         """
+        route = self._route_for(event)
+        full = self._first_full(route)
+        if full is not None:
+            raise BusFull(f"subscription {full._name!r} is full ({full._capacity} events) and its policy is block")
+        self._deliver(event, route.targets)
+
+    def _route_for(self, event: object) -> _Route:
+        """Note the activity and find where ``event`` goes (refused on a closed bus)."""
         if self._closed:
             raise BusClosed("cannot publish on a closed bus")
         if self._on_activity is not None:
@@ -550,13 +551,15 @@ class EventBus:
         route = self._routes.get(key)
         if route is None:
             route = self._route(event, key)
+        return route
+
+    @staticmethod
+    def _first_full(route: _Route) -> Subscription[Any] | None:
+        """Return the first ``block`` subscription of ``route`` without room, if any."""
         for subscription in route.blocking:
             if len(subscription._queue) + subscription._reserved >= subscription._capacity:
-                raise BusFull(
-                    f"subscription {subscription._name!r} is full "
-                    f"({subscription._capacity} events) and its policy is block"
-                )
-        self._deliver(event, route.targets)
+                return subscription
+        return None
 
     def close(self) -> None:
         """Close the bus: refuse new events, let subscribers drain, fail waiting publishers.

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from torch import nn
 from flasync.cohort import CohortMember, CohortTrainer
 from flasync.training import FlatModel, LocalResult, LocalTraining
 
-__all__ = ["CohortBatcher", "ModelPool", "ThreadTrainingExecutor", "TrainingJob", "resolve_device"]
+__all__ = ["CohortBatcher", "ModelPool", "ThreadTrainingExecutor", "TrainingExecutor", "TrainingJob", "resolve_device"]
 
 T = TypeVar("T")
 
@@ -319,8 +319,34 @@ class CohortBatcher(Executor):
         self.inner.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
+class TrainingExecutor(Protocol):
+    """Where a run's training jobs run: what clients, the evaluator and the runtime need of an executor.
+
+    A job is a callable returning what its client uploads (a :class:`TrainingJob` when it can be batched); the
+    executor's :attr:`pool` runs it off the event loop, and its :attr:`models` are the reusable per-worker models.
+    """
+
+    @property
+    def models(self) -> ModelPool:
+        """The per-worker models jobs train on."""
+        ...
+
+    @property
+    def pool(self) -> Executor:
+        """Runs jobs off the event loop (``concurrent.futures`` interface)."""
+        ...
+
+    def attach(self, clock: object) -> None:
+        """Let a virtual clock drive batched jobs (no-op when nothing is batched)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Cancel queued jobs and wait for running ones."""
+        ...
+
+
 class ThreadTrainingExecutor:
-    """A thread pool plus the per-thread models its jobs train.
+    """A thread pool plus the per-thread models its jobs train (a :class:`TrainingExecutor`).
 
     Args:
         factory: Builds the user's ``nn.Module`` (called once per worker thread).

@@ -30,6 +30,7 @@ from flasync.assembly import (
     Prepared,
     RunInputs,
     build_server,
+    make_executor,
     pipeline,
     run_mode,
     run_tags,
@@ -48,7 +49,7 @@ from flasync.data import (
 )
 from flasync.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, layer_layout
 from flasync.errors import RunInterrupted
-from flasync.executors import ThreadTrainingExecutor
+from flasync.executors import TrainingExecutor
 from flasync.faults import FaultModel
 from flasync.jobs import ClientSamples, JobContext
 from flasync.population import Network, Population
@@ -231,15 +232,7 @@ class Federation:
                 warned.add(reason)
                 log.warning("executor.fallback", reason=reason, metrics=False)
 
-        executor = ThreadTrainingExecutor(
-            prepared.factory,
-            workers=cfg.executor.workers,
-            threads_per_worker=cfg.executor.threads_per_worker,
-            vectorized=cfg.executor.kind == "vectorized",
-            max_cohort=cfg.executor.max_cohort,
-            device=prepared.device,
-            on_fallback=on_fallback,
-        )
+        executor = make_executor(cfg, prepared, on_fallback=on_fallback)
         executor.attach(self.clock)
         status: Literal["FINISHED", "FAILED", "KILLED"] = "FAILED"
         try:
@@ -260,7 +253,7 @@ class Federation:
                 shutil.rmtree(self._traces.trace_dir, ignore_errors=True)
 
     async def _simulate(
-        self, prepared: Prepared, executor: ThreadTrainingExecutor, log: Any, tracker: tracking.Tracker
+        self, prepared: Prepared, executor: TrainingExecutor, log: Any, tracker: tracking.Tracker
     ) -> RunSummary:
         cfg = self.config
         dcfg = cfg.diagnostics
@@ -362,7 +355,7 @@ class Federation:
             server.load_state_dict(self._resume.state)
             self.clock.restore(self._resume.state["clock"])
         updates_before = server.stats.updates_accepted  # a resumed run's rate counts its own updates only
-        writes = _CheckpointWriter(tracker, cfg, log)
+        writes = _CheckpointWriter(tracker, cfg, log, self._wall)
         server.on_checkpoint = writes.submit
         self._server = server
         if self._stop_requested:
@@ -479,7 +472,7 @@ class Federation:
         summary: RunSummary,
         instrumentation: Instrumentation,
         server: Server,
-        executor: ThreadTrainingExecutor,
+        executor: TrainingExecutor,
         layout: LayerLayout | None,
         residual_memory: Mapping[str, int],
         log: Any,
@@ -572,7 +565,10 @@ class Federation:
 class _CheckpointWriter:
     """Serialise and upload checkpoints on one background thread, in order; failures are logged, never raised."""
 
-    def __init__(self, tracker: tracking.Tracker, config: RunConfig, log: Any) -> None:
+    def __init__(
+        self, tracker: tracking.Tracker, config: RunConfig, log: Any, wall: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self._wall = wall
         self._tracker = tracker
         self._config = config
         self._log = log
@@ -589,7 +585,7 @@ class _CheckpointWriter:
         self._pending.append(self._pool.submit(self._write, state))
 
     def _write(self, state: dict[str, Any]) -> None:
-        start = time.perf_counter()
+        start = self._wall()
         version = int(state["version"])
         try:
             data = checkpoint.encode(state, self._config)
@@ -602,7 +598,7 @@ class _CheckpointWriter:
             "checkpoint",
             step=version,
             bytes=len(data),
-            seconds=time.perf_counter() - start,
+            seconds=self._wall() - start,
             in_flight=len(state["registry"]["in_flight"]),
         )
 

@@ -8,6 +8,7 @@ component kind means a config model and one branch here.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,10 +74,14 @@ from flasync.data import (
     partition_shards,
     train_test_split,
 )
+from flasync.diagnostics import TrainingDiagnostics
 from flasync.errors import ConfigError, DataError
 from flasync.executors import ThreadTrainingExecutor, TrainingExecutor, resolve_device
+from flasync.faults import FaultModel
+from flasync.jobs import ClientSamples, JobContext
 from flasync.models import MLP, SmallCNN
-from flasync.population import Population
+from flasync.population import Network, Population
+from flasync.residuals import ResidualStore
 from flasync.server import (
     Accounting,
     AsyncSlots,
@@ -93,7 +98,7 @@ from flasync.server import (
 )
 from flasync.server.loop import Evaluator
 from flasync.topology import Tree, build_tree
-from flasync.training import flat_parameters
+from flasync.training import EvalResult, LocalTraining, evaluate, flat_parameters
 from flasync.validation import UpdateValidator
 
 __all__ = [
@@ -102,7 +107,9 @@ __all__ = [
     "RunInputs",
     "ServerParts",
     "build_server",
+    "build_world",
     "make_aggregator",
+    "make_evaluator",
     "make_example_weight",
     "make_executor",
     "make_server_optimizer",
@@ -318,6 +325,103 @@ class RunInputs:
         return build_tree(cfg.topology, n, attributes)
 
 
+def build_world(
+    config: RunConfig,
+    prepared: Prepared,
+    executor: TrainingExecutor,
+    *,
+    bus: EventBus,
+    clock: Clock,
+    log: Any,
+    wall: Callable[[], float],
+    diagnostics: TrainingDiagnostics | None,
+    scratch: Callable[[], str],
+) -> ClientWorld:
+    """Assemble the world simulated clients live in: data on the device, population, network, faults, jobs.
+
+    Args:
+        config: The run's configuration.
+        prepared: The run's data, partition and model.
+        executor: Where training jobs run.
+        bus: The run's event bus.
+        clock: The run's clock.
+        log: The run's logger.
+        wall: Monotonic real seconds.
+        diagnostics: Training diagnostics run in the workers.
+        scratch: Returns a scratch folder removed after the run (error-feedback residuals spill there when
+            ``codec.residual_dir`` is not set).
+    """
+    upload_codec = pipeline(config.codec.upload)
+    residuals: ResidualStore | None = None
+    if upload_codec.error_feedback:
+        spill = config.codec.residual_dir or scratch()
+        residuals = ResidualStore(
+            prepared.initial.numel(), max_in_memory=config.codec.max_residuals_in_memory, spill_dir=spill
+        )
+    device = prepared.device
+    # Data, weights and the aggregation buffers (which follow the weights) live on the training device.
+    data_device = device if config.executor.data_on_device else torch.device("cpu")
+    train_x, train_y = prepared.train.x.to(data_device), prepared.train.y.to(data_device)
+    if device.type == "cuda" and not config.executor.data_on_device:
+        train_x, train_y = train_x.pin_memory(), train_y.pin_memory()
+    samples = ClientSamples(
+        train_x,
+        train_y,
+        prepared.partition,
+        torch.from_numpy(np.array(prepared.partition.indices, dtype=np.int64)).to(data_device),
+        prepared.lazy,
+    )
+    job = JobContext(
+        models=executor.models,
+        local=LocalTraining(**config.client.model_dump()),
+        upload_codec=upload_codec,
+        num_params=prepared.initial.numel(),
+        residuals=residuals,
+        residual_lock=threading.Lock(),
+        diagnostics=diagnostics,
+        wall=wall,
+    )
+    population = config.population
+    return ClientWorld(
+        clock=clock,
+        bus=bus,
+        log=log,
+        wall=wall,
+        seed=config.seed,
+        population=Population(
+            prepared.sizes,
+            population.speed,
+            config.seed,
+            available_fraction=population.available_fraction,
+            availability_period_s=population.availability_period_s,
+            slow_clients=population.slow_clients,
+        ),
+        network=Network(config.network, population.num_clients, config.seed),
+        faults=FaultModel(config.faults, config.seed, population.num_clients),
+        samples=samples,
+        pool=executor.pool,
+        job=job,
+        pre_task_residuals={} if residuals is not None else None,
+    )
+
+
+def make_evaluator(prepared: Prepared, executor: TrainingExecutor, clock: Clock, *, batch_size: int) -> Evaluator:
+    """Return the server's evaluator: the held-out split on the device, evaluated in the executor."""
+    device = prepared.device
+    test_x, test_y = prepared.test.x.to(device), prepared.test.y.to(device)
+
+    async def evaluate_weights(flat: torch.Tensor) -> EvalResult | None:
+        if test_y.numel() == 0:
+            return None
+        return await clock.run(
+            executor.pool,
+            lambda: evaluate(executor.models.get(), flat, test_x, test_y, batch_size=batch_size),
+            simulated_s=0.0,
+        )
+
+    return evaluate_weights
+
+
 def make_executor(
     config: RunConfig, prepared: Prepared, *, on_fallback: Callable[[str], None] | None = None
 ) -> TrainingExecutor:
@@ -454,6 +558,66 @@ class ServerParts:
     edges: EdgeNetwork | None
 
 
+def _edge_settings(config: RunConfig, topology: TreeTopology) -> EdgeSettings:
+    return EdgeSettings(
+        buffer_size=topology.buffer_size,
+        max_wait_s=topology.max_wait_s,
+        kappa2=topology.kappa2,
+        link=topology.link,
+        per_edge_metrics=topology.per_edge_metrics,
+        staleness=_staleness_of(config.server),
+        example_weight=make_example_weight(config.server),
+        seed=config.seed,
+    )
+
+
+def _make_policy(
+    config: RunConfig,
+    aggregator: Aggregator,
+    registry: TaskRegistry,
+    sampler: ClientSampler,
+    accounting: Accounting,
+    edges: EdgeNetwork | None,
+    *,
+    bus: EventBus,
+    clock: Clock,
+    log: Any,
+) -> Policy:
+    """Return when tasks start and versions are due: HierFAVG rounds, sync rounds, or async slots."""
+    server, res = config.server, config.resilience
+    if isinstance(server, FedAvgServer) and edges is not None:
+        return TreeRounds(
+            clients_per_round=server.clients_per_round,
+            edges=edges,
+            registry=registry,
+            sampler=sampler,
+            clock=clock,
+            accounting=accounting,
+        )
+    if isinstance(server, FedAvgServer):
+        return SyncRounds(
+            clients_per_round=server.clients_per_round,
+            over_selection=res.over_selection,
+            quorum=res.round_quorum,
+            deadline_s=res.round_deadline_s,
+            registry=registry,
+            sampler=sampler,
+            clock=clock,
+            bus=bus,
+            accounting=accounting,
+            log=log,
+        )
+    return AsyncSlots(
+        concurrency=server.concurrency,
+        registry=registry,
+        sampler=sampler,
+        clock=clock,
+        ready=aggregator.ready,
+        accounting=accounting,
+        edges=edges,
+    )
+
+
 def build_server(
     config: RunConfig,
     weights: torch.Tensor,
@@ -525,21 +689,11 @@ def build_server(
         )
 
     edge_codec = pipeline(config.topology.codec if isinstance(config.topology, TreeTopology) else ())
-    edges: EdgeNetwork | None = None
-    topology = config.topology
-    if tree is not None and isinstance(topology, TreeTopology):
+    edges = None
+    if tree is not None and isinstance(config.topology, TreeTopology):
         edges = EdgeNetwork(
             tree,
-            EdgeSettings(
-                buffer_size=topology.buffer_size,
-                max_wait_s=topology.max_wait_s,
-                kappa2=topology.kappa2,
-                link=topology.link,
-                per_edge_metrics=topology.per_edge_metrics,
-                staleness=_staleness_of(server_cfg),
-                example_weight=make_example_weight(server_cfg),
-                seed=config.seed,
-            ),
+            _edge_settings(config, config.topology),
             registry=registry,
             make_intake=make_intake,
             bus=bus,
@@ -551,39 +705,7 @@ def build_server(
             device=weights.device,
         )
     aggregator = make_aggregator(weights, server_cfg)
-    policy: Policy
-    if isinstance(server_cfg, FedAvgServer) and edges is not None:
-        policy = TreeRounds(
-            clients_per_round=server_cfg.clients_per_round,
-            edges=edges,
-            registry=registry,
-            sampler=sampler,
-            clock=clock,
-            accounting=accounting,
-        )
-    elif isinstance(server_cfg, FedAvgServer):
-        policy = SyncRounds(
-            clients_per_round=server_cfg.clients_per_round,
-            over_selection=res.over_selection,
-            quorum=res.round_quorum,
-            deadline_s=res.round_deadline_s,
-            registry=registry,
-            sampler=sampler,
-            clock=clock,
-            bus=bus,
-            accounting=accounting,
-            log=log,
-        )
-    else:
-        policy = AsyncSlots(
-            concurrency=server_cfg.concurrency,
-            registry=registry,
-            sampler=sampler,
-            clock=clock,
-            ready=aggregator.ready,
-            accounting=accounting,
-            edges=edges,
-        )
+    policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
     capacity = 2 * in_flight + 8
     if tree is not None:
         # Edges may hold many finished tasks' answers at once: the cloud's inbox must never block them.

@@ -11,7 +11,6 @@ import asyncio
 import io
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,14 +29,14 @@ from flasync.assembly import (
     Prepared,
     RunInputs,
     build_server,
+    build_world,
+    make_evaluator,
     make_executor,
-    pipeline,
     run_mode,
     run_tags,
     topology_name,
 )
 from flasync.bus import EventBus
-from flasync.client import ClientWorld
 from flasync.clock import Clock, VirtualClock, WallClock
 from flasync.config import (
     RunConfig,
@@ -50,9 +49,6 @@ from flasync.data import (
 from flasync.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, layer_layout
 from flasync.errors import RunInterrupted
 from flasync.executors import TrainingExecutor
-from flasync.faults import FaultModel
-from flasync.jobs import ClientSamples, JobContext
-from flasync.population import Network, Population
 from flasync.profiling import (
     Instrumentation,
     Profiler,
@@ -64,9 +60,8 @@ from flasync.profiling import (
     torch_memory,
 )
 from flasync.residuals import ResidualStore
-from flasync.server import Server
+from flasync.server import Server, ServerStats
 from flasync.summary import RunSummary, json_ready, weights_sha256
-from flasync.training import EvalResult, LocalTraining, evaluate
 
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
@@ -267,73 +262,19 @@ class Federation:
             trace_dir=tempfile.mkdtemp(prefix="flasync-traces-") if dcfg.torch_profiler_tasks else None,
         )
         self._traces = diagnostics
-        local = LocalTraining(**cfg.client.model_dump())
-        upload_codec = pipeline(cfg.codec.upload)
-        residuals: ResidualStore | None = None
-        if upload_codec.error_feedback:
-            spill = cfg.codec.residual_dir
-            if spill is None:
-                spill = self._scratch = tempfile.mkdtemp(prefix="flasync-residuals-")
-            residuals = ResidualStore(
-                prepared.initial.numel(), max_in_memory=cfg.codec.max_residuals_in_memory, spill_dir=spill
-            )
-        device = prepared.device
-        # Data, weights and the aggregation buffers (which follow the weights) live on the training device.
-        data_device = device if cfg.executor.data_on_device else torch.device("cpu")
-        train_x, train_y = prepared.train.x.to(data_device), prepared.train.y.to(data_device)
-        if device.type == "cuda" and not cfg.executor.data_on_device:
-            train_x, train_y = train_x.pin_memory(), train_y.pin_memory()
-        samples = ClientSamples(
-            train_x,
-            train_y,
-            prepared.partition,
-            torch.from_numpy(np.array(prepared.partition.indices, dtype=np.int64)).to(data_device),
-            prepared.lazy,
-        )
-        job = JobContext(
-            models=executor.models,
-            local=local,
-            upload_codec=upload_codec,
-            num_params=prepared.initial.numel(),
-            residuals=residuals,
-            residual_lock=threading.Lock(),
-            diagnostics=diagnostics,
-            wall=self._wall,
-        )
-        population = Population(
-            prepared.sizes,
-            cfg.population.speed,
-            cfg.seed,
-            available_fraction=cfg.population.available_fraction,
-            availability_period_s=cfg.population.availability_period_s,
-            slow_clients=cfg.population.slow_clients,
-        )
-        world = ClientWorld(
-            clock=self.clock,
+        world = build_world(
+            cfg,
+            prepared,
+            executor,
             bus=self.bus,
+            clock=self.clock,
             log=log,
             wall=self._wall,
-            seed=cfg.seed,
-            population=population,
-            network=Network(cfg.network, cfg.population.num_clients, cfg.seed),
-            faults=FaultModel(cfg.faults, cfg.seed, cfg.population.num_clients),
-            samples=samples,
-            pool=executor.pool,
-            job=job,
-            pre_task_residuals={} if residuals is not None else None,
+            diagnostics=diagnostics,
+            scratch=self._scratch_dir,
         )
-        test_x, test_y = prepared.test.x.to(device), prepared.test.y.to(device)
-        clock, batch_size = self.clock, cfg.eval.batch_size
-
-        async def evaluate_weights(flat: torch.Tensor) -> EvalResult | None:
-            if test_y.numel() == 0:
-                return None
-            return await clock.run(
-                executor.pool,
-                lambda: evaluate(executor.models.get(), flat, test_x, test_y, batch_size=batch_size),
-                simulated_s=0.0,
-            )
-
+        residuals = world.job.residuals
+        device = prepared.device
         weights = prepared.initial.to(device, copy=True)
         parts = build_server(
             cfg,
@@ -342,10 +283,10 @@ class Federation:
             clock=self.clock,
             wall=self._wall,
             log=log,
-            population=population,
+            population=world.population,
             world=world,
             tree=prepared.tree,
-            evaluate=evaluate_weights,
+            evaluate=make_evaluator(prepared, executor, self.clock, batch_size=cfg.eval.batch_size),
         )
         server = parts.server
         if not self.clock.virtual and self._resume is None:
@@ -360,21 +301,7 @@ class Federation:
         self._server = server
         if self._stop_requested:
             server.request_stop(self._stop_requested)
-        instrumentation: Instrumentation | None = None
-        if dcfg.profile or dcfg.level != "off":
-            instrumentation = Instrumentation(
-                self.bus,
-                profiler=Profiler() if dcfg.profile else None,
-                monitor=AlertMonitor(
-                    dcfg,
-                    layer_names=layout.names if layout is not None else (),
-                    weights=lambda: (int(server.version), server.weights),
-                    initial=weights.clone() if dcfg.level != "off" else None,
-                ),
-                log=log,
-                set_tags=tracker.set_tags,
-                now=self.clock.now,
-            )
+        instrumentation = self._instrumentation(server, layout, log, tracker)
         residual_memory: dict[str, int] = {}
         start_wall = self._wall()
         log.info(
@@ -387,19 +314,7 @@ class Federation:
             metrics=False,
         )
         try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self.clock.drive(), name="flasync-clock")
-                if instrumentation is not None:
-                    tg.create_task(instrumentation.run(), name="flasync-instrumentation")
-                try:
-                    stats = await server.run()
-                    if instrumentation is not None:
-                        await instrumentation.drain()  # alerts of the last events still go on the bus
-                finally:
-                    self.clock.stop()
-                    self.bus.close()
-        except BaseExceptionGroup as group:
-            raise _root_cause(group) from None
+            stats = await self._drive(server, instrumentation)
         finally:
             self._server = None
             if server.interrupted_state is not None and cfg.checkpoint.on_interrupt:
@@ -408,20 +323,7 @@ class Federation:
             if residuals is not None:
                 # Jobs of cancelled clients may still be running and about to store residuals: let them finish.
                 await asyncio.to_thread(executor.shutdown)
-                residuals_in_memory, residuals_on_disk = residuals.memory_bytes, residuals.disk_bytes
-                residual_memory = {
-                    "residual_memory_bytes": residuals_in_memory,
-                    "residual_disk_bytes": residuals_on_disk,
-                }
-                residuals.close()
-                log.debug(
-                    "codec.residuals",
-                    clients=len(residuals),
-                    memory_bytes=residuals_in_memory,
-                    disk_bytes=residuals_on_disk,
-                    spills=residuals.spills,
-                    loads=residuals.loads,
-                )
+                residual_memory = _close_residuals(residuals, log)
             if self._scratch is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch = None
@@ -466,6 +368,51 @@ class Federation:
                 self._finish_profile, summary, instrumentation, server, executor, layout, residual_memory, log
             )
         return summary
+
+    def _scratch_dir(self) -> str:
+        """Create the run's scratch folder (removed at the end of the run) and return its path."""
+        if self._scratch is None:
+            self._scratch = tempfile.mkdtemp(prefix="flasync-residuals-")
+        return self._scratch
+
+    def _instrumentation(
+        self, server: Server, layout: LayerLayout | None, log: Any, tracker: tracking.Tracker
+    ) -> Instrumentation | None:
+        """Build the profiler and alert monitor the diagnostics config asks for (None: neither)."""
+        dcfg = self.config.diagnostics
+        if not dcfg.profile and dcfg.level == "off":
+            return None
+        return Instrumentation(
+            self.bus,
+            profiler=Profiler() if dcfg.profile else None,
+            monitor=AlertMonitor(
+                dcfg,
+                layer_names=layout.names if layout is not None else (),
+                weights=lambda: (int(server.version), server.weights),
+                initial=server.weights.clone() if dcfg.level != "off" else None,
+            ),
+            log=log,
+            set_tags=tracker.set_tags,
+            now=self.clock.now,
+        )
+
+    async def _drive(self, server: Server, instrumentation: Instrumentation | None) -> ServerStats:
+        """Run the clock, the instrumentation and the server in one task group; close the bus at the end."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.clock.drive(), name="flasync-clock")
+                if instrumentation is not None:
+                    tg.create_task(instrumentation.run(), name="flasync-instrumentation")
+                try:
+                    stats = await server.run()
+                    if instrumentation is not None:
+                        await instrumentation.drain()  # alerts of the last events still go on the bus
+                finally:
+                    self.clock.stop()
+                    self.bus.close()
+        except BaseExceptionGroup as group:
+            raise _root_cause(group) from None
+        return stats
 
     def _finish_profile(
         self,
@@ -607,6 +554,21 @@ class _CheckpointWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _close_residuals(residuals: ResidualStore, log: Any) -> dict[str, int]:
+    """Close the residual store; return its memory figures for the profile."""
+    memory = {"residual_memory_bytes": residuals.memory_bytes, "residual_disk_bytes": residuals.disk_bytes}
+    residuals.close()
+    log.debug(
+        "codec.residuals",
+        clients=len(residuals),
+        memory_bytes=memory["residual_memory_bytes"],
+        disk_bytes=memory["residual_disk_bytes"],
+        spills=residuals.spills,
+        loads=residuals.loads,
+    )
+    return memory
 
 
 def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -35,7 +35,7 @@ from flasync.aggregation import (
 )
 from flasync.bus import EventBus
 from flasync.client import Client, ClientResiduals, ClientWorld
-from flasync.clock import Clock
+from flasync.clock import Clock, RunClock
 from flasync.config import (
     AdamServerOptimizer,
     BFloat16Stage,
@@ -623,7 +623,7 @@ def build_server(
     weights: torch.Tensor,
     *,
     bus: EventBus,
-    clock: Clock,
+    clock: RunClock,
     wall: Callable[[], float],
     log: Any,
     population: Population,
@@ -736,6 +736,6 @@ def build_server(
         ),
         inbox_capacity=capacity,
         download_generator=lambda version: seeding.torch_stream(seed, seeding.DOWNLOAD_CODEC, version),
-        components={"residuals": ClientResiduals(world, lambda: iter(registry))},
+        components={"clock": clock, "residuals": ClientResiduals(world, lambda: iter(registry))},
     )
     return ServerParts(server=server, registry=registry, edges=edges)

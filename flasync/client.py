@@ -224,10 +224,7 @@ class Client:
                 compression=(codecs.HEADER.size + 4 * job_ctx.num_params) / len(trained.payload),
                 **({} if trained.residual_norm is None else {"residual_norm": trained.residual_norm}),
             )
-            if clock.virtual:
-                await clock.sleep_until(up_at)
-            else:
-                await clock.sleep(upload_s)
+            await clock.elapse(upload_s, until=up_at)
             await world.bus.publish(
                 UpdateUploaded(
                     to=task.reply_to,

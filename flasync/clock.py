@@ -24,21 +24,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Clock", "VirtualClock", "WallClock"]
+__all__ = ["Clock", "RunClock", "VirtualClock", "WallClock"]
 
 T = TypeVar("T")
 
 
 @runtime_checkable
 class Clock(Protocol):
-    """What orchestration code waits with."""
+    """What the server, its components and the clients wait with: read the time, sleep, run a job.
 
-    @property
-    def virtual(self) -> bool:
-        """Tell whether time is simulated."""
-        ...
+    No caller asks which clock it has: how a simulated duration maps to the clock's time is the clock's business
+    (:meth:`elapse`, :meth:`run`).
+    """
 
     def now(self) -> float:
         """Return seconds since the clock started."""
@@ -48,14 +47,28 @@ class Clock(Protocol):
         """Wait ``seconds``."""
         ...
 
+    async def sleep_until(self, when: float) -> None:
+        """Wait until the clock reads ``when`` (at once if it has passed)."""
+        ...
+
+    async def elapse(self, seconds: float, *, until: float) -> None:
+        """Let a simulated activity of ``seconds`` pass that ends at ``until`` on the run's timeline."""
+        ...
+
     async def run(
         self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0, until: float | None = None
     ) -> T:
         """Run ``fn`` in ``executor``; under virtual time it also takes ``simulated_s`` (or lasts ``until``)."""
         ...
 
-    async def sleep_until(self, when: float) -> None:
-        """Wait until the clock reads ``when`` (at once if it has passed)."""
+
+@runtime_checkable
+class RunClock(Clock, Protocol):
+    """A clock as the runtime holds it: driven, stopped, checkpointed and told of loop activity."""
+
+    @property
+    def virtual(self) -> bool:
+        """Tell whether time is simulated."""
         ...
 
     async def drive(self) -> None:
@@ -76,6 +89,14 @@ class Clock(Protocol):
 
     def poke(self) -> None:
         """Note in-loop activity (the bus calls it on every publish and delivery)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return :meth:`state` (a checkpoint component)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (before the run starts)."""
         ...
 
 
@@ -110,6 +131,18 @@ class WallClock:
         delay = when - self.now()
         if delay > 0:
             await asyncio.sleep(delay)
+
+    async def elapse(self, seconds: float, *, until: float) -> None:
+        """Sleep ``seconds`` of real time (the simulated timeline's ``until`` does not apply to real time)."""
+        await asyncio.sleep(seconds)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return :meth:`state`."""
+        return dict(self.state())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`."""
+        self.restore(state)
 
     async def run(
         self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0, until: float | None = None
@@ -228,6 +261,18 @@ class VirtualClock:
     async def sleep_until(self, when: float) -> None:
         """Wait until virtual time ``when`` exactly (at once, without moving time back, if it has passed)."""
         await self._push_at(when, None)
+
+    async def elapse(self, seconds: float, *, until: float) -> None:
+        """Wait until ``until``: the activity's place on the virtual timeline, whenever it started."""
+        await self._push_at(until, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return :meth:`state`."""
+        return dict(self.state())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`."""
+        self.restore(state)
 
     async def run(
         self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0, until: float | None = None

@@ -37,7 +37,7 @@ from flasync.assembly import (
     topology_name,
 )
 from flasync.bus import EventBus
-from flasync.clock import Clock, VirtualClock, WallClock
+from flasync.clock import RunClock, VirtualClock, WallClock
 from flasync.config import (
     RunConfig,
     flatten,
@@ -115,7 +115,7 @@ class Federation:
         model_factory: ModelFactory | None = None,
         tracker: tracking.Tracker | None = None,
         client_attributes: Mapping[str, Sequence[Any] | np.ndarray] | None = None,
-        clock: Clock | None = None,
+        clock: RunClock | None = None,
         wall: Callable[[], float] = time.perf_counter,
         resume: checkpoint.ResumePoint | None = None,
     ) -> None:
@@ -130,7 +130,7 @@ class Federation:
         self._model_factory = model_factory
         self._tracker = tracker
         self._client_attributes = dict(client_attributes or {})
-        self.clock: Clock = clock or (VirtualClock() if config.clock == "virtual" else WallClock())
+        self.clock: RunClock = clock or (VirtualClock() if config.clock == "virtual" else WallClock())
         self.bus = EventBus(on_activity=self.clock.poke)
         self._wall = wall
         self.weights: torch.Tensor | None = None
@@ -293,8 +293,7 @@ class Federation:
             self.clock.restore({"now": 0.0})  # wall time counts from the federation's start, not from its set-up
         start_sim = self.clock.now()  # a resumed run reports simulated time from the start of the run
         if self._resume is not None:
-            server.load_state_dict(self._resume.state)
-            self.clock.restore(self._resume.state["clock"])
+            server.load_state_dict(self._resume.state)  # the clock's reading too
         updates_before = server.stats.updates_accepted  # a resumed run's rate counts its own updates only
         writes = _CheckpointWriter(tracker, cfg, log, self._wall)
         server.on_checkpoint = writes.submit

@@ -432,6 +432,7 @@ class ServerHarness:
             evaluate=evaluate_weights,
             rules=StopRules(max_versions=max_versions),
             inbox_capacity=2 * num_clients + 8,
+            components={"clock": self.clock},
         )
 
     async def run(self) -> ServerStats:

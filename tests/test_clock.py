@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flasync.clock import Clock, VirtualClock, WallClock
+from flasync.clock import Clock, RunClock, VirtualClock, WallClock
 
 
 async def _drive(clock: VirtualClock, body: object) -> None:
@@ -267,3 +267,31 @@ def test_wall_clock_restore_continues_its_reading() -> None:
     clock = WallClock(time_fn=lambda: next(ticks))
     clock.restore({"now": 40.0})
     assert clock.now() == pytest.approx(41.5)
+
+
+async def test_elapse_places_a_simulated_activity_on_the_virtual_timeline() -> None:
+    """Virtual time: elapse waits until the activity's end on the timeline, whatever its own length says."""
+    clock = VirtualClock()
+    driver = asyncio.create_task(clock.drive())
+    await clock.elapse(5.0, until=2.5)
+    assert clock.now() == 2.5
+    clock.stop()
+    await driver
+
+
+async def test_elapse_on_the_wall_clock_sleeps_the_activity_in_real_time() -> None:
+    """Real time: elapse sleeps the activity's own seconds (the simulated end does not apply)."""
+    now = [0.0]
+    clock = WallClock(time_fn=lambda: now[0])
+    started = asyncio.get_running_loop().time()
+    await clock.elapse(0.05, until=1000.0)
+    assert asyncio.get_running_loop().time() - started >= 0.04
+
+
+def test_both_clocks_are_run_clocks_and_checkpoint_components() -> None:
+    """The runtime's view (RunClock) covers both; their state round-trips through state_dict."""
+    for clock in (VirtualClock(start=3.0), WallClock()):
+        assert isinstance(clock, RunClock)
+        state = clock.state_dict()
+        clock.load_state_dict(state)
+        assert clock.now() == pytest.approx(state["now"], abs=0.01)

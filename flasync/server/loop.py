@@ -521,7 +521,6 @@ class Server:
             "registry": self.registry.state_dict(),
             "intake": self.intake.state_dict(),
             "policy": self.policy.state_dict(),
-            "clock": self.clock.state(),
             **{name: component.state_dict() for name, component in self.components.items()},
         }
 

@@ -150,3 +150,19 @@ async def test_diverged_client_fails_without_poisoning_its_residual(monkeypatch:
     assert "NaN or Inf" in failed.error
     assert summary.updates_failed == 1
     assert summary.accuracy == summary.accuracy  # finite: no NaN reached the model
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [{"kind": "fp16"}, {"kind": "bf16"}, {"kind": "int8"}, {"kind": "int8", "stochastic": False}],
+    ids=["fp16", "bf16", "int8-stochastic", "int8-nearest"],
+)
+@pytest.mark.parametrize("direction", ["upload", "download"])
+def test_every_value_encoder_works_in_both_directions(stage: dict[str, Any], direction: str) -> None:
+    """Each stage valid for downloads encodes uploads and downloads (a stochastic one draws from its own stream)."""
+    config = small_config("stop.max_versions=3", codec={direction: [stage]})
+    first, second = flasync.run(config), flasync.run(config)
+    dense = flasync.run(small_config("stop.max_versions=3"))
+    assert first.versions == 3 and first.weights_sha256 == second.weights_sha256
+    moved = first.download_bytes if direction == "download" else first.upload_bytes
+    assert moved < 0.51 * (dense.download_bytes if direction == "download" else dense.upload_bytes)

@@ -650,7 +650,9 @@ def build_server(
     in_flight = _in_flight(config, len(population))
     # Every task of several waves failing means the model or data is broken, not an unlucky client. Only
     # genuine training errors count: injected faults, dropouts and timeouts never do.
-    accounting = Accounting(failure_limit=max(3 * in_flight, 30))
+    # A server that refuses every update for many waves of tasks cannot make progress: it ends the run with the
+    # refusal reasons instead of training for ever.
+    accounting = Accounting(failure_limit=max(3 * in_flight, 30), rejection_limit=max(20 * in_flight, 200))
     registry = TaskRegistry(
         bus=bus,
         clock=clock,

@@ -78,13 +78,18 @@ class Accounting:
     Args:
         failure_limit: Consecutive genuine training errors (not injected faults, dropouts or timeouts) after which
             the model or the data is taken to be broken and the run fails.
+        rejection_limit: Consecutive refused updates after which the server is taken to be unable to make
+            progress (every update refused, e.g. by a validation rule that no client can pass) and the run fails
+            with the refusal reasons (None: no limit).
     """
 
-    def __init__(self, failure_limit: int) -> None:
+    def __init__(self, failure_limit: int, rejection_limit: int | None = None) -> None:
         """Start with zero counts."""
         self.stats = ServerStats()
         self.failure_limit = failure_limit
+        self.rejection_limit = rejection_limit
         self._failure_streak = 0
+        self._rejections: Counter[str] = Counter()
         self._staleness: list[int] = []
         self._ingress = 0
         self._egress = 0
@@ -94,15 +99,28 @@ class Accounting:
         """Count one update folded in (by the cloud or an edge)."""
         stats = self.stats
         self._failure_streak = 0
+        self._rejections.clear()
         stats.updates_accepted += 1
         stats.staleness_sum += staleness
         stats.staleness_max = max(stats.staleness_max, staleness)
         self._staleness.append(staleness)
 
     def rejected(self, reason: str) -> None:
-        """Count one update refused by an intake."""
+        """Count one update refused by an intake.
+
+        Raises:
+            TrainingError: If this refusal ends a streak of ``rejection_limit`` with no update accepted.
+        """
         self.stats.updates_dropped += 1
         self.stats.drop_reasons[reason] += 1
+        self._rejections[reason] += 1
+        streak = self._rejections.total()
+        if self.rejection_limit is not None and streak >= self.rejection_limit:
+            reasons = ", ".join(f"{key} x{count}" for key, count in self._rejections.most_common())
+            raise TrainingError(
+                f"the last {streak} updates were all refused ({reasons}) and none was accepted: the server cannot "
+                "make progress (check the resilience settings and the clients)"
+            )
 
     def failed(self, kind: str, error: str) -> None:
         """Count one task whose client reported a failure.
@@ -170,6 +188,7 @@ class Accounting:
         return {
             "stats": self.stats.to_state(),
             "failure_streak": self._failure_streak,
+            "rejection_streak": dict(self._rejections),
             "round_staleness": list(self._staleness),
             "ingress": self._ingress,
             "egress": self._egress,
@@ -179,6 +198,7 @@ class Accounting:
         """Restore :meth:`state_dict`."""
         self.stats = ServerStats.from_state(state["stats"])
         self._failure_streak = int(state["failure_streak"])
+        self._rejections = Counter({str(k): int(v) for k, v in state.get("rejection_streak", {}).items()})
         self._staleness = [int(x) for x in state["round_staleness"]]
         self._ingress = int(state.get("ingress", 0))
         self._egress = int(state.get("egress", 0))

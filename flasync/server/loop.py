@@ -22,7 +22,7 @@ from flasync.aggregation import Aggregator
 from flasync.bus import EventBus
 from flasync.clock import Clock
 from flasync.codecs import Pipeline
-from flasync.errors import BusClosed, BusFull, CheckpointError
+from flasync.errors import BusClosed, BusFull, CheckpointError, TrainingError
 from flasync.events import (
     CLOUD,
     Aggregated,
@@ -409,6 +409,12 @@ class Server:
         start = self.wall()
         self.aggregator.step()
         aggregate_s = self.wall() - start
+        if not bool(torch.isfinite(self.weights).all()):
+            # Nothing a later version does can repair it, and every client would train from it.
+            raise TrainingError(
+                f"the global model has NaN or Inf after the server step to version {int(self.version) + 1}: "
+                "lower the server learning rate or bound updates (resilience.max_update_norm, clip_update_norm)"
+            )
         stats.cloud_aggregate_s += aggregate_s
         self.version = Version(self.version + 1)
         stats.versions = int(self.version)

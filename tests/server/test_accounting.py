@@ -86,3 +86,30 @@ async def test_a_server_counts_failures_once_and_refills_their_slots() -> None:
     assert stats.updates_failed == len(harness.log.events("server.failure"))
     assert stats.updates_failed <= len(crashed)
     assert stats.failure_kinds == {"crash": stats.updates_failed}
+
+
+def test_a_streak_of_refusals_ends_the_run_with_the_reasons() -> None:
+    """rejection_limit refusals in a row (no accepted update between) raise, naming the reasons; one accept resets."""
+    accounting = Accounting(failure_limit=3, rejection_limit=4)
+    for _ in range(3):
+        accounting.rejected("zscore")
+    accounting.accepted(0)
+    accounting.rejected("zscore")
+    accounting.rejected("norm")
+    accounting.rejected("zscore")
+    with pytest.raises(TrainingError, match=r"the last 4 updates were all refused \(zscore x3, norm x1\)"):
+        accounting.rejected("zscore")
+
+
+async def test_a_server_that_refuses_everything_ends_instead_of_spinning() -> None:
+    """Every update over the norm bound: the run ends with a clear reason after the refusal limit, not never."""
+    harness = ServerHarness(
+        max_versions=3,
+        max_update_norm=0.001,  # the scripted deltas have norm 0.02
+        clients=lambda bus, clock: ScriptedClients(bus, clock, 4),
+    )
+    harness.accounting.rejection_limit = 25
+    with pytest.raises(ExceptionGroup) as caught:
+        await harness.run()
+    assert caught.group_contains(TrainingError, match=r"the last 25 updates were all refused \(norm x25\)", depth=2)
+    assert harness.accounting.stats.updates_accepted == 0

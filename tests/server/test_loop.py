@@ -102,3 +102,24 @@ async def test_a_genuinely_broken_client_population_fails_the_run() -> None:
     with pytest.raises(ExceptionGroup) as caught:
         await harness.run()
     assert caught.group_contains(TrainingError, match="the last 5 client tasks all failed", depth=2)
+
+
+async def test_a_global_model_that_turns_non_finite_ends_the_run() -> None:
+    """A server step that overflows the weights to Inf stops the run with the reason, before anyone trains on it."""
+    from flasync.aggregation import BufferedAggregator, ConstantStaleness, EqualExampleWeight, ServerOptimizer
+
+    harness = ServerHarness(
+        max_versions=3,
+        aggregator=lambda weights: BufferedAggregator(
+            weights,
+            size=2,
+            optimizer=ServerOptimizer.sgd(weights, lr=1e38),
+            staleness=ConstantStaleness(),
+            example_weight=EqualExampleWeight(),
+        ),
+        clients=lambda bus, clock: ScriptedClients(bus, clock, 4, delta=lambda task: torch.full((4,), 100.0)),
+    )
+    with pytest.raises(ExceptionGroup) as caught:
+        await harness.run()
+    assert caught.group_contains(TrainingError, match="the global model has NaN or Inf after the server step", depth=2)
+    assert harness.server.stats.versions == 0

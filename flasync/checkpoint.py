@@ -26,6 +26,7 @@ import yaml
 from flasync._version import __version__
 from flasync.config import RunConfig, validate
 from flasync.errors import CheckpointError, ConfigError
+from tracking.store import sqlite_path
 
 __all__ = ["CHECKPOINT_ARTIFACT", "FORMAT", "ResumePoint", "decode", "encode", "fetch"]
 
@@ -89,10 +90,9 @@ def fetch(run_id: str, tracking_uri: str) -> tuple[RunConfig, dict[str, Any], st
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    if tracking_uri.startswith("sqlite:///"):
-        db = Path(tracking_uri.removeprefix("sqlite:///").partition("?")[0])
-        if not db.is_file():  # do not let MLflow create an empty store just to find no run in it
-            raise CheckpointError(f"no MLflow run {run_id!r}: there is no store at {tracking_uri}")
+    db = sqlite_path(tracking_uri)
+    if db is not None and not db.is_file():  # do not let MLflow create an empty store just to find no run in it
+        raise CheckpointError(f"no MLflow run {run_id!r}: there is no store at {tracking_uri}")
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     try:
         run = client.get_run(run_id)

@@ -14,15 +14,13 @@ from __future__ import annotations
 from tracking.logs import LevelFilter, configure_logging, make_logger
 from tracking.metrics import DEFAULT_EXCLUDE, MetricRow, MetricsProcessor
 from tracking.mlflow_run import (
-    DEFAULT_ARTIFACT_ROOT,
-    DEFAULT_TRACKING_URI,
-    ExperimentDeletedError,
     MlflowTracker,
     NullTracker,
     RunStatus,
     Tracker,
 )
 from tracking.spool import ReplayResult, SpoolError, replay
+from tracking.store import DEFAULT_ARTIFACT_ROOT, DEFAULT_TRACKING_URI, ExperimentDeletedError
 from tracking.writer import MetricWriter, WriterStatistics
 
 __all__ = [

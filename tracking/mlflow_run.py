@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shlex
-import sys
 import tempfile
 import threading
 import time
@@ -28,17 +26,18 @@ import yaml
 
 from tracking._child import ChildLogBatch
 from tracking._keys import safe_key
+from tracking.failover import Failover, RunIdentity
 from tracking.metrics import MetricRow
-from tracking.spool import (
-    Replayer,
-    SpoolWriter,
+from tracking.spool import SpoolWriter
+from tracking.store import (
+    ExperimentDeletedError,
+    artifact_location,
     bounded_http,
-    default_spool_path,
+    ensure_experiment,
     http_env,
     is_remote,
-    iter_records,
-    rejected,
-    save_progress,
+    resolve_tracking_uri,
+    sqlite_path,
 )
 from tracking.writer import MetricWriter
 
@@ -47,21 +46,12 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "DEFAULT_ARTIFACT_ROOT",
-    "DEFAULT_TRACKING_URI",
-    "ExperimentDeletedError",
     "MlflowTracker",
     "NullTracker",
     "RunStatus",
     "Tracker",
-    "resolve_tracking_uri",
-    "sqlite_path",
 ]
 
-DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
-"""The local store used when neither an argument nor ``MLFLOW_TRACKING_URI`` names one."""
-DEFAULT_ARTIFACT_ROOT = "mlruns/artifacts"
-"""Where the default store keeps artifacts (one folder per experiment), relative to the cwd."""
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 
@@ -72,13 +62,8 @@ _SYSTEM_METRICS_INTERVAL_S = 2.0
 _CHILD_START_TIMEOUT_S = 60.0
 _MONITOR_STOP_TIMEOUT_S = 5.0
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
-_UNSAFE_DIR_CHARS = re.compile(r"[^\w.\-]")
 
 _T = TypeVar("_T")
-
-
-class ExperimentDeletedError(RuntimeError):
-    """The run's MLflow experiment exists but is deleted (a user decision, never spooled around)."""
 
 
 class Tracker(Protocol):
@@ -87,7 +72,10 @@ class Tracker(Protocol):
     ``run_id`` is None until :meth:`start`. Every method but :meth:`log_metrics` may block.
     """
 
-    run_id: str | None
+    @property
+    def run_id(self) -> str | None:
+        """The run's id (None before :meth:`start`)."""
+        ...
 
     def prepare(self) -> None:
         """Get ready for :meth:`start` without blocking, e.g. start helper processes; may do nothing.
@@ -255,53 +243,58 @@ class MlflowTracker:
         http_retries: int = 1,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
-        self.run_id: str | None = None
-        self.experiment_id: str | None = None
-        self._experiment = ""
+        self._run = RunIdentity(self.tracking_uri)
         self._artifact_root = artifact_root
         self._system_metrics = system_metrics
         self._max_batch = max_batch
         self._flush_interval = flush_interval_s
         self._flush_timeout = flush_timeout_s
         self._log = logger if logger is not None else structlog.get_logger("tracking.mlflow")
-        # Made in start(): a client opens (and may create) its store as soon as it exists.
-        self._client: mlflow.MlflowClient | None = None
         self._writer: MetricWriter | None = None
         self._monitor: Any = None
         self._finished = False
         self._writer_process = writer_process
         self._child: ChildLogBatch | None = None
-        self._started_at: int | None = None  # ms since the epoch; set by start()
-        self._run_name: str | None = None
-        self._spool_path = Path(spool_path).absolute() if spool_path is not None else None
-        self._spool_root = Path(spool_root).expanduser().absolute()
-        self._retry_interval = retry_interval_s
         self._http_timeout = http_timeout_s
         self._http_retries = http_retries
-        # Serialises every write (direct or spooled) and the replay, so records keep their order.
-        self._route = threading.RLock()
-        self._spool: SpoolWriter | None = None
-        self._offline = False
-        self._next_try = 0.0
-        self._replay_offset = 0
-        self._replayed = 0
-        self._replayer: Replayer | None = None
+        self._failover = Failover(
+            self._run,
+            log=self._log,
+            http=self._http,
+            experiment_id=self._experiment_id,
+            retry_interval_s=retry_interval_s,
+            spool_path=Path(spool_path).absolute() if spool_path is not None else None,
+            spool_root=Path(spool_root).expanduser().absolute(),
+        )
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run (None before :meth:`start`, or while the store never answered)."""
+        return self._run.run_id
+
+    @property
+    def experiment_id(self) -> str | None:
+        """The experiment's id once known."""
+        return self._run.experiment_id
+
+    @property
+    def _started_at(self) -> int | None:
+        return self._run.started_at
 
     @property
     def spool_path(self) -> Path | None:
         """The spool file, if the store failed at some point of this run; else None."""
-        return self._spool.path if self._spool is not None else None
+        spool = self._failover.spool
+        return spool.path if spool is not None else None
 
     @property
     def offline(self) -> bool:
         """Whether records currently go to the spool (the store failed and has not answered since)."""
-        return self._offline
+        return self._failover.offline
 
     def replay_command(self) -> str | None:
         """Return the command that sends what is left in the spool, or None when nothing is left."""
-        if self._spool is None or not self._offline:
-            return None
-        return f"flasync tracking replay {shlex.quote(str(self._spool.path))}"
+        return self._failover.replay_command()
 
     @property
     def writer(self) -> MetricWriter | None:
@@ -353,49 +346,47 @@ class MlflowTracker:
         if self._started_at is not None:
             raise RuntimeError(f"this tracker already started run {self.run_id or '(spooled)'}")
         self.prepare()  # the writer process imports MLflow while this thread does too, and creates the run
-        import mlflow
         from mlflow.entities import Param
 
-        self._started_at = int(time.time() * 1000)
-        self._experiment, self._run_name = experiment, run_name
+        run = self._run
+        run.started_at = int(time.time() * 1000)
+        run.experiment, run.run_name = experiment, run_name
         clean_tags = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in tags.items()}
         clean_params = {safe_key(k): _param_value(v) for k, v in params.items()}
-        db = _sqlite_path(self.tracking_uri)
+        db = sqlite_path(self.tracking_uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
-        with self._route:
+        with self._failover.lock:
             try:
                 with self._http():
-                    if self._client is None:
-                        self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
-                    client = self._client
+                    client = run.connect()
                     experiment_id = self._experiment_id(client, experiment)
-                    run = client.create_run(
-                        experiment_id, run_name=run_name, tags=clean_tags, start_time=self._started_at
+                    created = client.create_run(
+                        experiment_id, run_name=run_name, tags=clean_tags, start_time=run.started_at
                     )
-                    self.experiment_id = experiment_id
-                    self.run_id = run.info.run_id
+                    run.experiment_id = experiment_id
+                    run.run_id = created.info.run_id
                     entries = [Param(k, v) for k, v in clean_params.items()]
                     for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
-                        client.log_batch(run.info.run_id, params=chunk, synchronous=True)
+                        client.log_batch(created.info.run_id, params=chunk, synchronous=True)
             except ExperimentDeletedError:
-                self._started_at = None
+                run.started_at = None
                 self._stop_child()
                 raise
             except Exception as exc:
-                spool = self._go_offline(exc)
-                if self.run_id is None:
+                spool = self._failover.go_offline(exc)
+                if run.run_id is None:
                     spool.tags(clean_tags)
                 spool.params(clean_params)
             except BaseException:
                 # Interrupted while recording the params: leave no RUNNING run behind.
                 self._finished = True
                 self._stop_child()
-                if self.run_id is not None and self._client is not None:
+                if run.run_id is not None and run.client is not None:
                     with contextlib.suppress(Exception), self._http():
-                        self._client.set_terminated(self.run_id, "KILLED")
+                        run.client.set_terminated(run.run_id, "KILLED")
                 raise
-        if self.run_id is not None and not self._offline:
+        if self.run_id is not None and not self.offline:
             self._start_writers(self.run_id)
         else:
             self._stop_child()
@@ -434,19 +425,16 @@ class MlflowTracker:
         if self._started_at is not None:
             raise RuntimeError(f"this tracker already started run {self.run_id or '(spooled)'}")
         self.prepare()
-        import mlflow
-
-        if self._client is None:
-            self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
-        client = self._client
+        identity = self._run
+        client = identity.connect()
         with self._http():
             run = client.get_run(run_id)
             experiment = client.get_experiment(run.info.experiment_id)
             client.update_run(run_id, status="RUNNING")
-        self._started_at = int(time.time() * 1000)
-        self._experiment, self._run_name = experiment.name, run.info.run_name
-        self.experiment_id = run.info.experiment_id
-        self.run_id = run_id
+        identity.started_at = int(time.time() * 1000)
+        identity.experiment, identity.run_name = experiment.name, run.info.run_name
+        identity.experiment_id = run.info.experiment_id
+        identity.run_id = run_id
         self._start_writers(run_id)
         return run_id
 
@@ -513,7 +501,7 @@ class MlflowTracker:
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             client.log_artifact(run_id, local, artifact_path)
 
-        self._deliver(send, lambda spool: spool.artifact_path(local, artifact_path))
+        self._failover.deliver(send, lambda spool: spool.artifact_path(local, artifact_path))
 
     def log_bytes(self, data: bytes, artifact_file: str) -> None:
         """Store ``data`` as an artifact.
@@ -533,7 +521,7 @@ class MlflowTracker:
                 local.write_bytes(data)
                 client.log_artifact(run_id, str(local), folder or None)
 
-        self._deliver(send, lambda spool: spool.artifact_bytes(data, artifact_file))
+        self._failover.deliver(send, lambda spool: spool.artifact_bytes(data, artifact_file))
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set tags on the run (values stringified and cut to 8000 characters).
@@ -551,7 +539,7 @@ class MlflowTracker:
             for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
                 client.log_batch(run_id, tags=chunk, synchronous=True)
 
-        self._deliver(send, lambda spool: spool.tags(clean))
+        self._failover.deliver(send, lambda spool: spool.tags(clean))
 
     def flush(self) -> None:
         """Block until queued metrics were written (or spooled), or ``flush_timeout_s`` passed (then warn)."""
@@ -599,27 +587,12 @@ class MlflowTracker:
             def send(run_id: str, client: mlflow.MlflowClient) -> None:
                 client.set_terminated(run_id, status, end_time=end)
 
-            with self._route:
-                if self._offline:
-                    self._try_recover(force=True)
-                self._deliver(send, lambda spool: spool.status(status, end))
-                if self._spool is not None:
-                    self._spool.close()
-                    command = self.replay_command()
-                    if command is not None:
-                        self._log.warning(
-                            "tracking.spool_left",
-                            path=str(self._spool.path),
-                            records=self._spool.records - self._replayed,
-                            replay=command,
-                            metrics=False,
-                        )
-                        print(
-                            f"flasync: MLflow at {self.tracking_uri} did not answer; the run's tracking records are "
-                            f"in {self._spool.path}; send them with: {command}",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+            failover = self._failover
+            with failover.lock:
+                if failover.offline:
+                    failover.try_recover(force=True)
+                failover.deliver(send, lambda spool: spool.status(status, end))
+                failover.close()
 
     def ui_command(self) -> str | None:
         """Return the shell command that opens this store in the MLflow UI.
@@ -697,7 +670,7 @@ class MlflowTracker:
                 mlflow.pytorch.save_model(model, local, serialization_format="pickle", pip_requirements=requirements)
                 writer.artifact_path(local, None)
 
-        self._deliver(send, spool)
+        self._failover.deliver(send, spool)
         return time.perf_counter() - began
 
     def _stop_monitor(self, monitor: Any) -> None:
@@ -712,114 +685,9 @@ class MlflowTracker:
         if self._started_at is None:
             raise RuntimeError("call start() before logging to the tracker")
 
-    def _deliver(
-        self,
-        send: Callable[[str, mlflow.MlflowClient], None],
-        spool: Callable[[SpoolWriter], None],
-    ) -> None:
-        """Send one record to the store, or to the spool while (or when) the store fails; order is kept."""
-        with self._route:
-            if not self._offline or self._try_recover():
-                assert self.run_id is not None and self._client is not None
-                try:
-                    with self._http():
-                        send(self.run_id, self._client)
-                    return
-                except Exception as exc:
-                    self._go_offline(exc)
-            assert self._spool is not None
-            spool(self._spool)
-
-    def _go_offline(self, error: BaseException) -> SpoolWriter:
-        """Send records to the spool from now on (creating it, and saying where, the first time)."""
-        self._offline = True
-        self._next_try = time.monotonic() + self._retry_interval
-        reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-        if self._spool is not None:
-            self._log.warning("tracking.spooling_again", path=str(self._spool.path), error=reason, metrics=False)
-            return self._spool
-        assert self._started_at is not None
-        path = self._spool_path or default_spool_path(self._experiment or "experiment", self._spool_root)
-        self._spool = SpoolWriter(
-            path,
-            tracking_uri=self.tracking_uri,
-            experiment=self._experiment,
-            run_name=self._run_name,
-            run_id=self.run_id,
-            start_time=self._started_at,
-        )
-        self._replay_offset = self._spool.size
-        self._log.warning(
-            "tracking.spooling", path=str(self._spool.path), tracking_uri=self.tracking_uri, error=reason, metrics=False
-        )
-        print(
-            f"flasync: MLflow at {self.tracking_uri} failed ({reason}); tracking records go to {self._spool.path}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return self._spool
-
-    def _try_recover(self, *, force: bool = False) -> bool:
-        """Replay the spool into the store if it answers (at most every ``retry_interval_s``); True when done."""
-        if not force and time.monotonic() < self._next_try:
-            return False
-        self._next_try = time.monotonic() + self._retry_interval
-        spool = self._spool
-        assert spool is not None
-        replayed = 0
-        try:
-            with self._http():
-                if self._client is None:
-                    import mlflow
-
-                    self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
-                if self._replayer is None:
-                    self._replayer = Replayer(
-                        self._client, spool.header, spool.path.parent, self._remember_experiment, self.run_id
-                    )
-                replayer = self._replayer
-                for record, end in iter_records(spool.path, self._replay_offset):
-                    try:
-                        replayer.apply(record)
-                    except Exception as exc:
-                        if not rejected(exc):
-                            raise
-                        self._log.warning(
-                            "tracking.record_rejected", type=record["type"], error=str(exc), metrics=False
-                        )
-                    self.run_id = replayer.run_id
-                    self._replay_offset = end
-                    self._replayed += 1
-                    replayed += 1
-                    save_progress(
-                        spool.path, self.tracking_uri, run_id=replayer.ensure_run(), records=self._replayed, offset=end
-                    )
-                if self.run_id is None:  # nothing was spooled yet
-                    self.run_id = replayer.ensure_run()
-        except Exception as exc:
-            if replayed:
-                self._log.info("tracking.replay_partial", replayed=replayed, error=str(exc)[:300], metrics=False)
-            return False
-        self._offline = False
-        self._log.warning("tracking.recovered", replayed=replayed, path=str(spool.path), metrics=False)
-        return True
-
-    def _remember_experiment(self, name: str) -> str:
-        assert self._client is not None
-        self.experiment_id = self._experiment_id(self._client, name)
-        return self.experiment_id
-
     def _log_metric_batch(self, metrics: list[MetricRow]) -> None:
         """Write one batch (called by the metric writer's thread): direct, or to the spool; never raises."""
-        with self._route:
-            if not self._offline or self._try_recover():
-                try:
-                    self._send_metrics(metrics)
-                    return
-                except Exception as exc:
-                    self._go_offline(exc)
-            assert self._spool is not None
-            self._spool.metrics(metrics)
+        self._failover.send_metrics(metrics, self._send_metrics)
 
     def _send_metrics(self, metrics: list[MetricRow]) -> None:
         child = self._child
@@ -833,57 +701,17 @@ class MlflowTracker:
                 self._child = None
         from mlflow.entities import Metric
 
-        assert self.run_id is not None and self._client is not None
+        run_id, client = self._run.run_id, self._run.client
+        assert run_id is not None and client is not None
         entities = [Metric(m.key, m.value, m.timestamp, m.step) for m in metrics]
         with self._http():
-            self._client.log_batch(self.run_id, metrics=entities, synchronous=True)
+            client.log_batch(run_id, metrics=entities, synchronous=True)
 
     def _experiment_id(self, client: mlflow.MlflowClient, name: str) -> str:
-        import mlflow
-
-        experiment = client.get_experiment_by_name(name)
-        if experiment is None:
-            try:
-                created: str = client.create_experiment(name, artifact_location=self._artifact_location(name))
-                return created
-            except mlflow.exceptions.MlflowException:
-                # Another process may have created it meanwhile.
-                experiment = client.get_experiment_by_name(name)
-                if experiment is None:
-                    raise
-        if experiment.lifecycle_stage != "active":
-            raise ExperimentDeletedError(
-                f"MLflow experiment {name!r} is deleted; restore it with "
-                f"`mlflow experiments restore --experiment-id {experiment.experiment_id}` "
-                "or choose another name"
-            )
-        found: str = experiment.experiment_id
-        return found
+        return ensure_experiment(client, name, self._artifact_location(name))
 
     def _artifact_location(self, experiment: str) -> str | None:
         return artifact_location(self.tracking_uri, experiment, self._artifact_root)
-
-
-def artifact_location(tracking_uri: str, experiment: str, artifact_root: str | None = None) -> str | None:
-    """Return where a new experiment of a store keeps its artifacts (see :class:`MlflowTracker`).
-
-    Args:
-        tracking_uri: The store.
-        experiment: The experiment's name (made a safe folder name).
-        artifact_root: Folder or URI of experiments' artifact folders; next to a SQLite file when None.
-
-    Returns:
-        A URI, or None to let the store choose (file stores, servers).
-    """
-    folder = _UNSAFE_DIR_CHARS.sub("_", experiment).strip(".") or "experiment"
-    if artifact_root is None:
-        db = _sqlite_path(tracking_uri)
-        if db is None:
-            return None  # a file store or a server picks its own location
-        return (db.parent / "artifacts" / folder).as_uri()
-    if "://" in artifact_root:
-        return f"{artifact_root.rstrip('/')}/{folder}"
-    return (Path(artifact_root).expanduser().absolute() / folder).as_uri()
 
 
 class _MonitorSink:
@@ -907,36 +735,6 @@ class _MonitorSink:
 
     def flush(self) -> None:
         """Nothing to do: the sink owns what was recorded."""
-
-
-def resolve_tracking_uri(uri: str | None = None) -> str:
-    """Return the store a tracker with ``tracking_uri=uri`` would use: ``uri``, else ``$MLFLOW_TRACKING_URI``, else
-    :data:`DEFAULT_TRACKING_URI`; a relative SQLite path is made absolute against the current directory."""
-    return _absolute_sqlite_uri(uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
-
-
-def _sqlite_path(uri: str) -> Path | None:
-    """Return the database file of a ``sqlite:///`` URI, None for other or in-memory stores."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    path = uri[len("sqlite:///") :].partition("?")[0]
-    if not path or path == ":memory:":
-        return None
-    return Path(path)
-
-
-def _absolute_sqlite_uri(uri: str) -> str:
-    """Anchor a relative SQLite path to the current directory, so a later chdir cannot move it."""
-    path = _sqlite_path(uri)
-    if path is None or path.is_absolute():
-        return uri
-    query = uri.partition("?")[2]
-    absolute = "sqlite:///" + path.expanduser().absolute().as_posix()
-    return f"{absolute}?{query}" if query else absolute
-
-
-sqlite_path = _sqlite_path
-absolute_tracking_uri = _absolute_sqlite_uri
 
 
 def _param_value(value: Any) -> str:

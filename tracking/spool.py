@@ -40,6 +40,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from tracking.metrics import MetricRow
+from tracking.store import (
+    ExperimentDeletedError,
+    absolute_tracking_uri,
+    artifact_location,
+    bounded_http,
+    ensure_experiment,
+    sqlite_path,
+)
 
 __all__ = [
     "SPOOL_FORMAT",
@@ -48,9 +56,7 @@ __all__ = [
     "Replayer",
     "SpoolError",
     "SpoolWriter",
-    "bounded_http",
     "default_spool_path",
-    "is_remote",
     "iter_records",
     "load_progress",
     "read_header",
@@ -67,62 +73,9 @@ _MAX_METRICS_PER_CALL = 1000
 _MAX_ENTRIES_PER_CALL = 100
 _UNSAFE = re.compile(r"[^\w.\-]")
 
-# Process-wide bookkeeping of bounded_http(): entered scopes and the values they replaced.
-_HTTP_LOCK = threading.Lock()
-_HTTP_DEPTH = 0
-_HTTP_SAVED: dict[str, str | None] = {}
-
 
 class SpoolError(ValueError):
     """A spool file cannot be read: missing, not JSON lines, no valid header, or a malformed record."""
-
-
-def is_remote(tracking_uri: str) -> bool:
-    """Tell whether a tracking URI names an MLflow server reached over HTTP(S)."""
-    return tracking_uri.partition(":")[0].lower() in ("http", "https")
-
-
-def http_env(timeout_s: int, retries: int) -> dict[str, str]:
-    """Return the MLflow environment variables that bound one HTTP request's connect/read time and retries."""
-    return {
-        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(timeout_s))),
-        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(max(0, int(retries))),
-        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-        "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
-    }
-
-
-@contextlib.contextmanager
-def bounded_http(tracking_uri: str, *, timeout_s: int = 10, retries: int = 1) -> Iterator[None]:
-    """Bound MLflow's HTTP timeout and retries for the calls made inside the block, for a server URI only.
-
-    MLflow reads ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (default 120 s and 7 retries
-    with exponential backoff, minutes in all) from the environment on every request; nothing else bounds a call to
-    a server that does not answer. Inside this block those variables the user has not set are set to the given
-    bounds, and restored when the last such block (of any thread) exits. Variables the user set are left alone.
-    Local stores (SQLite, files) are not affected at all.
-    """
-    if not is_remote(tracking_uri):
-        yield
-        return
-    global _HTTP_DEPTH
-    with _HTTP_LOCK:
-        if _HTTP_DEPTH == 0:
-            _HTTP_SAVED.clear()
-            for name, value in http_env(timeout_s, retries).items():
-                if name not in os.environ:
-                    _HTTP_SAVED[name] = None
-                    os.environ[name] = value
-        _HTTP_DEPTH += 1
-    try:
-        yield
-    finally:
-        with _HTTP_LOCK:
-            _HTTP_DEPTH -= 1
-            if _HTTP_DEPTH == 0:
-                for name in _HTTP_SAVED:
-                    os.environ.pop(name, None)
-                _HTTP_SAVED.clear()
 
 
 def default_spool_path(experiment: str, root: str | Path = "mlruns/spool") -> Path:
@@ -499,8 +452,6 @@ def replay(
     """
     import mlflow
 
-    from tracking.mlflow_run import absolute_tracking_uri, artifact_location, sqlite_path
-
     spool = Path(path).absolute()
     header, first = read_header(spool)
     records = list(iter_records(spool, first, first_line=2))  # validate everything before sending anything
@@ -520,12 +471,12 @@ def replay(
                     run_id = str(header["run_id"])
 
         def experiment_id(name: str) -> str:
-            found = client.get_experiment_by_name(name)
-            if found is not None and found.lifecycle_stage == "active":
-                return str(found.experiment_id)
-            if found is not None:
-                raise SpoolError(f"experiment {name!r} is deleted in {uri}; restore it or replay into another store")
-            return str(client.create_experiment(name, artifact_location=artifact_location(uri, name)))
+            try:
+                return ensure_experiment(client, name, artifact_location(uri, name))
+            except ExperimentDeletedError:
+                raise SpoolError(
+                    f"experiment {name!r} is deleted in {uri}; restore it or replay into another store"
+                ) from None
 
         replayer = Replayer(client, header, spool.parent, experiment_id, run_id)
         for index, (record, end) in enumerate(records):

@@ -1,0 +1,226 @@
+"""Online/offline failover of one tracked run: records go to the store, or to a spool while the store fails.
+
+A :class:`Failover` sends each record (params, tags, metrics, artifacts, the final status) through a callable that
+writes it to MLflow; when that fails, it writes the record to a JSON-lines spool (:mod:`tracking.spool`) instead,
+and from then on tries the store again at most every ``retry_interval_s``. Once the store answers, the spool is
+replayed into it in order and records go direct again. The run's lifecycle (start, resume, writers, finish) is
+:class:`~tracking.mlflow_run.MlflowTracker`'s; this module only routes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tracking.spool import Replayer, SpoolWriter, default_spool_path, iter_records, rejected, save_progress
+
+if TYPE_CHECKING:
+    import mlflow
+
+__all__ = ["Failover", "RunIdentity"]
+
+
+@dataclass
+class RunIdentity:
+    """Which run a tracker's records belong to: set by the run's lifecycle, completed by a replay.
+
+    Attributes:
+        tracking_uri: The store.
+        experiment: The experiment's name.
+        run_name: The run's display name.
+        run_id: The MLflow run (None while the store never answered).
+        experiment_id: The experiment's id once known.
+        started_at: Start time in ms since the epoch (None before the run started).
+        client: The client of the store, once made.
+    """
+
+    tracking_uri: str
+    experiment: str = ""
+    run_name: str | None = None
+    run_id: str | None = None
+    experiment_id: str | None = None
+    started_at: int | None = None
+    client: mlflow.MlflowClient | None = None
+
+    def connect(self) -> mlflow.MlflowClient:
+        """Return the store's client, making it on first use (opening, and maybe creating, the store)."""
+        if self.client is None:
+            import mlflow
+
+            self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        return self.client
+
+
+class Failover:
+    """Route records to the store or, while it fails, to a spool; replay the spool when the store answers.
+
+    Args:
+        run: The run the records belong to.
+        log: Where warnings go (the spool's path, recovery, records the store refused).
+        http: Bounds one block of calls to a server (see :func:`tracking.store.bounded_http`).
+        experiment_id: Looks up or creates an experiment by name (for a run first created by a replay).
+        retry_interval_s: Least time between two tries to reach a failed store, in seconds.
+        spool_path: The spool file; a new file under ``spool_root`` when None.
+        spool_root: Folder of default spool files.
+    """
+
+    def __init__(
+        self,
+        run: RunIdentity,
+        *,
+        log: Any,
+        http: Callable[[], contextlib.AbstractContextManager[None]],
+        experiment_id: Callable[[mlflow.MlflowClient, str], str],
+        retry_interval_s: float = 5.0,
+        spool_path: Path | None = None,
+        spool_root: Path = Path("mlruns/spool"),
+    ) -> None:
+        """Start online, with no spool."""
+        self.run = run
+        self._log = log
+        self._http = http
+        self._experiment_id = experiment_id
+        self._retry_interval = retry_interval_s
+        self._spool_path = spool_path
+        self._spool_root = spool_root
+        # Serialises every write (direct or spooled) and the replay, so records keep their order.
+        self.lock = threading.RLock()
+        self.spool: SpoolWriter | None = None
+        self.offline = False
+        self._next_try = 0.0
+        self._replay_offset = 0
+        self._replayed = 0
+        self._replayer: Replayer | None = None
+
+    def replay_command(self) -> str | None:
+        """Return the command that sends what is left in the spool, or None when nothing is left."""
+        if self.spool is None or not self.offline:
+            return None
+        return f"flasync tracking replay {shlex.quote(str(self.spool.path))}"
+
+    def deliver(self, send: Callable[[str, mlflow.MlflowClient], None], spool: Callable[[SpoolWriter], None]) -> None:
+        """Send one record to the store, or to the spool while (or when) the store fails; order is kept."""
+        with self.lock:
+            if not self.offline or self.try_recover():
+                run_id, client = self.run.run_id, self.run.client
+                assert run_id is not None and client is not None
+                try:
+                    with self._http():
+                        send(run_id, client)
+                    return
+                except Exception as exc:
+                    self.go_offline(exc)
+            assert self.spool is not None
+            spool(self.spool)
+
+    def go_offline(self, error: BaseException) -> SpoolWriter:
+        """Send records to the spool from now on (creating it, and saying where, the first time)."""
+        self.offline = True
+        self._next_try = time.monotonic() + self._retry_interval
+        reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        if self.spool is not None:
+            self._log.warning("tracking.spooling_again", path=str(self.spool.path), error=reason, metrics=False)
+            return self.spool
+        run = self.run
+        assert run.started_at is not None
+        path = self._spool_path or default_spool_path(run.experiment or "experiment", self._spool_root)
+        self.spool = SpoolWriter(
+            path,
+            tracking_uri=run.tracking_uri,
+            experiment=run.experiment,
+            run_name=run.run_name,
+            run_id=run.run_id,
+            start_time=run.started_at,
+        )
+        self._replay_offset = self.spool.size
+        self._log.warning(
+            "tracking.spooling",
+            message=f"MLflow at {run.tracking_uri} failed ({reason}); tracking records go to {self.spool.path}",
+            path=str(self.spool.path),
+            tracking_uri=run.tracking_uri,
+            error=reason,
+            metrics=False,
+        )
+        return self.spool
+
+    def try_recover(self, *, force: bool = False) -> bool:
+        """Replay the spool into the store if it answers (at most every ``retry_interval_s``); True when done."""
+        if not force and time.monotonic() < self._next_try:
+            return False
+        self._next_try = time.monotonic() + self._retry_interval
+        spool, run = self.spool, self.run
+        assert spool is not None
+        replayed = 0
+        try:
+            with self._http():
+                client = run.connect()
+                if self._replayer is None:
+                    self._replayer = Replayer(client, spool.header, spool.path.parent, self._remember, run.run_id)
+                replayer = self._replayer
+                for record, end in iter_records(spool.path, self._replay_offset):
+                    try:
+                        replayer.apply(record)
+                    except Exception as exc:
+                        if not rejected(exc):
+                            raise
+                        self._log.warning(
+                            "tracking.record_rejected", type=record["type"], error=str(exc), metrics=False
+                        )
+                    run.run_id = replayer.run_id
+                    self._replay_offset = end
+                    self._replayed += 1
+                    replayed += 1
+                    save_progress(
+                        spool.path, run.tracking_uri, run_id=replayer.ensure_run(), records=self._replayed, offset=end
+                    )
+                if run.run_id is None:  # nothing was spooled yet
+                    run.run_id = replayer.ensure_run()
+        except Exception as exc:
+            if replayed:
+                self._log.info("tracking.replay_partial", replayed=replayed, error=str(exc)[:300], metrics=False)
+            return False
+        self.offline = False
+        self._log.warning("tracking.recovered", replayed=replayed, path=str(spool.path), metrics=False)
+        return True
+
+    def _remember(self, name: str) -> str:
+        client = self.run.client
+        assert client is not None
+        self.run.experiment_id = self._experiment_id(client, name)
+        return self.run.experiment_id
+
+    def send_metrics(self, metrics: list[Any], direct: Callable[[list[Any]], None]) -> None:
+        """Write one metric batch with ``direct``, or to the spool while the store fails; never raises."""
+        with self.lock:
+            if not self.offline or self.try_recover():
+                try:
+                    direct(metrics)
+                    return
+                except Exception as exc:
+                    self.go_offline(exc)
+            assert self.spool is not None
+            self.spool.metrics(metrics)
+
+    def close(self) -> str | None:
+        """Close the spool (if any); return the replay command of what is left in it, after saying so."""
+        if self.spool is None:
+            return None
+        self.spool.close()
+        command = self.replay_command()
+        if command is not None:
+            self._log.warning(
+                "tracking.spool_left",
+                message=f"MLflow at {self.run.tracking_uri} did not answer; the run's tracking records are in "
+                f"{self.spool.path}; send them with: {command}",
+                path=str(self.spool.path),
+                records=self.spool.records - self._replayed,
+                replay=command,
+                metrics=False,
+            )
+        return command

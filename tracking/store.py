@@ -1,0 +1,176 @@
+"""The MLflow store as a location: tracking URIs, artifact locations, HTTP bounds, experiments.
+
+This is the one module of :mod:`tracking` that touches process-global state: :func:`bounded_http` sets MLflow's
+HTTP environment variables for the calls made inside it (MLflow reads no other setting for them), and
+:func:`resolve_tracking_uri` reads ``MLFLOW_TRACKING_URI``. Everything else in the package takes a URI and an
+explicit ``MlflowClient``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import mlflow
+
+__all__ = [
+    "DEFAULT_ARTIFACT_ROOT",
+    "DEFAULT_TRACKING_URI",
+    "ExperimentDeletedError",
+    "absolute_tracking_uri",
+    "artifact_location",
+    "bounded_http",
+    "ensure_experiment",
+    "http_env",
+    "is_remote",
+    "resolve_tracking_uri",
+    "sqlite_path",
+]
+
+DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
+"""The local store used when neither an argument nor ``MLFLOW_TRACKING_URI`` names one."""
+DEFAULT_ARTIFACT_ROOT = "mlruns/artifacts"
+"""Where the default store keeps artifacts (one folder per experiment), relative to the cwd."""
+
+_UNSAFE_DIR_CHARS = re.compile(r"[^\w.\-]")
+
+# Process-wide bookkeeping of bounded_http(): entered scopes and the values they replaced.
+_HTTP_LOCK = threading.Lock()
+_HTTP_DEPTH = 0
+_HTTP_SAVED: dict[str, str | None] = {}
+
+
+class ExperimentDeletedError(RuntimeError):
+    """The run's MLflow experiment exists but is deleted (a user decision, never spooled around)."""
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """Return the store a tracker with ``tracking_uri=uri`` would use: ``uri``, else ``$MLFLOW_TRACKING_URI``, else
+    :data:`DEFAULT_TRACKING_URI`; a relative SQLite path is made absolute against the current directory."""
+    return absolute_tracking_uri(uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """Return the database file of a ``sqlite:///`` URI, None for other or in-memory stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///") :].partition("?")[0]
+    if not path or path == ":memory:":
+        return None
+    return Path(path)
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """Anchor a relative SQLite path to the current directory, so a later chdir cannot move it."""
+    path = sqlite_path(uri)
+    if path is None or path.is_absolute():
+        return uri
+    query = uri.partition("?")[2]
+    absolute = "sqlite:///" + path.expanduser().absolute().as_posix()
+    return f"{absolute}?{query}" if query else absolute
+
+
+def is_remote(tracking_uri: str) -> bool:
+    """Tell whether a tracking URI names an MLflow server reached over HTTP(S)."""
+    return tracking_uri.partition(":")[0].lower() in ("http", "https")
+
+
+def http_env(timeout_s: int, retries: int) -> dict[str, str]:
+    """Return the MLflow environment variables that bound one HTTP request's connect/read time and retries."""
+    return {
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(timeout_s))),
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(max(0, int(retries))),
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
+    }
+
+
+@contextlib.contextmanager
+def bounded_http(tracking_uri: str, *, timeout_s: int = 10, retries: int = 1) -> Iterator[None]:
+    """Bound MLflow's HTTP timeout and retries for the calls made inside the block, for a server URI only.
+
+    MLflow reads ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (default 120 s and 7 retries
+    with exponential backoff, minutes in all) from the environment on every request; nothing else bounds a call to
+    a server that does not answer. Inside this block those variables the user has not set are set to the given
+    bounds, and restored when the last such block (of any thread) exits. Variables the user set are left alone.
+    Local stores (SQLite, files) are not affected at all.
+    """
+    if not is_remote(tracking_uri):
+        yield
+        return
+    global _HTTP_DEPTH
+    with _HTTP_LOCK:
+        if _HTTP_DEPTH == 0:
+            _HTTP_SAVED.clear()
+            for name, value in http_env(timeout_s, retries).items():
+                if name not in os.environ:
+                    _HTTP_SAVED[name] = None
+                    os.environ[name] = value
+        _HTTP_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _HTTP_LOCK:
+            _HTTP_DEPTH -= 1
+            if _HTTP_DEPTH == 0:
+                for name in _HTTP_SAVED:
+                    os.environ.pop(name, None)
+                _HTTP_SAVED.clear()
+
+
+def artifact_location(tracking_uri: str, experiment: str, artifact_root: str | None = None) -> str | None:
+    """Return where a new experiment of a store keeps its artifacts (see :class:`MlflowTracker`).
+
+    Args:
+        tracking_uri: The store.
+        experiment: The experiment's name (made a safe folder name).
+        artifact_root: Folder or URI of experiments' artifact folders; next to a SQLite file when None.
+
+    Returns:
+        A URI, or None to let the store choose (file stores, servers).
+    """
+    folder = _UNSAFE_DIR_CHARS.sub("_", experiment).strip(".") or "experiment"
+    if artifact_root is None:
+        db = sqlite_path(tracking_uri)
+        if db is None:
+            return None  # a file store or a server picks its own location
+        return (db.parent / "artifacts" / folder).as_uri()
+    if "://" in artifact_root:
+        return f"{artifact_root.rstrip('/')}/{folder}"
+    return (Path(artifact_root).expanduser().absolute() / folder).as_uri()
+
+
+def ensure_experiment(client: mlflow.MlflowClient, name: str, artifact_location: str | None = None) -> str:
+    """Return the id of the active experiment ``name``, creating it (with ``artifact_location``) if it is missing.
+
+    Another process may create it at the same moment: a failed creation looks the experiment up again.
+
+    Raises:
+        ExperimentDeletedError: The experiment exists but is deleted.
+        mlflow.exceptions.MlflowException: The store refused a call.
+    """
+    import mlflow
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        try:
+            created: str = client.create_experiment(name, artifact_location=artifact_location)
+            return created
+        except mlflow.exceptions.MlflowException:
+            experiment = client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+    if experiment.lifecycle_stage != "active":
+        raise ExperimentDeletedError(
+            f"MLflow experiment {name!r} is deleted; restore it with "
+            f"`mlflow experiments restore --experiment-id {experiment.experiment_id}` "
+            "or choose another name"
+        )
+    found: str = experiment.experiment_id
+    return found

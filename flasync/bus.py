@@ -298,6 +298,10 @@ class Subscription(Generic[E_co]):
         self._bus._unsubscribe(self)
         self._shutdown()
 
+    def queued(self) -> tuple[E_co, ...]:
+        """Return the events waiting to be received, oldest first (a copy; nothing is taken)."""
+        return tuple(self._queue)
+
     def statistics(self) -> SubscriptionStatistics:
         """Return the subscription's counters."""
         return SubscriptionStatistics(

@@ -726,12 +726,6 @@ class RunConfig(_Section):
             ):
                 if value != default:
                     raise _FieldError(field_loc, "is not supported with topology.kind = 'tree' (flat runs only)")
-            if self.checkpoint.every_versions is not None and not isinstance(server, FedAvgServer):
-                raise _FieldError(
-                    ("checkpoint", "every_versions"),
-                    "an async tree's edges hold partials in transit that a checkpoint does not capture; "
-                    "checkpoints of trees need server.kind = 'fedavg' (HierFAVG, checkpointed between rounds)",
-                )
         sampling = self.population.sampling
         if self.faults.availability is not None and sampling != "uniform":
             raise _FieldError(

@@ -298,7 +298,31 @@ async def test_a_tree_with_faults_validation_and_timeouts_resumes_exactly(fanout
     assert {key: resumed.tiers[key] for key in counts} == counts
 
 
-def test_async_trees_refuse_checkpoints_with_the_reason() -> None:
-    """An async tree asks for HierFAVG to be checkpointed, in one line naming the field."""
-    with pytest.raises(flasync.ConfigError, match=r"checkpoint\.every_versions: an async tree's edges"):
-        small_config("checkpoint.every_versions=3", topology={"kind": "tree", "fanout": [2]})
+@pytest.mark.parametrize(
+    "topology",
+    [
+        {"kind": "tree", "fanout": [4], "buffer_size": 3, "max_wait_s": 0.5},
+        {"kind": "tree", "fanout": [2, 2], "buffer_size": 2, "max_wait_s": 0.3, "codec": [{"kind": "fp16"}]},
+        {"kind": "tree", "fanout": [2, 2], "buffer_size": 1},
+    ],
+    ids=["buffered", "depth2-deadlines-fp16", "depth2-relays"],
+)
+async def test_an_async_tree_resumes_exactly(topology: dict[str, Any]) -> None:
+    """FedBuff over edges with slow links: partials and relayed uploads in transit, edge deadlines and queued
+    messages are in the checkpoint; the resumed run ends with the uninterrupted run's weights and counts."""
+    slow = {"latency_s": 0.05, "upload_bytes_per_s": 2e5, "download_bytes_per_s": 2e5}
+    config = small_config(
+        "stop.max_versions=10",
+        "faults.crash=0.1",
+        "resilience.max_update_norm=50",
+        "checkpoint.every_versions=3",
+        topology={**topology, "link": slow},
+    )
+    full = await flasync.Federation(config).run()
+    tracker = await _interrupt_at(config, 4)
+    _, state = checkpoint.decode(tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    assert 4 <= state["version"] < 10
+    resumed = await asyncio.to_thread(_resume, tracker)
+    assert resumed.weights_sha256 == full.weights_sha256
+    for field in ("updates_accepted", "updates_dropped", "updates_failed", "tasks_dispatched", "versions"):
+        assert getattr(resumed, field) == getattr(full, field), field

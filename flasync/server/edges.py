@@ -46,6 +46,7 @@ from flasync.events import (
     FailureKind,
     TaskAssigned,
     TaskClosed,
+    TaskDiagnosis,
     TaskOutcome,
     UpdateRejected,
     UpdateUploaded,
@@ -59,6 +60,38 @@ from flasync.topology import Tree
 __all__ = ["EdgeNetwork", "EdgeNode", "EdgeSettings", "TierStats", "link_seconds"]
 
 EdgeMessage = UpdateUploaded | ClientFailed | ClientTimedOut | EdgeForwarded
+
+
+_MESSAGES: dict[str, type[Any]] = {
+    "EdgeForwarded": EdgeForwarded,
+    "TaskClosed": TaskClosed,
+    "UpdateUploaded": UpdateUploaded,
+}
+
+
+def message_state(message: EdgeForwarded | TaskClosed | UpdateUploaded) -> dict[str, Any]:
+    """Return a message on its way between edges and the cloud as checkpoint state (plain values and tensors)."""
+    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    payload = fields.get("payload")
+    if isinstance(payload, bytes):
+        fields["payload"] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0)
+    diagnosis = fields.get("diagnosis")
+    if diagnosis is not None:
+        fields["diagnosis"] = dataclasses.asdict(diagnosis)
+    return {"type": type(message).__name__, "fields": fields}
+
+
+def message_from_state(state: dict[str, Any]) -> EdgeForwarded | TaskClosed | UpdateUploaded:
+    """Rebuild a message from :func:`message_state`."""
+    kind = _MESSAGES[state["type"]]
+    fields = dict(state["fields"])
+    if "payload" in fields:
+        fields["payload"] = bytes(fields["payload"].to(torch.uint8).numpy().tobytes())
+    if fields.get("diagnosis") is not None:
+        diagnosis: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields["diagnosis"].items()}
+        fields["diagnosis"] = TaskDiagnosis(**diagnosis)
+    message: EdgeForwarded | TaskClosed | UpdateUploaded = kind(**fields)
+    return message
 
 
 def link_seconds(link: EdgeLinkConfig, num_bytes: int, *, up: bool) -> float:
@@ -104,6 +137,11 @@ class EdgeSettings:
     seed: int
 
 
+def relayed(message: object) -> bool:
+    """Tell whether ``message`` is a client upload an edge relays unchanged (not the client's own send)."""
+    return isinstance(message, UpdateUploaded) and message.tier != "client"
+
+
 class EdgeNode:
     """One edge of the tree.
 
@@ -132,6 +170,14 @@ class EdgeNode:
         self._bytes_in = 0
         self._aggregate_s = 0.0
         self._generation = 0
+        # What a checkpoint must start again: models on their way down, partials or relayed uploads on their way
+        # up (the receive loop waits for its own), and max_wait_s deadlines; each with the time it completes.
+        self._installs: dict[int, tuple[ModelSnapshot, float]] = {}
+        self._sends: dict[int, tuple[EdgeForwarded | UpdateUploaded, float, bool]] = {}
+        self._deadlines: dict[int, float] = {}
+        self._loop_send: tuple[EdgeForwarded | UpdateUploaded, float] | None = None
+        self._restored: dict[str, Any] | None = None
+        self._keys = 0
         self.inbox = network.bus.subscribe(
             UpdateUploaded,
             ClientFailed,
@@ -156,11 +202,21 @@ class EdgeNode:
         if seconds <= 0.0:
             self._install(snapshot)
         else:
-            net.registry.spawn(self._install_later(snapshot, seconds), f"flasync-edge-{self.name}-model")
+            self._install_at(snapshot, net.clock.now() + seconds)
 
-    async def _install_later(self, snapshot: ModelSnapshot, seconds: float) -> None:
-        await self.net.clock.sleep(seconds)
+    def _install_at(self, snapshot: ModelSnapshot, at: float) -> None:
+        key = self._key()
+        self._installs[key] = (snapshot, at)
+        self.net.registry.spawn(self._install_later(key, snapshot, at), f"flasync-edge-{self.name}-model")
+
+    async def _install_later(self, key: int, snapshot: ModelSnapshot, at: float) -> None:
+        await self.net.clock.sleep_until(at)
+        del self._installs[key]
         self._install(snapshot)
+
+    def _key(self) -> int:
+        self._keys += 1
+        return self._keys
 
     def _install(self, snapshot: ModelSnapshot) -> None:
         if self.snapshot is not None and self.snapshot.version >= snapshot.version:
@@ -171,7 +227,11 @@ class EdgeNode:
 
     # ------------------------------------------------------------------------------------------- async mode
     async def run_async(self) -> None:
-        """Fold and forward what arrives, until the run ends."""
+        """Fold and forward what arrives, until the run ends (after finishing a send a checkpoint caught)."""
+        if self._loop_send is not None:
+            message, at = self._loop_send
+            self._loop_send = None
+            await self._send_until(message, at, loop=True)
         async for message in self.inbox:
             await self._receive_async(message)
 
@@ -244,22 +304,25 @@ class EdgeNode:
         if self.buffer.count >= self.net.settings.buffer_size:
             await self._forward()
         elif self.buffer.count == 1 and self.net.settings.max_wait_s is not None:
-            self.net.registry.spawn(self._deadline(self._generation), f"flasync-edge-{self.name}-deadline")
+            self._deadline_at(self._generation, self.net.clock.now() + self.net.settings.max_wait_s)
 
-    async def _deadline(self, generation: int) -> None:
-        wait = self.net.settings.max_wait_s
-        assert wait is not None
-        await self.net.clock.sleep(wait)
+    def _deadline_at(self, generation: int, at: float) -> None:
+        self._deadlines[generation] = at
+        self.net.registry.spawn(self._deadline(generation, at), f"flasync-edge-{self.name}-deadline")
+
+    async def _deadline(self, generation: int, at: float) -> None:
+        await self.net.clock.sleep_until(at)
+        self._deadlines.pop(generation, None)
         if generation == self._generation and self.buffer.count:
-            await self._forward()
+            await self._forward(loop=False)
 
     async def _relay(self, message: UpdateUploaded) -> None:
         """Pass one client's upload up unchanged (``buffer_size = 1``)."""
         size = len(message.payload)
         self._record(1, size, size)
-        await self._send(dataclasses.replace(message, to=self.parent, tier=self.tier))
+        await self._send(dataclasses.replace(message, to=self.parent, tier=self.tier), loop=True)
 
-    async def _forward(self) -> None:
+    async def _forward(self, *, loop: bool = True) -> None:
         """Encode the buffer's partial aggregate, empty the buffer, and send it to the parent over the link."""
         net = self.net
         start = net.wall()
@@ -285,14 +348,25 @@ class EdgeNode:
         self.buffer.reset()
         self._updates, self._samples, self._bytes_in = 0, 0, 0
         self._generation += 1
-        await self._send(partial)
+        await self._send(partial, loop=loop)
 
-    async def _send(self, message: EdgeForwarded | UpdateUploaded) -> None:
+    async def _send(self, message: EdgeForwarded | UpdateUploaded, *, loop: bool) -> None:
+        """Send ``message`` to the parent over the link (``loop``: the receive loop waits for it)."""
         net = self.net
         seconds = link_seconds(net.settings.link, len(message.payload), up=True)
         if seconds > 0.0:
-            await net.clock.sleep(seconds)
-        await net.bus.publish(message)
+            await self._send_until(message, net.clock.now() + seconds, loop=loop)
+        else:
+            await net.bus.publish(message)
+
+    async def _send_until(self, message: EdgeForwarded | UpdateUploaded, at: float, *, loop: bool) -> None:
+        key = self._key()
+        self._sends[key] = (message, at, loop)
+        try:
+            await self.net.clock.sleep_until(at)
+        finally:
+            del self._sends[key]
+        await self.net.bus.publish(message)
 
     def _record(self, updates: int, bytes_in: int, bytes_out: int) -> None:
         """Count one edge aggregation in its tier and log it (per tier; per edge when configured)."""
@@ -374,7 +448,7 @@ class EdgeNode:
             await self._sync_children(snapshot, cohort)
         else:
             await self._sync_leaf(snapshot, [int(c) for c in self.members if int(c) in cohort])
-        await self._forward()
+        await self._forward(loop=False)
 
     async def _sync_children(self, snapshot: ModelSnapshot, cohort: set[int]) -> None:
         net = self.net
@@ -435,8 +509,18 @@ class EdgeNode:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Return the edge's buffer, counters and intake state."""
+        """Return the edge's buffer, counters, intake state, model, and what is on its links or pending.
+
+        Partials queued in the edge's inbox are kept too; client answers queued there are not: their tasks are
+        still in flight and replay from the checkpoint.
+        """
+        queued = [m for m in self.inbox.queued() if isinstance(m, EdgeForwarded) or relayed(m)]
         return {
+            "snapshot_version": None if self.snapshot is None else int(self.snapshot.version),
+            "installs": [(int(snapshot.version), at) for snapshot, at in self._installs.values()],
+            "sends": [(message_state(message), at, loop) for message, at, loop in self._sends.values()],
+            "deadlines": sorted(self._deadlines.items()),
+            "queued": [message_state(m) for m in queued],
             "buffer": self.buffer.state_dict(),
             "updates": self._updates,
             "round_updates": self._round_updates,
@@ -446,8 +530,12 @@ class EdgeNode:
             "intake": self.intake.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+    def load_state_dict(self, state: dict[str, Any], models: dict[int, ModelSnapshot] | None = None) -> None:
+        """Restore :meth:`state_dict` (``models``: the snapshots by version the edge and its links hold)."""
+        models = models or {}
+        version = state.get("snapshot_version")
+        self.snapshot = None if version is None else models[int(version)]
+        self._restored = state
         self.buffer.load_state_dict(state["buffer"])
         self._updates = int(state["updates"])
         self._round_updates = int(state["round_updates"])
@@ -455,6 +543,28 @@ class EdgeNode:
         self._bytes_in = int(state["bytes_in"])
         self._generation = int(state["generation"])
         self.intake.load_state_dict(state["intake"])
+
+    def resumed(self, models: dict[int, ModelSnapshot]) -> None:
+        """Start again what a checkpoint caught on the way: installs, sends, deadlines, queued partials."""
+        state = self._restored
+        if state is None:
+            return
+        self._restored = None
+        for version, at in state.get("installs", []):
+            self._install_at(models[int(version)], float(at))
+        for generation, at in state.get("deadlines", []):
+            self._deadline_at(int(generation), float(at))
+        for message_fields, at, loop in state.get("sends", []):
+            message = message_from_state(message_fields)
+            assert isinstance(message, EdgeForwarded | UpdateUploaded)
+            if loop:
+                self._loop_send = (message, float(at))  # run_async finishes it before reading the inbox
+            else:
+                self.net.registry.spawn(
+                    self._send_until(message, float(at), loop=False), f"flasync-edge-{self.name}-send"
+                )
+        for message_fields in state.get("queued", []):
+            self.net.bus.publish_nowait(message_from_state(message_fields))
 
 
 class EdgeNetwork:
@@ -503,6 +613,7 @@ class EdgeNetwork:
         self.tiers = {f"edge{d}": TierStats() for d in sorted(set(tree.depths))}
         self.edge_steps: Counter[str] = Counter()
         self.nodes = [EdgeNode(i, self, make_intake()) for i in range(tree.num_edges)]
+        self._models: dict[int, ModelSnapshot] = {}
         # For each edge, the clients below it (to tell which subtrees a sync cohort touches).
         below: list[np.ndarray] = [np.asarray(m, dtype=np.int64) for m in tree.members]
         for edge in reversed(range(tree.num_edges)):
@@ -544,7 +655,17 @@ class EdgeNetwork:
         return len(active)
 
     def resumed(self) -> None:
-        """Nothing to restart: edge timers are not part of a checkpoint."""
+        """Start again what the checkpoint caught on the edges' links and in their inboxes."""
+        for node in self.nodes:
+            node.resumed(self._models)
+
+    def answered(self) -> set[int]:
+        """Tasks whose answer a checkpoint holds on its way up (relayed uploads): they must not be replayed."""
+        tasks: set[int] = set()
+        for node in self.nodes:
+            tasks.update(m.task_id for m, _, _ in node._sends.values() if isinstance(m, UpdateUploaded))
+            tasks.update(m.task_id for m in node.inbox.queued() if relayed(m))
+        return tasks
 
     def close(self) -> None:
         """Unsubscribe every edge."""
@@ -552,8 +673,23 @@ class EdgeNetwork:
             node.inbox.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """Return every edge's state and the tiers' counters."""
+        """Return every edge's state, the models they hold or receive, and the tiers' counters."""
+        models: dict[int, ModelSnapshot] = {}
+        for node in self.nodes:
+            if node.snapshot is not None:
+                models[int(node.snapshot.version)] = node.snapshot
+            for snapshot, _ in node._installs.values():
+                models[int(snapshot.version)] = snapshot
         return {
+            "models": [
+                {
+                    "version": v,
+                    "weights": m.weights.clone(),
+                    "exact": m.exact.clone(),
+                    "download_bytes": m.download_bytes,
+                }
+                for v, m in sorted(models.items())
+            ],
             "nodes": [node.state_dict() for node in self.nodes],
             "tiers": {name: dataclasses.asdict(tier) for name, tier in self.tiers.items()},
             "edge_steps": dict(self.edge_steps),
@@ -561,8 +697,17 @@ class EdgeNetwork:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
+        self._models = {
+            int(m["version"]): ModelSnapshot(
+                version=Version(int(m["version"])),
+                weights=m["weights"].to(self.device),
+                exact=m["exact"].to(self.device),
+                download_bytes=int(m["download_bytes"]),
+            )
+            for m in state.get("models", [])
+        }
         for node, node_state in zip(self.nodes, state["nodes"], strict=True):
-            node.load_state_dict(node_state)
+            node.load_state_dict(node_state, self._models)
         self.tiers = {name: TierStats(**values) for name, values in state["tiers"].items()}
         self.edge_steps = Counter(state["edge_steps"])
 

@@ -41,6 +41,7 @@ from flasync.events import (
     Version,
 )
 from flasync.server.accounting import Accounting, ServerStats
+from flasync.server.edges import message_from_state, message_state, relayed
 from flasync.server.intake import Intake, Refused
 from flasync.server.policies import Policy
 from flasync.server.registry import TaskRegistry
@@ -158,6 +159,8 @@ class Server:
         self.interrupted_state: dict[str, Any] | None = None
         self._stop_requested = ""
         self._restored = False
+        self._answered: set[int] = set()
+        self._queued: list[EdgeForwarded | TaskClosed | UpdateUploaded] = []
         self._start_wall = 0.0
         self._inbox = bus.subscribe(
             UpdateUploaded,
@@ -223,8 +226,11 @@ class Server:
                 try:
                     self.policy.start()
                     if self._restored:
-                        self.registry.redispatch()
+                        self.registry.redispatch(self._answered)
                         self.policy.resumed()
+                        for message in self._queued:
+                            self.bus.publish_nowait(message)
+                        self._queued = []
                     else:
                         await self._publish()
                         await self._evaluate()
@@ -518,9 +524,14 @@ class Server:
         resumed run starts them again on their original timelines, and since every random draw of a task is keyed
         by client and participation, they replay exactly.
         """
+        # What waits in the inbox and no task replays: edges' partials and outcomes, uploads edges relayed.
+        queued = [m for m in self._inbox.queued() if isinstance(m, EdgeForwarded | TaskClosed) or relayed(m)]
+        answered = self.policy.answered() | {m.task_id for m in queued if isinstance(m, UpdateUploaded)}
         return {
             "version": int(self.version),
             "weights": self.weights.detach().clone(),
+            "queued": [message_state(m) for m in queued],
+            "answered": sorted(answered),
             "aggregator": self.aggregator.state_dict(),
             "accounting": self.accounting.state_dict(),
             "sampler": self.sampler.state_dict(),
@@ -551,4 +562,6 @@ class Server:
         self.policy.load_state_dict(state["policy"])
         for name, component in self.components.items():
             component.load_state_dict(state[name])
+        self._answered = {int(t) for t in state.get("answered", [])}
+        self._queued = [message_from_state(m) for m in state.get("queued", [])]
         self._restored = True

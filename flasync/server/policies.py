@@ -68,6 +68,10 @@ class Policy(Protocol):
         """Restart the timers of a restored state (after :meth:`load_state_dict`, inside the run)."""
         ...
 
+    def answered(self) -> set[int]:
+        """Tasks in flight whose answer the policy's state holds on its way (they must not run again)."""
+        ...
+
     def state_dict(self) -> dict[str, Any]:
         """Return the policy's state for a checkpoint."""
         ...
@@ -155,6 +159,10 @@ class AsyncSlots:
         """Restart the edges' timers."""
         if self.edges is not None:
             self.edges.resumed()
+
+    def answered(self) -> set[int]:
+        """Tasks whose uploads edges were relaying when the state was taken."""
+        return self.edges.answered() if self.edges is not None else set()
 
     def state_dict(self) -> dict[str, Any]:
         """Return the edges' state (a flat run has none)."""
@@ -301,6 +309,10 @@ class SyncRounds:
         """Restart the open round's deadline timer."""
         self._start_deadline()
 
+    def answered(self) -> set[int]:
+        """Return nothing: answers go straight to the cloud."""
+        return set()
+
     def state_dict(self) -> dict[str, Any]:
         """Return the open round."""
         return {"round": None if self._round is None else asdict(self._round)}
@@ -381,6 +393,10 @@ class TreeRounds:
 
     def resumed(self) -> None:
         """Nothing to restart: checkpoints are taken between rounds."""
+
+    def answered(self) -> set[int]:
+        """Return nothing: no task is in flight between rounds."""
+        return set()
 
     def state_dict(self) -> dict[str, Any]:
         """Return the edges' counters (no round is open between rounds)."""

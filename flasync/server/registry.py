@@ -190,10 +190,10 @@ class TaskRegistry:
         self._start(task, snapshot)
         return task
 
-    def _start(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
-        client_id = task.client_id
-        handle = self.spawn(self._start_task(task, snapshot), name=f"flasync-client-{client_id}-task-{task.task_id}")
-        self._handles[task.task_id] = handle
+    def _start(self, task: TaskAssigned, snapshot: ModelSnapshot, *, client: bool = True) -> None:
+        if client:
+            name = f"flasync-client-{task.client_id}-task-{task.task_id}"
+            self._handles[task.task_id] = self.spawn(self._start_task(task, snapshot), name=name)
         if self.timeout_s is not None:
             self._watchdogs[task.task_id] = self.spawn(
                 self._watch(task, task.simulated_s + self.timeout_s, limit_s=self.timeout_s),
@@ -215,10 +215,14 @@ class TaskRegistry:
                 )
             )
 
-    def redispatch(self) -> None:
-        """Start again the tasks a checkpoint had in flight, on their original timelines."""
+    def redispatch(self, answered: set[int] | frozenset[int] = frozenset()) -> None:
+        """Start again the tasks a checkpoint had in flight, on their original timelines.
+
+        Args:
+            answered: Tasks whose answer the checkpoint holds on its way (only their watchdogs start again).
+        """
         for task in self:
-            self._start(task, self._bases[task.base_version])
+            self._start(task, self._bases[task.base_version], client=task.task_id not in answered)
 
     def release(self, message: Answer) -> bool:
         """Close the task ``message`` answers; False if no such task is in flight (nothing changes then)."""

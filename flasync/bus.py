@@ -40,7 +40,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Generic, NamedTuple, TypeVar, overload
 
+import structlog
+
 from flasync.errors import BusClosed, BusFull
+from flasync.instruments import Instrument
 
 __all__ = [
     "BusStatistics",
@@ -49,6 +52,8 @@ __all__ = [
     "Subscription",
     "SubscriptionStatistics",
 ]
+
+_log = structlog.get_logger("flasync.bus")
 
 E = TypeVar("E")
 E1 = TypeVar("E1")
@@ -389,6 +394,7 @@ class EventBus:
         "_delivered",
         "_dropped",
         "_high_water",
+        "_instruments",
         "_on_activity",
         "_published",
         "_routes",
@@ -398,6 +404,7 @@ class EventBus:
     def __init__(self, *, on_activity: Callable[[], None] | None = None) -> None:
         """Create an open bus without subscriptions."""
         self._on_activity = on_activity
+        self._instruments: list[Instrument] = []
         self._subscriptions: list[Subscription[Any]] = []
         self._routes: dict[tuple[type[Any], Any], _Route] = {}
         self._closed = False
@@ -579,6 +586,32 @@ class EventBus:
         self._routes.clear()
         for subscription in subscriptions:
             subscription._shutdown()
+        for instrument in list(self._instruments):
+            self._call(instrument, "bus_closed")
+
+    def add_instrument(self, instrument: Instrument) -> None:
+        """Call ``instrument``'s hooks from now on (see :mod:`flasync.instruments`); adding it twice does nothing."""
+        if instrument not in self._instruments:
+            self._instruments.append(instrument)
+
+    def remove_instrument(self, instrument: Instrument) -> None:
+        """Stop calling ``instrument``'s hooks (nothing happens if it was not added)."""
+        if instrument in self._instruments:
+            self._instruments.remove(instrument)
+
+    def _call(self, instrument: Instrument, hook: str, *args: object) -> None:
+        """Call one hook; an instrument whose hook raises is removed and the error logged, the run goes on."""
+        try:
+            getattr(instrument, hook)(*args)
+        except Exception as exc:
+            self.remove_instrument(instrument)
+            _log.warning(
+                "bus.instrument_removed",
+                instrument=type(instrument).__name__,
+                hook=hook,
+                error=f"{type(exc).__name__}: {exc}",
+                metrics=False,
+            )
 
     def statistics(self) -> BusStatistics:
         """Return the bus's counters."""
@@ -627,6 +660,9 @@ class EventBus:
                     self._high_water = length
             if subscription._getters:
                 _wake_first(subscription._getters)
+        if self._instruments:
+            for instrument in tuple(self._instruments):
+                self._call(instrument, "event_published", event)
 
     async def _publish_when_room(self, event: object, route: _Route) -> None:
         """Wait until every blocking target has a slot for ``event``, then deliver it to all at once."""

@@ -13,7 +13,6 @@ Units: ``*_s`` fields named ``sim_*`` or ``transfer_sim_s`` are simulated second
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import math
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flasync.bus import EventBus, OverflowPolicy
+from flasync.bus import EventBus
 from flasync.diagnostics import Alert, AlertMonitor
 from flasync.errors import BusClosed, BusFull
 from flasync.events import (
@@ -45,6 +44,7 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
+from flasync.instruments import Instrument
 from flasync.quantiles import percentile
 
 __all__ = [
@@ -529,18 +529,20 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
 _ALERTS_PRINTED = 3
 
 
-class Instrumentation:
-    """The run's bus subscriber for profiling and diagnostics.
+class Instrumentation(Instrument):
+    """The run's profiler and alert monitor, as an instrument on its bus (hooks, no task of its own).
+
+    Every event published is handed to the profiler and the monitor as it is published. An alert is logged (a
+    warning, so a metric; the first few of a kind, the rest at debug) and published as :class:`AlertRaised`; the
+    first alert of each kind also becomes an MLflow tag, set off the event loop by the runtime at the end of the
+    run (:attr:`first_alerts`).
 
     Args:
-        bus: The run's bus; subscribed to every event now.
+        bus: The run's bus; the instrument adds itself to it now.
         profiler: Keeps the profile records (None: no profile).
         monitor: Decides alerts (None: no alerts).
         log: The run's logger (alerts are warnings, and so MLflow metrics).
-        set_tags: Sets MLflow tags (blocking; called in a thread, once per alert kind).
         now: The simulated time.
-        capacity: Queue size of the subscription (it blocks publishers when full).
-        period_s: Real seconds between two batches.
     """
 
     def __init__(
@@ -550,59 +552,33 @@ class Instrumentation:
         profiler: Profiler | None,
         monitor: AlertMonitor | None,
         log: Any,
-        set_tags: Callable[[Mapping[str, str]], None],
         now: Callable[[], float],
-        capacity: int = 1 << 16,
-        period_s: float = 0.02,
     ) -> None:
-        """Subscribe to the bus."""
+        """Attach to the bus."""
         self.bus = bus
         self.profiler = profiler
         self.monitor = monitor
         self._log = log
-        self._set_tags = set_tags
         self._now = now
         self._version = 0
         self.lost_alerts = 0
-        self._period_s = period_s
-        self._lock = asyncio.Lock()
-        self._sub = bus.subscribe(capacity=capacity, policy=OverflowPolicy.BLOCK, name="instrumentation")
+        self.first_alerts: dict[str, str] = {}
+        """The message of the first alert of each kind (MLflow tags ``alert.<kind>`` at the end of the run)."""
+        bus.add_instrument(self)
 
-    async def run(self) -> None:
-        """Handle queued events in batches, every ``period_s`` real seconds, until the bus closes.
+    def event_published(self, event: object) -> None:
+        """Profile the event and raise the alerts it triggers."""
+        if isinstance(event, AlertRaised):
+            return  # this instrument's own
+        if isinstance(event, Aggregated):
+            self._version = int(event.version)
+        if self.profiler is not None:
+            self.profiler.observe(event)
+        if self.monitor is not None:
+            for alert in self.monitor.observe(event, self._version):
+                self._raise(alert)
 
-        Batches, not one task step per event: every event a task receives is loop activity, which would postpone
-        each advance of the virtual clock (see :meth:`flasync.clock.VirtualClock.poke`) and cost throughput.
-        """
-        while True:
-            await asyncio.sleep(self._period_s)
-            if not await self._handle_queued():
-                return
-
-    async def drain(self) -> None:
-        """Handle every event published so far (call before closing the bus, so the last alerts are published)."""
-        await self._handle_queued()
-
-    async def _handle_queued(self) -> bool:
-        """Handle the queued events; return False once the bus is closed and the queue drained."""
-        profiler, monitor, sub = self.profiler, self.monitor, self._sub
-        async with self._lock:
-            while True:
-                try:
-                    event = sub.receive_nowait()
-                except asyncio.QueueEmpty:
-                    return True
-                except BusClosed:
-                    return False
-                if isinstance(event, Aggregated):
-                    self._version = int(event.version)
-                if profiler is not None:
-                    profiler.observe(event)
-                if monitor is not None:
-                    for alert in monitor.observe(event, self._version):
-                        await self._raise(alert)
-
-    async def _raise(self, alert: Alert) -> None:
+    def _raise(self, alert: Alert) -> None:
         assert self.monitor is not None
         count = self.monitor.record(alert)
         kind = alert.kind
@@ -632,7 +608,4 @@ class Instrumentation:
         except (BusFull, BusClosed):
             self.lost_alerts += 1
         if count == 1:
-            try:
-                await asyncio.to_thread(self._set_tags, {f"alert.{kind}": alert.message})
-            except Exception as exc:  # a tracking failure must not fail the run
-                self._log.warning("alert.tag_failed", kind=kind, error=f"{type(exc).__name__}: {exc}", metrics=False)
+            self.first_alerts[kind] = alert.message

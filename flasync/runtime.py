@@ -313,9 +313,11 @@ class Federation:
             metrics=False,
         )
         try:
-            stats = await self._drive(server, instrumentation)
+            stats = await self._drive(server)
         finally:
             self._server = None
+            if instrumentation is not None and instrumentation.first_alerts:
+                await asyncio.to_thread(_tag_alerts, tracker, instrumentation.first_alerts, log)
             if server.interrupted_state is not None and cfg.checkpoint.on_interrupt:
                 writes.submit(server.interrupted_state)
             await asyncio.to_thread(writes.close)
@@ -391,21 +393,16 @@ class Federation:
                 initial=server.weights.clone() if dcfg.level != "off" else None,
             ),
             log=log,
-            set_tags=tracker.set_tags,
             now=self.clock.now,
         )
 
-    async def _drive(self, server: Server, instrumentation: Instrumentation | None) -> ServerStats:
-        """Run the clock, the instrumentation and the server in one task group; close the bus at the end."""
+    async def _drive(self, server: Server) -> ServerStats:
+        """Run the clock and the server in one task group; close the bus at the end."""
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.clock.drive(), name="flasync-clock")
-                if instrumentation is not None:
-                    tg.create_task(instrumentation.run(), name="flasync-instrumentation")
                 try:
                     stats = await server.run()
-                    if instrumentation is not None:
-                        await instrumentation.drain()  # alerts of the last events still go on the bus
                 finally:
                     self.clock.stop()
                     self.bus.close()
@@ -553,6 +550,14 @@ class _CheckpointWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _tag_alerts(tracker: tracking.Tracker, first: Mapping[str, str], log: Any) -> None:
+    """Tag the run with the first alert of each kind (``alert.<kind>``); a tracking failure is only logged."""
+    try:
+        tracker.set_tags({f"alert.{kind}": message for kind, message in first.items()})
+    except Exception as exc:  # a tracking failure must not fail the run
+        log.warning("alert.tag_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 
 
 def _close_residuals(residuals: ResidualStore, log: Any) -> dict[str, int]:

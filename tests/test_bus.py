@@ -614,3 +614,58 @@ async def test_a_full_addressed_subscription_blocks_only_its_own_mail() -> None:
     bus.publish_nowait(_Letter(to="bob", body=3))
     assert bob.receive_nowait().body == 3
     assert alice.receive_nowait().body == 1
+
+
+async def test_instruments_see_every_event_in_publish_order_and_the_close() -> None:
+    """An instrument's hooks run once per published event, after delivery, and once when the bus closes."""
+    from flasync.instruments import Instrument
+
+    class Recorder(Instrument):
+        def __init__(self) -> None:
+            self.seen: list[object] = []
+            self.closed = 0
+
+        def event_published(self, event: object) -> None:
+            self.seen.append(event)
+
+        def bus_closed(self) -> None:
+            self.closed += 1
+
+    bus = EventBus()
+    sub = bus.subscribe(int)
+    recorder = Recorder()
+    bus.add_instrument(recorder)
+    bus.add_instrument(recorder)  # once is enough
+    await bus.publish(1)
+    bus.publish_nowait(2)
+    assert recorder.seen == [1, 2] and sub.queued() == (1, 2)
+    bus.remove_instrument(recorder)
+    await bus.publish(3)
+    bus.add_instrument(recorder)
+    bus.close()
+    bus.close()
+    assert recorder.seen == [1, 2] and recorder.closed == 1
+
+
+async def test_an_instrument_that_raises_is_removed_and_publishing_goes_on() -> None:
+    """A failing hook costs its instrument, never the publisher or the other instruments."""
+    from flasync.instruments import Instrument
+
+    class Broken(Instrument):
+        def event_published(self, event: object) -> None:
+            raise RuntimeError("bug in an observer")
+
+    class Counting(Instrument):
+        def __init__(self) -> None:
+            self.count = 0
+
+        def event_published(self, event: object) -> None:
+            self.count += 1
+
+    bus = EventBus()
+    counting = Counting()
+    bus.add_instrument(Broken())
+    bus.add_instrument(counting)
+    await bus.publish("a")
+    await bus.publish("b")
+    assert counting.count == 2

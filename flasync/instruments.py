@@ -1,0 +1,24 @@
+"""Instruments: optional hooks into a run, in trio's shape.
+
+An :class:`Instrument` is an object whose hooks the run calls as things happen; every hook is a no-op here, so a
+subclass overrides only what it needs. Hooks run on the event loop, synchronously, and must be quick and must not
+block (no I/O): hand slow work to a thread or keep it for the end of the run. A hook that raises is removed from
+the bus and the error is logged; the run goes on.
+
+Attach one to a run's bus with :meth:`flasync.bus.EventBus.add_instrument` (the runtime attaches its profiler and
+alert monitor this way), or to any bus in a test.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Instrument"]
+
+
+class Instrument:
+    """Optional hooks into a run; override the ones you need."""
+
+    def event_published(self, event: object) -> None:
+        """Called once for every event published on the bus, after it was delivered to the subscribers."""
+
+    def bus_closed(self) -> None:
+        """Called once when the bus closes (the run is over; no more events will come)."""

@@ -551,10 +551,9 @@ def _in_flight(config: RunConfig, num_clients: int) -> int:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerParts:
-    """The server and the components a runtime reads after a run."""
+    """The server and the edges (whose tier totals a runtime reads after a run)."""
 
     server: Server
-    registry: TaskRegistry
     edges: EdgeNetwork | None
 
 
@@ -740,4 +739,4 @@ def build_server(
         download_generator=lambda version: seeding.torch_stream(seed, seeding.DOWNLOAD_CODEC, version),
         components={"clock": clock, "residuals": ClientResiduals(world, lambda: iter(registry))},
     )
-    return ServerParts(server=server, registry=registry, edges=edges)
+    return ServerParts(server=server, edges=edges)

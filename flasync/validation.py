@@ -133,6 +133,9 @@ class UpdateValidator:
         norm = finite_norm(delta)
         if math.isnan(norm):
             return Verdict("non_finite", "update contains NaN or Inf"), math.nan
+        if math.isinf(norm):
+            # Every element is finite but the norm overflows float32: folded in, it would overflow the model.
+            return Verdict("non_finite", "update norm overflows (inf) though every element is finite"), norm
         if self.max_norm is not None and norm > self.max_norm:
             return Verdict("norm", f"update norm {norm:.4g} > max_update_norm {self.max_norm:g}"), norm
         if self.zscore_threshold is not None and len(self._norms) >= self.min_history:

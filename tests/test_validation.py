@@ -39,10 +39,11 @@ def test_refuses_malformed_or_oversized_updates(delta: torch.Tensor, reason: str
     assert verdict.detail and "\n" not in verdict.detail
 
 
-def test_finite_update_whose_norm_overflows_is_not_called_non_finite() -> None:
-    """Elements near float32's maximum overflow the norm to infinity; the update is finite, so not non_finite."""
+def test_finite_update_whose_norm_overflows_is_refused() -> None:
+    """Elements near float32's maximum overflow the norm to infinity: folded in, they would overflow the model."""
     verdict, norm = UpdateValidator(4).check(torch.tensor([3e38, 3e38, 0.0, 0.0]))
-    assert verdict is None and norm == math.inf
+    assert verdict is not None and verdict.reason == "non_finite" and "overflows" in verdict.detail
+    assert norm == math.inf
     verdict, _ = UpdateValidator(4).check(torch.tensor([3e38, -math.inf, 0.0, 0.0]))
     assert verdict is not None and verdict.reason == "non_finite"
 
@@ -200,3 +201,17 @@ async def test_an_unknown_base_version_is_refused_and_changes_nothing() -> None:
     clean = await flasync.Federation(config).run()
     assert [e.reason for e in events if isinstance(e, UpdateRejected)] == ["unknown_version"]
     assert forged_sha == clean.weights_sha256
+
+
+async def test_an_update_whose_norm_overflows_cannot_break_the_default_run() -> None:
+    """One client's finite but overflowing update is refused in the default config; the model stays finite."""
+    config = small_config("stop.max_versions=6")
+
+    def overflowing(task: TaskAssigned, federation: flasync.Federation) -> UpdateUploaded:
+        return _poison(lambda n: torch.full((n,), 3e38))(task, federation)
+
+    sha, events = await _run_with_intruder(config, overflowing)
+    dropout_sha, _ = await _run_with_intruder(config, _dropout)
+    rejected = [e for e in events if isinstance(e, UpdateRejected) and e.task_id == 20]
+    assert [e.reason for e in rejected][:1] == ["non_finite"]
+    assert sha == dropout_sha  # as if the client had left: nothing of it reached the model

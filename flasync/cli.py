@@ -292,6 +292,7 @@ def _command_run(args: argparse.Namespace) -> int:
         else:
             tracker = tracking.NullTracker()
     if args.print_config:
+        print(_determinism_note(config), end="")
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     tracking.configure_logging(fmt=args.log_format, level=config.tracking.log_level)
@@ -353,6 +354,21 @@ def _command_compare(args: argparse.Namespace) -> int:
         plot_comparison(records, args.plot, target=target)
         print(f"plot written to {args.plot}", flush=True)
     return 0
+
+
+def _determinism_note(config: RunConfig) -> str:
+    """Return YAML comments saying what the run's final weights depend on besides this config."""
+    import torch
+
+    if config.clock == "wall":
+        return "# clock = wall: real time orders the updates, so weights_sha256 is not reproducible\n"
+    return (
+        "# Under the virtual clock, weights_sha256 depends on this config (seed, data, model, server, codecs, and\n"
+        f"# executor.threads_per_worker = {config.executor.threads_per_worker}; not on executor.workers), on the torch "
+        f"build ({torch.__version__})\n"
+        f"# and on its CPU kernels (capability {torch.backends.cpu.get_cpu_capability()}; ATEN_CPU_CAPABILITY "
+        "pins them).\n"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -582,7 +582,13 @@ class ExecutorConfig(_Section):
     workers: int = Field(
         1, ge=1, le=256, description="Training threads (more help when kernels, not Python, dominate a step)."
     )
-    threads_per_worker: int = Field(1, ge=1, le=256, description="Intra-op torch threads of each worker.")
+    threads_per_worker: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Intra-op torch threads of each worker. Part of what the final weights depend on: more threads "
+        "split a kernel's sums differently, so weights_sha256 changes with it (workers does not change it).",
+    )
     max_cohort: int = Field(256, ge=1, description="Most clients trained in one vectorized job.")
     device: str = Field(
         "cpu",

@@ -172,3 +172,28 @@ def test_default_experiment_end_to_end(tmp_path: Path) -> None:
     assert {"summary.json", "config.yaml", "weights.pt"} <= artifacts
     artifact_root = Path(run.info.artifact_uri.removeprefix("file://"))
     assert artifact_root.is_relative_to(tmp_path / "mlruns")
+
+
+def test_print_config_says_what_the_weights_depend_on(capsys: pytest.CaptureFixture[str]) -> None:
+    """--print-config starts with comments naming threads_per_worker, the torch build and the CPU kernels."""
+    import torch
+    import yaml
+
+    assert main(["run", "--print-config", "--set", "executor.threads_per_worker=2"]) == 0
+    out = capsys.readouterr().out
+    head = [line for line in out.splitlines() if line.startswith("#")]
+    assert any("executor.threads_per_worker = 2" in line for line in head)
+    assert any(torch.__version__ in line for line in head)
+    assert any(str(torch.backends.cpu.get_cpu_capability()) in line for line in head)
+    assert yaml.safe_load(out)["executor"]["threads_per_worker"] == 2  # still valid YAML
+
+
+def test_intra_op_threads_change_the_weights_and_workers_do_not() -> None:
+    """What the note says is true: threads_per_worker changes weights_sha256, workers does not."""
+    import flasync
+    from flasync.testing import small_config
+
+    base = flasync.run(small_config("stop.max_versions=4")).weights_sha256
+    assert flasync.run(small_config("stop.max_versions=4", "executor.workers=2")).weights_sha256 == base
+    two_threads = flasync.run(small_config("stop.max_versions=4", "executor.threads_per_worker=2")).weights_sha256
+    assert two_threads != base

@@ -37,6 +37,7 @@ from flasync.bus import EventBus
 from flasync.client import Client, ClientResiduals, ClientWorld
 from flasync.clock import Clock, RunClock
 from flasync.config import (
+    AdagradServerOptimizer,
     AdamServerOptimizer,
     BFloat16Stage,
     CodecStage,
@@ -61,6 +62,7 @@ from flasync.config import (
     SyntheticData,
     TopKStage,
     TreeTopology,
+    YogiServerOptimizer,
 )
 from flasync.data import (
     ArrayData,
@@ -497,6 +499,10 @@ def make_server_optimizer(weights: torch.Tensor, config: ServerOptimizerConfig) 
     """Build the server optimizer a config names, stepping ``weights`` in place."""
     if isinstance(config, AdamServerOptimizer):
         return ServerOptimizer.adam(weights, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
+    if isinstance(config, AdagradServerOptimizer):
+        return ServerOptimizer.adagrad(weights, lr=config.lr, beta1=config.beta1, tau=config.tau)
+    if isinstance(config, YogiServerOptimizer):
+        return ServerOptimizer.yogi(weights, lr=config.lr, beta1=config.beta1, beta2=config.beta2, tau=config.tau)
     return ServerOptimizer.sgd(weights, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov)
 
 

@@ -375,16 +375,38 @@ class SGDServerOptimizer(_Section):
 
 
 class AdamServerOptimizer(_Section):
-    """Server Adam on the pseudo-gradient (FedAdam, Reddi et al. 2021)."""
+    """Server Adam on the pseudo-gradient (FedAdam, Reddi et al. 2021); ``eps`` is the paper's adaptivity ``tau``."""
 
     kind: Literal["adam"] = "adam"
     lr: float = Field(0.01, gt=0.0)
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.99, ge=0.0, lt=1.0)
-    eps: float = Field(1e-3, gt=0.0)
+    eps: float = Field(1e-3, gt=0.0, description="The adaptivity tau added to sqrt(v).")
 
 
-ServerOptimizerConfig = Annotated[SGDServerOptimizer | AdamServerOptimizer, Field(discriminator="kind")]
+class AdagradServerOptimizer(_Section):
+    """FedAdagrad (Reddi et al. 2021, Algorithm 2): ``v <- v + g^2``, ``w <- w - lr m / (sqrt(v) + tau)``."""
+
+    kind: Literal["adagrad"] = "adagrad"
+    lr: float = Field(0.01, gt=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="First-moment decay (0: plain Adagrad).")
+    tau: float = Field(1e-3, gt=0.0, description="Adaptivity: added to sqrt(v); v starts at tau^2.")
+
+
+class YogiServerOptimizer(_Section):
+    """FedYogi (Reddi et al. 2021, Algorithm 2): ``v <- v - (1 - beta2) g^2 sign(v - g^2)``."""
+
+    kind: Literal["yogi"] = "yogi"
+    lr: float = Field(0.01, gt=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    tau: float = Field(1e-3, gt=0.0, description="Adaptivity: added to sqrt(v); v starts at tau^2.")
+
+
+ServerOptimizerConfig = Annotated[
+    SGDServerOptimizer | AdamServerOptimizer | AdagradServerOptimizer | YogiServerOptimizer,
+    Field(discriminator="kind"),
+]
 
 
 class FedAvgServer(_Section):

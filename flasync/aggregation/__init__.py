@@ -17,7 +17,7 @@ from flasync.aggregation.aggregators import (
 from flasync.aggregation.buffer import UpdateBuffer
 from flasync.aggregation.functional import fedasync_mix_, fedavg, fedbuff, normalized, weighted_mean
 from flasync.aggregation.hierarchy import edge_model, edge_progress, mix_partial_
-from flasync.aggregation.optimizers import FlatAdam, FlatSGD, ServerOptimizer, TorchServerOptimizer
+from flasync.aggregation.optimizers import FlatAdam, FlatAdaptive, FlatSGD, ServerOptimizer, TorchServerOptimizer
 from flasync.aggregation.robust import coordinate_median, trimmed_mean
 from flasync.aggregation.staleness import (
     ConstantStaleness,
@@ -34,6 +34,7 @@ __all__ = [
     "EqualExampleWeight",
     "ExampleWeight",
     "FlatAdam",
+    "FlatAdaptive",
     "FlatSGD",
     "HingeStaleness",
     "MixingAggregator",

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FlatAdam", "FlatSGD", "ServerOptimizer", "TorchServerOptimizer"]
+__all__ = ["FlatAdam", "FlatAdaptive", "FlatSGD", "ServerOptimizer", "TorchServerOptimizer"]
 
 
 class ServerOptimizer(ABC):
     """Steps flat global weights in place with a pseudo-gradient.
 
-    Build one with `sgd` or `adam`, or wrap a ``torch.optim`` optimizer in a `TorchServerOptimizer`.
+    Build one with `sgd`, `adam`, `adagrad` or `yogi`, or wrap a ``torch.optim`` optimizer in a `TorchServerOptimizer`.
 
     Args:
         weights: The global model, a flat (1-D) floating-point leaf tensor; updated in place by `step`.
@@ -61,6 +61,18 @@ class ServerOptimizer(ABC):
     ) -> FlatAdam:
         """Build a server Adam optimizer, FedAdam (see `FlatAdam`)."""
         return FlatAdam(weights, lr=lr, betas=betas, eps=eps)
+
+    @classmethod
+    def adagrad(cls, weights: Tensor, *, lr: float = 0.01, beta1: float = 0.9, tau: float = 1e-3) -> FlatAdaptive:
+        """Build FedAdagrad (see `FlatAdaptive`)."""
+        return FlatAdaptive(weights, rule="adagrad", lr=lr, beta1=beta1, tau=tau)
+
+    @classmethod
+    def yogi(
+        cls, weights: Tensor, *, lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3
+    ) -> FlatAdaptive:
+        """Build FedYogi (see `FlatAdaptive`)."""
+        return FlatAdaptive(weights, rule="yogi", lr=lr, beta1=beta1, beta2=beta2, tau=tau)
 
     @property
     def weights(self) -> Tensor:
@@ -262,6 +274,98 @@ class FlatAdam(ServerOptimizer):
             raise ValueError(f"not an Adam optimizer state: kind {state.get('kind')!r}")
         self.lr, self.eps = float(state["lr"]), float(state["eps"])
         self.beta1, self.beta2 = (float(b) for b in state["betas"])
+        self.steps = int(state["steps"])
+        self._m = _state_tensor(state, "m", self._weights)
+        self._v = _state_tensor(state, "v", self._weights)
+
+
+class FlatAdaptive(ServerOptimizer):
+    """FedAdagrad and FedYogi on flat weights, as the paper writes them.
+
+    Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2, with ``g`` the pseudo-gradient (the
+    paper's ``-Delta_t``)::
+
+        m <- beta1 * m + (1 - beta1) * g
+        Adagrad: v <- v + g**2
+        Yogi:    v <- v - (1 - beta2) * g**2 * sign(v - g**2)
+        w <- w - lr * m / (sqrt(v) + tau)
+
+    with ``m`` starting at 0 and ``v`` at ``tau**2`` (the paper asks ``v_{-1} >= tau**2``), and no bias correction.
+    ``tau`` is the adaptivity: small values let coordinates with small second moments take large steps. (FedAdam is
+    `FlatAdam`, whose ``eps`` is this ``tau``.)
+
+    Args:
+        weights: The global model, a flat floating-point leaf tensor.
+        rule: ``adagrad`` or ``yogi``.
+        lr: Server learning rate ``eta``, >= 0.
+        beta1: First-moment decay, in ``[0, 1)`` (the paper uses 0.9; 0 gives plain Adagrad).
+        beta2: Yogi's second-moment rate, in ``[0, 1)`` (0.99 in the paper; unused by Adagrad).
+        tau: Adaptivity, > 0.
+
+    Raises:
+        ValueError: If a hyperparameter is out of range or ``weights`` is invalid.
+    """
+
+    def __init__(
+        self,
+        weights: Tensor,
+        *,
+        rule: str,
+        lr: float = 0.01,
+        beta1: float = 0.9,
+        beta2: float = 0.99,
+        tau: float = 1e-3,
+    ) -> None:
+        super().__init__(weights)
+        if rule not in ("adagrad", "yogi"):
+            raise ValueError(f"rule must be 'adagrad' or 'yogi', got {rule!r}")
+        _check_hyperparameter("lr", lr, 0.0)
+        _check_hyperparameter("beta1", beta1, 0.0, 1.0)
+        _check_hyperparameter("beta2", beta2, 0.0, 1.0)
+        if not tau > 0:
+            raise ValueError(f"tau must be > 0, got {tau}")
+        self.rule = rule
+        self.lr, self.beta1, self.beta2, self.tau = float(lr), float(beta1), float(beta2), float(tau)
+        self.steps = 0
+        self._m: Tensor | None = None
+        self._v: Tensor | None = None
+
+    @property
+    def state_nbytes(self) -> int:
+        """Size of the two moments (0 before the first step), in bytes."""
+        return sum(t.numel() * t.element_size() for t in (self._m, self._v) if t is not None)
+
+    def _update(self, gradient: Tensor) -> None:
+        if self._m is None or self._v is None:
+            self._m = torch.zeros_like(gradient)
+            self._v = torch.full_like(gradient, self.tau**2)
+        self.steps += 1
+        self._m.mul_(self.beta1).add_(gradient, alpha=1 - self.beta1)
+        squared = gradient * gradient
+        if self.rule == "adagrad":
+            self._v.add_(squared)
+        else:
+            self._v.sub_(squared * torch.sign(self._v - squared), alpha=1 - self.beta2)
+        self._weights.addcdiv_(self._m, self._v.sqrt().add_(self.tau), value=-self.lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the rule, hyperparameters, step count and both moments (copied; None before the first step)."""
+        return {
+            "kind": self.rule,
+            "lr": self.lr,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "tau": self.tau,
+            "steps": self.steps,
+            "m": None if self._m is None else self._m.clone(),
+            "v": None if self._v is None else self._v.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore hyperparameters, step count and moments from `state_dict`."""
+        if state.get("kind") != self.rule:
+            raise ValueError(f"not a {self.rule} optimizer state: kind {state.get('kind')!r}")
+        self.lr, self.beta1, self.beta2, self.tau = (float(state[k]) for k in ("lr", "beta1", "beta2", "tau"))
         self.steps = int(state["steps"])
         self._m = _state_tensor(state, "m", self._weights)
         self._v = _state_tensor(state, "v", self._weights)

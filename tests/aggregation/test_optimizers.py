@@ -303,3 +303,82 @@ def test_config_builds_nesterov_sgd_and_adam() -> None:
     assert isinstance(sgd, FlatSGD) and (sgd.lr, sgd.momentum, sgd.nesterov) == (0.5, 0.9, True)
     adam = make_server_optimizer(torch.zeros(2), AdamServerOptimizer(lr=0.1, beta1=0.8, beta2=0.9, eps=1e-4))
     assert isinstance(adam, FlatAdam) and (adam.lr, adam.beta1, adam.beta2, adam.eps) == (0.1, 0.8, 0.9, 1e-4)
+
+
+# ------------------------------------------------------------------------------------------ FedAdagrad, FedYogi
+def test_fedadagrad_follows_the_papers_equations() -> None:
+    """Two steps of FedAdagrad against Reddi et al. 2021, Algorithm 2, computed by hand."""
+    from flasync.aggregation import FlatAdaptive
+
+    w = torch.tensor([1.0, -2.0])
+    opt = ServerOptimizer.adagrad(w, lr=0.1, beta1=0.5, tau=0.01)
+    assert isinstance(opt, FlatAdaptive)
+    g1, g2 = torch.tensor([0.2, -0.4]), torch.tensor([0.1, 0.3])
+    opt.step(g1)
+    m = 0.5 * g1  # m0 = 0
+    v = torch.full((2,), 0.01**2) + g1**2  # v starts at tau^2
+    expected = torch.tensor([1.0, -2.0]) - 0.1 * m / (v.sqrt() + 0.01)
+    torch.testing.assert_close(w, expected)
+    opt.step(g2)
+    m = 0.5 * m + 0.5 * g2
+    v = v + g2**2
+    expected = expected - 0.1 * m / (v.sqrt() + 0.01)
+    torch.testing.assert_close(w, expected)
+
+
+def test_fedyogi_follows_the_papers_equations() -> None:
+    """Yogi's second moment moves by (1 - beta2) g^2 towards g^2, in the direction of sign(g^2 - v)."""
+    w = torch.tensor([0.0, 0.0, 0.0])
+    opt = ServerOptimizer.yogi(w, lr=0.5, beta1=0.9, beta2=0.75, tau=0.1)
+    g = torch.tensor([1.0, -0.05, 0.0])
+    opt.step(g)
+    v0 = torch.full((3,), 0.01)
+    v = v0 - 0.25 * g**2 * torch.sign(v0 - g**2)
+    m = 0.1 * g
+    torch.testing.assert_close(w, -0.5 * m / (v.sqrt() + 0.1))
+    # The first coordinate's v grew (g^2 > v), the second's shrank (g^2 < v), the third's stayed.
+    state = opt.state_dict()
+    assert state["v"][0] > 0.01 and state["v"][1] < 0.01 and state["v"][2] == pytest.approx(0.01)
+
+
+def test_adaptive_optimizers_checkpoint_and_refuse_bad_settings() -> None:
+    """state_dict round-trips (the next step is the same); tau <= 0 and beta out of range are refused."""
+    w1, w2 = torch.zeros(3), torch.zeros(3)
+    first, second = ServerOptimizer.yogi(w1, lr=0.1), ServerOptimizer.yogi(w2, lr=0.1)
+    first.step(torch.tensor([0.3, -0.1, 0.2]))
+    second.load_state_dict(first.state_dict())
+    w2.copy_(w1)
+    first.step(torch.tensor([0.1, 0.1, -0.4]))
+    second.step(torch.tensor([0.1, 0.1, -0.4]))
+    assert torch.equal(w1, w2)
+    with pytest.raises(ValueError, match="tau"):
+        ServerOptimizer.adagrad(torch.zeros(2), tau=0.0)
+    with pytest.raises(ValueError, match="beta2"):
+        ServerOptimizer.yogi(torch.zeros(2), beta2=1.0)
+    with pytest.raises(ValueError, match="not a yogi"):
+        second.load_state_dict(ServerOptimizer.adagrad(torch.zeros(3)).state_dict())
+
+
+@pytest.mark.parametrize("kind", ["adagrad", "yogi"])
+@pytest.mark.parametrize("server", ["fedavg", "fedbuff"])
+def test_fedadagrad_and_fedyogi_run_under_fedavg_and_fedbuff(kind: str, server: str) -> None:
+    """The config picks them for either server; the run is deterministic and learns."""
+    import flasync
+    from flasync.testing import small_config
+
+    section = {"kind": server, "optimizer": {"kind": kind, "lr": 0.03, "tau": 0.01}}
+    if server == "fedavg":
+        section["clients_per_round"] = 5
+    config = small_config(server=section)
+    first, second = flasync.run(config), flasync.run(config)
+    assert first.weights_sha256 == second.weights_sha256
+    assert first.accuracy > 0.3  # 10 classes: well above chance after 12 versions
+
+
+def test_a_bad_adaptive_setting_is_a_one_line_config_error() -> None:
+    """tau must be > 0, named by its field."""
+    import flasync
+    from flasync.testing import small_config
+
+    with pytest.raises(flasync.ConfigError, match=r"server\.optimizer\.yogi\.tau|server\.optimizer.*tau"):
+        small_config("server.optimizer={kind: yogi, tau: 0}")

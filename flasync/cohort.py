@@ -237,7 +237,8 @@ class CohortTrainer:
         index, mask = self._orders(members, cfg, steps, order, x.device)
         mask = mask.to(device)
         active_counts = [sum(1 for k in order if steps[k] > s) for s in range(steps[order[0]])]
-        weights = base.to(device, torch.float32).expand(num, -1).clone()
+        base_row = base.to(device, torch.float32)
+        weights = base_row.expand(num, -1).clone()
         momentum = torch.zeros_like(weights) if cfg.momentum else None
         loss_sum = torch.zeros(num, dtype=torch.float32, device=device)
         self._precision = cfg.precision
@@ -270,6 +271,8 @@ class CohortTrainer:
                 if cfg.clip_norm is not None:
                     norm = torch.linalg.vector_norm(grads, dim=1, keepdim=True)
                     grads.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
+                if cfg.proximal_mu:  # FedProx: mu (w - w_base), every row from the cohort's one base
+                    grads.add_(w, alpha=cfg.proximal_mu).sub_(base_row, alpha=cfg.proximal_mu)
                 if cfg.weight_decay:
                     grads.add_(w, alpha=cfg.weight_decay)
                 if momentum is not None:

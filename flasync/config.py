@@ -321,6 +321,11 @@ class ClientConfig(_Section):
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     clip_norm: float | None = Field(None, gt=0.0, description="Clip the gradient's global L2 norm.")
+    proximal_mu: float = Field(
+        0.0,
+        ge=0.0,
+        description="FedProx (Li et al., MLSys 2020): add mu/2 ||w - w_base||^2 to the local objective (0: off).",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="bf16 = autocast of the forward pass; fp16 = autocast with dynamic loss scaling (CUDA)."
     )

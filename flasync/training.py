@@ -115,6 +115,7 @@ class LocalTraining:
     momentum: float = 0.0
     weight_decay: float = 0.0
     clip_norm: float | None = None
+    proximal_mu: float = 0.0
     precision: str = "fp32"
     checkpoint_segments: int = 0
 
@@ -400,6 +401,9 @@ def train(
         if cfg.clip_norm is not None:
             norm = torch.linalg.vector_norm(grad)
             grad.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
+        if cfg.proximal_mu:
+            # FedProx (Li et al., MLSys 2020, eq. 2): the gradient of mu/2 ||w - w_base||^2 is mu (w - w_base).
+            grad.add_(params, alpha=cfg.proximal_mu).sub_(base[: params.numel()], alpha=cfg.proximal_mu)
         if cfg.weight_decay:
             grad.add_(params, alpha=cfg.weight_decay)
         if cfg.momentum:

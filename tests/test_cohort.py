@@ -99,6 +99,7 @@ CONFIGS = [
         id="momentum-wd-clip",
     ),
     pytest.param(LocalTraining(epochs=3, max_steps=7, batch_size=8, lr=0.05, momentum=0.5), id="max-steps"),
+    pytest.param(LocalTraining(epochs=2, batch_size=16, lr=0.1, momentum=0.5, proximal_mu=0.5), id="fedprox"),
 ]
 
 

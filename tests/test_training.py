@@ -508,3 +508,26 @@ def test_gradient_checkpointing_gives_the_same_update_with_less_activation_memor
     assert "forward" in vars(module.layers)
     set_checkpointing(module, 0)
     assert "forward" not in vars(module.layers)
+
+
+def test_fedprox_adds_mu_times_the_distance_to_the_base_to_every_step() -> None:
+    """Two full-batch steps with proximal_mu match w <- w - lr (grad L(w) + mu (w - w_base)), computed by hand."""
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    base = flat_parameters(module)
+    lr, mu = 0.5, 2.0
+    cfg = LocalTraining(epochs=2, batch_size=8, lr=lr, proximal_mu=mu)
+    result = train(FlatModel(nn.Linear(3, 2)), base, x, y, cfg, torch.Generator().manual_seed(1))
+
+    w = base.clone()
+    for _ in range(2):
+        weight = w[:6].view(2, 3).clone().requires_grad_(True)
+        bias = w[6:].clone().requires_grad_(True)
+        loss = nn.functional.cross_entropy(x @ weight.T + bias, y)
+        loss.backward()
+        g = torch.cat([weight.grad.flatten(), bias.grad])  # type: ignore[union-attr]
+        w = w - lr * (g + mu * (w - base))
+    torch.testing.assert_close(result.delta, base - w, rtol=0, atol=1e-6)
+    plain = train(FlatModel(nn.Linear(3, 2)), base, x, y, LocalTraining(epochs=2, batch_size=8, lr=lr), None)
+    assert not torch.allclose(plain.delta, result.delta)  # the second step is pulled back towards the base

@@ -197,7 +197,34 @@ class FlatSGD(ServerOptimizer):
         self._buffer = _state_tensor(state, "buffer", self._weights)
 
 
-class FlatAdam(ServerOptimizer):
+class _MomentOptimizer(ServerOptimizer):
+    """A server optimizer with a first and a second moment of the pseudo-gradient (Adam and its relatives)."""
+
+    def __init__(self, weights: Tensor) -> None:
+        super().__init__(weights)
+        self.steps = 0
+        self._m: Tensor | None = None
+        self._v: Tensor | None = None
+
+    @property
+    def state_nbytes(self) -> int:
+        """Size of the two moments (0 before the first step), in bytes."""
+        return sum(t.numel() * t.element_size() for t in (self._m, self._v) if t is not None)
+
+    def _moments_state(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "m": None if self._m is None else self._m.clone(),
+            "v": None if self._v is None else self._v.clone(),
+        }
+
+    def _load_moments(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self._m = _state_tensor(state, "m", self._weights)
+        self._v = _state_tensor(state, "v", self._weights)
+
+
+class FlatAdam(_MomentOptimizer):
     """Adam on flat weights (FedAdam).
 
     Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2 (FedAdam)::
@@ -236,14 +263,6 @@ class FlatAdam(ServerOptimizer):
         _check_hyperparameter("beta1", betas[0], 0.0, 1.0)
         _check_hyperparameter("beta2", betas[1], 0.0, 1.0)
         self.lr, self.beta1, self.beta2, self.eps = float(lr), float(betas[0]), float(betas[1]), float(eps)
-        self.steps = 0
-        self._m: Tensor | None = None
-        self._v: Tensor | None = None
-
-    @property
-    def state_nbytes(self) -> int:
-        """Size of the two moments (0 before the first step), in bytes."""
-        return sum(t.numel() * t.element_size() for t in (self._m, self._v) if t is not None)
 
     def _update(self, gradient: Tensor) -> None:
         if self._m is None or self._v is None:
@@ -263,9 +282,7 @@ class FlatAdam(ServerOptimizer):
             "lr": self.lr,
             "betas": (self.beta1, self.beta2),
             "eps": self.eps,
-            "steps": self.steps,
-            "m": None if self._m is None else self._m.clone(),
-            "v": None if self._v is None else self._v.clone(),
+            **self._moments_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -274,12 +291,10 @@ class FlatAdam(ServerOptimizer):
             raise ValueError(f"not an Adam optimizer state: kind {state.get('kind')!r}")
         self.lr, self.eps = float(state["lr"]), float(state["eps"])
         self.beta1, self.beta2 = (float(b) for b in state["betas"])
-        self.steps = int(state["steps"])
-        self._m = _state_tensor(state, "m", self._weights)
-        self._v = _state_tensor(state, "v", self._weights)
+        self._load_moments(state)
 
 
-class FlatAdaptive(ServerOptimizer):
+class FlatAdaptive(_MomentOptimizer):
     """FedAdagrad and FedYogi on flat weights, as the paper writes them.
 
     Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2, with ``g`` the pseudo-gradient (the
@@ -326,14 +341,6 @@ class FlatAdaptive(ServerOptimizer):
             raise ValueError(f"tau must be > 0, got {tau}")
         self.rule = rule
         self.lr, self.beta1, self.beta2, self.tau = float(lr), float(beta1), float(beta2), float(tau)
-        self.steps = 0
-        self._m: Tensor | None = None
-        self._v: Tensor | None = None
-
-    @property
-    def state_nbytes(self) -> int:
-        """Size of the two moments (0 before the first step), in bytes."""
-        return sum(t.numel() * t.element_size() for t in (self._m, self._v) if t is not None)
 
     def _update(self, gradient: Tensor) -> None:
         if self._m is None or self._v is None:
@@ -356,9 +363,7 @@ class FlatAdaptive(ServerOptimizer):
             "beta1": self.beta1,
             "beta2": self.beta2,
             "tau": self.tau,
-            "steps": self.steps,
-            "m": None if self._m is None else self._m.clone(),
-            "v": None if self._v is None else self._v.clone(),
+            **self._moments_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -366,9 +371,7 @@ class FlatAdaptive(ServerOptimizer):
         if state.get("kind") != self.rule:
             raise ValueError(f"not a {self.rule} optimizer state: kind {state.get('kind')!r}")
         self.lr, self.beta1, self.beta2, self.tau = (float(state[k]) for k in ("lr", "beta1", "beta2", "tau"))
-        self.steps = int(state["steps"])
-        self._m = _state_tensor(state, "m", self._weights)
-        self._v = _state_tensor(state, "v", self._weights)
+        self._load_moments(state)
 
 
 class TorchServerOptimizer(ServerOptimizer):

@@ -131,14 +131,16 @@ def fedbuff(
 ) -> Tensor:
     """Combine a buffer of client deltas with example and staleness weights (FedBuff).
 
-    Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022, Algorithm 1,
-    with the example weights of FLSim::
+    Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022, Algorithm 1::
 
         delta = sum_k (e_k / sum_j e_j) * s(tau_k) * delta_k
 
     The normalised example weights sum to one and the staleness weight only discounts: stale updates shrink
     the step, they do not hand their share to fresh ones. With equal example weights this is the paper's
-    ``(1 / K) * sum_k s(tau_k) * delta_k``. The server then applies ``w <- w - eta_g * delta``.
+    ``(1 / K) * sum_k s(tau_k) * delta_k``, and FLSim's. With sample-count example weights it is not FLSim's:
+    flasync divides by the buffer's actual total ``sum_j e_j``, FLSim by a constant set in advance, so the two
+    differ whenever the buffer's total differs from that constant. The server then applies
+    ``w <- w - eta_g * delta``.
 
     `UpdateBuffer` computes the same value incrementally, one update at a time.
 

@@ -14,7 +14,9 @@ are started again on their original timelines, and each of their random draws is
 
 from __future__ import annotations
 
+import hashlib
 import io
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,54 +30,161 @@ from flasync.config import RunConfig, validate
 from flasync.errors import CheckpointError, ConfigError
 from tracking.store import sqlite_path
 
-__all__ = ["CHECKPOINT_ARTIFACT", "FORMAT", "ResumePoint", "decode", "encode", "fetch"]
+__all__ = ["CHECKPOINT_ARTIFACT", "FORMAT", "ResumePoint", "check_state", "decode", "encode", "fetch"]
 
 CHECKPOINT_ARTIFACT = "checkpoints/latest.pt"
 """Where a run's latest checkpoint lives among its MLflow artifacts."""
-FORMAT = 2
-"""Version of the checkpoint layout; a reader refuses others (2: one entry per component's ``state_dict()``)."""
+FORMAT = 3
+"""Version of the checkpoint layout; a reader refuses others (3: the state's bytes under a sha256 checksum)."""
 
 
 def encode(state: dict[str, Any], config: RunConfig) -> bytes:
-    """Serialise a server state (see :meth:`flasync.server.Server.state_dict`) and the run's config."""
-    buffer = io.BytesIO()
+    """Serialise a server state (see :meth:`flasync.server.Server.state_dict`) and the run's config.
+
+    The state is saved on its own and its bytes carried with their sha256, so a reader detects any change to them.
+    """
+    inner = io.BytesIO()
+    torch.save(state, inner)
+    state_bytes = inner.getvalue()
+    outer = io.BytesIO()
     torch.save(
         {
             "format": FORMAT,
             "flasync": __version__,
             "config": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False),
-            "state": state,
+            "state_sha256": hashlib.sha256(state_bytes).hexdigest(),
+            "state": torch.frombuffer(bytearray(state_bytes), dtype=torch.uint8),
         },
-        buffer,
+        outer,
     )
-    return buffer.getvalue()
+    return outer.getvalue()
 
 
 def decode(data: bytes) -> tuple[RunConfig, dict[str, Any]]:
-    """Read :func:`encode`'s bytes back (``weights_only=True``: no code runs) into the config and the state.
+    """Read :func:`encode`'s bytes back (``weights_only=True``: no code runs) into the config and a checked state.
 
     Raises:
-        CheckpointError: If the bytes are not a checkpoint of this format.
+        CheckpointError: One line naming what is wrong: not a checkpoint, another format, a checksum that does not
+            match (a changed or truncated file), an invalid config, or a state field missing or out of range.
     """
-    try:
-        loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as exc:  # torch raises several types for corrupt or foreign files
-        raise CheckpointError(
-            f"not a readable checkpoint ({type(exc).__name__}): only files of tensors and plain values that "
-            "flasync wrote are loaded, with weights_only=True"
-        ) from None
+    loaded = _load(data, "not a readable checkpoint")
     if not isinstance(loaded, dict) or "format" not in loaded or "state" not in loaded:
         raise CheckpointError("not a flasync checkpoint (no format/state entries)")
     if loaded["format"] != FORMAT:
         raise CheckpointError(f"checkpoint format {loaded['format']!r} is not supported (this flasync reads {FORMAT})")
+    packed = loaded["state"]
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise CheckpointError("the checkpoint's state is not a byte string")
+    state_bytes = packed.numpy().tobytes()
+    if hashlib.sha256(state_bytes).hexdigest() != loaded.get("state_sha256"):
+        raise CheckpointError(
+            f"the checkpoint is corrupt: the sha256 of its {len(state_bytes)} state bytes does not match the one "
+            "it was written with"
+        )
     try:
-        config = validate(yaml.safe_load(loaded["config"]))
-    except ConfigError as exc:
-        raise CheckpointError(f"the checkpoint's config is invalid: {exc}") from None
-    state = loaded["state"]
+        config = validate(yaml.safe_load(str(loaded["config"])))
+    except (ConfigError, yaml.YAMLError) as exc:
+        raise CheckpointError(f"the checkpoint's config is invalid: {str(exc).splitlines()[0]}") from None
+    state = _load(state_bytes, "the checkpoint's state is not readable")
     if not isinstance(state, dict):
         raise CheckpointError("the checkpoint's state is not a mapping")
+    check_state(state)
     return config, state
+
+
+def _load(data: bytes, what: str) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch raises several types for corrupt or foreign files
+        raise CheckpointError(
+            f"{what} ({type(exc).__name__}): only files of tensors and plain values that flasync wrote are loaded, "
+            "with weights_only=True"
+        ) from None
+
+
+def check_state(state: dict[str, Any]) -> None:
+    """Check every field a resumed run reads from a server state: presence, type and range.
+
+    Raises:
+        CheckpointError: One line naming the first field that is missing or wrong.
+    """
+    version = _int(state, "version", low=0)
+    weights = _tensor(state, "weights", dims=1, floating=True)
+    for name in ("aggregator", "accounting", "sampler", "registry", "intake", "policy", "clock"):
+        _mapping(state, name)
+    if state["aggregator"].get("kind") not in ("buffered", "robust", "mixing"):
+        raise CheckpointError(f"checkpoint field aggregator.kind: unknown kind {state['aggregator'].get('kind')!r}")
+    accounting = state["accounting"]
+    _mapping(accounting, "stats", "accounting.")
+    _int(accounting, "failure_streak", low=0, where="accounting.")
+    sampler_rng = state["sampler"].get("rng")
+    if not isinstance(sampler_rng, str):
+        raise CheckpointError("checkpoint field sampler.rng: missing or not a JSON string")
+    clock_now = state["clock"].get("now")
+    if not isinstance(clock_now, int | float) or not math.isfinite(clock_now) or clock_now < 0:
+        raise CheckpointError(f"checkpoint field clock.now: must be a finite number >= 0, got {clock_now!r}")
+    registry = state["registry"]
+    participations = _tensor(registry, "participations", dims=1, where="registry.")
+    if participations.numel() and int(participations.min()) < 0:
+        raise CheckpointError("checkpoint field registry.participations: counts must be >= 0")
+    bases = registry.get("bases")
+    if not isinstance(bases, list) or not bases:
+        raise CheckpointError("checkpoint field registry.bases: missing or empty")
+    versions = set()
+    for index, base in enumerate(bases):
+        where = f"registry.bases[{index}]."
+        if not isinstance(base, dict):
+            raise CheckpointError(f"checkpoint field {where[:-1]}: not a mapping")
+        versions.add(_int(base, "version", low=0, high=version, where=where))
+        for key in ("weights", "exact"):
+            if _tensor(base, key, dims=1, floating=True, where=where).shape != weights.shape:
+                raise CheckpointError(f"checkpoint field {where}{key}: shape differs from the weights'")
+        _int(base, "download_bytes", low=0, where=where)
+    if _int(registry, "snapshot_version", low=0, high=version, where="registry.") not in versions:
+        raise CheckpointError("checkpoint field registry.snapshot_version: no such base model")
+    in_flight = registry.get("in_flight")
+    if not isinstance(in_flight, list):
+        raise CheckpointError("checkpoint field registry.in_flight: missing or not a list")
+    for index, task in enumerate(in_flight):
+        where = f"registry.in_flight[{index}]."
+        if not isinstance(task, dict):
+            raise CheckpointError(f"checkpoint field {where[:-1]}: not a mapping")
+        _int(task, "task_id", low=0, where=where)
+        _int(task, "client_id", low=0, high=participations.numel() - 1, where=where)
+        _int(task, "participation", low=0, where=where)
+        if _int(task, "base_version", low=0, high=version, where=where) not in versions:
+            raise CheckpointError(f"checkpoint field {where}base_version: no such base model")
+        started = task.get("simulated_s")
+        if not isinstance(started, int | float) or not math.isfinite(started) or started < 0:
+            raise CheckpointError(f"checkpoint field {where}simulated_s: must be a finite number >= 0")
+    norms = state["intake"].get("validator_norms")
+    if not isinstance(norms, list) or not all(isinstance(n, int | float) for n in norms):
+        raise CheckpointError("checkpoint field intake.validator_norms: must be a list of numbers")
+
+
+def _mapping(state: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
+    value = state.get(key)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"checkpoint field {where}{key}: missing or not a mapping")
+    return value
+
+
+def _int(state: dict[str, Any], key: str, *, low: int, high: int | None = None, where: str = "") -> int:
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"checkpoint field {where}{key}: must be an integer, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise CheckpointError(f"checkpoint field {where}{key}: must be {bound}, got {value}")
+    return value
+
+
+def _tensor(state: dict[str, Any], key: str, *, dims: int, floating: bool = False, where: str = "") -> torch.Tensor:
+    value = state.get(key)
+    if not isinstance(value, torch.Tensor) or value.dim() != dims or (floating and not value.is_floating_point()):
+        kind = "floating-point " if floating else ""
+        raise CheckpointError(f"checkpoint field {where}{key}: must be a {dims}-D {kind}tensor")
+    return value
 
 
 def fetch(run_id: str, tracking_uri: str) -> tuple[RunConfig, dict[str, Any], str]:

@@ -117,7 +117,9 @@ def test_checkpoint_holds_only_plain_values_and_loads_with_weights_only() -> Non
     data = tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT]
     loaded = torch.load(io.BytesIO(data), weights_only=True)
     assert loaded["format"] == checkpoint.FORMAT
-    state = loaded["state"]
+    # The state's own bytes, under their checksum, load with weights_only=True too.
+    state = torch.load(io.BytesIO(loaded["state"].numpy().tobytes()), weights_only=True)
+    assert set(state) == set(checkpoint.decode(data)[1])
     assert state["version"] == 5
     # One entry per component, each its own state_dict().
     assert {"weights", "aggregator", "sampler", "registry", "accounting", "intake", "policy", "clock"} <= set(state)
@@ -326,3 +328,88 @@ async def test_an_async_tree_resumes_exactly(topology: dict[str, Any]) -> None:
     assert resumed.weights_sha256 == full.weights_sha256
     for field in ("updates_accepted", "updates_dropped", "updates_failed", "tasks_dispatched", "versions"):
         assert getattr(resumed, field) == getattr(full, field), field
+
+
+@pytest.fixture(scope="module")
+def written() -> tuple[bytes, flasync.RunConfig, dict[str, Any]]:
+    """A real checkpoint of a run with tasks in flight, its config and state."""
+    tracker = MemoryTracker()
+    flasync.run(small_config("stop.max_versions=6", "checkpoint.every_versions=5", *FAULTY), tracker=tracker)
+    data = tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT]
+    config, state = checkpoint.decode(data)
+    return data, config, state
+
+
+def test_flipped_bytes_are_caught_by_the_checksum(written: tuple[bytes, flasync.RunConfig, dict[str, Any]]) -> None:
+    """64 bytes flipped inside the state are a one-line 'corrupt' error, however they change the tensors."""
+    data = bytearray(written[0])
+    middle = len(data) // 2
+    for offset in range(64):
+        data[middle + offset] ^= 0xFF
+    with pytest.raises(CheckpointError, match=r"corrupt|not a readable") as info:
+        checkpoint.decode(bytes(data))
+    assert "\n" not in str(info.value)
+
+
+def _broken(state: dict[str, Any], path: str, value: object) -> dict[str, Any]:
+    import copy
+
+    broken = copy.deepcopy(state)
+    keys = path.split(".")
+    target = broken
+    for key in keys[:-1]:
+        target = target[int(key)] if isinstance(target, list) else target[key]
+    if value is KeyError:
+        del target[keys[-1]]
+    else:
+        target[keys[-1]] = value
+    return broken
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("version", -5, r"version: must be >= 0, got -5"),
+        ("version", "7", r"version: must be an integer"),
+        ("weights", [1.0, 2.0], r"weights: must be a 1-D floating-point tensor"),
+        ("aggregator", KeyError, r"aggregator: missing or not a mapping"),
+        ("aggregator.kind", "magic", r"aggregator\.kind: unknown kind 'magic'"),
+        ("sampler.rng", 3, r"sampler\.rng"),
+        ("clock.now", float("inf"), r"clock\.now: must be a finite number"),
+        ("registry.in_flight.0.client_id", 10**6, r"registry\.in_flight\[0\]\.client_id: must be in"),
+        ("registry.in_flight.0.base_version", 99, r"registry\.in_flight\[0\]\.base_version: must be in"),
+        ("registry.snapshot_version", KeyError, r"registry\.snapshot_version: must be an integer"),
+        ("accounting.failure_streak", -1, r"accounting\.failure_streak: must be >= 0"),
+    ],
+)
+def test_every_bad_field_is_a_one_line_error_naming_it(
+    written: tuple[bytes, flasync.RunConfig, dict[str, Any]], path: str, value: object, message: str
+) -> None:
+    """A checkpoint written with a wrong field (the checksum is right) is refused before any run is touched."""
+    _, config, state = written
+    assert state["registry"]["in_flight"]  # the faulty run has tasks in flight to break
+    data = checkpoint.encode(_broken(state, path, value), config)
+    with pytest.raises(CheckpointError, match=message) as info:
+        checkpoint.decode(data)
+    assert "\n" not in str(info.value)
+
+
+def test_resuming_from_a_corrupt_checkpoint_leaves_the_run_untouched(
+    written: tuple[bytes, flasync.RunConfig, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--resume of a run whose checkpoint was tampered with: exit 2, one line, the run still KILLED."""
+    from flasync.cli import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("resume")).info.run_id
+    _, config, state = written
+    artifact = tmp_path / "checkpoints" / "latest.pt"
+    artifact.parent.mkdir()
+    artifact.write_bytes(checkpoint.encode(_broken(state, "version", -5), config))
+    client.log_artifact(run_id, str(artifact), "checkpoints")
+    client.set_terminated(run_id, "KILLED")
+    assert main(["run", "--resume", run_id, "--tracking-uri", uri]) == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flasync")]
+    assert said == ["flasync: error: checkpoint field version: must be >= 0, got -5"]
+    assert client.get_run(run_id).info.status == "KILLED"

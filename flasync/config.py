@@ -8,6 +8,7 @@ into a validated :class:`RunConfig` or raises :class:`~flasync.errors.ConfigErro
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -68,7 +69,8 @@ __all__ = [
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Infinity and NaN are refused wherever a number is read (a bandwidth may be infinite: an instant link).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -100,10 +102,10 @@ class SyntheticData(_Section):
     """The tutorials' generator: ``x ~ N(0, 1)``, ``y`` uniform, ``x[y mod d] += 2``."""
 
     kind: Literal["synthetic"] = "synthetic"
-    samples_per_client: int = Field(200, ge=1, description="Training samples generated per client.")
-    num_features: int = Field(32, ge=1)
-    num_classes: int = Field(10, ge=2)
-    test_samples: int = Field(2000, ge=1)
+    samples_per_client: int = Field(200, ge=1, le=10_000_000, description="Training samples generated per client.")
+    num_features: int = Field(32, ge=1, le=1_000_000)
+    num_classes: int = Field(10, ge=2, le=1_000_000)
+    test_samples: int = Field(2000, ge=1, le=10_000_000)
     lazy: bool = Field(
         False,
         description="Draw each client's samples when it is sampled, from its own stream (for millions of clients; "
@@ -198,7 +200,7 @@ SpeedConfig = Annotated[ConstantSpeed | LogNormalSpeed | HalfNormalSpeed, Field(
 class PopulationConfig(_Section):
     """Who the clients are and how fast they compute."""
 
-    num_clients: int = Field(100, ge=1)
+    num_clients: int = Field(100, ge=1, le=100_000_000)
     speed: SpeedConfig = LogNormalSpeed()
     regions: int | None = Field(
         None, ge=1, description="Give each client a seeded uniform 'region' attribute in 0..regions-1."
@@ -236,8 +238,12 @@ class NetworkConfig(_Section):
     """
 
     latency_s: float = Field(0.05, ge=0.0, description="Median one-way latency.")
-    upload_bytes_per_s: float = Field(1.25e6, gt=0.0, description="Median client uplink (default 10 Mbit/s).")
-    download_bytes_per_s: float = Field(5.0e6, gt=0.0, description="Median client downlink (default 40 Mbit/s).")
+    upload_bytes_per_s: float = Field(
+        1.25e6, gt=0.0, allow_inf_nan=True, description="Median client uplink (default 10 Mbit/s)."
+    )
+    download_bytes_per_s: float = Field(
+        5.0e6, gt=0.0, allow_inf_nan=True, description="Median client downlink (default 40 Mbit/s)."
+    )
     latency_sigma: float = Field(0.0, ge=0.0, le=5.0, description="Log-space spread of latency across clients.")
     bandwidth_sigma: float = Field(0.0, ge=0.0, le=5.0, description="Log-space spread of bandwidth across clients.")
 
@@ -466,8 +472,10 @@ class EdgeLinkConfig(_Section):
     """The simulated link between an edge and its parent: ``latency + bytes / bandwidth`` each way."""
 
     latency_s: float = Field(0.01, ge=0.0, description="One-way latency.")
-    upload_bytes_per_s: float = Field(1.25e8, gt=0.0, description="Edge uplink (default 1 Gbit/s).")
-    download_bytes_per_s: float = Field(1.25e8, gt=0.0, description="Edge downlink (default 1 Gbit/s).")
+    upload_bytes_per_s: float = Field(1.25e8, gt=0.0, allow_inf_nan=True, description="Edge uplink (default 1 Gbit/s).")
+    download_bytes_per_s: float = Field(
+        1.25e8, gt=0.0, allow_inf_nan=True, description="Edge downlink (default 1 Gbit/s)."
+    )
 
 
 class EdgeSpec(_Section):
@@ -675,11 +683,30 @@ class TrackingConfig(_Section):
     )
     system_metrics: bool = Field(False, description="MLflow's CPU/GPU/memory monitor (on for CLI runs).")
 
+    @field_validator("uri")
+    @classmethod
+    def _known_store(cls, uri: str | None) -> str | None:
+        if uri is None:
+            return None
+        scheme = uri.partition("://")[0].lower() if "://" in uri else ""
+        if scheme.partition("+")[0] not in _TRACKING_SCHEMES:
+            known = ", ".join(sorted(_TRACKING_SCHEMES))
+            shown = re.sub(r"//[^/@]*@", "//***@", uri)  # never echo credentials
+            raise _FieldError(("tracking", "uri"), f"{shown!r} is not an MLflow store URI (schemes: {known})")
+        if scheme == "sqlite":
+            path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+            if uri.startswith("sqlite:///") and path.is_dir():
+                raise _FieldError(
+                    ("tracking", "uri"),
+                    f"the SQLite store {path} is a folder; name the database file, e.g. {path}/mlflow.db",
+                )
+        return uri
+
 
 class RunConfig(_Section):
     """One federated run: data, model, clients, server, time and tracking."""
 
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=2**63, description="The run's seed: every random stream is derived from it.")
     data: DataSource = DigitsData()
     partition: PartitionConfig = DirichletPartition()
     model: ModelConfig = MLPModel()
@@ -729,6 +756,16 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         n = self.population.num_clients
+        data = self.data
+        if isinstance(data, SyntheticData) and not data.lazy:
+            needed = (data.samples_per_client * n + data.test_samples) * data.num_features * 4
+            if needed > _MAX_EAGER_DATA_BYTES:
+                raise _FieldError(
+                    ("data", "samples_per_client"),
+                    f"{data.samples_per_client} samples x {n} clients x {data.num_features} features need "
+                    f"{needed / 2**30:.0f} GiB in memory (at most {_MAX_EAGER_DATA_BYTES // 2**30} GiB); "
+                    "use data.lazy = true to draw each client's samples when it is sampled",
+                )
         server = self.server
         if isinstance(server, FedAvgServer) and server.clients_per_round > n:
             raise _FieldError(
@@ -781,6 +818,60 @@ class RunConfig(_Section):
                 f"must be <= resilience.zscore_window ({res.zscore_window}), got {res.zscore_min_history}",
             )
         return self
+
+
+_MAX_EAGER_DATA_BYTES = 16 * 2**30
+_TRACKING_SCHEMES = frozenset(
+    {"sqlite", "file", "http", "https", "databricks", "databricks-uc", "uc", "postgresql", "mysql", "mssql"}
+)
+_YAML_MAX_DEPTH = 64
+
+
+class _LimitedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without anchors or aliases (a config needs neither; they allow expansion bombs) and
+    with a bounded nesting depth (a deep document is refused before it costs a deep recursion)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            raise _YamlRefused(f"YAML aliases (*{event.anchor}) are not supported in configs", event.start_mark)
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            raise _YamlRefused(f"YAML anchors (&{anchor}) are not supported in configs", event.start_mark)
+        self._depth += 1
+        if self._depth > _YAML_MAX_DEPTH:
+            raise _YamlRefused(f"nested deeper than {_YAML_MAX_DEPTH} levels", event.start_mark)
+        try:
+            node: yaml.Node | None = super().compose_node(parent, index)
+            return node
+        finally:
+            self._depth -= 1
+
+
+class _YamlRefused(yaml.YAMLError):
+    def __init__(self, message: str, mark: yaml.Mark | None) -> None:
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        super().__init__(f"{message}{where}")
+
+
+def safe_yaml(text: str) -> Any:
+    """Parse YAML with PyYAML's safe loader, refusing anchors and aliases and nesting over 64 levels.
+
+    Raises:
+        yaml.YAMLError: If the text is not YAML, or uses what is refused (the message says which and where).
+    """
+    loader = _LimitedLoader(text)
+    try:
+        return loader.get_single_data()
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise yaml.YAMLError(str(exc).split(";")[0]) from None
+    finally:
+        loader.dispose()
 
 
 class _FieldError(ValueError):
@@ -843,7 +934,7 @@ def _read_file(path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
     elif suffix in (".yaml", ".yml"):
         try:
-            loaded = yaml.safe_load(text)
+            loaded = safe_yaml(text)
         except yaml.YAMLError as exc:
             detail = " ".join(str(exc).split())
             raise ConfigError(f"{path}: invalid YAML: {detail}") from None
@@ -870,8 +961,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     if any(not p.strip() or not p.replace("_", "a").isalnum() for p in parts):
         raise ConfigError(f"--set {override!r}: {key!r} is not a dotted field path")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = safe_yaml(raw) if raw.strip() else ""
+    except (yaml.YAMLError, ValueError):  # not YAML, or a number too long for Python to convert: the raw text
         value = raw
     node = data
     for i, part in enumerate(parts[:-1]):
@@ -929,7 +1020,8 @@ def _message(error: Mapping[str, Any]) -> str:
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     if "input" in error and not isinstance(error["input"], Mapping):
-        message += f" (got {error['input']!r})"
+        shown = repr(error["input"])
+        message += f" (got {shown if len(shown) <= 80 else shown[:60] + f'... ({len(shown)} characters)'})"
     return message
 
 

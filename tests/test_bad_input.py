@@ -196,3 +196,84 @@ def test_model_that_does_not_fit_the_data(capsys: pytest.CaptureFixture[str], st
     """A CNN whose image size does not match the samples."""
     message = _fails(capsys, store, "run", "--set", "model.kind=cnn", "--set", "model.image_size=[4,4]")
     assert message == "model.image_size: 1x4x4 = 16 values, but samples have 64"
+
+
+# ---------------------------------------------------------------------------------- input that cost minutes before
+def _bomb(levels: int = 12) -> str:
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\nseed: *a{levels - 1}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (_bomb(), r"invalid YAML: YAML anchors \(&a0\) are not supported in configs \(line 1"),
+        ("seed:\n" + "".join(" " * (2 * i) + "- \n" for i in range(1, 3000)), r"nested deeper than 64 levels"),
+        ("server: {kind: fedbuff}\nstop: &s {max_versions: 3}\n", r"YAML anchors \(&s\)"),
+    ],
+    ids=["alias-bomb", "deep-nesting", "anchor"],
+)
+def test_hostile_yaml_is_one_line_at_once(
+    store: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str, message: str
+) -> None:
+    """An alias bomb, 3000 nested levels or any anchor: refused while parsing, in one line, in well under a second."""
+    import re
+    import time
+
+    path = tmp_path / "hostile.yaml"
+    path.write_text(text)
+    started = time.perf_counter()
+    line = _fails(capsys, store, "run", str(path))
+    assert time.perf_counter() - started < 1.0
+    assert re.search(message, line), line
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("seed=" + "9" * 5000, "seed: "),
+        ("network.latency_s=inf", "network.latency_s: Input should be a finite number"),
+        ("client.lr=nan", "client.lr: Input should be a finite number"),
+        ("population.num_clients=1000000000", "population.num_clients: Input should be less than or equal to"),
+        ("data={kind: synthetic, num_features: 1000000000}", "data.num_features: Input should be less"),
+        (
+            "data={kind: synthetic, samples_per_client: 100000, num_features: 1000}",
+            "data.samples_per_client: 100000 samples x 100 clients x 1000 features need 37 GiB",
+        ),
+    ],
+)
+def test_absurd_values_are_one_line_errors_naming_the_field(
+    store: str, capsys: pytest.CaptureFixture[str], override: str, message: str
+) -> None:
+    """Huge, infinite or unknown values are refused by the config, before any data or MLflow run exists."""
+    line = _fails(capsys, store, "run", "--set", override)
+    assert message in line, line
+    assert _statuses(store) == []
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("ftp://user:secret@host/store", "tracking.uri: 'ftp://***@host/store' is not an MLflow store URI"),
+        ("mongodb://host/db", "tracking.uri: 'mongodb://host/db' is not an MLflow store URI"),
+        ("sqlite:///{tmp}", "tracking.uri: the SQLite store {tmp} is a folder; name the database file"),
+    ],
+    ids=["ftp-with-password", "unknown-scheme", "sqlite-folder"],
+)
+def test_unusable_stores_are_refused_at_once(
+    store: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, uri: str, message: str
+) -> None:
+    """An unknown scheme or a SQLite 'file' that is a folder: one line (no password in it), before anything runs
+    (before: accepted, then everything spooled, or minutes of retries)."""
+    uri, message = uri.format(tmp=tmp_path), message.format(tmp=tmp_path)
+    status = main(["run", "--tracking-uri", uri])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert message in err[0] and "secret" not in err[0]
+
+
+def test_instant_links_stay_allowed() -> None:
+    """An infinite bandwidth is an instant link, the one infinity a config accepts."""
+    config = small_config(network={"upload_bytes_per_s": float("inf"), "download_bytes_per_s": float("inf")})
+    assert config.network.upload_bytes_per_s == float("inf")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tracking.spool import Replayer, SpoolWriter, default_spool_path, iter_records, rejected, save_progress
+from tracking.store import prepare_sqlite_store
 
 if TYPE_CHECKING:
     import mlflow
@@ -48,11 +49,13 @@ class RunIdentity:
     started_at: int | None = None
     client: mlflow.MlflowClient | None = None
 
-    def connect(self) -> mlflow.MlflowClient:
-        """Return the store's client, making it on first use (opening, and maybe creating, the store)."""
+    def connect(self, log: Any = None) -> mlflow.MlflowClient:
+        """Return the store's client, making it on first use (a SQLite store is prepared first, see
+        :func:`tracking.store.prepare_sqlite_store`)."""
         if self.client is None:
             import mlflow
 
+            prepare_sqlite_store(self.tracking_uri, log)
             self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         return self.client
 
@@ -159,7 +162,7 @@ class Failover:
         replayed = 0
         try:
             with self._http():
-                client = run.connect()
+                client = run.connect(self._log)
                 if self._replayer is None:
                     self._replayer = Replayer(client, spool.header, spool.path.parent, self._remember, run.run_id)
                 replayer = self._replayer

@@ -359,7 +359,7 @@ class MlflowTracker:
         with self._failover.lock:
             try:
                 with self._http():
-                    client = run.connect()
+                    client = run.connect(self._log)
                     experiment_id = self._experiment_id(client, experiment)
                     created = client.create_run(
                         experiment_id, run_name=run_name, tags=clean_tags, start_time=run.started_at
@@ -426,7 +426,7 @@ class MlflowTracker:
             raise RuntimeError(f"this tracker already started run {self.run_id or '(spooled)'}")
         self.prepare()
         identity = self._run
-        client = identity.connect()
+        client = identity.connect(self._log)
         with self._http():
             run = client.get_run(run_id)
             experiment = client.get_experiment(run.info.experiment_id)

@@ -9,12 +9,15 @@ explicit ``MlflowClient``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import mlflow
@@ -29,6 +32,7 @@ __all__ = [
     "ensure_experiment",
     "http_env",
     "is_remote",
+    "prepare_sqlite_store",
     "resolve_tracking_uri",
     "sqlite_path",
 ]
@@ -174,3 +178,72 @@ def ensure_experiment(client: mlflow.MlflowClient, name: str, artifact_location:
         )
     found: str = experiment.experiment_id
     return found
+
+
+def prepare_sqlite_store(uri: str, log: Any = None) -> None:
+    """Make a SQLite store ready for several processes: schema created once, WAL journal, repaired if half-built.
+
+    MLflow creates a new SQLite store's schema (two dozen migrations) in the first process that opens it; processes
+    that open it at the same moment run the migrations concurrently and leave it half-built for good (``table
+    _alembic_tmp_tags already exists``). Here the first process takes an exclusive lock on ``<db>.lock`` and creates
+    the schema while the others wait; then the database is put in WAL mode, so runs write while others read. A store
+    a crash or an older flasync left half-built (migration tables left over, no schema version) and that holds no run
+    is moved aside (``<db>.broken-<time>``) and built afresh; one that holds runs is an error naming the repair.
+
+    Args:
+        uri: The tracking URI (nothing is done for other stores).
+        log: Where the repair is reported.
+
+    Raises:
+        RuntimeError: The store is half-built and holds runs (``mlflow db upgrade URI`` repairs it).
+    """
+    db = sqlite_path(uri)
+    if db is None:
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            state = _schema_state(db)
+            if state == "half-built":
+                if _has_runs(db):
+                    raise RuntimeError(
+                        f"the MLflow store {db} was left half-built (an interrupted schema migration) and holds runs; "
+                        f"repair it with: mlflow db upgrade {uri}"
+                    )
+                aside = db.with_name(f"{db.name}.broken-{time.strftime('%Y%m%dT%H%M%S')}")
+                db.rename(aside)
+                if log is not None:
+                    log.warning("tracking.store_repaired", path=str(db), moved_to=str(aside), metrics=False)
+                state = "missing"
+            if state == "missing":
+                import mlflow
+
+                mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # creates the schema
+            with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
+                connection.execute("PRAGMA journal_mode=WAL")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _schema_state(db: Path) -> str:
+    """Return ``missing`` (no schema yet), ``ready`` or ``half-built`` for a SQLite database file."""
+    if not db.exists() or db.stat().st_size == 0:
+        return "missing"
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            return "missing"
+        if any(name.startswith("_alembic_tmp_") for name in tables) or "alembic_version" not in tables:
+            return "half-built"
+        if connection.execute("SELECT COUNT(*) FROM alembic_version").fetchone()[0] != 1:
+            return "half-built"
+    return "ready"
+
+
+def _has_runs(db: Path) -> bool:
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
+        try:
+            return bool(connection.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
+        except sqlite3.OperationalError:  # no runs table: nothing to lose
+            return False

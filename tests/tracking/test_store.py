@@ -1,0 +1,80 @@
+"""The store as a location: SQLite stores shared by several processes, and half-built stores repaired."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from flasync.testing import NullLog
+from tracking.store import prepare_sqlite_store
+
+
+def _half_built(db: Path, *, with_run: bool = False) -> None:
+    """A database as concurrent first runs left it: migration tables left over, no schema version."""
+    with sqlite3.connect(db) as connection:
+        connection.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        connection.execute("CREATE TABLE _alembic_tmp_tags (key VARCHAR(250))")
+        connection.execute("CREATE TABLE runs (run_uuid VARCHAR(32))")
+        if with_run:
+            connection.execute("INSERT INTO runs VALUES ('abc')")
+
+
+def test_a_half_built_store_without_runs_is_moved_aside_and_built_afresh(tmp_path: Path) -> None:
+    """The broken file is kept beside (nothing deleted), the store works, and the repair is reported."""
+    db = tmp_path / "mlflow.db"
+    _half_built(db)
+    log = NullLog()
+    prepare_sqlite_store(f"sqlite:///{db}", log)
+    (repaired,) = log.events("tracking.store_repaired")
+    assert Path(repaired["moved_to"]).exists() and repaired["path"] == str(db)
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    assert client.create_experiment("works")
+    with sqlite3.connect(db) as connection:
+        assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_half_built_store_with_runs_is_an_error_naming_the_repair(tmp_path: Path) -> None:
+    """Runs are never moved aside: the error says how to repair the store in place."""
+    db = tmp_path / "mlflow.db"
+    _half_built(db, with_run=True)
+    with pytest.raises(RuntimeError, match=r"half-built .* holds runs; repair it with: mlflow db upgrade sqlite:///"):
+        prepare_sqlite_store(f"sqlite:///{db}")
+    assert db.exists()
+
+
+def _metric_counts(uri: str, run_id: str) -> Counter[str]:
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(run_id)
+    return Counter({key: len(client.get_metric_history(run_id, key)) for key in run.data.metrics})
+
+
+def test_four_runs_started_together_on_a_fresh_store_are_all_tracked_live(tmp_path: Path) -> None:
+    """Four CLI runs at once on one new SQLite store: each FINISHED, live (no spool), with a solo run's metrics."""
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    argv = [sys.executable, "-m", "flasync", "run", "--tracking-uri", uri, "--log-level", "warning"]
+    argv += ["--set", "stop.max_versions=6", "--set", "population.num_clients=20", "--no-system-metrics"]
+    runs = [
+        subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    outputs = [run.communicate(timeout=240) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0, 0, 0], [err[-2000:] for _, err in outputs]
+    assert not any("spool" in out + err for out, err in outputs)
+    client = mlflow.MlflowClient(uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "flasync"]
+    together = client.search_runs([experiment.experiment_id])
+    assert len(together) == 4 and {r.info.status for r in together} == {"FINISHED"}
+    solo_uri = f"sqlite:///{tmp_path / 'solo' / 'mlflow.db'}"
+    solo = subprocess.run([*argv[:5], solo_uri, *argv[6:]], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert solo.returncode == 0, solo.stderr[-2000:]
+    solo_client = mlflow.MlflowClient(solo_uri)
+    (solo_run,) = solo_client.search_runs([solo_client.get_experiment_by_name("flasync").experiment_id])
+    expected = _metric_counts(solo_uri, solo_run.info.run_id)
+    for run in together:
+        assert _metric_counts(uri, run.info.run_id) == expected

@@ -187,11 +187,11 @@ def _tensor(state: dict[str, Any], key: str, *, dims: int, floating: bool = Fals
     return value
 
 
-def fetch(run_id: str, tracking_uri: str) -> tuple[RunConfig, dict[str, Any], str]:
+def fetch(run_id: str, tracking_uri: str) -> tuple[RunConfig, dict[str, Any], str, dict[str, str]]:
     """Download and decode the latest checkpoint of an MLflow run.
 
     Returns:
-        The run's config, the server state, and the run's status (e.g. ``"KILLED"``).
+        The run's config, the server state, the run's status (e.g. ``"KILLED"``) and its tags.
 
     Raises:
         CheckpointError: If the run does not exist, has no checkpoint, or it cannot be read.
@@ -214,7 +214,7 @@ def fetch(run_id: str, tracking_uri: str) -> tuple[RunConfig, dict[str, Any], st
             raise CheckpointError(f"MLflow run {run_id} has no checkpoint ({CHECKPOINT_ARTIFACT})") from None
         data = Path(local).read_bytes()
     config, state = decode(data)
-    return config, state, str(run.info.status)
+    return config, state, str(run.info.status), dict(run.data.tags)
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,12 +126,59 @@ def _add_tracking_commands(commands: Any) -> None:
     )
     replay.add_argument("spool", metavar="SPOOL", help="the spool file printed by the run")
     replay.add_argument("--tracking-uri", help="the target store (default: the one the run was tracking to)")
+    failed = actions.add_parser(
+        "mark-failed",
+        help="mark RUNNING runs whose process is gone (killed, out of memory) as FAILED",
+        description="Mark as FAILED the RUNNING runs whose owning process is gone from this host (a run killed with "
+        "SIGKILL or by the OOM killer stays RUNNING). Their checkpoints stay: `flasync run --resume RUN` continues "
+        "one. Runs of other hosts are left alone unless named with --force.",
+    )
+    failed.add_argument("runs", nargs="*", metavar="RUN", help="only these runs (default: every RUNNING run)")
+    failed.add_argument("--experiment", help="only runs of this experiment")
+    failed.add_argument("--tracking-uri", help=_TRACKING_URI_HELP)
+    failed.add_argument("--force", action="store_true", help="also mark the named runs whose owner cannot be checked")
+
+
+def _mark_failed(args: argparse.Namespace) -> int:
+    """Run ``flasync tracking mark-failed``: exit 0, printing one line per run looked at."""
+    from tracking.owner import HOST_TAG, owner_alive
+    from tracking.report import RunLookupError, open_store
+
+    try:
+        client = open_store(args.tracking_uri)
+    except RunLookupError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.runs:
+        runs = [client.get_run(run_id) for run_id in args.runs]
+    else:
+        experiments = list(client.search_experiments())
+        if args.experiment:
+            experiments = [e for e in experiments if e.name == args.experiment]
+            if not experiments:
+                raise ConfigError(f"--experiment: no experiment {args.experiment!r} in the store")
+        runs = client.search_runs([e.experiment_id for e in experiments], filter_string="attributes.status = 'RUNNING'")
+    for run in runs:
+        run_id, tags = run.info.run_id, run.data.tags
+        alive = owner_alive(tags)
+        if run.info.status != "RUNNING":
+            print(f"{run_id}  {run.info.status}: left as it is")
+        elif alive:
+            print(f"{run_id}  RUNNING: its process is alive; left as it is")
+        elif alive is None and not (args.force and args.runs):
+            host = tags.get(HOST_TAG, "an unknown host")
+            print(f"{run_id}  RUNNING on {host}: cannot check it here (name it with --force)")
+        else:
+            client.set_terminated(run_id, "FAILED")
+            print(f"{run_id}  FAILED (its process is gone; resume it with: flasync run --resume {run_id})")
+    return 0
 
 
 def _command_tracking(args: argparse.Namespace) -> int:
     """Run ``flasync tracking ACTION``: exit 0 when replayed, 2 for a bad spool, 1 when the store fails."""
+    if args.tracking_command == "mark-failed":
+        return _mark_failed(args)
     if args.tracking_command != "replay":
-        raise _UsageError("tracking needs an action: replay (see flasync tracking --help)")
+        raise _UsageError("tracking needs an action: replay or mark-failed (see flasync tracking --help)")
     from tracking.spool import SpoolError, replay
 
     try:
@@ -177,9 +224,23 @@ def _resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.Res
         if not override.strip().startswith("stop."):
             raise ConfigError(f"--set {override!r}: with --resume only stop.* may change")
     tracker = tracking.MlflowTracker(args.tracking_uri, system_metrics=not args.no_system_metrics)
-    config, state, status = checkpoint.fetch(args.resume, tracker.tracking_uri)
+    config, state, status, tags = checkpoint.fetch(args.resume, tracker.tracking_uri)
     if status == "FINISHED":
         raise ConfigError(f"MLflow run {args.resume} already FINISHED; there is nothing to resume")
+    if status == "RUNNING":
+        from tracking.owner import HOST_TAG, PID_TAG, owner_alive
+
+        alive = owner_alive(tags)
+        if alive:
+            raise ConfigError(
+                f"MLflow run {args.resume} is still running (process {tags[PID_TAG]} on {tags[HOST_TAG]}); "
+                "stop it first (Ctrl-C writes a checkpoint) and resume it then"
+            )
+        if alive is None:
+            raise ConfigError(
+                f"MLflow run {args.resume} is RUNNING and its process cannot be checked from here; if it is gone, "
+                f"mark it failed with: flasync tracking mark-failed {args.resume} --force"
+            )
     data = config.model_dump(mode="json")
     data["tracking"] |= {"uri": tracker.tracking_uri, "system_metrics": not args.no_system_metrics}
     if args.log_level:

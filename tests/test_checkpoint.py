@@ -413,3 +413,71 @@ def test_resuming_from_a_corrupt_checkpoint_leaves_the_run_untouched(
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flasync")]
     assert said == ["flasync: error: checkpoint field version: must be >= 0, got -5"]
     assert client.get_run(run_id).info.status == "KILLED"
+
+
+def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(tmp_path: Path) -> None:
+    """SIGKILL leaves the run RUNNING; resume is refused while it looks alive... then mark-failed finds its process
+    gone, marks it FAILED, and --resume continues from the last periodic checkpoint to the uninterrupted sha256."""
+    (tmp_path / "cfg.yaml").write_text(CONFIG.replace("max_versions: 24", "max_versions: 60"))
+    store = _store(tmp_path)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flasync", "run", "cfg.yaml", "--tracking-uri", store, "--no-system-metrics"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    run_id = None
+    for line in process.stdout:
+        found = re.search(r"run_id=(\w{32})", line)
+        run_id = run_id or (found.group(1) if found else None)
+        if run_id and "server.eval" in line and re.search(r"\bversion=(1[2-9]|[2-9]\d)\b", line):
+            client = mlflow.MlflowClient(store)
+            if any(a.path == "checkpoints" for a in client.list_artifacts(run_id)):
+                process.kill()
+                break
+    process.communicate(timeout=60)
+    assert run_id is not None and process.returncode == -signal.SIGKILL
+    client = mlflow.MlflowClient(store)
+    assert client.get_run(run_id).info.status == "RUNNING"  # nothing ended it
+
+    marked = subprocess.run(
+        [sys.executable, "-m", "flasync", "tracking", "mark-failed", "--tracking-uri", store],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert marked.returncode == 0, marked.stderr
+    assert f"{run_id}  FAILED" in marked.stdout
+    assert client.get_run(run_id).info.status == "FAILED"
+
+    resumed = _run_cli(tmp_path, "--resume", run_id, "--tracking-uri", store)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    sha = re.search(r"weights sha256  ([0-9a-f]{64})", resumed.stdout)
+    config = load_config(tmp_path / "cfg.yaml", ["tracking.enabled=false"])
+    assert sha is not None and sha.group(1) == flasync.run(config).weights_sha256
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_resuming_a_run_whose_process_is_alive_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A RUNNING run owned by a live process (here: this one) is not resumed by a second process."""
+    from flasync.cli import main
+    from tracking.owner import owner_tags
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("owned"), tags=owner_tags()).info.run_id
+    tracker = MemoryTracker()
+    flasync.run(small_config("stop.max_versions=6", "checkpoint.every_versions=5"), tracker=tracker)
+    artifact = tmp_path / "checkpoints" / "latest.pt"
+    artifact.parent.mkdir()
+    artifact.write_bytes(tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    client.log_artifact(run_id, str(artifact), "checkpoints")
+    assert main(["run", "--resume", run_id, "--tracking-uri", uri]) == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flasync")]
+    assert len(said) == 1 and f"MLflow run {run_id} is still running (process {os.getpid()}" in said[0]
+    assert client.get_run(run_id).info.status == "RUNNING"

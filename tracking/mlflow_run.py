@@ -28,6 +28,7 @@ from tracking._child import ChildLogBatch
 from tracking._keys import safe_key
 from tracking.failover import Failover, RunIdentity
 from tracking.metrics import MetricRow
+from tracking.owner import owner_tags
 from tracking.spool import SpoolWriter
 from tracking.store import (
     ExperimentDeletedError,
@@ -351,7 +352,7 @@ class MlflowTracker:
         run = self._run
         run.started_at = int(time.time() * 1000)
         run.experiment, run.run_name = experiment, run_name
-        clean_tags = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in tags.items()}
+        clean_tags = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in {**tags, **owner_tags()}.items()}
         clean_params = {safe_key(k): _param_value(v) for k, v in params.items()}
         db = sqlite_path(self.tracking_uri)
         if db is not None:
@@ -431,6 +432,8 @@ class MlflowTracker:
             run = client.get_run(run_id)
             experiment = client.get_experiment(run.info.experiment_id)
             client.update_run(run_id, status="RUNNING")
+            for key, value in owner_tags().items():  # this process owns the run from now on
+                client.set_tag(run_id, key, value)
         identity.started_at = int(time.time() * 1000)
         identity.experiment, identity.run_name = experiment.name, run.info.run_name
         identity.experiment_id = run.info.experiment_id

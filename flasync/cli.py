@@ -202,7 +202,7 @@ def _command_tracking(args: argparse.Namespace) -> int:
         )
         return 1
     print(
-        f"replayed {result.records} record(s) into run {result.run_id} at {result.tracking_uri}: "
+        f"replayed {result.records} record(s) into run {result.run_id} at {tracking.redact_uri(result.tracking_uri)}: "
         f"{result.params} params, {result.tags} tags, {result.metrics} metric values, {result.artifacts} artifacts, "
         f"status {result.status or '-'}; {result.already} record(s) were already replayed, "
         f"{result.rejected} refused by the store",
@@ -354,7 +354,10 @@ def _command_run(args: argparse.Namespace) -> int:
             tracker = tracking.NullTracker()
     if args.print_config:
         print(_determinism_note(config), end="")
-        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        shown = config.tracking.uri and tracking.redact_uri(config.tracking.uri)
+        dump = config.model_dump(mode="json")
+        dump["tracking"]["uri"] = shown
+        print(yaml.safe_dump(dump, sort_keys=False), end="")
         return 0
     tracking.configure_logging(fmt=args.log_format, level=config.tracking.log_level)
     received: list[str] = []

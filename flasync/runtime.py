@@ -216,7 +216,7 @@ class Federation:
                 tracker.start,
                 experiment=cfg.tracking.experiment,
                 run_name=cfg.tracking.run_name,
-                params=flatten(cfg),
+                params=flatten(_redacted(cfg)),
                 tags=self._tags(),
             )
         self.run_id = run_id or None
@@ -484,7 +484,7 @@ class Federation:
                 tracker.log_file(path, "torch_profiler")
         if summary.alerts and self.profile is not None:
             tracker.set_tags({"alerts": ", ".join(f"{k}={v}" for k, v in sorted(self.profile["alerts"].items()))})
-        config_text = yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False)
+        config_text = yaml.safe_dump(_redacted(self.config).model_dump(mode="json"), sort_keys=False)
         tracker.log_bytes(config_text.encode(), "config.yaml")
         assert self.weights is not None
         module = prepared.factory()
@@ -531,7 +531,7 @@ class _CheckpointWriter:
         start = self._wall()
         version = int(state["version"])
         try:
-            data = checkpoint.encode(state, self._config)
+            data = checkpoint.encode(state, _redacted(self._config))
             self._tracker.log_bytes(data, checkpoint.CHECKPOINT_ARTIFACT)
         except Exception as exc:  # a failing store must not take the run down
             self._log.warning("checkpoint.failed", version=version, error=f"{type(exc).__name__}: {exc}", metrics=False)
@@ -550,6 +550,14 @@ class _CheckpointWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _redacted(config: RunConfig) -> RunConfig:
+    """Return ``config`` with credentials in its tracking URI replaced (for params and artifacts)."""
+    uri = config.tracking.uri
+    if uri is None or tracking.redact_uri(uri) == uri:
+        return config
+    return config.model_copy(update={"tracking": config.tracking.model_copy(update={"uri": tracking.redact_uri(uri)})})
 
 
 def _tag_alerts(tracker: tracking.Tracker, first: Mapping[str, str], log: Any) -> None:

@@ -20,7 +20,7 @@ from tracking.mlflow_run import (
     Tracker,
 )
 from tracking.spool import ReplayResult, SpoolError, replay
-from tracking.store import DEFAULT_ARTIFACT_ROOT, DEFAULT_TRACKING_URI, ExperimentDeletedError
+from tracking.store import DEFAULT_ARTIFACT_ROOT, DEFAULT_TRACKING_URI, ExperimentDeletedError, redact_uri
 from tracking.writer import MetricWriter, WriterStatistics
 
 __all__ = [
@@ -41,5 +41,6 @@ __all__ = [
     "WriterStatistics",
     "configure_logging",
     "make_logger",
+    "redact_uri",
     "replay",
 ]

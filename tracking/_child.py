@@ -31,6 +31,9 @@ _STOP = "stop"
 _EXIT_TIMEOUT_S = 10.0
 
 
+_URI_VARIABLE = "FLASYNC_CHILD_TRACKING_URI"
+
+
 def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     """Read the run id, then answer batches read from ``requests`` until told to stop (runs in the child)."""
     import mlflow
@@ -94,8 +97,10 @@ class ChildLogBatch:
         # The child imports this package from wherever the parent did, installed or not.
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        # The URI may carry credentials: through the environment, never on the command line (`ps` shows that).
+        env[_URI_VARIABLE] = tracking_uri
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "tracking._child", tracking_uri],
+            [sys.executable, "-m", "tracking._child"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -209,4 +214,4 @@ class ChildLogBatch:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], sys.stdin, sys.stdout)
+    _serve(os.environ[_URI_VARIABLE], sys.stdin, sys.stdout)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tracking.spool import Replayer, SpoolWriter, default_spool_path, iter_records, rejected, save_progress
-from tracking.store import prepare_sqlite_store
+from tracking.store import prepare_sqlite_store, redact_uri
 
 if TYPE_CHECKING:
     import mlflow
@@ -126,7 +126,7 @@ class Failover:
         """Send records to the spool from now on (creating it, and saying where, the first time)."""
         self.offline = True
         self._next_try = time.monotonic() + self._retry_interval
-        reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        reason = redact_uri(f"{type(error).__name__}: {error}".splitlines()[0])[:300]
         if self.spool is not None:
             self._log.warning("tracking.spooling_again", path=str(self.spool.path), error=reason, metrics=False)
             return self.spool
@@ -144,9 +144,10 @@ class Failover:
         self._replay_offset = self.spool.size
         self._log.warning(
             "tracking.spooling",
-            message=f"MLflow at {run.tracking_uri} failed ({reason}); tracking records go to {self.spool.path}",
+            message=f"MLflow at {redact_uri(run.tracking_uri)} failed ({reason}); tracking records go to "
+            f"{self.spool.path}",
             path=str(self.spool.path),
-            tracking_uri=run.tracking_uri,
+            tracking_uri=redact_uri(run.tracking_uri),
             error=reason,
             metrics=False,
         )
@@ -173,7 +174,7 @@ class Failover:
                         if not rejected(exc):
                             raise
                         self._log.warning(
-                            "tracking.record_rejected", type=record["type"], error=str(exc), metrics=False
+                            "tracking.record_rejected", type=record["type"], error=redact_uri(str(exc)), metrics=False
                         )
                     run.run_id = replayer.run_id
                     self._replay_offset = end
@@ -186,7 +187,9 @@ class Failover:
                     run.run_id = replayer.ensure_run()
         except Exception as exc:
             if replayed:
-                self._log.info("tracking.replay_partial", replayed=replayed, error=str(exc)[:300], metrics=False)
+                self._log.info(
+                    "tracking.replay_partial", replayed=replayed, error=redact_uri(str(exc))[:300], metrics=False
+                )
             return False
         self.offline = False
         self._log.warning("tracking.recovered", replayed=replayed, path=str(spool.path), metrics=False)
@@ -219,8 +222,8 @@ class Failover:
         if command is not None:
             self._log.warning(
                 "tracking.spool_left",
-                message=f"MLflow at {self.run.tracking_uri} did not answer; the run's tracking records are in "
-                f"{self.spool.path}; send them with: {command}",
+                message=f"MLflow at {redact_uri(self.run.tracking_uri)} did not answer; the run's tracking records "
+                f"are in {self.spool.path}; send them with: {command}",
                 path=str(self.spool.path),
                 records=self.spool.records - self._replayed,
                 replay=command,

@@ -37,6 +37,7 @@ from tracking.store import (
     ensure_experiment,
     http_env,
     is_remote,
+    redact_uri,
     resolve_tracking_uri,
     sqlite_path,
 )
@@ -453,7 +454,7 @@ class MlflowTracker:
                 # Pay the child's start-up (importing MLflow, connecting) before training, not during it.
                 child.wait_ready(_CHILD_START_TIMEOUT_S)
             except (ConnectionError, RuntimeError) as exc:
-                self._log.warning("tracking.writer_process_failed", error=str(exc), metrics=False)
+                self._log.warning("tracking.writer_process_failed", error=redact_uri(str(exc)), metrics=False)
                 self._stop_child()
         self._writer = self._metric_writer()
         if self._system_metrics:
@@ -700,7 +701,7 @@ class MlflowTracker:
                 return
             except ConnectionError as exc:
                 # The child died: write from this process from now on rather than lose metrics.
-                self._log.warning("tracking.writer_process_lost", error=str(exc), metrics=False)
+                self._log.warning("tracking.writer_process_lost", error=redact_uri(str(exc)), metrics=False)
                 self._child = None
         from mlflow.entities import Metric
 

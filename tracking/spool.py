@@ -46,6 +46,7 @@ from tracking.store import (
     artifact_location,
     bounded_http,
     ensure_experiment,
+    redact_uri,
     sqlite_path,
 )
 
@@ -119,14 +120,16 @@ class SpoolWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.artifacts_dir = self.path.with_suffix(".artifacts")
         self._lock = threading.Lock()
-        self._file: IO[str] = self.path.open("x", encoding="utf-8")
+        # Readable by the owner only: the records may hold what the run logged (params, artifacts).
+        descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self._file: IO[str] = os.fdopen(descriptor, "w", encoding="utf-8")
         self._artifacts = 0
         self.records = 0
         self.header: dict[str, Any] = {
             "type": "header",
             "format": SPOOL_FORMAT,
             "version": SPOOL_VERSION,
-            "tracking_uri": tracking_uri,
+            "tracking_uri": redact_uri(tracking_uri),
             "experiment": experiment,
             "run_name": run_name,
             "run_id": run_id,

@@ -33,6 +33,7 @@ __all__ = [
     "http_env",
     "is_remote",
     "prepare_sqlite_store",
+    "redact_uri",
     "resolve_tracking_uri",
     "sqlite_path",
 ]
@@ -178,6 +179,15 @@ def ensure_experiment(client: mlflow.MlflowClient, name: str, artifact_location:
         )
     found: str = experiment.experiment_id
     return found
+
+
+def redact_uri(uri: str) -> str:
+    """Return ``uri`` with the password of its user info replaced by ``***`` (``http://me:***@host``).
+
+    Everything flasync writes or shows (logs, params, spools, config files, a child's command line) takes this form;
+    the credentials themselves only go to MLflow's client (or to ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD``).
+    """
+    return re.sub(r"(?<=://)([^/@:]*):[^/@]*@", r"\1:***@", uri)
 
 
 def prepare_sqlite_store(uri: str, log: Any = None) -> None:

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import structlog
 
 from tracking.metrics import MetricRow
+from tracking.store import redact_uri
 
 __all__ = ["MetricWriter", "WriterStatistics"]
 
@@ -325,7 +326,7 @@ class MetricWriter:
                         if streak == 1:
                             self._log.warning(
                                 "metric_writer.log_batch_failed",
-                                error=repr(error),
+                                error=redact_uri(repr(error)),
                                 pending=len(buffer),
                                 retry_in_s=backoff,
                                 metrics=False,
@@ -339,7 +340,7 @@ class MetricWriter:
                 if stop_at is not None and (not buffer or time.monotonic() >= stop_at):
                     return
         except BaseException as exc:  # pragma: no cover - a bug here must not kill the process quietly
-            self._log.error("metric_writer.crashed", error=repr(exc), metrics=False)
+            self._log.error("metric_writer.crashed", error=redact_uri(repr(exc)), metrics=False)
         finally:
             with self._lock:
                 self._closed = True

@@ -78,3 +78,47 @@ def test_four_runs_started_together_on_a_fresh_store_are_all_tracked_live(tmp_pa
     expected = _metric_counts(solo_uri, solo_run.info.run_id)
     for run in together:
         assert _metric_counts(uri, run.info.run_id) == expected
+
+
+def test_redact_uri_hides_only_the_password() -> None:
+    """The user stays visible (which account), the password never; URIs without one are unchanged."""
+    from tracking.store import redact_uri
+
+    assert redact_uri("https://me:s3cr3t@mlflow.example:5000/x") == "https://me:***@mlflow.example:5000/x"
+    assert redact_uri("http://token@host") == "http://token@host"
+    assert redact_uri("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"
+
+
+def test_a_password_in_the_tracking_uri_is_written_nowhere(tmp_path: Path) -> None:
+    """With user:password in the URI of a store that does not answer: not in the writer child's command line, the
+    console, the spool (owner-only files), its params or config.yaml."""
+    import os
+    import socket
+    import stat
+
+    from tracking._child import ChildLogBatch
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    uri = f"http://alice:secret-pw@127.0.0.1:{port}"
+    child = ChildLogBatch(uri)
+    try:
+        assert not any("secret-pw" in str(arg) for arg in child._process.args)
+    finally:
+        child.close()
+    done = subprocess.run(
+        [sys.executable, "-m", "flasync", "run", "--tracking-uri", uri, "--set", "stop.max_versions=3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "secret-pw" not in done.stdout + done.stderr
+    spools = list((tmp_path / "mlruns" / "spool").glob("*.jsonl"))
+    assert spools and "alice:***@" in spools[0].read_text()
+    assert stat.S_IMODE(os.stat(spools[0]).st_mode) == 0o600
+    for path in (tmp_path / "mlruns").rglob("*"):
+        if path.is_file():
+            assert b"secret-pw" not in path.read_bytes(), path

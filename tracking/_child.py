@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -39,6 +40,9 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     import mlflow
     from mlflow.entities import Metric
 
+    # Ctrl-C in a terminal signals the whole process group: the parent stops the child itself (it closes the
+    # child's input, flushing first), so the child must not die of the key press and look lost.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(os, "nice"):
         # Writing metrics is background work: on a busy machine it yields the CPU to training and catches up in
         # idle moments (and at the final flush).

@@ -665,6 +665,12 @@ class DiagnosticsConfig(_Section):
     grad_norm_min: float = Field(1e-7, ge=0.0, description="Alert when a layer's mean gradient norm is below (full).")
     divergence_window: int = Field(3, ge=1, description="Alert when the server loss rose in this many evaluations.")
     divergence_tolerance: float = Field(0.1, ge=0.0, description="... and is this fraction above its best.")
+    step_ratio_max: float = Field(
+        0.5,
+        gt=0.0,
+        description="Alert when one version moves the weights by more than this share of their norm (basic+; "
+        "healthy runs move a few percent per version).",
+    )
 
 
 class TrackingConfig(_Section):

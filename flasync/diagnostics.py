@@ -336,6 +336,7 @@ class AlertMonitor:
         self._recent: deque[float] = deque(maxlen=50)
         self._losses: list[float] = []
         self._diverging = False
+        self._previous: torch.Tensor | None = None
         self.counts: Counter[str] = Counter()
         self.series = _Series()
 
@@ -398,7 +399,32 @@ class AlertMonitor:
             self.series.weights.append((now, norm, drift))
             if not math.isfinite(norm):
                 return [Alert("nan", f"server weights of version {now} hold NaN/Inf", norm)]
+            return self._step_alerts(now, weights)
         return []
+
+    def _step_alerts(self, version: int, weights: torch.Tensor) -> list[Alert]:
+        """Alert when one version moves the weights by more than ``step_ratio_max`` of their norm.
+
+        Healthy runs move the model by a few percent of its norm per version; a server step that large means a
+        learning rate (or an update) far too big, and the model is being destroyed between evaluations.
+        """
+        previous, self._previous = self._previous, weights.detach().clone()
+        if previous is None or previous.shape != weights.shape:
+            return []
+        with torch.no_grad():
+            base = float(torch.linalg.vector_norm(previous))
+            ratio = float(torch.linalg.vector_norm(weights - previous)) / max(base, 1e-12)
+        limit = self.config.step_ratio_max
+        if not ratio > limit:
+            return []
+        return [
+            Alert(
+                "step_ratio",
+                f"version {version} moved the weights by {ratio:.3g} of their norm (> {limit:g}): the server step is "
+                "too large (server.optimizer.lr?)",
+                ratio,
+            )
+        ]
 
     def _fold_layers(self, diagnosis: TaskDiagnosis) -> None:
         mean, peak = diagnosis.layer_grad_norm_mean, diagnosis.layer_grad_norm_max

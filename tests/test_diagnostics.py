@@ -175,3 +175,21 @@ async def test_full_level_run_reports_layer_statistics() -> None:
     versions = [w["version"] for w in diagnostics["weights"]]
     assert versions == sorted(set(versions)) and versions[-1] == 4  # the latest version of each batch read
     assert all(w["drift"] > 0 for w in diagnostics["weights"])
+
+
+async def test_a_destroying_server_step_alerts_between_evaluations() -> None:
+    """A server learning rate of 30 moves the weights by more than half their norm in one version: a step_ratio
+    alert, though no evaluation happens before the end; the default learning rate raises none."""
+    import flasync
+    from flasync.events import AlertRaised
+    from flasync.testing import EventRecorder, small_config
+
+    bad = flasync.Federation(small_config("server.optimizer.lr=30", "eval.every_versions=100"))
+    bad_events = EventRecorder(bad.bus)
+    await bad.run()
+    alerts = [e for e in bad_events.of(AlertRaised) if e.kind == "step_ratio"]
+    assert alerts and alerts[0].value > 0.5 and alerts[0].version <= 3
+    good = flasync.Federation(small_config("eval.every_versions=100"))
+    good_events = EventRecorder(good.bus)
+    await good.run()
+    assert not [e for e in good_events.of(AlertRaised) if e.kind == "step_ratio"]

@@ -201,6 +201,12 @@ def _command_tracking(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if result.partial:
+        print(
+            "flasync: warning: the run was live in its own store before it spooled; what it logged there is not in "
+            f"the spool, so run {result.run_id} holds only the records after the failure",
+            file=sys.stderr,
+        )
     print(
         f"replayed {result.records} record(s) into run {result.run_id} at {tracking.redact_uri(result.tracking_uri)}: "
         f"{result.params} params, {result.tags} tags, {result.metrics} metric values, {result.artifacts} artifacts, "

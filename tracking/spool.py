@@ -218,7 +218,8 @@ def _check_record(record: Any, where: str) -> dict[str, Any]:
     kind = record["type"]
     ok = True
     if kind in ("params", "tags"):
-        ok = isinstance(record.get(kind), dict)
+        entries = record.get(kind)
+        ok = isinstance(entries, dict) and all(isinstance(v, str) for v in entries.values())
     elif kind == "metrics":
         rows = record.get("metrics")
         ok = isinstance(rows, list) and all(
@@ -226,17 +227,29 @@ def _check_record(record: Any, where: str) -> dict[str, Any]:
             and len(r) == 4
             and isinstance(r[0], str)
             and isinstance(r[1], int | float)
-            and isinstance(r[2], int)
-            and isinstance(r[3], int)
+            and not isinstance(r[1], bool)
+            and _int64(r[2])
+            and _int64(r[3])
             for r in rows
         )
     elif kind == "artifact":
-        ok = isinstance(record.get("file"), str) and isinstance(record.get("artifact_path"), str | None)
+        file = record.get("file")
+        ok = (
+            isinstance(file, str)
+            and isinstance(record.get("artifact_path"), str | None)
+            and not Path(file).is_absolute()
+            and ".." not in Path(file).parts
+        )
     elif kind == "status":
-        ok = record.get("status") in STATUSES and isinstance(record.get("end_time"), int)
+        ok = record.get("status") in STATUSES and _int64(record.get("end_time"))
     if not ok:
-        raise SpoolError(f"{where}: malformed {kind!r} record")
+        raise SpoolError(f"{where}: malformed {kind!r} record (a field is missing, of the wrong type or out of range)")
     return record
+
+
+def _int64(value: Any) -> bool:
+    """Tell whether ``value`` is an integer a store keeps (64-bit): larger ones would block a replay for ever."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
 
 def read_header(path: str | Path) -> tuple[dict[str, Any], int]:
@@ -395,7 +408,10 @@ class Replayer:
                 client.log_batch(run_id, metrics=chunk, synchronous=True)
             self._count("metrics", len(metrics))
         elif kind == "artifact":
-            local = self.spool_dir / record["file"]
+            local = (self.spool_dir / record["file"]).resolve()
+            own = (self.spool_dir / str(self.header.get("artifacts", ""))).resolve()
+            if not local.is_relative_to(own) or local == own:
+                raise SpoolError(f"artifact file {record['file']!r} is outside the spool's own folder {own.name}")
             if not local.exists():
                 raise SpoolError(f"artifact file {local} named by the spool is missing")
             client.log_artifact(run_id, os.fspath(local), record["artifact_path"])
@@ -427,6 +443,8 @@ class ReplayResult:
     """Records the store refused as invalid (skipped, with a warning)."""
     status: str | None
     """The run status set by this call, if the spool has one."""
+    partial: bool = False
+    """The run was live in another store before it spooled: the records logged there are not in the spool."""
 
 
 def replay(
@@ -458,6 +476,12 @@ def replay(
     spool = Path(path).absolute()
     header, first = read_header(spool)
     records = list(iter_records(spool, first, first_line=2))  # validate everything before sending anything
+    own = (spool.parent / str(header.get("artifacts", ""))).resolve()
+    for record, _ in records:
+        if record["type"] == "artifact":
+            local = (spool.parent / record["file"]).resolve()
+            if not local.is_relative_to(own) or local == own:
+                raise SpoolError(f"{spool}: artifact file {record['file']!r} is outside the spool's own folder")
     uri = absolute_tracking_uri(tracking_uri or str(header["tracking_uri"]))
     done = load_progress(spool).get(uri, {})
     skip = int(done.get("records", 0)) if isinstance(done.get("records"), int) else 0
@@ -501,6 +525,7 @@ def replay(
             replayer.ensure_run()
             save_progress(spool, uri, run_id=replayer.ensure_run(), records=0, offset=first)
     counts = replayer.counts
+    original = header.get("run_id")
     return ReplayResult(
         tracking_uri=uri,
         run_id=replayer.run_id,
@@ -512,4 +537,5 @@ def replay(
         artifacts=counts.get("artifacts", 0),
         rejected=refused,
         status=replayer.status,
+        partial=bool(original) and replayer.run_id != original,
     )

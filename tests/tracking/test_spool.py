@@ -400,3 +400,51 @@ def test_cli_tracking_needs_an_action(capsys: pytest.CaptureFixture[str]) -> Non
     """`flasync tracking` alone is a usage error (exit 2)."""
     assert cli.main(["tracking"]) == 2
     assert "replay" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"type": "artifact", "file": "/etc/passwd", "artifact_path": None}, "malformed 'artifact' record"),
+        ({"type": "artifact", "file": "../../etc/passwd", "artifact_path": None}, "malformed 'artifact' record"),
+        ({"type": "artifact", "file": "other.artifacts/x", "artifact_path": None}, "outside the spool's own folder"),
+        ({"type": "metrics", "metrics": [["m", 1.0, 10**30, 0]]}, "malformed 'metrics' record"),
+        ({"type": "metrics", "metrics": [["m", 1.0, 0, -(2**64)]]}, "malformed 'metrics' record"),
+        ({"type": "status", "status": "FINISHED", "end_time": 2**70}, "malformed 'status' record"),
+        ({"type": "params", "params": {"a": ["not", "a", "string"]}}, "malformed 'params' record"),
+    ],
+    ids=["absolute-file", "dotdot-file", "another-folder", "huge-timestamp", "huge-step", "huge-end", "param-list"],
+)
+def test_a_crafted_spool_is_refused_before_anything_is_sent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], record: dict[str, Any], message: str
+) -> None:
+    """Replay uploads files only from the spool's own folder and refuses integers no store keeps: one line, exit 2,
+    nothing sent (before: /etc/passwd was uploaded; a huge integer blocked the replay for ever)."""
+    spool = tmp_path / "run.jsonl"
+    writer = _writer(spool)
+    writer.params({"a": 1})
+    writer.close()
+    (tmp_path / "other.artifacts").mkdir()
+    (tmp_path / "other.artifacts" / "x").write_text("not this spool's")
+    with spool.open("a") as file:
+        file.write(json.dumps(record) + "\n")
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    assert cli.main(["tracking", "replay", str(spool), "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert load_progress(spool) == {}
+
+
+def test_replaying_a_once_live_run_into_another_store_says_it_is_partial(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A spool whose run was live elsewhere first holds only the later records: the replay says so."""
+    spool = tmp_path / "run.jsonl"
+    writer = _writer(spool, run_id="abcdef0123456789abcdef0123456789")
+    writer.metrics([Metric("loss", 0.5, 1_700_000_000_100, 3)])
+    writer.close()
+    uri = f"sqlite:///{tmp_path}/other/mlflow.db"
+    assert cli.main(["tracking", "replay", str(spool), "--tracking-uri", uri]) == 0
+    said = capsys.readouterr()
+    assert "holds only the records after the failure" in said.err
+    assert replay(spool, uri).partial  # rerunning: nothing more to send, still partial

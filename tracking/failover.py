@@ -140,6 +140,7 @@ class Failover:
             run_name=run.run_name,
             run_id=run.run_id,
             start_time=run.started_at,
+            on_failure=self._spool_failed,
         )
         self._replay_offset = self.spool.size
         self._log.warning(
@@ -152,6 +153,16 @@ class Failover:
             metrics=False,
         )
         return self.spool
+
+    def _spool_failed(self, path: Path, reason: str) -> None:
+        self._log.warning(
+            "tracking.spool_failed",
+            message=f"cannot write the tracking spool {path} ({reason}): this run's tracking records are lost from "
+            "now on; training goes on",
+            path=str(path),
+            error=reason,
+            metrics=False,
+        )
 
     def try_recover(self, *, force: bool = False) -> bool:
         """Replay the spool into the store if it answers (at most every ``retry_interval_s``); True when done."""
@@ -218,6 +229,14 @@ class Failover:
         if self.spool is None:
             return None
         self.spool.close()
+        if self.spool.lost:
+            lost = ", ".join(f"{count} {kind}" for kind, count in sorted(self.spool.lost.items()))
+            self._log.warning(
+                "tracking.records_lost",
+                message=f"tracking records lost ({self.spool.failure}): {lost}",
+                metrics=False,
+                **{f"lost_{kind}": count for kind, count in self.spool.lost.items()},
+            )
         command = self.replay_command()
         if command is not None:
             self._log.warning(

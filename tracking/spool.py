@@ -33,11 +33,12 @@ import re
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from tracking.metrics import MetricRow
 from tracking.store import (
@@ -101,6 +102,8 @@ class SpoolWriter:
         run_name: The run's name, if any.
         run_id: The run's id if it was created before the backend failed, else None.
         start_time: The run's start, in ms since the epoch.
+        on_failure: Told once, with the path and the reason, when a write fails (e.g. the disk is full); the spool
+            takes no record after that and counts them in :attr:`lost` (a record is written whole or not at all).
 
     Raises:
         FileExistsError: ``path`` exists.
@@ -115,14 +118,28 @@ class SpoolWriter:
         run_name: str | None,
         run_id: str | None,
         start_time: int,
+        on_failure: Callable[[Path, str], None] | None = None,
     ) -> None:
         self.path = Path(path).absolute()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._on_failure = on_failure
         self.artifacts_dir = self.path.with_suffix(".artifacts")
         self._lock = threading.Lock()
-        # Readable by the owner only: the records may hold what the run logged (params, artifacts).
-        descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        self._file: IO[str] = os.fdopen(descriptor, "w", encoding="utf-8")
+        self._offset = 0
+        self.failure: str | None = None
+        """Why the spool stopped taking records (e.g. ``No space left on device``); None while it takes them."""
+        self._fd: int | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Readable by the owner only: the records may hold what the run logged (params, artifacts).
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            self.failure = exc.strerror or str(exc)
+            if on_failure is not None:
+                on_failure(self.path, self.failure)
+        self.lost: Counter[str] = Counter()
+        """Records refused since the failure, by type (metrics records count their rows)."""
         self._artifacts = 0
         self.records = 0
         self.header: dict[str, Any] = {
@@ -144,13 +161,33 @@ class SpoolWriter:
     def size(self) -> int:
         """Bytes written so far (the offset just past the last record)."""
         with self._lock:
-            return self._file.tell()
+            return self._offset
 
     def _write(self, record: Mapping[str, Any]) -> None:
+        """Append one record whole, or not at all: a failed write is cut back, and the spool takes no more."""
+        line = _json_line(record).encode("utf-8")
         with self._lock:
-            self._file.write(_json_line(record))
-            self._file.flush()
+            if self.failure is not None or self._fd is None:
+                self._count_lost(record)
+                return
+            try:
+                written = 0
+                while written < len(line):
+                    written += os.write(self._fd, line[written:])
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, self._offset)  # no torn record: the file ends at the last whole one
+                self.failure = exc.strerror or str(exc)
+                self._count_lost(record)
+                if self._on_failure is not None:
+                    self._on_failure(self.path, self.failure)
+                return
+            self._offset += len(line)
             self.records += 1
+
+    def _count_lost(self, record: Mapping[str, Any]) -> None:
+        kind = str(record.get("type"))
+        self.lost[kind] += len(record["metrics"]) if kind == "metrics" else 1
 
     def params(self, params: Mapping[str, Any]) -> None:
         """Spool run parameters (values as strings)."""
@@ -178,19 +215,40 @@ class SpoolWriter:
         folder, name = os.path.split(artifact_file.strip("/"))
         if not name:
             raise ValueError(f"artifact_file {artifact_file!r} names no file")
-        local = self._new_slot() / name
-        local.write_bytes(data)
-        self._artifact_record(local, folder or None)
+        local = self._copy(artifact_file, lambda local: local.write_bytes(data), name)
+        if local is not None:
+            self._artifact_record(local, folder or None)
 
     def artifact_path(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Copy a local file or folder into the spool's artifact folder and spool a record for it."""
         source = Path(path)
-        local = self._new_slot() / source.name
-        if source.is_dir():
-            shutil.copytree(source, local)
-        else:
-            shutil.copyfile(source, local)
-        self._artifact_record(local, artifact_path)
+
+        def copy(local: Path) -> None:
+            if source.is_dir():
+                shutil.copytree(source, local)
+            else:
+                shutil.copyfile(source, local)
+
+        local = self._copy(source.name, copy, source.name)
+        if local is not None:
+            self._artifact_record(local, artifact_path)
+
+    def _copy(self, what: str, write: Callable[[Path], object], name: str) -> Path | None:
+        """Write an artifact into a new slot; None (and the spool failed, the artifact counted lost) on an error."""
+        if self.failure is not None:
+            self.lost["artifact"] += 1
+            return None
+        try:
+            local = self._new_slot() / name
+            write(local)
+        except OSError as exc:
+            with self._lock:
+                self.failure = exc.strerror or str(exc)
+                self.lost["artifact"] += 1
+            if self._on_failure is not None:
+                self._on_failure(self.path, self.failure)
+            return None
+        return local
 
     def _new_slot(self) -> Path:
         with self._lock:
@@ -206,8 +264,9 @@ class SpoolWriter:
     def close(self) -> None:
         """Close the file; idempotent."""
         with self._lock:
-            if not self._file.closed:
-                self._file.close()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def _check_record(record: Any, where: str) -> dict[str, Any]:

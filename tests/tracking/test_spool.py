@@ -448,3 +448,86 @@ def test_replaying_a_once_live_run_into_another_store_says_it_is_partial(
     said = capsys.readouterr()
     assert "holds only the records after the failure" in said.err
     assert replay(spool, uri).partial  # rerunning: nothing more to send, still partial
+
+
+# --------------------------------------------------------------------------------------------------- full disk
+def test_a_write_that_fails_leaves_no_torn_record_and_counts_what_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC in the middle of a record: the file is cut back to its last whole record, the failure is reported
+    once, and later records are counted as lost, never raised."""
+    import errno
+
+    import tracking.spool as spool_module
+
+    failures: list[str] = []
+    writer = _writer(tmp_path / "run.jsonl", on_failure=lambda path, reason: failures.append(reason))
+    writer.params({"a": 1})
+    real_write = spool_module.os.write
+
+    def half_then_full(fd: int, data: bytes) -> int:
+        if len(data) > 40:
+            real_write(fd, data[:20])  # part of the record reaches the disk, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(spool_module.os, "write", half_then_full)
+    writer.metrics([Metric("loss", float(i), 1_700_000_000_000 + i, i) for i in range(5)])
+    writer.tags({"late": "yes"})
+    writer.artifact_bytes(b"x", "late.txt")
+    writer.close()
+    assert failures == ["No space left on device"]
+    assert writer.lost == {"metrics": 5, "tags": 1, "artifact": 1}
+    _, first = read_header(tmp_path / "run.jsonl")
+    assert [r["type"] for r, _ in iter_records(tmp_path / "run.jsonl", first)] == ["params"]  # whole records only
+
+
+def test_a_run_whose_spool_fills_the_disk_finishes_and_says_what_was_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The store does not answer and the spool's disk fills: training goes on, the run finishes with its summary,
+    and one warning names what could not be written."""
+    import errno
+
+    import flasync
+    import tracking.spool as spool_module
+    from flasync.testing import small_config
+
+    real_write = spool_module.os.write
+    calls = {"n": 0}
+
+    def fills_up(fd: int, data: bytes) -> int:
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(spool_module.os, "write", fills_up)
+    tracker = MlflowTracker(f"http://127.0.0.1:{_free_port()}", writer_process=False, spool_path=tmp_path / "s.jsonl")
+    summary = flasync.run(small_config("tracking.enabled=true", "stop.max_versions=4"), tracker=tracker)
+    assert summary.versions == 4
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert "cannot write the tracking spool" in text and "No space left on device" in text
+    assert "tracking records lost (No space left on device):" in text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_real_full_filesystem(tmp_path: Path) -> None:
+    """On a 1 MB tmpfs the spool fills up for real: whole records only, and the loss is counted."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=False).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        writer = _writer(mount / "run.jsonl")
+        for i in range(2000):
+            writer.metrics([Metric(f"m{j}", float(i), 1_700_000_000_000 + i, i) for j in range(50)])
+        writer.close()
+        assert writer.failure == "No space left on device" and writer.lost["metrics"] > 0
+        _, first = read_header(mount / "run.jsonl")
+        assert all(r["type"] == "metrics" for r, _ in iter_records(mount / "run.jsonl", first))
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

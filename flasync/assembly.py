@@ -689,6 +689,7 @@ def build_server(
                 zscore_threshold=res.zscore_threshold,
                 window=res.zscore_window,
                 min_history=res.zscore_min_history,
+                norm_bound_factor=res.norm_bound_factor,
             ),
             max_staleness=max_staleness,
             clip_norm=res.clip_update_norm,

@@ -170,6 +170,7 @@ class Client:
             if offline_at < done_at:
                 await self._fail(task, "offline", "availability window closed during training", offline_at)
                 return
+            attack = faults.attack_factor(cid) if faults is not None else 1.0
             generator = seeding.torch_stream(world.seed, seeding.TASK, cid, task.participation)
             codec_generator = seeding.torch_stream(world.seed, seeding.CODEC, cid, task.participation)
             job: Callable[[], TrainedUpdate]
@@ -186,9 +187,9 @@ class Client:
                     indices=indices,
                     cfg=job_ctx.local,
                     generator=generator,
-                    finish=lambda result: finish_job(job_ctx, cid, result, codec_generator),
+                    finish=lambda result: finish_job(job_ctx, cid, result, codec_generator, attack=attack),
                     solo=lambda: train_job(
-                        job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id
+                        job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id, attack
                     ),
                 )
             try:

@@ -548,6 +548,16 @@ class FaultsConfig(_Section):
     hang: float = Field(0.0, ge=0.0, lt=1.0, description="Probability that a task never returns.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Probability that a client leaves mid-training.")
     availability: AvailabilityConfig | None = None
+    byzantine: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of clients (a fixed set drawn from the seed) that attack with every update.",
+    )
+    attack: Literal["sign_flip", "scale"] = Field(
+        "sign_flip", description="sign_flip: send -attack_factor x the update; scale: send +attack_factor x it."
+    )
+    attack_factor: float = Field(20.0, gt=0.0, le=1e6, description="How much an attacker scales its update.")
 
     @model_validator(mode="after")
     def _rates(self) -> FaultsConfig:
@@ -578,6 +588,12 @@ class ResilienceConfig(_Section):
     )
     zscore_window: int = Field(50, ge=3, description="Accepted update norms the robust z-score looks at.")
     zscore_min_history: int = Field(10, ge=3, description="Norms needed before the z-score check applies.")
+    norm_bound_factor: float | None = Field(
+        None,
+        gt=1.0,
+        description="Refuse updates whose norm exceeds this multiple of the median of recently accepted norms (a "
+        "reference refused updates cannot move); needs zscore_min_history accepted updates first.",
+    )
     clip_update_norm: float | None = Field(None, gt=0.0, description="Scale accepted updates down to this norm.")
 
 

@@ -55,12 +55,25 @@ class FaultModel:
         self.config = config
         self.seed = seed
         self.num_clients = num_clients
+        byzantine = round(config.byzantine * num_clients)
+        self.attackers: frozenset[int] = frozenset()
+        """The clients that attack with every update (``faults.byzantine`` of the population)."""
+        if byzantine:
+            rng = seeding.numpy_stream(seed, seeding.FAULTS, 1)
+            self.attackers = frozenset(int(c) for c in rng.choice(num_clients, size=byzantine, replace=False))
         availability = config.availability
         if availability is None:
             self.phase = np.zeros(num_clients)
         else:
             rng = seeding.numpy_stream(seed, seeding.AVAILABILITY)
             self.phase = rng.uniform(0.0, availability.period_s, size=num_clients)
+
+    def attack_factor(self, client_id: int) -> float:
+        """Return what ``client_id`` multiplies its update by before sending it (1 for an honest client)."""
+        if client_id not in self.attackers:
+            return 1.0
+        factor = self.config.attack_factor
+        return -factor if self.config.attack == "sign_flip" else factor
 
     @property
     def active(self) -> bool:

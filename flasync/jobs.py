@@ -109,6 +109,7 @@ def train_job(
     generator: torch.Generator,
     codec_generator: torch.Generator,
     task_id: int = 0,
+    attack: float = 1.0,
 ) -> TrainedUpdate:
     """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
     model = ctx.models.get()
@@ -132,7 +133,7 @@ def train_job(
         train_fn=train,  # looked up here, so that tests can replace flasync.jobs.train
         indices=rows,
     )
-    return finish_job(ctx, client_id, result, codec_generator, diagnosis)
+    return finish_job(ctx, client_id, result, codec_generator, diagnosis, attack)
 
 
 def finish_job(
@@ -141,10 +142,12 @@ def finish_job(
     result: LocalResult,
     codec_generator: torch.Generator,
     diagnosis: TaskDiagnosis | None = None,
+    attack: float = 1.0,
 ) -> TrainedUpdate:
     """Check and encode a trained delta, with error feedback (runs in a worker thread).
 
     ``diagnosis`` is None for a delta trained in a cohort: it is diagnosed here (no per-step gradient statistics).
+    ``attack`` multiplies the delta before it is encoded: a simulated Byzantine client (``faults.byzantine``).
 
     Raises:
         DivergedTraining: If the delta has NaN or Inf (before encoding: a NaN would otherwise stay in the client's
@@ -161,6 +164,8 @@ def finish_job(
         with ctx.residual_lock:
             residual = residuals.get(client_id)
     delta = result.delta if result.delta.device.type == "cpu" else result.delta.cpu()  # the codec writes bytes
+    if attack != 1.0:
+        delta = delta * attack
     encoded = ctx.upload_codec.encode(delta, generator=codec_generator, residual=residual)
     encode_s = ctx.wall() - start
     norm = None

@@ -89,6 +89,10 @@ class UpdateValidator:
         zscore_threshold: Refuse updates whose norm's robust z-score exceeds this (``None``: off).
         window: How many accepted norms the z-score looks at.
         min_history: Accepted norms needed before the z-score check applies.
+        norm_bound_factor: Refuse updates whose norm exceeds this multiple of the median accepted norm (``None``:
+            off). The reference holds only accepted updates, so the refused ones cannot move it: a norm bound on
+            a robust reference (Sun et al., "Can You Really Backdoor Federated Learning?", 2019, bound the norm; the
+            median makes the bound follow the run without a hand-set constant).
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class UpdateValidator:
         zscore_threshold: float | None = None,
         window: int = 50,
         min_history: int = 10,
+        norm_bound_factor: float | None = None,
     ) -> None:
         """Start with no history."""
         if window < 1 or min_history < 1:
@@ -109,6 +114,7 @@ class UpdateValidator:
         self.max_norm = max_norm
         self.zscore_threshold = zscore_threshold
         self.min_history = min_history
+        self.norm_bound_factor = norm_bound_factor
         self._norms: deque[float] = deque(maxlen=window)
 
     @property
@@ -138,6 +144,17 @@ class UpdateValidator:
             return Verdict("non_finite", "update norm overflows (inf) though every element is finite"), norm
         if self.max_norm is not None and norm > self.max_norm:
             return Verdict("norm", f"update norm {norm:.4g} > max_update_norm {self.max_norm:g}"), norm
+        if self.norm_bound_factor is not None and len(self._norms) >= self.min_history:
+            bound = self.norm_bound_factor * _median(sorted(self._norms))
+            if norm > bound:
+                return (
+                    Verdict(
+                        "norm_bound",
+                        f"update norm {norm:.4g} > {self.norm_bound_factor:g} x the median of the last "
+                        f"{len(self._norms)} accepted ({bound:.4g})",
+                    ),
+                    norm,
+                )
         if self.zscore_threshold is not None and len(self._norms) >= self.min_history:
             score = robust_zscore(norm, self._norms)
             if score > self.zscore_threshold:

@@ -223,3 +223,37 @@ async def test_sync_rounds_count_failures_and_refill_nothing() -> None:
     assert summary.versions == 12
     assert summary.updates_failed == recorder.count(ClientFailed) > 0
     assert summary.updates_accepted + summary.updates_failed == summary.tasks_dispatched == 60
+
+
+def test_byzantine_clients_are_a_fixed_seeded_share_that_scales_every_update() -> None:
+    """faults.byzantine picks round(share x N) clients from the seed; they send -f (sign flip) or +f (scale)."""
+    from flasync.config import FaultsConfig
+    from flasync.faults import FaultModel
+
+    model = FaultModel(FaultsConfig(byzantine=0.1), seed=3, num_clients=200)
+    again = FaultModel(FaultsConfig(byzantine=0.1), seed=3, num_clients=200)
+    assert len(model.attackers) == 20 and model.attackers == again.attackers
+    attacker = next(iter(model.attackers))
+    honest = next(c for c in range(200) if c not in model.attackers)
+    assert model.attack_factor(attacker) == -20.0 and model.attack_factor(honest) == 1.0
+    scaling = FaultModel(FaultsConfig(byzantine=0.1, attack="scale", attack_factor=5.0), seed=3, num_clients=200)
+    assert scaling.attack_factor(attacker) == 5.0
+    assert not FaultModel(FaultsConfig(), seed=3, num_clients=200).attackers
+
+
+async def test_a_norm_bound_on_a_robust_reference_refuses_the_attackers_only() -> None:
+    """10% sign-flip attackers (-20x): with resilience.norm_bound_factor every refused update is an attacker's,
+    and the model ends better than without the defence."""
+    from flasync.events import UpdateRejected
+    from flasync.faults import FaultModel
+
+    attack = {"faults.byzantine": "0.1"}
+    overrides = [f"{k}={v}" for k, v in attack.items()]
+    undefended = await flasync.Federation(small_config(*overrides, "stop.max_versions=20")).run()
+    federation = flasync.Federation(small_config(*overrides, "stop.max_versions=20", "resilience.norm_bound_factor=3"))
+    recorder = EventRecorder(federation.bus)
+    defended = await federation.run()
+    attackers = FaultModel(federation.config.faults, federation.config.seed, 20).attackers
+    refused = {e.client_id for e in recorder.of(UpdateRejected) if e.reason == "norm_bound"}
+    assert refused and refused <= attackers
+    assert defended.accuracy > undefended.accuracy

@@ -215,3 +215,20 @@ async def test_an_update_whose_norm_overflows_cannot_break_the_default_run() -> 
     rejected = [e for e in events if isinstance(e, UpdateRejected) and e.task_id == 20]
     assert [e.reason for e in rejected][:1] == ["non_finite"]
     assert sha == dropout_sha  # as if the client had left: nothing of it reached the model
+
+
+def test_the_norm_bound_follows_accepted_norms_and_refused_ones_cannot_move_it() -> None:
+    """norm_bound_factor refuses norms over factor x the median of accepted ones, once min_history were accepted;
+    a stream of refused large updates leaves the reference where it was."""
+    validator = UpdateValidator(2, min_history=3, norm_bound_factor=3.0)
+    big = torch.tensor([30.0, 40.0])  # norm 50
+    assert validator.check(big)[0] is None  # no history yet: nothing to compare with
+    for value in (1.0, 1.1, 0.9):
+        verdict, norm = validator.check(torch.tensor([value, 0.0]))
+        assert verdict is None
+        validator.accepted(norm)
+    for _ in range(100):
+        verdict, _ = validator.check(big)
+        assert verdict is not None and verdict.reason == "norm_bound"
+    assert validator.check(torch.tensor([2.9, 0.0]))[0] is None  # under 3 x median 1.0
+    assert validator.norms == [1.0, pytest.approx(1.1), pytest.approx(0.9)]

@@ -1,0 +1,82 @@
+"""Soak: a long run with a large population and faults on; resources sampled every 5 s must not grow without bound.
+
+    python benchmarks/soak.py                 # 10 minutes, 10,000 clients, tracked into a temporary SQLite store
+    python benchmarks/soak.py --minutes 2     # shorter
+
+A FedBuff run (virtual clock, stopped by ``stop.max_wall_s``) with 10% crashes, 5% hangs (timed out), 5% dropouts,
+periodic checkpoints and MLflow tracking. A thread samples the process's resident memory, open file descriptors and
+threads every 5 s. At the end it prints the samples and, for each figure, the first, last and peak value and the
+change between the mean of the second quarter and the mean of the last quarter (growth without bound shows there;
+the first quarter is warm-up: imports, the writer process, caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+
+import psutil
+
+import flasync
+
+
+def _sample(process: psutil.Process) -> tuple[float, int, int]:
+    return process.memory_info().rss / 2**20, len(os.listdir("/proc/self/fd")), process.num_threads()
+
+
+def main() -> None:
+    """Run the soak and print the samples and their trend."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--clients", type=int, default=10_000)
+    parser.add_argument("--every", type=float, default=5.0, help="seconds between samples")
+    args = parser.parse_args()
+    process = psutil.Process()
+    samples: list[tuple[float, float, int, int]] = []
+    done = threading.Event()
+    started = time.perf_counter()
+
+    def sampler() -> None:
+        while not done.wait(args.every):
+            samples.append((time.perf_counter() - started, *_sample(process)))
+
+    with tempfile.TemporaryDirectory(prefix="flasync-soak-") as tmp:
+        config = {
+            "population": {"num_clients": args.clients},
+            "server": {"kind": "fedbuff", "buffer_size": 10, "concurrency": 50},
+            "faults": {"crash": 0.1, "hang": 0.05, "dropout": 0.05},
+            "resilience": {"task_timeout_s": 30.0},
+            "checkpoint": {"every_versions": 100},
+            "stop": {"max_versions": 10**9, "max_wall_s": args.minutes * 60},
+            "eval": {"every_versions": 50},
+            "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db", "log_level": "warning", "log_model": False},
+        }
+        thread = threading.Thread(target=sampler, daemon=True)
+        thread.start()
+        summary = flasync.run(config)
+        done.set()
+        thread.join()
+    print(
+        f"{summary.versions} versions, {summary.updates_accepted} updates, {summary.updates_failed} failed, "
+        f"{summary.tasks_timed_out} timed out in {summary.wall_s:.0f} s; accuracy {summary.accuracy:.3f}"
+    )
+    print("| t (s) | RSS (MiB) | fds | threads |")
+    print("|---|---|---|---|")
+    for t, rss, fds, threads in samples:
+        print(f"| {t:.0f} | {rss:.1f} | {fds} | {threads} |")
+    quarter = max(len(samples) // 4, 1)
+    for index, name in ((1, "RSS (MiB)"), (2, "fds"), (3, "threads")):
+        values = [s[index] for s in samples]
+        second = sum(values[quarter : 2 * quarter]) / max(len(values[quarter : 2 * quarter]), 1)
+        last = sum(values[-quarter:]) / quarter
+        print(
+            f"{name}: first {values[0]:.1f}, last {values[-1]:.1f}, peak {max(values):.1f}; "
+            f"mean of the last quarter vs the second: {last - second:+.1f} ({last / second - 1:+.1%})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -21,6 +21,7 @@ import torch
 __all__ = ["UpdateValidator", "Verdict", "clip_to_norm", "finite_norm", "robust_zscore"]
 
 _MAD_TO_SIGMA = 1.4826
+_NORM_BOUND_MIN_SEEN = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,8 @@ class UpdateValidator:
         window: How many accepted norms the z-score looks at.
         min_history: Accepted norms needed before the z-score check applies.
         norm_bound_factor: Refuse updates whose norm exceeds this multiple of the median accepted norm (``None``:
-            off). The reference holds only accepted updates, so the refused ones cannot move it: a norm bound on
+            off); until ``min_history`` updates were accepted, of the median of every norm seen (from the third on).
+            The reference then holds only accepted updates, so the refused ones cannot move it: a norm bound on
             a robust reference (Sun et al., "Can You Really Backdoor Federated Learning?", 2019, bound the norm; the
             median makes the bound follow the run without a hand-set constant).
     """
@@ -116,6 +118,8 @@ class UpdateValidator:
         self.min_history = min_history
         self.norm_bound_factor = norm_bound_factor
         self._norms: deque[float] = deque(maxlen=window)
+        # Every finite norm checked, refused ones too: the norm bound's reference until enough were accepted.
+        self._seen: deque[float] = deque(maxlen=window)
 
     @property
     def norms(self) -> list[float]:
@@ -144,17 +148,22 @@ class UpdateValidator:
             return Verdict("non_finite", "update norm overflows (inf) though every element is finite"), norm
         if self.max_norm is not None and norm > self.max_norm:
             return Verdict("norm", f"update norm {norm:.4g} > max_update_norm {self.max_norm:g}"), norm
-        if self.norm_bound_factor is not None and len(self._norms) >= self.min_history:
-            bound = self.norm_bound_factor * _median(sorted(self._norms))
-            if norm > bound:
-                return (
-                    Verdict(
-                        "norm_bound",
-                        f"update norm {norm:.4g} > {self.norm_bound_factor:g} x the median of the last "
-                        f"{len(self._norms)} accepted ({bound:.4g})",
-                    ),
-                    norm,
-                )
+        if self.norm_bound_factor is not None:
+            # The median of accepted norms once there are enough, else of every norm seen so far (a minority of
+            # attackers cannot move a median): the bound holds from the first updates on.
+            reference = self._norms if len(self._norms) >= self.min_history else self._seen
+            self._seen.append(norm)
+            if len(reference) >= _NORM_BOUND_MIN_SEEN:
+                bound = self.norm_bound_factor * _median(sorted(reference))
+                if norm > bound:
+                    return (
+                        Verdict(
+                            "norm_bound",
+                            f"update norm {norm:.4g} > {self.norm_bound_factor:g} x the median of "
+                            f"{len(reference)} recent norms ({bound:.4g})",
+                        ),
+                        norm,
+                    )
         if self.zscore_threshold is not None and len(self._norms) >= self.min_history:
             score = robust_zscore(norm, self._norms)
             if score > self.zscore_threshold:

@@ -232,3 +232,12 @@ def test_the_norm_bound_follows_accepted_norms_and_refused_ones_cannot_move_it()
         assert verdict is not None and verdict.reason == "norm_bound"
     assert validator.check(torch.tensor([2.9, 0.0]))[0] is None  # under 3 x median 1.0
     assert validator.norms == [1.0, pytest.approx(1.1), pytest.approx(0.9)]
+
+
+def test_the_norm_bound_holds_from_the_third_update_on() -> None:
+    """Before min_history updates were accepted the bound uses every norm seen: early attackers are refused too."""
+    validator = UpdateValidator(2, min_history=10, norm_bound_factor=3.0)
+    for value in (1.0, 1.2, 0.8):
+        assert validator.check(torch.tensor([value, 0.0]))[0] is None
+    verdict, _ = validator.check(torch.tensor([30.0, 40.0]))
+    assert verdict is not None and verdict.reason == "norm_bound"

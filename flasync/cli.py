@@ -157,6 +157,8 @@ def _mark_failed(args: argparse.Namespace) -> int:
             if not experiments:
                 raise ConfigError(f"--experiment: no experiment {args.experiment!r} in the store")
         runs = client.search_runs([e.experiment_id for e in experiments], filter_string="attributes.status = 'RUNNING'")
+    if not runs:
+        print("no RUNNING run to look at")
     for run in runs:
         run_id, tags = run.info.run_id, run.data.tags
         alive = owner_alive(tags)

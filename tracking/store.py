@@ -9,7 +9,6 @@ explicit ``MlflowClient``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import sqlite3
@@ -212,7 +211,7 @@ def prepare_sqlite_store(uri: str, log: Any = None) -> None:
         return
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.with_name(db.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _lock(lock, exclusive=True)
         try:
             state = _schema_state(db)
             if state == "half-built":
@@ -233,7 +232,16 @@ def prepare_sqlite_store(uri: str, log: Any = None) -> None:
             with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
                 connection.execute("PRAGMA journal_mode=WAL")
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            _lock(lock, exclusive=False)
+
+
+def _lock(file: Any, *, exclusive: bool) -> None:
+    """Take (or release) an exclusive lock on an open file; a platform without ``fcntl`` goes without."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return
+    fcntl.flock(file, fcntl.LOCK_EX if exclusive else fcntl.LOCK_UN)
 
 
 def _schema_state(db: Path) -> str:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import random
 import statistics
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,7 +37,7 @@ from flasync.events import (
     UpdateRejected,
     UpdateUploaded,
 )
-from flasync.quantiles import percentile
+from flasync.quantiles import StreamSummary, Thinned
 from flasync.training import FlatModel, LocalResult, LocalTraining, train
 from flasync.validation import finite_norm
 
@@ -282,27 +283,35 @@ def task_alerts(
     return alerts
 
 
-def is_diverging(losses: list[float], *, window: int, tolerance: float) -> bool:
+def is_diverging(losses: Sequence[float], *, window: int, tolerance: float, best: float | None = None) -> bool:
     """Tell whether a loss series is diverging: it rose in each of its last ``window`` steps (or became NaN/Inf)
-    and its last value is more than ``tolerance`` (a fraction) above the best value seen."""
+    and its last value is more than ``tolerance`` (a fraction) above the best value seen.
+
+    ``best`` is the lowest finite loss of the whole series when ``losses`` holds only its tail (None: the lowest in
+    ``losses``)."""
     if not losses:
         return False
     if not math.isfinite(losses[-1]):
         return True
     if len(losses) < window + 1:
         return False
-    tail = losses[-(window + 1) :]
+    tail = list(losses)[-(window + 1) :]
     rising = all(b > a for a, b in itertools.pairwise(tail))
-    best = min(v for v in losses if math.isfinite(v))
+    if best is None:
+        best = min(v for v in losses if math.isfinite(v))
     return rising and tail[-1] > best * (1.0 + tolerance) + 1e-12
+
+
+_NORMS_KEPT = 4096  # update norms kept for quantiles (a uniform sample beyond)
 
 
 @dataclass(slots=True)
 class _Series:
-    """What the monitor keeps for the profile."""
+    """What the monitor keeps for the profile: bounded however long the run."""
 
-    weights: list[tuple[int, float, float]] = field(default_factory=list)
-    update_norms: list[tuple[int, int, float]] = field(default_factory=list)
+    norms: StreamSummary
+    weights: Thinned[tuple[int, float, float]] = field(default_factory=Thinned)
+    update_norms: Thinned[tuple[int, int, float]] = field(default_factory=Thinned)
     layer_mean_sum: list[float] = field(default_factory=list)
     layer_max: list[float] = field(default_factory=list)
     layer_tasks: int = 0
@@ -318,6 +327,10 @@ class AlertMonitor:
             (events are read in batches a little after they are published, so the server may have moved on: the
             version recorded is the one the weights belong to, and versions between batches are skipped).
         initial: The initial weights (for drift).
+        rng: Chooses which update norms the quantiles keep once there are too many (seeded by default).
+
+    Everything it keeps is bounded: the update norms as a :class:`~flasync.quantiles.StreamSummary` and thinned
+    series (:class:`~flasync.quantiles.Thinned`), the losses as the divergence window and the best loss.
     """
 
     def __init__(
@@ -327,6 +340,7 @@ class AlertMonitor:
         layer_names: tuple[str, ...] = (),
         weights: Callable[[], tuple[int, torch.Tensor]] | None = None,
         initial: torch.Tensor | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         """Start with no alerts."""
         self.config = config
@@ -334,11 +348,13 @@ class AlertMonitor:
         self._weights = weights
         self._initial = initial
         self._recent: deque[float] = deque(maxlen=50)
-        self._losses: list[float] = []
+        self._losses: deque[float] = deque(maxlen=config.divergence_window + 1)
+        self._best_loss = math.inf
+        self._weights_version: int | None = None
         self._diverging = False
         self._previous: torch.Tensor | None = None
         self.counts: Counter[str] = Counter()
-        self.series = _Series()
+        self.series = _Series(StreamSummary(_NORMS_KEPT, rng if rng is not None else random.Random(0)))
 
     def observe(self, event: object, version: int) -> list[Alert]:
         """Read one event; return the alerts it raises (``version``: the latest version the monitor saw)."""
@@ -356,7 +372,8 @@ class AlertMonitor:
             )
             if math.isfinite(diagnosis.update_norm):
                 self._recent.append(diagnosis.update_norm)
-                self.series.update_norms.append((version, int(event.client_id), diagnosis.update_norm))
+                self.series.norms.add(diagnosis.update_norm)
+                self.series.update_norms.add((version, int(event.client_id), diagnosis.update_norm))
             self._fold_layers(diagnosis)
             return alerts
         if isinstance(event, ClientFailed):
@@ -373,11 +390,13 @@ class AlertMonitor:
             self._losses.append(event.loss)
             if not math.isfinite(event.loss):
                 return [Alert("nan", f"server loss of version {event.version} is {event.loss}", event.loss)]
-            diverging = is_diverging(self._losses, window=cfg.divergence_window, tolerance=cfg.divergence_tolerance)
+            best = self._best_loss = min(self._best_loss, event.loss)
+            diverging = is_diverging(
+                self._losses, window=cfg.divergence_window, tolerance=cfg.divergence_tolerance, best=best
+            )
             alert = diverging and not self._diverging
             self._diverging = diverging
             if alert:
-                best = min(v for v in self._losses if math.isfinite(v))
                 return [
                     Alert(
                         "divergence",
@@ -389,14 +408,15 @@ class AlertMonitor:
             return []
         if isinstance(event, Aggregated) and self._weights is not None and cfg.level != "off":
             now, weights = self._weights()
-            if self.series.weights and self.series.weights[-1][0] == now:
+            if self._weights_version == now:
                 return []  # several versions were read in one batch: the weights are those of the latest
+            self._weights_version = now
             with torch.no_grad():
                 norm = float(torch.linalg.vector_norm(weights))
                 drift = (
                     float(torch.linalg.vector_norm(weights - self._initial)) if self._initial is not None else math.nan
                 )
-            self.series.weights.append((now, norm, drift))
+            self.series.weights.add((now, norm, drift))
             if not math.isfinite(norm):
                 return [Alert("nan", f"server weights of version {now} hold NaN/Inf", norm)]
             return self._step_alerts(now, weights)
@@ -446,7 +466,7 @@ class AlertMonitor:
     def summary(self) -> dict[str, object]:
         """Return the diagnostic series and alert counts for ``profile.json``."""
         series = self.series
-        norms = [n for _, _, n in series.update_norms]
+        norms = series.norms
         layers = None
         if series.layer_tasks:
             layers = [
@@ -456,21 +476,18 @@ class AlertMonitor:
         return {
             "level": self.config.level,
             "alerts": dict(self.counts),
-            "update_norm": _quantiles(norms),
-            "update_norms": [{"version": v, "client_id": c, "norm": n} for v, c, n in series.update_norms],
-            "weights": [{"version": v, "norm": n, "drift": d} for v, n, d in series.weights],
+            "update_norm": (
+                {
+                    "p10": norms.quantile(0.1),
+                    "p50": norms.quantile(0.5),
+                    "p90": norms.quantile(0.9),
+                    "max": norms.max,
+                    "count": float(norms.count),
+                }
+                if norms.count
+                else None
+            ),
+            "update_norms": [{"version": v, "client_id": c, "norm": n} for v, c, n in series.update_norms.items()],
+            "weights": [{"version": v, "norm": n, "drift": d} for v, n, d in series.weights.items()],
             "layers": layers,
         }
-
-
-def _quantiles(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return {
-        "p10": percentile(ordered, 0.1),
-        "p50": percentile(ordered, 0.5),
-        "p90": percentile(ordered, 0.9),
-        "max": ordered[-1],
-        "count": float(len(ordered)),
-    }

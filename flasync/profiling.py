@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import random
 import statistics
 import sys
 from collections import Counter, defaultdict
@@ -45,7 +46,7 @@ from flasync.events import (
     Version,
 )
 from flasync.instruments import Instrument
-from flasync.quantiles import percentile
+from flasync.quantiles import StreamSummary, Thinned, percentile
 
 __all__ = [
     "Instrumentation",
@@ -75,43 +76,156 @@ def quantiles(values: Sequence[float]) -> dict[str, float] | None:
 
 @dataclass(slots=True)
 class _Task:
-    client_id: int
-    base_version: int
-    tier: str
-    compute_s: float
-    encode_s: float
-    sim_download_s: float
-    sim_train_s: float
-    sim_upload_s: float
-    upload_bytes: int
-    download_bytes: int
-    peak_mem_bytes: int
+    """An uploaded update waiting to be folded into a version (kept only until then)."""
+
+    staleness: int = 0
+    compute_s: float = 0.0
+    encode_s: float = 0.0
+    sim_task_s: float = 0.0
+    sim_train_s: float = 0.0
+    upload_bytes: int = 0
+    download_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _Client:
+    """One client's totals over the run."""
+
+    tasks: int = 0
+    sim_task_s: float = 0.0
+    compute_s: float = 0.0
+    upload_bytes: int = 0
+    download_bytes: int = 0
 
 
 @dataclass(slots=True)
 class _Version:
+    """A version being made: the updates folded into it and its own costs (folded into a row once complete)."""
+
+    updates: int = 0
+    compute_s: float = 0.0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    queue_wait_s: float = 0.0
+    sim_train_s: float = 0.0
+    transfer_sim_s: float = 0.0
+    upload_bytes: int = 0
+    download_bytes: int = 0
+    staleness_sum: int = 0
+    durations: list[float] = field(default_factory=list)
     aggregate_s: float = 0.0
     wall_s: float = math.nan
     simulated_s: float = math.nan
-    num_updates: int = 0
     publish_encode_s: float = 0.0
-    download_bytes_each: int = 0
-    downloads: int = 0
     eval_s: float = 0.0
+    aggregated: bool = False
+
+
+_ADDITIVE = (
+    "updates",
+    "wall_s",
+    "compute_s",
+    "encode_s",
+    "decode_s",
+    "queue_wait_s",
+    "aggregate_s",
+    "eval_s",
+    "idle_s",
+    "sim_train_s",
+    "transfer_sim_s",
+    "upload_bytes",
+    "download_bytes",
+    "straggler_wait_sim_s",
+)
+
+
+def _merge_rows(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
+    """One row for two consecutive spans of versions: sums, the later version and time, staleness by update."""
+    merged = {key: first[key] + second[key] if key in _ADDITIVE else second[key] for key in second}
+    updates = first["updates"] + second["updates"]
+    merged["staleness_mean"] = (
+        (first["staleness_mean"] * first["updates"] + second["staleness_mean"] * second["updates"]) / updates
+        if updates
+        else 0.0
+    )
+    merged["versions"] = first["versions"] + second["versions"]
+    return merged
+
+
+class VersionRows:
+    """The per-version rows of a run, in at most ``capacity`` rows however many versions it makes.
+
+    Each row covers one version until ``capacity`` rows are full; then neighbouring rows are merged in pairs (sums
+    added, the later version and times kept, staleness weighted by updates) and from then on each row covers twice
+    as many versions (``versions`` says how many; ``version`` is the last one it covers). Column totals stay exact.
+
+    Args:
+        capacity: The most rows kept (even, at least 2).
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        """Start empty."""
+        if capacity < 2 or capacity % 2:
+            raise ValueError(f"capacity must be an even number of at least 2, got {capacity}")
+        self.capacity = capacity
+        self.span = 1
+        self._rows: list[dict[str, float]] = []
+        self._open: dict[str, float] | None = None
+
+    def add(self, row: dict[str, float]) -> None:
+        """Append the row of the next version (with ``versions`` = 1)."""
+        self._open = row if self._open is None else _merge_rows(self._open, row)
+        if self._open["versions"] < self.span:
+            return
+        self._rows.append(self._open)
+        self._open = None
+        if len(self._rows) >= self.capacity:
+            self._rows = [_merge_rows(a, b) for a, b in zip(self._rows[::2], self._rows[1::2], strict=True)]
+            self.span *= 2
+
+    def rows(self) -> list[dict[str, float]]:
+        """The rows, oldest first (the last may cover fewer versions than the others)."""
+        return [*self._rows, *([self._open] if self._open is not None else [])]
+
+
+_SAMPLE = 4096  # values kept per streamed quantile summary (exact up to this many)
+_IN_FLIGHT = 65_536  # uploads awaiting their version, at most (the oldest are dropped beyond)
+_DOWNLOAD_SIZES = 1024  # published versions whose download size is remembered
 
 
 @dataclass(slots=True)
 class ProfileRecords:
-    """What the profiler keeps: per task, per received update, per version and per evaluation."""
+    """What the profiler keeps: bounded however long the run (per client, per pending update, summaries and rows).
 
-    tasks: dict[int, _Task] = field(default_factory=dict)
-    received: list[tuple[int, int, int, float, float]] = field(default_factory=list)
-    """``(version it went into, task id, staleness, decode_s, queue_wait_s)``."""
-    versions: dict[int, _Version] = field(default_factory=lambda: defaultdict(_Version))
-    evaluations: list[dict[str, float]] = field(default_factory=list)
-    downloads: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    """Client id -> downloaded bytes."""
+    Memory grows with the number of distinct clients that took part, never with the number of updates or versions:
+    uploads are kept only until their version is made, versions are folded into :class:`VersionRows`, evaluations
+    are :class:`Thinned`, and distributions are :class:`~flasync.quantiles.StreamSummary` samples.
+    """
+
+    rng: random.Random
+    clients: dict[int, _Client] = field(default_factory=dict)
+    pending: dict[int, _Task] = field(default_factory=dict)
+    """Task id -> an upload not yet folded into a version."""
+    dropped_pending: int = 0
+    """Uploads forgotten before their version was made because more than ``_IN_FLIGHT`` waited."""
+    tasks_completed: int = 0
+    upload_bytes: int = 0
+    sim_task_s: StreamSummary = field(init=False)
+    sim_train_s: StreamSummary = field(init=False)
+    compute_s: StreamSummary = field(init=False)
+    encode_s: StreamSummary = field(init=False)
+    peak_mem_bytes: StreamSummary = field(init=False)
+    staleness: Counter[int] = field(default_factory=Counter)
+    open_versions: dict[int, _Version] = field(default_factory=lambda: defaultdict(_Version))
+    rows: VersionRows = field(default_factory=VersionRows)
+    last_row_wall_s: float = 0.0
+    last_eval_s: float = 0.0
+    """Evaluation seconds of the version before the next row's (they fall in that row's wall interval)."""
+    download_sizes: dict[int, int] = field(default_factory=dict)
+    """Version -> bytes of its download (the latest ``_DOWNLOAD_SIZES`` versions)."""
+    downloads: int = 0
     download_tiers: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    evaluations: Thinned[dict[str, float]] = field(default_factory=Thinned)
     failed: Counter[int] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
     alerts: Counter[str] = field(default_factory=Counter)
@@ -119,66 +233,109 @@ class ProfileRecords:
     """Tier name -> bytes its edges forwarded to their parents."""
     forwards: Counter[str] = field(default_factory=Counter)
     """Tier name -> partials (or raw updates) its edges forwarded."""
+    tier_uploads: Counter[str] = field(default_factory=Counter)
+    """Tier name -> bytes uploaded by the clients of that tier."""
     wall_s: float = math.nan
     simulated_s: float = math.nan
 
+    def __post_init__(self) -> None:
+        """Create the streamed summaries on the records' generator."""
+        for name in ("sim_task_s", "sim_train_s", "compute_s", "encode_s", "peak_mem_bytes"):
+            setattr(self, name, StreamSummary(_SAMPLE, self.rng))
+
+    def client(self, client_id: int) -> _Client:
+        """The totals of one client (created on first use)."""
+        found = self.clients.get(client_id)
+        if found is None:
+            found = self.clients[client_id] = _Client()
+        return found
+
 
 class Profiler:
-    """Keep the records of one run from its events (call :meth:`observe` with every event, in order)."""
+    """Keep the records of one run from its events (call :meth:`observe` with every event, in order).
 
-    def __init__(self) -> None:
+    Args:
+        mode: ``"sync"`` or ``"async"``: sync rows carry the straggler wait of their round.
+        rng: Draws which values the quantile summaries keep once there are too many to keep all (seeded by
+            default, so a profile is reproducible).
+    """
+
+    def __init__(self, mode: str = "async", rng: random.Random | None = None) -> None:
         """Start empty."""
-        self.records = ProfileRecords()
+        self.mode = mode
+        self.records = ProfileRecords(rng=rng if rng is not None else random.Random(0))
         self._version = 0
 
     def observe(self, event: object) -> None:
         """Record one event."""
         r = self.records
         if isinstance(event, UpdateUploaded):
-            r.tasks[event.task_id] = _Task(
-                client_id=int(event.client_id),
-                base_version=int(event.base_version),
-                tier=event.tier,
+            sim_task_s = event.sim_download_s + event.sim_train_s + event.sim_upload_s
+            upload_bytes = len(event.payload)
+            client = r.client(int(event.client_id))
+            client.tasks += 1
+            client.sim_task_s += sim_task_s
+            client.compute_s += event.compute_s
+            client.upload_bytes += upload_bytes
+            r.tasks_completed += 1
+            r.upload_bytes += upload_bytes
+            r.tier_uploads[event.tier] += upload_bytes
+            r.sim_task_s.add(sim_task_s)
+            r.sim_train_s.add(event.sim_train_s)
+            r.compute_s.add(event.compute_s)
+            r.encode_s.add(event.encode_s)
+            r.peak_mem_bytes.add(float(event.peak_mem_bytes))
+            if len(r.pending) >= _IN_FLIGHT:
+                del r.pending[next(iter(r.pending))]
+                r.dropped_pending += 1
+            r.pending[event.task_id] = _Task(
                 compute_s=event.compute_s,
                 encode_s=event.encode_s,
-                sim_download_s=event.sim_download_s,
+                sim_task_s=sim_task_s,
                 sim_train_s=event.sim_train_s,
-                sim_upload_s=event.sim_upload_s,
-                upload_bytes=len(event.payload),
+                upload_bytes=upload_bytes,
                 download_bytes=event.download_bytes,
-                peak_mem_bytes=event.peak_mem_bytes,
             )
         elif isinstance(event, UpdateReceived):
-            r.received.append(
-                (int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
-            )
+            self._fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
+        elif isinstance(event, UpdateRejected):
+            r.rejected[event.reason] += 1
+            r.pending.pop(event.task_id, None)
         elif isinstance(event, TaskAssigned):
-            version = r.versions[int(event.base_version)]
-            version.downloads += 1
-            r.downloads[int(event.client_id)] += version.download_bytes_each
-            r.download_tiers["client"] += version.download_bytes_each
+            size = r.download_sizes.get(int(event.base_version), 0)
+            r.downloads += 1
+            r.client(int(event.client_id)).download_bytes += size
+            r.download_tiers["client"] += size
         elif isinstance(event, ModelPublished):
-            version = r.versions[int(event.version)]
-            version.publish_encode_s += event.encode_s
-            version.download_bytes_each = event.download_bytes
+            version = int(event.version)
+            r.open_versions[version].publish_encode_s += event.encode_s
+            r.download_sizes[version] = event.download_bytes
+            while len(r.download_sizes) > _DOWNLOAD_SIZES:
+                del r.download_sizes[next(iter(r.download_sizes))]
         elif isinstance(event, TaskClosed):
-            # An edge folded a client's update: it goes into the cloud's next version.
+            # An edge closed a client's task; an accepted update goes into the cloud's next version.
             # (Its rejections and failures are counted from UpdateRejected and ClientFailed, which edges publish too.)
             if event.outcome == "accepted":
-                r.received.append((self._version + 1, event.task_id, event.staleness, 0.0, 0.0))
+                self._fold(self._version + 1, event.task_id, event.staleness, 0.0, 0.0)
+            else:
+                r.pending.pop(event.task_id, None)
         elif isinstance(event, EdgeForwarded):
             r.forwarded[event.tier] += len(event.payload)
             r.forwards[event.tier] += 1
         elif isinstance(event, Aggregated):
-            self._version = max(self._version, int(event.version))
-            version = r.versions[int(event.version)]
-            version.aggregate_s += event.aggregate_s
-            version.wall_s = event.wall_s
-            version.simulated_s = event.simulated_s
-            version.num_updates = event.num_updates
+            version = int(event.version)
+            # The previous version's row is complete now: its publication and evaluation came before this.
+            for done in sorted(v for v in r.open_versions if v < version and r.open_versions[v].aggregated):
+                self._close(done)
+            self._version = max(self._version, version)
+            rec = r.open_versions[version]
+            rec.aggregate_s += event.aggregate_s
+            rec.wall_s = event.wall_s
+            rec.simulated_s = event.simulated_s
+            rec.aggregated = True
         elif isinstance(event, Evaluated):
-            r.versions[int(event.version)].eval_s += event.eval_s
-            r.evaluations.append(
+            r.open_versions[int(event.version)].eval_s += event.eval_s
+            r.evaluations.add(
                 {
                     "version": float(event.version),
                     "accuracy": event.accuracy,
@@ -189,12 +346,73 @@ class Profiler:
             )
         elif isinstance(event, ClientFailed):
             r.failed[int(event.client_id)] += 1
-        elif isinstance(event, UpdateRejected):
-            r.rejected[event.reason] += 1
         elif isinstance(event, AlertRaised):
             r.alerts[event.kind] += 1
         elif isinstance(event, RunFinished):
             r.wall_s, r.simulated_s = event.wall_s, event.simulated_s
+
+    def finish(self) -> ProfileRecords:
+        """Fold every version made so far into rows and return the records (call once, at the end of the run)."""
+        r = self.records
+        for version in sorted(v for v in r.open_versions if r.open_versions[v].aggregated):
+            self._close(version)
+        return r
+
+    def _fold(self, version: int, task_id: int, staleness: int, decode_s: float, queue_wait_s: float) -> None:
+        """Fold one accepted upload into the version it goes into."""
+        r = self.records
+        r.staleness[staleness] += 1
+        task = r.pending.pop(task_id, None)
+        if task is None:
+            return
+        rec = r.open_versions[version]
+        rec.updates += 1
+        rec.compute_s += task.compute_s
+        rec.encode_s += task.encode_s
+        rec.decode_s += decode_s
+        rec.queue_wait_s += queue_wait_s
+        rec.sim_train_s += task.sim_train_s
+        rec.transfer_sim_s += task.sim_task_s - task.sim_train_s
+        rec.upload_bytes += task.upload_bytes
+        rec.download_bytes += task.download_bytes
+        rec.staleness_sum += staleness
+        if self.mode == "sync":
+            rec.durations.append(task.sim_task_s)
+
+    def _close(self, version: int) -> None:
+        """Turn a made version into its row (its wall interval, breakdown and idle time) and forget its details."""
+        r = self.records
+        rec = r.open_versions.pop(version)
+        if version <= 0 or math.isnan(rec.wall_s):
+            r.last_eval_s = rec.eval_s
+            return
+        interval = rec.wall_s - r.last_row_wall_s
+        r.last_row_wall_s = rec.wall_s
+        busy = rec.decode_s + rec.aggregate_s + rec.publish_encode_s + r.last_eval_s
+        r.last_eval_s = rec.eval_s
+        row = {
+            "version": float(version),
+            "versions": 1.0,
+            "updates": float(rec.updates),
+            "wall_s": interval,
+            "compute_s": rec.compute_s,
+            "encode_s": rec.encode_s + rec.publish_encode_s,
+            "decode_s": rec.decode_s,
+            "queue_wait_s": rec.queue_wait_s,
+            "aggregate_s": rec.aggregate_s,
+            "eval_s": rec.eval_s,
+            "idle_s": max(0.0, interval - busy),
+            "sim_train_s": rec.sim_train_s,
+            "transfer_sim_s": rec.transfer_sim_s,
+            "simulated_s": rec.simulated_s,
+            "upload_bytes": float(rec.upload_bytes),
+            "download_bytes": float(rec.download_bytes),
+            "staleness_mean": rec.staleness_sum / rec.updates if rec.updates else 0.0,
+        }
+        if self.mode == "sync":
+            durations = rec.durations
+            row["straggler_wait_sim_s"] = max(durations) - statistics.median(durations) if durations else 0.0
+        r.rows.add(row)
 
 
 def build_profile(
@@ -210,7 +428,7 @@ def build_profile(
     """Summarise a run's records into the ``profile.json`` dict (pure).
 
     Args:
-        records: The profiler's records.
+        records: The profiler's records, after :meth:`Profiler.finish`.
         mode: ``"sync"`` or ``"async"`` (straggler wait is reported for sync rounds).
         num_params: Length of the flat model.
         dense_bytes: Bytes of one uncompressed (float32) model, header included, for compression ratios.
@@ -218,81 +436,32 @@ def build_profile(
         memory: Memory figures measured by the runtime.
         diagnostics: The alert monitor's summary.
     """
-    tasks = records.tasks
-    by_version: dict[int, list[tuple[_Task, int, float, float]]] = defaultdict(list)
-    staleness: list[int] = []
-    for version, task_id, tau, decode_s, wait_s in records.received:
-        task = tasks.get(task_id)
-        staleness.append(tau)
-        if task is not None:
-            by_version[version].append((task, tau, decode_s, wait_s))
-    produced = sorted(v for v, rec in records.versions.items() if v > 0 and not math.isnan(rec.wall_s))
-    rows: list[dict[str, float]] = []
-    previous_wall = 0.0
-    for v in produced:
-        rec = records.versions[v]
-        members = by_version.get(v, [])
-        decode = sum(m[2] for m in members)
-        interval = rec.wall_s - previous_wall
-        previous_wall = rec.wall_s
-        eval_before = records.versions[v - 1].eval_s if v - 1 in records.versions else 0.0
-        busy = decode + rec.aggregate_s + rec.publish_encode_s + eval_before
-        durations = [m[0].sim_download_s + m[0].sim_train_s + m[0].sim_upload_s for m in members]
-        row = {
-            "version": float(v),
-            "updates": float(len(members)),
-            "wall_s": interval,
-            "compute_s": sum(m[0].compute_s for m in members),
-            "encode_s": sum(m[0].encode_s for m in members) + rec.publish_encode_s,
-            "decode_s": decode,
-            "queue_wait_s": sum(m[3] for m in members),
-            "aggregate_s": rec.aggregate_s,
-            "eval_s": rec.eval_s,
-            "idle_s": max(0.0, interval - busy),
-            "sim_train_s": sum(m[0].sim_train_s for m in members),
-            "transfer_sim_s": sum(m[0].sim_download_s + m[0].sim_upload_s for m in members),
-            "simulated_s": rec.simulated_s,
-            "upload_bytes": float(sum(m[0].upload_bytes for m in members)),
-            "download_bytes": float(sum(m[0].download_bytes for m in members)),
-            "staleness_mean": sum(m[1] for m in members) / len(members) if members else 0.0,
-        }
-        if mode == "sync":
-            row["straggler_wait_sim_s"] = max(durations) - statistics.median(durations) if durations else 0.0
-        rows.append(row)
-
-    per_client: dict[int, list[_Task]] = defaultdict(list)
-    for task in tasks.values():
-        per_client[task.client_id].append(task)
-    client_medians = {
-        c: statistics.median(t.sim_download_s + t.sim_train_s + t.sim_upload_s for t in ts)
-        for c, ts in per_client.items()
-    }
-    population_median = statistics.median(client_medians.values()) if client_medians else math.nan
-    slowest = sorted(client_medians.items(), key=lambda item: (-item[1], item[0]))[:stragglers]
+    rows = records.rows.rows()
+    trained = {c: stats for c, stats in records.clients.items() if stats.tasks}
+    client_means = {c: stats.sim_task_s / stats.tasks for c, stats in trained.items()}
+    population_median = statistics.median(client_means.values()) if client_means else math.nan
+    slowest = sorted(client_means.items(), key=lambda item: (-item[1], item[0]))[:stragglers]
     straggler_rows = [
         {
             "client_id": c,
             "task_sim_s": s,
             "times_median": s / population_median if population_median > 0 else math.nan,
-            "tasks": len(per_client[c]),
-            "compute_s_mean": sum(t.compute_s for t in per_client[c]) / len(per_client[c]),
+            "tasks": trained[c].tasks,
+            "compute_s_mean": trained[c].compute_s / trained[c].tasks,
         }
         for c, s in slowest
     ]
 
-    uploads_by_client: dict[int, int] = defaultdict(int)
     tiers: dict[str, dict[str, int]] = defaultdict(lambda: {"upload_bytes": 0, "download_bytes": 0})
-    for task in tasks.values():
-        uploads_by_client[task.client_id] += task.upload_bytes
-        tiers[task.tier]["upload_bytes"] += task.upload_bytes
+    for tier, value in records.tier_uploads.items():
+        tiers[tier]["upload_bytes"] += value
     for tier, value in records.download_tiers.items():
         tiers[tier]["download_bytes"] += value
     for tier, value in records.forwarded.items():
         tiers[tier]["upload_bytes"] += value
         tiers[tier]["forwards"] = records.forwards[tier]
-    upload_total = sum(t.upload_bytes for t in tasks.values())
-    download_total = sum(records.downloads.values())
-    downloads = sum(rec.downloads for rec in records.versions.values())
+    upload_total = records.upload_bytes
+    download_total = sum(stats.download_bytes for stats in records.clients.values())
 
     def total(key: str) -> float:
         return sum(row[key] for row in rows)
@@ -306,53 +475,81 @@ def build_profile(
     time_totals["sim_train_s"] = total("sim_train_s")
     if mode == "sync":
         time_totals["straggler_wait_sim_s"] = total("straggler_wait_sim_s")
-    stale_hist = Counter(staleness)
-    task_times = [t.sim_download_s + t.sim_train_s + t.sim_upload_s for t in tasks.values()]
+    stale = records.staleness
+    staleness_summary = (
+        {
+            "p50": _counted_percentile(stale, 0.5),
+            "p90": _counted_percentile(stale, 0.9),
+            "max": float(max(stale)),
+            "mean": sum(k * n for k, n in stale.items()) / stale.total(),
+            "count": float(stale.total()),
+        }
+        if stale
+        else None
+    )
     return {
         "mode": mode,
         "num_params": num_params,
         "wall_s": wall,
         "simulated_s": records.simulated_s,
-        "versions": len(rows),
+        "versions": int(total("versions")),
         "time": {
             "totals": time_totals,
             "server_idle_fraction": time_totals["idle_s"] / wall if wall and wall > 0 else math.nan,
+            "versions_per_row": records.rows.span,
             "per_version": rows,
         },
         "clients": {
-            "participants": len(per_client),
-            "tasks_completed": len(tasks),
+            "participants": len(trained),
+            "tasks_completed": records.tasks_completed,
             "tasks_failed": sum(records.failed.values()),
             "failures_by_client": {str(c): n for c, n in sorted(records.failed.items())},
             "rejected": dict(records.rejected),
-            "sim_task_s": quantiles(task_times),
-            "sim_task_s_samples": task_times[:: max(1, len(task_times) // 5000)],
-            "sim_train_s": quantiles([t.sim_train_s for t in tasks.values()]),
-            "compute_s": quantiles([t.compute_s for t in tasks.values()]),
-            "encode_s": quantiles([t.encode_s for t in tasks.values()]),
+            "sim_task_s": records.sim_task_s.summary(),
+            "sim_task_s_samples": records.sim_task_s.sample,
+            "sim_train_s": records.sim_train_s.summary(),
+            "compute_s": records.compute_s.summary(),
+            "encode_s": records.encode_s.summary(),
             "stragglers": straggler_rows,
         },
         "communication": {
             "upload_bytes": upload_total,
             "download_bytes": download_total,
             "per_tier": {k: dict(v) for k, v in sorted(tiers.items())},
-            "upload_bytes_per_client": quantiles([float(b) for b in uploads_by_client.values()]),
-            "download_bytes_per_client": quantiles([float(b) for b in records.downloads.values()]),
-            "upload_compression": dense_bytes * len(tasks) / upload_total if upload_total else 1.0,
-            "download_compression": dense_bytes * downloads / download_total if download_total else 1.0,
+            "upload_bytes_per_client": quantiles([float(stats.upload_bytes) for stats in trained.values()]),
+            "download_bytes_per_client": quantiles(
+                [float(stats.download_bytes) for stats in records.clients.values() if stats.download_bytes]
+            ),
+            "upload_compression": dense_bytes * records.tasks_completed / upload_total if upload_total else 1.0,
+            "download_compression": dense_bytes * records.downloads / download_total if download_total else 1.0,
         },
         "staleness": {
-            "histogram": {str(k): n for k, n in sorted(stale_hist.items())},
-            "summary": quantiles([float(s) for s in staleness]),
+            "histogram": {str(k): n for k, n in sorted(stale.items())},
+            "summary": staleness_summary,
         },
-        "evaluations": records.evaluations,
+        "evaluations": records.evaluations.items(),
         "memory": {
             **(memory or {}),
-            "training_call_peak_bytes": quantiles([float(t.peak_mem_bytes) for t in tasks.values()]),
+            "training_call_peak_bytes": records.peak_mem_bytes.summary(),
         },
         "diagnostics": dict(diagnostics or {}),
         "alerts": dict(records.alerts),
     }
+
+
+def _counted_percentile(counts: Counter[int], p: float) -> float:
+    """The ``p``-quantile (as :func:`~flasync.quantiles.percentile`) of integers given as value -> count."""
+    position = p * (counts.total() - 1)
+    low, high = math.floor(position), math.ceil(position)
+    values: dict[int, float] = {}
+    seen = 0
+    for value in sorted(counts):
+        following = seen + counts[value]
+        for rank in (low, high):
+            if seen <= rank < following:
+                values[rank] = float(value)
+        seen = following
+    return values[low] + (values[high] - values[low]) * (position - low)
 
 
 def headline(profile: Mapping[str, Any]) -> dict[str, float]:

@@ -1,11 +1,17 @@
-"""One percentile definition for every summary flasync writes (profiles, diagnostics)."""
+"""One percentile definition for every summary flasync writes (profiles, diagnostics), and bounded keepers for
+runs too long to keep every value: :class:`StreamSummary` (quantiles of a stream) and :class:`Thinned` (a series).
+"""
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
+from typing import Generic, TypeVar
 
-__all__ = ["percentile"]
+__all__ = ["StreamSummary", "Thinned", "percentile"]
+
+T = TypeVar("T")
 
 
 def percentile(ordered: Sequence[float], p: float) -> float:
@@ -30,3 +36,101 @@ def percentile(ordered: Sequence[float], p: float) -> float:
     low = math.floor(position)
     high = min(low + 1, last)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class StreamSummary:
+    """Count, mean and max of a stream of values, exactly, and its quantiles from a bounded uniform sample.
+
+    The first ``capacity`` values are all kept, so quantiles are exact up to that many; after that each new value
+    replaces a kept one with probability ``capacity / count`` (reservoir sampling, Vitter's algorithm R), so the kept
+    values stay a uniform sample of the whole stream and memory stays ``capacity`` floats however long the run.
+
+    Args:
+        capacity: How many values to keep, at least 1.
+        rng: The sampler's random generator (a seeded one makes the summary reproducible).
+    """
+
+    __slots__ = ("_capacity", "_rng", "_sample", "count", "max", "total")
+
+    def __init__(self, capacity: int, rng: random.Random) -> None:
+        """Start empty."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self._capacity = capacity
+        self._rng = rng
+        self._sample: list[float] = []
+        self.count = 0
+        self.total = 0.0
+        self.max = -math.inf
+
+    def add(self, value: float) -> None:
+        """Take one value."""
+        self.count += 1
+        self.total += value
+        self.max = max(self.max, value)
+        if len(self._sample) < self._capacity:
+            self._sample.append(value)
+            return
+        slot = self._rng.randrange(self.count)
+        if slot < self._capacity:
+            self._sample[slot] = value
+
+    def quantile(self, p: float) -> float:
+        """The ``p``-quantile of the kept values (:func:`percentile`; NaN when empty)."""
+        return percentile(sorted(self._sample), p) if self._sample else math.nan
+
+    @property
+    def sample(self) -> list[float]:
+        """The kept values (every value while ``count <= capacity``), in no particular order."""
+        return list(self._sample)
+
+    def summary(self) -> dict[str, float] | None:
+        """Return ``p50``, ``p90``, ``max``, ``mean`` and ``count`` (None when empty); max, mean and count are exact."""
+        if not self.count:
+            return None
+        ordered = sorted(self._sample)
+        return {
+            "p50": percentile(ordered, 0.5),
+            "p90": percentile(ordered, 0.9),
+            "max": self.max,
+            "mean": self.total / self.count,
+            "count": float(self.count),
+        }
+
+
+class Thinned(Generic[T]):
+    """At most ``capacity`` items of a stream, evenly spaced, and always the latest.
+
+    Every item is kept until ``capacity`` are; then every second kept item is dropped and from then on only every
+    second arriving item is kept (every fourth after the next halving, and so on).
+
+    Args:
+        capacity: The most items kept (at least 2).
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        """Start empty."""
+        if capacity < 2:
+            raise ValueError(f"capacity must be at least 2, got {capacity}")
+        self.capacity = capacity
+        self._items: list[T] = []
+        self._stride = 1
+        self._seen = 0
+        self._latest: T | None = None
+
+    def add(self, item: T) -> None:
+        """Offer one item."""
+        self._latest = item
+        self._seen += 1
+        if (self._seen - 1) % self._stride:
+            return
+        self._items.append(item)
+        if len(self._items) >= self.capacity:
+            self._items = self._items[::2]
+            self._stride *= 2
+
+    def items(self) -> list[T]:
+        """The kept items in arrival order, ending with the latest."""
+        if self._latest is not None and (not self._items or self._items[-1] is not self._latest):
+            return [*self._items, self._latest]
+        return list(self._items)

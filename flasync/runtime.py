@@ -385,7 +385,7 @@ class Federation:
             return None
         return Instrumentation(
             self.bus,
-            profiler=Profiler() if dcfg.profile else None,
+            profiler=Profiler(run_mode(self.config)) if dcfg.profile else None,
             monitor=AlertMonitor(
                 dcfg,
                 layer_names=layout.names if layout is not None else (),
@@ -443,7 +443,7 @@ class Federation:
             "gpus": gpu_status(),
         }
         profile = build_profile(
-            instrumentation.profiler.records,
+            instrumentation.profiler.finish(),
             mode=run_mode(cfg),
             num_params=num_params,
             dense_bytes=codecs.HEADER.size + 4 * num_params,

@@ -193,3 +193,63 @@ async def test_a_destroying_server_step_alerts_between_evaluations() -> None:
     good_events = EventRecorder(good.bus)
     await good.run()
     assert not [e for e in good_events.of(AlertRaised) if e.kind == "step_ratio"]
+
+
+def test_alert_monitor_memory_does_not_grow_with_updates_or_versions() -> None:
+    """The monitor keeps bounded series: 60,000 more updates and versions add almost nothing, and the divergence
+    alert still compares against the best loss of the whole run."""
+    import tracemalloc
+
+    from flasync.diagnostics import AlertMonitor
+    from flasync.events import Aggregated, ClientId, Evaluated, UpdateUploaded, Version
+
+    weights = torch.ones(4)
+    monitor = AlertMonitor(CONFIG, weights=lambda: (version, weights), initial=torch.zeros(4))
+
+    def feed(first: int, count: int) -> None:
+        nonlocal version
+        for v in range(first, first + count):
+            version = v
+            monitor.observe(
+                UpdateUploaded(
+                    task_id=v,
+                    client_id=ClientId(v % 100),
+                    base_version=Version(v),
+                    num_samples=1,
+                    payload=b"",
+                    train_loss=1.0,
+                    simulated_s=0.0,
+                    sent_wall_s=0.0,
+                    diagnosis=TaskDiagnosis(update_norm=1.0 + v % 7),
+                ),
+                v,
+            )
+            monitor.observe(
+                Aggregated(
+                    version=Version(v), num_updates=1, mean_staleness=0.0, aggregate_s=0.0, simulated_s=0.0, wall_s=0.0
+                ),
+                v,
+            )
+            monitor.observe(
+                Evaluated(version=Version(v), accuracy=0.5, loss=1.0, simulated_s=0.0, wall_s=0.0, eval_s=0.0), v
+            )
+
+    version = 0
+    tracemalloc.start()
+    try:
+        feed(0, 10_000)
+        before = tracemalloc.get_traced_memory()[0]
+        feed(10_000, 60_000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 256 * 1024, f"the monitor grew by {grown} bytes"
+    summary = monitor.summary()
+    assert summary["update_norm"] == pytest.approx({"p10": 1.0, "p50": 4.0, "p90": 7.0, "max": 7.0, "count": 70_000})
+    assert len(summary["weights"]) <= 1025 and summary["weights"][-1]["version"] == 69_999  # type: ignore[index]
+    rising = [
+        Evaluated(version=Version(70_000 + i), accuracy=0.5, loss=1.0 + i, simulated_s=0.0, wall_s=0.0, eval_s=0.0)
+        for i in range(1, CONFIG.divergence_window + 1)
+    ]
+    kinds = [alert.kind for event in rising for alert in monitor.observe(event, 70_000)]
+    assert kinds == ["divergence"]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import random
+import tracemalloc
 
 import pytest
 
@@ -12,6 +15,7 @@ from flasync.events import (
     Aggregated,
     ClientId,
     EdgeForwarded,
+    Evaluated,
     ModelPublished,
     RunFinished,
     TaskAssigned,
@@ -19,7 +23,8 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
-from flasync.profiling import Profiler, build_profile, headline, quantiles, render_plots
+from flasync.profiling import Profiler, VersionRows, build_profile, headline, quantiles, render_plots
+from flasync.quantiles import StreamSummary, Thinned
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -80,9 +85,9 @@ def _feed(profiler: Profiler) -> None:
 
 def test_build_profile_breaks_down_a_round() -> None:
     """The breakdown sums the round's costs; idle is the rest of the wall interval; sync straggler wait = max - p50."""
-    profiler = Profiler()
+    profiler = Profiler("sync")
     _feed(profiler)
-    profile = build_profile(profiler.records, mode="sync", num_params=4, dense_bytes=40, stragglers=2)
+    profile = build_profile(profiler.finish(), mode="sync", num_params=4, dense_bytes=40, stragglers=2)
     (row,) = profile["time"]["per_version"]
     assert row["compute_s"] == 3.0
     assert row["encode_s"] == 3 * 0.25 + 0.5  # clients' uploads + the published download of version 1
@@ -230,17 +235,165 @@ async def test_vectorized_cohorts_are_profiled_and_diagnosed() -> None:
 
 
 def test_profiles_and_diagnostics_share_one_percentile_definition() -> None:
-    """Both summaries interpolate linearly between ranks, as numpy's default does."""
+    """Profile quantiles, streamed summaries and diagnostics interpolate linearly between ranks, as numpy does."""
     import numpy as np
 
-    from flasync.diagnostics import _quantiles
     from flasync.profiling import quantiles
     from flasync.quantiles import percentile
 
     values = [5.0, 1.0, 4.0, 2.0, 10.0, 3.0]
+    stream = StreamSummary(16, random.Random(0))
+    for value in values:
+        stream.add(value)
     for p in (0.1, 0.5, 0.9):
         assert percentile(sorted(values), p) == pytest.approx(float(np.quantile(values, p)))
-    profile, diagnosis = quantiles(values), _quantiles(values)
-    assert profile is not None and diagnosis is not None
-    assert profile["p50"] == diagnosis["p50"] == pytest.approx(3.5)
-    assert profile["p90"] == diagnosis["p90"]
+        assert stream.quantile(p) == percentile(sorted(values), p)
+    assert quantiles(values) == stream.summary()
+
+
+def test_stream_summary_is_exact_up_to_capacity_then_a_bounded_uniform_sample() -> None:
+    """Quantiles are exact while every value fits; beyond, the sample stays at capacity and near the true quantiles."""
+    exact = StreamSummary(1000, random.Random(1))
+    for value in range(1000):
+        exact.add(float(value))
+    assert exact.summary() == quantiles([float(v) for v in range(1000)])
+
+    stream = StreamSummary(2000, random.Random(1))
+    for value in range(200_000):
+        stream.add(float(value % 1000))
+    summary = stream.summary()
+    assert summary is not None
+    assert len(stream.sample) == 2000
+    assert (summary["count"], summary["max"], summary["mean"]) == (200_000.0, 999.0, 499.5)
+    assert summary["p50"] == pytest.approx(500, abs=40)
+    assert summary["p90"] == pytest.approx(900, abs=30)
+    again = StreamSummary(2000, random.Random(1))
+    for value in range(200_000):
+        again.add(float(value % 1000))
+    assert again.sample == stream.sample  # the same generator keeps the same values
+
+
+def test_thinned_series_stays_bounded_evenly_spaced_and_ends_with_the_latest() -> None:
+    """Every item up to capacity; then every 2^k-th, never more than capacity (+ the latest)."""
+    series: Thinned[int] = Thinned(8)
+    for item in range(5):
+        series.add(item)
+    assert series.items() == [0, 1, 2, 3, 4]
+    for item in range(5, 100):
+        series.add(item)
+    kept = series.items()
+    assert len(kept) <= 9 and kept[0] == 0 and kept[-1] == 99
+    steps = {b - a for a, b in itertools.pairwise(kept[:-1])}
+    assert len(steps) == 1  # evenly spaced (the latest aside)
+
+
+def test_version_rows_merge_in_pairs_and_keep_exact_totals() -> None:
+    """Past capacity, neighbouring rows merge: at most capacity rows, every version covered once, sums unchanged."""
+    rows = VersionRows(capacity=4)
+    for v in range(1, 12):
+        rows.add(
+            {
+                "version": float(v),
+                "versions": 1.0,
+                "updates": 2.0,
+                "wall_s": 1.0,
+                "compute_s": float(v),
+                "staleness_mean": float(v % 3),
+                "simulated_s": 10.0 * v,
+            }
+        )
+    kept = rows.rows()
+    assert len(kept) <= 4
+    assert sum(r["versions"] for r in kept) == 11
+    assert sum(r["compute_s"] for r in kept) == sum(range(1, 12))
+    assert kept[-1]["version"] == 11.0 and kept[-1]["simulated_s"] == 110.0
+    stale_total = sum(r["staleness_mean"] * r["updates"] for r in kept)
+    assert stale_total == pytest.approx(sum(2.0 * (v % 3) for v in range(1, 12)))
+
+
+def _feed_async(profiler: Profiler, first_version: int, versions: int, clients: int = 200) -> None:
+    """FedBuff-like traffic: 10 uploads per version from a fixed population, an evaluation every version."""
+    task = first_version * 10
+    for v in range(first_version, first_version + versions):
+        profiler.observe(ModelPublished(version=Version(v), simulated_s=float(v), download_bytes=100, encode_s=0.01))
+        for _ in range(10):
+            cid = ClientId(task % clients)
+            profiler.observe(
+                TaskAssigned(task_id=task, client_id=cid, participation=0, base_version=Version(v), simulated_s=0.0)
+            )
+            profiler.observe(
+                UpdateUploaded(
+                    task_id=task,
+                    client_id=cid,
+                    base_version=Version(v),
+                    num_samples=10,
+                    payload=b"x" * 50,
+                    train_loss=1.0,
+                    simulated_s=float(v),
+                    sent_wall_s=0.0,
+                    compute_s=0.001 * (task % 7),
+                    encode_s=0.001,
+                    sim_train_s=1.0 + task % 5,
+                    sim_download_s=0.1,
+                    sim_upload_s=0.1,
+                    download_bytes=100,
+                )
+            )
+            profiler.observe(
+                UpdateReceived(
+                    task_id=task,
+                    client_id=cid,
+                    base_version=Version(v),
+                    version=Version(v),
+                    staleness=task % 3,
+                    upload_bytes=50,
+                    simulated_s=float(v),
+                    decode_s=0.001,
+                    queue_wait_s=0.001,
+                )
+            )
+            task += 1
+        profiler.observe(
+            Aggregated(
+                version=Version(v + 1),
+                num_updates=10,
+                mean_staleness=1.0,
+                aggregate_s=0.01,
+                simulated_s=float(v + 1),
+                wall_s=0.1 * (v + 1),
+            )
+        )
+        profiler.observe(
+            Evaluated(
+                version=Version(v + 1), accuracy=0.5, loss=1.0, simulated_s=float(v + 1), wall_s=0.1 * v, eval_s=0.01
+            )
+        )
+
+
+def test_profiler_memory_does_not_grow_with_updates() -> None:
+    """A long run's records stay bounded: 100,000 more updates from the same clients add almost nothing.
+
+    (The records used to keep every task: about 1 KiB per update, 100 MiB here.)
+    """
+    profiler = Profiler()
+    tracemalloc.start()
+    try:
+        _feed_async(profiler, 0, 2_000)
+        before = tracemalloc.get_traced_memory()[0]
+        _feed_async(profiler, 2_000, 10_000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 256 * 1024, f"records grew by {grown} bytes over 100,000 updates"
+    records = profiler.finish()
+    assert not records.pending
+    profile = build_profile(records, mode="async", num_params=10, dense_bytes=60)
+    assert profile["versions"] == 12_000
+    assert profile["clients"]["tasks_completed"] == 120_000
+    assert profile["clients"]["participants"] == 200
+    assert len(profile["time"]["per_version"]) <= 1024
+    assert profile["time"]["totals"]["aggregate_s"] == pytest.approx(120.0)
+    assert profile["communication"]["upload_bytes"] == 120_000 * 50
+    assert profile["staleness"]["summary"]["count"] == 120_000
+    assert profile["staleness"]["summary"]["p50"] == 1.0
+    assert len(profile["evaluations"]) <= 1025 and profile["evaluations"][-1]["version"] == 12_000

@@ -357,6 +357,11 @@ def _command_run(args: argparse.Namespace) -> int:
     else:
         config = _resolve(args)
         if config.tracking.enabled:
+            if not args.print_config:
+                try:
+                    tracking.check_local_store(tracking.resolve_tracking_uri(config.tracking.uri))
+                except tracking.StoreNotWritableError as exc:
+                    raise _UsageError(str(exc)) from None
             tracker = tracking.MlflowTracker(config.tracking.uri, system_metrics=config.tracking.system_metrics)
         else:
             tracker = tracking.NullTracker()

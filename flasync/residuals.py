@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -21,8 +20,12 @@ import numpy as np
 import torch
 
 from flasync.errors import FlasyncError
+from flasync.scratch import make_scratch
 
-__all__ = ["ResidualCapacityError", "ResidualStore"]
+__all__ = ["RESIDUALS_PREFIX", "ResidualCapacityError", "ResidualStore"]
+
+RESIDUALS_PREFIX = "residuals-"
+"""Name start of the folder a store spills into (inside ``spill_dir``; removed by later runs if its run was killed)."""
 
 _BYTES_PER_ELEMENT = 4
 
@@ -76,7 +79,7 @@ class ResidualStore:
             self._created_parent = not parent.exists()
             parent.mkdir(parents=True, exist_ok=True)
             self._parent = parent
-            self._folder = Path(tempfile.mkdtemp(prefix="residuals-", dir=parent))
+            self._folder = make_scratch(RESIDUALS_PREFIX, parent)
 
     @property
     def num_elements(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import shutil
-import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,7 +59,8 @@ from flasync.profiling import (
     render_plots,
     torch_memory,
 )
-from flasync.residuals import ResidualStore
+from flasync.residuals import RESIDUALS_PREFIX, ResidualStore
+from flasync.scratch import make_scratch, sweep_scratch
 from flasync.server import Server, ServerStats
 from flasync.summary import RunSummary, json_ready, weights_sha256
 
@@ -80,6 +81,10 @@ _DETAIL_KEYS = frozenset(
         "server.update.norm",
     }
 )
+
+
+_TRACES = "flasync-traces-"
+_RESIDUALS = "flasync-residuals-"
 
 
 class Federation:
@@ -252,6 +257,12 @@ class Federation:
     ) -> RunSummary:
         cfg = self.config
         dcfg = cfg.diagnostics
+        # Temporary files of runs that were killed (SIGKILL, OOM) before they could remove them.
+        swept = sweep_scratch(_TRACES) + sweep_scratch(_RESIDUALS)
+        if cfg.codec.residual_dir is not None:
+            swept += sweep_scratch(RESIDUALS_PREFIX, cfg.codec.residual_dir)
+        if swept:
+            log.info("scratch.swept", folders=len(swept), message=f"removed {len(swept)} folder(s) of killed runs")
         layout: LayerLayout | None = None
         if dcfg.profile or dcfg.level == "full":
             layout = await asyncio.to_thread(lambda: layer_layout(prepared.factory()))
@@ -259,7 +270,7 @@ class Federation:
             dcfg.level,
             layout,
             profile_tasks=dcfg.torch_profiler_tasks,
-            trace_dir=tempfile.mkdtemp(prefix="flasync-traces-") if dcfg.torch_profiler_tasks else None,
+            trace_dir=str(make_scratch(_TRACES)) if dcfg.torch_profiler_tasks else None,
         )
         self._traces = diagnostics
         world = build_world(
@@ -373,7 +384,7 @@ class Federation:
     def _scratch_dir(self) -> str:
         """Create the run's scratch folder (removed at the end of the run) and return its path."""
         if self._scratch is None:
-            self._scratch = tempfile.mkdtemp(prefix="flasync-residuals-")
+            self._scratch = str(make_scratch(_RESIDUALS))
         return self._scratch
 
     def _instrumentation(
@@ -506,7 +517,15 @@ class Federation:
 
 
 class _CheckpointWriter:
-    """Serialise and upload checkpoints on one background thread, in order; failures are logged, never raised."""
+    """Write checkpoints on one background thread: the newest one, and only after the metrics it covers.
+
+    A checkpoint taken while an earlier one still waits replaces it (the earlier one would be older than this one
+    by the time it was written), so a slow store costs one write of lag, never a growing queue. Before a checkpoint
+    is written the tracker's queued metrics are flushed: a checkpoint of version ``v`` reaches the store only after
+    every metric logged up to ``v`` has, so a run resumed from it misses no step (and the resumed tracker drops the
+    steps the store already holds, see :meth:`tracking.MlflowTracker.resume`). A flush that times out skips that
+    checkpoint with a warning and the next one tries again; failures are logged, never raised.
+    """
 
     def __init__(
         self, tracker: tracking.Tracker, config: RunConfig, log: Any, wall: Callable[[], float] = time.perf_counter
@@ -516,37 +535,67 @@ class _CheckpointWriter:
         self._config = config
         self._log = log
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[Future[None]] = []
+        self._lock = threading.Lock()
+        self._waiting: tuple[dict[str, Any], float] | None = None
+        self._draining: Future[None] | None = None
+        self.superseded = 0
+        """Checkpoints replaced by a newer one before they were written."""
         self.last_saved: str | None = None
+        self.last_version: int | None = None
+        """The version of the newest checkpoint in the store."""
 
     def submit(self, state: dict[str, Any]) -> None:
-        """Queue ``state`` for writing (returns at once: the event loop must not wait)."""
+        """Hand ``state`` over for writing (returns at once: the event loop must not wait)."""
         if isinstance(self._tracker, tracking.NullTracker):
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-checkpoint")
-        self._pending.append(self._pool.submit(self._write, state))
+        with self._lock:
+            if self._waiting is not None:
+                self.superseded += 1
+            self._waiting = (state, self._wall())
+            if self._draining is None or self._draining.done():
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-checkpoint")
+                self._draining = self._pool.submit(self._drain)
 
-    def _write(self, state: dict[str, Any]) -> None:
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                waiting, self._waiting = self._waiting, None
+            if waiting is None:
+                return
+            self._write(*waiting)
+
+    def _write(self, state: dict[str, Any], taken: float) -> None:
         start = self._wall()
         version = int(state["version"])
         try:
+            if not self._tracker.flush():
+                self._log.warning(
+                    "checkpoint.skipped",
+                    version=version,
+                    reason="the metrics it covers are not all written yet",
+                    metrics=False,
+                )
+                return
             data = checkpoint.encode(state, _redacted(self._config))
             self._tracker.log_bytes(data, checkpoint.CHECKPOINT_ARTIFACT)
         except Exception as exc:  # a failing store must not take the run down
             self._log.warning("checkpoint.failed", version=version, error=f"{type(exc).__name__}: {exc}", metrics=False)
             return
         self.last_saved = checkpoint.CHECKPOINT_ARTIFACT
+        self.last_version = version
         self._log.debug(
             "checkpoint",
             step=version,
             bytes=len(data),
             seconds=self._wall() - start,
+            lag_s=self._wall() - taken,
+            superseded=self.superseded,
             in_flight=len(state["registry"]["in_flight"]),
         )
 
     def close(self) -> None:
-        """Wait for every queued checkpoint to be written."""
+        """Wait until the newest checkpoint handed over was written."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -177,9 +177,10 @@ class MemoryTracker:
         """Record tags."""
         self.tags.update(tags)
 
-    def flush(self) -> None:
-        """Count the call."""
+    def flush(self) -> bool:
+        """Count the call; everything recorded is written, so True."""
         self.flushes += 1
+        return True
 
     def finish(self, status: str) -> None:
         """Record the final status (of a started run: finishing a tracker that never started records nothing)."""

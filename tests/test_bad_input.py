@@ -277,3 +277,18 @@ def test_instant_links_stay_allowed() -> None:
     """An infinite bandwidth is an instant link, the one infinity a config accepts."""
     config = small_config(network={"upload_bytes_per_s": float("inf"), "download_bytes_per_s": float("inf")})
     assert config.network.upload_bytes_per_s == float("inf")
+
+
+def test_an_unwritable_working_directory_is_one_line_at_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run from a folder no one can write (here /proc, read-only even for root) with the default store
+    ./mlruns/mlflow.db: one line naming the folder and the ways out, exit 2, before anything runs."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir("/proc")
+    status = main(["run", "--set", "stop.max_versions=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith("flasync: error: cannot write the MLflow store's folder /proc/mlruns (")
+    assert "--no-tracking" in err[0]
+    assert main(["run", "--no-tracking", "--set", "stop.max_versions=1"]) == 0  # nothing else needs the folder

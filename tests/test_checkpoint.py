@@ -420,8 +420,9 @@ def test_resuming_from_a_corrupt_checkpoint_leaves_the_run_untouched(
 
 
 def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(tmp_path: Path) -> None:
-    """SIGKILL leaves the run RUNNING; resume is refused while it looks alive... then mark-failed finds its process
-    gone, marks it FAILED, and --resume continues from the last periodic checkpoint to the uninterrupted sha256."""
+    """SIGKILL leaves the run RUNNING; mark-failed finds its process gone and marks it FAILED; --resume continues
+    from the last periodic checkpoint to the uninterrupted sha256. The checkpoint was in the store only after the
+    metrics it covers, and after the resume every evaluation step is in the store exactly once."""
     # Long enough that a checkpoint reaches the store (its upload may lag on a busy machine) before the run ends.
     (tmp_path / "cfg.yaml").write_text(CONFIG.replace("max_versions: 24", "max_versions: 200"))
     store = _store(tmp_path)
@@ -447,6 +448,10 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
     assert run_id is not None and process.returncode == -signal.SIGKILL
     client = mlflow.MlflowClient(store)
     assert client.get_run(run_id).info.status == "RUNNING"  # nothing ended it
+    _, saved, _, _ = checkpoint.fetch(run_id, store)
+    saved_version = int(saved["version"])
+    before = [m.step for m in client.get_metric_history(run_id, "server.eval.accuracy")]
+    assert set(range(2, saved_version + 1, 2)) <= set(before)  # the metrics the checkpoint covers came first
 
     marked = subprocess.run(
         [sys.executable, "-m", "flasync", "tracking", "mark-failed", "--tracking-uri", store],
@@ -466,6 +471,8 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
     config = load_config(tmp_path / "cfg.yaml", ["tracking.enabled=false"])
     assert sha is not None and sha.group(1) == flasync.run(config).weights_sha256
     assert client.get_run(run_id).info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run_id, "server.eval.accuracy")]
+    assert sorted(steps) == list(range(0, 201, 2)), f"killed at {max(before)}, resumed from {saved_version}"
 
 
 def test_resuming_a_run_whose_process_is_alive_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

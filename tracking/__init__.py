@@ -20,7 +20,15 @@ from tracking.mlflow_run import (
     Tracker,
 )
 from tracking.spool import ReplayResult, SpoolError, replay
-from tracking.store import DEFAULT_ARTIFACT_ROOT, DEFAULT_TRACKING_URI, ExperimentDeletedError, redact_uri
+from tracking.store import (
+    DEFAULT_ARTIFACT_ROOT,
+    DEFAULT_TRACKING_URI,
+    ExperimentDeletedError,
+    StoreNotWritableError,
+    check_local_store,
+    redact_uri,
+    resolve_tracking_uri,
+)
 from tracking.writer import MetricWriter, WriterStatistics
 
 __all__ = [
@@ -37,10 +45,13 @@ __all__ = [
     "ReplayResult",
     "RunStatus",
     "SpoolError",
+    "StoreNotWritableError",
     "Tracker",
     "WriterStatistics",
+    "check_local_store",
     "configure_logging",
     "make_logger",
     "redact_uri",
     "replay",
+    "resolve_tracking_uri",
 ]

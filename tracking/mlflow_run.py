@@ -63,6 +63,7 @@ _MAX_TAG_VALUE = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
 _SYSTEM_METRICS_INTERVAL_S = 2.0
 _CHILD_START_TIMEOUT_S = 60.0
 _MONITOR_STOP_TIMEOUT_S = 5.0
+_NO_STEP = -(2**63)  # below every step MLflow stores
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
 
 _T = TypeVar("_T")
@@ -121,8 +122,8 @@ class Tracker(Protocol):
         """Set tags on the run."""
         ...
 
-    def flush(self) -> None:
-        """Block until queued metrics were written (or a bounded wait passed)."""
+    def flush(self) -> bool:
+        """Block until queued metrics were written (or a bounded wait passed); True when all were."""
         ...
 
     def finish(self, status: RunStatus) -> None:
@@ -176,8 +177,9 @@ class NullTracker:
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Drop the tags."""
 
-    def flush(self) -> None:
-        """Return at once."""
+    def flush(self) -> bool:
+        """Return True at once."""
+        return True
 
     def finish(self, status: RunStatus) -> None:
         """Do nothing."""
@@ -253,6 +255,8 @@ class MlflowTracker:
         self._flush_timeout = flush_timeout_s
         self._log = logger if logger is not None else structlog.get_logger("tracking.mlflow")
         self._writer: MetricWriter | None = None
+        self._written_steps: dict[str, int] = {}
+        """Metric key -> the latest step the store held when this run was resumed (empty for a new run)."""
         self._monitor: Any = None
         self._finished = False
         self._writer_process = writer_process
@@ -414,6 +418,11 @@ class MlflowTracker:
 
         Unlike :meth:`start`, this needs the store: a run that cannot be reached cannot be continued.
 
+        The run goes on from a checkpoint, so it logs again the steps its first life logged after that checkpoint
+        (up to where it was stopped or killed). Each step is written once: for every metric key the store holds,
+        values at steps up to its latest stored step are dropped (MLflow's ``system/`` metrics excepted: their
+        steps count samples and start again at 0).
+
         Args:
             run_id: The run to continue (e.g. one ended ``KILLED`` by an interrupt).
 
@@ -433,6 +442,11 @@ class MlflowTracker:
             run = client.get_run(run_id)
             experiment = client.get_experiment(run.info.experiment_id)
             client.update_run(run_id, status="RUNNING")
+            self._written_steps = {
+                metric.key: int(metric.step)
+                for metric in run.data.to_proto().metrics
+                if not metric.key.startswith("system/")
+            }
             for key, value in owner_tags().items():  # this process owns the run from now on
                 client.set_tag(run_id, key, value)
         identity.started_at = int(time.time() * 1000)
@@ -471,11 +485,17 @@ class MlflowTracker:
     def log_metrics(self, metrics: list[MetricRow]) -> None:
         """Queue metrics for the run; never blocks (dropped before start and after finish).
 
+        In a resumed run, a metric at a step the store already holds for its key is dropped (see :meth:`resume`).
+
         Args:
             metrics: The metrics; the list is handed over.
         """
-        if self._writer is not None:
-            self._writer.submit(metrics)
+        if self._writer is None:
+            return
+        written = self._written_steps
+        if written:
+            metrics = [row for row in metrics if row.step > written.get(row.key, _NO_STEP)]
+        self._writer.submit(metrics)
 
     def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
         """Store ``data`` as an artifact: YAML for ``.yaml``/``.yml``, JSON otherwise.
@@ -545,10 +565,14 @@ class MlflowTracker:
 
         self._failover.deliver(send, lambda spool: spool.tags(clean))
 
-    def flush(self) -> None:
-        """Block until queued metrics were written (or spooled), or ``flush_timeout_s`` passed (then warn)."""
+    def flush(self) -> bool:
+        """Block until queued metrics were written (or spooled), or ``flush_timeout_s`` passed (then warn).
+
+        Returns:
+            True when every metric queued before the call was written or spooled.
+        """
         if self._writer is None:
-            return
+            return True
         try:
             self._writer.flush(self._flush_timeout)
         except TimeoutError:
@@ -558,6 +582,8 @@ class MlflowTracker:
                 timeout_s=self._flush_timeout,
                 metrics=False,
             )
+            return False
+        return True
 
     def finish(self, status: RunStatus) -> None:
         """Write queued metrics, stop the system monitor and close the run; idempotent.

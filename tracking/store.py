@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import sqlite3
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,9 +26,11 @@ __all__ = [
     "DEFAULT_ARTIFACT_ROOT",
     "DEFAULT_TRACKING_URI",
     "ExperimentDeletedError",
+    "StoreNotWritableError",
     "absolute_tracking_uri",
     "artifact_location",
     "bounded_http",
+    "check_local_store",
     "ensure_experiment",
     "http_env",
     "is_remote",
@@ -187,6 +190,39 @@ def redact_uri(uri: str) -> str:
     the credentials themselves only go to MLflow's client (or to ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD``).
     """
     return re.sub(r"(?<=://)([^/@:]*):[^/@]*@", r"\1:***@", uri)
+
+
+class StoreNotWritableError(OSError):
+    """A local store's folder cannot be created or written (a read-only or foreign working directory)."""
+
+
+def check_local_store(uri: str) -> None:
+    """Fail at once, in one line, when a local SQLite store could not be written.
+
+    The folder of the database is created if missing, then a probe file is created in it and removed, so a
+    read-only file system, missing permissions or a path through a file are found before a run starts rather than
+    as a traceback (or a silent fall back to the spool) after it did.
+
+    Args:
+        uri: The tracking URI (other stores are not checked).
+
+    Raises:
+        StoreNotWritableError: The folder cannot be created or written.
+    """
+    db = sqlite_path(uri)
+    if db is None:
+        return
+    folder = db.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise StoreNotWritableError(
+            f"cannot write the MLflow store's folder {folder} ({reason}): run from a writable folder, or pass "
+            "--tracking-uri with a writable store, or --no-tracking"
+        ) from None
 
 
 def prepare_sqlite_store(uri: str, log: Any = None) -> None:

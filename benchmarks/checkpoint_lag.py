@@ -97,7 +97,8 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     rows = []
-    print("| killed at version | newest checkpoint | newest metric step | covered | checkpoint lag (s) | metric lag (s) |")
+    columns = ("killed at version", "newest checkpoint", "newest metric step", "covered", "checkpoint lag (s)")
+    print(f"| {' | '.join(columns)} | metric lag (s) |")
     print("|---|---|---|---|---|---|")
     for _ in range(args.trials):
         with tempfile.TemporaryDirectory(prefix="flasync-lag-") as tmp:

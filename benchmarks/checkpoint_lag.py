@@ -75,7 +75,7 @@ def trial(folder: Path, kill_after_s: float) -> dict[str, float]:
     client = mlflow.MlflowClient(store)
     steps = {int(m.step) for m in client.get_metric_history(run_id, "server.eval.accuracy")}
     try:
-        _, state, _, _ = checkpoint.fetch(run_id, store)
+        state = checkpoint.fetch(run_id, store).state
         saved = int(state["version"])
     except checkpoint.CheckpointError:
         saved = 0

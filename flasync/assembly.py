@@ -7,6 +7,7 @@ component kind means a config model and one branch here.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -104,12 +105,15 @@ from flasync.training import EvalResult, LocalTraining, evaluate, flat_parameter
 from flasync.validation import UpdateValidator
 
 __all__ = [
+    "DatasetRecord",
     "ModelFactory",
     "Prepared",
     "RunInputs",
     "ServerParts",
     "build_server",
     "build_world",
+    "dataset_record",
+    "default_run_name",
     "make_aggregator",
     "make_evaluator",
     "make_example_weight",
@@ -453,6 +457,68 @@ def topology_name(config: RunConfig) -> str:
 def run_mode(config: RunConfig) -> str:
     """Return ``sync`` for round-based servers and ``async`` for the others."""
     return "sync" if isinstance(config.server, FedAvgServer) else "async"
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetRecord:
+    """How a run's training data is recorded in MLflow (a dataset input): name, digest, source and profile."""
+
+    name: str
+    digest: str
+    source: str
+    profile: dict[str, Any]
+
+
+_HASHED_BYTES = 256 * 2**20  # larger data sets are digested from evenly spaced rows
+
+
+def dataset_record(config: RunConfig, prepared: Prepared, *, custom: bool) -> DatasetRecord:
+    """Describe the run's training data for tracking: a content digest, where it came from, and its sizes.
+
+    The digest is the sha256 (first 16 hex digits) of the training features and labels, of evenly spaced rows when
+    they exceed 256 MiB, and of the data config for lazily drawn clients (nothing is held to hash).
+
+    Args:
+        config: The run's configuration.
+        prepared: What the run is made of.
+        custom: The data came from the Python API (a user's data set) rather than ``config.data``.
+    """
+    train = prepared.train
+    digest = hashlib.sha256()
+    if prepared.lazy is not None:
+        digest.update(config.data.model_dump_json().encode())
+    else:
+        step = max(1, math.ceil((train.x.nbytes + train.y.nbytes) / _HASHED_BYTES))
+        digest.update(repr((tuple(train.x.shape), train.num_classes, step)).encode())
+        digest.update(train.x[::step].cpu().contiguous().numpy().tobytes())
+        digest.update(train.y[::step].cpu().contiguous().numpy().tobytes())
+    name = "custom" if custom else config.data.kind
+    source = {
+        "custom": "a data set given to flasync.Federation",
+        "digits": "sklearn.datasets.load_digits",
+        "synthetic": f"flasync synthetic data, seed {config.seed}",
+    }.get(name, name)
+    partition = config.partition.model_dump(mode="json")
+    return DatasetRecord(
+        name=name,
+        digest=digest.hexdigest()[:16],
+        source=source,
+        profile={
+            "rows": int(prepared.sizes.sum()),
+            "test_rows": int(prepared.test.x.shape[0]),
+            "features": int(math.prod(train.x.shape[1:])),
+            "classes": int(train.num_classes),
+            "clients": len(prepared.sizes),
+            "partition": ", ".join(f"{k}={v}" for k, v in partition.items()),
+        },
+    )
+
+
+def default_run_name(config: RunConfig, suffix: str, *, custom: bool = False) -> str:
+    """A run name that says what ran: ``<aggregator>-<data>-seed<seed>-<suffix>`` (``suffix`` tells reruns apart;
+    the data is ``custom`` when it came from the Python API)."""
+    data = "custom" if custom else config.data.kind
+    return f"{config.server.kind}-{data}-seed{config.seed}-{suffix}"
 
 
 def run_tags(config: RunConfig, *, virtual_clock: bool) -> dict[str, str]:

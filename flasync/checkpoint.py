@@ -18,9 +18,10 @@ import hashlib
 import io
 import math
 import tempfile
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import yaml
@@ -30,10 +31,28 @@ from flasync.config import RunConfig, validate
 from flasync.errors import CheckpointError, ConfigError
 from tracking.store import sqlite_path
 
-__all__ = ["CHECKPOINT_ARTIFACT", "FORMAT", "ResumePoint", "check_state", "decode", "encode", "fetch"]
+__all__ = [
+    "CHECKPOINT_FOLDER",
+    "CHECKPOINT_SLOTS",
+    "FORMAT",
+    "Fetched",
+    "ResumePoint",
+    "check_state",
+    "decode",
+    "encode",
+    "fetch",
+    "latest",
+    "newest",
+]
 
-CHECKPOINT_ARTIFACT = "checkpoints/latest.pt"
-"""Where a run's latest checkpoint lives among its MLflow artifacts."""
+CHECKPOINT_FOLDER = "checkpoints"
+CHECKPOINT_SLOTS = ("checkpoints/a.pt", "checkpoints/b.pt")
+"""The two MLflow artifacts a run's checkpoints alternate between.
+
+A store writes an artifact in place (a local store truncates the file, then copies), so a process killed while a
+checkpoint is uploaded would leave no whole checkpoint if there were one file. With two, the one not being written
+always holds the previous checkpoint; :func:`fetch` resumes from the newest that reads back whole.
+"""
 FORMAT = 3
 """Version of the checkpoint layout; a reader refuses others (3: the state's bytes under a sha256 checksum)."""
 
@@ -187,11 +206,24 @@ def _tensor(state: dict[str, Any], key: str, *, dims: int, floating: bool = Fals
     return value
 
 
-def fetch(run_id: str, tracking_uri: str) -> tuple[RunConfig, dict[str, Any], str, dict[str, str]]:
-    """Download and decode the latest checkpoint of an MLflow run.
+class Fetched(NamedTuple):
+    """A run's newest checkpoint, as :func:`fetch` found it."""
+
+    config: RunConfig
+    state: dict[str, Any]
+    status: str
+    """The MLflow run's status, e.g. ``"KILLED"``."""
+    tags: dict[str, str]
+    """The MLflow run's tags."""
+    artifact: str
+    """The artifact it was read from (one of :data:`CHECKPOINT_SLOTS`, or an older run's ``checkpoints/latest.pt``)."""
+
+
+def fetch(run_id: str, tracking_uri: str) -> Fetched:
+    """Download every checkpoint of an MLflow run and decode the newest that reads back whole.
 
     Returns:
-        The run's config, the server state, the run's status (e.g. ``"KILLED"``) and its tags.
+        The run's config, the server state, the run's status, its tags and the artifact read.
 
     Raises:
         CheckpointError: If the run does not exist, has no checkpoint, or it cannot be read.
@@ -207,14 +239,58 @@ def fetch(run_id: str, tracking_uri: str) -> tuple[RunConfig, dict[str, Any], st
         run = client.get_run(run_id)
     except MlflowException:
         raise CheckpointError(f"no MLflow run {run_id!r} in {tracking_uri}") from None
+    files: list[tuple[str, bytes]] = []
     with tempfile.TemporaryDirectory(prefix="flasync-resume-") as tmp:
         try:
-            local = client.download_artifacts(run_id, CHECKPOINT_ARTIFACT, tmp)
+            names = [a.path for a in client.list_artifacts(run_id, CHECKPOINT_FOLDER) if a.path.endswith(".pt")]
+            for name in sorted(names):
+                files.append((name, Path(client.download_artifacts(run_id, name, tmp)).read_bytes()))
         except (MlflowException, OSError):
-            raise CheckpointError(f"MLflow run {run_id} has no checkpoint ({CHECKPOINT_ARTIFACT})") from None
-        data = Path(local).read_bytes()
-    config, state = decode(data)
-    return config, state, str(run.info.status), dict(run.data.tags)
+            files = []
+    if not files:
+        raise CheckpointError(f"MLflow run {run_id} has no checkpoint ({CHECKPOINT_FOLDER}/*.pt)")
+    artifact, config, state = newest(files)
+    return Fetched(config, state, str(run.info.status), dict(run.data.tags), artifact)
+
+
+def newest(files: Iterable[tuple[str, bytes]]) -> tuple[str, RunConfig, dict[str, Any]]:
+    """Decode checkpoint files and return the one of the highest version that reads back whole.
+
+    Args:
+        files: ``(name, bytes)`` of each candidate (e.g. both slots of :data:`CHECKPOINT_SLOTS`).
+
+    Returns:
+        The chosen file's name, config and state.
+
+    Raises:
+        CheckpointError: If there is no file, or none decodes (the error of the first one that failed).
+    """
+    best: tuple[str, RunConfig, dict[str, Any]] | None = None
+    first_error: CheckpointError | None = None
+    for name, data in files:
+        try:
+            config, state = decode(data)
+        except CheckpointError as exc:
+            first_error = first_error or exc
+            continue
+        if best is None or int(state["version"]) > int(best[2]["version"]):
+            best = (name, config, state)
+    if best is not None:
+        return best
+    if first_error is not None:
+        raise first_error
+    raise CheckpointError("no checkpoint")
+
+
+def latest(artifacts: Mapping[str, bytes]) -> bytes:
+    """Return the bytes of the newest whole checkpoint among a run's artifacts (``{path: bytes}``).
+
+    Raises:
+        CheckpointError: If there is none, or none decodes.
+    """
+    files = [(k, v) for k, v in artifacts.items() if k.startswith(f"{CHECKPOINT_FOLDER}/") and k.endswith(".pt")]
+    name, _, _ = newest(files)
+    return artifacts[name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,3 +299,5 @@ class ResumePoint:
 
     run_id: str | None
     state: dict[str, Any]
+    artifact: str | None = None
+    """The artifact the state was read from: the resumed run writes its first checkpoint to the other slot."""

@@ -212,6 +212,7 @@ def _command_tracking(args: argparse.Namespace) -> int:
     print(
         f"replayed {result.records} record(s) into run {result.run_id} at {tracking.redact_uri(result.tracking_uri)}: "
         f"{result.params} params, {result.tags} tags, {result.metrics} metric values, {result.artifacts} artifacts, "
+        f"{result.datasets} dataset inputs, "
         f"status {result.status or '-'}; {result.already} record(s) were already replayed, "
         f"{result.rejected} refused by the store",
         flush=True,
@@ -232,7 +233,7 @@ def _resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.Res
         if not override.strip().startswith("stop."):
             raise ConfigError(f"--set {override!r}: with --resume only stop.* may change")
     tracker = tracking.MlflowTracker(args.tracking_uri, system_metrics=not args.no_system_metrics)
-    config, state, status, tags = checkpoint.fetch(args.resume, tracker.tracking_uri)
+    config, state, status, tags, artifact = checkpoint.fetch(args.resume, tracker.tracking_uri)
     if status == "FINISHED":
         raise ConfigError(f"MLflow run {args.resume} already FINISHED; there is nothing to resume")
     if status == "RUNNING":
@@ -255,7 +256,7 @@ def _resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.Res
         data["tracking"]["log_level"] = args.log_level
     for override in args.overrides:
         apply_override(data, override)
-    return validate(data), checkpoint.ResumePoint(args.resume, state), tracker
+    return validate(data), checkpoint.ResumePoint(args.resume, state, artifact), tracker
 
 
 def _resolve(args: argparse.Namespace) -> RunConfig:

@@ -598,7 +598,7 @@ class ResilienceConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """Checkpoints of the whole run state, written as MLflow artifacts (``checkpoints/latest.pt``)."""
+    """Checkpoints of the whole run state, written as MLflow artifacts (``checkpoints/a.pt`` and ``b.pt`` in turn)."""
 
     every_versions: int | None = Field(None, ge=1, description="Write a checkpoint every N model versions.")
     on_interrupt: bool = Field(True, description="Write a checkpoint when SIGINT/SIGTERM stops the run.")

@@ -12,6 +12,7 @@ import io
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -30,6 +31,8 @@ from flasync.assembly import (
     RunInputs,
     build_server,
     build_world,
+    dataset_record,
+    default_run_name,
     make_evaluator,
     make_executor,
     run_mode,
@@ -187,6 +190,16 @@ class Federation:
             return tracking.NullTracker()
         return tracking.MlflowTracker(cfg.uri, system_metrics=cfg.system_metrics)
 
+    def _log_dataset(self, tracker: tracking.Tracker, prepared: Prepared, custom: bool) -> None:
+        """Record the training data as the run's MLflow dataset input (a tracking failure is only logged)."""
+        record = dataset_record(self.config, prepared, custom=custom)
+        try:
+            tracker.log_dataset(record.name, record.digest, record.source, record.profile)
+        except Exception as exc:  # a tracking failure must not fail the run
+            structlog.get_logger("flasync").warning(
+                "tracking.dataset_failed", error=f"{type(exc).__name__}: {exc}", metrics=False
+            )
+
     def _tags(self) -> dict[str, str]:
         return run_tags(self.config, virtual_clock=self.clock.virtual)
 
@@ -217,13 +230,16 @@ class Federation:
         if self._resume is not None and self._resume.run_id:
             run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
         else:
+            custom = self._dataset is not None
             run_id = await asyncio.to_thread(
                 tracker.start,
                 experiment=cfg.tracking.experiment,
-                run_name=cfg.tracking.run_name,
+                run_name=cfg.tracking.run_name or default_run_name(cfg, uuid.uuid4().hex[:6], custom=custom),
                 params=flatten(_redacted(cfg)),
                 tags=self._tags(),
             )
+            if not isinstance(tracker, tracking.NullTracker):
+                await asyncio.to_thread(self._log_dataset, tracker, prepared, custom)
         self.run_id = run_id or None
         warned: set[str] = set()
 
@@ -306,7 +322,8 @@ class Federation:
         if self._resume is not None:
             server.load_state_dict(self._resume.state)  # the clock's reading too
         updates_before = server.stats.updates_accepted  # a resumed run's rate counts its own updates only
-        writes = _CheckpointWriter(tracker, cfg, log, self._wall)
+        resumed_from = self._resume.artifact if self._resume is not None else None
+        writes = _CheckpointWriter(tracker, cfg, log, self._wall, resumed_from=resumed_from)
         server.on_checkpoint = writes.submit
         self._server = server
         if self._stop_requested:
@@ -525,10 +542,20 @@ class _CheckpointWriter:
     every metric logged up to ``v`` has, so a run resumed from it misses no step (and the resumed tracker drops the
     steps the store already holds, see :meth:`tracking.MlflowTracker.resume`). A flush that times out skips that
     checkpoint with a warning and the next one tries again; failures are logged, never raised.
+
+    Checkpoints alternate between the two artifacts of :data:`checkpoint.CHECKPOINT_SLOTS` (a slot is reused only
+    after a write to the other succeeded), so a process killed mid-upload still leaves the previous one whole; a
+    resumed run starts with the slot it was not resumed from.
     """
 
     def __init__(
-        self, tracker: tracking.Tracker, config: RunConfig, log: Any, wall: Callable[[], float] = time.perf_counter
+        self,
+        tracker: tracking.Tracker,
+        config: RunConfig,
+        log: Any,
+        wall: Callable[[], float] = time.perf_counter,
+        *,
+        resumed_from: str | None = None,
     ) -> None:
         self._wall = wall
         self._tracker = tracker
@@ -541,6 +568,9 @@ class _CheckpointWriter:
         self.superseded = 0
         """Checkpoints replaced by a newer one before they were written."""
         self.last_saved: str | None = None
+        """The artifact holding the newest checkpoint in the store."""
+        self._slot = 1 if resumed_from == checkpoint.CHECKPOINT_SLOTS[0] else 0
+        """Index in :data:`checkpoint.CHECKPOINT_SLOTS` of the slot the next checkpoint goes to."""
         self.last_version: int | None = None
         """The version of the newest checkpoint in the store."""
 
@@ -578,11 +608,14 @@ class _CheckpointWriter:
                 )
                 return
             data = checkpoint.encode(state, _redacted(self._config))
-            self._tracker.log_bytes(data, checkpoint.CHECKPOINT_ARTIFACT)
+            # The other slot keeps the previous checkpoint whole while this one is written (and if this fails).
+            slot = checkpoint.CHECKPOINT_SLOTS[self._slot]
+            self._tracker.log_bytes(data, slot)
         except Exception as exc:  # a failing store must not take the run down
             self._log.warning("checkpoint.failed", version=version, error=f"{type(exc).__name__}: {exc}", metrics=False)
             return
-        self.last_saved = checkpoint.CHECKPOINT_ARTIFACT
+        self.last_saved = slot
+        self._slot = 1 - self._slot
         self.last_version = version
         self._log.debug(
             "checkpoint",

@@ -127,6 +127,7 @@ class MemoryTracker:
         self.tags: dict[str, str] = {}
         self.metrics: list[MetricRow] = []
         self.artifacts: dict[str, bytes] = {}
+        self.datasets: list[dict[str, Any]] = []
         self.status: str | None = None
         self.flushes = 0
         self.prepared = False
@@ -176,6 +177,14 @@ class MemoryTracker:
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Record tags."""
         self.tags.update(tags)
+
+    def log_dataset(
+        self, name: str, digest: str, source: str, profile: Mapping[str, Any], context: str = "training"
+    ) -> None:
+        """Record the dataset input."""
+        self.datasets.append(
+            {"name": name, "digest": digest, "source": source, "profile": dict(profile), "context": context}
+        )
 
     def flush(self) -> bool:
         """Count the call; everything recorded is written, so True."""

@@ -113,7 +113,7 @@ def _run_with_checkpoint(store: str, status: str, data: bytes | None) -> str:
     tracker = tracking.MlflowTracker(store, writer_process=False)
     run_id = tracker.start(experiment="flasync")
     if data is not None:
-        tracker.log_bytes(data, checkpoint.CHECKPOINT_ARTIFACT)
+        tracker.log_bytes(data, checkpoint.CHECKPOINT_SLOTS[0])
     tracker.finish(status)  # type: ignore[arg-type]
     return run_id
 
@@ -128,15 +128,13 @@ def test_resume_problems(capsys: pytest.CaptureFixture[str], store: str) -> None
     bare = _run_with_checkpoint(store, "KILLED", None)
     _quiet(capsys)
     assert _fails(capsys, store, "run", "--resume", "0123abcd") == f"no MLflow run '0123abcd' in {store}"
-    assert _fails(capsys, store, "run", "--resume", bare) == (
-        f"MLflow run {bare} has no checkpoint (checkpoints/latest.pt)"
-    )
+    assert _fails(capsys, store, "run", "--resume", bare) == (f"MLflow run {bare} has no checkpoint (checkpoints/*.pt)")
     corrupt = _run_with_checkpoint(store, "KILLED", b"garbage")
     _quiet(capsys)
     assert _fails(capsys, store, "run", "--resume", corrupt).startswith("not a readable checkpoint (UnpicklingError): ")
     memory = MemoryTracker()
     flasync.runtime.run(small_config("stop.max_versions=5", "checkpoint.every_versions=4"), tracker=memory)
-    done = _run_with_checkpoint(store, "FINISHED", memory.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    done = _run_with_checkpoint(store, "FINISHED", checkpoint.latest(memory.artifacts))
     _quiet(capsys)
     assert _fails(capsys, store, "run", "--resume", done) == (
         f"MLflow run {done} already FINISHED; there is nothing to resume"

@@ -47,7 +47,7 @@ async def _interrupt_at(
 
 
 def _resume(tracker: MemoryTracker) -> flasync.RunSummary:
-    config, state = checkpoint.decode(tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    config, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
     return flasync.run(config, resume=checkpoint.ResumePoint(None, state))
 
 
@@ -57,7 +57,7 @@ async def _resumes_exactly(
     """Run ``config`` whole, and stopped at version ``at`` then resumed: same weights and ``fields``."""
     full = await flasync.Federation(config).run()
     tracker = await _interrupt_at(config, at)
-    _, state = checkpoint.decode(tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    _, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
     assert at <= state["version"] < config.stop.max_versions
     resumed = await asyncio.to_thread(_resume, tracker)
     assert resumed.weights_sha256 == full.weights_sha256
@@ -101,9 +101,9 @@ async def test_a_resumed_run_can_be_interrupted_and_resumed_again() -> None:
     config = small_config("stop.max_versions=14", *FAULTY, TOPK)
     full = await flasync.Federation(config).run()
     first = await _interrupt_at(config, 4)
-    _, state = checkpoint.decode(first.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    _, state = checkpoint.decode(checkpoint.latest(first.artifacts))
     second = await _interrupt_at(config, 9, resume=checkpoint.ResumePoint(None, state))
-    _, again = checkpoint.decode(second.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    _, again = checkpoint.decode(checkpoint.latest(second.artifacts))
     assert state["version"] < again["version"] < 14
     assert (await asyncio.to_thread(_resume, second)).weights_sha256 == full.weights_sha256
 
@@ -113,7 +113,7 @@ def test_periodic_checkpoints_resume_exactly() -> None:
     config = small_config("stop.max_versions=14", "checkpoint.every_versions=5", *FAULTY, TOPK)
     tracker = MemoryTracker()
     full = flasync.run(config, tracker=tracker)
-    _, state = checkpoint.decode(tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    _, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
     assert state["version"] == 10
     assert tracker.history("checkpoint.bytes")  # one metric per checkpoint written
     assert _resume(tracker).weights_sha256 == full.weights_sha256
@@ -123,7 +123,7 @@ def test_checkpoint_holds_only_plain_values_and_loads_with_weights_only() -> Non
     """The file is torch.save of tensors and plain values; torch.load(weights_only=True) reads it."""
     tracker = MemoryTracker()
     flasync.run(small_config("stop.max_versions=6", "checkpoint.every_versions=5", TOPK), tracker=tracker)
-    data = tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT]
+    data = checkpoint.latest(tracker.artifacts)
     loaded = torch.load(io.BytesIO(data), weights_only=True)
     assert loaded["format"] == checkpoint.FORMAT
     # The state's own bytes, under their checksum, load with weights_only=True too.
@@ -240,7 +240,7 @@ def test_sigint_then_resume_gives_the_uninterrupted_sha(cli_dir: Path) -> None:
     assert "writer_process_lost" not in output  # Ctrl-C reaches the writer child too: it must not look lost
     last = output.strip().splitlines()[-1]
     match = re.fullmatch(
-        r"flasync: interrupted \(SIGINT\); checkpoint checkpoints/latest\.pt in MLflow run (\w+); "
+        r"flasync: interrupted \(SIGINT\); checkpoint checkpoints/[ab]\.pt in MLflow run (\w+); "
         r"resume with: python -m flasync run --resume \1",
         last,
     )
@@ -277,7 +277,8 @@ def test_sigterm_exits_143_and_kills_the_run(cli_dir: Path) -> None:
     client = mlflow.MlflowClient(store)
     run = client.get_run(run_id)
     assert run.info.status == "KILLED"
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/latest.pt"]
+    slots = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
+    assert slots and slots <= set(checkpoint.CHECKPOINT_SLOTS)
     # The last evaluation printed before the signal is in the store.
     printed = [int(v) for v in re.findall(r"server\.eval .*?\bversion=(\d+)", output)]
     logged = [m.step for m in client.get_metric_history(run.info.run_id, "server.eval.accuracy")]
@@ -339,7 +340,7 @@ def written() -> tuple[bytes, flasync.RunConfig, dict[str, Any]]:
     """A real checkpoint of a run with tasks in flight, its config and state."""
     tracker = MemoryTracker()
     flasync.run(small_config("stop.max_versions=6", "checkpoint.every_versions=5", *FAULTY), tracker=tracker)
-    data = tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT]
+    data = checkpoint.latest(tracker.artifacts)
     config, state = checkpoint.decode(data)
     return data, config, state
 
@@ -441,14 +442,16 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
         run_id = run_id or (found.group(1) if found else None)
         if run_id and "server.eval" in line and re.search(r"\bversion=(1[2-9]|[2-9]\d)\b", line):
             client = mlflow.MlflowClient(store)
-            if any(a.path == "checkpoints" for a in client.list_artifacts(run_id)):
+            # Both slots exist: the second write began after the first ended, so one of them is whole even if the
+            # kill lands in the middle of an upload.
+            if len(client.list_artifacts(run_id, "checkpoints")) == 2:
                 process.kill()
                 break
     process.communicate(timeout=60)
     assert run_id is not None and process.returncode == -signal.SIGKILL
     client = mlflow.MlflowClient(store)
     assert client.get_run(run_id).info.status == "RUNNING"  # nothing ended it
-    _, saved, _, _ = checkpoint.fetch(run_id, store)
+    saved = checkpoint.fetch(run_id, store).state
     saved_version = int(saved["version"])
     before = [m.step for m in client.get_metric_history(run_id, "server.eval.accuracy")]
     assert set(range(2, saved_version + 1, 2)) <= set(before)  # the metrics the checkpoint covers came first
@@ -487,9 +490,36 @@ def test_resuming_a_run_whose_process_is_alive_is_refused(tmp_path: Path, capsys
     flasync.run(small_config("stop.max_versions=6", "checkpoint.every_versions=5"), tracker=tracker)
     artifact = tmp_path / "checkpoints" / "latest.pt"
     artifact.parent.mkdir()
-    artifact.write_bytes(tracker.artifacts[checkpoint.CHECKPOINT_ARTIFACT])
+    artifact.write_bytes(checkpoint.latest(tracker.artifacts))
     client.log_artifact(run_id, str(artifact), "checkpoints")
     assert main(["run", "--resume", run_id, "--tracking-uri", uri]) == 2
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flasync")]
     assert len(said) == 1 and f"MLflow run {run_id} is still running (process {os.getpid()}" in said[0]
     assert client.get_run(run_id).info.status == "RUNNING"
+
+
+def test_a_checkpoint_cut_short_falls_back_to_the_other_slot(tmp_path: Path) -> None:
+    """Checkpoints alternate between two artifacts; when the newer one was cut short (a kill during its upload), the
+    run resumes from the older, whole one; with none whole, the error names what is wrong."""
+    tracker = MemoryTracker()
+    flasync.run(small_config("stop.max_versions=9", "checkpoint.every_versions=2"), tracker=tracker)
+    slots = {name: tracker.artifacts[name] for name in checkpoint.CHECKPOINT_SLOTS}
+    versions = {name: int(checkpoint.decode(data)[1]["version"]) for name, data in slots.items()}
+    assert sorted(versions.values()) == [6, 8]
+    newer = max(versions, key=versions.__getitem__)
+    older = min(versions, key=versions.__getitem__)
+    cut = {newer: slots[newer][: len(slots[newer]) // 2], older: slots[older]}
+    name, _, state = checkpoint.newest(cut.items())
+    assert (name, int(state["version"])) == (older, 6)
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("cut")).info.run_id
+    for artifact, data in cut.items():
+        local = tmp_path / artifact
+        local.parent.mkdir(exist_ok=True)
+        local.write_bytes(data)
+        client.log_artifact(run_id, str(local), "checkpoints")
+    assert checkpoint.fetch(run_id, uri).artifact == older
+    with pytest.raises(CheckpointError, match="checkpoint"):
+        checkpoint.newest([(newer, cut[newer])])

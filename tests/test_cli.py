@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,9 +156,16 @@ def test_default_experiment_end_to_end(tmp_path: Path) -> None:
     assert "flasync run finished" in done.stdout
     assert "mlflow ui --backend-store-uri sqlite:///" in done.stdout
     assert "server.eval" in done.stderr  # progress lines while it runs
+    assert "Creating initial MLflow database tables" not in done.stderr  # MLflow's info lines are not flasync's
     uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
     (run,) = _runs(uri)
     assert run.info.status == "FINISHED"
+    assert re.fullmatch(r"fedbuff-digits-seed0-[0-9a-f]{6}", run.info.run_name)
+    assert mlflow.MlflowClient(uri).get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == (
+        "custom_model_development"
+    )
+    assert run.data.tags["mlflow.source.type"] == "LOCAL" and run.data.tags["mlflow.user"]
+    assert [entry.dataset.name for entry in run.inputs.dataset_inputs] == ["digits"]
     assert run.data.params["server.kind"] == "fedbuff"
     assert run.data.tags["aggregator"] == "fedbuff"
     client = mlflow.MlflowClient(uri)
@@ -197,3 +205,20 @@ def test_intra_op_threads_change_the_weights_and_workers_do_not() -> None:
     assert flasync.run(small_config("stop.max_versions=4", "executor.workers=2")).weights_sha256 == base
     two_threads = flasync.run(small_config("stop.max_versions=4", "executor.threads_per_worker=2")).weights_sha256
     assert two_threads != base
+
+
+def test_log_level_governs_the_libraries_logs_too(tmp_path: Path) -> None:
+    """`--log-level warning` on a new store: no info line from flasync or MLflow reaches stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_LOGGING_LEVEL")}
+    done = subprocess.run(
+        [sys.executable, "-m", "flasync", "run", "--log-level", "warning", "--set", "stop.max_versions=2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "mlruns" / "mlflow.db").is_file()
+    assert " INFO " not in done.stderr and "[info" not in done.stderr, done.stderr

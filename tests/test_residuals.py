@@ -28,7 +28,7 @@ def _same_bits(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 
 def _spill_files(store: ResidualStore) -> list[Path]:
     folder = store.spill_folder
-    return [] if folder is None else sorted(folder.iterdir())
+    return [] if folder is None else sorted(folder.glob("*.f32"))  # (the folder also holds its owner marker)
 
 
 # ------------------------------------------------------------------------------------------- in memory

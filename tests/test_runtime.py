@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import time
 from typing import Any
 
@@ -245,10 +246,14 @@ async def test_custom_dataset_and_model_factory() -> None:
     def factory() -> nn.Module:
         return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
 
+    tracker = MemoryTracker()
     summary = await flasync.Federation(
-        small_config("stop.max_versions=30"), dataset=Blobs(600), model_factory=factory
+        small_config("stop.max_versions=30"), dataset=Blobs(600), model_factory=factory, tracker=tracker
     ).run()
     assert summary.accuracy > 0.9
+    (dataset,) = tracker.datasets
+    assert dataset["name"] == "custom" and dataset["profile"]["features"] == 5 and dataset["profile"]["classes"] == 3
+    assert tracker.run_name is not None and tracker.run_name.startswith("fedbuff-custom-seed0-")
 
 
 async def test_clients_with_no_samples_are_a_data_error() -> None:
@@ -369,6 +374,28 @@ async def test_params_and_tags() -> None:
     assert tracker.tags["clock"] == "virtual"
     assert tracker.tags["seed"] == "7"
     assert tracker.tags["flasync.version"] == flasync.__version__
+
+
+async def test_runs_are_named_and_record_their_data_set() -> None:
+    """A run without a name is named for what ran (aggregator, data, seed) plus a suffix telling reruns apart; its
+    training data is a dataset input whose digest tells data sets apart and whose profile gives the sizes."""
+    first, second, other = MemoryTracker(), MemoryTracker(), MemoryTracker()
+    await flasync.Federation(small_config("seed=7"), tracker=first).run()
+    await flasync.Federation(small_config("seed=7"), tracker=second).run()
+    await flasync.Federation(small_config("seed=7", "data.test_fraction=0.3"), tracker=other).run()
+    assert first.run_name is not None and second.run_name is not None
+    assert re.fullmatch(r"fedbuff-digits-seed7-[0-9a-f]{6}", first.run_name)
+    assert first.run_name != second.run_name
+    (data,) = first.datasets
+    assert data["name"] == "digits" and data["source"] == "sklearn.datasets.load_digits"
+    assert data["context"] == "training"
+    profile = data["profile"]
+    assert (profile["features"], profile["classes"], profile["clients"]) == (64, 10, 20)
+    assert profile["rows"] + profile["test_rows"] == 1797
+    assert data["digest"] == second.datasets[0]["digest"] != other.datasets[0]["digest"]
+    named = MemoryTracker()
+    await flasync.Federation(small_config("tracking.run_name=mine"), tracker=named).run()
+    assert named.run_name == "mine"
 
 
 def test_injected_clock_is_used() -> None:

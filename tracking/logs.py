@@ -9,6 +9,7 @@ that a processor placed before the level filter (e.g. a
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, Literal, TextIO, cast
@@ -132,6 +133,12 @@ def configure_logging(
         stream: Where lines go; when None, whatever ``sys.stderr`` is at each write (so a later redirection
             of ``sys.stderr``, as test runners do, is followed).
 
+    ``level`` also governs the libraries' own logs (MLflow, alembic, urllib3, git, matplotlib): they print their
+    warnings and errors at every level except ``error`` and ``critical`` (then only those), and their info lines
+    only at ``debug`` (MLflow's "Creating initial MLflow database tables" and the like are not flasync's news). MLflow
+    reads its level from ``MLFLOW_LOGGING_LEVEL`` when it is imported, here or in a writer child process, so that
+    variable is set too.
+
     Raises:
         ValueError: ``fmt`` or ``level`` is unknown.
     """
@@ -143,6 +150,7 @@ def configure_logging(
         tail = [structlog.dev.ConsoleRenderer(colors=_is_tty(out))]
     else:
         raise ValueError(f"unknown log format {fmt!r}; expected 'console' or 'json'")
+    _set_library_levels(level)
     structlog.configure(
         processors=[
             merge_contextvars,
@@ -155,6 +163,20 @@ def configure_logging(
         logger_factory=structlog.WriteLoggerFactory(file=out) if stream is not None else _StderrLoggerFactory(),
         cache_logger_on_first_use=False,
     )
+
+
+_LIBRARIES = ("mlflow", "alembic", "urllib3", "git", "matplotlib")
+
+
+def _set_library_levels(level: str) -> None:
+    """Apply the CLI's log level to the loggers of the libraries flasync uses (see :func:`configure_logging`)."""
+    number = _LEVELS.get(level.lower())
+    if number is None:
+        raise ValueError(f"unknown log level {level!r}; expected one of {', '.join(_LEVELS)}")
+    library = logging.INFO if number <= logging.DEBUG else max(number, logging.WARNING)
+    os.environ["MLFLOW_LOGGING_LEVEL"] = logging.getLevelName(library)
+    for name in _LIBRARIES:
+        logging.getLogger(name).setLevel(library)
 
 
 def make_logger(

@@ -29,7 +29,7 @@ from tracking._keys import safe_key
 from tracking.failover import Failover, RunIdentity
 from tracking.metrics import MetricRow
 from tracking.owner import owner_tags
-from tracking.spool import SpoolWriter
+from tracking.spool import SpoolWriter, dataset_input
 from tracking.store import (
     ExperimentDeletedError,
     artifact_location,
@@ -122,6 +122,12 @@ class Tracker(Protocol):
         """Set tags on the run."""
         ...
 
+    def log_dataset(
+        self, name: str, digest: str, source: str, profile: Mapping[str, Any], context: str = "training"
+    ) -> None:
+        """Record a data set the run used as an MLflow dataset input."""
+        ...
+
     def flush(self) -> bool:
         """Block until queued metrics were written (or a bounded wait passed); True when all were."""
         ...
@@ -176,6 +182,11 @@ class NullTracker:
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Drop the tags."""
+
+    def log_dataset(
+        self, name: str, digest: str, source: str, profile: Mapping[str, Any], context: str = "training"
+    ) -> None:
+        """Drop the dataset."""
 
     def flush(self) -> bool:
         """Return True at once."""
@@ -357,7 +368,9 @@ class MlflowTracker:
         run = self._run
         run.started_at = int(time.time() * 1000)
         run.experiment, run.run_name = experiment, run_name
-        clean_tags = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in {**tags, **owner_tags()}.items()}
+        clean_tags = {
+            safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in {**_context_tags(), **tags, **owner_tags()}.items()
+        }
         clean_params = {safe_key(k): _param_value(v) for k, v in params.items()}
         db = sqlite_path(self.tracking_uri)
         if db is not None:
@@ -546,6 +559,26 @@ class MlflowTracker:
                 client.log_artifact(run_id, str(local), folder or None)
 
         self._failover.deliver(send, lambda spool: spool.artifact_bytes(data, artifact_file))
+
+    def log_dataset(
+        self, name: str, digest: str, source: str, profile: Mapping[str, Any], context: str = "training"
+    ) -> None:
+        """Record a data set as an MLflow dataset input of the run (shown in the run's page and the runs table).
+
+        Args:
+            name: The data set's name, e.g. ``digits``.
+            digest: A short content hash telling versions of the data apart.
+            source: Where the data came from (a description or a path).
+            profile: Sizes and other figures, stored as JSON (e.g. rows, features, classes, clients, partition).
+            context: What the run used it for (``training`` or ``evaluation``).
+        """
+        self._check_started()
+        text = json.dumps(dict(profile), default=str)
+
+        def send(run_id: str, client: mlflow.MlflowClient) -> None:
+            client.log_inputs(run_id, datasets=[dataset_input(name, digest, source, text, context)])
+
+        self._failover.deliver(send, lambda spool: spool.dataset(name, digest, source, text, context))
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set tags on the run (values stringified and cut to 8000 characters).
@@ -765,6 +798,17 @@ class _MonitorSink:
 
     def flush(self) -> None:
         """Nothing to do: the sink owns what was recorded."""
+
+
+def _context_tags() -> dict[str, str]:
+    """MLflow's standard tags for a run started here: user, source name and type, and the git commit of the source
+    when it lives in a git checkout (what ``mlflow.start_run`` would set; empty if MLflow cannot say)."""
+    try:
+        from mlflow.tracking.context.registry import resolve_tags
+
+        return {str(k): str(v) for k, v in resolve_tags({}).items()}
+    except Exception:  # a context provider failing must not stop a run from being tracked
+        return {}
 
 
 def _param_value(value: Any) -> str:

@@ -16,6 +16,7 @@ followed by records of these types::
     {"type": "tags", "tags": {"mode": "async", ...}}
     {"type": "metrics", "metrics": [["server.loss", 0.31, 1763782001234, 4], ...]}   # key, value, ms, step
     {"type": "artifact", "file": "run.artifacts/3/summary.json", "artifact_path": null}
+    {"type": "dataset", "name": "digits", "digest": "3f1c...", "source": "...", "profile": "{...}", "context": "..."}
     {"type": "status", "status": "FINISHED", "end_time": 1763782009876}
 
 Artifact files are copied into the folder ``<spool stem>.artifacts/`` next to the spool; ``file`` is relative to the
@@ -68,7 +69,7 @@ __all__ = [
 
 SPOOL_FORMAT = "flasync-tracking-spool"
 SPOOL_VERSION = 1
-RECORD_TYPES = frozenset({"params", "tags", "metrics", "artifact", "status"})
+RECORD_TYPES = frozenset({"params", "tags", "metrics", "artifact", "dataset", "status"})
 STATUSES = frozenset({"FINISHED", "FAILED", "KILLED"})
 
 _MAX_METRICS_PER_CALL = 1000
@@ -205,6 +206,19 @@ class SpoolWriter:
             rows = [[m.key, float(m.value), int(m.timestamp), int(m.step)] for m in metrics]
             self._write({"type": "metrics", "metrics": rows})
 
+    def dataset(self, name: str, digest: str, source: str, profile: str, context: str) -> None:
+        """Spool one dataset input of the run (its fields as :meth:`tracking.MlflowTracker.log_dataset` takes them)."""
+        self._write(
+            {
+                "type": "dataset",
+                "name": name,
+                "digest": digest,
+                "source": source,
+                "profile": profile,
+                "context": context,
+            }
+        )
+
     def status(self, status: str, end_time: int | None = None) -> None:
         """Spool the run's final status and end time (ms since the epoch; now when None)."""
         end = int(time.time() * 1000) if end_time is None else int(end_time)
@@ -299,11 +313,21 @@ def _check_record(record: Any, where: str) -> dict[str, Any]:
             and not Path(file).is_absolute()
             and ".." not in Path(file).parts
         )
+    elif kind == "dataset":
+        ok = all(isinstance(record.get(f), str) for f in ("name", "digest", "source", "profile", "context"))
     elif kind == "status":
         ok = record.get("status") in STATUSES and _int64(record.get("end_time"))
     if not ok:
         raise SpoolError(f"{where}: malformed {kind!r} record (a field is missing, of the wrong type or out of range)")
     return record
+
+
+def dataset_input(name: str, digest: str, source: str, profile: str, context: str) -> Any:
+    """Build MLflow's ``DatasetInput`` for a data set (``profile``: JSON text; ``context``: e.g. ``training``)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    dataset = Dataset(name=name, digest=digest, source_type="flasync", source=source, schema=None, profile=profile)
+    return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])
 
 
 def _int64(value: Any) -> bool:
@@ -475,6 +499,16 @@ class Replayer:
                 raise SpoolError(f"artifact file {local} named by the spool is missing")
             client.log_artifact(run_id, os.fspath(local), record["artifact_path"])
             self._count("artifacts", 1)
+        elif kind == "dataset":
+            client.log_inputs(
+                run_id,
+                datasets=[
+                    dataset_input(
+                        record["name"], record["digest"], record["source"], record["profile"], record["context"]
+                    )
+                ],
+            )
+            self._count("datasets", 1)
         else:
             client.set_terminated(run_id, record["status"], end_time=int(record["end_time"]))
             self.counts["status"] = 1
@@ -502,6 +536,8 @@ class ReplayResult:
     """Records the store refused as invalid (skipped, with a warning)."""
     status: str | None
     """The run status set by this call, if the spool has one."""
+    datasets: int = 0
+    """Dataset inputs logged."""
     partial: bool = False
     """The run was live in another store before it spooled: the records logged there are not in the spool."""
 
@@ -594,6 +630,7 @@ def replay(
         tags=counts.get("tags", 0),
         metrics=counts.get("metrics", 0),
         artifacts=counts.get("artifacts", 0),
+        datasets=counts.get("datasets", 0),
         rejected=refused,
         status=replayer.status,
         partial=bool(original) and replayer.run_id != original,

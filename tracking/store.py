@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_ARTIFACT_ROOT",
     "DEFAULT_TRACKING_URI",
+    "EXPERIMENT_KIND",
+    "EXPERIMENT_KIND_TAG",
     "ExperimentDeletedError",
     "StoreNotWritableError",
     "absolute_tracking_uri",
@@ -153,10 +155,17 @@ def artifact_location(tracking_uri: str, experiment: str, artifact_root: str | N
     return (Path(artifact_root).expanduser().absolute() / folder).as_uri()
 
 
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+"""What MLflow's UI calls an experiment of training runs (without it the UI opens on its GenAI pages)."""
+
+
 def ensure_experiment(client: mlflow.MlflowClient, name: str, artifact_location: str | None = None) -> str:
     """Return the id of the active experiment ``name``, creating it (with ``artifact_location``) if it is missing.
 
-    Another process may create it at the same moment: a failed creation looks the experiment up again.
+    Another process may create it at the same moment: a failed creation looks the experiment up again. The
+    experiment is tagged ``mlflow.experimentKind = custom_model_development`` (training runs) unless it already says
+    what kind it is.
 
     Raises:
         ExperimentDeletedError: The experiment exists but is deleted.
@@ -167,7 +176,9 @@ def ensure_experiment(client: mlflow.MlflowClient, name: str, artifact_location:
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         try:
-            created: str = client.create_experiment(name, artifact_location=artifact_location)
+            created: str = client.create_experiment(
+                name, artifact_location=artifact_location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+            )
             return created
         except mlflow.exceptions.MlflowException:
             experiment = client.get_experiment_by_name(name)
@@ -180,6 +191,8 @@ def ensure_experiment(client: mlflow.MlflowClient, name: str, artifact_location:
             "or choose another name"
         )
     found: str = experiment.experiment_id
+    if EXPERIMENT_KIND_TAG not in experiment.tags:
+        client.set_experiment_tag(found, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return found
 
 

@@ -222,3 +222,33 @@ def test_null_tracker_does_nothing() -> None:
     tracker.finish("FINISHED")
     assert tracker.run_id is None
     assert tracker.ui_command() is None
+
+
+def test_runs_look_as_mlflow_users_expect(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
+    """The experiment is a training experiment (not MLflow's GenAI page), the run carries MLflow's standard source
+    and user tags, and a data set is a dataset input with its digest and profile."""
+    run_id = tracker.start(experiment="looks", run_name="fedbuff-digits-seed0-abc123")
+    tracker.log_dataset("digits", "0123456789abcdef", "sklearn.datasets.load_digits", {"rows": 1437, "clients": 20})
+    tracker.finish("FINISHED")
+    experiment = client.get_experiment_by_name("looks")
+    assert experiment is not None
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    run = client.get_run(run_id)
+    assert run.info.run_name == "fedbuff-digits-seed0-abc123"
+    assert {"mlflow.user", "mlflow.source.name", "mlflow.source.type"} <= set(run.data.tags)
+    (entry,) = run.inputs.dataset_inputs
+    assert (entry.dataset.name, entry.dataset.digest) == ("digits", "0123456789abcdef")
+    assert json.loads(entry.dataset.profile) == {"rows": 1437, "clients": 20}
+    assert [(tag.key, tag.value) for tag in entry.tags] == [("mlflow.data.context", "training")]
+
+
+def test_an_existing_experiment_without_a_kind_gets_one(client: mlflow.MlflowClient, tracking_uri: str) -> None:
+    """An experiment made elsewhere without a kind is tagged; one that names its kind keeps it."""
+    bare = client.create_experiment("made-elsewhere")
+    genai = client.create_experiment("genai", tags={"mlflow.experimentKind": "genai_development"})
+    for name in ("made-elsewhere", "genai"):
+        tracker = MlflowTracker(tracking_uri)
+        tracker.start(experiment=name)
+        tracker.finish("FINISHED")
+    assert client.get_experiment(bare).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment(genai).tags["mlflow.experimentKind"] == "genai_development"

@@ -57,6 +57,7 @@ def _full_spool(path: Path, source: Path) -> None:
     (source / "model").mkdir()
     (source / "model" / "MLmodel").write_text("flavors: {}\n")
     spool.artifact_path(source / "model", None)
+    spool.dataset("digits", "0123456789abcdef", "sklearn", '{"rows": 10}', "training")
     spool.status("FINISHED", 1_700_000_001_000)
     spool.close()
 
@@ -71,13 +72,15 @@ def test_records_round_trip(tmp_path: Path) -> None:
     assert header["tracking_uri"] == "http://127.0.0.1:9"
     assert (header["experiment"], header["run_name"], header["run_id"]) == ("spooled", "r1", None)
     records = [record for record, _ in iter_records(spool, first)]
-    assert [r["type"] for r in records] == ["tags", "params", "metrics", "metrics", "artifact", "artifact", "status"]
+    kinds = ["tags", "params", "metrics", "metrics", "artifact", "artifact", "dataset", "status"]
+    assert [r["type"] for r in records] == kinds
     assert records[1]["params"] == {"seed": "0", "lr": "0.1"}
     assert records[2]["metrics"] == [["loss", 0.5, 1_700_000_000_100, 0], ["loss", 0.25, 1_700_000_000_200, 1]]
     assert math.isnan(records[3]["metrics"][0][1])
     assert (tmp_path / records[4]["file"]).read_bytes() == b'{"a": 1}'
     assert (tmp_path / records[5]["file"] / "MLmodel").exists()
-    assert records[6] == {"type": "status", "status": "FINISHED", "end_time": 1_700_000_001_000}
+    assert records[6]["name"] == "digits" and records[6]["profile"] == '{"rows": 10}'
+    assert records[7] == {"type": "status", "status": "FINISHED", "end_time": 1_700_000_001_000}
 
 
 def test_offsets_resume_reading(tmp_path: Path) -> None:
@@ -186,7 +189,7 @@ def test_replay_sends_every_record_once(tmp_path: Path) -> None:
     _full_spool(spool, tmp_path / "src")
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
     result = replay(spool, uri)
-    assert (result.records, result.params, result.tags, result.metrics, result.artifacts) == (7, 2, 1, 4, 2)
+    assert (result.records, result.params, result.tags, result.metrics, result.artifacts) == (8, 2, 1, 4, 2)
     assert result.status == "FINISHED"
     client = mlflow.MlflowClient(uri)
     run = client.get_run(str(result.run_id))
@@ -199,9 +202,15 @@ def test_replay_sends_every_record_once(tmp_path: Path) -> None:
     loss = [(m.step, m.value, m.timestamp) for m in client.get_metric_history(run.info.run_id, "loss")]
     assert sorted(loss) == [(0, 0.5, 1_700_000_000_100), (1, 0.25, 1_700_000_000_200)]
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"summary.json", "model"}
+    (entry,) = run.inputs.dataset_inputs
+    assert (entry.dataset.name, entry.dataset.digest, entry.dataset.profile) == (
+        "digits",
+        "0123456789abcdef",
+        '{"rows": 10}',
+    )
 
     again = replay(spool, uri)
-    assert (again.records, again.already, again.run_id) == (0, 7, result.run_id)
+    assert (again.records, again.already, again.run_id) == (0, 8, result.run_id)
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 2
 
 
@@ -220,7 +229,7 @@ def test_replay_continues_after_a_failure(tmp_path: Path, monkeypatch: pytest.Mo
     assert next(iter(load_progress(spool).values()))["records"] == 4
     monkeypatch.setattr(mlflow.MlflowClient, "log_artifact", real)
     result = replay(spool, uri)
-    assert (result.records, result.already) == (3, 4)
+    assert (result.records, result.already) == (4, 4)
     client = mlflow.MlflowClient(uri)
     assert len(client.get_metric_history(str(result.run_id), "acc")) == 2
     assert client.get_run(str(result.run_id)).info.status == "FINISHED"
@@ -350,8 +359,8 @@ def test_cli_replay_reports_counts(tmp_path: Path, capsys: pytest.CaptureFixture
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
     assert cli.main(["tracking", "replay", str(spool), "--tracking-uri", uri]) == 0
     out = capsys.readouterr().out
-    assert "replayed 7 record(s)" in out
-    assert "4 metric values, 2 artifacts, status FINISHED" in out
+    assert "replayed 8 record(s)" in out and "1 dataset inputs" in out
+    assert "4 metric values, 2 artifacts, 1 dataset inputs, status FINISHED" in out
     assert cli.main(["tracking", "replay", str(spool), "--tracking-uri", uri]) == 0
     assert "replayed 0 record(s)" in capsys.readouterr().out
 

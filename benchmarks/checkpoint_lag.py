@@ -73,7 +73,7 @@ def trial(folder: Path, kill_after_s: float) -> dict[str, float]:
     assert run_id is not None, "the run printed no run id"
     rate = seen / max(killed_at - first_at, 1e-9)
     client = mlflow.MlflowClient(store)
-    steps = {int(m.step) for m in client.get_metric_history(run_id, "server.eval.accuracy")}
+    steps = {int(m.step) for m in client.get_metric_history(run_id, "server/eval/accuracy")}
     try:
         state = checkpoint.fetch(run_id, store).state
         saved = int(state["version"])

@@ -553,7 +553,7 @@ def _counted_percentile(counts: Counter[int], p: float) -> float:
 
 
 def headline(profile: Mapping[str, Any]) -> dict[str, float]:
-    """Return the profile's headline figures as flat numbers (logged as ``profile.*`` metrics)."""
+    """Return the profile's headline figures as flat numbers (logged as ``profile/*`` metrics)."""
     out: dict[str, float] = {}
     for key, value in profile["time"]["totals"].items():
         out[f"time_{key}"] = float(value)

@@ -72,16 +72,16 @@ __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 _METRIC_EXCLUDE = frozenset(tracking.DEFAULT_EXCLUDE | {"version"})
 # Per-update figures logged only with ``tracking.metrics = "all"``; their per-version sums are in ``profile.version.*``
 # and profile.json either way. Each MLflow metric row costs the store's writer ~0.2 ms of CPU (sqlite).
-_DETAIL_KEYS = frozenset(
+_DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
     {
-        "client.sim_train_s",
-        "client.sim_download_s",
-        "client.encode_s",
-        "client.compression",
-        "client.residual_norm",
-        "server.update.staleness_weight",
-        "server.update.decode_s",
-        "server.update.norm",
+        "client/sim_train_s",
+        "client/sim_download_s",
+        "client/encode_s",
+        "client/compression",
+        "client/residual_norm",
+        "server/update/staleness_weight",
+        "server/update/decode_s",
+        "server/update/norm",
     }
 )
 

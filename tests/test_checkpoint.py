@@ -115,7 +115,7 @@ def test_periodic_checkpoints_resume_exactly() -> None:
     full = flasync.run(config, tracker=tracker)
     _, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
     assert state["version"] == 10
-    assert tracker.history("checkpoint.bytes")  # one metric per checkpoint written
+    assert tracker.history("checkpoint/bytes")  # one metric per checkpoint written
     assert _resume(tracker).weights_sha256 == full.weights_sha256
 
 
@@ -249,7 +249,7 @@ def test_sigint_then_resume_gives_the_uninterrupted_sha(cli_dir: Path) -> None:
     client = mlflow.MlflowClient(store)
     killed = client.get_run(run_id)
     assert killed.info.status == "KILLED"
-    steps_before = [m.step for m in client.get_metric_history(run_id, "server.eval.accuracy")]
+    steps_before = [m.step for m in client.get_metric_history(run_id, "server/eval/accuracy")]
     assert steps_before and max(steps_before) < 24
 
     resumed = _run_cli(tmp_path, "--resume", run_id, "--tracking-uri", store)
@@ -261,7 +261,7 @@ def test_sigint_then_resume_gives_the_uninterrupted_sha(cli_dir: Path) -> None:
 
     finished = client.get_run(run_id)
     assert finished.info.status == "FINISHED"
-    steps = [m.step for m in client.get_metric_history(run_id, "server.eval.accuracy")]
+    steps = [m.step for m in client.get_metric_history(run_id, "server/eval/accuracy")]
     assert set(steps_before) < set(steps) and max(steps) == 24  # metrics of both parts, in one run
     runs = client.search_runs([finished.info.experiment_id])
     assert run_id in [r.info.run_id for r in runs]
@@ -281,7 +281,7 @@ def test_sigterm_exits_143_and_kills_the_run(cli_dir: Path) -> None:
     assert slots and slots <= set(checkpoint.CHECKPOINT_SLOTS)
     # The last evaluation printed before the signal is in the store.
     printed = [int(v) for v in re.findall(r"server\.eval .*?\bversion=(\d+)", output)]
-    logged = [m.step for m in client.get_metric_history(run.info.run_id, "server.eval.accuracy")]
+    logged = [m.step for m in client.get_metric_history(run.info.run_id, "server/eval/accuracy")]
     assert printed and set(printed) <= set(logged)
 
 
@@ -453,7 +453,7 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
     assert client.get_run(run_id).info.status == "RUNNING"  # nothing ended it
     saved = checkpoint.fetch(run_id, store).state
     saved_version = int(saved["version"])
-    before = [m.step for m in client.get_metric_history(run_id, "server.eval.accuracy")]
+    before = [m.step for m in client.get_metric_history(run_id, "server/eval/accuracy")]
     assert set(range(2, saved_version + 1, 2)) <= set(before)  # the metrics the checkpoint covers came first
 
     marked = subprocess.run(
@@ -474,7 +474,7 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
     config = load_config(tmp_path / "cfg.yaml", ["tracking.enabled=false"])
     assert sha is not None and sha.group(1) == flasync.run(config).weights_sha256
     assert client.get_run(run_id).info.status == "FINISHED"
-    steps = [m.step for m in client.get_metric_history(run_id, "server.eval.accuracy")]
+    steps = [m.step for m in client.get_metric_history(run_id, "server/eval/accuracy")]
     assert sorted(steps) == list(range(0, 201, 2)), f"killed at {max(before)}, resumed from {saved_version}"
 
 

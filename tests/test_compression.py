@@ -31,8 +31,8 @@ async def test_upload_bytes_are_the_compressed_payloads() -> None:
     uploads = recorder.of(UpdateUploaded)
     assert summary.upload_bytes == sum(len(e.payload) for e in uploads)
     assert summary.upload_compression >= 30
-    assert min(v for _, v in tracker.history("client.compression")) >= 30
-    assert tracker.history("client.residual_norm")
+    assert min(v for _, v in tracker.history("client/compression")) >= 30
+    assert tracker.history("client/residual_norm")
 
 
 def test_error_feedback_runs_are_deterministic() -> None:

@@ -152,7 +152,7 @@ async def test_nan_client_raises_the_nan_alert_as_event_metric_and_tag(tmp_path:
     run = mlflow.MlflowClient(uri).get_run(summary.run_id or "")
     assert run.data.tags["alert.nan"] == alerts[0].message
     assert run.data.tags["alerts"] == "nan=2"
-    history = mlflow.MlflowClient(uri).get_metric_history(summary.run_id or "", "alert.nan.count")
+    history = mlflow.MlflowClient(uri).get_metric_history(summary.run_id or "", "alert/nan/count")
     assert sorted(m.value for m in history) == [1.0, 2.0]
 
 

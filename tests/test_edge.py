@@ -185,19 +185,19 @@ async def test_tier_metrics_are_bounded_and_per_edge_on_request() -> None:
     )
     keys = tracker.metric_keys()
     for key in (
-        "tier.edge1.updates",
-        "tier.edge1.bytes_in",
-        "tier.edge1.bytes_out",
-        "tier.edge1.aggregate_s",
-        "tier.edge1.queue_depth",
-        "tier.edge2.updates",
-        "server.version.ingress_bytes",
-        "server.partial.updates",
-        "run.tiers.edge2.updates_per_aggregation",
+        "tier/edge1/updates",
+        "tier/edge1/bytes_in",
+        "tier/edge1/bytes_out",
+        "tier/edge1/aggregate_s",
+        "tier/edge1/queue_depth",
+        "tier/edge2/updates",
+        "server/version/ingress_bytes",
+        "server/partial/updates",
+        "run/tiers/edge2/updates_per_aggregation",
     ):
         assert key in keys, key
     assert not any(key.startswith("edge.") for key in keys)
-    ingress = sum(v for _, v in tracker.history("server.version.ingress_bytes"))
+    ingress = sum(v for _, v in tracker.history("server/version/ingress_bytes"))
     assert ingress <= summary.cloud_ingress_bytes
     saved = json.loads(tracker.artifacts["summary.json"])
     assert saved["cloud_ingress_bytes"] == summary.cloud_ingress_bytes
@@ -206,7 +206,7 @@ async def test_tier_metrics_are_bounded_and_per_edge_on_request() -> None:
         small_config("tracking.log_level=debug", topology=_tree(fanout=[2], buffer_size=2, per_edge_metrics=True)),
         tracker=per_edge,
     )
-    assert {"edge.edge0.updates", "edge.edge1.bytes_out"} <= set(per_edge.metric_keys())
+    assert {"edge/edge0/updates", "edge/edge1/bytes_out"} <= set(per_edge.metric_keys())
 
 
 def test_hierarchical_run_lands_in_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,7 +224,7 @@ def test_hierarchical_run_lands_in_mlflow(tmp_path: Path, monkeypatch: pytest.Mo
     (run,) = client.search_runs([client.get_experiment_by_name("flasync").experiment_id])
     assert run.info.status == "FINISHED"
     assert run.data.tags["topology"] == "tree(2)"
-    assert "tier.edge1.bytes_out" in run.data.metrics
+    assert "tier/edge1/bytes_out" in run.data.metrics
     summary = json.loads(Path(client.download_artifacts(run.info.run_id, "summary.json", str(tmp_path))).read_text())
     assert summary["cloud_ingress_bytes"] > 0
     assert summary["tiers"]["edge1.updates_per_aggregation"] == 3.0

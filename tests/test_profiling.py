@@ -149,7 +149,7 @@ async def test_profiled_bytes_are_the_encoded_payload_lengths() -> None:
     assert sum(r["upload_bytes"] for r in rows) == sum(len(e.payload) for e in uploads if e.task_id in received)
     assert comm["download_bytes"] == summary.download_bytes
     assert comm["upload_compression"] > 5
-    assert tracker.history("profile.client_upload_bytes") == [(summary.versions, float(total))]
+    assert tracker.history("profile/client_upload_bytes") == [(summary.versions, float(total))]
 
 
 async def test_profile_json_and_plots_are_artifacts() -> None:
@@ -167,7 +167,7 @@ async def test_profile_json_and_plots_are_artifacts() -> None:
     }
     assert all(image.startswith(PNG_MAGIC) and len(image) > 1000 for image in plots.values())
     assert summary.peak_rss_bytes > 0 and 0 <= summary.server_idle_fraction <= 1
-    [(_, logged_rss)] = tracker.history("run.finished.peak_rss_bytes")
+    [(_, logged_rss)] = tracker.history("run/finished/peak_rss_bytes")
     assert logged_rss > 0  # the run.finished event carries it too, not only summary.json
 
 

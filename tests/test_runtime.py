@@ -118,7 +118,7 @@ async def test_wall_clock_times_count_from_the_federation_start() -> None:
     """Under the wall clock, the evaluations' times and the summary's simulated_s share one origin."""
     tracker = MemoryTracker()
     summary = await flasync.Federation(small_config("clock=wall", "stop.max_versions=4"), tracker=tracker).run()
-    evaluations = [value for _, value in tracker.history("server.eval.simulated_s")]
+    evaluations = [value for _, value in tracker.history("server/eval/simulated_s")]
     assert evaluations and evaluations == sorted(evaluations)
     assert evaluations[-1] <= summary.simulated_s <= summary.wall_s + 0.5
 
@@ -317,26 +317,26 @@ async def test_metrics_keys_are_bounded_and_stepped() -> None:
     assert len(keys) < 120  # event fields, profile headline figures and the per-version breakdown
     assert not any(str(i) in key.split(".")[-1] for key in keys for i in range(20) if key.endswith(f"_{i}"))
     for key in (
-        "client.train_s",
-        "client.samples",
-        "client.loss",
-        "client.peak_mem_bytes",
-        "client.upload_bytes",
-        "client.download_bytes",
-        "server.update.staleness",
-        "server.update.queue_wait_s",
-        "server.version.aggregate_s",
-        "server.version.versions_per_s",
-        "server.version.simulated_s",
-        "server.version.wall_s",
-        "server.eval.accuracy",
-        "server.eval.loss",
+        "client/train_s",
+        "client/samples",
+        "client/loss",
+        "client/peak_mem_bytes",
+        "client/upload_bytes",
+        "client/download_bytes",
+        "server/update/staleness",
+        "server/update/queue_wait_s",
+        "server/version/aggregate_s",
+        "server/version/versions_per_s",
+        "server/version/simulated_s",
+        "server/version/wall_s",
+        "server/eval/accuracy",
+        "server/eval/loss",
     ):
         assert key in keys, key
-    assert [step for step, _ in tracker.history("server.version.aggregate_s")] == list(range(1, 13))
-    staleness_steps = [step for step, _ in tracker.history("server.update.staleness")]
+    assert [step for step, _ in tracker.history("server/version/aggregate_s")] == list(range(1, 13))
+    staleness_steps = [step for step, _ in tracker.history("server/update/staleness")]
     assert staleness_steps == list(range(1, summary.updates_accepted + 1))
-    assert tracker.history("server.eval.accuracy")[-1][1] == pytest.approx(summary.accuracy)
+    assert tracker.history("server/eval/accuracy")[-1][1] == pytest.approx(summary.accuracy)
 
 
 async def test_logged_bytes_are_payload_lengths() -> None:
@@ -348,7 +348,7 @@ async def test_logged_bytes_are_payload_lengths() -> None:
     uploads = recorder.of(UpdateUploaded)
     assert summary.upload_bytes == sum(len(e.payload) for e in uploads)
     params = sum(p.numel() for p in flasync.models.MLP(64, (32,), 10).parameters())
-    assert {v for _, v in tracker.history("client.upload_bytes")} == {24 + 4 * params}
+    assert {v for _, v in tracker.history("client/upload_bytes")} == {24 + 4 * params}
 
 
 async def test_final_weights_artifact_matches_the_summary() -> None:
@@ -410,9 +410,9 @@ async def test_standard_metrics_leave_out_the_per_update_details() -> None:
     standard, full = MemoryTracker(), MemoryTracker()
     await flasync.Federation(small_config("tracking.log_level=debug"), tracker=standard).run()
     await flasync.Federation(small_config("tracking.log_level=debug", "tracking.metrics=all"), tracker=full).run()
-    details = {"client.encode_s", "client.sim_train_s", "server.update.decode_s", "server.update.staleness_weight"}
+    details = {"client/encode_s", "client/sim_train_s", "server/update/decode_s", "server/update/staleness_weight"}
     assert not details & set(standard.metric_keys())
     assert details <= set(full.metric_keys())
-    required = {"client.train_s", "client.loss", "client.upload_bytes", "server.update.queue_wait_s"}
+    required = {"client/train_s", "client/loss", "client/upload_bytes", "server/update/queue_wait_s"}
     assert required <= set(standard.metric_keys())
-    assert "profile.version.encode_s" in standard.metric_keys()
+    assert "profile/version/encode_s" in standard.metric_keys()

@@ -12,7 +12,7 @@ While the MLflow store cannot be reached, an :class:`MlflowTracker` writes every
 from __future__ import annotations
 
 from tracking.logs import LevelFilter, configure_logging, make_logger
-from tracking.metrics import DEFAULT_EXCLUDE, MetricRow, MetricsProcessor
+from tracking.metrics import DEFAULT_EXCLUDE, MetricRow, MetricsProcessor, metric_key
 from tracking.mlflow_run import (
     MlflowTracker,
     NullTracker,
@@ -51,6 +51,7 @@ __all__ = [
     "check_local_store",
     "configure_logging",
     "make_logger",
+    "metric_key",
     "redact_uri",
     "replay",
     "resolve_tracking_uri",

@@ -54,9 +54,9 @@ class RunRecord:
 
 
 def _history(client: mlflow.MlflowClient, run_id: str) -> list[EvalPoint]:
-    accuracy = {m.step: m.value for m in client.get_metric_history(run_id, "server.eval.accuracy")}
-    simulated = {m.step: m.value for m in client.get_metric_history(run_id, "server.eval.simulated_s")}
-    wall = {m.step: m.value for m in client.get_metric_history(run_id, "server.eval.wall_s")}
+    accuracy = {m.step: m.value for m in client.get_metric_history(run_id, "server/eval/accuracy")}
+    simulated = {m.step: m.value for m in client.get_metric_history(run_id, "server/eval/simulated_s")}
+    wall = {m.step: m.value for m in client.get_metric_history(run_id, "server/eval/wall_s")}
     return [
         EvalPoint(step, value, simulated.get(step, math.nan), wall.get(step, math.nan))
         for step, value in sorted(accuracy.items())
@@ -107,7 +107,7 @@ def time_to_target(history: Sequence[EvalPoint], target: float) -> EvalPoint | N
 
 def default_target(records: Sequence[RunRecord]) -> float | None:
     """Return the lowest final accuracy of the runs: the target every run reached (None without accuracies)."""
-    finals = [r.metrics["run.finished.accuracy"] for r in records if "run.finished.accuracy" in r.metrics]
+    finals = [r.metrics["run/finished/accuracy"] for r in records if "run/finished/accuracy" in r.metrics]
     finals = [a for a in finals if math.isfinite(a)]
     return min(finals) if finals else None
 
@@ -151,7 +151,7 @@ def comparison_table(records: Sequence[RunRecord], *, target: float | None = Non
         target = default_target(records)
 
     def metric(record: RunRecord, key: str) -> float | None:
-        return record.metrics.get(f"run.finished.{key}")
+        return record.metrics.get(f"run/finished/{key}")
 
     rows: list[tuple[str, list[str]]] = [
         ("run", [r.name for r in records]),

@@ -12,7 +12,7 @@ from structlog.typing import EventDict, WrappedLogger
 
 from tracking._keys import safe_key
 
-__all__ = ["DEFAULT_EXCLUDE", "MetricRow", "MetricsProcessor"]
+__all__ = ["DEFAULT_EXCLUDE", "MetricRow", "MetricsProcessor", "metric_key"]
 
 
 class MetricRow(NamedTuple):
@@ -53,10 +53,11 @@ class MetricsProcessor:
     """Emit one metric row per numeric field of each event; a structlog processor.
 
     An event ``log.debug("client.trained", step=7, train_s=0.8, samples=64, client_id=3)``
-    becomes the metrics ``client.trained.train_s = 0.8`` and ``client.trained.samples = 64.0``,
-    both at step 7, handed to ``sink`` in one call. Numbers are ``int`` and ``float`` values and
-    other real-number scalars (NumPy's), never ``bool``; NaN and infinities pass through (MLflow
-    stores them). Fields in ``exclude`` are skipped, so keys are bounded by the event names and
+    becomes the metrics ``client/trained/train_s = 0.8`` and ``client/trained/samples = 64.0``,
+    both at step 7, handed to ``sink`` in one call: the dots of an event name become ``/``, which MLflow's UI
+    groups charts by (one section per first part: ``server``, ``client``, ``profile``, ...). Numbers are ``int``
+    and ``float`` values and other real-number scalars (NumPy's), never ``bool``; NaN and infinities pass through
+    (MLflow stores them). Fields in ``exclude`` are skipped, so keys are bounded by the event names and
     fields in the code, never by client ids. An event logged with ``metrics=False`` is skipped
     (the key is removed either way). The event is returned unchanged otherwise.
 
@@ -68,7 +69,7 @@ class MetricsProcessor:
         sink: Receives the metrics of one event; must not block (e.g.
             :meth:`~tracking.mlflow_run.MlflowTracker.log_metrics`).
         exclude: Field names that are never metrics.
-        drop_keys: Whole metric keys (``event.field``) that are not sent.
+        drop_keys: Whole metric keys (``event/field``, as sent) that are not sent.
         clock_ms: Wall-clock time in milliseconds since the epoch, stamped on every metric.
     """
 
@@ -149,8 +150,14 @@ class MetricsProcessor:
     def _key(self, name: str, field: str) -> str | None:
         if field in self._exclude:
             return None
-        key = safe_key(f"{name}.{field}" if name else field)
+        key = safe_key(metric_key(name, field))
         return None if key in self._drop else key
+
+
+def metric_key(event: str, field: str) -> str:
+    """Return the MLflow key of a numeric field of a logged event: ``("server.eval", "accuracy")`` ->
+    ``server/eval/accuracy`` (every dot becomes a ``/``, the separator MLflow's UI groups by)."""
+    return (f"{event}.{field}" if event else field).replace(".", "/")
 
 
 def _to_float(value: Any) -> float | None:

@@ -94,17 +94,17 @@ def format_report(run_id: str, name: str, metrics: Mapping[str, float], profile:
     Args:
         run_id: The run's id.
         name: The run's name.
-        metrics: The run's latest metric values (``run.finished.*`` are used).
+        metrics: The run's latest metric values (``run/finished/*`` are used).
         profile: The run's ``profile.json`` (None: only the headline is printed).
     """
     m = metrics
     lines = [
         f"run {name} ({run_id})",
-        f"  accuracy      {_num(m.get('run.finished.accuracy'))}   loss {_num(m.get('run.finished.loss'))}",
-        f"  updates       {_num(m.get('run.finished.updates_accepted'))} accepted, "
-        f"{_num(m.get('run.finished.updates_dropped'))} dropped, {_num(m.get('run.finished.updates_failed'))} failed",
-        f"  versions      {_num(m.get('run.finished.versions'))}   wall {_num(m.get('run.finished.wall_s'))} s, "
-        f"simulated {_num(m.get('run.finished.simulated_s'))} s",
+        f"  accuracy      {_num(m.get('run/finished/accuracy'))}   loss {_num(m.get('run/finished/loss'))}",
+        f"  updates       {_num(m.get('run/finished/updates_accepted'))} accepted, "
+        f"{_num(m.get('run/finished/updates_dropped'))} dropped, {_num(m.get('run/finished/updates_failed'))} failed",
+        f"  versions      {_num(m.get('run/finished/versions'))}   wall {_num(m.get('run/finished/wall_s'))} s, "
+        f"simulated {_num(m.get('run/finished/simulated_s'))} s",
     ]
     if profile is None:
         lines.append("  (no profile.json: the run had diagnostics.profile off)")

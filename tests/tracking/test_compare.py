@@ -111,7 +111,7 @@ def _record(name: str, accuracies: list[float], params: dict[str, str]) -> RunRe
         name=name,
         status="FINISHED",
         params=params,
-        metrics={"run.finished.accuracy": accuracies[-1], "run.finished.upload_bytes": 2000.0},
+        metrics={"run/finished/accuracy": accuracies[-1], "run/finished/upload_bytes": 2000.0},
         history=history,
     )
 
@@ -131,5 +131,5 @@ def test_time_to_target_and_differences() -> None:
 
 def test_format_report_without_profile() -> None:
     """A run without profile.json still reports its headline and says why the rest is missing."""
-    text = format_report("abc", "run-x", {"run.finished.accuracy": 0.5}, None)
+    text = format_report("abc", "run-x", {"run/finished/accuracy": 0.5}, None)
     assert "run run-x (abc)" in text and "0.5" in text and "diagnostics.profile off" in text

@@ -148,7 +148,7 @@ def test_metrics_logger_takes_metrics_of_dropped_and_rendered_events() -> None:
     log, rows = metrics_logger("info", stream)
     log.debug("client", step=2, loss=0.5, client_id=9)
     log.info("server.version", step=3, accuracy=0.9)
-    assert rows.values() == {"client.loss": (0.5, 2), "server.version.accuracy": (0.9, 3)}
+    assert rows.values() == {"client/loss": (0.5, 2), "server/version/accuracy": (0.9, 3)}
     records = [json.loads(line) for line in lines(stream)]
     assert [r["event"] for r in records] == ["server.version"]
     assert records[0]["accuracy"] == 0.9 and records[0]["level"] == "info"
@@ -160,7 +160,7 @@ def test_metrics_logger_honours_metrics_false_and_never_renders_the_flag() -> No
     log, rows = metrics_logger("info", stream)
     log.info("run.started", clients=100, metrics=False)
     log.warning("run.slow", lag_s=2.0)
-    assert rows.values() == {"run.slow.lag_s": (2.0, 0)}
+    assert rows.values() == {"run/slow/lag_s": (2.0, 0)}
     records = [json.loads(line) for line in lines(stream)]
     assert [r["event"] for r in records] == ["run.started", "run.slow"]
     assert records[0]["clients"] == 100
@@ -172,7 +172,7 @@ def test_metrics_logger_reads_the_bound_context_but_not_context_variables() -> N
     log, rows = metrics_logger("info", io.StringIO())
     with structlog.contextvars.bound_contextvars(temperature=3.0):
         log.bind(lr=0.1, loss=9.0).debug("e", step=1, loss=2.0)
-    assert rows.values() == {"e.lr": (0.1, 1), "e.loss": (2.0, 1)}
+    assert rows.values() == {"e/lr": (0.1, 1), "e/loss": (2.0, 1)}
 
 
 def test_metrics_logger_async_and_exception_methods_give_metrics() -> None:
@@ -188,7 +188,7 @@ def test_metrics_logger_async_and_exception_methods_give_metrics() -> None:
         raise ValueError("boom")
     except ValueError:
         log.exception("failed", attempts=3)
-    assert rows.values() == {"a.x": (1.0, 0), "failed.attempts": (3.0, 0)}
+    assert rows.values() == {"a/x": (1.0, 0), "failed/attempts": (3.0, 0)}
     assert [json.loads(line)["event"] for line in lines(stream)] == ["failed"]
 
 
@@ -200,5 +200,5 @@ def test_metrics_logger_with_processors_before_still_shows_them_every_event() ->
     log.debug("quiet", x=1.0)
     assert [e["event"] for e in recorder.events] == ["quiet"]
     assert "metrics" not in recorder.events[0]
-    assert rows.values() == {"quiet.x": (1.0, 0)}
+    assert rows.values() == {"quiet/x": (1.0, 0)}
     assert lines(stream) == []

@@ -36,10 +36,10 @@ def test_numeric_fields_become_dotted_keys_at_the_event_step() -> None:
     """Each int or float field becomes `<event>.<field>` at the event's step and clock time."""
     sink, _ = run("client.trained", step=7, train_s=0.25, samples=64)
     metrics = sink.by_key()
-    assert set(metrics) == {"client.trained.train_s", "client.trained.samples"}
-    assert metrics["client.trained.train_s"].value == 0.25
-    assert metrics["client.trained.samples"].value == 64.0
-    assert isinstance(metrics["client.trained.samples"].value, float)
+    assert set(metrics) == {"client/trained/train_s", "client/trained/samples"}
+    assert metrics["client/trained/train_s"].value == 0.25
+    assert metrics["client/trained/samples"].value == 64.0
+    assert isinstance(metrics["client/trained/samples"].value, float)
     assert {(m.step, m.timestamp) for m in metrics.values()} == {(7, 1234)}
 
 
@@ -66,14 +66,14 @@ def test_excluded_identifiers_are_not_metrics() -> None:
     """Ids, versions and the step itself are never metrics."""
     ids = dict.fromkeys(DEFAULT_EXCLUDE, 3)
     sink, _ = run("update.received", staleness=2, **ids)
-    assert list(sink.by_key()) == ["update.received.staleness"]
+    assert list(sink.by_key()) == ["update/received/staleness"]
 
 
 def test_custom_exclude_replaces_the_default() -> None:
     """A given exclude set is used instead of DEFAULT_EXCLUDE."""
     sink = Sink()
     MetricsProcessor(sink, exclude={"bytes"})(None, "info", {"event": "e", "bytes": 3, "client_id": 1})
-    assert list(sink.by_key()) == ["e.client_id"]
+    assert list(sink.by_key()) == ["e/client_id"]
 
 
 def test_metrics_false_skips_the_event_and_drops_the_flag() -> None:
@@ -87,35 +87,35 @@ def test_nan_and_infinity_pass_through() -> None:
     """Non-finite values are sent as they are."""
     sink, _ = run("diag", step=0, loss=math.nan, grad=-math.inf)
     metrics = sink.by_key()
-    assert math.isnan(metrics["diag.loss"].value)
-    assert metrics["diag.grad"].value == -math.inf
+    assert math.isnan(metrics["diag/loss"].value)
+    assert metrics["diag/grad"].value == -math.inf
 
 
 def test_numpy_scalars_are_numbers() -> None:
     """NumPy integer and float scalars count as numbers."""
     sink, _ = run("e", a=np.float32(0.5), b=np.int64(3), c=np.bool_(True))
-    assert {k: m.value for k, m in sink.by_key().items()} == {"e.a": 0.5, "e.b": 3.0}
+    assert {k: m.value for k, m in sink.by_key().items()} == {"e/a": 0.5, "e/b": 3.0}
 
 
 def test_missing_or_odd_step_means_step_zero() -> None:
     """Without a usable step the metrics are logged at step 0."""
     sink, _ = run("e", step="late", x=1)
-    assert sink.by_key()["e.x"].step == 0
+    assert sink.by_key()["e/x"].step == 0
 
 
 def test_keys_mlflow_would_refuse_are_made_valid() -> None:
     """Characters MLflow rejects in keys are replaced by underscores."""
     sink, _ = run("edge<3>:merged", bytes_in=10)
-    assert list(sink.by_key()) == ["edge_3__merged.bytes_in"]
+    assert list(sink.by_key()) == ["edge_3__merged/bytes_in"]
 
 
 def test_dropped_keys_are_not_sent_and_other_events_keep_the_field() -> None:
     """drop_keys removes one event's field, not the same field name of other events."""
     sink = Sink()
-    processor = MetricsProcessor(sink, clock_ms=lambda: 1, drop_keys={"client.encode_s"})
+    processor = MetricsProcessor(sink, clock_ms=lambda: 1, drop_keys={"client/encode_s"})
     processor(None, "debug", {"event": "client", "step": 1, "encode_s": 0.1, "loss": 2.0})
     processor(None, "debug", {"event": "profile.version", "step": 1, "encode_s": 0.3})
-    assert set(sink.by_key()) == {"client.loss", "profile.version.encode_s"}
+    assert set(sink.by_key()) == {"client/loss", "profile/version/encode_s"}
     sink.calls.clear()
     processor(None, "debug", {"event": "client", "step": 2, "encode_s": 0.1})
     assert sink.calls == []
@@ -126,7 +126,7 @@ def test_emit_takes_fields_without_an_event_dict() -> None:
     sink = Sink()
     processor = MetricsProcessor(sink, clock_ms=lambda: 5)
     processor.emit("client", {"step": 3, "loss": 0.5, "client_id": 4, "note": "x"})
-    assert sink.calls == [[MetricRow("client.loss", 0.5, 5, 3)]]
+    assert sink.calls == [[MetricRow("client/loss", 0.5, 5, 3)]]
     assert isinstance(sink.calls[0][0], MetricRow)
 
 
@@ -137,7 +137,7 @@ def test_a_field_is_judged_by_its_value_each_time() -> None:
     processor.emit("e", {"x": "n/a"})
     processor.emit("e", {"x": 2, "y": True})
     processor.emit("e", {"x": None})
-    assert sink.calls == [[MetricRow("e.x", 2.0, 1, 0)]]
+    assert sink.calls == [[MetricRow("e/x", 2.0, 1, 0)]]
 
 
 def test_many_event_names_and_fields_keep_the_right_keys() -> None:
@@ -148,4 +148,4 @@ def test_many_event_names_and_fields_keep_the_right_keys() -> None:
         processor.emit(f"event{index % 1200}", {f"f{index}": index, "skip": 1.0})
         processor.emit("wide", {f"g{index}": index})
     keys = [row.key for call in sink.calls for row in call]
-    assert keys == [key for index in range(2500) for key in (f"event{index % 1200}.f{index}", f"wide.g{index}")]
+    assert keys == [key for index in range(2500) for key in (f"event{index % 1200}/f{index}", f"wide/g{index}")]

@@ -56,7 +56,7 @@ def test_logged_events_become_metrics_with_their_steps(tracker: MlflowTracker, c
     for version in range(3):
         log.debug("server.aggregated", step=version, staleness_mean=version / 2, client_id=9)
     tracker.flush()
-    history = client.get_metric_history(run_id, "server.aggregated.staleness_mean")
+    history = client.get_metric_history(run_id, "server/aggregated/staleness_mean")
     assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 0.5), (2, 1.0)]
     assert "server.aggregated.client_id" not in client.get_run(run_id).data.metrics
     tracker.finish("FINISHED")

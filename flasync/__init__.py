@@ -7,8 +7,10 @@ Run ``python -m flasync run`` for the default experiment, or embed a run in your
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from flasync._version import __version__
-from flasync.config import RunConfig, load_config
 from flasync.errors import (
     CheckpointError,
     ConfigError,
@@ -18,7 +20,31 @@ from flasync.errors import (
     RunInterrupted,
     TrainingError,
 )
-from flasync.runtime import Federation, RunSummary, run
+
+if TYPE_CHECKING:
+    from flasync.config import RunConfig, load_config
+    from flasync.runtime import Federation, RunSummary, run
+
+# Imported on first use: the runtime brings in torch (about a second), which `python -m flasync` should not pay
+# before it can say anything, nor `flasync --help`.
+_LAZY = {
+    "Federation": "flasync.runtime",
+    "RunSummary": "flasync.runtime",
+    "run": "flasync.runtime",
+    "RunConfig": "flasync.config",
+    "load_config": "flasync.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the public names that need torch or pydantic on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flasync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CheckpointError",

@@ -16,16 +16,19 @@ import asyncio
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+import structlog
 import yaml
 
 import tracking
-from flasync import checkpoint
 from flasync._version import __version__
 from flasync.config import RunConfig, apply_override, load_config, validate
 from flasync.errors import ConfigError, FlasyncError, RunInterrupted
-from flasync.runtime import Federation, RunSummary
+
+if TYPE_CHECKING:
+    from flasync import checkpoint
+    from flasync.runtime import Federation, RunSummary
 
 __all__ = ["main"]
 
@@ -233,6 +236,8 @@ def _resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.Res
         if not override.strip().startswith("stop."):
             raise ConfigError(f"--set {override!r}: with --resume only stop.* may change")
     tracker = tracking.MlflowTracker(args.tracking_uri, system_metrics=not args.no_system_metrics)
+    from flasync import checkpoint  # torch: imported once the command needs it
+
     config, state, status, tags, artifact = checkpoint.fetch(args.resume, tracker.tracking_uri)
     if status == "FINISHED":
         raise ConfigError(f"MLflow run {args.resume} already FINISHED; there is nothing to resume")
@@ -374,6 +379,10 @@ def _command_run(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(dump, sort_keys=False), end="")
         return 0
     tracking.configure_logging(fmt=args.log_format, level=config.tracking.log_level)
+    # The first line comes before torch is imported (about a second on 2 cores).
+    structlog.get_logger("flasync").info("run.phase", phase="loading flasync and torch")
+    from flasync.runtime import Federation
+
     received: list[str] = []
     try:
         summary = _run_loop(_run_with_signals(Federation(config, tracker=tracker, resume=resume), received))

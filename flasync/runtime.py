@@ -69,7 +69,7 @@ from flasync.summary import RunSummary, json_ready, weights_sha256
 
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
-_METRIC_EXCLUDE = frozenset(tracking.DEFAULT_EXCLUDE | {"version"})
+_METRIC_EXCLUDE = frozenset(tracking.DEFAULT_EXCLUDE | {"version", "of", "eta_s"})  # progress, not measurements
 # Per-update figures logged only with ``tracking.metrics = "all"``; their per-version sums are in ``profile.version.*``
 # and profile.json either way. Each MLflow metric row costs the store's writer ~0.2 ms of CPU (sqlite).
 _DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
@@ -213,7 +213,9 @@ class Federation:
         """
         cfg = self.config
         tracker = self._make_tracker()
+        tracked = not isinstance(tracker, tracking.NullTracker)
         tracker.prepare()  # e.g. its MLflow writer process starts up while the data loads
+        _phase("loading the data and building the model")
         try:
             prepared = await asyncio.to_thread(self._prepare)
             if self._stop_requested:
@@ -227,6 +229,8 @@ class Federation:
             metrics = tracking.MetricsProcessor(tracker.log_metrics, exclude=_METRIC_EXCLUDE, drop_keys=drop)
         # Metrics are taken at each log call; events below the log level skip structlog's chain.
         log = tracking.make_logger(level=cfg.tracking.log_level, metrics=metrics)
+        if tracked:
+            _phase("starting the MLflow run")
         if self._resume is not None and self._resume.run_id:
             run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
         else:
@@ -255,6 +259,8 @@ class Federation:
             context = {"run_id": self.run_id} if self.run_id else {}
             with structlog.contextvars.bound_contextvars(**context):
                 summary = await self._simulate(prepared, executor, log, tracker)
+                if tracked:
+                    _phase("logging the artifacts")
                 await asyncio.to_thread(self._log_artifacts, tracker, prepared, summary, log)
             status = "FINISHED"
             return summary
@@ -388,9 +394,11 @@ class Federation:
             if isinstance(value, int | float) and not isinstance(value, bool)
         }
         bus = self.bus.statistics()
-        log.info("run.finished", step=stats.versions, **figures, bus_dropped=bus.dropped, bus_high_water=bus.high_water)
+        # Debug on the console (the command prints the summary once); metrics either way.
+        extra = {"bus_dropped": bus.dropped, "bus_high_water": bus.high_water}
+        log.debug("run.finished", step=stats.versions, **figures, **extra)
         if summary.tiers:
-            log.info("run.tiers", step=stats.versions, **summary.tiers)
+            log.debug("run.tiers", step=stats.versions, **summary.tiers)
         if instrumentation is not None:
             # In a thread: summarising a long run's records must not stall the caller's event loop.
             summary = await asyncio.to_thread(
@@ -489,7 +497,7 @@ class Federation:
                 name: float(torch.linalg.vector_norm(part)) for name, part in zip(layout.names, parts, strict=True)
             }
         self.profile = profile
-        log.info("profile", step=summary.versions, **headline(profile))
+        log.debug("profile", step=summary.versions, **headline(profile))
         for row in profile["time"]["per_version"]:
             log.debug("profile.version", step=int(row["version"]), **row)
         return replace(
@@ -527,7 +535,8 @@ class Federation:
         tracker.log_bytes(buffer.getvalue(), "weights.pt")
         if self.config.tracking.log_model and isinstance(tracker, tracking.MlflowTracker):
             try:
-                seconds = tracker.log_model(module)
+                example = prepared.test.x[:2].detach().cpu().numpy()
+                seconds = tracker.log_model(module, input_example=example)
                 log.debug("tracking.log_model", seconds=seconds, metrics=False)
             except Exception as exc:  # a model MLflow cannot serialise must not fail the run
                 log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
@@ -632,6 +641,11 @@ class _CheckpointWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _phase(name: str) -> None:
+    """Say on the console what the run is doing now (an info line; never a metric)."""
+    structlog.get_logger("flasync").info("run.phase", phase=name)
 
 
 def _redacted(config: RunConfig) -> RunConfig:

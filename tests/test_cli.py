@@ -21,7 +21,8 @@ def _fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     """Run the CLI in-process, expect exit status 2 and return its one-line error."""
     assert main(list(argv)) == 2
     err = capsys.readouterr().err
-    lines = err.strip().splitlines()
+    # Apart from the progress lines saying which phase the run reached, one line: the error.
+    lines = [line for line in err.strip().splitlines() if " run.phase " not in line]
     assert len(lines) == 1, err
     assert lines[0].startswith("flasync: error: ")
     return lines[0]
@@ -157,6 +158,12 @@ def test_default_experiment_end_to_end(tmp_path: Path) -> None:
     assert "mlflow ui --backend-store-uri sqlite:///" in done.stdout
     assert "server.eval" in done.stderr  # progress lines while it runs
     assert "Creating initial MLflow database tables" not in done.stderr  # MLflow's info lines are not flasync's
+    console = done.stderr.splitlines()
+    assert "run.phase" in console[0] and "loading flasync and torch" in console[0]
+    assert max(len(line) for line in console) <= 135, max(console, key=len)
+    assert not re.search(r"\d\.\d{8,}", done.stderr)  # floats rounded (to 4 significant digits)
+    assert len(re.findall(r"run_id=", done.stderr)) == 1  # the run id once
+    assert re.search(r"server\.eval +version=150/150 accuracy=0\.9\d*", done.stderr)
     uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
     (run,) = _runs(uri)
     assert run.info.status == "FINISHED"

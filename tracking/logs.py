@@ -9,6 +9,7 @@ that a processor placed before the level filter (e.g. a
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from structlog.typing import EventDict, FilteringBoundLogger, Processor, Wrapped
 
 from tracking.metrics import MetricsProcessor
 
-__all__ = ["LevelFilter", "configure_logging", "make_logger"]
+__all__ = ["ConsoleFields", "LevelFilter", "configure_logging", "make_logger"]
 
 _LEVELS: dict[str, int] = {
     "critical": logging.CRITICAL,
@@ -147,7 +148,10 @@ def configure_logging(
     if fmt == "json":
         tail = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     elif fmt == "console":
-        tail = [structlog.dev.ConsoleRenderer(colors=_is_tty(out))]
+        tail = [
+            ConsoleFields(),
+            structlog.dev.ConsoleRenderer(colors=_is_tty(out), pad_event_to=12, pad_level=False, sort_keys=False),
+        ]
     else:
         raise ValueError(f"unknown log format {fmt!r}; expected 'console' or 'json'")
     _set_library_levels(level)
@@ -156,13 +160,37 @@ def configure_logging(
             merge_contextvars,
             add_log_level,
             LevelFilter(level),
-            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.TimeStamper(fmt="%H:%M:%S" if fmt == "console" else "iso", utc=fmt != "console"),
             *tail,
         ],
         wrapper_class=_NON_FILTERING,
         logger_factory=structlog.WriteLoggerFactory(file=out) if stream is not None else _StderrLoggerFactory(),
         cache_logger_on_first_use=False,
     )
+
+
+class ConsoleFields:
+    """Shorten an event for the console (JSON lines keep every field as logged).
+
+    Floats are rounded to 4 significant digits and NaN fields left out; ``step`` (the metric step, repeated by
+    ``version``) is left out, and so is the ``run_id`` every event of a run carries (``run.started`` shows it once);
+    ``version`` and ``of`` become ``version=n/N``. A structlog processor.
+    """
+
+    def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+        """Return the shortened event."""
+        event_dict.pop("step", None)
+        if event_dict.get("event") != "run.started":
+            event_dict.pop("run_id", None)
+        if "of" in event_dict and "version" in event_dict:
+            event_dict["version"] = f"{event_dict['version']}/{event_dict.pop('of')}"
+        for key, value in list(event_dict.items()):
+            if isinstance(value, float):
+                if math.isnan(value):
+                    del event_dict[key]
+                elif math.isfinite(value) and value != 0.0:
+                    event_dict[key] = float(f"{value:.4g}")
+        return event_dict
 
 
 _LIBRARIES = ("mlflow", "alembic", "urllib3", "git", "matplotlib")

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import tempfile
 import threading
 import time
@@ -671,8 +672,13 @@ class MlflowTracker:
             return None
         return f"mlflow ui --backend-store-uri {shlex.quote(self.tracking_uri)}"
 
-    def log_model(self, model: torch.nn.Module, *, name: str = "model") -> float:
+    def log_model(self, model: torch.nn.Module, *, name: str = "model", input_example: Any = None) -> float:
         """Store a PyTorch model as an MLflow logged model of this run; return the seconds taken.
+
+        With an ``input_example`` (a small batch of inputs, a NumPy array) the model is saved in MLflow's ``pt2``
+        format (``torch.export``: loading it runs no pickle, and its signature comes from the example); a model
+        ``torch.export`` cannot trace, or no example, falls back to the ``pickle`` format (loading it unpickles the
+        model class, which must be importable; MLflow warns about that).
 
         ``mlflow.pytorch.log_model`` accepts a ``run_id`` but always writes through the global
         tracking URI, so it is not used: the model is saved locally with
@@ -682,8 +688,9 @@ class MlflowTracker:
         instead (replayed as a plain artifact folder, not as a logged model).
 
         Args:
-            model: The model; pickled whole, so its class must be importable where it is loaded.
+            model: The model.
             name: The logged model's name.
+            input_example: A batch of inputs the model takes (e.g. two test samples).
 
         Returns:
             Wall-clock seconds spent.
@@ -700,6 +707,25 @@ class MlflowTracker:
         self._check_started()
         requirements = [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
 
+        def save(local: str, description: Model | None = None) -> None:
+            if input_example is not None:
+                try:
+                    mlflow.pytorch.save_model(
+                        model,
+                        local,
+                        mlflow_model=description,
+                        serialization_format="pt2",
+                        input_example=input_example,
+                        pip_requirements=requirements,
+                    )
+                    return
+                except Exception as exc:  # not exportable: fall back to pickle
+                    shutil.rmtree(local, ignore_errors=True)
+                    self._log.info("tracking.model_pickled", reason=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+            mlflow.pytorch.save_model(
+                model, local, mlflow_model=description, serialization_format="pickle", pip_requirements=requirements
+            )
+
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             logged = client.create_logged_model(str(self.experiment_id), name=name, source_run_id=run_id)
             try:
@@ -711,14 +737,7 @@ class MlflowTracker:
                         model_uuid=logged.model_id,
                         model_id=logged.model_id,
                     )
-                    mlflow.pytorch.save_model(
-                        model,
-                        local,
-                        mlflow_model=description,
-                        # MLflow 3.17 defaults to "pt2", which needs an input example to trace.
-                        serialization_format="pickle",
-                        pip_requirements=requirements,
-                    )
+                    save(local, description)
                     client.log_model_artifacts(logged.model_id, local)
                 client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
                 client.finalize_logged_model(logged.model_id, "READY")
@@ -730,7 +749,7 @@ class MlflowTracker:
         def spool(writer: SpoolWriter) -> None:
             with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
                 local = os.path.join(tmp, name)
-                mlflow.pytorch.save_model(model, local, serialization_format="pickle", pip_requirements=requirements)
+                save(local)
                 writer.artifact_path(local, None)
 
         self._failover.deliver(send, spool)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -71,6 +72,17 @@ class StopRules:
     max_wall_s: float | None = None
     eval_every: int = 1
     checkpoint_every: int | None = None
+
+
+def eta_seconds(rules: StopRules, done: int, version: int, wall_s: float) -> float:
+    """Wall seconds left until ``max_versions`` (or ``max_wall_s``, if sooner) at the pace so far: ``done`` versions
+    made by this process in ``wall_s`` (NaN before the first); a run may end sooner on its other stop rules."""
+    if done <= 0 or wall_s <= 0.0:
+        return math.nan
+    left = wall_s * max(rules.max_versions - version, 0) / done
+    if rules.max_wall_s is not None:
+        left = min(left, max(rules.max_wall_s - wall_s, 0.0))
+    return left
 
 
 class Stateful(Protocol):
@@ -162,6 +174,7 @@ class Server:
         self._answered: set[int] = set()
         self._queued: list[EdgeForwarded | TaskClosed | UpdateUploaded] = []
         self._start_wall = 0.0
+        self._first_version = 0  # the version this process started from (a resumed run's pace counts from it)
         self._inbox = bus.subscribe(
             UpdateUploaded,
             ClientFailed,
@@ -220,6 +233,7 @@ class Server:
     async def run(self) -> ServerStats:
         """Run until a stop condition holds; return the final counters (the final model is :attr:`weights`)."""
         self._start_wall = self.wall()
+        self._first_version = int(self.version)
         try:
             async with asyncio.TaskGroup() as tg:
                 self.registry.attach(tg)
@@ -498,11 +512,13 @@ class Server:
             "server.eval",
             step=int(snapshot.version),
             version=int(snapshot.version),
+            of=self.rules.max_versions,
             accuracy=result.accuracy,
             loss=result.loss,
             updates=stats.updates_accepted,
             simulated_s=self.clock.now(),
             wall_s=wall_s,
+            eta_s=eta_seconds(self.rules, int(snapshot.version) - self._first_version, int(snapshot.version), wall_s),
         )
         await self.bus.publish(
             Evaluated(

@@ -202,3 +202,22 @@ def test_metrics_logger_with_processors_before_still_shows_them_every_event() ->
     assert "metrics" not in recorder.events[0]
     assert rows.values() == {"quiet/x": (1.0, 0)}
     assert lines(stream) == []
+
+
+def test_console_lines_are_short() -> None:
+    """The console drops the metric step and the run id (shown once, at run.started), rounds floats to 4 digits,
+    leaves NaN out and shows progress as n/N; the event itself is not otherwise changed."""
+    from tracking.logs import ConsoleFields
+
+    shorten = ConsoleFields()
+    event = {"event": "server.eval", "step": 5, "run_id": "abc", "version": 5, "of": 150, "accuracy": 0.123456789}
+    assert shorten(None, "info", dict(event, eta_s=float("nan"))) == {
+        "event": "server.eval",
+        "version": "5/150",
+        "accuracy": 0.1235,
+    }
+    assert shorten(None, "info", {"event": "run.started", "run_id": "abc", "params": 4810}) == {
+        "event": "run.started",
+        "run_id": "abc",
+        "params": 4810,
+    }

@@ -252,3 +252,33 @@ def test_an_existing_experiment_without_a_kind_gets_one(client: mlflow.MlflowCli
         tracker.finish("FINISHED")
     assert client.get_experiment(bare).tags["mlflow.experimentKind"] == "custom_model_development"
     assert client.get_experiment(genai).tags["mlflow.experimentKind"] == "genai_development"
+
+
+def test_a_model_with_an_input_example_is_saved_without_pickle(
+    tracker: MlflowTracker, client: mlflow.MlflowClient, tmp_path: Path
+) -> None:
+    """With an input example the model is stored in MLflow's pt2 format (torch.export; no pickle to load), with a
+    signature, and it loads and predicts batches of any size; a model torch.export cannot trace falls back to
+    pickle."""
+    import numpy as np
+
+    run_id = tracker.start(experiment="safe-models")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    tracker.log_model(model, name="mlp", input_example=np.zeros((2, 8), dtype=np.float32))
+
+    class Branchy(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2 if float(x.sum()) > 0 else x  # data-dependent control flow: not exportable
+
+    tracker.log_model(Branchy(), name="branchy", input_example=np.ones((2, 8), dtype=np.float32))
+    tracker.finish("FINISHED")
+    assert tracker.experiment_id is not None
+    models = {m.name: m for m in client.search_logged_models([tracker.experiment_id])}
+    files = {}
+    for name, logged in models.items():
+        folder = mlflow.artifacts.download_artifacts(f"{logged.artifact_location}/data", dst_path=str(tmp_path / name))
+        files[name] = sorted(p.name for p in Path(folder).iterdir())
+    assert files == {"mlp": ["model.pt2"], "branchy": ["model.pth", "pickle_module_info.txt"]}
+    loaded = mlflow.pyfunc.load_model(models["mlp"].artifact_location)
+    assert loaded.predict(np.ones((5, 8), dtype=np.float32)).shape == (5, 2)
+    assert run_id

@@ -1,0 +1,94 @@
+"""What a user waits for: the default run from the shell, with and without tracking, phase by phase.
+
+Runs ``python -m flasync run`` (the default experiment) in a fresh folder three ways, ``--repeats`` times each,
+alternating: tracked into a new SQLite store (the first run in a folder, as a new user's is), tracked again into
+that store, and with ``--no-tracking``.
+Every stderr line is time-stamped as it arrives, which gives: the first line, the start of each phase (``run.phase``:
+loading the data, starting the MLflow run, logging the artifacts), training (``run.started`` to the last
+``server.eval``) and the exit. Prints the medians and what tracking adds in each stretch.
+
+    python benchmarks/startup.py               # 3 repeats: about a minute on 2 cores
+    python benchmarks/startup.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKS = {
+    "first line": None,
+    "torch": "phase='loading flasync and torch'",
+    "data": "phase='loading the data",
+    "mlflow start": "phase='starting the MLflow run'",
+    "training": "run.started",
+    "last eval": "server.eval  version=150/150",
+    "artifacts": "phase='logging the artifacts'",
+}
+
+
+def one(folder: Path, tracked: bool) -> dict[str, float]:
+    """Run once; return seconds from the command's start to each mark and to its exit."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    args = [sys.executable, "-m", "flasync", "run", "--no-system-metrics"]
+    if not tracked:
+        args.append("--no-tracking")
+    start = time.monotonic()
+    process = subprocess.Popen(args, cwd=folder, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    assert process.stderr is not None
+    seen: dict[str, float] = {}
+    for line in process.stderr:
+        now = time.monotonic() - start
+        for mark, needle in MARKS.items():
+            if mark not in seen and (needle is None or needle in line):
+                seen[mark] = now
+    if process.wait() != 0:
+        raise SystemExit(f"the run failed (exit {process.returncode})")
+    seen["exit"] = time.monotonic() - start
+    return seen
+
+
+def main() -> None:
+    """Run the repeats and print the medians."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    kinds = ("new store", "existing store", "--no-tracking")
+    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="flasync-startup-") as tmp:
+            for kind in kinds:
+                runs[kind].append(one(Path(tmp), kind != "--no-tracking"))
+
+    def med(kind: str, mark: str) -> float:
+        values = [r[mark] for r in runs[kind] if mark in r]
+        return statistics.median(values) if values else float("nan")
+
+    print(f"seconds from the command's start (median of {args.repeats}; the default run)")
+    print(f"| mark | {' | '.join(kinds)} |")
+    print("|---|---|---|---|")
+    for mark in (*MARKS, "exit"):
+        print(f"| {mark} | {' | '.join(f'{med(kind, mark):.2f}' for kind in kinds)} |")
+    u = "--no-tracking"
+    for kind in kinds[:2]:
+        before = med(kind, "training") - med(u, "training")
+        start = med(kind, "training") - med(kind, "mlflow start")
+        during = (med(kind, "last eval") - med(kind, "training")) - (med(u, "last eval") - med(u, "training"))
+        after = (med(kind, "exit") - med(kind, "last eval")) - (med(u, "exit") - med(u, "last eval"))
+        print(f"what tracking adds ({kind}):")
+        print(f"  before training   {before:+.2f} s (from starting the MLflow run to training: {start:.2f} s)")
+        print(f"  training          {during:+.2f} s")
+        print(f"  after training    {after:+.2f} s (artifacts, plots, model, closing the run)")
+        print(f"  in all            {med(kind, 'exit') - med(u, 'exit'):+.2f} s")
+
+
+if __name__ == "__main__":
+    main()

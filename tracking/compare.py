@@ -39,6 +39,8 @@ class EvalPoint:
     accuracy: float
     simulated_s: float
     wall_s: float
+    updates: float = math.nan
+    """Client updates accepted by then (the axis on which aggregators that make versions at different rates compare)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +59,9 @@ def _history(client: mlflow.MlflowClient, run_id: str) -> list[EvalPoint]:
     accuracy = {m.step: m.value for m in client.get_metric_history(run_id, "server/eval/accuracy")}
     simulated = {m.step: m.value for m in client.get_metric_history(run_id, "server/eval/simulated_s")}
     wall = {m.step: m.value for m in client.get_metric_history(run_id, "server/eval/wall_s")}
+    updates = {m.step: m.value for m in client.get_metric_history(run_id, "server/eval/updates")}
     return [
-        EvalPoint(step, value, simulated.get(step, math.nan), wall.get(step, math.nan))
+        EvalPoint(step, value, simulated.get(step, math.nan), wall.get(step, math.nan), updates.get(step, math.nan))
         for step, value in sorted(accuracy.items())
     ]
 
@@ -199,19 +202,23 @@ def comparison_table(records: Sequence[RunRecord], *, target: float | None = Non
 
 
 def plot_comparison(records: Sequence[RunRecord], path: str | Path, *, target: float | None = None) -> None:
-    """Write a PNG of the runs' accuracy against simulated and wall time (a dashed line at ``target``)."""
+    """Write a PNG of the runs' accuracy against client updates, simulated time and wall time (a dashed line at
+    ``target``): not against versions, which mean different amounts of work per aggregator (a FedAvg round folds a
+    whole cohort, a FedAsync version one update)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4))
-    axes = fig.subplots(1, 2)
+    fig = Figure(figsize=(15, 4))
+    axes = fig.subplots(1, 3)
     for record in records:
         label = f"{record.name} ({record.run_id[:8]})"
-        axes[0].plot([p.simulated_s for p in record.history], [p.accuracy for p in record.history], label=label)
-        axes[1].plot([p.wall_s for p in record.history], [p.accuracy for p in record.history], label=label)
-    for ax, xlabel in zip(axes, ("simulated seconds", "wall seconds"), strict=True):
+        accuracy = [p.accuracy for p in record.history]
+        axes[0].plot([p.updates for p in record.history], accuracy, label=label)
+        axes[1].plot([p.simulated_s for p in record.history], accuracy, label=label)
+        axes[2].plot([p.wall_s for p in record.history], accuracy, label=label)
+    for ax, xlabel in zip(axes, ("client updates", "simulated seconds", "wall seconds"), strict=True):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("accuracy")
         ax.grid(alpha=0.3)

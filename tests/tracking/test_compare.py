@@ -133,3 +133,15 @@ def test_format_report_without_profile() -> None:
     """A run without profile.json still reports its headline and says why the rest is missing."""
     text = format_report("abc", "run-x", {"run/finished/accuracy": 0.5}, None)
     assert "run run-x (abc)" in text and "0.5" in text and "diagnostics.profile off" in text
+
+
+def test_histories_carry_client_updates_for_a_fair_axis(three_runs: list[str], tracking_uri: str) -> None:
+    """Each evaluation knows how many client updates it came after: a buffer of 4 makes a version from twice the
+    updates of a buffer of 2, so runs compare on updates (and simulated time), not on versions."""
+    from tracking.compare import fetch_runs
+    from tracking.report import open_store
+
+    records = fetch_runs(open_store(tracking_uri), three_runs)
+    for record, size in zip(records, (2, 3, 4), strict=True):
+        assert [p.version for p in record.history] == [0, 2, 4]
+        assert [p.updates for p in record.history] == [0.0, 2.0 * size, 4.0 * size]

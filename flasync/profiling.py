@@ -628,14 +628,30 @@ def torch_memory() -> dict[str, int]:
     }
 
 
-_MAX_BARS = 60  # per-version plots draw areas and lines beyond this many versions
+_MAX_BARS = 60  # per-version plots draw at most this many bars (each the mean of consecutive versions beyond)
+
+
+def _binned(rows: Sequence[Mapping[str, float]], limit: int) -> list[dict[str, float]]:
+    """Merge consecutive per-version rows into at most ``limit`` rows of equal spans (sums added; see
+    :func:`_merge_rows`)."""
+    group = max(1, math.ceil(len(rows) / limit))
+    out: list[dict[str, float]] = []
+    for start in range(0, len(rows), group):
+        merged = dict(rows[start])
+        merged.setdefault("versions", 1.0)
+        for row in rows[start + 1 : start + group]:
+            merged = _merge_rows(merged, {**row, "versions": row.get("versions", 1.0)})
+        out.append(merged)
+    return out
 
 
 def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     """Draw the profile as PNG images; return ``{file name: PNG bytes}``.
 
     ``accuracy.png`` (accuracy against wall and simulated time), ``staleness.png`` (histogram),
-    ``time_breakdown.png`` (stacked wall seconds per version), ``bytes.png`` (bytes per version) and
+    ``time_breakdown.png`` (stacked wall seconds per version; at most 60 bars, each the mean of consecutive
+    versions in a longer run), ``bytes.png`` (bytes per version, only when an update's size varies: with a dense
+    codec it would say nothing) and
     ``client_times.png`` (distribution of client task times).
     """
     import matplotlib
@@ -669,43 +685,44 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     ax.set_title("Staleness of accepted updates")
     plots["staleness.png"] = png(fig)
 
-    rows = profile["time"]["per_version"]
-    versions = [int(r["version"]) for r in rows]
-    # One bar per version while bars stay readable; beyond that, areas and lines (a bar is one matplotlib artist,
-    # and a thousand of them take seconds to draw).
-    as_bars = len(rows) <= _MAX_BARS
+    # At most _MAX_BARS bars: beyond that many versions, each bar is the mean of consecutive versions (a thousand
+    # bars are unreadable, and each is one matplotlib artist: seconds to draw).
+    bars = _binned(profile["time"]["per_version"], _MAX_BARS)
+    span = max((b["versions"] for b in bars), default=1.0)
+    per = "per version" if span == 1 else f"per version (mean over each bar's {span:g} versions)"
+    starts = [b["version"] - b["versions"] + 1 for b in bars]
+    widths = [0.9 * b["versions"] for b in bars]
     fig = Figure(figsize=(10, 4))
     ax = fig.subplots()
     keys = ("compute_s", "encode_s", "decode_s", "queue_wait_s", "aggregate_s", "eval_s", "idle_s")
-    if as_bars:
-        bottom = [0.0] * len(rows)
-        for key in keys:
-            heights = [r[key] for r in rows]
-            ax.bar(versions, heights, bottom=bottom, label=key.removesuffix("_s"), width=0.9)
-            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    elif rows:
-        series = [[r[key] for r in rows] for key in keys]
-        ax.stackplot(versions, *series, labels=[key.removesuffix("_s") for key in keys], step="mid")
+    bottom = [0.0] * len(bars)
+    for key in keys:
+        heights = [b[key] / b["versions"] for b in bars]
+        ax.bar(starts, heights, bottom=bottom, width=widths, align="edge", label=key.removesuffix("_s"))
+        bottom = [x + h for x, h in zip(bottom, heights, strict=True)]
     ax.set_xlabel("version")
     ax.set_ylabel("wall seconds (client columns summed over clients)")
-    ax.set_title("Time breakdown per version")
+    ax.set_title(f"Time breakdown {per}")
     ax.legend(fontsize="small", ncols=4)
     plots["time_breakdown.png"] = png(fig)
 
-    fig = Figure(figsize=(10, 4))
-    ax = fig.subplots()
-    if as_bars:
-        width = 0.4
-        ax.bar([v - width / 2 for v in versions], [r["upload_bytes"] for r in rows], width=width, label="up")
-        ax.bar([v + width / 2 for v in versions], [r["download_bytes"] for r in rows], width=width, label="down")
-    else:
-        ax.plot(versions, [r["upload_bytes"] for r in rows], drawstyle="steps-mid", label="up")
-        ax.plot(versions, [r["download_bytes"] for r in rows], drawstyle="steps-mid", label="down")
-    ax.set_xlabel("version")
-    ax.set_ylabel("bytes")
-    ax.set_title("Bytes per version (of the updates folded into it)")
-    ax.legend()
-    plots["bytes.png"] = png(fig)
+    # Bytes per version say something only when an update's size varies (compression, sparsity, partials): a
+    # dense run's bars would all be the same height times the number of updates.
+    rows = profile["time"]["per_version"]
+    sizes = {(r["upload_bytes"] / r["updates"], r["download_bytes"] / r["updates"]) for r in rows if r["updates"]}
+    if len(sizes) > 1:
+        fig = Figure(figsize=(10, 4))
+        ax = fig.subplots()
+        half = [w / 2 for w in widths]
+        up = [b["upload_bytes"] / b["versions"] for b in bars]
+        down = [b["download_bytes"] / b["versions"] for b in bars]
+        ax.bar(starts, up, width=half, align="edge", label="up")
+        ax.bar([x + h for x, h in zip(starts, half, strict=True)], down, width=half, align="edge", label="down")
+        ax.set_xlabel("version")
+        ax.set_ylabel("bytes")
+        ax.set_title(f"Bytes {per} (of the updates folded into it)")
+        ax.legend()
+        plots["bytes.png"] = png(fig)
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()

@@ -153,7 +153,8 @@ async def test_profiled_bytes_are_the_encoded_payload_lengths() -> None:
 
 
 async def test_profile_json_and_plots_are_artifacts() -> None:
-    """profile.json and five PNG plots are logged, non-empty; the profile carries every section."""
+    """profile.json and the PNG plots are logged, non-empty (no bytes plot for a dense run); the profile carries
+    every section."""
     tracker = MemoryTracker()
     summary = await flasync.Federation(small_config(), tracker=tracker).run()
     profile = json.loads(tracker.artifacts["profile.json"])
@@ -162,25 +163,33 @@ async def test_profile_json_and_plots_are_artifacts() -> None:
     assert profile["memory"]["peak_rss_bytes"] > 0 and profile["memory"]["model_bytes"] > 0
     assert profile["memory"]["training_call_peak_bytes"]["max"] > profile["memory"]["model_bytes"]
     plots = {k: v for k, v in tracker.artifacts.items() if k.startswith("plots/")}
-    assert set(plots) == {
-        f"plots/{name}.png" for name in ("accuracy", "staleness", "time_breakdown", "bytes", "client_times")
-    }
+    assert set(plots) == {f"plots/{name}.png" for name in ("accuracy", "staleness", "time_breakdown", "client_times")}
     assert all(image.startswith(PNG_MAGIC) and len(image) > 1000 for image in plots.values())
     assert summary.peak_rss_bytes > 0 and 0 <= summary.server_idle_fraction <= 1
     [(_, logged_rss)] = tracker.history("run/finished/peak_rss_bytes")
     assert logged_rss > 0  # the run.finished event carries it too, not only summary.json
 
 
-async def test_plots_of_a_long_run_draw_areas_not_bars() -> None:
-    """Beyond 60 versions the per-version plots switch from one bar per version to areas and lines, still PNGs."""
+async def test_plots_of_a_long_run_stay_readable_and_only_say_something() -> None:
+    """Beyond 60 versions each bar is the mean of consecutive versions (at most 60 bars); the bytes plot is drawn
+    only when an update's size varies (top-k here), not for a dense run whose bars would all be alike."""
+    from flasync.profiling import _binned
+
     tracker = MemoryTracker()
     await flasync.Federation(small_config("stop.max_versions=80", "eval.every_versions=40"), tracker=tracker).run()
     profile = json.loads(tracker.artifacts["profile.json"])
-    assert len(profile["time"]["per_version"]) == 80
+    rows = profile["time"]["per_version"]
+    assert len(rows) == 80
+    bars = _binned(rows, 60)
+    assert len(bars) == 40 and all(b["versions"] == 2 for b in bars)
+    assert sum(b["compute_s"] for b in bars) == pytest.approx(sum(r["compute_s"] for r in rows))
     plots = render_plots(profile)
-    names = ("accuracy", "staleness", "time_breakdown", "bytes", "client_times")
-    assert set(plots) == {f"{name}.png" for name in names}
+    assert set(plots) == {f"{name}.png" for name in ("accuracy", "staleness", "time_breakdown", "client_times")}
     assert all(image.startswith(PNG_MAGIC) and len(image) > 1000 for image in plots.values())
+    sparse = MemoryTracker()
+    config = small_config("stop.max_versions=8", "codec.upload=[{kind: topk, ratio: 0.05}]")
+    await flasync.Federation(config, tracker=sparse).run()
+    assert "bytes.png" in render_plots(json.loads(sparse.artifacts["profile.json"]))
 
 
 async def test_torch_profiler_trace_is_an_artifact() -> None:

@@ -70,7 +70,7 @@ from flasync.summary import RunSummary, json_ready, weights_sha256
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
 _METRIC_EXCLUDE = frozenset(tracking.DEFAULT_EXCLUDE | {"version", "of", "eta_s"})  # progress, not measurements
-# Per-update figures logged only with ``tracking.metrics = "all"``; their per-version sums are in ``profile.version.*``
+# Per-update figures logged only with ``tracking.metrics = "all"``; their per-version sums are in ``profile/version/*``
 # and profile.json either way. Each MLflow metric row costs the store's writer ~0.2 ms of CPU (sqlite).
 _DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
     {
@@ -497,9 +497,10 @@ class Federation:
                 name: float(torch.linalg.vector_norm(part)) for name, part in zip(layout.names, parts, strict=True)
             }
         self.profile = profile
-        log.debug("profile", step=summary.versions, **headline(profile))
+        # Single figures at the run's end: profile.json and `flasync report` hold them, not one-point metric series.
+        log.debug("profile", step=summary.versions, **headline(profile), metrics=False)
         for row in profile["time"]["per_version"]:
-            log.debug("profile.version", step=int(row["version"]), **row)
+            log.debug("profile.version", step=int(row["version"]), **{k: v for k, v in row.items() if k != "versions"})
         return replace(
             summary,
             stragglers=tuple(int(row["client_id"]) for row in profile["clients"]["stragglers"]),

@@ -141,12 +141,12 @@ def test_help_lists_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert "run" in capsys.readouterr().out
 
 
-def test_default_experiment_end_to_end(tmp_path: Path) -> None:
-    """`python -m flasync run` with no arguments reaches 0.90 and logs to sqlite:///mlruns/mlflow.db."""
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+def _run_in(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m flasync run ARGS` in ``folder`` with the default store (no MLflow variables); must succeed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_LOGGING_LEVEL")}
     done = subprocess.run(
-        [sys.executable, "-m", "flasync", "run"],
-        cwd=tmp_path,
+        [sys.executable, "-m", "flasync", "run", *args],
+        cwd=folder,
         env=env,
         capture_output=True,
         text=True,
@@ -154,6 +154,12 @@ def test_default_experiment_end_to_end(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_default_experiment_end_to_end(tmp_path: Path) -> None:
+    """`python -m flasync run` with no arguments reaches 0.90 and logs to sqlite:///mlruns/mlflow.db."""
+    done = _run_in(tmp_path)
     assert "flasync run finished" in done.stdout
     assert "mlflow ui --backend-store-uri sqlite:///" in done.stdout
     assert "server.eval" in done.stderr  # progress lines while it runs
@@ -216,16 +222,6 @@ def test_intra_op_threads_change_the_weights_and_workers_do_not() -> None:
 
 def test_log_level_governs_the_libraries_logs_too(tmp_path: Path) -> None:
     """`--log-level warning` on a new store: no info line from flasync or MLflow reaches stderr."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_LOGGING_LEVEL")}
-    done = subprocess.run(
-        [sys.executable, "-m", "flasync", "run", "--log-level", "warning", "--set", "stop.max_versions=2"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run_in(tmp_path, "--log-level", "warning", "--set", "stop.max_versions=2")
     assert (tmp_path / "mlruns" / "mlflow.db").is_file()
     assert " INFO " not in done.stderr and "[info" not in done.stderr, done.stderr

@@ -25,6 +25,7 @@ import tracking
 from flasync._version import __version__
 from flasync.config import RunConfig, apply_override, load_config, validate
 from flasync.errors import ConfigError, FlasyncError, RunInterrupted
+from flasync.runs_view import RUNS_VIEW
 
 if TYPE_CHECKING:
     from flasync import checkpoint
@@ -235,7 +236,7 @@ def _resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.Res
     for override in args.overrides:
         if not override.strip().startswith("stop."):
             raise ConfigError(f"--set {override!r}: with --resume only stop.* may change")
-    tracker = tracking.MlflowTracker(args.tracking_uri, system_metrics=not args.no_system_metrics)
+    tracker = tracking.MlflowTracker(args.tracking_uri, system_metrics=not args.no_system_metrics, runs_view=RUNS_VIEW)
     from flasync import checkpoint  # torch: imported once the command needs it
 
     config, state, status, tags, artifact = checkpoint.fetch(args.resume, tracker.tracking_uri)
@@ -299,7 +300,7 @@ def _format_bytes(n: float) -> str:
     return f"{n:.1f} GB"  # pragma: no cover
 
 
-def _print_summary(summary: RunSummary, config: RunConfig, ui_command: str | None) -> None:
+def _print_summary(summary: RunSummary, config: RunConfig, ui_command: str | None, ui_url: str | None = None) -> None:
     lines = [
         "",
         f"flasync run finished ({summary.stop_reason})",
@@ -322,6 +323,8 @@ def _print_summary(summary: RunSummary, config: RunConfig, ui_command: str | Non
         lines.append(f"  MLflow run      {summary.run_id} (experiment {config.tracking.experiment!r})")
     if ui_command:
         lines.append(f"  open the UI     {ui_command}")
+        if ui_url:
+            lines.append(f"  then browse     {ui_url}")
     if summary.run_id and summary.stragglers:
         lines.append(f"  full profile    flasync report {summary.run_id}")
     print("\n".join(lines), flush=True)
@@ -368,7 +371,9 @@ def _command_run(args: argparse.Namespace) -> int:
                     tracking.check_local_store(tracking.resolve_tracking_uri(config.tracking.uri))
                 except tracking.StoreNotWritableError as exc:
                     raise _UsageError(str(exc)) from None
-            tracker = tracking.MlflowTracker(config.tracking.uri, system_metrics=config.tracking.system_metrics)
+            tracker = tracking.MlflowTracker(
+                config.tracking.uri, system_metrics=config.tracking.system_metrics, runs_view=RUNS_VIEW
+            )
         else:
             tracker = tracking.NullTracker()
     if args.print_config:
@@ -396,7 +401,8 @@ def _command_run(args: argparse.Namespace) -> int:
     except asyncio.CancelledError:
         print("flasync: stopped at once (second signal); no checkpoint written", file=sys.stderr)
         return _SIGNAL_STATUS.get(received[-1] if received else "SIGINT", 130)
-    _print_summary(summary, config, tracker.ui_command())
+    url = tracker.ui_url() if isinstance(tracker, tracking.MlflowTracker) else None
+    _print_summary(summary, config, tracker.ui_command(), url)
     replay_command = tracker.replay_command() if isinstance(tracker, tracking.MlflowTracker) else None
     if replay_command:
         print(f"  tracking spool  MLflow did not answer; send the spool with: {replay_command}", flush=True)

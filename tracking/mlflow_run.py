@@ -65,6 +65,9 @@ _SYSTEM_METRICS_INTERVAL_S = 2.0
 _CHILD_START_TIMEOUT_S = 60.0
 _MONITOR_STOP_TIMEOUT_S = 5.0
 _NO_STEP = -(2**63)  # below every step MLflow stores
+RUNS_VIEW_KEY = "flasync"
+"""Name of the runs-table view a tracker saves on its experiment (see ``runs_view``)."""
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
 
 _T = TypeVar("_T")
@@ -239,6 +242,9 @@ class MlflowTracker:
         retry_interval_s: Least time between two tries to reach a failed store, in seconds.
         http_timeout_s: Connect/read timeout of one request to an HTTP(S) server, in seconds.
         http_retries: Retries of one request to an HTTP(S) server.
+        runs_view: A view of the experiment's runs table, e.g. ``{"selectedColumns": ["metrics.`accuracy`"]}``
+            (the state MLflow's UI shares): saved on the experiment as the tag ``mlflow.sharedViewState.<name>``,
+            where ``name`` is :data:`RUNS_VIEW_KEY`; :meth:`ui_url` opens it.
     """
 
     def __init__(
@@ -257,6 +263,7 @@ class MlflowTracker:
         retry_interval_s: float = 5.0,
         http_timeout_s: int = 10,
         http_retries: int = 1,
+        runs_view: Mapping[str, Any] | None = None,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self._run = RunIdentity(self.tracking_uri)
@@ -267,6 +274,7 @@ class MlflowTracker:
         self._flush_timeout = flush_timeout_s
         self._log = logger if logger is not None else structlog.get_logger("tracking.mlflow")
         self._writer: MetricWriter | None = None
+        self._runs_view = None if runs_view is None else json.dumps(dict(runs_view))
         self._written_steps: dict[str, int] = {}
         """Metric key -> the latest step the store held when this run was resumed (empty for a new run)."""
         self._monitor: Any = None
@@ -672,6 +680,19 @@ class MlflowTracker:
             return None
         return f"mlflow ui --backend-store-uri {shlex.quote(self.tracking_uri)}"
 
+    def ui_url(self, base: str = "http://127.0.0.1:5000") -> str | None:
+        """Return the address of this run's experiment in the MLflow UI: its training runs (not the GenAI pages the
+        UI opens by default), with the runs view given to the tracker, if any. None before the experiment exists.
+
+        Args:
+            base: Where the UI is served (``mlflow ui`` serves ``http://127.0.0.1:5000``).
+        """
+        experiment_id = self.experiment_id
+        if experiment_id is None:
+            return None
+        view = f"&viewStateShareKey={RUNS_VIEW_KEY}" if self._runs_view is not None else ""
+        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning{view}"
+
     def log_model(self, model: torch.nn.Module, *, name: str = "model", input_example: Any = None) -> float:
         """Store a PyTorch model as an MLflow logged model of this run; return the seconds taken.
 
@@ -790,7 +811,10 @@ class MlflowTracker:
             client.log_batch(run_id, metrics=entities, synchronous=True)
 
     def _experiment_id(self, client: mlflow.MlflowClient, name: str) -> str:
-        return ensure_experiment(client, name, self._artifact_location(name))
+        experiment_id = ensure_experiment(client, name, self._artifact_location(name))
+        if self._runs_view is not None:
+            client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, self._runs_view)
+        return experiment_id
 
     def _artifact_location(self, experiment: str) -> str | None:
         return artifact_location(self.tracking_uri, experiment, self._artifact_root)

@@ -282,3 +282,21 @@ def test_a_model_with_an_input_example_is_saved_without_pickle(
     loaded = mlflow.pyfunc.load_model(models["mlp"].artifact_location)
     assert loaded.predict(np.ones((5, 8), dtype=np.float32)).shape == (5, 2)
     assert run_id
+
+
+def test_a_runs_view_is_saved_on_the_experiment_and_opened_by_the_ui_address(
+    tracking_uri: str, client: mlflow.MlflowClient
+) -> None:
+    """The runs view is the experiment's shared-view tag, and the UI address opens the training runs with it."""
+    view = {"selectedColumns": ["metrics.`server/eval/accuracy`"]}
+    tracker = MlflowTracker(tracking_uri, runs_view=view)
+    assert tracker.ui_url() is None  # no experiment yet
+    tracker.start(experiment="viewed")
+    tracker.finish("FINISHED")
+    experiment = client.get_experiment_by_name("viewed")
+    assert experiment is not None
+    assert json.loads(experiment.tags["mlflow.sharedViewState.flasync"]) == view
+    assert tracker.ui_url("http://host:5000/") == (
+        f"http://host:5000/#/experiments/{experiment.experiment_id}/runs"
+        "?workflowType=machine_learning&viewStateShareKey=flasync"
+    )

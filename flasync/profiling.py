@@ -46,7 +46,7 @@ from flasync.events import (
     Version,
 )
 from flasync.instruments import Instrument
-from flasync.quantiles import StreamSummary, Thinned, percentile
+from flasync.quantiles import StreamSummary, Thinned, counted_percentile, percentile
 
 __all__ = [
     "Instrumentation",
@@ -78,7 +78,6 @@ def quantiles(values: Sequence[float]) -> dict[str, float] | None:
 class _Task:
     """An uploaded update waiting to be folded into a version (kept only until then)."""
 
-    staleness: int = 0
     compute_s: float = 0.0
     encode_s: float = 0.0
     sim_task_s: float = 0.0
@@ -209,7 +208,6 @@ class ProfileRecords:
     dropped_pending: int = 0
     """Uploads forgotten before their version was made because more than ``_IN_FLIGHT`` waited."""
     tasks_completed: int = 0
-    upload_bytes: int = 0
     sim_task_s: StreamSummary = field(init=False)
     sim_train_s: StreamSummary = field(init=False)
     compute_s: StreamSummary = field(init=False)
@@ -278,7 +276,6 @@ class Profiler:
             client.compute_s += event.compute_s
             client.upload_bytes += upload_bytes
             r.tasks_completed += 1
-            r.upload_bytes += upload_bytes
             r.tier_uploads[event.tier] += upload_bytes
             r.sim_task_s.add(sim_task_s)
             r.sim_train_s.add(event.sim_train_s)
@@ -460,7 +457,7 @@ def build_profile(
     for tier, value in records.forwarded.items():
         tiers[tier]["upload_bytes"] += value
         tiers[tier]["forwards"] = records.forwards[tier]
-    upload_total = records.upload_bytes
+    upload_total = sum(records.tier_uploads.values())
     download_total = sum(stats.download_bytes for stats in records.clients.values())
 
     def total(key: str) -> float:
@@ -478,8 +475,8 @@ def build_profile(
     stale = records.staleness
     staleness_summary = (
         {
-            "p50": _counted_percentile(stale, 0.5),
-            "p90": _counted_percentile(stale, 0.9),
+            "p50": counted_percentile(stale, 0.5),
+            "p90": counted_percentile(stale, 0.9),
             "max": float(max(stale)),
             "mean": sum(k * n for k, n in stale.items()) / stale.total(),
             "count": float(stale.total()),
@@ -503,6 +500,7 @@ def build_profile(
             "participants": len(trained),
             "tasks_completed": records.tasks_completed,
             "tasks_failed": sum(records.failed.values()),
+            "uploads_not_joined": records.dropped_pending,
             "failures_by_client": {str(c): n for c, n in sorted(records.failed.items())},
             "rejected": dict(records.rejected),
             "sim_task_s": records.sim_task_s.summary(),
@@ -535,21 +533,6 @@ def build_profile(
         "diagnostics": dict(diagnostics or {}),
         "alerts": dict(records.alerts),
     }
-
-
-def _counted_percentile(counts: Counter[int], p: float) -> float:
-    """The ``p``-quantile (as :func:`~flasync.quantiles.percentile`) of integers given as value -> count."""
-    position = p * (counts.total() - 1)
-    low, high = math.floor(position), math.ceil(position)
-    values: dict[int, float] = {}
-    seen = 0
-    for value in sorted(counts):
-        following = seen + counts[value]
-        for rank in (low, high):
-            if seen <= rank < following:
-                values[rank] = float(value)
-        seen = following
-    return values[low] + (values[high] - values[low]) * (position - low)
 
 
 def headline(profile: Mapping[str, Any]) -> dict[str, float]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Generic, TypeVar
 
-__all__ = ["StreamSummary", "Thinned", "percentile"]
+__all__ = ["StreamSummary", "Thinned", "counted_percentile", "percentile"]
 
 T = TypeVar("T")
 
@@ -36,6 +36,30 @@ def percentile(ordered: Sequence[float], p: float) -> float:
     low = math.floor(position)
     high = min(low + 1, last)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def counted_percentile(counts: Mapping[int, int], p: float) -> float:
+    """Return :func:`percentile` of integers given as ``value -> count`` (a histogram), without expanding it.
+
+    Raises:
+        ValueError: If there are no counts or ``p`` is outside ``[0, 1]``.
+    """
+    total = sum(counts.values())
+    if total <= 0:
+        raise ValueError("percentile of no values")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be in [0, 1], got {p}")
+    position = p * (total - 1)
+    low, high = math.floor(position), min(math.floor(position) + 1, total - 1)
+    found: dict[int, float] = {}
+    seen = 0
+    for value in sorted(counts):
+        following = seen + counts[value]
+        for rank in (low, high):
+            if seen <= rank < following:
+                found[rank] = float(value)
+        seen = following
+    return found[low] + (found[high] - found[low]) * (position - low)
 
 
 class StreamSummary:

@@ -191,15 +191,13 @@ class Federation:
             return tracking.NullTracker()
         return tracking.MlflowTracker(cfg.uri, system_metrics=cfg.system_metrics, runs_view=RUNS_VIEW)
 
-    def _log_dataset(self, tracker: tracking.Tracker, prepared: Prepared, custom: bool) -> None:
+    def _log_dataset(self, tracker: tracking.Tracker, prepared: Prepared, custom: bool, log: Any) -> None:
         """Record the training data as the run's MLflow dataset input (a tracking failure is only logged)."""
         record = dataset_record(self.config, prepared, custom=custom)
         try:
             tracker.log_dataset(record.name, record.digest, record.source, record.profile)
         except Exception as exc:  # a tracking failure must not fail the run
-            structlog.get_logger("flasync").warning(
-                "tracking.dataset_failed", error=f"{type(exc).__name__}: {exc}", metrics=False
-            )
+            log.warning("tracking.dataset_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 
     def _tags(self) -> dict[str, str]:
         return run_tags(self.config, virtual_clock=self.clock.virtual)
@@ -225,7 +223,7 @@ class Federation:
             tracker.finish("FAILED")  # no run exists yet: this only stops what prepare() started
             raise
         metrics: tracking.MetricsProcessor | None = None
-        if not isinstance(tracker, tracking.NullTracker):
+        if tracked:
             drop = _DETAIL_KEYS if cfg.tracking.metrics == "standard" else ()
             metrics = tracking.MetricsProcessor(tracker.log_metrics, exclude=_METRIC_EXCLUDE, drop_keys=drop)
         # Metrics are taken at each log call; events below the log level skip structlog's chain.
@@ -243,8 +241,8 @@ class Federation:
                 params=flatten(_redacted(cfg)),
                 tags=self._tags(),
             )
-            if not isinstance(tracker, tracking.NullTracker):
-                await asyncio.to_thread(self._log_dataset, tracker, prepared, custom)
+            if tracked:
+                await asyncio.to_thread(self._log_dataset, tracker, prepared, custom, log)
         self.run_id = run_id or None
         warned: set[str] = set()
 
@@ -582,8 +580,6 @@ class _CheckpointWriter:
         """The artifact holding the newest checkpoint in the store."""
         self._slot = 1 if resumed_from == checkpoint.CHECKPOINT_SLOTS[0] else 0
         """Index in :data:`checkpoint.CHECKPOINT_SLOTS` of the slot the next checkpoint goes to."""
-        self.last_version: int | None = None
-        """The version of the newest checkpoint in the store."""
 
     def submit(self, state: dict[str, Any]) -> None:
         """Hand ``state`` over for writing (returns at once: the event loop must not wait)."""
@@ -627,7 +623,6 @@ class _CheckpointWriter:
             return
         self.last_saved = slot
         self._slot = 1 - self._slot
-        self.last_version = version
         self._log.debug(
             "checkpoint",
             step=version,

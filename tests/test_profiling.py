@@ -24,7 +24,7 @@ from flasync.events import (
     Version,
 )
 from flasync.profiling import Profiler, VersionRows, build_profile, headline, quantiles, render_plots
-from flasync.quantiles import StreamSummary, Thinned
+from flasync.quantiles import StreamSummary, Thinned, counted_percentile
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -260,6 +260,10 @@ def test_profiles_and_diagnostics_share_one_percentile_definition() -> None:
         assert percentile(sorted(values), p) == pytest.approx(float(np.quantile(values, p)))
         assert stream.quantile(p) == percentile(sorted(values), p)
     assert quantiles(values) == stream.summary()
+    counts = {0: 3, 1: 5, 4: 1, 9: 2}
+    expanded = sorted(v for v, n in counts.items() for _ in range(n))
+    for p in (0.0, 0.1, 0.5, 0.77, 0.9, 1.0):
+        assert counted_percentile(counts, p) == pytest.approx(percentile(expanded, p))
 
 
 def test_stream_summary_is_exact_up_to_capacity_then_a_bounded_uniform_sample() -> None:

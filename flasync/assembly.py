@@ -84,6 +84,13 @@ from flasync.faults import FaultModel
 from flasync.jobs import ClientSamples, JobContext
 from flasync.models import MLP, SmallCNN
 from flasync.population import Network, Population
+from flasync.privacy import (
+    GaussianMechanism,
+    PrivacyAccountant,
+    PrivacyPlan,
+    calibrate_noise_multiplier,
+    sampling_rate,
+)
 from flasync.residuals import ResidualStore
 from flasync.server import (
     Accounting,
@@ -143,6 +150,7 @@ class Prepared:
     device: torch.device
     sizes: np.ndarray
     lazy: SyntheticClients | None
+    privacy: PrivacyPlan | None = None
 
 
 class RunInputs:
@@ -314,7 +322,8 @@ class RunInputs:
             sizes = partition.sizes
         factory = self._factory(train)
         initial = self._initial_weights(factory, train)
-        return Prepared(train, test, partition, factory, initial, self._tree(), device, sizes, lazy)
+        privacy = plan_privacy(self.config, len(sizes)) if self.config.privacy.enabled else None
+        return Prepared(train, test, partition, factory, initial, self._tree(), device, sizes, lazy, privacy)
 
     def _tree(self) -> Tree | None:
         cfg = self.config
@@ -587,8 +596,8 @@ def _staleness_of(config: ServerConfig) -> StalenessWeight:
     )
 
 
-def make_aggregator(weights: torch.Tensor, config: ServerConfig) -> Aggregator:
-    """Build the aggregation rule of a server config over ``weights``."""
+def make_aggregator(weights: torch.Tensor, config: ServerConfig, noise: GaussianMechanism | None = None) -> Aggregator:
+    """Build the aggregation rule of a server config over ``weights`` (with differential privacy's ``noise``)."""
     if isinstance(config, FedAvgServer):
         optimizer = make_server_optimizer(weights, config.optimizer)
         if config.aggregation != "mean":
@@ -600,7 +609,9 @@ def make_aggregator(weights: torch.Tensor, config: ServerConfig) -> Aggregator:
             size=config.clients_per_round,
             optimizer=optimizer,
             staleness=ConstantStaleness(),
-            example_weight=SampleExampleWeight(),
+            # Under differential privacy every client counts the same: its share of the sum is bounded by C.
+            example_weight=SampleExampleWeight() if noise is None else EqualExampleWeight(),
+            privacy=noise,
         )
     if isinstance(config, FedBuffServer):
         return BufferedAggregator(
@@ -609,8 +620,39 @@ def make_aggregator(weights: torch.Tensor, config: ServerConfig) -> Aggregator:
             optimizer=make_server_optimizer(weights, config.optimizer),
             staleness=make_staleness_weight(config.staleness),
             example_weight=make_example_weight(config),
+            privacy=noise,
         )
     return MixingAggregator(weights, alpha=config.alpha, staleness=make_staleness_weight(config.staleness))
+
+
+def plan_privacy(config: RunConfig, num_clients: int) -> PrivacyPlan:
+    """Resolve a run's differential privacy: its noise multiplier, sampling rate and accountant.
+
+    A version holds at most ``clients_per_round`` (FedAvg; over-selected clients beyond it count too, since any of
+    them may be in the round) or ``buffer_size`` (FedBuff) clients' updates.
+
+    Raises:
+        ConfigError: If no noise multiplier reaches ``privacy.target_epsilon``.
+    """
+    dp, server = config.privacy, config.server
+    if isinstance(server, FedAvgServer):
+        denominator, per_version = server.clients_per_round, _in_flight(config, num_clients)
+    elif isinstance(server, FedBuffServer):
+        denominator = per_version = server.buffer_size
+    else:  # pragma: no cover - the config refuses privacy with FedAsync
+        raise ConfigError("privacy.enabled needs server.kind = 'fedavg' or 'fedbuff'")
+    uniform = config.population.sampling == "uniform" and config.faults.availability is None
+    rate = sampling_rate(per_version=per_version, num_clients=num_clients, uniform=uniform)
+    z = dp.noise_multiplier
+    if z is None:
+        assert dp.target_epsilon is not None  # the config asks for one of the two
+        z = calibrate_noise_multiplier(
+            target_epsilon=dp.target_epsilon, delta=dp.delta, sampling_rate=rate, versions=config.stop.max_versions
+        )
+    accountant = PrivacyAccountant(noise_multiplier=z, sampling_rate=rate, delta=dp.delta)
+    return PrivacyPlan(
+        clip_norm=dp.clip_norm, noise_multiplier=z, sampling_rate=rate, denominator=denominator, accountant=accountant
+    )
 
 
 def _in_flight(config: RunConfig, num_clients: int) -> int:
@@ -701,6 +743,7 @@ def build_server(
     world: ClientWorld,
     tree: Tree | None,
     evaluate: Evaluator,
+    privacy: PrivacyPlan | None = None,
 ) -> ServerParts:
     """Assemble the cloud of a run: registry, accounting, sampler, intake, aggregator, policy, edges.
 
@@ -715,6 +758,7 @@ def build_server(
         world: What simulated clients run in (their tasks start through it).
         tree: The aggregation tree (None: a flat run).
         evaluate: Evaluates a model off the event loop.
+        privacy: The run's differential privacy (None: off).
     """
     server_cfg, res = config.server, config.resilience
     num_params = weights.numel()
@@ -742,6 +786,17 @@ def build_server(
     )
     max_staleness = server_cfg.max_staleness if isinstance(server_cfg, FedBuffServer | FedAsyncServer) else None
     upload_codec = world.job.upload_codec
+    clip_norm = res.clip_update_norm
+    noise: GaussianMechanism | None = None
+    if privacy is not None:
+        clip_norm = privacy.clip_norm if clip_norm is None else min(clip_norm, privacy.clip_norm)
+        seed = config.seed
+        noise = GaussianMechanism(
+            clip_norm=privacy.clip_norm,
+            noise_multiplier=privacy.noise_multiplier,
+            denominator=privacy.denominator,
+            generator=lambda step: seeding.torch_stream(seed, seeding.PRIVACY, step, device=weights.device),
+        )
 
     def make_intake() -> Intake:
         return Intake(
@@ -758,8 +813,9 @@ def build_server(
                 norm_bound_factor=res.norm_bound_factor,
             ),
             max_staleness=max_staleness,
-            clip_norm=res.clip_update_norm,
+            clip_norm=clip_norm,
             wall=wall,
+            one_per_client=privacy is not None,
         )
 
     edge_codec = pipeline(config.topology.codec if isinstance(config.topology, TreeTopology) else ())
@@ -778,7 +834,7 @@ def build_server(
             num_params=num_params,
             device=weights.device,
         )
-    aggregator = make_aggregator(weights, server_cfg)
+    aggregator = make_aggregator(weights, server_cfg, noise)
     policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
     capacity = 2 * in_flight + 8
     if tree is not None:
@@ -811,5 +867,6 @@ def build_server(
         inbox_capacity=capacity,
         download_generator=lambda version: seeding.torch_stream(seed, seeding.DOWNLOAD_CODEC, version),
         components={"clock": clock, "residuals": ClientResiduals(world, lambda: iter(registry))},
+        privacy=privacy.accountant if privacy is not None else None,
     )
     return ServerParts(server=server, edges=edges)

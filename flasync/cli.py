@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
@@ -313,6 +314,8 @@ def _print_summary(summary: RunSummary, config: RunConfig, ui_command: str | Non
         f"  bytes           up {_format_bytes(summary.upload_bytes)}, down {_format_bytes(summary.download_bytes)}",
         f"  weights sha256  {summary.weights_sha256}",
     ]
+    if math.isfinite(summary.privacy_epsilon):
+        lines.append(f"  privacy         epsilon {summary.privacy_epsilon:.3g} at delta {config.privacy.delta:g}")
     if summary.peak_rss_bytes:
         profile = f"  profile         peak RSS {_format_bytes(summary.peak_rss_bytes)}, alerts {summary.alerts}"
         if summary.stragglers:

@@ -50,6 +50,7 @@ __all__ = [
     "NetworkConfig",
     "PolynomialStalenessConfig",
     "PopulationConfig",
+    "PrivacyConfig",
     "RandomKStage",
     "ResilienceConfig",
     "RunConfig",
@@ -597,6 +598,29 @@ class ResilienceConfig(_Section):
     clip_update_norm: float | None = Field(None, gt=0.0, description="Scale accepted updates down to this norm.")
 
 
+class PrivacyConfig(_Section):
+    """Central differential privacy (DP-FedAvg, McMahan et al. 2018; DP-FedBuff): every update is clipped to
+    ``clip_norm``, each version's sum gets Gaussian noise of standard deviation ``noise_multiplier * clip_norm``
+    and is divided by the fixed count (``clients_per_round`` or ``buffer_size``). The privacy spent, epsilon at
+    ``delta``, is computed by Google's dp-accounting (``pip install 'flasync[privacy]'``) and logged per version."""
+
+    enabled: bool = False
+    clip_norm: float = Field(1.0, gt=0.0, description="C: the L2 norm every client update is clipped to.")
+    noise_multiplier: float | None = Field(
+        None, gt=0.0, description="z: noise standard deviation over clip_norm (or give target_epsilon)."
+    )
+    target_epsilon: float | None = Field(
+        None, gt=0.0, description="Pick the smallest z whose epsilon after stop.max_versions versions is this."
+    )
+    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The delta epsilon is reported at (keep it < 1/clients).")
+
+    @model_validator(mode="after")
+    def _one_noise_source(self) -> PrivacyConfig:
+        if self.enabled and (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise _FieldError(("privacy", "noise_multiplier"), "give exactly one of noise_multiplier, target_epsilon")
+        return self
+
+
 class CheckpointConfig(_Section):
     """Checkpoints of the whole run state, written as MLflow artifacts (``checkpoints/a.pt`` and ``b.pt`` in turn)."""
 
@@ -747,6 +771,7 @@ class RunConfig(_Section):
     faults: FaultsConfig = FaultsConfig()
     resilience: ResilienceConfig = ResilienceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -834,12 +859,26 @@ class RunConfig(_Section):
                 ("resilience", "task_timeout_s"),
                 f"must be set when faults.hang > 0 (got hang={self.faults.hang:g}): hanging clients never answer",
             )
+        if self.privacy.enabled:
+            self._check_privacy()
         if res.zscore_min_history > res.zscore_window:
             raise _FieldError(
                 ("resilience", "zscore_min_history"),
                 f"must be <= resilience.zscore_window ({res.zscore_window}), got {res.zscore_min_history}",
             )
         return self
+
+    def _check_privacy(self) -> None:
+        # The sensitivity of a version's sum is clip_norm only when each update counts once, with weight <= 1.
+        server, where = self.server, ("privacy", "enabled")
+        if isinstance(server, FedAsyncServer):
+            raise _FieldError(where, "needs server.kind = 'fedavg' or 'fedbuff' (FedAsync has no sum to noise)")
+        if isinstance(server, FedAvgServer) and server.aggregation != "mean":
+            raise _FieldError(where, f"needs server.aggregation = 'mean', not {server.aggregation!r}")
+        if isinstance(server, FedBuffServer) and server.example_weight != "equal":
+            raise _FieldError(where, "needs server.example_weight = 'equal' (sample weights break the noise's bound)")
+        if isinstance(self.topology, TreeTopology):
+            raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
 
 
 _MAX_EAGER_DATA_BYTES = 16 * 2**30

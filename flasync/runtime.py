@@ -238,7 +238,7 @@ class Federation:
                 tracker.start,
                 experiment=cfg.tracking.experiment,
                 run_name=cfg.tracking.run_name or default_run_name(cfg, uuid.uuid4().hex[:6], custom=custom),
-                params=flatten(_redacted(cfg)),
+                params={**flatten(_redacted(cfg)), **(prepared.privacy.params() if prepared.privacy else {})},
                 tags=self._tags(),
             )
             if tracked:
@@ -319,6 +319,7 @@ class Federation:
             world=world,
             tree=prepared.tree,
             evaluate=make_evaluator(prepared, executor, self.clock, batch_size=cfg.eval.batch_size),
+            privacy=prepared.privacy,
         )
         server = parts.server
         if not self.clock.virtual and self._resume is None:
@@ -386,6 +387,11 @@ class Federation:
             topology=topology_name(self.config),
             tiers=parts.edges.summary() if parts.edges is not None else {},
             peak_rss_bytes=peak_rss_bytes(),
+            **(
+                {"privacy_epsilon": prepared.privacy.accountant.epsilon(stats.versions)}
+                if prepared.privacy is not None
+                else {}
+            ),
         )
         figures = {
             key: value

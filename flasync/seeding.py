@@ -25,6 +25,7 @@ __all__ = [
     "MODEL_INIT",
     "NETWORK",
     "PARTITION",
+    "PRIVACY",
     "SERVER",
     "SPEED",
     "TASK",
@@ -51,6 +52,7 @@ FAULTS = 10
 AVAILABILITY = 11
 EDGE_CODEC = 12
 DOWNLOAD_CODEC = 13
+PRIVACY = 14
 
 _MASK = (1 << 64) - 1
 

@@ -66,6 +66,8 @@ class RunSummary:
     alerts: int = 0
     stragglers: tuple[int, ...] = ()
     server_idle_fraction: float = math.nan
+    privacy_epsilon: float = math.nan
+    """Differential privacy spent (epsilon at ``privacy.delta``); NaN without differential privacy."""
 
     @classmethod
     def from_stats(

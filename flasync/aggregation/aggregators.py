@@ -27,6 +27,7 @@ from flasync.aggregation.robust import coordinate_median, trimmed_mean
 from flasync.aggregation.staleness import StalenessWeight
 from flasync.aggregation.weights import ExampleWeight
 from flasync.errors import CheckpointError
+from flasync.privacy import GaussianMechanism
 
 __all__ = ["Aggregator", "BufferedAggregator", "MixingAggregator", "RobustAggregator", "RobustRule"]
 
@@ -85,6 +86,9 @@ class BufferedAggregator:
         optimizer: Steps ``weights`` with the buffer's pseudo-gradient.
         staleness: ``s(tau)``.
         example_weight: ``e_k``.
+        privacy: Central differential privacy (None: off): the optimizer steps with the noised sum over a fixed
+            count, ``(sum_k e_k s_k delta_k + N(0, (z C)^2 I)) / K``, instead of the weighted mean (the updates
+            must be clipped to ``C``, the example weights equal and the staleness weights at most 1).
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class BufferedAggregator:
         optimizer: ServerOptimizer,
         staleness: StalenessWeight,
         example_weight: ExampleWeight,
+        privacy: GaussianMechanism | None = None,
     ) -> None:
         """Allocate the buffer on the weights' device."""
         self.buffer = UpdateBuffer(weights.numel(), device=weights.device)
@@ -102,6 +107,8 @@ class BufferedAggregator:
         self.size = size
         self.staleness = staleness
         self.example_weight = example_weight
+        self.privacy = privacy
+        self.steps = 0
 
     def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
         """Add ``e_k s(tau_k) delta_k`` to the buffer; return ``s(tau_k)``."""
@@ -120,8 +127,12 @@ class BufferedAggregator:
         return self.buffer.count >= self.size
 
     def step(self) -> None:
-        """Step the optimizer with the buffer's weighted mean delta and empty the buffer."""
-        self.optimizer.step(self.buffer.pseudo_gradient())
+        """Step the optimizer with the buffer's weighted mean delta (or its noised sum) and empty the buffer."""
+        if self.privacy is None:
+            self.optimizer.step(self.buffer.pseudo_gradient())
+        else:
+            self.optimizer.step(self.privacy.privatize(self.buffer.weighted_sum, self.steps))
+        self.steps += 1
         self.buffer.reset()
 
     def count(self) -> int:
@@ -135,13 +146,19 @@ class BufferedAggregator:
 
     def state_dict(self) -> dict[str, Any]:
         """Return the buffer's and the optimizer's state."""
-        return {"kind": "buffered", "buffer": self.buffer.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {
+            "kind": "buffered",
+            "buffer": self.buffer.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "steps": self.steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         _expect_kind(state, "buffered")
         self.buffer.load_state_dict(state["buffer"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state.get("steps", 0))
 
 
 class RobustAggregator:

@@ -57,6 +57,8 @@ class Intake:
         max_staleness: Refuse updates more versions old than this (None: no limit).
         clip_norm: Scale admitted updates down to this L2 norm (None: no clipping).
         wall: Monotonic real seconds (decode timing).
+        one_per_client: Admit at most one update per client into a version (differential privacy bounds one
+            client's share of a version's sum by the clipping norm); a second one is refused as ``repeat``.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class Intake:
         max_staleness: int | None,
         clip_norm: float | None,
         wall: Callable[[], float],
+        one_per_client: bool = False,
     ) -> None:
         """Bind the registry, codec and checks."""
         self.registry = registry
@@ -80,6 +83,8 @@ class Intake:
         self.max_staleness = max_staleness
         self.clip_norm = clip_norm
         self.wall = wall
+        self.one_per_client = one_per_client
+        self._joined: tuple[int, set[int]] = (-1, set())  # a version and the clients admitted into it
 
     def admit(self, message: UpdateUploaded, *, version: int) -> Admitted | Refused:
         """Check ``message`` against the model ``version`` it would join; release its task unless it is forged.
@@ -101,6 +106,13 @@ class Intake:
         limit = self.max_staleness
         if limit is not None and staleness > limit:
             return Refused("stale", f"staleness {staleness} > max_staleness {limit}")
+        if self.one_per_client:
+            joined_version, clients = self._joined
+            if joined_version != version:
+                clients = set()
+                self._joined = (version, clients)
+            if int(message.client_id) in clients:
+                return Refused("repeat", f"client {message.client_id} already has an update in this version")
         try:
             delta = self.codec.decode(message.payload, expected_elements=self.num_params)
         except DecodeError as exc:
@@ -113,6 +125,8 @@ class Intake:
             return Refused(verdict.reason, verdict.detail)
         if self.clip_norm is not None:
             delta, _ = clip_to_norm(delta, self.clip_norm)
+        if self.one_per_client:
+            self._joined[1].add(int(message.client_id))
         return Admitted(delta, staleness, norm, base, received_wall, decode_s)
 
     def accepted(self, admitted: Admitted) -> None:
@@ -121,9 +135,15 @@ class Intake:
             self.validator.accepted(admitted.norm)
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the validator's reference norms."""
-        return {"validator_norms": self.validator.norms}
+        """Return the validator's reference norms and the clients already in the current version."""
+        state: dict[str, Any] = {"validator_norms": self.validator.norms}
+        if self.one_per_client:
+            version, clients = self._joined
+            state["joined"] = [version, sorted(clients)]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.validator.load_norms(state["validator_norms"])
+        version, clients = state.get("joined", [-1, []])
+        self._joined = (int(version), {int(c) for c in clients})

@@ -41,6 +41,7 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
+from flasync.privacy import PrivacyAccountant
 from flasync.server.accounting import Accounting, ServerStats
 from flasync.server.edges import message_from_state, message_state, relayed
 from flasync.server.intake import Intake, Refused
@@ -119,6 +120,7 @@ class Server:
         inbox_capacity: Bound of the server's inbox.
         download_generator: The download codec's random stream for a version (stochastic stages draw from it).
         components: Further state a checkpoint holds by name (e.g. the clients' residuals).
+        privacy: The privacy spent after a number of versions (differential privacy on), logged per version.
 
     Attributes:
         on_checkpoint: Called with :meth:`state_dict` every ``rules.checkpoint_every`` versions (it must not
@@ -147,6 +149,7 @@ class Server:
         inbox_capacity: int,
         download_generator: Callable[[int], torch.Generator] | None = None,
         components: Mapping[str, Stateful] | None = None,
+        privacy: PrivacyAccountant | None = None,
     ) -> None:
         """Subscribe to what reaches the cloud."""
         self.weights = weights
@@ -166,6 +169,7 @@ class Server:
         self.rules = rules
         self.download_generator = download_generator
         self.components = dict(components or {})
+        self.privacy = privacy
         self.version = Version(0)
         self.on_checkpoint: Callable[[dict[str, Any]], None] | None = None
         self.interrupted_state: dict[str, Any] | None = None
@@ -454,6 +458,12 @@ class Server:
             wall_s=wall_s,
             versions_per_s=int(self.version) / wall_s if wall_s > 0 else 0.0,
         )
+        if self.privacy is not None:
+            self.log.debug(
+                "server.privacy",
+                step=int(self.version),
+                epsilon=self.privacy.epsilon(int(self.version)),
+            )
         await self.bus.publish(
             Aggregated(
                 version=self.version,

@@ -24,6 +24,7 @@ from flasync.aggregation import (
     Aggregator,
     BufferedAggregator,
     ConstantStaleness,
+    ControlVariate,
     EqualExampleWeight,
     ExampleWeight,
     HingeStaleness,
@@ -373,6 +374,13 @@ def build_world(
         residuals = ResidualStore(
             prepared.initial.numel(), max_in_memory=config.codec.max_residuals_in_memory, spill_dir=spill
         )
+    variates: ResidualStore | None = None
+    if config.scaffold.enabled:
+        variates = ResidualStore(
+            prepared.initial.numel(),
+            max_in_memory=config.scaffold.max_in_memory,
+            spill_dir=config.scaffold.spill_dir or scratch(),
+        )
     device = prepared.device
     # Data, weights and the aggregation buffers (which follow the weights) live on the training device.
     data_device = device if config.executor.data_on_device else torch.device("cpu")
@@ -395,6 +403,7 @@ def build_world(
         residual_lock=threading.Lock(),
         diagnostics=diagnostics,
         wall=wall,
+        variates=variates,
     )
     population = config.population
     return ClientWorld(
@@ -417,6 +426,7 @@ def build_world(
         pool=executor.pool,
         job=job,
         pre_task_residuals={} if residuals is not None else None,
+        pre_task_variates={} if variates is not None else None,
     )
 
 
@@ -815,6 +825,7 @@ def build_server(
             max_staleness=max_staleness,
             clip_norm=clip_norm,
             wall=wall,
+            controls=config.scaffold.enabled,
             one_per_client=privacy is not None,
         )
 
@@ -835,6 +846,11 @@ def build_server(
             device=weights.device,
         )
     aggregator = make_aggregator(weights, server_cfg, noise)
+    controls = (
+        ControlVariate(num_params, num_clients=len(population), device=weights.device)
+        if config.scaffold.enabled
+        else None
+    )
     policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
     capacity = 2 * in_flight + 8
     if tree is not None:
@@ -866,7 +882,12 @@ def build_server(
         ),
         inbox_capacity=capacity,
         download_generator=lambda version: seeding.torch_stream(seed, seeding.DOWNLOAD_CODEC, version),
-        components={"clock": clock, "residuals": ClientResiduals(world, lambda: iter(registry))},
+        components={
+            "clock": clock,
+            "residuals": ClientResiduals(world, lambda: iter(registry)),
+            **({"variates": ClientResiduals(world, lambda: iter(registry), variates=True)} if controls else {}),
+        },
         privacy=privacy.accountant if privacy is not None else None,
+        controls=controls,
     )
     return ServerParts(server=server, edges=edges)

@@ -26,8 +26,9 @@ from flasync.errors import InjectedFault
 from flasync.events import ClientFailed, ClientId, FailureKind, TaskAssigned, TaskDiagnosis, UpdateUploaded
 from flasync.executors import TrainingJob
 from flasync.faults import Fate, FaultModel
-from flasync.jobs import ClientSamples, JobContext, TrainedUpdate, finish_job, injected_crash, train_job
+from flasync.jobs import ClientSamples, JobContext, TaskVariates, TrainedUpdate, finish_job, injected_crash, train_job
 from flasync.population import Network, Population
+from flasync.residuals import ResidualStore
 from flasync.snapshots import ModelSnapshot
 
 __all__ = ["Client", "ClientResiduals", "ClientWorld", "ModelSnapshot"]
@@ -51,6 +52,7 @@ class ClientWorld:
         job: What the worker-thread side of a task needs.
         pre_task_residuals: When checkpoints are on, each in-flight task's residual as it was when the task
             started, by task id (the registry forgets a task's entry when it releases it).
+        pre_task_variates: The same for the clients' SCAFFOLD control variates.
     """
 
     clock: Clock
@@ -65,36 +67,49 @@ class ClientWorld:
     pool: Executor
     job: JobContext
     pre_task_residuals: dict[int, torch.Tensor | None] | None = None
+    pre_task_variates: dict[int, torch.Tensor | None] | None = None
 
     def forget(self, task: TaskAssigned) -> None:
         """Drop what was recorded for a task that ended."""
         if self.pre_task_residuals is not None:
             self.pre_task_residuals.pop(task.task_id, None)
+        if self.pre_task_variates is not None:
+            self.pre_task_variates.pop(task.task_id, None)
 
 
 class ClientResiduals:
-    """The clients' error-feedback residuals as checkpoint state.
+    """The clients' error-feedback residuals (or SCAFFOLD control variates) as checkpoint state.
 
-    A task in flight may have stored its new residual already; the state keeps the residual it started from, so
-    a resumed run trains it again from there.
+    A task in flight may have stored its new vector already; the state keeps the vector it started from, so a
+    resumed run trains it again from there.
 
     Args:
-        world: The clients' world (its residual store and what each task in flight started from).
+        world: The clients' world (its stores and what each task in flight started from).
         in_flight: The tasks in flight now.
+        variates: Hold the control variates instead of the residuals.
     """
 
-    def __init__(self, world: ClientWorld, in_flight: Callable[[], Iterable[TaskAssigned]]) -> None:
+    def __init__(
+        self, world: ClientWorld, in_flight: Callable[[], Iterable[TaskAssigned]], *, variates: bool = False
+    ) -> None:
         """Bind the world and the registry's view of the tasks in flight."""
         self.world = world
         self.in_flight = in_flight
+        self.variates = variates
+
+    def _store(self) -> tuple[ResidualStore | None, dict[int, torch.Tensor | None] | None]:
+        world = self.world
+        if self.variates:
+            return world.job.variates, world.pre_task_variates
+        return world.job.residuals, world.pre_task_residuals
 
     def state_dict(self) -> dict[str, Any]:
         """Return ``{"ids": [...], "values": Tensor(len(ids), num_params)}``."""
         job = self.world.job
-        store = job.residuals
+        store, pre_task = self._store()
         if store is None:
             return {"ids": [], "values": torch.zeros(0)}
-        recorded = self.world.pre_task_residuals if self.world.pre_task_residuals is not None else {}
+        recorded = pre_task if pre_task is not None else {}
         values: dict[int, torch.Tensor] = {}
         with job.residual_lock:
             for client_id in store.client_ids():
@@ -113,8 +128,8 @@ class ClientResiduals:
         return {"ids": ids, "values": stacked}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Put the checkpoint's residuals back into the store."""
-        store = self.world.job.residuals
+        """Put the checkpoint's vectors back into the store."""
+        store, _ = self._store()
         if store is None:
             return
         for i, client_id in enumerate(state["ids"]):
@@ -158,6 +173,7 @@ class Client:
             if world.pre_task_residuals is not None and residuals is not None:
                 with job_ctx.residual_lock:  # what a checkpoint taken while this task is in flight must restore
                     world.pre_task_residuals[task.task_id] = residuals.get(cid)
+            variates = self._variates(task, model)
             faults = world.faults
             fate = faults.fate(cid, task.participation) if faults is not None else None
             offline_at = faults.offline_at(cid, task.simulated_s) if faults is not None else float("inf")
@@ -187,10 +203,21 @@ class Client:
                     indices=indices,
                     cfg=job_ctx.local,
                     generator=generator,
-                    finish=lambda result: finish_job(job_ctx, cid, result, codec_generator, attack=attack),
-                    solo=lambda: train_job(
-                        job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id, attack
+                    finish=lambda result: finish_job(
+                        job_ctx, cid, result, codec_generator, attack=attack, variates=variates
                     ),
+                    solo=lambda: train_job(
+                        job_ctx,
+                        cid,
+                        model.weights,
+                        samples,
+                        generator,
+                        codec_generator,
+                        task.task_id,
+                        attack,
+                        variates,
+                    ),
+                    correction=variates.correction() if variates is not None else None,
                 )
             try:
                 # Everything the job needs is known now, so it starts at once in real time; on the virtual
@@ -202,7 +229,7 @@ class Client:
                 await self._fail(task, kind, f"{type(exc).__name__}: {exc}", None, diagnosis)
                 return
             result = trained.result
-            upload_s = world.network.upload_seconds(cid, len(trained.payload))
+            upload_s = world.network.upload_seconds(cid, trained.upload_bytes)
             up_at = done_at + upload_s
             if offline_at < up_at:
                 await self._fail(task, "offline", "availability window closed during upload", offline_at)
@@ -210,6 +237,9 @@ class Client:
             if residuals is not None and trained.residual is not None:
                 with job_ctx.residual_lock:
                     residuals.put(cid, trained.residual)
+            if job_ctx.variates is not None and trained.variate is not None:
+                with job_ctx.residual_lock:
+                    job_ctx.variates.put(cid, trained.variate)
             log.debug(
                 "client",
                 step=task.task_id,
@@ -221,7 +251,7 @@ class Client:
                 peak_mem_bytes=result.peak_mem_bytes,
                 encode_s=trained.encode_s,
                 download_bytes=model.download_bytes,
-                upload_bytes=len(trained.payload),
+                upload_bytes=trained.upload_bytes,
                 compression=(codecs.HEADER.size + 4 * job_ctx.num_params) / len(trained.payload),
                 **({} if trained.residual_norm is None else {"residual_norm": trained.residual_norm}),
             )
@@ -234,6 +264,7 @@ class Client:
                     base_version=task.base_version,
                     num_samples=result.num_samples,
                     payload=trained.payload,
+                    control=trained.control,
                     train_loss=result.loss,
                     simulated_s=clock.now(),
                     sent_wall_s=world.wall(),
@@ -247,6 +278,19 @@ class Client:
                     diagnosis=trained.diagnosis,
                 )
             )
+
+    def _variates(self, task: TaskAssigned, model: ModelSnapshot) -> TaskVariates | None:
+        """Return the task's SCAFFOLD state (None without SCAFFOLD), recording ``c_i`` for checkpoints."""
+        world, cid = self.world, self.client_id
+        store = world.job.variates
+        if store is None or model.control is None:
+            return None
+        with world.job.residual_lock:
+            own = store.get(cid)
+            if world.pre_task_variates is not None:
+                world.pre_task_variates[task.task_id] = own
+        generator = seeding.torch_stream(world.seed, seeding.CONTROL_CODEC, cid, task.participation)
+        return TaskVariates(server=model.control, client=own, generator=generator)
 
     async def _fail(
         self,

@@ -71,10 +71,12 @@ class CohortMember:
     Attributes:
         indices: The client's sample indices into the cohort's data tensors (int64, on the data's device).
         generator: The client's task stream; batch order is drawn from it as :func:`train` draws it.
+        correction: Added to each of the client's gradients (SCAFFOLD's ``c - c_i``; None: nothing).
     """
 
     indices: torch.Tensor
     generator: torch.Generator
+    correction: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,7 +172,16 @@ class CohortTrainer:
     ) -> LocalResult:
         device = self.device
         xb, yb = x[member.indices.to(x.device)], y[member.indices.to(y.device)]
-        return train(self.flat_model, base, xb.to(device), yb.to(device), cfg, member.generator, timer=timer)
+        return train(
+            self.flat_model,
+            base,
+            xb.to(device),
+            yb.to(device),
+            cfg,
+            member.generator,
+            timer=timer,
+            correction=None if member.correction is None else member.correction.to(device),
+        )
 
     def _loss(
         self, flat: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor
@@ -244,6 +255,11 @@ class CohortTrainer:
         self._precision = cfg.precision
         scaler = LossScaler.for_rows(num, device) if cfg.precision == "fp16" else None
         ones = torch.ones(num, dtype=torch.float32, device=device)
+        corrections = None
+        if any(m.correction is not None for m in members):
+            zero = torch.zeros(self.num_params)
+            rows = [members[k].correction if members[k].correction is not None else zero for k in order]
+            corrections = torch.stack([r.to(device) for r in rows])  # type: ignore[union-attr]
         step_fn = vmap(grad_and_value(self._loss, has_aux=True))
         host_data = x.device != device
         activation_bytes = 0
@@ -271,6 +287,8 @@ class CohortTrainer:
                 if cfg.clip_norm is not None:
                     norm = torch.linalg.vector_norm(grads, dim=1, keepdim=True)
                     grads.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
+                if corrections is not None:  # SCAFFOLD: c - c_i, one row per client
+                    grads.add_(corrections[:k])
                 if cfg.proximal_mu:  # FedProx: mu (w - w_base), every row from the cohort's one base
                     grads.add_(w, alpha=cfg.proximal_mu).sub_(base_row, alpha=cfg.proximal_mu)
                 if cfg.weight_decay:

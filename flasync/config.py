@@ -55,6 +55,7 @@ __all__ = [
     "ResilienceConfig",
     "RunConfig",
     "SGDServerOptimizer",
+    "ScaffoldConfig",
     "ShardsPartition",
     "SmallCNNModel",
     "StopConfig",
@@ -598,6 +599,17 @@ class ResilienceConfig(_Section):
     clip_update_norm: float | None = Field(None, gt=0.0, description="Scale accepted updates down to this norm.")
 
 
+class ScaffoldConfig(_Section):
+    """SCAFFOLD (Karimireddy et al., ICML 2020), option II: local steps are corrected by ``c - c_i``, the server's
+    and the client's control variates; each client keeps ``c_i`` (bounded in memory, spilled to disk, checkpointed)
+    and uploads ``Delta c_i`` beside its delta; the server adds ``sum Delta c_i / N`` to ``c`` at each version and
+    sends ``c`` with the model. Both travel through the codecs and count on the wire."""
+
+    enabled: bool = False
+    max_in_memory: int = Field(1024, ge=1, description="Client variates held in memory; older ones spill to disk.")
+    spill_dir: str | None = Field(None, description="Where client variates spill (default: a temporary folder).")
+
+
 class PrivacyConfig(_Section):
     """Central differential privacy (DP-FedAvg, McMahan et al. 2018; DP-FedBuff): every update is clipped to
     ``clip_norm``, each version's sum gets Gaussian noise of standard deviation ``noise_multiplier * clip_norm``
@@ -772,6 +784,7 @@ class RunConfig(_Section):
     resilience: ResilienceConfig = ResilienceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     privacy: PrivacyConfig = PrivacyConfig()
+    scaffold: ScaffoldConfig = ScaffoldConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -861,6 +874,8 @@ class RunConfig(_Section):
             )
         if self.privacy.enabled:
             self._check_privacy()
+        if self.scaffold.enabled:
+            self._check_scaffold()
         if res.zscore_min_history > res.zscore_window:
             raise _FieldError(
                 ("resilience", "zscore_min_history"),
@@ -879,6 +894,15 @@ class RunConfig(_Section):
             raise _FieldError(where, "needs server.example_weight = 'equal' (sample weights break the noise's bound)")
         if isinstance(self.topology, TreeTopology):
             raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
+
+    def _check_scaffold(self) -> None:
+        where = ("scaffold", "enabled")
+        if isinstance(self.server, FedAsyncServer):
+            raise _FieldError(where, "needs server.kind = 'fedavg' or 'fedbuff' (FedAsync mixes models, not deltas)")
+        if isinstance(self.topology, TreeTopology):
+            raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
+        if self.privacy.enabled:
+            raise _FieldError(where, "cannot be combined with privacy.enabled (the variates are not privatized)")
 
 
 _MAX_EAGER_DATA_BYTES = 16 * 2**30

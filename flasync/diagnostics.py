@@ -158,11 +158,14 @@ class TrainingDiagnostics:
         task_id: int = 0,
         train_fn: Callable[..., LocalResult] = train,
         indices: torch.Tensor | None = None,
+        correction: torch.Tensor | None = None,
     ) -> tuple[LocalResult, TaskDiagnosis]:
         """Run ``train_fn`` (:func:`flasync.training.train`) and diagnose the result (see the module docstring).
 
-        ``indices``: train on those rows of ``x`` and ``y`` (see :func:`~flasync.training.train`).
+        ``indices``: train on those rows of ``x`` and ``y``; ``correction``: added to every gradient (see
+        :func:`~flasync.training.train`).
         """
+        extra = {} if correction is None else {"correction": correction}
         stats: _GradientStats | None = None
         if self.level == "full" and self._lengths is not None and self._lengths.numel():
             stats = _GradientStats(self._lengths.to(model.grad.device))
@@ -175,13 +178,13 @@ class TrainingDiagnostics:
                 activities.append(ProfilerActivity.CUDA)
             # One profiler at a time: torch's profiler is process-wide.
             with self._profiler_lock, profile(activities=activities, record_shapes=True) as prof:
-                result = train_fn(model, base, x, y, cfg, generator, on_backward=stats, indices=indices)
+                result = train_fn(model, base, x, y, cfg, generator, on_backward=stats, indices=indices, **extra)
             path = os.path.join(self.trace_dir, f"train-task-{task_id}.json")
             prof.export_chrome_trace(path)
             with self._lock:
                 self.traces.append(path)
         else:
-            result = train_fn(model, base, x, y, cfg, generator, on_backward=stats, indices=indices)
+            result = train_fn(model, base, x, y, cfg, generator, on_backward=stats, indices=indices, **extra)
         return result, self.diagnose(result, stats)
 
     def diagnose(self, result: LocalResult, stats: _GradientStats | None = None) -> TaskDiagnosis:

@@ -94,6 +94,7 @@ class TrainingJob(Generic[T]):
         generator: The task's random stream (batch order).
         finish: Turns the training result into what the job returns (e.g. encodes the delta); runs in the worker.
         solo: Trains this client alone and finishes.
+        correction: Added to every gradient of the client (SCAFFOLD's ``c - c_i``; None: nothing).
     """
 
     base: torch.Tensor
@@ -104,6 +105,7 @@ class TrainingJob(Generic[T]):
     generator: torch.Generator
     finish: Callable[[LocalResult], T]
     solo: Callable[[], T]
+    correction: torch.Tensor | None = None
 
     def __call__(self) -> T:
         """Train this client alone and finish."""
@@ -282,7 +284,8 @@ class CohortBatcher(Executor):
             first = jobs[0]
             x, y, parts = _cohort_data(jobs)
             members = [
-                CohortMember(indices=part, generator=job.generator) for job, part in zip(jobs, parts, strict=True)
+                CohortMember(indices=part, generator=job.generator, correction=job.correction)
+                for job, part in zip(jobs, parts, strict=True)
             ]
             outcome = trainer.train(first.base, x, y, members, first.cfg)
         except Exception as exc:

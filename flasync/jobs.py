@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flasync.aggregation.scaffold import control_delta
 from flasync.codecs import Pipeline
 from flasync.data import Partition, SyntheticClients
 from flasync.diagnostics import DivergedTraining, TrainingDiagnostics
@@ -25,7 +26,15 @@ from flasync.executors import ModelPool
 from flasync.residuals import ResidualStore
 from flasync.training import LocalResult, LocalTraining, train
 
-__all__ = ["ClientSamples", "JobContext", "TrainedUpdate", "finish_job", "injected_crash", "train_job"]
+__all__ = [
+    "ClientSamples",
+    "JobContext",
+    "TaskVariates",
+    "TrainedUpdate",
+    "finish_job",
+    "injected_crash",
+    "train_job",
+]
 
 _NO_DIAGNOSTICS = TrainingDiagnostics("off")
 
@@ -40,9 +49,10 @@ class JobContext:
         upload_codec: How deltas are encoded for upload.
         num_params: Length of the flat model.
         residuals: Clients' error-feedback residuals (None when the codec keeps none).
-        residual_lock: Guards ``residuals`` across worker threads and the event loop.
+        residual_lock: Guards ``residuals`` and ``variates`` across worker threads and the event loop.
         diagnostics: Training diagnostics (None: NaN/Inf checks only).
         wall: Monotonic real seconds (encode timing).
+        variates: Clients' SCAFFOLD control variates ``c_i`` (None when SCAFFOLD is off).
     """
 
     models: ModelPool
@@ -53,11 +63,35 @@ class JobContext:
     residual_lock: threading.Lock = field(default_factory=threading.Lock)
     diagnostics: TrainingDiagnostics | None = None
     wall: Callable[[], float] = time.perf_counter
+    variates: ResidualStore | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskVariates:
+    """A task's SCAFFOLD state: the server's variate ``c`` as downloaded and the client's own ``c_i``.
+
+    Attributes:
+        server: ``c`` (read only, shared by every task of the version).
+        client: ``c_i`` (None: the client never trained, so zeros).
+        generator: The stream stochastic codec stages draw from when ``Delta c_i`` is encoded.
+    """
+
+    server: torch.Tensor
+    client: torch.Tensor | None
+    generator: torch.Generator
+
+    def correction(self) -> torch.Tensor:
+        """Return ``c - c_i``, added to every local gradient."""
+        return self.server.clone() if self.client is None else self.server - self.client
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainedUpdate:
-    """What a training job hands back to its client coroutine."""
+    """What a training job hands back to its client coroutine.
+
+    ``control`` is the encoded ``Delta c_i`` and ``variate`` the client's new ``c_i`` (SCAFFOLD; else empty and
+    None).
+    """
 
     result: LocalResult
     payload: bytes
@@ -65,6 +99,13 @@ class TrainedUpdate:
     residual_norm: float | None
     diagnosis: TaskDiagnosis | None = None
     residual: torch.Tensor | None = None
+    control: bytes = b""
+    variate: torch.Tensor | None = None
+
+    @property
+    def upload_bytes(self) -> int:
+        """Bytes the upload sends: the delta and, with SCAFFOLD, ``Delta c_i``."""
+        return len(self.payload) + len(self.control)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +151,7 @@ def train_job(
     codec_generator: torch.Generator,
     task_id: int = 0,
     attack: float = 1.0,
+    variates: TaskVariates | None = None,
 ) -> TrainedUpdate:
     """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
     model = ctx.models.get()
@@ -132,8 +174,9 @@ def train_job(
         task_id=task_id,
         train_fn=train,  # looked up here, so that tests can replace flasync.jobs.train
         indices=rows,
+        correction=None if variates is None else variates.correction().to(device),
     )
-    return finish_job(ctx, client_id, result, codec_generator, diagnosis, attack)
+    return finish_job(ctx, client_id, result, codec_generator, diagnosis, attack, variates)
 
 
 def finish_job(
@@ -143,11 +186,15 @@ def finish_job(
     codec_generator: torch.Generator,
     diagnosis: TaskDiagnosis | None = None,
     attack: float = 1.0,
+    variates: TaskVariates | None = None,
 ) -> TrainedUpdate:
     """Check and encode a trained delta, with error feedback (runs in a worker thread).
 
     ``diagnosis`` is None for a delta trained in a cohort: it is diagnosed here (no per-step gradient statistics).
     ``attack`` multiplies the delta before it is encoded: a simulated Byzantine client (``faults.byzantine``).
+    With ``variates`` (SCAFFOLD), ``Delta c_i`` (option II) is encoded too, and the client's new variate is its old
+    one plus ``Delta c_i`` as the server decodes it, so that ``c`` stays the mean of the clients' variates whatever
+    the codec loses.
 
     Raises:
         DivergedTraining: If the delta has NaN or Inf (before encoding: a NaN would otherwise stay in the client's
@@ -167,6 +214,14 @@ def finish_job(
     if attack != 1.0:
         delta = delta * attack
     encoded = ctx.upload_codec.encode(delta, generator=codec_generator, residual=residual)
+    control, variate = b"", None
+    if variates is not None:
+        codec = ctx.upload_codec
+        change = control_delta(delta, variates.server.to(delta.device), steps=result.steps, lr=ctx.local.lr)
+        control = codec.encode(change, generator=variates.generator).payload
+        if not codec.lossless:
+            change = codec.decode(control, expected_elements=change.numel())
+        variate = change if variates.client is None else change.add_(variates.client)
     encode_s = ctx.wall() - start
     norm = None
     if residuals is not None and encoded.residual is not None:
@@ -178,6 +233,8 @@ def finish_job(
         residual_norm=norm,
         diagnosis=diagnosis,
         residual=encoded.residual,
+        control=control,
+        variate=variate,
     )
 
 

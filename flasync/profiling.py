@@ -269,7 +269,7 @@ class Profiler:
         r = self.records
         if isinstance(event, UpdateUploaded):
             sim_task_s = event.sim_download_s + event.sim_train_s + event.sim_upload_s
-            upload_bytes = len(event.payload)
+            upload_bytes = event.upload_bytes
             client = r.client(int(event.client_id))
             client.tasks += 1
             client.sim_task_s += sim_task_s

@@ -280,8 +280,8 @@ class Federation:
         dcfg = cfg.diagnostics
         # Temporary files of runs that were killed (SIGKILL, OOM) before they could remove them.
         swept = sweep_scratch(_TRACES) + sweep_scratch(_RESIDUALS)
-        if cfg.codec.residual_dir is not None:
-            swept += sweep_scratch(RESIDUALS_PREFIX, cfg.codec.residual_dir)
+        for spill_dir in {cfg.codec.residual_dir, cfg.scaffold.spill_dir} - {None}:
+            swept += sweep_scratch(RESIDUALS_PREFIX, spill_dir)
         if swept:
             log.info("scratch.swept", folders=len(swept), message=f"removed {len(swept)} folder(s) of killed runs")
         layout: LayerLayout | None = None
@@ -305,7 +305,7 @@ class Federation:
             diagnostics=diagnostics,
             scratch=self._scratch_dir,
         )
-        residuals = world.job.residuals
+        residuals, variates = world.job.residuals, world.job.variates
         device = prepared.device
         weights = prepared.initial.to(device, copy=True)
         parts = build_server(
@@ -355,10 +355,13 @@ class Federation:
             if server.interrupted_state is not None and cfg.checkpoint.on_interrupt:
                 writes.submit(server.interrupted_state)
             await asyncio.to_thread(writes.close)
-            if residuals is not None:
+            if residuals is not None or variates is not None:
                 # Jobs of cancelled clients may still be running and about to store residuals: let them finish.
                 await asyncio.to_thread(executor.shutdown)
+            if residuals is not None:
                 residual_memory = _close_residuals(residuals, log)
+            if variates is not None:
+                variates.close()
             if self._scratch is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch = None

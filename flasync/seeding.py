@@ -19,6 +19,7 @@ import torch
 __all__ = [
     "AVAILABILITY",
     "CODEC",
+    "CONTROL_CODEC",
     "DATA",
     "EDGE_CODEC",
     "FAULTS",
@@ -53,6 +54,7 @@ AVAILABILITY = 11
 EDGE_CODEC = 12
 DOWNLOAD_CODEC = 13
 PRIVACY = 14
+CONTROL_CODEC = 15
 
 _MASK = (1 << 64) - 1
 

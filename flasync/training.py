@@ -316,6 +316,7 @@ def train(
     timer: Callable[[], float] = time.perf_counter,
     on_backward: Callable[[torch.Tensor], None] | None = None,
     indices: torch.Tensor | None = None,
+    correction: torch.Tensor | None = None,
 ) -> LocalResult:
     """Train ``model`` from ``base`` on ``(x, y)`` with SGD and return the delta ``base - w_local``.
 
@@ -336,6 +337,7 @@ def train(
         indices: Train on the rows ``indices`` (int64, on ``x``'s device) of ``x`` and ``y`` only: the same result
             as ``train(..., x[indices], y[indices], ...)``, without that copy (each epoch gathers its batches
             straight from ``x`` and ``y``).
+        correction: Added to every step's gradient after clipping (SCAFFOLD's ``c - c_i``; None: nothing).
 
     Returns:
         The delta, sample count, steps, mean training loss, seconds and peak tensor memory in bytes
@@ -401,6 +403,8 @@ def train(
         if cfg.clip_norm is not None:
             norm = torch.linalg.vector_norm(grad)
             grad.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
+        if correction is not None:
+            grad.add_(correction)
         if cfg.proximal_mu:
             # FedProx (Li et al., MLSys 2020, eq. 2): the gradient of mu/2 ||w - w_base||^2 is mu (w - w_base).
             grad.add_(params, alpha=cfg.proximal_mu).sub_(base[: params.numel()], alpha=cfg.proximal_mu)

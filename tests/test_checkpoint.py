@@ -84,8 +84,24 @@ async def _resumes_exactly(
                 "resilience.round_deadline_s=2.5",
             ),
         ),
+        ({"kind": "fedbuff", "buffer_size": 4, "concurrency": 8}, (*FAULTY, TOPK, "scaffold.enabled=true")),
+        (
+            {"kind": "fedavg", "clients_per_round": 5},
+            ("scaffold.enabled=true", "resilience.over_selection=0.4", "resilience.round_quorum=0.8"),
+        ),
+        (
+            {"kind": "fedbuff", "buffer_size": 4, "concurrency": 8},
+            (*FAULTY, "privacy.enabled=true", "privacy.noise_multiplier=0.5", "privacy.clip_norm=2"),
+        ),
     ],
-    ids=["fedbuff-faults-topk", "fedasync-availability", "fedavg-quorum-deadline"],
+    ids=[
+        "fedbuff-faults-topk",
+        "fedasync-availability",
+        "fedavg-quorum-deadline",
+        "fedbuff-scaffold-faults-topk",
+        "fedavg-scaffold-quorum",
+        "fedbuff-private-faults",
+    ],
 )
 async def test_stop_and_resume_gives_the_uninterrupted_weights(
     server: dict[str, Any], overrides: tuple[str, ...]

@@ -377,3 +377,25 @@ def test_gradient_checkpointing_falls_back_to_one_client_at_a_time() -> None:
     assert outcome.fallback_reason is not None and "checkpointing" in outcome.fallback_reason
     for got, want in zip(outcome.results, _alone(_mlp, base, x, y, parts, cfg), strict=True):
         torch.testing.assert_close(got.delta, want.delta)
+
+
+def test_vectorized_corrections_equal_one_client_at_a_time() -> None:
+    """Each member's own correction row (SCAFFOLD's c - c_i) gives what train() gives that client alone."""
+    x, y, parts = _data()
+    parts = _no_single_sample_batches(parts)
+    cfg = LocalTraining(epochs=2, batch_size=16, lr=0.05, momentum=0.9)
+    module = _mlp()
+    base = flat_parameters(module).detach().clone()
+    n = base.numel()
+    corrections = [torch.full((n,), 0.01 * (k + 1)) if k % 2 == 0 else None for k in range(len(parts))]
+    members = [
+        CohortMember(indices=part, generator=seeding.torch_stream(3, k), correction=corrections[k])
+        for k, part in enumerate(parts)
+    ]
+    outcome = CohortTrainer(module).train(base, x, y, members, cfg)
+    assert outcome.vectorized
+    for k, part in enumerate(parts):
+        alone = train(
+            FlatModel(_mlp()), base, x[part], y[part], cfg, seeding.torch_stream(3, k), correction=corrections[k]
+        )
+        torch.testing.assert_close(outcome.results[k].delta, alone.delta, rtol=1e-4, atol=1e-5)

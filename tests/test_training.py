@@ -531,3 +531,16 @@ def test_fedprox_adds_mu_times_the_distance_to_the_base_to_every_step() -> None:
     torch.testing.assert_close(result.delta, base - w, rtol=0, atol=1e-6)
     plain = train(FlatModel(nn.Linear(3, 2)), base, x, y, LocalTraining(epochs=2, batch_size=8, lr=lr), None)
     assert not torch.allclose(plain.delta, result.delta)  # the second step is pulled back towards the base
+
+
+def test_a_gradient_correction_is_added_to_every_step() -> None:
+    """SCAFFOLD: one SGD step with correction v moves the weights by -lr (g + v): the delta grows by lr v."""
+    torch.manual_seed(0)
+    model = FlatModel(nn.Sequential(nn.Linear(6, 3)))
+    base = model.flat.clone()
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    cfg = LocalTraining(epochs=1, batch_size=8, lr=0.1)
+    plain = train(model, base, x, y, cfg, torch.Generator().manual_seed(1))
+    v = torch.linspace(-1, 1, base.numel())
+    corrected = train(model, base, x, y, cfg, torch.Generator().manual_seed(1), correction=v)
+    torch.testing.assert_close(corrected.delta - plain.delta, 0.1 * v)

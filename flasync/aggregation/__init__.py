@@ -19,6 +19,7 @@ from flasync.aggregation.functional import fedasync_mix_, fedavg, fedbuff, norma
 from flasync.aggregation.hierarchy import edge_model, edge_progress, mix_partial_
 from flasync.aggregation.optimizers import FlatAdam, FlatAdaptive, FlatSGD, ServerOptimizer, TorchServerOptimizer
 from flasync.aggregation.robust import coordinate_median, trimmed_mean
+from flasync.aggregation.scaffold import ControlVariate, control_delta
 from flasync.aggregation.staleness import (
     ConstantStaleness,
     HingeStaleness,
@@ -31,6 +32,7 @@ __all__ = [
     "Aggregator",
     "BufferedAggregator",
     "ConstantStaleness",
+    "ControlVariate",
     "EqualExampleWeight",
     "ExampleWeight",
     "FlatAdam",
@@ -46,6 +48,7 @@ __all__ = [
     "StalenessWeight",
     "TorchServerOptimizer",
     "UpdateBuffer",
+    "control_delta",
     "coordinate_median",
     "edge_model",
     "edge_progress",

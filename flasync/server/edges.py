@@ -72,9 +72,10 @@ _MESSAGES: dict[str, type[Any]] = {
 def message_state(message: EdgeForwarded | TaskClosed | UpdateUploaded) -> dict[str, Any]:
     """Return a message on its way between edges and the cloud as checkpoint state (plain values and tensors)."""
     fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
-    payload = fields.get("payload")
-    if isinstance(payload, bytes):
-        fields["payload"] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0)
+    for name in ("payload", "control"):
+        data = fields.get(name)
+        if isinstance(data, bytes):
+            fields[name] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0)
     diagnosis = fields.get("diagnosis")
     if diagnosis is not None:
         fields["diagnosis"] = dataclasses.asdict(diagnosis)
@@ -85,8 +86,9 @@ def message_from_state(state: dict[str, Any]) -> EdgeForwarded | TaskClosed | Up
     """Rebuild a message from :func:`message_state`."""
     kind = _MESSAGES[state["type"]]
     fields = dict(state["fields"])
-    if "payload" in fields:
-        fields["payload"] = bytes(fields["payload"].to(torch.uint8).numpy().tobytes())
+    for name in ("payload", "control"):
+        if name in fields:
+            fields[name] = bytes(fields[name].to(torch.uint8).numpy().tobytes())
     if fields.get("diagnosis") is not None:
         diagnosis: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields["diagnosis"].items()}
         fields["diagnosis"] = TaskDiagnosis(**diagnosis)

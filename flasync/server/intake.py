@@ -35,6 +35,7 @@ class Admitted:
     base: ModelSnapshot
     received_wall: float
     decode_s: float
+    control: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class Intake:
         max_staleness: Refuse updates more versions old than this (None: no limit).
         clip_norm: Scale admitted updates down to this L2 norm (None: no clipping).
         wall: Monotonic real seconds (decode timing).
+        controls: Expect SCAFFOLD's ``Delta c_i`` beside each delta (decoded and checked like the delta, not clipped).
         one_per_client: Admit at most one update per client into a version (differential privacy bounds one
             client's share of a version's sum by the clipping norm); a second one is refused as ``repeat``.
     """
@@ -72,6 +74,7 @@ class Intake:
         max_staleness: int | None,
         clip_norm: float | None,
         wall: Callable[[], float],
+        controls: bool = False,
         one_per_client: bool = False,
     ) -> None:
         """Bind the registry, codec and checks."""
@@ -84,6 +87,7 @@ class Intake:
         self.clip_norm = clip_norm
         self.wall = wall
         self.one_per_client = one_per_client
+        self.controls = controls
         self._joined: tuple[int, set[int]] = (-1, set())  # a version and the clients admitted into it
 
     def admit(self, message: UpdateUploaded, *, version: int) -> Admitted | Refused:
@@ -119,6 +123,16 @@ class Intake:
             return Refused("decode", str(exc))
         if delta.device != self.device:
             delta = delta.to(self.device)
+        control = None
+        if self.controls:
+            try:
+                control = self.codec.decode(message.control, expected_elements=self.num_params)
+            except DecodeError as exc:
+                return Refused("decode", f"control variate: {exc}")
+            if not bool(torch.isfinite(control).all()):
+                return Refused("non_finite", "the control variate has NaN or Inf")
+            if control.device != self.device:
+                control = control.to(self.device)
         decode_s = self.wall() - received_wall
         verdict, norm = self.validator.check(delta)
         if verdict is not None:
@@ -127,7 +141,7 @@ class Intake:
             delta, _ = clip_to_norm(delta, self.clip_norm)
         if self.one_per_client:
             self._joined[1].add(int(message.client_id))
-        return Admitted(delta, staleness, norm, base, received_wall, decode_s)
+        return Admitted(delta, staleness, norm, base, received_wall, decode_s, control)
 
     def accepted(self, admitted: Admitted) -> None:
         """Record that ``admitted`` was aggregated (its norm joins the z-score's reference)."""

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from flasync.aggregation import Aggregator
+from flasync.aggregation import Aggregator, ControlVariate
 from flasync.bus import EventBus
 from flasync.clock import Clock
 from flasync.codecs import Pipeline
@@ -121,6 +121,8 @@ class Server:
         download_generator: The download codec's random stream for a version (stochastic stages draw from it).
         components: Further state a checkpoint holds by name (e.g. the clients' residuals).
         privacy: The privacy spent after a number of versions (differential privacy on), logged per version.
+        controls: SCAFFOLD's server control variate (None: off): each admitted update's ``Delta c_i`` is folded in,
+            it steps with every version and is published (encoded by the download codec) with the model.
 
     Attributes:
         on_checkpoint: Called with :meth:`state_dict` every ``rules.checkpoint_every`` versions (it must not
@@ -150,6 +152,7 @@ class Server:
         download_generator: Callable[[int], torch.Generator] | None = None,
         components: Mapping[str, Stateful] | None = None,
         privacy: PrivacyAccountant | None = None,
+        controls: ControlVariate | None = None,
     ) -> None:
         """Subscribe to what reaches the cloud."""
         self.weights = weights
@@ -170,6 +173,9 @@ class Server:
         self.download_generator = download_generator
         self.components = dict(components or {})
         self.privacy = privacy
+        self.controls = controls
+        if controls is not None:
+            self.components.setdefault("controls", controls)
         self.version = Version(0)
         self.on_checkpoint: Callable[[dict[str, Any]], None] | None = None
         self.interrupted_state: dict[str, Any] | None = None
@@ -318,7 +324,7 @@ class Server:
             self.stats.partials_received += 1
             self._fold_partial(message)
         else:
-            self.accounting.ingress(len(message.payload))
+            self.accounting.ingress(message.upload_bytes)
             accepted = await self._receive_update(message)
         self.policy.note(message, accepted=accepted)
 
@@ -346,7 +352,7 @@ class Server:
             self._failed(message.kind, message.reason, message.task_id, int(message.client_id))
 
     async def _receive_update(self, message: UpdateUploaded) -> bool:
-        self.accounting.uploaded(len(message.payload))
+        self.accounting.uploaded(message.upload_bytes)
         verdict = self.intake.admit(message, version=int(self.version))
         if isinstance(verdict, Refused):
             await self._reject(message, verdict.reason, verdict.detail)
@@ -355,6 +361,8 @@ class Server:
         weight = self.aggregator.add(
             verdict.delta, staleness=verdict.staleness, num_samples=message.num_samples, base=verdict.base.weights
         )
+        if self.controls is not None and verdict.control is not None:
+            self.controls.add(verdict.control)
         stats.cloud_aggregate_s += self.wall() - verdict.received_wall
         self.intake.accepted(verdict)
         self.accounting.accepted(verdict.staleness)
@@ -374,7 +382,7 @@ class Server:
                 base_version=message.base_version,
                 version=self.version,
                 staleness=verdict.staleness,
-                upload_bytes=len(message.payload),
+                upload_bytes=message.upload_bytes,
                 simulated_s=self.clock.now(),
                 tier=message.tier,
                 decode_s=verdict.decode_s,
@@ -432,6 +440,8 @@ class Server:
         stats = self.stats
         start = self.wall()
         self.aggregator.step()
+        if self.controls is not None:
+            self.controls.step()
         aggregate_s = self.wall() - start
         if not bool(torch.isfinite(self.weights).all()):
             # Nothing a later version does can repair it, and every client would train from it.
@@ -493,7 +503,17 @@ class Server:
         payload = codec.encode(exact, generator=self._download_generator()).payload
         # One download is encoded (and, if lossy, decoded) per version, not per client.
         weights = exact if codec.lossless else codec.decode(payload, expected_elements=exact.numel()).to(exact.device)
-        snapshot = ModelSnapshot(version=self.version, weights=weights, exact=exact, download_bytes=len(payload))
+        size, control = len(payload), None
+        if self.controls is not None:
+            # Sent with the model, through the same codec.
+            control = self.controls.value.detach().clone()
+            sent = codec.encode(control, generator=self._download_generator(control=True)).payload
+            size += len(sent)
+            if not codec.lossless:
+                control = codec.decode(sent, expected_elements=control.numel()).to(control.device)
+        snapshot = ModelSnapshot(
+            version=self.version, weights=weights, exact=exact, download_bytes=size, control=control
+        )
         self.registry.publish(snapshot)
         self.policy.published(snapshot)
         await self.bus.publish(
@@ -505,8 +525,12 @@ class Server:
             )
         )
 
-    def _download_generator(self) -> torch.Generator | None:
-        return self.download_generator(int(self.version)) if self.download_generator is not None else None
+    def _download_generator(self, *, control: bool = False) -> torch.Generator | None:
+        if self.download_generator is None:
+            return None
+        # The model of version v draws from key v; SCAFFOLD's variate sent with it from key -(v + 1).
+        version = int(self.version)
+        return self.download_generator(-(version + 1) if control else version)
 
     async def _evaluate(self) -> None:
         snapshot = self.registry.current

@@ -261,15 +261,7 @@ class TaskRegistry:
             raise RuntimeError("nothing was published yet")
         return {
             "snapshot_version": int(self.current.version),
-            "bases": [
-                {
-                    "version": int(v),
-                    "weights": self._bases[v].weights.clone(),
-                    "exact": self._bases[v].exact.clone(),
-                    "download_bytes": self._bases[v].download_bytes,
-                }
-                for v in sorted(self._bases)
-            ],
+            "bases": [_snapshot_state(self._bases[v]) for v in sorted(self._bases)],
             "participations": torch.from_numpy(self._participations.copy()),
             "in_flight": [
                 {
@@ -298,6 +290,7 @@ class TaskRegistry:
                 weights=b["weights"].to(device),
                 exact=b["exact"].to(device),
                 download_bytes=int(b["download_bytes"]),
+                control=b["control"].to(device) if "control" in b else None,
             )
             for b in state["bases"]
         }
@@ -315,3 +308,15 @@ class TaskRegistry:
             )
             self._in_flight[task.client_id] = task
             self._base_refs[task.base_version] += 1
+
+
+def _snapshot_state(snapshot: ModelSnapshot) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "version": int(snapshot.version),
+        "weights": snapshot.weights.clone(),
+        "exact": snapshot.exact.clone(),
+        "download_bytes": snapshot.download_bytes,
+    }
+    if snapshot.control is not None:
+        state["control"] = snapshot.control.clone()
+    return state

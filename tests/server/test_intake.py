@@ -147,3 +147,33 @@ def _nan_for_odd_clients(bus: object, clock: object) -> object:
         N,
         delta=lambda task: torch.full((N,), math.nan if int(task.client_id) % 2 else 0.01),
     )
+
+
+def _with_control(control: bytes) -> UpdateUploaded:
+    return UpdateUploaded(
+        task_id=0,
+        client_id=ClientId(1),
+        base_version=Version(0),
+        num_samples=10,
+        payload=codecs.Pipeline().encode(torch.zeros(4)).payload,
+        control=control,
+        train_loss=0.0,
+        simulated_s=0.0,
+        sent_wall_s=0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("control", "reason"),
+    [
+        (b"", "decode"),
+        (b"garbage", "decode"),
+        (codecs.Pipeline().encode(torch.zeros(5)).payload, "decode"),
+        (codecs.Pipeline().encode(torch.tensor([0.0, float("inf"), 0.0, 0.0])).payload, "non_finite"),
+    ],
+    ids=["missing", "garbage", "wrong-length", "inf"],
+)
+def test_a_broken_control_variate_is_refused_by_name(control: bytes, reason: str) -> None:
+    """A missing, undecodable, wrong-length or non-finite Delta c_i is refused, never folded into c."""
+    verdict = _intake(_Tasks((0, 1, 0)), controls=True).admit(_with_control(control), version=0)
+    assert isinstance(verdict, Refused) and verdict.reason == reason

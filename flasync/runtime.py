@@ -214,7 +214,7 @@ class Federation:
         tracker = self._make_tracker()
         tracked = not isinstance(tracker, tracking.NullTracker)
         tracker.prepare()  # e.g. its MLflow writer process starts up while the data loads
-        _phase("loading the data and building the model")
+        _phase("loading the data and building the model", cfg)
         try:
             prepared = await asyncio.to_thread(self._prepare)
             if self._stop_requested:
@@ -229,7 +229,7 @@ class Federation:
         # Metrics are taken at each log call; events below the log level skip structlog's chain.
         log = tracking.make_logger(level=cfg.tracking.log_level, metrics=metrics)
         if tracked:
-            _phase("starting the MLflow run")
+            _phase("starting the MLflow run", cfg)
         if self._resume is not None and self._resume.run_id:
             run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
         else:
@@ -259,7 +259,7 @@ class Federation:
             with structlog.contextvars.bound_contextvars(**context):
                 summary = await self._simulate(prepared, executor, log, tracker)
                 if tracked:
-                    _phase("logging the artifacts")
+                    _phase("logging the artifacts", cfg)
                 await asyncio.to_thread(self._log_artifacts, tracker, prepared, summary, log)
             status = "FINISHED"
             return summary
@@ -649,9 +649,10 @@ class _CheckpointWriter:
             self._pool = None
 
 
-def _phase(name: str) -> None:
-    """Say on the console what the run is doing now (an info line; never a metric)."""
-    structlog.get_logger("flasync").info("run.phase", phase=name)
+def _phase(name: str, config: RunConfig) -> None:
+    """Say on the console what the run is doing now (an info line, unless the run logs less; never a metric)."""
+    if config.tracking.log_level in ("debug", "info"):
+        structlog.get_logger("flasync").info("run.phase", phase=name)
 
 
 def _redacted(config: RunConfig) -> RunConfig:

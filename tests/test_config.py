@@ -46,9 +46,15 @@ def test_defaults_are_the_showcase_experiment() -> None:
 
 @pytest.mark.parametrize("name", ["fedbuff.toml", "fedasync.toml", "fedavg.yaml"])
 def test_examples_load(name: str) -> None:
-    """Every example config in examples/ validates."""
+    """The three aggregators' examples name their server."""
     cfg = load_config(EXAMPLES / name)
     assert cfg.server.kind in name
+
+
+@pytest.mark.parametrize("path", sorted([*EXAMPLES.glob("*.toml"), *EXAMPLES.glob("*.yaml")]), ids=lambda p: p.name)
+def test_every_example_config_validates(path: Path) -> None:
+    """Every config file in examples/ loads (a renamed field would break it)."""
+    load_config(path)
 
 
 def test_override_parses_types_and_nests() -> None:

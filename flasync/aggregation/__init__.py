@@ -10,6 +10,7 @@ from __future__ import annotations
 from flasync.aggregation.aggregators import (
     Aggregator,
     BufferedAggregator,
+    CustomAggregator,
     MixingAggregator,
     RobustAggregator,
     RobustRule,
@@ -31,6 +32,7 @@ __all__ = [
     "Aggregator",
     "BufferedAggregator",
     "ConstantStaleness",
+    "CustomAggregator",
     "EqualExampleWeight",
     "ExampleWeight",
     "FlatAdam",

@@ -641,7 +641,7 @@ def custom_aggregator(factory: AggregatorFactory, weights: torch.Tensor, config:
     missing = [name for name in _AGGREGATOR_MEMBERS if not hasattr(rule, name)]
     if missing:
         raise ConfigError(
-            f"aggregator {rule_name(factory)} returned a {type(rule).__qualname__}, which lacks "
+            f"the {type(rule).__qualname__} that aggregator {rule_name(factory)} returned lacks "
             f"{', '.join(missing)} of the flasync.Aggregator protocol"
         )
     return CustomAggregator(rule, objective_name(rule))

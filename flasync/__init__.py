@@ -22,12 +22,18 @@ from flasync.errors import (
 )
 
 if TYPE_CHECKING:
+    from flasync.aggregation import Aggregator
+    from flasync.assembly import AggregatorFactory
     from flasync.config import RunConfig, load_config
     from flasync.runtime import Federation, RunSummary, run
+    from flasync.training import LocalObjective
 
 # Imported on first use: the runtime brings in torch (about a second), which `python -m flasync` should not pay
 # before it can say anything, nor `flasync --help`.
 _LAZY = {
+    "Aggregator": "flasync.aggregation",
+    "AggregatorFactory": "flasync.assembly",
+    "LocalObjective": "flasync.training",
     "Federation": "flasync.runtime",
     "RunSummary": "flasync.runtime",
     "run": "flasync.runtime",
@@ -47,12 +53,15 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Aggregator",
+    "AggregatorFactory",
     "CheckpointError",
     "ConfigError",
     "DataError",
     "DecodeError",
     "Federation",
     "FlasyncError",
+    "LocalObjective",
     "RunConfig",
     "RunInterrupted",
     "RunSummary",

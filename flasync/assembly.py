@@ -25,6 +25,7 @@ from flasync.aggregation import (
     BufferedAggregator,
     ConstantStaleness,
     ControlVariate,
+    CustomAggregator,
     EqualExampleWeight,
     ExampleWeight,
     HingeStaleness,
@@ -109,10 +110,11 @@ from flasync.server import (
 )
 from flasync.server.loop import Evaluator
 from flasync.topology import Tree, build_tree
-from flasync.training import EvalResult, LocalTraining, evaluate, flat_parameters
+from flasync.training import EvalResult, LocalObjective, LocalTraining, evaluate, flat_parameters, objective_name
 from flasync.validation import UpdateValidator
 
 __all__ = [
+    "AggregatorFactory",
     "DatasetRecord",
     "ModelFactory",
     "Prepared",
@@ -120,6 +122,8 @@ __all__ = [
     "ServerParts",
     "build_server",
     "build_world",
+    "check_objective",
+    "custom_aggregator",
     "dataset_record",
     "default_run_name",
     "make_aggregator",
@@ -129,6 +133,7 @@ __all__ = [
     "make_server_optimizer",
     "make_staleness_weight",
     "pipeline",
+    "rule_name",
     "run_mode",
     "run_tags",
     "topology_name",
@@ -136,6 +141,8 @@ __all__ = [
 
 
 ModelFactory = Callable[[], nn.Module]
+AggregatorFactory = Callable[[torch.Tensor, ServerConfig], Aggregator]
+"""Builds a server rule of your own from the global flat weights (to change in place) and the server config."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +359,7 @@ def build_world(
     wall: Callable[[], float],
     diagnostics: TrainingDiagnostics | None,
     scratch: Callable[[], str],
+    objective: LocalObjective | None = None,
 ) -> ClientWorld:
     """Assemble the world simulated clients live in: data on the device, population, network, faults, jobs.
 
@@ -366,6 +374,7 @@ def build_world(
         diagnostics: Training diagnostics run in the workers.
         scratch: Returns a scratch folder removed after the run (error-feedback residuals spill there when
             ``codec.residual_dir`` is not set).
+        objective: The loss local training minimises (None: cross-entropy).
     """
     upload_codec = pipeline(config.codec.upload)
     residuals: ResidualStore | None = None
@@ -396,7 +405,7 @@ def build_world(
     )
     job = JobContext(
         models=executor.models,
-        local=LocalTraining(**config.client.model_dump()),
+        local=LocalTraining(**config.client.model_dump(), objective=objective),
         upload_codec=upload_codec,
         num_params=prepared.initial.numel(),
         residuals=residuals,
@@ -665,6 +674,47 @@ def plan_privacy(config: RunConfig, num_clients: int) -> PrivacyPlan:
     )
 
 
+_AGGREGATOR_MEMBERS = ("add", "add_partial", "ready", "step", "count", "nbytes", "state_dict", "load_state_dict")
+
+
+def rule_name(rule: object) -> str:
+    """Return what a user's factory or rule is called in tags and messages (a function's or a class's name)."""
+    name = getattr(rule, "__qualname__", None)
+    return name if isinstance(name, str) else objective_name(rule)
+
+
+def custom_aggregator(factory: AggregatorFactory, weights: torch.Tensor, config: ServerConfig) -> Aggregator:
+    """Build a user's aggregation rule over ``weights`` and wrap it for the server (see :class:`CustomAggregator`).
+
+    Raises:
+        ConfigError: If what the factory returns lacks a member of :class:`~flasync.aggregation.Aggregator`.
+    """
+    rule = factory(weights, config)
+    missing = [name for name in _AGGREGATOR_MEMBERS if not hasattr(rule, name)]
+    if missing:
+        raise ConfigError(
+            f"the {type(rule).__qualname__} that aggregator {rule_name(factory)} returned lacks "
+            f"{', '.join(missing)} of the flasync.Aggregator protocol"
+        )
+    return CustomAggregator(rule, objective_name(rule))
+
+
+def check_objective(config: RunConfig, objective: LocalObjective) -> None:
+    """Check that a user's local objective has what training needs and fits the executor.
+
+    Raises:
+        ConfigError: If it has no callable ``loss`` or ``vectorizable``, or says it is not vectorizable while
+            ``executor.kind`` is ``vectorized``.
+    """
+    name = objective_name(objective)
+    if not callable(getattr(objective, "loss", None)) or not hasattr(objective, "vectorizable"):
+        raise ConfigError(f"objective {name} needs a loss(outputs, targets) method and a vectorizable attribute")
+    if config.executor.kind == "vectorized" and not objective.vectorizable:
+        raise ConfigError(
+            f"executor.kind: the objective {name} is not vectorizable; use the threads executor or make it so"
+        )
+
+
 def _in_flight(config: RunConfig, num_clients: int) -> int:
     server = config.server
     if isinstance(server, FedAvgServer):
@@ -754,6 +804,7 @@ def build_server(
     tree: Tree | None,
     evaluate: Evaluator,
     privacy: PrivacyPlan | None = None,
+    aggregator_factory: AggregatorFactory | None = None,
 ) -> ServerParts:
     """Assemble the cloud of a run: registry, accounting, sampler, intake, aggregator, policy, edges.
 
@@ -769,6 +820,7 @@ def build_server(
         tree: The aggregation tree (None: a flat run).
         evaluate: Evaluates a model off the event loop.
         privacy: The run's differential privacy (None: off).
+        aggregator_factory: Builds the aggregation rule instead of ``config.server`` (which still picks the policy).
     """
     server_cfg, res = config.server, config.resilience
     num_params = weights.numel()
@@ -845,7 +897,10 @@ def build_server(
             num_params=num_params,
             device=weights.device,
         )
-    aggregator = make_aggregator(weights, server_cfg, noise)
+    if aggregator_factory is None:
+        aggregator = make_aggregator(weights, server_cfg, noise)
+    else:
+        aggregator = custom_aggregator(aggregator_factory, weights, server_cfg)
     controls = (
         ControlVariate(num_params, num_clients=len(population), device=weights.device)
         if config.scaffold.enabled

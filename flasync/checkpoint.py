@@ -131,7 +131,7 @@ def check_state(state: dict[str, Any]) -> None:
     weights = _tensor(state, "weights", dims=1, floating=True)
     for name in ("aggregator", "accounting", "sampler", "registry", "intake", "policy", "clock"):
         _mapping(state, name)
-    if state["aggregator"].get("kind") not in ("buffered", "robust", "mixing"):
+    if state["aggregator"].get("kind") not in ("buffered", "robust", "mixing", "custom"):
         raise CheckpointError(f"checkpoint field aggregator.kind: unknown kind {state['aggregator'].get('kind')!r}")
     accounting = state["accounting"]
     _mapping(accounting, "stats", "accounting.")

@@ -13,6 +13,8 @@ Ragged clients are handled in two ways at once:
 * clients are ordered by their number of steps (most first), so the clients still training at step ``s`` are a
   prefix of the rows and step ``s`` works on a view ``W[:k_s]``, never on finished clients.
 
+A custom :class:`~flasync.training.LocalObjective` is batched too when it says it is ``vectorizable``.
+
 Models whose layers ``vmap`` cannot batch (BatchNorm in training mode, dropout and other random layers, buffers
 that training updates) are detected up front or by the first vectorized call, and the cohort is trained one client
 at a time instead, with the reason returned in :attr:`CohortResult.fallback_reason`.
@@ -32,13 +34,16 @@ from torch.func import functional_call, grad_and_value, vmap
 from flasync.errors import TrainingError
 from flasync.training import (
     FlatModel,
+    LocalObjective,
     LocalResult,
     LocalTraining,
     LossScaler,
+    _mean_loss,
     _SavedBytes,
     _unpack,
     after_default_stream,
     autocast,
+    objective_name,
     train,
 )
 
@@ -110,6 +115,7 @@ class CohortTrainer:
         self.num_params = sum(self._sizes)
         self.device = self.flat_model.flat.device
         self._precision = "fp32"
+        self._objective: LocalObjective | None = None
         self._activations: dict[tuple[object, ...], int] = {}
 
     # ------------------------------------------------------------------------------------------------ public
@@ -143,6 +149,8 @@ class CohortTrainer:
             if member.indices.numel() == 0:
                 raise TrainingError(f"cohort member {k} has no samples")
         reason = self.reason
+        if reason is None and cfg.objective is not None and not cfg.objective.vectorizable:
+            reason = f"the objective {objective_name(cfg.objective)} is not vectorizable"
         if reason is None and cfg.checkpoint_segments:
             reason = "gradient checkpointing trains one client at a time"
         if reason is None and self.flat_model.flat.numel() != self.num_params:
@@ -192,7 +200,11 @@ class CohortTrainer:
         }
         with autocast(self._precision, self.device):
             out = functional_call(self.module, params, (xb,))
-        losses = F.cross_entropy(out.float(), yb, reduction="none")
+        objective = self._objective
+        if objective is None:
+            losses = F.cross_entropy(out.float(), yb, reduction="none")
+        else:
+            losses = objective.loss(out.float(), yb)
         loss = (losses * mask).sum() / mask.sum()
         return loss * scale, loss.detach()
 
@@ -253,6 +265,7 @@ class CohortTrainer:
         momentum = torch.zeros_like(weights) if cfg.momentum else None
         loss_sum = torch.zeros(num, dtype=torch.float32, device=device)
         self._precision = cfg.precision
+        self._objective = cfg.objective
         scaler = LossScaler.for_rows(num, device) if cfg.precision == "fp16" else None
         ones = torch.ones(num, dtype=torch.float32, device=device)
         corrections = None
@@ -333,7 +346,10 @@ class CohortTrainer:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
                 with autocast(self._precision, self.device):
                     out = self.module(xb)
-                F.cross_entropy(out.float(), yb)
+                if self._objective is None:
+                    F.cross_entropy(out.float(), yb)
+                else:
+                    _mean_loss(self._objective)(out.float(), yb)
             self._activations[key] = saved.total
         return self._activations[key]
 

@@ -26,15 +26,18 @@ import yaml
 import tracking
 from flasync import checkpoint, codecs
 from flasync.assembly import (
+    AggregatorFactory,
     ModelFactory,
     Prepared,
     RunInputs,
     build_server,
     build_world,
+    check_objective,
     dataset_record,
     default_run_name,
     make_evaluator,
     make_executor,
+    rule_name,
     run_mode,
     run_tags,
     topology_name,
@@ -50,7 +53,7 @@ from flasync.data import (
     ArrayData,
 )
 from flasync.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, layer_layout
-from flasync.errors import RunInterrupted
+from flasync.errors import ConfigError, RunInterrupted
 from flasync.executors import TrainingExecutor
 from flasync.profiling import (
     Instrumentation,
@@ -67,6 +70,7 @@ from flasync.runs_view import RUNS_VIEW
 from flasync.scratch import make_scratch, sweep_scratch
 from flasync.server import Server, ServerStats
 from flasync.summary import RunSummary, json_ready, weights_sha256
+from flasync.training import LocalObjective, objective_name
 
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
@@ -110,9 +114,16 @@ class Federation:
         resume: Continue from a checkpoint (see :mod:`flasync.checkpoint`) instead of starting afresh; its
             ``run_id`` (if any) is the MLflow run to continue. ``config`` must be the checkpointed run's config
             (its ``stop`` section may differ).
+        aggregator: Builds the server's aggregation rule instead of ``config.server``: called once with the flat
+            global weights and ``config.server``, it returns a :class:`flasync.Aggregator`. ``config.server.kind``
+            still picks when versions are made (``fedavg`` rounds, ``fedbuff``/``fedasync`` slots asking
+            ``ready()``). Tagged ``aggregator.custom`` in tracking.
+        objective: The loss local training minimises instead of cross-entropy (a :class:`flasync.LocalObjective`).
+            Tagged ``objective`` in tracking.
 
     Raises:
-        ConfigError: If ``config`` is not a valid configuration.
+        ConfigError: If ``config`` is not a valid configuration, or ``objective`` is not one (or is not
+            vectorizable under ``executor.kind = "vectorized"``).
     """
 
     def __init__(
@@ -127,13 +138,24 @@ class Federation:
         clock: RunClock | None = None,
         wall: Callable[[], float] = time.perf_counter,
         resume: checkpoint.ResumePoint | None = None,
+        aggregator: AggregatorFactory | None = None,
+        objective: LocalObjective | None = None,
     ) -> None:
         """Validate the configuration and create the clock and bus (nothing runs yet)."""
         if config is None:
             config = RunConfig()
         elif not isinstance(config, RunConfig):
             config = validate(config)
+        if objective is not None:
+            check_objective(config, objective)
+        if aggregator is not None and config.privacy.enabled:
+            # The noise is added by flasync's buffered rule; a user's rule would publish unnoised sums.
+            raise ConfigError(
+                "privacy.enabled: differential privacy needs flasync's own aggregation rule, not a custom one"
+            )
         self.config: RunConfig = config
+        self._aggregator = aggregator
+        self._objective = objective
         self._dataset = dataset
         self._test_dataset = test_dataset
         self._model_factory = model_factory
@@ -200,7 +222,12 @@ class Federation:
             log.warning("tracking.dataset_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 
     def _tags(self) -> dict[str, str]:
-        return run_tags(self.config, virtual_clock=self.clock.virtual)
+        tags = run_tags(self.config, virtual_clock=self.clock.virtual)
+        if self._aggregator is not None:
+            tags["aggregator.custom"] = rule_name(self._aggregator)
+        if self._objective is not None:
+            tags["objective"] = objective_name(self._objective)
+        return tags
 
     # ---------------------------------------------------------------------------------------------------- run
     async def run(self) -> RunSummary:
@@ -304,6 +331,7 @@ class Federation:
             wall=self._wall,
             diagnostics=diagnostics,
             scratch=self._scratch_dir,
+            objective=self._objective,
         )
         residuals, variates = world.job.residuals, world.job.variates
         device = prepared.device
@@ -320,6 +348,7 @@ class Federation:
             tree=prepared.tree,
             evaluate=make_evaluator(prepared, executor, self.clock, batch_size=cfg.eval.batch_size),
             privacy=prepared.privacy,
+            aggregator_factory=self._aggregator,
         )
         server = parts.server
         if not self.clock.virtual and self._resume is None:

@@ -13,8 +13,9 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from flasync.errors import TrainingError
 __all__ = [
     "EvalResult",
     "FlatModel",
+    "LocalObjective",
     "LocalResult",
     "LocalTraining",
     "LossScaler",
@@ -33,6 +35,7 @@ __all__ = [
     "autocast",
     "evaluate",
     "flat_parameters",
+    "objective_name",
     "set_checkpointing",
     "train",
 ]
@@ -104,9 +107,74 @@ class FlatModel:
         return 4 * (self.flat.numel() + self.grad.numel() + self.momentum.numel())
 
 
+class LocalObjective(Protocol):
+    """The loss local training minimises instead of cross-entropy (a classification loss of your own).
+
+    Local training minimises the mean of :meth:`loss` over each batch, with the same SGD, momentum, weight decay,
+    clipping and FedProx term as the default. Labels are int64 class indices (the data checks insist on them), so
+    a regression target is out of reach; a custom classification objective (focal loss, label smoothing, a class
+    weighting) is not. The server's evaluation still reports accuracy and cross-entropy, one yardstick for every
+    objective.
+
+    An objective must be a pure function of its arguments (no random numbers, no state changed by a call), so the
+    same seed gives the same weights, bit for bit, under the virtual clock. One objective object is shared by every
+    worker thread.
+
+    Example, focal loss (Lin et al., ICCV 2017, eq. 5: ``FL(p_t) = -(1 - p_t)^gamma log p_t``)::
+
+        class Focal:
+            vectorizable = True
+
+            def loss(self, outputs, targets):
+                log_p = outputs.log_softmax(dim=1).gather(1, targets[:, None]).squeeze(1)
+                return -((1 - log_p.exp()) ** 2.0) * log_p
+    """
+
+    @property
+    def vectorizable(self) -> bool:
+        """Tell whether :meth:`loss` can run under ``torch.func.vmap`` (``executor.kind = "vectorized"``).
+
+        True promises tensor operations only: no ``.item()``, no Python branch on a tensor's value, no in-place
+        change of the inputs. The vectorized executor refuses an objective that says False.
+        """
+        ...
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Return the per-sample losses ``(B,)`` of a batch (not their mean: a padded cohort batch is masked).
+
+        Args:
+            outputs: The model's outputs ``(B, C)``, float32 (cast up from bf16/fp16 under mixed precision).
+            targets: The labels ``(B,)``, int64.
+        """
+        ...
+
+
+def objective_name(objective: object) -> str:
+    """Return the name an objective (or any rule object) is known by in messages and tags: its class name."""
+    return type(objective).__qualname__
+
+
+def _mean_loss(objective: LocalObjective) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Return ``(outputs, targets) -> mean loss`` of ``objective``, checking that it gave one loss per sample."""
+
+    def mean_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses = objective.loss(outputs, targets)
+        if losses.shape != targets.shape:
+            raise TrainingError(
+                f"{objective_name(objective)}.loss returned shape {tuple(losses.shape)}: it must return one loss per "
+                f"sample, shape {tuple(targets.shape)}"
+            )
+        return losses.mean()
+
+    return mean_loss
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LocalTraining:
-    """Hyper-parameters of one local training call (mirrors :class:`flasync.config.ClientConfig`)."""
+    """Hyper-parameters of one local training call (mirrors :class:`flasync.config.ClientConfig`).
+
+    ``objective`` is the loss to minimise (None: cross-entropy); it is not hashed, so any object can be one.
+    """
 
     epochs: int = 1
     max_steps: int | None = None
@@ -118,6 +186,7 @@ class LocalTraining:
     proximal_mu: float = 0.0
     precision: str = "fp32"
     checkpoint_segments: int = 0
+    objective: LocalObjective | None = field(default=None, hash=False)
 
     def steps_for(self, num_samples: int) -> int:
         """Return the number of optimizer steps a client with ``num_samples`` samples takes."""
@@ -321,7 +390,8 @@ def train(
     """Train ``model`` from ``base`` on ``(x, y)`` with SGD and return the delta ``base - w_local``.
 
     SGD follows ``torch.optim.SGD`` (dampening 0): ``g <- clip(g) + wd * w``, ``m <- mu * m + g``,
-    ``w <- w - lr * m`` (``m = g`` when ``mu = 0``); clipping scales ``g`` by ``min(1, c / ||g||)``.
+    ``w <- w - lr * m`` (``m = g`` when ``mu = 0``); clipping scales ``g`` by ``min(1, c / ||g||)``. The loss is
+    cross-entropy, or the mean of ``cfg.objective``'s per-sample losses.
 
     Args:
         model: The worker's reusable model; its weights are overwritten.
@@ -345,7 +415,7 @@ def train(
         the first step).
 
     Raises:
-        TrainingError: If the client has no samples.
+        TrainingError: If the client has no samples, or the objective does not return one loss per sample.
     """
     start = timer()
     n = int(y.shape[0]) if indices is None else int(indices.shape[0])
@@ -364,6 +434,7 @@ def train(
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     cast = cfg.precision in ("bf16", "fp16")
     scaler = LossScaler.for_rows(1, device) if cfg.precision == "fp16" else None
+    criterion = F.cross_entropy if cfg.objective is None else _mean_loss(cfg.objective)
     steps = 0
     seen = 0
     peak_activation = 0
@@ -379,15 +450,15 @@ def train(
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
                 with autocast(cfg.precision, device):
                     out = module(xb)
-                loss = F.cross_entropy(out.float(), yb)
+                loss = criterion(out.float(), yb)
             peak_activation = saved.total
             batch_bytes = xb.numel() * xb.element_size() + yb.numel() * yb.element_size()
         elif cast:
             with autocast(cfg.precision, device):
                 out = module(xb)
-            loss = F.cross_entropy(out.float(), yb)
+            loss = criterion(out.float(), yb)
         else:
-            loss = F.cross_entropy(module(xb), yb)
+            loss = criterion(module(xb), yb)
         if scaler is not None:
             (loss * scaler.scale[0]).backward()  # type: ignore[no-untyped-call]
             grad.div_(scaler.scale[0])

@@ -29,11 +29,11 @@ TOPK = "codec.upload=[{kind: topk, ratio: 0.05}]"
 
 
 async def _interrupt_at(
-    config: flasync.RunConfig, version: int, resume: checkpoint.ResumePoint | None = None
+    config: flasync.RunConfig, version: int, resume: checkpoint.ResumePoint | None = None, **kwargs: Any
 ) -> MemoryTracker:
     """Run ``config`` and request a stop once ``version`` was aggregated; return the tracker it wrote to."""
     tracker = MemoryTracker()
-    federation = flasync.Federation(config, tracker=tracker, resume=resume)
+    federation = flasync.Federation(config, tracker=tracker, resume=resume, **kwargs)
     aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
     task = asyncio.create_task(federation.run())
     async for event in aggregated:
@@ -122,6 +122,60 @@ async def test_a_resumed_run_can_be_interrupted_and_resumed_again() -> None:
     _, again = checkpoint.decode(checkpoint.latest(second.artifacts))
     assert state["version"] < again["version"] < 14
     assert (await asyncio.to_thread(_resume, second)).weights_sha256 == full.weights_sha256
+
+
+class _HeldMean:
+    """A user rule that holds its deltas until K are in."""
+
+    def __init__(self, weights: torch.Tensor, size: int) -> None:
+        self.weights, self.size = weights, size
+        self.deltas: list[torch.Tensor] = []
+
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        self.deltas.append(delta.clone())
+        return 1.0
+
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        raise ValueError("client updates only")
+
+    def ready(self) -> bool:
+        return len(self.deltas) >= self.size
+
+    def step(self) -> None:
+        self.weights.sub_(torch.stack(self.deltas).mean(dim=0))
+        self.deltas.clear()
+
+    def count(self) -> int:
+        return len(self.deltas)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * sum(d.numel() for d in self.deltas)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"deltas": [d.clone() for d in self.deltas]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.deltas = [d.clone() for d in state["deltas"]]
+
+
+def _held_mean(weights: torch.Tensor, server: Any) -> _HeldMean:
+    return _HeldMean(weights, server.buffer_size)
+
+
+async def test_a_user_aggregator_resumes_exactly() -> None:
+    """A run with a user rule, stopped and resumed with the rule, ends at the uninterrupted weights; without the
+    rule the checkpoint is refused."""
+    config = small_config("stop.max_versions=12")
+    full = await flasync.Federation(config, aggregator=_held_mean).run()
+    tracker = await _interrupt_at(config, 5, aggregator=_held_mean)
+    config, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
+    assert state["aggregator"]["kind"] == "custom" and state["aggregator"]["rule"] == "_HeldMean"
+    resume = checkpoint.ResumePoint(None, state)
+    resumed = await asyncio.to_thread(flasync.run, config, resume=resume, aggregator=_held_mean)
+    assert resumed.weights_sha256 == full.weights_sha256
+    with pytest.raises(CheckpointError, match="holds a 'custom' aggregator, this run a buffered one"):
+        await flasync.Federation(config, resume=resume).run()
 
 
 def test_periodic_checkpoints_resume_exactly() -> None:

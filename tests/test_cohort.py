@@ -92,6 +92,17 @@ def _alone(
     ]
 
 
+class _Focal:
+    """Focal loss (Lin et al., 2017), gamma 2, per sample."""
+
+    def __init__(self, *, vectorizable: bool = True) -> None:
+        self.vectorizable = vectorizable
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_p = outputs.log_softmax(dim=1).gather(1, targets[:, None]).squeeze(1)
+        return -((1.0 - log_p.exp()) ** 2) * log_p
+
+
 CONFIGS = [
     pytest.param(LocalTraining(epochs=1, batch_size=32, lr=0.01), id="plain-sgd"),
     pytest.param(
@@ -100,6 +111,7 @@ CONFIGS = [
     ),
     pytest.param(LocalTraining(epochs=3, max_steps=7, batch_size=8, lr=0.05, momentum=0.5), id="max-steps"),
     pytest.param(LocalTraining(epochs=2, batch_size=16, lr=0.1, momentum=0.5, proximal_mu=0.5), id="fedprox"),
+    pytest.param(LocalTraining(epochs=2, batch_size=16, lr=0.1, momentum=0.5, objective=_Focal()), id="focal-loss"),
 ]
 
 
@@ -399,3 +411,21 @@ def test_vectorized_corrections_equal_one_client_at_a_time() -> None:
             FlatModel(_mlp()), base, x[part], y[part], cfg, seeding.torch_stream(3, k), correction=corrections[k]
         )
         torch.testing.assert_close(outcome.results[k].delta, alone.delta, rtol=1e-4, atol=1e-5)
+
+
+def test_an_objective_that_is_not_vectorizable_trains_one_client_at_a_time() -> None:
+    """A cohort whose objective says it is not vectorizable falls back, naming the objective; results match."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05, objective=_Focal(vectorizable=False))
+    outcome = CohortTrainer(_mlp()).train(base, x, y, _members(parts), cfg)
+    assert not outcome.vectorized
+    assert outcome.fallback_reason == "the objective _Focal is not vectorizable"
+    for got, want in zip(outcome.results, _alone(_mlp, base, x, y, parts, cfg), strict=True):
+        assert torch.equal(got.delta, want.delta)
+
+
+def test_the_vectorized_executor_refuses_an_objective_that_is_not_vectorizable() -> None:
+    """Federation(objective=...) with executor.kind=vectorized is a one-line ConfigError naming the objective."""
+    with pytest.raises(ConfigError, match=r"^executor\.kind: the objective _Focal is not vectorizable;[^\n]*$"):
+        flasync.Federation(small_config("executor.kind=vectorized"), objective=_Focal(vectorizable=False))

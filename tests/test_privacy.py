@@ -247,3 +247,11 @@ async def test_a_private_run_logs_epsilon_per_version_and_is_deterministic(serve
     plain = await Federation(small_config(*overrides[2:])).run()
     assert plain.weights_sha256 != first.weights_sha256  # the noise is really added
     assert math.isnan(plain.privacy_epsilon)
+
+
+def test_a_custom_aggregation_rule_cannot_be_private() -> None:
+    """A user's rule would publish sums without noise: Federation refuses the pair with one line."""
+    from flasync.assembly import make_aggregator
+
+    with pytest.raises(ConfigError, match=r"^privacy\.enabled: .*custom"):
+        Federation(small_config("privacy.enabled=true", "privacy.noise_multiplier=1"), aggregator=make_aggregator)

@@ -15,6 +15,7 @@ import uvloop
 from torch import nn
 
 import flasync
+from flasync.assembly import make_aggregator
 from flasync.clock import VirtualClock
 from flasync.data import ArrayData
 from flasync.errors import ConfigError, DataError, TrainingError
@@ -416,3 +417,137 @@ async def test_standard_metrics_leave_out_the_per_update_details() -> None:
     required = {"client/train_s", "client/loss", "client/upload_bytes", "server/update/queue_wait_s"}
     assert required <= set(standard.metric_keys())
     assert "profile/version/encode_s" in standard.metric_keys()
+
+
+# ---------------------------------------------------------------------------------------------- your own strategy
+class _RecordingMean:
+    """A user rule: the plain mean of K deltas, recording every call it gets."""
+
+    def __init__(self, weights: torch.Tensor, size: int) -> None:
+        self.weights = weights
+        self.initial = weights.clone()
+        self.size = size
+        self.deltas: list[torch.Tensor] = []
+        self.adds: list[tuple[int, int, bool]] = []  # staleness, samples, delta and base shaped like the weights
+        self.base_is_current: list[bool] = []
+        self.steps: list[int] = []  # updates folded into each step
+
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        self.deltas.append(delta.clone())
+        self.adds.append((staleness, num_samples, delta.shape == base.shape == self.weights.shape))
+        self.base_is_current.append(torch.equal(base, self.weights))
+        return 1.0
+
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        raise ValueError("client updates only")
+
+    def ready(self) -> bool:
+        return len(self.deltas) >= self.size
+
+    def step(self) -> None:
+        self.weights.sub_(torch.stack(self.deltas).mean(dim=0))
+        self.steps.append(len(self.deltas))
+        self.deltas.clear()
+
+    def count(self) -> int:
+        return len(self.deltas)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() * 4 for d in self.deltas)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"deltas": [d.clone() for d in self.deltas]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.deltas = [d.clone() for d in state["deltas"]]
+
+
+class _Focal:
+    """Focal loss (Lin et al., 2017), gamma 2, per sample."""
+
+    vectorizable = True
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_p = outputs.log_softmax(dim=1).gather(1, targets[:, None]).squeeze(1)
+        return -((1.0 - log_p.exp()) ** 2) * log_p
+
+
+def _recording(size: int) -> tuple[list[_RecordingMean], Any]:
+    built: list[_RecordingMean] = []
+
+    def factory(weights: torch.Tensor, server: Any) -> _RecordingMean:
+        built.append(_RecordingMean(weights, size))
+        return built[-1]
+
+    return built, factory
+
+
+async def test_a_user_aggregator_steps_each_fedavg_round() -> None:
+    """Under FedAvg rounds the rule gets each update (staleness 0, the round's base) and steps once a round."""
+    built, factory = _recording(size=10**6)  # never ready: rounds do not ask
+    config = small_config("stop.max_versions=4", server={"kind": "fedavg", "clients_per_round": 5})
+    federation = flasync.Federation(config, aggregator=factory)
+    summary = await federation.run()
+    (rule,) = built
+    assert summary.versions == 4 and rule.steps == [5, 5, 5, 5]
+    assert all(staleness == 0 and samples > 0 and shaped for staleness, samples, shaped in rule.adds)
+    assert all(rule.base_is_current)
+    assert federation.weights is not None and not torch.equal(federation.weights, rule.initial)
+    assert summary.weights_sha256 != (await flasync.Federation(config).run()).weights_sha256
+
+
+async def test_a_user_aggregator_decides_when_async_slots_make_a_version() -> None:
+    """Under FedBuff slots a version is made as soon as the rule says it is ready; staleness reaches it."""
+    built, factory = _recording(size=3)
+    summary = await flasync.Federation(small_config("stop.max_versions=6"), aggregator=factory).run()
+    (rule,) = built
+    assert summary.versions == 6 and rule.steps == [3] * 6
+    assert max(staleness for staleness, _, _ in rule.adds) > 0
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        {"kind": "fedavg", "clients_per_round": 5},
+        {"kind": "fedbuff", "buffer_size": 3, "concurrency": 6},
+        {"kind": "fedasync", "concurrency": 6},
+    ],
+    ids=["fedavg", "fedbuff", "fedasync"],
+)
+def test_the_built_in_rule_passed_as_a_user_rule_gives_the_same_weights(server: dict[str, Any]) -> None:
+    """make_aggregator passed as the factory reproduces the configured run bit for bit (the seam adds nothing)."""
+    config = small_config(server=server)
+    assert flasync.run(config, aggregator=make_aggregator).weights_sha256 == flasync.run(config).weights_sha256
+
+
+def test_a_custom_objective_changes_the_run_and_is_deterministic() -> None:
+    """Focal loss ends at other weights than cross-entropy, the same ones twice; the run is tagged with it."""
+    tracker = MemoryTracker()
+    focal = flasync.run(small_config(), objective=_Focal(), tracker=tracker).weights_sha256
+    assert focal == flasync.run(small_config(), objective=_Focal()).weights_sha256
+    assert focal != flasync.run(small_config()).weights_sha256
+    assert tracker.tags["objective"] == "_Focal"
+
+
+async def test_user_rules_are_tagged() -> None:
+    """The run's tags name the aggregator factory; the config's kind stays the aggregator tag."""
+    tracker = MemoryTracker()
+    _, factory = _recording(size=4)
+    await flasync.Federation(small_config("stop.max_versions=2"), aggregator=factory, tracker=tracker).run()
+    assert tracker.tags["aggregator"] == "fedbuff"
+    assert tracker.tags["aggregator.custom"].endswith("factory")
+    assert "objective" not in tracker.tags
+
+
+def test_a_factory_returning_something_else_is_a_config_error() -> None:
+    """An aggregator lacking members of the protocol is a ConfigError naming what is missing."""
+    missing = r"the object that aggregator .*<lambda> returned lacks add, add_partial, .* flasync\.Aggregator"
+    with pytest.raises(ConfigError, match=missing):
+        flasync.run(small_config(), aggregator=lambda weights, server: object())
+
+
+def test_an_objective_without_loss_is_a_config_error() -> None:
+    """An objective with no loss method is refused when the federation is built."""
+    with pytest.raises(ConfigError, match="objective object needs a loss"):
+        flasync.Federation(small_config(), objective=object())  # type: ignore[arg-type]

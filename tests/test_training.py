@@ -544,3 +544,65 @@ def test_a_gradient_correction_is_added_to_every_step() -> None:
     v = torch.linspace(-1, 1, base.numel())
     corrected = train(model, base, x, y, cfg, torch.Generator().manual_seed(1), correction=v)
     torch.testing.assert_close(corrected.delta - plain.delta, 0.1 * v)
+
+
+# ------------------------------------------------------------------------------------------ local objectives
+class _Focal:
+    """Focal loss (Lin et al., 2017) with ``gamma``; ``gamma = 0`` is cross-entropy."""
+
+    vectorizable = True
+
+    def __init__(self, gamma: float) -> None:
+        self.gamma = gamma
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_p = outputs.log_softmax(dim=1).gather(1, targets[:, None]).squeeze(1)
+        return -((1.0 - log_p.exp()) ** self.gamma) * log_p
+
+
+class _MeanOnly:
+    """An objective that wrongly returns the batch mean instead of per-sample losses."""
+
+    vectorizable = True
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs, targets)
+
+
+def _train_with(objective: _Focal | None) -> torch.Tensor:
+    model = FlatModel(_mlp())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        base = flat_parameters(_mlp())
+    x, y = _data(60)
+    cfg = LocalTraining(epochs=2, batch_size=16, lr=0.1, momentum=0.9, objective=objective)
+    return train(model, base, x, y, cfg, _gen()).delta
+
+
+def test_an_objective_equal_to_cross_entropy_trains_as_the_default() -> None:
+    """Focal loss with gamma 0 (cross-entropy, per sample) ends within float tolerance of the default path."""
+    torch.testing.assert_close(_train_with(_Focal(0.0)), _train_with(None), rtol=0, atol=1e-6)
+
+
+def test_a_custom_objective_changes_training_and_is_deterministic() -> None:
+    """Focal loss with gamma 2 gives another delta than cross-entropy, and the same one bit for bit twice."""
+    focal = _train_with(_Focal(2.0))
+    assert not torch.allclose(focal, _train_with(None), atol=1e-4)
+    assert torch.equal(focal, _train_with(_Focal(2.0)))
+
+
+def test_an_objective_must_return_one_loss_per_sample() -> None:
+    """A batch mean instead of per-sample losses is a TrainingError naming the objective."""
+    with pytest.raises(TrainingError, match=r"_MeanOnly\.loss returned shape \(\): .* one loss per sample"):
+        _train_with(_MeanOnly())  # type: ignore[arg-type]
+
+
+def test_an_objective_is_not_hashed_with_the_hyper_parameters() -> None:
+    """Any object can be an objective (cohorts group jobs by their LocalTraining's hash)."""
+
+    class Unhashable(_Focal):
+        __hash__ = None  # type: ignore[assignment]
+
+    cfg = LocalTraining(objective=Unhashable(1.0))
+    assert hash(cfg) == hash(LocalTraining())
+    assert cfg != LocalTraining()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from flasync.aggregation.aggregators import (
     Aggregator,
     BufferedAggregator,
+    CustomAggregator,
     MixingAggregator,
     RobustAggregator,
     RobustRule,
@@ -33,6 +34,7 @@ __all__ = [
     "BufferedAggregator",
     "ConstantStaleness",
     "ControlVariate",
+    "CustomAggregator",
     "EqualExampleWeight",
     "ExampleWeight",
     "FlatAdam",

@@ -11,6 +11,9 @@ clients. An update's weight is an example weight times a staleness weight (FLSim
   ``w <- (1 - alpha s(tau)) w + alpha s(tau) x_local``.
 * :class:`RobustAggregator` - a round's updates combined coordinate-wise by median or trimmed mean (Yin et al.,
   ICML 2018), then one server-optimizer step; the round's end (a policy's decision) makes it due.
+
+A rule of your own satisfies :class:`Aggregator` and is passed to ``flasync.Federation(config, aggregator=...)``;
+:class:`CustomAggregator` keeps it in checkpoints under its name.
 """
 
 from __future__ import annotations
@@ -29,16 +32,56 @@ from flasync.aggregation.weights import ExampleWeight
 from flasync.errors import CheckpointError
 from flasync.privacy import GaussianMechanism
 
-__all__ = ["Aggregator", "BufferedAggregator", "MixingAggregator", "RobustAggregator", "RobustRule"]
+__all__ = [
+    "Aggregator",
+    "BufferedAggregator",
+    "CustomAggregator",
+    "MixingAggregator",
+    "RobustAggregator",
+    "RobustRule",
+]
 
 RobustRule = Literal["median", "trimmed_mean"]
 
 
 class Aggregator(Protocol):
-    """What the server loop needs of an aggregation rule."""
+    """What the server loop needs of an aggregation rule: the seam for a server rule of your own.
+
+    A rule is built over the global weights, one flat float32 tensor of ``P`` elements on the run's device, which
+    it changes **in place** in :meth:`add` or :meth:`step` (the server never copies them back). Everything runs on
+    the event loop's thread, one call at a time, so a rule needs no lock, and it must draw no random numbers
+    that are not its own seeded generator's (the same seed then gives the same weights, bit for bit).
+
+    The server loop calls, for each accepted client update, ``add(delta, staleness=tau, num_samples=n, base=w)``:
+    ``delta = base - w_local`` (a pseudo-gradient, already decoded, checked and clipped by the server's resilience
+    settings), ``staleness`` the versions published since ``base`` (always 0 in synchronous rounds), ``num_samples``
+    the client's training samples and ``base`` the weights it started from. The tensors are the server's: read
+    them, or clone what must be kept until :meth:`step`. An edge (``topology.kind = "tree"``) sends sums instead,
+    through :meth:`add_partial`; a rule that combines individual updates only may raise ``ValueError`` there.
+
+    When :meth:`step` runs depends on the server's kind (the policy):
+
+    * ``fedavg`` (synchronous rounds): once a round closes (``clients_per_round`` answers, a quorum at the
+      deadline, or nothing left in flight), if :meth:`count` is above 0. :meth:`ready` is not asked.
+    * ``fedbuff`` and ``fedasync`` (asynchronous slots): after each message the server handled, if :meth:`ready`
+      returns True. A rule that is never ready never publishes.
+
+    Each :meth:`step` publishes version ``v + 1`` of the weights. :meth:`state_dict` goes into checkpoints, which
+    are read back with ``torch.load(weights_only=True)``: plain values, lists, dicts and tensors only.
+    """
 
     def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
-        """Fold one client delta in (read, not kept unless the rule must); return its staleness weight."""
+        """Fold one client delta in (read, not kept unless the rule must); return its staleness weight.
+
+        Args:
+            delta: ``base - w_local``, flat ``(P,)``.
+            staleness: ``tau``, versions published since ``base`` (>= 0).
+            num_samples: The client's training samples.
+            base: The global weights the client started from, flat ``(P,)``.
+
+        Returns:
+            The weight the rule gave the update's staleness (1.0 if it ignores staleness), logged as a metric.
+        """
         ...
 
     def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
@@ -46,7 +89,7 @@ class Aggregator(Protocol):
         ...
 
     def ready(self) -> bool:
-        """Tell whether the rule wants a new version now (a round policy may step earlier or later)."""
+        """Tell whether the rule wants a new version now (asked by asynchronous policies; rounds decide alone)."""
         ...
 
     def step(self) -> None:
@@ -282,3 +325,57 @@ class MixingAggregator:
         """Restore :meth:`state_dict`."""
         _expect_kind(state, "mixing")
         self._pending = bool(state["pending"])
+
+
+class CustomAggregator:
+    """A rule of your own as the server holds it: every call forwarded, checkpoints kept under the rule's name.
+
+    Its state is ``{"kind": "custom", "rule": name, "state": rule.state_dict()}``, so a checkpoint of a custom
+    rule is resumed by a rule of the same name only, and a built-in rule refuses it.
+
+    Args:
+        rule: Any object satisfying :class:`Aggregator`.
+        name: What the rule is called in checkpoints and messages (e.g. its class name).
+    """
+
+    def __init__(self, rule: Aggregator, name: str) -> None:
+        """Wrap ``rule``."""
+        self.rule = rule
+        self.name = name
+
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        """Forward to the rule."""
+        return float(self.rule.add(delta, staleness=staleness, num_samples=num_samples, base=base))
+
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        """Forward to the rule."""
+        return float(self.rule.add_partial(weighted_sum, example_weight=example_weight, staleness=staleness))
+
+    def ready(self) -> bool:
+        """Forward to the rule."""
+        return bool(self.rule.ready())
+
+    def step(self) -> None:
+        """Forward to the rule."""
+        self.rule.step()
+
+    def count(self) -> int:
+        """Forward to the rule."""
+        return int(self.rule.count())
+
+    @property
+    def nbytes(self) -> int:
+        """Forward to the rule."""
+        return int(self.rule.nbytes)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the rule's state under its name."""
+        return {"kind": "custom", "rule": self.name, "state": self.rule.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (of a rule with the same name)."""
+        _expect_kind(state, "custom")
+        if state.get("rule") != self.name:
+            found = state.get("rule")
+            raise CheckpointError(f"checkpoint holds the custom aggregator {found!r}, this run {self.name!r}")
+        self.rule.load_state_dict(state["state"])

@@ -111,6 +111,10 @@ class Federation:
             ``run_id`` (if any) is the MLflow run to continue. ``config`` must be the checkpointed run's config
             (its ``stop`` section may differ).
 
+    Attributes:
+        config: The run's configuration; :meth:`run` replaces it by the one resolved against the data (with
+            ``partition.kind = "by_column"``, ``population.num_clients`` is the number of clients in the data).
+
     Raises:
         ConfigError: If ``config`` is not a valid configuration.
     """
@@ -222,6 +226,7 @@ class Federation:
         except BaseException:
             tracker.finish("FAILED")  # no run exists yet: this only stops what prepare() started
             raise
+        cfg = self.config = prepared.config  # as resolved against the data (by_column: the population's size)
         metrics: tracking.MetricsProcessor | None = None
         if tracked:
             drop = _DETAIL_KEYS if cfg.tracking.metrics == "standard" else ()

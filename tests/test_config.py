@@ -46,7 +46,7 @@ def test_defaults_are_the_showcase_experiment() -> None:
     assert cfg.clock == "virtual"
 
 
-@pytest.mark.parametrize("name", ["fedbuff.toml", "fedasync.toml", "fedavg.yaml", "files_by_column.toml"])
+@pytest.mark.parametrize("name", ["fedbuff.toml", "fedasync.toml", "fedavg.yaml"])
 def test_examples_load(name: str) -> None:
     """Every example config in examples/ validates."""
     cfg = load_config(EXAMPLES / name)
@@ -203,6 +203,13 @@ def test_files_data_and_by_column_partition_load_from_toml(tmp_path: Path) -> No
     )
     assert config.partition == ByColumnPartition(min_samples=3)
     assert "num_clients" not in config.population.model_fields_set  # by_column takes it from the data
+
+
+def test_files_example_reads_its_data_beside_it() -> None:
+    """examples/files_by_column.toml validates and names the file make_files_data.py writes, beside itself."""
+    config = load_config(EXAMPLES / "files_by_column.toml")
+    assert isinstance(config.data, FilesData) and isinstance(config.partition, ByColumnPartition)
+    assert config.data.train == str(EXAMPLES / "data" / "digits_by_writer.csv")
 
 
 def test_relative_data_paths_from_the_command_line_stay_relative(tmp_path: Path) -> None:

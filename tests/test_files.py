@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import os
 import re
+import runpy
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,11 +18,14 @@ import torch
 
 import flasync
 from flasync import checkpoint
+from flasync.assembly import RunInputs
 from flasync.cli import main
 from flasync.config import FILE_FORMATS, load_config
 from flasync.errors import ConfigError, DataError
 from flasync.files import FORMATS, load_files
 from flasync.testing import MemoryTracker, small_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # 60 samples of 3 features, 3 classes, 4 users of 30, 15, 10 and 5 samples (ids not in sorted order in the file).
 _USERS = np.array(["carol"] * 30 + ["alice"] * 15 + ["dave"] * 10 + ["bob"] * 5)
@@ -122,6 +127,7 @@ def test_parquet_loads(tmp_path: Path) -> None:
     """A Parquet table with a text user column and a categorical one loads like the CSV."""
     import pyarrow as pa  # in the dev extra: these tests must not skip
     import pyarrow.parquet as pq
+
     table = pa.table({"user": pa.array(_USERS).dictionary_encode(), "label": _Y, "f0": _X[:, 0], "f1": _X[:, 1]})
     pq.write_table(table, tmp_path / "d.parquet")
     data = load_files(tmp_path / "d.parquet", label="label", client_column="user")
@@ -298,14 +304,23 @@ def test_a_pickle_named_npz_is_refused(tmp_path: Path) -> None:
     _refused("d.npz: not a .npz archive of arrays", train=tmp_path / "d.npz")
 
 
-class _Payload:
-    """Anything torch.load(weights_only=True) will not construct."""
+class _MakesAFolder:
+    """A pickle that calls os.mkdir when it is loaded without weights_only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.mkdir, (str(self.path),)
 
 
 def test_pt_with_non_tensor_content_is_refused_by_weights_only(tmp_path: Path) -> None:
-    """A .pt file holding an arbitrary object is refused by weights_only=True, in one line."""
-    torch.save({"x": torch.zeros(2, 1), "y": torch.zeros(2, dtype=torch.int64), "meta": _Payload()}, tmp_path / "d.pt")
+    """A .pt file holding an object that runs code when unpickled is refused by weights_only=True; nothing runs."""
+    marker = tmp_path / "ran"
+    payload = {"x": torch.zeros(2, 1), "y": torch.zeros(2, dtype=torch.int64), "meta": _MakesAFolder(marker)}
+    torch.save(payload, tmp_path / "d.pt")
     _refused("d.pt: torch.load(weights_only=True) refused it", "save a dict of tensors only", train=tmp_path / "d.pt")
+    assert not marker.exists()
 
 
 def test_pt_entries_must_be_tensors_in_a_dict(tmp_path: Path) -> None:
@@ -336,6 +351,7 @@ def test_parquet_with_missing_values_is_refused(tmp_path: Path) -> None:
     """A Parquet feature column with nulls is refused, naming the first null's row."""
     import pyarrow as pa  # in the dev extra: these tests must not skip
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"y": [0, 1, 1], "a": [1.0, None, 2.0]}), tmp_path / "d.parquet")
     _refused(
         "d.parquet: column 'a' has type double with 1 missing values (first in data row 2)",
@@ -388,6 +404,9 @@ def test_by_column_takes_the_population_from_the_data(tmp_path: Path) -> None:
     # 20 per user, a fifth held out per user (LEAF's per-user split): 16 training samples each.
     assert (record["profile"]["clients"], record["profile"]["rows"], record["profile"]["test_rows"]) == (6, 96, 24)
     assert tracker.run_name is not None and tracker.run_name.startswith("fedbuff-leaf-seed0-")
+    prepared = RunInputs(_files_config(tmp_path / "leaf.csv")).prepare()
+    assert prepared.partition.sizes.tolist() == [16] * 6
+    assert len(prepared.test) == 24
 
 
 async def test_federation_config_is_resolved_by_the_run(tmp_path: Path) -> None:
@@ -424,12 +443,12 @@ def test_min_samples_drops_small_clients(tmp_path: Path) -> None:
 
 
 def test_every_client_keeps_a_sample_when_the_test_split_is_drawn(tmp_path: Path) -> None:
-    """A user of one sample stays a client: the per-user split never takes a user's last sample."""
-    users = np.array(["a"] * 10 + ["b"] * 10 + ["c"])
-    path = _table(tmp_path / "d.csv", users=users, x=_X[:21], y=_Y[:21])
-    tracker = MemoryTracker()
-    flasync.run(_files_config(path, "server.concurrency=2"), tracker=tracker)
-    assert tracker.params["population.num_clients"] == 3
+    """Users of one sample stay clients: the per-user split never takes a user's last sample."""
+    users = np.array(["a"] * 20 + ["b"] * 20 + [f"single{k}" for k in range(10)])
+    path = _table(tmp_path / "d.csv", users=users, x=_X[:50], y=_Y[:50])
+    prepared = RunInputs(_files_config(path)).prepare()
+    assert prepared.partition.sizes.tolist() == [16, 16] + [1] * 10
+    assert prepared.config.population.num_clients == 12
 
 
 def test_other_partitions_read_files_too(tmp_path: Path) -> None:
@@ -524,3 +543,24 @@ def test_print_config_leaves_the_population_to_the_data(capsys: pytest.CaptureFi
     printed = load_config(tmp_path / "printed.yaml")
     assert "num_clients" not in printed.population.model_fields_set
     assert printed == load_config(None, [a for a in argv if a not in ("--set", "--no-system-metrics")])
+
+
+def test_example_script_writes_the_same_samples_in_every_format(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """examples/make_files_data.py writes digits by writer as CSV, .npz and Parquet that load to the same tensors,
+    and the example config trains on them with one client per writer."""
+    paths = [tmp_path / f"digits.{suffix}" for suffix in ("csv", "npz", "parquet")]
+    for path in paths:
+        monkeypatch.setattr(sys, "argv", ["make_files_data.py", "--out", str(path)])
+        runpy.run_path(str(EXAMPLES / "make_files_data.py"), run_name="__main__")
+        assert capsys.readouterr().out.startswith(f"wrote {path}: 1797 samples of 39 writers")
+    loaded = [load_files(path, label="label", client_column="writer") for path in paths]
+    for other in loaded[1:]:
+        assert torch.equal(other.train.x, loaded[0].train.x) and torch.equal(other.train.y, loaded[0].train.y)
+        assert other.client_ids == loaded[0].client_ids and np.array_equal(other.clients, loaded[0].clients)  # type: ignore[arg-type]
+    assert len(loaded[0].train) == 1797 and loaded[0].train.feature_shape == (64,)
+    config = load_config(EXAMPLES / "files_by_column.toml", [f"data.train={paths[1]}", "stop.max_versions=5"])
+    tracker = MemoryTracker()
+    flasync.run(config, tracker=tracker)
+    assert tracker.params["population.num_clients"] == len(loaded[0].client_ids) - 1  # one writer below min_samples

@@ -12,6 +12,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from flasync.config import (
     AdagradServerOptimizer,
     AdamServerOptimizer,
     BFloat16Stage,
+    ByColumnPartition,
     CodecStage,
     ConstantStalenessConfig,
     DigitsData,
@@ -50,6 +52,7 @@ from flasync.config import (
     FedAsyncServer,
     FedAvgServer,
     FedBuffServer,
+    FilesData,
     Float16Stage,
     HingeStalenessConfig,
     IIDPartition,
@@ -66,6 +69,7 @@ from flasync.config import (
     TopKStage,
     TreeTopology,
     YogiServerOptimizer,
+    validate,
 )
 from flasync.data import (
     ArrayData,
@@ -74,15 +78,18 @@ from flasync.data import (
     from_dataset,
     load_digits,
     make_synthetic,
+    partition_by_column,
     partition_dirichlet,
     partition_iid,
     partition_shards,
+    split_indices,
     train_test_split,
 )
 from flasync.diagnostics import TrainingDiagnostics
 from flasync.errors import ConfigError, DataError
 from flasync.executors import ThreadTrainingExecutor, TrainingExecutor, resolve_device
 from flasync.faults import FaultModel
+from flasync.files import load_files
 from flasync.jobs import ClientSamples, JobContext
 from flasync.models import MLP, SmallCNN
 from flasync.population import Network, Population
@@ -124,6 +131,7 @@ __all__ = [
     "build_world",
     "check_objective",
     "custom_aggregator",
+    "data_name",
     "dataset_record",
     "default_run_name",
     "make_aggregator",
@@ -147,7 +155,11 @@ AggregatorFactory = Callable[[torch.Tensor, ServerConfig], Aggregator]
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """What a run is made of before it starts: data, partition, model, initial weights, tree, device."""
+    """What a run is made of before it starts: data, partition, model, initial weights, tree, device.
+
+    ``config`` is the run's configuration as resolved against its data (``partition.kind = "by_column"`` takes
+    ``population.num_clients`` from the data); ``files_sha256`` the digest of ``data.kind = "files"`` files.
+    """
 
     train: ArrayData
     test: ArrayData
@@ -158,7 +170,19 @@ class Prepared:
     device: torch.device
     sizes: np.ndarray
     lazy: SyntheticClients | None
+    config: RunConfig
+    files_sha256: str | None = None
     privacy: PrivacyPlan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    """The training and test data, and (``by_column``) each training sample's client."""
+
+    train: ArrayData
+    test: ArrayData
+    partition: Partition | None = None
+    files_sha256: str | None = None
 
 
 class RunInputs:
@@ -199,7 +223,7 @@ class RunInputs:
                     else from_dataset(self._test_dataset, num_classes=train.num_classes)
                 )
                 return train, test
-            fraction = cfg.data.test_fraction if isinstance(cfg.data, DigitsData) else 0.2
+            fraction = cfg.data.test_fraction if isinstance(cfg.data, DigitsData | FilesData) else 0.2
             return train_test_split(train, test_fraction=fraction, rng=seeding.numpy_stream(cfg.seed, seeding.DATA))
         source = cfg.data
         if isinstance(source, DigitsData):
@@ -224,6 +248,60 @@ class RunInputs:
             rng=seeding.numpy_stream(cfg.seed, seeding.DATA, 0),
         )
         return train, test
+
+    def _load_files(self, source: FilesData) -> _Loaded:
+        """Read ``data.kind = "files"``; split off a test set if no test file is named; partition ``by_column``."""
+        cfg = self.config
+        files = load_files(
+            source.train,
+            source.test,
+            features=source.features,
+            label=source.label,
+            client_column=source.client_column,
+            num_classes=source.num_classes,
+        )
+        part = cfg.partition
+        train, test, owners = files.train, files.test, files.clients
+        if test is None:
+            # by_column holds out a share of every client's samples (LEAF's per-user split), else of every label's.
+            if isinstance(part, ByColumnPartition) and owners is not None:
+                groups, count, keep_one = owners, len(files.client_ids), True
+            else:
+                groups, count, keep_one = train.y.numpy(), train.num_classes, False
+            rng = seeding.numpy_stream(cfg.seed, seeding.DATA)
+            keep, held = split_indices(groups, count, test_fraction=source.test_fraction, rng=rng, keep_one=keep_one)
+            if len(held) == 0:
+                raise DataError(
+                    f"data.test_fraction: no client of {source.train} can spare a sample for the held-out split "
+                    "(each has one); name a data.test file"
+                )
+            train, test = train.subset(keep), train.subset(held)
+            owners = owners[keep] if owners is not None else None
+        partition = None
+        if isinstance(part, ByColumnPartition) and owners is not None:
+            partition, _ = partition_by_column(owners, min_samples=part.min_samples)
+        return _Loaded(train, test, partition, files.sha256)
+
+    def _clients_from_data(self, count: int) -> RunConfig:
+        """Return the config with ``population.num_clients = count`` (``by_column``), checking a value given."""
+        cfg = self.config
+        source = cfg.data
+        assert isinstance(source, FilesData)  # by_column is validated to need a files source
+        if "num_clients" in cfg.population.model_fields_set:
+            if cfg.population.num_clients != count:
+                raise ConfigError(
+                    f"population.num_clients: {cfg.population.num_clients}, but data.client_column "
+                    f"{source.client_column!r} of {source.train} gives {count} clients; set {count} or leave it unset"
+                )
+            return cfg
+        data = cfg.model_dump(mode="json")  # the checkpoints' round trip
+        data["population"]["num_clients"] = count
+        try:
+            return validate(data)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{exc} (population.num_clients = {count}: the clients of data.client_column {source.client_column!r})"
+            ) from None
 
     def _lazy_clients(self) -> SyntheticClients:
         cfg = self.config
@@ -313,7 +391,16 @@ class RunInputs:
             DataError: If the data set cannot be used.
         """
         device = self._device()
-        train, test = self._load_data()
+        loaded = (
+            self._load_files(self.config.data)
+            if self._dataset is None and isinstance(self.config.data, FilesData)
+            else _Loaded(*self._load_data())
+        )
+        train, test = loaded.train, loaded.test
+        if loaded.partition is not None:
+            self.config = self._clients_from_data(len(loaded.partition))
+        elif isinstance(self.config.partition, ByColumnPartition):
+            raise ConfigError("partition.kind: 'by_column' needs data.kind = 'files'; a given data set has no clients")
         if len(test) == 0:
             raise DataError("the held-out split is empty")
         if test.num_classes != train.num_classes or test.feature_shape != train.feature_shape:
@@ -326,12 +413,26 @@ class RunInputs:
             partition = Partition(np.zeros(0, dtype=np.int64), np.zeros(len(lazy) + 1, dtype=np.int64))
             sizes = lazy.sizes.astype(np.int64)
         else:
-            partition = self._partition(train)
+            partition = loaded.partition if loaded.partition is not None else self._partition(train)
             sizes = partition.sizes
         factory = self._factory(train)
         initial = self._initial_weights(factory, train)
+        tree = self._tree()
         privacy = plan_privacy(self.config, len(sizes)) if self.config.privacy.enabled else None
-        return Prepared(train, test, partition, factory, initial, self._tree(), device, sizes, lazy, privacy)
+        return Prepared(
+            train,
+            test,
+            partition,
+            factory,
+            initial,
+            tree,
+            device,
+            sizes,
+            lazy,
+            self.config,
+            loaded.files_sha256,
+            privacy,
+        )
 
     def _tree(self) -> Tree | None:
         cfg = self.config
@@ -504,7 +605,9 @@ def dataset_record(config: RunConfig, prepared: Prepared, *, custom: bool) -> Da
     """Describe the run's training data for tracking: a content digest, where it came from, and its sizes.
 
     The digest is the sha256 (first 16 hex digits) of the training features and labels, of evenly spaced rows when
-    they exceed 256 MiB, and of the data config for lazily drawn clients (nothing is held to hash).
+    they exceed 256 MiB, and of the data config for lazily drawn clients (nothing is held to hash). Data read from
+    files (``data.kind = "files"``) is named after the training file's stem and digested from the files' bytes
+    (training file, then test file), so ``sha256sum train.csv`` shows the same digits when no test file is named.
 
     Args:
         config: The run's configuration.
@@ -512,25 +615,30 @@ def dataset_record(config: RunConfig, prepared: Prepared, *, custom: bool) -> Da
         custom: The data came from the Python API (a user's data set) rather than ``config.data``.
     """
     train = prepared.train
-    digest = hashlib.sha256()
-    if prepared.lazy is not None:
-        digest.update(config.data.model_dump_json().encode())
+    source = data_name(config, custom=custom)
+    if isinstance(config.data, FilesData) and not custom and prepared.files_sha256 is not None:
+        files = [config.data.train] + ([config.data.test] if config.data.test is not None else [])
+        digest, where = prepared.files_sha256, ", ".join(files)
     else:
-        step = max(1, math.ceil((train.x.nbytes + train.y.nbytes) / _HASHED_BYTES))
-        digest.update(repr((tuple(train.x.shape), train.num_classes, step)).encode())
-        digest.update(train.x[::step].cpu().contiguous().numpy().tobytes())
-        digest.update(train.y[::step].cpu().contiguous().numpy().tobytes())
-    name = "custom" if custom else config.data.kind
-    source = {
-        "custom": "a data set given to flasync.Federation",
-        "digits": "sklearn.datasets.load_digits",
-        "synthetic": f"flasync synthetic data, seed {config.seed}",
-    }.get(name, name)
+        hashed = hashlib.sha256()
+        if prepared.lazy is not None:
+            hashed.update(config.data.model_dump_json().encode())
+        else:
+            step = max(1, math.ceil((train.x.nbytes + train.y.nbytes) / _HASHED_BYTES))
+            hashed.update(repr((tuple(train.x.shape), train.num_classes, step)).encode())
+            hashed.update(train.x[::step].cpu().contiguous().numpy().tobytes())
+            hashed.update(train.y[::step].cpu().contiguous().numpy().tobytes())
+        digest = hashed.hexdigest()
+        where = {
+            "custom": "a data set given to flasync.Federation",
+            "digits": "sklearn.datasets.load_digits",
+            "synthetic": f"flasync synthetic data, seed {config.seed}",
+        }.get(source, source)
     partition = config.partition.model_dump(mode="json")
     return DatasetRecord(
-        name=name,
-        digest=digest.hexdigest()[:16],
-        source=source,
+        name=source,
+        digest=digest[:16],
+        source=where,
         profile={
             "rows": int(prepared.sizes.sum()),
             "test_rows": int(prepared.test.x.shape[0]),
@@ -542,11 +650,20 @@ def dataset_record(config: RunConfig, prepared: Prepared, *, custom: bool) -> Da
     )
 
 
+def data_name(config: RunConfig, *, custom: bool = False) -> str:
+    """Name the run's data: ``custom`` (given in Python), the training file's stem (``data.kind = "files"``), or
+    the data kind (``digits``, ``synthetic``)."""
+    if custom:
+        return "custom"
+    if isinstance(config.data, FilesData):
+        return Path(config.data.train).stem
+    return config.data.kind
+
+
 def default_run_name(config: RunConfig, suffix: str, *, custom: bool = False) -> str:
     """A run name that says what ran: ``<aggregator>-<data>-seed<seed>-<suffix>`` (``suffix`` tells reruns apart;
-    the data is ``custom`` when it came from the Python API)."""
-    data = "custom" if custom else config.data.kind
-    return f"{config.server.kind}-{data}-seed{config.seed}-{suffix}"
+    the data is named by :func:`data_name`)."""
+    return f"{config.server.kind}-{data_name(config, custom=custom)}-seed{config.seed}-{suffix}"
 
 
 def run_tags(config: RunConfig, *, virtual_clock: bool) -> dict[str, str]:

@@ -384,6 +384,8 @@ def _command_run(args: argparse.Namespace) -> int:
         shown = config.tracking.uri and tracking.redact_uri(config.tracking.uri)
         dump = config.model_dump(mode="json")
         dump["tracking"]["uri"] = shown
+        if config.partition.kind == "by_column" and "num_clients" not in config.population.model_fields_set:
+            del dump["population"]["num_clients"]  # the run takes it from the data
         print(yaml.safe_dump(dump, sort_keys=False), end="")
         return 0
     tracking.configure_logging(fmt=args.log_format, level=config.tracking.log_level)

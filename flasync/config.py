@@ -8,6 +8,7 @@ into a validated :class:`RunConfig` or raises :class:`~flasync.errors.ConfigErro
 from __future__ import annotations
 
 import math
+import os
 import re
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,9 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from flasync.errors import ConfigError
 
 __all__ = [
+    "FILE_FORMATS",
     "AdamServerOptimizer",
     "AvailabilityConfig",
     "BFloat16Stage",
+    "ByColumnPartition",
     "CheckpointConfig",
     "ClientConfig",
     "CodecConfig",
@@ -39,6 +42,7 @@ __all__ = [
     "FedAsyncServer",
     "FedAvgServer",
     "FedBuffServer",
+    "FilesData",
     "FlatTopology",
     "Float16Stage",
     "HalfNormalSpeed",
@@ -115,7 +119,69 @@ class SyntheticData(_Section):
     )
 
 
-DataSource = Annotated[DigitsData | SyntheticData, Field(discriminator="kind")]
+FILE_FORMATS = (".npz", ".pt", ".csv", ".parquet")
+"""The file suffixes ``data.kind = "files"`` reads (the format follows from the suffix, case-insensitively)."""
+
+
+class FilesData(_Section):
+    """Your own data, read from a ``.npz``, ``.pt``, ``.csv`` or ``.parquet`` file.
+
+    Arrays (``.npz``, ``.pt``): ``features`` names one array of shape ``(N, ...)``, ``label`` one of shape ``(N,)``,
+    ``client_column`` (if set) one of shape ``(N,)``. Tables (``.csv`` with a header row, ``.parquet``): ``features``
+    lists feature columns (default: every column but the label and client columns). Features become float32, labels
+    are integer class ids or (tables and ``.npz``) text mapped to ids in sorted order. A relative path in a config
+    file is read from that file's folder; one given by ``--set`` or in Python, from the working directory.
+    """
+
+    kind: Literal["files"] = "files"
+    train: str = Field(min_length=1, description="Training data: a .npz, .pt, .csv or .parquet file.")
+    test: str | None = Field(
+        None, min_length=1, description="Held-out data in the same layout (default: a test_fraction split of train)."
+    )
+    test_fraction: float = Field(
+        0.2,
+        gt=0.0,
+        lt=1.0,
+        description="Held-out share when test is unset: stratified by label, or by client with by_column.",
+    )
+    features: tuple[str, ...] | None = Field(
+        None,
+        description="Arrays: the one feature key (default 'x'); tables: the feature columns (default: all others).",
+    )
+    label: str = Field("y", min_length=1, description="The label key or column.")
+    client_column: str | None = Field(
+        None, min_length=1, description="The key or column naming each sample's client (user, device) for by_column."
+    )
+    num_classes: int | None = Field(None, ge=2, le=1_000_000, description="Default: inferred from the labels.")
+
+    @field_validator("features", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_files(self) -> FilesData:
+        for name in ("train", "test"):
+            path: str | None = getattr(self, name)
+            if path is not None and Path(path).suffix.lower() not in FILE_FORMATS:
+                raise _FieldError(("data", name), f"unsupported format of {path!r} (use {', '.join(FILE_FORMATS)})")
+        if self.test is not None and self.test_fraction != FilesData.model_fields["test_fraction"].default:
+            raise _FieldError(("data", "test_fraction"), "is not used when data.test is set; remove one of them")
+        if self.features is not None:
+            if not self.features or any(not name for name in self.features):
+                raise _FieldError(("data", "features"), "must name at least one key or column, none empty")
+            arrays = [p for p in (self.train, self.test) if p and Path(p).suffix.lower() in (".npz", ".pt")]
+            if arrays and len(self.features) != 1:
+                raise _FieldError(("data", "features"), f"{arrays[0]!r} holds its features in one array; name one key")
+            for column in (self.label, self.client_column):
+                if column in self.features:
+                    raise _FieldError(("data", "features"), f"{column!r} is the label or client column")
+        if self.client_column is not None and self.client_column == self.label:
+            raise _FieldError(("data", "client_column"), f"{self.label!r} is already the label")
+        return self
+
+
+DataSource = Annotated[DigitsData | SyntheticData | FilesData, Field(discriminator="kind")]
 
 
 class IIDPartition(_Section):
@@ -139,7 +205,22 @@ class ShardsPartition(_Section):
     shards_per_client: int = Field(2, ge=1)
 
 
-PartitionConfig = Annotated[IIDPartition | DirichletPartition | ShardsPartition, Field(discriminator="kind")]
+class ByColumnPartition(_Section):
+    """The data's natural partition: one client per distinct value of ``data.client_column`` (a user, a device).
+
+    Clients are numbered in sorted order of those values and keep their samples in file order. The population size
+    is the number of clients kept: leave ``population.num_clients`` unset, or set it to that number.
+    """
+
+    kind: Literal["by_column"] = "by_column"
+    min_samples: int = Field(
+        1, ge=1, description="Drop clients with fewer training samples (their samples go unused), as LEAF does."
+    )
+
+
+PartitionConfig = Annotated[
+    IIDPartition | DirichletPartition | ShardsPartition | ByColumnPartition, Field(discriminator="kind")
+]
 
 
 # ------------------------------------------------------------------------------------------------------- models
@@ -826,6 +907,13 @@ class RunConfig(_Section):
                     f"{needed / 2**30:.0f} GiB in memory (at most {_MAX_EAGER_DATA_BYTES // 2**30} GiB); "
                     "use data.lazy = true to draw each client's samples when it is sampled",
                 )
+        if isinstance(self.partition, ByColumnPartition) and (
+            not isinstance(data, FilesData) or data.client_column is None
+        ):
+            raise _FieldError(
+                ("partition", "kind"),
+                "'by_column' needs data.kind = 'files' with data.client_column naming the client of each sample",
+            )
         server = self.server
         if isinstance(server, FedAvgServer) and server.clients_per_round > n:
             raise _FieldError(
@@ -972,6 +1060,10 @@ class _FieldError(ValueError):
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Load a run configuration from a TOML/YAML file (or the defaults) and apply ``--set`` overrides.
 
+    Relative data file paths in the file (``data.train``, ``data.test``) are made absolute against the file's
+    folder, so a config and its data move together; paths given by ``overrides`` stay relative to the working
+    directory.
+
     Args:
         path: A ``.toml``, ``.yaml`` or ``.yml`` file; ``None`` starts from the defaults.
         overrides: ``path.to.field=value`` strings; values are parsed as YAML scalars or lists
@@ -984,6 +1076,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         ConfigError: With a one-line message naming the file or field that is wrong.
     """
     data: dict[str, Any] = {} if path is None else _read_file(Path(path))
+    if path is not None:
+        _anchor_data_paths(data, Path(path).absolute().parent)
     for override in overrides:
         apply_override(data, override)
     return validate(data)
@@ -1030,6 +1124,17 @@ def _read_file(path: Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: the top level must be a table/mapping, got {type(loaded).__name__}")
     return loaded
+
+
+def _anchor_data_paths(data: dict[str, Any], folder: Path) -> None:
+    """Make the relative file paths of a ``files`` data section absolute against ``folder``, in place."""
+    section = data.get("data")
+    if not isinstance(section, dict) or section.get("kind") != "files":
+        return
+    for key in ("train", "test"):
+        value = section.get(key)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            section[key] = os.path.normpath(folder / value)
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:

@@ -28,9 +28,11 @@ __all__ = [
     "from_dataset",
     "load_digits",
     "make_synthetic",
+    "partition_by_column",
     "partition_dirichlet",
     "partition_iid",
     "partition_shards",
+    "split_indices",
     "train_test_split",
 ]
 
@@ -224,26 +226,91 @@ def train_test_split(data: ArrayData, *, test_fraction: float, rng: np.random.Ge
         ValueError: If ``test_fraction`` is not in ``(0, 1)``.
         DataError: If the data set has fewer than 2 samples.
     """
+    train_indices, test_indices = split_indices(data.y.numpy(), data.num_classes, test_fraction=test_fraction, rng=rng)
+    return data.subset(train_indices), data.subset(test_indices)
+
+
+def split_indices(
+    groups: np.ndarray,
+    num_groups: int,
+    *,
+    test_fraction: float,
+    rng: np.random.Generator,
+    keep_one: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split sample indices into train and test, stratified by group (a label, or a client).
+
+    The apportionment of :func:`train_test_split`: ``round(test_fraction * N)`` test samples (at least 1 and at most
+    ``N - 1``), ``floor(test_fraction * n_g)`` or one more from each group, the extras to the largest remainders.
+    With ``keep_one`` a group never gives its last sample, so every group stays in the training set (LEAF's
+    per-user split); the test set is then smaller when small groups cannot give their share, as no group gives more
+    than its quota rounded up.
+
+    Args:
+        groups: Group of each sample, integers in ``[0, num_groups)``, shape ``(N,)``, ``N >= 2``.
+        num_groups: Number of groups.
+        test_fraction: Fraction of samples in the test set, in ``(0, 1)``.
+        rng: Source of randomness.
+        keep_one: Leave at least one sample of every group in the training set.
+
+    Returns:
+        ``(train_indices, test_indices)``, each ascending.
+
+    Raises:
+        ValueError: If ``test_fraction`` is not in ``(0, 1)``.
+        DataError: If there are fewer than 2 samples.
+    """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1); got {test_fraction}.")
-    n = len(data)
+    n = int(groups.shape[0])
     if n < 2:
         raise DataError(f"cannot split a data set of {n} samples; at least 2 are needed.")
-    labels = data.y.numpy()
-    class_sizes = np.bincount(labels, minlength=data.num_classes)
-    quota = test_fraction * class_sizes
-    per_class = np.floor(quota).astype(np.int64)
+    group_sizes = np.bincount(groups, minlength=num_groups)
+    quota = test_fraction * group_sizes
+    per_group = np.floor(quota).astype(np.int64)  # <= n_g - 1, as test_fraction < 1
     total = min(max(round(test_fraction * n), 1), n - 1)
-    remainder = quota - per_class
-    # Largest remainders first; random keys break ties so no class is favoured by its label.
+    remainder = quota - per_group
+    # Largest remainders first; random keys break ties so no group is favoured by its number.
     order = np.lexsort((rng.random(remainder.shape[0]), -remainder))
-    per_class[order[: max(total - int(per_class.sum()), 0)]] += 1
+    if keep_one:  # an extra sample only from a group with a remainder and a sample to spare
+        order = order[(per_group[order] < group_sizes[order] - 1) & (remainder[order] > 0)]
+    per_group[order[: max(total - int(per_group.sum()), 0)]] += 1
 
-    ranks = _rank_within_groups(labels, data.num_classes, rng)
-    test_mask = ranks < per_class[labels]
-    test_indices = np.flatnonzero(test_mask)
-    train_indices = np.flatnonzero(~test_mask)
-    return data.subset(train_indices), data.subset(test_indices)
+    ranks = _rank_within_groups(groups, num_groups, rng)
+    test_mask = ranks < per_group[groups]
+    return np.flatnonzero(~test_mask), np.flatnonzero(test_mask)
+
+
+def partition_by_column(owners: np.ndarray, *, min_samples: int = 1) -> tuple[Partition, np.ndarray]:
+    """Give each owner its own client: the natural partition of data that names its user or device (LEAF).
+
+    Deterministic: client ``k`` is the ``k``-th owner (in increasing order of owner id) holding at least
+    ``min_samples`` samples, and its indices are in sample order. Owners with fewer samples are dropped.
+
+    Args:
+        owners: Owner of each sample, non-negative integers (e.g. codes of a user column), shape ``(N,)``.
+        min_samples: Samples an owner needs to become a client, ``>= 1``.
+
+    Returns:
+        ``(partition, kept)``: the partition, and the owner id of each client (``int64``, ascending).
+
+    Raises:
+        DataError: If the owners are not non-negative integers or no owner has ``min_samples`` samples.
+        ValueError: If ``min_samples < 1``.
+    """
+    owners = _check_labels(owners)
+    if min_samples < 1:
+        raise ValueError(f"min_samples must be >= 1; got {min_samples}.")
+    counts = np.bincount(owners) if owners.shape[0] else np.zeros(0, dtype=np.int64)
+    kept = np.flatnonzero(counts >= min_samples)
+    if kept.shape[0] == 0:
+        raise DataError(f"no owner has {min_samples} or more samples; there are {owners.shape[0]} samples.")
+    client_of = np.full(counts.shape[0], -1, dtype=np.int64)
+    client_of[kept] = np.arange(kept.shape[0], dtype=np.int64)
+    clients = client_of[owners]
+    member = np.flatnonzero(clients >= 0)
+    indices = member[np.argsort(clients[member], kind="stable")]
+    return Partition(indices, _offsets(counts[kept])), kept.astype(np.int64)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

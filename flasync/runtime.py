@@ -121,6 +121,10 @@ class Federation:
         objective: The loss local training minimises instead of cross-entropy (a :class:`flasync.LocalObjective`).
             Tagged ``objective`` in tracking.
 
+    Attributes:
+        config: The run's configuration; :meth:`run` replaces it by the one resolved against the data (with
+            ``partition.kind = "by_column"``, ``population.num_clients`` is the number of clients in the data).
+
     Raises:
         ConfigError: If ``config`` is not a valid configuration, or ``objective`` is not one (or is not
             vectorizable under ``executor.kind = "vectorized"``).
@@ -249,6 +253,7 @@ class Federation:
         except BaseException:
             tracker.finish("FAILED")  # no run exists yet: this only stops what prepare() started
             raise
+        cfg = self.config = prepared.config  # as resolved against the data (by_column: the population's size)
         metrics: tracking.MetricsProcessor | None = None
         if tracked:
             drop = _DETAIL_KEYS if cfg.tracking.metrics == "standard" else ()

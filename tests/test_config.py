@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 
 from flasync.config import (
+    ByColumnPartition,
     DigitsData,
     DirichletPartition,
     FedAsyncServer,
     FedBuffServer,
+    FilesData,
     LogNormalSpeed,
     PolynomialStalenessConfig,
     RunConfig,
@@ -184,3 +186,74 @@ def test_diagnostics_and_slow_clients_settings() -> None:
         load_config(None, ["population.slow_clients={100: 2.0}"])
     with pytest.raises(ConfigError, match="must be > 0"):
         load_config(None, ["population.slow_clients={1: 0}"])
+
+
+# ------------------------------------------------------------------------------------------------ files data
+_FILES = ["data.kind=files", "data.train=d.csv", "data.client_column=user"]
+
+
+def test_files_data_and_by_column_partition_load_from_toml(tmp_path: Path) -> None:
+    """A files source with a by_column partition loads; relative paths are read from the config's folder."""
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "c.toml").write_text(
+        '[data]\nkind = "files"\ntrain = "data/train.csv"\ntest = "../test.npz"\nlabel = "label"\n'
+        'client_column = "user"\nfeatures = "pixels"\n[partition]\nkind = "by_column"\nmin_samples = 3\n'
+    )
+    config = load_config(tmp_path / "exp" / "c.toml")
+    assert config.data == FilesData(
+        train=str(tmp_path / "exp" / "data" / "train.csv"),
+        test=str(tmp_path / "test.npz"),
+        label="label",
+        client_column="user",
+        features=("pixels",),
+    )
+    assert config.partition == ByColumnPartition(min_samples=3)
+    assert "num_clients" not in config.population.model_fields_set  # by_column takes it from the data
+
+
+def test_files_example_reads_its_data_beside_it() -> None:
+    """examples/files_by_column.toml validates and names the file make_files_data.py writes, beside itself."""
+    config = load_config(EXAMPLES / "files_by_column.toml")
+    assert isinstance(config.data, FilesData) and isinstance(config.partition, ByColumnPartition)
+    assert config.data.train == str(EXAMPLES / "data" / "digits_by_writer.csv")
+
+
+def test_relative_data_paths_from_the_command_line_stay_relative(tmp_path: Path) -> None:
+    """A path given by --set is the working directory's, even over a config file; absolute paths stay."""
+    (tmp_path / "c.yaml").write_text("data:\n  kind: files\n  train: a.csv\n  test: /abs/t.csv\n")
+    config = load_config(tmp_path / "c.yaml", ["data.train=b.csv"])
+    assert isinstance(config.data, FilesData)
+    assert (config.data.train, config.data.test) == ("b.csv", "/abs/t.csv")
+    assert load_config(tmp_path / "c.yaml").data.train == str(tmp_path / "a.csv")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["data.kind=files"], "data.train: required field is missing"),
+        (["data.kind=files", "data.train=d.txt"], "data.train: unsupported format of 'd.txt' (use .npz, .pt, .csv"),
+        ([*_FILES, "data.test=t"], "data.test: unsupported format of 't'"),
+        (["partition.kind=by_column"], "partition.kind: 'by_column' needs data.kind = 'files' with data.client_column"),
+        (["data.kind=files", "data.train=d.csv", "partition.kind=by_column"], "needs data.kind = 'files' with"),
+        ([*_FILES, "data.features=[a, b]", "data.train=d.npz"], "data.features: 'd.npz' holds its features in one"),
+        ([*_FILES, "data.features=[a, label]", "data.label=label"], "data.features: 'label' is the label or client"),
+        ([*_FILES, "data.features=[user]"], "data.features: 'user' is the label or client column"),
+        ([*_FILES, "data.features=[]"], "data.features: must name at least one key or column"),
+        ([*_FILES, "data.client_column=y"], "data.client_column: 'y' is already the label"),
+        ([*_FILES, "data.test=t.csv", "data.test_fraction=0.3"], "data.test_fraction: is not used when data.test"),
+        ([*_FILES, "data.num_classes=1"], "data.num_classes: Input should be greater than or equal to 2"),
+        ([*_FILES, "data.path=d.csv"], "data.path: unknown field"),
+        ([*_FILES, "partition.kind=by_column", "partition.min_samples=0"], "partition.min_samples: Input should be"),
+    ],
+)
+def test_files_data_errors_name_the_field(overrides: list[str], expected: str) -> None:
+    """Every wrong files/by_column setting is a one-line error naming the field."""
+    assert expected in _error(None, overrides)
+
+
+def test_files_data_is_flattened_into_params() -> None:
+    """The files section and the by_column partition become dotted params."""
+    flat = flatten(load_config(None, [*_FILES, "partition.kind=by_column", "data.features=[a, b]"]))
+    assert flat["data.kind"] == "files" and flat["data.train"] == "d.csv" and flat["data.test"] is None
+    assert flat["data.client_column"] == "user" and flat["data.features"] == ["a", "b"]
+    assert flat["partition.kind"] == "by_column" and flat["partition.min_samples"] == 1

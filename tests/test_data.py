@@ -18,9 +18,11 @@ from flasync.data import (
     from_dataset,
     load_digits,
     make_synthetic,
+    partition_by_column,
     partition_dirichlet,
     partition_iid,
     partition_shards,
+    split_indices,
     train_test_split,
 )
 from flasync.errors import DataError
@@ -354,6 +356,41 @@ def test_train_test_split_rejects_single_sample() -> None:
         train_test_split(_data(n=1), test_fraction=0.5, rng=np.random.default_rng(0))
 
 
+@PROPERTY
+@given(seed=st.integers(0, 2**32 - 1), num_samples=st.integers(2, 200), test_fraction=st.floats(0.01, 0.99))
+def test_split_indices_keep_one_leaves_every_group_a_training_sample(
+    seed: int, num_samples: int, test_fraction: float
+) -> None:
+    """With keep_one every group keeps a training sample, no group gives more than its quota rounded up, and
+    the split covers every sample once."""
+    rng = np.random.default_rng(seed)
+    groups = rng.geometric(0.4, size=num_samples) - 1  # many groups of one or two samples
+    num_groups = int(groups.max()) + 1
+    train, test = split_indices(groups, num_groups, test_fraction=test_fraction, rng=rng, keep_one=True)
+    assert np.array_equal(np.sort(np.concatenate([train, test])), np.arange(num_samples))
+    sizes = np.bincount(groups, minlength=num_groups)
+    assert np.array_equal(np.bincount(groups[train], minlength=num_groups) > 0, sizes > 0)
+    assert np.all(np.bincount(groups[test], minlength=num_groups) <= np.ceil(test_fraction * sizes))
+    assert len(test) <= min(max(round(test_fraction * num_samples), 1), num_samples - 1)
+
+
+def test_split_indices_without_keep_one_is_train_test_split() -> None:
+    """train_test_split is split_indices over the labels: same seed, same test samples."""
+    data = load_digits()
+    _, test = train_test_split(data, test_fraction=0.2, rng=np.random.default_rng(3))
+    _, held = split_indices(data.y.numpy(), 10, test_fraction=0.2, rng=np.random.default_rng(3))
+    assert torch.equal(test.x, data.x[held])
+
+
+def test_split_indices_keep_one_moves_the_extra_sample_elsewhere() -> None:
+    """A group of one sample, whose remainder is the largest, gives nothing; another group gives instead."""
+    groups = np.array([0, 1, 1, 1, 1])  # quotas at 0.3: 0.3 and 1.2 -> the extra goes to group 0 without keep_one
+    _, test = split_indices(groups, 2, test_fraction=0.3, rng=np.random.default_rng(0))
+    assert 0 in test
+    _, test = split_indices(groups, 2, test_fraction=0.3, rng=np.random.default_rng(0), keep_one=True)
+    assert 0 not in test and len(test) == 2
+
+
 # ---------------------------------------------------------------------------------------------- Partition
 def test_partition_from_lists_round_trips() -> None:
     """Each client gets back its own indices, and sizes and len match the lists."""
@@ -611,3 +648,28 @@ def test_synthetic_clients_draw_the_same_samples_every_time() -> None:
     first, again, other = clients.client(1), clients.client(1), clients.client(2)
     assert first.x.shape == (5, 4) and other.x.shape == (7, 4)
     assert torch.equal(first.x, again.x) and torch.equal(first.y, again.y)
+
+
+# ------------------------------------------------------------------------------------------------ by column
+def test_partition_by_column_gives_each_owner_its_samples_in_order() -> None:
+    """Client k holds the samples of the k-th owner id, in sample order; nothing is random."""
+    owners = np.array([2, 0, 2, 1, 0, 2])
+    partition, kept = partition_by_column(owners)
+    assert kept.tolist() == [0, 1, 2]
+    assert [part.tolist() for part in partition] == [[1, 4], [3], [0, 2, 5]]
+
+
+def test_partition_by_column_drops_owners_below_min_samples() -> None:
+    """Owners with fewer than min_samples samples (or none) are not clients; the rest keep their order."""
+    owners = np.array([3, 0, 3, 1, 0, 3])  # owner 2 has no samples
+    partition, kept = partition_by_column(owners, min_samples=2)
+    assert kept.tolist() == [0, 3]
+    assert [part.tolist() for part in partition] == [[1, 4], [0, 2, 5]]
+
+
+def test_partition_by_column_refuses_when_no_owner_qualifies() -> None:
+    """No owner with min_samples samples is a data error."""
+    with pytest.raises(DataError, match="no owner has 3 or more samples"):
+        partition_by_column(np.array([0, 1, 1]), min_samples=3)
+    with pytest.raises(DataError, match="non-negative"):
+        partition_by_column(np.array([0, -1]))

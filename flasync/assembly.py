@@ -100,6 +100,7 @@ from flasync.privacy import (
     calibrate_noise_multiplier,
     sampling_rate,
 )
+from flasync.ray_executor import RayTrainingExecutor
 from flasync.residuals import ResidualStore
 from flasync.server import (
     Accounting,
@@ -558,10 +559,22 @@ def make_evaluator(prepared: Prepared, executor: TrainingExecutor, clock: Clock,
 
 
 def make_executor(
-    config: RunConfig, prepared: Prepared, *, on_fallback: Callable[[str], None] | None = None
+    config: RunConfig,
+    prepared: Prepared,
+    *,
+    on_fallback: Callable[[str], None] | None = None,
+    on_event: Callable[[str, str], None] | None = None,
 ) -> TrainingExecutor:
-    """Build the executor a run's training jobs run in (threads, or vectorized cohorts on the threads)."""
+    """Build the executor a run's training jobs run in (threads, vectorized cohorts on the threads, or Ray actors).
+
+    Raises:
+        ConfigError: If Ray is asked for and cannot start or be reached.
+    """
     executor = config.executor
+    if executor.kind == "ray":
+        return RayTrainingExecutor(
+            prepared.factory, executor.ray, device=prepared.device, on_fallback=on_fallback, on_event=on_event
+        )
     return ThreadTrainingExecutor(
         prepared.factory,
         workers=executor.workers,

@@ -56,6 +56,7 @@ __all__ = [
     "PopulationConfig",
     "PrivacyConfig",
     "RandomKStage",
+    "RayConfig",
     "ResilienceConfig",
     "RunConfig",
     "SGDServerOptimizer",
@@ -738,15 +739,40 @@ class StopConfig(_Section):
     max_wall_s: float | None = Field(None, gt=0.0)
 
 
+class RayConfig(_Section):
+    """Ray actors that train clients (``executor.kind = "ray"``; ``pip install 'flasync[ray]'``).
+
+    Each actor holds the model and the training data (shipped once through Ray's object store); each model version
+    is put once, and a task ships only its client's sample indices and random state.
+    """
+
+    address: str | None = Field(
+        None,
+        description="None: start a local Ray for this run and stop it at the end; 'host:port' or 'auto': join that "
+        "cluster (and leave it running).",
+    )
+    actors: int = Field(2, ge=1, le=4096, description="Training actors.")
+    cpus_per_actor: float = Field(1.0, gt=0.0, description="CPUs Ray reserves for each actor.")
+    gpus_per_actor: float = Field(0.0, ge=0.0, description="GPUs Ray reserves for each actor (fractions share one).")
+    threads_per_actor: int = Field(
+        1, ge=1, le=256, description="Intra-op torch threads of each actor (the weights depend on it, as on threads)."
+    )
+    vectorized: bool = Field(False, description="Train the clients of one model version as cohorts inside actors.")
+    connect_timeout_s: float = Field(10.0, gt=0.0, description="How long to try to reach executor.ray.address.")
+
+
 class ExecutorConfig(_Section):
-    """Where local training runs: a pool of worker threads, each reusing one model instance.
+    """Where local training runs: a pool of worker threads, each reusing one model instance, or Ray actors.
 
     ``kind = "vectorized"`` trains clients that start from the same model version together, as one batched job
     of up to ``max_cohort`` clients (:mod:`flasync.cohort`); results match one-at-a-time training to float
     rounding, and a model ``vmap`` cannot batch is trained one client at a time (with a warning saying why).
+    ``kind = "ray"`` trains on Ray actors (``executor.ray``), on this machine or a cluster: the same weights as the
+    threads for the same config, whatever the number of actors.
     """
 
-    kind: Literal["thread", "vectorized"] = "thread"
+    kind: Literal["thread", "vectorized", "ray"] = "thread"
+    ray: RayConfig = RayConfig()
     workers: int = Field(
         1, ge=1, le=256, description="Training threads (more help when kernels, not Python, dominate a step)."
     )

@@ -22,7 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import nn
 
-from flasync.cohort import CohortMember, CohortTrainer
+from flasync.cohort import CohortMember, CohortResult, CohortTrainer
 from flasync.training import FlatModel, LocalResult, LocalTraining
 
 __all__ = ["CohortBatcher", "ModelPool", "ThreadTrainingExecutor", "TrainingExecutor", "TrainingJob", "resolve_device"]
@@ -180,6 +180,10 @@ class CohortBatcher(Executor):
         on_fallback: Called (in a worker thread) with the reason whenever a cohort had to be trained one client
             at a time.
         settle_passes: Quiet event-loop passes before held jobs start, when no clock drives :meth:`flush`.
+        train_cohort: Trains a cohort elsewhere, ``(base, x, y, members, cfg, jobs) -> CohortResult`` (e.g. on a Ray
+            actor); None: on the calling worker's own vectorized trainer.
+        run_job: Runs a cohort of one (default: the job itself, trained on the worker).
+        passthrough: Where submissions other than training jobs go (default: ``inner``).
     """
 
     def __init__(
@@ -190,11 +194,17 @@ class CohortBatcher(Executor):
         max_cohort: int = 256,
         on_fallback: Callable[[str], None] | None = None,
         settle_passes: int = 2,
+        train_cohort: Callable[..., CohortResult] | None = None,
+        run_job: Callable[[TrainingJob[Any]], Any] | None = None,
+        passthrough: Executor | None = None,
     ) -> None:
         """Hold nothing yet."""
         if max_cohort < 1:
             raise ValueError(f"max_cohort must be >= 1, got {max_cohort}")
         self.inner = inner
+        self.train_cohort = train_cohort
+        self.run_job = run_job
+        self.passthrough = passthrough if passthrough is not None else inner
         self.models = models
         self.max_cohort = max_cohort
         self.on_fallback = on_fallback
@@ -223,7 +233,7 @@ class CohortBatcher(Executor):
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Hold a :class:`TrainingJob`; pass anything else to the inner pool."""
         if not isinstance(fn, TrainingJob) or args or kwargs:
-            return self.inner.submit(fn, *args, **kwargs)
+            return self.passthrough.submit(fn, *args, **kwargs)
         future: _HeldFuture[T] = _HeldFuture()
         with self._lock:
             held = self._held.setdefault(fn.group, _Held())
@@ -280,14 +290,16 @@ class CohortBatcher(Executor):
             self._resolve(futures[0], jobs[0], None)
             return
         try:
-            trainer = self.models.cohort_trainer()
             first = jobs[0]
             x, y, parts = _cohort_data(jobs)
             members = [
                 CohortMember(indices=part, generator=job.generator, correction=job.correction)
                 for job, part in zip(jobs, parts, strict=True)
             ]
-            outcome = trainer.train(first.base, x, y, members, first.cfg)
+            if self.train_cohort is not None:
+                outcome = self.train_cohort(first.base, x, y, members, first.cfg, jobs)
+            else:
+                outcome = self.models.cohort_trainer().train(first.base, x, y, members, first.cfg)
         except Exception as exc:
             for future in futures:
                 future.set_exception(exc)
@@ -302,10 +314,14 @@ class CohortBatcher(Executor):
         for job, future, result in zip(jobs, futures, outcome.results, strict=True):
             self._resolve(future, job, result)
 
-    @staticmethod
-    def _resolve(future: Future[Any], job: TrainingJob[Any], result: LocalResult | None) -> None:
+    def _resolve(self, future: Future[Any], job: TrainingJob[Any], result: LocalResult | None) -> None:
         try:
-            value = job() if result is None else job.finish(result)
+            if result is not None:
+                value = job.finish(result)
+            elif self.run_job is not None:
+                value = self.run_job(job)
+            else:
+                value = job()
         except Exception as exc:
             future.set_exception(exc)
         else:

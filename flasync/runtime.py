@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import shutil
 import threading
 import time
@@ -260,22 +261,6 @@ class Federation:
             metrics = tracking.MetricsProcessor(tracker.log_metrics, exclude=_METRIC_EXCLUDE, drop_keys=drop)
         # Metrics are taken at each log call; events below the log level skip structlog's chain.
         log = tracking.make_logger(level=cfg.tracking.log_level, metrics=metrics)
-        if tracked:
-            _phase("starting the MLflow run", cfg)
-        if self._resume is not None and self._resume.run_id:
-            run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
-        else:
-            custom = self._dataset is not None
-            run_id = await asyncio.to_thread(
-                tracker.start,
-                experiment=cfg.tracking.experiment,
-                run_name=cfg.tracking.run_name or default_run_name(cfg, uuid.uuid4().hex[:6], custom=custom),
-                params={**flatten(_redacted(cfg)), **(prepared.privacy.params() if prepared.privacy else {})},
-                tags=self._tags(),
-            )
-            if tracked:
-                await asyncio.to_thread(self._log_dataset, tracker, prepared, custom, log)
-        self.run_id = run_id or None
         warned: set[str] = set()
 
         def on_fallback(reason: str) -> None:
@@ -283,8 +268,45 @@ class Federation:
                 warned.add(reason)
                 log.warning("executor.fallback", reason=reason, metrics=False)
 
-        executor = make_executor(cfg, prepared, on_fallback=on_fallback)
+        def on_executor(what: str, detail: str) -> None:
+            log.log(
+                logging.INFO if what == "finished" else logging.WARNING,
+                f"executor.{what}",
+                detail=detail,
+                metrics=False,
+            )
+
+        if cfg.executor.kind == "ray":
+            _phase("starting Ray" if cfg.executor.ray.address is None else "joining the Ray cluster", cfg)
+        try:
+            # Before the MLflow run: an executor that cannot start (Ray) leaves no run behind.
+            executor = await asyncio.to_thread(
+                make_executor, cfg, prepared, on_fallback=on_fallback, on_event=on_executor
+            )
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
         executor.attach(self.clock)
+        if tracked:
+            _phase("starting the MLflow run", cfg)
+        try:
+            if self._resume is not None and self._resume.run_id:
+                run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
+            else:
+                custom = self._dataset is not None
+                run_id = await asyncio.to_thread(
+                    tracker.start,
+                    experiment=cfg.tracking.experiment,
+                    run_name=cfg.tracking.run_name or default_run_name(cfg, uuid.uuid4().hex[:6], custom=custom),
+                    params={**flatten(_redacted(cfg)), **(prepared.privacy.params() if prepared.privacy else {})},
+                    tags=self._tags(),
+                )
+                if tracked:
+                    await asyncio.to_thread(self._log_dataset, tracker, prepared, custom, log)
+        except BaseException:
+            executor.shutdown()
+            raise
+        self.run_id = run_id or None
         status: Literal["FINISHED", "FAILED", "KILLED"] = "FAILED"
         try:
             context = {"run_id": self.run_id} if self.run_id else {}

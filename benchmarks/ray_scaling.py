@@ -1,0 +1,142 @@
+"""Threads against Ray actors: updates per second and peak memory, on a light and a heavier workload.
+
+Workloads (FedAvg, virtual clock, no tracking):
+
+* ``mlp`` - the tutorial workload: synthetic data, MLP 32-64-10, 200 samples per client, batch 32, 1 local epoch,
+  100 clients, 10 per round;
+* ``cnn`` - the small CNN on digits, 10 clients of about 144 samples, all 10 in each round, 5 local epochs of batch
+  16 (45 steps a task): each call trains for long enough to amortise Ray's per-call cost.
+
+Executors: the threads executor (1 worker, the default, and 2), and Ray with 1 and 2 actors (1 CPU and 1 torch thread
+each). Ray is started once by the script (``ray.init``), so the figures are of training; its start-up is printed
+apart. Peak memory: the driver's peak RSS (of the process so far), and the summed RSS of every Ray process (GCS,
+raylet, workers, actors) sampled every 0.2 s during the run.
+
+    python benchmarks/ray_scaling.py                  # about 1 minute on 2 cores
+    python benchmarks/ray_scaling.py --rounds 5 --workloads mlp
+
+Two nodes on one machine (what a cluster needs; Ray 2.59+ wants the same token on every node)::
+
+    export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(python -c "import secrets; print(secrets.token_hex(16))")
+    ray start --head --node-ip-address=127.0.0.1 --port=6391 --num-cpus=1 --include-dashboard=false
+    ray start --address=127.0.0.1:6391 --node-ip-address=127.0.0.1 --num-cpus=1
+    python benchmarks/ray_scaling.py --address 127.0.0.1:6391 --workloads cnn --rounds 5
+    ray stop
+
+With ``--address`` the script joins that cluster instead of starting Ray, and prints on which nodes the tasks ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+import psutil
+
+import flasync
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "mlp": {
+        "data": {"kind": "synthetic", "samples_per_client": 200, "num_features": 32, "num_classes": 10},
+        "partition": {"kind": "iid"},
+        "model": {"kind": "mlp", "hidden": [64]},
+        "client": {"epochs": 1, "batch_size": 32, "lr": 0.01},
+    },
+    "cnn": {
+        "data": {"kind": "digits"},
+        "partition": {"kind": "iid"},
+        "population": {"num_clients": 10},
+        "model": {"kind": "cnn"},
+        "client": {"epochs": 5, "batch_size": 16, "lr": 0.05},
+    },
+}
+
+
+def _config(workload: str, executor: dict[str, Any], rounds: int, log_level: str) -> dict[str, Any]:
+    return {
+        **WORKLOADS[workload],
+        "server": {"kind": "fedavg", "clients_per_round": 10},
+        "executor": executor,
+        "stop": {"max_versions": rounds},
+        "eval": {"every_versions": rounds},
+        "tracking": {"enabled": False, "log_level": log_level},
+        "diagnostics": {"profile": False, "level": "off"},
+    }
+
+
+class _RayMemory:
+    """Peak of the summed RSS of the machine's Ray processes, sampled in a thread."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.2):
+            total = 0
+            for proc in psutil.process_iter(["name", "cmdline", "memory_info"]):
+                text = " ".join([proc.info["name"] or "", *(proc.info["cmdline"] or [])])
+                if ("ray::" in text or "raylet" in text or "gcs_server" in text) and proc.info["memory_info"]:
+                    total += proc.info["memory_info"].rss
+            self.peak = max(self.peak, total)
+
+    def __enter__(self) -> _RayMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> None:
+    """Run every (workload, executor) once and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30, help="FedAvg rounds of 10 clients per run")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--address", help="join this Ray cluster (default: start a local Ray with 2 CPUs)")
+    args = parser.parse_args()
+
+    import ray
+
+    started = time.perf_counter()
+    if args.address is None:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    else:
+        ray.init(address=args.address, log_to_driver=False, configure_logging=False)
+    print(f"\nRay {'started' if args.address is None else 'joined'} in {time.perf_counter() - started:.1f} s")
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    print(f"nodes: {len(nodes)} ({', '.join(n['NodeID'][:12] for n in nodes)})")
+
+    executors: dict[str, dict[str, Any]] = {
+        "threads, 1 worker": {"kind": "thread"},
+        "threads, 2 workers": {"kind": "thread", "workers": 2},
+    }
+    for actors in (1, 2):
+        executors[f"ray, {actors} actor{'s' * (actors > 1)}"] = {"kind": "ray", "ray": {"actors": actors}}
+    print(f"\nFedAvg, 10 clients per round, {args.rounds} rounds, virtual clock, no tracking")
+    print("| workload | executor | updates/s | vs threads | driver peak RSS | Ray processes' peak RSS | sha256 |")
+    print("|---|---|---|---|---|---|---|")
+    for workload in args.workloads:
+        baseline = 0.0
+        for name, executor in executors.items():
+            with _RayMemory() as memory:
+                # On a cluster the executor's closing line (info) says on which nodes the tasks ran.
+                level = "info" if args.address and executor["kind"] == "ray" else "warning"
+                summary = flasync.run(_config(workload, executor, args.rounds, level))
+            rate = summary.updates_per_s
+            baseline = baseline or rate
+            print(
+                f"| {workload} | {name} | {rate:.0f} | {rate / baseline:.2f}x | "
+                f"{summary.peak_rss_bytes / 2**20:.0f} MiB | {memory.peak / 2**20:.0f} MiB | "
+                f"{summary.weights_sha256[:12]} |",
+                flush=True,
+            )
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

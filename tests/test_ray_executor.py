@@ -1,0 +1,130 @@
+"""The Ray executor against the threads: the same weights, actors that die, a cluster that cannot be reached.
+
+A local Ray (2 CPUs, no dashboard) is started once for the module; flasync then uses it and leaves it running. The
+tests of a Ray that flasync starts itself run the CLI in a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import flasync
+from flasync.events import Aggregated
+from flasync.testing import small_config
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.timeout(180)
+
+SERVERS = {
+    "fedavg": {"kind": "fedavg", "clients_per_round": 5},
+    "fedbuff": {"kind": "fedbuff", "buffer_size": 4, "concurrency": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A local Ray for the module's in-process runs."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def _ray_processes() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,comm="], capture_output=True, text=True, check=True).stdout
+    names = ("raylet", "gcs_server", "ray::")
+    return {int(line.split()[0]) for line in out.splitlines() if any(n in line for n in names)}
+
+
+@pytest.mark.usefixtures("local_ray")
+@pytest.mark.parametrize("actors", [1, 2])
+@pytest.mark.parametrize("server", sorted(SERVERS))
+def test_ray_gives_the_threads_weights(server: str, actors: int) -> None:
+    """FedAvg and FedBuff on 1 or 2 actors end with the threads executor's weights_sha256."""
+    threads = flasync.run(small_config(server=SERVERS[server]))
+    on_ray = flasync.run(small_config("executor.kind=ray", f"executor.ray.actors={actors}", server=SERVERS[server]))
+    assert on_ray.weights_sha256 == threads.weights_sha256
+    assert on_ray.updates_accepted == threads.updates_accepted
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_cohorts_inside_actors_give_the_vectorized_weights() -> None:
+    """executor.ray.vectorized trains each version's clients as one cohort per actor call: the vectorized weights."""
+    vectorized = flasync.run(small_config("executor.kind=vectorized", "stop.max_versions=6"))
+    on_ray = flasync.run(small_config("executor.kind=ray", "executor.ray.vectorized=true", "stop.max_versions=6"))
+    assert on_ray.weights_sha256 == vectorized.weights_sha256
+
+
+@pytest.mark.usefixtures("local_ray")
+async def test_an_actor_killed_mid_run_fails_its_task_and_is_replaced() -> None:
+    """Killing an actor fails the task it held as a client failure; a new actor takes over and the run finishes."""
+    config = small_config("executor.kind=ray", "executor.ray.actors=2", "stop.max_versions=12")
+    federation = flasync.Federation(config)
+    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
+    run = asyncio.create_task(federation.run())
+    killed: list[str] = []
+    async for event in aggregated:
+        if event.version >= 3:
+            names = [n["name"] if isinstance(n, dict) else n for n in ray.util.list_named_actors()]
+            victim = sorted(n for n in names if n.startswith("flasync-train-"))[0]
+            ray.kill(ray.get_actor(victim))
+            killed.append(victim)
+            break
+    summary = await run
+    assert killed
+    assert summary.versions == 12
+    assert summary.updates_failed >= 1
+
+
+def _cli(*args: str, cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(flasync.__file__).resolve().parents[1])}
+    return subprocess.run(
+        [sys.executable, "-m", "flasync", "run", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_an_unreachable_cluster_is_one_line_before_any_mlflow_run(tmp_path: Path) -> None:
+    """A closed port: exit 2, one error line naming executor.ray.address, and the store holds no run."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = _cli(
+        "--set",
+        "executor.kind=ray",
+        "--set",
+        "executor.ray.address=127.0.0.1:9",
+        "--set",
+        "executor.ray.connect_timeout_s=2",
+        "--tracking-uri",
+        store,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("flasync: error:")]
+    assert len(errors) == 1 and "executor.ray.address" in errors[0]
+    import mlflow
+
+    runs = mlflow.MlflowClient(store).search_runs(
+        [e.experiment_id for e in mlflow.MlflowClient(store).search_experiments()]
+    )
+    assert runs == []
+
+
+def test_the_ray_a_run_starts_is_gone_after_it(tmp_path: Path) -> None:
+    """A run that started its own Ray leaves no Ray process behind."""
+    before = _ray_processes()
+    result = _cli("--no-tracking", "--set", "executor.kind=ray", "--set", "stop.max_versions=5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "weights sha256" in result.stdout
+    assert _ray_processes() <= before

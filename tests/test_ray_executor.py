@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -127,4 +128,43 @@ def test_the_ray_a_run_starts_is_gone_after_it(tmp_path: Path) -> None:
     result = _cli("--no-tracking", "--set", "executor.kind=ray", "--set", "stop.max_versions=5", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "weights sha256" in result.stdout
+    assert _ray_processes() <= before
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_ray_run_resumes_from_its_checkpoint_to_the_uninterrupted_weights() -> None:
+    """Periodic checkpoints of a Ray run resume (on Ray) to the weights the whole run ends with."""
+    from flasync import checkpoint
+    from flasync.testing import MemoryTracker
+
+    config = small_config("executor.kind=ray", "stop.max_versions=10", "checkpoint.every_versions=4")
+    tracker = MemoryTracker()
+    full = flasync.run(config, tracker=tracker)
+    saved, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
+    assert state["version"] == 8
+    resumed = flasync.run(saved, resume=checkpoint.ResumePoint(None, state))
+    assert resumed.weights_sha256 == full.weights_sha256
+
+
+def test_ctrl_c_leaves_no_ray_behind(tmp_path: Path) -> None:
+    """SIGINT during a run that started its own Ray: exit 130, and every Ray process it started is gone."""
+    before = _ray_processes()
+    env = {**os.environ, "PYTHONPATH": str(Path(flasync.__file__).resolve().parents[1])}
+    settings = ["executor.kind=ray", "stop.max_versions=100000", "eval.every_versions=1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flasync", "run", "--no-tracking", *(f"--set={s}" for s in settings)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # training has started once the first evaluation is printed
+        if "server.eval" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output[-2000:]
     assert _ray_processes() <= before

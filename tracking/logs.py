@@ -254,10 +254,11 @@ def make_logger(
         processors = [merge_contextvars, add_log_level, *processors_before, *filtered, *rest]
         wrapper = _metrics_logger_class(metrics, frozenset() if processors_before else level_filter.dropped_methods)
     elif processors_before:
-        processors = [merge_contextvars, add_log_level, *processors_before, level_filter, *rest]
+        processors = [merge_contextvars, add_log_level, _drop_metrics_flag, *processors_before, level_filter, *rest]
         wrapper = _NON_FILTERING
     else:
-        processors = [merge_contextvars, add_log_level, *rest]
+        # Without metrics an event's ``metrics=False`` flag means nothing: it must not reach the output.
+        processors = [merge_contextvars, add_log_level, _drop_metrics_flag, *rest]
         wrapper = structlog.make_filtering_bound_logger(level_filter.level)
     # bind() resolves wrap_logger's lazy proxy now, so log calls never re-read the configuration.
     logger: FilteringBoundLogger = structlog.wrap_logger(
@@ -287,8 +288,19 @@ def _metrics_logger_class(metrics: MetricsProcessor, dropped: frozenset[str]) ->
     return cast("type[FilteringBoundLogger]", cls)
 
 
+def _drop_metrics_flag(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+    """Remove the ``metrics`` flag (a tracked run's metrics processor reads it; untracked, nothing does)."""
+    event_dict.pop("metrics", None)
+    return event_dict
+
+
 def _is_head_processor(processor: Processor) -> bool:
-    return processor is merge_contextvars or processor is add_log_level or isinstance(processor, LevelFilter)
+    return (
+        processor is merge_contextvars
+        or processor is add_log_level
+        or processor is _drop_metrics_flag
+        or isinstance(processor, LevelFilter)
+    )
 
 
 def _is_tty(stream: TextIO) -> bool:

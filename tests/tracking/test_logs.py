@@ -52,6 +52,16 @@ def test_make_logger_without_processors_filters_by_level() -> None:
     assert [json.loads(line)["event"] for line in lines(stream)] == ["loud"]
 
 
+def test_the_metrics_flag_is_never_rendered_without_metrics() -> None:
+    """An untracked run's logger (no metrics processor) drops the metrics=False flag before rendering."""
+    stream = io.StringIO()
+    configure_logging(fmt="json", stream=stream)
+    for log in (make_logger(level="info"), make_logger(level="info", processors_before=[Recorder()])):
+        log.info("run.started", clients=100, metrics=False)
+    records = [json.loads(line) for line in lines(stream)]
+    assert len(records) == 2 and all("metrics" not in r and r["clients"] == 100 for r in records)
+
+
 def test_make_logger_level_overrides_the_configured_level() -> None:
     """make_logger's level replaces the level given to configure_logging."""
     stream = io.StringIO()

@@ -60,6 +60,7 @@ from tracking.metrics import MetricRow
 
 __all__ = [
     "EventRecorder",
+    "MeanOfDeltas",
     "MemoryTracker",
     "NullLog",
     "ScriptedClients",
@@ -453,3 +454,62 @@ class ServerHarness:
                 return await self.server.run()
             finally:
                 self.clock.stop()
+
+
+class MeanOfDeltas:
+    """A user aggregation rule (:class:`flasync.Aggregator`) for tests: the plain mean of ``size`` deltas, held until
+    then, recording every call it gets (``adds``: staleness, samples and whether the shapes fit; ``steps``: updates
+    folded into each step).
+
+    Args:
+        weights: The global weights, stepped in place.
+        size: Updates per step (``ready`` once this many are in).
+    """
+
+    def __init__(self, weights: torch.Tensor, size: int) -> None:
+        """Hold nothing yet."""
+        self.weights = weights
+        self.initial = weights.clone()
+        self.size = size
+        self.deltas: list[torch.Tensor] = []
+        self.adds: list[tuple[int, int, bool]] = []  # staleness, samples, delta and base shaped like the weights
+        self.base_is_current: list[bool] = []
+        self.steps: list[int] = []  # updates folded into each step
+
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        """Keep the delta and record the call; the staleness weight is 1."""
+        self.deltas.append(delta.clone())
+        self.adds.append((staleness, num_samples, delta.shape == base.shape == self.weights.shape))
+        self.base_is_current.append(torch.equal(base, self.weights))
+        return 1.0
+
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        """Refuse edge partials: this rule takes client updates only."""
+        raise ValueError("client updates only")
+
+    def ready(self) -> bool:
+        """Tell whether ``size`` deltas are in."""
+        return len(self.deltas) >= self.size
+
+    def step(self) -> None:
+        """Subtract the mean delta from the weights and start afresh."""
+        self.weights.sub_(torch.stack(self.deltas).mean(dim=0))
+        self.steps.append(len(self.deltas))
+        self.deltas.clear()
+
+    def count(self) -> int:
+        """Count the deltas held."""
+        return len(self.deltas)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the deltas held."""
+        return sum(d.numel() * 4 for d in self.deltas)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the deltas held."""
+        return {"deltas": [d.clone() for d in self.deltas]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.deltas = [d.clone() for d in state["deltas"]]

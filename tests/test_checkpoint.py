@@ -21,7 +21,7 @@ from flasync import checkpoint
 from flasync.config import load_config
 from flasync.errors import CheckpointError, RunInterrupted
 from flasync.events import Aggregated
-from flasync.testing import MemoryTracker, small_config
+from flasync.testing import MeanOfDeltas, MemoryTracker, small_config
 
 ROOT = Path(flasync.__file__).resolve().parents[1]
 FAULTY = ("faults.crash=0.2", "faults.hang=0.1", "faults.dropout=0.05", "resilience.task_timeout_s=3")
@@ -124,43 +124,8 @@ async def test_a_resumed_run_can_be_interrupted_and_resumed_again() -> None:
     assert (await asyncio.to_thread(_resume, second)).weights_sha256 == full.weights_sha256
 
 
-class _HeldMean:
-    """A user rule that holds its deltas until K are in."""
-
-    def __init__(self, weights: torch.Tensor, size: int) -> None:
-        self.weights, self.size = weights, size
-        self.deltas: list[torch.Tensor] = []
-
-    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
-        self.deltas.append(delta.clone())
-        return 1.0
-
-    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
-        raise ValueError("client updates only")
-
-    def ready(self) -> bool:
-        return len(self.deltas) >= self.size
-
-    def step(self) -> None:
-        self.weights.sub_(torch.stack(self.deltas).mean(dim=0))
-        self.deltas.clear()
-
-    def count(self) -> int:
-        return len(self.deltas)
-
-    @property
-    def nbytes(self) -> int:
-        return 4 * sum(d.numel() for d in self.deltas)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"deltas": [d.clone() for d in self.deltas]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.deltas = [d.clone() for d in state["deltas"]]
-
-
-def _held_mean(weights: torch.Tensor, server: Any) -> _HeldMean:
-    return _HeldMean(weights, server.buffer_size)
+def _held_mean(weights: torch.Tensor, server: Any) -> MeanOfDeltas:
+    return MeanOfDeltas(weights, server.buffer_size)
 
 
 async def test_a_user_aggregator_resumes_exactly() -> None:
@@ -170,7 +135,7 @@ async def test_a_user_aggregator_resumes_exactly() -> None:
     full = await flasync.Federation(config, aggregator=_held_mean).run()
     tracker = await _interrupt_at(config, 5, aggregator=_held_mean)
     config, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
-    assert state["aggregator"]["kind"] == "custom" and state["aggregator"]["rule"] == "_HeldMean"
+    assert state["aggregator"]["kind"] == "custom" and state["aggregator"]["rule"] == "MeanOfDeltas"
     resume = checkpoint.ResumePoint(None, state)
     resumed = await asyncio.to_thread(flasync.run, config, resume=resume, aggregator=_held_mean)
     assert resumed.weights_sha256 == full.weights_sha256

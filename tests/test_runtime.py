@@ -31,7 +31,7 @@ from flasync.events import (
     UpdateUploaded,
 )
 from flasync.summary import weights_sha256
-from flasync.testing import EventRecorder, MemoryTracker, UntrainableModel, small_config
+from flasync.testing import EventRecorder, MeanOfDeltas, MemoryTracker, UntrainableModel, small_config
 
 SUMMARY_KEYS = {
     "accuracy",
@@ -420,49 +420,6 @@ async def test_standard_metrics_leave_out_the_per_update_details() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- your own strategy
-class _RecordingMean:
-    """A user rule: the plain mean of K deltas, recording every call it gets."""
-
-    def __init__(self, weights: torch.Tensor, size: int) -> None:
-        self.weights = weights
-        self.initial = weights.clone()
-        self.size = size
-        self.deltas: list[torch.Tensor] = []
-        self.adds: list[tuple[int, int, bool]] = []  # staleness, samples, delta and base shaped like the weights
-        self.base_is_current: list[bool] = []
-        self.steps: list[int] = []  # updates folded into each step
-
-    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
-        self.deltas.append(delta.clone())
-        self.adds.append((staleness, num_samples, delta.shape == base.shape == self.weights.shape))
-        self.base_is_current.append(torch.equal(base, self.weights))
-        return 1.0
-
-    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
-        raise ValueError("client updates only")
-
-    def ready(self) -> bool:
-        return len(self.deltas) >= self.size
-
-    def step(self) -> None:
-        self.weights.sub_(torch.stack(self.deltas).mean(dim=0))
-        self.steps.append(len(self.deltas))
-        self.deltas.clear()
-
-    def count(self) -> int:
-        return len(self.deltas)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(d.numel() * 4 for d in self.deltas)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"deltas": [d.clone() for d in self.deltas]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.deltas = [d.clone() for d in state["deltas"]]
-
-
 class _Focal:
     """Focal loss (Lin et al., 2017), gamma 2, per sample."""
 
@@ -473,11 +430,11 @@ class _Focal:
         return -((1.0 - log_p.exp()) ** 2) * log_p
 
 
-def _recording(size: int) -> tuple[list[_RecordingMean], Any]:
-    built: list[_RecordingMean] = []
+def _recording(size: int) -> tuple[list[MeanOfDeltas], Any]:
+    built: list[MeanOfDeltas] = []
 
-    def factory(weights: torch.Tensor, server: Any) -> _RecordingMean:
-        built.append(_RecordingMean(weights, size))
+    def factory(weights: torch.Tensor, server: Any) -> MeanOfDeltas:
+        built.append(MeanOfDeltas(weights, size))
         return built[-1]
 
     return built, factory

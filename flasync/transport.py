@@ -551,6 +551,9 @@ class RemoteTransport:
         return clock.now()
 
     def _remember(self, task_id: int) -> None:
+        for client_id, posted in list(self._posted.items()):
+            if posted.task.task_id == task_id:  # answered: never offered again, even before the server releases it
+                del self._posted[client_id]
         self._answered.add(task_id)
         self._answer_order.append(task_id)
         if len(self._answer_order) > _REMEMBERED_ANSWERS:

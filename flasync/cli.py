@@ -249,10 +249,11 @@ def _command_client(args: argparse.Namespace) -> int:
     if args.data:
         try:
             with np.load(args.data, allow_pickle=False) as arrays:
+                labels = np.array(arrays["y"], dtype=np.int64)
                 dataset = ArrayData(
-                    torch.from_numpy(np.array(arrays["x"], dtype=np.float32)),
-                    torch.from_numpy(np.array(arrays["y"], dtype=np.int64)),
-                    int(arrays["y"].max()) + 1,
+                    x=torch.from_numpy(np.array(arrays["x"], dtype=np.float32)),
+                    y=torch.from_numpy(labels),
+                    num_classes=int(labels.max()) + 1 if labels.size else 1,
                 )
         except (OSError, KeyError, ValueError) as exc:
             raise _UsageError(f"--data: {args.data} needs arrays x and y ({type(exc).__name__}: {exc})") from None

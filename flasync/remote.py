@@ -217,7 +217,9 @@ class Client:
             data = self._dataset if isinstance(self._dataset, ArrayData) else from_dataset(self._dataset)
             x, y = data.x, data.y
         if tuple(x.shape[1:]) != feature_shape:
-            raise RemoteError(f"local samples have shape {tuple(x.shape[1:])}, the server's model takes {feature_shape}")
+            raise RemoteError(
+                f"local samples have shape {tuple(x.shape[1:])}, the server's model takes {feature_shape}"
+            )
         if len(y) == 0:
             raise RemoteError("the local data set is empty")
         factory = self._model_factory or (lambda: model_from_config(config.model, feature_shape, num_classes))

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -180,7 +179,9 @@ def _refused(refusal: Refusal) -> Response:
     headers = {"retry-after": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else {}
     if refusal.status == 401:
         headers["www-authenticate"] = "Bearer"
-    return JSONResponse({"error": refusal.reason, "detail": refusal.detail}, status_code=refusal.status, headers=headers)
+    return JSONResponse(
+        {"error": refusal.reason, "detail": refusal.detail}, status_code=refusal.status, headers=headers
+    )
 
 
 async def serve(
@@ -228,9 +229,9 @@ async def serve(
         if on_ready is not None:
             on_ready(_bound_port(server, port))
         summary = await (run(federation) if run is not None else federation.run())
-        deadline = time.monotonic() + linger_s
-        while time.monotonic() < deadline and not serving.done():
-            await asyncio.sleep(0.05)
+        # Waiting clients were told the run ended; a client mid-upload learns it within linger_s.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(serving), timeout=linger_s)
         return summary
     finally:
         server.should_exit = True

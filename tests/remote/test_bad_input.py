@@ -73,7 +73,9 @@ async def served(tmp_path: Path, tokens: dict[int, str]) -> AsyncIterator[Served
     async with httpx.AsyncClient(transport=transport, base_url="http://fl", timeout=30.0) as http:
         run = asyncio.create_task(federation.run())
         assert federation.transport is not None
-        while federation.transport.statistics()["posted"] < 4:  # the first wave of tasks is out
+        for _ in range(2000):  # until the first wave of tasks is out
+            if federation.transport.statistics()["posted"] >= 4:
+                break
             await asyncio.sleep(0.01)
         yield Served(federation, http, tracker, tokens)
         federation.request_stop("test over")

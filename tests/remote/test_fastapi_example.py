@@ -35,7 +35,7 @@ async def test_the_service_trains_and_keeps_answering(tmp_path: Path, tokens: di
     config = example.federation_config(
         str(tmp_path / "tokens.txt"), tracking={"uri": store, "experiment": "fastapi", "log_model": False}
     )
-    app, federation = example.build_app(config)
+    app, _federation = example.build_app(config)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -43,7 +43,9 @@ async def test_the_service_trains_and_keeps_answering(tmp_path: Path, tokens: di
     serving = asyncio.create_task(server.serve())
     base = f"http://127.0.0.1:{port}"
     try:
-        while not server.started:
+        for _ in range(1000):
+            if server.started:
+                break
             await asyncio.sleep(0.02)
         clients = [Client(f"{base}/fl", token, poll_s=2.0, backoff_s=0.05) for token in tokens.values()]
         training = asyncio.gather(*(client.run() for client in clients))

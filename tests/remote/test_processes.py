@@ -74,7 +74,9 @@ def _wait_for(path: Path, text: str, deadline_s: float) -> None:
         if path.exists() and text in path.read_text(errors="replace"):
             return
         time.sleep(0.1)
-    raise AssertionError(f"{text!r} not in {path.name} after {deadline_s} s: {path.read_text(errors='replace')[-2000:]}")
+    raise AssertionError(
+        f"{text!r} not in {path.name} after {deadline_s} s: {path.read_text(errors='replace')[-2000:]}"
+    )
 
 
 def _wait_for_version(port: int, version: int, deadline_s: float) -> None:
@@ -106,8 +108,20 @@ def test_serve_and_five_client_processes(tmp_path: Path, tokens: dict[int, str])
             log = (tmp_path / f"client{client_id}.out").open("w")
             clients.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "flasync", "client", "--server", f"http://127.0.0.1:{port}"]
-                    + ["--token-file", str(tmp_path / f"token{client_id}"), "--poll-s", "2", "--give-up-s", "20"],
+                    [
+                        sys.executable,
+                        "-m",
+                        "flasync",
+                        "client",
+                        "--server",
+                        f"http://127.0.0.1:{port}",
+                        "--token-file",
+                        str(tmp_path / f"token{client_id}"),
+                        "--poll-s",
+                        "2",
+                        "--give-up-s",
+                        "20",
+                    ],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=env,

@@ -257,9 +257,15 @@ def _command_client(args: argparse.Namespace) -> int:
                 )
         except (OSError, KeyError, ValueError) as exc:
             raise _UsageError(f"--data: {args.data} needs arrays x and y ({type(exc).__name__}: {exc})") from None
-    client = Client(
-        args.server, token, dataset, verify=args.cafile or True, poll_s=args.poll_s, give_up_s=args.give_up_s
-    )
+    verify: Any = True
+    if args.cafile:
+        import ssl
+
+        try:
+            verify = ssl.create_default_context(cafile=args.cafile)
+        except (OSError, ssl.SSLError) as exc:
+            raise _UsageError(f"--cafile: cannot load {args.cafile}: {type(exc).__name__}") from None
+    client = Client(args.server, token, dataset, verify=verify, poll_s=args.poll_s, give_up_s=args.give_up_s)
     stats = _run_loop(client.run(max_tasks=args.max_tasks))
     print(
         f"flasync client {stats.client_id}: {stats.uploads} updates delivered of {stats.tasks} tasks, "

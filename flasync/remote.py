@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import random
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class Client:
             client id, which is what a simulation would give it: for trials and tests).
         model_factory: Builds the model (None: the server's ``model`` config with the server's feature shape and
             classes). It must have as many parameters as the server's model.
-        verify: TLS verification: True, False, or a CA bundle path.
+        verify: TLS verification: True, False, or an ``ssl.SSLContext`` (e.g. one trusting a private CA).
         http: An ``httpx.AsyncClient`` to use (e.g. one over ``httpx.ASGITransport``); closed by its owner.
         poll_s: How long one request for a task waits at the server.
         backoff_s: First retry delay; doubled per failed attempt up to ``max_backoff_s``, with jitter.
@@ -90,7 +91,7 @@ class Client:
         dataset: ArrayData | torch.utils.data.Dataset[Any] | None = None,
         model_factory: Callable[[], nn.Module] | None = None,
         *,
-        verify: bool | str = True,
+        verify: bool | ssl.SSLContext = True,
         http: httpx.AsyncClient | None = None,
         poll_s: float = 20.0,
         backoff_s: float = 0.2,

@@ -117,6 +117,7 @@ from flasync.server import (
     TreeRounds,
 )
 from flasync.server.loop import Evaluator
+from flasync.server.registry import StartTask
 from flasync.topology import Tree, build_tree
 from flasync.training import EvalResult, LocalObjective, LocalTraining, evaluate, flat_parameters, objective_name
 from flasync.validation import UpdateValidator
@@ -935,6 +936,7 @@ def build_server(
     evaluate: Evaluator,
     privacy: PrivacyPlan | None = None,
     aggregator_factory: AggregatorFactory | None = None,
+    start_task: StartTask | None = None,
 ) -> ServerParts:
     """Assemble the cloud of a run: registry, accounting, sampler, intake, aggregator, policy, edges.
 
@@ -951,6 +953,8 @@ def build_server(
         evaluate: Evaluates a model off the event loop.
         privacy: The run's differential privacy (None: off).
         aggregator_factory: Builds the aggregation rule instead of ``config.server`` (which still picks the policy).
+        start_task: How a task reaches its client instead of an in-process client coroutine (e.g. a remote
+            transport's :meth:`~flasync.transport.RemoteTransport.start_task`).
     """
     server_cfg, res = config.server, config.resilience
     num_params = weights.numel()
@@ -965,7 +969,7 @@ def build_server(
         clock=clock,
         accounting=accounting,
         num_clients=len(population),
-        start_task=lambda task, snapshot: Client(task.client_id, world).run(task, snapshot),
+        start_task=start_task or (lambda task, snapshot: Client(task.client_id, world).run(task, snapshot)),
         timeout_s=res.task_timeout_s,
         mark_used=population.mark_used,
         on_release=world.forget,

@@ -1,4 +1,4 @@
-"""The ``flasync`` command line: ``run``, ``report`` and ``compare``.
+"""The ``flasync`` command line: ``run``, ``report``, ``compare``, ``serve`` and ``client``.
 
 Exit status: 0 on success, 2 for bad input (config file, ``--set``, flags, data, model, unknown run or experiment,
 a run to resume) with a one-line message on stderr, 1 for an unexpected failure, 130 when interrupted by SIGINT
@@ -90,6 +90,7 @@ def _build_parser() -> _Parser:
         help="lowest level printed (default: info)",
     )
     _add_tracking_commands(commands)
+    _add_remote_commands(commands)
     report = commands.add_parser(
         "report",
         help="print one run's profile (time, clients, bytes, memory, alerts)",
@@ -142,6 +143,138 @@ def _add_tracking_commands(commands: Any) -> None:
     failed.add_argument("--experiment", help="only runs of this experiment")
     failed.add_argument("--tracking-uri", help=_TRACKING_URI_HELP)
     failed.add_argument("--force", action="store_true", help="also mark the named runs whose owner cannot be checked")
+
+
+def _add_remote_commands(commands: Any) -> None:
+    """Add ``flasync serve CONFIG`` and ``flasync client --server URL --token-file F``."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve a run to remote clients over HTTP (remote.enabled = true)",
+        description="Run one federation whose clients connect over HTTP (long-poll for tasks, binary updates), "
+        "under uvicorn; log it to MLflow like `flasync run`.",
+    )
+    serve.add_argument("config", help="a .toml or .yaml run config with remote.enabled = true and clock = 'wall'")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080; 0: any free port)")
+    serve.add_argument("--ssl-certfile", help="PEM certificate: serve HTTPS (with --ssl-keyfile)")
+    serve.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+    serve.add_argument("--tracking-uri", help=_TRACKING_URI_HELP)
+    serve.add_argument("--experiment", help="MLflow experiment name")
+    serve.add_argument("--run-name", help="MLflow run name")
+    serve.add_argument("--no-tracking", action="store_true", help="turn MLflow off (structured logs still print)")
+    serve.add_argument("--no-system-metrics", action="store_true", help="turn off MLflow's CPU/GPU/memory monitor")
+    serve.add_argument("--log-format", choices=["console", "json"], default="console", help="log line format")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="lowest level printed")
+    client = commands.add_parser(
+        "client",
+        help="train as a remote client of `flasync serve`",
+        description="Ask a flasync server for tasks, train them locally and upload the updates until the run ends.",
+    )
+    client.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8080")
+    client.add_argument("--token-file", required=True, help="a file holding this client's bearer token")
+    client.add_argument(
+        "--data",
+        help="a .npz file with arrays x and y (default: this client's partition of the server's configured data)",
+    )
+    client.add_argument("--cafile", help="CA bundle that signs the server's certificate (HTTPS)")
+    client.add_argument("--max-tasks", type=int, help="stop after answering this many tasks")
+    client.add_argument("--poll-s", type=float, default=20.0, help="how long one request for a task waits")
+    client.add_argument("--give-up-s", type=float, default=120.0, help="fail after the server is unreachable this long")
+    client.add_argument("--threads", type=int, default=1, help="torch CPU threads for local training (default: 1)")
+
+
+def _command_serve(args: argparse.Namespace) -> int:
+    if args.ssl_certfile and not args.ssl_keyfile:
+        raise _UsageError("--ssl-certfile needs --ssl-keyfile")
+    config = _resolve(args)
+    if not config.remote.enabled:
+        raise _UsageError(f"{args.config}: set remote.enabled = true (and remote.tokens_file) to serve remote clients")
+    if config.tracking.enabled:
+        try:
+            tracking.check_local_store(tracking.resolve_tracking_uri(config.tracking.uri))
+        except tracking.StoreNotWritableError as exc:
+            raise _UsageError(str(exc)) from None
+    tracking.configure_logging(fmt=args.log_format, level=config.tracking.log_level)
+    from flasync.runtime import Federation
+    from flasync.serve import serve
+
+    federation = Federation(config)
+    received: list[str] = []
+    scheme = "https" if args.ssl_certfile else "http"
+
+    def ready(port: int) -> None:
+        print(f"flasync: serving on {scheme}://{args.host}:{port}", file=sys.stderr, flush=True)
+
+    try:
+        summary = _run_loop(
+            serve(
+                federation,
+                host=args.host,
+                port=args.port,
+                ssl_certfile=args.ssl_certfile,
+                ssl_keyfile=args.ssl_keyfile,
+                run=lambda f: _run_with_signals(f, received),
+                on_ready=ready,
+            )
+        )
+    except RunInterrupted as exc:
+        print(f"flasync: {exc}", file=sys.stderr)
+        return _SIGNAL_STATUS.get(exc.reason, 130)
+    except asyncio.CancelledError:
+        print("flasync: stopped at once (second signal); no checkpoint written", file=sys.stderr)
+        return _SIGNAL_STATUS.get(received[-1] if received else "SIGINT", 130)
+    except OSError as exc:
+        raise _UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
+    _print_summary(summary, config, None)
+    return 0
+
+
+def _command_client(args: argparse.Namespace) -> int:
+    try:
+        with open(args.token_file, encoding="utf-8") as handle:
+            token = handle.read().strip()
+    except OSError as exc:
+        raise _UsageError(f"--token-file: cannot read {args.token_file}: {type(exc).__name__}") from None
+    if not token:
+        raise _UsageError(f"--token-file: {args.token_file} is empty")
+    import numpy as np
+    import torch
+
+    from flasync.data import ArrayData
+    from flasync.remote import Client
+
+    torch.set_num_threads(max(1, args.threads))
+    dataset = None
+    if args.data:
+        try:
+            with np.load(args.data, allow_pickle=False) as arrays:
+                labels = np.array(arrays["y"], dtype=np.int64)
+                dataset = ArrayData(
+                    x=torch.from_numpy(np.array(arrays["x"], dtype=np.float32)),
+                    y=torch.from_numpy(labels),
+                    num_classes=int(labels.max()) + 1 if labels.size else 1,
+                )
+        except (OSError, KeyError, ValueError) as exc:
+            raise _UsageError(f"--data: {args.data} needs arrays x and y ({type(exc).__name__}: {exc})") from None
+    verify: Any = True
+    if args.cafile:
+        import ssl
+
+        try:
+            verify = ssl.create_default_context(cafile=args.cafile)
+        except (OSError, ssl.SSLError) as exc:
+            raise _UsageError(f"--cafile: cannot load {args.cafile}: {type(exc).__name__}") from None
+    client = Client(args.server, token, dataset, verify=verify, poll_s=args.poll_s, give_up_s=args.give_up_s)
+    stats = _run_loop(client.run(max_tasks=args.max_tasks))
+    print(
+        f"flasync client {stats.client_id}: {stats.uploads} updates delivered of {stats.tasks} tasks, "
+        f"{stats.dropped} dropped, {stats.failures} failed, {stats.retries} retries, "
+        f"{_format_bytes(stats.download_bytes)} down, {_format_bytes(stats.upload_bytes)} up"
+        + (" (the run ended)" if stats.finished else ""),
+        flush=True,
+    )
+    return 0
 
 
 def _mark_failed(args: argparse.Namespace) -> int:
@@ -483,6 +616,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _command_report(args)
         if args.command == "compare":
             return _command_compare(args)
+        if args.command == "serve":
+            return _command_serve(args)
+        if args.command == "client":
+            return _command_client(args)
         return _command_run(args)
     except _UsageError as exc:
         print(f"flasync: error: {exc}", file=sys.stderr)

@@ -57,6 +57,7 @@ __all__ = [
     "PrivacyConfig",
     "RandomKStage",
     "RayConfig",
+    "RemoteConfig",
     "ResilienceConfig",
     "RunConfig",
     "SGDServerOptimizer",
@@ -868,6 +869,26 @@ class TrackingConfig(_Section):
         return uri
 
 
+class RemoteConfig(_Section):
+    """Remote clients over HTTP (``flasync serve``, :func:`flasync.serve.asgi_app`): tasks go to devices that ask
+    for them instead of to in-process coroutines; their uploads enter the same intake, aggregation and tracking."""
+
+    enabled: bool = False
+    tokens_file: str | None = Field(
+        None,
+        description="Lines 'CLIENT_ID TOKEN' (client ids 0 .. population.num_clients - 1; '#' starts a comment): "
+        "each bearer token is bound to one client id.",
+    )
+    poll_s: float = Field(20.0, gt=0.0, le=300.0, description="Longest a client's request for a task is held open.")
+    max_waiting: int = Field(
+        1024, ge=1, description="Task requests held open at once; more are answered 429 with Retry-After."
+    )
+    retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429 or 503 answer, in seconds.")
+    max_num_samples: int = Field(
+        1_000_000, ge=1, description="Largest sample count a client may report (it weighs the client's update)."
+    )
+
+
 class RunConfig(_Section):
     """One federated run: data, model, clients, server, time and tracking."""
 
@@ -892,6 +913,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     scaffold: ScaffoldConfig = ScaffoldConfig()
+    remote: RemoteConfig = RemoteConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -995,6 +1017,23 @@ class RunConfig(_Section):
                 ("resilience", "zscore_min_history"),
                 f"must be <= resilience.zscore_window ({res.zscore_window}), got {res.zscore_min_history}",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _remote_checks(self) -> RunConfig:
+        remote = self.remote
+        if not remote.enabled:
+            return self
+        if self.clock != "wall":
+            raise _FieldError(("clock",), f"remote clients need clock = 'wall', got {self.clock!r}")
+        if remote.tokens_file is None:
+            raise _FieldError(("remote", "tokens_file"), "must name the tokens file when remote.enabled = true")
+        if isinstance(self.topology, TreeTopology):
+            raise _FieldError(("remote", "enabled"), "is not supported with topology.kind = 'tree' (flat runs only)")
+        if self.scaffold.enabled:
+            raise _FieldError(("remote", "enabled"), "cannot be combined with scaffold.enabled")
+        if self.faults != FaultsConfig():
+            raise _FieldError(("faults",), "simulates in-process clients; a run with remote clients takes none")
         return self
 
     def _check_privacy(self) -> None:

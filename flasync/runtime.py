@@ -72,6 +72,7 @@ from flasync.scratch import make_scratch, sweep_scratch
 from flasync.server import Server, ServerStats
 from flasync.summary import RunSummary, json_ready, weights_sha256
 from flasync.training import LocalObjective, objective_name
+from flasync.transport import RemoteTransport, transport_for
 
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
@@ -178,6 +179,8 @@ class Federation:
         self._resume = resume
         self._server: Server | None = None
         self._stop_requested = ""
+        self.transport: RemoteTransport | None = transport_for(config) if config.remote.enabled else None
+        """Where remote clients get tasks and send updates (``remote.enabled``; serve it with flasync.serve)."""
 
     def request_stop(self, reason: str = "interrupted") -> None:
         """Ask the run to stop soon, checkpoint and end as ``KILLED``; :meth:`run` then raises ``RunInterrupted``.
@@ -321,6 +324,8 @@ class Federation:
             status = "KILLED"
             raise
         finally:
+            if self.transport is not None:
+                self.transport.finish(status)
             # Blocking on purpose: this must complete even while the task is being cancelled.
             executor.shutdown()
             tracker.finish(status)
@@ -376,8 +381,19 @@ class Federation:
             evaluate=make_evaluator(prepared, executor, self.clock, batch_size=cfg.eval.batch_size),
             privacy=prepared.privacy,
             aggregator_factory=self._aggregator,
+            start_task=self.transport.start_task if self.transport is not None else None,
         )
         server = parts.server
+        if self.transport is not None:
+            self.transport.attach(
+                bus=self.bus,
+                registry=server.registry,
+                clock=self.clock,
+                log=log,
+                num_params=prepared.initial.numel(),
+                feature_shape=tuple(prepared.train.feature_shape),
+                num_classes=prepared.train.num_classes,
+            )
         if not self.clock.virtual and self._resume is None:
             self.clock.restore({"now": 0.0})  # wall time counts from the federation's start, not from its set-up
         start_sim = self.clock.now()  # a resumed run reports simulated time from the start of the run

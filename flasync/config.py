@@ -769,10 +769,12 @@ class ExecutorConfig(_Section):
     of up to ``max_cohort`` clients (:mod:`flasync.cohort`); results match one-at-a-time training to float
     rounding, and a model ``vmap`` cannot batch is trained one client at a time (with a warning saying why).
     ``kind = "ray"`` trains on Ray actors (``executor.ray``), on this machine or a cluster: the same weights as the
-    threads for the same config, whatever the number of actors.
+    threads for the same config, whatever the number of actors. ``kind = "auto"`` (the default) runs vectorized
+    cohorts for FedAvg rounds of at least 32 clients whose model ``vmap`` can batch, threads otherwise, and logs
+    which and why (``executor.auto``).
     """
 
-    kind: Literal["thread", "vectorized", "ray"] = "thread"
+    kind: Literal["auto", "thread", "vectorized", "ray"] = "auto"
     ray: RayConfig = RayConfig()
     workers: int = Field(
         1, ge=1, le=256, description="Training threads (more help when kernels, not Python, dominate a step)."

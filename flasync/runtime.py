@@ -273,7 +273,7 @@ class Federation:
 
         def on_executor(what: str, detail: str) -> None:
             log.log(
-                logging.INFO if what == "finished" else logging.WARNING,
+                logging.WARNING if what == "replaced" else logging.INFO,
                 f"executor.{what}",
                 detail=detail,
                 metrics=False,
@@ -284,7 +284,7 @@ class Federation:
         try:
             # Before the MLflow run: an executor that cannot start (Ray) leaves no run behind.
             executor = await asyncio.to_thread(
-                make_executor, cfg, prepared, on_fallback=on_fallback, on_event=on_executor
+                make_executor, cfg, prepared, on_fallback=on_fallback, on_event=on_executor, objective=self._objective
             )
         except BaseException:
             tracker.finish("FAILED")

@@ -429,3 +429,46 @@ def test_the_vectorized_executor_refuses_an_objective_that_is_not_vectorizable()
     """Federation(objective=...) with executor.kind=vectorized is a one-line ConfigError naming the objective."""
     with pytest.raises(ConfigError, match=r"^executor\.kind: the objective _Focal is not vectorizable;[^\n]*$"):
         flasync.Federation(small_config("executor.kind=vectorized"), objective=_Focal(vectorizable=False))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kind", "why"),
+    [
+        ((), "thread", "fedbuff starts a few clients per model version"),
+        (("server={kind: fedavg, clients_per_round: 10}",), "thread", "rounds of 10 clients (< 32)"),
+        (("server={kind: fedavg, clients_per_round: 40}", "population.num_clients=50"), "vectorized", "40 clients"),
+        (
+            (
+                "server={kind: fedavg, clients_per_round: 40}",
+                "population.num_clients=50",
+                "client.checkpoint_segments=2",
+            ),
+            "thread",
+            "gradient checkpointing",
+        ),
+    ],
+    ids=["fedbuff", "small-rounds", "large-rounds", "checkpointing"],
+)
+def test_auto_picks_vectorized_for_large_fedavg_rounds_only(overrides: tuple[str, ...], kind: str, why: str) -> None:
+    """executor.kind = auto (the default) trains large FedAvg rounds as cohorts, the rest on threads, and says why."""
+    from flasync.assembly import RunInputs, choose_executor
+
+    config = small_config(*overrides)
+    assert config.executor.kind == "auto"
+    chosen, reason = choose_executor(config, RunInputs(config).prepare())
+    assert chosen == kind and why in reason
+
+
+def test_auto_says_which_executor_it_picked_and_trains_with_it() -> None:
+    """The run logs executor.auto with the choice; a large FedAvg round under auto equals kind = vectorized."""
+    from structlog.testing import capture_logs
+
+    overrides = ("server={kind: fedavg, clients_per_round: 40}", "population.num_clients=50", "stop.max_versions=2")
+    with capture_logs() as logs:
+        auto = flasync.run(small_config(*overrides, "tracking.log_level=info"))
+    picked = [e["detail"] for e in logs if e["event"] == "executor.auto"]
+    assert picked == ["vectorized: FedAvg rounds of 40 clients train as one cohort each"]
+    vectorized = flasync.run(small_config(*overrides, "executor.kind=vectorized"))
+    threads = flasync.run(small_config(*overrides, "executor.kind=thread"))
+    assert auto.weights_sha256 == vectorized.weights_sha256
+    assert threads.updates_accepted == auto.updates_accepted

@@ -165,6 +165,7 @@ def flasync_config(kind: str, num_clients: int, updates: int, *, tracking_uri: s
         "population": {"num_clients": num_clients, "speed": {"kind": "constant"}},
         "client": {"epochs": 1, "batch_size": BATCH, "lr": LR},
         "server": server,
+        "executor": {"kind": "thread"},  # the threads rows of the table (auto would pick cohorts for FedAvg)
         "eval": {"every_versions": versions + 1},
         "stop": {"max_versions": versions},
         "tracking": {

@@ -49,10 +49,18 @@ def _ray_processes() -> set[int]:
 @pytest.mark.parametrize("server", sorted(SERVERS))
 def test_ray_gives_the_threads_weights(server: str, actors: int) -> None:
     """FedAvg and FedBuff on 1 or 2 actors end with the threads executor's weights_sha256."""
-    threads = flasync.run(small_config(server=SERVERS[server]))
+    threads = flasync.run(small_config("executor.kind=thread", server=SERVERS[server]))
     on_ray = flasync.run(small_config("executor.kind=ray", f"executor.ray.actors={actors}", server=SERVERS[server]))
     assert on_ray.weights_sha256 == threads.weights_sha256
     assert on_ray.updates_accepted == threads.updates_accepted
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_scaffold_corrections_travel_to_the_actors() -> None:
+    """SCAFFOLD on Ray: each task's c - c_i reaches its actor, so the weights are the threads' ones."""
+    overrides = ("scaffold.enabled=true", "stop.max_versions=6")
+    threads = flasync.run(small_config(*overrides, "executor.kind=thread"))
+    assert flasync.run(small_config(*overrides, "executor.kind=ray")).weights_sha256 == threads.weights_sha256
 
 
 @pytest.mark.usefixtures("local_ray")

@@ -583,7 +583,12 @@ def make_executor(
             on_event("auto", f"{kind}: {why}")
     if kind == "ray":
         return RayTrainingExecutor(
-            prepared.factory, executor.ray, device=prepared.device, on_fallback=on_fallback, on_event=on_event
+            prepared.factory,
+            executor.ray,
+            device=prepared.device,
+            on_fallback=on_fallback,
+            on_event=on_event,
+            lazy=prepared.lazy,
         )
     return ThreadTrainingExecutor(
         prepared.factory,

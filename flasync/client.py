@@ -218,6 +218,7 @@ class Client:
                         variates,
                     ),
                     correction=variates.correction() if variates is not None else None,
+                    client=int(cid) if world.samples.lazy is not None else None,
                 )
             try:
                 # Everything the job needs is known now, so it starts at once in real time; on the virtual

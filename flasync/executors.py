@@ -95,6 +95,8 @@ class TrainingJob(Generic[T]):
         finish: Turns the training result into what the job returns (e.g. encodes the delta); runs in the worker.
         solo: Trains this client alone and finishes.
         correction: Added to every gradient of the client (SCAFFOLD's ``c - c_i``; None: nothing).
+        client: The client of a lazily drawn population, whose samples an executor may draw itself instead of
+            receiving ``x`` and ``y`` (None: the samples are rows of a data set held in memory).
     """
 
     base: torch.Tensor
@@ -106,6 +108,7 @@ class TrainingJob(Generic[T]):
     finish: Callable[[LocalResult], T]
     solo: Callable[[], T]
     correction: torch.Tensor | None = None
+    client: int | None = None
 
     def __call__(self) -> T:
         """Train this client alone and finish."""

@@ -34,6 +34,7 @@ from torch import nn
 
 from flasync.cohort import CohortMember, CohortResult, CohortTrainer
 from flasync.config import RayConfig
+from flasync.data import SyntheticClients
 from flasync.errors import ConfigError, TrainingError
 from flasync.executors import CohortBatcher, ModelPool, TrainingJob
 from flasync.training import FlatModel, LocalResult, LocalTraining, train
@@ -80,10 +81,14 @@ class TrainingActor:
         factory: Builds the model.
         threads: Intra-op torch threads (the weights depend on it, as on the threads executor).
         device: Where the model trains (``cuda`` for an actor with a GPU).
+        lazy: A lazily drawn population (its sizes and seed): the actor draws a client's samples itself.
     """
 
-    def __init__(self, factory: Callable[[], nn.Module], threads: int, device: str) -> None:
+    def __init__(
+        self, factory: Callable[[], nn.Module], threads: int, device: str, lazy: SyntheticClients | None = None
+    ) -> None:
         torch.set_num_threads(threads)
+        self.lazy = lazy
         self.device = torch.device(device)
         self.factory = factory
         self.model = FlatModel(factory().to(self.device))
@@ -110,9 +115,11 @@ class TrainingActor:
         cfg: LocalTraining,
         state: np.ndarray,
         correction: np.ndarray | None,
+        *,
+        drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[np.ndarray, int, int, float, float, int]:
-        """Train one client from ``base`` on its rows ``indices`` of the data; return the result's fields."""
-        x, y = self._data(*data)
+        """Train one client from ``base`` on its rows ``indices`` of the data (or of ``drawn``); return its fields."""
+        x, y = self._data(*data) if drawn is None else drawn
         generator = torch.Generator()
         generator.set_state(torch.from_numpy(np.array(state)))
         result = train(
@@ -126,6 +133,16 @@ class TrainingActor:
             correction=None if correction is None else _to_tensor(correction).to(self.device),
         )
         return _fields(result)
+
+    def train_client(
+        self, base: np.ndarray, client: int, cfg: LocalTraining, state: np.ndarray, correction: np.ndarray | None
+    ) -> tuple[np.ndarray, int, int, float, float, int]:
+        """Train client ``client`` of the lazy population on the samples drawn here (the driver ships no data)."""
+        assert self.lazy is not None
+        data = self.lazy.client(client)
+        x, y = data.x.to(self.device), data.y.to(self.device)
+        indices = np.arange(len(data.y), dtype=np.int64)
+        return self.train(base, (-1, []), indices, cfg, state, correction, drawn=(x, y))
 
     def train_cohort(
         self,
@@ -205,6 +222,8 @@ class RayTrainingExecutor:
         factory: Builds the model (shipped to every actor).
         settings: ``executor.ray``.
         device: The driver's device (evaluation runs there; actors with GPUs train on ``cuda``).
+        lazy: A lazily drawn population: its sizes and seed go to each actor once, and a task ships its client's id
+            instead of its samples.
         on_fallback: Told why a cohort was trained one client at a time (``settings.vectorized``).
         on_event: Told of what happens to actors (``("replaced", reason)``), for the run's log.
 
@@ -220,8 +239,10 @@ class RayTrainingExecutor:
         device: torch.device | str = "cpu",
         on_fallback: Callable[[str], None] | None = None,
         on_event: Callable[[str, str], None] | None = None,
+        lazy: SyntheticClients | None = None,
     ) -> None:
         ray = _ray()
+        self.lazy = lazy
         self.settings = settings
         self.factory = factory
         self.on_event = on_event
@@ -284,7 +305,7 @@ class RayTrainingExecutor:
         ray = _ray()
         # Named (flasync-train-<run>-<n>), so that `ray list actors` and tests can find them.
         actor = self._remote_actor.options(name=next(self._names)).remote(
-            self.factory, self.settings.threads_per_actor, self._device
+            self.factory, self.settings.threads_per_actor, self._device, self.lazy
         )
         try:
             node = ray.get(actor.node.remote())
@@ -365,6 +386,10 @@ class RayTrainingExecutor:
     def run_remote(self, job: TrainingJob[T]) -> T:
         """Train ``job`` on an actor, then finish it here (encode, residuals), in a waiting thread."""
         correction = None if job.correction is None else job.correction.detach().cpu().numpy()
+        if job.client is not None and self.lazy is not None:  # the actor draws the client's samples
+            state = job.generator.get_state().numpy()
+            fields = self._call("train_client", self._base_ref(job.base), job.client, job.cfg, state, correction)
+            return job.finish(_result(fields))
         fields = self._call(
             "train",
             self._base_ref(job.base),

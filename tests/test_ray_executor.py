@@ -176,3 +176,20 @@ def test_ctrl_c_leaves_no_ray_behind(tmp_path: Path) -> None:
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, output[-2000:]
     assert _ray_processes() <= before
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_lazy_population_ships_client_ids_not_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Actors draw a lazy client's samples from its seed: no data goes through the object store, same weights."""
+    from flasync.ray_executor import RayTrainingExecutor
+
+    overrides = ("data={kind: synthetic, lazy: true}", "population.num_clients=100000", "stop.max_versions=4")
+    threads = flasync.run(small_config(*overrides, "executor.kind=thread"))
+
+    def no_data(*args: object) -> None:
+        raise AssertionError("a lazy client's samples were shipped")
+
+    monkeypatch.setattr(RayTrainingExecutor, "_data_ref", no_data)
+    on_ray = flasync.run(small_config(*overrides, "executor.kind=ray"))
+    assert on_ray.updates_failed == 0
+    assert on_ray.weights_sha256 == threads.weights_sha256

@@ -501,6 +501,9 @@ def _command_run(args: argparse.Namespace) -> int:
         config, resume, tracker = _resolve_resume(args)
     else:
         config = _resolve(args)
+        if config.remote.enabled and not args.print_config:
+            # Remote clients reach a run through the HTTP server: `run` has none and would wait for ever.
+            raise ConfigError("remote.enabled: a run with remote clients is served: python -m flasync serve CONFIG")
         if config.tracking.enabled:
             if not args.print_config:
                 try:

@@ -1030,6 +1030,11 @@ class RunConfig(_Section):
             raise _FieldError(("clock",), f"remote clients need clock = 'wall', got {self.clock!r}")
         if remote.tokens_file is None:
             raise _FieldError(("remote", "tokens_file"), "must name the tokens file when remote.enabled = true")
+        if self.resilience.task_timeout_s is None:
+            raise _FieldError(
+                ("resilience", "task_timeout_s"),
+                "must be set when remote.enabled = true: a device that leaves would hold its task for ever",
+            )
         if isinstance(self.topology, TreeTopology):
             raise _FieldError(("remote", "enabled"), "is not supported with topology.kind = 'tree' (flat runs only)")
         if self.scaffold.enabled:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import pickle
+import re
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -210,8 +211,8 @@ def _read_arrays(path: Path, features: tuple[str, ...] | None, label: str, clien
 def _read_npz(path: Path, wanted: Mapping[str, str]) -> tuple[dict[str, np.ndarray], list[str]]:
     try:
         loaded = np.load(path, allow_pickle=False)
-    except ValueError as exc:  # not a zip nor .npy: numpy would unpickle it, which allow_pickle=False refuses
-        raise DataError(f"{path}: not a .npz archive of arrays ({_first_line(exc)})") from None
+    except ValueError:  # not a zip nor .npy: numpy would unpickle it, which allow_pickle=False refuses
+        raise DataError(f"{path}: not a .npz archive of arrays (save them with numpy.savez)") from None
     except (OSError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable .npz archive ({_first_line(exc)})") from None
     if not isinstance(loaded, np.lib.npyio.NpzFile):
@@ -237,9 +238,10 @@ def _read_pt(path: Path, wanted: Mapping[str, str]) -> tuple[dict[str, np.ndarra
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise DataError(
-            f"{path}: torch.load(weights_only=True) refused it ({_first_line(exc)}); save a dict of tensors only"
-        ) from None
+        # torch's message suggests weights_only=False, which would run the file's code: say what is in it instead.
+        found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(exc))
+        what = f"a Python object ({found.group(1)})" if found else "something other than tensors"
+        raise DataError(f"{path}: holds {what}, which flasync does not unpickle; save a dict of tensors only") from None
     except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable torch file ({_first_line(exc)})") from None
     if not isinstance(loaded, Mapping) or not all(isinstance(k, str) for k in loaded):
@@ -400,7 +402,10 @@ def _labels(path: Path, name: str, array: np.ndarray, *, table: bool) -> np.ndar
             return text
         if not all(numbers):
             bad = numbers.index(False)
-            raise DataError(f"{path}: label {name!r} mixes numbers and text ({text[bad].item()!r} {_at(bad, table)})")
+            cell = text[bad].item()
+            if not cell:
+                raise DataError(f"{path}: label {name!r} has an empty cell {_at(bad, table)}")
+            raise DataError(f"{path}: label {name!r} mixes numbers and text ({cell!r} {_at(bad, table)})")
         array = text.astype(np.float64)
     if array.dtype.kind not in "iuf":
         raise DataError(f"{path}: label {name!r} must hold integer class ids; got dtype {array.dtype}")
@@ -482,5 +487,8 @@ def _listing(names: Sequence[str]) -> str:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
+    text = _ANSI.sub("", str(exc)).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -468,6 +468,14 @@ class Federation:
                 else {}
             ),
         )
+        if summary.tiers:
+            log.debug("run.tiers", step=stats.versions, **summary.tiers)
+        if instrumentation is not None:
+            # In a thread: summarising a long run's records must not stall the caller's event loop.
+            summary = await asyncio.to_thread(
+                self._finish_profile, summary, instrumentation, server, executor, layout, residual_memory, log
+            )
+        # After the profile, which counts the alerts and the peak memory into the summary.
         figures = {
             key: value
             for key, value in summary.to_dict().items()
@@ -477,13 +485,6 @@ class Federation:
         # Debug on the console (the command prints the summary once); metrics either way.
         extra = {"bus_dropped": bus.dropped, "bus_high_water": bus.high_water}
         log.debug("run.finished", step=stats.versions, **figures, **extra)
-        if summary.tiers:
-            log.debug("run.tiers", step=stats.versions, **summary.tiers)
-        if instrumentation is not None:
-            # In a thread: summarising a long run's records must not stall the caller's event loop.
-            summary = await asyncio.to_thread(
-                self._finish_profile, summary, instrumentation, server, executor, layout, residual_memory, log
-            )
         return summary
 
     def _scratch_dir(self) -> str:

@@ -319,8 +319,17 @@ def test_pt_with_non_tensor_content_is_refused_by_weights_only(tmp_path: Path) -
     marker = tmp_path / "ran"
     payload = {"x": torch.zeros(2, 1), "y": torch.zeros(2, dtype=torch.int64), "meta": _MakesAFolder(marker)}
     torch.save(payload, tmp_path / "d.pt")
-    _refused("d.pt: torch.load(weights_only=True) refused it", "save a dict of tensors only", train=tmp_path / "d.pt")
+    _refused("d.pt: holds a Python object (posix.mkdir)", "flasync does not unpickle", train=tmp_path / "d.pt")
     assert not marker.exists()
+
+
+def test_broken_binary_files_never_suggest_unsafe_loading(tmp_path: Path) -> None:
+    """Random bytes as .pt or .npz: a plain one-line error, without torch's or numpy's advice to unpickle."""
+    for name in ("g.pt", "g.npz"):
+        (tmp_path / name).write_bytes(b"\x80\x02 not an archive " * 8)
+        message = _refused(name, train=tmp_path / name)
+        assert "\x1b" not in message
+        assert "weights_only" not in message and "allow_pickle" not in message and "trust" not in message
 
 
 def test_pt_entries_must_be_tensors_in_a_dict(tmp_path: Path) -> None:

@@ -508,3 +508,13 @@ def test_an_objective_without_loss_is_a_config_error() -> None:
     """An objective with no loss method is refused when the federation is built."""
     with pytest.raises(ConfigError, match="objective object needs a loss"):
         flasync.Federation(small_config(), objective=object())  # type: ignore[arg-type]
+
+
+def test_the_final_metrics_hold_the_profile_figures() -> None:
+    """run/finished/alerts (and peak memory) are logged after the profile counted them, equal to the summary's."""
+    config = small_config("server.optimizer.lr=30", "stop.max_versions=6", "diagnostics.profile=true")
+    tracker = MemoryTracker()
+    summary = flasync.run(config, tracker=tracker)
+    assert summary.alerts > 0
+    assert tracker.history("run/finished/alerts") == [(summary.versions, float(summary.alerts))]
+    assert tracker.history("run/finished/peak_rss_bytes") == [(summary.versions, float(summary.peak_rss_bytes))]

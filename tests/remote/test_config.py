@@ -28,6 +28,27 @@ def test_remote_needs_a_tokens_file(tmp_path: Path) -> None:
         validate(config)
 
 
+def test_remote_needs_a_task_timeout(tmp_path: Path) -> None:
+    """Without resilience.task_timeout_s a device that leaves would hold its task for ever: refused by name."""
+    config = remote_config(tmp_path / "tokens.txt")
+    config["resilience"] = {}
+    with pytest.raises(ConfigError, match=r"^resilience\.task_timeout_s: must be set when remote\.enabled"):
+        validate(config)
+
+
+def test_run_refuses_a_remote_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`flasync run` on a remote config exits 2 with one line pointing to `flasync serve` (it would wait for ever)."""
+    (tmp_path / "tokens.txt").write_text("0 " + "t" * 24 + "\n")
+    config = tmp_path / "remote.toml"
+    config.write_text(
+        'clock = "wall"\n[remote]\nenabled = true\ntokens_file = "' + str(tmp_path / "tokens.txt") + '"\n'
+        "[resilience]\ntask_timeout_s = 5\n"
+    )
+    assert main(["run", str(config), "--no-tracking"]) == 2
+    err = capsys.readouterr().err
+    assert "flasync serve" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

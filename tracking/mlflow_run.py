@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 import shlex
-import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, get_args
 import structlog
 import yaml
 
+from tracking import _model
 from tracking._child import ChildLogBatch
 from tracking._keys import safe_key
 from tracking.failover import Failover, RunIdentity
@@ -53,6 +54,8 @@ __all__ = [
     "NullTracker",
     "RunStatus",
     "Tracker",
+    "open_run",
+    "send_tags",
 ]
 
 
@@ -245,6 +248,9 @@ class MlflowTracker:
         runs_view: A view of the experiment's runs table, e.g. ``{"selectedColumns": ["metrics.`accuracy`"]}``
             (the state MLflow's UI shares): saved on the experiment as the tag ``mlflow.sharedViewState.<name>``,
             where ``name`` is :data:`RUNS_VIEW_KEY`; :meth:`ui_url` opens it.
+        preload: What the writer process imports (``package.module``) or calls (``package.module:function``) once
+            it is connected, while the caller trains, for the work :meth:`log_model_from` will hand it, e.g.
+            ``("tracking._model:warm_up",)``.
     """
 
     def __init__(
@@ -264,8 +270,10 @@ class MlflowTracker:
         http_timeout_s: int = 10,
         http_retries: int = 1,
         runs_view: Mapping[str, Any] | None = None,
+        preload: Sequence[str] = (),
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self._preload = tuple(preload)
         self._run = RunIdentity(self.tracking_uri)
         self._artifact_root = artifact_root
         self._system_metrics = system_metrics
@@ -340,7 +348,7 @@ class MlflowTracker:
         if is_remote(self.tracking_uri):
             bounds = http_env(self._http_timeout, self._http_retries)
             extra = {k: v for k, v in bounds.items() if k not in os.environ}
-        self._child = ChildLogBatch(self.tracking_uri, extra_env=extra)
+        self._child = ChildLogBatch(self.tracking_uri, extra_env=extra, preload=self._preload)
 
     def start(
         self,
@@ -371,19 +379,22 @@ class MlflowTracker:
         """
         if self._started_at is not None:
             raise RuntimeError(f"this tracker already started run {self.run_id or '(spooled)'}")
-        self.prepare()  # the writer process imports MLflow while this thread does too, and creates the run
-        from mlflow.entities import Param
-
+        self.prepare()  # the writer process imports MLflow while the caller prepares its data
         run = self._run
         run.started_at = int(time.time() * 1000)
         run.experiment, run.run_name = experiment, run_name
-        clean_tags = {
-            safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in {**_context_tags(), **tags, **owner_tags()}.items()
-        }
+        given_tags = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in {**tags, **owner_tags()}.items()}
         clean_params = {safe_key(k): _param_value(v) for k, v in params.items()}
         db = sqlite_path(self.tracking_uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
+        if self._start_in_child(experiment, run_name, given_tags, clean_params):
+            assert self.run_id is not None
+            self._start_writers(self.run_id)
+            return self.run_id
+        from mlflow.entities import Param
+
+        clean_tags = {**{safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in _context_tags().items()}, **given_tags}
         with self._failover.lock:
             try:
                 with self._http():
@@ -420,6 +431,33 @@ class MlflowTracker:
             self._stop_child()
             self._writer = self._metric_writer()
         return self.run_id or ""
+
+    def _start_in_child(
+        self, experiment: str, run_name: str | None, tags: Mapping[str, str], params: Mapping[str, str]
+    ) -> bool:
+        """Have the writer process create the run (see :func:`open_run`); False when there is no such process or
+        it failed (then it is stopped, and :meth:`start` does the work itself: through the spool if need be)."""
+        child = self._child
+        if child is None:
+            return False
+        request = {
+            "experiment": experiment,
+            "artifact_location": self._artifact_location(experiment),
+            "runs_view": self._runs_view,
+            "run_name": run_name,
+            "tags": dict(tags),
+            "params": dict(params),
+            "start_time": self._run.started_at,
+            "source": sys.argv[0] if sys.argv and sys.argv[0] else None,
+        }
+        try:
+            run_id, experiment_id = child.start(request, _CHILD_START_TIMEOUT_S)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            self._log.info("tracking.writer_process_start_failed", error=redact_uri(str(exc))[:300], metrics=False)
+            self._stop_child()
+            return False
+        self._run.run_id, self._run.experiment_id = run_id, experiment_id
+        return True
 
     def _stop_child(self) -> None:
         if self._child is not None:
@@ -485,13 +523,12 @@ class MlflowTracker:
         """Hand the metric child process (if any) its run, then start the metric writer and the system monitor."""
         child = self._child
         if child is not None:
+            # Not waited for: the child connects while training starts, and metrics queue until it is ready.
             try:
-                child.bind(run_id)
-                # Pay the child's start-up (importing MLflow, connecting) before training, not during it.
-                child.wait_ready(_CHILD_START_TIMEOUT_S)
-            except (ConnectionError, RuntimeError) as exc:
-                self._log.warning("tracking.writer_process_failed", error=redact_uri(str(exc)), metrics=False)
-                self._stop_child()
+                if not child.bound:
+                    child.bind(run_id)
+            except ConnectionError as exc:
+                self._writer_process_failed(exc)
         self._writer = self._metric_writer()
         if self._system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -543,6 +580,8 @@ class MlflowTracker:
         """
         self._check_started()
         local = os.fspath(path)
+        if self._child_job({"op": "file", "path": os.path.abspath(local), "folder": artifact_path}):
+            return
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             client.log_artifact(run_id, local, artifact_path)
@@ -560,6 +599,12 @@ class MlflowTracker:
         folder, name = os.path.split(artifact_file.strip("/"))
         if not name:
             raise ValueError(f"artifact_file {artifact_file!r} names no file")
+        if self._child is not None:
+            with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
+                local = Path(tmp, name)
+                local.write_bytes(data)
+                if self._child_job({"op": "file", "path": str(local), "folder": folder or None}):
+                    return
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
@@ -583,6 +628,9 @@ class MlflowTracker:
         """
         self._check_started()
         text = json.dumps(dict(profile), default=str)
+        dataset = {"name": name, "digest": digest, "source": source, "profile": text, "context": context}
+        if self._child_job({"op": "dataset", "dataset": dataset}):
+            return
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             client.log_inputs(run_id, datasets=[dataset_input(name, digest, source, text, context)])
@@ -597,13 +645,11 @@ class MlflowTracker:
         """
         self._check_started()
         clean = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in tags.items()}
+        if self._child_job({"op": "tags", "tags": clean}):
+            return
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
-            from mlflow.entities import RunTag
-
-            entries = [RunTag(k, v) for k, v in clean.items()]
-            for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
-                client.log_batch(run_id, tags=chunk, synchronous=True)
+            send_tags(client, run_id, clean)
 
         self._failover.deliver(send, lambda spool: spool.tags(clean))
 
@@ -653,17 +699,19 @@ class MlflowTracker:
         finally:
             if self._writer is not None:
                 self._writer.close(self._flush_timeout)
-            self._stop_child()
             end = int(time.time() * 1000)
+            ended = self._child_job({"op": "end", "status": status, "end_time": end})
+            self._stop_child()
 
             def send(run_id: str, client: mlflow.MlflowClient) -> None:
                 client.set_terminated(run_id, status, end_time=end)
 
             failover = self._failover
             with failover.lock:
-                if failover.offline:
-                    failover.try_recover(force=True)
-                failover.deliver(send, lambda spool: spool.status(status, end))
+                if not ended:
+                    if failover.offline:
+                        failover.try_recover(force=True)
+                    failover.deliver(send, lambda spool: spool.status(status, end))
                 failover.close()
 
     def ui_command(self) -> str | None:
@@ -719,62 +767,96 @@ class MlflowTracker:
         Raises:
             RuntimeError: :meth:`start` was not called.
         """
-        import mlflow.pytorch
-        import torch
-        from mlflow.entities import LoggedModelOutput
-        from mlflow.models import Model
-
         began = time.perf_counter()
         self._check_started()
-        requirements = [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
-
-        def save(local: str, description: Model | None = None) -> None:
-            if input_example is not None:
-                try:
-                    mlflow.pytorch.save_model(
-                        model,
-                        local,
-                        mlflow_model=description,
-                        serialization_format="pt2",
-                        input_example=input_example,
-                        pip_requirements=requirements,
-                    )
-                    return
-                except Exception as exc:  # not exportable: fall back to pickle
-                    shutil.rmtree(local, ignore_errors=True)
-                    self._log.info("tracking.model_pickled", reason=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
-            mlflow.pytorch.save_model(
-                model, local, mlflow_model=description, serialization_format="pickle", pip_requirements=requirements
-            )
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
-            logged = client.create_logged_model(str(self.experiment_id), name=name, source_run_id=run_id)
-            try:
-                with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
-                    local = os.path.join(tmp, "model")
-                    description = Model(
-                        artifact_path=logged.artifact_location,
-                        run_id=run_id,
-                        model_uuid=logged.model_id,
-                        model_id=logged.model_id,
-                    )
-                    save(local, description)
-                    client.log_model_artifacts(logged.model_id, local)
-                client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
-                client.finalize_logged_model(logged.model_id, "READY")
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    client.finalize_logged_model(logged.model_id, "FAILED")
-                raise
+            _model.log_to_run(
+                client,
+                run_id,
+                str(self.experiment_id),
+                name,
+                lambda local, description: _model.save_model(
+                    model, local, description=description, input_example=input_example, log=self._log
+                ),
+            )
 
         def spool(writer: SpoolWriter) -> None:
             with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
                 local = os.path.join(tmp, name)
-                save(local)
+                _model.save_model(model, local, input_example=input_example, log=self._log)
                 writer.artifact_path(local, None)
 
         self._failover.deliver(send, spool)
         return time.perf_counter() - began
+
+    def log_model_from(
+        self,
+        builder: str,
+        kwargs: Mapping[str, Any],
+        *,
+        name: str = "model",
+        input_example: Any = None,
+    ) -> float:
+        """Store the model ``builder(**kwargs)`` returns as an MLflow logged model; return the seconds waited.
+
+        With a writer process, the process builds, exports and sends the model (``torch.export`` and MLflow's
+        pytorch flavour are imported and the model traced there, on another core, ideally preloaded: see
+        ``preload``); otherwise, or if that fails, this process does it as :meth:`log_model` does.
+
+        Args:
+            builder: ``package.module:name`` of a callable returning the ``nn.Module``, final weights loaded
+                (importable by a fresh interpreter: no ``__main__`` names).
+            kwargs: Its keyword arguments, JSON values (e.g. a path to the weights).
+            name: The logged model's name.
+            input_example: A batch of inputs (a NumPy array) for the ``pt2`` format's tracing and signature.
+
+        Returns:
+            Wall-clock seconds spent.
+        """
+        began = time.perf_counter()
+        self._check_started()
+        example = None if input_example is None else input_example.tolist()
+        dtype = None if input_example is None else str(input_example.dtype)
+        request = {
+            "op": "model",
+            "model": {
+                "experiment_id": str(self.experiment_id),
+                "builder": builder,
+                "kwargs": dict(kwargs),
+                "name": name,
+                "input_example": example,
+                "input_dtype": dtype or "float32",
+            },
+        }
+        if not self._child_job(request):
+            self.log_model(_model.build(builder, kwargs), name=name, input_example=input_example)
+        return time.perf_counter() - began
+
+    def _child_job(self, request: Mapping[str, Any]) -> bool:
+        """Have the writer process do ``request``; False when there is none, the store is failing, or it failed
+        (then the caller does the work itself, through the spool if need be)."""
+        with self._failover.lock:
+            if self._failover.offline:
+                return False
+            child = self._ready_child()
+            if child is None:
+                return False
+            try:
+                child.job(request, _CHILD_START_TIMEOUT_S)
+            except ConnectionError as exc:
+                self._log.warning("tracking.writer_process_lost", error=redact_uri(str(exc)), metrics=False)
+                self._child = None
+                return False
+            except RuntimeError as exc:
+                self._log.info(
+                    "tracking.writer_process_job_failed",
+                    op=request.get("op"),
+                    error=redact_uri(str(exc))[:300],
+                    metrics=False,
+                )
+                return False
+            return True
 
     def _stop_monitor(self, monitor: Any) -> None:
         """Stop the system monitor, waiting a bounded time: its loop asks the store for the run's status."""
@@ -792,8 +874,25 @@ class MlflowTracker:
         """Write one batch (called by the metric writer's thread): direct, or to the spool; never raises."""
         self._failover.send_metrics(metrics, self._send_metrics)
 
-    def _send_metrics(self, metrics: list[MetricRow]) -> None:
+    def _writer_process_failed(self, error: BaseException) -> None:
+        """Warn that the writer process could not start or connect, and write from this process from now on."""
+        self._log.warning("tracking.writer_process_failed", error=redact_uri(str(error)), metrics=False)
+        self._stop_child()
+
+    def _ready_child(self) -> ChildLogBatch | None:
+        """Return the writer process once it is connected (waiting a bounded time); None when there is none."""
         child = self._child
+        if child is None or child.ready:
+            return child
+        try:
+            child.wait_ready(_CHILD_START_TIMEOUT_S)
+        except (ConnectionError, RuntimeError) as exc:
+            self._writer_process_failed(exc)
+            return None
+        return child
+
+    def _send_metrics(self, metrics: list[MetricRow]) -> None:
+        child = self._ready_child()
         if child is not None:
             try:
                 child(metrics)
@@ -804,8 +903,8 @@ class MlflowTracker:
                 self._child = None
         from mlflow.entities import Metric
 
-        run_id, client = self._run.run_id, self._run.client
-        assert run_id is not None and client is not None
+        run_id, client = self._run.run_id, self._run.connect(self._log)
+        assert run_id is not None
         entities = [Metric(m.key, m.value, m.timestamp, m.step) for m in metrics]
         with self._http():
             client.log_batch(run_id, metrics=entities, synchronous=True)
@@ -818,6 +917,56 @@ class MlflowTracker:
 
     def _artifact_location(self, experiment: str) -> str | None:
         return artifact_location(self.tracking_uri, experiment, self._artifact_root)
+
+
+def open_run(
+    client: mlflow.MlflowClient,
+    *,
+    experiment: str,
+    artifact_location: str | None,
+    runs_view: str | None,
+    run_name: str | None,
+    tags: Mapping[str, str],
+    params: Mapping[str, str],
+    start_time: int,
+    source: str | None = None,
+) -> tuple[str, str]:
+    """Create a run as :meth:`MlflowTracker.start` does, in one go (the writer process calls this); return its
+    ``(run_id, experiment_id)``.
+
+    The experiment is created when missing (``artifact_location`` for a new one) and given the runs view (the
+    ``mlflow.sharedViewState`` tag's JSON, if any); the run gets MLflow's context tags for the program ``source``
+    (its path, as ``sys.argv[0]`` of the process that runs it), then ``tags``, and ``params`` in calls of 100.
+
+    Raises:
+        ExperimentDeletedError: The experiment is deleted.
+        mlflow.exceptions.MlflowException: The store refused a call (a run already created is marked ``FAILED``).
+    """
+    from mlflow.entities import Param
+
+    experiment_id = ensure_experiment(client, experiment, artifact_location)
+    if runs_view is not None:
+        client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, runs_view)
+    context = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in _context_tags(source).items()}
+    created = client.create_run(experiment_id, run_name=run_name, tags={**context, **tags}, start_time=start_time)
+    run_id: str = created.info.run_id
+    try:
+        for chunk in _chunks([Param(k, v) for k, v in params.items()], _MAX_PARAMS_PER_CALL):
+            client.log_batch(run_id, params=chunk, synchronous=True)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            client.set_terminated(run_id, "FAILED")
+        raise
+    return run_id, experiment_id
+
+
+def send_tags(client: mlflow.MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
+    """Set ``tags`` on the run, in ``log_batch`` calls of at most 100."""
+    from mlflow.entities import RunTag
+
+    entries = [RunTag(k, v) for k, v in tags.items()]
+    for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
+        client.log_batch(run_id, tags=chunk, synchronous=True)
 
 
 class _MonitorSink:
@@ -843,15 +992,25 @@ class _MonitorSink:
         """Nothing to do: the sink owns what was recorded."""
 
 
-def _context_tags() -> dict[str, str]:
+def _context_tags(source: str | None = None) -> dict[str, str]:
     """MLflow's standard tags for a run started here: user, source name and type, and the git commit of the source
-    when it lives in a git checkout (what ``mlflow.start_run`` would set; empty if MLflow cannot say)."""
+    when it lives in a git checkout (what ``mlflow.start_run`` would set; empty if MLflow cannot say).
+
+    Args:
+        source: The program the run belongs to, when it is not this process's (``sys.argv[0]``, which MLflow's
+            context providers read, is set to it meanwhile: the writer process describes its parent).
+    """
+    saved = list(sys.argv)
     try:
+        if source is not None:
+            sys.argv[:1] = [source]
         from mlflow.tracking.context.registry import resolve_tags
 
         return {str(k): str(v) for k, v in resolve_tags({}).items()}
     except Exception:  # a context provider failing must not stop a run from being tracked
         return {}
+    finally:
+        sys.argv[:] = saved
 
 
 def _param_value(value: Any) -> str:

@@ -66,7 +66,7 @@ def _job(client: Any, run_id: str, request: dict[str, Any]) -> str:
         client.log_artifact(run_id, request["path"], request.get("folder") or None)
         return ""
     if op == "tags":
-        from tracking.mlflow_run import send_tags
+        from tracking._runs import send_tags
 
         send_tags(client, run_id, request["tags"])
         return ""
@@ -107,8 +107,8 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str], preload: Sequ
     if not first or first == _STOP:
         return
     try:
-        if first.startswith("{"):  # the run to create (see tracking.mlflow_run.open_run)
-            from tracking.mlflow_run import open_run
+        if first.startswith("{"):  # the run to create (see tracking._runs.open_run)
+            from tracking._runs import open_run
             from tracking.store import prepare_sqlite_store
 
             prepare_sqlite_store(tracking_uri)
@@ -210,10 +210,10 @@ class ChildLogBatch:
 
     def start(self, run: Mapping[str, Any], timeout: float) -> tuple[str, str]:
         """Have the child create the run (instead of :meth:`bind`): the experiment if needed, the run, its tags
-        and params, as :func:`tracking.mlflow_run.open_run` does; return its ``(run_id, experiment_id)``.
+        and params, as :func:`tracking._runs.open_run` does; return its ``(run_id, experiment_id)``.
 
         Args:
-            run: :func:`~tracking.mlflow_run.open_run`'s keyword arguments (JSON values).
+            run: :func:`~tracking._runs.open_run`'s keyword arguments (JSON values).
             timeout: Longest wait, in seconds, for the child to import MLflow, connect and create the run.
 
         Raises:

@@ -17,10 +17,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 import structlog
 import yaml
@@ -28,6 +28,15 @@ import yaml
 from tracking import _model
 from tracking._child import ChildLogBatch
 from tracking._keys import safe_key
+from tracking._runs import (
+    _MAX_PARAMS_PER_CALL,
+    _MAX_TAG_VALUE,
+    RUNS_VIEW_KEY,
+    RUNS_VIEW_TAG,
+    _chunks,
+    _context_tags,
+    send_tags,
+)
 from tracking.failover import Failover, RunIdentity
 from tracking.metrics import MetricRow
 from tracking.owner import owner_tags
@@ -54,26 +63,17 @@ __all__ = [
     "NullTracker",
     "RunStatus",
     "Tracker",
-    "open_run",
-    "send_tags",
 ]
 
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 
-_MAX_PARAMS_PER_CALL = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
 _MAX_PARAM_VALUE = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
-_MAX_TAG_VALUE = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
 _SYSTEM_METRICS_INTERVAL_S = 2.0
 _CHILD_START_TIMEOUT_S = 60.0
 _MONITOR_STOP_TIMEOUT_S = 5.0
 _NO_STEP = -(2**63)  # below every step MLflow stores
-RUNS_VIEW_KEY = "flasync"
-"""Name of the runs-table view a tracker saves on its experiment (see ``runs_view``)."""
-RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
-
-_T = TypeVar("_T")
 
 
 class Tracker(Protocol):
@@ -919,56 +919,6 @@ class MlflowTracker:
         return artifact_location(self.tracking_uri, experiment, self._artifact_root)
 
 
-def open_run(
-    client: mlflow.MlflowClient,
-    *,
-    experiment: str,
-    artifact_location: str | None,
-    runs_view: str | None,
-    run_name: str | None,
-    tags: Mapping[str, str],
-    params: Mapping[str, str],
-    start_time: int,
-    source: str | None = None,
-) -> tuple[str, str]:
-    """Create a run as :meth:`MlflowTracker.start` does, in one go (the writer process calls this); return its
-    ``(run_id, experiment_id)``.
-
-    The experiment is created when missing (``artifact_location`` for a new one) and given the runs view (the
-    ``mlflow.sharedViewState`` tag's JSON, if any); the run gets MLflow's context tags for the program ``source``
-    (its path, as ``sys.argv[0]`` of the process that runs it), then ``tags``, and ``params`` in calls of 100.
-
-    Raises:
-        ExperimentDeletedError: The experiment is deleted.
-        mlflow.exceptions.MlflowException: The store refused a call (a run already created is marked ``FAILED``).
-    """
-    from mlflow.entities import Param
-
-    experiment_id = ensure_experiment(client, experiment, artifact_location)
-    if runs_view is not None:
-        client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, runs_view)
-    context = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in _context_tags(source).items()}
-    created = client.create_run(experiment_id, run_name=run_name, tags={**context, **tags}, start_time=start_time)
-    run_id: str = created.info.run_id
-    try:
-        for chunk in _chunks([Param(k, v) for k, v in params.items()], _MAX_PARAMS_PER_CALL):
-            client.log_batch(run_id, params=chunk, synchronous=True)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            client.set_terminated(run_id, "FAILED")
-        raise
-    return run_id, experiment_id
-
-
-def send_tags(client: mlflow.MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
-    """Set ``tags`` on the run, in ``log_batch`` calls of at most 100."""
-    from mlflow.entities import RunTag
-
-    entries = [RunTag(k, v) for k, v in tags.items()]
-    for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
-        client.log_batch(run_id, tags=chunk, synchronous=True)
-
-
 class _MonitorSink:
     """Takes the place of the ``BatchMetricsLogger`` of MLflow's ``SystemMetricsMonitor``.
 
@@ -992,34 +942,8 @@ class _MonitorSink:
         """Nothing to do: the sink owns what was recorded."""
 
 
-def _context_tags(source: str | None = None) -> dict[str, str]:
-    """MLflow's standard tags for a run started here: user, source name and type, and the git commit of the source
-    when it lives in a git checkout (what ``mlflow.start_run`` would set; empty if MLflow cannot say).
-
-    Args:
-        source: The program the run belongs to, when it is not this process's (``sys.argv[0]``, which MLflow's
-            context providers read, is set to it meanwhile: the writer process describes its parent).
-    """
-    saved = list(sys.argv)
-    try:
-        if source is not None:
-            sys.argv[:1] = [source]
-        from mlflow.tracking.context.registry import resolve_tags
-
-        return {str(k): str(v) for k, v in resolve_tags({}).items()}
-    except Exception:  # a context provider failing must not stop a run from being tracked
-        return {}
-    finally:
-        sys.argv[:] = saved
-
-
 def _param_value(value: Any) -> str:
     return str(value)[:_MAX_PARAM_VALUE]
-
-
-def _chunks(items: Sequence[_T], size: int) -> Iterator[list[_T]]:
-    for begin in range(0, len(items), size):
-        yield list(items[begin : begin + size])
 
 
 if TYPE_CHECKING:

@@ -1,0 +1,103 @@
+"""Creating a run and setting its tags: the calls both a tracker and its writer process make.
+
+MLflow itself is imported by the functions, when they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from tracking._keys import safe_key
+from tracking.store import ensure_experiment
+
+if TYPE_CHECKING:
+    import mlflow
+
+__all__ = ["RUNS_VIEW_KEY", "RUNS_VIEW_TAG", "open_run", "send_tags"]
+
+_MAX_PARAMS_PER_CALL = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
+_MAX_TAG_VALUE = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
+RUNS_VIEW_KEY = "flasync"
+"""Name of the runs-table view a tracker saves on its experiment (see ``runs_view``)."""
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+
+_T = TypeVar("_T")
+
+
+def open_run(
+    client: mlflow.MlflowClient,
+    *,
+    experiment: str,
+    artifact_location: str | None,
+    runs_view: str | None,
+    run_name: str | None,
+    tags: Mapping[str, str],
+    params: Mapping[str, str],
+    start_time: int,
+    source: str | None = None,
+) -> tuple[str, str]:
+    """Create a run as :meth:`MlflowTracker.start` does, in one go (the writer process calls this); return its
+    ``(run_id, experiment_id)``.
+
+    The experiment is created when missing (``artifact_location`` for a new one) and given the runs view (the
+    ``mlflow.sharedViewState`` tag's JSON, if any); the run gets MLflow's context tags for the program ``source``
+    (its path, as ``sys.argv[0]`` of the process that runs it), then ``tags``, and ``params`` in calls of 100.
+
+    Raises:
+        ExperimentDeletedError: The experiment is deleted.
+        mlflow.exceptions.MlflowException: The store refused a call (a run already created is marked ``FAILED``).
+    """
+    from mlflow.entities import Param
+
+    experiment_id = ensure_experiment(client, experiment, artifact_location)
+    if runs_view is not None:
+        client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, runs_view)
+    context = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in _context_tags(source).items()}
+    created = client.create_run(experiment_id, run_name=run_name, tags={**context, **tags}, start_time=start_time)
+    run_id: str = created.info.run_id
+    try:
+        for chunk in _chunks([Param(k, v) for k, v in params.items()], _MAX_PARAMS_PER_CALL):
+            client.log_batch(run_id, params=chunk, synchronous=True)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            client.set_terminated(run_id, "FAILED")
+        raise
+    return run_id, experiment_id
+
+
+def send_tags(client: mlflow.MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
+    """Set ``tags`` on the run, in ``log_batch`` calls of at most 100."""
+    from mlflow.entities import RunTag
+
+    entries = [RunTag(k, v) for k, v in tags.items()]
+    for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
+        client.log_batch(run_id, tags=chunk, synchronous=True)
+
+
+def _context_tags(source: str | None = None) -> dict[str, str]:
+    """MLflow's standard tags for a run started here: user, source name and type, and the git commit of the source
+    when it lives in a git checkout (what ``mlflow.start_run`` would set; empty if MLflow cannot say).
+
+    Args:
+        source: The program the run belongs to, when it is not this process's (``sys.argv[0]``, which MLflow's
+            context providers read, is set to it meanwhile: the writer process describes its parent).
+    """
+    saved = list(sys.argv)
+    try:
+        if source is not None:
+            sys.argv[:1] = [source]
+        from mlflow.tracking.context.registry import resolve_tags
+
+        return {str(k): str(v) for k, v in resolve_tags({}).items()}
+    except Exception:  # a context provider failing must not stop a run from being tracked
+        return {}
+    finally:
+        sys.argv[:] = saved
+
+
+def _chunks(items: Sequence[_T], size: int) -> Iterator[list[_T]]:
+    for begin in range(0, len(items), size):
+        yield list(items[begin : begin + size])

@@ -35,6 +35,7 @@ from flasync.runs_view import RUNS_VIEW
 if TYPE_CHECKING:
     from flasync import checkpoint
     from flasync.runtime import Federation, RunSummary
+    from tracking.progress import ProgressBar
 
 __all__ = ["console", "main"]
 
@@ -391,7 +392,8 @@ def _command_run(args: argparse.Namespace) -> int:
         dump["tracking"]["uri"] = shown
         print(yaml.safe_dump(dump, sort_keys=False), end="")
         return 0
-    tracking.configure_logging(fmt=args.log_format, level=config.tracking.log_level)
+    bar = _progress_bar(args.log_format)
+    tracking.configure_logging(fmt=args.log_format, level=config.tracking.log_level, progress=bar)
     tracker.prepare()  # MLflow's writer process imports MLflow and opens the store while this one imports torch
     # The first line comes before torch is imported (about a second on 2 cores).
     structlog.get_logger("flasync").info("run.phase", phase="loading flasync and torch")
@@ -399,7 +401,11 @@ def _command_run(args: argparse.Namespace) -> int:
 
     received: list[str] = []
     try:
-        summary = _run_loop(_run_with_signals(Federation(config, tracker=tracker, resume=resume), received))
+        try:
+            summary = _run_loop(_run_with_signals(Federation(config, tracker=tracker, resume=resume), received))
+        finally:
+            if bar is not None:
+                bar.close()  # finished, failed or interrupted: what follows prints below the bar
     except RunInterrupted as exc:
         hint = f"; resume with: python -m flasync run --resume {exc.run_id}" if exc.checkpoint and exc.run_id else ""
         print(f"flasync: {exc}{hint}", file=sys.stderr)
@@ -416,6 +422,22 @@ def _command_run(args: argparse.Namespace) -> int:
     if replay_command:
         print(f"  tracking spool  MLflow did not answer; send the spool with: {replay_command}", flush=True)
     return 0
+
+
+def _progress_bar(log_format: str) -> ProgressBar | None:
+    """Return a progress bar for the evaluations when standard output is a terminal (else plain lines)."""
+    if log_format != "console" or not _is_tty(sys.stdout):
+        return None
+    from tracking.progress import ProgressBar
+
+    return ProgressBar(redirect_stderr=_is_tty(sys.stderr))
+
+
+def _is_tty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def _command_report(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ subprocess, not ``multiprocessing``: it never re-imports the parent's ``__main__
 
 The child also does the rest of a run's MLflow work a parent hands it, on its own core and with its own GIL. A job
 is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``tags``, ``dataset`` (an
-input), ``end`` (the run's status) or ``model`` (build, export and log a model, see :mod:`tracking._model`).
+input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU samples are the machine's,
+wherever it runs), ``end`` (the run's status) or ``model`` (build, export and log a model, see :mod:`tracking._model`).
 What ``preload`` names is imported (or called) on a background thread once the child is connected, while the parent
 trains, so a job finds it done (``torch.export`` and MLflow's pytorch flavour import in about two seconds, and the
 first model they save takes one more: :func:`tracking._model.warm_up`).
@@ -30,7 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,9 +60,38 @@ def _preload(names: Sequence[str]) -> None:
             continue
 
 
-def _job(client: Any, run_id: str, request: dict[str, Any]) -> str:
+class _Monitor:
+    """MLflow's system monitor of the run, when the parent asked for it (its samples are system-wide)."""
+
+    def __init__(self) -> None:
+        self.running: Any = None
+
+    def start(self, client: Any, run_id: str, tracking_uri: str) -> None:
+        from mlflow.entities import Metric
+
+        from tracking._runs import start_monitor
+
+        def sink(rows: list[MetricRow]) -> None:
+            metrics = [Metric(m.key, m.value, m.timestamp, m.step) for m in rows]
+            client.log_batch(run_id, metrics=metrics, synchronous=True)
+
+        if self.running is None:
+            self.running = start_monitor(run_id, tracking_uri, sink)
+
+    def stop(self) -> None:
+        from tracking._runs import stop_monitor
+
+        running, self.running = self.running, None
+        if running is not None:
+            stop_monitor(running)
+
+
+def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, tracking_uri: str) -> str:
     """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``."""
     op = request.get("op")
+    if op == "monitor":
+        monitor.start(client, run_id, tracking_uri)
+        return ""
     if op == "file":
         client.log_artifact(run_id, request["path"], request.get("folder") or None)
         return ""
@@ -76,6 +106,7 @@ def _job(client: Any, run_id: str, request: dict[str, Any]) -> str:
         client.log_inputs(run_id, datasets=[dataset_input(**request["dataset"])])
         return ""
     if op == "end":
+        monitor.stop()  # its last samples before the run's end
         client.set_terminated(run_id, request["status"], end_time=request["end_time"])
         return ""
     if op == "model":
@@ -89,7 +120,6 @@ def _job(client: Any, run_id: str, request: dict[str, Any]) -> str:
 def _serve(tracking_uri: str, requests: IO[str], replies: IO[str], preload: Sequence[str] = ()) -> None:
     """Read the run id, then answer batches and jobs read from ``requests`` until told to stop (runs in the child)."""
     import mlflow
-    from mlflow.entities import Metric
 
     # Ctrl-C in a terminal signals the whole process group: the parent stops the child itself (it closes the
     # child's input, flushing first), so the child must not die of the key press and look lost.
@@ -129,13 +159,26 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str], preload: Sequ
     reply(f"ready{started}")
     if preload:
         threading.Thread(target=_preload, args=(preload,), name="tracking-preload", daemon=True).start()
+    monitor = _Monitor()
+    try:
+        _answer(client, run_id, requests, reply, monitor, tracking_uri)
+    finally:
+        monitor.stop()
+
+
+def _answer(
+    client: Any, run_id: str, requests: IO[str], reply: Callable[[str], None], monitor: _Monitor, tracking_uri: str
+) -> None:
+    """Answer batches and jobs until told to stop (or the parent is gone)."""
+    from mlflow.entities import Metric
+
     for line in requests:
         if line.strip() == _STOP:
             return
         try:
             request = json.loads(line)
             if isinstance(request, dict):
-                reply(f"ok {_job(client, run_id, request)}")
+                reply(f"ok {_job(client, run_id, request, monitor, tracking_uri)}")
                 continue
             metrics = [Metric(str(k), float(v), int(t), int(s)) for k, v, t, s in request]
             client.log_batch(run_id, metrics=metrics, synchronous=True)

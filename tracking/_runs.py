@@ -1,4 +1,4 @@
-"""Creating a run and setting its tags: the calls both a tracker and its writer process make.
+"""Creating a run, setting its tags, MLflow's system monitor: what both a tracker and its writer process do.
 
 MLflow itself is imported by the functions, when they run.
 """
@@ -7,22 +7,38 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tracking._keys import safe_key
+from tracking.metrics import MetricRow
 from tracking.store import ensure_experiment
 
 if TYPE_CHECKING:
     import mlflow
 
-__all__ = ["RUNS_VIEW_KEY", "RUNS_VIEW_TAG", "open_run", "send_tags"]
+__all__ = [
+    "RUNS_VIEW_KEY",
+    "RUNS_VIEW_TAG",
+    "SYSTEM_METRICS_INTERVAL_S",
+    "MonitorSink",
+    "open_run",
+    "send_tags",
+    "start_monitor",
+    "stop_monitor",
+]
 
 _MAX_PARAMS_PER_CALL = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
 _MAX_TAG_VALUE = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
 RUNS_VIEW_KEY = "flasync"
 """Name of the runs-table view a tracker saves on its experiment (see ``runs_view``)."""
 RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+
+SYSTEM_METRICS_INTERVAL_S = 2.0
+"""Seconds between two samples of MLflow's system monitor."""
+_MONITOR_STOP_TIMEOUT_S = 5.0
 
 _T = TypeVar("_T")
 
@@ -101,3 +117,49 @@ def _context_tags(source: str | None = None) -> dict[str, str]:
 def _chunks(items: Sequence[_T], size: int) -> Iterator[list[_T]]:
     for begin in range(0, len(items), size):
         yield list(items[begin : begin + size])
+
+
+class MonitorSink:
+    """Takes the place of the ``BatchMetricsLogger`` of MLflow's ``SystemMetricsMonitor``.
+
+    The monitor calls ``record_metrics({key: value}, step)`` and ``flush()``, and reads three counters in debug
+    messages; the samples are handed to a non-blocking sink (the tracker's metric writer) instead of being sent
+    with a blocking ``log_batch`` of the monitor's own.
+    """
+
+    def __init__(self, sink: Callable[[list[MetricRow]], None]) -> None:
+        self._sink = sink
+        self.data: list[MetricRow] = []
+        self.total_training_time = 0.0
+        self.total_log_batch_time = 0.0
+
+    def record_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Hand one sample of every system metric to the sink."""
+        now = int(time.time() * 1000)
+        self._sink([MetricRow(safe_key(k), float(v), now, int(step or 0)) for k, v in metrics.items()])
+
+    def flush(self) -> None:
+        """Nothing to do: the sink owns what was recorded."""
+
+
+def start_monitor(run_id: str, tracking_uri: str, sink: Callable[[list[MetricRow]], None]) -> Any:
+    """Start MLflow's ``SystemMetricsMonitor`` for the run, sampling every :data:`SYSTEM_METRICS_INTERVAL_S`, its
+    samples handed to ``sink``; return it (stop it with :func:`stop_monitor`)."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    # MLflow leaves this class unannotated.
+    monitor: Any = SystemMetricsMonitor(  # type: ignore[no-untyped-call]
+        run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=tracking_uri
+    )
+    monitor.mlflow_logger = MonitorSink(sink)
+    monitor.start()
+    return monitor
+
+
+def stop_monitor(monitor: Any) -> bool:
+    """Stop a system monitor, waiting a bounded time (its loop asks the store for the run's status); False when it
+    did not stop in time."""
+    stopper = threading.Thread(target=monitor.finish, name="tracking-monitor-stop", daemon=True)
+    stopper.start()
+    stopper.join(_MONITOR_STOP_TIMEOUT_S)
+    return not stopper.is_alive()

@@ -15,9 +15,8 @@ import os
 import shlex
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
@@ -33,9 +32,12 @@ from tracking._runs import (
     _MAX_TAG_VALUE,
     RUNS_VIEW_KEY,
     RUNS_VIEW_TAG,
+    SYSTEM_METRICS_INTERVAL_S,
+    MonitorSink,
     _chunks,
     _context_tags,
     send_tags,
+    stop_monitor,
 )
 from tracking.failover import Failover, RunIdentity
 from tracking.metrics import MetricRow
@@ -69,7 +71,6 @@ __all__ = [
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 
 _MAX_PARAM_VALUE = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
-_SYSTEM_METRICS_INTERVAL_S = 2.0
 _CHILD_START_TIMEOUT_S = 60.0
 _MONITOR_STOP_TIMEOUT_S = 5.0
 _NO_STEP = -(2**63)  # below every step MLflow stores
@@ -286,6 +287,8 @@ class MlflowTracker:
         self._written_steps: dict[str, int] = {}
         """Metric key -> the latest step the store held when this run was resumed (empty for a new run)."""
         self._monitor: Any = None
+        self._monitor_in_child = False
+        """MLflow's system monitor runs in the writer process (its samples are system-wide, not this process's)."""
         self._finished = False
         self._writer_process = writer_process
         self._child: ChildLogBatch | None = None
@@ -530,15 +533,17 @@ class MlflowTracker:
             except ConnectionError as exc:
                 self._writer_process_failed(exc)
         self._writer = self._metric_writer()
-        if self._system_metrics:
+        if self._system_metrics and self._child_job({"op": "monitor"}):
+            self._monitor_in_child = True
+        elif self._system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             # MLflow leaves this class unannotated.
             self._monitor = SystemMetricsMonitor(  # type: ignore[no-untyped-call]
-                run_id, sampling_interval=_SYSTEM_METRICS_INTERVAL_S, tracking_uri=self.tracking_uri
+                run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=self.tracking_uri
             )
             # Its samples go through this tracker's writer (batched, and spooled while the store fails).
-            self._monitor.mlflow_logger = _MonitorSink(self.log_metrics)
+            self._monitor.mlflow_logger = MonitorSink(self.log_metrics)
             self._monitor.start()
 
     def log_metrics(self, metrics: list[MetricRow]) -> None:
@@ -860,10 +865,7 @@ class MlflowTracker:
 
     def _stop_monitor(self, monitor: Any) -> None:
         """Stop the system monitor, waiting a bounded time: its loop asks the store for the run's status."""
-        stopper = threading.Thread(target=monitor.finish, name="tracking-monitor-stop", daemon=True)
-        stopper.start()
-        stopper.join(_MONITOR_STOP_TIMEOUT_S)
-        if stopper.is_alive():
+        if not stop_monitor(monitor):
             self._log.warning("tracking.system_monitor_stuck", timeout_s=_MONITOR_STOP_TIMEOUT_S, metrics=False)
 
     def _check_started(self) -> None:
@@ -917,29 +919,6 @@ class MlflowTracker:
 
     def _artifact_location(self, experiment: str) -> str | None:
         return artifact_location(self.tracking_uri, experiment, self._artifact_root)
-
-
-class _MonitorSink:
-    """Takes the place of the ``BatchMetricsLogger`` of MLflow's ``SystemMetricsMonitor``.
-
-    The monitor calls ``record_metrics({key: value}, step)`` and ``flush()``, and reads three counters in debug
-    messages; the samples are handed to a non-blocking sink (the tracker's metric writer) instead of being sent
-    with a blocking ``log_batch`` of the monitor's own.
-    """
-
-    def __init__(self, sink: Callable[[list[MetricRow]], None]) -> None:
-        self._sink = sink
-        self.data: list[MetricRow] = []
-        self.total_training_time = 0.0
-        self.total_log_batch_time = 0.0
-
-    def record_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Hand one sample of every system metric to the sink."""
-        now = int(time.time() * 1000)
-        self._sink([MetricRow(safe_key(k), float(v), now, int(step or 0)) for k, v in metrics.items()])
-
-    def flush(self) -> None:
-        """Nothing to do: the sink owns what was recorded."""
 
 
 def _param_value(value: Any) -> str:

@@ -187,3 +187,16 @@ def test_model_from_builder_is_logged_by_the_child(tracking_uri: str, tmp_path: 
     loaded = mlflow.pytorch.load_model(logged.artifact_location)
     x = torch.randn(5, 8)
     assert torch.allclose(loaded(x), model(x), atol=1e-6)
+
+
+def test_system_monitor_runs_in_the_child(tracking_uri: str) -> None:
+    """With system metrics on, MLflow's monitor samples in the writer process; its samples reach the run."""
+    tracker = MlflowTracker(tracking_uri, system_metrics=True)
+    tracker.prepare()
+    run_id = tracker.start(experiment="child-monitor")
+    assert tracker._monitor_in_child and tracker._monitor is None
+    time.sleep(2.5)  # one sample every 2 s
+    tracker.finish("FINISHED")
+    run = mlflow.MlflowClient(tracking_uri).get_run(run_id)
+    assert any(key.startswith("system/") for key in run.data.metrics)
+    assert run.info.status == "FINISHED"

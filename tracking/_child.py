@@ -4,9 +4,9 @@ Writing a metric to MLflow's SQLAlchemy store costs about 90 microseconds of pur
 the training process, that work competes with the event loop and the training threads for the GIL; a run that logs a
 dozen figures per client update loses a large share of its throughput. :class:`ChildLogBatch` starts
 ``python -m tracking._child URI``, which imports MLflow at once (over a second, while the parent does other work),
-then reads the run id as the first line of its standard input, connects and answers ``ready``; or it reads the
-run to create (a JSON object), prepares the store, creates the run and answers ``ready RUN_ID EXPERIMENT_ID``, so
-the parent need not import MLflow at all. Each batch follows
+opens the store (a new SQLite store's schema included), then reads the run id as the first line of its standard input
+and answers ``ready``; or it reads the run to create (a JSON object), creates the run and answers
+``ready RUN_ID EXPERIMENT_ID``, so the parent need not import MLflow at all. Each batch follows
 as one line of JSON (``[[key, value, timestamp, step], ...]``), answered ``ok`` or ``error: ...``. A plain
 subprocess, not ``multiprocessing``: it never re-imports the parent's ``__main__`` (a script without an
 ``if __name__ == "__main__"`` guard stays safe), and nothing is pickled.
@@ -133,21 +133,30 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str], preload: Sequ
         replies.write(word.replace("\n", " ") + "\n")
         replies.flush()
 
+    # Open the store before the parent says what to do: that (SQLAlchemy's set-up, a new store's schema) overlaps with
+    # the parent's own start-up, and only the run itself is left to create when the request comes.
+    client: Any = None
+    failure: Exception | None = None
+    try:
+        from tracking.store import prepare_sqlite_store
+
+        prepare_sqlite_store(tracking_uri)
+        client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    except Exception as exc:
+        failure = exc
     first = requests.readline().strip()
     if not first or first == _STOP:
         return
     try:
+        if failure is not None:
+            raise failure
         if first.startswith("{"):  # the run to create (see tracking._runs.open_run)
             from tracking._runs import open_run
-            from tracking.store import prepare_sqlite_store
 
-            prepare_sqlite_store(tracking_uri)
-            client = mlflow.MlflowClient(tracking_uri=tracking_uri)
             run_id, experiment_id = open_run(client, **json.loads(first))
             started = f" {run_id} {experiment_id}"
         else:
             run_id, started = first, ""
-            client = mlflow.MlflowClient(tracking_uri=tracking_uri)
             client.get_run(run_id)  # connect now, so a store the child cannot reach is known before training starts
     except Exception as exc:
         reply(f"error: {type(exc).__name__}: {exc}")

@@ -15,9 +15,9 @@ The child also does the rest of a run's MLflow work a parent hands it, on its ow
 is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``tags``, ``dataset`` (an
 input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU samples are the machine's,
 wherever it runs), ``end`` (the run's status) or ``model`` (build, export and log a model, see :mod:`tracking._model`).
-What ``preload`` names is imported (or called) on a background thread once the child is connected, while the parent
-trains, so a job finds it done (``torch.export`` and MLflow's pytorch flavour import in about two seconds, and the
-first model they save takes one more: :func:`tracking._model.warm_up`).
+What ``preload`` names is imported (or called) on a background thread once the store is open, while the parent
+loads its data and trains, so a job finds it done (``torch.export`` and MLflow's pytorch flavour import in about two
+seconds, and the first model they save takes one more: :func:`tracking._model.warm_up`).
 """
 
 from __future__ import annotations
@@ -144,6 +144,9 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str], preload: Sequ
         client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     except Exception as exc:
         failure = exc
+    if preload and failure is None:
+        # Now, not once the run exists: the time until the parent asks for its run (it loads its data) is idle here.
+        threading.Thread(target=_preload, args=(preload,), name="tracking-preload", daemon=True).start()
     first = requests.readline().strip()
     if not first or first == _STOP:
         return
@@ -166,8 +169,6 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str], preload: Sequ
     # over tens of MB of heap that would evict the training process's data from the shared cache.
     gc.freeze()
     reply(f"ready{started}")
-    if preload:
-        threading.Thread(target=_preload, args=(preload,), name="tracking-preload", daemon=True).start()
     monitor = _Monitor()
     try:
         _answer(client, run_id, requests, reply, monitor, tracking_uri)
@@ -207,7 +208,7 @@ class ChildLogBatch:
         run_id: The run the metrics belong to; None: given later with :meth:`bind`.
         extra_env: Environment variables set for the child only, e.g. bounds on MLflow's HTTP timeout and retries.
         preload: Modules the child imports (``package.module``) or functions it calls (``package.module:function``)
-            once it is connected, for the jobs it will be given (see :meth:`job`).
+            once the store is open, for the jobs it will be given (see :meth:`job`).
 
     ``__call__`` raises ``RuntimeError`` with the child's error message, or ``ConnectionError`` when the child is
     gone; the caller (a :class:`~tracking.writer.MetricWriter`) keeps the batch and retries or falls back.

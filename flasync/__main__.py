@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
-from flasync.cli import main
+from flasync.cli import console
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

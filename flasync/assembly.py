@@ -176,6 +176,8 @@ class Prepared:
     config: RunConfig
     files_sha256: str | None = None
     privacy: PrivacyPlan | None = None
+    model_spec: tuple[str, dict[str, Any]] | None = None
+    """The model as :func:`flasync.models.build` rebuilds it (class name, arguments); None for a caller's factory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +354,23 @@ class RunInputs:
         channels, size, in_channels = model.channels, model.image_size, model.in_channels
         return lambda: SmallCNN(in_channels=in_channels, image_size=size, num_classes=classes, channels=channels)
 
+    def _model_spec(self, train: ArrayData) -> tuple[str, dict[str, Any]] | None:
+        """Return what :func:`flasync.models.build` needs to make the factory's model (None: a caller's factory)."""
+        if self._model_factory is not None:
+            return None
+        model = self.config.model
+        classes = train.num_classes
+        if isinstance(model, MLPModel):
+            features = int(np.prod(train.feature_shape))
+            return "MLP", {"in_features": features, "hidden": list(model.hidden), "num_classes": classes}
+        assert isinstance(model, SmallCNNModel)
+        return "SmallCNN", {
+            "in_channels": model.in_channels,
+            "image_size": list(model.image_size),
+            "num_classes": classes,
+            "channels": list(model.channels),
+        }
+
     def _initial_weights(self, factory: ModelFactory, sample: ArrayData) -> torch.Tensor:
         seed = seeding.stream_seed(self.config.seed, seeding.MODEL_INIT)
         try:
@@ -435,6 +454,7 @@ class RunInputs:
             self.config,
             loaded.files_sha256,
             privacy,
+            self._model_spec(train),
         )
 
     def _tree(self) -> Tree | None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["MLP", "SmallCNN", "num_parameters"]
+__all__ = ["MLP", "SmallCNN", "build", "num_parameters"]
 
 
 class MLP(nn.Module):
@@ -124,3 +126,37 @@ class SmallCNN(nn.Module):
 def num_parameters(model: nn.Module) -> int:
     """Return the number of scalar parameters of ``model``, counting shared parameters once."""
     return sum(parameter.numel() for parameter in model.parameters())
+
+
+def build(model: str, weights: str, **kwargs: Any) -> nn.Module:
+    """Build a model of this module by class name and load flat weights into it.
+
+    This is how MLflow's writer process rebuilds a run's trained model to log it (see
+    :meth:`tracking.MlflowTracker.log_model_from`): only the name, the arguments and a file path cross the process
+    boundary.
+
+    Args:
+        model: ``"MLP"`` or ``"SmallCNN"``.
+        weights: A ``.npy`` file of the flat float32 weights: parameters, then floating-point buffers, in module
+            order (the layout of :func:`flasync.training.flat_parameters`).
+        **kwargs: The class's arguments (lists for sequences).
+
+    Raises:
+        ValueError: If ``model`` names no class here, or the weights do not fit the model.
+    """
+    classes: dict[str, type[nn.Module]] = {"MLP": MLP, "SmallCNN": SmallCNN}
+    if model not in classes:
+        raise ValueError(f"no model {model!r} in flasync.models (one of {sorted(classes)})")
+    if "image_size" in kwargs:
+        kwargs["image_size"] = tuple(kwargs["image_size"])
+    module = classes[model](**kwargs)
+    flat = torch.from_numpy(np.load(weights, allow_pickle=False))
+    tensors = [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]
+    if flat.numel() != sum(t.numel() for t in tensors):
+        raise ValueError(f"{flat.numel()} weights do not fit a {model} of {sum(t.numel() for t in tensors)} values")
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+    return module

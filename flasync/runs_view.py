@@ -1,14 +1,19 @@
-"""How flasync runs are shown in MLflow's runs table: the columns a user compares runs by.
+"""How flasync runs are shown in MLflow's experiment page: the columns a user compares runs by, evaluation first.
 
 The view is saved on each experiment flasync logs to (see :class:`tracking.MlflowTracker`'s ``runs_view``) and the
-command's summary prints the address that opens it; without it MLflow's table shows no metric at all.
+command's summary prints the address that opens it; without it MLflow's table shows no metric at all. It also lays
+out the page's chart view: MLflow groups metric charts in one section per key prefix and sorts the sections by name,
+which would put the evaluation (``server/eval``) fourth, after ``client``, ``profile/version`` and ``run/finished``;
+the view lists the sections in flasync's order instead, the evaluation's accuracy and loss first. (MLflow 3.17 keeps
+a single run's chart layout in the browser only, sorted by name: there the evaluation section stays where its name
+puts it.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RUNS_VIEW"]
+__all__ = ["CHART_SECTIONS", "RUNS_VIEW"]
 
 
 def _metric(key: str) -> str:
@@ -17,6 +22,55 @@ def _metric(key: str) -> str:
 
 def _param(key: str) -> str:
     return f"params.`{key}`"
+
+
+CHART_SECTIONS = (
+    "server/eval",
+    "client",
+    "server/update",
+    "server/version",
+    "profile/version",
+    "run/finished",
+    "Model metrics",  # MLflow's name for keys without a prefix
+    "System metrics",  # MLflow's name for system/ keys
+)
+"""The chart view's sections in order (MLflow adds sections of other keys after them)."""
+
+
+def _section(name: str) -> dict[str, Any]:
+    return {
+        "uuid": f"flasync-{name.replace('/', '-').replace(' ', '-').lower()}",
+        "name": name,
+        "display": True,
+        # In a section marked reordered MLflow appends charts of further keys after the given ones (the accuracy
+        # and the loss first); elsewhere it sorts them by name.
+        "isReordered": name == "server/eval",
+        "deleted": False,
+        "isGenerated": True,
+    }
+
+
+def _line_chart(key: str, section: str) -> dict[str, Any]:
+    """A line chart of ``key`` against the step (the model version), as MLflow's UI makes one."""
+    return {
+        "uuid": f"flasync-chart-{key.replace('/', '-')}",
+        "type": "LINE",
+        "runsCountToCompare": 10,
+        "metricSectionId": _section(section)["uuid"],
+        "deleted": False,
+        "isGenerated": True,
+        "metricKey": key,
+        "lineSmoothness": 0,
+        "xAxisScaleType": "linear",
+        "scaleType": "linear",
+        "xAxisKey": "step",
+        "selectedXAxisMetricKey": "",
+        "yAxisKey": "metric",
+        "yAxisExpressions": [],
+        "ignoreOutliers": False,
+        "useGlobalXaxisKey": True,
+        "useGlobalLineSmoothing": True,
+    }
 
 
 RUNS_VIEW: dict[str, Any] = {
@@ -33,5 +87,10 @@ RUNS_VIEW: dict[str, Any] = {
     ],
     "orderByKey": "attributes.start_time",
     "orderByAsc": False,
+    # The chart view: sections in CHART_SECTIONS' order (kept, as a user's reordering would be), the evaluation's
+    # charts given; MLflow adds a chart for every other key to its section.
+    "compareRunSections": [_section(name) for name in CHART_SECTIONS],
+    "compareRunCharts": [_line_chart(f"server/eval/{name}", "server/eval") for name in ("accuracy", "loss")],
+    "isAccordionReordered": True,
 }
-"""The runs-table state MLflow's UI shares: these columns, newest run first."""
+"""The experiment page state MLflow's UI shares: these columns, newest run first, the evaluation's charts first."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import os
 import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -25,7 +27,7 @@ import torch
 import yaml
 
 import tracking
-from flasync import checkpoint, codecs
+from flasync import checkpoint, codecs, tracked
 from flasync.assembly import (
     AggregatorFactory,
     ModelFactory,
@@ -219,7 +221,9 @@ class Federation:
         cfg = self.config.tracking
         if not cfg.enabled:
             return tracking.NullTracker()
-        return tracking.MlflowTracker(cfg.uri, system_metrics=cfg.system_metrics, runs_view=RUNS_VIEW)
+        return tracking.MlflowTracker(
+            cfg.uri, system_metrics=cfg.system_metrics, runs_view=RUNS_VIEW, preload=tracked.preload(self.config)
+        )
 
     def _log_dataset(self, tracker: tracking.Tracker, prepared: Prepared, custom: bool, log: Any) -> None:
         """Record the training data as the run's MLflow dataset input (a tracking failure is only logged)."""
@@ -591,37 +595,68 @@ class Federation:
     def _log_artifacts(self, tracker: tracking.Tracker, prepared: Prepared, summary: RunSummary, log: Any) -> None:
         if isinstance(tracker, tracking.NullTracker):
             return
-        tracker.log_dict(summary.to_dict(), "summary.json")
-        if self.profile is not None:
-            tracker.log_dict(json_ready(self.profile), "profile.json")
-            if self.config.diagnostics.plots:
-                for name, image in render_plots(self.profile).items():
-                    tracker.log_bytes(image, f"plots/{name}")
-        if self._traces is not None:
-            for path in self._traces.traces:
-                tracker.log_file(path, "torch_profiler")
-        if summary.alerts and self.profile is not None:
-            tracker.set_tags({"alerts": ", ".join(f"{k}={v}" for k, v in sorted(self.profile["alerts"].items()))})
-        config_text = yaml.safe_dump(_redacted(self.config).model_dump(mode="json"), sort_keys=False)
-        tracker.log_bytes(config_text.encode(), "config.yaml")
+        mlflow_tracker = tracker if isinstance(tracker, tracking.MlflowTracker) else None
         assert self.weights is not None
-        module = prepared.factory()
-        offset = 0
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
-                n = tensor.numel()
-                tensor.copy_(self.weights[offset : offset + n].view_as(tensor))
-                offset += n
-        buffer = io.BytesIO()
-        torch.save({"flat": self.weights, "state_dict": module.state_dict()}, buffer)
-        tracker.log_bytes(buffer.getvalue(), "weights.pt")
-        if self.config.tracking.log_model and isinstance(tracker, tracking.MlflowTracker):
-            try:
-                example = prepared.test.x[:2].detach().cpu().numpy()
-                seconds = tracker.log_model(module, input_example=example)
-                log.debug("tracking.log_model", seconds=seconds, metrics=False)
-            except Exception as exc:  # a model MLflow cannot serialise must not fail the run
-                log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+        example = prepared.test.x[:2].detach().cpu().numpy()
+        model_log: Future[float] | None = None
+        pool: ThreadPoolExecutor | None = None
+        if self.config.tracking.log_model and mlflow_tracker is not None and prepared.model_spec is not None:
+            # The writer process exports and logs the model while this thread draws the plots: the thread below
+            # only waits on the pipe.
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-model")
+            model_log = pool.submit(self._log_model_from_spec, mlflow_tracker, prepared.model_spec, example)
+        try:
+            plots = render_plots(self.profile) if self.profile is not None and self.config.diagnostics.plots else {}
+            tracker.log_dict(summary.to_dict(), "summary.json")
+            if self.profile is not None:
+                tracker.log_dict(json_ready(self.profile), "profile.json")
+            for name, image in plots.items():
+                tracker.log_bytes(image, f"plots/{name}")
+            if self._traces is not None:
+                for path in self._traces.traces:
+                    tracker.log_file(path, "torch_profiler")
+            if summary.alerts and self.profile is not None:
+                alerts = ", ".join(f"{k}={v}" for k, v in sorted(self.profile["alerts"].items()))
+                tracker.set_tags({"alerts": alerts})
+            config_text = yaml.safe_dump(_redacted(self.config).model_dump(mode="json"), sort_keys=False)
+            tracker.log_bytes(config_text.encode(), "config.yaml")
+            module = prepared.factory()
+            offset = 0
+            with torch.no_grad():
+                for tensor in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
+                    n = tensor.numel()
+                    tensor.copy_(self.weights[offset : offset + n].view_as(tensor))
+                    offset += n
+            buffer = io.BytesIO()
+            torch.save({"flat": self.weights, "state_dict": module.state_dict()}, buffer)
+            tracker.log_bytes(buffer.getvalue(), "weights.pt")
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)  # the model is logged before the run may end
+        if not self.config.tracking.log_model or mlflow_tracker is None:
+            return
+        try:
+            if model_log is not None:
+                seconds = model_log.result()
+            else:
+                seconds = mlflow_tracker.log_model(module, input_example=example)
+            log.debug("tracking.log_model", seconds=seconds, metrics=False)
+        except Exception as exc:  # a model MLflow cannot serialise must not fail the run
+            log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+
+    def _log_model_from_spec(
+        self, tracker: tracking.MlflowTracker, spec: tuple[str, dict[str, Any]], example: np.ndarray
+    ) -> float:
+        """Log the model :func:`flasync.models.build` rebuilds from ``spec`` and the final weights (in the writer
+        process when there is one); return the seconds waited."""
+        assert self.weights is not None
+        name, kwargs = spec
+        with tempfile.TemporaryDirectory(prefix="flasync-model-") as tmp:
+            weights = os.path.join(tmp, "weights.npy")
+            np.save(weights, self.weights.numpy(), allow_pickle=False)
+            return tracker.log_model_from(
+                tracked.MODEL_BUILDER, {"model": name, "weights": weights, **kwargs}, input_example=example
+            )
 
 
 class _CheckpointWriter:

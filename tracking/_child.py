@@ -4,15 +4,26 @@ Writing a metric to MLflow's SQLAlchemy store costs about 90 microseconds of pur
 the training process, that work competes with the event loop and the training threads for the GIL; a run that logs a
 dozen figures per client update loses a large share of its throughput. :class:`ChildLogBatch` starts
 ``python -m tracking._child URI``, which imports MLflow at once (over a second, while the parent does other work),
-then reads the run id as the first line of its standard input, connects and answers ``ready``. Each batch follows
+opens the store (a new SQLite store's schema included), then reads the run id as the first line of its standard input
+and answers ``ready``; or it reads the run to create (a JSON object), creates the run and answers
+``ready RUN_ID EXPERIMENT_ID``, so the parent need not import MLflow at all. Each batch follows
 as one line of JSON (``[[key, value, timestamp, step], ...]``), answered ``ok`` or ``error: ...``. A plain
 subprocess, not ``multiprocessing``: it never re-imports the parent's ``__main__`` (a script without an
 ``if __name__ == "__main__"`` guard stays safe), and nothing is pickled.
+
+The child also does the rest of a run's MLflow work a parent hands it, on its own core and with its own GIL. A job
+is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``tags``, ``dataset`` (an
+input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU samples are the machine's,
+wherever it runs), ``end`` (the run's status) or ``model`` (build, export and log a model, see :mod:`tracking._model`).
+What ``preload`` names is imported (or called) on a background thread once the store is open, while the parent
+loads its data and trains, so a job finds it done (``torch.export`` and MLflow's pytorch flavour import in about two
+seconds, and the first model they save takes one more: :func:`tracking._model.warm_up`).
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import select
@@ -20,9 +31,9 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from tracking.metrics import MetricRow
 
@@ -33,12 +44,82 @@ _EXIT_TIMEOUT_S = 10.0
 
 
 _URI_VARIABLE = "FLASYNC_CHILD_TRACKING_URI"
+_PRELOAD_VARIABLE = "FLASYNC_CHILD_PRELOAD"
 
 
-def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
-    """Read the run id, then answer batches read from ``requests`` until told to stop (runs in the child)."""
+def _preload(names: Sequence[str]) -> None:
+    """Import each of ``names`` (``package.module``) or call it (``package.module:function``, no arguments), in
+    order; one that fails is left to the job that needs it (which reports the error)."""
+    for name in names:
+        module, _, function = name.partition(":")
+        try:
+            loaded = importlib.import_module(module)
+            if function:
+                getattr(loaded, function)()
+        except Exception:  # the job that needs it says what went wrong
+            continue
+
+
+class _Monitor:
+    """MLflow's system monitor of the run, when the parent asked for it (its samples are system-wide)."""
+
+    def __init__(self) -> None:
+        self.running: Any = None
+
+    def start(self, client: Any, run_id: str, tracking_uri: str) -> None:
+        from mlflow.entities import Metric
+
+        from tracking._runs import start_monitor
+
+        def sink(rows: list[MetricRow]) -> None:
+            metrics = [Metric(m.key, m.value, m.timestamp, m.step) for m in rows]
+            client.log_batch(run_id, metrics=metrics, synchronous=True)
+
+        if self.running is None:
+            self.running = start_monitor(run_id, tracking_uri, sink)
+
+    def stop(self) -> None:
+        from tracking._runs import stop_monitor
+
+        running, self.running = self.running, None
+        if running is not None:
+            stop_monitor(running)
+
+
+def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, tracking_uri: str) -> str:
+    """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``."""
+    op = request.get("op")
+    if op == "monitor":
+        monitor.start(client, run_id, tracking_uri)
+        return ""
+    if op == "file":
+        client.log_artifact(run_id, request["path"], request.get("folder") or None)
+        return ""
+    if op == "tags":
+        from tracking._runs import send_tags
+
+        send_tags(client, run_id, request["tags"])
+        return ""
+    if op == "dataset":
+        from tracking.spool import dataset_input
+
+        client.log_inputs(run_id, datasets=[dataset_input(**request["dataset"])])
+        return ""
+    if op == "end":
+        monitor.stop()  # its last samples before the run's end
+        client.set_terminated(run_id, request["status"], end_time=request["end_time"])
+        return ""
+    if op == "model":
+        from tracking._model import log_built_model
+
+        seconds = log_built_model(client, run_id, **request["model"])
+        return f"{seconds:.3f}"
+    raise ValueError(f"unknown job {op!r}")
+
+
+def _serve(tracking_uri: str, requests: IO[str], replies: IO[str], preload: Sequence[str] = ()) -> None:
+    """Read the run id, then answer batches and jobs read from ``requests`` until told to stop (runs in the child)."""
     import mlflow
-    from mlflow.entities import Metric
 
     # Ctrl-C in a terminal signals the whole process group: the parent stops the child itself (it closes the
     # child's input, flushing first), so the child must not die of the key press and look lost.
@@ -52,12 +133,34 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
         replies.write(word.replace("\n", " ") + "\n")
         replies.flush()
 
-    run_id = requests.readline().strip()
-    if not run_id or run_id == _STOP:
+    # Open the store before the parent says what to do: that (SQLAlchemy's set-up, a new store's schema) overlaps with
+    # the parent's own start-up, and only the run itself is left to create when the request comes.
+    client: Any = None
+    failure: Exception | None = None
+    try:
+        from tracking.store import prepare_sqlite_store
+
+        prepare_sqlite_store(tracking_uri)
+        client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    except Exception as exc:
+        failure = exc
+    if preload and failure is None:
+        # Now, not once the run exists: the time until the parent asks for its run (it loads its data) is idle here.
+        threading.Thread(target=_preload, args=(preload,), name="tracking-preload", daemon=True).start()
+    first = requests.readline().strip()
+    if not first or first == _STOP:
         return
     try:
-        client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-        client.get_run(run_id)  # connect now, so a store the child cannot reach is known before training starts
+        if failure is not None:
+            raise failure
+        if first.startswith("{"):  # the run to create (see tracking._runs.open_run)
+            from tracking._runs import open_run
+
+            run_id, experiment_id = open_run(client, **json.loads(first))
+            started = f" {run_id} {experiment_id}"
+        else:
+            run_id, started = first, ""
+            client.get_run(run_id)  # connect now, so a store the child cannot reach is known before training starts
     except Exception as exc:
         reply(f"error: {type(exc).__name__}: {exc}")
         return
@@ -65,12 +168,29 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     # full collections that the store's object churn triggers skip it: a quarter less CPU per metric, and no walk
     # over tens of MB of heap that would evict the training process's data from the shared cache.
     gc.freeze()
-    reply("ready")
+    reply(f"ready{started}")
+    monitor = _Monitor()
+    try:
+        _answer(client, run_id, requests, reply, monitor, tracking_uri)
+    finally:
+        monitor.stop()
+
+
+def _answer(
+    client: Any, run_id: str, requests: IO[str], reply: Callable[[str], None], monitor: _Monitor, tracking_uri: str
+) -> None:
+    """Answer batches and jobs until told to stop (or the parent is gone)."""
+    from mlflow.entities import Metric
+
     for line in requests:
         if line.strip() == _STOP:
             return
         try:
-            metrics = [Metric(str(k), float(v), int(t), int(s)) for k, v, t, s in json.loads(line)]
+            request = json.loads(line)
+            if isinstance(request, dict):
+                reply(f"ok {_job(client, run_id, request, monitor, tracking_uri)}")
+                continue
+            metrics = [Metric(str(k), float(v), int(t), int(s)) for k, v, t, s in request]
             client.log_batch(run_id, metrics=metrics, synchronous=True)
             reply("ok")
         except Exception as exc:
@@ -87,13 +207,20 @@ class ChildLogBatch:
         tracking_uri: The store the child writes to (absolute: the child does not share relative paths' meaning).
         run_id: The run the metrics belong to; None: given later with :meth:`bind`.
         extra_env: Environment variables set for the child only, e.g. bounds on MLflow's HTTP timeout and retries.
+        preload: Modules the child imports (``package.module``) or functions it calls (``package.module:function``)
+            once the store is open, for the jobs it will be given (see :meth:`job`).
 
     ``__call__`` raises ``RuntimeError`` with the child's error message, or ``ConnectionError`` when the child is
     gone; the caller (a :class:`~tracking.writer.MetricWriter`) keeps the batch and retries or falls back.
     """
 
     def __init__(
-        self, tracking_uri: str, run_id: str | None = None, *, extra_env: Mapping[str, str] | None = None
+        self,
+        tracking_uri: str,
+        run_id: str | None = None,
+        *,
+        extra_env: Mapping[str, str] | None = None,
+        preload: Sequence[str] = (),
     ) -> None:
         """Start the child (it imports MLflow in the background, and connects once it has the run id)."""
         env = dict(os.environ)
@@ -103,6 +230,7 @@ class ChildLogBatch:
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         # The URI may carry credentials: through the environment, never on the command line (`ps` shows that).
         env[_URI_VARIABLE] = tracking_uri
+        env[_PRELOAD_VARIABLE] = ",".join(preload)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "tracking._child"],
             stdin=subprocess.PIPE,
@@ -133,6 +261,32 @@ class ChildLogBatch:
             self._bound = True
             self._write(run_id)
 
+    def start(self, run: Mapping[str, Any], timeout: float) -> tuple[str, str]:
+        """Have the child create the run (instead of :meth:`bind`): the experiment if needed, the run, its tags
+        and params, as :func:`tracking._runs.open_run` does; return its ``(run_id, experiment_id)``.
+
+        Args:
+            run: :func:`~tracking._runs.open_run`'s keyword arguments (JSON values).
+            timeout: Longest wait, in seconds, for the child to import MLflow, connect and create the run.
+
+        Raises:
+            ValueError: The child already has its run.
+            ConnectionError: The child died or did not answer in time.
+            RuntimeError: The store failed or refused (its message); the child has stopped.
+        """
+        with self._lock:
+            if self._bound:
+                raise ValueError("the writer process already has its run")
+            self._bound = True
+            self._write(json.dumps(dict(run)))
+            assert self._process.stdout is not None
+            readable, _, _ = select.select([self._process.stdout], [], [], timeout)
+            if not readable:
+                raise ConnectionError(f"the MLflow writer process did not open the run within {timeout:.0f} s")
+            run_id, _, experiment_id = self._expect("ready").partition(" ")
+            self._ready = True
+            return run_id, experiment_id
+
     def _write(self, line: str) -> None:
         assert self._process.stdin is not None
         try:
@@ -146,15 +300,18 @@ class ChildLogBatch:
         """Tell whether the child process is running."""
         return self._process.poll() is None
 
-    def _expect(self, word: str) -> None:
+    def _expect(self, word: str) -> str:
+        """Read one answer: ``word`` (then return what follows it on the line) or an error (raised)."""
         assert self._process.stdout is not None
         answer = self._process.stdout.readline().strip()
         if not answer:
             raise ConnectionError("the MLflow writer process is gone")
         if answer.startswith("error: "):
             raise RuntimeError(answer.removeprefix("error: "))
-        if answer != word:  # pragma: no cover - protocol violation
+        head, _, rest = answer.partition(" ")
+        if head != word:  # pragma: no cover - protocol violation
             raise ConnectionError(f"unexpected answer {answer!r} from the MLflow writer process")
+        return rest
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the child has connected to the store.
@@ -164,16 +321,29 @@ class ChildLogBatch:
             RuntimeError: If the child could not reach the store (its message), or has no run yet (:meth:`bind`).
         """
         with self._lock:
-            if self._ready:
-                return
-            if not self._bound:
-                raise RuntimeError("the writer process has no run yet: call bind(run_id) first")
-            assert self._process.stdout is not None
-            readable, _, _ = select.select([self._process.stdout], [], [], timeout)
-            if not readable:
-                raise ConnectionError(f"the MLflow writer process did not start within {timeout:.0f} s")
-            self._expect("ready")
-            self._ready = True
+            self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        if self._ready:
+            return
+        if not self._bound:
+            raise RuntimeError("the writer process has no run yet: call bind(run_id) first")
+        assert self._process.stdout is not None
+        readable, _, _ = select.select([self._process.stdout], [], [], timeout)
+        if not readable:
+            raise ConnectionError(f"the MLflow writer process did not start within {timeout:.0f} s")
+        self._expect("ready")
+        self._ready = True
+
+    @property
+    def bound(self) -> bool:
+        """Tell whether the child has its run (from :meth:`bind` or :meth:`start`)."""
+        return self._bound
+
+    @property
+    def ready(self) -> bool:
+        """Tell whether the child said it is connected (it may be by now without this knowing)."""
+        return self._ready
 
     def __call__(self, metrics: Sequence[MetricRow]) -> None:
         """Write one batch through the child; return when the store has it.
@@ -191,6 +361,24 @@ class ChildLogBatch:
                 self._ready = True
             self._write(line)
             self._expect("ok")
+
+    def job(self, request: Mapping[str, Any], timeout: float) -> str:
+        """Have the child do one job (see the module docstring); return what its ``ok`` answer says.
+
+        Args:
+            request: The job, e.g. ``{"op": "artifacts", "target": "pkg.mod:draw", "kwargs": {...},
+                "folder": "plots"}``; JSON-encodable.
+            timeout: Longest wait for the child to connect, in seconds (the job itself is not bounded).
+
+        Raises:
+            ConnectionError: The child is gone.
+            RuntimeError: The job failed (its message), or the child has no run yet.
+        """
+        line = json.dumps(dict(request))
+        with self._lock:
+            self._wait_ready(timeout)
+            self._write(line)
+            return self._expect("ok")
 
     def close(self) -> None:
         """Stop the child (after the batches already sent) and reap it; idempotent.
@@ -218,4 +406,13 @@ class ChildLogBatch:
 
 
 if __name__ == "__main__":
-    _serve(os.environ[_URI_VARIABLE], sys.stdin, sys.stdout)
+    _serve(
+        os.environ[_URI_VARIABLE],
+        sys.stdin,
+        sys.stdout,
+        [m for m in os.environ.get(_PRELOAD_VARIABLE, "").split(",") if m],
+    )
+    # Everything was written and answered: end without the interpreter's teardown (freeing MLflow, SQLAlchemy and
+    # torch object by object took a second, which the parent's close() waited for).
+    sys.stdout.flush()
+    os._exit(0)

@@ -111,11 +111,12 @@ class Failover:
         """Send one record to the store, or to the spool while (or when) the store fails; order is kept."""
         with self.lock:
             if not self.offline or self.try_recover():
-                run_id, client = self.run.run_id, self.run.client
-                assert run_id is not None and client is not None
+                run_id = self.run.run_id
+                assert run_id is not None
                 try:
                     with self._http():
-                        send(run_id, client)
+                        # Connected on first use: a run the writer process created has no client here yet.
+                        send(run_id, self.run.connect(self._log))
                     return
                 except Exception as exc:
                     self.go_offline(exc)

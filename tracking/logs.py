@@ -21,6 +21,7 @@ from structlog.processors import add_log_level
 from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
 
 from tracking.metrics import MetricsProcessor
+from tracking.progress import ProgressBar
 
 __all__ = ["ConsoleFields", "LevelFilter", "configure_logging", "make_logger"]
 
@@ -119,6 +120,7 @@ def configure_logging(
     fmt: Literal["console", "json"] = "console",
     level: str = "info",
     stream: TextIO | None = None,
+    progress: ProgressBar | None = None,
 ) -> None:
     """Configure structlog for the whole process; only the command line calls this.
 
@@ -133,6 +135,8 @@ def configure_logging(
         level: The lowest level rendered by plain ``structlog.get_logger()`` loggers.
         stream: Where lines go; when None, whatever ``sys.stderr`` is at each write (so a later redirection
             of ``sys.stderr``, as test runners do, is followed).
+        progress: Shows the evaluations as a bar instead of lines (console format only; placed after the level
+            filter, so a level above ``info`` shows no bar). The caller closes it when the run ends.
 
     ``level`` also governs the libraries' own logs (MLflow, alembic, urllib3, git, matplotlib): they print their
     warnings and errors at every level except ``error`` and ``critical`` (then only those), and their info lines
@@ -149,6 +153,7 @@ def configure_logging(
         tail = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     elif fmt == "console":
         tail = [
+            *([progress] if progress is not None else []),
             ConsoleFields(),
             structlog.dev.ConsoleRenderer(colors=_is_tty(out), pad_event_to=12, pad_level=False, sort_keys=False),
         ]

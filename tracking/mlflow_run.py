@@ -13,20 +13,32 @@ import contextlib
 import json
 import os
 import shlex
-import shutil
+import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 import structlog
 import yaml
 
+from tracking import _model
 from tracking._child import ChildLogBatch
 from tracking._keys import safe_key
+from tracking._runs import (
+    _MAX_PARAMS_PER_CALL,
+    _MAX_TAG_VALUE,
+    RUNS_VIEW_KEY,
+    RUNS_VIEW_TAG,
+    SYSTEM_METRICS_INTERVAL_S,
+    MonitorSink,
+    _chunks,
+    _context_tags,
+    send_tags,
+    stop_monitor,
+)
 from tracking.failover import Failover, RunIdentity
 from tracking.metrics import MetricRow
 from tracking.owner import owner_tags
@@ -58,19 +70,11 @@ __all__ = [
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 
-_MAX_PARAMS_PER_CALL = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
 _MAX_PARAM_VALUE = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
-_MAX_TAG_VALUE = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
-_SYSTEM_METRICS_INTERVAL_S = 2.0
 _CHILD_START_TIMEOUT_S = 60.0
 _MONITOR_STOP_TIMEOUT_S = 5.0
 _NO_STEP = -(2**63)  # below every step MLflow stores
-RUNS_VIEW_KEY = "flasync"
-"""Name of the runs-table view a tracker saves on its experiment (see ``runs_view``)."""
-RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
-
-_T = TypeVar("_T")
 
 
 class Tracker(Protocol):
@@ -245,6 +249,9 @@ class MlflowTracker:
         runs_view: A view of the experiment's runs table, e.g. ``{"selectedColumns": ["metrics.`accuracy`"]}``
             (the state MLflow's UI shares): saved on the experiment as the tag ``mlflow.sharedViewState.<name>``,
             where ``name`` is :data:`RUNS_VIEW_KEY`; :meth:`ui_url` opens it.
+        preload: What the writer process imports (``package.module``) or calls (``package.module:function``) once
+            it is connected, while the caller trains, for the work :meth:`log_model_from` will hand it, e.g.
+            ``("tracking._model:warm_up",)``.
     """
 
     def __init__(
@@ -264,8 +271,10 @@ class MlflowTracker:
         http_timeout_s: int = 10,
         http_retries: int = 1,
         runs_view: Mapping[str, Any] | None = None,
+        preload: Sequence[str] = (),
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self._preload = tuple(preload)
         self._run = RunIdentity(self.tracking_uri)
         self._artifact_root = artifact_root
         self._system_metrics = system_metrics
@@ -278,6 +287,8 @@ class MlflowTracker:
         self._written_steps: dict[str, int] = {}
         """Metric key -> the latest step the store held when this run was resumed (empty for a new run)."""
         self._monitor: Any = None
+        self._monitor_in_child = False
+        """MLflow's system monitor runs in the writer process (its samples are system-wide, not this process's)."""
         self._finished = False
         self._writer_process = writer_process
         self._child: ChildLogBatch | None = None
@@ -340,7 +351,7 @@ class MlflowTracker:
         if is_remote(self.tracking_uri):
             bounds = http_env(self._http_timeout, self._http_retries)
             extra = {k: v for k, v in bounds.items() if k not in os.environ}
-        self._child = ChildLogBatch(self.tracking_uri, extra_env=extra)
+        self._child = ChildLogBatch(self.tracking_uri, extra_env=extra, preload=self._preload)
 
     def start(
         self,
@@ -371,19 +382,22 @@ class MlflowTracker:
         """
         if self._started_at is not None:
             raise RuntimeError(f"this tracker already started run {self.run_id or '(spooled)'}")
-        self.prepare()  # the writer process imports MLflow while this thread does too, and creates the run
-        from mlflow.entities import Param
-
+        self.prepare()  # the writer process imports MLflow while the caller prepares its data
         run = self._run
         run.started_at = int(time.time() * 1000)
         run.experiment, run.run_name = experiment, run_name
-        clean_tags = {
-            safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in {**_context_tags(), **tags, **owner_tags()}.items()
-        }
+        given_tags = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in {**tags, **owner_tags()}.items()}
         clean_params = {safe_key(k): _param_value(v) for k, v in params.items()}
         db = sqlite_path(self.tracking_uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
+        if self._start_in_child(experiment, run_name, given_tags, clean_params):
+            assert self.run_id is not None
+            self._start_writers(self.run_id)
+            return self.run_id
+        from mlflow.entities import Param
+
+        clean_tags = {**{safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in _context_tags().items()}, **given_tags}
         with self._failover.lock:
             try:
                 with self._http():
@@ -420,6 +434,33 @@ class MlflowTracker:
             self._stop_child()
             self._writer = self._metric_writer()
         return self.run_id or ""
+
+    def _start_in_child(
+        self, experiment: str, run_name: str | None, tags: Mapping[str, str], params: Mapping[str, str]
+    ) -> bool:
+        """Have the writer process create the run (see :func:`open_run`); False when there is no such process or
+        it failed (then it is stopped, and :meth:`start` does the work itself: through the spool if need be)."""
+        child = self._child
+        if child is None:
+            return False
+        request = {
+            "experiment": experiment,
+            "artifact_location": self._artifact_location(experiment),
+            "runs_view": self._runs_view,
+            "run_name": run_name,
+            "tags": dict(tags),
+            "params": dict(params),
+            "start_time": self._run.started_at,
+            "source": sys.argv[0] if sys.argv and sys.argv[0] else None,
+        }
+        try:
+            run_id, experiment_id = child.start(request, _CHILD_START_TIMEOUT_S)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            self._log.info("tracking.writer_process_start_failed", error=redact_uri(str(exc))[:300], metrics=False)
+            self._stop_child()
+            return False
+        self._run.run_id, self._run.experiment_id = run_id, experiment_id
+        return True
 
     def _stop_child(self) -> None:
         if self._child is not None:
@@ -485,23 +526,24 @@ class MlflowTracker:
         """Hand the metric child process (if any) its run, then start the metric writer and the system monitor."""
         child = self._child
         if child is not None:
+            # Not waited for: the child connects while training starts, and metrics queue until it is ready.
             try:
-                child.bind(run_id)
-                # Pay the child's start-up (importing MLflow, connecting) before training, not during it.
-                child.wait_ready(_CHILD_START_TIMEOUT_S)
-            except (ConnectionError, RuntimeError) as exc:
-                self._log.warning("tracking.writer_process_failed", error=redact_uri(str(exc)), metrics=False)
-                self._stop_child()
+                if not child.bound:
+                    child.bind(run_id)
+            except ConnectionError as exc:
+                self._writer_process_failed(exc)
         self._writer = self._metric_writer()
-        if self._system_metrics:
+        if self._system_metrics and self._child_job({"op": "monitor"}):
+            self._monitor_in_child = True
+        elif self._system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             # MLflow leaves this class unannotated.
             self._monitor = SystemMetricsMonitor(  # type: ignore[no-untyped-call]
-                run_id, sampling_interval=_SYSTEM_METRICS_INTERVAL_S, tracking_uri=self.tracking_uri
+                run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=self.tracking_uri
             )
             # Its samples go through this tracker's writer (batched, and spooled while the store fails).
-            self._monitor.mlflow_logger = _MonitorSink(self.log_metrics)
+            self._monitor.mlflow_logger = MonitorSink(self.log_metrics)
             self._monitor.start()
 
     def log_metrics(self, metrics: list[MetricRow]) -> None:
@@ -543,6 +585,8 @@ class MlflowTracker:
         """
         self._check_started()
         local = os.fspath(path)
+        if self._child_job({"op": "file", "path": os.path.abspath(local), "folder": artifact_path}):
+            return
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             client.log_artifact(run_id, local, artifact_path)
@@ -560,6 +604,12 @@ class MlflowTracker:
         folder, name = os.path.split(artifact_file.strip("/"))
         if not name:
             raise ValueError(f"artifact_file {artifact_file!r} names no file")
+        if self._child is not None:
+            with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
+                local = Path(tmp, name)
+                local.write_bytes(data)
+                if self._child_job({"op": "file", "path": str(local), "folder": folder or None}):
+                    return
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
@@ -583,6 +633,9 @@ class MlflowTracker:
         """
         self._check_started()
         text = json.dumps(dict(profile), default=str)
+        dataset = {"name": name, "digest": digest, "source": source, "profile": text, "context": context}
+        if self._child_job({"op": "dataset", "dataset": dataset}):
+            return
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             client.log_inputs(run_id, datasets=[dataset_input(name, digest, source, text, context)])
@@ -597,13 +650,11 @@ class MlflowTracker:
         """
         self._check_started()
         clean = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in tags.items()}
+        if self._child_job({"op": "tags", "tags": clean}):
+            return
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
-            from mlflow.entities import RunTag
-
-            entries = [RunTag(k, v) for k, v in clean.items()]
-            for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
-                client.log_batch(run_id, tags=chunk, synchronous=True)
+            send_tags(client, run_id, clean)
 
         self._failover.deliver(send, lambda spool: spool.tags(clean))
 
@@ -653,17 +704,19 @@ class MlflowTracker:
         finally:
             if self._writer is not None:
                 self._writer.close(self._flush_timeout)
-            self._stop_child()
             end = int(time.time() * 1000)
+            ended = self._child_job({"op": "end", "status": status, "end_time": end})
+            self._stop_child()
 
             def send(run_id: str, client: mlflow.MlflowClient) -> None:
                 client.set_terminated(run_id, status, end_time=end)
 
             failover = self._failover
             with failover.lock:
-                if failover.offline:
-                    failover.try_recover(force=True)
-                failover.deliver(send, lambda spool: spool.status(status, end))
+                if not ended:
+                    if failover.offline:
+                        failover.try_recover(force=True)
+                    failover.deliver(send, lambda spool: spool.status(status, end))
                 failover.close()
 
     def ui_command(self) -> str | None:
@@ -719,69 +772,100 @@ class MlflowTracker:
         Raises:
             RuntimeError: :meth:`start` was not called.
         """
-        import mlflow.pytorch
-        import torch
-        from mlflow.entities import LoggedModelOutput
-        from mlflow.models import Model
-
         began = time.perf_counter()
         self._check_started()
-        requirements = [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
-
-        def save(local: str, description: Model | None = None) -> None:
-            if input_example is not None:
-                try:
-                    mlflow.pytorch.save_model(
-                        model,
-                        local,
-                        mlflow_model=description,
-                        serialization_format="pt2",
-                        input_example=input_example,
-                        pip_requirements=requirements,
-                    )
-                    return
-                except Exception as exc:  # not exportable: fall back to pickle
-                    shutil.rmtree(local, ignore_errors=True)
-                    self._log.info("tracking.model_pickled", reason=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
-            mlflow.pytorch.save_model(
-                model, local, mlflow_model=description, serialization_format="pickle", pip_requirements=requirements
-            )
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
-            logged = client.create_logged_model(str(self.experiment_id), name=name, source_run_id=run_id)
-            try:
-                with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
-                    local = os.path.join(tmp, "model")
-                    description = Model(
-                        artifact_path=logged.artifact_location,
-                        run_id=run_id,
-                        model_uuid=logged.model_id,
-                        model_id=logged.model_id,
-                    )
-                    save(local, description)
-                    client.log_model_artifacts(logged.model_id, local)
-                client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
-                client.finalize_logged_model(logged.model_id, "READY")
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    client.finalize_logged_model(logged.model_id, "FAILED")
-                raise
+            _model.log_to_run(
+                client,
+                run_id,
+                str(self.experiment_id),
+                name,
+                lambda local, description: _model.save_model(
+                    model, local, description=description, input_example=input_example, log=self._log
+                ),
+            )
 
         def spool(writer: SpoolWriter) -> None:
             with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
                 local = os.path.join(tmp, name)
-                save(local)
+                _model.save_model(model, local, input_example=input_example, log=self._log)
                 writer.artifact_path(local, None)
 
         self._failover.deliver(send, spool)
         return time.perf_counter() - began
 
+    def log_model_from(
+        self,
+        builder: str,
+        kwargs: Mapping[str, Any],
+        *,
+        name: str = "model",
+        input_example: Any = None,
+    ) -> float:
+        """Store the model ``builder(**kwargs)`` returns as an MLflow logged model; return the seconds waited.
+
+        With a writer process, the process builds, exports and sends the model (``torch.export`` and MLflow's
+        pytorch flavour are imported and the model traced there, on another core, ideally preloaded: see
+        ``preload``); otherwise, or if that fails, this process does it as :meth:`log_model` does.
+
+        Args:
+            builder: ``package.module:name`` of a callable returning the ``nn.Module``, final weights loaded
+                (importable by a fresh interpreter: no ``__main__`` names).
+            kwargs: Its keyword arguments, JSON values (e.g. a path to the weights).
+            name: The logged model's name.
+            input_example: A batch of inputs (a NumPy array) for the ``pt2`` format's tracing and signature.
+
+        Returns:
+            Wall-clock seconds spent.
+        """
+        began = time.perf_counter()
+        self._check_started()
+        example = None if input_example is None else input_example.tolist()
+        dtype = None if input_example is None else str(input_example.dtype)
+        request = {
+            "op": "model",
+            "model": {
+                "experiment_id": str(self.experiment_id),
+                "builder": builder,
+                "kwargs": dict(kwargs),
+                "name": name,
+                "input_example": example,
+                "input_dtype": dtype or "float32",
+            },
+        }
+        if not self._child_job(request):
+            self.log_model(_model.build(builder, kwargs), name=name, input_example=input_example)
+        return time.perf_counter() - began
+
+    def _child_job(self, request: Mapping[str, Any]) -> bool:
+        """Have the writer process do ``request``; False when there is none, the store is failing, or it failed
+        (then the caller does the work itself, through the spool if need be)."""
+        with self._failover.lock:
+            if self._failover.offline:
+                return False
+            child = self._ready_child()
+            if child is None:
+                return False
+            try:
+                child.job(request, _CHILD_START_TIMEOUT_S)
+            except ConnectionError as exc:
+                self._log.warning("tracking.writer_process_lost", error=redact_uri(str(exc)), metrics=False)
+                self._child = None
+                return False
+            except RuntimeError as exc:
+                self._log.info(
+                    "tracking.writer_process_job_failed",
+                    op=request.get("op"),
+                    error=redact_uri(str(exc))[:300],
+                    metrics=False,
+                )
+                return False
+            return True
+
     def _stop_monitor(self, monitor: Any) -> None:
         """Stop the system monitor, waiting a bounded time: its loop asks the store for the run's status."""
-        stopper = threading.Thread(target=monitor.finish, name="tracking-monitor-stop", daemon=True)
-        stopper.start()
-        stopper.join(_MONITOR_STOP_TIMEOUT_S)
-        if stopper.is_alive():
+        if not stop_monitor(monitor):
             self._log.warning("tracking.system_monitor_stuck", timeout_s=_MONITOR_STOP_TIMEOUT_S, metrics=False)
 
     def _check_started(self) -> None:
@@ -792,8 +876,25 @@ class MlflowTracker:
         """Write one batch (called by the metric writer's thread): direct, or to the spool; never raises."""
         self._failover.send_metrics(metrics, self._send_metrics)
 
-    def _send_metrics(self, metrics: list[MetricRow]) -> None:
+    def _writer_process_failed(self, error: BaseException) -> None:
+        """Warn that the writer process could not start or connect, and write from this process from now on."""
+        self._log.warning("tracking.writer_process_failed", error=redact_uri(str(error)), metrics=False)
+        self._stop_child()
+
+    def _ready_child(self) -> ChildLogBatch | None:
+        """Return the writer process once it is connected (waiting a bounded time); None when there is none."""
         child = self._child
+        if child is None or child.ready:
+            return child
+        try:
+            child.wait_ready(_CHILD_START_TIMEOUT_S)
+        except (ConnectionError, RuntimeError) as exc:
+            self._writer_process_failed(exc)
+            return None
+        return child
+
+    def _send_metrics(self, metrics: list[MetricRow]) -> None:
+        child = self._ready_child()
         if child is not None:
             try:
                 child(metrics)
@@ -804,8 +905,8 @@ class MlflowTracker:
                 self._child = None
         from mlflow.entities import Metric
 
-        run_id, client = self._run.run_id, self._run.client
-        assert run_id is not None and client is not None
+        run_id, client = self._run.run_id, self._run.connect(self._log)
+        assert run_id is not None
         entities = [Metric(m.key, m.value, m.timestamp, m.step) for m in metrics]
         with self._http():
             client.log_batch(run_id, metrics=entities, synchronous=True)
@@ -820,47 +921,8 @@ class MlflowTracker:
         return artifact_location(self.tracking_uri, experiment, self._artifact_root)
 
 
-class _MonitorSink:
-    """Takes the place of the ``BatchMetricsLogger`` of MLflow's ``SystemMetricsMonitor``.
-
-    The monitor calls ``record_metrics({key: value}, step)`` and ``flush()``, and reads three counters in debug
-    messages; the samples are handed to a non-blocking sink (the tracker's metric writer) instead of being sent
-    with a blocking ``log_batch`` of the monitor's own.
-    """
-
-    def __init__(self, sink: Callable[[list[MetricRow]], None]) -> None:
-        self._sink = sink
-        self.data: list[MetricRow] = []
-        self.total_training_time = 0.0
-        self.total_log_batch_time = 0.0
-
-    def record_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Hand one sample of every system metric to the sink."""
-        now = int(time.time() * 1000)
-        self._sink([MetricRow(safe_key(k), float(v), now, int(step or 0)) for k, v in metrics.items()])
-
-    def flush(self) -> None:
-        """Nothing to do: the sink owns what was recorded."""
-
-
-def _context_tags() -> dict[str, str]:
-    """MLflow's standard tags for a run started here: user, source name and type, and the git commit of the source
-    when it lives in a git checkout (what ``mlflow.start_run`` would set; empty if MLflow cannot say)."""
-    try:
-        from mlflow.tracking.context.registry import resolve_tags
-
-        return {str(k): str(v) for k, v in resolve_tags({}).items()}
-    except Exception:  # a context provider failing must not stop a run from being tracked
-        return {}
-
-
 def _param_value(value: Any) -> str:
     return str(value)[:_MAX_PARAM_VALUE]
-
-
-def _chunks(items: Sequence[_T], size: int) -> Iterator[list[_T]]:
-    for begin in range(0, len(items), size):
-        yield list(items[begin : begin + size])
 
 
 if TYPE_CHECKING:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import mlflow
+import mlflow.pytorch
+import numpy as np
 import pytest
+import torch
 from mlflow.entities import Metric
 
+from flasync import models
 from tracking import MlflowTracker
 from tracking._child import _EXIT_TIMEOUT_S, ChildLogBatch
 
@@ -117,3 +122,81 @@ def test_tracker_falls_back_when_the_child_dies(tracking_uri: str) -> None:
     steps = sorted(m.step for m in client.get_metric_history(run_id, "c"))
     assert steps == list(range(25))
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_child_creates_the_run_and_does_its_jobs(tracking_uri: str, tmp_path: Path) -> None:
+    """A started tracker's writer process creates the run (context tags, params, the runs view) and logs its files,
+    tags, dataset and end; this process never connects to the store."""
+    tracker = MlflowTracker(tracking_uri, runs_view={"selectedColumns": ["metrics.`a`"]})
+    tracker.prepare()
+    run_id = tracker.start(experiment="child-opens", run_name="r1", params={"lr": 0.1}, tags={"mode": "sim"})
+    assert tracker._run.client is None  # the child made the run
+    tracker.log_metrics(_metrics("m", range(3)))
+    tracker.log_bytes(b'{"x": 1}', "out/summary.json")
+    tracker.set_tags({"alerts": "none"})
+    tracker.log_dataset("digits", "abc123", "sklearn", {"rows": 10})
+    tracker.finish("FINISHED")
+    assert tracker._run.client is None
+    client = mlflow.MlflowClient(tracking_uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "r1"
+    assert run.data.params == {"lr": "0.1"}
+    assert run.data.tags["mode"] == "sim" and run.data.tags["alerts"] == "none"
+    assert "mlflow.source.name" in run.data.tags and "mlflow.user" in run.data.tags
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["digits"]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "m")) == [0, 1, 2]
+    local = client.download_artifacts(run_id, "out/summary.json", str(tmp_path))
+    assert Path(local).read_bytes() == b'{"x": 1}'
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert "metrics.`a`" in experiment.tags["mlflow.sharedViewState.flasync"]
+
+
+def test_child_that_cannot_open_the_run_leaves_it_to_the_tracker(tracking_uri: str) -> None:
+    """If the writer process fails to create the run, the tracker creates it itself and writes from its own thread."""
+    tracker = MlflowTracker(tracking_uri)
+    tracker.prepare()
+    assert tracker._child is not None
+    tracker._child._process.kill()
+    tracker._child._process.wait(10)
+    run_id = tracker.start(experiment="child-fails-to-open")
+    assert tracker._child is None
+    tracker.log_metrics(_metrics("f", range(4)))
+    tracker.finish("FINISHED")
+    client = mlflow.MlflowClient(tracking_uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run_id, "f")) == [0, 1, 2, 3]
+
+
+def test_model_from_builder_is_logged_by_the_child(tracking_uri: str, tmp_path: Path) -> None:
+    """log_model_from has the writer process build, export (pt2) and log the model; a builder it cannot import
+    falls back to this process, which reports the failure."""
+    weights = tmp_path / "w.npy"
+    model = models.MLP(8, [4], 3)
+    np.save(weights, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",))
+    run_id = tracker.start(experiment="child-model")
+    example = np.zeros((2, 8), dtype=np.float32)
+    kwargs = {"model": "MLP", "weights": str(weights), "in_features": 8, "hidden": [4], "num_classes": 3}
+    tracker.log_model_from("flasync.models:build", kwargs, name="mlp", input_example=example)
+    with pytest.raises(ModuleNotFoundError):
+        tracker.log_model_from("no_such_module:build", {}, name="nope", input_example=example)
+    tracker.finish("FINISHED")
+    client = mlflow.MlflowClient(tracking_uri)
+    [logged] = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    assert logged.name == "mlp" and logged.source_run_id == run_id and str(logged.status) == "READY"
+    loaded = mlflow.pytorch.load_model(logged.artifact_location)
+    x = torch.randn(5, 8)
+    assert torch.allclose(loaded(x), model(x), atol=1e-6)
+
+
+def test_system_monitor_runs_in_the_child(tracking_uri: str) -> None:
+    """With system metrics on, MLflow's monitor samples in the writer process; its samples reach the run."""
+    tracker = MlflowTracker(tracking_uri, system_metrics=True)
+    tracker.prepare()
+    run_id = tracker.start(experiment="child-monitor")
+    assert tracker._monitor_in_child and tracker._monitor is None
+    time.sleep(2.5)  # one sample every 2 s
+    tracker.finish("FINISHED")
+    run = mlflow.MlflowClient(tracking_uri).get_run(run_id)
+    assert any(key.startswith("system/") for key in run.data.metrics)
+    assert run.info.status == "FINISHED"

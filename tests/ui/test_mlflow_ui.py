@@ -96,7 +96,7 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, st
 
 def test_the_printed_address_opens_the_training_runs_with_accuracy(ui: tuple[str, Path, str]) -> None:
     """The address the summary prints opens the experiment's training runs (not the GenAI pages), the runs table
-    shows both runs with their accuracy, and the chart view has an evaluation section (server/eval)."""
+    shows both runs with their accuracy, and the chart view shows the evaluation section (server/eval) first."""
     from playwright.sync_api import sync_playwright
 
     url, folder, _ = ui
@@ -117,4 +117,7 @@ def test_the_printed_address_opens_the_training_runs_with_accuracy(ui: tuple[str
         sections = page.inner_text("body").splitlines()
         for section in ("server/eval", "server/version", "client"):
             assert section in sections, section  # a section of charts per key prefix
+        assert sections.index("server/eval") < sections.index("client") < sections.index("server/version")
+        text = page.inner_text("body")  # the evaluation's charts: accuracy and loss first
+        assert text.index("server/eval/accuracy") < text.index("server/eval/loss") < text.index("server/eval/wall_s")
         browser.close()

@@ -1,0 +1,165 @@
+"""Creating a run, setting its tags, MLflow's system monitor: what both a tracker and its writer process do.
+
+MLflow itself is imported by the functions, when they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from tracking._keys import safe_key
+from tracking.metrics import MetricRow
+from tracking.store import ensure_experiment
+
+if TYPE_CHECKING:
+    import mlflow
+
+__all__ = [
+    "RUNS_VIEW_KEY",
+    "RUNS_VIEW_TAG",
+    "SYSTEM_METRICS_INTERVAL_S",
+    "MonitorSink",
+    "open_run",
+    "send_tags",
+    "start_monitor",
+    "stop_monitor",
+]
+
+_MAX_PARAMS_PER_CALL = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
+_MAX_TAG_VALUE = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
+RUNS_VIEW_KEY = "flasync"
+"""Name of the runs-table view a tracker saves on its experiment (see ``runs_view``)."""
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+
+SYSTEM_METRICS_INTERVAL_S = 2.0
+"""Seconds between two samples of MLflow's system monitor."""
+_MONITOR_STOP_TIMEOUT_S = 5.0
+
+_T = TypeVar("_T")
+
+
+def open_run(
+    client: mlflow.MlflowClient,
+    *,
+    experiment: str,
+    artifact_location: str | None,
+    runs_view: str | None,
+    run_name: str | None,
+    tags: Mapping[str, str],
+    params: Mapping[str, str],
+    start_time: int,
+    source: str | None = None,
+) -> tuple[str, str]:
+    """Create a run as :meth:`MlflowTracker.start` does, in one go (the writer process calls this); return its
+    ``(run_id, experiment_id)``.
+
+    The experiment is created when missing (``artifact_location`` for a new one) and given the runs view (the
+    ``mlflow.sharedViewState`` tag's JSON, if any); the run gets MLflow's context tags for the program ``source``
+    (its path, as ``sys.argv[0]`` of the process that runs it), then ``tags``, and ``params`` in calls of 100.
+
+    Raises:
+        ExperimentDeletedError: The experiment is deleted.
+        mlflow.exceptions.MlflowException: The store refused a call (a run already created is marked ``FAILED``).
+    """
+    from mlflow.entities import Param
+
+    experiment_id = ensure_experiment(client, experiment, artifact_location)
+    if runs_view is not None:
+        client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, runs_view)
+    context = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in _context_tags(source).items()}
+    created = client.create_run(experiment_id, run_name=run_name, tags={**context, **tags}, start_time=start_time)
+    run_id: str = created.info.run_id
+    try:
+        for chunk in _chunks([Param(k, v) for k, v in params.items()], _MAX_PARAMS_PER_CALL):
+            client.log_batch(run_id, params=chunk, synchronous=True)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            client.set_terminated(run_id, "FAILED")
+        raise
+    return run_id, experiment_id
+
+
+def send_tags(client: mlflow.MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
+    """Set ``tags`` on the run, in ``log_batch`` calls of at most 100."""
+    from mlflow.entities import RunTag
+
+    entries = [RunTag(k, v) for k, v in tags.items()]
+    for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):
+        client.log_batch(run_id, tags=chunk, synchronous=True)
+
+
+def _context_tags(source: str | None = None) -> dict[str, str]:
+    """MLflow's standard tags for a run started here: user, source name and type, and the git commit of the source
+    when it lives in a git checkout (what ``mlflow.start_run`` would set; empty if MLflow cannot say).
+
+    Args:
+        source: The program the run belongs to, when it is not this process's (``sys.argv[0]``, which MLflow's
+            context providers read, is set to it meanwhile: the writer process describes its parent).
+    """
+    saved = list(sys.argv)
+    try:
+        if source is not None:
+            sys.argv[:1] = [source]
+        from mlflow.tracking.context.registry import resolve_tags
+
+        return {str(k): str(v) for k, v in resolve_tags({}).items()}
+    except Exception:  # a context provider failing must not stop a run from being tracked
+        return {}
+    finally:
+        sys.argv[:] = saved
+
+
+def _chunks(items: Sequence[_T], size: int) -> Iterator[list[_T]]:
+    for begin in range(0, len(items), size):
+        yield list(items[begin : begin + size])
+
+
+class MonitorSink:
+    """Takes the place of the ``BatchMetricsLogger`` of MLflow's ``SystemMetricsMonitor``.
+
+    The monitor calls ``record_metrics({key: value}, step)`` and ``flush()``, and reads three counters in debug
+    messages; the samples are handed to a non-blocking sink (the tracker's metric writer) instead of being sent
+    with a blocking ``log_batch`` of the monitor's own.
+    """
+
+    def __init__(self, sink: Callable[[list[MetricRow]], None]) -> None:
+        self._sink = sink
+        self.data: list[MetricRow] = []
+        self.total_training_time = 0.0
+        self.total_log_batch_time = 0.0
+
+    def record_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Hand one sample of every system metric to the sink."""
+        now = int(time.time() * 1000)
+        self._sink([MetricRow(safe_key(k), float(v), now, int(step or 0)) for k, v in metrics.items()])
+
+    def flush(self) -> None:
+        """Nothing to do: the sink owns what was recorded."""
+
+
+def start_monitor(run_id: str, tracking_uri: str, sink: Callable[[list[MetricRow]], None]) -> Any:
+    """Start MLflow's ``SystemMetricsMonitor`` for the run, sampling every :data:`SYSTEM_METRICS_INTERVAL_S`, its
+    samples handed to ``sink``; return it (stop it with :func:`stop_monitor`)."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    # MLflow leaves this class unannotated.
+    monitor: Any = SystemMetricsMonitor(  # type: ignore[no-untyped-call]
+        run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=tracking_uri
+    )
+    monitor.mlflow_logger = MonitorSink(sink)
+    monitor.start()
+    return monitor
+
+
+def stop_monitor(monitor: Any) -> bool:
+    """Stop a system monitor, waiting a bounded time (its loop asks the store for the run's status); False when it
+    did not stop in time."""
+    stopper = threading.Thread(target=monitor.finish, name="tracking-monitor-stop", daemon=True)
+    stopper.start()
+    stopper.join(_MONITOR_STOP_TIMEOUT_S)
+    return not stopper.is_alive()

@@ -15,6 +15,7 @@ import sqlite3
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -275,13 +276,33 @@ def prepare_sqlite_store(uri: str, log: Any = None) -> None:
                     log.warning("tracking.store_repaired", path=str(db), moved_to=str(aside), metrics=False)
                 state = "missing"
             if state == "missing":
-                import mlflow
-
-                mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # creates the schema
+                _build_schema(db)
             with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
                 connection.execute("PRAGMA journal_mode=WAL")
         finally:
             _lock(lock, exclusive=False)
+
+
+_BUILDING = ".building-"
+
+
+def _build_schema(db: Path) -> None:
+    """Create a new store's schema in a file of its own, then move that file into place (under the store's lock).
+
+    A process killed while MLflow runs the migrations (a run that fails fast stops its writer process; SIGKILL; out
+    of memory) so leaves no half-built store behind, only a ``<db>.building-*`` file that the next build removes.
+    """
+    import mlflow
+
+    for stale in db.parent.glob(db.name + _BUILDING + "*"):  # no other process builds: the lock is ours
+        stale.unlink(missing_ok=True)
+    # A name of its own for each build: MLflow keeps one store object per URI for the life of the process.
+    building = db.with_name(f"{db.name}{_BUILDING}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        mlflow.MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments(max_results=1)  # the schema
+        os.replace(building, db)
+    finally:
+        building.unlink(missing_ok=True)
 
 
 def _lock(file: Any, *, exclusive: bool) -> None:

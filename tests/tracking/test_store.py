@@ -39,6 +39,26 @@ def test_a_half_built_store_without_runs_is_moved_aside_and_built_afresh(tmp_pat
         assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+def test_a_schema_build_that_dies_leaves_no_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schema is built in a file of its own and moved into place: a build that stops half-way leaves no
+    database (and no half-built one), and the next build succeeds and removes the leftovers."""
+    db = tmp_path / "mlflow.db"
+    leftover = tmp_path / "mlflow.db.building-1"
+    leftover.write_bytes(b"a build a killed process left")
+
+    def dies(self: object, *args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # what a kill mid-migration amounts to, for this process
+
+    monkeypatch.setattr(mlflow.MlflowClient, "search_experiments", dies)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_sqlite_store(f"sqlite:///{db}")
+    assert not db.exists()
+    monkeypatch.undo()
+    prepare_sqlite_store(f"sqlite:///{db}")
+    assert mlflow.MlflowClient(f"sqlite:///{db}").create_experiment("works")
+    assert sorted(p.name for p in tmp_path.iterdir() if "building" in p.name) == []
+
+
 def test_a_half_built_store_with_runs_is_an_error_naming_the_repair(tmp_path: Path) -> None:
     """Runs are never moved aside: the error says how to repair the store in place."""
     db = tmp_path / "mlflow.db"

@@ -9,6 +9,7 @@ loading the data, starting the MLflow run, logging the artifacts), training (``r
 
     python benchmarks/startup.py               # 3 repeats: about a minute on 2 cores
     python benchmarks/startup.py --repeats 5
+    python benchmarks/startup.py --no-system-metrics   # tracked runs without MLflow's system monitor
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ MARKS = {
 }
 
 
-def one(folder: Path, tracked: bool) -> dict[str, float]:
+def one(folder: Path, tracked: bool, system_metrics: bool = True) -> dict[str, float]:
     """Run once; return seconds from the command's start to each mark and to its exit."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    args = [sys.executable, "-m", "flasync", "run", "--no-system-metrics"]
+    args = [sys.executable, "-m", "flasync", "run"]
+    if not system_metrics:
+        args.append("--no-system-metrics")
     if not tracked:
         args.append("--no-tracking")
     start = time.monotonic()
@@ -60,13 +63,16 @@ def main() -> None:
     """Run the repeats and print the medians."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--no-system-metrics", action="store_true", help="tracked runs without MLflow's system monitor (default: on)"
+    )
     args = parser.parse_args()
     kinds = ("new store", "existing store", "--no-tracking")
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="flasync-startup-") as tmp:
             for kind in kinds:
-                runs[kind].append(one(Path(tmp), kind != "--no-tracking"))
+                runs[kind].append(one(Path(tmp), kind != "--no-tracking", not args.no_system_metrics))
 
     def med(kind: str, mark: str) -> float:
         values = [r[mark] for r in runs[kind] if mark in r]

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import socket
 import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -53,6 +54,38 @@ def _ray() -> Any:
     except ImportError as exc:
         raise ConfigError("executor.kind: 'ray' needs Ray: pip install 'flasync[ray]'") from exc
     return ray
+
+
+class _DropMessages(logging.Filter):
+    """Drop log records whose message starts with one of ``starts``."""
+
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+@contextlib.contextmanager
+def _quiet_local_start() -> Iterator[None]:
+    """Silence two warnings of ``ray.init`` that say nothing to a run starting its own local Ray in a thread.
+
+    One says no SIGTERM handler was set (flasync handles its signals itself); the other that the local cluster uses
+    token authentication (it does, with a token made for it).
+    """
+    drop = _DropMessages(("SIGTERM handler is not set", "Token authentication is enabled for this Ray cluster"))
+    loggers = [logging.getLogger(name) for name in _RAY_START_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
+_RAY_START_LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:
@@ -253,13 +286,14 @@ class RayTrainingExecutor:
                 _check_reachable(settings.address, settings.connect_timeout_s)
             try:
                 if settings.address is None:
-                    ray.init(
-                        num_cpus=max(1, int(np.ceil(settings.actors * settings.cpus_per_actor))),
-                        num_gpus=int(np.ceil(settings.actors * settings.gpus_per_actor)),
-                        include_dashboard=False,
-                        log_to_driver=False,
-                        configure_logging=False,
-                    )
+                    with _quiet_local_start():
+                        ray.init(
+                            num_cpus=max(1, int(np.ceil(settings.actors * settings.cpus_per_actor))),
+                            num_gpus=int(np.ceil(settings.actors * settings.gpus_per_actor)),
+                            include_dashboard=False,
+                            log_to_driver=False,
+                            configure_logging=False,
+                        )
                 else:
                     ray.init(address=settings.address, log_to_driver=False, configure_logging=False)
             except Exception as exc:

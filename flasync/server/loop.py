@@ -415,7 +415,9 @@ class Server:
     async def _reject(self, message: UpdateUploaded, reason: str, detail: str) -> None:
         self.accounting.rejected(reason)
         dropped = self.stats.updates_dropped
-        self.log.info(
+        # A second update of a client in one version is expected under differential privacy: not worth a line.
+        emit = self.log.debug if reason == "repeat" else self.log.info
+        emit(
             "server.rejected",
             step=dropped,
             reason=reason,

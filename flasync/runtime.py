@@ -170,7 +170,9 @@ class Federation:
         self._model_factory = model_factory
         self._tracker = tracker
         self._client_attributes = dict(client_attributes or {})
-        self.clock: RunClock = clock or (VirtualClock() if config.clock == "virtual" else WallClock())
+        self.clock: RunClock = clock or (
+            VirtualClock() if config.clock == "virtual" else WallClock(factor=config.wall_time_factor)
+        )
         self.bus = EventBus(on_activity=self.clock.poke)
         self._wall = wall
         self.weights: torch.Tensor | None = None

@@ -1046,7 +1046,7 @@ class RunConfig(_Section):
         if self.faults != FaultsConfig():
             raise _FieldError(("faults",), "simulates in-process clients; a run with remote clients takes none")
         if self.wall_time_factor is not None:
-            raise _FieldError(("wall_time_factor",), "emulates in-process clients; a run with remote clients takes none")
+            raise _FieldError(("wall_time_factor",), "emulates in-process clients; remote clients run in real time")
         return self
 
     def _check_privacy(self) -> None:

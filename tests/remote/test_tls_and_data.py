@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import json
+import re
 import ssl
 import sys
 from pathlib import Path
@@ -128,8 +130,6 @@ def test_bad_data_files_are_one_line_errors(
     err = capsys.readouterr().err.strip()
     assert status == 2
     assert len(err.splitlines()) == 1
-    import re
-
     assert re.search(expected, err), err
 
 
@@ -143,3 +143,28 @@ def test_a_bad_cafile_is_a_one_line_error(tmp_path: Path, capsys: pytest.Capture
     )
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1 and "--cafile" in err
+
+
+async def test_the_serve_command_serves_https(tmp_path: Path, tokens: dict[int, str]) -> None:
+    """`flasync serve --ssl-certfile cert.pem --ssl-keyfile key.pem` (a process) serves the run over HTTPS."""
+    cert, key = _self_signed(tmp_path)
+    config = tmp_path / "remote.yaml"
+    config.write_text(json.dumps(remote_config(tmp_path / "tokens.txt", stop={"max_versions": 6})))  # JSON is YAML
+    command = [sys.executable, "-m", "flasync", "serve", str(config), "--port", "0", "--no-tracking"]
+    command += ["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    server = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
+    assert server.stderr is not None
+    url = ""
+    while not url:
+        line = (await server.stderr.readline()).decode()
+        assert line, "the server exited before serving"
+        if "serving on" in line:
+            url = line.split("serving on ")[1].strip()
+    assert url.startswith("https://127.0.0.1:")
+    trusted = ssl.create_default_context(cafile=str(cert))
+    clients = [Client(url, token, verify=trusted, poll_s=2.0, backoff_s=0.05) for token in tokens.values()]
+    results = await asyncio.gather(*(client.run() for client in clients))
+    await server.stderr.read()
+    assert await server.wait() == 0
+    assert all(r.finished == "finished" for r in results)
+    assert sum(r.uploads for r in results) >= 18  # 6 versions of 3 updates

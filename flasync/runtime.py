@@ -316,7 +316,8 @@ class Federation:
                 if tracked:
                     await asyncio.to_thread(self._log_dataset, tracker, prepared, custom, log)
         except BaseException:
-            await _off_loop(_close, executor, tracker, "FAILED")
+            # Not the tracker: a start cut short by a cancellation may still be going on in its thread.
+            await _off_loop(executor.shutdown)
             raise
         self.run_id = run_id or None
         status: Literal["FINISHED", "FAILED", "KILLED"] = "FAILED"

@@ -11,10 +11,11 @@ wall clock, tracking off, evaluation only at the end. For each number of clients
 
 Printed per row: updates per second (accepted updates / the federation's wall seconds), the median and 95th
 percentile of the per-update latency (wall seconds from the server's ``TaskAssigned`` to its ``UpdateReceived`` of
-the same task: download, training, encoding and upload), and the ratios remote / simulated. Then the bytes on the
-wire: every HTTP body the clients sent and received (model downloads, uploads, the JSON of hello, task offers and
-answers; headers not counted), against the payload lengths the run accounts (``download_bytes + upload_bytes`` of
-the summary: the encoded models and updates).
+the same task: download, training, encoding and upload) over each client's tasks after its first, the ratios
+remote / simulated, and the median latency of the remote clients' first tasks (on which each loads its data).
+Then the bytes on the wire: every HTTP body the clients sent and received (model downloads, uploads, the JSON of
+hello, task offers and answers; headers not counted), against the payload lengths the run accounts
+(``download_bytes + upload_bytes`` of the summary: the encoded models and updates).
 
     python benchmarks/remote.py [--clients 5 20 50] [--versions 30] [--repeats 1]
 """
@@ -62,28 +63,35 @@ def config(clients: int, versions: int, tokens: Path | None) -> dict[str, Any]:
     return data
 
 
-async def latencies(federation: Federation) -> list[float]:
-    """Collect the wall seconds from each task's assignment to the receipt of its update, until the bus closes."""
-    assigned: dict[int, float] = {}
-    out: list[float] = []
+async def latencies(federation: Federation) -> tuple[list[float], list[float]]:
+    """Collect the wall seconds from each task's assignment to the receipt of its update, until the bus closes.
+
+    Returns:
+        The latencies of each client's first task (a remote client loads its data then) and of the others.
+    """
+    assigned: dict[int, tuple[float, int]] = {}
+    first: list[float] = []
+    later: list[float] = []
+    seen: set[int] = set()
     tasks = federation.bus.subscribe(TaskAssigned, policy="block")
     updates = federation.bus.subscribe(UpdateReceived, policy="block")
 
     async def on_tasks() -> None:
         async for event in tasks:
-            assigned[event.task_id] = time.perf_counter()
+            assigned[event.task_id] = (time.perf_counter(), int(event.client_id))
 
     async def on_updates() -> None:
         async for event in updates:
             start = assigned.pop(event.task_id, None)
             if start is not None:
-                out.append(time.perf_counter() - start)
+                (later if start[1] in seen else first).append(time.perf_counter() - start[0])
+                seen.add(start[1])
 
     await asyncio.gather(on_tasks(), on_updates())
-    return out
+    return first, later
 
 
-async def simulated(clients: int, versions: int) -> tuple[RunSummary, list[float]]:
+async def simulated(clients: int, versions: int) -> tuple[RunSummary, tuple[list[float], list[float]]]:
     """Run the in-process simulation; return its summary and latencies."""
     federation = Federation(config(clients, versions, None))
     watch = asyncio.create_task(latencies(federation))
@@ -91,7 +99,9 @@ async def simulated(clients: int, versions: int) -> tuple[RunSummary, list[float
     return summary, await watch
 
 
-async def remote(clients: int, versions: int, folder: Path) -> tuple[RunSummary, list[float], dict[str, int]]:
+async def remote(
+    clients: int, versions: int, folder: Path
+) -> tuple[RunSummary, tuple[list[float], list[float]], dict[str, int]]:
     """Serve the run on loopback to a process of ``clients`` remote clients; return summary, latencies, body bytes."""
     tokens = folder / f"tokens-{clients}.txt"
     tokens.write_text("".join(f"{i} {secrets.token_urlsafe(24)}\n" for i in range(clients)))
@@ -161,16 +171,20 @@ async def main(args: argparse.Namespace) -> None:
                 rows.append((clients, sim, sim_lat, rem, rem_lat, wire))
     header = (
         f"{'clients':>7} {'sim upd/s':>10} {'remote upd/s':>12} {'ratio':>6} | {'sim p50 ms':>10} {'remote p50 ms':>13}"
-        f" {'ratio':>6} | {'sim p95 ms':>10} {'remote p95 ms':>13} {'ratio':>6}"
+        f" {'ratio':>6} | {'sim p95 ms':>10} {'remote p95 ms':>13} {'ratio':>6} | {'remote 1st task ms':>18}"
+    )
+    print(
+        "latency: each client's tasks after its first; the first task's median apart (a remote client loads its data)"
     )
     print(header)
-    for clients, sim, sim_lat, rem, rem_lat, _ in rows:
+    for clients, sim, (_, sim_lat), rem, (rem_first, rem_lat), _ in rows:
         s50, r50 = 1000 * statistics.median(sim_lat), 1000 * statistics.median(rem_lat)
         s95, r95 = 1000 * _pct(sim_lat, 95), 1000 * _pct(rem_lat, 95)
         rate = rem.updates_per_s / sim.updates_per_s
         print(
             f"{clients:>7} {sim.updates_per_s:>10.1f} {rem.updates_per_s:>12.1f} {rate:>6.2f}"
             f" | {s50:>10.1f} {r50:>13.1f} {r50 / s50:>6.2f} | {s95:>10.1f} {r95:>13.1f} {r95 / s95:>6.2f}"
+            f" | {1000 * statistics.median(rem_first):>18.0f}"
         )
     print()
     print(f"{'clients':>7} {'HTTP bodies':>12} {'payloads':>10} {'ratio':>6} | {'down bodies':>11} {'up bodies':>10}")

@@ -73,7 +73,7 @@ async def test_a_served_run_resumes_and_its_clients_reconnect(tmp_path: Path, to
     fetched = await asyncio.to_thread(checkpoint.fetch, run_id, config.tracking.uri or "")
     resumed_at = int(fetched[1]["version"])
     second = Federation(config, resume=checkpoint.ResumePoint(run_id, fetched[1], fetched[4]))
-    summary = await serve(second, port=port, linger_s=1.0)
+    summary = await serve(second, port=port, linger_s=3.0)  # clients still training learn that it ended
     results = await asyncio.gather(*running)
 
     assert 6 <= resumed_at < 16

@@ -57,7 +57,8 @@ def _self_signed(folder: Path) -> tuple[Path, Path]:
 
 async def _served(federation: Federation, **tls: str) -> tuple[asyncio.Task[object], int]:
     port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(federation, port=0, on_ready=port.set_result, linger_s=0.5, **tls))
+    # Clients still training when the run ends learn it on their upload: a long enough linger on a loaded machine.
+    task = asyncio.create_task(serve(federation, port=0, on_ready=port.set_result, linger_s=3.0, **tls))
     return task, await port
 
 

@@ -247,3 +247,38 @@ async def test_a_silent_mlflow_server_never_holds_the_loop(silent_server: str, t
     outcome, heart = await beside(lambda: stopped_after(federation, 2))
     assert isinstance(outcome, RunInterrupted)
     heart.check("silent store, stop")
+
+
+async def test_clean_up_completes_through_one_cancellation_and_a_second_stops_the_wait() -> None:
+    """The first cancellation of a run's clean-up is held until the clean-up is done; a second one ends the wait."""
+    from flasync.runtime import _off_loop
+
+    release = threading.Event()
+    done: list[str] = []
+
+    def clean_up(name: str) -> None:
+        release.wait(10.0)
+        done.append(name)
+
+    once = asyncio.create_task(_off_loop(clean_up, "once"))
+    await asyncio.sleep(0.05)
+    once.cancel()
+    await asyncio.sleep(0.05)
+    assert not once.done()  # still waiting for the clean-up
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await once
+    assert done == ["once"]
+
+    release.clear()
+    twice = asyncio.create_task(_off_loop(clean_up, "twice"))
+    await asyncio.sleep(0.05)
+    twice.cancel()
+    await asyncio.sleep(0.05)
+    twice.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await twice
+    assert done == ["once"]  # the wait ended before the clean-up did
+    release.set()
+    await asyncio.sleep(0.1)
+    assert done == ["once", "twice"]  # which still completed in its thread

@@ -14,8 +14,9 @@ percentile of the per-update latency (wall seconds from the server's ``TaskAssig
 the same task: download, training, encoding and upload) over each client's tasks after its first, the ratios
 remote / simulated, and the median latency of the remote clients' first tasks (on which each loads its data).
 Then the bytes on the wire: every HTTP body the clients sent and received (model downloads, uploads, the JSON of
-hello, task offers and answers; headers not counted), against the payload lengths the run accounts
-(``download_bytes + upload_bytes`` of the summary: the encoded models and updates).
+hello, task offers and answers; headers not counted), against the payloads in them (the encoded models the clients
+downloaded and the updates they uploaded), and the run's own accounting (``download_bytes + upload_bytes``: a model
+download per task, where a remote client reuses a version's model it already holds).
 
     python benchmarks/remote.py [--clients 5 20 50] [--versions 30] [--repeats 1]
 """
@@ -187,13 +188,19 @@ async def main(args: argparse.Namespace) -> None:
             f" | {1000 * statistics.median(rem_first):>18.0f}"
         )
     print()
-    print(f"{'clients':>7} {'HTTP bodies':>12} {'payloads':>10} {'ratio':>6} | {'down bodies':>11} {'up bodies':>10}")
+    print("bytes: HTTP bodies against the payloads in them (encoded models and updates) and the run's accounting")
+    print(
+        f"{'clients':>7} {'HTTP bodies':>12} {'payloads':>11} {'ratio':>6} | {'down bodies':>11} {'models':>10}"
+        f" | {'up bodies':>10} {'updates':>10} | {'run accounts':>12}"
+    )
     for clients, _, _, rem, _, wire in rows:
         bodies = wire["request_bodies"] + wire["response_bodies"]
-        payload = rem.download_bytes + rem.upload_bytes
+        payload = wire["payload_download"] + wire["payload_upload"]
+        accounted = rem.download_bytes + rem.upload_bytes
         print(
-            f"{clients:>7} {bodies:>12,} {payload:>10,} {bodies / payload:>6.3f} |"
-            f" {wire['response_bodies']:>11,} {wire['request_bodies']:>10,}"
+            f"{clients:>7} {bodies:>12,} {payload:>11,} {bodies / payload:>6.3f} |"
+            f" {wire['response_bodies']:>11,} {wire['payload_download']:>10,} |"
+            f" {wire['request_bodies']:>10,} {wire['payload_upload']:>10,} | {accounted:>12,}"
         )
 
 

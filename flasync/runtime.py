@@ -337,6 +337,8 @@ class Federation:
             if self.transport is not None:
                 self.transport.finish(status)
             trace_dir = self._traces.trace_dir if self._traces is not None else None
+            if tracked:
+                _phase("ending the MLflow run", cfg)  # a slow or silent store makes this the longest step
             # Off the loop, and completed even while the task is being cancelled (see _off_loop).
             await _off_loop(_close, executor, tracker, status, trace_dir)
 

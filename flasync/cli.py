@@ -159,7 +159,14 @@ def _add_remote_commands(commands: Any) -> None:
         description="Run one federation whose clients connect over HTTP (long-poll for tasks, binary updates), "
         "under uvicorn; log it to MLflow like `flasync run`.",
     )
-    serve.add_argument("config", help="a .toml or .yaml run config with remote.enabled = true and clock = 'wall'")
+    serve.add_argument(
+        "config", nargs="?", help="a .toml or .yaml run config with remote.enabled = true and clock = 'wall'"
+    )
+    serve.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue an interrupted served run from its latest checkpoint (its config is used; --set stop.* only)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080; 0: any free port)")
     serve.add_argument("--ssl-certfile", help="PEM certificate: serve HTTPS (with --ssl-keyfile)")
@@ -193,10 +200,17 @@ def _add_remote_commands(commands: Any) -> None:
 def _command_serve(args: argparse.Namespace) -> int:
     if args.ssl_certfile and not args.ssl_keyfile:
         raise _UsageError("--ssl-certfile needs --ssl-keyfile")
-    config = _resolve(args)
+    resume: checkpoint.ResumePoint | None = None
+    tracker: tracking.Tracker | None = None
+    if args.resume:
+        config, resume, tracker = _resolve_resume(args)
+    elif args.config is None:
+        raise _UsageError("serve needs a CONFIG (or --resume RUN_ID)")
+    else:
+        config = _resolve(args)
     if not config.remote.enabled:
         raise _UsageError(f"{args.config}: set remote.enabled = true (and remote.tokens_file) to serve remote clients")
-    if config.tracking.enabled:
+    if config.tracking.enabled and resume is None:
         try:
             tracking.check_local_store(tracking.resolve_tracking_uri(config.tracking.uri))
         except tracking.StoreNotWritableError as exc:
@@ -205,7 +219,7 @@ def _command_serve(args: argparse.Namespace) -> int:
     from flasync.runtime import Federation
     from flasync.serve import serve
 
-    federation = Federation(config)
+    federation = Federation(config, tracker=tracker, resume=resume)
     received: list[str] = []
     scheme = "https" if args.ssl_certfile else "http"
 
@@ -225,7 +239,8 @@ def _command_serve(args: argparse.Namespace) -> int:
             )
         )
     except RunInterrupted as exc:
-        print(f"flasync: {exc}", file=sys.stderr)
+        hint = f"; resume with: python -m flasync serve --resume {exc.run_id}" if exc.checkpoint and exc.run_id else ""
+        print(f"flasync: {exc}{hint}", file=sys.stderr)
         return _SIGNAL_STATUS.get(exc.reason, 130)
     except asyncio.CancelledError:
         print("flasync: stopped at once (second signal); no checkpoint written", file=sys.stderr)

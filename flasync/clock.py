@@ -101,22 +101,46 @@ class RunClock(Clock, Protocol):
 
 
 class WallClock:
-    """Real time from an injected monotonic function; simulated durations are ignored."""
+    """Real time from an injected monotonic function.
+
+    Without a ``factor`` (a deployment) simulated training durations are ignored: a job takes the time it takes.
+    With one (an emulation, ``wall_time_factor``), the simulated durations of the speed and network models become
+    real waits scaled by ``factor``: ``now()`` counts simulated seconds (real seconds / ``factor``), every sleep
+    lasts ``factor`` times its simulated length, and a job handed to :meth:`run` takes the longer of its real
+    computation and its scaled simulated duration. So a service can rehearse a deployment of slow or flaky devices
+    in real time (``factor = 1``) or faster (``factor < 1``).
+
+    Args:
+        time_fn: Monotonic real seconds.
+        factor: Real seconds per simulated second (> 0), or None to run at the machine's pace.
+
+    Raises:
+        ValueError: If ``factor`` is not positive.
+    """
 
     virtual = False
 
-    def __init__(self, time_fn: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, time_fn: Callable[[], float] = time.monotonic, *, factor: float | None = None) -> None:
         """Start the clock at ``time_fn()``."""
+        if factor is not None and not factor > 0:
+            raise ValueError(f"factor must be > 0, got {factor}")
         self._time_fn = time_fn
         self._start = time_fn()
+        self._factor = factor
+        self._scale = 1.0 if factor is None else factor
+
+    @property
+    def factor(self) -> float | None:
+        """Real seconds per simulated second (None: simulated training durations are ignored)."""
+        return self._factor
 
     def now(self) -> float:
-        """Return real seconds since the clock started."""
-        return self._time_fn() - self._start
+        """Return seconds since the clock started (simulated seconds, i.e. real ones / ``factor``, with one)."""
+        return (self._time_fn() - self._start) / self._scale
 
     async def sleep(self, seconds: float) -> None:
-        """Sleep ``seconds`` of real time."""
-        await asyncio.sleep(seconds)
+        """Sleep ``seconds`` (times ``factor`` of real time, with one)."""
+        await asyncio.sleep(seconds * self._scale)
 
     def state(self) -> dict[str, float | int]:
         """Return the clock's reading (for a checkpoint)."""
@@ -124,17 +148,17 @@ class WallClock:
 
     def restore(self, state: dict[str, float | int]) -> None:
         """Continue from a checkpoint's reading: ``now()`` goes on from ``state["now"]``."""
-        self._start = self._time_fn() - float(state["now"])
+        self._start = self._time_fn() - float(state["now"]) * self._scale
 
     async def sleep_until(self, when: float) -> None:
         """Sleep until ``now() >= when``."""
         delay = when - self.now()
         if delay > 0:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay * self._scale)
 
     async def elapse(self, seconds: float, *, until: float) -> None:
-        """Sleep ``seconds`` of real time (the simulated timeline's ``until`` does not apply to real time)."""
-        await asyncio.sleep(seconds)
+        """Sleep ``seconds`` (scaled by ``factor``, with one; the simulated timeline's ``until`` does not apply)."""
+        await asyncio.sleep(seconds * self._scale)
 
     def state_dict(self) -> dict[str, Any]:
         """Return :meth:`state`."""
@@ -147,8 +171,20 @@ class WallClock:
     async def run(
         self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0, until: float | None = None
     ) -> T:
-        """Run ``fn`` in ``executor`` and return its result (``simulated_s`` and ``until`` are ignored)."""
-        return await asyncio.get_running_loop().run_in_executor(executor, fn)
+        """Run ``fn`` in ``executor`` and return its result.
+
+        Without a ``factor``, ``simulated_s`` and ``until`` are ignored. With one, the result comes no sooner than
+        ``until`` (or ``simulated_s`` from now), on this clock's scaled time.
+        """
+        job = asyncio.get_running_loop().run_in_executor(executor, fn)
+        if self._factor is None:
+            return await job
+        try:
+            await self.sleep_until(until if until is not None else self.now() + simulated_s)
+        except BaseException:
+            job.cancel()
+            raise
+        return await job
 
     async def drive(self) -> None:
         """Return at once: real time advances by itself."""

@@ -908,6 +908,15 @@ class RunConfig(_Section):
     stop: StopConfig = StopConfig()
     executor: ExecutorConfig = ExecutorConfig()
     clock: Literal["virtual", "wall"] = "virtual"
+    wall_time_factor: float | None = Field(
+        None,
+        gt=0.0,
+        le=1000.0,
+        description=(
+            "With clock = 'wall': emulate the speed and network models, each simulated second lasting this many "
+            "real seconds (1: real time, 0.1: ten times faster); unset: clients train at the machine's pace."
+        ),
+    )
     tracking: TrackingConfig = TrackingConfig()
     diagnostics: DiagnosticsConfig = DiagnosticsConfig()
     faults: FaultsConfig = FaultsConfig()
@@ -1023,6 +1032,8 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _remote_checks(self) -> RunConfig:
+        if self.wall_time_factor is not None and self.clock != "wall":
+            raise _FieldError(("wall_time_factor",), f"needs clock = 'wall', got {self.clock!r}")
         remote = self.remote
         if not remote.enabled:
             return self
@@ -1041,6 +1052,8 @@ class RunConfig(_Section):
             raise _FieldError(("remote", "enabled"), "cannot be combined with scaffold.enabled")
         if self.faults != FaultsConfig():
             raise _FieldError(("faults",), "simulates in-process clients; a run with remote clients takes none")
+        if self.wall_time_factor is not None:
+            raise _FieldError(("wall_time_factor",), "emulates in-process clients; remote clients run in real time")
         return self
 
     def _check_privacy(self) -> None:

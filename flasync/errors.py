@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BusClosed",
     "BusFull",
@@ -59,12 +61,22 @@ class RunInterrupted(FlasyncError):
         reason: What stopped it, e.g. ``"SIGINT"``.
         run_id: The MLflow run (ended as ``KILLED``), if tracking was on.
         checkpoint: The artifact path of the checkpoint written, if any.
+        summary: The run's partial summary (:meth:`flasync.RunSummary.to_dict`) up to the stop, if the run had
+            started (``Federation.summary`` holds it as a ``RunSummary``).
     """
 
-    def __init__(self, reason: str, *, run_id: str | None = None, checkpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        *,
+        run_id: str | None = None,
+        checkpoint: str | None = None,
+        summary: dict[str, Any] | None = None,
+    ) -> None:
         """Describe the interruption."""
         where = f"; checkpoint {checkpoint} in MLflow run {run_id}" if checkpoint and run_id else ""
         super().__init__(f"interrupted ({reason}){where}")
         self.reason = reason
         self.run_id = run_id
         self.checkpoint = checkpoint
+        self.summary = summary

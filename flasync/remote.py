@@ -284,6 +284,11 @@ class Client:
                 continue
             status = response.status_code
             if status in (429, 502, 503, 504):
+                if status != 429:  # a server that is stopping (or a proxy without one) counts as unreachable
+                    now = self._wall()
+                    first_failure = now if first_failure is None else first_failure
+                    if self.give_up_s is not None and now - first_failure > self.give_up_s:
+                        raise RemoteError(f"{self.server} answered {status} for {self.give_up_s:g} s") from None
                 self.stats.retries += 1
                 retry_after = _retry_after(response)
                 await asyncio.sleep(retry_after if retry_after is not None else delay * (0.5 + self._jitter.random()))

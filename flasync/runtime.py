@@ -8,6 +8,7 @@ worker threads. Every task it starts belongs to its ``asyncio.TaskGroup``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import logging
 import os
@@ -19,7 +20,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import structlog
@@ -95,6 +96,8 @@ _DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
 )
 
 
+_T = TypeVar("_T")
+
 _TRACES = "flasync-traces-"
 _RESIDUALS = "flasync-residuals-"
 
@@ -169,11 +172,15 @@ class Federation:
         self._model_factory = model_factory
         self._tracker = tracker
         self._client_attributes = dict(client_attributes or {})
-        self.clock: RunClock = clock or (VirtualClock() if config.clock == "virtual" else WallClock())
+        self.clock: RunClock = clock or (
+            VirtualClock() if config.clock == "virtual" else WallClock(factor=config.wall_time_factor)
+        )
         self.bus = EventBus(on_activity=self.clock.poke)
         self._wall = wall
         self.weights: torch.Tensor | None = None
         self.run_id: str | None = None
+        self.summary: RunSummary | None = None
+        """The summary of the last :meth:`run`: whole once it returned, partial after a stop or a cancellation."""
         self.profile: dict[str, Any] | None = None
         """The run's profile (``profile.json``) once it finished with ``diagnostics.profile`` on."""
         self._scratch: str | None = None
@@ -250,16 +257,18 @@ class Federation:
             DataError: If the data set cannot be used.
         """
         cfg = self.config
+        self.summary = None
         tracker = self._make_tracker()
         tracked = not isinstance(tracker, tracking.NullTracker)
-        tracker.prepare()  # e.g. its MLflow writer process starts up while the data loads
         _phase("loading the data and building the model", cfg)
         try:
+            # Its MLflow writer process starts up (a spawn: tens of ms) while the data loads.
+            await asyncio.to_thread(tracker.prepare)
             prepared = await asyncio.to_thread(self._prepare)
             if self._stop_requested:
                 raise RunInterrupted(self._stop_requested)  # before any tracking run exists
         except BaseException:
-            tracker.finish("FAILED")  # no run exists yet: this only stops what prepare() started
+            await _off_loop(tracker.finish, "FAILED")  # no run exists yet: this only stops what prepare() started
             raise
         cfg = self.config = prepared.config  # as resolved against the data (by_column: the population's size)
         metrics: tracking.MetricsProcessor | None = None
@@ -291,7 +300,7 @@ class Federation:
                 make_executor, cfg, prepared, on_fallback=on_fallback, on_event=on_executor, objective=self._objective
             )
         except BaseException:
-            tracker.finish("FAILED")
+            await _off_loop(tracker.finish, "FAILED")
             raise
         executor.attach(self.clock)
         if tracked:
@@ -311,7 +320,8 @@ class Federation:
                 if tracked:
                     await asyncio.to_thread(self._log_dataset, tracker, prepared, custom, log)
         except BaseException:
-            executor.shutdown()
+            # Not the tracker: a start cut short by a cancellation may still be going on in its thread.
+            await _off_loop(executor.shutdown)
             raise
         self.run_id = run_id or None
         status: Literal["FINISHED", "FAILED", "KILLED"] = "FAILED"
@@ -330,11 +340,11 @@ class Federation:
         finally:
             if self.transport is not None:
                 self.transport.finish(status)
-            # Blocking on purpose: this must complete even while the task is being cancelled.
-            executor.shutdown()
-            tracker.finish(status)
-            if self._traces is not None and self._traces.trace_dir is not None:
-                shutil.rmtree(self._traces.trace_dir, ignore_errors=True)
+            trace_dir = self._traces.trace_dir if self._traces is not None else None
+            if tracked:
+                _phase("ending the MLflow run", cfg)  # a slow or silent store makes this the longest step
+            # Off the loop, and completed even while the task is being cancelled (see _off_loop).
+            await _off_loop(_close, executor, tracker, status, trace_dir)
 
     async def _simulate(
         self, prepared: Prepared, executor: TrainingExecutor, log: Any, tracker: tracking.Tracker
@@ -422,28 +432,48 @@ class Federation:
             params=prepared.initial.numel(),
             metrics=False,
         )
+        cancelled: asyncio.CancelledError | None = None
         try:
             stats = await self._drive(server)
+        except asyncio.CancelledError as cancel:
+            cancelled, stats = cancel, server.stats  # held until the clean-up below and the partial summary are done
         finally:
             self._server = None
             if instrumentation is not None and instrumentation.first_alerts:
-                await asyncio.to_thread(_tag_alerts, tracker, instrumentation.first_alerts, log)
+                await _off_loop(_tag_alerts, tracker, instrumentation.first_alerts, log)
             if server.interrupted_state is not None and cfg.checkpoint.on_interrupt:
                 writes.submit(server.interrupted_state)
-            await asyncio.to_thread(writes.close)
+            await _off_loop(writes.close)
             if residuals is not None or variates is not None:
                 # Jobs of cancelled clients may still be running and about to store residuals: let them finish.
-                await asyncio.to_thread(executor.shutdown)
-            if residuals is not None:
-                residual_memory = _close_residuals(residuals, log)
-            if variates is not None:
-                variates.close()
-            if self._scratch is not None:
-                shutil.rmtree(self._scratch, ignore_errors=True)
-                self._scratch = None
+                await _off_loop(executor.shutdown)
+            residual_memory = await _off_loop(self._close_stores, residuals, variates, log)
         wall_s = self._wall() - start_wall
         simulated_s = self.clock.now() - start_sim
         self.weights = weights.cpu()  # artifacts and callers get host tensors, whatever the training device
+        summary = await _off_loop(
+            functools.partial(
+                RunSummary.from_stats,
+                stats,
+                run_id=self.run_id,
+                wall_s=wall_s,
+                simulated_s=simulated_s,
+                num_params=prepared.initial.numel(),
+                weights=self.weights,
+                updates_before=updates_before,
+                topology=topology_name(self.config),
+                tiers=parts.edges.summary() if parts.edges is not None else {},
+                peak_rss_bytes=peak_rss_bytes(),
+                **(
+                    {"privacy_epsilon": prepared.privacy.accountant.epsilon(stats.versions)}
+                    if prepared.privacy is not None
+                    else {}
+                ),
+            )
+        )
+        self.summary = summary
+        if cancelled is not None:
+            raise cancelled
         if server.stop_requested:
             log.warning(
                 "run.interrupted",
@@ -454,24 +484,9 @@ class Federation:
                 checkpoint=writes.last_saved,
                 metrics=False,
             )
-            raise RunInterrupted(server.stop_requested, run_id=self.run_id, checkpoint=writes.last_saved)
-        summary = RunSummary.from_stats(
-            stats,
-            run_id=self.run_id,
-            wall_s=wall_s,
-            simulated_s=simulated_s,
-            num_params=prepared.initial.numel(),
-            weights=weights,
-            updates_before=updates_before,
-            topology=topology_name(self.config),
-            tiers=parts.edges.summary() if parts.edges is not None else {},
-            peak_rss_bytes=peak_rss_bytes(),
-            **(
-                {"privacy_epsilon": prepared.privacy.accountant.epsilon(stats.versions)}
-                if prepared.privacy is not None
-                else {}
-            ),
-        )
+            raise RunInterrupted(
+                server.stop_requested, run_id=self.run_id, checkpoint=writes.last_saved, summary=summary.to_dict()
+            )
         if summary.tiers:
             log.debug("run.tiers", step=stats.versions, **summary.tiers)
         if instrumentation is not None:
@@ -479,6 +494,7 @@ class Federation:
             summary = await asyncio.to_thread(
                 self._finish_profile, summary, instrumentation, server, executor, layout, residual_memory, log
             )
+            self.summary = summary
         # After the profile, which counts the alerts and the peak memory into the summary.
         figures = {
             key: value
@@ -490,6 +506,18 @@ class Federation:
         extra = {"bus_dropped": bus.dropped, "bus_high_water": bus.high_water}
         log.debug("run.finished", step=stats.versions, **figures, **extra)
         return summary
+
+    def _close_stores(
+        self, residuals: ResidualStore | None, variates: ResidualStore | None, log: Any
+    ) -> dict[str, int]:
+        """Close the residual and control-variate stores, remove the scratch folder; return the memory figures."""
+        memory = _close_residuals(residuals, log) if residuals is not None else {}
+        if variates is not None:
+            variates.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+        return memory
 
     def _scratch_dir(self) -> str:
         """Create the run's scratch folder (removed at the end of the run) and return its path."""
@@ -755,6 +783,48 @@ class _CheckpointWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+async def _off_loop(fn: Callable[..., _T], *args: Any) -> _T:
+    """Run ``fn(*args)`` in a worker thread and wait for it, also while the awaiting task is being cancelled.
+
+    Clean-up (an executor's shutdown, a tracker's finish over a slow network) must neither block the event loop
+    nor be cut short by the cancellation that caused it: the first cancellation arriving meanwhile is held until
+    ``fn`` returned, then re-raised. A second one stops the wait at once (``fn`` goes on in its thread, and the
+    interpreter waits for it at exit), so a caller that insists is never held up by a hung store.
+    """
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    held: asyncio.CancelledError | None = None
+    while True:
+        try:
+            result = await asyncio.shield(work)
+        except asyncio.CancelledError as cancel:
+            if work.done() or held is not None:
+                raise
+            held = cancel
+            continue
+        except BaseException:
+            if held is not None:
+                raise held from None  # the cancellation wins over a failing clean-up
+            raise
+        if held is not None:
+            raise held
+        return result
+
+
+def _close(
+    executor: TrainingExecutor,
+    tracker: tracking.Tracker,
+    status: Literal["FINISHED", "FAILED", "KILLED"],
+    trace_dir: str | None = None,
+) -> None:
+    """Shut the executor down, end the tracking run with ``status`` and remove the traces folder (blocking)."""
+    try:
+        executor.shutdown()
+    finally:
+        tracker.finish(status)
+        if trace_dir is not None:
+            shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 def _phase(name: str, config: RunConfig) -> None:

@@ -49,6 +49,7 @@ __all__ = [
 
 _MAX_TOKEN_CHARS = 512
 _REMEMBERED_ANSWERS = 1 << 16
+_RESUMABLE = "KILLED"  # a run ending with this tracking status may be resumed: its clients are told to retry
 _MAX_POLLS_PER_CLIENT = 2
 
 
@@ -316,8 +317,24 @@ class RemoteTransport:
         largest = len(self.upload_codec.encode(probe, generator=torch.Generator().manual_seed(0)).payload)
         self.max_upload_bytes = max(dense, largest) + 64
 
+    def _ended(self) -> Refusal:
+        """Refuse a request after the run ended: 410, or 503 with ``Retry-After`` when it stopped to be resumed.
+
+        A run ending ``KILLED`` (a signal, ``request_stop``, a cancellation) can be resumed from its checkpoint
+        (``flasync serve --resume``), and a run whose bus closed is still ending: clients are told to retry, so
+        they reconnect to the resumed server. Any other end (``FINISHED``, ``FAILED``) is final.
+        """
+        if self.finished in ("", _RESUMABLE):
+            retry = self.settings.retry_after_s
+            return Refusal(503, "stopping", "the run has stopped or is stopping; retry (it may be resumed)", retry)
+        return Refusal(410, "finished", f"the run has ended ({self.finished})")
+
     def finish(self, reason: str) -> None:
-        """End the run for every client: waiting requests return, later ones learn the run is over."""
+        """End the run for every client: waiting requests return, later ones learn the run is over.
+
+        Args:
+            reason: The tracking status the run ends with; after ``KILLED`` clients are told to retry (503).
+        """
         self.finished = reason or "finished"
         for waker in self._wakers.values():
             waker.set()
@@ -345,7 +362,7 @@ class RemoteTransport:
     def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
         """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
         if self.finished:
-            return Refusal(410, "finished", f"the run has ended ({self.finished})")
+            return self._ended()
         if self._registry is None:
             return self._not_started()
         return {"client_id": int(client_id), "max_upload_bytes": self.max_upload_bytes, **self._setup}
@@ -356,7 +373,7 @@ class RemoteTransport:
         A client that asks again while its task is in flight gets the same task (it may have restarted).
         """
         if self.finished:
-            return Refusal(410, "finished", f"the run has ended ({self.finished})")
+            return self._ended()
         posted = self._posted.get(client_id)
         if posted is not None:
             return self._offer(posted)
@@ -382,7 +399,7 @@ class RemoteTransport:
             self._polls[client_id] -= 1
             if not self._polls[client_id]:
                 del self._polls[client_id]
-        return Refusal(410, "finished", f"the run has ended ({self.finished})")
+        return self._ended()
 
     def _offer(self, posted: _Posted) -> Offer:
         task = posted.task
@@ -396,7 +413,7 @@ class RemoteTransport:
     async def model(self, client_id: ClientId, version: int) -> bytes | Refusal:
         """Return the encoded model of ``version`` (encoded once per version, off the event loop)."""
         if self.finished:
-            return Refusal(410, "finished", f"the run has ended ({self.finished})")
+            return self._ended()
         registry = self._registry
         if registry is None:
             return self._not_started()
@@ -422,7 +439,7 @@ class RemoteTransport:
         """Refuse an upload before its body is read: a run not attached, a replay, a task not the client's own,
         a declared body over :attr:`max_upload_bytes` (None: go on)."""
         if self.finished:
-            return Refusal(410, "finished", f"the run has ended ({self.finished})")
+            return self._ended()
         registry = self._registry
         if registry is None:
             return self._not_started()
@@ -480,7 +497,7 @@ class RemoteTransport:
             retry = self.settings.retry_after_s
             return self._refuse(client_id, Refusal(503, "server_busy", "the server's inbox is full", retry))
         except BusClosed:
-            return Refusal(410, "finished", "the run has ended")
+            return self._ended()
         self._remember(task_id)
         self.uploads += 1
         self.wire_upload_bytes += len(payload)
@@ -524,7 +541,7 @@ class RemoteTransport:
             retry = self.settings.retry_after_s
             return self._refuse(client_id, Refusal(503, "server_busy", "the server's inbox is full", retry))
         except BusClosed:
-            return Refusal(410, "finished", "the run has ended")
+            return self._ended()
         self._remember(task_id)
         return None
 

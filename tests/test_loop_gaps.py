@@ -1,0 +1,284 @@
+"""The embedding host's event loop never stalls: a 10 ms heartbeat beside a run, a cancel and a stop.
+
+Each test measures the gaps between two ticks of a coroutine that sleeps 10 ms, from before the run starts until
+it returned or raised, and bounds the worst by 100 ms. A blocking call on the loop (an executor's shutdown, an
+MLflow call, a checkpoint upload) shows as a gap of its whole duration.
+
+The bound is on the loop, not on the machine: a pause of the whole process (a full collection of Python's garbage
+collector, which stops every thread for a time that grows with the host's whole heap; a CPU taken by other
+processes) delays the loop as much as any other thread. A reference thread ticking beside the loop sees those pauses
+too, so the part of a loop gap during which the reference thread did not tick either is not held against the loop.
+Both figures are kept: ``worst_s`` (raw) and ``own_worst_s`` (the loop's own), and the raw one is printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import numpy as np
+import pytest
+
+import flasync
+import tracking
+from flasync.errors import RunInterrupted
+from flasync.events import ModelPublished
+from flasync.summary import RunSummary
+from flasync.testing import small_config
+
+MAX_GAP_S = 0.1
+TICK_S = 0.01
+
+
+class Heartbeat:
+    """Tick every 10 ms on the running loop, and every 10 ms on a reference thread, recording each tick's time."""
+
+    def __init__(self) -> None:
+        """Start with no ticks."""
+        self.loop_ticks: list[float] = []
+        self.thread_ticks: list[float] = []
+        self._stop = asyncio.Event()
+        self._done = threading.Event()
+
+    @property
+    def ticks(self) -> int:
+        """Ticks of the loop."""
+        return len(self.loop_ticks)
+
+    @property
+    def worst_s(self) -> float:
+        """The longest gap between two ticks of the loop."""
+        return float(np.diff(self.loop_ticks).max()) if len(self.loop_ticks) > 1 else 0.0
+
+    @property
+    def own_worst_s(self) -> float:
+        """The longest gap of the loop less the part of it during which the reference thread was held too."""
+        loop, ref = np.asarray(self.loop_ticks), np.asarray(self.thread_ticks)
+        worst = 0.0
+        for start, end in itertools.pairwise(loop):
+            inside = ref[(ref > start) & (ref < end)]
+            edges = np.concatenate(([start], inside, [end]))
+            # The longest stretch without a reference tick: the whole process was held that long.
+            held_too = float(np.diff(edges).max())
+            worst = max(worst, (end - start) - held_too)
+        return worst
+
+    async def beat(self) -> None:
+        """Tick until :meth:`stop`."""
+        thread = threading.Thread(target=self._reference, daemon=True)
+        thread.start()
+        while not self._stop.is_set():
+            self.loop_ticks.append(time.perf_counter())
+            await asyncio.sleep(TICK_S)
+        self._done.set()
+        await asyncio.to_thread(thread.join)
+
+    def _reference(self) -> None:
+        while not self._done.is_set():
+            self.thread_ticks.append(time.perf_counter())
+            time.sleep(TICK_S)
+
+    def stop(self) -> None:
+        """End :meth:`beat` at its next tick."""
+        self._stop.set()
+
+    def check(self, what: str) -> None:
+        """Print both worst gaps and assert the loop's own is within the bound."""
+        print(f"{what}: worst loop gap {self.worst_s * 1000:.0f} ms, the loop's own {self.own_worst_s * 1000:.0f} ms")
+        assert self.ticks > 10
+        assert self.own_worst_s <= MAX_GAP_S, f"{what}: the loop was held {self.own_worst_s:.3f} s"
+
+
+async def beside(work: Callable[[], Awaitable[Any]]) -> tuple[Any, Heartbeat]:
+    """Await ``work()`` with a heartbeat beside it; return its result (or the exception it raised) and the beat."""
+    heart = Heartbeat()
+    beat = asyncio.create_task(heart.beat())
+    await asyncio.sleep(3 * TICK_S)  # the beat is going before the run starts
+    try:
+        result: Any = await work()
+    except BaseException as exc:  # the test inspects what the run raised
+        result = exc
+    heart.stop()
+    await beat
+    return result, heart
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    """Return a temporary SQLite MLflow store."""
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """Yield the URL of an HTTP server that accepts connections, reads requests and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    held: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            held.append(conn)  # read nothing back, answer nothing: the client waits for its timeout
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    done.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def tracked(uri: str, *overrides: str) -> Any:
+    """Return a small wall-clock config tracked to ``uri``."""
+    return small_config(
+        "clock=wall",
+        "tracking.enabled=true",
+        f"tracking.uri={uri}",
+        "tracking.experiment=loop",
+        "checkpoint.every_versions=2",
+        *overrides,
+    )
+
+
+def status_of(store: str) -> str:
+    """Return the status of the only run in ``store``."""
+    client = mlflow.MlflowClient(store)
+    experiment = client.get_experiment_by_name("loop")
+    assert experiment is not None
+    (run,) = client.search_runs([experiment.experiment_id])
+    return str(run.info.status)
+
+
+async def cancelled_after(federation: flasync.Federation, versions: int) -> BaseException | RunSummary:
+    """Run ``federation``, cancel its task once ``versions`` models were published, return what awaiting it gave."""
+    published = federation.bus.subscribe(ModelPublished, policy="drop_oldest")
+    task = asyncio.create_task(federation.run())
+    for _ in range(versions):
+        await published.receive()
+    task.cancel()
+    try:
+        return await task
+    except BaseException as exc:  # returned for the test to inspect
+        return exc
+
+
+async def stopped_after(federation: flasync.Federation, versions: int) -> BaseException | RunSummary:
+    """Run ``federation``, call ``request_stop`` once ``versions`` models were published, return its outcome."""
+    published = federation.bus.subscribe(ModelPublished, policy="drop_oldest")
+    task = asyncio.create_task(federation.run())
+    for _ in range(versions):
+        await published.receive()
+    federation.request_stop("test")
+    try:
+        return await task
+    except BaseException as exc:  # returned for the test to inspect
+        return exc
+
+
+@pytest.mark.timeout(120)
+async def test_a_whole_tracked_run_keeps_the_loop_responsive(store: str) -> None:
+    """A run tracked to SQLite, from its start to its summary, never holds the loop for 100 ms."""
+    summary, heart = await beside(lambda: flasync.Federation(tracked(store, "stop.max_versions=8")).run())
+    assert isinstance(summary, RunSummary) and summary.versions == 8
+    assert status_of(store) == "FINISHED"
+    heart.check("run")
+
+
+@pytest.mark.timeout(120)
+async def test_a_cancelled_run_keeps_the_loop_responsive(store: str) -> None:
+    """Cancelling a tracked run's task ends it KILLED without holding the loop."""
+    federation = flasync.Federation(tracked(store, "stop.max_versions=100000"))
+    outcome, heart = await beside(lambda: cancelled_after(federation, 3))
+    assert isinstance(outcome, asyncio.CancelledError)
+    assert status_of(store) == "KILLED"
+    assert federation.summary is not None and federation.summary.versions >= 2
+    heart.check("cancel")
+
+
+@pytest.mark.timeout(120)
+async def test_a_stopped_run_keeps_the_loop_responsive(store: str) -> None:
+    """request_stop checkpoints and ends the run KILLED without holding the loop; the error has a partial summary."""
+    federation = flasync.Federation(tracked(store, "stop.max_versions=100000"))
+    outcome, heart = await beside(lambda: stopped_after(federation, 3))
+    assert isinstance(outcome, RunInterrupted)
+    assert outcome.checkpoint is not None
+    assert outcome.summary is not None and outcome.summary["versions"] >= 2
+    assert federation.summary is not None and federation.summary.versions == outcome.summary["versions"]
+    assert status_of(store) == "KILLED"
+    heart.check("stop")
+
+
+def silent_tracker(url: str, spool: Path) -> tracking.MlflowTracker:
+    """Return a tracker for ``url`` whose requests give up after 1 s (the defaults wait 10 s and retry)."""
+    return tracking.MlflowTracker(url, http_timeout_s=1, http_retries=0, spool_root=spool, flush_timeout_s=2.0)
+
+
+@pytest.mark.timeout(180)
+async def test_a_silent_mlflow_server_never_holds_the_loop(silent_server: str, tmp_path: Path) -> None:
+    """With a store that accepts connections and never answers, a run, a cancel and a stop keep the loop free."""
+    config = small_config("clock=wall", "tracking.enabled=true", "stop.max_versions=4")
+    summary, heart = await beside(
+        lambda: flasync.Federation(config, tracker=silent_tracker(silent_server, tmp_path / "a")).run()
+    )
+    assert isinstance(summary, RunSummary) and summary.versions == 4
+    heart.check("silent store, run")
+    endless = small_config("clock=wall", "tracking.enabled=true", "stop.max_versions=100000")
+    federation = flasync.Federation(endless, tracker=silent_tracker(silent_server, tmp_path / "b"))
+    outcome, heart = await beside(lambda: cancelled_after(federation, 2))
+    assert isinstance(outcome, asyncio.CancelledError)
+    heart.check("silent store, cancel")
+    federation = flasync.Federation(endless, tracker=silent_tracker(silent_server, tmp_path / "c"))
+    outcome, heart = await beside(lambda: stopped_after(federation, 2))
+    assert isinstance(outcome, RunInterrupted)
+    heart.check("silent store, stop")
+
+
+async def test_clean_up_completes_through_one_cancellation_and_a_second_stops_the_wait() -> None:
+    """The first cancellation of a run's clean-up is held until the clean-up is done; a second one ends the wait."""
+    from flasync.runtime import _off_loop
+
+    release = threading.Event()
+    done: list[str] = []
+
+    def clean_up(name: str) -> None:
+        release.wait(10.0)
+        done.append(name)
+
+    once = asyncio.create_task(_off_loop(clean_up, "once"))
+    await asyncio.sleep(0.05)
+    once.cancel()
+    await asyncio.sleep(0.05)
+    assert not once.done()  # still waiting for the clean-up
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await once
+    assert done == ["once"]
+
+    release.clear()
+    twice = asyncio.create_task(_off_loop(clean_up, "twice"))
+    await asyncio.sleep(0.05)
+    twice.cancel()
+    await asyncio.sleep(0.05)
+    twice.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await twice
+    assert done == ["once"]  # the wait ended before the clean-up did
+    release.set()
+    await asyncio.sleep(0.1)
+    assert done == ["once", "twice"]  # which still completed in its thread

@@ -491,13 +491,9 @@ class RemoteTransport:
             download_bytes=download_bytes,
             peak_mem_bytes=report.peak_mem_bytes,
         )
-        try:
-            self._bus.publish_nowait(message)
-        except BusFull:
-            retry = self.settings.retry_after_s
-            return self._refuse(client_id, Refusal(503, "server_busy", "the server's inbox is full", retry))
-        except BusClosed:
-            return self._ended()
+        refusal = self._publish(client_id, message)
+        if refusal is not None:
+            return refusal
         self._remember(task_id)
         self.uploads += 1
         self.wire_upload_bytes += len(payload)
@@ -525,24 +521,31 @@ class RemoteTransport:
             return refusal
         assert self._registry is not None and self._bus is not None
         task = self._registry.busy[client_id]
+        failed = ClientFailed(
+            to=task.reply_to,
+            task_id=task_id,
+            client_id=client_id,
+            base_version=task.base_version,
+            error=error[:200],
+            simulated_s=self._registry_now(),
+            kind="error",
+        )
+        refusal = self._publish(client_id, failed)
+        if refusal is not None:
+            return refusal
+        self._remember(task_id)
+        return None
+
+    def _publish(self, client_id: ClientId, message: UpdateUploaded | ClientFailed) -> Refusal | None:
+        """Put a client's answer on the run's bus; a full inbox is 503 (retry later), a finished run its end."""
+        assert self._bus is not None
         try:
-            self._bus.publish_nowait(
-                ClientFailed(
-                    to=task.reply_to,
-                    task_id=task_id,
-                    client_id=client_id,
-                    base_version=task.base_version,
-                    error=error[:200],
-                    simulated_s=self._registry_now(),
-                    kind="error",
-                )
-            )
+            self._bus.publish_nowait(message)
         except BusFull:
             retry = self.settings.retry_after_s
             return self._refuse(client_id, Refusal(503, "server_busy", "the server's inbox is full", retry))
         except BusClosed:
             return self._ended()
-        self._remember(task_id)
         return None
 
     def unauthorized(self) -> Refusal:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 NUM_CLIENTS = 5
 
@@ -30,6 +31,15 @@ def remote_config(tokens_file: Path, **overrides: Any) -> dict[str, Any]:
     for key, value in overrides.items():
         config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
     return config
+
+
+def write_remote_config(path: Path, tokens_file: Path, **overrides: Any) -> Path:
+    """Write :func:`remote_config` (tracking on unless overridden) as the YAML file a `flasync serve` reads."""
+    tracking = {"log_model": False, **overrides.pop("tracking", {})}
+    config = remote_config(tokens_file, tracking=tracking, **overrides)
+    config["tracking"].pop("enabled")
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
 
 
 @pytest.fixture

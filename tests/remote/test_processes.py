@@ -18,48 +18,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 from flasync.runtime import Federation
-from tests.remote.conftest import NUM_CLIENTS
+from tests.remote.conftest import NUM_CLIENTS, write_remote_config
 
 pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.skipif(os.environ.get("FLASYNC_SERVER_TESTS") != "1", reason="set FLASYNC_SERVER_TESTS=1 (slow)"),
 ]
-
-_CONFIG = """
-seed = 0
-clock = "wall"
-[partition]
-kind = "iid"
-[model]
-kind = "mlp"
-hidden = [32]
-[population]
-num_clients = {num_clients}
-[client]
-epochs = 2
-batch_size = 16
-lr = 0.1
-[server]
-kind = "fedbuff"
-buffer_size = 3
-concurrency = {num_clients}
-[stop]
-max_versions = 60
-[eval]
-every_versions = 5
-[resilience]
-task_timeout_s = 3.0
-[tracking]
-experiment = "remote-evidence"
-log_model = false
-[remote]
-enabled = true
-tokens_file = "{tokens}"
-poll_s = 5.0
-"""
 
 
 def _free_port() -> int:
@@ -91,8 +59,14 @@ def _wait_for_version(port: int, version: int, deadline_s: float) -> None:
 
 def test_serve_and_five_client_processes(tmp_path: Path, tokens: dict[int, str]) -> None:
     """FedBuff reaches 0.85 over loopback HTTP; a client killed mid-run is timed out and the run finishes."""
-    config = tmp_path / "remote.toml"
-    config.write_text(_CONFIG.format(num_clients=NUM_CLIENTS, tokens=tmp_path / "tokens.txt"))
+    config = tmp_path / "remote.yaml"
+    write_remote_config(
+        config,
+        tmp_path / "tokens.txt",
+        stop={"max_versions": 60},
+        resilience={"task_timeout_s": 3.0},
+        tracking={"experiment": "remote-evidence"},
+    )
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     port = _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLFLOW_TRACKING_URI": store}
@@ -162,9 +136,7 @@ def test_serve_and_five_client_processes(tmp_path: Path, tokens: dict[int, str])
 
 
 def _simulated_of(config: Path) -> dict[str, object]:
-    import tomllib
-
-    data = tomllib.loads(config.read_text())
+    data: dict[str, object] = yaml.safe_load(config.read_text())
     data.pop("remote")
     data["clock"] = "virtual"
     data["stop"] = {"max_versions": 10}

@@ -22,7 +22,7 @@ from flasync.remote import Client
 from flasync.runtime import Federation
 from flasync.serve import serve
 from flasync.summary import RunSummary
-from tests.remote.conftest import NUM_CLIENTS, remote_config
+from tests.remote.conftest import remote_config, write_remote_config
 
 
 def _free_port() -> int:
@@ -86,43 +86,14 @@ async def test_a_served_run_resumes_and_its_clients_reconnect(tmp_path: Path, to
 
 
 def _config_file(tmp_path: Path) -> Path:
-    store = tmp_path / "mlflow.db"
-    text = f"""
-seed = 0
-clock = "wall"
-[partition]
-kind = "iid"
-[model]
-kind = "mlp"
-hidden = [32]
-[population]
-num_clients = {NUM_CLIENTS}
-[client]
-epochs = 2
-batch_size = 16
-lr = 0.1
-[server]
-kind = "fedbuff"
-buffer_size = 3
-concurrency = {NUM_CLIENTS}
-[stop]
-max_versions = 200
-[checkpoint]
-every_versions = 2
-[resilience]
-task_timeout_s = 20.0
-[tracking]
-uri = "sqlite:///{store}"
-experiment = "served"
-log_model = false
-[remote]
-enabled = true
-tokens_file = "{tmp_path / "tokens.txt"}"
-poll_s = 1.0
-"""
-    path = tmp_path / "served.toml"
-    path.write_text(text)
-    return path
+    return write_remote_config(
+        tmp_path / "served.yaml",
+        tmp_path / "tokens.txt",
+        stop={"max_versions": 200},
+        checkpoint={"every_versions": 2},
+        tracking={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "served"},
+        remote={"poll_s": 1.0},
+    )
 
 
 @pytest.mark.skipif(os.environ.get("FLASYNC_SERVER_TESTS") != "1", reason="set FLASYNC_SERVER_TESTS=1 (about a minute)")

@@ -46,6 +46,7 @@ T = TypeVar("T")
 
 _VERSIONS_KEPT = 8  # model versions whose object refs stay alive (the ones tasks in flight start from)
 _PIPELINE = 2  # calls queued per actor: the next one's arguments travel while the current one trains
+_ACTOR_START_S = 120.0  # an actor whose resources no node has waits for ever: give up after this
 
 
 def _ray() -> Any:
@@ -275,6 +276,10 @@ class RayTrainingExecutor:
         lazy: SyntheticClients | None = None,
     ) -> None:
         ray = _ray()
+        if settings.gpus_per_actor > 0 and settings.address is None and not torch.cuda.is_available():
+            raise ConfigError(
+                f"executor.ray.gpus_per_actor: {settings.gpus_per_actor:g} asked for, but this machine has no CUDA GPU"
+            )
         self.lazy = lazy
         self.settings = settings
         self.factory = factory
@@ -310,7 +315,13 @@ class RayTrainingExecutor:
         self._device = "cuda" if settings.gpus_per_actor > 0 else "cpu"
         self._lock = threading.Lock()
         self._names = (f"flasync-train-{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
-        self._slots = [self._new_slot() for _ in range(settings.actors)]
+        try:
+            self._slots = [self._new_slot() for _ in range(settings.actors)]
+        except BaseException:
+            if self.started_ray:  # a Ray started for this run must not outlive an executor that never was
+                ray.shutdown()
+                self.started_ray = False
+            raise
         self._turn = itertools.count()
         self._bases: OrderedDict[int, tuple[torch.Tensor, Any]] = OrderedDict()
         self._data: dict[int, tuple[torch.Tensor, torch.Tensor, list[Any], int]] = {}
@@ -342,7 +353,14 @@ class RayTrainingExecutor:
             self.factory, self.settings.threads_per_actor, self._device, self.lazy
         )
         try:
-            node = ray.get(actor.node.remote())
+            node = ray.get(actor.node.remote(), timeout=_ACTOR_START_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor)
+            settings = self.settings
+            raise ConfigError(
+                f"executor.ray: no actor started within {_ACTOR_START_S:.0f} s: does the cluster have "
+                f"{settings.cpus_per_actor:g} CPU and {settings.gpus_per_actor:g} GPU free for one?"
+            ) from None
         except Exception as exc:
             message = f"executor.ray: an actor could not start: {type(exc).__name__}: {exc}"
             raise ConfigError(message.splitlines()[0]) from None

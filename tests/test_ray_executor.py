@@ -193,3 +193,13 @@ def test_a_lazy_population_ships_client_ids_not_samples(monkeypatch: pytest.Monk
     on_ray = flasync.run(small_config(*overrides, "executor.kind=ray"))
     assert on_ray.updates_failed == 0
     assert on_ray.weights_sha256 == threads.weights_sha256
+
+
+def test_gpus_asked_for_on_a_machine_without_any_is_one_line(tmp_path: Path) -> None:
+    """A local Ray cannot give actors GPUs this machine lacks: refused before Ray starts, exit 2, one line."""
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = _cli("--no-tracking", "--set", "executor.kind=ray", "--set", "executor.ray.gpus_per_actor=1", cwd=tmp_path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("flasync: error:")]
+    assert len(errors) == 1 and "executor.ray.gpus_per_actor" in errors[0]

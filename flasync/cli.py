@@ -252,6 +252,8 @@ def _command_serve(args: argparse.Namespace) -> int:
 
 
 def _command_client(args: argparse.Namespace) -> int:
+    if not args.server.startswith(("http://", "https://")):
+        raise _UsageError(f"--server: expected an http:// or https:// address, got {args.server!r}")
     try:
         with open(args.token_file, encoding="utf-8") as handle:
             token = handle.read().strip()

@@ -1212,14 +1212,19 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 
 def _anchor_data_paths(data: dict[str, Any], folder: Path) -> None:
-    """Make the relative file paths of a ``files`` data section absolute against ``folder``, in place."""
+    """Make the relative file paths a config file names (a ``files`` data section's, the remote tokens file)
+    absolute against ``folder``, in place."""
+    places: list[tuple[dict[str, Any], str]] = []
     section = data.get("data")
-    if not isinstance(section, dict) or section.get("kind") != "files":
-        return
-    for key in ("train", "test"):
-        value = section.get(key)
+    if isinstance(section, dict) and section.get("kind") == "files":
+        places += [(section, "train"), (section, "test")]
+    remote = data.get("remote")
+    if isinstance(remote, dict):
+        places.append((remote, "tokens_file"))
+    for table, key in places:
+        value = table.get(key)
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
-            section[key] = os.path.normpath(folder / value)
+            table[key] = os.path.normpath(folder / value)
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:

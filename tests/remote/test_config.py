@@ -97,3 +97,24 @@ def test_client_gives_up_on_an_unreachable_server(tmp_path: Path, capsys: pytest
     argv = ["client", "--server", "http://127.0.0.1:9", "--token-file", str(token), "--give-up-s", "0.3"]
     assert main(argv) == 2
     assert "unreachable" in capsys.readouterr().err
+
+
+def test_a_relative_tokens_file_is_read_from_the_config_files_folder(tmp_path: Path) -> None:
+    """remote.tokens_file in a config file is anchored at the file's folder, as data paths are."""
+    from flasync.config import load_config
+
+    folder = tmp_path / "deploy"
+    folder.mkdir()
+    (folder / "remote.toml").write_text(
+        'clock = "wall"\n[remote]\nenabled = true\ntokens_file = "tokens.txt"\n[resilience]\ntask_timeout_s = 5\n'
+    )
+    assert load_config(folder / "remote.toml").remote.tokens_file == str(folder / "tokens.txt")
+
+
+def test_a_server_address_without_a_scheme_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """flasync client --server 127.0.0.1:8080 (no http://) exits 2 at once instead of retrying."""
+    token = tmp_path / "token"
+    token.write_text("t" * 24)
+    assert main(["client", "--server", "127.0.0.1:8080", "--token-file", str(token)]) == 2
+    err = capsys.readouterr().err
+    assert "--server: expected an http:// or https:// address" in err and err.count("\n") == 1

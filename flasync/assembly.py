@@ -119,6 +119,7 @@ from flasync.server import (
 )
 from flasync.server.loop import Evaluator
 from flasync.server.registry import StartTask
+from flasync.server.sampler import Availability
 from flasync.topology import Tree, build_tree
 from flasync.training import EvalResult, LocalObjective, LocalTraining, evaluate, flat_parameters, objective_name
 from flasync.validation import UpdateValidator
@@ -1003,6 +1004,7 @@ def build_server(
     privacy: PrivacyPlan | None = None,
     aggregator_factory: AggregatorFactory | None = None,
     start_task: StartTask | None = None,
+    availability: Availability | None = None,
 ) -> ServerParts:
     """Assemble the cloud of a run: registry, accounting, sampler, intake, aggregator, policy, edges.
 
@@ -1021,6 +1023,8 @@ def build_server(
         aggregator_factory: Builds the aggregation rule instead of ``config.server`` (which still picks the policy).
         start_task: How a task reaches its client instead of an in-process client coroutine (e.g. a remote
             transport's :meth:`~flasync.transport.RemoteTransport.start_task`).
+        availability: Who can take a task now, instead of the failure model's windows (e.g. the remote transport:
+            the devices connected now).
     """
     server_cfg, res = config.server, config.resilience
     num_params = weights.numel()
@@ -1045,6 +1049,7 @@ def build_server(
         config.population.sampling,
         seeding.numpy_stream(config.seed, seeding.SERVER),
         world.faults,
+        availability,
     )
     max_staleness = server_cfg.max_staleness if isinstance(server_cfg, FedBuffServer | FedAsyncServer) else None
     upload_codec = world.job.upload_codec

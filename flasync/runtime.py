@@ -396,6 +396,7 @@ class Federation:
             privacy=prepared.privacy,
             aggregator_factory=self._aggregator,
             start_task=self.transport.start_task if self.transport is not None else None,
+            availability=self.transport,
         )
         server = parts.server
         if self.transport is not None:

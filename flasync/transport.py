@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from flasync.bus import EventBus
@@ -280,6 +281,8 @@ class RemoteTransport:
         """Update bodies received (bytes)."""
         self.wire_download_bytes = 0
         """Model bodies sent (bytes)."""
+        self._seen: dict[ClientId, float] = {}  # a device's last request (wall seconds)
+        self._num_clients = 0
 
     # ------------------------------------------------------------------------------------------ lifetime
     @property
@@ -310,6 +313,7 @@ class RemoteTransport:
             num_classes: Number of classes (likewise).
         """
         self._bus, self._registry, self._clock, self._log = bus, registry, clock, log
+        self._num_clients = registry.num_clients
         self.num_params = num_params
         self._setup.update(num_params=num_params, feature_shape=list(feature_shape), num_classes=num_classes)
         dense = HEADER.size + 4 * num_params
@@ -358,9 +362,40 @@ class RemoteTransport:
             if self._posted.get(client_id) is posted:
                 del self._posted[client_id]
 
+    # ------------------------------------------------------------------------------------------ availability
+    def online(self, client_id: int, t: float) -> bool:
+        """Tell whether device ``client_id`` is connected: asking for a task now, or heard from within
+        :meth:`online_window_s` (the sampler gives tasks to connected devices only; ``t`` is not needed)."""
+        if client_id in self._polls:
+            return True
+        seen = self._seen.get(ClientId(client_id))
+        return seen is not None and self._wall() - seen <= self.online_window_s
+
+    def online_mask(self, t: float) -> np.ndarray:
+        """Return a boolean array over the population: which devices are connected now."""
+        mask = np.zeros(self._num_clients, dtype=bool)
+        for client_id in set(self._seen) | set(self._polls):
+            if client_id < self._num_clients and self.online(client_id, t):
+                mask[client_id] = True
+        return mask
+
+    def next_online(self, t: float) -> float:
+        """Return ``t`` if a device is connected, else when to look again (a quarter of a second later)."""
+        return t if self.online_mask(t).any() else t + 0.25
+
+    @property
+    def online_window_s(self) -> float:
+        """How long after its last request a device not waiting for a task counts as connected (a connected idle
+        device is always waiting: it asks again as soon as a poll ends or its upload is answered)."""
+        return 3.0
+
+    def _heard(self, client_id: ClientId) -> None:
+        self._seen[client_id] = self._wall()
+
     # -------------------------------------------------------------------------------------------- requests
     def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
         """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
+        self._heard(client_id)
         if self.finished:
             return self._ended()
         if self._registry is None:
@@ -372,6 +407,7 @@ class RemoteTransport:
 
         A client that asks again while its task is in flight gets the same task (it may have restarted).
         """
+        self._heard(client_id)
         if self.finished:
             return self._ended()
         posted = self._posted.get(client_id)
@@ -399,6 +435,7 @@ class RemoteTransport:
             self._polls[client_id] -= 1
             if not self._polls[client_id]:
                 del self._polls[client_id]
+            self._heard(client_id)
         return self._ended()
 
     def _offer(self, posted: _Posted) -> Offer:
@@ -467,6 +504,7 @@ class RemoteTransport:
         Returns:
             None once the update is on its way to the intake, else why it was refused.
         """
+        self._heard(client_id)
         refusal = self.check_upload(client_id, task_id, len(payload))
         if refusal is not None:
             return refusal

@@ -124,6 +124,11 @@ class TaskRegistry:
         self._tg = None
 
     # --------------------------------------------------------------------------------------------- models
+    @property
+    def num_clients(self) -> int:
+        """Size of the population."""
+        return len(self._participations)
+
     def publish(self, snapshot: ModelSnapshot) -> None:
         """Make ``snapshot`` the current model; the previous one is kept only while tasks use it."""
         previous = self.current

@@ -2,14 +2,14 @@
 
 The sampler draws idle clients one at a time (async slots) or a cohort at once (sync rounds) by the population's
 strategy (uniform, weighted by samples, least recently used, available now), and only online clients when the
-fault model has availability windows.
+fault model has availability windows, or (remote devices) when the transport says who is connected.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -17,7 +17,23 @@ from flasync.events import ClientId
 from flasync.faults import FaultModel
 from flasync.population import Population, SamplingStrategy
 
-__all__ = ["ClientSampler"]
+__all__ = ["Availability", "ClientSampler"]
+
+
+class Availability(Protocol):
+    """Which clients can take a task now: simulated availability windows, or remote devices connected now."""
+
+    def online(self, client_id: int, t: float) -> bool:
+        """Tell whether ``client_id`` is online at time ``t``."""
+        ...
+
+    def online_mask(self, t: float) -> np.ndarray:
+        """Return a boolean array over the population: who is online at time ``t``."""
+        ...
+
+    def next_online(self, t: float) -> float:
+        """Return when to look again for an online client (``t`` if one is online now)."""
+        ...
 
 
 class ClientSampler:
@@ -28,6 +44,7 @@ class ClientSampler:
         strategy: How to draw (``uniform``, ``weighted``, ``lru`` or ``available``).
         rng: The server's random stream (its state is part of a checkpoint).
         faults: The failure model; its availability windows, if any, restrict draws to online clients.
+        availability: Who is online, instead of the failure model's windows (e.g. the remote devices connected now).
     """
 
     def __init__(
@@ -36,12 +53,14 @@ class ClientSampler:
         strategy: SamplingStrategy,
         rng: np.random.Generator,
         faults: FaultModel | None = None,
+        availability: Availability | None = None,
     ) -> None:
         """Bind the population and the random stream."""
         self.population = population
         self.strategy = strategy
         self.rng = rng
-        self.faults = faults if faults is not None and faults.config.availability is not None else None
+        windows = faults if faults is not None and faults.config.availability is not None else None
+        self.faults: Availability | None = availability if availability is not None else windows
 
     @property
     def checkpointable(self) -> bool:

@@ -73,7 +73,9 @@ async def served(tmp_path: Path, tokens: dict[int, str]) -> AsyncIterator[Served
     async with httpx.AsyncClient(transport=transport, base_url="http://fl", timeout=30.0) as http:
         run = asyncio.create_task(federation.run())
         assert federation.transport is not None
-        for _ in range(2000):  # until the first wave of tasks is out
+        for _ in range(2000):  # every device says hello (tasks go to connected devices) until the first wave is out
+            for token in tokens.values():
+                await http.get("/v1/hello", headers={"authorization": f"Bearer {token}"})
             if federation.transport.statistics()["posted"] >= 4:
                 break
             await asyncio.sleep(0.01)

@@ -331,6 +331,8 @@ class AlertMonitor:
             version recorded is the one the weights belong to, and versions between batches are skipped).
         initial: The initial weights (for drift).
         rng: Chooses which update norms the quantiles keep once there are too many (seeded by default).
+        step_cause: What a too-large server step most likely comes from, named in its alert (the server's learning
+            rate; under differential privacy, the noise).
 
     Everything it keeps is bounded: the update norms as a :class:`~flasync.quantiles.StreamSummary` and thinned
     series (:class:`~flasync.quantiles.Thinned`), the losses as the divergence window and the best loss.
@@ -344,9 +346,11 @@ class AlertMonitor:
         weights: Callable[[], tuple[int, torch.Tensor]] | None = None,
         initial: torch.Tensor | None = None,
         rng: random.Random | None = None,
+        step_cause: str = "server.optimizer.lr?",
     ) -> None:
         """Start with no alerts."""
         self.config = config
+        self.step_cause = step_cause
         self.layer_names = layer_names
         self._weights = weights
         self._initial = initial
@@ -444,7 +448,7 @@ class AlertMonitor:
             Alert(
                 "step_ratio",
                 f"version {version} moved the weights by {ratio:.3g} of their norm (> {limit:g}): the server step is "
-                "too large (server.optimizer.lr?)",
+                f"too large ({self.step_cause})",
                 ratio,
             )
         ]

@@ -541,6 +541,11 @@ class Federation:
                 layer_names=layout.names if layout is not None else (),
                 weights=lambda: (int(server.version), server.weights),
                 initial=server.weights.clone() if dcfg.level != "off" else None,
+                step_cause=(
+                    "the privacy noise: a smaller privacy.noise_multiplier or more clients per version?"
+                    if self.config.privacy.enabled
+                    else "server.optimizer.lr?"
+                ),
             ),
             log=log,
             now=self.clock.now,

@@ -189,6 +189,7 @@ async def test_a_destroying_server_step_alerts_between_evaluations() -> None:
     await bad.run()
     alerts = [e for e in bad_events.of(AlertRaised) if e.kind == "step_ratio"]
     assert alerts and alerts[0].value > 0.5 and alerts[0].version <= 3
+    assert "server.optimizer.lr?" in alerts[0].message
     good = flasync.Federation(small_config("eval.every_versions=100"))
     good_events = EventRecorder(good.bus)
     await good.run()
@@ -253,3 +254,18 @@ def test_alert_monitor_memory_does_not_grow_with_updates_or_versions() -> None:
     ]
     kinds = [alert.kind for event in rising for alert in monitor.observe(event, 70_000)]
     assert kinds == ["divergence"]
+
+
+async def test_under_differential_privacy_a_large_step_blames_the_noise() -> None:
+    """With privacy on, the step_ratio alert names the noise, not the learning rate."""
+    import flasync
+    from flasync.events import AlertRaised
+    from flasync.testing import EventRecorder, small_config
+
+    private = flasync.Federation(
+        small_config("privacy.enabled=true", "privacy.noise_multiplier=30", "eval.every_versions=100")
+    )
+    events = EventRecorder(private.bus)
+    await private.run()
+    alerts = [e for e in events.of(AlertRaised) if e.kind == "step_ratio"]
+    assert alerts and "privacy noise" in alerts[0].message and "optimizer.lr" not in alerts[0].message

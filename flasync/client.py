@@ -217,7 +217,7 @@ class Client:
                         attack,
                         variates,
                     ),
-                    correction=variates.correction() if variates is not None else None,
+                    correction=variates.correction if variates is not None else None,
                     client=int(cid) if world.samples.lazy is not None else None,
                 )
             try:
@@ -291,7 +291,7 @@ class Client:
             if world.pre_task_variates is not None:
                 world.pre_task_variates[task.task_id] = own
         generator = seeding.torch_stream(world.seed, seeding.CONTROL_CODEC, cid, task.participation)
-        return TaskVariates(server=model.control, client=own, generator=generator)
+        return TaskVariates.of(model.control, own, generator)
 
     async def _fail(
         self,

@@ -74,15 +74,19 @@ class TaskVariates:
         server: ``c`` (read only, shared by every task of the version).
         client: ``c_i`` (None: the client never trained, so zeros).
         generator: The stream stochastic codec stages draw from when ``Delta c_i`` is encoded.
+        correction: ``c - c_i``, added to every local gradient (made once per task by :meth:`of`).
     """
 
     server: torch.Tensor
     client: torch.Tensor | None
     generator: torch.Generator
+    correction: torch.Tensor
 
-    def correction(self) -> torch.Tensor:
-        """Return ``c - c_i``, added to every local gradient."""
-        return self.server.clone() if self.client is None else self.server - self.client
+    @classmethod
+    def of(cls, server: torch.Tensor, client: torch.Tensor | None, generator: torch.Generator) -> TaskVariates:
+        """Return a task's variates with their correction ``c - c_i`` (``c`` itself for a client without one)."""
+        correction = server if client is None else server - client.to(server.device)
+        return cls(server=server, client=client, generator=generator, correction=correction)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,7 +178,7 @@ def train_job(
         task_id=task_id,
         train_fn=train,  # looked up here, so that tests can replace flasync.jobs.train
         indices=rows,
-        correction=None if variates is None else variates.correction().to(device),
+        correction=None if variates is None else variates.correction.to(device),
     )
     return finish_job(ctx, client_id, result, codec_generator, diagnosis, attack, variates)
 

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -104,8 +105,18 @@ def _check_reachable(address: str, timeout_s: float) -> None:
 
 
 def _to_tensor(array: np.ndarray) -> torch.Tensor:
-    """A tensor over ``array`` (read only in Ray's object store) without the copy or warning of from_numpy."""
+    """A tensor of its own from ``array`` (copied when it is read only, as arrays from Ray's object store are)."""
     return torch.from_numpy(np.array(array, copy=not array.flags.writeable))
+
+
+def _read_only(array: np.ndarray) -> torch.Tensor:
+    """A tensor over ``array`` without a copy, for what training only reads (the base weights, a correction).
+
+    ``torch.from_numpy`` warns about a read-only array because the tensor could write to it; these never do.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
 
 
 class TrainingActor:
@@ -149,22 +160,32 @@ class TrainingActor:
         cfg: LocalTraining,
         state: np.ndarray,
         correction: np.ndarray | None,
-        *,
-        drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[np.ndarray, int, int, float, float, int]:
-        """Train one client from ``base`` on its rows ``indices`` of the data (or of ``drawn``); return its fields."""
-        x, y = self._data(*data) if drawn is None else drawn
+        """Train one client from ``base`` on its rows ``indices`` of the data; return the result's fields."""
+        x, y = self._data(*data)
+        return self._train_on(base, x, y, indices, cfg, state, correction)
+
+    def _train_on(
+        self,
+        base: np.ndarray,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        indices: np.ndarray,
+        cfg: LocalTraining,
+        state: np.ndarray,
+        correction: np.ndarray | None,
+    ) -> tuple[np.ndarray, int, int, float, float, int]:
         generator = torch.Generator()
         generator.set_state(torch.from_numpy(np.array(state)))
         result = train(
             self.model,
-            _to_tensor(base).to(self.device),
+            _read_only(base).to(self.device),
             x,
             y,
             cfg,
             generator,
             indices=torch.from_numpy(np.array(indices)).to(self.device),
-            correction=None if correction is None else _to_tensor(correction).to(self.device),
+            correction=None if correction is None else _read_only(correction).to(self.device),
         )
         return _fields(result)
 
@@ -176,7 +197,7 @@ class TrainingActor:
         data = self.lazy.client(client)
         x, y = data.x.to(self.device), data.y.to(self.device)
         indices = np.arange(len(data.y), dtype=np.int64)
-        return self.train(base, (-1, []), indices, cfg, state, correction, drawn=(x, y))
+        return self._train_on(base, x, y, indices, cfg, state, correction)
 
     def train_cohort(
         self,
@@ -197,10 +218,10 @@ class TrainingActor:
                 CohortMember(
                     indices=torch.from_numpy(np.array(indices)).to(x.device),
                     generator=generator,
-                    correction=None if correction is None else _to_tensor(correction),
+                    correction=None if correction is None else _read_only(correction),
                 )
             )
-        outcome = self.trainer.train(_to_tensor(base).to(self.device), x, y, built, cfg)
+        outcome = self.trainer.train(_read_only(base).to(self.device), x, y, built, cfg)
         return [_fields(r) for r in outcome.results], outcome.vectorized, outcome.fallback_reason
 
 

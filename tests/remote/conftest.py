@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import secrets
+import subprocess
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,15 @@ def write_remote_config(path: Path, tokens_file: Path, **overrides: Any) -> Path
     config["tracking"].pop("enabled")
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def client_process(
+    url: str, token: str, token_file: Path, *options: str, env: Mapping[str, str], **popen: Any
+) -> subprocess.Popen[Any]:
+    """Start a `flasync client` process for ``url`` with ``token`` (written to ``token_file``) and ``options``."""
+    token_file.write_text(token + "\n")
+    command = [sys.executable, "-m", "flasync", "client", "--server", url, "--token-file", str(token_file), *options]
+    return subprocess.Popen(command, env=dict(env), **popen)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from flasync.runtime import Federation
-from tests.remote.conftest import NUM_CLIENTS, write_remote_config
+from tests.remote.conftest import NUM_CLIENTS, client_process, write_remote_config
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -78,27 +78,16 @@ def test_serve_and_five_client_processes(tmp_path: Path, tokens: dict[int, str])
     try:
         _wait_for(server_err, "serving on", 60)
         for client_id, token in tokens.items():
-            (tmp_path / f"token{client_id}").write_text(token + "\n")
             log = (tmp_path / f"client{client_id}.out").open("w")
             clients.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "flasync",
-                        "client",
-                        "--server",
-                        f"http://127.0.0.1:{port}",
-                        "--token-file",
-                        str(tmp_path / f"token{client_id}"),
-                        "--poll-s",
-                        "2",
-                        "--give-up-s",
-                        "20",
-                    ],
+                client_process(
+                    f"http://127.0.0.1:{port}",
+                    token,
+                    tmp_path / f"token{client_id}",
+                    *("--poll-s", "2", "--give-up-s", "20"),
+                    env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=env,
                     cwd=tmp_path,
                 )
             )

@@ -22,7 +22,7 @@ from flasync.remote import Client
 from flasync.runtime import Federation
 from flasync.serve import serve
 from flasync.summary import RunSummary
-from tests.remote.conftest import remote_config, write_remote_config
+from tests.remote.conftest import client_process, remote_config, write_remote_config
 
 
 def _free_port() -> int:
@@ -107,21 +107,13 @@ def test_flasync_serve_sigint_then_resume_with_client_processes(tmp_path: Path, 
     serve_cmd = [sys.executable, "-m", "flasync", "serve", "--port", str(port), "--no-system-metrics"]
     clients = []
     for cid, token in tokens.items():
-        (tmp_path / f"token{cid}.txt").write_text(token)
         clients.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "flasync",
-                    "client",
-                    "--server",
-                    url,
-                    "--token-file",
-                    str(tmp_path / f"token{cid}.txt"),
-                    "--poll-s",
-                    "1",
-                ],
+            client_process(
+                url,
+                token,
+                tmp_path / f"token{cid}.txt",
+                "--poll-s",
+                "1",
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -82,11 +82,12 @@ class TrainingJob(Generic[T]):
     """One client's local training, in a form a :class:`CohortBatcher` can batch with others.
 
     Called directly (by any executor) it runs ``solo``, which trains the client alone. A batcher instead trains the
-    jobs that share ``base``, data and hyper-parameters as one cohort and calls each job's ``finish`` with its own
-    :class:`LocalResult`; ``solo()`` must equal ``finish(train(...))`` of the same client.
+    jobs that share data layout and hyper-parameters as one cohort (each row from its own ``base``) and calls each
+    job's ``finish`` with its own :class:`LocalResult`; ``solo()`` must equal ``finish(train(...))`` of the same
+    client.
 
     Attributes:
-        base: Flat weights the client starts from (jobs with the same tensor object share a cohort).
+        base: Flat weights the client starts from.
         x: The data set's inputs; ``indices`` select the client's samples.
         y: The data set's labels.
         indices: The client's sample indices (int64).
@@ -116,8 +117,8 @@ class TrainingJob(Generic[T]):
 
     @property
     def group(self) -> Hashable:
-        """Jobs with equal groups can train as one cohort (their data may differ: a cohort gathers its own)."""
-        return (id(self.base), self.cfg, self.x.device, self.x.dtype, tuple(self.x.shape[1:]))
+        """Jobs with equal groups can train as one cohort (their data and bases may differ)."""
+        return (self.cfg, self.x.device, self.x.dtype, tuple(self.x.shape[1:]))
 
 
 def _cohort_data(jobs: list[TrainingJob[Any]]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -184,7 +185,9 @@ class CohortBatcher(Executor):
             at a time.
         settle_passes: Quiet event-loop passes before held jobs start, when no clock drives :meth:`flush`.
         train_cohort: Trains a cohort elsewhere, ``(base, x, y, members, cfg, jobs) -> CohortResult`` (e.g. on a Ray
-            actor); None: on the calling worker's own vectorized trainer.
+            actor), every member from ``base``: jobs of different bases then never share a cohort. None: on the
+            calling worker's own vectorized trainer, which starts each member from its own job's base, so that
+            asynchronous clients dispatched at different versions train together.
         run_job: Runs a cohort of one (default: the job itself, trained on the worker).
         passthrough: Where submissions other than training jobs go (default: ``inner``).
     """
@@ -239,13 +242,14 @@ class CohortBatcher(Executor):
             return self.passthrough.submit(fn, *args, **kwargs)
         future: _HeldFuture[T] = _HeldFuture()
         with self._lock:
-            held = self._held.setdefault(fn.group, _Held())
+            group = fn.group if self.train_cohort is None else (id(fn.base), fn.group)
+            held = self._held.setdefault(group, _Held())
             held.jobs.append(fn)
             held.futures.append(future)
             self._submitted += 1
             full = len(held.jobs) >= self.max_cohort
             if full:
-                del self._held[fn.group]
+                del self._held[group]
         if full:
             self._start(held)
         elif not self._driven and not self._scheduled:
@@ -296,7 +300,12 @@ class CohortBatcher(Executor):
             first = jobs[0]
             x, y, parts = _cohort_data(jobs)
             members = [
-                CohortMember(indices=part, generator=job.generator, correction=job.correction)
+                CohortMember(
+                    indices=part,
+                    generator=job.generator,
+                    correction=job.correction,
+                    base=None if job.base is first.base else job.base,
+                )
                 for job, part in zip(jobs, parts, strict=True)
             ]
             if self.train_cohort is not None:

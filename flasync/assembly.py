@@ -624,8 +624,13 @@ def make_executor(
 
 AUTO_MIN_COHORT = 32
 """Smallest FedAvg round ``executor.kind = "auto"`` trains as one vectorized cohort (the tutorial MLP on 2 cores:
-vectorized 1.45x the threads at 50 clients per round, 1.9x at 100, 2.4x at 500; FedBuff's cohorts, the clients
-dispatched between two versions, averaged 5-9 clients and ran at 0.4-0.7x the threads)."""
+vectorized 1.45x the threads at 50 clients per round, 1.9x at 100, 2.4x at 500)."""
+
+AUTO_MIN_CONCURRENCY = 48
+"""Fewest clients in flight for which ``executor.kind = "auto"`` trains an asynchronous server's clients as cohorts.
+A cohort is every client dispatched since the last one started (at any model version), about a seventh to a
+quarter of the concurrency on the tutorial workload; measured on 2 cores (``benchmarks/matrix.py``), FedBuff
+vectorized against threads was 1.0x at concurrency 20, 1.6x at 50 and 2.0x at 100."""
 
 
 def choose_executor(
@@ -633,17 +638,28 @@ def choose_executor(
 ) -> tuple[Literal["thread", "vectorized"], str]:
     """Return the executor ``executor.kind = "auto"`` runs, and why.
 
-    Vectorized cohorts pay when many clients start from one model version: FedAvg rounds of at least
-    :data:`AUTO_MIN_COHORT` clients on a flat topology, with a model and objective ``vmap`` can batch and no gradient
-    checkpointing. Everything else trains on the threads.
+    Vectorized cohorts pay when many clients train at once: FedAvg rounds of at least :data:`AUTO_MIN_COHORT`
+    clients, or FedBuff / FedAsync with at least :data:`AUTO_MIN_CONCURRENCY` clients in flight, on a flat topology,
+    with a model and objective ``vmap`` can batch and no gradient checkpointing. Everything else trains on the
+    threads.
     """
     server = config.server
-    if not isinstance(server, FedAvgServer):
-        return "thread", f"{server.kind} starts a few clients per model version: cohorts would be small"
     if isinstance(config.topology, TreeTopology):
         return "thread", "edges start their rounds apart: cohorts would be small"
-    if server.clients_per_round < AUTO_MIN_COHORT:
-        return "thread", f"rounds of {server.clients_per_round} clients (< {AUTO_MIN_COHORT}) gain nothing from cohorts"
+    if isinstance(server, FedAvgServer):
+        if server.clients_per_round < AUTO_MIN_COHORT:
+            return (
+                "thread",
+                f"rounds of {server.clients_per_round} clients (< {AUTO_MIN_COHORT}) gain nothing from cohorts",
+            )
+        why = f"FedAvg rounds of {server.clients_per_round} clients train as one cohort each"
+    else:
+        if server.concurrency < AUTO_MIN_CONCURRENCY:
+            return "thread", (
+                f"{server.kind} with {server.concurrency} clients in flight (< {AUTO_MIN_CONCURRENCY}): cohorts would "
+                "be small"
+            )
+        why = f"{server.kind} with {server.concurrency} clients in flight trains the clients dispatched together as cohorts"
     if config.client.checkpoint_segments:
         return "thread", "gradient checkpointing trains one client at a time"
     reason = unsupported_reason(prepared.factory())
@@ -651,7 +667,7 @@ def choose_executor(
         return "thread", reason
     if objective is not None and not objective.vectorizable:
         return "thread", f"the objective {objective_name(objective)} is not vectorizable"
-    return "vectorized", f"FedAvg rounds of {server.clients_per_round} clients train as one cohort each"
+    return "vectorized", why
 
 
 def topology_name(config: RunConfig) -> str:

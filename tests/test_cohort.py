@@ -206,17 +206,18 @@ def _job(
 
 
 @pytest.mark.parametrize("factory", [_mlp, _BatchNormNet], ids=["vectorized", "fallback"])
-async def test_batcher_trains_jobs_of_one_base_together(factory: Callable[[], nn.Module]) -> None:
-    """Jobs submitted in one loop tick with the same base run as one cohort; each future gets its own result."""
+async def test_batcher_trains_jobs_of_different_bases_together(factory: Callable[[], nn.Module]) -> None:
+    """Held jobs train as cohorts of up to max_cohort whatever their bases; each future gets its own result."""
     x, y, parts = _data()
     parts = _no_single_sample_batches(parts)
     base = flat_parameters(factory())
-    other = base.clone()
+    other = base + 0.01 * torch.randn(base.shape, generator=torch.Generator().manual_seed(1))
     pool = ModelPool(factory)
     reasons: list[str] = []
-    batcher = CohortBatcher(ThreadPoolExecutor(1), pool, max_cohort=4, on_fallback=reasons.append)
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool, max_cohort=3, on_fallback=reasons.append)
+    bases = [base if k % 2 == 0 else other for k in range(len(parts))]
+    assert len(parts) == 5
     try:
-        bases = [base if k % 2 == 0 else other for k in range(len(parts))]
         futures = [
             asyncio.wrap_future(batcher.submit(_job(b, x, y, p, k, pool)))
             for k, (b, p) in enumerate(zip(bases, parts, strict=True))
@@ -224,15 +225,57 @@ async def test_batcher_trains_jobs_of_one_base_together(factory: Callable[[], nn
         results = await asyncio.gather(*futures)
     finally:
         batcher.shutdown()
-    # two groups (by base); each is at most max_cohort = 4 jobs, so all are cohorts of 2 or more
-    assert batcher.cohorts == 2
-    expected = _alone(factory, base, x, y, parts, LocalTraining(epochs=1, batch_size=16, lr=0.05, momentum=0.9))
-    for got, want in zip(results, expected, strict=True):
+    assert batcher.cohorts == 2  # one group, bases mixed: a cohort of 3 and one of 2
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+    model = FlatModel(factory())
+    for k, (got, b, p) in enumerate(zip(results, bases, parts, strict=True)):
+        want = train(model, b, x[p], y[p], cfg, seeding.torch_stream(3, seeding.TASK, k, 0))
         assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
     if factory is _BatchNormNet:
         assert batcher.fallback_clients == len(parts) and reasons and "BatchNorm1d" in reasons[0]
     else:
         assert batcher.vectorized_clients == len(parts) and not reasons
+
+
+async def test_batcher_with_a_remote_cohort_trainer_keeps_one_base_per_cohort() -> None:
+    """A train_cohort that takes one base for all members (Ray's) is given cohorts of a single base."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    other = base.clone()
+    pool = ModelPool(_mlp)
+    seen: list[set[int]] = []
+
+    def train_cohort(cohort_base, cx, cy, members, cfg, jobs):  # type: ignore[no-untyped-def]
+        seen.append({id(job.base) for job in jobs} | {id(cohort_base)})
+        return pool.cohort_trainer().train(cohort_base, cx, cy, members, cfg)
+
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool, train_cohort=train_cohort)
+    jobs = [_job(base if k % 2 == 0 else other, x, y, p, k, pool) for k, p in enumerate(parts[:4])]
+    try:
+        await asyncio.gather(*(asyncio.wrap_future(batcher.submit(j)) for j in jobs))
+    finally:
+        batcher.shutdown()
+    assert sorted(len(ids) for ids in seen) == [1, 1]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:4])
+def test_members_with_their_own_bases_equal_one_client_at_a_time(cfg: LocalTraining) -> None:
+    """A cohort whose members start from different weights gives each the delta of training it alone from its own."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    noise = torch.Generator().manual_seed(2)
+    bases = [base if k % 3 == 0 else base + 0.05 * torch.randn(base.shape, generator=noise) for k in range(len(parts))]
+    members = [
+        CohortMember(indices=p, generator=seeding.torch_stream(3, seeding.TASK, k, 0), base=b)
+        for k, (p, b) in enumerate(zip(parts, bases, strict=True))
+    ]
+    outcome = CohortTrainer(_mlp()).train(base, x, y, members, cfg)
+    assert outcome.vectorized
+    model = FlatModel(_mlp())
+    for k, (got, b, p) in enumerate(zip(outcome.results, bases, parts, strict=True)):
+        want = train(model, b, x[p], y[p], cfg, seeding.torch_stream(3, seeding.TASK, k, 0))
+        assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
+        assert got.loss == pytest.approx(want.loss, rel=1e-5)
 
 
 async def test_batcher_passes_other_callables_through() -> None:
@@ -283,6 +326,29 @@ async def test_vectorized_runs_are_deterministic(server: dict[str, object]) -> N
     threads = await flasync.Federation(small_config(server=server)).run()
     assert summary.accuracy == pytest.approx(threads.accuracy, abs=0.02)
     assert summary.updates_accepted == threads.updates_accepted
+
+
+async def test_vectorized_fedbuff_trains_clients_of_several_versions_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FedBuff cohorts hold clients dispatched at different versions; the final weights are within 1e-5 of threads."""
+    bases_per_cohort: list[int] = []
+    real_train = CohortTrainer.train
+
+    def spy(self: CohortTrainer, base: torch.Tensor, *args: object, **kwargs: object) -> object:
+        members = args[2]
+        assert isinstance(members, list)
+        bases_per_cohort.append(len({id(base)} | {id(m.base) for m in members if m.base is not None}))
+        return real_train(self, base, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CohortTrainer, "train", spy)
+    server = {"kind": "fedbuff", "buffer_size": 4, "concurrency": 12}
+    vectorized = flasync.Federation(small_config("executor.kind=vectorized", server=server))
+    await vectorized.run()
+    threads = flasync.Federation(small_config("executor.kind=thread", server=server))
+    await threads.run()
+    assert max(bases_per_cohort) >= 2
+    assert torch.allclose(vectorized.weights, threads.weights, rtol=0, atol=1e-5)
 
 
 async def test_vectorized_run_with_an_unbatchable_model_falls_back() -> None:
@@ -434,7 +500,13 @@ def test_the_vectorized_executor_refuses_an_objective_that_is_not_vectorizable()
 @pytest.mark.parametrize(
     ("overrides", "kind", "why"),
     [
-        ((), "thread", "fedbuff starts a few clients per model version"),
+        ((), "thread", "fedbuff with 8 clients in flight (< 48)"),
+        (
+            ("server={kind: fedbuff, concurrency: 64}", "population.num_clients=100"),
+            "vectorized",
+            "fedbuff with 64 clients in flight",
+        ),
+        (("server={kind: fedasync, concurrency: 8}",), "thread", "fedasync with 8 clients in flight (< 48)"),
         (("server={kind: fedavg, clients_per_round: 10}",), "thread", "rounds of 10 clients (< 32)"),
         (("server={kind: fedavg, clients_per_round: 40}", "population.num_clients=50"), "vectorized", "40 clients"),
         (
@@ -447,10 +519,12 @@ def test_the_vectorized_executor_refuses_an_objective_that_is_not_vectorizable()
             "gradient checkpointing",
         ),
     ],
-    ids=["fedbuff", "small-rounds", "large-rounds", "checkpointing"],
+    ids=["fedbuff", "fedbuff-many-in-flight", "fedasync", "small-rounds", "large-rounds", "checkpointing"],
 )
-def test_auto_picks_vectorized_for_large_fedavg_rounds_only(overrides: tuple[str, ...], kind: str, why: str) -> None:
-    """executor.kind = auto (the default) trains large FedAvg rounds as cohorts, the rest on threads, and says why."""
+def test_auto_picks_vectorized_for_large_rounds_and_many_clients_in_flight(
+    overrides: tuple[str, ...], kind: str, why: str
+) -> None:
+    """executor.kind = auto (the default) trains large rounds and many clients in flight as cohorts, and says why."""
     from flasync.assembly import RunInputs, choose_executor
 
     config = small_config(*overrides)

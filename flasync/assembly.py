@@ -659,7 +659,7 @@ def choose_executor(
                 f"{server.kind} with {server.concurrency} clients in flight (< {AUTO_MIN_CONCURRENCY}): cohorts would "
                 "be small"
             )
-        why = f"{server.kind} with {server.concurrency} clients in flight trains the clients dispatched together as cohorts"
+        why = f"{server.kind} with {server.concurrency} clients in flight trains those dispatched together as cohorts"
     if config.client.checkpoint_segments:
         return "thread", "gradient checkpointing trains one client at a time"
     reason = unsupported_reason(prepared.factory())

@@ -628,9 +628,9 @@ vectorized 1.45x the threads at 50 clients per round, 1.9x at 100, 2.4x at 500).
 
 AUTO_MIN_CONCURRENCY = 48
 """Fewest clients in flight for which ``executor.kind = "auto"`` trains an asynchronous server's clients as cohorts.
-A cohort is every client dispatched since the last one started (at any model version), about a seventh to a
-quarter of the concurrency on the tutorial workload; measured on 2 cores (``benchmarks/matrix.py``), FedBuff
-vectorized against threads was 1.0x at concurrency 20, 1.6x at 50 and 2.0x at 100."""
+A cohort is every client dispatched since the last one started (at any model version), about a quarter to a
+third of the concurrency on the tutorial workload; measured on 2 cores (``benchmarks/matrix.py``), FedBuff
+vectorized against threads was 0.84x at concurrency 20, 1.72x at 50 and 2.54x at 100."""
 
 
 def choose_executor(

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from throughput import BATCH, FEATURES, HIDDEN, LR, SAMPLES, plain_loop
 
 import flasync
-from throughput import BATCH, FEATURES, HIDDEN, LR, SAMPLES, plain_loop
 
 Rates = tuple[float, float]  # whole call, federation alone (updates per second)
 
@@ -84,7 +84,8 @@ def point_runners(clients: int, rounds: int, uri: str) -> dict[str, Callable[[],
         return rate, rate
 
     def run(server: dict[str, Any], executor: str, tracked: bool) -> Callable[[], Rates]:
-        return lambda: timed(config(clients, updates, server=server, executor=executor, uri=uri if tracked else None))[0]
+        store = uri if tracked else None
+        return lambda: timed(config(clients, updates, server=server, executor=executor, uri=store))[0]
 
     return {
         "plain loop": plain,

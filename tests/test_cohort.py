@@ -136,6 +136,41 @@ def test_vectorized_equals_one_client_at_a_time(factory: Callable[[], nn.Module]
             assert got.peak_mem_bytes == want.peak_mem_bytes
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_a_models_cohort_forward_gives_the_vmap_paths_deltas_bit_for_bit(cfg: LocalTraining) -> None:
+    """The MLP's batched forward (baddbmm per layer) trains a cohort exactly as vmap over its forward does."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    own = CohortTrainer(_mlp())
+    assert own._cohort_forward is not None
+    plain = CohortTrainer(_mlp())
+    plain._cohort_forward = None  # vmap over forward
+    got = own.train(base, x, y, _members(parts), cfg)
+    want = plain.train(base, x, y, _members(parts), cfg)
+    assert got.vectorized and want.vectorized
+    for a, b in zip(got.results, want.results, strict=True):
+        assert torch.equal(a.delta, b.delta)
+        assert a.loss == b.loss
+
+
+def test_a_failing_cohort_forward_trains_one_client_at_a_time() -> None:
+    """A model whose cohort_forward raises on the first step falls back to per-client training, saying so."""
+
+    class Broken(MLP):
+        def cohort_forward(self, params: object, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("shapes do not fit")
+
+    x, y, parts = _data()
+    factory = lambda: Broken(FEATURES, [32], CLASSES)  # noqa: E731
+    base = flat_parameters(factory())
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05)
+    outcome = CohortTrainer(factory()).train(base, x, y, _members(parts), cfg)
+    assert not outcome.vectorized
+    assert outcome.fallback_reason == "cohort_forward failed: RuntimeError: shapes do not fit"
+    for got, want in zip(outcome.results, _alone(factory, base, x, y, parts, cfg), strict=True):
+        assert torch.equal(got.delta, want.delta)
+
+
 def test_bf16_autocast_is_close_to_one_client_at_a_time() -> None:
     """Under bf16 autocast the cohort stays close to per-client bf16 training (bf16 rounding differs slightly)."""
     x, y, parts = _data()

@@ -214,8 +214,8 @@ def test_intra_op_threads_change_the_weights_and_workers_do_not() -> None:
     import flasync
     from flasync.testing import small_config
 
-    # Kernels split their work across threads only above a size (how, depends on the CPU's kernels): a batch of
-    # 256 through a 1024-wide layer is split on every CPU seen so far, 16 through 32 is not on AVX-512 machines.
+    # Kernels split their work across threads only above a size that depends on the CPU's kernels: on AVX-512
+    # machines a batch of 16 through a 32-wide layer is not split (the weights would not change), 256 through 1024 is.
     run = ("stop.max_versions=2", "model.hidden=[1024]", "client.batch_size=256")
     base = flasync.run(small_config(*run)).weights_sha256
     assert flasync.run(small_config(*run, "executor.workers=2")).weights_sha256 == base

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
@@ -305,20 +306,28 @@ class Federation:
         executor.attach(self.clock)
         if tracked:
             _phase("starting the MLflow run", cfg)
+        opening: Future[str] | None = None
         try:
             if self._resume is not None and self._resume.run_id:
                 run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
             else:
                 custom = self._dataset is not None
-                run_id = await asyncio.to_thread(
+                start = functools.partial(
                     tracker.start,
                     experiment=cfg.tracking.experiment,
                     run_name=cfg.tracking.run_name or default_run_name(cfg, uuid.uuid4().hex[:6], custom=custom),
                     params={**flatten(_redacted(cfg)), **(prepared.privacy.params() if prepared.privacy else {})},
                     tags=self._tags(),
                 )
-                if tracked:
-                    await asyncio.to_thread(self._log_dataset, tracker, prepared, custom, log)
+                if isinstance(tracker, tracking.MlflowTracker):
+                    # Training does not wait for the writer process to import MLflow and create the run (seconds
+                    # when the caller imported torch already): metrics queue until the run exists.
+                    run_id = await asyncio.to_thread(functools.partial(start, wait=False))
+                    opening = self._open_in_background(tracker, prepared, custom, log)
+                else:
+                    run_id = await asyncio.to_thread(start)
+                    if tracked:
+                        await asyncio.to_thread(self._log_dataset, tracker, prepared, custom, log)
         except BaseException:
             # Not the tracker: a start cut short by a cancellation may still be going on in its thread.
             await _off_loop(executor.shutdown)
@@ -328,7 +337,7 @@ class Federation:
         try:
             context = {"run_id": self.run_id} if self.run_id else {}
             with structlog.contextvars.bound_contextvars(**context):
-                summary = await self._simulate(prepared, executor, log, tracker)
+                summary = await self._simulate(prepared, executor, log, tracker, opening)
                 if tracked:
                     _phase("logging the artifacts", cfg)
                 await asyncio.to_thread(self._log_artifacts, tracker, prepared, summary, log)
@@ -343,11 +352,43 @@ class Federation:
             trace_dir = self._traces.trace_dir if self._traces is not None else None
             if tracked:
                 _phase("ending the MLflow run", cfg)  # a slow or silent store makes this the longest step
+            if opening is not None:
+                await _off_loop(futures_wait, [opening])  # the dataset input is recorded before the run ends
             # Off the loop, and completed even while the task is being cancelled (see _off_loop).
             await _off_loop(_close, executor, tracker, status, trace_dir)
 
+    def _open_in_background(
+        self, tracker: tracking.MlflowTracker, prepared: Prepared, custom: bool, log: Any
+    ) -> Future[str]:
+        """Wait on a thread for the run ``tracker.start(wait=False)`` opens, then record the dataset input; return
+        the future of the run id. A run that cannot be opened (a deleted experiment) stops the federation."""
+        loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-open-run")
+
+        def open_run() -> str:
+            run_id = tracker.opened()
+            if run_id:
+                log.info("run.opened", run_id=run_id, experiment=self.config.tracking.experiment, metrics=False)
+            self._log_dataset(tracker, prepared, custom, log)
+            return run_id
+
+        def stop_if_failed(future: Future[str]) -> None:
+            error = future.exception()
+            if error is not None:
+                loop.call_soon_threadsafe(self.request_stop, f"the MLflow run could not be opened: {error}")
+
+        opening = pool.submit(open_run)
+        pool.shutdown(wait=False)
+        opening.add_done_callback(stop_if_failed)
+        return opening
+
     async def _simulate(
-        self, prepared: Prepared, executor: TrainingExecutor, log: Any, tracker: tracking.Tracker
+        self,
+        prepared: Prepared,
+        executor: TrainingExecutor,
+        log: Any,
+        tracker: tracking.Tracker,
+        opening: Future[str] | None = None,
     ) -> RunSummary:
         cfg = self.config
         dcfg = cfg.diagnostics
@@ -426,7 +467,7 @@ class Federation:
         start_wall = self._wall()
         log.info(
             "run.started",
-            run_id=self.run_id,
+            **({"run_id": self.run_id} if self.run_id else {}),
             clients=cfg.population.num_clients,
             aggregator=cfg.server.kind,
             clock=cfg.clock,
@@ -450,6 +491,8 @@ class Federation:
                 await _off_loop(executor.shutdown)
             residual_memory = await _off_loop(self._close_stores, residuals, variates, log)
         wall_s = self._wall() - start_wall
+        if opening is not None and cancelled is None:
+            self.run_id = await asyncio.wrap_future(opening) or None  # a run that could not be opened raises here
         simulated_s = self.clock.now() - start_sim
         self.weights = weights.cpu()  # artifacts and callers get host tensors, whatever the training device
         summary = await _off_loop(

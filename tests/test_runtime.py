@@ -6,15 +6,19 @@ import asyncio
 import io
 import re
 import time
+from pathlib import Path
 from typing import Any
 
+import mlflow
 import numpy as np
 import pytest
 import torch
 import uvloop
+from mlflow.entities import ViewType
 from torch import nn
 
 import flasync
+import tracking
 from flasync.assembly import make_aggregator
 from flasync.clock import VirtualClock
 from flasync.data import ArrayData
@@ -308,6 +312,21 @@ async def test_cancelled_run_ends_killed() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert tracker.status == "KILLED"
+
+
+def test_a_run_whose_mlflow_run_cannot_be_opened_stops_and_says_why(tmp_path: Path) -> None:
+    """Training starts while the MLflow run is opened; a deleted experiment stops the federation (it would run 100,000
+    versions) and is raised, and no MLflow run is left."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    gone = client.create_experiment("gone")
+    client.delete_experiment(gone)
+    config = small_config(
+        "tracking.enabled=true", "tracking.experiment=gone", "tracking.log_model=false", "stop.max_versions=100000"
+    )
+    with pytest.raises(tracking.ExperimentDeletedError, match="deleted"):
+        flasync.run(config, tracker=tracking.MlflowTracker(uri))
+    assert client.search_runs([gone], run_view_type=ViewType.ALL) == []
 
 
 async def test_metrics_keys_are_bounded_and_stepped() -> None:

@@ -83,6 +83,21 @@ __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 _METRIC_EXCLUDE = frozenset(tracking.DEFAULT_EXCLUDE | {"version", "of", "eta_s"})  # progress, not measurements
 # Per-update figures logged only with ``tracking.metrics = "all"``; their per-version sums are in ``profile/version/*``
 # and profile.json either way. Each MLflow metric row costs the store's writer ~0.2 ms of CPU (sqlite).
+# Per-update figures that often stay the same all run long (a dense codec's bytes, equal partitions' samples and
+# training memory, synchronous rounds' staleness): held back while constant and then recorded once, as the tag
+# ``constant/<key>``, rather than as thousands of identical rows (see tracking.ConstantSeries).
+_CONSTANT_KEYS = frozenset(
+    {
+        "client/upload_bytes",
+        "client/download_bytes",
+        "client/samples",
+        "client/peak_mem_bytes",
+        "client/sim_download_s",
+        "client/compression",
+        "server/update/staleness",
+        "server/update/staleness_weight",
+    }
+)
 _DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
     {
         "client/sim_train_s",
@@ -273,9 +288,11 @@ class Federation:
             raise
         cfg = self.config = prepared.config  # as resolved against the data (by_column: the population's size)
         metrics: tracking.MetricsProcessor | None = None
+        constant: tracking.ConstantSeries | None = None
         if tracked:
             drop = _DETAIL_KEYS if cfg.tracking.metrics == "standard" else ()
-            metrics = tracking.MetricsProcessor(tracker.log_metrics, exclude=_METRIC_EXCLUDE, drop_keys=drop)
+            constant = tracking.ConstantSeries(tracker.log_metrics, _CONSTANT_KEYS)
+            metrics = tracking.MetricsProcessor(constant, exclude=_METRIC_EXCLUDE, drop_keys=drop)
         # Metrics are taken at each log call; events below the log level skip structlog's chain.
         log = tracking.make_logger(level=cfg.tracking.log_level, metrics=metrics)
         warned: set[str] = set()
@@ -354,6 +371,8 @@ class Federation:
                 _phase("ending the MLflow run", cfg)  # a slow or silent store makes this the longest step
             if opening is not None:
                 await _off_loop(futures_wait, [opening])  # the dataset input is recorded before the run ends
+            if constant is not None and (opening is None or opening.exception() is None):
+                await _off_loop(_tag_constants, tracker, constant, log)
             # Off the loop, and completed even while the task is being cancelled (see _off_loop).
             await _off_loop(_close, executor, tracker, status, trace_dir)
 
@@ -888,6 +907,18 @@ def _redacted(config: RunConfig) -> RunConfig:
     if uri is None or tracking.redact_uri(uri) == uri:
         return config
     return config.model_copy(update={"tracking": config.tracking.model_copy(update={"uri": tracking.redact_uri(uri)})})
+
+
+def _tag_constants(tracker: tracking.Tracker, constant: tracking.ConstantSeries, log: Any) -> None:
+    """Tag the run with each held-back metric whose value never changed (``constant/<key>``); a tracking failure is
+    only logged."""
+    found = constant.constants()
+    if not found:
+        return
+    try:
+        tracker.set_tags({f"constant/{key}": f"{value:.10g}" for key, value in sorted(found.items())})
+    except Exception as exc:  # a tracking failure must not fail the run
+        log.warning("tracking.constants_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 
 
 def _tag_alerts(tracker: tracking.Tracker, first: Mapping[str, str], log: Any) -> None:

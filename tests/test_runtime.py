@@ -340,9 +340,6 @@ async def test_metrics_keys_are_bounded_and_stepped() -> None:
         "client/train_s",
         "client/samples",
         "client/loss",
-        "client/peak_mem_bytes",
-        "client/upload_bytes",
-        "client/download_bytes",
         "server/update/staleness",
         "server/update/queue_wait_s",
         "server/version/aggregate_s",
@@ -368,7 +365,24 @@ async def test_logged_bytes_are_payload_lengths() -> None:
     uploads = recorder.of(UpdateUploaded)
     assert summary.upload_bytes == sum(len(e.payload) for e in uploads)
     params = sum(p.numel() for p in flasync.models.MLP(64, (32,), 10).parameters())
-    assert {v for _, v in tracker.history("client/upload_bytes")} == {24 + 4 * params}
+    assert tracker.tags["constant/client/upload_bytes"] == str(24 + 4 * params)  # dense: every update's size
+
+
+async def test_per_update_figures_that_never_change_are_tags_not_series() -> None:
+    """A per-update figure constant all run long (a dense codec's bytes) is one tag, not a series; one that varies
+    (samples of unequal partitions, staleness of FedBuff, the bytes of a top-k codec with int8 values) is a whole
+    series, a row per update."""
+    dense, sparse = MemoryTracker(), MemoryTracker()
+    summary = await flasync.Federation(small_config("tracking.log_level=debug"), tracker=dense).run()
+    codec = {"upload": [{"kind": "topk", "ratio": 0.1}, {"kind": "int8"}]}
+    await flasync.Federation(small_config("tracking.log_level=debug", codec=codec), tracker=sparse).run()
+    assert {"constant/client/upload_bytes", "constant/client/download_bytes"} <= set(dense.tags)
+    assert "client/upload_bytes" not in dense.metric_keys()
+    assert "constant/client/samples" not in dense.tags and "constant/server/update/staleness" not in dense.tags
+    assert len(dense.history("server/update/staleness")) == summary.updates_accepted
+    assert len({v for _, v in dense.history("client/samples")}) > 1
+    assert "constant/client/upload_bytes" not in sparse.tags
+    assert len({v for _, v in sparse.history("client/upload_bytes")}) > 1
 
 
 async def test_final_weights_artifact_matches_the_summary() -> None:
@@ -433,7 +447,7 @@ async def test_standard_metrics_leave_out_the_per_update_details() -> None:
     details = {"client/encode_s", "client/sim_train_s", "server/update/decode_s", "server/update/staleness_weight"}
     assert not details & set(standard.metric_keys())
     assert details <= set(full.metric_keys())
-    required = {"client/train_s", "client/loss", "client/upload_bytes", "server/update/queue_wait_s"}
+    required = {"client/train_s", "client/loss", "client/samples", "server/update/queue_wait_s"}
     assert required <= set(standard.metric_keys())
     assert "profile/version/encode_s" in standard.metric_keys()
 

@@ -66,8 +66,14 @@ def one(tree: Path, mode: str, uri: str, cache: Path) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     env["XDG_CACHE_HOME"] = str(cache)
+    # Run from the cache's folder: `python -c` puts the working directory first on sys.path, before PYTHONPATH.
     done = subprocess.run(
-        [sys.executable, "-c", DRIVER, mode, uri], env=env, capture_output=True, text=True, check=False
+        [sys.executable, "-c", DRIVER, mode, uri],
+        cwd=cache.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise SystemExit(f"the run failed ({tree}, {mode}):\n{done.stderr[-3000:]}")

@@ -631,7 +631,8 @@ def _binned(rows: Sequence[Mapping[str, float]], limit: int) -> list[dict[str, f
 def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     """Draw the profile as PNG images; return ``{file name: PNG bytes}``.
 
-    ``accuracy.png`` (accuracy against wall and simulated time), ``staleness.png`` (histogram),
+    ``accuracy.png`` (accuracy against wall and simulated time), ``staleness.png`` (histogram; only when updates'
+    staleness differs: synchronous rounds would draw one bar),
     ``time_breakdown.png`` (stacked wall seconds per version; at most 60 bars, each the mean of consecutive
     versions in a longer run), ``bytes.png`` (bytes per version, only when an update's size varies: with a dense
     codec it would say nothing) and
@@ -659,14 +660,16 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     fig.suptitle("Accuracy of the global model")
     plots["accuracy.png"] = png(fig)
 
-    fig = Figure(figsize=(6, 4))
-    ax = fig.subplots()
+    # A histogram of one bar (synchronous rounds: every update has staleness 0) says nothing.
     histogram = profile["staleness"]["histogram"]
-    ax.bar([int(k) for k in histogram], list(histogram.values()))
-    ax.set_xlabel("staleness (versions)")
-    ax.set_ylabel("accepted updates")
-    ax.set_title("Staleness of accepted updates")
-    plots["staleness.png"] = png(fig)
+    if len(histogram) > 1:
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        ax.bar([int(k) for k in histogram], list(histogram.values()))
+        ax.set_xlabel("staleness (versions)")
+        ax.set_ylabel("accepted updates")
+        ax.set_title("Staleness of accepted updates")
+        plots["staleness.png"] = png(fig)
 
     # At most _MAX_BARS bars: beyond that many versions, each bar is the mean of consecutive versions (a thousand
     # bars are unreadable, and each is one matplotlib artist: seconds to draw).

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
@@ -82,6 +83,21 @@ __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 _METRIC_EXCLUDE = frozenset(tracking.DEFAULT_EXCLUDE | {"version", "of", "eta_s"})  # progress, not measurements
 # Per-update figures logged only with ``tracking.metrics = "all"``; their per-version sums are in ``profile/version/*``
 # and profile.json either way. Each MLflow metric row costs the store's writer ~0.2 ms of CPU (sqlite).
+# Per-update figures that often stay the same all run long (a dense codec's bytes, equal partitions' samples and
+# training memory, synchronous rounds' staleness): held back while constant and then recorded once, as the tag
+# ``constant/<key>``, rather than as thousands of identical rows (see tracking.ConstantSeries).
+_CONSTANT_KEYS = frozenset(
+    {
+        "client/upload_bytes",
+        "client/download_bytes",
+        "client/samples",
+        "client/peak_mem_bytes",
+        "client/sim_download_s",
+        "client/compression",
+        "server/update/staleness",
+        "server/update/staleness_weight",
+    }
+)
 _DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
     {
         "client/sim_train_s",
@@ -272,9 +288,11 @@ class Federation:
             raise
         cfg = self.config = prepared.config  # as resolved against the data (by_column: the population's size)
         metrics: tracking.MetricsProcessor | None = None
+        constant: tracking.ConstantSeries | None = None
         if tracked:
             drop = _DETAIL_KEYS if cfg.tracking.metrics == "standard" else ()
-            metrics = tracking.MetricsProcessor(tracker.log_metrics, exclude=_METRIC_EXCLUDE, drop_keys=drop)
+            constant = tracking.ConstantSeries(tracker.log_metrics, _CONSTANT_KEYS)
+            metrics = tracking.MetricsProcessor(constant, exclude=_METRIC_EXCLUDE, drop_keys=drop)
         # Metrics are taken at each log call; events below the log level skip structlog's chain.
         log = tracking.make_logger(level=cfg.tracking.log_level, metrics=metrics)
         warned: set[str] = set()
@@ -305,20 +323,28 @@ class Federation:
         executor.attach(self.clock)
         if tracked:
             _phase("starting the MLflow run", cfg)
+        opening: Future[str] | None = None
         try:
             if self._resume is not None and self._resume.run_id:
                 run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
             else:
                 custom = self._dataset is not None
-                run_id = await asyncio.to_thread(
+                start = functools.partial(
                     tracker.start,
                     experiment=cfg.tracking.experiment,
                     run_name=cfg.tracking.run_name or default_run_name(cfg, uuid.uuid4().hex[:6], custom=custom),
                     params={**flatten(_redacted(cfg)), **(prepared.privacy.params() if prepared.privacy else {})},
                     tags=self._tags(),
                 )
-                if tracked:
-                    await asyncio.to_thread(self._log_dataset, tracker, prepared, custom, log)
+                if isinstance(tracker, tracking.MlflowTracker):
+                    # Training does not wait for the writer process to import MLflow and create the run (seconds
+                    # when the caller imported torch already): metrics queue until the run exists.
+                    run_id = await asyncio.to_thread(functools.partial(start, wait=False))
+                    opening = self._open_in_background(tracker, prepared, custom, log)
+                else:
+                    run_id = await asyncio.to_thread(start)
+                    if tracked:
+                        await asyncio.to_thread(self._log_dataset, tracker, prepared, custom, log)
         except BaseException:
             # Not the tracker: a start cut short by a cancellation may still be going on in its thread.
             await _off_loop(executor.shutdown)
@@ -328,7 +354,7 @@ class Federation:
         try:
             context = {"run_id": self.run_id} if self.run_id else {}
             with structlog.contextvars.bound_contextvars(**context):
-                summary = await self._simulate(prepared, executor, log, tracker)
+                summary = await self._simulate(prepared, executor, log, tracker, opening)
                 if tracked:
                     _phase("logging the artifacts", cfg)
                 await asyncio.to_thread(self._log_artifacts, tracker, prepared, summary, log)
@@ -343,11 +369,45 @@ class Federation:
             trace_dir = self._traces.trace_dir if self._traces is not None else None
             if tracked:
                 _phase("ending the MLflow run", cfg)  # a slow or silent store makes this the longest step
+            if opening is not None:
+                await _off_loop(futures_wait, [opening])  # the dataset input is recorded before the run ends
+            if constant is not None and (opening is None or opening.exception() is None):
+                await _off_loop(_tag_constants, tracker, constant, log)
             # Off the loop, and completed even while the task is being cancelled (see _off_loop).
             await _off_loop(_close, executor, tracker, status, trace_dir)
 
+    def _open_in_background(
+        self, tracker: tracking.MlflowTracker, prepared: Prepared, custom: bool, log: Any
+    ) -> Future[str]:
+        """Wait on a thread for the run ``tracker.start(wait=False)`` opens, then record the dataset input; return
+        the future of the run id. A run that cannot be opened (a deleted experiment) stops the federation."""
+        loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-open-run")
+
+        def open_run() -> str:
+            run_id = tracker.opened()
+            if run_id:
+                log.info("run.opened", run_id=run_id, experiment=self.config.tracking.experiment, metrics=False)
+            self._log_dataset(tracker, prepared, custom, log)
+            return run_id
+
+        def stop_if_failed(future: Future[str]) -> None:
+            error = future.exception()
+            if error is not None:
+                loop.call_soon_threadsafe(self.request_stop, f"the MLflow run could not be opened: {error}")
+
+        opening = pool.submit(open_run)
+        pool.shutdown(wait=False)
+        opening.add_done_callback(stop_if_failed)
+        return opening
+
     async def _simulate(
-        self, prepared: Prepared, executor: TrainingExecutor, log: Any, tracker: tracking.Tracker
+        self,
+        prepared: Prepared,
+        executor: TrainingExecutor,
+        log: Any,
+        tracker: tracking.Tracker,
+        opening: Future[str] | None = None,
     ) -> RunSummary:
         cfg = self.config
         dcfg = cfg.diagnostics
@@ -426,7 +486,7 @@ class Federation:
         start_wall = self._wall()
         log.info(
             "run.started",
-            run_id=self.run_id,
+            **({"run_id": self.run_id} if self.run_id else {}),
             clients=cfg.population.num_clients,
             aggregator=cfg.server.kind,
             clock=cfg.clock,
@@ -450,6 +510,8 @@ class Federation:
                 await _off_loop(executor.shutdown)
             residual_memory = await _off_loop(self._close_stores, residuals, variates, log)
         wall_s = self._wall() - start_wall
+        if opening is not None and cancelled is None:
+            self.run_id = await asyncio.wrap_future(opening) or None  # a run that could not be opened raises here
         simulated_s = self.clock.now() - start_sim
         self.weights = weights.cpu()  # artifacts and callers get host tensors, whatever the training device
         summary = await _off_loop(
@@ -845,6 +907,18 @@ def _redacted(config: RunConfig) -> RunConfig:
     if uri is None or tracking.redact_uri(uri) == uri:
         return config
     return config.model_copy(update={"tracking": config.tracking.model_copy(update={"uri": tracking.redact_uri(uri)})})
+
+
+def _tag_constants(tracker: tracking.Tracker, constant: tracking.ConstantSeries, log: Any) -> None:
+    """Tag the run with each held-back metric whose value never changed (``constant/<key>``); a tracking failure is
+    only logged."""
+    found = constant.constants()
+    if not found:
+        return
+    try:
+        tracker.set_tags({f"constant/{key}": f"{value:.10g}" for key, value in sorted(found.items())})
+    except Exception as exc:  # a tracking failure must not fail the run
+        log.warning("tracking.constants_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 
 
 def _tag_alerts(tracker: tracking.Tracker, first: Mapping[str, str], log: Any) -> None:

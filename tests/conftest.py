@@ -9,6 +9,14 @@ import structlog
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Keep what runs cache (MLflow's empty store schema) in a temporary folder, never the user's ``~/.cache``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _restore_structlog() -> Iterator[None]:
     """Undo any global structlog configuration a test (or the CLI it calls) made."""

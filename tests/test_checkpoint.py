@@ -459,9 +459,12 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
     """SIGKILL leaves the run RUNNING; mark-failed finds its process gone and marks it FAILED; --resume continues
     from the last periodic checkpoint to the uninterrupted sha256. The checkpoint was in the store only after the
     metrics it covers, and after the resume every evaluation step is in the store exactly once."""
-    # Long enough that a checkpoint reaches the store (its upload may lag on a busy machine) before the run ends.
-    (tmp_path / "cfg.yaml").write_text(CONFIG.replace("max_versions: 24", "max_versions: 200"))
+    # Long enough that two checkpoints reach the store before the run ends: training does not wait for the MLflow run
+    # to be created, and checkpoints wait for it (and their upload may lag on a busy machine).
+    versions = 400
+    (tmp_path / "cfg.yaml").write_text(CONFIG.replace("max_versions: 24", f"max_versions: {versions}"))
     store = _store(tmp_path)
+    mlflow.MlflowClient(store).search_experiments()  # an existing store: the run opens early in the training
     process = subprocess.Popen(
         [sys.executable, "-m", "flasync", "run", "cfg.yaml", "--tracking-uri", store, "--no-system-metrics"],
         cwd=tmp_path,
@@ -475,7 +478,7 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
     for line in process.stdout:
         found = re.search(r"run_id=(\w{32})", line)
         run_id = run_id or (found.group(1) if found else None)
-        if run_id and "server.eval" in line and re.search(r"\bversion=(1[2-9]|[2-9]\d)\b", line):
+        if run_id and "server.eval" in line and re.search(r"\bversion=(1[2-9]|[2-9]\d|\d{3,})\b", line):
             client = mlflow.MlflowClient(store)
             # Both slots exist: the second write began after the first ended, so one of them is whole even if the
             # kill lands in the middle of an upload.
@@ -510,7 +513,7 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
     assert sha is not None and sha.group(1) == flasync.run(config).weights_sha256
     assert client.get_run(run_id).info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run_id, "server/eval/accuracy")]
-    assert sorted(steps) == list(range(0, 201, 2)), f"killed at {max(before)}, resumed from {saved_version}"
+    assert sorted(steps) == list(range(0, versions + 1, 2)), f"killed at {max(before)}, resumed from {saved_version}"
 
 
 def test_resuming_a_run_whose_process_is_alive_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -174,7 +174,8 @@ async def test_profile_json_and_plots_are_artifacts() -> None:
 
 async def test_plots_of_a_long_run_stay_readable_and_only_say_something() -> None:
     """Beyond 60 versions each bar is the mean of consecutive versions (at most 60 bars); the bytes plot is drawn
-    only when an update's size varies (top-k here), not for a dense run whose bars would all be alike."""
+    only when an update's size varies (top-k here), not for a dense run whose bars would all be alike; the staleness
+    histogram only when staleness varies (not for FedAvg's rounds)."""
     from flasync.profiling import _binned
 
     tracker = MemoryTracker()
@@ -192,6 +193,10 @@ async def test_plots_of_a_long_run_stay_readable_and_only_say_something() -> Non
     config = small_config("stop.max_versions=8", "codec.upload=[{kind: topk, ratio: 0.05}]")
     await flasync.Federation(config, tracker=sparse).run()
     assert "bytes.png" in render_plots(json.loads(sparse.artifacts["profile.json"]))
+    rounds = MemoryTracker()
+    fedavg = small_config("stop.max_versions=3", server={"kind": "fedavg", "clients_per_round": 5})
+    await flasync.Federation(fedavg, tracker=rounds).run()
+    assert "staleness.png" not in render_plots(json.loads(rounds.artifacts["profile.json"]))  # one bar: staleness 0
 
 
 async def test_torch_profiler_trace_is_an_artifact() -> None:

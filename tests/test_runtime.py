@@ -6,15 +6,19 @@ import asyncio
 import io
 import re
 import time
+from pathlib import Path
 from typing import Any
 
+import mlflow
 import numpy as np
 import pytest
 import torch
 import uvloop
+from mlflow.entities import ViewType
 from torch import nn
 
 import flasync
+import tracking
 from flasync.assembly import make_aggregator
 from flasync.clock import VirtualClock
 from flasync.data import ArrayData
@@ -310,6 +314,21 @@ async def test_cancelled_run_ends_killed() -> None:
     assert tracker.status == "KILLED"
 
 
+def test_a_run_whose_mlflow_run_cannot_be_opened_stops_and_says_why(tmp_path: Path) -> None:
+    """Training starts while the MLflow run is opened; a deleted experiment stops the federation (it would run 100,000
+    versions) and is raised, and no MLflow run is left."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    gone = client.create_experiment("gone")
+    client.delete_experiment(gone)
+    config = small_config(
+        "tracking.enabled=true", "tracking.experiment=gone", "tracking.log_model=false", "stop.max_versions=100000"
+    )
+    with pytest.raises(tracking.ExperimentDeletedError, match="deleted"):
+        flasync.run(config, tracker=tracking.MlflowTracker(uri))
+    assert client.search_runs([gone], run_view_type=ViewType.ALL) == []
+
+
 async def test_metrics_keys_are_bounded_and_stepped() -> None:
     """Metric keys do not grow with clients; per-update figures step by update, per-version by version."""
     tracker = MemoryTracker()
@@ -321,9 +340,6 @@ async def test_metrics_keys_are_bounded_and_stepped() -> None:
         "client/train_s",
         "client/samples",
         "client/loss",
-        "client/peak_mem_bytes",
-        "client/upload_bytes",
-        "client/download_bytes",
         "server/update/staleness",
         "server/update/queue_wait_s",
         "server/version/aggregate_s",
@@ -349,7 +365,24 @@ async def test_logged_bytes_are_payload_lengths() -> None:
     uploads = recorder.of(UpdateUploaded)
     assert summary.upload_bytes == sum(len(e.payload) for e in uploads)
     params = sum(p.numel() for p in flasync.models.MLP(64, (32,), 10).parameters())
-    assert {v for _, v in tracker.history("client/upload_bytes")} == {24 + 4 * params}
+    assert tracker.tags["constant/client/upload_bytes"] == str(24 + 4 * params)  # dense: every update's size
+
+
+async def test_per_update_figures_that_never_change_are_tags_not_series() -> None:
+    """A per-update figure constant all run long (a dense codec's bytes) is one tag, not a series; one that varies
+    (samples of unequal partitions, staleness of FedBuff, the bytes of a top-k codec with int8 values) is a whole
+    series, a row per update."""
+    dense, sparse = MemoryTracker(), MemoryTracker()
+    summary = await flasync.Federation(small_config("tracking.log_level=debug"), tracker=dense).run()
+    codec = {"upload": [{"kind": "topk", "ratio": 0.1}, {"kind": "int8"}]}
+    await flasync.Federation(small_config("tracking.log_level=debug", codec=codec), tracker=sparse).run()
+    assert {"constant/client/upload_bytes", "constant/client/download_bytes"} <= set(dense.tags)
+    assert "client/upload_bytes" not in dense.metric_keys()
+    assert "constant/client/samples" not in dense.tags and "constant/server/update/staleness" not in dense.tags
+    assert len(dense.history("server/update/staleness")) == summary.updates_accepted
+    assert len({v for _, v in dense.history("client/samples")}) > 1
+    assert "constant/client/upload_bytes" not in sparse.tags
+    assert len({v for _, v in sparse.history("client/upload_bytes")}) > 1
 
 
 async def test_final_weights_artifact_matches_the_summary() -> None:
@@ -414,7 +447,7 @@ async def test_standard_metrics_leave_out_the_per_update_details() -> None:
     details = {"client/encode_s", "client/sim_train_s", "server/update/decode_s", "server/update/staleness_weight"}
     assert not details & set(standard.metric_keys())
     assert details <= set(full.metric_keys())
-    required = {"client/train_s", "client/loss", "client/upload_bytes", "server/update/queue_wait_s"}
+    required = {"client/train_s", "client/loss", "client/samples", "server/update/queue_wait_s"}
     assert required <= set(standard.metric_keys())
     assert "profile/version/encode_s" in standard.metric_keys()
 

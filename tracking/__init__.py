@@ -12,7 +12,7 @@ While the MLflow store cannot be reached, an :class:`MlflowTracker` writes every
 from __future__ import annotations
 
 from tracking.logs import LevelFilter, configure_logging, make_logger
-from tracking.metrics import DEFAULT_EXCLUDE, MetricRow, MetricsProcessor, metric_key
+from tracking.metrics import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor, metric_key
 from tracking.mlflow_run import (
     MlflowTracker,
     NullTracker,
@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_ARTIFACT_ROOT",
     "DEFAULT_EXCLUDE",
     "DEFAULT_TRACKING_URI",
+    "ConstantSeries",
     "ExperimentDeletedError",
     "LevelFilter",
     "MetricRow",

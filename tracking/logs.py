@@ -178,14 +178,15 @@ class ConsoleFields:
     """Shorten an event for the console (JSON lines keep every field as logged).
 
     Floats are rounded to 4 significant digits and NaN fields left out; ``step`` (the metric step, repeated by
-    ``version``) is left out, and so is the ``run_id`` every event of a run carries (``run.started`` shows it once);
+    ``version``) is left out, and so is the ``run_id`` every event of a run carries (``run.started``, or
+    ``run.opened`` when the run is opened while training starts, shows it once);
     ``version`` and ``of`` become ``version=n/N``. A structlog processor.
     """
 
     def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
         """Return the shortened event."""
         event_dict.pop("step", None)
-        if event_dict.get("event") != "run.started":
+        if event_dict.get("event") not in ("run.started", "run.opened"):
             event_dict.pop("run_id", None)
         if "of" in event_dict and "version" in event_dict:
             event_dict["version"] = f"{event_dict['version']}/{event_dict.pop('of')}"

@@ -15,6 +15,7 @@ import os
 import shlex
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -290,6 +291,14 @@ class MlflowTracker:
         self._monitor_in_child = False
         """MLflow's system monitor runs in the writer process (its samples are system-wide, not this process's)."""
         self._finished = False
+        self._opening: threading.Thread | None = None
+        """The thread opening the run of a ``start(wait=False)``."""
+        self._opened = threading.Event()
+        """Set while no run is being opened (the metric writer sends only then)."""
+        self._opened.set()
+        self._open_error: BaseException | None = None
+        self._no_run = False
+        """Opening the run failed: queued metrics have nowhere to go."""
         self._writer_process = writer_process
         self._child: ChildLogBatch | None = None
         self._http_timeout = http_timeout_s
@@ -360,6 +369,7 @@ class MlflowTracker:
         run_name: str | None = None,
         params: Mapping[str, Any] = _NOTHING,
         tags: Mapping[str, str] = _NOTHING,
+        wait: bool = True,
     ) -> str:
         """Create the run (and the experiment if needed), then record params and tags.
 
@@ -367,14 +377,21 @@ class MlflowTracker:
         6000 characters; keys and tag keys that MLflow would refuse have their odd characters
         replaced by ``_``. If recording the params fails, the run is marked ``FAILED``.
 
+        With ``wait=False`` the run is opened on a background thread and this returns ``""`` at once, so the caller
+        can train while the writer process imports MLflow and creates the run (seconds on a busy machine): the
+        run's start time is this call's; metrics logged meanwhile queue and are sent once the run exists; every
+        other record (artifacts, tags, a model, :meth:`flush`, :meth:`finish`) waits for it; :meth:`opened` waits
+        and returns the id, or raises what opening the run raised.
+
         Args:
             experiment: The experiment's name; created when missing.
             run_name: The run's display name; MLflow picks one when None.
             params: The run's parameters, e.g. the flattened configuration.
             tags: The run's tags.
+            wait: Return only once the run exists (True), or at once (see above).
 
         Returns:
-            The run id.
+            The run id (``""`` with ``wait=False``, or when the store never answered).
 
         Raises:
             RuntimeError: The tracker was already started, or the experiment is deleted.
@@ -388,13 +405,87 @@ class MlflowTracker:
         run.experiment, run.run_name = experiment, run_name
         given_tags = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in {**tags, **owner_tags()}.items()}
         clean_params = {safe_key(k): _param_value(v) for k, v in params.items()}
+        self._open_error = None
+        self._opened.clear()
+        # From now on metrics queue; the writer's thread sends them once the run is open (see _log_metric_batch).
+        self._writer = self._metric_writer()
+        if wait:
+            self._open(experiment, run_name, given_tags, clean_params)
+            return self.run_id or ""
+        self._opening = threading.Thread(
+            target=self._open_in_background,
+            args=(experiment, run_name, given_tags, clean_params),
+            name="tracking-open-run",
+            daemon=True,
+        )
+        self._opening.start()
+        return ""
+
+    def opened(self, timeout: float | None = None) -> str:
+        """Wait until the run a ``start(wait=False)`` began is open; return its id (``""`` while the store never
+        answered: records go to the spool). Returns at once after a waiting :meth:`start`.
+
+        Args:
+            timeout: Longest wait in seconds; None waits as long as opening takes (it is bounded by the writer
+                process's start timeout and the store's HTTP bounds).
+
+        Raises:
+            TimeoutError: The run was not open within ``timeout``.
+            RuntimeError: The experiment is deleted (:class:`~tracking.store.ExperimentDeletedError`).
+            mlflow.exceptions.MlflowException: The store refused a call.
+        """
+        opening = self._opening
+        if opening is not None:
+            opening.join(timeout)
+            if opening.is_alive():
+                raise TimeoutError(f"the MLflow run was not open after {timeout} s")
+        if self._open_error is not None:
+            raise self._open_error
+        return self.run_id or ""
+
+    def _open_in_background(
+        self, experiment: str, run_name: str | None, given_tags: Mapping[str, str], clean_params: Mapping[str, str]
+    ) -> None:
+        try:
+            self._open(experiment, run_name, given_tags, clean_params)
+        except BaseException as exc:  # handed to opened(); nothing may escape a thread
+            self._open_error = exc
+
+    def _await_open(self) -> None:
+        """Block until a run being opened in the background is open (or failed); not on the opening thread."""
+        opening = self._opening
+        if opening is not None and opening is not threading.current_thread():
+            opening.join()
+
+    def _open(
+        self, experiment: str, run_name: str | None, given_tags: Mapping[str, str], clean_params: Mapping[str, str]
+    ) -> None:
+        """Create the run and record its params and tags (directly or through the writer process, else spooled),
+        then start the writers. The metric writer waits for this to end; when it raises, queued metrics are dropped
+        (there is no run to hold them)."""
+        try:
+            self._open_run(experiment, run_name, given_tags, clean_params)
+        except BaseException:
+            writer, self._writer = self._writer, None
+            self._no_run = True
+            self._opened.set()
+            if writer is not None:
+                writer.close(0)
+            raise
+        finally:
+            self._opened.set()
+
+    def _open_run(
+        self, experiment: str, run_name: str | None, given_tags: Mapping[str, str], clean_params: Mapping[str, str]
+    ) -> None:
+        run = self._run
         db = sqlite_path(self.tracking_uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
         if self._start_in_child(experiment, run_name, given_tags, clean_params):
             assert self.run_id is not None
             self._start_writers(self.run_id)
-            return self.run_id
+            return
         from mlflow.entities import Param
 
         clean_tags = {**{safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in _context_tags().items()}, **given_tags}
@@ -432,8 +523,8 @@ class MlflowTracker:
             self._start_writers(self.run_id)
         else:
             self._stop_child()
-            self._writer = self._metric_writer()
-        return self.run_id or ""
+            if self._writer is None:
+                self._writer = self._metric_writer()
 
     def _start_in_child(
         self, experiment: str, run_name: str | None, tags: Mapping[str, str], params: Mapping[str, str]
@@ -532,7 +623,8 @@ class MlflowTracker:
                     child.bind(run_id)
             except ConnectionError as exc:
                 self._writer_process_failed(exc)
-        self._writer = self._metric_writer()
+        if self._writer is None:
+            self._writer = self._metric_writer()
         if self._system_metrics and self._child_job({"op": "monitor"}):
             self._monitor_in_child = True
         elif self._system_metrics:
@@ -693,6 +785,7 @@ class MlflowTracker:
         """
         if status not in get_args(RunStatus):
             raise ValueError(f"status must be one of {get_args(RunStatus)}, not {status!r}")
+        self._await_open()
         if self._started_at is None or self._finished:
             self._stop_child()  # prepared, never started (or stopped already)
             return
@@ -869,11 +962,16 @@ class MlflowTracker:
             self._log.warning("tracking.system_monitor_stuck", timeout_s=_MONITOR_STOP_TIMEOUT_S, metrics=False)
 
     def _check_started(self) -> None:
+        self._await_open()
         if self._started_at is None:
             raise RuntimeError("call start() before logging to the tracker")
 
     def _log_metric_batch(self, metrics: list[MetricRow]) -> None:
-        """Write one batch (called by the metric writer's thread): direct, or to the spool; never raises."""
+        """Write one batch (called by the metric writer's thread) once the run is open: direct, or to the spool;
+        never raises."""
+        self._opened.wait()
+        if self._no_run:
+            return
         self._failover.send_metrics(metrics, self._send_metrics)
 
     def _writer_process_failed(self, error: BaseException) -> None:

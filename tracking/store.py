@@ -9,8 +9,10 @@ explicit ``MlflowClient``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
+import shutil
 import sqlite3
 import tempfile
 import threading
@@ -18,7 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import mlflow
@@ -34,6 +36,7 @@ __all__ = [
     "artifact_location",
     "bounded_http",
     "check_local_store",
+    "default_schema_cache",
     "ensure_experiment",
     "http_env",
     "is_remote",
@@ -239,19 +242,34 @@ def check_local_store(uri: str) -> None:
         ) from None
 
 
-def prepare_sqlite_store(uri: str, log: Any = None) -> None:
+def default_schema_cache() -> Path:
+    """Return the folder where new SQLite stores' empty schemas are kept for reuse: ``$XDG_CACHE_HOME/flasync/
+    mlflow-schema``, or ``~/.cache/flasync/mlflow-schema``."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "flasync" / "mlflow-schema"
+
+
+def prepare_sqlite_store(uri: str, log: Any = None, *, schema_cache: Path | Literal[False] | None = None) -> None:
     """Make a SQLite store ready for several processes: schema created once, WAL journal, repaired if half-built.
 
-    MLflow creates a new SQLite store's schema (two dozen migrations) in the first process that opens it; processes
-    that open it at the same moment run the migrations concurrently and leave it half-built for good (``table
-    _alembic_tmp_tags already exists``). Here the first process takes an exclusive lock on ``<db>.lock`` and creates
-    the schema while the others wait; then the database is put in WAL mode, so runs write while others read. A store
-    a crash or an older flasync left half-built (migration tables left over, no schema version) and that holds no run
-    is moved aside (``<db>.broken-<time>``) and built afresh; one that holds runs is an error naming the repair.
+    MLflow creates a new SQLite store's schema (some 70 migrations, about a second of CPU) in the first process that
+    opens it; processes that open it at the same moment run the migrations concurrently and leave it half-built for
+    good (``table _alembic_tmp_tags already exists``). Here the first process takes an exclusive lock on ``<db>.lock``
+    and creates the schema while the others wait; then the database is put in WAL mode, so runs write while others
+    read. A store a crash or an older flasync left half-built (migration tables left over, no schema version) and that
+    holds no run is moved aside (``<db>.broken-<time>``) and built afresh; one that holds runs is an error naming the
+    repair.
+
+    The first schema built for an MLflow version is kept, empty, in ``schema_cache`` (one file per MLflow version, its
+    migration scripts and SQLite's version); a new store of the same versions is a copy of it, which MLflow opens as
+    a store it built (its ``Default`` experiment, whose artifact location depends on the working directory, is made
+    when the store is first opened, as for any new store).
 
     Args:
         uri: The tracking URI (nothing is done for other stores).
         log: Where the repair is reported.
+        schema_cache: Folder of the kept schemas; :func:`default_schema_cache` when None; False: build every new
+            store's schema with MLflow's migrations and keep nothing.
 
     Raises:
         RuntimeError: The store is half-built and holds runs (``mlflow db upgrade URI`` repairs it).
@@ -276,7 +294,7 @@ def prepare_sqlite_store(uri: str, log: Any = None) -> None:
                     log.warning("tracking.store_repaired", path=str(db), moved_to=str(aside), metrics=False)
                 state = "missing"
             if state == "missing":
-                _build_schema(db)
+                _build_schema(db, default_schema_cache() if schema_cache is None else schema_cache or None)
             with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
                 connection.execute("PRAGMA journal_mode=WAL")
         finally:
@@ -286,11 +304,13 @@ def prepare_sqlite_store(uri: str, log: Any = None) -> None:
 _BUILDING = ".building-"
 
 
-def _build_schema(db: Path) -> None:
+def _build_schema(db: Path, cache: Path | None) -> None:
     """Create a new store's schema in a file of its own, then move that file into place (under the store's lock).
 
     A process killed while MLflow runs the migrations (a run that fails fast stops its writer process; SIGKILL; out
     of memory) so leaves no half-built store behind, only a ``<db>.building-*`` file that the next build removes.
+    The file is a copy of the schema kept in ``cache`` when there is one (see :func:`prepare_sqlite_store`), else
+    built by MLflow and then kept there.
     """
     import mlflow
 
@@ -298,11 +318,59 @@ def _build_schema(db: Path) -> None:
         stale.unlink(missing_ok=True)
     # A name of its own for each build: MLflow keeps one store object per URI for the life of the process.
     building = db.with_name(f"{db.name}{_BUILDING}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    template = cache / _schema_name() if cache is not None else None
     try:
-        mlflow.MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments(max_results=1)  # the schema
+        if template is None or not _copy_schema(template, building):
+            mlflow.MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments(max_results=1)  # the schema
+            if template is not None:
+                _keep_schema(building, template)
         os.replace(building, db)
     finally:
         building.unlink(missing_ok=True)
+
+
+def _schema_name() -> str:
+    """Return the file name of the kept schema of this MLflow: its version, migration scripts and SQLite version."""
+    import mlflow
+
+    migrations = Path(mlflow.__file__).parent / "store" / "db_migrations" / "versions"
+    scripts = sorted(path.name for path in migrations.glob("*.py"))
+    key = "\n".join([mlflow.__version__, sqlite3.sqlite_version, *scripts])
+    return f"mlflow-{mlflow.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.db"
+
+
+def _copy_schema(template: Path, target: Path) -> bool:
+    """Copy a kept schema to ``target``; False (and no ``target``) when there is none or it is not a whole schema."""
+    try:
+        shutil.copyfile(template, target)
+        if _schema_state(target) == "ready" and not _has_experiments(target):
+            return True
+    except (OSError, sqlite3.Error):
+        pass
+    target.unlink(missing_ok=True)
+    return False
+
+
+def _keep_schema(built: Path, template: Path) -> None:
+    """Keep an empty copy of a schema MLflow just built (without its ``Default`` experiment, whose artifact location
+    is the building process's working directory); a cache that cannot be written is left alone."""
+    partial = template.with_name(f"{template.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+    try:
+        template.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(built, partial)
+        with contextlib.closing(sqlite3.connect(partial, timeout=30)) as connection, connection:
+            connection.execute("DELETE FROM experiment_tags WHERE experiment_id = 0")
+            connection.execute("DELETE FROM experiments WHERE experiment_id = 0")
+        os.replace(partial, template)  # whole or not at all, also for processes copying it meanwhile
+    except (OSError, sqlite3.Error):
+        pass
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _has_experiments(db: Path) -> bool:
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
+        return bool(connection.execute("SELECT COUNT(*) FROM experiments").fetchone()[0])
 
 
 def _lock(file: Any, *, exclusive: bool) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 from mlflow.entities import Metric
 from structlog.typing import EventDict
 
-from tracking import DEFAULT_EXCLUDE, MetricRow, MetricsProcessor
+from tracking import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor
 
 
 class Sink:
@@ -149,3 +149,42 @@ def test_many_event_names_and_fields_keep_the_right_keys() -> None:
         processor.emit("wide", {f"g{index}": index})
     keys = [row.key for call in sink.calls for row in call]
     assert keys == [key for index in range(2500) for key in (f"event{index % 1200}/f{index}", f"wide/g{index}")]
+
+
+def _rows(key: str, values: list[float], first_step: int = 0) -> list[MetricRow]:
+    return [MetricRow(key, v, 1000 + i, first_step + i) for i, v in enumerate(values)]
+
+
+def test_a_constant_series_is_held_back_and_reported_once() -> None:
+    """Rows of a held key that never changes are not sent; constants() gives its value; other keys pass at once."""
+    sent: list[MetricRow] = []
+    held = ConstantSeries(sent.extend, {"client/upload_bytes"})
+    for row in _rows("client/upload_bytes", [96.0] * 5):
+        held([row, MetricRow("client/loss", 0.5, 1, row.step)])
+    assert [row.key for row in sent] == ["client/loss"] * 5
+    assert held.constants() == {"client/upload_bytes": 96.0}
+    assert held.constants() == {}
+    held(_rows("client/upload_bytes", [96.0]))  # decided: later rows pass
+    assert sent[-1].key == "client/upload_bytes"
+
+
+def test_a_held_series_that_changes_is_sent_whole() -> None:
+    """The first different value sends the held rows at their own steps and times, then every row passes."""
+    sent: list[MetricRow] = []
+    held = ConstantSeries(sent.extend, {"client/samples"})
+    rows = _rows("client/samples", [64.0, 64.0, 64.0, 32.0, 64.0])
+    for row in rows:
+        held([row])
+    assert sent == rows
+    assert held.constants() == {}
+
+
+def test_held_rows_are_bounded() -> None:
+    """A key holding max_held rows is sent as a series (its rows in order); NaN counts as a change."""
+    sent: list[MetricRow] = []
+    held = ConstantSeries(sent.extend, {"a", "b"}, max_held=3)
+    held(_rows("a", [1.0] * 5))
+    assert sent == _rows("a", [1.0] * 5)
+    held(_rows("b", [math.nan, math.nan]))
+    assert [row.step for row in sent if row.key == "b"] == [0, 1]
+    assert held.constants() == {}

@@ -13,6 +13,7 @@ from mlflow.entities import LoggedModelStatus, Metric
 
 from tracking import (
     DEFAULT_TRACKING_URI,
+    ExperimentDeletedError,
     MetricsProcessor,
     MlflowTracker,
     NullTracker,
@@ -172,6 +173,38 @@ def test_start_twice_is_refused(tracker: MlflowTracker) -> None:
     with pytest.raises(RuntimeError, match="already started"):
         tracker.start(experiment="twice")
     tracker.finish("FINISHED")
+
+
+def test_a_run_opened_in_the_background_gets_what_was_logged_before_it_existed(
+    tracker: MlflowTracker, client: mlflow.MlflowClient
+) -> None:
+    """start(wait=False) returns before the run exists; metrics, tags and artifacts logged meanwhile all reach it,
+    and opened() returns its id."""
+    called = int(time.time() * 1000)
+    assert tracker.start(experiment="background", run_name="bg", params={"lr": 0.1}, wait=False) == ""
+    tracker.log_metrics([Metric("m", float(i), 0, i) for i in range(1500)])
+    tracker.set_tags({"mode": "sim"})
+    tracker.log_dict({"a": 1}, "early.json")
+    run_id = tracker.opened(timeout=120)
+    assert run_id and tracker.run_id == run_id
+    tracker.finish("FINISHED")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.info.start_time <= int(time.time() * 1000) and run.info.start_time >= called - 1
+    assert (run.info.run_name, run.data.params["lr"], run.data.tags["mode"]) == ("bg", "0.1", "sim")
+    assert sorted(m.step for m in client.get_metric_history(run_id, "m")) == list(range(1500))
+    assert [a.path for a in client.list_artifacts(run_id)] == ["early.json"]
+
+
+def test_a_deleted_experiment_fails_a_background_opening(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
+    """opened() raises what opening the run raised; metrics queued meanwhile are dropped, and finish returns."""
+    client.delete_experiment(client.create_experiment("gone-background"))
+    tracker.start(experiment="gone-background", wait=False)
+    tracker.log_metrics([Metric("m", 1.0, 0, 0)])
+    with pytest.raises(ExperimentDeletedError, match="deleted"):
+        tracker.opened(timeout=120)
+    tracker.finish("FAILED")
+    assert tracker.run_id is None
 
 
 def test_artifacts_before_start_are_refused(tracker: MlflowTracker) -> None:

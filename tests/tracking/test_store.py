@@ -51,12 +51,63 @@ def test_a_schema_build_that_dies_leaves_no_store(tmp_path: Path, monkeypatch: p
 
     monkeypatch.setattr(mlflow.MlflowClient, "search_experiments", dies)
     with pytest.raises(KeyboardInterrupt):
-        prepare_sqlite_store(f"sqlite:///{db}")
+        prepare_sqlite_store(f"sqlite:///{db}", schema_cache=False)
     assert not db.exists()
     monkeypatch.undo()
-    prepare_sqlite_store(f"sqlite:///{db}")
+    prepare_sqlite_store(f"sqlite:///{db}", schema_cache=False)
     assert mlflow.MlflowClient(f"sqlite:///{db}").create_experiment("works")
     assert sorted(p.name for p in tmp_path.iterdir() if "building" in p.name) == []
+
+
+def _schema_version(db: Path) -> str:
+    with sqlite3.connect(db) as connection:
+        return str(connection.execute("SELECT version_num FROM alembic_version").fetchone()[0])
+
+
+def test_a_new_store_is_a_copy_of_the_schema_kept_from_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first new store's schema is kept, empty; the next new store is a copy of it (no migration runs), which
+    MLflow opens as its own: same schema version, its Default experiment in the opening directory, runs work."""
+    cache = tmp_path / "cache"
+    first = tmp_path / "first" / "mlflow.db"
+    monkeypatch.chdir(tmp_path)
+    prepare_sqlite_store(f"sqlite:///{first}", schema_cache=cache)
+    (kept,) = cache.iterdir()
+    with sqlite3.connect(kept) as connection:
+        assert connection.execute("SELECT COUNT(*) FROM experiments").fetchone()[0] == 0
+
+    def migrates(self: object, *args: object, **kwargs: object) -> None:
+        raise AssertionError("the schema was built, not copied")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    second = tmp_path / "second" / "mlflow.db"
+    with monkeypatch.context() as patch:
+        patch.setattr(mlflow.MlflowClient, "search_experiments", migrates)
+        prepare_sqlite_store(f"sqlite:///{second}", schema_cache=cache)
+    assert _schema_version(second) == _schema_version(first)
+    client = mlflow.MlflowClient(f"sqlite:///{second}")
+    (default,) = client.search_experiments()
+    assert default.name == "Default" and default.artifact_location == str(elsewhere / "mlruns" / "0")
+    run_id = client.create_run(client.create_experiment("works")).info.run_id
+    client.log_metric(run_id, "m", 1.0)
+    client.set_terminated(run_id)
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_broken_kept_schema_is_not_copied_but_replaced(tmp_path: Path) -> None:
+    """A kept schema that is not a whole, empty schema is ignored: the store is built by MLflow and kept anew."""
+    cache = tmp_path / "cache"
+    prepare_sqlite_store(f"sqlite:///{tmp_path / 'first.db'}", schema_cache=cache)
+    (kept,) = cache.iterdir()
+    kept.write_bytes(b"not a database")
+    db = tmp_path / "second.db"
+    prepare_sqlite_store(f"sqlite:///{db}", schema_cache=cache)
+    assert mlflow.MlflowClient(f"sqlite:///{db}").create_experiment("works")
+    assert _schema_version(kept) == _schema_version(db)
+    assert [p.name for p in cache.iterdir()] == [kept.name]
 
 
 def test_a_half_built_store_with_runs_is_an_error_naming_the_repair(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 import structlog
 import yaml
 
-from tracking import _model
+from tracking import _files, _model
 from tracking._child import ChildLogBatch
 from tracking._keys import safe_key
 from tracking._runs import (
@@ -250,8 +250,8 @@ class MlflowTracker:
             (the state MLflow's UI shares): saved on the experiment as the tag ``mlflow.sharedViewState.<name>``,
             where ``name`` is :data:`RUNS_VIEW_KEY`; :meth:`ui_url` opens it.
         preload: What the writer process imports (``package.module``) or calls (``package.module:function``) once
-            it is connected, while the caller trains, for the work :meth:`log_model_from` will hand it, e.g.
-            ``("tracking._model:warm_up",)``.
+            it is connected, while the caller trains, for the work :meth:`log_model_from` and :meth:`log_files_from`
+            will hand it, e.g. ``("tracking._model:warm_up",)``.
     """
 
     def __init__(
@@ -836,6 +836,36 @@ class MlflowTracker:
         }
         if not self._child_job(request):
             self.log_model(_model.build(builder, kwargs), name=name, input_example=input_example)
+        return time.perf_counter() - began
+
+    def log_files_from(self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None = None) -> float:
+        """Store as artifacts the files ``target(folder=..., **kwargs)`` writes, made in another process; return the
+        seconds waited.
+
+        The writer process calls ``target`` when there is one (name what it imports in ``preload``); otherwise a
+        one-shot Python process does, and the files are logged as :meth:`log_file` logs them. This process never
+        imports what ``target`` needs (see :mod:`tracking._files`).
+
+        Args:
+            target: ``package.module:name`` of a function writing files into the folder it is given as ``folder``
+                (importable by a fresh interpreter: no ``__main__`` names).
+            kwargs: Its other keyword arguments, JSON values (e.g. the path of a JSON file to draw).
+            artifact_path: Folder inside the run's artifacts; the root when None.
+
+        Returns:
+            Wall-clock seconds spent.
+
+        Raises:
+            RuntimeError: ``target`` failed (its message), or :meth:`start` was not called.
+        """
+        began = time.perf_counter()
+        self._check_started()
+        request = {"op": "artifacts", "target": target, "kwargs": dict(kwargs), "folder": artifact_path}
+        if not self._child_job(request):
+            with tempfile.TemporaryDirectory(prefix="tracking-files-") as folder:
+                _files.write_elsewhere(target, folder, kwargs)
+                for path in sorted(Path(folder).iterdir()):
+                    self.log_file(path, artifact_path)
         return time.perf_counter() - began
 
     def _child_job(self, request: Mapping[str, Any]) -> bool:

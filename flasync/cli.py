@@ -291,7 +291,15 @@ def _command_client(args: argparse.Namespace) -> int:
             verify = ssl.create_default_context(cafile=args.cafile)
         except (OSError, ssl.SSLError) as exc:
             raise _UsageError(f"--cafile: cannot load {args.cafile}: {type(exc).__name__}") from None
-    client = Client(args.server, token, dataset, verify=verify, poll_s=args.poll_s, give_up_s=args.give_up_s)
+    client = Client(
+        args.server,
+        token,
+        dataset,
+        verify=verify,
+        poll_s=args.poll_s,
+        give_up_s=args.give_up_s,
+        on_status=lambda line: print(f"flasync client: {line}", file=sys.stderr, flush=True),
+    )
     stats = _run_loop(client.run(max_tasks=args.max_tasks))
     print(
         f"flasync client {stats.client_id}: {stats.uploads} updates delivered of {stats.tasks} tasks, "

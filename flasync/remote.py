@@ -82,6 +82,11 @@ class Client:
         give_up_s: Fail with :class:`RemoteError` after the server was unreachable this long (None: never).
         seed: Seeds the retry jitter.
         wall: Monotonic real seconds.
+        on_status: Called with one line of text when the client connects, when it starts waiting for a server it
+            cannot reach (or that is busy: 429, 502-504; the reason and the delay before the next try), again at
+            most every ``status_every_s`` while that lasts or when the reason changes, and when it gets through
+            again; e.g. ``print`` (``flasync client`` prints them on stderr). None: silent.
+        status_every_s: Least seconds between two lines about one stretch of waiting.
     """
 
     def __init__(
@@ -99,6 +104,8 @@ class Client:
         give_up_s: float | None = 120.0,
         seed: int = 0,
         wall: Callable[[], float] = time.perf_counter,
+        on_status: Callable[[str], None] | None = None,
+        status_every_s: float = 30.0,
     ) -> None:
         """Keep the settings (nothing is sent yet)."""
         self.server = server.rstrip("/")
@@ -119,6 +126,9 @@ class Client:
         self._data: tuple[torch.Tensor, torch.Tensor] | None = None
         self._setup: dict[str, Any] = {}
         self._cached: tuple[int, torch.Tensor] | None = None
+        self._on_status = on_status
+        self.status_every_s = status_every_s
+        self._waiting: _Waiting | None = None
 
     # ------------------------------------------------------------------------------------------------ run
     async def run(self, *, max_tasks: int | None = None) -> ClientStats:
@@ -140,6 +150,7 @@ class Client:
             return self.stats
         self._setup = _json(hello)
         self.stats.client_id = int(self._setup["client_id"])
+        self._say(f"connected to {self.server} as client {self.stats.client_id}")
         await asyncio.to_thread(self._prepare)
         answered = 0
         while max_tasks is None or answered < max_tasks:
@@ -279,7 +290,9 @@ class Client:
                 if self.give_up_s is not None and now - first_failure > self.give_up_s:
                     raise RemoteError(f"{self.server} unreachable for {self.give_up_s:g} s: {exc!r}") from None
                 self.stats.retries += 1
-                await asyncio.sleep(delay * (0.5 + self._jitter.random()))
+                pause = delay * (0.5 + self._jitter.random())
+                self._wait(f"cannot reach it ({_reason(exc)})", pause)
+                await asyncio.sleep(pause)
                 delay = min(2 * delay, self.max_backoff_s)
                 continue
             status = response.status_code
@@ -291,14 +304,61 @@ class Client:
                         raise RemoteError(f"{self.server} answered {status} for {self.give_up_s:g} s") from None
                 self.stats.retries += 1
                 retry_after = _retry_after(response)
-                await asyncio.sleep(retry_after if retry_after is not None else delay * (0.5 + self._jitter.random()))
+                pause = retry_after if retry_after is not None else delay * (0.5 + self._jitter.random())
+                answer = f"{status} {response.reason_phrase}".strip()
+                self._wait(f"it is busy ({answer})" if status == 429 else f"it answers {answer}", pause)
+                await asyncio.sleep(pause)
                 delay = min(2 * delay, self.max_backoff_s)
                 continue
+            self._got_through()
             if status == 401:
                 raise RemoteError(f"{self.server} refused the token (401)")
             if status in (400, 413):
                 raise RemoteError(f"{self.server} refused {method} {path}: {status} {_detail(response)}")
             return response
+
+    # ------------------------------------------------------------------------------------------- status
+    def _say(self, line: str) -> None:
+        if self._on_status is not None:
+            self._on_status(line)
+
+    def _wait(self, reason: str, pause_s: float) -> None:
+        """Note one failed try; say so when a stretch of waiting starts, its reason changes, or every so often."""
+        now = self._wall()
+        waiting = self._waiting
+        if waiting is None:
+            self._waiting = _Waiting(since=now, said_at=now, reason=reason)
+            self._say(f"waiting for {self.server}: {reason}; next try in {pause_s:.1f} s")
+            return
+        waiting.tries += 1
+        if reason != waiting.reason or now - waiting.said_at >= self.status_every_s:
+            waiting.reason, waiting.said_at = reason, now
+            self._say(
+                f"still waiting for {self.server} after {now - waiting.since:.0f} s and {waiting.tries} tries: "
+                f"{reason}; next try in {pause_s:.1f} s"
+            )
+
+    def _got_through(self) -> None:
+        """End a stretch of waiting; say so once connected (before that, the connection's line says it)."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None and self.stats.client_id >= 0:
+            self._say(f"got through to {self.server} again after {self._wall() - waiting.since:.1f} s")
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A stretch of failed tries to reach the server: since when, what the last line said and when."""
+
+    since: float
+    said_at: float
+    reason: str
+    tries: int = 1
+
+
+def _reason(exc: httpx.TransportError) -> str:
+    """Return a short reason for a failed request: the error's type and its message, on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:120]}" if text else type(exc).__name__
 
 
 def model_from_config(model: ModelConfig, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:

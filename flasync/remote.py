@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import random
+import secrets
 import ssl
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from flasync.training import FlatModel, LocalTraining, train
 __all__ = ["Client", "ClientStats", "RemoteError", "model_from_config"]
 
 _REPORT_HEADER = "x-flasync-report"  # flasync.serve.REPORT_HEADER (not imported: the client needs no Starlette)
+_SESSION_HEADER = "x-flasync-session"  # flasync.serve.SESSION_HEADER
 
 
 class RemoteError(FlasyncError):
@@ -109,7 +111,9 @@ class Client:
     ) -> None:
         """Keep the settings (nothing is sent yet)."""
         self.server = server.rstrip("/")
-        self._headers = {"authorization": f"Bearer {token.strip()}"}
+        # A task is handed to one connection (see flasync.serve): this client's, for as long as it runs.
+        self.session = secrets.token_urlsafe(12)
+        self._headers = {"authorization": f"Bearer {token.strip()}", _SESSION_HEADER: self.session}
         self._dataset = dataset
         self._model_factory = model_factory
         self._verify = verify
@@ -310,6 +314,15 @@ class Client:
                 await asyncio.sleep(pause)
                 delay = min(2 * delay, self.max_backoff_s)
                 continue
+            if status == 409 and _error(response) == "token_in_use":
+                # Another device with this token holds this client's task: wait until it is answered or timed out.
+                self.stats.retries += 1
+                retry_after = _retry_after(response)
+                pause = retry_after if retry_after is not None else delay * (0.5 + self._jitter.random())
+                self._wait("its token is in use by another connection, which holds this client's task", pause)
+                await asyncio.sleep(pause)
+                delay = min(2 * delay, self.max_backoff_s)
+                continue
             self._got_through()
             if status == 401:
                 raise RemoteError(f"{self.server} refused the token (401)")
@@ -389,6 +402,15 @@ def _json(response: httpx.Response) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RemoteError("the server's answer is not a JSON object")
     return data
+
+
+def _error(response: httpx.Response) -> str:
+    """Return the ``error`` key of a refusal's JSON body (empty when there is none)."""
+    try:
+        data = response.json()
+    except ValueError:
+        return ""
+    return str(data.get("error", "")) if isinstance(data, dict) else ""
 
 
 def _detail(response: httpx.Response) -> str:

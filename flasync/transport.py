@@ -225,6 +225,8 @@ class Report:
 class _Posted:
     task: TaskAssigned
     snapshot: ModelSnapshot
+    session: str | None = None
+    """The connection the task was handed to (None: not yet handed out)."""
 
 
 # ---------------------------------------------------------------------------------------------- transport
@@ -402,17 +404,21 @@ class RemoteTransport:
             return self._not_started()
         return {"client_id": int(client_id), "max_upload_bytes": self.max_upload_bytes, **self._setup}
 
-    async def next_task(self, client_id: ClientId, wait_s: float) -> Offer | Refusal | None:
+    async def next_task(self, client_id: ClientId, wait_s: float, session: str = "") -> Offer | Refusal | None:
         """Return ``client_id``'s task, waiting up to ``wait_s`` for one (None: none came; ask again).
 
-        A client that asks again while its task is in flight gets the same task (it may have restarted).
+        A task is handed to one connection: the ``session`` (a random string a client process picks for its
+        lifetime) that first asks for it. That session asking again while the task is in flight gets it again (an
+        answer lost on the way); another one with the same token gets 409 ``token_in_use`` with ``Retry-After``
+        until the task is answered or timed out, so two devices sharing a token never train the same task (and a
+        restarted device waits for its old task's timeout).
         """
         self._heard(client_id)
         if self.finished:
             return self._ended()
         posted = self._posted.get(client_id)
         if posted is not None:
-            return self._offer(posted)
+            return self._hand(client_id, posted, session)
         if self._waiting >= self.settings.max_waiting or self._polls[client_id] >= _MAX_POLLS_PER_CLIENT:
             return self._refuse(
                 client_id,
@@ -425,7 +431,7 @@ class RemoteTransport:
                 while not self.finished:
                     posted = self._posted.get(client_id)
                     if posted is not None:
-                        return self._offer(posted)
+                        return self._hand(client_id, posted, session)
                     waker = self._wakers.setdefault(client_id, asyncio.Event())
                     await waker.wait()
         except TimeoutError:
@@ -437,6 +443,18 @@ class RemoteTransport:
                 del self._polls[client_id]
             self._heard(client_id)
         return self._ended()
+
+    def _hand(self, client_id: ClientId, posted: _Posted, session: str) -> Offer | Refusal:
+        """Hand ``posted`` to ``session`` if it is not another connection's; else refuse (409)."""
+        if posted.session is None:
+            posted.session = session
+        elif posted.session != session:
+            detail = (
+                f"client {client_id}'s task {posted.task.task_id} is held by another connection with this token;"
+                " retry once it is answered or timed out"
+            )
+            return self._refuse(client_id, Refusal(409, "token_in_use", detail, self.settings.retry_after_s))
+        return self._offer(posted)
 
     def _offer(self, posted: _Posted) -> Offer:
         task = posted.task
@@ -472,9 +490,12 @@ class RemoteTransport:
         generator = torch.Generator().manual_seed(int(snapshot.version))
         return self.download_codec.encode(weights, generator=generator).payload
 
-    def check_upload(self, client_id: ClientId, task_id: int, content_length: int | None) -> Refusal | None:
-        """Refuse an upload before its body is read: a run not attached, a replay, a task not the client's own,
-        a declared body over :attr:`max_upload_bytes` (None: go on)."""
+    def check_upload(
+        self, client_id: ClientId, task_id: int, content_length: int | None, session: str = ""
+    ) -> Refusal | None:
+        """Refuse an upload before its body is read: a run not attached, a replay, a task not the client's own
+        or handed to another connection (``session``, see :meth:`next_task`), a declared body over
+        :attr:`max_upload_bytes` (None: go on)."""
         if self.finished:
             return self._ended()
         registry = self._registry
@@ -485,6 +506,10 @@ class RemoteTransport:
         task = registry.busy.get(client_id)
         if task is None or task.task_id != task_id:
             return self._refuse(client_id, Refusal(403, "not_your_task", f"client {client_id} has no task {task_id}"))
+        posted = self._posted.get(client_id)
+        if posted is not None and posted.task.task_id == task_id and posted.session not in (None, session):
+            detail = f"task {task_id} was handed to another connection with this token"
+            return self._refuse(client_id, Refusal(403, "other_connection", detail))
         if content_length is not None and content_length > self.max_upload_bytes:
             return self.oversize(client_id, content_length)
         return None
@@ -498,14 +523,16 @@ class RemoteTransport:
         """Refuse (and count) an upload whose report is malformed."""
         return self._refuse(client_id, Refusal(400, "bad_report", detail))
 
-    def upload(self, client_id: ClientId, task_id: int, payload: bytes, report: Report) -> Refusal | None:
+    def upload(
+        self, client_id: ClientId, task_id: int, payload: bytes, report: Report, session: str = ""
+    ) -> Refusal | None:
         """Put the update for ``task_id`` on the bus (the intake decides whether it is aggregated).
 
         Returns:
             None once the update is on its way to the intake, else why it was refused.
         """
         self._heard(client_id)
-        refusal = self.check_upload(client_id, task_id, len(payload))
+        refusal = self.check_upload(client_id, task_id, len(payload), session)
         if refusal is not None:
             return refusal
         assert self._registry is not None and self._bus is not None
@@ -552,9 +579,9 @@ class RemoteTransport:
             )
         return None
 
-    def failed(self, client_id: ClientId, task_id: int, error: str) -> Refusal | None:
+    def failed(self, client_id: ClientId, task_id: int, error: str, session: str = "") -> Refusal | None:
         """Publish that the client's training failed (the task is released and counted as a failure)."""
-        refusal = self.check_upload(client_id, task_id, None)
+        refusal = self.check_upload(client_id, task_id, None, session)
         if refusal is not None:
             return refusal
         assert self._registry is not None and self._bus is not None

@@ -4,7 +4,7 @@ Each test measures the gaps between two ticks of a coroutine that sleeps 10 ms, 
 it returned or raised, and bounds the worst by 100 ms. A blocking call on the loop (an executor's shutdown, an
 MLflow call, a checkpoint upload) shows as a gap of its whole duration, and so does any pause of the whole process:
 a thread holding the GIL, or a full collection of Python's garbage collector, which stops every thread for a time
-that grows with the heap (0.15-0.25 s here, with torch and MLflow loaded). A run sets no full collection off, because
+that grows with the heap (0.15-0.5 s here, with torch and MLflow loaded). A run sets no full collection off, because
 it creates few long-lived objects in its process: the digits are read without importing scikit-learn (SciPy,
 pandas), and the plots are drawn by the MLflow writer process (no matplotlib here). The heartbeat counts the full
 collections during its window and names them in a failure's message.
@@ -15,9 +15,11 @@ machine shared with other work that is the machine's load, not the run. A thread
 queue, though its wake-ups to ask for the GIL can be: so a gap is never counted as less than the full collections in
 it. Both figures are printed; where the kernel gives no schedstat, the raw gap is asserted.
 
-MLflow is imported by this module (for :func:`status_of`), as it is in a service that tracks runs. That matters to
-the silent store only: while no writer process can reach the store, the tracker's failover writes from this process,
-which imports MLflow for it; a process that never had (a fresh one) pays that import's collections then.
+MLflow is imported by this module (for :func:`status_of`), so the in-process tests cannot tell whether a run imports
+it; two tests in fresh processes do: a tracked run imports neither scikit-learn nor matplotlib where it runs, and one
+tracked to a server that never answers imports neither MLflow (the tracker asks the server's ``/health`` before it
+would import MLflow to write from its own process) nor matplotlib, its model and plots being made by one-shot
+processes for the spool.
 """
 
 from __future__ import annotations
@@ -341,3 +343,25 @@ def test_a_tracked_run_leaves_matplotlib_and_scikit_learn_out_of_its_process(tmp
     (run,) = client.search_runs([experiment.experiment_id])
     plots = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "plots")}
     assert {"accuracy.png", "staleness.png", "time_breakdown.png", "client_times.png"} <= plots
+
+
+@pytest.mark.timeout(180)
+def test_a_run_tracked_to_a_silent_server_never_imports_mlflow_in_its_process(
+    silent_server: str, tmp_path: Path
+) -> None:
+    """With a server that never answers, a tracked run (model and plots included) imports neither MLflow nor
+    matplotlib where it runs: the spool gets everything, made by other processes."""
+    code = (
+        "import sys, flasync, flasync.testing as t, tracking; "
+        f"tracker = tracking.MlflowTracker({silent_server!r}, http_timeout_s=1, http_retries=0, "
+        "spool_root='spool', flush_timeout_s=2.0); "
+        "flasync.run(t.small_config('tracking.enabled=true', 'tracking.log_model=true'), tracker=tracker); "
+        "print(sorted(m for m in ('mlflow', 'matplotlib', 'sklearn') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=150, check=True, cwd=tmp_path
+    )
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert len(list((tmp_path / "spool").glob("*.jsonl"))) == 1
+    spooled = {path.name for path in (tmp_path / "spool").rglob("*")}
+    assert {"accuracy.png", "MLmodel"} <= spooled  # the plots and the model were made and spooled

@@ -280,6 +280,8 @@ def test_sigint_then_resume_gives_the_uninterrupted_sha(cli_dir: Path) -> None:
         last,
     )
     assert match, last
+    assert len(re.findall(r"^flasync run stopped \(SIGINT\) at version \d+: accuracy ", output, re.MULTILINE)) == 1
+    assert "flasync: SIGINT received; stopping (checkpoint, flush, MLflow run KILLED)" in output
     run_id = match.group(1)
     client = mlflow.MlflowClient(store)
     killed = client.get_run(run_id)

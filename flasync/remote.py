@@ -5,6 +5,9 @@ runs. It trains with flasync's own local training (:func:`flasync.training.train
 settings) and encodes with the server's upload codec; the error-feedback residual stays on the device and changes
 only when an update was delivered. Network errors, 429 and 503 are retried with exponential backoff and jitter
 (honouring ``Retry-After``), so a client rides out a server restart; a task the server no longer holds is dropped.
+Each client process names its connection with a random session (``X-Flasync-Session``): a task is handed to one
+connection, and a client whose token another device is using waits (409 ``token_in_use``) rather than train the
+same task.
 See :mod:`flasync.serve` for the protocol.
 """
 
@@ -89,6 +92,9 @@ class Client:
             most every ``status_every_s`` while that lasts or when the reason changes, and when it gets through
             again; e.g. ``print`` (``flasync client`` prints them on stderr). None: silent.
         status_every_s: Least seconds between two lines about one stretch of waiting.
+
+    Attributes:
+        session: This client's connection name, random, sent with every request (a task is handed to one).
     """
 
     def __init__(

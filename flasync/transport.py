@@ -284,6 +284,7 @@ class RemoteTransport:
         self.wire_download_bytes = 0
         """Model bodies sent (bytes)."""
         self._seen: dict[ClientId, float] = {}  # a device's last request (wall seconds)
+        self._handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
         self._num_clients = 0
 
     # ------------------------------------------------------------------------------------------ lifetime
@@ -370,6 +371,10 @@ class RemoteTransport:
         :meth:`online_window_s` (the sampler gives tasks to connected devices only; ``t`` is not needed)."""
         if client_id in self._polls:
             return True
+        if client_id in self._handed:
+            # It took a task and has not been heard from since: training it (not to be sampled anyway), or gone
+            # (its task timed out): either way not given another one before it asks again.
+            return False
         seen = self._seen.get(ClientId(client_id))
         return seen is not None and self._wall() - seen <= self.online_window_s
 
@@ -398,6 +403,7 @@ class RemoteTransport:
     def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
         """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
         self._heard(client_id)
+        self._handed.pop(client_id, None)
         if self.finished:
             return self._ended()
         if self._registry is None:
@@ -414,6 +420,7 @@ class RemoteTransport:
         restarted device waits for its old task's timeout).
         """
         self._heard(client_id)
+        self._handed.pop(client_id, None)  # it asks again: alive, and (again) given its task if one is in flight
         if self.finished:
             return self._ended()
         posted = self._posted.get(client_id)
@@ -454,6 +461,7 @@ class RemoteTransport:
                 " retry once it is answered or timed out"
             )
             return self._refuse(client_id, Refusal(409, "token_in_use", detail, self.settings.retry_after_s))
+        self._handed[client_id] = posted.task.task_id
         return self._offer(posted)
 
     def _offer(self, posted: _Posted) -> Offer:
@@ -639,6 +647,9 @@ class RemoteTransport:
         for client_id, posted in list(self._posted.items()):
             if posted.task.task_id == task_id:  # answered: never offered again, even before the server releases it
                 del self._posted[client_id]
+        for client_id, handed in list(self._handed.items()):
+            if handed == task_id:
+                del self._handed[client_id]
         self._answered.add(task_id)
         self._answer_order.append(task_id)
         if len(self._answer_order) > _REMEMBERED_ANSWERS:

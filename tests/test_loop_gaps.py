@@ -6,8 +6,10 @@ MLflow call, a checkpoint upload) shows as a gap of its whole duration, and so d
 a thread holding the GIL, or a full collection of Python's garbage collector, which stops every thread for a time
 that grows with the heap (0.15-0.5 s here, with torch and MLflow loaded). A run sets no full collection off, because
 it creates few long-lived objects in its process: the digits are read without importing scikit-learn (SciPy,
-pandas), and the plots are drawn by the MLflow writer process (no matplotlib here). The heartbeat counts the full
-collections during its window and names them in a failure's message.
+pandas), and the plots are drawn by the MLflow writer process (no matplotlib here). Each window starts right after
+a collection, so none falls due in it for what the process allocated before (the test's own MLflow clients make
+tens of thousands of objects); the heartbeat counts the full collections during its window and names them in a
+failure's message.
 
 The one thing not held against the loop is time its thread was ready to run and the operating system gave the CPU
 to another thread or process (its run-queue wait, from Linux's ``/proc/self/task/TID/schedstat``): on a 2-core
@@ -137,6 +139,9 @@ class Heartbeat:
 
 async def beside(work: Callable[[], Awaitable[Any]]) -> tuple[Any, Heartbeat]:
     """Await ``work()`` with a heartbeat beside it; return its result (or the exception it raised) and the beat."""
+    # Start with no full collection owed by what this process did before (the test's own MLflow clients, earlier
+    # tests): one falling due in the window would be theirs. What the run allocates is left to set one off.
+    gc.collect()
     heart = Heartbeat()
     beat = asyncio.create_task(heart.beat())
     await asyncio.sleep(3 * TICK_S)  # the beat is going before the run starts

@@ -5,8 +5,9 @@ a run to resume) with a one-line message on stderr, 1 for an unexpected failure,
 (Ctrl-C) and 143 by SIGTERM.
 
 The first SIGINT or SIGTERM asks the run to stop: it finishes the message at hand, cancels the clients, flushes
-every metric, writes a checkpoint and ends the MLflow run as ``KILLED``; ``flasync run --resume RUN_ID`` continues
-it. A second signal stops at once (still ``KILLED``, no checkpoint).
+every metric, writes a checkpoint and ends the MLflow run as ``KILLED`` (with tracking on); ``flasync run --resume
+RUN_ID`` continues it. A second signal stops at once (still ``KILLED``, no checkpoint). Either way the partial
+summary is printed on one line.
 """
 
 from __future__ import annotations
@@ -239,11 +240,13 @@ def _command_serve(args: argparse.Namespace) -> int:
             )
         )
     except RunInterrupted as exc:
+        _print_partial(federation.summary, exc.reason)
         hint = f"; resume with: python -m flasync serve --resume {exc.run_id}" if exc.checkpoint and exc.run_id else ""
         print(f"flasync: {exc}{hint}", file=sys.stderr)
         return _SIGNAL_STATUS.get(exc.reason, 130)
     except asyncio.CancelledError:
-        print("flasync: stopped at once (second signal); no checkpoint written", file=sys.stderr)
+        _print_partial(federation.summary, "second signal")
+        print(f"flasync: stopped at once (second signal){_no_checkpoint(config)}", file=sys.stderr)
         return _SIGNAL_STATUS.get(received[-1] if received else "SIGINT", 130)
     except OSError as exc:
         raise _UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
@@ -288,7 +291,15 @@ def _command_client(args: argparse.Namespace) -> int:
             verify = ssl.create_default_context(cafile=args.cafile)
         except (OSError, ssl.SSLError) as exc:
             raise _UsageError(f"--cafile: cannot load {args.cafile}: {type(exc).__name__}") from None
-    client = Client(args.server, token, dataset, verify=verify, poll_s=args.poll_s, give_up_s=args.give_up_s)
+    client = Client(
+        args.server,
+        token,
+        dataset,
+        verify=verify,
+        poll_s=args.poll_s,
+        give_up_s=args.give_up_s,
+        on_status=lambda line: print(f"flasync client: {line}", file=sys.stderr, flush=True),
+    )
     stats = _run_loop(client.run(max_tasks=args.max_tasks))
     print(
         f"flasync client {stats.client_id}: {stats.uploads} updates delivered of {stats.tasks} tasks, "
@@ -489,6 +500,35 @@ def _print_summary(summary: RunSummary, config: RunConfig, ui_command: str | Non
     print("\n".join(lines), flush=True)
 
 
+def _stopping(config: RunConfig) -> str:
+    """Say what a first signal's clean stop does with ``config``: no MLflow run nor checkpoint without tracking."""
+    if not config.tracking.enabled:
+        return "stopping (tracking is off: no checkpoint)"
+    saved = "checkpoint, " if config.checkpoint.on_interrupt else ""
+    return f"stopping ({saved}flush, MLflow run KILLED)"
+
+
+def _no_checkpoint(config: RunConfig) -> str:
+    """What a second signal's message adds: that no checkpoint was written (when one could have been)."""
+    return "; no checkpoint written" if config.tracking.enabled else ""
+
+
+def _print_partial(summary: RunSummary | None, why: str) -> None:
+    """Print a stopped run's partial summary on one line (nothing when it stopped before it started)."""
+    if summary is None:
+        return
+    evaluated = (
+        f"accuracy {summary.accuracy:.4f}, loss {summary.loss:.4f}"
+        if math.isfinite(summary.accuracy)
+        else "not evaluated yet"
+    )
+    print(
+        f"flasync run stopped ({why}) at version {summary.versions}: {evaluated}; {summary.updates_accepted} updates "
+        f"accepted, {summary.updates_dropped} dropped, {summary.updates_failed} failed; wall {summary.wall_s:.1f} s",
+        flush=True,
+    )
+
+
 async def _run_with_signals(federation: Federation, received: list[str]) -> RunSummary:
     """Run ``federation``; the first SIGINT/SIGTERM asks it to stop cleanly, a second one cancels it."""
     loop = asyncio.get_running_loop()
@@ -497,10 +537,11 @@ async def _run_with_signals(federation: Federation, received: list[str]) -> RunS
 
     def on_signal(name: str) -> None:
         received.append(name)
-        print(f"flasync: {name} received; stopping (checkpoint, flush, MLflow run KILLED)", file=sys.stderr, flush=True)
         if len(received) > 1:
+            print(f"flasync: {name} received again; stopping at once", file=sys.stderr, flush=True)
             task.cancel()
         else:
+            print(f"flasync: {name} received; {_stopping(federation.config)}", file=sys.stderr, flush=True)
             federation.request_stop(name)
 
     installed: list[signal.Signals] = []
@@ -558,13 +599,15 @@ def _command_run(args: argparse.Namespace) -> int:
     from flasync.runtime import Federation
 
     received: list[str] = []
+    federation = Federation(config, tracker=tracker, resume=resume)
     try:
         try:
-            summary = _run_loop(_run_with_signals(Federation(config, tracker=tracker, resume=resume), received))
+            summary = _run_loop(_run_with_signals(federation, received))
         finally:
             if bar is not None:
                 bar.close()  # finished, failed or interrupted: what follows prints below the bar
     except RunInterrupted as exc:
+        _print_partial(federation.summary, exc.reason)
         hint = f"; resume with: python -m flasync run --resume {exc.run_id}" if exc.checkpoint and exc.run_id else ""
         print(f"flasync: {exc}{hint}", file=sys.stderr)
         spooled = tracker.replay_command() if isinstance(tracker, tracking.MlflowTracker) else None
@@ -572,7 +615,8 @@ def _command_run(args: argparse.Namespace) -> int:
             print(f"flasync: MLflow did not answer; send the spool with: {spooled}", file=sys.stderr)
         return _SIGNAL_STATUS.get(exc.reason, 130)
     except asyncio.CancelledError:
-        print("flasync: stopped at once (second signal); no checkpoint written", file=sys.stderr)
+        _print_partial(federation.summary, "second signal")
+        print(f"flasync: stopped at once (second signal){_no_checkpoint(config)}", file=sys.stderr)
         return _SIGNAL_STATUS.get(received[-1] if received else "SIGINT", 130)
     url = tracker.ui_url() if isinstance(tracker, tracking.MlflowTracker) else None
     _print_summary(summary, config, tracker.ui_command(), url)

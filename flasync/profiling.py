@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import random
 import statistics
@@ -22,6 +23,7 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +59,8 @@ __all__ = [
     "peak_rss_bytes",
     "quantiles",
     "render_plots",
+    "warm_up_plots",
+    "write_plots",
 ]
 
 
@@ -724,6 +728,33 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     ax.set_title("Client task times")
     plots["client_times.png"] = png(fig)
     return plots
+
+
+def write_plots(*, folder: str, profile: str) -> None:
+    """Draw the profile stored as JSON in the file ``profile`` (see :func:`render_plots`) as PNG files in ``folder``.
+
+    What the MLflow writer process (or a one-shot process) runs for a tracked run, so that the run's own process
+    never imports matplotlib (see :mod:`tracking._files`).
+
+    Args:
+        folder: An existing folder; one file per plot goes there (``accuracy.png``, ...).
+        profile: Path of the profile as JSON (``profile.json``'s content).
+    """
+    data = json.loads(Path(profile).read_text(encoding="utf-8"))
+    for name, image in render_plots(data).items():
+        Path(folder, name).write_bytes(image)
+
+
+def warm_up_plots() -> None:
+    """Import matplotlib and draw a throwaway figure, so the first plot of a run finds its fonts loaded."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(2, 2))
+    fig.subplots().plot([0, 1], [0, 1])
+    fig.savefig(io.BytesIO(), format="png", dpi=20)
 
 
 _ALERTS_PRINTED = 3

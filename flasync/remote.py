@@ -5,6 +5,9 @@ runs. It trains with flasync's own local training (:func:`flasync.training.train
 settings) and encodes with the server's upload codec; the error-feedback residual stays on the device and changes
 only when an update was delivered. Network errors, 429 and 503 are retried with exponential backoff and jitter
 (honouring ``Retry-After``), so a client rides out a server restart; a task the server no longer holds is dropped.
+Each client process names its connection with a random session (``X-Flasync-Session``): a task is handed to one
+connection, and a client whose token another device is using waits (409 ``token_in_use``) rather than train the
+same task.
 See :mod:`flasync.serve` for the protocol.
 """
 
@@ -14,6 +17,7 @@ import asyncio
 import json
 import math
 import random
+import secrets
 import ssl
 import time
 from collections.abc import Callable
@@ -35,6 +39,7 @@ from flasync.training import FlatModel, LocalTraining, train
 __all__ = ["Client", "ClientStats", "RemoteError", "model_from_config"]
 
 _REPORT_HEADER = "x-flasync-report"  # flasync.serve.REPORT_HEADER (not imported: the client needs no Starlette)
+_SESSION_HEADER = "x-flasync-session"  # flasync.serve.SESSION_HEADER
 
 
 class RemoteError(FlasyncError):
@@ -82,6 +87,14 @@ class Client:
         give_up_s: Fail with :class:`RemoteError` after the server was unreachable this long (None: never).
         seed: Seeds the retry jitter.
         wall: Monotonic real seconds.
+        on_status: Called with one line of text when the client connects, when it starts waiting for a server it
+            cannot reach (or that is busy: 429, 502-504; the reason and the delay before the next try), again at
+            most every ``status_every_s`` while that lasts or when the reason changes, and when it gets through
+            again; e.g. ``print`` (``flasync client`` prints them on stderr). None: silent.
+        status_every_s: Least seconds between two lines about one stretch of waiting.
+
+    Attributes:
+        session: This client's connection name, random, sent with every request (a task is handed to one).
     """
 
     def __init__(
@@ -99,10 +112,14 @@ class Client:
         give_up_s: float | None = 120.0,
         seed: int = 0,
         wall: Callable[[], float] = time.perf_counter,
+        on_status: Callable[[str], None] | None = None,
+        status_every_s: float = 30.0,
     ) -> None:
         """Keep the settings (nothing is sent yet)."""
         self.server = server.rstrip("/")
-        self._headers = {"authorization": f"Bearer {token.strip()}"}
+        # A task is handed to one connection (see flasync.serve): this client's, for as long as it runs.
+        self.session = secrets.token_urlsafe(12)
+        self._headers = {"authorization": f"Bearer {token.strip()}", _SESSION_HEADER: self.session}
         self._dataset = dataset
         self._model_factory = model_factory
         self._verify = verify
@@ -119,6 +136,9 @@ class Client:
         self._data: tuple[torch.Tensor, torch.Tensor] | None = None
         self._setup: dict[str, Any] = {}
         self._cached: tuple[int, torch.Tensor] | None = None
+        self._on_status = on_status
+        self.status_every_s = status_every_s
+        self._waiting: _Waiting | None = None
 
     # ------------------------------------------------------------------------------------------------ run
     async def run(self, *, max_tasks: int | None = None) -> ClientStats:
@@ -140,6 +160,7 @@ class Client:
             return self.stats
         self._setup = _json(hello)
         self.stats.client_id = int(self._setup["client_id"])
+        self._say(f"connected to {self.server} as client {self.stats.client_id}")
         await asyncio.to_thread(self._prepare)
         answered = 0
         while max_tasks is None or answered < max_tasks:
@@ -279,7 +300,9 @@ class Client:
                 if self.give_up_s is not None and now - first_failure > self.give_up_s:
                     raise RemoteError(f"{self.server} unreachable for {self.give_up_s:g} s: {exc!r}") from None
                 self.stats.retries += 1
-                await asyncio.sleep(delay * (0.5 + self._jitter.random()))
+                pause = delay * (0.5 + self._jitter.random())
+                self._wait(f"cannot reach it ({_reason(exc)})", pause)
+                await asyncio.sleep(pause)
                 delay = min(2 * delay, self.max_backoff_s)
                 continue
             status = response.status_code
@@ -291,14 +314,70 @@ class Client:
                         raise RemoteError(f"{self.server} answered {status} for {self.give_up_s:g} s") from None
                 self.stats.retries += 1
                 retry_after = _retry_after(response)
-                await asyncio.sleep(retry_after if retry_after is not None else delay * (0.5 + self._jitter.random()))
+                pause = retry_after if retry_after is not None else delay * (0.5 + self._jitter.random())
+                answer = f"{status} {response.reason_phrase}".strip()
+                self._wait(f"it is busy ({answer})" if status == 429 else f"it answers {answer}", pause)
+                await asyncio.sleep(pause)
                 delay = min(2 * delay, self.max_backoff_s)
                 continue
+            if status == 409 and _error(response) == "token_in_use":
+                # Another device with this token holds this client's task: wait until it is answered or timed out.
+                self.stats.retries += 1
+                retry_after = _retry_after(response)
+                pause = retry_after if retry_after is not None else delay * (0.5 + self._jitter.random())
+                self._wait("its token is in use by another connection, which holds this client's task", pause)
+                await asyncio.sleep(pause)
+                delay = min(2 * delay, self.max_backoff_s)
+                continue
+            self._got_through()
             if status == 401:
                 raise RemoteError(f"{self.server} refused the token (401)")
             if status in (400, 413):
                 raise RemoteError(f"{self.server} refused {method} {path}: {status} {_detail(response)}")
             return response
+
+    # ------------------------------------------------------------------------------------------- status
+    def _say(self, line: str) -> None:
+        if self._on_status is not None:
+            self._on_status(line)
+
+    def _wait(self, reason: str, pause_s: float) -> None:
+        """Note one failed try; say so when a stretch of waiting starts, its reason changes, or every so often."""
+        now = self._wall()
+        waiting = self._waiting
+        if waiting is None:
+            self._waiting = _Waiting(since=now, said_at=now, reason=reason)
+            self._say(f"waiting for {self.server}: {reason}; next try in {pause_s:.1f} s")
+            return
+        waiting.tries += 1
+        if reason != waiting.reason or now - waiting.said_at >= self.status_every_s:
+            waiting.reason, waiting.said_at = reason, now
+            self._say(
+                f"still waiting for {self.server} after {now - waiting.since:.0f} s and {waiting.tries} tries: "
+                f"{reason}; next try in {pause_s:.1f} s"
+            )
+
+    def _got_through(self) -> None:
+        """End a stretch of waiting; say so once connected (before that, the connection's line says it)."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None and self.stats.client_id >= 0:
+            self._say(f"got through to {self.server} again after {self._wall() - waiting.since:.1f} s")
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A stretch of failed tries to reach the server: since when, what the last line said and when."""
+
+    since: float
+    said_at: float
+    reason: str
+    tries: int = 1
+
+
+def _reason(exc: httpx.TransportError) -> str:
+    """Return a short reason for a failed request: the error's type and its message, on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:120]}" if text else type(exc).__name__
 
 
 def model_from_config(model: ModelConfig, feature_shape: tuple[int, ...], num_classes: int) -> nn.Module:
@@ -329,6 +408,15 @@ def _json(response: httpx.Response) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RemoteError("the server's answer is not a JSON object")
     return data
+
+
+def _error(response: httpx.Response) -> str:
+    """Return the ``error`` key of a refusal's JSON body (empty when there is none)."""
+    try:
+        data = response.json()
+    except ValueError:
+        return ""
+    return str(data.get("error", "")) if isinstance(data, dict) else ""
 
 
 def _detail(response: httpx.Response) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
+import json
 import logging
 import os
 import shutil
@@ -702,12 +703,15 @@ class Federation:
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-model")
             model_log = pool.submit(self._log_model_from_spec, mlflow_tracker, prepared.model_spec, example)
         try:
-            plots = render_plots(self.profile) if self.profile is not None and self.config.diagnostics.plots else {}
+            plots = self.profile is not None and self.config.diagnostics.plots
             tracker.log_dict(summary.to_dict(), "summary.json")
             if self.profile is not None:
                 tracker.log_dict(json_ready(self.profile), "profile.json")
-            for name, image in plots.items():
-                tracker.log_bytes(image, f"plots/{name}")
+            if plots and mlflow_tracker is not None:
+                self._log_plots(mlflow_tracker, log)
+            elif plots and self.profile is not None:
+                for name, image in render_plots(self.profile).items():
+                    tracker.log_bytes(image, f"plots/{name}")
             if self._traces is not None:
                 for path in self._traces.traces:
                     tracker.log_file(path, "torch_profiler")
@@ -739,6 +743,22 @@ class Federation:
             log.debug("tracking.log_model", seconds=seconds, metrics=False)
         except Exception as exc:  # a model MLflow cannot serialise must not fail the run
             log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+
+    def _log_plots(self, tracker: tracking.MlflowTracker, log: Any) -> None:
+        """Have the profile drawn in another process (the writer process, or a one-shot one) and logged under
+        ``plots/``: matplotlib is never imported here, where its objects would set off full garbage collections
+        that hold the event loop (a failure is only logged)."""
+        assert self.profile is not None
+        with tempfile.TemporaryDirectory(prefix="flasync-plots-") as tmp:
+            path = os.path.join(tmp, "profile.json")
+            with open(path, "w", encoding="utf-8") as file:
+                json.dump(json_ready(self.profile), file, default=str)
+            try:
+                seconds = tracker.log_files_from(tracked.PLOTS_WRITER, {"profile": path}, "plots")
+            except Exception as exc:  # plots missing must not fail the run
+                log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+                return
+        log.debug("tracking.plots", seconds=seconds, metrics=False)
 
     def _log_model_from_spec(
         self, tracker: tracking.MlflowTracker, spec: tuple[str, dict[str, Any]], example: np.ndarray

@@ -11,6 +11,9 @@ flasync's binary codec format as ``application/octet-stream``; refusals are ``{"
 - ``GET /v1/hello``: the client's id and what it needs to train (model size and shape, local settings, codec).
 - ``GET /v1/task?wait_s=S``: long-polls for the client's next task: 200 with the task, 204 when none came within
   ``S`` seconds (ask again), 410 when the run has ended, 429 with ``Retry-After`` when too many clients wait.
+  A task is handed to one connection, named by the ``X-Flasync-Session`` header (a random string a client process
+  picks once; absent: the empty one): that connection asking again gets the same task; another with the same
+  token gets 409 ``token_in_use`` with ``Retry-After`` while the task is in flight, and 403 if it uploads for it.
 - ``GET /v1/models/{version}``: the encoded model of a version a task is based on (encoded once per version).
 - ``POST /v1/tasks/{task_id}/update``: the encoded update as the body, the training report as JSON in the
   ``X-Flasync-Report`` header: 202 once it is on its way to the intake; 403 for a task that is not the client's,
@@ -45,10 +48,14 @@ from flasync.transport import Refusal, RemoteTransport, Report
 if TYPE_CHECKING:
     from flasync.runtime import Federation, RunSummary
 
-__all__ = ["REPORT_HEADER", "asgi_app", "serve"]
+__all__ = ["REPORT_HEADER", "SESSION_HEADER", "asgi_app", "serve"]
 
 REPORT_HEADER = "x-flasync-report"
 """The header holding an upload's training report (JSON)."""
+SESSION_HEADER = "x-flasync-session"
+"""The header naming a client process's connection (a random string it picks once): a task is handed to one."""
+_MAX_SESSION_CHARS = 64
+_SESSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 _MAX_REPORT_CHARS = 4096
 _OCTETS = "application/octet-stream"
 
@@ -74,6 +81,13 @@ def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starl
         client_id = transport.tokens.client_of(token.strip()) if scheme.lower() == "bearer" else None
         return transport.unauthorized() if client_id is None else client_id
 
+    def session_of(request: Request) -> str | Refusal:
+        session = request.headers.get(SESSION_HEADER, "")
+        if len(session) > _MAX_SESSION_CHARS or not set(session) <= _SESSION_CHARS:
+            detail = f"{SESSION_HEADER}: at most {_MAX_SESSION_CHARS} letters, digits, '-' or '_'"
+            return Refusal(400, "bad_request", detail)
+        return session
+
     async def hello(request: Request) -> Response:
         client_id = authorize(request)
         if isinstance(client_id, Refusal):
@@ -89,7 +103,10 @@ def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starl
             wait_s = float(request.query_params.get("wait_s", transport.settings.poll_s))
         except ValueError:
             return _refused(Refusal(400, "bad_request", "wait_s must be a number of seconds"))
-        offer = await transport.next_task(client_id, wait_s if wait_s == wait_s else 0.0)
+        session = session_of(request)
+        if isinstance(session, Refusal):
+            return _refused(session)
+        offer = await transport.next_task(client_id, wait_s if wait_s == wait_s else 0.0, session)
         if offer is None:
             return Response(status_code=204)
         if isinstance(offer, Refusal):
@@ -110,9 +127,12 @@ def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starl
         if isinstance(client_id, Refusal):
             return _refused(client_id)
         task_id = int(request.path_params["task_id"])
+        session = session_of(request)
+        if isinstance(session, Refusal):
+            return _refused(session)
         declared = request.headers.get("content-length")
         length = int(declared) if declared is not None and declared.isdigit() else None
-        refusal = transport.check_upload(client_id, task_id, length)
+        refusal = transport.check_upload(client_id, task_id, length, session)
         if refusal is not None:
             return _refused(refusal)
         raw = request.headers.get(REPORT_HEADER, "")
@@ -129,7 +149,7 @@ def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starl
             if size > limit:
                 return _refused(transport.oversize(client_id, size))
             chunks.append(chunk)
-        answer = transport.upload(client_id, task_id, b"".join(chunks), report)
+        answer = transport.upload(client_id, task_id, b"".join(chunks), report, session)
         if answer is not None:
             return _refused(answer)
         return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)
@@ -139,12 +159,15 @@ def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starl
         if isinstance(client_id, Refusal):
             return _refused(client_id)
         task_id = int(request.path_params["task_id"])
+        session = session_of(request)
+        if isinstance(session, Refusal):
+            return _refused(session)
         body = await _small_body(request)
         try:
             error = str(json.loads(body).get("error", "failed")) if body else "failed"
         except (ValueError, AttributeError):
             error = "failed"
-        answer = transport.failed(client_id, task_id, error)
+        answer = transport.failed(client_id, task_id, error, session)
         if answer is not None:
             return _refused(answer)
         return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)

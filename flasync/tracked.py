@@ -1,23 +1,31 @@
-"""What a tracked run hands MLflow's writer process: its model, and the modules to import ahead for it.
+"""What a tracked run hands MLflow's writer process: its model, its plots, and the modules to import ahead for them.
 
 The writer process (see :class:`tracking.MlflowTracker`) runs beside the training process, on another core and with
 its own GIL. Exporting the model there (``torch.export`` and MLflow's pytorch flavour: about two seconds to import,
 and a first export that costs one more), prepared while the run trains, takes that work off the end of the run.
+The plots are drawn there too: matplotlib imported and drawing in the training process would set off full garbage
+collections that stop its every thread, an embedding service's event loop too (see :mod:`tracking._files`).
 """
 
 from __future__ import annotations
 
 from flasync.config import RunConfig
 
-__all__ = ["MODEL_BUILDER", "preload"]
+__all__ = ["MODEL_BUILDER", "PLOTS_WRITER", "preload"]
 
 MODEL_BUILDER = "flasync.models:build"
 """Rebuilds the trained model from its class name, arguments and flat weights; run by the writer process."""
 
+PLOTS_WRITER = "flasync.profiling:write_plots"
+"""Draws the run's profile (a JSON file) as PNG files; run by the writer process, or a one-shot one without it."""
+
 
 def preload(config: RunConfig) -> tuple[str, ...]:
-    """Return what the writer process should import and warm up ahead for ``config``'s model (nothing if it logs
-    none): see ``preload`` of :class:`tracking.MlflowTracker`."""
-    if not config.tracking.log_model:
-        return ()
-    return ("flasync.models", "tracking._model:warm_up")
+    """Return what the writer process should import and warm up ahead for ``config``'s model and plots (nothing if
+    it logs neither): see ``preload`` of :class:`tracking.MlflowTracker`."""
+    names: tuple[str, ...] = ()
+    if config.diagnostics.profile and config.diagnostics.plots:
+        names += ("flasync.profiling:warm_up_plots",)
+    if config.tracking.log_model:
+        names += ("flasync.models", "tracking._model:warm_up")
+    return names

@@ -225,6 +225,8 @@ class Report:
 class _Posted:
     task: TaskAssigned
     snapshot: ModelSnapshot
+    session: str | None = None
+    """The connection the task was handed to (None: not yet handed out)."""
 
 
 # ---------------------------------------------------------------------------------------------- transport
@@ -282,6 +284,7 @@ class RemoteTransport:
         self.wire_download_bytes = 0
         """Model bodies sent (bytes)."""
         self._seen: dict[ClientId, float] = {}  # a device's last request (wall seconds)
+        self._handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
         self._num_clients = 0
 
     # ------------------------------------------------------------------------------------------ lifetime
@@ -368,6 +371,10 @@ class RemoteTransport:
         :meth:`online_window_s` (the sampler gives tasks to connected devices only; ``t`` is not needed)."""
         if client_id in self._polls:
             return True
+        if client_id in self._handed:
+            # It took a task and has not been heard from since: training it (not to be sampled anyway), or gone
+            # (its task timed out): either way not given another one before it asks again.
+            return False
         seen = self._seen.get(ClientId(client_id))
         return seen is not None and self._wall() - seen <= self.online_window_s
 
@@ -396,23 +403,29 @@ class RemoteTransport:
     def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
         """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
         self._heard(client_id)
+        self._handed.pop(client_id, None)
         if self.finished:
             return self._ended()
         if self._registry is None:
             return self._not_started()
         return {"client_id": int(client_id), "max_upload_bytes": self.max_upload_bytes, **self._setup}
 
-    async def next_task(self, client_id: ClientId, wait_s: float) -> Offer | Refusal | None:
+    async def next_task(self, client_id: ClientId, wait_s: float, session: str = "") -> Offer | Refusal | None:
         """Return ``client_id``'s task, waiting up to ``wait_s`` for one (None: none came; ask again).
 
-        A client that asks again while its task is in flight gets the same task (it may have restarted).
+        A task is handed to one connection: the ``session`` (a random string a client process picks for its
+        lifetime) that first asks for it. That session asking again while the task is in flight gets it again (an
+        answer lost on the way); another one with the same token gets 409 ``token_in_use`` with ``Retry-After``
+        until the task is answered or timed out, so two devices sharing a token never train the same task (and a
+        restarted device waits for its old task's timeout).
         """
         self._heard(client_id)
+        self._handed.pop(client_id, None)  # it asks again: alive, and (again) given its task if one is in flight
         if self.finished:
             return self._ended()
         posted = self._posted.get(client_id)
         if posted is not None:
-            return self._offer(posted)
+            return self._hand(client_id, posted, session)
         if self._waiting >= self.settings.max_waiting or self._polls[client_id] >= _MAX_POLLS_PER_CLIENT:
             return self._refuse(
                 client_id,
@@ -425,7 +438,7 @@ class RemoteTransport:
                 while not self.finished:
                     posted = self._posted.get(client_id)
                     if posted is not None:
-                        return self._offer(posted)
+                        return self._hand(client_id, posted, session)
                     waker = self._wakers.setdefault(client_id, asyncio.Event())
                     await waker.wait()
         except TimeoutError:
@@ -437,6 +450,19 @@ class RemoteTransport:
                 del self._polls[client_id]
             self._heard(client_id)
         return self._ended()
+
+    def _hand(self, client_id: ClientId, posted: _Posted, session: str) -> Offer | Refusal:
+        """Hand ``posted`` to ``session`` if it is not another connection's; else refuse (409)."""
+        if posted.session is None:
+            posted.session = session
+        elif posted.session != session:
+            detail = (
+                f"client {client_id}'s task {posted.task.task_id} is held by another connection with this token;"
+                " retry once it is answered or timed out"
+            )
+            return self._refuse(client_id, Refusal(409, "token_in_use", detail, self.settings.retry_after_s))
+        self._handed[client_id] = posted.task.task_id
+        return self._offer(posted)
 
     def _offer(self, posted: _Posted) -> Offer:
         task = posted.task
@@ -472,9 +498,12 @@ class RemoteTransport:
         generator = torch.Generator().manual_seed(int(snapshot.version))
         return self.download_codec.encode(weights, generator=generator).payload
 
-    def check_upload(self, client_id: ClientId, task_id: int, content_length: int | None) -> Refusal | None:
-        """Refuse an upload before its body is read: a run not attached, a replay, a task not the client's own,
-        a declared body over :attr:`max_upload_bytes` (None: go on)."""
+    def check_upload(
+        self, client_id: ClientId, task_id: int, content_length: int | None, session: str = ""
+    ) -> Refusal | None:
+        """Refuse an upload before its body is read: a run not attached, a replay, a task not the client's own
+        or handed to another connection (``session``, see :meth:`next_task`), a declared body over
+        :attr:`max_upload_bytes` (None: go on)."""
         if self.finished:
             return self._ended()
         registry = self._registry
@@ -485,6 +514,10 @@ class RemoteTransport:
         task = registry.busy.get(client_id)
         if task is None or task.task_id != task_id:
             return self._refuse(client_id, Refusal(403, "not_your_task", f"client {client_id} has no task {task_id}"))
+        posted = self._posted.get(client_id)
+        if posted is not None and posted.task.task_id == task_id and posted.session not in (None, session):
+            detail = f"task {task_id} was handed to another connection with this token"
+            return self._refuse(client_id, Refusal(403, "other_connection", detail))
         if content_length is not None and content_length > self.max_upload_bytes:
             return self.oversize(client_id, content_length)
         return None
@@ -498,14 +531,16 @@ class RemoteTransport:
         """Refuse (and count) an upload whose report is malformed."""
         return self._refuse(client_id, Refusal(400, "bad_report", detail))
 
-    def upload(self, client_id: ClientId, task_id: int, payload: bytes, report: Report) -> Refusal | None:
+    def upload(
+        self, client_id: ClientId, task_id: int, payload: bytes, report: Report, session: str = ""
+    ) -> Refusal | None:
         """Put the update for ``task_id`` on the bus (the intake decides whether it is aggregated).
 
         Returns:
             None once the update is on its way to the intake, else why it was refused.
         """
         self._heard(client_id)
-        refusal = self.check_upload(client_id, task_id, len(payload))
+        refusal = self.check_upload(client_id, task_id, len(payload), session)
         if refusal is not None:
             return refusal
         assert self._registry is not None and self._bus is not None
@@ -552,9 +587,9 @@ class RemoteTransport:
             )
         return None
 
-    def failed(self, client_id: ClientId, task_id: int, error: str) -> Refusal | None:
+    def failed(self, client_id: ClientId, task_id: int, error: str, session: str = "") -> Refusal | None:
         """Publish that the client's training failed (the task is released and counted as a failure)."""
-        refusal = self.check_upload(client_id, task_id, None)
+        refusal = self.check_upload(client_id, task_id, None, session)
         if refusal is not None:
             return refusal
         assert self._registry is not None and self._bus is not None
@@ -612,6 +647,9 @@ class RemoteTransport:
         for client_id, posted in list(self._posted.items()):
             if posted.task.task_id == task_id:  # answered: never offered again, even before the server releases it
                 del self._posted[client_id]
+        for client_id, handed in list(self._handed.items()):
+            if handed == task_id:
+                del self._handed[client_id]
         self._answered.add(task_id)
         self._answer_order.append(task_id)
         if len(self._answer_order) > _REMEMBERED_ANSWERS:

@@ -280,6 +280,8 @@ def test_sigint_then_resume_gives_the_uninterrupted_sha(cli_dir: Path) -> None:
         last,
     )
     assert match, last
+    assert len(re.findall(r"^flasync run stopped \(SIGINT\) at version \d+: accuracy ", output, re.MULTILINE)) == 1
+    assert "flasync: SIGINT received; stopping (checkpoint, flush, MLflow run KILLED)" in output
     run_id = match.group(1)
     client = mlflow.MlflowClient(store)
     killed = client.get_run(run_id)
@@ -442,7 +444,8 @@ def test_resuming_from_a_corrupt_checkpoint_leaves_the_run_untouched(
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("resume")).info.run_id
+    artifacts = (tmp_path / "artifacts").as_uri()  # not ./mlruns
+    run_id = client.create_run(client.create_experiment("resume", artifact_location=artifacts)).info.run_id
     _, config, state = written
     artifact = tmp_path / "checkpoints" / "latest.pt"
     artifact.parent.mkdir()
@@ -523,7 +526,9 @@ def test_resuming_a_run_whose_process_is_alive_is_refused(tmp_path: Path, capsys
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("owned"), tags=owner_tags()).info.run_id
+    artifacts = (tmp_path / "artifacts").as_uri()  # not ./mlruns
+    experiment_id = client.create_experiment("owned", artifact_location=artifacts)
+    run_id = client.create_run(experiment_id, tags=owner_tags()).info.run_id
     tracker = MemoryTracker()
     flasync.run(small_config("stop.max_versions=6", "checkpoint.every_versions=5"), tracker=tracker)
     artifact = tmp_path / "checkpoints" / "latest.pt"
@@ -552,7 +557,8 @@ def test_a_checkpoint_cut_short_falls_back_to_the_other_slot(tmp_path: Path) -> 
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("cut")).info.run_id
+    artifacts = (tmp_path / "artifacts").as_uri()  # not ./mlruns
+    run_id = client.create_run(client.create_experiment("cut", artifact_location=artifacts)).info.run_id
     for artifact, data in cut.items():
         local = tmp_path / artifact
         local.parent.mkdir(exist_ok=True)

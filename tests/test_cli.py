@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +229,48 @@ def test_log_level_governs_the_libraries_logs_too(tmp_path: Path) -> None:
     done = _run_in(tmp_path, "--log-level", "warning", "--set", "stop.max_versions=2")
     assert (tmp_path / "mlruns" / "mlflow.db").is_file()
     assert " INFO " not in done.stderr and "[info" not in done.stderr, done.stderr
+
+
+def _interrupted(folder: Path, *args: str) -> tuple[int, str, str]:
+    """Start `flasync run ARGS` on the wall clock, Ctrl-C its process group once version 4 was evaluated; return
+    its exit status, standard output and standard error (with the log lines)."""
+    (folder / "cfg.yaml").write_text(
+        "data: {kind: digits}\nmodel: {kind: mlp, hidden: [32]}\npopulation: {num_clients: 20}\n"
+        "server: {kind: fedbuff, buffer_size: 4, concurrency: 8}\neval: {every_versions: 2}\n"
+        "stop: {max_versions: 100000}\nclock: wall\ntracking: {log_model: false}\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flasync", "run", "cfg.yaml", "--log-level", "info", *args],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stderr is not None
+    lines: list[str] = []
+    for line in process.stderr:
+        lines.append(line)
+        if "server.eval" in line and re.search(r"\bversion=([4-9]|\d\d+)\b", line):
+            os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C in a terminal
+            break
+    out, err = process.communicate(timeout=120)
+    return process.returncode, out, "".join(lines) + err
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_without_tracking_prints_the_partial_summary_and_no_mlflow(tmp_path: Path) -> None:
+    """Ctrl-C of `run --no-tracking`: exit 130, the partial summary printed once, and no word of MLflow or of a
+    checkpoint that was never written."""
+    status, out, err = _interrupted(tmp_path, "--no-tracking")
+    assert status == 130, err[-3000:]
+    partial = [line for line in out.splitlines() if line.startswith("flasync run stopped")]
+    assert len(partial) == 1, out
+    assert re.fullmatch(
+        r"flasync run stopped \(SIGINT\) at version \d+: accuracy 0\.\d{4}, loss \d+\.\d{4}; \d+ updates accepted, "
+        r"\d+ dropped, \d+ failed; wall \d+\.\d s",
+        partial[0],
+    ), partial[0]
+    assert "flasync: SIGINT received; stopping (tracking is off: no checkpoint)" in err
+    assert err.strip().splitlines()[-1] == "flasync: interrupted (SIGINT)"
+    assert "MLflow" not in out + err and "mlflow" not in out + err

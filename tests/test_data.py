@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -163,6 +165,26 @@ def test_load_digits_shapes_and_ranges() -> None:
     assert float(data.x.min()) == 0.0
     assert float(data.x.max()) == 1.0
     assert set(data.y.tolist()) == set(range(10))
+
+
+def test_load_digits_is_scikit_learns_data_set() -> None:
+    """The digits read from scikit-learn's bundled file are its ``load_digits`` rows and labels, in order."""
+    from sklearn.datasets import load_digits as sklearn_load_digits
+
+    features, labels = sklearn_load_digits(return_X_y=True)
+    data = load_digits()
+    assert torch.equal(data.x, torch.from_numpy((features / 16.0).astype(np.float32)))
+    assert torch.equal(data.y, torch.from_numpy(labels.astype(np.int64)))
+
+
+def test_load_digits_imports_neither_scikit_learn_nor_scipy() -> None:
+    """Loading digits leaves scikit-learn, SciPy and pandas unimported (their heaps would set off full collections)."""
+    code = (
+        "import sys; from flasync.data import load_digits; load_digits(); "
+        "print(sorted(m for m in ('sklearn', 'scipy', 'pandas') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 # ---------------------------------------------------------------------------------------------- synthetic

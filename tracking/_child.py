@@ -14,7 +14,8 @@ subprocess, not ``multiprocessing``: it never re-imports the parent's ``__main__
 The child also does the rest of a run's MLflow work a parent hands it, on its own core and with its own GIL. A job
 is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``tags``, ``dataset`` (an
 input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU samples are the machine's,
-wherever it runs), ``end`` (the run's status) or ``model`` (build, export and log a model, see :mod:`tracking._model`).
+wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a model, see :mod:`tracking._model`)
+or ``artifacts`` (log the files a function writes, e.g. plots, see :mod:`tracking._files`).
 What ``preload`` names is imported (or called) on a background thread once the store is open, while the parent
 loads its data and trains, so a job finds it done (``torch.export`` and MLflow's pytorch flavour import in about two
 seconds, and the first model they save takes one more: :func:`tracking._model.warm_up`).
@@ -30,6 +31,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -108,6 +110,13 @@ def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, t
     if op == "end":
         monitor.stop()  # its last samples before the run's end
         client.set_terminated(run_id, request["status"], end_time=request["end_time"])
+        return ""
+    if op == "artifacts":
+        from tracking._files import write
+
+        with tempfile.TemporaryDirectory(prefix="tracking-files-") as folder:
+            write(request["target"], folder, request.get("kwargs") or {})
+            client.log_artifacts(run_id, folder, request.get("folder") or None)
         return ""
     if op == "model":
         from tracking._model import log_built_model

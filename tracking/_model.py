@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
     from mlflow.models import Model
 
-__all__ = ["build", "call", "log_built_model", "log_to_run", "requirements", "save_model", "warm_up"]
+__all__ = ["build", "call", "log_built_model", "log_to_run", "requirements", "save_built", "save_model", "warm_up"]
 
 
 def requirements() -> list[str]:
@@ -132,6 +132,34 @@ def build(builder: str, kwargs: Mapping[str, Any]) -> torch.nn.Module:
     """Return the module ``builder(**kwargs)`` makes (see :func:`call`)."""
     model: torch.nn.Module = call(builder, kwargs)
     return model
+
+
+def save_built(
+    *,
+    folder: str,
+    builder: str,
+    kwargs: Mapping[str, Any],
+    name: str = "model",
+    input_example: Sequence[Any] | None = None,
+    input_dtype: str = "float32",
+) -> None:
+    """Build a model with ``builder(**kwargs)`` and save it as :func:`save_model` does into ``folder/name``.
+
+    What a one-shot process runs (see :mod:`tracking._files`) when a tracker spools the model of a run whose store
+    fails: ``torch.export`` and MLflow's pytorch flavour are never imported in the tracker's process.
+
+    Args:
+        folder: An existing folder.
+        builder: ``package.module:name`` of a callable returning the ``nn.Module`` with its final weights.
+        kwargs: Its keyword arguments (JSON values).
+        name: The saved model's folder inside ``folder``.
+        input_example: A batch of inputs as nested lists (made an array of ``input_dtype``).
+        input_dtype: The NumPy dtype of the inputs.
+    """
+    import numpy as np
+
+    example = None if input_example is None else np.asarray(input_example, dtype=input_dtype)
+    save_model(build(builder, kwargs), os.path.join(folder, name), input_example=example)
 
 
 def log_built_model(

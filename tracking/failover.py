@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tracking.spool import Replayer, SpoolWriter, default_spool_path, iter_records, rejected, save_progress
-from tracking.store import prepare_sqlite_store, redact_uri
+from tracking.store import check_answers, prepare_sqlite_store, redact_uri
 
 if TYPE_CHECKING:
     import mlflow
@@ -39,6 +39,7 @@ class RunIdentity:
         experiment_id: The experiment's id once known.
         started_at: Start time in ms since the epoch (None before the run started).
         client: The client of the store, once made.
+        probe_timeout_s: How long :meth:`connect` waits for an HTTP(S) server's answer before it imports MLflow.
     """
 
     tracking_uri: str
@@ -48,11 +49,18 @@ class RunIdentity:
     experiment_id: str | None = None
     started_at: int | None = None
     client: mlflow.MlflowClient | None = None
+    probe_timeout_s: float = 10.0
 
     def connect(self, log: Any = None) -> mlflow.MlflowClient:
         """Return the store's client, making it on first use (a SQLite store is prepared first, see
-        :func:`tracking.store.prepare_sqlite_store`)."""
+        :func:`tracking.store.prepare_sqlite_store`).
+
+        Raises:
+            ConnectionError: An HTTP(S) server does not answer (asked before MLflow is imported here, see
+                :func:`tracking.store.check_answers`).
+        """
         if self.client is None:
+            check_answers(self.tracking_uri, self.probe_timeout_s)
             import mlflow
 
             prepare_sqlite_store(self.tracking_uri, log)

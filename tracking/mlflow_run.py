@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import threading
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 import structlog
 import yaml
 
-from tracking import _model
+from tracking import _files, _model
 from tracking._child import ChildLogBatch
 from tracking._keys import safe_key
 from tracking._runs import (
@@ -251,8 +252,8 @@ class MlflowTracker:
             (the state MLflow's UI shares): saved on the experiment as the tag ``mlflow.sharedViewState.<name>``,
             where ``name`` is :data:`RUNS_VIEW_KEY`; :meth:`ui_url` opens it.
         preload: What the writer process imports (``package.module``) or calls (``package.module:function``) once
-            it is connected, while the caller trains, for the work :meth:`log_model_from` will hand it, e.g.
-            ``("tracking._model:warm_up",)``.
+            it is connected, while the caller trains, for the work :meth:`log_model_from` and :meth:`log_files_from`
+            will hand it, e.g. ``("tracking._model:warm_up",)``.
     """
 
     def __init__(
@@ -276,7 +277,7 @@ class MlflowTracker:
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self._preload = tuple(preload)
-        self._run = RunIdentity(self.tracking_uri)
+        self._run = RunIdentity(self.tracking_uri, probe_timeout_s=http_timeout_s)
         self._artifact_root = artifact_root
         self._system_metrics = system_metrics
         self._max_batch = max_batch
@@ -486,13 +487,16 @@ class MlflowTracker:
             assert self.run_id is not None
             self._start_writers(self.run_id)
             return
-        from mlflow.entities import Param
-
-        clean_tags = {**{safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in _context_tags().items()}, **given_tags}
+        clean_tags = given_tags
         with self._failover.lock:
             try:
                 with self._http():
+                    # Before MLflow's context tags: a server that does not answer costs no MLflow import here.
                     client = run.connect(self._log)
+                    from mlflow.entities import Param
+
+                    context = _context_tags()
+                    clean_tags = {**{safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in context.items()}, **given_tags}
                     experiment_id = self._experiment_id(client, experiment)
                     created = client.create_run(
                         experiment_id, run_name=run_name, tags=clean_tags, start_time=run.started_at
@@ -509,7 +513,7 @@ class MlflowTracker:
             except Exception as exc:
                 spool = self._failover.go_offline(exc)
                 if run.run_id is None:
-                    spool.tags(clean_tags)
+                    spool.tags({**_basic_context_tags(), **clean_tags})
                 spool.params(clean_params)
             except BaseException:
                 # Interrupted while recording the params: leave no RUNNING run behind.
@@ -900,7 +904,8 @@ class MlflowTracker:
 
         With a writer process, the process builds, exports and sends the model (``torch.export`` and MLflow's
         pytorch flavour are imported and the model traced there, on another core, ideally preloaded: see
-        ``preload``); otherwise, or if that fails, this process does it as :meth:`log_model` does.
+        ``preload``); otherwise, or if that fails, this process sends it as :meth:`log_model` does, except while
+        the store fails: then a one-shot process saves it for the spool (see :func:`tracking._model.save_built`).
 
         Args:
             builder: ``package.module:name`` of a callable returning the ``nn.Module``, final weights loaded
@@ -916,19 +921,72 @@ class MlflowTracker:
         self._check_started()
         example = None if input_example is None else input_example.tolist()
         dtype = None if input_example is None else str(input_example.dtype)
-        request = {
-            "op": "model",
-            "model": {
-                "experiment_id": str(self.experiment_id),
-                "builder": builder,
-                "kwargs": dict(kwargs),
-                "name": name,
-                "input_example": example,
-                "input_dtype": dtype or "float32",
-            },
+        arguments = {
+            "builder": builder,
+            "kwargs": dict(kwargs),
+            "name": name,
+            "input_example": example,
+            "input_dtype": dtype or "float32",
         }
+        request = {"op": "model", "model": {"experiment_id": str(self.experiment_id), **arguments}}
+        if self._child_job(request):
+            return time.perf_counter() - began
+        model = _model.build(builder, kwargs)  # a builder that fails is the caller's error, not the store's
+
+        def send(run_id: str, client: mlflow.MlflowClient) -> None:
+            _model.log_to_run(
+                client,
+                run_id,
+                str(self.experiment_id),
+                name,
+                lambda local, description: _model.save_model(
+                    model, local, description=description, input_example=input_example, log=self._log
+                ),
+            )
+
+        def spool(writer: SpoolWriter) -> None:
+            # The store fails: a one-shot process saves the model, so this one never imports torch.export and
+            # MLflow's pytorch flavour (their objects would set off full garbage collections here).
+            with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
+                try:
+                    _files.write_elsewhere("tracking._model:save_built", tmp, arguments)
+                except RuntimeError as exc:
+                    self._log.info("tracking.model_saved_here", reason=str(exc)[:300], metrics=False)
+                    shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+                    _model.save_model(model, os.path.join(tmp, name), input_example=input_example)
+                writer.artifact_path(os.path.join(tmp, name), None)
+
+        self._failover.deliver(send, spool)
+        return time.perf_counter() - began
+
+    def log_files_from(self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None = None) -> float:
+        """Store as artifacts the files ``target(folder=..., **kwargs)`` writes, made in another process; return the
+        seconds waited.
+
+        The writer process calls ``target`` when there is one (name what it imports in ``preload``); otherwise a
+        one-shot Python process does, and the files are logged as :meth:`log_file` logs them. This process never
+        imports what ``target`` needs (see :mod:`tracking._files`).
+
+        Args:
+            target: ``package.module:name`` of a function writing files into the folder it is given as ``folder``
+                (importable by a fresh interpreter: no ``__main__`` names).
+            kwargs: Its other keyword arguments, JSON values (e.g. the path of a JSON file to draw).
+            artifact_path: Folder inside the run's artifacts; the root when None.
+
+        Returns:
+            Wall-clock seconds spent.
+
+        Raises:
+            RuntimeError: ``target`` failed (its message), or :meth:`start` was not called.
+        """
+        began = time.perf_counter()
+        self._check_started()
+        request = {"op": "artifacts", "target": target, "kwargs": dict(kwargs), "folder": artifact_path}
         if not self._child_job(request):
-            self.log_model(_model.build(builder, kwargs), name=name, input_example=input_example)
+            with tempfile.TemporaryDirectory(prefix="tracking-files-") as folder:
+                _files.write_elsewhere(target, folder, kwargs)
+                for path in sorted(Path(folder).iterdir()):
+                    self.log_file(path, artifact_path)
         return time.perf_counter() - began
 
     def _child_job(self, request: Mapping[str, Any]) -> bool:
@@ -1001,9 +1059,9 @@ class MlflowTracker:
                 # The child died: write from this process from now on rather than lose metrics.
                 self._log.warning("tracking.writer_process_lost", error=redact_uri(str(exc)), metrics=False)
                 self._child = None
+        run_id, client = self._run.run_id, self._run.connect(self._log)
         from mlflow.entities import Metric
 
-        run_id, client = self._run.run_id, self._run.connect(self._log)
         assert run_id is not None
         entities = [Metric(m.key, m.value, m.timestamp, m.step) for m in metrics]
         with self._http():
@@ -1017,6 +1075,19 @@ class MlflowTracker:
 
     def _artifact_location(self, experiment: str) -> str | None:
         return artifact_location(self.tracking_uri, experiment, self._artifact_root)
+
+
+def _basic_context_tags() -> dict[str, str]:
+    """MLflow's user and source tags, found without importing MLflow (for a run spooled before MLflow was loaded:
+    MLflow's own context tags, when it was, replace these)."""
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment
+        user = "unknown"
+    source = sys.argv[0] if sys.argv and sys.argv[0] else "<console>"
+    return {"mlflow.user": user, "mlflow.source.name": source, "mlflow.source.type": "LOCAL"}
 
 
 def _param_value(value: Any) -> str:

@@ -94,6 +94,47 @@ def is_remote(tracking_uri: str) -> bool:
     return tracking_uri.partition(":")[0].lower() in ("http", "https")
 
 
+def check_answers(tracking_uri: str, timeout_s: float) -> None:
+    """Raise ``ConnectionError`` when an MLflow server does not answer within ``timeout_s``, without MLflow.
+
+    A tracker asks this before it imports MLflow in its own process (some 80,000 objects, whose creation sets off
+    full garbage collections that stop every thread, an embedding service's event loop too): a server that is down
+    or hangs costs no import. Any HTTP answer to ``GET /health`` (even an error status) counts as answering, and so
+    does a TLS failure (MLflow has its own TLS settings); only a refused, reset or timed-out connection does not.
+    Stores other than HTTP(S) servers pass.
+
+    Args:
+        tracking_uri: The store.
+        timeout_s: Longest wait for the connection and the answer, in seconds.
+
+    Raises:
+        ConnectionError: The server refused the connection, reset it, or did not answer in time.
+    """
+    if not is_remote(tracking_uri):
+        return
+    import socket
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(tracking_uri)
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    # Without the credentials a URI may carry: an answer of 401 is an answer.
+    url = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/health", "", ""))
+    try:
+        urllib.request.urlopen(url, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError | ConnectionError | socket.gaierror):
+            raise ConnectionError(f"MLflow at {redact_uri(tracking_uri)} does not answer: {exc.reason}") from None
+    except (TimeoutError, ConnectionError) as exc:
+        raise ConnectionError(f"MLflow at {redact_uri(tracking_uri)} does not answer: {exc}") from None
+
+
 def http_env(timeout_s: int, retries: int) -> dict[str, str]:
     """Return the MLflow environment variables that bound one HTTP request's connect/read time and retries."""
     return {

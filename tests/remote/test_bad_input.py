@@ -17,7 +17,7 @@ import torch
 from flasync import codecs
 from flasync.errors import RunInterrupted
 from flasync.runtime import Federation
-from flasync.serve import REPORT_HEADER, asgi_app
+from flasync.serve import REPORT_HEADER, SESSION_HEADER, asgi_app
 from flasync.testing import MemoryTracker
 from tests.remote.conftest import remote_config
 
@@ -215,3 +215,32 @@ async def test_too_many_waiting_clients_get_429(served: Served) -> None:
     assert response.headers["retry-after"] == "1"
     assert (await held).status_code in (200, 204)
     assert served.metric("remote/refused/busy") == 1
+
+
+async def test_a_task_goes_to_one_connection_of_a_shared_token(served: Served) -> None:
+    """Two connections with one token: the first to ask gets the task (again, if it asks again); the other gets
+    409 token_in_use with Retry-After while the task is in flight, and 403 if it uploads for it; both counted."""
+    owner, offer = await _busy_client(served)  # asked without a session header: the empty session holds it
+    other = {**served.auth(owner), SESSION_HEADER: "second-device"}
+    refused = await served.http.get("/v1/task", params={"wait_s": 0}, headers=other)
+    assert refused.status_code == 409
+    assert refused.json()["error"] == "token_in_use" and refused.headers["retry-after"] == "1"
+    again = await served.http.get("/v1/task", params={"wait_s": 0}, headers=served.auth(owner))
+    assert again.status_code == 200 and again.json()["task_id"] == offer["task_id"]
+    body = codecs.encode(torch.zeros(_num_params(served)))
+    headers = {**other, **_REPORT, "content-type": "application/octet-stream"}
+    stolen = await served.http.post(f"/v1/tasks/{offer['task_id']}/update", content=body, headers=headers)
+    assert stolen.status_code == 403 and stolen.json()["error"] == "other_connection"
+    assert (await served.upload(owner, offer["task_id"], body)).status_code == 202
+    await served.settle()
+    assert served.metric("remote/refused/token_in_use") == 1
+    assert served.metric("remote/refused/other_connection") == 1
+    server = served.federation.server
+    assert server is not None and server.stats.updates_accepted == 1
+
+
+async def test_a_malformed_session_header_is_400(served: Served) -> None:
+    """A session header that is not 1-64 letters, digits, '-' or '_' is refused with one line."""
+    headers = {**served.auth(0), SESSION_HEADER: "no spaces allowed"}
+    response = await served.http.get("/v1/task", params={"wait_s": 0}, headers=headers)
+    assert response.status_code == 400 and SESSION_HEADER in response.json()["detail"]

@@ -70,3 +70,29 @@ async def test_tasks_go_to_connected_devices_only(tmp_path: Path, tokens: dict[i
     assert summary.stop_reason == "max_versions"
     assert summary.tasks_timed_out == 0
     assert summary.tasks_dispatched == sum(r.tasks for r in results)
+
+
+async def test_two_devices_sharing_a_token_never_train_the_same_task(tmp_path: Path, tokens: dict[int, str]) -> None:
+    """Two client processes with client 0's token (and one with client 1's): each task goes to one of them, the
+    other is told the token is in use and waits; no task is trained twice and no upload is a replay."""
+    config = remote_config(tmp_path / "tokens.txt", stop={"max_versions": 6})
+    config["server"] = {"kind": "fedbuff", "buffer_size": 2, "concurrency": 5}
+    federation = Federation(config)
+    app = asgi_app(federation)
+    lines: list[str] = []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=60.0) as http:
+        run = asyncio.create_task(federation.run())
+        twins = [
+            Client("http://fl", tokens[0], http=http, poll_s=2.0, backoff_s=0.05, on_status=lines.append)
+            for _ in range(2)
+        ]
+        clients = [*twins, Client("http://fl", tokens[1], http=http, poll_s=2.0, backoff_s=0.05)]
+        results = await asyncio.gather(*(client.run() for client in clients))
+        summary = await run
+    transport = federation.transport
+    assert transport is not None
+    assert summary.stop_reason == "max_versions"
+    assert summary.tasks_dispatched == sum(r.tasks for r in results)  # each task offered to one device only
+    assert transport.refusals["replay"] == 0 and transport.refusals["other_connection"] == 0
+    assert transport.refusals["token_in_use"] >= 1
+    assert any("its token is in use by another connection" in line for line in lines)

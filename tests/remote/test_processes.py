@@ -64,7 +64,7 @@ def test_serve_and_five_client_processes(tmp_path: Path, tokens: dict[int, str])
         config,
         tmp_path / "tokens.txt",
         stop={"max_versions": 60},
-        resilience={"task_timeout_s": 3.0},
+        resilience={"task_timeout_s": 1.5},  # well within the rest of the run, which can take only 3 s
         tracking={"experiment": "remote-evidence"},
     )
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -92,6 +92,8 @@ def test_serve_and_five_client_processes(tmp_path: Path, tokens: dict[int, str])
                 )
             )
         _wait_for_version(port, 5, 90)  # the clients are training: kill one mid-run
+        # Once it is connected it always holds a task (concurrency = clients): one that never came would hold none.
+        _wait_for(tmp_path / f"client{NUM_CLIENTS - 1}.out", "connected to", 90)
         clients[-1].send_signal(signal.SIGKILL)
         assert server.wait(timeout=150) == 0, server_err.read_text()[-2000:]
         for client in clients[:-1]:

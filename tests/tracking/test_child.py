@@ -12,8 +12,11 @@ import pytest
 import torch
 from mlflow.entities import Metric
 
+import flasync
 from flasync import models
-from tracking import MlflowTracker
+from flasync.testing import MemoryTracker, small_config
+from flasync.tracked import PLOTS_WRITER
+from tracking import MlflowTracker, _files
 from tracking._child import _EXIT_TIMEOUT_S, ChildLogBatch
 
 
@@ -200,3 +203,61 @@ def test_system_monitor_runs_in_the_child(tracking_uri: str) -> None:
     run = mlflow.MlflowClient(tracking_uri).get_run(run_id)
     assert any(key.startswith("system/") for key in run.data.metrics)
     assert run.info.status == "FINISHED"
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Return the path of a small run's profile.json."""
+    tracker = MemoryTracker()
+    flasync.run(small_config("stop.max_versions=4"), tracker=tracker)
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    path.write_bytes(tracker.artifacts["profile.json"])
+    return path
+
+
+PLOTS = {"accuracy.png", "staleness.png", "time_breakdown.png", "client_times.png"}
+
+
+def _artifacts(tracking_uri: str, run_id: str, folder: str) -> set[str]:
+    return {Path(a.path).name for a in mlflow.MlflowClient(tracking_uri).list_artifacts(run_id, folder)}
+
+
+def test_files_a_function_writes_are_logged_by_the_child(
+    tracking_uri: str, profile_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """log_files_from has the writer process call the function and log the files it wrote under the folder."""
+
+    def not_here(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the files were made by a one-shot process, not the writer process")
+
+    monkeypatch.setattr(_files, "write_elsewhere", not_here)
+    tracker = MlflowTracker(tracking_uri)
+    run_id = tracker.start(experiment="files-child")
+    tracker.log_files_from(PLOTS_WRITER, {"profile": str(profile_file)}, "plots")
+    tracker.finish("FINISHED")
+    assert _artifacts(tracking_uri, run_id, "plots") == PLOTS
+
+
+def test_files_without_a_writer_process_are_made_by_a_one_shot_process(
+    tracking_uri: str, profile_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a writer process, a one-shot process calls the function (never this one) and the files are logged."""
+
+    def not_here(*args: object, **kwargs: object) -> list[str]:
+        raise AssertionError("the files were made in the tracker's process")
+
+    monkeypatch.setattr(_files, "write", not_here)
+    tracker = MlflowTracker(tracking_uri, writer_process=False)
+    run_id = tracker.start(experiment="files-one-shot")
+    tracker.log_files_from(PLOTS_WRITER, {"profile": str(profile_file)}, "plots")
+    tracker.finish("FINISHED")
+    assert _artifacts(tracking_uri, run_id, "plots") == PLOTS
+
+
+def test_a_failing_file_writer_is_one_error_naming_it(tracking_uri: str) -> None:
+    """A function that fails in the other process raises RuntimeError with its name and its error's last line."""
+    tracker = MlflowTracker(tracking_uri, writer_process=False)
+    tracker.start(experiment="files-fail")
+    with pytest.raises(RuntimeError, match=r"flasync\.profiling:write_plots failed: FileNotFoundError"):
+        tracker.log_files_from(PLOTS_WRITER, {"profile": "/nonexistent/profile.json"}, "plots")
+    tracker.finish("FINISHED")

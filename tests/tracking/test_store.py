@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import http.server
+import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlflow
 import pytest
 
 from flasync.testing import NullLog
-from tracking.store import prepare_sqlite_store
+from tracking.store import check_answers, prepare_sqlite_store
 
 
 def _half_built(db: Path, *, with_run: bool = False) -> None:
@@ -193,3 +197,43 @@ def test_a_password_in_the_tracking_uri_is_written_nowhere(tmp_path: Path) -> No
     for path in (tmp_path / "mlruns").rglob("*"):
         if path.is_file():
             assert b"secret-pw" not in path.read_bytes(), path
+
+
+@pytest.fixture
+def answering_server() -> Iterator[str]:
+    """Yield the address of an HTTP server that answers every request 401."""
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_server_that_answers_anything_answers(answering_server: str) -> None:
+    """Any HTTP answer (here 401) counts, and credentials in the URI are not sent as the host name."""
+    check_answers(f"http://{answering_server}", 2.0)
+    check_answers(f"http://user:secret@{answering_server}/prefix/", 2.0)
+
+
+def test_a_silent_or_closed_server_does_not_answer() -> None:
+    """A server that accepts and never answers, or a port where nothing listens, is a one-line ConnectionError
+    naming the store without its credentials; other stores pass."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        with pytest.raises(ConnectionError, match=rf"MLflow at http://user:\*\*\*@127\.0\.0\.1:{port} does not answer"):
+            check_answers(f"http://user:secret@127.0.0.1:{port}", 0.5)
+    with pytest.raises(ConnectionError, match="does not answer"):
+        check_answers(f"http://127.0.0.1:{port}", 0.5)
+    check_answers("sqlite:///nowhere/mlflow.db", 0.5)

@@ -629,8 +629,10 @@ vectorized 1.45x the threads at 50 clients per round, 1.9x at 100, 2.4x at 500).
 AUTO_MIN_CONCURRENCY = 48
 """Fewest clients in flight for which ``executor.kind = "auto"`` trains an asynchronous server's clients as cohorts.
 A cohort is every client dispatched since the last one started (at any model version), about a quarter to a
-third of the concurrency on the tutorial workload; measured on 2 cores (``benchmarks/matrix.py``), FedBuff
-vectorized against threads was 0.84x at concurrency 20, 1.72x at 50 and 2.54x at 100."""
+third of the concurrency on the tutorial workload. Measured on 2 idle cores (``benchmarks/matrix.py``), FedBuff
+vectorized against threads was 1.73x at concurrency 20, 2.28x at 50 and 2.55x at 100 with the MLP's own
+``cohort_forward``; on busy cores, and for models that go through ``vmap``, small cohorts gain little or nothing
+(0.84x at 20 before the MLP had one), so fewer clients in flight stay on the threads."""
 
 
 def choose_executor(

@@ -34,7 +34,7 @@ import uvloop
 
 import flasync
 import tracking
-from flasync.profiling import render_plots
+from flasync.plots import render_plots
 
 RUNNERS: dict[str, dict[str, Any]] = {
     "none": {"profile": False, "level": "off"},

@@ -1,11 +1,11 @@
 """The run profile: time breakdown per version, per-client timings and stragglers, memory and communication.
 
 :class:`Profiler` reads events from the bus and keeps compact records (a few numbers per task and per version);
-:func:`build_profile` turns them into the ``profile.json`` dict with pure arithmetic, and :func:`render_plots` draws
-that dict as PNG images (matplotlib, Agg backend). :class:`Instrumentation` is the one bus subscriber of a run that
-feeds the profiler and the :class:`~flasync.diagnostics.AlertMonitor` and raises alerts (a structlog warning, an
-:class:`~flasync.events.AlertRaised` event, MLflow metrics ``alert.<kind>.count`` and an MLflow tag
-``alert.<kind>``).
+:func:`build_profile` turns them into the ``profile.json`` dict with pure arithmetic, and
+:func:`flasync.plots.render_plots` draws that dict as PNG images (matplotlib, Agg backend). :class:`Instrumentation`
+is the one bus subscriber of a run that feeds the profiler and the :class:`~flasync.diagnostics.AlertMonitor` and
+raises alerts (a structlog warning, an :class:`~flasync.events.AlertRaised` event, MLflow metrics
+``alert.<kind>.count`` and an MLflow tag ``alert.<kind>``).
 
 Units: ``*_s`` fields named ``sim_*`` or ``transfer_sim_s`` are simulated seconds of the virtual clock; every other
 ``*_s`` is wall seconds measured in this process.
@@ -14,8 +14,6 @@ Units: ``*_s`` fields named ``sim_*`` or ``transfer_sim_s`` are simulated second
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import math
 import random
 import statistics
@@ -23,7 +21,6 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +45,7 @@ from flasync.events import (
     Version,
 )
 from flasync.instruments import Instrument
+from flasync.plots import merge_rows
 from flasync.quantiles import StreamSummary, Thinned, counted_percentile, percentile
 
 __all__ = [
@@ -58,9 +56,6 @@ __all__ = [
     "headline",
     "peak_rss_bytes",
     "quantiles",
-    "render_plots",
-    "warm_up_plots",
-    "write_plots",
 ]
 
 
@@ -124,37 +119,6 @@ class _Version:
     aggregated: bool = False
 
 
-_ADDITIVE = (
-    "updates",
-    "wall_s",
-    "compute_s",
-    "encode_s",
-    "decode_s",
-    "queue_wait_s",
-    "aggregate_s",
-    "eval_s",
-    "idle_s",
-    "sim_train_s",
-    "transfer_sim_s",
-    "upload_bytes",
-    "download_bytes",
-    "straggler_wait_sim_s",
-)
-
-
-def _merge_rows(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
-    """One row for two consecutive spans of versions: sums, the later version and time, staleness by update."""
-    merged = {key: first[key] + second[key] if key in _ADDITIVE else second[key] for key in second}
-    updates = first["updates"] + second["updates"]
-    merged["staleness_mean"] = (
-        (first["staleness_mean"] * first["updates"] + second["staleness_mean"] * second["updates"]) / updates
-        if updates
-        else 0.0
-    )
-    merged["versions"] = first["versions"] + second["versions"]
-    return merged
-
-
 class VersionRows:
     """The per-version rows of a run, in at most ``capacity`` rows however many versions it makes.
 
@@ -177,13 +141,13 @@ class VersionRows:
 
     def add(self, row: dict[str, float]) -> None:
         """Append the row of the next version (with ``versions`` = 1)."""
-        self._open = row if self._open is None else _merge_rows(self._open, row)
+        self._open = row if self._open is None else merge_rows(self._open, row)
         if self._open["versions"] < self.span:
             return
         self._rows.append(self._open)
         self._open = None
         if len(self._rows) >= self.capacity:
-            self._rows = [_merge_rows(a, b) for a, b in zip(self._rows[::2], self._rows[1::2], strict=True)]
+            self._rows = [merge_rows(a, b) for a, b in zip(self._rows[::2], self._rows[1::2], strict=True)]
             self.span *= 2
 
     def rows(self) -> list[dict[str, float]]:
@@ -613,148 +577,6 @@ def torch_memory() -> dict[str, int]:
         "cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
         "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
     }
-
-
-_MAX_BARS = 60  # per-version plots draw at most this many bars (each the mean of consecutive versions beyond)
-
-
-def _binned(rows: Sequence[Mapping[str, float]], limit: int) -> list[dict[str, float]]:
-    """Merge consecutive per-version rows into at most ``limit`` rows of equal spans (sums added; see
-    :func:`_merge_rows`)."""
-    group = max(1, math.ceil(len(rows) / limit))
-    out: list[dict[str, float]] = []
-    for start in range(0, len(rows), group):
-        merged = dict(rows[start])
-        merged.setdefault("versions", 1.0)
-        for row in rows[start + 1 : start + group]:
-            merged = _merge_rows(merged, {**row, "versions": row.get("versions", 1.0)})
-        out.append(merged)
-    return out
-
-
-def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
-    """Draw the profile as PNG images; return ``{file name: PNG bytes}``.
-
-    ``accuracy.png`` (accuracy against wall and simulated time), ``staleness.png`` (histogram; only when updates'
-    staleness differs: synchronous rounds would draw one bar),
-    ``time_breakdown.png`` (stacked wall seconds per version; at most 60 bars, each the mean of consecutive
-    versions in a longer run), ``bytes.png`` (bytes per version, only when an update's size varies: with a dense
-    codec it would say nothing) and
-    ``client_times.png`` (distribution of client task times).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
-
-    def png(fig: Figure) -> bytes:
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-        return buffer.getvalue()
-
-    plots: dict[str, bytes] = {}
-    evaluations = profile["evaluations"]
-    fig = Figure(figsize=(10, 4))
-    axes = fig.subplots(1, 2)
-    for ax, key, label in ((axes[0], "wall_s", "wall seconds"), (axes[1], "simulated_s", "simulated seconds")):
-        ax.plot([e[key] for e in evaluations], [e["accuracy"] for e in evaluations], marker="o")
-        ax.set_xlabel(label)
-        ax.set_ylabel("accuracy")
-        ax.grid(alpha=0.3)
-    fig.suptitle("Accuracy of the global model")
-    plots["accuracy.png"] = png(fig)
-
-    # A histogram of one bar (synchronous rounds: every update has staleness 0) says nothing.
-    histogram = profile["staleness"]["histogram"]
-    if len(histogram) > 1:
-        fig = Figure(figsize=(6, 4))
-        ax = fig.subplots()
-        ax.bar([int(k) for k in histogram], list(histogram.values()))
-        ax.set_xlabel("staleness (versions)")
-        ax.set_ylabel("accepted updates")
-        ax.set_title("Staleness of accepted updates")
-        plots["staleness.png"] = png(fig)
-
-    # At most _MAX_BARS bars: beyond that many versions, each bar is the mean of consecutive versions (a thousand
-    # bars are unreadable, and each is one matplotlib artist: seconds to draw).
-    bars = _binned(profile["time"]["per_version"], _MAX_BARS)
-    span = max((b["versions"] for b in bars), default=1.0)
-    per = "per version" if span == 1 else f"per version (mean over each bar's {span:g} versions)"
-    starts = [b["version"] - b["versions"] + 1 for b in bars]
-    widths = [0.9 * b["versions"] for b in bars]
-    fig = Figure(figsize=(10, 4))
-    ax = fig.subplots()
-    keys = ("compute_s", "encode_s", "decode_s", "queue_wait_s", "aggregate_s", "eval_s", "idle_s")
-    bottom = [0.0] * len(bars)
-    for key in keys:
-        heights = [b[key] / b["versions"] for b in bars]
-        ax.bar(starts, heights, bottom=bottom, width=widths, align="edge", label=key.removesuffix("_s"))
-        bottom = [x + h for x, h in zip(bottom, heights, strict=True)]
-    ax.set_xlabel("version")
-    ax.set_ylabel("wall seconds (client columns summed over clients)")
-    ax.set_title(f"Time breakdown {per}")
-    ax.legend(fontsize="small", ncols=4)
-    plots["time_breakdown.png"] = png(fig)
-
-    # Bytes per version say something only when an update's size varies (compression, sparsity, partials): a
-    # dense run's bars would all be the same height times the number of updates.
-    rows = profile["time"]["per_version"]
-    sizes = {(r["upload_bytes"] / r["updates"], r["download_bytes"] / r["updates"]) for r in rows if r["updates"]}
-    if len(sizes) > 1:
-        fig = Figure(figsize=(10, 4))
-        ax = fig.subplots()
-        half = [w / 2 for w in widths]
-        up = [b["upload_bytes"] / b["versions"] for b in bars]
-        down = [b["download_bytes"] / b["versions"] for b in bars]
-        ax.bar(starts, up, width=half, align="edge", label="up")
-        ax.bar([x + h for x, h in zip(starts, half, strict=True)], down, width=half, align="edge", label="down")
-        ax.set_xlabel("version")
-        ax.set_ylabel("bytes")
-        ax.set_title(f"Bytes {per} (of the updates folded into it)")
-        ax.legend()
-        plots["bytes.png"] = png(fig)
-
-    fig = Figure(figsize=(6, 4))
-    ax = fig.subplots()
-    samples = profile["clients"]["sim_task_s_samples"]
-    ax.hist(samples, bins=min(30, max(5, len(samples) // 3 or 5)))
-    ax.set_xlabel("simulated seconds per task (download + train + upload)")
-    ax.set_ylabel("tasks")
-    summary = profile["clients"]["sim_task_s"]
-    if summary:
-        ax.axvline(summary["p50"], color="k", linestyle="--", label="p50")
-        ax.axvline(summary["p90"], color="r", linestyle="--", label="p90")
-        ax.legend()
-    ax.set_title("Client task times")
-    plots["client_times.png"] = png(fig)
-    return plots
-
-
-def write_plots(*, folder: str, profile: str) -> None:
-    """Draw the profile stored as JSON in the file ``profile`` (see :func:`render_plots`) as PNG files in ``folder``.
-
-    What the MLflow writer process (or a one-shot process) runs for a tracked run, so that the run's own process
-    never imports matplotlib (see :mod:`tracking._files`).
-
-    Args:
-        folder: An existing folder; one file per plot goes there (``accuracy.png``, ...).
-        profile: Path of the profile as JSON (``profile.json``'s content).
-    """
-    data = json.loads(Path(profile).read_text(encoding="utf-8"))
-    for name, image in render_plots(data).items():
-        Path(folder, name).write_bytes(image)
-
-
-def warm_up_plots() -> None:
-    """Import matplotlib and draw a throwaway figure, so the first plot of a run finds its fonts loaded."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(2, 2))
-    fig.subplots().plot([0, 1], [0, 1])
-    fig.savefig(io.BytesIO(), format="png", dpi=20)
 
 
 _ALERTS_PRINTED = 3

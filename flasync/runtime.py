@@ -61,6 +61,7 @@ from flasync.data import (
 from flasync.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, layer_layout
 from flasync.errors import ConfigError, RunInterrupted
 from flasync.executors import TrainingExecutor
+from flasync.plots import render_plots
 from flasync.profiling import (
     Instrumentation,
     Profiler,
@@ -68,7 +69,6 @@ from flasync.profiling import (
     gpu_status,
     headline,
     peak_rss_bytes,
-    render_plots,
     torch_memory,
 )
 from flasync.residuals import RESIDUALS_PREFIX, ResidualStore
@@ -697,19 +697,23 @@ class Federation:
         example = prepared.test.x[:2].detach().cpu().numpy()
         model_log: Future[float] | None = None
         pool: ThreadPoolExecutor | None = None
+        plots = self.profile is not None and self.config.diagnostics.plots
+        plots_aside = False
         if self.config.tracking.log_model and mlflow_tracker is not None and prepared.model_spec is not None:
-            # The writer process exports and logs the model while this thread draws the plots: the thread below
-            # only waits on the pipe.
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-model")
+            # The writer process exports and logs the model (the thread below only waits on the pipe) while a
+            # one-shot process draws the plots: on two cores, side by side rather than one after the other.
+            pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flasync-model")
             model_log = pool.submit(self._log_model_from_spec, mlflow_tracker, prepared.model_spec, example)
+            if plots:
+                pool.submit(self._log_plots, mlflow_tracker, log, elsewhere=True)
+                plots_aside = True
         try:
-            plots = self.profile is not None and self.config.diagnostics.plots
             tracker.log_dict(summary.to_dict(), "summary.json")
             if self.profile is not None:
                 tracker.log_dict(json_ready(self.profile), "profile.json")
-            if plots and mlflow_tracker is not None:
+            if plots and mlflow_tracker is not None and not plots_aside:
                 self._log_plots(mlflow_tracker, log)
-            elif plots and self.profile is not None:
+            elif plots and mlflow_tracker is None and self.profile is not None:
                 for name, image in render_plots(self.profile).items():
                     tracker.log_bytes(image, f"plots/{name}")
             if self._traces is not None:
@@ -744,17 +748,17 @@ class Federation:
         except Exception as exc:  # a model MLflow cannot serialise must not fail the run
             log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 
-    def _log_plots(self, tracker: tracking.MlflowTracker, log: Any) -> None:
-        """Have the profile drawn in another process (the writer process, or a one-shot one) and logged under
-        ``plots/``: matplotlib is never imported here, where its objects would set off full garbage collections
-        that hold the event loop (a failure is only logged)."""
+    def _log_plots(self, tracker: tracking.MlflowTracker, log: Any, *, elsewhere: bool = False) -> None:
+        """Have the profile drawn in another process (the writer process, or a one-shot one: always with
+        ``elsewhere``) and logged under ``plots/``: matplotlib is never imported here, where its objects would set
+        off full garbage collections that hold the event loop (a failure is only logged)."""
         assert self.profile is not None
         with tempfile.TemporaryDirectory(prefix="flasync-plots-") as tmp:
             path = os.path.join(tmp, "profile.json")
             with open(path, "w", encoding="utf-8") as file:
                 json.dump(json_ready(self.profile), file, default=str)
             try:
-                seconds = tracker.log_files_from(tracked.PLOTS_WRITER, {"profile": path}, "plots")
+                seconds = tracker.log_files_from(tracked.PLOTS_WRITER, {"profile": path}, "plots", elsewhere=elsewhere)
             except Exception as exc:  # plots missing must not fail the run
                 log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
                 return

@@ -23,7 +23,8 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
-from flasync.profiling import Profiler, VersionRows, build_profile, headline, quantiles, render_plots
+from flasync.plots import render_plots
+from flasync.profiling import Profiler, VersionRows, build_profile, headline, quantiles
 from flasync.quantiles import StreamSummary, Thinned, counted_percentile
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
@@ -176,7 +177,7 @@ async def test_plots_of_a_long_run_stay_readable_and_only_say_something() -> Non
     """Beyond 60 versions each bar is the mean of consecutive versions (at most 60 bars); the bytes plot is drawn
     only when an update's size varies (top-k here), not for a dense run whose bars would all be alike; the staleness
     histogram only when staleness varies (not for FedAvg's rounds)."""
-    from flasync.profiling import _binned
+    from flasync.plots import _binned
 
     tracker = MemoryTracker()
     await flasync.Federation(small_config("stop.max_versions=80", "eval.every_versions=40"), tracker=tracker).run()

@@ -959,19 +959,23 @@ class MlflowTracker:
         self._failover.deliver(send, spool)
         return time.perf_counter() - began
 
-    def log_files_from(self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None = None) -> float:
+    def log_files_from(
+        self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None = None, *, elsewhere: bool = False
+    ) -> float:
         """Store as artifacts the files ``target(folder=..., **kwargs)`` writes, made in another process; return the
         seconds waited.
 
-        The writer process calls ``target`` when there is one (name what it imports in ``preload``); otherwise a
-        one-shot Python process does, and the files are logged as :meth:`log_file` logs them. This process never
-        imports what ``target`` needs (see :mod:`tracking._files`).
+        The writer process calls ``target`` when there is one (name what it imports in ``preload``) and
+        ``elsewhere`` is False; otherwise a one-shot Python process does, and the files are logged as
+        :meth:`log_file` logs them. This process never imports what ``target`` needs (see :mod:`tracking._files`).
 
         Args:
             target: ``package.module:name`` of a function writing files into the folder it is given as ``folder``
                 (importable by a fresh interpreter: no ``__main__`` names).
             kwargs: Its other keyword arguments, JSON values (e.g. the path of a JSON file to draw).
             artifact_path: Folder inside the run's artifacts; the root when None.
+            elsewhere: Always in a one-shot process, e.g. while the writer process is busy with a longer job (the
+                model's export), so that the two run side by side.
 
         Returns:
             Wall-clock seconds spent.
@@ -982,7 +986,7 @@ class MlflowTracker:
         began = time.perf_counter()
         self._check_started()
         request = {"op": "artifacts", "target": target, "kwargs": dict(kwargs), "folder": artifact_path}
-        if not self._child_job(request):
+        if elsewhere or not self._child_job(request):
             with tempfile.TemporaryDirectory(prefix="tracking-files-") as folder:
                 _files.write_elsewhere(target, folder, kwargs)
                 for path in sorted(Path(folder).iterdir()):

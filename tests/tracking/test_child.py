@@ -258,6 +258,6 @@ def test_a_failing_file_writer_is_one_error_naming_it(tracking_uri: str) -> None
     """A function that fails in the other process raises RuntimeError with its name and its error's last line."""
     tracker = MlflowTracker(tracking_uri, writer_process=False)
     tracker.start(experiment="files-fail")
-    with pytest.raises(RuntimeError, match=r"flasync\.profiling:write_plots failed: FileNotFoundError"):
+    with pytest.raises(RuntimeError, match=r"flasync\.plots:write_plots failed: FileNotFoundError"):
         tracker.log_files_from(PLOTS_WRITER, {"profile": "/nonexistent/profile.json"}, "plots")
     tracker.finish("FINISHED")

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
@@ -872,6 +872,22 @@ class MlflowTracker:
         began = time.perf_counter()
         self._check_started()
 
+        send = self._model_sender(model, name, input_example)
+
+        def spool(writer: SpoolWriter) -> None:
+            with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
+                local = os.path.join(tmp, name)
+                _model.save_model(model, local, input_example=input_example, log=self._log)
+                writer.artifact_path(local, None)
+
+        self._failover.deliver(send, spool)
+        return time.perf_counter() - began
+
+    def _model_sender(
+        self, model: torch.nn.Module, name: str, input_example: Any
+    ) -> Callable[[str, mlflow.MlflowClient], None]:
+        """Return what logs ``model`` to a run of the store as an MLflow logged model (see :meth:`log_model`)."""
+
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             _model.log_to_run(
                 client,
@@ -883,14 +899,7 @@ class MlflowTracker:
                 ),
             )
 
-        def spool(writer: SpoolWriter) -> None:
-            with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
-                local = os.path.join(tmp, name)
-                _model.save_model(model, local, input_example=input_example, log=self._log)
-                writer.artifact_path(local, None)
-
-        self._failover.deliver(send, spool)
-        return time.perf_counter() - began
+        return send
 
     def log_model_from(
         self,
@@ -933,16 +942,7 @@ class MlflowTracker:
             return time.perf_counter() - began
         model = _model.build(builder, kwargs)  # a builder that fails is the caller's error, not the store's
 
-        def send(run_id: str, client: mlflow.MlflowClient) -> None:
-            _model.log_to_run(
-                client,
-                run_id,
-                str(self.experiment_id),
-                name,
-                lambda local, description: _model.save_model(
-                    model, local, description=description, input_example=input_example, log=self._log
-                ),
-            )
+        send = self._model_sender(model, name, input_example)
 
         def spool(writer: SpoolWriter) -> None:
             # The store fails: a one-shot process saves the model, so this one never imports torch.export and

@@ -11,7 +11,7 @@ import mlflow
 import pytest
 import yaml
 
-import flasync
+import flasync.runtime
 from flasync import cli
 from flasync.config import flatten
 from flasync.testing import MemoryTracker, small_config

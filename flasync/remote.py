@@ -299,11 +299,7 @@ class Client:
                 first_failure = now if first_failure is None else first_failure
                 if self.give_up_s is not None and now - first_failure > self.give_up_s:
                     raise RemoteError(f"{self.server} unreachable for {self.give_up_s:g} s: {exc!r}") from None
-                self.stats.retries += 1
-                pause = delay * (0.5 + self._jitter.random())
-                self._wait(f"cannot reach it ({_reason(exc)})", pause)
-                await asyncio.sleep(pause)
-                delay = min(2 * delay, self.max_backoff_s)
+                delay = await self._back_off(f"cannot reach it ({_reason(exc)})", delay)
                 continue
             status = response.status_code
             if status in (429, 502, 503, 504):
@@ -312,22 +308,14 @@ class Client:
                     first_failure = now if first_failure is None else first_failure
                     if self.give_up_s is not None and now - first_failure > self.give_up_s:
                         raise RemoteError(f"{self.server} answered {status} for {self.give_up_s:g} s") from None
-                self.stats.retries += 1
-                retry_after = _retry_after(response)
-                pause = retry_after if retry_after is not None else delay * (0.5 + self._jitter.random())
                 answer = f"{status} {response.reason_phrase}".strip()
-                self._wait(f"it is busy ({answer})" if status == 429 else f"it answers {answer}", pause)
-                await asyncio.sleep(pause)
-                delay = min(2 * delay, self.max_backoff_s)
+                reason = f"it is busy ({answer})" if status == 429 else f"it answers {answer}"
+                delay = await self._back_off(reason, delay, _retry_after(response))
                 continue
             if status == 409 and _error(response) == "token_in_use":
                 # Another device with this token holds this client's task: wait until it is answered or timed out.
-                self.stats.retries += 1
-                retry_after = _retry_after(response)
-                pause = retry_after if retry_after is not None else delay * (0.5 + self._jitter.random())
-                self._wait("its token is in use by another connection, which holds this client's task", pause)
-                await asyncio.sleep(pause)
-                delay = min(2 * delay, self.max_backoff_s)
+                reason = "its token is in use by another connection, which holds this client's task"
+                delay = await self._back_off(reason, delay, _retry_after(response))
                 continue
             self._got_through()
             if status == 401:
@@ -335,6 +323,15 @@ class Client:
             if status in (400, 413):
                 raise RemoteError(f"{self.server} refused {method} {path}: {status} {_detail(response)}")
             return response
+
+    async def _back_off(self, reason: str, delay: float, retry_after: float | None = None) -> float:
+        """Count a retry, say why the client waits, sleep ``retry_after`` (else ``delay`` with jitter); return the
+        next delay (doubled, at most ``max_backoff_s``)."""
+        self.stats.retries += 1
+        pause = retry_after if retry_after is not None else delay * (0.5 + self._jitter.random())
+        self._wait(reason, pause)
+        await asyncio.sleep(pause)
+        return min(2 * delay, self.max_backoff_s)
 
     # ------------------------------------------------------------------------------------------- status
     def _say(self, line: str) -> None:

@@ -22,7 +22,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -98,6 +98,20 @@ class RunClock(Clock, Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (before the run starts)."""
         ...
+
+
+def _submit(executor: Executor, fn: Callable[[], T]) -> tuple[asyncio.Future[T], object]:
+    """Start ``fn`` in ``executor``; return the loop future to await and what the executor returned for it.
+
+    An executor with ``submit_async`` (a :class:`~flasync.executors.CohortBatcher`) gives a loop future itself;
+    any other one's future is bridged with :func:`asyncio.wrap_future`.
+    """
+    submit_async = getattr(executor, "submit_async", None)
+    if submit_async is not None:
+        job: asyncio.Future[T] = submit_async(fn)
+        return job, job
+    source = executor.submit(fn)
+    return asyncio.wrap_future(source), source
 
 
 class WallClock:
@@ -176,7 +190,7 @@ class WallClock:
         Without a ``factor``, ``simulated_s`` and ``until`` are ignored. With one, the result comes no sooner than
         ``until`` (or ``simulated_s`` from now), on this clock's scaled time.
         """
-        job = asyncio.get_running_loop().run_in_executor(executor, fn)
+        job = _submit(executor, fn)[0]
         if self._factor is None:
             return await job
         try:
@@ -201,8 +215,8 @@ class _Timer:
     when: float
     seq: int
     waiter: asyncio.Future[None] = field(compare=False)
-    job: asyncio.Future[object] | None = field(compare=False, default=None)
-    source: Future[object] | None = field(compare=False, default=None)
+    job: asyncio.Future[Any] | None = field(compare=False, default=None)
+    source: object = field(compare=False, default=None)
 
 
 class VirtualClock:
@@ -228,7 +242,7 @@ class VirtualClock:
         self._activity = 0
         self._attention: asyncio.Future[None] | None = None
         self._stopped = False
-        self._on_wait: list[Callable[[Future[object]], None]] = []
+        self._on_wait: list[Callable[[object], None]] = []
         self.fired = 0
 
     def now(self) -> float:
@@ -239,7 +253,7 @@ class VirtualClock:
         """Note in-loop activity, postponing the next time advance."""
         self._activity += 1
 
-    def on_wait(self, callback: Callable[[Future[object]], None]) -> None:
+    def on_wait(self, callback: Callable[[object], None]) -> None:
         """Call ``callback(job)`` whenever the loop has settled and the next timer stands for the executor job ``job``.
 
         ``job`` is the future the executor returned. A batching executor uses this to start the jobs it holds
@@ -266,16 +280,12 @@ class VirtualClock:
         self._now = float(state["now"])
         self._seq = int(state["seq"])
 
-    def _push(
-        self, delay: float, job: asyncio.Future[object] | None, source: Future[object] | None = None
-    ) -> asyncio.Future[None]:
+    def _push(self, delay: float, job: asyncio.Future[Any] | None, source: object = None) -> asyncio.Future[None]:
         if not delay >= 0.0:  # also rejects NaN
             raise ValueError(f"a delay must be a finite number >= 0, got {delay}")
         return self._push_at(self._now + delay, job, source)
 
-    def _push_at(
-        self, when: float, job: asyncio.Future[object] | None, source: Future[object] | None = None
-    ) -> asyncio.Future[None]:
+    def _push_at(self, when: float, job: asyncio.Future[Any] | None, source: object = None) -> asyncio.Future[None]:
         if math.isnan(when):
             raise ValueError("a timer's time must not be NaN")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -319,13 +329,8 @@ class VirtualClock:
         virtual timeline, and time does not pass that point until the job is really done. ``until`` places the
         completion at that absolute time instead (a resumed task keeps the timeline it started with).
         """
-        source = executor.submit(fn)
-        job = asyncio.wrap_future(source)
-        waiter = (
-            self._push(simulated_s, job, source)  # type: ignore[arg-type]
-            if until is None
-            else self._push_at(until, job, source)  # type: ignore[arg-type]
-        )
+        job, source = _submit(executor, fn)
+        waiter = self._push(simulated_s, job, source) if until is None else self._push_at(until, job, source)
         try:
             await waiter
         except asyncio.CancelledError:

@@ -13,6 +13,7 @@ two cores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -143,10 +144,79 @@ class _HeldFuture(Future[T]):
         self.held = True
 
 
+class _HeldLoopFuture(asyncio.Future[T]):
+    """A held job's future on the event loop that awaits it (:meth:`CohortBatcher.submit_async`).
+
+    The worker resolves such futures in batches, with one thread-safe loop callback for many of them, instead of one
+    cross-thread wake-up (and one :class:`concurrent.futures.Future` to bridge) per client.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.held = True
+
+
+_AnyHeld = _HeldFuture[Any] | _HeldLoopFuture[Any]
+_Outcome = tuple[_HeldLoopFuture[Any], Any, BaseException | None]
+
+# Results handed to the event loop per callback: the loop starts on the first ones while the worker finishes the rest.
+_DELIVERY_CHUNK = 64
+
+
+def _settle(outcomes: list[_Outcome]) -> None:
+    """Resolve loop futures with their results (on their loop); a future cancelled meanwhile is left as it is."""
+    for future, value, error in outcomes:
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+
+class _Delivery:
+    """Hands a cohort's results to their futures: loop futures in chunks, thread futures one by one."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending: list[_Outcome] = []
+
+    def __call__(self, future: _AnyHeld, value: Any, error: BaseException | None) -> None:
+        if isinstance(future, _HeldLoopFuture):
+            self._pending.append((future, value, error))
+            if len(self._pending) >= _DELIVERY_CHUNK:
+                self.flush()
+        elif error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        outcomes, self._pending = self._pending, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
+        for outcome in outcomes:
+            by_loop.setdefault(outcome[0].get_loop(), []).append(outcome)
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits these any more
+                loop.call_soon_threadsafe(_settle, batch)
+
+
+def _cancel(future: _AnyHeld) -> None:
+    """Cancel a held future from any thread (a loop future on its own loop)."""
+    if isinstance(future, _HeldLoopFuture):
+        with contextlib.suppress(RuntimeError):  # a closed loop
+            future.get_loop().call_soon_threadsafe(future.cancel)
+    else:
+        future.cancel()
+
+
 @dataclass(slots=True)
 class _Held:
     jobs: list[TrainingJob[Any]] = field(default_factory=list)
-    futures: list[_HeldFuture[Any]] = field(default_factory=list)
+    futures: list[_AnyHeld] = field(default_factory=list)
 
 
 def _init_worker(threads: int, default: int, device: torch.device | None = None) -> None:
@@ -231,9 +301,9 @@ class CohortBatcher(Executor):
             on_wait(self._needed)
             self._driven = True
 
-    def _needed(self, future: Future[Any]) -> None:
+    def _needed(self, future: object) -> None:
         """Start every held job if ``future`` is one of them (the clock cannot go on without its result)."""
-        if isinstance(future, _HeldFuture) and future.held:
+        if isinstance(future, _HeldFuture | _HeldLoopFuture) and future.held:
             self.flush()
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
@@ -241,6 +311,22 @@ class CohortBatcher(Executor):
         if not isinstance(fn, TrainingJob) or args or kwargs:
             return self.passthrough.submit(fn, *args, **kwargs)
         future: _HeldFuture[T] = _HeldFuture()
+        self._hold(fn, future)
+        return future
+
+    def submit_async(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Like :meth:`submit`, but return a future of the running event loop.
+
+        A cohort's results reach the loop in a few callbacks, not one cross-thread wake-up per client, which is
+        what a client coroutine awaiting its job through :meth:`submit` and :func:`asyncio.wrap_future` costs.
+        """
+        if not isinstance(fn, TrainingJob):
+            return asyncio.wrap_future(self.passthrough.submit(fn))
+        future: _HeldLoopFuture[T] = _HeldLoopFuture(asyncio.get_running_loop())
+        self._hold(fn, future)
+        return future
+
+    def _hold(self, fn: TrainingJob[Any], future: _AnyHeld) -> None:
         with self._lock:
             group = fn.group if self.train_cohort is None else (id(fn.base), fn.group)
             held = self._held.setdefault(group, _Held())
@@ -255,7 +341,6 @@ class CohortBatcher(Executor):
         elif not self._driven and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._tick, self._submitted, 0)
-        return future
 
     def _tick(self, mark: int, quiet: int) -> None:
         quiet = quiet + 1 if self._submitted == mark else 0
@@ -281,20 +366,34 @@ class CohortBatcher(Executor):
         def cancelled(done: Future[None]) -> None:
             if done.cancelled():  # the pool shut down before the cohort started: its jobs never will
                 for future in held.futures:
-                    future.cancel()
+                    _cancel(future)
 
         started.add_done_callback(cancelled)
 
     def _run(self, held: _Held) -> None:
-        jobs, futures = [], []
+        jobs: list[TrainingJob[Any]] = []
+        futures: list[_AnyHeld] = []
         for job, future in zip(held.jobs, held.futures, strict=True):
-            if future.set_running_or_notify_cancel():  # skip jobs whose client was cancelled meanwhile
+            # Skip jobs whose client was cancelled meanwhile (a loop future cancelled after this read is trained,
+            # and its result dropped on delivery).
+            if isinstance(future, _HeldLoopFuture):
+                live = not future.cancelled()
+            else:
+                live = future.set_running_or_notify_cancel()
+            if live:
                 jobs.append(job)
                 futures.append(future)
         if not jobs:
             return
+        deliver = _Delivery()
+        try:
+            self._train(jobs, futures, deliver)
+        finally:
+            deliver.flush()
+
+    def _train(self, jobs: list[TrainingJob[Any]], futures: list[_AnyHeld], deliver: _Delivery) -> None:
         if len(jobs) == 1:
-            self._resolve(futures[0], jobs[0], None)
+            deliver(futures[0], *self._resolve(jobs[0], None))
             return
         try:
             first = jobs[0]
@@ -314,7 +413,7 @@ class CohortBatcher(Executor):
                 outcome = self.models.cohort_trainer().train(first.base, x, y, members, first.cfg)
         except Exception as exc:
             for future in futures:
-                future.set_exception(exc)
+                deliver(future, None, exc)
             return
         self.cohorts += 1
         if outcome.vectorized:
@@ -324,20 +423,18 @@ class CohortBatcher(Executor):
             if self.on_fallback is not None and outcome.fallback_reason is not None:
                 self.on_fallback(outcome.fallback_reason)
         for job, future, result in zip(jobs, futures, outcome.results, strict=True):
-            self._resolve(future, job, result)
+            deliver(future, *self._resolve(job, result))
 
-    def _resolve(self, future: Future[Any], job: TrainingJob[Any], result: LocalResult | None) -> None:
+    def _resolve(self, job: TrainingJob[Any], result: LocalResult | None) -> tuple[Any, BaseException | None]:
+        """Return ``(value, None)`` of a job (finished from its cohort's ``result``, or run alone), or its error."""
         try:
             if result is not None:
-                value = job.finish(result)
-            elif self.run_job is not None:
-                value = self.run_job(job)
-            else:
-                value = job()
+                return job.finish(result), None
+            if self.run_job is not None:
+                return self.run_job(job), None
+            return job(), None
         except Exception as exc:
-            future.set_exception(exc)
-        else:
-            future.set_result(value)
+            return None, exc
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Cancel held jobs, then shut the inner pool down."""
@@ -346,7 +443,7 @@ class CohortBatcher(Executor):
             self._held.clear()
         for held in groups:
             for future in held.futures:
-                future.cancel()
+                _cancel(future)
         self.inner.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 

@@ -342,6 +342,78 @@ async def test_failed_member_fails_alone() -> None:
     assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
 
 
+async def test_loop_futures_get_the_same_results_in_few_loop_callbacks() -> None:
+    """submit_async: each job's loop future gets its own result, and a cohort reaches the loop in chunks."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool, max_cohort=len(parts))
+    loop = asyncio.get_running_loop()
+    calls = 0
+    original = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return original(callback, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        futures = [batcher.submit_async(_job(base, x, y, p, k, pool)) for k, p in enumerate(parts)]
+        assert all(isinstance(f, asyncio.Future) and f.get_loop() is loop for f in futures)
+        results = await asyncio.gather(*futures)
+    finally:
+        del loop.call_soon_threadsafe
+        batcher.shutdown()
+    assert batcher.cohorts == 1 and calls <= 2  # the cohort's start may wake the loop once; its results once
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+    model = FlatModel(_mlp())
+    for k, (got, p) in enumerate(zip(results, parts, strict=True)):
+        want = train(model, base, x[p], y[p], cfg, seeding.torch_stream(3, seeding.TASK, k, 0))
+        assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
+
+
+async def test_a_cancelled_loop_future_stays_cancelled_and_shutdown_cancels_held_ones() -> None:
+    """A client cancelled while its job is held or training keeps its cancellation; the others get results; jobs
+    still held at shutdown are cancelled on their loop."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool)
+    futures = [batcher.submit_async(_job(base, x, y, p, k, pool)) for k, p in enumerate(parts[:3])]
+    futures[1].cancel()
+    try:
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        assert isinstance(outcomes[1], asyncio.CancelledError)
+        assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
+        held = batcher.submit_async(_job(base, x, y, parts[3], 3, pool))
+    finally:
+        batcher.shutdown()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+
+
+async def test_submit_async_passes_other_callables_through_and_reports_failures() -> None:
+    """Non-jobs run in the inner pool; a member whose finish raises gets the error on its loop future alone."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool)
+    jobs = [_job(base, x, y, p, k, pool) for k, p in enumerate(parts[:3])]
+
+    def boom(result: LocalResult) -> LocalResult:
+        raise TrainingError("diverged")
+
+    jobs[1] = TrainingJob(**{**{f: getattr(jobs[1], f) for f in TrainingJob.__dataclass_fields__}, "finish": boom})
+    try:
+        assert await batcher.submit_async(lambda: 41 + 1) == 42
+        outcomes = await asyncio.gather(*(batcher.submit_async(j) for j in jobs), return_exceptions=True)
+    finally:
+        batcher.shutdown()
+    assert isinstance(outcomes[1], TrainingError)
+    assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
+
+
 # ------------------------------------------------------------------------------------------------ engine
 SERVERS = [
     {"kind": "fedavg", "clients_per_round": 8},

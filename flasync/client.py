@@ -188,7 +188,11 @@ class Client:
                 return
             attack = faults.attack_factor(cid) if faults is not None else 1.0
             generator = seeding.torch_stream(world.seed, seeding.TASK, cid, task.participation)
-            codec_generator = seeding.torch_stream(world.seed, seeding.CODEC, cid, task.participation)
+            codec_generator = (
+                seeding.torch_stream(world.seed, seeding.CODEC, cid, task.participation)
+                if job_ctx.upload_codec.draws_random
+                else None
+            )
             job: Callable[[], TrainedUpdate]
             if fate is not None and fate.fate is Fate.CRASH:
                 fraction = fate.fraction

@@ -291,6 +291,12 @@ class Pipeline:
         return self._sparsifier is not None and self._sparsifier.error_feedback
 
     @property
+    def draws_random(self) -> bool:
+        """Whether a stage draws random numbers (:class:`RandomK`, stochastic :class:`Int8`): ``encode`` then needs a
+        generator."""
+        return any(isinstance(s, RandomK) or (isinstance(s, Int8) and s.stochastic) for s in self._stages)
+
+    @property
     def lossless(self) -> bool:
         """Whether the pipeline has no stages: dense float32, bit-exact."""
         return not self._stages

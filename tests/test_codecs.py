@@ -929,3 +929,14 @@ def test_arbitrary_body_behind_a_valid_header_decodes_or_raises_decode_error(
     except DecodeError:
         return
     _assert_valid_decode(payload, decoded, n)
+
+
+def test_a_pipeline_says_whether_encoding_draws_random_numbers() -> None:
+    """draws_random: RandomK and stochastic Int8 need a generator; the other stages do not."""
+    assert not Pipeline().draws_random
+    assert not Pipeline([TopK(0.1), Int8(stochastic=False)]).draws_random
+    assert not Pipeline([Float16()]).draws_random
+    assert Pipeline([RandomK(0.1)]).draws_random
+    assert Pipeline([TopK(0.1), Int8()]).draws_random
+    with pytest.raises(ValueError, match="generator"):
+        Pipeline([Int8()]).encode(torch.ones(4))

@@ -28,6 +28,7 @@ at a time instead, with the reason returned in :attr:`CohortResult.fallback_reas
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -366,22 +367,30 @@ class CohortTrainer:
                 loss_sum[:k].add_(loss * m.sum(dim=1))
         share = (timer() - start) / num
         seen = mask.sum(dim=(0, 2)).tolist()
+        # Rows back in member order, as one tensor whose rows the results view (one gather, not a copy per client),
+        # and every row's norm in one reduction.
+        back = [0] * num  # member -> row
+        for row, k in enumerate(order):
+            back[k] = row
         deltas = starts - weights
+        if back != list(range(num)):
+            deltas = deltas[torch.tensor(back, device=deltas.device)]
+        norms = torch.linalg.vector_norm(deltas, dim=1).tolist()
         losses = loss_sum.tolist()
         per_client_bytes = 4 * self.num_params * 3 + activation_bytes  # weights, gradients, momentum (as train())
-        results: list[LocalResult | None] = [None] * num
-        for row, k in enumerate(order):
-            n = int(members[k].indices.numel())
-            batch_bytes = cfg.batch_size * (x[0].numel() * x.element_size() + y.element_size())
-            results[k] = LocalResult(
-                delta=deltas[row].clone(),
-                num_samples=n,
+        batch_bytes = cfg.batch_size * (x[0].numel() * x.element_size() + y.element_size())
+        return [
+            LocalResult(
+                delta=delta,
+                num_samples=int(members[k].indices.numel()),
                 steps=steps[k],
-                loss=losses[row] / max(seen[row], 1.0),
+                loss=losses[back[k]] / max(seen[back[k]], 1.0),
                 train_s=share,
                 peak_mem_bytes=per_client_bytes + batch_bytes,
+                update_norm=norms[k] if math.isfinite(norms[k]) else None,
             )
-        return [r for r in results if r is not None]
+            for k, delta in enumerate(deltas.unbind(0))
+        ]
 
     def _activation_bytes(self, xb: torch.Tensor, yb: torch.Tensor) -> int:
         """Return the bytes autograd saves for one client's batch (one plain forward pass, cached by shape)."""

@@ -189,7 +189,8 @@ class TrainingDiagnostics:
 
     def diagnose(self, result: LocalResult, stats: _GradientStats | None = None) -> TaskDiagnosis:
         """Return the diagnosis of one training result at this object's level."""
-        norm = finite_norm(result.delta)  # NaN: the delta has a NaN or Inf element
+        # NaN: the delta has a NaN or Inf element (a norm the trainer gave is finite, so every element is).
+        norm = result.update_norm if result.update_norm is not None else finite_norm(result.delta)
         update_finite = not math.isnan(norm)
         loss_finite = math.isfinite(result.loss)
         if self.level == "off":

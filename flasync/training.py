@@ -196,7 +196,11 @@ class LocalTraining:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LocalResult:
-    """What one local training call produced."""
+    """What one local training call produced.
+
+    ``update_norm`` is the L2 norm of ``delta`` when the trainer computed it already and it is finite (a cohort
+    computes its members' norms in one operation); None otherwise.
+    """
 
     delta: torch.Tensor
     num_samples: int
@@ -204,6 +208,7 @@ class LocalResult:
     loss: float
     train_s: float
     peak_mem_bytes: int
+    update_norm: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,6 +13,7 @@ from torch import nn
 import flasync
 from flasync import seeding
 from flasync.cohort import CohortMember, CohortTrainer, unsupported_reason
+from flasync.diagnostics import TrainingDiagnostics
 from flasync.errors import ConfigError, TrainingError
 from flasync.executors import CohortBatcher, ModelPool, TrainingJob, resolve_device
 from flasync.models import MLP, SmallCNN
@@ -132,6 +133,7 @@ def test_vectorized_equals_one_client_at_a_time(factory: Callable[[], nn.Module]
         assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
         assert got.loss == pytest.approx(want.loss, rel=1e-5)
         assert bool(got.delta.abs().sum() > 0)
+        assert got.update_norm == pytest.approx(float(torch.linalg.vector_norm(got.delta)), rel=1e-6)
         if want.num_samples >= cfg.batch_size:  # same first-batch shape: the same memory estimate
             assert got.peak_mem_bytes == want.peak_mem_bytes
 
@@ -340,6 +342,21 @@ async def test_failed_member_fails_alone() -> None:
         batcher.shutdown()
     assert isinstance(outcomes[1], TrainingError)
     assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
+
+
+def test_a_diverged_members_norm_is_left_to_the_diagnosis() -> None:
+    """A member whose delta's norm is not finite gets no update_norm, so the diagnosis checks its elements itself."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    cfg = LocalTraining(epochs=2, batch_size=16, lr=1e30)
+    outcome = CohortTrainer(_mlp()).train(base, x, y, _members(parts), cfg)
+    assert outcome.vectorized
+    for got in outcome.results:
+        finite = bool(torch.isfinite(got.delta).all())
+        if got.update_norm is not None:
+            assert finite and got.update_norm == pytest.approx(float(torch.linalg.vector_norm(got.delta)), rel=1e-6)
+        assert TrainingDiagnostics("off").diagnose(got).update_finite == finite
+    assert not all(bool(torch.isfinite(got.delta).all()) for got in outcome.results)
 
 
 async def test_loop_futures_get_the_same_results_in_few_loop_callbacks() -> None:

@@ -627,12 +627,16 @@ AUTO_MIN_COHORT = 32
 vectorized 1.45x the threads at 50 clients per round, 1.9x at 100, 2.4x at 500)."""
 
 AUTO_MIN_CONCURRENCY = 48
-"""Fewest clients in flight for which ``executor.kind = "auto"`` trains an asynchronous server's clients as cohorts.
-A cohort is every client dispatched since the last one started (at any model version), about a quarter to a
-third of the concurrency on the tutorial workload. Measured on 2 idle cores (``benchmarks/matrix.py``), FedBuff
-vectorized against threads was 1.73x at concurrency 20, 2.28x at 50 and 2.55x at 100 with the MLP's own
-``cohort_forward``; on busy cores, and for models that go through ``vmap``, small cohorts gain little or nothing
-(0.84x at 20 before the MLP had one), so fewer clients in flight stay on the threads."""
+"""Fewest clients in flight for which ``executor.kind = "auto"`` trains an asynchronous server's clients as cohorts
+when the model is batched through ``vmap``. A cohort is every client dispatched since the last one started (at any
+model version), about a quarter to a third of the concurrency on the tutorial workload; through ``vmap``, small
+cohorts gain little or nothing (0.84x the threads at concurrency 20, measured on 2 cores)."""
+
+AUTO_MIN_CONCURRENCY_OWN = 16
+"""The same for a model with its own ``cohort_forward`` (the built-in MLP), whose small cohorts pay: FedBuff on the
+tutorial workload, vectorized against threads, federation updates/s on 2 cores, was 1.42x at concurrency 10, 1.9x
+at 16 and 1.8-2x at 20 (``benchmarks/matrix.py`` prints 20 and more); the default run (digits, C = 20) trains 1.5x
+faster."""
 
 
 def choose_executor(
@@ -641,30 +645,31 @@ def choose_executor(
     """Return the executor ``executor.kind = "auto"`` runs, and why.
 
     Vectorized cohorts pay when many clients train at once: FedAvg rounds of at least :data:`AUTO_MIN_COHORT`
-    clients, or FedBuff / FedAsync with at least :data:`AUTO_MIN_CONCURRENCY` clients in flight, on a flat topology,
-    with a model and objective ``vmap`` can batch and no gradient checkpointing. Everything else trains on the
-    threads.
+    clients, or FedBuff / FedAsync with at least :data:`AUTO_MIN_CONCURRENCY` clients in flight
+    (:data:`AUTO_MIN_CONCURRENCY_OWN` for a model with its own ``cohort_forward``), on a flat topology, with a model
+    and objective ``vmap`` can batch and no gradient checkpointing. Everything else trains on the threads.
     """
     server = config.server
     if isinstance(config.topology, TreeTopology):
         return "thread", "edges start their rounds apart: cohorts would be small"
+    if isinstance(server, FedAvgServer) and server.clients_per_round < AUTO_MIN_COHORT:
+        return "thread", f"rounds of {server.clients_per_round} clients (< {AUTO_MIN_COHORT}) gain nothing from cohorts"
+    model = prepared.factory()
     if isinstance(server, FedAvgServer):
-        if server.clients_per_round < AUTO_MIN_COHORT:
-            return (
-                "thread",
-                f"rounds of {server.clients_per_round} clients (< {AUTO_MIN_COHORT}) gain nothing from cohorts",
-            )
         why = f"FedAvg rounds of {server.clients_per_round} clients train as one cohort each"
     else:
-        if server.concurrency < AUTO_MIN_CONCURRENCY:
+        own = callable(getattr(model, "cohort_forward", None))
+        least = AUTO_MIN_CONCURRENCY_OWN if own else AUTO_MIN_CONCURRENCY
+        if server.concurrency < least:
+            how = "the model's own cohort_forward" if own else "vmap"
             return "thread", (
-                f"{server.kind} with {server.concurrency} clients in flight (< {AUTO_MIN_CONCURRENCY}): cohorts would "
-                "be small"
+                f"{server.kind} with {server.concurrency} clients in flight (< {least} for {how}): cohorts would be "
+                "small"
             )
         why = f"{server.kind} with {server.concurrency} clients in flight trains those dispatched together as cohorts"
     if config.client.checkpoint_segments:
         return "thread", "gradient checkpointing trains one client at a time"
-    reason = unsupported_reason(prepared.factory())
+    reason = unsupported_reason(model)
     if reason is not None:
         return "thread", reason
     if objective is not None and not objective.vectorizable:

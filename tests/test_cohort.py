@@ -624,13 +624,23 @@ def test_the_vectorized_executor_refuses_an_objective_that_is_not_vectorizable()
 @pytest.mark.parametrize(
     ("overrides", "kind", "why"),
     [
-        ((), "thread", "fedbuff with 8 clients in flight (< 48)"),
+        ((), "thread", "fedbuff with 8 clients in flight (< 16 for the model's own cohort_forward)"),
         (
-            ("server={kind: fedbuff, concurrency: 64}", "population.num_clients=100"),
+            ("server={kind: fedbuff, concurrency: 20}", "population.num_clients=100"),
+            "vectorized",
+            "fedbuff with 20 clients in flight",
+        ),
+        (
+            ("server={kind: fedbuff, concurrency: 20}", "population.num_clients=100", "model={kind: cnn}"),
+            "thread",
+            "fedbuff with 20 clients in flight (< 48 for vmap)",
+        ),
+        (
+            ("server={kind: fedbuff, concurrency: 64}", "population.num_clients=100", "model={kind: cnn}"),
             "vectorized",
             "fedbuff with 64 clients in flight",
         ),
-        (("server={kind: fedasync, concurrency: 8}",), "thread", "fedasync with 8 clients in flight (< 48)"),
+        (("server={kind: fedasync, concurrency: 8}",), "thread", "fedasync with 8 clients in flight (< 16"),
         (("server={kind: fedavg, clients_per_round: 10}",), "thread", "rounds of 10 clients (< 32)"),
         (("server={kind: fedavg, clients_per_round: 40}", "population.num_clients=50"), "vectorized", "40 clients"),
         (
@@ -643,7 +653,16 @@ def test_the_vectorized_executor_refuses_an_objective_that_is_not_vectorizable()
             "gradient checkpointing",
         ),
     ],
-    ids=["fedbuff", "fedbuff-many-in-flight", "fedasync", "small-rounds", "large-rounds", "checkpointing"],
+    ids=[
+        "fedbuff",
+        "fedbuff-own-cohort-forward",
+        "fedbuff-vmap-few-in-flight",
+        "fedbuff-vmap-many-in-flight",
+        "fedasync",
+        "small-rounds",
+        "large-rounds",
+        "checkpointing",
+    ],
 )
 def test_auto_picks_vectorized_for_large_rounds_and_many_clients_in_flight(
     overrides: tuple[str, ...], kind: str, why: str

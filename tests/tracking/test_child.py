@@ -17,7 +17,7 @@ from flasync import models
 from flasync.testing import MemoryTracker, small_config
 from flasync.tracked import PLOTS_WRITER
 from tracking import MlflowTracker, _files
-from tracking._child import _EXIT_TIMEOUT_S, ChildLogBatch
+from tracking._child import _EXIT_TIMEOUT_S, IDLE, ChildLogBatch, close_idle_writer
 
 
 def _metrics(key: str, steps: range) -> list[Metric]:
@@ -92,13 +92,13 @@ def test_prepared_tracker_uses_its_early_child(tracking_uri: str) -> None:
     assert tracker._child is child
     tracker.log_metrics(_metrics("p", range(6)))
     tracker.finish("FINISHED")
-    assert not child.alive
+    assert IDLE.child is child and child.idle  # kept for the next run of this process
     client = mlflow.MlflowClient(tracking_uri)
     assert sorted(m.step for m in client.get_metric_history(run_id, "p")) == list(range(6))
 
 
 def test_prepared_tracker_that_never_starts_leaves_nothing(tracking_uri: str) -> None:
-    """finish() on a prepared but unstarted tracker stops its writer process and creates no run."""
+    """finish() on a prepared but unstarted tracker creates no run; its writer process is kept idle, or stopped."""
     client = mlflow.MlflowClient(tracking_uri)
     before = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
     tracker = MlflowTracker(tracking_uri)
@@ -106,7 +106,9 @@ def test_prepared_tracker_that_never_starts_leaves_nothing(tracking_uri: str) ->
     child = tracker._child
     assert child is not None
     tracker.finish("FAILED")
-    assert not child.alive and tracker._child is None and tracker.run_id is None
+    assert IDLE.child is child and tracker._child is None and tracker.run_id is None
+    close_idle_writer()
+    assert not child.alive
     assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == before
 
 

@@ -54,6 +54,8 @@ _EXIT_TIMEOUT_S = 10.0
 
 
 _PRELOAD = "preload "
+STORE_REPLACED = "the SQLite store was removed or replaced"
+"""What a kept child's error says when its store's file is not the one it opened (a new child would open it)."""
 _URI_VARIABLE = "FLASYNC_CHILD_TRACKING_URI"
 
 
@@ -155,14 +157,17 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     # the parent's own start-up, and only the run itself is left to create when the request comes.
     client: Any = None
     failure: Exception | None = None
+    store: tuple[int, int] | None = None
     try:
         from tracking.store import prepare_sqlite_store
 
         prepare_sqlite_store(tracking_uri)
         client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        store = _store_file(tracking_uri)
     except Exception as exc:
         failure = exc
     preloaded: set[str] = set()
+    served = False
     while True:
         first = requests.readline().strip()
         if not first or first == _STOP:
@@ -177,6 +182,10 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
         try:
             if failure is not None:
                 raise failure
+            if served and _store_file(tracking_uri) != store:
+                # Its open connections would go on writing to the deleted file: a new child opens the new one.
+                raise FileNotFoundError(f"{STORE_REPLACED} since this process opened it")
+            served = True
             if first.startswith("{"):  # the run to create (see tracking._runs.open_run)
                 from tracking._runs import open_run
 
@@ -200,6 +209,20 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
             monitor.stop()
         if not ended:
             return
+
+
+def _store_file(tracking_uri: str) -> tuple[int, int] | None:
+    """Return the device and inode of a SQLite store's file (``(0, 0)`` while it is missing), None for other stores."""
+    from tracking.store import sqlite_path
+
+    path = sqlite_path(tracking_uri)
+    if path is None:
+        return None
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return (0, 0)
+    return (stat.st_dev, stat.st_ino)
 
 
 def _answer(

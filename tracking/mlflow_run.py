@@ -27,7 +27,7 @@ import structlog
 import yaml
 
 from tracking import _files, _model
-from tracking._child import IDLE, ChildLogBatch
+from tracking._child import IDLE, STORE_REPLACED, ChildLogBatch
 from tracking._keys import safe_key
 from tracking._runs import (
     _MAX_PARAMS_PER_CALL,
@@ -368,10 +368,7 @@ class MlflowTracker:
         """
         if not self._writer_process or self._child is not None or self._started_at is not None:
             return
-        extra = {}
-        if is_remote(self.tracking_uri):
-            bounds = http_env(self._http_timeout, self._http_retries)
-            extra = {k: v for k, v in bounds.items() if k not in os.environ}
+        extra = self._child_env()
         child = IDLE.take(self.tracking_uri, extra)
         if child is not None:
             try:
@@ -381,6 +378,13 @@ class MlflowTracker:
                 child.close()
                 child = None
         self._child = child or ChildLogBatch(self.tracking_uri, extra_env=extra, preload=self._preload)
+
+    def _child_env(self) -> dict[str, str]:
+        """Return the writer process's own environment variables: bounds on a server's HTTP timeout and retries."""
+        if not is_remote(self.tracking_uri):
+            return {}
+        bounds = http_env(self._http_timeout, self._http_retries)
+        return {k: v for k, v in bounds.items() if k not in os.environ}
 
     @property
     def writer_reused(self) -> bool:
@@ -575,11 +579,16 @@ class MlflowTracker:
         }
         try:
             run_id, experiment_id = child.start(request, _CHILD_START_TIMEOUT_S)
-            self._child_run = child.run
         except (ConnectionError, RuntimeError, ValueError) as exc:
             self._log.info("tracking.writer_process_start_failed", error=redact_uri(str(exc))[:300], metrics=False)
             self._stop_child()
-            return False
+            if not self._writer_reused or not (isinstance(exc, ConnectionError) or STORE_REPLACED in str(exc)):
+                return False
+            # A kept process died idle, or its store's file was replaced since it opened it: a new one may succeed.
+            self._writer_reused = False
+            self._child = ChildLogBatch(self.tracking_uri, extra_env=self._child_env(), preload=self._preload)
+            return self._start_in_child(experiment, run_name, tags, params)
+        self._child_run = child.run
         self._run.run_id, self._run.experiment_id = run_id, experiment_id
         return True
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -445,3 +446,19 @@ def test_consecutive_federations_share_the_child_and_log_their_own_model(
         assert str(logged.status) == "READY"
         assert run.data.params["seed"] == str(ids.index(run_id))
         assert summary.updates_accepted > 0
+
+
+def test_a_kept_child_whose_store_was_replaced_gives_way_to_a_new_one(tmp_path: Path) -> None:
+    """A store deleted and made again between two runs is written by a new child, not by the kept one (whose open
+    connections would write to the deleted file)."""
+    close_idle_writer()
+    uri = f"sqlite:///{tmp_path}/replaced/mlflow.db"
+    _tracked_run(uri, "replaced", "one")
+    kept = IDLE.child
+    assert kept is not None
+    shutil.rmtree(tmp_path / "replaced")
+    run_id = _tracked_run(uri, "replaced", "two")
+    assert not kept.alive and IDLE.child is not None and IDLE.child is not kept
+    client = mlflow.MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert _steps(client, run_id, "two") == [0, 1, 2, 3, 4]

@@ -313,12 +313,12 @@ class ChildLogBatch:
                 comma or spans lines.
             ConnectionError: The child is gone.
         """
-        fresh = [name for name in dict.fromkeys(names) if name not in self._preloaded]
-        if not fresh:
-            return
-        if any("," in name or "\n" in name for name in fresh):
-            raise ValueError(f"not a module or function name: {fresh!r}")
+        if any("," in name or "\n" in name for name in names):
+            raise ValueError(f"not a module or function name: {list(names)!r}")
         with self._lock:
+            fresh = [name for name in dict.fromkeys(names) if name not in self._preloaded]
+            if not fresh:
+                return
             if self._bound:
                 raise ValueError("the writer process serves a run: preload before its next one")
             self._preloaded.update(fresh)

@@ -129,7 +129,7 @@ def print_medians(label: str, runs: list[Figures]) -> None:
     """Print one row of medians."""
     med = {f: statistics.median(r[f] for r in runs) for f in FIGURES}
     print(
-        f"{label:<32} {med['call_s']:>7.2f} {med['updates_per_s']:>10.1f} {med['wall_s']:>7.2f}"
+        f"{label:<40} {med['call_s']:>7.2f} {med['updates_per_s']:>10.1f} {med['wall_s']:>7.2f}"
         f" {med['outside_s']:>8.2f} {med['cpu_s']:>6.2f} {med['child_cpu_s']:>10.2f}"
     )
 
@@ -170,7 +170,7 @@ def main() -> None:
 
     print(f"flasync.run(config), tutorial FedAvg 100 clients x 20 rounds; {args.repeats} repeats")
     print("medians:")
-    header = f"{'tree, runner':<32} {'call s':>7} {'updates/s':>10} {'wall_s':>7} {'outside':>8} {'CPU s':>6}"
+    header = f"{'tree, runner':<40} {'call s':>7} {'updates/s':>10} {'wall_s':>7} {'outside':>8} {'CPU s':>6}"
     print(f"{header} {'child CPU':>10}")
     for name in trees:
         if not args.no_fresh:

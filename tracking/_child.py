@@ -482,14 +482,18 @@ class ChildLogBatch:
             RuntimeError: The job failed (its message), or the child has no run.
         """
         line = json.dumps(dict(request))
+        ending = request.get("op") == "end"
         with self._lock:
             self._check_run(run)
             self._wait_ready(timeout)
             self._write(line)
             try:
                 return self._expect("ok")
+            except ConnectionError:
+                ending = False  # no answer: the child is gone, not idle
+                raise
             finally:
-                if request.get("op") == "end":
+                if ending:
                     self._bound = self._ready = False
 
     def close(self) -> None:
@@ -520,10 +524,10 @@ class ChildLogBatch:
 class IdleChild:
     """The one idle writer process a process keeps for its next tracked run (see :data:`IDLE`); thread-safe.
 
-    A tracker :meth:`take` s it when it needs a child and :meth:`keep` s it once its run has ended. One child at most
-    is kept: two runs at once each have their own (only an idle child is handed out), and the later to end replaces
-    the other, which is stopped. A child kept is stopped when a run needs one for another store or environment,
-    when this process exits, or by :meth:`clear`; a process forked from this one does not inherit it.
+    A tracker takes it (:meth:`take`) when it needs a child and hands it back (:meth:`keep`) once its run has ended.
+    One child at most is kept: two runs at once each have their own (only an idle child is handed out), and the
+    later to end replaces the other, which is stopped. A child kept is stopped when a run needs one for another store
+    or environment, when this process exits, or by :meth:`clear`; a process forked from this one does not inherit it.
     """
 
     def __init__(self) -> None:

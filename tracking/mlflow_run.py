@@ -581,8 +581,9 @@ class MlflowTracker:
             run_id, experiment_id = child.start(request, _CHILD_START_TIMEOUT_S)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             self._log.info("tracking.writer_process_start_failed", error=redact_uri(str(exc))[:300], metrics=False)
+            died = not child.alive
             self._stop_child()
-            if not self._writer_reused or not (isinstance(exc, ConnectionError) or STORE_REPLACED in str(exc)):
+            if not self._writer_reused or not (died or STORE_REPLACED in str(exc)):
                 return False
             # A kept process died idle, or its store's file was replaced since it opened it: a new one may succeed.
             self._writer_reused = False

@@ -1,16 +1,24 @@
 """The whole ``flasync.run(config)`` call, tracked and untracked: what tracking costs a short run, as a user waits.
 
 The tutorial workload at 100 clients x 20 FedAvg rounds (MLP 32-64-10, 200 samples per client, batch 32, 1 epoch,
-SGD 0.01; ``executor.kind = "auto"``, as a user gets it). Each run is a fresh interpreter that imports torch and
-flasync first and then times the call alone, as a script that trains would: with tracking off, with tracking on (the
-defaults: MLflow's writer process, the artifacts, the plots and the model in ``pt2``) into a store that exists, and
-tracking on without the model. Runners alternate within each repeat, so a shared machine's drift hits them alike.
+SGD 0.01; ``executor.kind = "auto"``, as a user gets it), with tracking off, with tracking on (the defaults: MLflow's
+writer process, the artifacts, the plots and the model in ``pt2``) into a store that exists, and tracking on without
+the model. Two ways to call it:
 
-Printed per runner: the medians of the call's seconds, of client updates per second of the call, of the
-federation's own ``wall_s``, and of the CPU seconds of the process and of its children (MLflow's writer process);
-then each tracked runner's updates/s against the untracked one of the same repeat (median of the per-repeat ratios).
+* ``fresh``: each call in a fresh interpreter that imports torch and flasync first and then times the call alone, as
+  a script that trains once would: every tracked call is the first of its process;
+* ``session``: one interpreter makes ``--session-pairs`` pairs of calls (untracked, then tracked, the same store), as
+  a sweep, a notebook or a service embedding flasync does: its first tracked call starts MLflow's writer process,
+  the later ones reuse it (kept idle between runs, see :mod:`tracking._child`).
 
-    python benchmarks/whole_run.py                        # 5 repeats: about 3 minutes on 2 cores
+Runners alternate within each repeat, so a shared machine's drift hits them alike. Printed per runner: the medians of
+the call's seconds, of client updates per second of the call, of the federation's own ``wall_s``, of the seconds of
+the call outside the federation (start-up and end: the run's artifacts, plots and model), and of the CPU seconds of
+the process and of its child processes during the call (MLflow's writer process, the plots' one-shot process); then
+each tracked runner's updates/s against the untracked one of the same repeat (median of the per-repeat ratios; in a
+session, against the untracked call just before it).
+
+    python benchmarks/whole_run.py                        # 5 repeats: about 4 minutes on 2 cores
     python benchmarks/whole_run.py --baseline ../flasync-old   # also an older checkout, interleaved, same runners
 """
 
@@ -27,48 +35,77 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Run in each fresh interpreter: argv = tracking ("off", "on" or "no-model"), the store's URI.
+# Run in each fresh interpreter: argv = the calls' tracking modes ("off", "on" or "no-model", comma-separated), the
+# store's URI. One JSON line of figures per call.
 DRIVER = """
 import json, resource, sys, time
+import psutil
 import torch
 import flasync
-mode, uri = sys.argv[1], sys.argv[2]
-config = {
-    "seed": 0,
-    "data": {"kind": "synthetic", "samples_per_client": 200, "num_features": 32, "num_classes": 10},
-    "partition": {"kind": "iid"},
-    "model": {"kind": "mlp", "hidden": [64]},
-    "population": {"num_clients": 100},
-    "client": {"epochs": 1, "batch_size": 32, "lr": 0.01},
-    "server": {"kind": "fedavg", "clients_per_round": 100},
-    "stop": {"max_versions": 20},
-    "tracking": {"enabled": mode != "off", "uri": uri, "log_model": mode == "on", "log_level": "warning"},
-}
-began = time.perf_counter()
-summary = flasync.run(config)
-call_s = time.perf_counter() - began
-me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-print(json.dumps({
-    "call_s": call_s,
-    "updates_per_s": summary.updates_accepted / call_s,
-    "wall_s": summary.wall_s,
-    "cpu_s": me.ru_utime + me.ru_stime,
-    "child_cpu_s": children.ru_utime + children.ru_stime,
-}))
+modes, uri = sys.argv[1].split(","), sys.argv[2]
+me = psutil.Process()
+
+def children_cpu():
+    # CPU seconds of the live child processes, and of those already reaped.
+    total = 0.0
+    for child in me.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    ended = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return total + ended.ru_utime + ended.ru_stime
+
+def config(mode):
+    return {
+        "seed": 0,
+        "data": {"kind": "synthetic", "samples_per_client": 200, "num_features": 32, "num_classes": 10},
+        "partition": {"kind": "iid"},
+        "model": {"kind": "mlp", "hidden": [64]},
+        "population": {"num_clients": 100},
+        "client": {"epochs": 1, "batch_size": 32, "lr": 0.01},
+        "server": {"kind": "fedavg", "clients_per_round": 100},
+        "stop": {"max_versions": 20},
+        "tracking": {"enabled": mode != "off", "uri": uri, "log_model": mode == "on", "log_level": "warning"},
+    }
+
+for mode in modes:
+    cpu, child_cpu = time.process_time(), children_cpu()
+    began = time.perf_counter()
+    summary = flasync.run(config(mode))
+    call_s = time.perf_counter() - began
+    print(json.dumps({
+        "mode": mode,
+        "call_s": call_s,
+        "updates_per_s": summary.updates_accepted / call_s,
+        "wall_s": summary.wall_s,
+        "outside_s": call_s - summary.wall_s,
+        "cpu_s": time.process_time() - cpu,
+        "child_cpu_s": children_cpu() - child_cpu,
+    }), flush=True)
 """
 RUNNERS = ("off", "on", "no-model")
-LABELS = {"off": "tracking off", "on": "tracking on", "no-model": "tracking on, no model"}
-FIGURES = ("call_s", "updates_per_s", "wall_s", "cpu_s", "child_cpu_s")
+LABELS = {
+    "off": "tracking off",
+    "on": "tracking on",
+    "no-model": "tracking on, no model",
+    "session-off": "session: off",
+    "session-first": "session: 1st tracked",
+    "session-later": "session: later tracked",
+}
+FIGURES = ("call_s", "updates_per_s", "wall_s", "outside_s", "cpu_s", "child_cpu_s")
+Figures = dict[str, float]
 
 
-def one(tree: Path, mode: str, uri: str, cache: Path) -> dict[str, float]:
-    """Run the driver once with ``tree``'s flasync; return its figures."""
+def calls(tree: Path, modes: list[str], uri: str, cache: Path) -> list[Figures]:
+    """Run the driver once with ``tree``'s flasync, making one call per mode; return each call's figures."""
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     env["XDG_CACHE_HOME"] = str(cache)
     # Run from the cache's folder: `python -c` puts the working directory first on sys.path, before PYTHONPATH.
     done = subprocess.run(
-        [sys.executable, "-c", DRIVER, mode, uri],
+        [sys.executable, "-c", DRIVER, ",".join(modes), uri],
         cwd=cache.parent,
         env=env,
         capture_output=True,
@@ -76,44 +113,84 @@ def one(tree: Path, mode: str, uri: str, cache: Path) -> dict[str, float]:
         check=False,
     )
     if done.returncode != 0:
-        raise SystemExit(f"the run failed ({tree}, {mode}):\n{done.stderr[-3000:]}")
-    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return figures
+        raise SystemExit(f"the run failed ({tree}, {modes}):\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
+
+
+def session(tree: Path, pairs: int, uri: str, cache: Path) -> dict[str, list[tuple[Figures, Figures]]]:
+    """Run ``pairs`` (untracked, tracked) pairs of calls in one interpreter; return them as the first tracked pair
+    and the later ones."""
+    figures = calls(tree, ["off", "on"] * pairs, uri, cache)
+    paired = list(zip(figures[::2], figures[1::2], strict=True))
+    return {"session-first": paired[:1], "session-later": paired[1:]}
+
+
+def print_medians(label: str, runs: list[Figures]) -> None:
+    """Print one row of medians."""
+    med = {f: statistics.median(r[f] for r in runs) for f in FIGURES}
+    print(
+        f"{label:<40} {med['call_s']:>7.2f} {med['updates_per_s']:>10.1f} {med['wall_s']:>7.2f}"
+        f" {med['outside_s']:>8.2f} {med['cpu_s']:>6.2f} {med['child_cpu_s']:>10.2f}"
+    )
+
+
+def print_ratio(label: str, pairs: list[tuple[Figures, Figures]]) -> None:
+    """Print the median of the tracked/untracked updates/s ratios of ``pairs`` and the median extra seconds."""
+    ratios = [on["updates_per_s"] / off["updates_per_s"] for off, on in pairs]
+    extra = statistics.median(on["call_s"] - off["call_s"] for off, on in pairs)
+    print(f"  {label:<40} {statistics.median(ratios):.2f}x  ({extra:+.2f} s a call, {len(pairs)} pairs)")
 
 
 def main() -> None:
     """Run the repeats and print the medians and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--session-pairs", type=int, default=4, help="(untracked, tracked) pairs in one process")
+    parser.add_argument("--no-fresh", action="store_true", help="only the session runner")
     parser.add_argument("--baseline", type=Path, help="another flasync checkout to run the same way, interleaved")
     args = parser.parse_args()
     trees = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
-    results: dict[tuple[str, str], list[dict[str, float]]] = {(t, m): [] for t in trees for m in RUNNERS}
+    fresh: dict[tuple[str, str], list[Figures]] = {(t, m): [] for t in trees for m in RUNNERS}
+    sessions: dict[tuple[str, str], list[tuple[Figures, Figures]]] = {
+        (t, m): [] for t in trees for m in ("session-first", "session-later")
+    }
     with tempfile.TemporaryDirectory(prefix="flasync-whole-run-") as tmp:
+        cache = Path(tmp, "cache")
         for name, tree in trees.items():  # each tree's store exists before the timed runs
-            one(tree, "on", f"sqlite:///{tmp}/{name}/mlflow.db", Path(tmp, "cache"))
+            calls(tree, ["on"], f"sqlite:///{tmp}/{name}/mlflow.db", cache)
         for _ in range(args.repeats):
             for name, tree in trees.items():
-                for mode in RUNNERS:
-                    uri = f"sqlite:///{tmp}/{name}/mlflow.db"
-                    results[name, mode].append(one(tree, mode, uri, Path(tmp, "cache")))
+                uri = f"sqlite:///{tmp}/{name}/mlflow.db"
+                if not args.no_fresh:
+                    for mode in RUNNERS:
+                        fresh[name, mode].extend(calls(tree, [mode], uri, cache))
+                if args.session_pairs:
+                    for runner, pairs in session(tree, args.session_pairs, uri, cache).items():
+                        sessions[name, runner].extend(pairs)
 
-    print(f"flasync.run(config), tutorial FedAvg 100 clients x 20 rounds, a fresh process each; {args.repeats} repeats")
+    print(f"flasync.run(config), tutorial FedAvg 100 clients x 20 rounds; {args.repeats} repeats")
     print("medians:")
-    print(f"{'tree':<9} {'runner':<22} {'call s':>7} {'updates/s':>10} {'wall_s':>7} {'CPU s':>6} {'child CPU s':>12}")
-    for (name, mode), runs in results.items():
-        med = {f: statistics.median(r[f] for r in runs) for f in FIGURES}
-        print(
-            f"{name:<9} {LABELS[mode]:<22} {med['call_s']:>7.2f} {med['updates_per_s']:>10.1f} {med['wall_s']:>7.2f}"
-            f" {med['cpu_s']:>6.2f} {med['child_cpu_s']:>12.2f}"
-        )
+    header = f"{'tree, runner':<40} {'call s':>7} {'updates/s':>10} {'wall_s':>7} {'outside':>8} {'CPU s':>6}"
+    print(f"{header} {'child CPU':>10}")
+    for name in trees:
+        if not args.no_fresh:
+            for mode in RUNNERS:
+                print_medians(f"{name}, fresh: {LABELS[mode]}", fresh[name, mode])
+        if args.session_pairs:
+            every = sessions[name, "session-first"] + sessions[name, "session-later"]
+            print_medians(f"{name}, {LABELS['session-off']}", [off for off, _ in every])
+            for runner in ("session-first", "session-later"):
+                if sessions[name, runner]:
+                    print_medians(f"{name}, {LABELS[runner]}", [on for _, on in sessions[name, runner]])
     print("tracked updates/s against untracked, per repeat (median; the goal is >= 0.85x):")
     for name in trees:
-        off = results[name, "off"]
-        for mode in RUNNERS[1:]:
-            ratios = [a["updates_per_s"] / b["updates_per_s"] for a, b in zip(results[name, mode], off, strict=True)]
-            extra = statistics.median(a["call_s"] - b["call_s"] for a, b in zip(results[name, mode], off, strict=True))
-            print(f"  {name:<9} {LABELS[mode]:<22} {statistics.median(ratios):.2f}x  ({extra:+.2f} s a call)")
+        if not args.no_fresh:
+            off = fresh[name, "off"]
+            for mode in RUNNERS[1:]:
+                print_ratio(f"{name}, fresh: {LABELS[mode]}", list(zip(off, fresh[name, mode], strict=True)))
+        for runner in ("session-first", "session-later"):
+            if sessions[name, runner]:
+                print_ratio(f"{name}, {LABELS[runner]}", sessions[name, runner])
 
 
 if __name__ == "__main__":

@@ -246,7 +246,11 @@ class Federation:
         if not cfg.enabled:
             return tracking.NullTracker()
         return tracking.MlflowTracker(
-            cfg.uri, system_metrics=cfg.system_metrics, runs_view=RUNS_VIEW, preload=tracked.preload(self.config)
+            cfg.uri,
+            system_metrics=cfg.system_metrics,
+            runs_view=RUNS_VIEW,
+            preload=tracked.preload(self.config),
+            reused_preload=tracked.reused_preload(self.config),
         )
 
     def _log_dataset(self, tracker: tracking.Tracker, prepared: Prepared, custom: bool, log: Any) -> None:
@@ -701,10 +705,12 @@ class Federation:
         plots_aside = False
         if self.config.tracking.log_model and mlflow_tracker is not None and prepared.model_spec is not None:
             # The writer process exports and logs the model (the thread below only waits on the pipe) while a
-            # one-shot process draws the plots: on two cores, side by side rather than one after the other.
+            # one-shot process draws the plots: on two cores, side by side rather than one after the other. A writer
+            # process kept from an earlier run exports it in a fraction of a second, with the plots' imports done
+            # (tracked.reused_preload): it draws them itself afterwards, sooner than a new process could start.
             pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flasync-model")
             model_log = pool.submit(self._log_model_from_spec, mlflow_tracker, prepared.model_spec, example)
-            if plots:
+            if plots and not mlflow_tracker.writer_reused:
                 pool.submit(self._log_plots, mlflow_tracker, log, elsewhere=True)
                 plots_aside = True
         try:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from flasync.config import RunConfig
 
-__all__ = ["MODEL_BUILDER", "PLOTS_WRITER", "preload"]
+__all__ = ["MODEL_BUILDER", "PLOTS_WRITER", "preload", "reused_preload"]
 
 MODEL_BUILDER = "flasync.models:build"
 """Rebuilds the trained model from its class name, arguments and flat weights; run by the writer process."""
 
 PLOTS_WRITER = "flasync.plots:write_plots"
 """Draws the run's profile (a JSON file) as PNG files; run by the writer process, or by a one-shot one (without a
-writer process, or while it exports the model)."""
+writer process, or while a new writer process exports the model)."""
 
 
 def preload(config: RunConfig) -> tuple[str, ...]:
@@ -32,3 +32,13 @@ def preload(config: RunConfig) -> tuple[str, ...]:
     if config.tracking.log_model:
         names += ("flasync.models", "tracking._model:warm_up")
     return names
+
+
+def reused_preload(config: RunConfig) -> tuple[str, ...]:
+    """Return what a writer process kept from an earlier run should import ahead besides :func:`preload`: the plots'
+    imports when the model is logged too (such a process exports the model in a fraction of a second, then draws
+    the plots itself, sooner than a one-shot process could start): see ``reused_preload`` of
+    :class:`tracking.MlflowTracker`."""
+    if config.diagnostics.profile and config.diagnostics.plots and config.tracking.log_model:
+        return ("flasync.plots:warm_up_plots",)
+    return ()

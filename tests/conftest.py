@@ -8,6 +8,8 @@ import pytest
 import structlog
 import torch
 
+from tracking import close_idle_writer
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
@@ -23,6 +25,13 @@ def _restore_structlog() -> Iterator[None]:
     before = structlog.get_config()
     yield
     structlog.configure(**before)
+
+
+@pytest.fixture(autouse=True)
+def _no_idle_writer() -> Iterator[None]:
+    """Stop the MLflow writer process a test's tracked runs left idle, so the next test starts without it."""
+    yield
+    close_idle_writer()
 
 
 @pytest.fixture

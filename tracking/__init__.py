@@ -7,10 +7,13 @@ turns the numeric fields of every log call, debug ones included, into MLflow met
 (:class:`MlflowTracker`, or :class:`NullTracker`).
 While the MLflow store cannot be reached, an :class:`MlflowTracker` writes everything to a JSON-lines spool
 (:mod:`tracking.spool`) and replays it when the store answers again, or later with :func:`replay`.
+Its MLflow writer process outlives a run, idle, for the next tracked run of the process on the same store;
+:func:`close_idle_writer` stops it sooner than the process's exit.
 """
 
 from __future__ import annotations
 
+from tracking._child import close_idle_writer
 from tracking.logs import LevelFilter, configure_logging, make_logger
 from tracking.metrics import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor, metric_key
 from tracking.mlflow_run import (
@@ -50,6 +53,7 @@ __all__ = [
     "Tracker",
     "WriterStatistics",
     "check_local_store",
+    "close_idle_writer",
     "configure_logging",
     "make_logger",
     "metric_key",

@@ -16,13 +16,21 @@ is one JSON object, answered like a batch: ``file`` (log a local file as an arti
 input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU samples are the machine's,
 wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a model, see :mod:`tracking._model`)
 or ``artifacts`` (log the files a function writes, e.g. plots, see :mod:`tracking._files`).
-What ``preload`` names is imported (or called) on a background thread once the store is open, while the parent
-loads its data and trains, so a job finds it done (``torch.export`` and MLflow's pytorch flavour import in about two
-seconds, and the first model they save takes one more: :func:`tracking._model.warm_up`).
+What a ``preload NAME,NAME`` line names (sent before a run, never answered) is imported (or called) on a background
+thread once the store is open, while the parent loads its data and trains, so a job finds it done (``torch.export``
+and MLflow's pytorch flavour import in about two seconds, and the first model they save takes one more:
+:func:`tracking._model.warm_up`); a name is preloaded once per child.
+
+After a run's ``end`` job (answered ``ok`` or ``error: ...``) the child has no run again: its system monitor is
+stopped and it waits for the next run's first line, with MLflow, the open store and whatever it preloaded still
+loaded. :data:`IDLE` keeps one such idle child per process, so consecutive tracked runs on the same store (a sweep, a
+notebook, a service) skip the child's start-up (MLflow's import, the store's opening, the model export's warm-up:
+several seconds of CPU each).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import json
@@ -39,14 +47,16 @@ from typing import IO, Any
 
 from tracking.metrics import MetricRow
 
-__all__ = ["ChildLogBatch"]
+__all__ = ["IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer"]
 
 _STOP = "stop"
 _EXIT_TIMEOUT_S = 10.0
 
 
+_PRELOAD = "preload "
+STORE_REPLACED = "the SQLite store was removed or replaced"
+"""What a kept child's error says when its store's file is not the one it opened (a new child would open it)."""
 _URI_VARIABLE = "FLASYNC_CHILD_TRACKING_URI"
-_PRELOAD_VARIABLE = "FLASYNC_CHILD_PRELOAD"
 
 
 def _preload(names: Sequence[str]) -> None:
@@ -126,8 +136,9 @@ def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, t
     raise ValueError(f"unknown job {op!r}")
 
 
-def _serve(tracking_uri: str, requests: IO[str], replies: IO[str], preload: Sequence[str] = ()) -> None:
-    """Read the run id, then answer batches and jobs read from ``requests`` until told to stop (runs in the child)."""
+def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
+    """Serve runs one after the other: for each, read its id (or the run to create), then answer batches and jobs
+    read from ``requests`` until its ``end`` job; until told to stop or the parent is gone (runs in the child)."""
     import mlflow
 
     # Ctrl-C in a terminal signals the whole process group: the parent stops the child itself (it closes the
@@ -146,71 +157,108 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str], preload: Sequ
     # the parent's own start-up, and only the run itself is left to create when the request comes.
     client: Any = None
     failure: Exception | None = None
+    store: tuple[int, int] | None = None
     try:
         from tracking.store import prepare_sqlite_store
 
         prepare_sqlite_store(tracking_uri)
         client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        store = _store_file(tracking_uri)
     except Exception as exc:
         failure = exc
-    if preload and failure is None:
-        # Now, not once the run exists: the time until the parent asks for its run (it loads its data) is idle here.
-        threading.Thread(target=_preload, args=(preload,), name="tracking-preload", daemon=True).start()
-    first = requests.readline().strip()
-    if not first or first == _STOP:
-        return
-    try:
-        if failure is not None:
-            raise failure
-        if first.startswith("{"):  # the run to create (see tracking._runs.open_run)
-            from tracking._runs import open_run
+    preloaded: set[str] = set()
+    served = False
+    while True:
+        first = requests.readline().strip()
+        if not first or first == _STOP:
+            return
+        if first.startswith(_PRELOAD):
+            # Now, not once the run exists: the time until the parent asks for its run (it loads its data) is idle.
+            names = [n for n in first.removeprefix(_PRELOAD).split(",") if n and n not in preloaded]
+            preloaded.update(names)
+            if names and failure is None:
+                threading.Thread(target=_preload, args=(names,), name="tracking-preload", daemon=True).start()
+            continue
+        try:
+            if failure is not None:
+                raise failure
+            if served and _store_file(tracking_uri) != store:
+                # Its open connections would go on writing to the deleted file: a new child opens the new one.
+                raise FileNotFoundError(f"{STORE_REPLACED} since this process opened it")
+            served = True
+            if first.startswith("{"):  # the run to create (see tracking._runs.open_run)
+                from tracking._runs import open_run
 
-            run_id, experiment_id = open_run(client, **json.loads(first))
-            started = f" {run_id} {experiment_id}"
-        else:
-            run_id, started = first, ""
-            client.get_run(run_id)  # connect now, so a store the child cannot reach is known before training starts
-    except Exception as exc:
-        reply(f"error: {type(exc).__name__}: {exc}")
-        return
-    # Everything alive now (MLflow, SQLAlchemy: some 300,000 objects) lives as long as the process. Frozen, the
-    # full collections that the store's object churn triggers skip it: a quarter less CPU per metric, and no walk
-    # over tens of MB of heap that would evict the training process's data from the shared cache.
-    gc.freeze()
-    reply(f"ready{started}")
-    monitor = _Monitor()
+                run_id, experiment_id = open_run(client, **json.loads(first))
+                started = f" {run_id} {experiment_id}"
+            else:
+                run_id, started = first, ""
+                client.get_run(run_id)  # connect now: a store the child cannot reach is known before training starts
+        except Exception as exc:
+            reply(f"error: {type(exc).__name__}: {exc}")
+            return
+        # Everything alive now (MLflow, SQLAlchemy: some 300,000 objects) lives as long as the process. Frozen, the
+        # full collections that the store's object churn triggers skip it: a quarter less CPU per metric, and no walk
+        # over tens of MB of heap that would evict the training process's data from the shared cache.
+        gc.freeze()
+        reply(f"ready{started}")
+        monitor = _Monitor()  # per run: a new run starts with none
+        try:
+            ended = _answer(client, run_id, requests, reply, monitor, tracking_uri)
+        finally:
+            monitor.stop()
+        if not ended:
+            return
+
+
+def _store_file(tracking_uri: str) -> tuple[int, int] | None:
+    """Return the device and inode of a SQLite store's file (``(0, 0)`` while it is missing), None for other stores."""
+    from tracking.store import sqlite_path
+
+    path = sqlite_path(tracking_uri)
+    if path is None:
+        return None
     try:
-        _answer(client, run_id, requests, reply, monitor, tracking_uri)
-    finally:
-        monitor.stop()
+        stat = path.stat()
+    except FileNotFoundError:
+        return (0, 0)
+    return (stat.st_dev, stat.st_ino)
 
 
 def _answer(
     client: Any, run_id: str, requests: IO[str], reply: Callable[[str], None], monitor: _Monitor, tracking_uri: str
-) -> None:
-    """Answer batches and jobs until told to stop (or the parent is gone)."""
+) -> bool:
+    """Answer batches and jobs of run ``run_id``; return True after its ``end`` job (whether it succeeded or not:
+    the child serves no run then), False when told to stop (or the parent is gone)."""
     from mlflow.entities import Metric
 
     for line in requests:
         if line.strip() == _STOP:
-            return
+            return False
+        ending = False
         try:
             request = json.loads(line)
             if isinstance(request, dict):
+                ending = request.get("op") == "end"
                 reply(f"ok {_job(client, run_id, request, monitor, tracking_uri)}")
-                continue
-            metrics = [Metric(str(k), float(v), int(t), int(s)) for k, v, t, s in request]
-            client.log_batch(run_id, metrics=metrics, synchronous=True)
-            reply("ok")
+            else:
+                metrics = [Metric(str(k), float(v), int(t), int(s)) for k, v, t, s in request]
+                client.log_batch(run_id, metrics=metrics, synchronous=True)
+                reply("ok")
         except Exception as exc:
             reply(f"error: {type(exc).__name__}: {exc}")
+        if ending:
+            return True
+    return False
 
 
 class ChildLogBatch:
     """A ``log_batch(metrics)`` callable whose MLflow calls run in a child process.
 
     The child starts at once; it connects to the store when it learns the run (``run_id`` here, or :meth:`bind`
-    later), so a tracker can start it before it creates its run and let both import MLflow at the same time.
+    later), so a tracker can start it before it creates its run and let both import MLflow at the same time. Once a
+    run's ``end`` job is answered (see :meth:`job`) the child is :attr:`idle`: it can serve another run of the same
+    store (:meth:`bind` or :meth:`start` again), which is how :data:`IDLE` lets consecutive runs share one child.
 
     Args:
         tracking_uri: The store the child writes to (absolute: the child does not share relative paths' meaning).
@@ -232,14 +280,7 @@ class ChildLogBatch:
         preload: Sequence[str] = (),
     ) -> None:
         """Start the child (it imports MLflow in the background, and connects once it has the run id)."""
-        env = dict(os.environ)
-        env.update(extra_env or {})
-        # The child imports this package from wherever the parent did, installed or not.
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        # The URI may carry credentials: through the environment, never on the command line (`ps` shows that).
-        env[_URI_VARIABLE] = tracking_uri
-        env[_PRELOAD_VARIABLE] = ",".join(preload)
+        self._env = _child_env(tracking_uri, extra_env)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "tracking._child"],
             stdin=subprocess.PIPE,
@@ -247,13 +288,41 @@ class ChildLogBatch:
             stderr=subprocess.DEVNULL,
             text=True,
             encoding="utf-8",
-            env=env,
+            env=self._env,
         )
         self._ready = False
         self._bound = False
+        self._run = 0
+        self._preloaded: set[str] = set()
         self._lock = threading.Lock()
+        self.preload(preload)
         if run_id is not None:
             self.bind(run_id)
+
+    def serves(self, tracking_uri: str, extra_env: Mapping[str, str] | None = None) -> bool:
+        """Tell whether this child writes where a new one made with these arguments would, in the same environment
+        (this process's, as it is now)."""
+        return self._env == _child_env(tracking_uri, extra_env)
+
+    def preload(self, names: Sequence[str]) -> None:
+        """Have the child import or call ``names`` (see ``preload`` above) in the background, those it was not given
+        before; never blocks.
+
+        Raises:
+            ValueError: The child serves a run now (preload before :meth:`bind` or :meth:`start`), or a name holds a
+                comma or spans lines.
+            ConnectionError: The child is gone.
+        """
+        if any("," in name or "\n" in name for name in names):
+            raise ValueError(f"not a module or function name: {list(names)!r}")
+        with self._lock:
+            fresh = [name for name in dict.fromkeys(names) if name not in self._preloaded]
+            if not fresh:
+                return
+            if self._bound:
+                raise ValueError("the writer process serves a run: preload before its next one")
+            self._preloaded.update(fresh)
+            self._write(_PRELOAD + ",".join(fresh))
 
     def bind(self, run_id: str) -> None:
         """Tell the child which run its metrics belong to (once); it connects to the store then.
@@ -268,6 +337,7 @@ class ChildLogBatch:
             if self._bound:
                 raise ValueError("the writer process already has its run")
             self._bound = True
+            self._run += 1
             self._write(run_id)
 
     def start(self, run: Mapping[str, Any], timeout: float) -> tuple[str, str]:
@@ -287,6 +357,7 @@ class ChildLogBatch:
             if self._bound:
                 raise ValueError("the writer process already has its run")
             self._bound = True
+            self._run += 1
             self._write(json.dumps(dict(run)))
             assert self._process.stdout is not None
             readable, _, _ = select.select([self._process.stdout], [], [], timeout)
@@ -308,6 +379,21 @@ class ChildLogBatch:
     def alive(self) -> bool:
         """Tell whether the child process is running."""
         return self._process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._process.pid
+
+    @property
+    def run(self) -> int:
+        """Which run the child serves or served last, counted from 1 (0 before its first)."""
+        return self._run
+
+    @property
+    def idle(self) -> bool:
+        """Tell whether the child is running and serves no run (none yet, or its last one ended)."""
+        return not self._bound and self.alive
 
     def _expect(self, word: str) -> str:
         """Read one answer: ``word`` (then return what follows it on the line) or an error (raised)."""
@@ -354,49 +440,70 @@ class ChildLogBatch:
         """Tell whether the child said it is connected (it may be by now without this knowing)."""
         return self._ready
 
-    def __call__(self, metrics: Sequence[MetricRow]) -> None:
+    def _check_run(self, run: int | None) -> None:
+        if run is not None and run != self._run:
+            raise ConnectionError(f"the MLflow writer process has left run {run} (it serves run {self._run} now)")
+        if not self._bound:
+            raise RuntimeError("the writer process has no run yet: call bind(run_id) first")
+
+    def __call__(self, metrics: Sequence[MetricRow], *, run: int | None = None) -> None:
         """Write one batch through the child; return when the store has it.
 
+        Args:
+            metrics: The batch.
+            run: The caller's run (:attr:`run` when it began): the batch is refused once the child left it.
+
         Raises:
-            ConnectionError: The child is gone.
-            RuntimeError: The store refused the batch (its message), or the child has no run yet.
+            ConnectionError: The child is gone, or has left ``run``.
+            RuntimeError: The store refused the batch (its message), or the child has no run.
         """
         line = json.dumps([[m.key, m.value, m.timestamp, m.step] for m in metrics])
         with self._lock:
-            if not self._bound:
-                raise RuntimeError("the writer process has no run yet: call bind(run_id) first")
+            self._check_run(run)
             if not self._ready:
                 self._expect("ready")
                 self._ready = True
             self._write(line)
             self._expect("ok")
 
-    def job(self, request: Mapping[str, Any], timeout: float) -> str:
+    def job(self, request: Mapping[str, Any], timeout: float, *, run: int | None = None) -> str:
         """Have the child do one job (see the module docstring); return what its ``ok`` answer says.
+
+        After an ``end`` job the child serves no run, whatever the answer (:attr:`idle`).
 
         Args:
             request: The job, e.g. ``{"op": "artifacts", "target": "pkg.mod:draw", "kwargs": {...},
                 "folder": "plots"}``; JSON-encodable.
             timeout: Longest wait for the child to connect, in seconds (the job itself is not bounded).
+            run: The caller's run (:attr:`run` when it began): the job is refused once the child left it.
 
         Raises:
-            ConnectionError: The child is gone.
-            RuntimeError: The job failed (its message), or the child has no run yet.
+            ConnectionError: The child is gone, or has left ``run``.
+            RuntimeError: The job failed (its message), or the child has no run.
         """
         line = json.dumps(dict(request))
+        ending = request.get("op") == "end"
         with self._lock:
+            self._check_run(run)
             self._wait_ready(timeout)
             self._write(line)
-            return self._expect("ok")
+            try:
+                return self._expect("ok")
+            except ConnectionError:
+                ending = False  # no answer: the child is gone, not idle
+                raise
+            finally:
+                if ending:
+                    self._bound = self._ready = False
 
     def close(self) -> None:
         """Stop the child (after the batches already sent) and reap it; idempotent.
 
-        A child that never got its run has nothing to write and is killed at once, rather than left to finish
+        A child that never got a run has nothing to write and is killed at once, rather than left to finish
         importing MLflow.
         """
         with self._lock:
-            if not self._bound and self._process.poll() is None:
+            if not self._run and self._process.poll() is None:
                 self._process.kill()
             stdin = self._process.stdin
             if stdin is not None and not stdin.closed:
@@ -414,13 +521,89 @@ class ChildLogBatch:
                 self._process.stdout.close()
 
 
+class IdleChild:
+    """The one idle writer process a process keeps for its next tracked run (see :data:`IDLE`); thread-safe.
+
+    A tracker takes it (:meth:`take`) when it needs a child and hands it back (:meth:`keep`) once its run has ended.
+    One child at most is kept: two runs at once each have their own (only an idle child is handed out), and the
+    later to end replaces the other, which is stopped. A child kept is stopped when a run needs one for another store
+    or environment, when this process exits, or by :meth:`clear`; a process forked from this one does not inherit it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._child: ChildLogBatch | None = None
+
+    def take(self, tracking_uri: str, extra_env: Mapping[str, str] | None = None) -> ChildLogBatch | None:
+        """Hand over the kept child if it is alive, idle and serves ``tracking_uri`` with ``extra_env`` (see
+        :meth:`ChildLogBatch.serves`); else stop it (if any) and return None."""
+        with self._lock:
+            child, self._child = self._child, None
+        if child is None:
+            return None
+        if child.idle and child.serves(tracking_uri, extra_env):
+            return child
+        child.close()
+        return None
+
+    def keep(self, child: ChildLogBatch) -> None:
+        """Keep ``child`` for the next run if it is idle (stop the one kept before); else stop it."""
+        if not child.idle:
+            child.close()
+            return
+        with self._lock:
+            earlier, self._child = self._child, child
+        if earlier is not None:
+            earlier.close()
+
+    @property
+    def child(self) -> ChildLogBatch | None:
+        """The child kept now, if any (for inspection)."""
+        return self._child
+
+    def clear(self) -> None:
+        """Stop the kept child, if any (at exit, and for tests that want a fresh one)."""
+        with self._lock:
+            child, self._child = self._child, None
+        if child is not None:
+            child.close()
+
+    def _forget(self) -> None:
+        """In a forked process: drop the parent's child (its pipes are the parent's) without stopping it."""
+        self._lock = threading.Lock()
+        self._child = None
+
+
+IDLE = IdleChild()
+"""This process's idle writer process (the library's only state across runs): used by
+:meth:`tracking.MlflowTracker.prepare` and :meth:`~tracking.MlflowTracker.finish`; :func:`close_idle_writer` stops
+it."""
+atexit.register(IDLE.clear)
+os.register_at_fork(after_in_child=IDLE._forget)
+
+
+def close_idle_writer() -> None:
+    """Stop the MLflow writer process this process keeps between tracked runs, if any (it is stopped at exit too).
+
+    Its memory (MLflow, and torch when it logged a model) is freed; the next tracked run starts a new one.
+    """
+    IDLE.clear()
+
+
+def _child_env(tracking_uri: str, extra_env: Mapping[str, str] | None) -> dict[str, str]:
+    """Return the environment of a child writing to ``tracking_uri``: this process's, with ``extra_env``."""
+    env = dict(os.environ)
+    env.update(extra_env or {})
+    # The child imports this package from wherever the parent did, installed or not.
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    # The URI may carry credentials: through the environment, never on the command line (`ps` shows that).
+    env[_URI_VARIABLE] = tracking_uri
+    return env
+
+
 if __name__ == "__main__":
-    _serve(
-        os.environ[_URI_VARIABLE],
-        sys.stdin,
-        sys.stdout,
-        [m for m in os.environ.get(_PRELOAD_VARIABLE, "").split(",") if m],
-    )
+    _serve(os.environ[_URI_VARIABLE], sys.stdin, sys.stdout)
     # Everything was written and answered: end without the interpreter's teardown (freeing MLflow, SQLAlchemy and
     # torch object by object took a second, which the parent's close() waited for).
     sys.stdout.flush()

@@ -27,7 +27,7 @@ import structlog
 import yaml
 
 from tracking import _files, _model
-from tracking._child import ChildLogBatch
+from tracking._child import IDLE, STORE_REPLACED, ChildLogBatch
 from tracking._keys import safe_key
 from tracking._runs import (
     _MAX_PARAMS_PER_CALL,
@@ -254,6 +254,9 @@ class MlflowTracker:
         preload: What the writer process imports (``package.module``) or calls (``package.module:function``) once
             it is connected, while the caller trains, for the work :meth:`log_model_from` and :meth:`log_files_from`
             will hand it, e.g. ``("tracking._model:warm_up",)``.
+        reused_preload: What a writer process taken over from an earlier run of this process (see :meth:`prepare`)
+            imports or calls besides ``preload``: work that pays off once a process serves several runs, e.g. the
+            plots' imports, which a new process leaves to a one-shot process while it exports the model.
     """
 
     def __init__(
@@ -274,9 +277,12 @@ class MlflowTracker:
         http_retries: int = 1,
         runs_view: Mapping[str, Any] | None = None,
         preload: Sequence[str] = (),
+        reused_preload: Sequence[str] = (),
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self._preload = tuple(preload)
+        self._reused_preload = tuple(reused_preload)
+        self._writer_reused = False
         self._run = RunIdentity(self.tracking_uri, probe_timeout_s=http_timeout_s)
         self._artifact_root = artifact_root
         self._system_metrics = system_metrics
@@ -302,6 +308,8 @@ class MlflowTracker:
         """Opening the run failed: queued metrics have nowhere to go."""
         self._writer_process = writer_process
         self._child: ChildLogBatch | None = None
+        self._child_run: int | None = None
+        """The writer process's run number for this tracker's run (see :attr:`ChildLogBatch.run`)."""
         self._http_timeout = http_timeout_s
         self._http_retries = http_retries
         self._failover = Failover(
@@ -349,19 +357,40 @@ class MlflowTracker:
         return self._writer
 
     def prepare(self) -> None:
-        """Start the metric writer process now, if this tracker uses one; never blocks; idempotent.
+        """Start the metric writer process now, if this tracker uses one; idempotent.
 
         The process imports MLflow (over a second) while the caller goes on, e.g. loads its data; :meth:`start`
-        hands it the run once the run exists (and starts it itself if this was not called). :meth:`finish` stops
-        it, also when :meth:`start` never came.
+        hands it the run once the run exists (and starts it itself if this was not called). The process an earlier
+        tracker of this process left idle on the same store is taken instead, MLflow loaded and ``preload`` done
+        (see :data:`tracking._child.IDLE`); only stopping a kept one for another store waits (tens of ms).
+        :meth:`finish` leaves it idle for the next tracker once the run has ended, or stops it, also when
+        :meth:`start` never came.
         """
         if not self._writer_process or self._child is not None or self._started_at is not None:
             return
-        extra = {}
-        if is_remote(self.tracking_uri):
-            bounds = http_env(self._http_timeout, self._http_retries)
-            extra = {k: v for k, v in bounds.items() if k not in os.environ}
-        self._child = ChildLogBatch(self.tracking_uri, extra_env=extra, preload=self._preload)
+        extra = self._child_env()
+        child = IDLE.take(self.tracking_uri, extra)
+        if child is not None:
+            try:
+                child.preload(self._preload + self._reused_preload)
+                self._writer_reused = True
+            except (ConnectionError, ValueError):
+                child.close()
+                child = None
+        self._child = child or ChildLogBatch(self.tracking_uri, extra_env=extra, preload=self._preload)
+
+    def _child_env(self) -> dict[str, str]:
+        """Return the writer process's own environment variables: bounds on a server's HTTP timeout and retries."""
+        if not is_remote(self.tracking_uri):
+            return {}
+        bounds = http_env(self._http_timeout, self._http_retries)
+        return {k: v for k, v in bounds.items() if k not in os.environ}
+
+    @property
+    def writer_reused(self) -> bool:
+        """Whether :meth:`prepare` took over a writer process an earlier run of this process left idle (MLflow
+        imported, the store open, what it preloaded done) rather than starting one."""
+        return self._writer_reused
 
     def start(
         self,
@@ -552,8 +581,15 @@ class MlflowTracker:
             run_id, experiment_id = child.start(request, _CHILD_START_TIMEOUT_S)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             self._log.info("tracking.writer_process_start_failed", error=redact_uri(str(exc))[:300], metrics=False)
+            died = not child.alive
             self._stop_child()
-            return False
+            if not self._writer_reused or not (died or STORE_REPLACED in str(exc)):
+                return False
+            # A kept process died idle, or its store's file was replaced since it opened it: a new one may succeed.
+            self._writer_reused = False
+            self._child = ChildLogBatch(self.tracking_uri, extra_env=self._child_env(), preload=self._preload)
+            return self._start_in_child(experiment, run_name, tags, params)
+        self._child_run = child.run
         self._run.run_id, self._run.experiment_id = run_id, experiment_id
         return True
 
@@ -561,6 +597,17 @@ class MlflowTracker:
         if self._child is not None:
             self._child.close()
             self._child = None
+
+    def _release_child(self, reusable: bool) -> None:
+        """Leave the writer process idle for the next tracker of this process (see :data:`tracking._child.IDLE`)
+        when ``reusable`` and it serves no run (it ended this one, or never had it); else stop it."""
+        child, self._child = self._child, None
+        if child is None:
+            return
+        if reusable and child.idle:
+            IDLE.keep(child)
+        else:
+            child.close()
 
     def _metric_writer(self) -> MetricWriter:
         return MetricWriter(
@@ -625,6 +672,7 @@ class MlflowTracker:
             try:
                 if not child.bound:
                     child.bind(run_id)
+                    self._child_run = child.run
             except ConnectionError as exc:
                 self._writer_process_failed(exc)
         if self._writer is None:
@@ -791,7 +839,7 @@ class MlflowTracker:
             raise ValueError(f"status must be one of {get_args(RunStatus)}, not {status!r}")
         self._await_open()
         if self._started_at is None or self._finished:
-            self._stop_child()  # prepared, never started (or stopped already)
+            self._release_child(True)  # prepared, never started (or stopped already)
             return
         self._finished = True
         try:
@@ -803,7 +851,7 @@ class MlflowTracker:
                 self._writer.close(self._flush_timeout)
             end = int(time.time() * 1000)
             ended = self._child_job({"op": "end", "status": status, "end_time": end})
-            self._stop_child()
+            self._release_child(ended)
 
             def send(run_id: str, client: mlflow.MlflowClient) -> None:
                 client.set_terminated(run_id, status, end_time=end)
@@ -1003,7 +1051,7 @@ class MlflowTracker:
             if child is None:
                 return False
             try:
-                child.job(request, _CHILD_START_TIMEOUT_S)
+                child.job(request, _CHILD_START_TIMEOUT_S, run=self._child_run)
             except ConnectionError as exc:
                 self._log.warning("tracking.writer_process_lost", error=redact_uri(str(exc)), metrics=False)
                 self._child = None
@@ -1057,7 +1105,7 @@ class MlflowTracker:
         child = self._ready_child()
         if child is not None:
             try:
-                child(metrics)
+                child(metrics, run=self._child_run)
                 return
             except ConnectionError as exc:
                 # The child died: write from this process from now on rather than lose metrics.

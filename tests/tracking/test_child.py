@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from flasync import models
 from flasync.testing import MemoryTracker, small_config
 from flasync.tracked import PLOTS_WRITER
 from tracking import MlflowTracker, _files
-from tracking._child import _EXIT_TIMEOUT_S, ChildLogBatch
+from tracking._child import _EXIT_TIMEOUT_S, IDLE, ChildLogBatch, close_idle_writer
 
 
 def _metrics(key: str, steps: range) -> list[Metric]:
@@ -92,13 +95,13 @@ def test_prepared_tracker_uses_its_early_child(tracking_uri: str) -> None:
     assert tracker._child is child
     tracker.log_metrics(_metrics("p", range(6)))
     tracker.finish("FINISHED")
-    assert not child.alive
+    assert IDLE.child is child and child.idle  # kept for the next run of this process
     client = mlflow.MlflowClient(tracking_uri)
     assert sorted(m.step for m in client.get_metric_history(run_id, "p")) == list(range(6))
 
 
 def test_prepared_tracker_that_never_starts_leaves_nothing(tracking_uri: str) -> None:
-    """finish() on a prepared but unstarted tracker stops its writer process and creates no run."""
+    """finish() on a prepared but unstarted tracker creates no run; its writer process is kept idle, or stopped."""
     client = mlflow.MlflowClient(tracking_uri)
     before = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
     tracker = MlflowTracker(tracking_uri)
@@ -106,7 +109,9 @@ def test_prepared_tracker_that_never_starts_leaves_nothing(tracking_uri: str) ->
     child = tracker._child
     assert child is not None
     tracker.finish("FAILED")
-    assert not child.alive and tracker._child is None and tracker.run_id is None
+    assert IDLE.child is child and tracker._child is None and tracker.run_id is None
+    close_idle_writer()
+    assert not child.alive
     assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == before
 
 
@@ -261,3 +266,199 @@ def test_a_failing_file_writer_is_one_error_naming_it(tracking_uri: str) -> None
     with pytest.raises(RuntimeError, match=r"flasync\.plots:write_plots failed: FileNotFoundError"):
         tracker.log_files_from(PLOTS_WRITER, {"profile": "/nonexistent/profile.json"}, "plots")
     tracker.finish("FINISHED")
+
+
+def _steps(client: mlflow.MlflowClient, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def _tracked_run(tracking_uri: str, experiment: str, key: str, *, status: str = "FINISHED") -> str:
+    """Run one tracker to its end: metrics ``key`` at steps 0-4 and an artifact naming ``key``; return the run id."""
+    tracker = MlflowTracker(tracking_uri)
+    tracker.prepare()
+    run_id = tracker.start(experiment=experiment)
+    tracker.log_metrics(_metrics(key, range(5)))
+    tracker.log_bytes(key.encode(), f"{key}.txt")
+    tracker.finish(status)  # type: ignore[arg-type]
+    return run_id
+
+
+def test_a_second_run_reuses_the_idle_child_and_writes_to_its_own_run(tracking_uri: str) -> None:
+    """The writer process of an ended run serves the next tracker on the same store (same pid): each run gets only
+    its own metrics and artifacts, and each ends with its own status."""
+    close_idle_writer()
+    first = _tracked_run(tracking_uri, "reuse", "one", status="FAILED")
+    kept = IDLE.child
+    assert kept is not None and kept.idle
+    tracker = MlflowTracker(tracking_uri)
+    tracker.prepare()
+    assert tracker._child is kept and tracker.writer_reused and IDLE.child is None
+    second = tracker.start(experiment="reuse")
+    tracker.log_metrics(_metrics("two", range(5, 9)))
+    tracker.log_bytes(b"two", "two.txt")
+    tracker.finish("FINISHED")
+    assert IDLE.child is kept and kept.run == 2
+    client = mlflow.MlflowClient(tracking_uri)
+    assert client.get_run(first).info.status == "FAILED" and client.get_run(second).info.status == "FINISHED"
+    assert _steps(client, first, "one") == [0, 1, 2, 3, 4] and _steps(client, first, "two") == []
+    assert _steps(client, second, "two") == [5, 6, 7, 8] and _steps(client, second, "one") == []
+    assert _artifacts(tracking_uri, first, "") == {"one.txt"}
+    assert _artifacts(tracking_uri, second, "") == {"two.txt"}
+
+
+def test_a_late_batch_of_an_ended_run_never_reaches_the_next_one(tracking_uri: str) -> None:
+    """A batch or job sent for a run the child has left is refused as ConnectionError, never written elsewhere."""
+    client = mlflow.MlflowClient(tracking_uri)
+    experiment_id = client.create_experiment("late-batch")
+    first, second = (client.create_run(experiment_id).info.run_id for _ in range(2))
+    child = ChildLogBatch(tracking_uri, first)
+    try:
+        child(_metrics("a", range(2)), run=1)
+        child.job({"op": "end", "status": "FINISHED", "end_time": 1_000}, 60, run=1)
+        assert child.idle
+        child.bind(second)
+        with pytest.raises(ConnectionError, match="left run 1"):
+            child(_metrics("a", range(2, 4)), run=1)
+        with pytest.raises(ConnectionError, match="left run 1"):
+            child.job({"op": "tags", "tags": {"x": "y"}}, 60, run=1)
+        child(_metrics("b", range(3)), run=2)
+    finally:
+        child.close()
+    assert _steps(client, first, "a") == [0, 1] and _steps(client, second, "a") == []
+    assert _steps(client, second, "b") == [0, 1, 2] and "x" not in client.get_run(second).data.tags
+
+
+def test_a_dead_idle_child_is_replaced(tracking_uri: str) -> None:
+    """An idle child that died (crashed or killed) is not handed out: the next tracker starts a new one."""
+    close_idle_writer()
+    _tracked_run(tracking_uri, "dead-idle", "one")
+    kept = IDLE.child
+    assert kept is not None
+    kept._process.kill()
+    kept._process.wait(10)
+    tracker = MlflowTracker(tracking_uri)
+    tracker.prepare()
+    assert tracker._child is not None and tracker._child is not kept and not tracker.writer_reused
+    run_id = tracker.start(experiment="dead-idle")
+    tracker.log_metrics(_metrics("two", range(3)))
+    tracker.finish("FINISHED")
+    assert _steps(mlflow.MlflowClient(tracking_uri), run_id, "two") == [0, 1, 2]
+
+
+def test_another_store_gets_its_own_child(tracking_uri: str, tmp_path: Path) -> None:
+    """A tracker on another store does not take the idle child: that one is stopped, a new one writes there."""
+    close_idle_writer()
+    _tracked_run(tracking_uri, "store-a", "one")
+    kept = IDLE.child
+    assert kept is not None
+    other = f"sqlite:///{tmp_path}/other.db"
+    run_id = _tracked_run(other, "store-b", "two")
+    assert not kept.alive
+    assert IDLE.child is not None and IDLE.child is not kept
+    assert _steps(mlflow.MlflowClient(other), run_id, "two") == [0, 1, 2, 3, 4]
+
+
+def test_concurrent_runs_do_not_share_a_child(tracking_uri: str) -> None:
+    """Two runs at once each have their own writer process (only an idle one is handed out); each run gets only its
+    own metrics, and one child is kept once both ended."""
+    close_idle_writer()
+    first, second = MlflowTracker(tracking_uri), MlflowTracker(tracking_uri)
+    first.prepare()
+    second.prepare()
+    assert first._child is not None and second._child is not None and first._child is not second._child
+    ids = [first.start(experiment="concurrent"), second.start(experiment="concurrent")]
+    first.log_metrics(_metrics("one", range(4)))
+    second.log_metrics(_metrics("two", range(4)))
+    children = [first._child, second._child]
+    first.finish("FINISHED")
+    second.finish("FINISHED")
+    assert IDLE.child is children[1] and not children[0].alive
+    client = mlflow.MlflowClient(tracking_uri)
+    assert _steps(client, ids[0], "one") == [0, 1, 2, 3] and _steps(client, ids[0], "two") == []
+    assert _steps(client, ids[1], "two") == [0, 1, 2, 3] and _steps(client, ids[1], "one") == []
+
+
+def test_the_system_monitor_stops_with_its_run(tracking_uri: str) -> None:
+    """A reused child samples the system for the run it serves: the ended run gets no samples after its end."""
+    close_idle_writer()
+    client = mlflow.MlflowClient(tracking_uri)
+    runs = []
+    for _ in range(2):
+        tracker = MlflowTracker(tracking_uri, system_metrics=True)
+        tracker.prepare()
+        runs.append(tracker.start(experiment="monitor-reuse"))
+        time.sleep(2.5)  # one sample every 2 s
+        tracker.finish("FINISHED")
+        if len(runs) == 1:
+            first_samples = client.get_run(runs[0]).data.metrics
+    assert tracker.writer_reused
+    assert client.get_run(runs[0]).data.metrics == first_samples
+    assert any(key.startswith("system/") for key in client.get_run(runs[1]).data.metrics)
+    history = client.get_metric_history(runs[0], "system/cpu_utilization_percentage")
+    assert history and all(m.timestamp <= client.get_run(runs[0]).info.end_time for m in history)
+
+
+def test_the_idle_child_is_stopped_at_exit(tmp_path: Path) -> None:
+    """The exit functions of the process stop the writer process it kept idle."""
+    code = (
+        "import atexit, sys\n"
+        "from tracking import MlflowTracker\n"
+        "from tracking._child import IDLE\n"
+        f"tracker = MlflowTracker('sqlite:///{tmp_path}/exit.db')\n"
+        "tracker.start(experiment='exit')\n"
+        "tracker.finish('FINISHED')\n"
+        "child = IDLE.child\n"
+        "assert child is not None and child.alive\n"
+        "atexit._run_exitfuncs()\n"
+        "assert not child.alive and IDLE.child is None\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root)
+
+
+def test_consecutive_federations_share_the_child_and_log_their_own_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two tracked flasync.run calls in one process: the second takes the first's writer process, which exports its
+    model and draws its plots (no one-shot process), each into its own run."""
+    close_idle_writer()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    summaries, pids = [], []
+    for seed in (0, 1):
+        config = small_config("tracking.enabled=true", f"tracking.uri={uri}", "tracking.log_model=true", f"seed={seed}")
+        summaries.append(flasync.run(config))
+        assert IDLE.child is not None
+        pids.append(IDLE.child.pid)
+
+        def not_here(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the plots were drawn by a one-shot process, not the kept writer process")
+
+        monkeypatch.setattr(_files, "write_elsewhere", not_here)
+    assert pids[0] == pids[1]
+    client = mlflow.MlflowClient(uri)
+    ids = [s.run_id for s in summaries]
+    assert ids[0] != ids[1]
+    for run_id, summary in zip(ids, summaries, strict=True):
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        assert _artifacts(uri, run_id, "plots") == PLOTS
+        [logged] = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'")
+        assert str(logged.status) == "READY"
+        assert run.data.params["seed"] == str(ids.index(run_id))
+        assert summary.updates_accepted > 0
+
+
+def test_a_kept_child_whose_store_was_replaced_gives_way_to_a_new_one(tmp_path: Path) -> None:
+    """A store deleted and made again between two runs is written by a new child, not by the kept one (whose open
+    connections would write to the deleted file)."""
+    close_idle_writer()
+    uri = f"sqlite:///{tmp_path}/replaced/mlflow.db"
+    _tracked_run(uri, "replaced", "one")
+    kept = IDLE.child
+    assert kept is not None
+    shutil.rmtree(tmp_path / "replaced")
+    run_id = _tracked_run(uri, "replaced", "two")
+    assert not kept.alive and IDLE.child is not None and IDLE.child is not kept
+    client = mlflow.MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert _steps(client, run_id, "two") == [0, 1, 2, 3, 4]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -315,16 +315,25 @@ def test_members_with_their_own_bases_equal_one_client_at_a_time(cfg: LocalTrain
         assert got.loss == pytest.approx(want.loss, rel=1e-5)
 
 
-async def test_batcher_passes_other_callables_through() -> None:
+def _submitter(batcher: CohortBatcher, how: str) -> Callable[[Callable[[], object]], Awaitable[object]]:
+    """Submit through ``submit`` (a thread future, bridged) or ``submit_async`` (a loop future)."""
+    if how == "submit":
+        return lambda fn: asyncio.wrap_future(batcher.submit(fn))
+    return batcher.submit_async
+
+
+@pytest.mark.parametrize("how", ["submit", "submit_async"])
+async def test_batcher_passes_other_callables_through(how: str) -> None:
     """Anything that is not a TrainingJob runs in the inner pool as submitted."""
     batcher = CohortBatcher(ThreadPoolExecutor(1), ModelPool(_mlp))
     try:
-        assert await asyncio.wrap_future(batcher.submit(lambda: 41 + 1)) == 42
+        assert await _submitter(batcher, how)(lambda: 41 + 1) == 42
     finally:
         batcher.shutdown()
 
 
-async def test_failed_member_fails_alone() -> None:
+@pytest.mark.parametrize("how", ["submit", "submit_async"])
+async def test_failed_member_fails_alone(how: str) -> None:
     """A job whose finish raises gets that exception; the other members of its cohort succeed."""
     x, y, parts = _data()
     base = flat_parameters(_mlp())
@@ -336,8 +345,9 @@ async def test_failed_member_fails_alone() -> None:
         raise TrainingError("diverged")
 
     jobs[1] = TrainingJob(**{**{f: getattr(jobs[1], f) for f in TrainingJob.__dataclass_fields__}, "finish": boom})
+    submit = _submitter(batcher, how)
     try:
-        outcomes = await asyncio.gather(*(asyncio.wrap_future(batcher.submit(j)) for j in jobs), return_exceptions=True)
+        outcomes = await asyncio.gather(*(submit(j) for j in jobs), return_exceptions=True)
     finally:
         batcher.shutdown()
     assert isinstance(outcomes[1], TrainingError)
@@ -374,7 +384,7 @@ async def test_loop_futures_get_the_same_results_in_few_loop_callbacks() -> None
         calls += 1
         return original(callback, *args, **kwargs)
 
-    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign,assignment]
     try:
         futures = [batcher.submit_async(_job(base, x, y, p, k, pool)) for k, p in enumerate(parts)]
         assert all(isinstance(f, asyncio.Future) and f.get_loop() is loop for f in futures)
@@ -408,27 +418,6 @@ async def test_a_cancelled_loop_future_stays_cancelled_and_shutdown_cancels_held
         batcher.shutdown()
     with pytest.raises(asyncio.CancelledError):
         await held
-
-
-async def test_submit_async_passes_other_callables_through_and_reports_failures() -> None:
-    """Non-jobs run in the inner pool; a member whose finish raises gets the error on its loop future alone."""
-    x, y, parts = _data()
-    base = flat_parameters(_mlp())
-    pool = ModelPool(_mlp)
-    batcher = CohortBatcher(ThreadPoolExecutor(1), pool)
-    jobs = [_job(base, x, y, p, k, pool) for k, p in enumerate(parts[:3])]
-
-    def boom(result: LocalResult) -> LocalResult:
-        raise TrainingError("diverged")
-
-    jobs[1] = TrainingJob(**{**{f: getattr(jobs[1], f) for f in TrainingJob.__dataclass_fields__}, "finish": boom})
-    try:
-        assert await batcher.submit_async(lambda: 41 + 1) == 42
-        outcomes = await asyncio.gather(*(batcher.submit_async(j) for j in jobs), return_exceptions=True)
-    finally:
-        batcher.shutdown()
-    assert isinstance(outcomes[1], TrainingError)
-    assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
 
 
 # ------------------------------------------------------------------------------------------------ engine

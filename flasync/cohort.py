@@ -304,7 +304,7 @@ class CohortTrainer:
         self._precision = cfg.precision
         self._objective = cfg.objective
         scaler = LossScaler.for_rows(num, device) if cfg.precision == "fp16" else None
-        ones = torch.ones(num, dtype=torch.float32, device=device)
+        counts = mask.sum(dim=2)  # each step's real samples per row (whole numbers: exact)
         corrections = None
         if any(m.correction is not None for m in members):
             zero = torch.zeros(self.num_params)
@@ -325,12 +325,12 @@ class CohortTrainer:
             if s + 1 < len(active_counts):  # prefetch the next batch while this one computes
                 pending = self._fetch(x, y, index[s + 1, : active_counts[s + 1]], host_data)
             w, m = weights[:k], mask[s, :k]
-            scale = scaler.scale[:k] if scaler is not None else ones[:k]
             try:
                 with torch.enable_grad():
                     leaf = w.detach().requires_grad_(True)  # shares w's storage: no copy
                     loss = losses_of(leaf, xb, yb, m)
-                    (grads,) = torch.autograd.grad((loss * scale).sum(), leaf)
+                    total = (loss * scaler.scale[:k]).sum() if scaler is not None else loss.sum()
+                    (grads,) = torch.autograd.grad(total, leaf)
                 loss = loss.detach()
             except Exception as exc:
                 if s == 0:
@@ -364,7 +364,7 @@ class CohortTrainer:
                     w.add_(grads, alpha=-cfg.lr)
                 else:
                     w.sub_(torch.where(apply[:, None], grads * cfg.lr, torch.zeros_like(grads)))
-                loss_sum[:k].add_(loss * m.sum(dim=1))
+                loss_sum[:k].add_(loss * counts[s, :k])
         share = (timer() - start) / num
         seen = mask.sum(dim=(0, 2)).tolist()
         # Rows back in member order, as one tensor whose rows the results view (one gather, not a copy per client),

@@ -27,7 +27,7 @@ import structlog
 import yaml
 
 from tracking import _files, _model
-from tracking._child import IDLE, STORE_REPLACED, ChildLogBatch
+from tracking._child import IDLE, STORE_REPLACED, ChildLogBatch, IdleChild
 from tracking._keys import safe_key
 from tracking._runs import (
     _MAX_PARAMS_PER_CALL,
@@ -257,6 +257,9 @@ class MlflowTracker:
         reused_preload: What a writer process taken over from an earlier run of this process (see :meth:`prepare`)
             imports or calls besides ``preload``: work that pays off once a process serves several runs, e.g. the
             plots' imports, which a new process leaves to a one-shot process while it exports the model.
+        idle_writers: Where an idle writer process is taken from and left for the next tracker: the process's
+            holder :data:`tracking._child.IDLE` by default; a tracker given its own :class:`IdleChild` (a test, or
+            an application that wants no process-wide sharing) shares only with trackers given the same one.
     """
 
     def __init__(
@@ -278,8 +281,10 @@ class MlflowTracker:
         runs_view: Mapping[str, Any] | None = None,
         preload: Sequence[str] = (),
         reused_preload: Sequence[str] = (),
+        idle_writers: IdleChild = IDLE,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self._idle_writers = idle_writers
         self._preload = tuple(preload)
         self._reused_preload = tuple(reused_preload)
         self._writer_reused = False
@@ -369,7 +374,7 @@ class MlflowTracker:
         if not self._writer_process or self._child is not None or self._started_at is not None:
             return
         extra = self._child_env()
-        child = IDLE.take(self.tracking_uri, extra)
+        child = self._idle_writers.take(self.tracking_uri, extra)
         if child is not None:
             try:
                 child.preload(self._preload + self._reused_preload)
@@ -605,7 +610,7 @@ class MlflowTracker:
         if child is None:
             return
         if reusable and child.idle:
-            IDLE.keep(child)
+            self._idle_writers.keep(child)
         else:
             child.close()
 

@@ -20,7 +20,7 @@ from flasync import models
 from flasync.testing import MemoryTracker, small_config
 from flasync.tracked import PLOTS_WRITER
 from tracking import MlflowTracker, _files
-from tracking._child import _EXIT_TIMEOUT_S, IDLE, ChildLogBatch, close_idle_writer
+from tracking._child import _EXIT_TIMEOUT_S, IDLE, ChildLogBatch, IdleChild, close_idle_writer
 
 
 def _metrics(key: str, steps: range) -> list[Metric]:
@@ -304,6 +304,29 @@ def test_a_second_run_reuses_the_idle_child_and_writes_to_its_own_run(tracking_u
     assert _steps(client, second, "two") == [5, 6, 7, 8] and _steps(client, second, "one") == []
     assert _artifacts(tracking_uri, first, "") == {"one.txt"}
     assert _artifacts(tracking_uri, second, "") == {"two.txt"}
+
+
+def test_trackers_given_their_own_holder_share_only_with_each_other(tracking_uri: str) -> None:
+    """idle_writers: a tracker's idle child goes to the holder it was given, not to the process's, and the next
+    tracker given that holder takes it over."""
+    close_idle_writer()
+    own = IdleChild()
+    try:
+        first = MlflowTracker(tracking_uri, idle_writers=own)
+        first.prepare()
+        first.start(experiment="own-holder")
+        first.finish("FINISHED")
+        kept = own.child
+        assert kept is not None and kept.idle and IDLE.child is None
+        second = MlflowTracker(tracking_uri, idle_writers=own)
+        second.prepare()
+        assert second._child is kept and second.writer_reused and own.child is None
+        second.start(experiment="own-holder")
+        second.finish("FINISHED")
+        assert own.child is kept and IDLE.child is None
+    finally:
+        own.clear()
+    assert not kept.alive
 
 
 def test_a_late_batch_of_an_ended_run_never_reaches_the_next_one(tracking_uri: str) -> None:

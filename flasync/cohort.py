@@ -251,27 +251,31 @@ class CohortTrainer:
         """Return global sample indices ``(S, K, B)`` and a float mask ``(S, K, B)`` in cohort (sorted) order."""
         batch = cfg.batch_size
         total_steps = steps[order[0]]
-        rows_local: list[torch.Tensor] = []
-        rows_mask: list[torch.Tensor] = []
-        for k in order:
+        width = total_steps * batch
+        # Row r, position p: epoch p // padded of the client, slot p % padded of that epoch's permutation (slots
+        # past the client's n samples, and positions past its own steps, are padding: index 0, mask 0).
+        local_matrix = torch.zeros((len(order), width), dtype=torch.int64)
+        sizes, epoch_widths, limits = [], [], []
+        for row, k in enumerate(order):
             n = int(members[k].indices.numel())
-            per_epoch = -(-n // batch)
-            padded = per_epoch * batch
-            pieces, masks = [], []
-            for _ in range(-(-steps[k] // per_epoch)):  # the epochs _batches starts, drawn in its order
+            padded = -(-n // batch) * batch
+            limit = steps[k] * batch
+            for start in range(0, limit, padded):  # the epochs _batches starts, drawn in its order
                 perm = torch.randperm(n, generator=members[k].generator)
-                pieces.append(F.pad(perm, (0, padded - n)))
-                masks.append(torch.arange(padded) < n)
-            local = torch.cat(pieces)[: steps[k] * batch]
-            valid = torch.cat(masks)[: steps[k] * batch]
-            fill = total_steps * batch - local.numel()
-            rows_local.append(F.pad(local, (0, fill)))
-            rows_mask.append(F.pad(valid, (0, fill)))
+                take = min(n, limit - start)
+                local_matrix[row, start : start + take] = perm[:take]
+            sizes.append(n)
+            epoch_widths.append(padded)
+            limits.append(limit)
+        position = torch.arange(width)
+        valid = (position < torch.tensor(limits)[:, None]) & (
+            position % torch.tensor(epoch_widths)[:, None] < torch.tensor(sizes)[:, None]
+        )
         # Positions within each client -> sample indices: one gather where the indices live (no per-client copy).
         owned = nn.utils.rnn.pad_sequence([members[k].indices for k in order], batch_first=True)
-        local_matrix = torch.stack(rows_local).to(owned.device, non_blocking=True)
+        local_matrix = local_matrix.to(owned.device, non_blocking=True)
         index = owned.gather(1, local_matrix).view(len(order), total_steps, batch).transpose(0, 1)
-        mask = torch.stack(rows_mask).to(torch.float32).view(len(order), total_steps, batch).transpose(0, 1)
+        mask = valid.to(torch.float32).view(len(order), total_steps, batch).transpose(0, 1)
         return index.contiguous().to(device), mask.contiguous()
 
     def _train_vectorized(

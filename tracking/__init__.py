@@ -13,7 +13,7 @@ Its MLflow writer process outlives a run, idle, for the next tracked run of the 
 
 from __future__ import annotations
 
-from tracking._child import close_idle_writer
+from tracking._child import IdleChild, close_idle_writer
 from tracking.logs import LevelFilter, configure_logging, make_logger
 from tracking.metrics import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor, metric_key
 from tracking.mlflow_run import (
@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_TRACKING_URI",
     "ConstantSeries",
     "ExperimentDeletedError",
+    "IdleChild",
     "LevelFilter",
     "MetricRow",
     "MetricWriter",

@@ -371,29 +371,27 @@ class CohortTrainer:
                 loss_sum[:k].add_(loss * counts[s, :k])
         share = (timer() - start) / num
         seen = mask.sum(dim=(0, 2)).tolist()
-        # Rows back in member order, as one tensor whose rows the results view (one gather, not a copy per client),
-        # and every row's norm in one reduction.
         back = [0] * num  # member -> row
         for row, k in enumerate(order):
             back[k] = row
         deltas = starts - weights
-        if back != list(range(num)):
-            deltas = deltas[torch.tensor(back, device=deltas.device)]
-        norms = torch.linalg.vector_norm(deltas, dim=1).tolist()
+        norms = torch.linalg.vector_norm(deltas, dim=1).tolist()  # every row's norm in one reduction
         losses = loss_sum.tolist()
         per_client_bytes = 4 * self.num_params * 3 + activation_bytes  # weights, gradients, momentum (as train())
         batch_bytes = cfg.batch_size * (x[0].numel() * x.element_size() + y.element_size())
+        # A copy per client, not a view of the cohort's rows: a client whose upload comes late must not keep every
+        # other member's delta alive with its own.
         return [
             LocalResult(
-                delta=delta,
+                delta=deltas[row].clone(),
                 num_samples=int(members[k].indices.numel()),
                 steps=steps[k],
-                loss=losses[back[k]] / max(seen[back[k]], 1.0),
+                loss=losses[row] / max(seen[row], 1.0),
                 train_s=share,
                 peak_mem_bytes=per_client_bytes + batch_bytes,
-                update_norm=norms[k] if math.isfinite(norms[k]) else None,
+                update_norm=norms[row] if math.isfinite(norms[row]) else None,
             )
-            for k, delta in enumerate(deltas.unbind(0))
+            for k, row in enumerate(back)
         ]
 
     def _activation_bytes(self, xb: torch.Tensor, yb: torch.Tensor) -> int:

@@ -634,9 +634,9 @@ cohorts gain little or nothing (0.84x the threads at concurrency 20, measured on
 
 AUTO_MIN_CONCURRENCY_OWN = 16
 """The same for a model with its own ``cohort_forward`` (the built-in MLP), whose small cohorts pay: FedBuff on the
-tutorial workload, vectorized against threads, federation updates/s on 2 cores, was 1.42x at concurrency 10, 1.9x
-at 16 and 1.8-2x at 20 (``benchmarks/matrix.py`` prints 20 and more); the default run (digits, C = 20) trains 1.5x
-faster."""
+tutorial workload, vectorized against threads, whole-call updates/s on 2 idle cores, was 1.67x at concurrency 10,
+1.92x at 16 and 1.93-2.04x at 20 (``benchmarks/matrix.py --concurrency 10 16 20``); the default run (digits,
+C = 20) trains 1.5x faster."""
 
 
 def choose_executor(

@@ -579,6 +579,7 @@ def _command_run(args: argparse.Namespace) -> int:
                 system_metrics=config.tracking.system_metrics,
                 runs_view=RUNS_VIEW,
                 preload=tracked.preload(config),
+                files_preload=tracked.files_preload(config),
             )
         else:
             tracker = tracking.NullTracker()

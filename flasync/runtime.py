@@ -250,7 +250,7 @@ class Federation:
             system_metrics=cfg.system_metrics,
             runs_view=RUNS_VIEW,
             preload=tracked.preload(self.config),
-            reused_preload=tracked.reused_preload(self.config),
+            files_preload=tracked.files_preload(self.config),
         )
 
     def _log_dataset(self, tracker: tracking.Tracker, prepared: Prepared, custom: bool, log: Any) -> None:
@@ -702,24 +702,28 @@ class Federation:
         model_log: Future[float] | None = None
         pool: ThreadPoolExecutor | None = None
         plots = self.profile is not None and self.config.diagnostics.plots
-        plots_aside = False
-        if self.config.tracking.log_model and mlflow_tracker is not None and prepared.model_spec is not None:
-            # The writer process exports and logs the model (the thread below only waits on the pipe) while a
-            # one-shot process draws the plots: on two cores, side by side rather than one after the other. A writer
-            # process kept from an earlier run exports it in a fraction of a second, with the plots' imports done
-            # (tracked.reused_preload): it draws them itself afterwards, sooner than a new process could start.
+        plots_done = False
+        built = self.config.tracking.log_model and mlflow_tracker is not None and prepared.model_spec is not None
+        warm = mlflow_tracker is not None and mlflow_tracker.writer_warm
+        if built and not warm:
+            # A new writer process without helpers (no fork) exports the model after its first export's imports:
+            # the thread below waits on it while a one-shot process draws the plots, side by side. Where the
+            # writer's helpers (or a kept writer process) did those imports ahead (tracked.files_preload), the plots
+            # go to them first and the model last, below: the plots and the metrics still queued are in while the
+            # model's helper may still finish its first export.
+            assert mlflow_tracker is not None and prepared.model_spec is not None
             pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flasync-model")
             model_log = pool.submit(self._log_model_from_spec, mlflow_tracker, prepared.model_spec, example)
-            if plots and not mlflow_tracker.writer_reused:
+            if plots:
                 pool.submit(self._log_plots, mlflow_tracker, log, elsewhere=True)
-                plots_aside = True
+                plots_done = True
         try:
+            if plots and mlflow_tracker is not None and not plots_done:
+                self._log_plots(mlflow_tracker, log)
             tracker.log_dict(summary.to_dict(), "summary.json")
             if self.profile is not None:
                 tracker.log_dict(json_ready(self.profile), "profile.json")
-            if plots and mlflow_tracker is not None and not plots_aside:
-                self._log_plots(mlflow_tracker, log)
-            elif plots and mlflow_tracker is None and self.profile is not None:
+            if plots and mlflow_tracker is None and self.profile is not None:
                 for name, image in render_plots(self.profile).items():
                     tracker.log_bytes(image, f"plots/{name}")
             if self._traces is not None:
@@ -748,6 +752,9 @@ class Federation:
         try:
             if model_log is not None:
                 seconds = model_log.result()
+            elif built:
+                assert prepared.model_spec is not None
+                seconds = self._log_model_from_spec(mlflow_tracker, prepared.model_spec, example)
             else:
                 seconds = mlflow_tracker.log_model(module, input_example=example)
             log.debug("tracking.log_model", seconds=seconds, metrics=False)

@@ -16,10 +16,14 @@ is one JSON object, answered like a batch: ``file`` (log a local file as an arti
 input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU samples are the machine's,
 wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a model, see :mod:`tracking._model`)
 or ``artifacts`` (log the files a function writes, e.g. plots, see :mod:`tracking._files`).
-What a ``preload NAME,NAME`` line names (sent before a run, never answered) is imported (or called) on a background
-thread once the store is open, while the parent loads its data and trains, so a job finds it done (``torch.export``
+What the child is to import (or call) ahead for its ``model`` jobs and for its ``artifacts`` jobs (``torch.export``
 and MLflow's pytorch flavour import in about two seconds, and the first model they save takes one more:
-:func:`tracking._model.warm_up`); a name is preloaded once per child.
+:func:`tracking._model.warm_up`; matplotlib for plots) is named in its environment when it starts, or later by a
+line ``preload KIND NAME,NAME`` (sent before a run, never answered); a name is preloaded once per child. Where
+processes fork, the child forks a helper process per kind right after MLflow's import (see :class:`_Helper`): it
+preloads on a core of its own, while the child opens the store and writes metrics, and does that kind's jobs (the
+child sends their results to the store). Elsewhere, or for names sent to a child without a helper of that kind,
+the child preloads on a background thread once the store is open, and does the jobs itself.
 
 After a run's ``end`` job (answered ``ok`` or ``error: ...``) the child has no run again: its system monitor is
 stopped and it waits for the next run's first line, with MLflow, the open store and whatever it preloaded still
@@ -31,6 +35,7 @@ several seconds of CPU each).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib
 import json
@@ -47,7 +52,7 @@ from typing import IO, Any
 
 from tracking.metrics import MetricRow
 
-__all__ = ["IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer"]
+__all__ = ["FORKS_HELPER", "IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer"]
 
 _STOP = "stop"
 _EXIT_TIMEOUT_S = 10.0
@@ -57,6 +62,11 @@ _PRELOAD = "preload "
 STORE_REPLACED = "the SQLite store was removed or replaced"
 """What a kept child's error says when its store's file is not the one it opened (a new child would open it)."""
 _URI_VARIABLE = "FLASYNC_CHILD_TRACKING_URI"
+_PRELOADS = {"model": "FLASYNC_CHILD_PRELOAD", "files": "FLASYNC_CHILD_FILES_PRELOAD"}
+"""The environment variable that names what a writer process preloads from its start, per kind of job."""
+FORKS_HELPER = hasattr(os, "fork")
+"""Whether a writer process started with something to preload forks a helper to do it and the jobs it is for
+(see :class:`_Helper`); where it cannot fork, it preloads on a thread of its own."""
 
 
 def _preload(names: Sequence[str]) -> None:
@@ -70,6 +80,135 @@ def _preload(names: Sequence[str]) -> None:
                 getattr(loaded, function)()
         except Exception:  # the job that needs it says what went wrong
             continue
+
+
+class _Helper:
+    """A forked copy of the writer process that makes what its model and artifact jobs need, beside it.
+
+    Forked right after MLflow's import (so it has MLflow without paying for it again, and no store, thread or
+    connection yet), it imports and warms up what it is told to preload (``torch.export``, matplotlib) on a core of
+    its own while the writer process opens the store, creates the run and writes metrics, where one process would do
+    it all on one GIL, one thing after the other. It then saves models and writes artifact files into folders the
+    writer process gives it, which the writer process sends to the store: it never opens the store itself. Jobs go
+    one at a time over a pipe, one JSON line each, answered ``ok`` or ``error: ...``; it dies with the writer
+    process (its input ends; on Linux, the kernel also kills it at once).
+    """
+
+    def __init__(self, pid: int, requests: IO[str], replies: IO[str]) -> None:
+        self.pid = pid
+        self._requests = requests
+        self._replies = replies
+
+    @classmethod
+    def fork(cls) -> _Helper | None:
+        """Fork the helper; None where the platform cannot fork, or threads run (forking them would be unsafe)."""
+        if not hasattr(os, "fork") or threading.active_count() != 1:
+            return None
+        down_read, down_write = os.pipe()
+        up_read, up_write = os.pipe()
+        sys.stdout.flush()
+        writer = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the helper process (its work is tested through the writer's jobs)
+            try:
+                os.close(down_write)
+                os.close(up_read)
+                _die_with_parent(writer)
+                # The writer process's pipes to the tracker stay the writer's: the tracker sees them end with it.
+                null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, 0)
+                os.dup2(null, 1)
+                with open(down_read, encoding="utf-8") as jobs, open(up_write, "w", encoding="utf-8") as answers:
+                    _help(jobs, answers)
+            finally:
+                os._exit(0)
+        os.close(down_read)
+        os.close(up_write)
+        return cls(pid, open(down_write, "w", encoding="utf-8"), open(up_read, encoding="utf-8"))
+
+    def preload(self, names: Sequence[str]) -> None:
+        """Have the helper import or call ``names`` (see :func:`_preload`) before its next job; never blocks.
+
+        Raises:
+            ConnectionError: The helper is gone.
+        """
+        self._send(_PRELOAD + ",".join(names))
+
+    def do(self, request: Mapping[str, Any]) -> None:
+        """Have the helper do ``request`` (see :func:`_help`) and wait for it.
+
+        Raises:
+            RuntimeError: The job failed (its message).
+            ConnectionError: The helper is gone.
+        """
+        self._send(json.dumps(dict(request)))
+        answer = self._replies.readline().strip()
+        if not answer:
+            raise ConnectionError("the writer's helper process is gone")
+        if answer != "ok":
+            raise RuntimeError(answer.removeprefix("error: "))
+
+    def _send(self, line: str) -> None:
+        try:
+            self._requests.write(line + "\n")
+            self._requests.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            raise ConnectionError("the writer's helper process is gone") from None
+
+    def close(self) -> None:
+        """Stop the helper (between runs it holds nothing worth finishing) and reap it."""
+        for stream in (self._requests, self._replies):
+            with contextlib.suppress(OSError):
+                stream.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent (``parent``) dies (Linux; elsewhere its input ending stops
+    it)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _help(requests: IO[str], replies: IO[str]) -> None:
+    """Serve a writer process's helper jobs until its pipe ends (runs in the helper, see :class:`_Helper`).
+
+    A line ``preload NAME,...`` is done at once (never answered). A job is a JSON object: ``model`` builds a model
+    with ``builder(**kwargs)`` and saves it at ``folder`` for the logged model ``description`` (see
+    :func:`tracking._model.save_for`); ``artifacts`` calls ``target(folder=..., **kwargs)`` (see
+    :func:`tracking._files.write`).
+    """
+    for line in requests:
+        if line.startswith(_PRELOAD):
+            _preload([n for n in line.strip().removeprefix(_PRELOAD).split(",") if n])
+            continue
+        try:
+            request = json.loads(line)
+            op = request.pop("op")
+            if op == "model":
+                from tracking._model import save_for
+
+                save_for(**request)
+            elif op == "artifacts":
+                from tracking._files import write
+
+                write(request["target"], request["folder"], request.get("kwargs") or {})
+            else:
+                raise ValueError(f"unknown job {op!r}")
+            answer = "ok"
+        except Exception as exc:
+            answer = f"error: {type(exc).__name__}: {exc}"
+        replies.write(answer.replace("\n", " ") + "\n")
+        replies.flush()
 
 
 class _Monitor:
@@ -98,7 +237,54 @@ class _Monitor:
             stop_monitor(running)
 
 
-def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, tracking_uri: str) -> str:
+class _Aside:
+    """The writer process's helpers (see :class:`_Helper`) while they live: one for model jobs, one for file jobs."""
+
+    def __init__(self, helpers: Mapping[str, _Helper | None]) -> None:
+        self.helpers = {kind: helper for kind, helper in helpers.items() if helper is not None}
+
+    def preload(self, kind: str, names: Sequence[str]) -> bool:
+        """Have the helper for ``kind`` jobs (``model`` or ``files``) preload ``names``; False when there is none
+        (then the writer process does)."""
+        helper = self.helpers.get(kind)
+        if helper is None:
+            return False
+        try:
+            helper.preload(names)
+        except ConnectionError:
+            self._drop(kind)
+            return False
+        return True
+
+    def __call__(self, kind: str, request: dict[str, Any]) -> bool:
+        """Have the helper for ``kind`` jobs do ``request``; False when there is none or it died (then the writer
+        process does it).
+
+        Raises:
+            RuntimeError: The job failed there (it would here too).
+        """
+        helper = self.helpers.get(kind)
+        if helper is None:
+            return False
+        try:
+            helper.do(request)
+        except ConnectionError:
+            self._drop(kind)
+            return False
+        return True
+
+    def _drop(self, kind: str) -> None:
+        helper = self.helpers.pop(kind, None)
+        if helper is not None:
+            helper.close()
+
+    def close(self) -> None:
+        """Stop the helpers."""
+        for kind in list(self.helpers):
+            self._drop(kind)
+
+
+def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, tracking_uri: str, aside: _Aside) -> str:
     """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``."""
     op = request.get("op")
     if op == "monitor":
@@ -125,13 +311,17 @@ def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, t
         from tracking._files import write
 
         with tempfile.TemporaryDirectory(prefix="tracking-files-") as folder:
-            write(request["target"], folder, request.get("kwargs") or {})
+            kwargs = request.get("kwargs") or {}
+            if not aside("files", {"op": "artifacts", "target": request["target"], "folder": folder, "kwargs": kwargs}):
+                write(request["target"], folder, kwargs)
             client.log_artifacts(run_id, folder, request.get("folder") or None)
         return ""
     if op == "model":
         from tracking._model import log_built_model
 
-        seconds = log_built_model(client, run_id, **request["model"])
+        seconds = log_built_model(
+            client, run_id, **request["model"], aside=lambda job: aside("model", {"op": "model", **job})
+        )
         return f"{seconds:.3f}"
     raise ValueError(f"unknown job {op!r}")
 
@@ -139,7 +329,7 @@ def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, t
 def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     """Serve runs one after the other: for each, read its id (or the run to create), then answer batches and jobs
     read from ``requests`` until its ``end`` job; until told to stop or the parent is gone (runs in the child)."""
-    import mlflow
+    import mlflow  # noqa: F401  (before the helper's fork: it inherits MLflow imported)
 
     # Ctrl-C in a terminal signals the whole process group: the parent stops the child itself (it closes the
     # child's input, flushing first), so the child must not die of the key press and look lost.
@@ -152,6 +342,29 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     def reply(word: str) -> None:
         replies.write(word.replace("\n", " ") + "\n")
         replies.flush()
+
+    # What the parent said to preload when it started this process: helpers forked now, before the store opens a
+    # connection or any thread starts, do it on cores of their own while this process opens the store.
+    names = {kind: [n for n in os.environ.get(variable, "").split(",") if n] for kind, variable in _PRELOADS.items()}
+    aside = _Aside({kind: _Helper.fork() if names[kind] else None for kind in names})
+    for kind, helper in aside.helpers.items():
+        helper.preload(names[kind])
+    try:
+        _serve_runs(tracking_uri, requests, reply, aside, names)
+    finally:
+        aside.close()
+
+
+def _serve_runs(
+    tracking_uri: str,
+    requests: IO[str],
+    reply: Callable[[str], None],
+    aside: _Aside,
+    names: Mapping[str, list[str]],
+) -> None:
+    """:func:`_serve`'s loop over runs, MLflow imported and the helpers, if any, forked; ``names``: what the parent
+    said to preload for each kind of job when it started this process (what a helper preloads already)."""
+    import mlflow
 
     # Open the store before the parent says what to do: that (SQLAlchemy's set-up, a new store's schema) overlaps with
     # the parent's own start-up, and only the run itself is left to create when the request comes.
@@ -166,18 +379,26 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
         store = _store_file(tracking_uri)
     except Exception as exc:
         failure = exc
-    preloaded: set[str] = set()
+    preloaded: dict[str, set[str]] = {kind: set(names[kind]) if kind in aside.helpers else set() for kind in names}
+
+    def preload(kind: str, names: Sequence[str]) -> None:
+        # Now, not once the run exists: the time until the parent asks for its run (it loads its data) is idle.
+        fresh = [n for n in names if n and n not in preloaded[kind]]
+        preloaded[kind].update(fresh)
+        if fresh and failure is None and not aside.preload(kind, fresh):
+            threading.Thread(target=_preload, args=(fresh,), name="tracking-preload", daemon=True).start()
+
+    for kind, initial in names.items():
+        preload(kind, initial)
     served = False
     while True:
         first = requests.readline().strip()
         if not first or first == _STOP:
             return
         if first.startswith(_PRELOAD):
-            # Now, not once the run exists: the time until the parent asks for its run (it loads its data) is idle.
-            names = [n for n in first.removeprefix(_PRELOAD).split(",") if n and n not in preloaded]
-            preloaded.update(names)
-            if names and failure is None:
-                threading.Thread(target=_preload, args=(names,), name="tracking-preload", daemon=True).start()
+            kind, _, asked = first.removeprefix(_PRELOAD).partition(" ")
+            if kind in preloaded:
+                preload(kind, asked.split(","))
             continue
         try:
             if failure is not None:
@@ -204,7 +425,7 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
         reply(f"ready{started}")
         monitor = _Monitor()  # per run: a new run starts with none
         try:
-            ended = _answer(client, run_id, requests, reply, monitor, tracking_uri)
+            ended = _answer(client, run_id, requests, reply, monitor, tracking_uri, aside)
         finally:
             monitor.stop()
         if not ended:
@@ -226,7 +447,13 @@ def _store_file(tracking_uri: str) -> tuple[int, int] | None:
 
 
 def _answer(
-    client: Any, run_id: str, requests: IO[str], reply: Callable[[str], None], monitor: _Monitor, tracking_uri: str
+    client: Any,
+    run_id: str,
+    requests: IO[str],
+    reply: Callable[[str], None],
+    monitor: _Monitor,
+    tracking_uri: str,
+    aside: _Aside,
 ) -> bool:
     """Answer batches and jobs of run ``run_id``; return True after its ``end`` job (whether it succeeded or not:
     the child serves no run then), False when told to stop (or the parent is gone)."""
@@ -240,7 +467,7 @@ def _answer(
             request = json.loads(line)
             if isinstance(request, dict):
                 ending = request.get("op") == "end"
-                reply(f"ok {_job(client, run_id, request, monitor, tracking_uri)}")
+                reply(f"ok {_job(client, run_id, request, monitor, tracking_uri, aside)}")
             else:
                 metrics = [Metric(str(k), float(v), int(t), int(s)) for k, v, t, s in request]
                 client.log_batch(run_id, metrics=metrics, synchronous=True)
@@ -265,7 +492,10 @@ class ChildLogBatch:
         run_id: The run the metrics belong to; None: given later with :meth:`bind`.
         extra_env: Environment variables set for the child only, e.g. bounds on MLflow's HTTP timeout and retries.
         preload: Modules the child imports (``package.module``) or functions it calls (``package.module:function``)
-            once the store is open, for the jobs it will be given (see :meth:`job`).
+            ahead for the ``model`` jobs it will be given (see :meth:`job`): where processes fork, a helper process
+            the child forks at its start does that and those jobs (see :class:`_Helper`); elsewhere the child
+            does, on a thread, once the store is open.
+        files_preload: The same for its ``artifacts`` jobs, with a helper of their own.
 
     ``__call__`` raises ``RuntimeError`` with the child's error message, or ``ConnectionError`` when the child is
     gone; the caller (a :class:`~tracking.writer.MetricWriter`) keeps the batch and retries or falls back.
@@ -278,9 +508,16 @@ class ChildLogBatch:
         *,
         extra_env: Mapping[str, str] | None = None,
         preload: Sequence[str] = (),
+        files_preload: Sequence[str] = (),
     ) -> None:
         """Start the child (it imports MLflow in the background, and connects once it has the run id)."""
+        lists = {"model": list(dict.fromkeys(preload)), "files": list(dict.fromkeys(files_preload))}
+        for names in lists.values():
+            _check_names(names)
         self._env = _child_env(tracking_uri, extra_env)
+        self._preloaded: dict[str, set[str]] = {kind: set(names) for kind, names in lists.items()}
+        # Known at its start, what to preload goes to helpers the child forks at once (see _Helper).
+        initial = {_PRELOADS[kind]: ",".join(names) for kind, names in lists.items() if names}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "tracking._child"],
             stdin=subprocess.PIPE,
@@ -288,14 +525,12 @@ class ChildLogBatch:
             stderr=subprocess.DEVNULL,
             text=True,
             encoding="utf-8",
-            env=self._env,
+            env={**self._env, **initial},
         )
         self._ready = False
         self._bound = False
         self._run = 0
-        self._preloaded: set[str] = set()
         self._lock = threading.Lock()
-        self.preload(preload)
         if run_id is not None:
             self.bind(run_id)
 
@@ -304,25 +539,25 @@ class ChildLogBatch:
         (this process's, as it is now)."""
         return self._env == _child_env(tracking_uri, extra_env)
 
-    def preload(self, names: Sequence[str]) -> None:
-        """Have the child import or call ``names`` (see ``preload`` above) in the background, those it was not given
-        before; never blocks.
+    def preload(self, names: Sequence[str], *, files: bool = False) -> None:
+        """Have the child import or call ``names`` (see ``preload`` above; ``files``: ``files_preload``) in the
+        background, those it was not given before; never blocks.
 
         Raises:
             ValueError: The child serves a run now (preload before :meth:`bind` or :meth:`start`), or a name holds a
                 comma or spans lines.
             ConnectionError: The child is gone.
         """
-        if any("," in name or "\n" in name for name in names):
-            raise ValueError(f"not a module or function name: {list(names)!r}")
+        _check_names(names)
+        kind = "files" if files else "model"
         with self._lock:
-            fresh = [name for name in dict.fromkeys(names) if name not in self._preloaded]
+            fresh = [name for name in dict.fromkeys(names) if name not in self._preloaded[kind]]
             if not fresh:
                 return
             if self._bound:
                 raise ValueError("the writer process serves a run: preload before its next one")
-            self._preloaded.update(fresh)
-            self._write(_PRELOAD + ",".join(fresh))
+            self._preloaded[kind].update(fresh)
+            self._write(f"{_PRELOAD}{kind} {','.join(fresh)}")
 
     def bind(self, run_id: str) -> None:
         """Tell the child which run its metrics belong to (once); it connects to the store then.
@@ -590,6 +825,12 @@ def close_idle_writer() -> None:
     IDLE.clear()
 
 
+def _check_names(names: Sequence[str]) -> None:
+    """Raise ValueError if one of ``names`` could not travel as a preload name (a comma, a space, a line break)."""
+    if any(not name or any(c in name for c in ", \n") for name in names):
+        raise ValueError(f"not a module or function name: {list(names)!r}")
+
+
 def _child_env(tracking_uri: str, extra_env: Mapping[str, str] | None) -> dict[str, str]:
     """Return the environment of a child writing to ``tracking_uri``: this process's, with ``extra_env``."""
     env = dict(os.environ)
@@ -599,6 +840,8 @@ def _child_env(tracking_uri: str, extra_env: Mapping[str, str] | None) -> dict[s
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     # The URI may carry credentials: through the environment, never on the command line (`ps` shows that).
     env[_URI_VARIABLE] = tracking_uri
+    for variable in _PRELOADS.values():  # a writer process's own, when it starts with something to preload
+        env.pop(variable, None)
     return env
 
 

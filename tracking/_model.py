@@ -4,7 +4,7 @@
 an importable builder first, which is how the writer process (:mod:`tracking._child`) logs a model: the module never
 crosses the process boundary (nothing is pickled), only the builder's name and JSON keyword arguments do. Saving
 imports ``torch.export`` and MLflow's pytorch flavour (about two seconds) and traces the model; in the writer
-process that runs beside training rather than after it.
+process's helper (:func:`save_for`) that runs beside training rather than after it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,17 @@ if TYPE_CHECKING:
     import torch
     from mlflow.models import Model
 
-__all__ = ["build", "call", "log_built_model", "log_to_run", "requirements", "save_built", "save_model", "warm_up"]
+__all__ = [
+    "build",
+    "call",
+    "log_built_model",
+    "log_to_run",
+    "requirements",
+    "save_built",
+    "save_for",
+    "save_model",
+    "warm_up",
+]
 
 
 def requirements() -> list[str]:
@@ -134,6 +144,44 @@ def build(builder: str, kwargs: Mapping[str, Any]) -> torch.nn.Module:
     return model
 
 
+def save_for(
+    *,
+    folder: str,
+    builder: str,
+    kwargs: Mapping[str, Any],
+    description: Mapping[str, str] | None = None,
+    input_example: Sequence[Any] | None = None,
+    input_dtype: str = "float32",
+) -> None:
+    """Build a model with ``builder(**kwargs)`` and save it as :func:`save_model` does at ``folder``.
+
+    Takes JSON values only: what the writer's helper process runs for a model job (see :mod:`tracking._child`).
+
+    Args:
+        folder: A folder that does not exist yet.
+        builder: ``package.module:name`` of a callable returning the ``nn.Module`` with its final weights.
+        kwargs: Its keyword arguments (JSON values).
+        description: The fields of the logged model's MLflow description (``artifact_path``, ``run_id``,
+            ``model_uuid``, ``model_id``), if it is saved for one.
+        input_example: A batch of inputs as nested lists (made an array of ``input_dtype``).
+        input_dtype: The NumPy dtype of the inputs.
+    """
+    import numpy as np
+
+    model = None
+    if description is not None:
+        from mlflow.models import Model
+
+        model = Model(
+            artifact_path=description["artifact_path"],
+            run_id=description["run_id"],
+            model_uuid=description["model_uuid"],
+            model_id=description["model_id"],
+        )
+    example = None if input_example is None else np.asarray(input_example, dtype=input_dtype)
+    save_model(build(builder, kwargs), folder, description=model, input_example=example)
+
+
 def save_built(
     *,
     folder: str,
@@ -156,10 +204,13 @@ def save_built(
         input_example: A batch of inputs as nested lists (made an array of ``input_dtype``).
         input_dtype: The NumPy dtype of the inputs.
     """
-    import numpy as np
-
-    example = None if input_example is None else np.asarray(input_example, dtype=input_dtype)
-    save_model(build(builder, kwargs), os.path.join(folder, name), input_example=example)
+    save_for(
+        folder=os.path.join(folder, name),
+        builder=builder,
+        kwargs=kwargs,
+        input_example=input_example,
+        input_dtype=input_dtype,
+    )
 
 
 def log_built_model(
@@ -172,6 +223,7 @@ def log_built_model(
     name: str = "model",
     input_example: Sequence[Any] | None = None,
     input_dtype: str = "float32",
+    aside: Callable[[dict[str, Any]], bool] | None = None,
 ) -> float:
     """Build a model with ``builder(**kwargs)`` and log it to the run (see :func:`log_to_run`); return the seconds.
 
@@ -184,17 +236,23 @@ def log_built_model(
         name: The logged model's name.
         input_example: A batch of inputs as nested lists (made an array of ``input_dtype``).
         input_dtype: The NumPy dtype of the inputs.
+        aside: Has :func:`save_for`'s keyword arguments (a JSON object) done in another process; returns False
+            when it cannot (then this process builds and saves the model).
     """
-    import numpy as np
-
     began = time.perf_counter()
-    model = build(builder, kwargs)
-    example = None if input_example is None else np.asarray(input_example, dtype=input_dtype)
-    log_to_run(
-        client,
-        run_id,
-        experiment_id,
-        name,
-        lambda local, description: save_model(model, local, description=description, input_example=example),
-    )
+
+    def save(local: str, description: Model) -> None:
+        fields = ("artifact_path", "run_id", "model_uuid", "model_id")
+        request: dict[str, Any] = {
+            "folder": local,
+            "builder": builder,
+            "kwargs": dict(kwargs),
+            "description": {field: getattr(description, field) for field in fields},
+            "input_example": None if input_example is None else list(input_example),
+            "input_dtype": input_dtype,
+        }
+        if aside is None or not aside(request):
+            save_for(**request)
+
+    log_to_run(client, run_id, experiment_id, name, save)
     return time.perf_counter() - began

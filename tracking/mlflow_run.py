@@ -27,7 +27,7 @@ import structlog
 import yaml
 
 from tracking import _files, _model
-from tracking._child import IDLE, STORE_REPLACED, ChildLogBatch, IdleChild
+from tracking._child import FORKS_HELPER, IDLE, STORE_REPLACED, ChildLogBatch, IdleChild
 from tracking._keys import safe_key
 from tracking._runs import (
     _MAX_PARAMS_PER_CALL,
@@ -251,12 +251,13 @@ class MlflowTracker:
         runs_view: A view of the experiment's runs table, e.g. ``{"selectedColumns": ["metrics.`accuracy`"]}``
             (the state MLflow's UI shares): saved on the experiment as the tag ``mlflow.sharedViewState.<name>``,
             where ``name`` is :data:`RUNS_VIEW_KEY`; :meth:`ui_url` opens it.
-        preload: What the writer process imports (``package.module``) or calls (``package.module:function``) once
-            it is connected, while the caller trains, for the work :meth:`log_model_from` and :meth:`log_files_from`
-            will hand it, e.g. ``("tracking._model:warm_up",)``.
-        reused_preload: What a writer process taken over from an earlier run of this process (see :meth:`prepare`)
-            imports or calls besides ``preload``: work that pays off once a process serves several runs, e.g. the
-            plots' imports, which a new process leaves to a one-shot process while it exports the model.
+        preload: What the writer process imports (``package.module``) or calls (``package.module:function``) ahead,
+            while the caller trains, for the model :meth:`log_model_from` will hand it, e.g.
+            ``("tracking._model:warm_up",)``: where processes fork, a helper process of the writer process's does
+            that and the model's export on a core of its own (see :mod:`tracking._child`).
+        files_preload: The same for what :meth:`log_files_from` will hand it (e.g. the plots' imports), with a
+            helper of its own. Where processes cannot fork, a new writer process preloads these only when
+            ``preload`` is empty (it would export the model first: see :attr:`writer_warm`); a kept one always.
         idle_writers: Where an idle writer process is taken from and left for the next tracker: the process's
             holder :data:`tracking._child.IDLE` by default; a tracker given its own :class:`IdleChild` (a test, or
             an application that wants no process-wide sharing) shares only with trackers given the same one.
@@ -280,13 +281,13 @@ class MlflowTracker:
         http_retries: int = 1,
         runs_view: Mapping[str, Any] | None = None,
         preload: Sequence[str] = (),
-        reused_preload: Sequence[str] = (),
+        files_preload: Sequence[str] = (),
         idle_writers: IdleChild = IDLE,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self._idle_writers = idle_writers
         self._preload = tuple(preload)
-        self._reused_preload = tuple(reused_preload)
+        self._files_preload = tuple(files_preload)
         self._writer_reused = False
         self._run = RunIdentity(self.tracking_uri, probe_timeout_s=http_timeout_s)
         self._artifact_root = artifact_root
@@ -377,12 +378,18 @@ class MlflowTracker:
         child = self._idle_writers.take(self.tracking_uri, extra)
         if child is not None:
             try:
-                child.preload(self._preload + self._reused_preload)
+                child.preload(self._preload)
+                child.preload(self._files_preload, files=True)
                 self._writer_reused = True
             except (ConnectionError, ValueError):
                 child.close()
                 child = None
-        self._child = child or ChildLogBatch(self.tracking_uri, extra_env=extra, preload=self._preload)
+        self._child = child or self._new_child()
+
+    def _new_child(self) -> ChildLogBatch:
+        """Start a writer process, told what to preload (see ``files_preload``)."""
+        files = self._files_preload if FORKS_HELPER or not self._preload else ()
+        return ChildLogBatch(self.tracking_uri, extra_env=self._child_env(), preload=self._preload, files_preload=files)
 
     def _child_env(self) -> dict[str, str]:
         """Return the writer process's own environment variables: bounds on a server's HTTP timeout and retries."""
@@ -390,6 +397,14 @@ class MlflowTracker:
             return {}
         bounds = http_env(self._http_timeout, self._http_retries)
         return {k: v for k, v in bounds.items() if k not in os.environ}
+
+    @property
+    def writer_warm(self) -> bool:
+        """Whether what :meth:`log_files_from` hands the writer process finds ``files_preload`` done there and need
+        not wait for the model's export: a kept writer process (see :attr:`writer_reused`), a new one with helper
+        processes (see :data:`tracking._child.FORKS_HELPER`), or one with no model to export. Otherwise a one-shot
+        process (``elsewhere`` of :meth:`log_files_from`) makes the files sooner, beside the export."""
+        return self._writer_reused or (bool(self._files_preload) and (FORKS_HELPER or not self._preload))
 
     @property
     def writer_reused(self) -> bool:
@@ -592,7 +607,7 @@ class MlflowTracker:
                 return False
             # A kept process died idle, or its store's file was replaced since it opened it: a new one may succeed.
             self._writer_reused = False
-            self._child = ChildLogBatch(self.tracking_uri, extra_env=self._child_env(), preload=self._preload)
+            self._child = self._new_child()
             return self._start_in_child(experiment, run_name, tags, params)
         self._child_run = child.run
         self._run.run_id, self._run.experiment_id = run_id, experiment_id

@@ -11,6 +11,7 @@ from pathlib import Path
 import mlflow
 import mlflow.pytorch
 import numpy as np
+import psutil
 import pytest
 import torch
 from mlflow.entities import Metric
@@ -20,7 +21,7 @@ from flasync import models
 from flasync.testing import MemoryTracker, small_config
 from flasync.tracked import PLOTS_WRITER
 from tracking import MlflowTracker, _files
-from tracking._child import _EXIT_TIMEOUT_S, IDLE, ChildLogBatch, IdleChild, close_idle_writer
+from tracking._child import _EXIT_TIMEOUT_S, FORKS_HELPER, IDLE, ChildLogBatch, IdleChild, close_idle_writer
 
 
 def _metrics(key: str, steps: range) -> list[Metric]:
@@ -190,8 +191,11 @@ def test_model_from_builder_is_logged_by_the_child(tracking_uri: str, tmp_path: 
         tracker.log_model_from("no_such_module:build", {}, name="nope", input_example=example)
     tracker.finish("FINISHED")
     client = mlflow.MlflowClient(tracking_uri)
-    [logged] = client.search_logged_models([client.get_run(run_id).info.experiment_id])
-    assert logged.name == "mlp" and logged.source_run_id == run_id and str(logged.status) == "READY"
+    found = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    # The failed one is marked so (its builder failed in the writer's helper), never left pending.
+    assert {(m.name, str(m.status)) for m in found} == {("mlp", "READY"), ("nope", "FAILED")}
+    [logged] = [m for m in found if m.name == "mlp"]
+    assert logged.source_run_id == run_id
     loaded = mlflow.pytorch.load_model(logged.artifact_location)
     x = torch.randn(5, 8)
     assert torch.allclose(loaded(x), model(x), atol=1e-6)
@@ -485,3 +489,102 @@ def test_a_kept_child_whose_store_was_replaced_gives_way_to_a_new_one(tmp_path: 
     client = mlflow.MlflowClient(uri)
     assert client.get_run(run_id).info.status == "FINISHED"
     assert _steps(client, run_id, "two") == [0, 1, 2, 3, 4]
+
+
+def _loads_torch(pid: int) -> bool:
+    """Tell whether process ``pid`` has torch's library mapped."""
+    return any("libtorch" in Path(m.path).name for m in psutil.Process(pid).memory_maps())
+
+
+def _model_kwargs(tmp_path: Path) -> tuple[dict[str, object], torch.nn.Module]:
+    weights = tmp_path / "w.npy"
+    model = models.MLP(8, [4], 3)
+    np.save(weights, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    return {"model": "MLP", "weights": str(weights), "in_features": 8, "hidden": [4], "num_classes": 3}, model
+
+
+@pytest.mark.skipif(not FORKS_HELPER, reason="the writer forks its helpers only where processes fork")
+def test_a_writer_with_preloads_leaves_model_and_files_to_helpers_of_its_own(
+    tracking_uri: str, tmp_path: Path, profile_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new writer process told what to preload forks one helper for the model, one for files: the model's export
+    and the plots are made there (the writer process never loads torch), logged by the writer process; the helpers
+    end with it."""
+    monkeypatch.setattr(_files, "write_elsewhere", lambda *a, **k: pytest.fail("drawn by a one-shot process"))
+    tracker = MlflowTracker(
+        tracking_uri, preload=("tracking._model:warm_up",), files_preload=("flasync.plots:warm_up_plots",)
+    )
+    assert tracker.writer_warm
+    tracker.prepare()
+    assert tracker._child is not None
+    writer = psutil.Process(tracker._child.pid)
+    run_id = tracker.start(experiment="child-helpers")
+    helpers = writer.children()
+    assert len(helpers) == 2
+    kwargs, model = _model_kwargs(tmp_path)
+    example = np.zeros((2, 8), dtype=np.float32)
+    tracker.log_files_from(PLOTS_WRITER, {"profile": str(profile_file)}, "plots")
+    tracker.log_model_from("flasync.models:build", kwargs, name="mlp", input_example=example)
+    assert not _loads_torch(writer.pid)
+    assert sum(_loads_torch(helper.pid) for helper in helpers) == 1
+    tracker.finish("FINISHED")
+    assert _artifacts(tracking_uri, run_id, "plots") == PLOTS
+    client = mlflow.MlflowClient(tracking_uri)
+    [logged] = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    assert str(logged.status) == "READY" and logged.source_run_id == run_id
+    x = torch.randn(5, 8)
+    assert torch.allclose(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x), atol=1e-6)
+    close_idle_writer()
+    _, alive = psutil.wait_procs([writer, *helpers], timeout=_EXIT_TIMEOUT_S)
+    assert not alive
+
+
+@pytest.mark.skipif(not FORKS_HELPER, reason="the writer forks its helpers only where processes fork")
+def test_a_dead_helper_leaves_its_jobs_to_the_writer(tracking_uri: str, tmp_path: Path) -> None:
+    """When the model's helper is gone, the writer process exports and logs the model itself."""
+    holder = IdleChild()
+    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
+    run_id = tracker.start(experiment="child-helper-dies")
+    assert tracker._child is not None
+    [helper] = psutil.Process(tracker._child.pid).children()
+    helper.kill()
+    deadline = time.monotonic() + 10
+    while helper.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:  # the writer reaps it later
+        time.sleep(0.05)
+    assert helper.status() == psutil.STATUS_ZOMBIE
+    kwargs, _ = _model_kwargs(tmp_path)
+    tracker.log_model_from("flasync.models:build", kwargs, name="mlp", input_example=np.zeros((2, 8), np.float32))
+    assert tracker._child is not None and tracker._child.alive  # the writer process did it
+    tracker.finish("FINISHED")
+    holder.clear()
+    client = mlflow.MlflowClient(tracking_uri)
+    [logged] = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    assert str(logged.status) == "READY"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel ends helpers with their parent on Linux")
+def test_helpers_die_with_a_killed_writer(tracking_uri: str) -> None:
+    """A writer process killed outright takes its helpers with it, even while they still preload."""
+    child = ChildLogBatch(tracking_uri, preload=("tracking._model:warm_up",), files_preload=("json",))
+    writer = psutil.Process(child.pid)
+    deadline = time.monotonic() + 60
+    while len(writer.children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    helpers = writer.children()
+    assert len(helpers) == 2
+    writer.kill()
+    child.close()
+    _, alive = psutil.wait_procs(helpers, timeout=10)
+    assert not alive
+
+
+def test_writer_warm_says_where_plots_are_drawn(tracking_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new writer process draws files beside the model's export when it forks helpers, or has no model to
+    export; without fork, a tracker with a model to log leaves the files to a one-shot process."""
+    model, plots = ("tracking._model:warm_up",), ("flasync.plots:warm_up_plots",)
+    assert not MlflowTracker(tracking_uri, preload=model).writer_warm
+    monkeypatch.setattr("tracking.mlflow_run.FORKS_HELPER", True)
+    assert MlflowTracker(tracking_uri, preload=model, files_preload=plots).writer_warm
+    monkeypatch.setattr("tracking.mlflow_run.FORKS_HELPER", False)
+    assert not MlflowTracker(tracking_uri, preload=model, files_preload=plots).writer_warm
+    assert MlflowTracker(tracking_uri, files_preload=plots).writer_warm

@@ -64,6 +64,9 @@ STORE_REPLACED = "the SQLite store was removed or replaced"
 _URI_VARIABLE = "FLASYNC_CHILD_TRACKING_URI"
 _PRELOADS = {"model": "FLASYNC_CHILD_PRELOAD", "files": "FLASYNC_CHILD_FILES_PRELOAD"}
 """The environment variable that names what a writer process preloads from its start, per kind of job."""
+_NICENESS = {"model": 0, "files": 10}
+"""What each helper adds to its scheduling priority: the files' one imports matplotlib during training, where the
+run, the writer process and the model's helper need the cores more; it draws once training is over."""
 FORKS_HELPER = hasattr(os, "fork")
 """Whether a writer process started with something to preload forks a helper to do it and the jobs it is for
 (see :class:`_Helper`); where it cannot fork, it preloads on a thread of its own."""
@@ -100,8 +103,9 @@ class _Helper:
         self._replies = replies
 
     @classmethod
-    def fork(cls) -> _Helper | None:
-        """Fork the helper; None where the platform cannot fork, or threads run (forking them would be unsafe)."""
+    def fork(cls, niceness: int = 0) -> _Helper | None:
+        """Fork the helper, ``niceness`` added to its scheduling priority; None where the platform cannot fork, or
+        threads run (forking them would be unsafe)."""
         if not hasattr(os, "fork") or threading.active_count() != 1:
             return None
         down_read, down_write = os.pipe()
@@ -114,6 +118,8 @@ class _Helper:
                 os.close(down_write)
                 os.close(up_read)
                 _die_with_parent(writer)
+                if niceness:
+                    os.nice(niceness)
                 # The writer process's pipes to the tracker stay the writer's: the tracker sees them end with it.
                 null = os.open(os.devnull, os.O_RDWR)
                 os.dup2(null, 0)
@@ -346,7 +352,7 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     # What the parent said to preload when it started this process: helpers forked now, before the store opens a
     # connection or any thread starts, do it on cores of their own while this process opens the store.
     names = {kind: [n for n in os.environ.get(variable, "").split(",") if n] for kind, variable in _PRELOADS.items()}
-    aside = _Aside({kind: _Helper.fork() if names[kind] else None for kind in names})
+    aside = _Aside({kind: _Helper.fork(_NICENESS[kind]) if names[kind] else None for kind in names})
     for kind, helper in aside.helpers.items():
         helper.preload(names[kind])
     try:

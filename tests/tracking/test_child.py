@@ -521,6 +521,8 @@ def test_a_writer_with_preloads_leaves_model_and_files_to_helpers_of_its_own(
     run_id = tracker.start(experiment="child-helpers")
     helpers = writer.children()
     assert len(helpers) == 2
+    # The files' helper yields the cores to training, the writer process and the model's helper.
+    assert sorted(helper.nice() - writer.nice() for helper in helpers) == [0, 10]
     kwargs, model = _model_kwargs(tmp_path)
     example = np.zeros((2, 8), dtype=np.float32)
     tracker.log_files_from(PLOTS_WRITER, {"profile": str(profile_file)}, "plots")

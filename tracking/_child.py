@@ -252,15 +252,7 @@ class _Aside:
     def preload(self, kind: str, names: Sequence[str]) -> bool:
         """Have the helper for ``kind`` jobs (``model`` or ``files``) preload ``names``; False when there is none
         (then the writer process does)."""
-        helper = self.helpers.get(kind)
-        if helper is None:
-            return False
-        try:
-            helper.preload(names)
-        except ConnectionError:
-            self._drop(kind)
-            return False
-        return True
+        return self._use(kind, lambda helper: helper.preload(names))
 
     def __call__(self, kind: str, request: dict[str, Any]) -> bool:
         """Have the helper for ``kind`` jobs do ``request``; False when there is none or it died (then the writer
@@ -269,11 +261,15 @@ class _Aside:
         Raises:
             RuntimeError: The job failed there (it would here too).
         """
+        return self._use(kind, lambda helper: helper.do(request))
+
+    def _use(self, kind: str, action: Callable[[_Helper], None]) -> bool:
+        """Call ``action`` with the helper for ``kind`` jobs; False when there is none or it died (it is dropped)."""
         helper = self.helpers.get(kind)
         if helper is None:
             return False
         try:
-            helper.do(request)
+            action(helper)
         except ConnectionError:
             self._drop(kind)
             return False

@@ -403,7 +403,10 @@ class MlflowTracker:
         """Whether what :meth:`log_files_from` hands the writer process finds ``files_preload`` done there and need
         not wait for the model's export: a kept writer process (see :attr:`writer_reused`), a new one with helper
         processes (see :data:`tracking._child.FORKS_HELPER`), or one with no model to export. Otherwise a one-shot
-        process (``elsewhere`` of :meth:`log_files_from`) makes the files sooner, beside the export."""
+        process (``elsewhere`` of :meth:`log_files_from`) makes the files sooner, beside the export. False too
+        without a writer process (``writer_process=False``)."""
+        if not self._writer_process:
+            return False
         return self._writer_reused or (bool(self._files_preload) and (FORKS_HELPER or not self._preload))
 
     @property

@@ -590,3 +590,4 @@ def test_writer_warm_says_where_plots_are_drawn(tracking_uri: str, monkeypatch: 
     monkeypatch.setattr("tracking.mlflow_run.FORKS_HELPER", False)
     assert not MlflowTracker(tracking_uri, preload=model, files_preload=plots).writer_warm
     assert MlflowTracker(tracking_uri, files_preload=plots).writer_warm
+    assert not MlflowTracker(tracking_uri, files_preload=plots, writer_process=False).writer_warm

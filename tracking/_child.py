@@ -349,8 +349,8 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     # connection or any thread starts, do it on cores of their own while this process opens the store.
     names = {kind: [n for n in os.environ.get(variable, "").split(",") if n] for kind, variable in _PRELOADS.items()}
     aside = _Aside({kind: _Helper.fork(_NICENESS[kind]) if names[kind] else None for kind in names})
-    for kind, helper in aside.helpers.items():
-        helper.preload(names[kind])
+    for kind in list(aside.helpers):
+        aside.preload(kind, names[kind])  # a helper already gone is dropped: the writer preloads instead
     try:
         _serve_runs(tracking_uri, requests, reply, aside, names)
     finally:

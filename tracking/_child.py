@@ -48,9 +48,10 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from tracking.metrics import MetricRow
+if TYPE_CHECKING:
+    from tracking.metrics import MetricRow
 
 __all__ = ["FORKS_HELPER", "IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer"]
 

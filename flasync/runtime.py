@@ -699,22 +699,23 @@ class Federation:
         mlflow_tracker = tracker if isinstance(tracker, tracking.MlflowTracker) else None
         assert self.weights is not None
         example = prepared.test.x[:2].detach().cpu().numpy()
-        model_log: Future[float] | None = None
         pool: ThreadPoolExecutor | None = None
         plots = self.profile is not None and self.config.diagnostics.plots
         plots_done = False
         built = self.config.tracking.log_model and mlflow_tracker is not None and prepared.model_spec is not None
-        warm = mlflow_tracker is not None and mlflow_tracker.writer_warm
-        if built and not warm:
-            # A new writer process without helpers (no fork) exports the model after its first export's imports:
-            # the thread below waits on it while a one-shot process draws the plots, side by side. Where the
-            # writer's helpers (or a kept writer process) did those imports ahead (tracked.files_preload), the plots
-            # go to them first and the model last, below: the plots and the metrics still queued are in while the
-            # model's helper may still finish its first export.
+        settle_model: Callable[[], float] | None = None
+        if built:
             assert mlflow_tracker is not None and prepared.model_spec is not None
-            pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flasync-model")
-            model_log = pool.submit(self._log_model_from_spec, mlflow_tracker, prepared.model_spec, example)
-            if plots:
+            # The writer process logs the model on a thread of its own while this process goes on: from here, the
+            # plots, the files and the metrics still queued are answered beside the model's export (by the writer's
+            # helpers, where processes fork). Where the plots' imports were not done ahead (a new writer process
+            # without helpers), a one-shot process draws them meanwhile.
+            try:
+                settle_model = self._start_model_from_spec(mlflow_tracker, prepared.model_spec, example)
+            except Exception as exc:  # a model MLflow cannot serialise must not fail the run
+                log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+            if plots and not mlflow_tracker.writer_warm:
+                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-plots")
                 pool.submit(self._log_plots, mlflow_tracker, log, elsewhere=True)
                 plots_done = True
         try:
@@ -747,14 +748,11 @@ class Federation:
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)  # the model is logged before the run may end
-        if not self.config.tracking.log_model or mlflow_tracker is None:
+        if not self.config.tracking.log_model or mlflow_tracker is None or (built and settle_model is None):
             return
         try:
-            if model_log is not None:
-                seconds = model_log.result()
-            elif built:
-                assert prepared.model_spec is not None
-                seconds = self._log_model_from_spec(mlflow_tracker, prepared.model_spec, example)
+            if settle_model is not None:
+                seconds = settle_model()
             else:
                 seconds = mlflow_tracker.log_model(module, input_example=example)
             log.debug("tracking.log_model", seconds=seconds, metrics=False)
@@ -777,19 +775,32 @@ class Federation:
                 return
         log.debug("tracking.plots", seconds=seconds, metrics=False)
 
-    def _log_model_from_spec(
+    def _start_model_from_spec(
         self, tracker: tracking.MlflowTracker, spec: tuple[str, dict[str, Any]], example: np.ndarray
-    ) -> float:
-        """Log the model :func:`flasync.models.build` rebuilds from ``spec`` and the final weights (in the writer
-        process when there is one); return the seconds waited."""
+    ) -> Callable[[], float]:
+        """Start logging the model :func:`flasync.models.build` rebuilds from ``spec`` and the final weights (in the
+        writer process when there is one, see :meth:`tracking.MlflowTracker.start_model_from`); return what waits
+        for it and returns the seconds."""
         assert self.weights is not None
         name, kwargs = spec
-        with tempfile.TemporaryDirectory(prefix="flasync-model-") as tmp:
-            weights = os.path.join(tmp, "weights.npy")
+        folder = tempfile.mkdtemp(prefix="flasync-model-")
+        try:
+            weights = os.path.join(folder, "weights.npy")
             np.save(weights, self.weights.numpy(), allow_pickle=False)
-            return tracker.log_model_from(
+            settle = tracker.start_model_from(
                 tracked.MODEL_BUILDER, {"model": name, "weights": weights, **kwargs}, input_example=example
             )
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+        def wait() -> float:
+            try:
+                return settle()
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)  # the weights, once the model no longer needs them
+
+        return wait
 
 
 class _CheckpointWriter:

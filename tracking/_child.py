@@ -25,6 +25,10 @@ preloads on a core of its own, while the child opens the store and writes metric
 child sends their results to the store). Elsewhere, or for names sent to a child without a helper of that kind,
 the child preloads on a background thread once the store is open, and does the jobs itself.
 
+A job that carries ``"defer": NAME`` is answered ``ok`` at once and done on a thread of its own while the child
+answers what follows; ``{"op": "settle", "id": NAME}`` waits for it and answers as the job would have. The ``end``
+job waits for those not settled.
+
 After a run's ``end`` job (answered ``ok`` or ``error: ...``) the child has no run again: its system monitor is
 stopped and it waits for the next run's first line, with MLflow, the open store and whatever it preloaded still
 loaded. :data:`IDLE` keeps one such idle child per process, so consecutive tracked runs on the same store (a sweep, a
@@ -287,6 +291,49 @@ class _Aside:
             self._drop(kind)
 
 
+class _Deferred:
+    """A run's deferred jobs: each done on a thread of its own while the writer process answers what comes next
+    (e.g. the model exported by its helper while the plots are drawn by the other), until settled."""
+
+    def __init__(self, do: Callable[[dict[str, Any]], str]) -> None:
+        self._do = do
+        self._jobs: dict[str, tuple[threading.Thread, list[str]]] = {}
+
+    def start(self, name: str, request: dict[str, Any]) -> None:
+        """Start ``request`` as the deferred job ``name``.
+
+        Raises:
+            ValueError: A job of that name is not settled yet.
+        """
+        if name in self._jobs:
+            raise ValueError(f"a deferred job {name!r} is not settled yet")
+        answer: list[str] = []
+
+        def work() -> None:
+            try:
+                answer.append(f"ok {self._do(request)}")
+            except Exception as exc:
+                answer.append(f"error: {type(exc).__name__}: {exc}")
+
+        thread = threading.Thread(target=work, name=f"tracking-job-{name}", daemon=True)
+        self._jobs[name] = (thread, answer)
+        thread.start()
+
+    def settle(self, name: str) -> str:
+        """Wait for the deferred job ``name``; return its answer (``ok ...`` or ``error: ...``)."""
+        job = self._jobs.pop(name, None)
+        if job is None:
+            return f"error: KeyError: no deferred job {name!r}"
+        thread, answer = job
+        thread.join()
+        return answer[0] if answer else "error: RuntimeError: the job ended without an answer"
+
+    def settle_all(self) -> None:
+        """Wait for every job not settled yet (their answers are dropped: nobody asked for them)."""
+        for name in list(self._jobs):
+            self.settle(name)
+
+
 def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, tracking_uri: str, aside: _Aside) -> str:
     """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``."""
     op = request.get("op")
@@ -462,15 +509,26 @@ def _answer(
     the child serves no run then), False when told to stop (or the parent is gone)."""
     from mlflow.entities import Metric
 
+    deferred = _Deferred(lambda request: _job(client, run_id, request, monitor, tracking_uri, aside))
     for line in requests:
         if line.strip() == _STOP:
+            deferred.settle_all()
             return False
         ending = False
         try:
             request = json.loads(line)
             if isinstance(request, dict):
-                ending = request.get("op") == "end"
-                reply(f"ok {_job(client, run_id, request, monitor, tracking_uri, aside)}")
+                op = request.get("op")
+                ending = op == "end"
+                if request.get("defer"):
+                    deferred.start(str(request["defer"]), request)
+                    reply("ok")
+                elif op == "settle":
+                    reply(deferred.settle(str(request["id"])))
+                else:
+                    if ending:
+                        deferred.settle_all()  # a job left unsettled still ends before its run
+                    reply(f"ok {_job(client, run_id, request, monitor, tracking_uri, aside)}")
             else:
                 metrics = [Metric(str(k), float(v), int(t), int(s)) for k, v, t, s in request]
                 client.log_batch(run_id, metrics=metrics, synchronous=True)

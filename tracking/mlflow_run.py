@@ -10,6 +10,7 @@ first needs it, so a run without tracking never loads it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shlex
@@ -289,6 +290,8 @@ class MlflowTracker:
         self._preload = tuple(preload)
         self._files_preload = tuple(files_preload)
         self._writer_reused = False
+        self._deferred = itertools.count(1)
+        """Numbers the writer process's deferred jobs (see :meth:`start_model_from`)."""
         self._run = RunIdentity(self.tracking_uri, probe_timeout_s=http_timeout_s)
         self._artifact_root = artifact_root
         self._system_metrics = system_metrics
@@ -999,19 +1002,57 @@ class MlflowTracker:
         """
         began = time.perf_counter()
         self._check_started()
-        example = None if input_example is None else input_example.tolist()
-        dtype = None if input_example is None else str(input_example.dtype)
-        arguments = {
-            "builder": builder,
-            "kwargs": dict(kwargs),
-            "name": name,
-            "input_example": example,
-            "input_dtype": dtype or "float32",
-        }
-        request = {"op": "model", "model": {"experiment_id": str(self.experiment_id), **arguments}}
-        if self._child_job(request):
+        arguments = _model_arguments(builder, kwargs, name, input_example)
+        if self._child_job(self._model_request(arguments)):
             return time.perf_counter() - began
-        model = _model.build(builder, kwargs)  # a builder that fails is the caller's error, not the store's
+        return self._model_here(arguments, input_example, began)
+
+    def start_model_from(
+        self,
+        builder: str,
+        kwargs: Mapping[str, Any],
+        *,
+        name: str = "model",
+        input_example: Any = None,
+    ) -> Callable[[], float]:
+        """Begin what :meth:`log_model_from` does and return at once; the function returned waits for it to end
+        and returns the seconds since this call (raising what :meth:`log_model_from` would).
+
+        The writer process does the model's job on a thread of its own, so what this process sends meanwhile (e.g.
+        plots for its other helper, files, metrics) is answered beside the export. Without a writer process the
+        model is logged before this returns. Call the function before :meth:`finish` (which otherwise waits for the
+        job without reporting it) and keep ``kwargs``' files until it returns.
+
+        Args:
+            builder: As for :meth:`log_model_from`.
+            kwargs: As for :meth:`log_model_from`.
+            name: As for :meth:`log_model_from`.
+            input_example: As for :meth:`log_model_from`.
+        """
+        began = time.perf_counter()
+        self._check_started()
+        arguments = _model_arguments(builder, kwargs, name, input_example)
+        job = f"model-{next(self._deferred)}"
+        if not self._child_job({**self._model_request(arguments), "defer": job}):
+            seconds = self._model_here(arguments, input_example, began)
+            return lambda: seconds
+
+        def settle() -> float:
+            if self._child_job({"op": "settle", "id": job}):
+                return time.perf_counter() - began
+            return self._model_here(arguments, input_example, began)
+
+        return settle
+
+    def _model_request(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """Return the writer process's job logging the model :func:`_model_arguments` describes."""
+        return {"op": "model", "model": {"experiment_id": str(self.experiment_id), **arguments}}
+
+    def _model_here(self, arguments: Mapping[str, Any], input_example: Any, began: float) -> float:
+        """Log the model :func:`_model_arguments` describes from this process (see :meth:`log_model_from`); return
+        the seconds since ``began``."""
+        name = str(arguments["name"])
+        model = _model.build(arguments["builder"], arguments["kwargs"])  # a builder that fails is the caller's error
 
         send = self._model_sender(model, name, input_example)
 
@@ -1150,6 +1191,17 @@ class MlflowTracker:
 
     def _artifact_location(self, experiment: str) -> str | None:
         return artifact_location(self.tracking_uri, experiment, self._artifact_root)
+
+
+def _model_arguments(builder: str, kwargs: Mapping[str, Any], name: str, input_example: Any) -> dict[str, Any]:
+    """Return the JSON arguments of a model's job (see :func:`tracking._model.log_built_model`)."""
+    return {
+        "builder": builder,
+        "kwargs": dict(kwargs),
+        "name": name,
+        "input_example": None if input_example is None else input_example.tolist(),
+        "input_dtype": "float32" if input_example is None else str(input_example.dtype),
+    }
 
 
 def _basic_context_tags() -> dict[str, str]:

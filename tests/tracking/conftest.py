@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import structlog
 
+from tracking.store import prepare_sqlite_store
+
 
 @pytest.fixture(autouse=True)
 def _restore_structlog() -> Iterator[None]:
@@ -30,5 +32,8 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tracking_uri(store_dir: Path) -> str:
-    """Return the URI of the module's temporary SQLite store."""
-    return f"sqlite:///{store_dir}/mlflow.db"
+    """Return the URI of the module's temporary SQLite store, its schema built (as flasync's runs build it, under a
+    lock: a test's own MLflow client and a writer process started beside it never both build it)."""
+    uri = f"sqlite:///{store_dir}/mlflow.db"
+    prepare_sqlite_store(uri)
+    return uri

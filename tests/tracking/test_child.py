@@ -591,3 +591,78 @@ def test_writer_warm_says_where_plots_are_drawn(tracking_uri: str, monkeypatch: 
     assert not MlflowTracker(tracking_uri, preload=model, files_preload=plots).writer_warm
     assert MlflowTracker(tracking_uri, files_preload=plots).writer_warm
     assert not MlflowTracker(tracking_uri, files_preload=plots, writer_process=False).writer_warm
+
+
+_WAITING_BUILDER = """
+import os
+import time
+
+from flasync.models import build as build_model
+
+
+def build(flag, **kwargs):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return build_model(**kwargs)
+"""
+
+
+def test_a_started_model_is_exported_while_the_writer_answers_the_rest(
+    tracking_uri: str, tmp_path: Path, profile_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """start_model_from returns at once; the writer process answers files and metrics while the model's job runs
+    (its builder here waits for a file this test writes only after those answers); the function it returns waits
+    for the model."""
+    (tmp_path / "waiting_builder.py").write_text(_WAITING_BUILDER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    holder = IdleChild()
+    tracker = MlflowTracker(
+        tracking_uri,
+        preload=("tracking._model:warm_up",),
+        files_preload=("flasync.plots:warm_up_plots",),
+        idle_writers=holder,
+    )
+    run_id = tracker.start(experiment="child-deferred")
+    kwargs, model = _model_kwargs(tmp_path)
+    flag = tmp_path / "go"
+    settle = tracker.start_model_from(
+        "waiting_builder:build", {**kwargs, "flag": str(flag)}, name="mlp", input_example=np.zeros((2, 8), np.float32)
+    )
+    tracker.log_files_from(PLOTS_WRITER, {"profile": str(profile_file)}, "plots")
+    tracker.log_metrics(_metrics("m", range(3)))
+    assert tracker.flush()
+    client = mlflow.MlflowClient(tracking_uri)
+    assert _artifacts(tracking_uri, run_id, "plots") == PLOTS
+    assert client.search_logged_models([client.get_run(run_id).info.experiment_id]) == [] or all(
+        str(m.status) != "READY" for m in client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    )
+    flag.touch()
+    assert settle() > 0
+    tracker.finish("FINISHED")
+    holder.clear()
+    [logged] = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    assert str(logged.status) == "READY" and logged.name == "mlp"
+    x = torch.randn(5, 8)
+    assert torch.allclose(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x), atol=1e-6)
+
+
+def test_a_started_model_that_fails_raises_when_settled_and_one_never_settled_ends_with_its_run(
+    tracking_uri: str, tmp_path: Path
+) -> None:
+    """A started model whose builder fails raises its error from the function start_model_from returned (as
+    log_model_from would); one never waited for is still logged before the run ends."""
+    holder = IdleChild()
+    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
+    run_id = tracker.start(experiment="child-deferred-fails")
+    example = np.zeros((2, 8), dtype=np.float32)
+    failing = tracker.start_model_from("no_such_module:build", {}, name="nope", input_example=example)
+    with pytest.raises(ModuleNotFoundError):
+        failing()
+    kwargs, _ = _model_kwargs(tmp_path)
+    tracker.start_model_from("flasync.models:build", kwargs, name="mlp", input_example=example)
+    tracker.finish("FINISHED")
+    holder.clear()
+    client = mlflow.MlflowClient(tracking_uri)
+    found = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    assert {(m.name, str(m.status)) for m in found} == {("mlp", "READY"), ("nope", "FAILED")}

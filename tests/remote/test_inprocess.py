@@ -92,7 +92,10 @@ async def test_two_devices_sharing_a_token_never_train_the_same_task(tmp_path: P
     transport = federation.transport
     assert transport is not None
     assert summary.stop_reason == "max_versions"
-    assert summary.tasks_dispatched == sum(r.tasks for r in results)  # each task offered to one device only
+    # Each task is offered to one device only. A task dispatched to client 0 as the run ends may never be offered
+    # (its device polls after the stop), so the offers can fall short of the dispatches, never exceed them.
+    offered = sum(r.tasks for r in results)
+    assert summary.tasks_dispatched - config["server"]["concurrency"] <= offered <= summary.tasks_dispatched
     assert transport.refusals["replay"] == 0 and transport.refusals["other_connection"] == 0
     assert transport.refusals["token_in_use"] >= 1
     assert any("its token is in use by another connection" in line for line in lines)

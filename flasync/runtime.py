@@ -708,7 +708,7 @@ class Federation:
             assert mlflow_tracker is not None and prepared.model_spec is not None
             # The writer process logs the model on a thread of its own while this process goes on: from here, the
             # plots, the files and the metrics still queued are answered beside the model's export (by the writer's
-            # helpers, where processes fork). Where the plots' imports were not done ahead (a new writer process
+            # helpers, on Linux). Where the plots' imports were not done ahead (a new writer process
             # without helpers), a one-shot process draws them meanwhile.
             try:
                 settle_model = self._start_model_from_spec(mlflow_tracker, prepared.model_spec, example)

@@ -1,7 +1,7 @@
 """What a tracked run hands MLflow's writer process: its model, its plots, and the modules to import ahead for them.
 
 The writer process (see :class:`tracking.MlflowTracker`) runs beside the training process, on another core and with
-its own GIL. Exporting the model there, in a helper process of its own where processes fork (``torch.export`` and
+its own GIL. Exporting the model there, in a helper process of its own on Linux (``torch.export`` and
 MLflow's pytorch flavour: about two seconds to import, and a first export that costs one more), prepared while the
 run trains, takes that work off the end of the run. The plots are drawn elsewhere too (in the writer's other helper,
 or by a one-shot process while a writer process without helpers exports the model):

@@ -19,11 +19,11 @@ or ``artifacts`` (log the files a function writes, e.g. plots, see :mod:`trackin
 What the child is to import (or call) ahead for its ``model`` jobs and for its ``artifacts`` jobs (``torch.export``
 and MLflow's pytorch flavour import in about two seconds, and the first model they save takes one more:
 :func:`tracking._model.warm_up`; matplotlib for plots) is named in its environment when it starts, or later by a
-line ``preload KIND NAME,NAME`` (sent before a run, never answered); a name is preloaded once per child. Where
-processes fork, the child forks a helper process per kind right after MLflow's import (see :class:`_Helper`): it
-preloads on a core of its own, while the child opens the store and writes metrics, and does that kind's jobs (the
-child sends their results to the store). Elsewhere, or for names sent to a child without a helper of that kind,
-the child preloads on a background thread once the store is open, and does the jobs itself.
+line ``preload KIND NAME,NAME`` (sent before a run, never answered); a name is preloaded once per child. On
+Linux (:data:`FORKS_HELPER`), the child forks a helper process per kind right after MLflow's import (see
+:class:`_Helper`): it preloads on a core of its own, while the child opens the store and writes metrics, and does
+that kind's jobs (the child sends their results to the store). Elsewhere, or for names sent to a child without a
+helper of that kind, the child preloads on a background thread once the store is open, and does the jobs itself.
 
 A job that carries ``"defer": NAME`` is answered ``ok`` at once and done on a thread of its own while the child
 answers what follows; ``{"op": "settle", "id": NAME}`` waits for it and answers as the job would have. The ``end``
@@ -72,9 +72,11 @@ _PRELOADS = {"model": "FLASYNC_CHILD_PRELOAD", "files": "FLASYNC_CHILD_FILES_PRE
 _NICENESS = {"model": 0, "files": 10}
 """What each helper adds to its scheduling priority: the files' one imports matplotlib during training, where the
 run, the writer process and the model's helper need the cores more; it draws once training is over."""
-FORKS_HELPER = hasattr(os, "fork")
+FORKS_HELPER = sys.platform.startswith("linux")
 """Whether a writer process started with something to preload forks a helper to do it and the jobs it is for
-(see :class:`_Helper`); where it cannot fork, it preloads on a thread of its own."""
+(see :class:`_Helper`): on Linux, where a fork after MLflow's import is safe and the kernel ends the helpers with
+their writer. Elsewhere (macOS, where system frameworks may not survive a fork; Windows, which cannot fork) the
+writer process preloads on a thread of its own."""
 
 
 def _preload(names: Sequence[str]) -> None:
@@ -111,7 +113,7 @@ class _Helper:
     def fork(cls, niceness: int = 0) -> _Helper | None:
         """Fork the helper, ``niceness`` added to its scheduling priority; None where the platform cannot fork, or
         threads run (forking them would be unsafe)."""
-        if not hasattr(os, "fork") or threading.active_count() != 1:
+        if not FORKS_HELPER or threading.active_count() != 1:
             return None
         down_read, down_write = os.pipe()
         up_read, up_write = os.pipe()
@@ -553,7 +555,7 @@ class ChildLogBatch:
         run_id: The run the metrics belong to; None: given later with :meth:`bind`.
         extra_env: Environment variables set for the child only, e.g. bounds on MLflow's HTTP timeout and retries.
         preload: Modules the child imports (``package.module``) or functions it calls (``package.module:function``)
-            ahead for the ``model`` jobs it will be given (see :meth:`job`): where processes fork, a helper process
+            ahead for the ``model`` jobs it will be given (see :meth:`job`): on Linux, a helper process
             the child forks at its start does that and those jobs (see :class:`_Helper`); elsewhere the child
             does, on a thread, once the store is open.
         files_preload: The same for its ``artifacts`` jobs, with a helper of their own.

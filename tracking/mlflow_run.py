@@ -254,7 +254,7 @@ class MlflowTracker:
             where ``name`` is :data:`RUNS_VIEW_KEY`; :meth:`ui_url` opens it.
         preload: What the writer process imports (``package.module``) or calls (``package.module:function``) ahead,
             while the caller trains, for the model :meth:`log_model_from` will hand it, e.g.
-            ``("tracking._model:warm_up",)``: where processes fork, a helper process of the writer process's does
+            ``("tracking._model:warm_up",)``: on Linux, a helper process of the writer process's does
             that and the model's export on a core of its own (see :mod:`tracking._child`).
         files_preload: The same for what :meth:`log_files_from` will hand it (e.g. the plots' imports), with a
             helper of its own. Where processes cannot fork, a new writer process preloads these only when

@@ -503,7 +503,7 @@ def _model_kwargs(tmp_path: Path) -> tuple[dict[str, object], torch.nn.Module]:
     return {"model": "MLP", "weights": str(weights), "in_features": 8, "hidden": [4], "num_classes": 3}, model
 
 
-@pytest.mark.skipif(not FORKS_HELPER, reason="the writer forks its helpers only where processes fork")
+@pytest.mark.skipif(not FORKS_HELPER, reason="the writer forks its helpers on Linux only")
 def test_a_writer_with_preloads_leaves_model_and_files_to_helpers_of_its_own(
     tracking_uri: str, tmp_path: Path, profile_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -541,7 +541,7 @@ def test_a_writer_with_preloads_leaves_model_and_files_to_helpers_of_its_own(
     assert not alive
 
 
-@pytest.mark.skipif(not FORKS_HELPER, reason="the writer forks its helpers only where processes fork")
+@pytest.mark.skipif(not FORKS_HELPER, reason="the writer forks its helpers on Linux only")
 def test_a_dead_helper_leaves_its_jobs_to_the_writer(tracking_uri: str, tmp_path: Path) -> None:
     """When the model's helper is gone, the writer process exports and logs the model itself."""
     holder = IdleChild()

@@ -108,6 +108,8 @@ class _Helper:
         self.pid = pid
         self._requests = requests
         self._replies = replies
+        self._lock = threading.Lock()
+        """One job at a time: a deferred job's thread and the writer's main thread may both have one."""
 
     @classmethod
     def fork(cls, niceness: int = 0) -> _Helper | None:
@@ -145,7 +147,8 @@ class _Helper:
         Raises:
             ConnectionError: The helper is gone.
         """
-        self._send(_PRELOAD + ",".join(names))
+        with self._lock:
+            self._send(_PRELOAD + ",".join(names))
 
     def do(self, request: Mapping[str, Any]) -> None:
         """Have the helper do ``request`` (see :func:`_help`) and wait for it.
@@ -154,8 +157,9 @@ class _Helper:
             RuntimeError: The job failed (its message).
             ConnectionError: The helper is gone.
         """
-        self._send(json.dumps(dict(request)))
-        answer = self._replies.readline().strip()
+        with self._lock:
+            self._send(json.dumps(dict(request)))
+            answer = self._replies.readline().strip()
         if not answer:
             raise ConnectionError("the writer's helper process is gone")
         if answer != "ok":

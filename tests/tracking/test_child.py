@@ -666,3 +666,24 @@ def test_a_started_model_that_fails_raises_when_settled_and_one_never_settled_en
     client = mlflow.MlflowClient(tracking_uri)
     found = client.search_logged_models([client.get_run(run_id).info.experiment_id])
     assert {(m.name, str(m.status)) for m in found} == {("mlp", "READY"), ("nope", "FAILED")}
+
+
+def test_a_model_logged_while_a_started_one_exports_waits_its_turn(tracking_uri: str, tmp_path: Path) -> None:
+    """The model's helper does one job at a time: a model logged while a started one is exported (two threads of
+    the writer process) is done after it, and both are logged whole."""
+    holder = IdleChild()
+    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
+    run_id = tracker.start(experiment="child-two-models")
+    kwargs, model = _model_kwargs(tmp_path)
+    example = np.zeros((2, 8), dtype=np.float32)
+    settle = tracker.start_model_from("flasync.models:build", kwargs, name="first", input_example=example)
+    tracker.log_model_from("flasync.models:build", kwargs, name="second", input_example=example)
+    settle()
+    tracker.finish("FINISHED")
+    holder.clear()
+    client = mlflow.MlflowClient(tracking_uri)
+    found = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    assert sorted((m.name, str(m.status)) for m in found) == [("first", "READY"), ("second", "READY")]
+    x = torch.randn(5, 8)
+    for logged in found:
+        assert torch.allclose(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x), atol=1e-6)

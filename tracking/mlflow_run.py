@@ -390,9 +390,14 @@ class MlflowTracker:
         self._child = child or self._new_child()
 
     def _new_child(self) -> ChildLogBatch:
-        """Start a writer process, told what to preload (see ``files_preload``)."""
-        files = self._files_preload if FORKS_HELPER or not self._preload else ()
+        """Start a writer process, told what to preload."""
+        files = self._new_files_preload()
         return ChildLogBatch(self.tracking_uri, extra_env=self._child_env(), preload=self._preload, files_preload=files)
+
+    def _new_files_preload(self) -> tuple[str, ...]:
+        """Return what a new writer process preloads for files: ``files_preload``, unless it has no helpers and a
+        model to export first (see ``files_preload``)."""
+        return self._files_preload if FORKS_HELPER or not self._preload else ()
 
     def _child_env(self) -> dict[str, str]:
         """Return the writer process's own environment variables: bounds on a server's HTTP timeout and retries."""
@@ -410,7 +415,7 @@ class MlflowTracker:
         without a writer process (``writer_process=False``)."""
         if not self._writer_process:
             return False
-        return self._writer_reused or (bool(self._files_preload) and (FORKS_HELPER or not self._preload))
+        return self._writer_reused or bool(self._new_files_preload())
 
     @property
     def writer_reused(self) -> bool:

@@ -99,6 +99,9 @@ _CONSTANT_KEYS = frozenset(
         "server/update/staleness_weight",
     }
 )
+# Fields of a profile row that are no metric series of their own: a constant 1, and the figures the server's
+# ``server.version`` line already logs at the same steps (``server/version/updates``, ...). profile.json keeps them.
+_PROFILE_ROW_NOT_LOGGED = frozenset({"versions", "updates", "aggregate_s", "simulated_s", "staleness_mean"})
 _DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
     {
         "client/sim_train_s",
@@ -686,7 +689,8 @@ class Federation:
         # Single figures at the run's end: profile.json and `flasync report` hold them, not one-point metric series.
         log.debug("profile", step=summary.versions, **headline(profile), metrics=False)
         for row in profile["time"]["per_version"]:
-            log.debug("profile.version", step=int(row["version"]), **{k: v for k, v in row.items() if k != "versions"})
+            fields = {k: v for k, v in row.items() if k not in _PROFILE_ROW_NOT_LOGGED}
+            log.debug("profile.version", step=int(row["version"]), **fields)
         return replace(
             summary,
             stragglers=tuple(int(row["client_id"]) for row in profile["clients"]["stragglers"]),

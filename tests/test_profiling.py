@@ -152,7 +152,15 @@ async def test_profiled_bytes_are_the_encoded_payload_lengths() -> None:
     assert comm["upload_compression"] > 5
     assert headline(federation.profile)["client_upload_bytes"] == float(total)
     assert not [key for key in tracker.metric_keys() if key.startswith("profile/") and "/version/" not in key]
-    assert "profile/version/versions" not in tracker.metric_keys()  # a constant 1: not a series
+    keys = tracker.metric_keys()
+    assert "profile/version/versions" not in keys  # a constant 1: not a series
+    # What server/version/* logs at the same steps is not logged twice; profile.json keeps it.
+    for field in ("updates", "aggregate_s", "simulated_s", "staleness_mean"):
+        assert f"server/version/{field}" in keys and f"profile/version/{field}" not in keys
+        assert all(field in row for row in rows)
+    assert {"profile/version/wall_s", "profile/version/idle_s", "profile/version/compute_s"} <= keys
+    server_updates = dict(tracker.history("server/version/updates"))
+    assert server_updates == {int(row["version"]): row["updates"] for row in rows}
 
 
 async def test_profile_json_and_plots_are_artifacts() -> None:

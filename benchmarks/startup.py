@@ -1,7 +1,8 @@
 """What a user waits for: the default run from the shell, with and without tracking, phase by phase.
 
 Runs ``python -m flasync run`` (the default experiment) four ways, ``--repeats`` times each, alternating: tracked
-into a new SQLite store with no schema kept yet (a new user's very first run: MLflow builds the schema), tracked into
+into a new SQLite store with no schema kept yet (a new user's very first run: its schema is replayed from the one
+flasync ships, or built by MLflow's migrations for an MLflow it ships none for), tracked into
 a new store in another folder (its schema a copy of the one the first run kept, see
 :func:`tracking.store.prepare_sqlite_store`), tracked again into that store, and with ``--no-tracking``. Each repeat
 has a cache folder of its own (``XDG_CACHE_HOME``), so the first kind never finds a kept schema.

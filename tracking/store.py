@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from tracking._schema_seed import SEEDS, seed_schema
+
 if TYPE_CHECKING:
     import mlflow
 
@@ -290,7 +292,13 @@ def default_schema_cache() -> Path:
     return Path(root) / "flasync" / "mlflow-schema"
 
 
-def prepare_sqlite_store(uri: str, log: Any = None, *, schema_cache: Path | Literal[False] | None = None) -> None:
+def prepare_sqlite_store(
+    uri: str,
+    log: Any = None,
+    *,
+    schema_cache: Path | Literal[False] | None = None,
+    seeds: Path | Literal[False] | None = None,
+) -> None:
     """Make a SQLite store ready for several processes: schema created once, WAL journal, repaired if half-built.
 
     MLflow creates a new SQLite store's schema (some 70 migrations, about a second of CPU) in the first process that
@@ -304,13 +312,16 @@ def prepare_sqlite_store(uri: str, log: Any = None, *, schema_cache: Path | Lite
     The first schema built for an MLflow version is kept, empty, in ``schema_cache`` (one file per MLflow version, its
     migration scripts and SQLite's version); a new store of the same versions is a copy of it, which MLflow opens as
     a store it built (its ``Default`` experiment, whose artifact location depends on the working directory, is made
-    when the store is first opened, as for any new store).
+    when the store is first opened, as for any new store). When none is kept yet, the schema is replayed from the
+    seed flasync ships for the installed MLflow's migrations, if it has one (:mod:`tracking._schema_seed`), rather
+    than built by them.
 
     Args:
         uri: The tracking URI (nothing is done for other stores).
         log: Where the repair is reported.
-        schema_cache: Folder of the kept schemas; :func:`default_schema_cache` when None; False: build every new
-            store's schema with MLflow's migrations and keep nothing.
+        schema_cache: Folder of the kept schemas; :func:`default_schema_cache` when None; False: keep nothing.
+        seeds: Folder of the seeds; the ones flasync ships when None; False: none. With ``schema_cache=False`` and
+            ``seeds=False``, every new store's schema is built by MLflow's migrations.
 
     Raises:
         RuntimeError: The store is half-built and holds runs (``mlflow db upgrade URI`` repairs it).
@@ -335,7 +346,8 @@ def prepare_sqlite_store(uri: str, log: Any = None, *, schema_cache: Path | Lite
                     log.warning("tracking.store_repaired", path=str(db), moved_to=str(aside), metrics=False)
                 state = "missing"
             if state == "missing":
-                _build_schema(db, default_schema_cache() if schema_cache is None else schema_cache or None)
+                cache = default_schema_cache() if schema_cache is None else schema_cache or None
+                _build_schema(db, cache, SEEDS if seeds is None else seeds or None)
             with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
                 connection.execute("PRAGMA journal_mode=WAL")
         finally:
@@ -345,13 +357,14 @@ def prepare_sqlite_store(uri: str, log: Any = None, *, schema_cache: Path | Lite
 _BUILDING = ".building-"
 
 
-def _build_schema(db: Path, cache: Path | None) -> None:
+def _build_schema(db: Path, cache: Path | None, seeds: Path | None) -> None:
     """Create a new store's schema in a file of its own, then move that file into place (under the store's lock).
 
     A process killed while MLflow runs the migrations (a run that fails fast stops its writer process; SIGKILL; out
     of memory) so leaves no half-built store behind, only a ``<db>.building-*`` file that the next build removes.
     The file is a copy of the schema kept in ``cache`` when there is one (see :func:`prepare_sqlite_store`), else
-    built by MLflow and then kept there.
+    replayed from the installed MLflow's seed in ``seeds`` (see :mod:`tracking._schema_seed`), else built by
+    MLflow's migrations; then it is kept in ``cache``.
     """
     import mlflow
 
@@ -362,7 +375,8 @@ def _build_schema(db: Path, cache: Path | None) -> None:
     template = cache / _schema_name() if cache is not None else None
     try:
         if template is None or not _copy_schema(template, building):
-            mlflow.MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments(max_results=1)  # the schema
+            if seeds is None or not seed_schema(building, seeds):
+                mlflow.MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments(max_results=1)
             if template is not None:
                 _keep_schema(building, template)
         os.replace(building, db)

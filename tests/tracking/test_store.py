@@ -55,10 +55,10 @@ def test_a_schema_build_that_dies_leaves_no_store(tmp_path: Path, monkeypatch: p
 
     monkeypatch.setattr(mlflow.MlflowClient, "search_experiments", dies)
     with pytest.raises(KeyboardInterrupt):
-        prepare_sqlite_store(f"sqlite:///{db}", schema_cache=False)
+        prepare_sqlite_store(f"sqlite:///{db}", schema_cache=False, seeds=False)
     assert not db.exists()
     monkeypatch.undo()
-    prepare_sqlite_store(f"sqlite:///{db}", schema_cache=False)
+    prepare_sqlite_store(f"sqlite:///{db}", schema_cache=False, seeds=False)
     assert mlflow.MlflowClient(f"sqlite:///{db}").create_experiment("works")
     assert sorted(p.name for p in tmp_path.iterdir() if "building" in p.name) == []
 

@@ -656,17 +656,14 @@ def choose_executor(
         return "thread", f"rounds of {server.clients_per_round} clients (< {AUTO_MIN_COHORT}) gain nothing from cohorts"
     model = prepared.factory()
     if isinstance(server, FedAvgServer):
-        why = f"FedAvg rounds of {server.clients_per_round} clients train as one cohort each"
+        why = f"FedAvg rounds of {server.clients_per_round} clients: one cohort each"
     else:
         own = callable(getattr(model, "cohort_forward", None))
         least = AUTO_MIN_CONCURRENCY_OWN if own else AUTO_MIN_CONCURRENCY
         if server.concurrency < least:
-            how = "the model's own cohort_forward" if own else "vmap"
-            return "thread", (
-                f"{server.kind} with {server.concurrency} clients in flight (< {least} for {how}): cohorts would be "
-                "small"
-            )
-        why = f"{server.kind} with {server.concurrency} clients in flight trains those dispatched together as cohorts"
+            how = "its own cohort_forward" if own else "vmap"
+            return "thread", f"{server.kind} with {server.concurrency} clients in flight (< {least} for {how})"
+        why = f"{server.kind} with {server.concurrency} clients in flight: cohorts of those sent together"
     if config.client.checkpoint_segments:
         return "thread", "gradient checkpointing trains one client at a time"
     reason = unsupported_reason(model)

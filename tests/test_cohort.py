@@ -615,7 +615,7 @@ def test_the_vectorized_executor_refuses_an_objective_that_is_not_vectorizable()
 @pytest.mark.parametrize(
     ("overrides", "kind", "why"),
     [
-        ((), "thread", "fedbuff with 8 clients in flight (< 16 for the model's own cohort_forward)"),
+        ((), "thread", "fedbuff with 8 clients in flight (< 16 for its own cohort_forward)"),
         (
             ("server={kind: fedbuff, concurrency: 20}", "population.num_clients=100"),
             "vectorized",
@@ -675,7 +675,7 @@ def test_auto_says_which_executor_it_picked_and_trains_with_it() -> None:
     with capture_logs() as logs:
         auto = flasync.run(small_config(*overrides, "tracking.log_level=info"))
     picked = [e["detail"] for e in logs if e["event"] == "executor.auto"]
-    assert picked == ["vectorized: FedAvg rounds of 40 clients train as one cohort each"]
+    assert picked == ["vectorized: FedAvg rounds of 40 clients: one cohort each"]
     vectorized = flasync.run(small_config(*overrides, "executor.kind=vectorized"))
     threads = flasync.run(small_config(*overrides, "executor.kind=thread"))
     assert auto.weights_sha256 == vectorized.weights_sha256

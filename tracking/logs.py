@@ -180,7 +180,9 @@ class ConsoleFields:
     Floats are rounded to 4 significant digits and NaN fields left out; ``step`` (the metric step, repeated by
     ``version``) is left out, and so is the ``run_id`` every event of a run carries (``run.started``, or
     ``run.opened`` when the run is opened while training starts, shows it once);
-    ``version`` and ``of`` become ``version=n/N``. A structlog processor.
+    ``version`` and ``of`` become ``version=n/N``, and such a progress line leaves its ``wall_s`` (the seconds since
+    the run started) to the line's timestamp, keeping ``eta_s``: lines stay within 120 characters. A structlog
+    processor.
     """
 
     def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
@@ -190,6 +192,7 @@ class ConsoleFields:
             event_dict.pop("run_id", None)
         if "of" in event_dict and "version" in event_dict:
             event_dict["version"] = f"{event_dict['version']}/{event_dict.pop('of')}"
+            event_dict.pop("wall_s", None)
         for key, value in list(event_dict.items()):
             if isinstance(value, float):
                 if math.isnan(value):

@@ -216,7 +216,7 @@ def test_metrics_logger_with_processors_before_still_shows_them_every_event() ->
 
 def test_console_lines_are_short() -> None:
     """The console drops the metric step and the run id (shown once, at run.started), rounds floats to 4 digits,
-    leaves NaN out and shows progress as n/N; the event itself is not otherwise changed."""
+    leaves NaN out and shows progress as n/N without wall_s; the event itself is not otherwise changed."""
     from tracking.logs import ConsoleFields
 
     shorten = ConsoleFields()
@@ -231,3 +231,7 @@ def test_console_lines_are_short() -> None:
         "run_id": "abc",
         "params": 4810,
     }
+    # A progress line leaves the seconds since the start to its timestamp; other lines keep their wall_s.
+    progress = shorten(None, "info", dict(event, wall_s=1.25, eta_s=2.5))
+    assert progress == {"event": "server.eval", "version": "5/150", "accuracy": 0.1235, "eta_s": 2.5}
+    assert shorten(None, "info", {"event": "run.finished", "wall_s": 1.25}) == {"event": "run.finished", "wall_s": 1.25}

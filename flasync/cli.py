@@ -477,7 +477,8 @@ def _print_summary(summary: RunSummary, config: RunConfig, ui_command: str | Non
         f"{summary.updates_failed} failed ({summary.updates_per_s:.1f}/s)",
         f"  versions        {summary.versions}   staleness mean {summary.staleness_mean:.2f}, "
         f"max {summary.staleness_max}",
-        f"  time            wall {summary.wall_s:.2f} s, simulated {summary.simulated_s:.1f} s ({config.clock} clock)",
+        f"  time            wall {summary.wall_s:.2f} s, simulated {summary.simulated_s:.1f} s ({config.clock} clock)"
+        + (f", first update {summary.first_update_s:.3f} s" if math.isfinite(summary.first_update_s) else ""),
         f"  bytes           up {_format_bytes(summary.upload_bytes)}, down {_format_bytes(summary.download_bytes)}",
         f"  weights sha256  {summary.weights_sha256}",
     ]

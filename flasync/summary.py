@@ -68,6 +68,8 @@ class RunSummary:
     server_idle_fraction: float = math.nan
     privacy_epsilon: float = math.nan
     """Differential privacy spent (epsilon at ``privacy.delta``); NaN without differential privacy."""
+    first_update_s: float = math.nan
+    """Real seconds from the start of the federation to its first accepted update (NaN: none was accepted)."""
 
     @classmethod
     def from_stats(

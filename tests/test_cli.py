@@ -175,6 +175,8 @@ def test_default_experiment_end_to_end(tmp_path: Path) -> None:
     assert max(len(line) for line in console) <= 120, max(console, key=len)
     assert not re.search(r"\d\.\d{8,}", done.stderr)  # floats rounded (to 4 significant digits)
     assert len(re.findall(r"run_id=", done.stderr)) == 1  # the run id once
+    time_line = r"time +wall \d+\.\d\d s, simulated [\d.]+ s \(virtual clock\), first update 0\.\d{3} s"
+    assert re.search(time_line, done.stdout)
     assert re.search(r"server\.eval +version=150/150 accuracy=0\.9\d*", done.stderr)
     uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
     (run,) = _runs(uri)

@@ -61,6 +61,7 @@ async def test_nested_raw_relays_are_still_flat() -> None:
     flat, _, _ = await _run(small_config())
     tree, _, _ = await _run(small_config(topology=_tree(fanout=[2, 2], buffer_size=1, link=INSTANT)))
     assert tree.weights_sha256 == flat.weights_sha256
+    assert 0 < tree.first_update_s < tree.wall_s  # the first update an edge relayed, counted by the cloud
 
 
 async def test_sync_hierfavg_with_kappa2_one_is_flat_fedavg() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
+import math
 import re
 import time
 from pathlib import Path
@@ -34,6 +36,7 @@ from flasync.events import (
     UpdateRejected,
     UpdateUploaded,
 )
+from flasync.server import ServerStats
 from flasync.summary import weights_sha256
 from flasync.testing import EventRecorder, MeanOfDeltas, MemoryTracker, UntrainableModel, small_config
 
@@ -126,6 +129,18 @@ async def test_wall_clock_times_count_from_the_federation_start() -> None:
     evaluations = [value for _, value in tracker.history("server/eval/simulated_s")]
     assert evaluations and evaluations == sorted(evaluations)
     assert evaluations[-1] <= summary.simulated_s <= summary.wall_s + 0.5
+
+
+async def test_the_summary_says_how_long_the_first_update_took() -> None:
+    """first_update_s: real seconds from the federation's start to its first accepted update, in the summary and
+    summary.json, and kept by a checkpoint's counters."""
+    tracker = MemoryTracker()
+    summary = await flasync.Federation(small_config("stop.max_versions=3"), tracker=tracker).run()
+    assert 0 < summary.first_update_s < summary.wall_s
+    assert json.loads(tracker.artifacts["summary.json"])["first_update_s"] == summary.first_update_s
+    resumed = ServerStats.from_state(ServerStats(first_update_s=0.25).to_state())
+    assert resumed.first_update_s == 0.25  # kept by a checkpoint: a resumed run's first update is the original's
+    assert math.isnan(ServerStats().first_update_s)
 
 
 async def test_bus_carries_the_run_as_events() -> None:

@@ -35,6 +35,8 @@ class ServerStats:
     stop_reason: str = ""
     tasks_timed_out: int = 0
     tasks_abandoned: int = 0
+    first_update_s: float = math.nan
+    """Real seconds from the start of the federation to its first accepted update (NaN: none yet)."""
     drop_reasons: Counter[str] = field(default_factory=Counter)
     failure_kinds: Counter[str] = field(default_factory=Counter)
 

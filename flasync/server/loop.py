@@ -339,11 +339,17 @@ class Server:
         self.log.debug("server.failure", step=failed, kind=kind, task_id=task_id, client_id=client_id, failed=failed)
         self.accounting.failed(kind, error)
 
+    def _accepted(self, staleness: int) -> None:
+        """Count one update folded in (by the cloud or an edge); the first one's time is the run's start-up."""
+        self.accounting.accepted(staleness)
+        if math.isnan(self.stats.first_update_s):
+            self.stats.first_update_s = self.wall() - self._start_wall
+
     def _task_closed(self, message: TaskClosed) -> None:
         """An edge took a task's answer (it released the task itself): count the outcome."""
         self.accounting.uploaded(message.upload_bytes)
         if message.outcome == "accepted":
-            self.accounting.accepted(message.staleness)
+            self._accepted(message.staleness)
         elif message.outcome == "rejected":
             self.accounting.rejected(message.reason)
         elif message.outcome == "timed_out":
@@ -365,7 +371,7 @@ class Server:
             self.controls.add(verdict.control)
         stats.cloud_aggregate_s += self.wall() - verdict.received_wall
         self.intake.accepted(verdict)
-        self.accounting.accepted(verdict.staleness)
+        self._accepted(verdict.staleness)
         self.log.debug(
             "server.update",
             step=stats.updates_accepted,

@@ -375,7 +375,9 @@ def _build_schema(db: Path, cache: Path | None, seeds: Path | None) -> None:
     template = cache / _schema_name() if cache is not None else None
     try:
         if template is None or not _copy_schema(template, building):
-            if seeds is None or not seed_schema(building, seeds):
+            # A seed that replays but leaves no whole schema (a truncated file rolls back to nothing) is no store.
+            if seeds is None or not seed_schema(building, seeds) or _schema_state(building) != "ready":
+                building.unlink(missing_ok=True)
                 mlflow.MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments(max_results=1)
             if template is not None:
                 _keep_schema(building, template)

@@ -71,19 +71,24 @@ def test_a_store_replayed_from_a_seed_is_the_store_the_migrations_build(
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
-def test_a_seed_that_does_not_replay_leaves_the_store_to_the_migrations(tmp_path: Path) -> None:
-    """A seed under the installed MLflow's key that is not SQL (a damaged install) is no store: the migrations
-    build it, and no half-replayed file is left."""
+@pytest.mark.parametrize("damage", ["not SQL", "truncated"])
+def test_a_seed_that_does_not_replay_leaves_the_store_to_the_migrations(tmp_path: Path, damage: str) -> None:
+    """A seed under the installed MLflow's key that is not SQL, or was cut short (a damaged install), is no store:
+    the migrations build it whole, and no half-replayed file is left."""
     seeds = tmp_path / "seeds"
-    seeds.mkdir()
-    seed_file(seeds).write_text('CREATE TABLE "runs" (run_uuid VARCHAR(32));\nthis is not SQL;\n', encoding="utf-8")
+    whole = write_seed(seeds).read_text(encoding="utf-8")
+    if damage == "not SQL":
+        broken = 'CREATE TABLE "runs" (run_uuid VARCHAR(32));\nthis is not SQL;\n'
+    else:  # whole statements, but not the last ones (the COMMIT among them): it replays, and rolls back to nothing
+        broken = whole[: whole.rindex(";\n", 0, len(whole) // 2) + 2]
+    seed_file(seeds).write_text(broken, encoding="utf-8")
     db = tmp_path / "store" / "mlflow.db"
     prepare_sqlite_store(f"sqlite:///{db}", schema_cache=False, seeds=seeds)
-    assert mlflow.MlflowClient(f"sqlite:///{db}").create_experiment("works")
     assert [p.name for p in db.parent.iterdir() if "building" in p.name] == []
     migrated = tmp_path / "migrated.db"
     prepare_sqlite_store(f"sqlite:///{migrated}", schema_cache=False, seeds=False)
-    assert _shape(db)["rows"] == _shape(migrated)["rows"]
+    assert _shape(db) == _shape(migrated)
+    assert mlflow.MlflowClient(f"sqlite:///{db}").create_experiment("works")
 
 
 def test_the_shipped_seed_is_the_schema_of_the_installed_mlflow(tmp_path: Path) -> None:

@@ -81,13 +81,19 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     from matplotlib.figure import Figure
 
     def png(fig: Figure) -> bytes:
+        # Margins set per figure, not bbox_inches="tight": that lays every text out twice, a third of the drawing.
         buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+        fig.savefig(buffer, format="png", dpi=100)
         return buffer.getvalue()
+
+    def wide() -> Figure:
+        fig = Figure(figsize=(10, 4))
+        fig.subplots_adjust(left=0.09, right=0.97, bottom=0.12, top=0.88)
+        return fig
 
     plots: dict[str, bytes] = {}
     evaluations = profile["evaluations"]
-    fig = Figure(figsize=(10, 4))
+    fig = wide()
     axes = fig.subplots(1, 2)
     for ax, key, label in ((axes[0], "wall_s", "wall seconds"), (axes[1], "simulated_s", "simulated seconds")):
         ax.plot([e[key] for e in evaluations], [e["accuracy"] for e in evaluations], marker="o")
@@ -115,7 +121,7 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     per = "per version" if span == 1 else f"per version (mean over each bar's {span:g} versions)"
     starts = [b["version"] - b["versions"] + 1 for b in bars]
     widths = [0.9 * b["versions"] for b in bars]
-    fig = Figure(figsize=(10, 4))
+    fig = wide()
     ax = fig.subplots()
     keys = ("compute_s", "encode_s", "decode_s", "queue_wait_s", "aggregate_s", "eval_s", "idle_s")
     bottom = [0.0] * len(bars)
@@ -134,7 +140,7 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     rows = profile["time"]["per_version"]
     sizes = {(r["upload_bytes"] / r["updates"], r["download_bytes"] / r["updates"]) for r in rows if r["updates"]}
     if len(sizes) > 1:
-        fig = Figure(figsize=(10, 4))
+        fig = wide()
         ax = fig.subplots()
         half = [w / 2 for w in widths]
         up = [b["upload_bytes"] / b["versions"] for b in bars]

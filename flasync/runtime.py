@@ -722,9 +722,11 @@ class Federation:
                 pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-plots")
                 pool.submit(self._log_plots, mlflow_tracker, log, elsewhere=True)
                 plots_done = True
+        settle_plots: Callable[[], None] | None = None
         try:
             if plots and mlflow_tracker is not None and not plots_done:
-                self._log_plots(mlflow_tracker, log)
+                # Answered at once: the files and metrics below go to the store while the plots are drawn.
+                settle_plots = self._start_plots(mlflow_tracker, log)
             tracker.log_dict(summary.to_dict(), "summary.json")
             if self.profile is not None:
                 tracker.log_dict(json_ready(self.profile), "profile.json")
@@ -750,6 +752,8 @@ class Federation:
             torch.save({"flat": self.weights, "state_dict": module.state_dict()}, buffer)
             tracker.log_bytes(buffer.getvalue(), "weights.pt")
         finally:
+            if settle_plots is not None:
+                settle_plots()
             if pool is not None:
                 pool.shutdown(wait=True)  # the model is logged before the run may end
         if not self.config.tracking.log_model or mlflow_tracker is None or (built and settle_model is None):
@@ -767,17 +771,45 @@ class Federation:
         """Have the profile drawn in another process (the writer process, or a one-shot one: always with
         ``elsewhere``) and logged under ``plots/``: matplotlib is never imported here, where its objects would set
         off full garbage collections that hold the event loop (a failure is only logged)."""
-        assert self.profile is not None
         with tempfile.TemporaryDirectory(prefix="flasync-plots-") as tmp:
-            path = os.path.join(tmp, "profile.json")
-            with open(path, "w", encoding="utf-8") as file:
-                json.dump(json_ready(self.profile), file, default=str)
             try:
+                path = self._profile_file(tmp)
                 seconds = tracker.log_files_from(tracked.PLOTS_WRITER, {"profile": path}, "plots", elsewhere=elsewhere)
             except Exception as exc:  # plots missing must not fail the run
                 log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
                 return
         log.debug("tracking.plots", seconds=seconds, metrics=False)
+
+    def _start_plots(self, tracker: tracking.MlflowTracker, log: Any) -> Callable[[], None]:
+        """Begin :meth:`_log_plots` in the writer process (see :meth:`tracking.MlflowTracker.start_files_from`);
+        return what waits for the plots (a failure is only logged)."""
+        tmp = tempfile.mkdtemp(prefix="flasync-plots-")
+        try:
+            settle = tracker.start_files_from(tracked.PLOTS_WRITER, {"profile": self._profile_file(tmp)}, "plots")
+        except Exception as exc:  # plots missing must not fail the run
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+            return lambda: None
+
+        def wait() -> None:
+            try:
+                seconds = settle()
+            except Exception as exc:  # plots missing must not fail the run
+                log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+                return
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.debug("tracking.plots", seconds=seconds, metrics=False)
+
+        return wait
+
+    def _profile_file(self, folder: str) -> str:
+        """Write the profile as JSON into ``folder`` (what the plots are drawn from); return its path."""
+        assert self.profile is not None
+        path = os.path.join(folder, "profile.json")
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(json_ready(self.profile), file, default=str)
+        return path
 
     def _start_model_from_spec(
         self, tracker: tracking.MlflowTracker, spec: tuple[str, dict[str, Any]], example: np.ndarray

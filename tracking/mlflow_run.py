@@ -1104,11 +1104,48 @@ class MlflowTracker:
         self._check_started()
         request = {"op": "artifacts", "target": target, "kwargs": dict(kwargs), "folder": artifact_path}
         if elsewhere or not self._child_job(request):
-            with tempfile.TemporaryDirectory(prefix="tracking-files-") as folder:
-                _files.write_elsewhere(target, folder, kwargs)
-                for path in sorted(Path(folder).iterdir()):
-                    self.log_file(path, artifact_path)
+            self._files_here(target, kwargs, artifact_path)
         return time.perf_counter() - began
+
+    def start_files_from(
+        self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None = None
+    ) -> Callable[[], float]:
+        """Begin what :meth:`log_files_from` does and return at once; the function returned waits for it to end and
+        returns the seconds since this call (raising what :meth:`log_files_from` would).
+
+        The writer process does the job on a thread of its own (its files helper writes the files, on Linux), so
+        the files and metrics this process sends meanwhile are answered beside it rather than after it. Without a
+        writer process a one-shot process writes the files before this returns. Call the function before
+        :meth:`finish` (which otherwise waits for the job without reporting it) and keep ``kwargs``' files until
+        it returns.
+
+        Args:
+            target: As for :meth:`log_files_from`.
+            kwargs: As for :meth:`log_files_from`.
+            artifact_path: As for :meth:`log_files_from`.
+        """
+        began = time.perf_counter()
+        self._check_started()
+        job = f"files-{next(self._deferred)}"
+        request = {"op": "artifacts", "target": target, "kwargs": dict(kwargs), "folder": artifact_path}
+        if not self._child_job({**request, "defer": job}):
+            self._files_here(target, kwargs, artifact_path)
+            seconds = time.perf_counter() - began
+            return lambda: seconds
+
+        def settle() -> float:
+            if not self._child_job({"op": "settle", "id": job}):
+                self._files_here(target, kwargs, artifact_path)
+            return time.perf_counter() - began
+
+        return settle
+
+    def _files_here(self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None) -> None:
+        """Have a one-shot process write ``target``'s files and log them from this process."""
+        with tempfile.TemporaryDirectory(prefix="tracking-files-") as folder:
+            _files.write_elsewhere(target, folder, kwargs)
+            for path in sorted(Path(folder).iterdir()):
+                self.log_file(path, artifact_path)
 
     def _child_job(self, request: Mapping[str, Any]) -> bool:
         """Have the writer process do ``request``; False when there is none, the store is failing, or it failed

@@ -687,3 +687,50 @@ def test_a_model_logged_while_a_started_one_exports_waits_its_turn(tracking_uri:
     x = torch.randn(5, 8)
     for logged in found:
         assert torch.allclose(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x), atol=1e-6)
+
+
+_WAITING_FILES = """
+import os
+import time
+from pathlib import Path
+
+
+def write(folder, flag, fail=False):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if fail:
+        raise ValueError("no plots today")
+    Path(folder, "drawn.txt").write_text("drawn")
+"""
+
+
+def test_started_files_are_written_while_the_writer_answers_the_rest(
+    tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """start_files_from returns at once; metrics and files sent meanwhile are stored while its function still
+    waits (for a file this test writes only after they were answered); the function it returns waits for the
+    files, and one whose function fails raises from it (the run goes on)."""
+    (tmp_path / "waiting_files.py").write_text(_WAITING_FILES)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    holder = IdleChild()
+    tracker = MlflowTracker(tracking_uri, files_preload=("flasync.plots:warm_up_plots",), idle_writers=holder)
+    run_id = tracker.start(experiment="child-deferred-files")
+    flag = tmp_path / "go"
+    settle = tracker.start_files_from("waiting_files:write", {"flag": str(flag)}, "drawn")
+    tracker.log_metrics(_metrics("m", range(3)))
+    tracker.log_dict({"a": 1}, "summary.json")
+    assert tracker.flush()
+    client = mlflow.MlflowClient(tracking_uri)
+    assert [m.step for m in client.get_metric_history(run_id, "m")] == [0, 1, 2]
+    assert _artifacts(tracking_uri, run_id, "") == {"summary.json"}
+    flag.touch()
+    assert settle() > 0
+    assert _artifacts(tracking_uri, run_id, "drawn") == {"drawn.txt"}
+    failing = tracker.start_files_from("waiting_files:write", {"flag": str(flag), "fail": True}, "never")
+    with pytest.raises(RuntimeError, match="no plots today"):
+        failing()
+    tracker.finish("FINISHED")
+    holder.clear()
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert _artifacts(tracking_uri, run_id, "never") == set()

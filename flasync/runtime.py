@@ -118,6 +118,12 @@ _DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
 
 _T = TypeVar("_T")
 
+
+def _plots_failed(log: Any, exc: Exception) -> None:
+    """Report plots that could not be made (they must not fail the run)."""
+    log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+
+
 _TRACES = "flasync-traces-"
 _RESIDUALS = "flasync-residuals-"
 
@@ -775,8 +781,8 @@ class Federation:
             try:
                 path = self._profile_file(tmp)
                 seconds = tracker.log_files_from(tracked.PLOTS_WRITER, {"profile": path}, "plots", elsewhere=elsewhere)
-            except Exception as exc:  # plots missing must not fail the run
-                log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+            except Exception as exc:
+                _plots_failed(log, exc)
                 return
         log.debug("tracking.plots", seconds=seconds, metrics=False)
 
@@ -786,16 +792,16 @@ class Federation:
         tmp = tempfile.mkdtemp(prefix="flasync-plots-")
         try:
             settle = tracker.start_files_from(tracked.PLOTS_WRITER, {"profile": self._profile_file(tmp)}, "plots")
-        except Exception as exc:  # plots missing must not fail the run
+        except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+            _plots_failed(log, exc)
             return lambda: None
 
         def wait() -> None:
             try:
                 seconds = settle()
-            except Exception as exc:  # plots missing must not fail the run
-                log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+            except Exception as exc:
+                _plots_failed(log, exc)
                 return
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)

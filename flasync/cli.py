@@ -738,10 +738,11 @@ def console() -> NoReturn:
     nothing the operating system would not.
     """
     status = main()
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # what a normal exit runs: logging's flush, weakref finalizers (temporary folders)
+    # What a normal exit runs, in its order: the threading module's exit hooks (they end idle thread pools' workers,
+    # such as the one MLflow's artifact repository keeps, which would otherwise wait for work forever) and the join
+    # of every other non-daemon thread; then the atexit handlers (logging's flush, temporary folders' finalizers).
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing more can be written
             stream.flush()

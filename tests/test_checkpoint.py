@@ -488,8 +488,10 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
             if len(client.list_artifacts(run_id, "checkpoints")) == 2:
                 process.kill()
                 break
-    process.communicate(timeout=60)
-    assert run_id is not None and process.returncode == -signal.SIGKILL
+    rest, _ = process.communicate(timeout=60)
+    assert run_id is not None, rest[-2000:]
+    # A run that ends by itself ended before two checkpoints were in the store (a store lagging behind training).
+    assert process.returncode == -signal.SIGKILL, f"exit {process.returncode} before the kill: {rest[-2000:]}"
     client = mlflow.MlflowClient(store)
     assert client.get_run(run_id).info.status == "RUNNING"  # nothing ended it
     saved = checkpoint.fetch(run_id, store).state

@@ -129,6 +129,40 @@ def test_no_tracking_never_imports_mlflow() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+_IDLE_POOL = """
+import atexit, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+import flasync.cli
+
+
+class Repository:  # kept alive by a reference cycle, as MLflow's artifact repository can be
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="repository")
+        self.me = self
+
+
+def command():
+    repository = Repository()
+    repository.pool.submit(print, "work done").result()
+    done = threading.Thread(target=lambda: print("a thread of the command finished"))
+    done.start()
+    atexit.register(print, "atexit ran")
+    return 3
+
+
+flasync.cli.main = command
+flasync.cli.console()
+"""
+
+
+def test_the_command_line_ends_with_an_idle_thread_pool_left_alive() -> None:
+    """console() ends as a normal exit would: an idle thread pool the command left alive (a reference cycle keeps
+    it) does not keep the process waiting, the command's threads finish, atexit handlers run, the status is kept."""
+    done = subprocess.run([sys.executable, "-c", _IDLE_POOL], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines() == ["work done", "a thread of the command finished", "atexit ran"]
+
+
 def test_print_config_round_trips(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """--print-config prints YAML that loads back into the same config."""
     assert main(["run", "--print-config", "--set", "server.buffer_size=7", "--no-system-metrics"]) == 0

@@ -130,6 +130,16 @@ class CohortTrainer:
         self._cohort_forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor] | None = (
             forward if callable(forward) else None
         )
+        # Written-out gradients stand for the forward pass only if the class that wrote them also wrote the forward
+        # (a subclass with a forward of its own inherits gradients that no longer match it).
+        gradients = getattr(module, "cohort_gradients", None)
+        self._cohort_gradients: Callable[..., tuple[dict[str, torch.Tensor], torch.Tensor]] | None = (
+            gradients
+            if callable(gradients)
+            and self._cohort_forward is not None
+            and _defined_by(module, "cohort_gradients") is _defined_by(module, "cohort_forward")
+            else None
+        )
         self._activations: dict[tuple[object, ...], int] = {}
 
     # ------------------------------------------------------------------------------------------------ public
@@ -219,6 +229,20 @@ class CohortTrainer:
         else:
             losses = objective.loss(out.float(), yb)
         return (losses * mask).sum() / mask.sum()
+
+    def _written_out_step(
+        self, rows: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return each row's masked mean loss ``(k,)`` and its gradient ``(k, P)`` from the model's own
+        ``cohort_gradients`` (what autograd gives through :meth:`_cohort_losses`, to float rounding)."""
+        assert self._cohort_gradients is not None
+        k = rows.shape[0]
+        params = {
+            name: chunk.view(k, *shape)
+            for name, chunk, shape in zip(self._names, torch.split(rows, self._sizes, dim=1), self._shapes, strict=True)
+        }
+        grads, losses = self._cohort_gradients(params, xb, yb, mask / mask.sum(dim=1, keepdim=True))
+        return losses, torch.cat([grads[name].reshape(k, -1) for name in self._names], dim=1)
 
     def _cohort_losses(
         self, rows: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, mask: torch.Tensor
@@ -318,6 +342,9 @@ class CohortTrainer:
         # gives every row its own gradient (rows never mix), at a fraction of the cost of vmap(grad(...)), which
         # wraps every tensor of the backward pass too. The gradients are the same, bit for bit.
         losses_of = vmap(self._loss) if self._cohort_forward is None else self._cohort_losses
+        # A model that writes its cohort's backward pass out (the built-in MLP) skips autograd's engine, for the plain
+        # float32 cross-entropy; mixed precision and other objectives go through autograd.
+        written_out = self._cohort_gradients is not None and cfg.precision == "fp32" and cfg.objective is None
         host_data = x.device != device
         activation_bytes = 0
         pending = self._fetch(x, y, index[0, : active_counts[0]], host_data) if active_counts else None
@@ -330,15 +357,19 @@ class CohortTrainer:
                 pending = self._fetch(x, y, index[s + 1, : active_counts[s + 1]], host_data)
             w, m = weights[:k], mask[s, :k]
             try:
-                with torch.enable_grad():
-                    leaf = w.detach().requires_grad_(True)  # shares w's storage: no copy
-                    loss = losses_of(leaf, xb, yb, m)
-                    total = (loss * scaler.scale[:k]).sum() if scaler is not None else loss.sum()
-                    (grads,) = torch.autograd.grad(total, leaf)
-                loss = loss.detach()
+                if written_out:
+                    loss, grads = self._written_out_step(w, xb, yb, m)
+                else:
+                    with torch.enable_grad():
+                        leaf = w.detach().requires_grad_(True)  # shares w's storage: no copy
+                        loss = losses_of(leaf, xb, yb, m)
+                        total = (loss * scaler.scale[:k]).sum() if scaler is not None else loss.sum()
+                        (grads,) = torch.autograd.grad(total, leaf)
+                    loss = loss.detach()
             except Exception as exc:
                 if s == 0:
                     how = "vmap cannot batch the model" if self._cohort_forward is None else "cohort_forward failed"
+                    how = "cohort_gradients failed" if written_out else how
                     raise _Unsupported(f"{how}: {type(exc).__name__}: {exc}") from exc
                 raise
             with torch.no_grad():
@@ -419,6 +450,11 @@ class CohortTrainer:
         if self.device.type == "cuda":
             xb, yb = xb.pin_memory(), yb.pin_memory()
         return xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
+
+
+def _defined_by(module: nn.Module, name: str) -> type | None:
+    """Return the class of ``module``'s MRO that defines the attribute ``name`` (None: none does)."""
+    return next((cls for cls in type(module).__mro__ if name in vars(cls)), None)
 
 
 class _Unsupported(Exception):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -680,3 +680,41 @@ def test_auto_says_which_executor_it_picked_and_trains_with_it() -> None:
     threads = flasync.run(small_config(*overrides, "executor.kind=thread"))
     assert auto.weights_sha256 == vectorized.weights_sha256
     assert threads.updates_accepted == auto.updates_accepted
+
+
+@pytest.mark.parametrize(
+    ("cfg", "written_out"),
+    [
+        (LocalTraining(epochs=1, batch_size=16, lr=0.05), True),
+        (LocalTraining(epochs=1, batch_size=16, lr=0.05, precision="bf16"), False),
+        (LocalTraining(epochs=1, batch_size=16, lr=0.05, objective=_Focal(vectorizable=True)), False),
+    ],
+)
+def test_the_mlp_written_out_backward_is_used_for_plain_float32_cross_entropy(
+    cfg: LocalTraining, written_out: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MLP's own cohort_gradients replace autograd for float32 cross-entropy (within 1e-5 of one client at a
+    time); mixed precision and other objectives go through autograd, and so does a subclass with its own forward."""
+    calls: list[int] = []
+    real = MLP.cohort_gradients
+
+    def counted(self: MLP, *args: object) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        calls.append(1)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MLP, "cohort_gradients", counted)
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    outcome = CohortTrainer(_mlp()).train(base, x, y, _members(parts), cfg)
+    assert outcome.vectorized and bool(calls) is written_out
+    if written_out:
+        for got, want in zip(outcome.results, _alone(_mlp, base, x, y, parts, cfg), strict=True):
+            assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
+
+    class Doubled(MLP):
+        def cohort_forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().cohort_forward(params, x)
+
+    calls.clear()
+    CohortTrainer(Doubled(FEATURES, [32], CLASSES)).train(base, x, y, _members(parts), cfg)
+    assert not calls

@@ -182,3 +182,37 @@ def test_num_parameters_counts_shared_parameters_once() -> None:
     """A layer used twice is counted once."""
     layer = nn.Linear(3, 3)
     assert num_parameters(nn.Sequential(layer, layer)) == 12
+
+
+@pytest.mark.parametrize("hidden", [(), (16,), (16, 8)])
+def test_mlp_cohort_gradients_equal_autograd(hidden: tuple[int, ...]) -> None:
+    """The written-out backward pass of MLP.cohort_gradients gives autograd's gradients and losses through
+    cohort_forward (to float rounding), weighted per sample: padding of weight 0 counts for nothing."""
+    torch.manual_seed(0)
+    k, batch = 5, 12
+    model = MLP(10, hidden, 4)
+    params = {
+        name: (p.detach().unsqueeze(0) + 0.1 * torch.randn(k, *p.shape)).requires_grad_(True)
+        for name, p in model.named_parameters()
+    }
+    x = torch.randn(k, batch, 10)
+    y = torch.randint(0, 4, (k, batch))
+    mask = torch.ones(k, batch)
+    mask[1, 7:] = 0.0
+    mask[3, 1:] = 0.0
+    weights = mask / mask.sum(dim=1, keepdim=True)
+    logits = model.cohort_forward(params, x)
+    per_sample = nn.functional.cross_entropy(logits.reshape(k * batch, 4), y.reshape(-1), reduction="none")
+    want_losses = (per_sample.view(k, batch) * weights).sum(dim=1)
+    want = torch.autograd.grad(want_losses.sum(), list(params.values()))
+    grads, losses = model.cohort_gradients({n: p.detach() for n, p in params.items()}, x, y, weights)
+    assert sorted(grads) == sorted(params)
+    torch.testing.assert_close(losses, want_losses.detach(), rtol=0, atol=1e-6)
+    for name, expected in zip(params, want, strict=True):
+        assert grads[name].shape == expected.shape
+        torch.testing.assert_close(grads[name], expected, rtol=0, atol=1e-6)
+    # A padded sample changes nothing.
+    y_other = y.clone()
+    y_other[1, 9] = (y[1, 9] + 1) % 4
+    again, _ = model.cohort_gradients({n: p.detach() for n, p in params.items()}, x, y_other, weights)
+    assert all(torch.equal(again[name], grads[name]) for name in grads)

@@ -358,8 +358,13 @@ class CohortTrainer:
             w, m = weights[:k], mask[s, :k]
             try:
                 if written_out:
-                    loss, grads = self._written_out_step(w, xb, yb, m)
-                else:
+                    try:
+                        loss, grads = self._written_out_step(w, xb, yb, m)
+                    except Exception:
+                        if s:
+                            raise
+                        written_out = False  # the model's own backward does not fit it: autograd from here on
+                if not written_out:
                     with torch.enable_grad():
                         leaf = w.detach().requires_grad_(True)  # shares w's storage: no copy
                         loss = losses_of(leaf, xb, yb, m)
@@ -369,7 +374,6 @@ class CohortTrainer:
             except Exception as exc:
                 if s == 0:
                     how = "vmap cannot batch the model" if self._cohort_forward is None else "cohort_forward failed"
-                    how = "cohort_gradients failed" if written_out else how
                     raise _Unsupported(f"{how}: {type(exc).__name__}: {exc}") from exc
                 raise
             with torch.no_grad():

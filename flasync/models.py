@@ -101,8 +101,10 @@ class MLP(nn.Module):
                     inputs.append(h)
                     weight, bias = params[f"layers.{index}.weight"], params[f"layers.{index}.bias"]
                     h = torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
-                else:
+                elif isinstance(layer, nn.ReLU):
                     h = torch.relu(h)
+                else:  # a layer put in place of one of the built-in ones: its derivative is not written out here
+                    raise TypeError(f"cohort_gradients takes Linear and ReLU layers, not {type(layer).__name__}")
             log_p = torch.log_softmax(h, dim=2)
             labels = y.unsqueeze(2)
             losses = -(log_p.gather(2, labels).squeeze(2) * weights).sum(dim=1)

@@ -718,3 +718,21 @@ def test_the_mlp_written_out_backward_is_used_for_plain_float32_cross_entropy(
     calls.clear()
     CohortTrainer(Doubled(FEATURES, [32], CLASSES)).train(base, x, y, _members(parts), cfg)
     assert not calls
+
+
+def test_an_mlp_with_a_layer_its_written_out_backward_does_not_take_trains_through_autograd() -> None:
+    """An MLP whose ReLU was replaced (cohort_forward follows its layers, cohort_gradients knows Linear and ReLU
+    only) still trains vectorized, through autograd, within 1e-5 of one client at a time."""
+
+    def factory() -> nn.Module:
+        model = MLP(FEATURES, [32], CLASSES)
+        model.layers[1] = nn.Tanh()
+        return model
+
+    x, y, parts = _data()
+    base = flat_parameters(factory())
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05)
+    outcome = CohortTrainer(factory()).train(base, x, y, _members(parts), cfg)
+    assert outcome.vectorized and outcome.fallback_reason is None
+    for got, want in zip(outcome.results, _alone(factory, base, x, y, parts, cfg), strict=True):
+        assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)

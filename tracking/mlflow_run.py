@@ -1008,9 +1008,9 @@ class MlflowTracker:
         began = time.perf_counter()
         self._check_started()
         arguments = _model_arguments(builder, kwargs, name, input_example)
-        if self._child_job(self._model_request(arguments)):
-            return time.perf_counter() - began
-        return self._model_here(arguments, input_example, began)
+        if not self._child_job(self._model_request(arguments)):
+            self._model_here(arguments, input_example)
+        return time.perf_counter() - began
 
     def start_model_from(
         self,
@@ -1034,18 +1034,27 @@ class MlflowTracker:
             name: As for :meth:`log_model_from`.
             input_example: As for :meth:`log_model_from`.
         """
-        began = time.perf_counter()
         self._check_started()
         arguments = _model_arguments(builder, kwargs, name, input_example)
-        job = f"model-{next(self._deferred)}"
-        if not self._child_job({**self._model_request(arguments), "defer": job}):
-            seconds = self._model_here(arguments, input_example, began)
+        return self._start_deferred(
+            "model", self._model_request(arguments), lambda: self._model_here(arguments, input_example)
+        )
+
+    def _start_deferred(self, kind: str, request: Mapping[str, Any], here: Callable[[], None]) -> Callable[[], float]:
+        """Have the writer process begin ``request`` as a deferred job and return what waits for it (see
+        :meth:`start_model_from`); ``here`` does the job in this process instead, at once when there is no writer
+        process, or when the settled job failed. The function returned gives the seconds since this call."""
+        began = time.perf_counter()
+        job = f"{kind}-{next(self._deferred)}"
+        if not self._child_job({**request, "defer": job}):
+            here()
+            seconds = time.perf_counter() - began
             return lambda: seconds
 
         def settle() -> float:
-            if self._child_job({"op": "settle", "id": job}):
-                return time.perf_counter() - began
-            return self._model_here(arguments, input_example, began)
+            if not self._child_job({"op": "settle", "id": job}):
+                here()
+            return time.perf_counter() - began
 
         return settle
 
@@ -1053,9 +1062,8 @@ class MlflowTracker:
         """Return the writer process's job logging the model :func:`_model_arguments` describes."""
         return {"op": "model", "model": {"experiment_id": str(self.experiment_id), **arguments}}
 
-    def _model_here(self, arguments: Mapping[str, Any], input_example: Any, began: float) -> float:
-        """Log the model :func:`_model_arguments` describes from this process (see :meth:`log_model_from`); return
-        the seconds since ``began``."""
+    def _model_here(self, arguments: Mapping[str, Any], input_example: Any) -> None:
+        """Log the model :func:`_model_arguments` describes from this process (see :meth:`log_model_from`)."""
         name = str(arguments["name"])
         model = _model.build(arguments["builder"], arguments["kwargs"])  # a builder that fails is the caller's error
 
@@ -1074,7 +1082,6 @@ class MlflowTracker:
                 writer.artifact_path(os.path.join(tmp, name), None)
 
         self._failover.deliver(send, spool)
-        return time.perf_counter() - began
 
     def log_files_from(
         self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None = None, *, elsewhere: bool = False
@@ -1124,21 +1131,9 @@ class MlflowTracker:
             kwargs: As for :meth:`log_files_from`.
             artifact_path: As for :meth:`log_files_from`.
         """
-        began = time.perf_counter()
         self._check_started()
-        job = f"files-{next(self._deferred)}"
         request = {"op": "artifacts", "target": target, "kwargs": dict(kwargs), "folder": artifact_path}
-        if not self._child_job({**request, "defer": job}):
-            self._files_here(target, kwargs, artifact_path)
-            seconds = time.perf_counter() - began
-            return lambda: seconds
-
-        def settle() -> float:
-            if not self._child_job({"op": "settle", "id": job}):
-                self._files_here(target, kwargs, artifact_path)
-            return time.perf_counter() - began
-
-        return settle
+        return self._start_deferred("files", request, lambda: self._files_here(target, kwargs, artifact_path))
 
     def _files_here(self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None) -> None:
         """Have a one-shot process write ``target``'s files and log them from this process."""

@@ -21,8 +21,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
 import yaml
@@ -32,6 +32,7 @@ from flasync import tracked
 from flasync._version import __version__
 from flasync.config import RunConfig, apply_override, load_config, validate
 from flasync.errors import ConfigError, FlasyncError, RunInterrupted
+from flasync.loops import run_loop
 from flasync.runs_view import RUNS_VIEW
 
 if TYPE_CHECKING:
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["console", "main"]
 
 _TRACKING_URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db)"
-
-T = TypeVar("T")
 
 
 class _UsageError(Exception):
@@ -228,7 +227,7 @@ def _command_serve(args: argparse.Namespace) -> int:
         print(f"flasync: serving on {scheme}://{args.host}:{port}", file=sys.stderr, flush=True)
 
     try:
-        summary = _run_loop(
+        summary = run_loop(
             serve(
                 federation,
                 host=args.host,
@@ -300,7 +299,7 @@ def _command_client(args: argparse.Namespace) -> int:
         give_up_s=args.give_up_s,
         on_status=lambda line: print(f"flasync client: {line}", file=sys.stderr, flush=True),
     )
-    stats = _run_loop(client.run(max_tasks=args.max_tasks))
+    stats = run_loop(client.run(max_tasks=args.max_tasks))
     print(
         f"flasync client {stats.client_id}: {stats.uploads} updates delivered of {stats.tasks} tasks, "
         f"{stats.dropped} dropped, {stats.failures} failed, {stats.retries} retries, "
@@ -451,15 +450,6 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
     return config
 
 
-def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        return asyncio.run(coro)
-    result: T = uvloop.run(coro)
-    return result
-
-
 def _format_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if abs(n) < 1000 or unit == "GB":
@@ -604,7 +594,7 @@ def _command_run(args: argparse.Namespace) -> int:
     federation = Federation(config, tracker=tracker, resume=resume)
     try:
         try:
-            summary = _run_loop(_run_with_signals(federation, received))
+            summary = run_loop(_run_with_signals(federation, received))
         finally:
             if bar is not None:
                 bar.close()  # finished, failed or interrupted: what follows prints below the bar

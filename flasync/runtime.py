@@ -61,6 +61,7 @@ from flasync.data import (
 from flasync.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, layer_layout
 from flasync.errors import ConfigError, RunInterrupted
 from flasync.executors import TrainingExecutor
+from flasync.loops import run_loop
 from flasync.plots import render_plots
 from flasync.profiling import (
     Instrumentation,
@@ -1047,14 +1048,11 @@ def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
 def run(config: RunConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> RunSummary:
     """Run a federation synchronously in a new event loop (uvloop when installed), for code without a loop.
 
+    The objects alive when it starts are kept out of the garbage collector's passes until it returns
+    (:func:`flasync.loops.frozen_heap`).
+
     Args:
         config: As for :class:`Federation`.
         **kwargs: Passed to :class:`Federation`.
     """
-    coro = Federation(config, **kwargs).run()
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        return asyncio.run(coro)
-    summary: RunSummary = uvloop.run(coro)
-    return summary
+    return run_loop(Federation(config, **kwargs).run())

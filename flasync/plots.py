@@ -65,6 +65,11 @@ def _binned(rows: Sequence[Mapping[str, float]], limit: int) -> list[dict[str, f
     return out
 
 
+def _edges(first: float, stop: float) -> list[float]:
+    """Return the unit steps ``first, first + 1, ...`` below ``stop``: the edges of one bar per integer."""
+    return [first + i for i in range(math.ceil(stop - first))]
+
+
 def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     """Draw the profile as PNG images; return ``{file name: PNG bytes}``.
 
@@ -108,7 +113,10 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     if len(histogram) > 1:
         fig = Figure(figsize=(6, 4))
         ax = fig.subplots()
-        ax.bar([int(k) for k in histogram], list(histogram.values()))
+        counts = {int(k): v for k, v in histogram.items()}
+        low, high = min(counts), max(counts)
+        # One filled step outline, not one rectangle per staleness: each rectangle is a matplotlib artist.
+        ax.stairs([counts.get(k, 0) for k in range(low, high + 1)], _edges(low - 0.5, high + 1.5), fill=True)
         ax.set_xlabel("staleness (versions)")
         ax.set_ylabel("accepted updates")
         ax.set_title("Staleness of accepted updates")
@@ -119,16 +127,16 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     bars = _binned(profile["time"]["per_version"], _MAX_BARS)
     span = max((b["versions"] for b in bars), default=1.0)
     per = "per version" if span == 1 else f"per version (mean over each bar's {span:g} versions)"
-    starts = [b["version"] - b["versions"] + 1 for b in bars]
-    widths = [0.9 * b["versions"] for b in bars]
+    # Bar i spans versions (edges[i], edges[i + 1]]; each series is one filled step outline on the ones below it.
+    edges = [bars[0]["version"] - bars[0]["versions"] + 0.5 if bars else 0.5] + [b["version"] + 0.5 for b in bars]
     fig = wide()
     ax = fig.subplots()
     keys = ("compute_s", "encode_s", "decode_s", "queue_wait_s", "aggregate_s", "eval_s", "idle_s")
     bottom = [0.0] * len(bars)
-    for key in keys:
-        heights = [b[key] / b["versions"] for b in bars]
-        ax.bar(starts, heights, bottom=bottom, width=widths, align="edge", label=key.removesuffix("_s"))
-        bottom = [x + h for x, h in zip(bottom, heights, strict=True)]
+    for key in keys if bars else ():
+        top = [x + b[key] / b["versions"] for x, b in zip(bottom, bars, strict=True)]
+        ax.stairs(top, edges, baseline=bottom, fill=True, label=key.removesuffix("_s"))
+        bottom = top
     ax.set_xlabel("version")
     ax.set_ylabel("wall seconds (client columns summed over clients)")
     ax.set_title(f"Time breakdown {per}")
@@ -142,11 +150,10 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     if len(sizes) > 1:
         fig = wide()
         ax = fig.subplots()
-        half = [w / 2 for w in widths]
         up = [b["upload_bytes"] / b["versions"] for b in bars]
         down = [b["download_bytes"] / b["versions"] for b in bars]
-        ax.bar(starts, up, width=half, align="edge", label="up")
-        ax.bar([x + h for x, h in zip(starts, half, strict=True)], down, width=half, align="edge", label="down")
+        ax.stairs(up, edges, label="up")
+        ax.stairs(down, edges, label="down")
         ax.set_xlabel("version")
         ax.set_ylabel("bytes")
         ax.set_title(f"Bytes {per} (of the updates folded into it)")
@@ -156,7 +163,7 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
     samples = profile["clients"]["sim_task_s_samples"]
-    ax.hist(samples, bins=min(30, max(5, len(samples) // 3 or 5)))
+    ax.hist(samples, bins=min(30, max(5, len(samples) // 3 or 5)), histtype="stepfilled")
     ax.set_xlabel("simulated seconds per task (download + train + upload)")
     ax.set_ylabel("tasks")
     summary = profile["clients"]["sim_task_s"]

@@ -684,8 +684,8 @@ def _determinism_note(config: RunConfig) -> str:
         "# Under the virtual clock, weights_sha256 depends on this config (seed, data, model, server, codecs, and\n"
         f"# executor.threads_per_worker = {config.executor.threads_per_worker}; not on executor.workers), on the torch "
         f"build ({torch.__version__})\n"
-        f"# and on its CPU kernels (capability {torch.backends.cpu.get_cpu_capability()}; ATEN_CPU_CAPABILITY "
-        "pins them).\n"
+        f"# and on its CPU kernels: torch's own (capability {torch.backends.cpu.get_cpu_capability()}; "
+        "ATEN_CPU_CAPABILITY pins them)\n# and MKL's matrix products (their path follows the CPU's model and maker).\n"
     )
 
 

@@ -10,10 +10,13 @@ sums the deltas (sample-weighted), as one FedAvg round does:
 * ``vectorized``: :class:`flasync.cohort.CohortTrainer`, cohorts of ``--max-cohort`` clients, deltas folded with
   ``UpdateBuffer.add_stacked``;
 * with ``--engine``, the whole engine (``flasync.run``: sync FedAvg rounds of ``min(clients, --max-cohort)``, virtual
-  clock, tracking off) with ``executor.kind = "thread"`` and ``"vectorized"``, each client trained once.
+  clock, tracking off) with ``executor.kind = "thread"`` and ``"vectorized"``, each client trained once; with
+  ``--phases`` also where the vectorized engine's time goes: the dispatch before the first cohort trains, the
+  cohorts' training, the worker's finishing of their updates, and the rest (the event loop's intake of the updates,
+  the end), each the median over ``--repeats`` extra runs.
 
     python benchmarks/cohort.py [--clients 100 1000 10000] [--repeats 3] [--max-cohort 1000] [--device cpu|cuda]
-                                [--threads 1] [--no-per-client] [--engine]
+                                [--threads 1] [--no-per-client] [--engine [--phases]]
 
 With ``--device cuda`` the plain loop runs on the CPU (the CPU baseline) and again on the GPU (one client at a time
 on the same GPU), and flasync's runners on the GPU. Each repeat runs every runner once, interleaved; printed are
@@ -24,9 +27,11 @@ within a repeat ("paired"), which cancels drifts in the load of a shared machine
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +41,9 @@ from flasync import seeding
 from flasync.aggregation import UpdateBuffer
 from flasync.cohort import CohortMember, CohortTrainer
 from flasync.data import make_synthetic, partition_iid
+from flasync.executors import CohortBatcher
 from flasync.models import MLP
+from flasync.server import Server
 from flasync.training import FlatModel, LocalTraining, flat_parameters, train
 
 FEATURES, CLASSES, HIDDEN, SAMPLES, BATCH, LR = 32, 10, (64,), 200, 32, 0.01
@@ -157,6 +164,68 @@ def engine(num_clients: int, kind: str, max_cohort: int, device: torch.device) -
     return summary.updates_accepted / summary.wall_s
 
 
+@contextlib.contextmanager
+def phase_marks() -> Iterator[list[tuple[str, float]]]:
+    """Record ``(mark, perf_counter)`` pairs of the engine's phases while the block runs: the server's start and end,
+    each cohort's training start and end (``CohortTrainer.train``) and each cohort's delivery (the batcher's job,
+    whose remainder after training finishes and encodes the members' updates)."""
+    marks: list[tuple[str, float]] = []
+    train, run, serve = CohortTrainer.train, CohortBatcher._run, Server.run
+
+    def timed_train(self: CohortTrainer, *args: Any, **kwargs: Any) -> Any:
+        marks.append(("train", time.perf_counter()))
+        try:
+            return train(self, *args, **kwargs)
+        finally:
+            marks.append(("trained", time.perf_counter()))
+
+    def timed_run(self: CohortBatcher, held: Any) -> None:
+        try:
+            run(self, held)
+        finally:
+            marks.append(("delivered", time.perf_counter()))
+
+    async def timed_serve(self: Server) -> Any:
+        marks.append(("start", time.perf_counter()))
+        try:
+            return await serve(self)
+        finally:
+            marks.append(("end", time.perf_counter()))
+
+    CohortTrainer.train = timed_train  # type: ignore[method-assign]
+    CohortBatcher._run = timed_run  # type: ignore[method-assign]
+    Server.run = timed_serve  # type: ignore[method-assign]
+    try:
+        yield marks
+    finally:
+        CohortTrainer.train, CohortBatcher._run, Server.run = train, run, serve  # type: ignore[method-assign]
+
+
+def engine_phases(num_clients: int, max_cohort: int, device: torch.device, repeats: int) -> None:
+    """Print where one vectorized engine run's wall time goes (medians over ``repeats`` runs, in ms)."""
+    rows: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        with phase_marks() as marks:
+            engine(num_clients, "vectorized", max_cohort, device)
+        at = {name: [t for n, t in marks if n == name] for name in ("start", "end", "train", "trained", "delivered")}
+        start, end = at["start"][0], at["end"][-1]
+        training = sum(b - a for a, b in zip(at["train"], at["trained"], strict=True))
+        finishing = sum(b - a for a, b in zip(at["trained"], at["delivered"], strict=True))
+        figures = {
+            "server run": end - start,
+            "dispatch (start to first cohort)": at["train"][0] - start,
+            "training (cohorts)": training,
+            "finishing (encode, deliver)": finishing,
+            "rest (intake, overlaps, end)": (end - start) - (at["train"][0] - start) - training - finishing,
+            "after the last delivery": end - at["delivered"][-1],
+        }
+        for key, value in figures.items():
+            rows.setdefault(key, []).append(1000 * value)
+    print(f"{num_clients:>8} engine phases, vectorized, medians of {repeats} runs (ms):")
+    for key, values in rows.items():
+        print(f"{'':>8}   {key:<34} {statistics.median(values):8.1f}")
+
+
 def main() -> None:
     """Print updates/s and ratios against the plain loop."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -166,6 +235,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--no-per-client", action="store_true", help="skip flasync's one-at-a-time runner")
     parser.add_argument("--engine", action="store_true", help="also time whole FedAvg runs, thread vs vectorized")
+    parser.add_argument(
+        "--phases", action="store_true", help="with --engine: where a vectorized engine run's time goes"
+    )
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op torch threads (1, as flasync's workers: robust when shared)"
     )
@@ -203,6 +275,8 @@ def main() -> None:
             median = statistics.median(values)
             ratio = median / statistics.median(baseline)
             print(f"{num_clients:>8} {runner_name:<26} {median:11.0f} {ratio:8.2f}x {paired:8.2f}x")
+        if args.engine and args.phases:
+            engine_phases(num_clients, args.max_cohort, device, args.repeats)
         if device.type == "cuda":
             gpu_plain, vec = rates["plain loop (cuda)"], rates[list(runners)[-1]]
             paired = statistics.median(v / b for v, b in zip(vec, gpu_plain, strict=True))

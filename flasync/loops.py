@@ -1,15 +1,16 @@
 """Running a coroutine in a new event loop that owns its thread, as ``flasync.run`` and the command line do.
 
 A process that imported torch holds about 170,000 objects that the cyclic garbage collector tracks (300,000 with
-MLflow); a full collection walks all of them, 60-180 ms on one core. A run allocates enough (a coroutine, a task,
-futures and events per client task) that CPython makes one or two full collections in a run of a second or so,
-which is 10-25 % of it. :func:`frozen_heap` moves what exists when a run starts into the collector's permanent
-generation (:func:`gc.freeze`) for the run's duration, so full collections walk only what the run itself allocated,
-and gives it back afterwards (:func:`gc.unfreeze`): nothing is leaked, and garbage that already existed is collected
-after the run instead of during it. The training of a run and its results do not depend on it.
+MLflow); a full collection walks all of them, 60-120 ms on one core. A run allocates enough (a coroutine, a task,
+futures and events per client task) that CPython makes a full collection every second or two of a run, each of
+them walking torch's objects again. :func:`frozen_heap` lets the run's first full collection happen as usual, then
+moves what survived it into the collector's permanent generation (:func:`gc.freeze`), so the run's later full
+collections walk only what the run allocated since; the block's end gives it back (:func:`gc.unfreeze`). Nothing
+leaks: what is frozen has just been found alive, and a short run that makes no full collection freezes nothing.
+The training of a run and its results do not depend on it.
 
-:class:`flasync.Federation` inside a caller's own event loop does not freeze anything: the loop and the process are
-the caller's. It can use :func:`frozen_heap` itself.
+:class:`flasync.Federation` inside a caller's own event loop does not use it: the loop and the process are the
+caller's, who can wrap the run in ``with frozen_heap():``.
 """
 
 from __future__ import annotations
@@ -24,25 +25,34 @@ _T = TypeVar("_T")
 
 
 @contextlib.contextmanager
-def frozen_heap() -> Iterator[bool]:
-    """Keep the objects alive on entry out of the garbage collector's passes until the block ends.
+def frozen_heap() -> Iterator[None]:
+    """Keep what survives the block's first full garbage collection out of the collector's later passes.
 
-    Yields whether it froze anything. It does not when objects are frozen already (by the process's own
-    :func:`gc.freeze`, e.g. before a fork, or an enclosing block): it then leaves the collector as it is, so that it
-    never unfreezes what it did not freeze.
+    Nothing happens when objects are frozen already on entry (by the process's own :func:`gc.freeze`, e.g. before a
+    fork, or an enclosing block), so that it never unfreezes what it did not freeze.
     """
     if gc.get_freeze_count() > 0:
-        yield False
+        yield
         return
-    gc.freeze()
+    froze: list[bool] = []
+
+    def after_full_collection(phase: str, info: dict[str, int]) -> None:
+        # The heap was just walked whole: what is left is alive, so freezing it keeps no garbage.
+        if phase == "stop" and info["generation"] == 2 and not froze and gc.get_freeze_count() == 0:
+            gc.freeze()
+            froze.append(True)
+
+    gc.callbacks.append(after_full_collection)
     try:
-        yield True
+        yield
     finally:
-        gc.unfreeze()
+        gc.callbacks.remove(after_full_collection)
+        if froze:
+            gc.unfreeze()
 
 
 def run_loop(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run ``coro`` to its end in a new event loop (uvloop when installed), the heap frozen (:func:`frozen_heap`)."""
+    """Run ``coro`` to its end in a new event loop (uvloop when installed), inside :func:`frozen_heap`."""
     with frozen_heap():
         try:
             import uvloop

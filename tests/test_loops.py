@@ -1,4 +1,4 @@
-"""Runs in a new event loop: the heap frozen out of the garbage collector for the run, and given back."""
+"""Runs in a new event loop: what survives a run's first full collection is kept out of the later ones."""
 
 from __future__ import annotations
 
@@ -38,60 +38,88 @@ class _Node:
         self.me = self
 
 
-def test_frozen_heap_freezes_what_exists_and_gives_it_back() -> None:
-    old = _Node()
-    old_ref = weakref.ref(old)
-    del old  # garbage before the block: kept out of the collector's passes while it lasts
-    with frozen_heap() as froze:
-        assert froze
+def test_frozen_heap_freezes_what_survives_the_first_full_collection_and_gives_it_back() -> None:
+    garbage = _Node()
+    garbage_ref = weakref.ref(garbage)
+    del garbage
+    alive = _Node()
+    alive_ref = weakref.ref(alive)
+    with frozen_heap():
+        assert gc.get_freeze_count() == 0  # nothing before a full collection
+        gc.collect()
         assert gc.get_freeze_count() > 0
+        assert garbage_ref() is None  # the collection freed it: garbage is never frozen
+        del alive  # alive when frozen: not collected while the block lasts
         new = _Node()
         new_ref = weakref.ref(new)
         del new
         gc.collect()
-        assert new_ref() is None  # garbage made inside the block is collected as usual
-        assert old_ref() is not None
+        assert new_ref() is None  # garbage made after the freeze is collected as usual
+        assert alive_ref() is not None
     assert gc.get_freeze_count() == 0
+    assert not any("after_full_collection" in repr(callback) for callback in gc.callbacks)
     gc.collect()
-    assert old_ref() is None  # and the rest once the block has ended: nothing leaks
+    assert alive_ref() is None  # and the rest once the block has ended: nothing leaks
 
 
 def test_frozen_heap_leaves_a_heap_frozen_by_someone_else_frozen() -> None:
     gc.freeze()
     frozen = gc.get_freeze_count()
-    with frozen_heap() as froze:
-        assert not froze
-        with frozen_heap() as nested:
-            assert not nested
-    assert gc.get_freeze_count() == frozen  # what the process froze itself stays frozen
+    with frozen_heap(), frozen_heap():
+        gc.collect()
+    assert gc.get_freeze_count() == frozen  # what the process froze itself stays frozen, nothing more is
+
+
+def _collect_then_fail() -> None:
+    with frozen_heap():
+        gc.collect()
+        assert gc.get_freeze_count() > 0
+        raise RuntimeError("boom")
 
 
 def test_frozen_heap_gives_the_heap_back_when_the_block_raises() -> None:
-    with pytest.raises(RuntimeError, match="boom"), frozen_heap():
-        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        _collect_then_fail()
     assert gc.get_freeze_count() == 0
 
 
-def test_run_loop_returns_the_coroutine_result_with_the_heap_frozen_meanwhile() -> None:
+def test_run_loop_returns_the_coroutine_result_inside_frozen_heap() -> None:
     async def count() -> int:
         await asyncio.sleep(0)
+        gc.collect()
         return gc.get_freeze_count()
 
     assert run_loop(count()) > 0
     assert gc.get_freeze_count() == 0
 
 
-def test_flasync_run_freezes_during_the_run_only_and_trains_the_same_weights() -> None:
+def test_flasync_run_freezes_after_a_full_collection_and_trains_the_same_weights() -> None:
     seen: list[int] = []
 
     def wall() -> float:
+        if not seen:
+            gc.collect()  # a full collection early in the run
         seen.append(gc.get_freeze_count())
         return time.perf_counter()
 
     summary = flasync.run(SMALL, wall=wall)
-    assert seen and min(seen) > 0  # every wall reading of the run saw the heap frozen
+    assert seen[-1] > 0  # frozen after it, to the run's end
     assert gc.get_freeze_count() == 0
     federation = flasync.Federation(SMALL)
     embedded = asyncio.run(federation.run())  # a caller's own loop: nothing frozen, the same weights
     assert federation.weights is not None
     assert embedded.weights_sha256 == summary.weights_sha256 == weights_sha256(federation.weights)
+
+
+def test_runs_one_after_another_in_one_process_keep_no_earlier_run_alive() -> None:
+    """Every run's garbage is collectable after it: the live objects stay flat over runs, collections or not."""
+
+    def collecting_wall() -> float:
+        gc.collect()
+        return time.perf_counter()
+
+    counts = []
+    for _ in range(4):
+        flasync.run(SMALL, wall=collecting_wall)  # full collections (so freezes) inside every run
+        counts.append(len(gc.get_objects()))  # no collection between runs: a sweep's runs follow each other
+    assert counts[-1] - counts[1] < 100, counts

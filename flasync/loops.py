@@ -29,7 +29,9 @@ def frozen_heap() -> Iterator[None]:
     """Keep what survives the block's first full garbage collection out of the collector's later passes.
 
     Nothing happens when objects are frozen already on entry (by the process's own :func:`gc.freeze`, e.g. before a
-    fork, or an enclosing block), so that it never unfreezes what it did not freeze.
+    fork, or an enclosing block), and nothing is frozen when they are at the collection: it gives back only what
+    it froze itself (with anything other code froze during the block after it, which :func:`gc.unfreeze` cannot
+    tell apart).
     """
     if gc.get_freeze_count() > 0:
         yield

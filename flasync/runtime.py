@@ -1048,7 +1048,7 @@ def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
 def run(config: RunConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> RunSummary:
     """Run a federation synchronously in a new event loop (uvloop when installed), for code without a loop.
 
-    The objects alive when it starts are kept out of the garbage collector's passes until it returns
+    What survives the run's first full garbage collection is kept out of its later ones until it returns
     (:func:`flasync.loops.frozen_heap`).
 
     Args:

@@ -7,9 +7,11 @@ dozen figures per client update loses a large share of its throughput. :class:`C
 opens the store (a new SQLite store's schema included), then reads the run id as the first line of its standard input
 and answers ``ready``; or it reads the run to create (a JSON object), creates the run and answers
 ``ready RUN_ID EXPERIMENT_ID``, so the parent need not import MLflow at all. Each batch follows
-as one line of JSON (``[[key, value, timestamp, step], ...]``), answered ``ok`` or ``error: ...``. A plain
-subprocess, not ``multiprocessing``: it never re-imports the parent's ``__main__`` (a script without an
-``if __name__ == "__main__"`` guard stays safe), and nothing is pickled.
+as one line of JSON (``[[key, value, timestamp, step], ...]``), answered ``ok`` or ``error: ...``; in a SQLite store
+whose tables have the shape MLflow's ``log_batch`` writes, the child writes those rows itself
+(:class:`tracking.sqlite_metrics.SqliteMetrics`: the same rows, a tenth of the CPU), elsewhere it calls
+``log_batch``. A plain subprocess, not ``multiprocessing``: it never re-imports the parent's ``__main__`` (a script
+without an ``if __name__ == "__main__"`` guard stays safe), and nothing is pickled.
 
 The child also does the rest of a run's MLflow work a parent hands it, on its own core and with its own GIL. A job
 is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``tags``, ``dataset`` (an
@@ -56,6 +58,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tracking.metrics import MetricRow
+    from tracking.sqlite_metrics import SqliteMetrics
 
 __all__ = ["FORKS_HELPER", "IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer"]
 
@@ -424,7 +427,10 @@ def _serve_runs(
 
     # Open the store before the parent says what to do: that (SQLAlchemy's set-up, a new store's schema) overlaps with
     # the parent's own start-up, and only the run itself is left to create when the request comes.
+    from tracking.sqlite_metrics import SqliteMetrics
+
     client: Any = None
+    direct: SqliteMetrics | None = None
     failure: Exception | None = None
     store: tuple[int, int] | None = None
     try:
@@ -433,6 +439,8 @@ def _serve_runs(
         prepare_sqlite_store(tracking_uri)
         client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         store = _store_file(tracking_uri)
+        # Metrics straight into a SQLite store's tables where they fit (a tenth of log_batch's CPU); else log_batch.
+        direct = SqliteMetrics.open(tracking_uri)
     except Exception as exc:
         failure = exc
     preloaded: dict[str, set[str]] = {kind: set(names[kind]) if kind in aside.helpers else set() for kind in names}
@@ -481,7 +489,7 @@ def _serve_runs(
         reply(f"ready{started}")
         monitor = _Monitor()  # per run: a new run starts with none
         try:
-            ended = _answer(client, run_id, requests, reply, monitor, tracking_uri, aside)
+            ended = _answer(client, run_id, requests, reply, monitor, tracking_uri, aside, direct)
         finally:
             monitor.stop()
         if not ended:
@@ -510,9 +518,11 @@ def _answer(
     monitor: _Monitor,
     tracking_uri: str,
     aside: _Aside,
+    direct: SqliteMetrics | None = None,
 ) -> bool:
     """Answer batches and jobs of run ``run_id``; return True after its ``end`` job (whether it succeeded or not:
-    the child serves no run then), False when told to stop (or the parent is gone)."""
+    the child serves no run then), False when told to stop (or the parent is gone). Batches go to ``direct`` when
+    it is given, else to MLflow's ``log_batch``."""
     from mlflow.entities import Metric
 
     deferred = _Deferred(lambda request: _job(client, run_id, request, monitor, tracking_uri, aside))
@@ -535,6 +545,9 @@ def _answer(
                     if ending:
                         deferred.settle_all()  # a job left unsettled still ends before its run
                     reply(f"ok {_job(client, run_id, request, monitor, tracking_uri, aside)}")
+            elif direct is not None:
+                direct.write(run_id, request)
+                reply("ok")
             else:
                 metrics = [Metric(str(k), float(v), int(t), int(s)) for k, v, t, s in request]
                 client.log_batch(run_id, metrics=metrics, synchronous=True)

@@ -1,0 +1,220 @@
+"""Metric rows written straight into a SQLite store: the store ends as MLflow's own ``log_batch`` leaves it."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sqlite3
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.entities import Metric
+
+from tracking._child import ChildLogBatch, _answer, _Aside, _Monitor
+from tracking.sqlite_metrics import SqliteMetrics
+from tracking.store import prepare_sqlite_store
+
+Row = tuple[str, float, int, int]
+
+# What MLflow's log_batch treats specially: NaN and infinities, a row repeated in its batch and in a later batch,
+# a NaN and a 0.0 at the same step and time (equal as stored values, told apart by is_nan), steps out of order,
+# an equal (step, timestamp, value) that must not replace the latest value, and integer values.
+BATCHES: list[list[Row]] = [
+    [
+        ("loss", 0.5, 1_000, 0),
+        ("loss", 0.4, 1_001, 1),
+        ("loss", 0.4, 1_001, 1),
+        ("loss", math.nan, 1_002, 2),
+        ("loss", math.nan, 1_002, 2),
+        ("grad", math.inf, 1_000, 0),
+        ("grad", -math.inf, 1_000, 1),
+        ("zero", math.nan, 5, 3),
+        ("zero", 0.0, 5, 3),
+        ("late", 3.0, 2_000, 9),
+        ("late", 1.0, 1_000, 4),
+    ],
+    [
+        ("loss", 0.4, 1_001, 1),
+        ("loss", 0.3, 999, 2),
+        ("late", 7.0, 2_000, 9),
+        ("late", 2.0, 5_000, 8),
+        ("count", 3, 1_000, 0),  # an int value, as a caller may send
+        ("zero", 0.0, 5, 3),
+    ],
+]
+
+
+@pytest.fixture
+def client(tracking_uri: str) -> mlflow.MlflowClient:
+    return mlflow.MlflowClient(tracking_uri)
+
+
+def _run(client: mlflow.MlflowClient, name: str) -> str:
+    experiment = client.get_experiment_by_name(name) or client.get_experiment(client.create_experiment(name))
+    return str(client.create_run(experiment.experiment_id).info.run_id)
+
+
+def _stored(tracking_uri: str, run_id: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+    """Return the run's rows of ``metrics`` and ``latest_metrics`` as the store holds them (run id left out)."""
+    path = tracking_uri.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as connection:
+        metrics = connection.execute(
+            "SELECT key, value, timestamp, step, is_nan FROM metrics WHERE run_uuid = ? ORDER BY 1, 2, 3, 4, 5",
+            (run_id,),
+        ).fetchall()
+        latest = connection.execute(
+            "SELECT key, value, timestamp, step, is_nan FROM latest_metrics WHERE run_uuid = ? ORDER BY 1",
+            (run_id,),
+        ).fetchall()
+    return metrics, latest
+
+
+def test_rows_are_stored_as_log_batch_stores_them(tracking_uri: str, client: mlflow.MlflowClient) -> None:
+    """Both tables and MLflow's own reads of them are the same for a run written directly and one written by
+    log_batch from the same batches."""
+    by_mlflow, direct_run = _run(client, "direct"), _run(client, "direct")
+    writer = SqliteMetrics.open(tracking_uri)
+    assert writer is not None
+    try:
+        for batch in BATCHES:
+            client.log_batch(by_mlflow, metrics=[Metric(*row) for row in batch], synchronous=True)
+            writer.write(direct_run, batch)
+    finally:
+        writer.close()
+    expected = _stored(tracking_uri, by_mlflow)
+    assert expected[0] and expected[1]
+    assert _stored(tracking_uri, direct_run) == expected
+
+    def latest(run_id: str) -> dict[str, str]:  # as strings: NaN equals NaN
+        return {key: str(value) for key, value in client.get_run(run_id).data.metrics.items()}
+
+    assert latest(direct_run) == latest(by_mlflow)
+    for key in ("loss", "late", "zero"):
+
+        def history(run_id: str, key: str = key) -> list[tuple[object, ...]]:
+            return sorted((m.step, m.timestamp, str(m.value)) for m in client.get_metric_history(run_id, key))
+
+        assert history(direct_run) == history(by_mlflow)
+
+
+def test_a_refused_row_writes_nothing_of_its_batch(tracking_uri: str, client: mlflow.MlflowClient) -> None:
+    """A key MLflow refuses, or a negative timestamp, raises with MLflow's message; the batch is not stored."""
+    run_id = _run(client, "direct")
+    writer = SqliteMetrics.open(tracking_uri)
+    assert writer is not None
+    try:
+        with pytest.raises(ValueError, match="Invalid value"):
+            writer.write(run_id, [("fine", 1.0, 1, 0), ("bad\nkey", 1.0, 1, 0)])
+        with pytest.raises(ValueError, match="imestamp"):
+            writer.write(run_id, [("fine", 1.0, -1, 0)])
+        with pytest.raises(ValueError, match="Invalid value"):
+            writer.write(run_id, [("fine", "1.0", 1, 0)])  # type: ignore[list-item]
+    finally:
+        writer.close()
+    assert _stored(tracking_uri, run_id) == ([], [])
+
+
+def test_only_active_runs_that_exist_are_written(tracking_uri: str, client: mlflow.MlflowClient) -> None:
+    """A deleted run refuses metrics as log_batch refuses them, and an unknown run id is named."""
+    run_id = _run(client, "direct")
+    client.delete_run(run_id)
+    writer = SqliteMetrics.open(tracking_uri)
+    assert writer is not None
+    try:
+        with pytest.raises(ValueError, match="must be in the 'active' state"):
+            writer.write(run_id, [("a", 1.0, 1, 0)])
+        with pytest.raises(LookupError, match="not found"):
+            writer.write("0" * 32, [("a", 1.0, 1, 0)])
+        writer.write(run_id, [])  # nothing to write: no check, no transaction
+    finally:
+        writer.close()
+    assert _stored(tracking_uri, run_id) == ([], [])
+
+
+def test_a_locked_store_fails_the_batch_and_the_next_one_is_written(
+    tracking_uri: str, client: mlflow.MlflowClient
+) -> None:
+    """A store held locked past the timeout raises sqlite3's error; the writer is usable again once it is free."""
+    run_id = _run(client, "direct")
+    writer = SqliteMetrics.open(tracking_uri, timeout_s=0.05)
+    assert writer is not None
+    blocker = sqlite3.connect(tracking_uri.removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            writer.write(run_id, [("a", 1.0, 1, 0)])
+        blocker.execute("ROLLBACK")
+        writer.write(run_id, [("a", 2.0, 2, 1)])
+    finally:
+        blocker.close()
+        writer.close()
+    assert _stored(tracking_uri, run_id) == ([("a", 2.0, 2, 1, 0)], [("a", 2.0, 2, 1, 0)])
+
+
+def test_only_stores_whose_tables_fit_are_opened(tmp_path: Path) -> None:
+    """A server URI, a missing file, a file without MLflow's tables and tables of another shape all give None."""
+    assert SqliteMetrics.open("http://localhost:5000") is None
+    assert SqliteMetrics.open(f"sqlite:///{tmp_path}/missing.db") is None
+    empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).close()
+    assert SqliteMetrics.open(f"sqlite:///{empty}") is None
+    uri = f"sqlite:///{tmp_path}/other.db"
+    prepare_sqlite_store(uri)
+    fits = SqliteMetrics.open(uri)
+    assert fits is not None
+    fits.close()
+    with sqlite3.connect(tmp_path / "other.db") as connection:
+        connection.execute("ALTER TABLE metrics ADD COLUMN dataset_uuid VARCHAR(36)")
+    assert SqliteMetrics.open(uri) is None
+
+
+def test_the_writer_process_stores_batches_as_log_batch_does(tracking_uri: str, client: mlflow.MlflowClient) -> None:
+    """Batches sent through the writer process (which writes them directly) end as log_batch's do."""
+    by_mlflow, by_child = _run(client, "direct-child"), _run(client, "direct-child")
+    child = ChildLogBatch(tracking_uri, by_child)
+    try:
+        child.wait_ready(60)
+        for batch in BATCHES:
+            client.log_batch(by_mlflow, metrics=[Metric(*row) for row in batch], synchronous=True)
+            child([Metric(*row) for row in batch])  # type: ignore[misc]
+    finally:
+        child.close()
+    assert _stored(tracking_uri, by_child) == _stored(tracking_uri, by_mlflow)
+
+
+def test_the_writer_process_sends_batches_past_log_batch_where_the_store_fits(
+    tracking_uri: str, client: mlflow.MlflowClient
+) -> None:
+    """The writer process's answer loop writes a batch with the direct writer it is given (log_batch is never
+    called), answers a refused batch with the error and goes on."""
+
+    class NoLogBatch:
+        def log_batch(self, *args: object, **kwargs: object) -> None:
+            raise AssertionError("log_batch was called")
+
+    run_id = _run(client, "direct-child")
+    lines = [json.dumps(BATCHES[0]), json.dumps([["bad\nkey", 1.0, 1, 0]]), json.dumps(BATCHES[1]), "stop"]
+    replies: list[str] = []
+    writer = SqliteMetrics.open(tracking_uri)
+    assert writer is not None
+    try:
+        ended = _answer(
+            NoLogBatch(),
+            run_id,
+            io.StringIO("\n".join(lines) + "\n"),
+            replies.append,
+            _Monitor(),
+            tracking_uri,
+            _Aside({}),
+            writer,
+        )
+    finally:
+        writer.close()
+    assert not ended
+    assert replies[0] == "ok" and replies[1].startswith("error: ValueError: ") and replies[2] == "ok"
+    by_mlflow = _run(client, "direct-child")
+    for batch in BATCHES:
+        client.log_batch(by_mlflow, metrics=[Metric(*row) for row in batch], synchronous=True)
+    assert _stored(tracking_uri, run_id) == _stored(tracking_uri, by_mlflow)

@@ -11,9 +11,15 @@ from __future__ import annotations
 import io
 import json
 import math
-from collections.abc import Mapping, Sequence
+import os
+import sys
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["ADDITIVE", "merge_rows", "render_plots", "warm_up_plots", "write_plots"]
 
@@ -70,7 +76,7 @@ def _edges(first: float, stop: float) -> list[float]:
     return [first + i for i in range(math.ceil(stop - first))]
 
 
-def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
+def render_plots(profile: Mapping[str, Any], names: Collection[str] | None = None) -> dict[str, bytes]:
     """Draw the profile as PNG images; return ``{file name: PNG bytes}``.
 
     ``accuracy.png`` (accuracy against wall and simulated time), ``staleness.png`` (histogram; only when updates'
@@ -79,26 +85,39 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     versions in a longer run), ``bytes.png`` (bytes per version, only when an update's size varies: with a dense
     codec it would say nothing) and
     ``client_times.png`` (distribution of client task times).
+
+    Args:
+        profile: The run's profile (``profile.json``'s content).
+        names: Draw only these plots (file names as above; None: all of them).
     """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
-
-    def png(fig: Figure) -> bytes:
-        # Margins set per figure, not bbox_inches="tight": that lays every text out twice, a third of the drawing.
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=100)
-        return buffer.getvalue()
-
-    def wide() -> Figure:
-        fig = Figure(figsize=(10, 4))
-        fig.subplots_adjust(left=0.09, right=0.97, bottom=0.12, top=0.88)
-        return fig
 
     plots: dict[str, bytes] = {}
+    for name, draw in _DRAWERS.items():
+        if names is not None and name not in names:
+            continue
+        fig = draw(profile)
+        if fig is not None:
+            # Margins set per figure, not bbox_inches="tight": that lays every text out twice, a third of the drawing.
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format="png", dpi=100)
+            plots[name] = buffer.getvalue()
+    return plots
+
+
+def _wide() -> Figure:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4))
+    fig.subplots_adjust(left=0.09, right=0.97, bottom=0.12, top=0.88)
+    return fig
+
+
+def _accuracy(profile: Mapping[str, Any]) -> Figure:
     evaluations = profile["evaluations"]
-    fig = wide()
+    fig = _wide()
     axes = fig.subplots(1, 2)
     for ax, key, label in ((axes[0], "wall_s", "wall seconds"), (axes[1], "simulated_s", "simulated seconds")):
         ax.plot([e[key] for e in evaluations], [e["accuracy"] for e in evaluations], marker="o")
@@ -106,34 +125,47 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
         ax.set_ylabel("accuracy")
         ax.grid(alpha=0.3)
     fig.suptitle("Accuracy of the global model")
-    plots["accuracy.png"] = png(fig)
+    return fig
 
+
+def _staleness(profile: Mapping[str, Any]) -> Figure | None:
     # A histogram of one bar (synchronous rounds: every update has staleness 0) says nothing.
     histogram = profile["staleness"]["histogram"]
-    if len(histogram) > 1:
-        fig = Figure(figsize=(6, 4))
-        ax = fig.subplots()
-        counts = {int(k): v for k, v in histogram.items()}
-        low, high = min(counts), max(counts)
-        # One filled step outline, not one rectangle per staleness: each rectangle is a matplotlib artist.
-        ax.stairs([counts.get(k, 0) for k in range(low, high + 1)], _edges(low - 0.5, high + 1.5), fill=True)
-        ax.set_xlabel("staleness (versions)")
-        ax.set_ylabel("accepted updates")
-        ax.set_title("Staleness of accepted updates")
-        plots["staleness.png"] = png(fig)
+    if len(histogram) <= 1:
+        return None
+    from matplotlib.figure import Figure
 
-    # At most _MAX_BARS bars: beyond that many versions, each bar is the mean of consecutive versions (a thousand
-    # bars are unreadable, and each is one matplotlib artist: seconds to draw).
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    counts = {int(k): v for k, v in histogram.items()}
+    low, high = min(counts), max(counts)
+    # One filled step outline, not one rectangle per staleness: each rectangle is a matplotlib artist.
+    ax.stairs([counts.get(k, 0) for k in range(low, high + 1)], _edges(low - 0.5, high + 1.5), fill=True)
+    ax.set_xlabel("staleness (versions)")
+    ax.set_ylabel("accepted updates")
+    ax.set_title("Staleness of accepted updates")
+    return fig
+
+
+def _bars(profile: Mapping[str, Any]) -> tuple[list[dict[str, float]], list[float], str]:
+    """Return the per-version bars (at most ``_MAX_BARS``), their edges and how the title names what a bar is."""
+    # Beyond _MAX_BARS versions, each bar is the mean of consecutive versions (a thousand bars are unreadable, and
+    # each is one matplotlib artist: seconds to draw).
     bars = _binned(profile["time"]["per_version"], _MAX_BARS)
     span = max((b["versions"] for b in bars), default=1.0)
     per = "per version" if span == 1 else f"per version (mean over each bar's {span:g} versions)"
-    # Bar i spans versions (edges[i], edges[i + 1]]; each series is one filled step outline on the ones below it.
+    # Bar i spans versions (edges[i], edges[i + 1]].
     edges = [bars[0]["version"] - bars[0]["versions"] + 0.5 if bars else 0.5] + [b["version"] + 0.5 for b in bars]
-    fig = wide()
+    return bars, edges, per
+
+
+def _time_breakdown(profile: Mapping[str, Any]) -> Figure:
+    bars, edges, per = _bars(profile)
+    fig = _wide()
     ax = fig.subplots()
     keys = ("compute_s", "encode_s", "decode_s", "queue_wait_s", "aggregate_s", "eval_s", "idle_s")
     bottom = [0.0] * len(bars)
-    for key in keys if bars else ():
+    for key in keys if bars else ():  # each series one filled step outline on the ones below it
         top = [x + b[key] / b["versions"] for x, b in zip(bottom, bars, strict=True)]
         ax.stairs(top, edges, baseline=bottom, fill=True, label=key.removesuffix("_s"))
         bottom = top
@@ -141,24 +173,32 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
     ax.set_ylabel("wall seconds (client columns summed over clients)")
     ax.set_title(f"Time breakdown {per}")
     ax.legend(fontsize="small", ncols=4)
-    plots["time_breakdown.png"] = png(fig)
+    return fig
 
+
+def _bytes(profile: Mapping[str, Any]) -> Figure | None:
     # Bytes per version say something only when an update's size varies (compression, sparsity, partials): a
     # dense run's bars would all be the same height times the number of updates.
     rows = profile["time"]["per_version"]
     sizes = {(r["upload_bytes"] / r["updates"], r["download_bytes"] / r["updates"]) for r in rows if r["updates"]}
-    if len(sizes) > 1:
-        fig = wide()
-        ax = fig.subplots()
-        up = [b["upload_bytes"] / b["versions"] for b in bars]
-        down = [b["download_bytes"] / b["versions"] for b in bars]
-        ax.stairs(up, edges, label="up")
-        ax.stairs(down, edges, label="down")
-        ax.set_xlabel("version")
-        ax.set_ylabel("bytes")
-        ax.set_title(f"Bytes {per} (of the updates folded into it)")
-        ax.legend()
-        plots["bytes.png"] = png(fig)
+    if len(sizes) <= 1:
+        return None
+    bars, edges, per = _bars(profile)
+    fig = _wide()
+    ax = fig.subplots()
+    up = [b["upload_bytes"] / b["versions"] for b in bars]
+    down = [b["download_bytes"] / b["versions"] for b in bars]
+    ax.stairs(up, edges, label="up")
+    ax.stairs(down, edges, label="down")
+    ax.set_xlabel("version")
+    ax.set_ylabel("bytes")
+    ax.set_title(f"Bytes {per} (of the updates folded into it)")
+    ax.legend()
+    return fig
+
+
+def _client_times(profile: Mapping[str, Any]) -> Figure:
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
@@ -172,23 +212,61 @@ def render_plots(profile: Mapping[str, Any]) -> dict[str, bytes]:
         ax.axvline(summary["p90"], color="r", linestyle="--", label="p90")
         ax.legend()
     ax.set_title("Client task times")
-    plots["client_times.png"] = png(fig)
-    return plots
+    return fig
 
 
-def write_plots(*, folder: str, profile: str) -> None:
+_DRAWERS: dict[str, Callable[[Mapping[str, Any]], Figure | None]] = {
+    "accuracy.png": _accuracy,
+    "staleness.png": _staleness,
+    "time_breakdown.png": _time_breakdown,
+    "bytes.png": _bytes,
+    "client_times.png": _client_times,
+}
+"""Each plot's file name and what draws it (None: the plot would say nothing for this run)."""
+
+
+def write_plots(*, folder: str, profile: str, parallel: bool = True) -> None:
     """Draw the profile stored as JSON in the file ``profile`` (see :func:`render_plots`) as PNG files in ``folder``.
 
     What the MLflow writer process (or a one-shot process) runs for a tracked run, so that the run's own process
-    never imports matplotlib (see :mod:`tracking._files`).
+    never imports matplotlib (see :mod:`tracking._files`). The plots are drawn at a run's end, where the user waits
+    for them: with ``parallel``, in a process with no other thread (the writer's helper, a one-shot process) on an
+    OS that forks, each plot but the first is drawn by a forked copy of the process at once, on whatever cores are
+    free; a plot whose copy failed is drawn again here.
 
     Args:
         folder: An existing folder; one file per plot goes there (``accuracy.png``, ...).
         profile: Path of the profile as JSON (``profile.json``'s content).
+        parallel: Draw the plots in forked processes where that is safe.
     """
     data = json.loads(Path(profile).read_text(encoding="utf-8"))
-    for name, image in render_plots(data).items():
+    names = list(_DRAWERS)
+    forked: list[tuple[str, int]] = []
+    if parallel and _FORKS and threading.active_count() == 1:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)  # imported once, before the copies
+        for name in names[1:]:
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the forked copy (its file is checked by the tests)
+                status = 1
+                try:
+                    for written, image in render_plots(data, (name,)).items():
+                        Path(folder, written).write_bytes(image)
+                    status = 0
+                finally:
+                    os._exit(status)
+            forked.append((name, pid))
+        names = names[:1]
+    for name, image in render_plots(data, names).items():
         Path(folder, name).write_bytes(image)
+    failed = [name for name, pid in forked if os.waitpid(pid, 0)[1] != 0]
+    for name, image in render_plots(data, failed).items():
+        Path(folder, name).write_bytes(image)
+
+
+_FORKS = sys.platform.startswith("linux")
+"""Whether :func:`write_plots` may fork (Linux; macOS's system frameworks may not survive a fork)."""
 
 
 def warm_up_plots() -> None:

@@ -128,12 +128,17 @@ def _accuracy(profile: Mapping[str, Any]) -> Figure:
     return fig
 
 
-def _staleness(profile: Mapping[str, Any]) -> Figure | None:
+def _staleness_varies(profile: Mapping[str, Any]) -> bool:
     # A histogram of one bar (synchronous rounds: every update has staleness 0) says nothing.
-    histogram = profile["staleness"]["histogram"]
-    if len(histogram) <= 1:
+    return len(profile["staleness"]["histogram"]) > 1
+
+
+def _staleness(profile: Mapping[str, Any]) -> Figure | None:
+    if not _staleness_varies(profile):
         return None
     from matplotlib.figure import Figure
+
+    histogram = profile["staleness"]["histogram"]
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
@@ -176,12 +181,16 @@ def _time_breakdown(profile: Mapping[str, Any]) -> Figure:
     return fig
 
 
-def _bytes(profile: Mapping[str, Any]) -> Figure | None:
+def _size_varies(profile: Mapping[str, Any]) -> bool:
     # Bytes per version say something only when an update's size varies (compression, sparsity, partials): a
     # dense run's bars would all be the same height times the number of updates.
     rows = profile["time"]["per_version"]
     sizes = {(r["upload_bytes"] / r["updates"], r["download_bytes"] / r["updates"]) for r in rows if r["updates"]}
-    if len(sizes) <= 1:
+    return len(sizes) > 1
+
+
+def _bytes(profile: Mapping[str, Any]) -> Figure | None:
+    if not _size_varies(profile):
         return None
     bars, edges, per = _bars(profile)
     fig = _wide()
@@ -224,6 +233,12 @@ _DRAWERS: dict[str, Callable[[Mapping[str, Any]], Figure | None]] = {
 }
 """Each plot's file name and what draws it (None: the plot would say nothing for this run)."""
 
+_ONLY_WHEN: dict[str, Callable[[Mapping[str, Any]], bool]] = {
+    "staleness.png": _staleness_varies,
+    "bytes.png": _size_varies,
+}
+"""The plots drawn only for some runs, and the test of a run's profile that says whether."""
+
 
 def write_plots(*, folder: str, profile: str, parallel: bool = True) -> None:
     """Draw the profile stored as JSON in the file ``profile`` (see :func:`render_plots`) as PNG files in ``folder``.
@@ -240,7 +255,7 @@ def write_plots(*, folder: str, profile: str, parallel: bool = True) -> None:
         parallel: Draw the plots in forked processes where that is safe.
     """
     data = json.loads(Path(profile).read_text(encoding="utf-8"))
-    names = list(_DRAWERS)
+    names = [name for name in _DRAWERS if name not in _ONLY_WHEN or _ONLY_WHEN[name](data)]
     forked: list[tuple[str, int]] = []
     if parallel and _FORKS and threading.active_count() == 1:
         import matplotlib
@@ -258,9 +273,11 @@ def write_plots(*, folder: str, profile: str, parallel: bool = True) -> None:
                     os._exit(status)
             forked.append((name, pid))
         names = names[:1]
-    for name, image in render_plots(data, names).items():
-        Path(folder, name).write_bytes(image)
-    failed = [name for name, pid in forked if os.waitpid(pid, 0)[1] != 0]
+    try:
+        for name, image in render_plots(data, names).items():
+            Path(folder, name).write_bytes(image)
+    finally:  # every copy is reaped, whatever happened here
+        failed = [name for name, pid in forked if os.waitpid(pid, 0)[1] != 0]
     for name, image in render_plots(data, failed).items():
         Path(folder, name).write_bytes(image)
 

@@ -96,3 +96,20 @@ def test_a_process_with_threads_draws_every_plot_itself(profile_file: Path, tmp_
     assert forks == []
     expected = render_plots(json.loads(profile_file.read_text(encoding="utf-8")))
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == expected
+
+
+def test_only_plots_that_say_something_are_forked(profile_file: Path, tmp_path: Path) -> None:
+    """A run whose updates all have one staleness and one size (FedAvg's dense rounds) draws three plots: one here,
+    two in copies; no copy is forked for the two that would say nothing."""
+    profile = json.loads(profile_file.read_text(encoding="utf-8"))
+    profile["staleness"]["histogram"] = {"0": 100}
+    for row in profile["time"]["per_version"]:
+        row["upload_bytes"], row["download_bytes"] = 1_000.0 * row["updates"], 2_000.0 * row["updates"]
+    dense = tmp_path / "dense.json"
+    dense.write_text(json.dumps(profile), encoding="utf-8")
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    forks = _write_plots(dense, folder)
+    assert len(forks) == 2
+    assert sorted(path.name for path in folder.iterdir()) == ["accuracy.png", "client_times.png", "time_breakdown.png"]
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == render_plots(profile)

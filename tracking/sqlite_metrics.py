@@ -69,7 +69,8 @@ class SqliteMetrics:
     @classmethod
     def open(cls, tracking_uri: str, *, timeout_s: float = _BUSY_TIMEOUT_S) -> SqliteMetrics | None:
         """Return a writer for the SQLite store at ``tracking_uri``, or None where it cannot write exactly as MLflow
-        does: not a SQLite file, a store without MLflow's tables yet, or tables of another shape.
+        does: not a SQLite file, a store without MLflow's tables yet, tables of another shape, or an MLflow whose
+        metric check is not the one this module calls.
 
         Args:
             tracking_uri: The store's URI.
@@ -80,7 +81,10 @@ class SqliteMetrics:
             return None
         try:
             from mlflow.utils.validation import _validate_metric
-        except ImportError:  # an MLflow without the check: its own log_batch validates
+
+            validate: Callable[..., None] = _validate_metric
+            validate("flasync/probe", 1.0, 0, 0)  # the check takes what this module gives it
+        except Exception:  # an MLflow without that check, or with another one: its own log_batch validates
             return None
         try:
             connection = sqlite3.connect(path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
@@ -95,7 +99,7 @@ class SqliteMetrics:
         if not fits:
             connection.close()
             return None
-        return cls(connection, _validate_metric)
+        return cls(connection, validate)
 
     def write(self, run_id: str, rows: Iterable[Row]) -> None:
         """Store ``rows`` of run ``run_id`` in one transaction (all or nothing).

@@ -170,6 +170,21 @@ def test_only_stores_whose_tables_fit_are_opened(tmp_path: Path) -> None:
     assert SqliteMetrics.open(uri) is None
 
 
+def test_an_mlflow_whose_metric_check_differs_keeps_log_batch(
+    tracking_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If MLflow's metric check is missing or takes other arguments, the store is left to log_batch."""
+    import mlflow.utils.validation
+
+    def other(key: str, value: float) -> None:  # another signature
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(mlflow.utils.validation, "_validate_metric", other)
+    assert SqliteMetrics.open(tracking_uri) is None
+    monkeypatch.delattr(mlflow.utils.validation, "_validate_metric")
+    assert SqliteMetrics.open(tracking_uri) is None
+
+
 def test_the_writer_process_stores_batches_as_log_batch_does(tracking_uri: str, client: mlflow.MlflowClient) -> None:
     """Batches sent through the writer process (which writes them directly) end as log_batch's do."""
     by_mlflow, by_child = _run(client, "direct-child"), _run(client, "direct-child")

@@ -95,16 +95,18 @@ def render_plots(profile: Mapping[str, Any], names: Collection[str] | None = Non
     matplotlib.use("Agg", force=False)
 
     plots: dict[str, bytes] = {}
-    for name, draw in _DRAWERS.items():
-        if names is not None and name not in names:
-            continue
-        fig = draw(profile)
-        if fig is not None:
+    for name in _saying_something(profile):
+        if names is None or name in names:
             # Margins set per figure, not bbox_inches="tight": that lays every text out twice, a third of the drawing.
             buffer = io.BytesIO()
-            fig.savefig(buffer, format="png", dpi=100)
+            _DRAWERS[name](profile).savefig(buffer, format="png", dpi=100)
             plots[name] = buffer.getvalue()
     return plots
+
+
+def _saying_something(profile: Mapping[str, Any]) -> list[str]:
+    """Return the plots (file names) that say something for this run's profile."""
+    return [name for name in _DRAWERS if name not in _ONLY_WHEN or _ONLY_WHEN[name](profile)]
 
 
 def _wide() -> Figure:
@@ -133,9 +135,7 @@ def _staleness_varies(profile: Mapping[str, Any]) -> bool:
     return len(profile["staleness"]["histogram"]) > 1
 
 
-def _staleness(profile: Mapping[str, Any]) -> Figure | None:
-    if not _staleness_varies(profile):
-        return None
+def _staleness(profile: Mapping[str, Any]) -> Figure:
     from matplotlib.figure import Figure
 
     histogram = profile["staleness"]["histogram"]
@@ -189,9 +189,7 @@ def _size_varies(profile: Mapping[str, Any]) -> bool:
     return len(sizes) > 1
 
 
-def _bytes(profile: Mapping[str, Any]) -> Figure | None:
-    if not _size_varies(profile):
-        return None
+def _bytes(profile: Mapping[str, Any]) -> Figure:
     bars, edges, per = _bars(profile)
     fig = _wide()
     ax = fig.subplots()
@@ -224,14 +222,14 @@ def _client_times(profile: Mapping[str, Any]) -> Figure:
     return fig
 
 
-_DRAWERS: dict[str, Callable[[Mapping[str, Any]], Figure | None]] = {
+_DRAWERS: dict[str, Callable[[Mapping[str, Any]], Figure]] = {
     "accuracy.png": _accuracy,
     "staleness.png": _staleness,
     "time_breakdown.png": _time_breakdown,
     "bytes.png": _bytes,
     "client_times.png": _client_times,
 }
-"""Each plot's file name and what draws it (None: the plot would say nothing for this run)."""
+"""Each plot's file name and what draws it."""
 
 _ONLY_WHEN: dict[str, Callable[[Mapping[str, Any]], bool]] = {
     "staleness.png": _staleness_varies,
@@ -255,7 +253,7 @@ def write_plots(*, folder: str, profile: str, parallel: bool = True) -> None:
         parallel: Draw the plots in forked processes where that is safe.
     """
     data = json.loads(Path(profile).read_text(encoding="utf-8"))
-    names = [name for name in _DRAWERS if name not in _ONLY_WHEN or _ONLY_WHEN[name](data)]
+    names = _saying_something(data)
     forked: list[tuple[str, int]] = []
     if parallel and _FORKS and threading.active_count() == 1:
         import matplotlib

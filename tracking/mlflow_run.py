@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
@@ -46,6 +46,7 @@ from tracking.failover import Failover, RunIdentity
 from tracking.metrics import MetricRow
 from tracking.owner import owner_tags
 from tracking.spool import SpoolWriter, dataset_input
+from tracking.sqlite_metrics import SqliteMetrics
 from tracking.store import (
     ExperimentDeletedError,
     artifact_location,
@@ -76,7 +77,6 @@ RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 _MAX_PARAM_VALUE = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
 _CHILD_START_TIMEOUT_S = 60.0
 _MONITOR_STOP_TIMEOUT_S = 5.0
-_NO_STEP = -(2**63)  # below every step MLflow stores
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -301,7 +301,7 @@ class MlflowTracker:
         self._log = logger if logger is not None else structlog.get_logger("tracking.mlflow")
         self._writer: MetricWriter | None = None
         self._runs_view = None if runs_view is None else json.dumps(dict(runs_view))
-        self._written_steps: dict[str, int] = {}
+        self._held_steps: dict[str, Container[int]] = {}  # per key, the steps a resumed run's store holds
         """Metric key -> the latest step the store held when this run was resumed (empty for a new run)."""
         self._monitor: Any = None
         self._monitor_in_child = False
@@ -656,8 +656,9 @@ class MlflowTracker:
 
         The run goes on from a checkpoint, so it logs again the steps its first life logged after that checkpoint
         (up to where it was stopped or killed). Each step is written once: for every metric key the store holds,
-        values at steps up to its latest stored step are dropped (MLflow's ``system/`` metrics excepted: their
-        steps count samples and start again at 0).
+        values at the steps it holds for that key are dropped, and the steps it misses (per-update series, stepped
+        by task, finish out of order) are written (MLflow's ``system/`` metrics excepted: their steps count
+        samples and start again at 0).
 
         Args:
             run_id: The run to continue (e.g. one ended ``KILLED`` by an interrupt).
@@ -678,11 +679,8 @@ class MlflowTracker:
             run = client.get_run(run_id)
             experiment = client.get_experiment(run.info.experiment_id)
             client.update_run(run_id, status="RUNNING")
-            self._written_steps = {
-                metric.key: int(metric.step)
-                for metric in run.data.to_proto().metrics
-                if not metric.key.startswith("system/")
-            }
+            keys = [metric.key for metric in run.data.to_proto().metrics if not metric.key.startswith("system/")]
+            self._held_steps = self._stored_steps(client, run_id, keys)
             for key, value in owner_tags().items():  # this process owns the run from now on
                 client.set_tag(run_id, key, value)
         identity.started_at = int(time.time() * 1000)
@@ -691,6 +689,21 @@ class MlflowTracker:
         identity.run_id = run_id
         self._start_writers(run_id)
         return run_id
+
+    def _stored_steps(self, client: mlflow.MlflowClient, run_id: str, keys: Sequence[str]) -> dict[str, Container[int]]:
+        """Return, per key of ``keys``, the steps the store holds for run ``run_id``.
+
+        A SQLite store answers in one query; another store key by key, through the metric histories.
+        """
+        direct = SqliteMetrics.open(self.tracking_uri)
+        if direct is not None:
+            try:
+                stored = direct.steps(run_id)
+            finally:
+                direct.close()
+        else:
+            stored = {key: sorted({int(m.step) for m in client.get_metric_history(run_id, key)}) for key in keys}
+        return {key: _compact(stored.get(key, [])) for key in keys}
 
     def _http(self) -> contextlib.AbstractContextManager[None]:
         return bounded_http(self.tracking_uri, timeout_s=self._http_timeout, retries=self._http_retries)
@@ -731,9 +744,9 @@ class MlflowTracker:
         """
         if self._writer is None:
             return
-        written = self._written_steps
-        if written:
-            metrics = [row for row in metrics if row.step > written.get(row.key, _NO_STEP)]
+        held = self._held_steps
+        if held:
+            metrics = [row for row in metrics if row.step not in held.get(row.key, ())]
         self._writer.submit(metrics)
 
     def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
@@ -1261,3 +1274,15 @@ def _param_value(value: Any) -> str:
 if TYPE_CHECKING:
     # Both classes must satisfy the protocol; mypy checks this assignment.
     _TRACKERS: tuple[Tracker, Tracker] = (NullTracker(), MlflowTracker())
+
+
+def _compact(steps: Sequence[int]) -> Container[int]:
+    """Return ascending distinct ``steps`` as a container: a ``range`` where they are evenly spaced (a series
+    stepped by version or round), a frozenset otherwise."""
+    if len(steps) > 1:
+        stride = steps[1] - steps[0]
+        if all(b - a == stride for a, b in itertools.pairwise(steps)):
+            return range(steps[0], steps[-1] + 1, stride)
+    elif len(steps) == 1:
+        return range(steps[0], steps[0] + 1)
+    return frozenset(steps)

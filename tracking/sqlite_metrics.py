@@ -134,6 +134,14 @@ class SqliteMetrics:
                 connection.execute("ROLLBACK")
             raise
 
+    def steps(self, run_id: str) -> dict[str, list[int]]:
+        """Return, per metric key of run ``run_id``, the steps the store holds for it (ascending, each once)."""
+        held: dict[str, list[int]] = {}
+        query = "SELECT DISTINCT key, step FROM metrics WHERE run_uuid = ? ORDER BY key, step"
+        for key, step in self._connection.execute(query, (run_id,)):
+            held.setdefault(key, []).append(step)
+        return held
+
     def close(self) -> None:
         """Close the connection."""
         self._connection.close()

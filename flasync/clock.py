@@ -23,8 +23,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 __all__ = ["Clock", "RunClock", "VirtualClock", "WallClock"]
 
@@ -210,13 +209,14 @@ class WallClock:
         """Do nothing."""
 
 
-@dataclass(order=True, slots=True)
-class _Timer:
+class _Timer(NamedTuple):
+    """A pending timer; timers order by ``(when, seq)`` (``seq`` is unique), compared as tuples in C."""
+
     when: float
     seq: int
-    waiter: asyncio.Future[None] = field(compare=False)
-    job: asyncio.Future[Any] | None = field(compare=False, default=None)
-    source: object = field(compare=False, default=None)
+    waiter: asyncio.Future[None]
+    job: asyncio.Future[Any] | None = None
+    source: object = None
 
 
 class VirtualClock:

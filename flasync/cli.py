@@ -197,7 +197,7 @@ def _add_remote_commands(commands: Any) -> None:
     client.add_argument("--threads", type=int, default=1, help="torch CPU threads for local training (default: 1)")
 
 
-def _command_serve(args: argparse.Namespace) -> int:
+def _command_serve(args: argparse.Namespace, *, process_ends: bool = False) -> int:
     if args.ssl_certfile and not args.ssl_keyfile:
         raise _UsageError("--ssl-certfile needs --ssl-keyfile")
     resume: checkpoint.ResumePoint | None = None
@@ -236,7 +236,8 @@ def _command_serve(args: argparse.Namespace) -> int:
                 ssl_keyfile=args.ssl_keyfile,
                 run=lambda f: _run_with_signals(f, received),
                 on_ready=ready,
-            )
+            ),
+            process_ends=process_ends,
         )
     except RunInterrupted as exc:
         _print_partial(federation.summary, exc.reason)
@@ -253,7 +254,7 @@ def _command_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command_client(args: argparse.Namespace) -> int:
+def _command_client(args: argparse.Namespace, *, process_ends: bool = False) -> int:
     if not args.server.startswith(("http://", "https://")):
         raise _UsageError(f"--server: expected an http:// or https:// address, got {args.server!r}")
     try:
@@ -299,7 +300,7 @@ def _command_client(args: argparse.Namespace) -> int:
         give_up_s=args.give_up_s,
         on_status=lambda line: print(f"flasync client: {line}", file=sys.stderr, flush=True),
     )
-    stats = run_loop(client.run(max_tasks=args.max_tasks))
+    stats = run_loop(client.run(max_tasks=args.max_tasks), process_ends=process_ends)
     print(
         f"flasync client {stats.client_id}: {stats.uploads} updates delivered of {stats.tasks} tasks, "
         f"{stats.dropped} dropped, {stats.failures} failed, {stats.retries} retries, "
@@ -549,7 +550,7 @@ async def _run_with_signals(federation: Federation, received: list[str]) -> RunS
             loop.remove_signal_handler(sig)
 
 
-def _command_run(args: argparse.Namespace) -> int:
+def _command_run(args: argparse.Namespace, *, process_ends: bool = False) -> int:
     resume: checkpoint.ResumePoint | None = None
     tracker: tracking.Tracker
     if args.resume:
@@ -594,7 +595,7 @@ def _command_run(args: argparse.Namespace) -> int:
     federation = Federation(config, tracker=tracker, resume=resume)
     try:
         try:
-            summary = run_loop(_run_with_signals(federation, received))
+            summary = run_loop(_run_with_signals(federation, received), process_ends=process_ends)
         finally:
             if bar is not None:
                 bar.close()  # finished, failed or interrupted: what follows prints below the bar
@@ -689,8 +690,14 @@ def _determinism_note(config: RunConfig) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
+def main(argv: Sequence[str] | None = None, *, process_ends: bool = False) -> int:
+    """Run the command line; return the exit status.
+
+    Args:
+        argv: The arguments (default: the process's).
+        process_ends: The process ends after this command (:func:`console`): a federation's loop may then keep
+            the heap that exists at its start frozen for good (see :func:`flasync.loops.run_loop`).
+    """
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
@@ -704,10 +711,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "compare":
             return _command_compare(args)
         if args.command == "serve":
-            return _command_serve(args)
+            return _command_serve(args, process_ends=process_ends)
         if args.command == "client":
-            return _command_client(args)
-        return _command_run(args)
+            return _command_client(args, process_ends=process_ends)
+        return _command_run(args, process_ends=process_ends)
     except _UsageError as exc:
         print(f"flasync: error: {exc}", file=sys.stderr)
         return 2
@@ -727,7 +734,7 @@ def console() -> NoReturn:
     SQLAlchemy, matplotlib) one object at a time took 2 s of a default run's 10 (0.7 s without tracking), and frees
     nothing the operating system would not.
     """
-    status = main()
+    status = main(process_ends=True)
     # What a normal exit runs, in its order: the threading module's exit hooks (they end idle thread pools' workers,
     # such as the one MLflow's artifact repository keeps, which would otherwise wait for work forever) and the join
     # of every other non-daemon thread; then the atexit handlers (logging's flush, temporary folders' finalizers).

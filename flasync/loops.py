@@ -7,7 +7,9 @@ them walking torch's objects again. :func:`frozen_heap` lets the run's first ful
 moves what survived it into the collector's permanent generation (:func:`gc.freeze`), so the run's later full
 collections walk only what the run allocated since; the block's end gives it back (:func:`gc.unfreeze`). Nothing
 leaks: what is frozen has just been found alive, and a short run that makes no full collection freezes nothing.
-The training of a run and its results do not depend on it.
+The training of a run and its results do not depend on it. The command line, whose process runs one federation
+and ends, freezes what exists at the run's start at once instead (``run_loop(..., process_ends=True)``): its runs
+make no full collection of torch's objects at all.
 
 :class:`flasync.Federation` inside a caller's own event loop does not use it: the loop and the process are the
 caller's, who can wrap the run in ``with frozen_heap():``.
@@ -53,8 +55,17 @@ def frozen_heap() -> Iterator[None]:
             gc.unfreeze()
 
 
-def run_loop(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run ``coro`` to its end in a new event loop (uvloop when installed), inside :func:`frozen_heap`."""
+def run_loop(coro: Coroutine[Any, Any, _T], *, process_ends: bool = False) -> _T:
+    """Run ``coro`` to its end in a new event loop (uvloop when installed), inside :func:`frozen_heap`.
+
+    Args:
+        coro: What to run.
+        process_ends: The process ends once ``coro`` has (the command line's ``run``, ``serve`` and ``client``):
+            everything alive at the start (the imports' objects) is frozen at once and for good, so not even the
+            run's first full collection walks it, and no earlier run's garbage can be kept.
+    """
+    if process_ends and gc.get_freeze_count() == 0:
+        gc.freeze()
     with frozen_heap():
         try:
             import uvloop

@@ -141,7 +141,7 @@ class Repository:  # kept alive by a reference cycle, as MLflow's artifact repos
         self.me = self
 
 
-def command():
+def command(argv=None, *, process_ends=False):
     repository = Repository()
     repository.pool.submit(print, "work done").result()
     done = threading.Thread(target=lambda: print("a thread of the command finished"))

@@ -93,6 +93,20 @@ def test_run_loop_returns_the_coroutine_result_inside_frozen_heap() -> None:
     assert gc.get_freeze_count() == 0
 
 
+def test_a_loop_its_process_ends_with_freezes_the_heap_at_once_and_for_good() -> None:
+    """The command line's loop: what exists at the start is frozen before the coroutine runs, without a collection,
+    and stays frozen; a loop the process outlives freezes nothing before a full collection."""
+    gc.collect()  # no automatic full collection is due for a while: neither loop below makes one
+    before = len(gc.get_objects())
+
+    async def frozen() -> int:
+        return gc.get_freeze_count()
+
+    assert run_loop(frozen()) == 0
+    assert run_loop(frozen(), process_ends=True) >= before
+    assert gc.get_freeze_count() >= before  # for good (the fixture gives it back for the next tests)
+
+
 def test_flasync_run_freezes_after_a_full_collection_and_trains_the_same_weights() -> None:
     seen: list[int] = []
 

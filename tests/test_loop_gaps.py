@@ -269,8 +269,8 @@ async def test_a_stopped_run_keeps_the_loop_responsive(store: str) -> None:
 
 
 def silent_tracker(url: str, spool: Path) -> tracking.MlflowTracker:
-    """Return a tracker for ``url`` whose requests give up after 1 s (the defaults wait 10 s and retry)."""
-    return tracking.MlflowTracker(url, http_timeout_s=1, http_retries=0, spool_root=spool, flush_timeout_s=2.0)
+    """Return a tracker for ``url`` whose requests give up after 0.5 s (the defaults wait 10 s and retry)."""
+    return tracking.MlflowTracker(url, http_timeout_s=0.5, http_retries=0, spool_root=spool, flush_timeout_s=1.0)
 
 
 @pytest.mark.timeout(180)
@@ -358,8 +358,8 @@ def test_a_run_tracked_to_a_silent_server_never_imports_mlflow_in_its_process(
     matplotlib where it runs: the spool gets everything, made by other processes."""
     code = (
         "import sys, flasync, flasync.testing as t, tracking; "
-        f"tracker = tracking.MlflowTracker({silent_server!r}, http_timeout_s=1, http_retries=0, "
-        "spool_root='spool', flush_timeout_s=2.0); "
+        f"tracker = tracking.MlflowTracker({silent_server!r}, http_timeout_s=0.5, http_retries=0, "
+        "spool_root='spool', flush_timeout_s=1.0); "
         "flasync.run(t.small_config('tracking.enabled=true', 'tracking.log_model=true'), tracker=tracker); "
         "print(sorted(m for m in ('mlflow', 'matplotlib', 'sklearn') if m in sys.modules))"
     )

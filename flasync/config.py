@@ -7,13 +7,15 @@ into a validated :class:`RunConfig` or raises :class:`~flasync.errors.ConfigErro
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 import tomllib
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -1177,7 +1179,7 @@ def validate(data: Mapping[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, data)) from None
+        raise ConfigError(format_validation_error(exc, data, model=RunConfig)) from None
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -1254,8 +1256,14 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
-def format_validation_error(exc: ValidationError, data: Mapping[str, Any] | None = None) -> str:
-    """Render a pydantic error as one line naming the field, e.g. ``server.buffer_size: must be >= 1 (got 0)``."""
+def format_validation_error(
+    exc: ValidationError, data: Mapping[str, Any] | None = None, *, model: type[BaseModel] | None = None
+) -> str:
+    """Render a pydantic error as one line naming the field, e.g. ``server.buffer_size: must be >= 1 (got 0)``.
+
+    With ``model`` (the validated class), an unknown field is followed by the closest known one of its table
+    (``server.bufer_size: unknown field (did you mean buffer_size?)``), or by that table's fields.
+    """
     errors = exc.errors()
     first = errors[0]
     ctx_error = (first.get("ctx") or {}).get("error")
@@ -1264,8 +1272,68 @@ def format_validation_error(exc: ValidationError, data: Mapping[str, Any] | None
     else:
         where = ".".join(_strip_tags(first["loc"], data)) or "config"
         message = _message(first)
+        if first["type"] == "extra_forbidden" and model is not None and first["loc"]:
+            message += _known_fields_hint(str(first["loc"][-1]), _table_fields(model, first["loc"][:-1]))
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{where}: {message}{more}"
+
+
+def _known_fields_hint(name: str, fields: Sequence[str]) -> str:
+    """Return `` (did you mean X?)`` for the field of ``fields`` closest to ``name``, else `` (fields: ...)``."""
+    if not fields:
+        return ""
+    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    return f" (fields: {', '.join(sorted(fields))})"
+
+
+def _table_fields(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
+    """Return the field names of the table at pydantic's ``loc`` (union tags and list indices included) under
+    ``model``; [] where the path leads elsewhere than to a table."""
+    node: Any = model
+    parts = list(loc)
+    while True:
+        node = _unwrap(node, parts[0] if parts else None)
+        if node is None:
+            return []
+        if isinstance(node, tuple):  # a union member chosen by its tag: the tag is consumed
+            node = node[0]
+            parts.pop(0)
+            continue
+        if not parts:
+            break
+        part = parts.pop(0)
+        if isinstance(node, type) and issubclass(node, BaseModel) and isinstance(part, str):
+            field = node.model_fields.get(part)
+            if field is None:
+                return []
+            node = field.annotation
+        elif get_origin(node) in (list, tuple) and isinstance(part, int):
+            node = get_args(node)[0]
+        else:
+            return []
+    if isinstance(node, type) and issubclass(node, BaseModel):
+        return list(node.model_fields)
+    return []
+
+
+def _unwrap(node: Any, tag: int | str | None) -> Any:
+    """Strip ``Annotated`` and ``None`` from ``node``; for a union of tables, return ``(member,)`` when ``tag``
+    names one (by ``kind`` or class name), else its only table. None: no single table fits."""
+    while get_origin(node) is Annotated:
+        node = get_args(node)[0]
+    if get_origin(node) not in (Union, types.UnionType):
+        return node
+    members = [m for m in get_args(node) if m is not type(None)]
+    tables = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+    for member in tables:
+        kind = member.model_fields.get("kind")
+        if tag is not None and (tag == member.__name__ or (kind is not None and kind.default == tag)):
+            return (member,)
+    if len(members) == 1:
+        return members[0]
+    return tables[0] if len(tables) == 1 else None
 
 
 def _strip_tags(loc: Sequence[int | str], data: Mapping[str, Any] | None) -> list[str]:

@@ -49,7 +49,7 @@ FILES = [
     ("bad.toml", "[server\nkind = 'fedbuff'", "bad.toml: invalid TOML: Expected ']' at the end of a table declaration"),
     ("bad.yaml", "server: {kind: fedbuff", "bad.yaml: invalid YAML: while parsing a flow mapping"),
     ("list.yaml", "- 1\n- 2\n", "list.yaml: the top level must be a table/mapping, got list"),
-    ("typo.toml", "[faults]\ncrashes = 0.3\n", "faults.crashes: unknown field"),
+    ("typo.toml", "[faults]\ncrashes = 0.3\n", "faults.crashes: unknown field (did you mean crash?)"),
     ("type.toml", "[server]\nbuffer_size = 'ten'\n", "server.buffer_size: Input should be a valid integer"),
     ("range.toml", "[faults]\ncrash = 1.5\n", "faults.crash: Input should be less than 1 (got 1.5)"),
     ("window.toml", "[faults.availability]\nperiod_s = 0\nonline_fraction = 0.5\n", "faults.availability.period_s"),

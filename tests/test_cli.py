@@ -67,7 +67,8 @@ def test_unparsable_yaml(capsys: pytest.CaptureFixture[str], store: str, tmp_pat
 def test_unknown_key_in_file(capsys: pytest.CaptureFixture[str], store: str, tmp_path: Path) -> None:
     """An unknown key in a file exits 2 naming the dotted field."""
     (tmp_path / "c.toml").write_text("[server]\nkind = 'fedbuff'\nbuffersize = 3\n")
-    assert _fails(capsys, "run", "c.toml", "--tracking-uri", store).endswith("server.buffersize: unknown field")
+    said = _fails(capsys, "run", "c.toml", "--tracking-uri", store)
+    assert said.endswith("server.buffersize: unknown field (did you mean buffer_size?)")
 
 
 @pytest.mark.parametrize(

@@ -109,9 +109,30 @@ def test_unsupported_extension(tmp_path: Path) -> None:
     assert "unsupported config format" in _error(path)
 
 
-def test_unknown_key_names_the_field() -> None:
-    """An unknown key is reported with its dotted path (discriminator tags stripped)."""
-    assert _error(None, ["server.bufer_size=3"]) == "server.bufer_size: unknown field"
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("server.bufer_size=3", "server.bufer_size: unknown field (did you mean buffer_size?)"),
+        ("population.speed.sigm=1", "population.speed.sigm: unknown field (did you mean sigma?)"),
+        ("codec.upload=[{kind: topk, ratoi: 0.1}]", "codec.upload.0.ratoi: unknown field (did you mean ratio?)"),
+        (
+            "server.zzz=1",
+            "server.zzz: unknown field (fields: buffer_size, concurrency, example_weight, kind, max_staleness, "
+            "optimizer, staleness)",
+        ),
+    ],
+)
+def test_unknown_key_names_the_field_and_the_closest_known_one(override: str, expected: str) -> None:
+    """An unknown key is reported with its dotted path (discriminator tags stripped), then the closest field of its
+    table, or that table's fields when none is close."""
+    assert _error(None, [override]) == expected
+
+
+def test_an_unknown_key_is_checked_against_the_fields_of_the_chosen_kind() -> None:
+    """``concurrency`` is FedBuff's: under FedAvg it is unknown, and FedAvg's fields are the ones named."""
+    assert _error(None, ["server.kind=fedavg", "server.concurrency=3"]) == (
+        "server.concurrency: unknown field (fields: aggregation, clients_per_round, kind, optimizer, trim_fraction)"
+    )
 
 
 def test_wrong_type_names_the_field() -> None:

@@ -301,8 +301,8 @@ class MlflowTracker:
         self._log = logger if logger is not None else structlog.get_logger("tracking.mlflow")
         self._writer: MetricWriter | None = None
         self._runs_view = None if runs_view is None else json.dumps(dict(runs_view))
-        self._held_steps: dict[str, Container[int]] = {}  # per key, the steps a resumed run's store holds
-        """Metric key -> the latest step the store held when this run was resumed (empty for a new run)."""
+        self._held_steps: dict[str, Container[int]] = {}
+        """Metric key -> the steps the store held when this run was resumed (empty for a new run)."""
         self._monitor: Any = None
         self._monitor_in_child = False
         """MLflow's system monitor runs in the writer process (its samples are system-wide, not this process's)."""

@@ -616,8 +616,9 @@ class ChildLogBatch:
 
     def serves(self, tracking_uri: str, extra_env: Mapping[str, str] | None = None) -> bool:
         """Tell whether this child writes where a new one made with these arguments would, in the same environment
-        (this process's, as it is now)."""
-        return self._env == _child_env(tracking_uri, extra_env)
+        (this process's, as it is now; variables that change between runs and mean nothing to the child, such as
+        pytest's ``PYTEST_CURRENT_TEST``, aside)."""
+        return _lasting(self._env) == _lasting(_child_env(tracking_uri, extra_env))
 
     def preload(self, names: Sequence[str], *, files: bool = False) -> None:
         """Have the child import or call ``names`` (see ``preload`` above; ``files``: ``files_preload``) in the
@@ -909,6 +910,16 @@ def _check_names(names: Sequence[str]) -> None:
     """Raise ValueError if one of ``names`` could not travel as a preload name (a comma, a space, a line break)."""
     if any(not name or any(c in name for c in ", \n") for name in names):
         raise ValueError(f"not a module or function name: {list(names)!r}")
+
+
+_VOLATILE = frozenset({"PYTEST_CURRENT_TEST", "COLUMNS", "LINES"})
+"""Variables that change from one run to the next in one process (the test running, the terminal's size) and that
+neither MLflow nor Python reads: a kept child serves on whatever they say."""
+
+
+def _lasting(env: Mapping[str, str]) -> dict[str, str]:
+    """Return ``env`` without the :data:`_VOLATILE` variables."""
+    return {key: value for key, value in env.items() if key not in _VOLATILE}
 
 
 def _child_env(tracking_uri: str, extra_env: Mapping[str, str] | None) -> dict[str, str]:

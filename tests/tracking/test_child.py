@@ -310,6 +310,24 @@ def test_a_second_run_reuses_the_idle_child_and_writes_to_its_own_run(tracking_u
     assert _artifacts(tracking_uri, second, "") == {"two.txt"}
 
 
+def test_a_kept_child_serves_through_a_changed_test_name_but_not_a_changed_mlflow_setting(
+    tracking_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer process serves a later tracker whose environment differs only in variables it never reads (pytest's
+    test name, the terminal's size); a changed variable MLflow may read makes a new one."""
+    child = ChildLogBatch(tracking_uri)
+    try:
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
+        monkeypatch.setenv("COLUMNS", "61")
+        assert child.serves(tracking_uri)
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")
+        assert not child.serves(tracking_uri)
+        monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT")
+        assert not child.serves(f"{tracking_uri}-other")
+    finally:
+        child.close()
+
+
 def test_trackers_given_their_own_holder_share_only_with_each_other(tracking_uri: str) -> None:
     """idle_writers: a tracker's idle child goes to the holder it was given, not to the process's, and the next
     tracker given that holder takes it over."""

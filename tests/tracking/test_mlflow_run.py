@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlflow
@@ -19,9 +20,31 @@ from tracking import (
     NullTracker,
     RunStatus,
     Tracker,
+    close_idle_writer,
     make_logger,
 )
 from tracking.sqlite_metrics import SqliteMetrics
+
+
+@pytest.fixture(autouse=True)
+def _no_idle_writer() -> None:
+    """Leave the writer process a test's tracker left idle to the next test's tracker, as consecutive runs of one
+    process share it (a new one costs an MLflow import, 2 s); it is stopped after the module."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _idle_writer_stopped_after_the_module() -> Iterator[None]:
+    yield
+    close_idle_writer()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_user_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Point MLflow's environment default at a temporary store, one for the module (an idle writer process serves
+    only trackers whose environment is its own)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path_factory.mktemp('stray')}/mlflow.db")
+        yield
 
 
 @pytest.fixture(scope="module")

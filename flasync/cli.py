@@ -85,7 +85,9 @@ def _build_parser() -> _Parser:
         help="continue an interrupted MLflow run from its latest checkpoint (its config is used; --set stop.* only)",
     )
     run.add_argument("--tracking-uri", help=_TRACKING_URI_HELP)
-    run.add_argument("--experiment", help="MLflow experiment name")
+    run.add_argument(
+        "--experiment", help="MLflow experiment name (default: the config's tracking.experiment, 'flasync' unless set)"
+    )
     run.add_argument("--run-name", help="MLflow run name")
     run.add_argument("--no-tracking", action="store_true", help="turn MLflow off (structured logs still print)")
     run.add_argument("--no-system-metrics", action="store_true", help="turn off MLflow's CPU/GPU/memory monitor")
@@ -155,7 +157,7 @@ def _add_remote_commands(commands: Any) -> None:
     """Add ``flasync serve CONFIG`` and ``flasync client --server URL --token-file F``."""
     serve = commands.add_parser(
         "serve",
-        help="serve a run to remote clients over HTTP (remote.enabled = true)",
+        help="serve a run to remote clients over HTTP (a config with remote.enabled = true)",
         description="Run one federation whose clients connect over HTTP (long-poll for tasks, binary updates), "
         "under uvicorn; log it to MLflow like `flasync run`.",
     )

@@ -1292,48 +1292,36 @@ def _table_fields(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]
     """Return the field names of the table at pydantic's ``loc`` (union tags and list indices included) under
     ``model``; [] where the path leads elsewhere than to a table."""
     node: Any = model
-    parts = list(loc)
-    while True:
-        node = _unwrap(node, parts[0] if parts else None)
-        if node is None:
-            return []
-        if isinstance(node, tuple):  # a union member chosen by its tag: the tag is consumed
-            node = node[0]
-            parts.pop(0)
-            continue
-        if not parts:
-            break
-        part = parts.pop(0)
-        if isinstance(node, type) and issubclass(node, BaseModel) and isinstance(part, str):
-            field = node.model_fields.get(part)
-            if field is None:
-                return []
-            node = field.annotation
+    for part in loc:
+        node, tagged = _unwrap(node, part)
+        if tagged:
+            continue  # the part was a union's tag: the member it names is the table
+        if isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
+            node = node.model_fields[str(part)].annotation
         elif get_origin(node) in (list, tuple) and isinstance(part, int):
             node = get_args(node)[0]
         else:
             return []
-    if isinstance(node, type) and issubclass(node, BaseModel):
-        return list(node.model_fields)
-    return []
+    node, _ = _unwrap(node, None)
+    return list(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else []
 
 
-def _unwrap(node: Any, tag: int | str | None) -> Any:
-    """Strip ``Annotated`` and ``None`` from ``node``; for a union of tables, return ``(member,)`` when ``tag``
-    names one (by ``kind`` or class name), else its only table. None: no single table fits."""
+def _unwrap(node: Any, tag: int | str | None) -> tuple[Any, bool]:
+    """Strip ``Annotated`` and ``None`` from ``node``; of a union of tables, take the member ``tag`` names (by
+    ``kind`` or class name; then True: the tag is used up), else its only table (None if it has several)."""
     while get_origin(node) is Annotated:
         node = get_args(node)[0]
     if get_origin(node) not in (Union, types.UnionType):
-        return node
+        return node, False
     members = [m for m in get_args(node) if m is not type(None)]
     tables = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
     for member in tables:
         kind = member.model_fields.get("kind")
         if tag is not None and (tag == member.__name__ or (kind is not None and kind.default == tag)):
-            return (member,)
+            return member, True
     if len(members) == 1:
-        return members[0]
-    return tables[0] if len(tables) == 1 else None
+        return members[0], False
+    return (tables[0] if len(tables) == 1 else None), False
 
 
 def _strip_tags(loc: Sequence[int | str], data: Mapping[str, Any] | None) -> list[str]:

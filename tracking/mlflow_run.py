@@ -1271,11 +1271,6 @@ def _param_value(value: Any) -> str:
     return str(value)[:_MAX_PARAM_VALUE]
 
 
-if TYPE_CHECKING:
-    # Both classes must satisfy the protocol; mypy checks this assignment.
-    _TRACKERS: tuple[Tracker, Tracker] = (NullTracker(), MlflowTracker())
-
-
 def _compact(steps: Sequence[int]) -> Container[int]:
     """Return ascending distinct ``steps`` as a container: a ``range`` where they are evenly spaced (a series
     stepped by version or round), a frozenset otherwise."""
@@ -1286,3 +1281,8 @@ def _compact(steps: Sequence[int]) -> Container[int]:
     elif len(steps) == 1:
         return range(steps[0], steps[0] + 1)
     return frozenset(steps)
+
+
+if TYPE_CHECKING:
+    # Both classes must satisfy the protocol; mypy checks this assignment.
+    _TRACKERS: tuple[Tracker, Tracker] = (NullTracker(), MlflowTracker())

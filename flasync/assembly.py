@@ -38,7 +38,7 @@ from flasync.aggregation import (
     StalenessWeight,
 )
 from flasync.bus import EventBus
-from flasync.client import Client, ClientResiduals, ClientWorld
+from flasync.client import Client, ClientResiduals, ClientWorld, CohortClients
 from flasync.clock import Clock, RunClock
 from flasync.cohort import unsupported_reason
 from flasync.config import (
@@ -1054,6 +1054,13 @@ def build_server(
     # A server that refuses every update for many waves of tasks cannot make progress: it ends the run with the
     # refusal reasons instead of training for ever.
     accounting = Accounting(failure_limit=max(3 * in_flight, 30), rejection_limit=max(20 * in_flight, 200))
+    # Simulated clients that never crash, hang, drop out or go offline answer on timelines known at dispatch: the
+    # tasks dispatched together run in one coroutine (such a fault decides per task whether and when it answers).
+    group = (
+        CohortClients(world, live=lambda task: registry.holds(task))
+        if start_task is None and (world.faults is None or not world.faults.active) and clock.virtual
+        else None
+    )
     registry = TaskRegistry(
         bus=bus,
         clock=clock,
@@ -1063,6 +1070,7 @@ def build_server(
         timeout_s=res.task_timeout_s,
         mark_used=population.mark_used,
         on_release=world.forget,
+        start_group=group.run if group is not None else None,
     )
     sampler = ClientSampler(
         population,

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Iterable
+import heapq
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 import torch
@@ -31,7 +32,7 @@ from flasync.population import Network, Population
 from flasync.residuals import ResidualStore
 from flasync.snapshots import ModelSnapshot
 
-__all__ = ["Client", "ClientResiduals", "ClientWorld", "ModelSnapshot"]
+__all__ = ["Client", "ClientResiduals", "ClientWorld", "CohortClients", "ModelSnapshot"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,6 +137,174 @@ class ClientResiduals:
             store.put(int(client_id), state["values"][i])
 
 
+class _Prepared(NamedTuple):
+    """A task's timeline and inputs, known before it trains."""
+
+    samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    download_s: float
+    simulated: float
+    done_at: float
+    variates: TaskVariates | None
+
+
+def _prepare(world: ClientWorld, cid: ClientId, task: TaskAssigned, model: ModelSnapshot) -> _Prepared:
+    """Place a task's download and training on its timeline; record what a checkpoint must restore for it."""
+    job_ctx = world.job
+    download_s = world.network.download_seconds(cid, model.download_bytes)
+    samples = world.samples(cid)
+    steps = job_ctx.local.steps_for(len(samples[2]))
+    # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
+    simulated = world.population.train_seconds(cid, steps, task.participation)
+    residuals = job_ctx.residuals
+    if world.pre_task_residuals is not None and residuals is not None:
+        with job_ctx.residual_lock:  # what a checkpoint taken while this task is in flight must restore
+            world.pre_task_residuals[task.task_id] = residuals.get(cid)
+    variates = _variates(world, cid, task, model)
+    return _Prepared(samples, download_s, simulated, task.simulated_s + (download_s + simulated), variates)
+
+
+def _variates(world: ClientWorld, cid: ClientId, task: TaskAssigned, model: ModelSnapshot) -> TaskVariates | None:
+    """Return the task's SCAFFOLD state (None without SCAFFOLD), recording ``c_i`` for checkpoints."""
+    store = world.job.variates
+    if store is None or model.control is None:
+        return None
+    with world.job.residual_lock:
+        own = store.get(cid)
+        if world.pre_task_variates is not None:
+            world.pre_task_variates[task.task_id] = own
+    generator = seeding.torch_stream(world.seed, seeding.CONTROL_CODEC, cid, task.participation)
+    return TaskVariates.of(model.control, own, generator)
+
+
+def _training_job(
+    world: ClientWorld, cid: ClientId, task: TaskAssigned, model: ModelSnapshot, prepared: _Prepared, attack: float
+) -> TrainingJob[TrainedUpdate]:
+    """Return the task's local training, in the form a batching executor trains with others of its cohort."""
+    job_ctx = world.job
+    samples, variates = prepared.samples, prepared.variates
+    generator = seeding.torch_stream(world.seed, seeding.TASK, cid, task.participation)
+    codec_generator = (
+        seeding.torch_stream(world.seed, seeding.CODEC, cid, task.participation)
+        if job_ctx.upload_codec.draws_random
+        else None
+    )
+    return TrainingJob(
+        base=model.weights,
+        x=samples[0],
+        y=samples[1],
+        indices=samples[2],
+        cfg=job_ctx.local,
+        generator=generator,
+        finish=lambda result: finish_job(job_ctx, cid, result, codec_generator, attack=attack, variates=variates),
+        solo=lambda: train_job(
+            job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id, attack, variates
+        ),
+        correction=variates.correction if variates is not None else None,
+        client=int(cid) if world.samples.lazy is not None else None,
+    )
+
+
+def _keep(
+    world: ClientWorld,
+    cid: ClientId,
+    task: TaskAssigned,
+    model: ModelSnapshot,
+    prepared: _Prepared,
+    trained: TrainedUpdate,
+    **context: int,
+) -> None:
+    """Store a trained task's residual and control variate, and log its figures (``context``: extra fields)."""
+    job_ctx = world.job
+    if job_ctx.residuals is not None and trained.residual is not None:
+        with job_ctx.residual_lock:
+            job_ctx.residuals.put(cid, trained.residual)
+    if job_ctx.variates is not None and trained.variate is not None:
+        with job_ctx.residual_lock:
+            job_ctx.variates.put(cid, trained.variate)
+    result = trained.result
+    world.log.debug(
+        "client",
+        **context,
+        step=task.task_id,
+        train_s=result.train_s,
+        sim_train_s=prepared.simulated,
+        sim_download_s=prepared.download_s,
+        samples=result.num_samples,
+        loss=result.loss,
+        peak_mem_bytes=result.peak_mem_bytes,
+        encode_s=trained.encode_s,
+        download_bytes=model.download_bytes,
+        upload_bytes=trained.upload_bytes,
+        compression=(codecs.HEADER.size + 4 * job_ctx.num_params) / len(trained.payload),
+        **({} if trained.residual_norm is None else {"residual_norm": trained.residual_norm}),
+    )
+
+
+def _uploaded(
+    world: ClientWorld,
+    cid: ClientId,
+    task: TaskAssigned,
+    model: ModelSnapshot,
+    prepared: _Prepared,
+    trained: TrainedUpdate,
+    upload_s: float,
+) -> UpdateUploaded:
+    """Return the upload of a trained task, sent now."""
+    result = trained.result
+    return UpdateUploaded(
+        to=task.reply_to,
+        task_id=task.task_id,
+        client_id=cid,
+        base_version=task.base_version,
+        num_samples=result.num_samples,
+        payload=trained.payload,
+        control=trained.control,
+        train_loss=result.loss,
+        simulated_s=world.clock.now(),
+        sent_wall_s=world.wall(),
+        compute_s=result.train_s,
+        encode_s=trained.encode_s,
+        sim_download_s=prepared.download_s,
+        sim_train_s=prepared.simulated,
+        sim_upload_s=upload_s,
+        download_bytes=model.download_bytes,
+        peak_mem_bytes=result.peak_mem_bytes,
+        diagnosis=trained.diagnosis,
+    )
+
+
+def _failed(
+    world: ClientWorld,
+    task: TaskAssigned,
+    kind: FailureKind,
+    error: str,
+    diagnosis: TaskDiagnosis | None = None,
+    **context: int,
+) -> ClientFailed:
+    """Log a task's failure and return its notice, sent now (``context``: extra log fields)."""
+    if kind == "error":
+        world.log.warning("client.failed", **context, step=task.task_id, error=error, metrics=False)
+    else:
+        world.log.debug("client.failed", **context, step=task.task_id, kind=kind, error=error, metrics=False)
+    return ClientFailed(
+        to=task.reply_to,
+        task_id=task.task_id,
+        client_id=task.client_id,
+        base_version=task.base_version,
+        error=error,
+        simulated_s=world.clock.now(),
+        diagnosis=diagnosis,
+        kind=kind,
+    )
+
+
+def _training_failure(exc: BaseException) -> tuple[FailureKind, str, TaskDiagnosis | None]:
+    """Return how a task whose training raised ``exc`` failed: its kind, its one-line error and its diagnosis."""
+    kind: FailureKind = "crash" if isinstance(exc, InjectedFault) else "error"
+    diagnosis = exc.diagnosis if isinstance(exc, DivergedTraining) else None
+    return kind, f"{type(exc).__name__}: {exc}", diagnosis
+
+
 class Client:
     """A sampled client: its id, and the coroutine that runs one task.
 
@@ -160,22 +329,12 @@ class Client:
         :class:`ClientFailed`; it never propagates.
         """
         world, cid = self.world, self.client_id
-        clock, log, job_ctx = world.clock, world.log, world.job
+        clock = world.clock
         # bind/reset rather than structlog's bound_contextvars: the same context, a third of its cost per task.
         tokens = structlog.contextvars.bind_contextvars(client_id=int(cid), base_version=int(task.base_version))
         try:
-            download_s = world.network.download_seconds(cid, model.download_bytes)
-            samples = world.samples(cid)
-            indices = samples[2]
-            steps = job_ctx.local.steps_for(len(indices))
-            # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
-            simulated = world.population.train_seconds(cid, steps, task.participation)
-            done_at = task.simulated_s + (download_s + simulated)
-            residuals = job_ctx.residuals
-            if world.pre_task_residuals is not None and residuals is not None:
-                with job_ctx.residual_lock:  # what a checkpoint taken while this task is in flight must restore
-                    world.pre_task_residuals[task.task_id] = residuals.get(cid)
-            variates = self._variates(task, model)
+            prepared = _prepare(world, cid, task, model)
+            download_s, simulated, done_at = prepared.download_s, prepared.simulated, prepared.done_at
             faults = world.faults
             fate = faults.fate(cid, task.participation) if faults is not None else None
             offline_at = faults.offline_at(cid, task.simulated_s) if faults is not None else float("inf")
@@ -188,118 +347,33 @@ class Client:
             if offline_at < done_at:
                 await self._fail(task, "offline", "availability window closed during training", offline_at)
                 return
-            attack = faults.attack_factor(cid) if faults is not None else 1.0
-            generator = seeding.torch_stream(world.seed, seeding.TASK, cid, task.participation)
-            codec_generator = (
-                seeding.torch_stream(world.seed, seeding.CODEC, cid, task.participation)
-                if job_ctx.upload_codec.draws_random
-                else None
-            )
             job: Callable[[], TrainedUpdate]
             if fate is not None and fate.fate is Fate.CRASH:
                 fraction = fate.fraction
                 job = functools.partial(injected_crash, fraction)
                 done_at = task.simulated_s + (download_s + fraction * simulated)
             else:
+                attack = faults.attack_factor(cid) if faults is not None else 1.0
                 # A batching executor trains this job together with others of the same base version.
-                job = TrainingJob(
-                    base=model.weights,
-                    x=samples[0],
-                    y=samples[1],
-                    indices=indices,
-                    cfg=job_ctx.local,
-                    generator=generator,
-                    finish=lambda result: finish_job(
-                        job_ctx, cid, result, codec_generator, attack=attack, variates=variates
-                    ),
-                    solo=lambda: train_job(
-                        job_ctx,
-                        cid,
-                        model.weights,
-                        samples,
-                        generator,
-                        codec_generator,
-                        task.task_id,
-                        attack,
-                        variates,
-                    ),
-                    correction=variates.correction if variates is not None else None,
-                    client=int(cid) if world.samples.lazy is not None else None,
-                )
+                job = _training_job(world, cid, task, model, prepared, attack)
             try:
                 # Everything the job needs is known now, so it starts at once in real time; on the virtual
                 # clock it completes after the simulated download and training.
                 trained = await clock.run(world.pool, job, simulated_s=download_s + simulated, until=done_at)
             except Exception as exc:
-                kind: FailureKind = "crash" if isinstance(exc, InjectedFault) else "error"
-                diagnosis = exc.diagnosis if isinstance(exc, DivergedTraining) else None
-                await self._fail(task, kind, f"{type(exc).__name__}: {exc}", None, diagnosis)
+                kind, error, diagnosis = _training_failure(exc)
+                await self._fail(task, kind, error, None, diagnosis)
                 return
-            result = trained.result
             upload_s = world.network.upload_seconds(cid, trained.upload_bytes)
             up_at = done_at + upload_s
             if offline_at < up_at:
                 await self._fail(task, "offline", "availability window closed during upload", offline_at)
                 return
-            if residuals is not None and trained.residual is not None:
-                with job_ctx.residual_lock:
-                    residuals.put(cid, trained.residual)
-            if job_ctx.variates is not None and trained.variate is not None:
-                with job_ctx.residual_lock:
-                    job_ctx.variates.put(cid, trained.variate)
-            log.debug(
-                "client",
-                step=task.task_id,
-                train_s=result.train_s,
-                sim_train_s=simulated,
-                sim_download_s=download_s,
-                samples=result.num_samples,
-                loss=result.loss,
-                peak_mem_bytes=result.peak_mem_bytes,
-                encode_s=trained.encode_s,
-                download_bytes=model.download_bytes,
-                upload_bytes=trained.upload_bytes,
-                compression=(codecs.HEADER.size + 4 * job_ctx.num_params) / len(trained.payload),
-                **({} if trained.residual_norm is None else {"residual_norm": trained.residual_norm}),
-            )
+            _keep(world, cid, task, model, prepared, trained)
             await clock.elapse(upload_s, until=up_at)
-            await world.bus.publish(
-                UpdateUploaded(
-                    to=task.reply_to,
-                    task_id=task.task_id,
-                    client_id=cid,
-                    base_version=task.base_version,
-                    num_samples=result.num_samples,
-                    payload=trained.payload,
-                    control=trained.control,
-                    train_loss=result.loss,
-                    simulated_s=clock.now(),
-                    sent_wall_s=world.wall(),
-                    compute_s=result.train_s,
-                    encode_s=trained.encode_s,
-                    sim_download_s=download_s,
-                    sim_train_s=simulated,
-                    sim_upload_s=upload_s,
-                    download_bytes=model.download_bytes,
-                    peak_mem_bytes=result.peak_mem_bytes,
-                    diagnosis=trained.diagnosis,
-                )
-            )
+            await world.bus.publish(_uploaded(world, cid, task, model, prepared, trained, upload_s))
         finally:
             structlog.contextvars.reset_contextvars(**tokens)
-
-    def _variates(self, task: TaskAssigned, model: ModelSnapshot) -> TaskVariates | None:
-        """Return the task's SCAFFOLD state (None without SCAFFOLD), recording ``c_i`` for checkpoints."""
-        world, cid = self.world, self.client_id
-        store = world.job.variates
-        if store is None or model.control is None:
-            return None
-        with world.job.residual_lock:
-            own = store.get(cid)
-            if world.pre_task_variates is not None:
-                world.pre_task_variates[task.task_id] = own
-        generator = seeding.torch_stream(world.seed, seeding.CONTROL_CODEC, cid, task.participation)
-        return TaskVariates.of(model.control, own, generator)
 
     async def _fail(
         self,
@@ -313,19 +387,102 @@ class Client:
         world = self.world
         if at is not None:
             await world.clock.sleep_until(at)
-        if kind == "error":
-            world.log.warning("client.failed", step=task.task_id, error=error, metrics=False)
-        else:
-            world.log.debug("client.failed", step=task.task_id, kind=kind, error=error, metrics=False)
-        await world.bus.publish(
-            ClientFailed(
-                to=task.reply_to,
-                task_id=task.task_id,
-                client_id=self.client_id,
-                base_version=task.base_version,
-                error=error,
-                simulated_s=world.clock.now(),
-                diagnosis=diagnosis,
-                kind=kind,
+        await world.bus.publish(_failed(world, task, kind, error, diagnosis))
+
+
+class CohortClients:
+    """The coroutine that runs a group of tasks dispatched together: one coroutine and a few timers, not one each.
+
+    It does what :meth:`Client.run` does for each of its tasks - the same timeline, the same jobs, the same
+    uploads in the same order - without a coroutine per task: a batching executor trains the group's jobs as one
+    cohort anyway, so the event loop's work per task is what is left to save. On the run's clock the group waits
+    once per distinct time at which some of its tasks finish training, and once per distinct upload time, and
+    publishes every upload due then at once. Uploads at one time go out in the order their tasks finished
+    training, as :class:`Client` coroutines' timers would send them.
+
+    A task the registry released meanwhile (a round closed without it, a timeout) publishes nothing, as a
+    cancelled :class:`Client` coroutine would not. Only a run whose fault model makes no task crash, hang or drop
+    out and keeps every client online uses groups: such a fault decides per task whether and when it answers.
+    Byzantine clients attack within a group as they do alone.
+
+    Args:
+        world: The simulated world the clients live in.
+        live: Tells whether a task is still in flight.
+    """
+
+    __slots__ = ("live", "world")
+
+    def __init__(self, world: ClientWorld, live: Callable[[TaskAssigned], bool]) -> None:
+        """Bind the group to the run."""
+        if world.faults is not None and world.faults.active:
+            raise ValueError("tasks run as a group only when no fault decides whether and when they answer")
+        self.world = world
+        self.live = live
+
+    async def run(self, tasks: Sequence[TaskAssigned], model: ModelSnapshot) -> None:
+        """Run ``tasks``, all on ``model``: train each as :meth:`Client.run` would, upload each at its time."""
+        world = self.world
+        clock, bus = world.clock, world.bus
+        prepared = [_prepare(world, task.client_id, task, model) for task in tasks]
+        faults = world.faults
+        jobs = [
+            clock.start(
+                world.pool,
+                _training_job(
+                    world,
+                    task.client_id,
+                    task,
+                    model,
+                    plan,
+                    faults.attack_factor(task.client_id) if faults is not None else 1.0,
+                ),
             )
-        )
+            for task, plan in zip(tasks, prepared, strict=True)
+        ]
+        # (time, order, index): training completions first by time; an upload's order is set when its task has
+        # trained, after every order of the completions, so at one time completions come before uploads and
+        # uploads keep the order in which their tasks finished training.
+        agenda: list[tuple[float, int, int]] = sorted((p.done_at, i, i) for i, p in enumerate(prepared))
+        heapq.heapify(agenda)
+        order = len(tasks)
+        uploads: dict[int, tuple[TrainedUpdate, float]] = {}
+        try:
+            while agenda:
+                when, first, _ = agenda[0]
+                due = []
+                while agenda and agenda[0][0] == when and (agenda[0][1] < len(tasks)) == (first < len(tasks)):
+                    due.append(heapq.heappop(agenda)[2])
+                if first < len(tasks):  # training completions
+                    outcomes = await clock.finish([jobs[i] for i in due], until=when)
+                    for i, outcome in zip(due, outcomes, strict=True):
+                        task, plan = tasks[i], prepared[i]
+                        if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                            raise outcome
+                        if not self.live(task):
+                            continue  # released meanwhile: a client coroutine would have been cancelled
+                        if isinstance(outcome, Exception):
+                            kind, error, diagnosis = _training_failure(outcome)
+                            await bus.publish(_failed(world, task, kind, error, diagnosis, **_context(task)))
+                            continue
+                        upload_s = world.network.upload_seconds(task.client_id, outcome.upload_bytes)
+                        _keep(world, task.client_id, task, model, plan, outcome, **_context(task))
+                        uploads[i] = (outcome, upload_s)
+                        heapq.heappush(agenda, (plan.done_at + upload_s, order, i))
+                        order += 1
+                else:  # uploads
+                    await clock.sleep_until(when)
+                    for i in due:
+                        task, (trained, upload_s) = tasks[i], uploads.pop(i)
+                        if self.live(task):
+                            await bus.publish(
+                                _uploaded(world, task.client_id, task, model, prepared[i], trained, upload_s)
+                            )
+        except BaseException:
+            for job in jobs:
+                job[0].cancel()
+            raise
+
+
+def _context(task: TaskAssigned) -> dict[str, int]:
+    """The log fields a :class:`Client` coroutine binds for its task."""
+    return {"client_id": int(task.client_id), "base_version": int(task.base_version)}

@@ -7,6 +7,9 @@ Both clocks offer the same three awaitables, and orchestration code uses nothing
   event loop never blocks; under the virtual clock the job *also* takes ``simulated_s`` of virtual time;
 * ``now()`` - seconds since the clock started.
 
+A group of jobs that start together and finish at a few times (a cohort of clients) uses ``start`` and ``finish``
+instead of one ``run`` each: one timer per finishing time rather than one per job.
+
 :class:`VirtualClock` is a discrete-event scheduler in the manner of trio's ``MockClock`` with autojump: a driver
 task (:meth:`VirtualClock.drive`) fires timers one at a time in ``(time, sequence)`` order. Before firing the next
 timer it waits until the loop has settled (no registered activity for a few loop passes), and a timer that stands
@@ -21,13 +24,21 @@ import asyncio
 import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Clock", "RunClock", "VirtualClock", "WallClock"]
+__all__ = ["Clock", "RunClock", "Started", "VirtualClock", "WallClock"]
 
 T = TypeVar("T")
+
+
+class Started(NamedTuple, Generic[T]):
+    """A job handed to an executor by :meth:`Clock.start`: the loop future to await, and what the executor returned
+    for it (a batching executor's held future, which the virtual clock tells it is needed)."""
+
+    future: asyncio.Future[T]
+    source: object
 
 
 @runtime_checkable
@@ -58,6 +69,17 @@ class Clock(Protocol):
         self, executor: Executor, fn: Callable[[], T], *, simulated_s: float = 0.0, until: float | None = None
     ) -> T:
         """Run ``fn`` in ``executor``; under virtual time it also takes ``simulated_s`` (or lasts ``until``)."""
+        ...
+
+    def start(self, executor: Executor, fn: Callable[[], T]) -> Started[T]:
+        """Start ``fn`` in ``executor`` now; :meth:`finish` waits for it."""
+        ...
+
+    async def finish(self, jobs: Sequence[Started[Any]], *, until: float) -> list[Any]:
+        """Wait for started jobs that end at ``until`` on the run's timeline; return each one's result or exception.
+
+        A cancelled wait cancels the jobs.
+        """
         ...
 
 
@@ -99,7 +121,7 @@ class RunClock(Clock, Protocol):
         ...
 
 
-def _submit(executor: Executor, fn: Callable[[], T]) -> tuple[asyncio.Future[T], object]:
+def _submit(executor: Executor, fn: Callable[[], T]) -> Started[T]:
     """Start ``fn`` in ``executor``; return the loop future to await and what the executor returned for it.
 
     An executor with ``submit_async`` (a :class:`~flasync.executors.CohortBatcher`) gives a loop future itself;
@@ -108,9 +130,39 @@ def _submit(executor: Executor, fn: Callable[[], T]) -> tuple[asyncio.Future[T],
     submit_async = getattr(executor, "submit_async", None)
     if submit_async is not None:
         job: asyncio.Future[T] = submit_async(fn)
-        return job, job
+        return Started(job, job)
     source = executor.submit(fn)
-    return asyncio.wrap_future(source), source
+    return Started(asyncio.wrap_future(source), source)
+
+
+def _outcomes(futures: Sequence[asyncio.Future[Any]]) -> list[Any]:
+    """Return each done future's result, or its exception (a cancelled one's :class:`asyncio.CancelledError`)."""
+    return [
+        asyncio.CancelledError() if f.cancelled() else (f.result() if f.exception() is None else f.exception())
+        for f in futures
+    ]
+
+
+def _all_done(futures: Sequence[asyncio.Future[Any]]) -> asyncio.Future[None]:
+    """Return a future of the running loop that is done once every one of ``futures`` is."""
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    left = len(futures)
+
+    def one(_: object) -> None:
+        nonlocal left
+        left -= 1
+        if not left and not done.done():
+            done.set_result(None)
+
+    if not left:
+        done.set_result(None)
+    for future in futures:
+        future.add_done_callback(one)
+    return done
+
+
+class _Sources(tuple[object, ...]):
+    """What the executor returned for each job of a group timer (each is offered to ``on_wait``)."""
 
 
 class WallClock:
@@ -198,6 +250,23 @@ class WallClock:
             job.cancel()
             raise
         return await job
+
+    def start(self, executor: Executor, fn: Callable[[], T]) -> Started[T]:
+        """Start ``fn`` in ``executor`` now."""
+        return _submit(executor, fn)
+
+    async def finish(self, jobs: Sequence[Started[Any]], *, until: float) -> list[Any]:
+        """Wait for ``jobs``; with a ``factor``, also until ``until`` on this clock's scaled time."""
+        futures = [job.future for job in jobs]
+        try:
+            if self._factor is not None:
+                await self.sleep_until(until)
+            await _all_done(futures)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        return _outcomes(futures)
 
     async def drive(self) -> None:
         """Return at once: real time advances by itself."""
@@ -338,6 +407,23 @@ class VirtualClock:
             raise
         return job.result()
 
+    def start(self, executor: Executor, fn: Callable[[], T]) -> Started[T]:
+        """Start ``fn`` in ``executor`` now, in real time; :meth:`finish` places its completion in virtual time."""
+        return _submit(executor, fn)
+
+    async def finish(self, jobs: Sequence[Started[Any]], *, until: float) -> list[Any]:
+        """Resume at virtual time ``until`` once every one of ``jobs`` is done: one timer for the group, which
+        fires as :meth:`run`'s would for each job (each job is offered to ``on_wait`` callbacks)."""
+        futures = [job.future for job in jobs]
+        waiter = self._push_at(until, _all_done(futures), _Sources(job.source for job in jobs))
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            for future in futures:
+                future.cancel()
+            raise
+        return _outcomes(futures)
+
     def stop(self) -> None:
         """Make :meth:`drive` return at its next step (a stopped clock cannot be driven again)."""
         self._stopped = True
@@ -354,8 +440,13 @@ class VirtualClock:
             while heap and heap[0].waiter.done():  # cancelled waiters
                 heapq.heappop(heap)
             if heap and heap[0].source is not None:
+                head = heap[0].source
                 for callback in self._on_wait:
-                    callback(heap[0].source)
+                    if type(head) is _Sources:
+                        for source in head:
+                            callback(source)
+                    else:
+                        callback(head)
             if not heap or (heap[0].job is not None and not heap[0].job.done()):
                 # Nothing to fire yet: wait for a new timer, the head job's completion or stop().
                 self._attention = loop.create_future()

@@ -212,7 +212,10 @@ class _HoldingExecutor(ThreadPoolExecutor):
     def start_all(self, needed: object) -> None:
         self.needed.append(needed)
         for fn, future in self.held:
-            future.set_result(fn())  # type: ignore[operator, attr-defined]
+            try:
+                future.set_result(fn())  # type: ignore[operator, attr-defined]
+            except Exception as exc:
+                future.set_exception(exc)  # type: ignore[attr-defined]
         self.held.clear()
 
     needed: list[object]
@@ -241,6 +244,73 @@ async def test_on_wait_starts_held_jobs_only_when_needed() -> None:
         executor.shutdown()
     assert done == [(0, 1.0), (1, 2.0), (2, 3.0)]
     assert len(executor.needed) >= 1  # called with a job future while the jobs were held
+
+
+async def test_a_group_of_started_jobs_finishes_at_one_time_with_one_timer() -> None:
+    """start() hands jobs over at once; finish() resumes at ``until`` once all are done, with one timer for the group,
+    returning each job's result or exception; every job of a held group is offered to the on_wait callbacks."""
+    clock = VirtualClock()
+    executor = _HoldingExecutor()
+    executor.needed = []
+    clock.on_wait(executor.start_all)
+
+    def broken() -> int:
+        raise ValueError("broken job")
+
+    async def body() -> list[object]:
+        jobs = [clock.start(executor, lambda: 1), clock.start(executor, broken), clock.start(executor, lambda: 3)]
+        assert len(executor.held) == 3  # handed over, still held
+        fired = clock.fired
+        outcomes = await clock.finish(jobs, until=2.5)
+        assert clock.fired == fired + 1 and clock.now() == 2.5
+        return outcomes
+
+    async def driven() -> list[object]:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(clock.drive())
+            try:
+                return await body()
+            finally:
+                clock.stop()
+
+    try:
+        outcomes = await driven()
+    finally:
+        executor.shutdown()
+    assert outcomes[0] == 1 and outcomes[2] == 3
+    assert isinstance(outcomes[1], ValueError) and str(outcomes[1]) == "broken job"
+    assert len(executor.needed) >= 1
+
+
+async def test_a_cancelled_group_finish_cancels_its_jobs() -> None:
+    """Cancelling the wait of finish() cancels every job of the group (a held job never starts)."""
+    clock = VirtualClock()
+    executor = _HoldingExecutor()
+    executor.needed = []
+    jobs = []
+
+    async def body() -> None:
+        jobs.extend(clock.start(executor, lambda: 0) for _ in range(2))
+        waiting = asyncio.ensure_future(clock.finish(jobs, until=1.0))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    try:
+        await _drive(clock, body())
+    finally:
+        executor.shutdown()
+    assert all(job.future.cancelled() for job in jobs)
+
+
+async def test_wall_clock_finishes_a_group_when_its_jobs_are_done() -> None:
+    """WallClock.finish waits for the jobs only (no factor: ``until`` is the simulated timeline's, not real time)."""
+    clock = WallClock()
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [clock.start(pool, lambda: 4), clock.start(pool, lambda: 1 // 0)]
+        outcomes = await clock.finish(jobs, until=1e9)
+    assert outcomes[0] == 4 and isinstance(outcomes[1], ZeroDivisionError)
 
 
 async def test_absolute_timers_land_exactly_and_never_move_time_back() -> None:

@@ -5,14 +5,16 @@ runs it), starts a watchdog when tasks have a time limit, releases a task exactl
 timeout arrives (a second answer finds nothing to release), and starts a checkpoint's tasks again on their original
 timelines. It keeps each base model a task started from until the last such task is released, and owns every task
 it starts in the run's ``TaskGroup``. How a task runs (an in-process client coroutine, a remote device) is the
-``start_task`` callable it is given: the transport seam.
+``start_task`` callable it is given: the transport seam. Given a ``start_group`` too, the tasks dispatched on one
+model before the first of them starts run in one coroutine instead (see :class:`~flasync.client.CohortClients`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,10 +26,22 @@ from flasync.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, Versio
 from flasync.server.accounting import Accounting
 from flasync.snapshots import ModelSnapshot
 
-__all__ = ["Answer", "StartTask", "TaskRegistry", "Timer"]
+__all__ = ["Answer", "StartGroup", "StartTask", "TaskRegistry", "Timer"]
 
 StartTask = Callable[[TaskAssigned, ModelSnapshot], Coroutine[Any, Any, None]]
 """Run one task: train ``snapshot`` on the task's client and put the answer on the bus (never raise)."""
+
+StartGroup = Callable[[Sequence[TaskAssigned], ModelSnapshot], Coroutine[Any, Any, None]]
+"""Run tasks on one model as :data:`StartTask` runs each, answering only those still in flight
+(:meth:`TaskRegistry.holds`) when their answers are due."""
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """Tasks dispatched on one model whose coroutine has not started yet (it takes later dispatches too)."""
+
+    snapshot: ModelSnapshot
+    tasks: list[TaskAssigned] = field(default_factory=list)
 
 
 class Timer(Protocol):
@@ -71,6 +85,8 @@ class TaskRegistry:
         timeout_s: A task not answered this long after dispatch is timed out (None: never).
         mark_used: Told the clients dispatched (e.g. a least-recently-used sampler).
         on_release: Told each task released (e.g. to forget what a checkpoint would restore for it).
+        start_group: Runs the tasks dispatched on one model before the first of them starts, in one coroutine,
+            instead of ``start_task`` for each (None: one coroutine per task).
     """
 
     def __init__(
@@ -84,12 +100,15 @@ class TaskRegistry:
         timeout_s: float | None = None,
         mark_used: Callable[[list[int]], None] | None = None,
         on_release: Callable[[TaskAssigned], None] | None = None,
+        start_group: StartGroup | None = None,
     ) -> None:
         """Start with no task and no model."""
         self._bus = bus
         self._clock = clock
         self._accounting = accounting
         self._start_task = start_task
+        self._start_group = start_group
+        self._open: _Group | None = None
         self.timeout_s = timeout_s
         self._mark_used = mark_used
         self._on_release = on_release
@@ -122,6 +141,7 @@ class TaskRegistry:
         for task in list(self._tasks):
             task.cancel()
         self._tg = None
+        self._open = None
 
     # --------------------------------------------------------------------------------------------- models
     @property
@@ -149,6 +169,10 @@ class TaskRegistry:
     def __contains__(self, client_id: object) -> bool:
         """Tell whether ``client_id`` has a task in flight."""
         return client_id in self._in_flight
+
+    def holds(self, task: TaskAssigned) -> bool:
+        """Tell whether ``task`` is still in flight (not answered, timed out or abandoned)."""
+        return self._in_flight.get(task.client_id) is task
 
     def __iter__(self) -> Iterator[TaskAssigned]:
         """Iterate over the tasks in flight, oldest first."""
@@ -196,7 +220,13 @@ class TaskRegistry:
         return task
 
     def _start(self, task: TaskAssigned, snapshot: ModelSnapshot, *, client: bool = True) -> None:
-        if client:
+        if client and self._start_group is not None:
+            group = self._open
+            if group is None or group.snapshot is not snapshot:
+                group = self._open = _Group(snapshot)
+                self.spawn(self._run_group(group), name=f"flasync-clients-from-task-{task.task_id}")
+            group.tasks.append(task)
+        elif client:
             name = f"flasync-client-{task.client_id}-task-{task.task_id}"
             self._handles[task.task_id] = self.spawn(self._start_task(task, snapshot), name=name)
         if self.timeout_s is not None:
@@ -204,6 +234,12 @@ class TaskRegistry:
                 self._watch(task, task.simulated_s + self.timeout_s, limit_s=self.timeout_s),
                 name=f"flasync-timeout-{task.task_id}",
             )
+
+    async def _run_group(self, group: _Group) -> None:
+        assert self._start_group is not None
+        if self._open is group:
+            self._open = None  # later dispatches start a group of their own
+        await self._start_group(group.tasks, group.snapshot)
 
     async def _watch(self, task: TaskAssigned, when: float, *, limit_s: float) -> None:
         await self._clock.sleep_until(when)

@@ -10,6 +10,7 @@ import torch
 from flasync.bus import EventBus
 from flasync.clock import VirtualClock
 from flasync.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, Version
+from flasync.server.registry import TaskRegistry
 from flasync.snapshots import ModelSnapshot
 from flasync.testing import EventRecorder, ScriptedClients, ServerHarness
 
@@ -140,3 +141,50 @@ async def test_state_round_trip_restores_tasks_models_and_participations() -> No
     assert target.registry.current is not None and target.registry.current.version == 1
     assert target.registry.base(Version(0)) is not None
     assert target.registry.state_dict()["participations"].tolist() == state["participations"].tolist()
+
+
+async def test_tasks_dispatched_before_the_first_starts_run_as_one_group() -> None:
+    """With a group starter, the dispatches made before the group's coroutine runs join it; later ones start a new
+    group; a group sees which of its tasks are still in flight through ``holds``."""
+    harness = ServerHarness(clients=_silent)
+    registry = TaskRegistry(
+        bus=harness.bus,
+        clock=harness.clock,
+        accounting=harness.accounting,
+        num_clients=8,
+        start_task=_silent(harness.bus, harness.clock),
+        start_group=lambda tasks, snapshot: start_group(tasks, snapshot),
+    )
+    groups: list[list[int]] = []
+    held: list[list[bool]] = []
+    release_next = asyncio.Event()
+
+    async def start_group(tasks: object, snapshot: ModelSnapshot) -> None:
+        members = list(tasks)  # type: ignore[call-overload]
+        groups.append([t.task_id for t in members])
+        await release_next.wait()
+        held.append([registry.holds(t) for t in members])
+
+    registry.publish(_snapshot(0))
+
+    async def body() -> None:
+        first = [await registry.dispatch(c) for c in (0, 1, 2)]
+        await asyncio.sleep(0)  # the group's coroutine starts with the three
+        later = await registry.dispatch(3)
+        registry.publish(_snapshot(1))
+        other_model = await registry.dispatch(4)
+        await asyncio.sleep(0)
+        assert groups == [[t.task_id for t in first], [later.task_id], [other_model.task_id]]
+        assert registry.release(first[1])
+        release_next.set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert held[0] == [True, False, True]
+        assert registry._handles == {}  # a group's tasks have no coroutine of their own to cancel on release
+
+    async with asyncio.TaskGroup() as tg:
+        registry.attach(tg)
+        try:
+            await body()
+        finally:
+            registry.cancel_all()

@@ -1,0 +1,61 @@
+"""Simulated clients: a group of tasks in one coroutine answers exactly as one coroutine per task does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import flasync
+from flasync import client as client_module
+from flasync.testing import small_config
+
+pytestmark = pytest.mark.timeout(120)
+
+# Every client online all the time: nothing changes for any task, but a fault model that decides per task keeps
+# one coroutine per task.
+_ONE_EACH = "faults.availability={period_s: 1000.0, online_fraction: 1.0}"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(("executor.kind=vectorized",), id="fedbuff-vectorized"),
+        pytest.param(("executor.kind=thread", "codec.upload=[{kind: topk, ratio: 0.05}]"), id="fedbuff-topk"),
+        pytest.param(
+            (
+                "server={kind: fedavg, clients_per_round: 8}",
+                "executor.kind=vectorized",
+                "resilience.round_deadline_s=1.0",
+            ),
+            id="fedavg-deadline",
+        ),
+        pytest.param(("server={kind: fedavg, clients_per_round: 10}", "faults.byzantine=0.2"), id="fedavg-byzantine"),
+        pytest.param(("scaffold.enabled=true", "server={kind: fedavg, clients_per_round: 6}"), id="scaffold"),
+    ],
+)
+def test_tasks_run_as_a_group_give_the_weights_and_counts_of_one_coroutine_per_task(
+    overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same run through :class:`CohortClients` and through one :class:`Client` coroutine per task: the same
+    weights bit for bit, the same accepted, dropped and failed updates, and the group path was the one taken."""
+    grouped: list[int] = []
+    run_group = client_module.CohortClients.run
+
+    async def counted(self: client_module.CohortClients, tasks: Any, model: Any) -> None:
+        grouped.append(len(tasks))
+        await run_group(self, tasks, model)
+
+    monkeypatch.setattr(client_module.CohortClients, "run", counted)
+    group = flasync.run(small_config(*overrides))
+    assert grouped and sum(grouped) >= group.updates_accepted
+    seen = len(grouped)
+    each = flasync.run(small_config(*overrides, _ONE_EACH))
+    assert len(grouped) == seen  # the availability model kept one coroutine per task
+    assert each.weights_sha256 == group.weights_sha256
+    counts = ("updates_accepted", "updates_dropped", "updates_failed", "versions")
+    assert [getattr(group, c) for c in counts] == [getattr(each, c) for c in counts]
+    if "fedavg" in overrides[0]:
+        assert max(grouped) > 1  # a round's cohort runs in one coroutine
+    if "deadline" in " ".join(overrides):
+        assert group.tasks_abandoned == each.tasks_abandoned > 0  # stragglers of a closed round never answer

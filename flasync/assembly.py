@@ -1140,6 +1140,8 @@ def build_server(
         else None
     )
     policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
+    if group is not None:
+        group.together = not policy.abandons and registry.timeout_s is None
     capacity = 2 * in_flight + 8
     if tree is not None:
         # Edges may hold many finished tasks' answers at once: the cloud's inbox must never block them.

@@ -401,23 +401,29 @@ class CohortClients:
     training, as :class:`Client` coroutines' timers would send them.
 
     A task the registry released meanwhile (a round closed without it, a timeout) publishes nothing, as a
-    cancelled :class:`Client` coroutine would not. Only a run whose fault model makes no task crash, hang or drop
-    out and keeps every client online uses groups: such a fault decides per task whether and when it answers.
+    cancelled :class:`Client` coroutine would not. Where an answer may make the server release other tasks in
+    flight (:attr:`together` False: a round that closes on a quorum or a deadline, task timeouts), the uploads due
+    at one time go out one at a time, each on its own timer, so that the server handles each before the next.
+
+    Only a run whose fault model makes no task crash, hang or drop out and keeps every client online uses groups:
+    such a fault decides per task whether and when it answers.
     Byzantine clients attack within a group as they do alone.
 
     Args:
         world: The simulated world the clients live in.
         live: Tells whether a task is still in flight.
+        together: Publish the uploads due at one time together.
     """
 
-    __slots__ = ("live", "world")
+    __slots__ = ("live", "together", "world")
 
-    def __init__(self, world: ClientWorld, live: Callable[[TaskAssigned], bool]) -> None:
+    def __init__(self, world: ClientWorld, live: Callable[[TaskAssigned], bool], *, together: bool = True) -> None:
         """Bind the group to the run."""
         if world.faults is not None and world.faults.active:
             raise ValueError("tasks run as a group only when no fault decides whether and when they answer")
         self.world = world
         self.live = live
+        self.together = together
 
     async def run(self, tasks: Sequence[TaskAssigned], model: ModelSnapshot) -> None:
         """Run ``tasks``, all on ``model``: train each as :meth:`Client.run` would, upload each at its time."""
@@ -471,8 +477,10 @@ class CohortClients:
                         order += 1
                 else:  # uploads
                     await clock.sleep_until(when)
-                    for i in due:
+                    for n, i in enumerate(due):
                         task, (trained, upload_s) = tasks[i], uploads.pop(i)
+                        if n and not self.together:
+                            await clock.sleep_until(when)  # the server has handled the previous one
                         if self.live(task):
                             await bus.publish(
                                 _uploaded(world, task.client_id, task, model, prepared[i], trained, upload_s)

@@ -226,7 +226,7 @@ def task_alerts(
     client_id: int,
     *,
     layer_names: tuple[str, ...],
-    recent_update_norms: list[float],
+    recent_update_norms: Sequence[float],
     config: DiagnosticsConfig,
 ) -> list[Alert]:
     """Return the alerts one task's diagnosis raises.
@@ -238,20 +238,25 @@ def task_alerts(
       or its mean gradient norm is below ``grad_norm_min`` (level ``full`` only).
     """
     alerts: list[Alert] = []
-    where = [
-        name
-        for name, ok in (
-            ("loss", diagnosis.loss_finite),
-            ("gradients", diagnosis.grad_finite),
-            ("update", diagnosis.update_finite),
-        )
-        if not ok
-    ]
-    if where:
+    if not (diagnosis.loss_finite and diagnosis.grad_finite and diagnosis.update_finite):
+        where = [
+            name
+            for name, ok in (
+                ("loss", diagnosis.loss_finite),
+                ("gradients", diagnosis.grad_finite),
+                ("update", diagnosis.update_finite),
+            )
+            if not ok
+        ]
         alerts.append(Alert("nan", f"client {client_id}: NaN/Inf in {', '.join(where)}", math.nan, client_id))
         return alerts
     norm = diagnosis.update_norm
-    if math.isfinite(norm) and len(recent_update_norms) >= 5:
+    # The median is at least the smallest norm: an update within the factor of that one needs no median.
+    if (
+        math.isfinite(norm)
+        and len(recent_update_norms) >= 5
+        and norm > config.exploding_factor * min(recent_update_norms)
+    ):
         median = statistics.median(recent_update_norms)
         if median > 0 and norm > config.exploding_factor * median:
             alerts.append(
@@ -375,7 +380,7 @@ class AlertMonitor:
                 diagnosis,
                 int(event.client_id),
                 layer_names=self.layer_names,
-                recent_update_norms=list(self._recent),
+                recent_update_norms=self._recent,
                 config=cfg,
             )
             if math.isfinite(diagnosis.update_norm):

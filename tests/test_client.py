@@ -30,6 +30,14 @@ _ONE_EACH = "faults.availability={period_s: 1000.0, online_fraction: 1.0}"
             ),
             id="fedavg-deadline",
         ),
+        pytest.param(
+            (
+                "server={kind: fedavg, clients_per_round: 8}",
+                "resilience.over_selection=0.5",
+                "population.speed={kind: constant}",
+            ),
+            id="fedavg-quorum-at-one-time",
+        ),
         pytest.param(("server={kind: fedavg, clients_per_round: 10}", "faults.byzantine=0.2"), id="fedavg-byzantine"),
         pytest.param(("scaffold.enabled=true", "server={kind: fedavg, clients_per_round: 6}"), id="scaffold"),
     ],
@@ -53,9 +61,10 @@ def test_tasks_run_as_a_group_give_the_weights_and_counts_of_one_coroutine_per_t
     each = flasync.run(small_config(*overrides, _ONE_EACH))
     assert len(grouped) == seen  # the availability model kept one coroutine per task
     assert each.weights_sha256 == group.weights_sha256
-    counts = ("updates_accepted", "updates_dropped", "updates_failed", "versions")
+    counts = ("updates_accepted", "updates_dropped", "updates_failed", "tasks_abandoned", "versions")
     assert [getattr(group, c) for c in counts] == [getattr(each, c) for c in counts]
     if "fedavg" in overrides[0]:
         assert max(grouped) > 1  # a round's cohort runs in one coroutine
-    if "deadline" in " ".join(overrides):
-        assert group.tasks_abandoned == each.tasks_abandoned > 0  # stragglers of a closed round never answer
+    if "deadline" in " ".join(overrides) or "over_selection" in " ".join(overrides):
+        # Stragglers of a closed round never answer, even those whose uploads were due when the quorum was met.
+        assert group.tasks_abandoned > 0 and group.updates_dropped == 0

@@ -35,10 +35,14 @@ class Policy(Protocol):
     Attributes:
         rounds: Stop conditions are checked only when a version is due (between rounds), not after every message.
         interruptible: A stop request ends the run in the middle of a round (its state is checkpointed there).
+        abandons: A message may make the policy release tasks still in flight (a round closing on its quorum or
+            deadline): answers due at one time must then reach the loop one at a time, so that none of them comes
+            from a task abandoned by an earlier one.
     """
 
     rounds: bool
     interruptible: bool
+    abandons: bool
 
     def start(self) -> None:
         """Start what runs beside the loop for the whole run (e.g. async edges)."""
@@ -116,6 +120,7 @@ class AsyncSlots:
         self.ready = ready
         self.accounting = accounting
         self.edges = edges
+        self.abandons = edges is not None  # edges close rounds of their own
 
     def start(self) -> None:
         """Start every edge's receive loop."""
@@ -223,6 +228,7 @@ class SyncRounds:
         self.cohort_size = min(len(sampler.population), math.ceil((1.0 + over_selection) * clients_per_round - 1e-9))
         self.target = max(1, math.ceil(quorum * clients_per_round - 1e-9))
         self.deadline_s = deadline_s
+        self.abandons = self.target < self.cohort_size or deadline_s is not None
         self.registry = registry
         self.sampler = sampler
         self.clock = clock
@@ -337,6 +343,7 @@ class TreeRounds:
 
     rounds = True
     interruptible = False
+    abandons = True  # edges close rounds of their own
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ from flasync.models import MLP
 from flasync.server import Server
 from flasync.training import FlatModel, LocalTraining, flat_parameters, train
 
+SPEED = "constant"
 FEATURES, CLASSES, HIDDEN, SAMPLES, BATCH, LR = 32, 10, (64,), 200, 32, 0.01
 CFG = LocalTraining(epochs=1, batch_size=BATCH, lr=LR)
 
@@ -152,7 +153,7 @@ def engine(num_clients: int, kind: str, max_cohort: int, device: torch.device) -
         "data": {"kind": "synthetic", "samples_per_client": SAMPLES, "num_features": FEATURES, "test_samples": 500},
         "partition": {"kind": "iid"},
         "model": {"kind": "mlp", "hidden": list(HIDDEN)},
-        "population": {"num_clients": num_clients, "speed": {"kind": "constant"}, "sampling": "lru"},
+        "population": {"num_clients": num_clients, "speed": {"kind": SPEED}, "sampling": "lru"},
         "client": {"epochs": 1, "batch_size": BATCH, "lr": LR},
         "server": {"kind": "fedavg", "clients_per_round": per_round},
         "executor": {"kind": kind, "max_cohort": max_cohort, "device": device.type},

@@ -445,41 +445,57 @@ class CohortClients:
             )
             for task, plan in zip(tasks, prepared, strict=True)
         ]
-        # (time, order, index): training completions first by time; an upload's order is set when its task has
-        # trained, after every order of the completions, so at one time completions come before uploads and
-        # uploads keep the order in which their tasks finished training.
-        agenda: list[tuple[float, int, int]] = sorted((p.done_at, i, i) for i, p in enumerate(prepared))
-        heapq.heapify(agenda)
-        order = len(tasks)
+        n = len(tasks)
+        # The agenda holds (time, order, kind, index). Completions are ordered by task (order < n) and uploads after
+        # every completion (order >= n, numbered as their tasks finish training): at one time completions come
+        # first, and uploads keep the order that one coroutine per task would give them. A batching executor
+        # trains the group as one cohort anyway: where no answer can release another task (``together``), the
+        # group waits once, at its earliest completion time, for every job, instead of once per completion time.
+        agenda: list[tuple[float, int, int, int]]
+        if self.together and callable(getattr(world.pool, "submit_async", None)):
+            agenda = [(min(p.done_at for p in prepared), -1, _ALL_TRAINED, -1)]
+        else:
+            agenda = sorted((p.done_at, i, _TRAINED, i) for i, p in enumerate(prepared))
+        order = n
         uploads: dict[int, tuple[TrainedUpdate, float]] = {}
+        failures: dict[int, Exception] = {}
         try:
             while agenda:
-                when, first, _ = agenda[0]
+                when, _, kind, _ = agenda[0]
                 due = []
-                while agenda and agenda[0][0] == when and (agenda[0][1] < len(tasks)) == (first < len(tasks)):
-                    due.append(heapq.heappop(agenda)[2])
-                if first < len(tasks):  # training completions
+                while agenda and agenda[0][0] == when and agenda[0][2] == kind:
+                    due.append(heapq.heappop(agenda)[3])
+                if kind == _ALL_TRAINED:
+                    due = sorted(range(n), key=lambda i: (prepared[i].done_at, i))
                     outcomes = await clock.finish([jobs[i] for i in due], until=when)
+                elif kind == _TRAINED:
+                    outcomes = await clock.finish([jobs[i] for i in due], until=when)
+                else:
+                    await clock.sleep_until(when)
+                if kind in (_ALL_TRAINED, _TRAINED):
                     for i, outcome in zip(due, outcomes, strict=True):
                         task, plan = tasks[i], prepared[i]
                         if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
                             raise outcome
-                        if not self.live(task):
-                            continue  # released meanwhile: a client coroutine would have been cancelled
                         if isinstance(outcome, Exception):
-                            kind, error, diagnosis = _training_failure(outcome)
-                            await bus.publish(_failed(world, task, kind, error, diagnosis, **_context(task)))
-                            continue
-                        upload_s = world.network.upload_seconds(task.client_id, outcome.upload_bytes)
-                        _keep(world, task.client_id, task, model, plan, outcome, **_context(task))
-                        uploads[i] = (outcome, upload_s)
-                        heapq.heappush(agenda, (plan.done_at + upload_s, order, i))
-                        order += 1
-                else:  # uploads
-                    await clock.sleep_until(when)
-                    for n, i in enumerate(due):
+                            failures[i] = outcome  # published at the task's own completion time
+                            heapq.heappush(agenda, (plan.done_at, i, _FAILED, i))
+                        elif self.live(task):  # else released meanwhile: a coroutine would have been cancelled
+                            upload_s = world.network.upload_seconds(task.client_id, outcome.upload_bytes)
+                            _keep(world, task.client_id, task, model, plan, outcome, **_context(task))
+                            uploads[i] = (outcome, upload_s)
+                            heapq.heappush(agenda, (plan.done_at + upload_s, order, _UPLOAD, i))
+                            order += 1
+                elif kind == _FAILED:
+                    for i in due:
+                        task = tasks[i]
+                        if self.live(task):
+                            kind_, error, diagnosis = _training_failure(failures.pop(i))
+                            await bus.publish(_failed(world, task, kind_, error, diagnosis, **_context(task)))
+                else:
+                    for k, i in enumerate(due):
                         task, (trained, upload_s) = tasks[i], uploads.pop(i)
-                        if n and not self.together:
+                        if k and not self.together:
                             await clock.sleep_until(when)  # the server has handled the previous one
                         if self.live(task):
                             await bus.publish(
@@ -489,6 +505,9 @@ class CohortClients:
             for job in jobs:
                 job[0].cancel()
             raise
+
+
+_ALL_TRAINED, _TRAINED, _FAILED, _UPLOAD = range(4)  # what a group's agenda entry waits for
 
 
 def _context(task: TaskAssigned) -> dict[str, int]:

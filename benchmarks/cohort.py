@@ -10,13 +10,13 @@ sums the deltas (sample-weighted), as one FedAvg round does:
 * ``vectorized``: :class:`flasync.cohort.CohortTrainer`, cohorts of ``--max-cohort`` clients, deltas folded with
   ``UpdateBuffer.add_stacked``;
 * with ``--engine``, the whole engine (``flasync.run``: sync FedAvg rounds of ``min(clients, --max-cohort)``, virtual
-  clock, tracking off) with ``executor.kind = "thread"`` and ``"vectorized"``, each client trained once; with
-  ``--phases`` also where the vectorized engine's time goes: the dispatch before the first cohort trains, the
-  cohorts' training, the worker's finishing of their updates, and the rest (the event loop's intake of the updates,
-  the end), each the median over ``--repeats`` extra runs.
+  clock, tracking off, clients of ``--speed``) with ``executor.kind = "thread"`` and ``"vectorized"``, each client
+  trained once; with ``--phases`` also where the vectorized engine's time goes: the dispatch before the first
+  cohort trains, the cohorts' training, the worker's finishing of their updates, and the rest (the event loop's
+  intake of the updates, the end), each the median over ``--repeats`` extra runs.
 
     python benchmarks/cohort.py [--clients 100 1000 10000] [--repeats 3] [--max-cohort 1000] [--device cpu|cuda]
-                                [--threads 1] [--no-per-client] [--engine [--phases]]
+                                [--threads 1] [--no-per-client] [--engine [--phases] [--speed constant|lognormal]]
 
 With ``--device cuda`` the plain loop runs on the CPU (the CPU baseline) and again on the GPU (one client at a time
 on the same GPU), and flasync's runners on the GPU. Each repeat runs every runner once, interleaved; printed are
@@ -46,7 +46,6 @@ from flasync.models import MLP
 from flasync.server import Server
 from flasync.training import FlatModel, LocalTraining, flat_parameters, train
 
-SPEED = "constant"
 FEATURES, CLASSES, HIDDEN, SAMPLES, BATCH, LR = 32, 10, (64,), 200, 32, 0.01
 CFG = LocalTraining(epochs=1, batch_size=BATCH, lr=LR)
 
@@ -145,15 +144,17 @@ def vectorized(work: Workload, max_cohort: int) -> float:
     return len(work.parts) / (time.perf_counter() - start)
 
 
-def engine(num_clients: int, kind: str, max_cohort: int, device: torch.device) -> float:
-    """Run FedAvg over every client once with the given executor; return accepted updates per wall second."""
+def engine(num_clients: int, kind: str, max_cohort: int, device: torch.device, speed: str = "constant") -> float:
+    """Run FedAvg over every client once with the given executor and client speed model (``constant``: every
+    client finishes at one simulated time; ``lognormal``: each at its own); return accepted updates per wall
+    second."""
     per_round = min(num_clients, max_cohort)
     config = {
         "seed": 0,
         "data": {"kind": "synthetic", "samples_per_client": SAMPLES, "num_features": FEATURES, "test_samples": 500},
         "partition": {"kind": "iid"},
         "model": {"kind": "mlp", "hidden": list(HIDDEN)},
-        "population": {"num_clients": num_clients, "speed": {"kind": SPEED}, "sampling": "lru"},
+        "population": {"num_clients": num_clients, "speed": {"kind": speed}, "sampling": "lru"},
         "client": {"epochs": 1, "batch_size": BATCH, "lr": LR},
         "server": {"kind": "fedavg", "clients_per_round": per_round},
         "executor": {"kind": kind, "max_cohort": max_cohort, "device": device.type},
@@ -202,12 +203,12 @@ def phase_marks() -> Iterator[list[tuple[str, float]]]:
         CohortTrainer.train, CohortBatcher._run, Server.run = train, run, serve  # type: ignore[method-assign]
 
 
-def engine_phases(num_clients: int, max_cohort: int, device: torch.device, repeats: int) -> None:
+def engine_phases(num_clients: int, max_cohort: int, device: torch.device, repeats: int, speed: str) -> None:
     """Print where one vectorized engine run's wall time goes (medians over ``repeats`` runs, in ms)."""
     rows: dict[str, list[float]] = {}
     for _ in range(repeats):
         with phase_marks() as marks:
-            engine(num_clients, "vectorized", max_cohort, device)
+            engine(num_clients, "vectorized", max_cohort, device, speed)
         at = {name: [t for n, t in marks if n == name] for name in ("start", "end", "train", "trained", "delivered")}
         start, end = at["start"][0], at["end"][-1]
         training = sum(b - a for a, b in zip(at["train"], at["trained"], strict=True))
@@ -240,6 +241,12 @@ def main() -> None:
         "--phases", action="store_true", help="with --engine: where a vectorized engine run's time goes"
     )
     parser.add_argument(
+        "--speed",
+        default="constant",
+        choices=["constant", "lognormal"],
+        help="with --engine: the clients' speeds (constant: a round's clients all finish at one simulated time)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="intra-op torch threads (1, as flasync's workers: robust when shared)"
     )
     args = parser.parse_args()
@@ -264,7 +271,9 @@ def main() -> None:
         runners[f"vectorized ({device.type}, K<={args.max_cohort})"] = lambda w=work: vectorized(w, args.max_cohort)
         if args.engine:
             for kind in ("thread", "vectorized"):
-                runners[f"engine, {kind}"] = lambda n=num_clients, k=kind: engine(n, k, args.max_cohort, device)
+                runners[f"engine, {kind}"] = lambda n=num_clients, k=kind: engine(
+                    n, k, args.max_cohort, device, args.speed
+                )
         vectorized(Workload(min(num_clients, 8), device), 8)  # warm up torch.func and kernels
         rates: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(args.repeats):
@@ -277,7 +286,7 @@ def main() -> None:
             ratio = median / statistics.median(baseline)
             print(f"{num_clients:>8} {runner_name:<26} {median:11.0f} {ratio:8.2f}x {paired:8.2f}x")
         if args.engine and args.phases:
-            engine_phases(num_clients, args.max_cohort, device, args.repeats)
+            engine_phases(num_clients, args.max_cohort, device, args.repeats, args.speed)
         if device.type == "cuda":
             gpu_plain, vec = rates["plain loop (cuda)"], rates[list(runners)[-1]]
             paired = statistics.median(v / b for v, b in zip(vec, gpu_plain, strict=True))

@@ -93,6 +93,9 @@ async def _resumes_exactly(
             {"kind": "fedbuff", "buffer_size": 4, "concurrency": 8},
             (*FAULTY, "privacy.enabled=true", "privacy.noise_multiplier=0.5", "privacy.clip_norm=2"),
         ),
+        # No faults: tasks dispatched together run as one group (flasync.client.CohortClients), in flight at the
+        # checkpoint with their residuals.
+        ({"kind": "fedbuff", "buffer_size": 4, "concurrency": 8}, ("executor.kind=vectorized", TOPK)),
     ],
     ids=[
         "fedbuff-faults-topk",
@@ -101,6 +104,7 @@ async def _resumes_exactly(
         "fedbuff-scaffold-faults-topk",
         "fedavg-scaffold-quorum",
         "fedbuff-private-faults",
+        "fedbuff-groups-vectorized-topk",
     ],
 )
 async def test_stop_and_resume_gives_the_uninterrupted_weights(

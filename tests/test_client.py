@@ -22,6 +22,7 @@ _ONE_EACH = "faults.availability={period_s: 1000.0, online_fraction: 1.0}"
     [
         pytest.param(("executor.kind=vectorized",), id="fedbuff-vectorized"),
         pytest.param(("executor.kind=thread", "codec.upload=[{kind: topk, ratio: 0.05}]"), id="fedbuff-topk"),
+        pytest.param(("executor.kind=vectorized", "resilience.task_timeout_s=1.0"), id="fedbuff-timeouts"),
         pytest.param(
             (
                 "server={kind: fedavg, clients_per_round: 8}",
@@ -61,10 +62,12 @@ def test_tasks_run_as_a_group_give_the_weights_and_counts_of_one_coroutine_per_t
     each = flasync.run(small_config(*overrides, _ONE_EACH))
     assert len(grouped) == seen  # the availability model kept one coroutine per task
     assert each.weights_sha256 == group.weights_sha256
-    counts = ("updates_accepted", "updates_dropped", "updates_failed", "tasks_abandoned", "versions")
+    counts = ("updates_accepted", "updates_dropped", "updates_failed", "tasks_abandoned", "tasks_timed_out", "versions")
     assert [getattr(group, c) for c in counts] == [getattr(each, c) for c in counts]
     if "fedavg" in overrides[0]:
         assert max(grouped) > 1  # a round's cohort runs in one coroutine
+    if "timeout" in " ".join(overrides):
+        assert group.tasks_timed_out > 0  # a timed-out task's upload never comes, though its job trained
     if "deadline" in " ".join(overrides) or "over_selection" in " ".join(overrides):
         # Stragglers of a closed round never answer, even those whose uploads were due when the quorum was met.
         assert group.tasks_abandoned > 0 and group.updates_dropped == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -611,15 +612,88 @@ def make_executor(
             on_event=on_event,
             lazy=prepared.lazy,
         )
+    workers = executor.workers
+    if workers is None:
+        workers, why = default_workers(
+            kind,
+            prepared.device,
+            cores=_cores(),
+            num_params=prepared.initial.numel(),
+            max_cohort=executor.max_cohort,
+            available_bytes=_available_memory(),
+        )
+        if on_event is not None and workers > 1:
+            on_event("workers", f"{workers} training threads: {why}")
     return ThreadTrainingExecutor(
         prepared.factory,
-        workers=executor.workers,
+        workers=workers,
         threads_per_worker=executor.threads_per_worker,
         vectorized=kind == "vectorized",
         max_cohort=executor.max_cohort,
         device=prepared.device,
         on_fallback=on_fallback,
     )
+
+
+AUTO_MAX_WORKERS = 4
+"""Most training threads an unset ``executor.workers`` gives vectorized cohorts on the CPU (one per core up to it)."""
+
+# Bytes a cohort member's training holds per parameter: its weights, gradients and momentum in float32.
+_COHORT_BYTES_PER_PARAM = 12
+
+
+def default_workers(
+    kind: str,
+    device: torch.device,
+    *,
+    cores: int,
+    num_params: int,
+    max_cohort: int,
+    available_bytes: int | None,
+) -> tuple[int, str]:
+    """Return the training threads of an executor whose ``executor.workers`` is unset, and why.
+
+    Vectorized cohorts on the CPU get one thread per core, at most :data:`AUTO_MAX_WORKERS`: a round larger than
+    ``max_cohort`` trains as several cohorts, and each thread trains one at a time on its own core (the weights do not
+    depend on the number of threads). Cohorts training at once each hold their members' weights, gradients and
+    momentum, so there are no more threads than full cohorts fit in half of ``available_bytes`` (None: unknown).
+    Threads that train one client at a time, and cohorts on a GPU, get one: a small model's step is Python, which
+    the threads would take turns at.
+    """
+    if kind != "vectorized" or device.type != "cpu":
+        return 1, "one training thread"
+    workers = max(1, min(cores, AUTO_MAX_WORKERS))
+    why = f"one per core ({cores}, at most {AUTO_MAX_WORKERS}) for vectorized cohorts"
+    if available_bytes is not None:
+        cohort_bytes = _COHORT_BYTES_PER_PARAM * num_params * max_cohort
+        fit = max(1, available_bytes // (2 * max(cohort_bytes, 1)))
+        if fit < workers:
+            workers = fit
+            why = f"as many cohorts of {max_cohort} as half the free memory holds"
+    return workers, why
+
+
+def _cores() -> int:
+    """Return the CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _available_memory() -> int | None:
+    """Return the bytes of memory available to new allocations (None where the OS does not say)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 AUTO_MIN_COHORT = 32

@@ -778,8 +778,12 @@ class ExecutorConfig(_Section):
 
     kind: Literal["auto", "thread", "vectorized", "ray"] = "auto"
     ray: RayConfig = RayConfig()
-    workers: int = Field(
-        1, ge=1, le=256, description="Training threads (more help when kernels, not Python, dominate a step)."
+    workers: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Training threads (more help when kernels, not Python, dominate a step). Unset: one per core "
+        "(at most 4, and no more cohorts than half the free memory holds) for vectorized cohorts on the CPU, else 1.",
     )
     threads_per_worker: int = Field(
         1,

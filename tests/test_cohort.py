@@ -683,6 +683,56 @@ def test_auto_says_which_executor_it_picked_and_trains_with_it() -> None:
 
 
 @pytest.mark.parametrize(
+    ("kind", "device", "cores", "available", "expected", "why"),
+    [
+        ("vectorized", "cpu", 2, None, 2, "one per core (2, at most 4)"),
+        ("vectorized", "cpu", 16, 64 << 30, 4, "one per core (16, at most 4)"),
+        ("vectorized", "cpu", 1, None, 1, "one per core (1, at most 4)"),
+        # 1M parameters, cohorts of 256: 3 GiB each; 7 GiB free holds one in its half.
+        ("vectorized", "cpu", 8, 7 << 30, 1, "as many cohorts of 256 as half the free memory holds"),
+        ("thread", "cpu", 8, None, 1, "one training thread"),
+        ("vectorized", "cuda", 8, None, 1, "one training thread"),
+    ],
+)
+def test_unset_workers_give_vectorized_cpu_cohorts_a_thread_per_core_within_memory(
+    kind: str, device: str, cores: int, available: int | None, expected: int, why: str
+) -> None:
+    """executor.workers unset: one training thread per core (at most 4) for vectorized cohorts on the CPU, no more
+    cohorts at once than half the free memory holds; one thread for the threads executor and on a GPU."""
+    from flasync.assembly import default_workers
+
+    workers, reason = default_workers(
+        kind, torch.device(device), cores=cores, num_params=1 << 20, max_cohort=256, available_bytes=available
+    )
+    assert workers == expected and why in reason
+
+
+def test_a_round_larger_than_a_cohort_trains_on_a_thread_per_core_with_the_weights_of_one_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round of several cohorts with executor.workers unset trains them on two threads (and says so), ending with
+    the weights of one training thread."""
+    from structlog.testing import capture_logs
+
+    from flasync import assembly
+
+    monkeypatch.setattr(assembly, "_cores", lambda: 2)
+    overrides = (
+        "server={kind: fedavg, clients_per_round: 40}",
+        "population.num_clients=50",
+        "stop.max_versions=2",
+        "executor.kind=vectorized",
+        "executor.max_cohort=8",
+    )
+    with capture_logs() as logs:
+        unset = flasync.run(small_config(*overrides, "tracking.log_level=info"))
+    said = [e["detail"] for e in logs if e["event"] == "executor.workers"]
+    assert said == ["2 training threads: one per core (2, at most 4) for vectorized cohorts"]
+    one = flasync.run(small_config(*overrides, "executor.workers=1"))
+    assert unset.weights_sha256 == one.weights_sha256
+
+
+@pytest.mark.parametrize(
     ("cfg", "written_out"),
     [
         (LocalTraining(epochs=1, batch_size=16, lr=0.05), True),

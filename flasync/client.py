@@ -147,9 +147,9 @@ class _Prepared(NamedTuple):
     variates: TaskVariates | None
 
 
-def _prepare(world: ClientWorld, cid: ClientId, task: TaskAssigned, model: ModelSnapshot) -> _Prepared:
+def _prepare(world: ClientWorld, task: TaskAssigned, model: ModelSnapshot) -> _Prepared:
     """Place a task's download and training on its timeline; record what a checkpoint must restore for it."""
-    job_ctx = world.job
+    job_ctx, cid = world.job, task.client_id
     download_s = world.network.download_seconds(cid, model.download_bytes)
     samples = world.samples(cid)
     steps = job_ctx.local.steps_for(len(samples[2]))
@@ -159,13 +159,13 @@ def _prepare(world: ClientWorld, cid: ClientId, task: TaskAssigned, model: Model
     if world.pre_task_residuals is not None and residuals is not None:
         with job_ctx.residual_lock:  # what a checkpoint taken while this task is in flight must restore
             world.pre_task_residuals[task.task_id] = residuals.get(cid)
-    variates = _variates(world, cid, task, model)
+    variates = _variates(world, task, model)
     return _Prepared(samples, download_s, simulated, task.simulated_s + (download_s + simulated), variates)
 
 
-def _variates(world: ClientWorld, cid: ClientId, task: TaskAssigned, model: ModelSnapshot) -> TaskVariates | None:
+def _variates(world: ClientWorld, task: TaskAssigned, model: ModelSnapshot) -> TaskVariates | None:
     """Return the task's SCAFFOLD state (None without SCAFFOLD), recording ``c_i`` for checkpoints."""
-    store = world.job.variates
+    store, cid = world.job.variates, task.client_id
     if store is None or model.control is None:
         return None
     with world.job.residual_lock:
@@ -177,10 +177,10 @@ def _variates(world: ClientWorld, cid: ClientId, task: TaskAssigned, model: Mode
 
 
 def _training_job(
-    world: ClientWorld, cid: ClientId, task: TaskAssigned, model: ModelSnapshot, prepared: _Prepared, attack: float
+    world: ClientWorld, task: TaskAssigned, model: ModelSnapshot, prepared: _Prepared, attack: float
 ) -> TrainingJob[TrainedUpdate]:
     """Return the task's local training, in the form a batching executor trains with others of its cohort."""
-    job_ctx = world.job
+    job_ctx, cid = world.job, task.client_id
     samples, variates = prepared.samples, prepared.variates
     generator = seeding.torch_stream(world.seed, seeding.TASK, cid, task.participation)
     codec_generator = (
@@ -206,7 +206,6 @@ def _training_job(
 
 def _keep(
     world: ClientWorld,
-    cid: ClientId,
     task: TaskAssigned,
     model: ModelSnapshot,
     prepared: _Prepared,
@@ -214,7 +213,7 @@ def _keep(
     **context: int,
 ) -> None:
     """Store a trained task's residual and control variate, and log its figures (``context``: extra fields)."""
-    job_ctx = world.job
+    job_ctx, cid = world.job, task.client_id
     if job_ctx.residuals is not None and trained.residual is not None:
         with job_ctx.residual_lock:
             job_ctx.residuals.put(cid, trained.residual)
@@ -242,7 +241,6 @@ def _keep(
 
 def _uploaded(
     world: ClientWorld,
-    cid: ClientId,
     task: TaskAssigned,
     model: ModelSnapshot,
     prepared: _Prepared,
@@ -254,7 +252,7 @@ def _uploaded(
     return UpdateUploaded(
         to=task.reply_to,
         task_id=task.task_id,
-        client_id=cid,
+        client_id=task.client_id,
         base_version=task.base_version,
         num_samples=result.num_samples,
         payload=trained.payload,
@@ -333,7 +331,7 @@ class Client:
         # bind/reset rather than structlog's bound_contextvars: the same context, a third of its cost per task.
         tokens = structlog.contextvars.bind_contextvars(client_id=int(cid), base_version=int(task.base_version))
         try:
-            prepared = _prepare(world, cid, task, model)
+            prepared = _prepare(world, task, model)
             download_s, simulated, done_at = prepared.download_s, prepared.simulated, prepared.done_at
             faults = world.faults
             fate = faults.fate(cid, task.participation) if faults is not None else None
@@ -355,7 +353,7 @@ class Client:
             else:
                 attack = faults.attack_factor(cid) if faults is not None else 1.0
                 # A batching executor trains this job together with others of the same base version.
-                job = _training_job(world, cid, task, model, prepared, attack)
+                job = _training_job(world, task, model, prepared, attack)
             try:
                 # Everything the job needs is known now, so it starts at once in real time; on the virtual
                 # clock it completes after the simulated download and training.
@@ -369,9 +367,9 @@ class Client:
             if offline_at < up_at:
                 await self._fail(task, "offline", "availability window closed during upload", offline_at)
                 return
-            _keep(world, cid, task, model, prepared, trained)
+            _keep(world, task, model, prepared, trained)
             await clock.elapse(upload_s, until=up_at)
-            await world.bus.publish(_uploaded(world, cid, task, model, prepared, trained, upload_s))
+            await world.bus.publish(_uploaded(world, task, model, prepared, trained, upload_s))
         finally:
             structlog.contextvars.reset_contextvars(**tokens)
 
@@ -394,11 +392,12 @@ class CohortClients:
     """The coroutine that runs a group of tasks dispatched together: one coroutine and a few timers, not one each.
 
     It does what :meth:`Client.run` does for each of its tasks - the same timeline, the same jobs, the same
-    uploads in the same order - without a coroutine per task: a batching executor trains the group's jobs as one
-    cohort anyway, so the event loop's work per task is what is left to save. On the run's clock the group waits
-    once per distinct time at which some of its tasks finish training, and once per distinct upload time, and
-    publishes every upload due then at once. Uploads at one time go out in the order their tasks finished
-    training, as :class:`Client` coroutines' timers would send them.
+    uploads in the same order - without a coroutine per task, which is much of the event loop's work per task once
+    a batching executor trains the jobs as one cohort. On the run's clock the group waits for its jobs once per
+    distinct completion time (once for all of them, at the earliest, when a batching executor trains them and no
+    answer can release another task), and once per distinct upload time, publishing every upload due then at once.
+    Uploads at one time go out in the order their tasks finished training, as :class:`Client` coroutines' timers
+    would send them.
 
     A task the registry released meanwhile (a round closed without it, a timeout) publishes nothing, as a
     cancelled :class:`Client` coroutine would not. Where an answer may make the server release other tasks in
@@ -406,8 +405,8 @@ class CohortClients:
     at one time go out one at a time, each on its own timer, so that the server handles each before the next.
 
     Only a run whose fault model makes no task crash, hang or drop out and keeps every client online uses groups:
-    such a fault decides per task whether and when it answers.
-    Byzantine clients attack within a group as they do alone.
+    such a fault decides per task whether and when it answers. Byzantine clients attack within a group as they do
+    alone.
 
     Args:
         world: The simulated world the clients live in.
@@ -429,18 +428,13 @@ class CohortClients:
         """Run ``tasks``, all on ``model``: train each as :meth:`Client.run` would, upload each at its time."""
         world = self.world
         clock, bus = world.clock, world.bus
-        prepared = [_prepare(world, task.client_id, task, model) for task in tasks]
+        prepared = [_prepare(world, task, model) for task in tasks]
         faults = world.faults
         jobs = [
             clock.start(
                 world.pool,
                 _training_job(
-                    world,
-                    task.client_id,
-                    task,
-                    model,
-                    plan,
-                    faults.attack_factor(task.client_id) if faults is not None else 1.0,
+                    world, task, model, plan, faults.attack_factor(task.client_id) if faults is not None else 1.0
                 ),
             )
             for task, plan in zip(tasks, prepared, strict=True)
@@ -482,7 +476,7 @@ class CohortClients:
                             heapq.heappush(agenda, (plan.done_at, i, _FAILED, i))
                         elif self.live(task):  # else released meanwhile: a coroutine would have been cancelled
                             upload_s = world.network.upload_seconds(task.client_id, outcome.upload_bytes)
-                            _keep(world, task.client_id, task, model, plan, outcome, **_context(task))
+                            _keep(world, task, model, plan, outcome, **_context(task))
                             uploads[i] = (outcome, upload_s)
                             heapq.heappush(agenda, (plan.done_at + upload_s, order, _UPLOAD, i))
                             order += 1
@@ -498,12 +492,10 @@ class CohortClients:
                         if k and not self.together:
                             await clock.sleep_until(when)  # the server has handled the previous one
                         if self.live(task):
-                            await bus.publish(
-                                _uploaded(world, task.client_id, task, model, prepared[i], trained, upload_s)
-                            )
+                            await bus.publish(_uploaded(world, task, model, prepared[i], trained, upload_s))
         except BaseException:
             for job in jobs:
-                job[0].cancel()
+                job.future.cancel()
             raise
 
 

@@ -11,12 +11,15 @@ sums the deltas (sample-weighted), as one FedAvg round does:
   ``UpdateBuffer.add_stacked``;
 * with ``--engine``, the whole engine (``flasync.run``: sync FedAvg rounds of ``min(clients, --max-cohort)``, virtual
   clock, tracking off, clients of ``--speed``) with ``executor.kind = "thread"`` and ``"vectorized"``, each client
-  trained once; with ``--phases`` also where the vectorized engine's time goes: the dispatch before the first
-  cohort trains, the cohorts' training, the worker's finishing of their updates, and the rest (the event loop's
-  intake of the updates, the end), each the median over ``--repeats`` extra runs.
+  trained once, and the vectorized engine's rate against each bare vectorized runner's; with ``--phases`` also
+  where the vectorized engine's time goes: the dispatch before the first cohort trains, the cohorts' training, the
+  worker's finishing of their updates, and the rest (the event loop's intake of the updates, the end), each the
+  median over ``--repeats`` extra runs. The engine trains a round's cohorts on one thread per core
+  (``executor.workers`` unset), so ``--bare-threads 2`` also times the bare trainer with 2 intra-op threads.
 
     python benchmarks/cohort.py [--clients 100 1000 10000] [--repeats 3] [--max-cohort 1000] [--device cpu|cuda]
-                                [--threads 1] [--no-per-client] [--engine [--phases] [--speed constant|lognormal]]
+                                [--threads 1] [--bare-threads 2] [--no-per-client]
+                                [--engine [--phases] [--speed constant|lognormal]]
 
 With ``--device cuda`` the plain loop runs on the CPU (the CPU baseline) and again on the GPU (one client at a time
 on the same GPU), and flasync's runners on the GPU. Each repeat runs every runner once, interleaved; printed are
@@ -144,6 +147,16 @@ def vectorized(work: Workload, max_cohort: int) -> float:
     return len(work.parts) / (time.perf_counter() - start)
 
 
+def with_threads(threads: int, runner: Callable[[], float]) -> float:
+    """Run ``runner`` with ``threads`` intra-op torch threads in this thread; return its rate."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return runner()
+    finally:
+        torch.set_num_threads(before)
+
+
 def engine(num_clients: int, kind: str, max_cohort: int, device: torch.device, speed: str = "constant") -> float:
     """Run FedAvg over every client once with the given executor and client speed model (``constant``: every
     client finishes at one simulated time; ``lognormal``: each at its own); return accepted updates per wall
@@ -241,6 +254,14 @@ def main() -> None:
         "--phases", action="store_true", help="with --engine: where a vectorized engine run's time goes"
     )
     parser.add_argument(
+        "--bare-threads",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also run the bare vectorized trainer with these intra-op thread counts (the engine may train on one "
+        "thread per core)",
+    )
+    parser.add_argument(
         "--speed",
         default="constant",
         choices=["constant", "lognormal"],
@@ -268,7 +289,13 @@ def main() -> None:
             runners["plain loop (cuda)"] = lambda w=work: plain_loop(w, device)
         if not args.no_per_client:
             runners[f"flasync train() ({device.type})"] = lambda w=work: flasync_per_client(w)
-        runners[f"vectorized ({device.type}, K<={args.max_cohort})"] = lambda w=work: vectorized(w, args.max_cohort)
+        bare = f"vectorized ({device.type}, K<={args.max_cohort})"
+        runners[bare] = lambda w=work: vectorized(w, args.max_cohort)
+        for threads in args.bare_threads:
+            if threads != args.threads:
+                runners[f"{bare}, {threads} threads"] = lambda w=work, t=threads: with_threads(
+                    t, lambda: vectorized(w, args.max_cohort)
+                )
         if args.engine:
             for kind in ("thread", "vectorized"):
                 runners[f"engine, {kind}"] = lambda n=num_clients, k=kind: engine(
@@ -285,6 +312,16 @@ def main() -> None:
             median = statistics.median(values)
             ratio = median / statistics.median(baseline)
             print(f"{num_clients:>8} {runner_name:<26} {median:11.0f} {ratio:8.2f}x {paired:8.2f}x")
+        if args.engine:
+            engine_rates = rates["engine, vectorized"]
+            for runner_name, values in rates.items():
+                if runner_name.startswith(bare):
+                    paired = statistics.median(e / v for e, v in zip(engine_rates, values, strict=True))
+                    ratio = statistics.median(engine_rates) / statistics.median(values)
+                    print(
+                        f"{num_clients:>8} {'engine, vectorized / ' + runner_name[len('vectorized ') :]:<44} "
+                        f"{ratio:8.2f}x {paired:8.2f}x"
+                    )
         if args.engine and args.phases:
             engine_phases(num_clients, args.max_cohort, device, args.repeats, args.speed)
         if device.type == "cuda":

@@ -219,6 +219,19 @@ class _Held:
     futures: list[_AnyHeld] = field(default_factory=list)
 
 
+def _split(held: _Held, parts: int) -> list[_Held]:
+    """Return ``held`` cut into ``parts`` runs of consecutive jobs of nearly equal size (itself for one part)."""
+    if parts <= 1:
+        return [held]
+    size, extra = divmod(len(held.jobs), parts)
+    cuts, start = [], 0
+    for k in range(parts):
+        stop = start + size + (1 if k < extra else 0)
+        cuts.append(_Held(held.jobs[start:stop], held.futures[start:stop]))
+        start = stop
+    return cuts
+
+
 def _init_worker(threads: int, default: int, device: torch.device | None = None) -> None:
     """Size this worker's OpenMP team (leaving torch's default for other threads as it was); give it a CUDA stream.
 
@@ -245,7 +258,9 @@ class CohortBatcher(Executor):
     Anything else submitted goes straight to the inner pool. Held jobs start when :meth:`flush` is called: by the
     virtual clock when it has to wait for real work (so cohorts depend on virtual times only, and runs stay
     deterministic), after a few quiet event-loop passes under real time, or as soon as a group reaches
-    ``max_cohort``. Each job's future is resolved with its own result, or its own exception.
+    ``max_cohort``. A group flushed with at least ``2 * MIN_SPLIT`` jobs is split into up to ``parallel`` cohorts
+    of nearly equal size, which the pool's threads train side by side (a member's result does not depend on which
+    cohort it trains in). Each job's future is resolved with its own result, or its own exception.
 
     Args:
         inner: The worker pool that runs cohorts.
@@ -260,7 +275,11 @@ class CohortBatcher(Executor):
             asynchronous clients dispatched at different versions train together.
         run_job: Runs a cohort of one (default: the job itself, trained on the worker).
         passthrough: Where submissions other than training jobs go (default: ``inner``).
+        parallel: Cohorts the inner pool trains at once (its threads): a flushed group is split into that many.
     """
+
+    MIN_SPLIT = 32
+    """Fewest members of a cohort split off a flushed group (smaller cohorts gain little from their batching)."""
 
     def __init__(
         self,
@@ -273,10 +292,14 @@ class CohortBatcher(Executor):
         train_cohort: Callable[..., CohortResult] | None = None,
         run_job: Callable[[TrainingJob[Any]], Any] | None = None,
         passthrough: Executor | None = None,
+        parallel: int = 1,
     ) -> None:
         """Hold nothing yet."""
         if max_cohort < 1:
             raise ValueError(f"max_cohort must be >= 1, got {max_cohort}")
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
+        self.parallel = parallel
         self.inner = inner
         self.train_cohort = train_cohort
         self.run_job = run_job
@@ -351,12 +374,13 @@ class CohortBatcher(Executor):
             asyncio.get_running_loop().call_soon(self._tick, self._submitted, quiet)
 
     def flush(self) -> None:
-        """Start every held job now, one cohort per group."""
+        """Start every held job now: one cohort per group, or up to ``parallel`` for a large group."""
         with self._lock:
             groups = list(self._held.values())
             self._held.clear()
         for held in groups:
-            self._start(held)
+            for part in _split(held, min(self.parallel, len(held.jobs) // self.MIN_SPLIT)):
+                self._start(part)
 
     def _start(self, held: _Held) -> None:
         for future in held.futures:
@@ -514,7 +538,9 @@ class ThreadTrainingExecutor:
         )
         self.batcher: CohortBatcher | None = None
         if vectorized:
-            self.batcher = CohortBatcher(threads, self.models, max_cohort=max_cohort, on_fallback=on_fallback)
+            self.batcher = CohortBatcher(
+                threads, self.models, max_cohort=max_cohort, on_fallback=on_fallback, parallel=workers
+            )
         self.pool: Executor = self.batcher if self.batcher is not None else threads
 
     def attach(self, clock: object) -> None:

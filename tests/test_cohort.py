@@ -276,6 +276,40 @@ async def test_batcher_trains_jobs_of_different_bases_together(factory: Callable
         assert batcher.vectorized_clients == len(parts) and not reasons
 
 
+@pytest.mark.parametrize(("clients", "parallel", "cohorts"), [(70, 2, [35, 35]), (63, 2, [63]), (70, 1, [70])])
+async def test_a_flushed_group_is_split_into_a_cohort_for_each_thread(
+    clients: int, parallel: int, cohorts: list[int]
+) -> None:
+    """A flushed group of at least 2 x MIN_SPLIT jobs trains as ``parallel`` cohorts of nearly equal size, each member
+    with the result of one cohort for all (bit for bit)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(clients * 20, FEATURES), torch.randint(0, CLASSES, (clients * 20,))
+    parts = list(torch.arange(clients * 20).split(20))
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+    sizes: list[int] = []
+
+    def train_cohort(cohort_base, cx, cy, members, cfg, jobs):  # type: ignore[no-untyped-def]
+        sizes.append(len(members))
+        return pool.cohort_trainer().train(cohort_base, cx, cy, members, cfg)
+
+    batcher = CohortBatcher(ThreadPoolExecutor(parallel), pool, train_cohort=train_cohort, parallel=parallel)
+    try:
+        futures = [batcher.submit(_job(base, x, y, p, k, pool)) for k, p in enumerate(parts)]
+        batcher.flush()
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    finally:
+        batcher.shutdown()
+    assert sorted(sizes) == cohorts
+    members = [
+        CohortMember(indices=p, generator=seeding.torch_stream(3, seeding.TASK, k, 0)) for k, p in enumerate(parts)
+    ]
+    whole = CohortTrainer(_mlp()).train(
+        base, x, y, members, LocalTraining(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+    )
+    assert all(torch.equal(got.delta, want.delta) for got, want in zip(results, whole.results, strict=True))
+
+
 async def test_batcher_with_a_remote_cohort_trainer_keeps_one_base_per_cohort() -> None:
     """A train_cohort that takes one base for all members (Ray's) is given cohorts of a single base."""
     x, y, parts = _data()
@@ -707,29 +741,51 @@ def test_unset_workers_give_vectorized_cpu_cohorts_a_thread_per_core_within_memo
     assert workers == expected and why in reason
 
 
-def test_a_round_larger_than_a_cohort_trains_on_a_thread_per_core_with_the_weights_of_one_thread(
+def test_a_round_trains_on_a_thread_per_core_in_cohorts_side_by_side_with_the_weights_of_one_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A round of several cohorts with executor.workers unset trains them on two threads (and says so), ending with
-    the weights of one training thread."""
+    """With executor.workers unset (two cores here), a round of 70 is split into two cohorts of 35 that train side by
+    side, and one of 40 cut by max_cohort = 8 trains on two threads too; each run says so and ends with the weights
+    of one training thread, whose round of 70 is one cohort."""
     from structlog.testing import capture_logs
 
     from flasync import assembly
 
     monkeypatch.setattr(assembly, "_cores", lambda: 2)
-    overrides = (
-        "server={kind: fedavg, clients_per_round: 40}",
-        "population.num_clients=50",
-        "stop.max_versions=2",
-        "executor.kind=vectorized",
-        "executor.max_cohort=8",
-    )
-    with capture_logs() as logs:
-        unset = flasync.run(small_config(*overrides, "tracking.log_level=info"))
-    said = [e["detail"] for e in logs if e["event"] == "executor.workers"]
-    assert said == ["2 training threads: one per core (2, at most 4) for vectorized cohorts"]
-    one = flasync.run(small_config(*overrides, "executor.workers=1"))
-    assert unset.weights_sha256 == one.weights_sha256
+    sizes: list[int] = []
+    real = CohortTrainer.train
+
+    def recorded(
+        self: CohortTrainer,
+        base: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        members: list[CohortMember],
+        *args: object,
+        **kwargs: object,
+    ) -> object:
+        sizes.append(len(members))
+        return real(self, base, x, y, members, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CohortTrainer, "train", recorded)
+    for clients, cohort, expected in ((70, 256, [35, 35]), (40, 8, [8] * 5)):
+        overrides = (
+            f"server={{kind: fedavg, clients_per_round: {clients}}}",
+            "population.num_clients=80",
+            "stop.max_versions=2",
+            "executor.kind=vectorized",
+            f"executor.max_cohort={cohort}",
+        )
+        sizes.clear()
+        with capture_logs() as logs:
+            unset = flasync.run(small_config(*overrides, "tracking.log_level=info"))
+        said = [e["detail"] for e in logs if e["event"] == "executor.workers"]
+        assert said == ["2 training threads: one per core (2, at most 4) for vectorized cohorts"]
+        assert sorted(sizes) == sorted(expected * 2)  # two rounds
+        sizes.clear()
+        one = flasync.run(small_config(*overrides, "executor.workers=1"))
+        assert sorted(sizes) == sorted(([clients] if clients <= cohort else expected) * 2)
+        assert unset.weights_sha256 == one.weights_sha256
 
 
 @pytest.mark.parametrize(

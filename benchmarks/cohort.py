@@ -13,8 +13,8 @@ sums the deltas (sample-weighted), as one FedAvg round does:
   clock, tracking off, clients of ``--speed``) with ``executor.kind = "thread"`` and ``"vectorized"``, each client
   trained once, and the vectorized engine's rate against each bare vectorized runner's; with ``--phases`` also
   where the vectorized engine's time goes: the dispatch before the first cohort trains, the cohorts' training, the
-  worker's finishing of their updates, and the rest (the event loop's intake of the updates, the end), each the
-  median over ``--repeats`` extra runs. The engine trains a round's cohorts on one thread per core
+  worker's finishing of their updates while no cohort trains, and the rest (the event loop's intake of the updates,
+  the end), each the median over ``--repeats`` extra runs. The engine trains a round's cohorts on one thread per core
   (``executor.workers`` unset), so ``--bare-threads 2`` also times the bare trainer with 2 intra-op threads.
 
     python benchmarks/cohort.py [--clients 100 1000 10000] [--repeats 3] [--max-cohort 1000] [--device cpu|cuda]
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -179,33 +180,41 @@ def engine(num_clients: int, kind: str, max_cohort: int, device: torch.device, s
     return summary.updates_accepted / summary.wall_s
 
 
+Interval = tuple[float, float]
+
+
 @contextlib.contextmanager
-def phase_marks() -> Iterator[list[tuple[str, float]]]:
-    """Record ``(mark, perf_counter)`` pairs of the engine's phases while the block runs: the server's start and end,
-    each cohort's training start and end (``CohortTrainer.train``) and each cohort's delivery (the batcher's job,
-    whose remainder after training finishes and encodes the members' updates)."""
-    marks: list[tuple[str, float]] = []
+def phase_marks() -> Iterator[dict[str, list[Interval]]]:
+    """Record the engine's phases while the block runs, as ``(start, end)`` perf_counter intervals: the server's run
+    (``serve``), each cohort's training (``train``: ``CohortTrainer.train``) and each cohort's finishing (``finish``:
+    the rest of the batcher's job, which finishes and encodes the members' updates and delivers them). Cohorts may
+    train side by side, on a thread each."""
+    marks: dict[str, list[Interval]] = {"serve": [], "train": [], "finish": []}
+    local = threading.local()
     train, run, serve = CohortTrainer.train, CohortBatcher._run, Server.run
 
     def timed_train(self: CohortTrainer, *args: Any, **kwargs: Any) -> Any:
-        marks.append(("train", time.perf_counter()))
+        began = time.perf_counter()
         try:
             return train(self, *args, **kwargs)
         finally:
-            marks.append(("trained", time.perf_counter()))
+            local.trained = time.perf_counter()
+            marks["train"].append((began, local.trained))
 
     def timed_run(self: CohortBatcher, held: Any) -> None:
+        local.trained = None
         try:
             run(self, held)
         finally:
-            marks.append(("delivered", time.perf_counter()))
+            if local.trained is not None:
+                marks["finish"].append((local.trained, time.perf_counter()))
 
     async def timed_serve(self: Server) -> Any:
-        marks.append(("start", time.perf_counter()))
+        began = time.perf_counter()
         try:
             return await serve(self)
         finally:
-            marks.append(("end", time.perf_counter()))
+            marks["serve"].append((began, time.perf_counter()))
 
     CohortTrainer.train = timed_train  # type: ignore[method-assign]
     CohortBatcher._run = timed_run  # type: ignore[method-assign]
@@ -216,29 +225,46 @@ def phase_marks() -> Iterator[list[tuple[str, float]]]:
         CohortTrainer.train, CohortBatcher._run, Server.run = train, run, serve  # type: ignore[method-assign]
 
 
+def covered(intervals: list[Interval]) -> list[Interval]:
+    """Return the union of ``intervals`` as disjoint intervals, in order."""
+    union: list[Interval] = []
+    for began, ended in sorted(intervals):
+        if union and began <= union[-1][1]:
+            union[-1] = (union[-1][0], max(union[-1][1], ended))
+        else:
+            union.append((began, ended))
+    return union
+
+
+def length(intervals: list[Interval]) -> float:
+    """Return the time ``intervals`` cover (each instant once)."""
+    return sum(ended - began for began, ended in covered(intervals))
+
+
 def engine_phases(num_clients: int, max_cohort: int, device: torch.device, repeats: int, speed: str) -> None:
-    """Print where one vectorized engine run's wall time goes (medians over ``repeats`` runs, in ms)."""
+    """Print where one vectorized engine run's wall time goes (medians over ``repeats`` runs, in ms): the time at
+    least one cohort trains, the time at least one finishes while none trains, and the rest."""
     rows: dict[str, list[float]] = {}
     for _ in range(repeats):
         with phase_marks() as marks:
             engine(num_clients, "vectorized", max_cohort, device, speed)
-        at = {name: [t for n, t in marks if n == name] for name in ("start", "end", "train", "trained", "delivered")}
-        start, end = at["start"][0], at["end"][-1]
-        training = sum(b - a for a, b in zip(at["train"], at["trained"], strict=True))
-        finishing = sum(b - a for a, b in zip(at["trained"], at["delivered"], strict=True))
+        ((start, end),) = marks["serve"]
+        first = min(began for began, _ in marks["train"])
+        training = length(marks["train"])
+        finishing = length(marks["train"] + marks["finish"]) - training
         figures = {
             "server run": end - start,
-            "dispatch (start to first cohort)": at["train"][0] - start,
-            "training (cohorts)": training,
-            "finishing (encode, deliver)": finishing,
-            "rest (intake, overlaps, end)": (end - start) - (at["train"][0] - start) - training - finishing,
-            "after the last delivery": end - at["delivered"][-1],
+            "dispatch (start to first cohort)": first - start,
+            "training (some cohort trains)": training,
+            "finishing (encode, deliver; none trains)": finishing,
+            "rest (intake, end)": (end - start) - (first - start) - training - finishing,
+            "after the last delivery": end - max(ended for _, ended in marks["finish"]),
         }
         for key, value in figures.items():
             rows.setdefault(key, []).append(1000 * value)
     print(f"{num_clients:>8} engine phases, vectorized, medians of {repeats} runs (ms):")
     for key, values in rows.items():
-        print(f"{'':>8}   {key:<34} {statistics.median(values):8.1f}")
+        print(f"{'':>8}   {key:<40} {statistics.median(values):8.1f}")
 
 
 def main() -> None:

@@ -745,8 +745,8 @@ def test_a_round_trains_on_a_thread_per_core_in_cohorts_side_by_side_with_the_we
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With executor.workers unset (two cores here), a round of 70 is split into two cohorts of 35 that train side by
-    side, and one of 40 cut by max_cohort = 8 trains on two threads too; each run says so and ends with the weights
-    of one training thread, whose round of 70 is one cohort."""
+    side (the MLP and a CNN), and one of 40 cut by max_cohort = 8 trains on two threads too; each run says so and ends
+    with the weights of one training thread, whose round of 70 is one cohort."""
     from structlog.testing import capture_logs
 
     from flasync import assembly
@@ -768,13 +768,18 @@ def test_a_round_trains_on_a_thread_per_core_in_cohorts_side_by_side_with_the_we
         return real(self, base, x, y, members, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(CohortTrainer, "train", recorded)
-    for clients, cohort, expected in ((70, 256, [35, 35]), (40, 8, [8] * 5)):
+    for clients, cohort, expected, model in (
+        (70, 256, [35, 35], "mlp"),
+        (70, 256, [35, 35], "cnn"),  # through vmap, not the MLP's own cohort_forward
+        (40, 8, [8] * 5, "mlp"),
+    ):
         overrides = (
             f"server={{kind: fedavg, clients_per_round: {clients}}}",
             "population.num_clients=80",
             "stop.max_versions=2",
             "executor.kind=vectorized",
             f"executor.max_cohort={cohort}",
+            f"model={{kind: {model}}}",
         )
         sizes.clear()
         with capture_logs() as logs:

@@ -459,14 +459,10 @@ class CohortClients:
                 due = []
                 while agenda and agenda[0][0] == when and agenda[0][2] == kind:
                     due.append(heapq.heappop(agenda)[3])
-                if kind == _ALL_TRAINED:
-                    due = sorted(range(n), key=lambda i: (prepared[i].done_at, i))
-                    outcomes = await clock.finish([jobs[i] for i in due], until=when)
-                elif kind == _TRAINED:
-                    outcomes = await clock.finish([jobs[i] for i in due], until=when)
-                else:
-                    await clock.sleep_until(when)
                 if kind in (_ALL_TRAINED, _TRAINED):
+                    if kind == _ALL_TRAINED:  # every job, taken in the order of their completion times
+                        due = sorted(range(n), key=lambda i: (prepared[i].done_at, i))
+                    outcomes = await clock.finish([jobs[i] for i in due], until=when)
                     for i, outcome in zip(due, outcomes, strict=True):
                         task, plan = tasks[i], prepared[i]
                         if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
@@ -481,6 +477,7 @@ class CohortClients:
                             heapq.heappush(agenda, (plan.done_at + upload_s, order, _UPLOAD, i))
                             order += 1
                 elif kind == _FAILED:
+                    await clock.sleep_until(when)
                     for i in due:
                         task = tasks[i]
                         if self.live(task):
@@ -489,8 +486,8 @@ class CohortClients:
                 else:
                     for k, i in enumerate(due):
                         task, (trained, upload_s) = tasks[i], uploads.pop(i)
-                        if k and not self.together:
-                            await clock.sleep_until(when)  # the server has handled the previous one
+                        if k == 0 or not self.together:  # apart, the server has handled the previous one by then
+                            await clock.sleep_until(when)
                         if self.live(task):
                             await bus.publish(_uploaded(world, task, model, prepared[i], trained, upload_s))
         except BaseException:

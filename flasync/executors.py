@@ -258,7 +258,7 @@ class CohortBatcher(Executor):
     Anything else submitted goes straight to the inner pool. Held jobs start when :meth:`flush` is called: by the
     virtual clock when it has to wait for real work (so cohorts depend on virtual times only, and runs stay
     deterministic), after a few quiet event-loop passes under real time, or as soon as a group reaches
-    ``max_cohort``. A group flushed with at least ``2 * MIN_SPLIT`` jobs is split into up to ``parallel`` cohorts
+    ``max_cohort``. A group started with at least ``2 * MIN_SPLIT`` jobs is split into up to ``parallel`` cohorts
     of nearly equal size, which the pool's threads train side by side (a member's result does not depend on which
     cohort it trains in). Each job's future is resolved with its own result, or its own exception.
 
@@ -275,11 +275,11 @@ class CohortBatcher(Executor):
             asynchronous clients dispatched at different versions train together.
         run_job: Runs a cohort of one (default: the job itself, trained on the worker).
         passthrough: Where submissions other than training jobs go (default: ``inner``).
-        parallel: Cohorts the inner pool trains at once (its threads): a flushed group is split into that many.
+        parallel: Cohorts the inner pool trains at once (its threads): a large group is split into that many.
     """
 
     MIN_SPLIT = 32
-    """Fewest members of a cohort split off a flushed group (smaller cohorts gain little from their batching)."""
+    """Fewest members of a cohort split off a large group (smaller cohorts gain little from their batching)."""
 
     def __init__(
         self,
@@ -360,7 +360,7 @@ class CohortBatcher(Executor):
             if full:
                 del self._held[group]
         if full:
-            self._start(held)
+            self._launch(held)
         elif not self._driven and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._tick, self._submitted, 0)
@@ -379,8 +379,12 @@ class CohortBatcher(Executor):
             groups = list(self._held.values())
             self._held.clear()
         for held in groups:
-            for part in _split(held, min(self.parallel, len(held.jobs) // self.MIN_SPLIT)):
-                self._start(part)
+            self._launch(held)
+
+    def _launch(self, held: _Held) -> None:
+        """Start a group as one cohort, or as up to ``parallel`` cohorts trained side by side if it is large."""
+        for part in _split(held, min(self.parallel, len(held.jobs) // self.MIN_SPLIT)):
+            self._start(part)
 
     def _start(self, held: _Held) -> None:
         for future in held.futures:

@@ -276,12 +276,13 @@ async def test_batcher_trains_jobs_of_different_bases_together(factory: Callable
         assert batcher.vectorized_clients == len(parts) and not reasons
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["flushed", "full"])
 @pytest.mark.parametrize(("clients", "parallel", "cohorts"), [(70, 2, [35, 35]), (63, 2, [63]), (70, 1, [70])])
-async def test_a_flushed_group_is_split_into_a_cohort_for_each_thread(
-    clients: int, parallel: int, cohorts: list[int]
+async def test_a_large_group_is_split_into_a_cohort_for_each_thread(
+    clients: int, parallel: int, cohorts: list[int], full: bool
 ) -> None:
-    """A flushed group of at least 2 x MIN_SPLIT jobs trains as ``parallel`` cohorts of nearly equal size, each member
-    with the result of one cohort for all (bit for bit)."""
+    """A group of at least 2 x MIN_SPLIT jobs, flushed or started when it reaches ``max_cohort``, trains as
+    ``parallel`` cohorts of nearly equal size, each member with the result of one cohort for all (bit for bit)."""
     torch.manual_seed(0)
     x, y = torch.randn(clients * 20, FEATURES), torch.randint(0, CLASSES, (clients * 20,))
     parts = list(torch.arange(clients * 20).split(20))
@@ -293,10 +294,14 @@ async def test_a_flushed_group_is_split_into_a_cohort_for_each_thread(
         sizes.append(len(members))
         return pool.cohort_trainer().train(cohort_base, cx, cy, members, cfg)
 
-    batcher = CohortBatcher(ThreadPoolExecutor(parallel), pool, train_cohort=train_cohort, parallel=parallel)
+    max_cohort = clients if full else 256
+    batcher = CohortBatcher(
+        ThreadPoolExecutor(parallel), pool, train_cohort=train_cohort, parallel=parallel, max_cohort=max_cohort
+    )
     try:
         futures = [batcher.submit(_job(base, x, y, p, k, pool)) for k, p in enumerate(parts)]
-        batcher.flush()
+        if not full:
+            batcher.flush()
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     finally:
         batcher.shutdown()

@@ -11,15 +11,16 @@ sums the deltas (sample-weighted), as one FedAvg round does:
   ``UpdateBuffer.add_stacked``;
 * with ``--engine``, the whole engine (``flasync.run``: sync FedAvg rounds of ``min(clients, --max-cohort)``, virtual
   clock, tracking off, clients of ``--speed``) with ``executor.kind = "thread"`` and ``"vectorized"``, each client
-  trained once, and the vectorized engine's rate against each bare vectorized runner's; with ``--phases`` also
-  where the vectorized engine's time goes: the dispatch before the first cohort trains, the cohorts' training, the
-  worker's finishing of their updates while no cohort trains, and the rest (the event loop's intake of the updates,
-  the end), each the median over ``--repeats`` extra runs. The engine trains a round's cohorts on one thread per core
+  trained once (``--rounds R``: R times, so that the run's start and end, two evaluations among them, weigh less),
+  and the vectorized engine's rate against each bare vectorized runner's; with ``--phases`` also where the vectorized
+  engine's time goes: the dispatch before the first cohort trains, the cohorts' training, the worker's finishing of
+  their updates while no cohort trains, and the rest (the event loop's intake of the updates, the end), each the
+  median over ``--repeats`` extra runs. The engine trains a round's cohorts on one thread per core
   (``executor.workers`` unset), so ``--bare-threads 2`` also times the bare trainer with 2 intra-op threads.
 
     python benchmarks/cohort.py [--clients 100 1000 10000] [--repeats 3] [--max-cohort 1000] [--device cpu|cuda]
                                 [--threads 1] [--bare-threads 2] [--no-per-client]
-                                [--engine [--phases] [--speed constant|lognormal]]
+                                [--engine [--phases] [--speed constant|lognormal] [--rounds 1]]
 
 With ``--device cuda`` the plain loop runs on the CPU (the CPU baseline) and again on the GPU (one client at a time
 on the same GPU), and flasync's runners on the GPU. Each repeat runs every runner once, interleaved; printed are
@@ -158,9 +159,11 @@ def with_threads(threads: int, runner: Callable[[], float]) -> float:
         torch.set_num_threads(before)
 
 
-def engine(num_clients: int, kind: str, max_cohort: int, device: torch.device, speed: str = "constant") -> float:
-    """Run FedAvg over every client once with the given executor and client speed model (``constant``: every
-    client finishes at one simulated time; ``lognormal``: each at its own); return accepted updates per wall
+def engine(
+    num_clients: int, kind: str, max_cohort: int, device: torch.device, speed: str = "constant", rounds: int = 1
+) -> float:
+    """Run FedAvg over every client ``rounds`` times with the given executor and client speed model (``constant``:
+    every client finishes at one simulated time; ``lognormal``: each at its own); return accepted updates per wall
     second."""
     per_round = min(num_clients, max_cohort)
     config = {
@@ -173,7 +176,7 @@ def engine(num_clients: int, kind: str, max_cohort: int, device: torch.device, s
         "server": {"kind": "fedavg", "clients_per_round": per_round},
         "executor": {"kind": kind, "max_cohort": max_cohort, "device": device.type},
         "eval": {"every_versions": 10_000},
-        "stop": {"max_versions": max(1, num_clients // per_round)},
+        "stop": {"max_versions": max(1, num_clients // per_round) * rounds},
         "tracking": {"enabled": False, "log_level": "warning", "log_model": False},
     }
     summary = flasync.run(config)
@@ -241,13 +244,15 @@ def length(intervals: list[Interval]) -> float:
     return sum(ended - began for began, ended in covered(intervals))
 
 
-def engine_phases(num_clients: int, max_cohort: int, device: torch.device, repeats: int, speed: str) -> None:
+def engine_phases(
+    num_clients: int, max_cohort: int, device: torch.device, repeats: int, speed: str, rounds: int = 1
+) -> None:
     """Print where one vectorized engine run's wall time goes (medians over ``repeats`` runs, in ms): the time at
     least one cohort trains, the time at least one finishes while none trains, and the rest."""
     rows: dict[str, list[float]] = {}
     for _ in range(repeats):
         with phase_marks() as marks:
-            engine(num_clients, "vectorized", max_cohort, device, speed)
+            engine(num_clients, "vectorized", max_cohort, device, speed, rounds)
         ((start, end),) = marks["serve"]
         first = min(began for began, _ in marks["train"])
         training = length(marks["train"])
@@ -294,6 +299,12 @@ def main() -> None:
         help="with --engine: the clients' speeds (constant: a round's clients all finish at one simulated time)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --engine: train every client this many times (a run's start and end are paid once)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="intra-op torch threads (1, as flasync's workers: robust when shared)"
     )
     args = parser.parse_args()
@@ -325,7 +336,7 @@ def main() -> None:
         if args.engine:
             for kind in ("thread", "vectorized"):
                 runners[f"engine, {kind}"] = lambda n=num_clients, k=kind: engine(
-                    n, k, args.max_cohort, device, args.speed
+                    n, k, args.max_cohort, device, args.speed, args.rounds
                 )
         vectorized(Workload(min(num_clients, 8), device), 8)  # warm up torch.func and kernels
         rates: dict[str, list[float]] = {name: [] for name in runners}
@@ -349,7 +360,7 @@ def main() -> None:
                         f"{ratio:8.2f}x {paired:8.2f}x"
                     )
         if args.engine and args.phases:
-            engine_phases(num_clients, args.max_cohort, device, args.repeats, args.speed)
+            engine_phases(num_clients, args.max_cohort, device, args.repeats, args.speed, args.rounds)
         if device.type == "cuda":
             gpu_plain, vec = rates["plain loop (cuda)"], rates[list(runners)[-1]]
             paired = statistics.median(v / b for v, b in zip(vec, gpu_plain, strict=True))

@@ -856,6 +856,9 @@ class TrackingConfig(_Section):
         "wait) or 'all' (also encode/decode s, simulated s, compression, residual and update norms, staleness weight).",
     )
     system_metrics: bool = Field(False, description="MLflow's CPU/GPU/memory monitor (on for CLI runs).")
+    system_metrics_interval_s: float = Field(
+        2.0, gt=0.0, description="Seconds between two samples of the system monitor."
+    )
 
     @field_validator("uri")
     @classmethod

@@ -258,6 +258,7 @@ class Federation:
         return tracking.MlflowTracker(
             cfg.uri,
             system_metrics=cfg.system_metrics,
+            system_metrics_interval_s=cfg.system_metrics_interval_s,
             runs_view=RUNS_VIEW,
             preload=tracked.preload(self.config),
             files_preload=tracked.files_preload(self.config),

@@ -80,6 +80,10 @@ SETS = [
     (["resilience.round_quorum=0"], "resilience.round_quorum: Input should be greater than 0 (got 0)"),
     (["resilience.zscore_min_history=80"], "resilience.zscore_min_history: must be <= resilience.zscore_window"),
     (["checkpoint.every_versions=0"], "checkpoint.every_versions: Input should be greater than or equal to 1"),
+    (
+        ["tracking.system_metrics_interval_s=0"],
+        "tracking.system_metrics_interval_s: Input should be greater than 0 (got 0)",
+    ),
 ]
 
 

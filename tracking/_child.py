@@ -237,7 +237,7 @@ class _Monitor:
     def __init__(self) -> None:
         self.running: Any = None
 
-    def start(self, client: Any, run_id: str, tracking_uri: str) -> None:
+    def start(self, client: Any, run_id: str, tracking_uri: str, interval_s: float) -> None:
         from mlflow.entities import Metric
 
         from tracking._runs import start_monitor
@@ -247,7 +247,7 @@ class _Monitor:
             client.log_batch(run_id, metrics=metrics, synchronous=True)
 
         if self.running is None:
-            self.running = start_monitor(run_id, tracking_uri, sink)
+            self.running = start_monitor(run_id, tracking_uri, sink, interval_s)
 
     def stop(self) -> None:
         from tracking._runs import stop_monitor
@@ -347,7 +347,9 @@ def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, t
     """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``."""
     op = request.get("op")
     if op == "monitor":
-        monitor.start(client, run_id, tracking_uri)
+        from tracking._runs import SYSTEM_METRICS_INTERVAL_S
+
+        monitor.start(client, run_id, tracking_uri, float(request.get("interval_s", SYSTEM_METRICS_INTERVAL_S)))
         return ""
     if op == "file":
         client.log_artifact(run_id, request["path"], request.get("folder") or None)

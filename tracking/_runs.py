@@ -142,14 +142,19 @@ class MonitorSink:
         """Nothing to do: the sink owns what was recorded."""
 
 
-def start_monitor(run_id: str, tracking_uri: str, sink: Callable[[list[MetricRow]], None]) -> Any:
-    """Start MLflow's ``SystemMetricsMonitor`` for the run, sampling every :data:`SYSTEM_METRICS_INTERVAL_S`, its
-    samples handed to ``sink``; return it (stop it with :func:`stop_monitor`)."""
+def start_monitor(
+    run_id: str,
+    tracking_uri: str,
+    sink: Callable[[list[MetricRow]], None],
+    interval_s: float = SYSTEM_METRICS_INTERVAL_S,
+) -> Any:
+    """Start MLflow's ``SystemMetricsMonitor`` for the run, sampling every ``interval_s`` seconds, its samples handed
+    to ``sink``; return it (stop it with :func:`stop_monitor`)."""
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     # MLflow leaves this class unannotated.
     monitor: Any = SystemMetricsMonitor(  # type: ignore[no-untyped-call]
-        run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=tracking_uri
+        run_id, sampling_interval=interval_s, tracking_uri=tracking_uri
     )
     monitor.mlflow_logger = MonitorSink(sink)
     monitor.start()

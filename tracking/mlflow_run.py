@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import shlex
 import shutil
@@ -36,10 +37,10 @@ from tracking._runs import (
     RUNS_VIEW_KEY,
     RUNS_VIEW_TAG,
     SYSTEM_METRICS_INTERVAL_S,
-    MonitorSink,
     _chunks,
     _context_tags,
     send_tags,
+    start_monitor,
     stop_monitor,
 )
 from tracking.failover import Failover, RunIdentity
@@ -236,7 +237,8 @@ class MlflowTracker:
             against the current directory now.
         artifact_root: Folder or URI under which new experiments keep their artifacts.
         system_metrics: Also run MLflow's ``SystemMetricsMonitor`` (CPU, memory, disk, network,
-            GPU) for the run, sampling every 2 s.
+            GPU) for the run.
+        system_metrics_interval_s: Seconds between two samples of the system monitor (> 0).
         max_batch: Most metrics per ``log_batch`` call (MLflow accepts 1000).
         flush_interval_s: Longest time a metric waits before it is written, in seconds.
         flush_timeout_s: Longest wait of :meth:`flush` and of :meth:`finish` for a failing
@@ -270,6 +272,7 @@ class MlflowTracker:
         *,
         artifact_root: str | None = None,
         system_metrics: bool = False,
+        system_metrics_interval_s: float = SYSTEM_METRICS_INTERVAL_S,
         max_batch: int = 1000,
         flush_interval_s: float = 0.5,
         flush_timeout_s: float = 30.0,
@@ -294,7 +297,10 @@ class MlflowTracker:
         """Numbers the writer process's deferred jobs (see :meth:`start_model_from`)."""
         self._run = RunIdentity(self.tracking_uri, probe_timeout_s=http_timeout_s)
         self._artifact_root = artifact_root
+        if not system_metrics_interval_s > 0 or not math.isfinite(system_metrics_interval_s):
+            raise ValueError(f"system_metrics_interval_s must be a finite number > 0, got {system_metrics_interval_s}")
         self._system_metrics = system_metrics
+        self._system_metrics_interval = float(system_metrics_interval_s)
         self._max_batch = max_batch
         self._flush_interval = flush_interval_s
         self._flush_timeout = flush_timeout_s
@@ -721,18 +727,12 @@ class MlflowTracker:
                 self._writer_process_failed(exc)
         if self._writer is None:
             self._writer = self._metric_writer()
-        if self._system_metrics and self._child_job({"op": "monitor"}):
+        interval_s = self._system_metrics_interval
+        if self._system_metrics and self._child_job({"op": "monitor", "interval_s": interval_s}):
             self._monitor_in_child = True
         elif self._system_metrics:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            # MLflow leaves this class unannotated.
-            self._monitor = SystemMetricsMonitor(  # type: ignore[no-untyped-call]
-                run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=self.tracking_uri
-            )
             # Its samples go through this tracker's writer (batched, and spooled while the store fails).
-            self._monitor.mlflow_logger = MonitorSink(self.log_metrics)
-            self._monitor.start()
+            self._monitor = start_monitor(run_id, self.tracking_uri, self.log_metrics, interval_s)
 
     def log_metrics(self, metrics: list[MetricRow]) -> None:
         """Queue metrics for the run; never blocks (dropped before start and after finish).

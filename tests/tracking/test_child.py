@@ -202,15 +202,18 @@ def test_model_from_builder_is_logged_by_the_child(tracking_uri: str, tmp_path: 
 
 
 def test_system_monitor_runs_in_the_child(tracking_uri: str) -> None:
-    """With system metrics on, MLflow's monitor samples in the writer process; its samples reach the run."""
-    tracker = MlflowTracker(tracking_uri, system_metrics=True)
+    """With system metrics on, MLflow's monitor samples in the writer process at the tracker's interval; its samples
+    reach the run."""
+    tracker = MlflowTracker(tracking_uri, system_metrics=True, system_metrics_interval_s=0.4)
     tracker.prepare()
     run_id = tracker.start(experiment="child-monitor")
     assert tracker._monitor_in_child and tracker._monitor is None
-    time.sleep(2.5)  # one sample every 2 s
+    time.sleep(2.0)  # about 5 samples at 0.4 s (at most 1 at the default 2 s)
     tracker.finish("FINISHED")
-    run = mlflow.MlflowClient(tracking_uri).get_run(run_id)
+    client = mlflow.MlflowClient(tracking_uri)
+    run = client.get_run(run_id)
     assert any(key.startswith("system/") for key in run.data.metrics)
+    assert len(client.get_metric_history(run_id, "system/cpu_utilization_percentage")) >= 2
     assert run.info.status == "FINISHED"
 
 
@@ -429,10 +432,10 @@ def test_the_system_monitor_stops_with_its_run(tracking_uri: str) -> None:
     client = mlflow.MlflowClient(tracking_uri)
     runs = []
     for _ in range(2):
-        tracker = MlflowTracker(tracking_uri, system_metrics=True)
+        tracker = MlflowTracker(tracking_uri, system_metrics=True, system_metrics_interval_s=0.4)
         tracker.prepare()
         runs.append(tracker.start(experiment="monitor-reuse"))
-        time.sleep(2.5)  # one sample every 2 s
+        time.sleep(1.0)  # a sample every 0.4 s
         tracker.finish("FINISHED")
         if len(runs) == 1:
             first_samples = client.get_run(runs[0]).data.metrics

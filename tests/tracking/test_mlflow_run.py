@@ -285,12 +285,15 @@ def test_log_model_stores_a_logged_model_of_the_run(tracker: MlflowTracker, clie
     assert [o.model_id for o in outputs.model_outputs] == [logged.model_id]
 
 
-def test_system_metrics_are_recorded(
-    tracker: MlflowTracker, client: mlflow.MlflowClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With system_metrics, MLflow's monitor writes system/ metrics until finish."""
-    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.1")
-    tracker = MlflowTracker(tracker.tracking_uri, system_metrics=True)
+@pytest.mark.parametrize("writer_process", [True, False], ids=["in-the-writer", "in-process"])
+def test_system_metrics_are_recorded(tracker: MlflowTracker, client: mlflow.MlflowClient, writer_process: bool) -> None:
+    """With system_metrics, MLflow's monitor writes system/ metrics until finish (in the writer process, or in this
+    one without it); the interval must be positive."""
+    with pytest.raises(ValueError, match="system_metrics_interval_s must be a finite number > 0, got 0"):
+        MlflowTracker(tracker.tracking_uri, system_metrics=True, system_metrics_interval_s=0)
+    tracker = MlflowTracker(
+        tracker.tracking_uri, system_metrics=True, system_metrics_interval_s=0.1, writer_process=writer_process
+    )
     run_id = tracker.start(experiment="system")
     deadline = time.monotonic() + 10
     while not any(k.startswith("system/") for k in client.get_run(run_id).data.metrics):

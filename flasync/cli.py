@@ -33,7 +33,6 @@ from flasync._version import __version__
 from flasync.config import RunConfig, apply_override, load_config, validate
 from flasync.errors import ConfigError, FlasyncError, RunInterrupted
 from flasync.loops import run_loop
-from flasync.runs_view import RUNS_VIEW
 
 if TYPE_CHECKING:
     from flasync import checkpoint
@@ -406,10 +405,10 @@ def _resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.Res
     for override in args.overrides:
         if not override.strip().startswith("stop."):
             raise ConfigError(f"--set {override!r}: with --resume only stop.* may change")
-    tracker = tracking.MlflowTracker(args.tracking_uri, system_metrics=not args.no_system_metrics, runs_view=RUNS_VIEW)
+    uri = tracking.resolve_tracking_uri(args.tracking_uri)
     from flasync import checkpoint  # torch: imported once the command needs it
 
-    config, state, status, tags, artifact = checkpoint.fetch(args.resume, tracker.tracking_uri)
+    config, state, status, tags, artifact = checkpoint.fetch(args.resume, uri)
     if status == "FINISHED":
         raise ConfigError(f"MLflow run {args.resume} already FINISHED; there is nothing to resume")
     if status == "RUNNING":
@@ -427,12 +426,13 @@ def _resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.Res
                 f"mark it failed with: flasync tracking mark-failed {args.resume} --force"
             )
     data = config.model_dump(mode="json")
-    data["tracking"] |= {"uri": tracker.tracking_uri, "system_metrics": not args.no_system_metrics}
+    data["tracking"] |= {"uri": uri, "system_metrics": not args.no_system_metrics}
     if args.log_level:
         data["tracking"]["log_level"] = args.log_level
     for override in args.overrides:
         apply_override(data, override)
-    return validate(data), checkpoint.ResumePoint(args.resume, state, artifact), tracker
+    resumed = validate(data)
+    return resumed, checkpoint.ResumePoint(args.resume, state, artifact), tracked.mlflow_tracker(resumed)
 
 
 def _resolve(args: argparse.Namespace) -> RunConfig:
@@ -568,13 +568,7 @@ def _command_run(args: argparse.Namespace, *, process_ends: bool = False) -> int
                     tracking.check_local_store(tracking.resolve_tracking_uri(config.tracking.uri))
                 except tracking.StoreNotWritableError as exc:
                     raise _UsageError(str(exc)) from None
-            tracker = tracking.MlflowTracker(
-                config.tracking.uri,
-                system_metrics=config.tracking.system_metrics,
-                runs_view=RUNS_VIEW,
-                preload=tracked.preload(config),
-                files_preload=tracked.files_preload(config),
-            )
+            tracker = tracked.mlflow_tracker(config)
         else:
             tracker = tracking.NullTracker()
     if args.print_config:

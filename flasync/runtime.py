@@ -73,7 +73,6 @@ from flasync.profiling import (
     torch_memory,
 )
 from flasync.residuals import RESIDUALS_PREFIX, ResidualStore
-from flasync.runs_view import RUNS_VIEW
 from flasync.scratch import make_scratch, sweep_scratch
 from flasync.server import Server, ServerStats
 from flasync.summary import RunSummary, json_ready, weights_sha256
@@ -255,14 +254,7 @@ class Federation:
         cfg = self.config.tracking
         if not cfg.enabled:
             return tracking.NullTracker()
-        return tracking.MlflowTracker(
-            cfg.uri,
-            system_metrics=cfg.system_metrics,
-            system_metrics_interval_s=cfg.system_metrics_interval_s,
-            runs_view=RUNS_VIEW,
-            preload=tracked.preload(self.config),
-            files_preload=tracked.files_preload(self.config),
-        )
+        return tracked.mlflow_tracker(self.config)
 
     def _log_dataset(self, tracker: tracking.Tracker, prepared: Prepared, custom: bool, log: Any) -> None:
         """Record the training data as the run's MLflow dataset input (a tracking failure is only logged)."""

@@ -11,9 +11,11 @@ thread, an embedding service's event loop too (see :mod:`tracking._files`).
 
 from __future__ import annotations
 
+import tracking
 from flasync.config import RunConfig
+from flasync.runs_view import RUNS_VIEW
 
-__all__ = ["MODEL_BUILDER", "PLOTS_WRITER", "files_preload", "preload"]
+__all__ = ["MODEL_BUILDER", "PLOTS_WRITER", "files_preload", "mlflow_tracker", "preload"]
 
 MODEL_BUILDER = "flasync.models:build"
 """Rebuilds the trained model from its class name, arguments and flat weights; run by the writer process."""
@@ -29,6 +31,20 @@ def preload(config: RunConfig) -> tuple[str, ...]:
     if config.tracking.log_model:
         return ("flasync.models", "tracking._model:warm_up")
     return ()
+
+
+def mlflow_tracker(config: RunConfig) -> tracking.MlflowTracker:
+    """Return the tracker of ``config``'s ``tracking`` section: its store, system monitor, runs view and what its writer
+    process imports ahead for the model and the plots."""
+    cfg = config.tracking
+    return tracking.MlflowTracker(
+        cfg.uri,
+        system_metrics=cfg.system_metrics,
+        system_metrics_interval_s=cfg.system_metrics_interval_s,
+        runs_view=RUNS_VIEW,
+        preload=preload(config),
+        files_preload=files_preload(config),
+    )
 
 
 def files_preload(config: RunConfig) -> tuple[str, ...]:

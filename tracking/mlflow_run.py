@@ -734,6 +734,11 @@ class MlflowTracker:
             # Its samples go through this tracker's writer (batched, and spooled while the store fails).
             self._monitor = start_monitor(run_id, self.tracking_uri, self.log_metrics, interval_s)
 
+    @property
+    def system_metrics_interval_s(self) -> float:
+        """Seconds between two samples of the system monitor (when ``system_metrics`` is on)."""
+        return self._system_metrics_interval
+
     def log_metrics(self, metrics: list[MetricRow]) -> None:
         """Queue metrics for the run; never blocks (dropped before start and after finish).
 

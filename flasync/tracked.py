@@ -6,7 +6,8 @@ MLflow's pytorch flavour: about two seconds to import, and a first export that c
 run trains, takes that work off the end of the run. The plots are drawn elsewhere too (in the writer's other helper,
 or by a one-shot process while a writer process without helpers exports the model):
 matplotlib imported and drawing in the training process would set off full garbage collections that stop its every
-thread, an embedding service's event loop too (see :mod:`tracking._files`).
+thread, an embedding service's event loop too (see :mod:`tracking._files`). :func:`mlflow_tracker` builds the
+tracker a config asks for, the same for the runtime and the command line.
 """
 
 from __future__ import annotations

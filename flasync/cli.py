@@ -251,7 +251,7 @@ def _command_serve(args: argparse.Namespace, *, process_ends: bool = False) -> i
         return _SIGNAL_STATUS.get(received[-1] if received else "SIGINT", 130)
     except OSError as exc:
         raise _UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
-    _print_summary(summary, config, None)
+    _print_summary(summary, config, None, resumed=resume is not None)
     return 0
 
 
@@ -461,16 +461,26 @@ def _format_bytes(n: float) -> str:
     return f"{n:.1f} GB"  # pragma: no cover
 
 
-def _print_summary(summary: RunSummary, config: RunConfig, ui_command: str | None, ui_url: str | None = None) -> None:
+def _print_summary(
+    summary: RunSummary,
+    config: RunConfig,
+    ui_command: str | None,
+    ui_url: str | None = None,
+    *,
+    resumed: bool = False,
+) -> None:
+    # A resumed run's counts are the whole run's, its wall seconds and rate this process's.
+    here = " in this process" if resumed else ""
     lines = [
         "",
         f"flasync run finished ({summary.stop_reason})",
         f"  accuracy        {summary.accuracy:.4f}   loss {summary.loss:.4f}",
         f"  updates         {summary.updates_accepted} accepted, {summary.updates_dropped} dropped, "
-        f"{summary.updates_failed} failed ({summary.updates_per_s:.1f}/s)",
+        f"{summary.updates_failed} failed ({summary.updates_per_s:.1f}/s{here})",
         f"  versions        {summary.versions}   staleness mean {summary.staleness_mean:.2f}, "
         f"max {summary.staleness_max}",
-        f"  time            wall {summary.wall_s:.2f} s, simulated {summary.simulated_s:.1f} s ({config.clock} clock)"
+        f"  time            wall {summary.wall_s:.2f} s{here}, "
+        f"simulated {summary.simulated_s:.1f} s ({config.clock} clock)"
         + (f", first update {summary.first_update_s:.3f} s" if math.isfinite(summary.first_update_s) else ""),
         f"  bytes           up {_format_bytes(summary.upload_bytes)}, down {_format_bytes(summary.download_bytes)}",
         f"  weights sha256  {summary.weights_sha256}",
@@ -608,7 +618,7 @@ def _command_run(args: argparse.Namespace, *, process_ends: bool = False) -> int
         print(f"flasync: stopped at once (second signal){_no_checkpoint(config)}", file=sys.stderr)
         return _SIGNAL_STATUS.get(received[-1] if received else "SIGINT", 130)
     url = tracker.ui_url() if isinstance(tracker, tracking.MlflowTracker) else None
-    _print_summary(summary, config, tracker.ui_command(), url)
+    _print_summary(summary, config, tracker.ui_command(), url, resumed=resume is not None)
     replay_command = tracker.replay_command() if isinstance(tracker, tracking.MlflowTracker) else None
     if replay_command:
         print(f"  tracking spool  MLflow did not answer; send the spool with: {replay_command}", flush=True)

@@ -857,7 +857,10 @@ class TrackingConfig(_Section):
     )
     system_metrics: bool = Field(False, description="MLflow's CPU/GPU/memory monitor (on for CLI runs).")
     system_metrics_interval_s: float = Field(
-        2.0, gt=0.0, description="Seconds between two samples of the system monitor."
+        2.0,
+        ge=0.1,
+        description="Seconds between two samples of the system monitor (at least 0.1: each sample is a row of every "
+        "system/ metric).",
     )
 
     @field_validator("uri")

@@ -82,7 +82,7 @@ SETS = [
     (["checkpoint.every_versions=0"], "checkpoint.every_versions: Input should be greater than or equal to 1"),
     (
         ["tracking.system_metrics_interval_s=0"],
-        "tracking.system_metrics_interval_s: Input should be greater than 0 (got 0)",
+        "tracking.system_metrics_interval_s: Input should be greater than or equal to 0.1 (got 0)",
     ),
 ]
 

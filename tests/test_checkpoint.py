@@ -295,6 +295,9 @@ def test_sigint_then_resume_gives_the_uninterrupted_sha(cli_dir: Path) -> None:
 
     resumed = _run_cli(tmp_path, "--resume", run_id, "--tracking-uri", store)
     assert resumed.returncode == 0, resumed.stderr
+    # The counts are the whole run's; the wall seconds and the rate this process's, and the summary says so.
+    assert re.search(r"updates +\d+ accepted, .*/s in this process\)", resumed.stdout), resumed.stdout
+    assert re.search(r"time +wall [\d.]+ s in this process, simulated", resumed.stdout), resumed.stdout
     sha = re.search(r"weights sha256  ([0-9a-f]{64})", resumed.stdout)
     assert sha is not None
     uninterrupted = flasync.run(load_config(tmp_path / "cfg.yaml", ["tracking.enabled=false"]))

@@ -23,6 +23,7 @@ __all__ = [
     "RUNS_VIEW_KEY",
     "RUNS_VIEW_TAG",
     "SYSTEM_METRICS_INTERVAL_S",
+    "SYSTEM_METRICS_MIN_INTERVAL_S",
     "MonitorSink",
     "open_run",
     "send_tags",
@@ -37,7 +38,9 @@ RUNS_VIEW_KEY = "flasync"
 RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
 
 SYSTEM_METRICS_INTERVAL_S = 2.0
-"""Seconds between two samples of MLflow's system monitor."""
+"""Seconds between two samples of MLflow's system monitor, by default."""
+SYSTEM_METRICS_MIN_INTERVAL_S = 0.1
+"""The shortest interval a tracker samples at: each sample is a row of every ``system/`` metric."""
 _MONITOR_STOP_TIMEOUT_S = 5.0
 
 _T = TypeVar("_T")

@@ -37,6 +37,7 @@ from tracking._runs import (
     RUNS_VIEW_KEY,
     RUNS_VIEW_TAG,
     SYSTEM_METRICS_INTERVAL_S,
+    SYSTEM_METRICS_MIN_INTERVAL_S,
     _chunks,
     _context_tags,
     send_tags,
@@ -238,7 +239,8 @@ class MlflowTracker:
         artifact_root: Folder or URI under which new experiments keep their artifacts.
         system_metrics: Also run MLflow's ``SystemMetricsMonitor`` (CPU, memory, disk, network,
             GPU) for the run.
-        system_metrics_interval_s: Seconds between two samples of the system monitor (> 0).
+        system_metrics_interval_s: Seconds between two samples of the system monitor (at least
+            :data:`~tracking._runs.SYSTEM_METRICS_MIN_INTERVAL_S`, 0.1).
         max_batch: Most metrics per ``log_batch`` call (MLflow accepts 1000).
         flush_interval_s: Longest time a metric waits before it is written, in seconds.
         flush_timeout_s: Longest wait of :meth:`flush` and of :meth:`finish` for a failing
@@ -297,8 +299,11 @@ class MlflowTracker:
         """Numbers the writer process's deferred jobs (see :meth:`start_model_from`)."""
         self._run = RunIdentity(self.tracking_uri, probe_timeout_s=http_timeout_s)
         self._artifact_root = artifact_root
-        if not system_metrics_interval_s > 0 or not math.isfinite(system_metrics_interval_s):
-            raise ValueError(f"system_metrics_interval_s must be a finite number > 0, got {system_metrics_interval_s}")
+        least = SYSTEM_METRICS_MIN_INTERVAL_S
+        if not system_metrics_interval_s >= least or not math.isfinite(system_metrics_interval_s):
+            raise ValueError(
+                f"system_metrics_interval_s must be a finite number >= {least}, got {system_metrics_interval_s}"
+            )
         self._system_metrics = system_metrics
         self._system_metrics_interval = float(system_metrics_interval_s)
         self._max_batch = max_batch

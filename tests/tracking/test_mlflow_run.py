@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -289,8 +290,9 @@ def test_log_model_stores_a_logged_model_of_the_run(tracker: MlflowTracker, clie
 def test_system_metrics_are_recorded(tracker: MlflowTracker, client: mlflow.MlflowClient, writer_process: bool) -> None:
     """With system_metrics, MLflow's monitor writes system/ metrics until finish (in the writer process, or in this
     one without it); the interval must be positive."""
-    with pytest.raises(ValueError, match="system_metrics_interval_s must be a finite number > 0, got 0"):
-        MlflowTracker(tracker.tracking_uri, system_metrics=True, system_metrics_interval_s=0)
+    for bad in (0, 0.01, math.nan):
+        with pytest.raises(ValueError, match=f"system_metrics_interval_s must be a finite number >= 0.1, got {bad}"):
+            MlflowTracker(tracker.tracking_uri, system_metrics=True, system_metrics_interval_s=bad)
     tracker = MlflowTracker(
         tracker.tracking_uri, system_metrics=True, system_metrics_interval_s=0.1, writer_process=writer_process
     )

@@ -316,7 +316,7 @@ def main() -> None:
     else:
         name = "CPU"
     print(f"torch {torch.__version__}, {name}, {torch.get_num_threads()} intra-op threads, {args.repeats} repeats")
-    print(f"{'clients':>8} {'runner':<26} {'updates/s':>11} {'vs plain':>9} {'paired':>9}")
+    print(f"{'clients':>8} {'runner':<38} {'updates/s':>11} {'vs plain':>9} {'paired':>9}")
     for num_clients in args.clients:
         work = Workload(num_clients, device)
         runners: dict[str, Callable[[], float]] = {
@@ -348,23 +348,23 @@ def main() -> None:
             paired = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
             median = statistics.median(values)
             ratio = median / statistics.median(baseline)
-            print(f"{num_clients:>8} {runner_name:<26} {median:11.0f} {ratio:8.2f}x {paired:8.2f}x")
+            print(f"{num_clients:>8} {runner_name:<38} {median:11.0f} {ratio:8.2f}x {paired:8.2f}x")
         if args.engine:
             engine_rates = rates["engine, vectorized"]
+            title = "the vectorized engine against the bare cohorts:"
+            print(f"{num_clients:>8} {title:<54} {'ratio':>9} {'paired':>9}")
             for runner_name, values in rates.items():
                 if runner_name.startswith(bare):
                     paired = statistics.median(e / v for e, v in zip(engine_rates, values, strict=True))
                     ratio = statistics.median(engine_rates) / statistics.median(values)
-                    print(
-                        f"{num_clients:>8} {'engine, vectorized / ' + runner_name[len('vectorized ') :]:<44} "
-                        f"{ratio:8.2f}x {paired:8.2f}x"
-                    )
+                    against = "  engine / bare " + runner_name
+                    print(f"{num_clients:>8} {against:<54} {ratio:8.2f}x {paired:8.2f}x")
         if args.engine and args.phases:
             engine_phases(num_clients, args.max_cohort, device, args.repeats, args.speed, args.rounds)
         if device.type == "cuda":
             gpu_plain, vec = rates["plain loop (cuda)"], rates[list(runners)[-1]]
             paired = statistics.median(v / b for v, b in zip(vec, gpu_plain, strict=True))
-            print(f"{num_clients:>8} {'vectorized vs plain (cuda)':<26} {'':>11} {'':>9} {paired:8.2f}x")
+            print(f"{num_clients:>8} {'vectorized vs plain (cuda)':<38} {'':>11} {'':>9} {paired:8.2f}x")
 
 
 if __name__ == "__main__":

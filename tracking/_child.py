@@ -347,9 +347,7 @@ def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, t
     """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``."""
     op = request.get("op")
     if op == "monitor":
-        from tracking._runs import SYSTEM_METRICS_INTERVAL_S
-
-        monitor.start(client, run_id, tracking_uri, float(request.get("interval_s", SYSTEM_METRICS_INTERVAL_S)))
+        monitor.start(client, run_id, tracking_uri, float(request["interval_s"]))
         return ""
     if op == "file":
         client.log_artifact(run_id, request["path"], request.get("folder") or None)

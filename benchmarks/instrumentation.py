@@ -119,7 +119,8 @@ def main() -> None:
     if profile is not None:
         start = time.perf_counter()
         plots = render_plots(profile)
-        print(f"plots: {len(plots)} PNGs rendered in {time.perf_counter() - start:.2f} s (once, at the end of a run)")
+        drawn_ms = 1000 * (time.perf_counter() - start)
+        print(f"plots: {len(plots)} SVG charts drawn in {drawn_ms:.1f} ms (once, at the end of a run)")
 
 
 if __name__ == "__main__":

@@ -737,7 +737,7 @@ def console() -> NoReturn:
 
     Once the command is done - its output written, every thread it started finished, the ``atexit`` handlers run
     - the process ends without the interpreter's teardown: freeing the modules a tracked run loads (torch, MLflow,
-    SQLAlchemy, matplotlib) one object at a time took 2 s of a default run's 10 (0.7 s without tracking), and frees
+    SQLAlchemy) one object at a time took 2 s of a default run's 10 (0.7 s without tracking), and frees
     nothing the operating system would not.
     """
     status = main(process_ends=True)

@@ -2,7 +2,7 @@
 
 :class:`Profiler` reads events from the bus and keeps compact records (a few numbers per task and per version);
 :func:`build_profile` turns them into the ``profile.json`` dict with pure arithmetic, and
-:func:`flasync.plots.render_plots` draws that dict as PNG images (matplotlib, Agg backend). :class:`Instrumentation`
+:func:`flasync.plots.render_plots` draws that dict as SVG charts. :class:`Instrumentation`
 is the one bus subscriber of a run that feeds the profiler and the :class:`~flasync.diagnostics.AlertMonitor` and
 raises alerts (a structlog warning, an :class:`~flasync.events.AlertRaised` event, MLflow metrics
 ``alert.<kind>.count`` and an MLflow tag ``alert.<kind>``).

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
-import json
 import logging
 import os
 import shutil
@@ -117,11 +116,6 @@ _DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
 
 
 _T = TypeVar("_T")
-
-
-def _plots_failed(log: Any, exc: Exception) -> None:
-    """Report plots that could not be made (they must not fail the run)."""
-    log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
 
 
 _TRACES = "flasync-traces-"
@@ -703,59 +697,39 @@ class Federation:
         mlflow_tracker = tracker if isinstance(tracker, tracking.MlflowTracker) else None
         assert self.weights is not None
         example = prepared.test.x[:2].detach().cpu().numpy()
-        pool: ThreadPoolExecutor | None = None
-        plots = self.profile is not None and self.config.diagnostics.plots
-        plots_done = False
         built = self.config.tracking.log_model and mlflow_tracker is not None and prepared.model_spec is not None
         settle_model: Callable[[], float] | None = None
         if built:
             assert mlflow_tracker is not None and prepared.model_spec is not None
-            # The writer process logs the model on a thread of its own while this process goes on: from here, the
-            # plots, the files and the metrics still queued are answered beside the model's export (by the writer's
-            # helpers, on Linux). Where the plots' imports were not done ahead (a new writer process
-            # without helpers), a one-shot process draws them meanwhile.
+            # The writer process logs the model on a thread of its own (its helper exports it, on Linux) while this
+            # process logs the other artifacts.
             try:
                 settle_model = self._start_model_from_spec(mlflow_tracker, prepared.model_spec, example)
             except Exception as exc:  # a model MLflow cannot serialise must not fail the run
                 log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
-            if plots and not mlflow_tracker.writer_warm:
-                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-plots")
-                pool.submit(self._log_plots, mlflow_tracker, log, elsewhere=True)
-                plots_done = True
-        settle_plots: Callable[[], None] | None = None
-        try:
-            if plots and mlflow_tracker is not None and not plots_done:
-                # Answered at once: the files and metrics below go to the store while the plots are drawn.
-                settle_plots = self._start_plots(mlflow_tracker, log)
-            tracker.log_dict(summary.to_dict(), "summary.json")
-            if self.profile is not None:
-                tracker.log_dict(json_ready(self.profile), "profile.json")
-            if plots and mlflow_tracker is None and self.profile is not None:
-                for name, image in render_plots(self.profile).items():
-                    tracker.log_bytes(image, f"plots/{name}")
-            if self._traces is not None:
-                for path in self._traces.traces:
-                    tracker.log_file(path, "torch_profiler")
-            if summary.alerts and self.profile is not None:
-                alerts = ", ".join(f"{k}={v}" for k, v in sorted(self.profile["alerts"].items()))
-                tracker.set_tags({"alerts": alerts})
-            config_text = yaml.safe_dump(_redacted(self.config).model_dump(mode="json"), sort_keys=False)
-            tracker.log_bytes(config_text.encode(), "config.yaml")
-            module = prepared.factory()
-            offset = 0
-            with torch.no_grad():
-                for tensor in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
-                    n = tensor.numel()
-                    tensor.copy_(self.weights[offset : offset + n].view_as(tensor))
-                    offset += n
-            buffer = io.BytesIO()
-            torch.save({"flat": self.weights, "state_dict": module.state_dict()}, buffer)
-            tracker.log_bytes(buffer.getvalue(), "weights.pt")
-        finally:
-            if settle_plots is not None:
-                settle_plots()
-            if pool is not None:
-                pool.shutdown(wait=True)  # the model is logged before the run may end
+        tracker.log_dict(summary.to_dict(), "summary.json")
+        if self.profile is not None:
+            tracker.log_dict(json_ready(self.profile), "profile.json")
+            if self.config.diagnostics.plots:
+                self._log_plots(tracker, log)
+        if self._traces is not None:
+            for path in self._traces.traces:
+                tracker.log_file(path, "torch_profiler")
+        if summary.alerts and self.profile is not None:
+            alerts = ", ".join(f"{k}={v}" for k, v in sorted(self.profile["alerts"].items()))
+            tracker.set_tags({"alerts": alerts})
+        config_text = yaml.safe_dump(_redacted(self.config).model_dump(mode="json"), sort_keys=False)
+        tracker.log_bytes(config_text.encode(), "config.yaml")
+        module = prepared.factory()
+        offset = 0
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
+                n = tensor.numel()
+                tensor.copy_(self.weights[offset : offset + n].view_as(tensor))
+                offset += n
+        buffer = io.BytesIO()
+        torch.save({"flat": self.weights, "state_dict": module.state_dict()}, buffer)
+        tracker.log_bytes(buffer.getvalue(), "weights.pt")
         if not self.config.tracking.log_model or mlflow_tracker is None or (built and settle_model is None):
             return
         try:
@@ -767,49 +741,19 @@ class Federation:
         except Exception as exc:  # a model MLflow cannot serialise must not fail the run
             log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 
-    def _log_plots(self, tracker: tracking.MlflowTracker, log: Any, *, elsewhere: bool = False) -> None:
-        """Have the profile drawn in another process (the writer process, or a one-shot one: always with
-        ``elsewhere``) and logged under ``plots/``: matplotlib is never imported here, where its objects would set
-        off full garbage collections that hold the event loop (a failure is only logged)."""
-        with tempfile.TemporaryDirectory(prefix="flasync-plots-") as tmp:
-            try:
-                path = self._profile_file(tmp)
-                seconds = tracker.log_files_from(tracked.PLOTS_WRITER, {"profile": path}, "plots", elsewhere=elsewhere)
-            except Exception as exc:
-                _plots_failed(log, exc)
-                return
-        log.debug("tracking.plots", seconds=seconds, metrics=False)
-
-    def _start_plots(self, tracker: tracking.MlflowTracker, log: Any) -> Callable[[], None]:
-        """Begin :meth:`_log_plots` in the writer process (see :meth:`tracking.MlflowTracker.start_files_from`);
-        return what waits for the plots (a failure is only logged)."""
-        tmp = tempfile.mkdtemp(prefix="flasync-plots-")
-        try:
-            settle = tracker.start_files_from(tracked.PLOTS_WRITER, {"profile": self._profile_file(tmp)}, "plots")
-        except Exception as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            _plots_failed(log, exc)
-            return lambda: None
-
-        def wait() -> None:
-            try:
-                seconds = settle()
-            except Exception as exc:
-                _plots_failed(log, exc)
-                return
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            log.debug("tracking.plots", seconds=seconds, metrics=False)
-
-        return wait
-
-    def _profile_file(self, folder: str) -> str:
-        """Write the profile as JSON into ``folder`` (what the plots are drawn from); return its path."""
+    def _log_plots(self, tracker: tracking.Tracker, log: Any) -> None:
+        """Draw the profile's charts (SVG, about a millisecond each: see :mod:`tracking.charts`) and log them under
+        ``plots/``; a failure is only logged, it must not fail the run."""
         assert self.profile is not None
-        path = os.path.join(folder, "profile.json")
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump(json_ready(self.profile), file, default=str)
-        return path
+        began = time.perf_counter()
+        try:
+            plots = render_plots(self.profile)
+        except Exception as exc:
+            log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+            return
+        for name, image in plots.items():
+            tracker.log_bytes(image, f"plots/{name}")
+        log.debug("tracking.plots", seconds=time.perf_counter() - began, metrics=False)
 
     def _start_model_from_spec(
         self, tracker: tracking.MlflowTracker, spec: tuple[str, dict[str, Any]], example: np.ndarray

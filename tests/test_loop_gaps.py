@@ -6,7 +6,7 @@ MLflow call, a checkpoint upload) shows as a gap of its whole duration, and so d
 a thread holding the GIL, or a full collection of Python's garbage collector, which stops every thread for a time
 that grows with the heap (0.15-0.5 s here, with torch and MLflow loaded). A run sets no full collection off, because
 it creates few long-lived objects in its process: the digits are read without importing scikit-learn (SciPy,
-pandas), and the plots are drawn by the MLflow writer process (no matplotlib here). Each window starts right after
+pandas), and the plots are SVG text built in a millisecond or two (no matplotlib). Each window starts right after
 a collection, so none falls due in it for what the process allocated before (the test's own MLflow clients make
 tens of thousands of objects); the heartbeat counts the full collections during its window and names them in a
 failure's message.
@@ -20,8 +20,8 @@ it. Both figures are printed; where the kernel gives no schedstat, the raw gap i
 MLflow is imported by this module (for :func:`status_of`), so the in-process tests cannot tell whether a run imports
 it; two tests in fresh processes do: a tracked run imports neither scikit-learn nor matplotlib where it runs, and one
 tracked to a server that never answers imports neither MLflow (the tracker asks the server's ``/health`` before it
-would import MLflow to write from its own process) nor matplotlib, its model and plots being made by one-shot
-processes for the spool.
+would import MLflow to write from its own process) nor matplotlib, its model being made by a one-shot process for
+the spool.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ async def test_clean_up_completes_through_one_cancellation_and_a_second_stops_th
 @pytest.mark.timeout(180)
 def test_a_tracked_run_leaves_matplotlib_and_scikit_learn_out_of_its_process(tmp_path: Path) -> None:
     """A tracked run of digits imports neither scikit-learn nor matplotlib where it runs (their objects would set
-    off full collections), yet its plots reach the store: the writer process drew them."""
+    off full collections), yet its plots reach the store."""
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     code = (
         "import sys, flasync, flasync.testing as t; "
@@ -347,7 +347,7 @@ def test_a_tracked_run_leaves_matplotlib_and_scikit_learn_out_of_its_process(tmp
     assert experiment is not None
     (run,) = client.search_runs([experiment.experiment_id])
     plots = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "plots")}
-    assert {"accuracy.png", "staleness.png", "time_breakdown.png", "client_times.png"} <= plots
+    assert {"accuracy.svg", "staleness.svg", "time_breakdown.svg", "client_times.svg"} <= plots
 
 
 @pytest.mark.timeout(180)
@@ -355,7 +355,7 @@ def test_a_run_tracked_to_a_silent_server_never_imports_mlflow_in_its_process(
     silent_server: str, tmp_path: Path
 ) -> None:
     """With a server that never answers, a tracked run (model and plots included) imports neither MLflow nor
-    matplotlib where it runs: the spool gets everything, made by other processes."""
+    matplotlib where it runs: the spool gets everything, the model made by another process."""
     code = (
         "import sys, flasync, flasync.testing as t, tracking; "
         f"tracker = tracking.MlflowTracker({silent_server!r}, http_timeout_s=0.5, http_retries=0, "
@@ -369,4 +369,4 @@ def test_a_run_tracked_to_a_silent_server_never_imports_mlflow_in_its_process(
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert len(list((tmp_path / "spool").glob("*.jsonl"))) == 1
     spooled = {path.name for path in (tmp_path / "spool").rglob("*")}
-    assert {"accuracy.png", "MLmodel"} <= spooled  # the plots and the model were made and spooled
+    assert {"accuracy.svg", "MLmodel"} <= spooled  # the plots and the model were made and spooled

@@ -164,7 +164,7 @@ async def test_profiled_bytes_are_the_encoded_payload_lengths() -> None:
 
 
 async def test_profile_json_and_plots_are_artifacts() -> None:
-    """profile.json and the PNG plots are logged, non-empty (no bytes plot for a dense run); the profile carries
+    """profile.json and the SVG plots are logged, non-empty (no bytes plot for a dense run); the profile carries
     every section."""
     tracker = MemoryTracker()
     summary = await flasync.Federation(small_config(), tracker=tracker).run()
@@ -174,8 +174,8 @@ async def test_profile_json_and_plots_are_artifacts() -> None:
     assert profile["memory"]["peak_rss_bytes"] > 0 and profile["memory"]["model_bytes"] > 0
     assert profile["memory"]["training_call_peak_bytes"]["max"] > profile["memory"]["model_bytes"]
     plots = {k: v for k, v in tracker.artifacts.items() if k.startswith("plots/")}
-    assert set(plots) == {f"plots/{name}.png" for name in ("accuracy", "staleness", "time_breakdown", "client_times")}
-    assert all(image.startswith(PNG_MAGIC) and len(image) > 1000 for image in plots.values())
+    assert set(plots) == {f"plots/{name}.svg" for name in ("accuracy", "staleness", "time_breakdown", "client_times")}
+    assert all(image.startswith(b"<svg ") and len(image) > 1000 for image in plots.values())
     assert summary.peak_rss_bytes > 0 and 0 <= summary.server_idle_fraction <= 1
     [(_, logged_rss)] = tracker.history("run/finished/peak_rss_bytes")
     assert logged_rss > 0  # the run.finished event carries it too, not only summary.json
@@ -196,16 +196,16 @@ async def test_plots_of_a_long_run_stay_readable_and_only_say_something() -> Non
     assert len(bars) == 40 and all(b["versions"] == 2 for b in bars)
     assert sum(b["compute_s"] for b in bars) == pytest.approx(sum(r["compute_s"] for r in rows))
     plots = render_plots(profile)
-    assert set(plots) == {f"{name}.png" for name in ("accuracy", "staleness", "time_breakdown", "client_times")}
-    assert all(image.startswith(PNG_MAGIC) and len(image) > 1000 for image in plots.values())
+    assert set(plots) == {f"{name}.svg" for name in ("accuracy", "staleness", "time_breakdown", "client_times")}
+    assert all(image.startswith(b"<svg ") and len(image) > 1000 for image in plots.values())
     sparse = MemoryTracker()
     config = small_config("stop.max_versions=8", "codec.upload=[{kind: topk, ratio: 0.05}]")
     await flasync.Federation(config, tracker=sparse).run()
-    assert "bytes.png" in render_plots(json.loads(sparse.artifacts["profile.json"]))
+    assert "bytes.svg" in render_plots(json.loads(sparse.artifacts["profile.json"]))
     rounds = MemoryTracker()
     fedavg = small_config("stop.max_versions=3", server={"kind": "fedavg", "clients_per_round": 5})
     await flasync.Federation(fedavg, tracker=rounds).run()
-    assert "staleness.png" not in render_plots(json.loads(rounds.artifacts["profile.json"]))  # one bar: staleness 0
+    assert "staleness.svg" not in render_plots(json.loads(rounds.artifacts["profile.json"]))  # one bar: staleness 0
 
 
 async def test_torch_profiler_trace_is_an_artifact() -> None:

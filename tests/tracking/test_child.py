@@ -19,7 +19,6 @@ from mlflow.entities import Metric
 import flasync
 from flasync import models
 from flasync.testing import MemoryTracker, small_config
-from flasync.tracked import PLOTS_WRITER
 from tracking import MlflowTracker, _files
 from tracking._child import _EXIT_TIMEOUT_S, FORKS_HELPER, IDLE, ChildLogBatch, IdleChild, close_idle_writer
 
@@ -227,7 +226,8 @@ def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-PLOTS = {"accuracy.png", "staleness.png", "time_breakdown.png", "client_times.png"}
+PLOTS_WRITER = "flasync.plots:write_plots"
+PLOTS = {"accuracy.svg", "staleness.svg", "time_breakdown.svg", "client_times.svg"}
 
 
 def _artifacts(tracking_uri: str, run_id: str, folder: str) -> set[str]:
@@ -532,9 +532,7 @@ def test_a_writer_with_preloads_leaves_model_and_files_to_helpers_of_its_own(
     and the plots are made there (the writer process never loads torch), logged by the writer process; the helpers
     end with it."""
     monkeypatch.setattr(_files, "write_elsewhere", lambda *a, **k: pytest.fail("drawn by a one-shot process"))
-    tracker = MlflowTracker(
-        tracking_uri, preload=("tracking._model:warm_up",), files_preload=("flasync.plots:warm_up_plots",)
-    )
+    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), files_preload=("flasync.plots",))
     assert tracker.writer_warm
     tracker.prepare()
     assert tracker._child is not None
@@ -604,7 +602,7 @@ def test_helpers_die_with_a_killed_writer(tracking_uri: str) -> None:
 def test_writer_warm_says_where_plots_are_drawn(tracking_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A new writer process draws files beside the model's export when it forks helpers, or has no model to
     export; without fork, a tracker with a model to log leaves the files to a one-shot process."""
-    model, plots = ("tracking._model:warm_up",), ("flasync.plots:warm_up_plots",)
+    model, plots = ("tracking._model:warm_up",), ("flasync.plots",)
     assert not MlflowTracker(tracking_uri, preload=model).writer_warm
     monkeypatch.setattr("tracking.mlflow_run.FORKS_HELPER", True)
     assert MlflowTracker(tracking_uri, preload=model, files_preload=plots).writer_warm
@@ -641,7 +639,7 @@ def test_a_started_model_is_exported_while_the_writer_answers_the_rest(
     tracker = MlflowTracker(
         tracking_uri,
         preload=("tracking._model:warm_up",),
-        files_preload=("flasync.plots:warm_up_plots",),
+        files_preload=("flasync.plots",),
         idle_writers=holder,
     )
     run_id = tracker.start(experiment="child-deferred")
@@ -735,7 +733,7 @@ def test_started_files_are_written_while_the_writer_answers_the_rest(
     (tmp_path / "waiting_files.py").write_text(_WAITING_FILES)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     holder = IdleChild()
-    tracker = MlflowTracker(tracking_uri, files_preload=("flasync.plots:warm_up_plots",), idle_writers=holder)
+    tracker = MlflowTracker(tracking_uri, files_preload=("flasync.plots",), idle_writers=holder)
     run_id = tracker.start(experiment="child-deferred-files")
     flag = tmp_path / "go"
     settle = tracker.start_files_from("waiting_files:write", {"flag": str(flag)}, "drawn")

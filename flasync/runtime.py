@@ -250,13 +250,25 @@ class Federation:
             return tracking.NullTracker()
         return tracked.mlflow_tracker(self.config)
 
-    def _log_dataset(self, tracker: tracking.Tracker, prepared: Prepared, custom: bool, log: Any) -> None:
-        """Record the training data as the run's MLflow dataset input (a tracking failure is only logged)."""
+    def _log_inputs(self, tracker: tracking.Tracker, prepared: Prepared, custom: bool, log: Any) -> None:
+        """Record the training data as the run's MLflow dataset input and log ``config.yaml`` (a tracking failure is
+        only logged)."""
         record = dataset_record(self.config, prepared, custom=custom)
         try:
             tracker.log_dataset(record.name, record.digest, record.source, record.profile)
         except Exception as exc:  # a tracking failure must not fail the run
             log.warning("tracking.dataset_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+        self._log_config(tracker, log)
+
+    def _log_config(self, tracker: tracking.Tracker, log: Any) -> None:
+        """Log the run's configuration as ``config.yaml`` (secrets redacted), once its MLflow run is open: it is in
+        the store while the run trains, and the store's first artifact (for MLflow, resolving where the run's
+        artifacts go) is written then rather than at the end."""
+        text = yaml.safe_dump(_redacted(self.config).model_dump(mode="json"), sort_keys=False)
+        try:
+            tracker.log_bytes(text.encode(), "config.yaml")
+        except Exception as exc:  # a tracking failure must not fail the run
+            log.warning("tracking.config_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 
     def _tags(self) -> dict[str, str]:
         tags = run_tags(self.config, virtual_clock=self.clock.virtual)
@@ -329,6 +341,7 @@ class Federation:
         try:
             if self._resume is not None and self._resume.run_id:
                 run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
+                await asyncio.to_thread(self._log_config, tracker, log)  # a resumed run's stop.* may differ
             else:
                 custom = self._dataset is not None
                 start = functools.partial(
@@ -346,7 +359,7 @@ class Federation:
                 else:
                     run_id = await asyncio.to_thread(start)
                     if tracked:
-                        await asyncio.to_thread(self._log_dataset, tracker, prepared, custom, log)
+                        await asyncio.to_thread(self._log_inputs, tracker, prepared, custom, log)
         except BaseException:
             # Not the tracker: a start cut short by a cancellation may still be going on in its thread.
             await _off_loop(executor.shutdown)
@@ -381,8 +394,9 @@ class Federation:
     def _open_in_background(
         self, tracker: tracking.MlflowTracker, prepared: Prepared, custom: bool, log: Any
     ) -> Future[str]:
-        """Wait on a thread for the run ``tracker.start(wait=False)`` opens, then record the dataset input; return
-        the future of the run id. A run that cannot be opened (a deleted experiment) stops the federation."""
+        """Wait on a thread for the run ``tracker.start(wait=False)`` opens, then record the dataset input and the
+        config; return the future of the run id. A run that cannot be opened (a deleted experiment) stops the
+        federation."""
         loop = asyncio.get_running_loop()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-open-run")
 
@@ -390,7 +404,7 @@ class Federation:
             run_id = tracker.opened()
             if run_id:
                 log.info("run.opened", run_id=run_id, experiment=self.config.tracking.experiment, metrics=False)
-            self._log_dataset(tracker, prepared, custom, log)
+            self._log_inputs(tracker, prepared, custom, log)
             return run_id
 
         def stop_if_failed(future: Future[str]) -> None:
@@ -718,8 +732,6 @@ class Federation:
         if summary.alerts and self.profile is not None:
             alerts = ", ".join(f"{k}={v}" for k, v in sorted(self.profile["alerts"].items()))
             tracker.set_tags({"alerts": alerts})
-        config_text = yaml.safe_dump(_redacted(self.config).model_dump(mode="json"), sort_keys=False)
-        tracker.log_bytes(config_text.encode(), "config.yaml")
         module = prepared.factory()
         offset = 0
         with torch.no_grad():

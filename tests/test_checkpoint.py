@@ -313,7 +313,8 @@ def test_sigint_then_resume_gives_the_uninterrupted_sha(cli_dir: Path) -> None:
 
 
 def test_sigterm_exits_143_and_kills_the_run(cli_dir: Path) -> None:
-    """SIGTERM: exit 143, every metric so far flushed, a checkpoint written, the run KILLED (no RUNNING left)."""
+    """SIGTERM: exit 143, every metric so far flushed, a checkpoint written, the run KILLED (no RUNNING left), its
+    config.yaml stored."""
     tmp_path, store = cli_dir, _store(cli_dir)
     status, output = _interrupt_cli(tmp_path, store, signal.SIGTERM)
     assert status == 143, output
@@ -323,6 +324,8 @@ def test_sigterm_exits_143_and_kills_the_run(cli_dir: Path) -> None:
     assert run.info.status == "KILLED"
     slots = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
     assert slots and slots <= set(checkpoint.CHECKPOINT_SLOTS)
+    # The config is logged once the run is open, not at its end: a killed run has it too.
+    assert "config.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
     # The last evaluation printed before the signal is in the store.
     printed = [int(v) for v in re.findall(r"server\.eval .*?\bversion=(\d+)", output)]
     logged = [m.step for m in client.get_metric_history(run.info.run_id, "server/eval/accuracy")]

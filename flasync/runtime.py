@@ -742,6 +742,10 @@ class Federation:
         buffer = io.BytesIO()
         torch.save({"flat": self.weights, "state_dict": module.state_dict()}, buffer)
         tracker.log_bytes(buffer.getvalue(), "weights.pt")
+        if settle_model is not None:
+            # The metrics still queued (the profile's rows among them) are written while the model is exported, not
+            # after it, when the run's end would wait for them.
+            tracker.flush()
         if not self.config.tracking.log_model or mlflow_tracker is None or (built and settle_model is None):
             return
         try:

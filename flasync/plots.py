@@ -216,10 +216,8 @@ _ONLY_WHEN: dict[str, Callable[[Mapping[str, Any]], bool]] = {
 
 
 def write_plots(*, folder: str, profile: str) -> None:
-    """Draw the profile stored as JSON in the file ``profile`` (see :func:`render_plots`) as SVG files in ``folder``.
-
-    The charts of a run whose ``profile.json`` was downloaded, or a target for
-    :meth:`tracking.MlflowTracker.log_files_from`.
+    """Draw the profile stored as JSON in the file ``profile`` (see :func:`render_plots`) as SVG files in ``folder``:
+    the charts of a run whose ``profile.json`` was downloaded.
 
     Args:
         folder: An existing folder; one file per chart goes there (``accuracy.svg``, ...).

@@ -95,3 +95,15 @@ def test_charts_take_about_a_millisecond_of_python_not_a_plotting_library(profil
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.strip() == "False"
+
+
+def test_write_plots_draws_a_stored_profile_into_a_folder(profile: dict[str, object], tmp_path: Path) -> None:
+    """write_plots reads a profile.json and writes one file per chart, the bytes render_plots draws."""
+    from flasync.plots import write_plots
+
+    stored = tmp_path / "profile.json"
+    stored.write_text(json.dumps(profile), encoding="utf-8")
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    write_plots(folder=str(folder), profile=str(stored))
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == render_plots(profile)

@@ -16,16 +16,15 @@ without an ``if __name__ == "__main__"`` guard stays safe), and nothing is pickl
 The child also does the rest of a run's MLflow work a parent hands it, on its own core and with its own GIL. A job
 is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``tags``, ``dataset`` (an
 input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU samples are the machine's,
-wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a model, see :mod:`tracking._model`)
-or ``artifacts`` (log the files a function writes, e.g. plots, see :mod:`tracking._files`).
-What the child is to import (or call) ahead for its ``model`` jobs and for its ``artifacts`` jobs (``torch.export``
-and MLflow's pytorch flavour import in about two seconds, and the first model they save takes one more:
-:func:`tracking._model.warm_up`; matplotlib for plots) is named in its environment when it starts, or later by a
-line ``preload KIND NAME,NAME`` (sent before a run, never answered); a name is preloaded once per child. On
-Linux (:data:`FORKS_HELPER`), the child forks a helper process per kind right after MLflow's import (see
+wherever it runs), ``end`` (the run's status) or ``model`` (build, export and log a model, see
+:mod:`tracking._model`). What the child is to import (or call) ahead for its ``model`` jobs (``torch.export`` and
+MLflow's pytorch flavour import in about two seconds, and the first model they save takes one more:
+:func:`tracking._model.warm_up`) is named in its environment when it starts, or later by a line
+``preload KIND NAME,NAME`` (sent before a run, never answered; the one kind is ``model``); a name is preloaded once
+per child. On Linux (:data:`FORKS_HELPER`), the child forks a helper process right after MLflow's import (see
 :class:`_Helper`): it preloads on a core of its own, while the child opens the store and writes metrics, and does
-that kind's jobs (the child sends their results to the store). Elsewhere, or for names sent to a child without a
-helper of that kind, the child preloads on a background thread once the store is open, and does the jobs itself.
+the model jobs (the child sends their results to the store). Elsewhere, or for names sent to a child without a
+helper, the child preloads on a background thread once the store is open, and does the jobs itself.
 
 A job that carries ``"defer": NAME`` is answered ``ok`` at once and done on a thread of its own while the child
 answers what follows; ``{"op": "settle", "id": NAME}`` waits for it and answers as the job would have. The ``end``
@@ -50,7 +49,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -70,11 +68,8 @@ _PRELOAD = "preload "
 STORE_REPLACED = "the SQLite store was removed or replaced"
 """What a kept child's error says when its store's file is not the one it opened (a new child would open it)."""
 _URI_VARIABLE = "FLASYNC_CHILD_TRACKING_URI"
-_PRELOADS = {"model": "FLASYNC_CHILD_PRELOAD", "files": "FLASYNC_CHILD_FILES_PRELOAD"}
+_PRELOADS = {"model": "FLASYNC_CHILD_PRELOAD"}
 """The environment variable that names what a writer process preloads from its start, per kind of job."""
-_NICENESS = {"model": 0, "files": 10}
-"""What each helper adds to its scheduling priority: the files' one imports matplotlib during training, where the
-run, the writer process and the model's helper need the cores more; it draws once training is over."""
 FORKS_HELPER = sys.platform.startswith("linux")
 """Whether a writer process started with something to preload forks a helper to do it and the jobs it is for
 (see :class:`_Helper`): on Linux, where a fork after MLflow's import is safe and the kernel ends the helpers with
@@ -99,10 +94,10 @@ class _Helper:
     """A forked copy of the writer process that makes what its model and artifact jobs need, beside it.
 
     Forked right after MLflow's import (so it has MLflow without paying for it again, and no store, thread or
-    connection yet), it imports and warms up what it is told to preload (``torch.export``, matplotlib) on a core of
-    its own while the writer process opens the store, creates the run and writes metrics, where one process would do
-    it all on one GIL, one thing after the other. It then saves models and writes artifact files into folders the
-    writer process gives it, which the writer process sends to the store: it never opens the store itself. Jobs go
+    connection yet), it imports and warms up what it is told to preload (``torch.export``) on a core of its own while
+    the writer process opens the store, creates the run and writes metrics, where one process would do it all on one
+    GIL, one thing after the other. It then saves models into folders the writer process gives it, which the writer
+    process sends to the store: it never opens the store itself. Jobs go
     one at a time over a pipe, one JSON line each, answered ``ok`` or ``error: ...``; it dies with the writer
     process (its input ends; on Linux, the kernel also kills it at once).
     """
@@ -115,9 +110,8 @@ class _Helper:
         """One job at a time: a deferred job's thread and the writer's main thread may both have one."""
 
     @classmethod
-    def fork(cls, niceness: int = 0) -> _Helper | None:
-        """Fork the helper, ``niceness`` added to its scheduling priority; None where the platform cannot fork, or
-        threads run (forking them would be unsafe)."""
+    def fork(cls) -> _Helper | None:
+        """Fork the helper; None where the platform cannot fork, or threads run (forking them would be unsafe)."""
         if not FORKS_HELPER or threading.active_count() != 1:
             return None
         down_read, down_write = os.pipe()
@@ -130,8 +124,6 @@ class _Helper:
                 os.close(down_write)
                 os.close(up_read)
                 _die_with_parent(writer)
-                if niceness:
-                    os.nice(niceness)
                 # The writer process's pipes to the tracker stay the writer's: the tracker sees them end with it.
                 null = os.open(os.devnull, os.O_RDWR)
                 os.dup2(null, 0)
@@ -204,8 +196,7 @@ def _help(requests: IO[str], replies: IO[str]) -> None:
 
     A line ``preload NAME,...`` is done at once (never answered). A job is a JSON object: ``model`` builds a model
     with ``builder(**kwargs)`` and saves it at ``folder`` for the logged model ``description`` (see
-    :func:`tracking._model.save_for`); ``artifacts`` calls ``target(folder=..., **kwargs)`` (see
-    :func:`tracking._files.write`).
+    :func:`tracking._model.save_for`).
     """
     for line in requests:
         if line.startswith(_PRELOAD):
@@ -218,10 +209,6 @@ def _help(requests: IO[str], replies: IO[str]) -> None:
                 from tracking._model import save_for
 
                 save_for(**request)
-            elif op == "artifacts":
-                from tracking._files import write
-
-                write(request["target"], request["folder"], request.get("kwargs") or {})
             else:
                 raise ValueError(f"unknown job {op!r}")
             answer = "ok"
@@ -258,13 +245,13 @@ class _Monitor:
 
 
 class _Aside:
-    """The writer process's helpers (see :class:`_Helper`) while they live: one for model jobs, one for file jobs."""
+    """The writer process's helpers (see :class:`_Helper`) while they live, by the kind of job they do (``model``)."""
 
     def __init__(self, helpers: Mapping[str, _Helper | None]) -> None:
         self.helpers = {kind: helper for kind, helper in helpers.items() if helper is not None}
 
     def preload(self, kind: str, names: Sequence[str]) -> bool:
-        """Have the helper for ``kind`` jobs (``model`` or ``files``) preload ``names``; False when there is none
+        """Have the helper for ``kind`` jobs (``model``) preload ``names``; False when there is none
         (then the writer process does)."""
         return self._use(kind, lambda helper: helper.preload(names))
 
@@ -302,7 +289,7 @@ class _Aside:
 
 class _Deferred:
     """A run's deferred jobs: each done on a thread of its own while the writer process answers what comes next
-    (e.g. the model exported by its helper while the plots are drawn by the other), until settled."""
+    (e.g. the model exported by its helper while the run's other artifacts are logged), until settled."""
 
     def __init__(self, do: Callable[[dict[str, Any]], str]) -> None:
         self._do = do
@@ -366,15 +353,6 @@ def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, t
         monitor.stop()  # its last samples before the run's end
         client.set_terminated(run_id, request["status"], end_time=request["end_time"])
         return ""
-    if op == "artifacts":
-        from tracking._files import write
-
-        with tempfile.TemporaryDirectory(prefix="tracking-files-") as folder:
-            kwargs = request.get("kwargs") or {}
-            if not aside("files", {"op": "artifacts", "target": request["target"], "folder": folder, "kwargs": kwargs}):
-                write(request["target"], folder, kwargs)
-            client.log_artifacts(run_id, folder, request.get("folder") or None)
-        return ""
     if op == "model":
         from tracking._model import log_built_model
 
@@ -405,7 +383,7 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     # What the parent said to preload when it started this process: helpers forked now, before the store opens a
     # connection or any thread starts, do it on cores of their own while this process opens the store.
     names = {kind: [n for n in os.environ.get(variable, "").split(",") if n] for kind, variable in _PRELOADS.items()}
-    aside = _Aside({kind: _Helper.fork(_NICENESS[kind]) if names[kind] else None for kind in names})
+    aside = _Aside({kind: _Helper.fork() if names[kind] else None for kind in names})
     for kind in list(aside.helpers):
         aside.preload(kind, names[kind])  # a helper already gone is dropped: the writer preloads instead
     try:
@@ -575,7 +553,6 @@ class ChildLogBatch:
             ahead for the ``model`` jobs it will be given (see :meth:`job`): on Linux, a helper process
             the child forks at its start does that and those jobs (see :class:`_Helper`); elsewhere the child
             does, on a thread, once the store is open.
-        files_preload: The same for its ``artifacts`` jobs, with a helper of their own.
 
     ``__call__`` raises ``RuntimeError`` with the child's error message, or ``ConnectionError`` when the child is
     gone; the caller (a :class:`~tracking.writer.MetricWriter`) keeps the batch and retries or falls back.
@@ -588,10 +565,9 @@ class ChildLogBatch:
         *,
         extra_env: Mapping[str, str] | None = None,
         preload: Sequence[str] = (),
-        files_preload: Sequence[str] = (),
     ) -> None:
         """Start the child (it imports MLflow in the background, and connects once it has the run id)."""
-        lists = {"model": list(dict.fromkeys(preload)), "files": list(dict.fromkeys(files_preload))}
+        lists = {"model": list(dict.fromkeys(preload))}
         for names in lists.values():
             _check_names(names)
         self._env = _child_env(tracking_uri, extra_env)
@@ -620,9 +596,9 @@ class ChildLogBatch:
         pytest's ``PYTEST_CURRENT_TEST``, aside)."""
         return _lasting(self._env) == _lasting(_child_env(tracking_uri, extra_env))
 
-    def preload(self, names: Sequence[str], *, files: bool = False) -> None:
-        """Have the child import or call ``names`` (see ``preload`` above; ``files``: ``files_preload``) in the
-        background, those it was not given before; never blocks.
+    def preload(self, names: Sequence[str]) -> None:
+        """Have the child import or call ``names`` (see ``preload`` above) in the background, those it was not given
+        before; never blocks.
 
         Raises:
             ValueError: The child serves a run now (preload before :meth:`bind` or :meth:`start`), or a name holds a
@@ -630,7 +606,7 @@ class ChildLogBatch:
             ConnectionError: The child is gone.
         """
         _check_names(names)
-        kind = "files" if files else "model"
+        kind = "model"
         with self._lock:
             fresh = [name for name in dict.fromkeys(names) if name not in self._preloaded[kind]]
             if not fresh:
@@ -788,8 +764,8 @@ class ChildLogBatch:
         After an ``end`` job the child serves no run, whatever the answer (:attr:`idle`).
 
         Args:
-            request: The job, e.g. ``{"op": "artifacts", "target": "pkg.mod:draw", "kwargs": {...},
-                "folder": "plots"}``; JSON-encodable.
+            request: The job, e.g. ``{"op": "file", "path": "/tmp/x/summary.json", "folder": None}``;
+                JSON-encodable.
             timeout: Longest wait for the child to connect, in seconds (the job itself is not bounded).
             run: The caller's run (:attr:`run` when it began): the job is refused once the child left it.
 

@@ -1,11 +1,10 @@
-"""Artifact files an importable function writes, made in another process than the tracker's.
+"""Artifact files an importable function writes, made in a one-shot process rather than the tracker's.
 
-A run's plots need matplotlib: tens of thousands of Python objects to import and as many again to draw. Made in
-the training process (an embedding service's), that many new long-lived objects set off a full collection of
-Python's garbage collector, which stops every thread of the process, the event loop's too, for a time that grows
-with the whole heap (0.2 s with torch loaded, on a 2-core machine). So :meth:`tracking.MlflowTracker.log_files_from`
-has them made elsewhere: by the writer process (:mod:`tracking._child`, as a job, with what they need imported
-ahead by its ``preload`` while the run trains), or, when there is none, by a one-shot ``python -m tracking._files``.
+When the store fails, a tracker spools its run's model (see :meth:`tracking.MlflowTracker.log_model_from`):
+``torch.export`` and MLflow's pytorch flavour, imported and exporting in the training process, would bring tens of
+thousands of long-lived Python objects into it, and such a burst sets off a full collection of Python's garbage
+collector, which stops every thread of the process, the event loop's too, for a time that grows with the whole heap
+(0.2 s with torch loaded, on a 2-core machine). So :func:`write_elsewhere` has ``python -m tracking._files`` save it.
 Nothing crosses the boundary but the function's name, its JSON keyword arguments and the files it writes.
 """
 

@@ -29,7 +29,7 @@ import structlog
 import yaml
 
 from tracking import _files, _model
-from tracking._child import FORKS_HELPER, IDLE, STORE_REPLACED, ChildLogBatch, IdleChild
+from tracking._child import IDLE, STORE_REPLACED, ChildLogBatch, IdleChild
 from tracking._keys import safe_key
 from tracking._runs import (
     _MAX_PARAMS_PER_CALL,
@@ -260,9 +260,6 @@ class MlflowTracker:
             while the caller trains, for the model :meth:`log_model_from` will hand it, e.g.
             ``("tracking._model:warm_up",)``: on Linux, a helper process of the writer process's does
             that and the model's export on a core of its own (see :mod:`tracking._child`).
-        files_preload: The same for what :meth:`log_files_from` will hand it (e.g. the plots' imports), with a
-            helper of its own. Where processes cannot fork, a new writer process preloads these only when
-            ``preload`` is empty (it would export the model first: see :attr:`writer_warm`); a kept one always.
         idle_writers: Where an idle writer process is taken from and left for the next tracker: the process's
             holder :data:`tracking._child.IDLE` by default; a tracker given its own :class:`IdleChild` (a test, or
             an application that wants no process-wide sharing) shares only with trackers given the same one.
@@ -287,13 +284,11 @@ class MlflowTracker:
         http_retries: int = 1,
         runs_view: Mapping[str, Any] | None = None,
         preload: Sequence[str] = (),
-        files_preload: Sequence[str] = (),
         idle_writers: IdleChild = IDLE,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self._idle_writers = idle_writers
         self._preload = tuple(preload)
-        self._files_preload = tuple(files_preload)
         self._writer_reused = False
         self._deferred = itertools.count(1)
         """Numbers the writer process's deferred jobs (see :meth:`start_model_from`)."""
@@ -393,7 +388,6 @@ class MlflowTracker:
         if child is not None:
             try:
                 child.preload(self._preload)
-                child.preload(self._files_preload, files=True)
                 self._writer_reused = True
             except (ConnectionError, ValueError):
                 child.close()
@@ -402,13 +396,7 @@ class MlflowTracker:
 
     def _new_child(self) -> ChildLogBatch:
         """Start a writer process, told what to preload."""
-        files = self._new_files_preload()
-        return ChildLogBatch(self.tracking_uri, extra_env=self._child_env(), preload=self._preload, files_preload=files)
-
-    def _new_files_preload(self) -> tuple[str, ...]:
-        """Return what a new writer process preloads for files: ``files_preload``, unless it has no helpers and a
-        model to export first (see ``files_preload``)."""
-        return self._files_preload if FORKS_HELPER or not self._preload else ()
+        return ChildLogBatch(self.tracking_uri, extra_env=self._child_env(), preload=self._preload)
 
     def _child_env(self) -> dict[str, str]:
         """Return the writer process's own environment variables: bounds on a server's HTTP timeout and retries."""
@@ -416,17 +404,6 @@ class MlflowTracker:
             return {}
         bounds = http_env(self._http_timeout, self._http_retries)
         return {k: v for k, v in bounds.items() if k not in os.environ}
-
-    @property
-    def writer_warm(self) -> bool:
-        """Whether what :meth:`log_files_from` hands the writer process finds ``files_preload`` done there and need
-        not wait for the model's export: a kept writer process (see :attr:`writer_reused`), a new one with helper
-        processes (see :data:`tracking._child.FORKS_HELPER`), or one with no model to export. Otherwise a one-shot
-        process (``elsewhere`` of :meth:`log_files_from`) makes the files sooner, beside the export. False too
-        without a writer process (``writer_process=False``)."""
-        if not self._writer_process:
-            return False
-        return self._writer_reused or bool(self._new_files_preload())
 
     @property
     def writer_reused(self) -> bool:
@@ -1105,65 +1082,6 @@ class MlflowTracker:
                 writer.artifact_path(os.path.join(tmp, name), None)
 
         self._failover.deliver(send, spool)
-
-    def log_files_from(
-        self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None = None, *, elsewhere: bool = False
-    ) -> float:
-        """Store as artifacts the files ``target(folder=..., **kwargs)`` writes, made in another process; return the
-        seconds waited.
-
-        The writer process calls ``target`` when there is one (name what it imports in ``preload``) and
-        ``elsewhere`` is False; otherwise a one-shot Python process does, and the files are logged as
-        :meth:`log_file` logs them. This process never imports what ``target`` needs (see :mod:`tracking._files`).
-
-        Args:
-            target: ``package.module:name`` of a function writing files into the folder it is given as ``folder``
-                (importable by a fresh interpreter: no ``__main__`` names).
-            kwargs: Its other keyword arguments, JSON values (e.g. the path of a JSON file to draw).
-            artifact_path: Folder inside the run's artifacts; the root when None.
-            elsewhere: Always in a one-shot process, e.g. while the writer process is busy with a longer job (the
-                model's export), so that the two run side by side.
-
-        Returns:
-            Wall-clock seconds spent.
-
-        Raises:
-            RuntimeError: ``target`` failed (its message), or :meth:`start` was not called.
-        """
-        began = time.perf_counter()
-        self._check_started()
-        request = {"op": "artifacts", "target": target, "kwargs": dict(kwargs), "folder": artifact_path}
-        if elsewhere or not self._child_job(request):
-            self._files_here(target, kwargs, artifact_path)
-        return time.perf_counter() - began
-
-    def start_files_from(
-        self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None = None
-    ) -> Callable[[], float]:
-        """Begin what :meth:`log_files_from` does and return at once; the function returned waits for it to end and
-        returns the seconds since this call (raising what :meth:`log_files_from` would).
-
-        The writer process does the job on a thread of its own (its files helper writes the files, on Linux), so
-        the files and metrics this process sends meanwhile are answered beside it rather than after it. Without a
-        writer process a one-shot process writes the files before this returns. Call the function before
-        :meth:`finish` (which otherwise waits for the job without reporting it) and keep ``kwargs``' files until
-        it returns.
-
-        Args:
-            target: As for :meth:`log_files_from`.
-            kwargs: As for :meth:`log_files_from`.
-            artifact_path: As for :meth:`log_files_from`.
-        """
-        self._check_started()
-        request = {"op": "artifacts", "target": target, "kwargs": dict(kwargs), "folder": artifact_path}
-        return self._start_deferred("files", request, lambda: self._files_here(target, kwargs, artifact_path))
-
-    def _files_here(self, target: str, kwargs: Mapping[str, Any], artifact_path: str | None) -> None:
-        """Have a one-shot process write ``target``'s files and log them from this process."""
-        with tempfile.TemporaryDirectory(prefix="tracking-files-") as folder:
-            _files.write_elsewhere(target, folder, kwargs)
-            for path in sorted(Path(folder).iterdir()):
-                self.log_file(path, artifact_path)
 
     def _child_job(self, request: Mapping[str, Any]) -> bool:
         """Have the writer process do ``request``; False when there is none, the store is failing, or it failed

@@ -18,7 +18,7 @@ from mlflow.entities import Metric
 
 import flasync
 from flasync import models
-from flasync.testing import MemoryTracker, small_config
+from flasync.testing import small_config
 from tracking import MlflowTracker, _files
 from tracking._child import _EXIT_TIMEOUT_S, FORKS_HELPER, IDLE, ChildLogBatch, IdleChild, close_idle_writer
 
@@ -216,63 +216,11 @@ def test_system_monitor_runs_in_the_child(tracking_uri: str) -> None:
     assert run.info.status == "FINISHED"
 
 
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Return the path of a small run's profile.json."""
-    tracker = MemoryTracker()
-    flasync.run(small_config("stop.max_versions=4"), tracker=tracker)
-    path = tmp_path_factory.mktemp("profile") / "profile.json"
-    path.write_bytes(tracker.artifacts["profile.json"])
-    return path
-
-
-PLOTS_WRITER = "flasync.plots:write_plots"
 PLOTS = {"accuracy.svg", "staleness.svg", "time_breakdown.svg", "client_times.svg"}
 
 
 def _artifacts(tracking_uri: str, run_id: str, folder: str) -> set[str]:
     return {Path(a.path).name for a in mlflow.MlflowClient(tracking_uri).list_artifacts(run_id, folder)}
-
-
-def test_files_a_function_writes_are_logged_by_the_child(
-    tracking_uri: str, profile_file: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """log_files_from has the writer process call the function and log the files it wrote under the folder."""
-
-    def not_here(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the files were made by a one-shot process, not the writer process")
-
-    monkeypatch.setattr(_files, "write_elsewhere", not_here)
-    tracker = MlflowTracker(tracking_uri)
-    run_id = tracker.start(experiment="files-child")
-    tracker.log_files_from(PLOTS_WRITER, {"profile": str(profile_file)}, "plots")
-    tracker.finish("FINISHED")
-    assert _artifacts(tracking_uri, run_id, "plots") == PLOTS
-
-
-def test_files_without_a_writer_process_are_made_by_a_one_shot_process(
-    tracking_uri: str, profile_file: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Without a writer process, a one-shot process calls the function (never this one) and the files are logged."""
-
-    def not_here(*args: object, **kwargs: object) -> list[str]:
-        raise AssertionError("the files were made in the tracker's process")
-
-    monkeypatch.setattr(_files, "write", not_here)
-    tracker = MlflowTracker(tracking_uri, writer_process=False)
-    run_id = tracker.start(experiment="files-one-shot")
-    tracker.log_files_from(PLOTS_WRITER, {"profile": str(profile_file)}, "plots")
-    tracker.finish("FINISHED")
-    assert _artifacts(tracking_uri, run_id, "plots") == PLOTS
-
-
-def test_a_failing_file_writer_is_one_error_naming_it(tracking_uri: str) -> None:
-    """A function that fails in the other process raises RuntimeError with its name and its error's last line."""
-    tracker = MlflowTracker(tracking_uri, writer_process=False)
-    tracker.start(experiment="files-fail")
-    with pytest.raises(RuntimeError, match=r"flasync\.plots:write_plots failed: FileNotFoundError"):
-        tracker.log_files_from(PLOTS_WRITER, {"profile": "/nonexistent/profile.json"}, "plots")
-    tracker.finish("FINISHED")
 
 
 def _steps(client: mlflow.MlflowClient, run_id: str, key: str) -> list[int]:
@@ -468,7 +416,7 @@ def test_consecutive_federations_share_the_child_and_log_their_own_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two tracked flasync.run calls in one process: the second takes the first's writer process, which exports its
-    model and draws its plots (no one-shot process), each into its own run."""
+    model (no one-shot process), each into its own run with its plots."""
     close_idle_writer()
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     summaries, pids = [], []
@@ -479,7 +427,7 @@ def test_consecutive_federations_share_the_child_and_log_their_own_model(
         pids.append(IDLE.child.pid)
 
         def not_here(*args: object, **kwargs: object) -> None:
-            raise AssertionError("the plots were drawn by a one-shot process, not the kept writer process")
+            raise AssertionError("the model was saved by a one-shot process, not the kept writer process")
 
         monkeypatch.setattr(_files, "write_elsewhere", not_here)
     assert pids[0] == pids[1]
@@ -525,31 +473,26 @@ def _model_kwargs(tmp_path: Path) -> tuple[dict[str, object], torch.nn.Module]:
 
 
 @pytest.mark.skipif(not FORKS_HELPER, reason="the writer forks its helpers on Linux only")
-def test_a_writer_with_preloads_leaves_model_and_files_to_helpers_of_its_own(
-    tracking_uri: str, tmp_path: Path, profile_file: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_writer_with_preloads_leaves_the_model_to_a_helper_of_its_own(
+    tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A new writer process told what to preload forks one helper for the model, one for files: the model's export
-    and the plots are made there (the writer process never loads torch), logged by the writer process; the helpers
-    end with it."""
-    monkeypatch.setattr(_files, "write_elsewhere", lambda *a, **k: pytest.fail("drawn by a one-shot process"))
-    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), files_preload=("flasync.plots",))
-    assert tracker.writer_warm
+    """A new writer process told what to preload forks one helper, at its priority: the model's export is made
+    there (the writer process never loads torch), logged by the writer process; the helper ends with it."""
+    monkeypatch.setattr(_files, "write_elsewhere", lambda *a, **k: pytest.fail("saved by a one-shot process"))
+    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",))
     tracker.prepare()
     assert tracker._child is not None
     writer = psutil.Process(tracker._child.pid)
     run_id = tracker.start(experiment="child-helpers")
     helpers = writer.children()
-    assert len(helpers) == 2
-    # The files' helper yields the cores to training, the writer process and the model's helper.
-    assert sorted(helper.nice() - writer.nice() for helper in helpers) == [0, 10]
+    assert len(helpers) == 1
+    assert [helper.nice() for helper in helpers] == [writer.nice()]
     kwargs, model = _model_kwargs(tmp_path)
     example = np.zeros((2, 8), dtype=np.float32)
-    tracker.log_files_from(PLOTS_WRITER, {"profile": str(profile_file)}, "plots")
     tracker.log_model_from("flasync.models:build", kwargs, name="mlp", input_example=example)
     assert not _loads_torch(writer.pid)
-    assert sum(_loads_torch(helper.pid) for helper in helpers) == 1
+    assert _loads_torch(helpers[0].pid)
     tracker.finish("FINISHED")
-    assert _artifacts(tracking_uri, run_id, "plots") == PLOTS
     client = mlflow.MlflowClient(tracking_uri)
     [logged] = client.search_logged_models([client.get_run(run_id).info.experiment_id])
     assert str(logged.status) == "READY" and logged.source_run_id == run_id
@@ -585,31 +528,18 @@ def test_a_dead_helper_leaves_its_jobs_to_the_writer(tracking_uri: str, tmp_path
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel ends helpers with their parent on Linux")
 def test_helpers_die_with_a_killed_writer(tracking_uri: str) -> None:
-    """A writer process killed outright takes its helpers with it, even while they still preload."""
-    child = ChildLogBatch(tracking_uri, preload=("tracking._model:warm_up",), files_preload=("json",))
+    """A writer process killed outright takes its helper with it, even while it still preloads."""
+    child = ChildLogBatch(tracking_uri, preload=("tracking._model:warm_up",))
     writer = psutil.Process(child.pid)
     deadline = time.monotonic() + 60
-    while len(writer.children()) < 2 and time.monotonic() < deadline:
+    while not writer.children() and time.monotonic() < deadline:
         time.sleep(0.05)
     helpers = writer.children()
-    assert len(helpers) == 2
+    assert len(helpers) == 1
     writer.kill()
     child.close()
     _, alive = psutil.wait_procs(helpers, timeout=10)
     assert not alive
-
-
-def test_writer_warm_says_where_plots_are_drawn(tracking_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A new writer process draws files beside the model's export when it forks helpers, or has no model to
-    export; without fork, a tracker with a model to log leaves the files to a one-shot process."""
-    model, plots = ("tracking._model:warm_up",), ("flasync.plots",)
-    assert not MlflowTracker(tracking_uri, preload=model).writer_warm
-    monkeypatch.setattr("tracking.mlflow_run.FORKS_HELPER", True)
-    assert MlflowTracker(tracking_uri, preload=model, files_preload=plots).writer_warm
-    monkeypatch.setattr("tracking.mlflow_run.FORKS_HELPER", False)
-    assert not MlflowTracker(tracking_uri, preload=model, files_preload=plots).writer_warm
-    assert MlflowTracker(tracking_uri, files_preload=plots).writer_warm
-    assert not MlflowTracker(tracking_uri, files_preload=plots, writer_process=False).writer_warm
 
 
 _WAITING_BUILDER = """
@@ -628,7 +558,7 @@ def build(flag, **kwargs):
 
 
 def test_a_started_model_is_exported_while_the_writer_answers_the_rest(
-    tracking_uri: str, tmp_path: Path, profile_file: Path, monkeypatch: pytest.MonkeyPatch
+    tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """start_model_from returns at once; the writer process answers files and metrics while the model's job runs
     (its builder here waits for a file this test writes only after those answers); the function it returns waits
@@ -636,23 +566,19 @@ def test_a_started_model_is_exported_while_the_writer_answers_the_rest(
     (tmp_path / "waiting_builder.py").write_text(_WAITING_BUILDER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     holder = IdleChild()
-    tracker = MlflowTracker(
-        tracking_uri,
-        preload=("tracking._model:warm_up",),
-        files_preload=("flasync.plots",),
-        idle_writers=holder,
-    )
+    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
     run_id = tracker.start(experiment="child-deferred")
     kwargs, model = _model_kwargs(tmp_path)
     flag = tmp_path / "go"
     settle = tracker.start_model_from(
         "waiting_builder:build", {**kwargs, "flag": str(flag)}, name="mlp", input_example=np.zeros((2, 8), np.float32)
     )
-    tracker.log_files_from(PLOTS_WRITER, {"profile": str(profile_file)}, "plots")
+    tracker.log_bytes(b"<svg/>", "plots/a.svg")
     tracker.log_metrics(_metrics("m", range(3)))
     assert tracker.flush()
     client = mlflow.MlflowClient(tracking_uri)
-    assert _artifacts(tracking_uri, run_id, "plots") == PLOTS
+    assert _artifacts(tracking_uri, run_id, "plots") == {"a.svg"}
+    assert [m.step for m in client.get_metric_history(run_id, "m")] == [0, 1, 2]
     assert client.search_logged_models([client.get_run(run_id).info.experiment_id]) == [] or all(
         str(m.status) != "READY" for m in client.search_logged_models([client.get_run(run_id).info.experiment_id])
     )
@@ -706,50 +632,3 @@ def test_a_model_logged_while_a_started_one_exports_waits_its_turn(tracking_uri:
     x = torch.randn(5, 8)
     for logged in found:
         assert torch.allclose(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x), atol=1e-6)
-
-
-_WAITING_FILES = """
-import os
-import time
-from pathlib import Path
-
-
-def write(folder, flag, fail=False):
-    deadline = time.monotonic() + 120
-    while not os.path.exists(flag) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if fail:
-        raise ValueError("no plots today")
-    Path(folder, "drawn.txt").write_text("drawn")
-"""
-
-
-def test_started_files_are_written_while_the_writer_answers_the_rest(
-    tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """start_files_from returns at once; metrics and files sent meanwhile are stored while its function still
-    waits (for a file this test writes only after they were answered); the function it returns waits for the
-    files, and one whose function fails raises from it (the run goes on)."""
-    (tmp_path / "waiting_files.py").write_text(_WAITING_FILES)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    holder = IdleChild()
-    tracker = MlflowTracker(tracking_uri, files_preload=("flasync.plots",), idle_writers=holder)
-    run_id = tracker.start(experiment="child-deferred-files")
-    flag = tmp_path / "go"
-    settle = tracker.start_files_from("waiting_files:write", {"flag": str(flag)}, "drawn")
-    tracker.log_metrics(_metrics("m", range(3)))
-    tracker.log_dict({"a": 1}, "summary.json")
-    assert tracker.flush()
-    client = mlflow.MlflowClient(tracking_uri)
-    assert [m.step for m in client.get_metric_history(run_id, "m")] == [0, 1, 2]
-    assert _artifacts(tracking_uri, run_id, "") == {"summary.json"}
-    flag.touch()
-    assert settle() > 0
-    assert _artifacts(tracking_uri, run_id, "drawn") == {"drawn.txt"}
-    failing = tracker.start_files_from("waiting_files:write", {"flag": str(flag), "fail": True}, "never")
-    with pytest.raises(RuntimeError, match="no plots today"):
-        failing()
-    tracker.finish("FINISHED")
-    holder.clear()
-    assert client.get_run(run_id).info.status == "FINISHED"
-    assert _artifacts(tracking_uri, run_id, "never") == set()

@@ -118,7 +118,9 @@ def _build_parser() -> _Parser:
         type=float,
         help="accuracy for the time-to-target rows (default: the lowest final accuracy of the runs)",
     )
-    compare.add_argument("--plot", metavar="PATH", help="also write a PNG of accuracy against time")
+    compare.add_argument(
+        "--plot", metavar="PATH", help="also write an SVG chart of accuracy against time (a .svg file)"
+    )
     compare.add_argument("--tracking-uri", help=_TRACKING_URI_HELP)
     return parser
 
@@ -667,6 +669,8 @@ def _command_compare(args: argparse.Namespace) -> int:
     target = args.target_accuracy
     if target is not None and not 0.0 < target <= 1.0:
         raise _UsageError(f"--target-accuracy must be in (0, 1], got {target}")
+    if args.plot and not args.plot.lower().endswith(".svg"):
+        raise _UsageError(f"--plot: the comparison is an SVG chart, name a .svg file (got {args.plot})")
     try:
         client = open_store(args.tracking_uri)
         records = fetch_runs(client, args.run_ids, experiment=args.experiment)

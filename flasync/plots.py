@@ -120,13 +120,8 @@ def _staleness(profile: Mapping[str, Any]) -> str:
     counts = {int(k): v for k, v in profile["staleness"]["histogram"].items()}
     low, high = min(counts), max(counts)
     bars = Stairs(values=[counts.get(k, 0) for k in range(low, high + 1)], edges=_edges(low - 0.5, high + 1.5))
-    panel = Panel(
-        series=[bars],
-        title="Staleness of accepted updates",
-        xlabel="staleness (versions)",
-        ylabel="accepted updates",
-    )
-    return render([panel], width=600)
+    panel = Panel(series=[bars], xlabel="staleness (versions)", ylabel="accepted updates")
+    return render([panel], width=600, title="Staleness of accepted updates")
 
 
 def _bars(profile: Mapping[str, Any]) -> tuple[list[dict[str, float]], list[float], str]:
@@ -149,13 +144,8 @@ def _time_breakdown(profile: Mapping[str, Any]) -> str:
         top = [x + b[key] / b["versions"] for x, b in zip(bottom, bars, strict=True)]
         series.append(Stairs(values=top, edges=edges, baseline=bottom, label=key.removesuffix("_s")))
         bottom = top
-    panel = Panel(
-        series=series,
-        title=f"Time breakdown {per}",
-        xlabel="version",
-        ylabel="wall seconds (client columns summed over clients)",
-    )
-    return render([panel])
+    panel = Panel(series=series, xlabel="version", ylabel="wall seconds (client columns summed over clients)")
+    return render([panel], title=f"Time breakdown {per}")
 
 
 def _size_varies(profile: Mapping[str, Any]) -> bool:
@@ -175,11 +165,10 @@ def _bytes(profile: Mapping[str, Any]) -> str:
             Stairs(values=up, edges=edges, fill=False, label="up"),
             Stairs(values=down, edges=edges, fill=False, label="down"),
         ],
-        title=f"Bytes {per} (of the updates folded into it)",
         xlabel="version",
         ylabel="bytes",
     )
-    return render([panel])
+    return render([panel], title=f"Bytes {per} (of the updates folded into it)")
 
 
 def _client_times(profile: Mapping[str, Any]) -> str:
@@ -190,13 +179,8 @@ def _client_times(profile: Mapping[str, Any]) -> str:
     if summary:
         series.append(VLine(x=float(summary["p50"]), label="p50", color="#000000"))
         series.append(VLine(x=float(summary["p90"]), label="p90", color="#d62728"))
-    panel = Panel(
-        series=series,
-        title="Client task times",
-        xlabel="simulated seconds per task (download + train + upload)",
-        ylabel="tasks",
-    )
-    return render([panel], width=600)
+    panel = Panel(series=series, xlabel="simulated seconds per task (download + train + upload)", ylabel="tasks")
+    return render([panel], width=600, title="Client task times")
 
 
 _DRAWERS: dict[str, Callable[[Mapping[str, Any]], str]] = {

@@ -107,6 +107,10 @@ def test_bad_overrides(capsys: pytest.CaptureFixture[str], store: str, overrides
         (["run", "--resume", "abc123", "--no-tracking"], "--resume continues an MLflow run; it cannot be combined"),
         (["run", "--resume", "abc123", "--set", "server.buffer_size=3"], "with --resume only stop.* may change"),
         (["run", "--resume", "abc123"], "no MLflow run 'abc123': there is no store at sqlite:///"),
+        (
+            ["compare", "abc123", "--plot", "compare.png"],
+            "--plot: the comparison is an SVG chart, name a .svg file (got compare.png)",
+        ),
     ],
 )
 def test_bad_flags(capsys: pytest.CaptureFixture[str], store: str, argv: list[str], expected: str) -> None:

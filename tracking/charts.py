@@ -7,8 +7,9 @@ fixed kinds, and SVG leaves text, antialiasing and scaling to the viewer (MLflow
 as images): building the document takes about a millisecond in the process that has the figures, and the file is
 sharp at any zoom.
 
-:func:`render` lays out one or more :class:`Panel` side by side, each holding :class:`Line`, :class:`Stairs` and
-:class:`VLine` series; :func:`histogram` and :func:`nice_ticks` are the pure helpers it and its callers use.
+:func:`render` lays out one or more :class:`Panel` side by side, each holding :class:`Line`, :class:`Stairs`,
+:class:`VLine` and :class:`HLine` series; :func:`histogram` and :func:`nice_ticks` are the pure helpers it and its
+callers use.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape, quoteattr
 
-__all__ = ["PALETTE", "Line", "Panel", "Stairs", "VLine", "histogram", "nice_ticks", "render"]
+__all__ = ["PALETTE", "HLine", "Line", "Panel", "Stairs", "VLine", "histogram", "nice_ticks", "render"]
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 """Series colours, in the order series without a colour of their own take them (matplotlib's ``tab10``)."""
@@ -84,7 +85,22 @@ class VLine:
     color: str = "#000000"
 
 
-Series = Line | Stairs | VLine
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HLine:
+    """A dashed horizontal line across the panel at ``y`` (a target, a threshold).
+
+    Args:
+        y: Where.
+        label: The legend's entry (None: none).
+        color: A CSS colour.
+    """
+
+    y: float
+    label: str | None = None
+    color: str = "#000000"
+
+
+Series = Line | Stairs | VLine | HLine
 """What a panel draws."""
 
 _Map = Callable[[float], float]  # data to pixel coordinates, along one axis
@@ -159,8 +175,9 @@ def histogram(samples: Sequence[float], bins: int) -> tuple[list[int], list[floa
 def render(panels: Sequence[Panel], *, width: int = 1000, height: int = 400, title: str = "") -> str:
     """Draw ``panels`` side by side, equal in width, under ``title``; return the SVG document.
 
-    Each panel's axes fit its data (with a margin, none below a fill's baseline); a legend of the labelled series
-    sits above the axes, in as many rows as it needs. Raises nothing for odd data: NaN or infinite points are left
+    Each panel's axes fit its data (with a margin, none below a fill's baseline). A legend of the labelled series
+    (each label once, from whichever panel) sits under the title, across the picture, in as many rows as it needs,
+    so that every panel's axes start at the same height. Raises nothing for odd data: NaN or infinite points are left
     out, an empty panel gets axes from 0 to 1.
 
     Args:
@@ -178,27 +195,49 @@ def render(panels: Sequence[Panel], *, width: int = 1000, height: int = 400, tit
     if title:
         out.append(_text(width / 2, 24, title, _TITLE_FONT, anchor="middle"))
         top = 32.0
+    colored = [_colored(panel) for panel in panels]
+    legend: list[tuple[str, str, Series]] = []
+    for pairs in colored:
+        for s, color in pairs:
+            if s.label and all(s.label != label for label, _, _ in legend):
+                legend.append((s.label, color, s))
+    rows = _legend_rows([label for label, _, _ in legend], width - 24)
+    if rows:
+        _legend(out, rows, legend, width / 2, top + 4)
+        top += 8 + len(rows) * 18
     panel_width = width / len(panels)
-    for i, panel in enumerate(panels):
-        _panel(out, panel, f"p{i}", i * panel_width, top, panel_width, height - top)
+    for i, (panel, pairs) in enumerate(zip(panels, colored, strict=True)):
+        _panel(out, panel, pairs, f"p{i}", i * panel_width, top, panel_width, height - top)
     out.append("</svg>\n")
     return "\n".join(out)
 
 
-def _panel(out: list[str], panel: Panel, ident: str, x0: float, y0: float, width: float, height: float) -> None:
-    """Append one panel's axes and series, inside the box at ``(x0, y0)`` of ``width`` x ``height`` pixels."""
+def _colored(panel: Panel) -> list[tuple[Series, str]]:
+    """Return the panel's series with their colours: their own, or the palette's next."""
     colors = iter(PALETTE * (1 + len(panel.series) // len(PALETTE)))
-    series = [(s, s.color if s.color is not None else next(colors)) for s in panel.series]
+    return [(s, s.color if s.color is not None else next(colors)) for s in panel.series]
+
+
+def _panel(
+    out: list[str],
+    panel: Panel,
+    series: list[tuple[Series, str]],
+    ident: str,
+    x0: float,
+    y0: float,
+    width: float,
+    height: float,
+) -> None:
+    """Append one panel's axes and ``series`` (with their colours), inside the box at ``(x0, y0)`` of ``width`` x
+    ``height`` pixels."""
     (xlo, xhi), (ylo, yhi) = _limits(panel.series)
     xticks, yticks = nice_ticks(xlo, xhi), nice_ticks(ylo, yhi)
     xlabels, ylabels = _labels(xticks, xlo, xhi), _labels(yticks, ylo, yhi)
 
-    legend = [(s.label, color, s) for s, color in series if s.label]
-    rows = _legend_rows([label for label, _, _ in legend], width - 24)
     widest = max((len(label) for label in ylabels), default=1)
     left = x0 + 10 + (_LABEL_FONT + 8 if panel.ylabel else 0) + widest * _CHAR_EM * _TICK_FONT + 8
     right = x0 + width - 16
-    top = y0 + 10 + (_TITLE_FONT + 10 if panel.title else 0) + len(rows) * 18
+    top = y0 + 10 + (_TITLE_FONT + 10 if panel.title else 0)
     bottom = y0 + height - 12 - (_LABEL_FONT + 8 if panel.xlabel else 0) - _TICK_FONT - 8
 
     def sx(x: float) -> float:
@@ -209,7 +248,6 @@ def _panel(out: list[str], panel: Panel, ident: str, x0: float, y0: float, width
 
     if panel.title:
         out.append(_text((left + right) / 2, y0 + 10 + _TITLE_FONT, panel.title, _TITLE_FONT, anchor="middle"))
-    _legend(out, rows, legend, (left + right) / 2, top - len(rows) * 18)
     if panel.grid:
         grid = [f"M{sx(t):.1f} {top:.1f}V{bottom:.1f}" for t in xticks]
         grid += [f"M{left:.1f} {sy(t):.1f}H{right:.1f}" for t in yticks]
@@ -220,7 +258,7 @@ def _panel(out: list[str], panel: Panel, ident: str, x0: float, y0: float, width
     )
     out.append(f'<g clip-path="url(#{ident})">')
     for s, color in series:
-        _series(out, s, color, sx, sy, top, bottom)
+        _series(out, s, color, sx, sy, (left, top, right, bottom))
     out.append("</g>")
     out.append(
         f'<rect x="{left:.1f}" y="{top:.1f}" width="{right - left:.1f}" height="{bottom - top:.1f}"'
@@ -257,8 +295,10 @@ def _limits(series: Sequence[Series]) -> tuple[tuple[float, float], tuple[float,
             if s.fill:
                 floors += [b for b in base if math.isfinite(b)]
             ys += [b for b in base if math.isfinite(b)]
-        elif math.isfinite(s.x):
-            xs.append(s.x)
+        elif isinstance(s, VLine):
+            xs += [s.x] if math.isfinite(s.x) else []
+        elif math.isfinite(s.y):
+            ys.append(s.y)
     return _padded(xs, None), _padded(ys, min(floors) if floors else None)
 
 
@@ -296,8 +336,9 @@ def _labels(ticks: Sequence[float], low: float, high: float) -> list[str]:
     return labels
 
 
-def _series(out: list[str], s: Series, color: str, sx: _Map, sy: _Map, top: float, bottom: float) -> None:
-    """Append one series' drawing."""
+def _series(out: list[str], s: Series, color: str, sx: _Map, sy: _Map, box: tuple[float, float, float, float]) -> None:
+    """Append one series' drawing; ``box`` is the axes' ``(left, top, right, bottom)`` in pixels."""
+    left, top, right, bottom = box
     if isinstance(s, Line):
         runs: list[list[tuple[float, float]]] = [[]]
         for x, y in zip(s.xs, s.ys, strict=True):
@@ -331,9 +372,15 @@ def _series(out: list[str], s: Series, color: str, sx: _Map, sy: _Map, top: floa
             d = f"M{steps[0][0]:.1f} {steps[0][3]:.1f}" + "".join(f"V{y:.1f}H{b:.1f}" for _, b, y, _ in steps)
             d += f"V{steps[-1][3]:.1f}"
             out.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="1.5"/>')
-    elif math.isfinite(s.x):
+    elif isinstance(s, VLine):
+        if math.isfinite(s.x):
+            out.append(
+                f'<path d="M{sx(s.x):.1f} {top:.1f}V{bottom:.1f}" stroke="{color}" stroke-width="1.5"'
+                ' stroke-dasharray="6 4"/>'
+            )
+    elif math.isfinite(s.y):
         out.append(
-            f'<path d="M{sx(s.x):.1f} {top:.1f}V{bottom:.1f}" stroke="{color}" stroke-width="1.5"'
+            f'<path d="M{left:.1f} {sy(s.y):.1f}H{right:.1f}" stroke="{color}" stroke-width="1"'
             ' stroke-dasharray="6 4"/>'
         )
 
@@ -367,7 +414,7 @@ def _legend(
             if isinstance(s, Stairs) and s.fill:
                 out.append(f'<rect x="{x:.1f}" y="{y + 3:.1f}" width="14" height="10" fill="{color}"/>')
             else:
-                dash = ' stroke-dasharray="4 2"' if isinstance(s, VLine) else ""
+                dash = ' stroke-dasharray="4 2"' if isinstance(s, VLine | HLine) else ""
                 out.append(f'<path d="M{x:.1f} {y + 8:.1f}h14" stroke="{color}" stroke-width="2"{dash}/>')
             out.append(_text(x + 18, y + 12, label, _LEGEND_FONT))
             x += _entry_width(label)

@@ -2,12 +2,11 @@
 
 :func:`fetch_runs` reads runs through ``MlflowClient`` (params, latest metrics and the accuracy history);
 :func:`comparison_table` and :func:`time_to_target` are pure functions of what was read, and :func:`plot_comparison`
-draws the runs' accuracy against simulated and wall time.
+draws the runs' accuracy against client updates, simulated and wall time as an SVG chart.
 """
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -202,30 +201,34 @@ def comparison_table(records: Sequence[RunRecord], *, target: float | None = Non
 
 
 def plot_comparison(records: Sequence[RunRecord], path: str | Path, *, target: float | None = None) -> None:
-    """Write a PNG of the runs' accuracy against client updates, simulated time and wall time (a dashed line at
-    ``target``): not against versions, which mean different amounts of work per aggregator (a FedAvg round folds a
-    whole cohort, a FedAsync version one update)."""
-    import matplotlib
+    """Write an SVG chart of the runs' accuracy against client updates, simulated time and wall time (a dashed line
+    at ``target``): not against versions, which mean different amounts of work per aggregator (a FedAvg round folds
+    a whole cohort, a FedAsync version one update). Drawn by :mod:`tracking.charts`, as a run's own plots are.
 
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
+    Raises:
+        ValueError: ``path`` does not end with ``.svg``.
+    """
+    from tracking.charts import PALETTE, HLine, Line, Panel, render
 
-    fig = Figure(figsize=(15, 4))
-    axes = fig.subplots(1, 3)
-    for record in records:
-        label = f"{record.name} ({record.run_id[:8]})"
-        accuracy = [p.accuracy for p in record.history]
-        axes[0].plot([p.updates for p in record.history], accuracy, label=label)
-        axes[1].plot([p.simulated_s for p in record.history], accuracy, label=label)
-        axes[2].plot([p.wall_s for p in record.history], accuracy, label=label)
-    for ax, xlabel in zip(axes, ("client updates", "simulated seconds", "wall seconds"), strict=True):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("accuracy")
-        ax.grid(alpha=0.3)
+    if Path(path).suffix.lower() != ".svg":
+        raise ValueError(f"the comparison is an SVG chart: name a .svg file, not {str(path)!r}")
+    colors = [PALETTE[i % len(PALETTE)] for i in range(len(records))]
+    panels = []
+    for axis, xlabel in (
+        ("updates", "client updates"),
+        ("simulated_s", "simulated seconds"),
+        ("wall_s", "wall seconds"),
+    ):
+        series: list[Line | HLine] = [
+            Line(
+                xs=[float(getattr(p, axis)) for p in record.history],
+                ys=[p.accuracy for p in record.history],
+                label=f"{record.name} ({record.run_id[:8]})",  # one legend entry a run, above the panels
+                color=color,
+            )
+            for record, color in zip(records, colors, strict=True)
+        ]
         if target is not None:
-            ax.axhline(target, color="k", linestyle="--", linewidth=0.8)
-    axes[0].legend(fontsize="small")
-    fig.suptitle("flasync runs compared")
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    Path(path).write_bytes(buffer.getvalue())
+            series.append(HLine(y=target, label=f"target {target:g}"))
+        panels.append(Panel(series=series, xlabel=xlabel, ylabel="accuracy", grid=True))
+    Path(path).write_text(render(panels, width=1500, height=450, title="flasync runs compared"), encoding="utf-8")

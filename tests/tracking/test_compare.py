@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,6 @@ from flasync.cli import main
 from flasync.testing import small_config
 from tracking.compare import EvalPoint, RunRecord, comparison_table, config_differences, time_to_target
 from tracking.report import format_report
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def test_compare_names_all_three_runs(
     three_runs: list[str], tracking_uri: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """By ids: one column per run, the buffer size as the config difference, and a comparison plot."""
-    plot = tmp_path / "compare.png"
+    plot = tmp_path / "compare.svg"
     code = main(["compare", *three_runs, "--tracking-uri", tracking_uri, "--plot", str(plot)])
     out = capsys.readouterr().out
     assert code == 0
@@ -52,7 +51,10 @@ def test_compare_names_all_three_runs(
     row = next(line for line in out.splitlines() if "server.buffer_size" in line)
     assert row.split()[1:] == ["2", "3", "4"]
     assert any(line.startswith("final accuracy") for line in out.splitlines())
-    assert plot.read_bytes().startswith(PNG_MAGIC)
+    chart = ET.fromstring(plot.read_bytes())
+    texts = {t.text for t in chart.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"flasync runs compared", "client updates", "simulated seconds", "wall seconds"} <= texts
+    assert sum(1 for text in texts if text and text.startswith("buffer-")) == 3  # one legend entry a run
 
 
 def test_compare_by_experiment(three_runs: list[str], tracking_uri: str, capsys: pytest.CaptureFixture[str]) -> None:

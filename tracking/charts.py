@@ -423,6 +423,10 @@ def _legend(
 
 def _text(x: float, y: float, text: str, size: int, *, anchor: str = "start", rotate: bool = False) -> str:
     turn = f' transform="rotate(-90 {x:.1f} {y:.1f})"' if rotate else ""
-    return (
-        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor={quoteattr(anchor)}{turn}>{escape(text)}</text>'
-    )
+    # XML has no place for control characters (a run name may hold one): each becomes a space.
+    clean = escape(text.translate(_CONTROLS))
+    return f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor={quoteattr(anchor)}{turn}>{clean}</text>'
+
+
+_CONTROLS = {code: " " for code in [*range(0x20), 0x7F]}
+"""Characters XML 1.0 does not allow in text (tabs and line breaks too: a label is one line)."""

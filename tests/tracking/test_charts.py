@@ -57,7 +57,7 @@ def test_histogram_counts_every_finite_sample_once() -> None:
 
 def test_a_document_parses_and_holds_its_texts() -> None:
     """Titles, labels, legend entries and tick labels are text elements of a well-formed SVG document; text is
-    escaped."""
+    escaped, and a control character (not allowed in XML) becomes a space."""
     panel = Panel(
         series=[
             Stairs(values=[1.0, 3.0], edges=[0.0, 1.0, 2.0], label="a < b"),
@@ -68,9 +68,9 @@ def test_a_document_parses_and_holds_its_texts() -> None:
         xlabel="version",
         ylabel="seconds",
     )
-    root = ET.fromstring(render([panel], width=600, title="Top"))
+    root = ET.fromstring(render([panel], width=600, title="Top\x00run\n"))
     texts = [t.text for t in root.iter(f"{SVG}text")]
-    assert {"Top", "T & t", "version", "seconds", "a < b", "stacked", "p50"} <= set(texts)
+    assert {"Top run ", "T & t", "version", "seconds", "a < b", "stacked", "p50"} <= set(texts)
     assert root.get("width") == "600"
 
 

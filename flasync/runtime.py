@@ -372,7 +372,7 @@ class Federation:
                 summary = await self._simulate(prepared, executor, log, tracker, opening)
                 if tracked:
                     _phase("logging the artifacts", cfg)
-                await asyncio.to_thread(self._log_artifacts, tracker, prepared, summary, log)
+                await asyncio.to_thread(self._log_artifacts, tracker, prepared, summary, log, constant)
             status = "FINISHED"
             return summary
         except (asyncio.CancelledError, KeyboardInterrupt, RunInterrupted):
@@ -387,6 +387,7 @@ class Federation:
             if opening is not None:
                 await _off_loop(futures_wait, [opening])  # the dataset input is recorded before the run ends
             if constant is not None and (opening is None or opening.exception() is None):
+                # A run that logged its artifacts tagged them already (this finds none left): a failed one has not.
                 await _off_loop(_tag_constants, tracker, constant, log)
             # Off the loop, and completed even while the task is being cancelled (see _off_loop).
             await _off_loop(_close, executor, tracker, status, trace_dir)
@@ -705,7 +706,16 @@ class Federation:
             server_idle_fraction=float(profile["time"]["server_idle_fraction"]),
         )
 
-    def _log_artifacts(self, tracker: tracking.Tracker, prepared: Prepared, summary: RunSummary, log: Any) -> None:
+    def _log_artifacts(
+        self,
+        tracker: tracking.Tracker,
+        prepared: Prepared,
+        summary: RunSummary,
+        log: Any,
+        constant: tracking.ConstantSeries | None = None,
+    ) -> None:
+        """Log the run's artifacts (the summary, the profile and its plots, the weights, the model) and, with
+        ``constant``, its constant metrics as tags; the model is exported while the rest is logged."""
         if isinstance(tracker, tracking.NullTracker):
             return
         mlflow_tracker = tracker if isinstance(tracker, tracking.MlflowTracker) else None
@@ -742,6 +752,8 @@ class Federation:
         buffer = io.BytesIO()
         torch.save({"flat": self.weights, "state_dict": module.state_dict()}, buffer)
         tracker.log_bytes(buffer.getvalue(), "weights.pt")
+        if constant is not None:
+            _tag_constants(tracker, constant, log)  # done here, the end of the run's call to it finds nothing left
         if settle_model is not None:
             # The metrics still queued (the profile's rows among them) are written while the model is exported, not
             # after it, when the run's end would wait for them.

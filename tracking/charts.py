@@ -71,33 +71,27 @@ class Stairs:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VLine:
-    """A dashed vertical line across the panel at ``x``.
+class _Rule:
+    """A dashed line across a panel: its legend's entry (None: none) and its CSS colour."""
 
-    Args:
-        x: Where.
-        label: The legend's entry (None: none).
-        color: A CSS colour.
-    """
-
-    x: float
     label: str | None = None
     color: str = "#000000"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class HLine:
-    """A dashed horizontal line across the panel at ``y`` (a target, a threshold).
+class VLine(_Rule):
+    """A dashed vertical line across the panel at ``x`` (a median, a deadline); ``label`` and ``color`` as for
+    every line."""
 
-    Args:
-        y: Where.
-        label: The legend's entry (None: none).
-        color: A CSS colour.
-    """
+    x: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HLine(_Rule):
+    """A dashed horizontal line across the panel at ``y`` (a target, a threshold); ``label`` and ``color`` as for
+    every line."""
 
     y: float
-    label: str | None = None
-    color: str = "#000000"
 
 
 Series = Line | Stairs | VLine | HLine

@@ -171,15 +171,31 @@ def render(panels: Sequence[Panel], *, width: int = 1000, height: int = 400, tit
 
     Each panel's axes fit its data (with a margin, none below a fill's baseline). A legend of the labelled series
     (each label once, from whichever panel) sits under the title, across the picture, in as many rows as it needs,
-    so that every panel's axes start at the same height. Raises nothing for odd data: NaN or infinite points are left
-    out, an empty panel gets axes from 0 to 1.
+    so that every panel's axes start at the same height; the picture grows by the legend's height rather than
+    squeezing the axes. Raises nothing for odd data: NaN or infinite points are left out, an empty panel gets axes
+    from 0 to 1.
 
     Args:
         panels: At least one.
         width: The picture's width, in pixels.
-        height: Its height, in pixels.
+        height: Its height without the legend, in pixels.
         title: Above every panel ("" for none).
+
+    Raises:
+        ValueError: No panel.
     """
+    if not panels:
+        raise ValueError("a chart needs at least one panel")
+    colored = [_colored(panel) for panel in panels]
+    legend: list[tuple[str, str, Series]] = []
+    for pairs in colored:
+        for s, color in pairs:
+            if s.label and all(s.label != label for label, _, _ in legend):
+                legend.append((s.label, color, s))
+    rows = _legend_rows([label for label, _, _ in legend], width - 24)
+    legend_height = 8 + len(rows) * 18 if rows else 0
+    plot_height = height
+    height += legend_height
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}"'
         f' font-family="{_FONT}">',
@@ -189,19 +205,11 @@ def render(panels: Sequence[Panel], *, width: int = 1000, height: int = 400, tit
     if title:
         out.append(_text(width / 2, 24, title, _TITLE_FONT, anchor="middle"))
         top = 32.0
-    colored = [_colored(panel) for panel in panels]
-    legend: list[tuple[str, str, Series]] = []
-    for pairs in colored:
-        for s, color in pairs:
-            if s.label and all(s.label != label for label, _, _ in legend):
-                legend.append((s.label, color, s))
-    rows = _legend_rows([label for label, _, _ in legend], width - 24)
     if rows:
         _legend(out, rows, legend, width / 2, top + 4)
-        top += 8 + len(rows) * 18
     panel_width = width / len(panels)
     for i, (panel, pairs) in enumerate(zip(panels, colored, strict=True)):
-        _panel(out, panel, pairs, f"p{i}", i * panel_width, top, panel_width, height - top)
+        _panel(out, panel, pairs, f"p{i}", i * panel_width, top + legend_height, panel_width, plot_height - top)
     out.append("</svg>\n")
     return "\n".join(out)
 

@@ -85,11 +85,26 @@ def test_odd_data_draws_an_empty_or_partial_chart() -> None:
     assert "nan" not in document.lower() and "inf" not in document.lower()
 
 
-def test_a_long_legend_wraps_into_rows() -> None:
-    """A legend wider than its panel takes more rows and pushes the axes down, not off the picture."""
+def test_a_long_legend_wraps_into_rows_and_makes_the_picture_taller() -> None:
+    """A legend wider than the picture takes more rows above the axes; the picture grows by them, so the axes keep
+    the height of a chart without a legend."""
+
+    def frame(root: ET.Element) -> tuple[float, float]:
+        [rect] = [r for r in root.iter(f"{SVG}rect") if r.get("stroke") == "#333333"]
+        return float(rect.get("y", 0)), float(rect.get("height", 0))
+
     many = [Line(xs=[0.0, 1.0], ys=[0.0, 1.0], label=f"series number {i}") for i in range(12)]
-    root = ET.fromstring(render([Panel(series=many)], width=400))
+    root = ET.fromstring(render([Panel(series=many)], width=400, height=300))
     legend_y = {float(t.get("y", 0)) for t in root.iter(f"{SVG}text") if (t.text or "").startswith("series")}
     assert len(legend_y) > 2
-    frame = [r for r in root.iter(f"{SVG}rect") if r.get("stroke") == "#333333"]
-    assert float(frame[0].get("y", 0)) > max(legend_y)
+    top, height = frame(root)
+    assert top > max(legend_y)
+    plain = ET.fromstring(render([Panel(series=[Line(xs=[0.0, 1.0], ys=[0.0, 1.0])])], width=400, height=300))
+    assert height == frame(plain)[1]
+    assert float(root.get("height", 0)) > float(plain.get("height", 0)) == 300
+
+
+def test_a_chart_needs_a_panel() -> None:
+    """No panel at all is a ValueError, not a division by zero."""
+    with pytest.raises(ValueError, match="at least one panel"):
+        render([])

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
@@ -669,8 +670,12 @@ def _command_compare(args: argparse.Namespace) -> int:
     target = args.target_accuracy
     if target is not None and not 0.0 < target <= 1.0:
         raise _UsageError(f"--target-accuracy must be in (0, 1], got {target}")
-    if args.plot and not args.plot.lower().endswith(".svg"):
-        raise _UsageError(f"--plot: the comparison is an SVG chart, name a .svg file (got {args.plot})")
+    if args.plot is not None:
+        if not args.plot.lower().endswith(".svg"):
+            raise _UsageError(f"--plot: the comparison is an SVG chart, name a .svg file (got {args.plot!r})")
+        plot = Path(args.plot)
+        if plot.is_dir() or not plot.absolute().parent.is_dir():
+            raise _UsageError(f"--plot: cannot write {args.plot}: not a file in an existing folder")
     try:
         client = open_store(args.tracking_uri)
         records = fetch_runs(client, args.run_ids, experiment=args.experiment)
@@ -679,8 +684,11 @@ def _command_compare(args: argparse.Namespace) -> int:
     if target is None:
         target = default_target(records)
     print(comparison_table(records, target=target), flush=True)
-    if args.plot:
-        plot_comparison(records, args.plot, target=target)
+    if args.plot is not None:
+        try:
+            plot_comparison(records, args.plot, target=target)
+        except OSError as exc:
+            raise _UsageError(f"--plot: cannot write {args.plot}: {exc.strerror or exc}") from None
         print(f"plot written to {args.plot}", flush=True)
     return 0
 
@@ -734,6 +742,12 @@ def main(argv: Sequence[str] | None = None, *, process_ends: bool = False) -> in
     except KeyboardInterrupt:
         print("flasync: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of the output went away (`flasync compare | head`): what it did not read is not wanted. Python
+        # would report the failed flush of stdout at exit; pointing it at /dev/null leaves nothing to report.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # a shell's status for a process ended by SIGPIPE
 
 
 def console() -> NoReturn:

@@ -144,7 +144,9 @@ def _time_breakdown(profile: Mapping[str, Any]) -> str:
         top = [x + b[key] / b["versions"] for x, b in zip(bottom, bars, strict=True)]
         series.append(Stairs(values=top, edges=edges, baseline=bottom, label=key.removesuffix("_s")))
         bottom = top
-    panel = Panel(series=series, xlabel="version", ylabel="wall seconds (client columns summed over clients)")
+    panel = Panel(
+        series=series, xlabel="version", ylabel="wall seconds (client columns summed over clients)", integer_x=True
+    )
     return render([panel], title=f"Time breakdown {per}")
 
 
@@ -157,18 +159,21 @@ def _size_varies(profile: Mapping[str, Any]) -> bool:
 
 
 def _bytes(profile: Mapping[str, Any]) -> str:
-    bars, edges, per = _bars(profile)
-    up = [b["upload_bytes"] / b["versions"] for b in bars]
-    down = [b["download_bytes"] / b["versions"] for b in bars]
-    panel = Panel(
-        series=[
-            Stairs(values=up, edges=edges, fill=False, label="up"),
-            Stairs(values=down, edges=edges, fill=False, label="down"),
-        ],
-        xlabel="version",
-        ylabel="bytes",
-    )
-    return render([panel], title=f"Bytes {per} (of the updates folded into it)")
+    bars, edges, _ = _bars(profile)
+    span = max((b["versions"] for b in bars), default=1.0)
+    # Up and down on axes of their own: a compressed upload is a fraction of the model sent down, and on one axis its
+    # variation (what makes this chart say something) would be flat.
+    panels = [
+        Panel(
+            series=[Stairs(values=[b[key] / b["versions"] for b in bars], edges=edges, fill=False)],
+            xlabel="version",
+            ylabel=label,
+            integer_x=True,
+        )
+        for key, label in (("upload_bytes", "bytes up"), ("download_bytes", "bytes down"))
+    ]
+    mean = "" if span == 1 else f" (each step the mean over {span:g} versions)"
+    return render(panels, title=f"Bytes per version, of the updates folded into it{mean}")
 
 
 def _client_times(profile: Mapping[str, Any]) -> str:

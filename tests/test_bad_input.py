@@ -109,8 +109,15 @@ def test_bad_overrides(capsys: pytest.CaptureFixture[str], store: str, overrides
         (["run", "--resume", "abc123"], "no MLflow run 'abc123': there is no store at sqlite:///"),
         (
             ["compare", "abc123", "--plot", "compare.png"],
-            "--plot: the comparison is an SVG chart, name a .svg file (got compare.png)",
+            "--plot: the comparison is an SVG chart, name a .svg file (got 'compare.png')",
         ),
+        (["compare", "abc123", "--plot", ""], "--plot: the comparison is an SVG chart, name a .svg file (got '')"),
+        (
+            ["compare", "abc123", "--plot", "no/such/folder/c.svg"],
+            "--plot: cannot write no/such/folder/c.svg: not a file in an existing folder",
+        ),
+        (["compare", "abc123", "--tracking-uri", "bogus://x"], "'bogus://x' is not an MLflow store URI: "),
+        (["report", "abc123", "--tracking-uri", "bogus://x"], "'bogus://x' is not an MLflow store URI: "),
     ],
 )
 def test_bad_flags(capsys: pytest.CaptureFixture[str], store: str, argv: list[str], expected: str) -> None:

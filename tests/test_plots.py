@@ -38,7 +38,7 @@ def test_every_chart_is_an_svg_document_with_its_title(profile: dict[str, object
         "accuracy.svg": ["Accuracy of the global model", "wall seconds", "simulated seconds"],
         "staleness.svg": ["Staleness of accepted updates", "staleness (versions)"],
         "time_breakdown.svg": ["Time breakdown per version", "compute", "idle"],
-        "bytes.svg": ["Bytes per version (of the updates folded into it)", "up", "down"],
+        "bytes.svg": ["Bytes per version, of the updates folded into it", "bytes up", "bytes down"],
         "client_times.svg": ["Client task times", "p50", "p90"],
     }
     for name, document in charts.items():

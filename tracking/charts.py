@@ -110,6 +110,7 @@ class Panel:
         xlabel: Below the x axis.
         ylabel: Beside the y axis.
         grid: Draw light lines at the ticks.
+        integer_x: Ticks of the x axis at whole numbers only (versions, counts).
     """
 
     series: Sequence[Series] = field(default_factory=tuple)
@@ -117,18 +118,23 @@ class Panel:
     xlabel: str = ""
     ylabel: str = ""
     grid: bool = False
+    integer_x: bool = False
 
 
-def nice_ticks(low: float, high: float, target: int = 5) -> list[float]:
+def nice_ticks(low: float, high: float, target: int = 5, *, integer: bool = False) -> list[float]:
     """Return the round values (steps of 1, 2, 2.5 or 5 times a power of ten) in ``[low, high]``: at most
-    ``target + 1`` of them, at least two for any ``low < high``.
+    ``target + 1`` of them, at least two for any ``low < high`` (with ``integer``, whole numbers only: there may be
+    one, or none, in a short span).
 
     Args:
         low: The axis's lower limit.
         high: Its upper limit (above ``low``).
         target: The most intervals between ticks.
+        integer: Ticks at whole numbers only (an axis of versions or counts).
     """
     step = _tick_step(low, high, target)
+    if integer:  # every step from 1 on is whole but 2.5
+        step = 1.0 if step < 1 else 2.0 if step == 2.5 else step
     first = math.ceil(low / step - 1e-9)
     last = math.floor(high / step + 1e-9)
     return [0.0 if i == 0 else i * step for i in range(first, last + 1)]
@@ -233,8 +239,8 @@ def _panel(
     """Append one panel's axes and ``series`` (with their colours), inside the box at ``(x0, y0)`` of ``width`` x
     ``height`` pixels."""
     (xlo, xhi), (ylo, yhi) = _limits(panel.series)
-    xticks, yticks = nice_ticks(xlo, xhi), nice_ticks(ylo, yhi)
-    xlabels, ylabels = _labels(xticks, xlo, xhi), _labels(yticks, ylo, yhi)
+    xticks, yticks = nice_ticks(xlo, xhi, integer=panel.integer_x), nice_ticks(ylo, yhi)
+    xlabels, ylabels = _labels(xticks, xlo, xhi, integer=panel.integer_x), _labels(yticks, ylo, yhi)
 
     widest = max((len(label) for label in ylabels), default=1)
     left = x0 + 10 + (_LABEL_FONT + 8 if panel.ylabel else 0) + widest * _CHAR_EM * _TICK_FONT + 8
@@ -294,9 +300,9 @@ def _limits(series: Sequence[Series]) -> tuple[tuple[float, float], tuple[float,
             xs += [e for e in s.edges if math.isfinite(e)]
             ys += [v for v in s.values if math.isfinite(v)]
             base = [s.baseline] if isinstance(s.baseline, int | float) else list(s.baseline)
-            if s.fill:
+            if s.fill:  # an outline has no baseline to show
                 floors += [b for b in base if math.isfinite(b)]
-            ys += [b for b in base if math.isfinite(b)]
+                ys += [b for b in base if math.isfinite(b)]
         elif isinstance(s, VLine):
             xs += [s.x] if math.isfinite(s.x) else []
         elif math.isfinite(s.y):
@@ -310,16 +316,20 @@ def _padded(values: list[float], floor: float | None) -> tuple[float, float]:
         return 0.0, 1.0
     low, high = min(values), max(values)
     if high == low:
-        half = abs(low) * 0.05 or 0.5
+        if low == 0:
+            return 0.0, 1.0
+        half = abs(low) * 0.05
         low, high = low - half, high + half
     pad = (high - low) * 0.05
     return (low if floor is not None and floor <= low else low - pad), high + pad
 
 
-def _labels(ticks: Sequence[float], low: float, high: float) -> list[str]:
-    """Format the ticks alike: as many decimals as their step needs, from 10,000 on in thousands (``k``), millions
-    (``M``) or billions (``G``), below 0.001 in scientific notation."""
+def _labels(ticks: Sequence[float], low: float, high: float, *, integer: bool = False) -> list[str]:
+    """Format the ticks alike: as many decimals as their step needs (none for ``integer`` ones), from 10,000 on in
+    thousands (``k``), millions (``M``) or billions (``G``), below 0.001 in scientific notation."""
     step = _tick_step(low, high, 5)
+    if integer:
+        step = max(step, 1.0)
     biggest = max(abs(low), abs(high))
     if biggest < 1e-3:
         return ["0" if tick == 0 else f"{tick:.3g}" for tick in ticks]
@@ -352,7 +362,9 @@ def _series(out: list[str], s: Series, color: str, sx: _Map, sy: _Map, box: tupl
         if d:
             out.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="1.5" stroke-linejoin="round"/>')
         points = [p for run in runs for p in run]
-        if s.markers and len(points) <= _MAX_MARKERS:
+        if not s.markers:  # a lone point draws no line: a dot shows it
+            points = [run[0] for run in runs if len(run) == 1]
+        if points and len(points) <= _MAX_MARKERS:
             dots = "".join(f"M{x - 3:.1f} {y:.1f}a3 3 0 1 0 6 0a3 3 0 1 0 -6 0" for x, y in points)
             out.append(f'<path d="{dots}" fill="{color}"/>')
     elif isinstance(s, Stairs):
@@ -371,8 +383,8 @@ def _series(out: list[str], s: Series, color: str, sx: _Map, sy: _Map, box: tupl
             d += "".join(f"V{base_y:.1f}H{a:.1f}" for a, _, _, base_y in reversed(steps)) + "Z"
             out.append(f'<path d="{d}" fill="{color}" stroke="none"/>')
         else:
-            d = f"M{steps[0][0]:.1f} {steps[0][3]:.1f}" + "".join(f"V{y:.1f}H{b:.1f}" for _, b, y, _ in steps)
-            d += f"V{steps[-1][3]:.1f}"
+            # The tops and the rises between them, not down to the baseline at the ends: an outline is a line.
+            d = f"M{steps[0][0]:.1f} {steps[0][2]:.1f}" + "".join(f"V{y:.1f}H{b:.1f}" for _, b, y, _ in steps)
             out.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="1.5"/>')
     elif isinstance(s, VLine):
         if math.isfinite(s.x):

@@ -229,6 +229,6 @@ def plot_comparison(records: Sequence[RunRecord], path: str | Path, *, target: f
             for record, color in zip(records, colors, strict=True)
         ]
         if target is not None:
-            series.append(HLine(y=target, label=f"target {target:g}"))
+            series.append(HLine(y=target, label=f"target {target:.4g}"))
         panels.append(Panel(series=series, xlabel=xlabel, ylabel="accuracy", grid=True))
     Path(path).write_text(render(panels, width=1500, height=450, title="flasync runs compared"), encoding="utf-8")

@@ -16,7 +16,7 @@ from typing import Any
 import mlflow
 from mlflow.entities import Run
 
-from tracking.store import resolve_tracking_uri, sqlite_path
+from tracking.store import redact_uri, resolve_tracking_uri, sqlite_path
 
 __all__ = ["RunLookupError", "format_report", "get_run", "load_profile", "open_store"]
 
@@ -29,13 +29,18 @@ def open_store(uri: str | None = None) -> mlflow.MlflowClient:
     """Return a client of the store ``uri`` names (resolved as a tracker resolves it).
 
     Raises:
-        RunLookupError: The URI names a SQLite file that does not exist (nothing is created).
+        RunLookupError: The URI names a SQLite file that does not exist (nothing is created), or a scheme MLflow
+            has no store for.
     """
     resolved = resolve_tracking_uri(uri)
     db = sqlite_path(resolved)
     if db is not None and not db.exists():
         raise RunLookupError(f"no MLflow store at {db} (pass --tracking-uri)")
-    return mlflow.MlflowClient(tracking_uri=resolved)
+    try:
+        return mlflow.MlflowClient(tracking_uri=resolved)
+    except mlflow.exceptions.MlflowException as exc:  # a scheme MLflow has no store for
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RunLookupError(f"{redact_uri(resolved)!r} is not an MLflow store URI: {first}") from None
 
 
 def get_run(client: mlflow.MlflowClient, run_id: str) -> Run:
@@ -125,7 +130,7 @@ def format_report(run_id: str, name: str, metrics: Mapping[str, float], profile:
     lines.append(f"  task time (sim s)     {_spread(clients['sim_task_s'])}")
     lines.append(f"  compute (wall s)      {_spread(clients['compute_s'])}")
     if clients["stragglers"]:
-        lines.append("  stragglers (slowest median task time):")
+        lines.append("  stragglers (slowest mean task time):")
         for row in clients["stragglers"]:
             lines.append(
                 f"    client {row['client_id']:<6} {_num(row['task_sim_s'])} sim s  "

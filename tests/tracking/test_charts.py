@@ -108,3 +108,28 @@ def test_a_chart_needs_a_panel() -> None:
     """No panel at all is a ValueError, not a division by zero."""
     with pytest.raises(ValueError, match="at least one panel"):
         render([])
+
+
+def test_integer_ticks_are_whole_numbers() -> None:
+    """An axis of versions or counts gets ticks at whole numbers only: one in a short span, steps of 2 not 2.5."""
+    assert nice_ticks(0.5, 1.5, integer=True) == [1.0]
+    assert nice_ticks(0.0, 12.0, integer=True) == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+    assert nice_ticks(0.0, 1000.0, integer=True) == nice_ticks(0.0, 1000.0)
+    assert labels([1.0], 0.5, 1.5, integer=True) == ["1"]
+
+
+def test_a_lone_point_is_drawn_as_a_dot() -> None:
+    """A line of one point (a run evaluated once) draws no visible path: it gets a dot."""
+    root = ET.fromstring(render([Panel(series=[Line(xs=[0.0], ys=[0.4], color="#123456")])]))
+    dots = [p for p in root.iter(f"{SVG}path") if p.get("fill") == "#123456"]
+    assert len(dots) == 1 and dots[0].get("d", "").count("a3 3") == 2
+
+
+def test_an_outline_is_scaled_to_its_values_not_its_baseline() -> None:
+    """Outlined steps (bytes that vary by a few) are not drawn down to 0, nor is the axis stretched to it; a span of
+    zero at 0 gets the axis 0 to 1."""
+    root = ET.fromstring(render([Panel(series=[Stairs(values=[1238.0, 1250.0], edges=[0.0, 1.0, 2.0], fill=False)])]))
+    y_labels = [t.text for t in root.iter(f"{SVG}text") if t.get("text-anchor") == "end"]
+    assert y_labels == ["1240", "1245", "1250"]
+    flat = ET.fromstring(render([Panel(series=[Line(xs=[0.0, 0.0], ys=[0.0, 0.0])])]))
+    assert {"0", "1.0"} <= {t.text for t in flat.iter(f"{SVG}text")}

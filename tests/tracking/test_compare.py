@@ -147,3 +147,17 @@ def test_histories_carry_client_updates_for_a_fair_axis(three_runs: list[str], t
     for record, size in zip(records, (2, 3, 4), strict=True):
         assert [p.version for p in record.history] == [0, 2, 4]
         assert [p.updates for p in record.history] == [0.0, 2.0 * size, 4.0 * size]
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(three_runs: list[str], tracking_uri: str) -> None:
+    """`flasync compare ... | head` whose reader closed the pipe: exit 141 (as SIGPIPE would), no traceback."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "flasync", "compare", *three_runs, "--tracking-uri", tracking_uri]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # before the command writes anything
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err

@@ -670,6 +670,8 @@ def _command_compare(args: argparse.Namespace) -> int:
     target = args.target_accuracy
     if target is not None and not 0.0 < target <= 1.0:
         raise _UsageError(f"--target-accuracy must be in (0, 1], got {target}")
+    if args.run_ids and args.experiment is not None:
+        raise _UsageError("compare takes run ids or --experiment, not both")
     if args.plot is not None:
         if not args.plot.lower().endswith(".svg"):
             raise _UsageError(f"--plot: the comparison is an SVG chart, name a .svg file (got {args.plot!r})")
@@ -678,7 +680,7 @@ def _command_compare(args: argparse.Namespace) -> int:
             raise _UsageError(f"--plot: cannot write {args.plot}: not a file in an existing folder")
     try:
         client = open_store(args.tracking_uri)
-        records = fetch_runs(client, args.run_ids, experiment=args.experiment)
+        records = fetch_runs(client, list(dict.fromkeys(args.run_ids)), experiment=args.experiment)  # each id once
     except RunLookupError as exc:
         raise _UsageError(str(exc)) from None
     if target is None:

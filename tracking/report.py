@@ -112,7 +112,7 @@ def format_report(run_id: str, name: str, metrics: Mapping[str, float], profile:
         f"simulated {_num(m.get('run/finished/simulated_s'))} s",
     ]
     if profile is None:
-        lines.append("  (no profile.json: the run had diagnostics.profile off)")
+        lines.append("  (no profile.json: the run ended before writing it, or ran with diagnostics.profile off)")
         return "\n".join(lines)
     time = profile["time"]
     totals = time["totals"]

@@ -41,9 +41,10 @@ def three_runs(tracking_uri: str) -> list[str]:
 def test_compare_names_all_three_runs(
     three_runs: list[str], tracking_uri: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """By ids: one column per run, the buffer size as the config difference, and a comparison plot."""
+    """By ids: one column per run (an id given twice is one), the buffer size as the config difference, and a
+    comparison plot."""
     plot = tmp_path / "compare.svg"
-    code = main(["compare", *three_runs, "--tracking-uri", tracking_uri, "--plot", str(plot)])
+    code = main(["compare", *three_runs, three_runs[0], "--tracking-uri", tracking_uri, "--plot", str(plot)])
     out = capsys.readouterr().out
     assert code == 0
     for run_id, name in zip(three_runs, ("buffer-2", "buffer-3", "buffer-4"), strict=True):
@@ -134,7 +135,7 @@ def test_time_to_target_and_differences() -> None:
 def test_format_report_without_profile() -> None:
     """A run without profile.json still reports its headline and says why the rest is missing."""
     text = format_report("abc", "run-x", {"run/finished/accuracy": 0.5}, None)
-    assert "run run-x (abc)" in text and "0.5" in text and "diagnostics.profile off" in text
+    assert "run run-x (abc)" in text and "0.5" in text and "or ran with diagnostics.profile off" in text
 
 
 def test_histories_carry_client_updates_for_a_fair_axis(three_runs: list[str], tracking_uri: str) -> None:

@@ -821,7 +821,7 @@ class DiagnosticsConfig(_Section):
         # YAML reads a bare `off` (in files and in --set) as false.
         return "off" if value is False else value
 
-    plots: bool = Field(True, description="Write PNG plots with profile.json.")
+    plots: bool = Field(True, description="Write SVG plots (plots/*.svg) with profile.json.")
     torch_profiler_tasks: int = Field(
         0, ge=0, le=100, description="Trace the first N local training calls with torch.profiler (Chrome traces)."
     )

@@ -120,7 +120,7 @@ def _staleness(profile: Mapping[str, Any]) -> str:
     counts = {int(k): v for k, v in profile["staleness"]["histogram"].items()}
     low, high = min(counts), max(counts)
     bars = Stairs(values=[counts.get(k, 0) for k in range(low, high + 1)], edges=_edges(low - 0.5, high + 1.5))
-    panel = Panel(series=[bars], xlabel="staleness (versions)", ylabel="accepted updates")
+    panel = Panel(series=[bars], xlabel="staleness (versions)", ylabel="accepted updates", integer_x=True)
     return render([panel], width=600, title="Staleness of accepted updates")
 
 

@@ -1023,8 +1023,8 @@ class MlflowTracker:
         """Begin what :meth:`log_model_from` does and return at once; the function returned waits for it to end
         and returns the seconds since this call (raising what :meth:`log_model_from` would).
 
-        The writer process does the model's job on a thread of its own, so what this process sends meanwhile (e.g.
-        plots for its other helper, files, metrics) is answered beside the export. Without a writer process the
+        The writer process does the model's job on a thread of its own, so what this process sends meanwhile (files,
+        tags, metrics) is answered beside the export. Without a writer process the
         model is logged before this returns. Call the function before :meth:`finish` (which otherwise waits for the
         job without reporting it) and keep ``kwargs``' files until it returns.
 

@@ -28,8 +28,6 @@ from flasync.profiling import Profiler, VersionRows, build_profile, headline, qu
 from flasync.quantiles import StreamSummary, Thinned, counted_percentile
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
 
 def test_quantiles_interpolate() -> None:
     """p50/p90 interpolate linearly between order statistics."""

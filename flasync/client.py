@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import heapq
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import structlog
@@ -33,6 +34,10 @@ from flasync.residuals import ResidualStore
 from flasync.snapshots import ModelSnapshot
 
 __all__ = ["Client", "ClientResiduals", "ClientWorld", "CohortClients", "ModelSnapshot"]
+
+FAILURE_WARNINGS = 3
+"""Failures of clients with one error logged as warnings in a run; the rest of them at debug level."""
+_MAX_WARNED_ERRORS = 1_000  # distinct errors counted (an error naming its client would make one per client)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +59,7 @@ class ClientWorld:
         pre_task_residuals: When checkpoints are on, each in-flight task's residual as it was when the task
             started, by task id (the registry forgets a task's entry when it releases it).
         pre_task_variates: The same for the clients' SCAFFOLD control variates.
+        failure_warnings: How many failures of each error were logged as warnings (see :func:`_failed`).
     """
 
     clock: Clock
@@ -69,6 +75,7 @@ class ClientWorld:
     job: JobContext
     pre_task_residuals: dict[int, torch.Tensor | None] | None = None
     pre_task_variates: dict[int, torch.Tensor | None] | None = None
+    failure_warnings: Counter[str] = field(default_factory=Counter)
 
     def forget(self, task: TaskAssigned) -> None:
         """Drop what was recorded for a task that ended."""
@@ -279,9 +286,19 @@ def _failed(
     diagnosis: TaskDiagnosis | None = None,
     **context: int,
 ) -> ClientFailed:
-    """Log a task's failure and return its notice, sent now (``context``: extra log fields)."""
-    if kind == "error":
-        world.log.warning("client.failed", **context, step=task.task_id, error=error, metrics=False)
+    """Log a task's failure and return its notice, sent now (``context``: extra log fields).
+
+    The first :data:`FAILURE_WARNINGS` failures with one error are warnings, the rest debug lines: a run whose every
+    client fails alike (a learning rate that overflows) says so a few times, not once per client. Every failure is
+    counted either way (``updates_failed``, ``server/round/*``).
+    """
+    warned = world.failure_warnings
+    if kind == "error" and (error in warned or len(warned) < _MAX_WARNED_ERRORS):
+        warned[error] += 1
+    if kind == "error" and 0 < warned[error] <= FAILURE_WARNINGS:
+        last = warned[error] == FAILURE_WARNINGS
+        more = {"then": "further failures with this error are logged at debug level"} if last else {}
+        world.log.warning("client.failed", **context, step=task.task_id, error=error, **more, metrics=False)
     else:
         world.log.debug("client.failed", **context, step=task.task_id, kind=kind, error=error, metrics=False)
     return ClientFailed(

@@ -71,3 +71,15 @@ def test_tasks_run_as_a_group_give_the_weights_and_counts_of_one_coroutine_per_t
     if "deadline" in " ".join(overrides) or "over_selection" in " ".join(overrides):
         # Stragglers of a closed round never answer, even those whose uploads were due when the quorum was met.
         assert group.tasks_abandoned > 0 and group.updates_dropped == 0
+
+
+def test_clients_failing_alike_are_warned_of_a_few_times_not_once_each(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every client failing with one error (a learning rate that overflows) gives FAILURE_WARNINGS warnings, the last
+    saying the rest are debug lines; every failure is still counted, and the run ends with its one error."""
+    with pytest.raises(flasync.errors.TrainingError, match="client tasks all failed"):
+        flasync.run(small_config("client.lr=1e30", "stop.max_versions=5", "tracking.log_level=info"))
+    output = capsys.readouterr()
+    warnings = [line for line in (output.out + output.err).splitlines() if "client.failed" in line]
+    assert len(warnings) == client_module.FAILURE_WARNINGS
+    assert "further failures with this error are logged at debug level" in warnings[-1]
+    assert all("DivergedTraining" in line for line in warnings)

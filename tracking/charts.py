@@ -1,4 +1,4 @@
-"""Charts as SVG, drawn in plain Python: lines, filled or outlined steps and vertical markers on linear axes.
+"""Charts as SVG, drawn in plain Python: lines, filled or outlined steps and dashed rules on linear axes.
 
 A run's plots are drawn where the run ends, while its user waits. Drawn with matplotlib, each took 40-100 ms of CPU
 (text layout, rasterising, PNG compression) after an import of tens of thousands of objects, which had to happen in

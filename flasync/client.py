@@ -292,11 +292,12 @@ def _failed(
     client fails alike (a learning rate that overflows) says so a few times, not once per client. Every failure is
     counted either way (``updates_failed``, ``server/round/*``).
     """
-    warned = world.failure_warnings
+    warned, seen = world.failure_warnings, 0
     if kind == "error" and (error in warned or len(warned) < _MAX_WARNED_ERRORS):
         warned[error] += 1
-    if kind == "error" and 0 < warned[error] <= FAILURE_WARNINGS:
-        last = warned[error] == FAILURE_WARNINGS
+        seen = warned[error]
+    if 0 < seen <= FAILURE_WARNINGS:
+        last = seen == FAILURE_WARNINGS
         more = {"then": "further failures with this error are logged at debug level"} if last else {}
         world.log.warning("client.failed", **context, step=task.task_id, error=error, **more, metrics=False)
     else:

@@ -14,6 +14,7 @@ callers use.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -221,8 +222,9 @@ def render(panels: Sequence[Panel], *, width: int = 1000, height: int = 400, tit
 
 
 def _colored(panel: Panel) -> list[tuple[Series, str]]:
-    """Return the panel's series with their colours: their own, or the palette's next."""
-    colors = iter(PALETTE * (1 + len(panel.series) // len(PALETTE)))
+    """Return the panel's series with their colours: their own, or the palette's next (panels listing the same
+    series in the same order colour them alike)."""
+    colors = itertools.cycle(PALETTE)
     return [(s, s.color if s.color is not None else next(colors)) for s in panel.series]
 
 

@@ -208,11 +208,10 @@ def plot_comparison(records: Sequence[RunRecord], path: str | Path, *, target: f
     Raises:
         ValueError: ``path`` does not end with ``.svg``.
     """
-    from tracking.charts import PALETTE, HLine, Line, Panel, render
+    from tracking.charts import HLine, Line, Panel, render
 
     if Path(path).suffix.lower() != ".svg":
         raise ValueError(f"the comparison is an SVG chart: name a .svg file, not {str(path)!r}")
-    colors = [PALETTE[i % len(PALETTE)] for i in range(len(records))]
     panels = []
     for axis, xlabel in (
         ("updates", "client updates"),
@@ -223,10 +222,9 @@ def plot_comparison(records: Sequence[RunRecord], path: str | Path, *, target: f
             Line(
                 xs=[float(getattr(p, axis)) for p in record.history],
                 ys=[p.accuracy for p in record.history],
-                label=f"{record.name} ({record.run_id[:8]})",  # one legend entry a run, above the panels
-                color=color,
+                label=f"{record.name} ({record.run_id[:8]})",  # one legend entry and colour a run, every panel
             )
-            for record, color in zip(records, colors, strict=True)
+            for record in records
         ]
         if target is not None:
             series.append(HLine(y=target, label=f"target {target:.4g}"))

@@ -116,7 +116,10 @@ def test_bad_overrides(capsys: pytest.CaptureFixture[str], store: str, overrides
             ["compare", "abc123", "--plot", "no/such/folder/c.svg"],
             "--plot: cannot write no/such/folder/c.svg: not a file in an existing folder",
         ),
-        (["compare", "abc123", "--tracking-uri", "bogus://x"], "'bogus://x' is not an MLflow store URI: "),
+        (
+            ["compare", "abc123", "--tracking-uri", "bogus://x"],
+            "'bogus://x' is not an MLflow store URI: Model registry",
+        ),
         (["compare", "abc123", "--experiment", "flasync"], "compare takes run ids or --experiment, not both"),
         (["report", "abc123", "--tracking-uri", "bogus://x"], "'bogus://x' is not an MLflow store URI: "),
     ],

@@ -39,7 +39,7 @@ def open_store(uri: str | None = None) -> mlflow.MlflowClient:
     try:
         return mlflow.MlflowClient(tracking_uri=resolved)
     except mlflow.exceptions.MlflowException as exc:  # a scheme MLflow has no store for
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RunLookupError(f"{redact_uri(resolved)!r} is not an MLflow store URI: {first}") from None
 
 

@@ -193,17 +193,18 @@ def num_parameters(model: nn.Module) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
 
-def build(model: str, weights: str, **kwargs: Any) -> nn.Module:
+def build(model: str, weights: str | None, **kwargs: Any) -> nn.Module:
     """Build a model of this module by class name and load flat weights into it.
 
     This is how MLflow's writer process rebuilds a run's trained model to log it (see
     :meth:`tracking.MlflowTracker.log_model_from`): only the name, the arguments and a file path cross the process
-    boundary.
+    boundary. Without weights it builds the model's structure, which the writer process exports while the run
+    trains (see :meth:`tracking.MlflowTracker.prepare_model_from`).
 
     Args:
         model: ``"MLP"`` or ``"SmallCNN"``.
         weights: A ``.npy`` file of the flat float32 weights: parameters, then floating-point buffers, in module
-            order (the layout of :func:`flasync.training.flat_parameters`).
+            order (the layout of :func:`flasync.training.flat_parameters`); None keeps the initial weights.
         **kwargs: The class's arguments (lists for sequences).
 
     Raises:
@@ -215,6 +216,8 @@ def build(model: str, weights: str, **kwargs: Any) -> nn.Module:
     if "image_size" in kwargs:
         kwargs["image_size"] = tuple(kwargs["image_size"])
     module = classes[model](**kwargs)
+    if weights is None:
+        return module
     flat = torch.from_numpy(np.load(weights, allow_pickle=False))
     tensors = [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]
     if flat.numel() != sum(t.numel() for t in tensors):

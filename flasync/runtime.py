@@ -251,14 +251,30 @@ class Federation:
         return tracked.mlflow_tracker(self.config)
 
     def _log_inputs(self, tracker: tracking.Tracker, prepared: Prepared, custom: bool, log: Any) -> None:
-        """Record the training data as the run's MLflow dataset input and log ``config.yaml`` (a tracking failure is
-        only logged)."""
+        """Record the training data as the run's MLflow dataset input, log ``config.yaml`` and have the model
+        exported ahead (a tracking failure is only logged)."""
         record = dataset_record(self.config, prepared, custom=custom)
         try:
             tracker.log_dataset(record.name, record.digest, record.source, record.profile)
         except Exception as exc:  # a tracking failure must not fail the run
             log.warning("tracking.dataset_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
         self._log_config(tracker, log)
+        self._prepare_model(tracker, prepared, log)
+
+    def _prepare_model(self, tracker: tracking.Tracker, prepared: Prepared, log: Any) -> None:
+        """Have the writer process export the model's structure while the run trains, so that logging the trained
+        model at the end only swaps its weights in (see :meth:`tracking.MlflowTracker.prepare_model_from`)."""
+        if not (self.config.tracking.log_model and isinstance(tracker, tracking.MlflowTracker)):
+            return
+        if prepared.model_spec is None:
+            return
+        name, kwargs = prepared.model_spec
+        try:
+            tracker.prepare_model_from(
+                tracked.MODEL_BUILDER, {"model": name, "weights": None, **kwargs}, input_example=_example(prepared)
+            )
+        except Exception as exc:  # only a shortcut: the model's export at the end reports what fails
+            log.debug("tracking.prepare_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 
     def _log_config(self, tracker: tracking.Tracker, log: Any) -> None:
         """Log the run's configuration as ``config.yaml`` (secrets redacted), once its MLflow run is open: it is in
@@ -342,6 +358,7 @@ class Federation:
             if self._resume is not None and self._resume.run_id:
                 run_id = await asyncio.to_thread(tracker.resume, self._resume.run_id)
                 await asyncio.to_thread(self._log_config, tracker, log)  # a resumed run's stop.* may differ
+                await asyncio.to_thread(self._prepare_model, tracker, prepared, log)
             else:
                 custom = self._dataset is not None
                 start = functools.partial(
@@ -720,7 +737,7 @@ class Federation:
             return
         mlflow_tracker = tracker if isinstance(tracker, tracking.MlflowTracker) else None
         assert self.weights is not None
-        example = prepared.test.x[:2].detach().cpu().numpy()
+        example = _example(prepared)
         built = self.config.tracking.log_model and mlflow_tracker is not None and prepared.model_spec is not None
         settle_model: Callable[[], float] | None = None
         if built:
@@ -955,6 +972,12 @@ def _phase(name: str, config: RunConfig) -> None:
     """Say on the console what the run is doing now (an info line, unless the run logs less; never a metric)."""
     if config.tracking.log_level in ("debug", "info"):
         structlog.get_logger("flasync").info("run.phase", phase=name)
+
+
+def _example(prepared: Prepared) -> np.ndarray:
+    """Return the logged model's input example: the first two test inputs (its signature and ``pt2`` trace)."""
+    example: np.ndarray = prepared.test.x[:2].detach().cpu().numpy()
+    return example
 
 
 def _redacted(config: RunConfig) -> RunConfig:

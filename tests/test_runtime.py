@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import mlflow.pytorch
 import numpy as np
 import pytest
 import torch
@@ -406,10 +407,43 @@ async def test_final_weights_artifact_matches_the_summary() -> None:
     summary = await flasync.Federation(small_config(), tracker=tracker).run()
     saved = torch.load(io.BytesIO(tracker.artifacts["weights.pt"]), weights_only=True)
     assert weights_sha256(saved["flat"]) == summary.weights_sha256
-    assert (
-        set(saved["state_dict"]) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"} or saved["state_dict"]
-    )
+    assert list(saved["state_dict"]) == ["layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias"]
+    assert torch.equal(torch.cat([t.reshape(-1) for t in saved["state_dict"].values()]), saved["flat"])
     assert b"server:" in tracker.artifacts["config.yaml"]
+
+
+def test_a_tracked_run_exports_its_model_ahead_for_the_trained_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a tracked run trains, the writer process is asked to export the model's structure: the builder,
+    arguments (no weights) and input example the trained model is logged with at the end, which loads to the run's
+    final weights."""
+    calls: dict[str, tuple[str, dict[str, Any], np.ndarray]] = {}
+    prepare, start = tracking.MlflowTracker.prepare_model_from, tracking.MlflowTracker.start_model_from
+
+    def prepare_model_from(self: tracking.MlflowTracker, builder: str, kwargs: Any, *, input_example: Any) -> None:
+        calls["prepare"] = (builder, dict(kwargs), input_example)
+        prepare(self, builder, kwargs, input_example=input_example)
+
+    def start_model_from(self: tracking.MlflowTracker, builder: str, kwargs: Any, **options: Any) -> Any:
+        calls["start"] = (builder, dict(kwargs), options["input_example"])
+        return start(self, builder, kwargs, **options)
+
+    monkeypatch.setattr(tracking.MlflowTracker, "prepare_model_from", prepare_model_from)
+    monkeypatch.setattr(tracking.MlflowTracker, "start_model_from", start_model_from)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    summary = flasync.run(small_config("tracking.enabled=true", f"tracking.uri={uri}", "tracking.log_model=true"))
+    (ahead, ahead_kwargs, ahead_example), (builder, kwargs, example) = calls["prepare"], calls["start"]
+    assert ahead == builder and ahead_kwargs == {**kwargs, "weights": None} and kwargs["weights"]
+    assert np.array_equal(ahead_example, example)
+    client = mlflow.MlflowClient(uri)
+    [logged] = client.search_logged_models([client.get_run(summary.run_id).info.experiment_id])
+    assert str(logged.status) == "READY"
+    saved = torch.load(client.download_artifacts(summary.run_id, "weights.pt", str(tmp_path)), weights_only=True)
+    model = flasync.models.MLP(64, [32], 10)
+    model.load_state_dict(saved["state_dict"])
+    x = torch.from_numpy(example)
+    assert torch.allclose(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x), atol=1e-6)
 
 
 async def test_params_and_tags() -> None:

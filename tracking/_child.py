@@ -16,10 +16,11 @@ without an ``if __name__ == "__main__"`` guard stays safe), and nothing is pickl
 The child also does the rest of a run's MLflow work a parent hands it, on its own core and with its own GIL. A job
 is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``tags``, ``dataset`` (an
 input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU samples are the machine's,
-wherever it runs), ``end`` (the run's status) or ``model`` (build, export and log a model, see
-:mod:`tracking._model`). What the child is to import (or call) ahead for its ``model`` jobs (``torch.export`` and
-MLflow's pytorch flavour import in about two seconds, and the first model they save takes one more:
-:func:`tracking._model.warm_up`) is named in its environment when it starts, or later by a line
+wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a model, see
+:mod:`tracking._model`) or ``prepare`` (export a model of the same structure ahead of its ``model`` job, see
+:class:`tracking._model.Exports`). What the child is to import (or call) ahead for its ``model`` jobs
+(``torch.export`` and MLflow's pytorch flavour import in about two seconds, and the first model they save takes one
+more: :func:`tracking._model.warm_up`) is named in its environment when it starts, or later by a line
 ``preload KIND NAME,NAME`` (sent before a run, never answered; the one kind is ``model``); a name is preloaded once
 per child. On Linux (:data:`FORKS_HELPER`), the child forks a helper process right after MLflow's import (see
 :class:`_Helper`): it preloads on a core of its own, while the child opens the store and writes metrics, and does
@@ -196,8 +197,12 @@ def _help(requests: IO[str], replies: IO[str]) -> None:
 
     A line ``preload NAME,...`` is done at once (never answered). A job is a JSON object: ``model`` builds a model
     with ``builder(**kwargs)`` and saves it at ``folder`` for the logged model ``description`` (see
-    :func:`tracking._model.save_for`).
+    :func:`tracking._model.save_for`); ``prepare`` exports a model of that structure ahead of it (see
+    :class:`tracking._model.Exports`).
     """
+    from tracking._model import Exports, save_for
+
+    exports = Exports()
     for line in requests:
         if line.startswith(_PRELOAD):
             _preload([n for n in line.strip().removeprefix(_PRELOAD).split(",") if n])
@@ -206,9 +211,9 @@ def _help(requests: IO[str], replies: IO[str]) -> None:
             request = json.loads(line)
             op = request.pop("op")
             if op == "model":
-                from tracking._model import save_for
-
-                save_for(**request)
+                save_for(**request, exports=exports)
+            elif op == "prepare":
+                exports.prepare(**request)
             else:
                 raise ValueError(f"unknown job {op!r}")
             answer = "ok"
@@ -245,10 +250,14 @@ class _Monitor:
 
 
 class _Aside:
-    """The writer process's helpers (see :class:`_Helper`) while they live, by the kind of job they do (``model``)."""
+    """The writer process's helpers (see :class:`_Helper`) while they live, by the kind of job they do (``model``),
+    and the models the writer process exported ahead itself, for those it saves without a helper."""
 
     def __init__(self, helpers: Mapping[str, _Helper | None]) -> None:
+        from tracking._model import Exports
+
         self.helpers = {kind: helper for kind, helper in helpers.items() if helper is not None}
+        self.exports = Exports()
 
     def preload(self, kind: str, names: Sequence[str]) -> bool:
         """Have the helper for ``kind`` jobs (``model``) preload ``names``; False when there is none
@@ -357,9 +366,17 @@ def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, t
         from tracking._model import log_built_model
 
         seconds = log_built_model(
-            client, run_id, **request["model"], aside=lambda job: aside("model", {"op": "model", **job})
+            client,
+            run_id,
+            **request["model"],
+            aside=lambda job: aside("model", {"op": "model", **job}),
+            exports=aside.exports,
         )
         return f"{seconds:.3f}"
+    if op == "prepare":
+        if not aside("model", {"op": "prepare", **request["model"]}):
+            aside.exports.prepare(**request["model"])
+        return ""
     raise ValueError(f"unknown job {op!r}")
 
 

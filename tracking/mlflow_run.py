@@ -1040,6 +1040,32 @@ class MlflowTracker:
             "model", self._model_request(arguments), lambda: self._model_here(arguments, input_example)
         )
 
+    def prepare_model_from(self, builder: str, kwargs: Mapping[str, Any], *, input_example: Any) -> None:
+        """Have the writer process export the model ``builder(**kwargs)`` returns now, in the background, for a
+        later :meth:`log_model_from` or :meth:`start_model_from` of a model from ``builder`` with ``input_example``;
+        return at once.
+
+        The model's weights do not matter (e.g. the initial ones): that later save swaps the final weights into
+        this export, which skips ``torch.export``'s trace at the run's end, if the model has the same structure (the
+        same module classes, parameters and buffers, and then the same outputs on ``input_example``; see
+        :class:`tracking._model.Exports`). Otherwise, or if this export fails, or without a writer process, that
+        save exports the model itself, as it would have.
+
+        Args:
+            builder: ``package.module:name`` of a callable returning the ``nn.Module`` (see :meth:`log_model_from`).
+            kwargs: Its keyword arguments, JSON values.
+            input_example: The batch of inputs (a NumPy array) the later save will be given (None: nothing is
+                exported, as that save pickles the model).
+        """
+        self._check_started()
+        if input_example is None:
+            return  # such a model is pickled: there is no export to make ahead
+        arguments = _model_arguments(builder, kwargs, "model", input_example)
+        del arguments["name"]
+        # Deferred and never settled by this process: the writer process answers at once and exports on a thread of
+        # its own; the model's job waits for it, the run's end too.
+        self._child_job({"op": "prepare", "model": arguments, "defer": f"prepare-{next(self._deferred)}"})
+
     def _start_deferred(self, kind: str, request: Mapping[str, Any], here: Callable[[], None]) -> Callable[[], float]:
         """Have the writer process begin ``request`` as a deferred job and return what waits for it (see
         :meth:`start_model_from`); ``here`` does the job in this process instead, at once when there is no writer

@@ -632,3 +632,44 @@ def test_a_model_logged_while_a_started_one_exports_waits_its_turn(tracking_uri:
     x = torch.randn(5, 8)
     for logged in found:
         assert torch.allclose(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x), atol=1e-6)
+
+
+_EXPORT_ONCE_BUILDER = """
+import torch
+
+from flasync.models import build as build_model
+
+
+def build(**kwargs):
+    if kwargs["weights"] is not None:  # the trained model: a second trace would fail
+        def refuse(*args, **kwargs):
+            raise RuntimeError("torch.export ran again")
+
+        torch.export.export = refuse
+    return build_model(**kwargs)
+"""
+
+
+def test_a_model_prepared_while_training_is_saved_without_a_second_trace(
+    tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prepare_model_from has the writer's helper export the model's structure during the run; the trained model
+    is then saved from that export: its builder breaks torch.export (so a model traced again would be pickled), and
+    it is still logged in the pt2 format, with its own weights."""
+    (tmp_path / "export_once_builder.py").write_text(_EXPORT_ONCE_BUILDER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    holder = IdleChild()
+    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
+    run_id = tracker.start(experiment="child-prepared-model")
+    kwargs, model = _model_kwargs(tmp_path)
+    example = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
+    tracker.prepare_model_from("export_once_builder:build", {**kwargs, "weights": None}, input_example=example)
+    tracker.log_model_from("export_once_builder:build", kwargs, name="mlp", input_example=example)
+    tracker.finish("FINISHED")
+    holder.clear()  # its helper's torch.export is broken
+    client = mlflow.MlflowClient(tracking_uri)
+    [logged] = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    assert str(logged.status) == "READY"
+    assert {Path(a.path).name for a in client.list_logged_model_artifacts(logged.model_id, "data")} == {"model.pt2"}
+    x = torch.randn(5, 8)
+    assert torch.equal(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x))

@@ -1,0 +1,219 @@
+"""Models saved for MLflow by builder, and the exports made ahead of their save (:class:`tracking._model.Exports`)."""
+
+from __future__ import annotations
+
+import filecmp
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import mlflow.pytorch
+import numpy as np
+import pytest
+import torch
+import yaml
+from mlflow.models import Model
+
+from flasync import models
+from tracking import _model
+from tracking._child import _Aside, _job, _Monitor
+
+_BUILDER = "flasync.models:build"
+_SPEC = {"model": "MLP", "in_features": 8, "hidden": [6], "num_classes": 3}
+_EXAMPLE = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32).tolist()
+_DESCRIPTION = {"artifact_path": "models:/m-1", "run_id": "r1", "model_uuid": "m-1", "model_id": "m-1"}
+
+_NORM_BUILDER = '''
+import torch
+
+
+class Scaled(torch.nn.Module):
+    """Multiply by a number that is no tensor: models differing only in it have the same classes and weights."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def build(hidden=6, activation="relu", factor=1.0, scale=None):
+    """A small model with a batch norm (running statistics, a counter) and a buffer outside the state dict."""
+    layers = [torch.nn.Linear(8, hidden), torch.nn.BatchNorm1d(hidden), Scaled(factor)]
+    layers.append(torch.nn.ReLU() if activation == "relu" else torch.nn.Tanh())
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 3))
+    model.register_buffer("offset", torch.zeros(3), persistent=False)
+    if scale is not None:
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.linspace(0.1, scale, tensor.numel()).view_as(tensor))
+        model[1].num_batches_tracked.fill_(7)
+    return model.eval()
+'''
+
+
+@pytest.fixture
+def norm_builder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Return the builder of a model with buffers, importable as ``norm_builder:build``."""
+    (tmp_path / "norm_builder.py").write_text(_NORM_BUILDER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "norm_builder:build"
+    sys.modules.pop("norm_builder", None)
+
+
+def _final_mlp(tmp_path: Path, seed: int = 1) -> tuple[dict[str, Any], torch.nn.Module]:
+    """Return the builder's arguments of an MLP with trained-looking weights (written to a file), and the MLP."""
+    torch.manual_seed(seed)
+    model = models.MLP(8, [6], 3)
+    weights = tmp_path / f"w{seed}.npy"
+    np.save(weights, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    return {**_SPEC, "weights": str(weights)}, model
+
+
+def _saved(folder: Path) -> Model:
+    return Model.load(str(folder / "MLmodel"))
+
+
+def test_a_prepared_export_saves_what_a_full_save_does(tmp_path: Path) -> None:
+    """A model saved from the export prepared for its structure is the full save's folder: the same files, the same
+    archive bytes, the same MLmodel but for its time; it loads to the final weights."""
+    exports = _model.Exports()
+    exports.prepare(builder=_BUILDER, kwargs={**_SPEC, "weights": None}, input_example=_EXAMPLE)
+    kwargs, model = _final_mlp(tmp_path)
+    common = {"builder": _BUILDER, "kwargs": kwargs, "description": _DESCRIPTION, "input_example": _EXAMPLE}
+    _model.save_for(folder=str(tmp_path / "ahead"), exports=exports, **common)
+    _model.save_for(folder=str(tmp_path / "full"), **common)
+    compared = filecmp.dircmp(tmp_path / "ahead", tmp_path / "full")
+    assert compared.left_only == compared.right_only == []
+    assert compared.diff_files == ["MLmodel"]
+    assert filecmp.cmp(tmp_path / "ahead/data/model.pt2", tmp_path / "full/data/model.pt2", shallow=False)
+    ahead, full = (yaml.safe_load((tmp_path / name / "MLmodel").read_text()) for name in ("ahead", "full"))
+    assert ahead.pop("utc_time_created") != "" and full.pop("utc_time_created") != ""
+    assert ahead == full
+    assert ahead["model_id"] == "m-1" and ahead["run_id"] == "r1"
+    x = torch.randn(5, 8)
+    assert torch.equal(mlflow.pytorch.load_model(str(tmp_path / "ahead"))(x), model(x))
+
+
+def test_an_export_serves_one_save_after_another(tmp_path: Path) -> None:
+    """Each save swaps its own weights in: two models saved from one export load to their own weights, and a save
+    without a description gets a model id of its own."""
+    exports = _model.Exports()
+    exports.prepare(builder=_BUILDER, kwargs={**_SPEC, "weights": None}, input_example=_EXAMPLE)
+    x = torch.randn(5, 8)
+    uuids = set()
+    for seed in (1, 2):
+        kwargs, model = _final_mlp(tmp_path, seed)
+        folder = tmp_path / f"m{seed}"
+        saved = exports.save(_model.build(_BUILDER, kwargs), str(folder), builder=_BUILDER, input_example=_EXAMPLE)
+        assert saved
+        assert torch.equal(mlflow.pytorch.load_model(str(folder))(x), model(x))
+        uuids.add(_saved(folder).model_uuid)
+    assert len(uuids) == 2
+
+
+def test_buffers_are_swapped_in_too(tmp_path: Path, norm_builder: str) -> None:
+    """Batch-norm statistics, its counter and a buffer outside the state dict take the final values."""
+    exports = _model.Exports()
+    exports.prepare(builder=norm_builder, kwargs={}, input_example=_EXAMPLE)
+    final = _model.build(norm_builder, {"scale": 1.5})
+    assert exports.save(final, str(tmp_path / "m"), builder=norm_builder, input_example=_EXAMPLE)
+    loaded = mlflow.pytorch.load_model(str(tmp_path / "m"))
+    x = torch.randn(5, 8)
+    assert torch.equal(loaded(x), final(x))
+    assert dict(loaded.named_buffers())["1.num_batches_tracked"].item() == 7
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"hidden": 7}, {"activation": "tanh"}, {"factor": -1.0}],
+    ids=["other shapes", "other classes", "same classes and weights, other computation"],
+)
+def test_a_model_of_another_structure_is_refused(tmp_path: Path, norm_builder: str, kwargs: dict[str, Any]) -> None:
+    """A model whose parameters or outputs differ from the export's is not saved from it (nothing is written), and
+    save_for then exports it in full."""
+    exports = _model.Exports()
+    exports.prepare(builder=norm_builder, kwargs={}, input_example=_EXAMPLE)
+    final = _model.build(norm_builder, {**kwargs, "scale": 1.5})
+    assert not exports.save(final, str(tmp_path / "m"), builder=norm_builder, input_example=_EXAMPLE)
+    assert not (tmp_path / "m").exists()
+    _model.save_for(
+        folder=str(tmp_path / "m"),
+        builder=norm_builder,
+        kwargs={**kwargs, "scale": 1.5},
+        input_example=_EXAMPLE,
+        exports=exports,
+    )
+    x = torch.randn(5, 8)
+    assert torch.equal(mlflow.pytorch.load_model(str(tmp_path / "m"))(x), final(x))
+
+
+def test_no_export_without_its_builder_and_example(tmp_path: Path) -> None:
+    """An export serves only its builder and input example; the oldest of more than ``kept`` is dropped."""
+    exports = _model.Exports(kept=2)
+    final = _model.build(_BUILDER, {**_SPEC, "weights": None})
+    other = np.zeros((2, 8), dtype=np.float32).tolist()
+    assert not exports.save(final, str(tmp_path / "a"), builder=_BUILDER, input_example=_EXAMPLE)
+    exports.prepare(builder=_BUILDER, kwargs={**_SPEC, "weights": None}, input_example=other)
+    assert not exports.save(final, str(tmp_path / "a"), builder=_BUILDER, input_example=_EXAMPLE)
+    assert not exports.save(final, str(tmp_path / "a"), builder=_BUILDER, input_example=other, input_dtype="float64")
+    for example in (_EXAMPLE, np.ones((2, 8)).tolist()):
+        exports.prepare(builder=_BUILDER, kwargs={**_SPEC, "weights": None}, input_example=example)
+    assert len(exports) == 2
+    assert not exports.save(final, str(tmp_path / "a"), builder=_BUILDER, input_example=other)
+    assert exports.save(final, str(tmp_path / "a"), builder=_BUILDER, input_example=_EXAMPLE)
+
+
+def test_the_same_model_prepared_again_is_not_exported_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preparing the builder, arguments and example already prepared (the next run of a sweep) keeps the export;
+    other arguments are exported anew."""
+    exports = _model.Exports()
+    exports.prepare(builder=_BUILDER, kwargs={**_SPEC, "weights": None}, input_example=_EXAMPLE)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("exported again")
+
+    monkeypatch.setattr(torch.export, "export", broken)
+    exports.prepare(builder=_BUILDER, kwargs={"weights": None, **_SPEC}, input_example=_EXAMPLE)
+    with pytest.raises(RuntimeError, match="exported again"):
+        exports.prepare(builder=_BUILDER, kwargs={**_SPEC, "hidden": [7], "weights": None}, input_example=_EXAMPLE)
+    assert len(exports) == 1
+
+
+def test_a_model_torch_export_cannot_trace_is_not_kept() -> None:
+    """Preparing a model that cannot be exported raises and keeps nothing (its save pickles it as before)."""
+    exports = _model.Exports()
+    with pytest.raises(Exception, match="no model"):
+        exports.prepare(builder=_BUILDER, kwargs={"model": "Nope", "weights": None}, input_example=_EXAMPLE)
+    assert len(exports) == 0
+
+
+def test_the_writer_without_a_helper_prepares_and_saves_itself(
+    tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer process's prepare job, with no helper, exports in the writer process; its model job then saves
+    from that export (here torch.export is broken after the prepare: the model is still in the pt2 format)."""
+    client = mlflow.MlflowClient(tracking_uri)
+    experiment = client.create_experiment("model-ahead")
+    run_id = client.create_run(experiment).info.run_id
+    aside = _Aside({})
+    request: dict[str, Any] = {"builder": _BUILDER, "kwargs": {**_SPEC, "weights": None}, "input_example": _EXAMPLE}
+    _job(client, run_id, {"op": "prepare", "model": request}, _Monitor(), tracking_uri, aside)
+    assert len(aside.exports) == 1
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("torch.export is not to run again")
+
+    monkeypatch.setattr(torch.export, "export", broken)
+    kwargs, model = _final_mlp(tmp_path)
+    model_job = {"experiment_id": experiment, **request, "kwargs": kwargs, "name": "mlp"}
+    _job(client, run_id, {"op": "model", "model": model_job}, _Monitor(), tracking_uri, aside)
+    [logged] = client.search_logged_models([experiment])
+    assert str(logged.status) == "READY"
+    assert "model.pt2" in {Path(a.path).name for a in client.list_logged_model_artifacts(logged.model_id, "data")}
+    x = torch.randn(5, 8)
+    assert torch.equal(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x))

@@ -156,9 +156,14 @@ class _Prepared:
             if not isinstance(target, torch.Tensor) or target.shape != tensor.shape or target.dtype != tensor.dtype:
                 return False
         with torch.no_grad():
-            for name, tensor in tensors.items():
-                targets[name].copy_(tensor)
-            return _close(model(example), self.module(example))
+            values = {name: tensor.detach().clone() for name, tensor in tensors.items()}
+            for name, value in values.items():
+                targets[name].copy_(value)
+            same = _close(model(example), self.module(example))
+            # A forward in training mode updates buffers (batch-norm statistics): the program keeps the model's own.
+            for name, value in values.items():
+                targets[name].copy_(value)
+        return same
 
 
 class Exports:

@@ -40,7 +40,7 @@ class Scaled(torch.nn.Module):
         return x * self.factor
 
 
-def build(hidden=6, activation="relu", factor=1.0, scale=None):
+def build(hidden=6, activation="relu", factor=1.0, scale=None, train=False):
     """A small model with a batch norm (running statistics, a counter) and a buffer outside the state dict."""
     layers = [torch.nn.Linear(8, hidden), torch.nn.BatchNorm1d(hidden), Scaled(factor)]
     layers.append(torch.nn.ReLU() if activation == "relu" else torch.nn.Tanh())
@@ -52,7 +52,7 @@ def build(hidden=6, activation="relu", factor=1.0, scale=None):
                 if tensor.is_floating_point():
                     tensor.copy_(torch.linspace(0.1, scale, tensor.numel()).view_as(tensor))
         model[1].num_batches_tracked.fill_(7)
-    return model.eval()
+    return model.train(train)
 '''
 
 
@@ -116,16 +116,23 @@ def test_an_export_serves_one_save_after_another(tmp_path: Path) -> None:
     assert len(uuids) == 2
 
 
-def test_buffers_are_swapped_in_too(tmp_path: Path, norm_builder: str) -> None:
-    """Batch-norm statistics, its counter and a buffer outside the state dict take the final values."""
+@pytest.mark.parametrize("train", [False, True], ids=["eval mode", "training mode"])
+def test_buffers_are_swapped_in_too(tmp_path: Path, norm_builder: str, train: bool) -> None:
+    """Batch-norm statistics, its counter and a buffer outside the state dict take the final values; in training
+    mode too, where the forward that checks the export updates the statistics."""
     exports = _model.Exports()
-    exports.prepare(builder=norm_builder, kwargs={}, input_example=_EXAMPLE)
-    final = _model.build(norm_builder, {"scale": 1.5})
+    exports.prepare(builder=norm_builder, kwargs={"train": train}, input_example=_EXAMPLE)
+    final = _model.build(norm_builder, {"scale": 1.5, "train": train})
+    expected = {name: tensor.clone() for name, tensor in final.state_dict().items()}
     assert exports.save(final, str(tmp_path / "m"), builder=norm_builder, input_example=_EXAMPLE)
     loaded = mlflow.pytorch.load_model(str(tmp_path / "m"))
-    x = torch.randn(5, 8)
-    assert torch.equal(loaded(x), final(x))
-    assert dict(loaded.named_buffers())["1.num_batches_tracked"].item() == 7
+    buffers = dict(loaded.named_buffers())
+    assert buffers["1.num_batches_tracked"].item() == 7
+    for name in ("1.running_mean", "1.running_var", "offset"):
+        assert torch.equal(buffers[name], expected.get(name, torch.linspace(0.1, 1.5, 3)))
+    if not train:
+        x = torch.randn(5, 8)
+        assert torch.equal(loaded(x), final(x))
 
 
 @pytest.mark.parametrize(

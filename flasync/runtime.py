@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -116,6 +117,7 @@ _DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
 
 
 _T = TypeVar("_T")
+_NO_TAGS: Mapping[str, str] = MappingProxyType({})
 
 
 _TRACES = "flasync-traces-"
@@ -748,17 +750,11 @@ class Federation:
                 settle_model = self._start_model_from_spec(mlflow_tracker, prepared.model_spec, example)
             except Exception as exc:  # a model MLflow cannot serialise must not fail the run
                 log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
-        tracker.log_dict(summary.to_dict(), "summary.json")
+        files = {"summary.json": tracking.artifact_bytes(summary.to_dict(), "summary.json")}
         if self.profile is not None:
-            tracker.log_dict(json_ready(self.profile), "profile.json")
+            files["profile.json"] = tracking.artifact_bytes(json_ready(self.profile), "profile.json")
             if self.config.diagnostics.plots:
-                self._log_plots(tracker, log)
-        if self._traces is not None:
-            for path in self._traces.traces:
-                tracker.log_file(path, "torch_profiler")
-        if summary.alerts and self.profile is not None:
-            alerts = ", ".join(f"{k}={v}" for k, v in sorted(self.profile["alerts"].items()))
-            tracker.set_tags({"alerts": alerts})
+                files.update(self._plots(log))
         module = prepared.factory()
         offset = 0
         with torch.no_grad():
@@ -768,9 +764,23 @@ class Federation:
                 offset += n
         buffer = io.BytesIO()
         torch.save({"flat": self.weights, "state_dict": module.state_dict()}, buffer)
-        tracker.log_bytes(buffer.getvalue(), "weights.pt")
+        files["weights.pt"] = buffer.getvalue()
+        if mlflow_tracker is not None:
+            mlflow_tracker.log_artifacts(files)  # one job of the writer process, not one per file
+        else:
+            for artifact_file, data in files.items():
+                tracker.log_bytes(data, artifact_file)
+        if self._traces is not None:
+            for path in self._traces.traces:
+                tracker.log_file(path, "torch_profiler")
+        tags = {}
+        if summary.alerts and self.profile is not None:
+            tags["alerts"] = ", ".join(f"{k}={v}" for k, v in sorted(self.profile["alerts"].items()))
         if constant is not None:
-            _tag_constants(tracker, constant, log)  # done here, the end of the run's call to it finds nothing left
+            # Done here, the end of the run's call to it finds nothing left.
+            _tag_constants(tracker, constant, log, tags)
+        elif tags:
+            tracker.set_tags(tags)
         if settle_model is not None:
             # The metrics still queued (the profile's rows among them) are written while the model is exported, not
             # after it, when the run's end would wait for them.
@@ -786,19 +796,18 @@ class Federation:
         except Exception as exc:  # a model MLflow cannot serialise must not fail the run
             log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 
-    def _log_plots(self, tracker: tracking.Tracker, log: Any) -> None:
-        """Draw the profile's charts (SVG, about a millisecond each: see :mod:`tracking.charts`) and log them under
-        ``plots/``; a failure is only logged, it must not fail the run."""
+    def _plots(self, log: Any) -> dict[str, bytes]:
+        """Draw the profile's charts (SVG, about a millisecond each: see :mod:`tracking.charts`); return them by their
+        artifact paths (under ``plots/``). A failure is only logged (no charts), it must not fail the run."""
         assert self.profile is not None
         began = time.perf_counter()
         try:
             plots = render_plots(self.profile)
         except Exception as exc:
             log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
-            return
-        for name, image in plots.items():
-            tracker.log_bytes(image, f"plots/{name}")
+            return {}
         log.debug("tracking.plots", seconds=time.perf_counter() - began, metrics=False)
+        return {f"plots/{name}": image for name, image in plots.items()}
 
     def _start_model_from_spec(
         self, tracker: tracking.MlflowTracker, spec: tuple[str, dict[str, Any]], example: np.ndarray
@@ -988,14 +997,17 @@ def _redacted(config: RunConfig) -> RunConfig:
     return config.model_copy(update={"tracking": config.tracking.model_copy(update={"uri": tracking.redact_uri(uri)})})
 
 
-def _tag_constants(tracker: tracking.Tracker, constant: tracking.ConstantSeries, log: Any) -> None:
-    """Tag the run with each held-back metric whose value never changed (``constant/<key>``); a tracking failure is
-    only logged."""
+def _tag_constants(
+    tracker: tracking.Tracker, constant: tracking.ConstantSeries, log: Any, also: Mapping[str, str] = _NO_TAGS
+) -> None:
+    """Tag the run with each held-back metric whose value never changed (``constant/<key>``), and with ``also`` in
+    the same call; a tracking failure is only logged."""
     found = constant.constants()
-    if not found:
+    tags = {**also, **{f"constant/{key}": f"{value:.10g}" for key, value in sorted(found.items())}}
+    if not tags:
         return
     try:
-        tracker.set_tags({f"constant/{key}": f"{value:.10g}" for key, value in sorted(found.items())})
+        tracker.set_tags(tags)
     except Exception as exc:  # a tracking failure must not fail the run
         log.warning("tracking.constants_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
 

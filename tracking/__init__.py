@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from tracking._child import IdleChild, close_idle_writer
     from tracking.logs import LevelFilter, configure_logging, make_logger
     from tracking.metrics import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor, metric_key
-    from tracking.mlflow_run import MlflowTracker, NullTracker, RunStatus, Tracker
+    from tracking.mlflow_run import MlflowTracker, NullTracker, RunStatus, Tracker, artifact_bytes
     from tracking.spool import ReplayResult, SpoolError, replay
     from tracking.store import (
         DEFAULT_ARTIFACT_ROOT,
@@ -51,6 +51,7 @@ _MODULES = {
     "NullTracker": "tracking.mlflow_run",
     "RunStatus": "tracking.mlflow_run",
     "Tracker": "tracking.mlflow_run",
+    "artifact_bytes": "tracking.mlflow_run",
     "ReplayResult": "tracking.spool",
     "SpoolError": "tracking.spool",
     "replay": "tracking.spool",
@@ -99,6 +100,7 @@ __all__ = [
     "StoreNotWritableError",
     "Tracker",
     "WriterStatistics",
+    "artifact_bytes",
     "check_local_store",
     "close_idle_writer",
     "configure_logging",

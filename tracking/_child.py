@@ -14,11 +14,11 @@ whose tables have the shape MLflow's ``log_batch`` writes, the child writes thos
 without an ``if __name__ == "__main__"`` guard stays safe), and nothing is pickled.
 
 The child also does the rest of a run's MLflow work a parent hands it, on its own core and with its own GIL. A job
-is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``tags``, ``dataset`` (an
-input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU samples are the machine's,
-wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a model, see
-:mod:`tracking._model`) or ``prepare`` (export a model of the same structure ahead of its ``model`` job, see
-:class:`tracking._model.Exports`). What the child is to import (or call) ahead for its ``model`` jobs
+is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``files`` (several),
+``tags``, ``dataset`` (an input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and
+GPU samples are the machine's, wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a
+model, see :mod:`tracking._model`) or ``prepare`` (export a model of the same structure ahead of its ``model`` job,
+see :class:`tracking._model.Exports`). What the child is to import (or call) ahead for its ``model`` jobs
 (``torch.export`` and MLflow's pytorch flavour import in about two seconds, and the first model they save takes one
 more: :func:`tracking._model.warm_up`) is named in its environment when it starts, or later by a line
 ``preload KIND NAME,NAME`` (sent before a run, never answered; the one kind is ``model``); a name is preloaded once
@@ -347,6 +347,10 @@ def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, t
         return ""
     if op == "file":
         client.log_artifact(run_id, request["path"], request.get("folder") or None)
+        return ""
+    if op == "files":
+        for path, folder in request["files"]:
+            client.log_artifact(run_id, path, folder or None)
         return ""
     if op == "tags":
         from tracking._runs import send_tags

@@ -71,6 +71,7 @@ __all__ = [
     "NullTracker",
     "RunStatus",
     "Tracker",
+    "artifact_bytes",
 ]
 
 
@@ -745,11 +746,7 @@ class MlflowTracker:
             data: A JSON-like mapping.
             artifact_file: Path of the artifact inside the run, e.g. ``"config/run.json"``.
         """
-        if artifact_file.endswith((".yaml", ".yml")):
-            text = yaml.safe_dump(json.loads(json.dumps(dict(data), default=str)), indent=2, sort_keys=False)
-        else:
-            text = json.dumps(data, indent=2, default=str, allow_nan=True)
-        self.log_bytes(text.encode(), artifact_file)
+        self.log_bytes(artifact_bytes(data, artifact_file), artifact_file)
 
     def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Store a local file or folder as an artifact.
@@ -776,15 +773,46 @@ class MlflowTracker:
             artifact_file: Path of the artifact inside the run, e.g. ``"clients/table.csv"``.
         """
         self._check_started()
-        folder, name = os.path.split(artifact_file.strip("/"))
-        if not name:
-            raise ValueError(f"artifact_file {artifact_file!r} names no file")
+        folder, name = _artifact_name(artifact_file)
         if self._child is not None:
             with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
                 local = Path(tmp, name)
                 local.write_bytes(data)
                 if self._child_job({"op": "file", "path": str(local), "folder": folder or None}):
                     return
+        self._deliver_bytes(data, artifact_file)
+
+    def log_artifacts(self, files: Mapping[str, bytes]) -> None:
+        """Store several artifacts as :meth:`log_bytes` does each, with a writer process in one job (one round trip
+        where a run's end would wait for one per file).
+
+        Args:
+            files: Each artifact's content by its path inside the run, e.g. ``{"plots/a.svg": b"<svg ..."}``.
+
+        Raises:
+            ValueError: A path names no file (nothing is stored then).
+        """
+        self._check_started()
+        names = {artifact_file: _artifact_name(artifact_file) for artifact_file in files}
+        if not files:
+            return
+        if self._child is not None:
+            with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
+                entries = []
+                for index, (artifact_file, data) in enumerate(files.items()):
+                    folder, name = names[artifact_file]
+                    local = Path(tmp, str(index), name)  # one folder each: two artifacts may share a name
+                    local.parent.mkdir()
+                    local.write_bytes(data)
+                    entries.append([str(local), folder or None])
+                if self._child_job({"op": "files", "files": entries}):
+                    return
+        for artifact_file, data in files.items():  # storing a file twice replaces it: those stored already are kept
+            self._deliver_bytes(data, artifact_file)
+
+    def _deliver_bytes(self, data: bytes, artifact_file: str) -> None:
+        """Store ``data`` as an artifact from this process, or spool it (see :meth:`log_bytes`)."""
+        folder, name = _artifact_name(artifact_file)
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
@@ -1195,6 +1223,28 @@ class MlflowTracker:
 
     def _artifact_location(self, experiment: str) -> str | None:
         return artifact_location(self.tracking_uri, experiment, self._artifact_root)
+
+
+def artifact_bytes(data: Mapping[str, Any], artifact_file: str) -> bytes:
+    """Return ``data`` as the content :meth:`MlflowTracker.log_dict` stores: YAML for ``.yaml``/``.yml``, indented
+    JSON otherwise (values JSON cannot encode written as their ``str``; NaN and infinities as JavaScript's)."""
+    if artifact_file.endswith((".yaml", ".yml")):
+        text = yaml.safe_dump(json.loads(json.dumps(dict(data), default=str)), indent=2, sort_keys=False)
+    else:
+        text = json.dumps(data, indent=2, default=str, allow_nan=True)
+    return text.encode()
+
+
+def _artifact_name(artifact_file: str) -> tuple[str, str]:
+    """Return the folder (``""``: the root) and the file name of an artifact's path inside its run.
+
+    Raises:
+        ValueError: The path names no file.
+    """
+    folder, name = os.path.split(artifact_file.strip("/"))
+    if not name:
+        raise ValueError(f"artifact_file {artifact_file!r} names no file")
+    return folder, name
 
 
 def _model_arguments(builder: str, kwargs: Mapping[str, Any], name: str, input_example: Any) -> dict[str, Any]:

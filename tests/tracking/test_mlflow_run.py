@@ -152,6 +152,36 @@ def test_dict_and_bytes_artifacts_are_stored(
     assert (local / "clients" / "table.csv").read_bytes() == b"client,bytes\n1,10\n"
 
 
+@pytest.mark.parametrize("writer", [True, False], ids=["writer process", "writer process gone"])
+def test_several_artifacts_are_stored_in_one_go(
+    tracker: MlflowTracker, client: mlflow.MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: bool
+) -> None:
+    """log_artifacts stores each file at its path (two of one name in two folders too): in one job of the writer
+    process, or from this process when it is gone; a path that names no file stores nothing."""
+    run_id = tracker.start(experiment="many-artifacts")
+    assert tracker._child is not None
+    jobs: list[object] = []
+    job = tracker._child_job
+    monkeypatch.setattr(tracker, "_child_job", lambda request: jobs.append(request.get("op")) or job(request))
+    if not writer:
+        tracker._child._process.kill()
+        tracker._child._process.wait(10)
+    files = {"summary.json": b"{}", "plots/a.svg": b"<svg/>", "other/a.svg": b"<svg>2</svg>", "deep/er/w.pt": b"\x00"}
+    tracker.log_artifacts(files)
+    with pytest.raises(ValueError, match="names no file"):
+        tracker.log_artifacts({"ok.txt": b"1", "/": b"2"})
+    tracker.finish("FINISHED")
+    local = Path(
+        mlflow.artifacts.download_artifacts(
+            run_id=run_id, tracking_uri=tracker.tracking_uri, dst_path=str(tmp_path / "dl")
+        )
+    )
+    stored = {str(path.relative_to(local)): path.read_bytes() for path in local.rglob("*") if path.is_file()}
+    assert stored == files
+    if writer:
+        assert jobs[:2] == ["files", "end"]
+
+
 @pytest.mark.parametrize("status", ["FINISHED", "FAILED", "KILLED"])
 def test_finish_sets_the_run_status(tracker: MlflowTracker, client: mlflow.MlflowClient, status: RunStatus) -> None:
     """finish ends the run with the given status."""

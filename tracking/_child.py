@@ -29,7 +29,9 @@ helper, the child preloads on a background thread once the store is open, and do
 
 A job that carries ``"defer": NAME`` is answered ``ok`` at once and done on a thread of its own while the child
 answers what follows; ``{"op": "settle", "id": NAME}`` waits for it and answers as the job would have. The ``end``
-job waits for those not settled.
+job waits for those not settled, but for a job that also carries ``"detached": true``: nothing ever waits for that
+one (a model exported ahead, which a later ``model`` job waits for in the helper anyway; a run stopped before its
+model is logged does not).
 
 After a run's ``end`` job (answered ``ok`` or ``error: ...``) the child has no run again: its system monitor is
 stopped and it waits for the next run's first line, with MLflow, the open store and whatever it preloaded still
@@ -313,6 +315,7 @@ class _Deferred:
         if name in self._jobs:
             raise ValueError(f"a deferred job {name!r} is not settled yet")
         answer: list[str] = []
+        detached = bool(request.get("detached"))
 
         def work() -> None:
             try:
@@ -321,7 +324,8 @@ class _Deferred:
                 answer.append(f"error: {type(exc).__name__}: {exc}")
 
         thread = threading.Thread(target=work, name=f"tracking-job-{name}", daemon=True)
-        self._jobs[name] = (thread, answer)
+        if not detached:  # a detached job is never settled: nothing waits for it, its answer is dropped
+            self._jobs[name] = (thread, answer)
         thread.start()
 
     def settle(self, name: str) -> str:

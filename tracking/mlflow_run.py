@@ -1090,9 +1090,10 @@ class MlflowTracker:
             return  # such a model is pickled: there is no export to make ahead
         arguments = _model_arguments(builder, kwargs, "model", input_example)
         del arguments["name"]
-        # Deferred and never settled by this process: the writer process answers at once and exports on a thread of
-        # its own; the model's job waits for it, the run's end too.
-        self._child_job({"op": "prepare", "model": arguments, "defer": f"prepare-{next(self._deferred)}"})
+        # Deferred and detached: the writer process answers at once and exports on a thread of its own; the model's
+        # job waits for it (in the helper), the end of a run stopped before its model does not.
+        job = f"prepare-{next(self._deferred)}"
+        self._child_job({"op": "prepare", "model": arguments, "defer": job, "detached": True})
 
     def _start_deferred(self, kind: str, request: Mapping[str, Any], here: Callable[[], None]) -> Callable[[], float]:
         """Have the writer process begin ``request`` as a deferred job and return what waits for it (see

@@ -673,3 +673,44 @@ def test_a_model_prepared_while_training_is_saved_without_a_second_trace(
     assert {Path(a.path).name for a in client.list_logged_model_artifacts(logged.model_id, "data")} == {"model.pt2"}
     x = torch.randn(5, 8)
     assert torch.equal(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x))
+
+
+_BLOCKING_BUILDER = """
+import os
+import time
+from pathlib import Path
+
+from flasync.models import build as build_model
+
+
+def build(flag, marker, **kwargs):
+    deadline = time.monotonic() + 20
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    Path(marker).write_text("flag" if os.path.exists(flag) else "timed out")
+    return build_model(**kwargs)
+"""
+
+
+def test_a_run_stopped_while_its_model_is_exported_ahead_does_not_wait_for_it(
+    tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The export made ahead is never waited for by a run that ends without its model (here killed): its builder
+    waits for a file this test writes only once the run has ended, and sees it."""
+    (tmp_path / "blocking_builder.py").write_text(_BLOCKING_BUILDER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    holder = IdleChild()
+    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
+    run_id = tracker.start(experiment="child-detached")
+    kwargs, _ = _model_kwargs(tmp_path)
+    flag, marker = tmp_path / "go", tmp_path / "marker"
+    arguments = {**kwargs, "weights": None, "flag": str(flag), "marker": str(marker)}
+    tracker.prepare_model_from("blocking_builder:build", arguments, input_example=np.zeros((2, 8), np.float32))
+    tracker.finish("KILLED")
+    flag.touch()
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    holder.clear()
+    assert marker.read_text() == "flag"
+    assert mlflow.MlflowClient(tracking_uri).get_run(run_id).info.status == "KILLED"

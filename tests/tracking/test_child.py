@@ -557,17 +557,29 @@ def build(flag, **kwargs):
 """
 
 
+def _builder_tracker(
+    tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: tuple[str, str], experiment: str
+) -> tuple[MlflowTracker, IdleChild, str]:
+    """Write ``module`` (its name and source) into ``tmp_path``, importable by the writer process, then start a
+    tracker whose writer process preloads the model's export and is kept only by the holder returned; return the
+    tracker, the holder and the run's id."""
+    name, source = module
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    holder = IdleChild()
+    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
+    return tracker, holder, tracker.start(experiment=experiment)
+
+
 def test_a_started_model_is_exported_while_the_writer_answers_the_rest(
     tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """start_model_from returns at once; the writer process answers files and metrics while the model's job runs
     (its builder here waits for a file this test writes only after those answers); the function it returns waits
     for the model."""
-    (tmp_path / "waiting_builder.py").write_text(_WAITING_BUILDER)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    holder = IdleChild()
-    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
-    run_id = tracker.start(experiment="child-deferred")
+    tracker, holder, run_id = _builder_tracker(
+        tracking_uri, tmp_path, monkeypatch, ("waiting_builder", _WAITING_BUILDER), "child-deferred"
+    )
     kwargs, model = _model_kwargs(tmp_path)
     flag = tmp_path / "go"
     settle = tracker.start_model_from(
@@ -656,11 +668,9 @@ def test_a_model_prepared_while_training_is_saved_without_a_second_trace(
     """prepare_model_from has the writer's helper export the model's structure during the run; the trained model
     is then saved from that export: its builder breaks torch.export (so a model traced again would be pickled), and
     it is still logged in the pt2 format, with its own weights."""
-    (tmp_path / "export_once_builder.py").write_text(_EXPORT_ONCE_BUILDER)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    holder = IdleChild()
-    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
-    run_id = tracker.start(experiment="child-prepared-model")
+    tracker, holder, run_id = _builder_tracker(
+        tracking_uri, tmp_path, monkeypatch, ("export_once_builder", _EXPORT_ONCE_BUILDER), "child-prepared-model"
+    )
     kwargs, model = _model_kwargs(tmp_path)
     example = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
     tracker.prepare_model_from("export_once_builder:build", {**kwargs, "weights": None}, input_example=example)
@@ -697,11 +707,9 @@ def test_a_run_stopped_while_its_model_is_exported_ahead_does_not_wait_for_it(
 ) -> None:
     """The export made ahead is never waited for by a run that ends without its model (here killed): its builder
     waits for a file this test writes only once the run has ended, and sees it."""
-    (tmp_path / "blocking_builder.py").write_text(_BLOCKING_BUILDER)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    holder = IdleChild()
-    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
-    run_id = tracker.start(experiment="child-detached")
+    tracker, holder, run_id = _builder_tracker(
+        tracking_uri, tmp_path, monkeypatch, ("blocking_builder", _BLOCKING_BUILDER), "child-detached"
+    )
     kwargs, _ = _model_kwargs(tmp_path)
     flag, marker = tmp_path / "go", tmp_path / "marker"
     arguments = {**kwargs, "weights": None, "flag": str(flag), "marker": str(marker)}

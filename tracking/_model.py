@@ -408,7 +408,7 @@ def save_for(
             model_id=description["model_id"],
         )
     model = build(builder, kwargs)
-    if exports is not None and input_example is not None:
+    if exports is not None and input_example is not None and not os.path.exists(folder):
         try:
             if exports.save(
                 model,

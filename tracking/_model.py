@@ -149,7 +149,7 @@ class _Prepared:
             return False
         tensors = _tensors(model)
         targets = {**self.program.state_dict, **self.program.constants}
-        if tensors.keys() != targets.keys():
+        if tensors.keys() != targets.keys():  # a module's extra state, too, is no tensor of the program
             return False
         for name, tensor in tensors.items():
             target = targets[name]
@@ -303,9 +303,10 @@ def _classes(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(f"{type(module).__module__}.{type(module).__qualname__}" for module in model.modules())
 
 
-def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Return ``model``'s parameters and buffers (non-persistent ones too) by name."""
-    tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+def _tensors(model: torch.nn.Module) -> dict[str, Any]:
+    """Return ``model``'s parameters and buffers (non-persistent ones too) by name, with any extra state its state
+    dict holds."""
+    tensors: dict[str, Any] = dict(model.state_dict(keep_vars=True))
     tensors.update(model.named_buffers())
     return tensors
 

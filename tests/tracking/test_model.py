@@ -40,9 +40,19 @@ class Scaled(torch.nn.Module):
         return x * self.factor
 
 
-def build(hidden=6, activation="relu", factor=1.0, scale=None, train=False):
+class StatefulScaled(Scaled):
+    """The factor in the state dict, as extra state (which an exported program does not hold)."""
+
+    def get_extra_state(self):
+        return {"factor": self.factor}
+
+    def set_extra_state(self, state):
+        self.factor = state["factor"]
+
+
+def build(hidden=6, activation="relu", factor=1.0, scale=None, train=False, extra=False):
     """A small model with a batch norm (running statistics, a counter) and a buffer outside the state dict."""
-    layers = [torch.nn.Linear(8, hidden), torch.nn.BatchNorm1d(hidden), Scaled(factor)]
+    layers = [torch.nn.Linear(8, hidden), torch.nn.BatchNorm1d(hidden), (StatefulScaled if extra else Scaled)(factor)]
     layers.append(torch.nn.ReLU() if activation == "relu" else torch.nn.Tanh())
     model = torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 3))
     model.register_buffer("offset", torch.zeros(3), persistent=False)
@@ -152,6 +162,24 @@ def test_a_model_of_another_structure_is_refused(tmp_path: Path, norm_builder: s
         folder=str(tmp_path / "m"),
         builder=norm_builder,
         kwargs={**kwargs, "scale": 1.5},
+        input_example=_EXAMPLE,
+        exports=exports,
+    )
+    x = torch.randn(5, 8)
+    assert torch.equal(mlflow.pytorch.load_model(str(tmp_path / "m"))(x), final(x))
+
+
+def test_a_model_with_extra_state_is_exported_in_full(tmp_path: Path, norm_builder: str) -> None:
+    """A module's extra state (in its state dict, not in an exported program) is no weight to swap in: even the
+    same structure is refused, and saved in full by save_for."""
+    exports = _model.Exports()
+    exports.prepare(builder=norm_builder, kwargs={"extra": True}, input_example=_EXAMPLE)
+    final = _model.build(norm_builder, {"extra": True, "scale": 1.5})
+    assert not exports.save(final, str(tmp_path / "m"), builder=norm_builder, input_example=_EXAMPLE)
+    _model.save_for(
+        folder=str(tmp_path / "m"),
+        builder=norm_builder,
+        kwargs={"extra": True, "scale": 1.5},
         input_example=_EXAMPLE,
         exports=exports,
     )

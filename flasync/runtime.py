@@ -776,11 +776,7 @@ class Federation:
         tags = {}
         if summary.alerts and self.profile is not None:
             tags["alerts"] = ", ".join(f"{k}={v}" for k, v in sorted(self.profile["alerts"].items()))
-        if constant is not None:
-            # Done here, the end of the run's call to it finds nothing left.
-            _tag_constants(tracker, constant, log, tags)
-        elif tags:
-            tracker.set_tags(tags)
+        _tag_constants(tracker, constant, log, tags)  # done here, the end of the run's call to it finds nothing left
         if settle_model is not None:
             # The metrics still queued (the profile's rows among them) are written while the model is exported, not
             # after it, when the run's end would wait for them.
@@ -998,11 +994,11 @@ def _redacted(config: RunConfig) -> RunConfig:
 
 
 def _tag_constants(
-    tracker: tracking.Tracker, constant: tracking.ConstantSeries, log: Any, also: Mapping[str, str] = _NO_TAGS
+    tracker: tracking.Tracker, constant: tracking.ConstantSeries | None, log: Any, also: Mapping[str, str] = _NO_TAGS
 ) -> None:
-    """Tag the run with each held-back metric whose value never changed (``constant/<key>``), and with ``also`` in
-    the same call; a tracking failure is only logged."""
-    found = constant.constants()
+    """Tag the run with each held-back metric of ``constant`` whose value never changed (``constant/<key>``), and
+    with ``also`` in the same call; a tracking failure is only logged."""
+    found = constant.constants() if constant is not None else {}
     tags = {**also, **{f"constant/{key}": f"{value:.10g}" for key, value in sorted(found.items())}}
     if not tags:
         return

@@ -772,19 +772,12 @@ class MlflowTracker:
             data: The file's content.
             artifact_file: Path of the artifact inside the run, e.g. ``"clients/table.csv"``.
         """
-        self._check_started()
-        folder, name = _artifact_name(artifact_file)
-        if self._child is not None:
-            with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
-                local = Path(tmp, name)
-                local.write_bytes(data)
-                if self._child_job({"op": "file", "path": str(local), "folder": folder or None}):
-                    return
-        self._deliver_bytes(data, artifact_file)
+        self.log_artifacts({artifact_file: data})
 
     def log_artifacts(self, files: Mapping[str, bytes]) -> None:
-        """Store several artifacts as :meth:`log_bytes` does each, with a writer process in one job (one round trip
-        where a run's end would wait for one per file).
+        """Store several artifacts as :meth:`log_bytes` does one, with a writer process in one job (one round trip
+        where a run's end would wait for one per file); without one, or when it fails, each from this process or
+        into the spool.
 
         Args:
             files: Each artifact's content by its path inside the run, e.g. ``{"plots/a.svg": b"<svg ..."}``.
@@ -808,11 +801,10 @@ class MlflowTracker:
                 if self._child_job({"op": "files", "files": entries}):
                     return
         for artifact_file, data in files.items():  # storing a file twice replaces it: those stored already are kept
-            self._deliver_bytes(data, artifact_file)
+            self._deliver_bytes(data, artifact_file, *names[artifact_file])
 
-    def _deliver_bytes(self, data: bytes, artifact_file: str) -> None:
-        """Store ``data`` as an artifact from this process, or spool it (see :meth:`log_bytes`)."""
-        folder, name = _artifact_name(artifact_file)
+    def _deliver_bytes(self, data: bytes, artifact_file: str, folder: str, name: str) -> None:
+        """Store ``data`` as the artifact ``artifact_file`` (``folder/name``) from this process, or spool it."""
 
         def send(run_id: str, client: mlflow.MlflowClient) -> None:
             with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from typing import ClassVar, TypeAlias, TypeVar
 
@@ -114,7 +114,8 @@ class Flag(IntFlag):
 
 
 _KNOWN_FLAGS = int(Flag.SPARSE | Flag.INT8_CHUNKED)
-_CODEC_IDS = frozenset(int(codec) for codec in CodecId)
+_SPARSE, _INT8_CHUNKED = int(Flag.SPARSE), int(Flag.INT8_CHUNKED)  # plain ints: enum operators cost per upload
+_CODECS = {int(codec): codec for codec in CodecId}
 
 
 # ------------------------------------------------------------------------------------------------ stages
@@ -234,12 +235,19 @@ class Encoded:
     Attributes:
         payload: The bytes on the wire.
         residual: The new error-feedback residual ``p - sent`` (1-D float32), or ``None`` without error feedback.
-        sent: The dense float32 vector the receiver decodes from ``payload`` (bit for bit).
+        decoded: What the receiver decodes, when the encoder computed it (None: :attr:`sent` decodes the payload).
     """
 
     payload: bytes
     residual: torch.Tensor | None
-    sent: torch.Tensor
+    decoded: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def sent(self) -> torch.Tensor:
+        """The dense float32 vector the receiver decodes from ``payload`` (bit for bit; a new tensor)."""
+        if self.decoded is not None:
+            return self.decoded
+        return decode(self.payload, expected_elements=HEADER.unpack_from(self.payload)[4])
 
 
 class Pipeline:
@@ -331,6 +339,8 @@ class Pipeline:
             ValueError: If ``flat`` is not 1-D, ``residual`` has another length or is given without error
                 feedback, a random stage has no generator, or an :class:`Int8` stage meets ``inf`` or NaN.
         """
+        if not self._stages and residual is None:  # lossless: the bytes of encode(); sent is what they decode to
+            return Encoded(payload=encode(flat), residual=None)
         # Overflow to inf (and inf - inf = NaN) follows IEEE arithmetic; the server rejects non-finite updates.
         with np.errstate(over="ignore", invalid="ignore"):
             return self._encode(flat, generator, residual)
@@ -372,7 +382,7 @@ class Pipeline:
         header = HEADER.pack(MAGIC, FORMAT_VERSION, codec_id, flags, n, sum(memoryview(part).nbytes for part in parts))
         payload = b"".join((header, *parts))
         new_residual = torch.from_numpy(corrected - sent) if self.error_feedback else None
-        return Encoded(payload=payload, residual=new_residual, sent=torch.from_numpy(sent))
+        return Encoded(payload=payload, residual=new_residual, decoded=torch.from_numpy(sent))
 
     def decode(self, payload: bytes | bytearray | memoryview, *, expected_elements: int) -> torch.Tensor:
         """Decode any valid payload, whichever pipeline wrote it; the same as :func:`decode`."""
@@ -424,10 +434,10 @@ def decode(payload: bytes | bytearray | memoryview, *, expected_elements: int) -
         raise DecodeError(f"unsupported format version {version} (this flasync reads {FORMAT_VERSION})")
     if flags & ~_KNOWN_FLAGS:
         raise DecodeError(f"unknown flags {flags:#06x} (known: sparse 0x0001, int8 chunked 0x0002)")
-    if codec_byte not in _CODEC_IDS:
+    codec_id = _CODECS.get(codec_byte)
+    if codec_id is None:
         raise DecodeError(f"unknown codec id {codec_byte}")
-    codec_id = CodecId(codec_byte)
-    chunked = bool(flags & Flag.INT8_CHUNKED)
+    chunked = bool(flags & _INT8_CHUNKED)
     if chunked and codec_id is not CodecId.INT8:
         raise DecodeError(f"the int8-chunked flag is set on a {codec_id.name.lower()} codec payload")
     if num_elements != expected_elements:
@@ -435,7 +445,7 @@ def decode(payload: bytes | bytearray | memoryview, *, expected_elements: int) -
     if body_bytes != len(view) - HEADER.size:
         raise DecodeError(f"header announces a {body_bytes}-byte body but {len(view) - HEADER.size} bytes follow")
     body = view[HEADER.size :]
-    if not flags & Flag.SPARSE:
+    if not flags & _SPARSE:
         return torch.from_numpy(_decode_values(codec_id, chunked, body, num_elements, "dense"))
     return torch.from_numpy(_decode_sparse(codec_id, chunked, body, num_elements))
 

@@ -7,13 +7,22 @@ processes on a shared machine do weighs less on it than on wall time) and their 
 the two paths are equal bit for bit.
 
     python benchmarks/cohort_step.py [--sizes 8 16 32 100] [--repeats 7]
+
+With ``--baseline DIR`` (another flasync checkout) it prints instead the CPU per client of the model's own path in
+this tree and in ``DIR``, each measured in a fresh interpreter with that tree's flasync, the two trees interleaved in
+every repeat, and the ratio of their medians: what a change to the cohort trainer or the MLP's step gained.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from cohort import CFG, FEATURES, HIDDEN, Workload
@@ -22,6 +31,30 @@ from flasync.cohort import CohortMember, CohortTrainer
 from flasync.models import MLP
 
 CLASSES = 10
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run in a fresh interpreter with a tree's flasync and benchmarks first on sys.path: argv = the cohort sizes, the
+# calls per size. Prints one JSON object, size -> CPU milliseconds per client of the model's own path.
+DRIVER = """
+import json, sys, time
+import torch
+from cohort import CFG, FEATURES, HIDDEN, Workload
+from flasync.cohort import CohortMember, CohortTrainer
+from flasync.models import MLP
+torch.set_num_threads(1)
+sizes, calls = [int(s) for s in sys.argv[1].split(",")], int(sys.argv[2])
+work = Workload(max(sizes), torch.device("cpu"))
+trainer = CohortTrainer(MLP(FEATURES, HIDDEN, 10))
+figures = {}
+for size in sizes:
+    for warm in (True, False):
+        began = time.thread_time()
+        for _ in range(1 if warm else calls):
+            members = [CohortMember(indices=work.parts[c], generator=work.generator(c)) for c in range(size)]
+            trainer.train(work.base, work.x, work.y, members, CFG)
+    figures[size] = 1e3 * (time.thread_time() - began) / calls / size
+print(json.dumps(figures))
+"""
 
 
 def per_client_cpu_ms(trainer: CohortTrainer, work: Workload, size: int, calls: int = 5) -> float:
@@ -33,12 +66,47 @@ def per_client_cpu_ms(trainer: CohortTrainer, work: Workload, size: int, calls: 
     return 1e3 * (time.thread_time() - began) / calls / size
 
 
+def tree_cpu_ms(tree: Path, sizes: list[int], calls: int = 5) -> dict[int, float]:
+    """Return CPU milliseconds per client of the model's own path for each size, measured with ``tree``'s flasync."""
+    path = os.pathsep.join([str(tree / "benchmarks"), str(tree), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, ",".join(map(str, sizes)), str(calls)],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the measurement failed in {tree}:\n{done.stderr[-3000:]}")
+    return {int(size): ms for size, ms in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def against_baseline(baseline: Path, sizes: list[int], repeats: int) -> None:
+    """Print the model's own path's CPU per client in this tree and in ``baseline``, interleaved, and the ratio."""
+    trees = {"this": ROOT, "baseline": baseline.resolve()}
+    runs: dict[str, list[dict[int, float]]] = {name: [] for name in trees}
+    for _ in range(repeats):
+        for name, tree in trees.items():
+            runs[name].append(tree_cpu_ms(tree, sizes))
+    print(f"CPU per client of the model's own path, medians of {repeats} interleaved repeats ({trees['baseline']})")
+    print(f"{'K':>5} {'this':>10} {'baseline':>10} {'baseline/this':>14}")
+    for size in sizes:
+        this = statistics.median(run[size] for run in runs["this"])
+        base = statistics.median(run[size] for run in runs["baseline"])
+        print(f"{size:>5} {this:7.3f} ms {base:7.3f} ms {base / this:13.2f}x")
+
+
 def main() -> None:
     """Print CPU per client of both paths and their ratio for each cohort size."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 100])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--baseline", type=Path, help="another flasync checkout: compare the model's own path")
     args = parser.parse_args()
+    if args.baseline is not None:
+        against_baseline(args.baseline, args.sizes, args.repeats)
+        return
     torch.set_num_threads(1)
     work = Workload(max(args.sizes), torch.device("cpu"))
     own = CohortTrainer(MLP(FEATURES, HIDDEN, CLASSES))

@@ -237,12 +237,16 @@ class CohortTrainer:
         ``cohort_gradients`` (what autograd gives through :meth:`_cohort_losses`, to float rounding)."""
         assert self._cohort_gradients is not None
         k = rows.shape[0]
-        params = {
+        grads, losses = self._cohort_gradients(self._views(rows), xb, yb, mask / mask.sum(dim=1, keepdim=True))
+        return losses, torch.cat([grads[name].reshape(k, -1) for name in self._names], dim=1)
+
+    def _views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Return each parameter's part of the rows ``(k, P)``, as views ``(k, *shape)``."""
+        k = rows.shape[0]
+        return {
             name: chunk.view(k, *shape)
             for name, chunk, shape in zip(self._names, torch.split(rows, self._sizes, dim=1), self._shapes, strict=True)
         }
-        grads, losses = self._cohort_gradients(params, xb, yb, mask / mask.sum(dim=1, keepdim=True))
-        return losses, torch.cat([grads[name].reshape(k, -1) for name in self._names], dim=1)
 
     def _cohort_losses(
         self, rows: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, mask: torch.Tensor
@@ -250,10 +254,7 @@ class CohortTrainer:
         """Return the masked mean loss ``(k,)`` of each row, through the model's own ``cohort_forward``."""
         assert self._cohort_forward is not None
         k = rows.shape[0]
-        params = {
-            name: chunk.view(k, *shape)
-            for name, chunk, shape in zip(self._names, torch.split(rows, self._sizes, dim=1), self._shapes, strict=True)
-        }
+        params = self._views(rows)
         with autocast(self._precision, self.device):
             out = self._cohort_forward(params, xb)
         objective = self._objective
@@ -278,7 +279,7 @@ class CohortTrainer:
         width = total_steps * batch
         # Row r, position p: epoch p // padded of the client, slot p % padded of that epoch's permutation (slots
         # past the client's n samples, and positions past its own steps, are padding: index 0, mask 0).
-        local_matrix = torch.zeros((len(order), width), dtype=torch.int64)
+        pieces, offsets, takes = [], [], []  # each epoch's permutation, where it starts in the flat matrix, its length
         sizes, epoch_widths, limits = [], [], []
         for row, k in enumerate(order):
             n = int(members[k].indices.numel())
@@ -287,10 +288,21 @@ class CohortTrainer:
             for start in range(0, limit, padded):  # the epochs _batches starts, drawn in its order
                 perm = torch.randperm(n, generator=members[k].generator)
                 take = min(n, limit - start)
-                local_matrix[row, start : start + take] = perm[:take]
+                pieces.append(perm if take == n else perm[:take])
+                offsets.append(row * width + start)
+                takes.append(take)
             sizes.append(n)
             epoch_widths.append(padded)
             limits.append(limit)
+        # Every permutation goes to its place in one scatter, not one copy per client: a cohort's per-client tensor
+        # calls are what two training threads contend for.
+        values = torch.cat(pieces)
+        lengths = torch.tensor(takes)
+        first = torch.cumsum(lengths, 0) - lengths  # where each piece starts in values
+        where = torch.repeat_interleave(torch.tensor(offsets) - first, lengths) + torch.arange(values.numel())
+        local_matrix = torch.zeros(len(order) * width, dtype=torch.int64)
+        local_matrix[where] = values
+        local_matrix = local_matrix.view(len(order), width)
         position = torch.arange(width)
         valid = (position < torch.tensor(limits)[:, None]) & (
             position % torch.tensor(epoch_widths)[:, None] < torch.tensor(sizes)[:, None]
@@ -448,7 +460,9 @@ class CohortTrainer:
         self, x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, host_data: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather one step's batches ``(k, B, ...)``; from host data, through pinned memory, asynchronously."""
-        xb, yb = x[index], y[index]
+        flat = index.reshape(-1)  # index_select copies rows several times faster than indexing with a 2-D tensor
+        xb = x.index_select(0, flat).view(*index.shape, *x.shape[1:])
+        yb = y.index_select(0, flat).view(index.shape)
         if not host_data:
             return xb, yb
         if self.device.type == "cuda":

@@ -105,10 +105,15 @@ class MLP(nn.Module):
                     h = torch.relu(h)
                 else:  # a layer put in place of one of the built-in ones: its derivative is not written out here
                     raise TypeError(f"cohort_gradients takes Linear and ReLU layers, not {type(layer).__name__}")
-            log_p = torch.log_softmax(h, dim=2)
+            # log-softmax written out: torch.log_softmax is slow over rows as short as a classifier's (10 logits),
+            # and the exponentials serve the softmax too.
+            shifted = h - h.amax(dim=2, keepdim=True)
+            exp = shifted.exp()
+            total = exp.sum(dim=2, keepdim=True)
+            log_p = shifted - total.log()
             labels = y.unsqueeze(2)
             losses = -(log_p.gather(2, labels).squeeze(2) * weights).sum(dim=1)
-            delta = log_p.exp_()  # d loss / d logits: (softmax - one-hot) * weight
+            delta = exp.div_(total)  # d loss / d logits: (softmax - one-hot) * weight
             delta.scatter_add_(2, labels, torch.full_like(labels, -1, dtype=delta.dtype))
             delta.mul_(weights.unsqueeze(2))
             grads: dict[str, torch.Tensor] = {}
@@ -117,8 +122,11 @@ class MLP(nn.Module):
                 index = linear[position]
                 grads[f"layers.{index}.weight"] = torch.bmm(delta.transpose(1, 2), inputs[position])
                 grads[f"layers.{index}.bias"] = delta.sum(dim=1)
-                if position:  # through this layer's weights and the ReLU before it (its output was > 0)
-                    delta = torch.bmm(delta, params[f"layers.{index}.weight"]).mul_(inputs[position] > 0)
+                if position:  # through this layer's weights and the ReLU before it (zero where its output is 0):
+                    # ReLU's own backward kernel, one pass instead of a comparison, a cast and a product
+                    delta = torch.ops.aten.threshold_backward(
+                        torch.bmm(delta, params[f"layers.{index}.weight"]), inputs[position], 0.0
+                    )
         return grads, losses
 
 

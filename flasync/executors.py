@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +27,15 @@ from torch import nn
 from flasync.cohort import CohortMember, CohortResult, CohortTrainer
 from flasync.training import FlatModel, LocalResult, LocalTraining
 
-__all__ = ["CohortBatcher", "ModelPool", "ThreadTrainingExecutor", "TrainingExecutor", "TrainingJob", "resolve_device"]
+__all__ = [
+    "CohortBatcher",
+    "ModelPool",
+    "ThreadTrainingExecutor",
+    "TrainingExecutor",
+    "TrainingJob",
+    "cohorts_for",
+    "resolve_device",
+]
 
 T = TypeVar("T")
 
@@ -232,6 +241,16 @@ def _split(held: _Held, parts: int) -> list[_Held]:
     return cuts
 
 
+def cohorts_for(jobs: int, *, parallel: int, member_cpu_s: float | None, min_split: int, min_part_s: float) -> int:
+    """Return how many cohorts a group of ``jobs`` jobs is split into: at most ``parallel``, each of at least
+    ``min_split`` members and, when a member's training CPU is known (``member_cpu_s``), of at least ``min_part_s``
+    seconds of CPU; at least one."""
+    parts = min(parallel, jobs // min_split)
+    if parts > 1 and member_cpu_s and min_part_s > 0:
+        parts = min(parts, int(jobs * member_cpu_s / min_part_s))
+    return max(parts, 1)
+
+
 def _init_worker(threads: int, default: int, device: torch.device | None = None) -> None:
     """Size this worker's OpenMP team (leaving torch's default for other threads as it was); give it a CUDA stream.
 
@@ -260,7 +279,8 @@ class CohortBatcher(Executor):
     deterministic), after a few quiet event-loop passes under real time, or as soon as a group reaches
     ``max_cohort``. A group started with at least ``2 * MIN_SPLIT`` jobs is split into up to ``parallel`` cohorts
     of nearly equal size, which the pool's threads train side by side (a member's result does not depend on which
-    cohort it trains in). Each job's future is resolved with its own result, or its own exception.
+    cohort it trains in), as long as each would train for at least ``MIN_PART_S`` seconds of CPU at the pace of
+    the cohorts trained so far on the CPU. Each job's future is resolved with its own result, or its own exception.
 
     Args:
         inner: The worker pool that runs cohorts.
@@ -276,10 +296,18 @@ class CohortBatcher(Executor):
         run_job: Runs a cohort of one (default: the job itself, trained on the worker).
         passthrough: Where submissions other than training jobs go (default: ``inner``).
         parallel: Cohorts the inner pool trains at once (its threads): a large group is split into that many.
+        cpu_time: The calling thread's CPU seconds (what a cohort's pace is measured with).
     """
 
     MIN_SPLIT = 32
     """Fewest members of a cohort split off a large group (smaller cohorts gain little from their batching)."""
+
+    MIN_PART_S = 0.012
+    """Least CPU a cohort split off a group should train for, in seconds. A cohort's step is a few dozen tensor calls
+    whatever its size, and two threads that make small calls at once spend on the GIL's hand-overs what the second
+    core gives them. On 2 cores (``benchmarks/cohort_split.py``): the tutorial MLP's group of 64 trained as two
+    cohorts side by side took 0.78x the speed of one cohort on one thread, of 100 0.98x, of 160 (8 ms of CPU a
+    cohort) 1.26x; the CNN's, at 1.4 ms a member, 1.76x from 64 on."""
 
     def __init__(
         self,
@@ -293,6 +321,7 @@ class CohortBatcher(Executor):
         run_job: Callable[[TrainingJob[Any]], Any] | None = None,
         passthrough: Executor | None = None,
         parallel: int = 1,
+        cpu_time: Callable[[], float] = time.thread_time,
     ) -> None:
         """Hold nothing yet."""
         if max_cohort < 1:
@@ -316,6 +345,8 @@ class CohortBatcher(Executor):
         self.cohorts = 0
         self.vectorized_clients = 0
         self.fallback_clients = 0
+        self._cpu_time = cpu_time
+        self._member_cpu_s: float | None = None  # CPU seconds per member of the last cohort trained here
 
     def attach(self, clock: object) -> None:
         """Let ``clock`` start held jobs when the first of them is needed (a clock with ``on_wait``; else no-op)."""
@@ -383,8 +414,19 @@ class CohortBatcher(Executor):
 
     def _launch(self, held: _Held) -> None:
         """Start a group as one cohort, or as up to ``parallel`` cohorts trained side by side if it is large."""
-        for part in _split(held, min(self.parallel, len(held.jobs) // self.MIN_SPLIT)):
+        for part in _split(held, self.parts(len(held.jobs))):
             self._start(part)
+
+    def parts(self, jobs: int) -> int:
+        """Return how many cohorts a group of ``jobs`` jobs trains as (:func:`cohorts_for`, at the pace of the last
+        cohort trained here)."""
+        return cohorts_for(
+            jobs,
+            parallel=self.parallel,
+            member_cpu_s=self._member_cpu_s,
+            min_split=self.MIN_SPLIT,
+            min_part_s=self.MIN_PART_S,
+        )
 
     def _start(self, held: _Held) -> None:
         for future in held.futures:
@@ -438,7 +480,11 @@ class CohortBatcher(Executor):
             if self.train_cohort is not None:
                 outcome = self.train_cohort(first.base, x, y, members, first.cfg, jobs)
             else:
-                outcome = self.models.cohort_trainer().train(first.base, x, y, members, first.cfg)
+                trainer = self.models.cohort_trainer()
+                began = self._cpu_time()  # CPU, not wall: waiting for the GIL or a core does not count
+                outcome = trainer.train(first.base, x, y, members, first.cfg)
+                if trainer.device.type == "cpu":  # on an accelerator the CPU only launches the kernels
+                    self._member_cpu_s = (self._cpu_time() - began) / len(members)
         except Exception as exc:
             for future in futures:
                 deliver(future, None, exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from flasync import seeding
 from flasync.cohort import CohortMember, CohortTrainer, unsupported_reason
 from flasync.diagnostics import TrainingDiagnostics
 from flasync.errors import ConfigError, TrainingError
-from flasync.executors import CohortBatcher, ModelPool, TrainingJob, resolve_device
+from flasync.executors import CohortBatcher, ModelPool, TrainingJob, cohorts_for, resolve_device
 from flasync.models import MLP, SmallCNN
 from flasync.testing import small_config
 from flasync.training import FlatModel, LocalResult, LocalTraining, flat_parameters, train
@@ -746,17 +747,94 @@ def test_unset_workers_give_vectorized_cpu_cohorts_a_thread_per_core_within_memo
     assert workers == expected and why in reason
 
 
+@pytest.mark.parametrize(
+    ("jobs", "member_cpu_s", "parts"),
+    [
+        (70, None, 2),  # nothing trained yet: at least MIN_SPLIT members a cohort
+        (63, None, 1),
+        (100, 1e-4, 1),  # 5 ms a cohort: cheaper than the GIL's hand-overs between two threads
+        (240, 1e-4, 2),  # 12 ms a cohort
+        (70, 2e-3, 2),  # a heavy model: split as soon as the cohorts hold MIN_SPLIT members
+        (300, 1e-4, 2),  # never more than parallel
+    ],
+)
+def test_a_group_is_split_only_into_cohorts_worth_a_thread(jobs: int, member_cpu_s: float | None, parts: int) -> None:
+    """A group is split into cohorts of at least MIN_SPLIT members that each train for at least MIN_PART_S of CPU at
+    the pace of the last cohort trained, at most one a thread."""
+    found = cohorts_for(
+        jobs,
+        parallel=2,
+        member_cpu_s=member_cpu_s,
+        min_split=CohortBatcher.MIN_SPLIT,
+        min_part_s=CohortBatcher.MIN_PART_S,
+    )
+    assert found == parts
+
+
+async def test_a_trained_cohort_sets_the_pace_the_split_is_judged_by() -> None:
+    """A cohort trained on the batcher's own trainer records its CPU per member (read from the training thread's CPU
+    clock), which then decides the split: a group whose cohorts would train for less than MIN_PART_S each stays
+    whole."""
+    readings = iter([1.0, 1.004])  # 4 ms of CPU for a cohort of 40: 0.1 ms a member
+    torch.manual_seed(0)
+    x, y = torch.randn(40 * 20, FEATURES), torch.randint(0, CLASSES, (40 * 20,))
+    parts = list(torch.arange(40 * 20).split(20))
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+    batcher = CohortBatcher(ThreadPoolExecutor(2), pool, parallel=2, cpu_time=lambda: next(readings))
+    try:
+        assert batcher.parts(100) == 2  # nothing trained yet
+        futures = [batcher.submit(_job(base, x, y, p, k, pool)) for k, p in enumerate(parts)]
+        batcher.flush()
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        assert batcher._member_cpu_s == pytest.approx(1e-4)
+        assert batcher.parts(100) == 1  # two cohorts of 5 ms
+        assert batcher.parts(240) == 2  # two cohorts of 12 ms
+    finally:
+        batcher.shutdown()
+
+
+async def test_cohorts_trained_off_the_cpu_leave_the_split_to_min_split() -> None:
+    """On an accelerator the training thread's CPU only launches kernels: a cohort trained there sets no pace, and
+    groups keep being split by MIN_SPLIT alone."""
+    readings = iter([1.0, 1.004])
+    torch.manual_seed(0)
+    x, y = torch.randn(40 * 20, FEATURES), torch.randint(0, CLASSES, (40 * 20,))
+    parts = list(torch.arange(40 * 20).split(20))
+    base = flat_parameters(_mlp())
+
+    class OnAnAccelerator(ModelPool):
+        """Trainers that say they train on a GPU (and train on the CPU here)."""
+
+        def cohort_trainer(self) -> CohortTrainer:
+            real = super().cohort_trainer()
+            return SimpleNamespace(device=torch.device("cuda"), train=real.train)  # type: ignore[return-value]
+
+    pool = OnAnAccelerator(_mlp)
+    batcher = CohortBatcher(ThreadPoolExecutor(2), pool, parallel=2, cpu_time=lambda: next(readings))
+    try:
+        futures = [batcher.submit(_job(base, x, y, p, k, pool)) for k, p in enumerate(parts)]
+        batcher.flush()
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        assert batcher._member_cpu_s is None
+        assert batcher.parts(100) == 2
+    finally:
+        batcher.shutdown()
+
+
 def test_a_round_trains_on_a_thread_per_core_in_cohorts_side_by_side_with_the_weights_of_one_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With executor.workers unset (two cores here), a round of 70 is split into two cohorts of 35 that train side by
     side (the MLP and a CNN), and one of 40 cut by max_cohort = 8 trains on two threads too; each run says so and ends
-    with the weights of one training thread, whose round of 70 is one cohort."""
+    with the weights of one training thread, whose round of 70 is one cohort. (Every round splits here: no least
+    CPU per split-off cohort.)"""
     from structlog.testing import capture_logs
 
     from flasync import assembly
 
     monkeypatch.setattr(assembly, "_cores", lambda: 2)
+    monkeypatch.setattr(CohortBatcher, "MIN_PART_S", 0.0)
     sizes: list[int] = []
     real = CohortTrainer.train
 

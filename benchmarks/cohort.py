@@ -165,6 +165,14 @@ def engine(
     """Run FedAvg over every client ``rounds`` times with the given executor and client speed model (``constant``:
     every client finishes at one simulated time; ``lognormal``: each at its own); return accepted updates per wall
     second."""
+    summary = engine_run(num_clients, kind, max_cohort, device, speed, rounds)
+    return summary.updates_accepted / summary.wall_s
+
+
+def engine_run(
+    num_clients: int, kind: str, max_cohort: int, device: torch.device, speed: str = "constant", rounds: int = 1
+) -> flasync.RunSummary:
+    """Run :func:`engine`'s federation; return its summary."""
     per_round = min(num_clients, max_cohort)
     config = {
         "seed": 0,
@@ -179,8 +187,7 @@ def engine(
         "stop": {"max_versions": max(1, num_clients // per_round) * rounds},
         "tracking": {"enabled": False, "log_level": "warning", "log_model": False},
     }
-    summary = flasync.run(config)
-    return summary.updates_accepted / summary.wall_s
+    return flasync.run(config)
 
 
 Interval = tuple[float, float]
@@ -191,8 +198,9 @@ def phase_marks() -> Iterator[dict[str, list[Interval]]]:
     """Record the engine's phases while the block runs, as ``(start, end)`` perf_counter intervals: the server's run
     (``serve``), each cohort's training (``train``: ``CohortTrainer.train``) and each cohort's finishing (``finish``:
     the rest of the batcher's job, which finishes and encodes the members' updates and delivers them). Cohorts may
-    train side by side, on a thread each."""
-    marks: dict[str, list[Interval]] = {"serve": [], "train": [], "finish": []}
+    train side by side, on a thread each. ``serve_cpu`` holds the event loop thread's CPU clock at the server run's
+    start and end."""
+    marks: dict[str, list[Interval]] = {"serve": [], "train": [], "finish": [], "serve_cpu": []}
     local = threading.local()
     train, run, serve = CohortTrainer.train, CohortBatcher._run, Server.run
 
@@ -213,11 +221,12 @@ def phase_marks() -> Iterator[dict[str, list[Interval]]]:
                 marks["finish"].append((local.trained, time.perf_counter()))
 
     async def timed_serve(self: Server) -> Any:
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.thread_time()  # the event loop's thread
         try:
             return await serve(self)
         finally:
             marks["serve"].append((began, time.perf_counter()))
+            marks["serve_cpu"].append((cpu, time.thread_time()))
 
     CohortTrainer.train = timed_train  # type: ignore[method-assign]
     CohortBatcher._run = timed_run  # type: ignore[method-assign]
@@ -252,8 +261,9 @@ def engine_phases(
     rows: dict[str, list[float]] = {}
     for _ in range(repeats):
         with phase_marks() as marks:
-            engine(num_clients, "vectorized", max_cohort, device, speed, rounds)
+            summary = engine_run(num_clients, "vectorized", max_cohort, device, speed, rounds)
         ((start, end),) = marks["serve"]
+        ((cpu_start, cpu_end),) = marks["serve_cpu"]
         first = min(began for began, _ in marks["train"])
         training = length(marks["train"])
         finishing = length(marks["train"] + marks["finish"]) - training
@@ -264,6 +274,9 @@ def engine_phases(
             "finishing (encode, deliver; none trains)": finishing,
             "rest (intake, end)": (end - start) - (first - start) - training - finishing,
             "after the last delivery": end - max(ended for _, ended in marks["finish"]),
+            # The loop's own work (dispatch, jobs, intake, events): little of it overlaps a FedAvg round's training.
+            "event-loop thread CPU in the server run": cpu_end - cpu_start,
+            "  the same per accepted update, in us": (cpu_end - cpu_start) / summary.updates_accepted * 1000,
         }
         for key, value in figures.items():
             rows.setdefault(key, []).append(1000 * value)

@@ -383,7 +383,9 @@ class CohortBatcher(Executor):
     def _hold(self, fn: TrainingJob[Any], future: _AnyHeld) -> None:
         with self._lock:
             group = fn.group if self.train_cohort is None else (id(fn.base), fn.group)
-            held = self._held.setdefault(group, _Held())
+            held = self._held.get(group)
+            if held is None:  # not setdefault: it would build a _Held per job
+                held = self._held[group] = _Held()
             held.jobs.append(fn)
             held.futures.append(future)
             self._submitted += 1

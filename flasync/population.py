@@ -184,6 +184,9 @@ class Population:
 
     def mark_used(self, clients: np.ndarray | list[int]) -> None:
         """Record that ``clients`` were just dispatched (in this order), for least-recently-used sampling."""
+        if type(clients) is list and len(clients) == 1:  # one dispatch: scalar stores, a fifth of the arrays' cost
+            self._mark_one(int(clients[0]))
+            return
         ids = np.asarray(clients, dtype=np.int64).reshape(-1)
         if len(ids) == 0:
             return
@@ -200,6 +203,21 @@ class Population:
         self._queue_tail += len(ids)
 
     # ------------------------------------------------------------------------------------------------ private
+    def _mark_one(self, client: int) -> None:
+        """:meth:`mark_used` of one client."""
+        self._lru_state()
+        assert self.last_used is not None
+        stamp = self._uses
+        self._uses = stamp + 1
+        self.last_used[client] = stamp
+        tail = self._queue_tail
+        if tail + 1 > len(self._queue):
+            self._compact(tail + 1)
+            tail = self._queue_tail
+        self._queue[tail] = client
+        self._queue_stamp[tail] = stamp
+        self._queue_tail = tail + 1
+
     @staticmethod
     def _rejection(
         k: int,

@@ -125,6 +125,23 @@ def test_least_recently_used_cycles_through_everyone() -> None:
     assert population.sample(4, rng, strategy="lru").tolist() == first.tolist()  # then oldest use first
 
 
+def test_marking_clients_one_at_a_time_is_marking_them_in_one_array() -> None:
+    """A dispatch marks one client (the registry's path, with scalar stores): over enough uses that the queue is
+    compacted and grown, the LRU draws equal those of a population given the same clients in arrays."""
+    one, arrays = _population(50), _population(50)
+    rng_one, rng_arrays = np.random.default_rng(1), np.random.default_rng(1)
+    for _ in range(150):  # 3,000 uses of 50 clients: past the queue's first 1,024 entries more than once
+        drawn_one = one.sample(20, rng_one, strategy="lru")
+        drawn_arrays = arrays.sample(20, rng_arrays, strategy="lru")
+        assert drawn_one.tolist() == drawn_arrays.tolist()
+        for client in drawn_one.tolist():
+            one.mark_used([client])
+        arrays.mark_used(drawn_arrays)
+    assert one.last_used is not None and arrays.last_used is not None
+    assert one.last_used.tolist() == arrays.last_used.tolist()
+    assert one.sample(50, rng_one, strategy="lru").tolist() == arrays.sample(50, rng_arrays, strategy="lru").tolist()
+
+
 def test_available_now_follows_the_phases() -> None:
     """Available-now draws only online clients while enough are online, and fills with offline ones otherwise."""
     population = _population(1000, available_fraction=0.2, availability_period_s=100.0)

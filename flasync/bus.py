@@ -390,6 +390,7 @@ class EventBus:
     """
 
     __slots__ = (
+        "_batches",
         "_closed",
         "_delivered",
         "_dropped",
@@ -407,6 +408,7 @@ class EventBus:
         self._instruments: list[Instrument] = []
         self._subscriptions: list[Subscription[Any]] = []
         self._routes: dict[tuple[type[Any], Any], _Route] = {}
+        self._batches: dict[tuple[type[Any], type[Any], Any], bool] = {}
         self._closed = False
         self._published = 0
         self._delivered = 0
@@ -512,7 +514,7 @@ class EventBus:
             name = "|".join(t.__qualname__ for t in types) or "*"
         subscription: Subscription[Any] = Subscription(self, types, capacity, policy, name, address)
         self._subscriptions.append(subscription)
-        self._routes.clear()
+        self._forget_routes()
         return subscription
 
     async def publish(self, event: object) -> None:
@@ -583,7 +585,7 @@ class EventBus:
             return
         self._closed = True
         subscriptions, self._subscriptions = self._subscriptions, []
-        self._routes.clear()
+        self._forget_routes()
         for subscription in subscriptions:
             subscription._shutdown()
         for instrument in list(self._instruments):
@@ -593,11 +595,51 @@ class EventBus:
         """Call ``instrument``'s hooks from now on (see :mod:`flasync.instruments`); adding it twice does nothing."""
         if instrument not in self._instruments:
             self._instruments.append(instrument)
+            self._batches.clear()
 
     def remove_instrument(self, instrument: Instrument) -> None:
         """Stop calling ``instrument``'s hooks (nothing happens if it was not added)."""
         if instrument in self._instruments:
             self._instruments.remove(instrument)
+            self._batches.clear()
+
+    def batches_reach(self, batch: type[Any], member: type[Any], to: str | None = None) -> bool:
+        """Tell whether one ``batch`` event sent to ``to`` reaches everything its ``member`` events would.
+
+        True when every subscription that would receive a ``member`` event addressed ``to`` receives ``batch``
+        events addressed there too, and every instrument takes batches (``Instrument.takes_batches``). A publisher
+        that can send several events as one batch (:class:`~flasync.events.UpdatesUploaded`) asks first and sends
+        them one by one where the answer is False, so an observer that wants each event still gets each. The answer
+        is cached until a subscription or an instrument comes or goes.
+
+        Args:
+            batch: The batch event's class.
+            member: The class of the events it stands for.
+            to: The address both would be sent to (None: unaddressed).
+        """
+        key = (batch, member, to)
+        known = self._batches.get(key)
+        if known is None:
+            if all(getattr(instrument, "takes_batches", False) for instrument in self._instruments):
+                batches = set(self._targets_of(batch, to))
+                known = all(subscription in batches for subscription in self._targets_of(member, to))
+            else:
+                known = False
+            self._batches[key] = known
+        return known
+
+    def _targets_of(self, cls: type[Any], to: Any) -> list[Subscription[Any]]:
+        """Return the subscriptions an event of class ``cls`` addressed ``to`` goes to."""
+        return [
+            s
+            for s in self._subscriptions
+            if (not s._types or issubclass(cls, s._types)) and (s._address is None or to is None or s._address == to)
+        ]
+
+    def _forget_routes(self) -> None:
+        """Drop the cached routes and batch answers (the subscriptions changed)."""
+        self._routes.clear()
+        self._batches.clear()
 
     def _call(self, instrument: Instrument, hook: str, *args: object) -> None:
         """Call one hook; an instrument whose hook raises is removed and the error logged, the run goes on."""
@@ -641,7 +683,7 @@ class EventBus:
             self._subscriptions.remove(subscription)
         except ValueError:
             return
-        self._routes.clear()
+        self._forget_routes()
 
     def _deliver(self, event: object, targets: tuple[Subscription[Any], ...]) -> None:
         """Append ``event`` to every target's queue; the ``block`` ones are known to have room."""

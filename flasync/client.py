@@ -25,7 +25,15 @@ from flasync.bus import EventBus
 from flasync.clock import Clock
 from flasync.diagnostics import DivergedTraining
 from flasync.errors import InjectedFault
-from flasync.events import ClientFailed, ClientId, FailureKind, TaskAssigned, TaskDiagnosis, UpdateUploaded
+from flasync.events import (
+    ClientFailed,
+    ClientId,
+    FailureKind,
+    TaskAssigned,
+    TaskDiagnosis,
+    UpdatesUploaded,
+    UpdateUploaded,
+)
 from flasync.executors import TrainingJob
 from flasync.faults import Fate, FaultModel
 from flasync.jobs import ClientSamples, JobContext, TaskVariates, TrainedUpdate, finish_job, injected_crash, train_job
@@ -501,11 +509,18 @@ class CohortClients:
                         if self.live(task):
                             kind_, error, diagnosis = _training_failure(failures.pop(i))
                             await bus.publish(_failed(world, task, kind_, error, diagnosis, **_context(task)))
-                else:
-                    for k, i in enumerate(due):
+                elif self.together:
+                    await clock.sleep_until(when)
+                    sent = [
+                        _uploaded(world, tasks[i], model, prepared[i], *uploads.pop(i))
+                        for i in due
+                        if self.live(tasks[i])
+                    ]
+                    await _publish_together(bus, sent)
+                else:  # one at a time: the server has handled each before the next goes out
+                    for i in due:
                         task, (trained, upload_s) = tasks[i], uploads.pop(i)
-                        if k == 0 or not self.together:  # apart, the server has handled the previous one by then
-                            await clock.sleep_until(when)
+                        await clock.sleep_until(when)
                         if self.live(task):
                             await bus.publish(_uploaded(world, task, model, prepared[i], trained, upload_s))
         except BaseException:
@@ -515,6 +530,18 @@ class CohortClients:
 
 
 _ALL_TRAINED, _TRAINED, _FAILED, _UPLOAD = range(4)  # what a group's agenda entry waits for
+
+
+async def _publish_together(bus: EventBus, sent: list[UpdateUploaded]) -> None:
+    """Publish uploads sent at one time: as one :class:`UpdatesUploaded` where everything that would receive them
+    takes the batch (their receiver decodes and checks them together), else one by one, in order."""
+    if len(sent) > 1:
+        to = sent[0].to
+        if all(message.to == to for message in sent) and bus.batches_reach(UpdatesUploaded, UpdateUploaded, to):
+            await bus.publish(UpdatesUploaded(to=to, uploads=tuple(sent)))
+            return
+    for message in sent:
+        await bus.publish(message)
 
 
 def _context(task: TaskAssigned) -> dict[str, int]:

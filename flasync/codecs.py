@@ -75,6 +75,7 @@ __all__ = [
     "Stage",
     "TopK",
     "decode",
+    "decode_stacked",
     "encode",
 ]
 
@@ -388,6 +389,12 @@ class Pipeline:
         """Decode any valid payload, whichever pipeline wrote it; the same as :func:`decode`."""
         return decode(payload, expected_elements=expected_elements)
 
+    def decode_stacked(
+        self, payloads: Sequence[bytes], *, expected_elements: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Decode payloads of one dense form together; the same as :func:`decode_stacked`."""
+        return decode_stacked(payloads, expected_elements=expected_elements, out=out)
+
 
 # ------------------------------------------------------------------------------------------- entry points
 def encode(flat: torch.Tensor) -> bytes:
@@ -448,6 +455,79 @@ def decode(payload: bytes | bytearray | memoryview, *, expected_elements: int) -
     if not flags & _SPARSE:
         return torch.from_numpy(_decode_values(codec_id, chunked, body, num_elements, "dense"))
     return torch.from_numpy(_decode_sparse(codec_id, chunked, body, num_elements))
+
+
+_DENSE_WIDTHS = {CodecId.FLOAT32: 4, CodecId.FLOAT16: 2, CodecId.BFLOAT16: 2}
+
+
+def decode_stacked(
+    payloads: Sequence[bytes], *, expected_elements: int, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Decode payloads that share one dense form at once, as the rows of a new ``(K, expected_elements)`` tensor.
+
+    Row ``k`` equals :func:`decode` of ``payloads[k]``, bit for bit: the same float32 values, and float16 or
+    bfloat16 widened the same way. Only a batch whose payloads are all ``bytes`` with one and the same header - dense
+    (not sparse) float32, float16 or bfloat16 values of ``expected_elements``, the body as long as the header says -
+    is decoded here: one header check, each body copied into its row of one tensor and one widening for them all,
+    instead of a header, a copy and a tensor per payload. For any other batch (another codec, a mix of forms, a
+    malformed payload) it returns None and decodes nothing: :func:`decode` each payload then, which names what is
+    wrong with it.
+
+    Args:
+        payloads: The received bytes, in order.
+        expected_elements: Length every decoded vector must have (the model's parameter count).
+        out: Where to write the rows (a contiguous float32 CPU tensor of shape ``(len(payloads),
+            expected_elements)``), e.g. a buffer a receiver reuses: a fresh tensor of a megabyte or more costs its
+            pages' first touch on every batch, often more than the decoding. None: a new tensor.
+
+    Returns:
+        A float32 tensor of shape ``(len(payloads), expected_elements)`` (``out`` where given), or None.
+
+    Raises:
+        ValueError: If ``out`` is not of that shape, dtype and device, or not contiguous.
+    """
+    if out is not None and (
+        out.shape != (len(payloads), expected_elements)
+        or out.dtype != torch.float32
+        or out.device.type != "cpu"
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous float32 CPU tensor of shape ({len(payloads)}, {expected_elements}), "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    if not payloads or not isinstance(payloads[0], bytes) or len(payloads[0]) < HEADER.size:
+        return None
+    head = payloads[0][: HEADER.size]
+    magic, version, codec_byte, flags, num_elements, body_bytes = HEADER.unpack(head)
+    codec_id = _CODECS.get(codec_byte)
+    width = _DENSE_WIDTHS.get(codec_id) if codec_id is not None else None
+    if (
+        magic != MAGIC
+        or version != FORMAT_VERSION
+        or flags != 0
+        or width is None
+        or num_elements != expected_elements
+        or body_bytes != width * num_elements
+    ):
+        return None
+    size = HEADER.size + body_bytes
+    for payload in payloads:
+        if not isinstance(payload, bytes) or len(payload) != size or not payload.startswith(head):
+            return None
+    # A copy of each body into its row: joining the payloads first costs more than the copies (a fresh large buffer).
+    stacked = torch.empty((len(payloads), num_elements), dtype=torch.float32) if out is None else out
+    rows = stacked.numpy()
+    if codec_id is CodecId.FLOAT32:
+        for k, payload in enumerate(payloads):
+            rows[k] = np.frombuffer(payload, dtype="<f4", count=num_elements, offset=HEADER.size)
+        return stacked
+    assert codec_id is not None
+    halves = np.empty((len(payloads), num_elements), dtype=np.uint16)
+    for k, payload in enumerate(payloads):
+        halves[k] = np.frombuffer(payload, dtype="<u2", count=num_elements, offset=HEADER.size)
+    rows[...] = _halves_to_float32(codec_id, halves)
+    return stacked
 
 
 # ------------------------------------------------------------------------------------------------ helpers

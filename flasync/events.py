@@ -31,6 +31,7 @@ __all__ = [
     "UpdateReceived",
     "UpdateRejected",
     "UpdateUploaded",
+    "UpdatesUploaded",
     "Version",
 ]
 
@@ -124,6 +125,25 @@ class UpdateUploaded:
     def upload_bytes(self) -> int:
         """Bytes on the wire: the delta and, with SCAFFOLD, the encoded ``Delta c_i`` (``control``)."""
         return len(self.payload) + len(self.control)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdatesUploaded:
+    """Several uploads to ``to`` finished at one simulated time and go to the receiver as one message, in order.
+
+    A group of tasks trained as one cohort sends the uploads due at one time this way when everything on the bus
+    that would receive them one by one takes the batch too (:meth:`flasync.bus.EventBus.batches_reach`): the
+    receiver handles ``uploads`` exactly as it would handle them one at a time, in this order, and decodes and
+    checks them together. Observers that want the uploads themselves read ``uploads``.
+    """
+
+    to: str = CLOUD
+    uploads: tuple[UpdateUploaded, ...]
+
+    @property
+    def upload_bytes(self) -> int:
+        """Bytes on the wire of every upload in the batch."""
+        return sum(upload.upload_bytes for upload in self.uploads)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,7 +15,15 @@ __all__ = ["Instrument"]
 
 
 class Instrument:
-    """Optional hooks into a run; override the ones you need."""
+    """Optional hooks into a run; override the ones you need.
+
+    Attributes:
+        takes_batches: Whether :meth:`event_published` understands batch events
+            (:class:`~flasync.events.UpdatesUploaded`, whose ``uploads`` are the events it stands for). While an
+            instrument that does not is attached, publishers send every upload as an event of its own.
+    """
+
+    takes_batches: bool = False
 
     def event_published(self, event: object) -> None:
         """Called once for every event published on the bus, after it was delivered to the subscribers."""

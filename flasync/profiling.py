@@ -41,6 +41,7 @@ from flasync.events import (
     TaskClosed,
     UpdateReceived,
     UpdateRejected,
+    UpdatesUploaded,
     UpdateUploaded,
     Version,
 )
@@ -619,10 +620,17 @@ class Instrumentation(Instrument):
         """The message of the first alert of each kind (MLflow tags ``alert.<kind>`` at the end of the run)."""
         bus.add_instrument(self)
 
+    takes_batches = True
+
     def event_published(self, event: object) -> None:
-        """Profile the event and raise the alerts it triggers."""
-        if isinstance(event, AlertRaised):
-            return  # this instrument's own
+        """Profile the event and raise the alerts it triggers (a batch's uploads one by one, in order)."""
+        if isinstance(event, UpdatesUploaded):
+            for upload in event.uploads:
+                self._observe(upload)
+        elif not isinstance(event, AlertRaised):  # this instrument's own
+            self._observe(event)
+
+    def _observe(self, event: object) -> None:
         if isinstance(event, Aggregated):
             self._version = int(event.version)
         if self.profiler is not None:

@@ -40,7 +40,7 @@ from flasync.bus import EventBus, OverflowPolicy
 from flasync.clock import VirtualClock
 from flasync.config import ConstantSpeed, RunConfig, apply_override, validate
 from flasync.errors import BusClosed
-from flasync.events import ClientFailed, TaskAssigned, UpdateUploaded
+from flasync.events import ClientFailed, TaskAssigned, UpdatesUploaded, UpdateUploaded
 from flasync.population import Population
 from flasync.server import (
     Accounting,
@@ -213,7 +213,9 @@ class MemoryTracker:
 class EventRecorder:
     """Record every event published on a bus, without a task: a large drop-oldest subscription read afterwards.
 
-    Create it before the run starts; read it after (or during) the run.
+    Create it before the run starts; read it after (or during) the run. A batch of uploads
+    (:class:`~flasync.events.UpdatesUploaded`) is recorded as the uploads it carries, in order, so the record reads
+    the same whether uploads travelled together or apart.
 
     Args:
         bus: The bus to watch, e.g. ``Federation(...).bus``.
@@ -229,9 +231,13 @@ class EventRecorder:
         sub = self._subscription
         while True:
             try:
-                self._events.append(sub.receive_nowait())
+                event = sub.receive_nowait()
             except (asyncio.QueueEmpty, BusClosed):
                 return
+            if isinstance(event, UpdatesUploaded):
+                self._events.extend(event.uploads)
+            else:
+                self._events.append(event)
 
     @property
     def events(self) -> list[Any]:

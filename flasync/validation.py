@@ -131,16 +131,22 @@ class UpdateValidator:
         self._norms.clear()
         self._norms.extend(float(n) for n in norms)
 
-    def check(self, delta: torch.Tensor) -> tuple[Verdict | None, float]:
+    def check(self, delta: torch.Tensor, norm: float | None = None) -> tuple[Verdict | None, float]:
         """Return ``(verdict, norm)``: ``verdict`` is ``None`` if ``delta`` may be aggregated.
 
         Nothing is recorded; call :meth:`accepted` once the update was really aggregated.
+
+        Args:
+            delta: The decoded update.
+            norm: Its L2 norm if already taken (a batch's norms come from one reduction); a norm that is not
+                finite is taken again, element by element, to tell NaN and Inf from an overflowing sum.
         """
         if delta.dim() != 1 or delta.numel() != self.num_params:
             return Verdict("shape", f"update has shape {tuple(delta.shape)}, expected ({self.num_params},)"), math.nan
         if delta.dtype != self.dtype:
             return Verdict("dtype", f"update has dtype {delta.dtype}, expected {self.dtype}"), math.nan
-        norm = finite_norm(delta)
+        if norm is None or not math.isfinite(norm):
+            norm = finite_norm(delta)
         if math.isnan(norm):
             return Verdict("non_finite", "update contains NaN or Inf"), math.nan
         if math.isinf(norm):

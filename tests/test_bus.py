@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from flasync.bus import BusStatistics, EventBus, OverflowPolicy, Subscription, SubscriptionStatistics
 from flasync.errors import BusClosed, BusFull
+from flasync.instruments import Instrument
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -669,3 +670,48 @@ async def test_an_instrument_that_raises_is_removed_and_publishing_goes_on() -> 
     await bus.publish("a")
     await bus.publish("b")
     assert counting.count == 2
+
+
+@dataclass(frozen=True)
+class _Member:
+    to: str = "a"
+
+
+@dataclass(frozen=True)
+class _Batch:
+    to: str = "a"
+
+
+class _Watcher(Instrument):
+    pass
+
+
+class _BatchWatcher(Instrument):
+    takes_batches = True
+
+
+async def test_a_batch_is_allowed_only_where_it_reaches_every_receiver_of_its_members() -> None:
+    """batches_reach is True while each subscription that wants the member events at that address takes the batch
+    too and every instrument takes batches; a new subscription or instrument is seen at once."""
+    bus = EventBus()
+    assert bus.batches_reach(_Batch, _Member, "a")  # nobody listens: nothing to miss
+    receiver = bus.subscribe(_Member, _Batch, address="a")
+    assert bus.batches_reach(_Batch, _Member, "a")
+    elsewhere = bus.subscribe(_Member, address="b")  # another address: never sent these events
+    assert bus.batches_reach(_Batch, _Member, "a")
+    everything = bus.subscribe(name="recorder")  # no types: takes the batch as it comes
+    assert bus.batches_reach(_Batch, _Member, "a")
+    watcher = _BatchWatcher()
+    bus.add_instrument(watcher)
+    assert bus.batches_reach(_Batch, _Member, "a")
+    plain = _Watcher()
+    bus.add_instrument(plain)
+    assert not bus.batches_reach(_Batch, _Member, "a")
+    bus.remove_instrument(plain)
+    assert bus.batches_reach(_Batch, _Member, "a")
+    members_only = bus.subscribe(_Member)
+    assert not bus.batches_reach(_Batch, _Member, "a")
+    members_only.close()
+    assert bus.batches_reach(_Batch, _Member, "a")
+    for subscription in (receiver, elsewhere, everything):
+        subscription.close()

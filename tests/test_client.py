@@ -8,7 +8,10 @@ import pytest
 
 import flasync
 from flasync import client as client_module
-from flasync.testing import small_config
+from flasync.events import UpdatesUploaded, UpdateUploaded
+from flasync.instruments import Instrument
+from flasync.loops import run_loop
+from flasync.testing import EventRecorder, small_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,3 +86,94 @@ def test_clients_failing_alike_are_warned_of_a_few_times_not_once_each(capsys: p
     assert len(warnings) == client_module.FAILURE_WARNINGS
     assert "further failures with this error are logged at debug level" in warnings[-1]
     assert all("DivergedTraining" in line for line in warnings)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(
+            ("server={kind: fedavg, clients_per_round: 8}", "population.speed={kind: constant}"),
+            id="fedavg-rounds",
+        ),
+        pytest.param(
+            (
+                "server={kind: fedbuff, buffer_size: 3, concurrency: 8, max_staleness: 1}",
+                "population.speed={kind: constant}",
+            ),
+            id="fedbuff-steps-and-refusals-inside-a-batch",
+        ),
+        pytest.param(
+            (
+                "server={kind: fedavg, clients_per_round: 6}",
+                "population.speed={kind: constant}",
+                "codec.upload=[{kind: fp16}]",
+            ),
+            id="fedavg-fp16",
+        ),
+    ],
+)
+def test_uploads_due_together_travel_as_one_batch_and_change_nothing(
+    overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uploads due at one time go to the server as one :class:`UpdatesUploaded` (decoded and checked together); the
+    run ends with the weights, bit for bit, and the counts of one coroutine per task, whose uploads travel alone, even
+    where a version steps and updates are refused between the members of one batch."""
+    batches: list[int] = []
+    publish = client_module._publish_together
+
+    async def counted(bus: Any, sent: list[Any]) -> None:
+        before = bus.statistics().published
+        await publish(bus, sent)
+        if len(sent) > 1 and bus.statistics().published == before + 1:
+            batches.append(len(sent))
+
+    monkeypatch.setattr(client_module, "_publish_together", counted)
+    config = small_config("executor.kind=vectorized", *overrides)
+    together = flasync.run(config)
+    assert batches and max(batches) > 2
+    apart = flasync.run(small_config("executor.kind=vectorized", *overrides, _ONE_EACH))
+    assert apart.weights_sha256 == together.weights_sha256
+    counts = ("updates_accepted", "updates_dropped", "updates_failed", "versions")
+    assert [getattr(together, c) for c in counts] == [getattr(apart, c) for c in counts]
+    if "max_staleness" in overrides[0]:
+        assert together.updates_dropped > 0  # stale members of a batch were refused between accepted ones
+
+
+def test_an_observer_that_wants_each_upload_gets_each_one() -> None:
+    """An instrument that does not take batches keeps every upload an event of its own; the run's weights are the
+    same either way."""
+
+    class Uploads(Instrument):
+        def __init__(self) -> None:
+            self.seen: list[type[Any]] = []
+
+        def event_published(self, event: object) -> None:
+            if isinstance(event, UpdateUploaded | UpdatesUploaded):
+                self.seen.append(type(event))
+
+    config = small_config(
+        "executor.kind=vectorized", "server={kind: fedavg, clients_per_round: 8}", "population.speed={kind: constant}"
+    )
+    federation = flasync.Federation(config)
+    uploads = Uploads()
+    federation.bus.add_instrument(uploads)
+    watched = run_loop(federation.run())
+    assert uploads.seen and set(uploads.seen) == {UpdateUploaded}
+    assert len(uploads.seen) == watched.updates_accepted
+    assert flasync.run(config).weights_sha256 == watched.weights_sha256
+
+
+def test_a_recorder_lists_the_uploads_of_a_batch_one_by_one() -> None:
+    """An :class:`EventRecorder` takes batches and records their uploads one by one, in order: its record reads as
+    if every upload had travelled alone."""
+    config = small_config(
+        "executor.kind=vectorized", "server={kind: fedavg, clients_per_round: 8}", "population.speed={kind: constant}"
+    )
+    federation = flasync.Federation(config)
+    recorder = EventRecorder(federation.bus)
+    summary = run_loop(federation.run())
+    uploads = recorder.of(UpdateUploaded)
+    assert len(uploads) == summary.updates_accepted + summary.updates_dropped
+    assert not recorder.of(UpdatesUploaded)
+    assert federation.bus.statistics().published < len(recorder.events)  # some uploads did travel together
+    assert [u.task_id for u in uploads] == sorted(u.task_id for u in uploads)  # a round's uploads in task order

@@ -25,6 +25,7 @@ from flasync.codecs import (
     Stage,
     TopK,
     decode,
+    decode_stacked,
     encode,
 )
 from flasync.errors import DecodeError
@@ -940,3 +941,47 @@ def test_a_pipeline_says_whether_encoding_draws_random_numbers() -> None:
     assert Pipeline([TopK(0.1), Int8()]).draws_random
     with pytest.raises(ValueError, match="generator"):
         Pipeline([Int8()]).encode(torch.ones(4))
+
+
+@pytest.mark.parametrize("stages", [(), (Float16(),), (BFloat16(),)], ids=["float32", "float16", "bfloat16"])
+def test_payloads_of_one_dense_form_decode_together_bit_for_bit(stages: tuple[Stage, ...]) -> None:
+    """decode_stacked's rows are decode()'s vectors, bit for bit, written into ``out`` when one is given."""
+    generator = torch.Generator().manual_seed(0)
+    vectors = [torch.randn(37, generator=generator) * 10.0**k for k in range(-3, 4)]
+    vectors.append(torch.tensor([math.inf, -math.inf, math.nan] + [0.0] * 34))
+    payloads = [Pipeline(stages).encode(v).payload for v in vectors]
+    stacked = decode_stacked(payloads, expected_elements=37)
+    assert stacked is not None and stacked.shape == (len(payloads), 37) and stacked.dtype == torch.float32
+    for row, payload in zip(stacked, payloads, strict=True):
+        alone = decode(payload, expected_elements=37)
+        assert torch.equal(row.view(torch.int32), alone.view(torch.int32))  # NaN payloads included
+    out = torch.full((len(payloads), 37), 7.0)
+    assert decode_stacked(payloads, expected_elements=37, out=out) is out
+    assert torch.equal(out.view(torch.int32), stacked.view(torch.int32))
+
+
+def test_payloads_not_all_of_one_dense_form_are_not_decoded_together() -> None:
+    """None, and nothing decoded, for sparse or int8 payloads, a mix of forms, another length, a broken header or
+    body, or no payload at all: decode() each one then names what is wrong."""
+    dense = encode(torch.ones(8))
+    generator = torch.Generator().manual_seed(0)
+    int8 = Pipeline([Int8()]).encode(torch.ones(8), generator=generator).payload
+    half = Pipeline([Float16()]).encode(torch.ones(8)).payload
+    for batch in (
+        [Pipeline([TopK(ratio=0.5)]).encode(torch.ones(8)).payload] * 2,
+        [int8, int8],
+        [dense, half],
+        [dense, encode(torch.ones(9))],
+        [dense, dense[:-1]],
+        [dense, b"XXXX" + dense[4:]],
+        [bytearray(dense), dense],
+        [],
+    ):
+        assert decode_stacked(batch, expected_elements=8) is None
+    assert decode_stacked([encode(torch.ones(9))] * 2, expected_elements=8) is None
+
+
+def test_decode_stacked_refuses_an_out_of_another_shape() -> None:
+    """``out`` must be a contiguous float32 CPU tensor with a row per payload."""
+    with pytest.raises(ValueError, match="out must be"):
+        decode_stacked([encode(torch.ones(4))] * 2, expected_elements=4, out=torch.empty(3, 4))

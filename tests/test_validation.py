@@ -241,3 +241,16 @@ def test_the_norm_bound_holds_from_the_third_update_on() -> None:
         assert validator.check(torch.tensor([value, 0.0]))[0] is None
     verdict, _ = validator.check(torch.tensor([30.0, 40.0]))
     assert verdict is not None and verdict.reason == "norm_bound"
+
+
+def test_a_norm_taken_ahead_is_used_and_a_non_finite_one_is_checked_again() -> None:
+    """check() uses a norm it is given (a batch's, from one reduction); given a NaN or Inf norm it looks at the
+    elements again, so an overflowing finite update and a NaN one keep their own verdicts."""
+    validator = UpdateValidator(3, max_norm=10.0)
+    delta = torch.tensor([3.0, 4.0, 0.0])
+    assert validator.check(delta, 5.0) == (None, 5.0)
+    verdict, _ = validator.check(delta, 11.0)
+    assert verdict is not None and verdict.reason == "norm"
+    assert validator.check(delta, math.nan) == (None, 5.0)
+    verdict, norm = validator.check(torch.tensor([1.0, math.inf, 0.0]), math.inf)
+    assert verdict is not None and verdict.reason == "non_finite" and math.isnan(norm)

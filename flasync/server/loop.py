@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,13 +39,14 @@ from flasync.events import (
     TaskClosed,
     UpdateReceived,
     UpdateRejected,
+    UpdatesUploaded,
     UpdateUploaded,
     Version,
 )
 from flasync.privacy import PrivacyAccountant
 from flasync.server.accounting import Accounting, ServerStats
 from flasync.server.edges import message_from_state, message_state, relayed
-from flasync.server.intake import Intake, Refused
+from flasync.server.intake import Decoded, Intake, Refused
 from flasync.server.policies import Policy
 from flasync.server.registry import TaskRegistry
 from flasync.server.sampler import ClientSampler
@@ -54,7 +56,14 @@ from flasync.training import EvalResult
 __all__ = ["INTERRUPTED", "Evaluator", "Server", "ServerMessage", "Stateful", "StopRules"]
 
 ServerMessage = (
-    UpdateUploaded | ClientFailed | EdgeForwarded | TaskClosed | ClientTimedOut | RoundDeadlinePassed | StopRequested
+    UpdateUploaded
+    | UpdatesUploaded
+    | ClientFailed
+    | EdgeForwarded
+    | TaskClosed
+    | ClientTimedOut
+    | RoundDeadlinePassed
+    | StopRequested
 )
 INTERRUPTED = "interrupted"
 
@@ -183,10 +192,14 @@ class Server:
         self._restored = False
         self._answered: set[int] = set()
         self._queued: list[EdgeForwarded | TaskClosed | UpdateUploaded] = []
+        # The uploads of a batch not handled yet, each with its delta decoded ahead: handled one per message, in
+        # order, before the inbox is read again.
+        self._batch: deque[tuple[UpdateUploaded, Decoded | None]] = deque()
         self._start_wall = 0.0
         self._first_version = 0  # the version this process started from (a resumed run's pace counts from it)
         self._inbox = bus.subscribe(
             UpdateUploaded,
+            UpdatesUploaded,
             ClientFailed,
             EdgeForwarded,
             TaskClosed,
@@ -288,7 +301,7 @@ class Server:
         while True:
             await policy.fill()
             if not policy.step_due():
-                await self._handle(await self._inbox.receive())
+                await self._handle(*await self._next())
                 if policy.rounds and policy.interruptible and self._stop_requested:
                     self._stop_reason()
                     return  # mid-round: the checkpoint keeps the round and its tasks in flight
@@ -307,7 +320,25 @@ class Server:
                 return
 
     # ------------------------------------------------------------------------------------------- receive
-    async def _handle(self, message: ServerMessage) -> None:
+    async def _next(self) -> tuple[ServerMessage, Decoded | None]:
+        """Return the next message: the next upload of a batch being handled, else the next one of the inbox.
+
+        A batch's uploads are handled one at a time, exactly as if each had come alone (the policy fills and
+        versions step between them), but their deltas are decoded and measured together when the batch arrives.
+        """
+        while not self._batch:
+            message = await self._inbox.receive()
+            if not isinstance(message, UpdatesUploaded):
+                return message, None
+            uploads = message.uploads
+            decoded = self.intake.decode_together(uploads)
+            if decoded is None:
+                self._batch.extend((upload, None) for upload in uploads)
+            else:
+                self._batch.extend(zip(uploads, decoded, strict=True))
+        return self._batch.popleft()
+
+    async def _handle(self, message: ServerMessage, decoded: Decoded | None = None) -> None:
         accepted = False
         if isinstance(message, StopRequested | RoundDeadlinePassed):
             pass  # a stop request's flag is already set; the policy reads the deadline
@@ -323,9 +354,9 @@ class Server:
             self.accounting.ingress(len(message.payload))
             self.stats.partials_received += 1
             self._fold_partial(message)
-        else:
+        elif isinstance(message, UpdateUploaded):
             self.accounting.ingress(message.upload_bytes)
-            accepted = await self._receive_update(message)
+            accepted = await self._receive_update(message, decoded)
         self.policy.note(message, accepted=accepted)
 
     def _timed_out(self, task_id: int, client_id: int) -> None:
@@ -357,9 +388,9 @@ class Server:
         else:
             self._failed(message.kind, message.reason, message.task_id, int(message.client_id))
 
-    async def _receive_update(self, message: UpdateUploaded) -> bool:
+    async def _receive_update(self, message: UpdateUploaded, decoded: Decoded | None = None) -> bool:
         self.accounting.uploaded(message.upload_bytes)
-        verdict = self.intake.admit(message, version=int(self.version))
+        verdict = self.intake.admit(message, version=int(self.version), decoded=decoded)
         if isinstance(verdict, Refused):
             await self._reject(message, verdict.reason, verdict.detail)
             return False

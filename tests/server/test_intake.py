@@ -177,3 +177,35 @@ def test_a_broken_control_variate_is_refused_by_name(control: bytes, reason: str
     """A missing, undecodable, wrong-length or non-finite Delta c_i is refused, never folded into c."""
     verdict = _intake(_Tasks((0, 1, 0)), controls=True).admit(_with_control(control), version=0)
     assert isinstance(verdict, Refused) and verdict.reason == reason
+
+
+def test_uploads_decoded_together_are_admitted_as_if_decoded_alone() -> None:
+    """A batch's deltas and norms, decoded together, give each upload the verdict it gets alone, the same delta bit
+    for bit; a non-finite delta among them is still refused by name."""
+    deltas = [torch.tensor([0.5, -1.0, 2.0, 0.25]) * (k + 1) for k in range(3)] + [torch.tensor([1.0, math.nan, 0, 0])]
+    uploads = [_upload(k, k, 0, delta) for k, delta in enumerate(deltas)]
+    together = _intake(_Tasks(*((k, k, 0) for k in range(4))))
+    decoded = together.decode_together(uploads)
+    assert decoded is not None
+    alone = _intake(_Tasks(*((k, k, 0) for k in range(4))))
+    for upload, entry in zip(uploads, decoded, strict=True):
+        batched, single = together.admit(upload, version=1, decoded=entry), alone.admit(upload, version=1)
+        if isinstance(single, Refused):
+            assert batched == single and single.reason == "non_finite"
+            continue
+        assert isinstance(batched, Admitted) and isinstance(single, Admitted)
+        assert torch.equal(batched.delta, single.delta) and batched.norm == pytest.approx(single.norm, rel=1e-6)
+        assert batched.staleness == single.staleness == 1
+
+
+def test_uploads_of_mixed_forms_are_left_to_decode_one_by_one() -> None:
+    """A batch that is not all of one dense form (a sparse payload, a broken one) is not decoded together; each
+    upload then meets the intake alone, which names what is wrong with it."""
+    dense = _upload(0, 0, 0, torch.ones(N))
+    sparse = _upload(1, 1, 0, codecs.Pipeline([codecs.TopK(ratio=0.5)]).encode(torch.ones(N)).payload)
+    intake = _intake(_Tasks((0, 0, 0), (1, 1, 0), (2, 2, 0)))
+    assert intake.decode_together([dense, sparse]) is None
+    assert intake.decode_together([dense, _upload(2, 2, 0, b"junk")]) is None
+    assert intake.decode_together([dense]) is None  # one upload gains nothing
+    verdict = intake.admit(_upload(2, 2, 0, b"junk"), version=0)
+    assert isinstance(verdict, Refused) and verdict.reason == "decode"

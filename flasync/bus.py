@@ -395,6 +395,7 @@ class EventBus:
         "_delivered",
         "_dropped",
         "_high_water",
+        "_hooks",
         "_instruments",
         "_on_activity",
         "_published",
@@ -406,6 +407,8 @@ class EventBus:
         """Create an open bus without subscriptions."""
         self._on_activity = on_activity
         self._instruments: list[Instrument] = []
+        # Each instrument with its bound event_published, made once: a publish calls them without a lookup.
+        self._hooks: tuple[tuple[Instrument, Callable[[object], None]], ...] = ()
         self._subscriptions: list[Subscription[Any]] = []
         self._routes: dict[tuple[type[Any], Any], _Route] = {}
         self._batches: dict[tuple[type[Any], type[Any], Any], bool] = {}
@@ -595,13 +598,17 @@ class EventBus:
         """Call ``instrument``'s hooks from now on (see :mod:`flasync.instruments`); adding it twice does nothing."""
         if instrument not in self._instruments:
             self._instruments.append(instrument)
-            self._batches.clear()
+            self._instruments_changed()
 
     def remove_instrument(self, instrument: Instrument) -> None:
         """Stop calling ``instrument``'s hooks (nothing happens if it was not added)."""
         if instrument in self._instruments:
             self._instruments.remove(instrument)
-            self._batches.clear()
+            self._instruments_changed()
+
+    def _instruments_changed(self) -> None:
+        self._hooks = tuple((instrument, instrument.event_published) for instrument in self._instruments)
+        self._batches.clear()
 
     def batches_reach(self, batch: type[Any], member: type[Any], to: str | None = None) -> bool:
         """Tell whether one ``batch`` event sent to ``to`` reaches everything its ``member`` events would.
@@ -646,14 +653,18 @@ class EventBus:
         try:
             getattr(instrument, hook)(*args)
         except Exception as exc:
-            self.remove_instrument(instrument)
-            _log.warning(
-                "bus.instrument_removed",
-                instrument=type(instrument).__name__,
-                hook=hook,
-                error=f"{type(exc).__name__}: {exc}",
-                metrics=False,
-            )
+            self._failed(instrument, hook, exc)
+
+    def _failed(self, instrument: Instrument, hook: str, exc: Exception) -> None:
+        """Remove an instrument whose hook raised, and log why."""
+        self.remove_instrument(instrument)
+        _log.warning(
+            "bus.instrument_removed",
+            instrument=type(instrument).__name__,
+            hook=hook,
+            error=f"{type(exc).__name__}: {exc}",
+            metrics=False,
+        )
 
     def statistics(self) -> BusStatistics:
         """Return the bus's counters."""
@@ -702,9 +713,11 @@ class EventBus:
                     self._high_water = length
             if subscription._getters:
                 _wake_first(subscription._getters)
-        if self._instruments:
-            for instrument in tuple(self._instruments):
-                self._call(instrument, "event_published", event)
+        for instrument, hook in self._hooks:
+            try:
+                hook(event)
+            except Exception as exc:
+                self._failed(instrument, "event_published", exc)
 
     async def _publish_when_room(self, event: object, route: _Route) -> None:
         """Wait until every blocking target has a slot for ``event``, then deliver it to all at once."""

@@ -89,13 +89,14 @@ class StreamSummary:
 
     def add(self, value: float) -> None:
         """Take one value."""
-        self.count += 1
+        count = self.count = self.count + 1
         self.total += value
-        self.max = max(self.max, value)
-        if len(self._sample) < self._capacity:
+        if value > self.max:  # as max(): a NaN never replaces the maximum
+            self.max = value
+        if count <= self._capacity:
             self._sample.append(value)
             return
-        slot = self._rng.randrange(self.count)
+        slot = self._rng.randrange(count)
         if slot < self._capacity:
             self._sample[slot] = value
 

@@ -145,6 +145,22 @@ def _cohort_data(jobs: list[TrainingJob[Any]]) -> tuple[torch.Tensor, torch.Tens
     return torch.cat(xs), torch.cat(ys), parts
 
 
+class _Group:
+    """A :attr:`TrainingJob.group` whose hash is taken once (a job's hash the configuration's every field)."""
+
+    __slots__ = ("_hash", "key")
+
+    def __init__(self, key: Hashable) -> None:
+        self.key = key
+        self._hash = hash(key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Group) and (other is self or (self._hash == other._hash and self.key == other.key))
+
+
 class _HeldFuture(Future[T]):
     """A job's future that knows whether its job is still held back by the batcher."""
 
@@ -347,6 +363,7 @@ class CohortBatcher(Executor):
         self.fallback_clients = 0
         self._cpu_time = cpu_time
         self._member_cpu_s: float | None = None  # CPU seconds per member of the last cohort trained here
+        self._last_group: tuple[LocalTraining, torch.Tensor, _Group] | None = None
 
     def attach(self, clock: object) -> None:
         """Let ``clock`` start held jobs when the first of them is needed (a clock with ``on_wait``; else no-op)."""
@@ -380,9 +397,18 @@ class CohortBatcher(Executor):
         self._hold(fn, future)
         return future
 
+    def _group(self, fn: TrainingJob[Any]) -> Hashable:
+        """Return ``fn.group``, made and hashed once for the jobs of one configuration and data set (call locked)."""
+        last = self._last_group
+        if last is not None and last[0] is fn.cfg and last[1] is fn.x:
+            return last[2]
+        group = _Group(fn.group)
+        self._last_group = (fn.cfg, fn.x, group)
+        return group
+
     def _hold(self, fn: TrainingJob[Any], future: _AnyHeld) -> None:
         with self._lock:
-            group = fn.group if self.train_cohort is None else (id(fn.base), fn.group)
+            group = self._group(fn) if self.train_cohort is None else (id(fn.base), self._group(fn))
             held = self._held.get(group)
             if held is None:  # not setdefault: it would build a _Held per job
                 held = self._held[group] = _Held()

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
@@ -83,6 +84,7 @@ MAGIC = b"FLSU"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<4sBBHQQ")
 
+_LITTLE_ENDIAN = sys.byteorder == "little"  # float32 arrays are the wire's "<f4" as they are
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _MAX_VARINT_BYTES = 10
@@ -409,7 +411,9 @@ def encode(flat: torch.Tensor) -> bytes:
     Raises:
         ValueError: If ``flat`` is not 1-D.
     """
-    values = _as_flat_float32(flat, "flat").astype("<f4", copy=False)
+    values = _as_flat_float32(flat, "flat")
+    if not _LITTLE_ENDIAN:
+        values = values.astype("<f4")
     header = HEADER.pack(MAGIC, FORMAT_VERSION, CodecId.FLOAT32, 0, values.size, values.nbytes)
     return b"".join((header, values.data))
 
@@ -535,7 +539,11 @@ def _as_flat_float32(tensor: torch.Tensor, name: str) -> _F32:
     """Return the values of a 1-D tensor as a float32 NumPy array (which may share its memory: read only)."""
     if tensor.dim() != 1:
         raise ValueError(f"expected {name!r} to be a 1-D tensor, got shape {tuple(tensor.shape)}")
-    array: _F32 = tensor.detach().to("cpu", torch.float32).contiguous().numpy()
+    array: _F32
+    if tensor.dtype is torch.float32 and tensor.is_cpu and not tensor.requires_grad and tensor.is_contiguous():
+        array = tensor.numpy()  # the common case (a trained delta), without four tensor calls
+    else:
+        array = tensor.detach().to("cpu", torch.float32).contiguous().numpy()
     return array
 
 

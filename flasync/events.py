@@ -31,6 +31,7 @@ __all__ = [
     "UpdateReceived",
     "UpdateRejected",
     "UpdateUploaded",
+    "UpdatesReceived",
     "UpdatesUploaded",
     "Version",
 ]
@@ -160,6 +161,17 @@ class UpdateReceived:
     tier: str = "client"
     decode_s: float = 0.0
     queue_wait_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdatesReceived:
+    """The server accepted several updates of one batch (:class:`UpdatesUploaded`) at once, in this order.
+
+    Published instead of one :class:`UpdateReceived` each where every observer takes batches
+    (:meth:`flasync.bus.EventBus.batches_reach`); ``received`` are the events it stands for.
+    """
+
+    received: tuple[UpdateReceived, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

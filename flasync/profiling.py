@@ -41,6 +41,7 @@ from flasync.events import (
     TaskClosed,
     UpdateReceived,
     UpdateRejected,
+    UpdatesReceived,
     UpdatesUploaded,
     UpdateUploaded,
     Version,
@@ -623,10 +624,13 @@ class Instrumentation(Instrument):
     takes_batches = True
 
     def event_published(self, event: object) -> None:
-        """Profile the event and raise the alerts it triggers (a batch's uploads one by one, in order)."""
+        """Profile the event and raise the alerts it triggers (a batch's events one by one, in order)."""
         if isinstance(event, UpdatesUploaded):
             for upload in event.uploads:
                 self._observe(upload)
+        elif isinstance(event, UpdatesReceived):
+            for received in event.received:
+                self._observe(received)
         elif not isinstance(event, AlertRaised):  # this instrument's own
             self._observe(event)
 

@@ -40,7 +40,7 @@ from flasync.bus import EventBus, OverflowPolicy
 from flasync.clock import VirtualClock
 from flasync.config import ConstantSpeed, RunConfig, apply_override, validate
 from flasync.errors import BusClosed
-from flasync.events import ClientFailed, TaskAssigned, UpdatesUploaded, UpdateUploaded
+from flasync.events import ClientFailed, TaskAssigned, UpdatesReceived, UpdatesUploaded, UpdateUploaded
 from flasync.population import Population
 from flasync.server import (
     Accounting,
@@ -213,9 +213,9 @@ class MemoryTracker:
 class EventRecorder:
     """Record every event published on a bus, without a task: a large drop-oldest subscription read afterwards.
 
-    Create it before the run starts; read it after (or during) the run. A batch of uploads
-    (:class:`~flasync.events.UpdatesUploaded`) is recorded as the uploads it carries, in order, so the record reads
-    the same whether uploads travelled together or apart.
+    Create it before the run starts; read it after (or during) the run. A batch event
+    (:class:`~flasync.events.UpdatesUploaded`, :class:`~flasync.events.UpdatesReceived`) is recorded as the events
+    it carries, in order, so the record reads the same whether they travelled together or apart.
 
     Args:
         bus: The bus to watch, e.g. ``Federation(...).bus``.
@@ -236,6 +236,8 @@ class EventRecorder:
                 return
             if isinstance(event, UpdatesUploaded):
                 self._events.extend(event.uploads)
+            elif isinstance(event, UpdatesReceived):
+                self._events.extend(event.received)
             else:
                 self._events.append(event)
 

@@ -8,7 +8,7 @@ import pytest
 
 import flasync
 from flasync import client as client_module
-from flasync.events import UpdatesUploaded, UpdateUploaded
+from flasync.events import UpdateReceived, UpdatesReceived, UpdatesUploaded, UpdateUploaded
 from flasync.instruments import Instrument
 from flasync.loops import run_loop
 from flasync.testing import EventRecorder, small_config
@@ -110,6 +110,15 @@ def test_clients_failing_alike_are_warned_of_a_few_times_not_once_each(capsys: p
             ),
             id="fedavg-fp16",
         ),
+        pytest.param(
+            (
+                "server={kind: fedavg, clients_per_round: 8}",
+                "population.speed={kind: constant}",
+                "faults.byzantine=0.3",
+                "resilience.max_update_norm=3.0",
+            ),
+            id="fedavg-refusals-inside-a-batch",
+        ),
     ],
 )
 def test_uploads_due_together_travel_as_one_batch_and_change_nothing(
@@ -135,20 +144,20 @@ def test_uploads_due_together_travel_as_one_batch_and_change_nothing(
     assert apart.weights_sha256 == together.weights_sha256
     counts = ("updates_accepted", "updates_dropped", "updates_failed", "versions")
     assert [getattr(together, c) for c in counts] == [getattr(apart, c) for c in counts]
-    if "max_staleness" in overrides[0]:
-        assert together.updates_dropped > 0  # stale members of a batch were refused between accepted ones
+    if "max_staleness" in overrides[0] or "byzantine" in " ".join(overrides):
+        assert together.updates_dropped > 0  # members of a batch were refused between accepted ones
 
 
 def test_an_observer_that_wants_each_upload_gets_each_one() -> None:
-    """An instrument that does not take batches keeps every upload an event of its own; the run's weights are the
-    same either way."""
+    """An instrument that does not take batches keeps every upload, and every update received, an event of its own;
+    the run's weights are the same either way."""
 
     class Uploads(Instrument):
         def __init__(self) -> None:
             self.seen: list[type[Any]] = []
 
         def event_published(self, event: object) -> None:
-            if isinstance(event, UpdateUploaded | UpdatesUploaded):
+            if isinstance(event, UpdateUploaded | UpdatesUploaded | UpdateReceived | UpdatesReceived):
                 self.seen.append(type(event))
 
     config = small_config(
@@ -158,14 +167,14 @@ def test_an_observer_that_wants_each_upload_gets_each_one() -> None:
     uploads = Uploads()
     federation.bus.add_instrument(uploads)
     watched = run_loop(federation.run())
-    assert uploads.seen and set(uploads.seen) == {UpdateUploaded}
-    assert len(uploads.seen) == watched.updates_accepted
+    assert set(uploads.seen) == {UpdateUploaded, UpdateReceived}
+    assert uploads.seen.count(UpdateUploaded) == uploads.seen.count(UpdateReceived) == watched.updates_accepted
     assert flasync.run(config).weights_sha256 == watched.weights_sha256
 
 
 def test_a_recorder_lists_the_uploads_of_a_batch_one_by_one() -> None:
-    """An :class:`EventRecorder` takes batches and records their uploads one by one, in order: its record reads as
-    if every upload had travelled alone."""
+    """An :class:`EventRecorder` takes batches and records their events one by one, in order: its record reads as
+    if every upload, and every update received, had travelled alone."""
     config = small_config(
         "executor.kind=vectorized", "server={kind: fedavg, clients_per_round: 8}", "population.speed={kind: constant}"
     )
@@ -174,6 +183,7 @@ def test_a_recorder_lists_the_uploads_of_a_batch_one_by_one() -> None:
     summary = run_loop(federation.run())
     uploads = recorder.of(UpdateUploaded)
     assert len(uploads) == summary.updates_accepted + summary.updates_dropped
-    assert not recorder.of(UpdatesUploaded)
+    assert len(recorder.of(UpdateReceived)) == summary.updates_accepted
+    assert not recorder.of(UpdatesUploaded) and not recorder.of(UpdatesReceived)
     assert federation.bus.statistics().published < len(recorder.events)  # some uploads did travel together
     assert [u.task_id for u in uploads] == sorted(u.task_id for u in uploads)  # a round's uploads in task order

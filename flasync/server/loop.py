@@ -39,6 +39,7 @@ from flasync.events import (
     TaskClosed,
     UpdateReceived,
     UpdateRejected,
+    UpdatesReceived,
     UpdatesUploaded,
     UpdateUploaded,
     Version,
@@ -301,7 +302,13 @@ class Server:
         while True:
             await policy.fill()
             if not policy.step_due():
-                await self._handle(*await self._next())
+                message, decoded = await self._next()
+                if self._batch and isinstance(message, UpdateUploaded) and policy.rounds and not policy.abandons:
+                    batch = [(message, decoded), *self._batch]
+                    self._batch.clear()
+                    await self._receive_batch(batch)
+                else:
+                    await self._handle(message, decoded)
                 if policy.rounds and policy.interruptible and self._stop_requested:
                     self._stop_reason()
                     return  # mid-round: the checkpoint keeps the round and its tasks in flight
@@ -389,11 +396,48 @@ class Server:
             self._failed(message.kind, message.reason, message.task_id, int(message.client_id))
 
     async def _receive_update(self, message: UpdateUploaded, decoded: Decoded | None = None) -> bool:
+        outcome = self._take(message, decoded)
+        if isinstance(outcome, Refused):
+            await self._reject(message, outcome.reason, outcome.detail)
+            return False
+        await self.bus.publish(outcome)
+        return True
+
+    async def _receive_batch(self, batch: list[tuple[UpdateUploaded, Decoded | None]]) -> None:
+        """Handle the uploads of a batch between which nothing can happen: a round that closes on its last answer.
+
+        Each upload is counted, admitted, folded in and logged as it would be alone, in order; the updates accepted
+        are published as one :class:`UpdatesReceived` where every observer takes batches (a refusal's event keeps
+        its place between them), and the policy learns of each.
+        """
+        received: list[UpdateReceived] = []
+        for message, decoded in batch:
+            self.accounting.ingress(message.upload_bytes)
+            outcome = self._take(message, decoded)
+            if isinstance(outcome, Refused):
+                await self._publish_received(received)
+                received = []
+                await self._reject(message, outcome.reason, outcome.detail)
+                self.policy.note(message, accepted=False)
+            else:
+                received.append(outcome)
+                self.policy.note(message, accepted=True)
+        await self._publish_received(received)
+
+    async def _publish_received(self, received: list[UpdateReceived]) -> None:
+        """Publish accepted updates' events: as one batch where every observer takes batches, else one by one."""
+        if len(received) > 1 and self.bus.batches_reach(UpdatesReceived, UpdateReceived):
+            await self.bus.publish(UpdatesReceived(received=tuple(received)))
+            return
+        for event in received:
+            await self.bus.publish(event)
+
+    def _take(self, message: UpdateUploaded, decoded: Decoded | None) -> UpdateReceived | Refused:
+        """Admit an upload and, if it passes, fold it in, count and log it; return its event or the refusal."""
         self.accounting.uploaded(message.upload_bytes)
         verdict = self.intake.admit(message, version=int(self.version), decoded=decoded)
         if isinstance(verdict, Refused):
-            await self._reject(message, verdict.reason, verdict.detail)
-            return False
+            return verdict
         stats = self.stats
         weight = self.aggregator.add(
             verdict.delta, staleness=verdict.staleness, num_samples=message.num_samples, base=verdict.base.weights
@@ -412,21 +456,18 @@ class Server:
             decode_s=verdict.decode_s,
             norm=verdict.norm,
         )
-        await self.bus.publish(
-            UpdateReceived(
-                task_id=message.task_id,
-                client_id=message.client_id,
-                base_version=message.base_version,
-                version=self.version,
-                staleness=verdict.staleness,
-                upload_bytes=message.upload_bytes,
-                simulated_s=self.clock.now(),
-                tier=message.tier,
-                decode_s=verdict.decode_s,
-                queue_wait_s=verdict.received_wall - message.sent_wall_s,
-            )
+        return UpdateReceived(
+            task_id=message.task_id,
+            client_id=message.client_id,
+            base_version=message.base_version,
+            version=self.version,
+            staleness=verdict.staleness,
+            upload_bytes=message.upload_bytes,
+            simulated_s=self.clock.now(),
+            tier=message.tier,
+            decode_s=verdict.decode_s,
+            queue_wait_s=verdict.received_wall - message.sent_wall_s,
         )
-        return True
 
     def _fold_partial(self, message: EdgeForwarded) -> None:
         """Fold an edge's partial aggregate, discounted by how many versions passed since the edge folded it."""

@@ -22,7 +22,7 @@ import torch
 
 from flasync import codecs, seeding
 from flasync.bus import EventBus
-from flasync.clock import Clock
+from flasync.clock import Clock, Started
 from flasync.diagnostics import DivergedTraining
 from flasync.errors import InjectedFault
 from flasync.events import (
@@ -456,13 +456,8 @@ class CohortClients:
         clock, bus = world.clock, world.bus
         prepared = [_prepare(world, task, model) for task in tasks]
         faults = world.faults
-        jobs = [
-            clock.start(
-                world.pool,
-                _training_job(
-                    world, task, model, plan, faults.attack_factor(task.client_id) if faults is not None else 1.0
-                ),
-            )
+        training = [
+            _training_job(world, task, model, plan, faults.attack_factor(task.client_id) if faults is not None else 1.0)
             for task, plan in zip(tasks, prepared, strict=True)
         ]
         n = len(tasks)
@@ -470,11 +465,16 @@ class CohortClients:
         # every completion (order >= n, numbered as their tasks finish training): at one time completions come
         # first, and uploads keep the order that one coroutine per task would give them. A batching executor
         # trains the group as one cohort anyway: where no answer can release another task (``together``), the
-        # group waits once, at its earliest completion time, for every job, instead of once per completion time.
+        # group hands it every job at once and waits once, at its earliest completion time, for all of them (one
+        # future for the group), instead of once per completion time.
         agenda: list[tuple[float, int, int, int]]
-        if self.together and callable(getattr(world.pool, "submit_async", None)):
+        submit_many = getattr(world.pool, "submit_many_async", None) if self.together else None
+        if submit_many is not None:
+            group = submit_many(training)
+            jobs = [Started(group, group)]
             agenda = [(min(p.done_at for p in prepared), -1, _ALL_TRAINED, -1)]
         else:
+            jobs = [clock.start(world.pool, job) for job in training]
             agenda = sorted((p.done_at, i, _TRAINED, i) for i, p in enumerate(prepared))
         order = n
         uploads: dict[int, tuple[TrainedUpdate, float]] = {}
@@ -488,7 +488,12 @@ class CohortClients:
                 if kind in (_ALL_TRAINED, _TRAINED):
                     if kind == _ALL_TRAINED:  # every job, taken in the order of their completion times
                         due = sorted(range(n), key=lambda i: (prepared[i].done_at, i))
-                    outcomes = await clock.finish([jobs[i] for i in due], until=when)
+                        (results,) = await clock.finish(jobs, until=when)
+                        if isinstance(results, BaseException):
+                            raise results  # the group's future was cancelled
+                        outcomes = [results[i] for i in due]
+                    else:
+                        outcomes = await clock.finish([jobs[i] for i in due], until=when)
                     for i, outcome in zip(due, outcomes, strict=True):
                         task, plan = tasks[i], prepared[i]
                         if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -181,8 +181,76 @@ class _HeldLoopFuture(asyncio.Future[T]):
         self.held = True
 
 
-_AnyHeld = _HeldFuture[Any] | _HeldLoopFuture[Any]
-_Outcome = tuple[_HeldLoopFuture[Any], Any, BaseException | None]
+class _GroupFuture(asyncio.Future[list[Any]]):
+    """One loop future for a group of held jobs (:meth:`CohortBatcher.submit_many_async`): each job's result or
+    exception, in submission order, once every job is done. Its jobs' results reach it on its loop's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, size: int) -> None:
+        super().__init__(loop=loop)
+        self.outcomes: list[Any] = [None] * size
+        self.left = size
+        self.held_jobs = 0  # jobs still held back by the batcher (changed on the loop's thread, as jobs start)
+
+    @property
+    def held(self) -> bool:
+        """Tell whether a job of the group is still held back (the clock needing the group starts them)."""
+        return self.held_jobs > 0
+
+    def deliver(self, index: int, outcome: Any) -> None:
+        """Record one job's result or exception; resolve the group with the last."""
+        self.outcomes[index] = outcome
+        self.left -= 1
+        if not self.left:
+            self.set_result(self.outcomes)
+
+
+class _Slot:
+    """A job's place in a :class:`_GroupFuture`, standing in for the job's own loop future in the batcher."""
+
+    __slots__ = ("group", "index")
+
+    def __init__(self, group: _GroupFuture, index: int) -> None:
+        self.group = group
+        self.index = index
+
+    @property
+    def held(self) -> bool:
+        """Whether a job of the group is still held back."""
+        return self.group.held
+
+    @held.setter
+    def held(self, value: bool) -> None:
+        if not value:  # this job starts
+            self.group.held_jobs -= 1
+
+    def cancelled(self) -> bool:
+        """Tell whether the group was cancelled."""
+        return self.group.cancelled()
+
+    def done(self) -> bool:
+        """Tell whether the group is done (cancelled, or every job delivered)."""
+        return self.group.done()
+
+    def cancel(self) -> bool:
+        """Cancel the whole group (its client gave up on every job)."""
+        return self.group.cancel()
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the group's future belongs to."""
+        return self.group.get_loop()
+
+    def set_result(self, value: Any) -> None:
+        """Deliver the job's result (on the group's loop)."""
+        self.group.deliver(self.index, value)
+
+    def set_exception(self, error: BaseException) -> None:
+        """Deliver the job's exception (on the group's loop)."""
+        self.group.deliver(self.index, error)
+
+
+_LoopHeld = _HeldLoopFuture[Any] | _Slot
+_AnyHeld = _HeldFuture[Any] | _LoopHeld
+_Outcome = tuple[_LoopHeld, Any, BaseException | None]
 
 # Results handed to the event loop per callback: the loop starts on the first ones while the worker finishes the rest.
 _DELIVERY_CHUNK = 64
@@ -208,7 +276,7 @@ class _Delivery:
         self._pending: list[_Outcome] = []
 
     def __call__(self, future: _AnyHeld, value: Any, error: BaseException | None) -> None:
-        if isinstance(future, _HeldLoopFuture):
+        if isinstance(future, _HeldLoopFuture | _Slot):
             self._pending.append((future, value, error))
             if len(self._pending) >= _DELIVERY_CHUNK:
                 self.flush()
@@ -231,7 +299,7 @@ class _Delivery:
 
 def _cancel(future: _AnyHeld) -> None:
     """Cancel a held future from any thread (a loop future on its own loop)."""
-    if isinstance(future, _HeldLoopFuture):
+    if isinstance(future, _HeldLoopFuture | _Slot):
         with contextlib.suppress(RuntimeError):  # a closed loop
             future.get_loop().call_soon_threadsafe(future.cancel)
     else:
@@ -374,7 +442,7 @@ class CohortBatcher(Executor):
 
     def _needed(self, future: object) -> None:
         """Start every held job if ``future`` is one of them (the clock cannot go on without its result)."""
-        if isinstance(future, _HeldFuture | _HeldLoopFuture) and future.held:
+        if isinstance(future, _HeldFuture | _HeldLoopFuture | _GroupFuture) and future.held:
             self.flush()
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
@@ -404,6 +472,22 @@ class CohortBatcher(Executor):
             return last[2]
         group = _Group(fn.group)
         self._last_group = (fn.cfg, fn.x, group)
+        return group
+
+    def submit_many_async(self, jobs: Sequence[TrainingJob[Any]]) -> asyncio.Future[list[Any]]:
+        """Hold training jobs together; return one future of the running loop for all of them.
+
+        It resolves, once every job is done, with each job's result or exception (as a value) in the order of
+        ``jobs``: what awaiting each job's :meth:`submit_async` would give, without a loop future, a done callback and
+        a result hand-over per job. Cancelling it cancels every job that has not started.
+        """
+        group = _GroupFuture(asyncio.get_running_loop(), len(jobs))
+        if not jobs:
+            group.set_result([])
+            return group
+        group.held_jobs = len(jobs)
+        for index, job in enumerate(jobs):
+            self._hold(job, _Slot(group, index))
         return group
 
     def _hold(self, fn: TrainingJob[Any], future: _AnyHeld) -> None:
@@ -474,7 +558,7 @@ class CohortBatcher(Executor):
         for job, future in zip(held.jobs, held.futures, strict=True):
             # Skip jobs whose client was cancelled meanwhile (a loop future cancelled after this read is trained,
             # and its result dropped on delivery).
-            if isinstance(future, _HeldLoopFuture):
+            if isinstance(future, _HeldLoopFuture | _Slot):
                 live = not future.cancelled()
             else:
                 live = future.set_running_or_notify_cancel()

@@ -462,6 +462,74 @@ async def test_a_cancelled_loop_future_stays_cancelled_and_shutdown_cancels_held
         await held
 
 
+async def test_a_group_of_jobs_gets_each_result_in_order_from_one_future() -> None:
+    """submit_many_async: one loop future resolves, once every job is done, with each job's result (a failed one's
+    exception as a value) in submission order, the results of one job per submit_async; its members split over
+    cohorts (max_cohort) still resolve it once."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+
+    def boom(result: LocalResult) -> LocalResult:
+        raise TrainingError("diverged")
+
+    def jobs() -> list[TrainingJob[LocalResult]]:  # each with a fresh generator
+        made = [_job(base, x, y, p, k, pool) for k, p in enumerate(parts)]
+        made[2] = TrainingJob(**{**{f: getattr(made[2], f) for f in TrainingJob.__dataclass_fields__}, "finish": boom})
+        return made
+
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool, max_cohort=3)
+    alone = CohortBatcher(ThreadPoolExecutor(1), pool, max_cohort=len(parts))
+    try:
+        group = batcher.submit_many_async(jobs())
+        assert isinstance(group, asyncio.Future) and group.get_loop() is asyncio.get_running_loop()
+        together = await group
+        each = await asyncio.gather(*(alone.submit_async(j) for j in jobs()), return_exceptions=True)
+        assert await batcher.submit_many_async([]) == []
+    finally:
+        batcher.shutdown()
+        alone.shutdown()
+    assert batcher.cohorts == 2 and alone.cohorts == 1  # 3 + 3 + a last one trained alone, against 7 together
+    assert isinstance(together[2], TrainingError) and isinstance(each[2], TrainingError)
+    for k, (got, want) in enumerate(zip(together, each, strict=True)):
+        if k != 2:
+            assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)  # the last one trained alone
+            assert got.loss == pytest.approx(want.loss, rel=1e-5)
+
+
+async def test_a_cancelled_group_trains_none_of_its_held_jobs() -> None:
+    """Cancelling a group's future while its jobs are held keeps it cancelled and starts none of them; the clock's
+    wait for a held group starts it."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool)
+    trained: list[int] = []
+    jobs = [
+        TrainingJob(
+            **{
+                **{f: getattr(j, f) for f in TrainingJob.__dataclass_fields__},
+                "finish": lambda r, k=k: trained.append(k),
+            }
+        )
+        for k, j in enumerate(_job(base, x, y, p, k, pool) for k, p in enumerate(parts[:3]))
+    ]
+    try:
+        group = batcher.submit_many_async(jobs)
+        assert group.held  # type: ignore[attr-defined]
+        group.cancel()
+        batcher.flush()
+        with pytest.raises(asyncio.CancelledError):
+            await group
+        kept = batcher.submit_many_async(jobs[:2])
+        batcher._needed(kept)  # what the virtual clock does when it must wait for the group
+        assert not kept.held  # type: ignore[attr-defined]
+        await kept
+    finally:
+        batcher.shutdown()
+    assert sorted(trained) == [0, 1]
+
+
 # ------------------------------------------------------------------------------------------------ engine
 SERVERS = [
     {"kind": "fedavg", "clients_per_round": 8},

@@ -193,8 +193,8 @@ class Server:
         self._restored = False
         self._answered: set[int] = set()
         self._queued: list[EdgeForwarded | TaskClosed | UpdateUploaded] = []
-        # The uploads of a batch not handled yet, each with its delta decoded ahead: handled one per message, in
-        # order, before the inbox is read again.
+        # The uploads of a batch not handled yet, each with its delta decoded ahead: handled in order (one per
+        # message, or all at once in a round that closes on its last answer) before the inbox is read again.
         self._batch: deque[tuple[UpdateUploaded, Decoded | None]] = deque()
         self._start_wall = 0.0
         self._first_version = 0  # the version this process started from (a resumed run's pace counts from it)
@@ -331,7 +331,8 @@ class Server:
         """Return the next message: the next upload of a batch being handled, else the next one of the inbox.
 
         A batch's uploads are handled one at a time, exactly as if each had come alone (the policy fills and
-        versions step between them), but their deltas are decoded and measured together when the batch arrives.
+        versions step between them), but their deltas are decoded and measured together when the batch arrives;
+        :meth:`_drive` hands the rest of the batch to :meth:`_receive_batch` where nothing can come between them.
         """
         while not self._batch:
             message = await self._inbox.receive()

@@ -28,6 +28,7 @@ __all__ = [
     "TaskClosed",
     "TaskDiagnosis",
     "TaskOutcome",
+    "TasksAssigned",
     "UpdateReceived",
     "UpdateRejected",
     "UpdateUploaded",
@@ -90,6 +91,17 @@ class TaskAssigned:
     base_version: Version
     simulated_s: float
     reply_to: str = CLOUD
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TasksAssigned:
+    """Several tasks were given at once (a round's cohort), in this order.
+
+    Published instead of one :class:`TaskAssigned` each where every observer takes batches
+    (:meth:`flasync.bus.EventBus.batches_reach`); ``tasks`` are the events it stands for.
+    """
+
+    tasks: tuple[TaskAssigned, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

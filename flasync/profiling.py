@@ -39,6 +39,7 @@ from flasync.events import (
     RunFinished,
     TaskAssigned,
     TaskClosed,
+    TasksAssigned,
     UpdateReceived,
     UpdateRejected,
     UpdatesReceived,
@@ -631,6 +632,9 @@ class Instrumentation(Instrument):
         elif isinstance(event, UpdatesReceived):
             for received in event.received:
                 self._observe(received)
+        elif isinstance(event, TasksAssigned):
+            for task in event.tasks:
+                self._observe(task)
         elif not isinstance(event, AlertRaised):  # this instrument's own
             self._observe(event)
 

@@ -40,7 +40,14 @@ from flasync.bus import EventBus, OverflowPolicy
 from flasync.clock import VirtualClock
 from flasync.config import ConstantSpeed, RunConfig, apply_override, validate
 from flasync.errors import BusClosed
-from flasync.events import ClientFailed, TaskAssigned, UpdatesReceived, UpdatesUploaded, UpdateUploaded
+from flasync.events import (
+    ClientFailed,
+    TaskAssigned,
+    TasksAssigned,
+    UpdatesReceived,
+    UpdatesUploaded,
+    UpdateUploaded,
+)
 from flasync.population import Population
 from flasync.server import (
     Accounting,
@@ -214,8 +221,9 @@ class EventRecorder:
     """Record every event published on a bus, without a task: a large drop-oldest subscription read afterwards.
 
     Create it before the run starts; read it after (or during) the run. A batch event
-    (:class:`~flasync.events.UpdatesUploaded`, :class:`~flasync.events.UpdatesReceived`) is recorded as the events
-    it carries, in order, so the record reads the same whether they travelled together or apart.
+    (:class:`~flasync.events.TasksAssigned`, :class:`~flasync.events.UpdatesUploaded`,
+    :class:`~flasync.events.UpdatesReceived`) is recorded as the events it carries, in order, so the record reads the
+    same whether they travelled together or apart.
 
     Args:
         bus: The bus to watch, e.g. ``Federation(...).bus``.
@@ -238,6 +246,8 @@ class EventRecorder:
                 self._events.extend(event.uploads)
             elif isinstance(event, UpdatesReceived):
                 self._events.extend(event.received)
+            elif isinstance(event, TasksAssigned):
+                self._events.extend(event.tasks)
             else:
                 self._events.append(event)
 

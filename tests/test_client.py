@@ -8,7 +8,14 @@ import pytest
 
 import flasync
 from flasync import client as client_module
-from flasync.events import UpdateReceived, UpdatesReceived, UpdatesUploaded, UpdateUploaded
+from flasync.events import (
+    TaskAssigned,
+    TasksAssigned,
+    UpdateReceived,
+    UpdatesReceived,
+    UpdatesUploaded,
+    UpdateUploaded,
+)
 from flasync.instruments import Instrument
 from flasync.loops import run_loop
 from flasync.testing import EventRecorder, small_config
@@ -184,6 +191,7 @@ def test_a_recorder_lists_the_uploads_of_a_batch_one_by_one() -> None:
     uploads = recorder.of(UpdateUploaded)
     assert len(uploads) == summary.updates_accepted + summary.updates_dropped
     assert len(recorder.of(UpdateReceived)) == summary.updates_accepted
-    assert not recorder.of(UpdatesUploaded) and not recorder.of(UpdatesReceived)
+    assert not recorder.of(UpdatesUploaded) and not recorder.of(UpdatesReceived) and not recorder.of(TasksAssigned)
+    assert len(recorder.of(TaskAssigned)) == summary.tasks_dispatched
     assert federation.bus.statistics().published < len(recorder.events)  # some uploads did travel together
     assert [u.task_id for u in uploads] == sorted(u.task_id for u in uploads)  # a round's uploads in task order

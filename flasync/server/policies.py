@@ -257,8 +257,7 @@ class SyncRounds:
         deadline = None if self.deadline_s is None else now + self.deadline_s
         self._round = _Round(version=int(current.version), target=self.target, started_s=now, deadline_s=deadline)
         self._start_deadline()
-        for client_id in cohort.tolist():
-            await self.registry.dispatch(client_id)
+        await self.registry.dispatch_many(cohort)
 
     def _start_deadline(self) -> None:
         round_ = self._round

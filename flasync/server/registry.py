@@ -22,7 +22,7 @@ import torch
 
 from flasync.bus import EventBus
 from flasync.errors import CheckpointError
-from flasync.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, Version
+from flasync.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, TasksAssigned, Version
 from flasync.server.accounting import Accounting
 from flasync.snapshots import ModelSnapshot
 
@@ -218,6 +218,50 @@ class TaskRegistry:
         await self._bus.publish(task)
         self._start(task, snapshot)
         return task
+
+    async def dispatch_many(self, client_ids: Sequence[int] | np.ndarray) -> list[TaskAssigned]:
+        """Start a task for each of ``client_ids`` (distinct clients, none in flight) on the current model, in order.
+
+        The same tasks as :meth:`dispatch` of each in turn - task ids, participations, least-recently-used marks,
+        downloads counted - with their counters moved in one pass and their :class:`TaskAssigned` events published
+        as one :class:`TasksAssigned` where every observer takes batches.
+        """
+        current = self.current
+        if current is None:
+            raise RuntimeError("no model was published before the first dispatch")
+        ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
+        if len(ids) == 0:
+            return []
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError("dispatch_many takes distinct clients (a client has one task in flight at most)")
+        participations = self._participations[ids].tolist()
+        self._participations[ids] += 1
+        if self._mark_used is not None:
+            self._mark_used(ids.tolist())
+        version, now, download = current.version, self._clock.now(), current.download_bytes
+        dispatched = self._accounting.dispatched
+        in_flight = self._in_flight
+        tasks = []
+        for client, participation in zip(ids.tolist(), participations, strict=True):
+            task = TaskAssigned(
+                task_id=dispatched(download, from_cloud=True),
+                client_id=ClientId(client),
+                participation=participation,
+                base_version=version,
+                simulated_s=now,
+            )
+            in_flight[task.client_id] = task
+            tasks.append(task)
+        self._base_refs[version] += len(tasks)
+        bus = self._bus
+        if len(tasks) > 1 and bus.batches_reach(TasksAssigned, TaskAssigned):
+            await bus.publish(TasksAssigned(tasks=tuple(tasks)))
+        else:
+            for task in tasks:
+                await bus.publish(task)
+        for task in tasks:
+            self._start(task, current)
+        return tasks
 
     def _start(self, task: TaskAssigned, snapshot: ModelSnapshot, *, client: bool = True) -> None:
         if client and self._start_group is not None:

@@ -188,3 +188,45 @@ async def test_tasks_dispatched_before_the_first_starts_run_as_one_group() -> No
             await body()
         finally:
             registry.cancel_all()
+
+
+async def test_dispatch_many_starts_the_tasks_dispatch_would_start_one_by_one() -> None:
+    """dispatch_many gives the tasks of dispatch() in turn - ids, participations, downloads, least-recently-used
+    marks, the same events in order - with one TasksAssigned where every observer takes batches; a client named
+    twice is refused."""
+    marks: dict[str, list[int]] = {"one": [], "many": []}
+
+    def harness_for(name: str) -> ServerHarness:
+        harness = ServerHarness(clients=_silent)
+        harness.registry._mark_used = marks[name].extend
+        harness.registry.publish(_snapshot(0))
+        return harness
+
+    one, many = harness_for("one"), harness_for("many")
+    seen_one, seen_many = EventRecorder(one.bus), EventRecorder(many.bus)
+    published = many.bus.statistics().published
+    cohorts = ([3, 7, 1], [7, 2])
+
+    async def one_by_one() -> None:
+        for cohort in cohorts:
+            for client in cohort:
+                await one.registry.dispatch(client)
+            for task in list(one.registry):
+                one.registry.release(task)
+
+    async def together() -> None:
+        for cohort in cohorts:
+            await many.registry.dispatch_many(cohort)
+            for task in list(many.registry):
+                many.registry.release(task)
+        with pytest.raises(ValueError, match="distinct"):
+            await many.registry.dispatch_many([4, 4])
+        assert await many.registry.dispatch_many([]) == []
+
+    await _started(one, one_by_one())
+    await _started(many, together())
+    assert seen_many.of(TaskAssigned) == seen_one.of(TaskAssigned)  # ids, clients, participations, versions, times
+    assert [t.participation for t in seen_many.of(TaskAssigned)] == [0, 0, 0, 1, 0]
+    assert marks["many"] == marks["one"] == [3, 7, 1, 7, 2]
+    assert many.accounting.stats == one.accounting.stats
+    assert many.bus.statistics().published == published + 2  # one event per cohort

@@ -36,9 +36,9 @@ import asyncio
 import contextlib
 import enum
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Generic, NamedTuple, TypeVar, overload
+from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, overload
 
 import structlog
 
@@ -46,6 +46,7 @@ from flasync.errors import BusClosed, BusFull
 from flasync.instruments import Instrument
 
 __all__ = [
+    "BatchEvent",
     "BusStatistics",
     "EventBus",
     "OverflowPolicy",
@@ -102,6 +103,23 @@ class BusStatistics(NamedTuple):
     """Longest any subscription's queue has ever been."""
     subscribers: int
     """Open subscriptions now."""
+
+
+class BatchEvent(Protocol):
+    """An event that stands for several events of one class (:meth:`EventBus.publish_together`)."""
+
+    member: ClassVar[type[Any]]
+    """The class of the events it stands for."""
+
+    @classmethod
+    def of(cls, events: tuple[Any, ...]) -> Any:
+        """Return the batch of ``events``."""
+        ...
+
+    @property
+    def members(self) -> tuple[Any, ...]:
+        """The events it stands for, in order."""
+        ...
 
 
 class _Route(NamedTuple):
@@ -634,6 +652,19 @@ class EventBus:
                 known = False
             self._batches[key] = known
         return known
+
+    async def publish_together(self, batch: type[BatchEvent], events: Sequence[Any], *, to: str | None = None) -> None:
+        """Publish ``events`` (of ``batch.member``, addressed ``to``) as one ``batch.of(events)`` where that reaches
+        everything they would (:meth:`batches_reach`), else one by one, in order.
+
+        Raises:
+            BusClosed: The bus is closed, or closes while a publish waits.
+        """
+        if len(events) > 1 and self.batches_reach(batch, batch.member, to):
+            await self.publish(batch.of(tuple(events)))
+            return
+        for event in events:
+            await self.publish(event)
 
     def _targets_of(self, cls: type[Any], to: Any) -> list[Subscription[Any]]:
         """Return the subscriptions an event of class ``cls`` addressed ``to`` goes to."""

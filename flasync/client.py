@@ -521,7 +521,12 @@ class CohortClients:
                         for i in due
                         if self.live(tasks[i])
                     ]
-                    await _publish_together(bus, sent)
+                    # As one batch where every receiver takes it (the server decodes and checks them together).
+                    if sent and all(message.to == sent[0].to for message in sent):
+                        await bus.publish_together(UpdatesUploaded, sent, to=sent[0].to)
+                    else:
+                        for message in sent:
+                            await bus.publish(message)
                 else:  # one at a time: the server has handled each before the next goes out
                     for i in due:
                         task, (trained, upload_s) = tasks[i], uploads.pop(i)
@@ -535,18 +540,6 @@ class CohortClients:
 
 
 _ALL_TRAINED, _TRAINED, _FAILED, _UPLOAD = range(4)  # what a group's agenda entry waits for
-
-
-async def _publish_together(bus: EventBus, sent: list[UpdateUploaded]) -> None:
-    """Publish uploads sent at one time: as one :class:`UpdatesUploaded` where everything that would receive them
-    takes the batch (their receiver decodes and checks them together), else one by one, in order."""
-    if len(sent) > 1:
-        to = sent[0].to
-        if all(message.to == to for message in sent) and bus.batches_reach(UpdatesUploaded, UpdateUploaded, to):
-            await bus.publish(UpdatesUploaded(to=to, uploads=tuple(sent)))
-            return
-    for message in sent:
-        await bus.publish(message)
 
 
 def _context(task: TaskAssigned) -> dict[str, int]:

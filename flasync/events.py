@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, NewType
+from typing import ClassVar, Literal, NewType
 
 __all__ = [
+    "BATCH_EVENTS",
     "CLOUD",
     "Aggregated",
     "AlertRaised",
@@ -101,7 +102,18 @@ class TasksAssigned:
     (:meth:`flasync.bus.EventBus.batches_reach`); ``tasks`` are the events it stands for.
     """
 
+    member: ClassVar[type[TaskAssigned]] = TaskAssigned
     tasks: tuple[TaskAssigned, ...]
+
+    @classmethod
+    def of(cls, events: tuple[TaskAssigned, ...]) -> TasksAssigned:
+        """Return the batch of ``events``."""
+        return cls(tasks=events)
+
+    @property
+    def members(self) -> tuple[TaskAssigned, ...]:
+        """The events the batch stands for."""
+        return self.tasks
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,8 +162,19 @@ class UpdatesUploaded:
     checks them together. Observers that want the uploads themselves read ``uploads``.
     """
 
+    member: ClassVar[type[UpdateUploaded]] = UpdateUploaded
     to: str = CLOUD
     uploads: tuple[UpdateUploaded, ...]
+
+    @classmethod
+    def of(cls, events: tuple[UpdateUploaded, ...]) -> UpdatesUploaded:
+        """Return the batch of ``events``, all addressed alike (to the first one's address)."""
+        return cls(to=events[0].to, uploads=events)
+
+    @property
+    def members(self) -> tuple[UpdateUploaded, ...]:
+        """The events the batch stands for."""
+        return self.uploads
 
     @property
     def upload_bytes(self) -> int:
@@ -183,7 +206,24 @@ class UpdatesReceived:
     (:meth:`flasync.bus.EventBus.batches_reach`); ``received`` are the events it stands for.
     """
 
+    member: ClassVar[type[UpdateReceived]] = UpdateReceived
     received: tuple[UpdateReceived, ...]
+
+    @classmethod
+    def of(cls, events: tuple[UpdateReceived, ...]) -> UpdatesReceived:
+        """Return the batch of ``events``."""
+        return cls(received=events)
+
+    @property
+    def members(self) -> tuple[UpdateReceived, ...]:
+        """The events the batch stands for."""
+        return self.received
+
+
+BATCH_EVENTS = (TasksAssigned, UpdatesUploaded, UpdatesReceived)
+"""The events that stand for several of one class (``member``): published by
+:meth:`flasync.bus.EventBus.publish_together` in their place where every receiver takes them; ``members`` are the
+events each stands for, in order."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,9 +18,9 @@ class Instrument:
     """Optional hooks into a run; override the ones you need.
 
     Attributes:
-        takes_batches: Whether :meth:`event_published` understands batch events
-            (:class:`~flasync.events.UpdatesUploaded`, whose ``uploads`` are the events it stands for). While an
-            instrument that does not is attached, publishers send every upload as an event of its own.
+        takes_batches: Whether :meth:`event_published` understands batch events (``flasync.events.BATCH_EVENTS``,
+            whose ``members`` are the events each stands for). While an instrument that does not is attached,
+            publishers send every event of its own.
     """
 
     takes_batches: bool = False

@@ -29,6 +29,7 @@ from flasync.bus import EventBus
 from flasync.diagnostics import Alert, AlertMonitor
 from flasync.errors import BusClosed, BusFull
 from flasync.events import (
+    BATCH_EVENTS,
     Aggregated,
     AlertRaised,
     ClientFailed,
@@ -39,11 +40,8 @@ from flasync.events import (
     RunFinished,
     TaskAssigned,
     TaskClosed,
-    TasksAssigned,
     UpdateReceived,
     UpdateRejected,
-    UpdatesReceived,
-    UpdatesUploaded,
     UpdateUploaded,
     Version,
 )
@@ -626,15 +624,9 @@ class Instrumentation(Instrument):
 
     def event_published(self, event: object) -> None:
         """Profile the event and raise the alerts it triggers (a batch's events one by one, in order)."""
-        if isinstance(event, UpdatesUploaded):
-            for upload in event.uploads:
-                self._observe(upload)
-        elif isinstance(event, UpdatesReceived):
-            for received in event.received:
-                self._observe(received)
-        elif isinstance(event, TasksAssigned):
-            for task in event.tasks:
-                self._observe(task)
+        if isinstance(event, BATCH_EVENTS):
+            for member in event.members:
+                self._observe(member)
         elif not isinstance(event, AlertRaised):  # this instrument's own
             self._observe(event)
 

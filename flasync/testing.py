@@ -40,14 +40,7 @@ from flasync.bus import EventBus, OverflowPolicy
 from flasync.clock import VirtualClock
 from flasync.config import ConstantSpeed, RunConfig, apply_override, validate
 from flasync.errors import BusClosed
-from flasync.events import (
-    ClientFailed,
-    TaskAssigned,
-    TasksAssigned,
-    UpdatesReceived,
-    UpdatesUploaded,
-    UpdateUploaded,
-)
+from flasync.events import BATCH_EVENTS, ClientFailed, TaskAssigned, UpdateUploaded
 from flasync.population import Population
 from flasync.server import (
     Accounting,
@@ -242,12 +235,8 @@ class EventRecorder:
                 event = sub.receive_nowait()
             except (asyncio.QueueEmpty, BusClosed):
                 return
-            if isinstance(event, UpdatesUploaded):
-                self._events.extend(event.uploads)
-            elif isinstance(event, UpdatesReceived):
-                self._events.extend(event.received)
-            elif isinstance(event, TasksAssigned):
-                self._events.extend(event.tasks)
+            if isinstance(event, BATCH_EVENTS):
+                self._events.extend(event.members)
             else:
                 self._events.append(event)
 

@@ -715,3 +715,24 @@ async def test_a_batch_is_allowed_only_where_it_reaches_every_receiver_of_its_me
     assert bus.batches_reach(_Batch, _Member, "a")
     for subscription in (receiver, elsewhere, everything):
         subscription.close()
+
+
+async def test_publish_together_sends_one_batch_only_where_it_reaches_every_receiver() -> None:
+    """publish_together publishes ``batch.of(events)`` where batches_reach allows it, else each event in order."""
+    from flasync.events import ClientId, TaskAssigned, TasksAssigned, Version
+
+    def task(k: int) -> TaskAssigned:
+        return TaskAssigned(task_id=k, client_id=ClientId(k), participation=0, base_version=Version(0), simulated_s=0)
+
+    bus = EventBus()
+    tasks = [task(k) for k in range(3)]
+    with bus.subscribe(TaskAssigned, TasksAssigned) as both:
+        await bus.publish_together(TasksAssigned, tasks)
+        assert both.receive_nowait() == TasksAssigned(tasks=tuple(tasks))
+        with bus.subscribe(TaskAssigned) as single:
+            await bus.publish_together(TasksAssigned, tasks)
+            assert [single.receive_nowait() for _ in tasks] == tasks
+            assert [both.receive_nowait() for _ in tasks] == tasks
+        await bus.publish_together(TasksAssigned, tasks[:1])  # one event needs no batch
+        assert both.receive_nowait() == tasks[0]
+        assert both.statistics().queued == 0

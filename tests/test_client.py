@@ -8,6 +8,7 @@ import pytest
 
 import flasync
 from flasync import client as client_module
+from flasync.bus import EventBus
 from flasync.events import (
     TaskAssigned,
     TasksAssigned,
@@ -135,15 +136,14 @@ def test_uploads_due_together_travel_as_one_batch_and_change_nothing(
     run ends with the weights, bit for bit, and the counts of one coroutine per task, whose uploads travel alone, even
     where a version steps and updates are refused between the members of one batch."""
     batches: list[int] = []
-    publish = client_module._publish_together
+    publish = EventBus.publish
 
-    async def counted(bus: Any, sent: list[Any]) -> None:
-        before = bus.statistics().published
-        await publish(bus, sent)
-        if len(sent) > 1 and bus.statistics().published == before + 1:
-            batches.append(len(sent))
+    async def counted(bus: EventBus, event: object) -> None:
+        if isinstance(event, UpdatesUploaded):
+            batches.append(len(event.uploads))
+        await publish(bus, event)
 
-    monkeypatch.setattr(client_module, "_publish_together", counted)
+    monkeypatch.setattr(EventBus, "publish", counted)
     config = small_config("executor.kind=vectorized", *overrides)
     together = flasync.run(config)
     assert batches and max(batches) > 2

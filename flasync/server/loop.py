@@ -416,22 +416,14 @@ class Server:
             self.accounting.ingress(message.upload_bytes)
             outcome = self._take(message, decoded)
             if isinstance(outcome, Refused):
-                await self._publish_received(received)
+                await self.bus.publish_together(UpdatesReceived, received)
                 received = []
                 await self._reject(message, outcome.reason, outcome.detail)
                 self.policy.note(message, accepted=False)
             else:
                 received.append(outcome)
                 self.policy.note(message, accepted=True)
-        await self._publish_received(received)
-
-    async def _publish_received(self, received: list[UpdateReceived]) -> None:
-        """Publish accepted updates' events: as one batch where every observer takes batches, else one by one."""
-        if len(received) > 1 and self.bus.batches_reach(UpdatesReceived, UpdateReceived):
-            await self.bus.publish(UpdatesReceived(received=tuple(received)))
-            return
-        for event in received:
-            await self.bus.publish(event)
+        await self.bus.publish_together(UpdatesReceived, received)
 
     def _take(self, message: UpdateUploaded, decoded: Decoded | None) -> UpdateReceived | Refused:
         """Admit an upload and, if it passes, fold it in, count and log it; return its event or the refusal."""

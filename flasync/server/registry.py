@@ -253,12 +253,7 @@ class TaskRegistry:
             in_flight[task.client_id] = task
             tasks.append(task)
         self._base_refs[version] += len(tasks)
-        bus = self._bus
-        if len(tasks) > 1 and bus.batches_reach(TasksAssigned, TaskAssigned):
-            await bus.publish(TasksAssigned(tasks=tuple(tasks)))
-        else:
-            for task in tasks:
-                await bus.publish(task)
+        await self._bus.publish_together(TasksAssigned, tasks)
         for task in tasks:
             self._start(task, current)
         return tasks

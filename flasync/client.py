@@ -46,6 +46,7 @@ __all__ = ["Client", "ClientResiduals", "ClientWorld", "CohortClients", "ModelSn
 FAILURE_WARNINGS = 3
 """Failures of clients with one error logged as warnings in a run; the rest of them at debug level."""
 _MAX_WARNED_ERRORS = 1_000  # distinct errors counted (an error naming its client would make one per client)
+_HOST = torch.device("cpu")  # where the upload codec writes bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,6 +217,7 @@ def _training_job(
         ),
         correction=variates.correction if variates is not None else None,
         client=int(cid) if world.samples.lazy is not None else None,
+        deltas_on=_HOST,  # finish_job encodes the delta as bytes on the host
     )
 
 

@@ -152,6 +152,7 @@ class CohortTrainer:
         cfg: LocalTraining,
         *,
         timer: Callable[[], float] = time.perf_counter,
+        deltas_on: torch.device | None = None,
     ) -> CohortResult:
         """Train every member from its base on its own samples of ``(x, y)``; return their deltas and figures.
 
@@ -163,6 +164,9 @@ class CohortTrainer:
             members: The clients; each member's generator is consumed as :func:`train` would consume it.
             cfg: Local hyper-parameters (shared by the cohort).
             timer: Monotonic seconds.
+            deltas_on: Where a vectorized cohort's deltas are returned (None: the model's device). A caller that
+                encodes them on the host asks for ``cpu``: the cohort's rows then cross in one copy, not one
+                transfer and one wait per member.
 
         Raises:
             TrainingError: If a member has no samples (before anything is trained).
@@ -182,7 +186,7 @@ class CohortTrainer:
         if reason is None:
             states = [m.generator.get_state() for m in members]
             try:
-                results = self._train_vectorized(base, x, y, members, cfg, timer, start)
+                results = self._train_vectorized(base, x, y, members, cfg, timer, start, deltas_on)
             except _Unsupported as exc:
                 reason = str(exc)
                 for member, state in zip(members, states, strict=True):
@@ -323,6 +327,7 @@ class CohortTrainer:
         cfg: LocalTraining,
         timer: Callable[[], float],
         start: float,
+        deltas_on: torch.device | None = None,
     ) -> list[LocalResult]:
         """Train the cohort as rows of one tensor; ``train_s`` of each result is its share of the cohort's time."""
         device = self.device
@@ -423,6 +428,8 @@ class CohortTrainer:
             back[k] = row
         deltas = starts - weights
         norms = torch.linalg.vector_norm(deltas, dim=1).tolist()  # every row's norm in one reduction
+        if deltas_on is not None and deltas.device != deltas_on:
+            deltas = deltas.to(deltas_on)
         losses = loss_sum.tolist()
         per_client_bytes = 4 * self.num_params * 3 + activation_bytes  # weights, gradients, momentum (as train())
         batch_bytes = cfg.batch_size * (x[0].numel() * x.element_size() + y.element_size())

@@ -108,6 +108,8 @@ class TrainingJob(Generic[T]):
         correction: Added to every gradient of the client (SCAFFOLD's ``c - c_i``; None: nothing).
         client: The client of a lazily drawn population, whose samples an executor may draw itself instead of
             receiving ``x`` and ``y`` (None: the samples are rows of a data set held in memory).
+        deltas_on: Where ``finish`` wants the trained delta (None: where it was trained). A cohort whose jobs all
+            want it on the host copies its deltas there in one transfer.
     """
 
     base: torch.Tensor
@@ -120,6 +122,7 @@ class TrainingJob(Generic[T]):
     solo: Callable[[], T]
     correction: torch.Tensor | None = None
     client: int | None = None
+    deltas_on: torch.device | None = None
 
     def __call__(self) -> T:
         """Train this client alone and finish."""
@@ -594,7 +597,9 @@ class CohortBatcher(Executor):
             else:
                 trainer = self.models.cohort_trainer()
                 began = self._cpu_time()  # CPU, not wall: waiting for the GIL or a core does not count
-                outcome = trainer.train(first.base, x, y, members, first.cfg)
+                wanted = first.deltas_on
+                deltas_on = wanted if all(job.deltas_on == wanted for job in jobs) else None
+                outcome = trainer.train(first.base, x, y, members, first.cfg, deltas_on=deltas_on)
                 if trainer.device.type == "cpu":  # on an accelerator the CPU only launches the kernels
                     self._member_cpu_s = (self._cpu_time() - began) / len(members)
         except Exception as exc:

@@ -396,6 +396,41 @@ async def test_failed_member_fails_alone(how: str) -> None:
     assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
 
 
+
+@pytest.mark.parametrize("wants", [("cpu", "cpu", "cpu"), ("cpu", None, "cpu")], ids=["agree", "differ"])
+async def test_a_cohort_returns_deltas_where_all_its_jobs_want_them(
+    monkeypatch: pytest.MonkeyPatch, wants: tuple[str | None, ...]
+) -> None:
+    """Jobs that all name where they want their deltas get them there from the trainer; jobs that differ, as trained."""
+    asked: list[torch.device | None] = []
+    original = CohortTrainer.train
+
+    def spy(self: CohortTrainer, *args: object, **kwargs: object) -> object:
+        asked.append(kwargs.get("deltas_on"))  # type: ignore[arg-type]
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CohortTrainer, "train", spy)
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool)
+    jobs = [
+        TrainingJob(
+            **{
+                **{f: getattr(job, f) for f in TrainingJob.__dataclass_fields__},
+                "deltas_on": None if where is None else torch.device(where),
+            }
+        )
+        for job, where in zip([_job(base, x, y, p, k, pool) for k, p in enumerate(parts[:3])], wants, strict=True)
+    ]
+    try:
+        results = await asyncio.gather(*(batcher.submit_async(j) for j in jobs))
+    finally:
+        batcher.shutdown()
+    assert asked == [torch.device("cpu") if None not in wants else None]
+    assert all(isinstance(r, LocalResult) and r.delta.device.type == "cpu" for r in results)
+
+
 def test_a_diverged_members_norm_is_left_to_the_diagnosis() -> None:
     """A member whose delta's norm is not finite gets no update_norm, so the diagnosis checks its elements itself."""
     x, y, parts = _data()
@@ -614,6 +649,22 @@ def test_vectorized_equals_alone_on_cuda(factory: Callable[[], nn.Module]) -> No
         assert got.delta.device.type == "cuda"
         assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
 
+
+
+@CUDA
+def test_a_cohorts_deltas_cross_from_cuda_to_the_host_in_one_copy() -> None:
+    """deltas_on=cpu returns the same deltas and norms as training leaves on the GPU, on the host."""
+    x, y, parts = _data("cuda")
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+    base = flat_parameters(_mlp()).cuda()
+    trainer = CohortTrainer(_mlp().cuda())
+    on_device = trainer.train(base, x, y, _members(parts), cfg)
+    on_host = trainer.train(base, x, y, _members(parts), cfg, deltas_on=torch.device("cpu"))
+    assert on_host.vectorized
+    for a, b in zip(on_device.results, on_host.results, strict=True):
+        assert a.delta.device.type == "cuda" and b.delta.device.type == "cpu"
+        assert torch.equal(a.delta.cpu(), b.delta)
+        assert a.update_norm == b.update_norm
 
 @CUDA
 def test_host_data_is_prefetched_to_cuda() -> None:

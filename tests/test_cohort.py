@@ -396,7 +396,6 @@ async def test_failed_member_fails_alone(how: str) -> None:
     assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
 
 
-
 @pytest.mark.parametrize("wants", [("cpu", "cpu", "cpu"), ("cpu", None, "cpu")], ids=["agree", "differ"])
 async def test_a_cohort_returns_deltas_where_all_its_jobs_want_them(
     monkeypatch: pytest.MonkeyPatch, wants: tuple[str | None, ...]
@@ -650,7 +649,6 @@ def test_vectorized_equals_alone_on_cuda(factory: Callable[[], nn.Module]) -> No
         assert torch.allclose(got.delta, want.delta, rtol=0, atol=1e-5)
 
 
-
 @CUDA
 def test_a_cohorts_deltas_cross_from_cuda_to_the_host_in_one_copy() -> None:
     """deltas_on=cpu returns the same deltas and norms as training leaves on the GPU, on the host."""
@@ -665,6 +663,7 @@ def test_a_cohorts_deltas_cross_from_cuda_to_the_host_in_one_copy() -> None:
         assert a.delta.device.type == "cuda" and b.delta.device.type == "cpu"
         assert torch.equal(a.delta.cpu(), b.delta)
         assert a.update_norm == b.update_norm
+
 
 @CUDA
 def test_host_data_is_prefetched_to_cuda() -> None:

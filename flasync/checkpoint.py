@@ -29,6 +29,7 @@ import yaml
 from flasync._version import __version__
 from flasync.config import RunConfig, validate
 from flasync.errors import CheckpointError, ConfigError
+from tracking.mlflow_run import yaml_text
 from tracking.store import sqlite_path
 
 __all__ = [
@@ -70,7 +71,7 @@ def encode(state: dict[str, Any], config: RunConfig) -> bytes:
         {
             "format": FORMAT,
             "flasync": __version__,
-            "config": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False),
+            "config": yaml_text(config.model_dump(mode="json")),
             "state_sha256": hashlib.sha256(state_bytes).hexdigest(),
             "state": torch.frombuffer(bytearray(state_bytes), dtype=torch.uint8),
         },

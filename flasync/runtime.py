@@ -27,7 +27,6 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import structlog
 import torch
-import yaml
 
 import tracking
 from flasync import checkpoint, codecs, tracked
@@ -282,7 +281,7 @@ class Federation:
         """Log the run's configuration as ``config.yaml`` (secrets redacted), once its MLflow run is open: it is in
         the store while the run trains, and the store's first artifact (for MLflow, resolving where the run's
         artifacts go) is written then rather than at the end."""
-        text = yaml.safe_dump(_redacted(self.config).model_dump(mode="json"), sort_keys=False)
+        text = tracking.yaml_text(_redacted(self.config).model_dump(mode="json"))
         try:
             tracker.log_bytes(text.encode(), "config.yaml")
         except Exception as exc:  # a tracking failure must not fail the run
@@ -750,6 +749,9 @@ class Federation:
                 settle_model = self._start_model_from_spec(mlflow_tracker, prepared.model_spec, example)
             except Exception as exc:  # a model MLflow cannot serialise must not fail the run
                 log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+        if mlflow_tracker is not None:
+            # The metrics still queued are written while this process serialises the artifacts, not after them.
+            mlflow_tracker.send_soon()
         files = {"summary.json": tracking.artifact_bytes(summary.to_dict(), "summary.json")}
         if self.profile is not None:
             files["profile.json"] = tracking.artifact_bytes(json_ready(self.profile), "profile.json")

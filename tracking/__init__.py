@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from tracking._child import IdleChild, close_idle_writer
     from tracking.logs import LevelFilter, configure_logging, make_logger
     from tracking.metrics import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor, metric_key
-    from tracking.mlflow_run import MlflowTracker, NullTracker, RunStatus, Tracker, artifact_bytes
+    from tracking.mlflow_run import MlflowTracker, NullTracker, RunStatus, Tracker, artifact_bytes, yaml_text
     from tracking.spool import ReplayResult, SpoolError, replay
     from tracking.store import (
         DEFAULT_ARTIFACT_ROOT,
@@ -52,6 +52,7 @@ _MODULES = {
     "RunStatus": "tracking.mlflow_run",
     "Tracker": "tracking.mlflow_run",
     "artifact_bytes": "tracking.mlflow_run",
+    "yaml_text": "tracking.mlflow_run",
     "ReplayResult": "tracking.spool",
     "SpoolError": "tracking.spool",
     "replay": "tracking.spool",
@@ -109,4 +110,5 @@ __all__ = [
     "redact_uri",
     "replay",
     "resolve_tracking_uri",
+    "yaml_text",
 ]

@@ -191,6 +191,14 @@ class MetricWriter:
         if wake:
             self._queue.put(_WAKE)
 
+    def send_soon(self) -> None:
+        """Have the thread send every metric submitted so far now, without waiting for it (nothing after
+        :meth:`close`): e.g. when a run's training ends, so the store writes them while the caller does other work."""
+        with self._lock:
+            if self._closed:
+                return
+            self._queue.put(_Flush())
+
     def flush(self, timeout: float | None = None) -> None:
         """Block until every metric submitted before this call was sent (or dropped).
 

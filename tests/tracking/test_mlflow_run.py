@@ -11,6 +11,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+import yaml
 from mlflow.entities import LoggedModelStatus, Metric
 
 from tracking import (
@@ -23,6 +24,7 @@ from tracking import (
     Tracker,
     close_idle_writer,
     make_logger,
+    yaml_text,
 )
 from tracking.sqlite_metrics import SqliteMetrics
 
@@ -425,3 +427,15 @@ def test_a_runs_view_is_saved_on_the_experiment_and_opened_by_the_ui_address(
         f"http://host:5000/#/experiments/{experiment.experiment_id}/runs"
         "?workflowType=machine_learning&viewStateShareKey=flasync"
     )
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_yaml_text_writes_what_safe_dump_writes(indent: int | None) -> None:
+    """A run's config, as libyaml's emitter writes it, is byte for byte the text of PyYAML's own safe_dump."""
+    from flasync.config import load_config
+
+    data = {
+        **load_config().model_dump(mode="json"),
+        "odd": ["a: b", "- c", "", "x" * 200, 1e-12, float("inf"), None, True, "\u00e9t\u00e9"],
+    }
+    assert yaml_text(data, indent=indent) == yaml.safe_dump(data, indent=indent, sort_keys=False)

@@ -105,6 +105,27 @@ def test_flush_waits_until_sent() -> None:
     writer.close()
 
 
+def test_send_soon_sends_without_waiting_for_the_interval() -> None:
+    """send_soon returns while the batch is still being written, long before flush_interval_s."""
+    called, release = threading.Event(), threading.Event()
+    batches: list[list[Metric]] = []
+
+    def backend(batch: list[Metric]) -> None:
+        called.set()
+        assert release.wait(5)
+        batches.append(batch)
+
+    writer = MetricWriter(backend, flush_interval_s=60)
+    writer.submit(metrics(10))
+    writer.send_soon()  # had it waited for the send, which waits for `release`, this would not return
+    assert called.wait(5)
+    release.set()
+    writer.flush(timeout=5)
+    assert [m.value for batch in batches for m in batch] == [float(i) for i in range(10)]
+    writer.close()
+    writer.send_soon()  # after close: nothing, and no error
+
+
 def test_metrics_are_sent_without_flush_after_the_interval() -> None:
     """A partial batch is sent once flush_interval_s has passed."""
     backend = Backend()

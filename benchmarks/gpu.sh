@@ -2,7 +2,9 @@
 # The GPU checks in one go, on a machine with CUDA and flasync's dependencies installed:
 #   1. the CUDA tests (tests/test_cohort.py, tests/test_edge.py -k cuda);
 #   2. vectorized cohorts on the GPU against the CPU plain loop and one client at a time on the GPU, and the whole
-#      engine on the GPU with where its time goes (benchmarks/cohort.py --device cuda --engine --phases);
+#      engine on the GPU with where its time goes (benchmarks/cohort.py --device cuda --engine --phases), at 16, 100
+#      and 1,000 clients a round (16: below where `executor.kind = "auto"` starts to vectorize, a rule measured on
+#      CPUs);
 #   3. a tracked `flasync run` on the GPU: the GPUs its profile read through pynvml, and the GPU series of MLflow's
 #      system monitor;
 #   4. the whole test suite with CUDA present, each failure named (also in OUT/junit.xml).
@@ -31,7 +33,7 @@ step "CUDA tests"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=$((failed + 1))
 
 step "throughput: vectorized cohorts and the engine on the GPU"
-"$python" benchmarks/cohort.py --device cuda --clients 100 1000 --repeats 3 --max-cohort 1000 --engine --phases \
+"$python" benchmarks/cohort.py --device cuda --clients 16 100 1000 --repeats 3 --max-cohort 1000 --engine --phases \
     2>&1 | tee "$out/throughput.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=$((failed + 1))
 

@@ -7,7 +7,7 @@
 #      CPUs);
 #   3. a tracked `flasync run` on the GPU: the GPUs its profile read through pynvml, and the GPU series of MLflow's
 #      system monitor;
-#   4. the whole test suite with CUDA present, each failure named (also in OUT/junit.xml).
+#   4. the whole test suite with CUDA present, each failure named as it happens (and in OUT/junit.xml at the end).
 #
 #   bash benchmarks/gpu.sh [OUT]        OUT: where logs, the store and junit.xml go (default: ./gpu-check)
 #   PYTHON=python3 SUITE=0 bash benchmarks/gpu.sh     another interpreter; skip the whole suite
@@ -67,9 +67,10 @@ if [ "${SUITE:-1}" != 0 ]; then
     if "$python" -c "import xdist" 2>/dev/null; then
         parallel=(-n auto)
     fi
-    "$python" -m pytest -p no:cacheprovider -q -rfE "${parallel[@]}" --junitxml="$out/junit.xml" \
+    # -v: each test's outcome is in the log as it happens, so a run cut short still names its failures.
+    "$python" -m pytest -p no:cacheprovider -v -rfE "${parallel[@]}" --junitxml="$out/junit.xml" \
         >"$out/suite.log" 2>&1 || failed=$((failed + 1))
-    grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/suite.log" | tail -40
+    grep -E "(FAILED|ERROR) tests/|tests/.* (FAILED|ERROR)|[0-9]+ (passed|failed)" "$out/suite.log" | sort -u | tail -40
 fi
 
 step "done: $failed step(s) failed; logs in $out"

@@ -440,12 +440,13 @@ class Server:
         stats.cloud_aggregate_s += self.wall() - verdict.received_wall
         self.intake.accepted(verdict)
         self._accepted(verdict.staleness)
+        queue_wait_s = verdict.received_wall - message.sent_wall_s
         self.log.debug(
             "server.update",
             step=stats.updates_accepted,
             staleness=verdict.staleness,
             staleness_weight=weight,
-            queue_wait_s=verdict.received_wall - message.sent_wall_s,
+            queue_wait_s=queue_wait_s,
             decode_s=verdict.decode_s,
             norm=verdict.norm,
         )
@@ -459,7 +460,7 @@ class Server:
             simulated_s=self.clock.now(),
             tier=message.tier,
             decode_s=verdict.decode_s,
-            queue_wait_s=verdict.received_wall - message.sent_wall_s,
+            queue_wait_s=queue_wait_s,
         )
 
     def _fold_partial(self, message: EdgeForwarded) -> None:

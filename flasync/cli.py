@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -720,21 +720,8 @@ def main(argv: Sequence[str] | None = None, *, process_ends: bool = False) -> in
     """
     parser = _build_parser()
     try:
-        args = parser.parse_args(argv)
-        if args.command is None:
-            parser.print_help()
-            return 0
-        if args.command == "tracking":
-            return _command_tracking(args)
-        if args.command == "report":
-            return _command_report(args)
-        if args.command == "compare":
-            return _command_compare(args)
-        if args.command == "serve":
-            return _command_serve(args, process_ends=process_ends)
-        if args.command == "client":
-            return _command_client(args, process_ends=process_ends)
-        return _command_run(args, process_ends=process_ends)
+        with _download_bars_off():
+            return _dispatch(parser, argv, process_ends)
     except _UsageError as exc:
         print(f"flasync: error: {exc}", file=sys.stderr)
         return 2
@@ -750,6 +737,43 @@ def main(argv: Sequence[str] | None = None, *, process_ends: bool = False) -> in
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141  # a shell's status for a process ended by SIGPIPE
+
+
+def _dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None, process_ends: bool) -> int:
+    """Parse ``argv`` and run its command (see :func:`main`); errors propagate."""
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "tracking":
+        return _command_tracking(args)
+    if args.command == "report":
+        return _command_report(args)
+    if args.command == "compare":
+        return _command_compare(args)
+    if args.command == "serve":
+        return _command_serve(args, process_ends=process_ends)
+    if args.command == "client":
+        return _command_client(args, process_ends=process_ends)
+    return _command_run(args, process_ends=process_ends)
+
+
+@contextlib.contextmanager
+def _download_bars_off() -> Iterator[None]:
+    """Keep MLflow from drawing its artifact progress bars (tqdm's, where installed) for the command: a one-file
+    checkpoint or profile would get three lines of them among flasync's own progress lines and one-line errors. A
+    user's own ``MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR`` is left as it is."""
+    if _BARS in os.environ:
+        yield
+        return
+    os.environ[_BARS] = "false"
+    try:
+        yield
+    finally:
+        os.environ.pop(_BARS, None)
+
+
+_BARS = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 
 
 def console() -> NoReturn:

@@ -174,6 +174,31 @@ def test_print_config_round_trips(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert yaml.safe_load(printed)["server"]["buffer_size"] == 7
 
 
+@pytest.mark.parametrize("users", [None, "true"])
+def test_a_command_draws_no_mlflow_download_bars_unless_the_user_asks(
+    monkeypatch: pytest.MonkeyPatch, users: str | None
+) -> None:
+    """MLflow's artifact progress bars are off while a command runs (a resume's checkpoint, a report's profile would
+    print them among flasync's lines), and the variable is as before afterwards; a user's own setting is kept."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    if users is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, users)
+    seen: list[str | None] = []
+
+    def command(args: object) -> int:
+        from mlflow.environment_variables import MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR
+
+        seen.append(os.environ.get(name))
+        return 0 if MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.get() == (users is not None) else 1
+
+    monkeypatch.setattr("flasync.cli._command_report", command)
+    assert main(["report", "some-run"]) == 0
+    assert seen == ["false" if users is None else users]
+    assert os.environ.get(name) == users
+
+
 def test_help_lists_run(capsys: pytest.CaptureFixture[str]) -> None:
     """--help exits 0 and lists the run command."""
     with pytest.raises(SystemExit) as info:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +10,12 @@ import structlog
 import torch
 
 from tracking import close_idle_writer
+
+NEEDS_DP_ACCOUNTING = pytest.mark.skipif(
+    importlib.util.find_spec("dp_accounting") is None,
+    reason="privacy.enabled needs dp-accounting (the privacy and dev extras install it)",
+)
+"""Marks a test whose run has privacy on: without Google's accountant such a run is refused (a ConfigError)."""
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -22,6 +22,7 @@ from flasync.config import load_config
 from flasync.errors import CheckpointError, RunInterrupted
 from flasync.events import Aggregated
 from flasync.testing import MeanOfDeltas, MemoryTracker, small_config
+from tests.conftest import NEEDS_DP_ACCOUNTING
 
 ROOT = Path(flasync.__file__).resolve().parents[1]
 FAULTY = ("faults.crash=0.2", "faults.hang=0.1", "faults.dropout=0.05", "resilience.task_timeout_s=3")
@@ -89,9 +90,10 @@ async def _resumes_exactly(
             {"kind": "fedavg", "clients_per_round": 5},
             ("scaffold.enabled=true", "resilience.over_selection=0.4", "resilience.round_quorum=0.8"),
         ),
-        (
+        pytest.param(
             {"kind": "fedbuff", "buffer_size": 4, "concurrency": 8},
             (*FAULTY, "privacy.enabled=true", "privacy.noise_multiplier=0.5", "privacy.clip_norm=2"),
+            marks=NEEDS_DP_ACCOUNTING,
         ),
         # No faults: tasks dispatched together run as one group (flasync.client.CohortClients), in flight at the
         # checkpoint with their residuals.

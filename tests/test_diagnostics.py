@@ -18,6 +18,7 @@ from flasync.diagnostics import DivergedTraining, TrainingDiagnostics, is_diverg
 from flasync.events import AlertRaised, ClientFailed, TaskDiagnosis
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 from flasync.training import FlatModel, LocalResult, LocalTraining
+from tests.conftest import NEEDS_DP_ACCOUNTING
 
 CONFIG = DiagnosticsConfig()
 
@@ -256,6 +257,7 @@ def test_alert_monitor_memory_does_not_grow_with_updates_or_versions() -> None:
     assert kinds == ["divergence"]
 
 
+@NEEDS_DP_ACCOUNTING
 async def test_under_differential_privacy_a_large_step_blames_the_noise() -> None:
     """With privacy on, the step_ratio alert names the noise, not the learning rate."""
     import flasync

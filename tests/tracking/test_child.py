@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -565,7 +566,7 @@ def _builder_tracker(
     tracker, the holder and the run's id."""
     name, source = module
     (tmp_path / f"{name}.py").write_text(source)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
     holder = IdleChild()
     tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
     return tracker, holder, tracker.start(experiment=experiment)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import json
 import os
 import shutil
@@ -86,8 +87,16 @@ def save_model(
 
 
 def _save_pt2(model: torch.nn.Module, local: str, description: Model | None, input_example: Any) -> None:
-    """Save ``model`` in MLflow's ``pt2`` format at ``local`` (raising what ``torch.export`` raises)."""
+    """Save ``model`` in MLflow's ``pt2`` format at ``local`` (raising what ``torch.export`` raises).
+
+    An exported program keeps its weights on the device it was exported on: its ``python_function`` flavour is told
+    that device, which ``mlflow.pyfunc.load_model`` would otherwise take to be the first GPU wherever CUDA is (and
+    refuse to load it there).
+    """
     import mlflow.pytorch
+    import torch
+    from mlflow.models import Model
+    from mlflow.models.model import MODEL_CONFIG
 
     mlflow.pytorch.save_model(
         model,
@@ -97,6 +106,13 @@ def _save_pt2(model: torch.nn.Module, local: str, description: Model | None, inp
         input_example=input_example,
         pip_requirements=requirements(),
     )
+    path = os.path.join(local, _MLMODEL)
+    saved = Model.load(path)
+    pyfunc = saved.flavors.get("python_function")
+    if pyfunc is not None:
+        device = next((t.device for t in itertools.chain(model.parameters(), model.buffers())), torch.device("cpu"))
+        pyfunc[MODEL_CONFIG] = {**(pyfunc.get(MODEL_CONFIG) or {}), "device": str(device)}
+        saved.save(path)
 
 
 def warm_up() -> None:

@@ -109,6 +109,33 @@ def test_a_prepared_export_saves_what_a_full_save_does(tmp_path: Path) -> None:
     assert torch.equal(mlflow.pytorch.load_model(str(tmp_path / "ahead"))(x), model(x))
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["full save", "prepared export"])
+def test_an_exported_model_loads_as_pyfunc_where_cuda_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: bool
+) -> None:
+    """A pt2 model exported on the CPU says so in its python_function flavour: mlflow.pyfunc.load_model, which takes
+    the first GPU wherever CUDA is, loads it on the CPU there instead of refusing it."""
+    kwargs, model = _final_mlp(tmp_path)
+    exports = _model.Exports() if ahead else None
+    if exports is not None:
+        exports.prepare(builder=_BUILDER, kwargs={**_SPEC, "weights": None}, input_example=_EXAMPLE)
+    folder = tmp_path / "model"
+    _model.save_for(
+        folder=str(folder),
+        exports=exports,
+        builder=_BUILDER,
+        kwargs=kwargs,
+        description=_DESCRIPTION,
+        input_example=_EXAMPLE,
+    )
+    assert _saved(folder).flavors["python_function"]["config"] == {"device": "cpu"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    monkeypatch.delenv("MLFLOW_DEFAULT_PREDICTION_DEVICE", raising=False)
+    x = np.linspace(-1, 1, 40, dtype=np.float32).reshape(5, 8)
+    predicted = mlflow.pyfunc.load_model(str(folder)).predict(x)
+    assert np.array_equal(np.asarray(predicted), model(torch.from_numpy(x)).detach().numpy())
+
+
 def test_an_export_serves_one_save_after_another(tmp_path: Path) -> None:
     """Each save swaps its own weights in: two models saved from one export load to their own weights, and a save
     without a description gets a model id of its own."""

@@ -312,9 +312,15 @@ class CohortTrainer:
             position % torch.tensor(epoch_widths)[:, None] < torch.tensor(sizes)[:, None]
         )
         # Positions within each client -> sample indices: one gather where the indices live (no per-client copy).
-        owned = nn.utils.rnn.pad_sequence([members[k].indices for k in order], batch_first=True)
-        local_matrix = local_matrix.to(owned.device, non_blocking=True)
-        index = owned.gather(1, local_matrix).view(len(order), total_steps, batch).transpose(0, 1)
+        shared = _one_index(members)
+        if shared is not None:  # slices of one index tensor (the engine's): position + where the slice starts
+            starts = torch.tensor([members[k].indices.storage_offset() for k in order])
+            where_all = (local_matrix + starts[:, None]).to(shared.device, non_blocking=True)
+            index = shared.index_select(0, where_all.view(-1)).view(len(order), total_steps, batch).transpose(0, 1)
+        else:
+            owned = nn.utils.rnn.pad_sequence([members[k].indices for k in order], batch_first=True)
+            local_matrix = local_matrix.to(owned.device, non_blocking=True)
+            index = owned.gather(1, local_matrix).view(len(order), total_steps, batch).transpose(0, 1)
         mask = valid.to(torch.float32).view(len(order), total_steps, batch).transpose(0, 1)
         return index.contiguous().to(device), mask.contiguous()
 
@@ -475,6 +481,23 @@ class CohortTrainer:
         if self.device.type == "cuda":
             xb, yb = xb.pin_memory(), yb.pin_memory()
         return xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
+
+
+def _one_index(members: Sequence[CohortMember]) -> torch.Tensor | None:
+    """Return the whole index tensor the members' ``indices`` are contiguous slices of, or None when they are not
+    all such slices of one storage (each member's indices then take a copy of their own)."""
+    first = members[0].indices
+    storage = first.untyped_storage()
+    for member in members:
+        indices = member.indices
+        if (
+            indices.dim() != 1
+            or indices.dtype != first.dtype
+            or (indices.numel() > 1 and indices.stride(0) != 1)
+            or indices.untyped_storage().data_ptr() != storage.data_ptr()
+        ):
+            return None
+    return first.new_empty(0).set_(storage, 0, (storage.nbytes() // first.element_size(),), (1,))
 
 
 def _defined_by(module: nn.Module, name: str) -> type | None:

@@ -158,6 +158,38 @@ def test_a_models_cohort_forward_gives_the_vmap_paths_deltas_bit_for_bit(cfg: Lo
         assert a.loss == b.loss
 
 
+@pytest.mark.parametrize("offset", [0, 3])
+def test_slices_of_one_index_tensor_are_gathered_in_one_step_with_the_same_deltas(
+    monkeypatch: pytest.MonkeyPatch, offset: int
+) -> None:
+    """Members whose indices are slices of one tensor (the engine's partition index) find their samples in one
+    gather from it, with no per-member copy; the deltas and losses equal those of members holding copies."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    whole = torch.cat([torch.arange(offset), *parts])[offset:]  # the slices' tensor starts inside its storage
+    sliced, start = [], 0
+    for part in parts:
+        sliced.append(whole[start : start + part.numel()])
+        start += part.numel()
+    padded: list[int] = []
+    pad = nn.utils.rnn.pad_sequence
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        padded.append(1)
+        return pad(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nn.utils.rnn, "pad_sequence", counted)
+    cfg = LocalTraining(epochs=2, batch_size=16, lr=0.05)
+    got = CohortTrainer(_mlp()).train(base, x, y, _members(sliced), cfg)
+    assert not padded
+    want = CohortTrainer(_mlp()).train(base, x, y, _members([p.clone() for p in parts]), cfg)
+    assert padded == [1]
+    assert got.vectorized and want.vectorized
+    for a, b in zip(got.results, want.results, strict=True):
+        assert torch.equal(a.delta, b.delta)
+        assert a.loss == b.loss
+
+
 def test_a_failing_cohort_forward_trains_one_client_at_a_time() -> None:
     """A model whose cohort_forward raises on the first step falls back to per-client training, saying so."""
 

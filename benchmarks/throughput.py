@@ -195,7 +195,7 @@ class WindowedTracker(tracking.MlflowTracker):
     """An MLflow tracker that sends metrics only in every other window of ``window_s`` seconds.
 
     Metrics of the other windows are dropped before they reach the writer, so its thread and the MLflow writer
-    process idle then; the time of every client update (its ``client/train_s`` row) is recorded in both.
+    process idle then; the time of every client update (its ``client/loss`` row) is recorded in both.
     """
 
     def __init__(self, tracking_uri: str, window_s: float) -> None:
@@ -209,7 +209,7 @@ class WindowedTracker(tracking.MlflowTracker):
         now = time.perf_counter()
         if self.origin is None:
             self.origin = now
-        if metrics[0].key.startswith("client/") and any(m.key == "client/train_s" for m in metrics):
+        if metrics[0].key.startswith("client/") and any(m.key == "client/loss" for m in metrics):
             self.update_times.append(now)
         if int((now - self.origin) // self.window_s) % 2 == 0:
             super().log_metrics(metrics)

@@ -852,8 +852,9 @@ class TrackingConfig(_Section):
     log_model: bool = Field(True, description="Also log the final model with mlflow.pytorch.")
     metrics: Literal["standard", "all"] = Field(
         "standard",
-        description="Per-update metrics: 'standard' (training s, samples, loss, peak memory, bytes, staleness, queue "
-        "wait) or 'all' (also encode/decode s, simulated s, compression, residual and update norms, staleness weight).",
+        description="Per-update metrics: 'standard' (samples, loss, peak memory, bytes, staleness) or 'all' (also "
+        "training, queue wait, encode/decode and simulated s, compression, residual and update norms, staleness "
+        "weight); the timings' per-version sums are logged either way.",
     )
     system_metrics: bool = Field(False, description="MLflow's CPU/GPU/memory monitor (on for CLI runs).")
     system_metrics_interval_s: float = Field(

@@ -82,7 +82,8 @@ __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
 _METRIC_EXCLUDE = frozenset(tracking.DEFAULT_EXCLUDE | {"version", "of", "eta_s"})  # progress, not measurements
 # Per-update figures logged only with ``tracking.metrics = "all"``; their per-version sums are in ``profile/version/*``
-# and profile.json either way. Each MLflow metric row costs the store's writer ~0.2 ms of CPU (sqlite).
+# and profile.json either way. Each MLflow metric row costs the store's writer process some microseconds of CPU,
+# taken from the cores that train.
 # Per-update figures that often stay the same all run long (a dense codec's bytes, equal partitions' samples and
 # training memory, synchronous rounds' staleness): held back while constant and then recorded once, as the tag
 # ``constant/<key>``, rather than as thousands of identical rows (see tracking.ConstantSeries).
@@ -111,6 +112,11 @@ _DETAIL_KEYS = frozenset(  # MLflow keys (see tracking.metric_key)
         "server/update/staleness_weight",
         "server/update/decode_s",
         "server/update/norm",
+        # Two timings of every update: their per-version sums (profile/version/compute_s, .../queue_wait_s) and
+        # their distributions (profile.json) are kept; the 2 x 2,000 rows of a short run's 100 x 20 updates took the
+        # writer process's CPU beside training (a vectorized cohort's train_s is each member's share of one time).
+        "client/train_s",
+        "server/update/queue_wait_s",
     }
 )
 

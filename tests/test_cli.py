@@ -254,7 +254,7 @@ def test_default_experiment_end_to_end(tmp_path: Path) -> None:
     assert summary["accuracy"] >= 0.90
     assert summary["versions"] == 150
     assert run.data.metrics["server/eval/accuracy"] == pytest.approx(summary["accuracy"])
-    history = client.get_metric_history(run.info.run_id, "client/train_s")
+    history = client.get_metric_history(run.info.run_id, "client/loss")
     # One point per trained task: every accepted update, plus tasks still uploading when the run stopped.
     assert summary["updates_accepted"] <= len(history) <= summary["tasks_dispatched"]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}

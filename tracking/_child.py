@@ -343,8 +343,17 @@ class _Deferred:
             self.settle(name)
 
 
-def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, tracking_uri: str, aside: _Aside) -> str:
-    """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``."""
+def _job(
+    client: Any,
+    run_id: str,
+    request: dict[str, Any],
+    monitor: _Monitor,
+    tracking_uri: str,
+    aside: _Aside,
+    direct: SqliteMetrics | None = None,
+) -> str:
+    """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``. ``direct``: a
+    SQLite store's writer, for the tags it takes."""
     op = request.get("op")
     if op == "monitor":
         monitor.start(client, run_id, tracking_uri, float(request["interval_s"]))
@@ -359,7 +368,7 @@ def _job(client: Any, run_id: str, request: dict[str, Any], monitor: _Monitor, t
     if op == "tags":
         from tracking._runs import send_tags
 
-        send_tags(client, run_id, request["tags"])
+        send_tags(client, run_id, request["tags"], direct)
         return ""
     if op == "dataset":
         from tracking.spool import dataset_input
@@ -477,7 +486,7 @@ def _serve_runs(
             if first.startswith("{"):  # the run to create (see tracking._runs.open_run)
                 from tracking._runs import open_run
 
-                run_id, experiment_id = open_run(client, **json.loads(first))
+                run_id, experiment_id = open_run(client, **json.loads(first), direct=direct)
                 started = f" {run_id} {experiment_id}"
             else:
                 run_id, started = first, ""
@@ -528,6 +537,7 @@ def _answer(
     it is given, else to MLflow's ``log_batch``."""
     from mlflow.entities import Metric
 
+    # Deferred jobs run on threads of their own: the store's direct writer (one connection) stays with this one.
     deferred = _Deferred(lambda request: _job(client, run_id, request, monitor, tracking_uri, aside))
     for line in requests:
         if line.strip() == _STOP:
@@ -547,7 +557,7 @@ def _answer(
                 else:
                     if ending:
                         deferred.settle_all()  # a job left unsettled still ends before its run
-                    reply(f"ok {_job(client, run_id, request, monitor, tracking_uri, aside)}")
+                    reply(f"ok {_job(client, run_id, request, monitor, tracking_uri, aside, direct)}")
             elif direct is not None:
                 direct.write(run_id, request)
                 reply("ok")

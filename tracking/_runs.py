@@ -19,6 +19,8 @@ from tracking.store import ensure_experiment
 if TYPE_CHECKING:
     import mlflow
 
+    from tracking.sqlite_metrics import SqliteMetrics
+
 __all__ = [
     "RUNS_VIEW_KEY",
     "RUNS_VIEW_TAG",
@@ -57,13 +59,15 @@ def open_run(
     params: Mapping[str, str],
     start_time: int,
     source: str | None = None,
+    direct: SqliteMetrics | None = None,
 ) -> tuple[str, str]:
     """Create a run as :meth:`MlflowTracker.start` does, in one go (the writer process calls this); return its
     ``(run_id, experiment_id)``.
 
     The experiment is created when missing (``artifact_location`` for a new one) and given the runs view (the
     ``mlflow.sharedViewState`` tag's JSON, if any); the run gets MLflow's context tags for the program ``source``
-    (its path, as ``sys.argv[0]`` of the process that runs it), then ``tags``, and ``params`` in calls of 100.
+    (its path, as ``sys.argv[0]`` of the process that runs it), then ``tags``, and ``params`` in calls of 100, or in
+    one transaction of ``direct`` (a SQLite store's writer) where it takes them.
 
     Raises:
         ExperimentDeletedError: The experiment is deleted.
@@ -78,8 +82,9 @@ def open_run(
     created = client.create_run(experiment_id, run_name=run_name, tags={**context, **tags}, start_time=start_time)
     run_id: str = created.info.run_id
     try:
-        for chunk in _chunks([Param(k, v) for k, v in params.items()], _MAX_PARAMS_PER_CALL):
-            client.log_batch(run_id, params=chunk, synchronous=True)
+        if direct is None or not direct.write_params(run_id, params):
+            for chunk in _chunks([Param(k, v) for k, v in params.items()], _MAX_PARAMS_PER_CALL):
+                client.log_batch(run_id, params=chunk, synchronous=True)
     except BaseException:
         with contextlib.suppress(Exception):
             client.set_terminated(run_id, "FAILED")
@@ -87,9 +92,15 @@ def open_run(
     return run_id, experiment_id
 
 
-def send_tags(client: mlflow.MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
-    """Set ``tags`` on the run, in ``log_batch`` calls of at most 100."""
+def send_tags(
+    client: mlflow.MlflowClient, run_id: str, tags: Mapping[str, str], direct: SqliteMetrics | None = None
+) -> None:
+    """Set ``tags`` on the run, in ``log_batch`` calls of at most 100, or in one transaction of ``direct`` (a SQLite
+    store's writer) where it takes them."""
     from mlflow.entities import RunTag
+
+    if direct is not None and direct.write_tags(run_id, tags):
+        return
 
     entries = [RunTag(k, v) for k, v in tags.items()]
     for chunk in _chunks(entries, _MAX_PARAMS_PER_CALL):

@@ -15,13 +15,21 @@ statements in one transaction, a few microseconds each, and leaves the store exa
 It is used only where it is known to be exact: :meth:`SqliteMetrics.open` checks that both tables have exactly
 the columns and primary keys it writes, and returns None otherwise (another MLflow schema, a server URI, a database
 other than SQLite), so the caller goes on with ``log_batch``.
+
+A run's parameters (121 for a default config) and its tags cost MLflow's store a session, queries and an ORM object
+each too. :meth:`SqliteMetrics.write_params` and :meth:`SqliteMetrics.write_tags` write them in one transaction,
+as ``log_batch`` would: keys and values checked (values cut to MLflow's length) by MLflow's own ``_validate_param``
+and ``_validate_tag``, the run active, a tag's value replaced; they return False, writing nothing, wherever MLflow
+would do more than that or refuse (a parameter given another value than the one stored, the tag
+``mlflow.runName``, which renames the run, tables of another shape), and the caller then calls ``log_batch``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +42,9 @@ _METRICS = {"key", "value", "timestamp", "run_uuid", "step", "is_nan"}
 _METRICS_KEY = ("key", "timestamp", "step", "run_uuid", "value", "is_nan")
 _LATEST = {"key", "value", "timestamp", "step", "is_nan", "run_uuid"}
 _LATEST_KEY = ("key", "run_uuid")
+_NAMED = {"key", "value", "run_uuid"}  # the columns of ``params`` and of ``tags``
+_NAMED_KEY = ("key", "run_uuid")
+_RUN_NAME_TAG = "mlflow.runName"  # MLflow's ``set_tag`` renames the run too: left to it
 _BUSY_TIMEOUT_S = 30.0  # as long as flasync's own schema work waits for the store's lock
 
 _INSERT = "INSERT OR IGNORE INTO metrics (key, value, timestamp, run_uuid, step, is_nan) VALUES (?, ?, ?, ?, ?, ?)"
@@ -60,11 +71,15 @@ class SqliteMetrics:
         validate: MLflow's ``_validate_metric(key, value, timestamp, step)``: raises for a row MLflow refuses.
     """
 
-    def __init__(self, connection: sqlite3.Connection, validate: Callable[..., None]) -> None:
-        """Take the connection."""
+    def __init__(
+        self, connection: sqlite3.Connection, validate: Callable[..., None], *, params_and_tags: bool = False
+    ) -> None:
+        """Take the connection; ``params_and_tags``: the ``params`` and ``tags`` tables have the shape
+        :meth:`write_params` and :meth:`write_tags` write (else they write nothing)."""
         self._connection = connection
         self._validate = validate
         self._keys: set[str] = set()  # keys MLflow's check accepted already (the check of a key is the dear part)
+        self._named = params_and_tags
 
     @classmethod
     def open(cls, tracking_uri: str, *, timeout_s: float = _BUSY_TIMEOUT_S) -> SqliteMetrics | None:
@@ -99,7 +114,13 @@ class SqliteMetrics:
         if not fits:
             connection.close()
             return None
-        return cls(connection, validate)
+        try:
+            named = _table_fits(connection, "params", _NAMED, _NAMED_KEY) and _table_fits(
+                connection, "tags", _NAMED, _NAMED_KEY
+            )
+        except sqlite3.Error:
+            named = False
+        return cls(connection, validate, params_and_tags=named)
 
     def write(self, run_id: str, rows: Iterable[Row]) -> None:
         """Store ``rows`` of run ``run_id`` in one transaction (all or nothing).
@@ -118,16 +139,92 @@ class SqliteMetrics:
             held = latest.get(row[0])
             if held is None or (row[4], row[2], row[1]) > (held[2], held[1], held[0]):
                 latest[row[0]] = (row[1], row[2], row[4], row[5])
+        with self._transaction(run_id) as connection:
+            connection.executemany(_INSERT, values)
+            connection.executemany(_UPSERT, [(key, *held, run_id) for key, held in latest.items()])
+
+    def write_params(self, run_id: str, params: Mapping[str, str]) -> bool:
+        """Store the parameters ``params`` of run ``run_id`` in one transaction, as ``log_batch`` would; False,
+        writing nothing, where it leaves them to MLflow (see the module docstring).
+
+        Raises:
+            LookupError: If the store has no run ``run_id``.
+            ValueError: If the run is not active (deleted).
+            sqlite3.Error: If the store cannot be written (locked past the timeout, read-only, full).
+        """
+        from mlflow.utils.validation import _validate_param
+
+        checked = self._checked(_validate_param, params)
+        if checked is None:
+            return False
+        if not checked:
+            return True
+        try:
+            with self._transaction(run_id) as connection:
+                keys = list(checked)
+                held: dict[str, str] = {}
+                for begin in range(0, len(keys), _SQL_VARIABLES):
+                    chunk = keys[begin : begin + _SQL_VARIABLES]
+                    marks = ",".join("?" * len(chunk))
+                    query = f"SELECT key, value FROM params WHERE run_uuid = ? AND key IN ({marks})"
+                    held.update(connection.execute(query, (run_id, *chunk)).fetchall())
+                if any(held[key] != value for key, value in checked.items() if key in held):
+                    raise _LeftToMlflow  # MLflow refuses to change a parameter, with its own message
+                rows = [(key, value, run_id) for key, value in checked.items() if key not in held]
+                connection.executemany("INSERT INTO params (key, value, run_uuid) VALUES (?, ?, ?)", rows)
+        except _LeftToMlflow:
+            return False
+        return True
+
+    def write_tags(self, run_id: str, tags: Mapping[str, str]) -> bool:
+        """Set the tags ``tags`` of run ``run_id`` in one transaction, as ``log_batch`` would (a tag's new value
+        replaces its old one); False, writing nothing, where it leaves them to MLflow (see the module docstring).
+
+        Raises:
+            LookupError: If the store has no run ``run_id``.
+            ValueError: If the run is not active (deleted).
+            sqlite3.Error: If the store cannot be written (locked past the timeout, read-only, full).
+        """
+        from mlflow.utils.validation import _validate_tag
+
+        if _RUN_NAME_TAG in tags:
+            return False
+        checked = self._checked(_validate_tag, tags)
+        if checked is None:
+            return False
+        if not checked:
+            return True
+        with self._transaction(run_id) as connection:
+            connection.executemany(
+                "INSERT INTO tags (key, value, run_uuid) VALUES (?, ?, ?) "
+                "ON CONFLICT (key, run_uuid) DO UPDATE SET value = excluded.value",
+                [(key, value, run_id) for key, value in checked.items()],
+            )
+        return True
+
+    def _checked(self, validate: Callable[[str, str], Any], entries: Mapping[str, str]) -> dict[str, str] | None:
+        """Return ``entries`` as MLflow's ``validate`` leaves them (values cut to its length), None where it refuses
+        one or this store's tables are not the shape written here."""
+        if not self._named:
+            return None
+        checked = {}
+        for key, value in entries.items():
+            try:
+                entity = validate(key, value)
+            except Exception:  # MLflow's log_batch raises it again, with its own message
+                return None
+            checked[str(entity.key)] = str(entity.value)
+        return checked
+
+    @contextlib.contextmanager
+    def _transaction(self, run_id: str) -> Iterator[sqlite3.Connection]:
+        """Open a write transaction on run ``run_id``, checked to exist and be active; commit it when the block
+        ends, roll it back when it raises."""
         connection = self._connection
         connection.execute("BEGIN IMMEDIATE")
         try:
-            stage = connection.execute("SELECT lifecycle_stage FROM runs WHERE run_uuid = ?", (run_id,)).fetchone()
-            if stage is None:
-                raise LookupError(f"Run with id={run_id} not found")
-            if stage[0] != "active":
-                raise ValueError(f"The run {run_id} must be in the 'active' state. Current state is {stage[0]}.")
-            connection.executemany(_INSERT, values)
-            connection.executemany(_UPSERT, [(key, *held, run_id) for key, held in latest.items()])
+            _check_active(connection, run_id)
+            yield connection
             connection.execute("COMMIT")
         except BaseException:
             if connection.in_transaction:
@@ -171,6 +268,22 @@ class SqliteMetrics:
             else:
                 out.append((key, value, int(timestamp), run_id, int(step), 0))
         return out
+
+
+class _LeftToMlflow(Exception):
+    """Raised inside a transaction of :class:`SqliteMetrics` to roll it back and leave the write to MLflow."""
+
+
+_SQL_VARIABLES = 500  # keys per query: well under SQLite's oldest limit of 999 bound variables
+
+
+def _check_active(connection: sqlite3.Connection, run_id: str) -> None:
+    """Raise LookupError if the store has no run ``run_id``, ValueError if the run is not active."""
+    stage = connection.execute("SELECT lifecycle_stage FROM runs WHERE run_uuid = ?", (run_id,)).fetchone()
+    if stage is None:
+        raise LookupError(f"Run with id={run_id} not found")
+    if stage[0] != "active":
+        raise ValueError(f"The run {run_id} must be in the 'active' state. Current state is {stage[0]}.")
 
 
 def _table_fits(connection: sqlite3.Connection, table: str, columns: set[str], key: Sequence[str]) -> bool:

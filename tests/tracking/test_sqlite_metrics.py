@@ -170,6 +170,83 @@ def test_only_stores_whose_tables_fit_are_opened(tmp_path: Path) -> None:
     assert SqliteMetrics.open(uri) is None
 
 
+def _named(tracking_uri: str, table: str, run_id: str) -> list[tuple[object, ...]]:
+    """Return the run's rows of ``params`` or ``tags`` as the store holds them (run id left out)."""
+    with sqlite3.connect(tracking_uri.removeprefix("sqlite:///")) as connection:
+        query = f"SELECT key, value FROM {table} WHERE run_uuid = ? ORDER BY 1"
+        return connection.execute(query, (run_id,)).fetchall()
+
+
+def test_params_and_tags_are_stored_as_log_batch_stores_them(tracking_uri: str, client: mlflow.MlflowClient) -> None:
+    """A run's parameters (a value past MLflow's length cut as MLflow cuts it, one logged again with its value) and
+    tags (one set again with a new value) end as log_batch leaves them, for MLflow's reads too."""
+    from mlflow.entities import Param, RunTag
+
+    long = "x" * 9_000  # past both limits: 6,000 characters for a parameter's value, 8,000 for a tag's
+    params = {f"p{k}": str(k) for k in range(150)} | {"long": long, "dotted.key/x": "a b"}
+    tags = {"aggregator": "fedbuff", "constant/client/samples": "200", "long": long}
+    by_mlflow, direct_run = _run(client, "direct"), _run(client, "direct")
+    writer = SqliteMetrics.open(tracking_uri)
+    assert writer is not None
+    try:
+        for chunk in range(0, len(params), 100):
+            batch = [Param(k, v) for k, v in list(params.items())[chunk : chunk + 100]]
+            client.log_batch(by_mlflow, params=batch)
+        client.log_batch(by_mlflow, params=[Param("p3", "3")])
+        client.log_batch(by_mlflow, tags=[RunTag(k, v) for k, v in tags.items()])
+        client.log_batch(by_mlflow, tags=[RunTag("aggregator", "fedavg")])
+        assert writer.write_params(direct_run, params)
+        assert writer.write_params(direct_run, {"p3": "3"})
+        assert writer.write_tags(direct_run, tags)
+        assert writer.write_tags(direct_run, {"aggregator": "fedavg"})
+    finally:
+        writer.close()
+    for table in ("params", "tags"):
+        mine = [row for row in _named(tracking_uri, table, direct_run) if not str(row[0]).startswith("mlflow.")]
+        theirs = [row for row in _named(tracking_uri, table, by_mlflow) if not str(row[0]).startswith("mlflow.")]
+        assert mine == theirs, table
+    assert len(_named(tracking_uri, "params", direct_run)) == 152
+    read = client.get_run(direct_run).data
+    assert read.params == client.get_run(by_mlflow).data.params
+    assert read.tags["aggregator"] == "fedavg" and len(read.tags["long"]) == 8_000 and len(read.params["long"]) == 6_000
+
+
+def test_params_and_tags_mlflow_treats_otherwise_are_left_to_it(
+    tracking_uri: str, client: mlflow.MlflowClient, tmp_path: Path
+) -> None:
+    """A parameter given a new value, an invalid key and the run-name tag are left to log_batch (False, nothing
+    written); a deleted or unknown run is refused as metrics are; tables of another shape write no params or tags."""
+    run_id = _run(client, "direct")
+    writer = SqliteMetrics.open(tracking_uri)
+    assert writer is not None
+    try:
+        assert writer.write_params(run_id, {"a": "1"})
+        assert not writer.write_params(run_id, {"b": "2", "a": "changed"})
+        assert not writer.write_params(run_id, {"bad key!?": "1"})
+        assert not writer.write_tags(run_id, {"x": "1", "mlflow.runName": "renamed"})
+        assert writer.write_params(run_id, {}) and writer.write_tags(run_id, {})
+        client.delete_run(run_id)
+        with pytest.raises(ValueError, match="must be in the 'active' state"):
+            writer.write_tags(run_id, {"x": "1"})
+        with pytest.raises(LookupError, match="not found"):
+            writer.write_params("0" * 32, {"x": "1"})
+    finally:
+        writer.close()
+    assert _named(tracking_uri, "params", run_id) == [("a", "1")]
+    assert not [row for row in _named(tracking_uri, "tags", run_id) if row[0] == "x"]
+    uri = f"sqlite:///{tmp_path}/other.db"
+    prepare_sqlite_store(uri)
+    with sqlite3.connect(tmp_path / "other.db") as connection:
+        connection.execute("ALTER TABLE tags ADD COLUMN note TEXT")
+    other = SqliteMetrics.open(uri)
+    assert other is not None  # its metrics still fit
+    try:
+        other_run = _run(mlflow.MlflowClient(uri), "direct")
+        assert not other.write_params(other_run, {"a": "1"}) and not other.write_tags(other_run, {"a": "1"})
+    finally:
+        other.close()
+
+
 def test_an_mlflow_whose_metric_check_differs_keeps_log_batch(
     tracking_uri: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -202,15 +279,16 @@ def test_the_writer_process_stores_batches_as_log_batch_does(tracking_uri: str, 
 def test_the_writer_process_sends_batches_past_log_batch_where_the_store_fits(
     tracking_uri: str, client: mlflow.MlflowClient
 ) -> None:
-    """The writer process's answer loop writes a batch with the direct writer it is given (log_batch is never
-    called), answers a refused batch with the error and goes on."""
+    """The writer process's answer loop writes a batch, and a job's tags, with the direct writer it is given
+    (log_batch is never called), answers a refused batch with the error and goes on."""
 
     class NoLogBatch:
         def log_batch(self, *args: object, **kwargs: object) -> None:
             raise AssertionError("log_batch was called")
 
     run_id = _run(client, "direct-child")
-    lines = [json.dumps(BATCHES[0]), json.dumps([["bad\nkey", 1.0, 1, 0]]), json.dumps(BATCHES[1]), "stop"]
+    tags = json.dumps({"op": "tags", "tags": {"constant/client/samples": "200"}})
+    lines = [json.dumps(BATCHES[0]), json.dumps([["bad\nkey", 1.0, 1, 0]]), json.dumps(BATCHES[1]), tags, "stop"]
     replies: list[str] = []
     writer = SqliteMetrics.open(tracking_uri)
     assert writer is not None
@@ -229,7 +307,45 @@ def test_the_writer_process_sends_batches_past_log_batch_where_the_store_fits(
         writer.close()
     assert not ended
     assert replies[0] == "ok" and replies[1].startswith("error: ValueError: ") and replies[2] == "ok"
+    assert replies[3].startswith("ok")
     by_mlflow = _run(client, "direct-child")
     for batch in BATCHES:
         client.log_batch(by_mlflow, metrics=[Metric(*row) for row in batch], synchronous=True)
     assert _stored(tracking_uri, run_id) == _stored(tracking_uri, by_mlflow)
+    assert client.get_run(run_id).data.tags["constant/client/samples"] == "200"
+
+
+def test_a_run_opened_by_the_writer_process_gets_its_params_past_log_batch(tracking_uri: str) -> None:
+    """open_run with a store's direct writer creates the run through MLflow and writes its params in one
+    transaction (log_batch is never called); without one, it calls log_batch, and both runs read the same."""
+    from tracking._runs import open_run
+
+    class NoLogBatch:
+        def __init__(self, inner: mlflow.MlflowClient) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            if name == "log_batch":
+                raise AssertionError("log_batch was called")
+            return getattr(self.inner, name)
+
+    real = mlflow.MlflowClient(tracking_uri)
+    params = {f"server.p{k}": str(k) for k in range(121)}
+    opened = {
+        "experiment": "opened",
+        "artifact_location": None,
+        "runs_view": None,
+        "run_name": "r",
+        "tags": {"aggregator": "fedavg"},
+        "params": params,
+        "start_time": 1_000,
+    }
+    writer = SqliteMetrics.open(tracking_uri)
+    assert writer is not None
+    try:
+        direct_run, _ = open_run(NoLogBatch(real), **opened, direct=writer)  # type: ignore[arg-type]
+    finally:
+        writer.close()
+    by_mlflow, _ = open_run(real, **opened)
+    assert real.get_run(direct_run).data.params == real.get_run(by_mlflow).data.params == params
+    assert real.get_run(direct_run).data.tags["aggregator"] == "fedavg"

@@ -353,7 +353,7 @@ def _job(
     direct: SqliteMetrics | None = None,
 ) -> str:
     """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``. ``direct``: a
-    SQLite store's writer, for the tags it takes."""
+    SQLite store's writer, for the tags and the run's end it takes."""
     op = request.get("op")
     if op == "monitor":
         monitor.start(client, run_id, tracking_uri, float(request["interval_s"]))
@@ -377,7 +377,8 @@ def _job(
         return ""
     if op == "end":
         monitor.stop()  # its last samples before the run's end
-        client.set_terminated(run_id, request["status"], end_time=request["end_time"])
+        if direct is None or not direct.end_run(run_id, request["status"], request["end_time"]):
+            client.set_terminated(run_id, request["status"], end_time=request["end_time"])
         return ""
     if op == "model":
         from tracking._model import log_built_model

@@ -17,8 +17,9 @@ the columns and primary keys it writes, and returns None otherwise (another MLfl
 other than SQLite), so the caller goes on with ``log_batch``.
 
 A run's parameters (121 for a default config) and its tags cost MLflow's store a session, queries and an ORM object
-each too. :meth:`SqliteMetrics.write_params` and :meth:`SqliteMetrics.write_tags` write them in one transaction,
-as ``log_batch`` would: keys and values checked (values cut to MLflow's length) by MLflow's own ``_validate_param``
+each too, and its end a load of the whole run. :meth:`SqliteMetrics.write_params` and :meth:`SqliteMetrics.write_tags`
+write them in one transaction, as ``log_batch`` would (:meth:`SqliteMetrics.end_run` sets the status and end time
+as ``set_terminated`` does): keys and values checked (values cut to MLflow's length) by MLflow's own ``_validate_param``
 and ``_validate_tag``, the run active, a tag's value replaced; they return False, writing nothing, wherever MLflow
 would do more than that or refuse (a parameter given another value than the one stored, the tag
 ``mlflow.runName``, which renames the run, tables of another shape), and the caller then calls ``log_batch``.
@@ -44,6 +45,8 @@ _LATEST = {"key", "value", "timestamp", "step", "is_nan", "run_uuid"}
 _LATEST_KEY = ("key", "run_uuid")
 _NAMED = {"key", "value", "run_uuid"}  # the columns of ``params`` and of ``tags``
 _NAMED_KEY = ("key", "run_uuid")
+_RUN_COLUMNS = {"run_uuid", "status", "end_time", "lifecycle_stage"}  # of ``runs``, that end_run reads and writes
+_END_STATUSES = frozenset({"FINISHED", "FAILED", "KILLED"})
 _RUN_NAME_TAG = "mlflow.runName"  # MLflow's ``set_tag`` renames the run too: left to it
 _BUSY_TIMEOUT_S = 30.0  # as long as flasync's own schema work waits for the store's lock
 
@@ -115,8 +118,10 @@ class SqliteMetrics:
             connection.close()
             return None
         try:
-            named = _table_fits(connection, "params", _NAMED, _NAMED_KEY) and _table_fits(
-                connection, "tags", _NAMED, _NAMED_KEY
+            named = (
+                _table_fits(connection, "params", _NAMED, _NAMED_KEY)
+                and _table_fits(connection, "tags", _NAMED, _NAMED_KEY)
+                and {row[1] for row in connection.execute("PRAGMA table_info(runs)")} >= _RUN_COLUMNS
             )
         except sqlite3.Error:
             named = False
@@ -199,6 +204,23 @@ class SqliteMetrics:
                 "INSERT INTO tags (key, value, run_uuid) VALUES (?, ?, ?) "
                 "ON CONFLICT (key, run_uuid) DO UPDATE SET value = excluded.value",
                 [(key, value, run_id) for key, value in checked.items()],
+            )
+        return True
+
+    def end_run(self, run_id: str, status: str, end_time: int) -> bool:
+        """Mark run ``run_id`` ended with ``status`` at ``end_time`` (ms), as MLflow's ``set_terminated`` does on a
+        SQLite store; False, writing nothing, for a status that is not an end (left to MLflow).
+
+        Raises:
+            LookupError: If the store has no run ``run_id``.
+            ValueError: If the run is not active (deleted).
+            sqlite3.Error: If the store cannot be written (locked past the timeout, read-only, full).
+        """
+        if not self._named or status not in _END_STATUSES or type(end_time) is not int:
+            return False
+        with self._transaction(run_id) as connection:
+            connection.execute(
+                "UPDATE runs SET status = ?, end_time = ? WHERE run_uuid = ?", (status, end_time, run_id)
             )
         return True
 

@@ -211,6 +211,26 @@ def test_params_and_tags_are_stored_as_log_batch_stores_them(tracking_uri: str, 
     assert read.tags["aggregator"] == "fedavg" and len(read.tags["long"]) == 8_000 and len(read.params["long"]) == 6_000
 
 
+def test_a_run_ended_directly_reads_as_set_terminated_leaves_it(tracking_uri: str, client: mlflow.MlflowClient) -> None:
+    """end_run sets the status and end time MLflow's set_terminated sets; a status that is no end is left to MLflow,
+    and a deleted run is refused."""
+    by_mlflow, direct_run, other = _run(client, "ended"), _run(client, "ended"), _run(client, "ended")
+    client.set_terminated(by_mlflow, "KILLED", end_time=123_456)
+    writer = SqliteMetrics.open(tracking_uri)
+    assert writer is not None
+    try:
+        assert writer.end_run(direct_run, "KILLED", 123_456)
+        assert not writer.end_run(other, "RUNNING", 1)
+        client.delete_run(other)
+        with pytest.raises(ValueError, match="must be in the 'active' state"):
+            writer.end_run(other, "FINISHED", 1)
+    finally:
+        writer.close()
+    mine, theirs = client.get_run(direct_run).info, client.get_run(by_mlflow).info
+    assert (mine.status, mine.end_time) == (theirs.status, theirs.end_time) == ("KILLED", 123_456)
+    assert client.get_run(other).info.status == "RUNNING"
+
+
 def test_params_and_tags_mlflow_treats_otherwise_are_left_to_it(
     tracking_uri: str, client: mlflow.MlflowClient, tmp_path: Path
 ) -> None:
@@ -279,8 +299,9 @@ def test_the_writer_process_stores_batches_as_log_batch_does(tracking_uri: str, 
 def test_the_writer_process_sends_batches_past_log_batch_where_the_store_fits(
     tracking_uri: str, client: mlflow.MlflowClient
 ) -> None:
-    """The writer process's answer loop writes a batch, and a job's tags, with the direct writer it is given
-    (log_batch is never called), answers a refused batch with the error and goes on."""
+    """The writer process's answer loop writes a batch, a job's tags and the run's end with the direct writer it
+    is given (log_batch and set_terminated are never called), answers a refused batch with the error and goes
+    on."""
 
     class NoLogBatch:
         def log_batch(self, *args: object, **kwargs: object) -> None:
@@ -288,7 +309,8 @@ def test_the_writer_process_sends_batches_past_log_batch_where_the_store_fits(
 
     run_id = _run(client, "direct-child")
     tags = json.dumps({"op": "tags", "tags": {"constant/client/samples": "200"}})
-    lines = [json.dumps(BATCHES[0]), json.dumps([["bad\nkey", 1.0, 1, 0]]), json.dumps(BATCHES[1]), tags, "stop"]
+    end = json.dumps({"op": "end", "status": "FINISHED", "end_time": 5_000})
+    lines = [json.dumps(BATCHES[0]), json.dumps([["bad\nkey", 1.0, 1, 0]]), json.dumps(BATCHES[1]), tags, end]
     replies: list[str] = []
     writer = SqliteMetrics.open(tracking_uri)
     assert writer is not None
@@ -305,14 +327,15 @@ def test_the_writer_process_sends_batches_past_log_batch_where_the_store_fits(
         )
     finally:
         writer.close()
-    assert not ended
+    assert ended
     assert replies[0] == "ok" and replies[1].startswith("error: ValueError: ") and replies[2] == "ok"
-    assert replies[3].startswith("ok")
+    assert replies[3].startswith("ok") and replies[4].startswith("ok")
     by_mlflow = _run(client, "direct-child")
     for batch in BATCHES:
         client.log_batch(by_mlflow, metrics=[Metric(*row) for row in batch], synchronous=True)
     assert _stored(tracking_uri, run_id) == _stored(tracking_uri, by_mlflow)
     assert client.get_run(run_id).data.tags["constant/client/samples"] == "200"
+    assert (client.get_run(run_id).info.status, client.get_run(run_id).info.end_time) == ("FINISHED", 5_000)
 
 
 def test_a_run_opened_by_the_writer_process_gets_its_params_past_log_batch(tracking_uri: str) -> None:

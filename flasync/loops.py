@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -39,20 +40,30 @@ def frozen_heap() -> Iterator[None]:
         yield
         return
     froze: list[bool] = []
+    open_block = [True]
+    # A collection on another thread may have called the callback before the block ends and freeze after it: the
+    # lock orders the two, and a callback that comes late finds the block closed. (Reentrant: a collection on this
+    # thread inside the locked end runs the callback too.)
+    lock = threading.RLock()
 
     def after_full_collection(phase: str, info: dict[str, int]) -> None:
         # The heap was just walked whole: what is left is alive, so freezing it keeps no garbage.
-        if phase == "stop" and info["generation"] == 2 and not froze and gc.get_freeze_count() == 0:
-            gc.freeze()
-            froze.append(True)
+        if phase != "stop" or info["generation"] != 2:
+            return
+        with lock:
+            if open_block and not froze and gc.get_freeze_count() == 0:
+                gc.freeze()
+                froze.append(True)
 
     gc.callbacks.append(after_full_collection)
     try:
         yield
     finally:
-        gc.callbacks.remove(after_full_collection)
-        if froze:
-            gc.unfreeze()
+        with lock:
+            open_block.clear()
+            gc.callbacks.remove(after_full_collection)
+            if froze:
+                gc.unfreeze()
 
 
 def run_loop(coro: Coroutine[Any, Any, _T], *, process_ends: bool = False) -> _T:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -81,6 +82,19 @@ def test_frozen_heap_gives_the_heap_back_when_the_block_raises() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         _collect_then_fail()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_full_collection_on_another_thread_that_ends_after_the_block_freezes_nothing() -> None:
+    """The callback a collection on another thread took while the block was open, run after it closed (its thread
+    held up meanwhile), freezes nothing: the heap is not left frozen for good."""
+    before = list(gc.callbacks)
+    with frozen_heap():
+        (late,) = [callback for callback in gc.callbacks if callback not in before]
+    thread = threading.Thread(target=late, args=("stop", {"generation": 2, "collected": 0, "uncollectable": 0}))
+    thread.start()
+    thread.join()
+    assert gc.get_freeze_count() == 0
+    assert late not in gc.callbacks
 
 
 def test_run_loop_returns_the_coroutine_result_inside_frozen_heap() -> None:

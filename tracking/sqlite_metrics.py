@@ -77,8 +77,8 @@ class SqliteMetrics:
     def __init__(
         self, connection: sqlite3.Connection, validate: Callable[..., None], *, params_and_tags: bool = False
     ) -> None:
-        """Take the connection; ``params_and_tags``: the ``params`` and ``tags`` tables have the shape
-        :meth:`write_params` and :meth:`write_tags` write (else they write nothing)."""
+        """Take the connection; ``params_and_tags``: the ``params``, ``tags`` and ``runs`` tables have the shape
+        :meth:`write_params`, :meth:`write_tags` and :meth:`end_run` write (else they write nothing)."""
         self._connection = connection
         self._validate = validate
         self._keys: set[str] = set()  # keys MLflow's check accepted already (the check of a key is the dear part)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 from collections.abc import Iterator
 
@@ -32,6 +33,18 @@ def _restore_structlog() -> Iterator[None]:
     before = structlog.get_config()
     yield
     structlog.configure(**before)
+
+
+@pytest.fixture(autouse=True)
+def _no_heap_left_frozen() -> Iterator[None]:
+    """Fail the test that leaves objects frozen in the collector's permanent generation (``gc.freeze`` without its
+    ``gc.unfreeze``: flasync's frozen heap gives back what it froze), and give them back for the tests after it."""
+    before = gc.get_freeze_count()
+    yield
+    left = gc.get_freeze_count()
+    if before == 0 and left:
+        gc.unfreeze()
+        pytest.fail(f"the test left {left} objects frozen (gc.freeze without gc.unfreeze)")
 
 
 @pytest.fixture(autouse=True)

@@ -92,13 +92,14 @@ async def test_an_actor_killed_mid_run_fails_its_task_and_is_replaced() -> None:
     assert summary.updates_failed >= 1
 
 
+def _env() -> dict[str, str]:
+    """This process's environment, with this checkout of flasync first on ``PYTHONPATH``."""
+    root = str(Path(flasync.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
 def _cli(*args: str, cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(flasync.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
+    env = _env()
     return subprocess.run(
         [sys.executable, "-m", "flasync", "run", *args],
         cwd=cwd,
@@ -162,12 +163,7 @@ def test_a_ray_run_resumes_from_its_checkpoint_to_the_uninterrupted_weights() ->
 def test_ctrl_c_leaves_no_ray_behind(tmp_path: Path) -> None:
     """SIGINT during a run that started its own Ray: exit 130, and every Ray process it started is gone."""
     before = _ray_processes()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(flasync.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
+    env = _env()
     settings = ["executor.kind=ray", "stop.max_versions=100000", "eval.every_versions=1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "flasync", "run", "--no-tracking", *(f"--set={s}" for s in settings)],

@@ -95,7 +95,7 @@ async def test_an_actor_killed_mid_run_fails_its_task_and_is_replaced() -> None:
 def _env() -> dict[str, str]:
     """This process's environment, with this checkout of flasync first on ``PYTHONPATH``."""
     root = str(Path(flasync.__file__).resolve().parents[1])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def _cli(*args: str, cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:

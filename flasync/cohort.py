@@ -96,7 +96,11 @@ class CohortMember:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CohortResult:
-    """What a cohort produced: one :class:`LocalResult` per member, in member order."""
+    """What a cohort produced: one :class:`LocalResult` per member, in member order.
+
+    A vectorized cohort's deltas are the rows of one tensor: a member's delta kept after the others are dropped keeps
+    them all alive, unless it is cloned.
+    """
 
     results: list[LocalResult]
     vectorized: bool
@@ -281,47 +285,50 @@ class CohortTrainer:
         batch = cfg.batch_size
         total_steps = steps[order[0]]
         width = total_steps * batch
+        rows = len(order)
+        sizes = [int(members[k].indices.shape[0]) for k in order]
+        limits = [steps[k] * batch for k in order]
+        epoch_widths = [-(-n // batch) * batch for n in sizes]
         # Row r, position p: epoch p // padded of the client, slot p % padded of that epoch's permutation (slots
         # past the client's n samples, and positions past its own steps, are padding: index 0, mask 0).
-        pieces, offsets, takes = [], [], []  # each epoch's permutation, where it starts in the flat matrix, its length
-        sizes, epoch_widths, limits = [], [], []
-        for row, k in enumerate(order):
-            n = int(members[k].indices.numel())
-            padded = -(-n // batch) * batch
-            limit = steps[k] * batch
-            for start in range(0, limit, padded):  # the epochs _batches starts, drawn in its order
-                perm = torch.randperm(n, generator=members[k].generator)
-                take = min(n, limit - start)
-                pieces.append(perm if take == n else perm[:take])
-                offsets.append(row * width + start)
-                takes.append(take)
-            sizes.append(n)
-            epoch_widths.append(padded)
-            limits.append(limit)
+        if all(limit <= padded for limit, padded in zip(limits, epoch_widths, strict=True)):  # one epoch or less
+            pieces = [torch.randperm(n, generator=members[k].generator) for n, k in zip(sizes, order, strict=True)]
+            takes = [min(n, limit) for n, limit in zip(sizes, limits, strict=True)]
+            pieces = [p if take == n else p[:take] for p, take, n in zip(pieces, takes, sizes, strict=True)]
+            offsets: Sequence[int] = range(0, rows * width, width)
+        else:
+            pieces, takes, starts_at = [], [], []  # each epoch's permutation, its length, where it starts in the matrix
+            for row, (k, n, limit, padded) in enumerate(zip(order, sizes, limits, epoch_widths, strict=True)):
+                for start in range(0, limit, padded):  # the epochs _batches starts, drawn in its order
+                    perm = torch.randperm(n, generator=members[k].generator)
+                    take = min(n, limit - start)
+                    pieces.append(perm if take == n else perm[:take])
+                    starts_at.append(row * width + start)
+                    takes.append(take)
+            offsets = starts_at
         # Every permutation goes to its place in one scatter, not one copy per client: a cohort's per-client tensor
         # calls are what two training threads contend for.
         values = torch.cat(pieces)
         lengths = torch.tensor(takes)
         first = torch.cumsum(lengths, 0) - lengths  # where each piece starts in values
         where = torch.repeat_interleave(torch.tensor(offsets) - first, lengths) + torch.arange(values.numel())
-        local_matrix = torch.zeros(len(order) * width, dtype=torch.int64)
+        local_matrix = torch.zeros(rows * width, dtype=torch.int64)
         local_matrix[where] = values
-        local_matrix = local_matrix.view(len(order), width)
+        local_matrix = local_matrix.view(rows, width)
         position = torch.arange(width)
-        valid = (position < torch.tensor(limits)[:, None]) & (
-            position % torch.tensor(epoch_widths)[:, None] < torch.tensor(sizes)[:, None]
-        )
+        per_row = torch.tensor([limits, epoch_widths, sizes])[:, :, None]
+        valid = (position < per_row[0]) & (position % per_row[1] < per_row[2])
         # Positions within each client -> sample indices: one gather where the indices live (no per-client copy).
-        shared = _one_index(members)
-        if shared is not None:  # slices of one index tensor (the engine's): position + where the slice starts
-            starts = torch.tensor([members[k].indices.storage_offset() for k in order])
-            where_all = (local_matrix + starts[:, None]).to(shared.device, non_blocking=True)
-            index = shared.index_select(0, where_all.view(-1)).view(len(order), total_steps, batch).transpose(0, 1)
+        starts = _slice_starts([members[k].indices for k in order])
+        if starts is not None:  # slices of one index tensor (the engine's): position + where the slice starts
+            shared, offsets_of = starts
+            where_all = (local_matrix + offsets_of[:, None]).to(shared.device, non_blocking=True)
+            index = shared.index_select(0, where_all.view(-1)).view(rows, total_steps, batch).transpose(0, 1)
         else:
             owned = nn.utils.rnn.pad_sequence([members[k].indices for k in order], batch_first=True)
             local_matrix = local_matrix.to(owned.device, non_blocking=True)
-            index = owned.gather(1, local_matrix).view(len(order), total_steps, batch).transpose(0, 1)
-        mask = valid.to(torch.float32).view(len(order), total_steps, batch).transpose(0, 1)
+            index = owned.gather(1, local_matrix).view(rows, total_steps, batch).transpose(0, 1)
+        mask = valid.to(torch.float32).view(rows, total_steps, batch).transpose(0, 1)
         return index.contiguous().to(device), mask.contiguous()
 
     def _train_vectorized(
@@ -428,30 +435,37 @@ class CohortTrainer:
                     w.sub_(torch.where(apply[:, None], grads * cfg.lr, torch.zeros_like(grads)))
                 loss_sum[:k].add_(loss * counts[s, :k])
         share = (timer() - start) / num
-        seen = mask.sum(dim=(0, 2)).tolist()
-        back = [0] * num  # member -> row
-        for row, k in enumerate(order):
-            back[k] = row
         deltas = starts - weights
+        seen = mask.sum(dim=(0, 2)).tolist()
+        losses = loss_sum.tolist()
+        if order != list(range(num)):  # rows back to member order: the deltas in one gather
+            back = [0] * num  # member -> row
+            for row, k in enumerate(order):
+                back[k] = row
+            deltas = deltas.index_select(0, torch.tensor(back, device=deltas.device))
+            seen = [seen[row] for row in back]
+            losses = [losses[row] for row in back]
         norms = torch.linalg.vector_norm(deltas, dim=1).tolist()  # every row's norm in one reduction
         if deltas_on is not None and deltas.device != deltas_on:
             deltas = deltas.to(deltas_on)
-        losses = loss_sum.tolist()
         per_client_bytes = 4 * self.num_params * 3 + activation_bytes  # weights, gradients, momentum (as train())
         batch_bytes = cfg.batch_size * (x[0].numel() * x.element_size() + y.element_size())
-        # A copy per client, not a view of the cohort's rows: a client whose upload comes late must not keep every
-        # other member's delta alive with its own.
+        # Each member's delta is a row of one tensor, not a copy of its own (a copy per member is one allocation and
+        # one kernel each): a caller that keeps a member's delta after the cohort's others clones it, or the rest of
+        # the cohort's rows stay alive with it (finish_job keeps none).
         return [
             LocalResult(
-                delta=deltas[row].clone(),
-                num_samples=int(members[k].indices.numel()),
-                steps=steps[k],
-                loss=losses[row] / max(seen[row], 1.0),
+                delta=delta,
+                num_samples=int(member.indices.shape[0]),
+                steps=step_count,
+                loss=loss / max(count, 1.0),
                 train_s=share,
                 peak_mem_bytes=per_client_bytes + batch_bytes,
-                update_norm=norms[row] if math.isfinite(norms[row]) else None,
+                update_norm=norm if math.isfinite(norm) else None,
             )
-            for k, row in enumerate(back)
+            for member, delta, step_count, loss, count, norm in zip(
+                members, deltas.unbind(0), steps, losses, seen, norms, strict=True
+            )
         ]
 
     def _activation_bytes(self, xb: torch.Tensor, yb: torch.Tensor) -> int:
@@ -483,21 +497,35 @@ class CohortTrainer:
         return xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
 
 
-def _one_index(members: Sequence[CohortMember]) -> torch.Tensor | None:
-    """Return the whole index tensor the members' ``indices`` are contiguous slices of, or None when they are not
-    all such slices of one storage (each member's indices then take a copy of their own)."""
-    first = members[0].indices
+def _slice_starts(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Return the whole index tensor ``parts`` are contiguous slices of, and where each part starts in it (int64, on
+    the host); None when they are not all 1-D slices of the first part's storage (each part's indices then take a copy
+    of their own).
+
+    Live tensors share memory only on purpose (views, or one buffer wrapped twice), so a part whose elements lie
+    inside the first part's storage is read correctly through it: an address comparison, cheaper than fetching each
+    part's storage.
+    """
+    first = parts[0]
     storage = first.untyped_storage()
-    for member in members:
-        indices = member.indices
+    size = first.element_size()
+    begin = storage.data_ptr()
+    end = begin + storage.nbytes()
+    pointers = []
+    for part in parts:
+        pointer = part.data_ptr()
         if (
-            indices.dim() != 1
-            or indices.dtype != first.dtype
-            or (indices.numel() > 1 and indices.stride(0) != 1)
-            or indices.untyped_storage().data_ptr() != storage.data_ptr()
+            part.stride() != (1,)  # 1-D, contiguous
+            or part.dtype != first.dtype
+            or part.device != first.device
+            or not begin <= pointer < end
+            or (pointer - begin) % size
+            or pointer + part.shape[0] * size > end
         ):
             return None
-    return first.new_empty(0).set_(storage, 0, (storage.nbytes() // first.element_size(),), (1,))
+        pointers.append(pointer - begin)
+    whole = first.new_empty(0).set_(storage, 0, (storage.nbytes() // size,), (1,))
+    return whole, torch.tensor(pointers, dtype=torch.int64) // size
 
 
 def _defined_by(module: nn.Module, name: str) -> type | None:

@@ -93,6 +93,8 @@ class TaskVariates:
 class TrainedUpdate:
     """What a training job hands back to its client coroutine.
 
+    ``result`` holds the training's figures with an empty ``delta``: ``payload`` carries the update (a cohort's
+    deltas are rows of one tensor, which one member's kept delta would keep whole until its upload is delivered).
     ``control`` is the encoded ``Delta c_i`` and ``variate`` the client's new ``c_i`` (SCAFFOLD; else empty and
     None).
     """
@@ -231,7 +233,7 @@ def finish_job(
     if residuals is not None and encoded.residual is not None:
         norm = float(torch.linalg.vector_norm(encoded.residual))
     return TrainedUpdate(
-        result=result,
+        result=result.without_delta(),  # the payload carries it
         payload=encoded.payload,
         encode_s=encode_s,
         residual_norm=norm,

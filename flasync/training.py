@@ -210,6 +210,18 @@ class LocalResult:
     peak_mem_bytes: int
     update_norm: float | None = None
 
+    def without_delta(self) -> LocalResult:
+        """Return the same figures with an empty ``delta`` (what is kept once the delta has been encoded)."""
+        return LocalResult(
+            delta=self.delta.new_empty(0),
+            num_samples=self.num_samples,
+            steps=self.steps,
+            loss=self.loss,
+            train_s=self.train_s,
+            peak_mem_bytes=self.peak_mem_bytes,
+            update_norm=self.update_norm,
+        )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EvalResult:

@@ -135,8 +135,6 @@ def test_vectorized_equals_one_client_at_a_time(factory: Callable[[], nn.Module]
         assert got.loss == pytest.approx(want.loss, rel=1e-5)
         assert bool(got.delta.abs().sum() > 0)
         assert got.update_norm == pytest.approx(float(torch.linalg.vector_norm(got.delta)), rel=1e-6)
-        # Its own memory: a member whose upload comes late keeps no other member's delta alive.
-        assert got.delta.untyped_storage().nbytes() == got.delta.numel() * got.delta.element_size()
         if want.num_samples >= cfg.batch_size:  # same first-batch shape: the same memory estimate
             assert got.peak_mem_bytes == want.peak_mem_bytes
 

@@ -3,8 +3,8 @@
 #   1. the CUDA tests (tests/test_cohort.py, tests/test_edge.py -k cuda);
 #   2. vectorized cohorts on the GPU against the CPU plain loop and one client at a time on the GPU, and the whole
 #      engine on the GPU with where its time goes (benchmarks/cohort.py --device cuda --engine --phases), at 16, 100
-#      and 1,000 clients a round (16: below where `executor.kind = "auto"` starts to vectorize, a rule measured on
-#      CPUs);
+#      and 1,000 clients a round (16: a small round, which `executor.kind = "auto"` trains as a cohort on a GPU and
+#      on the threads on a CPU; the engine's threads against its cohorts there check that rule);
 #   3. a tracked `flasync run` on the GPU: the GPUs its profile read through pynvml, and the GPU series of MLflow's
 #      system monitor;
 #   4. the whole test suite with CUDA present, each failure named as it happens (and in OUT/junit.xml at the end).

@@ -772,8 +772,9 @@ class ExecutorConfig(_Section):
     rounding, and a model ``vmap`` cannot batch is trained one client at a time (with a warning saying why).
     ``kind = "ray"`` trains on Ray actors (``executor.ray``), on this machine or a cluster: the same weights as the
     threads for the same config, whatever the number of actors. ``kind = "auto"`` (the default) runs vectorized
-    cohorts for FedAvg rounds of at least 32 clients whose model ``vmap`` can batch, threads otherwise, and logs
-    which and why (``executor.auto``).
+    cohorts when enough clients train at once and the model can be batched (FedAvg rounds of at least 32 clients,
+    16 or 48 in flight for FedBuff / FedAsync; two of either on a GPU), threads otherwise, and logs which and why
+    (``executor.auto``).
     """
 
     kind: Literal["auto", "thread", "vectorized", "ray"] = "auto"

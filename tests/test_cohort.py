@@ -855,6 +855,32 @@ def test_auto_picks_vectorized_for_large_rounds_and_many_clients_in_flight(
     assert chosen == kind and why in reason
 
 
+@pytest.mark.parametrize(
+    ("overrides", "kind", "why"),
+    [
+        ((), "vectorized", "fedbuff with 8 clients in flight on cuda"),
+        (("model={kind: cnn}",), "vectorized", "fedbuff with 8 clients in flight on cuda"),
+        (("server={kind: fedbuff, concurrency: 1}",), "thread", "fedbuff with 1 clients in flight (< 2 for cuda)"),
+        (("server={kind: fedavg, clients_per_round: 4}",), "vectorized", "FedAvg rounds of 4 clients on cuda"),
+        (("server={kind: fedavg, clients_per_round: 1}",), "thread", "rounds of 1 clients (< 2)"),
+        (("server={kind: fedavg, clients_per_round: 4}", "client.checkpoint_segments=2"), "thread", "checkpointing"),
+    ],
+    ids=["fedbuff", "fedbuff-vmap", "one-in-flight", "small-rounds", "one-a-round", "checkpointing"],
+)
+def test_auto_on_an_accelerator_picks_cohorts_from_two_clients(overrides: tuple[str, ...], kind: str, why: str) -> None:
+    """On a CUDA device (where one client's training is bound by kernel launches) auto trains cohorts whenever two
+    clients train at once; what cannot be batched still trains on the threads. (Only the choice is tested: the
+    device is named, not used.)"""
+    import dataclasses
+
+    from flasync.assembly import RunInputs, choose_executor
+
+    config = small_config(*overrides)
+    prepared = dataclasses.replace(RunInputs(config).prepare(), device=torch.device("cuda"))
+    chosen, reason = choose_executor(config, prepared)
+    assert chosen == kind and why in reason
+
+
 def test_auto_says_which_executor_it_picked_and_trains_with_it() -> None:
     """The run logs executor.auto with the choice; a large FedAvg round under auto equals kind = vectorized."""
     from structlog.testing import capture_logs

@@ -291,21 +291,14 @@ class CohortTrainer:
         epoch_widths = [-(-n // batch) * batch for n in sizes]
         # Row r, position p: epoch p // padded of the client, slot p % padded of that epoch's permutation (slots
         # past the client's n samples, and positions past its own steps, are padding: index 0, mask 0).
-        if all(limit <= padded for limit, padded in zip(limits, epoch_widths, strict=True)):  # one epoch or less
-            pieces = [torch.randperm(n, generator=members[k].generator) for n, k in zip(sizes, order, strict=True)]
-            takes = [min(n, limit) for n, limit in zip(sizes, limits, strict=True)]
-            pieces = [p if take == n else p[:take] for p, take, n in zip(pieces, takes, sizes, strict=True)]
-            offsets: Sequence[int] = range(0, rows * width, width)
-        else:
-            pieces, takes, starts_at = [], [], []  # each epoch's permutation, its length, where it starts in the matrix
-            for row, (k, n, limit, padded) in enumerate(zip(order, sizes, limits, epoch_widths, strict=True)):
-                for start in range(0, limit, padded):  # the epochs _batches starts, drawn in its order
-                    perm = torch.randperm(n, generator=members[k].generator)
-                    take = min(n, limit - start)
-                    pieces.append(perm if take == n else perm[:take])
-                    starts_at.append(row * width + start)
-                    takes.append(take)
-            offsets = starts_at
+        pieces, takes, offsets = [], [], []  # each epoch's permutation, its length, where it starts in the matrix
+        for row, (k, n, limit, padded) in enumerate(zip(order, sizes, limits, epoch_widths, strict=True)):
+            for start in range(0, limit, padded):  # the epochs _batches starts, drawn in its order
+                perm = torch.randperm(n, generator=members[k].generator)
+                take = min(n, limit - start)
+                pieces.append(perm if take == n else perm[:take])
+                offsets.append(row * width + start)
+                takes.append(take)
         # Every permutation goes to its place in one scatter, not one copy per client: a cohort's per-client tensor
         # calls are what two training threads contend for.
         values = torch.cat(pieces)

@@ -187,3 +187,19 @@ def test_streams_do_not_depend_on_global_generators() -> None:
     assert torch.equal(before[0], after[0])
     assert np.array_equal(before[1], after[1])
     assert before[2] == after[2]
+
+
+@given(
+    seed=st.integers(0, 2**64 - 1),
+    keys=st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 10**6)), min_size=1, max_size=50),
+)
+def test_stream_seeds_mixes_many_keys_as_stream_seed_mixes_each(seed: int, keys: list[tuple[int, int]]) -> None:
+    """The array mix gives every key's stream_seed, bit for bit, and its generator draws what torch_stream's does."""
+    ids, counters = [k for k, _ in keys], [c for _, c in keys]
+    seeds = seeding.stream_seeds(seed, seeding.TASK, ids, counters)
+    assert seeds == [stream_seed(seed, seeding.TASK, k, c) for k, c in keys]
+    k, c = keys[0]
+    assert torch.equal(
+        torch.randperm(20, generator=seeding.torch_generator(seeds[0])),
+        torch.randperm(20, generator=torch_stream(seed, seeding.TASK, k, c)),
+    )

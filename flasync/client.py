@@ -36,6 +36,7 @@ from flasync.events import (
 )
 from flasync.executors import TrainingJob
 from flasync.faults import Fate, FaultModel
+from flasync.instruments import logs_debug
 from flasync.jobs import ClientSamples, JobContext, TaskVariates, TrainedUpdate, finish_job, injected_crash, train_job
 from flasync.population import Network, Population
 from flasync.residuals import ResidualStore
@@ -193,12 +194,22 @@ def _variates(world: ClientWorld, task: TaskAssigned, model: ModelSnapshot) -> T
 
 
 def _training_job(
-    world: ClientWorld, task: TaskAssigned, model: ModelSnapshot, prepared: _Prepared, attack: float
+    world: ClientWorld,
+    task: TaskAssigned,
+    model: ModelSnapshot,
+    prepared: _Prepared,
+    attack: float,
+    seed: int | None = None,
 ) -> TrainingJob[TrainedUpdate]:
-    """Return the task's local training, in the form a batching executor trains with others of its cohort."""
+    """Return the task's local training, in the form a batching executor trains with others of its cohort
+    (``seed``: its task stream's, when mixed with others' by :func:`~flasync.seeding.stream_seeds`)."""
     job_ctx, cid = world.job, task.client_id
     samples, variates = prepared.samples, prepared.variates
-    generator = seeding.torch_stream(world.seed, seeding.TASK, cid, task.participation)
+    generator = (
+        seeding.torch_stream(world.seed, seeding.TASK, cid, task.participation)
+        if seed is None
+        else seeding.torch_generator(seed)
+    )
     codec_generator = (
         seeding.torch_stream(world.seed, seeding.CODEC, cid, task.participation)
         if job_ctx.upload_codec.draws_random
@@ -237,6 +248,8 @@ def _keep(
     if job_ctx.variates is not None and trained.variate is not None:
         with job_ctx.residual_lock:
             job_ctx.variates.put(cid, trained.variate)
+    if not logs_debug(world.log):
+        return
     result = trained.result
     world.log.debug(
         "client",
@@ -458,9 +471,14 @@ class CohortClients:
         clock, bus = world.clock, world.bus
         prepared = [_prepare(world, task, model) for task in tasks]
         faults = world.faults
+        seeds = seeding.stream_seeds(
+            world.seed, seeding.TASK, [task.client_id for task in tasks], [task.participation for task in tasks]
+        )
         training = [
-            _training_job(world, task, model, plan, faults.attack_factor(task.client_id) if faults is not None else 1.0)
-            for task, plan in zip(tasks, prepared, strict=True)
+            _training_job(
+                world, task, model, plan, faults.attack_factor(task.client_id) if faults is not None else 1.0, seed
+            )
+            for task, plan, seed in zip(tasks, prepared, seeds, strict=True)
         ]
         n = len(tasks)
         # The agenda holds (time, order, kind, index). Completions are ordered by task (order < n) and uploads after

@@ -11,7 +11,9 @@ alert monitor this way), or to any bus in a test.
 
 from __future__ import annotations
 
-__all__ = ["Instrument"]
+import logging
+
+__all__ = ["Instrument", "logs_debug"]
 
 
 class Instrument:
@@ -30,3 +32,11 @@ class Instrument:
 
     def bus_closed(self) -> None:
         """Called once when the bus closes (the run is over; no more events will come)."""
+
+
+def logs_debug(log: object) -> bool:
+    """Tell whether ``log``'s debug calls reach anything: a structlog filtering logger set above debug (an untracked
+    run's) drops them at the call, so a hot path can skip building their fields. A logger that cannot tell is taken
+    to log them (a tracked run's does: its debug events are metrics)."""
+    enabled = getattr(log, "is_enabled_for", None)
+    return True if enabled is None else bool(enabled(logging.DEBUG))

@@ -44,6 +44,7 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
+from flasync.instruments import logs_debug
 from flasync.privacy import PrivacyAccountant
 from flasync.server.accounting import Accounting, ServerStats
 from flasync.server.edges import message_from_state, message_state, relayed
@@ -441,15 +442,16 @@ class Server:
         self.intake.accepted(verdict)
         self._accepted(verdict.staleness)
         queue_wait_s = verdict.received_wall - message.sent_wall_s
-        self.log.debug(
-            "server.update",
-            step=stats.updates_accepted,
-            staleness=verdict.staleness,
-            staleness_weight=weight,
-            queue_wait_s=queue_wait_s,
-            decode_s=verdict.decode_s,
-            norm=verdict.norm,
-        )
+        if logs_debug(self.log):
+            self.log.debug(
+                "server.update",
+                step=stats.updates_accepted,
+                staleness=verdict.staleness,
+                staleness_weight=weight,
+                queue_wait_s=queue_wait_s,
+                decode_s=verdict.decode_s,
+                norm=verdict.norm,
+            )
         return UpdateReceived(
             task_id=message.task_id,
             client_id=message.client_id,

@@ -369,6 +369,9 @@ class AlertMonitor:
         self.counts: Counter[str] = Counter()
         self.series = _Series(StreamSummary(_NORMS_KEPT, rng if rng is not None else random.Random(0)))
 
+    READS: tuple[type, ...] = (UpdateUploaded, ClientFailed, UpdateRejected, Evaluated, Aggregated)
+    """The events :meth:`observe` reads: it returns no alert for any other, and keeps nothing of it."""
+
     def observe(self, event: object, version: int) -> list[Alert]:
         """Read one event; return the alerts it raises (``version``: the latest version the monitor saw)."""
         cfg = self.config

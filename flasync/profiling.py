@@ -625,10 +625,23 @@ class Instrumentation(Instrument):
     def event_published(self, event: object) -> None:
         """Profile the event and raise the alerts it triggers (a batch's events one by one, in order)."""
         if isinstance(event, BATCH_EVENTS):
-            for member in event.members:
-                self._observe(member)
+            self._observe_batch(event.members)
         elif not isinstance(event, AlertRaised):  # this instrument's own
             self._observe(event)
+
+    def _observe_batch(self, members: tuple[object, ...]) -> None:
+        """:meth:`_observe` each of a batch's events (of one class, never a version), without asking the alert
+        monitor about those it does not read (``AlertMonitor.READS``)."""
+        profiler, monitor = self.profiler, self.monitor
+        if profiler is not None:
+            observe = profiler.observe
+            for member in members:
+                observe(member)
+        if monitor is not None and members and isinstance(members[0], monitor.READS):
+            version = self._version
+            for member in members:
+                for alert in monitor.observe(member, version):
+                    self._raise(alert)
 
     def _observe(self, event: object) -> None:
         if isinstance(event, Aggregated):

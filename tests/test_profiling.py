@@ -7,26 +7,35 @@ import json
 import math
 import random
 import tracemalloc
+from typing import Any
 
 import pytest
 
 import flasync
+from flasync.bus import EventBus
+from flasync.config import DiagnosticsConfig
+from flasync.diagnostics import AlertMonitor
 from flasync.events import (
     Aggregated,
+    AlertRaised,
     ClientId,
     EdgeForwarded,
     Evaluated,
     ModelPublished,
     RunFinished,
     TaskAssigned,
+    TaskDiagnosis,
+    TasksAssigned,
     UpdateReceived,
+    UpdatesReceived,
+    UpdatesUploaded,
     UpdateUploaded,
     Version,
 )
 from flasync.plots import render_plots
-from flasync.profiling import Profiler, VersionRows, build_profile, headline, quantiles
+from flasync.profiling import Instrumentation, Profiler, VersionRows, build_profile, headline, quantiles
 from flasync.quantiles import StreamSummary, Thinned, counted_percentile
-from flasync.testing import EventRecorder, MemoryTracker, small_config
+from flasync.testing import EventRecorder, MemoryTracker, NullLog, small_config
 
 
 def test_quantiles_interpolate() -> None:
@@ -424,3 +433,68 @@ def test_profiler_memory_does_not_grow_with_updates() -> None:
     assert profile["staleness"]["summary"]["count"] == 60_000
     assert profile["staleness"]["summary"]["p50"] == 1.0
     assert len(profile["evaluations"]) <= 1025 and profile["evaluations"][-1]["version"] == 6_000
+
+
+def _instrumented() -> tuple[Any, Any, EventRecorder, NullLog]:
+    bus, log = EventBus(), NullLog()
+    recorder = EventRecorder(bus)
+    profiler = Profiler("sync")
+    Instrumentation(bus, profiler=profiler, monitor=AlertMonitor(DiagnosticsConfig()), log=log, now=lambda: 1.0)
+    return bus, profiler, recorder, log
+
+
+def test_a_batch_is_profiled_and_alerted_as_its_events_one_by_one() -> None:
+    """Tasks, uploads (a NaN and an exploding one among them) and receipts sent as three batches leave the profile,
+    the alerts and the log lines that the same events sent one by one leave."""
+    n = 8
+    tasks = [
+        TaskAssigned(task_id=k, client_id=ClientId(k), participation=0, base_version=Version(0), simulated_s=0.0)
+        for k in range(n)
+    ]
+    norms = [1.0, 1.1, 0.9, 1.0, 1.2, math.nan, 50.0, 1.0]
+    uploads = [
+        UpdateUploaded(
+            task_id=k,
+            client_id=ClientId(k),
+            base_version=Version(0),
+            num_samples=10 + k,
+            payload=bytes(16 + k),
+            train_loss=0.5,
+            simulated_s=2.0,
+            sent_wall_s=0.0,
+            compute_s=0.01 * k,
+            diagnosis=TaskDiagnosis(update_norm=norms[k], update_finite=not math.isnan(norms[k])),
+        )
+        for k in range(n)
+    ]
+    received = [
+        UpdateReceived(
+            task_id=k,
+            client_id=ClientId(k),
+            base_version=Version(0),
+            version=Version(0),
+            staleness=0,
+            upload_bytes=16 + k,
+            simulated_s=2.0,
+        )
+        for k in range(n)
+    ]
+    together, alone = _instrumented(), _instrumented()
+    for batch, members in ((TasksAssigned, tasks), (UpdatesUploaded, uploads), (UpdatesReceived, received)):
+        together[0].publish_nowait(batch.of(tuple(members)))
+        for event in members:
+            alone[0].publish_nowait(event)
+    for bus, *_ in (together, alone):
+        bus.publish_nowait(
+            Aggregated(
+                version=Version(1), num_updates=n, mean_staleness=0.0, aggregate_s=0.0, simulated_s=2.0, wall_s=0.1
+            )
+        )
+    profiles = [
+        build_profile(profiler.finish(), mode="sync", num_params=4, dense_bytes=32)
+        for _, profiler, _, _ in (together, alone)
+    ]
+    assert profiles[0] == profiles[1]
+    alerts = [[(a.kind, a.client_id) for a in recorder.of(AlertRaised)] for _, _, recorder, _ in (together, alone)]
+    assert alerts[0] == alerts[1] == [("nan", 5), ("exploding_update", 6)]
+    assert together[3].records == alone[3].records

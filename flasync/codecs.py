@@ -267,7 +267,7 @@ class Pipeline:
         TypeError: If an item is not a :class:`Stage`.
     """
 
-    __slots__ = ("_sparsifier", "_stages", "_values")
+    __slots__ = ("_draws_random", "_sparsifier", "_stages", "_values")
 
     def __init__(self, stages: Sequence[Stage] = ()) -> None:
         stages = tuple(stages)
@@ -290,6 +290,7 @@ class Pipeline:
         first, last = (stages[0], stages[-1]) if stages else (None, None)
         self._sparsifier = first if isinstance(first, _Sparsifier) else None
         self._values = last if isinstance(last, _ValueEncoder) else None
+        self._draws_random = any(isinstance(s, RandomK) or (isinstance(s, Int8) and s.stochastic) for s in stages)
 
     @property
     def stages(self) -> tuple[Stage, ...]:
@@ -305,7 +306,7 @@ class Pipeline:
     def draws_random(self) -> bool:
         """Whether a stage draws random numbers (:class:`RandomK`, stochastic :class:`Int8`): ``encode`` then needs a
         generator."""
-        return any(isinstance(s, RandomK) or (isinstance(s, Int8) and s.stochastic) for s in self._stages)
+        return self._draws_random
 
     @property
     def lossless(self) -> bool:

@@ -171,6 +171,7 @@ class Server:
         self.clock = clock
         self.wall = wall
         self.log = log
+        self._log_updates = logs_debug(log)  # each accepted update's debug line reaches something
         self.aggregator = aggregator
         self.policy = policy
         self.registry = registry
@@ -364,8 +365,9 @@ class Server:
             self.stats.partials_received += 1
             self._fold_partial(message)
         elif isinstance(message, UpdateUploaded):
-            self.accounting.ingress(message.upload_bytes)
-            accepted = await self._receive_update(message, decoded)
+            size = message.upload_bytes
+            self.accounting.ingress(size)
+            accepted = await self._receive_update(message, size, decoded)
         self.policy.note(message, accepted=accepted)
 
     def _timed_out(self, task_id: int, client_id: int) -> None:
@@ -397,8 +399,8 @@ class Server:
         else:
             self._failed(message.kind, message.reason, message.task_id, int(message.client_id))
 
-    async def _receive_update(self, message: UpdateUploaded, decoded: Decoded | None = None) -> bool:
-        outcome = self._take(message, decoded)
+    async def _receive_update(self, message: UpdateUploaded, size: int, decoded: Decoded | None = None) -> bool:
+        outcome = self._take(message, decoded, size)
         if isinstance(outcome, Refused):
             await self._reject(message, outcome.reason, outcome.detail)
             return False
@@ -414,8 +416,9 @@ class Server:
         """
         received: list[UpdateReceived] = []
         for message, decoded in batch:
-            self.accounting.ingress(message.upload_bytes)
-            outcome = self._take(message, decoded)
+            size = message.upload_bytes
+            self.accounting.ingress(size)
+            outcome = self._take(message, decoded, size)
             if isinstance(outcome, Refused):
                 await self.bus.publish_together(UpdatesReceived, received)
                 received = []
@@ -426,9 +429,10 @@ class Server:
                 self.policy.note(message, accepted=True)
         await self.bus.publish_together(UpdatesReceived, received)
 
-    def _take(self, message: UpdateUploaded, decoded: Decoded | None) -> UpdateReceived | Refused:
-        """Admit an upload and, if it passes, fold it in, count and log it; return its event or the refusal."""
-        self.accounting.uploaded(message.upload_bytes)
+    def _take(self, message: UpdateUploaded, decoded: Decoded | None, size: int) -> UpdateReceived | Refused:
+        """Admit an upload (of ``size`` bytes) and, if it passes, fold it in, count and log it; return its event or the
+        refusal."""
+        self.accounting.uploaded(size)
         verdict = self.intake.admit(message, version=int(self.version), decoded=decoded)
         if isinstance(verdict, Refused):
             return verdict
@@ -442,7 +446,7 @@ class Server:
         self.intake.accepted(verdict)
         self._accepted(verdict.staleness)
         queue_wait_s = verdict.received_wall - message.sent_wall_s
-        if logs_debug(self.log):
+        if self._log_updates:
             self.log.debug(
                 "server.update",
                 step=stats.updates_accepted,
@@ -458,7 +462,7 @@ class Server:
             base_version=message.base_version,
             version=self.version,
             staleness=verdict.staleness,
-            upload_bytes=message.upload_bytes,
+            upload_bytes=size,
             simulated_s=self.clock.now(),
             tier=message.tier,
             decode_s=verdict.decode_s,

@@ -53,6 +53,8 @@ class JobContext:
         diagnostics: Training diagnostics (None: NaN/Inf checks only).
         wall: Monotonic real seconds (encode timing).
         variates: Clients' SCAFFOLD control variates ``c_i`` (None when SCAFFOLD is off).
+        no_delta: The empty tensor every finished update's result holds instead of its delta (one for all: an
+            allocation per update is most of what keeping the figures without the delta costs).
     """
 
     models: ModelPool
@@ -64,6 +66,7 @@ class JobContext:
     diagnostics: TrainingDiagnostics | None = None
     wall: Callable[[], float] = time.perf_counter
     variates: ResidualStore | None = None
+    no_delta: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,7 +236,7 @@ def finish_job(
     if residuals is not None and encoded.residual is not None:
         norm = float(torch.linalg.vector_norm(encoded.residual))
     return TrainedUpdate(
-        result=result.without_delta(),  # the payload carries it
+        result=result.without_delta(ctx.no_delta),  # the payload carries it
         payload=encoded.payload,
         encode_s=encode_s,
         residual_norm=norm,

@@ -210,10 +210,11 @@ class LocalResult:
     peak_mem_bytes: int
     update_norm: float | None = None
 
-    def without_delta(self) -> LocalResult:
-        """Return the same figures with an empty ``delta`` (what is kept once the delta has been encoded)."""
+    def without_delta(self, empty: torch.Tensor | None = None) -> LocalResult:
+        """Return the same figures with an empty ``delta`` (what is kept once the delta has been encoded): ``empty``,
+        an empty tensor a caller shares among results, or a new one like ``delta``."""
         return LocalResult(
-            delta=self.delta.new_empty(0),
+            delta=self.delta.new_empty(0) if empty is None else empty,
             num_samples=self.num_samples,
             steps=self.steps,
             loss=self.loss,

@@ -164,10 +164,14 @@ class _Prepared(NamedTuple):
     variates: TaskVariates | None
 
 
-def _prepare(world: ClientWorld, task: TaskAssigned, model: ModelSnapshot) -> _Prepared:
-    """Place a task's download and training on its timeline; record what a checkpoint must restore for it."""
+def _prepare(
+    world: ClientWorld, task: TaskAssigned, model: ModelSnapshot, download_s: float | None = None
+) -> _Prepared:
+    """Place a task's download (of ``download_s`` seconds, when known) and training on its timeline; record what a
+    checkpoint must restore for it."""
     job_ctx, cid = world.job, task.client_id
-    download_s = world.network.download_seconds(cid, model.download_bytes)
+    if download_s is None:
+        download_s = world.network.download_seconds(cid, model.download_bytes)
     samples = world.samples(cid)
     steps = job_ctx.local.steps_for(len(samples[2]))
     # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
@@ -469,11 +473,11 @@ class CohortClients:
         """Run ``tasks``, all on ``model``: train each as :meth:`Client.run` would, upload each at its time."""
         world = self.world
         clock, bus = world.clock, world.bus
-        prepared = [_prepare(world, task, model) for task in tasks]
+        clients = [task.client_id for task in tasks]
+        downloads = world.network.download_seconds_many(clients, model.download_bytes)
+        prepared = [_prepare(world, task, model, download) for task, download in zip(tasks, downloads, strict=True)]
         faults = world.faults
-        seeds = seeding.stream_seeds(
-            world.seed, seeding.TASK, [task.client_id for task in tasks], [task.participation for task in tasks]
-        )
+        seeds = seeding.stream_seeds(world.seed, seeding.TASK, clients, [task.participation for task in tasks])
         training = [
             _training_job(
                 world, task, model, plan, faults.attack_factor(task.client_id) if faults is not None else 1.0, seed
@@ -514,6 +518,16 @@ class CohortClients:
                         outcomes = [results[i] for i in due]
                     else:
                         outcomes = await clock.finish([jobs[i] for i in due], until=when)
+                    done = [(i, o) for i, o in zip(due, outcomes, strict=True) if not isinstance(o, BaseException)]
+                    upload_times = dict(
+                        zip(
+                            (i for i, _ in done),
+                            world.network.upload_seconds_many(
+                                [tasks[i].client_id for i, _ in done], [o.upload_bytes for _, o in done]
+                            ),
+                            strict=True,
+                        )
+                    )
                     for i, outcome in zip(due, outcomes, strict=True):
                         task, plan = tasks[i], prepared[i]
                         if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
@@ -522,7 +536,7 @@ class CohortClients:
                             failures[i] = outcome  # published at the task's own completion time
                             heapq.heappush(agenda, (plan.done_at, i, _FAILED, i))
                         elif self.live(task):  # else released meanwhile: a coroutine would have been cancelled
-                            upload_s = world.network.upload_seconds(task.client_id, outcome.upload_bytes)
+                            upload_s = upload_times[i]
                             _keep(world, task, model, plan, outcome, **_context(task))
                             uploads[i] = (outcome, upload_s)
                             heapq.heappush(agenda, (plan.done_at + upload_s, order, _UPLOAD, i))

@@ -9,7 +9,7 @@ Durations are simulated seconds on the virtual clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -352,3 +352,17 @@ class Network:
     def download_seconds(self, client_id: int, num_bytes: int) -> float:
         """Return simulated seconds for ``client_id`` to download ``num_bytes``."""
         return float(self.latency_s[client_id] + num_bytes / self.download_bytes_per_s[client_id])
+
+    def upload_seconds_many(self, client_ids: Sequence[int], num_bytes: Sequence[int]) -> list[float]:
+        """Return :meth:`upload_seconds` of each client and size, in one pass (the same floats)."""
+        ids = np.asarray(client_ids, dtype=np.int64)
+        seconds: list[float] = (
+            self.latency_s[ids] + np.asarray(num_bytes, dtype=np.float64) / self.upload_bytes_per_s[ids]
+        ).tolist()
+        return seconds
+
+    def download_seconds_many(self, client_ids: Sequence[int], num_bytes: int) -> list[float]:
+        """Return :meth:`download_seconds` of each client for ``num_bytes``, in one pass (the same floats)."""
+        ids = np.asarray(client_ids, dtype=np.int64)
+        seconds: list[float] = (self.latency_s[ids] + float(num_bytes) / self.download_bytes_per_s[ids]).tolist()
+        return seconds

@@ -184,3 +184,13 @@ def test_slow_clients_multiply_their_training_time() -> None:
     slowed = Population(SIZES, speed, seed=0, slow_clients={2: 3.0})
     assert slowed.train_seconds(2, steps=8, participation=0) == 3.0 * plain.train_seconds(2, steps=8, participation=0)
     assert slowed.train_seconds(1, steps=8, participation=0) == plain.train_seconds(1, steps=8, participation=0)
+
+
+def test_a_groups_link_times_in_one_pass_are_each_clients_own() -> None:
+    """upload_seconds_many and download_seconds_many give every client's upload_seconds and download_seconds, bit
+    for bit (a cohort's timeline must not depend on being computed together)."""
+    network = Network(NetworkConfig(latency_sigma=0.5, bandwidth_sigma=0.5), 50, 3)
+    clients = [7, 3, 49, 0, 7]
+    sizes = [11_320, 1, 0, 10**9, 123_457]
+    assert network.upload_seconds_many(clients, sizes) == [network.upload_seconds(c, b) for c, b in zip(clients, sizes)]
+    assert network.download_seconds_many(clients, 11_320) == [network.download_seconds(c, 11_320) for c in clients]

@@ -192,5 +192,7 @@ def test_a_groups_link_times_in_one_pass_are_each_clients_own() -> None:
     network = Network(NetworkConfig(latency_sigma=0.5, bandwidth_sigma=0.5), 50, 3)
     clients = [7, 3, 49, 0, 7]
     sizes = [11_320, 1, 0, 10**9, 123_457]
-    assert network.upload_seconds_many(clients, sizes) == [network.upload_seconds(c, b) for c, b in zip(clients, sizes)]
+    assert network.upload_seconds_many(clients, sizes) == [
+        network.upload_seconds(c, b) for c, b in zip(clients, sizes, strict=True)
+    ]
     assert network.download_seconds_many(clients, 11_320) == [network.download_seconds(c, 11_320) for c in clients]

@@ -473,16 +473,28 @@ class CohortClients:
         """Run ``tasks``, all on ``model``: train each as :meth:`Client.run` would, upload each at its time."""
         world = self.world
         clock, bus = world.clock, world.bus
-        clients = [task.client_id for task in tasks]
-        downloads = world.network.download_seconds_many(clients, model.download_bytes)
-        prepared = [_prepare(world, task, model, download) for task, download in zip(tasks, downloads, strict=True)]
+        # A large group's download times and task seeds come from one array pass each (the same numbers); a small
+        # one's (an asynchronous refill's single task) each on its own, cheaper than the arrays' fixed cost.
+        downloads: list[float] | None = None
+        seeds: list[int] | None = None
+        if len(tasks) >= _ARRAYS_FROM:
+            clients = [task.client_id for task in tasks]
+            downloads = world.network.download_seconds_many(clients, model.download_bytes)
+            seeds = seeding.stream_seeds(world.seed, seeding.TASK, clients, [task.participation for task in tasks])
+        prepared = [
+            _prepare(world, task, model, None if downloads is None else downloads[k]) for k, task in enumerate(tasks)
+        ]
         faults = world.faults
-        seeds = seeding.stream_seeds(world.seed, seeding.TASK, clients, [task.participation for task in tasks])
         training = [
             _training_job(
-                world, task, model, plan, faults.attack_factor(task.client_id) if faults is not None else 1.0, seed
+                world,
+                task,
+                model,
+                plan,
+                faults.attack_factor(task.client_id) if faults is not None else 1.0,
+                None if seeds is None else seeds[k],
             )
-            for task, plan, seed in zip(tasks, prepared, seeds, strict=True)
+            for k, (task, plan) in enumerate(zip(tasks, prepared, strict=True))
         ]
         n = len(tasks)
         # The agenda holds (time, order, kind, index). Completions are ordered by task (order < n) and uploads after
@@ -518,15 +530,8 @@ class CohortClients:
                         outcomes = [results[i] for i in due]
                     else:
                         outcomes = await clock.finish([jobs[i] for i in due], until=when)
-                    done = [(i, o) for i, o in zip(due, outcomes, strict=True) if not isinstance(o, BaseException)]
-                    upload_times = dict(
-                        zip(
-                            (i for i, _ in done),
-                            world.network.upload_seconds_many(
-                                [tasks[i].client_id for i, _ in done], [o.upload_bytes for _, o in done]
-                            ),
-                            strict=True,
-                        )
+                    upload_times = (
+                        _upload_times(world.network, tasks, due, outcomes) if len(due) >= _ARRAYS_FROM else None
                     )
                     for i, outcome in zip(due, outcomes, strict=True):
                         task, plan = tasks[i], prepared[i]
@@ -536,7 +541,11 @@ class CohortClients:
                             failures[i] = outcome  # published at the task's own completion time
                             heapq.heappush(agenda, (plan.done_at, i, _FAILED, i))
                         elif self.live(task):  # else released meanwhile: a coroutine would have been cancelled
-                            upload_s = upload_times[i]
+                            upload_s = (
+                                world.network.upload_seconds(task.client_id, outcome.upload_bytes)
+                                if upload_times is None
+                                else upload_times[i]
+                            )
                             _keep(world, task, model, plan, outcome, **_context(task))
                             uploads[i] = (outcome, upload_s)
                             heapq.heappush(agenda, (plan.done_at + upload_s, order, _UPLOAD, i))
@@ -573,7 +582,19 @@ class CohortClients:
             raise
 
 
+def _upload_times(
+    network: Network, tasks: Sequence[TaskAssigned], due: Sequence[int], outcomes: Sequence[Any]
+) -> dict[int, float]:
+    """Return the upload seconds of each trained task among ``due`` (indices into ``tasks``), from one array pass."""
+    trained = [(i, o) for i, o in zip(due, outcomes, strict=True) if not isinstance(o, BaseException)]
+    seconds = network.upload_seconds_many(
+        [tasks[i].client_id for i, _ in trained], [o.upload_bytes for _, o in trained]
+    )
+    return {i: s for (i, _), s in zip(trained, seconds, strict=True)}
+
+
 _ALL_TRAINED, _TRAINED, _FAILED, _UPLOAD = range(4)  # what a group's agenda entry waits for
+_ARRAYS_FROM = 16  # tasks from which a group computes their link times and seeds as arrays
 
 
 def _context(task: TaskAssigned) -> dict[str, int]:

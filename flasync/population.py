@@ -22,6 +22,7 @@ __all__ = ["SAMPLING_STRATEGIES", "Network", "Population", "SamplingStrategy"]
 SamplingStrategy = Literal["uniform", "weighted", "lru", "available"]
 SAMPLING_STRATEGIES: tuple[SamplingStrategy, ...] = ("uniform", "weighted", "lru", "available")
 _NEVER = -1
+_ARRAY_PASS_FROM = 16  # clients from which the link times of a group are computed as arrays (a fixed cost of ~8)
 
 
 class Population:
@@ -355,6 +356,8 @@ class Network:
 
     def upload_seconds_many(self, client_ids: Sequence[int], num_bytes: Sequence[int]) -> list[float]:
         """Return :meth:`upload_seconds` of each client and size, in one pass (the same floats)."""
+        if len(client_ids) < _ARRAY_PASS_FROM:
+            return [self.upload_seconds(c, b) for c, b in zip(client_ids, num_bytes, strict=True)]
         ids = np.asarray(client_ids, dtype=np.int64)
         seconds: list[float] = (
             self.latency_s[ids] + np.asarray(num_bytes, dtype=np.float64) / self.upload_bytes_per_s[ids]
@@ -363,6 +366,8 @@ class Network:
 
     def download_seconds_many(self, client_ids: Sequence[int], num_bytes: int) -> list[float]:
         """Return :meth:`download_seconds` of each client for ``num_bytes``, in one pass (the same floats)."""
+        if len(client_ids) < _ARRAY_PASS_FROM:
+            return [self.download_seconds(c, num_bytes) for c in client_ids]
         ids = np.asarray(client_ids, dtype=np.int64)
         seconds: list[float] = (self.latency_s[ids] + float(num_bytes) / self.download_bytes_per_s[ids]).tolist()
         return seconds

@@ -60,6 +60,7 @@ PRIVACY = 14
 CONTROL_CODEC = 15
 
 _MASK = (1 << 64) - 1
+_ARRAY_MIX_FROM = 16  # keys from which stream_seeds mixes them as arrays
 
 
 def _splitmix64(x: int) -> int:
@@ -100,6 +101,8 @@ def stream_seeds(seed: int, purpose: int, ids: Sequence[int], counters: Sequence
         ids: The key's second elements (e.g. client ids), each >= 0.
         counters: The key's third elements (e.g. participations), each >= 0, as many as ``ids``.
     """
+    if len(ids) < _ARRAY_MIX_FROM:  # the array operations' own cost is that of a dozen keys
+        return [stream_seed(seed, purpose, key, counter) for key, counter in zip(ids, counters, strict=True)]
     head = _mix(seed, (purpose,))
     state = np.asarray(ids, dtype=np.uint64) ^ np.uint64(head)
     state = _splitmix64_array(_splitmix64_array(state) ^ np.asarray(counters, dtype=np.uint64))

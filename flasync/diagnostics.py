@@ -344,6 +344,9 @@ class AlertMonitor:
     series (:class:`~flasync.quantiles.Thinned`), the losses as the divergence window and the best loss.
     """
 
+    READS: tuple[type, ...] = (UpdateUploaded, ClientFailed, UpdateRejected, Evaluated, Aggregated)
+    """The events :meth:`observe` reads: it returns no alert for any other, and keeps nothing of it."""
+
     def __init__(
         self,
         config: DiagnosticsConfig,
@@ -368,9 +371,6 @@ class AlertMonitor:
         self._previous: torch.Tensor | None = None
         self.counts: Counter[str] = Counter()
         self.series = _Series(StreamSummary(_NORMS_KEPT, rng if rng is not None else random.Random(0)))
-
-    READS: tuple[type, ...] = (UpdateUploaded, ClientFailed, UpdateRejected, Evaluated, Aggregated)
-    """The events :meth:`observe` reads: it returns no alert for any other, and keeps nothing of it."""
 
     def observe(self, event: object, version: int) -> list[Alert]:
         """Read one event; return the alerts it raises (``version``: the latest version the monitor saw)."""

@@ -12,7 +12,7 @@ import asyncio
 import functools
 import heapq
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -36,7 +36,7 @@ from flasync.events import (
 )
 from flasync.executors import TrainingJob
 from flasync.faults import Fate, FaultModel
-from flasync.instruments import logs_debug
+from flasync.instruments import debug_many, logs_debug
 from flasync.jobs import ClientSamples, JobContext, TaskVariates, TrainedUpdate, finish_job, injected_crash, train_job
 from flasync.population import Network, Population
 from flasync.residuals import ResidualStore
@@ -242,9 +242,11 @@ def _keep(
     model: ModelSnapshot,
     prepared: _Prepared,
     trained: TrainedUpdate,
-    **context: int,
+    context: Mapping[str, int] | None = None,
+    lines: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Store a trained task's residual and control variate, and log its figures (``context``: extra fields)."""
+    """Store a trained task's residual and control variate, and log its figures (``context``: extra fields). With
+    ``lines``, the debug line's fields are appended there for the caller to log rather than logged."""
     job_ctx, cid = world.job, task.client_id
     if job_ctx.residuals is not None and trained.residual is not None:
         with job_ctx.residual_lock:
@@ -255,22 +257,26 @@ def _keep(
     if not logs_debug(world.log):
         return
     result = trained.result
-    world.log.debug(
-        "client",
-        **context,
-        step=task.task_id,
-        train_s=result.train_s,
-        sim_train_s=prepared.simulated,
-        sim_download_s=prepared.download_s,
-        samples=result.num_samples,
-        loss=result.loss,
-        peak_mem_bytes=result.peak_mem_bytes,
-        encode_s=trained.encode_s,
-        download_bytes=model.download_bytes,
-        upload_bytes=trained.upload_bytes,
-        compression=(codecs.HEADER.size + 4 * job_ctx.num_params) / len(trained.payload),
-        **({} if trained.residual_norm is None else {"residual_norm": trained.residual_norm}),
-    )
+    line: dict[str, Any] = {
+        **(context or {}),
+        "step": task.task_id,
+        "train_s": result.train_s,
+        "sim_train_s": prepared.simulated,
+        "sim_download_s": prepared.download_s,
+        "samples": result.num_samples,
+        "loss": result.loss,
+        "peak_mem_bytes": result.peak_mem_bytes,
+        "encode_s": trained.encode_s,
+        "download_bytes": model.download_bytes,
+        "upload_bytes": trained.upload_bytes,
+        "compression": (codecs.HEADER.size + 4 * job_ctx.num_params) / len(trained.payload),
+    }
+    if trained.residual_norm is not None:
+        line["residual_norm"] = trained.residual_norm
+    if lines is None:
+        world.log.debug("client", **line)
+    else:
+        lines.append(line)
 
 
 def _uploaded(
@@ -533,6 +539,7 @@ class CohortClients:
                     upload_times = (
                         _upload_times(world.network, tasks, due, outcomes) if len(due) >= _ARRAYS_FROM else None
                     )
+                    lines: list[dict[str, Any]] = []  # the trained tasks' debug lines, logged together
                     for i, outcome in zip(due, outcomes, strict=True):
                         task, plan = tasks[i], prepared[i]
                         if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
@@ -546,10 +553,11 @@ class CohortClients:
                                 if upload_times is None
                                 else upload_times[i]
                             )
-                            _keep(world, task, model, plan, outcome, **_context(task))
+                            _keep(world, task, model, plan, outcome, _context(task), lines)
                             uploads[i] = (outcome, upload_s)
                             heapq.heappush(agenda, (plan.done_at + upload_s, order, _UPLOAD, i))
                             order += 1
+                    debug_many(world.log, "client", lines)
                 elif kind == _FAILED:
                     await clock.sleep_until(when)
                     for i in due:

@@ -12,8 +12,10 @@ alert monitor this way), or to any bus in a test.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-__all__ = ["Instrument", "logs_debug"]
+__all__ = ["Instrument", "debug_many", "logs_debug"]
 
 
 class Instrument:
@@ -40,3 +42,18 @@ def logs_debug(log: object) -> bool:
     to log them (a tracked run's does: its debug events are metrics)."""
     enabled = getattr(log, "is_enabled_for", None)
     return True if enabled is None else bool(enabled(logging.DEBUG))
+
+
+def debug_many(log: Any, event: str, many: Sequence[Mapping[str, Any]]) -> None:
+    """Log one debug event ``event`` per mapping of fields in ``many``, as ``log.debug(event, **fields)`` each.
+
+    A tracked run's logger (``tracking.make_logger(metrics=...)``) whose debug lines are dropped takes them as one
+    batch of metrics (its ``debug_many``): the same rows, in the same order, for a batch of updates at the cost of
+    one call. Any other logger gets the calls one by one.
+    """
+    batch = getattr(type(log), "debug_many", None)  # on the class: structlog's generic loggers proxy any attribute
+    if batch is not None:
+        batch(log, event, many)
+        return
+    for fields in many:
+        log.debug(event, **fields)

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 import flasync
+import tracking
 from flasync import client as client_module
 from flasync.bus import EventBus
 from flasync.events import (
@@ -19,7 +20,7 @@ from flasync.events import (
 )
 from flasync.instruments import Instrument
 from flasync.loops import run_loop
-from flasync.testing import EventRecorder, small_config
+from flasync.testing import EventRecorder, MemoryTracker, small_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -153,6 +154,50 @@ def test_uploads_due_together_travel_as_one_batch_and_change_nothing(
     assert [getattr(together, c) for c in counts] == [getattr(apart, c) for c in counts]
     if "max_staleness" in overrides[0] or "byzantine" in " ".join(overrides):
         assert together.updates_dropped > 0  # members of a batch were refused between accepted ones
+
+
+def test_a_batchs_debug_lines_give_a_tracked_run_the_metrics_of_uploads_that_travel_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group's trained tasks and a batch's accepted updates reach a tracked run's metrics as one batch each, with
+    the rows (keys, values, steps) and the constants of a run whose tasks and uploads go one by one."""
+    batch_sizes: list[int] = []
+    emit_many = tracking.MetricsProcessor.emit_many
+
+    def counted(processor: tracking.MetricsProcessor, event: Any, many: Any) -> None:
+        batch_sizes.append(len(many))
+        emit_many(processor, event, many)
+
+    monkeypatch.setattr(tracking.MetricsProcessor, "emit_many", counted)
+    overrides = (
+        "executor.kind=vectorized",
+        "server={kind: fedavg, clients_per_round: 8}",
+        "population.speed={kind: constant}",
+        "faults.byzantine=0.3",
+        "resilience.max_update_norm=3.0",
+        "tracking.metrics=all",
+    )
+
+    def tracked(*more: str) -> MemoryTracker:
+        tracker = MemoryTracker()
+        run_loop(flasync.Federation(small_config(*overrides, *more), tracker=tracker).run())
+        return tracker
+
+    together = tracked()
+    assert max(batch_sizes) >= 8
+    batch_sizes.clear()
+    apart = tracked(_ONE_EACH)
+    assert max(batch_sizes) == 1
+
+    def per_update(tracker: MemoryTracker) -> list[tuple[str, float, int]]:
+        per = ("client/", "server/update/")
+        rows = [(r.key, r.value, r.step) for r in tracker.metrics if r.key.startswith(per) and not r.key.endswith("_s")]
+        return sorted(rows)  # without timings
+
+    assert {key for key, _, _ in per_update(together)} >= {"client/loss", "server/update/norm"}
+    assert per_update(together) == per_update(apart)
+    constants = {k: v for k, v in together.tags.items() if k.startswith("constant/")}
+    assert constants and constants == {k: v for k, v in apart.tags.items() if k.startswith("constant/")}
 
 
 def test_an_observer_that_wants_each_upload_gets_each_one() -> None:

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TextIO, cast
 
 import structlog
@@ -236,7 +236,9 @@ def make_logger(
     ``processors_before``, an event below ``level`` then ends there, without running the chain.
     That is the cheap way to turn debug events into metrics: a dropped event costs the metrics
     alone (about half of what the chain costs), not structlog's context merge, level filter and
-    ``DropEvent``.
+    ``DropEvent``. Such a logger also has ``debug_many(event, many)``: the debug events of a batch (one mapping
+    of fields each), logged one by one where debug lines are rendered, and otherwise handed to
+    :meth:`MetricsProcessor.emit_many` together.
 
     Args:
         name: Passed to the configured logger factory (the stdlib logger name, when it is one).
@@ -292,8 +294,21 @@ def _metrics_logger_class(metrics: MetricsProcessor, dropped: frozenset[str]) ->
             return None
         return proxy(self, method_name, event, **event_kw)
 
+    chains_debug = "debug" not in dropped
+
+    def debug_many(self: Any, event: str, many: Sequence[Mapping[str, Any]]) -> None:
+        # Debug events that are metrics alone (their lines are dropped) go to the processor as one batch.
+        if chains_debug:
+            for fields in many:
+                self.debug(event, **fields)
+            return
+        context = self._context
+        metrics.emit_many(event, [{**context, **fields} for fields in many] if context else many)
+
     # Built with type(): the base is only known as a value (structlog makes one class per level).
-    cls = type("MetricsBoundLogger", (_NON_FILTERING,), {"_proxy_to_logger": _proxy_to_logger})
+    cls = type(
+        "MetricsBoundLogger", (_NON_FILTERING,), {"_proxy_to_logger": _proxy_to_logger, "debug_many": debug_many}
+    )
     return cast("type[FilteringBoundLogger]", cls)
 
 

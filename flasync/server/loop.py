@@ -44,7 +44,7 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
-from flasync.instruments import logs_debug
+from flasync.instruments import debug_many, logs_debug
 from flasync.privacy import PrivacyAccountant
 from flasync.server.accounting import Accounting, ServerStats
 from flasync.server.edges import message_from_state, message_state, relayed
@@ -415,11 +415,14 @@ class Server:
         its place between them), and the policy learns of each.
         """
         received: list[UpdateReceived] = []
+        lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
         for message, decoded in batch:
             size = message.upload_bytes
             self.accounting.ingress(size)
-            outcome = self._take(message, decoded, size)
+            outcome = self._take(message, decoded, size, lines)
             if isinstance(outcome, Refused):
+                debug_many(self.log, "server.update", lines)
+                lines = []
                 await self.bus.publish_together(UpdatesReceived, received)
                 received = []
                 await self._reject(message, outcome.reason, outcome.detail)
@@ -427,11 +430,14 @@ class Server:
             else:
                 received.append(outcome)
                 self.policy.note(message, accepted=True)
+        debug_many(self.log, "server.update", lines)
         await self.bus.publish_together(UpdatesReceived, received)
 
-    def _take(self, message: UpdateUploaded, decoded: Decoded | None, size: int) -> UpdateReceived | Refused:
+    def _take(
+        self, message: UpdateUploaded, decoded: Decoded | None, size: int, lines: list[dict[str, Any]] | None = None
+    ) -> UpdateReceived | Refused:
         """Admit an upload (of ``size`` bytes) and, if it passes, fold it in, count and log it; return its event or the
-        refusal."""
+        refusal. With ``lines``, its debug line's fields are appended there for the caller to log rather than logged."""
         self.accounting.uploaded(size)
         verdict = self.intake.admit(message, version=int(self.version), decoded=decoded)
         if isinstance(verdict, Refused):
@@ -447,15 +453,18 @@ class Server:
         self._accepted(verdict.staleness)
         queue_wait_s = verdict.received_wall - message.sent_wall_s
         if self._log_updates:
-            self.log.debug(
-                "server.update",
-                step=stats.updates_accepted,
-                staleness=verdict.staleness,
-                staleness_weight=weight,
-                queue_wait_s=queue_wait_s,
-                decode_s=verdict.decode_s,
-                norm=verdict.norm,
-            )
+            line = {
+                "step": stats.updates_accepted,
+                "staleness": verdict.staleness,
+                "staleness_weight": weight,
+                "queue_wait_s": queue_wait_s,
+                "decode_s": verdict.decode_s,
+                "norm": verdict.norm,
+            }
+            if lines is None:
+                self.log.debug("server.update", **line)
+            else:
+                lines.append(line)
         return UpdateReceived(
             task_id=message.task_id,
             client_id=message.client_id,

@@ -138,9 +138,11 @@ class Rows:
 
     def __init__(self) -> None:
         self.rows: list[MetricRow] = []
+        self.calls = 0
 
     def __call__(self, rows: list[MetricRow]) -> None:
         self.rows.extend(rows)
+        self.calls += 1
 
     def values(self) -> dict[str, tuple[float, int]]:
         return {row.key: (row.value, row.step) for row in self.rows}
@@ -235,3 +237,35 @@ def test_console_lines_are_short() -> None:
     progress = shorten(None, "info", dict(event, wall_s=1.25, eta_s=2.5))
     assert progress == {"event": "server.eval", "version": "5/150", "accuracy": 0.1235, "eta_s": 2.5}
     assert shorten(None, "info", {"event": "run.finished", "wall_s": 1.25}) == {"event": "run.finished", "wall_s": 1.25}
+
+
+def test_debug_many_batches_dropped_debug_events_as_their_metrics() -> None:
+    """debug_many gives the rows of one debug call per event; where debug lines are dropped they reach the
+    processor as one batch (one sink call) with the bound context, and nothing is rendered."""
+    stream = io.StringIO()
+    log, rows = metrics_logger("info", stream)
+    bound = log.bind(tier=2)
+    bound.debug_many("client", [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25, "note": "x"}])  # type: ignore[attr-defined]
+    assert rows.rows == [
+        MetricRow("client/tier", 2.0, 7, 1),
+        MetricRow("client/loss", 0.5, 7, 1),
+        MetricRow("client/tier", 2.0, 7, 2),
+        MetricRow("client/loss", 0.25, 7, 2),
+    ]
+    assert rows.calls == 1
+    assert lines(stream) == []
+
+
+def test_debug_many_renders_each_event_where_debug_lines_are_shown() -> None:
+    """At level debug (or with processors_before, which see every event) each event is logged on its own."""
+    stream = io.StringIO()
+    log, rows = metrics_logger("debug", stream)
+    log.debug_many("client", [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}])  # type: ignore[attr-defined]
+    records = [json.loads(line) for line in lines(stream)]
+    assert [(r["event"], r["step"], r["loss"]) for r in records] == [("client", 1, 0.5), ("client", 2, 0.25)]
+    assert rows.values() == {"client/loss": (0.25, 2)} and rows.calls == 2
+    recorder = Recorder()
+    log, rows = metrics_logger("info", io.StringIO(), processors_before=[recorder])
+    log.debug_many("client", [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}])  # type: ignore[attr-defined]
+    assert [e["step"] for e in recorder.events] == [1, 2]
+    assert rows.calls == 2

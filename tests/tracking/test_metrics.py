@@ -188,3 +188,30 @@ def test_held_rows_are_bounded() -> None:
     held(_rows("b", [math.nan, math.nan]))
     assert [row.step for row in sent if row.key == "b"] == [0, 1]
     assert held.constants() == {}
+
+
+def test_emit_many_sends_each_events_rows_in_one_call_at_one_time() -> None:
+    """emit_many gives the rows emit gives for each event in turn, in their order, in one sink call and one clock
+    reading; events without numbers add nothing, and a batch without any sends nothing."""
+    events = [
+        {"step": 3, "loss": 0.5, "client_id": 4, "samples": 64},
+        {"step": 4, "note": "x"},
+        {"step": 5, "loss": np.float32(0.25), "samples": 32, "extra": 1},
+        {"loss": 0.125},
+    ]
+    one_by_one, together = Sink(), Sink()
+    clock = iter(range(7, 100))
+    single = MetricsProcessor(one_by_one, clock_ms=lambda: 7)
+    for fields in events:
+        single.emit("client", fields)
+    batched = MetricsProcessor(together, clock_ms=lambda: next(clock))
+    batched.emit_many("client", events)
+    assert together.calls == [[row for call in one_by_one.calls for row in call]]
+    assert [row.key for row in together.calls[0]] == [
+        "client/loss", "client/samples", "client/loss", "client/samples", "client/extra", "client/loss"
+    ]  # fmt: skip
+    assert [row.step for row in together.calls[0]] == [3, 3, 5, 5, 5, 0]
+    assert next(clock) == 8  # one reading for the batch
+    batched.emit_many("client", [{"step": 1, "note": "x"}])
+    batched.emit_many("client", [])
+    assert len(together.calls) == 1

@@ -119,9 +119,10 @@ def print_point(label: str, rates: dict[str, list[Rates]]) -> None:
         paired = statistics.median(w / b for w, b in zip(whole, baseline, strict=True))
         w, f = statistics.median(whole), statistics.median(federation)
         print(f"{name:<32} {w:11.0f} {w / base:6.2f}x {paired:6.2f}x {f:11.0f} {f / base:6.2f}x")
-    on = statistics.median(w for w, _ in rates["FedAvg threads, tracking on"])
-    off = statistics.median(w for w, _ in rates["FedAvg threads, no tracking"])
-    print(f"{'tracked / untracked (FedAvg threads, whole call)':<60} {on / off:6.2f}x")
+    for kind in ("threads", "vectorized"):
+        on = statistics.median(w for w, _ in rates[f"FedAvg {kind}, tracking on"])
+        off = statistics.median(w for w, _ in rates[f"FedAvg {kind}, no tracking"])
+        print(f"{f'tracked / untracked (FedAvg {kind}, whole call)':<60} {on / off:6.2f}x")
 
 
 def fedbuff_cohorts(concurrency: list[int], repeats: int) -> None:

@@ -540,24 +540,26 @@ class CohortClients:
                         _upload_times(world.network, tasks, due, outcomes) if len(due) >= _ARRAYS_FROM else None
                     )
                     lines: list[dict[str, Any]] = []  # the trained tasks' debug lines, logged together
-                    for i, outcome in zip(due, outcomes, strict=True):
-                        task, plan = tasks[i], prepared[i]
-                        if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
-                            raise outcome
-                        if isinstance(outcome, Exception):
-                            failures[i] = outcome  # published at the task's own completion time
-                            heapq.heappush(agenda, (plan.done_at, i, _FAILED, i))
-                        elif self.live(task):  # else released meanwhile: a coroutine would have been cancelled
-                            upload_s = (
-                                world.network.upload_seconds(task.client_id, outcome.upload_bytes)
-                                if upload_times is None
-                                else upload_times[i]
-                            )
-                            _keep(world, task, model, plan, outcome, _context(task), lines)
-                            uploads[i] = (outcome, upload_s)
-                            heapq.heappush(agenda, (plan.done_at + upload_s, order, _UPLOAD, i))
-                            order += 1
-                    debug_many(world.log, "client", lines)
+                    try:
+                        for i, outcome in zip(due, outcomes, strict=True):
+                            task, plan = tasks[i], prepared[i]
+                            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                                raise outcome
+                            if isinstance(outcome, Exception):
+                                failures[i] = outcome  # published at the task's own completion time
+                                heapq.heappush(agenda, (plan.done_at, i, _FAILED, i))
+                            elif self.live(task):  # else released meanwhile: a coroutine would have been cancelled
+                                upload_s = (
+                                    world.network.upload_seconds(task.client_id, outcome.upload_bytes)
+                                    if upload_times is None
+                                    else upload_times[i]
+                                )
+                                _keep(world, task, model, plan, outcome, _context(task), lines)
+                                uploads[i] = (outcome, upload_s)
+                                heapq.heappush(agenda, (plan.done_at + upload_s, order, _UPLOAD, i))
+                                order += 1
+                    finally:  # those kept so far, also when an outcome is raised
+                        debug_many(world.log, "client", lines)
                 elif kind == _FAILED:
                     await clock.sleep_until(when)
                     for i in due:

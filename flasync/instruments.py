@@ -49,7 +49,7 @@ def debug_many(log: Any, event: str, many: Sequence[Mapping[str, Any]]) -> None:
 
     A tracked run's logger (``tracking.make_logger(metrics=...)``) whose debug lines are dropped takes them as one
     batch of metrics (its ``debug_many``): the same rows, in the same order, for a batch of updates at the cost of
-    one call. Any other logger gets the calls one by one.
+    one call. Any other logger gets the calls one by one. The lines carry no ``metrics`` flag: each is a metric event.
     """
     batch = getattr(type(log), "debug_many", None)  # on the class: structlog's generic loggers proxy any attribute
     if batch is not None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 import flasync
 import tracking
 from flasync import client as client_module
+from flasync.aggregation import BufferedAggregator
 from flasync.bus import EventBus
 from flasync.events import (
     TaskAssigned,
@@ -198,6 +200,31 @@ def test_a_batchs_debug_lines_give_a_tracked_run_the_metrics_of_uploads_that_tra
     assert per_update(together) == per_update(apart)
     constants = {k: v for k, v in together.tags.items() if k.startswith("constant/")}
     assert constants and constants == {k: v for k, v in apart.tags.items() if k.startswith("constant/")}
+
+
+def test_a_batchs_debug_lines_reach_the_metrics_when_an_update_of_it_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error folding in an update of a batch ends the run, and the lines of the updates folded before it are
+    still in the tracked run's metrics."""
+    folded: list[int] = []
+    add = BufferedAggregator.add
+
+    def failing(self: BufferedAggregator, delta: torch.Tensor, **kwargs: Any) -> float:
+        if len(folded) == 5:
+            raise RuntimeError("the sixth update cannot be folded")
+        folded.append(1)
+        return add(self, delta, **kwargs)
+
+    monkeypatch.setattr(BufferedAggregator, "add", failing)
+    tracker = MemoryTracker()
+    config = small_config(
+        "executor.kind=vectorized",
+        "server={kind: fedavg, clients_per_round: 8}",
+        "population.speed={kind: constant}",
+        "tracking.metrics=all",
+    )
+    with pytest.raises(RuntimeError, match="sixth update"):
+        run_loop(flasync.Federation(config, tracker=tracker).run())
+    assert sorted(r.step for r in tracker.metrics if r.key == "server/update/norm") == [1, 2, 3, 4, 5]
 
 
 def test_an_observer_that_wants_each_upload_gets_each_one() -> None:

@@ -416,21 +416,23 @@ class Server:
         """
         received: list[UpdateReceived] = []
         lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
-        for message, decoded in batch:
-            size = message.upload_bytes
-            self.accounting.ingress(size)
-            outcome = self._take(message, decoded, size, lines)
-            if isinstance(outcome, Refused):
-                debug_many(self.log, "server.update", lines)
-                lines = []
-                await self.bus.publish_together(UpdatesReceived, received)
-                received = []
-                await self._reject(message, outcome.reason, outcome.detail)
-                self.policy.note(message, accepted=False)
-            else:
-                received.append(outcome)
-                self.policy.note(message, accepted=True)
-        debug_many(self.log, "server.update", lines)
+        try:
+            for message, decoded in batch:
+                size = message.upload_bytes
+                self.accounting.ingress(size)
+                outcome = self._take(message, decoded, size, lines)
+                if isinstance(outcome, Refused):
+                    debug_many(self.log, "server.update", lines)
+                    lines = []
+                    await self.bus.publish_together(UpdatesReceived, received)
+                    received = []
+                    await self._reject(message, outcome.reason, outcome.detail)
+                    self.policy.note(message, accepted=False)
+                else:
+                    received.append(outcome)
+                    self.policy.note(message, accepted=True)
+        finally:  # also those of updates folded in before an error
+            debug_many(self.log, "server.update", lines)
         await self.bus.publish_together(UpdatesReceived, received)
 
     def _take(

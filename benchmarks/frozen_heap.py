@@ -1,14 +1,23 @@
 """The whole ``flasync.run`` call with and without the frozen heap (:mod:`flasync.loops`), same run, interleaved.
 
-``flasync.run`` runs inside :func:`flasync.loops.frozen_heap`: what survives the run's first full garbage
-collection is kept out of the later ones, which then walk only what the run allocated instead of torch's 170,000
-objects again. The baseline is the same federation awaited in a new uvloop loop without it (what an embedding
-service's own loop does). Vectorized FedAvg on the tutorial workload (synthetic data, MLP 32-64-10, 200 samples per
-client, batch 32, one epoch), tracking off, every client of the population in every round, at 100 clients x 20
-rounds, 1,000 x 5 and 1,000 x 20, in alternating order. Printed: median whole-call seconds of each, their ratio,
-and the median number of full collections a run made.
+Three ways to run the same federation, each call in turn:
 
-    python benchmarks/frozen_heap.py [--repeats 5]
+* ``none``: awaited in a new uvloop loop without a frozen heap (what an embedding service's own loop does): the
+  run's full garbage collections walk torch's 170,000 objects every time;
+* ``first full``: a federation built before the loop, run by :func:`flasync.loops.run_loop`
+  (``frozen_heap()``): what survives the run's first full collection is kept out of the later ones;
+* ``at start``: ``flasync.run``, which builds the federation inside the loop and freezes the heap at the run's start
+  (``frozen_heap(at_start=True)``): no collection of the run walks what existed before it.
+
+Vectorized FedAvg on the tutorial workload (synthetic data, MLP 32-64-10, 200 samples per client, batch 32, one
+epoch), tracking off, every client of the population in every round, at 100 clients x 20 rounds, 1,000 x 5 and
+1,000 x 20. A way's calls come as a sweep's do, one after another (a call leaves the collector's counts where the
+next one starts): each repeat makes ``--calls`` consecutive calls of each way, in rotating order, and times all but
+the first (which starts from the state another way left). Printed: median whole-call seconds of each way, the ratios
+of ``first full`` and ``none`` to ``at start`` (medians of the per-repeat ratios), and the median number of full
+collections a call made (``at start`` counts the one at its end, which walks only what the run allocated).
+
+    python benchmarks/frozen_heap.py [--repeats 5] [--calls 3]
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import Any
 import uvloop
 
 import flasync
+from flasync.loops import run_loop
 
 POINTS = {"100 x 20": (100, 20), "1,000 x 5": (1000, 5), "1,000 x 20": (1000, 20)}
 
@@ -42,12 +52,17 @@ def config(clients: int, rounds: int) -> dict[str, Any]:
     }
 
 
-def timed(run: str, run_config: dict[str, Any]) -> tuple[float, int]:
+WAYS = ("none", "first full", "at start")
+
+
+def timed(way: str, run_config: dict[str, Any]) -> tuple[float, int]:
     """Return the call's seconds and the full collections it made."""
     full = gc.get_stats()[2]["collections"]
     start = time.perf_counter()
-    if run == "frozen":
+    if way == "at start":
         flasync.run(run_config)
+    elif way == "first full":
+        run_loop(flasync.Federation(run_config).run())
     else:
         uvloop.run(flasync.Federation(run_config).run())
     return time.perf_counter() - start, gc.get_stats()[2]["collections"] - full
@@ -57,21 +72,27 @@ def main() -> None:
     """Print the medians and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=3, help="consecutive calls of a way per repeat (2 or more)")
     args = parser.parse_args()
+    if args.calls < 2 or args.repeats < 1:
+        raise SystemExit("--calls must be at least 2 and --repeats at least 1")
     flasync.run(config(100, 1))  # imports and first-call costs out of the way
-    results: dict[tuple[str, str], list[tuple[float, int]]] = {}
+    # (point, way) -> per repeat, the median seconds and full collections of the timed calls
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for repeat in range(args.repeats):
         for point, (clients, rounds) in POINTS.items():
-            # Alternating order: a run leaves the collector's counts where the next one starts.
-            for run in ("plain", "frozen") if repeat % 2 == 0 else ("frozen", "plain"):
-                results.setdefault((point, run), []).append(timed(run, config(clients, rounds)))
-    header = f"{'point':<12} {'no freeze s':>12} {'frozen_heap s':>14} {'ratio':>7}"
-    print(f"{header} {'full collections (plain / frozen)':>34}")
+            for way in WAYS[repeat % 3 :] + WAYS[: repeat % 3]:
+                calls = [timed(way, config(clients, rounds)) for _ in range(args.calls)][1:]
+                median = (statistics.median(t for t, _ in calls), statistics.median(c for _, c in calls))
+                results.setdefault((point, way), []).append(median)
+    header = f"{'point':<12} " + " ".join(f"{way + ' s':>12}" for way in WAYS)
+    print(f"{header} {'first/start':>12} {'none/start':>11} {'full collections':>20}")
     for point in POINTS:
-        plain, frozen = results[(point, "plain")], results[(point, "frozen")]
-        p, f = statistics.median(t for t, _ in plain), statistics.median(t for t, _ in frozen)
-        cp, cf = statistics.median(c for _, c in plain), statistics.median(c for _, c in frozen)
-        print(f"{point:<12} {p:12.3f} {f:14.3f} {p / f:6.2f}x {cp:>24g} / {cf:g}")
+        rows = [results[(point, way)] for way in WAYS]
+        seconds = " ".join(f"{statistics.median(t for t, _ in row):12.3f}" for row in rows)
+        ratios = [statistics.median(a[0] / b[0] for a, b in zip(row, rows[2], strict=True)) for row in rows[:2]]
+        counts = " / ".join(f"{statistics.median(c for _, c in row):g}" for row in rows)
+        print(f"{point:<12} {seconds} {ratios[1]:11.2f}x {ratios[0]:10.2f}x {counts:>20}")
 
 
 if __name__ == "__main__":

@@ -1052,11 +1052,16 @@ def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
 def run(config: RunConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> RunSummary:
     """Run a federation synchronously in a new event loop (uvloop when installed), for code without a loop.
 
-    What survives the run's first full garbage collection is kept out of its later ones until it returns
-    (:func:`flasync.loops.frozen_heap`).
+    The federation is built inside the loop, and what exists before it is kept out of the run's garbage
+    collections until it returns; its garbage is collected as it ends (:func:`flasync.loops.frozen_heap` with
+    ``at_start=True``).
 
     Args:
         config: As for :class:`Federation`.
         **kwargs: Passed to :class:`Federation`.
     """
-    return run_loop(Federation(config, **kwargs).run())
+
+    async def build_and_run() -> RunSummary:
+        return await Federation(config, **kwargs).run()
+
+    return run_loop(build_and_run(), builds_inside=True)

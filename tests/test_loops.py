@@ -63,6 +63,46 @@ def test_frozen_heap_freezes_what_survives_the_first_full_collection_and_gives_i
     assert alive_ref() is None  # and the rest once the block has ended: nothing leaks
 
 
+def test_frozen_heap_at_start_freezes_at_once_and_collects_the_blocks_garbage_at_its_end() -> None:
+    """at_start: the heap is frozen when the block starts, without a full collection (young garbage is collected
+    first); a full collection inside walks only what the block allocated; the block's end frees its garbage and
+    gives the heap back."""
+    old = _Node()
+    old_ref = weakref.ref(old)
+    gc.collect()  # old is in the oldest generation now, like the objects of a process's imports
+    young_garbage = _Node()
+    young_ref = weakref.ref(young_garbage)
+    del young_garbage
+    full = gc.get_stats()[2]["collections"]
+    with frozen_heap(at_start=True):
+        assert gc.get_freeze_count() > 0
+        assert gc.get_stats()[2]["collections"] == full  # no full collection to get there
+        assert young_ref() is None  # the young generations' garbage was collected, not frozen
+        del old  # frozen: kept while the block lasts
+        gc.collect()
+        assert old_ref() is not None
+        inside = _Node()
+        inside_ref = weakref.ref(inside)
+        del inside  # garbage made inside, not collected yet
+        gc.disable()  # no automatic collection from here to the block's end
+    try:
+        assert inside_ref() is None  # freed by the block's end
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+    gc.collect()
+    assert old_ref() is None  # given back, and collected as usual
+
+
+def test_frozen_heap_at_start_does_nothing_where_the_collector_is_off() -> None:
+    gc.disable()
+    try:
+        with frozen_heap(at_start=True):
+            assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+
+
 def test_frozen_heap_leaves_a_heap_frozen_by_someone_else_frozen() -> None:
     gc.freeze()
     frozen = gc.get_freeze_count()
@@ -137,6 +177,41 @@ def test_flasync_run_freezes_after_a_full_collection_and_trains_the_same_weights
     embedded = asyncio.run(federation.run())  # a caller's own loop: nothing frozen, the same weights
     assert federation.weights is not None
     assert embedded.weights_sha256 == summary.weights_sha256 == weights_sha256(federation.weights)
+
+
+def test_flasync_run_freezes_at_its_start_without_a_full_collection() -> None:
+    """flasync.run builds its federation inside the loop and freezes the heap at once: a run walks none of what
+    existed before it, and the heap is given back when it returns."""
+    seen: list[int] = []
+
+    def wall() -> float:
+        seen.append(gc.get_freeze_count())
+        return time.perf_counter()
+
+    frozen_at_full: list[int] = []
+
+    def full_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            frozen_at_full.append(gc.get_freeze_count())
+
+    gc.callbacks.append(full_collection)
+    try:
+        flasync.run(SMALL, wall=wall)
+    finally:
+        gc.callbacks.remove(full_collection)
+    assert seen and min(seen) > 0
+    assert frozen_at_full and min(frozen_at_full) > 0  # the block's end's among them: none walked the old heap
+    assert gc.get_freeze_count() == 0
+
+
+def test_runs_one_after_another_without_collections_between_them_keep_a_flat_heap() -> None:
+    """A sweep of runs with nothing collecting between them: each run's garbage is freed at its end, none is frozen
+    by the next one."""
+    counts = []
+    for _ in range(5):
+        flasync.run(SMALL)
+        counts.append(len(gc.get_objects()))
+    assert counts[-1] - counts[1] < 100, counts
 
 
 def test_runs_one_after_another_in_one_process_keep_no_earlier_run_alive() -> None:

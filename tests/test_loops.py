@@ -1,4 +1,5 @@
-"""Runs in a new event loop: what survives a run's first full collection is kept out of the later ones."""
+"""Runs in a new event loop: what exists before a run (``flasync.run``), or what survives its first full collection
+(``frozen_heap`` on its own), is kept out of its later collections."""
 
 from __future__ import annotations
 

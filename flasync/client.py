@@ -479,17 +479,12 @@ class CohortClients:
         """Run ``tasks``, all on ``model``: train each as :meth:`Client.run` would, upload each at its time."""
         world = self.world
         clock, bus = world.clock, world.bus
-        # A large group's download times and task seeds come from one array pass each (the same numbers); a small
-        # one's (an asynchronous refill's single task) each on its own, cheaper than the arrays' fixed cost.
-        downloads: list[float] | None = None
-        seeds: list[int] | None = None
-        if len(tasks) >= _ARRAYS_FROM:
-            clients = [task.client_id for task in tasks]
-            downloads = world.network.download_seconds_many(clients, model.download_bytes)
-            seeds = seeding.stream_seeds(world.seed, seeding.TASK, clients, [task.participation for task in tasks])
-        prepared = [
-            _prepare(world, task, model, None if downloads is None else downloads[k]) for k, task in enumerate(tasks)
-        ]
+        # The group's download times and task seeds in one call each (array passes for a large group: the same
+        # numbers).
+        clients = [task.client_id for task in tasks]
+        downloads = world.network.download_seconds_many(clients, model.download_bytes)
+        seeds = seeding.stream_seeds(world.seed, seeding.TASK, clients, [task.participation for task in tasks])
+        prepared = [_prepare(world, task, model, downloads[k]) for k, task in enumerate(tasks)]
         faults = world.faults
         training = [
             _training_job(
@@ -498,7 +493,7 @@ class CohortClients:
                 model,
                 plan,
                 faults.attack_factor(task.client_id) if faults is not None else 1.0,
-                None if seeds is None else seeds[k],
+                seeds[k],
             )
             for k, (task, plan) in enumerate(zip(tasks, prepared, strict=True))
         ]
@@ -536,9 +531,7 @@ class CohortClients:
                         outcomes = [results[i] for i in due]
                     else:
                         outcomes = await clock.finish([jobs[i] for i in due], until=when)
-                    upload_times = (
-                        _upload_times(world.network, tasks, due, outcomes) if len(due) >= _ARRAYS_FROM else None
-                    )
+                    upload_times = _upload_times(world.network, tasks, due, outcomes)
                     lines: list[dict[str, Any]] = []  # the trained tasks' debug lines, logged together
                     try:
                         for i, outcome in zip(due, outcomes, strict=True):
@@ -549,11 +542,7 @@ class CohortClients:
                                 failures[i] = outcome  # published at the task's own completion time
                                 heapq.heappush(agenda, (plan.done_at, i, _FAILED, i))
                             elif self.live(task):  # else released meanwhile: a coroutine would have been cancelled
-                                upload_s = (
-                                    world.network.upload_seconds(task.client_id, outcome.upload_bytes)
-                                    if upload_times is None
-                                    else upload_times[i]
-                                )
+                                upload_s = upload_times[i]
                                 _keep(world, task, model, plan, outcome, _context(task), lines)
                                 uploads[i] = (outcome, upload_s)
                                 heapq.heappush(agenda, (plan.done_at + upload_s, order, _UPLOAD, i))
@@ -595,7 +584,7 @@ class CohortClients:
 def _upload_times(
     network: Network, tasks: Sequence[TaskAssigned], due: Sequence[int], outcomes: Sequence[Any]
 ) -> dict[int, float]:
-    """Return the upload seconds of each trained task among ``due`` (indices into ``tasks``), from one array pass."""
+    """Return the upload seconds of each trained task among ``due`` (indices into ``tasks``), from one call."""
     trained = [(i, o) for i, o in zip(due, outcomes, strict=True) if not isinstance(o, BaseException)]
     seconds = network.upload_seconds_many(
         [tasks[i].client_id for i, _ in trained], [o.upload_bytes for _, o in trained]
@@ -604,7 +593,6 @@ def _upload_times(
 
 
 _ALL_TRAINED, _TRAINED, _FAILED, _UPLOAD = range(4)  # what a group's agenda entry waits for
-_ARRAYS_FROM = 16  # tasks from which a group computes their link times and seeds as arrays
 
 
 def _context(task: TaskAssigned) -> dict[str, int]:

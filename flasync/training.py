@@ -210,11 +210,11 @@ class LocalResult:
     peak_mem_bytes: int
     update_norm: float | None = None
 
-    def without_delta(self, empty: torch.Tensor | None = None) -> LocalResult:
-        """Return the same figures with an empty ``delta`` (what is kept once the delta has been encoded): ``empty``,
-        an empty tensor a caller shares among results, or a new one like ``delta``."""
+    def without_delta(self, empty: torch.Tensor) -> LocalResult:
+        """Return the same figures with ``empty`` (an empty tensor a caller shares among results) in place of
+        ``delta``: what is kept once the delta has been encoded."""
         return LocalResult(
-            delta=self.delta.new_empty(0) if empty is None else empty,
+            delta=empty,
             num_samples=self.num_samples,
             steps=self.steps,
             loss=self.loss,

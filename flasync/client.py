@@ -37,7 +37,16 @@ from flasync.events import (
 from flasync.executors import TrainingJob
 from flasync.faults import Fate, FaultModel
 from flasync.instruments import debug_many, logs_debug
-from flasync.jobs import ClientSamples, JobContext, TaskVariates, TrainedUpdate, finish_job, injected_crash, train_job
+from flasync.jobs import (
+    ClientSamples,
+    Finish,
+    JobContext,
+    TaskVariates,
+    TrainedUpdate,
+    finish_cohort,
+    injected_crash,
+    train_job,
+)
 from flasync.population import Network, Population
 from flasync.residuals import ResidualStore
 from flasync.snapshots import ModelSnapshot
@@ -226,13 +235,14 @@ def _training_job(
         indices=samples[2],
         cfg=job_ctx.local,
         generator=generator,
-        finish=lambda result: finish_job(job_ctx, cid, result, codec_generator, attack=attack, variates=variates),
+        finish=Finish(job_ctx, cid, codec_generator, attack, variates),
         solo=lambda: train_job(
             job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id, attack, variates
         ),
         correction=variates.correction if variates is not None else None,
         client=int(cid) if world.samples.lazy is not None else None,
         deltas_on=_HOST,  # finish_job encodes the delta as bytes on the host
+        finish_many=finish_cohort,
     )
 
 

@@ -106,6 +106,8 @@ class CohortResult:
     vectorized: bool
     fallback_reason: str | None
     train_s: float
+    deltas: torch.Tensor | None = None
+    """The members' deltas as the rows of one tensor, in member order (a vectorized cohort's; None otherwise)."""
 
 
 class CohortTrainer:
@@ -190,13 +192,15 @@ class CohortTrainer:
         if reason is None:
             states = [m.generator.get_state() for m in members]
             try:
-                results = self._train_vectorized(base, x, y, members, cfg, timer, start, deltas_on)
+                results, deltas = self._train_vectorized(base, x, y, members, cfg, timer, start, deltas_on)
             except _Unsupported as exc:
                 reason = str(exc)
                 for member, state in zip(members, states, strict=True):
                     member.generator.set_state(state)
             else:
-                return CohortResult(results=results, vectorized=True, fallback_reason=None, train_s=timer() - start)
+                return CohortResult(
+                    results=results, vectorized=True, fallback_reason=None, train_s=timer() - start, deltas=deltas
+                )
         results = [self._train_one(base, x, y, member, cfg, timer) for member in members]
         return CohortResult(results=results, vectorized=False, fallback_reason=reason, train_s=timer() - start)
 
@@ -334,8 +338,9 @@ class CohortTrainer:
         timer: Callable[[], float],
         start: float,
         deltas_on: torch.device | None = None,
-    ) -> list[LocalResult]:
-        """Train the cohort as rows of one tensor; ``train_s`` of each result is its share of the cohort's time."""
+    ) -> tuple[list[LocalResult], torch.Tensor]:
+        """Train the cohort as rows of one tensor; return each member's result (``train_s``: its share of the
+        cohort's time) and their deltas, the rows of one tensor."""
         device = self.device
         num = len(members)
         steps = [cfg.steps_for(int(m.indices.numel())) for m in members]
@@ -446,7 +451,7 @@ class CohortTrainer:
         # Each member's delta is a row of one tensor, not a copy of its own (a copy per member is one allocation and
         # one kernel each): a caller that keeps a member's delta after the cohort's others clones it, or the rest of
         # the cohort's rows stay alive with it (finish_job keeps none).
-        return [
+        results = [
             LocalResult(
                 delta=delta,
                 num_samples=int(member.indices.shape[0]),
@@ -460,6 +465,7 @@ class CohortTrainer:
                 members, deltas.unbind(0), steps, losses, seen, norms, strict=True
             )
         ]
+        return results, deltas
 
     def _activation_bytes(self, xb: torch.Tensor, yb: torch.Tensor) -> int:
         """Return the bytes autograd saves for one client's batch (one plain forward pass, cached by shape)."""

@@ -110,6 +110,9 @@ class TrainingJob(Generic[T]):
             receiving ``x`` and ``y`` (None: the samples are rows of a data set held in memory).
         deltas_on: Where ``finish`` wants the trained delta (None: where it was trained). A cohort whose jobs all
             want it on the host copies its deltas there in one transfer.
+        finish_many: Finishes the jobs of one cohort together from the cohort's result: what ``finish`` of each
+            job with its own result returns, or the exception it raises, in the jobs' order. A batcher calls it
+            where every job of a cohort has this same function (None: ``finish`` each).
     """
 
     base: torch.Tensor
@@ -123,6 +126,7 @@ class TrainingJob(Generic[T]):
     correction: torch.Tensor | None = None
     client: int | None = None
     deltas_on: torch.device | None = None
+    finish_many: Callable[[Sequence[TrainingJob[T]], CohortResult], Sequence[T | Exception]] | None = None
 
     def __call__(self) -> T:
         """Train this client alone and finish."""
@@ -613,6 +617,20 @@ class CohortBatcher(Executor):
             self.fallback_clients += len(jobs)
             if self.on_fallback is not None and outcome.fallback_reason is not None:
                 self.on_fallback(outcome.fallback_reason)
+        finish_many = first.finish_many
+        if finish_many is not None and all(job.finish_many is finish_many for job in jobs):
+            try:
+                finished = finish_many(jobs, outcome)
+            except Exception as exc:
+                for future in futures:
+                    deliver(future, None, exc)
+                return
+            for future, value in zip(futures, finished, strict=True):
+                if isinstance(value, Exception):
+                    deliver(future, None, value)
+                else:
+                    deliver(future, value, None)
+            return
         for job, future, result in zip(jobs, futures, outcome.results, strict=True):
             deliver(future, *self._resolve(job, result))
 

@@ -11,26 +11,30 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from flasync.aggregation.scaffold import control_delta
 from flasync.codecs import Pipeline
+from flasync.cohort import CohortResult
 from flasync.data import Partition, SyntheticClients
 from flasync.diagnostics import DivergedTraining, TrainingDiagnostics
 from flasync.errors import InjectedFault
 from flasync.events import ClientId, TaskDiagnosis
-from flasync.executors import ModelPool
+from flasync.executors import ModelPool, TrainingJob
 from flasync.residuals import ResidualStore
 from flasync.training import LocalResult, LocalTraining, train
 
 __all__ = [
     "ClientSamples",
+    "Finish",
     "JobContext",
     "TaskVariates",
     "TrainedUpdate",
+    "finish_cohort",
     "finish_job",
     "injected_crash",
     "train_job",
@@ -212,7 +216,7 @@ def finish_job(
     if diagnosis is None:
         diagnosis = (ctx.diagnostics or _NO_DIAGNOSTICS).diagnose(result)
     if not diagnosis.update_finite:
-        raise DivergedTraining(f"local training diverged: the update has NaN or Inf (loss {result.loss})", diagnosis)
+        raise _diverged(result, diagnosis)
     start = ctx.wall()
     residuals = ctx.residuals
     residual = None
@@ -245,6 +249,92 @@ def finish_job(
         control=control,
         variate=variate,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A task's :func:`finish_job`, as a training job's ``finish``: called with the task's training result."""
+
+    ctx: JobContext
+    client_id: ClientId
+    codec_generator: torch.Generator | None
+    attack: float = 1.0
+    variates: TaskVariates | None = None
+
+    def __call__(self, result: LocalResult) -> TrainedUpdate:
+        """Check and encode ``result``'s delta for this task."""
+        return finish_job(
+            self.ctx, self.client_id, result, self.codec_generator, attack=self.attack, variates=self.variates
+        )
+
+
+def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> list[Any]:
+    """Finish the jobs of a trained cohort: each job's ``finish`` of its own result, or the exception it raises.
+
+    Where every job's ``finish`` is a :class:`Finish` of one context whose codec is lossless, with no error
+    feedback, SCAFFOLD or attack, and the cohort's deltas are the rows of one tensor, the rows are encoded together
+    (:meth:`~flasync.codecs.Pipeline.encode_rows`): the same payloads, diagnoses and figures as :func:`finish_job`
+    of each, each update's ``encode_s`` its share of the cohort's encoding.
+    """
+    results, deltas = outcome.results, outcome.deltas
+    ctx = _plain_context(jobs) if deltas is not None else None
+    payloads, encode_s = None, 0.0
+    if ctx is not None and deltas is not None:
+        start = ctx.wall()
+        payloads = ctx.upload_codec.encode_rows(deltas.cpu())
+        encode_s = (ctx.wall() - start) / len(jobs)
+    if ctx is None or payloads is None:
+        return [_finish_one(job, result) for job, result in zip(jobs, results, strict=True)]
+    diagnose = (ctx.diagnostics or _NO_DIAGNOSTICS).diagnose
+    empty = ctx.no_delta
+    finished: list[Any] = []
+    for result, payload in zip(results, payloads, strict=True):
+        diagnosis = diagnose(result)
+        if not diagnosis.update_finite:
+            finished.append(_diverged(result, diagnosis))
+            continue
+        finished.append(
+            TrainedUpdate(
+                result=result.without_delta(empty),
+                payload=payload,
+                encode_s=encode_s,
+                residual_norm=None,
+                diagnosis=diagnosis,
+            )
+        )
+    return finished
+
+
+def _plain_context(jobs: Sequence[TrainingJob[Any]]) -> JobContext | None:
+    """The context every job's ``finish`` shares, where each is a :class:`Finish` with no error feedback, SCAFFOLD
+    or attack (None otherwise)."""
+    first = jobs[0].finish if jobs else None
+    if not isinstance(first, Finish) or first.ctx.residuals is not None:
+        return None
+    ctx = first.ctx
+    for job in jobs:
+        finish = job.finish
+        if (
+            not isinstance(finish, Finish)
+            or finish.ctx is not ctx
+            or finish.attack != 1.0
+            or finish.variates is not None
+        ):
+            return None
+    return ctx
+
+
+def _finish_one(job: TrainingJob[Any], result: LocalResult) -> Any:
+    """Return ``job.finish(result)``, or the exception it raises."""
+    try:
+        return job.finish(result)
+    except Exception as exc:
+        return exc
+
+
+def _diverged(result: LocalResult, diagnosis: TaskDiagnosis) -> DivergedTraining:
+    """The error of a task whose delta has NaN or Inf."""
+    return DivergedTraining(f"local training diverged: the update has NaN or Inf (loss {result.loss})", diagnosis)
 
 
 def injected_crash(fraction: float) -> TrainedUpdate:

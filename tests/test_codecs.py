@@ -27,6 +27,7 @@ from flasync.codecs import (
     decode,
     decode_stacked,
     encode,
+    encode_rows,
 )
 from flasync.errors import DecodeError
 
@@ -985,3 +986,33 @@ def test_decode_stacked_refuses_an_out_of_another_shape() -> None:
     """``out`` must be a contiguous float32 CPU tensor with a row per payload."""
     with pytest.raises(ValueError, match="out must be"):
         decode_stacked([encode(torch.ones(4))] * 2, expected_elements=4, out=torch.empty(3, 4))
+
+
+@given(st.lists(_BITS.filter(lambda bits: len(bits) == 6), min_size=1, max_size=5))
+@PROPERTY
+def test_rows_encode_together_as_each_alone(rows: list[list[int]]) -> None:
+    """encode_rows gives each row's encode() payload, byte for byte (NaN payloads, -0.0 and subnormals included)."""
+    stacked = torch.stack([_from_bits(bits) for bits in rows])
+    assert encode_rows(stacked) == [encode(row) for row in stacked]
+    assert Pipeline().encode_rows(stacked) == [Pipeline().encode(row).payload for row in stacked]
+
+
+def test_rows_of_another_dtype_or_layout_encode_as_encode_does() -> None:
+    """Float64 rows are narrowed and a transposed tensor's rows read in order, as encode() of each row does."""
+    generator = torch.Generator().manual_seed(0)
+    wide = torch.randn(4, 9, dtype=torch.float64, generator=generator)
+    assert encode_rows(wide) == [encode(row) for row in wide]
+    transposed = torch.randn(9, 4, generator=generator).t()
+    assert not transposed.is_contiguous()
+    assert encode_rows(transposed) == [encode(row) for row in transposed]
+    assert encode_rows(torch.empty(0, 3)) == []
+
+
+def test_only_a_lossless_pipeline_encodes_rows_together() -> None:
+    """A pipeline with a stage returns None (each row is encoded with its own generator and residual then); rows
+    must be 2-D."""
+    rows = torch.ones(2, 8)
+    assert Pipeline([Float16()]).encode_rows(rows) is None
+    assert Pipeline([TopK(0.5)]).encode_rows(rows) is None
+    with pytest.raises(ValueError, match="2-D"):
+        encode_rows(torch.ones(8))

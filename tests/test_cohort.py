@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+import dataclasses
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from torch import nn
 
 import flasync
 from flasync import seeding
-from flasync.cohort import CohortMember, CohortTrainer, unsupported_reason
+from flasync.cohort import CohortMember, CohortResult, CohortTrainer, unsupported_reason
 from flasync.diagnostics import TrainingDiagnostics
 from flasync.errors import ConfigError, TrainingError
 from flasync.executors import CohortBatcher, ModelPool, TrainingJob, cohorts_for, resolve_device
@@ -424,6 +426,41 @@ async def test_failed_member_fails_alone(how: str) -> None:
         batcher.shutdown()
     assert isinstance(outcomes[1], TrainingError)
     assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
+
+
+@pytest.mark.parametrize("how", ["submit", "submit_async"])
+async def test_a_cohort_whose_jobs_share_finish_many_is_finished_in_one_call(how: str) -> None:
+    """Jobs that all carry one ``finish_many`` get what it returns for them, an exception in its place as that job's
+    error; a cohort with a job of another ``finish_many`` finishes each job with its own ``finish``."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+    calls: list[tuple[int, bool]] = []
+
+    def many(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> list[Any]:
+        calls.append((len(jobs), outcome.deltas is not None))
+        assert outcome.deltas is not None
+        for row, result in zip(outcome.deltas, outcome.results, strict=True):
+            assert torch.equal(row, result.delta)
+        return [TrainingError("diverged") if k == 1 else result for k, result in enumerate(outcome.results)]
+
+    def with_many(job: TrainingJob[Any], finish_many: Any) -> TrainingJob[Any]:
+        return dataclasses.replace(job, finish_many=finish_many)
+
+    jobs = [with_many(_job(base, x, y, p, k, pool), many) for k, p in enumerate(parts[:3])]
+    batcher = CohortBatcher(ThreadPoolExecutor(1), pool)
+    submit = _submitter(batcher, how)
+    try:
+        outcomes = await asyncio.gather(*(submit(j) for j in jobs), return_exceptions=True)
+        assert calls == [(3, True)]
+        assert isinstance(outcomes[1], TrainingError)
+        assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
+        jobs[2] = with_many(jobs[2], None)
+        outcomes = await asyncio.gather(*(submit(j) for j in jobs), return_exceptions=True)
+    finally:
+        batcher.shutdown()
+    assert calls == [(3, True)]  # not called again: every job finished on its own
+    assert all(isinstance(outcome, LocalResult) for outcome in outcomes)
 
 
 @pytest.mark.parametrize("wants", [("cpu", "cpu", "cpu"), ("cpu", None, "cpu")], ids=["agree", "differ"])

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import pytest
 import torch
 
 from flasync import codecs, seeding
-from flasync.cohort import CohortMember, CohortTrainer
+from flasync.cohort import CohortMember, CohortResult, CohortTrainer
+from flasync.diagnostics import DivergedTraining, TrainingDiagnostics
 from flasync.events import ClientId
-from flasync.executors import ModelPool
-from flasync.jobs import JobContext, finish_job
+from flasync.executors import ModelPool, TrainingJob
+from flasync.jobs import Finish, JobContext, TrainedUpdate, finish_cohort, finish_job
 from flasync.models import MLP
+from flasync.residuals import ResidualStore
 from flasync.training import LocalTraining, flat_parameters
 
 
@@ -37,3 +43,117 @@ def test_a_finished_cohort_member_keeps_its_payload_and_no_row_of_the_cohort() -
         assert trained.result.delta.numel() == 0
         assert torch.equal(codecs.decode(trained.payload, expected_elements=base.numel()), result.delta)
         assert (trained.result.num_samples, trained.result.loss) == (result.num_samples, result.loss)
+
+
+def _trained_cohort() -> tuple[CohortResult, LocalTraining, torch.Tensor, torch.Tensor]:
+    """A vectorized cohort of three members of the MLP 8-16-3, its configuration, base and data."""
+    torch.manual_seed(0)
+    x, y = torch.randn(96, 8), torch.randint(0, 3, (96,))
+    order = torch.randperm(96)
+    parts = [order[:40], order[40:72], order[72:]]
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.1)
+    base = flat_parameters(MLP(8, [16], 3))
+    members = [
+        CohortMember(indices=p, generator=seeding.torch_stream(0, seeding.TASK, k, 0)) for k, p in enumerate(parts)
+    ]
+    outcome = CohortTrainer(MLP(8, [16], 3)).train(base, x, y, members, cfg)
+    assert outcome.vectorized and outcome.deltas is not None
+    return outcome, cfg, base, x
+
+
+def _jobs(finishes: list[Any], base: torch.Tensor, x: torch.Tensor, cfg: LocalTraining) -> list[TrainingJob[Any]]:
+    return [
+        TrainingJob(
+            base=base,
+            x=x,
+            y=x,
+            indices=torch.arange(1),
+            cfg=cfg,
+            generator=torch.Generator(),
+            finish=finish,
+            solo=lambda: None,
+            finish_many=finish_cohort,
+        )
+        for finish in finishes
+    ]
+
+
+def _same(together: TrainedUpdate, alone: TrainedUpdate) -> None:
+    assert together.payload == alone.payload
+    assert together.diagnosis == alone.diagnosis
+    assert dataclasses.replace(together.result, train_s=0.0) == dataclasses.replace(alone.result, train_s=0.0)
+    assert together.result.delta.numel() == 0 and together.residual is None and together.residual_norm is None
+
+
+def test_a_cohort_finished_together_gives_what_each_member_finished_alone_gives() -> None:
+    """finish_cohort encodes the cohort's rows in one pass: each payload, diagnosis and figure is finish_job's."""
+    outcome, cfg, base, x = _trained_cohort()
+    for level in ("off", "basic"):
+        ctx = JobContext(
+            models=ModelPool(lambda: MLP(8, [16], 3)),
+            local=cfg,
+            upload_codec=codecs.Pipeline(),
+            num_params=base.numel(),
+            diagnostics=TrainingDiagnostics(level),
+        )
+        finishes = [Finish(ctx, ClientId(k), None) for k in range(3)]
+        together = finish_cohort(_jobs(finishes, base, x, cfg), outcome)
+        for finished, finish, result in zip(together, finishes, outcome.results, strict=True):
+            assert isinstance(finished, TrainedUpdate)
+            _same(finished, finish(result))
+
+
+def test_a_member_whose_delta_is_not_finite_fails_alone() -> None:
+    """A row with NaN is that member's DivergedTraining, as finish_job raises it; the others are finished."""
+    outcome, cfg, base, x = _trained_cohort()
+    assert outcome.deltas is not None
+    outcome.deltas[1, 3] = float("nan")
+    results = list(outcome.results)
+    results[1] = dataclasses.replace(results[1], update_norm=None)
+    outcome = dataclasses.replace(outcome, results=results)
+    ctx = JobContext(
+        models=ModelPool(lambda: MLP(8, [16], 3)), local=cfg, upload_codec=codecs.Pipeline(), num_params=base.numel()
+    )
+    finished = finish_cohort(_jobs([Finish(ctx, ClientId(k), None) for k in range(3)], base, x, cfg), outcome)
+    assert isinstance(finished[1], DivergedTraining) and "NaN or Inf" in str(finished[1])
+    with pytest.raises(DivergedTraining):
+        finish_job(ctx, ClientId(1), results[1], None)
+    assert isinstance(finished[0], TrainedUpdate) and isinstance(finished[2], TrainedUpdate)
+
+
+def test_a_cohort_that_cannot_be_encoded_together_is_finished_one_by_one() -> None:
+    """A lossy codec, error feedback, an attack or a finish of another kind: each job's own finish, with its own
+    generator and residual, and an exception of one job is that job's alone."""
+    outcome, cfg, base, x = _trained_cohort()
+    pool = ModelPool(lambda: MLP(8, [16], 3))
+    n = base.numel()
+    lossy = JobContext(models=pool, local=cfg, upload_codec=codecs.Pipeline([codecs.Float16()]), num_params=n)
+    feedback = JobContext(
+        models=pool,
+        local=cfg,
+        upload_codec=codecs.Pipeline([codecs.TopK(0.5)]),
+        num_params=n,
+        residuals=ResidualStore(n),
+    )
+    plain = JobContext(models=pool, local=cfg, upload_codec=codecs.Pipeline(), num_params=n)
+
+    def boom(result: Any) -> Any:
+        raise RuntimeError("boom")
+
+    for finishes in (
+        [Finish(lossy, ClientId(k), None) for k in range(3)],
+        [Finish(feedback, ClientId(k), None) for k in range(3)],
+        [
+            Finish(plain, ClientId(0), None),
+            Finish(plain, ClientId(1), None, attack=-2.0),
+            Finish(plain, ClientId(2), None),
+        ],
+        [Finish(plain, ClientId(0), None), boom, Finish(plain, ClientId(2), None)],
+    ):
+        together = finish_cohort(_jobs(finishes, base, x, cfg), outcome)
+        for k, (finished, finish, result) in enumerate(zip(together, finishes, outcome.results, strict=True)):
+            if finish is boom:
+                assert isinstance(finished, RuntimeError)
+                continue
+            alone = Finish(finish.ctx, ClientId(k), None, attack=finish.attack)(result)
+            assert isinstance(finished, TrainedUpdate) and finished.payload == alone.payload

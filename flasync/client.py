@@ -236,8 +236,8 @@ def _training_job(
         cfg=job_ctx.local,
         generator=generator,
         finish=Finish(job_ctx, cid, codec_generator, attack, variates),
-        solo=lambda: train_job(
-            job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id, attack, variates
+        solo=functools.partial(
+            train_job, job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id, attack, variates
         ),
         correction=variates.correction if variates is not None else None,
         client=int(cid) if world.samples.lazy is not None else None,

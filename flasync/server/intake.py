@@ -129,7 +129,7 @@ class Intake:
             stacked = stacked.to(self.device)
         norms = torch.linalg.vector_norm(stacked, dim=1).tolist()
         share = (self.wall() - start) / len(messages)
-        return [(stacked[k], norms[k], share) for k in range(len(messages))]
+        return [(row, norm, share) for row, norm in zip(stacked.unbind(0), norms, strict=True)]
 
     def admit(self, message: UpdateUploaded, *, version: int, decoded: Decoded | None = None) -> Admitted | Refused:
         """Check ``message`` against the model ``version`` it would join; release its task unless it is forged.

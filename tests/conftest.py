@@ -55,6 +55,20 @@ def _no_idle_writer() -> Iterator[None]:
 
 
 @pytest.fixture
+def one_intra_op_thread() -> Iterator[None]:
+    """Run a test's kernels on one intra-op thread, as flasync's training workers do by default, and restore the
+    count afterwards. With two, MKL's batched products may round differently from one process to the next (a
+    cohort's mean loss moved by 1e-5 in one run in five), which a test comparing two ways of training would read
+    as their difference."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
 def seeded_torch() -> Iterator[None]:
     """Seed torch's default generator for a test and restore it afterwards."""
     with torch.random.fork_rng(devices=[]):

@@ -28,7 +28,7 @@ SIZES = (37, 50, 5, 64, 100, 17, 1)  # ragged: short last batches, different ste
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-pytestmark = pytest.mark.usefixtures("seeded_torch")
+pytestmark = pytest.mark.usefixtures("seeded_torch", "one_intra_op_thread")
 
 
 def _mlp() -> nn.Module:

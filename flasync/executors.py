@@ -493,25 +493,32 @@ class CohortBatcher(Executor):
             group.set_result([])
             return group
         group.held_jobs = len(jobs)
-        for index, job in enumerate(jobs):
-            self._hold(job, _Slot(group, index))
+        self._hold_many(jobs, [_Slot(group, index) for index in range(len(jobs))])
         return group
 
     def _hold(self, fn: TrainingJob[Any], future: _AnyHeld) -> None:
+        self._hold_many((fn,), (future,))
+
+    def _hold_many(self, jobs: Sequence[TrainingJob[Any]], futures: Sequence[_AnyHeld]) -> None:
+        """Hold each job with its future, in order, under one acquisition of the lock; start the groups that fill."""
+        full: list[_Held] = []
         with self._lock:
-            group = self._group(fn) if self.train_cohort is None else (id(fn.base), self._group(fn))
-            held = self._held.get(group)
-            if held is None:  # not setdefault: it would build a _Held per job
-                held = self._held[group] = _Held()
-            held.jobs.append(fn)
-            held.futures.append(future)
-            self._submitted += 1
-            full = len(held.jobs) >= self.max_cohort
-            if full:
-                del self._held[group]
-        if full:
+            held_by_group = self._held
+            for fn, future in zip(jobs, futures, strict=True):
+                group = self._group(fn) if self.train_cohort is None else (id(fn.base), self._group(fn))
+                held = held_by_group.get(group)
+                if held is None:  # not setdefault: it would build a _Held per job
+                    held = held_by_group[group] = _Held()
+                held.jobs.append(fn)
+                held.futures.append(future)
+                if len(held.jobs) >= self.max_cohort:
+                    del held_by_group[group]
+                    full.append(held)
+            self._submitted += len(jobs)
+            waiting = bool(held_by_group)
+        for held in full:
             self._launch(held)
-        elif not self._driven and not self._scheduled:
+        if waiting and not self._driven and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._tick, self._submitted, 0)
 

@@ -1224,6 +1224,9 @@ def build_server(
     policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
     if group is not None:
         group.together = not policy.abandons and registry.timeout_s is None
+        # A round that closes on its last answer, straight to the cloud, does nothing between its uploads but fold
+        # them in: those due at several times may reach it together.
+        group.gather = group.together and policy.rounds and tree is None
     capacity = 2 * in_flight + 8
     if tree is not None:
         # Edges may hold many finished tasks' answers at once: the cloud's inbox must never block them.

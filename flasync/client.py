@@ -22,7 +22,7 @@ import torch
 
 from flasync import codecs, seeding
 from flasync.bus import EventBus
-from flasync.clock import Clock, Started
+from flasync.clock import Clock, Started, VirtualClock
 from flasync.diagnostics import DivergedTraining
 from flasync.errors import InjectedFault
 from flasync.events import (
@@ -296,8 +296,10 @@ def _uploaded(
     prepared: _Prepared,
     trained: TrainedUpdate,
     upload_s: float,
+    at: float | None = None,
 ) -> UpdateUploaded:
-    """Return the upload of a trained task, sent now."""
+    """Return the upload of a trained task, sent now (``at``: sent at that virtual time, as part of a batch sent
+    at a later one)."""
     result = trained.result
     return UpdateUploaded(
         to=task.reply_to,
@@ -308,7 +310,7 @@ def _uploaded(
         payload=trained.payload,
         control=trained.control,
         train_loss=result.loss,
-        simulated_s=world.clock.now(),
+        simulated_s=world.clock.now() if at is None else at,
         sent_wall_s=world.wall(),
         compute_s=result.train_s,
         encode_s=trained.encode_s,
@@ -465,6 +467,13 @@ class CohortClients:
     flight (:attr:`together` False: a round that closes on a quorum or a deadline, task timeouts), the uploads due
     at one time go out one at a time, each on its own timer, so that the server handles each before the next.
 
+    Where the receiver does nothing with an upload but fold it in until the last one of its round has come
+    (:attr:`gather`: rounds that close on every answer, straight to the cloud), the uploads due at different times
+    go out as one batch at the last of those times, whenever the virtual clock has nothing else to fire before it
+    (:meth:`~flasync.clock.VirtualClock.next_timer`): what the receiver and every observer see of each upload is
+    what they would see of it sent alone at its own time (its ``simulated_s``), in the same order, and the round
+    closes at the same time, without a timer, a loop pass and an event per upload time.
+
     Only a run whose fault model makes no task crash, hang or drop out and keeps every client online uses groups:
     such a fault decides per task whether and when it answers. Byzantine clients attack within a group as they do
     alone.
@@ -473,17 +482,27 @@ class CohortClients:
         world: The simulated world the clients live in.
         live: Tells whether a task is still in flight.
         together: Publish the uploads due at one time together.
+        gather: Publish the uploads due at different times together, at the last of them, where the clock has
+            nothing else before it (only with ``together``).
     """
 
-    __slots__ = ("live", "together", "world")
+    __slots__ = ("gather", "live", "together", "world")
 
-    def __init__(self, world: ClientWorld, live: Callable[[TaskAssigned], bool], *, together: bool = True) -> None:
+    def __init__(
+        self,
+        world: ClientWorld,
+        live: Callable[[TaskAssigned], bool],
+        *,
+        together: bool = True,
+        gather: bool = False,
+    ) -> None:
         """Bind the group to the run."""
         if world.faults is not None and world.faults.active:
             raise ValueError("tasks run as a group only when no fault decides whether and when they answer")
         self.world = world
         self.live = live
         self.together = together
+        self.gather = gather
 
     async def run(self, tasks: Sequence[TaskAssigned], model: ModelSnapshot) -> None:
         """Run ``tasks``, all on ``model``: train each as :meth:`Client.run` would, upload each at its time."""
@@ -568,9 +587,16 @@ class CohortClients:
                             await bus.publish(_failed(world, task, kind_, error, diagnosis, **_context(task)))
                 elif self.together:
                     await clock.sleep_until(when)
+                    times = [when] * len(due)
+                    if self.gather:
+                        later = _quiet_uploads(agenda, clock)
+                        if later:
+                            await clock.sleep_until(later[-1][0])
+                            due += [i for _, i in later]
+                            times += [at for at, _ in later]
                     sent = [
-                        _uploaded(world, tasks[i], model, prepared[i], *uploads.pop(i))
-                        for i in due
+                        _uploaded(world, tasks[i], model, prepared[i], *uploads.pop(i), at=at)
+                        for i, at in zip(due, times, strict=True)
                         if self.live(tasks[i])
                     ]
                     # As one batch where every receiver takes it (the server decodes and checks them together).
@@ -589,6 +615,19 @@ class CohortClients:
             for job in jobs:
                 job.future.cancel()
             raise
+
+
+def _quiet_uploads(agenda: list[tuple[float, int, int, int]], clock: Clock) -> list[tuple[float, int]]:
+    """Take every entry left on a group's agenda and return them as ``(time, task index)`` in agenda order, when
+    they are all uploads and a virtual clock has nothing else to fire up to the last one; else take nothing and
+    return ``[]``."""
+    if not agenda or not isinstance(clock, VirtualClock) or any(entry[2] != _UPLOAD for entry in agenda):
+        return []
+    entries = sorted(agenda)
+    if not clock.next_timer() > entries[-1][0]:
+        return []
+    agenda.clear()
+    return [(when, index) for when, _, _, index in entries]
 
 
 def _upload_times(

@@ -336,6 +336,18 @@ class VirtualClock:
         """Count timers not yet fired (cancelled ones included until they reach the head)."""
         return len(self._heap)
 
+    def next_timer(self) -> float:
+        """Return the virtual time of the earliest timer pending, cancelled ones aside (``inf`` when none).
+
+        A coroutine that has just woken up, with the loop settled, learns from it that nothing else can happen
+        before that time unless it makes it happen itself: no other coroutine resumes before the clock fires a
+        timer.
+        """
+        heap = self._heap
+        while heap and heap[0].waiter.done():  # cancelled waiters
+            heapq.heappop(heap)
+        return heap[0].when if heap else math.inf
+
     def state(self) -> dict[str, float | int]:
         """Return what a checkpoint needs to restart this clock: the time and the timer sequence counter.
 

@@ -641,7 +641,8 @@ class Instrumentation(Instrument):
             version = self._version
             for member in members:
                 for alert in monitor.observe(member, version):
-                    self._raise(alert)
+                    # At the member's own time: a batch may hold events of several times (its uploads).
+                    self._raise(alert, getattr(member, "simulated_s", None))
 
     def _observe(self, event: object) -> None:
         if isinstance(event, Aggregated):
@@ -652,7 +653,8 @@ class Instrumentation(Instrument):
             for alert in self.monitor.observe(event, self._version):
                 self._raise(alert)
 
-    def _raise(self, alert: Alert) -> None:
+    def _raise(self, alert: Alert, at: float | None = None) -> None:
+        """Log, count and publish ``alert``, raised at virtual time ``at`` (None: now)."""
         assert self.monitor is not None
         count = self.monitor.record(alert)
         kind = alert.kind
@@ -675,7 +677,7 @@ class Instrumentation(Instrument):
             count=count,
             version=Version(self._version),
             client_id=None if alert.client_id is None else ClientId(int(alert.client_id)),
-            simulated_s=self._now(),
+            simulated_s=self._now() if at is None else at,
         )
         try:
             self.bus.publish_nowait(event)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -12,10 +13,12 @@ import tracking
 from flasync import client as client_module
 from flasync.aggregation import BufferedAggregator
 from flasync.bus import EventBus
+from flasync.clock import VirtualClock, WallClock
 from flasync.events import (
     TaskAssigned,
     TasksAssigned,
     UpdateReceived,
+    UpdateRejected,
     UpdatesReceived,
     UpdatesUploaded,
     UpdateUploaded,
@@ -225,6 +228,90 @@ def test_a_batchs_debug_lines_reach_the_metrics_when_an_update_of_it_fails(monke
     with pytest.raises(RuntimeError, match="sixth update"):
         run_loop(flasync.Federation(config, tracker=tracker).run())
     assert sorted(r.step for r in tracker.metrics if r.key == "server/update/norm") == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(("server={kind: fedavg, clients_per_round: 8}",), id="fedavg"),
+        pytest.param(
+            (
+                "server={kind: fedavg, clients_per_round: 8}",
+                "faults.byzantine=0.3",
+                "resilience.max_update_norm=3.0",
+            ),
+            id="fedavg-refusals",
+        ),
+        pytest.param(("server={kind: fedavg, clients_per_round: 6}", "codec.upload=[{kind: fp16}]"), id="fedavg-fp16"),
+    ],
+)
+def test_a_rounds_uploads_due_at_several_times_travel_as_one_batch_and_change_nothing(
+    overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients of their own speeds upload a round at as many times; a round that closes on its last answer takes
+    them as one batch at the last of those times. Every upload, refusal and update received carries the virtual
+    time it has when each upload travels alone (one coroutine per task), the weights are the same bit for bit, and
+    so are the counts and the run's virtual duration."""
+    batches: list[int] = []
+    publish = EventBus.publish
+
+    async def counted(bus: EventBus, event: object) -> None:
+        if isinstance(event, UpdatesUploaded):
+            batches.append(len(event.uploads))
+        await publish(bus, event)
+
+    monkeypatch.setattr(EventBus, "publish", counted)
+
+    def recorded(*extra: str) -> tuple[flasync.RunSummary, EventRecorder]:
+        federation = flasync.Federation(small_config("executor.kind=vectorized", *overrides, *extra))
+        recorder = EventRecorder(federation.bus)
+        return run_loop(federation.run()), recorder
+
+    together, seen = recorded()
+    assert batches and max(batches) == int(overrides[0].split("clients_per_round: ")[1].rstrip("}"))
+    apart, alone = recorded(_ONE_EACH)
+    assert apart.weights_sha256 == together.weights_sha256
+    counts = ("updates_accepted", "updates_dropped", "updates_failed", "versions", "simulated_s")
+    assert [getattr(together, c) for c in counts] == [getattr(apart, c) for c in counts]
+
+    def times(recorder: EventRecorder, kind: type[Any]) -> list[tuple[int, float]]:
+        return sorted((event.task_id, event.simulated_s) for event in recorder.of(kind))
+
+    uploads = times(seen, UpdateUploaded)
+    assert len({at for _, at in uploads}) > len(uploads) // 2  # uploads of distinct times
+    for kind in (UpdateUploaded, UpdateReceived, UpdateRejected):
+        assert times(seen, kind) == times(alone, kind)
+    if "byzantine" in " ".join(overrides):
+        assert together.updates_dropped > 0  # refused between accepted members of a batch
+
+
+async def test_uploads_wait_for_their_times_where_the_clock_has_anything_before_the_last() -> None:
+    """_quiet_uploads takes a group's remaining uploads only when they are all uploads and the virtual clock fires
+    nothing up to the last of them; otherwise it leaves the agenda as it was."""
+    clock = VirtualClock()
+    upload, failed = client_module._UPLOAD, client_module._FAILED
+
+    async def body() -> None:
+        agenda = [(3.0, 10, upload, 0), (4.0, 11, upload, 1)]
+        assert client_module._quiet_uploads(agenda, clock) == [(3.0, 0), (4.0, 1)] and agenda == []
+        other = asyncio.create_task(clock.sleep_until(5.0))
+        await asyncio.sleep(0)
+        for kept in (
+            [(3.0, 10, upload, 0), (6.0, 11, upload, 1)],  # the other timer comes first
+            [(3.0, 10, upload, 0), (5.0, 11, upload, 1)],  # or at the same time
+            [(3.0, 10, upload, 0), (4.0, 2, failed, 1)],  # a failure is published at its own time
+        ):
+            before = list(kept)
+            assert client_module._quiet_uploads(kept, clock) == [] and kept == before
+        assert client_module._quiet_uploads([(1.0, 5, upload, 0)], WallClock()) == []
+        await other
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(clock.drive())
+        try:
+            await body()
+        finally:
+            clock.stop()
 
 
 def test_an_observer_that_wants_each_upload_gets_each_one() -> None:

@@ -365,3 +365,25 @@ def test_both_clocks_are_run_clocks_and_checkpoint_components() -> None:
         state = clock.state_dict()
         clock.load_state_dict(state)
         assert clock.now() == pytest.approx(state["now"], abs=0.01)
+
+
+async def test_next_timer_is_the_earliest_live_timer() -> None:
+    """next_timer reads the earliest pending timer's time, past cancelled ones, and infinity when none is pending:
+    what a coroutine that has just woken up may rely on to know nothing else happens before then."""
+    clock = VirtualClock()
+    assert clock.next_timer() == float("inf")
+
+    async def body() -> None:
+        early = asyncio.create_task(clock.sleep_until(2.0))
+        late = asyncio.create_task(clock.sleep_until(5.0))
+        await asyncio.sleep(0)
+        assert clock.next_timer() == 2.0
+        early.cancel()
+        await asyncio.sleep(0)
+        assert clock.next_timer() == 5.0
+        await clock.sleep_until(1.0)  # woken with the loop settled: nothing else before 5.0
+        assert clock.now() == 1.0 and clock.next_timer() == 5.0
+        await late
+        assert clock.next_timer() == float("inf")
+
+    await _drive(clock, body())

@@ -400,9 +400,10 @@ class Server:
             self._failed(message.kind, message.reason, message.task_id, int(message.client_id))
 
     async def _receive_update(self, message: UpdateUploaded, size: int, decoded: Decoded | None = None) -> bool:
-        outcome = self._take(message, decoded, size)
+        now = self.clock.now()
+        outcome = self._take(message, decoded, size, now)
         if isinstance(outcome, Refused):
-            await self._reject(message, outcome.reason, outcome.detail)
+            await self._reject(message, outcome.reason, outcome.detail, now)
             return False
         await self.bus.publish(outcome)
         return True
@@ -410,9 +411,11 @@ class Server:
     async def _receive_batch(self, batch: list[tuple[UpdateUploaded, Decoded | None]]) -> None:
         """Handle the uploads of a batch between which nothing can happen: a round that closes on its last answer.
 
-        Each upload is counted, admitted, folded in and logged as it would be alone, in order; the updates accepted
-        are published as one :class:`UpdatesReceived` where every observer takes batches (a refusal's event keeps
-        its place between them), and the policy learns of each.
+        Each upload is counted, admitted, folded in and logged as it would be alone, in order, received at the time
+        it was sent (a batch may hold uploads sent at several times, handed over at the last of them: see
+        :class:`~flasync.client.CohortClients`); the updates accepted are published as one :class:`UpdatesReceived`
+        where every observer takes batches (a refusal's event keeps its place between them), and the policy learns
+        of each.
         """
         received: list[UpdateReceived] = []
         lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
@@ -420,13 +423,13 @@ class Server:
             for message, decoded in batch:
                 size = message.upload_bytes
                 self.accounting.ingress(size)
-                outcome = self._take(message, decoded, size, lines)
+                outcome = self._take(message, decoded, size, message.simulated_s, lines)
                 if isinstance(outcome, Refused):
                     debug_many(self.log, "server.update", lines)
                     lines = []
                     await self.bus.publish_together(UpdatesReceived, received)
                     received = []
-                    await self._reject(message, outcome.reason, outcome.detail)
+                    await self._reject(message, outcome.reason, outcome.detail, message.simulated_s)
                     self.policy.note(message, accepted=False)
                 else:
                     received.append(outcome)
@@ -436,10 +439,16 @@ class Server:
         await self.bus.publish_together(UpdatesReceived, received)
 
     def _take(
-        self, message: UpdateUploaded, decoded: Decoded | None, size: int, lines: list[dict[str, Any]] | None = None
+        self,
+        message: UpdateUploaded,
+        decoded: Decoded | None,
+        size: int,
+        received_s: float,
+        lines: list[dict[str, Any]] | None = None,
     ) -> UpdateReceived | Refused:
-        """Admit an upload (of ``size`` bytes) and, if it passes, fold it in, count and log it; return its event or the
-        refusal. With ``lines``, its debug line's fields are appended there for the caller to log rather than logged."""
+        """Admit an upload (of ``size`` bytes, received at virtual time ``received_s``) and, if it passes, fold it in,
+        count and log it; return its event or the refusal. With ``lines``, its debug line's fields are appended there
+        for the caller to log rather than logged."""
         self.accounting.uploaded(size)
         verdict = self.intake.admit(message, version=int(self.version), decoded=decoded)
         if isinstance(verdict, Refused):
@@ -474,7 +483,7 @@ class Server:
             version=self.version,
             staleness=verdict.staleness,
             upload_bytes=size,
-            simulated_s=self.clock.now(),
+            simulated_s=received_s,
             tier=message.tier,
             decode_s=verdict.decode_s,
             queue_wait_s=queue_wait_s,
@@ -501,7 +510,7 @@ class Server:
             decode_s=self.wall() - start,
         )
 
-    async def _reject(self, message: UpdateUploaded, reason: str, detail: str) -> None:
+    async def _reject(self, message: UpdateUploaded, reason: str, detail: str, received_s: float) -> None:
         self.accounting.rejected(reason)
         dropped = self.stats.updates_dropped
         # A second update of a client in one version is expected under differential privacy: not worth a line.
@@ -522,7 +531,7 @@ class Server:
                 base_version=message.base_version,
                 reason=reason,
                 detail=detail,
-                simulated_s=self.clock.now(),
+                simulated_s=received_s,
             )
         )
 

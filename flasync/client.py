@@ -298,8 +298,8 @@ def _uploaded(
     upload_s: float,
     at: float | None = None,
 ) -> UpdateUploaded:
-    """Return the upload of a trained task, sent now (``at``: sent at that virtual time, as part of a batch sent
-    at a later one)."""
+    """Return the upload of a trained task, sent at virtual time ``at`` (None: now; a batch of uploads sent at
+    several times is handed over at the last of them)."""
     result = trained.result
     return UpdateUploaded(
         to=task.reply_to,
@@ -587,7 +587,7 @@ class CohortClients:
                             await bus.publish(_failed(world, task, kind_, error, diagnosis, **_context(task)))
                 elif self.together:
                     await clock.sleep_until(when)
-                    times = [when] * len(due)
+                    times = [clock.now()] * len(due)
                     if self.gather:
                         later = _quiet_uploads(agenda, clock)
                         if later:

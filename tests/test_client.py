@@ -102,6 +102,20 @@ def test_clients_failing_alike_are_warned_of_a_few_times_not_once_each(capsys: p
     assert all("DivergedTraining" in line for line in warnings)
 
 
+def _upload_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Return a list that gets the size of every :class:`UpdatesUploaded` published from now on."""
+    batches: list[int] = []
+    publish = EventBus.publish
+
+    async def counted(bus: EventBus, event: object) -> None:
+        if isinstance(event, UpdatesUploaded):
+            batches.append(len(event.uploads))
+        await publish(bus, event)
+
+    monkeypatch.setattr(EventBus, "publish", counted)
+    return batches
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -141,15 +155,7 @@ def test_uploads_due_together_travel_as_one_batch_and_change_nothing(
     """Uploads due at one time go to the server as one :class:`UpdatesUploaded` (decoded and checked together); the
     run ends with the weights, bit for bit, and the counts of one coroutine per task, whose uploads travel alone, even
     where a version steps and updates are refused between the members of one batch."""
-    batches: list[int] = []
-    publish = EventBus.publish
-
-    async def counted(bus: EventBus, event: object) -> None:
-        if isinstance(event, UpdatesUploaded):
-            batches.append(len(event.uploads))
-        await publish(bus, event)
-
-    monkeypatch.setattr(EventBus, "publish", counted)
+    batches = _upload_batches(monkeypatch)
     config = small_config("executor.kind=vectorized", *overrides)
     together = flasync.run(config)
     assert batches and max(batches) > 2
@@ -231,44 +237,31 @@ def test_a_batchs_debug_lines_reach_the_metrics_when_an_update_of_it_fails(monke
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("per_round", "extra"),
     [
-        pytest.param(("server={kind: fedavg, clients_per_round: 8}",), id="fedavg"),
-        pytest.param(
-            (
-                "server={kind: fedavg, clients_per_round: 8}",
-                "faults.byzantine=0.3",
-                "resilience.max_update_norm=3.0",
-            ),
-            id="fedavg-refusals",
-        ),
-        pytest.param(("server={kind: fedavg, clients_per_round: 6}", "codec.upload=[{kind: fp16}]"), id="fedavg-fp16"),
+        pytest.param(8, (), id="fedavg"),
+        pytest.param(8, ("faults.byzantine=0.3", "resilience.max_update_norm=3.0"), id="fedavg-refusals"),
+        pytest.param(6, ("codec.upload=[{kind: fp16}]",), id="fedavg-fp16"),
     ],
 )
 def test_a_rounds_uploads_due_at_several_times_travel_as_one_batch_and_change_nothing(
-    overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+    per_round: int, extra: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Clients of their own speeds upload a round at as many times; a round that closes on its last answer takes
     them as one batch at the last of those times. Every upload, refusal and update received carries the virtual
     time it has when each upload travels alone (one coroutine per task), the weights are the same bit for bit, and
     so are the counts and the run's virtual duration."""
-    batches: list[int] = []
-    publish = EventBus.publish
+    batches = _upload_batches(monkeypatch)
 
-    async def counted(bus: EventBus, event: object) -> None:
-        if isinstance(event, UpdatesUploaded):
-            batches.append(len(event.uploads))
-        await publish(bus, event)
+    overrides = ("executor.kind=vectorized", f"server={{kind: fedavg, clients_per_round: {per_round}}}", *extra)
 
-    monkeypatch.setattr(EventBus, "publish", counted)
-
-    def recorded(*extra: str) -> tuple[flasync.RunSummary, EventRecorder]:
-        federation = flasync.Federation(small_config("executor.kind=vectorized", *overrides, *extra))
+    def recorded(*more: str) -> tuple[flasync.RunSummary, EventRecorder]:
+        federation = flasync.Federation(small_config(*overrides, *more))
         recorder = EventRecorder(federation.bus)
         return run_loop(federation.run()), recorder
 
     together, seen = recorded()
-    assert batches and max(batches) == int(overrides[0].split("clients_per_round: ")[1].rstrip("}"))
+    assert batches and max(batches) == per_round  # a whole round in one batch
     apart, alone = recorded(_ONE_EACH)
     assert apart.weights_sha256 == together.weights_sha256
     counts = ("updates_accepted", "updates_dropped", "updates_failed", "versions", "simulated_s")
@@ -281,7 +274,7 @@ def test_a_rounds_uploads_due_at_several_times_travel_as_one_batch_and_change_no
     assert len({at for _, at in uploads}) > len(uploads) // 2  # uploads of distinct times
     for kind in (UpdateUploaded, UpdateReceived, UpdateRejected):
         assert times(seen, kind) == times(alone, kind)
-    if "byzantine" in " ".join(overrides):
+    if extra and "byzantine" in extra[0]:
         assert together.updates_dropped > 0  # refused between accepted members of a batch
 
 

@@ -90,6 +90,13 @@ CASES: dict[str, dict[str, Any]] = {
     "tree_hierfavg": _case(server=FEDAVG, topology={"kind": "tree", "fanout": [4], "kappa2": 2}),
     "tree_hierfavg_depth2": _case(server=FEDAVG, topology={"kind": "tree", "fanout": [2, 2], "kappa2": 1}),
     "lazy": _case(data={"kind": "synthetic", "lazy": True, "samples_per_client": 30}, population={"num_clients": 1000}),
+    "scaffold": _case(server=FEDAVG, scaffold={"enabled": True, "max_in_memory": 8}),
+    "scaffold_vectorized": _case(server=FEDAVG, scaffold={"enabled": True}, executor={"kind": "vectorized"}),
+    "fedprox": _case(server=FEDAVG, client={"proximal_mu": 0.1}),
+    "dp_fedavg": _case(server=FEDAVG, privacy={"enabled": True, "clip_norm": 1.0, "noise_multiplier": 1.0}),
+    "fedbuff_topk_spill": _case(
+        codec={"upload": [{"kind": "topk", "ratio": 0.1, "error_feedback": True}], "max_residuals_in_memory": 4}
+    ),
     "default": {"tracking": {"enabled": False}},
 }
 

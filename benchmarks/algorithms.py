@@ -25,7 +25,7 @@ from typing import Any
 import uvloop
 
 import flasync
-from flasync.events import Evaluated
+from flasync.core.events import Evaluated
 
 ROUND = 10  # clients per round (FedAvg family) and buffer size K (FedBuff family): one version = 10 updates
 FEDAVG = {"kind": "fedavg", "clients_per_round": ROUND}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mlflow
 
-from flasync import checkpoint
+from flasync.runtime import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """

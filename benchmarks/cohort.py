@@ -6,8 +6,9 @@ sums the deltas (sample-weighted), as one FedAvg round does:
 
 * ``plain loop``: a bare ``for`` loop over clients with ``torch.optim.SGD``, indexing in-memory tensors (no
   DataLoader) - what a per-client FL simulator does at best;
-* ``flasync train()``: flasync's per-client path (:func:`flasync.training.train` on a flat model), one at a time;
-* ``vectorized``: :class:`flasync.cohort.CohortTrainer`, cohorts of ``--max-cohort`` clients, deltas folded with
+* ``flasync train()``: flasync's per-client path (:func:`flasync.training.local.train` on a flat model), one at a time;
+* ``vectorized``: :class:`flasync.training.cohort.CohortTrainer`, cohorts of ``--max-cohort`` clients, deltas folded
+with
   ``UpdateBuffer.add_stacked``;
 * with ``--engine``, the whole engine (``flasync.run``: sync FedAvg rounds of ``min(clients, --max-cohort)``, virtual
   clock, tracking off, clients of ``--speed``) with ``executor.kind = "thread"`` and ``"vectorized"``, each client
@@ -42,14 +43,14 @@ import torch
 import torch.nn.functional as F
 
 import flasync
-from flasync import seeding
 from flasync.aggregation import UpdateBuffer
-from flasync.cohort import CohortMember, CohortTrainer
+from flasync.core import seeding
 from flasync.data import make_synthetic, partition_iid
-from flasync.executors import CohortBatcher
-from flasync.models import MLP
 from flasync.server import Server
-from flasync.training import FlatModel, LocalTraining, flat_parameters, train
+from flasync.training.cohort import CohortMember, CohortTrainer
+from flasync.training.executors.threads import CohortBatcher
+from flasync.training.local import FlatModel, LocalTraining, flat_parameters, train
+from flasync.training.models import MLP
 
 FEATURES, CLASSES, HIDDEN, SAMPLES, BATCH, LR = 32, 10, (64,), 200, 32, 0.01
 CFG = LocalTraining(epochs=1, batch_size=BATCH, lr=LR)

@@ -6,7 +6,8 @@ are large. For each model and group size, interleaved ``--repeats`` times on a p
 intra-op thread each, as the vectorized executor's), the script times the group trained as one cohort on one thread
 and as two cohorts of half its size on both, and prints the medians of the wall times, ``one / split`` (above 1: the
 split pays), the CPU per member of the single cohort, and how many cohorts
-:func:`flasync.executors.cohorts_for` makes of the group at that pace (the batcher's ``MIN_SPLIT`` and ``MIN_PART_S``).
+:func:`flasync.training.executors.threads.cohorts_for` makes of the group at that pace (the batcher's ``MIN_SPLIT`` and
+``MIN_PART_S``).
 
 Models: the tutorial MLP (32-64-10, 200 samples per client, batch 32: its own ``cohort_forward``) and the built-in
 CNN on 8 x 8 images (50 samples per client, batch 16: through ``vmap``).
@@ -26,11 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from cohort import CFG, CLASSES, FEATURES, HIDDEN, Workload
 
-from flasync import seeding
-from flasync.cohort import CohortMember, CohortResult, CohortTrainer
-from flasync.executors import CohortBatcher, _init_worker, cohorts_for
-from flasync.models import MLP, SmallCNN
-from flasync.training import LocalTraining, flat_parameters
+from flasync.core import seeding
+from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
+from flasync.training.executors.threads import CohortBatcher, _init_worker, cohorts_for
+from flasync.training.local import LocalTraining, flat_parameters
+from flasync.training.models import MLP, SmallCNN
 
 CNN_SAMPLES = 50
 CNN_CFG = LocalTraining(epochs=1, batch_size=16, lr=0.05)

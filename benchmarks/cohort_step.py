@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from cohort import CFG, FEATURES, HIDDEN, Workload
 
-from flasync.cohort import CohortMember, CohortTrainer
-from flasync.models import MLP
+from flasync.training.cohort import CohortMember, CohortTrainer
+from flasync.training.models import MLP
 
 CLASSES = 10
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +39,8 @@ DRIVER = """
 import json, sys, time
 import torch
 from cohort import CFG, FEATURES, HIDDEN, Workload
-from flasync.cohort import CohortMember, CohortTrainer
-from flasync.models import MLP
+from flasync.training.cohort import CohortMember, CohortTrainer
+from flasync.training.models import MLP
 torch.set_num_threads(1)
 sizes, calls = [int(s) for s in sys.argv[1].split(",")], int(sys.argv[2])
 work = Workload(max(sizes), torch.device("cpu"))

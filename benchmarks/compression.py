@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 import flasync
-import tracking
+from flasync import tracking
 from flasync.codecs import Float16, Int8, Pipeline, Stage, TopK
 from flasync.config import load_config
-from flasync.events import Evaluated, UpdateReceived
+from flasync.core.events import Evaluated, UpdateReceived
 from flasync.testing import EventRecorder
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

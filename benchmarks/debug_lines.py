@@ -2,7 +2,8 @@
 
 A tracked run turns its per-update debug lines (``client``: 13 fields of a trained task; ``server.update``: 6 of an
 accepted update) into metric rows at the log call. Lines of a batch (a cohort's trained tasks, a round's uploads that
-arrive together) go through :func:`flasync.instruments.debug_many`, which hands them to the metrics processor in one
+arrive together) go through :func:`flasync.core.instruments.debug_many`, which hands them to the metrics processor in
+one
 call. This script times both ways through the logger a tracked run builds (``tracking.make_logger`` with the run's
 :class:`tracking.MetricsProcessor` and :class:`tracking.ConstantSeries`, ``tracking.metrics = "standard"``, the
 writer's queue replaced by a sink that keeps nothing), with batches of ``--batch`` lines, and checks that both ways
@@ -19,9 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import tracking
-from flasync import runtime
-from flasync.instruments import debug_many
+from flasync import runtime, tracking
+from flasync.core.instruments import debug_many
 
 LINES: dict[str, Callable[[int], dict[str, Any]]] = {
     "client": lambda i: {

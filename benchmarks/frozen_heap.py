@@ -1,10 +1,10 @@
-"""The whole ``flasync.run`` call with and without the frozen heap (:mod:`flasync.loops`), same run, interleaved.
+"""The whole ``flasync.run`` call with and without the frozen heap (:mod:`flasync.core.loops`), same run, interleaved.
 
 Three ways to run the same federation, each call in turn:
 
 * ``none``: awaited in a new uvloop loop without a frozen heap (what an embedding service's own loop does): the
   run's full garbage collections walk torch's 170,000 objects every time;
-* ``first full``: a federation built before the loop, run by :func:`flasync.loops.run_loop`
+* ``first full``: a federation built before the loop, run by :func:`flasync.core.loops.run_loop`
   (``frozen_heap()``): what survives the run's first full collection is kept out of the later ones;
 * ``at start``: ``flasync.run``, which builds the federation inside the loop and freezes the heap at the run's start
   (``frozen_heap(at_start=True)``): no collection of the run walks what existed before it.
@@ -31,7 +31,7 @@ from typing import Any
 import uvloop
 
 import flasync
-from flasync.loops import run_loop
+from flasync.core.loops import run_loop
 
 POINTS = {"100 x 20": (100, 20), "1,000 x 5": (1000, 5), "1,000 x 20": (1000, 20)}
 

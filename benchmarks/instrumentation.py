@@ -33,8 +33,8 @@ import torch
 import uvloop
 
 import flasync
-import tracking
-from flasync.plots import render_plots
+from flasync import tracking
+from flasync.observe.plots import render_plots
 
 RUNNERS: dict[str, dict[str, Any]] = {
     "none": {"profile": False, "level": "off"},

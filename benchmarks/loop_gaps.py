@@ -29,7 +29,7 @@ HEAVY = ("sklearn", "scipy", "pandas", "matplotlib", "mlflow", "mlflow.pytorch")
 
 PROBE = """
 import asyncio, gc, json, sys, time
-import tracking
+from flasync import tracking
 from flasync import Federation
 from flasync.testing import small_config
 

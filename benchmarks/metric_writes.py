@@ -7,7 +7,7 @@ keys each), then stores them in batches of 1,000 into a fresh SQLite store, two 
 goes first:
 
 * ``log_batch``: ``MlflowClient.log_batch``, what the writer process called before;
-* ``direct``: :class:`tracking.sqlite_metrics.SqliteMetrics`, what it calls now where the store's tables fit.
+* ``direct``: :class:`flasync.tracking.sqlite_metrics.SqliteMetrics`, what it calls now where the store's tables fit.
 
 Printed: the medians of CPU and wall seconds per run, microseconds of CPU per row, and the ratio; then whether both
 runs of every repeat left the same rows in ``metrics`` and ``latest_metrics``.
@@ -27,8 +27,8 @@ from pathlib import Path
 import mlflow
 from mlflow.entities import Metric
 
-from tracking.sqlite_metrics import Row, SqliteMetrics
-from tracking.store import prepare_sqlite_store
+from flasync.tracking.sqlite_metrics import Row, SqliteMetrics
+from flasync.tracking.store import prepare_sqlite_store
 
 BATCH = 1_000
 PER_UPDATE = ("client/loss", "client/train_s", "server/update/queue_wait_s")

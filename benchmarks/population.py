@@ -2,8 +2,10 @@
 
     python benchmarks/population.py [--clients 1000000] [--draw 1000] [--repeats 200]
 
-Builds what a run holds per client - :class:`flasync.population.Population` (sizes, speeds, availability phases,
-least-recently-used state), the simulated :class:`~flasync.population.Network`, the server's participation counts -
+Builds what a run holds per client - :class:`flasync.clients.simulated.population.Population` (sizes, speeds,
+availability phases,
+least-recently-used state), the simulated :class:`~flasync.clients.simulated.population.Network`, the server's
+participation counts -
 and the lazy data of a million clients (:class:`~flasync.data.LazyIIDPartition` over 200 samples per client, or
 per-client :class:`~flasync.data.SyntheticClients`), measuring the memory it allocates (tracemalloc, which sees
 NumPy's buffers, and the process RSS). Then draws ``--draw`` clients ``--repeats`` times per strategy, marking each
@@ -21,10 +23,10 @@ import tracemalloc
 import numpy as np
 import psutil
 
-from flasync import seeding
+from flasync.clients.simulated.population import SAMPLING_STRATEGIES, Network, Population
 from flasync.config import LogNormalSpeed, NetworkConfig
+from flasync.core import seeding
 from flasync.data import LazyIIDPartition, SyntheticClients
-from flasync.population import SAMPLING_STRATEGIES, Network, Population
 
 SAMPLES_PER_CLIENT = 200
 

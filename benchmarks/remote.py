@@ -4,8 +4,10 @@ The workload: digits, MLP 64-32-10, FedBuff (K = clients / 2, every client busy)
 wall clock, tracking off, evaluation only at the end. For each number of clients (5, 20, 50 by default):
 
 * *simulated*: ``await Federation(config).run()``, clients as coroutines in the server's process;
-* *remote*: the same config with ``remote.enabled``, served by ``flasync.serve.serve`` under uvicorn on 127.0.0.1
-  (a real TCP socket, HTTP/1.1) in this process, and the clients as ``flasync.remote.Client`` coroutines in one
+* *remote*: the same config with ``remote.enabled``, served by ``flasync.runtime.serve.serve`` under uvicorn on
+127.0.0.1
+  (a real TCP socket, HTTP/1.1) in this process, and the clients as ``flasync.clients.remote.client.Client`` coroutines
+  in one
   *separate* process (this script with ``--clients-of``; it imports torch before the run starts), sharing one httpx
   connection pool (a connection per client), each training on its partition of digits.
 
@@ -37,11 +39,11 @@ from typing import Any
 
 import httpx
 
-from flasync.events import TaskAssigned, UpdateReceived
-from flasync.remote import Client
-from flasync.runtime import Federation
-from flasync.serve import serve
-from flasync.summary import RunSummary
+from flasync.clients.remote.client import Client
+from flasync.core.events import TaskAssigned, UpdateReceived
+from flasync.observe.summary import RunSummary
+from flasync.runtime.federation import Federation
+from flasync.runtime.serve import serve
 
 
 def config(clients: int, versions: int, tokens: Path | None) -> dict[str, Any]:

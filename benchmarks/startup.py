@@ -4,7 +4,8 @@ Runs ``python -m flasync run`` (the default experiment) four ways, ``--repeats``
 into a new SQLite store with no schema kept yet (a new user's very first run: its schema is replayed from the one
 flasync ships, or built by MLflow's migrations for an MLflow it ships none for), tracked into
 a new store in another folder (its schema a copy of the one the first run kept, see
-:func:`tracking.store.prepare_sqlite_store`), tracked again into that store, and with ``--no-tracking``. Each repeat
+:func:`flasync.tracking.store.prepare_sqlite_store`), tracked again into that store, and with ``--no-tracking``. Each
+repeat
 has a cache folder of its own (``XDG_CACHE_HOME``), so the first kind never finds a kept schema.
 Every stderr line is time-stamped as it arrives, which gives: the first line, the start of each phase (``run.phase``:
 loading the data, starting the MLflow run, logging the artifacts), training (``run.started`` to the last

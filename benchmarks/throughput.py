@@ -49,11 +49,11 @@ import torch
 import torch.nn.functional as F
 
 import flasync
-import tracking
-from flasync import seeding
+from flasync import tracking
+from flasync.core import seeding
 from flasync.data import ArrayData, Partition, make_synthetic, partition_iid
-from flasync.models import MLP
-from flasync.training import FlatModel, LocalTraining, train
+from flasync.training.local import FlatModel, LocalTraining, train
+from flasync.training.models import MLP
 
 FEATURES, CLASSES, HIDDEN, SAMPLES, BATCH, LR = 32, 10, (64,), 200, 32, 0.01
 
@@ -126,7 +126,8 @@ def _plain_loop(num_clients: int, updates: int, seed: int) -> float:
 def training_alone(num_clients: int, updates: int, seed: int = 0) -> float:
     """Train the same clients with flasync's local training function in a bare loop; return updates per second.
 
-    No event loop, executor, codec or server: what flasync's :func:`~flasync.training.train` costs by itself, on one
+    No event loop, executor, codec or server: what flasync's :func:`~flasync.training.local.train` costs by itself, on
+    one
     intra-op thread like flasync's workers, so that the gap between it and a federation is the framework's
     orchestration.
     """

@@ -9,7 +9,7 @@ the model. Two ways to call it:
   a script that trains once would: every tracked call is the first of its process;
 * ``session``: one interpreter makes ``--session-pairs`` pairs of calls (untracked, then tracked, the same store), as
   a sweep, a notebook or a service embedding flasync does: its first tracked call starts MLflow's writer process,
-  the later ones reuse it (kept idle between runs, see :mod:`tracking._child`).
+  the later ones reuse it (kept idle between runs, see :mod:`flasync.tracking._child`).
 
 Runners alternate within each repeat, so a shared machine's drift hits them alike. Printed per runner: the medians of
 the call's seconds, of client updates per second of the call, of the federation's own ``wall_s``, of the seconds of

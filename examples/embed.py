@@ -13,8 +13,8 @@ import asyncio
 import time
 
 import flasync
-from flasync.bus import OverflowPolicy
-from flasync.events import Evaluated, RunFinished
+from flasync.core.bus import OverflowPolicy
+from flasync.core.events import Evaluated, RunFinished
 
 
 async def heartbeat(stop: asyncio.Event) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 
 import flasync
-import flasync.serve
+import flasync.runtime.serve
 
 
 def federation_config(tokens_file: str, **overrides: Any) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def build_app(config: Mapping[str, Any]) -> tuple[FastAPI, flasync.Federation]:
             return {"state": "starting"}
         return {"state": "running", "version": int(server.version), "accuracy": server.stats.accuracy}
 
-    app.mount("/fl", flasync.serve.asgi_app(federation))
+    app.mount("/fl", flasync.runtime.serve.asgi_app(federation))
     return app, federation
 
 

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from flasync._version import __version__
-from flasync.errors import (
+from flasync.core.errors import (
     CheckpointError,
     ConfigError,
     DataError,
@@ -23,20 +23,20 @@ from flasync.errors import (
 
 if TYPE_CHECKING:
     from flasync.aggregation import Aggregator
-    from flasync.assembly import AggregatorFactory
     from flasync.config import RunConfig, load_config
-    from flasync.runtime import Federation, RunSummary, run
-    from flasync.training import LocalObjective
+    from flasync.runtime.assembly import AggregatorFactory
+    from flasync.runtime.federation import Federation, RunSummary, run
+    from flasync.training.local import LocalObjective
 
 # Imported on first use: the runtime brings in torch (about a second), which `python -m flasync` should not pay
 # before it can say anything, nor `flasync --help`.
 _LAZY = {
     "Aggregator": "flasync.aggregation",
-    "AggregatorFactory": "flasync.assembly",
-    "LocalObjective": "flasync.training",
-    "Federation": "flasync.runtime",
-    "RunSummary": "flasync.runtime",
-    "run": "flasync.runtime",
+    "AggregatorFactory": "flasync.runtime.assembly",
+    "LocalObjective": "flasync.training.local",
+    "Federation": "flasync.runtime.federation",
+    "RunSummary": "flasync.runtime.federation",
+    "run": "flasync.runtime.federation",
     "RunConfig": "flasync.config",
     "load_config": "flasync.config",
 }

@@ -11,7 +11,7 @@ Example::
         federation = flasync.Federation(small_config(), tracker=tracker)
         events = EventRecorder(federation.bus)
         summary = await federation.run()
-        assert events.count(flasync.events.ModelPublished) == summary.versions + 1
+        assert events.count(flasync.core.events.ModelPublished) == summary.versions + 1
         assert tracker.status == "FINISHED"
 """
 
@@ -36,12 +36,14 @@ from flasync.aggregation import (
     EqualExampleWeight,
     ServerOptimizer,
 )
-from flasync.bus import EventBus, OverflowPolicy
-from flasync.clock import VirtualClock
+from flasync.clients.simulated.population import Population
+from flasync.codecs.validation import UpdateValidator
 from flasync.config import ConstantSpeed, RunConfig, apply_override, validate
-from flasync.errors import BusClosed
-from flasync.events import BATCH_EVENTS, ClientFailed, TaskAssigned, UpdateUploaded
-from flasync.population import Population
+from flasync.core.bus import EventBus, OverflowPolicy
+from flasync.core.clock import VirtualClock
+from flasync.core.errors import BusClosed
+from flasync.core.events import BATCH_EVENTS, ClientFailed, TaskAssigned, UpdateUploaded
+from flasync.core.snapshots import ModelSnapshot
 from flasync.server import (
     Accounting,
     AsyncSlots,
@@ -53,10 +55,8 @@ from flasync.server import (
     StopRules,
     TaskRegistry,
 )
-from flasync.snapshots import ModelSnapshot
-from flasync.training import EvalResult
-from flasync.validation import UpdateValidator
-from tracking.metrics import MetricRow
+from flasync.tracking.metrics import MetricRow
+from flasync.training.local import EvalResult
 
 __all__ = [
     "EventRecorder",
@@ -214,8 +214,9 @@ class EventRecorder:
     """Record every event published on a bus, without a task: a large drop-oldest subscription read afterwards.
 
     Create it before the run starts; read it after (or during) the run. A batch event
-    (:class:`~flasync.events.TasksAssigned`, :class:`~flasync.events.UpdatesUploaded`,
-    :class:`~flasync.events.UpdatesReceived`) is recorded as the events it carries, in order, so the record reads the
+    (:class:`~flasync.core.events.TasksAssigned`, :class:`~flasync.core.events.UpdatesUploaded`,
+    :class:`~flasync.core.events.UpdatesReceived`) is recorded as the events it carries, in order, so the record reads
+    the
     same whether they travelled together or apart.
 
     Args:

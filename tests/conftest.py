@@ -10,7 +10,7 @@ import pytest
 import structlog
 import torch
 
-from tracking import close_idle_writer
+from flasync.tracking import close_idle_writer
 
 NEEDS_DP_ACCOUNTING = pytest.mark.skipif(
     importlib.util.find_spec("dp_accounting") is None,

@@ -8,12 +8,12 @@ import mlflow
 import pytest
 import torch
 
-import flasync.assembly
-import flasync.runtime
-import tracking
-from flasync import checkpoint
+import flasync.runtime.assembly
+import flasync.runtime.federation
+from flasync import tracking
 from flasync.cli import main
 from flasync.data import ArrayData
+from flasync.runtime import checkpoint
 from flasync.testing import MemoryTracker, small_config
 
 
@@ -153,7 +153,7 @@ def test_resume_problems(capsys: pytest.CaptureFixture[str], store: str) -> None
     _quiet(capsys)
     assert _fails(capsys, store, "run", "--resume", corrupt).startswith("not a readable checkpoint (UnpicklingError): ")
     memory = MemoryTracker()
-    flasync.runtime.run(small_config("stop.max_versions=5", "checkpoint.every_versions=4"), tracker=memory)
+    flasync.runtime.federation.run(small_config("stop.max_versions=5", "checkpoint.every_versions=4"), tracker=memory)
     done = _run_with_checkpoint(store, "FINISHED", checkpoint.latest(memory.artifacts))
     _quiet(capsys)
     assert _fails(capsys, store, "run", "--resume", done) == (
@@ -169,7 +169,7 @@ def test_labels_out_of_range(capsys: pytest.CaptureFixture[str], store: str, mon
     def bad_digits() -> ArrayData:
         return ArrayData(x=torch.zeros(100, 64), y=torch.full((100,), 12, dtype=torch.int64), num_classes=10)
 
-    monkeypatch.setattr(flasync.assembly, "load_digits", bad_digits)
+    monkeypatch.setattr(flasync.runtime.assembly, "load_digits", bad_digits)
     assert _fails(capsys, store, "run") == "labels must be in [0, 10); found 12 at index 0."
 
 
@@ -206,7 +206,7 @@ def test_model_factory_that_raises(
     def broken(*args: object, **kwargs: object) -> torch.nn.Module:
         raise RuntimeError("no GPU here")
 
-    monkeypatch.setattr(flasync.assembly, "MLP", broken)
+    monkeypatch.setattr(flasync.runtime.assembly, "MLP", broken)
     assert _fails(capsys, store, "run") == "model factory failed: RuntimeError: no GPU here"
 
 

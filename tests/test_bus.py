@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flasync.bus import BusStatistics, EventBus, OverflowPolicy, Subscription, SubscriptionStatistics
-from flasync.errors import BusClosed, BusFull
-from flasync.instruments import Instrument
+from flasync.core.bus import BusStatistics, EventBus, OverflowPolicy, Subscription, SubscriptionStatistics
+from flasync.core.errors import BusClosed, BusFull
+from flasync.core.instruments import Instrument
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -619,7 +619,7 @@ async def test_a_full_addressed_subscription_blocks_only_its_own_mail() -> None:
 
 async def test_instruments_see_every_event_in_publish_order_and_the_close() -> None:
     """An instrument's hooks run once per published event, after delivery, and once when the bus closes."""
-    from flasync.instruments import Instrument
+    from flasync.core.instruments import Instrument
 
     class Recorder(Instrument):
         def __init__(self) -> None:
@@ -650,7 +650,7 @@ async def test_instruments_see_every_event_in_publish_order_and_the_close() -> N
 
 async def test_an_instrument_that_raises_is_removed_and_publishing_goes_on() -> None:
     """A failing hook costs its instrument, never the publisher or the other instruments."""
-    from flasync.instruments import Instrument
+    from flasync.core.instruments import Instrument
 
     class Broken(Instrument):
         def event_published(self, event: object) -> None:
@@ -719,7 +719,7 @@ async def test_a_batch_is_allowed_only_where_it_reaches_every_receiver_of_its_me
 
 async def test_publish_together_sends_one_batch_only_where_it_reaches_every_receiver() -> None:
     """publish_together publishes ``batch.of(events)`` where batches_reach allows it, else each event in order."""
-    from flasync.events import ClientId, TaskAssigned, TasksAssigned, Version
+    from flasync.core.events import ClientId, TaskAssigned, TasksAssigned, Version
 
     def task(k: int) -> TaskAssigned:
         return TaskAssigned(task_id=k, client_id=ClientId(k), participation=0, base_version=Version(0), simulated_s=0)

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import flasync
-from flasync import checkpoint
 from flasync.config import load_config
-from flasync.errors import CheckpointError, RunInterrupted
-from flasync.events import Aggregated
+from flasync.core.errors import CheckpointError, RunInterrupted
+from flasync.core.events import Aggregated
+from flasync.runtime import checkpoint
 from flasync.testing import MeanOfDeltas, MemoryTracker, small_config
 from tests.conftest import NEEDS_DP_ACCOUNTING
 
@@ -95,7 +95,8 @@ async def _resumes_exactly(
             (*FAULTY, "privacy.enabled=true", "privacy.noise_multiplier=0.5", "privacy.clip_norm=2"),
             marks=NEEDS_DP_ACCOUNTING,
         ),
-        # No faults: tasks dispatched together run as one group (flasync.client.CohortClients), in flight at the
+        # No faults: tasks dispatched together run as one group (flasync.clients.simulated.client.CohortClients), in
+        # flight at the
         # checkpoint with their residuals.
         ({"kind": "fedbuff", "buffer_size": 4, "concurrency": 8}, ("executor.kind=vectorized", TOPK)),
     ],
@@ -540,7 +541,7 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
 def test_resuming_a_run_whose_process_is_alive_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A RUNNING run owned by a live process (here: this one) is not resumed by a second process."""
     from flasync.cli import main
-    from tracking.owner import owner_tags
+    from flasync.core.owner import owner_tags
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)

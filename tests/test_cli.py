@@ -16,7 +16,7 @@ import yaml
 
 from flasync.cli import main
 from flasync.config import load_config
-from tracking._child import IDLE, close_idle_writer
+from flasync.tracking._child import IDLE, close_idle_writer
 
 
 def _fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -114,7 +114,7 @@ def _writer_processes() -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"tracking._child" in cmdline:
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"flasync.tracking._child" in cmdline:
             found.append(int(stat.parent.name))
     return found
 

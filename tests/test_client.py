@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import flasync
-import tracking
-from flasync import client as client_module
+from flasync import tracking
 from flasync.aggregation import BufferedAggregator
-from flasync.bus import EventBus
-from flasync.clock import VirtualClock, WallClock
-from flasync.events import (
+from flasync.clients.simulated import client as client_module
+from flasync.core.bus import EventBus
+from flasync.core.clock import VirtualClock, WallClock
+from flasync.core.events import (
     TaskAssigned,
     TasksAssigned,
     UpdateReceived,
@@ -23,8 +23,8 @@ from flasync.events import (
     UpdatesUploaded,
     UpdateUploaded,
 )
-from flasync.instruments import Instrument
-from flasync.loops import run_loop
+from flasync.core.instruments import Instrument
+from flasync.core.loops import run_loop
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,7 +93,7 @@ def test_tasks_run_as_a_group_give_the_weights_and_counts_of_one_coroutine_per_t
 def test_clients_failing_alike_are_warned_of_a_few_times_not_once_each(capsys: pytest.CaptureFixture[str]) -> None:
     """Every client failing with one error (a learning rate that overflows) gives FAILURE_WARNINGS warnings, the last
     saying the rest are debug lines; every failure is still counted, and the run ends with its one error."""
-    with pytest.raises(flasync.errors.TrainingError, match="client tasks all failed"):
+    with pytest.raises(flasync.core.errors.TrainingError, match="client tasks all failed"):
         flasync.run(small_config("client.lr=1e30", "stop.max_versions=5", "tracking.log_level=info"))
     output = capsys.readouterr()
     warnings = [line for line in (output.out + output.err).splitlines() if "client.failed" in line]

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flasync.clock import Clock, RunClock, VirtualClock, WallClock
+from flasync.core.clock import Clock, RunClock, VirtualClock, WallClock
 
 
 async def _drive(clock: VirtualClock, body: object) -> None:

@@ -29,7 +29,7 @@ from flasync.codecs import (
     encode,
     encode_rows,
 )
-from flasync.errors import DecodeError
+from flasync.core.errors import DecodeError
 
 PROPERTY = settings(max_examples=100, deadline=None)
 HEADER_FORMAT = "<4sBBHQQ"

@@ -1,4 +1,4 @@
-"""Vectorized cohorts (flasync.cohort) against one-client-at-a-time training, and the batching executor."""
+"""Vectorized cohorts (flasync.training.cohort) against one-client-at-a-time training, and the batching executor."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 import flasync
-from flasync import seeding
-from flasync.cohort import CohortMember, CohortResult, CohortTrainer, unsupported_reason
-from flasync.diagnostics import TrainingDiagnostics
-from flasync.errors import ConfigError, TrainingError
-from flasync.executors import CohortBatcher, ModelPool, TrainingJob, cohorts_for, resolve_device
-from flasync.models import MLP, SmallCNN
+from flasync.core import seeding
+from flasync.core.errors import ConfigError, TrainingError
 from flasync.testing import small_config
-from flasync.training import FlatModel, LocalResult, LocalTraining, flat_parameters, train
+from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer, unsupported_reason
+from flasync.training.diagnostics import TrainingDiagnostics
+from flasync.training.executors.threads import CohortBatcher, ModelPool, TrainingJob, cohorts_for, resolve_device
+from flasync.training.local import FlatModel, LocalResult, LocalTraining, flat_parameters, train
+from flasync.training.models import MLP, SmallCNN
 
 FEATURES, CLASSES = 64, 10
 SIZES = (37, 50, 5, 64, 100, 17, 1)  # ragged: short last batches, different step counts, a one-sample client
@@ -884,7 +884,7 @@ def test_auto_picks_vectorized_for_large_rounds_and_many_clients_in_flight(
     overrides: tuple[str, ...], kind: str, why: str
 ) -> None:
     """executor.kind = auto (the default) trains large rounds and many clients in flight as cohorts, and says why."""
-    from flasync.assembly import RunInputs, choose_executor
+    from flasync.runtime.assembly import RunInputs, choose_executor
 
     config = small_config(*overrides)
     assert config.executor.kind == "auto"
@@ -910,7 +910,7 @@ def test_auto_on_an_accelerator_picks_cohorts_from_two_clients(overrides: tuple[
     device is named, not used.)"""
     import dataclasses
 
-    from flasync.assembly import RunInputs, choose_executor
+    from flasync.runtime.assembly import RunInputs, choose_executor
 
     config = small_config(*overrides)
     prepared = dataclasses.replace(RunInputs(config).prepare(), device=torch.device("cuda"))
@@ -950,7 +950,7 @@ def test_unset_workers_give_vectorized_cpu_cohorts_a_thread_per_core_within_memo
 ) -> None:
     """executor.workers unset: one training thread per core (at most 4) for vectorized cohorts on the CPU, no more
     cohorts at once than half the free memory holds; one thread for the threads executor and on a GPU."""
-    from flasync.assembly import default_workers
+    from flasync.runtime.assembly import default_workers
 
     workers, reason = default_workers(
         kind, torch.device(device), cores=cores, num_params=1 << 20, max_cohort=256, available_bytes=available
@@ -1042,7 +1042,7 @@ def test_a_round_trains_on_a_thread_per_core_in_cohorts_side_by_side_with_the_we
     CPU per split-off cohort.)"""
     from structlog.testing import capture_logs
 
-    from flasync import assembly
+    from flasync.runtime import assembly
 
     monkeypatch.setattr(assembly, "_cores", lambda: 2)
     monkeypatch.setattr(CohortBatcher, "MIN_PART_S", 0.0)

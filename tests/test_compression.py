@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 import flasync
-import flasync.client
-import flasync.jobs
-import flasync.training
-from flasync.events import ModelPublished, UpdateRejected, UpdateUploaded
+import flasync.clients.simulated.client
+import flasync.training.jobs
+import flasync.training.local
+from flasync.core.events import ModelPublished, UpdateRejected, UpdateUploaded
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
 TOPK_EF = [{"kind": "topk", "ratio": 0.01, "error_feedback": True}]
@@ -78,20 +78,20 @@ async def test_lossy_download_is_decoded_once_per_version() -> None:
 
 async def test_malformed_payloads_are_rejected_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Truncated, oversized and garbage payloads are dropped with reason 'decode'; the run completes."""
-    original = flasync.jobs.train_job
+    original = flasync.training.jobs.train_job
     calls = {"n": 0}
 
-    def corrupting(*args: Any, **kwargs: Any) -> flasync.jobs.TrainedUpdate:
+    def corrupting(*args: Any, **kwargs: Any) -> flasync.training.jobs.TrainedUpdate:
         trained = original(*args, **kwargs)
         calls["n"] += 1
         bad = {1: trained.payload[:-3], 2: trained.payload + b"\0", 3: b"not an update at all"}.get(calls["n"] % 7)
         if bad is None:
             return trained
-        return flasync.jobs.TrainedUpdate(
+        return flasync.training.jobs.TrainedUpdate(
             result=trained.result, payload=bad, encode_s=trained.encode_s, residual_norm=trained.residual_norm
         )
 
-    monkeypatch.setattr(flasync.client, "train_job", corrupting)
+    monkeypatch.setattr(flasync.clients.simulated.client, "train_job", corrupting)
     federation = flasync.Federation(_config())
     recorder = EventRecorder(federation.bus)
     summary = await federation.run()
@@ -112,8 +112,8 @@ async def test_unexpected_uploads_are_rejected_without_side_effects() -> None:
         await federation.bus.publish(
             UpdateUploaded(
                 task_id=10**6,
-                client_id=flasync.events.ClientId(3),
-                base_version=flasync.events.Version(0),
+                client_id=flasync.core.events.ClientId(3),
+                base_version=flasync.core.events.Version(0),
                 num_samples=10,
                 payload=b"\0" * 64,
                 train_loss=0.0,
@@ -132,7 +132,7 @@ async def test_unexpected_uploads_are_rejected_without_side_effects() -> None:
 
 async def test_diverged_client_fails_without_poisoning_its_residual(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client whose training produces NaN fails its task; its residual is left as it was."""
-    original = flasync.training.train
+    original = flasync.training.local.train
     calls = {"n": 0}
 
     def diverging(*args: Any, **kwargs: Any) -> Any:
@@ -142,11 +142,11 @@ async def test_diverged_client_fails_without_poisoning_its_residual(monkeypatch:
             result.delta[0] = float("nan")
         return result
 
-    monkeypatch.setattr(flasync.jobs, "train", diverging)
+    monkeypatch.setattr(flasync.training.jobs, "train", diverging)
     federation = flasync.Federation(_config())
     recorder = EventRecorder(federation.bus)
     summary = await federation.run()
-    (failed,) = recorder.of(flasync.events.ClientFailed)
+    (failed,) = recorder.of(flasync.core.events.ClientFailed)
     assert "NaN or Inf" in failed.error
     assert summary.updates_failed == 1
     assert summary.accuracy == summary.accuracy  # finite: no NaN reached the model

@@ -20,7 +20,7 @@ from flasync.config import (
     flatten,
     load_config,
 )
-from flasync.errors import ConfigError
+from flasync.core.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

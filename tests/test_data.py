@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flasync.core.errors import DataError
 from flasync.data import (
     ArrayData,
     Partition,
@@ -27,7 +28,6 @@ from flasync.data import (
     split_indices,
     train_test_split,
 )
-from flasync.errors import DataError
 
 PROPERTY = settings(max_examples=60, deadline=None)
 

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 import flasync
-import tracking
+from flasync import tracking
 from flasync.config import DiagnosticsConfig
+from flasync.core.events import AlertRaised, ClientFailed, TaskDiagnosis
 from flasync.data import ArrayData, load_digits
-from flasync.diagnostics import DivergedTraining, TrainingDiagnostics, is_diverging, layer_layout, task_alerts
-from flasync.events import AlertRaised, ClientFailed, TaskDiagnosis
 from flasync.testing import EventRecorder, MemoryTracker, small_config
-from flasync.training import FlatModel, LocalResult, LocalTraining
+from flasync.training.diagnostics import DivergedTraining, TrainingDiagnostics, is_diverging, layer_layout, task_alerts
+from flasync.training.local import FlatModel, LocalResult, LocalTraining
 from tests.conftest import NEEDS_DP_ACCOUNTING
 
 CONFIG = DiagnosticsConfig()
@@ -160,7 +160,7 @@ async def test_nan_client_raises_the_nan_alert_as_event_metric_and_tag(tmp_path:
 def test_diverged_training_carries_its_diagnosis() -> None:
     """The training error of a non-finite update keeps the diagnosis for the ClientFailed event."""
     error = DivergedTraining("boom", TaskDiagnosis(update_finite=False))
-    assert isinstance(error, flasync.errors.TrainingError)
+    assert isinstance(error, flasync.core.errors.TrainingError)
     assert error.diagnosis.update_finite is False
 
 
@@ -182,7 +182,7 @@ async def test_a_destroying_server_step_alerts_between_evaluations() -> None:
     """A server learning rate of 30 moves the weights by more than half their norm in one version: a step_ratio
     alert, though no evaluation happens before the end; the default learning rate raises none."""
     import flasync
-    from flasync.events import AlertRaised
+    from flasync.core.events import AlertRaised
     from flasync.testing import EventRecorder, small_config
 
     bad = flasync.Federation(small_config("server.optimizer.lr=30", "eval.every_versions=100"))
@@ -202,8 +202,8 @@ def test_alert_monitor_memory_does_not_grow_with_updates_or_versions() -> None:
     alert still compares against the best loss of the whole run."""
     import tracemalloc
 
-    from flasync.diagnostics import AlertMonitor
-    from flasync.events import Aggregated, ClientId, Evaluated, UpdateUploaded, Version
+    from flasync.core.events import Aggregated, ClientId, Evaluated, UpdateUploaded, Version
+    from flasync.training.diagnostics import AlertMonitor
 
     weights = torch.ones(4)
     monitor = AlertMonitor(CONFIG, weights=lambda: (version, weights), initial=torch.zeros(4))
@@ -261,7 +261,7 @@ def test_alert_monitor_memory_does_not_grow_with_updates_or_versions() -> None:
 async def test_under_differential_privacy_a_large_step_blames_the_noise() -> None:
     """With privacy on, the step_ratio alert names the noise, not the learning rate."""
     import flasync
-    from flasync.events import AlertRaised
+    from flasync.core.events import AlertRaised
     from flasync.testing import EventRecorder, small_config
 
     private = flasync.Federation(

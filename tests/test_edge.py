@@ -13,7 +13,7 @@ import torch
 
 import flasync
 from flasync.cli import main
-from flasync.events import EdgeForwarded, TaskAssigned, TaskClosed, UpdateUploaded
+from flasync.core.events import EdgeForwarded, TaskAssigned, TaskClosed, UpdateUploaded
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
 INSTANT = {"latency_s": 0.0, "upload_bytes_per_s": math.inf, "download_bytes_per_s": math.inf}

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 import flasync
-from flasync.clock import WallClock
-from flasync.errors import ConfigError
+from flasync.core.clock import WallClock
+from flasync.core.errors import ConfigError
 from flasync.testing import small_config
 
 

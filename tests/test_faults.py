@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import flasync
+from flasync.clients.simulated.faults import Fate, FaultModel
 from flasync.config import FaultsConfig
-from flasync.errors import ConfigError, TrainingError
-from flasync.events import (
+from flasync.core.errors import ConfigError, TrainingError
+from flasync.core.events import (
     Aggregated,
     ClientFailed,
     ClientTimedOut,
@@ -19,7 +20,6 @@ from flasync.events import (
     UpdateReceived,
     UpdateRejected,
 )
-from flasync.faults import Fate, FaultModel
 from flasync.testing import EventRecorder, MemoryTracker, UntrainableModel, small_config
 
 FAULTY = ("faults.crash=0.3", "faults.hang=0.1", "resilience.task_timeout_s=10")
@@ -227,8 +227,8 @@ async def test_sync_rounds_count_failures_and_refill_nothing() -> None:
 
 def test_byzantine_clients_are_a_fixed_seeded_share_that_scales_every_update() -> None:
     """faults.byzantine picks round(share x N) clients from the seed; they send -f (sign flip) or +f (scale)."""
+    from flasync.clients.simulated.faults import FaultModel
     from flasync.config import FaultsConfig
-    from flasync.faults import FaultModel
 
     model = FaultModel(FaultsConfig(byzantine=0.1), seed=3, num_clients=200)
     again = FaultModel(FaultsConfig(byzantine=0.1), seed=3, num_clients=200)
@@ -244,8 +244,8 @@ def test_byzantine_clients_are_a_fixed_seeded_share_that_scales_every_update() -
 async def test_a_norm_bound_on_a_robust_reference_refuses_the_attackers_only() -> None:
     """10% sign-flip attackers (-20x): with resilience.norm_bound_factor every refused update is an attacker's,
     and the model ends better than without the defence."""
-    from flasync.events import UpdateRejected
-    from flasync.faults import FaultModel
+    from flasync.clients.simulated.faults import FaultModel
+    from flasync.core.events import UpdateRejected
 
     attack = {"faults.byzantine": "0.1"}
     overrides = [f"{k}={v}" for k, v in attack.items()]

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import flasync
-from flasync import checkpoint
-from flasync.assembly import RunInputs
 from flasync.cli import main
 from flasync.config import FILE_FORMATS, load_config
-from flasync.errors import ConfigError, DataError
-from flasync.files import FORMATS, load_files
+from flasync.core.errors import ConfigError, DataError
+from flasync.data.files import FORMATS, load_files
+from flasync.runtime import checkpoint
+from flasync.runtime.assembly import RunInputs
 from flasync.testing import MemoryTracker, small_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -1,4 +1,4 @@
-"""Tests of flasync.instruments."""
+"""Tests of flasync.core.instruments."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import logging
 
 import structlog
 
-from flasync.instruments import debug_many, logs_debug
+from flasync.core.instruments import debug_many, logs_debug
 from flasync.testing import NullLog
-from tracking import MetricRow, MetricsProcessor, make_logger
+from flasync.tracking import MetricRow, MetricsProcessor, make_logger
 
 
 def test_logs_debug_follows_a_filtering_loggers_level_and_assumes_yes_otherwise() -> None:

@@ -1,4 +1,4 @@
-"""Tests for flasync.jobs: what a finished training job keeps."""
+"""Tests for flasync.training.jobs: what a finished training job keeps."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ from typing import Any
 import pytest
 import torch
 
-from flasync import codecs, seeding
-from flasync.cohort import CohortMember, CohortResult, CohortTrainer
-from flasync.diagnostics import DivergedTraining, TrainingDiagnostics
-from flasync.events import ClientId
-from flasync.executors import ModelPool, TrainingJob
-from flasync.jobs import Finish, JobContext, TrainedUpdate, finish_cohort, finish_job
-from flasync.models import MLP
-from flasync.residuals import ResidualStore
-from flasync.training import LocalTraining, flat_parameters
+from flasync import codecs
+from flasync.core import seeding
+from flasync.core.events import ClientId
+from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
+from flasync.training.diagnostics import DivergedTraining, TrainingDiagnostics
+from flasync.training.executors.threads import ModelPool, TrainingJob
+from flasync.training.jobs import Finish, JobContext, TrainedUpdate, finish_cohort, finish_job
+from flasync.training.local import LocalTraining, flat_parameters
+from flasync.training.models import MLP
+from flasync.training.residuals import ResidualStore
 
 
 def _trained_cohort() -> tuple[CohortResult, LocalTraining, torch.Tensor, torch.Tensor]:

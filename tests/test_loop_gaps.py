@@ -42,11 +42,10 @@ import mlflow
 import numpy as np
 import pytest
 
-import tracking
-from flasync import Federation
-from flasync.errors import RunInterrupted
-from flasync.events import ModelPublished
-from flasync.summary import RunSummary
+from flasync import Federation, tracking
+from flasync.core.errors import RunInterrupted
+from flasync.core.events import ModelPublished
+from flasync.observe.summary import RunSummary
 from flasync.testing import small_config
 
 MAX_GAP_S = 0.1
@@ -295,7 +294,7 @@ async def test_a_silent_mlflow_server_never_holds_the_loop(silent_server: str, t
 
 async def test_clean_up_completes_through_one_cancellation_and_a_second_stops_the_wait() -> None:
     """The first cancellation of a run's clean-up is held until the clean-up is done; a second one ends the wait."""
-    from flasync.runtime import _off_loop
+    from flasync.runtime.federation import _off_loop
 
     release = threading.Event()
     done: list[str] = []

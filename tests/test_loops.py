@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 import flasync
-from flasync.loops import frozen_heap, run_loop
-from flasync.summary import weights_sha256
+from flasync.core.loops import frozen_heap, run_loop
+from flasync.observe.summary import weights_sha256
 
 SMALL = {
     "population": {"num_clients": 8},

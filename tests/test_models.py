@@ -1,4 +1,4 @@
-"""Tests of flasync.models: the MLP, the small CNN and the parameter count."""
+"""Tests of flasync.training.models: the MLP, the small CNN and the parameter count."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 from flasync.data import load_digits, train_test_split
-from flasync.models import MLP, SmallCNN, num_parameters
+from flasync.training.models import MLP, SmallCNN, num_parameters
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import flasync
-from flasync.plots import render_plots
+from flasync.observe.plots import render_plots
 from flasync.testing import MemoryTracker, small_config
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -89,7 +89,7 @@ def test_charts_take_about_a_millisecond_of_python_not_a_plotting_library(profil
 
     script = (
         "import json, sys\n"
-        "from flasync.plots import render_plots\n"
+        "from flasync.observe.plots import render_plots\n"
         f"render_plots(json.loads({json.dumps(json.dumps(profile))}))\n"
         "print('matplotlib' in sys.modules)\n"
     )
@@ -99,7 +99,7 @@ def test_charts_take_about_a_millisecond_of_python_not_a_plotting_library(profil
 
 def test_write_plots_draws_a_stored_profile_into_a_folder(profile: dict[str, object], tmp_path: Path) -> None:
     """write_plots reads a profile.json and writes one file per chart, the bytes render_plots draws."""
-    from flasync.plots import write_plots
+    from flasync.observe.plots import write_plots
 
     stored = tmp_path / "profile.json"
     stored.write_text(json.dumps(profile), encoding="utf-8")

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
+from flasync.clients.simulated.population import Network, Population
 from flasync.config import ConstantSpeed, HalfNormalSpeed, LogNormalSpeed, NetworkConfig
-from flasync.population import Network, Population
 
 SIZES = np.array([10, 20, 30, 40])
 
@@ -165,7 +165,7 @@ def test_a_million_clients_cost_tens_of_bytes_each() -> None:
 async def test_lru_sampling_in_a_sync_run_visits_every_client() -> None:
     """FedAvg with LRU sampling: 4 rounds of 5 over 20 clients dispatch each client exactly once."""
     import flasync
-    from flasync.events import TaskAssigned
+    from flasync.core.events import TaskAssigned
     from flasync.testing import EventRecorder, small_config
 
     config = small_config(

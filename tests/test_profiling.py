@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 
 import flasync
-from flasync.bus import EventBus
 from flasync.config import DiagnosticsConfig
-from flasync.diagnostics import AlertMonitor
-from flasync.events import (
+from flasync.core.bus import EventBus
+from flasync.core.events import (
     Aggregated,
     AlertRaised,
     ClientId,
@@ -32,10 +31,11 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
-from flasync.plots import render_plots
-from flasync.profiling import Instrumentation, Profiler, VersionRows, build_profile, headline, quantiles
-from flasync.quantiles import StreamSummary, Thinned, counted_percentile
+from flasync.core.quantiles import StreamSummary, Thinned, counted_percentile
+from flasync.observe.plots import render_plots
+from flasync.observe.profiling import Instrumentation, Profiler, VersionRows, build_profile, headline, quantiles
 from flasync.testing import EventRecorder, MemoryTracker, NullLog, small_config
+from flasync.training.diagnostics import AlertMonitor
 
 
 def test_quantiles_interpolate() -> None:
@@ -192,7 +192,7 @@ async def test_plots_of_a_long_run_stay_readable_and_only_say_something() -> Non
     """Beyond 60 versions each bar is the mean of consecutive versions (at most 60 bars); the bytes plot is drawn
     only when an update's size varies (top-k here), not for a dense run whose bars would all be alike; the staleness
     histogram only when staleness varies (not for FedAvg's rounds)."""
-    from flasync.plots import _binned
+    from flasync.observe.plots import _binned
 
     tracker = MemoryTracker()
     await flasync.Federation(small_config("stop.max_versions=80", "eval.every_versions=40"), tracker=tracker).run()
@@ -270,8 +270,8 @@ def test_profiles_and_diagnostics_share_one_percentile_definition() -> None:
     """Profile quantiles, streamed summaries and diagnostics interpolate linearly between ranks, as numpy does."""
     import numpy as np
 
-    from flasync.profiling import quantiles
-    from flasync.quantiles import percentile
+    from flasync.core.quantiles import percentile
+    from flasync.observe.profiling import quantiles
 
     values = [5.0, 1.0, 4.0, 2.0, 10.0, 3.0]
     stream = StreamSummary(16, random.Random(0))

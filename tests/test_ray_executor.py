@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import flasync
-from flasync.events import Aggregated
+from flasync.core.events import Aggregated
 from flasync.testing import small_config
 
 ray = pytest.importorskip("ray")
@@ -148,7 +148,7 @@ def test_the_ray_a_run_starts_is_gone_after_it(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("local_ray")
 def test_a_ray_run_resumes_from_its_checkpoint_to_the_uninterrupted_weights() -> None:
     """Periodic checkpoints of a Ray run resume (on Ray) to the weights the whole run ends with."""
-    from flasync import checkpoint
+    from flasync.runtime import checkpoint
     from flasync.testing import MemoryTracker
 
     config = small_config("executor.kind=ray", "stop.max_versions=10", "checkpoint.every_versions=4")
@@ -187,7 +187,7 @@ def test_ctrl_c_leaves_no_ray_behind(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("local_ray")
 def test_a_lazy_population_ships_client_ids_not_samples(monkeypatch: pytest.MonkeyPatch) -> None:
     """Actors draw a lazy client's samples from its seed: no data goes through the object store, same weights."""
-    from flasync.ray_executor import RayTrainingExecutor
+    from flasync.training.executors.ray import RayTrainingExecutor
 
     overrides = ("data={kind: synthetic, lazy: true}", "population.num_clients=100000", "stop.max_versions=4")
     threads = flasync.run(small_config(*overrides, "executor.kind=thread"))

@@ -1,4 +1,4 @@
-"""Tests of flasync.residuals: per-client error-feedback residuals, bounded in memory, spilled to disk."""
+"""Tests of flasync.training.residuals: per-client error-feedback residuals, bounded in memory, spilled to disk."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flasync.errors import FlasyncError
-from flasync.residuals import ResidualCapacityError, ResidualStore
+from flasync.core.errors import FlasyncError
+from flasync.training.residuals import ResidualCapacityError, ResidualStore
 
 N = 16
 BYTES_PER_RESIDUAL = 4 * N

@@ -21,12 +21,10 @@ from mlflow.entities import ViewType
 from torch import nn
 
 import flasync
-import tracking
-from flasync.assembly import make_aggregator
-from flasync.clock import VirtualClock
-from flasync.data import ArrayData
-from flasync.errors import ConfigError, DataError, TrainingError
-from flasync.events import (
+from flasync import tracking
+from flasync.core.clock import VirtualClock
+from flasync.core.errors import ConfigError, DataError, TrainingError
+from flasync.core.events import (
     Aggregated,
     ClientFailed,
     Evaluated,
@@ -37,8 +35,10 @@ from flasync.events import (
     UpdateRejected,
     UpdateUploaded,
 )
+from flasync.data import ArrayData
+from flasync.observe.summary import weights_sha256
+from flasync.runtime.assembly import make_aggregator
 from flasync.server import ServerStats
-from flasync.summary import weights_sha256
 from flasync.testing import EventRecorder, MeanOfDeltas, MemoryTracker, UntrainableModel, small_config
 
 SUMMARY_KEYS = {
@@ -380,7 +380,7 @@ async def test_logged_bytes_are_payload_lengths() -> None:
     summary = await federation.run()
     uploads = recorder.of(UpdateUploaded)
     assert summary.upload_bytes == sum(len(e.payload) for e in uploads)
-    params = sum(p.numel() for p in flasync.models.MLP(64, (32,), 10).parameters())
+    params = sum(p.numel() for p in flasync.training.models.MLP(64, (32,), 10).parameters())
     assert tracker.tags["constant/client/upload_bytes"] == str(24 + 4 * params)  # dense: every update's size
 
 
@@ -440,7 +440,7 @@ def test_a_tracked_run_exports_its_model_ahead_for_the_trained_one(
     [logged] = client.search_logged_models([client.get_run(summary.run_id).info.experiment_id])
     assert str(logged.status) == "READY"
     saved = torch.load(client.download_artifacts(summary.run_id, "weights.pt", str(tmp_path)), weights_only=True)
-    model = flasync.models.MLP(64, [32], 10)
+    model = flasync.training.models.MLP(64, [32], 10)
     model.load_state_dict(saved["state_dict"])
     x = torch.from_numpy(example)
     assert torch.allclose(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x), atol=1e-6)

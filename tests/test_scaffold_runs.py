@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import flasync
-from flasync import checkpoint
-from flasync.errors import ConfigError
+from flasync.core.errors import ConfigError
+from flasync.runtime import checkpoint
 from flasync.testing import MemoryTracker, small_config
 
 pytestmark = pytest.mark.timeout(60)

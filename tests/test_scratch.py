@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import flasync
-from flasync.scratch import OWNER_FILE, make_scratch, sweep_scratch
+from flasync.core.scratch import OWNER_FILE, make_scratch, sweep_scratch
 from flasync.testing import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ def _env() -> dict[str, str]:
 def test_only_folders_of_dead_owners_are_swept(tmp_path: Path) -> None:
     """A folder of a killed process goes; this process's, an unmarked one and another host's stay."""
     code = (
-        "import os, signal, sys; from flasync.scratch import make_scratch; "
+        "import os, signal, sys; from flasync.core.scratch import make_scratch; "
         "folder = make_scratch('run-', sys.argv[1]); (folder / 'spill.bin').write_bytes(b'x' * 1024); "
         "os.kill(os.getpid(), signal.SIGKILL)"
     )

@@ -1,4 +1,4 @@
-"""Tests of flasync.seeding: independent random streams keyed by purpose and identifiers."""
+"""Tests of flasync.core.seeding: independent random streams keyed by purpose and identifiers."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flasync import seeding
-from flasync.seeding import numpy_stream, stream_normal, stream_seed, torch_stream
+from flasync.core import seeding
+from flasync.core.seeding import numpy_stream, stream_normal, stream_seed, torch_stream
 
 PROPERTY = settings(max_examples=200, deadline=None)
 

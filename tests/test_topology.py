@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from flasync.config import TreeTopology
-from flasync.errors import ConfigError
-from flasync.topology import CLOUD, build_tree, parse_clients
+from flasync.core.errors import ConfigError
+from flasync.server.topology import CLOUD, build_tree, parse_clients
 
 
 def _tree(num_clients: int = 12, attributes: dict[str, np.ndarray] | None = None, **fields: Any) -> Any:

@@ -1,10 +1,10 @@
-"""The tracker a run's config asks for (flasync.tracked)."""
+"""The tracker a run's config asks for (flasync.runtime.tracked)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from flasync import tracked
+from flasync.runtime import tracked
 from flasync.testing import small_config
 
 

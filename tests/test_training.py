@@ -1,4 +1,5 @@
-"""Tests of flasync.training (flat models, local SGD, evaluation) and flasync.executors (per-thread models)."""
+"""Tests of flasync.training.local (flat models, local SGD, evaluation) and flasync.training.executors.threads
+(per-thread models)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from flasync.errors import TrainingError
-from flasync.executors import ModelPool, ThreadTrainingExecutor
-from flasync.models import MLP, SmallCNN
-from flasync.training import FlatModel, LocalTraining, evaluate, flat_parameters, train
+from flasync.core.errors import TrainingError
+from flasync.training.executors.threads import ModelPool, ThreadTrainingExecutor
+from flasync.training.local import FlatModel, LocalTraining, evaluate, flat_parameters, train
+from flasync.training.models import MLP, SmallCNN
 
 PROPERTY = settings(max_examples=25, deadline=None)
 NUM_FEATURES = 16  # the CNN sees these as one 4x4 image
@@ -475,7 +476,7 @@ def test_executor_leaves_other_threads_default(main_threads: int) -> None:
 
 def test_loss_scaler_backs_off_on_overflow_and_grows_after_good_steps() -> None:
     """A row with Inf is skipped and its scale halved; after growth_interval good steps a scale doubles."""
-    from flasync.training import LossScaler
+    from flasync.training.local import LossScaler
 
     scaler = LossScaler(2, torch.device("cpu"), init_scale=8.0, growth_interval=2)
     ok = scaler.update_rows(torch.tensor([[1.0, 2.0], [math.inf, 0.0]]), 2)
@@ -487,8 +488,8 @@ def test_loss_scaler_backs_off_on_overflow_and_grows_after_good_steps() -> None:
 
 def test_gradient_checkpointing_gives_the_same_update_with_less_activation_memory() -> None:
     """checkpoint_segments recomputes Sequential blocks: same delta (to float rounding), smaller saved activations."""
-    from flasync.models import MLP
-    from flasync.training import FlatModel, LocalTraining, set_checkpointing, train
+    from flasync.training.local import FlatModel, LocalTraining, set_checkpointing, train
+    from flasync.training.models import MLP
 
     torch.manual_seed(0)
     x = torch.randn(256, 32)

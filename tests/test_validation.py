@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import flasync
-from flasync.events import ClientFailed, ClientId, TaskAssigned, UpdateRejected, UpdateUploaded, Version
+from flasync.codecs.validation import UpdateValidator, clip_to_norm, finite_norm, robust_zscore
+from flasync.core.events import ClientFailed, ClientId, TaskAssigned, UpdateRejected, UpdateUploaded, Version
 from flasync.testing import EventRecorder, small_config
-from flasync.validation import UpdateValidator, clip_to_norm, finite_norm, robust_zscore
 
 
 def test_accepts_a_plain_update() -> None:

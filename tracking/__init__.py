@@ -6,7 +6,7 @@ turns the numeric fields of every log call, debug ones included, into MLflow met
 :class:`MetricWriter` sends in batches from a background thread to the run of a :class:`Tracker`
 (:class:`MlflowTracker`, or :class:`NullTracker`).
 While the MLflow store cannot be reached, an :class:`MlflowTracker` writes everything to a JSON-lines spool
-(:mod:`tracking.spool`) and replays it when the store answers again, or later with :func:`replay`.
+(:mod:`flasync.tracking.spool`) and replays it when the store answers again, or later with :func:`replay`.
 Its MLflow writer process outlives a run, idle, for the next tracked run of the process on the same store;
 :func:`close_idle_writer` stops it sooner than the process's exit.
 """
@@ -17,12 +17,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tracking._child import IdleChild, close_idle_writer
-    from tracking.logs import LevelFilter, configure_logging, make_logger
-    from tracking.metrics import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor, metric_key
-    from tracking.mlflow_run import MlflowTracker, NullTracker, RunStatus, Tracker, artifact_bytes, yaml_text
-    from tracking.spool import ReplayResult, SpoolError, replay
-    from tracking.store import (
+    from flasync.tracking._child import IdleChild, close_idle_writer
+    from flasync.tracking.logs import LevelFilter, configure_logging, make_logger
+    from flasync.tracking.metrics import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor, metric_key
+    from flasync.tracking.mlflow_run import MlflowTracker, NullTracker, RunStatus, Tracker, artifact_bytes, yaml_text
+    from flasync.tracking.spool import ReplayResult, SpoolError, replay
+    from flasync.tracking.store import (
         DEFAULT_ARTIFACT_ROOT,
         DEFAULT_TRACKING_URI,
         ExperimentDeletedError,
@@ -31,40 +31,40 @@ if TYPE_CHECKING:
         redact_uri,
         resolve_tracking_uri,
     )
-    from tracking.writer import MetricWriter, WriterStatistics
+    from flasync.tracking.writer import MetricWriter, WriterStatistics
 
 # Each name is imported from its module when first used: the MLflow writer process (``python -m tracking._child``)
 # imports this package too, and it needs none of them (structlog, YAML and the tracker's modules cost 0.15 s of
 # its start-up, on the way to the run's creation).
 _MODULES = {
-    "IdleChild": "tracking._child",
-    "close_idle_writer": "tracking._child",
-    "LevelFilter": "tracking.logs",
-    "configure_logging": "tracking.logs",
-    "make_logger": "tracking.logs",
-    "DEFAULT_EXCLUDE": "tracking.metrics",
-    "ConstantSeries": "tracking.metrics",
-    "MetricRow": "tracking.metrics",
-    "MetricsProcessor": "tracking.metrics",
-    "metric_key": "tracking.metrics",
-    "MlflowTracker": "tracking.mlflow_run",
-    "NullTracker": "tracking.mlflow_run",
-    "RunStatus": "tracking.mlflow_run",
-    "Tracker": "tracking.mlflow_run",
-    "artifact_bytes": "tracking.mlflow_run",
-    "yaml_text": "tracking.mlflow_run",
-    "ReplayResult": "tracking.spool",
-    "SpoolError": "tracking.spool",
-    "replay": "tracking.spool",
-    "DEFAULT_ARTIFACT_ROOT": "tracking.store",
-    "DEFAULT_TRACKING_URI": "tracking.store",
-    "ExperimentDeletedError": "tracking.store",
-    "StoreNotWritableError": "tracking.store",
-    "check_local_store": "tracking.store",
-    "redact_uri": "tracking.store",
-    "resolve_tracking_uri": "tracking.store",
-    "MetricWriter": "tracking.writer",
-    "WriterStatistics": "tracking.writer",
+    "IdleChild": "flasync.tracking._child",
+    "close_idle_writer": "flasync.tracking._child",
+    "LevelFilter": "flasync.tracking.logs",
+    "configure_logging": "flasync.tracking.logs",
+    "make_logger": "flasync.tracking.logs",
+    "DEFAULT_EXCLUDE": "flasync.tracking.metrics",
+    "ConstantSeries": "flasync.tracking.metrics",
+    "MetricRow": "flasync.tracking.metrics",
+    "MetricsProcessor": "flasync.tracking.metrics",
+    "metric_key": "flasync.tracking.metrics",
+    "MlflowTracker": "flasync.tracking.mlflow_run",
+    "NullTracker": "flasync.tracking.mlflow_run",
+    "RunStatus": "flasync.tracking.mlflow_run",
+    "Tracker": "flasync.tracking.mlflow_run",
+    "artifact_bytes": "flasync.tracking.mlflow_run",
+    "yaml_text": "flasync.tracking.mlflow_run",
+    "ReplayResult": "flasync.tracking.spool",
+    "SpoolError": "flasync.tracking.spool",
+    "replay": "flasync.tracking.spool",
+    "DEFAULT_ARTIFACT_ROOT": "flasync.tracking.store",
+    "DEFAULT_TRACKING_URI": "flasync.tracking.store",
+    "ExperimentDeletedError": "flasync.tracking.store",
+    "StoreNotWritableError": "flasync.tracking.store",
+    "check_local_store": "flasync.tracking.store",
+    "redact_uri": "flasync.tracking.store",
+    "resolve_tracking_uri": "flasync.tracking.store",
+    "MetricWriter": "flasync.tracking.writer",
+    "WriterStatistics": "flasync.tracking.writer",
 }
 
 

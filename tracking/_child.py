@@ -9,7 +9,7 @@ and answers ``ready``; or it reads the run to create (a JSON object), creates th
 ``ready RUN_ID EXPERIMENT_ID``, so the parent need not import MLflow at all. Each batch follows
 as one line of JSON (``[[key, value, timestamp, step], ...]``), answered ``ok`` or ``error: ...``; in a SQLite store
 whose tables have the shape MLflow's ``log_batch`` writes, the child writes those rows itself
-(:class:`tracking.sqlite_metrics.SqliteMetrics`: the same rows, a tenth of the CPU), elsewhere it calls
+(:class:`flasync.tracking.sqlite_metrics.SqliteMetrics`: the same rows, a tenth of the CPU), elsewhere it calls
 ``log_batch``. A plain subprocess, not ``multiprocessing``: it never re-imports the parent's ``__main__`` (a script
 without an ``if __name__ == "__main__"`` guard stays safe), and nothing is pickled.
 
@@ -17,10 +17,11 @@ The child also does the rest of a run's MLflow work a parent hands it, on its ow
 is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``files`` (several),
 ``tags``, ``dataset`` (an input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and
 GPU samples are the machine's, wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a
-model, see :mod:`tracking._model`) or ``prepare`` (export a model of the same structure ahead of its ``model`` job,
-see :class:`tracking._model.Exports`). What the child is to import (or call) ahead for its ``model`` jobs
+model, see :mod:`flasync.tracking._model`) or ``prepare`` (export a model of the same structure ahead of its ``model``
+job,
+see :class:`flasync.tracking._model.Exports`). What the child is to import (or call) ahead for its ``model`` jobs
 (``torch.export`` and MLflow's pytorch flavour import in about two seconds, and the first model they save takes one
-more: :func:`tracking._model.warm_up`) is named in its environment when it starts, or later by a line
+more: :func:`flasync.tracking._model.warm_up`) is named in its environment when it starts, or later by a line
 ``preload KIND NAME,NAME`` (sent before a run, never answered; the one kind is ``model``); a name is preloaded once
 per child. On Linux (:data:`FORKS_HELPER`), the child forks a helper process right after MLflow's import (see
 :class:`_Helper`): it preloads on a core of its own, while the child opens the store and writes metrics, and does
@@ -58,8 +59,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tracking.metrics import MetricRow
-    from tracking.sqlite_metrics import SqliteMetrics
+    from flasync.tracking.metrics import MetricRow
+    from flasync.tracking.sqlite_metrics import SqliteMetrics
 
 __all__ = ["FORKS_HELPER", "IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer"]
 
@@ -199,10 +200,10 @@ def _help(requests: IO[str], replies: IO[str]) -> None:
 
     A line ``preload NAME,...`` is done at once (never answered). A job is a JSON object: ``model`` builds a model
     with ``builder(**kwargs)`` and saves it at ``folder`` for the logged model ``description`` (see
-    :func:`tracking._model.save_for`); ``prepare`` exports a model of that structure ahead of it (see
-    :class:`tracking._model.Exports`).
+    :func:`flasync.tracking._model.save_for`); ``prepare`` exports a model of that structure ahead of it (see
+    :class:`flasync.tracking._model.Exports`).
     """
-    from tracking._model import Exports, save_for
+    from flasync.tracking._model import Exports, save_for
 
     exports = Exports()
     for line in requests:
@@ -234,7 +235,7 @@ class _Monitor:
     def start(self, client: Any, run_id: str, tracking_uri: str, interval_s: float) -> None:
         from mlflow.entities import Metric
 
-        from tracking._runs import start_monitor
+        from flasync.tracking._runs import start_monitor
 
         def sink(rows: list[MetricRow]) -> None:
             metrics = [Metric(m.key, m.value, m.timestamp, m.step) for m in rows]
@@ -244,7 +245,7 @@ class _Monitor:
             self.running = start_monitor(run_id, tracking_uri, sink, interval_s)
 
     def stop(self) -> None:
-        from tracking._runs import stop_monitor
+        from flasync.tracking._runs import stop_monitor
 
         running, self.running = self.running, None
         if running is not None:
@@ -256,7 +257,7 @@ class _Aside:
     and the models the writer process exported ahead itself, for those it saves without a helper."""
 
     def __init__(self, helpers: Mapping[str, _Helper | None]) -> None:
-        from tracking._model import Exports
+        from flasync.tracking._model import Exports
 
         self.helpers = {kind: helper for kind, helper in helpers.items() if helper is not None}
         self.exports = Exports()
@@ -366,12 +367,12 @@ def _job(
             client.log_artifact(run_id, path, folder or None)
         return ""
     if op == "tags":
-        from tracking._runs import send_tags
+        from flasync.tracking._runs import send_tags
 
         send_tags(client, run_id, request["tags"], direct)
         return ""
     if op == "dataset":
-        from tracking.spool import dataset_input
+        from flasync.tracking.spool import dataset_input
 
         client.log_inputs(run_id, datasets=[dataset_input(**request["dataset"])])
         return ""
@@ -381,7 +382,7 @@ def _job(
             client.set_terminated(run_id, request["status"], end_time=request["end_time"])
         return ""
     if op == "model":
-        from tracking._model import log_built_model
+        from flasync.tracking._model import log_built_model
 
         seconds = log_built_model(
             client,
@@ -440,14 +441,14 @@ def _serve_runs(
 
     # Open the store before the parent says what to do: that (SQLAlchemy's set-up, a new store's schema) overlaps with
     # the parent's own start-up, and only the run itself is left to create when the request comes.
-    from tracking.sqlite_metrics import SqliteMetrics
+    from flasync.tracking.sqlite_metrics import SqliteMetrics
 
     client: Any = None
     direct: SqliteMetrics | None = None
     failure: Exception | None = None
     store: tuple[int, int] | None = None
     try:
-        from tracking.store import prepare_sqlite_store
+        from flasync.tracking.store import prepare_sqlite_store
 
         prepare_sqlite_store(tracking_uri)
         client = mlflow.MlflowClient(tracking_uri=tracking_uri)
@@ -485,7 +486,7 @@ def _serve_runs(
                 raise FileNotFoundError(f"{STORE_REPLACED} since this process opened it")
             served = True
             if first.startswith("{"):  # the run to create (see tracking._runs.open_run)
-                from tracking._runs import open_run
+                from flasync.tracking._runs import open_run
 
                 run_id, experiment_id = open_run(client, **json.loads(first), direct=direct)
                 started = f" {run_id} {experiment_id}"
@@ -511,7 +512,7 @@ def _serve_runs(
 
 def _store_file(tracking_uri: str) -> tuple[int, int] | None:
     """Return the device and inode of a SQLite store's file (``(0, 0)`` while it is missing), None for other stores."""
-    from tracking.store import sqlite_path
+    from flasync.tracking.store import sqlite_path
 
     path = sqlite_path(tracking_uri)
     if path is None:
@@ -611,7 +612,7 @@ class ChildLogBatch:
         # Known at its start, what to preload goes to helpers the child forks at once (see _Helper).
         initial = {_PRELOADS[kind]: ",".join(names) for kind, names in lists.items() if names}
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "tracking._child"],
+            [sys.executable, "-m", "flasync.tracking._child"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -670,7 +671,7 @@ class ChildLogBatch:
 
     def start(self, run: Mapping[str, Any], timeout: float) -> tuple[str, str]:
         """Have the child create the run (instead of :meth:`bind`): the experiment if needed, the run, its tags
-        and params, as :func:`tracking._runs.open_run` does; return its ``(run_id, experiment_id)``.
+        and params, as :func:`flasync.tracking._runs.open_run` does; return its ``(run_id, experiment_id)``.
 
         Args:
             run: :func:`~tracking._runs.open_run`'s keyword arguments (JSON values).

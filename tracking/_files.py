@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tracking._model import call
+from flasync.tracking._model import call
 
 __all__ = ["write", "write_elsewhere"]
 
@@ -56,7 +56,7 @@ def write_elsewhere(target: str, folder: str, kwargs: Mapping[str, Any], *, time
     request = json.dumps({"target": target, "folder": folder, "kwargs": dict(kwargs)})
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "tracking._files"],
+            [sys.executable, "-m", "flasync.tracking._files"],
             input=request,
             capture_output=True,
             text=True,

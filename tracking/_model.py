@@ -1,7 +1,8 @@
 """A PyTorch model as an MLflow logged model of a run, saved by the tracker's process or by its writer process.
 
 :meth:`tracking.MlflowTracker.log_model` saves a module it is given; :func:`log_built_model` builds the module from
-an importable builder first, which is how the writer process (:mod:`tracking._child`) logs a model: the module never
+an importable builder first, which is how the writer process (:mod:`flasync.tracking._child`) logs a model: the module
+never
 crosses the process boundary (nothing is pickled), only the builder's name and JSON keyword arguments do. Saving
 imports ``torch.export`` and MLflow's pytorch flavour (about two seconds) and traces the model; in the writer
 process's helper (:func:`save_for`) that runs beside training rather than after it. The trace itself (about 50 ms
@@ -399,7 +400,7 @@ def save_for(
     """Build a model with ``builder(**kwargs)`` and save it as :func:`save_model` does at ``folder``.
 
     Takes JSON values only (and ``exports``): what the writer's helper process runs for a model job (see
-    :mod:`tracking._child`).
+    :mod:`flasync.tracking._child`).
 
     Args:
         folder: A folder that does not exist yet.
@@ -453,7 +454,8 @@ def save_built(
 ) -> None:
     """Build a model with ``builder(**kwargs)`` and save it as :func:`save_model` does into ``folder/name``.
 
-    What a one-shot process runs (see :mod:`tracking._files`) when a tracker spools the model of a run whose store
+    What a one-shot process runs (see :mod:`flasync.tracking._files`) when a tracker spools the model of a run whose
+    store
     fails: ``torch.export`` and MLflow's pytorch flavour are never imported in the tracker's process.
 
     Args:

@@ -12,14 +12,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tracking._keys import safe_key
-from tracking.metrics import MetricRow
-from tracking.store import ensure_experiment
+from flasync.tracking._keys import safe_key
+from flasync.tracking.metrics import MetricRow
+from flasync.tracking.store import ensure_experiment
 
 if TYPE_CHECKING:
     import mlflow
 
-    from tracking.sqlite_metrics import SqliteMetrics
+    from flasync.tracking.sqlite_metrics import SqliteMetrics
 
 __all__ = [
     "RUNS_VIEW_KEY",

@@ -1,7 +1,7 @@
 """Empty MLflow SQLite schemas shipped with flasync, so a machine's first store skips MLflow's migrations.
 
 MLflow builds a new SQLite store's schema by running its Alembic migrations (some 70 of them: about 1.2 s of CPU on
-the path to a tracked run's first metric). :func:`tracking.store.prepare_sqlite_store` keeps the first schema it
+the path to a tracked run's first metric). :func:`flasync.tracking.store.prepare_sqlite_store` keeps the first schema it
 builds and copies it for later stores; this module covers the store before that one. A *seed* is the SQL text of an
 empty schema as MLflow's migrations left it (``sqlite3``'s dump: the tables, indexes and the rows the migrations
 insert, such as the schema version), stored under ``tracking/schemas`` by the key of the MLflow files that decide

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlflow
 
-from tracking.report import RunLookupError, get_run
+from flasync.tracking.report import RunLookupError, get_run
 
 __all__ = [
     "EvalPoint",
@@ -203,12 +203,12 @@ def comparison_table(records: Sequence[RunRecord], *, target: float | None = Non
 def plot_comparison(records: Sequence[RunRecord], path: str | Path, *, target: float | None = None) -> None:
     """Write an SVG chart of the runs' accuracy against client updates, simulated time and wall time (a dashed line
     at ``target``): not against versions, which mean different amounts of work per aggregator (a FedAvg round folds
-    a whole cohort, a FedAsync version one update). Drawn by :mod:`tracking.charts`, as a run's own plots are.
+    a whole cohort, a FedAsync version one update). Drawn by :mod:`flasync.tracking.charts`, as a run's own plots are.
 
     Raises:
         ValueError: ``path`` does not end with ``.svg``.
     """
-    from tracking.charts import HLine, Line, Panel, render
+    from flasync.tracking.charts import HLine, Line, Panel, render
 
     if Path(path).suffix.lower() != ".svg":
         raise ValueError(f"the comparison is an SVG chart: name a .svg file, not {str(path)!r}")

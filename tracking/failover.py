@@ -1,7 +1,8 @@
 """Online/offline failover of one tracked run: records go to the store, or to a spool while the store fails.
 
 A :class:`Failover` sends each record (params, tags, metrics, artifacts, the final status) through a callable that
-writes it to MLflow; when that fails, it writes the record to a JSON-lines spool (:mod:`tracking.spool`) instead,
+writes it to MLflow; when that fails, it writes the record to a JSON-lines spool (:mod:`flasync.tracking.spool`)
+instead,
 and from then on tries the store again at most every ``retry_interval_s``. Once the store answers, the spool is
 replayed into it in order and records go direct again. The run's lifecycle (start, resume, writers, finish) is
 :class:`~tracking.mlflow_run.MlflowTracker`'s; this module only routes.
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tracking.spool import Replayer, SpoolWriter, default_spool_path, iter_records, rejected, save_progress
-from tracking.store import check_answers, prepare_sqlite_store, redact_uri
+from flasync.tracking.spool import Replayer, SpoolWriter, default_spool_path, iter_records, rejected, save_progress
+from flasync.tracking.store import check_answers, prepare_sqlite_store, redact_uri
 
 if TYPE_CHECKING:
     import mlflow
@@ -53,11 +54,11 @@ class RunIdentity:
 
     def connect(self, log: Any = None) -> mlflow.MlflowClient:
         """Return the store's client, making it on first use (a SQLite store is prepared first, see
-        :func:`tracking.store.prepare_sqlite_store`).
+        :func:`flasync.tracking.store.prepare_sqlite_store`).
 
         Raises:
             ConnectionError: An HTTP(S) server does not answer (asked before MLflow is imported here, see
-                :func:`tracking.store.check_answers`).
+                :func:`flasync.tracking.store.check_answers`).
         """
         if self.client is None:
             check_answers(self.tracking_uri, self.probe_timeout_s)
@@ -74,7 +75,7 @@ class Failover:
     Args:
         run: The run the records belong to.
         log: Where warnings go (the spool's path, recovery, records the store refused).
-        http: Bounds one block of calls to a server (see :func:`tracking.store.bounded_http`).
+        http: Bounds one block of calls to a server (see :func:`flasync.tracking.store.bounded_http`).
         experiment_id: Looks up or creates an experiment by name (for a run first created by a replay).
         retry_interval_s: Least time between two tries to reach a failed store, in seconds.
         spool_path: The spool file; a new file under ``spool_root`` when None.

@@ -20,8 +20,8 @@ from structlog.contextvars import merge_contextvars
 from structlog.processors import add_log_level
 from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
 
-from tracking.metrics import MetricsProcessor
-from tracking.progress import ProgressBar
+from flasync.tracking.metrics import MetricsProcessor
+from flasync.tracking.progress import ProgressBar
 
 __all__ = ["ConsoleFields", "LevelFilter", "configure_logging", "make_logger"]
 

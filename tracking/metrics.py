@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from structlog.typing import EventDict, WrappedLogger
 
-from tracking._keys import safe_key
+from flasync.tracking._keys import safe_key
 
 __all__ = ["DEFAULT_EXCLUDE", "ConstantSeries", "MetricRow", "MetricsProcessor", "metric_key"]
 

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 import structlog
 import yaml
 
-from tracking import _files, _model
-from tracking._child import IDLE, STORE_REPLACED, ChildLogBatch, IdleChild
-from tracking._keys import safe_key
-from tracking._runs import (
+from flasync.core.owner import owner_tags
+from flasync.tracking import _files, _model
+from flasync.tracking._child import IDLE, STORE_REPLACED, ChildLogBatch, IdleChild
+from flasync.tracking._keys import safe_key
+from flasync.tracking._runs import (
     _MAX_PARAMS_PER_CALL,
     _MAX_TAG_VALUE,
     RUNS_VIEW_KEY,
@@ -44,12 +45,11 @@ from tracking._runs import (
     start_monitor,
     stop_monitor,
 )
-from tracking.failover import Failover, RunIdentity
-from tracking.metrics import MetricRow
-from tracking.owner import owner_tags
-from tracking.spool import SpoolWriter, dataset_input
-from tracking.sqlite_metrics import SqliteMetrics
-from tracking.store import (
+from flasync.tracking.failover import Failover, RunIdentity
+from flasync.tracking.metrics import MetricRow
+from flasync.tracking.spool import SpoolWriter, dataset_input
+from flasync.tracking.sqlite_metrics import SqliteMetrics
+from flasync.tracking.store import (
     ExperimentDeletedError,
     artifact_location,
     bounded_http,
@@ -60,7 +60,7 @@ from tracking.store import (
     resolve_tracking_uri,
     sqlite_path,
 )
-from tracking.writer import MetricWriter
+from flasync.tracking.writer import MetricWriter
 
 if TYPE_CHECKING:
     import mlflow
@@ -222,12 +222,12 @@ class MlflowTracker:
 
     Tracking never takes the run down: when the store cannot be reached or errors - at :meth:`start` or later -
     every record (params, tags, metrics, artifacts, the final status) goes to a JSON-lines spool (see
-    :mod:`tracking.spool`), whose path is logged (``tracking.spooling``) and printed on stderr once. While
+    :mod:`flasync.tracking.spool`), whose path is logged (``tracking.spooling``) and printed on stderr once. While
     spooling, the store is tried again at most every ``retry_interval_s`` (when there is something to write);
     once it answers, the spool is replayed in order and records go direct again. What is left at :meth:`finish`
     stays in the spool, and the ``flasync tracking replay PATH`` command that sends it is logged and printed.
     Calls to an HTTP(S) server are bounded to ``http_timeout_s`` per request and ``http_retries`` retries
-    (:func:`tracking.spool.bounded_http`; the metric child process gets the same bounds in its environment).
+    (:func:`flasync.tracking.spool.bounded_http`; the metric child process gets the same bounds in its environment).
 
     On a local store (SQLite or files) a new experiment gets the artifact location
     ``file://<artifact_root>/<experiment name>``; by default ``artifact_root`` is the ``artifacts``
@@ -246,7 +246,7 @@ class MlflowTracker:
         flush_interval_s: Longest time a metric waits before it is written, in seconds.
         flush_timeout_s: Longest wait of :meth:`flush` and of :meth:`finish` for a failing
             backend, in seconds.
-        writer_process: Send metric batches from a spawned child process (see :mod:`tracking._child`), so
+        writer_process: Send metric batches from a spawned child process (see :mod:`flasync.tracking._child`), so
             MLflow's SQL work does not compete with training for this process's GIL.
         logger: Where warnings go; ``structlog.get_logger("tracking.mlflow")`` when None.
         spool_path: The spool file used if the store fails; a new file under ``spool_root`` when None.
@@ -259,10 +259,11 @@ class MlflowTracker:
             where ``name`` is :data:`RUNS_VIEW_KEY`; :meth:`ui_url` opens it.
         preload: What the writer process imports (``package.module``) or calls (``package.module:function``) ahead,
             while the caller trains, for the model :meth:`log_model_from` will hand it, e.g.
-            ``("tracking._model:warm_up",)``: on Linux, a helper process of the writer process's does
-            that and the model's export on a core of its own (see :mod:`tracking._child`).
+            ``("flasync.tracking._model:warm_up",)``: on Linux, a helper process of the writer process's does
+            that and the model's export on a core of its own (see :mod:`flasync.tracking._child`).
         idle_writers: Where an idle writer process is taken from and left for the next tracker: the process's
-            holder :data:`tracking._child.IDLE` by default; a tracker given its own :class:`IdleChild` (a test, or
+            holder :data:`flasync.tracking._child.IDLE` by default; a tracker given its own :class:`IdleChild` (a test,
+            or
             an application that wants no process-wide sharing) shares only with trackers given the same one.
     """
 
@@ -378,7 +379,7 @@ class MlflowTracker:
         The process imports MLflow (over a second) while the caller goes on, e.g. loads its data; :meth:`start`
         hands it the run once the run exists (and starts it itself if this was not called). The process an earlier
         tracker of this process left idle on the same store is taken instead, MLflow loaded and ``preload`` done
-        (see :data:`tracking._child.IDLE`); only stopping a kept one for another store waits (tens of ms).
+        (see :data:`flasync.tracking._child.IDLE`); only stopping a kept one for another store waits (tens of ms).
         :meth:`finish` leaves it idle for the next tracker once the run has ended, or stops it, also when
         :meth:`start` never came.
         """
@@ -619,7 +620,7 @@ class MlflowTracker:
             self._child = None
 
     def _release_child(self, reusable: bool) -> None:
-        """Leave the writer process idle for the next tracker of this process (see :data:`tracking._child.IDLE`)
+        """Leave the writer process idle for the next tracker of this process (see :data:`flasync.tracking._child.IDLE`)
         when ``reusable`` and it serves no run (it ended this one, or never had it); else stop it."""
         child, self._child = self._child, None
         if child is None:
@@ -1019,7 +1020,8 @@ class MlflowTracker:
         With a writer process, the process builds, exports and sends the model (``torch.export`` and MLflow's
         pytorch flavour are imported and the model traced there, on another core, ideally preloaded: see
         ``preload``); otherwise, or if that fails, this process sends it as :meth:`log_model` does, except while
-        the store fails: then a one-shot process saves it for the spool (see :func:`tracking._model.save_built`).
+        the store fails: then a one-shot process saves it for the spool (see
+        :func:`flasync.tracking._model.save_built`).
 
         Args:
             builder: ``package.module:name`` of a callable returning the ``nn.Module``, final weights loaded
@@ -1074,7 +1076,7 @@ class MlflowTracker:
         The model's weights do not matter (e.g. the initial ones): that later save swaps the final weights into
         this export, which skips ``torch.export``'s trace at the run's end, if the model has the same structure (the
         same module classes, parameters and buffers, and then the same outputs on ``input_example``; see
-        :class:`tracking._model.Exports`). Otherwise, or if this export fails, or without a writer process, that
+        :class:`flasync.tracking._model.Exports`). Otherwise, or if this export fails, or without a writer process, that
         save exports the model itself, as it would have.
 
         Args:
@@ -1127,7 +1129,7 @@ class MlflowTracker:
             # MLflow's pytorch flavour (their objects would set off full garbage collections here).
             with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
                 try:
-                    _files.write_elsewhere("tracking._model:save_built", tmp, arguments)
+                    _files.write_elsewhere("flasync.tracking._model:save_built", tmp, arguments)
                 except RuntimeError as exc:
                     self._log.info("tracking.model_saved_here", reason=str(exc)[:300], metrics=False)
                     shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
@@ -1257,7 +1259,7 @@ def _artifact_name(artifact_file: str) -> tuple[str, str]:
 
 
 def _model_arguments(builder: str, kwargs: Mapping[str, Any], name: str, input_example: Any) -> dict[str, Any]:
-    """Return the JSON arguments of a model's job (see :func:`tracking._model.log_built_model`)."""
+    """Return the JSON arguments of a model's job (see :func:`flasync.tracking._model.log_built_model`)."""
     return {
         "builder": builder,
         "kwargs": dict(kwargs),

@@ -1,6 +1,7 @@
 """A progress bar for the console: the run's evaluations drawn as one line that updates in place.
 
-:class:`ProgressBar` is a structlog processor for the console chain (see :func:`tracking.logs.configure_logging`,
+:class:`ProgressBar` is a structlog processor for the console chain (see
+:func:`flasync.tracking.logs.configure_logging`,
 which adds it when standard output is a terminal): it takes the ``server.eval`` events (``version`` of ``of``,
 ``accuracy``, ``eta_s``) off the console and shows them as a `rich <https://rich.readthedocs.io>`_ progress bar,
 ``version n/N``, the latest accuracy and the estimated time left. While the bar is shown, every other line written

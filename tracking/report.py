@@ -16,7 +16,7 @@ from typing import Any
 import mlflow
 from mlflow.entities import Run
 
-from tracking.store import redact_uri, resolve_tracking_uri, sqlite_path
+from flasync.tracking.store import redact_uri, resolve_tracking_uri, sqlite_path
 
 __all__ = ["RunLookupError", "format_report", "get_run", "load_profile", "open_store"]
 

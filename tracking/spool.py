@@ -41,8 +41,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tracking.metrics import MetricRow
-from tracking.store import (
+from flasync.tracking.metrics import MetricRow
+from flasync.tracking.store import (
     ExperimentDeletedError,
     absolute_tracking_uri,
     artifact_location,

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tracking.store import sqlite_path
+from flasync.tracking.store import sqlite_path
 
 __all__ = ["SqliteMetrics"]
 
@@ -61,7 +61,7 @@ _UPSERT = (
 )
 
 Row = tuple[str, float, int, int]
-"""``(key, value, timestamp, step)``, as a :class:`tracking.metrics.MetricRow` or a batch line of the writer."""
+"""``(key, value, timestamp, step)``, as a :class:`flasync.tracking.metrics.MetricRow` or a batch line of the writer."""
 
 
 class SqliteMetrics:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from tracking._schema_seed import SEEDS, seed_schema
+from flasync.tracking._schema_seed import SEEDS, seed_schema
 
 if TYPE_CHECKING:
     import mlflow
@@ -313,7 +313,8 @@ def prepare_sqlite_store(
     migration scripts and SQLite's version); a new store of the same versions is a copy of it, which MLflow opens as
     a store it built (its ``Default`` experiment, whose artifact location depends on the working directory, is made
     when the store is first opened, as for any new store). When none is kept yet, the schema is replayed from the
-    seed flasync ships for the installed MLflow's migrations, if it has one (:mod:`tracking._schema_seed`), rather
+    seed flasync ships for the installed MLflow's migrations, if it has one (:mod:`flasync.tracking._schema_seed`),
+    rather
     than built by them.
 
     Args:
@@ -363,7 +364,7 @@ def _build_schema(db: Path, cache: Path | None, seeds: Path | None) -> None:
     A process killed while MLflow runs the migrations (a run that fails fast stops its writer process; SIGKILL; out
     of memory) so leaves no half-built store behind, only a ``<db>.building-*`` file that the next build removes.
     The file is a copy of the schema kept in ``cache`` when there is one (see :func:`prepare_sqlite_store`), else
-    replayed from the installed MLflow's seed in ``seeds`` (see :mod:`tracking._schema_seed`), else built by
+    replayed from the installed MLflow's seed in ``seeds`` (see :mod:`flasync.tracking._schema_seed`), else built by
     MLflow's migrations; then it is kept in ``cache``.
     """
     import mlflow

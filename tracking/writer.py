@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from tracking.metrics import MetricRow
-from tracking.store import redact_uri
+from flasync.tracking.metrics import MetricRow
+from flasync.tracking.store import redact_uri
 
 __all__ = ["MetricWriter", "WriterStatistics"]
 
@@ -79,7 +79,7 @@ class MetricWriter:
         flush_interval_s: Longest time a metric waits for its batch to fill, in seconds.
         max_backlog: Most metrics kept while the backend fails.
         close_timeout_s: How long :meth:`close` keeps retrying a failing backend, in seconds.
-        logger: Where warnings go; ``structlog.get_logger("tracking.writer")`` when None.
+        logger: Where warnings go; ``structlog.get_logger("flasync.tracking.writer")`` when None.
 
     Raises:
         ValueError: A size or interval is not positive.
@@ -106,7 +106,7 @@ class MetricWriter:
         self._interval = flush_interval_s
         self._max_backlog = max_backlog
         self._close_timeout = close_timeout_s
-        self._log = logger if logger is not None else structlog.get_logger("tracking.writer")
+        self._log = logger if logger is not None else structlog.get_logger("flasync.tracking.writer")
         self._queue: SimpleQueue[_Wake | _Flush | _Stop] = SimpleQueue()
         self._lock = threading.Lock()
         # Submitted metrics wait here; the thread is woken only when this list starts or fills a batch, not per call

@@ -26,11 +26,11 @@ from flasync.aggregation.buffer import UpdateBuffer
 from flasync.aggregation.functional import fedasync_mix_
 from flasync.aggregation.hierarchy import mix_partial_
 from flasync.aggregation.optimizers import ServerOptimizer
+from flasync.aggregation.privacy import GaussianMechanism
 from flasync.aggregation.robust import coordinate_median, trimmed_mean
 from flasync.aggregation.staleness import StalenessWeight
 from flasync.aggregation.weights import ExampleWeight
-from flasync.errors import CheckpointError
-from flasync.privacy import GaussianMechanism
+from flasync.core.errors import CheckpointError
 
 __all__ = [
     "Aggregator",

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from flasync.errors import TrainingError
+from flasync.core.errors import TrainingError
 
 __all__ = ["Accounting", "ServerStats", "VersionFigures"]
 

@@ -7,7 +7,8 @@ into an :class:`~flasync.aggregation.UpdateBuffer` on the run's device: ``sum_k 
 ``sum_k e_k``. It forwards that partial aggregate to its parent as one dense message; a parent adds partials, so
 the cloud ends with the sums it would have built from the clients' updates (in floating point: up to the order of
 the additions). Edges relay each new global model down, one download per edge per version, and clients download
-from their edge. Each task's outcome goes to the cloud as a :class:`~flasync.events.TaskClosed`, counted there once.
+from their edge. Each task's outcome goes to the cloud as a :class:`~flasync.core.events.TaskClosed`, counted there
+once.
 
 * **async** (the cloud runs FedBuff or FedAsync): the cloud dispatches clients as in a flat run; an edge folds
   each update with the staleness weight ``s(tau)``, ``tau`` counted against the cloud version the edge knows, and
@@ -34,12 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from flasync import seeding
 from flasync.aggregation import ExampleWeight, StalenessWeight, UpdateBuffer, edge_model, edge_progress
-from flasync.bus import EventBus
 from flasync.codecs import Pipeline
 from flasync.config import EdgeLinkConfig
-from flasync.events import (
+from flasync.core import seeding
+from flasync.core.bus import EventBus
+from flasync.core.events import (
     ClientFailed,
     ClientTimedOut,
     EdgeForwarded,
@@ -52,10 +53,10 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
+from flasync.core.snapshots import ModelSnapshot
 from flasync.server.intake import Intake, Refused
 from flasync.server.registry import TaskRegistry, Timer
-from flasync.snapshots import ModelSnapshot
-from flasync.topology import Tree
+from flasync.server.topology import Tree
 
 __all__ = ["EdgeNetwork", "EdgeNode", "EdgeSettings", "TierStats", "link_seconds"]
 

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from flasync.codecs import Pipeline
-from flasync.errors import DecodeError
-from flasync.events import UpdateUploaded
+from flasync.codecs.validation import UpdateValidator, clip_to_norm
+from flasync.core.errors import DecodeError
+from flasync.core.events import UpdateUploaded
+from flasync.core.snapshots import ModelSnapshot
 from flasync.server.registry import TaskRegistry
-from flasync.snapshots import ModelSnapshot
-from flasync.validation import UpdateValidator, clip_to_norm
 
 __all__ = ["Admitted", "Decoded", "Intake", "Refused"]
 

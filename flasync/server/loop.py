@@ -21,11 +21,12 @@ from typing import Any, Protocol
 import torch
 
 from flasync.aggregation import Aggregator, ControlVariate
-from flasync.bus import EventBus
-from flasync.clock import Clock
+from flasync.aggregation.privacy import PrivacyAccountant
 from flasync.codecs import Pipeline
-from flasync.errors import BusClosed, BusFull, CheckpointError, TrainingError
-from flasync.events import (
+from flasync.core.bus import EventBus
+from flasync.core.clock import Clock
+from flasync.core.errors import BusClosed, BusFull, CheckpointError, TrainingError
+from flasync.core.events import (
     CLOUD,
     Aggregated,
     ClientFailed,
@@ -44,16 +45,15 @@ from flasync.events import (
     UpdateUploaded,
     Version,
 )
-from flasync.instruments import debug_many, logs_debug
-from flasync.privacy import PrivacyAccountant
+from flasync.core.instruments import debug_many, logs_debug
+from flasync.core.snapshots import ModelSnapshot
 from flasync.server.accounting import Accounting, ServerStats
 from flasync.server.edges import message_from_state, message_state, relayed
 from flasync.server.intake import Decoded, Intake, Refused
 from flasync.server.policies import Policy
 from flasync.server.registry import TaskRegistry
 from flasync.server.sampler import ClientSampler
-from flasync.snapshots import ModelSnapshot
-from flasync.training import EvalResult
+from flasync.training.local import EvalResult
 
 __all__ = ["INTERRUPTED", "Evaluator", "Server", "ServerMessage", "Stateful", "StopRules"]
 
@@ -413,7 +413,8 @@ class Server:
 
         Each upload is counted, admitted, folded in and logged as it would be alone, in order, received at the time
         it was sent (a batch may hold uploads sent at several times, handed over at the last of them: see
-        :class:`~flasync.client.CohortClients`); the updates accepted are published as one :class:`UpdatesReceived`
+        :class:`~flasync.clients.simulated.client.CohortClients`); the updates accepted are published as one
+        :class:`UpdatesReceived`
         where every observer takes batches (a refusal's event keeps its place between them), and the policy learns
         of each.
         """
@@ -670,7 +671,7 @@ class Server:
         """Return everything needed to continue this run exactly: plain values and tensors, copied.
 
         The server takes it between messages (after one was handled, before tasks start again). In-flight tasks
-        are kept as their :class:`~flasync.events.TaskAssigned` records with the models they started from; a
+        are kept as their :class:`~flasync.core.events.TaskAssigned` records with the models they started from; a
         resumed run starts them again on their original timelines, and since every random draw of a task is keyed
         by client and participation, they replay exactly.
         """

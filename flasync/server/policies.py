@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from flasync.bus import EventBus
-from flasync.events import EdgeForwarded, RoundDeadlinePassed, Version
+from flasync.core.bus import EventBus
+from flasync.core.events import EdgeForwarded, RoundDeadlinePassed, Version
+from flasync.core.snapshots import ModelSnapshot
 from flasync.server.accounting import Accounting
 from flasync.server.registry import TaskRegistry, Timer
 from flasync.server.sampler import ClientSampler
-from flasync.snapshots import ModelSnapshot
 
 if TYPE_CHECKING:
     from flasync.server.edges import EdgeNetwork

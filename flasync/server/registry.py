@@ -1,12 +1,13 @@
 """The task registry: which client trains from which model version, and every task's lifetime.
 
-The registry dispatches a task (a :class:`~flasync.events.TaskAssigned` record, a model download, a coroutine that
+The registry dispatches a task (a :class:`~flasync.core.events.TaskAssigned` record, a model download, a coroutine that
 runs it), starts a watchdog when tasks have a time limit, releases a task exactly once when its answer, failure or
 timeout arrives (a second answer finds nothing to release), and starts a checkpoint's tasks again on their original
 timelines. It keeps each base model a task started from until the last such task is released, and owns every task
 it starts in the run's ``TaskGroup``. How a task runs (an in-process client coroutine, a remote device) is the
 ``start_task`` callable it is given: the transport seam. Given a ``start_group`` too, the tasks dispatched on one
-model before the first of them starts run in one coroutine instead (see :class:`~flasync.client.CohortClients`).
+model before the first of them starts run in one coroutine instead (see
+:class:`~flasync.clients.simulated.client.CohortClients`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from flasync.bus import EventBus
-from flasync.errors import CheckpointError
-from flasync.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, TasksAssigned, Version
+from flasync.core.bus import EventBus
+from flasync.core.errors import CheckpointError
+from flasync.core.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, TasksAssigned, Version
+from flasync.core.snapshots import ModelSnapshot
 from flasync.server.accounting import Accounting
-from flasync.snapshots import ModelSnapshot
 
 __all__ = ["Answer", "StartGroup", "StartTask", "TaskRegistry", "Timer"]
 

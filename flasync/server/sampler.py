@@ -13,11 +13,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flasync.events import ClientId
-from flasync.faults import FaultModel
-from flasync.population import Population, SamplingStrategy
+from flasync.config import SamplingStrategy
+from flasync.core.events import ClientId
 
-__all__ = ["Availability", "ClientSampler"]
+__all__ = ["Availability", "ClientSampler", "Roster"]
 
 
 class Availability(Protocol):
@@ -36,6 +35,26 @@ class Availability(Protocol):
         ...
 
 
+class Roster(Protocol):
+    """The clients the server draws from, by id: a simulated population or the devices a deployment knows."""
+
+    def __len__(self) -> int:
+        """Return how many clients there are."""
+        ...
+
+    def sample(
+        self,
+        k: int,
+        rng: np.random.Generator,
+        *,
+        strategy: SamplingStrategy = "uniform",
+        now: float = 0.0,
+        exclude: Collection[int] = (),
+    ) -> np.ndarray:
+        """Draw ``k`` distinct client ids by ``strategy`` at time ``now``, none of them in ``exclude``."""
+        ...
+
+
 class ClientSampler:
     """Draw clients for tasks.
 
@@ -43,24 +62,22 @@ class ClientSampler:
         population: The clients.
         strategy: How to draw (``uniform``, ``weighted``, ``lru`` or ``available``).
         rng: The server's random stream (its state is part of a checkpoint).
-        faults: The failure model; its availability windows, if any, restrict draws to online clients.
-        availability: Who is online, instead of the failure model's windows (e.g. the remote devices connected now).
+        availability: Who is online (simulated availability windows, or the remote devices connected now); None:
+            every client always is.
     """
 
     def __init__(
         self,
-        population: Population,
+        population: Roster,
         strategy: SamplingStrategy,
         rng: np.random.Generator,
-        faults: FaultModel | None = None,
         availability: Availability | None = None,
     ) -> None:
         """Bind the population and the random stream."""
         self.population = population
         self.strategy = strategy
         self.rng = rng
-        windows = faults if faults is not None and faults.config.availability is not None else None
-        self.faults: Availability | None = availability if availability is not None else windows
+        self.faults = availability
 
     @property
     def checkpointable(self) -> bool:

@@ -15,7 +15,7 @@ from flasync.aggregation import (
     FlatSGD,
     SampleExampleWeight,
 )
-from flasync.errors import CheckpointError
+from flasync.core.errors import CheckpointError
 
 
 class _Sum:

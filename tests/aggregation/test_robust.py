@@ -7,7 +7,7 @@ import torch
 
 import flasync
 from flasync.aggregation import coordinate_median, trimmed_mean
-from flasync.events import TaskAssigned
+from flasync.core.events import TaskAssigned
 from flasync.testing import small_config
 
 

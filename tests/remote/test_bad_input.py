@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from flasync import codecs
-from flasync.errors import RunInterrupted
-from flasync.runtime import Federation
-from flasync.serve import REPORT_HEADER, SESSION_HEADER, asgi_app
+from flasync.core.errors import RunInterrupted
+from flasync.runtime.federation import Federation
+from flasync.runtime.serve import REPORT_HEADER, SESSION_HEADER, asgi_app
 from flasync.testing import MemoryTracker
 from tests.remote.conftest import remote_config
 

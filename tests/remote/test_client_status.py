@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flasync.remote import Client, RemoteError
-from flasync.runtime import Federation
-from flasync.serve import asgi_app
+from flasync.clients.remote.client import Client, RemoteError
+from flasync.runtime.federation import Federation
+from flasync.runtime.serve import asgi_app
 from tests.remote.conftest import remote_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from flasync.cli import main
+from flasync.clients.remote.transport import parse_tokens
 from flasync.config import validate
-from flasync.errors import ConfigError
-from flasync.transport import parse_tokens
+from flasync.core.errors import ConfigError
 from tests.remote.conftest import remote_config
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
-from flasync.remote import Client
+from flasync.clients.remote.client import Client
 
 pytestmark = pytest.mark.timeout(120)
 

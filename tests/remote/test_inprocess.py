@@ -1,4 +1,5 @@
-"""A remote run end to end in one process: the ASGI app driven by flasync.remote clients over httpx's ASGI transport."""
+"""A remote run end to end in one process: the ASGI app driven by flasync.clients.remote.client clients over httpx's
+ASGI transport."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flasync.events import ClientId, TaskAssigned
-from flasync.remote import Client
-from flasync.runtime import Federation
-from flasync.serve import asgi_app
+from flasync.clients.remote.client import Client
+from flasync.core.events import ClientId, TaskAssigned
+from flasync.runtime.federation import Federation
+from flasync.runtime.serve import asgi_app
 from tests.remote.conftest import remote_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from flasync.runtime import Federation
+from flasync.runtime.federation import Federation
 from tests.remote.conftest import NUM_CLIENTS, client_process, write_remote_config
 
 pytestmark = [

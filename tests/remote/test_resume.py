@@ -14,14 +14,13 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from flasync import checkpoint
+from flasync.clients.remote.client import Client
 from flasync.config import validate
-from flasync.errors import RunInterrupted
-from flasync.events import ModelPublished
-from flasync.remote import Client
-from flasync.runtime import Federation
-from flasync.serve import serve
-from flasync.summary import RunSummary
+from flasync.core.errors import RunInterrupted
+from flasync.core.events import ModelPublished
+from flasync.observe.summary import RunSummary
+from flasync.runtime.federation import Federation, checkpoint
+from flasync.runtime.serve import serve
 from tests.remote.conftest import client_process, remote_config, write_remote_config
 
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from flasync.cli import main
-from flasync.remote import Client, RemoteError
-from flasync.runtime import Federation
-from flasync.serve import serve
+from flasync.clients.remote.client import Client, RemoteError
+from flasync.runtime.federation import Federation
+from flasync.runtime.serve import serve
 from tests.remote.conftest import remote_config
 
 pytestmark = pytest.mark.timeout(180)

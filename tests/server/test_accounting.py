@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flasync.errors import TrainingError
+from flasync.core.errors import TrainingError
 from flasync.server import Accounting
 from flasync.testing import ScriptedClients, ServerHarness
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from flasync import codecs
-from flasync.events import ClientId, UpdateUploaded, Version
+from flasync.codecs.validation import UpdateValidator
+from flasync.core.events import ClientId, UpdateUploaded, Version
+from flasync.core.snapshots import ModelSnapshot
 from flasync.server import Admitted, Intake, Refused
-from flasync.snapshots import ModelSnapshot
 from flasync.testing import ServerHarness
-from flasync.validation import UpdateValidator
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from flasync.errors import TrainingError
-from flasync.events import Aggregated, ModelPublished, RunFinished
+from flasync.core.errors import TrainingError
+from flasync.core.events import Aggregated, ModelPublished, RunFinished
 from flasync.server import INTERRUPTED
 from flasync.testing import EventRecorder, ScriptedClients, ServerHarness
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flasync.events import RoundDeadlinePassed, TaskAssigned
+from flasync.core.events import RoundDeadlinePassed, TaskAssigned
 from flasync.server import SyncRounds
 from flasync.testing import EventRecorder, ScriptedClients, ServerHarness
 

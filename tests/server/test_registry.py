@@ -7,11 +7,11 @@ import asyncio
 import pytest
 import torch
 
-from flasync.bus import EventBus
-from flasync.clock import VirtualClock
-from flasync.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, Version
+from flasync.core.bus import EventBus
+from flasync.core.clock import VirtualClock
+from flasync.core.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, Version
+from flasync.core.snapshots import ModelSnapshot
 from flasync.server.registry import TaskRegistry
-from flasync.snapshots import ModelSnapshot
 from flasync.testing import EventRecorder, ScriptedClients, ServerHarness
 
 pytestmark = pytest.mark.timeout(30)

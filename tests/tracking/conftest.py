@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from tracking.store import prepare_sqlite_store
+from flasync.tracking.store import prepare_sqlite_store
 
 
 @pytest.fixture(autouse=True)

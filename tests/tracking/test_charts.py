@@ -7,8 +7,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tracking.charts import Line, Panel, Stairs, VLine, histogram, nice_ticks, render
-from tracking.charts import _labels as labels
+from flasync.tracking.charts import Line, Panel, Stairs, VLine, histogram, nice_ticks, render
+from flasync.tracking.charts import _labels as labels
 
 SVG = "{http://www.w3.org/2000/svg}"
 

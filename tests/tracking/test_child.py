@@ -18,10 +18,10 @@ import torch
 from mlflow.entities import Metric
 
 import flasync
-from flasync import models
 from flasync.testing import small_config
-from tracking import MlflowTracker, _files
-from tracking._child import _EXIT_TIMEOUT_S, FORKS_HELPER, IDLE, ChildLogBatch, IdleChild, close_idle_writer
+from flasync.tracking import MlflowTracker, _files
+from flasync.tracking._child import _EXIT_TIMEOUT_S, FORKS_HELPER, IDLE, ChildLogBatch, IdleChild, close_idle_writer
+from flasync.training import models
 
 
 def _metrics(key: str, steps: range) -> list[Metric]:
@@ -182,11 +182,11 @@ def test_model_from_builder_is_logged_by_the_child(tracking_uri: str, tmp_path: 
     weights = tmp_path / "w.npy"
     model = models.MLP(8, [4], 3)
     np.save(weights, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
-    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",))
+    tracker = MlflowTracker(tracking_uri, preload=("flasync.tracking._model:warm_up",))
     run_id = tracker.start(experiment="child-model")
     example = np.zeros((2, 8), dtype=np.float32)
     kwargs = {"model": "MLP", "weights": str(weights), "in_features": 8, "hidden": [4], "num_classes": 3}
-    tracker.log_model_from("flasync.models:build", kwargs, name="mlp", input_example=example)
+    tracker.log_model_from("flasync.training.models:build", kwargs, name="mlp", input_example=example)
     with pytest.raises(ModuleNotFoundError):
         tracker.log_model_from("no_such_module:build", {}, name="nope", input_example=example)
     tracker.finish("FINISHED")
@@ -480,7 +480,7 @@ def test_a_writer_with_preloads_leaves_the_model_to_a_helper_of_its_own(
     """A new writer process told what to preload forks one helper, at its priority: the model's export is made
     there (the writer process never loads torch), logged by the writer process; the helper ends with it."""
     monkeypatch.setattr(_files, "write_elsewhere", lambda *a, **k: pytest.fail("saved by a one-shot process"))
-    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",))
+    tracker = MlflowTracker(tracking_uri, preload=("flasync.tracking._model:warm_up",))
     tracker.prepare()
     assert tracker._child is not None
     writer = psutil.Process(tracker._child.pid)
@@ -490,7 +490,7 @@ def test_a_writer_with_preloads_leaves_the_model_to_a_helper_of_its_own(
     assert [helper.nice() for helper in helpers] == [writer.nice()]
     kwargs, model = _model_kwargs(tmp_path)
     example = np.zeros((2, 8), dtype=np.float32)
-    tracker.log_model_from("flasync.models:build", kwargs, name="mlp", input_example=example)
+    tracker.log_model_from("flasync.training.models:build", kwargs, name="mlp", input_example=example)
     assert not _loads_torch(writer.pid)
     assert _loads_torch(helpers[0].pid)
     tracker.finish("FINISHED")
@@ -508,7 +508,7 @@ def test_a_writer_with_preloads_leaves_the_model_to_a_helper_of_its_own(
 def test_a_dead_helper_leaves_its_jobs_to_the_writer(tracking_uri: str, tmp_path: Path) -> None:
     """When the model's helper is gone, the writer process exports and logs the model itself."""
     holder = IdleChild()
-    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
+    tracker = MlflowTracker(tracking_uri, preload=("flasync.tracking._model:warm_up",), idle_writers=holder)
     run_id = tracker.start(experiment="child-helper-dies")
     assert tracker._child is not None
     [helper] = psutil.Process(tracker._child.pid).children()
@@ -518,7 +518,9 @@ def test_a_dead_helper_leaves_its_jobs_to_the_writer(tracking_uri: str, tmp_path
         time.sleep(0.05)
     assert helper.status() == psutil.STATUS_ZOMBIE
     kwargs, _ = _model_kwargs(tmp_path)
-    tracker.log_model_from("flasync.models:build", kwargs, name="mlp", input_example=np.zeros((2, 8), np.float32))
+    tracker.log_model_from(
+        "flasync.training.models:build", kwargs, name="mlp", input_example=np.zeros((2, 8), np.float32)
+    )
     assert tracker._child is not None and tracker._child.alive  # the writer process did it
     tracker.finish("FINISHED")
     holder.clear()
@@ -530,7 +532,7 @@ def test_a_dead_helper_leaves_its_jobs_to_the_writer(tracking_uri: str, tmp_path
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel ends helpers with their parent on Linux")
 def test_helpers_die_with_a_killed_writer(tracking_uri: str) -> None:
     """A writer process killed outright takes its helper with it, even while it still preloads."""
-    child = ChildLogBatch(tracking_uri, preload=("tracking._model:warm_up",))
+    child = ChildLogBatch(tracking_uri, preload=("flasync.tracking._model:warm_up",))
     writer = psutil.Process(child.pid)
     deadline = time.monotonic() + 60
     while not writer.children() and time.monotonic() < deadline:
@@ -556,7 +558,7 @@ _WAITING_BUILDER = """
 import os
 import time
 
-from flasync.models import build as build_model
+from flasync.training.models import build as build_model
 
 
 def build(flag, **kwargs):
@@ -577,7 +579,7 @@ def _builder_tracker(
     (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
     holder = IdleChild()
-    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
+    tracker = MlflowTracker(tracking_uri, preload=("flasync.tracking._model:warm_up",), idle_writers=holder)
     return tracker, holder, tracker.start(experiment=experiment)
 
 
@@ -620,14 +622,14 @@ def test_a_started_model_that_fails_raises_when_settled_and_one_never_settled_en
     """A started model whose builder fails raises its error from the function start_model_from returned (as
     log_model_from would); one never waited for is still logged before the run ends."""
     holder = IdleChild()
-    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
+    tracker = MlflowTracker(tracking_uri, preload=("flasync.tracking._model:warm_up",), idle_writers=holder)
     run_id = tracker.start(experiment="child-deferred-fails")
     example = np.zeros((2, 8), dtype=np.float32)
     failing = tracker.start_model_from("no_such_module:build", {}, name="nope", input_example=example)
     with pytest.raises(ModuleNotFoundError):
         failing()
     kwargs, _ = _model_kwargs(tmp_path)
-    tracker.start_model_from("flasync.models:build", kwargs, name="mlp", input_example=example)
+    tracker.start_model_from("flasync.training.models:build", kwargs, name="mlp", input_example=example)
     tracker.finish("FINISHED")
     holder.clear()
     client = mlflow.MlflowClient(tracking_uri)
@@ -639,12 +641,12 @@ def test_a_model_logged_while_a_started_one_exports_waits_its_turn(tracking_uri:
     """The model's helper does one job at a time: a model logged while a started one is exported (two threads of
     the writer process) is done after it, and both are logged whole."""
     holder = IdleChild()
-    tracker = MlflowTracker(tracking_uri, preload=("tracking._model:warm_up",), idle_writers=holder)
+    tracker = MlflowTracker(tracking_uri, preload=("flasync.tracking._model:warm_up",), idle_writers=holder)
     run_id = tracker.start(experiment="child-two-models")
     kwargs, model = _model_kwargs(tmp_path)
     example = np.zeros((2, 8), dtype=np.float32)
-    settle = tracker.start_model_from("flasync.models:build", kwargs, name="first", input_example=example)
-    tracker.log_model_from("flasync.models:build", kwargs, name="second", input_example=example)
+    settle = tracker.start_model_from("flasync.training.models:build", kwargs, name="first", input_example=example)
+    tracker.log_model_from("flasync.training.models:build", kwargs, name="second", input_example=example)
     settle()
     tracker.finish("FINISHED")
     holder.clear()
@@ -659,7 +661,7 @@ def test_a_model_logged_while_a_started_one_exports_waits_its_turn(tracking_uri:
 _EXPORT_ONCE_BUILDER = """
 import torch
 
-from flasync.models import build as build_model
+from flasync.training.models import build as build_model
 
 
 def build(**kwargs):
@@ -700,7 +702,7 @@ import os
 import time
 from pathlib import Path
 
-from flasync.models import build as build_model
+from flasync.training.models import build as build_model
 
 
 def build(flag, marker, **kwargs):

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 import flasync
-import tracking
+from flasync import tracking
 from flasync.cli import main
 from flasync.testing import small_config
-from tracking.compare import EvalPoint, RunRecord, comparison_table, config_differences, time_to_target
-from tracking.report import format_report
+from flasync.tracking.compare import EvalPoint, RunRecord, comparison_table, config_differences, time_to_target
+from flasync.tracking.report import format_report
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +141,8 @@ def test_format_report_without_profile() -> None:
 def test_histories_carry_client_updates_for_a_fair_axis(three_runs: list[str], tracking_uri: str) -> None:
     """Each evaluation knows how many client updates it came after: a buffer of 4 makes a version from twice the
     updates of a buffer of 2, so runs compare on updates (and simulated time), not on versions."""
-    from tracking.compare import fetch_runs
-    from tracking.report import open_store
+    from flasync.tracking.compare import fetch_runs
+    from flasync.tracking.report import open_store
 
     records = fetch_runs(open_store(tracking_uri), three_runs)
     for record, size in zip(records, (2, 3, 4), strict=True):

@@ -11,7 +11,7 @@ import pytest
 import structlog
 from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
 
-from tracking import LevelFilter, MetricRow, MetricsProcessor, configure_logging, make_logger
+from flasync.tracking import LevelFilter, MetricRow, MetricsProcessor, configure_logging, make_logger
 
 
 class Recorder:
@@ -219,7 +219,7 @@ def test_metrics_logger_with_processors_before_still_shows_them_every_event() ->
 def test_console_lines_are_short() -> None:
     """The console drops the metric step and the run id (shown once, at run.started), rounds floats to 4 digits,
     leaves NaN out and shows progress as n/N without wall_s; the event itself is not otherwise changed."""
-    from tracking.logs import ConsoleFields
+    from flasync.tracking.logs import ConsoleFields
 
     shorten = ConsoleFields()
     event = {"event": "server.eval", "step": 5, "run_id": "abc", "version": 5, "of": 150, "accuracy": 0.123456789}

@@ -9,7 +9,7 @@ import numpy as np
 from mlflow.entities import Metric
 from structlog.typing import EventDict
 
-from tracking import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor
+from flasync.tracking import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor
 
 
 class Sink:

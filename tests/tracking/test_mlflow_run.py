@@ -14,7 +14,7 @@ import torch
 import yaml
 from mlflow.entities import LoggedModelStatus, Metric
 
-from tracking import (
+from flasync.tracking import (
     DEFAULT_TRACKING_URI,
     ExperimentDeletedError,
     MetricsProcessor,
@@ -26,7 +26,7 @@ from tracking import (
     make_logger,
     yaml_text,
 )
-from tracking.sqlite_metrics import SqliteMetrics
+from flasync.tracking.sqlite_metrics import SqliteMetrics
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""Models saved for MLflow by builder, and the exports made ahead of their save (:class:`tracking._model.Exports`)."""
+"""Models saved for MLflow by builder, and the exports made ahead of their save
+(:class:`flasync.tracking._model.Exports`)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ import torch
 import yaml
 from mlflow.models import Model
 
-from flasync import models
-from tracking import _model
-from tracking._child import _Aside, _job, _Monitor
+from flasync.tracking import _model
+from flasync.tracking._child import _Aside, _job, _Monitor
+from flasync.training import models
 
-_BUILDER = "flasync.models:build"
+_BUILDER = "flasync.training.models:build"
 _SPEC = {"model": "MLP", "in_features": 8, "hidden": [6], "num_classes": 3}
 _EXAMPLE = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32).tolist()
 _DESCRIPTION = {"artifact_path": "models:/m-1", "run_id": "r1", "model_uuid": "m-1", "model_id": "m-1"}

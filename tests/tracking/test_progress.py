@@ -10,8 +10,8 @@ import structlog
 from rich.console import Console
 
 from flasync import cli
-from tracking.logs import configure_logging
-from tracking.progress import ProgressBar, format_eta
+from flasync.tracking.logs import configure_logging
+from flasync.tracking.progress import ProgressBar, format_eta
 
 
 def _terminal() -> tuple[Console, io.StringIO]:

@@ -10,8 +10,8 @@ from typing import Any
 import mlflow
 import pytest
 
-from tracking._schema_seed import SEEDS, schema_key, seed_file, write_seed
-from tracking.store import prepare_sqlite_store
+from flasync.tracking._schema_seed import SEEDS, schema_key, seed_file, write_seed
+from flasync.tracking.store import prepare_sqlite_store
 
 
 def _shape(db: Path) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
 from flasync import cli
-from tracking import MlflowTracker
-from tracking.spool import (
+from flasync.tracking import MlflowTracker
+from flasync.tracking.spool import (
     SpoolError,
     SpoolWriter,
     iter_records,
@@ -24,7 +24,7 @@ from tracking.spool import (
     read_header,
     replay,
 )
-from tracking.store import bounded_http
+from flasync.tracking.store import bounded_http
 
 
 def _free_port() -> int:
@@ -467,7 +467,7 @@ def test_a_write_that_fails_leaves_no_torn_record_and_counts_what_is_lost(
     once, and later records are counted as lost, never raised."""
     import errno
 
-    import tracking.spool as spool_module
+    import flasync.tracking.spool as spool_module
 
     failures: list[str] = []
     writer = _writer(tmp_path / "run.jsonl", on_failure=lambda path, reason: failures.append(reason))
@@ -499,7 +499,7 @@ def test_a_run_whose_spool_fills_the_disk_finishes_and_says_what_was_lost(
     import errno
 
     import flasync
-    import tracking.spool as spool_module
+    import flasync.tracking.spool as spool_module
     from flasync.testing import small_config
 
     real_write = spool_module.os.write

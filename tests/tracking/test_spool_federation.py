@@ -11,12 +11,12 @@ import mlflow
 import pytest
 import yaml
 
-import flasync.runtime
+import flasync.runtime.federation
 from flasync import cli
 from flasync.config import flatten
 from flasync.testing import MemoryTracker, small_config
-from tracking import MlflowTracker
-from tracking.spool import iter_records, read_header
+from flasync.tracking import MlflowTracker
+from flasync.tracking.spool import iter_records, read_header
 
 
 def _dead_server() -> str:
@@ -37,13 +37,13 @@ def test_run_against_an_unreachable_server_completes_and_its_spool_replays_compl
 ) -> None:
     """Same weights as untracked and in-memory-tracked runs; every spooled metric (and step) lands in the store."""
     config = small_config("tracking.enabled=true", "tracking.log_model=true")
-    untracked = flasync.runtime.run(small_config())
+    untracked = flasync.runtime.federation.run(small_config())
     memory = MemoryTracker()
-    tracked = flasync.runtime.run(config, tracker=memory)
+    tracked = flasync.runtime.federation.run(config, tracker=memory)
 
     spool = tmp_path / "spool" / "run.jsonl"
     tracker = MlflowTracker(_dead_server(), spool_path=spool)
-    summary = flasync.runtime.run(config, tracker=tracker)
+    summary = flasync.runtime.federation.run(config, tracker=tracker)
 
     assert summary.weights_sha256 == untracked.weights_sha256 == tracked.weights_sha256
     assert summary.run_id is None

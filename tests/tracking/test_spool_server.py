@@ -22,8 +22,8 @@ import mlflow
 import pytest
 from mlflow.entities import Metric
 
-from tracking import MlflowTracker
-from tracking.spool import replay
+from flasync.tracking import MlflowTracker
+from flasync.tracking.spool import replay
 
 _START_TIMEOUT_S = 90.0
 

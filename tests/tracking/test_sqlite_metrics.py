@@ -12,9 +12,9 @@ import mlflow
 import pytest
 from mlflow.entities import Metric
 
-from tracking._child import ChildLogBatch, _answer, _Aside, _Monitor
-from tracking.sqlite_metrics import SqliteMetrics
-from tracking.store import prepare_sqlite_store
+from flasync.tracking._child import ChildLogBatch, _answer, _Aside, _Monitor
+from flasync.tracking.sqlite_metrics import SqliteMetrics
+from flasync.tracking.store import prepare_sqlite_store
 
 Row = tuple[str, float, int, int]
 
@@ -341,7 +341,7 @@ def test_the_writer_process_sends_batches_past_log_batch_where_the_store_fits(
 def test_a_run_opened_by_the_writer_process_gets_its_params_past_log_batch(tracking_uri: str) -> None:
     """open_run with a store's direct writer creates the run through MLflow and writes its params in one
     transaction (log_batch is never called); without one, it calls log_batch, and both runs read the same."""
-    from tracking._runs import open_run
+    from flasync.tracking._runs import open_run
 
     class NoLogBatch:
         def __init__(self, inner: mlflow.MlflowClient) -> None:

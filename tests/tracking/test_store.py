@@ -16,7 +16,7 @@ import mlflow
 import pytest
 
 from flasync.testing import NullLog
-from tracking.store import check_answers, prepare_sqlite_store
+from flasync.tracking.store import check_answers, prepare_sqlite_store
 
 
 def _half_built(db: Path, *, with_run: bool = False) -> None:
@@ -159,7 +159,7 @@ def test_four_runs_started_together_on_a_fresh_store_are_all_tracked_live(tmp_pa
 
 def test_redact_uri_hides_only_the_password() -> None:
     """The user stays visible (which account), the password never; URIs without one are unchanged."""
-    from tracking.store import redact_uri
+    from flasync.tracking.store import redact_uri
 
     assert redact_uri("https://me:s3cr3t@mlflow.example:5000/x") == "https://me:***@mlflow.example:5000/x"
     assert redact_uri("http://token@host") == "http://token@host"
@@ -173,7 +173,7 @@ def test_a_password_in_the_tracking_uri_is_written_nowhere(tmp_path: Path) -> No
     import socket
     import stat
 
-    from tracking._child import ChildLogBatch
+    from flasync.tracking._child import ChildLogBatch
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

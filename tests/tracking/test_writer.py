@@ -8,9 +8,9 @@ import time
 import pytest
 import structlog
 
-from tracking import MetricWriter
-from tracking.metrics import MetricRow as Metric
-from tracking.writer import _WAKE
+from flasync.tracking import MetricWriter
+from flasync.tracking.metrics import MetricRow as Metric
+from flasync.tracking.writer import _WAKE
 
 
 def metrics(n: int, key: str = "k") -> list[Metric]:

@@ -1,0 +1,1 @@
+"""Clients behind the server: simulated coroutine clients and remote devices over HTTP."""

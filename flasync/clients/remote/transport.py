@@ -1,0 +1,702 @@
+"""The remote transport: tasks handed to devices over the network instead of to in-process coroutines.
+
+The task registry starts every task through :meth:`RemoteTransport.start_task` (its ``start_task`` seam): the task
+waits in its client's mailbox until that client asks for it, and a client's upload goes onto the run's bus as the
+same :class:`~flasync.core.events.UpdateUploaded` a simulated client publishes, so it meets the same intake (decoding,
+shape, NaN and norm checks), aggregator, accounting, tracking and checkpoints. A task whose client never answers is
+timed out by the registry like any other.
+
+This module knows no HTTP: :mod:`flasync.runtime.serve` maps requests onto it. What it refuses before the intake (a
+token
+answering a task that is not its own, a replay, an oversized body, a malformed report) is a :class:`Refusal` with
+an HTTP status, counted per reason and logged as a ``remote.refused`` metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from flasync.codecs import HEADER, Pipeline
+from flasync.core.bus import EventBus
+from flasync.core.errors import BusClosed, BusFull, ConfigError
+from flasync.core.events import ClientFailed, ClientId, TaskAssigned, UpdateUploaded, Version
+from flasync.core.snapshots import ModelSnapshot
+
+if TYPE_CHECKING:
+    from flasync.config import RemoteConfig, RunConfig
+    from flasync.server.registry import TaskRegistry, Timer
+
+__all__ = [
+    "Offer",
+    "Refusal",
+    "RemoteTransport",
+    "Report",
+    "Tokens",
+    "load_tokens",
+    "parse_tokens",
+    "transport_for",
+]
+
+_MAX_TOKEN_CHARS = 512
+_REMEMBERED_ANSWERS = 1 << 16
+_RESUMABLE = "KILLED"  # a run ending with this tracking status may be resumed: its clients are told to retry
+_MAX_POLLS_PER_CLIENT = 2
+
+
+# --------------------------------------------------------------------------------------------------- tokens
+class Tokens:
+    """Bearer tokens bound to client ids, looked up in constant time per token.
+
+    Tokens are kept as SHA-256 digests: the lookup is by digest and the match is confirmed with
+    :func:`hmac.compare_digest`, so neither the dictionary nor the comparison reveals a token's characters.
+
+    Args:
+        bindings: Token -> client id.
+    """
+
+    def __init__(self, bindings: Mapping[str, int]) -> None:
+        """Hash and keep the bindings."""
+        self._by_digest: dict[bytes, ClientId] = {}
+        for token, client_id in bindings.items():
+            self._by_digest[_digest(token)] = ClientId(int(client_id))
+
+    def __len__(self) -> int:
+        """Count the tokens."""
+        return len(self._by_digest)
+
+    def client_ids(self) -> list[ClientId]:
+        """Return the bound client ids, sorted."""
+        return sorted(self._by_digest.values())
+
+    def client_of(self, token: str) -> ClientId | None:
+        """Return the client ``token`` is bound to (None: no such token)."""
+        if not token or len(token) > _MAX_TOKEN_CHARS:
+            return None
+        digest = _digest(token)
+        for known, client_id in self._by_digest.items():
+            if hmac.compare_digest(known, digest):
+                return client_id
+        return None
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+
+
+def parse_tokens(text: str, *, num_clients: int, where: str = "tokens file") -> Tokens:
+    """Read lines ``CLIENT_ID TOKEN`` (blank lines and ``#`` comments skipped).
+
+    Args:
+        text: The file's text.
+        num_clients: Client ids must be in ``0 .. num_clients - 1``.
+        where: Names the source in error messages.
+
+    Raises:
+        ConfigError: A malformed line, a client id out of range, a token given twice or too short.
+    """
+    bindings: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not parts[0].isdigit():
+            raise ConfigError(f"{where}, line {number}: expected 'CLIENT_ID TOKEN'")
+        client_id, token = int(parts[0]), parts[1]
+        if client_id >= num_clients:
+            raise ConfigError(
+                f"{where}, line {number}: client id {client_id} is not below population.num_clients ({num_clients})"
+            )
+        if len(token) < 16 or len(token) > _MAX_TOKEN_CHARS:
+            raise ConfigError(f"{where}, line {number}: a token needs 16 to {_MAX_TOKEN_CHARS} characters")
+        if token in bindings:
+            raise ConfigError(f"{where}, line {number}: this token is already bound to client {bindings[token]}")
+        bindings[token] = client_id
+    if not bindings:
+        raise ConfigError(f"{where}: no 'CLIENT_ID TOKEN' line")
+    return Tokens(bindings)
+
+
+def load_tokens(path: str | Path, *, num_clients: int) -> Tokens:
+    """Read a tokens file (see :func:`parse_tokens`).
+
+    Raises:
+        ConfigError: The file cannot be read or is malformed.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"remote.tokens_file: cannot read {path}: {type(exc).__name__}") from None
+    return parse_tokens(text, num_clients=num_clients, where=f"remote.tokens_file {path}")
+
+
+# ----------------------------------------------------------------------------------------------- messages
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request the transport refuses: an HTTP ``status``, a short ``reason`` key and a one-line ``detail``."""
+
+    status: int
+    reason: str
+    detail: str
+    retry_after_s: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Offer:
+    """A task given to a client: train from the model of ``base_version``, answer ``task_id``."""
+
+    task_id: int
+    base_version: int
+    participation: int
+    download_bytes: int
+
+    def to_json(self) -> dict[str, int]:
+        """Return the offer as a JSON object."""
+        return {
+            "task_id": self.task_id,
+            "base_version": self.base_version,
+            "participation": self.participation,
+            "download_bytes": self.download_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Report:
+    """What a client says about its training (JSON beside the binary update; it weighs and describes the update).
+
+    Attributes:
+        num_samples: Samples trained on (weighs the update; bounded by ``remote.max_num_samples``).
+        train_loss: Mean training loss.
+        train_s: Wall seconds of local training.
+        encode_s: Wall seconds of encoding.
+        download_s: Wall seconds the model download took.
+        peak_mem_bytes: Peak tensor memory of training.
+    """
+
+    num_samples: int
+    train_loss: float
+    train_s: float = 0.0
+    encode_s: float = 0.0
+    download_s: float = 0.0
+    peak_mem_bytes: int = 0
+
+    @classmethod
+    def from_json(cls, data: object, *, max_num_samples: int) -> Report:
+        """Validate a decoded JSON object.
+
+        Raises:
+            ValueError: A missing, mistyped or out-of-range field (one line).
+        """
+        if not isinstance(data, dict):
+            raise ValueError("the report must be a JSON object")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown report field {sorted(unknown)[0]!r}")
+        samples = data.get("num_samples")
+        if not isinstance(samples, int) or isinstance(samples, bool) or not 1 <= samples <= max_num_samples:
+            raise ValueError(f"num_samples must be an integer in 1 .. {max_num_samples}")
+        figures: dict[str, float] = {}
+        for name in ("train_loss", "train_s", "encode_s", "download_s"):
+            value = data.get(name, 0.0)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number")
+            figures[name] = float(value)
+        for name in ("train_s", "encode_s", "download_s"):
+            if figures[name] < 0:
+                raise ValueError(f"{name} must be >= 0")
+        memory = data.get("peak_mem_bytes", 0)
+        if not isinstance(memory, int) or isinstance(memory, bool) or memory < 0:
+            raise ValueError("peak_mem_bytes must be a non-negative integer")
+        return cls(num_samples=samples, peak_mem_bytes=memory, **figures)
+
+
+@dataclass(slots=True)
+class _Posted:
+    task: TaskAssigned
+    snapshot: ModelSnapshot
+    session: str | None = None
+    """The connection the task was handed to (None: not yet handed out)."""
+
+
+# ---------------------------------------------------------------------------------------------- transport
+class RemoteTransport:
+    """Hand a run's tasks to remote clients and put their answers on the run's bus.
+
+    Args:
+        tokens: Bearer tokens bound to client ids.
+        settings: The ``remote`` config section.
+        upload_codec: How clients encode their updates (its stages are told to them).
+        download_codec: How models are encoded for download (once per version).
+        setup: The JSON object every client receives when it says hello (what it needs to train).
+        wall: Monotonic real seconds.
+    """
+
+    def __init__(
+        self,
+        tokens: Tokens,
+        settings: RemoteConfig,
+        *,
+        upload_codec: Pipeline,
+        download_codec: Pipeline,
+        setup: Mapping[str, Any],
+        wall: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """Start with no run attached: requests are answered 503 until :meth:`attach`."""
+        self.tokens = tokens
+        self.settings = settings
+        self.upload_codec = upload_codec
+        self.download_codec = download_codec
+        self._setup = dict(setup)
+        self._wall = wall
+        self._bus: EventBus | None = None
+        self._registry: TaskRegistry | None = None
+        self._clock: Timer | None = None
+        self._log: Any = None
+        self.num_params = 0
+        self.max_upload_bytes = 0
+        """The largest update body accepted (a dense encoding of the model, or the codec's largest, plus slack)."""
+        self.finished = ""
+        """Why the run ended (empty while it has not)."""
+        self._posted: dict[ClientId, _Posted] = {}
+        self._wakers: dict[ClientId, asyncio.Event] = {}
+        self._polls: Counter[ClientId] = Counter()
+        self._waiting = 0
+        self._answered: set[int] = set()
+        self._answer_order: deque[int] = deque()
+        self._models: dict[int, asyncio.Future[bytes]] = {}
+        self.refusals: Counter[str] = Counter()
+        """Requests refused before the intake, by reason."""
+        self.uploads = 0
+        """Updates put on the bus."""
+        self.wire_upload_bytes = 0
+        """Update bodies received (bytes)."""
+        self.wire_download_bytes = 0
+        """Model bodies sent (bytes)."""
+        self._seen: dict[ClientId, float] = {}  # a device's last request (wall seconds)
+        self._handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
+        self._num_clients = 0
+
+    # ------------------------------------------------------------------------------------------ lifetime
+    @property
+    def attached(self) -> bool:
+        """Tell whether a run is attached (and not finished)."""
+        return self._registry is not None and not self.finished
+
+    def attach(
+        self,
+        *,
+        bus: EventBus,
+        registry: TaskRegistry,
+        clock: Timer,
+        log: Any,
+        num_params: int,
+        feature_shape: tuple[int, ...],
+        num_classes: int,
+    ) -> None:
+        """Serve the run whose bus and registry these are (called by the runtime when the run starts).
+
+        Args:
+            bus: Where answers go.
+            registry: The tasks in flight (who may answer what) and their base models.
+            clock: The run's clock (it stamps answers).
+            log: The run's logger (refusals and clients' figures become metrics through it).
+            num_params: Length of the flat model.
+            feature_shape: Shape of one input sample (told to clients, which build the model from it).
+            num_classes: Number of classes (likewise).
+        """
+        self._bus, self._registry, self._clock, self._log = bus, registry, clock, log
+        self._num_clients = registry.num_clients
+        self.num_params = num_params
+        self._setup.update(num_params=num_params, feature_shape=list(feature_shape), num_classes=num_classes)
+        dense = HEADER.size + 4 * num_params
+        probe = torch.randn(num_params, generator=torch.Generator().manual_seed(0))
+        largest = len(self.upload_codec.encode(probe, generator=torch.Generator().manual_seed(0)).payload)
+        self.max_upload_bytes = max(dense, largest) + 64
+
+    def _ended(self) -> Refusal:
+        """Refuse a request after the run ended: 410, or 503 with ``Retry-After`` when it stopped to be resumed.
+
+        A run ending ``KILLED`` (a signal, ``request_stop``, a cancellation) can be resumed from its checkpoint
+        (``flasync serve --resume``), and a run whose bus closed is still ending: clients are told to retry, so
+        they reconnect to the resumed server. Any other end (``FINISHED``, ``FAILED``) is final.
+        """
+        if self.finished in ("", _RESUMABLE):
+            retry = self.settings.retry_after_s
+            return Refusal(503, "stopping", "the run has stopped or is stopping; retry (it may be resumed)", retry)
+        return Refusal(410, "finished", f"the run has ended ({self.finished})")
+
+    def finish(self, reason: str) -> None:
+        """End the run for every client: waiting requests return, later ones learn the run is over.
+
+        Args:
+            reason: The tracking status the run ends with; after ``KILLED`` clients are told to retry (503).
+        """
+        self.finished = reason or "finished"
+        for waker in self._wakers.values():
+            waker.set()
+        self._wakers.clear()
+        self._posted.clear()
+        self._models.clear()
+
+    # --------------------------------------------------------------------------------------- registry seam
+    async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
+        """Post ``task`` to its client's mailbox and wait (the registry cancels this when the task is released)."""
+        posted = _Posted(task, snapshot)
+        client_id = task.client_id
+        self._posted[client_id] = posted
+        waker = self._wakers.pop(client_id, None)
+        if waker is not None:
+            waker.set()
+        try:
+            # The answer arrives over HTTP and is published by upload(); the registry's release cancels this wait.
+            await asyncio.get_running_loop().create_future()
+        finally:
+            if self._posted.get(client_id) is posted:
+                del self._posted[client_id]
+
+    # ------------------------------------------------------------------------------------------ availability
+    def online(self, client_id: int, t: float) -> bool:
+        """Tell whether device ``client_id`` is connected: asking for a task now, or heard from within
+        :meth:`online_window_s` (the sampler gives tasks to connected devices only; ``t`` is not needed)."""
+        if client_id in self._polls:
+            return True
+        if client_id in self._handed:
+            # It took a task and has not been heard from since: training it (not to be sampled anyway), or gone
+            # (its task timed out): either way not given another one before it asks again.
+            return False
+        seen = self._seen.get(ClientId(client_id))
+        return seen is not None and self._wall() - seen <= self.online_window_s
+
+    def online_mask(self, t: float) -> np.ndarray:
+        """Return a boolean array over the population: which devices are connected now."""
+        mask = np.zeros(self._num_clients, dtype=bool)
+        for client_id in set(self._seen) | set(self._polls):
+            if client_id < self._num_clients and self.online(client_id, t):
+                mask[client_id] = True
+        return mask
+
+    def next_online(self, t: float) -> float:
+        """Return ``t`` if a device is connected, else when to look again (a quarter of a second later)."""
+        return t if self.online_mask(t).any() else t + 0.25
+
+    @property
+    def online_window_s(self) -> float:
+        """How long after its last request a device not waiting for a task counts as connected (a connected idle
+        device is always waiting: it asks again as soon as a poll ends or its upload is answered)."""
+        return 3.0
+
+    def _heard(self, client_id: ClientId) -> None:
+        self._seen[client_id] = self._wall()
+
+    # -------------------------------------------------------------------------------------------- requests
+    def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
+        """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
+        self._heard(client_id)
+        self._handed.pop(client_id, None)
+        if self.finished:
+            return self._ended()
+        if self._registry is None:
+            return self._not_started()
+        return {"client_id": int(client_id), "max_upload_bytes": self.max_upload_bytes, **self._setup}
+
+    async def next_task(self, client_id: ClientId, wait_s: float, session: str = "") -> Offer | Refusal | None:
+        """Return ``client_id``'s task, waiting up to ``wait_s`` for one (None: none came; ask again).
+
+        A task is handed to one connection: the ``session`` (a random string a client process picks for its
+        lifetime) that first asks for it. That session asking again while the task is in flight gets it again (an
+        answer lost on the way); another one with the same token gets 409 ``token_in_use`` with ``Retry-After``
+        until the task is answered or timed out, so two devices sharing a token never train the same task (and a
+        restarted device waits for its old task's timeout).
+        """
+        self._heard(client_id)
+        self._handed.pop(client_id, None)  # it asks again: alive, and (again) given its task if one is in flight
+        if self.finished:
+            return self._ended()
+        posted = self._posted.get(client_id)
+        if posted is not None:
+            return self._hand(client_id, posted, session)
+        if self._waiting >= self.settings.max_waiting or self._polls[client_id] >= _MAX_POLLS_PER_CLIENT:
+            return self._refuse(
+                client_id,
+                Refusal(429, "busy", "too many clients are waiting for tasks", self.settings.retry_after_s),
+            )
+        self._waiting += 1
+        self._polls[client_id] += 1
+        try:
+            async with asyncio.timeout(max(0.0, min(wait_s, self.settings.poll_s))):
+                while not self.finished:
+                    posted = self._posted.get(client_id)
+                    if posted is not None:
+                        return self._hand(client_id, posted, session)
+                    waker = self._wakers.setdefault(client_id, asyncio.Event())
+                    await waker.wait()
+        except TimeoutError:
+            return None
+        finally:
+            self._waiting -= 1
+            self._polls[client_id] -= 1
+            if not self._polls[client_id]:
+                del self._polls[client_id]
+            self._heard(client_id)
+        return self._ended()
+
+    def _hand(self, client_id: ClientId, posted: _Posted, session: str) -> Offer | Refusal:
+        """Hand ``posted`` to ``session`` if it is not another connection's; else refuse (409)."""
+        if posted.session is None:
+            posted.session = session
+        elif posted.session != session:
+            detail = (
+                f"client {client_id}'s task {posted.task.task_id} is held by another connection with this token;"
+                " retry once it is answered or timed out"
+            )
+            return self._refuse(client_id, Refusal(409, "token_in_use", detail, self.settings.retry_after_s))
+        self._handed[client_id] = posted.task.task_id
+        return self._offer(posted)
+
+    def _offer(self, posted: _Posted) -> Offer:
+        task = posted.task
+        return Offer(
+            task_id=task.task_id,
+            base_version=int(task.base_version),
+            participation=task.participation,
+            download_bytes=posted.snapshot.download_bytes,
+        )
+
+    async def model(self, client_id: ClientId, version: int) -> bytes | Refusal:
+        """Return the encoded model of ``version`` (encoded once per version, off the event loop)."""
+        if self.finished:
+            return self._ended()
+        registry = self._registry
+        if registry is None:
+            return self._not_started()
+        snapshot = registry.base(Version(version))
+        if snapshot is None:
+            return self._refuse(client_id, Refusal(404, "no_model", f"version {version} is not served"))
+        for held in [v for v in self._models if v != version and registry.base(Version(v)) is None]:
+            del self._models[held]  # no task uses that version any more
+        future = self._models.get(version)
+        if future is None:
+            future = asyncio.ensure_future(asyncio.to_thread(self._encode_model, snapshot))
+            self._models[version] = future
+        payload = await asyncio.shield(future)
+        self.wire_download_bytes += len(payload)
+        return payload
+
+    def _encode_model(self, snapshot: ModelSnapshot) -> bytes:
+        weights = snapshot.weights.detach().to("cpu")
+        generator = torch.Generator().manual_seed(int(snapshot.version))
+        return self.download_codec.encode(weights, generator=generator).payload
+
+    def check_upload(
+        self, client_id: ClientId, task_id: int, content_length: int | None, session: str = ""
+    ) -> Refusal | None:
+        """Refuse an upload before its body is read: a run not attached, a replay, a task not the client's own
+        or handed to another connection (``session``, see :meth:`next_task`), a declared body over
+        :attr:`max_upload_bytes` (None: go on)."""
+        if self.finished:
+            return self._ended()
+        registry = self._registry
+        if registry is None:
+            return self._not_started()
+        if task_id in self._answered:
+            return self._refuse(client_id, Refusal(409, "replay", f"task {task_id} was answered already"))
+        task = registry.busy.get(client_id)
+        if task is None or task.task_id != task_id:
+            return self._refuse(client_id, Refusal(403, "not_your_task", f"client {client_id} has no task {task_id}"))
+        posted = self._posted.get(client_id)
+        if posted is not None and posted.task.task_id == task_id and posted.session not in (None, session):
+            detail = f"task {task_id} was handed to another connection with this token"
+            return self._refuse(client_id, Refusal(403, "other_connection", detail))
+        if content_length is not None and content_length > self.max_upload_bytes:
+            return self.oversize(client_id, content_length)
+        return None
+
+    def oversize(self, client_id: ClientId, size: int) -> Refusal:
+        """Refuse (and count) a body found larger than :attr:`max_upload_bytes` (``size``: bytes seen so far)."""
+        detail = f"the update has more than {self.max_upload_bytes} bytes (got {size})"
+        return self._refuse(client_id, Refusal(413, "too_large", detail))
+
+    def bad_report(self, client_id: ClientId, detail: str) -> Refusal:
+        """Refuse (and count) an upload whose report is malformed."""
+        return self._refuse(client_id, Refusal(400, "bad_report", detail))
+
+    def upload(
+        self, client_id: ClientId, task_id: int, payload: bytes, report: Report, session: str = ""
+    ) -> Refusal | None:
+        """Put the update for ``task_id`` on the bus (the intake decides whether it is aggregated).
+
+        Returns:
+            None once the update is on its way to the intake, else why it was refused.
+        """
+        self._heard(client_id)
+        refusal = self.check_upload(client_id, task_id, len(payload), session)
+        if refusal is not None:
+            return refusal
+        assert self._registry is not None and self._bus is not None
+        task = self._registry.busy[client_id]
+        posted = self._posted.get(client_id)
+        download_bytes = posted.snapshot.download_bytes if posted is not None else 0
+        message = UpdateUploaded(
+            to=task.reply_to,
+            task_id=task.task_id,
+            client_id=client_id,
+            base_version=task.base_version,
+            num_samples=report.num_samples,
+            payload=payload,
+            train_loss=report.train_loss,
+            simulated_s=self._registry_now(),
+            sent_wall_s=self._wall(),
+            compute_s=report.train_s,
+            encode_s=report.encode_s,
+            sim_download_s=report.download_s,
+            sim_train_s=report.train_s,
+            download_bytes=download_bytes,
+            peak_mem_bytes=report.peak_mem_bytes,
+        )
+        refusal = self._publish(client_id, message)
+        if refusal is not None:
+            return refusal
+        self._remember(task_id)
+        self.uploads += 1
+        self.wire_upload_bytes += len(payload)
+        if self._log is not None:
+            # The same figures a simulated client logs (the same metric keys), measured on the device.
+            self._log.debug(
+                "client",
+                step=task_id,
+                client_id=int(client_id),
+                train_s=report.train_s,
+                samples=report.num_samples,
+                loss=report.train_loss,
+                peak_mem_bytes=report.peak_mem_bytes,
+                encode_s=report.encode_s,
+                download_bytes=download_bytes,
+                upload_bytes=len(payload),
+                compression=(HEADER.size + 4 * self.num_params) / max(len(payload), 1),
+            )
+        return None
+
+    def failed(self, client_id: ClientId, task_id: int, error: str, session: str = "") -> Refusal | None:
+        """Publish that the client's training failed (the task is released and counted as a failure)."""
+        refusal = self.check_upload(client_id, task_id, None, session)
+        if refusal is not None:
+            return refusal
+        assert self._registry is not None and self._bus is not None
+        task = self._registry.busy[client_id]
+        failed = ClientFailed(
+            to=task.reply_to,
+            task_id=task_id,
+            client_id=client_id,
+            base_version=task.base_version,
+            error=error[:200],
+            simulated_s=self._registry_now(),
+            kind="error",
+        )
+        refusal = self._publish(client_id, failed)
+        if refusal is not None:
+            return refusal
+        self._remember(task_id)
+        return None
+
+    def _publish(self, client_id: ClientId, message: UpdateUploaded | ClientFailed) -> Refusal | None:
+        """Put a client's answer on the run's bus; a full inbox is 503 (retry later), a finished run its end."""
+        assert self._bus is not None
+        try:
+            self._bus.publish_nowait(message)
+        except BusFull:
+            retry = self.settings.retry_after_s
+            return self._refuse(client_id, Refusal(503, "server_busy", "the server's inbox is full", retry))
+        except BusClosed:
+            return self._ended()
+        return None
+
+    def unauthorized(self) -> Refusal:
+        """Refuse (and count) a request without a valid bearer token."""
+        return self._refuse(None, Refusal(401, "unauthorized", "missing or unknown bearer token"))
+
+    def statistics(self) -> dict[str, Any]:
+        """Return the transport's counters (a JSON object)."""
+        return {
+            "finished": self.finished,
+            "waiting": self._waiting,
+            "posted": len(self._posted),
+            "uploads": self.uploads,
+            "wire_upload_bytes": self.wire_upload_bytes,
+            "wire_download_bytes": self.wire_download_bytes,
+            "refused": dict(self.refusals),
+        }
+
+    # ------------------------------------------------------------------------------------------- helpers
+    def _registry_now(self) -> float:
+        clock = self._clock
+        assert clock is not None
+        return clock.now()
+
+    def _remember(self, task_id: int) -> None:
+        for client_id, posted in list(self._posted.items()):
+            if posted.task.task_id == task_id:  # answered: never offered again, even before the server releases it
+                del self._posted[client_id]
+        for client_id, handed in list(self._handed.items()):
+            if handed == task_id:
+                del self._handed[client_id]
+        self._answered.add(task_id)
+        self._answer_order.append(task_id)
+        if len(self._answer_order) > _REMEMBERED_ANSWERS:
+            self._answered.discard(self._answer_order.popleft())
+
+    def _not_started(self) -> Refusal:
+        return Refusal(503, "not_started", "the run has not started yet", self.settings.retry_after_s)
+
+    def _refuse(self, client_id: ClientId | None, refusal: Refusal) -> Refusal:
+        self.refusals[refusal.reason] += 1
+        total = sum(self.refusals.values())
+        if self._log is not None:
+            self._log.debug(
+                "remote.refused",
+                step=total,
+                total=total,
+                **{refusal.reason: self.refusals[refusal.reason]},
+                status=str(refusal.status),
+                reason=refusal.reason,
+                detail=refusal.detail,
+                client_id=-1 if client_id is None else int(client_id),
+            )
+        return refusal
+
+
+def transport_for(config: RunConfig) -> RemoteTransport:
+    """Build the transport ``config.remote`` describes (reads its tokens file).
+
+    Raises:
+        ConfigError: The tokens file is missing or malformed.
+    """
+    from flasync.codecs.build import pipeline
+
+    remote = config.remote
+    if remote.tokens_file is None:
+        raise ConfigError("remote.tokens_file: must name the tokens file when remote.enabled = true")
+    tokens = load_tokens(remote.tokens_file, num_clients=config.population.num_clients)
+    # What a client needs to build the model and train like a simulated client: not where the server tracks,
+    # checkpoints or trains, nor its tokens file.
+    setup = config.model_dump(
+        mode="json", exclude={"tracking", "remote", "checkpoint", "diagnostics", "executor", "clock"}
+    )
+    return RemoteTransport(
+        tokens,
+        remote,
+        upload_codec=pipeline(config.codec.upload),
+        download_codec=pipeline(config.codec.download),
+        setup={"config": setup},
+    )

@@ -1,0 +1,1 @@
+"""Simulated clients: coroutines over a population with speeds, faults and availability."""

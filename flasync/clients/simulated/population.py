@@ -1,0 +1,378 @@
+"""Clients as arrays: sample counts, speeds, availability and recency, client sampling, and the simulated network.
+
+A client is not an object until it is sampled: the population is a few arrays indexed by client id, so its cost
+is a few tens of bytes per client (a million clients: well under 100 MB), and a draw of ``k`` clients costs
+``O(k)`` (uniform, weighted, available-now) or ``O(k)`` amortised (least recently used), never ``O(num_clients)``.
+Durations are simulated seconds on the virtual clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+import numpy as np
+
+from flasync.config import (
+    SAMPLING_STRATEGIES,
+    ConstantSpeed,
+    HalfNormalSpeed,
+    LogNormalSpeed,
+    NetworkConfig,
+    SamplingStrategy,
+    SpeedConfig,
+)
+from flasync.core import seeding
+
+__all__ = ["SAMPLING_STRATEGIES", "Network", "Population", "SamplingStrategy"]
+
+_NEVER = -1
+_ARRAY_PASS_FROM = 16  # clients from which the link times of a group are computed as arrays (a fixed cost of ~8)
+
+
+class Population:
+    """Per-client sample counts, speed factors, availability phases and last use; draws cohorts of clients.
+
+    Args:
+        sizes: Samples held by each client, shape ``(num_clients,)``.
+        speed: The speed model.
+        seed: The run's seed (speed and availability draws use their own streams).
+        available_fraction: Share of each availability period a client is online (1: always).
+        availability_period_s: Length of a client's on/off cycle in simulated seconds (a day, by default); each
+            client's cycle starts at its own random phase.
+        slow_clients: Fixed slowdown factors of some clients (id -> factor), multiplying their training time.
+    """
+
+    def __init__(
+        self,
+        sizes: np.ndarray,
+        speed: SpeedConfig,
+        seed: int,
+        *,
+        available_fraction: float = 1.0,
+        availability_period_s: float = 86_400.0,
+        slow_clients: Mapping[int, float] | None = None,
+    ) -> None:
+        """Draw per-client speed factors and availability phases once, from the run's seed."""
+        if not 0.0 < available_fraction <= 1.0:
+            raise ValueError(f"available_fraction must be in (0, 1], got {available_fraction}")
+        if not availability_period_s > 0.0:
+            raise ValueError(f"availability_period_s must be > 0, got {availability_period_s}")
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        n = len(self.sizes)
+        self.speed = speed
+        self.seed = seed
+        if isinstance(speed, LogNormalSpeed):
+            rng = seeding.numpy_stream(seed, seeding.SPEED)
+            self.slowdown = np.exp(rng.normal(0.0, speed.sigma, size=n))
+        else:
+            self.slowdown = np.ones(n)
+        self.available_fraction = available_fraction
+        self.availability_period_s = availability_period_s
+        self.phase: np.ndarray | None = None
+        if available_fraction < 1.0:
+            self.phase = seeding.numpy_stream(seed, seeding.SPEED, 1).random(n, dtype=np.float32)
+        # Least recently used: last_used[c] is the stamp of c's latest use (_NEVER: never used); never-used clients
+        # come first in a fixed random order, then used ones in the order of their last use (a queue whose stale
+        # entries - clients used again since - are skipped lazily). All built on first use.
+        self._uses = 0
+        self.last_used: np.ndarray | None = None
+        self._fresh: np.ndarray | None = None
+        self._fresh_head = 0
+        self._deferred: list[int] = []
+        self._queue = np.zeros(0, dtype=np.int32)
+        self._queue_stamp = np.zeros(0, dtype=np.int64)
+        self._queue_head = 0
+        self._queue_tail = 0
+        self._cdf: np.ndarray | None = None
+        self.fixed_slowdown = np.ones(n)
+        for client_id, factor in (slow_clients or {}).items():
+            self.fixed_slowdown[client_id] = factor
+
+    def __len__(self) -> int:
+        """Return the number of clients."""
+        return len(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes of every per-client array the population holds now."""
+        arrays = [self.sizes, self.slowdown, self.phase, self.last_used, self._fresh, self._queue, self._cdf]
+        return sum(a.nbytes for a in arrays if a is not None) + self._queue_stamp.nbytes
+
+    def train_seconds(self, client_id: int, steps: int, participation: int) -> float:
+        """Return simulated seconds of ``client_id``'s ``participation``-th task of ``steps`` local steps."""
+        speed = self.speed
+        base = steps * speed.seconds_per_step * float(self.fixed_slowdown[client_id])
+        if isinstance(speed, ConstantSpeed):
+            return base
+        draw = seeding.stream_normal(self.seed, seeding.TASK_SPEED, client_id, participation)
+        if isinstance(speed, LogNormalSpeed):
+            return base * float(self.slowdown[client_id]) * math.exp(speed.jitter * draw)
+        if isinstance(speed, HalfNormalSpeed):
+            return base * (1.0 + abs(speed.sigma * draw))
+        raise AssertionError(f"unhandled speed model {speed!r}")  # pragma: no cover
+
+    # ------------------------------------------------------------------------------------------- availability
+    def available(self, clients: np.ndarray, now: float) -> np.ndarray:
+        """Return a bool mask: which of ``clients`` are online at simulated time ``now``."""
+        clients = np.asarray(clients)
+        if self.phase is None:
+            return np.ones(clients.shape, dtype=bool)
+        position = (now / self.availability_period_s + self.phase[clients]) % 1.0
+        mask: np.ndarray = position < self.available_fraction
+        return mask
+
+    # ------------------------------------------------------------------------------------------------ sampling
+    def sample(
+        self,
+        k: int,
+        rng: np.random.Generator,
+        *,
+        strategy: SamplingStrategy = "uniform",
+        now: float = 0.0,
+        exclude: Collection[int] = (),
+    ) -> np.ndarray:
+        """Draw ``k`` distinct clients not in ``exclude``; return their ids (int64, in draw order).
+
+        Strategies:
+
+        * ``uniform``: every eligible client equally likely.
+        * ``weighted``: probability proportional to the client's sample count (successive sampling: a draw with
+          replacement that skips repeats is, conditionally, proportional to the weights of those not yet drawn).
+        * ``lru``: the least recently used clients (see :meth:`mark_used`); never-used ones first, in a fixed
+          random order.
+        * ``available``: uniform among clients online at ``now``; if fewer than ``k`` are online, the rest are
+          drawn uniformly from the offline ones.
+
+        Raises:
+            ValueError: If fewer than ``k`` clients are eligible or the strategy is unknown.
+        """
+        n = len(self)
+        excluded = set(int(c) for c in exclude)
+        if k < 0 or k > n - len(excluded):
+            raise ValueError(f"cannot draw {k} clients from {n} with {len(excluded)} excluded")
+        if k == 0:
+            return np.zeros(0, dtype=np.int64)
+        if strategy == "uniform":
+            return self._rejection(k, excluded, lambda m: rng.choice(n, size=min(m, n), replace=False))
+        if strategy == "weighted":
+            cdf = self._weights_cdf()
+            return self._rejection(
+                k, excluded, lambda m: np.searchsorted(cdf, rng.random(m) * cdf[-1], side="right"), limit=64
+            )
+        if strategy == "lru":
+            return self._least_recently_used(k, excluded)
+        if strategy == "available":
+            if self.phase is None:
+                return self.sample(k, rng, strategy="uniform", exclude=excluded)
+
+            def online_candidates(m: int) -> np.ndarray:
+                candidates: np.ndarray = rng.integers(n, size=m)
+                online: np.ndarray = candidates[self.available(candidates, now)]
+                return online
+
+            online = self._rejection(
+                k,
+                excluded,
+                online_candidates,
+                limit=16,
+                oversample=1.0 / self.available_fraction,
+            )
+            if len(online) == k:
+                return online
+            everyone = np.arange(n)
+            online = everyone[self.available(everyone, now)]  # few online: look at all of them
+            online = np.setdiff1d(online, np.fromiter(excluded, dtype=np.int64, count=len(excluded)))
+            chosen = rng.permutation(online)[:k]
+            rest = self.sample(k - len(chosen), rng, strategy="uniform", exclude=excluded | set(online.tolist()))
+            return np.concatenate([chosen, rest]).astype(np.int64)
+        raise ValueError(f"unknown sampling strategy {strategy!r}; expected one of {', '.join(SAMPLING_STRATEGIES)}")
+
+    def mark_used(self, clients: np.ndarray | list[int]) -> None:
+        """Record that ``clients`` were just dispatched (in this order), for least-recently-used sampling."""
+        if type(clients) is list and len(clients) == 1:  # one dispatch: scalar stores, a fifth of the arrays' cost
+            self._mark_one(int(clients[0]))
+            return
+        ids = np.asarray(clients, dtype=np.int64).reshape(-1)
+        if len(ids) == 0:
+            return
+        self._lru_state()
+        assert self.last_used is not None
+        stamps = np.arange(self._uses, self._uses + len(ids), dtype=np.int64)
+        self._uses += len(ids)
+        self.last_used[ids] = stamps
+        need = self._queue_tail + len(ids)
+        if need > len(self._queue):
+            self._compact(need)
+        self._queue[self._queue_tail : self._queue_tail + len(ids)] = ids
+        self._queue_stamp[self._queue_tail : self._queue_tail + len(ids)] = stamps
+        self._queue_tail += len(ids)
+
+    # ------------------------------------------------------------------------------------------------ private
+    def _mark_one(self, client: int) -> None:
+        """:meth:`mark_used` of one client."""
+        self._lru_state()
+        assert self.last_used is not None
+        stamp = self._uses
+        self._uses = stamp + 1
+        self.last_used[client] = stamp
+        tail = self._queue_tail
+        if tail + 1 > len(self._queue):
+            self._compact(tail + 1)
+            tail = self._queue_tail
+        self._queue[tail] = client
+        self._queue_stamp[tail] = stamp
+        self._queue_tail = tail + 1
+
+    @staticmethod
+    def _rejection(
+        k: int,
+        excluded: set[int],
+        draw: Callable[[int], np.ndarray],
+        *,
+        limit: int = 1_000,
+        oversample: float = 1.0,
+    ) -> np.ndarray:
+        """Draw candidates in batches, keeping new, non-excluded ones in draw order, until ``k`` are kept."""
+        chosen: list[int] = []
+        seen: set[int] = set(excluded)
+        for _ in range(limit):
+            want = k - len(chosen)
+            batch = draw(math.ceil((want + len(excluded)) * oversample * 1.25) + 8)
+            for candidate in np.asarray(batch).tolist():
+                if candidate not in seen:
+                    seen.add(candidate)
+                    chosen.append(candidate)
+                    if len(chosen) == k:
+                        return np.asarray(chosen, dtype=np.int64)
+        return np.asarray(chosen, dtype=np.int64)
+
+    def _weights_cdf(self) -> np.ndarray:
+        if self._cdf is None:
+            if int(self.sizes.sum()) <= 0:
+                raise ValueError("weighted sampling needs at least one client with samples")
+            self._cdf = np.cumsum(self.sizes, dtype=np.float64)
+        return self._cdf
+
+    def _lru_state(self) -> None:
+        if self.last_used is None:
+            n = len(self)
+            self.last_used = np.full(n, _NEVER, dtype=np.int64)
+            self._fresh = seeding.numpy_stream(self.seed, seeding.SERVER, 1).permutation(n).astype(np.int32)
+
+    def _compact(self, need: int) -> None:
+        """Drop stale queue entries; grow the queue if it is still too small."""
+        assert self.last_used is not None
+        ids = self._queue[self._queue_head : self._queue_tail]
+        stamps = self._queue_stamp[self._queue_head : self._queue_tail]
+        live = self.last_used[ids] == stamps
+        ids, stamps = ids[live], stamps[live]
+        extra = need - self._queue_tail
+        size = max(2 * (len(ids) + extra), 1024)
+        self._queue = np.zeros(size, dtype=np.int32)
+        self._queue_stamp = np.zeros(size, dtype=np.int64)
+        self._queue[: len(ids)] = ids
+        self._queue_stamp[: len(ids)] = stamps
+        self._queue_head, self._queue_tail = 0, len(ids)
+
+    def _least_recently_used(self, k: int, excluded: set[int]) -> np.ndarray:
+        self._lru_state()
+        assert self.last_used is not None and self._fresh is not None
+        chosen: list[int] = []
+        taken: set[int] = set()
+        chunk = max(2 * k, 64)
+        # Never-used clients, in their fixed random order. The head moves past used clients for good, and past
+        # excluded (in-flight) never-used ones by deferring them to a short list that later draws look at first.
+        still_deferred = []
+        for candidate in self._deferred:
+            if self.last_used[candidate] != _NEVER:
+                continue
+            still_deferred.append(candidate)
+            if candidate not in excluded and len(chosen) < k:
+                chosen.append(candidate)
+                taken.add(candidate)
+        self._deferred = still_deferred
+        position, at_head = self._fresh_head, True
+        while len(chosen) < k and position < len(self._fresh):
+            block = self._fresh[position : position + chunk]
+            unused = self.last_used[block] == _NEVER
+            for offset, candidate in zip(np.flatnonzero(unused).tolist(), block[unused].tolist(), strict=True):
+                if candidate in excluded:
+                    if at_head:
+                        self._deferred.append(candidate)
+                    continue
+                if at_head:  # everything before this client is used or deferred
+                    self._fresh_head = position + offset
+                    at_head = False
+                if candidate not in taken:
+                    chosen.append(candidate)
+                    taken.add(candidate)
+                if len(chosen) == k:
+                    break
+            if at_head:
+                self._fresh_head = position + len(block)
+            position += len(block)
+        # Then used clients, oldest last use first; stale entries at the head are dropped for good.
+        position, at_head = self._queue_head, True
+        while len(chosen) < k and position < self._queue_tail:
+            ids = self._queue[position : min(position + chunk, self._queue_tail)]
+            stamps = self._queue_stamp[position : position + len(ids)]
+            live = self.last_used[ids] == stamps
+            if at_head:
+                lead = int(np.argmax(live)) if live.any() else len(ids)
+                self._queue_head = position + lead
+                at_head = lead == len(ids)
+            for candidate in ids[live].tolist():
+                if candidate not in excluded and candidate not in taken:
+                    chosen.append(candidate)
+                    taken.add(candidate)
+                    if len(chosen) == k:
+                        break
+            position += len(ids)
+        return np.asarray(chosen, dtype=np.int64)
+
+
+class Network:
+    """Per-client links: transfer time is ``latency + bytes / bandwidth`` in each direction.
+
+    Args:
+        config: Medians and log-space spreads.
+        num_clients: Population size.
+        seed: The run's seed (the draws use their own stream, once per client).
+    """
+
+    def __init__(self, config: NetworkConfig, num_clients: int = 1, seed: int = 0) -> None:
+        """Draw every client's latency and bandwidths."""
+        self.config = config
+        rng = seeding.numpy_stream(seed, seeding.NETWORK)
+        shape = (num_clients,)
+        self.latency_s = config.latency_s * np.exp(rng.normal(0.0, config.latency_sigma, shape))
+        spread = np.exp(rng.normal(0.0, config.bandwidth_sigma, (2, num_clients)))
+        self.upload_bytes_per_s = config.upload_bytes_per_s * spread[0]
+        self.download_bytes_per_s = config.download_bytes_per_s * spread[1]
+
+    def upload_seconds(self, client_id: int, num_bytes: int) -> float:
+        """Return simulated seconds for ``client_id`` to upload ``num_bytes``."""
+        return float(self.latency_s[client_id] + num_bytes / self.upload_bytes_per_s[client_id])
+
+    def download_seconds(self, client_id: int, num_bytes: int) -> float:
+        """Return simulated seconds for ``client_id`` to download ``num_bytes``."""
+        return float(self.latency_s[client_id] + num_bytes / self.download_bytes_per_s[client_id])
+
+    def upload_seconds_many(self, client_ids: Sequence[int], num_bytes: Sequence[int]) -> list[float]:
+        """Return :meth:`upload_seconds` of each client and size, in one pass (the same floats)."""
+        if len(client_ids) < _ARRAY_PASS_FROM:
+            return [self.upload_seconds(c, b) for c, b in zip(client_ids, num_bytes, strict=True)]
+        ids = np.asarray(client_ids, dtype=np.int64)
+        seconds: list[float] = (
+            self.latency_s[ids] + np.asarray(num_bytes, dtype=np.float64) / self.upload_bytes_per_s[ids]
+        ).tolist()
+        return seconds
+
+    def download_seconds_many(self, client_ids: Sequence[int], num_bytes: int) -> list[float]:
+        """Return :meth:`download_seconds` of each client for ``num_bytes``, in one pass (the same floats)."""
+        if len(client_ids) < _ARRAY_PASS_FROM:
+            return [self.download_seconds(c, num_bytes) for c in client_ids]
+        ids = np.asarray(client_ids, dtype=np.int64)
+        seconds: list[float] = (self.latency_s[ids] + float(num_bytes) / self.download_bytes_per_s[ids]).tolist()
+        return seconds

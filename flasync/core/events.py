@@ -1,0 +1,387 @@
+"""Events on the bus: frozen, slotted, keyword-only dataclasses naming facts in the past tense.
+
+Tensors never travel in events; the one event that carries an update carries the encoded bytes a client uploaded
+(``UpdateUploaded.payload``), exactly what would cross a network.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, NewType
+
+__all__ = [
+    "BATCH_EVENTS",
+    "CLOUD",
+    "Aggregated",
+    "AlertRaised",
+    "ClientFailed",
+    "ClientId",
+    "ClientTimedOut",
+    "EdgeForwarded",
+    "Evaluated",
+    "FailureKind",
+    "ModelPublished",
+    "RoundDeadlinePassed",
+    "RunFinished",
+    "StopRequested",
+    "TaskAssigned",
+    "TaskClosed",
+    "TaskDiagnosis",
+    "TaskOutcome",
+    "TasksAssigned",
+    "UpdateReceived",
+    "UpdateRejected",
+    "UpdateUploaded",
+    "UpdatesReceived",
+    "UpdatesUploaded",
+    "Version",
+]
+
+ClientId = NewType("ClientId", int)
+TaskOutcome = Literal["accepted", "rejected", "failed", "timed_out"]
+"""How a task ended, as an edge reports it to the cloud."""
+FailureKind = Literal["error", "crash", "dropout", "offline"]
+"""Why a client's task failed: a genuine training error, or a fault the run simulates."""
+Version = NewType("Version", int)
+
+CLOUD = "cloud"
+"""The bus address of the server; an edge's address is its name. Events with a ``to`` field are addressed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskDiagnosis:
+    """What the training thread found about one local training call (numbers only, never tensors).
+
+    ``loss_finite`` and ``update_finite`` are checked at every diagnostics level; ``update_norm`` from level
+    ``basic``; the gradient fields only at level ``full`` (per layer, in the model's parameter order; see
+    :func:`flasync.training.diagnostics.layer_layout`), else empty/NaN.
+    """
+
+    loss_finite: bool = True
+    update_finite: bool = True
+    grad_finite: bool = True
+    update_norm: float = math.nan
+    grad_norm_max: float = math.nan
+    layer_grad_norm_mean: tuple[float, ...] = ()
+    layer_grad_norm_max: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelPublished:
+    """The server made global model ``version`` available for download.
+
+    ``tier`` names the publishing node's tier (``"cloud"`` for the server); ``encode_s`` is the wall time spent
+    encoding the download.
+    """
+
+    version: Version
+    simulated_s: float
+    download_bytes: int
+    tier: str = "cloud"
+    encode_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskAssigned:
+    """Client ``client_id`` was given task ``task_id`` (its ``participation``-th, from 0) on model ``base_version``."""
+
+    task_id: int
+    client_id: ClientId
+    participation: int
+    base_version: Version
+    simulated_s: float
+    reply_to: str = CLOUD
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TasksAssigned:
+    """Several tasks were given at once (a round's cohort), in this order.
+
+    Published instead of one :class:`TaskAssigned` each where every observer takes batches
+    (:meth:`flasync.core.bus.EventBus.batches_reach`); ``tasks`` are the events it stands for.
+    """
+
+    member: ClassVar[type[TaskAssigned]] = TaskAssigned
+    tasks: tuple[TaskAssigned, ...]
+
+    @classmethod
+    def of(cls, events: tuple[TaskAssigned, ...]) -> TasksAssigned:
+        """Return the batch of ``events``."""
+        return cls(tasks=events)
+
+    @property
+    def members(self) -> tuple[TaskAssigned, ...]:
+        """The events the batch stands for."""
+        return self.tasks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateUploaded:
+    """A client finished its upload to ``to``; ``payload`` holds the encoded delta ``w_base - w_local``.
+
+    The cost of the task: ``compute_s`` and ``encode_s`` are wall seconds of local training and encoding in the
+    worker thread; ``sim_download_s``, ``sim_train_s`` and ``sim_upload_s`` are its simulated durations;
+    ``download_bytes`` the model it downloaded; ``peak_mem_bytes`` the training call's peak tensor memory;
+    ``tier`` the uploading node's tier (``"client"``); ``control`` SCAFFOLD's encoded ``Delta c_i`` (empty without).
+    """
+
+    to: str = CLOUD
+    task_id: int
+    client_id: ClientId
+    base_version: Version
+    num_samples: int
+    payload: bytes = field(repr=False)
+    train_loss: float
+    simulated_s: float
+    sent_wall_s: float
+    tier: str = "client"
+    compute_s: float = 0.0
+    encode_s: float = 0.0
+    sim_download_s: float = 0.0
+    sim_train_s: float = 0.0
+    sim_upload_s: float = 0.0
+    download_bytes: int = 0
+    peak_mem_bytes: int = 0
+    diagnosis: TaskDiagnosis | None = None
+    control: bytes = field(default=b"", repr=False)
+
+    @property
+    def upload_bytes(self) -> int:
+        """Bytes on the wire: the delta and, with SCAFFOLD, the encoded ``Delta c_i`` (``control``)."""
+        return len(self.payload) + len(self.control)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdatesUploaded:
+    """Several uploads to ``to`` finished at one simulated time and go to the receiver as one message, in order.
+
+    A group of tasks trained as one cohort sends the uploads due at one time this way when everything on the bus
+    that would receive them one by one takes the batch too (:meth:`flasync.core.bus.EventBus.batches_reach`): the
+    receiver handles ``uploads`` exactly as it would handle them one at a time, in this order, and decodes and
+    checks them together. Observers that want the uploads themselves read ``uploads``.
+    """
+
+    member: ClassVar[type[UpdateUploaded]] = UpdateUploaded
+    to: str = CLOUD
+    uploads: tuple[UpdateUploaded, ...]
+
+    @classmethod
+    def of(cls, events: tuple[UpdateUploaded, ...]) -> UpdatesUploaded:
+        """Return the batch of ``events``, all addressed alike (to the first one's address)."""
+        return cls(to=events[0].to, uploads=events)
+
+    @property
+    def members(self) -> tuple[UpdateUploaded, ...]:
+        """The events the batch stands for."""
+        return self.uploads
+
+    @property
+    def upload_bytes(self) -> int:
+        """Bytes on the wire of every upload in the batch."""
+        return sum(upload.upload_bytes for upload in self.uploads)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateReceived:
+    """The server accepted an update into aggregation."""
+
+    task_id: int
+    client_id: ClientId
+    base_version: Version
+    version: Version
+    staleness: int
+    upload_bytes: int
+    simulated_s: float
+    tier: str = "client"
+    decode_s: float = 0.0
+    queue_wait_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdatesReceived:
+    """The server accepted several updates of one batch (:class:`UpdatesUploaded`) at once, in this order.
+
+    Published instead of one :class:`UpdateReceived` each where every observer takes batches
+    (:meth:`flasync.core.bus.EventBus.batches_reach`); ``received`` are the events it stands for.
+    """
+
+    member: ClassVar[type[UpdateReceived]] = UpdateReceived
+    received: tuple[UpdateReceived, ...]
+
+    @classmethod
+    def of(cls, events: tuple[UpdateReceived, ...]) -> UpdatesReceived:
+        """Return the batch of ``events``."""
+        return cls(received=events)
+
+    @property
+    def members(self) -> tuple[UpdateReceived, ...]:
+        """The events the batch stands for."""
+        return self.received
+
+
+BATCH_EVENTS = (TasksAssigned, UpdatesUploaded, UpdatesReceived)
+"""The events that stand for several of one class (``member``): published by
+:meth:`flasync.core.bus.EventBus.publish_together` in their place where every receiver takes them; ``members`` are the
+events each stands for, in order."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateRejected:
+    """The server refused an update; aggregation state is left as it was.
+
+    ``reason``: ``stale``, ``decode`` (malformed payload), ``shape`` or ``dtype`` (a decoded update of the wrong
+    form), ``non_finite`` (NaN/Inf), ``norm`` (above ``resilience.max_update_norm``), ``zscore`` (a norm far
+    above recent ones), ``unknown_version`` (a base version never published), ``unexpected`` (no such task in
+    flight).
+    """
+
+    task_id: int
+    client_id: ClientId
+    base_version: Version
+    reason: str
+    detail: str
+    simulated_s: float
+    where: str = CLOUD
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskClosed:
+    """Edge ``edge`` took a client's answer to a task the cloud dispatched: the cloud counts it and may refill the slot.
+
+    ``outcome`` is ``accepted`` (folded into the edge's buffer), ``rejected`` (``reason`` as for
+    :class:`UpdateRejected`), ``failed`` (the client reported :class:`ClientFailed`; ``reason`` is its error and
+    ``kind`` its kind) or ``timed_out`` (the task's time limit passed first).
+    """
+
+    to: str = CLOUD
+    edge: str
+    task_id: int
+    client_id: ClientId
+    base_version: Version
+    outcome: TaskOutcome
+    reason: str
+    staleness: int
+    upload_bytes: int
+    simulated_s: float
+    kind: FailureKind = "error"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EdgeForwarded:
+    """Edge ``edge`` (tier ``tier``) sent its partial aggregate to ``to``, its parent.
+
+    ``payload`` is the encoded weighted sum of the ``count`` client deltas it folded, ``sum_k e_k s_k delta_k``,
+    and ``example_weight`` is ``sum_k e_k``, so a parent that adds partials gets exactly what it would have got
+    from the clients' updates. ``base_version`` is the newest cloud version the edge knew when it folded. (An edge
+    that forwards every update unchanged relays the client's :class:`UpdateUploaded` itself, re-addressed.)
+    """
+
+    to: str
+    edge: str
+    tier: str
+    count: int
+    num_samples: int
+    example_weight: float
+    base_version: Version
+    payload: bytes = field(repr=False)
+    simulated_s: float
+    sent_wall_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientFailed:
+    """A client task ended with an error instead of an update, reported to ``to`` (``diagnosis``: when training
+    found NaN/Inf).
+
+    ``kind``: ``error`` (training raised), ``crash`` (an injected crash, ``faults.crash``), ``dropout`` (the client
+    left mid-training, ``faults.dropout``), ``offline`` (its availability window closed before it was done).
+    """
+
+    to: str = CLOUD
+    task_id: int
+    client_id: ClientId
+    base_version: Version
+    error: str
+    simulated_s: float
+    diagnosis: TaskDiagnosis | None = None
+    kind: FailureKind = "error"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientTimedOut:
+    """A client task was not answered within ``timeout_s`` of its dispatch; whoever it answers to abandons it.
+
+    It goes where the task's answer would have gone (``to``: the cloud, or the client's edge).
+    """
+
+    to: str = CLOUD
+    task_id: int
+    client_id: ClientId
+    base_version: Version
+    timeout_s: float
+    simulated_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundDeadlinePassed:
+    """The deadline of the sync round that started from model ``version`` passed."""
+
+    version: Version
+    simulated_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRequested:
+    """Something outside the run (a signal, :meth:`flasync.Federation.request_stop`) asked it to stop."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Aggregated:
+    """The server folded ``num_updates`` updates into the model, producing ``version``."""
+
+    version: Version
+    num_updates: int
+    mean_staleness: float
+    aggregate_s: float
+    simulated_s: float
+    wall_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evaluated:
+    """The server evaluated ``version`` on the held-out split."""
+
+    version: Version
+    accuracy: float
+    loss: float
+    simulated_s: float
+    wall_s: float
+    eval_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunFinished:
+    """The run stopped (``reason``: ``max_versions``, ``target_accuracy``, ``max_simulated_s``, ``max_wall_s``)."""
+
+    reason: str
+    versions: int
+    updates_accepted: int
+    simulated_s: float
+    wall_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlertRaised:
+    """A diagnostic found something wrong (``kind``: ``nan``, ``exploding_gradient``, ``vanishing_gradient``,
+    ``exploding_update``, ``divergence``); ``count`` is how many alerts of this kind the run has raised so far."""
+
+    kind: str
+    message: str
+    value: float
+    count: int
+    version: Version
+    client_id: ClientId | None
+    simulated_s: float

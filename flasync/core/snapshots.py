@@ -1,0 +1,27 @@
+"""Published models: the weights every client of one version downloads, shared read-only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flasync.core.events import Version
+
+__all__ = ["ModelSnapshot"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSnapshot:
+    """One published global model: weights shared read-only by every client that downloads it.
+
+    ``weights`` is what clients receive (the decoded download, equal to ``exact`` for a lossless download codec);
+    ``exact`` is the server's own copy. ``control`` is SCAFFOLD's server control variate as clients receive it (None
+    without SCAFFOLD); ``download_bytes`` counts it too.
+    """
+
+    version: Version
+    weights: torch.Tensor
+    exact: torch.Tensor
+    download_bytes: int
+    control: torch.Tensor | None = None

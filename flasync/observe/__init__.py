@@ -1,0 +1,1 @@
+"""What a run measured: its profile, plots and summary."""

@@ -1,0 +1,304 @@
+"""Checkpoints: the whole state of a run, written as an MLflow artifact, read back to resume it exactly.
+
+A checkpoint holds the version and the global weights, then one entry per component, each its own
+``state_dict()``: the aggregator (buffer, server optimizer), the sampler (random generator), the task registry
+(the tasks in flight as :class:`~flasync.core.events.TaskAssigned` records, the models they started from, the clients'
+participation counters), the accounting (counters), the intake (validation history), the policy (an open round,
+the edges), the clock's reading and the error-feedback residuals; and the resolved config. It is one file written
+with ``torch.save`` of plain values and tensors only, and read with ``torch.load(..., weights_only=True)``: no
+pickled objects, so loading one runs no code.
+
+Under the virtual clock a resumed run ends with the same ``weights_sha256`` as an uninterrupted one: tasks in flight
+are started again on their original timelines, and each of their random draws is keyed by client and participation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import yaml
+
+from flasync._version import __version__
+from flasync.config import RunConfig, validate
+from flasync.core.errors import CheckpointError, ConfigError
+from flasync.tracking.mlflow_run import yaml_text
+from flasync.tracking.store import sqlite_path
+
+__all__ = [
+    "CHECKPOINT_FOLDER",
+    "CHECKPOINT_SLOTS",
+    "FORMAT",
+    "Fetched",
+    "ResumePoint",
+    "check_state",
+    "decode",
+    "encode",
+    "fetch",
+    "latest",
+    "newest",
+]
+
+CHECKPOINT_FOLDER = "checkpoints"
+CHECKPOINT_SLOTS = ("checkpoints/a.pt", "checkpoints/b.pt")
+"""The two MLflow artifacts a run's checkpoints alternate between.
+
+A store writes an artifact in place (a local store truncates the file, then copies), so a process killed while a
+checkpoint is uploaded would leave no whole checkpoint if there were one file. With two, the one not being written
+always holds the previous checkpoint; :func:`fetch` resumes from the newest that reads back whole.
+"""
+FORMAT = 3
+"""Version of the checkpoint layout; a reader refuses others (3: the state's bytes under a sha256 checksum)."""
+
+
+def encode(state: dict[str, Any], config: RunConfig) -> bytes:
+    """Serialise a server state (see :meth:`flasync.server.Server.state_dict`) and the run's config.
+
+    The state is saved on its own and its bytes carried with their sha256, so a reader detects any change to them.
+    """
+    inner = io.BytesIO()
+    torch.save(state, inner)
+    state_bytes = inner.getvalue()
+    outer = io.BytesIO()
+    torch.save(
+        {
+            "format": FORMAT,
+            "flasync": __version__,
+            "config": yaml_text(config.model_dump(mode="json")),
+            "state_sha256": hashlib.sha256(state_bytes).hexdigest(),
+            "state": torch.frombuffer(bytearray(state_bytes), dtype=torch.uint8),
+        },
+        outer,
+    )
+    return outer.getvalue()
+
+
+def decode(data: bytes) -> tuple[RunConfig, dict[str, Any]]:
+    """Read :func:`encode`'s bytes back (``weights_only=True``: no code runs) into the config and a checked state.
+
+    Raises:
+        CheckpointError: One line naming what is wrong: not a checkpoint, another format, a checksum that does not
+            match (a changed or truncated file), an invalid config, or a state field missing or out of range.
+    """
+    loaded = _load(data, "not a readable checkpoint")
+    if not isinstance(loaded, dict) or "format" not in loaded or "state" not in loaded:
+        raise CheckpointError("not a flasync checkpoint (no format/state entries)")
+    if loaded["format"] != FORMAT:
+        raise CheckpointError(f"checkpoint format {loaded['format']!r} is not supported (this flasync reads {FORMAT})")
+    packed = loaded["state"]
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise CheckpointError("the checkpoint's state is not a byte string")
+    state_bytes = packed.numpy().tobytes()
+    if hashlib.sha256(state_bytes).hexdigest() != loaded.get("state_sha256"):
+        raise CheckpointError(
+            f"the checkpoint is corrupt: the sha256 of its {len(state_bytes)} state bytes does not match the one "
+            "it was written with"
+        )
+    try:
+        config = validate(yaml.safe_load(str(loaded["config"])))
+    except (ConfigError, yaml.YAMLError) as exc:
+        raise CheckpointError(f"the checkpoint's config is invalid: {str(exc).splitlines()[0]}") from None
+    state = _load(state_bytes, "the checkpoint's state is not readable")
+    if not isinstance(state, dict):
+        raise CheckpointError("the checkpoint's state is not a mapping")
+    check_state(state)
+    return config, state
+
+
+def _load(data: bytes, what: str) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch raises several types for corrupt or foreign files
+        raise CheckpointError(
+            f"{what} ({type(exc).__name__}): only files of tensors and plain values that flasync wrote are loaded, "
+            "with weights_only=True"
+        ) from None
+
+
+def check_state(state: dict[str, Any]) -> None:
+    """Check every field a resumed run reads from a server state: presence, type and range.
+
+    Raises:
+        CheckpointError: One line naming the first field that is missing or wrong.
+    """
+    version = _int(state, "version", low=0)
+    weights = _tensor(state, "weights", dims=1, floating=True)
+    for name in ("aggregator", "accounting", "sampler", "registry", "intake", "policy", "clock"):
+        _mapping(state, name)
+    if state["aggregator"].get("kind") not in ("buffered", "robust", "mixing", "custom"):
+        raise CheckpointError(f"checkpoint field aggregator.kind: unknown kind {state['aggregator'].get('kind')!r}")
+    accounting = state["accounting"]
+    _mapping(accounting, "stats", "accounting.")
+    _int(accounting, "failure_streak", low=0, where="accounting.")
+    sampler_rng = state["sampler"].get("rng")
+    if not isinstance(sampler_rng, str):
+        raise CheckpointError("checkpoint field sampler.rng: missing or not a JSON string")
+    clock_now = state["clock"].get("now")
+    if not isinstance(clock_now, int | float) or not math.isfinite(clock_now) or clock_now < 0:
+        raise CheckpointError(f"checkpoint field clock.now: must be a finite number >= 0, got {clock_now!r}")
+    registry = state["registry"]
+    participations = _tensor(registry, "participations", dims=1, where="registry.")
+    if participations.numel() and int(participations.min()) < 0:
+        raise CheckpointError("checkpoint field registry.participations: counts must be >= 0")
+    bases = registry.get("bases")
+    if not isinstance(bases, list) or not bases:
+        raise CheckpointError("checkpoint field registry.bases: missing or empty")
+    versions = set()
+    for index, base in enumerate(bases):
+        where = f"registry.bases[{index}]."
+        if not isinstance(base, dict):
+            raise CheckpointError(f"checkpoint field {where[:-1]}: not a mapping")
+        versions.add(_int(base, "version", low=0, high=version, where=where))
+        for key in ("weights", "exact"):
+            if _tensor(base, key, dims=1, floating=True, where=where).shape != weights.shape:
+                raise CheckpointError(f"checkpoint field {where}{key}: shape differs from the weights'")
+        _int(base, "download_bytes", low=0, where=where)
+    if _int(registry, "snapshot_version", low=0, high=version, where="registry.") not in versions:
+        raise CheckpointError("checkpoint field registry.snapshot_version: no such base model")
+    in_flight = registry.get("in_flight")
+    if not isinstance(in_flight, list):
+        raise CheckpointError("checkpoint field registry.in_flight: missing or not a list")
+    for index, task in enumerate(in_flight):
+        where = f"registry.in_flight[{index}]."
+        if not isinstance(task, dict):
+            raise CheckpointError(f"checkpoint field {where[:-1]}: not a mapping")
+        _int(task, "task_id", low=0, where=where)
+        _int(task, "client_id", low=0, high=participations.numel() - 1, where=where)
+        _int(task, "participation", low=0, where=where)
+        if _int(task, "base_version", low=0, high=version, where=where) not in versions:
+            raise CheckpointError(f"checkpoint field {where}base_version: no such base model")
+        started = task.get("simulated_s")
+        if not isinstance(started, int | float) or not math.isfinite(started) or started < 0:
+            raise CheckpointError(f"checkpoint field {where}simulated_s: must be a finite number >= 0")
+    norms = state["intake"].get("validator_norms")
+    if not isinstance(norms, list) or not all(isinstance(n, int | float) for n in norms):
+        raise CheckpointError("checkpoint field intake.validator_norms: must be a list of numbers")
+
+
+def _mapping(state: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
+    value = state.get(key)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"checkpoint field {where}{key}: missing or not a mapping")
+    return value
+
+
+def _int(state: dict[str, Any], key: str, *, low: int, high: int | None = None, where: str = "") -> int:
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"checkpoint field {where}{key}: must be an integer, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise CheckpointError(f"checkpoint field {where}{key}: must be {bound}, got {value}")
+    return value
+
+
+def _tensor(state: dict[str, Any], key: str, *, dims: int, floating: bool = False, where: str = "") -> torch.Tensor:
+    value = state.get(key)
+    if not isinstance(value, torch.Tensor) or value.dim() != dims or (floating and not value.is_floating_point()):
+        kind = "floating-point " if floating else ""
+        raise CheckpointError(f"checkpoint field {where}{key}: must be a {dims}-D {kind}tensor")
+    return value
+
+
+class Fetched(NamedTuple):
+    """A run's newest checkpoint, as :func:`fetch` found it."""
+
+    config: RunConfig
+    state: dict[str, Any]
+    status: str
+    """The MLflow run's status, e.g. ``"KILLED"``."""
+    tags: dict[str, str]
+    """The MLflow run's tags."""
+    artifact: str
+    """The artifact it was read from (one of :data:`CHECKPOINT_SLOTS`, or an older run's ``checkpoints/latest.pt``)."""
+
+
+def fetch(run_id: str, tracking_uri: str) -> Fetched:
+    """Download every checkpoint of an MLflow run and decode the newest that reads back whole.
+
+    Returns:
+        The run's config, the server state, the run's status, its tags and the artifact read.
+
+    Raises:
+        CheckpointError: If the run does not exist, has no checkpoint, or it cannot be read.
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    db = sqlite_path(tracking_uri)
+    if db is not None and not db.is_file():  # do not let MLflow create an empty store just to find no run in it
+        raise CheckpointError(f"no MLflow run {run_id!r}: there is no store at {tracking_uri}")
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise CheckpointError(f"no MLflow run {run_id!r} in {tracking_uri}") from None
+    files: list[tuple[str, bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="flasync-resume-") as tmp:
+        try:
+            names = [a.path for a in client.list_artifacts(run_id, CHECKPOINT_FOLDER) if a.path.endswith(".pt")]
+            for name in sorted(names):
+                files.append((name, Path(client.download_artifacts(run_id, name, tmp)).read_bytes()))
+        except (MlflowException, OSError):
+            files = []
+    if not files:
+        raise CheckpointError(f"MLflow run {run_id} has no checkpoint ({CHECKPOINT_FOLDER}/*.pt)")
+    artifact, config, state = newest(files)
+    return Fetched(config, state, str(run.info.status), dict(run.data.tags), artifact)
+
+
+def newest(files: Iterable[tuple[str, bytes]]) -> tuple[str, RunConfig, dict[str, Any]]:
+    """Decode checkpoint files and return the one of the highest version that reads back whole.
+
+    Args:
+        files: ``(name, bytes)`` of each candidate (e.g. both slots of :data:`CHECKPOINT_SLOTS`).
+
+    Returns:
+        The chosen file's name, config and state.
+
+    Raises:
+        CheckpointError: If there is no file, or none decodes (the error of the first one that failed).
+    """
+    best: tuple[str, RunConfig, dict[str, Any]] | None = None
+    first_error: CheckpointError | None = None
+    for name, data in files:
+        try:
+            config, state = decode(data)
+        except CheckpointError as exc:
+            first_error = first_error or exc
+            continue
+        if best is None or int(state["version"]) > int(best[2]["version"]):
+            best = (name, config, state)
+    if best is not None:
+        return best
+    if first_error is not None:
+        raise first_error
+    raise CheckpointError("no checkpoint")
+
+
+def latest(artifacts: Mapping[str, bytes]) -> bytes:
+    """Return the bytes of the newest whole checkpoint among a run's artifacts (``{path: bytes}``).
+
+    Raises:
+        CheckpointError: If there is none, or none decodes.
+    """
+    files = [(k, v) for k, v in artifacts.items() if k.startswith(f"{CHECKPOINT_FOLDER}/") and k.endswith(".pt")]
+    name, _, _ = newest(files)
+    return artifacts[name]
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where a resumed run starts: the MLflow run to continue (None: a new one) and a decoded server state."""
+
+    run_id: str | None
+    state: dict[str, Any]
+    artifact: str | None = None
+    """The artifact the state was read from: the resumed run writes its first checkpoint to the other slot."""

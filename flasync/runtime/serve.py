@@ -1,0 +1,277 @@
+"""Serve a federation to remote clients over HTTP: an ASGI application to mount, and ``flasync serve``.
+
+``asgi_app(federation)`` is a Starlette application over the federation's
+:class:`~flasync.clients.remote.transport.RemoteTransport`; mount it in your own service
+(``app.mount("/fl", flasync.runtime.serve.asgi_app(federation))``) and run ``await federation.run()`` in that service's
+event loop (its lifespan, say). :func:`serve` runs one under uvicorn, as ``python -m flasync serve CONFIG`` does.
+
+The protocol (every request carries ``Authorization: Bearer TOKEN``; control is JSON, models and updates are
+flasync's binary codec format as ``application/octet-stream``; refusals are ``{"error": reason, "detail": ...}``):
+
+- ``GET /v1/hello``: the client's id and what it needs to train (model size and shape, local settings, codec).
+- ``GET /v1/task?wait_s=S``: long-polls for the client's next task: 200 with the task, 204 when none came within
+  ``S`` seconds (ask again), 410 when the run has ended, 429 with ``Retry-After`` when too many clients wait.
+  A task is handed to one connection, named by the ``X-Flasync-Session`` header (a random string a client process
+  picks once; absent: the empty one): that connection asking again gets the same task; another with the same
+  token gets 409 ``token_in_use`` with ``Retry-After`` while the task is in flight, and 403 if it uploads for it.
+- ``GET /v1/models/{version}``: the encoded model of a version a task is based on (encoded once per version).
+- ``POST /v1/tasks/{task_id}/update``: the encoded update as the body, the training report as JSON in the
+  ``X-Flasync-Report`` header: 202 once it is on its way to the intake; 403 for a task that is not the client's,
+  409 for a replay, 413 for a body larger than the model's encoding (refused before it is read whole), 503 with
+  ``Retry-After`` when the server's inbox is full.
+- ``POST /v1/tasks/{task_id}/failed``: local training failed (JSON ``{"error": ...}``).
+- ``GET /v1/status``: whether the run is waiting, running or finished (no token needed).
+
+Long-polling rather than WebSocket: every exchange is one ordinary HTTP request, so it passes any proxy or load
+balancer, needs no WebSocket library on the device (httpx has none), and a client that loses its connection (or a
+server that restarts) needs nothing but the next request; a task waits in its client's mailbox between polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from flasync.clients.remote.transport import Refusal, RemoteTransport, Report
+from flasync.core.errors import ConfigError
+from flasync.core.events import ClientId
+
+if TYPE_CHECKING:
+    from flasync.runtime.federation import Federation, RunSummary
+
+__all__ = ["REPORT_HEADER", "SESSION_HEADER", "asgi_app", "serve"]
+
+REPORT_HEADER = "x-flasync-report"
+"""The header holding an upload's training report (JSON)."""
+SESSION_HEADER = "x-flasync-session"
+"""The header naming a client process's connection (a random string it picks once): a task is handed to one."""
+_MAX_SESSION_CHARS = 64
+_SESSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+_MAX_REPORT_CHARS = 4096
+_OCTETS = "application/octet-stream"
+
+
+def asgi_app(federation: Federation) -> Starlette:
+    """Return the Starlette application serving ``federation``'s tasks to remote clients.
+
+    The federation's config must have ``remote.enabled = true`` (and ``clock = "wall"``). Requests before
+    ``federation.run()`` has started are answered 503 with ``Retry-After``.
+
+    Raises:
+        ConfigError: If the federation has no remote transport.
+    """
+    transport = federation.transport
+    if transport is None:
+        raise ConfigError("remote.enabled: asgi_app needs a federation whose config has remote.enabled = true")
+    return _app(transport, lambda: federation.server.version if federation.server is not None else None)
+
+
+def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starlette:
+    def authorize(request: Request) -> ClientId | Refusal:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        client_id = transport.tokens.client_of(token.strip()) if scheme.lower() == "bearer" else None
+        return transport.unauthorized() if client_id is None else client_id
+
+    def session_of(request: Request) -> str | Refusal:
+        session = request.headers.get(SESSION_HEADER, "")
+        if len(session) > _MAX_SESSION_CHARS or not set(session) <= _SESSION_CHARS:
+            detail = f"{SESSION_HEADER}: at most {_MAX_SESSION_CHARS} letters, digits, '-' or '_'"
+            return Refusal(400, "bad_request", detail)
+        return session
+
+    async def hello(request: Request) -> Response:
+        client_id = authorize(request)
+        if isinstance(client_id, Refusal):
+            return _refused(client_id)
+        answer = transport.hello(client_id)
+        return _refused(answer) if isinstance(answer, Refusal) else JSONResponse(answer)
+
+    async def task(request: Request) -> Response:
+        client_id = authorize(request)
+        if isinstance(client_id, Refusal):
+            return _refused(client_id)
+        try:
+            wait_s = float(request.query_params.get("wait_s", transport.settings.poll_s))
+        except ValueError:
+            return _refused(Refusal(400, "bad_request", "wait_s must be a number of seconds"))
+        session = session_of(request)
+        if isinstance(session, Refusal):
+            return _refused(session)
+        offer = await transport.next_task(client_id, wait_s if wait_s == wait_s else 0.0, session)
+        if offer is None:
+            return Response(status_code=204)
+        if isinstance(offer, Refusal):
+            return _refused(offer)
+        return JSONResponse(offer.to_json())
+
+    async def model(request: Request) -> Response:
+        client_id = authorize(request)
+        if isinstance(client_id, Refusal):
+            return _refused(client_id)
+        payload = await transport.model(client_id, int(request.path_params["version"]))
+        if isinstance(payload, Refusal):
+            return _refused(payload)
+        return Response(payload, media_type=_OCTETS)
+
+    async def upload(request: Request) -> Response:
+        client_id = authorize(request)
+        if isinstance(client_id, Refusal):
+            return _refused(client_id)
+        task_id = int(request.path_params["task_id"])
+        session = session_of(request)
+        if isinstance(session, Refusal):
+            return _refused(session)
+        declared = request.headers.get("content-length")
+        length = int(declared) if declared is not None and declared.isdigit() else None
+        refusal = transport.check_upload(client_id, task_id, length, session)
+        if refusal is not None:
+            return _refused(refusal)
+        raw = request.headers.get(REPORT_HEADER, "")
+        try:
+            if len(raw) > _MAX_REPORT_CHARS:
+                raise ValueError(f"the report has more than {_MAX_REPORT_CHARS} characters")
+            report = Report.from_json(json.loads(raw), max_num_samples=transport.settings.max_num_samples)
+        except ValueError as exc:  # json.JSONDecodeError is one
+            return _refused(transport.bad_report(client_id, f"{REPORT_HEADER}: {exc}".splitlines()[0]))
+        # Read in chunks, never more than the limit: a body without (or with a false) Content-Length is cut off.
+        limit, size, chunks = transport.max_upload_bytes, 0, []
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return _refused(transport.oversize(client_id, size))
+            chunks.append(chunk)
+        answer = transport.upload(client_id, task_id, b"".join(chunks), report, session)
+        if answer is not None:
+            return _refused(answer)
+        return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)
+
+    async def failed(request: Request) -> Response:
+        client_id = authorize(request)
+        if isinstance(client_id, Refusal):
+            return _refused(client_id)
+        task_id = int(request.path_params["task_id"])
+        session = session_of(request)
+        if isinstance(session, Refusal):
+            return _refused(session)
+        body = await _small_body(request)
+        try:
+            error = str(json.loads(body).get("error", "failed")) if body else "failed"
+        except (ValueError, AttributeError):
+            error = "failed"
+        answer = transport.failed(client_id, task_id, error, session)
+        if answer is not None:
+            return _refused(answer)
+        return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)
+
+    async def status(request: Request) -> Response:
+        state = "finished" if transport.finished else "running" if transport.attached else "waiting"
+        return JSONResponse({"state": state, "version": version(), "reason": transport.finished or None})
+
+    return Starlette(
+        routes=[
+            Route("/v1/hello", hello, methods=["GET"]),
+            Route("/v1/task", task, methods=["GET"]),
+            Route("/v1/models/{version:int}", model, methods=["GET"]),
+            Route("/v1/tasks/{task_id:int}/update", upload, methods=["POST"]),
+            Route("/v1/tasks/{task_id:int}/failed", failed, methods=["POST"]),
+            Route("/v1/status", status, methods=["GET"]),
+        ]
+    )
+
+
+async def _small_body(request: Request, limit: int = 4096) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)[:limit]
+
+
+def _refused(refusal: Refusal) -> Response:
+    headers = {"retry-after": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else {}
+    if refusal.status == 401:
+        headers["www-authenticate"] = "Bearer"
+    return JSONResponse(
+        {"error": refusal.reason, "detail": refusal.detail}, status_code=refusal.status, headers=headers
+    )
+
+
+async def serve(
+    federation: Federation,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    linger_s: float = 2.0,
+    run: Callable[[Federation], Awaitable[RunSummary]] | None = None,
+    on_ready: Callable[[int], None] | None = None,
+) -> RunSummary:
+    """Run ``federation`` and serve it under uvicorn until the run ends; return the run's summary.
+
+    Args:
+        federation: A federation with ``remote.enabled``.
+        host: Interface to listen on.
+        port: TCP port (0: any free port; ``on_ready`` is told which).
+        ssl_certfile: PEM certificate for HTTPS (with ``ssl_keyfile``; uvicorn's TLS).
+        ssl_keyfile: PEM private key.
+        linger_s: Keep answering this long after the run ended, so that waiting clients learn it (410).
+        run: Runs the federation (default: ``federation.run()``; the CLI adds its signal handling).
+        on_ready: Called with the bound port once the server listens.
+    """
+    app = asgi_app(federation)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+        timeout_graceful_shutdown=1,
+    )
+    server = _QuietServer(config)
+    serving = asyncio.ensure_future(server.serve())
+    try:
+        while not server.started:
+            if serving.done():
+                serving.result()  # raises the reason it could not start (e.g. the port is taken)
+                raise OSError(f"could not listen on {host}:{port}")
+            await asyncio.sleep(0.02)
+        if on_ready is not None:
+            on_ready(_bound_port(server, port))
+        summary = await (run(federation) if run is not None else federation.run())
+        # Waiting clients were told the run ended; a client mid-upload learns it within linger_s.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(serving), timeout=linger_s)
+        return summary
+    finally:
+        server.should_exit = True
+        await serving
+
+
+def _bound_port(server: Any, default: int) -> int:
+    for listener in getattr(server, "servers", []):
+        for sock in listener.sockets:
+            return int(sock.getsockname()[1])
+    return default
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn's server without its own signal handlers (the run's handlers stop the run, then the server)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Leave the process's signal handlers alone."""
+        yield

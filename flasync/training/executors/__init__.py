@@ -1,0 +1,1 @@
+"""Where training runs: worker threads or Ray actors, behind one executor Protocol."""

@@ -1,0 +1,529 @@
+"""Training on Ray actors: many processes, or many machines, deterministic like the threads.
+
+``executor.kind = "ray"`` (``pip install 'flasync[ray]'``). Each actor is a process that holds the model and the
+training data: the data go into Ray's object store once and every actor reads them from there; each model version is
+put once and passed by reference; a task ships its client's sample indices, its random state and (SCAFFOLD) its
+gradient correction, and gets the delta back. Encoding, error-feedback residuals and diagnosis stay in the driver, as
+with threads, so a Ray run ends with the weights of a threads run of the same config, whatever the number of actors
+(training is a function of the task's inputs only, and under the virtual clock the order of results depends on
+simulated times alone).
+
+Each actor trains one task (or, with ``executor.ray.vectorized``, one cohort) at a time, with the next call queued
+behind it; driver threads wait on the calls, so the event loop never blocks. An actor that dies (killed, out of
+memory) fails the tasks it held, like any client failure the run accounts for, and is replaced. Ray started by
+flasync (no ``executor.ray.address``) is stopped when the run ends, also after Ctrl-C; a cluster flasync joined is
+left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+import time
+import uuid
+import warnings
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from flasync.config import RayConfig
+from flasync.core.errors import ConfigError, TrainingError
+from flasync.data import SyntheticClients
+from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
+from flasync.training.executors.threads import CohortBatcher, ModelPool, TrainingJob
+from flasync.training.local import FlatModel, LocalResult, LocalTraining, train
+
+__all__ = ["RayTrainingExecutor", "TrainingActor"]
+
+T = TypeVar("T")
+
+_VERSIONS_KEPT = 8  # model versions whose object refs stay alive (the ones tasks in flight start from)
+_PIPELINE = 2  # calls queued per actor: the next one's arguments travel while the current one trains
+_ACTOR_START_S = 120.0  # an actor whose resources no node has waits for ever: give up after this
+
+
+def _ray() -> Any:
+    try:
+        import ray  # an optional extra, imported only by runs with executor.kind = "ray"
+    except ImportError as exc:
+        raise ConfigError("executor.kind: 'ray' needs Ray: pip install 'flasync[ray]'") from exc
+    return ray
+
+
+class _DropMessages(logging.Filter):
+    """Drop log records whose message starts with one of ``starts``."""
+
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+@contextlib.contextmanager
+def _quiet_local_start() -> Iterator[None]:
+    """Silence two warnings of ``ray.init`` that say nothing to a run starting its own local Ray in a thread.
+
+    One says no SIGTERM handler was set (flasync handles its signals itself); the other that the local cluster uses
+    token authentication (it does, with a token made for it).
+    """
+    drop = _DropMessages(("SIGTERM handler is not set", "Token authentication is enabled for this Ray cluster"))
+    loggers = [logging.getLogger(name) for name in _RAY_START_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
+_RAY_START_LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fail fast (Ray itself retries an unreachable address for minutes) if ``host:port`` does not answer."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"executor.ray.address: expected 'host:port' or 'auto', got {address!r}")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"executor.ray.address: cannot reach the Ray cluster at {address} ({exc})") from None
+
+
+def _to_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor of its own from ``array`` (copied when it is read only, as arrays from Ray's object store are)."""
+    return torch.from_numpy(np.array(array, copy=not array.flags.writeable))
+
+
+def _read_only(array: np.ndarray) -> torch.Tensor:
+    """A tensor over ``array`` without a copy, for what training only reads (the base weights, a correction).
+
+    ``torch.from_numpy`` warns about a read-only array because the tensor could write to it; these never do.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+class TrainingActor:
+    """What runs inside a Ray actor: the reused model, the data it was given, and one training call at a time.
+
+    Args:
+        factory: Builds the model.
+        threads: Intra-op torch threads (the weights depend on it, as on the threads executor).
+        device: Where the model trains (``cuda`` for an actor with a GPU).
+        lazy: A lazily drawn population (its sizes and seed): the actor draws a client's samples itself.
+    """
+
+    def __init__(
+        self, factory: Callable[[], nn.Module], threads: int, device: str, lazy: SyntheticClients | None = None
+    ) -> None:
+        torch.set_num_threads(threads)
+        self.lazy = lazy
+        self.device = torch.device(device)
+        self.factory = factory
+        self.model = FlatModel(factory().to(self.device))
+        self.trainer: CohortTrainer | None = None
+        self.data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def node(self) -> str:
+        """Return the id of the Ray node the actor runs on."""
+        return str(_ray().get_runtime_context().get_node_id())
+
+    def _data(self, key: int, refs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self.data.get(key)
+        if held is None:
+            x, y = _ray().get(refs)
+            held = (_to_tensor(x).to(self.device), _to_tensor(y).to(self.device))
+            self.data = {key: held}  # one data set at a time: a run's, or a lazy client's
+        return held
+
+    def train(
+        self,
+        base: np.ndarray,
+        data: tuple[int, list[Any]],
+        indices: np.ndarray,
+        cfg: LocalTraining,
+        state: np.ndarray,
+        correction: np.ndarray | None,
+    ) -> tuple[np.ndarray, int, int, float, float, int]:
+        """Train one client from ``base`` on its rows ``indices`` of the data; return the result's fields."""
+        x, y = self._data(*data)
+        return self._train_on(base, x, y, indices, cfg, state, correction)
+
+    def _train_on(
+        self,
+        base: np.ndarray,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        indices: np.ndarray,
+        cfg: LocalTraining,
+        state: np.ndarray,
+        correction: np.ndarray | None,
+    ) -> tuple[np.ndarray, int, int, float, float, int]:
+        generator = torch.Generator()
+        generator.set_state(torch.from_numpy(np.array(state)))
+        result = train(
+            self.model,
+            _read_only(base).to(self.device),
+            x,
+            y,
+            cfg,
+            generator,
+            indices=torch.from_numpy(np.array(indices)).to(self.device),
+            correction=None if correction is None else _read_only(correction).to(self.device),
+        )
+        return _fields(result)
+
+    def train_client(
+        self, base: np.ndarray, client: int, cfg: LocalTraining, state: np.ndarray, correction: np.ndarray | None
+    ) -> tuple[np.ndarray, int, int, float, float, int]:
+        """Train client ``client`` of the lazy population on the samples drawn here (the driver ships no data)."""
+        assert self.lazy is not None
+        data = self.lazy.client(client)
+        x, y = data.x.to(self.device), data.y.to(self.device)
+        indices = np.arange(len(data.y), dtype=np.int64)
+        return self._train_on(base, x, y, indices, cfg, state, correction)
+
+    def train_cohort(
+        self,
+        base: np.ndarray,
+        data: tuple[int, list[Any]],
+        members: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
+        cfg: LocalTraining,
+    ) -> tuple[list[tuple[np.ndarray, int, int, float, float, int]], bool, str | None]:
+        """Train a cohort (one vectorized call where the model allows); return each member's fields."""
+        if self.trainer is None:
+            self.trainer = CohortTrainer(self.factory().to(self.device))
+        x, y = self._data(*data)
+        built = []
+        for indices, state, correction in members:
+            generator = torch.Generator()
+            generator.set_state(torch.from_numpy(np.array(state)))
+            built.append(
+                CohortMember(
+                    indices=torch.from_numpy(np.array(indices)).to(x.device),
+                    generator=generator,
+                    correction=None if correction is None else _read_only(correction),
+                )
+            )
+        outcome = self.trainer.train(_read_only(base).to(self.device), x, y, built, cfg)
+        return [_fields(r) for r in outcome.results], outcome.vectorized, outcome.fallback_reason
+
+
+def _fields(result: LocalResult) -> tuple[np.ndarray, int, int, float, float, int]:
+    delta = result.delta.detach().to("cpu", torch.float32).numpy()
+    return delta, result.num_samples, result.steps, result.loss, result.train_s, result.peak_mem_bytes
+
+
+def _result(fields: tuple[np.ndarray, int, int, float, float, int]) -> LocalResult:
+    delta, num_samples, steps, loss, train_s, peak = fields
+    return LocalResult(
+        delta=_to_tensor(delta),
+        num_samples=int(num_samples),
+        steps=int(steps),
+        loss=float(loss),
+        train_s=float(train_s),
+        peak_mem_bytes=int(peak),
+    )
+
+
+class _Slot:
+    """One actor handle, its node and its calls in flight; replaced when the actor dies."""
+
+    __slots__ = ("actor", "busy", "node")
+
+    def __init__(self, actor: Any, node: str) -> None:
+        self.actor = actor
+        self.node = node
+        self.busy = 0
+
+
+class _RayPool(Executor):
+    """Runs :class:`TrainingJob` submissions on actors (through the waiting threads), anything else locally."""
+
+    def __init__(self, owner: RayTrainingExecutor) -> None:
+        self.owner = owner
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        owner = self.owner
+        if isinstance(fn, TrainingJob) and not args and not kwargs:
+            return owner.waiters.submit(owner.run_remote, fn)
+        return owner.local.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.owner.waiters.shutdown(wait=wait, cancel_futures=cancel_futures)
+        self.owner.local.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+class RayTrainingExecutor:
+    """A :class:`~flasync.training.executors.threads.TrainingExecutor` whose training runs on Ray actors.
+
+    Args:
+        factory: Builds the model (shipped to every actor).
+        settings: ``executor.ray``.
+        device: The driver's device (evaluation runs there; actors with GPUs train on ``cuda``).
+        lazy: A lazily drawn population: its sizes and seed go to each actor once, and a task ships its client's id
+            instead of its samples.
+        on_fallback: Told why a cohort was trained one client at a time (``settings.vectorized``).
+        on_event: Told of what happens to actors (``("replaced", reason)``), for the run's log.
+
+    Raises:
+        ConfigError: If Ray is not installed, cannot start, or the cluster cannot be reached.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], nn.Module],
+        settings: RayConfig,
+        *,
+        device: torch.device | str = "cpu",
+        on_fallback: Callable[[str], None] | None = None,
+        on_event: Callable[[str, str], None] | None = None,
+        lazy: SyntheticClients | None = None,
+    ) -> None:
+        ray = _ray()
+        if settings.gpus_per_actor > 0 and settings.address is None and not torch.cuda.is_available():
+            raise ConfigError(
+                f"executor.ray.gpus_per_actor: {settings.gpus_per_actor:g} asked for, but this machine has no CUDA GPU"
+            )
+        self.lazy = lazy
+        self.settings = settings
+        self.factory = factory
+        self.on_event = on_event
+        self.models = ModelPool(factory, device)
+        self.started_ray = False
+        if not ray.is_initialized():
+            if settings.address is not None:
+                _check_reachable(settings.address, settings.connect_timeout_s)
+            try:
+                if settings.address is None:
+                    with _quiet_local_start():
+                        ray.init(
+                            num_cpus=max(1, int(np.ceil(settings.actors * settings.cpus_per_actor))),
+                            num_gpus=int(np.ceil(settings.actors * settings.gpus_per_actor)),
+                            include_dashboard=False,
+                            log_to_driver=False,
+                            configure_logging=False,
+                        )
+                else:
+                    ray.init(address=settings.address, log_to_driver=False, configure_logging=False)
+            except Exception as exc:
+                where = (
+                    "start a local Ray" if settings.address is None else f"join the Ray cluster at {settings.address}"
+                )
+                raise ConfigError(
+                    f"executor.ray: cannot {where}: {type(exc).__name__}: {exc}".splitlines()[0]
+                ) from None
+            self.started_ray = settings.address is None
+        self._remote_actor = ray.remote(
+            num_cpus=settings.cpus_per_actor, num_gpus=settings.gpus_per_actor, max_restarts=0
+        )(TrainingActor)
+        self._device = "cuda" if settings.gpus_per_actor > 0 else "cpu"
+        self._lock = threading.Lock()
+        self._names = (f"flasync-train-{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
+        try:
+            self._slots = [self._new_slot() for _ in range(settings.actors)]
+        except BaseException:
+            if self.started_ray:  # a Ray started for this run must not outlive an executor that never was
+                ray.shutdown()
+                self.started_ray = False
+            raise
+        self._turn = itertools.count()
+        self._bases: OrderedDict[int, tuple[torch.Tensor, Any]] = OrderedDict()
+        self._data: dict[int, tuple[torch.Tensor, torch.Tensor, list[Any], int]] = {}
+        self._data_keys = itertools.count()
+        self.tasks_by_node: Counter[str] = Counter()
+        self.replaced = 0
+        self.waiters = ThreadPoolExecutor(max_workers=_PIPELINE * settings.actors, thread_name_prefix="flasync-ray")
+        self.local = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-local")
+        self.batcher: CohortBatcher | None = None
+        ray_pool = _RayPool(self)
+        self.pool: Executor = ray_pool
+        if settings.vectorized:
+            self.batcher = CohortBatcher(
+                self.waiters,
+                self.models,
+                max_cohort=256,
+                on_fallback=on_fallback,
+                train_cohort=self.train_cohort_remote,
+                run_job=self.run_remote,
+                passthrough=self.local,
+            )
+            self.pool = self.batcher
+
+    # ------------------------------------------------------------------------------------------------ actors
+    def _new_slot(self) -> _Slot:
+        ray = _ray()
+        # Named (flasync-train-<run>-<n>), so that `ray list actors` and tests can find them.
+        actor = self._remote_actor.options(name=next(self._names)).remote(
+            self.factory, self.settings.threads_per_actor, self._device, self.lazy
+        )
+        try:
+            node = ray.get(actor.node.remote(), timeout=_ACTOR_START_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor)
+            settings = self.settings
+            raise ConfigError(
+                f"executor.ray: no actor started within {_ACTOR_START_S:.0f} s: does the cluster have "
+                f"{settings.cpus_per_actor:g} CPU and {settings.gpus_per_actor:g} GPU free for one?"
+            ) from None
+        except Exception as exc:
+            message = f"executor.ray: an actor could not start: {type(exc).__name__}: {exc}"
+            raise ConfigError(message.splitlines()[0]) from None
+        return _Slot(actor, node)
+
+    def _slot(self) -> _Slot:
+        """Pick the actor with the fewest calls in flight (round robin among equals) and count the call."""
+        with self._lock:
+            start = next(self._turn)
+            slots = self._slots
+            slot = min((slots[(start + i) % len(slots)] for i in range(len(slots))), key=lambda s: s.busy)
+            slot.busy += 1
+            return slot
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run ``method`` on an actor and wait; an actor that died is replaced and the call fails.
+
+        Each actor runs its calls one at a time, in order; with :data:`_PIPELINE` calls queued per actor the next
+        one's arguments travel while the current one trains.
+        """
+        ray = _ray()
+        slot = self._slot()
+        try:
+            ref = getattr(slot.actor, method).remote(*args)
+            try:
+                value = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self._replace(slot, exc)
+                raise TrainingError(f"the Ray actor training this task died ({type(exc).__name__})") from None
+            with self._lock:
+                self.tasks_by_node[slot.node] += 1
+            return value
+        finally:
+            with self._lock:
+                slot.busy -= 1
+
+    def _replace(self, slot: _Slot, exc: BaseException) -> None:
+        with self._lock:
+            if slot not in self._slots:
+                return  # another call on the same actor replaced it already
+            index = self._slots.index(slot)
+            self._slots[index] = self._new_slot()
+            self.replaced += 1
+        if self.on_event is not None:
+            self.on_event("replaced", f"{type(exc).__name__} on node {slot.node[:12]}")
+
+    # --------------------------------------------------------------------------------------------- payloads
+    def _base_ref(self, base: torch.Tensor) -> Any:
+        """One object-store copy per model version (tasks of a version share the snapshot's tensor)."""
+        with self._lock:
+            held = self._bases.get(id(base))
+            if held is not None and held[0] is base:
+                self._bases.move_to_end(id(base))
+                return held[1]
+            ref = _ray().put(base.detach().to("cpu", torch.float32).numpy())
+            self._bases[id(base)] = (base, ref)
+            while len(self._bases) > _VERSIONS_KEPT:
+                self._bases.popitem(last=False)
+            return ref
+
+    def _data_ref(self, x: torch.Tensor, y: torch.Tensor) -> tuple[int, list[Any]]:
+        """The training data, put once (a lazy client's own samples, put per task)."""
+        with self._lock:
+            held = self._data.get(id(x))
+            if held is None or held[0] is not x or held[1] is not y:
+                ray = _ray()
+                refs = [ray.put(x.detach().cpu().numpy()), ray.put(y.detach().cpu().numpy())]
+                if len(self._data) > 4:
+                    self._data.clear()
+                # A fresh key per put: an actor caches by key, and ids of freed tensors are reused.
+                held = self._data[id(x)] = (x, y, refs, next(self._data_keys))
+            return held[3], held[2]
+
+    # ------------------------------------------------------------------------------------------------ calls
+    def run_remote(self, job: TrainingJob[T]) -> T:
+        """Train ``job`` on an actor, then finish it here (encode, residuals), in a waiting thread."""
+        correction = None if job.correction is None else job.correction.detach().cpu().numpy()
+        if job.client is not None and self.lazy is not None:  # the actor draws the client's samples
+            state = job.generator.get_state().numpy()
+            fields = self._call("train_client", self._base_ref(job.base), job.client, job.cfg, state, correction)
+            return job.finish(_result(fields))
+        fields = self._call(
+            "train",
+            self._base_ref(job.base),
+            self._data_ref(job.x, job.y),
+            job.indices.detach().cpu().numpy(),
+            job.cfg,
+            job.generator.get_state().numpy(),
+            correction,
+        )
+        return job.finish(_result(fields))
+
+    def train_cohort_remote(
+        self,
+        base: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        members: Sequence[CohortMember],
+        cfg: LocalTraining,
+        jobs: Sequence[TrainingJob[Any]],
+    ) -> CohortResult:
+        """Train a cohort on an actor (one call) and return its results."""
+        start = time.perf_counter()
+        data = self._data_ref(jobs[0].x, jobs[0].y) if x is jobs[0].x else self._data_ref(x, y)
+        shipped = [
+            (
+                m.indices.detach().cpu().numpy(),
+                m.generator.get_state().numpy(),
+                None if m.correction is None else m.correction.detach().cpu().numpy(),
+            )
+            for m in members
+        ]
+        fields, vectorized, reason = self._call("train_cohort", self._base_ref(base), data, shipped, cfg)
+        return CohortResult(
+            results=[_result(f) for f in fields],
+            vectorized=vectorized,
+            fallback_reason=reason,
+            train_s=time.perf_counter() - start,
+        )
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def attach(self, clock: object) -> None:
+        """Let a virtual clock start held cohorts (no-op unless vectorized)."""
+        if self.batcher is not None:
+            self.batcher.attach(clock)
+
+    def shutdown(self) -> None:
+        """Cancel queued jobs, wait for running ones, kill the actors and stop the Ray this executor started."""
+        if self.on_event is not None and self.tasks_by_node:
+            nodes = ", ".join(f"{node[:12]}: {count}" for node, count in sorted(self.tasks_by_node.items()))
+            self.on_event("finished", f"tasks by Ray node {nodes}; actors replaced: {self.replaced}")
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.waiters.shutdown(wait=True, cancel_futures=True)
+        self.local.shutdown(wait=True, cancel_futures=True)
+        ray = _ray()
+        if not ray.is_initialized():
+            return
+        for slot in self._slots:
+            with contextlib.suppress(Exception):  # an actor already gone
+                ray.kill(slot.actor)
+        self._bases.clear()
+        self._data.clear()
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False

@@ -1,0 +1,342 @@
+"""The worker-thread side of a client task: train, diagnose, encode.
+
+A job runs in a training executor's worker, never on the event loop. It gets a :class:`JobContext` (the worker's
+models, the local hyper-parameters, the upload codec, the error-feedback residuals, the diagnostics) and returns a
+:class:`TrainedUpdate`: the encoded delta and its figures. The new residual is returned, not stored: the client
+coroutine stores it when the training ends in (virtual) time, so a task abandoned before then leaves the client's
+residual as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flasync.aggregation.scaffold import control_delta
+from flasync.codecs import Pipeline
+from flasync.core.errors import InjectedFault
+from flasync.core.events import ClientId, TaskDiagnosis
+from flasync.data import Partition, SyntheticClients
+from flasync.training.cohort import CohortResult
+from flasync.training.diagnostics import DivergedTraining, TrainingDiagnostics
+from flasync.training.executors.threads import ModelPool, TrainingJob
+from flasync.training.local import LocalResult, LocalTraining, train
+from flasync.training.residuals import ResidualStore
+
+__all__ = [
+    "ClientSamples",
+    "Finish",
+    "JobContext",
+    "TaskVariates",
+    "TrainedUpdate",
+    "finish_cohort",
+    "finish_job",
+    "injected_crash",
+    "train_job",
+]
+
+_NO_DIAGNOSTICS = TrainingDiagnostics("off")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobContext:
+    """What a training job needs in its worker thread.
+
+    Attributes:
+        models: The worker threads' reusable models.
+        local: Local training hyper-parameters.
+        upload_codec: How deltas are encoded for upload.
+        num_params: Length of the flat model.
+        residuals: Clients' error-feedback residuals (None when the codec keeps none).
+        residual_lock: Guards ``residuals`` and ``variates`` across worker threads and the event loop.
+        diagnostics: Training diagnostics (None: NaN/Inf checks only).
+        wall: Monotonic real seconds (encode timing).
+        variates: Clients' SCAFFOLD control variates ``c_i`` (None when SCAFFOLD is off).
+        no_delta: The empty tensor every finished update's result holds instead of its delta (one for all: an
+            allocation per update is most of what keeping the figures without the delta costs).
+    """
+
+    models: ModelPool
+    local: LocalTraining
+    upload_codec: Pipeline
+    num_params: int
+    residuals: ResidualStore | None = None
+    residual_lock: threading.Lock = field(default_factory=threading.Lock)
+    diagnostics: TrainingDiagnostics | None = None
+    wall: Callable[[], float] = time.perf_counter
+    variates: ResidualStore | None = None
+    no_delta: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskVariates:
+    """A task's SCAFFOLD state: the server's variate ``c`` as downloaded and the client's own ``c_i``.
+
+    Attributes:
+        server: ``c`` (read only, shared by every task of the version).
+        client: ``c_i`` (None: the client never trained, so zeros).
+        generator: The stream stochastic codec stages draw from when ``Delta c_i`` is encoded.
+        correction: ``c - c_i``, added to every local gradient (made once per task by :meth:`of`).
+    """
+
+    server: torch.Tensor
+    client: torch.Tensor | None
+    generator: torch.Generator
+    correction: torch.Tensor
+
+    @classmethod
+    def of(cls, server: torch.Tensor, client: torch.Tensor | None, generator: torch.Generator) -> TaskVariates:
+        """Return a task's variates with their correction ``c - c_i`` (``c`` itself for a client without one)."""
+        correction = server if client is None else server - client.to(server.device)
+        return cls(server=server, client=client, generator=generator, correction=correction)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainedUpdate:
+    """What a training job hands back to its client coroutine.
+
+    ``result`` holds the training's figures with an empty ``delta``: ``payload`` carries the update (a cohort's
+    deltas are rows of one tensor, which one member's kept delta would keep whole until its upload is delivered).
+    ``control`` is the encoded ``Delta c_i`` and ``variate`` the client's new ``c_i`` (SCAFFOLD; else empty and
+    None).
+    """
+
+    result: LocalResult
+    payload: bytes
+    encode_s: float
+    residual_norm: float | None
+    diagnosis: TaskDiagnosis | None = None
+    residual: torch.Tensor | None = None
+    control: bytes = b""
+    variate: torch.Tensor | None = None
+
+    @property
+    def upload_bytes(self) -> int:
+        """Bytes the upload sends: the delta and, with SCAFFOLD, ``Delta c_i``."""
+        return len(self.payload) + len(self.control)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSamples:
+    """Where each client's training samples are: rows of one contiguous data set, or drawn when sampled.
+
+    Args:
+        x: All training inputs ``(N, *features)``.
+        y: All training labels ``(N,)``.
+        partition: Client id -> rows of ``x``.
+        index: ``partition.indices`` as one int64 tensor on the data's device, sliced per client.
+        lazy: Clients whose samples are drawn when they are sampled (then ``x`` and ``y`` only give the device).
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    partition: Partition
+    index: torch.Tensor
+    lazy: SyntheticClients | None = None
+
+    def __call__(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return ``(x, y, indices)``: a data tensor pair and the positions of ``client_id``'s samples in it."""
+        lazy = self.lazy
+        if lazy is None:
+            return self.x, self.y, self.indices(client_id)
+        data = lazy.client(client_id)
+        device = self.x.device
+        x, y = data.x.to(device), data.y.to(device)
+        return x, y, torch.arange(len(y), device=device)
+
+    def indices(self, client_id: int) -> torch.Tensor:
+        """Return the rows of ``client_id``'s samples in :attr:`x` (a view, no copy)."""
+        offsets = self.partition.offsets
+        return self.index[int(offsets[client_id]) : int(offsets[client_id + 1])]
+
+
+def train_job(
+    ctx: JobContext,
+    client_id: ClientId,
+    base: torch.Tensor,
+    samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    generator: torch.Generator,
+    codec_generator: torch.Generator | None,
+    task_id: int = 0,
+    attack: float = 1.0,
+    variates: TaskVariates | None = None,
+) -> TrainedUpdate:
+    """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
+    model = ctx.models.get()
+    device = model.flat.device
+    data_x, data_y, indices = samples
+    rows: torch.Tensor | None = indices
+    if data_x.device != device or data_y.device != device or indices.device != device:
+        # Data kept in host memory: the client's samples are gathered and copied to the model's device.
+        data_x = data_x[indices].to(device, non_blocking=True)
+        data_y = data_y[indices].to(device, non_blocking=True)
+        rows = None
+    diagnostics = ctx.diagnostics or _NO_DIAGNOSTICS
+    result, diagnosis = diagnostics.train(
+        model,
+        base,
+        data_x,
+        data_y,
+        ctx.local,
+        generator,
+        task_id=task_id,
+        train_fn=train,  # looked up here, so that tests can replace flasync.training.jobs.train
+        indices=rows,
+        correction=None if variates is None else variates.correction.to(device),
+    )
+    return finish_job(ctx, client_id, result, codec_generator, diagnosis, attack, variates)
+
+
+def finish_job(
+    ctx: JobContext,
+    client_id: ClientId,
+    result: LocalResult,
+    codec_generator: torch.Generator | None,
+    diagnosis: TaskDiagnosis | None = None,
+    attack: float = 1.0,
+    variates: TaskVariates | None = None,
+) -> TrainedUpdate:
+    """Check and encode a trained delta, with error feedback (runs in a worker thread).
+
+    ``diagnosis`` is None for a delta trained in a cohort: it is diagnosed here (no per-step gradient statistics).
+    ``attack`` multiplies the delta before it is encoded: a simulated Byzantine client (``faults.byzantine``).
+    With ``variates`` (SCAFFOLD), ``Delta c_i`` (option II) is encoded too, and the client's new variate is its old
+    one plus ``Delta c_i`` as the server decodes it, so that ``c`` stays the mean of the clients' variates whatever
+    the codec loses.
+
+    Raises:
+        DivergedTraining: If the delta has NaN or Inf (before encoding: a NaN would otherwise stay in the client's
+            error-feedback residual for ever).
+    """
+    if diagnosis is None:
+        diagnosis = (ctx.diagnostics or _NO_DIAGNOSTICS).diagnose(result)
+    if not diagnosis.update_finite:
+        raise _diverged(result, diagnosis)
+    start = ctx.wall()
+    residuals = ctx.residuals
+    residual = None
+    if residuals is not None:
+        with ctx.residual_lock:
+            residual = residuals.get(client_id)
+    delta = result.delta if result.delta.device.type == "cpu" else result.delta.cpu()  # the codec writes bytes
+    if attack != 1.0:
+        delta = delta * attack
+    encoded = ctx.upload_codec.encode(delta, generator=codec_generator, residual=residual)
+    control, variate = b"", None
+    if variates is not None:
+        codec = ctx.upload_codec
+        change = control_delta(delta, variates.server.to(delta.device), steps=result.steps, lr=ctx.local.lr)
+        control = codec.encode(change, generator=variates.generator).payload
+        if not codec.lossless:
+            change = codec.decode(control, expected_elements=change.numel())
+        variate = change if variates.client is None else change.add_(variates.client)
+    encode_s = ctx.wall() - start
+    norm = None
+    if residuals is not None and encoded.residual is not None:
+        norm = float(torch.linalg.vector_norm(encoded.residual))
+    return TrainedUpdate(
+        result=result.without_delta(ctx.no_delta),  # the payload carries it
+        payload=encoded.payload,
+        encode_s=encode_s,
+        residual_norm=norm,
+        diagnosis=diagnosis,
+        residual=encoded.residual,
+        control=control,
+        variate=variate,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A task's :func:`finish_job`, as a training job's ``finish``: called with the task's training result."""
+
+    ctx: JobContext
+    client_id: ClientId
+    codec_generator: torch.Generator | None
+    attack: float = 1.0
+    variates: TaskVariates | None = None
+
+    def __call__(self, result: LocalResult) -> TrainedUpdate:
+        """Check and encode ``result``'s delta for this task."""
+        return finish_job(
+            self.ctx, self.client_id, result, self.codec_generator, attack=self.attack, variates=self.variates
+        )
+
+
+def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> list[Any]:
+    """Finish the jobs of a trained cohort: each job's ``finish`` of its own result, or the exception it raises.
+
+    Where every job's ``finish`` is a :class:`Finish` of one context whose codec is lossless, with no error
+    feedback, SCAFFOLD or attack, and the cohort's deltas are the rows of one tensor, the rows are encoded together
+    (:meth:`~flasync.codecs.Pipeline.encode_rows`): the same payloads, diagnoses and figures as :func:`finish_job`
+    of each, each update's ``encode_s`` its share of the cohort's encoding.
+    """
+    results, deltas = outcome.results, outcome.deltas
+    ctx = _plain_context(jobs) if deltas is not None else None
+    payloads, encode_s = None, 0.0
+    if ctx is not None and deltas is not None:
+        start = ctx.wall()
+        payloads = ctx.upload_codec.encode_rows(deltas.cpu())
+        encode_s = (ctx.wall() - start) / len(jobs)
+    if ctx is None or payloads is None:
+        return [_finish_one(job, result) for job, result in zip(jobs, results, strict=True)]
+    diagnose = (ctx.diagnostics or _NO_DIAGNOSTICS).diagnose
+    empty = ctx.no_delta
+    finished: list[Any] = []
+    for result, payload in zip(results, payloads, strict=True):
+        diagnosis = diagnose(result)
+        if not diagnosis.update_finite:
+            finished.append(_diverged(result, diagnosis))
+            continue
+        finished.append(
+            TrainedUpdate(
+                result=result.without_delta(empty),
+                payload=payload,
+                encode_s=encode_s,
+                residual_norm=None,
+                diagnosis=diagnosis,
+            )
+        )
+    return finished
+
+
+def _plain_context(jobs: Sequence[TrainingJob[Any]]) -> JobContext | None:
+    """The context every job's ``finish`` shares, where each is a :class:`Finish` with no error feedback, SCAFFOLD
+    or attack (None otherwise)."""
+    first = jobs[0].finish if jobs else None
+    if not isinstance(first, Finish) or first.ctx.residuals is not None:
+        return None
+    ctx = first.ctx
+    for job in jobs:
+        finish = job.finish
+        if (
+            not isinstance(finish, Finish)
+            or finish.ctx is not ctx
+            or finish.attack != 1.0
+            or finish.variates is not None
+        ):
+            return None
+    return ctx
+
+
+def _finish_one(job: TrainingJob[Any], result: LocalResult) -> Any:
+    """Return ``job.finish(result)``, or the exception it raises."""
+    try:
+        return job.finish(result)
+    except Exception as exc:
+        return exc
+
+
+def _diverged(result: LocalResult, diagnosis: TaskDiagnosis) -> DivergedTraining:
+    """The error of a task whose delta has NaN or Inf."""
+    return DivergedTraining(f"local training diverged: the update has NaN or Inf (loss {result.loss})", diagnosis)
+
+
+def injected_crash(fraction: float) -> TrainedUpdate:
+    """Raise the fault model's crash, in the worker thread like a real training error."""
+    raise InjectedFault(f"injected crash after {fraction:.0%} of training")

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -308,7 +308,7 @@ class Server:
                 if self._batch and isinstance(message, UpdateUploaded) and policy.rounds and not policy.abandons:
                     batch = [(message, decoded), *self._batch]
                     self._batch.clear()
-                    await self._receive_batch(batch)
+                    await self._receive(batch)
                 else:
                     await self._handle(message, decoded)
                 if policy.rounds and policy.interruptible and self._stop_requested:
@@ -334,7 +334,7 @@ class Server:
 
         A batch's uploads are handled one at a time, exactly as if each had come alone (the policy fills and
         versions step between them), but their deltas are decoded and measured together when the batch arrives;
-        :meth:`_drive` hands the rest of the batch to :meth:`_receive_batch` where nothing can come between them.
+        :meth:`_drive` hands the rest of the batch to :meth:`_receive` where nothing can come between them.
         """
         while not self._batch:
             message = await self._inbox.receive()
@@ -349,7 +349,6 @@ class Server:
         return self._batch.popleft()
 
     async def _handle(self, message: ServerMessage, decoded: Decoded | None = None) -> None:
-        accepted = False
         if isinstance(message, StopRequested | RoundDeadlinePassed):
             pass  # a stop request's flag is already set; the policy reads the deadline
         elif isinstance(message, TaskClosed):
@@ -365,10 +364,9 @@ class Server:
             self.stats.partials_received += 1
             self._fold_partial(message)
         elif isinstance(message, UpdateUploaded):
-            size = message.upload_bytes
-            self.accounting.ingress(size)
-            accepted = await self._receive_update(message, size, decoded)
-        self.policy.note(message, accepted=accepted)
+            await self._receive([(message, decoded)], now=self.clock.now())
+            return
+        self.policy.note(message, accepted=False)
 
     def _timed_out(self, task_id: int, client_id: int) -> None:
         self.accounting.timed_out()
@@ -399,38 +397,32 @@ class Server:
         else:
             self._failed(message.kind, message.reason, message.task_id, int(message.client_id))
 
-    async def _receive_update(self, message: UpdateUploaded, size: int, decoded: Decoded | None = None) -> bool:
-        now = self.clock.now()
-        outcome = self._take(message, decoded, size, now)
-        if isinstance(outcome, Refused):
-            await self._reject(message, outcome.reason, outcome.detail, now)
-            return False
-        await self.bus.publish(outcome)
-        return True
+    async def _receive(
+        self, batch: Sequence[tuple[UpdateUploaded, Decoded | None]], *, now: float | None = None
+    ) -> None:
+        """Take uploads in order; one upload is a batch of one.
 
-    async def _receive_batch(self, batch: list[tuple[UpdateUploaded, Decoded | None]]) -> None:
-        """Handle the uploads of a batch between which nothing can happen: a round that closes on its last answer.
-
-        Each upload is counted, admitted, folded in and logged as it would be alone, in order, received at the time
-        it was sent (a batch may hold uploads sent at several times, handed over at the last of them: see
-        :class:`~flasync.clients.simulated.client.CohortClients`); the updates accepted are published as one
-        :class:`UpdatesReceived`
-        where every observer takes batches (a refusal's event keeps its place between them), and the policy learns
-        of each.
+        Each upload is counted, admitted, folded in and logged as it would be alone, in order. An upload is received
+        at ``now`` when given (one that arrived alone, at the clock's time), else at the time it was sent (the
+        uploads of a round that closes on its last answer, between which nothing can happen, handed over together
+        at the last of their times: see :class:`~flasync.clients.simulated.client.CohortClients`). The updates
+        accepted are published as one :class:`UpdatesReceived` where every observer takes batches (a refusal's event
+        keeps its place between them), and the policy learns of each.
         """
         received: list[UpdateReceived] = []
         lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
         try:
             for message, decoded in batch:
+                received_s = message.simulated_s if now is None else now
                 size = message.upload_bytes
                 self.accounting.ingress(size)
-                outcome = self._take(message, decoded, size, message.simulated_s, lines)
+                outcome = self._take(message, decoded, size, received_s, lines)
                 if isinstance(outcome, Refused):
                     debug_many(self.log, "server.update", lines)
                     lines = []
                     await self.bus.publish_together(UpdatesReceived, received)
                     received = []
-                    await self._reject(message, outcome.reason, outcome.detail, message.simulated_s)
+                    await self._reject(message, outcome.reason, outcome.detail, received_s)
                     self.policy.note(message, accepted=False)
                 else:
                     received.append(outcome)
@@ -445,11 +437,11 @@ class Server:
         decoded: Decoded | None,
         size: int,
         received_s: float,
-        lines: list[dict[str, Any]] | None = None,
+        lines: list[dict[str, Any]],
     ) -> UpdateReceived | Refused:
-        """Admit an upload (of ``size`` bytes, received at virtual time ``received_s``) and, if it passes, fold it in,
-        count and log it; return its event or the refusal. With ``lines``, its debug line's fields are appended there
-        for the caller to log rather than logged."""
+        """Admit an upload (of ``size`` bytes, received at virtual time ``received_s``) and, if it passes, fold it in
+        and count it; return its event or the refusal. Its debug line's fields are appended to ``lines`` for the
+        caller to log."""
         self.accounting.uploaded(size)
         verdict = self.intake.admit(message, version=int(self.version), decoded=decoded)
         if isinstance(verdict, Refused):
@@ -473,10 +465,7 @@ class Server:
                 "decode_s": verdict.decode_s,
                 "norm": verdict.norm,
             }
-            if lines is None:
-                self.log.debug("server.update", **line)
-            else:
-                lines.append(line)
+            lines.append(line)
         return UpdateReceived(
             task_id=message.task_id,
             client_id=message.client_id,

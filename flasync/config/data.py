@@ -1,0 +1,136 @@
+"""Where the samples come from (digits, synthetic, your own files) and how they are split over clients."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from flasync.config._base import _FieldError, _Section
+
+
+class DigitsData(_Section):
+    """scikit-learn's handwritten digits: 1797 images of 8x8 pixels, 10 classes, shipped with the package."""
+
+    kind: Literal["digits"] = "digits"
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out share, stratified by label.")
+
+
+class SyntheticData(_Section):
+    """The tutorials' generator: ``x ~ N(0, 1)``, ``y`` uniform, ``x[y mod d] += 2``."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    samples_per_client: int = Field(200, ge=1, le=10_000_000, description="Training samples generated per client.")
+    num_features: int = Field(32, ge=1, le=1_000_000)
+    num_classes: int = Field(10, ge=2, le=1_000_000)
+    test_samples: int = Field(2000, ge=1, le=10_000_000)
+    lazy: bool = Field(
+        False,
+        description="Draw each client's samples when it is sampled, from its own stream (for millions of clients; "
+        "every client holds samples_per_client, so the partition is ignored).",
+    )
+
+
+FILE_FORMATS = (".npz", ".pt", ".csv", ".parquet")
+"""The file suffixes ``data.kind = "files"`` reads (the format follows from the suffix, case-insensitively)."""
+
+
+class FilesData(_Section):
+    """Your own data, read from a ``.npz``, ``.pt``, ``.csv`` or ``.parquet`` file.
+
+    Arrays (``.npz``, ``.pt``): ``features`` names one array of shape ``(N, ...)``, ``label`` one of shape ``(N,)``,
+    ``client_column`` (if set) one of shape ``(N,)``. Tables (``.csv`` with a header row, ``.parquet``): ``features``
+    lists feature columns (default: every column but the label and client columns). Features become float32, labels
+    are integer class ids or (tables and ``.npz``) text mapped to ids in sorted order. A relative path in a config
+    file is read from that file's folder; one given by ``--set`` or in Python, from the working directory.
+    """
+
+    kind: Literal["files"] = "files"
+    train: str = Field(min_length=1, description="Training data: a .npz, .pt, .csv or .parquet file.")
+    test: str | None = Field(
+        None, min_length=1, description="Held-out data in the same layout (default: a test_fraction split of train)."
+    )
+    test_fraction: float = Field(
+        0.2,
+        gt=0.0,
+        lt=1.0,
+        description="Held-out share when test is unset: stratified by label, or by client with by_column.",
+    )
+    features: tuple[str, ...] | None = Field(
+        None,
+        description="Arrays: the one feature key (default 'x'); tables: the feature columns (default: all others).",
+    )
+    label: str = Field("y", min_length=1, description="The label key or column.")
+    client_column: str | None = Field(
+        None, min_length=1, description="The key or column naming each sample's client (user, device) for by_column."
+    )
+    num_classes: int | None = Field(None, ge=2, le=1_000_000, description="Default: inferred from the labels.")
+
+    @field_validator("features", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_files(self) -> FilesData:
+        for name in ("train", "test"):
+            path: str | None = getattr(self, name)
+            if path is not None and Path(path).suffix.lower() not in FILE_FORMATS:
+                raise _FieldError(("data", name), f"unsupported format of {path!r} (use {', '.join(FILE_FORMATS)})")
+        if self.test is not None and self.test_fraction != FilesData.model_fields["test_fraction"].default:
+            raise _FieldError(("data", "test_fraction"), "is not used when data.test is set; remove one of them")
+        if self.features is not None:
+            if not self.features or any(not name for name in self.features):
+                raise _FieldError(("data", "features"), "must name at least one key or column, none empty")
+            arrays = [p for p in (self.train, self.test) if p and Path(p).suffix.lower() in (".npz", ".pt")]
+            if arrays and len(self.features) != 1:
+                raise _FieldError(("data", "features"), f"{arrays[0]!r} holds its features in one array; name one key")
+            for column in (self.label, self.client_column):
+                if column in self.features:
+                    raise _FieldError(("data", "features"), f"{column!r} is the label or client column")
+        if self.client_column is not None and self.client_column == self.label:
+            raise _FieldError(("data", "client_column"), f"{self.label!r} is already the label")
+        return self
+
+
+DataSource = Annotated[DigitsData | SyntheticData | FilesData, Field(discriminator="kind")]
+
+
+class IIDPartition(_Section):
+    """Shuffle and deal samples evenly."""
+
+    kind: Literal["iid"] = "iid"
+
+
+class DirichletPartition(_Section):
+    """Per-label Dirichlet(alpha) proportions over clients (Hsu et al. 2019); small alpha = more skew."""
+
+    kind: Literal["dirichlet"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0.0)
+    min_samples: int = Field(1, ge=1)
+
+
+class ShardsPartition(_Section):
+    """Sort by label, cut into shards, deal ``shards_per_client`` to each client (McMahan et al. 2017)."""
+
+    kind: Literal["shards"] = "shards"
+    shards_per_client: int = Field(2, ge=1)
+
+
+class ByColumnPartition(_Section):
+    """The data's natural partition: one client per distinct value of ``data.client_column`` (a user, a device).
+
+    Clients are numbered in sorted order of those values and keep their samples in file order. The population size
+    is the number of clients kept: leave ``population.num_clients`` unset, or set it to that number.
+    """
+
+    kind: Literal["by_column"] = "by_column"
+    min_samples: int = Field(
+        1, ge=1, description="Drop clients with fewer training samples (their samples go unused), as LEAF does."
+    )
+
+
+PartitionConfig = Annotated[
+    IIDPartition | DirichletPartition | ShardsPartition | ByColumnPartition, Field(discriminator="kind")
+]

@@ -1,0 +1,59 @@
+"""What is trained and how: the model and a client task's local training."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from flasync.config._base import _Section
+
+
+class MLPModel(_Section):
+    """Fully connected ReLU network."""
+
+    kind: Literal["mlp"] = "mlp"
+    hidden: tuple[int, ...] = Field((64,), description="Widths of the hidden layers.")
+
+    @model_validator(mode="after")
+    def _positive(self) -> MLPModel:
+        if any(h < 1 for h in self.hidden):
+            raise ValueError("hidden widths must be >= 1")
+        return self
+
+
+class SmallCNNModel(_Section):
+    """Two conv layers and a linear head; flat inputs are reshaped to ``(C, H, W)``."""
+
+    kind: Literal["cnn"] = "cnn"
+    in_channels: int = Field(1, ge=1)
+    image_size: tuple[int, int] = (8, 8)
+    channels: tuple[int, int] = (16, 32)
+
+
+ModelConfig = Annotated[MLPModel | SmallCNNModel, Field(discriminator="kind")]
+
+
+class ClientConfig(_Section):
+    """Local training of one client task: SGD over the client's own samples."""
+
+    epochs: int = Field(5, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Cap on local steps per task (None: whole epochs).")
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(0.1, gt=0.0)
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    clip_norm: float | None = Field(None, gt=0.0, description="Clip the gradient's global L2 norm.")
+    proximal_mu: float = Field(
+        0.0,
+        ge=0.0,
+        description="FedProx (Li et al., MLSys 2020): add mu/2 ||w - w_base||^2 to the local objective (0: off).",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="bf16 = autocast of the forward pass; fp16 = autocast with dynamic loss scaling (CUDA)."
+    )
+    checkpoint_segments: int = Field(
+        0,
+        ge=0,
+        description="Gradient checkpointing: recompute each nn.Sequential block in this many segments (0: off).",
+    )

@@ -1,0 +1,239 @@
+"""One run's whole configuration, the checks across its sections, and its flat form for MLflow params."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from flasync.config._base import _FieldError, _Section
+from flasync.config.algorithms import PrivacyConfig, ResilienceConfig, ScaffoldConfig
+from flasync.config.codec import CodecConfig
+from flasync.config.data import (
+    ByColumnPartition,
+    DataSource,
+    DigitsData,
+    DirichletPartition,
+    FilesData,
+    PartitionConfig,
+    SyntheticData,
+)
+from flasync.config.model import ClientConfig, MLPModel, ModelConfig
+from flasync.config.population import FaultsConfig, NetworkConfig, PopulationConfig
+from flasync.config.runtime import (
+    CheckpointConfig,
+    DiagnosticsConfig,
+    EvalConfig,
+    ExecutorConfig,
+    RemoteConfig,
+    StopConfig,
+    TrackingConfig,
+)
+from flasync.config.server import FedAsyncServer, FedAvgServer, FedBuffServer, ServerConfig
+from flasync.config.topology import FlatTopology, TopologyConfig, TreeTopology
+
+_MAX_EAGER_DATA_BYTES = 16 * 2**30
+
+
+class RunConfig(_Section):
+    """One federated run: data, model, clients, server, time and tracking."""
+
+    seed: int = Field(0, ge=0, lt=2**63, description="The run's seed: every random stream is derived from it.")
+    data: DataSource = DigitsData()
+    partition: PartitionConfig = DirichletPartition()
+    model: ModelConfig = MLPModel()
+    population: PopulationConfig = PopulationConfig()
+    client: ClientConfig = ClientConfig()
+    server: ServerConfig = FedBuffServer()
+    network: NetworkConfig = NetworkConfig()
+    topology: TopologyConfig = FlatTopology()
+    codec: CodecConfig = CodecConfig()
+    eval: EvalConfig = EvalConfig()
+    stop: StopConfig = StopConfig()
+    executor: ExecutorConfig = ExecutorConfig()
+    clock: Literal["virtual", "wall"] = "virtual"
+    wall_time_factor: float | None = Field(
+        None,
+        gt=0.0,
+        le=1000.0,
+        description=(
+            "With clock = 'wall': emulate the speed and network models, each simulated second lasting this many "
+            "real seconds (1: real time, 0.1: ten times faster); unset: clients train at the machine's pace."
+        ),
+    )
+    tracking: TrackingConfig = TrackingConfig()
+    diagnostics: DiagnosticsConfig = DiagnosticsConfig()
+    faults: FaultsConfig = FaultsConfig()
+    resilience: ResilienceConfig = ResilienceConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    scaffold: ScaffoldConfig = ScaffoldConfig()
+    remote: RemoteConfig = RemoteConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _robust_rule_belongs_to_the_server(cls, data: Any) -> Any:
+        # `resilience.aggregation` and `resilience.trim_fraction` were where the robust rule was chosen; it is a
+        # choice of the FedAvg server now (`server.aggregation`), and the old keys still mean the same.
+        if not isinstance(data, Mapping):
+            return data
+        resilience = data.get("resilience")
+        if not isinstance(resilience, Mapping) or not {"aggregation", "trim_fraction"} & resilience.keys():
+            return data
+        resilience = dict(resilience)
+        moved = {key: resilience.pop(key) for key in ("aggregation", "trim_fraction") if key in resilience}
+        server = data.get("server")
+        server = dict(server) if isinstance(server, Mapping) else {"kind": "fedbuff"} if server is None else server
+        kind = server.get("kind", "fedbuff") if isinstance(server, dict) else getattr(server, "kind", "fedbuff")
+        if kind != "fedavg":
+            rule = moved.get("aggregation", "mean")
+            if rule != "mean":
+                raise _FieldError(
+                    ("resilience", "aggregation"),
+                    f"{rule!r} applies to sync rounds only (server.kind = 'fedavg'), not {kind!r}",
+                )
+            return {**data, "resilience": resilience}
+        if not isinstance(server, dict):
+            server = server.model_dump()
+        return {**data, "resilience": resilience, "server": {**moved, **server}}
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        n = self.population.num_clients
+        data = self.data
+        if isinstance(data, SyntheticData) and not data.lazy:
+            needed = (data.samples_per_client * n + data.test_samples) * data.num_features * 4
+            if needed > _MAX_EAGER_DATA_BYTES:
+                raise _FieldError(
+                    ("data", "samples_per_client"),
+                    f"{data.samples_per_client} samples x {n} clients x {data.num_features} features need "
+                    f"{needed / 2**30:.0f} GiB in memory (at most {_MAX_EAGER_DATA_BYTES // 2**30} GiB); "
+                    "use data.lazy = true to draw each client's samples when it is sampled",
+                )
+        if isinstance(self.partition, ByColumnPartition) and (
+            not isinstance(data, FilesData) or data.client_column is None
+        ):
+            raise _FieldError(
+                ("partition", "kind"),
+                "'by_column' needs data.kind = 'files' with data.client_column naming the client of each sample",
+            )
+        server = self.server
+        if isinstance(server, FedAvgServer) and server.clients_per_round > n:
+            raise _FieldError(
+                ("server", "clients_per_round"),
+                f"must be <= population.num_clients ({n}), got {server.clients_per_round}",
+            )
+        if isinstance(server, FedBuffServer | FedAsyncServer) and server.concurrency > n:
+            raise _FieldError(
+                ("server", "concurrency"),
+                f"must be <= population.num_clients ({n}), got {server.concurrency}",
+            )
+        topology = self.topology
+        if isinstance(topology, TreeTopology) and topology.per_edge_metrics:
+            count = len(topology.edges) or sum(math.prod(topology.fanout[: i + 1]) for i in range(len(topology.fanout)))
+            if count > 32:
+                raise _FieldError(("topology", "per_edge_metrics"), f"at most 32 edges, the tree has {count}")
+
+        res = self.resilience
+        if isinstance(topology, TreeTopology):
+            # Edges close their clients' tasks and aggregate them: validation, clipping, timeouts and the failure
+            # model apply at every edge; a round's quorum, deadline and over-selection, and a coordinate-wise rule
+            # (which needs every client update at the cloud) do not.
+            for field_loc, value, default in (
+                (("resilience", "round_quorum"), res.round_quorum, 1.0),
+                (("resilience", "round_deadline_s"), res.round_deadline_s, None),
+                (("resilience", "over_selection"), res.over_selection, 0.0),
+                (("server", "aggregation"), getattr(server, "aggregation", "mean"), "mean"),
+            ):
+                if value != default:
+                    raise _FieldError(field_loc, "is not supported with topology.kind = 'tree' (flat runs only)")
+        sampling = self.population.sampling
+        if self.faults.availability is not None and sampling != "uniform":
+            raise _FieldError(
+                ("faults", "availability"),
+                f"windows pick online clients themselves; they need population.sampling = 'uniform', not {sampling!r}",
+            )
+        if self.checkpoint.every_versions is not None and sampling == "lru":
+            raise _FieldError(
+                ("checkpoint", "every_versions"),
+                "checkpoints do not hold the least-recently-used sampler's queue; use another population.sampling",
+            )
+        if self.faults.hang > 0 and res.task_timeout_s is None:
+            raise _FieldError(
+                ("resilience", "task_timeout_s"),
+                f"must be set when faults.hang > 0 (got hang={self.faults.hang:g}): hanging clients never answer",
+            )
+        if self.privacy.enabled:
+            self._check_privacy()
+        if self.scaffold.enabled:
+            self._check_scaffold()
+        if res.zscore_min_history > res.zscore_window:
+            raise _FieldError(
+                ("resilience", "zscore_min_history"),
+                f"must be <= resilience.zscore_window ({res.zscore_window}), got {res.zscore_min_history}",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _remote_checks(self) -> RunConfig:
+        if self.wall_time_factor is not None and self.clock != "wall":
+            raise _FieldError(("wall_time_factor",), f"needs clock = 'wall', got {self.clock!r}")
+        remote = self.remote
+        if not remote.enabled:
+            return self
+        if self.clock != "wall":
+            raise _FieldError(("clock",), f"remote clients need clock = 'wall', got {self.clock!r}")
+        if remote.tokens_file is None:
+            raise _FieldError(("remote", "tokens_file"), "must name the tokens file when remote.enabled = true")
+        if self.resilience.task_timeout_s is None:
+            raise _FieldError(
+                ("resilience", "task_timeout_s"),
+                "must be set when remote.enabled = true: a device that leaves would hold its task for ever",
+            )
+        if isinstance(self.topology, TreeTopology):
+            raise _FieldError(("remote", "enabled"), "is not supported with topology.kind = 'tree' (flat runs only)")
+        if self.scaffold.enabled:
+            raise _FieldError(("remote", "enabled"), "cannot be combined with scaffold.enabled")
+        if self.faults != FaultsConfig():
+            raise _FieldError(("faults",), "simulates in-process clients; a run with remote clients takes none")
+        if self.wall_time_factor is not None:
+            raise _FieldError(("wall_time_factor",), "emulates in-process clients; remote clients run in real time")
+        return self
+
+    def _check_privacy(self) -> None:
+        # The sensitivity of a version's sum is clip_norm only when each update counts once, with weight <= 1.
+        server, where = self.server, ("privacy", "enabled")
+        if isinstance(server, FedAsyncServer):
+            raise _FieldError(where, "needs server.kind = 'fedavg' or 'fedbuff' (FedAsync has no sum to noise)")
+        if isinstance(server, FedAvgServer) and server.aggregation != "mean":
+            raise _FieldError(where, f"needs server.aggregation = 'mean', not {server.aggregation!r}")
+        if isinstance(server, FedBuffServer) and server.example_weight != "equal":
+            raise _FieldError(where, "needs server.example_weight = 'equal' (sample weights break the noise's bound)")
+        if isinstance(self.topology, TreeTopology):
+            raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
+
+    def _check_scaffold(self) -> None:
+        where = ("scaffold", "enabled")
+        if isinstance(self.server, FedAsyncServer):
+            raise _FieldError(where, "needs server.kind = 'fedavg' or 'fedbuff' (FedAsync mixes models, not deltas)")
+        if isinstance(self.topology, TreeTopology):
+            raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
+        if self.privacy.enabled:
+            raise _FieldError(where, "cannot be combined with privacy.enabled (the variates are not privatized)")
+
+
+def flatten(config: BaseModel) -> dict[str, Any]:
+    """Flatten a configuration to ``{"server.buffer_size": 10, ...}`` for MLflow params."""
+    return dict(_flatten(config.model_dump(mode="json"), ""))
+
+
+def _flatten(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+    else:
+        if isinstance(node, float) and not math.isfinite(node):
+            node = str(node)
+        yield prefix[:-1], node

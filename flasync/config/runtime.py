@@ -1,0 +1,203 @@
+"""How a run runs: executors, Ray, evaluation, stopping, checkpoints, diagnostics, tracking and remote clients."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from flasync.config._base import _FieldError, _Section
+
+
+class CheckpointConfig(_Section):
+    """Checkpoints of the whole run state, written as MLflow artifacts (``checkpoints/a.pt`` and ``b.pt`` in turn)."""
+
+    every_versions: int | None = Field(None, ge=1, description="Write a checkpoint every N model versions.")
+    on_interrupt: bool = Field(True, description="Write a checkpoint when SIGINT/SIGTERM stops the run.")
+
+
+class EvalConfig(_Section):
+    """Server-side evaluation on the held-out split."""
+
+    every_versions: int = Field(5, ge=1, description="Evaluate every N model versions (and at the end).")
+    batch_size: int = Field(1024, ge=1)
+
+
+class StopConfig(_Section):
+    """When the run ends: the first limit reached wins."""
+
+    max_versions: int = Field(150, ge=1)
+    target_accuracy: float | None = Field(None, gt=0.0, le=1.0, description="Stop once reached.")
+    max_simulated_s: float | None = Field(None, gt=0.0)
+    max_wall_s: float | None = Field(None, gt=0.0)
+
+
+class RayConfig(_Section):
+    """Ray actors that train clients (``executor.kind = "ray"``; ``pip install 'flasync[ray]'``).
+
+    Each actor holds the model and the training data (shipped once through Ray's object store); each model version
+    is put once, and a task ships only its client's sample indices and random state.
+    """
+
+    address: str | None = Field(
+        None,
+        description="None: start a local Ray for this run and stop it at the end; 'host:port' or 'auto': join that "
+        "cluster (and leave it running).",
+    )
+    actors: int = Field(2, ge=1, le=4096, description="Training actors.")
+    cpus_per_actor: float = Field(1.0, gt=0.0, description="CPUs Ray reserves for each actor.")
+    gpus_per_actor: float = Field(0.0, ge=0.0, description="GPUs Ray reserves for each actor (fractions share one).")
+    threads_per_actor: int = Field(
+        1, ge=1, le=256, description="Intra-op torch threads of each actor (the weights depend on it, as on threads)."
+    )
+    vectorized: bool = Field(False, description="Train the clients of one model version as cohorts inside actors.")
+    connect_timeout_s: float = Field(10.0, gt=0.0, description="How long to try to reach executor.ray.address.")
+
+
+class ExecutorConfig(_Section):
+    """Where local training runs: a pool of worker threads, each reusing one model instance, or Ray actors.
+
+    ``kind = "vectorized"`` trains clients that start from the same model version together, as one batched job
+    of up to ``max_cohort`` clients (:mod:`flasync.training.cohort`); results match one-at-a-time training to float
+    rounding, and a model ``vmap`` cannot batch is trained one client at a time (with a warning saying why).
+    ``kind = "ray"`` trains on Ray actors (``executor.ray``), on this machine or a cluster: the same weights as the
+    threads for the same config, whatever the number of actors. ``kind = "auto"`` (the default) runs vectorized
+    cohorts when enough clients train at once and the model can be batched (FedAvg rounds of at least 32 clients,
+    16 or 48 in flight for FedBuff / FedAsync; two of either on a GPU), threads otherwise, and logs which and why
+    (``executor.auto``).
+    """
+
+    kind: Literal["auto", "thread", "vectorized", "ray"] = "auto"
+    ray: RayConfig = RayConfig()
+    workers: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Training threads (more help when kernels, not Python, dominate a step). Unset: one per core "
+        "(at most 4, and no more cohorts than half the free memory holds) for vectorized cohorts on the CPU, else 1.",
+    )
+    threads_per_worker: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Intra-op torch threads of each worker. Part of what the final weights depend on: more threads "
+        "split a kernel's sums differently, so weights_sha256 changes with it (workers does not change it).",
+    )
+    max_cohort: int = Field(256, ge=1, description="Most clients trained in one vectorized job.")
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda|cuda:[0-9]+|auto)$",
+        description="cpu, cuda, cuda:N or auto (cuda when available): where data, models and aggregation live.",
+    )
+    data_on_device: bool = Field(
+        True, description="Keep the training data on the device; False: in pinned host memory, batches prefetched."
+    )
+
+
+class DiagnosticsConfig(_Section):
+    """What a run measures about itself beyond the tracking of its progress.
+
+    ``profile`` collects the time, memory and communication profile (``profile.json`` and plots at the end);
+    ``level`` selects training diagnostics: ``off`` (NaN/Inf checks only, which are free), ``basic`` (+ update
+    norms, weight norms and drift per version, exploding-update and divergence alerts), ``full`` (+ per-layer
+    gradient-norm statistics in every training step and exploding/vanishing-gradient alerts).
+    """
+
+    profile: bool = Field(True, description="Collect the time/memory/communication profile and write reports.")
+    level: Literal["off", "basic", "full"] = "basic"
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value: Any) -> Any:
+        # YAML reads a bare `off` (in files and in --set) as false.
+        return "off" if value is False else value
+
+    plots: bool = Field(True, description="Write SVG plots (plots/*.svg) with profile.json.")
+    torch_profiler_tasks: int = Field(
+        0, ge=0, le=100, description="Trace the first N local training calls with torch.profiler (Chrome traces)."
+    )
+    stragglers: int = Field(5, ge=0, description="Slowest clients named in the profile.")
+    exploding_factor: float = Field(
+        10.0, gt=1.0, description="Alert when an update norm exceeds this multiple of the running median."
+    )
+    grad_norm_max: float = Field(1e3, gt=0.0, description="Alert when a layer's gradient norm exceeds this (full).")
+    grad_norm_min: float = Field(1e-7, ge=0.0, description="Alert when a layer's mean gradient norm is below (full).")
+    divergence_window: int = Field(3, ge=1, description="Alert when the server loss rose in this many evaluations.")
+    divergence_tolerance: float = Field(0.1, ge=0.0, description="... and is this fraction above its best.")
+    step_ratio_max: float = Field(
+        0.5,
+        gt=0.0,
+        description="Alert when one version moves the weights by more than this share of their norm (basic+; "
+        "healthy runs move a few percent per version).",
+    )
+
+
+_TRACKING_SCHEMES = frozenset(
+    {"sqlite", "file", "http", "https", "databricks", "databricks-uc", "uc", "postgresql", "mysql", "mssql"}
+)
+
+
+class TrackingConfig(_Section):
+    """Structured logs and MLflow."""
+
+    enabled: bool = True
+    uri: str | None = Field(None, description="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/).")
+    experiment: str = Field("flasync", min_length=1)
+    run_name: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_model: bool = Field(True, description="Also log the final model with mlflow.pytorch.")
+    metrics: Literal["standard", "all"] = Field(
+        "standard",
+        description="Per-update metrics: 'standard' (samples, loss, peak memory, bytes, staleness) or 'all' (also "
+        "training, queue wait, encode/decode and simulated s, compression, residual and update norms, staleness "
+        "weight); the timings' per-version sums are logged either way.",
+    )
+    system_metrics: bool = Field(False, description="MLflow's CPU/GPU/memory monitor (on for CLI runs).")
+    system_metrics_interval_s: float = Field(
+        2.0,
+        ge=0.1,
+        description="Seconds between two samples of the system monitor (at least 0.1: each sample is a row of every "
+        "system/ metric).",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _known_store(cls, uri: str | None) -> str | None:
+        if uri is None:
+            return None
+        scheme = uri.partition("://")[0].lower() if "://" in uri else ""
+        if scheme.partition("+")[0] not in _TRACKING_SCHEMES:
+            known = ", ".join(sorted(_TRACKING_SCHEMES))
+            shown = re.sub(r"//[^/@]*@", "//***@", uri)  # never echo credentials
+            raise _FieldError(("tracking", "uri"), f"{shown!r} is not an MLflow store URI (schemes: {known})")
+        if scheme == "sqlite":
+            path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+            if uri.startswith("sqlite:///") and path.is_dir():
+                raise _FieldError(
+                    ("tracking", "uri"),
+                    f"the SQLite store {path} is a folder; name the database file, e.g. {path}/mlflow.db",
+                )
+        return uri
+
+
+class RemoteConfig(_Section):
+    """Remote clients over HTTP (``flasync serve``, :func:`flasync.runtime.serve.asgi_app`): tasks go to devices that
+    ask
+    for them instead of to in-process coroutines; their uploads enter the same intake, aggregation and tracking."""
+
+    enabled: bool = False
+    tokens_file: str | None = Field(
+        None,
+        description="Lines 'CLIENT_ID TOKEN' (client ids 0 .. population.num_clients - 1; '#' starts a comment): "
+        "each bearer token is bound to one client id.",
+    )
+    poll_s: float = Field(20.0, gt=0.0, le=300.0, description="Longest a client's request for a task is held open.")
+    max_waiting: int = Field(
+        1024, ge=1, description="Task requests held open at once; more are answered 429 with Retry-After."
+    )
+    retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429 or 503 answer, in seconds.")
+    max_num_samples: int = Field(
+        1_000_000, ge=1, description="Largest sample count a client may report (it weighs the client's update)."
+    )

@@ -121,6 +121,12 @@ def _read_file(path: Path) -> dict[str, Any]:
             loaded = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: invalid TOML: nested deeper than {_YAML_MAX_DEPTH} levels") from None
+        except ValueError as exc:  # e.g. an integer of more digits than Python converts
+            raise ConfigError(f"{path}: invalid TOML: {str(exc).split(';')[0]}") from None
+        if _depth(loaded) > _YAML_MAX_DEPTH:
+            raise ConfigError(f"{path}: invalid TOML: nested deeper than {_YAML_MAX_DEPTH} levels")
     elif suffix in (".yaml", ".yml"):
         try:
             loaded = safe_yaml(text)
@@ -134,6 +140,18 @@ def _read_file(path: Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: the top level must be a table/mapping, got {type(loaded).__name__}")
     return loaded
+
+
+def _depth(value: Any) -> int:
+    """Return how deeply tables and arrays nest in a parsed document (a scalar: 0)."""
+    depth, level = 0, [(value, 1)]
+    while level:
+        item, at = level.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            depth = max(depth, at)
+            level.extend((child, at + 1) for child in children)
+    return depth
 
 
 def _anchor_data_paths(data: dict[str, Any], folder: Path) -> None:

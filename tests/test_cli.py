@@ -134,6 +134,7 @@ _IDLE_POOL = """
 import atexit, sys, threading
 from concurrent.futures import ThreadPoolExecutor
 import flasync.cli
+import flasync.cli.program
 
 
 class Repository:  # kept alive by a reference cycle, as MLflow's artifact repository can be
@@ -151,7 +152,7 @@ def command(argv=None, *, process_ends=False):
     return 3
 
 
-flasync.cli.main = command
+flasync.cli.program.main = command
 flasync.cli.console()
 """
 
@@ -193,7 +194,7 @@ def test_a_command_draws_no_mlflow_download_bars_unless_the_user_asks(
         seen.append(os.environ.get(name))
         return 0 if MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.get() == (users is not None) else 1
 
-    monkeypatch.setattr("flasync.cli._command_report", command)
+    monkeypatch.setattr("flasync.cli.report.command_report", command)
     assert main(["report", "some-run"]) == 0
     assert seen == ["false" if users is None else users]
     assert os.environ.get(name) == users

@@ -9,7 +9,7 @@ import pytest
 import structlog
 from rich.console import Console
 
-from flasync import cli
+from flasync.cli import run as cli_run
 from flasync.tracking.logs import configure_logging
 from flasync.tracking.progress import ProgressBar, format_eta
 
@@ -71,7 +71,7 @@ def test_eta_format() -> None:
 
 def test_console_without_terminal_keeps_plain_lines(capsys: pytest.CaptureFixture[str]) -> None:
     """With standard output not a terminal the CLI makes no bar, and an evaluation is one plain line."""
-    assert cli._progress_bar("console") is None
+    assert cli_run._progress_bar("console") is None
     stream = io.StringIO()
     configure_logging(stream=stream)
     structlog.get_logger().info("server.eval", version=5, of=150, accuracy=0.5, eta_s=1.5)

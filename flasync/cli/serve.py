@@ -1,0 +1,113 @@
+"""``flasync serve``: one federation served to remote clients over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import TYPE_CHECKING, Any
+
+from flasync import tracking
+from flasync.cli.running import (
+    SIGNAL_STATUS,
+    no_checkpoint,
+    print_partial,
+    print_summary,
+    resolve,
+    resolve_resume,
+    run_with_signals,
+)
+from flasync.cli.shared import TRACKING_URI_HELP, UsageError
+from flasync.core.errors import RunInterrupted
+from flasync.core.loops import run_loop
+
+if TYPE_CHECKING:
+    from flasync.runtime import checkpoint
+
+
+def add_serve_parser(commands: Any) -> None:
+    """Add ``flasync serve CONFIG``."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve a run to remote clients over HTTP (a config with remote.enabled = true)",
+        description="Run one federation whose clients connect over HTTP (long-poll for tasks, binary updates), "
+        "under uvicorn; log it to MLflow like `flasync run`.",
+    )
+    serve.add_argument(
+        "config", nargs="?", help="a .toml or .yaml run config with remote.enabled = true and clock = 'wall'"
+    )
+    serve.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue an interrupted served run from its latest checkpoint (its config is used; --set stop.* only)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080; 0: any free port)")
+    serve.add_argument("--ssl-certfile", help="PEM certificate: serve HTTPS (with --ssl-keyfile)")
+    serve.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+    serve.add_argument("--tracking-uri", help=TRACKING_URI_HELP)
+    serve.add_argument("--experiment", help="MLflow experiment name")
+    serve.add_argument("--run-name", help="MLflow run name")
+    serve.add_argument("--no-tracking", action="store_true", help="turn MLflow off (structured logs still print)")
+    serve.add_argument("--no-system-metrics", action="store_true", help="turn off MLflow's CPU/GPU/memory monitor")
+    serve.add_argument("--log-format", choices=["console", "json"], default="console", help="log line format")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="lowest level printed")
+
+
+def command_serve(args: argparse.Namespace, *, process_ends: bool = False) -> int:
+    """Run ``flasync serve``: exit 0 when the served run finishes, 130 or 143 when a signal stops it."""
+    if args.ssl_certfile and not args.ssl_keyfile:
+        raise UsageError("--ssl-certfile needs --ssl-keyfile")
+    resume: checkpoint.ResumePoint | None = None
+    tracker: tracking.Tracker | None = None
+    if args.resume:
+        config, resume, tracker = resolve_resume(args)
+    elif args.config is None:
+        raise UsageError("serve needs a CONFIG (or --resume RUN_ID)")
+    else:
+        config = resolve(args)
+    if not config.remote.enabled:
+        raise UsageError(f"{args.config}: set remote.enabled = true (and remote.tokens_file) to serve remote clients")
+    if config.tracking.enabled and resume is None:
+        try:
+            tracking.check_local_store(tracking.resolve_tracking_uri(config.tracking.uri))
+        except tracking.StoreNotWritableError as exc:
+            raise UsageError(str(exc)) from None
+    tracking.configure_logging(fmt=args.log_format, level=config.tracking.log_level)
+    from flasync.runtime.federation import Federation
+    from flasync.runtime.serve import serve
+
+    federation = Federation(config, tracker=tracker, resume=resume)
+    received: list[str] = []
+    scheme = "https" if args.ssl_certfile else "http"
+
+    def ready(port: int) -> None:
+        print(f"flasync: serving on {scheme}://{args.host}:{port}", file=sys.stderr, flush=True)
+
+    try:
+        summary = run_loop(
+            serve(
+                federation,
+                host=args.host,
+                port=args.port,
+                ssl_certfile=args.ssl_certfile,
+                ssl_keyfile=args.ssl_keyfile,
+                run=lambda f: run_with_signals(f, received),
+                on_ready=ready,
+            ),
+            process_ends=process_ends,
+        )
+    except RunInterrupted as exc:
+        print_partial(federation.summary, exc.reason)
+        hint = f"; resume with: python -m flasync serve --resume {exc.run_id}" if exc.checkpoint and exc.run_id else ""
+        print(f"flasync: {exc}{hint}", file=sys.stderr)
+        return SIGNAL_STATUS.get(exc.reason, 130)
+    except asyncio.CancelledError:
+        print_partial(federation.summary, "second signal")
+        print(f"flasync: stopped at once (second signal){no_checkpoint(config)}", file=sys.stderr)
+        return SIGNAL_STATUS.get(received[-1] if received else "SIGINT", 130)
+    except OSError as exc:
+        raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
+    print_summary(summary, config, None, resumed=resume is not None)
+    return 0

@@ -24,7 +24,7 @@ from flasync.core.errors import (
 if TYPE_CHECKING:
     from flasync.aggregation import Aggregator
     from flasync.config import RunConfig, load_config
-    from flasync.runtime.assembly import AggregatorFactory
+    from flasync.runtime.build import AggregatorFactory
     from flasync.runtime.federation import Federation, RunSummary, run
     from flasync.training.local import LocalObjective
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # before it can say anything, nor `flasync --help`.
 _LAZY = {
     "Aggregator": "flasync.aggregation",
-    "AggregatorFactory": "flasync.runtime.assembly",
+    "AggregatorFactory": "flasync.runtime.build",
     "LocalObjective": "flasync.training.local",
     "Federation": "flasync.runtime.federation",
     "RunSummary": "flasync.runtime.federation",

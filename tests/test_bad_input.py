@@ -8,8 +8,9 @@ import mlflow
 import pytest
 import torch
 
-import flasync.runtime.assembly
+import flasync.data.prepare
 import flasync.runtime.federation
+import flasync.runtime.prepare
 from flasync import tracking
 from flasync.cli import main
 from flasync.data import ArrayData
@@ -169,7 +170,7 @@ def test_labels_out_of_range(capsys: pytest.CaptureFixture[str], store: str, mon
     def bad_digits() -> ArrayData:
         return ArrayData(x=torch.zeros(100, 64), y=torch.full((100,), 12, dtype=torch.int64), num_classes=10)
 
-    monkeypatch.setattr(flasync.runtime.assembly, "load_digits", bad_digits)
+    monkeypatch.setattr(flasync.data.prepare, "load_digits", bad_digits)
     assert _fails(capsys, store, "run") == "labels must be in [0, 10); found 12 at index 0."
 
 
@@ -206,7 +207,7 @@ def test_model_factory_that_raises(
     def broken(*args: object, **kwargs: object) -> torch.nn.Module:
         raise RuntimeError("no GPU here")
 
-    monkeypatch.setattr(flasync.runtime.assembly, "MLP", broken)
+    monkeypatch.setattr(flasync.runtime.prepare, "MLP", broken)
     assert _fails(capsys, store, "run") == "model factory failed: RuntimeError: no GPU here"
 
 

@@ -884,7 +884,8 @@ def test_auto_picks_vectorized_for_large_rounds_and_many_clients_in_flight(
     overrides: tuple[str, ...], kind: str, why: str
 ) -> None:
     """executor.kind = auto (the default) trains large rounds and many clients in flight as cohorts, and says why."""
-    from flasync.runtime.assembly import RunInputs, choose_executor
+    from flasync.runtime.prepare import RunInputs
+    from flasync.runtime.sizing import choose_executor
 
     config = small_config(*overrides)
     assert config.executor.kind == "auto"
@@ -910,7 +911,8 @@ def test_auto_on_an_accelerator_picks_cohorts_from_two_clients(overrides: tuple[
     device is named, not used.)"""
     import dataclasses
 
-    from flasync.runtime.assembly import RunInputs, choose_executor
+    from flasync.runtime.prepare import RunInputs
+    from flasync.runtime.sizing import choose_executor
 
     config = small_config(*overrides)
     prepared = dataclasses.replace(RunInputs(config).prepare(), device=torch.device("cuda"))
@@ -950,7 +952,7 @@ def test_unset_workers_give_vectorized_cpu_cohorts_a_thread_per_core_within_memo
 ) -> None:
     """executor.workers unset: one training thread per core (at most 4) for vectorized cohorts on the CPU, no more
     cohorts at once than half the free memory holds; one thread for the threads executor and on a GPU."""
-    from flasync.runtime.assembly import default_workers
+    from flasync.runtime.sizing import default_workers
 
     workers, reason = default_workers(
         kind, torch.device(device), cores=cores, num_params=1 << 20, max_cohort=256, available_bytes=available
@@ -1042,9 +1044,9 @@ def test_a_round_trains_on_a_thread_per_core_in_cohorts_side_by_side_with_the_we
     CPU per split-off cohort.)"""
     from structlog.testing import capture_logs
 
-    from flasync.runtime import assembly
+    from flasync.runtime import sizing
 
-    monkeypatch.setattr(assembly, "_cores", lambda: 2)
+    monkeypatch.setattr(sizing, "_cores", lambda: 2)
     monkeypatch.setattr(CohortBatcher, "MIN_PART_S", 0.0)
     sizes: list[int] = []
     real = CohortTrainer.train

@@ -22,7 +22,7 @@ from flasync.config import FILE_FORMATS, load_config
 from flasync.core.errors import ConfigError, DataError
 from flasync.data.files import FORMATS, load_files
 from flasync.runtime import checkpoint
-from flasync.runtime.assembly import RunInputs
+from flasync.runtime.prepare import RunInputs
 from flasync.testing import MemoryTracker, small_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -20,8 +20,8 @@ from flasync.core import seeding
 from flasync.core.errors import ConfigError
 from flasync.core.events import ClientId, UpdateUploaded, Version
 from flasync.core.snapshots import ModelSnapshot
-from flasync.runtime.assembly import plan_privacy
 from flasync.runtime.federation import Federation
+from flasync.runtime.prepare import plan_privacy
 from flasync.server import Admitted, Intake, Refused
 from flasync.testing import MemoryTracker, small_config
 
@@ -252,7 +252,7 @@ async def test_a_private_run_logs_epsilon_per_version_and_is_deterministic(serve
 
 def test_a_custom_aggregation_rule_cannot_be_private() -> None:
     """A user's rule would publish sums without noise: Federation refuses the pair with one line."""
-    from flasync.runtime.assembly import make_aggregator
+    from flasync.runtime.build import make_aggregator
 
     with pytest.raises(ConfigError, match=r"^privacy\.enabled: .*custom"):
         Federation(small_config("privacy.enabled=true", "privacy.noise_multiplier=1"), aggregator=make_aggregator)

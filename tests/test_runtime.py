@@ -37,7 +37,7 @@ from flasync.core.events import (
 )
 from flasync.data import ArrayData
 from flasync.observe.summary import weights_sha256
-from flasync.runtime.assembly import make_aggregator
+from flasync.runtime.build import make_aggregator
 from flasync.server import ServerStats
 from flasync.testing import EventRecorder, MeanOfDeltas, MemoryTracker, UntrainableModel, small_config
 

@@ -1,5 +1,6 @@
-"""A run from its config: the only code that switches on config kinds (assembly), the federation's lifecycle,
-checkpoints, what a tracked run hands MLflow, and serving a run to remote clients."""
+"""A run from its config, the only code that switches on config kinds: what a run is made of (prepare), how large
+its training is on this machine (sizing), its components (build), its names and tags (naming); the federation's
+lifecycle, checkpoints, what a tracked run hands MLflow, and serving a run to remote clients."""
 
 from __future__ import annotations
 

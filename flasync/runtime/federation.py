@@ -55,23 +55,10 @@ from flasync.observe.profiling import (
 )
 from flasync.observe.summary import RunSummary, json_ready, weights_sha256
 from flasync.runtime import checkpoint, tracked
-from flasync.runtime.assembly import (
-    AggregatorFactory,
-    ModelFactory,
-    Prepared,
-    RunInputs,
-    build_server,
-    build_world,
-    check_objective,
-    dataset_record,
-    default_run_name,
-    make_evaluator,
-    make_executor,
-    rule_name,
-    run_mode,
-    run_tags,
-    topology_name,
-)
+from flasync.runtime.build import AggregatorFactory, build_server, build_world, check_objective, make_evaluator
+from flasync.runtime.naming import dataset_record, default_run_name, rule_name, run_mode, run_tags, topology_name
+from flasync.runtime.prepare import ModelFactory, Prepared, RunInputs
+from flasync.runtime.sizing import make_executor
 from flasync.server import Server, ServerStats
 from flasync.training.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, layer_layout
 from flasync.training.executors.threads import TrainingExecutor

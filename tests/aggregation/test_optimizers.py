@@ -297,7 +297,7 @@ def test_adam_rejects_invalid_hyperparameters(kwargs: dict[str, object]) -> None
 def test_config_builds_nesterov_sgd_and_adam() -> None:
     """server.optimizer configs become the flat optimizers with their hyperparameters."""
     from flasync.config import AdamServerOptimizer, SGDServerOptimizer
-    from flasync.runtime.assembly import make_server_optimizer
+    from flasync.runtime.build import make_server_optimizer
 
     sgd = make_server_optimizer(torch.zeros(2), SGDServerOptimizer(lr=0.5, momentum=0.9, nesterov=True))
     assert isinstance(sgd, FlatSGD) and (sgd.lr, sgd.momentum, sgd.nesterov) == (0.5, 0.9, True)

@@ -1,0 +1,664 @@
+"""A run's components from its configuration: the clients' world, the evaluator, the aggregator and the server."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flasync.aggregation import (
+    Aggregator,
+    BufferedAggregator,
+    ConstantStaleness,
+    ControlVariate,
+    CustomAggregator,
+    EqualExampleWeight,
+    ExampleWeight,
+    HingeStaleness,
+    MixingAggregator,
+    PolynomialStaleness,
+    RobustAggregator,
+    SampleExampleWeight,
+    ServerOptimizer,
+    StalenessWeight,
+)
+from flasync.aggregation.privacy import (
+    GaussianMechanism,
+    PrivacyPlan,
+)
+from flasync.clients.simulated.client import Client, ClientResiduals, ClientWorld, CohortClients
+from flasync.clients.simulated.faults import FaultModel
+from flasync.clients.simulated.population import Network, Population
+from flasync.codecs import Pipeline
+from flasync.codecs.build import pipeline
+from flasync.codecs.validation import UpdateValidator
+from flasync.config import (
+    AdagradServerOptimizer,
+    AdamServerOptimizer,
+    ConstantStalenessConfig,
+    FedAsyncServer,
+    FedAvgServer,
+    FedBuffServer,
+    HingeStalenessConfig,
+    RunConfig,
+    ServerConfig,
+    ServerOptimizerConfig,
+    StalenessConfig,
+    TreeTopology,
+    YogiServerOptimizer,
+)
+from flasync.core import seeding
+from flasync.core.bus import EventBus
+from flasync.core.clock import Clock, RunClock
+from flasync.core.errors import ConfigError
+from flasync.runtime.naming import rule_name
+from flasync.runtime.prepare import Prepared, clients_in_flight
+from flasync.server import (
+    Accounting,
+    AsyncSlots,
+    ClientSampler,
+    EdgeNetwork,
+    EdgeSettings,
+    Intake,
+    Policy,
+    Server,
+    StopRules,
+    SyncRounds,
+    TaskRegistry,
+    TreeRounds,
+)
+from flasync.server.loop import Evaluator, Stateful
+from flasync.server.registry import StartTask
+from flasync.server.sampler import Availability
+from flasync.server.topology import Tree
+from flasync.training.diagnostics import TrainingDiagnostics
+from flasync.training.executors.threads import TrainingExecutor
+from flasync.training.jobs import ClientSamples, JobContext
+from flasync.training.local import EvalResult, LocalObjective, LocalTraining, evaluate, objective_name
+from flasync.training.residuals import ResidualStore
+
+__all__ = [
+    "AggregatorFactory",
+    "ServerParts",
+    "build_server",
+    "build_world",
+    "check_objective",
+    "custom_aggregator",
+    "make_aggregator",
+    "make_evaluator",
+    "make_example_weight",
+    "make_server_optimizer",
+    "make_staleness_weight",
+]
+
+
+AggregatorFactory = Callable[[torch.Tensor, ServerConfig], Aggregator]
+"""Builds a server rule of your own from the global flat weights (to change in place) and the server config."""
+
+
+def build_world(
+    config: RunConfig,
+    prepared: Prepared,
+    executor: TrainingExecutor,
+    *,
+    bus: EventBus,
+    clock: Clock,
+    log: Any,
+    wall: Callable[[], float],
+    diagnostics: TrainingDiagnostics | None,
+    scratch: Callable[[], str],
+    objective: LocalObjective | None = None,
+) -> ClientWorld:
+    """Assemble the world simulated clients live in: data on the device, population, network, faults, jobs.
+
+    Args:
+        config: The run's configuration.
+        prepared: The run's data, partition and model.
+        executor: Where training jobs run.
+        bus: The run's event bus.
+        clock: The run's clock.
+        log: The run's logger.
+        wall: Monotonic real seconds.
+        diagnostics: Training diagnostics run in the workers.
+        scratch: Returns a scratch folder removed after the run (error-feedback residuals spill there when
+            ``codec.residual_dir`` is not set).
+        objective: The loss local training minimises (None: cross-entropy).
+    """
+    upload_codec = pipeline(config.codec.upload)
+    residuals, variates = _residual_stores(config, prepared, upload_codec, scratch)
+    samples = _client_samples(config, prepared)
+    job = JobContext(
+        models=executor.models,
+        local=LocalTraining(**config.client.model_dump(), objective=objective),
+        upload_codec=upload_codec,
+        num_params=prepared.initial.numel(),
+        residuals=residuals,
+        residual_lock=threading.Lock(),
+        diagnostics=diagnostics,
+        wall=wall,
+        variates=variates,
+    )
+    population = config.population
+    return ClientWorld(
+        clock=clock,
+        bus=bus,
+        log=log,
+        wall=wall,
+        seed=config.seed,
+        population=Population(
+            prepared.sizes,
+            population.speed,
+            config.seed,
+            available_fraction=population.available_fraction,
+            availability_period_s=population.availability_period_s,
+            slow_clients=population.slow_clients,
+        ),
+        network=Network(config.network, population.num_clients, config.seed),
+        faults=FaultModel(config.faults, config.seed, population.num_clients),
+        samples=samples,
+        pool=executor.pool,
+        job=job,
+        pre_task_residuals={} if residuals is not None else None,
+        pre_task_variates={} if variates is not None else None,
+    )
+
+
+def _residual_stores(
+    config: RunConfig, prepared: Prepared, upload_codec: Pipeline, scratch: Callable[[], str]
+) -> tuple[ResidualStore | None, ResidualStore | None]:
+    """Return the clients' error-feedback residuals (None: the upload codec keeps none) and SCAFFOLD control
+    variates (None: SCAFFOLD is off)."""
+    residuals: ResidualStore | None = None
+    if upload_codec.error_feedback:
+        spill = config.codec.residual_dir or scratch()
+        residuals = ResidualStore(
+            prepared.initial.numel(), max_in_memory=config.codec.max_residuals_in_memory, spill_dir=spill
+        )
+    variates: ResidualStore | None = None
+    if config.scaffold.enabled:
+        variates = ResidualStore(
+            prepared.initial.numel(),
+            max_in_memory=config.scaffold.max_in_memory,
+            spill_dir=config.scaffold.spill_dir or scratch(),
+        )
+    return residuals, variates
+
+
+def _client_samples(config: RunConfig, prepared: Prepared) -> ClientSamples:
+    """Return the training data where the clients' jobs read it: on the device, or pinned in host memory."""
+    device = prepared.device
+    # Data, weights and the aggregation buffers (which follow the weights) live on the training device.
+    data_device = device if config.executor.data_on_device else torch.device("cpu")
+    train_x, train_y = prepared.train.x.to(data_device), prepared.train.y.to(data_device)
+    if device.type == "cuda" and not config.executor.data_on_device:
+        train_x, train_y = train_x.pin_memory(), train_y.pin_memory()
+    return ClientSamples(
+        train_x,
+        train_y,
+        prepared.partition,
+        torch.from_numpy(np.array(prepared.partition.indices, dtype=np.int64)).to(data_device),
+        prepared.lazy,
+    )
+
+
+def make_evaluator(prepared: Prepared, executor: TrainingExecutor, clock: Clock, *, batch_size: int) -> Evaluator:
+    """Return the server's evaluator: the held-out split on the device, evaluated in the executor."""
+    device = prepared.device
+    test_x, test_y = prepared.test.x.to(device), prepared.test.y.to(device)
+
+    async def evaluate_weights(flat: torch.Tensor) -> EvalResult | None:
+        if test_y.numel() == 0:
+            return None
+        return await clock.run(
+            executor.pool,
+            lambda: evaluate(executor.models.get(), flat, test_x, test_y, batch_size=batch_size),
+            simulated_s=0.0,
+        )
+
+    return evaluate_weights
+
+
+def make_staleness_weight(config: StalenessConfig) -> StalenessWeight:
+    """Build the staleness weight function a config names."""
+    if isinstance(config, ConstantStalenessConfig):
+        return ConstantStaleness()
+    if isinstance(config, HingeStalenessConfig):
+        return HingeStaleness(a=config.a, b=config.b)
+    return PolynomialStaleness(a=config.a)
+
+
+def make_server_optimizer(weights: torch.Tensor, config: ServerOptimizerConfig) -> ServerOptimizer:
+    """Build the server optimizer a config names, stepping ``weights`` in place."""
+    if isinstance(config, AdamServerOptimizer):
+        return ServerOptimizer.adam(weights, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
+    if isinstance(config, AdagradServerOptimizer):
+        return ServerOptimizer.adagrad(weights, lr=config.lr, beta1=config.beta1, tau=config.tau)
+    if isinstance(config, YogiServerOptimizer):
+        return ServerOptimizer.yogi(weights, lr=config.lr, beta1=config.beta1, beta2=config.beta2, tau=config.tau)
+    return ServerOptimizer.sgd(weights, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov)
+
+
+def make_example_weight(config: ServerConfig) -> ExampleWeight:
+    """Return how much an update's samples count: by samples for FedAvg and FedBuff's ``samples``, else equally."""
+    if isinstance(config, FedAvgServer) or (isinstance(config, FedBuffServer) and config.example_weight == "samples"):
+        return SampleExampleWeight()
+    return EqualExampleWeight()
+
+
+def _staleness_of(config: ServerConfig) -> StalenessWeight:
+    return (
+        make_staleness_weight(config.staleness)
+        if isinstance(config, FedBuffServer | FedAsyncServer)
+        else (ConstantStaleness())
+    )
+
+
+def make_aggregator(weights: torch.Tensor, config: ServerConfig, noise: GaussianMechanism | None = None) -> Aggregator:
+    """Build the aggregation rule of a server config over ``weights`` (with differential privacy's ``noise``)."""
+    if isinstance(config, FedAvgServer):
+        optimizer = make_server_optimizer(weights, config.optimizer)
+        if config.aggregation != "mean":
+            return RobustAggregator(
+                weights, rule=config.aggregation, trim_fraction=config.trim_fraction, optimizer=optimizer
+            )
+        return BufferedAggregator(
+            weights,
+            size=config.clients_per_round,
+            optimizer=optimizer,
+            staleness=ConstantStaleness(),
+            # Under differential privacy every client counts the same: its share of the sum is bounded by C.
+            example_weight=SampleExampleWeight() if noise is None else EqualExampleWeight(),
+            privacy=noise,
+        )
+    if isinstance(config, FedBuffServer):
+        return BufferedAggregator(
+            weights,
+            size=config.buffer_size,
+            optimizer=make_server_optimizer(weights, config.optimizer),
+            staleness=make_staleness_weight(config.staleness),
+            example_weight=make_example_weight(config),
+            privacy=noise,
+        )
+    return MixingAggregator(weights, alpha=config.alpha, staleness=make_staleness_weight(config.staleness))
+
+
+_AGGREGATOR_MEMBERS = ("add", "add_partial", "ready", "step", "count", "nbytes", "state_dict", "load_state_dict")
+
+
+def custom_aggregator(factory: AggregatorFactory, weights: torch.Tensor, config: ServerConfig) -> Aggregator:
+    """Build a user's aggregation rule over ``weights`` and wrap it for the server (see :class:`CustomAggregator`).
+
+    Raises:
+        ConfigError: If what the factory returns lacks a member of :class:`~flasync.aggregation.Aggregator`.
+    """
+    rule = factory(weights, config)
+    missing = [name for name in _AGGREGATOR_MEMBERS if not hasattr(rule, name)]
+    if missing:
+        raise ConfigError(
+            f"the {type(rule).__qualname__} that aggregator {rule_name(factory)} returned lacks "
+            f"{', '.join(missing)} of the flasync.Aggregator protocol"
+        )
+    return CustomAggregator(rule, objective_name(rule))
+
+
+def check_objective(config: RunConfig, objective: LocalObjective) -> None:
+    """Check that a user's local objective has what training needs and fits the executor.
+
+    Raises:
+        ConfigError: If it has no callable ``loss`` or ``vectorizable``, or says it is not vectorizable while
+            ``executor.kind`` is ``vectorized``.
+    """
+    name = objective_name(objective)
+    if not callable(getattr(objective, "loss", None)) or not hasattr(objective, "vectorizable"):
+        raise ConfigError(f"objective {name} needs a loss(outputs, targets) method and a vectorizable attribute")
+    if config.executor.kind == "vectorized" and not objective.vectorizable:
+        raise ConfigError(
+            f"executor.kind: the objective {name} is not vectorizable; use the threads executor or make it so"
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerParts:
+    """The server and the edges (whose tier totals a runtime reads after a run)."""
+
+    server: Server
+    edges: EdgeNetwork | None
+
+
+def _edge_settings(config: RunConfig, topology: TreeTopology) -> EdgeSettings:
+    return EdgeSettings(
+        buffer_size=topology.buffer_size,
+        max_wait_s=topology.max_wait_s,
+        kappa2=topology.kappa2,
+        link=topology.link,
+        per_edge_metrics=topology.per_edge_metrics,
+        staleness=_staleness_of(config.server),
+        example_weight=make_example_weight(config.server),
+        seed=config.seed,
+    )
+
+
+def _make_policy(
+    config: RunConfig,
+    aggregator: Aggregator,
+    registry: TaskRegistry,
+    sampler: ClientSampler,
+    accounting: Accounting,
+    edges: EdgeNetwork | None,
+    *,
+    bus: EventBus,
+    clock: Clock,
+    log: Any,
+) -> Policy:
+    """Return when tasks start and versions are due: HierFAVG rounds, sync rounds, or async slots."""
+    server, res = config.server, config.resilience
+    if isinstance(server, FedAvgServer) and edges is not None:
+        return TreeRounds(
+            clients_per_round=server.clients_per_round,
+            edges=edges,
+            registry=registry,
+            sampler=sampler,
+            clock=clock,
+            accounting=accounting,
+        )
+    if isinstance(server, FedAvgServer):
+        return SyncRounds(
+            clients_per_round=server.clients_per_round,
+            over_selection=res.over_selection,
+            quorum=res.round_quorum,
+            deadline_s=res.round_deadline_s,
+            registry=registry,
+            sampler=sampler,
+            clock=clock,
+            bus=bus,
+            accounting=accounting,
+            log=log,
+        )
+    return AsyncSlots(
+        concurrency=server.concurrency,
+        registry=registry,
+        sampler=sampler,
+        clock=clock,
+        ready=aggregator.ready,
+        accounting=accounting,
+        edges=edges,
+    )
+
+
+def build_server(
+    config: RunConfig,
+    weights: torch.Tensor,
+    *,
+    bus: EventBus,
+    clock: RunClock,
+    wall: Callable[[], float],
+    log: Any,
+    population: Population,
+    world: ClientWorld,
+    tree: Tree | None,
+    evaluate: Evaluator,
+    privacy: PrivacyPlan | None = None,
+    aggregator_factory: AggregatorFactory | None = None,
+    start_task: StartTask | None = None,
+    availability: Availability | None = None,
+) -> ServerParts:
+    """Assemble the cloud of a run: registry, accounting, sampler, intake, aggregator, policy, edges.
+
+    Args:
+        config: The run's configuration.
+        weights: Initial flat global weights (the server steps them in place).
+        bus: The run's event bus.
+        clock: The run's clock.
+        wall: Monotonic real seconds.
+        log: The run's logger.
+        population: The clients.
+        world: What simulated clients run in (their tasks start through it).
+        tree: The aggregation tree (None: a flat run).
+        evaluate: Evaluates a model off the event loop.
+        privacy: The run's differential privacy (None: off).
+        aggregator_factory: Builds the aggregation rule instead of ``config.server`` (which still picks the policy).
+        start_task: How a task reaches its client instead of an in-process client coroutine (e.g. a remote
+            transport's :meth:`~flasync.clients.remote.transport.RemoteTransport.start_task`).
+        availability: Who can take a task now, instead of the failure model's windows (e.g. the remote transport:
+            the devices connected now).
+    """
+    in_flight = clients_in_flight(config, len(population))
+    accounting, registry, group, sampler = _make_dispatch(
+        config, population, world, in_flight, bus=bus, clock=clock, start_task=start_task, availability=availability
+    )
+    clip_norm, noise = _privacy_noise(config, privacy, weights)
+    make_intake = _intake_factory(
+        config, registry, world, weights, clip_norm=clip_norm, wall=wall, one_per_client=privacy is not None
+    )
+    edge_codec = pipeline(config.topology.codec if isinstance(config.topology, TreeTopology) else ())
+    edges = _make_edges(
+        config, tree, registry, make_intake, edge_codec, weights, bus=bus, clock=clock, wall=wall, log=log
+    )
+    aggregator = _server_aggregator(config, weights, noise, aggregator_factory)
+    controls = _control_variates(config, weights, len(population))
+    policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
+    if group is not None:
+        _group_answers(group, policy, registry, tree)
+    seed = config.seed
+    server = Server(
+        weights,
+        bus=bus,
+        clock=clock,
+        wall=wall,
+        log=log,
+        aggregator=aggregator,
+        policy=policy,
+        registry=registry,
+        intake=make_intake(),
+        accounting=accounting,
+        sampler=sampler,
+        download_codec=pipeline(config.codec.download),
+        edge_codec=edge_codec,
+        evaluate=evaluate,
+        rules=_stop_rules(config),
+        inbox_capacity=_inbox_capacity(in_flight, tree),
+        download_generator=lambda version: seeding.torch_stream(seed, seeding.DOWNLOAD_CODEC, version),
+        components=_server_components(clock, world, registry, controls),
+        privacy=privacy.accountant if privacy is not None else None,
+        controls=controls,
+    )
+    return ServerParts(server=server, edges=edges)
+
+
+def _make_dispatch(
+    config: RunConfig,
+    population: Population,
+    world: ClientWorld,
+    in_flight: int,
+    *,
+    bus: EventBus,
+    clock: RunClock,
+    start_task: StartTask | None,
+    availability: Availability | None,
+) -> tuple[Accounting, TaskRegistry, CohortClients | None, ClientSampler]:
+    """Return how tasks reach clients: the accounting of their outcomes, the registry of tasks in flight, the
+    coroutine that runs tasks dispatched together (None: each task runs in its own client coroutine), the sampler."""
+    # Every task of several waves failing means the model or data is broken, not an unlucky client. Only
+    # genuine training errors count: injected faults, dropouts and timeouts never do.
+    # A server that refuses every update for many waves of tasks cannot make progress: it ends the run with the
+    # refusal reasons instead of training for ever.
+    accounting = Accounting(failure_limit=max(3 * in_flight, 30), rejection_limit=max(20 * in_flight, 200))
+    # Simulated clients that never crash, hang, drop out or go offline answer on timelines known at dispatch: the
+    # tasks dispatched together run in one coroutine (such a fault decides per task whether and when it answers).
+    group = (
+        CohortClients(world, live=lambda task: registry.holds(task))
+        if start_task is None and (world.faults is None or not world.faults.active) and clock.virtual
+        else None
+    )
+    registry = TaskRegistry(
+        bus=bus,
+        clock=clock,
+        accounting=accounting,
+        num_clients=len(population),
+        start_task=start_task or (lambda task, snapshot: Client(task.client_id, world).run(task, snapshot)),
+        timeout_s=config.resilience.task_timeout_s,
+        mark_used=population.mark_used,
+        on_release=world.forget,
+        start_group=group.run if group is not None else None,
+    )
+    if availability is None and world.faults is not None and world.faults.config.availability is not None:
+        availability = world.faults
+    sampler = ClientSampler(
+        population, config.population.sampling, seeding.numpy_stream(config.seed, seeding.SERVER), availability
+    )
+    return accounting, registry, group, sampler
+
+
+def _group_answers(group: CohortClients, policy: Policy, registry: TaskRegistry, tree: Tree | None) -> None:
+    """Set whether tasks dispatched together answer together, and whether those due at several times are gathered."""
+    group.together = not policy.abandons and registry.timeout_s is None
+    # A round that closes on its last answer, straight to the cloud, does nothing between its uploads but fold
+    # them in: those due at several times may reach it together.
+    group.gather = group.together and policy.rounds and tree is None
+
+
+def _privacy_noise(
+    config: RunConfig, privacy: PrivacyPlan | None, weights: torch.Tensor
+) -> tuple[float | None, GaussianMechanism | None]:
+    """Return the norm updates are clipped to (None: not clipped) and differential privacy's noise (None: off)."""
+    clip_norm = config.resilience.clip_update_norm
+    noise: GaussianMechanism | None = None
+    if privacy is not None:
+        clip_norm = privacy.clip_norm if clip_norm is None else min(clip_norm, privacy.clip_norm)
+        seed = config.seed
+        noise = GaussianMechanism(
+            clip_norm=privacy.clip_norm,
+            noise_multiplier=privacy.noise_multiplier,
+            denominator=privacy.denominator,
+            generator=lambda step: seeding.torch_stream(seed, seeding.PRIVACY, step, device=weights.device),
+        )
+    return clip_norm, noise
+
+
+def _intake_factory(
+    config: RunConfig,
+    registry: TaskRegistry,
+    world: ClientWorld,
+    weights: torch.Tensor,
+    *,
+    clip_norm: float | None,
+    wall: Callable[[], float],
+    one_per_client: bool,
+) -> Callable[[], Intake]:
+    """Return what makes the admission path of the cloud and of each edge (one intake each)."""
+    server_cfg, res = config.server, config.resilience
+    num_params = weights.numel()
+    max_staleness = server_cfg.max_staleness if isinstance(server_cfg, FedBuffServer | FedAsyncServer) else None
+    upload_codec = world.job.upload_codec
+
+    def make_intake() -> Intake:
+        return Intake(
+            registry=registry,
+            codec=upload_codec,
+            num_params=num_params,
+            device=weights.device,
+            validator=UpdateValidator(
+                num_params,
+                max_norm=res.max_update_norm,
+                zscore_threshold=res.zscore_threshold,
+                window=res.zscore_window,
+                min_history=res.zscore_min_history,
+                norm_bound_factor=res.norm_bound_factor,
+            ),
+            max_staleness=max_staleness,
+            clip_norm=clip_norm,
+            wall=wall,
+            controls=config.scaffold.enabled,
+            one_per_client=one_per_client,
+        )
+
+    return make_intake
+
+
+def _make_edges(
+    config: RunConfig,
+    tree: Tree | None,
+    registry: TaskRegistry,
+    make_intake: Callable[[], Intake],
+    edge_codec: Pipeline,
+    weights: torch.Tensor,
+    *,
+    bus: EventBus,
+    clock: RunClock,
+    wall: Callable[[], float],
+    log: Any,
+) -> EdgeNetwork | None:
+    """Return the edges of a tree topology (None: a flat run)."""
+    if tree is None or not isinstance(config.topology, TreeTopology):
+        return None
+    return EdgeNetwork(
+        tree,
+        _edge_settings(config, config.topology),
+        registry=registry,
+        make_intake=make_intake,
+        bus=bus,
+        clock=clock,
+        wall=wall,
+        log=log,
+        edge_codec=edge_codec,
+        num_params=weights.numel(),
+        device=weights.device,
+    )
+
+
+def _inbox_capacity(in_flight: int, tree: Tree | None) -> int:
+    """Return how many messages the cloud's inbox holds."""
+    capacity = 2 * in_flight + 8
+    if tree is not None:
+        # Edges may hold many finished tasks' answers at once: the cloud's inbox must never block them.
+        capacity = max(capacity, 4 * tree.num_edges + 2 * in_flight + 8)
+    return capacity
+
+
+def _stop_rules(config: RunConfig) -> StopRules:
+    """Return when the server evaluates, checkpoints and stops."""
+    stop = config.stop
+    return StopRules(
+        max_versions=stop.max_versions,
+        target_accuracy=stop.target_accuracy,
+        max_simulated_s=stop.max_simulated_s,
+        max_wall_s=stop.max_wall_s,
+        eval_every=config.eval.every_versions,
+        checkpoint_every=config.checkpoint.every_versions,
+    )
+
+
+def _server_aggregator(
+    config: RunConfig,
+    weights: torch.Tensor,
+    noise: GaussianMechanism | None,
+    aggregator_factory: AggregatorFactory | None,
+) -> Aggregator:
+    """Return the cloud's aggregation rule: the one ``config.server`` names, or a user's factory's."""
+    if aggregator_factory is None:
+        return make_aggregator(weights, config.server, noise)
+    return custom_aggregator(aggregator_factory, weights, config.server)
+
+
+def _control_variates(config: RunConfig, weights: torch.Tensor, num_clients: int) -> ControlVariate | None:
+    """Return SCAFFOLD's server and client control variates (None: SCAFFOLD is off)."""
+    return (
+        ControlVariate(weights.numel(), num_clients=num_clients, device=weights.device)
+        if config.scaffold.enabled
+        else None
+    )
+
+
+def _server_components(
+    clock: RunClock, world: ClientWorld, registry: TaskRegistry, controls: ControlVariate | None
+) -> dict[str, Stateful]:
+    """Return the state a checkpoint keeps besides the server's own: the clock, the clients' residuals and variates."""
+    return {
+        "clock": clock,
+        "residuals": ClientResiduals(world, lambda: iter(registry)),
+        **({"variates": ClientResiduals(world, lambda: iter(registry), variates=True)} if controls else {}),
+    }

@@ -20,8 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flasync import runtime, tracking
+from flasync import tracking
 from flasync.core.instruments import debug_many
+from flasync.runtime import run_tracking
 
 LINES: dict[str, Callable[[int], dict[str, Any]]] = {
     "client": lambda i: {
@@ -53,9 +54,9 @@ LINES: dict[str, Callable[[int], dict[str, Any]]] = {
 def logger(kept: list[tracking.MetricRow] | None) -> Any:
     """Return a tracked run's logger whose rows go to ``kept`` (None: nowhere)."""
     sink = kept.extend if kept is not None else (lambda rows: None)
-    constant = tracking.ConstantSeries(sink, runtime._CONSTANT_KEYS)
+    constant = tracking.ConstantSeries(sink, run_tracking.CONSTANT_KEYS)
     metrics = tracking.MetricsProcessor(
-        constant, exclude=runtime._METRIC_EXCLUDE, drop_keys=runtime._DETAIL_KEYS, clock_ms=lambda: 1
+        constant, exclude=run_tracking.METRIC_EXCLUDE, drop_keys=run_tracking.DETAIL_KEYS, clock_ms=lambda: 1
     )
     return tracking.make_logger(level="warning", metrics=metrics)
 

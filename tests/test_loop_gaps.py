@@ -294,7 +294,7 @@ async def test_a_silent_mlflow_server_never_holds_the_loop(silent_server: str, t
 
 async def test_clean_up_completes_through_one_cancellation_and_a_second_stops_the_wait() -> None:
     """The first cancellation of a run's clean-up is held until the clean-up is done; a second one ends the wait."""
-    from flasync.runtime.federation import _off_loop
+    from flasync.runtime.closing import off_loop
 
     release = threading.Event()
     done: list[str] = []
@@ -303,7 +303,7 @@ async def test_clean_up_completes_through_one_cancellation_and_a_second_stops_th
         release.wait(10.0)
         done.append(name)
 
-    once = asyncio.create_task(_off_loop(clean_up, "once"))
+    once = asyncio.create_task(off_loop(clean_up, "once"))
     await asyncio.sleep(0.05)
     once.cancel()
     await asyncio.sleep(0.05)
@@ -314,7 +314,7 @@ async def test_clean_up_completes_through_one_cancellation_and_a_second_stops_th
     assert done == ["once"]
 
     release.clear()
-    twice = asyncio.create_task(_off_loop(clean_up, "twice"))
+    twice = asyncio.create_task(off_loop(clean_up, "twice"))
     await asyncio.sleep(0.05)
     twice.cancel()
     await asyncio.sleep(0.05)

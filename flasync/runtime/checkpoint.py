@@ -8,6 +8,8 @@ the edges), the clock's reading and the error-feedback residuals; and the resolv
 with ``torch.save`` of plain values and tensors only, and read with ``torch.load(..., weights_only=True)``: no
 pickled objects, so loading one runs no code.
 
+A running federation hands its checkpoints to a :class:`CheckpointWriter`, which writes them on a thread of its own.
+
 Under the virtual clock a resumed run ends with the same ``weights_sha256`` as an uninterrupted one: tasks in flight
 are started again on their original timelines, and each of their random draws is keyed by client and participation.
 """
@@ -18,7 +20,10 @@ import hashlib
 import io
 import math
 import tempfile
-from collections.abc import Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,9 +31,11 @@ from typing import Any, NamedTuple
 import torch
 import yaml
 
+from flasync import tracking
 from flasync._version import __version__
 from flasync.config import RunConfig, validate
 from flasync.core.errors import CheckpointError, ConfigError
+from flasync.runtime.tracked import redacted
 from flasync.tracking.mlflow_run import yaml_text
 from flasync.tracking.store import sqlite_path
 
@@ -36,6 +43,7 @@ __all__ = [
     "CHECKPOINT_FOLDER",
     "CHECKPOINT_SLOTS",
     "FORMAT",
+    "CheckpointWriter",
     "Fetched",
     "ResumePoint",
     "check_state",
@@ -302,3 +310,101 @@ class ResumePoint:
     state: dict[str, Any]
     artifact: str | None = None
     """The artifact the state was read from: the resumed run writes its first checkpoint to the other slot."""
+
+
+class CheckpointWriter:
+    """Write checkpoints on one background thread: the newest one, and only after the metrics it covers.
+
+    A checkpoint taken while an earlier one still waits replaces it (the earlier one would be older than this one
+    by the time it was written), so a slow store costs one write of lag, never a growing queue. Before a checkpoint
+    is written the tracker's queued metrics are flushed: a checkpoint of version ``v`` reaches the store only after
+    every metric logged up to ``v`` has, so a run resumed from it misses no step (and the resumed tracker drops the
+    steps the store already holds, see :meth:`tracking.MlflowTracker.resume`). A flush that times out skips that
+    checkpoint with a warning and the next one tries again; failures are logged, never raised.
+
+    Checkpoints alternate between the two artifacts of :data:`CHECKPOINT_SLOTS` (a slot is reused only after a
+    write to the other succeeded), so a process killed mid-upload still leaves the previous one whole; a resumed run
+    starts with the slot it was not resumed from.
+    """
+
+    def __init__(
+        self,
+        tracker: tracking.Tracker,
+        config: RunConfig,
+        log: Any,
+        wall: Callable[[], float] = time.perf_counter,
+        *,
+        resumed_from: str | None = None,
+    ) -> None:
+        self._wall = wall
+        self._tracker = tracker
+        self._config = config
+        self._log = log
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._waiting: tuple[dict[str, Any], float] | None = None
+        self._draining: Future[None] | None = None
+        self.superseded = 0
+        """Checkpoints replaced by a newer one before they were written."""
+        self.last_saved: str | None = None
+        """The artifact holding the newest checkpoint in the store."""
+        self._slot = 1 if resumed_from == CHECKPOINT_SLOTS[0] else 0
+        """Index in :data:`CHECKPOINT_SLOTS` of the slot the next checkpoint goes to."""
+
+    def submit(self, state: dict[str, Any]) -> None:
+        """Hand ``state`` over for writing (returns at once: the event loop must not wait)."""
+        if isinstance(self._tracker, tracking.NullTracker):
+            return
+        with self._lock:
+            if self._waiting is not None:
+                self.superseded += 1
+            self._waiting = (state, self._wall())
+            if self._draining is None or self._draining.done():
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flasync-checkpoint")
+                self._draining = self._pool.submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                waiting, self._waiting = self._waiting, None
+            if waiting is None:
+                return
+            self._write(*waiting)
+
+    def _write(self, state: dict[str, Any], taken: float) -> None:
+        start = self._wall()
+        version = int(state["version"])
+        try:
+            if not self._tracker.flush():
+                self._log.warning(
+                    "checkpoint.skipped",
+                    version=version,
+                    reason="the metrics it covers are not all written yet",
+                    metrics=False,
+                )
+                return
+            data = encode(state, redacted(self._config))
+            # The other slot keeps the previous checkpoint whole while this one is written (and if this fails).
+            slot = CHECKPOINT_SLOTS[self._slot]
+            self._tracker.log_bytes(data, slot)
+        except Exception as exc:  # a failing store must not take the run down
+            self._log.warning("checkpoint.failed", version=version, error=f"{type(exc).__name__}: {exc}", metrics=False)
+            return
+        self.last_saved = slot
+        self._slot = 1 - self._slot
+        self._log.debug(
+            "checkpoint",
+            step=version,
+            bytes=len(data),
+            seconds=self._wall() - start,
+            lag_s=self._wall() - taken,
+            superseded=self.superseded,
+            in_flight=len(state["registry"]["in_flight"]),
+        )
+
+    def close(self) -> None:
+        """Wait until the newest checkpoint handed over was written."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,142 @@
+"""The artifacts a finished run logs: its summary, its profile and the profile's plots, its weights and the trained
+model, exported while the rest is logged."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from flasync import tracking
+from flasync.observe.plots import render_plots
+from flasync.observe.summary import RunSummary, json_ready
+from flasync.runtime import tracked
+from flasync.runtime.prepare import Prepared
+from flasync.runtime.run_tracking import example, tag_constants
+from flasync.training.diagnostics import TrainingDiagnostics
+
+__all__ = ["log_artifacts"]
+
+
+def log_artifacts(
+    tracker: tracking.Tracker,
+    prepared: Prepared,
+    summary: RunSummary,
+    log: Any,
+    constant: tracking.ConstantSeries | None = None,
+    *,
+    weights: torch.Tensor,
+    profile: dict[str, Any] | None,
+    traces: TrainingDiagnostics | None,
+) -> None:
+    """Log the run's artifacts (the summary, the profile and its plots, the weights, the model) and, with
+    ``constant``, its constant metrics as tags; the model is exported while the rest is logged."""
+    if isinstance(tracker, tracking.NullTracker):
+        return
+    config = prepared.config
+    mlflow_tracker = tracker if isinstance(tracker, tracking.MlflowTracker) else None
+    input_example = example(prepared)
+    built = config.tracking.log_model and mlflow_tracker is not None and prepared.model_spec is not None
+    settle_model: Callable[[], float] | None = None
+    if built:
+        assert mlflow_tracker is not None and prepared.model_spec is not None
+        # The writer process logs the model on a thread of its own (its helper exports it, on Linux) while this
+        # process logs the other artifacts.
+        try:
+            settle_model = _start_model_from_spec(mlflow_tracker, prepared.model_spec, input_example, weights)
+        except Exception as exc:  # a model MLflow cannot serialise must not fail the run
+            log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+    if mlflow_tracker is not None:
+        # The metrics still queued are written while this process serialises the artifacts, not after them.
+        mlflow_tracker.send_soon()
+    files = {"summary.json": tracking.artifact_bytes(summary.to_dict(), "summary.json")}
+    if profile is not None:
+        files["profile.json"] = tracking.artifact_bytes(json_ready(profile), "profile.json")
+        if config.diagnostics.plots:
+            files.update(_plots(profile, log))
+    module = prepared.factory()
+    offset = 0
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
+            n = tensor.numel()
+            tensor.copy_(weights[offset : offset + n].view_as(tensor))
+            offset += n
+    buffer = io.BytesIO()
+    torch.save({"flat": weights, "state_dict": module.state_dict()}, buffer)
+    files["weights.pt"] = buffer.getvalue()
+    if mlflow_tracker is not None:
+        mlflow_tracker.log_artifacts(files)  # one job of the writer process, not one per file
+    else:
+        for artifact_file, data in files.items():
+            tracker.log_bytes(data, artifact_file)
+    if traces is not None:
+        for path in traces.traces:
+            tracker.log_file(path, "torch_profiler")
+    tags = {}
+    if summary.alerts and profile is not None:
+        tags["alerts"] = ", ".join(f"{k}={v}" for k, v in sorted(profile["alerts"].items()))
+    tag_constants(tracker, constant, log, tags)  # done here, the end of the run's call to it finds nothing left
+    if settle_model is not None:
+        # The metrics still queued (the profile's rows among them) are written while the model is exported, not
+        # after it, when the run's end would wait for them.
+        tracker.flush()
+    if not config.tracking.log_model or mlflow_tracker is None or (built and settle_model is None):
+        return
+    try:
+        if settle_model is not None:
+            seconds = settle_model()
+        else:
+            seconds = mlflow_tracker.log_model(module, input_example=input_example)
+        log.debug("tracking.log_model", seconds=seconds, metrics=False)
+    except Exception as exc:  # a model MLflow cannot serialise must not fail the run
+        log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+
+
+def _plots(profile: dict[str, Any], log: Any) -> dict[str, bytes]:
+    """Draw the profile's charts (SVG, about a millisecond each: see :mod:`flasync.tracking.charts`); return them
+    by their artifact paths (under ``plots/``). A failure is only logged (no charts), it must not fail the run."""
+    began = time.perf_counter()
+    try:
+        plots = render_plots(profile)
+    except Exception as exc:
+        log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+        return {}
+    log.debug("tracking.plots", seconds=time.perf_counter() - began, metrics=False)
+    return {f"plots/{name}": image for name, image in plots.items()}
+
+
+def _start_model_from_spec(
+    tracker: tracking.MlflowTracker,
+    spec: tuple[str, dict[str, Any]],
+    input_example: np.ndarray,
+    weights: torch.Tensor,
+) -> Callable[[], float]:
+    """Start logging the model :func:`flasync.training.models.build` rebuilds from ``spec`` and the final weights
+    (in the writer process when there is one, see :meth:`tracking.MlflowTracker.start_model_from`); return what
+    waits for it and returns the seconds."""
+    name, kwargs = spec
+    folder = tempfile.mkdtemp(prefix="flasync-model-")
+    try:
+        path = os.path.join(folder, "weights.npy")
+        np.save(path, weights.numpy(), allow_pickle=False)
+        settle = tracker.start_model_from(
+            tracked.MODEL_BUILDER, {"model": name, "weights": path, **kwargs}, input_example=input_example
+        )
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+    def wait() -> float:
+        try:
+            return settle()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # the weights, once the model no longer needs them
+
+    return wait

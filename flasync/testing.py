@@ -404,29 +404,33 @@ class ServerHarness:
             clip_norm=None,
             wall=lambda: 0.0,
         )
-        self.aggregator = (
-            aggregator(self.weights)
-            if aggregator is not None
-            else BufferedAggregator(
-                self.weights,
-                size=buffer_size,
-                optimizer=ServerOptimizer.sgd(self.weights, lr=1.0),
-                staleness=ConstantStaleness(),
-                example_weight=EqualExampleWeight(),
-            )
+        self.aggregator = aggregator(self.weights) if aggregator is not None else self._fedbuff(buffer_size)
+        self.policy = policy(self) if policy is not None else self._async_slots(concurrency)
+        self.server = self._server(max_versions, num_clients, evaluate)
+
+    def _fedbuff(self, buffer_size: int) -> Aggregator:
+        """Return the default aggregator: FedBuff with server SGD (lr 1), equal weights and no staleness weight."""
+        return BufferedAggregator(
+            self.weights,
+            size=buffer_size,
+            optimizer=ServerOptimizer.sgd(self.weights, lr=1.0),
+            staleness=ConstantStaleness(),
+            example_weight=EqualExampleWeight(),
         )
-        self.policy = (
-            policy(self)
-            if policy is not None
-            else AsyncSlots(
-                concurrency=concurrency,
-                registry=self.registry,
-                sampler=self.sampler,
-                clock=self.clock,
-                ready=self.aggregator.ready,
-                accounting=self.accounting,
-            )
+
+    def _async_slots(self, concurrency: int) -> Policy:
+        """Return the default policy: ``concurrency`` tasks in flight, each slot refilled as it frees."""
+        return AsyncSlots(
+            concurrency=concurrency,
+            registry=self.registry,
+            sampler=self.sampler,
+            clock=self.clock,
+            ready=self.aggregator.ready,
+            accounting=self.accounting,
         )
+
+    def _server(self, max_versions: int, num_clients: int, evaluate: Callable[[torch.Tensor], float] | None) -> Server:
+        """Return the server over the harness's components (``evaluate``: scores a model, None: none is scored)."""
         scorer = evaluate
 
         async def evaluate_weights(weights: torch.Tensor) -> EvalResult | None:
@@ -434,7 +438,7 @@ class ServerHarness:
                 return None
             return EvalResult(accuracy=scorer(weights), loss=0.0, num_samples=1)
 
-        self.server = Server(
+        return Server(
             self.weights,
             bus=self.bus,
             clock=self.clock,

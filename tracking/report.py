@@ -102,8 +102,24 @@ def format_report(run_id: str, name: str, metrics: Mapping[str, float], profile:
         metrics: The run's latest metric values (``run/finished/*`` are used).
         profile: The run's ``profile.json`` (None: only the headline is printed).
     """
+    lines = _headline_lines(run_id, name, metrics)
+    if profile is None:
+        lines.append("  (no profile.json: the run ended before writing it, or ran with diagnostics.profile off)")
+        return "\n".join(lines)
+    lines += _time_lines(profile)
+    lines += _client_lines(profile["clients"])
+    lines += _communication_lines(profile["communication"])
+    staleness = profile["staleness"]["summary"]
+    lines.append(f"staleness               {_spread(staleness)}")
+    lines += _memory_lines(profile["memory"])
+    lines += _diagnostics_lines(profile.get("diagnostics") or {}, profile.get("alerts") or {})
+    return "\n".join(lines)
+
+
+def _headline_lines(run_id: str, name: str, metrics: Mapping[str, float]) -> list[str]:
+    """Return the report's first lines: the run, its accuracy, updates, versions and time."""
     m = metrics
-    lines = [
+    return [
         f"run {name} ({run_id})",
         f"  accuracy      {_num(m.get('run/finished/accuracy'))}   loss {_num(m.get('run/finished/loss'))}",
         f"  updates       {_num(m.get('run/finished/updates_accepted'))} accepted, "
@@ -111,22 +127,27 @@ def format_report(run_id: str, name: str, metrics: Mapping[str, float], profile:
         f"  versions      {_num(m.get('run/finished/versions'))}   wall {_num(m.get('run/finished/wall_s'))} s, "
         f"simulated {_num(m.get('run/finished/simulated_s'))} s",
     ]
-    if profile is None:
-        lines.append("  (no profile.json: the run ended before writing it, or ran with diagnostics.profile off)")
-        return "\n".join(lines)
+
+
+def _time_lines(profile: Mapping[str, Any]) -> list[str]:
+    """Return the lines of the profile's time totals, the server's as shares of the wall time."""
     time = profile["time"]
     totals = time["totals"]
     wall = profile.get("wall_s") or 0.0
-    lines.append("time (wall seconds; client columns summed over clients; sim = simulated seconds)")
+    lines = ["time (wall seconds; client columns summed over clients; sim = simulated seconds)"]
     for key, value in totals.items():
         share = f"  ({100 * value / wall:.1f}% of wall)" if key in _SERVER_KEYS and wall else ""
         lines.append(f"  {key:<22}{_num(value)}{share}")
     lines.append(f"  server idle fraction  {_num(time.get('server_idle_fraction'))}")
-    clients = profile["clients"]
-    lines.append(
+    return lines
+
+
+def _client_lines(clients: Mapping[str, Any]) -> list[str]:
+    """Return the lines of the profile's ``clients`` section: tasks, their times and the stragglers."""
+    lines = [
         f"clients ({clients['participants']} took part, {clients['tasks_completed']} tasks completed, "
         f"{clients['tasks_failed']} failed)"
-    )
+    ]
     lines.append(f"  task time (sim s)     {_spread(clients['sim_task_s'])}")
     lines.append(f"  compute (wall s)      {_spread(clients['compute_s'])}")
     if clients["stragglers"]:
@@ -136,37 +157,46 @@ def format_report(run_id: str, name: str, metrics: Mapping[str, float], profile:
                 f"    client {row['client_id']:<6} {_num(row['task_sim_s'])} sim s  "
                 f"{_num(row['times_median'], 3)}x the median  ({row['tasks']} tasks)"
             )
-    comm = profile["communication"]
-    lines.append(
+    return lines
+
+
+def _communication_lines(comm: Mapping[str, Any]) -> list[str]:
+    """Return the lines of the profile's ``communication`` section: bytes, compression, tiers and clients."""
+    lines = [
         f"communication: up {_bytes(comm['upload_bytes'])}, down {_bytes(comm['download_bytes'])}, "
         f"compression up {_num(comm['upload_compression'], 3)}x, down {_num(comm['download_compression'], 3)}x"
-    )
+    ]
     for tier, figures in comm["per_tier"].items():
         lines.append(
             f"  tier {tier:<10} up {_bytes(figures['upload_bytes'])}, down {_bytes(figures['download_bytes'])}"
         )
     lines.append(f"  per client up         {_spread(comm['upload_bytes_per_client'], _bytes)}")
     lines.append(f"  per client down       {_spread(comm['download_bytes_per_client'], _bytes)}")
-    staleness = profile["staleness"]["summary"]
-    lines.append(f"staleness               {_spread(staleness)}")
-    memory = profile["memory"]
-    lines.append(
+    return lines
+
+
+def _memory_lines(memory: Mapping[str, Any]) -> list[str]:
+    """Return the lines of the profile's ``memory`` section: the process, the training calls and the GPUs."""
+    lines = [
         f"memory: peak RSS {_bytes(memory.get('peak_rss_bytes'))}, model {_bytes(memory.get('model_bytes'))}, "
         f"gradients {_bytes(memory.get('gradient_bytes'))}, optimizer {_bytes(memory.get('optimizer_bytes'))}, "
         f"aggregator {_bytes(memory.get('aggregator_bytes'))}"
-    )
+    ]
     lines.append(f"  training call peak    {_spread(memory.get('training_call_peak_bytes'), _bytes)}")
     for gpu in memory.get("gpus") or []:
         lines.append(
             f"  gpu {gpu['index']} {gpu['name']}: {_bytes(gpu['memory_used_bytes'])} used, "
             f"{_num(gpu['utilization_percent'])}% busy"
         )
-    diagnostics = profile.get("diagnostics") or {}
-    alerts = profile.get("alerts") or {}
-    lines.append(
+    return lines
+
+
+def _diagnostics_lines(diagnostics: Mapping[str, Any], alerts: Mapping[str, Any]) -> list[str]:
+    """Return the lines of the alerts raised and the diagnostics' update, weight and per-layer norms."""
+    lines = [
         f"diagnostics (level {diagnostics.get('level', '-')}): alerts "
         + (", ".join(f"{k} x{v}" for k, v in sorted(alerts.items())) or "none")
-    )
+    ]
     if diagnostics.get("update_norm"):
         lines.append(f"  update norm           {_spread(diagnostics['update_norm'])}")
     weights = diagnostics.get("weights") or []
@@ -179,7 +209,7 @@ def format_report(run_id: str, name: str, metrics: Mapping[str, float], profile:
         )
     for name, norm in (diagnostics.get("layer_weight_norms") or {}).items():
         lines.append(f"  weight norm {name:<22} {_num(norm)}")
-    return "\n".join(lines)
+    return lines
 
 
 _SERVER_KEYS = frozenset({"decode_s", "aggregate_s", "eval_s", "idle_s"})

@@ -569,14 +569,7 @@ def replay(
     import mlflow
 
     spool = Path(path).absolute()
-    header, first = read_header(spool)
-    records = list(iter_records(spool, first, first_line=2))  # validate everything before sending anything
-    own = (spool.parent / str(header.get("artifacts", ""))).resolve()
-    for record, _ in records:
-        if record["type"] == "artifact":
-            local = (spool.parent / record["file"]).resolve()
-            if not local.is_relative_to(own) or local == own:
-                raise SpoolError(f"{spool}: artifact file {record['file']!r} is outside the spool's own folder")
+    header, first, records = _checked_records(spool)
     uri = absolute_tracking_uri(tracking_uri or str(header["tracking_uri"]))
     done = load_progress(spool).get(uri, {})
     skip = int(done.get("records", 0)) if isinstance(done.get("records"), int) else 0
@@ -584,38 +577,12 @@ def replay(
     db = sqlite_path(uri)
     if db is not None:
         db.parent.mkdir(parents=True, exist_ok=True)
-    applied = refused = 0
     with bounded_http(uri):
         client = mlflow.MlflowClient(tracking_uri=uri)
-        if run_id is None and header.get("run_id") and uri == absolute_tracking_uri(str(header["tracking_uri"])):
-            with contextlib.suppress(Exception):
-                if client.get_run(str(header["run_id"])).info.lifecycle_stage == "active":
-                    run_id = str(header["run_id"])
-
-        def experiment_id(name: str) -> str:
-            try:
-                return ensure_experiment(client, name, artifact_location(uri, name))
-            except ExperimentDeletedError:
-                raise SpoolError(
-                    f"experiment {name!r} is deleted in {uri}; restore it or replay into another store"
-                ) from None
-
-        replayer = Replayer(client, header, spool.parent, experiment_id, run_id)
-        for index, (record, end) in enumerate(records):
-            if index < skip:
-                continue
-            try:
-                replayer.apply(record)
-            except SpoolError:
-                raise
-            except Exception as exc:
-                if not rejected(exc):
-                    raise
-                refused += 1
-                if on_rejected is not None:
-                    on_rejected(record, exc)
-            applied += 1
-            save_progress(spool, uri, run_id=replayer.ensure_run(), records=index + 1, offset=end)
+        if run_id is None:
+            run_id = _spooled_run(client, header, uri)
+        replayer = Replayer(client, header, spool.parent, _experiment_ids(client, uri), run_id)
+        applied, refused = _apply_records(replayer, records, skip, spool, uri, on_rejected)
         if not records and replayer.run_id is None:
             replayer.ensure_run()
             save_progress(spool, uri, run_id=replayer.ensure_run(), records=0, offset=first)
@@ -635,3 +602,73 @@ def replay(
         status=replayer.status,
         partial=bool(original) and replayer.run_id != original,
     )
+
+
+def _checked_records(spool: Path) -> tuple[dict[str, Any], int, list[tuple[dict[str, Any], int]]]:
+    """Return the spool's header, where its records start, and every record with its end offset, all checked
+    (artifact files inside the spool's own folder) before anything is sent.
+
+    Raises:
+        SpoolError: The spool cannot be read or is malformed.
+    """
+    header, first = read_header(spool)
+    records = list(iter_records(spool, first, first_line=2))  # validate everything before sending anything
+    own = (spool.parent / str(header.get("artifacts", ""))).resolve()
+    for record, _ in records:
+        if record["type"] == "artifact":
+            local = (spool.parent / record["file"]).resolve()
+            if not local.is_relative_to(own) or local == own:
+                raise SpoolError(f"{spool}: artifact file {record['file']!r} is outside the spool's own folder")
+    return header, first, records
+
+
+def _spooled_run(client: Any, header: Mapping[str, Any], uri: str) -> str | None:
+    """Return the header's run id when the target ``uri`` is the spool's own store and that run is active there."""
+    if header.get("run_id") and uri == absolute_tracking_uri(str(header["tracking_uri"])):
+        with contextlib.suppress(Exception):
+            if client.get_run(str(header["run_id"])).info.lifecycle_stage == "active":
+                return str(header["run_id"])
+    return None
+
+
+def _experiment_ids(client: Any, uri: str) -> Callable[[str], str]:
+    """Return a function giving the id of a named experiment of the store ``uri``, creating it when missing."""
+
+    def experiment_id(name: str) -> str:
+        try:
+            return ensure_experiment(client, name, artifact_location(uri, name))
+        except ExperimentDeletedError:
+            raise SpoolError(
+                f"experiment {name!r} is deleted in {uri}; restore it or replay into another store"
+            ) from None
+
+    return experiment_id
+
+
+def _apply_records(
+    replayer: Replayer,
+    records: list[tuple[dict[str, Any], int]],
+    skip: int,
+    spool: Path,
+    uri: str,
+    on_rejected: Callable[[Mapping[str, Any], BaseException], None] | None,
+) -> tuple[int, int]:
+    """Apply the records after the first ``skip``, saving progress after each; return how many were applied and
+    how many of those the store refused as invalid."""
+    applied = refused = 0
+    for index, (record, end) in enumerate(records):
+        if index < skip:
+            continue
+        try:
+            replayer.apply(record)
+        except SpoolError:
+            raise
+        except Exception as exc:
+            if not rejected(exc):
+                raise
+            refused += 1
+            if on_rejected is not None:
+                on_rejected(record, exc)
+        applied += 1
+        save_progress(spool, uri, run_id=replayer.ensure_run(), records=index + 1, offset=end)
+    return applied, refused

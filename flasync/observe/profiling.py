@@ -238,31 +238,7 @@ class Profiler:
         """Record one event."""
         r = self.records
         if isinstance(event, UpdateUploaded):
-            sim_task_s = event.sim_download_s + event.sim_train_s + event.sim_upload_s
-            upload_bytes = event.upload_bytes
-            client = r.client(int(event.client_id))
-            client.tasks += 1
-            client.sim_task_s += sim_task_s
-            client.compute_s += event.compute_s
-            client.upload_bytes += upload_bytes
-            r.tasks_completed += 1
-            r.tier_uploads[event.tier] += upload_bytes
-            r.sim_task_s.add(sim_task_s)
-            r.sim_train_s.add(event.sim_train_s)
-            r.compute_s.add(event.compute_s)
-            r.encode_s.add(event.encode_s)
-            r.peak_mem_bytes.add(float(event.peak_mem_bytes))
-            if len(r.pending) >= _IN_FLIGHT:
-                del r.pending[next(iter(r.pending))]
-                r.dropped_pending += 1
-            r.pending[event.task_id] = _Task(
-                compute_s=event.compute_s,
-                encode_s=event.encode_s,
-                sim_task_s=sim_task_s,
-                sim_train_s=event.sim_train_s,
-                upload_bytes=upload_bytes,
-                download_bytes=event.download_bytes,
-            )
+            self._uploaded(event)
         elif isinstance(event, UpdateReceived):
             self._fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
         elif isinstance(event, UpdateRejected):
@@ -290,16 +266,7 @@ class Profiler:
             r.forwarded[event.tier] += len(event.payload)
             r.forwards[event.tier] += 1
         elif isinstance(event, Aggregated):
-            version = int(event.version)
-            # The previous version's row is complete now: its publication and evaluation came before this.
-            for done in sorted(v for v in r.open_versions if v < version and r.open_versions[v].aggregated):
-                self._close(done)
-            self._version = max(self._version, version)
-            rec = r.open_versions[version]
-            rec.aggregate_s += event.aggregate_s
-            rec.wall_s = event.wall_s
-            rec.simulated_s = event.simulated_s
-            rec.aggregated = True
+            self._aggregated(event)
         elif isinstance(event, Evaluated):
             r.open_versions[int(event.version)].eval_s += event.eval_s
             r.evaluations.add(
@@ -324,6 +291,49 @@ class Profiler:
         for version in sorted(v for v in r.open_versions if r.open_versions[v].aggregated):
             self._close(version)
         return r
+
+    def _uploaded(self, event: UpdateUploaded) -> None:
+        """Record a client's upload: its totals, the run's summaries, and the task until its version is made."""
+        r = self.records
+        sim_task_s = event.sim_download_s + event.sim_train_s + event.sim_upload_s
+        upload_bytes = event.upload_bytes
+        client = r.client(int(event.client_id))
+        client.tasks += 1
+        client.sim_task_s += sim_task_s
+        client.compute_s += event.compute_s
+        client.upload_bytes += upload_bytes
+        r.tasks_completed += 1
+        r.tier_uploads[event.tier] += upload_bytes
+        r.sim_task_s.add(sim_task_s)
+        r.sim_train_s.add(event.sim_train_s)
+        r.compute_s.add(event.compute_s)
+        r.encode_s.add(event.encode_s)
+        r.peak_mem_bytes.add(float(event.peak_mem_bytes))
+        if len(r.pending) >= _IN_FLIGHT:
+            del r.pending[next(iter(r.pending))]
+            r.dropped_pending += 1
+        r.pending[event.task_id] = _Task(
+            compute_s=event.compute_s,
+            encode_s=event.encode_s,
+            sim_task_s=sim_task_s,
+            sim_train_s=event.sim_train_s,
+            upload_bytes=upload_bytes,
+            download_bytes=event.download_bytes,
+        )
+
+    def _aggregated(self, event: Aggregated) -> None:
+        """Record a version's aggregation, closing the rows of the versions made before it."""
+        r = self.records
+        version = int(event.version)
+        # The previous version's row is complete now: its publication and evaluation came before this.
+        for done in sorted(v for v in r.open_versions if v < version and r.open_versions[v].aggregated):
+            self._close(done)
+        self._version = max(self._version, version)
+        rec = r.open_versions[version]
+        rec.aggregate_s += event.aggregate_s
+        rec.wall_s = event.wall_s
+        rec.simulated_s = event.simulated_s
+        rec.aggregated = True
 
     def _fold(self, version: int, task_id: int, staleness: int, decode_s: float, queue_wait_s: float) -> None:
         """Fold one accepted upload into the version it goes into."""
@@ -405,10 +415,61 @@ def build_profile(
     """
     rows = records.rows.rows()
     trained = {c: stats for c, stats in records.clients.items() if stats.tasks}
+    wall = records.wall_s
+    time_totals = _time_totals(rows, mode)
+    stale = records.staleness
+    return {
+        "mode": mode,
+        "num_params": num_params,
+        "wall_s": wall,
+        "simulated_s": records.simulated_s,
+        "versions": int(_column_total(rows, "versions")),
+        "time": {
+            "totals": time_totals,
+            "server_idle_fraction": time_totals["idle_s"] / wall if wall and wall > 0 else math.nan,
+            "versions_per_row": records.rows.span,
+            "per_version": rows,
+        },
+        "clients": _clients_section(records, trained, stragglers),
+        "communication": _communication_section(records, trained, dense_bytes),
+        "staleness": {
+            "histogram": {str(k): n for k, n in sorted(stale.items())},
+            "summary": _staleness_summary(stale),
+        },
+        "evaluations": records.evaluations.items(),
+        "memory": {
+            **(memory or {}),
+            "training_call_peak_bytes": records.peak_mem_bytes.summary(),
+        },
+        "diagnostics": dict(diagnostics or {}),
+        "alerts": dict(records.alerts),
+    }
+
+
+def _column_total(rows: Sequence[Mapping[str, float]], key: str) -> float:
+    """Return the sum of one column of the per-version rows."""
+    return sum(row[key] for row in rows)
+
+
+def _time_totals(rows: Sequence[Mapping[str, float]], mode: str) -> dict[str, float]:
+    """Return the run's time totals: wall seconds by phase, then simulated transfer, training and straggler wait."""
+    time_totals = {
+        key: _column_total(rows, key)
+        for key in ("compute_s", "encode_s", "decode_s", "queue_wait_s", "aggregate_s", "eval_s", "idle_s")
+    }
+    time_totals["transfer_sim_s"] = _column_total(rows, "transfer_sim_s")
+    time_totals["sim_train_s"] = _column_total(rows, "sim_train_s")
+    if mode == "sync":
+        time_totals["straggler_wait_sim_s"] = _column_total(rows, "straggler_wait_sim_s")
+    return time_totals
+
+
+def _straggler_rows(trained: Mapping[int, _Client], count: int) -> list[dict[str, Any]]:
+    """Return the ``count`` clients with the longest mean simulated task, slowest first, against the median."""
     client_means = {c: stats.sim_task_s / stats.tasks for c, stats in trained.items()}
     population_median = statistics.median(client_means.values()) if client_means else math.nan
-    slowest = sorted(client_means.items(), key=lambda item: (-item[1], item[0]))[:stragglers]
-    straggler_rows = [
+    slowest = sorted(client_means.items(), key=lambda item: (-item[1], item[0]))[:count]
+    return [
         {
             "client_id": c,
             "task_sim_s": s,
@@ -419,6 +480,27 @@ def build_profile(
         for c, s in slowest
     ]
 
+
+def _clients_section(records: ProfileRecords, trained: Mapping[int, _Client], stragglers: int) -> dict[str, Any]:
+    """Return the profile's ``clients`` section: participation, failures, timing summaries and stragglers."""
+    return {
+        "participants": len(trained),
+        "tasks_completed": records.tasks_completed,
+        "tasks_failed": sum(records.failed.values()),
+        "uploads_not_joined": records.dropped_pending,
+        "failures_by_client": {str(c): n for c, n in sorted(records.failed.items())},
+        "rejected": dict(records.rejected),
+        "sim_task_s": records.sim_task_s.summary(),
+        "sim_task_s_samples": records.sim_task_s.sample,
+        "sim_train_s": records.sim_train_s.summary(),
+        "compute_s": records.compute_s.summary(),
+        "encode_s": records.encode_s.summary(),
+        "stragglers": _straggler_rows(trained, stragglers),
+    }
+
+
+def _tier_bytes(records: ProfileRecords) -> dict[str, dict[str, int]]:
+    """Return each tier's uploaded and downloaded bytes (and its edges' forwards), by tier name."""
     tiers: dict[str, dict[str, int]] = defaultdict(lambda: {"upload_bytes": 0, "download_bytes": 0})
     for tier, value in records.tier_uploads.items():
         tiers[tier]["upload_bytes"] += value
@@ -427,81 +509,36 @@ def build_profile(
     for tier, value in records.forwarded.items():
         tiers[tier]["upload_bytes"] += value
         tiers[tier]["forwards"] = records.forwards[tier]
+    return {k: dict(v) for k, v in sorted(tiers.items())}
+
+
+def _communication_section(records: ProfileRecords, trained: Mapping[int, _Client], dense_bytes: int) -> dict[str, Any]:
+    """Return the profile's ``communication`` section: bytes moved, per tier and per client, and compression."""
     upload_total = sum(records.tier_uploads.values())
     download_total = sum(stats.download_bytes for stats in records.clients.values())
-
-    def total(key: str) -> float:
-        return sum(row[key] for row in rows)
-
-    wall = records.wall_s
-    time_totals = {
-        key: total(key)
-        for key in ("compute_s", "encode_s", "decode_s", "queue_wait_s", "aggregate_s", "eval_s", "idle_s")
-    }
-    time_totals["transfer_sim_s"] = total("transfer_sim_s")
-    time_totals["sim_train_s"] = total("sim_train_s")
-    if mode == "sync":
-        time_totals["straggler_wait_sim_s"] = total("straggler_wait_sim_s")
-    stale = records.staleness
-    staleness_summary = (
-        {
-            "p50": counted_percentile(stale, 0.5),
-            "p90": counted_percentile(stale, 0.9),
-            "max": float(max(stale)),
-            "mean": sum(k * n for k, n in stale.items()) / stale.total(),
-            "count": float(stale.total()),
-        }
-        if stale
-        else None
-    )
     return {
-        "mode": mode,
-        "num_params": num_params,
-        "wall_s": wall,
-        "simulated_s": records.simulated_s,
-        "versions": int(total("versions")),
-        "time": {
-            "totals": time_totals,
-            "server_idle_fraction": time_totals["idle_s"] / wall if wall and wall > 0 else math.nan,
-            "versions_per_row": records.rows.span,
-            "per_version": rows,
-        },
-        "clients": {
-            "participants": len(trained),
-            "tasks_completed": records.tasks_completed,
-            "tasks_failed": sum(records.failed.values()),
-            "uploads_not_joined": records.dropped_pending,
-            "failures_by_client": {str(c): n for c, n in sorted(records.failed.items())},
-            "rejected": dict(records.rejected),
-            "sim_task_s": records.sim_task_s.summary(),
-            "sim_task_s_samples": records.sim_task_s.sample,
-            "sim_train_s": records.sim_train_s.summary(),
-            "compute_s": records.compute_s.summary(),
-            "encode_s": records.encode_s.summary(),
-            "stragglers": straggler_rows,
-        },
-        "communication": {
-            "upload_bytes": upload_total,
-            "download_bytes": download_total,
-            "per_tier": {k: dict(v) for k, v in sorted(tiers.items())},
-            "upload_bytes_per_client": quantiles([float(stats.upload_bytes) for stats in trained.values()]),
-            "download_bytes_per_client": quantiles(
-                [float(stats.download_bytes) for stats in records.clients.values() if stats.download_bytes]
-            ),
-            "upload_compression": dense_bytes * records.tasks_completed / upload_total if upload_total else 1.0,
-            "download_compression": dense_bytes * records.downloads / download_total if download_total else 1.0,
-        },
-        "staleness": {
-            "histogram": {str(k): n for k, n in sorted(stale.items())},
-            "summary": staleness_summary,
-        },
-        "evaluations": records.evaluations.items(),
-        "memory": {
-            **(memory or {}),
-            "training_call_peak_bytes": records.peak_mem_bytes.summary(),
-        },
-        "diagnostics": dict(diagnostics or {}),
-        "alerts": dict(records.alerts),
+        "upload_bytes": upload_total,
+        "download_bytes": download_total,
+        "per_tier": _tier_bytes(records),
+        "upload_bytes_per_client": quantiles([float(stats.upload_bytes) for stats in trained.values()]),
+        "download_bytes_per_client": quantiles(
+            [float(stats.download_bytes) for stats in records.clients.values() if stats.download_bytes]
+        ),
+        "upload_compression": dense_bytes * records.tasks_completed / upload_total if upload_total else 1.0,
+        "download_compression": dense_bytes * records.downloads / download_total if download_total else 1.0,
+    }
+
+
+def _staleness_summary(stale: Counter[int]) -> dict[str, float] | None:
+    """Return the staleness distribution's percentiles, maximum, mean and count (None: no update was counted)."""
+    if not stale:
+        return None
+    return {
+        "p50": counted_percentile(stale, 0.5),
+        "p90": counted_percentile(stale, 0.9),
+        "max": float(max(stale)),
+        "mean": sum(k * n for k, n in stale.items()) / stale.total(),
+        "count": float(stale.total()),
     }
 
 

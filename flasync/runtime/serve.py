@@ -76,90 +76,123 @@ def asgi_app(federation: Federation) -> Starlette:
 
 
 def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starlette:
-    def authorize(request: Request) -> ClientId | Refusal:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        client_id = transport.tokens.client_of(token.strip()) if scheme.lower() == "bearer" else None
-        return transport.unauthorized() if client_id is None else client_id
+    routes = _Routes(transport, version)
+    return Starlette(
+        routes=[
+            Route("/v1/hello", routes.hello, methods=["GET"]),
+            Route("/v1/task", routes.task, methods=["GET"]),
+            Route("/v1/models/{version:int}", routes.model, methods=["GET"]),
+            Route("/v1/tasks/{task_id:int}/update", routes.upload, methods=["POST"]),
+            Route("/v1/tasks/{task_id:int}/failed", routes.failed, methods=["POST"]),
+            Route("/v1/status", routes.status, methods=["GET"]),
+        ]
+    )
 
-    def session_of(request: Request) -> str | Refusal:
+
+class _Routes:
+    """The protocol's endpoints over one transport: each checks the client's token and answers one request.
+
+    Args:
+        transport: The federation's remote transport.
+        version: Returns the server's current model version (None before the run has a server).
+    """
+
+    def __init__(self, transport: RemoteTransport, version: Callable[[], int | None]) -> None:
+        """Serve ``transport``."""
+        self.transport = transport
+        self.version = version
+
+    def authorize(self, request: Request) -> ClientId | Refusal:
+        """Return the client the request's bearer token names, or the refusal of a missing or unknown token."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        client_id = self.transport.tokens.client_of(token.strip()) if scheme.lower() == "bearer" else None
+        return self.transport.unauthorized() if client_id is None else client_id
+
+    def session_of(self, request: Request) -> str | Refusal:
+        """Return the request's session (the empty one when absent), or the refusal of a malformed one."""
         session = request.headers.get(SESSION_HEADER, "")
         if len(session) > _MAX_SESSION_CHARS or not set(session) <= _SESSION_CHARS:
             detail = f"{SESSION_HEADER}: at most {_MAX_SESSION_CHARS} letters, digits, '-' or '_'"
             return Refusal(400, "bad_request", detail)
         return session
 
-    async def hello(request: Request) -> Response:
-        client_id = authorize(request)
+    async def hello(self, request: Request) -> Response:
+        """``GET /v1/hello``: answer the client's id and what it needs to train."""
+        client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
-        answer = transport.hello(client_id)
+        answer = self.transport.hello(client_id)
         return _refused(answer) if isinstance(answer, Refusal) else JSONResponse(answer)
 
-    async def task(request: Request) -> Response:
-        client_id = authorize(request)
+    async def task(self, request: Request) -> Response:
+        """``GET /v1/task``: long-poll for the client's next task."""
+        client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
         try:
-            wait_s = float(request.query_params.get("wait_s", transport.settings.poll_s))
+            wait_s = float(request.query_params.get("wait_s", self.transport.settings.poll_s))
         except ValueError:
             return _refused(Refusal(400, "bad_request", "wait_s must be a number of seconds"))
-        session = session_of(request)
+        session = self.session_of(request)
         if isinstance(session, Refusal):
             return _refused(session)
-        offer = await transport.next_task(client_id, wait_s if wait_s == wait_s else 0.0, session)
+        offer = await self.transport.next_task(client_id, wait_s if wait_s == wait_s else 0.0, session)
         if offer is None:
             return Response(status_code=204)
         if isinstance(offer, Refusal):
             return _refused(offer)
         return JSONResponse(offer.to_json())
 
-    async def model(request: Request) -> Response:
-        client_id = authorize(request)
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{version}``: answer the encoded model of a version."""
+        client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
-        payload = await transport.model(client_id, int(request.path_params["version"]))
+        payload = await self.transport.model(client_id, int(request.path_params["version"]))
         if isinstance(payload, Refusal):
             return _refused(payload)
         return Response(payload, media_type=_OCTETS)
 
-    async def upload(request: Request) -> Response:
-        client_id = authorize(request)
+    async def upload(self, request: Request) -> Response:
+        """``POST /v1/tasks/{task_id}/update``: take a task's encoded update and its training report."""
+        client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
         task_id = int(request.path_params["task_id"])
-        session = session_of(request)
+        session = self.session_of(request)
         if isinstance(session, Refusal):
             return _refused(session)
         declared = request.headers.get("content-length")
         length = int(declared) if declared is not None and declared.isdigit() else None
-        refusal = transport.check_upload(client_id, task_id, length, session)
+        refusal = self.transport.check_upload(client_id, task_id, length, session)
         if refusal is not None:
             return _refused(refusal)
         raw = request.headers.get(REPORT_HEADER, "")
         try:
             if len(raw) > _MAX_REPORT_CHARS:
                 raise ValueError(f"the report has more than {_MAX_REPORT_CHARS} characters")
-            report = Report.from_json(json.loads(raw), max_num_samples=transport.settings.max_num_samples)
+            report = Report.from_json(json.loads(raw), max_num_samples=self.transport.settings.max_num_samples)
         except ValueError as exc:  # json.JSONDecodeError is one
-            return _refused(transport.bad_report(client_id, f"{REPORT_HEADER}: {exc}".splitlines()[0]))
+            return _refused(self.transport.bad_report(client_id, f"{REPORT_HEADER}: {exc}".splitlines()[0]))
         # Read in chunks, never more than the limit: a body without (or with a false) Content-Length is cut off.
-        limit, size, chunks = transport.max_upload_bytes, 0, []
+        limit, size, chunks = self.transport.max_upload_bytes, 0, []
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                return _refused(transport.oversize(client_id, size))
+                return _refused(self.transport.oversize(client_id, size))
             chunks.append(chunk)
-        answer = transport.upload(client_id, task_id, b"".join(chunks), report, session)
+        answer = self.transport.upload(client_id, task_id, b"".join(chunks), report, session)
         if answer is not None:
             return _refused(answer)
         return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)
 
-    async def failed(request: Request) -> Response:
-        client_id = authorize(request)
+    async def failed(self, request: Request) -> Response:
+        """``POST /v1/tasks/{task_id}/failed``: take the report that a task's local training failed."""
+        client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
         task_id = int(request.path_params["task_id"])
-        session = session_of(request)
+        session = self.session_of(request)
         if isinstance(session, Refusal):
             return _refused(session)
         body = await _small_body(request)
@@ -167,25 +200,15 @@ def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starl
             error = str(json.loads(body).get("error", "failed")) if body else "failed"
         except (ValueError, AttributeError):
             error = "failed"
-        answer = transport.failed(client_id, task_id, error, session)
+        answer = self.transport.failed(client_id, task_id, error, session)
         if answer is not None:
             return _refused(answer)
         return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)
 
-    async def status(request: Request) -> Response:
-        state = "finished" if transport.finished else "running" if transport.attached else "waiting"
-        return JSONResponse({"state": state, "version": version(), "reason": transport.finished or None})
-
-    return Starlette(
-        routes=[
-            Route("/v1/hello", hello, methods=["GET"]),
-            Route("/v1/task", task, methods=["GET"]),
-            Route("/v1/models/{version:int}", model, methods=["GET"]),
-            Route("/v1/tasks/{task_id:int}/update", upload, methods=["POST"]),
-            Route("/v1/tasks/{task_id:int}/failed", failed, methods=["POST"]),
-            Route("/v1/status", status, methods=["GET"]),
-        ]
-    )
+    async def status(self, request: Request) -> Response:
+        """``GET /v1/status``: answer whether the run is waiting, running or finished (no token needed)."""
+        state = "finished" if self.transport.finished else "running" if self.transport.attached else "waiting"
+        return JSONResponse({"state": state, "version": self.version(), "reason": self.transport.finished or None})
 
 
 async def _small_body(request: Request, limit: int = 4096) -> bytes:

@@ -348,24 +348,11 @@ class CohortTrainer:
         index, mask = self._orders(members, cfg, steps, order, x.device)
         mask = mask.to(device)
         active_counts = [sum(1 for k in order if steps[k] > s) for s in range(steps[order[0]])]
-        if all(m.base is None or m.base is base for m in members):
-            starts = base.to(device, torch.float32)  # one row, broadcast
-            weights = starts.expand(num, -1).clone()
-        else:
-            own = [members[k].base for k in order]
-            starts = torch.stack([base if b is None else b for b in own]).to(device, torch.float32)
-            weights = starts.clone()
-        momentum = torch.zeros_like(weights) if cfg.momentum else None
-        loss_sum = torch.zeros(num, dtype=torch.float32, device=device)
+        starts, weights = self._start_rows(base, members, order)
         self._precision = cfg.precision
         self._objective = cfg.objective
-        scaler = LossScaler.for_rows(num, device) if cfg.precision == "fp16" else None
-        counts = mask.sum(dim=2)  # each step's real samples per row (whole numbers: exact)
-        corrections = None
-        if any(m.correction is not None for m in members):
-            zero = torch.zeros(self.num_params)
-            rows = [members[k].correction if members[k].correction is not None else zero for k in order]
-            corrections = torch.stack([r.to(device) for r in rows])  # type: ignore[union-attr]
+        rows = _RowOptimizer(cfg, starts, weights, mask, self._corrections(members, order))
+        scaler = rows.scaler
         # vmap batches the forward pass and the loss only; one autograd pass over the sum of the clients' losses then
         # gives every row its own gradient (rows never mix), at a fraction of the cost of vmap(grad(...)), which
         # wraps every tensor of the backward pass too. The gradients are the same, bit for bit.
@@ -404,38 +391,53 @@ class CohortTrainer:
                     how = "vmap cannot batch the model" if self._cohort_forward is None else "cohort_forward failed"
                     raise _Unsupported(f"{how}: {type(exc).__name__}: {exc}") from exc
                 raise
-            with torch.no_grad():
-                apply = None
-                if scaler is not None:
-                    grads = grads / scaler.scale[:k, None]
-                    apply = scaler.update_rows(grads, k)
-                if cfg.clip_norm is not None:
-                    norm = torch.linalg.vector_norm(grads, dim=1, keepdim=True)
-                    grads.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
-                if corrections is not None:  # SCAFFOLD: c - c_i, one row per client
-                    grads.add_(corrections[:k])
-                if cfg.proximal_mu:  # FedProx: mu (w - w_base), every row from its own base
-                    anchor = starts if starts.dim() == 1 else starts[:k]
-                    grads.add_(w, alpha=cfg.proximal_mu).sub_(anchor, alpha=cfg.proximal_mu)
-                if cfg.weight_decay:
-                    grads.add_(w, alpha=cfg.weight_decay)
-                if momentum is not None:
-                    mk = momentum[:k]
-                    if apply is None:
-                        mk.mul_(cfg.momentum).add_(grads)
-                        w.add_(mk, alpha=-cfg.lr)
-                    else:
-                        mk.copy_(torch.where(apply[:, None], mk * cfg.momentum + grads, mk))
-                        w.sub_(torch.where(apply[:, None], mk * cfg.lr, torch.zeros_like(mk)))
-                elif apply is None:
-                    w.add_(grads, alpha=-cfg.lr)
-                else:
-                    w.sub_(torch.where(apply[:, None], grads * cfg.lr, torch.zeros_like(grads)))
-                loss_sum[:k].add_(loss * counts[s, :k])
+            rows.step(s, k, w, grads, loss)
         share = (timer() - start) / num
-        deltas = starts - weights
+        return self._results(members, cfg, x, y, rows, mask, steps, order, share, activation_bytes, deltas_on)
+
+    def _start_rows(
+        self, base: torch.Tensor, members: Sequence[CohortMember], order: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the rows' starting weights (one row, broadcast, when every member starts from ``base``; else
+        ``(K, P)`` in cohort order) and the weights ``(K, P)`` the cohort trains, a copy of them."""
+        device = self.device
+        if all(m.base is None or m.base is base for m in members):
+            starts = base.to(device, torch.float32)  # one row, broadcast
+            weights = starts.expand(len(members), -1).clone()
+        else:
+            own = [members[k].base for k in order]
+            starts = torch.stack([base if b is None else b for b in own]).to(device, torch.float32)
+            weights = starts.clone()
+        return starts, weights
+
+    def _corrections(self, members: Sequence[CohortMember], order: list[int]) -> torch.Tensor | None:
+        """Return the members' gradient corrections ``(K, P)`` in cohort order (zero rows for members without one;
+        None when no member has one)."""
+        if not any(m.correction is not None for m in members):
+            return None
+        zero = torch.zeros(self.num_params)
+        rows = [members[k].correction if members[k].correction is not None else zero for k in order]
+        return torch.stack([r.to(self.device) for r in rows])  # type: ignore[union-attr]
+
+    def _results(
+        self,
+        members: Sequence[CohortMember],
+        cfg: LocalTraining,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        rows: _RowOptimizer,
+        mask: torch.Tensor,
+        steps: list[int],
+        order: list[int],
+        share: float,
+        activation_bytes: int,
+        deltas_on: torch.device | None,
+    ) -> tuple[list[LocalResult], torch.Tensor]:
+        """Return each member's result from the trained rows, in member order, and their deltas as one tensor."""
+        num = len(members)
+        deltas = rows.starts - rows.weights
         seen = mask.sum(dim=(0, 2)).tolist()
-        losses = loss_sum.tolist()
+        losses = rows.loss_sum.tolist()
         if order != list(range(num)):  # rows back to member order: the deltas in one gather
             back = [0] * num  # member -> row
             for row, k in enumerate(order):
@@ -494,6 +496,71 @@ class CohortTrainer:
         if self.device.type == "cuda":
             xb, yb = xb.pin_memory(), yb.pin_memory()
         return xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
+
+
+class _RowOptimizer:
+    """SGD over the rows of a cohort's weights, as :func:`train` steps one client: each row's momentum, loss scale,
+    gradient correction and loss sum.
+
+    Args:
+        cfg: Local hyper-parameters (shared by the cohort).
+        starts: The rows' starting weights: one row, broadcast, or ``(K, P)`` in cohort order (FedProx's anchors).
+        weights: The weights ``(K, P)`` the steps update in place.
+        mask: Each step's real samples ``(S, K, B)`` (1.0) and padding (0.0).
+        corrections: Added to each row's gradient ``(K, P)`` (SCAFFOLD's ``c - c_i``; None: nothing).
+    """
+
+    def __init__(
+        self,
+        cfg: LocalTraining,
+        starts: torch.Tensor,
+        weights: torch.Tensor,
+        mask: torch.Tensor,
+        corrections: torch.Tensor | None,
+    ) -> None:
+        """Start with zero momentum and zero loss sums."""
+        num, device = weights.shape[0], weights.device
+        self.cfg = cfg
+        self.starts = starts
+        self.weights = weights
+        self.momentum = torch.zeros_like(weights) if cfg.momentum else None
+        self.loss_sum = torch.zeros(num, dtype=torch.float32, device=device)
+        self.scaler = LossScaler.for_rows(num, device) if cfg.precision == "fp16" else None
+        self.counts = mask.sum(dim=2)  # each step's real samples per row (whole numbers: exact)
+        self.corrections = corrections
+
+    def step(self, s: int, k: int, w: torch.Tensor, grads: torch.Tensor, loss: torch.Tensor) -> None:
+        """Step the first ``k`` rows ``w`` with their gradients ``(k, P)`` and add their step-``s`` losses ``(k,)``."""
+        cfg, scaler, momentum, corrections = self.cfg, self.scaler, self.momentum, self.corrections
+        with torch.no_grad():
+            apply = None
+            if scaler is not None:
+                grads = grads / scaler.scale[:k, None]
+                apply = scaler.update_rows(grads, k)
+            if cfg.clip_norm is not None:
+                norm = torch.linalg.vector_norm(grads, dim=1, keepdim=True)
+                grads.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
+            if corrections is not None:  # SCAFFOLD: c - c_i, one row per client
+                grads.add_(corrections[:k])
+            if cfg.proximal_mu:  # FedProx: mu (w - w_base), every row from its own base
+                starts = self.starts
+                anchor = starts if starts.dim() == 1 else starts[:k]
+                grads.add_(w, alpha=cfg.proximal_mu).sub_(anchor, alpha=cfg.proximal_mu)
+            if cfg.weight_decay:
+                grads.add_(w, alpha=cfg.weight_decay)
+            if momentum is not None:
+                mk = momentum[:k]
+                if apply is None:
+                    mk.mul_(cfg.momentum).add_(grads)
+                    w.add_(mk, alpha=-cfg.lr)
+                else:
+                    mk.copy_(torch.where(apply[:, None], mk * cfg.momentum + grads, mk))
+                    w.sub_(torch.where(apply[:, None], mk * cfg.lr, torch.zeros_like(mk)))
+            elif apply is None:
+                w.add_(grads, alpha=-cfg.lr)
+            else:
+                w.sub_(torch.where(apply[:, None], grads * cfg.lr, torch.zeros_like(grads)))
+            self.loss_sum[:k].add_(loss * self.counts[s, :k])
 
 
 def _slice_starts(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:

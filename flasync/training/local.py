@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -439,15 +439,56 @@ def train(
     n = int(y.shape[0]) if indices is None else int(indices.shape[0])
     if n == 0:
         raise TrainingError("client has no samples")
-    module = model.module
+    _load_for_training(model, base, cfg)
+    totals = _sgd_steps(model, base, x, y, cfg, generator, on_backward, indices, correction)
+    with torch.no_grad():
+        delta = base - model.flat
+    mean_loss = float(totals.loss_sum) / max(totals.seen, 1)
+    return LocalResult(
+        delta=delta,
+        num_samples=n,
+        steps=totals.steps,
+        loss=mean_loss,
+        train_s=timer() - start,
+        peak_mem_bytes=model.nbytes + totals.batch_bytes + totals.activation_bytes,
+    )
+
+
+class _StepTotals(NamedTuple):
+    """What :func:`_sgd_steps` adds up: the sample-weighted loss sum, samples, steps and the first step's memory."""
+
+    loss_sum: torch.Tensor
+    seen: int
+    steps: int
+    activation_bytes: int
+    batch_bytes: int
+
+
+def _load_for_training(model: FlatModel, base: torch.Tensor, cfg: LocalTraining) -> None:
+    """Put ``model`` in training mode with ``cfg``'s checkpointing, load ``base`` and zero the momentum."""
     model.set_mode(training=True)
     if model.checkpoint_segments != cfg.checkpoint_segments:
-        set_checkpointing(module, cfg.checkpoint_segments)
+        set_checkpointing(model.module, cfg.checkpoint_segments)
         model.checkpoint_segments = cfg.checkpoint_segments
     after_default_stream(model.flat.device)
     model.load_(base)
+    model.momentum.zero_()
+
+
+def _sgd_steps(
+    model: FlatModel,
+    base: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: LocalTraining,
+    generator: torch.Generator,
+    on_backward: Callable[[torch.Tensor], None] | None,
+    indices: torch.Tensor | None,
+    correction: torch.Tensor | None,
+) -> _StepTotals:
+    """Run :func:`train`'s SGD steps on ``model`` (loaded with ``base``); return what they add up."""
+    module = model.module
     params, grad, momentum = model.params, model.grad, model.momentum
-    momentum.zero_()
     device = model.flat.device
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     cast = cfg.precision in ("bf16", "fp16")
@@ -507,17 +548,7 @@ def train(
         loss_sum.add_(loss.detach(), alpha=rows)
         seen += rows
         steps += 1
-    with torch.no_grad():
-        delta = base - model.flat
-    mean_loss = float(loss_sum) / max(seen, 1)
-    return LocalResult(
-        delta=delta,
-        num_samples=n,
-        steps=steps,
-        loss=mean_loss,
-        train_s=timer() - start,
-        peak_mem_bytes=model.nbytes + batch_bytes + peak_activation,
-    )
+    return _StepTotals(loss_sum, seen, steps, peak_activation, batch_bytes)
 
 
 @torch.no_grad()

@@ -230,9 +230,210 @@ class _Posted:
     """The connection the task was handed to (None: not yet handed out)."""
 
 
+# ------------------------------------------------------------------------------------------------ devices
+class _DeviceRegistry:
+    """Which remote devices are connected: each one's last request, the polls it has open and the task it took.
+
+    Args:
+        wall: Monotonic real seconds.
+    """
+
+    def __init__(self, wall: Callable[[], float]) -> None:
+        """Start with no device heard from."""
+        self._wall = wall
+        self.num_clients = 0
+        self.seen: dict[ClientId, float] = {}  # a device's last request (wall seconds)
+        self.handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
+        self.polls: Counter[ClientId] = Counter()
+
+    def heard(self, client_id: ClientId) -> None:
+        """Note that ``client_id`` made a request now."""
+        self.seen[client_id] = self._wall()
+
+    def online(self, client_id: int, t: float) -> bool:
+        """Tell whether device ``client_id`` is connected: asking for a task now, or heard from within
+        :attr:`online_window_s` (``t`` is not needed)."""
+        if client_id in self.polls:
+            return True
+        if client_id in self.handed:
+            # It took a task and has not been heard from since: training it (not to be sampled anyway), or gone
+            # (its task timed out): either way not given another one before it asks again.
+            return False
+        seen = self.seen.get(ClientId(client_id))
+        return seen is not None and self._wall() - seen <= self.online_window_s
+
+    def online_mask(self, t: float) -> np.ndarray:
+        """Return a boolean array over the population: which devices are connected now."""
+        mask = np.zeros(self.num_clients, dtype=bool)
+        for client_id in set(self.seen) | set(self.polls):
+            if client_id < self.num_clients and self.online(client_id, t):
+                mask[client_id] = True
+        return mask
+
+    @property
+    def online_window_s(self) -> float:
+        """How long after its last request a device not waiting for a task counts as connected (a connected idle
+        device is always waiting: it asks again as soon as a poll ends or its upload is answered)."""
+        return 3.0
+
+    def forget_task(self, task_id: int) -> None:
+        """Forget that a device took ``task_id`` (it was answered)."""
+        for client_id, handed in list(self.handed.items()):
+            if handed == task_id:
+                del self.handed[client_id]
+
+
+# ----------------------------------------------------------------------------------------------- hand-out
+class _TaskHandout:
+    """Each client's mailbox of one task, the polls waiting on it, and the connection a task is handed to.
+
+    Args:
+        settings: The ``remote`` config section (poll and waiting limits, ``Retry-After``).
+        devices: Where polls and handed tasks are noted.
+        refuse: Counts and logs a refusal, and returns it.
+        ended: Returns the refusal of a request after the run ended.
+    """
+
+    def __init__(
+        self,
+        settings: RemoteConfig,
+        devices: _DeviceRegistry,
+        refuse: Callable[[ClientId | None, Refusal], Refusal],
+        ended: Callable[[], Refusal],
+    ) -> None:
+        """Start with empty mailboxes."""
+        self.settings = settings
+        self._devices = devices
+        self._refuse = refuse
+        self._ended = ended
+        self.closed = False
+        self.posted: dict[ClientId, _Posted] = {}
+        self._wakers: dict[ClientId, asyncio.Event] = {}
+        self.waiting = 0
+
+    async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
+        """Post ``task`` to its client's mailbox and wait (the registry cancels this when the task is released)."""
+        posted = _Posted(task, snapshot)
+        client_id = task.client_id
+        self.posted[client_id] = posted
+        waker = self._wakers.pop(client_id, None)
+        if waker is not None:
+            waker.set()
+        try:
+            # The answer arrives over HTTP and is published by upload(); the registry's release cancels this wait.
+            await asyncio.get_running_loop().create_future()
+        finally:
+            if self.posted.get(client_id) is posted:
+                del self.posted[client_id]
+
+    async def next_task(self, client_id: ClientId, wait_s: float, session: str) -> Offer | Refusal | None:
+        """Return ``client_id``'s task, waiting up to ``wait_s`` for one (None: none came), as
+        :meth:`RemoteTransport.next_task` describes."""
+        posted = self.posted.get(client_id)
+        if posted is not None:
+            return self._hand(client_id, posted, session)
+        polls = self._devices.polls
+        if self.waiting >= self.settings.max_waiting or polls[client_id] >= _MAX_POLLS_PER_CLIENT:
+            return self._refuse(
+                client_id,
+                Refusal(429, "busy", "too many clients are waiting for tasks", self.settings.retry_after_s),
+            )
+        self.waiting += 1
+        polls[client_id] += 1
+        try:
+            async with asyncio.timeout(max(0.0, min(wait_s, self.settings.poll_s))):
+                while not self.closed:
+                    posted = self.posted.get(client_id)
+                    if posted is not None:
+                        return self._hand(client_id, posted, session)
+                    waker = self._wakers.setdefault(client_id, asyncio.Event())
+                    await waker.wait()
+        except TimeoutError:
+            return None
+        finally:
+            self.waiting -= 1
+            polls[client_id] -= 1
+            if not polls[client_id]:
+                del polls[client_id]
+            self._devices.heard(client_id)
+        return self._ended()
+
+    def _hand(self, client_id: ClientId, posted: _Posted, session: str) -> Offer | Refusal:
+        """Hand ``posted`` to ``session`` if it is not another connection's; else refuse (409)."""
+        if posted.session is None:
+            posted.session = session
+        elif posted.session != session:
+            detail = (
+                f"client {client_id}'s task {posted.task.task_id} is held by another connection with this token;"
+                " retry once it is answered or timed out"
+            )
+            return self._refuse(client_id, Refusal(409, "token_in_use", detail, self.settings.retry_after_s))
+        self._devices.handed[client_id] = posted.task.task_id
+        return self._offer(posted)
+
+    def _offer(self, posted: _Posted) -> Offer:
+        task = posted.task
+        return Offer(
+            task_id=task.task_id,
+            base_version=int(task.base_version),
+            participation=task.participation,
+            download_bytes=posted.snapshot.download_bytes,
+        )
+
+    def forget_task(self, task_id: int) -> None:
+        """Take an answered task out of its mailbox: never offered again, even before the server releases it."""
+        for client_id, posted in list(self.posted.items()):
+            if posted.task.task_id == task_id:
+                del self.posted[client_id]
+
+    def close(self) -> None:
+        """Wake every waiting poll (each learns the run ended) and empty the mailboxes."""
+        self.closed = True
+        for waker in self._wakers.values():
+            waker.set()
+        self._wakers.clear()
+        self.posted.clear()
+
+
+# ---------------------------------------------------------------------------------------------- downloads
+class _ModelDownloads:
+    """The encoded models clients download: each version encoded once, off the event loop, while a task uses it.
+
+    Args:
+        codec: How models are encoded for download.
+    """
+
+    def __init__(self, codec: Pipeline) -> None:
+        """Start with no model encoded."""
+        self.codec = codec
+        self._models: dict[int, asyncio.Future[bytes]] = {}
+
+    async def payload(self, registry: TaskRegistry, version: int, snapshot: ModelSnapshot) -> bytes:
+        """Return ``snapshot`` (the model of ``version``) encoded, and forget the versions no task uses."""
+        for held in [v for v in self._models if v != version and registry.base(Version(v)) is None]:
+            del self._models[held]  # no task uses that version any more
+        future = self._models.get(version)
+        if future is None:
+            future = asyncio.ensure_future(asyncio.to_thread(self._encode, snapshot))
+            self._models[version] = future
+        return await asyncio.shield(future)
+
+    def _encode(self, snapshot: ModelSnapshot) -> bytes:
+        weights = snapshot.weights.detach().to("cpu")
+        generator = torch.Generator().manual_seed(int(snapshot.version))
+        return self.codec.encode(weights, generator=generator).payload
+
+    def clear(self) -> None:
+        """Forget every encoded model."""
+        self._models.clear()
+
+
 # ---------------------------------------------------------------------------------------------- transport
 class RemoteTransport:
     """Hand a run's tasks to remote clients and put their answers on the run's bus.
+
+    It answers the requests against the attached run, counts its refusals and is the intake of uploads; which
+    devices are connected, the clients' mailboxes and the encoded models are the jobs of the objects it holds.
 
     Args:
         tokens: Bearer tokens bound to client ids.
@@ -264,18 +465,16 @@ class RemoteTransport:
         self._registry: TaskRegistry | None = None
         self._clock: Timer | None = None
         self._log: Any = None
+        self._devices = _DeviceRegistry(wall)
+        self._handout = _TaskHandout(settings, self._devices, self._refuse, self._ended)
+        self._downloads = _ModelDownloads(download_codec)
         self.num_params = 0
         self.max_upload_bytes = 0
         """The largest update body accepted (a dense encoding of the model, or the codec's largest, plus slack)."""
         self.finished = ""
         """Why the run ended (empty while it has not)."""
-        self._posted: dict[ClientId, _Posted] = {}
-        self._wakers: dict[ClientId, asyncio.Event] = {}
-        self._polls: Counter[ClientId] = Counter()
-        self._waiting = 0
         self._answered: set[int] = set()
         self._answer_order: deque[int] = deque()
-        self._models: dict[int, asyncio.Future[bytes]] = {}
         self.refusals: Counter[str] = Counter()
         """Requests refused before the intake, by reason."""
         self.uploads = 0
@@ -284,9 +483,6 @@ class RemoteTransport:
         """Update bodies received (bytes)."""
         self.wire_download_bytes = 0
         """Model bodies sent (bytes)."""
-        self._seen: dict[ClientId, float] = {}  # a device's last request (wall seconds)
-        self._handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
-        self._num_clients = 0
 
     # ------------------------------------------------------------------------------------------ lifetime
     @property
@@ -317,7 +513,7 @@ class RemoteTransport:
             num_classes: Number of classes (likewise).
         """
         self._bus, self._registry, self._clock, self._log = bus, registry, clock, log
-        self._num_clients = registry.num_clients
+        self._devices.num_clients = registry.num_clients
         self.num_params = num_params
         self._setup.update(num_params=num_params, feature_shape=list(feature_shape), num_classes=num_classes)
         dense = HEADER.size + 4 * num_params
@@ -344,48 +540,23 @@ class RemoteTransport:
             reason: The tracking status the run ends with; after ``KILLED`` clients are told to retry (503).
         """
         self.finished = reason or "finished"
-        for waker in self._wakers.values():
-            waker.set()
-        self._wakers.clear()
-        self._posted.clear()
-        self._models.clear()
+        self._handout.close()
+        self._downloads.clear()
 
     # --------------------------------------------------------------------------------------- registry seam
     async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
         """Post ``task`` to its client's mailbox and wait (the registry cancels this when the task is released)."""
-        posted = _Posted(task, snapshot)
-        client_id = task.client_id
-        self._posted[client_id] = posted
-        waker = self._wakers.pop(client_id, None)
-        if waker is not None:
-            waker.set()
-        try:
-            # The answer arrives over HTTP and is published by upload(); the registry's release cancels this wait.
-            await asyncio.get_running_loop().create_future()
-        finally:
-            if self._posted.get(client_id) is posted:
-                del self._posted[client_id]
+        await self._handout.start_task(task, snapshot)
 
     # ------------------------------------------------------------------------------------------ availability
     def online(self, client_id: int, t: float) -> bool:
         """Tell whether device ``client_id`` is connected: asking for a task now, or heard from within
         :meth:`online_window_s` (the sampler gives tasks to connected devices only; ``t`` is not needed)."""
-        if client_id in self._polls:
-            return True
-        if client_id in self._handed:
-            # It took a task and has not been heard from since: training it (not to be sampled anyway), or gone
-            # (its task timed out): either way not given another one before it asks again.
-            return False
-        seen = self._seen.get(ClientId(client_id))
-        return seen is not None and self._wall() - seen <= self.online_window_s
+        return self._devices.online(client_id, t)
 
     def online_mask(self, t: float) -> np.ndarray:
         """Return a boolean array over the population: which devices are connected now."""
-        mask = np.zeros(self._num_clients, dtype=bool)
-        for client_id in set(self._seen) | set(self._polls):
-            if client_id < self._num_clients and self.online(client_id, t):
-                mask[client_id] = True
-        return mask
+        return self._devices.online_mask(t)
 
     def next_online(self, t: float) -> float:
         """Return ``t`` if a device is connected, else when to look again (a quarter of a second later)."""
@@ -395,16 +566,13 @@ class RemoteTransport:
     def online_window_s(self) -> float:
         """How long after its last request a device not waiting for a task counts as connected (a connected idle
         device is always waiting: it asks again as soon as a poll ends or its upload is answered)."""
-        return 3.0
-
-    def _heard(self, client_id: ClientId) -> None:
-        self._seen[client_id] = self._wall()
+        return self._devices.online_window_s
 
     # -------------------------------------------------------------------------------------------- requests
     def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
         """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
-        self._heard(client_id)
-        self._handed.pop(client_id, None)
+        self._devices.heard(client_id)
+        self._devices.handed.pop(client_id, None)
         if self.finished:
             return self._ended()
         if self._registry is None:
@@ -420,59 +588,12 @@ class RemoteTransport:
         until the task is answered or timed out, so two devices sharing a token never train the same task (and a
         restarted device waits for its old task's timeout).
         """
-        self._heard(client_id)
-        self._handed.pop(client_id, None)  # it asks again: alive, and (again) given its task if one is in flight
+        self._devices.heard(client_id)
+        # It asks again: alive, and (again) given its task if one is in flight.
+        self._devices.handed.pop(client_id, None)
         if self.finished:
             return self._ended()
-        posted = self._posted.get(client_id)
-        if posted is not None:
-            return self._hand(client_id, posted, session)
-        if self._waiting >= self.settings.max_waiting or self._polls[client_id] >= _MAX_POLLS_PER_CLIENT:
-            return self._refuse(
-                client_id,
-                Refusal(429, "busy", "too many clients are waiting for tasks", self.settings.retry_after_s),
-            )
-        self._waiting += 1
-        self._polls[client_id] += 1
-        try:
-            async with asyncio.timeout(max(0.0, min(wait_s, self.settings.poll_s))):
-                while not self.finished:
-                    posted = self._posted.get(client_id)
-                    if posted is not None:
-                        return self._hand(client_id, posted, session)
-                    waker = self._wakers.setdefault(client_id, asyncio.Event())
-                    await waker.wait()
-        except TimeoutError:
-            return None
-        finally:
-            self._waiting -= 1
-            self._polls[client_id] -= 1
-            if not self._polls[client_id]:
-                del self._polls[client_id]
-            self._heard(client_id)
-        return self._ended()
-
-    def _hand(self, client_id: ClientId, posted: _Posted, session: str) -> Offer | Refusal:
-        """Hand ``posted`` to ``session`` if it is not another connection's; else refuse (409)."""
-        if posted.session is None:
-            posted.session = session
-        elif posted.session != session:
-            detail = (
-                f"client {client_id}'s task {posted.task.task_id} is held by another connection with this token;"
-                " retry once it is answered or timed out"
-            )
-            return self._refuse(client_id, Refusal(409, "token_in_use", detail, self.settings.retry_after_s))
-        self._handed[client_id] = posted.task.task_id
-        return self._offer(posted)
-
-    def _offer(self, posted: _Posted) -> Offer:
-        task = posted.task
-        return Offer(
-            task_id=task.task_id,
-            base_version=int(task.base_version),
-            participation=task.participation,
-            download_bytes=posted.snapshot.download_bytes,
-        )
+        return await self._handout.next_task(client_id, wait_s, session)
 
     async def model(self, client_id: ClientId, version: int) -> bytes | Refusal:
         """Return the encoded model of ``version`` (encoded once per version, off the event loop)."""
@@ -484,20 +605,9 @@ class RemoteTransport:
         snapshot = registry.base(Version(version))
         if snapshot is None:
             return self._refuse(client_id, Refusal(404, "no_model", f"version {version} is not served"))
-        for held in [v for v in self._models if v != version and registry.base(Version(v)) is None]:
-            del self._models[held]  # no task uses that version any more
-        future = self._models.get(version)
-        if future is None:
-            future = asyncio.ensure_future(asyncio.to_thread(self._encode_model, snapshot))
-            self._models[version] = future
-        payload = await asyncio.shield(future)
+        payload = await self._downloads.payload(registry, version, snapshot)
         self.wire_download_bytes += len(payload)
         return payload
-
-    def _encode_model(self, snapshot: ModelSnapshot) -> bytes:
-        weights = snapshot.weights.detach().to("cpu")
-        generator = torch.Generator().manual_seed(int(snapshot.version))
-        return self.download_codec.encode(weights, generator=generator).payload
 
     def check_upload(
         self, client_id: ClientId, task_id: int, content_length: int | None, session: str = ""
@@ -515,7 +625,7 @@ class RemoteTransport:
         task = registry.busy.get(client_id)
         if task is None or task.task_id != task_id:
             return self._refuse(client_id, Refusal(403, "not_your_task", f"client {client_id} has no task {task_id}"))
-        posted = self._posted.get(client_id)
+        posted = self._handout.posted.get(client_id)
         if posted is not None and posted.task.task_id == task_id and posted.session not in (None, session):
             detail = f"task {task_id} was handed to another connection with this token"
             return self._refuse(client_id, Refusal(403, "other_connection", detail))
@@ -540,13 +650,13 @@ class RemoteTransport:
         Returns:
             None once the update is on its way to the intake, else why it was refused.
         """
-        self._heard(client_id)
+        self._devices.heard(client_id)
         refusal = self.check_upload(client_id, task_id, len(payload), session)
         if refusal is not None:
             return refusal
         assert self._registry is not None and self._bus is not None
         task = self._registry.busy[client_id]
-        posted = self._posted.get(client_id)
+        posted = self._handout.posted.get(client_id)
         download_bytes = posted.snapshot.download_bytes if posted is not None else 0
         message = UpdateUploaded(
             to=task.reply_to,
@@ -630,8 +740,8 @@ class RemoteTransport:
         """Return the transport's counters (a JSON object)."""
         return {
             "finished": self.finished,
-            "waiting": self._waiting,
-            "posted": len(self._posted),
+            "waiting": self._handout.waiting,
+            "posted": len(self._handout.posted),
             "uploads": self.uploads,
             "wire_upload_bytes": self.wire_upload_bytes,
             "wire_download_bytes": self.wire_download_bytes,
@@ -645,12 +755,8 @@ class RemoteTransport:
         return clock.now()
 
     def _remember(self, task_id: int) -> None:
-        for client_id, posted in list(self._posted.items()):
-            if posted.task.task_id == task_id:  # answered: never offered again, even before the server releases it
-                del self._posted[client_id]
-        for client_id, handed in list(self._handed.items()):
-            if handed == task_id:
-                del self._handed[client_id]
+        self._handout.forget_task(task_id)
+        self._devices.forget_task(task_id)
         self._answered.add(task_id)
         self._answer_order.append(task_id)
         if len(self._answer_order) > _REMEMBERED_ANSWERS:

@@ -509,7 +509,53 @@ class CohortClients:
     async def run(self, tasks: Sequence[TaskAssigned], model: ModelSnapshot) -> None:
         """Run ``tasks``, all on ``model``: train each as :meth:`Client.run` would, upload each at its time."""
         world = self.world
-        clock, bus = world.clock, world.bus
+        clock = world.clock
+        prepared, training = self._plans(tasks, model)
+        n = len(tasks)
+        # The agenda holds (time, order, kind, index). Completions are ordered by task (order < n) and uploads after
+        # every completion (order >= n, numbered as their tasks finish training): at one time completions come
+        # first, and uploads keep the order that one coroutine per task would give them. A batching executor
+        # trains the group as one cohort anyway: where no answer can release another task (``together``), the
+        # group hands it every job at once and waits once, at its earliest completion time, for all of them (one
+        # future for the group), instead of once per completion time.
+        agenda: list[tuple[float, int, int, int]]
+        submit_many = getattr(world.pool, "submit_many_async", None) if self.together else None
+        if submit_many is not None:
+            group = submit_many(training)
+            jobs = [Started(group, group)]
+            agenda = [(min(p.done_at for p in prepared), -1, _ALL_TRAINED, -1)]
+        else:
+            jobs = [clock.start(world.pool, job) for job in training]
+            agenda = sorted((p.done_at, i, _TRAINED, i) for i, p in enumerate(prepared))
+        state = _GroupState(tasks=tasks, model=model, prepared=prepared, jobs=jobs, agenda=agenda, order=n)
+        try:
+            while agenda:
+                when, _, kind, _ = agenda[0]
+                due = []
+                while agenda and agenda[0][0] == when and agenda[0][2] == kind:
+                    due.append(heapq.heappop(agenda)[3])
+                if kind in (_ALL_TRAINED, _TRAINED):
+                    await self._trained(state, when, kind, due)
+                elif kind == _FAILED:
+                    await self._publish_failures(state, when, due)
+                elif self.together:
+                    await self._upload_together(state, when, due)
+                else:  # one at a time: the server has handled each before the next goes out
+                    for i in due:
+                        task, (trained, upload_s) = tasks[i], state.uploads.pop(i)
+                        await clock.sleep_until(when)
+                        if self.live(task):
+                            await world.bus.publish(_uploaded(world, task, model, prepared[i], trained, upload_s))
+        except BaseException:
+            for job in jobs:
+                job.future.cancel()
+            raise
+
+    def _plans(
+        self, tasks: Sequence[TaskAssigned], model: ModelSnapshot
+    ) -> tuple[list[_Prepared], list[TrainingJob[TrainedUpdate]]]:
+        """Return each task's timeline and inputs, and its training job."""
+        world = self.world
         # The group's download times and task seeds in one call each (array passes for a large group: the same
         # numbers).
         clients = [task.client_id for task in tasks]
@@ -528,95 +574,91 @@ class CohortClients:
             )
             for k, (task, plan) in enumerate(zip(tasks, prepared, strict=True))
         ]
-        n = len(tasks)
-        # The agenda holds (time, order, kind, index). Completions are ordered by task (order < n) and uploads after
-        # every completion (order >= n, numbered as their tasks finish training): at one time completions come
-        # first, and uploads keep the order that one coroutine per task would give them. A batching executor
-        # trains the group as one cohort anyway: where no answer can release another task (``together``), the
-        # group hands it every job at once and waits once, at its earliest completion time, for all of them (one
-        # future for the group), instead of once per completion time.
-        agenda: list[tuple[float, int, int, int]]
-        submit_many = getattr(world.pool, "submit_many_async", None) if self.together else None
-        if submit_many is not None:
-            group = submit_many(training)
-            jobs = [Started(group, group)]
-            agenda = [(min(p.done_at for p in prepared), -1, _ALL_TRAINED, -1)]
+        return prepared, training
+
+    async def _trained(self, state: _GroupState, when: float, kind: int, due: list[int]) -> None:
+        """Take the outcomes of the jobs due at ``when``: a failure goes back on the agenda for its task's completion
+        time, a trained update of a task still in flight for its upload time."""
+        world, clock, tasks, prepared, agenda = self.world, self.world.clock, state.tasks, state.prepared, state.agenda
+        if kind == _ALL_TRAINED:  # every job, taken in the order of their completion times
+            due = sorted(range(len(tasks)), key=lambda i: (prepared[i].done_at, i))
+            (results,) = await clock.finish(state.jobs, until=when)
+            if isinstance(results, BaseException):
+                raise results  # the group's future was cancelled
+            outcomes = [results[i] for i in due]
         else:
-            jobs = [clock.start(world.pool, job) for job in training]
-            agenda = sorted((p.done_at, i, _TRAINED, i) for i, p in enumerate(prepared))
-        order = n
-        uploads: dict[int, tuple[TrainedUpdate, float]] = {}
-        failures: dict[int, Exception] = {}
+            outcomes = await clock.finish([state.jobs[i] for i in due], until=when)
+        upload_times = _upload_times(world.network, tasks, due, outcomes)
+        lines: list[dict[str, Any]] = []  # the trained tasks' debug lines, logged together
         try:
-            while agenda:
-                when, _, kind, _ = agenda[0]
-                due = []
-                while agenda and agenda[0][0] == when and agenda[0][2] == kind:
-                    due.append(heapq.heappop(agenda)[3])
-                if kind in (_ALL_TRAINED, _TRAINED):
-                    if kind == _ALL_TRAINED:  # every job, taken in the order of their completion times
-                        due = sorted(range(n), key=lambda i: (prepared[i].done_at, i))
-                        (results,) = await clock.finish(jobs, until=when)
-                        if isinstance(results, BaseException):
-                            raise results  # the group's future was cancelled
-                        outcomes = [results[i] for i in due]
-                    else:
-                        outcomes = await clock.finish([jobs[i] for i in due], until=when)
-                    upload_times = _upload_times(world.network, tasks, due, outcomes)
-                    lines: list[dict[str, Any]] = []  # the trained tasks' debug lines, logged together
-                    try:
-                        for i, outcome in zip(due, outcomes, strict=True):
-                            task, plan = tasks[i], prepared[i]
-                            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
-                                raise outcome
-                            if isinstance(outcome, Exception):
-                                failures[i] = outcome  # published at the task's own completion time
-                                heapq.heappush(agenda, (plan.done_at, i, _FAILED, i))
-                            elif self.live(task):  # else released meanwhile: a coroutine would have been cancelled
-                                upload_s = upload_times[i]
-                                _keep(world, task, model, plan, outcome, _context(task), lines)
-                                uploads[i] = (outcome, upload_s)
-                                heapq.heappush(agenda, (plan.done_at + upload_s, order, _UPLOAD, i))
-                                order += 1
-                    finally:  # those kept so far, also when an outcome is raised
-                        debug_many(world.log, "client", lines)
-                elif kind == _FAILED:
-                    await clock.sleep_until(when)
-                    for i in due:
-                        task = tasks[i]
-                        if self.live(task):
-                            kind_, error, diagnosis = _training_failure(failures.pop(i))
-                            await bus.publish(_failed(world, task, kind_, error, diagnosis, **_context(task)))
-                elif self.together:
-                    await clock.sleep_until(when)
-                    times = [clock.now()] * len(due)
-                    if self.gather:
-                        later = _quiet_uploads(agenda, clock)
-                        if later:
-                            await clock.sleep_until(later[-1][0])
-                            due += [i for _, i in later]
-                            times += [at for at, _ in later]
-                    sent = [
-                        _uploaded(world, tasks[i], model, prepared[i], *uploads.pop(i), at=at)
-                        for i, at in zip(due, times, strict=True)
-                        if self.live(tasks[i])
-                    ]
-                    # As one batch where every receiver takes it (the server decodes and checks them together).
-                    if sent and all(message.to == sent[0].to for message in sent):
-                        await bus.publish_together(UpdatesUploaded, sent, to=sent[0].to)
-                    else:
-                        for message in sent:
-                            await bus.publish(message)
-                else:  # one at a time: the server has handled each before the next goes out
-                    for i in due:
-                        task, (trained, upload_s) = tasks[i], uploads.pop(i)
-                        await clock.sleep_until(when)
-                        if self.live(task):
-                            await bus.publish(_uploaded(world, task, model, prepared[i], trained, upload_s))
-        except BaseException:
-            for job in jobs:
-                job.future.cancel()
-            raise
+            for i, outcome in zip(due, outcomes, strict=True):
+                task, plan = tasks[i], prepared[i]
+                if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                    raise outcome
+                if isinstance(outcome, Exception):
+                    state.failures[i] = outcome  # published at the task's own completion time
+                    heapq.heappush(agenda, (plan.done_at, i, _FAILED, i))
+                elif self.live(task):  # else released meanwhile: a coroutine would have been cancelled
+                    upload_s = upload_times[i]
+                    _keep(world, task, state.model, plan, outcome, _context(task), lines)
+                    state.uploads[i] = (outcome, upload_s)
+                    heapq.heappush(agenda, (plan.done_at + upload_s, state.order, _UPLOAD, i))
+                    state.order += 1
+        finally:  # those kept so far, also when an outcome is raised
+            debug_many(world.log, "client", lines)
+
+    async def _publish_failures(self, state: _GroupState, when: float, due: list[int]) -> None:
+        """Publish at ``when`` the failures of the tasks ``due`` that are still in flight."""
+        world = self.world
+        await world.clock.sleep_until(when)
+        for i in due:
+            task = state.tasks[i]
+            if self.live(task):
+                kind, error, diagnosis = _training_failure(state.failures.pop(i))
+                await world.bus.publish(_failed(world, task, kind, error, diagnosis, **_context(task)))
+
+    async def _upload_together(self, state: _GroupState, when: float, due: list[int]) -> None:
+        """Publish at ``when`` the uploads due then (with ``gather``, and those due later when the clock has nothing
+        else before them), as one batch where every receiver takes it."""
+        world = self.world
+        clock, bus, tasks = world.clock, world.bus, state.tasks
+        await clock.sleep_until(when)
+        times = [clock.now()] * len(due)
+        if self.gather:
+            later = _quiet_uploads(state.agenda, clock)
+            if later:
+                await clock.sleep_until(later[-1][0])
+                due += [i for _, i in later]
+                times += [at for at, _ in later]
+        sent = [
+            _uploaded(world, tasks[i], state.model, state.prepared[i], *state.uploads.pop(i), at=at)
+            for i, at in zip(due, times, strict=True)
+            if self.live(tasks[i])
+        ]
+        # As one batch where every receiver takes it (the server decodes and checks them together).
+        if sent and all(message.to == sent[0].to for message in sent):
+            await bus.publish_together(UpdatesUploaded, sent, to=sent[0].to)
+        else:
+            for message in sent:
+                await bus.publish(message)
+
+
+@dataclass(slots=True, kw_only=True)
+class _GroupState:
+    """What a :class:`CohortClients` group keeps while its tasks run: their plans and jobs, and what is due next."""
+
+    tasks: Sequence[TaskAssigned]
+    model: ModelSnapshot
+    prepared: list[_Prepared]
+    jobs: list[Started[Any]]
+    agenda: list[tuple[float, int, int, int]]
+    """Entries ``(time, order, kind, task index)``, a heap."""
+    order: int
+    """The order the next upload put on the agenda takes."""
+    uploads: dict[int, tuple[TrainedUpdate, float]] = field(default_factory=dict)
+    """Task index -> its trained update and upload seconds, until it is published."""
+    failures: dict[int, Exception] = field(default_factory=dict)
+    """Task index -> why its training failed, until it is published."""
 
 
 def _quiet_uploads(agenda: list[tuple[float, int, int, int]], clock: Clock) -> list[tuple[float, int]]:

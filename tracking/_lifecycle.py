@@ -326,7 +326,8 @@ class RunLifecycle:
     def _stored_steps(self, client: mlflow.MlflowClient, run_id: str, keys: Sequence[str]) -> dict[str, Container[int]]:
         """Return, per key of ``keys``, the steps the store holds for run ``run_id``.
 
-        A SQLite store answers in one query; another store key by key, through the metric histories.
+        A SQLite store whose schema fits answers in one query; another store key by key, through the metric
+        histories.
         """
         direct = SqliteMetrics.open(self._run.tracking_uri)
         if direct is not None:
@@ -335,6 +336,7 @@ class RunLifecycle:
             finally:
                 direct.close()
         else:
+            self._writers.tell_schema_mismatch()
             stored = {key: sorted({int(m.step) for m in client.get_metric_history(run_id, key)}) for key in keys}
         return {key: _compact(stored.get(key, [])) for key in keys}
 

@@ -13,6 +13,7 @@ from flasync.tracking._child import ChildLogBatch, IdleChild
 from flasync.tracking._runs import _MONITOR_STOP_TIMEOUT_S, SYSTEM_METRICS_MIN_INTERVAL_S, start_monitor, stop_monitor
 from flasync.tracking.failover import Failover, RunIdentity
 from flasync.tracking.metrics import MetricRow
+from flasync.tracking.sqlite_metrics import schema_mismatch
 from flasync.tracking.store import http_env, is_remote, redact_uri
 from flasync.tracking.writer import MetricWriter
 
@@ -103,6 +104,7 @@ class RunWriters:
         self._opened.set()
         self._no_run = False
         """Opening the run failed: queued metrics have nowhere to go."""
+        self._schema_told = False
 
     def prepare(self, started: bool) -> None:
         """Start the writer process now (or take an idle one), if this tracker uses one; idempotent.
@@ -226,6 +228,8 @@ class RunWriters:
                     self.child_run = child.run
             except ConnectionError as exc:
                 self._writer_process_failed(exc)
+            if self.child is not None:
+                self.tell_schema_mismatch()
         if self.writer is None:
             self.writer = self.metric_writer()
         interval_s = self.system_metrics_interval
@@ -234,6 +238,26 @@ class RunWriters:
         elif self._system_metrics:
             # Its samples go through this tracker's writer (batched, and spooled while the store fails).
             self.monitor = start_monitor(run_id, self.tracking_uri, self.log_metrics, interval_s)
+
+    def tell_schema_mismatch(self) -> None:
+        """Warn once (``tracking.sqlite_schema_mismatch``) when the SQLite store's schema is not the one the direct
+        writes into its tables were written for: those writes then go through MLflow's ``log_batch`` (the writer
+        process decides so itself, with the same check, :meth:`flasync.tracking.sqlite_metrics.SqliteMetrics.open`)."""
+        if self._schema_told:
+            return
+        mismatch = schema_mismatch(self.tracking_uri)
+        if mismatch is None:
+            return
+        self._schema_told = True
+        self._log.warning(
+            "tracking.sqlite_schema_mismatch",
+            message=f"the MLflow store's schema is at revision {mismatch.store}, not the one flasync's direct SQLite "
+            "writes were written for: metrics, params and tags go through MLflow's log_batch",
+            store_revision=mismatch.store,
+            expected_revisions=",".join(mismatch.expected),
+            mlflow_head=mismatch.head,
+            metrics=False,
+        )
 
     def metric_writer(self) -> MetricWriter:
         """Return a new metric writer whose thread sends batches with :meth:`_log_metric_batch`."""

@@ -294,7 +294,7 @@ def test_trackers_given_their_own_holder_share_only_with_each_other(tracking_uri
         assert kept is not None and kept.idle and IDLE.child is None
         second = MlflowTracker(tracking_uri, idle_writers=own)
         second.prepare()
-        assert second._child is kept and second.writer_reused and own.child is None
+        assert second._writers.child is kept and second.writer_reused and own.child is None
         second.start(experiment="own-holder")
         second.finish("FINISHED")
         assert own.child is kept and IDLE.child is None
@@ -362,11 +362,15 @@ def test_concurrent_runs_do_not_share_a_child(tracking_uri: str) -> None:
     first, second = MlflowTracker(tracking_uri), MlflowTracker(tracking_uri)
     first.prepare()
     second.prepare()
-    assert first._child is not None and second._child is not None and first._child is not second._child
+    assert (
+        first._writers.child is not None
+        and second._writers.child is not None
+        and first._writers.child is not second._writers.child
+    )
     ids = [first.start(experiment="concurrent"), second.start(experiment="concurrent")]
     first.log_metrics(_metrics("one", range(4)))
     second.log_metrics(_metrics("two", range(4)))
-    children = [first._child, second._child]
+    children = [first._writers.child, second._writers.child]
     first.finish("FINISHED")
     second.finish("FINISHED")
     assert IDLE.child is children[1] and not children[0].alive

@@ -8,10 +8,10 @@ opens the store (a new SQLite store's schema included), then reads the run id as
 and answers ``ready``; or it reads the run to create (a JSON object), creates the run and answers
 ``ready RUN_ID EXPERIMENT_ID``, so the parent need not import MLflow at all. Each batch follows
 as one line of JSON (``[[key, value, timestamp, step], ...]``), answered ``ok`` or ``error: ...``; in a SQLite store
-whose tables have the shape MLflow's ``log_batch`` writes, the child writes those rows itself
-(:class:`flasync.tracking.sqlite_metrics.SqliteMetrics`: the same rows, a tenth of the CPU), elsewhere it calls
-``log_batch``. A plain subprocess, not ``multiprocessing``: it never re-imports the parent's ``__main__`` (a script
-without an ``if __name__ == "__main__"`` guard stays safe), and nothing is pickled.
+at a schema revision it was written for, whose tables have the shape MLflow's ``log_batch`` writes, the child writes
+those rows itself (:class:`flasync.tracking.sqlite_metrics.SqliteMetrics`: the same rows, a tenth of the CPU),
+elsewhere it calls ``log_batch``. A plain subprocess, not ``multiprocessing``: it never re-imports the parent's
+``__main__`` (a script without an ``if __name__ == "__main__"`` guard stays safe), and nothing is pickled.
 
 The child also does the rest of a run's MLflow work a parent hands it, on its own core and with its own GIL. A job
 is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``files`` (several),

@@ -2,19 +2,20 @@
 
 A :class:`Failover` sends each record (params, tags, metrics, artifacts, the final status) through a callable that
 writes it to MLflow; when that fails, it writes the record to a JSON-lines spool (:mod:`flasync.tracking.spool`)
-instead,
-and from then on tries the store again at most every ``retry_interval_s``. Once the store answers, the spool is
-replayed into it in order and records go direct again. The run's lifecycle (start, resume, writers, finish) is
-:class:`~tracking.mlflow_run.MlflowTracker`'s; this module only routes.
+instead, and from then on tries the store again at most every ``retry_interval_s``. Once the store answers, the
+spool is replayed into it in order and records go direct again. The run's lifecycle (start, resume, finish) is
+:class:`flasync.tracking._lifecycle.RunLifecycle`'s and its metric writers are
+:class:`flasync.tracking._writers.RunWriters`'; this module only routes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shlex
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,6 +72,15 @@ class RunIdentity:
 
 class Failover:
     """Route records to the store or, while it fails, to a spool; replay the spool when the store answers.
+
+    Tracking never takes the run down: when the store cannot be reached or errors - at the run's start or later -
+    every record (params, tags, metrics, artifacts, the final status) goes to a JSON-lines spool (see
+    :mod:`flasync.tracking.spool`), whose path is logged (``tracking.spooling``) and printed on stderr once. While
+    spooling, the store is tried again at most every ``retry_interval_s`` (when there is something to write);
+    once it answers, the spool is replayed in order and records go direct again. What is left at the run's end
+    stays in the spool, and the ``flasync tracking replay PATH`` command that sends it is logged and printed.
+    Calls to an HTTP(S) server are bounded by ``http`` (a tracker's ``http_timeout_s`` per request and
+    ``http_retries`` retries; the metric child process gets the same bounds in its environment).
 
     Args:
         run: The run the records belong to.
@@ -163,6 +173,14 @@ class Failover:
             metrics=False,
         )
         return self.spool
+
+    def spool_opening(self, error: BaseException, tags: Mapping[str, str], params: Mapping[str, str]) -> None:
+        """Send the opening of a run the store did not take to the spool: its ``tags`` (after MLflow's user and
+        source tags, while the store has no run) and ``params``."""
+        spool = self.go_offline(error)
+        if self.run.run_id is None:
+            spool.tags({**_basic_context_tags(), **tags})
+        spool.params(params)
 
     def _spool_failed(self, path: Path, reason: str) -> None:
         self._log.warning(
@@ -259,3 +277,16 @@ class Failover:
                 metrics=False,
             )
         return command
+
+
+def _basic_context_tags() -> dict[str, str]:
+    """MLflow's user and source tags, found without importing MLflow (for a run spooled before MLflow was loaded:
+    MLflow's own context tags, when it was, replace these)."""
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment
+        user = "unknown"
+    source = sys.argv[0] if sys.argv and sys.argv[0] else "<console>"
+    return {"mlflow.user": user, "mlflow.source.name": source, "mlflow.source.type": "LOCAL"}

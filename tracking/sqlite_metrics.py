@@ -12,9 +12,11 @@ statements in one transaction, a few microseconds each, and leaves the store exa
 * ``latest_metrics`` keeps, per key, the row that is greatest by ``(step, timestamp, value)``, the first of equals;
 * the run must exist and be active, and keys, values, timestamps and steps pass MLflow's own ``_validate_metric``.
 
-It is used only where it is known to be exact: :meth:`SqliteMetrics.open` checks that both tables have exactly
-the columns and primary keys it writes, and returns None otherwise (another MLflow schema, a server URI, a database
-other than SQLite), so the caller goes on with ``log_batch``.
+It is used only where it is known to be exact: :meth:`SqliteMetrics.open` checks first that the store's schema is at
+a revision this module was written for (the Alembic revision in its ``alembic_version`` table, one of
+:data:`SCHEMA_REVISIONS`; :func:`schema_mismatch` says which revision it found, and MLflow's newest one), then that
+both tables have exactly the columns and primary keys it writes, and returns None otherwise (another MLflow schema, a
+server URI, a database other than SQLite), so the caller goes on with MLflow's own ``MlflowClient.log_batch``.
 
 A run's parameters (121 for a default config) and its tags cost MLflow's store a session, queries and an ORM object
 each too, and its end a load of the whole run. :meth:`SqliteMetrics.write_params` and :meth:`SqliteMetrics.write_tags`
@@ -28,15 +30,23 @@ would do more than that or refuse (a parameter given another value than the one 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
+import re
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flasync.tracking.store import sqlite_path
 
-__all__ = ["SqliteMetrics"]
+__all__ = ["SCHEMA_REVISIONS", "SchemaMismatch", "SqliteMetrics", "mlflow_head_revision", "schema_mismatch"]
+
+SCHEMA_REVISIONS: frozenset[str] = frozenset({"dc11669786a5"})
+"""The Alembic revisions of MLflow's store schema whose tables this module writes as ``log_batch`` does: a store at
+another revision is left to ``log_batch``. A revision joins once ``tests/tracking/test_sqlite_metrics.py`` passes with
+the MLflow whose head it is."""
 
 _LARGEST = 1.7976931348623157e308
 _METRICS = {"key", "value", "timestamp", "run_uuid", "step", "is_nan"}
@@ -87,15 +97,16 @@ class SqliteMetrics:
     @classmethod
     def open(cls, tracking_uri: str, *, timeout_s: float = _BUSY_TIMEOUT_S) -> SqliteMetrics | None:
         """Return a writer for the SQLite store at ``tracking_uri``, or None where it cannot write exactly as MLflow
-        does: not a SQLite file, a store without MLflow's tables yet, tables of another shape, or an MLflow whose
-        metric check is not the one this module calls.
+        does: not a SQLite file, a store without MLflow's tables yet, a schema revision not in
+        :data:`SCHEMA_REVISIONS`, tables of another shape, or an MLflow whose metric check is not the one this module
+        calls.
 
         Args:
             tracking_uri: The store's URI.
             timeout_s: How long a write waits for another connection's lock before it fails.
         """
         path = sqlite_path(tracking_uri)
-        if path is None or not Path(path).is_file():
+        if path is None or not Path(path).is_file() or schema_mismatch(tracking_uri) is not None:
             return None
         try:
             from mlflow.utils.validation import _validate_metric
@@ -290,6 +301,68 @@ class SqliteMetrics:
             else:
                 out.append((key, value, int(timestamp), run_id, int(step), 0))
         return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchemaMismatch:
+    """A SQLite store whose schema is not at a revision :class:`SqliteMetrics` was written for.
+
+    Attributes:
+        store: The revision in the store's ``alembic_version`` table (None: the table is missing or unreadable).
+        expected: The revisions the direct writes were written for (:data:`SCHEMA_REVISIONS`), sorted.
+        head: The newest revision of the installed MLflow's migrations (None when they cannot be read).
+    """
+
+    store: str | None
+    expected: tuple[str, ...]
+    head: str | None
+
+
+def schema_mismatch(tracking_uri: str, revisions: frozenset[str] | None = None) -> SchemaMismatch | None:
+    """Return how the SQLite store at ``tracking_uri`` differs from the schema the direct writes were written for,
+    or None when its revision is one of ``revisions`` (:data:`SCHEMA_REVISIONS` when None), or when it is no SQLite
+    file (nothing is written directly there). MLflow is not imported.
+    """
+    expected = SCHEMA_REVISIONS if revisions is None else revisions
+    path = sqlite_path(tracking_uri)
+    if path is None or not Path(path).is_file():
+        return None
+    revision = _store_revision(Path(path))
+    if revision in expected:
+        return None
+    return SchemaMismatch(store=revision, expected=tuple(sorted(expected)), head=mlflow_head_revision())
+
+
+def _store_revision(path: Path) -> str | None:
+    """Return the Alembic revision in the store's ``alembic_version`` table (None: no table, or not one row)."""
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=_BUSY_TIMEOUT_S)) as connection:
+            rows = connection.execute("SELECT version_num FROM alembic_version").fetchall()
+    except sqlite3.Error:
+        return None
+    return str(rows[0][0]) if len(rows) == 1 else None
+
+
+_REVISION = re.compile(r"""^(down_)?revision\s*=\s*['"]([0-9a-z_]+)['"]""", re.MULTILINE)
+
+
+def mlflow_head_revision() -> str | None:
+    """Return the newest revision of the installed MLflow's store migrations (the one no other revises), read from
+    its migration scripts without importing MLflow; None when they cannot be read or have no single head."""
+    spec = importlib.util.find_spec("mlflow")
+    if spec is None or spec.origin is None:
+        return None
+    versions = Path(spec.origin).parent / "store" / "db_migrations" / "versions"
+    revised: set[str] = set()
+    known: set[str] = set()
+    try:
+        for script in versions.glob("*.py"):
+            for down, revision in _REVISION.findall(script.read_text(encoding="utf-8")):
+                (revised if down else known).add(revision)
+    except OSError:
+        return None
+    heads = known - revised
+    return heads.pop() if len(heads) == 1 else None
 
 
 class _LeftToMlflow(Exception):

@@ -88,12 +88,12 @@ def test_prepared_tracker_uses_its_early_child(tracking_uri: str) -> None:
     """prepare() starts the writer process before the run exists; start() hands it the run and it writes."""
     tracker = MlflowTracker(tracking_uri)
     tracker.prepare()
-    child = tracker._child
+    child = tracker._writers.child
     assert child is not None and child.alive
     tracker.prepare()
-    assert tracker._child is child  # idempotent
+    assert tracker._writers.child is child  # idempotent
     run_id = tracker.start(experiment="prepared")
-    assert tracker._child is child
+    assert tracker._writers.child is child
     tracker.log_metrics(_metrics("p", range(6)))
     tracker.finish("FINISHED")
     assert IDLE.child is child and child.idle  # kept for the next run of this process
@@ -107,10 +107,10 @@ def test_prepared_tracker_that_never_starts_leaves_nothing(tracking_uri: str) ->
     before = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
     tracker = MlflowTracker(tracking_uri)
     tracker.prepare()
-    child = tracker._child
+    child = tracker._writers.child
     assert child is not None
     tracker.finish("FAILED")
-    assert IDLE.child is child and tracker._child is None and tracker.run_id is None
+    assert IDLE.child is child and tracker._writers.child is None and tracker.run_id is None
     close_idle_writer()
     assert not child.alive
     assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == before
@@ -122,9 +122,9 @@ def test_tracker_falls_back_when_the_child_dies(tracking_uri: str) -> None:
     run_id = tracker.start(experiment="child-fallback")
     tracker.log_metrics(_metrics("c", range(10)))
     tracker.flush()
-    assert tracker._child is not None
-    tracker._child._process.kill()
-    tracker._child._process.wait(10)
+    assert tracker._writers.child is not None
+    tracker._writers.child._process.kill()
+    tracker._writers.child._process.wait(10)
     tracker.log_metrics(_metrics("c", range(10, 25)))
     tracker.finish("FINISHED")
     client = mlflow.MlflowClient(tracking_uri)
@@ -164,11 +164,11 @@ def test_child_that_cannot_open_the_run_leaves_it_to_the_tracker(tracking_uri: s
     """If the writer process fails to create the run, the tracker creates it itself and writes from its own thread."""
     tracker = MlflowTracker(tracking_uri)
     tracker.prepare()
-    assert tracker._child is not None
-    tracker._child._process.kill()
-    tracker._child._process.wait(10)
+    assert tracker._writers.child is not None
+    tracker._writers.child._process.kill()
+    tracker._writers.child._process.wait(10)
     run_id = tracker.start(experiment="child-fails-to-open")
-    assert tracker._child is None
+    assert tracker._writers.child is None
     tracker.log_metrics(_metrics("f", range(4)))
     tracker.finish("FINISHED")
     client = mlflow.MlflowClient(tracking_uri)
@@ -207,7 +207,7 @@ def test_system_monitor_runs_in_the_child(tracking_uri: str) -> None:
     tracker = MlflowTracker(tracking_uri, system_metrics=True, system_metrics_interval_s=0.4)
     tracker.prepare()
     run_id = tracker.start(experiment="child-monitor")
-    assert tracker._monitor_in_child and tracker._monitor is None
+    assert tracker._writers.monitor_in_child and tracker._writers.monitor is None
     time.sleep(2.0)  # about 5 samples at 0.4 s (at most 1 at the default 2 s)
     tracker.finish("FINISHED")
     client = mlflow.MlflowClient(tracking_uri)
@@ -248,7 +248,7 @@ def test_a_second_run_reuses_the_idle_child_and_writes_to_its_own_run(tracking_u
     assert kept is not None and kept.idle
     tracker = MlflowTracker(tracking_uri)
     tracker.prepare()
-    assert tracker._child is kept and tracker.writer_reused and IDLE.child is None
+    assert tracker._writers.child is kept and tracker.writer_reused and IDLE.child is None
     second = tracker.start(experiment="reuse")
     tracker.log_metrics(_metrics("two", range(5, 9)))
     tracker.log_bytes(b"two", "two.txt")
@@ -294,7 +294,7 @@ def test_trackers_given_their_own_holder_share_only_with_each_other(tracking_uri
         assert kept is not None and kept.idle and IDLE.child is None
         second = MlflowTracker(tracking_uri, idle_writers=own)
         second.prepare()
-        assert second._child is kept and second.writer_reused and own.child is None
+        assert second._writers.child is kept and second.writer_reused and own.child is None
         second.start(experiment="own-holder")
         second.finish("FINISHED")
         assert own.child is kept and IDLE.child is None
@@ -335,7 +335,7 @@ def test_a_dead_idle_child_is_replaced(tracking_uri: str) -> None:
     kept._process.wait(10)
     tracker = MlflowTracker(tracking_uri)
     tracker.prepare()
-    assert tracker._child is not None and tracker._child is not kept and not tracker.writer_reused
+    assert tracker._writers.child is not None and tracker._writers.child is not kept and not tracker.writer_reused
     run_id = tracker.start(experiment="dead-idle")
     tracker.log_metrics(_metrics("two", range(3)))
     tracker.finish("FINISHED")
@@ -362,11 +362,15 @@ def test_concurrent_runs_do_not_share_a_child(tracking_uri: str) -> None:
     first, second = MlflowTracker(tracking_uri), MlflowTracker(tracking_uri)
     first.prepare()
     second.prepare()
-    assert first._child is not None and second._child is not None and first._child is not second._child
+    assert (
+        first._writers.child is not None
+        and second._writers.child is not None
+        and first._writers.child is not second._writers.child
+    )
     ids = [first.start(experiment="concurrent"), second.start(experiment="concurrent")]
     first.log_metrics(_metrics("one", range(4)))
     second.log_metrics(_metrics("two", range(4)))
-    children = [first._child, second._child]
+    children = [first._writers.child, second._writers.child]
     first.finish("FINISHED")
     second.finish("FINISHED")
     assert IDLE.child is children[1] and not children[0].alive
@@ -399,8 +403,8 @@ def test_the_idle_child_is_stopped_at_exit(tmp_path: Path) -> None:
     """The exit functions of the process stop the writer process it kept idle."""
     code = (
         "import atexit, sys\n"
-        "from tracking import MlflowTracker\n"
-        "from tracking._child import IDLE\n"
+        "from flasync.tracking import MlflowTracker\n"
+        "from flasync.tracking._child import IDLE\n"
         f"tracker = MlflowTracker('sqlite:///{tmp_path}/exit.db')\n"
         "tracker.start(experiment='exit')\n"
         "tracker.finish('FINISHED')\n"
@@ -482,8 +486,8 @@ def test_a_writer_with_preloads_leaves_the_model_to_a_helper_of_its_own(
     monkeypatch.setattr(_files, "write_elsewhere", lambda *a, **k: pytest.fail("saved by a one-shot process"))
     tracker = MlflowTracker(tracking_uri, preload=("flasync.tracking._model:warm_up",))
     tracker.prepare()
-    assert tracker._child is not None
-    writer = psutil.Process(tracker._child.pid)
+    assert tracker._writers.child is not None
+    writer = psutil.Process(tracker._writers.child.pid)
     run_id = tracker.start(experiment="child-helpers")
     helpers = writer.children()
     assert len(helpers) == 1
@@ -510,8 +514,8 @@ def test_a_dead_helper_leaves_its_jobs_to_the_writer(tracking_uri: str, tmp_path
     holder = IdleChild()
     tracker = MlflowTracker(tracking_uri, preload=("flasync.tracking._model:warm_up",), idle_writers=holder)
     run_id = tracker.start(experiment="child-helper-dies")
-    assert tracker._child is not None
-    [helper] = psutil.Process(tracker._child.pid).children()
+    assert tracker._writers.child is not None
+    [helper] = psutil.Process(tracker._writers.child.pid).children()
     helper.kill()
     deadline = time.monotonic() + 10
     while helper.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:  # the writer reaps it later
@@ -521,7 +525,7 @@ def test_a_dead_helper_leaves_its_jobs_to_the_writer(tracking_uri: str, tmp_path
     tracker.log_model_from(
         "flasync.training.models:build", kwargs, name="mlp", input_example=np.zeros((2, 8), np.float32)
     )
-    assert tracker._child is not None and tracker._child.alive  # the writer process did it
+    assert tracker._writers.child is not None and tracker._writers.child.alive  # the writer process did it
     tracker.finish("FINISHED")
     holder.clear()
     client = mlflow.MlflowClient(tracking_uri)

@@ -161,13 +161,13 @@ def test_several_artifacts_are_stored_in_one_go(
     """log_artifacts stores each file at its path (two of one name in two folders too): in one job of the writer
     process, or from this process when it is gone; a path that names no file stores nothing."""
     run_id = tracker.start(experiment="many-artifacts")
-    assert tracker._child is not None
+    assert tracker._writers.child is not None
     jobs: list[object] = []
-    job = tracker._child_job
-    monkeypatch.setattr(tracker, "_child_job", lambda request: jobs.append(request.get("op")) or job(request))
+    job = tracker._writers.child_job
+    monkeypatch.setattr(tracker._writers, "child_job", lambda request: jobs.append(request.get("op")) or job(request))
     if not writer:
-        tracker._child._process.kill()
-        tracker._child._process.wait(10)
+        tracker._writers.child._process.kill()
+        tracker._writers.child._process.wait(10)
     files = {"summary.json": b"{}", "plots/a.svg": b"<svg/>", "other/a.svg": b"<svg>2</svg>", "deep/er/w.pt": b"\x00"}
     tracker.log_artifacts(files)
     with pytest.raises(ValueError, match="names no file"):

@@ -372,3 +372,110 @@ def test_a_run_opened_by_the_writer_process_gets_its_params_past_log_batch(track
     by_mlflow, _ = open_run(real, **opened)
     assert real.get_run(direct_run).data.params == real.get_run(by_mlflow).data.params == params
     assert real.get_run(direct_run).data.tags["aggregator"] == "fedavg"
+
+
+class _CountingClient:
+    """An MLflow client that counts its ``log_batch`` calls and passes every call on."""
+
+    def __init__(self, inner: mlflow.MlflowClient) -> None:
+        self.inner = inner
+        self.log_batches = 0
+
+    def log_batch(self, *args: object, **kwargs: object) -> None:
+        self.log_batches += 1
+        self.inner.log_batch(*args, **kwargs)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def _through_the_seam(tracking_uri: str, client: mlflow.MlflowClient, run_id: str) -> int:
+    """Send BATCHES for ``run_id`` through the writer process's answer loop, with the direct writer the seam gives
+    (None where the schema does not fit); return how many log_batch calls it made."""
+    counting = _CountingClient(client)
+    replies: list[str] = []
+    writer = SqliteMetrics.open(tracking_uri)
+    lines = "".join(json.dumps(batch) + "\n" for batch in BATCHES)
+    try:
+        requests = io.StringIO(lines)
+        ended = _answer(counting, run_id, requests, replies.append, _Monitor(), tracking_uri, _Aside({}), writer)
+    finally:
+        if writer is not None:
+            writer.close()
+    assert not ended and replies == ["ok"] * len(BATCHES)
+    return counting.log_batches
+
+
+def _rows(tracking_uri: str, run_id: str) -> list[tuple[object, ...]]:
+    """Return the run's metric rows as ``(key, value, step, timestamp)``, NaN as MLflow reads it back."""
+    with sqlite3.connect(tracking_uri.removeprefix("sqlite:///")) as connection:
+        value = "CASE WHEN is_nan THEN 'nan' ELSE value END"
+        query = f"SELECT key, {value}, step, timestamp FROM metrics WHERE run_uuid = ?"
+        return sorted(connection.execute(query, (run_id,)).fetchall(), key=repr)
+
+
+def test_a_store_at_another_schema_revision_falls_back_to_log_batch(
+    tracking_uri: str, client: mlflow.MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose Alembic revision is not the one the direct writes were written for gets no direct writer: the
+    writer process's batches go through MlflowClient.log_batch, and the mismatch names both revisions."""
+    from flasync.tracking import sqlite_metrics
+
+    assert sqlite_metrics.schema_mismatch(tracking_uri) is None
+    run_id = _run(client, "schema-seam")
+    monkeypatch.setattr(sqlite_metrics, "SCHEMA_REVISIONS", frozenset({"0123456789ab"}))
+    mismatch = sqlite_metrics.schema_mismatch(tracking_uri)
+    assert mismatch is not None
+    assert mismatch.expected == ("0123456789ab",)
+    assert mismatch.store == mismatch.head == sqlite_metrics.mlflow_head_revision()
+    assert mismatch.store is not None
+    assert SqliteMetrics.open(tracking_uri) is None
+    assert _through_the_seam(tracking_uri, client, run_id) == len(BATCHES)
+    assert _rows(tracking_uri, run_id)
+
+
+def test_both_sides_of_the_schema_seam_store_the_same_metric_rows(
+    tracking_uri: str, client: mlflow.MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same batches, written directly (the schema fits) and through log_batch (it does not), leave the same
+    (key, value, step, timestamp) rows in the store."""
+    from flasync.tracking import sqlite_metrics
+
+    direct_run, fallback_run = _run(client, "schema-seam"), _run(client, "schema-seam")
+    assert _through_the_seam(tracking_uri, client, direct_run) == 0
+    monkeypatch.setattr(sqlite_metrics, "SCHEMA_REVISIONS", frozenset({"0123456789ab"}))
+    assert _through_the_seam(tracking_uri, client, fallback_run) == len(BATCHES)
+    assert _rows(tracking_uri, direct_run) == _rows(tracking_uri, fallback_run)
+    assert len(_rows(tracking_uri, direct_run)) >= 10
+
+
+def test_a_schema_mismatch_is_one_warning_of_the_tracker(
+    tracking_uri: str, client: mlflow.MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tracker that meets a store of another schema revision warns once (tracking.sqlite_schema_mismatch) and
+    reads and writes through MLflow's client."""
+    import structlog
+
+    from flasync.tracking import MlflowTracker, sqlite_metrics
+
+    first = MlflowTracker(tracking_uri, writer_process=False, flush_interval_s=0.05)
+    run_id = first.start(experiment="schema-seam")
+    first.log_metrics([Metric("m", 1.0, 0, step) for step in range(3)])
+    first.finish("KILLED")
+    monkeypatch.setattr(sqlite_metrics, "SCHEMA_REVISIONS", frozenset({"0123456789ab"}))
+    resumed = MlflowTracker(tracking_uri, writer_process=False, flush_interval_s=0.05)
+    with structlog.testing.capture_logs() as logs:
+        resumed.resume(run_id)
+        resumed._writers.tell_schema_mismatch()  # told once per tracker, however often asked
+        resumed.log_metrics([Metric("m", 2.0, 0, step) for step in range(5)])
+        resumed.finish("FINISHED")
+    warnings = [log for log in logs if log["event"] == "tracking.sqlite_schema_mismatch"]
+    assert len(warnings) == 1
+    assert warnings[0]["log_level"] == "warning" and warnings[0]["expected_revisions"] == "0123456789ab"
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "m")) == [
+        (0, 1.0),
+        (1, 1.0),
+        (2, 1.0),
+        (3, 2.0),
+        (4, 2.0),
+    ]

@@ -55,7 +55,14 @@ from flasync.observe.profiling import (
 )
 from flasync.observe.summary import RunSummary, json_ready, weights_sha256
 from flasync.runtime import checkpoint, tracked
-from flasync.runtime.build import AggregatorFactory, build_server, build_world, check_objective, make_evaluator
+from flasync.runtime.build import (
+    AggregatorFactory,
+    build_server,
+    build_world,
+    check_objective,
+    check_plugins,
+    make_evaluator,
+)
 from flasync.runtime.naming import dataset_record, default_run_name, rule_name, run_mode, run_tags, topology_name
 from flasync.runtime.prepare import ModelFactory, Prepared, RunInputs
 from flasync.runtime.sizing import make_executor
@@ -63,7 +70,8 @@ from flasync.server import Server, ServerStats
 from flasync.training.diagnostics import AlertMonitor, LayerLayout, TrainingDiagnostics, layer_layout
 from flasync.training.executors.threads import TrainingExecutor
 from flasync.training.local import LocalObjective, objective_name
-from flasync.training.residuals import RESIDUALS_PREFIX, ResidualStore
+from flasync.training.plugins import ClientPlugin, ServerPlugin
+from flasync.training.residuals import RESIDUALS_PREFIX
 
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
@@ -141,6 +149,9 @@ class Federation:
             ``ready()``). Tagged ``aggregator.custom`` in tracking.
         objective: The loss local training minimises instead of cross-entropy (a :class:`flasync.LocalObjective`).
             Tagged ``objective`` in tracking.
+        plugins: Algorithm state of your own (:class:`flasync.ClientPlugin` and :class:`flasync.ServerPlugin`
+            objects), called after the run's own plug-ins at every point of an update's path; each is a checkpoint
+            component under its ``name``.
 
     Attributes:
         config: The run's configuration; :meth:`run` replaces it by the one resolved against the data (with
@@ -165,6 +176,7 @@ class Federation:
         resume: checkpoint.ResumePoint | None = None,
         aggregator: AggregatorFactory | None = None,
         objective: LocalObjective | None = None,
+        plugins: Sequence[ClientPlugin | ServerPlugin] = (),
     ) -> None:
         """Validate the configuration and create the clock and bus (nothing runs yet)."""
         if config is None:
@@ -173,6 +185,7 @@ class Federation:
             config = validate(config)
         if objective is not None:
             check_objective(config, objective)
+        check_plugins(plugins)
         if aggregator is not None and config.privacy.enabled:
             # The noise is added by flasync's buffered rule; a user's rule would publish unnoised sums.
             raise ConfigError(
@@ -181,6 +194,7 @@ class Federation:
         self.config: RunConfig = config
         self._aggregator = aggregator
         self._objective = objective
+        self._plugins = tuple(plugins)
         self._dataset = dataset
         self._test_dataset = test_dataset
         self._model_factory = model_factory
@@ -466,8 +480,9 @@ class Federation:
             diagnostics=diagnostics,
             scratch=self._scratch_dir,
             objective=self._objective,
+            plugins=[plugin for plugin in self._plugins if isinstance(plugin, ClientPlugin)],
         )
-        residuals, variates = world.job.residuals, world.job.variates
+        plugins = world.plugins
         device = prepared.device
         weights = prepared.initial.to(device, copy=True)
         parts = build_server(
@@ -485,6 +500,7 @@ class Federation:
             aggregator_factory=self._aggregator,
             start_task=self.transport.start_task if self.transport is not None else None,
             availability=self.transport,
+            plugins=[plugin for plugin in self._plugins if isinstance(plugin, ServerPlugin)],
         )
         server = parts.server
         if self.transport is not None:
@@ -533,10 +549,10 @@ class Federation:
             if server.interrupted_state is not None and cfg.checkpoint.on_interrupt:
                 writes.submit(server.interrupted_state)
             await _off_loop(writes.close)
-            if residuals is not None or variates is not None:
-                # Jobs of cancelled clients may still be running and about to store residuals: let them finish.
+            if plugins:
+                # Jobs of cancelled clients may still be running and about to store their state: let them finish.
                 await _off_loop(executor.shutdown)
-            residual_memory = await _off_loop(self._close_stores, residuals, variates, log)
+            residual_memory = await _off_loop(self._close_stores, plugins, log)
         wall_s = self._wall() - start_wall
         if opening is not None and cancelled is None:
             self.run_id = await asyncio.wrap_future(opening) or None  # a run that could not be opened raises here
@@ -598,13 +614,11 @@ class Federation:
         log.debug("run.finished", step=stats.versions, **figures, **extra)
         return summary
 
-    def _close_stores(
-        self, residuals: ResidualStore | None, variates: ResidualStore | None, log: Any
-    ) -> dict[str, int]:
-        """Close the residual and control-variate stores, remove the scratch folder; return the memory figures."""
-        memory = _close_residuals(residuals, log) if residuals is not None else {}
-        if variates is not None:
-            variates.close()
+    def _close_stores(self, plugins: Sequence[ClientPlugin], log: Any) -> dict[str, int]:
+        """Close the clients' plug-ins (their spilled state), remove the scratch folder; return the memory figures."""
+        memory: dict[str, int] = {}
+        for plugin in plugins:
+            memory.update(plugin.close(log))
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
@@ -1011,21 +1025,6 @@ def _tag_alerts(tracker: tracking.Tracker, first: Mapping[str, str], log: Any) -
         tracker.set_tags({f"alert.{kind}": message for kind, message in first.items()})
     except Exception as exc:  # a tracking failure must not fail the run
         log.warning("alert.tag_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
-
-
-def _close_residuals(residuals: ResidualStore, log: Any) -> dict[str, int]:
-    """Close the residual store; return its memory figures for the profile."""
-    memory = {"residual_memory_bytes": residuals.memory_bytes, "residual_disk_bytes": residuals.disk_bytes}
-    residuals.close()
-    log.debug(
-        "codec.residuals",
-        clients=len(residuals),
-        memory_bytes=memory["residual_memory_bytes"],
-        disk_bytes=memory["residual_disk_bytes"],
-        spills=residuals.spills,
-        loads=residuals.loads,
-    )
-    return memory
 
 
 def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:

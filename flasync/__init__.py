@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from flasync.runtime.build import AggregatorFactory
     from flasync.runtime.federation import Federation, RunSummary, run
     from flasync.training.local import LocalObjective
+    from flasync.training.plugins import ClientPlugin, Extra, Finished, Refusal, ServerPlugin, TaskPart
 
 # Imported on first use: the runtime brings in torch (about a second), which `python -m flasync` should not pay
 # before it can say anything, nor `flasync --help`.
@@ -34,6 +35,10 @@ _LAZY = {
     "Aggregator": "flasync.aggregation",
     "AggregatorFactory": "flasync.runtime.build",
     "LocalObjective": "flasync.training.local",
+    **{
+        name: "flasync.training.plugins"
+        for name in ("ClientPlugin", "Extra", "Finished", "Refusal", "ServerPlugin", "TaskPart")
+    },
     "Federation": "flasync.runtime.federation",
     "RunSummary": "flasync.runtime.federation",
     "run": "flasync.runtime.federation",
@@ -56,15 +61,21 @@ __all__ = [
     "Aggregator",
     "AggregatorFactory",
     "CheckpointError",
+    "ClientPlugin",
     "ConfigError",
     "DataError",
     "DecodeError",
+    "Extra",
     "Federation",
+    "Finished",
     "FlasyncError",
     "LocalObjective",
+    "Refusal",
     "RunConfig",
     "RunInterrupted",
     "RunSummary",
+    "ServerPlugin",
+    "TaskPart",
     "TrainingError",
     "__version__",
     "load_config",

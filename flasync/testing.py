@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,6 +58,7 @@ from flasync.server import (
 )
 from flasync.tracking.metrics import MetricRow
 from flasync.training.local import EvalResult
+from flasync.training.plugins import ClientPlugin, Finished, ServerPlugin, TaskPart
 
 __all__ = [
     "EventRecorder",
@@ -65,7 +67,9 @@ __all__ = [
     "NullLog",
     "ScriptedClients",
     "ServerHarness",
+    "TaskCounts",
     "UntrainableModel",
+    "UpdateCounts",
     "small_config",
 ]
 
@@ -525,3 +529,87 @@ class MeanOfDeltas:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.deltas = [d.clone() for d in state["deltas"]]
+
+
+class UpdateCounts(ServerPlugin):
+    """A server-side plug-in for tests and an example of one: each client's updates admitted, as a per-client table.
+
+    It is written only against the algorithm-state seam (:mod:`flasync.training.plugins`) and is a checkpoint
+    component under its name, so a resumed run goes on counting. Pass it as ``Federation(config,
+    plugins=[UpdateCounts()])``.
+    """
+
+    name = "update_counts"
+
+    def __init__(self) -> None:
+        """Count nothing yet."""
+        self.counts: Counter[int] = Counter()
+        self.versions = 0
+
+    def admitted(self, message: UpdateUploaded, version: int) -> None:
+        """Count the upload's client."""
+        self.counts[int(message.client_id)] += 1
+
+    def version_made(self, version: int, log: Any) -> None:
+        """Remember the newest version."""
+        self.versions = version
+
+    def table(self) -> list[tuple[int, int]]:
+        """Return ``(client id, updates admitted)`` rows, by client id."""
+        return sorted(self.counts.items())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the table."""
+        rows = self.table()
+        return {"clients": [c for c, _ in rows], "counts": [n for _, n in rows], "versions": self.versions}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.counts = Counter(dict(zip(state["clients"], state["counts"], strict=True)))
+        self.versions = int(state["versions"])
+
+
+class TaskCounts(ClientPlugin):
+    """A client-side plug-in for tests and an example of one: each client's trained tasks, kept when training ends.
+
+    Written only against the algorithm-state seam (:mod:`flasync.training.plugins`): a task's part is made on the
+    event loop when the task is placed, finishes in the worker thread, and is kept once the training ended in
+    (virtual) time, so a task abandoned before then counts nothing.
+    """
+
+    name = "task_counts"
+
+    def __init__(self) -> None:
+        """Count nothing yet."""
+        self.counts: Counter[int] = Counter()
+        self.started = 0
+
+    def task(self, task: TaskAssigned, model: ModelSnapshot) -> TaskPart:
+        """Return the task's part."""
+        self.started += 1
+        return _CountedTask(self, int(task.client_id))
+
+    def state_dict(self, in_flight: Iterable[TaskAssigned]) -> dict[str, Any]:
+        """Return the table."""
+        rows = sorted(self.counts.items())
+        return {"clients": [c for c, _ in rows], "counts": [n for _, n in rows]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.counts = Counter(dict(zip(state["clients"], state["counts"], strict=True)))
+
+
+class _CountedTask(TaskPart):
+    """One task of :class:`TaskCounts`: its finish sends nothing; its keep counts the client."""
+
+    def __init__(self, owner: TaskCounts, client_id: int) -> None:
+        self.owner = owner
+        self.client_id = client_id
+
+    def finish(self, delta: torch.Tensor, result: Any, encoded: Any, codec: Any) -> Finished:
+        """Report the delta's norm as a figure of the task's debug line."""
+        return Finished(figures={"counted_norm": float(torch.linalg.vector_norm(delta))})
+
+    def keep(self, finished: Finished) -> None:
+        """Count the client's trained task."""
+        self.owner.counts[self.client_id] += 1

@@ -88,7 +88,11 @@ async def test_malformed_payloads_are_rejected_and_the_run_goes_on(monkeypatch: 
         if bad is None:
             return trained
         return flasync.training.jobs.TrainedUpdate(
-            result=trained.result, payload=bad, encode_s=trained.encode_s, residual_norm=trained.residual_norm
+            result=trained.result,
+            payload=bad,
+            encode_s=trained.encode_s,
+            extra=trained.extra,
+            finished=trained.finished,
         )
 
     monkeypatch.setattr(flasync.clients.simulated.client, "train_job", corrupting)

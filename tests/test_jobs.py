@@ -9,14 +9,17 @@ import pytest
 import torch
 
 from flasync import codecs
+from flasync.algorithms.error_feedback import ErrorFeedback
 from flasync.core import seeding
-from flasync.core.events import ClientId
+from flasync.core.events import ClientId, TaskAssigned, Version
+from flasync.core.snapshots import ModelSnapshot
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
 from flasync.training.diagnostics import DivergedTraining, TrainingDiagnostics
 from flasync.training.executors.threads import ModelPool, TrainingJob
 from flasync.training.jobs import Finish, JobContext, TrainedUpdate, finish_cohort, finish_job
 from flasync.training.local import LocalTraining, flat_parameters
 from flasync.training.models import MLP
+from flasync.training.plugins import TaskPart
 from flasync.training.residuals import ResidualStore
 
 
@@ -73,7 +76,7 @@ def _same(together: TrainedUpdate, alone: TrainedUpdate) -> None:
     assert together.payload == alone.payload
     assert together.diagnosis == alone.diagnosis
     assert dataclasses.replace(together.result, train_s=0.0) == dataclasses.replace(alone.result, train_s=0.0)
-    assert together.result.delta.numel() == 0 and together.residual is None and together.residual_norm is None
+    assert together.result.delta.numel() == 0 and together.finished == () and together.extra == b""
 
 
 def test_a_cohort_finished_together_gives_what_each_member_finished_alone_gives() -> None:
@@ -119,13 +122,14 @@ def test_a_cohort_that_cannot_be_encoded_together_is_finished_one_by_one() -> No
     pool = ModelPool(lambda: MLP(8, [16], 3))
     n = base.numel()
     lossy = JobContext(models=pool, local=cfg, upload_codec=codecs.Pipeline([codecs.Float16()]), num_params=n)
-    feedback = JobContext(
-        models=pool,
-        local=cfg,
-        upload_codec=codecs.Pipeline([codecs.TopK(0.5)]),
-        num_params=n,
-        residuals=ResidualStore(n),
-    )
+    feedback = JobContext(models=pool, local=cfg, upload_codec=codecs.Pipeline([codecs.TopK(0.5)]), num_params=n)
+    residuals = ErrorFeedback(ResidualStore(n))
+    snapshot = ModelSnapshot(version=Version(0), weights=base, exact=base, download_bytes=0)
+
+    def residual_of(k: int) -> tuple[TaskPart, ...]:
+        task = TaskAssigned(task_id=k, client_id=ClientId(k), participation=0, base_version=Version(0), simulated_s=0.0)
+        return (residuals.task(task, snapshot),)
+
     plain = JobContext(models=pool, local=cfg, upload_codec=codecs.Pipeline(), num_params=n)
 
     def boom(result: Any) -> Any:
@@ -133,7 +137,7 @@ def test_a_cohort_that_cannot_be_encoded_together_is_finished_one_by_one() -> No
 
     for finishes in (
         [Finish(lossy, ClientId(k), None) for k in range(3)],
-        [Finish(feedback, ClientId(k), None) for k in range(3)],
+        [Finish(feedback, ClientId(k), None, parts=residual_of(k)) for k in range(3)],
         [
             Finish(plain, ClientId(0), None),
             Finish(plain, ClientId(1), None, attack=-2.0),
@@ -146,5 +150,5 @@ def test_a_cohort_that_cannot_be_encoded_together_is_finished_one_by_one() -> No
             if finish is boom:
                 assert isinstance(finished, RuntimeError)
                 continue
-            alone = Finish(finish.ctx, ClientId(k), None, attack=finish.attack)(result)
+            alone = Finish(finish.ctx, ClientId(k), None, attack=finish.attack, parts=finish.parts)(result)
             assert isinstance(finished, TrainedUpdate) and finished.payload == alone.payload

@@ -15,6 +15,7 @@ from flasync.aggregation.privacy import (
     calibrate_noise_multiplier,
     sampling_rate,
 )
+from flasync.algorithms.privacy import CentralPrivacy
 from flasync.codecs.validation import UpdateValidator
 from flasync.core import seeding
 from flasync.core.errors import ConfigError
@@ -158,6 +159,7 @@ class _AnyTask:
 
 def test_one_update_per_client_per_version_clipped() -> None:
     """A client's second update into the same version is refused as 'repeat'; the next version takes it."""
+    privacy = CentralPrivacy(PrivacyAccountant(noise_multiplier=1.0, sampling_rate=0.1, delta=1e-5))
     intake = Intake(
         registry=_AnyTask(),  # type: ignore[arg-type]
         codec=codecs.Pipeline(),
@@ -167,7 +169,7 @@ def test_one_update_per_client_per_version_clipped() -> None:
         max_staleness=None,
         clip_norm=1.0,
         wall=lambda: 0.0,
-        one_per_client=True,
+        plugins=[privacy],
     )
     first = intake.admit(_upload(0, 5, 2), version=2)
     assert isinstance(first, Admitted)
@@ -175,10 +177,10 @@ def test_one_update_per_client_per_version_clipped() -> None:
     again = intake.admit(_upload(1, 5, 2), version=2)
     assert isinstance(again, Refused) and again.reason == "repeat"
     assert isinstance(intake.admit(_upload(2, 6, 2), version=2), Admitted)
-    state = intake.state_dict()
+    state = privacy.state_dict()
     assert state["joined"] == [2, [5, 6]]
     assert isinstance(intake.admit(_upload(3, 5, 2), version=3), Admitted)
-    intake.load_state_dict(state)  # a checkpoint taken in version 2 restores who is in it
+    privacy.load_state_dict(state)  # a checkpoint taken in version 2 restores who is in it
     assert isinstance(intake.admit(_upload(4, 6, 2), version=2), Refused)
 
 

@@ -123,7 +123,8 @@ class UpdateUploaded:
     The cost of the task: ``compute_s`` and ``encode_s`` are wall seconds of local training and encoding in the
     worker thread; ``sim_download_s``, ``sim_train_s`` and ``sim_upload_s`` are its simulated durations;
     ``download_bytes`` the model it downloaded; ``peak_mem_bytes`` the training call's peak tensor memory;
-    ``tier`` the uploading node's tier (``"client"``); ``control`` SCAFFOLD's encoded ``Delta c_i`` (empty without).
+    ``tier`` the uploading node's tier (``"client"``); ``extra`` what an algorithm's plug-in sends beside the delta
+    (empty: nothing).
     """
 
     to: str = CLOUD
@@ -144,12 +145,12 @@ class UpdateUploaded:
     download_bytes: int = 0
     peak_mem_bytes: int = 0
     diagnosis: TaskDiagnosis | None = None
-    control: bytes = field(default=b"", repr=False)
+    extra: bytes = field(default=b"", repr=False)
 
     @property
     def upload_bytes(self) -> int:
-        """Bytes on the wire: the delta and, with SCAFFOLD, the encoded ``Delta c_i`` (``control``)."""
-        return len(self.payload) + len(self.control)
+        """Bytes on the wire: the delta and what a plug-in sends beside it (``extra``)."""
+        return len(self.payload) + len(self.extra)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,12 +16,12 @@ class ModelSnapshot:
     """One published global model: weights shared read-only by every client that downloads it.
 
     ``weights`` is what clients receive (the decoded download, equal to ``exact`` for a lossless download codec);
-    ``exact`` is the server's own copy. ``control`` is SCAFFOLD's server control variate as clients receive it (None
-    without SCAFFOLD); ``download_bytes`` counts it too.
+    ``exact`` is the server's own copy. ``extra`` is what an algorithm's plug-in sends with the model, as clients
+    receive it (None: nothing); ``download_bytes`` counts it too.
     """
 
     version: Version
     weights: torch.Tensor
     exact: torch.Tensor
     download_bytes: int
-    control: torch.Tensor | None = None
+    extra: torch.Tensor | None = None

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,10 @@ from flasync.aggregation.privacy import (
     GaussianMechanism,
     PrivacyPlan,
 )
-from flasync.clients.simulated.client import Client, ClientResiduals, ClientWorld, CohortClients
+from flasync.algorithms.error_feedback import ErrorFeedback
+from flasync.algorithms.privacy import CentralPrivacy
+from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
+from flasync.clients.simulated.client import Client, ClientWorld, CohortClients
 from flasync.clients.simulated.faults import FaultModel
 from flasync.clients.simulated.population import Network, Population
 from flasync.codecs import Pipeline
@@ -79,6 +81,7 @@ from flasync.training.diagnostics import TrainingDiagnostics
 from flasync.training.executors.threads import TrainingExecutor
 from flasync.training.jobs import ClientSamples, JobContext
 from flasync.training.local import EvalResult, LocalObjective, LocalTraining, evaluate, objective_name
+from flasync.training.plugins import ClientPlugin, ServerPlugin
 from flasync.training.residuals import ResidualStore
 
 __all__ = [
@@ -112,6 +115,7 @@ def build_world(
     diagnostics: TrainingDiagnostics | None,
     scratch: Callable[[], str],
     objective: LocalObjective | None = None,
+    plugins: Sequence[ClientPlugin] = (),
 ) -> ClientWorld:
     """Assemble the world simulated clients live in: data on the device, population, network, faults, jobs.
 
@@ -127,20 +131,18 @@ def build_world(
         scratch: Returns a scratch folder removed after the run (error-feedback residuals spill there when
             ``codec.residual_dir`` is not set).
         objective: The loss local training minimises (None: cross-entropy).
+        plugins: A caller's own per-client algorithm state, after the run's own.
     """
     upload_codec = pipeline(config.codec.upload)
-    residuals, variates = _residual_stores(config, prepared, upload_codec, scratch)
+    client_plugins = (*_client_plugins(config, prepared, upload_codec, scratch), *plugins)
     samples = _client_samples(config, prepared)
     job = JobContext(
         models=executor.models,
         local=LocalTraining(**config.client.model_dump(), objective=objective),
         upload_codec=upload_codec,
         num_params=prepared.initial.numel(),
-        residuals=residuals,
-        residual_lock=threading.Lock(),
         diagnostics=diagnostics,
         wall=wall,
-        variates=variates,
     )
     population = config.population
     return ClientWorld(
@@ -162,30 +164,57 @@ def build_world(
         samples=samples,
         pool=executor.pool,
         job=job,
-        pre_task_residuals={} if residuals is not None else None,
-        pre_task_variates={} if variates is not None else None,
+        plugins=client_plugins,
     )
 
 
-def _residual_stores(
+_TAKEN_NAMES = frozenset(
+    {"clock", "residuals", "variates", "controls", "privacy", "version", "weights", "queued", "answered"}
+    | {"aggregator", "accounting", "sampler", "registry", "intake", "policy"}
+)
+"""Names of a checkpoint's entries besides a caller's plug-ins: the server's own state and the run's own plug-ins."""
+
+
+def check_plugins(plugins: Sequence[object]) -> None:
+    """Refuse a caller's plug-ins that are of neither kind, unnamed, or named like other checkpoint state.
+
+    Raises:
+        ConfigError: One line naming the plug-in and what is wrong.
+    """
+    seen: set[str] = set()
+    for plugin in plugins:
+        kind = type(plugin).__name__
+        if not isinstance(plugin, ClientPlugin | ServerPlugin):
+            raise ConfigError(f"plugins: {kind} is neither a flasync.ClientPlugin nor a flasync.ServerPlugin")
+        name = plugin.name
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"plugins: {kind}.name must be a non-empty identifier, not {name!r}")
+        if name in _TAKEN_NAMES or name in seen:
+            raise ConfigError(f"plugins: {kind}.name {name!r} is taken (a checkpoint holds one entry per name)")
+        seen.add(name)
+
+
+def _client_plugins(
     config: RunConfig, prepared: Prepared, upload_codec: Pipeline, scratch: Callable[[], str]
-) -> tuple[ResidualStore | None, ResidualStore | None]:
-    """Return the clients' error-feedback residuals (None: the upload codec keeps none) and SCAFFOLD control
-    variates (None: SCAFFOLD is off)."""
-    residuals: ResidualStore | None = None
+) -> tuple[ClientPlugin, ...]:
+    """Return the clients' algorithm state: error-feedback residuals (when the upload codec keeps them) and SCAFFOLD's
+    control variates (when it is on), each bounded in memory and spilled to disk."""
+    plugins: list[ClientPlugin] = []
+    num_params = prepared.initial.numel()
     if upload_codec.error_feedback:
         spill = config.codec.residual_dir or scratch()
-        residuals = ResidualStore(
-            prepared.initial.numel(), max_in_memory=config.codec.max_residuals_in_memory, spill_dir=spill
+        plugins.append(
+            ErrorFeedback(
+                ResidualStore(num_params, max_in_memory=config.codec.max_residuals_in_memory, spill_dir=spill)
+            )
         )
-    variates: ResidualStore | None = None
     if config.scaffold.enabled:
-        variates = ResidualStore(
-            prepared.initial.numel(),
-            max_in_memory=config.scaffold.max_in_memory,
-            spill_dir=config.scaffold.spill_dir or scratch(),
+        scaffold = config.scaffold
+        store = ResidualStore(
+            num_params, max_in_memory=scaffold.max_in_memory, spill_dir=scaffold.spill_dir or scratch()
         )
-    return residuals, variates
+        plugins.append(ScaffoldClients(store, seed=config.seed, lr=config.client.lr))
+    return tuple(plugins)
 
 
 def _client_samples(config: RunConfig, prepared: Prepared) -> ClientSamples:
@@ -405,6 +434,7 @@ def build_server(
     aggregator_factory: AggregatorFactory | None = None,
     start_task: StartTask | None = None,
     availability: Availability | None = None,
+    plugins: Sequence[ServerPlugin] = (),
 ) -> ServerParts:
     """Assemble the cloud of a run: registry, accounting, sampler, intake, aggregator, policy, edges.
 
@@ -425,21 +455,20 @@ def build_server(
             transport's :meth:`~flasync.clients.remote.transport.RemoteTransport.start_task`).
         availability: Who can take a task now, instead of the failure model's windows (e.g. the remote transport:
             the devices connected now).
+        plugins: A caller's own server-side algorithm state, after the run's own.
     """
     in_flight = clients_in_flight(config, len(population))
     accounting, registry, group, sampler = _make_dispatch(
         config, population, world, in_flight, bus=bus, clock=clock, start_task=start_task, availability=availability
     )
     clip_norm, noise = _privacy_noise(config, privacy, weights)
-    make_intake = _intake_factory(
-        config, registry, world, weights, clip_norm=clip_norm, wall=wall, one_per_client=privacy is not None
-    )
+    make_intake = _intake_factory(config, registry, world, weights, clip_norm=clip_norm, wall=wall)
     edge_codec = pipeline(config.topology.codec if isinstance(config.topology, TreeTopology) else ())
     edges = _make_edges(
         config, tree, registry, make_intake, edge_codec, weights, bus=bus, clock=clock, wall=wall, log=log
     )
     aggregator = _server_aggregator(config, weights, noise, aggregator_factory)
-    controls = _control_variates(config, weights, len(population))
+    server_plugins = (*_server_plugins(config, weights, len(population), privacy, world.job.upload_codec), *plugins)
     policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
     if group is not None:
         _group_answers(group, policy, registry, tree)
@@ -453,7 +482,7 @@ def build_server(
         aggregator=aggregator,
         policy=policy,
         registry=registry,
-        intake=make_intake(),
+        intake=make_intake(server_plugins),
         accounting=accounting,
         sampler=sampler,
         download_codec=pipeline(config.codec.download),
@@ -462,9 +491,8 @@ def build_server(
         rules=_stop_rules(config),
         inbox_capacity=_inbox_capacity(in_flight, tree),
         download_generator=lambda version: seeding.torch_stream(seed, seeding.DOWNLOAD_CODEC, version),
-        components=_server_components(clock, world, registry, controls),
-        privacy=privacy.accountant if privacy is not None else None,
-        controls=controls,
+        components=_server_components(clock, world, registry),
+        plugins=server_plugins,
     )
     return ServerParts(server=server, edges=edges)
 
@@ -547,15 +575,15 @@ def _intake_factory(
     *,
     clip_norm: float | None,
     wall: Callable[[], float],
-    one_per_client: bool,
-) -> Callable[[], Intake]:
-    """Return what makes the admission path of the cloud and of each edge (one intake each)."""
+) -> Callable[..., Intake]:
+    """Return what makes the admission path of the cloud and of each edge (one intake each; the cloud's with the
+    run's server-side plug-ins)."""
     server_cfg, res = config.server, config.resilience
     num_params = weights.numel()
     max_staleness = server_cfg.max_staleness if isinstance(server_cfg, FedBuffServer | FedAsyncServer) else None
     upload_codec = world.job.upload_codec
 
-    def make_intake() -> Intake:
+    def make_intake(plugins: Sequence[ServerPlugin] = ()) -> Intake:
         return Intake(
             registry=registry,
             codec=upload_codec,
@@ -572,8 +600,7 @@ def _intake_factory(
             max_staleness=max_staleness,
             clip_norm=clip_norm,
             wall=wall,
-            controls=config.scaffold.enabled,
-            one_per_client=one_per_client,
+            plugins=plugins,
         )
 
     return make_intake
@@ -644,21 +671,36 @@ def _server_aggregator(
     return custom_aggregator(aggregator_factory, weights, config.server)
 
 
-def _control_variates(config: RunConfig, weights: torch.Tensor, num_clients: int) -> ControlVariate | None:
-    """Return SCAFFOLD's server and client control variates (None: SCAFFOLD is off)."""
-    return (
-        ControlVariate(weights.numel(), num_clients=num_clients, device=weights.device)
-        if config.scaffold.enabled
-        else None
-    )
+def _server_plugins(
+    config: RunConfig, weights: torch.Tensor, num_clients: int, privacy: PrivacyPlan | None, upload_codec: Pipeline
+) -> tuple[ServerPlugin, ...]:
+    """Return the server's algorithm state: SCAFFOLD's control variate ``c`` and central differential privacy's
+    one-update-per-client rule and accountant (each when it is on)."""
+    plugins: list[ServerPlugin] = []
+    if config.scaffold.enabled:
+        controls = ControlVariate(weights.numel(), num_clients=num_clients, device=weights.device)
+        plugins.append(ScaffoldServer(controls, upload_codec))
+    if privacy is not None:
+        plugins.append(CentralPrivacy(privacy.accountant))
+    return tuple(plugins)
 
 
-def _server_components(
-    clock: RunClock, world: ClientWorld, registry: TaskRegistry, controls: ControlVariate | None
-) -> dict[str, Stateful]:
-    """Return the state a checkpoint keeps besides the server's own: the clock, the clients' residuals and variates."""
-    return {
-        "clock": clock,
-        "residuals": ClientResiduals(world, lambda: iter(registry)),
-        **({"variates": ClientResiduals(world, lambda: iter(registry), variates=True)} if controls else {}),
-    }
+class _ClientState:
+    """A client plug-in's state as a checkpoint component: the tasks in flight are the registry's."""
+
+    def __init__(self, plugin: ClientPlugin, registry: TaskRegistry) -> None:
+        self.plugin = plugin
+        self.registry = registry
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the plug-in's state, tasks in flight as they started."""
+        return self.plugin.state_dict(iter(self.registry))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the plug-in's state."""
+        self.plugin.load_state_dict(state)
+
+
+def _server_components(clock: RunClock, world: ClientWorld, registry: TaskRegistry) -> dict[str, Stateful]:
+    """Return the state a checkpoint keeps besides the server's own: the clock and the clients' plug-ins' state."""
+    return {"clock": clock, **{plugin.name: _ClientState(plugin, registry) for plugin in world.plugins}}

@@ -30,7 +30,7 @@ from flasync.data import ArrayData
 from flasync.observe.summary import RunSummary, weights_sha256
 from flasync.runtime import checkpoint
 from flasync.runtime.artifacts import log_artifacts
-from flasync.runtime.build import AggregatorFactory, check_objective
+from flasync.runtime.build import AggregatorFactory, check_objective, check_plugins
 from flasync.runtime.closing import Status, end_run, off_loop
 from flasync.runtime.prepare import ModelFactory, Prepared, RunInputs
 from flasync.runtime.run_tracking import federation_tags, make_tracker, open_run, run_logger
@@ -38,6 +38,7 @@ from flasync.runtime.simulation import Simulation, start_executor
 from flasync.server import Server
 from flasync.training.executors.threads import TrainingExecutor
 from flasync.training.local import LocalObjective
+from flasync.training.plugins import ClientPlugin, ServerPlugin
 
 __all__ = ["Federation", "RunSummary", "run", "weights_sha256"]
 
@@ -67,6 +68,9 @@ class Federation:
             ``ready()``). Tagged ``aggregator.custom`` in tracking.
         objective: The loss local training minimises instead of cross-entropy (a :class:`flasync.LocalObjective`).
             Tagged ``objective`` in tracking.
+        plugins: Algorithm state of your own (:class:`flasync.ClientPlugin` and :class:`flasync.ServerPlugin`
+            objects), called after the run's own plug-ins at every point of an update's path; each is a checkpoint
+            component under its ``name``.
 
     Attributes:
         config: The run's configuration; :meth:`run` replaces it by the one resolved against the data (with
@@ -91,6 +95,7 @@ class Federation:
         resume: checkpoint.ResumePoint | None = None,
         aggregator: AggregatorFactory | None = None,
         objective: LocalObjective | None = None,
+        plugins: Sequence[ClientPlugin | ServerPlugin] = (),
     ) -> None:
         """Validate the configuration and create the clock and bus (nothing runs yet)."""
         if config is None:
@@ -99,6 +104,7 @@ class Federation:
             config = validate(config)
         if objective is not None:
             check_objective(config, objective)
+        check_plugins(plugins)
         if aggregator is not None and config.privacy.enabled:
             # The noise is added by flasync's buffered rule; a user's rule would publish unnoised sums.
             raise ConfigError(
@@ -107,6 +113,7 @@ class Federation:
         self.config: RunConfig = config
         self._aggregator = aggregator
         self._objective = objective
+        self._plugins = tuple(plugins)
         self._dataset = dataset
         self._test_dataset = test_dataset
         self._model_factory = model_factory
@@ -239,6 +246,7 @@ class Federation:
             resume=self._resume,
             aggregator=self._aggregator,
             objective=self._objective,
+            plugins=self._plugins,
             run_id=self.run_id,
             opening=opening,
             stop_requested=lambda: self._stop_requested,

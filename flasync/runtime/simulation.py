@@ -7,7 +7,7 @@ import asyncio
 import functools
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -35,7 +35,8 @@ from flasync.server import Server, ServerStats
 from flasync.training.diagnostics import LayerLayout, TrainingDiagnostics, layer_layout
 from flasync.training.executors.threads import TrainingExecutor
 from flasync.training.local import LocalObjective
-from flasync.training.residuals import RESIDUALS_PREFIX, ResidualStore
+from flasync.training.plugins import ClientPlugin, ServerPlugin
+from flasync.training.residuals import RESIDUALS_PREFIX
 
 __all__ = ["Simulation", "root_cause", "start_executor"]
 
@@ -83,6 +84,7 @@ class Simulation:
         resume: The checkpoint the run continues from (None: a new run).
         aggregator: Builds a user's aggregation rule (None: ``config.server``'s).
         objective: A user's loss for local training (None: cross-entropy).
+        plugins: A user's own algorithm state, after the run's own.
         run_id: The tracking run's id ('' or None: none yet).
         opening: The future of the id of a tracking run opened in the background.
         stop_requested: Returns what asked the federation to stop (empty if nothing did).
@@ -110,6 +112,7 @@ class Simulation:
         resume: ResumePoint | None,
         aggregator: AggregatorFactory | None,
         objective: LocalObjective | None,
+        plugins: Sequence[ClientPlugin | ServerPlugin],
         run_id: str | None,
         opening: Future[str] | None,
         stop_requested: Callable[[], str],
@@ -127,6 +130,7 @@ class Simulation:
         self._resume = resume
         self._aggregator = aggregator
         self._objective = objective
+        self._plugins = tuple(plugins)
         self._opening = opening
         self._stop_requested = stop_requested
         self._scratch: str | None = None
@@ -201,6 +205,7 @@ class Simulation:
             diagnostics=diagnostics,
             scratch=self._scratch_dir,
             objective=self._objective,
+            plugins=[plugin for plugin in self._plugins if isinstance(plugin, ClientPlugin)],
         )
         device = prepared.device
         weights = prepared.initial.to(device, copy=True)
@@ -219,6 +224,7 @@ class Simulation:
             aggregator_factory=self._aggregator,
             start_task=self._transport.start_task if self._transport is not None else None,
             availability=self._transport,
+            plugins=[plugin for plugin in self._plugins if isinstance(plugin, ServerPlugin)],
         )
         if self._transport is not None:
             self._transport.attach(
@@ -257,13 +263,13 @@ class Simulation:
         instruments: Instrumentation | None,
     ) -> tuple[ServerStats, asyncio.CancelledError | None, dict[str, int]]:
         """Drive the server to the stop rule, then tag the first alerts, write the interrupted run's checkpoint and
-        close the residual stores, also after a cancellation.
+        close the clients' plug-ins (their spilled state), also after a cancellation.
 
         Returns:
             The server's figures, the cancellation that ended the run (held until the partial summary is made;
-            None if none did) and the residual stores' memory figures.
+            None if none did) and the plug-ins' memory figures.
         """
-        residuals, variates = world.job.residuals, world.job.variates
+        plugins = world.plugins
         cancelled: asyncio.CancelledError | None = None
         try:
             stats = await self._drive(server)
@@ -276,10 +282,10 @@ class Simulation:
             if server.interrupted_state is not None and self._config.checkpoint.on_interrupt:
                 writes.submit(server.interrupted_state)
             await off_loop(writes.close)
-            if residuals is not None or variates is not None:
-                # Jobs of cancelled clients may still be running and about to store residuals: let them finish.
+            if plugins:
+                # Jobs of cancelled clients may still be running and about to store their state: let them finish.
                 await off_loop(self._executor.shutdown)
-            residual_memory = await off_loop(self._close_stores, residuals, variates)
+            residual_memory = await off_loop(self._close_stores, plugins)
         return stats, cancelled, residual_memory
 
     async def _drive(self, server: Server) -> ServerStats:
@@ -385,11 +391,11 @@ class Simulation:
         log.debug("run.finished", step=stats.versions, **figures, **extra)
         return summary
 
-    def _close_stores(self, residuals: ResidualStore | None, variates: ResidualStore | None) -> dict[str, int]:
-        """Close the residual and control-variate stores, remove the scratch folder; return the memory figures."""
-        memory = _close_residuals(residuals, self._log) if residuals is not None else {}
-        if variates is not None:
-            variates.close()
+    def _close_stores(self, plugins: Sequence[ClientPlugin]) -> dict[str, int]:
+        """Close the clients' plug-ins (their spilled state), remove the scratch folder; return the memory figures."""
+        memory: dict[str, int] = {}
+        for plugin in plugins:
+            memory.update(plugin.close(self._log))
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
@@ -409,21 +415,6 @@ def _sweep(config: RunConfig, log: Any) -> None:
         swept += sweep_scratch(RESIDUALS_PREFIX, spill_dir)
     if swept:
         log.info("scratch.swept", folders=len(swept), message=f"removed {len(swept)} folder(s) of killed runs")
-
-
-def _close_residuals(residuals: ResidualStore, log: Any) -> dict[str, int]:
-    """Close the residual store; return its memory figures for the profile."""
-    memory = {"residual_memory_bytes": residuals.memory_bytes, "residual_disk_bytes": residuals.disk_bytes}
-    residuals.close()
-    log.debug(
-        "codec.residuals",
-        clients=len(residuals),
-        memory_bytes=memory["residual_memory_bytes"],
-        disk_bytes=memory["residual_disk_bytes"],
-        spills=residuals.spills,
-        loads=residuals.loads,
-    )
-    return memory
 
 
 def root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:

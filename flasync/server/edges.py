@@ -73,7 +73,7 @@ _MESSAGES: dict[str, type[Any]] = {
 def message_state(message: EdgeForwarded | TaskClosed | UpdateUploaded) -> dict[str, Any]:
     """Return a message on its way between edges and the cloud as checkpoint state (plain values and tensors)."""
     fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
-    for name in ("payload", "control"):
+    for name in ("payload", "extra"):
         data = fields.get(name)
         if isinstance(data, bytes):
             fields[name] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0)
@@ -87,7 +87,9 @@ def message_from_state(state: dict[str, Any]) -> EdgeForwarded | TaskClosed | Up
     """Rebuild a message from :func:`message_state`."""
     kind = _MESSAGES[state["type"]]
     fields = dict(state["fields"])
-    for name in ("payload", "control"):
+    if "control" in fields:  # written before the field's name was ``extra``
+        fields["extra"] = fields.pop("control")
+    for name in ("payload", "extra"):
         if name in fields:
             fields[name] = bytes(fields[name].to(torch.uint8).numpy().tobytes())
     if fields.get("diagnosis") is not None:

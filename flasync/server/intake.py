@@ -2,8 +2,9 @@
 
 An update is admitted only if it answers a task in flight, was trained from a version that exists and is not too
 stale, decodes into a vector of the model's length, and passes validation (form, finiteness, norm bound, robust
-z-score); an admitted update is clipped to the configured norm. A refusal names its reason and is never an
-exception: a forged or broken upload costs its sender, never the run.
+z-score), and every plug-in of the run's algorithm state (:class:`~flasync.training.plugins.ServerPlugin`) agrees;
+an admitted update is clipped to the configured norm. A refusal names its reason and is never an exception: a
+forged or broken upload costs its sender, never the run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flasync.core.errors import DecodeError
 from flasync.core.events import UpdateUploaded
 from flasync.core.snapshots import ModelSnapshot
 from flasync.server.registry import TaskRegistry
+from flasync.training.plugins import Refusal, ServerPlugin
 
 __all__ = ["Admitted", "Decoded", "Intake", "Refused"]
 
@@ -39,7 +41,7 @@ class Admitted:
     base: ModelSnapshot
     received_wall: float
     decode_s: float
-    control: torch.Tensor | None = None
+    extra: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +64,8 @@ class Intake:
         max_staleness: Refuse updates more versions old than this (None: no limit).
         clip_norm: Scale admitted updates down to this L2 norm (None: no clipping).
         wall: Monotonic real seconds (decode timing).
-        controls: Expect SCAFFOLD's ``Delta c_i`` beside each delta (decoded and checked like the delta, not clipped).
-        one_per_client: Admit at most one update per client into a version (differential privacy bounds one
-            client's share of a version's sum by the clipping norm); a second one is refused as ``repeat``.
+        plugins: The run's server-side algorithm state: each checks an upload before its delta is decoded, decodes
+            what the client sent beside it, and learns of its admission.
     """
 
     def __init__(
@@ -78,8 +79,7 @@ class Intake:
         max_staleness: int | None,
         clip_norm: float | None,
         wall: Callable[[], float],
-        controls: bool = False,
-        one_per_client: bool = False,
+        plugins: Sequence[ServerPlugin] = (),
     ) -> None:
         """Bind the registry, codec and checks."""
         self.registry = registry
@@ -90,9 +90,8 @@ class Intake:
         self.max_staleness = max_staleness
         self.clip_norm = clip_norm
         self.wall = wall
-        self.one_per_client = one_per_client
-        self.controls = controls
-        self._joined: tuple[int, set[int]] = (-1, set())  # a version and the clients admitted into it
+        self.plugins = tuple(plugins)
+        self._decodes_extra = any(plugin.decodes_extra for plugin in self.plugins)
         # Where batches are decoded, kept from one batch to the next (an aggregator reads a delta or clones it, and a
         # batch is decoded once the previous one was handled): a fresh buffer of a megabyte or more would cost its
         # pages' first touch every time, several times the decoding.
@@ -111,10 +110,10 @@ class Intake:
 
         Returns:
             Each upload's :data:`Decoded`, or None where the batch cannot be decoded together (payloads of another
-            form or of several forms, SCAFFOLD's control variates beside the deltas): :meth:`admit` then decodes
-            each upload itself.
+            form or of several forms, a plug-in's extras beside the deltas): :meth:`admit` then decodes each upload
+            itself.
         """
-        if self.controls or len(messages) < 2:
+        if self._decodes_extra or len(messages) < 2:
             return None
         start = self.wall()
         count, rows = len(messages), self._rows
@@ -152,13 +151,10 @@ class Intake:
         limit = self.max_staleness
         if limit is not None and staleness > limit:
             return Refused("stale", f"staleness {staleness} > max_staleness {limit}")
-        if self.one_per_client:
-            joined_version, clients = self._joined
-            if joined_version != version:
-                clients = set()
-                self._joined = (version, clients)
-            if int(message.client_id) in clients:
-                return Refused("repeat", f"client {message.client_id} already has an update in this version")
+        for plugin in self.plugins:
+            objection = plugin.admit(message, version)
+            if objection is not None:
+                return Refused(*objection)
         norm: float | None = None
         if decoded is not None:
             delta, norm, decode_s = decoded
@@ -169,16 +165,13 @@ class Intake:
                 return Refused("decode", str(exc))
             if delta.device != self.device:
                 delta = delta.to(self.device)
-        control = None
-        if self.controls:
-            try:
-                control = self.codec.decode(message.control, expected_elements=self.num_params)
-            except DecodeError as exc:
-                return Refused("decode", f"control variate: {exc}")
-            if not bool(torch.isfinite(control).all()):
-                return Refused("non_finite", "the control variate has NaN or Inf")
-            if control.device != self.device:
-                control = control.to(self.device)
+        extra = None
+        for plugin in self.plugins:
+            value = plugin.decode_extra(message)
+            if isinstance(value, Refusal):
+                return Refused(*value)
+            if value is not None:
+                extra = value
         if decoded is None:
             decode_s = self.wall() - received_wall
         verdict, norm = self.validator.check(delta, norm)
@@ -186,9 +179,9 @@ class Intake:
             return Refused(verdict.reason, verdict.detail)
         if self.clip_norm is not None:
             delta, _ = clip_to_norm(delta, self.clip_norm)
-        if self.one_per_client:
-            self._joined[1].add(int(message.client_id))
-        return Admitted(delta, staleness, norm, base, received_wall, decode_s, control)
+        for plugin in self.plugins:
+            plugin.admitted(message, version)
+        return Admitted(delta, staleness, norm, base, received_wall, decode_s, extra)
 
     def accepted(self, admitted: Admitted) -> None:
         """Record that ``admitted`` was aggregated (its norm joins the z-score's reference)."""
@@ -196,15 +189,9 @@ class Intake:
             self.validator.accepted(admitted.norm)
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the validator's reference norms and the clients already in the current version."""
-        state: dict[str, Any] = {"validator_norms": self.validator.norms}
-        if self.one_per_client:
-            version, clients = self._joined
-            state["joined"] = [version, sorted(clients)]
-        return state
+        """Return the validator's reference norms."""
+        return {"validator_norms": self.validator.norms}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.validator.load_norms(state["validator_norms"])
-        version, clients = state.get("joined", [-1, []])
-        self._joined = (int(version), {int(c) for c in clients})

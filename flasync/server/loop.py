@@ -20,8 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from flasync.aggregation import Aggregator, ControlVariate
-from flasync.aggregation.privacy import PrivacyAccountant
+from flasync.aggregation import Aggregator
 from flasync.codecs import Pipeline
 from flasync.core.bus import EventBus
 from flasync.core.clock import Clock
@@ -54,6 +53,7 @@ from flasync.server.policies import Policy
 from flasync.server.registry import TaskRegistry
 from flasync.server.sampler import ClientSampler
 from flasync.training.local import EvalResult
+from flasync.training.plugins import ServerPlugin
 
 __all__ = ["INTERRUPTED", "Evaluator", "Server", "ServerMessage", "Stateful", "StopRules"]
 
@@ -131,9 +131,9 @@ class Server:
         inbox_capacity: Bound of the server's inbox.
         download_generator: The download codec's random stream for a version (stochastic stages draw from it).
         components: Further state a checkpoint holds by name (e.g. the clients' residuals).
-        privacy: The privacy spent after a number of versions (differential privacy on), logged per version.
-        controls: SCAFFOLD's server control variate (None: off): each admitted update's ``Delta c_i`` is folded in,
-            it steps with every version and is published (encoded by the download codec) with the model.
+        plugins: The run's server-side algorithm state (:class:`~flasync.training.plugins.ServerPlugin`): each
+            sends what it has with every model, learns of every update folded in and of every version made, and is
+            a checkpoint component under its name.
 
     Attributes:
         on_checkpoint: Called with :meth:`state_dict` every ``rules.checkpoint_every`` versions (it must not
@@ -162,8 +162,7 @@ class Server:
         inbox_capacity: int,
         download_generator: Callable[[int], torch.Generator] | None = None,
         components: Mapping[str, Stateful] | None = None,
-        privacy: PrivacyAccountant | None = None,
-        controls: ControlVariate | None = None,
+        plugins: Sequence[ServerPlugin] = (),
     ) -> None:
         """Subscribe to what reaches the cloud."""
         self.weights = weights
@@ -184,10 +183,9 @@ class Server:
         self.rules = rules
         self.download_generator = download_generator
         self.components = dict(components or {})
-        self.privacy = privacy
-        self.controls = controls
-        if controls is not None:
-            self.components.setdefault("controls", controls)
+        self.plugins = tuple(plugins)
+        for plugin in self.plugins:
+            self.components.setdefault(plugin.name, plugin)
         self.version = Version(0)
         self.on_checkpoint: Callable[[dict[str, Any]], None] | None = None
         self.interrupted_state: dict[str, Any] | None = None
@@ -450,8 +448,8 @@ class Server:
         weight = self.aggregator.add(
             verdict.delta, staleness=verdict.staleness, num_samples=message.num_samples, base=verdict.base.weights
         )
-        if self.controls is not None and verdict.control is not None:
-            self.controls.add(verdict.control)
+        for plugin in self.plugins:
+            plugin.folded(verdict.extra)
         stats.cloud_aggregate_s += self.wall() - verdict.received_wall
         self.intake.accepted(verdict)
         self._accepted(verdict.staleness)
@@ -530,8 +528,8 @@ class Server:
         stats = self.stats
         start = self.wall()
         self.aggregator.step()
-        if self.controls is not None:
-            self.controls.step()
+        for plugin in self.plugins:
+            plugin.stepped(int(self.version))
         aggregate_s = self.wall() - start
         if not bool(torch.isfinite(self.weights).all()):
             # Nothing a later version does can repair it, and every client would train from it.
@@ -558,12 +556,8 @@ class Server:
             wall_s=wall_s,
             versions_per_s=int(self.version) / wall_s if wall_s > 0 else 0.0,
         )
-        if self.privacy is not None:
-            self.log.debug(
-                "server.privacy",
-                step=int(self.version),
-                epsilon=self.privacy.epsilon(int(self.version)),
-            )
+        for plugin in self.plugins:
+            plugin.version_made(int(self.version), self.log)
         await self.bus.publish(
             Aggregated(
                 version=self.version,
@@ -593,17 +587,13 @@ class Server:
         payload = codec.encode(exact, generator=self._download_generator()).payload
         # One download is encoded (and, if lossy, decoded) per version, not per client.
         weights = exact if codec.lossless else codec.decode(payload, expected_elements=exact.numel()).to(exact.device)
-        size, control = len(payload), None
-        if self.controls is not None:
-            # Sent with the model, through the same codec.
-            control = self.controls.value.detach().clone()
-            sent = codec.encode(control, generator=self._download_generator(control=True)).payload
-            size += len(sent)
-            if not codec.lossless:
-                control = codec.decode(sent, expected_elements=control.numel()).to(control.device)
-        snapshot = ModelSnapshot(
-            version=self.version, weights=weights, exact=exact, download_bytes=size, control=control
-        )
+        size, extra = len(payload), None
+        for plugin in self.plugins:  # what a plug-in sends with the model goes through the same codec
+            sent = plugin.published(int(self.version), codec, self._download_generator(extra=True))
+            size += sent.nbytes
+            if sent.value is not None:
+                extra = sent.value
+        snapshot = ModelSnapshot(version=self.version, weights=weights, exact=exact, download_bytes=size, extra=extra)
         self.registry.publish(snapshot)
         self.policy.published(snapshot)
         await self.bus.publish(
@@ -615,12 +605,12 @@ class Server:
             )
         )
 
-    def _download_generator(self, *, control: bool = False) -> torch.Generator | None:
+    def _download_generator(self, *, extra: bool = False) -> torch.Generator | None:
         if self.download_generator is None:
             return None
-        # The model of version v draws from key v; SCAFFOLD's variate sent with it from key -(v + 1).
+        # The model of version v draws from key v; a plug-in's extra sent with it from key -(v + 1).
         version = int(self.version)
-        return self.download_generator(-(version + 1) if control else version)
+        return self.download_generator(-(version + 1) if extra else version)
 
     async def _evaluate(self) -> None:
         snapshot = self.registry.current

@@ -371,7 +371,7 @@ class TaskRegistry:
                 weights=b["weights"].to(device),
                 exact=b["exact"].to(device),
                 download_bytes=int(b["download_bytes"]),
-                control=b["control"].to(device) if "control" in b else None,
+                extra=_extra(b, device),
             )
             for b in state["bases"]
         }
@@ -398,6 +398,12 @@ def _snapshot_state(snapshot: ModelSnapshot) -> dict[str, Any]:
         "exact": snapshot.exact.clone(),
         "download_bytes": snapshot.download_bytes,
     }
-    if snapshot.control is not None:
-        state["control"] = snapshot.control.clone()
+    if snapshot.extra is not None:
+        state["extra"] = snapshot.extra.clone()
     return state
+
+
+def _extra(state: dict[str, Any], device: torch.device | str) -> torch.Tensor | None:
+    """Return a checkpointed snapshot's extra (``control`` in checkpoints written before it was named so)."""
+    value = state.get("extra", state.get("control"))
+    return value.to(device) if value is not None else None

@@ -1,15 +1,14 @@
 """The worker-thread side of a client task: train, diagnose, encode.
 
 A job runs in a training executor's worker, never on the event loop. It gets a :class:`JobContext` (the worker's
-models, the local hyper-parameters, the upload codec, the error-feedback residuals, the diagnostics) and returns a
-:class:`TrainedUpdate`: the encoded delta and its figures. The new residual is returned, not stored: the client
-coroutine stores it when the training ends in (virtual) time, so a task abandoned before then leaves the client's
-residual as it was.
+models, the local hyper-parameters, the upload codec, the diagnostics) and the task's parts of the run's plug-ins
+(:mod:`flasync.training.plugins`), and returns a :class:`TrainedUpdate`: the encoded delta and its figures. What a
+plug-in keeps for the client is returned, not stored: the client coroutine stores it when the training ends in
+(virtual) time, so a task abandoned before then leaves the client's state as it was.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +16,6 @@ from typing import Any
 
 import torch
 
-from flasync.aggregation.scaffold import control_delta
 from flasync.codecs import Pipeline
 from flasync.core.errors import InjectedFault
 from flasync.core.events import ClientId, TaskDiagnosis
@@ -26,14 +24,14 @@ from flasync.training.cohort import CohortResult
 from flasync.training.diagnostics import DivergedTraining, TrainingDiagnostics
 from flasync.training.executors.threads import ModelPool, TrainingJob
 from flasync.training.local import LocalResult, LocalTraining, train
-from flasync.training.residuals import ResidualStore
+from flasync.training.plugins import Finished, TaskPart
 
 __all__ = [
     "ClientSamples",
     "Finish",
     "JobContext",
-    "TaskVariates",
     "TrainedUpdate",
+    "correction_of",
     "finish_cohort",
     "finish_job",
     "injected_crash",
@@ -52,11 +50,8 @@ class JobContext:
         local: Local training hyper-parameters.
         upload_codec: How deltas are encoded for upload.
         num_params: Length of the flat model.
-        residuals: Clients' error-feedback residuals (None when the codec keeps none).
-        residual_lock: Guards ``residuals`` and ``variates`` across worker threads and the event loop.
         diagnostics: Training diagnostics (None: NaN/Inf checks only).
         wall: Monotonic real seconds (encode timing).
-        variates: Clients' SCAFFOLD control variates ``c_i`` (None when SCAFFOLD is off).
         no_delta: The empty tensor every finished update's result holds instead of its delta (one for all: an
             allocation per update is most of what keeping the figures without the delta costs).
     """
@@ -65,35 +60,9 @@ class JobContext:
     local: LocalTraining
     upload_codec: Pipeline
     num_params: int
-    residuals: ResidualStore | None = None
-    residual_lock: threading.Lock = field(default_factory=threading.Lock)
     diagnostics: TrainingDiagnostics | None = None
     wall: Callable[[], float] = time.perf_counter
-    variates: ResidualStore | None = None
     no_delta: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TaskVariates:
-    """A task's SCAFFOLD state: the server's variate ``c`` as downloaded and the client's own ``c_i``.
-
-    Attributes:
-        server: ``c`` (read only, shared by every task of the version).
-        client: ``c_i`` (None: the client never trained, so zeros).
-        generator: The stream stochastic codec stages draw from when ``Delta c_i`` is encoded.
-        correction: ``c - c_i``, added to every local gradient (made once per task by :meth:`of`).
-    """
-
-    server: torch.Tensor
-    client: torch.Tensor | None
-    generator: torch.Generator
-    correction: torch.Tensor
-
-    @classmethod
-    def of(cls, server: torch.Tensor, client: torch.Tensor | None, generator: torch.Generator) -> TaskVariates:
-        """Return a task's variates with their correction ``c - c_i`` (``c`` itself for a client without one)."""
-        correction = server if client is None else server - client.to(server.device)
-        return cls(server=server, client=client, generator=generator, correction=correction)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,23 +71,21 @@ class TrainedUpdate:
 
     ``result`` holds the training's figures with an empty ``delta``: ``payload`` carries the update (a cohort's
     deltas are rows of one tensor, which one member's kept delta would keep whole until its upload is delivered).
-    ``control`` is the encoded ``Delta c_i`` and ``variate`` the client's new ``c_i`` (SCAFFOLD; else empty and
-    None).
+    ``extra`` is what a plug-in sends beside the delta, and ``finished`` what each of the task's plug-in parts
+    handed back, in the order of the parts.
     """
 
     result: LocalResult
     payload: bytes
     encode_s: float
-    residual_norm: float | None
     diagnosis: TaskDiagnosis | None = None
-    residual: torch.Tensor | None = None
-    control: bytes = b""
-    variate: torch.Tensor | None = None
+    extra: bytes = b""
+    finished: tuple[Finished, ...] = ()
 
     @property
     def upload_bytes(self) -> int:
-        """Bytes the upload sends: the delta and, with SCAFFOLD, ``Delta c_i``."""
-        return len(self.payload) + len(self.control)
+        """Bytes the upload sends: the delta and a plug-in's extra."""
+        return len(self.payload) + len(self.extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,9 +131,9 @@ def train_job(
     codec_generator: torch.Generator | None,
     task_id: int = 0,
     attack: float = 1.0,
-    variates: TaskVariates | None = None,
+    parts: tuple[TaskPart, ...] = (),
 ) -> TrainedUpdate:
-    """Train on the worker's model and encode the delta, with error feedback (runs in a worker thread)."""
+    """Train on the worker's model and encode the delta, with the plug-ins' ``parts`` (runs in a worker thread)."""
     model = ctx.models.get()
     device = model.flat.device
     data_x, data_y, indices = samples
@@ -177,6 +144,7 @@ def train_job(
         data_y = data_y[indices].to(device, non_blocking=True)
         rows = None
     diagnostics = ctx.diagnostics or _NO_DIAGNOSTICS
+    correction = correction_of(parts)
     result, diagnosis = diagnostics.train(
         model,
         base,
@@ -187,9 +155,9 @@ def train_job(
         task_id=task_id,
         train_fn=train,  # looked up here, so that tests can replace flasync.training.jobs.train
         indices=rows,
-        correction=None if variates is None else variates.correction.to(device),
+        correction=None if correction is None else correction.to(device),
     )
-    return finish_job(ctx, client_id, result, codec_generator, diagnosis, attack, variates)
+    return finish_job(ctx, client_id, result, codec_generator, diagnosis, attack, parts)
 
 
 def finish_job(
@@ -199,15 +167,13 @@ def finish_job(
     codec_generator: torch.Generator | None,
     diagnosis: TaskDiagnosis | None = None,
     attack: float = 1.0,
-    variates: TaskVariates | None = None,
+    parts: tuple[TaskPart, ...] = (),
 ) -> TrainedUpdate:
-    """Check and encode a trained delta, with error feedback (runs in a worker thread).
+    """Check and encode a trained delta, and finish the plug-ins' ``parts`` of the task (runs in a worker thread).
 
     ``diagnosis`` is None for a delta trained in a cohort: it is diagnosed here (no per-step gradient statistics).
-    ``attack`` multiplies the delta before it is encoded: a simulated Byzantine client (``faults.byzantine``).
-    With ``variates`` (SCAFFOLD), ``Delta c_i`` (option II) is encoded too, and the client's new variate is its old
-    one plus ``Delta c_i`` as the server decodes it, so that ``c`` stays the mean of the clients' variates whatever
-    the codec loses.
+    ``attack`` multiplies the delta before it is encoded: a simulated Byzantine client (``faults.byzantine``). A
+    part's residual (error feedback) is carried into the codec; then every part takes the encoded delta.
 
     Raises:
         DivergedTraining: If the delta has NaN or Inf (before encoding: a NaN would otherwise stay in the client's
@@ -218,37 +184,34 @@ def finish_job(
     if not diagnosis.update_finite:
         raise _diverged(result, diagnosis)
     start = ctx.wall()
-    residuals = ctx.residuals
     residual = None
-    if residuals is not None:
-        with ctx.residual_lock:
-            residual = residuals.get(client_id)
+    for part in parts:
+        residual = part.residual()
+        if residual is not None:
+            break
     delta = result.delta if result.delta.device.type == "cpu" else result.delta.cpu()  # the codec writes bytes
     if attack != 1.0:
         delta = delta * attack
-    encoded = ctx.upload_codec.encode(delta, generator=codec_generator, residual=residual)
-    control, variate = b"", None
-    if variates is not None:
-        codec = ctx.upload_codec
-        change = control_delta(delta, variates.server.to(delta.device), steps=result.steps, lr=ctx.local.lr)
-        control = codec.encode(change, generator=variates.generator).payload
-        if not codec.lossless:
-            change = codec.decode(control, expected_elements=change.numel())
-        variate = change if variates.client is None else change.add_(variates.client)
-    encode_s = ctx.wall() - start
-    norm = None
-    if residuals is not None and encoded.residual is not None:
-        norm = float(torch.linalg.vector_norm(encoded.residual))
+    codec = ctx.upload_codec
+    encoded = codec.encode(delta, generator=codec_generator, residual=residual)
+    finished = tuple(part.finish(delta, result, encoded, codec) for part in parts)
+    extra = b"".join(done.extra for done in finished)  # at most one plug-in sends one
     return TrainedUpdate(
         result=result.without_delta(ctx.no_delta),  # the payload carries it
         payload=encoded.payload,
-        encode_s=encode_s,
-        residual_norm=norm,
+        encode_s=ctx.wall() - start,
         diagnosis=diagnosis,
-        residual=encoded.residual,
-        control=control,
-        variate=variate,
+        extra=extra,
+        finished=finished,
     )
+
+
+def correction_of(parts: tuple[TaskPart, ...]) -> torch.Tensor | None:
+    """Return the gradient correction a task's plug-in parts give (None: none)."""
+    for part in parts:
+        if part.correction is not None:
+            return part.correction
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,20 +222,18 @@ class Finish:
     client_id: ClientId
     codec_generator: torch.Generator | None
     attack: float = 1.0
-    variates: TaskVariates | None = None
+    parts: tuple[TaskPart, ...] = ()
 
     def __call__(self, result: LocalResult) -> TrainedUpdate:
         """Check and encode ``result``'s delta for this task."""
-        return finish_job(
-            self.ctx, self.client_id, result, self.codec_generator, attack=self.attack, variates=self.variates
-        )
+        return finish_job(self.ctx, self.client_id, result, self.codec_generator, attack=self.attack, parts=self.parts)
 
 
 def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> list[Any]:
     """Finish the jobs of a trained cohort: each job's ``finish`` of its own result, or the exception it raises.
 
-    Where every job's ``finish`` is a :class:`Finish` of one context whose codec is lossless, with no error
-    feedback, SCAFFOLD or attack, and the cohort's deltas are the rows of one tensor, the rows are encoded together
+    Where every job's ``finish`` is a :class:`Finish` of one context whose codec is lossless, with no plug-in part
+    or attack, and the cohort's deltas are the rows of one tensor, the rows are encoded together
     (:meth:`~flasync.codecs.Pipeline.encode_rows`): the same payloads, diagnoses and figures as :func:`finish_job`
     of each, each update's ``encode_s`` its share of the cohort's encoding.
     """
@@ -298,7 +259,6 @@ def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> li
                 result=result.without_delta(empty),
                 payload=payload,
                 encode_s=encode_s,
-                residual_norm=None,
                 diagnosis=diagnosis,
             )
         )
@@ -306,20 +266,15 @@ def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> li
 
 
 def _plain_context(jobs: Sequence[TrainingJob[Any]]) -> JobContext | None:
-    """The context every job's ``finish`` shares, where each is a :class:`Finish` with no error feedback, SCAFFOLD
-    or attack (None otherwise)."""
+    """The context every job's ``finish`` shares, where each is a :class:`Finish` with no plug-in part or attack (None
+    otherwise)."""
     first = jobs[0].finish if jobs else None
-    if not isinstance(first, Finish) or first.ctx.residuals is not None:
+    if not isinstance(first, Finish):
         return None
     ctx = first.ctx
     for job in jobs:
         finish = job.finish
-        if (
-            not isinstance(finish, Finish)
-            or finish.ctx is not ctx
-            or finish.attack != 1.0
-            or finish.variates is not None
-        ):
+        if not isinstance(finish, Finish) or finish.ctx is not ctx or finish.attack != 1.0 or finish.parts:
             return None
     return ctx
 

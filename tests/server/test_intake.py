@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from flasync import codecs
+from flasync.aggregation.scaffold import ControlVariate
+from flasync.algorithms.scaffold import ScaffoldServer
 from flasync.codecs.validation import UpdateValidator
 from flasync.core.events import ClientId, UpdateUploaded, Version
 from flasync.core.snapshots import ModelSnapshot
@@ -156,7 +158,7 @@ def _with_control(control: bytes) -> UpdateUploaded:
         base_version=Version(0),
         num_samples=10,
         payload=codecs.Pipeline().encode(torch.zeros(4)).payload,
-        control=control,
+        extra=control,
         train_loss=0.0,
         simulated_s=0.0,
         sent_wall_s=0.0,
@@ -175,8 +177,10 @@ def _with_control(control: bytes) -> UpdateUploaded:
 )
 def test_a_broken_control_variate_is_refused_by_name(control: bytes, reason: str) -> None:
     """A missing, undecodable, wrong-length or non-finite Delta c_i is refused, never folded into c."""
-    verdict = _intake(_Tasks((0, 1, 0)), controls=True).admit(_with_control(control), version=0)
+    scaffold = ScaffoldServer(ControlVariate(N, num_clients=1), codecs.Pipeline())
+    verdict = _intake(_Tasks((0, 1, 0)), plugins=[scaffold]).admit(_with_control(control), version=0)
     assert isinstance(verdict, Refused) and verdict.reason == reason
+    assert scaffold.controls.count == 0
 
 
 def test_uploads_decoded_together_are_admitted_as_if_decoded_alone() -> None:

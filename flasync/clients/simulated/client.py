@@ -12,7 +12,7 @@ import asyncio
 import functools
 import heapq
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -44,15 +44,15 @@ from flasync.training.jobs import (
     ClientSamples,
     Finish,
     JobContext,
-    TaskVariates,
     TrainedUpdate,
+    correction_of,
     finish_cohort,
     injected_crash,
     train_job,
 )
-from flasync.training.residuals import ResidualStore
+from flasync.training.plugins import ClientPlugin, TaskPart
 
-__all__ = ["Client", "ClientResiduals", "ClientWorld", "CohortClients", "ModelSnapshot"]
+__all__ = ["Client", "ClientWorld", "CohortClients", "ModelSnapshot"]
 
 FAILURE_WARNINGS = 3
 """Failures of clients with one error logged as warnings in a run; the rest of them at debug level."""
@@ -76,9 +76,8 @@ class ClientWorld:
         samples: Each client's training data.
         pool: The training executor's pool.
         job: What the worker-thread side of a task needs.
-        pre_task_residuals: When checkpoints are on, each in-flight task's residual as it was when the task
-            started, by task id (the registry forgets a task's entry when it releases it).
-        pre_task_variates: The same for the clients' SCAFFOLD control variates.
+        plugins: The run's per-client algorithm state (:mod:`flasync.training.plugins`), in the order their parts
+            take a task.
         failure_warnings: How many failures of each error were logged as warnings (see :func:`_failed`).
     """
 
@@ -93,75 +92,13 @@ class ClientWorld:
     samples: ClientSamples
     pool: Executor
     job: JobContext
-    pre_task_residuals: dict[int, torch.Tensor | None] | None = None
-    pre_task_variates: dict[int, torch.Tensor | None] | None = None
+    plugins: tuple[ClientPlugin, ...] = ()
     failure_warnings: Counter[str] = field(default_factory=Counter)
 
     def forget(self, task: TaskAssigned) -> None:
         """Drop what was recorded for a task that ended."""
-        if self.pre_task_residuals is not None:
-            self.pre_task_residuals.pop(task.task_id, None)
-        if self.pre_task_variates is not None:
-            self.pre_task_variates.pop(task.task_id, None)
-
-
-class ClientResiduals:
-    """The clients' error-feedback residuals (or SCAFFOLD control variates) as checkpoint state.
-
-    A task in flight may have stored its new vector already; the state keeps the vector it started from, so a
-    resumed run trains it again from there.
-
-    Args:
-        world: The clients' world (its stores and what each task in flight started from).
-        in_flight: The tasks in flight now.
-        variates: Hold the control variates instead of the residuals.
-    """
-
-    def __init__(
-        self, world: ClientWorld, in_flight: Callable[[], Iterable[TaskAssigned]], *, variates: bool = False
-    ) -> None:
-        """Bind the world and the registry's view of the tasks in flight."""
-        self.world = world
-        self.in_flight = in_flight
-        self.variates = variates
-
-    def _store(self) -> tuple[ResidualStore | None, dict[int, torch.Tensor | None] | None]:
-        world = self.world
-        if self.variates:
-            return world.job.variates, world.pre_task_variates
-        return world.job.residuals, world.pre_task_residuals
-
-    def state_dict(self) -> dict[str, Any]:
-        """Return ``{"ids": [...], "values": Tensor(len(ids), num_params)}``."""
-        job = self.world.job
-        store, pre_task = self._store()
-        if store is None:
-            return {"ids": [], "values": torch.zeros(0)}
-        recorded = pre_task if pre_task is not None else {}
-        values: dict[int, torch.Tensor] = {}
-        with job.residual_lock:
-            for client_id in store.client_ids():
-                held = store.get(client_id)
-                if held is not None:
-                    values[client_id] = held
-            for task in self.in_flight():
-                if task.task_id in recorded:
-                    before = recorded[task.task_id]
-                    if before is None:
-                        values.pop(int(task.client_id), None)
-                    else:
-                        values[int(task.client_id)] = before.clone()
-        ids = sorted(values)
-        stacked = torch.stack([values[i] for i in ids]) if ids else torch.zeros(0)
-        return {"ids": ids, "values": stacked}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Put the checkpoint's vectors back into the store."""
-        store, _ = self._store()
-        if store is None:
-            return
-        for i, client_id in enumerate(state["ids"]):
-            store.put(int(client_id), state["values"][i])
+        for plugin in self.plugins:
+            plugin.released(task)
 
 
 class _Prepared(NamedTuple):
@@ -171,7 +108,7 @@ class _Prepared(NamedTuple):
     download_s: float
     simulated: float
     done_at: float
-    variates: TaskVariates | None
+    parts: tuple[TaskPart, ...]
 
 
 def _prepare(
@@ -186,25 +123,8 @@ def _prepare(
     steps = job_ctx.local.steps_for(len(samples[2]))
     # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
     simulated = world.population.train_seconds(cid, steps, task.participation)
-    residuals = job_ctx.residuals
-    if world.pre_task_residuals is not None and residuals is not None:
-        with job_ctx.residual_lock:  # what a checkpoint taken while this task is in flight must restore
-            world.pre_task_residuals[task.task_id] = residuals.get(cid)
-    variates = _variates(world, task, model)
-    return _Prepared(samples, download_s, simulated, task.simulated_s + (download_s + simulated), variates)
-
-
-def _variates(world: ClientWorld, task: TaskAssigned, model: ModelSnapshot) -> TaskVariates | None:
-    """Return the task's SCAFFOLD state (None without SCAFFOLD), recording ``c_i`` for checkpoints."""
-    store, cid = world.job.variates, task.client_id
-    if store is None or model.control is None:
-        return None
-    with world.job.residual_lock:
-        own = store.get(cid)
-        if world.pre_task_variates is not None:
-            world.pre_task_variates[task.task_id] = own
-    generator = seeding.torch_stream(world.seed, seeding.CONTROL_CODEC, cid, task.participation)
-    return TaskVariates.of(model.control, own, generator)
+    parts = tuple(part for plugin in world.plugins if (part := plugin.task(task, model)) is not None)
+    return _Prepared(samples, download_s, simulated, task.simulated_s + (download_s + simulated), parts)
 
 
 def _training_job(
@@ -218,7 +138,7 @@ def _training_job(
     """Return the task's local training, in the form a batching executor trains with others of its cohort
     (``seed``: its task stream's, when mixed with others' by :func:`~flasync.core.seeding.stream_seeds`)."""
     job_ctx, cid = world.job, task.client_id
-    samples, variates = prepared.samples, prepared.variates
+    samples, parts = prepared.samples, prepared.parts
     generator = (
         seeding.torch_stream(world.seed, seeding.TASK, cid, task.participation)
         if seed is None
@@ -236,11 +156,11 @@ def _training_job(
         indices=samples[2],
         cfg=job_ctx.local,
         generator=generator,
-        finish=Finish(job_ctx, cid, codec_generator, attack, variates),
+        finish=Finish(job_ctx, cid, codec_generator, attack, parts),
         solo=functools.partial(
-            train_job, job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id, attack, variates
+            train_job, job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id, attack, parts
         ),
-        correction=variates.correction if variates is not None else None,
+        correction=correction_of(parts),
         client=int(cid) if world.samples.lazy is not None else None,
         deltas_on=_HOST,  # finish_job encodes the delta as bytes on the host
         finish_many=finish_cohort,
@@ -256,15 +176,11 @@ def _keep(
     context: Mapping[str, int] | None = None,
     lines: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Store a trained task's residual and control variate, and log its figures (``context``: extra fields). With
+    """Keep what a trained task's plug-in parts hand back, and log its figures (``context``: extra fields). With
     ``lines``, the debug line's fields are appended there for the caller to log rather than logged."""
-    job_ctx, cid = world.job, task.client_id
-    if job_ctx.residuals is not None and trained.residual is not None:
-        with job_ctx.residual_lock:
-            job_ctx.residuals.put(cid, trained.residual)
-    if job_ctx.variates is not None and trained.variate is not None:
-        with job_ctx.residual_lock:
-            job_ctx.variates.put(cid, trained.variate)
+    job_ctx = world.job
+    for part, finished in zip(prepared.parts, trained.finished, strict=True):
+        part.keep(finished)
     if not logs_debug(world.log):
         return
     result = trained.result
@@ -282,8 +198,8 @@ def _keep(
         "upload_bytes": trained.upload_bytes,
         "compression": (codecs.HEADER.size + 4 * job_ctx.num_params) / len(trained.payload),
     }
-    if trained.residual_norm is not None:
-        line["residual_norm"] = trained.residual_norm
+    for finished in trained.finished:
+        line.update(finished.figures)
     if lines is None:
         world.log.debug("client", **line)
     else:
@@ -309,7 +225,7 @@ def _uploaded(
         base_version=task.base_version,
         num_samples=result.num_samples,
         payload=trained.payload,
-        control=trained.control,
+        extra=trained.extra,
         train_loss=result.loss,
         simulated_s=world.clock.now() if at is None else at,
         sent_wall_s=world.wall(),

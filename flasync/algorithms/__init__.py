@@ -1,0 +1,1 @@
+"""Algorithms that keep state per client or on the server, as plug-ins of :mod:`flasync.training.plugins`."""

@@ -123,7 +123,7 @@ def test_a_private_buffer_steps_with_the_noised_sum_over_k() -> None:
         optimizer=ServerOptimizer.sgd(weights, lr=1.0),
         staleness=ConstantStaleness(),
         example_weight=EqualExampleWeight(),
-        privacy=mech,
+        release=mech.privatize,
     )
     deltas = [torch.full((6,), 0.1 * (i + 1)) for i in range(3)]  # three updates of K = 4 arrived
     for d in deltas:

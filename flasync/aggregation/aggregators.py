@@ -18,6 +18,7 @@ A rule of your own satisfies :class:`Aggregator` and is passed to ``flasync.Fede
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import torch
@@ -26,7 +27,6 @@ from flasync.aggregation.buffer import UpdateBuffer
 from flasync.aggregation.functional import fedasync_mix_
 from flasync.aggregation.hierarchy import mix_partial_
 from flasync.aggregation.optimizers import ServerOptimizer
-from flasync.aggregation.privacy import GaussianMechanism
 from flasync.aggregation.robust import coordinate_median, trimmed_mean
 from flasync.aggregation.staleness import StalenessWeight
 from flasync.aggregation.weights import ExampleWeight
@@ -129,9 +129,9 @@ class BufferedAggregator:
         optimizer: Steps ``weights`` with the buffer's pseudo-gradient.
         staleness: ``s(tau)``.
         example_weight: ``e_k``.
-        privacy: Central differential privacy (None: off): the optimizer steps with the noised sum over a fixed
-            count, ``(sum_k e_k s_k delta_k + N(0, (z C)^2 I)) / K``, instead of the weighted mean (the updates
-            must be clipped to ``C``, the example weights equal and the staleness weights at most 1).
+        release: Makes a version's pseudo-gradient from the buffer's weighted sum and the version's index instead
+            of the weighted mean (None: the mean); e.g. :meth:`flasync.aggregation.privacy.GaussianMechanism.privatize`,
+            the noised sum over a fixed count ``(sum_k e_k s_k delta_k + N(0, (z C)^2 I)) / K``.
     """
 
     def __init__(
@@ -142,7 +142,7 @@ class BufferedAggregator:
         optimizer: ServerOptimizer,
         staleness: StalenessWeight,
         example_weight: ExampleWeight,
-        privacy: GaussianMechanism | None = None,
+        release: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     ) -> None:
         """Allocate the buffer on the weights' device."""
         self.buffer = UpdateBuffer(weights.numel(), device=weights.device)
@@ -150,7 +150,7 @@ class BufferedAggregator:
         self.size = size
         self.staleness = staleness
         self.example_weight = example_weight
-        self.privacy = privacy
+        self.release = release
         self.steps = 0
 
     def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
@@ -170,11 +170,11 @@ class BufferedAggregator:
         return self.buffer.count >= self.size
 
     def step(self) -> None:
-        """Step the optimizer with the buffer's weighted mean delta (or its noised sum) and empty the buffer."""
-        if self.privacy is None:
+        """Step the optimizer with the buffer's weighted mean delta (or what ``release`` makes) and empty the buffer."""
+        if self.release is None:
             self.optimizer.step(self.buffer.pseudo_gradient())
         else:
-            self.optimizer.step(self.privacy.privatize(self.buffer.weighted_sum, self.steps))
+            self.optimizer.step(self.release(self.buffer.weighted_sum, self.steps))
         self.steps += 1
         self.buffer.reset()
 

@@ -301,7 +301,7 @@ def make_aggregator(weights: torch.Tensor, config: ServerConfig, noise: Gaussian
             staleness=ConstantStaleness(),
             # Under differential privacy every client counts the same: its share of the sum is bounded by C.
             example_weight=SampleExampleWeight() if noise is None else EqualExampleWeight(),
-            privacy=noise,
+            release=None if noise is None else noise.privatize,
         )
     if isinstance(config, FedBuffServer):
         return BufferedAggregator(
@@ -310,7 +310,7 @@ def make_aggregator(weights: torch.Tensor, config: ServerConfig, noise: Gaussian
             optimizer=make_server_optimizer(weights, config.optimizer),
             staleness=make_staleness_weight(config.staleness),
             example_weight=make_example_weight(config),
-            privacy=noise,
+            release=None if noise is None else noise.privatize,
         )
     return MixingAggregator(weights, alpha=config.alpha, staleness=make_staleness_weight(config.staleness))
 

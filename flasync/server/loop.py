@@ -501,7 +501,7 @@ class Server:
     async def _reject(self, message: UpdateUploaded, reason: str, detail: str, received_s: float) -> None:
         self.accounting.rejected(reason)
         dropped = self.stats.updates_dropped
-        # A second update of a client in one version is expected under differential privacy: not worth a line.
+        # A second update of a client in one version is a plug-in's rule at work (one per client): not worth a line.
         emit = self.log.debug if reason == "repeat" else self.log.info
         emit(
             "server.rejected",

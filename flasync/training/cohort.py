@@ -83,7 +83,7 @@ class CohortMember:
     Attributes:
         indices: The client's sample indices into the cohort's data tensors (int64, on the data's device).
         generator: The client's task stream; batch order is drawn from it as :func:`train` draws it.
-        correction: Added to each of the client's gradients (SCAFFOLD's ``c - c_i``; None: nothing).
+        correction: Added to each of the client's gradients (a plug-in's correction; None: nothing).
         base: The flat weights this client starts from, when not the cohort's ``base`` (an asynchronous client
             dispatched at another model version; None: the cohort's).
     """
@@ -507,7 +507,7 @@ class _RowOptimizer:
         starts: The rows' starting weights: one row, broadcast, or ``(K, P)`` in cohort order (FedProx's anchors).
         weights: The weights ``(K, P)`` the steps update in place.
         mask: Each step's real samples ``(S, K, B)`` (1.0) and padding (0.0).
-        corrections: Added to each row's gradient ``(K, P)`` (SCAFFOLD's ``c - c_i``; None: nothing).
+        corrections: Added to each row's gradient ``(K, P)`` (a plug-in's correction; None: nothing).
     """
 
     def __init__(
@@ -540,7 +540,7 @@ class _RowOptimizer:
             if cfg.clip_norm is not None:
                 norm = torch.linalg.vector_norm(grads, dim=1, keepdim=True)
                 grads.mul_(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
-            if corrections is not None:  # SCAFFOLD: c - c_i, one row per client
+            if corrections is not None:  # one row per client
                 grads.add_(corrections[:k])
             if cfg.proximal_mu:  # FedProx: mu (w - w_base), every row from its own base
                 starts = self.starts

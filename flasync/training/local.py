@@ -425,7 +425,7 @@ def train(
         indices: Train on the rows ``indices`` (int64, on ``x``'s device) of ``x`` and ``y`` only: the same result
             as ``train(..., x[indices], y[indices], ...)``, without that copy (each epoch gathers its batches
             straight from ``x`` and ``y``).
-        correction: Added to every step's gradient after clipping (SCAFFOLD's ``c - c_i``; None: nothing).
+        correction: Added to every step's gradient after clipping (a plug-in's correction; None: nothing).
 
     Returns:
         The delta, sample count, steps, mean training loss, seconds and peak tensor memory in bytes

@@ -2,8 +2,9 @@
 
 ``executor.kind = "ray"`` (``pip install 'flasync[ray]'``). Each actor is a process that holds the model and the
 training data: the data go into Ray's object store once and every actor reads them from there; each model version is
-put once and passed by reference; a task ships its client's sample indices, its random state and (SCAFFOLD) its
-gradient correction, and gets the delta back. Encoding, error-feedback residuals and diagnosis stay in the driver, as
+put once and passed by reference; a task ships its client's sample indices, its random state and any gradient
+correction a plug-in gives, and gets the delta back. Encoding, error-feedback residuals and diagnosis stay in the
+driver, as
 with threads, so a Ray run ends with the weights of a threads run of the same config, whatever the number of actors
 (training is a function of the task's inputs only, and under the virtual clock the order of results depends on
 simulated times alone).

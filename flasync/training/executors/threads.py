@@ -105,7 +105,7 @@ class TrainingJob(Generic[T]):
         generator: The task's random stream (batch order).
         finish: Turns the training result into what the job returns (e.g. encodes the delta); runs in the worker.
         solo: Trains this client alone and finishes.
-        correction: Added to every gradient of the client (SCAFFOLD's ``c - c_i``; None: nothing).
+        correction: Added to every gradient of the client (a plug-in's correction; None: nothing).
         client: The client of a lazily drawn population, whose samples an executor may draw itself instead of
             receiving ``x`` and ``y`` (None: the samples are rows of a data set held in memory).
         deltas_on: Where ``finish`` wants the trained delta (None: where it was trained). A cohort whose jobs all

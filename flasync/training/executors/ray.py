@@ -4,10 +4,9 @@
 training data: the data go into Ray's object store once and every actor reads them from there; each model version is
 put once and passed by reference; a task ships its client's sample indices, its random state and any gradient
 correction a plug-in gives, and gets the delta back. Encoding, error-feedback residuals and diagnosis stay in the
-driver, as
-with threads, so a Ray run ends with the weights of a threads run of the same config, whatever the number of actors
-(training is a function of the task's inputs only, and under the virtual clock the order of results depends on
-simulated times alone).
+driver, as with threads, so a Ray run ends with the weights of a threads run of the same config, whatever the number
+of actors (training is a function of the task's inputs only, and under the virtual clock the order of results
+depends on simulated times alone).
 
 Each actor trains one task (or, with ``executor.ray.vectorized``, one cohort) at a time, with the next call queued
 behind it; driver threads wait on the calls, so the event loop never blocks. An actor that dies (killed, out of

@@ -7,23 +7,22 @@ Stich, Cordonnier and Jaggi 2018, "Sparsified SGD with memory"; Lin et al. 2018,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from flasync.algorithms.per_client import PerClientState
+from flasync.algorithms.per_client import PerClientPlugin, PerClientState
 from flasync.codecs import Encoded, Pipeline
 from flasync.core.events import ClientId, TaskAssigned
 from flasync.core.snapshots import ModelSnapshot
 from flasync.training.local import LocalResult
-from flasync.training.plugins import ClientPlugin, Finished, TaskPart
+from flasync.training.plugins import Finished, TaskPart
 from flasync.training.residuals import ResidualStore
 
 __all__ = ["ErrorFeedback"]
 
 
-class ErrorFeedback(ClientPlugin):
+class ErrorFeedback(PerClientPlugin):
     """The clients' error-feedback residuals (checkpoint component ``residuals``).
 
     Args:
@@ -40,18 +39,6 @@ class ErrorFeedback(ClientPlugin):
         """Record the residual the task starts from; the worker reads the newest one when it encodes."""
         self.state.begin(task)
         return _ResidualPart(self.state, task.client_id)
-
-    def released(self, task: TaskAssigned) -> None:
-        """Forget the task's record."""
-        self.state.released(task)
-
-    def state_dict(self, in_flight: Iterable[TaskAssigned]) -> dict[str, Any]:
-        """Return the residuals, tasks in flight as they started."""
-        return self.state.state_dict(in_flight)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the residuals."""
-        self.state.load_state_dict(state)
 
     def close(self, log: Any) -> dict[str, int]:
         """Close the store (its spill folder goes); return its memory figures for the profile."""

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from flasync.core.events import TaskAssigned
+from flasync.training.plugins import ClientPlugin
 from flasync.training.residuals import ResidualStore
 
-__all__ = ["PerClientState"]
+__all__ = ["PerClientPlugin", "PerClientState"]
 
 
 class PerClientState:
@@ -74,3 +75,21 @@ class PerClientState:
         """Put the checkpoint's vectors back into the store."""
         for i, client_id in enumerate(state["ids"]):
             self.store.put(int(client_id), state["values"][i])
+
+
+class PerClientPlugin(ClientPlugin):
+    """A client plug-in whose state is one vector per client (:attr:`state`): checkpointed and released with it."""
+
+    state: PerClientState
+
+    def released(self, task: TaskAssigned) -> None:
+        """Forget the task's record."""
+        self.state.released(task)
+
+    def state_dict(self, in_flight: Iterable[TaskAssigned]) -> dict[str, Any]:
+        """Return the clients' vectors, tasks in flight as they started."""
+        return self.state.state_dict(in_flight)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the clients' vectors."""
+        self.state.load_state_dict(state)

@@ -10,26 +10,26 @@ with every version.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from flasync.aggregation.scaffold import ControlVariate, control_delta
-from flasync.algorithms.per_client import PerClientState
+from flasync.algorithms.per_client import PerClientPlugin, PerClientState
 from flasync.codecs import Encoded, Pipeline
 from flasync.core import seeding
 from flasync.core.errors import DecodeError
 from flasync.core.events import TaskAssigned, UpdateUploaded
 from flasync.core.snapshots import ModelSnapshot
 from flasync.training.local import LocalResult
-from flasync.training.plugins import ClientPlugin, Extra, Finished, Refusal, ServerPlugin, TaskPart
+from flasync.training.plugins import Extra, Finished, Refusal, ServerPlugin, TaskPart
 from flasync.training.residuals import ResidualStore
 
 __all__ = ["ScaffoldClients", "ScaffoldServer"]
 
 
-class ScaffoldClients(ClientPlugin):
+class ScaffoldClients(PerClientPlugin):
     """The clients' control variates ``c_i`` (checkpoint component ``variates``).
 
     Args:
@@ -54,18 +54,6 @@ class ScaffoldClients(ClientPlugin):
         own = self.state.begin(task)
         generator = seeding.torch_stream(self.seed, seeding.CONTROL_CODEC, task.client_id, task.participation)
         return _VariatePart(self, task.client_id, server, own, generator)
-
-    def released(self, task: TaskAssigned) -> None:
-        """Forget the task's record."""
-        self.state.released(task)
-
-    def state_dict(self, in_flight: Iterable[TaskAssigned]) -> dict[str, Any]:
-        """Return the variates, tasks in flight as they started."""
-        return self.state.state_dict(in_flight)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the variates."""
-        self.state.load_state_dict(state)
 
     def close(self, log: Any) -> dict[str, int]:
         """Close the store (its spill folder goes)."""

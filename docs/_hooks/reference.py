@@ -7,6 +7,8 @@ from ``python -m flasync ... --help``, and ``reference/config.md``, written from
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import re
 import subprocess
@@ -175,8 +177,22 @@ def _cell(text: str) -> str:
     return " ".join(text.replace("|", "\\|").split())
 
 
+@functools.cache
+def _roles_module() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("griffe_roles", Path(__file__).with_name("griffe_roles.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plain_roles(text: str) -> str:
+    """Show reST roles as inline code, as the API pages do (``docs/_hooks/griffe_roles.py``)."""
+    return str(_roles_module().plain_roles(text))
+
+
 def _first_paragraph(doc: str | None) -> str:
-    return _cell((doc or "").strip().split("\n\n")[0])
+    return _cell(_plain_roles((doc or "").strip().split("\n\n")[0]))
 
 
 def config_models() -> list[tuple[str, type]]:

@@ -12,8 +12,9 @@ what its test does with it:
 
 A page's blocks run in order in one temporary folder holding a copy of ``examples/``, as a reader would run them
 from a clone. Shell blocks run with tiny settings: ``flasync run`` and ``flasync serve`` get
-``--set stop.max_versions=2`` (and ``--no-tracking`` unless the block is ``tracked``), and a served port is a free
-one. Every subprocess tracks to a temporary MLflow store, never to ``./mlruns`` of the checkout.
+``--set stop.max_versions=2`` (and ``--no-tracking`` unless the block is ``tracked``), and each ``--port N`` of a
+block, with its ``127.0.0.1:N``, becomes a free port. Every subprocess tracks to a temporary MLflow store, never to
+``./mlruns`` of the checkout.
 """
 
 from __future__ import annotations
@@ -147,10 +148,9 @@ def tiny(code: str, *, tracked: bool) -> str:
             line = f"{indent}{match.group('command')} {extra}{match.group('tail') or ''}"
         out.append(line)
     text = "\n".join(out) + "\n"
-    if "flasync serve" in text:
-        text = text.replace("127.0.0.1:8080", f"127.0.0.1:{_free_port()}").replace("--port 8080", "--port {port}")
-        port = re.search(r"127\.0\.0\.1:(\d+)", text)
-        text = text.replace("{port}", port.group(1) if port else str(_free_port()))
+    for port in set(re.findall(r"--port (\d+)", text)):
+        free = str(_free_port())
+        text = text.replace(f"--port {port}", f"--port {free}").replace(f"127.0.0.1:{port}", f"127.0.0.1:{free}")
     return text
 
 

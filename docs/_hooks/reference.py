@@ -8,6 +8,7 @@ from ``python -m flasync ... --help``, and ``reference/config.md``, written from
 from __future__ import annotations
 
 import functools
+import html
 import importlib.util
 import os
 import re
@@ -167,9 +168,20 @@ def _bounds(info: Any) -> str:
     for item in info.metadata:
         for name, symbol in _BOUNDS.items():
             value = getattr(item, name, None)
-            if value is not None:
-                parts.append(f"{symbol} {value:g}" if isinstance(value, float) else f"{symbol} {value}")
+            if value is None:
+                continue
+            if isinstance(value, float):
+                parts.append(f"{symbol} {value:g}")
+            elif value >= 2**32 and value & (value - 1) == 0:
+                parts.append(f"{symbol} 2^{value.bit_length() - 1}")
+            else:
+                parts.append(f"{symbol} {value}")
     return ", ".join(parts)
+
+
+def _code(text: str) -> str:
+    """Return text as inline code that fits a table cell: HTML, since a Markdown table splits code at a ``|``."""
+    return "<code>" + html.escape(text).replace("|", "&#124;") + "</code>"
 
 
 def _cell(text: str) -> str:
@@ -290,7 +302,7 @@ def config_markdown() -> str:
             child = dotted + ("[]" if _is_sequence(info.annotation) else "")
             description = "picks this choice" if field == "kind" and _kind(model) else _description(child, info, tables)
             lines.append(
-                f"| `{dotted}` | {_cell('`' + _type_name(info.annotation) + '`')} | {_cell(_default(info))} "
+                f"| `{dotted}` | {_code(_type_name(info.annotation))} | {_cell(_default(info))} "
                 f"| {_cell(_bounds(info))} | {description} |"
             )
         lines.append("")
@@ -298,12 +310,12 @@ def config_markdown() -> str:
 
 
 def missing_descriptions() -> list[str]:
-    """Return the dotted paths of the fields whose model gives no description."""
+    """Return ``Model.field`` for each value field (not ``kind``, not a table) whose model gives no description."""
     missing = []
-    for path, model in config_models():
+    for model in dict.fromkeys(model for _, model in config_models()):
         for name, info in model.model_fields.items():
-            if not info.description and name != "kind":
-                missing.append(f"{path}.{name}" if path else name)
+            if not info.description and name != "kind" and not any(_models_in(info.annotation)):
+                missing.append(f"{model.__name__}.{name}")
     return missing
 
 

@@ -74,8 +74,8 @@ def test_config_page_lists_no_field_the_schema_lacks() -> None:
 def test_config_page_shows_defaults() -> None:
     """A field's default is the model's default, as a config file would write it."""
     page = _reference().config_markdown()
-    assert "| `server.buffer_size` | `int` | `10` |" in page
-    assert '| `clock` | `"virtual" \\| "wall"` | `"virtual"` |' in page
+    assert "| `server.buffer_size` | <code>int</code> | `10` |" in page
+    assert '| `clock` | <code>&quot;virtual&quot; &#124; &quot;wall&quot;</code> | `"virtual"` |' in page
 
 
 @pytest.mark.slow

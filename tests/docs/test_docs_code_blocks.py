@@ -61,7 +61,7 @@ class Block:
 
 
 def _pages() -> list[Path]:
-    return sorted(path for path in DOCS.rglob("*.md") if "_hooks" not in path.parts)
+    return [ROOT / "README.md", *sorted(path for path in DOCS.rglob("*.md") if "_hooks" not in path.parts)]
 
 
 def _blocks(page: Path) -> list[Block]:
@@ -92,7 +92,7 @@ def _blocks(page: Path) -> list[Block]:
             options = tuple(words[1:])
         found.append(
             Block(
-                page=str(page.relative_to(DOCS)),
+                page=str(page.relative_to(ROOT)),
                 line=start + 1,
                 lang=opening.group("lang").lower(),
                 code="\n".join(body) + "\n",

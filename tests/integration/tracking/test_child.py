@@ -537,14 +537,27 @@ def test_helpers_die_with_a_killed_writer(tracking_uri: str) -> None:
     child = ChildLogBatch(tracking_uri, preload=("flasync.tracking._model:warm_up",))
     writer = psutil.Process(child.pid)
     deadline = time.monotonic() + 60
-    while not writer.children() and time.monotonic() < deadline:
+    while not _forks_of(writer) and time.monotonic() < deadline:
         time.sleep(0.05)
-    helpers = writer.children()
+    helpers = _forks_of(writer)
     assert len(helpers) == 1
     writer.kill()
     child.close()
     _, alive = psutil.wait_procs(helpers, timeout=10)
     assert not [p for p in alive if _running(p)]
+
+
+def _forks_of(process: psutil.Process) -> list[psutil.Process]:
+    """The children of ``process`` forked from it (its command line), not the programs its imports run for a moment
+    (``uname -p``, while MLflow loads: seen alone, it passed for the helper not yet forked)."""
+    forks = []
+    for child in process.children():
+        try:
+            if child.cmdline() == process.cmdline():
+                forks.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return forks
 
 
 def _running(process: psutil.Process) -> bool:

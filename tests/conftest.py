@@ -95,7 +95,7 @@ def seeded_torch() -> Iterator[None]:
 def _no_user_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Point MLflow's environment default at a temporary store in the tracking tests (``tests/*/tracking/``), never
     the user's ``mlruns/``."""
-    if "tracking" in request.path.parts:
+    if request.path.parent.name == "tracking":
         tmp_path: Path = request.getfixturevalue("tmp_path")
         monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/stray/mlflow.db")
 

@@ -233,6 +233,7 @@ def test_hierarchical_run_lands_in_mlflow(tmp_path: Path, monkeypatch: pytest.Mo
     assert summary["tiers"]["edge1.updates_per_aggregation"] == 3.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "expected"),
     [

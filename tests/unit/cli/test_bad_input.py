@@ -166,6 +166,7 @@ def test_labels_out_of_range(capsys: pytest.CaptureFixture[str], store: str, mon
     assert _fails(capsys, store, "run") == "labels must be in [0, 10); found 12 at index 0."
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
@@ -191,6 +192,7 @@ def test_partitions_leaving_clients_empty(
     assert expected in _fails(capsys, store, *argv)
 
 
+@pytest.mark.slow
 def test_model_factory_that_raises(
     capsys: pytest.CaptureFixture[str], store: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -203,6 +205,7 @@ def test_model_factory_that_raises(
     assert _fails(capsys, store, "run") == "model factory failed: RuntimeError: no GPU here"
 
 
+@pytest.mark.slow
 def test_model_that_does_not_fit_the_data(capsys: pytest.CaptureFixture[str], store: str) -> None:
     """A CNN whose image size does not match the samples."""
     message = _fails(capsys, store, "run", "--set", "model.kind=cnn", "--set", "model.image_size=[4,4]")

@@ -85,6 +85,7 @@ def test_unknown_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unrecognized arguments: --fast" in _fails(capsys, "run", "--fast")
 
 
+@pytest.mark.slow
 def test_bad_data_leaves_no_run(capsys: pytest.CaptureFixture[str], store: str) -> None:
     """More clients than samples exits 2 before any MLflow run exists."""
     message = _fails(capsys, "run", "--set", "population.num_clients=5000", "--tracking-uri", store)

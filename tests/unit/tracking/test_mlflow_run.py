@@ -78,6 +78,7 @@ def test_start_records_params_in_chunks_and_tags(tracker: MlflowTracker, client:
     tracker.finish("FINISHED")
 
 
+@pytest.mark.slow
 def test_logged_events_become_metrics_with_their_steps(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
     """Events logged through a MetricsProcessor logger are stored at their steps."""
     run_id = tracker.start(experiment="metrics")
@@ -196,6 +197,7 @@ def test_finish_sets_the_run_status(tracker: MlflowTracker, client: mlflow.Mlflo
     assert run.info.end_time is not None
 
 
+@pytest.mark.slow
 def test_finish_is_idempotent(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
     """A second finish changes nothing."""
     run_id = tracker.start(experiment="status")
@@ -323,6 +325,7 @@ def test_log_model_stores_a_logged_model_of_the_run(tracker: MlflowTracker, clie
     assert [o.model_id for o in outputs.model_outputs] == [logged.model_id]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer_process", [True, False], ids=["in-the-writer", "in-process"])
 def test_system_metrics_are_recorded(tracker: MlflowTracker, client: mlflow.MlflowClient, writer_process: bool) -> None:
     """With system_metrics, MLflow's monitor writes system/ metrics until finish (in the writer process, or in this

@@ -536,10 +536,7 @@ def test_helpers_die_with_a_killed_writer(tracking_uri: str) -> None:
     """A writer process killed outright takes its helper with it, even while it still preloads."""
     child = ChildLogBatch(tracking_uri, preload=("flasync.tracking._model:warm_up",))
     writer = psutil.Process(child.pid)
-    deadline = time.monotonic() + 60
-    while not _forks_of(writer) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    helpers = _forks_of(writer)
+    helpers = _helpers_of(writer, 60)
     assert len(helpers) == 1
     writer.kill()
     child.close()
@@ -547,17 +544,26 @@ def test_helpers_die_with_a_killed_writer(tracking_uri: str) -> None:
     assert not [p for p in alive if _running(p)]
 
 
-def _forks_of(process: psutil.Process) -> list[psutil.Process]:
-    """The children of ``process`` forked from it (its command line), not the programs its imports run for a moment
-    (``uname -p``, while MLflow loads: seen alone, it passed for the helper not yet forked)."""
-    forks = []
-    for child in process.children():
-        try:
-            if child.cmdline() == process.cmdline():
-                forks.append(child)
-        except psutil.NoSuchProcess:
-            continue
-    return forks
+def _helpers_of(writer: psutil.Process, timeout_s: float) -> list[psutil.Process]:
+    """The helpers ``writer`` forked, once there are any (or none after ``timeout_s``): children with the writer's
+    command line that keep it from one look to the next. A program the writer runs for a moment (``uname -p``, while
+    MLflow loads) has the writer's command line only between its fork and its exec, and is gone soon after."""
+    deadline = time.monotonic() + timeout_s
+    before: set[int] = set()
+    while time.monotonic() < deadline:
+        forks = []
+        for process in writer.children():
+            try:
+                if process.cmdline() == writer.cmdline():
+                    forks.append(process)
+            except psutil.NoSuchProcess:
+                continue
+        kept = [process for process in forks if process.pid in before]
+        if kept:
+            return kept
+        before = {process.pid for process in forks}
+        time.sleep(0.1)
+    return []
 
 
 def _running(process: psutil.Process) -> bool:

@@ -402,8 +402,8 @@ def test_the_idle_child_is_stopped_at_exit(tmp_path: Path) -> None:
     """The exit functions of the process stop the writer process it kept idle."""
     code = (
         "import atexit, sys\n"
-        "from tracking import MlflowTracker\n"
-        "from tracking._child import IDLE\n"
+        "from flasync.tracking import MlflowTracker\n"
+        "from flasync.tracking._child import IDLE\n"
         f"tracker = MlflowTracker('sqlite:///{tmp_path}/exit.db')\n"
         "tracker.start(experiment='exit')\n"
         "tracker.finish('FINISHED')\n"

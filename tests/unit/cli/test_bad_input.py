@@ -8,6 +8,7 @@ import mlflow
 import pytest
 import torch
 
+import flasync.data.prepare
 import flasync.runtime.assembly
 import flasync.runtime.federation
 from flasync import tracking
@@ -162,7 +163,7 @@ def test_labels_out_of_range(capsys: pytest.CaptureFixture[str], store: str, mon
     def bad_digits() -> ArrayData:
         return ArrayData(x=torch.zeros(100, 64), y=torch.full((100,), 12, dtype=torch.int64), num_classes=10)
 
-    monkeypatch.setattr(flasync.runtime.assembly, "load_digits", bad_digits)
+    monkeypatch.setattr(flasync.data.prepare, "load_digits", bad_digits)
     assert _fails(capsys, store, "run") == "labels must be in [0, 10); found 12 at index 0."
 
 

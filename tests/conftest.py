@@ -1,16 +1,31 @@
-"""Shared test setup."""
+"""Shared test setup: the fixtures and helpers every tier uses (temporary MLflow stores, free ports, a focal loss,
+remote clients' configs and tokens)."""
 
 from __future__ import annotations
 
 import gc
 import importlib.util
-from collections.abc import Iterator
+import secrets
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
 import torch
+import yaml
 
 from flasync.tracking import close_idle_writer
+from flasync.tracking.store import prepare_sqlite_store
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository's root: the tests read ``examples/`` and ``README.md`` there and start subprocesses in it."""
+
+EXAMPLES = ROOT / "examples"
+"""The runnable examples the tests start and read."""
 
 NEEDS_DP_ACCOUNTING = pytest.mark.skipif(
     importlib.util.find_spec("dp_accounting") is None,
@@ -74,3 +89,109 @@ def seeded_torch() -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _no_user_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point MLflow's environment default at a temporary store in the tracking tests (``tests/*/tracking/``), never
+    the user's ``mlruns/``."""
+    if request.path.parent.name == "tracking":
+        tmp_path: Path = request.getfixturevalue("tmp_path")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/stray/mlflow.db")
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Return a folder holding one SQLite store shared by the tests of a module."""
+    return tmp_path_factory.mktemp("mlflow")
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(store_dir: Path) -> str:
+    """Return the URI of the module's temporary SQLite store, its schema built (as flasync's runs build it, under a
+    lock: a test's own MLflow client and a writer process started beside it never both build it)."""
+    uri = f"sqlite:///{store_dir}/mlflow.db"
+    prepare_sqlite_store(uri)
+    return uri
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Work in a temporary directory with a temporary MLflow store (the URI of a database not yet made)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+
+
+def free_port() -> int:
+    """Return a TCP port of 127.0.0.1 that nothing listens on (free when asked; a server started next takes it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Focal:
+    """Focal loss (Lin et al., 2017) per sample: ``-(1 - p_t) ** gamma * log(p_t)``; ``gamma = 0`` is
+    cross-entropy."""
+
+    def __init__(self, gamma: float = 2.0, *, vectorizable: bool = True) -> None:
+        self.gamma = gamma
+        self.vectorizable = vectorizable
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Return one loss per sample of ``outputs`` (logits, ``[batch, classes]``) against ``targets``."""
+        log_p = outputs.log_softmax(dim=1).gather(1, targets[:, None]).squeeze(1)
+        return -((1.0 - log_p.exp()) ** self.gamma) * log_p
+
+
+NUM_CLIENTS = 5
+"""The number of remote clients of :func:`remote_config`."""
+
+
+def remote_config(tokens_file: Path, **overrides: Any) -> dict[str, Any]:
+    """Return a quick FedBuff-on-digits config with remote clients (tracking off unless overridden)."""
+    config: dict[str, Any] = {
+        "seed": 0,
+        "clock": "wall",
+        "partition": {"kind": "iid"},
+        "model": {"kind": "mlp", "hidden": [32]},
+        "population": {"num_clients": NUM_CLIENTS},
+        "client": {"epochs": 2, "batch_size": 16, "lr": 0.1},
+        "server": {"kind": "fedbuff", "buffer_size": 3, "concurrency": NUM_CLIENTS},
+        "stop": {"max_versions": 20},
+        "eval": {"every_versions": 5},
+        "resilience": {"task_timeout_s": 20.0},
+        "tracking": {"enabled": False},
+        "remote": {"enabled": True, "tokens_file": str(tokens_file), "poll_s": 5.0},
+    }
+    for key, value in overrides.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
+    return config
+
+
+def write_remote_config(path: Path, tokens_file: Path, **overrides: Any) -> Path:
+    """Write :func:`remote_config` (tracking on unless overridden) as the YAML file a `flasync serve` reads."""
+    tracking = {"log_model": False, **overrides.pop("tracking", {})}
+    config = remote_config(tokens_file, tracking=tracking, **overrides)
+    config["tracking"].pop("enabled")
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def client_process(
+    url: str, token: str, token_file: Path, *options: str, env: Mapping[str, str], **popen: Any
+) -> subprocess.Popen[Any]:
+    """Start a `flasync client` process for ``url`` with ``token`` (written to ``token_file``) and ``options``."""
+    token_file.write_text(token + "\n")
+    command = [sys.executable, "-m", "flasync", "client", "--server", url, "--token-file", str(token_file), *options]
+    return subprocess.Popen(command, env=dict(env), **popen)
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> dict[int, str]:
+    """Return a fresh token per remote client id, written to ``tmp_path / "tokens.txt"``."""
+    issued = {client_id: secrets.token_urlsafe(24) for client_id in range(NUM_CLIENTS)}
+    lines = ["# client_id token", *(f"{cid} {token}" for cid, token in issued.items())]
+    (tmp_path / "tokens.txt").write_text("\n".join(lines) + "\n")
+    return issued

@@ -1,0 +1,211 @@
+"""The Ray executor against the threads: the same weights, actors that die, a cluster that cannot be reached.
+
+A local Ray (2 CPUs, no dashboard) is started once for the module; flasync then uses it and leaves it running. The
+tests of a Ray that flasync starts itself run the CLI in a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import flasync
+from flasync.core.events import Aggregated
+from flasync.testing import small_config
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+SERVERS = {
+    "fedavg": {"kind": "fedavg", "clients_per_round": 5},
+    "fedbuff": {"kind": "fedbuff", "buffer_size": 4, "concurrency": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A local Ray for the module's in-process runs."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def _ray_processes() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,comm="], capture_output=True, text=True, check=True).stdout
+    names = ("raylet", "gcs_server", "ray::")
+    return {int(line.split()[0]) for line in out.splitlines() if any(n in line for n in names)}
+
+
+@pytest.mark.usefixtures("local_ray")
+@pytest.mark.parametrize("actors", [1, 2])
+@pytest.mark.parametrize("server", sorted(SERVERS))
+def test_ray_gives_the_threads_weights(server: str, actors: int) -> None:
+    """FedAvg and FedBuff on 1 or 2 actors end with the threads executor's weights_sha256."""
+    threads = flasync.run(small_config("executor.kind=thread", server=SERVERS[server]))
+    on_ray = flasync.run(small_config("executor.kind=ray", f"executor.ray.actors={actors}", server=SERVERS[server]))
+    assert on_ray.weights_sha256 == threads.weights_sha256
+    assert on_ray.updates_accepted == threads.updates_accepted
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_scaffold_corrections_travel_to_the_actors() -> None:
+    """SCAFFOLD on Ray: each task's c - c_i reaches its actor, so the weights are the threads' ones."""
+    overrides = ("scaffold.enabled=true", "stop.max_versions=6")
+    threads = flasync.run(small_config(*overrides, "executor.kind=thread"))
+    assert flasync.run(small_config(*overrides, "executor.kind=ray")).weights_sha256 == threads.weights_sha256
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_cohorts_inside_actors_give_the_vectorized_weights() -> None:
+    """executor.ray.vectorized trains each version's clients as one cohort per actor call: the vectorized weights."""
+    vectorized = flasync.run(small_config("executor.kind=vectorized", "stop.max_versions=6"))
+    on_ray = flasync.run(small_config("executor.kind=ray", "executor.ray.vectorized=true", "stop.max_versions=6"))
+    assert on_ray.weights_sha256 == vectorized.weights_sha256
+
+
+@pytest.mark.usefixtures("local_ray")
+async def test_an_actor_killed_mid_run_fails_its_task_and_is_replaced() -> None:
+    """Killing an actor fails the task it held as a client failure; a new actor takes over and the run finishes."""
+    config = small_config("executor.kind=ray", "executor.ray.actors=2", "stop.max_versions=12")
+    federation = flasync.Federation(config)
+    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
+    run = asyncio.create_task(federation.run())
+    killed: list[str] = []
+    async for event in aggregated:
+        if event.version >= 3:
+            names = [n["name"] if isinstance(n, dict) else n for n in ray.util.list_named_actors()]
+            victim = sorted(n for n in names if n.startswith("flasync-train-"))[0]
+            ray.kill(ray.get_actor(victim))
+            killed.append(victim)
+            break
+    summary = await run
+    assert killed
+    assert summary.versions == 12
+    assert summary.updates_failed >= 1
+
+
+def _env() -> dict[str, str]:
+    """This process's environment, with this checkout of flasync first on ``PYTHONPATH``."""
+    root = str(Path(flasync.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def _cli(*args: str, cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    env = _env()
+    return subprocess.run(
+        [sys.executable, "-m", "flasync", "run", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_an_unreachable_cluster_is_one_line_before_any_mlflow_run(tmp_path: Path) -> None:
+    """A closed port: exit 2, one error line naming executor.ray.address, and the store holds no run."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = _cli(
+        "--set",
+        "executor.kind=ray",
+        "--set",
+        "executor.ray.address=127.0.0.1:9",
+        "--set",
+        "executor.ray.connect_timeout_s=2",
+        "--tracking-uri",
+        store,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("flasync: error:")]
+    assert len(errors) == 1 and "executor.ray.address" in errors[0]
+    import mlflow
+
+    runs = mlflow.MlflowClient(store).search_runs(
+        [e.experiment_id for e in mlflow.MlflowClient(store).search_experiments()]
+    )
+    assert runs == []
+
+
+def test_the_ray_a_run_starts_is_gone_after_it(tmp_path: Path) -> None:
+    """A run that started its own Ray leaves no Ray process behind."""
+    before = _ray_processes()
+    result = _cli("--no-tracking", "--set", "executor.kind=ray", "--set", "stop.max_versions=5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "weights sha256" in result.stdout
+    assert _ray_processes() <= before
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_ray_run_resumes_from_its_checkpoint_to_the_uninterrupted_weights() -> None:
+    """Periodic checkpoints of a Ray run resume (on Ray) to the weights the whole run ends with."""
+    from flasync.runtime import checkpoint
+    from flasync.testing import MemoryTracker
+
+    config = small_config("executor.kind=ray", "stop.max_versions=10", "checkpoint.every_versions=4")
+    tracker = MemoryTracker()
+    full = flasync.run(config, tracker=tracker)
+    saved, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
+    assert state["version"] == 8
+    resumed = flasync.run(saved, resume=checkpoint.ResumePoint(None, state))
+    assert resumed.weights_sha256 == full.weights_sha256
+
+
+def test_ctrl_c_leaves_no_ray_behind(tmp_path: Path) -> None:
+    """SIGINT during a run that started its own Ray: exit 130, and every Ray process it started is gone."""
+    before = _ray_processes()
+    env = _env()
+    settings = ["executor.kind=ray", "stop.max_versions=100000", "eval.every_versions=1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flasync", "run", "--no-tracking", *(f"--set={s}" for s in settings)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # training has started once the first evaluation is printed
+        if "server.eval" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output[-2000:]
+    assert _ray_processes() <= before
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_lazy_population_ships_client_ids_not_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Actors draw a lazy client's samples from its seed: no data goes through the object store, same weights."""
+    from flasync.training.executors.ray import RayTrainingExecutor
+
+    overrides = ("data={kind: synthetic, lazy: true}", "population.num_clients=100000", "stop.max_versions=4")
+    threads = flasync.run(small_config(*overrides, "executor.kind=thread"))
+
+    def no_data(*args: object) -> None:
+        raise AssertionError("a lazy client's samples were shipped")
+
+    monkeypatch.setattr(RayTrainingExecutor, "_data_ref", no_data)
+    on_ray = flasync.run(small_config(*overrides, "executor.kind=ray"))
+    assert on_ray.updates_failed == 0
+    assert on_ray.weights_sha256 == threads.weights_sha256
+
+
+def test_gpus_asked_for_on_a_machine_without_any_is_one_line(tmp_path: Path) -> None:
+    """A local Ray cannot give actors GPUs this machine lacks: refused before Ray starts, exit 2, one line."""
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = _cli("--no-tracking", "--set", "executor.kind=ray", "--set", "executor.ray.gpus_per_actor=1", cwd=tmp_path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("flasync: error:")]
+    assert len(errors) == 1 and "executor.ray.gpus_per_actor" in errors[0]

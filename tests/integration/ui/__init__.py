@@ -1,0 +1,1 @@
+"""The MLflow UI in a real browser."""

@@ -1,0 +1,1 @@
+"""Unit tests of flasync.algorithms: the plug-ins of the algorithm-state seam."""

@@ -1,0 +1,137 @@
+"""Update validation: the pure checks, the robust z-score and the norm bound."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flasync.codecs.validation import UpdateValidator, clip_to_norm, finite_norm, robust_zscore
+
+
+def test_accepts_a_plain_update() -> None:
+    """A finite float32 vector of the right length passes and reports its norm."""
+    verdict, norm = UpdateValidator(4).check(torch.tensor([3.0, 4.0, 0.0, 0.0]))
+    assert verdict is None and norm == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize(
+    ("delta", "reason"),
+    [
+        (torch.zeros(3), "shape"),
+        (torch.zeros(2, 2), "shape"),
+        (torch.zeros(4, dtype=torch.float64), "dtype"),
+        (torch.tensor([0.0, math.nan, 0.0, 0.0]), "non_finite"),
+        (torch.tensor([0.0, math.inf, 0.0, 0.0]), "non_finite"),
+        (torch.tensor([100.0, 0.0, 0.0, 0.0]), "norm"),
+    ],
+)
+def test_refuses_malformed_or_oversized_updates(delta: torch.Tensor, reason: str) -> None:
+    """Wrong length/shape/dtype, NaN/Inf and a norm above the bound each have their reason."""
+    verdict, _ = UpdateValidator(4, max_norm=10.0).check(delta)
+    assert verdict is not None and verdict.reason == reason
+    assert verdict.detail and "\n" not in verdict.detail
+
+
+def test_finite_update_whose_norm_overflows_is_refused() -> None:
+    """Elements near float32's maximum overflow the norm to infinity: folded in, they would overflow the model."""
+    verdict, norm = UpdateValidator(4).check(torch.tensor([3e38, 3e38, 0.0, 0.0]))
+    assert verdict is not None and verdict.reason == "non_finite" and "overflows" in verdict.detail
+    assert norm == math.inf
+    verdict, _ = UpdateValidator(4).check(torch.tensor([3e38, -math.inf, 0.0, 0.0]))
+    assert verdict is not None and verdict.reason == "non_finite"
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([3.0, 4.0], 5.0),
+        ([3e38, 3e38], math.inf),  # finite elements, the norm overflows
+        ([1.0, math.nan], math.nan),
+        ([1.0, -math.inf], math.nan),
+        ([math.inf, -math.inf], math.nan),
+    ],
+)
+def test_finite_norm_is_nan_exactly_for_non_finite_elements(values: list[float], expected: float) -> None:
+    """The norm of a finite vector (inf when it overflows); NaN when an element is NaN or infinite."""
+    norm = finite_norm(torch.tensor(values))
+    assert math.isnan(norm) if math.isnan(expected) else norm == pytest.approx(expected)
+
+
+def test_robust_zscore() -> None:
+    """The z-score uses median and MAD, so one outlier in the history does not hide the next."""
+    history = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 50.0]
+    assert robust_zscore(1.0, history) == pytest.approx(0.0)
+    assert robust_zscore(10.0, history) > 50
+    assert robust_zscore(5.0, []) == 0.0
+    assert robust_zscore(2.0, [1.0, 1.0, 1.0]) == math.inf
+    assert robust_zscore(1.0, [1.0, 1.0, 1.0]) == 0.0
+
+
+def test_zscore_check_needs_history_and_records_only_accepted_norms() -> None:
+    """The z-score check applies after min_history accepted norms; refused norms never enter the history."""
+    validator = UpdateValidator(2, zscore_threshold=4.0, window=5, min_history=3)
+    big = torch.tensor([100.0, 0.0])
+    assert validator.check(big)[0] is None  # no history yet
+    for value in (1.0, 1.2, 0.8):
+        verdict, norm = validator.check(torch.tensor([value, 0.0]))
+        assert verdict is None
+        validator.accepted(norm)
+    verdict, _ = validator.check(big)
+    assert verdict is not None and verdict.reason == "zscore"
+    assert validator.norms == pytest.approx([1.0, 1.2, 0.8])
+    for _ in range(10):
+        validator.accepted(1.0)
+    assert len(validator.norms) == 5
+
+
+def test_clip_to_norm() -> None:
+    """Longer updates are scaled to the bound, shorter ones returned as they are."""
+    short = torch.tensor([0.3, 0.4])
+    same, norm = clip_to_norm(short, 1.0)
+    assert same is short and norm == pytest.approx(0.5)
+    clipped, norm = clip_to_norm(torch.tensor([30.0, 40.0]), 1.0)
+    assert norm == pytest.approx(50.0)
+    torch.testing.assert_close(clipped, torch.tensor([0.6, 0.8]))
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_to_norm(short, 0.0)
+
+
+def test_the_norm_bound_follows_accepted_norms_and_refused_ones_cannot_move_it() -> None:
+    """norm_bound_factor refuses norms over factor x the median of accepted ones, once min_history were accepted;
+    a stream of refused large updates leaves the reference where it was."""
+    validator = UpdateValidator(2, min_history=3, norm_bound_factor=3.0)
+    big = torch.tensor([30.0, 40.0])  # norm 50
+    assert validator.check(big)[0] is None  # no history yet: nothing to compare with
+    for value in (1.0, 1.1, 0.9):
+        verdict, norm = validator.check(torch.tensor([value, 0.0]))
+        assert verdict is None
+        validator.accepted(norm)
+    for _ in range(100):
+        verdict, _ = validator.check(big)
+        assert verdict is not None and verdict.reason == "norm_bound"
+    assert validator.check(torch.tensor([2.9, 0.0]))[0] is None  # under 3 x median 1.0
+    assert validator.norms == [1.0, pytest.approx(1.1), pytest.approx(0.9)]
+
+
+def test_the_norm_bound_holds_from_the_third_update_on() -> None:
+    """Before min_history updates were accepted the bound uses every norm seen: early attackers are refused too."""
+    validator = UpdateValidator(2, min_history=10, norm_bound_factor=3.0)
+    for value in (1.0, 1.2, 0.8):
+        assert validator.check(torch.tensor([value, 0.0]))[0] is None
+    verdict, _ = validator.check(torch.tensor([30.0, 40.0]))
+    assert verdict is not None and verdict.reason == "norm_bound"
+
+
+def test_a_norm_taken_ahead_is_used_and_a_non_finite_one_is_checked_again() -> None:
+    """check() uses a norm it is given (a batch's, from one reduction); given a NaN or Inf norm it looks at the
+    elements again, so an overflowing finite update and a NaN one keep their own verdicts."""
+    validator = UpdateValidator(3, max_norm=10.0)
+    delta = torch.tensor([3.0, 4.0, 0.0])
+    assert validator.check(delta, 5.0) == (None, 5.0)
+    verdict, _ = validator.check(delta, 11.0)
+    assert verdict is not None and verdict.reason == "norm"
+    assert validator.check(delta, math.nan) == (None, 5.0)
+    verdict, norm = validator.check(torch.tensor([1.0, math.inf, 0.0]), math.inf)
+    assert verdict is not None and verdict.reason == "non_finite" and math.isnan(norm)

@@ -1,0 +1,346 @@
+"""The run profile: pure summaries of records, quantiles and the profiler fed by hand."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import tracemalloc
+from typing import Any
+
+import pytest
+
+from flasync.config import DiagnosticsConfig
+from flasync.core.bus import EventBus
+from flasync.core.events import (
+    Aggregated,
+    AlertRaised,
+    ClientId,
+    Evaluated,
+    ModelPublished,
+    RunFinished,
+    TaskAssigned,
+    TaskDiagnosis,
+    TasksAssigned,
+    UpdateReceived,
+    UpdatesReceived,
+    UpdatesUploaded,
+    UpdateUploaded,
+    Version,
+)
+from flasync.core.quantiles import StreamSummary, Thinned, counted_percentile
+from flasync.observe.profiling import Instrumentation, Profiler, VersionRows, build_profile, headline, quantiles
+from flasync.testing import EventRecorder, NullLog
+from flasync.training.diagnostics import AlertMonitor
+
+
+def test_quantiles_interpolate() -> None:
+    """p50/p90 interpolate linearly between order statistics."""
+    summary = quantiles([float(v) for v in range(11)])
+    assert summary == {"p50": 5.0, "p90": 9.0, "max": 10.0, "mean": 5.0, "count": 11.0}
+    assert quantiles([]) is None
+
+
+def _feed(profiler: Profiler) -> None:
+    """One sync round of three clients (simulated tasks of 1, 2 and 6 s) producing version 1."""
+    profiler.observe(ModelPublished(version=Version(0), simulated_s=0.0, download_bytes=100, encode_s=0.5))
+    for task_id, (client, train_s) in enumerate([(0, 1.0), (1, 2.0), (2, 6.0)]):
+        cid = ClientId(client)
+        profiler.observe(
+            TaskAssigned(task_id=task_id, client_id=cid, participation=0, base_version=Version(0), simulated_s=0.0)
+        )
+        profiler.observe(
+            UpdateUploaded(
+                task_id=task_id,
+                client_id=cid,
+                base_version=Version(0),
+                num_samples=10,
+                payload=b"x" * (10 + client),
+                train_loss=1.0,
+                simulated_s=train_s,
+                sent_wall_s=0.0,
+                compute_s=1.0,
+                encode_s=0.25,
+                sim_train_s=train_s,
+                sim_download_s=0.0,
+                sim_upload_s=0.0,
+                download_bytes=100,
+            )
+        )
+        profiler.observe(
+            UpdateReceived(
+                task_id=task_id,
+                client_id=cid,
+                base_version=Version(0),
+                version=Version(0),
+                staleness=0,
+                upload_bytes=10 + client,
+                simulated_s=train_s,
+                decode_s=0.5,
+                queue_wait_s=0.125,
+            )
+        )
+    profiler.observe(ModelPublished(version=Version(1), simulated_s=6.0, download_bytes=100, encode_s=0.5))
+    profiler.observe(
+        Aggregated(version=Version(1), num_updates=3, mean_staleness=0.0, aggregate_s=1.0, simulated_s=6.0, wall_s=10.0)
+    )
+    profiler.observe(RunFinished(reason="max_versions", versions=1, updates_accepted=3, simulated_s=6.0, wall_s=10.0))
+
+
+def test_build_profile_breaks_down_a_round() -> None:
+    """The breakdown sums the round's costs; idle is the rest of the wall interval; sync straggler wait = max - p50."""
+    profiler = Profiler("sync")
+    _feed(profiler)
+    profile = build_profile(profiler.finish(), mode="sync", num_params=4, dense_bytes=40, stragglers=2)
+    (row,) = profile["time"]["per_version"]
+    assert row["compute_s"] == 3.0
+    assert row["encode_s"] == 3 * 0.25 + 0.5  # clients' uploads + the published download of version 1
+    assert row["decode_s"] == 1.5 and row["queue_wait_s"] == 0.375 and row["aggregate_s"] == 1.0
+    assert row["idle_s"] == 10.0 - (1.5 + 1.0 + 0.5)
+    assert row["straggler_wait_sim_s"] == 6.0 - 2.0
+    assert row["upload_bytes"] == 33 and row["download_bytes"] == 300
+    stragglers = profile["clients"]["stragglers"]
+    assert [s["client_id"] for s in stragglers] == [2, 1]
+    assert stragglers[0]["times_median"] == 3.0
+    comm = profile["communication"]
+    assert comm["upload_bytes"] == 33 and comm["download_bytes"] == 300
+    assert comm["per_tier"] == {"client": {"upload_bytes": 33, "download_bytes": 300}}
+    assert comm["upload_compression"] == pytest.approx(40 * 3 / 33)
+    assert profile["staleness"]["histogram"] == {"0": 3}
+    figures = headline(profile)
+    assert figures["time_idle_s"] == 7.0 and figures["client_upload_bytes"] == 33.0
+
+
+def test_profiles_and_diagnostics_share_one_percentile_definition() -> None:
+    """Profile quantiles, streamed summaries and diagnostics interpolate linearly between ranks, as numpy does."""
+    import numpy as np
+
+    from flasync.core.quantiles import percentile
+    from flasync.observe.profiling import quantiles
+
+    values = [5.0, 1.0, 4.0, 2.0, 10.0, 3.0]
+    stream = StreamSummary(16, random.Random(0))
+    for value in values:
+        stream.add(value)
+    for p in (0.1, 0.5, 0.9):
+        assert percentile(sorted(values), p) == pytest.approx(float(np.quantile(values, p)))
+        assert stream.quantile(p) == percentile(sorted(values), p)
+    assert quantiles(values) == stream.summary()
+    counts = {0: 3, 1: 5, 4: 1, 9: 2}
+    expanded = sorted(v for v, n in counts.items() for _ in range(n))
+    for p in (0.0, 0.1, 0.5, 0.77, 0.9, 1.0):
+        assert counted_percentile(counts, p) == pytest.approx(percentile(expanded, p))
+
+
+def test_stream_summary_is_exact_up_to_capacity_then_a_bounded_uniform_sample() -> None:
+    """Quantiles are exact while every value fits; beyond, the sample stays at capacity and near the true quantiles."""
+    exact = StreamSummary(1000, random.Random(1))
+    for value in range(1000):
+        exact.add(float(value))
+    assert exact.summary() == quantiles([float(v) for v in range(1000)])
+
+    stream = StreamSummary(2000, random.Random(1))
+    for value in range(200_000):
+        stream.add(float(value % 1000))
+    summary = stream.summary()
+    assert summary is not None
+    assert len(stream.sample) == 2000
+    assert (summary["count"], summary["max"], summary["mean"]) == (200_000.0, 999.0, 499.5)
+    assert summary["p50"] == pytest.approx(500, abs=40)
+    assert summary["p90"] == pytest.approx(900, abs=30)
+    again = StreamSummary(2000, random.Random(1))
+    for value in range(200_000):
+        again.add(float(value % 1000))
+    assert again.sample == stream.sample  # the same generator keeps the same values
+
+
+def test_thinned_series_stays_bounded_evenly_spaced_and_ends_with_the_latest() -> None:
+    """Every item up to capacity; then every 2^k-th, never more than capacity (+ the latest)."""
+    series: Thinned[int] = Thinned(8)
+    for item in range(5):
+        series.add(item)
+    assert series.items() == [0, 1, 2, 3, 4]
+    for item in range(5, 100):
+        series.add(item)
+    kept = series.items()
+    assert len(kept) <= 9 and kept[0] == 0 and kept[-1] == 99
+    steps = {b - a for a, b in itertools.pairwise(kept[:-1])}
+    assert len(steps) == 1  # evenly spaced (the latest aside)
+
+
+def test_version_rows_merge_in_pairs_and_keep_exact_totals() -> None:
+    """Past capacity, neighbouring rows merge: at most capacity rows, every version covered once, sums unchanged."""
+    rows = VersionRows(capacity=4)
+    for v in range(1, 12):
+        rows.add(
+            {
+                "version": float(v),
+                "versions": 1.0,
+                "updates": 2.0,
+                "wall_s": 1.0,
+                "compute_s": float(v),
+                "staleness_mean": float(v % 3),
+                "simulated_s": 10.0 * v,
+            }
+        )
+    kept = rows.rows()
+    assert len(kept) <= 4
+    assert sum(r["versions"] for r in kept) == 11
+    assert sum(r["compute_s"] for r in kept) == sum(range(1, 12))
+    assert kept[-1]["version"] == 11.0 and kept[-1]["simulated_s"] == 110.0
+    stale_total = sum(r["staleness_mean"] * r["updates"] for r in kept)
+    assert stale_total == pytest.approx(sum(2.0 * (v % 3) for v in range(1, 12)))
+
+
+def _feed_async(profiler: Profiler, first_version: int, versions: int, clients: int = 200) -> None:
+    """FedBuff-like traffic: 10 uploads per version from a fixed population, an evaluation every version."""
+    task = first_version * 10
+    for v in range(first_version, first_version + versions):
+        profiler.observe(ModelPublished(version=Version(v), simulated_s=float(v), download_bytes=100, encode_s=0.01))
+        for _ in range(10):
+            cid = ClientId(task % clients)
+            profiler.observe(
+                TaskAssigned(task_id=task, client_id=cid, participation=0, base_version=Version(v), simulated_s=0.0)
+            )
+            profiler.observe(
+                UpdateUploaded(
+                    task_id=task,
+                    client_id=cid,
+                    base_version=Version(v),
+                    num_samples=10,
+                    payload=b"x" * 50,
+                    train_loss=1.0,
+                    simulated_s=float(v),
+                    sent_wall_s=0.0,
+                    compute_s=0.001 * (task % 7),
+                    encode_s=0.001,
+                    sim_train_s=1.0 + task % 5,
+                    sim_download_s=0.1,
+                    sim_upload_s=0.1,
+                    download_bytes=100,
+                )
+            )
+            profiler.observe(
+                UpdateReceived(
+                    task_id=task,
+                    client_id=cid,
+                    base_version=Version(v),
+                    version=Version(v),
+                    staleness=task % 3,
+                    upload_bytes=50,
+                    simulated_s=float(v),
+                    decode_s=0.001,
+                    queue_wait_s=0.001,
+                )
+            )
+            task += 1
+        profiler.observe(
+            Aggregated(
+                version=Version(v + 1),
+                num_updates=10,
+                mean_staleness=1.0,
+                aggregate_s=0.01,
+                simulated_s=float(v + 1),
+                wall_s=0.1 * (v + 1),
+            )
+        )
+        profiler.observe(
+            Evaluated(
+                version=Version(v + 1), accuracy=0.5, loss=1.0, simulated_s=float(v + 1), wall_s=0.1 * v, eval_s=0.01
+            )
+        )
+
+
+@pytest.mark.slow
+def test_profiler_memory_does_not_grow_with_updates() -> None:
+    """A long run's records stay bounded: 40,000 more updates from the same clients add almost nothing.
+
+    (The records used to keep every task: about 1 KiB per update, 100 MiB here.)
+    """
+    profiler = Profiler()
+    tracemalloc.start()
+    try:
+        _feed_async(profiler, 0, 2_000)  # past every bound (4,096 values per summary, 1,024 rows)
+        before = tracemalloc.get_traced_memory()[0]
+        _feed_async(profiler, 2_000, 4_000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 256 * 1024, f"records grew by {grown} bytes over 40,000 updates"
+    records = profiler.finish()
+    assert not records.pending
+    profile = build_profile(records, mode="async", num_params=10, dense_bytes=60)
+    assert profile["versions"] == 6_000
+    assert profile["clients"]["tasks_completed"] == 60_000
+    assert profile["clients"]["participants"] == 200
+    assert len(profile["time"]["per_version"]) <= 1024
+    assert profile["time"]["totals"]["aggregate_s"] == pytest.approx(60.0)
+    assert profile["communication"]["upload_bytes"] == 60_000 * 50
+    assert profile["staleness"]["summary"]["count"] == 60_000
+    assert profile["staleness"]["summary"]["p50"] == 1.0
+    assert len(profile["evaluations"]) <= 1025 and profile["evaluations"][-1]["version"] == 6_000
+
+
+def _instrumented() -> tuple[Any, Any, EventRecorder, NullLog]:
+    bus, log = EventBus(), NullLog()
+    recorder = EventRecorder(bus)
+    profiler = Profiler("sync")
+    Instrumentation(bus, profiler=profiler, monitor=AlertMonitor(DiagnosticsConfig()), log=log, now=lambda: 1.0)
+    return bus, profiler, recorder, log
+
+
+def test_a_batch_is_profiled_and_alerted_as_its_events_one_by_one() -> None:
+    """Tasks, uploads (a NaN and an exploding one among them) and receipts sent as three batches leave the profile,
+    the alerts and the log lines that the same events sent one by one leave."""
+    n = 8
+    tasks = [
+        TaskAssigned(task_id=k, client_id=ClientId(k), participation=0, base_version=Version(0), simulated_s=0.0)
+        for k in range(n)
+    ]
+    norms = [1.0, 1.1, 0.9, 1.0, 1.2, math.nan, 50.0, 1.0]
+    uploads = [
+        UpdateUploaded(
+            task_id=k,
+            client_id=ClientId(k),
+            base_version=Version(0),
+            num_samples=10 + k,
+            payload=bytes(16 + k),
+            train_loss=0.5,
+            simulated_s=2.0,
+            sent_wall_s=0.0,
+            compute_s=0.01 * k,
+            diagnosis=TaskDiagnosis(update_norm=norms[k], update_finite=not math.isnan(norms[k])),
+        )
+        for k in range(n)
+    ]
+    received = [
+        UpdateReceived(
+            task_id=k,
+            client_id=ClientId(k),
+            base_version=Version(0),
+            version=Version(0),
+            staleness=0,
+            upload_bytes=16 + k,
+            simulated_s=2.0,
+        )
+        for k in range(n)
+    ]
+    together, alone = _instrumented(), _instrumented()
+    for batch, members in ((TasksAssigned, tasks), (UpdatesUploaded, uploads), (UpdatesReceived, received)):
+        together[0].publish_nowait(batch.of(tuple(members)))
+        for event in members:
+            alone[0].publish_nowait(event)
+    for bus, *_ in (together, alone):
+        bus.publish_nowait(
+            Aggregated(
+                version=Version(1), num_updates=n, mean_staleness=0.0, aggregate_s=0.0, simulated_s=2.0, wall_s=0.1
+            )
+        )
+    profiles = [
+        build_profile(profiler.finish(), mode="sync", num_params=4, dense_bytes=32)
+        for _, profiler, _, _ in (together, alone)
+    ]
+    assert profiles[0] == profiles[1]
+    alerts = [[(a.kind, a.client_id) for a in recorder.of(AlertRaised)] for _, _, recorder, _ in (together, alone)]
+    assert alerts[0] == alerts[1] == [("nan", 5), ("exploding_update", 6)]
+    assert together[3].records == alone[3].records

@@ -1,0 +1,120 @@
+"""Training diagnostics: the pure alert checks and per-layer gradient statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import flasync
+from flasync.config import DiagnosticsConfig
+from flasync.core.events import TaskDiagnosis
+from flasync.training.diagnostics import DivergedTraining, TrainingDiagnostics, is_diverging, layer_layout, task_alerts
+from flasync.training.local import FlatModel, LocalResult, LocalTraining
+
+CONFIG = DiagnosticsConfig()
+
+
+def _alerts(diagnosis: TaskDiagnosis, recent: list[float] | None = None) -> list[str]:
+    found = task_alerts(diagnosis, 3, layer_names=("a", "b"), recent_update_norms=recent or [], config=CONFIG)
+    return [a.kind for a in found]
+
+
+def test_task_alerts_nan_in_loss_gradients_or_update() -> None:
+    """Any non-finite loss, gradient or update is one NaN alert naming where."""
+    assert _alerts(TaskDiagnosis()) == []
+    assert _alerts(TaskDiagnosis(loss_finite=False, update_finite=False)) == ["nan"]
+    found = task_alerts(TaskDiagnosis(grad_finite=False), 3, layer_names=(), recent_update_norms=[], config=CONFIG)
+    assert found[0].message == "client 3: NaN/Inf in gradients"
+
+
+def test_task_alerts_exploding_update_against_the_running_median() -> None:
+    """An update norm above exploding_factor times the recent median alerts; with fewer than 5 norms it cannot."""
+    recent = [1.0, 1.1, 0.9, 1.0, 1.2]
+    assert _alerts(TaskDiagnosis(update_norm=9.0), recent) == []
+    assert _alerts(TaskDiagnosis(update_norm=11.0), recent) == ["exploding_update"]
+    assert _alerts(TaskDiagnosis(update_norm=11.0), recent[:4]) == []
+
+
+def test_task_alerts_exploding_and_vanishing_gradients() -> None:
+    """Per-layer gradient norms beyond the configured bounds alert (level full)."""
+    exploding = TaskDiagnosis(layer_grad_norm_mean=(1.0, 1.0), layer_grad_norm_max=(5.0, 2e3))
+    assert _alerts(exploding) == ["exploding_gradient"]
+    vanishing = TaskDiagnosis(layer_grad_norm_mean=(1.0, 1e-9), layer_grad_norm_max=(5.0, 1e-8))
+    assert _alerts(vanishing) == ["vanishing_gradient"]
+
+
+@pytest.mark.parametrize(
+    ("losses", "expected"),
+    [
+        ([2.0, 1.0, 1.1, 1.2, 1.3], True),  # rose 3 times, 30% above the best
+        ([2.0, 1.0, 1.01, 1.02, 1.03], False),  # rose 3 times, but within 10% of the best
+        ([2.0, 1.0, 1.5, 1.4, 1.6], False),  # not rising every time
+        ([1.0, 1.5, 2.0], False),  # too short for the window
+        ([1.0, math.nan], True),  # NaN loss
+        ([], False),
+    ],
+)
+def test_is_diverging(losses: list[float], expected: bool) -> None:
+    """Divergence: the loss rose in each of the last `window` evaluations and is clearly above its best."""
+    assert is_diverging(losses, window=3, tolerance=0.1) is expected
+
+
+def test_full_level_layer_norms_match_autograd() -> None:
+    """With one full-batch step, the per-layer gradient norms are those autograd computes directly."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    reference = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    reference.load_state_dict(module.state_dict())
+    layout = layer_layout(module)
+    model = FlatModel(module)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    diagnostics = TrainingDiagnostics("full", layout)
+    cfg = LocalTraining(epochs=1, batch_size=8, lr=0.1)
+    _, diagnosis = diagnostics.train(model, model.flat.clone(), x, y, cfg, torch.Generator().manual_seed(0))
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    expected = [float(p.grad.norm()) for p in reference.parameters()]  # type: ignore[union-attr]
+    assert layout.names == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert diagnosis.layer_grad_norm_mean == pytest.approx(expected, rel=1e-5)
+    assert diagnosis.layer_grad_norm_max == pytest.approx(expected, rel=1e-5)
+    assert diagnosis.update_norm == pytest.approx(0.1 * math.sqrt(sum(v * v for v in expected)), rel=1e-5)
+
+
+def test_off_level_only_checks_finiteness() -> None:
+    """Level off measures nothing but the NaN/Inf checks."""
+    module = nn.Linear(4, 2)
+    model = FlatModel(module)
+    x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    cfg = LocalTraining(epochs=1, batch_size=4)
+    _, diagnosis = TrainingDiagnostics("off").train(model, model.flat.clone(), x, y, cfg, torch.Generator())
+    assert diagnosis.update_finite and diagnosis.loss_finite
+    assert math.isnan(diagnosis.update_norm) and diagnosis.layer_grad_norm_mean == ()
+
+
+@pytest.mark.parametrize(
+    ("values", "finite"),
+    [
+        ([1.0, -2.0, 3.0], True),
+        ([3.0e38, 3.0e38, 1.0], True),  # the float32 sum overflows, every element is finite
+        ([-3.0e38, -3.0e38, 1.0], True),
+        ([1.0, math.nan, 2.0], False),
+        ([1.0, math.inf, 2.0], False),
+        ([math.inf, -math.inf, 0.0], False),  # the sum is NaN
+        ([-math.inf, 1.0, 1.0], False),
+    ],
+)
+def test_diagnose_tells_finite_deltas_from_non_finite_ones(values: list[float], finite: bool) -> None:
+    """A delta is finite exactly when all its elements are, also when their sum overflows."""
+    delta = torch.tensor(values, dtype=torch.float32)
+    result = LocalResult(delta=delta, num_samples=1, steps=1, loss=0.5, train_s=0.0, peak_mem_bytes=0)
+    assert TrainingDiagnostics("off").diagnose(result).update_finite is finite
+    assert TrainingDiagnostics("basic").diagnose(result).update_finite is finite
+
+
+def test_diverged_training_carries_its_diagnosis() -> None:
+    """The training error of a non-finite update keeps the diagnosis for the ClientFailed event."""
+    error = DivergedTraining("boom", TaskDiagnosis(update_finite=False))
+    assert isinstance(error, flasync.core.errors.TrainingError)
+    assert error.diagnosis.update_finite is False

@@ -356,7 +356,7 @@ def test_a_run_tracked_to_a_silent_server_never_imports_mlflow_in_its_process(
     """With a server that never answers, a tracked run (model and plots included) imports neither MLflow nor
     matplotlib where it runs: the spool gets everything, the model made by another process."""
     code = (
-        "import sys, flasync, flasync.testing as t, tracking; "
+        "import sys, flasync, flasync.testing as t; from flasync import tracking; "
         f"tracker = tracking.MlflowTracker({silent_server!r}, http_timeout_s=0.5, http_retries=0, "
         "spool_root='spool', flush_timeout_s=1.0); "
         "flasync.run(t.small_config('tracking.enabled=true', 'tracking.log_model=true'), tracker=tracker); "

@@ -94,6 +94,6 @@ def test_rich_is_imported_only_for_a_bar() -> None:
     """The progress module loads rich's progress bar (and live display) only when a bar is drawn."""
     import subprocess
 
-    code = "import tracking.logs, sys; print(any(m in sys.modules for m in ('rich.progress', 'rich.live')))"
+    code = "import flasync.tracking.logs, sys; print(any(m in sys.modules for m in ('rich.progress', 'rich.live')))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -2,7 +2,7 @@
 
 A plug-in is an object of optional hooks that do nothing unless overridden (trio's ``Instrument`` shape). The
 client coroutine, the training job, the intake and the server loop call the hooks of every plug-in a run has, at
-fixed points of an update's path, and know nothing of which algorithms are on::
+fixed points of an update's path, and know nothing of which algorithms are on:
 
     client, event loop   a task is placed ....... ClientPlugin.task(task, model) -> TaskPart | None
     worker thread        local training ......... TaskPart.correction, added to every local gradient
@@ -121,6 +121,8 @@ class Extra(NamedTuple):
 
 class ServerPlugin:
     """An algorithm's server-side state and checks (no-op hooks).
+
+    It sees the uploads that reach the cloud's intake: in a tree, edges fold their clients' updates without it.
 
     Attributes:
         name: The plug-in's name: its checkpoint component.

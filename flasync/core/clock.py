@@ -20,6 +20,7 @@ number of executor threads.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import heapq
 import math
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Clock", "RunClock", "Started", "VirtualClock", "WallClock"]
+__all__ = ["Clock", "LoopExecutor", "RunClock", "Started", "VirtualClock", "WallClock"]
 
 T = TypeVar("T")
 
@@ -121,16 +122,30 @@ class RunClock(Clock, Protocol):
         ...
 
 
+class LoopExecutor(Executor, abc.ABC):
+    """An executor that hands its results to the event loop itself: one loop future per job or per group of jobs.
+
+    A subclass declares the capability (:class:`~flasync.training.executors.threads.CohortBatcher` does); the
+    clocks and the clients use it instead of bridging each thread future with :func:`asyncio.wrap_future`.
+    """
+
+    @abc.abstractmethod
+    def submit_async(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Start ``fn``; return a future of the running event loop."""
+
+    @abc.abstractmethod
+    def submit_many_async(self, jobs: Sequence[Any]) -> asyncio.Future[list[Any]]:
+        """Start ``jobs`` together; return one loop future of each job's result or exception, in order."""
+
+
 def _submit(executor: Executor, fn: Callable[[], T]) -> Started[T]:
     """Start ``fn`` in ``executor``; return the loop future to await and what the executor returned for it.
 
-    An executor with ``submit_async`` (a :class:`~flasync.training.executors.threads.CohortBatcher`) gives a loop
-    future itself;
-    any other one's future is bridged with :func:`asyncio.wrap_future`.
+    A :class:`LoopExecutor` gives a loop future itself; any other executor's future is bridged with
+    :func:`asyncio.wrap_future`.
     """
-    submit_async = getattr(executor, "submit_async", None)
-    if submit_async is not None:
-        job: asyncio.Future[T] = submit_async(fn)
+    if isinstance(executor, LoopExecutor):
+        job: asyncio.Future[T] = executor.submit_async(fn)
         return Started(job, job)
     source = executor.submit(fn)
     return Started(asyncio.wrap_future(source), source)

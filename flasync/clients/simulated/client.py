@@ -25,7 +25,7 @@ from flasync.clients.simulated.faults import Fate, FaultModel
 from flasync.clients.simulated.population import Network, Population
 from flasync.core import seeding
 from flasync.core.bus import EventBus
-from flasync.core.clock import Clock, Started, VirtualClock
+from flasync.core.clock import Clock, LoopExecutor, Started, VirtualClock
 from flasync.core.errors import InjectedFault
 from flasync.core.events import (
     ClientFailed,
@@ -435,9 +435,10 @@ class CohortClients:
         # group hands it every job at once and waits once, at its earliest completion time, for all of them (one
         # future for the group), instead of once per completion time.
         agenda: list[tuple[float, int, int, int]]
-        submit_many = getattr(world.pool, "submit_many_async", None) if self.together else None
-        if submit_many is not None:
-            group = submit_many(training)
+        jobs: list[Started[Any]]
+        pool = world.pool
+        if self.together and isinstance(pool, LoopExecutor):
+            group = pool.submit_many_async(training)
             jobs = [Started(group, group)]
             agenda = [(min(p.done_at for p in prepared), -1, _ALL_TRAINED, -1)]
         else:

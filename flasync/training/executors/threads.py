@@ -24,6 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import nn
 
+from flasync.core.clock import LoopExecutor, VirtualClock
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
 from flasync.training.local import FlatModel, LocalResult, LocalTraining
 
@@ -362,7 +363,7 @@ def _init_worker(threads: int, default: int, device: torch.device | None = None)
     restore.join()
 
 
-class CohortBatcher(Executor):
+class CohortBatcher(LoopExecutor):
     """An executor that holds :class:`TrainingJob` submissions back and runs those sharing a base as one cohort.
 
     Anything else submitted goes straight to the inner pool. Held jobs start when :meth:`flush` is called: by the
@@ -441,10 +442,9 @@ class CohortBatcher(Executor):
         self._last_group: tuple[LocalTraining, torch.Tensor, _Group] | None = None
 
     def attach(self, clock: object) -> None:
-        """Let ``clock`` start held jobs when the first of them is needed (a clock with ``on_wait``; else no-op)."""
-        on_wait = getattr(clock, "on_wait", None)
-        if callable(on_wait):
-            on_wait(self._needed)
+        """Let a virtual clock start held jobs when the first of them is needed (real time: no-op)."""
+        if isinstance(clock, VirtualClock):
+            clock.on_wait(self._needed)
             self._driven = True
 
     def _needed(self, future: object) -> None:

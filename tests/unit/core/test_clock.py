@@ -6,11 +6,13 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import pytest
 
-from flasync.core.clock import Clock, RunClock, VirtualClock, WallClock
+from flasync.core.clock import Clock, LoopExecutor, RunClock, VirtualClock, WallClock
 
 
 async def _drive(clock: VirtualClock, body: object) -> None:
@@ -387,3 +389,41 @@ async def test_next_timer_is_the_earliest_live_timer() -> None:
         assert clock.next_timer() == float("inf")
 
     await _drive(clock, body())
+
+
+T = TypeVar("T")
+
+
+class _DeclaredLoopExecutor(LoopExecutor):
+    """A loop executor that runs each job at once and resolves a loop future with its result."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def submit_async(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        self.calls += 1
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        future.set_result(fn())
+        return future
+
+    def submit_many_async(self, jobs: Sequence[Any]) -> asyncio.Future[list[Any]]:
+        raise NotImplementedError
+
+
+class _UndeclaredThreads(ThreadPoolExecutor):
+    """A thread pool that merely has a ``submit_async`` attribute: it declares nothing."""
+
+    def submit_async(self, fn: Callable[[], Any]) -> Any:
+        raise AssertionError("an executor that does not declare LoopExecutor is used as a plain executor")
+
+
+async def test_only_a_declared_loop_executor_hands_the_clock_its_own_loop_future() -> None:
+    """The clock asks a LoopExecutor subclass for a loop future; another executor's future is bridged, whatever
+    attributes it has (capabilities are declared, not probed)."""
+    clock = WallClock()
+    declared = _DeclaredLoopExecutor()
+    started = clock.start(declared, lambda: 41 + 1)
+    assert declared.calls == 1 and started.future is started.source
+    assert await started.future == 42
+    with _UndeclaredThreads(max_workers=1) as plain:
+        assert await clock.run(plain, lambda: "plain") == "plain"

@@ -6,6 +6,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from itertools import islice
 from queue import Empty, SimpleQueue
 from typing import Any, NamedTuple
@@ -58,6 +59,21 @@ class _Stop:
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
+
+
+@dataclass(slots=True)
+class _LoopState:
+    """What the writer thread's loop keeps between passes."""
+
+    buffer: deque[MetricRow] = field(default_factory=deque)
+    waiters: list[_Flush] = field(default_factory=list)
+    received: int = 0  # metrics taken off the queue
+    oldest_at: float = 0.0  # monotonic time the oldest buffered metric arrived
+    retry_at: float = 0.0  # no send before this (backoff)
+    backoff: float = 0.0  # 0 while the backend works
+    streak: int = 0  # failed calls in the current failure streak
+    overflowing: bool = False
+    stop_at: float | None = None
 
 
 class MetricWriter:
@@ -251,113 +267,119 @@ class MetricWriter:
         return unsent
 
     def _run(self) -> None:
-        buffer: deque[MetricRow] = deque()
-        waiters: list[_Flush] = []
-        received = 0  # metrics taken off the queue
-        oldest_at = 0.0  # monotonic time the oldest buffered metric arrived
-        retry_at = 0.0  # no send before this (backoff)
-        backoff = 0.0  # 0 while the backend works
-        streak = 0  # failed calls in the current failure streak
-        overflowing = False
-        stop_at: float | None = None
+        loop = _LoopState()
         try:
             while True:
-                now = time.monotonic()
-                with self._lock:
-                    arrived_at = self._incoming_since if self._incoming else None
-                first = oldest_at if buffer else arrived_at
-                wait: float | None = None
-                if first is not None:
-                    due = now if (waiters or stop_at is not None) else first + self._interval
-                    wait = max(0.0, max(due, retry_at) - now)
-                if stop_at is not None:
-                    wait = max(0.0, stop_at - now) if wait is None else min(wait, max(0.0, stop_at - now))
-                items = self._take(wait)
-                control = any(not isinstance(item, _Wake) for item in items)
-                now = time.monotonic()
-                with self._lock:
-                    incoming = self._incoming
-                    # Take the submitted metrics only to send them (or for a flush, whose target counts everything
-                    # submitted before it): while they stay in the list, further submits do not wake this thread.
-                    take = bool(incoming) and (
-                        control
-                        or bool(waiters)
-                        or stop_at is not None
-                        or len(buffer) + len(incoming) >= self._max_batch
-                        or (oldest_at if buffer else self._incoming_since) + self._interval <= now
-                    )
-                    arrived: list[MetricRow] = []
-                    if take:
-                        arrived, self._incoming = incoming, []
-                    arrived_at = self._incoming_since
-                if arrived:
-                    if not buffer:
-                        oldest_at = arrived_at
-                    buffer.extend(arrived)
-                    received += len(arrived)
+                items = self._take(self._wait(loop))
+                self._take_arrived(loop, control=any(not isinstance(item, _Wake) for item in items))
                 for item in items:
                     if isinstance(item, _Wake):
                         continue
                     if isinstance(item, _Flush):
-                        item.target = received
-                        waiters.append(item)
-                    elif stop_at is None:
-                        stop_at = time.monotonic() + item.timeout
-                if len(buffer) > self._max_backlog:
-                    excess = len(buffer) - self._max_backlog
-                    for _ in range(excess):
-                        buffer.popleft()
-                    self._dropped += excess
-                    if not overflowing:
-                        overflowing = True
-                        self._log.warning(
-                            "metric_writer.backlog_full",
-                            dropped=excess,
-                            max_backlog=self._max_backlog,
-                            metrics=False,
-                        )
-                elif overflowing and len(buffer) < self._max_backlog // 2:
-                    overflowing = False
-
-                now = time.monotonic()
-                if buffer and now >= retry_at:
-                    urgent = bool(waiters) or stop_at is not None or now >= oldest_at + self._interval
-                    error = self._send(buffer, urgent=urgent)
-                    if error is None:
-                        if streak:
-                            self._log.info("metric_writer.recovered", failed_calls=streak, metrics=False)
-                        streak, backoff = 0, 0.0
-                    else:
-                        streak += 1
-                        backoff = _FIRST_BACKOFF_S if backoff == 0.0 else min(2 * backoff, _MAX_BACKOFF_S)
-                        retry_at = time.monotonic() + backoff
-                        if streak == 1:
-                            self._log.warning(
-                                "metric_writer.log_batch_failed",
-                                error=redact_uri(repr(error)),
-                                pending=len(buffer),
-                                retry_in_s=backoff,
-                                metrics=False,
-                            )
-
+                        item.target = loop.received
+                        loop.waiters.append(item)
+                    elif loop.stop_at is None:
+                        loop.stop_at = time.monotonic() + item.timeout
+                self._trim_backlog(loop)
+                if loop.buffer and time.monotonic() >= loop.retry_at:
+                    self._send_buffer(loop)
                 done = self._sent + self._dropped
-                if waiters:
-                    for waiter in [w for w in waiters if w.target <= done]:
-                        waiter.done.set()
-                        waiters.remove(waiter)
-                if stop_at is not None and (not buffer or time.monotonic() >= stop_at):
+                for waiter in [w for w in loop.waiters if w.target <= done]:
+                    waiter.done.set()
+                    loop.waiters.remove(waiter)
+                if loop.stop_at is not None and (not loop.buffer or time.monotonic() >= loop.stop_at):
                     return
         except BaseException as exc:  # pragma: no cover - a bug here must not kill the process quietly
             self._log.error("metric_writer.crashed", error=redact_uri(repr(exc)), metrics=False)
         finally:
             with self._lock:
                 self._closed = True
-            for waiter in waiters:
+            for waiter in loop.waiters:
                 waiter.done.set()
             # Release flushers that queued a request after the loop ended.
             for item in self._drain():
                 if isinstance(item, _Flush):
                     item.done.set()
+
+    def _wait(self, loop: _LoopState) -> float | None:
+        """Return how long the loop may wait for the queue: until a batch is due, a backoff ends or a stop's limit."""
+        now = time.monotonic()
+        with self._lock:
+            arrived_at = self._incoming_since if self._incoming else None
+        first = loop.oldest_at if loop.buffer else arrived_at
+        wait: float | None = None
+        if first is not None:
+            due = now if (loop.waiters or loop.stop_at is not None) else first + self._interval
+            wait = max(0.0, max(due, loop.retry_at) - now)
+        if loop.stop_at is not None:
+            left = max(0.0, loop.stop_at - now)
+            wait = left if wait is None else min(wait, left)
+        return wait
+
+    def _take_arrived(self, loop: _LoopState, *, control: bool) -> None:
+        """Move the submitted metrics into the buffer when they are to be sent."""
+        now = time.monotonic()
+        with self._lock:
+            incoming = self._incoming
+            # Take the submitted metrics only to send them (or for a flush, whose target counts everything
+            # submitted before it): while they stay in the list, further submits do not wake this thread.
+            take = bool(incoming) and (
+                control
+                or bool(loop.waiters)
+                or loop.stop_at is not None
+                or len(loop.buffer) + len(incoming) >= self._max_batch
+                or (loop.oldest_at if loop.buffer else self._incoming_since) + self._interval <= now
+            )
+            arrived: list[MetricRow] = []
+            if take:
+                arrived, self._incoming = incoming, []
+            arrived_at = self._incoming_since
+        if arrived:
+            if not loop.buffer:
+                loop.oldest_at = arrived_at
+            loop.buffer.extend(arrived)
+            loop.received += len(arrived)
+
+    def _trim_backlog(self, loop: _LoopState) -> None:
+        """Drop the oldest metrics past ``max_backlog`` (warning once per overflow)."""
+        buffer = loop.buffer
+        if len(buffer) > self._max_backlog:
+            excess = len(buffer) - self._max_backlog
+            for _ in range(excess):
+                buffer.popleft()
+            self._dropped += excess
+            if not loop.overflowing:
+                loop.overflowing = True
+                self._log.warning(
+                    "metric_writer.backlog_full",
+                    dropped=excess,
+                    max_backlog=self._max_backlog,
+                    metrics=False,
+                )
+        elif loop.overflowing and len(buffer) < self._max_backlog // 2:
+            loop.overflowing = False
+
+    def _send_buffer(self, loop: _LoopState) -> None:
+        """Send what is buffered; after a failure, back off (doubling, capped) and warn at a streak's first."""
+        now = time.monotonic()
+        urgent = bool(loop.waiters) or loop.stop_at is not None or now >= loop.oldest_at + self._interval
+        error = self._send(loop.buffer, urgent=urgent)
+        if error is None:
+            if loop.streak:
+                self._log.info("metric_writer.recovered", failed_calls=loop.streak, metrics=False)
+            loop.streak, loop.backoff = 0, 0.0
+            return
+        loop.streak += 1
+        loop.backoff = _FIRST_BACKOFF_S if loop.backoff == 0.0 else min(2 * loop.backoff, _MAX_BACKOFF_S)
+        loop.retry_at = time.monotonic() + loop.backoff
+        if loop.streak == 1:
+            self._log.warning(
+                "metric_writer.log_batch_failed",
+                error=redact_uri(repr(error)),
+                pending=len(loop.buffer),
+                retry_in_s=loop.backoff,
+                metrics=False,
+            )
 
     def _take(self, wait: float | None) -> list[_Wake | _Flush | _Stop]:
         """Block for one queue item (at most ``wait`` seconds), then take all that are ready."""

@@ -194,8 +194,8 @@ def finish_job(
         delta = delta * attack
     codec = ctx.upload_codec
     encoded = codec.encode(delta, generator=codec_generator, residual=residual)
-    finished = tuple(part.finish(delta, result, encoded, codec) for part in parts)
-    extra = b"".join(done.extra for done in finished)  # at most one plug-in sends one
+    finished = tuple(part.finish(delta, result, encoded, codec) for part in parts) if parts else ()
+    extra = b"".join(done.extra for done in finished) if finished else b""  # at most one plug-in sends one
     return TrainedUpdate(
         result=result.without_delta(ctx.no_delta),  # the payload carries it
         payload=encoded.payload,

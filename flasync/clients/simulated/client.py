@@ -123,7 +123,8 @@ def _prepare(
     steps = job_ctx.local.steps_for(len(samples[2]))
     # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
     simulated = world.population.train_seconds(cid, steps, task.participation)
-    parts = tuple(part for plugin in world.plugins if (part := plugin.task(task, model)) is not None)
+    plugins = world.plugins
+    parts = tuple(part for plugin in plugins if (part := plugin.task(task, model)) is not None) if plugins else ()
     return _Prepared(samples, download_s, simulated, task.simulated_s + (download_s + simulated), parts)
 
 

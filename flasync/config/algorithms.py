@@ -43,7 +43,7 @@ class ScaffoldConfig(_Section):
     and uploads ``Delta c_i`` beside its delta; the server adds ``sum Delta c_i / N`` to ``c`` at each version and
     sends ``c`` with the model. Both travel through the codecs and count on the wire."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="Train with SCAFFOLD's control variates (Karimireddy et al. 2020).")
     max_in_memory: int = Field(1024, ge=1, description="Client variates held in memory; older ones spill to disk.")
     spill_dir: str | None = Field(None, description="Where client variates spill (default: a temporary folder).")
 
@@ -54,7 +54,11 @@ class PrivacyConfig(_Section):
     and is divided by the fixed count (``clients_per_round`` or ``buffer_size``). The privacy spent, epsilon at
     ``delta``, is computed by Google's dp-accounting (``pip install 'flasync[privacy]'``) and logged per version."""
 
-    enabled: bool = False
+    enabled: bool = Field(
+        False,
+        description="Central differential privacy: clipped updates, Gaussian noise on each version's sum, epsilon"
+        " tracked.",
+    )
     clip_norm: float = Field(1.0, gt=0.0, description="C: the L2 norm every client update is clipped to.")
     noise_multiplier: float | None = Field(
         None, gt=0.0, description="z: noise standard deviation over clip_norm (or give target_epsilon)."

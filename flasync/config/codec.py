@@ -25,24 +25,30 @@ class Int8Stage(_Section):
     """Values as int8 with a float32 scale per tensor (``chunk`` unset) or per chunk; stochastic rounding."""
 
     kind: Literal["int8"] = "int8"
-    chunk: int | None = Field(None, ge=1)
-    stochastic: bool = True
+    chunk: int | None = Field(
+        None, ge=1, description="Values per float32 scale (None: one scale for the whole vector)."
+    )
+    stochastic: bool = Field(True, description="Round stochastically (unbiased) rather than to nearest.")
 
 
 class TopKStage(_Section):
     """Keep the ``ratio`` largest-magnitude values; the rest goes to the client's error-feedback residual."""
 
     kind: Literal["topk"] = "topk"
-    ratio: float = Field(0.01, gt=0.0, le=1.0)
-    error_feedback: bool = True
+    ratio: float = Field(0.01, gt=0.0, le=1.0, description="Share of the values sent.")
+    error_feedback: bool = Field(
+        True, description="Keep what is not sent in the client's residual and add it to its next update."
+    )
 
 
 class RandomKStage(_Section):
     """Keep a random ``ratio`` of the values."""
 
     kind: Literal["randomk"] = "randomk"
-    ratio: float = Field(0.01, gt=0.0, le=1.0)
-    error_feedback: bool = True
+    ratio: float = Field(0.01, gt=0.0, le=1.0, description="Share of the values sent.")
+    error_feedback: bool = Field(
+        True, description="Keep what is not sent in the client's residual and add it to its next update."
+    )
 
 
 CodecStage = Annotated[Float16Stage | BFloat16Stage | Int8Stage | TopKStage | RandomKStage, Field(discriminator="kind")]

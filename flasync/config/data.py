@@ -22,9 +22,11 @@ class SyntheticData(_Section):
 
     kind: Literal["synthetic"] = "synthetic"
     samples_per_client: int = Field(200, ge=1, le=10_000_000, description="Training samples generated per client.")
-    num_features: int = Field(32, ge=1, le=1_000_000)
-    num_classes: int = Field(10, ge=2, le=1_000_000)
-    test_samples: int = Field(2000, ge=1, le=10_000_000)
+    num_features: int = Field(32, ge=1, le=1_000_000, description="Features per synthetic sample.")
+    num_classes: int = Field(10, ge=2, le=1_000_000, description="Classes of the synthetic labels.")
+    test_samples: int = Field(
+        2000, ge=1, le=10_000_000, description="Samples of the held-out split the server evaluates on."
+    )
     lazy: bool = Field(
         False,
         description="Draw each client's samples when it is sampled, from its own stream (for millions of clients; "
@@ -107,15 +109,25 @@ class DirichletPartition(_Section):
     """Per-label Dirichlet(alpha) proportions over clients (Hsu et al. 2019); small alpha = more skew."""
 
     kind: Literal["dirichlet"] = "dirichlet"
-    alpha: float = Field(0.5, gt=0.0)
-    min_samples: int = Field(1, ge=1)
+    alpha: float = Field(
+        0.5,
+        gt=0.0,
+        description="Dirichlet concentration: small values give each client few labels (non-IID), large ones near IID.",
+    )
+    min_samples: int = Field(
+        1,
+        ge=1,
+        description="Fewest training samples a client may get (short clients are redrawn, then topped up).",
+    )
 
 
 class ShardsPartition(_Section):
     """Sort by label, cut into shards, deal ``shards_per_client`` to each client (McMahan et al. 2017)."""
 
     kind: Literal["shards"] = "shards"
-    shards_per_client: int = Field(2, ge=1)
+    shards_per_client: int = Field(
+        2, ge=1, description="Label-sorted shards each client gets (McMahan et al. 2017's pathological non-IID split)."
+    )
 
 
 class ByColumnPartition(_Section):

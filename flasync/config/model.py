@@ -26,9 +26,12 @@ class SmallCNNModel(_Section):
     """Two conv layers and a linear head; flat inputs are reshaped to ``(C, H, W)``."""
 
     kind: Literal["cnn"] = "cnn"
-    in_channels: int = Field(1, ge=1)
-    image_size: tuple[int, int] = (8, 8)
-    channels: tuple[int, int] = (16, 32)
+    in_channels: int = Field(1, ge=1, description="Input channels of the images.")
+    image_size: tuple[int, int] = Field(
+        (8, 8),
+        description="Height and width of the images: each sample's features are read as in_channels x height x width.",
+    )
+    channels: tuple[int, int] = Field((16, 32), description="Output channels of the two convolution layers.")
 
 
 ModelConfig = Annotated[MLPModel | SmallCNNModel, Field(discriminator="kind")]
@@ -37,12 +40,12 @@ ModelConfig = Annotated[MLPModel | SmallCNNModel, Field(discriminator="kind")]
 class ClientConfig(_Section):
     """Local training of one client task: SGD over the client's own samples."""
 
-    epochs: int = Field(5, ge=1)
+    epochs: int = Field(5, ge=1, description="Passes over its samples a client makes per task.")
     max_steps: int | None = Field(None, ge=1, description="Cap on local steps per task (None: whole epochs).")
-    batch_size: int = Field(16, ge=1)
-    lr: float = Field(0.1, gt=0.0)
-    momentum: float = Field(0.0, ge=0.0, lt=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
+    batch_size: int = Field(16, ge=1, description="Samples per local step.")
+    lr: float = Field(0.1, gt=0.0, description="Local SGD learning rate.")
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Local SGD momentum (0: plain SGD), reset at every task.")
+    weight_decay: float = Field(0.0, ge=0.0, description="Local L2 weight decay.")
     clip_norm: float | None = Field(None, gt=0.0, description="Clip the gradient's global L2 norm.")
     proximal_mu: float = Field(
         0.0,

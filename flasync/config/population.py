@@ -18,7 +18,9 @@ class ConstantSpeed(_Section):
     """Every client takes ``seconds_per_step`` simulated seconds per local step."""
 
     kind: Literal["constant"] = "constant"
-    seconds_per_step: float = Field(0.05, gt=0.0)
+    seconds_per_step: float = Field(
+        0.05, gt=0.0, description="Simulated seconds of one local step on a client of speed factor 1."
+    )
 
 
 class LogNormalSpeed(_Section):
@@ -28,17 +30,27 @@ class LogNormalSpeed(_Section):
     """
 
     kind: Literal["lognormal"] = "lognormal"
-    seconds_per_step: float = Field(0.05, gt=0.0)
-    sigma: float = Field(1.0, ge=0.0)
-    jitter: float = Field(0.1, ge=0.0)
+    seconds_per_step: float = Field(
+        0.05, gt=0.0, description="Simulated seconds of one local step on a client of speed factor 1."
+    )
+    sigma: float = Field(
+        1.0, ge=0.0, description="Spread of the clients' slowdown factors (0: every client equally fast)."
+    )
+    jitter: float = Field(
+        0.1, ge=0.0, description="Spread of a per-task slowdown factor on top of the client's own (0: none)."
+    )
 
 
 class HalfNormalSpeed(_Section):
     """Each task takes ``steps * seconds_per_step * (1 + |N(0, sigma)|)`` (the FedBuff paper's timing model)."""
 
     kind: Literal["halfnormal"] = "halfnormal"
-    seconds_per_step: float = Field(0.05, gt=0.0)
-    sigma: float = Field(1.0, ge=0.0)
+    seconds_per_step: float = Field(
+        0.05, gt=0.0, description="Simulated seconds of one local step on a client of speed factor 1."
+    )
+    sigma: float = Field(
+        1.0, ge=0.0, description="Spread of the clients' slowdown factors (0: every client equally fast)."
+    )
 
 
 SpeedConfig = Annotated[ConstantSpeed | LogNormalSpeed | HalfNormalSpeed, Field(discriminator="kind")]
@@ -47,7 +59,12 @@ SpeedConfig = Annotated[ConstantSpeed | LogNormalSpeed | HalfNormalSpeed, Field(
 class PopulationConfig(_Section):
     """Who the clients are and how fast they compute."""
 
-    num_clients: int = Field(100, ge=1, le=100_000_000)
+    num_clients: int = Field(
+        100,
+        ge=1,
+        le=100_000_000,
+        description="Clients in the population (lazy data sources hold a million or more cheaply).",
+    )
     speed: SpeedConfig = LogNormalSpeed()
     regions: int | None = Field(
         None, ge=1, description="Give each client a seeded uniform 'region' attribute in 0..regions-1."

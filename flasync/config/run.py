@@ -53,7 +53,10 @@ class RunConfig(_Section):
     eval: EvalConfig = EvalConfig()
     stop: StopConfig = StopConfig()
     executor: ExecutorConfig = ExecutorConfig()
-    clock: Literal["virtual", "wall"] = "virtual"
+    clock: Literal["virtual", "wall"] = Field(
+        "virtual",
+        description="Virtual time for simulation (deterministic, never waits) or wall time (deployment, embedding).",
+    )
     wall_time_factor: float | None = Field(
         None,
         gt=0.0,

@@ -22,16 +22,20 @@ class EvalConfig(_Section):
     """Server-side evaluation on the held-out split."""
 
     every_versions: int = Field(5, ge=1, description="Evaluate every N model versions (and at the end).")
-    batch_size: int = Field(1024, ge=1)
+    batch_size: int = Field(1024, ge=1, description="Samples per evaluation batch.")
 
 
 class StopConfig(_Section):
     """When the run ends: the first limit reached wins."""
 
-    max_versions: int = Field(150, ge=1)
+    max_versions: int = Field(150, ge=1, description="Stop after this many model versions.")
     target_accuracy: float | None = Field(None, gt=0.0, le=1.0, description="Stop once reached.")
-    max_simulated_s: float | None = Field(None, gt=0.0)
-    max_wall_s: float | None = Field(None, gt=0.0)
+    max_simulated_s: float | None = Field(
+        None, gt=0.0, description="Stop once this much simulated time has passed (None: no limit)."
+    )
+    max_wall_s: float | None = Field(
+        None, gt=0.0, description="Stop once this much real time has passed (None: no limit)."
+    )
 
 
 class RayConfig(_Section):
@@ -106,7 +110,11 @@ class DiagnosticsConfig(_Section):
     """
 
     profile: bool = Field(True, description="Collect the time/memory/communication profile and write reports.")
-    level: Literal["off", "basic", "full"] = "basic"
+    level: Literal["off", "basic", "full"] = Field(
+        "basic",
+        description="Training diagnostics: off (NaN/Inf checks only), basic (norms, drift, alerts) or full"
+        " (per-layer gradients).",
+    )
 
     @field_validator("level", mode="before")
     @classmethod
@@ -142,11 +150,17 @@ _TRACKING_SCHEMES = frozenset(
 class TrackingConfig(_Section):
     """Structured logs and MLflow."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Log the run to MLflow (off: console only).")
     uri: str | None = Field(None, description="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/).")
-    experiment: str = Field("flasync", min_length=1)
-    run_name: str | None = None
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    experiment: str = Field(
+        "flasync", min_length=1, description="The MLflow experiment the run goes to (made if missing)."
+    )
+    run_name: str | None = Field(
+        None, description="The MLflow run's name (None: one made from the config, seed and time)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Lowest level of the log lines printed on the console (metrics are logged whatever it is)."
+    )
     log_model: bool = Field(True, description="Also log the final model with mlflow.pytorch.")
     metrics: Literal["standard", "all"] = Field(
         "standard",
@@ -187,7 +201,10 @@ class RemoteConfig(_Section):
     ask
     for them instead of to in-process coroutines; their uploads enter the same intake, aggregation and tracking."""
 
-    enabled: bool = False
+    enabled: bool = Field(
+        False,
+        description="Serve the run's tasks to remote clients over HTTP (flasync serve) instead of simulated clients.",
+    )
     tokens_file: str | None = Field(
         None,
         description="Lines 'CLIENT_ID TOKEN' (client ids 0 .. population.num_clients - 1; '#' starts a comment): "

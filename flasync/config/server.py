@@ -19,15 +19,15 @@ class PolynomialStalenessConfig(_Section):
     """``s(tau) = (1 + tau)^-a``."""
 
     kind: Literal["polynomial"] = "polynomial"
-    a: float = Field(0.5, ge=0.0)
+    a: float = Field(0.5, ge=0.0, description="Exponent: s(tau) = (1 + tau)^-a.")
 
 
 class HingeStalenessConfig(_Section):
     """``s(tau) = 1`` if ``tau <= b`` else ``1 / (a (tau - b) + 1)``."""
 
     kind: Literal["hinge"] = "hinge"
-    a: float = Field(10.0, ge=0.0)
-    b: int = Field(4, ge=0)
+    a: float = Field(10.0, ge=0.0, description="Slope of the discount after b: s(tau) = 1 / (a (tau - b) + 1).")
+    b: int = Field(4, ge=0, description="Staleness up to which an update counts fully.")
 
 
 StalenessConfig = Annotated[
@@ -40,8 +40,10 @@ class SGDServerOptimizer(_Section):
     """``w <- w - lr * m``, ``m <- momentum * m + g`` with ``g`` the averaged client delta (FedAvgM with momentum)."""
 
     kind: Literal["sgd"] = "sgd"
-    lr: float = Field(1.0, gt=0.0)
-    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    lr: float = Field(1.0, gt=0.0, description="Server learning rate applied to the aggregated pseudo-gradient.")
+    momentum: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Server momentum (0: plain averaging steps; FedAvgM with momentum)."
+    )
     nesterov: bool = Field(False, description="Step with g + momentum * m instead of m (needs momentum > 0).")
 
     @model_validator(mode="after")
@@ -55,9 +57,9 @@ class AdamServerOptimizer(_Section):
     """Server Adam on the pseudo-gradient (FedAdam, Reddi et al. 2021); ``eps`` is the paper's adaptivity ``tau``."""
 
     kind: Literal["adam"] = "adam"
-    lr: float = Field(0.01, gt=0.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    lr: float = Field(0.01, gt=0.0, description="Server learning rate applied to the aggregated pseudo-gradient.")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Decay of the first-moment estimate (Reddi et al. 2021).")
+    beta2: float = Field(0.99, ge=0.0, lt=1.0, description="Decay of the second-moment estimate (Reddi et al. 2021).")
     eps: float = Field(1e-3, gt=0.0, description="The adaptivity tau added to sqrt(v).")
 
 
@@ -65,7 +67,7 @@ class AdagradServerOptimizer(_Section):
     """FedAdagrad (Reddi et al. 2021, Algorithm 2): ``v <- v + g^2``, ``w <- w - lr m / (sqrt(v) + tau)``."""
 
     kind: Literal["adagrad"] = "adagrad"
-    lr: float = Field(0.01, gt=0.0)
+    lr: float = Field(0.01, gt=0.0, description="Server learning rate applied to the aggregated pseudo-gradient.")
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="First-moment decay (0: plain Adagrad).")
     tau: float = Field(1e-3, gt=0.0, description="Adaptivity: added to sqrt(v); v starts at tau^2.")
 
@@ -74,9 +76,9 @@ class YogiServerOptimizer(_Section):
     """FedYogi (Reddi et al. 2021, Algorithm 2): ``v <- v - (1 - beta2) g^2 sign(v - g^2)``."""
 
     kind: Literal["yogi"] = "yogi"
-    lr: float = Field(0.01, gt=0.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    lr: float = Field(0.01, gt=0.0, description="Server learning rate applied to the aggregated pseudo-gradient.")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Decay of the first-moment estimate (Reddi et al. 2021).")
+    beta2: float = Field(0.99, ge=0.0, lt=1.0, description="Decay of the second-moment estimate (Reddi et al. 2021).")
     tau: float = Field(1e-3, gt=0.0, description="Adaptivity: added to sqrt(v); v starts at tau^2.")
 
 
@@ -94,7 +96,7 @@ class FedAvgServer(_Section):
     """
 
     kind: Literal["fedavg"] = "fedavg"
-    clients_per_round: int = Field(10, ge=1)
+    clients_per_round: int = Field(10, ge=1, description="Clients sampled for each synchronous round.")
     optimizer: ServerOptimizerConfig = SGDServerOptimizer()
     aggregation: Literal["mean", "median", "trimmed_mean"] = Field(
         "mean", description="Combine a round's updates by weighted mean, coordinate-wise median or trimmed mean."
@@ -110,7 +112,9 @@ class FedBuffServer(_Section):
     concurrency: int = Field(20, ge=1, description="C: client tasks in flight.")
     staleness: StalenessConfig = PolynomialStalenessConfig()
     max_staleness: int | None = Field(None, ge=0, description="Drop (and count) older updates.")
-    example_weight: Literal["equal", "samples"] = "equal"
+    example_weight: Literal["equal", "samples"] = Field(
+        "equal", description="How an update counts before its staleness weight: equally, or by the client's samples."
+    )
     optimizer: ServerOptimizerConfig = SGDServerOptimizer()
 
 
@@ -118,10 +122,17 @@ class FedAsyncServer(_Section):
     """Per-update mixing ``w <- (1 - a_tau) w + a_tau w_local`` (Xie et al. 2019)."""
 
     kind: Literal["fedasync"] = "fedasync"
-    alpha: float = Field(0.6, gt=0.0, le=1.0)
-    concurrency: int = Field(20, ge=1)
+    alpha: float = Field(
+        0.6,
+        gt=0.0,
+        le=1.0,
+        description="Mixing weight of each update into the global model, times its staleness weight (Xie et al. 2019).",
+    )
+    concurrency: int = Field(20, ge=1, description="Clients training at once.")
     staleness: StalenessConfig = PolynomialStalenessConfig()
-    max_staleness: int | None = Field(None, ge=0)
+    max_staleness: int | None = Field(
+        None, ge=0, description="Refuse updates more versions old than this (None: no limit)."
+    )
 
 
 ServerConfig = Annotated[FedAvgServer | FedBuffServer | FedAsyncServer, Field(discriminator="kind")]

@@ -29,7 +29,11 @@ class EdgeLinkConfig(_Section):
 class EdgeSpec(_Section):
     """One edge of an explicit tree: its name, its parent, and the clients attached to it."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="The edge's name: its address on the bus and in per-edge metrics.",
+    )
     parent: str = Field("cloud", min_length=1, description="'cloud' or the name of another edge.")
     clients: tuple[int | str, ...] = Field((), description="Client ids and inclusive ranges such as '0-99'.")
 

@@ -63,6 +63,11 @@ def test_config_page_covers_every_field_of_the_schema() -> None:
     assert total == sum(len(rendered[model] & fields) for model, fields in expected.items())
 
 
+def test_every_config_field_has_a_description() -> None:
+    """The config reference, ``--help``-style tooling and users read each field's description: none is left empty."""
+    assert _reference().missing_descriptions() == []
+
+
 def test_config_page_lists_no_field_the_schema_lacks() -> None:
     """A row names a field that exists (the page is generated, never stale)."""
     expected = _schema_fields()

@@ -55,6 +55,7 @@ from flasync.server import (
     ServerStats,
     StopRules,
     TaskRegistry,
+    one_each,
 )
 from flasync.tracking.metrics import MetricRow
 from flasync.training.local import EvalResult
@@ -298,7 +299,7 @@ class ScriptedClients:
 
     ``delta(task)`` is the flat delta uploaded (encoded with ``codec``); ``fail(task)`` returning a kind
     (``"error"``, ``"crash"``, ...) makes the task fail instead, and returning ``"hang"`` makes it never answer.
-    Use an instance as a registry's ``start_task``.
+    Use an instance as a :data:`~flasync.server.registry.StartTask` (a registry's ``start=one_each(clients)``).
     """
 
     bus: EventBus
@@ -393,7 +394,7 @@ class ServerHarness:
             clock=self.clock,
             accounting=self.accounting,
             num_clients=num_clients,
-            start_task=self.clients,
+            start=one_each(self.clients),
             timeout_s=timeout_s,
         )
         self.population = Population(np.full(num_clients, 10), ConstantSpeed(), seed=0)

@@ -32,7 +32,7 @@ from flasync.aggregation.privacy import (
 from flasync.algorithms.error_feedback import ErrorFeedback
 from flasync.algorithms.privacy import CentralPrivacy
 from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
-from flasync.clients.simulated.client import Client, ClientWorld, CohortClients
+from flasync.clients.simulated.client import ClientWorld, CohortClients
 from flasync.clients.simulated.faults import FaultModel
 from flasync.clients.simulated.population import Network, Population
 from flasync.codecs import Pipeline
@@ -74,7 +74,7 @@ from flasync.server import (
     TreeRounds,
 )
 from flasync.server.loop import Evaluator, Stateful
-from flasync.server.registry import StartTask
+from flasync.server.registry import StartGroup, StartTask, one_each
 from flasync.server.sampler import Availability
 from flasync.server.topology import Tree
 from flasync.training.diagnostics import TrainingDiagnostics
@@ -509,29 +509,31 @@ def _make_dispatch(
     availability: Availability | None,
 ) -> tuple[Accounting, TaskRegistry, CohortClients | None, ClientSampler]:
     """Return how tasks reach clients: the accounting of their outcomes, the registry of tasks in flight, the
-    coroutine that runs tasks dispatched together (None: each task runs in its own client coroutine), the sampler."""
+    simulated clients' coroutine (None: a transport starts each task), the sampler."""
     # Every task of several waves failing means the model or data is broken, not an unlucky client. Only
     # genuine training errors count: injected faults, dropouts and timeouts never do.
     # A server that refuses every update for many waves of tasks cannot make progress: it ends the run with the
     # refusal reasons instead of training for ever.
     accounting = Accounting(failure_limit=max(3 * in_flight, 30), rejection_limit=max(20 * in_flight, 200))
+    group: CohortClients | None = None
+    if start_task is None:
+        group = CohortClients(world, live=lambda task: registry.holds(task))
+        start: StartGroup = group.run
+    else:
+        start = one_each(start_task)
     # Simulated clients that never crash, hang, drop out or go offline answer on timelines known at dispatch: the
-    # tasks dispatched together run in one coroutine (such a fault decides per task whether and when it answers).
-    group = (
-        CohortClients(world, live=lambda task: registry.holds(task))
-        if start_task is None and (world.faults is None or not world.faults.active) and clock.virtual
-        else None
-    )
+    # tasks dispatched together share one coroutine (such a fault decides per task whether and when it answers).
+    share = group is not None and (world.faults is None or not world.faults.active) and clock.virtual
     registry = TaskRegistry(
         bus=bus,
         clock=clock,
         accounting=accounting,
         num_clients=len(population),
-        start_task=start_task or (lambda task, snapshot: Client(task.client_id, world).run(task, snapshot)),
+        start=start,
         timeout_s=config.resilience.task_timeout_s,
         mark_used=population.mark_used,
         on_release=world.forget,
-        start_group=group.run if group is not None else None,
+        share=share,
     )
     if availability is None and world.faults is not None and world.faults.config.availability is not None:
         availability = world.faults

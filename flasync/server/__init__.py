@@ -16,7 +16,7 @@ from flasync.server.edges import EdgeNetwork, EdgeNode, EdgeSettings, TierStats,
 from flasync.server.intake import Admitted, Intake, Refused
 from flasync.server.loop import INTERRUPTED, Evaluator, Server, StopRules
 from flasync.server.policies import AsyncSlots, Policy, SyncRounds, TreeRounds
-from flasync.server.registry import StartTask, TaskRegistry, Timer
+from flasync.server.registry import StartGroup, StartTask, TaskRegistry, Timer, one_each
 from flasync.server.sampler import ClientSampler
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "Refused",
     "Server",
     "ServerStats",
+    "StartGroup",
     "StartTask",
     "StopRules",
     "SyncRounds",
@@ -43,4 +44,5 @@ __all__ = [
     "TreeRounds",
     "VersionFigures",
     "link_seconds",
+    "one_each",
 ]

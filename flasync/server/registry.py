@@ -5,9 +5,9 @@ runs it), starts a watchdog when tasks have a time limit, releases a task exactl
 timeout arrives (a second answer finds nothing to release), and starts a checkpoint's tasks again on their original
 timelines. It keeps each base model a task started from until the last such task is released, and owns every task
 it starts in the run's ``TaskGroup``. How a task runs (an in-process client coroutine, a remote device) is the
-``start_task`` callable it is given: the transport seam. Given a ``start_group`` too, the tasks dispatched on one
-model before the first of them starts run in one coroutine instead (see
-:class:`~flasync.clients.simulated.client.CohortClients`).
+``start`` callable it is given (:data:`StartGroup`): the transport seam. It starts each task in a call of its own, or,
+told to ``share``, the tasks dispatched on one model before the first of them starts in one call (see
+:class:`~flasync.clients.simulated.client.CohortClients`); a task alone is a group of one.
 """
 
 from __future__ import annotations
@@ -27,14 +27,25 @@ from flasync.core.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, T
 from flasync.core.snapshots import ModelSnapshot
 from flasync.server.accounting import Accounting
 
-__all__ = ["Answer", "StartGroup", "StartTask", "TaskRegistry", "Timer"]
+__all__ = ["Answer", "StartGroup", "StartTask", "TaskRegistry", "Timer", "one_each"]
 
 StartTask = Callable[[TaskAssigned, ModelSnapshot], Coroutine[Any, Any, None]]
 """Run one task: train ``snapshot`` on the task's client and put the answer on the bus (never raise)."""
 
 StartGroup = Callable[[Sequence[TaskAssigned], ModelSnapshot], Coroutine[Any, Any, None]]
-"""Run tasks on one model as :data:`StartTask` runs each, answering only those still in flight
+"""Run tasks on one model (one or several) as :data:`StartTask` runs each, answering only those still in flight
 (:meth:`TaskRegistry.holds`) when their answers are due."""
+
+
+def one_each(start_task: StartTask) -> StartGroup:
+    """Return a :data:`StartGroup` that runs each task of a group with ``start_task`` in turn (a transport hands a
+    task to one device; a registry that does not ``share`` starts groups of one)."""
+
+    async def start(tasks: Sequence[TaskAssigned], snapshot: ModelSnapshot) -> None:
+        for task in tasks:
+            await start_task(task, snapshot)
+
+    return start
 
 
 @dataclass(slots=True, eq=False)
@@ -82,12 +93,14 @@ class TaskRegistry:
         clock: Times watchdogs.
         accounting: Counts dispatches and their downloads.
         num_clients: Size of the population (participation counters).
-        start_task: Runs one task (see :data:`StartTask`).
+        start: Runs tasks: each in a call of its own, cancelled when the task is released, or those dispatched
+            together in one call where ``share`` (see :data:`StartGroup`).
         timeout_s: A task not answered this long after dispatch is timed out (None: never).
         mark_used: Told the clients dispatched (e.g. a least-recently-used sampler).
         on_release: Told each task released (e.g. to forget what a checkpoint would restore for it).
-        start_group: Runs the tasks dispatched on one model before the first of them starts, in one coroutine,
-            instead of ``start_task`` for each (None: one coroutine per task).
+        share: Start the tasks dispatched on one model before the first of them starts in one call of ``start``
+            (its answers then depend on nothing but their own timelines: no fault, no task released early by
+            another's answer), instead of a call each.
     """
 
     def __init__(
@@ -97,18 +110,18 @@ class TaskRegistry:
         clock: Timer,
         accounting: Accounting,
         num_clients: int,
-        start_task: StartTask,
+        start: StartGroup,
         timeout_s: float | None = None,
         mark_used: Callable[[list[int]], None] | None = None,
         on_release: Callable[[TaskAssigned], None] | None = None,
-        start_group: StartGroup | None = None,
+        share: bool = False,
     ) -> None:
         """Start with no task and no model."""
         self._bus = bus
         self._clock = clock
         self._accounting = accounting
-        self._start_task = start_task
-        self._start_group = start_group
+        self._start_tasks = start
+        self.share = share
         self._open: _Group | None = None
         self.timeout_s = timeout_s
         self._mark_used = mark_used
@@ -260,7 +273,7 @@ class TaskRegistry:
         return tasks
 
     def _start(self, task: TaskAssigned, snapshot: ModelSnapshot, *, client: bool = True) -> None:
-        if client and self._start_group is not None:
+        if client and self.share:
             group = self._open
             if group is None or group.snapshot is not snapshot:
                 group = self._open = _Group(snapshot)
@@ -268,7 +281,7 @@ class TaskRegistry:
             group.tasks.append(task)
         elif client:
             name = f"flasync-client-{task.client_id}-task-{task.task_id}"
-            self._handles[task.task_id] = self.spawn(self._start_task(task, snapshot), name=name)
+            self._handles[task.task_id] = self.spawn(self._start_tasks((task,), snapshot), name=name)
         if self.timeout_s is not None:
             self._watchdogs[task.task_id] = self.spawn(
                 self._watch(task, task.simulated_s + self.timeout_s, limit_s=self.timeout_s),
@@ -276,10 +289,9 @@ class TaskRegistry:
             )
 
     async def _run_group(self, group: _Group) -> None:
-        assert self._start_group is not None
         if self._open is group:
             self._open = None  # later dispatches start a group of their own
-        await self._start_group(group.tasks, group.snapshot)
+        await self._start_tasks(group.tasks, group.snapshot)
 
     async def _watch(self, task: TaskAssigned, when: float, *, limit_s: float) -> None:
         await self._clock.sleep_until(when)

@@ -34,7 +34,7 @@ __all__ = [
     "correction_of",
     "finish_cohort",
     "finish_job",
-    "injected_crash",
+    "injected_fault",
     "train_job",
 ]
 
@@ -292,6 +292,7 @@ def _diverged(result: LocalResult, diagnosis: TaskDiagnosis) -> DivergedTraining
     return DivergedTraining(f"local training diverged: the update has NaN or Inf (loss {result.loss})", diagnosis)
 
 
-def injected_crash(fraction: float) -> TrainedUpdate:
-    """Raise the fault model's crash, in the worker thread like a real training error."""
-    raise InjectedFault(f"injected crash after {fraction:.0%} of training")
+def injected_fault(fraction: float) -> InjectedFault:
+    """Return the fault model's crash after ``fraction`` of the training (a task fails with it as with a training
+    error)."""
+    return InjectedFault(f"injected crash after {fraction:.0%} of training")

@@ -1,23 +1,22 @@
 """The client coroutine: download, train in an executor, encode, upload.
 
-A client exists only while it has a task: the task registry starts :meth:`Client.run` for one task, and the
-coroutine ends when its update (or its failure) is on the bus. The training itself runs in a worker thread
-(:mod:`flasync.training.jobs`); the coroutine places each step on the run's clock from the simulated world (network,
-speeds, faults).
+A client exists only while it has a task: the task registry starts :meth:`CohortClients.run` for the tasks it
+dispatched together (one task, or a cohort), and the coroutine ends when their updates (or failures) are on the bus.
+The training itself runs in a worker thread (:mod:`flasync.training.jobs`); the coroutine places each step on the
+run's clock from the simulated world (network, speeds, faults).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import heapq
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import structlog
 import torch
 
 from flasync import codecs
@@ -29,7 +28,6 @@ from flasync.core.clock import Clock, LoopExecutor, Started, VirtualClock
 from flasync.core.errors import InjectedFault
 from flasync.core.events import (
     ClientFailed,
-    ClientId,
     FailureKind,
     TaskAssigned,
     TaskDiagnosis,
@@ -47,12 +45,12 @@ from flasync.training.jobs import (
     TrainedUpdate,
     correction_of,
     finish_cohort,
-    injected_crash,
+    injected_fault,
     train_job,
 )
 from flasync.training.plugins import ClientPlugin, TaskPart
 
-__all__ = ["Client", "ClientWorld", "CohortClients", "ModelSnapshot"]
+__all__ = ["ClientWorld", "CohortClients", "ModelSnapshot"]
 
 FAILURE_WARNINGS = 3
 """Failures of clients with one error logged as warnings in a run; the rest of them at debug level."""
@@ -284,107 +282,46 @@ def _training_failure(exc: BaseException) -> tuple[FailureKind, str, TaskDiagnos
     return kind, f"{type(exc).__name__}: {exc}", diagnosis
 
 
-class Client:
-    """A sampled client: its id, and the coroutine that runs one task.
+class _Fault(NamedTuple):
+    """A task the fault model ends before it uploads: when, and how (kind, one-line error, diagnosis)."""
 
-    Args:
-        client_id: Index in the population.
-        world: The simulated world the client lives in.
-    """
+    at: float
+    failure: tuple[FailureKind, str, TaskDiagnosis | None]
 
-    __slots__ = ("client_id", "world")
 
-    def __init__(self, client_id: ClientId, world: ClientWorld) -> None:
-        """Bind the client to the run."""
-        self.client_id = client_id
-        self.world = world
+class _Plan(NamedTuple):
+    """What a group of tasks does, known at dispatch: each task's timeline, the jobs of those that train (by task
+    index), the failures the fault model decides, and when each client next goes offline."""
 
-    async def run(self, task: TaskAssigned, model: ModelSnapshot) -> None:
-        """Run one task: download ``model``, train locally, upload the encoded delta on the bus.
-
-        Every step is placed at an absolute time counted from the dispatch (``task.simulated_s``), so a task
-        re-dispatched from a checkpoint keeps the timeline it started with. The run's fault model may make the
-        task crash, hang or drop out (see :mod:`flasync.clients.simulated.faults`). A failure of local training is
-        published as
-        :class:`ClientFailed`; it never propagates.
-        """
-        world, cid = self.world, self.client_id
-        clock = world.clock
-        # bind/reset rather than structlog's bound_contextvars: the same context, a third of its cost per task.
-        tokens = structlog.contextvars.bind_contextvars(client_id=int(cid), base_version=int(task.base_version))
-        try:
-            prepared = _prepare(world, task, model)
-            download_s, simulated, done_at = prepared.download_s, prepared.simulated, prepared.done_at
-            faults = world.faults
-            fate = faults.fate(cid, task.participation) if faults is not None else None
-            offline_at = faults.offline_at(cid, task.simulated_s) if faults is not None else float("inf")
-            if fate is not None and fate.fate is Fate.HANG:
-                await asyncio.get_running_loop().create_future()  # never answers; the registry times the task out
-            if fate is not None and fate.fate is Fate.DROPOUT:
-                left_at = task.simulated_s + (download_s + fate.fraction * simulated)
-                await self._fail(task, "dropout", f"dropped out after {fate.fraction:.0%} of training", left_at)
-                return
-            if offline_at < done_at:
-                await self._fail(task, "offline", "availability window closed during training", offline_at)
-                return
-            job: Callable[[], TrainedUpdate]
-            if fate is not None and fate.fate is Fate.CRASH:
-                fraction = fate.fraction
-                job = functools.partial(injected_crash, fraction)
-                done_at = task.simulated_s + (download_s + fraction * simulated)
-            else:
-                attack = faults.attack_factor(cid) if faults is not None else 1.0
-                # A batching executor trains this job together with others of the same base version.
-                job = _training_job(world, task, model, prepared, attack)
-            try:
-                # Everything the job needs is known now, so it starts at once in real time; on the virtual
-                # clock it completes after the simulated download and training.
-                trained = await clock.run(world.pool, job, simulated_s=download_s + simulated, until=done_at)
-            except Exception as exc:
-                kind, error, diagnosis = _training_failure(exc)
-                await self._fail(task, kind, error, None, diagnosis)
-                return
-            upload_s = world.network.upload_seconds(cid, trained.upload_bytes)
-            up_at = done_at + upload_s
-            if offline_at < up_at:
-                await self._fail(task, "offline", "availability window closed during upload", offline_at)
-                return
-            _keep(world, task, model, prepared, trained)
-            await clock.elapse(upload_s, until=up_at)
-            await world.bus.publish(_uploaded(world, task, model, prepared, trained, upload_s))
-        finally:
-            structlog.contextvars.reset_contextvars(**tokens)
-
-    async def _fail(
-        self,
-        task: TaskAssigned,
-        kind: FailureKind,
-        error: str,
-        at: float | None,
-        diagnosis: TaskDiagnosis | None = None,
-    ) -> None:
-        """Publish :class:`ClientFailed` at time ``at`` (now if None)."""
-        world = self.world
-        if at is not None:
-            await world.clock.sleep_until(at)
-        await world.bus.publish(_failed(world, task, kind, error, diagnosis))
+    prepared: list[_Prepared]
+    training: dict[int, TrainingJob[TrainedUpdate]]
+    faults: dict[int, _Fault]
+    offline: list[float]
 
 
 class CohortClients:
-    """The coroutine that runs a group of tasks dispatched together: one coroutine and a few timers, not one each.
+    """The client coroutine: it runs the tasks dispatched together on one model, one task or many.
 
-    It does what :meth:`Client.run` does for each of its tasks - the same timeline, the same jobs, the same
-    uploads in the same order - without a coroutine per task, which is much of the event loop's work per task once
-    a batching executor trains the jobs as one cohort. On the run's clock the group waits for its jobs once per
-    distinct completion time (once for all of them, at the earliest, when a batching executor trains them and no
-    answer can release another task), and once per distinct upload time, publishing every upload due then at once.
-    Uploads at one time go out in the order their tasks finished training, as :class:`Client` coroutines' timers
-    would send them.
+    For each task it places the download and the training on the task's timeline, counted from its dispatch
+    (``task.simulated_s``, so a task re-dispatched from a checkpoint keeps the timeline it started with), hands the
+    training to the executor, encodes the delta in the worker and uploads it on the bus at its time. A failure of
+    local training is published as :class:`ClientFailed` at the task's completion time; it never propagates. The
+    run's fault model may make a task crash, hang or drop out, or its client go offline before it uploads
+    (:mod:`flasync.clients.simulated.faults`): such a task fails (or, hanging, never answers) at the time its fault
+    decides. A task alone is a group of one: the registry runs each task in a group of its own wherever an answer
+    may decide the fate of another (faults, quorum and deadline rounds, timeouts) or time is real.
 
-    A task the registry released meanwhile (a round closed without it, a timeout) publishes nothing, as a
-    cancelled :class:`Client` coroutine would not. Where an answer may make the server release other tasks in
-    flight (:attr:`together` False: a round that closes on a quorum or a deadline, task timeouts), the uploads due
-    at one time go out one at a time, each on its own timer, so that the server handles each before the next.
+    A group of several tasks does what a group of one does for each of them - the same timeline, the same jobs, the
+    same uploads in the same order - with one coroutine and a few timers instead of one coroutine each, which is
+    much of the event loop's work per task once a batching executor trains the jobs as one cohort. On the run's
+    clock the group waits for its jobs once per distinct completion time (once for all of them, at the earliest,
+    when a batching executor trains them and no answer can release another task), and once per distinct upload
+    time, publishing every upload due then at once. Uploads at one time go out in the order their tasks finished
+    training, as one coroutine per task would send them.
+
+    A task the registry released meanwhile (a round closed without it, a timeout) publishes nothing. Where an answer
+    may make the server release other tasks in flight (:attr:`together` False), the uploads due at one time go out
+    one at a time, so that the server handles each before the next.
 
     Where the receiver does nothing with an upload but fold it in until the last one of its round has come
     (:attr:`gather`: rounds that close on every answer, straight to the cloud), the uploads due at different times
@@ -392,10 +329,6 @@ class CohortClients:
     (:meth:`~flasync.core.clock.VirtualClock.next_timer`): what the receiver and every observer see of each upload is
     what they would see of it sent alone at its own time (its ``simulated_s``), in the same order, and the round
     closes at the same time, without a timer, a loop pass and an event per upload time.
-
-    Only a run whose fault model makes no task crash, hang or drop out and keeps every client online uses groups:
-    such a fault decides per task whether and when it answers. Byzantine clients attack within a group as they do
-    alone.
 
     Args:
         world: The simulated world the clients live in.
@@ -416,63 +349,75 @@ class CohortClients:
         gather: bool = False,
     ) -> None:
         """Bind the group to the run."""
-        if world.faults is not None and world.faults.active:
-            raise ValueError("tasks run as a group only when no fault decides whether and when they answer")
         self.world = world
         self.live = live
         self.together = together
         self.gather = gather
 
     async def run(self, tasks: Sequence[TaskAssigned], model: ModelSnapshot) -> None:
-        """Run ``tasks``, all on ``model``: train each as :meth:`Client.run` would, upload each at its time."""
-        world = self.world
-        clock = world.clock
-        prepared, training = self._plans(tasks, model)
+        """Run ``tasks``, all on ``model``: train each, and upload each (or publish its failure) at its time."""
+        clock, pool = self.world.clock, self.world.pool
+        plan = self._plans(tasks, model)
         n = len(tasks)
-        # The agenda holds (time, order, kind, index). Completions are ordered by task (order < n) and uploads after
-        # every completion (order >= n, numbered as their tasks finish training): at one time completions come
+        # The agenda holds (time, order, kind, index). Completions and failures are ordered by task (order < n) and
+        # uploads after them (order >= n, numbered as their tasks finish training): at one time completions come
         # first, and uploads keep the order that one coroutine per task would give them. A batching executor
         # trains the group as one cohort anyway: where no answer can release another task (``together``), the
         # group hands it every job at once and waits once, at its earliest completion time, for all of them (one
         # future for the group), instead of once per completion time.
-        agenda: list[tuple[float, int, int, int]]
-        jobs: list[Started[Any]]
-        pool = world.pool
-        if self.together and isinstance(pool, LoopExecutor):
-            group = pool.submit_many_async(training)
-            jobs = [Started(group, group)]
-            agenda = [(min(p.done_at for p in prepared), -1, _ALL_TRAINED, -1)]
+        agenda = [(fault.at, i, _FAILED, i) for i, fault in plan.faults.items()]
+        jobs: dict[int, Started[Any]] = {}
+        training = plan.training
+        if len(training) > 1 and self.together and isinstance(pool, LoopExecutor):
+            group = pool.submit_many_async(list(training.values()))
+            jobs[_ALL] = Started(group, group)
+            agenda.append((min(plan.prepared[i].done_at for i in training), -1, _ALL_TRAINED, -1))
         else:
-            jobs = [clock.start(world.pool, job) for job in training]
-            agenda = sorted((p.done_at, i, _TRAINED, i) for i, p in enumerate(prepared))
-        state = _GroupState(tasks=tasks, model=model, prepared=prepared, jobs=jobs, agenda=agenda, order=n)
+            for i, training_job in training.items():
+                jobs[i] = clock.start(pool, training_job)
+                agenda.append((plan.prepared[i].done_at, i, _TRAINED, i))
+        heapq.heapify(agenda)
+        state = _GroupState(
+            tasks=tasks,
+            model=model,
+            plan=plan,
+            jobs=jobs,
+            agenda=agenda,
+            order=n,
+            failures={i: fault.failure for i, fault in plan.faults.items()},
+        )
         try:
             while agenda:
-                when, _, kind, _ = agenda[0]
-                due = []
-                while agenda and agenda[0][0] == when and agenda[0][2] == kind:
-                    due.append(heapq.heappop(agenda)[3])
-                if kind in (_ALL_TRAINED, _TRAINED):
-                    await self._trained(state, when, kind, due)
-                elif kind == _FAILED:
-                    await self._publish_failures(state, when, due)
-                elif self.together:
-                    await self._upload_together(state, when, due)
-                else:  # one at a time: the server has handled each before the next goes out
-                    for i in due:
-                        task, (trained, upload_s) = tasks[i], state.uploads.pop(i)
-                        await clock.sleep_until(when)
-                        if self.live(task):
-                            await world.bus.publish(_uploaded(world, task, model, prepared[i], trained, upload_s))
+                await self._next(state)
         except BaseException:
-            for job in jobs:
-                job.future.cancel()
+            for started in jobs.values():
+                started.future.cancel()
             raise
 
-    def _plans(
-        self, tasks: Sequence[TaskAssigned], model: ModelSnapshot
-    ) -> tuple[list[_Prepared], list[TrainingJob[TrainedUpdate]]]:
-        """Return each task's timeline and inputs, and its training job."""
+    async def _next(self, state: _GroupState) -> None:
+        """Take the entries of the agenda due first (of one time and kind) and do what they wait for."""
+        world, agenda = self.world, state.agenda
+        when, _, kind, _ = agenda[0]
+        due = []
+        while agenda and agenda[0][0] == when and agenda[0][2] == kind:
+            due.append(heapq.heappop(agenda)[3])
+        if kind in (_ALL_TRAINED, _TRAINED):
+            await self._trained(state, when, kind, due)
+        elif kind == _FAILED:
+            await world.clock.sleep_until(when)
+            await self._publish_failures(state, due)
+        elif self.together:
+            await self._upload_together(state, when, due)
+        else:  # one at a time: the server has handled each before the next goes out
+            for i in due:
+                task, (trained, upload_s) = state.tasks[i], state.uploads.pop(i)
+                await world.clock.elapse(upload_s, until=when)
+                if self.live(task):
+                    plan = state.plan.prepared[i]
+                    await world.bus.publish(_uploaded(world, task, state.model, plan, trained, upload_s))
+
+    def _plans(self, tasks: Sequence[TaskAssigned], model: ModelSnapshot) -> _Plan:
+        """Return each task's timeline and inputs, the training job of each that trains, and the faults."""
         world = self.world
         # The group's download times and task seeds in one call each (array passes for a large group: the same
         # numbers).
@@ -481,58 +426,82 @@ class CohortClients:
         seeds = seeding.stream_seeds(world.seed, seeding.TASK, clients, [task.participation for task in tasks])
         prepared = [_prepare(world, task, model, downloads[k]) for k, task in enumerate(tasks)]
         faults = world.faults
-        training = [
-            _training_job(
-                world,
-                task,
-                model,
-                plan,
-                faults.attack_factor(task.client_id) if faults is not None else 1.0,
-                seeds[k],
-            )
-            for k, (task, plan) in enumerate(zip(tasks, prepared, strict=True))
-        ]
-        return prepared, training
+        if faults is None or not faults.active:
+            offline = [math.inf] * len(tasks)
+            training = {
+                k: _training_job(
+                    world, task, model, plan, faults.attack_factor(task.client_id) if faults else 1.0, seeds[k]
+                )
+                for k, (task, plan) in enumerate(zip(tasks, prepared, strict=True))
+            }
+            return _Plan(prepared, training, {}, offline)
+        offline = [faults.offline_at(task.client_id, task.simulated_s) for task in tasks]
+        training, decided = {}, {}
+        for k, (task, plan) in enumerate(zip(tasks, prepared, strict=True)):
+            fault = _fault(faults, task, plan, offline[k])
+            if fault is None:
+                attack = faults.attack_factor(task.client_id)
+                training[k] = _training_job(world, task, model, plan, attack, seeds[k])
+            elif fault is not _HANGS:
+                decided[k] = fault
+        return _Plan(prepared, training, decided, offline)
 
     async def _trained(self, state: _GroupState, when: float, kind: int, due: list[int]) -> None:
-        """Take the outcomes of the jobs due at ``when``: a failure goes back on the agenda for its task's completion
-        time, a trained update of a task still in flight for its upload time."""
-        world, clock, tasks, prepared, agenda = self.world, self.world.clock, state.tasks, state.prepared, state.agenda
+        """Take the outcomes of the jobs due at ``when``: a failure is published now, a trained update of a task
+        still in flight goes on the agenda for its upload time (or its client's going offline before then)."""
+        world, clock, tasks, prepared = self.world, self.world.clock, state.tasks, state.plan.prepared
         if kind == _ALL_TRAINED:  # every job, taken in the order of their completion times
-            due = sorted(range(len(tasks)), key=lambda i: (prepared[i].done_at, i))
-            (results,) = await clock.finish(state.jobs, until=when)
+            trains = list(state.plan.training)
+            (results,) = await clock.finish([state.jobs[_ALL]], until=when)
             if isinstance(results, BaseException):
                 raise results  # the group's future was cancelled
-            outcomes = [results[i] for i in due]
+            by_task = dict(zip(trains, results, strict=True))
+            due = sorted(trains, key=lambda i: (prepared[i].done_at, i))
+            outcomes = [by_task[i] for i in due]
         else:
             outcomes = await clock.finish([state.jobs[i] for i in due], until=when)
         upload_times = _upload_times(world.network, tasks, due, outcomes)
         lines: list[dict[str, Any]] = []  # the trained tasks' debug lines, logged together
+        failed_now: list[int] = []
         try:
             for i, outcome in zip(due, outcomes, strict=True):
-                task, plan = tasks[i], prepared[i]
                 if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
                     raise outcome
                 if isinstance(outcome, Exception):
-                    state.failures[i] = outcome  # published at the task's own completion time
-                    heapq.heappush(agenda, (plan.done_at, i, _FAILED, i))
-                elif self.live(task):  # else released meanwhile: a coroutine would have been cancelled
-                    upload_s = upload_times[i]
-                    _keep(world, task, state.model, plan, outcome, _context(task), lines)
-                    state.uploads[i] = (outcome, upload_s)
-                    heapq.heappush(agenda, (plan.done_at + upload_s, state.order, _UPLOAD, i))
-                    state.order += 1
+                    state.failures[i] = _training_failure(outcome)
+                    if prepared[i].done_at == when:
+                        failed_now.append(i)
+                    else:  # published at the task's own completion time
+                        heapq.heappush(state.agenda, (prepared[i].done_at, i, _FAILED, i))
+                elif self.live(tasks[i]):  # else released meanwhile: nothing to send
+                    self._schedule_upload(state, i, outcome, upload_times[i], lines)
         finally:  # those kept so far, also when an outcome is raised
             debug_many(world.log, "client", lines)
+        await self._publish_failures(state, failed_now)
 
-    async def _publish_failures(self, state: _GroupState, when: float, due: list[int]) -> None:
-        """Publish at ``when`` the failures of the tasks ``due`` that are still in flight."""
+    def _schedule_upload(
+        self, state: _GroupState, i: int, trained: TrainedUpdate, upload_s: float, lines: list[dict[str, Any]]
+    ) -> None:
+        """Put task ``i``'s upload on the agenda at its time, unless its client goes offline before it is sent."""
+        task, plan = state.tasks[i], state.plan.prepared[i]
+        up_at = plan.done_at + upload_s
+        offline_at = state.plan.offline[i]
+        if offline_at < up_at:
+            state.failures[i] = ("offline", "availability window closed during upload", None)
+            heapq.heappush(state.agenda, (offline_at, i, _FAILED, i))
+            return
+        _keep(self.world, task, state.model, plan, trained, _context(task), lines)
+        state.uploads[i] = (trained, upload_s)
+        heapq.heappush(state.agenda, (up_at, state.order, _UPLOAD, i))
+        state.order += 1
+
+    async def _publish_failures(self, state: _GroupState, due: list[int]) -> None:
+        """Publish now the failures of the tasks ``due`` that are still in flight."""
         world = self.world
-        await world.clock.sleep_until(when)
         for i in due:
             task = state.tasks[i]
+            kind, error, diagnosis = state.failures.pop(i)
             if self.live(task):
-                kind, error, diagnosis = _training_failure(state.failures.pop(i))
                 await world.bus.publish(_failed(world, task, kind, error, diagnosis, **_context(task)))
 
     async def _upload_together(self, state: _GroupState, when: float, due: list[int]) -> None:
@@ -540,7 +509,8 @@ class CohortClients:
         else before them), as one batch where every receiver takes it."""
         world = self.world
         clock, bus, tasks = world.clock, world.bus, state.tasks
-        await clock.sleep_until(when)
+        # Under virtual time this waits until ``when``; real time counts the upload from the end of the training.
+        await clock.elapse(state.uploads[due[0]][1], until=when)
         times = [clock.now()] * len(due)
         if self.gather:
             later = _quiet_uploads(state.agenda, clock)
@@ -548,8 +518,9 @@ class CohortClients:
                 await clock.sleep_until(later[-1][0])
                 due += [i for _, i in later]
                 times += [at for at, _ in later]
+        prepared = state.plan.prepared
         sent = [
-            _uploaded(world, tasks[i], state.model, state.prepared[i], *state.uploads.pop(i), at=at)
+            _uploaded(world, tasks[i], state.model, prepared[i], *state.uploads.pop(i), at=at)
             for i, at in zip(due, times, strict=True)
             if self.live(tasks[i])
         ]
@@ -561,22 +532,46 @@ class CohortClients:
                 await bus.publish(message)
 
 
+_HANGS = _Fault(math.inf, ("error", "hangs", None))
+"""A task that never answers (the registry times it out)."""
+
+
+def _fault(faults: FaultModel, task: TaskAssigned, plan: _Prepared, offline_at: float) -> _Fault | None:
+    """Return how the fault model ends ``task`` before it trains to the end (:data:`_HANGS`: never answers), or None
+    when it trains (a Byzantine client trains and attacks)."""
+    fate = faults.fate(task.client_id, task.participation)
+    simulated = plan.simulated
+    if fate.fate is Fate.HANG:
+        return _HANGS
+    if fate.fate is Fate.DROPOUT:
+        error = f"dropped out after {fate.fraction:.0%} of training"
+        return _Fault(task.simulated_s + (plan.download_s + fate.fraction * simulated), ("dropout", error, None))
+    if offline_at < plan.done_at:
+        return _Fault(offline_at, ("offline", "availability window closed during training", None))
+    if fate.fate is Fate.CRASH:
+        # What a worker's training error would be: the injected fault, at its fraction of the training.
+        at = task.simulated_s + (plan.download_s + fate.fraction * simulated)
+        return _Fault(at, _training_failure(injected_fault(fate.fraction)))
+    return None
+
+
 @dataclass(slots=True, kw_only=True)
 class _GroupState:
-    """What a :class:`CohortClients` group keeps while its tasks run: their plans and jobs, and what is due next."""
+    """What a :class:`CohortClients` group keeps while its tasks run: their plan and jobs, and what is due next."""
 
     tasks: Sequence[TaskAssigned]
     model: ModelSnapshot
-    prepared: list[_Prepared]
-    jobs: list[Started[Any]]
+    plan: _Plan
+    jobs: dict[int, Started[Any]]
+    """Task index -> its started job (:data:`_ALL`: the group's one future for every job)."""
     agenda: list[tuple[float, int, int, int]]
     """Entries ``(time, order, kind, task index)``, a heap."""
     order: int
     """The order the next upload put on the agenda takes."""
     uploads: dict[int, tuple[TrainedUpdate, float]] = field(default_factory=dict)
     """Task index -> its trained update and upload seconds, until it is published."""
-    failures: dict[int, Exception] = field(default_factory=dict)
-    """Task index -> why its training failed, until it is published."""
+    failures: dict[int, tuple[FailureKind, str, TaskDiagnosis | None]] = field(default_factory=dict)
+    """Task index -> how it failed (kind, one-line error, diagnosis), until it is published."""
 
 
 def _quiet_uploads(agenda: list[tuple[float, int, int, int]], clock: Clock) -> list[tuple[float, int]]:
@@ -604,8 +599,9 @@ def _upload_times(
 
 
 _ALL_TRAINED, _TRAINED, _FAILED, _UPLOAD = range(4)  # what a group's agenda entry waits for
+_ALL = -1  # the key of the group's one future among its jobs
 
 
 def _context(task: TaskAssigned) -> dict[str, int]:
-    """The log fields a :class:`Client` coroutine binds for its task."""
+    """The log fields of a task's lines."""
     return {"client_id": int(task.client_id), "base_version": int(task.base_version)}

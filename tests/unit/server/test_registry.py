@@ -144,16 +144,16 @@ async def test_state_round_trip_restores_tasks_models_and_participations() -> No
 
 
 async def test_tasks_dispatched_before_the_first_starts_run_as_one_group() -> None:
-    """With a group starter, the dispatches made before the group's coroutine runs join it; later ones start a new
-    group; a group sees which of its tasks are still in flight through ``holds``."""
+    """A registry that shares calls: the dispatches made before the group's coroutine runs join it; later ones start
+    a new group; a group sees which of its tasks are still in flight through ``holds``."""
     harness = ServerHarness(clients=_silent)
     registry = TaskRegistry(
         bus=harness.bus,
         clock=harness.clock,
         accounting=harness.accounting,
         num_clients=8,
-        start_task=_silent(harness.bus, harness.clock),
-        start_group=lambda tasks, snapshot: start_group(tasks, snapshot),
+        start=lambda tasks, snapshot: start_group(tasks, snapshot),
+        share=True,
     )
     groups: list[list[int]] = []
     held: list[list[bool]] = []
@@ -181,6 +181,43 @@ async def test_tasks_dispatched_before_the_first_starts_run_as_one_group() -> No
             await asyncio.sleep(0)
         assert held[0] == [True, False, True]
         assert registry._handles == {}  # a group's tasks have no coroutine of their own to cancel on release
+
+    async with asyncio.TaskGroup() as tg:
+        registry.attach(tg)
+        try:
+            await body()
+        finally:
+            registry.cancel_all()
+
+
+async def test_a_registry_that_does_not_share_starts_groups_of_one_and_cancels_them_on_release() -> None:
+    """Without ``share`` every task starts in a call of its own (a group of one), and releasing the task cancels
+    that call (a hanging or abandoned client stops)."""
+    harness = ServerHarness(clients=_silent)
+    calls: list[list[int]] = []
+    cancelled: list[int] = []
+
+    async def start(tasks: object, snapshot: ModelSnapshot) -> None:
+        members = list(tasks)  # type: ignore[call-overload]
+        calls.append([t.task_id for t in members])
+        try:
+            await asyncio.get_running_loop().create_future()  # never answers
+        except asyncio.CancelledError:
+            cancelled.extend(t.task_id for t in members)
+            raise
+
+    registry = TaskRegistry(
+        bus=harness.bus, clock=harness.clock, accounting=harness.accounting, num_clients=8, start=start
+    )
+    registry.publish(_snapshot(0))
+
+    async def body() -> None:
+        tasks = await registry.dispatch_many([0, 1, 2])
+        await asyncio.sleep(0)
+        assert calls == [[t.task_id] for t in tasks]
+        assert registry.release(tasks[1])
+        await asyncio.sleep(0)
+        assert cancelled == [tasks[1].task_id]
 
     async with asyncio.TaskGroup() as tg:
         registry.attach(tg)

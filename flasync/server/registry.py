@@ -200,76 +200,70 @@ class TaskRegistry:
     async def dispatch(
         self, client_id: ClientId | int, snapshot: ModelSnapshot | None = None, *, reply_to: str = CLOUD
     ) -> TaskAssigned:
-        """Start a task for ``client_id`` on ``snapshot`` (default: the current model).
+        """Start a task for ``client_id`` on ``snapshot`` (default: the current model): :meth:`dispatch_many` of one.
 
         Args:
             client_id: The client.
             snapshot: The model to train from (an edge passes the model it holds).
             reply_to: Where the client uploads (the cloud or an edge's address).
         """
-        current = self.current
-        if snapshot is None:
-            if current is None:
-                raise RuntimeError("no model was published before the first dispatch")
-            snapshot = current
-        client_id = ClientId(int(client_id))
-        # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.
-        self._bases.setdefault(snapshot.version, snapshot)
-        participation = int(self._participations[client_id])
-        self._participations[client_id] = participation + 1
-        if self._mark_used is not None:
-            self._mark_used([client_id])
-        task = TaskAssigned(
-            task_id=self._accounting.dispatched(snapshot.download_bytes, from_cloud=reply_to == CLOUD),
-            client_id=client_id,
-            participation=participation,
-            base_version=snapshot.version,
-            simulated_s=self._clock.now(),
-            reply_to=reply_to,
-        )
-        self._in_flight[client_id] = task
-        self._base_refs[snapshot.version] += 1
-        await self._bus.publish(task)
-        self._start(task, snapshot)
+        (task,) = await self.dispatch_many((int(client_id),), snapshot, reply_to=reply_to)
         return task
 
-    async def dispatch_many(self, client_ids: Sequence[int] | np.ndarray) -> list[TaskAssigned]:
-        """Start a task for each of ``client_ids`` (distinct clients, none in flight) on the current model, in order.
+    async def dispatch_many(
+        self,
+        client_ids: Sequence[int] | np.ndarray,
+        snapshot: ModelSnapshot | None = None,
+        *,
+        reply_to: str = CLOUD,
+    ) -> list[TaskAssigned]:
+        """Start a task for each of ``client_ids`` (distinct clients, none in flight) on ``snapshot``, in order.
 
-        The same tasks as :meth:`dispatch` of each in turn - task ids, participations, least-recently-used marks,
-        downloads counted - with their counters moved in one pass and their :class:`TaskAssigned` events published
-        as one :class:`TasksAssigned` where every observer takes batches.
+        Each task gets the next task id and its client's next participation, marks its client used and counts its
+        download; the :class:`TaskAssigned` events go out as one :class:`TasksAssigned` where every observer takes
+        batches (one by one otherwise), then the tasks start.
+
+        Args:
+            client_ids: The clients.
+            snapshot: The model to train from (default: the current model; an edge passes the model it holds).
+            reply_to: Where the clients upload (the cloud or an edge's address).
         """
-        current = self.current
-        if current is None:
-            raise RuntimeError("no model was published before the first dispatch")
+        if snapshot is None:
+            snapshot = self.current
+            if snapshot is None:
+                raise RuntimeError("no model was published before the first dispatch")
         ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
         if len(ids) == 0:
             return []
-        if len(np.unique(ids)) != len(ids):
+        if len(ids) > 1 and len(np.unique(ids)) != len(ids):
             raise ValueError("dispatch_many takes distinct clients (a client has one task in flight at most)")
+        # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.
+        version = snapshot.version
+        self._bases.setdefault(version, snapshot)
         participations = self._participations[ids].tolist()
         self._participations[ids] += 1
+        clients = ids.tolist()
         if self._mark_used is not None:
-            self._mark_used(ids.tolist())
-        version, now, download = current.version, self._clock.now(), current.download_bytes
+            self._mark_used(clients)
+        now, download, from_cloud = self._clock.now(), snapshot.download_bytes, reply_to == CLOUD
         dispatched = self._accounting.dispatched
         in_flight = self._in_flight
         tasks = []
-        for client, participation in zip(ids.tolist(), participations, strict=True):
+        for client, participation in zip(clients, participations, strict=True):
             task = TaskAssigned(
-                task_id=dispatched(download, from_cloud=True),
+                task_id=dispatched(download, from_cloud=from_cloud),
                 client_id=ClientId(client),
                 participation=participation,
                 base_version=version,
                 simulated_s=now,
+                reply_to=reply_to,
             )
             in_flight[task.client_id] = task
             tasks.append(task)
         self._base_refs[version] += len(tasks)
         await self._bus.publish_together(TasksAssigned, tasks)
         for task in tasks:
-            self._start(task, current)
+            self._start(task, snapshot)
         return tasks
 
     def _start(self, task: TaskAssigned, snapshot: ModelSnapshot, *, client: bool = True) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,9 +26,21 @@ from flasync.training.plugins import Refusal, ServerPlugin
 
 __all__ = ["Admitted", "Decoded", "Intake", "Refused"]
 
-Decoded = tuple[torch.Tensor, float, float]
-"""An upload's delta decoded ahead with others that arrived with it: ``(delta, norm, decode_s)``, ``decode_s`` its
-share of the batch's decode time (see :meth:`Intake.decode_together`)."""
+
+class Decoded(NamedTuple):
+    """An upload's delta as :meth:`Intake.decode` gave it.
+
+    Attributes:
+        delta: The delta on the intake's device (None: the payload does not decode, see ``error``).
+        norm: Its L2 norm where a batch's norms were taken together (None: the validator takes it).
+        decode_s: Real seconds its decoding took (its share of a batch's).
+        error: Why the payload does not decode (empty when it does).
+    """
+
+    delta: torch.Tensor | None
+    norm: float | None
+    decode_s: float
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,24 +109,37 @@ class Intake:
         # pages' first touch every time, several times the decoding.
         self._rows: torch.Tensor | None = None
 
-    def decode_together(self, messages: Sequence[UpdateUploaded]) -> list[Decoded] | None:
-        """Decode the deltas of uploads that arrived together at once and take their norms in one reduction.
+    def decode(self, messages: Sequence[UpdateUploaded]) -> list[Decoded]:
+        """Decode the deltas of uploads that arrived together (one upload or many), in order.
 
-        What :meth:`admit` does first for each upload, done for a batch in a few tensor calls instead of a few per
-        upload (:meth:`~flasync.codecs.Pipeline.decode_stacked`, one ``vector_norm`` over the rows). Nothing is
-        checked or released here: each upload still goes through :meth:`admit`, with its entry of the result. The
-        deltas are rows of a buffer the next call writes again: admit this batch's uploads before decoding another.
+        A batch whose payloads share one form is decoded in a few tensor calls and its norms taken in one reduction
+        (:meth:`~flasync.codecs.Pipeline.decode_stacked`, one ``vector_norm`` over the rows); one upload, or a batch
+        that cannot be decoded together (payloads of several forms, a plug-in's extras beside the deltas), is
+        decoded upload by upload. Nothing is checked or released here: each upload still goes through
+        :meth:`admit` with its entry. A batch's deltas are rows of a buffer the next batch writes again: admit its
+        uploads before decoding another.
 
         Args:
             messages: The uploads, in the order they will be admitted.
-
-        Returns:
-            Each upload's :data:`Decoded`, or None where the batch cannot be decoded together (payloads of another
-            form or of several forms, a plug-in's extras beside the deltas): :meth:`admit` then decodes each upload
-            itself.
         """
-        if self._decodes_extra or len(messages) < 2:
-            return None
+        if len(messages) > 1 and not self._decodes_extra:
+            stacked = self._decode_stacked(messages)
+            if stacked is not None:
+                return stacked
+        return [self._decode_one(message) for message in messages]
+
+    def _decode_one(self, message: UpdateUploaded) -> Decoded:
+        start = self.wall()
+        try:
+            delta = self.codec.decode(message.payload, expected_elements=self.num_params)
+        except DecodeError as exc:
+            return Decoded(None, None, self.wall() - start, str(exc))
+        if delta.device != self.device:
+            delta = delta.to(self.device)
+        return Decoded(delta, None, self.wall() - start)
+
+    def _decode_stacked(self, messages: Sequence[UpdateUploaded]) -> list[Decoded] | None:
+        """Decode a batch's deltas as rows of one buffer; None where their payloads cannot be decoded together."""
         start = self.wall()
         count, rows = len(messages), self._rows
         if rows is None or rows.shape[0] < count:
@@ -127,8 +152,8 @@ class Intake:
         if stacked.device != self.device:
             stacked = stacked.to(self.device)
         norms = torch.linalg.vector_norm(stacked, dim=1).tolist()
-        share = (self.wall() - start) / len(messages)
-        return [(row, norm, share) for row, norm in zip(stacked.unbind(0), norms, strict=True)]
+        share = (self.wall() - start) / count
+        return [Decoded(row, norm, share) for row, norm in zip(stacked.unbind(0), norms, strict=True)]
 
     def admit(self, message: UpdateUploaded, *, version: int, decoded: Decoded | None = None) -> Admitted | Refused:
         """Check ``message`` against the model ``version`` it would join; release its task unless it is forged.
@@ -136,7 +161,7 @@ class Intake:
         Args:
             message: The upload.
             version: The version the receiver holds now (the cloud's, or the one an edge last installed).
-            decoded: Its delta and norm from :meth:`decode_together` (None: decode it here).
+            decoded: Its entry of :meth:`decode` (None: decoded here, as a batch of one).
         """
         base = self.registry.base(message.base_version)
         received_wall = self.wall()
@@ -155,16 +180,11 @@ class Intake:
             objection = plugin.admit(message, version)
             if objection is not None:
                 return Refused(*objection)
-        norm: float | None = None
-        if decoded is not None:
-            delta, norm, decode_s = decoded
-        else:
-            try:
-                delta = self.codec.decode(message.payload, expected_elements=self.num_params)
-            except DecodeError as exc:
-                return Refused("decode", str(exc))
-            if delta.device != self.device:
-                delta = delta.to(self.device)
+        if decoded is None:
+            decoded = self._decode_one(message)
+        delta = decoded.delta
+        if delta is None:
+            return Refused("decode", decoded.error)
         extra = None
         for plugin in self.plugins:
             value = plugin.decode_extra(message)
@@ -172,16 +192,14 @@ class Intake:
                 return Refused(*value)
             if value is not None:
                 extra = value
-        if decoded is None:
-            decode_s = self.wall() - received_wall
-        verdict, norm = self.validator.check(delta, norm)
+        verdict, norm = self.validator.check(delta, decoded.norm)
         if verdict is not None:
             return Refused(verdict.reason, verdict.detail)
         if self.clip_norm is not None:
             delta, _ = clip_to_norm(delta, self.clip_norm)
         for plugin in self.plugins:
             plugin.admitted(message, version)
-        return Admitted(delta, staleness, norm, base, received_wall, decode_s, extra)
+        return Admitted(delta, staleness, norm, base, received_wall, decoded.decode_s, extra)
 
     def accepted(self, admitted: Admitted) -> None:
         """Record that ``admitted`` was aggregated (its norm joins the z-score's reference)."""

@@ -339,11 +339,7 @@ class Server:
             if not isinstance(message, UpdatesUploaded):
                 return message, None
             uploads = message.uploads
-            decoded = self.intake.decode_together(uploads)
-            if decoded is None:
-                self._batch.extend((upload, None) for upload in uploads)
-            else:
-                self._batch.extend(zip(uploads, decoded, strict=True))
+            self._batch.extend(zip(uploads, self.intake.decode(uploads), strict=True))
         return self._batch.popleft()
 
     async def _handle(self, message: ServerMessage, decoded: Decoded | None = None) -> None:

@@ -189,8 +189,8 @@ def test_uploads_decoded_together_are_admitted_as_if_decoded_alone() -> None:
     deltas = [torch.tensor([0.5, -1.0, 2.0, 0.25]) * (k + 1) for k in range(3)] + [torch.tensor([1.0, math.nan, 0, 0])]
     uploads = [_upload(k, k, 0, delta) for k, delta in enumerate(deltas)]
     together = _intake(_Tasks(*((k, k, 0) for k in range(4))))
-    decoded = together.decode_together(uploads)
-    assert decoded is not None
+    decoded = together.decode(uploads)
+    assert all(entry.norm is not None for entry in decoded)  # decoded as one batch: norms taken together
     alone = _intake(_Tasks(*((k, k, 0) for k in range(4))))
     for upload, entry in zip(uploads, decoded, strict=True):
         batched, single = together.admit(upload, version=1, decoded=entry), alone.admit(upload, version=1)
@@ -202,14 +202,22 @@ def test_uploads_decoded_together_are_admitted_as_if_decoded_alone() -> None:
         assert batched.staleness == single.staleness == 1
 
 
-def test_uploads_of_mixed_forms_are_left_to_decode_one_by_one() -> None:
-    """A batch that is not all of one dense form (a sparse payload, a broken one) is not decoded together; each
-    upload then meets the intake alone, which names what is wrong with it."""
+def test_uploads_of_mixed_forms_and_an_upload_alone_are_decoded_one_by_one() -> None:
+    """A batch that is not all of one dense form (a sparse payload, a broken one), and one upload alone, are decoded
+    upload by upload: a broken payload's entry says why, and admission refuses it by name after its task checks."""
     dense = _upload(0, 0, 0, torch.ones(N))
     sparse = _upload(1, 1, 0, codecs.Pipeline([codecs.TopK(ratio=0.5)]).encode(torch.ones(N)).payload)
+    junk = _upload(2, 2, 0, b"junk")
     intake = _intake(_Tasks((0, 0, 0), (1, 1, 0), (2, 2, 0)))
-    assert intake.decode_together([dense, sparse]) is None
-    assert intake.decode_together([dense, _upload(2, 2, 0, b"junk")]) is None
-    assert intake.decode_together([dense]) is None  # one upload gains nothing
-    verdict = intake.admit(_upload(2, 2, 0, b"junk"), version=0)
-    assert isinstance(verdict, Refused) and verdict.reason == "decode"
+    mixed = intake.decode([dense, sparse])
+    assert [entry.norm for entry in mixed] == [None, None]  # each alone: the validator takes the norms
+    assert mixed[0].delta is not None and torch.equal(mixed[0].delta, torch.ones(N))
+    assert mixed[1].delta is not None and int((mixed[1].delta != 0).sum()) == N // 2  # the top half sent
+    broken = intake.decode([dense, junk])
+    assert broken[0].delta is not None and broken[1].delta is None and broken[1].error
+    (alone,) = intake.decode([dense])
+    assert alone.norm is None and alone.delta is not None
+    verdict = intake.admit(junk, version=0, decoded=broken[1])
+    assert isinstance(verdict, Refused) and verdict.reason == "decode" and verdict.detail == broken[1].error
+    stale = _intake(_Tasks((2, 2, 0)), max_staleness=0).admit(junk, version=1, decoded=broken[1])
+    assert isinstance(stale, Refused) and stale.reason == "stale"  # the task's checks come before the payload's

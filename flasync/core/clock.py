@@ -20,7 +20,6 @@ number of executor threads.
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import heapq
 import math
@@ -29,7 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Clock", "LoopExecutor", "RunClock", "Started", "VirtualClock", "WallClock"]
+__all__ = ["Clock", "RunClock", "Started", "VirtualClock", "WallClock"]
 
 T = TypeVar("T")
 
@@ -122,31 +121,9 @@ class RunClock(Clock, Protocol):
         ...
 
 
-class LoopExecutor(Executor, abc.ABC):
-    """An executor that hands its results to the event loop itself: one loop future per job or per group of jobs.
-
-    A subclass declares the capability (:class:`~flasync.training.executors.threads.CohortBatcher` does); the
-    clocks and the clients use it instead of bridging each thread future with :func:`asyncio.wrap_future`.
-    """
-
-    @abc.abstractmethod
-    def submit_async(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """Start ``fn``; return a future of the running event loop."""
-
-    @abc.abstractmethod
-    def submit_many_async(self, jobs: Sequence[Any]) -> asyncio.Future[list[Any]]:
-        """Start ``jobs`` together; return one loop future of each job's result or exception, in order."""
-
-
 def _submit(executor: Executor, fn: Callable[[], T]) -> Started[T]:
-    """Start ``fn`` in ``executor``; return the loop future to await and what the executor returned for it.
-
-    A :class:`LoopExecutor` gives a loop future itself; any other executor's future is bridged with
-    :func:`asyncio.wrap_future`.
-    """
-    if isinstance(executor, LoopExecutor):
-        job: asyncio.Future[T] = executor.submit_async(fn)
-        return Started(job, job)
+    """Start ``fn`` in ``executor``; return the loop future to await (the executor's, bridged with
+    :func:`asyncio.wrap_future`) and what the executor returned for it."""
     source = executor.submit(fn)
     return Started(asyncio.wrap_future(source), source)
 

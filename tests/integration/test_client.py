@@ -26,6 +26,7 @@ from flasync.core.events import (
 from flasync.core.instruments import Instrument
 from flasync.core.loops import run_loop
 from flasync.testing import EventRecorder, MemoryTracker, small_config
+from flasync.training.executors.threads import CohortBatcher
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,6 +90,26 @@ def test_tasks_run_as_a_group_give_the_weights_and_counts_of_one_coroutine_per_t
     if "deadline" in " ".join(overrides) or "over_selection" in " ".join(overrides):
         # Stragglers of a closed round never answer, even those whose uploads were due when the quorum was met.
         assert group.tasks_abandoned > 0 and group.updates_dropped == 0
+
+
+def test_a_batching_executor_gets_every_training_job_as_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client coroutine hands a declared loop executor (the vectorized executor's batcher) every training job
+    through its one batch method: a round's cohort as one batch, and each task of a run whose fault model decides
+    per task as a batch of one."""
+    sizes: list[int] = []
+    submit = CohortBatcher.submit_many_async
+
+    def counted(self: CohortBatcher, jobs: Any) -> Any:
+        sizes.append(len(jobs))
+        return submit(self, jobs)
+
+    monkeypatch.setattr(CohortBatcher, "submit_many_async", counted)
+    fedavg = ("server={kind: fedavg, clients_per_round: 8}", "executor.kind=vectorized", "stop.max_versions=3")
+    grouped = flasync.run(small_config(*fedavg))
+    assert sizes == [8, 8, 8] and grouped.updates_accepted == 24
+    sizes.clear()
+    each = flasync.run(small_config(*fedavg, _ONE_EACH))
+    assert sizes == [1] * 24 and each.weights_sha256 == grouped.weights_sha256
 
 
 def test_clients_failing_alike_are_warned_of_a_few_times_not_once_each(capsys: pytest.CaptureFixture[str]) -> None:

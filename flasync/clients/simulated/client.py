@@ -24,7 +24,7 @@ from flasync.clients.simulated.faults import Fate, FaultModel
 from flasync.clients.simulated.population import Network, Population
 from flasync.core import seeding
 from flasync.core.bus import EventBus
-from flasync.core.clock import Clock, LoopExecutor, Started, VirtualClock
+from flasync.core.clock import Clock, Started, VirtualClock
 from flasync.core.errors import InjectedFault
 from flasync.core.events import (
     ClientFailed,
@@ -37,6 +37,7 @@ from flasync.core.events import (
 from flasync.core.instruments import debug_many, logs_debug
 from flasync.core.snapshots import ModelSnapshot
 from flasync.training.diagnostics import DivergedTraining
+from flasync.training.executors import LoopExecutor
 from flasync.training.executors.threads import TrainingJob
 from flasync.training.jobs import (
     ClientSamples,
@@ -368,13 +369,18 @@ class CohortClients:
         agenda = [(fault.at, i, _FAILED, i) for i, fault in plan.faults.items()]
         jobs: dict[int, Started[Any]] = {}
         training = plan.training
+        batches = isinstance(pool, LoopExecutor)  # its futures give a list of outcomes per submission
         if len(training) > 1 and self.together and isinstance(pool, LoopExecutor):
             group = pool.submit_many_async(list(training.values()))
             jobs[_ALL] = Started(group, group)
             agenda.append((min(plan.prepared[i].done_at for i in training), -1, _ALL_TRAINED, -1))
         else:
             for i, training_job in training.items():
-                jobs[i] = clock.start(pool, training_job)
+                if isinstance(pool, LoopExecutor):  # a batch of one
+                    one = pool.submit_many_async((training_job,))
+                    jobs[i] = Started(one, one)
+                else:
+                    jobs[i] = clock.start(pool, training_job)
                 agenda.append((plan.prepared[i].done_at, i, _TRAINED, i))
         heapq.heapify(agenda)
         state = _GroupState(
@@ -385,6 +391,7 @@ class CohortClients:
             agenda=agenda,
             order=n,
             failures={i: fault.failure for i, fault in plan.faults.items()},
+            batches=batches,
         )
         try:
             while agenda:
@@ -460,6 +467,8 @@ class CohortClients:
             outcomes = [by_task[i] for i in due]
         else:
             outcomes = await clock.finish([state.jobs[i] for i in due], until=when)
+            if state.batches:  # each job's batch of one; a cancelled one's error stands for it
+                outcomes = [o if isinstance(o, BaseException) else o[0] for o in outcomes]
         upload_times = _upload_times(world.network, tasks, due, outcomes)
         lines: list[dict[str, Any]] = []  # the trained tasks' debug lines, logged together
         failed_now: list[int] = []
@@ -572,6 +581,8 @@ class _GroupState:
     """Task index -> its trained update and upload seconds, until it is published."""
     failures: dict[int, tuple[FailureKind, str, TaskDiagnosis | None]] = field(default_factory=dict)
     """Task index -> how it failed (kind, one-line error, diagnosis), until it is published."""
+    batches: bool = False
+    """The jobs were submitted to a :class:`~flasync.training.executors.LoopExecutor`: each future gives a list."""
 
 
 def _quiet_uploads(agenda: list[tuple[float, int, int, int]], clock: Clock) -> list[tuple[float, int]]:

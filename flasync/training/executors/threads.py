@@ -24,8 +24,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import nn
 
-from flasync.core.clock import LoopExecutor, VirtualClock
+from flasync.core.clock import VirtualClock
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
+from flasync.training.executors import LoopExecutor
 from flasync.training.local import FlatModel, LocalResult, LocalTraining
 
 __all__ = [
@@ -177,18 +178,6 @@ class _HeldFuture(Future[T]):
         self.held = True
 
 
-class _HeldLoopFuture(asyncio.Future[T]):
-    """A held job's future on the event loop that awaits it (:meth:`CohortBatcher.submit_async`).
-
-    The worker resolves such futures in batches, with one thread-safe loop callback for many of them, instead of one
-    cross-thread wake-up (and one :class:`concurrent.futures.Future` to bridge) per client.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop=loop)
-        self.held = True
-
-
 class _GroupFuture(asyncio.Future[list[Any]]):
     """One loop future for a group of held jobs (:meth:`CohortBatcher.submit_many_async`): each job's result or
     exception, in submission order, once every job is done. Its jobs' results reach it on its loop's thread."""
@@ -256,9 +245,8 @@ class _Slot:
         self.group.deliver(self.index, error)
 
 
-_LoopHeld = _HeldLoopFuture[Any] | _Slot
-_AnyHeld = _HeldFuture[Any] | _LoopHeld
-_Outcome = tuple[_LoopHeld, Any, BaseException | None]
+_AnyHeld = _HeldFuture[Any] | _Slot
+_Outcome = tuple[_Slot, Any, BaseException | None]
 
 # Results handed to the event loop per callback: the loop starts on the first ones while the worker finishes the rest.
 _DELIVERY_CHUNK = 64
@@ -284,7 +272,7 @@ class _Delivery:
         self._pending: list[_Outcome] = []
 
     def __call__(self, future: _AnyHeld, value: Any, error: BaseException | None) -> None:
-        if isinstance(future, _HeldLoopFuture | _Slot):
+        if isinstance(future, _Slot):
             self._pending.append((future, value, error))
             if len(self._pending) >= _DELIVERY_CHUNK:
                 self.flush()
@@ -307,7 +295,7 @@ class _Delivery:
 
 def _cancel(future: _AnyHeld) -> None:
     """Cancel a held future from any thread (a loop future on its own loop)."""
-    if isinstance(future, _HeldLoopFuture | _Slot):
+    if isinstance(future, _Slot):
         with contextlib.suppress(RuntimeError):  # a closed loop
             future.get_loop().call_soon_threadsafe(future.cancel)
     else:
@@ -449,7 +437,7 @@ class CohortBatcher(LoopExecutor):
 
     def _needed(self, future: object) -> None:
         """Start every held job if ``future`` is one of them (the clock cannot go on without its result)."""
-        if isinstance(future, _HeldFuture | _HeldLoopFuture | _GroupFuture) and future.held:
+        if isinstance(future, _HeldFuture | _GroupFuture) and future.held:
             self.flush()
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
@@ -457,18 +445,6 @@ class CohortBatcher(LoopExecutor):
         if not isinstance(fn, TrainingJob) or args or kwargs:
             return self.passthrough.submit(fn, *args, **kwargs)
         future: _HeldFuture[T] = _HeldFuture()
-        self._hold(fn, future)
-        return future
-
-    def submit_async(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """Like :meth:`submit`, but return a future of the running event loop.
-
-        A cohort's results reach the loop in a few callbacks, not one cross-thread wake-up per client, which is
-        what a client coroutine awaiting its job through :meth:`submit` and :func:`asyncio.wrap_future` costs.
-        """
-        if not isinstance(fn, TrainingJob):
-            return asyncio.wrap_future(self.passthrough.submit(fn))
-        future: _HeldLoopFuture[T] = _HeldLoopFuture(asyncio.get_running_loop())
         self._hold(fn, future)
         return future
 
@@ -482,11 +458,12 @@ class CohortBatcher(LoopExecutor):
         return group
 
     def submit_many_async(self, jobs: Sequence[TrainingJob[Any]]) -> asyncio.Future[list[Any]]:
-        """Hold training jobs together; return one future of the running loop for all of them.
+        """Hold training jobs together (one or many); return one future of the running loop for all of them.
 
         It resolves, once every job is done, with each job's result or exception (as a value) in the order of
-        ``jobs``: what awaiting each job's :meth:`submit_async` would give, without a loop future, a done callback and
-        a result hand-over per job. Cancelling it cancels every job that has not started.
+        ``jobs``, without a loop future, a done callback and a result hand-over per job: a cohort's results reach the
+        loop in a few callbacks, not one cross-thread wake-up per client. Cancelling it cancels every job that has
+        not started.
         """
         group = _GroupFuture(asyncio.get_running_loop(), len(jobs))
         if not jobs:
@@ -572,10 +549,7 @@ class CohortBatcher(LoopExecutor):
         for job, future in zip(held.jobs, held.futures, strict=True):
             # Skip jobs whose client was cancelled meanwhile (a loop future cancelled after this read is trained,
             # and its result dropped on delivery).
-            if isinstance(future, _HeldLoopFuture | _Slot):
-                live = not future.cancelled()
-            else:
-                live = future.set_running_or_notify_cancel()
+            live = not future.cancelled() if isinstance(future, _Slot) else future.set_running_or_notify_cancel()
             if live:
                 jobs.append(job)
                 futures.append(future)

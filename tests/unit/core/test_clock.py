@@ -8,11 +8,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
-from flasync.core.clock import Clock, LoopExecutor, RunClock, VirtualClock, WallClock
+from flasync.core.clock import Clock, RunClock, VirtualClock, WallClock
 
 
 async def _drive(clock: VirtualClock, body: object) -> None:
@@ -391,39 +391,22 @@ async def test_next_timer_is_the_earliest_live_timer() -> None:
     await _drive(clock, body())
 
 
-T = TypeVar("T")
-
-
-class _DeclaredLoopExecutor(LoopExecutor):
-    """A loop executor that runs each job at once and resolves a loop future with its result."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def submit_async(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        self.calls += 1
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        future.set_result(fn())
-        return future
-
-    def submit_many_async(self, jobs: Sequence[Any]) -> asyncio.Future[list[Any]]:
-        raise NotImplementedError
-
-
-class _UndeclaredThreads(ThreadPoolExecutor):
-    """A thread pool that merely has a ``submit_async`` attribute: it declares nothing."""
+class _ThreadsWithLoopMethods(ThreadPoolExecutor):
+    """A thread pool that merely has methods named like a loop executor's: the clock never asks for them."""
 
     def submit_async(self, fn: Callable[[], Any]) -> Any:
-        raise AssertionError("an executor that does not declare LoopExecutor is used as a plain executor")
+        raise AssertionError("the clock probed an executor for a loop future")
+
+    def submit_many_async(self, jobs: Sequence[Any]) -> Any:
+        raise AssertionError("the clock probed an executor for a batch future")
 
 
-async def test_only_a_declared_loop_executor_hands_the_clock_its_own_loop_future() -> None:
-    """The clock asks a LoopExecutor subclass for a loop future; another executor's future is bridged, whatever
-    attributes it has (capabilities are declared, not probed)."""
+async def test_the_clock_bridges_any_executors_future_without_probing_it() -> None:
+    """The clock starts a job with the executor's own ``submit`` and bridges its future, whatever other methods the
+    executor has (what an executor can do besides is declared, and only the client coroutine asks)."""
     clock = WallClock()
-    declared = _DeclaredLoopExecutor()
-    started = clock.start(declared, lambda: 41 + 1)
-    assert declared.calls == 1 and started.future is started.source
-    assert await started.future == 42
-    with _UndeclaredThreads(max_workers=1) as plain:
-        assert await clock.run(plain, lambda: "plain") == "plain"
+    with _ThreadsWithLoopMethods(max_workers=1) as pool:
+        started = clock.start(pool, lambda: 41 + 1)
+        assert isinstance(started.future, asyncio.Future) and started.source is not started.future
+        assert await started.future == 42
+        assert await clock.run(pool, lambda: "plain") == "plain"

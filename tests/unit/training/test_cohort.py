@@ -379,24 +379,31 @@ def test_members_with_their_own_bases_equal_one_client_at_a_time(cfg: LocalTrain
         assert got.loss == pytest.approx(want.loss, rel=1e-5)
 
 
-def _submitter(batcher: CohortBatcher, how: str) -> Callable[[Callable[[], object]], Awaitable[object]]:
-    """Submit through ``submit`` (a thread future, bridged) or ``submit_async`` (a loop future)."""
+async def _batch_of_one(batcher: CohortBatcher, job: TrainingJob[Any]) -> Any:
+    """Submit ``job`` as a batch of one (as a client coroutine does with a task alone); return or raise its outcome."""
+    (outcome,) = await batcher.submit_many_async([job])
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def _submitter(batcher: CohortBatcher, how: str) -> Callable[[TrainingJob[Any]], Awaitable[object]]:
+    """Submit through ``submit`` (a thread future, bridged) or as a batch of one (a loop future)."""
     if how == "submit":
         return lambda fn: asyncio.wrap_future(batcher.submit(fn))
-    return batcher.submit_async
+    return lambda fn: _batch_of_one(batcher, fn)
 
 
-@pytest.mark.parametrize("how", ["submit", "submit_async"])
-async def test_batcher_passes_other_callables_through(how: str) -> None:
+async def test_batcher_passes_other_callables_through() -> None:
     """Anything that is not a TrainingJob runs in the inner pool as submitted."""
     batcher = CohortBatcher(ThreadPoolExecutor(1), ModelPool(_mlp))
     try:
-        assert await _submitter(batcher, how)(lambda: 41 + 1) == 42
+        assert await asyncio.wrap_future(batcher.submit(lambda: 41 + 1)) == 42
     finally:
         batcher.shutdown()
 
 
-@pytest.mark.parametrize("how", ["submit", "submit_async"])
+@pytest.mark.parametrize("how", ["submit", "batch_of_one"])
 async def test_failed_member_fails_alone(how: str) -> None:
     """A job whose finish raises gets that exception; the other members of its cohort succeed."""
     x, y, parts = _data()
@@ -418,7 +425,7 @@ async def test_failed_member_fails_alone(how: str) -> None:
     assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
 
 
-@pytest.mark.parametrize("how", ["submit", "submit_async"])
+@pytest.mark.parametrize("how", ["submit", "batch_of_one"])
 async def test_a_cohort_whose_jobs_share_finish_many_is_finished_in_one_call(how: str) -> None:
     """Jobs that all carry one ``finish_many`` get what it returns for them, an exception in its place as that job's
     error; a cohort with a job of another ``finish_many`` finishes each job with its own ``finish``."""
@@ -480,7 +487,7 @@ async def test_a_cohort_returns_deltas_where_all_its_jobs_want_them(
         for job, where in zip([_job(base, x, y, p, k, pool) for k, p in enumerate(parts[:3])], wants, strict=True)
     ]
     try:
-        results = await asyncio.gather(*(batcher.submit_async(j) for j in jobs))
+        results = await asyncio.gather(*(_batch_of_one(batcher, j) for j in jobs))
     finally:
         batcher.shutdown()
     assert asked == [torch.device("cpu") if None not in wants else None]
@@ -503,7 +510,8 @@ def test_a_diverged_members_norm_is_left_to_the_diagnosis() -> None:
 
 
 async def test_loop_futures_get_the_same_results_in_few_loop_callbacks() -> None:
-    """submit_async: each job's loop future gets its own result, and a cohort reaches the loop in chunks."""
+    """Jobs submitted alone (batches of one): each one's loop future gets its own result, and a cohort of them
+    reaches the loop in chunks."""
     x, y, parts = _data()
     base = flat_parameters(_mlp())
     pool = ModelPool(_mlp)
@@ -519,9 +527,9 @@ async def test_loop_futures_get_the_same_results_in_few_loop_callbacks() -> None
 
     loop.call_soon_threadsafe = counting  # type: ignore[method-assign,assignment]
     try:
-        futures = [batcher.submit_async(_job(base, x, y, p, k, pool)) for k, p in enumerate(parts)]
+        futures = [batcher.submit_many_async([_job(base, x, y, p, k, pool)]) for k, p in enumerate(parts)]
         assert all(isinstance(f, asyncio.Future) and f.get_loop() is loop for f in futures)
-        results = await asyncio.gather(*futures)
+        results = [one for (one,) in await asyncio.gather(*futures)]
     finally:
         del loop.call_soon_threadsafe
         batcher.shutdown()
@@ -540,13 +548,13 @@ async def test_a_cancelled_loop_future_stays_cancelled_and_shutdown_cancels_held
     base = flat_parameters(_mlp())
     pool = ModelPool(_mlp)
     batcher = CohortBatcher(ThreadPoolExecutor(1), pool)
-    futures = [batcher.submit_async(_job(base, x, y, p, k, pool)) for k, p in enumerate(parts[:3])]
+    futures = [batcher.submit_many_async([_job(base, x, y, p, k, pool)]) for k, p in enumerate(parts[:3])]
     futures[1].cancel()
     try:
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
         assert isinstance(outcomes[1], asyncio.CancelledError)
-        assert isinstance(outcomes[0], LocalResult) and isinstance(outcomes[2], LocalResult)
-        held = batcher.submit_async(_job(base, x, y, parts[3], 3, pool))
+        assert isinstance(outcomes[0][0], LocalResult) and isinstance(outcomes[2][0], LocalResult)  # type: ignore[index]
+        held = batcher.submit_many_async([_job(base, x, y, parts[3], 3, pool)])
     finally:
         batcher.shutdown()
     with pytest.raises(asyncio.CancelledError):
@@ -555,7 +563,7 @@ async def test_a_cancelled_loop_future_stays_cancelled_and_shutdown_cancels_held
 
 async def test_a_group_of_jobs_gets_each_result_in_order_from_one_future() -> None:
     """submit_many_async: one loop future resolves, once every job is done, with each job's result (a failed one's
-    exception as a value) in submission order, the results of one job per submit_async; its members split over
+    exception as a value) in submission order, the results of each job submitted alone; its members split over
     cohorts (max_cohort) still resolve it once."""
     x, y, parts = _data()
     base = flat_parameters(_mlp())
@@ -575,7 +583,7 @@ async def test_a_group_of_jobs_gets_each_result_in_order_from_one_future() -> No
         group = batcher.submit_many_async(jobs())
         assert isinstance(group, asyncio.Future) and group.get_loop() is asyncio.get_running_loop()
         together = await group
-        each = await asyncio.gather(*(alone.submit_async(j) for j in jobs()), return_exceptions=True)
+        each = await asyncio.gather(*(_batch_of_one(alone, j) for j in jobs()), return_exceptions=True)
         assert await batcher.submit_many_async([]) == []
     finally:
         batcher.shutdown()

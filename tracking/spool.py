@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from collections import Counter
@@ -59,6 +60,7 @@ __all__ = [
     "Replayer",
     "SpoolError",
     "SpoolWriter",
+    "artifact_file",
     "default_spool_path",
     "iter_records",
     "load_progress",
@@ -491,12 +493,7 @@ class Replayer:
                 client.log_batch(run_id, metrics=chunk, synchronous=True)
             self._count("metrics", len(metrics))
         elif kind == "artifact":
-            local = (self.spool_dir / record["file"]).resolve()
-            own = (self.spool_dir / str(self.header.get("artifacts", ""))).resolve()
-            if not local.is_relative_to(own) or local == own:
-                raise SpoolError(f"artifact file {record['file']!r} is outside the spool's own folder {own.name}")
-            if not local.exists():
-                raise SpoolError(f"artifact file {local} named by the spool is missing")
+            local = artifact_file(self.spool_dir, self.header, str(record["file"]))
             client.log_artifact(run_id, os.fspath(local), record["artifact_path"])
             self._count("artifacts", 1)
         elif kind == "dataset":
@@ -613,13 +610,66 @@ def _checked_records(spool: Path) -> tuple[dict[str, Any], int, list[tuple[dict[
     """
     header, first = read_header(spool)
     records = list(iter_records(spool, first, first_line=2))  # validate everything before sending anything
-    own = (spool.parent / str(header.get("artifacts", ""))).resolve()
     for record, _ in records:
         if record["type"] == "artifact":
-            local = (spool.parent / record["file"]).resolve()
-            if not local.is_relative_to(own) or local == own:
-                raise SpoolError(f"{spool}: artifact file {record['file']!r} is outside the spool's own folder")
+            try:
+                artifact_file(spool.parent, header, str(record["file"]), must_exist=False)
+            except SpoolError as exc:
+                raise SpoolError(f"{spool}: {exc}") from None
     return header, first, records
+
+
+def artifact_file(spool_dir: Path, header: Mapping[str, Any], file: str, *, must_exist: bool = True) -> Path:
+    """Return the path of an artifact file a spool's record names, once it is known to be a regular file inside the
+    spool's own artifacts folder, reached without a symbolic link.
+
+    The folder is the one the header names, a plain name ending in ``.artifacts`` beside the spool; no part of the
+    way from it to the file may be a link, so a crafted header or a link planted in the folder cannot make a replay
+    upload a file from elsewhere.
+
+    Args:
+        spool_dir: The spool's folder (the record's ``file`` is relative to it).
+        header: The spool's header.
+        file: The record's ``file``.
+        must_exist: Also require the file to be there now (False: check only the names and the links there are).
+
+    Raises:
+        SpoolError: The folder or the file is not the spool's own, goes through a link, or is not a regular file.
+    """
+    folder = str(header.get("artifacts", ""))
+    if not folder.endswith(".artifacts") or Path(folder).name != folder:
+        raise SpoolError(f"the header's artifacts folder {folder!r} is not a folder name beside the spool")
+    parts = Path(file).parts
+    if len(parts) < 2 or parts[0] != folder or any(part in ("", ".", "..") for part in parts):
+        raise SpoolError(f"artifact file {file!r} is outside the spool's own folder {folder}")
+    path = spool_dir
+    for k, part in enumerate(parts):
+        path = path / part
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            if must_exist:
+                raise SpoolError(f"artifact file {spool_dir / file} named by the spool is missing") from None
+            return spool_dir / file
+        except OSError as exc:
+            raise SpoolError(f"cannot read artifact file {spool_dir / file}: {exc.strerror or exc}") from None
+        last = k == len(parts) - 1
+        if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or (last and stat.S_ISREG(mode))):
+            kind = "a link" if stat.S_ISLNK(mode) else "not a regular file" if last else "not a folder"
+            raise SpoolError(f"artifact file {file!r} is refused: {path.name} is {kind}")
+    if stat.S_ISDIR(mode):  # a folder artifact: everything in it, too
+        _check_tree(path, file)
+    return path
+
+
+def _check_tree(folder: Path, file: str) -> None:
+    """Refuse a folder artifact holding anything but folders and regular files (a link, a device, a pipe)."""
+    for root, dirs, files in os.walk(folder):
+        for name in (*dirs, *files):
+            mode = (Path(root) / name).lstat().st_mode
+            if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                kind = "a link" if stat.S_ISLNK(mode) else "not a regular file"
+                raise SpoolError(f"artifact folder {file!r} is refused: {name} in it is {kind}")
 
 
 def _spooled_run(client: Any, header: Mapping[str, Any], uri: str) -> str | None:

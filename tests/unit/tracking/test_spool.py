@@ -18,6 +18,7 @@ from flasync.tracking import MlflowTracker
 from flasync.tracking.spool import (
     SpoolError,
     SpoolWriter,
+    artifact_file,
     iter_records,
     load_progress,
     read_header,
@@ -439,6 +440,65 @@ def test_a_crafted_spool_is_refused_before_anything_is_sent(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert load_progress(spool) == {}
+
+
+@pytest.mark.parametrize("how", ["linked-folder", "linked-file", "header-elsewhere"])
+def test_a_spool_never_uploads_a_file_reached_through_a_link(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    """Replay uploads only regular files inside the spool's own artifacts folder, reached without a link: a header
+    naming a linked folder, a link planted in the folder, or a header naming a folder elsewhere is refused in one
+    line, exit 2, nothing sent (before: a header naming a linked folder uploaded /etc/passwd)."""
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "1").mkdir()
+    (secret / "1" / "passwd").write_text("root:x:0:0")
+    spool = tmp_path / "run.jsonl"
+    writer = _writer(spool)
+    writer.params({"a": 1})
+    writer.close()
+    lines = spool.read_text().splitlines()
+    header = json.loads(lines[0])
+    if how == "linked-folder":  # the header names a folder that is a link to another one
+        (tmp_path / "evil.artifacts").symlink_to(secret, target_is_directory=True)
+        header["artifacts"] = "evil.artifacts"
+        file = "evil.artifacts/1/passwd"
+    elif how == "linked-file":  # the spool's own folder holds a link to a file elsewhere
+        (tmp_path / "run.artifacts" / "1").mkdir(parents=True)
+        (tmp_path / "run.artifacts" / "1" / "passwd").symlink_to(secret / "1" / "passwd")
+        file = "run.artifacts/1/passwd"
+    else:  # the header names a folder that is no plain name beside the spool
+        header["artifacts"] = "secret/../secret.artifacts"
+        file = "secret/1/passwd"
+    lines[0] = json.dumps(header)
+    lines.append(json.dumps({"type": "artifact", "file": file, "artifact_path": None}))
+    spool.write_text("\n".join(lines) + "\n")
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    assert cli.main(["tracking", "replay", str(spool), "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ("link" in err[0] or "outside" in err[0] or "folder name" in err[0]), err
+    assert load_progress(spool) == {}
+    assert not (tmp_path / "store").exists() or "root:x" not in "".join(
+        p.read_text(errors="ignore") for p in (tmp_path / "store").rglob("passwd")
+    )
+
+
+def test_artifact_file_takes_a_regular_file_of_the_spools_own_folder(tmp_path: Path) -> None:
+    """The check passes the spool's own files and names what is wrong with the others."""
+    own = tmp_path / "run.artifacts" / "3"
+    own.mkdir(parents=True)
+    (own / "summary.json").write_text("{}")
+    header = {"artifacts": "run.artifacts"}
+    assert artifact_file(tmp_path, header, "run.artifacts/3/summary.json") == own / "summary.json"
+    with pytest.raises(SpoolError, match="missing"):
+        artifact_file(tmp_path, header, "run.artifacts/4/summary.json")
+    assert artifact_file(tmp_path, header, "run.artifacts/4/x", must_exist=False) == tmp_path / "run.artifacts/4/x"
+    assert artifact_file(tmp_path, header, "run.artifacts/3") == own  # a folder artifact of regular files
+    (own / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(SpoolError, match="link in it is a link"):
+        artifact_file(tmp_path, header, "run.artifacts/3")
+    with pytest.raises(SpoolError, match="outside"):
+        artifact_file(tmp_path, header, "run.artifacts/../run.artifacts/3/summary.json")
 
 
 @pytest.mark.slow

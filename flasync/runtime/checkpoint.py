@@ -62,25 +62,46 @@ A store writes an artifact in place (a local store truncates the file, then copi
 checkpoint is uploaded would leave no whole checkpoint if there were one file. With two, the one not being written
 always holds the previous checkpoint; :func:`fetch` resumes from the newest that reads back whole.
 """
-FORMAT = 3
-"""Version of the checkpoint layout; a reader refuses others (3: the state's bytes under a sha256 checksum)."""
+FORMAT = 4
+"""Version of the checkpoint layout; a reader refuses others (4: one sha256 over the format, the flasync version, the
+config and the state's bytes; 3, still read: over the state's bytes only)."""
+
+_READS = (3, FORMAT)
+
+MAX_COUNT = 2**53
+"""Largest count a checkpoint may hold (updates, bytes, tasks): beyond it a float cannot say it exactly, and no run
+comes near it."""
+
+
+def _digest(fmt: int, version: str, config: str, state_bytes: bytes) -> str:
+    """Return the sha256 a checkpoint of ``fmt`` carries: over its state's bytes (3), or over every field (4)."""
+    digest = hashlib.sha256()
+    if fmt >= 4:
+        for field in (str(fmt), version, config):
+            encoded = field.encode()
+            digest.update(len(encoded).to_bytes(8, "big") + encoded)
+    digest.update(state_bytes)
+    return digest.hexdigest()
 
 
 def encode(state: dict[str, Any], config: RunConfig) -> bytes:
     """Serialise a server state (see :meth:`flasync.server.Server.state_dict`) and the run's config.
 
-    The state is saved on its own and its bytes carried with their sha256, so a reader detects any change to them.
+    The state is saved on its own, and one sha256 covers the format, the flasync version, the config's text and the
+    state's bytes, so a reader detects a change to any of them (a learning rate edited in the config as well as a
+    flipped bit of the weights).
     """
     inner = io.BytesIO()
     torch.save(state, inner)
     state_bytes = inner.getvalue()
+    config_text = yaml_text(config.model_dump(mode="json"))
     outer = io.BytesIO()
     torch.save(
         {
             "format": FORMAT,
             "flasync": __version__,
-            "config": yaml_text(config.model_dump(mode="json")),
-            "state_sha256": hashlib.sha256(state_bytes).hexdigest(),
+            "config": config_text,
+            "state_sha256": _digest(FORMAT, __version__, config_text, state_bytes),
             "state": torch.frombuffer(bytearray(state_bytes), dtype=torch.uint8),
         },
         outer,
@@ -98,25 +119,34 @@ def decode(data: bytes) -> tuple[RunConfig, dict[str, Any]]:
     loaded = _load(data, "not a readable checkpoint")
     if not isinstance(loaded, dict) or "format" not in loaded or "state" not in loaded:
         raise CheckpointError("not a flasync checkpoint (no format/state entries)")
-    if loaded["format"] != FORMAT:
-        raise CheckpointError(f"checkpoint format {loaded['format']!r} is not supported (this flasync reads {FORMAT})")
+    fmt = loaded["format"]
+    if isinstance(fmt, bool) or fmt not in _READS:
+        raise CheckpointError(f"checkpoint format {fmt!r} is not supported (this flasync reads {_READS})")
+    config_text, version = loaded.get("config"), loaded.get("flasync")
+    if not isinstance(config_text, str) or not isinstance(version, str):
+        raise CheckpointError("the checkpoint's config or flasync version is not text")
     packed = loaded["state"]
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
         raise CheckpointError("the checkpoint's state is not a byte string")
     state_bytes = packed.numpy().tobytes()
-    if hashlib.sha256(state_bytes).hexdigest() != loaded.get("state_sha256"):
+    if _digest(fmt, version, config_text, state_bytes) != loaded.get("state_sha256"):
+        covered = f"{len(state_bytes)} state bytes" if fmt < 4 else f"config and {len(state_bytes)} state bytes"
         raise CheckpointError(
-            f"the checkpoint is corrupt: the sha256 of its {len(state_bytes)} state bytes does not match the one "
-            "it was written with"
+            f"the checkpoint is corrupt: the sha256 of its {covered} does not match the one it was written with"
         )
     try:
-        config = validate(yaml.safe_load(str(loaded["config"])))
+        config = validate(yaml.safe_load(config_text))
     except (ConfigError, yaml.YAMLError) as exc:
         raise CheckpointError(f"the checkpoint's config is invalid: {str(exc).splitlines()[0]}") from None
     state = _load(state_bytes, "the checkpoint's state is not readable")
     if not isinstance(state, dict):
         raise CheckpointError("the checkpoint's state is not a mapping")
     check_state(state)
+    if state["version"] > config.stop.max_versions:
+        raise CheckpointError(
+            f"checkpoint field version: {state['version']} is past the run's stop.max_versions "
+            f"{config.stop.max_versions}"
+        )
     return config, state
 
 
@@ -136,15 +166,27 @@ def check_state(state: dict[str, Any]) -> None:
     Raises:
         CheckpointError: One line naming the first field that is missing or wrong.
     """
-    version = _int(state, "version", low=0)
+    version = _int(state, "version", low=0, high=MAX_COUNT)
     weights = _tensor(state, "weights", dims=1, floating=True)
+    if not bool(torch.isfinite(weights).all()):
+        raise CheckpointError("checkpoint field weights: holds NaN or Inf")
     for name in ("aggregator", "accounting", "sampler", "registry", "intake", "policy", "clock"):
         _mapping(state, name)
     if state["aggregator"].get("kind") not in ("buffered", "robust", "mixing", "custom"):
         raise CheckpointError(f"checkpoint field aggregator.kind: unknown kind {state['aggregator'].get('kind')!r}")
     accounting = state["accounting"]
-    _mapping(accounting, "stats", "accounting.")
-    _int(accounting, "failure_streak", low=0, where="accounting.")
+    stats = _mapping(accounting, "stats", "accounting.")
+    for key, value in stats.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue  # names and reasons (the stop reason, the refusals' counter)
+        if isinstance(value, float) and math.isnan(value):
+            continue  # not measured yet (accuracy before the first evaluation)
+        low = -1 if key == "evaluated_version" else 0  # -1: nothing evaluated yet
+        if not low <= value <= MAX_COUNT:
+            raise CheckpointError(
+                f"checkpoint field accounting.stats.{key}: must be in [{low}, {MAX_COUNT}], got {value}"
+            )
+    _int(accounting, "failure_streak", low=0, high=MAX_COUNT, where="accounting.")
     sampler_rng = state["sampler"].get("rng")
     if not isinstance(sampler_rng, str):
         raise CheckpointError("checkpoint field sampler.rng: missing or not a JSON string")
@@ -188,6 +230,23 @@ def check_state(state: dict[str, Any]) -> None:
     norms = state["intake"].get("validator_norms")
     if not isinstance(norms, list) or not all(isinstance(n, int | float) for n in norms):
         raise CheckpointError("checkpoint field intake.validator_norms: must be a list of numbers")
+
+
+def check_fits(state: dict[str, Any], *, num_params: int, num_clients: int) -> None:
+    """Check that a checkpoint's state fits the run it resumes: its weights are the model's length and its clients'
+    counters the population's size (checked before the MLflow run is touched, so a misfit leaves its status as it was).
+
+    Raises:
+        CheckpointError: One line naming the field that does not fit.
+    """
+    weights = state["weights"].numel()
+    if weights != num_params:
+        raise CheckpointError(f"checkpoint field weights: {weights} parameters, but the run's model has {num_params}")
+    clients = state["registry"]["participations"].numel()
+    if clients != num_clients:
+        raise CheckpointError(
+            f"checkpoint field registry.participations: {clients} clients, but the run's population has {num_clients}"
+        )
 
 
 def _mapping(state: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:

@@ -185,6 +185,12 @@ class Federation:
             # Its MLflow writer process starts up (a spawn: tens of ms) while the data loads.
             await asyncio.to_thread(tracker.prepare)
             prepared = await asyncio.to_thread(self._prepare)
+            if self._resume is not None:  # before the MLflow run is reopened: a misfit leaves it as it was
+                checkpoint.check_fits(
+                    self._resume.state,
+                    num_params=prepared.initial.numel(),
+                    num_clients=prepared.config.population.num_clients,
+                )
             if self._stop_requested:
                 raise RunInterrupted(self._stop_requested)  # before any tracking run exists
         except BaseException:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 import os
 import re
 import signal
@@ -426,7 +427,7 @@ def _broken(state: dict[str, Any], path: str, value: object) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        ("version", -5, r"version: must be >= 0, got -5"),
+        ("version", -5, r"version: must be in \[0, \d+\], got -5"),
         ("version", "7", r"version: must be an integer"),
         ("weights", [1.0, 2.0], r"weights: must be a 1-D floating-point tensor"),
         ("aggregator", KeyError, r"aggregator: missing or not a mapping"),
@@ -436,7 +437,7 @@ def _broken(state: dict[str, Any], path: str, value: object) -> dict[str, Any]:
         ("registry.in_flight.0.client_id", 10**6, r"registry\.in_flight\[0\]\.client_id: must be in"),
         ("registry.in_flight.0.base_version", 99, r"registry\.in_flight\[0\]\.base_version: must be in"),
         ("registry.snapshot_version", KeyError, r"registry\.snapshot_version: must be an integer"),
-        ("accounting.failure_streak", -1, r"accounting\.failure_streak: must be >= 0"),
+        ("accounting.failure_streak", -1, r"accounting\.failure_streak: must be in \[0, \d+\], got -1"),
     ],
 )
 def test_every_bad_field_is_a_one_line_error_naming_it(
@@ -451,11 +452,100 @@ def test_every_bad_field_is_a_one_line_error_naming_it(
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.slow
-def test_resuming_from_a_corrupt_checkpoint_leaves_the_run_untouched(
-    written: tuple[bytes, flasync.RunConfig, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def _repacked(data: bytes, **fields: object) -> bytes:
+    """Return a checkpoint's bytes with outer fields replaced, its checksum left as it was written."""
+    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    loaded.update(fields)
+    buffer = io.BytesIO()
+    torch.save(loaded, buffer)
+    return buffer.getvalue()
+
+
+def test_the_checksum_covers_the_config_and_the_version_fields(
+    written: tuple[bytes, flasync.RunConfig, dict[str, Any]],
 ) -> None:
-    """--resume of a run whose checkpoint was tampered with: exit 2, one line, the run still KILLED."""
+    """A learning rate edited in the checkpoint's config text (before: accepted, the run finished at accuracy 0.1),
+    or another flasync version written in, is a one-line 'corrupt' error."""
+    data = written[0]
+    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    assert "lr:" in loaded["config"]
+    edited = loaded["config"].replace("lr: ", "lr: 5.0 #", 1)
+    for changed in (_repacked(data, config=edited), _repacked(data, flasync="0.0.0")):
+        with pytest.raises(CheckpointError, match="corrupt: the sha256 of its config and") as info:
+            checkpoint.decode(changed)
+        assert "\n" not in str(info.value)
+
+
+def test_a_checkpoint_of_the_previous_format_still_reads(
+    written: tuple[bytes, flasync.RunConfig, dict[str, Any]],
+) -> None:
+    """Format 3 (its sha256 over the state's bytes only) resumes as before."""
+    import hashlib
+
+    loaded = torch.load(io.BytesIO(written[0]), weights_only=True)
+    state_bytes = loaded["state"].numpy().tobytes()
+    old = _repacked(written[0], format=3, state_sha256=hashlib.sha256(state_bytes).hexdigest())
+    config, state = checkpoint.decode(old)
+    assert config == written[1] and state["version"] == written[2]["version"]
+    with pytest.raises(CheckpointError, match="format 2 is not supported"):
+        checkpoint.decode(_repacked(written[0], format=2))
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("version", 2**62, r"version: must be in \[0, 9007199254740992\]"),
+        ("version", 7, r"version: 7 is past the run's stop.max_versions 6"),
+        ("accounting.stats.updates_accepted", -3, r"accounting\.stats\.updates_accepted: must be in \[0, "),
+        ("accounting.stats.upload_bytes", 2**62, r"accounting\.stats\.upload_bytes: must be in \[0, "),
+        ("accounting.stats.cloud_aggregate_s", float("inf"), r"accounting\.stats\.cloud_aggregate_s: must be in"),
+    ],
+    ids=["huge-version", "past-stop", "negative-count", "huge-bytes", "infinite-seconds"],
+)
+def test_every_count_is_bounded(
+    written: tuple[bytes, flasync.RunConfig, dict[str, Any]], path: str, value: object, message: str
+) -> None:
+    """A version beyond the run's stop rule or a count out of range (before: version 2**62 was accepted and the run
+    finished at version 4611686018427387905) is a one-line error naming the field."""
+    _, config, state = written
+    with pytest.raises(CheckpointError, match=message) as info:
+        checkpoint.decode(checkpoint.encode(_broken(state, path, value), config))
+    assert "\n" not in str(info.value)
+
+
+def test_nan_weights_are_refused_when_read(written: tuple[bytes, flasync.RunConfig, dict[str, Any]]) -> None:
+    """Weights holding NaN are refused with the checkpoint, before anything runs."""
+    _, config, state = written
+    weights = state["weights"].clone()
+    weights[3] = math.nan
+    with pytest.raises(CheckpointError, match="checkpoint field weights: holds NaN or Inf"):
+        checkpoint.decode(checkpoint.encode(_broken(state, "weights", weights), config))
+
+
+async def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_the_run_is_touched(
+    written: tuple[bytes, flasync.RunConfig, dict[str, Any]],
+) -> None:
+    """A checkpoint whose weights are not the config's model's length is refused in one line before the tracking
+    run is resumed or any state is loaded."""
+    _, config, state = written
+    other = config.model_copy(update={"model": config.model.model_copy(update={"hidden": (9,)})})
+    tracker = MemoryTracker()
+    resume = checkpoint.ResumePoint("run-to-resume", state)
+    with pytest.raises(CheckpointError, match=r"checkpoint field weights: \d+ parameters, but the run's model has"):
+        await flasync.Federation(other, tracker=tracker, resume=resume).run()
+    assert tracker.run_id is None and not tracker.metrics  # never resumed, nothing logged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["bad-field", "other-model"])
+def test_resuming_from_a_corrupt_checkpoint_leaves_the_run_untouched(
+    written: tuple[bytes, flasync.RunConfig, dict[str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    how: str,
+) -> None:
+    """--resume of a run whose checkpoint was tampered with, or does not fit its config's model (before: NaN weights
+    and wrong shapes turned a KILLED run into FAILED): exit 2, one line, the run still KILLED."""
     from flasync.cli import main
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -465,12 +555,18 @@ def test_resuming_from_a_corrupt_checkpoint_leaves_the_run_untouched(
     _, config, state = written
     artifact = tmp_path / "checkpoints" / "latest.pt"
     artifact.parent.mkdir()
-    artifact.write_bytes(checkpoint.encode(_broken(state, "version", -5), config))
+    if how == "bad-field":
+        artifact.write_bytes(checkpoint.encode(_broken(state, "version", -5), config))
+        expected = f"checkpoint field version: must be in [0, {checkpoint.MAX_COUNT}], got -5"
+    else:
+        other = config.model_copy(update={"model": config.model.model_copy(update={"hidden": (9,)})})
+        artifact.write_bytes(checkpoint.encode(state, other))
+        expected = f"checkpoint field weights: {state['weights'].numel()} parameters, but the run's model has"
     client.log_artifact(run_id, str(artifact), "checkpoints")
     client.set_terminated(run_id, "KILLED")
     assert main(["run", "--resume", run_id, "--tracking-uri", uri]) == 2
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flasync")]
-    assert said == ["flasync: error: checkpoint field version: must be >= 0, got -5"]
+    assert len(said) == 1 and said[0].startswith(f"flasync: error: {expected}"), said
     assert client.get_run(run_id).info.status == "KILLED"
 
 

@@ -22,6 +22,13 @@ flasync's binary codec format as ``application/octet-stream``; refusals are ``{"
 - ``POST /v1/tasks/{task_id}/failed``: local training failed (JSON ``{"error": ...}``).
 - ``GET /v1/status``: whether the run is waiting, running or finished (no token needed).
 
+Under abuse: every refused request (no or a wrong token, a malformed id or header, a task that is not the client's)
+costs its address a token of a bucket (:class:`~flasync.clients.remote.limits.AddressLimits`); an address whose
+bucket is empty gets 429 with ``Retry-After`` before anything else is done for it. Request headers must arrive
+within :data:`HEADER_TIMEOUT_S` and each chunk of a body within :data:`BODY_IDLE_S`, else the connection is closed
+(408 for a body); ids are at most 18 digits (400). Refusals are counted per reason; their metric lines are logged
+at the 1st, 2nd, 4th, 8th, ... refusal of a reason, so a flood cannot grow the run's store.
+
 Long-polling rather than WebSocket: every exchange is one ordinary HTTP request, so it passes any proxy or load
 balancer, needs no WebSocket library on the device (httpx has none), and a client that loses its connection (or a
 server that restarts) needs nothing but the next request; a task waits in its client's mailbox between polls.
@@ -35,12 +42,15 @@ import json
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from flasync.clients.remote.limits import AddressLimits
 from flasync.clients.remote.transport import Refusal, RemoteTransport, Report
 from flasync.core.errors import ConfigError
 from flasync.core.events import ClientId
@@ -48,7 +58,7 @@ from flasync.core.events import ClientId
 if TYPE_CHECKING:
     from flasync.runtime.federation import Federation, RunSummary
 
-__all__ = ["REPORT_HEADER", "SESSION_HEADER", "asgi_app", "serve"]
+__all__ = ["BODY_IDLE_S", "HEADER_TIMEOUT_S", "REPORT_HEADER", "SESSION_HEADER", "asgi_app", "serve"]
 
 REPORT_HEADER = "x-flasync-report"
 """The header holding an upload's training report (JSON)."""
@@ -58,6 +68,13 @@ _MAX_SESSION_CHARS = 64
 _SESSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 _MAX_REPORT_CHARS = 4096
 _OCTETS = "application/octet-stream"
+_MAX_ID_DIGITS = 18
+HEADER_TIMEOUT_S = 10.0
+"""Seconds a connection has to send a request's headers (a slow-header connection is closed after them)."""
+BODY_IDLE_S = 20.0
+"""Seconds a request's body may pause between chunks before the request is refused (408) and closed."""
+_CHARGED = frozenset({400, 401, 403, 404, 408, 413})
+"""The refusals that cost an address a token: what a well-behaved client never gets."""
 
 
 def asgi_app(federation: Federation) -> Starlette:
@@ -76,14 +93,15 @@ def asgi_app(federation: Federation) -> Starlette:
 
 
 def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starlette:
-    routes = _Routes(transport, version)
+    routes = _Routes(transport, version, AddressLimits())
+    limited = routes.limited
     return Starlette(
         routes=[
-            Route("/v1/hello", routes.hello, methods=["GET"]),
-            Route("/v1/task", routes.task, methods=["GET"]),
-            Route("/v1/models/{version:int}", routes.model, methods=["GET"]),
-            Route("/v1/tasks/{task_id:int}/update", routes.upload, methods=["POST"]),
-            Route("/v1/tasks/{task_id:int}/failed", routes.failed, methods=["POST"]),
+            Route("/v1/hello", limited(routes.hello), methods=["GET"]),
+            Route("/v1/task", limited(routes.task), methods=["GET"]),
+            Route("/v1/models/{version}", limited(routes.model), methods=["GET"]),
+            Route("/v1/tasks/{task_id}/update", limited(routes.upload), methods=["POST"]),
+            Route("/v1/tasks/{task_id}/failed", limited(routes.failed), methods=["POST"]),
             Route("/v1/status", routes.status, methods=["GET"]),
         ]
     )
@@ -95,12 +113,29 @@ class _Routes:
     Args:
         transport: The federation's remote transport.
         version: Returns the server's current model version (None before the run has a server).
+        limits: Each address's budget of refused requests.
     """
 
-    def __init__(self, transport: RemoteTransport, version: Callable[[], int | None]) -> None:
+    def __init__(self, transport: RemoteTransport, version: Callable[[], int | None], limits: AddressLimits) -> None:
         """Serve ``transport``."""
         self.transport = transport
         self.version = version
+        self.limits = limits
+
+    def limited(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """Return ``handler`` behind its address's budget: 429 once the address has spent it on refused requests."""
+
+        async def endpoint(request: Request) -> Response:
+            address = request.client.host if request.client is not None else ""
+            wait_s = self.limits.retry_after(address)
+            if wait_s is not None:
+                return _refused(self.transport.rate_limited(wait_s))
+            response = await handler(request)
+            if response.status_code in _CHARGED:
+                self.limits.refused(address)
+            return response
+
+        return endpoint
 
     def authorize(self, request: Request) -> ClientId | Refusal:
         """Return the client the request's bearer token names, or the refusal of a missing or unknown token."""
@@ -148,7 +183,10 @@ class _Routes:
         client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
-        payload = await self.transport.model(client_id, int(request.path_params["version"]))
+        version = _id(request, "version")
+        if isinstance(version, Refusal):
+            return _refused(version)
+        payload = await self.transport.model(client_id, version)
         if isinstance(payload, Refusal):
             return _refused(payload)
         return Response(payload, media_type=_OCTETS)
@@ -158,7 +196,9 @@ class _Routes:
         client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
-        task_id = int(request.path_params["task_id"])
+        task_id = _id(request, "task_id")
+        if isinstance(task_id, Refusal):
+            return _refused(task_id)
         session = self.session_of(request)
         if isinstance(session, Refusal):
             return _refused(session)
@@ -175,13 +215,12 @@ class _Routes:
         except ValueError as exc:  # json.JSONDecodeError is one
             return _refused(self.transport.bad_report(client_id, f"{REPORT_HEADER}: {exc}".splitlines()[0]))
         # Read in chunks, never more than the limit: a body without (or with a false) Content-Length is cut off.
-        limit, size, chunks = self.transport.max_upload_bytes, 0, []
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return _refused(self.transport.oversize(client_id, size))
-            chunks.append(chunk)
-        answer = self.transport.upload(client_id, task_id, b"".join(chunks), report, session)
+        body = await _read_body(request, self.transport.max_upload_bytes)
+        if isinstance(body, int):
+            return _refused(self.transport.oversize(client_id, body))
+        if body is None:
+            return _refused(self.transport.slow_body(client_id))
+        answer = self.transport.upload(client_id, task_id, body, report, session)
         if answer is not None:
             return _refused(answer)
         return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)
@@ -191,11 +230,17 @@ class _Routes:
         client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
-        task_id = int(request.path_params["task_id"])
+        task_id = _id(request, "task_id")
+        if isinstance(task_id, Refusal):
+            return _refused(task_id)
         session = self.session_of(request)
         if isinstance(session, Refusal):
             return _refused(session)
-        body = await _small_body(request)
+        body = await _read_body(request, 4096)
+        if body is None:
+            return _refused(self.transport.slow_body(client_id))
+        if isinstance(body, int):
+            body = b""  # a report too long to be one: the task failed, its error is not known
         try:
             error = str(json.loads(body).get("error", "failed")) if body else "failed"
         except (ValueError, AttributeError):
@@ -211,14 +256,33 @@ class _Routes:
         return JSONResponse({"state": state, "version": self.version(), "reason": self.transport.finished or None})
 
 
-async def _small_body(request: Request, limit: int = 4096) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
+def _id(request: Request, name: str) -> int | Refusal:
+    """Return the path parameter ``name`` as an id, or the refusal of one that is not at most 18 digits."""
+    text = str(request.path_params[name])
+    if not (text.isascii() and text.isdigit() and len(text) <= _MAX_ID_DIGITS):
+        return Refusal(400, "bad_request", f"{name} must be a number of at most {_MAX_ID_DIGITS} digits")
+    return int(text)
+
+
+async def _read_body(request: Request, limit: int) -> bytes | int | None:
+    """Read a request's body in chunks: its bytes; the size read so far once it passes ``limit`` (the rest is never
+    read); None when a chunk took longer than :data:`BODY_IDLE_S` to come."""
+    idle_s = BODY_IDLE_S
+    chunks: list[bytes] = []
+    size = 0
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout(idle_s):
+                chunk = await anext(stream)
+        except StopAsyncIteration:
+            return b"".join(chunks)
+        except TimeoutError:
+            return None
         size += len(chunk)
         if size > limit:
-            break
+            return size
         chunks.append(chunk)
-    return b"".join(chunks)[:limit]
 
 
 def _refused(refusal: Refusal) -> Response:
@@ -260,6 +324,7 @@ async def serve(
         port=port,
         log_level="warning",
         lifespan="off",
+        http=_HeaderDeadline,
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
         timeout_graceful_shutdown=1,
@@ -298,3 +363,38 @@ class _QuietServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         """Leave the process's signal handlers alone."""
         yield
+
+
+class _HeaderDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on a request's headers: a connection that has not sent a whole
+    request line and headers :data:`HEADER_TIMEOUT_S` after it opened or started a request is closed (uvicorn's
+    keep-alive timeout covers only the silence between requests)."""
+
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Start the connection's first deadline."""
+        super().connection_made(transport)
+        self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_late)
+
+    def handle_events(self) -> None:
+        """Handle what arrived; keep a deadline while the next request's headers are incomplete."""
+        super().handle_events()
+        if self.conn.their_state is h11.IDLE:  # the next request's headers are still to come
+            if self._deadline is None and not self.transport.is_closing():
+                self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_late)
+        elif self._deadline is not None:  # a whole request line and headers came
+            self._deadline.cancel()
+            self._deadline = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Drop the deadline with the connection."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        super().connection_lost(exc)
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()

@@ -542,6 +542,10 @@ class RemoteTransport:
         self.finished = reason or "finished"
         self._handout.close()
         self._downloads.clear()
+        counts = self.refusals
+        if self._log is not None and any(count & (count - 1) for count in counts.values()):
+            total = sum(counts.values())  # the counts not logged at their last value: the whole of each, once
+            self._log.debug("remote.refused", step=total, total=total, **counts)
 
     # --------------------------------------------------------------------------------------- registry seam
     async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
@@ -637,6 +641,15 @@ class RemoteTransport:
         """Refuse (and count) a body found larger than :attr:`max_upload_bytes` (``size``: bytes seen so far)."""
         detail = f"the update has more than {self.max_upload_bytes} bytes (got {size})"
         return self._refuse(client_id, Refusal(413, "too_large", detail))
+
+    def slow_body(self, client_id: ClientId) -> Refusal:
+        """Refuse (and count) a request whose body paused longer than the server waits for a chunk."""
+        return self._refuse(client_id, Refusal(408, "slow_body", "the request's body stopped coming"))
+
+    def rate_limited(self, retry_after_s: int) -> Refusal:
+        """Refuse (and count) a request from an address that spent its budget of refused requests."""
+        detail = "too many refused requests from this address"
+        return self._refuse(None, Refusal(429, "rate_limited", detail, retry_after_s))
 
     def bad_report(self, client_id: ClientId, detail: str) -> Refusal:
         """Refuse (and count) an upload whose report is malformed."""
@@ -766,9 +779,12 @@ class RemoteTransport:
         return Refusal(503, "not_started", "the run has not started yet", self.settings.retry_after_s)
 
     def _refuse(self, client_id: ClientId | None, refusal: Refusal) -> Refusal:
-        self.refusals[refusal.reason] += 1
+        """Count a refusal; log its line (and metrics) at the 1st, 2nd, 4th, 8th, ... of its reason, so that a flood
+        of refused requests adds a few rows to the run's store, not rows per request (:meth:`statistics` holds every
+        count)."""
+        count = self.refusals[refusal.reason] = self.refusals[refusal.reason] + 1
         total = sum(self.refusals.values())
-        if self._log is not None:
+        if self._log is not None and count & (count - 1) == 0:
             self._log.debug(
                 "remote.refused",
                 step=total,

@@ -245,3 +245,58 @@ async def test_a_malformed_session_header_is_400(served: Served) -> None:
     headers = {**served.auth(0), SESSION_HEADER: "no spaces allowed"}
     response = await served.http.get("/v1/task", params={"wait_s": 0}, headers=headers)
     assert response.status_code == 400 and SESSION_HEADER in response.json()["detail"]
+
+
+async def test_a_huge_id_is_a_400_after_the_token_check(served: Served) -> None:
+    """A 5000-digit task id or model version (before: a 500 and a traceback, before authentication) is 400 for an
+    authenticated client and 401 for anyone else."""
+    huge = "9" * 5000
+    assert (await served.http.post(f"/v1/tasks/{huge}/failed")).status_code == 401
+    response = await served.http.post(f"/v1/tasks/{huge}/failed", headers=served.auth(0))
+    assert response.status_code == 400 and "at most 18 digits" in response.json()["detail"]
+    response = await served.http.get(f"/v1/models/{huge}", headers=served.auth(0))
+    assert response.status_code == 400
+    assert (await served.http.get("/v1/models/-1", headers=served.auth(0))).status_code == 400
+
+
+async def test_a_flood_of_refused_requests_is_rate_limited_and_adds_few_rows(served: Served) -> None:
+    """An address that keeps sending requests the server refuses gets 429 with Retry-After once it spent its budget;
+    every refusal is counted, and their metric lines come at the 1st, 2nd, 4th, ... of a reason, not per request.
+    The status endpoint still answers."""
+    transport = served.federation.transport
+    assert transport is not None
+    codes = [(await served.http.get("/v1/task", params={"wait_s": 0})).status_code for _ in range(100)]
+    assert codes[0] == 401 and codes[-1] == 429 and set(codes) == {401, 429}
+    limited = await served.http.get("/v1/hello", headers=served.auth(0))  # the address waits, token or not
+    assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+    refused = transport.statistics()["refused"]
+    assert refused["unauthorized"] == codes.count(401) and refused["rate_limited"] == codes.count(429) + 1
+    rows = [row for row in served.tracker.metrics if row.key.startswith("remote/refused/")]
+    lines = sum(math.floor(math.log2(count)) + 1 for count in refused.values())  # 1st, 2nd, 4th, ... of each
+    assert len(rows) == 2 * lines < 30  # the reason's count and the total, per line: not rows per request
+    assert (await served.http.get("/v1/status")).status_code == 200
+    transport.finish("KILLED")  # as the run's end does: each metric's last value is the whole count
+    for reason, count in refused.items():
+        assert served.metric(f"remote/refused/{reason}") == count
+    assert served.metric("remote/refused/total") == sum(refused.values())
+
+
+async def test_a_body_that_stops_coming_is_408(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upload whose body pauses longer than the server waits for a chunk is refused (408), counted, and the
+    task stays answerable."""
+    from flasync.runtime import serve
+
+    monkeypatch.setattr(serve, "BODY_IDLE_S", 0.2)
+    owner, offer = await _busy_client(served)
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b"\0" * 16
+        await asyncio.sleep(5)
+        yield b"\0" * 16
+
+    headers = {**served.auth(owner), **_REPORT}
+    response = await served.http.post(f"/v1/tasks/{offer['task_id']}/update", content=stalled(), headers=headers)
+    assert response.status_code == 408
+    assert served.metric("remote/refused/slow_body") == 1
+    body = codecs.encode(torch.zeros(_num_params(served)))
+    assert (await served.upload(owner, offer["task_id"], body)).status_code == 202

@@ -36,11 +36,13 @@ from flasync.tracking.store import (
 if TYPE_CHECKING:
     import mlflow
 
-__all__ = ["Experiments", "RunLifecycle", "RunStatus"]
+__all__ = ["LOST_TAG", "Experiments", "RunLifecycle", "RunStatus"]
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 
 _MAX_PARAM_VALUE = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
+LOST_TAG = "flasync.metric_rows_lost"
+"""The tag a run gets when some of its metric rows were neither written nor kept in its journal: their count."""
 
 
 class Experiments:
@@ -370,7 +372,17 @@ class RunLifecycle:
         try:
             writers.stop_monitor()
         finally:
-            writers.close_writer()
+            lost = writers.close_writer()
+            self._failover.replay_spilled()  # what the backlog could not hold, while the run is still open
+            if lost:
+                self._log.warning(
+                    "tracking.metric_rows_lost",
+                    message=f"{lost} metric rows of this run were neither written nor kept in its journal",
+                    lost=lost,
+                    metrics=False,
+                )
+                with contextlib.suppress(Exception):  # the count is in the warning whatever the store does
+                    self.set_tags({LOST_TAG: str(lost)})
             end = int(time.time() * 1000)
             ended = writers.child_job({"op": "end", "status": status, "end_time": end})
             writers.release_child(ended)

@@ -267,6 +267,7 @@ class RunWriters:
             flush_interval_s=self._flush_interval,
             close_timeout_s=self.flush_timeout,
             logger=self._log,
+            spill=self._failover.spill,
         )
 
     def _log_metric_batch(self, metrics: list[MetricRow]) -> None:
@@ -337,7 +338,10 @@ class RunWriters:
             self._log.warning("tracking.system_monitor_stuck", timeout_s=_MONITOR_STOP_TIMEOUT_S, metrics=False)
         self.monitor = None
 
-    def close_writer(self) -> None:
-        """Write what is queued (waiting at most ``flush_timeout_s``) and stop the metric writer's thread."""
-        if self.writer is not None:
-            self.writer.close(self.flush_timeout)
+    def close_writer(self) -> int:
+        """Write what is queued (waiting at most ``flush_timeout_s``) and stop the metric writer's thread; return how
+        many metric rows were lost (neither written nor kept in the journal)."""
+        if self.writer is None:
+            return 0
+        self.writer.close(self.flush_timeout)
+        return self.writer.dropped + self.writer.pending

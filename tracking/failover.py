@@ -119,10 +119,13 @@ class Failover:
         self._replay_offset = 0
         self._replayed = 0
         self._replayer: Replayer | None = None
+        self.spilled = 0
+        """Metric rows the writer's backlog could not hold, kept in the spool while the store answered."""
+        self._unreplayed = False  # spilled rows not yet replayed into the run
 
     def replay_command(self) -> str | None:
         """Return the command that sends what is left in the spool, or None when nothing is left."""
-        if self.spool is None or not self.offline:
+        if self.spool is None or not (self.offline or self._unreplayed):
             return None
         return f"flasync tracking replay {shlex.quote(str(self.spool.path))}"
 
@@ -142,6 +145,51 @@ class Failover:
             assert self.spool is not None
             spool(self.spool)
 
+    def spill(self, metrics: list[Any]) -> bool:
+        """Keep metric rows the writer's backlog cannot hold in the spool (the run's journal), from which
+        :meth:`replay_spilled` sends them to the run when it ends; False when they cannot be kept (no run yet, or
+        the spool failed)."""
+        with self.lock:
+            if self.spool is None:
+                if self.run.started_at is None:
+                    return False
+                self.spool = self._new_spool()
+                self._log.warning(
+                    "tracking.spilling",
+                    message=f"the store at {redact_uri(self.run.tracking_uri)} takes metrics more slowly than the run "
+                    f"makes them: the overflow goes to {self.spool.path}, and to the run when it ends",
+                    path=str(self.spool.path),
+                    metrics=False,
+                )
+            self.spool.metrics(metrics)
+            if self.spool.failure is not None:
+                return False
+            self.spilled += len(metrics)
+            self._unreplayed = self._unreplayed or not self.offline
+            return True
+
+    def replay_spilled(self) -> None:
+        """Send the spilled rows to the run now, if the store answers (else they stay for ``replay``)."""
+        with self.lock:
+            if self._unreplayed and not self.offline and self.try_recover(force=True):
+                self._unreplayed = False
+
+    def _new_spool(self) -> SpoolWriter:
+        run = self.run
+        assert run.started_at is not None
+        path = self._spool_path or default_spool_path(run.experiment or "experiment", self._spool_root)
+        spool = SpoolWriter(
+            path,
+            tracking_uri=run.tracking_uri,
+            experiment=run.experiment,
+            run_name=run.run_name,
+            run_id=run.run_id,
+            start_time=run.started_at,
+            on_failure=self._spool_failed,
+        )
+        self._replay_offset = spool.size
+        return spool
+
     def go_offline(self, error: BaseException) -> SpoolWriter:
         """Send records to the spool from now on (creating it, and saying where, the first time)."""
         self.offline = True
@@ -151,18 +199,7 @@ class Failover:
             self._log.warning("tracking.spooling_again", path=str(self.spool.path), error=reason, metrics=False)
             return self.spool
         run = self.run
-        assert run.started_at is not None
-        path = self._spool_path or default_spool_path(run.experiment or "experiment", self._spool_root)
-        self.spool = SpoolWriter(
-            path,
-            tracking_uri=run.tracking_uri,
-            experiment=run.experiment,
-            run_name=run.run_name,
-            run_id=run.run_id,
-            start_time=run.started_at,
-            on_failure=self._spool_failed,
-        )
-        self._replay_offset = self.spool.size
+        self.spool = self._new_spool()
         self._log.warning(
             "tracking.spooling",
             message=f"MLflow at {redact_uri(run.tracking_uri)} failed ({reason}); tracking records go to "

@@ -34,9 +34,11 @@ class WriterStatistics(NamedTuple):
     errors: int
     """Failed ``log_batch`` calls."""
     dropped: int
-    """Metrics given up on: backlog overflow, or submitted after :meth:`MetricWriter.close`."""
+    """Metrics given up on: backlog overflow with nowhere to spill, or submitted after :meth:`MetricWriter.close`."""
     pending: int
-    """Metrics submitted but neither sent nor dropped yet."""
+    """Metrics submitted but neither sent, spilled nor dropped yet."""
+    spilled: int = 0
+    """Metrics handed to ``spill``: those the backlog could not hold, and those unsent when the writer closed."""
 
 
 class _Flush:
@@ -85,8 +87,9 @@ class MetricWriter:
 
     A failing ``log_batch`` loses nothing: the metrics stay in a backlog and the call is retried
     with backoff (0.1 s doubling to 5 s); one warning is logged per failure streak. The backlog is
-    bounded by ``max_backlog``; beyond it the oldest metrics are dropped (and counted). No
-    exception escapes the thread.
+    bounded by ``max_backlog``; beyond it the oldest metrics go to ``spill`` (the run's journal, from which they
+    reach the run later), or, with nowhere to spill, are dropped and counted. What is still unsent when
+    :meth:`close` gives up goes to ``spill`` too. No exception escapes the thread.
 
     Args:
         log_batch: Sends one batch, e.g. ``functools.partial(client.log_batch, run_id)``
@@ -96,6 +99,8 @@ class MetricWriter:
         max_backlog: Most metrics kept while the backend fails.
         close_timeout_s: How long :meth:`close` keeps retrying a failing backend, in seconds.
         logger: Where warnings go; ``structlog.get_logger("flasync.tracking.writer")`` when None.
+        spill: Keeps metrics the writer cannot send in time elsewhere (called on its thread); returns False when
+            it could not (they are then dropped and counted). None: nowhere.
 
     Raises:
         ValueError: A size or interval is not positive.
@@ -110,6 +115,7 @@ class MetricWriter:
         max_backlog: int = 200_000,
         close_timeout_s: float = 10.0,
         logger: Any = None,
+        spill: Callable[[list[MetricRow]], bool] | None = None,
     ) -> None:
         if max_batch < 1 or max_backlog < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_backlog ({max_backlog}) must be >= 1")
@@ -136,6 +142,8 @@ class MetricWriter:
         self._errors = 0
         self._dropped = 0
         self._late = 0  # dropped because submitted after close (counted by the caller thread)
+        self._spill = spill
+        self._spilled = 0
         self._thread = threading.Thread(target=self._run, name="tracking-metric-writer", daemon=True)
         self._thread.start()
 
@@ -161,8 +169,13 @@ class MetricWriter:
 
     @property
     def pending(self) -> int:
-        """Metrics submitted but neither sent nor dropped yet."""
-        return self._submitted - self._sent - self._dropped - self._late
+        """Metrics submitted but neither sent, spilled nor dropped yet."""
+        return self._submitted - self._sent - self._dropped - self._late - self._spilled
+
+    @property
+    def spilled(self) -> int:
+        """Metrics handed to ``spill`` (the backlog's overflow, and what was unsent at close)."""
+        return self._spilled
 
     @property
     def closed(self) -> bool:
@@ -178,6 +191,7 @@ class MetricWriter:
             errors=self._errors,
             dropped=self.dropped,
             pending=self.pending,
+            spilled=self._spilled,
         )
 
     def submit(self, metrics: list[MetricRow]) -> None:
@@ -283,11 +297,13 @@ class MetricWriter:
                 self._trim_backlog(loop)
                 if loop.buffer and time.monotonic() >= loop.retry_at:
                     self._send_buffer(loop)
-                done = self._sent + self._dropped
+                done = self._sent + self._dropped + self._spilled
                 for waiter in [w for w in loop.waiters if w.target <= done]:
                     waiter.done.set()
                     loop.waiters.remove(waiter)
                 if loop.stop_at is not None and (not loop.buffer or time.monotonic() >= loop.stop_at):
+                    if loop.buffer and self._spill_rows(list(loop.buffer)):  # unsent in time: to the journal
+                        loop.buffer.clear()
                     return
         except BaseException as exc:  # pragma: no cover - a bug here must not kill the process quietly
             self._log.error("metric_writer.crashed", error=redact_uri(repr(exc)), metrics=False)
@@ -345,19 +361,39 @@ class MetricWriter:
         buffer = loop.buffer
         if len(buffer) > self._max_backlog:
             excess = len(buffer) - self._max_backlog
-            for _ in range(excess):
-                buffer.popleft()
-            self._dropped += excess
+            rows = [buffer.popleft() for _ in range(excess)]
+            spilled = self._spill_rows(rows)
+            if not spilled:
+                self._dropped += excess
             if not loop.overflowing:
                 loop.overflowing = True
                 self._log.warning(
-                    "metric_writer.backlog_full",
-                    dropped=excess,
+                    "metric_writer.backlog_spilled" if spilled else "metric_writer.backlog_full",
+                    message=f"the store takes metrics more slowly than the run makes them: the oldest {excess} of "
+                    + (
+                        "the backlog go to the run's journal, to reach the run when it ends"
+                        if spilled
+                        else "the backlog are dropped (counted)"
+                    ),
+                    **({"spilled": excess} if spilled else {"dropped": excess}),
                     max_backlog=self._max_backlog,
                     metrics=False,
                 )
         elif loop.overflowing and len(buffer) < self._max_backlog // 2:
             loop.overflowing = False
+
+    def _spill_rows(self, rows: list[MetricRow]) -> bool:
+        """Hand ``rows`` to ``spill``; True (and counted) when it kept them."""
+        if self._spill is None or not rows:
+            return False
+        try:
+            kept = self._spill(rows)
+        except Exception as exc:  # a spill that fails loses the rows, never the thread
+            self._log.warning("metric_writer.spill_failed", error=redact_uri(repr(exc))[:300], metrics=False)
+            kept = False
+        if kept:
+            self._spilled += len(rows)
+        return kept
 
     def _send_buffer(self, loop: _LoopState) -> None:
         """Send what is buffered; after a failure, back off (doubling, capped) and warn at a streak's first."""

@@ -215,3 +215,46 @@ def test_backlog_is_bounded() -> None:
         time.sleep(0.01)
     assert writer.dropped == 150
     assert writer.close(timeout=0) == 100
+
+
+def test_a_backlog_overflow_and_what_close_leaves_unsent_are_spilled_not_dropped() -> None:
+    """With somewhere to spill, the backlog's overflow and the rows still unsent when close gives up go there, in
+    order, counted as spilled: every row is sent or spilled, none dropped."""
+    spilled: list[Metric] = []
+
+    def spill(rows: list[Metric]) -> bool:
+        spilled.extend(rows)
+        return True
+
+    writer = MetricWriter(Backend(failures=10**9), max_backlog=100, spill=spill)
+    writer.submit(metrics(250))
+    deadline = time.monotonic() + 5
+    while writer.spilled < 150 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.spilled == 150 and writer.dropped == 0
+    assert writer.close(timeout=0) == 0  # the last 100 were unsent: spilled at close
+    stats = writer.statistics()
+    assert stats.spilled == 250 and stats.dropped == 0 and stats.pending == 0
+    assert [m.value for m in spilled] == [float(i) for i in range(250)]
+
+
+def test_rows_a_spill_refuses_are_dropped_and_counted() -> None:
+    """A spill that cannot keep rows (or raises) leaves them dropped and counted, the thread alive."""
+    calls: list[int] = []
+
+    def spill(rows: list[Metric]) -> bool:
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise OSError("disk full")
+        return False
+
+    writer = MetricWriter(Backend(failures=10**9), max_backlog=10, spill=spill)
+    writer.submit(metrics(30))
+    deadline = time.monotonic() + 5
+    while writer.dropped < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writer.submit(metrics(5))
+    while writer.dropped < 25 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.dropped == 25 and writer.spilled == 0 and len(calls) >= 2
+    writer.close(timeout=0)

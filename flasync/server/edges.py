@@ -35,7 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from flasync.aggregation import ExampleWeight, StalenessWeight, UpdateBuffer, edge_model, edge_progress
+from flasync.aggregation import (
+    ConstantStaleness,
+    ExampleWeight,
+    StalenessWeight,
+    UpdateBuffer,
+    edge_model,
+    edge_progress,
+)
 from flasync.codecs import Pipeline
 from flasync.config import EdgeLinkConfig
 from flasync.core import seeding
@@ -49,12 +56,12 @@ from flasync.core.events import (
     TaskClosed,
     TaskDiagnosis,
     TaskOutcome,
-    UpdateRejected,
     UpdateUploaded,
     Version,
 )
 from flasync.core.snapshots import ModelSnapshot
 from flasync.server.intake import Intake, Refused
+from flasync.server.node import AggregationNode, BufferSink, PartialFolded, Sink
 from flasync.server.registry import TaskRegistry, Timer
 from flasync.server.topology import Tree
 
@@ -169,6 +176,20 @@ class EdgeNode:
         self.members = tree.members[index]
         self.snapshot: ModelSnapshot | None = None
         self.buffer = UpdateBuffer(network.num_params, device=network.device)
+        self._node = AggregationNode(
+            where=self.name,
+            intake=intake,
+            bus=network.bus,
+            wall=network.wall,
+            edge_codec=network.edge_codec,
+            num_params=network.num_params,
+            device=network.device,
+        )
+        settings = network.settings
+        # Async edges discount each update by s(tau); a sync round's updates all start from the round's model.
+        example_weight = settings.example_weight
+        self._sink = BufferSink(self.buffer, example_weight=example_weight, staleness=settings.staleness)
+        self._round_sink = BufferSink(self.buffer, example_weight=example_weight, staleness=ConstantStaleness())
         self._updates = 0  # client updates in the buffer
         self._round_updates = 0  # client updates folded since the last recorded aggregation
         self._samples = 0
@@ -246,14 +267,14 @@ class EdgeNode:
             await self._ended(message)
             return
         if isinstance(message, EdgeForwarded):
-            if self._fold_partial(message):
+            if self._fold_partial(message) is not None:
                 await self._folded()
             return
         self._bytes_in += len(message.payload)
         if self.net.settings.buffer_size == 1:
             await self._relay(message)
             return
-        if await self._admit(message, version=int(self.known_version), staleness_weighted=True):
+        if await self._admit(message, version=int(self.known_version), into=self._sink):
             await self._folded()
 
     async def _ended(self, message: ClientFailed | ClientTimedOut) -> None:
@@ -265,45 +286,36 @@ class EdgeNode:
         else:
             await self._close(message, "timed_out", f"no answer within {message.timeout_s:g} s")
 
-    async def _admit(self, message: UpdateUploaded, *, version: int, staleness_weighted: bool) -> bool:
+    async def _admit(self, message: UpdateUploaded, *, version: int, into: Sink) -> bool:
         """Admit a client's update through the intake and fold it; False (and the update refused) if unusable.
 
         Args:
             message: The upload.
             version: The model version the edge holds (async) or runs its round on (sync).
-            staleness_weighted: Discount by ``s(tau)`` (async) or not (sync rounds).
+            into: The buffer, discounting by ``s(tau)`` (async) or not (sync rounds).
         """
-        wall = self.net.wall
-        start = wall()
-        verdict = self.intake.admit(message, version=version)
-        if isinstance(verdict, Refused):
-            await self._reject(message, verdict.reason, verdict.detail)
+        folded = self._node.admit(message, version=version, into=into)
+        if isinstance(folded, Refused):
+            await self._node.reject(message, folded, simulated_s=self.net.clock.now())
+            await self._close(message, "rejected", folded.reason, upload_bytes=len(message.payload))
             return False
-        settings = self.net.settings
-        weight = settings.staleness(verdict.staleness) if staleness_weighted else 1.0
-        self.buffer.add(
-            verdict.delta, example_weight=settings.example_weight(message.num_samples), staleness_weight=weight
-        )
-        self.intake.accepted(verdict)
         self._updates += 1
         self._round_updates += 1
         self._samples += message.num_samples
-        self._aggregate_s += wall() - start
-        await self._close(message, "accepted", "", staleness=verdict.staleness, upload_bytes=len(message.payload))
+        self._aggregate_s += folded.aggregate_s
+        staleness = folded.admitted.staleness
+        await self._close(message, "accepted", "", staleness=staleness, upload_bytes=len(message.payload))
         return True
 
-    def _fold_partial(self, message: EdgeForwarded) -> bool:
-        """Add a sub-edge's partial aggregate; False if it held no update."""
+    def _fold_partial(self, message: EdgeForwarded) -> PartialFolded | None:
+        """Add a sub-edge's partial aggregate; None if it held no update."""
         self._bytes_in += len(message.payload)
-        if message.count == 0:
-            return False
-        net = self.net
-        partial = net.edge_codec.decode(message.payload, expected_elements=net.num_params).to(net.device)
-        self.buffer.add_sum(partial, example_weight=message.example_weight)
-        self._updates += message.count
-        self._round_updates += message.count
-        self._samples += message.num_samples
-        return True
+        folded = self._node.fold_partial(message, version=int(self.known_version), into=self._sink)
+        if folded is not None:
+            self._updates += message.count
+            self._round_updates += message.count
+            self._samples += message.num_samples
+        return folded
 
     async def _folded(self) -> None:
         if self.buffer.count >= self.net.settings.buffer_size:
@@ -422,20 +434,6 @@ class EdgeNode:
             )
         )
 
-    async def _reject(self, message: UpdateUploaded, reason: str, detail: str) -> None:
-        await self.net.bus.publish(
-            UpdateRejected(
-                task_id=message.task_id,
-                client_id=message.client_id,
-                base_version=message.base_version,
-                reason=reason,
-                detail=detail,
-                simulated_s=self.net.clock.now(),
-                where=self.name,
-            )
-        )
-        await self._close(message, "rejected", reason, upload_bytes=len(message.payload))
-
     # -------------------------------------------------------------------------------------------- sync mode
     async def sync_round(self, snapshot: ModelSnapshot, cohort: set[int]) -> None:
         """Run one cloud round of HierFAVG below this edge and forward the result to the parent.
@@ -464,9 +462,9 @@ class EdgeNode:
             for _ in active:
                 message = await self.inbox.receive()
                 assert isinstance(message, EdgeForwarded)
-                start = net.wall()
-                self._fold_partial(message)
-                self._aggregate_s += net.wall() - start
+                folded = self._fold_partial(message)
+                if folded is not None:
+                    self._aggregate_s += folded.aggregate_s
 
     async def _sync_leaf(self, snapshot: ModelSnapshot, members: list[int]) -> None:
         net = self.net
@@ -510,7 +508,7 @@ class EdgeNode:
             await self._ended(message)
             return
         self._bytes_in += len(message.payload)
-        await self._admit(message, version=version, staleness_weighted=False)
+        await self._admit(message, version=version, into=self._round_sink)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -38,7 +38,6 @@ from flasync.core.events import (
     StopRequested,
     TaskClosed,
     UpdateReceived,
-    UpdateRejected,
     UpdatesReceived,
     UpdatesUploaded,
     UpdateUploaded,
@@ -49,6 +48,7 @@ from flasync.core.snapshots import ModelSnapshot
 from flasync.server.accounting import Accounting, ServerStats
 from flasync.server.edges import message_from_state, message_state, relayed
 from flasync.server.intake import Decoded, Intake, Refused
+from flasync.server.node import AggregationNode
 from flasync.server.policies import Policy
 from flasync.server.registry import TaskRegistry
 from flasync.server.sampler import ClientSampler
@@ -186,6 +186,16 @@ class Server:
         self.plugins = tuple(plugins)
         for plugin in self.plugins:
             self.components.setdefault(plugin.name, plugin)
+        self._node = AggregationNode(
+            where=CLOUD,
+            intake=intake,
+            bus=bus,
+            wall=wall,
+            edge_codec=edge_codec,
+            num_params=weights.numel(),
+            device=weights.device,
+            plugins=self.plugins,
+        )
         self.version = Version(0)
         self.on_checkpoint: Callable[[dict[str, Any]], None] | None = None
         self.interrupted_state: dict[str, Any] | None = None
@@ -416,7 +426,7 @@ class Server:
                     lines = []
                     await self.bus.publish_together(UpdatesReceived, received)
                     received = []
-                    await self._reject(message, outcome.reason, outcome.detail, received_s)
+                    await self._reject(message, outcome, received_s)
                     self.policy.note(message, accepted=False)
                 else:
                     received.append(outcome)
@@ -437,24 +447,18 @@ class Server:
         and count it; return its event or the refusal. Its debug line's fields are appended to ``lines`` for the
         caller to log."""
         self.accounting.uploaded(size)
-        verdict = self.intake.admit(message, version=int(self.version), decoded=decoded)
-        if isinstance(verdict, Refused):
-            return verdict
-        stats = self.stats
-        weight = self.aggregator.add(
-            verdict.delta, staleness=verdict.staleness, num_samples=message.num_samples, base=verdict.base.weights
-        )
-        for plugin in self.plugins:
-            plugin.folded(verdict.extra)
-        stats.cloud_aggregate_s += self.wall() - verdict.received_wall
-        self.intake.accepted(verdict)
+        folded = self._node.admit(message, version=int(self.version), into=self.aggregator, decoded=decoded)
+        if isinstance(folded, Refused):
+            return folded
+        verdict, stats = folded.admitted, self.stats
+        stats.cloud_aggregate_s += folded.aggregate_s
         self._accepted(verdict.staleness)
         queue_wait_s = verdict.received_wall - message.sent_wall_s
         if self._log_updates:
             line = {
                 "step": stats.updates_accepted,
                 "staleness": verdict.staleness,
-                "staleness_weight": weight,
+                "staleness_weight": folded.weight,
                 "queue_wait_s": queue_wait_s,
                 "decode_s": verdict.decode_s,
                 "norm": verdict.norm,
@@ -475,49 +479,37 @@ class Server:
 
     def _fold_partial(self, message: EdgeForwarded) -> None:
         """Fold an edge's partial aggregate, discounted by how many versions passed since the edge folded it."""
-        if message.count == 0:
+        folded = self._node.fold_partial(message, version=int(self.version), into=self.aggregator)
+        if folded is None:
             return
-        start = self.wall()
-        partial = self.edge_codec.decode(message.payload, expected_elements=self.weights.numel())
-        partial = partial.to(self.weights.device)
-        staleness = max(int(self.version) - int(message.base_version), 0)
-        weight = self.aggregator.add_partial(partial, example_weight=message.example_weight, staleness=staleness)
-        self.stats.cloud_aggregate_s += self.wall() - start
+        self.stats.cloud_aggregate_s += folded.aggregate_s
         self.log.debug(
             "server.partial",
             step=self.stats.partials_received,
             updates=message.count,
             bytes=len(message.payload),
-            staleness=staleness,
-            staleness_weight=weight,
-            queue_wait_s=start - message.sent_wall_s,
-            decode_s=self.wall() - start,
+            staleness=folded.staleness,
+            staleness_weight=folded.weight,
+            queue_wait_s=folded.received_wall - message.sent_wall_s,
+            decode_s=folded.aggregate_s,
         )
 
-    async def _reject(self, message: UpdateUploaded, reason: str, detail: str, received_s: float) -> None:
-        self.accounting.rejected(reason)
+    async def _reject(self, message: UpdateUploaded, refused: Refused, received_s: float) -> None:
+        """Count and log a refusal, then publish it."""
+        self.accounting.rejected(refused.reason)
         dropped = self.stats.updates_dropped
         # A second update of a client in one version is a plug-in's rule at work (one per client): not worth a line.
-        emit = self.log.debug if reason == "repeat" else self.log.info
+        emit = self.log.debug if refused.reason == "repeat" else self.log.info
         emit(
             "server.rejected",
             step=dropped,
-            reason=reason,
-            detail=detail,
+            reason=refused.reason,
+            detail=refused.detail,
             task_id=message.task_id,
             client_id=int(message.client_id),
             dropped=dropped,
         )
-        await self.bus.publish(
-            UpdateRejected(
-                task_id=message.task_id,
-                client_id=message.client_id,
-                base_version=message.base_version,
-                reason=reason,
-                detail=detail,
-                simulated_s=received_s,
-            )
-        )
+        await self._node.reject(message, refused, simulated_s=received_s)
 
     # ------------------------------------------------------------------------------------------- versions
     async def _new_version(self) -> None:

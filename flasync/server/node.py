@@ -1,0 +1,191 @@
+"""The aggregation node: what the cloud and every edge do with what reaches them from below.
+
+Both admit a client's upload through their :class:`~flasync.server.intake.Intake`, fold an admitted delta or a
+sub-edge's partial aggregate (decoded with the edge codec) into where they aggregate, a :class:`Sink` (the cloud's
+:class:`~flasync.aggregation.Aggregator`, an edge's :class:`BufferSink`), and publish a refusal as an
+:class:`~flasync.core.events.UpdateRejected` naming where it happened. What each does around that stays with it: the
+cloud counts and logs every update, an edge counts what its buffer holds and closes each task with a
+:class:`~flasync.core.events.TaskClosed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from flasync.aggregation import ExampleWeight, StalenessWeight, UpdateBuffer
+from flasync.codecs import Pipeline
+from flasync.core.bus import EventBus
+from flasync.core.events import EdgeForwarded, UpdateRejected, UpdateUploaded
+from flasync.server.intake import Admitted, Decoded, Intake, Refused
+from flasync.training.plugins import ServerPlugin
+
+__all__ = ["AggregationNode", "BufferSink", "Folded", "PartialFolded", "Sink"]
+
+
+class Sink(Protocol):
+    """Where a node folds what it admits: the part of :class:`~flasync.aggregation.Aggregator` a node needs."""
+
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        """Fold one client delta in (read, not kept); return the weight its staleness ``tau`` got."""
+        ...
+
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        """Fold a sub-edge's partial aggregate ``sum_k e_k s_k delta_k`` in; return the staleness weight applied."""
+        ...
+
+
+class BufferSink:
+    """Fold into an edge's :class:`~flasync.aggregation.UpdateBuffer`: ``e_k s(tau_k) delta_k`` per client update,
+    sub-edges' partials at full weight (their parent discounts the edge's whole partial).
+
+    Args:
+        buffer: The edge's buffer.
+        example_weight: ``e_k`` of an update.
+        staleness: ``s(tau)`` of an update (a sync round weighs none:
+            :class:`~flasync.aggregation.ConstantStaleness`).
+    """
+
+    def __init__(self, buffer: UpdateBuffer, *, example_weight: ExampleWeight, staleness: StalenessWeight) -> None:
+        """Bind the buffer and the weights."""
+        self.buffer = buffer
+        self.example_weight = example_weight
+        self.staleness = staleness
+
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        """Add ``e_k s(tau_k) delta_k`` to the buffer; return ``s(tau_k)``."""
+        weight = self.staleness(staleness)
+        self.buffer.add(delta, example_weight=self.example_weight(num_samples), staleness_weight=weight)
+        return weight
+
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        """Add a sub-edge's ``S`` and ``E`` undiscounted; return 1."""
+        self.buffer.add_sum(weighted_sum, example_weight=example_weight)
+        return 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Folded:
+    """A client update admitted and folded in.
+
+    Attributes:
+        admitted: What the intake learnt of it (delta, staleness, norm, timings).
+        weight: The weight the sink gave its staleness.
+        aggregate_s: Wall seconds from its admission's start until it was folded in.
+    """
+
+    admitted: Admitted
+    weight: float
+    aggregate_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PartialFolded:
+    """A sub-edge's partial aggregate folded in.
+
+    Attributes:
+        staleness: Versions the receiver made since the edge's base version (never below 0).
+        weight: The weight the sink gave that staleness.
+        received_wall: Wall seconds when its decoding started.
+        aggregate_s: Wall seconds from then until it was folded in.
+    """
+
+    staleness: int
+    weight: float
+    received_wall: float
+    aggregate_s: float
+
+
+class AggregationNode:
+    """Admit uploads, fold them or partials into a sink, publish refusals: the cloud's and each edge's common job.
+
+    Args:
+        where: The node's address (the cloud's, or the edge's name), named by the refusals it publishes.
+        intake: The node's admission path.
+        bus: The run's event bus.
+        wall: Monotonic real seconds.
+        edge_codec: Decodes the partials sub-edges send.
+        num_params: Length of the flat model.
+        device: Where the sink folds (partials are moved there).
+        plugins: Server-side algorithm state that learns of every update folded in (the cloud's; edges have none).
+    """
+
+    def __init__(
+        self,
+        *,
+        where: str,
+        intake: Intake,
+        bus: EventBus,
+        wall: Callable[[], float],
+        edge_codec: Pipeline,
+        num_params: int,
+        device: torch.device,
+        plugins: Sequence[ServerPlugin] = (),
+    ) -> None:
+        """Bind the intake, codec and plug-ins."""
+        self.where = where
+        self.intake = intake
+        self.bus = bus
+        self.wall = wall
+        self.edge_codec = edge_codec
+        self.num_params = num_params
+        self.device = device
+        self.plugins = tuple(plugins)
+
+    def admit(
+        self, message: UpdateUploaded, *, version: int, into: Sink, decoded: Decoded | None = None
+    ) -> Folded | Refused:
+        """Admit ``message`` against the model ``version`` the node holds and, if it passes, fold it ``into`` a sink.
+
+        Args:
+            message: The upload (its task is released unless it is forged: see :meth:`Intake.admit`).
+            version: The version it would join (its staleness counts from it).
+            into: Where it is folded.
+            decoded: Its entry of :meth:`Intake.decode` (None: decoded here, as a batch of one).
+
+        Returns:
+            The update folded in, or the refusal (nothing folded; publish it with :meth:`reject`).
+        """
+        start = self.wall()
+        verdict = self.intake.admit(message, version=version, decoded=decoded)
+        if isinstance(verdict, Refused):
+            return verdict
+        weight = into.add(
+            verdict.delta, staleness=verdict.staleness, num_samples=message.num_samples, base=verdict.base.weights
+        )
+        for plugin in self.plugins:
+            plugin.folded(verdict.extra)
+        self.intake.accepted(verdict)
+        return Folded(verdict, weight, self.wall() - start)
+
+    def fold_partial(self, message: EdgeForwarded, *, version: int, into: Sink) -> PartialFolded | None:
+        """Decode a sub-edge's partial and fold it ``into`` a sink, its staleness counted against ``version``.
+
+        Returns:
+            What was folded, or None if the partial held no update (then nothing is decoded or folded).
+        """
+        if message.count == 0:
+            return None
+        start = self.wall()
+        partial = self.edge_codec.decode(message.payload, expected_elements=self.num_params).to(self.device)
+        staleness = max(version - int(message.base_version), 0)
+        weight = into.add_partial(partial, example_weight=message.example_weight, staleness=staleness)
+        return PartialFolded(staleness, weight, start, self.wall() - start)
+
+    async def reject(self, message: UpdateUploaded, refused: Refused, *, simulated_s: float) -> None:
+        """Publish the refusal of ``message`` as an :class:`~flasync.core.events.UpdateRejected` at virtual time
+        ``simulated_s``."""
+        await self.bus.publish(
+            UpdateRejected(
+                task_id=message.task_id,
+                client_id=message.client_id,
+                base_version=message.base_version,
+                reason=refused.reason,
+                detail=refused.detail,
+                simulated_s=simulated_s,
+                where=self.where,
+            )
+        )

@@ -1,0 +1,212 @@
+"""What the cloud does with what arrives from below: updates, edges' partials and the outcomes of tasks.
+
+:class:`CloudReceiver` admits each upload and folds it into the cloud's :class:`~flasync.aggregation.Aggregator`
+through the cloud's :class:`~flasync.server.node.AggregationNode` (staleness counted from the cloud's version),
+folds edges' partials the same way, and counts and logs every outcome in the run's
+:class:`~flasync.server.accounting.Accounting`: accepted, refused (published as
+:class:`~flasync.core.events.UpdateRejected`), failed, timed out, or closed by an edge.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from flasync.aggregation import Aggregator
+from flasync.core.bus import EventBus
+from flasync.core.events import EdgeForwarded, TaskClosed, UpdateReceived, UpdatesReceived, UpdateUploaded
+from flasync.core.instruments import debug_many, logs_debug
+from flasync.server.accounting import Accounting, ServerStats
+from flasync.server.intake import Decoded, Refused
+from flasync.server.node import AggregationNode
+from flasync.server.policies import Policy
+from flasync.server.versions import VersionMaker
+
+__all__ = ["CloudReceiver"]
+
+
+class CloudReceiver:
+    """Fold what reaches the cloud into its aggregator and count every task's outcome.
+
+    Args:
+        node: The cloud's admission and fold (its intake, the edge codec, the run's server plug-ins).
+        aggregator: Where admitted updates and partials are folded.
+        versions: The cloud's versions (staleness counts from the newest; the run's start times the first update).
+        policy: Learns of each upload and its outcome.
+        accounting: Counts outcomes and bytes.
+        bus: The run's event bus.
+        log: The run's logger.
+    """
+
+    def __init__(
+        self,
+        node: AggregationNode,
+        *,
+        aggregator: Aggregator,
+        versions: VersionMaker,
+        policy: Policy,
+        accounting: Accounting,
+        bus: EventBus,
+        log: Any,
+    ) -> None:
+        """Bind the node and the counters."""
+        self.node = node
+        self.aggregator = aggregator
+        self.versions = versions
+        self.policy = policy
+        self.accounting = accounting
+        self.bus = bus
+        self.log = log
+        self._log_updates = logs_debug(log)  # each accepted update's debug line reaches something
+
+    @property
+    def stats(self) -> ServerStats:
+        """The run's counters."""
+        return self.accounting.stats
+
+    # --------------------------------------------------------------------------------------------- outcomes
+    def timed_out(self, task_id: int, client_id: int) -> None:
+        """Count a task whose time limit passed before its answer (its task was released)."""
+        self.accounting.timed_out()
+        timed_out = self.stats.tasks_timed_out
+        self.log.debug("server.timeout", step=timed_out, task_id=task_id, client_id=client_id, timed_out=timed_out)
+
+    def failed(self, kind: str, error: str, task_id: int, client_id: int) -> None:
+        """Count a task whose client reported a failure of ``kind`` (its task was released)."""
+        stats = self.stats
+        failed = stats.updates_failed + 1
+        self.log.debug("server.failure", step=failed, kind=kind, task_id=task_id, client_id=client_id, failed=failed)
+        self.accounting.failed(kind, error)
+
+    def _accepted(self, staleness: int) -> None:
+        """Count one update folded in (by the cloud or an edge); the first one's time is the run's start-up."""
+        self.accounting.accepted(staleness)
+        if math.isnan(self.stats.first_update_s):
+            self.stats.first_update_s = self.versions.elapsed_s()
+
+    def task_closed(self, message: TaskClosed) -> None:
+        """An edge took a task's answer (it released the task itself): count the outcome."""
+        self.accounting.uploaded(message.upload_bytes)
+        if message.outcome == "accepted":
+            self._accepted(message.staleness)
+        elif message.outcome == "rejected":
+            self.accounting.rejected(message.reason)
+        elif message.outcome == "timed_out":
+            self.timed_out(message.task_id, int(message.client_id))
+        else:
+            self.failed(message.kind, message.reason, message.task_id, int(message.client_id))
+
+    # ---------------------------------------------------------------------------------------------- updates
+    async def receive(
+        self, batch: Sequence[tuple[UpdateUploaded, Decoded | None]], *, now: float | None = None
+    ) -> None:
+        """Take uploads in order; one upload is a batch of one.
+
+        Each upload is counted, admitted, folded in and logged as it would be alone, in order. An upload is received
+        at ``now`` when given (one that arrived alone, at the clock's time), else at the time it was sent (the
+        uploads of a round that closes on its last answer, between which nothing can happen, handed over together
+        at the last of their times: see :class:`~flasync.clients.simulated.client.CohortClients`). The updates
+        accepted are published as one :class:`UpdatesReceived` where every observer takes batches (a refusal's event
+        keeps its place between them), and the policy learns of each.
+        """
+        received: list[UpdateReceived] = []
+        lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
+        try:
+            for message, decoded in batch:
+                received_s = message.simulated_s if now is None else now
+                size = message.upload_bytes
+                self.accounting.ingress(size)
+                outcome = self._take(message, decoded, size, received_s, lines)
+                if isinstance(outcome, Refused):
+                    debug_many(self.log, "server.update", lines)
+                    lines = []
+                    await self.bus.publish_together(UpdatesReceived, received)
+                    received = []
+                    await self._reject(message, outcome, received_s)
+                    self.policy.note(message, accepted=False)
+                else:
+                    received.append(outcome)
+                    self.policy.note(message, accepted=True)
+        finally:  # also those of updates folded in before an error
+            debug_many(self.log, "server.update", lines)
+        await self.bus.publish_together(UpdatesReceived, received)
+
+    def _take(
+        self,
+        message: UpdateUploaded,
+        decoded: Decoded | None,
+        size: int,
+        received_s: float,
+        lines: list[dict[str, Any]],
+    ) -> UpdateReceived | Refused:
+        """Admit an upload (of ``size`` bytes, received at virtual time ``received_s``) and, if it passes, fold it in
+        and count it; return its event or the refusal. Its debug line's fields are appended to ``lines`` for the
+        caller to log."""
+        self.accounting.uploaded(size)
+        version = self.versions.version
+        folded = self.node.admit(message, version=int(version), into=self.aggregator, decoded=decoded)
+        if isinstance(folded, Refused):
+            return folded
+        verdict, stats = folded.admitted, self.stats
+        stats.cloud_aggregate_s += folded.aggregate_s
+        self._accepted(verdict.staleness)
+        queue_wait_s = verdict.received_wall - message.sent_wall_s
+        if self._log_updates:
+            line = {
+                "step": stats.updates_accepted,
+                "staleness": verdict.staleness,
+                "staleness_weight": folded.weight,
+                "queue_wait_s": queue_wait_s,
+                "decode_s": verdict.decode_s,
+                "norm": verdict.norm,
+            }
+            lines.append(line)
+        return UpdateReceived(
+            task_id=message.task_id,
+            client_id=message.client_id,
+            base_version=message.base_version,
+            version=version,
+            staleness=verdict.staleness,
+            upload_bytes=size,
+            simulated_s=received_s,
+            tier=message.tier,
+            decode_s=verdict.decode_s,
+            queue_wait_s=queue_wait_s,
+        )
+
+    async def _reject(self, message: UpdateUploaded, refused: Refused, received_s: float) -> None:
+        """Count and log a refusal, then publish it."""
+        self.accounting.rejected(refused.reason)
+        dropped = self.stats.updates_dropped
+        # A second update of a client in one version is a plug-in's rule at work (one per client): not worth a line.
+        emit = self.log.debug if refused.reason == "repeat" else self.log.info
+        emit(
+            "server.rejected",
+            step=dropped,
+            reason=refused.reason,
+            detail=refused.detail,
+            task_id=message.task_id,
+            client_id=int(message.client_id),
+            dropped=dropped,
+        )
+        await self.node.reject(message, refused, simulated_s=received_s)
+
+    def partial(self, message: EdgeForwarded) -> None:
+        """Count an edge's partial aggregate and fold it in, discounted by the versions made since the edge folded."""
+        self.accounting.ingress(len(message.payload))
+        self.stats.partials_received += 1
+        folded = self.node.fold_partial(message, version=int(self.versions.version), into=self.aggregator)
+        if folded is None:
+            return
+        self.stats.cloud_aggregate_s += folded.aggregate_s
+        self.log.debug(
+            "server.partial",
+            step=self.stats.partials_received,
+            updates=message.count,
+            bytes=len(message.payload),
+            staleness=folded.staleness,
+            staleness_weight=folded.weight,
+            queue_wait_s=folded.received_wall - message.sent_wall_s,
+            decode_s=folded.aggregate_s,
+        )

@@ -1,0 +1,124 @@
+"""The version maker: a step publishes the next version, evaluation keeps its figures, a broken step stops the run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flasync.core.errors import TrainingError
+from flasync.core.events import Aggregated, Evaluated, ModelPublished
+from flasync.server import StopRules
+from flasync.server.versions import Evaluator, VersionMaker
+from flasync.testing import EventRecorder, ServerHarness
+from flasync.training.local import EvalResult
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _no_model(weights: torch.Tensor) -> EvalResult | None:
+    return None
+
+
+def _maker(harness: ServerHarness, evaluate: Evaluator = _no_model, keys: list[int] | None = None) -> VersionMaker:
+    def generator(key: int) -> torch.Generator:
+        if keys is not None:
+            keys.append(key)
+        return torch.Generator().manual_seed(key + 100)
+
+    return VersionMaker(
+        harness.weights,
+        aggregator=harness.aggregator,
+        registry=harness.registry,
+        policy=harness.policy,
+        accounting=harness.accounting,
+        bus=harness.bus,
+        clock=harness.clock,
+        wall=lambda: 0.0,
+        log=harness.log,
+        download_codec=harness.clients.codec,
+        evaluate=evaluate,
+        rules=StopRules(max_versions=3),
+        download_generator=generator,
+    )
+
+
+def _fold(harness: ServerHarness, value: float) -> None:
+    harness.aggregator.add(torch.full((4,), value), staleness=0, num_samples=1, base=harness.weights)
+
+
+async def test_publishing_makes_the_current_model_the_base_of_new_tasks() -> None:
+    """publish hands the registry a snapshot of the weights at the current version and announces it."""
+    harness = ServerHarness()
+    events = EventRecorder(harness.bus)
+    maker = _maker(harness)
+    await maker.publish()
+    current = harness.registry.current
+    assert current is not None and current.version == 0 and torch.equal(current.weights, harness.weights)
+    assert [e.version for e in events.of(ModelPublished)] == [0]
+
+
+async def test_a_step_makes_publishes_and_reports_the_next_version() -> None:
+    """step applies what was folded in, counts version 1, publishes it and reports its updates."""
+    harness = ServerHarness()
+    events = EventRecorder(harness.bus)
+    maker = _maker(harness)
+    await maker.publish()
+    _fold(harness, 1.0)
+    _fold(harness, 3.0)
+    await maker.step()
+    assert maker.version == 1 and harness.accounting.stats.versions == 1
+    assert torch.equal(harness.weights, torch.full((4,), -2.0))  # SGD, lr 1, on the mean delta
+    assert [e.version for e in events.of(ModelPublished)] == [0, 1]
+    assert [e.version for e in events.of(Aggregated)] == [1]
+
+
+async def test_each_version_draws_its_download_stream_by_its_number() -> None:
+    """The model of version v is encoded with the download stream of key v."""
+    harness = ServerHarness()
+    keys: list[int] = []
+    maker = _maker(harness, keys=keys)
+    await maker.publish()
+    _fold(harness, 1.0)
+    await maker.step()
+    assert keys == [0, 1]
+
+
+async def test_a_step_to_non_finite_weights_raises_and_keeps_the_version() -> None:
+    """A step that leaves Inf in the weights raises TrainingError before the version counts or is published."""
+    harness = ServerHarness()
+    maker = _maker(harness)
+    await maker.publish()
+    _fold(harness, float("-inf"))
+    with pytest.raises(TrainingError, match="NaN or Inf after the server step to version 1"):
+        await maker.step()
+    assert maker.version == 0 and harness.accounting.stats.versions == 0
+
+
+async def test_evaluation_keeps_the_figures_of_the_published_model() -> None:
+    """evaluate scores the current model and keeps its accuracy, loss and version in the stats."""
+    harness = ServerHarness()
+    events = EventRecorder(harness.bus)
+    seen: list[float] = []
+
+    async def score(weights: torch.Tensor) -> EvalResult | None:
+        seen.append(float(weights.sum()))
+        return EvalResult(accuracy=0.75, loss=0.5, num_samples=1)
+
+    maker = _maker(harness, evaluate=score)
+    await maker.publish()
+    await maker.evaluate()
+    stats = harness.accounting.stats
+    assert seen == [0.0]
+    assert (stats.accuracy, stats.loss, stats.evaluated_version) == (0.75, 0.5, 0)
+    assert [(e.version, e.accuracy) for e in events.of(Evaluated)] == [(0, 0.75)]
+
+
+async def test_nothing_to_evaluate_on_leaves_the_stats() -> None:
+    """An evaluator with nothing to evaluate on (None) leaves the stats unevaluated and reports nothing."""
+    harness = ServerHarness()
+    events = EventRecorder(harness.bus)
+    maker = _maker(harness)
+    await maker.publish()
+    await maker.evaluate()
+    assert harness.accounting.stats.evaluated_version == -1
+    assert events.of(Evaluated) == []

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from flasync.server.accounting import Accounting, ServerStats, VersionFigures
-from flasync.server.edges import EdgeNetwork, EdgeNode, EdgeSettings, TierStats, link_seconds
+from flasync.server.edges import EdgeLink, EdgeNetwork, EdgeNode, EdgeSettings, TierStats, link_seconds
 from flasync.server.intake import Admitted, Intake, Refused
 from flasync.server.loop import INTERRUPTED, Evaluator, Server, StopRules
 from flasync.server.policies import AsyncSlots, Policy, SyncRounds, TreeRounds
@@ -29,6 +29,7 @@ __all__ = [
     "Admitted",
     "AsyncSlots",
     "ClientSampler",
+    "EdgeLink",
     "EdgeNetwork",
     "EdgeNode",
     "EdgeSettings",

@@ -1,14 +1,14 @@
 """Edge coroutines: an aggregator for the clients (or sub-edges) below, a client of the parent above.
 
 An edge is built from the server's own mechanisms: it closes the tasks of its clients in the run's
-:class:`~flasync.server.registry.TaskRegistry`, admits their updates through an
-:class:`~flasync.server.intake.Intake` (version, staleness limit, decoding, validation, clipping), and folds them
-into an :class:`~flasync.aggregation.UpdateBuffer` on the run's device: ``sum_k e_k s_k delta_k`` and
-``sum_k e_k``. It forwards that partial aggregate to its parent as one dense message; a parent adds partials, so
-the cloud ends with the sums it would have built from the clients' updates (in floating point: up to the order of
-the additions). Edges relay each new global model down, one download per edge per version, and clients download
-from their edge. Each task's outcome goes to the cloud as a :class:`~flasync.core.events.TaskClosed`, counted there
-once.
+:class:`~flasync.server.registry.TaskRegistry`, admits their updates with the cloud's
+:class:`~flasync.server.node.AggregationNode` over its own :class:`~flasync.server.intake.Intake` (version,
+staleness limit, decoding, validation, clipping), and folds them into an :class:`~flasync.aggregation.UpdateBuffer`
+on the run's device: ``sum_k e_k s_k delta_k`` and ``sum_k e_k``. It forwards that partial aggregate to its parent
+as one dense message; a parent adds partials, so the cloud ends with the sums it would have built from the clients'
+updates (in floating point: up to the order of the additions). Edges relay each new global model down, one download
+per edge per version, and clients download from their edge. Each task's outcome goes to the cloud as a
+:class:`~flasync.core.events.TaskClosed`, counted there once.
 
 * **async** (the cloud runs FedBuff or FedAsync): the cloud dispatches clients as in a flat run; an edge folds
   each update with the staleness weight ``s(tau)``, ``tau`` counted against the cloud version the edge knows, and
@@ -19,7 +19,8 @@ once.
   its edge model between rounds (:func:`~flasync.aggregation.edge_model`), and forwards
   ``E (w_cloud - w_edge)`` (:func:`~flasync.aggregation.edge_progress`) with ``E`` its members' samples.
 
-Simulated links between an edge and its parent cost ``latency + bytes / bandwidth`` on the run's clock.
+Simulated links between an edge and its parent (:class:`EdgeLink`) cost ``latency + bytes / bandwidth`` on the run's
+clock.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from flasync.server.node import AggregationNode, BufferSink, PartialFolded, Sink
 from flasync.server.registry import TaskRegistry, Timer
 from flasync.server.topology import Tree
 
-__all__ = ["EdgeNetwork", "EdgeNode", "EdgeSettings", "TierStats", "link_seconds"]
+__all__ = ["EdgeLink", "EdgeNetwork", "EdgeNode", "EdgeSettings", "TierStats", "link_seconds"]
 
 EdgeMessage = UpdateUploaded | ClientFailed | ClientTimedOut | EdgeForwarded
 
@@ -154,6 +155,74 @@ def relayed(message: object) -> bool:
     return isinstance(message, UpdateUploaded) and message.tier != "client"
 
 
+class EdgeLink:
+    """The simulated link between an edge and its parent: models on their way down and partials or relayed uploads
+    on their way up, each with the virtual time it arrives (what a checkpoint must start again).
+
+    Args:
+        name: The edge's name (its tasks are named after it).
+        network: The edges of the run (the link's settings, the clock, the bus, the registry owning the tasks).
+        install: Takes a model once it has reached the edge.
+
+    Attributes:
+        installs: The models on their way down, each with the time it arrives.
+        sends: The messages on their way up, each with the time it arrives and whether the edge's receive loop waits
+            for it.
+    """
+
+    def __init__(self, name: str, network: EdgeNetwork, install: Callable[[ModelSnapshot], None]) -> None:
+        """Start with nothing on the way."""
+        self.name = name
+        self.net = network
+        self.install = install
+        self.installs: dict[int, tuple[ModelSnapshot, float]] = {}
+        self.sends: dict[int, tuple[EdgeForwarded | UpdateUploaded, float, bool]] = {}
+        self._keys = 0
+
+    def download(self, snapshot: ModelSnapshot) -> None:
+        """Move a model down to the edge: installed at once over a link that takes no time, else when it arrives."""
+        net = self.net
+        seconds = link_seconds(net.settings.link, snapshot.download_bytes, up=False)
+        if seconds <= 0.0:
+            self.install(snapshot)
+        else:
+            self.install_at(snapshot, net.clock.now() + seconds)
+
+    def install_at(self, snapshot: ModelSnapshot, at: float) -> None:
+        """Install ``snapshot`` at virtual time ``at`` (in a task of the registry's group)."""
+        key = self._key()
+        self.installs[key] = (snapshot, at)
+        self.net.registry.spawn(self._install_later(key, snapshot, at), f"flasync-edge-{self.name}-model")
+
+    async def _install_later(self, key: int, snapshot: ModelSnapshot, at: float) -> None:
+        await self.net.clock.sleep_until(at)
+        del self.installs[key]
+        self.install(snapshot)
+
+    def _key(self) -> int:
+        self._keys += 1
+        return self._keys
+
+    async def send(self, message: EdgeForwarded | UpdateUploaded, *, loop: bool) -> None:
+        """Send ``message`` to the parent over the link (``loop``: the edge's receive loop waits for it)."""
+        net = self.net
+        seconds = link_seconds(net.settings.link, len(message.payload), up=True)
+        if seconds > 0.0:
+            await self.send_until(message, net.clock.now() + seconds, loop=loop)
+        else:
+            await net.bus.publish(message)
+
+    async def send_until(self, message: EdgeForwarded | UpdateUploaded, at: float, *, loop: bool) -> None:
+        """Publish ``message`` at virtual time ``at``, held on the link until then."""
+        key = self._key()
+        self.sends[key] = (message, at, loop)
+        try:
+            await self.net.clock.sleep_until(at)
+        finally:
+            del self.sends[key]
+        await self.net.bus.publish(message)
+
+
 class EdgeNode:
     """One edge of the tree.
 
@@ -196,14 +265,12 @@ class EdgeNode:
         self._bytes_in = 0
         self._aggregate_s = 0.0
         self._generation = 0
-        # What a checkpoint must start again: models on their way down, partials or relayed uploads on their way
-        # up (the receive loop waits for its own), and max_wait_s deadlines; each with the time it completes.
-        self._installs: dict[int, tuple[ModelSnapshot, float]] = {}
-        self._sends: dict[int, tuple[EdgeForwarded | UpdateUploaded, float, bool]] = {}
+        # What a checkpoint must start again besides the link's: max_wait_s deadlines, each with its time, and the
+        # send the receive loop was waiting for.
+        self.link = EdgeLink(self.name, network, self._install)
         self._deadlines: dict[int, float] = {}
         self._loop_send: tuple[EdgeForwarded | UpdateUploaded, float] | None = None
         self._restored: dict[str, Any] | None = None
-        self._keys = 0
         self.inbox = network.bus.subscribe(
             UpdateUploaded,
             ClientFailed,
@@ -222,27 +289,8 @@ class EdgeNode:
     # ------------------------------------------------------------------------------------------ model relay
     def offer(self, snapshot: ModelSnapshot) -> None:
         """Start downloading a new global model from the parent; children get it once this edge has it."""
-        net = self.net
-        seconds = link_seconds(net.settings.link, snapshot.download_bytes, up=False)
-        net.tiers[self.tier].model_bytes_in += snapshot.download_bytes
-        if seconds <= 0.0:
-            self._install(snapshot)
-        else:
-            self._install_at(snapshot, net.clock.now() + seconds)
-
-    def _install_at(self, snapshot: ModelSnapshot, at: float) -> None:
-        key = self._key()
-        self._installs[key] = (snapshot, at)
-        self.net.registry.spawn(self._install_later(key, snapshot, at), f"flasync-edge-{self.name}-model")
-
-    async def _install_later(self, key: int, snapshot: ModelSnapshot, at: float) -> None:
-        await self.net.clock.sleep_until(at)
-        del self._installs[key]
-        self._install(snapshot)
-
-    def _key(self) -> int:
-        self._keys += 1
-        return self._keys
+        self.net.tiers[self.tier].model_bytes_in += snapshot.download_bytes
+        self.link.download(snapshot)
 
     def _install(self, snapshot: ModelSnapshot) -> None:
         if self.snapshot is not None and self.snapshot.version >= snapshot.version:
@@ -257,7 +305,7 @@ class EdgeNode:
         if self._loop_send is not None:
             message, at = self._loop_send
             self._loop_send = None
-            await self._send_until(message, at, loop=True)
+            await self.link.send_until(message, at, loop=True)
         async for message in self.inbox:
             await self._receive_async(message)
 
@@ -337,7 +385,7 @@ class EdgeNode:
         """Pass one client's upload up unchanged (``buffer_size = 1``)."""
         size = len(message.payload)
         self._record(1, size, size)
-        await self._send(dataclasses.replace(message, to=self.parent, tier=self.tier), loop=True)
+        await self.link.send(dataclasses.replace(message, to=self.parent, tier=self.tier), loop=True)
 
     async def _forward(self, *, loop: bool = True) -> None:
         """Encode the buffer's partial aggregate, empty the buffer, and send it to the parent over the link."""
@@ -365,48 +413,14 @@ class EdgeNode:
         self.buffer.reset()
         self._updates, self._samples, self._bytes_in = 0, 0, 0
         self._generation += 1
-        await self._send(partial, loop=loop)
-
-    async def _send(self, message: EdgeForwarded | UpdateUploaded, *, loop: bool) -> None:
-        """Send ``message`` to the parent over the link (``loop``: the receive loop waits for it)."""
-        net = self.net
-        seconds = link_seconds(net.settings.link, len(message.payload), up=True)
-        if seconds > 0.0:
-            await self._send_until(message, net.clock.now() + seconds, loop=loop)
-        else:
-            await net.bus.publish(message)
-
-    async def _send_until(self, message: EdgeForwarded | UpdateUploaded, at: float, *, loop: bool) -> None:
-        key = self._key()
-        self._sends[key] = (message, at, loop)
-        try:
-            await self.net.clock.sleep_until(at)
-        finally:
-            del self._sends[key]
-        await self.net.bus.publish(message)
+        await self.link.send(partial, loop=loop)
 
     def _record(self, updates: int, bytes_in: int, bytes_out: int) -> None:
-        """Count one edge aggregation in its tier and log it (per tier; per edge when configured)."""
-        net = self.net
-        tier = net.tiers[self.tier]
-        tier.aggregations += 1
-        tier.updates_folded += updates
-        tier.bytes_in += bytes_in
-        tier.bytes_out += bytes_out
-        tier.aggregate_s += self._aggregate_s
+        """Count one edge aggregation in its tier and start the next one's figures."""
+        queue_depth = self.inbox.statistics().queued
+        self.net.record(self, updates, bytes_in, bytes_out, aggregate_s=self._aggregate_s, queue_depth=queue_depth)
         self._round_updates = 0
-        figures = {
-            "updates": updates,
-            "bytes_in": bytes_in,
-            "bytes_out": bytes_out,
-            "aggregate_s": self._aggregate_s,
-            "queue_depth": self.inbox.statistics().queued,
-        }
         self._aggregate_s = 0.0
-        net.log.debug(f"tier.{self.tier}", step=tier.aggregations, **figures)
-        if net.settings.per_edge_metrics:
-            net.edge_steps[self.name] += 1
-            net.log.debug(f"edge.{self.name}", step=net.edge_steps[self.name], **figures)
 
     async def _close(
         self,
@@ -520,8 +534,8 @@ class EdgeNode:
         queued = [m for m in self.inbox.queued() if isinstance(m, EdgeForwarded) or relayed(m)]
         return {
             "snapshot_version": None if self.snapshot is None else int(self.snapshot.version),
-            "installs": [(int(snapshot.version), at) for snapshot, at in self._installs.values()],
-            "sends": [(message_state(message), at, loop) for message, at, loop in self._sends.values()],
+            "installs": [(int(snapshot.version), at) for snapshot, at in self.link.installs.values()],
+            "sends": [(message_state(message), at, loop) for message, at, loop in self.link.sends.values()],
             "deadlines": sorted(self._deadlines.items()),
             "queued": [message_state(m) for m in queued],
             "buffer": self.buffer.state_dict(),
@@ -554,7 +568,7 @@ class EdgeNode:
             return
         self._restored = None
         for version, at in state.get("installs", []):
-            self._install_at(models[int(version)], float(at))
+            self.link.install_at(models[int(version)], float(at))
         for generation, at in state.get("deadlines", []):
             self._deadline_at(int(generation), float(at))
         for message_fields, at, loop in state.get("sends", []):
@@ -564,7 +578,7 @@ class EdgeNode:
                 self._loop_send = (message, float(at))  # run_async finishes it before reading the inbox
             else:
                 self.net.registry.spawn(
-                    self._send_until(message, float(at), loop=False), f"flasync-edge-{self.name}-send"
+                    self.link.send_until(message, float(at), loop=False), f"flasync-edge-{self.name}-send"
                 )
         for message_fields in state.get("queued", []):
             self.net.bus.publish_nowait(message_from_state(message_fields))
@@ -666,7 +680,7 @@ class EdgeNetwork:
         """Tasks whose answer a checkpoint holds on its way up (relayed uploads): they must not be replayed."""
         tasks: set[int] = set()
         for node in self.nodes:
-            tasks.update(m.task_id for m, _, _ in node._sends.values() if isinstance(m, UpdateUploaded))
+            tasks.update(m.task_id for m, _, _ in node.link.sends.values() if isinstance(m, UpdateUploaded))
             tasks.update(m.task_id for m in node.inbox.queued() if relayed(m))
         return tasks
 
@@ -681,7 +695,7 @@ class EdgeNetwork:
         for node in self.nodes:
             if node.snapshot is not None:
                 models[int(node.snapshot.version)] = node.snapshot
-            for snapshot, _ in node._installs.values():
+            for snapshot, _ in node.link.installs.values():
                 models[int(snapshot.version)] = snapshot
         return {
             "models": [
@@ -713,6 +727,28 @@ class EdgeNetwork:
             node.load_state_dict(node_state, self._models)
         self.tiers = {name: TierStats(**values) for name, values in state["tiers"].items()}
         self.edge_steps = Counter(state["edge_steps"])
+
+    def record(
+        self, node: EdgeNode, updates: int, bytes_in: int, bytes_out: int, *, aggregate_s: float, queue_depth: int
+    ) -> None:
+        """Count one aggregation of ``node`` in its tier and log it (per tier; per edge when configured)."""
+        tier = self.tiers[node.tier]
+        tier.aggregations += 1
+        tier.updates_folded += updates
+        tier.bytes_in += bytes_in
+        tier.bytes_out += bytes_out
+        tier.aggregate_s += aggregate_s
+        figures = {
+            "updates": updates,
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            "aggregate_s": aggregate_s,
+            "queue_depth": queue_depth,
+        }
+        self.log.debug(f"tier.{node.tier}", step=tier.aggregations, **figures)
+        if self.settings.per_edge_metrics:
+            self.edge_steps[node.name] += 1
+            self.log.debug(f"edge.{node.name}", step=self.edge_steps[node.name], **figures)
 
     def summary(self) -> dict[str, float]:
         """Return per-tier totals, flattened as ``{tier}.{figure}``."""

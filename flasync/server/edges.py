@@ -265,9 +265,9 @@ class EdgeNode:
         self._bytes_in = 0
         self._aggregate_s = 0.0
         self._generation = 0
-        # What a checkpoint must start again besides the link's: max_wait_s deadlines, each with its time, and the
-        # send the receive loop was waiting for.
         self.link = EdgeLink(self.name, network, self._install)
+        # What a checkpoint must start again besides what is on the link: max_wait_s deadlines, each with its time,
+        # and the send the receive loop was waiting for.
         self._deadlines: dict[int, float] = {}
         self._loop_send: tuple[EdgeForwarded | UpdateUploaded, float] | None = None
         self._restored: dict[str, Any] | None = None

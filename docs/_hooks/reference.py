@@ -1,5 +1,8 @@
 """Generate the reference pages that come from the code: the command line and every configuration field.
 
+The configuration page is written from :mod:`flasync.config.explain`, the walk of the schema that
+``flasync config explain`` prints from: the page and the command say the same.
+
 MkDocs loads this file as a hook (``hooks:`` in ``mkdocs.yml``): ``on_files`` adds ``reference/cli.md``, written
 from ``python -m flasync ... --help``, and ``reference/config.md``, written from the pydantic models of
 ``flasync.config.RunConfig``. ``tests/docs/`` imports it to check that the configuration page covers every field.
@@ -15,11 +18,11 @@ import re
 import subprocess
 import sys
 import types
-import typing
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from flasync.config.explain import bounds, config_models, is_sequence, kind_of, models_in, type_name
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root (``docs/_hooks/`` is two levels below it)."""
@@ -94,89 +97,14 @@ def cli_markdown() -> str:
 # --- the configuration -----------------------------------------------------------------------------------------
 
 
-def _models_in(annotation: Any) -> Iterator[type]:
-    """Yield the pydantic models an annotation names (through unions, ``Annotated``, lists and ``Optional``)."""
-    from pydantic import BaseModel
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        yield annotation
-        return
-    for arg in typing.get_args(annotation):
-        yield from _models_in(arg)
-
-
-def _is_sequence(annotation: Any) -> bool:
-    """Return whether a field holds a list or tuple of items (``path[]`` in the page)."""
-    return re.search(r"\b(list|tuple)\[", _type_name(annotation)) is not None
-
-
-def _type_name(annotation: Any) -> str:
-    """Return a short readable form of a field's type."""
-    from pydantic import BaseModel
-
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin is typing.Annotated:
-        return _type_name(args[0])
-    if origin is typing.Literal:
-        return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if origin is not None:
-        inner = ", ".join(_type_name(a) for a in args)
-        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
-    if annotation is type(None):
-        return "None"
-    if annotation is Ellipsis:
-        return "..."
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation.__name__
-    return getattr(annotation, "__name__", str(annotation))
-
-
 def _default(info: Any) -> str:
-    """Return a field's default as it would be written in a config file."""
-    from pydantic import BaseModel
-    from pydantic_core import PydanticUndefined
+    """Return a field's default as the page shows it: as code, unless it says there is none or it is a table."""
+    from flasync.config.explain import default
 
-    if info.default_factory is not None:
-        value = info.default_factory()
-    elif info.default is PydanticUndefined:
-        return "required"
-    else:
-        value = info.default
-    if isinstance(value, BaseModel):
-        kind = getattr(value, "kind", None)
-        return f'`kind = "{kind}"`' if kind is not None else "(table)"
-    if value is None:
-        return "unset"
-    if isinstance(value, str):
-        return f'`"{value}"`'
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], BaseModel):
-        return f"{len(value)} items"
-    return f"`{value!r}`"
-
-
-_BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "length >=", "max_length": "length <="}
-
-
-def _bounds(info: Any) -> str:
-    """Return a field's numeric and length bounds, e.g. ``>= 1``."""
-    parts = []
-    for item in info.metadata:
-        for name, symbol in _BOUNDS.items():
-            value = getattr(item, name, None)
-            if value is None:
-                continue
-            if isinstance(value, float):
-                parts.append(f"{symbol} {value:g}")
-            elif value >= 2**32 and value & (value - 1) == 0:
-                parts.append(f"{symbol} 2^{value.bit_length() - 1}")
-            else:
-                parts.append(f"{symbol} {value}")
-    return ", ".join(parts)
+    text = default(info)
+    if text in ("required", "unset", "(table)") or text.endswith(" items"):
+        return text
+    return f"`{text}`"
 
 
 def _code(text: str) -> str:
@@ -207,52 +135,17 @@ def _first_paragraph(doc: str | None) -> str:
     return _cell(_plain_roles((doc or "").strip().split("\n\n")[0]))
 
 
-def config_models() -> list[tuple[str, type]]:
-    """Return every ``(dotted path, model)`` under ``RunConfig``, depth first, each pair once.
-
-    A list field's items are at ``path[]``; a discriminated union gives one pair per choice of ``kind``.
-    """
-    from flasync.config import RunConfig
-
-    seen: set[tuple[str, type]] = set()
-    ordered: list[tuple[str, type]] = []
-
-    def visit(path: str, model: type) -> None:
-        if (path, model) in seen:
-            return
-        seen.add((path, model))
-        ordered.append((path, model))
-        for name, info in model.model_fields.items():
-            child = f"{path}.{name}" if path else name
-            if _is_sequence(info.annotation):
-                child += "[]"
-            for inner in _models_in(info.annotation):
-                visit(child, inner)
-
-    visit("", RunConfig)
-    return ordered
-
-
-def _kind(model: type) -> str | None:
-    """Return the ``kind`` a model is chosen by in a discriminated union, or None for a plain section."""
-    info = model.model_fields.get("kind")
-    if info is None or typing.get_origin(info.annotation) is not typing.Literal:
-        return None
-    choices = typing.get_args(info.annotation)
-    return choices[0] if len(choices) == 1 else None
-
-
 def anchor(path: str, model: type) -> str:
     """Return the HTML id of a model's table, e.g. ``cfg-server-fedbuff`` or ``cfg-executor-ray``."""
     parts = [path.replace("[]", "").replace(".", "-") or "top"]
-    kind = _kind(model)
+    kind = kind_of(model)
     if kind is not None:
         parts.append(kind)
     return "cfg-" + "-".join(parts).replace("_", "-")
 
 
 def _heading(path: str, model: type) -> str:
-    kind = _kind(model)
+    kind = kind_of(model)
     choice = f' (`kind = "{kind}"`)' if kind is not None else ""
     where = f"`{path}`" if path else "Top level"
     return f"### {where}{choice} {{ #{anchor(path, model)} }}"
@@ -277,7 +170,8 @@ def config_markdown() -> str:
         "its type, its default, its bounds and its description. A run config is a TOML or YAML file of these "
         "sections; any field is also set with `--set path=value` (`--set server.buffer_size=20`). Unknown keys "
         "are errors. A table with a `kind` is one choice of a component: `kind` picks the choice, and the other "
-        "fields belong to that choice. `path[]` is an item of a list.",
+        "fields belong to that choice. `path[]` is an item of a list. `python -m flasync config explain PATH` "
+        "prints the same for one field or section (`python -m flasync config explain server.buffer_size`).",
         "",
     ]
     models = config_models()
@@ -299,11 +193,13 @@ def config_markdown() -> str:
         lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
         for field, info in model.model_fields.items():
             dotted = f"{path}.{field}" if path else field
-            child = dotted + ("[]" if _is_sequence(info.annotation) else "")
-            description = "picks this choice" if field == "kind" and _kind(model) else _description(child, info, tables)
+            child = dotted + ("[]" if is_sequence(info.annotation) else "")
+            description = (
+                "picks this choice" if field == "kind" and kind_of(model) else _description(child, info, tables)
+            )
             lines.append(
-                f"| `{dotted}` | {_code(_type_name(info.annotation))} | {_cell(_default(info))} "
-                f"| {_cell(_bounds(info))} | {description} |"
+                f"| `{dotted}` | {_code(type_name(info.annotation))} | {_cell(_default(info))} "
+                f"| {_cell(bounds(info))} | {description} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -314,7 +210,8 @@ def missing_descriptions() -> list[str]:
     missing = []
     for model in dict.fromkeys(model for _, model in config_models()):
         for name, info in model.model_fields.items():
-            if not info.description and name != "kind" and not any(_models_in(info.annotation)):
+            chooses = name == "kind" and kind_of(model) is not None
+            if not info.description and not chooses and not any(models_in(info.annotation)):
                 missing.append(f"{model.__name__}.{name}")
     return missing
 

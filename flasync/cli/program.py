@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from flasync._version import __version__
-from flasync.cli import client, compare, report, run, serve, tracking
+from flasync.cli import client, compare, config, report, run, serve, tracking
 from flasync.cli.shared import Parser, UsageError
 from flasync.core.errors import FlasyncError
 
@@ -30,6 +30,7 @@ def _build_parser() -> Parser:
     client.add_client_parser(commands)
     report.add_report_parser(commands)
     compare.add_compare_parser(commands)
+    config.add_config_commands(commands)
     return parser
 
 
@@ -74,6 +75,8 @@ def _dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None, proce
         return report.command_report(args)
     if args.command == "compare":
         return compare.command_compare(args)
+    if args.command == "config":
+        return config.command_config(args)
     if args.command == "serve":
         return serve.command_serve(args, process_ends=process_ends)
     if args.command == "client":

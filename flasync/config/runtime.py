@@ -73,7 +73,11 @@ class ExecutorConfig(_Section):
     (``executor.auto``).
     """
 
-    kind: Literal["auto", "thread", "vectorized", "ray"] = "auto"
+    kind: Literal["auto", "thread", "vectorized", "ray"] = Field(
+        "auto",
+        description="Where training runs: worker threads, vectorized cohorts, Ray actors, or auto (cohorts when "
+        "enough clients train at once and the model can be batched, threads otherwise).",
+    )
     ray: RayConfig = RayConfig()
     workers: int | None = Field(
         None,

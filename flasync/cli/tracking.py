@@ -72,8 +72,19 @@ def _mark_failed(args: argparse.Namespace) -> int:
             print(f"{run_id}  RUNNING on {host}: cannot check it here (name it with --force)")
         else:
             client.set_terminated(run_id, "FAILED")
-            print(f"{run_id}  FAILED (its process is gone; resume it with: flasync run --resume {run_id})")
+            if _has_checkpoint(client, run_id):
+                print(f"{run_id}  FAILED (its process is gone; resume it with: flasync run --resume {run_id})")
+            else:
+                print(f"{run_id}  FAILED (its process is gone; it wrote no checkpoint, so it cannot be resumed)")
     return 0
+
+
+def _has_checkpoint(client: Any, run_id: str) -> bool:
+    """Tell whether the run has a checkpoint artifact to resume from (a store that cannot list says yes)."""
+    try:
+        return any(item.path.endswith(".pt") for item in client.list_artifacts(run_id, "checkpoints"))
+    except Exception:  # an artifact store that cannot be listed from here: let --resume find out
+        return True
 
 
 def command_tracking(args: argparse.Namespace) -> int:

@@ -340,3 +340,29 @@ def test_ctrl_c_without_tracking_prints_the_partial_summary_and_no_mlflow(tmp_pa
     assert "flasync: SIGINT received; stopping (tracking is off: no checkpoint)" in err
     assert err.strip().splitlines()[-1] == "flasync: interrupted (SIGINT)"
     assert "MLflow" not in out + err and "mlflow" not in out + err
+
+
+def test_mark_failed_says_whether_a_run_can_be_resumed(
+    capsys: pytest.CaptureFixture[str], store: str, tmp_path: Path
+) -> None:
+    """A RUNNING run whose process is gone is marked FAILED; the line suggests --resume only for a run that wrote a
+    checkpoint (before: it did for every run)."""
+    import socket
+
+    import psutil
+
+    from flasync.core.owner import HOST_TAG, PID_TAG, STARTED_TAG
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = {HOST_TAG: socket.gethostname(), PID_TAG: dead.stdout.strip(), STARTED_TAG: f"{psutil.boot_time():.3f}"}
+    client = mlflow.MlflowClient(store)
+    experiment = client.create_experiment("gone", artifact_location=(tmp_path / "artifacts").as_uri())
+    bare = client.create_run(experiment, tags=gone).info.run_id
+    saved = client.create_run(experiment, tags=gone).info.run_id
+    (tmp_path / "a.pt").write_bytes(b"checkpoint")
+    client.log_artifact(saved, str(tmp_path / "a.pt"), "checkpoints")
+    assert main(["tracking", "mark-failed", "--tracking-uri", store]) == 0
+    out = capsys.readouterr().out
+    assert f"{bare}  FAILED (its process is gone; it wrote no checkpoint, so it cannot be resumed)" in out
+    assert f"{saved}  FAILED (its process is gone; resume it with: flasync run --resume {saved})" in out
+    assert {client.get_run(run).info.status for run in (bare, saved)} == {"FAILED"}

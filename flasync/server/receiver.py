@@ -10,6 +10,7 @@ folds edges' partials the same way, and counts and logs every outcome in the run
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +24,10 @@ from flasync.server.node import AggregationNode
 from flasync.server.policies import Policy
 from flasync.server.versions import VersionMaker
 
-__all__ = ["CloudReceiver"]
+__all__ = ["REFUSAL_LINES", "CloudReceiver"]
+
+REFUSAL_LINES = 3
+"""Refusals of one reason logged as info lines in a run; the rest of them at debug level (all counted)."""
 
 
 class CloudReceiver:
@@ -59,6 +63,7 @@ class CloudReceiver:
         self.bus = bus
         self.log = log
         self._log_updates = logs_debug(log)  # each accepted update's debug line reaches something
+        self._told: Counter[str] = Counter()  # refusals of each reason logged at info level
 
     @property
     def stats(self) -> ServerStats:
@@ -180,7 +185,16 @@ class CloudReceiver:
         self.accounting.rejected(refused.reason)
         dropped = self.stats.updates_dropped
         # A second update of a client in one version is a plug-in's rule at work (one per client): not worth a line.
-        emit = self.log.debug if refused.reason == "repeat" else self.log.info
+        # Of each other reason the first REFUSAL_LINES are info lines, the rest debug lines: a run whose every
+        # update is refused alike says so a few times before its one error, not once per update.
+        told = self._told
+        if refused.reason != "repeat" and told[refused.reason] < REFUSAL_LINES:
+            told[refused.reason] += 1
+            emit, more = self.log.info, {}
+            if told[refused.reason] == REFUSAL_LINES:
+                more = {"then": "further refusals for this reason are logged at debug level"}
+        else:
+            emit, more = self.log.debug, {}
         emit(
             "server.rejected",
             step=dropped,
@@ -189,6 +203,7 @@ class CloudReceiver:
             task_id=message.task_id,
             client_id=int(message.client_id),
             dropped=dropped,
+            **more,
         )
         await self.node.reject(message, refused, simulated_s=received_s)
 

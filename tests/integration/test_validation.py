@@ -126,3 +126,20 @@ async def test_an_update_whose_norm_overflows_cannot_break_the_default_run() -> 
     rejected = [e for e in events if isinstance(e, UpdateRejected) and e.task_id == 20]
     assert [e.reason for e in rejected][:1] == ["non_finite"]
     assert sha == dropout_sha  # as if the client had left: nothing of it reached the model
+
+
+def test_a_run_whose_every_update_is_refused_says_so_a_few_times_then_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every update refused alike (a norm bound no client meets; before: ~2,800 info lines before the one error):
+    REFUSAL_LINES info lines, the last saying the rest are debug lines; every refusal is still counted, and the run
+    ends with its one error naming the reason."""
+    from flasync.server.receiver import REFUSAL_LINES
+
+    config = small_config("resilience.max_update_norm=1e-9", "stop.max_versions=50", "tracking.log_level=info")
+    with pytest.raises(flasync.core.errors.TrainingError, match=r"all refused \(norm x\d+\)"):
+        flasync.run(config)
+    output = capsys.readouterr()
+    lines = [line for line in (output.out + output.err).splitlines() if "server.rejected" in line]
+    assert len(lines) == REFUSAL_LINES
+    assert "further refusals for this reason are logged at debug level" in lines[-1]

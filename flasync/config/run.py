@@ -128,6 +128,11 @@ class RunConfig(_Section):
                 ("server", "clients_per_round"),
                 f"must be <= population.num_clients ({n}), got {server.clients_per_round}",
             )
+        if isinstance(server, FedAvgServer) and server.min_clients is not None and server.min_clients > n:
+            raise _FieldError(
+                ("server", "min_clients"),
+                f"must be <= population.num_clients ({n}), got {server.min_clients}",
+            )
         if isinstance(server, FedBuffServer | FedAsyncServer) and server.concurrency > n:
             raise _FieldError(
                 ("server", "concurrency"),

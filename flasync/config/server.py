@@ -102,6 +102,15 @@ class FedAvgServer(_Section):
         "mean", description="Combine a round's updates by weighted mean, coordinate-wise median or trimmed mean."
     )
     trim_fraction: float = Field(0.1, ge=0.0, lt=0.5, description="trimmed_mean: share cut at each end.")
+    min_clients: int | None = Field(
+        None,
+        ge=1,
+        description="Open a round only once this many clients are online (connected remote devices, or simulated "
+        "clients inside their availability window); unset: as soon as one is.",
+    )
+    min_clients_wait_s: float = Field(
+        60.0, gt=0.0, description="Longest wait for min_clients before a round opens with the clients online then."
+    )
 
 
 class FedBuffServer(_Section):

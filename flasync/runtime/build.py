@@ -406,6 +406,8 @@ def _make_policy(
             bus=bus,
             accounting=accounting,
             log=log,
+            min_clients=server.min_clients,
+            min_clients_wait_s=server.min_clients_wait_s,
         )
     return AsyncSlots(
         concurrency=server.concurrency,

@@ -258,6 +258,7 @@ class Federation:
             stop_requested=lambda: self._stop_requested,
         )
         status: Status = "FAILED"
+        failure = ""
         try:
             context = {"run_id": self.run_id} if self.run_id else {}
             with structlog.contextvars.bound_contextvars(**context):
@@ -284,10 +285,13 @@ class Federation:
         except (asyncio.CancelledError, KeyboardInterrupt, RunInterrupted):
             status = "KILLED"
             raise
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"  # remote clients are told why, with the run's end
+            raise
         finally:
             self._simulation = None
             if self.transport is not None:
-                self.transport.finish(status)
+                self.transport.finish(status, failure if status == "FAILED" else "")
             trace_dir = simulation.diagnostics.trace_dir if simulation.diagnostics is not None else None
             if tracked:
                 _phase("ending the MLflow run", cfg)  # a slow or silent store makes this the longest step

@@ -339,14 +339,24 @@ async def serve(
             await asyncio.sleep(0.02)
         if on_ready is not None:
             on_ready(_bound_port(server, port))
-        summary = await (run(federation) if run is not None else federation.run())
+        try:
+            summary = await (run(federation) if run is not None else federation.run())
+        except Exception:
+            # A failed run: clients learn it (410 with the error) for linger_s too, rather than finding no server.
+            await _linger(serving, linger_s)
+            raise
         # Waiting clients were told the run ended; a client mid-upload learns it within linger_s.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(serving), timeout=linger_s)
+        await _linger(serving, linger_s)
         return summary
     finally:
         server.should_exit = True
         await serving
+
+
+async def _linger(serving: asyncio.Future[None], linger_s: float) -> None:
+    """Keep serving for ``linger_s`` seconds (or until the server stops)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(serving), timeout=linger_s)
 
 
 def _bound_port(server: Any, default: int) -> int:

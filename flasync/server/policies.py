@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 __all__ = ["AsyncSlots", "Policy", "SyncRounds", "TreeRounds"]
 
 
+_MIN_CLIENTS_POLL_S = 0.25
+"""How often a round waiting for server.min_clients looks again, in seconds."""
+
+
 class Policy(Protocol):
     """When tasks start and when the loop makes a new version.
 
@@ -205,6 +209,8 @@ class SyncRounds:
         bus: Carries the deadline notice to the loop.
         accounting: Counts abandoned tasks.
         log: The run's logger.
+        min_clients: Open a round only once this many clients are online (None: once one is).
+        min_clients_wait_s: Longest wait for ``min_clients``; then the round opens with the clients online.
     """
 
     rounds = True
@@ -223,8 +229,12 @@ class SyncRounds:
         bus: EventBus,
         accounting: Accounting,
         log: Any,
+        min_clients: int | None = None,
+        min_clients_wait_s: float = 60.0,
     ) -> None:
         """Start with no round open."""
+        self.min_clients = min_clients
+        self.min_clients_wait_s = min_clients_wait_s
         self.cohort_size = min(len(sampler.population), math.ceil((1.0 + over_selection) * clients_per_round - 1e-9))
         self.target = max(1, math.ceil(quorum * clients_per_round - 1e-9))
         self.deadline_s = deadline_s
@@ -246,6 +256,7 @@ class SyncRounds:
         if self._round is not None:
             return
         clock = self.clock
+        await self._wait_for_clients()
         while True:
             cohort = self.sampler.cohort(self.cohort_size, clock.now())
             if cohort is not None:
@@ -258,6 +269,26 @@ class SyncRounds:
         self._round = _Round(version=int(current.version), target=self.target, started_s=now, deadline_s=deadline)
         self._start_deadline()
         await self.registry.dispatch_many(cohort)
+
+    async def _wait_for_clients(self) -> None:
+        """Wait until ``min_clients`` clients are online, at most ``min_clients_wait_s`` (then say so and go on)."""
+        wanted, clock = self.min_clients, self.clock
+        if wanted is None:
+            return
+        start = clock.now()
+        while (online := self.sampler.online_count(clock.now())) < wanted:
+            waited = clock.now() - start
+            if waited >= self.min_clients_wait_s:
+                self.log.warning(
+                    "round.min_clients_not_reached",
+                    message=f"{online} of the {wanted} clients server.min_clients asks for were online after "
+                    f"{waited:.0f} s: the round opens with them",
+                    online=online,
+                    wanted=wanted,
+                    metrics=False,
+                )
+                return
+            await clock.sleep(min(_MIN_CLIENTS_POLL_S, self.min_clients_wait_s - waited))
 
     def _start_deadline(self) -> None:
         round_ = self._round

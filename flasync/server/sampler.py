@@ -110,6 +110,10 @@ class ClientSampler:
         """Return when the next client comes online (now, without availability windows)."""
         return now if self.faults is None else self.faults.next_online(now)
 
+    def online_count(self, now: float) -> int:
+        """Count the clients online now (the whole population without availability)."""
+        return len(self.population) if self.faults is None else int(self.faults.online_mask(now).sum())
+
     def cohort(self, size: int, now: float) -> np.ndarray | None:
         """Draw ``size`` distinct clients (fewer if fewer are online; None if none is online now)."""
         if self.faults is None:

@@ -158,7 +158,7 @@ class Client:
     async def _run(self, http: httpx.AsyncClient, max_tasks: int | None) -> ClientStats:
         hello = await self._request(http, "GET", "/v1/hello")
         if hello.status_code == 410:
-            self.stats.finished = "finished"
+            self._ended(hello)
             return self.stats
         self._setup = _json(hello)
         self.stats.client_id = int(self._setup["client_id"])
@@ -170,13 +170,29 @@ class Client:
             if response.status_code == 204:
                 continue
             if response.status_code == 410:
-                self.stats.finished = "finished"
+                self._ended(response)
                 break
             offer = _json(response)
             self.stats.tasks += 1
             if await self._answer(http, offer):
                 answered += 1
         return self.stats
+
+    def _ended(self, response: httpx.Response) -> None:
+        """Note the run's end (410); a run that failed is this client's error too, with the server's reason.
+
+        Raises:
+            RemoteError: The server's run failed.
+        """
+        try:
+            detail = str(response.json().get("detail", ""))
+        except ValueError:
+            detail = ""
+        self.stats.finished = "finished"
+        if "(FAILED" in detail:
+            self.stats.finished = "failed"
+            reason = detail.removeprefix("the run has ended (FAILED").removesuffix(")").removeprefix(": ")
+            raise RemoteError(f"the server's run failed: {reason or 'no reason given'}")
 
     async def _answer(self, http: httpx.AsyncClient, offer: dict[str, Any]) -> bool:
         """Download, train, upload one task; True if the server took the answer."""

@@ -472,6 +472,7 @@ class RemoteTransport:
         self.max_upload_bytes = 0
         """The largest update body accepted (a dense encoding of the model, or the codec's largest, plus slack)."""
         self.finished = ""
+        self.finished_error = ""
         """Why the run ended (empty while it has not)."""
         self._answered: set[int] = set()
         self._answer_order: deque[int] = deque()
@@ -531,15 +532,18 @@ class RemoteTransport:
         if self.finished in ("", _RESUMABLE):
             retry = self.settings.retry_after_s
             return Refusal(503, "stopping", "the run has stopped or is stopping; retry (it may be resumed)", retry)
-        return Refusal(410, "finished", f"the run has ended ({self.finished})")
+        error = f": {self.finished_error}" if self.finished_error else ""
+        return Refusal(410, "finished", f"the run has ended ({self.finished}{error})")
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, error: str = "") -> None:
         """End the run for every client: waiting requests return, later ones learn the run is over.
 
         Args:
             reason: The tracking status the run ends with; after ``KILLED`` clients are told to retry (503).
+            error: Why a ``FAILED`` run failed (one line), told to the clients with its end.
         """
         self.finished = reason or "finished"
+        self.finished_error = " ".join(error.split())[:300]
         self._handout.close()
         self._downloads.clear()
         counts = self.refusals

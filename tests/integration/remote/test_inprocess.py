@@ -118,3 +118,65 @@ async def test_two_devices_sharing_a_token_never_train_the_same_task(tmp_path: P
     assert transport.refusals["replay"] == 0 and transport.refusals["other_connection"] == 0
     assert transport.refusals["token_in_use"] >= 1
     assert any("its token is in use by another connection" in line for line in lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("late_s", [0.6, None], ids=["all-come", "two-never-come"])
+async def test_served_rounds_wait_for_min_clients(tmp_path: Path, tokens: dict[int, str], late_s: float | None) -> None:
+    """FedAvg over remote devices with server.min_clients = 5: while only three are connected, the first round waits
+    (before: it opened with whoever had connected, one of five); once all five are, it opens with the five. When
+    two never come, the round opens with the three after min_clients_wait_s."""
+    server = {"kind": "fedavg", "clients_per_round": 5, "min_clients": 5, "min_clients_wait_s": 1.5}
+    config = remote_config(tmp_path / "tokens.txt", stop={"max_versions": 2})
+    config["server"] = server
+    federation = Federation(config)
+    first_round: list[ClientId] = []
+
+    async def record() -> None:
+        async for task in subscription:
+            if task.base_version == 0:
+                first_round.append(task.client_id)
+
+    subscription = federation.bus.subscribe(TaskAssigned, capacity=10_000)
+    recorder = asyncio.create_task(record())
+    app = asgi_app(federation)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=60.0) as http:
+        run = asyncio.create_task(federation.run())
+
+        async def device(token: str, after_s: float) -> None:
+            await asyncio.sleep(after_s)
+            await Client("http://fl", token, http=http, poll_s=0.5, backoff_s=0.05).run()
+
+        ids = list(tokens)
+        devices = [device(tokens[i], 0.0) for i in ids[:3]]
+        if late_s is not None:
+            devices += [device(tokens[i], late_s) for i in ids[3:]]
+        await asyncio.gather(*devices)
+        summary = await run
+    await recorder
+    assert summary.stop_reason == "max_versions"
+    assert sorted(first_round) == (sorted(ids) if late_s is not None else sorted(ids[:3]))
+
+
+@pytest.mark.slow
+async def test_clients_of_a_run_that_fails_stop_at_once_with_its_error(tmp_path: Path, tokens: dict[int, str]) -> None:
+    """A served run that fails (every client's training diverges) tells its clients why with its end (410): each
+    stops with that error at once instead of retrying until it gives up."""
+    from flasync.clients.remote.client import RemoteError
+    from flasync.core.errors import TrainingError
+
+    config = remote_config(tmp_path / "tokens.txt", client={"lr": 1e30})
+    federation = Federation(config)
+    app = asgi_app(federation)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=60.0) as http:
+        run = asyncio.create_task(federation.run())
+        clients = [
+            Client("http://fl", token, http=http, poll_s=2.0, backoff_s=0.05, give_up_s=60.0)
+            for token in tokens.values()
+        ]
+        results = await asyncio.gather(*(client.run() for client in clients), return_exceptions=True)
+        with pytest.raises(TrainingError, match="client tasks all failed"):
+            await run
+    assert all(isinstance(r, RemoteError) for r in results), results
+    said = "the server's run failed: TrainingError: the last 30 client tasks all failed"
+    assert all(said in str(r) for r in results), results

@@ -120,7 +120,9 @@ class _Helper:
             return None
         down_read, down_write = os.pipe()
         up_read, up_write = os.pipe()
-        sys.stdout.flush()
+        for stream in (sys.stdout, sys.__stdout__):  # the protocol's stream too: a fork must not copy its buffer
+            if stream is not None:
+                stream.flush()
         writer = os.getpid()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the helper process (its work is tested through the writer's jobs)
@@ -949,9 +951,19 @@ def _child_env(tracking_uri: str, extra_env: Mapping[str, str] | None) -> dict[s
     return env
 
 
+def protocol_replies() -> IO[str]:
+    """Return the stream the child answers its parent on (its standard output), and point ``sys.stdout`` at its
+    standard error: what a library writes on stdout (MLflow's "View run ... at" lines when a run on a tracking
+    server ends) must not enter the protocol, where the parent would take it for a broken child."""
+    replies = sys.stdout
+    sys.stdout = sys.stderr
+    return replies
+
+
 if __name__ == "__main__":
-    _serve(os.environ[_URI_VARIABLE], sys.stdin, sys.stdout)
+    _replies = protocol_replies()
+    _serve(os.environ[_URI_VARIABLE], sys.stdin, _replies)
     # Everything was written and answered: end without the interpreter's teardown (freeing MLflow, SQLAlchemy and
     # torch object by object took a second, which the parent's close() waited for).
-    sys.stdout.flush()
+    _replies.flush()
     os._exit(0)

@@ -56,6 +56,8 @@ class ClientStats:
     tasks: int = 0
     uploads: int = 0
     dropped: int = 0
+    """Tasks whose answer the server no longer took: timed out or abandoned there, or the run had ended (the server
+    counts them as timeouts or abandoned tasks, not as refused updates)."""
     failures: int = 0
     retries: int = 0
     download_bytes: int = 0

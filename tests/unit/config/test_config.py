@@ -130,7 +130,8 @@ def test_unknown_key_names_the_field_and_the_closest_known_one(override: str, ex
 def test_an_unknown_key_is_checked_against_the_fields_of_the_chosen_kind() -> None:
     """``concurrency`` is FedBuff's: under FedAvg it is unknown, and FedAvg's fields are the ones named."""
     assert _error(None, ["server.kind=fedavg", "server.concurrency=3"]) == (
-        "server.concurrency: unknown field (fields: aggregation, clients_per_round, kind, optimizer, trim_fraction)"
+        "server.concurrency: unknown field (fields: aggregation, clients_per_round, kind, min_clients, "
+        "min_clients_wait_s, optimizer, trim_fraction)"
     )
 
 

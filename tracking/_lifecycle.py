@@ -383,6 +383,8 @@ class RunLifecycle:
                 )
                 with contextlib.suppress(Exception):  # the count is in the warning whatever the store does
                     self.set_tags({LOST_TAG: str(lost)})
+            if status == "FINISHED" and self._failover.records_lost:
+                status = "FAILED"  # records lost for good (a full disk under the store and the spool): not a whole run
             end = int(time.time() * 1000)
             ended = writers.child_job({"op": "end", "status": status, "end_time": end})
             writers.release_child(ended)

@@ -125,8 +125,8 @@ class Failover:
 
     def replay_command(self) -> str | None:
         """Return the command that sends what is left in the spool, or None when nothing is left."""
-        if self.spool is None or not (self.offline or self._unreplayed):
-            return None
+        if self.spool is None or not (self.offline or self._unreplayed) or self.spool.records <= self._replayed:
+            return None  # nothing left in the spool to send
         return f"flasync tracking replay {shlex.quote(str(self.spool.path))}"
 
     def deliver(self, send: Callable[[str, mlflow.MlflowClient], None], spool: Callable[[SpoolWriter], None]) -> None:
@@ -168,6 +168,11 @@ class Failover:
             self._unreplayed = self._unreplayed or not self.offline
             return True
 
+    @property
+    def records_lost(self) -> bool:
+        """Whether records went neither to the store nor to the spool (the spool could not be written)."""
+        return self.spool is not None and bool(self.spool.lost)
+
     def replay_spilled(self) -> None:
         """Send the spilled rows to the run now, if the store answers (else they stay for ``replay``)."""
         with self.lock:
@@ -200,15 +205,16 @@ class Failover:
             return self.spool
         run = self.run
         self.spool = self._new_spool()
-        self._log.warning(
-            "tracking.spooling",
-            message=f"MLflow at {redact_uri(run.tracking_uri)} failed ({reason}); tracking records go to "
-            f"{self.spool.path}",
-            path=str(self.spool.path),
-            tracking_uri=redact_uri(run.tracking_uri),
-            error=reason,
-            metrics=False,
-        )
+        if self.spool.failure is None:  # else its own warning said it cannot be written
+            self._log.warning(
+                "tracking.spooling",
+                message=f"MLflow at {redact_uri(run.tracking_uri)} failed ({reason}); tracking records go to "
+                f"{self.spool.path}",
+                path=str(self.spool.path),
+                tracking_uri=redact_uri(run.tracking_uri),
+                error=reason,
+                metrics=False,
+            )
         return self.spool
 
     def spool_opening(self, error: BaseException, tags: Mapping[str, str], params: Mapping[str, str]) -> None:
@@ -268,7 +274,8 @@ class Failover:
                 )
             return False
         self.offline = False
-        self._log.warning("tracking.recovered", replayed=replayed, path=str(spool.path), metrics=False)
+        if replayed or spool.failure is None:  # a spool that failed held nothing to send: nothing recovered
+            self._log.warning("tracking.recovered", replayed=replayed, path=str(spool.path), metrics=False)
         return True
 
     def _remember(self, name: str) -> str:
@@ -296,9 +303,13 @@ class Failover:
         self.spool.close()
         if self.spool.lost:
             lost = ", ".join(f"{count} {kind}" for kind, count in sorted(self.spool.lost.items()))
+            kept = f"; the spool kept {self.spool.records} records" if self.spool.records else ""
             self._log.warning(
                 "tracking.records_lost",
-                message=f"tracking records lost ({self.spool.failure}): {lost}",
+                message=f"tracking records lost: the store failed and the spool {self.spool.path} could not be "
+                f"written ({self.spool.failure}): {lost} lost; the store kept what it took before{kept}; a run "
+                "that finished is marked FAILED",
+                path=str(self.spool.path),
                 metrics=False,
                 **{f"lost_{kind}": count for kind, count in self.spool.lost.items()},
             )

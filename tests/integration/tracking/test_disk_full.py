@@ -1,0 +1,48 @@
+"""A run whose store and spool sit on a full disk: one line says what was lost and where, the run is FAILED."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from flasync.cli import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2.4 MB tmpfs: room for the store's schema and the run's start, not for its metrics and artifacts."""
+    folder = tmp_path / "full"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2400k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip() or mounted.returncode}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_full_disk_loses_records_in_one_line_and_fails_the_run(
+    full_disk: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store and then the spool fill their disk mid-run (before: the run stayed FINISHED, the replay hint pointed
+    at a spool of a header alone): the training ends, one warning names the spool's path and what was lost and
+    kept, no replay hint is given, no traceback is printed, and the run is FAILED in the store."""
+    monkeypatch.chdir(full_disk)
+    uri = f"sqlite:///{full_disk}/mlruns/mlflow.db"
+    assert main(["run", "--set", "stop.max_versions=300", "--tracking-uri", uri]) == 0
+    captured = capsys.readouterr()
+    said = captured.out + captured.err
+    lost = [line for line in said.splitlines() if "tracking.records_lost" in line]
+    assert len(lost) == 1 and str(full_disk / "mlruns" / "spool") in lost[0] and "lost" in lost[0], lost
+    assert "Traceback" not in said and "flasync tracking replay" not in said
+    assert "tracking.recovered" not in said  # a spool that could not be written recovers nothing
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs(["1"])
+    assert run.info.status == "FAILED"

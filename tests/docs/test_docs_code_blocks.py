@@ -13,8 +13,14 @@ what its test does with it:
 A page's blocks run in order in one temporary folder holding a copy of ``examples/``, as a reader would run them
 from a clone. Shell blocks run with tiny settings: ``flasync run`` and ``flasync serve`` get
 ``--set stop.max_versions=2`` (and ``--no-tracking`` unless the block is ``tracked``), and each ``--port N`` of a
-block, with its ``127.0.0.1:N``, becomes a free port. Every subprocess tracks to a temporary MLflow store, never to
+block, with its ``127.0.0.1:N``, becomes a free port. Every command tracks to a temporary MLflow store, never to
 ``./mlruns`` of the checkout.
+
+A shell block made only of ``python -m flasync run|compare|report|tracking ...`` lines (no Ray) runs its commands
+in the test's process, through the ``main()`` that ``python -m flasync`` calls, with the same folder, environment
+and arguments: a cold interpreter importing torch for each of them would cost seconds a command, and the entry
+point's own exit path is tested in ``tests/unit/cli``. Every other shell block (servers, clients, loops, pipes,
+Ray) and every Python block runs in a subprocess.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -43,6 +50,7 @@ _MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<spec>.*?)\s*-->$")
 _FENCE_OPEN = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
 _FLASYNC_RUN = re.compile(r"^(?P<command>(?:python -m )?flasync (?:run|serve)\b.*?)(?P<tail>\s*&)?\s*$")
 _COMMENT = re.compile(r"\s{2,}#.*$")
+_IN_PROCESS = re.compile(r"python -m flasync (?P<args>(?:run|compare|report|tracking)\b[^&|;<>`$\\]*)")
 
 
 @dataclass(frozen=True)
@@ -166,7 +174,46 @@ def _environment(folder: Path) -> dict[str, str]:
     return env
 
 
-def _run(block: Block, folder: Path, env: dict[str, str]) -> None:
+def in_process_commands(code: str) -> list[list[str]] | None:
+    """Return the arguments of each command of a shell block (after :func:`tiny`) that is only ``python -m flasync``
+    commands the test's process can run (no server or client, no shell syntax, no Ray), or None."""
+    commands: list[list[str]] = []
+    for line in code.splitlines():
+        command = _COMMENT.sub("", line).strip()
+        if not command or command.startswith("#"):
+            continue
+        match = _IN_PROCESS.fullmatch(command)
+        if match is None or "ray" in command:
+            return None
+        commands.append(shlex.split(match.group("args")))
+    return commands
+
+
+def _run_in_process(
+    block: Block, commands: list[list[str]], env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run a block's ``flasync`` commands one after another in this process, in the page's folder (the caller's
+    working directory) with the subprocesses' environment; each must exit 0, as ``bash -e`` would ask."""
+    from flasync.cli import main
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("MLFLOW_TRACKING_URI", "XDG_CACHE_HOME", "COLUMNS"):
+            patch.setenv(name, env[name])
+        for argv in commands:
+            status = main(argv)
+            out, err = capsys.readouterr()
+            assert status == 0, (
+                f"{block}: flasync {shlex.join(argv)} exited {status}\n--- stdout\n{out[-4000:]}"
+                f"\n--- stderr\n{err[-4000:]}"
+            )
+
+
+def _run(block: Block, folder: Path, env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    if block.lang not in ("python", "py"):
+        commands = in_process_commands(tiny(block.code, tracked="tracked" in block.options))
+        if commands is not None:
+            _run_in_process(block, commands, env, capsys)
+            return
     if block.lang in ("python", "py"):
         script = folder / f"block_{block.line}.py"
         script.write_text(block.code)
@@ -183,7 +230,9 @@ def _run(block: Block, folder: Path, env: dict[str, str]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("page", RUN_PAGES)
-def test_page_runs_as_written(page: str, tmp_path: Path) -> None:
+def test_page_runs_as_written(
+    page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The page's runnable blocks run in order, in a fresh folder with a copy of examples/, and exit 0."""
     blocks = [b for b in ALL_BLOCKS if b.page == page and b.action in ("run", "file")]
     for block in blocks:
@@ -192,8 +241,32 @@ def test_page_runs_as_written(page: str, tmp_path: Path) -> None:
                 pytest.skip(f"{block} needs {option.removeprefix('needs=')}, which is not installed")
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     env = _environment(tmp_path)
+    monkeypatch.chdir(tmp_path)
     for block in blocks:
         if block.action == "file":
             (tmp_path / block.options[0]).write_text(block.code)
         else:
-            _run(block, tmp_path, env)
+            _run(block, tmp_path, env, capsys)
+
+
+def test_only_plain_flasync_commands_run_in_process() -> None:
+    """A block of ``python -m flasync run|compare`` lines runs in the test's process with its tiny settings; a server,
+    a client, a loop, a pipe, a background job or Ray sends the whole block to a subprocess."""
+    plain = "python -m flasync run examples/fedbuff.toml --set server.staleness='{kind: constant}'  # a comment\n"
+    assert in_process_commands(tiny(plain + "\npython -m flasync compare --experiment x\n", tracked=False)) == [
+        ["run", "examples/fedbuff.toml", "--set", "server.staleness={kind: constant}", *TINY.split(), "--no-tracking"],
+        ["compare", "--experiment", "x"],
+    ]
+    for code in (
+        "python -m flasync serve remote.toml --port 8080 &\n",
+        "python -m flasync client --server http://127.0.0.1:8080\n",
+        "python -m flasync run --set executor.kind=ray\n",
+        "python -m flasync compare --experiment x | head\n",
+        "python -m flasync run\nmkdir out\n",
+        "for i in 0 1; do\n  python -m flasync run\ndone\n",
+        "python -m flasync run --set seed=$SEED\n",
+    ):
+        assert in_process_commands(tiny(code, tracked=True)) is None, code
+    shell_blocks = [b for b in ALL_BLOCKS if b.action == "run" and b.lang not in ("python", "py")]
+    assert any(in_process_commands(tiny(b.code, tracked=False)) is None for b in shell_blocks)
+    assert any(in_process_commands(tiny(b.code, tracked=False)) is not None for b in shell_blocks)

@@ -23,6 +23,7 @@ from flasync.core.errors import CheckpointError, RunInterrupted
 from flasync.core.events import Aggregated
 from flasync.runtime import checkpoint
 from flasync.testing import MeanOfDeltas, MemoryTracker, small_config
+from flasync.tracking.store import prepare_sqlite_store
 from tests.conftest import NEEDS_DP_ACCOUNTING
 
 ROOT = Path(flasync.__file__).resolve().parents[1]
@@ -549,6 +550,7 @@ def test_resuming_from_a_corrupt_checkpoint_leaves_the_run_untouched(
     from flasync.cli import main
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    prepare_sqlite_store(uri)  # the store's schema from flasync's seed, not MLflow's migrations (seconds of CPU)
     client = mlflow.MlflowClient(uri)
     artifacts = (tmp_path / "artifacts").as_uri()  # not ./mlruns
     run_id = client.create_run(client.create_experiment("resume", artifact_location=artifacts)).info.run_id
@@ -580,7 +582,7 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
     versions = 400
     (tmp_path / "cfg.yaml").write_text(CONFIG.replace("max_versions: 24", f"max_versions: {versions}"))
     store = _store(tmp_path)
-    mlflow.MlflowClient(store).search_experiments()  # an existing store: the run opens early in the training
+    prepare_sqlite_store(store)  # an existing store: the run opens early in the training
     process = subprocess.Popen(
         [sys.executable, "-m", "flasync", "run", "cfg.yaml", "--tracking-uri", store, "--no-system-metrics"],
         cwd=tmp_path,
@@ -645,6 +647,7 @@ def test_resuming_a_run_whose_process_is_alive_is_refused(tmp_path: Path, capsys
     from flasync.core.owner import owner_tags
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    prepare_sqlite_store(uri)  # the store's schema from flasync's seed, not MLflow's migrations (seconds of CPU)
     client = mlflow.MlflowClient(uri)
     artifacts = (tmp_path / "artifacts").as_uri()  # not ./mlruns
     experiment_id = client.create_experiment("owned", artifact_location=artifacts)
@@ -677,6 +680,7 @@ def test_a_checkpoint_cut_short_falls_back_to_the_other_slot(tmp_path: Path) -> 
     assert (name, int(state["version"])) == (older, 6)
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    prepare_sqlite_store(uri)  # the store's schema from flasync's seed, not MLflow's migrations (seconds of CPU)
     client = mlflow.MlflowClient(uri)
     artifacts = (tmp_path / "artifacts").as_uri()  # not ./mlruns
     run_id = client.create_run(client.create_experiment("cut", artifact_location=artifacts)).info.run_id

@@ -24,7 +24,7 @@ from flasync.tracking.spool import (
     read_header,
     replay,
 )
-from flasync.tracking.store import bounded_http
+from flasync.tracking.store import bounded_http, prepare_sqlite_store
 from tests.conftest import free_port
 
 
@@ -215,6 +215,7 @@ def test_replay_continues_after_a_failure(tmp_path: Path, monkeypatch: pytest.Mo
     (tmp_path / "src").mkdir()
     _full_spool(spool, tmp_path / "src")
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    prepare_sqlite_store(uri)  # the store's schema from flasync's seed, not MLflow's migrations (seconds of CPU)
     real = mlflow.MlflowClient.log_artifact
     monkeypatch.setattr(
         mlflow.MlflowClient, "log_artifact", lambda *a, **k: (_ for _ in ()).throw(MlflowException("store down"))
@@ -233,6 +234,7 @@ def test_replay_continues_after_a_failure(tmp_path: Path, monkeypatch: pytest.Mo
 def test_replay_continues_the_run_named_in_the_header(tmp_path: Path) -> None:
     """A spool whose run was created before the store failed is replayed into that same run."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
+    prepare_sqlite_store(uri)  # the store's schema from flasync's seed, not MLflow's migrations (seconds of CPU)
     client = mlflow.MlflowClient(uri)
     run = client.create_run(client.create_experiment("spooled"))
     spool = _writer(tmp_path / "run.jsonl", tracking_uri=uri, run_id=run.info.run_id)

@@ -40,6 +40,7 @@ from flasync.observe.summary import weights_sha256
 from flasync.runtime.build import make_aggregator
 from flasync.server import ServerStats
 from flasync.testing import EventRecorder, MeanOfDeltas, MemoryTracker, UntrainableModel, small_config
+from flasync.tracking.store import prepare_sqlite_store
 from tests.conftest import Focal
 
 SUMMARY_KEYS = {
@@ -336,6 +337,7 @@ def test_a_run_whose_mlflow_run_cannot_be_opened_stops_and_says_why(tmp_path: Pa
     """Training starts while the MLflow run is opened; a deleted experiment stops the federation (it would run 100,000
     versions) and is raised, and no MLflow run is left."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    prepare_sqlite_store(uri)  # the store's schema from flasync's seed, not MLflow's migrations (seconds of CPU)
     client = mlflow.MlflowClient(uri)
     gone = client.create_experiment("gone")
     client.delete_experiment(gone)

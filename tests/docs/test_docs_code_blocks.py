@@ -16,11 +16,12 @@ from a clone. Shell blocks run with tiny settings: ``flasync run`` and ``flasync
 block, with its ``127.0.0.1:N``, becomes a free port. Every command tracks to a temporary MLflow store, never to
 ``./mlruns`` of the checkout.
 
-A shell block made only of ``python -m flasync run|compare|report|tracking ...`` lines (no Ray) runs its commands
-in the test's process, through the ``main()`` that ``python -m flasync`` calls, with the same folder, environment
-and arguments: a cold interpreter importing torch for each of them would cost seconds a command, and the entry
+A shell block made only of ``python -m flasync run|compare|report|tracking ...`` and ``python examples/NAME.py ...``
+lines (no Ray) runs them in the test's process, as does every Python block: a command through the ``main()`` that
+``python -m flasync`` calls, a script or block with :mod:`runpy` as ``__main__``, with the same folder, environment
+and arguments. A cold interpreter importing torch for each of them would cost seconds a command, and the entry
 point's own exit path is tested in ``tests/unit/cli``. Every other shell block (servers, clients, loops, pipes,
-Ray) and every Python block runs in a subprocess.
+Ray) runs in ``bash``, in a subprocess.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import runpy
 import shlex
 import shutil
 import socket
@@ -50,7 +52,9 @@ _MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<spec>.*?)\s*-->$")
 _FENCE_OPEN = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
 _FLASYNC_RUN = re.compile(r"^(?P<command>(?:python -m )?flasync (?:run|serve)\b.*?)(?P<tail>\s*&)?\s*$")
 _COMMENT = re.compile(r"\s{2,}#.*$")
-_IN_PROCESS = re.compile(r"python -m flasync (?P<args>(?:run|compare|report|tracking)\b[^&|;<>`$\\]*)")
+_IN_PROCESS = re.compile(
+    r"python (?P<args>(?:-m flasync (?:run|compare|report|tracking)\b|examples/\w+\.py\b)[^&|;<>`$\\]*)"
+)
 
 
 @dataclass(frozen=True)
@@ -175,8 +179,9 @@ def _environment(folder: Path) -> dict[str, str]:
 
 
 def in_process_commands(code: str) -> list[list[str]] | None:
-    """Return the arguments of each command of a shell block (after :func:`tiny`) that is only ``python -m flasync``
-    commands the test's process can run (no server or client, no shell syntax, no Ray), or None."""
+    """Return the arguments ``python`` gets in each command of a shell block (after :func:`tiny`) that is only
+    commands the test's process can run (``-m flasync`` without a server or client, ``examples/NAME.py``; no shell
+    syntax, no Ray), or None."""
     commands: list[list[str]] = []
     for line in code.splitlines():
         command = _COMMENT.sub("", line).strip()
@@ -189,37 +194,51 @@ def in_process_commands(code: str) -> list[list[str]] | None:
     return commands
 
 
+def _python_in_process(argv: list[str]) -> int:
+    """Do in this process what ``python ARGV`` does (``-m flasync ...`` or a script); return the exit status."""
+    if argv[:2] == ["-m", "flasync"]:
+        from flasync.cli import main
+
+        return main(argv[2:])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", argv)
+        patch.syspath_prepend(str(Path(argv[0]).resolve().parent))
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as exit_:
+            return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    return 0
+
+
 def _run_in_process(
     block: Block, commands: list[list[str]], env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Run a block's ``flasync`` commands one after another in this process, in the page's folder (the caller's
-    working directory) with the subprocesses' environment; each must exit 0, as ``bash -e`` would ask."""
-    from flasync.cli import main
-
+    """Run a block's commands one after another in this process, in the page's folder (the caller's working
+    directory) with the subprocesses' environment; each must exit 0, as ``bash -e`` would ask."""
     with pytest.MonkeyPatch.context() as patch:
         for name in ("MLFLOW_TRACKING_URI", "XDG_CACHE_HOME", "COLUMNS"):
             patch.setenv(name, env[name])
         for argv in commands:
-            status = main(argv)
+            status = _python_in_process(argv)
             out, err = capsys.readouterr()
             assert status == 0, (
-                f"{block}: flasync {shlex.join(argv)} exited {status}\n--- stdout\n{out[-4000:]}"
+                f"{block}: python {shlex.join(argv)} exited {status}\n--- stdout\n{out[-4000:]}"
                 f"\n--- stderr\n{err[-4000:]}"
             )
 
 
 def _run(block: Block, folder: Path, env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
-    if block.lang not in ("python", "py"):
-        commands = in_process_commands(tiny(block.code, tracked="tracked" in block.options))
-        if commands is not None:
-            _run_in_process(block, commands, env, capsys)
-            return
     if block.lang in ("python", "py"):
         script = folder / f"block_{block.line}.py"
         script.write_text(block.code)
-        command = [sys.executable, script.name]
-    else:
-        command = ["bash", "-euo", "pipefail", "-c", tiny(block.code, tracked="tracked" in block.options)]
+        _run_in_process(block, [[script.name]], env, capsys)
+        return
+    code = tiny(block.code, tracked="tracked" in block.options)
+    commands = in_process_commands(code)
+    if commands is not None:
+        _run_in_process(block, commands, env, capsys)
+        return
+    command = ["bash", "-euo", "pipefail", "-c", code]
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, (
         f"{block} exited {done.returncode}\n--- code\n{command[-1]}\n--- stdout\n{done.stdout[-4000:]}"
@@ -250,12 +269,16 @@ def test_page_runs_as_written(
 
 
 def test_only_plain_flasync_commands_run_in_process() -> None:
-    """A block of ``python -m flasync run|compare`` lines runs in the test's process with its tiny settings; a server,
-    a client, a loop, a pipe, a background job or Ray sends the whole block to a subprocess."""
+    """A block of ``python -m flasync run|compare`` and ``python examples/NAME.py`` lines runs in the test's process
+    with its tiny settings; a server, a client, a loop, a pipe, a background job or Ray sends the whole block to a
+    subprocess."""
     plain = "python -m flasync run examples/fedbuff.toml --set server.staleness='{kind: constant}'  # a comment\n"
-    assert in_process_commands(tiny(plain + "\npython -m flasync compare --experiment x\n", tracked=False)) == [
-        ["run", "examples/fedbuff.toml", "--set", "server.staleness={kind: constant}", *TINY.split(), "--no-tracking"],
-        ["compare", "--experiment", "x"],
+    code = plain + "\npython -m flasync compare --experiment x\npython examples/make.py --out d\n"
+    staleness = "server.staleness={kind: constant}"
+    assert in_process_commands(tiny(code, tracked=False)) == [
+        ["-m", "flasync", "run", "examples/fedbuff.toml", "--set", staleness, *TINY.split(), "--no-tracking"],
+        ["-m", "flasync", "compare", "--experiment", "x"],
+        ["examples/make.py", "--out", "d"],
     ]
     for code in (
         "python -m flasync serve remote.toml --port 8080 &\n",
@@ -265,6 +288,8 @@ def test_only_plain_flasync_commands_run_in_process() -> None:
         "python -m flasync run\nmkdir out\n",
         "for i in 0 1; do\n  python -m flasync run\ndone\n",
         "python -m flasync run --set seed=$SEED\n",
+        "python -c 'import flasync'\n",
+        "python other/script.py\n",
     ):
         assert in_process_commands(tiny(code, tracked=True)) is None, code
     shell_blocks = [b for b in ALL_BLOCKS if b.action == "run" and b.lang not in ("python", "py")]

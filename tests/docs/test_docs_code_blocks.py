@@ -12,9 +12,10 @@ what its test does with it:
 
 A page's blocks run in order in one temporary folder holding a copy of ``examples/``, as a reader would run them
 from a clone. Shell blocks run with tiny settings: ``flasync run`` and ``flasync serve`` get
-``--set stop.max_versions=2`` (and ``--no-tracking`` unless the block is ``tracked``), and each ``--port N`` of a
-block, with its ``127.0.0.1:N``, becomes a free port. Every command tracks to a temporary MLflow store, never to
-``./mlruns`` of the checkout.
+``--set stop.max_versions=2``, and ``--no-tracking`` unless the block is ``tracked``, where they get
+``--set tracking.log_model=false`` (a final model's export, 4 CPU seconds a run, is tested in ``tests/unit/cli`` and
+``tests/integration/tracking``); each ``--port N`` of a block, with its ``127.0.0.1:N``, becomes a free port. Every
+command tracks to a temporary MLflow store, never to ``./mlruns`` of the checkout.
 
 A shell block made only of ``python -m flasync run|compare|report|tracking ...`` and ``python examples/NAME.py ...``
 lines (no Ray) runs them in the test's process, as does every Python block: a command through the ``main()`` that
@@ -47,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 MARKED_LANGUAGES = {"bash", "sh", "shell", "console", "python", "py", "toml", "yaml"}
 TINY = "--set stop.max_versions=2"
+TRACKED = "--set tracking.log_model=false"
 
 _MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<spec>.*?)\s*-->$")
 _FENCE_OPEN = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
@@ -151,7 +153,7 @@ def _free_port() -> int:
 
 def tiny(code: str, *, tracked: bool) -> str:
     """Return a shell block with tiny settings: a short ``flasync run``/``serve``, and a free port for a server."""
-    extra = TINY if tracked else f"{TINY} --no-tracking"
+    extra = f"{TINY} {TRACKED}" if tracked else f"{TINY} --no-tracking"
     out: list[str] = []
     for line in code.splitlines():
         match = _FLASYNC_RUN.match(_COMMENT.sub("", line).strip()) if "flasync" in line else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import logging
+import os
 import secrets
 import socket
 import subprocess
@@ -48,6 +50,24 @@ def _restore_structlog() -> Iterator[None]:
     before = structlog.get_config()
     yield
     structlog.configure(**before)
+
+
+LIBRARY_LOGGERS = ("mlflow", "alembic", "urllib3", "git", "matplotlib")
+"""The libraries' loggers whose level the command line's ``--log-level`` sets (with ``MLFLOW_LOGGING_LEVEL``)."""
+
+
+@pytest.fixture(autouse=True)
+def _restore_library_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Undo the library log levels and the ``MLFLOW_LOGGING_LEVEL`` a command run in the test's process set (the
+    subprocesses of later tests would inherit the variable)."""
+    levels = {name: logging.getLogger(name).level for name in LIBRARY_LOGGERS}
+    if "MLFLOW_LOGGING_LEVEL" in os.environ:
+        monkeypatch.setenv("MLFLOW_LOGGING_LEVEL", os.environ["MLFLOW_LOGGING_LEVEL"])
+    else:
+        monkeypatch.delenv("MLFLOW_LOGGING_LEVEL", raising=False)
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 @pytest.fixture(autouse=True)

@@ -37,9 +37,9 @@ NEEDS_DP_ACCOUNTING = pytest.mark.skipif(
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the modules that hold a ``slow`` test first, each whole and in its order, then the others: the xdist
-    workers take a test at a time (``--dist loadgroup``), so the long tests start early and the short ones fill the
-    end, where neither worker then waits long for the other."""
+    """Run the modules that hold a ``slow`` test first, each whole and in its order, then the others: xdist's workers
+    (``-n 2``) then start on the long tests, and the short ones that fill the end leave neither waiting long for the
+    other."""
     with_slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in with_slow)
 

@@ -22,9 +22,7 @@ from flasync.testing import small_config
 
 ray = pytest.importorskip("ray")
 
-# One xdist worker runs the whole module (with `--dist loadgroup`, pyproject's addopts): its tests then share one
-# local Ray, where two workers would each start one, on the same two cores.
-pytestmark = [pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 SERVERS = {
     "fedavg": {"kind": "fedavg", "clients_per_round": 5},

@@ -15,9 +15,6 @@ from flasync.testing import small_config
 from flasync.tracking.compare import EvalPoint, RunRecord, comparison_table, config_differences, time_to_target
 from flasync.tracking.report import format_report
 
-# One xdist worker runs the module (`--dist loadgroup`): the three tracked runs are made once.
-pytestmark = pytest.mark.xdist_group("compare")
-
 
 @pytest.fixture(scope="module")
 def three_runs(tracking_uri: str) -> list[str]:

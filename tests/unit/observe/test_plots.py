@@ -15,10 +15,6 @@ from flasync.testing import MemoryTracker, small_config
 SVG = "{http://www.w3.org/2000/svg}"
 
 
-# One xdist worker runs the module (`--dist loadgroup`): the profiled run is made once.
-pytestmark = pytest.mark.xdist_group("plots")
-
-
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """Return the profile of a short FedBuff run with top-k uploads (every chart says something in it)."""

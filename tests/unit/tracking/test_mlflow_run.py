@@ -29,9 +29,6 @@ from flasync.tracking import (
 )
 from flasync.tracking.sqlite_metrics import SqliteMetrics
 
-# One xdist worker runs the module (`--dist loadgroup`): its trackers share one idle writer process.
-pytestmark = pytest.mark.xdist_group("mlflow_run")
-
 
 @pytest.fixture(autouse=True)
 def _no_idle_writer() -> None:

@@ -36,14 +36,6 @@ NEEDS_DP_ACCOUNTING = pytest.mark.skipif(
 """Marks a test whose run has privacy on: without Google's accountant such a run is refused (a ConfigError)."""
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the modules that hold a ``slow`` test first, each whole and in its order, then the others: xdist's workers
-    (``-n 2``) then start on the long tests, and the short ones that fill the end leave neither waiting long for the
-    other."""
-    with_slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in with_slow)
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _no_user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Keep what runs cache (MLflow's empty store schema) in a temporary folder, never the user's ``~/.cache``."""

@@ -261,7 +261,7 @@ def test_the_writer_without_a_helper_prepares_and_saves_itself(
     """The writer process's prepare job, with no helper, exports in the writer process; its model job then saves
     from that export (here torch.export is broken after the prepare: the model is still in the pt2 format)."""
     client = mlflow.MlflowClient(tracking_uri)
-    experiment = client.create_experiment("model-ahead")
+    experiment = client.create_experiment("model-ahead", artifact_location=(tmp_path / "artifacts").as_uri())
     run_id = client.create_run(experiment).info.run_id
     aside = _Aside({})
     request: dict[str, Any] = {"builder": _BUILDER, "kwargs": {**_SPEC, "weights": None}, "input_example": _EXAMPLE}

@@ -7,10 +7,12 @@ tests of a Ray that flasync starts itself run the CLI in a subprocess.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,12 +139,33 @@ def test_an_unreachable_cluster_is_one_line_before_any_mlflow_run(tmp_path: Path
 
 
 def test_the_ray_a_run_starts_is_gone_after_it(tmp_path: Path) -> None:
-    """A run that started its own Ray leaves no Ray process behind."""
-    before = _ray_processes()
-    result = _cli("--no-tracking", "--set", "executor.kind=ray", "--set", "stop.max_versions=5", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "weights sha256" in result.stdout
-    assert _ray_processes() <= before
+    """A run that started its own Ray leaves no Ray process behind (of those its process tree held while it ran:
+    another test's Ray may run beside it)."""
+    import psutil
+
+    settings = ["--no-tracking", "--set", "executor.kind=ray", "--set", "stop.max_versions=5"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flasync", "run", *settings],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    started: dict[int, psutil.Process] = {}
+    try:
+        while proc.poll() is None:  # who the run starts, seen while it runs
+            with contextlib.suppress(psutil.Error):
+                started.update((c.pid, c) for c in psutil.Process(proc.pid).children(recursive=True))
+            time.sleep(0.05)
+    finally:
+        stdout, stderr = proc.communicate(timeout=150)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "weights sha256" in stdout
+    assert started, "the run started no process of its own (no local Ray?)"
+    left = [pid for pid, child in started.items() if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes of the run still alive: {left}"
 
 
 @pytest.mark.usefixtures("local_ray")
@@ -161,8 +184,10 @@ def test_a_ray_run_resumes_from_its_checkpoint_to_the_uninterrupted_weights() ->
 
 
 def test_ctrl_c_leaves_no_ray_behind(tmp_path: Path) -> None:
-    """SIGINT during a run that started its own Ray: exit 130, and every Ray process it started is gone."""
-    before = _ray_processes()
+    """SIGINT during a run that started its own Ray: exit 130, and every Ray process it started is gone (those of
+    the run's process tree when the signal is sent: another test's Ray may run beside it)."""
+    import psutil
+
     env = _env()
     settings = ["executor.kind=ray", "stop.max_versions=100000", "eval.every_versions=1"]
     proc = subprocess.Popen(
@@ -178,10 +203,13 @@ def test_ctrl_c_leaves_no_ray_behind(tmp_path: Path) -> None:
     for line in proc.stdout:  # training has started once the first evaluation is printed
         if "server.eval" in line:
             break
+    started = {child.pid: child for child in psutil.Process(proc.pid).children(recursive=True)}
+    assert started.keys() & _ray_processes(), "the run's Ray processes were not found"
     proc.send_signal(signal.SIGINT)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, output[-2000:]
-    assert _ray_processes() <= before
+    left = [pid for pid, child in started.items() if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes of the run still alive: {left}"
 
 
 @pytest.mark.usefixtures("local_ray")

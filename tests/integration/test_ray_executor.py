@@ -158,7 +158,7 @@ def test_the_ray_a_run_starts_is_gone_after_it(tmp_path: Path) -> None:
         while proc.poll() is None:  # who the run starts, seen while it runs
             with contextlib.suppress(psutil.Error):
                 started.update((c.pid, c) for c in psutil.Process(proc.pid).children(recursive=True))
-            time.sleep(0.05)
+            time.sleep(0.25)  # a Ray process lives for seconds: a few looks catch it, without taking a core
     finally:
         stdout, stderr = proc.communicate(timeout=150)
     assert proc.returncode == 0, stderr[-2000:]

@@ -29,6 +29,9 @@ from flasync.server.accounting import Accounting
 
 __all__ = ["Answer", "StartGroup", "StartTask", "TaskRegistry", "Timer", "one_each"]
 
+_FANCY_INDEX_FROM = 8
+"""Clients dispatched together from which their counters are read and moved with one array index."""
+
 StartTask = Callable[[TaskAssigned, ModelSnapshot], Coroutine[Any, Any, None]]
 """Run one task: train ``snapshot`` on the task's client and put the answer on the bus (never raise)."""
 
@@ -232,17 +235,26 @@ class TaskRegistry:
             snapshot = self.current
             if snapshot is None:
                 raise RuntimeError("no model was published before the first dispatch")
-        ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
-        if len(ids) == 0:
+        if isinstance(client_ids, np.ndarray):
+            clients = client_ids.reshape(-1).astype(np.int64).tolist()
+        else:
+            clients = [int(c) for c in client_ids]
+        if not clients:
             return []
-        if len(ids) > 1 and len(np.unique(ids)) != len(ids):
+        if len(clients) > 1 and len(set(clients)) != len(clients):
             raise ValueError("dispatch_many takes distinct clients (a client has one task in flight at most)")
         # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.
         version = snapshot.version
         self._bases.setdefault(version, snapshot)
-        participations = self._participations[ids].tolist()
-        self._participations[ids] += 1
-        clients = ids.tolist()
+        counters = self._participations
+        if len(clients) < _FANCY_INDEX_FROM:  # a few scalar reads cost less than one array index (FedBuff's one)
+            participations = [int(counters[c]) for c in clients]
+            for client in clients:
+                counters[client] += 1
+        else:
+            ids = np.asarray(clients, dtype=np.int64)
+            participations = counters[ids].tolist()
+            counters[ids] += 1
         if self._mark_used is not None:
             self._mark_used(clients)
         now, download, from_cloud = self._clock.now(), snapshot.download_bytes, reply_to == CLOUD

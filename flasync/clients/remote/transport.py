@@ -787,8 +787,8 @@ class RemoteTransport:
         of refused requests adds a few rows to the run's store, not rows per request (:meth:`statistics` holds every
         count)."""
         count = self.refusals[refusal.reason] = self.refusals[refusal.reason] + 1
-        total = sum(self.refusals.values())
         if self._log is not None and count & (count - 1) == 0:
+            total = sum(self.refusals.values())
             self._log.debug(
                 "remote.refused",
                 step=total,

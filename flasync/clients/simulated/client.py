@@ -369,15 +369,15 @@ class CohortClients:
         agenda = [(fault.at, i, _FAILED, i) for i, fault in plan.faults.items()]
         jobs: dict[int, Started[Any]] = {}
         training = plan.training
-        batches = isinstance(pool, LoopExecutor)  # its futures give a list of outcomes per submission
-        if len(training) > 1 and self.together and isinstance(pool, LoopExecutor):
-            group = pool.submit_many_async(list(training.values()))
+        batcher = pool if isinstance(pool, LoopExecutor) else None  # its futures give a list of outcomes each
+        if batcher is not None and self.together and len(training) > 1:
+            group = batcher.submit_many_async(list(training.values()))
             jobs[_ALL] = Started(group, group)
             agenda.append((min(plan.prepared[i].done_at for i in training), -1, _ALL_TRAINED, -1))
         else:
             for i, training_job in training.items():
-                if isinstance(pool, LoopExecutor):  # a batch of one
-                    one = pool.submit_many_async((training_job,))
+                if batcher is not None:  # a batch of one
+                    one = batcher.submit_many_async((training_job,))
                     jobs[i] = Started(one, one)
                 else:
                     jobs[i] = clock.start(pool, training_job)
@@ -391,7 +391,7 @@ class CohortClients:
             agenda=agenda,
             order=n,
             failures={i: fault.failure for i, fault in plan.faults.items()},
-            batches=batches,
+            batches=batcher is not None,
         )
         try:
             while agenda:

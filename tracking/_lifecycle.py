@@ -24,6 +24,7 @@ from flasync.tracking._runs import (
 )
 from flasync.tracking._writers import CHILD_START_TIMEOUT_S, RunWriters
 from flasync.tracking.failover import Failover, RunIdentity
+from flasync.tracking.journal import JOURNAL_TAG
 from flasync.tracking.sqlite_metrics import SqliteMetrics
 from flasync.tracking.store import (
     ExperimentDeletedError,
@@ -148,6 +149,10 @@ class RunLifecycle:
         given_tags = {safe_key(k): str(v)[:_MAX_TAG_VALUE] for k, v in {**tags, **owner_tags()}.items()}
         clean_params = {safe_key(k): _param_value(v) for k, v in params.items()}
         self._open_error = None
+        if not wait:
+            # Durable from now on: what is logged before the run opens goes to the journal too.
+            journal = self._failover.open_journal(given_tags, clean_params)
+            given_tags = {**given_tags, JOURNAL_TAG: journal.id}
         # From now on metrics queue; the writer's thread sends them once the run is open.
         self._writers.begin_open()
         if wait:
@@ -207,6 +212,8 @@ class RunLifecycle:
             raise
         finally:
             self._writers.end_open(failed=False)
+        if not self._failover.offline:
+            self._failover.journal_opened()
 
     def _open_run(
         self, experiment: str, run_name: str | None, given_tags: Mapping[str, str], clean_params: Mapping[str, str]
@@ -241,6 +248,7 @@ class RunLifecycle:
             except ExperimentDeletedError:
                 run.started_at = None
                 writers.stop_child()
+                self._failover.retire_journal()  # the run has nowhere to go: the error says so
                 raise
             except Exception as exc:
                 self._failover.spool_opening(exc, clean_tags, clean_params)
@@ -399,6 +407,8 @@ class RunLifecycle:
                         failover.try_recover(force=True)
                     failover.deliver(send, lambda spool: spool.status(status, end))
                 failover.close()
+                if not lost and not failover.offline:
+                    failover.retire_journal()  # the run holds all it kept
 
 
 def _param_value(value: Any) -> str:

@@ -304,7 +304,15 @@ class RunWriters:
         held = self.held_steps
         if held:
             metrics = [row for row in metrics if row.step not in held.get(row.key, ())]
+        journal = self._failover.journal
+        if journal is not None and not self._opened.is_set():
+            journal.metrics(metrics)  # before the run opens, the journal is what a killed process leaves
         self.writer.submit(metrics)
+
+    @property
+    def opening(self) -> bool:
+        """Whether the run is being opened (metrics queue, and go to the journal too)."""
+        return not self._opened.is_set()
 
     def send_soon(self) -> None:
         """Start writing the queued metrics now, without waiting for them."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flasync.tracking.journal import RunJournal
 from flasync.tracking.spool import Replayer, SpoolWriter, default_spool_path, iter_records, rejected, save_progress
 from flasync.tracking.store import check_answers, prepare_sqlite_store, redact_uri
 
@@ -122,6 +123,49 @@ class Failover:
         self.spilled = 0
         """Metric rows the writer's backlog could not hold, kept in the spool while the store answered."""
         self._unreplayed = False  # spilled rows not yet replayed into the run
+        self.journal: RunJournal | None = None
+        """The run's journal while its MLflow run is being opened (see :mod:`flasync.tracking.journal`)."""
+
+    def open_journal(self, tags: Mapping[str, str], params: Mapping[str, str]) -> RunJournal:
+        """Start the run's journal with its ``tags`` (after MLflow's user and source tags) and ``params``."""
+        run = self.run
+        assert run.started_at is not None
+        self.journal = RunJournal(
+            self._spool_root,
+            tracking_uri=run.tracking_uri,
+            experiment=run.experiment,
+            run_name=run.run_name,
+            start_time=run.started_at,
+            tags={**_basic_context_tags(), **tags},
+            params=params,
+            on_failure=self._journal_failed,
+            path=self._spool_path,
+        )
+        return self.journal
+
+    def _journal_failed(self, path: Path, reason: str) -> None:
+        if self.journal is not None and self.journal.adopted:
+            self._spool_failed(path, reason)  # the journal is the spool: what fails to go in is lost
+            return
+        self._log.warning(
+            "tracking.journal_failed",
+            message=f"cannot write the run's journal {path} ({reason}): until its MLflow run opens, what the run logs "
+            "is kept in memory only",
+            path=str(path),
+            error=reason,
+            metrics=False,
+        )
+
+    def journal_opened(self) -> None:
+        """Make the MLflow run just opened the journal's replay target."""
+        journal, run_id = self.journal, self.run.run_id
+        if journal is not None and run_id:
+            journal.opened(run_id, self.run.tracking_uri)
+
+    def retire_journal(self) -> None:
+        """Remove the journal once the store holds all of it (a no-op once it became the spool)."""
+        if self.journal is not None:
+            self.journal.retire()
 
     def replay_command(self) -> str | None:
         """Return the command that sends what is left in the spool, or None when nothing is left."""
@@ -182,7 +226,14 @@ class Failover:
     def _new_spool(self) -> SpoolWriter:
         run = self.run
         assert run.started_at is not None
-        path = self._spool_path or default_spool_path(run.experiment or "experiment", self._spool_root)
+        journal = self.journal
+        if journal is not None and journal.live and journal.spool.failure is None:
+            # The journal holds the run's opening and what was logged before it opened: replayed from its start.
+            self._replay_offset = journal.first
+            return journal.adopt()
+        path = self._spool_path
+        if path is None or (journal is not None and path == journal.path):  # a journal that failed is there
+            path = default_spool_path(run.experiment or "experiment", self._spool_root)
         spool = SpoolWriter(
             path,
             tracking_uri=run.tracking_uri,
@@ -221,6 +272,8 @@ class Failover:
         """Send the opening of a run the store did not take to the spool: its ``tags`` (after MLflow's user and
         source tags, while the store has no run) and ``params``."""
         spool = self.go_offline(error)
+        if self.journal is not None and spool is self.journal.spool:
+            return  # the journal began with them
         if self.run.run_id is None:
             spool.tags({**_basic_context_tags(), **tags})
         spool.params(params)

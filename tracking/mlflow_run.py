@@ -32,7 +32,7 @@ from flasync.tracking._runs import SYSTEM_METRICS_INTERVAL_S
 from flasync.tracking._writers import RunWriters
 from flasync.tracking.failover import Failover, RunIdentity
 from flasync.tracking.metrics import MetricRow
-from flasync.tracking.store import bounded_http, resolve_tracking_uri
+from flasync.tracking.store import bounded_http, redact_uri, resolve_tracking_uri
 from flasync.tracking.writer import MetricWriter
 
 if TYPE_CHECKING:
@@ -300,6 +300,26 @@ class MlflowTracker:
         return spool.path if spool is not None else None
 
     @property
+    def journal_id(self) -> str | None:
+        """The id of the run's journal (see :mod:`flasync.tracking.journal`): set by ``start(wait=False)``, it names
+        the run before MLflow has, and ``python -m flasync run --resume`` takes it; None otherwise."""
+        journal = self._failover.journal
+        return journal.id if journal is not None else None
+
+    def keep_early(self, data: bytes, artifact_file: str) -> bool:
+        """Keep an artifact (a checkpoint) in the run's journal while its MLflow run is being opened, after every
+        metric logged so far; False when the run is open (or has no journal, or the journal cannot take it): then
+        log it as usual."""
+        journal = self._failover.journal
+        return journal is not None and self._writers.opening and journal.artifact(data, artifact_file)
+
+    def retire_journal(self) -> None:
+        """Remove the run's journal: the store holds everything it kept (a checkpoint was written after the run
+        opened, its metrics flushed first); a journal that became the spool is kept."""
+        if not self._writers.opening:
+            self._failover.retire_journal()
+
+    @property
     def offline(self) -> bool:
         """Whether records currently go to the spool (the store failed and has not answered since)."""
         return self._failover.offline
@@ -484,7 +504,26 @@ class MlflowTracker:
         Raises:
             ValueError: ``status`` is not one of those.
         """
+        self._send_journaled()
         self._lifecycle.finish(status)
+
+    def _send_journaled(self) -> None:
+        """Log the checkpoints the journal kept while the run was being opened, whose successors did not reach the
+        store (a run stopped early): the journal is removed once the run ends."""
+        journal = self._failover.journal
+        if journal is None or not journal.live:
+            return
+        kept = journal.kept()
+        if not kept:
+            return
+        self._lifecycle.await_open()
+        if not self._lifecycle.started or not journal.live:
+            return
+        try:
+            self.log_artifacts({name: path.read_bytes() for name, path in kept.items()})
+        except Exception as exc:  # then the journal is kept: a replay sends them
+            self._log.warning("tracking.journal_send_failed", error=redact_uri(str(exc))[:300], metrics=False)
+            journal.keep()
 
     def ui_command(self) -> str | None:
         """Return the shell command that opens this store in the MLflow UI.

@@ -144,6 +144,8 @@ class SpoolWriter:
         self.lost: Counter[str] = Counter()
         """Records refused since the failure, by type (metrics records count their rows)."""
         self._artifacts = 0
+        self.latest: set[str] = set()
+        """The artifacts :meth:`artifact_latest` keeps, by their path inside the run."""
         self.records = 0
         self.header: dict[str, Any] = {
             "type": "header",
@@ -234,6 +236,37 @@ class SpoolWriter:
         local = self._copy(artifact_file, lambda local: local.write_bytes(data), name)
         if local is not None:
             self._artifact_record(local, folder or None)
+
+    def artifact_latest(self, data: bytes, artifact_file: str) -> bool:
+        """Keep ``data`` as the newest version of ``artifact_file``: one file in the spool's artifact folder, replaced
+        whole (a new version is written beside it, then renamed over it), whose record is spooled the first time only;
+        a replay uploads the version there then. False (the spool failed, the artifact counted lost) on an error."""
+        folder, name = os.path.split(artifact_file.strip("/"))
+        if not name or any(part in ("", ".", "..") for part in Path(artifact_file.strip("/")).parts):
+            raise ValueError(f"artifact_file {artifact_file!r} names no file")
+        with self._lock:
+            known = artifact_file in self.latest
+            local = self.artifacts_dir / "latest" / artifact_file.strip("/")
+        if self.failure is not None:
+            self.lost["artifact"] += 1
+            return False
+        try:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            temporary = local.with_name(local.name + ".tmp")
+            temporary.write_bytes(data)
+            os.replace(temporary, local)
+        except OSError as exc:
+            with self._lock:
+                self.failure = exc.strerror or str(exc)
+                self.lost["artifact"] += 1
+            if self._on_failure is not None:
+                self._on_failure(self.path, self.failure)
+            return False
+        if not known:
+            with self._lock:
+                self.latest.add(artifact_file)
+            self._artifact_record(local, folder or None)
+        return self.failure is None
 
     def artifact_path(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Copy a local file or folder into the spool's artifact folder and spool a record for it."""

@@ -86,6 +86,8 @@ def command_run(args: argparse.Namespace, *, process_ends: bool = False) -> int:
                 except tracking.StoreNotWritableError as exc:
                     raise UsageError(str(exc)) from None
             tracker = tracked.mlflow_tracker(config)
+            if not args.print_config:
+                _tell_left_behind()
         else:
             tracker = tracking.NullTracker()
     if args.print_config:
@@ -130,6 +132,22 @@ def command_run(args: argparse.Namespace, *, process_ends: bool = False) -> int:
     if replay_command:
         print(f"  tracking spool  MLflow did not answer; send the spool with: {replay_command}", flush=True)
     return 0
+
+
+def _tell_left_behind(most: int = 3) -> None:
+    """Name the runs killed before their MLflow run held all they logged (their journals are left), and how to
+    continue or keep each."""
+    from flasync.tracking.journal import left_behind
+
+    left = left_behind()
+    for path in left[:most]:
+        print(
+            f"flasync: run {path.stem} was killed (its journal {path} is left): continue it with "
+            f"python -m flasync run --resume {path.stem}, or keep what it logged with flasync tracking replay {path}",
+            file=sys.stderr,
+        )
+    if len(left) > most:
+        print(f"flasync: and {len(left) - most} more killed runs' journals in {left[0].parent}", file=sys.stderr)
 
 
 def _progress_bar(log_format: str) -> ProgressBar | None:

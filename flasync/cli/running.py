@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import signal
 import sys
@@ -12,12 +13,13 @@ from typing import TYPE_CHECKING
 from flasync import tracking
 from flasync.cli.shared import format_bytes
 from flasync.config import RunConfig, apply_override, load_config, validate
-from flasync.core.errors import ConfigError
+from flasync.core.errors import CheckpointError, ConfigError
 from flasync.runtime import tracked
 
 if TYPE_CHECKING:
     from flasync.runtime import checkpoint
     from flasync.runtime.federation import Federation, RunSummary
+    from flasync.tracking.spool import ReplayResult
 
 SIGNAL_STATUS = {"SIGINT": 130, "SIGTERM": 143}
 
@@ -34,22 +36,32 @@ def resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.Resu
     uri = tracking.resolve_tracking_uri(args.tracking_uri)
     from flasync.runtime import checkpoint  # torch: imported once the command needs it
 
-    config, state, status, tags, artifact = checkpoint.fetch(args.resume, uri)
+    run_id, replayed = _recover(args.resume, uri)
+    try:
+        config, state, status, tags, artifact = checkpoint.fetch(run_id, uri)
+    except CheckpointError:
+        if replayed is None:
+            raise
+        _end_killed(uri, run_id)  # its process is gone: the run stays as what it is, a killed one
+        raise CheckpointError(
+            f"run {args.resume} was killed before its first checkpoint: nothing to resume from; what it logged "
+            f"({replayed.metrics} metric rows) is in MLflow run {run_id}, now KILLED; start the run again"
+        ) from None
     if status == "FINISHED":
-        raise ConfigError(f"MLflow run {args.resume} already FINISHED; there is nothing to resume")
+        raise ConfigError(f"MLflow run {run_id} already FINISHED; there is nothing to resume")
     if status == "RUNNING":
         from flasync.core.owner import HOST_TAG, PID_TAG, owner_alive
 
         alive = owner_alive(tags)
         if alive:
             raise ConfigError(
-                f"MLflow run {args.resume} is still running (process {tags[PID_TAG]} on {tags[HOST_TAG]}); "
+                f"MLflow run {run_id} is still running (process {tags[PID_TAG]} on {tags[HOST_TAG]}); "
                 "stop it first (Ctrl-C writes a checkpoint) and resume it then"
             )
         if alive is None:
             raise ConfigError(
-                f"MLflow run {args.resume} is RUNNING and its process cannot be checked from here; if it is gone, "
-                f"mark it failed with: flasync tracking mark-failed {args.resume} --force"
+                f"MLflow run {run_id} is RUNNING and its process cannot be checked from here; if it is gone, "
+                f"mark it failed with: flasync tracking mark-failed {run_id} --force"
             )
     data = config.model_dump(mode="json")
     data["tracking"] |= {"uri": uri, "system_metrics": not args.no_system_metrics}
@@ -58,7 +70,41 @@ def resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.Resu
     for override in args.overrides:
         apply_override(data, override)
     resumed = validate(data)
-    return resumed, checkpoint.ResumePoint(args.resume, state, artifact), tracked.mlflow_tracker(resumed)
+    return resumed, checkpoint.ResumePoint(run_id, state, artifact), tracked.mlflow_tracker(resumed)
+
+
+def _end_killed(uri: str, run_id: str) -> None:
+    """Mark a run replayed from the journal of a killed process KILLED (a store failing now leaves it RUNNING)."""
+    import mlflow
+
+    from flasync.tracking.store import bounded_http
+
+    with contextlib.suppress(Exception), bounded_http(uri):
+        mlflow.MlflowClient(tracking_uri=uri).set_terminated(run_id, "KILLED")
+
+
+def _recover(resume_id: str, uri: str) -> tuple[str, ReplayResult | None]:
+    """Return the MLflow run ``--resume`` names (a journal id or a run id), after replaying the journal a killed
+    run left, saying so on stderr (see :func:`flasync.tracking.journal.recover`)."""
+    from flasync.tracking.journal import recover
+    from flasync.tracking.spool import SpoolError
+
+    try:
+        recovered = recover(resume_id, uri)
+    except SpoolError as exc:
+        raise ConfigError(f"--resume {resume_id}: {exc}") from None
+    except Exception as exc:  # the store failed during the replay: its progress is kept for the next try
+        reason = tracking.redact_uri(str(exc)).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise ConfigError(f"--resume {resume_id}: its journal could not be replayed into {uri}: {reason}") from None
+    replayed = recovered.replayed
+    if replayed is not None:
+        print(
+            f"flasync: run {resume_id}'s journal {recovered.journal} replayed into MLflow run {recovered.run_id} "
+            f"({replayed.metrics} metric rows, {replayed.artifacts} checkpoints)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return recovered.run_id, replayed
 
 
 def resolve(args: argparse.Namespace) -> RunConfig:

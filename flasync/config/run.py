@@ -163,9 +163,10 @@ class RunConfig(_Section):
                 ("faults", "availability"),
                 f"windows pick online clients themselves; they need population.sampling = 'uniform', not {sampling!r}",
             )
-        if self.checkpoint.every_versions is not None and sampling == "lru":
+        periodic = next((k for k in ("every_versions", "every_s") if getattr(self.checkpoint, k) is not None), None)
+        if periodic is not None and sampling == "lru":
             raise _FieldError(
-                ("checkpoint", "every_versions"),
+                ("checkpoint", periodic),
                 "checkpoints do not hold the least-recently-used sampler's queue; use another population.sampling",
             )
         if self.faults.hang > 0 and res.task_timeout_s is None:

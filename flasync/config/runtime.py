@@ -15,6 +15,12 @@ class CheckpointConfig(_Section):
     """Checkpoints of the whole run state, written as MLflow artifacts (``checkpoints/a.pt`` and ``b.pt`` in turn)."""
 
     every_versions: int | None = Field(None, ge=1, description="Write a checkpoint every N model versions.")
+    every_s: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Also write one at the first version made this many wall seconds after the last (None: off).",
+    )
     on_interrupt: bool = Field(True, description="Write a checkpoint when SIGINT/SIGTERM stops the run.")
 
 

@@ -660,6 +660,7 @@ def _stop_rules(config: RunConfig) -> StopRules:
         max_wall_s=stop.max_wall_s,
         eval_every=config.eval.every_versions,
         checkpoint_every=config.checkpoint.every_versions,
+        checkpoint_every_s=config.checkpoint.every_s,
     )
 
 

@@ -434,19 +434,26 @@ class CheckpointWriter:
     def _write(self, state: dict[str, Any], taken: float) -> None:
         start = self._wall()
         version = int(state["version"])
+        tracker = self._tracker
+        journaling = tracker if isinstance(tracker, tracking.MlflowTracker) else None
         try:
-            if not self._tracker.flush():
-                self._log.warning(
-                    "checkpoint.skipped",
-                    version=version,
-                    reason="the metrics it covers are not all written yet",
-                    metrics=False,
-                )
-                return
             data = encode(state, redacted(self._config))
             # The other slot keeps the previous checkpoint whole while this one is written (and if this fails).
             slot = CHECKPOINT_SLOTS[self._slot]
-            self._tracker.log_bytes(data, slot)
+            # While the MLflow run is being opened, the run's journal keeps it, after the metrics it covers.
+            journaled = journaling is not None and journaling.keep_early(data, slot)
+            if not journaled:
+                if not tracker.flush():
+                    self._log.warning(
+                        "checkpoint.skipped",
+                        version=version,
+                        reason="the metrics it covers are not all written yet",
+                        metrics=False,
+                    )
+                    return
+                tracker.log_bytes(data, slot)
+                if journaling is not None:
+                    journaling.retire_journal()  # the store holds all the journal kept
         except Exception as exc:  # a failing store must not take the run down
             self._log.warning("checkpoint.failed", version=version, error=f"{type(exc).__name__}: {exc}", metrics=False)
             return
@@ -460,6 +467,7 @@ class CheckpointWriter:
             lag_s=self._wall() - taken,
             superseded=self.superseded,
             in_flight=len(state["registry"]["in_flight"]),
+            journal=journaled,
         )
 
     def close(self) -> None:

@@ -160,13 +160,13 @@ class Simulation:
             server.request_stop(self._stop_requested())
         instruments = instrumentation(cfg, self._bus, server, layout, self._log, self._clock.now)
         start_wall = self._wall()
+        journal = getattr(self._tracker, "journal_id", None)  # names the run until MLflow has (--resume takes it)
         self._log.info(
             "run.started",
-            **({"run_id": self.run_id} if self.run_id else {}),
+            **({"run_id": self.run_id} if self.run_id else {"run": journal} if journal else {}),
             clients=cfg.population.num_clients,
             aggregator=cfg.server.kind,
-            clock=cfg.clock,
-            params=self._prepared.initial.numel(),
+            params=self._prepared.initial.numel(),  # the clock is in the summary: the line keeps to 120 columns
             metrics=False,
         )
         stats, cancelled, residual_memory = await self._run_to_end(server, world, writes, instruments)

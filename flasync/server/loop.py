@@ -147,6 +147,7 @@ class Server:
         self.bus = bus
         self.clock = clock
         self.wall = wall
+        self._last_checkpoint = wall()
         self.log = log
         self.aggregator = aggregator
         self.policy = policy
@@ -360,8 +361,13 @@ class Server:
         version = int(self.version)
         if self.rules.evaluates(version):
             await self._versions.evaluate()
-        if self.on_checkpoint is not None and self.rules.checkpoints(version):
+        if self.on_checkpoint is not None and self.rules.checkpoints(version, self._since_checkpoint):
+            self._last_checkpoint = self.wall()
             self.on_checkpoint(self.state_dict())
+
+    def _since_checkpoint(self) -> float:
+        """Wall seconds since the last checkpoint (since the loop was made, before the first)."""
+        return self.wall() - self._last_checkpoint
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

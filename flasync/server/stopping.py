@@ -24,6 +24,7 @@ class StopRules:
     max_wall_s: float | None = None
     eval_every: int = 1
     checkpoint_every: int | None = None
+    checkpoint_every_s: float | None = None
 
     def reason(
         self, stats: ServerStats, *, requested: bool, now: Callable[[], float], elapsed_s: Callable[[], float]
@@ -55,11 +56,18 @@ class StopRules:
         """Tell whether the model of ``version`` is evaluated (every ``eval_every`` versions)."""
         return version % self.eval_every == 0
 
-    def checkpoints(self, version: int) -> bool:
-        """Tell whether a checkpoint is offered at ``version``: every ``checkpoint_every`` versions, never at
-        ``max_versions`` (the last version is the run's result, not a point to restart from)."""
+    def checkpoints(self, version: int, since_s: Callable[[], float] | None = None) -> bool:
+        """Tell whether a checkpoint is offered at ``version``: every ``checkpoint_every`` versions, or at the first
+        version made ``checkpoint_every_s`` wall seconds or more after the last checkpoint (``since_s`` reads them,
+        only if that is set); never at ``max_versions`` (the last version is the run's result, not a point to restart
+        from)."""
+        if version >= self.max_versions:
+            return False
         every = self.checkpoint_every
-        return every is not None and version % every == 0 and version < self.max_versions
+        if every is not None and version % every == 0:
+            return True
+        every_s = self.checkpoint_every_s
+        return every_s is not None and since_s is not None and since_s() >= every_s
 
 
 def eta_seconds(rules: StopRules, done: int, version: int, wall_s: float) -> float:

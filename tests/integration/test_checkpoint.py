@@ -592,10 +592,12 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
         text=True,
     )
     assert process.stdout is not None
-    run_id = None
+    run_id = journal_id = None
     for line in process.stdout:
         found = re.search(r"run_id=(\w{32})", line)
         run_id = run_id or (found.group(1) if found else None)
+        named = re.search(r"run\.started +run=(\w{32})", line)
+        journal_id = journal_id or (named.group(1) if named else None)
         if run_id and "server.eval" in line and re.search(r"\bversion=(1[2-9]|[2-9]\d|\d{3,})\b", line):
             client = mlflow.MlflowClient(store)
             # Both slots exist: the second write began after the first ended, so one of them is whole even if the
@@ -630,7 +632,10 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
     # uninterrupted run to compare with is as short.
     last = max(max(before), saved_version) + 10
     stop = f"stop.max_versions={last}"
-    resumed = _run_cli(tmp_path, "--resume", run_id, "--tracking-uri", store, "--set", stop)
+    # The id printed before training started names the run: its journal was retired once a checkpoint reached the
+    # store, and the MLflow run carries the id as a tag.
+    assert journal_id is not None and not (tmp_path / "mlruns" / "spool" / f"{journal_id}.jsonl").exists()
+    resumed = _run_cli(tmp_path, "--resume", journal_id, "--tracking-uri", store, "--set", stop)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     sha = re.search(r"weights sha256  ([0-9a-f]{64})", resumed.stdout)
     config = load_config(tmp_path / "cfg.yaml", ["tracking.enabled=false", stop])
@@ -638,6 +643,80 @@ def test_a_killed_run_is_marked_failed_and_resumed_to_the_uninterrupted_weights(
     assert client.get_run(run_id).info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run_id, "server/eval/accuracy")]
     assert sorted(steps) == list(range(0, last + 1, 2)), f"killed at {max(before)}, resumed from {saved_version}"
+
+
+SLOW_MLFLOW = """
+import os, sys, time
+
+
+class _SlowMlflow:
+    # Delays the first import of MLflow: the writer process takes that long to open the run.
+    def find_spec(self, name, path=None, target=None):
+        if name == "mlflow":
+            sys.meta_path.remove(self)
+            time.sleep(float(os.environ["FLASYNC_TEST_MLFLOW_IMPORT_S"]))
+        return None
+
+
+if os.environ.get("FLASYNC_TEST_MLFLOW_IMPORT_S"):
+    sys.meta_path.insert(0, _SlowMlflow())
+"""
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_mlflow_run_opened_resumes_from_its_journal(tmp_path: Path) -> None:
+    """SIGKILL while the MLflow run is still being opened (its writer process held up importing MLflow): no run is
+    in the store, but the journal holds the run's metrics and checkpoints; --resume with the id printed before
+    training started replays it into a new MLflow run and continues to the uninterrupted run's weights, every
+    evaluation step in the store once; the next start named the journal before it was replayed."""
+    versions = 400
+    (tmp_path / "cfg.yaml").write_text(CONFIG.replace("max_versions: 24", f"max_versions: {versions}"))
+    (tmp_path / "hooks").mkdir()
+    (tmp_path / "hooks" / "sitecustomize.py").write_text(SLOW_MLFLOW)
+    store = _store(tmp_path)
+    prepare_sqlite_store(store)
+    env = _env()
+    env["PYTHONPATH"] = f"{tmp_path / 'hooks'}{os.pathsep}{env['PYTHONPATH']}"
+    env["FLASYNC_TEST_MLFLOW_IMPORT_S"] = "90"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flasync", "run", "cfg.yaml", "--tracking-uri", store, "--no-system-metrics"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    journal_id = None
+    for line in process.stdout:
+        named = re.search(r"run\.started +run=(\w{32})", line)
+        journal_id = journal_id or (named.group(1) if named else None)
+        assert "run.opened" not in line
+        if journal_id and "server.eval" in line and re.search(r"\bversion=(2[4-9]|[3-9]\d|\d{3,})\b", line):
+            process.kill()
+            break
+    rest, _ = process.communicate(timeout=60)
+    assert journal_id is not None and process.returncode == -signal.SIGKILL, rest[-2000:]
+    client = mlflow.MlflowClient(store)
+    assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []
+    journal = tmp_path / "mlruns" / "spool" / f"{journal_id}.jsonl"
+    assert journal.is_file()
+
+    told = _run_cli(tmp_path, "--tracking-uri", store, "--set", "stop.max_versions=2")
+    assert f"run {journal_id} was killed" in told.stderr and f"--resume {journal_id}" in told.stderr, told.stderr
+
+    stop = f"stop.max_versions={40}"
+    resumed = _run_cli(tmp_path, "--resume", journal_id, "--tracking-uri", store, "--set", stop)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"run {journal_id}'s journal {journal} replayed into MLflow run" in resumed.stderr
+    sha = re.search(r"weights sha256  ([0-9a-f]{64})", resumed.stdout)
+    config = load_config(tmp_path / "cfg.yaml", ["tracking.enabled=false", stop])
+    assert sha is not None and sha.group(1) == flasync.run(config).weights_sha256
+    run_id = re.search(r"MLflow run +(\w{32})", resumed.stdout)
+    assert run_id is not None and not journal.exists()
+    assert client.get_run(run_id.group(1)).info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run_id.group(1), "server/eval/accuracy")]
+    assert sorted(steps) == list(range(0, 41, 2))
 
 
 @pytest.mark.slow

@@ -64,6 +64,17 @@ def test_a_checkpoint_every_n_versions_but_not_at_the_last() -> None:
     assert not any(StopRules(max_versions=6).checkpoints(v) for v in range(1, 7))
 
 
+def test_a_checkpoint_is_offered_once_its_wall_seconds_passed_never_at_the_last_version() -> None:
+    """checkpoint_every_s offers one at the first version made that long after the last checkpoint; the versions
+    rule still holds beside it, and the last version is never one."""
+    rules = StopRules(max_versions=6, checkpoint_every=4, checkpoint_every_s=30.0)
+    assert rules.checkpoints(4, lambda: 0.0)
+    assert not rules.checkpoints(3, lambda: 29.9)
+    assert rules.checkpoints(3, lambda: 30.0)
+    assert not rules.checkpoints(6, lambda: 99.0)
+    assert not StopRules(max_versions=6).checkpoints(3, lambda: 99.0)
+
+
 def test_the_eta_follows_the_pace_and_the_wall_limit() -> None:
     """Versions left at the pace so far, capped by the wall time left; NaN before a version was made."""
     assert eta_seconds(StopRules(max_versions=10), 2, 4, 8.0) == pytest.approx(24.0)

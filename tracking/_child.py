@@ -240,6 +240,8 @@ class _Monitor:
         from flasync.tracking._runs import start_monitor
 
         def sink(rows: list[MetricRow]) -> None:
+            # A failing store raises here: the monitor's sink holds the rows and hands them again with its next
+            # sample (flasync.tracking._runs.MonitorSink), as the parent's spool would replay them.
             metrics = [Metric(m.key, m.value, m.timestamp, m.step) for m in rows]
             client.log_batch(run_id, metrics=metrics, synchronous=True)
 

@@ -27,6 +27,7 @@ __all__ = [
     "SYSTEM_METRICS_INTERVAL_S",
     "SYSTEM_METRICS_MIN_INTERVAL_S",
     "MonitorSink",
+    "SystemSampler",
     "open_run",
     "send_tags",
     "start_monitor",
@@ -133,27 +134,101 @@ def _chunks(items: Sequence[_T], size: int) -> Iterator[list[_T]]:
         yield list(items[begin : begin + size])
 
 
+_HELD_SYSTEM_ROWS = 10_000
+"""System metric rows a sink that fails holds for its next write (older ones are dropped, and counted, past it)."""
+
+
 class MonitorSink:
     """Takes the place of the ``BatchMetricsLogger`` of MLflow's ``SystemMetricsMonitor``.
 
     The monitor calls ``record_metrics({key: value}, step)`` and ``flush()``, and reads three counters in debug
-    messages; the samples are handed to a non-blocking sink (the tracker's metric writer) instead of being sent
-    with a blocking ``log_batch`` of the monitor's own.
+    messages; the samples are handed to a sink (the tracker's metric writer, which spools while the store fails, or
+    a writer process's ``log_batch``) instead of being sent with a blocking ``log_batch`` of the monitor's own. Rows a
+    sink refuses (it raised) are held and handed again, before the next sample's, up to :data:`_HELD_SYSTEM_ROWS`;
+    :attr:`lost` counts those dropped past that bound and those still held when the monitor stops.
     """
 
     def __init__(self, sink: Callable[[list[MetricRow]], None]) -> None:
         self._sink = sink
         self.data: list[MetricRow] = []
+        """Rows the sink refused, oldest first, handed again with the next sample."""
+        self.lost = 0
         self.total_training_time = 0.0
         self.total_log_batch_time = 0.0
 
     def record_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Hand one sample of every system metric to the sink."""
+        """Hand one sample of every system metric to the sink (after any it refused before)."""
         now = int(time.time() * 1000)
-        self._sink([MetricRow(safe_key(k), float(v), now, int(step or 0)) for k, v in metrics.items()])
+        self.data.extend(MetricRow(safe_key(k), float(v), now, int(step or 0)) for k, v in metrics.items())
+        self.flush()
+        if len(self.data) > _HELD_SYSTEM_ROWS:
+            self.lost += len(self.data) - _HELD_SYSTEM_ROWS
+            del self.data[: len(self.data) - _HELD_SYSTEM_ROWS]
 
     def flush(self) -> None:
-        """Nothing to do: the sink owns what was recorded."""
+        """Hand the rows held to the sink; keep them if it refuses them (it raised)."""
+        if not self.data:
+            return
+        try:
+            self._sink(self.data)
+        except Exception:  # a failing store: the rows wait for the next sample
+            return
+        self.data = []
+
+
+class SystemSampler:
+    """Sample MLflow's system monitors on a thread: every ``interval_s``, publish each ``samples_before_logging``
+    samples' aggregate to the monitor's sink, and the last ones when stopped.
+
+    It replaces ``SystemMetricsMonitor.monitor``, MLflow's loop, which asks the store for the run's status after
+    every sample and ends for good when that call fails: a store down for a moment would stop the run's system
+    metrics until its end. This loop never reads the store; what it samples goes to the sink (:class:`MonitorSink`).
+
+    Args:
+        monitor: MLflow's ``SystemMetricsMonitor``, its ``mlflow_logger`` a :class:`MonitorSink`.
+        interval_s: Seconds between two samples.
+    """
+
+    def __init__(self, monitor: Any, interval_s: float) -> None:
+        self._monitor = monitor
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def sink(self) -> MonitorSink:
+        """Where the samples go."""
+        sink: MonitorSink = self._monitor.mlflow_logger
+        return sink
+
+    def start(self) -> None:
+        """Start sampling on a daemon thread."""
+        self._thread = threading.Thread(target=self._loop, name="tracking-system-metrics", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """Stop sampling, publish the samples taken since the last publication, hand the held rows once more; count
+        those still held as lost."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        sink = self.sink
+        sink.flush()
+        sink.lost += len(sink.data)
+        sink.data = []
+
+    def _loop(self) -> None:
+        monitor = self._monitor
+        while not self._stop.is_set():
+            taken = 0
+            for _ in range(max(int(monitor.samples_before_logging), 1)):
+                monitor.collect_metrics()
+                taken += 1
+                if self._stop.wait(self._interval_s):
+                    break
+            if taken:
+                monitor.publish_metrics(monitor.aggregate_metrics())
 
 
 def start_monitor(
@@ -161,9 +236,10 @@ def start_monitor(
     tracking_uri: str,
     sink: Callable[[list[MetricRow]], None],
     interval_s: float = SYSTEM_METRICS_INTERVAL_S,
-) -> Any:
-    """Start MLflow's ``SystemMetricsMonitor`` for the run, sampling every ``interval_s`` seconds, its samples handed
-    to ``sink``; return it (stop it with :func:`stop_monitor`)."""
+) -> SystemSampler:
+    """Start MLflow's system monitors for the run, sampling every ``interval_s`` seconds on :class:`SystemSampler`'s
+    loop, their samples handed to ``sink`` through a :class:`MonitorSink`; return the sampler (stop it with
+    :func:`stop_monitor`)."""
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     # MLflow leaves this class unannotated.
@@ -171,13 +247,14 @@ def start_monitor(
         run_id, sampling_interval=interval_s, tracking_uri=tracking_uri
     )
     monitor.mlflow_logger = MonitorSink(sink)
-    monitor.start()
-    return monitor
+    sampler = SystemSampler(monitor, interval_s)
+    sampler.start()
+    return sampler
 
 
 def stop_monitor(monitor: Any) -> bool:
-    """Stop a system monitor, waiting a bounded time (its loop asks the store for the run's status); False when it
-    did not stop in time."""
+    """Stop a system monitor, waiting a bounded time (its last hand-over to the sink may wait on the store); False
+    when it did not stop in time."""
     stopper = threading.Thread(target=monitor.finish, name="tracking-monitor-stop", daemon=True)
     stopper.start()
     stopper.join(_MONITOR_STOP_TIMEOUT_S)

@@ -337,13 +337,16 @@ class RunWriters:
         return True
 
     def stop_monitor(self) -> None:
-        """Stop this process's system monitor, if any, waiting a bounded time: its loop asks the store for the
-        run's status."""
+        """Stop this process's system monitor, if any, waiting a bounded time; warn of the system metric rows it
+        lost (``tracking.system_metrics_lost``: its sink is this tracker's writer, which spools, so only rows the
+        writer refused)."""
         monitor = self.monitor
         if monitor is None:
             return
         if not stop_monitor(monitor):
             self._log.warning("tracking.system_monitor_stuck", timeout_s=_MONITOR_STOP_TIMEOUT_S, metrics=False)
+        elif monitor.sink.lost:
+            self._log.warning("tracking.system_metrics_lost", rows=monitor.sink.lost, metrics=False)
         self.monitor = None
 
     def close_writer(self) -> int:

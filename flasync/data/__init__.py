@@ -788,10 +788,11 @@ class SyntheticClients:
     """:func:`make_synthetic` data drawn per client on demand: client ``k``'s samples come from its own stream.
 
     Nothing is stored per client: ``client(k)`` draws ``sizes[k]`` samples from ``numpy_stream(seed, DATA, 2, k)``
-    every time it is called (the same samples each time), so a population of any size costs its ``sizes`` array.
+    every time it is called (the same samples each time), so a population of any size costs its ``sizes`` array
+    (nothing per client where that is one count broadcast over every client, ``np.broadcast_to``).
 
     Args:
-        sizes: Samples per client.
+        sizes: Samples per client (any integer dtype; kept as given, without a copy).
         num_features: Feature dimension.
         num_classes: Number of classes.
         seed: The run's seed.
@@ -799,7 +800,9 @@ class SyntheticClients:
 
     def __init__(self, sizes: np.ndarray, *, num_features: int = 32, num_classes: int = 10, seed: int = 0) -> None:
         """Remember the sizes; draw nothing yet."""
-        self.sizes = np.asarray(sizes, dtype=np.int32)
+        self.sizes = np.asarray(sizes)
+        if not np.issubdtype(self.sizes.dtype, np.integer):
+            raise DataError(f"sizes must be integers, got dtype {self.sizes.dtype}")
         self.num_features = num_features
         self.num_classes = num_classes
         self.seed = seed

@@ -150,7 +150,8 @@ def lazy_clients(cfg: RunConfig) -> SyntheticClients:
     """Return the clients of a lazy synthetic source, each drawing its own data when sampled."""
     source = cfg.data
     assert isinstance(source, SyntheticData)
-    sizes = np.full(cfg.population.num_clients, source.samples_per_client, dtype=np.int32)
+    # One value seen through a zero stride: every client holds the same count, stored once.
+    sizes = np.broadcast_to(np.int64(source.samples_per_client), (cfg.population.num_clients,))
     return SyntheticClients(sizes, num_features=source.num_features, num_classes=source.num_classes, seed=cfg.seed)
 
 

@@ -1,5 +1,5 @@
 """The artifacts a finished run logs: its summary, its profile and the profile's plots, its weights and the trained
-model, exported while the rest is logged."""
+model, exported while the rest is logged; and the profile a stopped run logs."""
 
 from __future__ import annotations
 
@@ -19,10 +19,23 @@ from flasync.observe.plots import render_plots
 from flasync.observe.summary import RunSummary, json_ready
 from flasync.runtime import tracked
 from flasync.runtime.prepare import Prepared
+from flasync.runtime.run_profile import profile_artifact
 from flasync.runtime.run_tracking import example, tag_constants
 from flasync.training.diagnostics import TrainingDiagnostics
 
-__all__ = ["log_artifacts"]
+__all__ = ["log_artifacts", "log_stopped_profile"]
+
+
+def log_stopped_profile(tracker: tracking.Tracker, profile: dict[str, Any], log: Any) -> None:
+    """Log the profile of a stopped segment of a run (to :func:`~flasync.runtime.run_profile.profile_artifact`'s
+    name); a store that refuses it is a warning, never an error hiding the stop."""
+    if isinstance(tracker, tracking.NullTracker):
+        return
+    name = profile_artifact(profile)
+    try:
+        tracker.log_bytes(tracking.artifact_bytes(json_ready(profile), name), name)
+    except Exception as exc:
+        log.warning("tracking.profile_failed", artifact=name, error=f"{type(exc).__name__}: {exc}", metrics=False)
 
 
 def log_artifacts(
@@ -58,7 +71,8 @@ def log_artifacts(
         mlflow_tracker.send_soon()
     files = {"summary.json": tracking.artifact_bytes(summary.to_dict(), "summary.json")}
     if profile is not None:
-        files["profile.json"] = tracking.artifact_bytes(json_ready(profile), "profile.json")
+        name = profile_artifact(profile)
+        files[name] = tracking.artifact_bytes(json_ready(profile), name)
         if config.diagnostics.plots:
             files.update(_plots(profile, log))
     module = prepared.factory()

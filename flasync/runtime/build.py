@@ -533,7 +533,8 @@ def _make_dispatch(
         num_clients=len(population),
         start=start,
         timeout_s=config.resilience.task_timeout_s,
-        mark_used=population.mark_used,
+        # Only least-recently-used sampling reads the clients' last use: other runs never build that state.
+        mark_used=population.mark_used if config.population.sampling == "lru" else None,
         on_release=world.forget,
         share=share,
     )

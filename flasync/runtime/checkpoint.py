@@ -36,6 +36,7 @@ from flasync._version import __version__
 from flasync.config import RunConfig, validate
 from flasync.core.errors import CheckpointError, ConfigError
 from flasync.runtime.tracked import redacted
+from flasync.server.registry import participation_counters
 from flasync.tracking.mlflow_run import yaml_text
 from flasync.tracking.store import sqlite_path
 
@@ -194,9 +195,13 @@ def check_state(state: dict[str, Any]) -> None:
     if not isinstance(clock_now, int | float) or not math.isfinite(clock_now) or clock_now < 0:
         raise CheckpointError(f"checkpoint field clock.now: must be a finite number >= 0, got {clock_now!r}")
     registry = state["registry"]
-    participations = _tensor(registry, "participations", dims=1, where="registry.")
-    if participations.numel() and int(participations.min()) < 0:
-        raise CheckpointError("checkpoint field registry.participations: counts must be >= 0")
+    num_clients, clients, counts = participation_counters(registry)
+    if num_clients < 1 or num_clients > MAX_COUNT:
+        raise CheckpointError(f"checkpoint field registry.num_clients: must be in [1, {MAX_COUNT}], got {num_clients}")
+    if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > MAX_COUNT):
+        raise CheckpointError(f"checkpoint field registry.participation_counts: must be in [0, {MAX_COUNT}]")
+    if clients.numel() and (int(clients.min()) < 0 or int(clients.max()) >= num_clients):
+        raise CheckpointError(f"checkpoint field registry.participation_clients: ids must be in [0, {num_clients - 1}]")
     bases = registry.get("bases")
     if not isinstance(bases, list) or not bases:
         raise CheckpointError("checkpoint field registry.bases: missing or empty")
@@ -220,7 +225,7 @@ def check_state(state: dict[str, Any]) -> None:
         if not isinstance(task, dict):
             raise CheckpointError(f"checkpoint field {where[:-1]}: not a mapping")
         _int(task, "task_id", low=0, where=where)
-        _int(task, "client_id", low=0, high=participations.numel() - 1, where=where)
+        _int(task, "client_id", low=0, high=num_clients - 1, where=where)
         _int(task, "participation", low=0, where=where)
         if _int(task, "base_version", low=0, high=version, where=where) not in versions:
             raise CheckpointError(f"checkpoint field {where}base_version: no such base model")
@@ -242,10 +247,10 @@ def check_fits(state: dict[str, Any], *, num_params: int, num_clients: int) -> N
     weights = state["weights"].numel()
     if weights != num_params:
         raise CheckpointError(f"checkpoint field weights: {weights} parameters, but the run's model has {num_params}")
-    clients = state["registry"]["participations"].numel()
+    clients, _, _ = participation_counters(state["registry"])
     if clients != num_clients:
         raise CheckpointError(
-            f"checkpoint field registry.participations: {clients} clients, but the run's population has {num_clients}"
+            f"checkpoint field registry.num_clients: {clients} clients, but the run's population has {num_clients}"
         )
 
 

@@ -29,7 +29,7 @@ from flasync.core.loops import run_loop
 from flasync.data import ArrayData
 from flasync.observe.summary import RunSummary, weights_sha256
 from flasync.runtime import checkpoint
-from flasync.runtime.artifacts import log_artifacts
+from flasync.runtime.artifacts import log_artifacts, log_stopped_profile
 from flasync.runtime.build import AggregatorFactory, check_objective, check_plugins
 from flasync.runtime.closing import Status, end_run, off_loop
 from flasync.runtime.prepare import ModelFactory, Prepared, RunInputs
@@ -129,7 +129,8 @@ class Federation:
         self.summary: RunSummary | None = None
         """The summary of the last :meth:`run`: whole once it returned, partial after a stop or a cancellation."""
         self.profile: dict[str, Any] | None = None
-        """The run's profile (``profile.json``) once it finished with ``diagnostics.profile`` on."""
+        """The profile of the run's last segment once it finished or was stopped with ``diagnostics.profile`` on
+        (logged as :func:`~flasync.runtime.run_profile.profile_artifact` names it)."""
         self._resume = resume
         self._simulation: Simulation | None = None
         self._stop_requested = ""
@@ -282,8 +283,10 @@ class Federation:
                 )
             status = "FINISHED"
             return summary
-        except (asyncio.CancelledError, KeyboardInterrupt, RunInterrupted):
+        except (asyncio.CancelledError, KeyboardInterrupt, RunInterrupted) as stop:
             status = "KILLED"
+            if isinstance(stop, RunInterrupted) and self.profile is not None:
+                await asyncio.to_thread(log_stopped_profile, tracker, self.profile, log)  # what this segment did
             raise
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"  # remote clients are told why, with the run's end

@@ -222,7 +222,7 @@ class RunInputs:
                 raise ConfigError("data.lazy: a lazy synthetic source cannot be combined with a given dataset")
             lazy = prepare.lazy_clients(self.config)
             partition = Partition(np.zeros(0, dtype=np.int64), np.zeros(len(lazy) + 1, dtype=np.int64))
-            sizes = lazy.sizes.astype(np.int64)
+            sizes = np.asarray(lazy.sizes, dtype=np.int64)  # no copy of a lazy source's int64 sizes
         else:
             partition = loaded.partition if loaded.partition is not None else prepare.partition(self.config, train)
             sizes = partition.sizes

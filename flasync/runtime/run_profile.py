@@ -1,5 +1,17 @@
 """The run's profile: the profiler and alert monitor its diagnostics config asks for, and the profile built from
-their records when it ends."""
+their records when it ends.
+
+A run may live in segments: started, stopped (SIGINT/SIGTERM: its MLflow run ends ``KILLED``), resumed from its
+checkpoint into the same MLflow run, and so on. Each segment profiles what it did, whether it finished or was stopped:
+
+* its ``profile/version/*`` series are logged at the versions it made, into the run's one series per key (a resumed
+  segment's first versions, made again from the checkpoint, keep the values the stopped segment logged: a resumed
+  tracker writes each step once), so the series of a stopped and resumed run cover every version, as an uninterrupted
+  run's do;
+* its ``profile.json`` carries a ``segment`` entry (the versions it covers, whether it was stopped) and goes to
+  :func:`profile_artifact`: ``profile.json`` for the segment that finished the run, as for a run never stopped, and
+  ``profile-v<first>-v<last>.json`` for a stopped one, so a resumed segment never overwrites an earlier one's.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +39,7 @@ from flasync.server import Server
 from flasync.training.diagnostics import AlertMonitor, LayerLayout
 from flasync.training.executors.threads import TrainingExecutor
 
-__all__ = ["finish_profile", "instrumentation"]
+__all__ = ["finish_profile", "instrumentation", "profile_artifact", "segment"]
 
 # Fields of a profile row that are no metric series of their own: a constant 1, and the figures the server's
 # ``server.version`` line already logs at the same steps (``server/version/updates``, ...). profile.json keeps them.
@@ -58,6 +70,21 @@ def instrumentation(
         log=log,
         now=now,
     )
+
+
+def segment(*, first_version: int, last_version: int, stopped: bool) -> dict[str, Any]:
+    """Return a profile's ``segment`` entry: the model versions it covers, ``(first_version, last_version]``, and
+    whether the segment was stopped (its run then ends ``KILLED``, to be resumed) rather than finished."""
+    return {"first_version": first_version, "last_version": last_version, "stopped": stopped}
+
+
+def profile_artifact(profile: Mapping[str, Any]) -> str:
+    """Return the artifact a segment's profile goes to: ``profile.json`` unless it was stopped, then
+    ``profile-v<first>-v<last>.json`` (see the module's docstring)."""
+    part = profile.get("segment")
+    if not isinstance(part, Mapping) or not part.get("stopped"):
+        return "profile.json"
+    return f"profile-v{int(part['first_version'])}-v{int(part['last_version'])}.json"
 
 
 def finish_profile(

@@ -28,7 +28,7 @@ from flasync.runtime.checkpoint import CheckpointWriter, ResumePoint
 from flasync.runtime.closing import off_loop
 from flasync.runtime.naming import topology_name
 from flasync.runtime.prepare import Prepared
-from flasync.runtime.run_profile import finish_profile, instrumentation
+from flasync.runtime.run_profile import finish_profile, instrumentation, segment
 from flasync.runtime.run_tracking import tag_alerts
 from flasync.runtime.sizing import make_executor
 from flasync.server import Server, ServerStats
@@ -94,7 +94,8 @@ class Simulation:
         diagnostics: The training diagnostics run in the workers (their torch profiler traces), once built.
         weights: The final global weights on the host, once the server stopped.
         summary: The run's summary: whole once :meth:`run` returned, partial after a stop or a cancellation.
-        profile: The run's profile once it finished with ``diagnostics.profile`` on.
+        profile: The profile of this segment of the run (from its start or its resume), once it finished or was
+            stopped with ``diagnostics.profile`` on (see :func:`~flasync.runtime.run_profile.profile_artifact`).
         run_id: The tracking run's id, that of the run opened in the background once it is known.
     """
 
@@ -140,6 +141,7 @@ class Simulation:
         self.summary: RunSummary | None = None
         self.profile: dict[str, Any] | None = None
         self.run_id = run_id
+        self._first_version = 0
 
     async def run(self) -> RunSummary:
         """Build the clients' world and the server, run them to the stop rule, clean up and return the summary.
@@ -250,6 +252,7 @@ class Simulation:
         if self._resume is not None:
             server.load_state_dict(self._resume.state)  # the clock's reading too
         updates_before = server.stats.updates_accepted  # a resumed run's rate counts its own updates only
+        self._first_version = int(server.version)  # where this segment of the run starts (0 unless resumed)
         resumed_from = self._resume.artifact if self._resume is not None else None
         writes = CheckpointWriter(self._tracker, self._config, self._log, self._wall, resumed_from=resumed_from)
         server.on_checkpoint = writes.submit
@@ -347,6 +350,8 @@ class Simulation:
         """End a stopped run with :class:`RunInterrupted`; else build the profile, log the run's final figures and
         return its whole summary."""
         log = self._log
+        if instruments is not None:
+            summary = await self._profile(summary, server, instruments, layout, residual_memory, stats.versions)
         if server.stop_requested:
             log.warning(
                 "run.interrupted",
@@ -362,23 +367,6 @@ class Simulation:
             )
         if summary.tiers:
             log.debug("run.tiers", step=stats.versions, **summary.tiers)
-        if instruments is not None:
-            # In a thread: summarising a long run's records must not stall the caller's event loop.
-            summary, profile = await asyncio.to_thread(
-                finish_profile,
-                self._config,
-                summary,
-                instruments,
-                server,
-                self._executor,
-                layout,
-                residual_memory,
-                log,
-                self.weights,
-            )
-            if profile is not None:
-                self.profile = profile
-            self.summary = summary
         # After the profile, which counts the alerts and the peak memory into the summary.
         figures = {
             key: value
@@ -389,6 +377,40 @@ class Simulation:
         # Debug on the console (the command prints the summary once); metrics either way.
         extra = {"bus_dropped": bus.dropped, "bus_high_water": bus.high_water}
         log.debug("run.finished", step=stats.versions, **figures, **extra)
+        return summary
+
+    async def _profile(
+        self,
+        summary: RunSummary,
+        server: Server,
+        instruments: Instrumentation,
+        layout: LayerLayout | None,
+        residual_memory: dict[str, int],
+        last_version: int,
+    ) -> RunSummary:
+        """Build this segment's profile (also when the run was stopped) and log its series; return the summary with
+        the profile's figures, keeping the profile in :attr:`profile` with its ``segment``."""
+        # In a thread: summarising a long run's records must not stall the caller's event loop.
+        summary, profile = await asyncio.to_thread(
+            finish_profile,
+            self._config,
+            summary,
+            instruments,
+            server,
+            self._executor,
+            layout,
+            residual_memory,
+            self._log,
+            self.weights,
+        )
+        if profile is not None:
+            profile["segment"] = segment(
+                first_version=self._first_version,
+                last_version=last_version,
+                stopped=bool(server.stop_requested),
+            )
+            self.profile = profile
+        self.summary = summary
         return summary
 
     def _close_stores(self, plugins: Sequence[ClientPlugin]) -> dict[str, int]:

@@ -27,10 +27,7 @@ from flasync.core.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, T
 from flasync.core.snapshots import ModelSnapshot
 from flasync.server.accounting import Accounting
 
-__all__ = ["Answer", "StartGroup", "StartTask", "TaskRegistry", "Timer", "one_each"]
-
-_FANCY_INDEX_FROM = 8
-"""Clients dispatched together from which their counters are read and moved with one array index."""
+__all__ = ["Answer", "StartGroup", "StartTask", "TaskRegistry", "Timer", "one_each", "participation_counters"]
 
 StartTask = Callable[[TaskAssigned, ModelSnapshot], Coroutine[Any, Any, None]]
 """Run one task: train ``snapshot`` on the task's client and put the answer on the bus (never raise)."""
@@ -95,7 +92,7 @@ class TaskRegistry:
         bus: Where :class:`TaskAssigned` and :class:`ClientTimedOut` go.
         clock: Times watchdogs.
         accounting: Counts dispatches and their downloads.
-        num_clients: Size of the population (participation counters).
+        num_clients: Size of the population (the clients' ids are ``0..num_clients - 1``).
         start: Runs tasks: each in a call of its own, cancelled when the task is released, or those dispatched
             together in one call where ``share`` (see :data:`StartGroup`).
         timeout_s: A task not answered this long after dispatch is timed out (None: never).
@@ -135,7 +132,10 @@ class TaskRegistry:
         self._in_flight: dict[ClientId, TaskAssigned] = {}
         self._handles: dict[int, asyncio.Task[None]] = {}
         self._watchdogs: dict[int, asyncio.Task[None]] = {}
-        self._participations = np.zeros(num_clients, dtype=np.int64)
+        self._num_clients = num_clients
+        # Tasks dispatched to each client so far, for the clients dispatched to: a population of any size costs its
+        # clients that took part, not a counter each.
+        self._participations: dict[int, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
 
@@ -164,7 +164,7 @@ class TaskRegistry:
     @property
     def num_clients(self) -> int:
         """Size of the population."""
-        return len(self._participations)
+        return self._num_clients
 
     def publish(self, snapshot: ModelSnapshot) -> None:
         """Make ``snapshot`` the current model; the previous one is kept only while tasks use it."""
@@ -247,14 +247,9 @@ class TaskRegistry:
         version = snapshot.version
         self._bases.setdefault(version, snapshot)
         counters = self._participations
-        if len(clients) < _FANCY_INDEX_FROM:  # a few scalar reads cost less than one array index (FedBuff's one)
-            participations = [int(counters[c]) for c in clients]
-            for client in clients:
-                counters[client] += 1
-        else:
-            ids = np.asarray(clients, dtype=np.int64)
-            participations = counters[ids].tolist()
-            counters[ids] += 1
+        participations = [counters.get(c, 0) for c in clients]
+        for client, participation in zip(clients, participations, strict=True):
+            counters[client] = participation + 1
         if self._mark_used is not None:
             self._mark_used(clients)
         now, download, from_cloud = self._clock.now(), snapshot.download_bytes, reply_to == CLOUD
@@ -355,13 +350,20 @@ class TaskRegistry:
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Return the models in use, the participation counters and the tasks in flight (copied)."""
+        """Return the models in use, the participation counters and the tasks in flight (copied).
+
+        The counters are those of the clients dispatched to: ``participation_clients`` (ascending ids) and
+        ``participation_counts`` (their tasks so far), int64 tensors of one length, beside ``num_clients``.
+        """
         if self.current is None:
             raise RuntimeError("nothing was published yet")
+        clients = sorted(self._participations)
         return {
             "snapshot_version": int(self.current.version),
             "bases": [_snapshot_state(self._bases[v]) for v in sorted(self._bases)],
-            "participations": torch.from_numpy(self._participations.copy()),
+            "num_clients": self._num_clients,
+            "participation_clients": torch.tensor(clients, dtype=torch.int64),
+            "participation_counts": torch.tensor([self._participations[c] for c in clients], dtype=torch.int64),
             "in_flight": [
                 {
                     "task_id": t.task_id,
@@ -376,13 +378,12 @@ class TaskRegistry:
         }
 
     def load_state_dict(self, state: dict[str, Any], *, device: torch.device) -> None:
-        """Restore :meth:`state_dict` (before the run starts; :meth:`redispatch` then starts the tasks)."""
-        participations = state["participations"]
-        if participations.shape != self._participations.shape:
-            raise CheckpointError(
-                f"checkpoint has {participations.shape[0]} clients, this run {self._participations.shape[0]}"
-            )
-        self._participations = participations.numpy().astype(np.int64, copy=True)
+        """Restore :meth:`state_dict` (before the run starts; :meth:`redispatch` then starts the tasks); a state
+        whose ``participations`` is one counter per client (as checkpoints held before) reads too."""
+        num_clients, clients, counts = participation_counters(state)
+        if num_clients != self._num_clients:
+            raise CheckpointError(f"checkpoint has {num_clients} clients, this run {self._num_clients}")
+        self._participations = dict(zip(clients.tolist(), counts.tolist(), strict=True))
         self._bases = {
             Version(int(b["version"])): ModelSnapshot(
                 version=Version(int(b["version"])),
@@ -407,6 +408,34 @@ class TaskRegistry:
             )
             self._in_flight[task.client_id] = task
             self._base_refs[task.base_version] += 1
+
+
+def participation_counters(state: dict[str, Any]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Return a registry state's population size, the clients dispatched to and their counts (int64 tensors).
+
+    Reads :meth:`TaskRegistry.state_dict`'s counters, and a dense ``participations`` tensor of one counter per client
+    (its clients with a count above zero).
+
+    Raises:
+        CheckpointError: If neither is there, or the dense counters are not a 1-D tensor.
+    """
+    dense = state.get("participations")
+    if dense is not None:
+        if not isinstance(dense, torch.Tensor) or dense.dim() != 1:
+            raise CheckpointError("checkpoint field registry.participations: must be a 1-D tensor")
+        touched = torch.nonzero(dense, as_tuple=True)[0].to(torch.int64)
+        return int(dense.numel()), touched, dense[touched].to(torch.int64)
+    num_clients = state.get("num_clients")
+    clients, counts = state.get("participation_clients"), state.get("participation_counts")
+    if isinstance(num_clients, bool) or not isinstance(num_clients, int):
+        raise CheckpointError("checkpoint field registry.num_clients: missing or not an integer")
+    for key, value in (("participation_clients", clients), ("participation_counts", counts)):
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_floating_point():
+            raise CheckpointError(f"checkpoint field registry.{key}: must be a 1-D integer tensor")
+    assert isinstance(clients, torch.Tensor) and isinstance(counts, torch.Tensor)
+    if clients.shape != counts.shape:
+        raise CheckpointError("checkpoint field registry.participation_counts: not one count per client")
+    return num_clients, clients.to(torch.int64), counts.to(torch.int64)
 
 
 def _snapshot_state(snapshot: ModelSnapshot) -> dict[str, Any]:

@@ -176,7 +176,7 @@ def test_checkpoint_holds_only_plain_values_and_loads_with_weights_only() -> Non
     assert state["version"] == 5
     # One entry per component, each its own state_dict().
     assert {"weights", "aggregator", "sampler", "registry", "accounting", "intake", "policy", "clock"} <= set(state)
-    assert {"participations", "in_flight", "bases"} <= set(state["registry"])
+    assert {"participation_clients", "participation_counts", "in_flight", "bases"} <= set(state["registry"])
     assert "rng" in state["sampler"]
     assert state["residuals"]["values"].shape[0] == len(state["residuals"]["ids"]) > 0
     assert state["aggregator"]["kind"] == "buffered" and "optimizer" in state["aggregator"]
@@ -439,6 +439,9 @@ def _broken(state: dict[str, Any], path: str, value: object) -> dict[str, Any]:
         ("registry.in_flight.0.base_version", 99, r"registry\.in_flight\[0\]\.base_version: must be in"),
         ("registry.snapshot_version", KeyError, r"registry\.snapshot_version: must be an integer"),
         ("accounting.failure_streak", -1, r"accounting\.failure_streak: must be in \[0, \d+\], got -1"),
+        ("registry.num_clients", "8", r"registry\.num_clients: missing or not an integer"),
+        ("registry.participation_clients", torch.zeros(0, dtype=torch.int64), r"participation_counts: not one count"),
+        ("registry.participation_counts", torch.tensor([1.5]), r"registry\.participation_counts: must be a 1-D int"),
     ],
 )
 def test_every_bad_field_is_a_one_line_error_naming_it(
@@ -490,6 +493,31 @@ def test_a_checkpoint_of_the_previous_format_still_reads(
     assert config == written[1] and state["version"] == written[2]["version"]
     with pytest.raises(CheckpointError, match="format 2 is not supported"):
         checkpoint.decode(_repacked(written[0], format=2))
+
+
+def test_a_checkpoint_with_one_participation_counter_per_client_still_reads(
+    written: tuple[bytes, flasync.RunConfig, dict[str, Any]],
+) -> None:
+    """A registry state of one counter per client (``participations``, as checkpoints held before the counters of
+    the clients dispatched to) decodes and fits its population; a count out of range, a client out of range or the
+    wrong population size is refused."""
+    _, config, state = written
+    registry = state["registry"]
+    dense = torch.zeros(registry["num_clients"], dtype=torch.int64)
+    dense[registry["participation_clients"]] = registry["participation_counts"]
+    old = {k: v for k, v in registry.items() if not k.startswith("participation_") and k != "num_clients"}
+    _, decoded = checkpoint.decode(checkpoint.encode({**state, "registry": {**old, "participations": dense}}, config))
+    checkpoint.check_fits(decoded, num_params=state["weights"].numel(), num_clients=config.population.num_clients)
+    with pytest.raises(CheckpointError, match=r"registry\.num_clients: \d+ clients, but the run's population has"):
+        checkpoint.check_fits(decoded, num_params=state["weights"].numel(), num_clients=len(dense) + 1)
+    far = registry["participation_clients"].clone()
+    far[-1] = registry["num_clients"]
+    with pytest.raises(CheckpointError, match=r"registry\.participation_clients: ids must be in \[0, "):
+        checkpoint.decode(checkpoint.encode({**state, "registry": {**registry, "participation_clients": far}}, config))
+    for bad in (-1, 2**62):
+        dense[0] = bad
+        with pytest.raises(CheckpointError, match=r"registry\.participation_counts: must be in \[0, "):
+            checkpoint.decode(checkpoint.encode({**state, "registry": {**old, "participations": dense}}, config))
 
 
 @pytest.mark.parametrize(

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
 import pytest
 
 import flasync
+from flasync.core.errors import RunInterrupted
 from flasync.core.events import (
+    Aggregated,
     EdgeForwarded,
     UpdateReceived,
     UpdateUploaded,
 )
 from flasync.observe.plots import render_plots
 from flasync.observe.profiling import headline
+from flasync.runtime import checkpoint
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
 
@@ -167,3 +171,37 @@ async def test_vectorized_cohorts_are_profiled_and_diagnosed() -> None:
     assert all(e.diagnosis is not None and e.diagnosis.update_norm > 0 for e in uploads)
     assert federation.profile["communication"]["upload_bytes"] == sum(len(e.payload) for e in uploads)
     assert federation.profile["diagnostics"]["update_norm"]["count"] == len(uploads)
+
+
+async def test_a_stopped_run_and_its_resumed_segment_each_log_their_profile() -> None:
+    """A run stopped at version k logs profile-v0-v<k>.json and its profile/version/* series up to k; resumed into
+    the same tracking run, it logs profile.json of its own versions and keeps the stopped segment's file."""
+    config = small_config("stop.max_versions=10", "checkpoint.every_versions=2")
+    tracker = MemoryTracker()
+    federation = flasync.Federation(config, tracker=tracker)
+    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
+    task = asyncio.create_task(federation.run())
+    async for event in aggregated:
+        if event.version >= 4:
+            federation.request_stop("SIGINT")
+            break
+    with pytest.raises(RunInterrupted):
+        await task
+    assert tracker.status == "KILLED" and "profile.json" not in tracker.artifacts
+    [(name, data)] = [(k, v) for k, v in tracker.artifacts.items() if k.startswith("profile")]
+    stopped = json.loads(data)
+    last = stopped["segment"]["last_version"]
+    assert stopped["segment"] == {"first_version": 0, "last_version": last, "stopped": True} and last >= 4
+    assert name == f"profile-v0-v{last}.json"
+    assert [row["version"] for row in stopped["time"]["per_version"]] == list(range(1, last + 1))
+    assert {step for step, _ in tracker.history("profile/version/wall_s")} == set(range(1, last + 1))
+
+    resumed_config, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
+    resume = checkpoint.ResumePoint(tracker.run_id, state)
+    await flasync.Federation(resumed_config, tracker=tracker, resume=resume).run()
+    assert tracker.status == "FINISHED" and json.loads(tracker.artifacts[name]) == stopped
+    finished = json.loads(tracker.artifacts["profile.json"])
+    first = int(state["version"])
+    assert finished["segment"] == {"first_version": first, "last_version": 10, "stopped": False}
+    assert [row["version"] for row in finished["time"]["per_version"]] == list(range(first + 1, 11))
+    assert {step for step, _ in tracker.history("profile/version/wall_s")} == set(range(1, 11))

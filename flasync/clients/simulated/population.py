@@ -1,9 +1,12 @@
 """Clients as arrays: sample counts, speeds, availability and recency, client sampling, and the simulated network.
 
-A client is not an object until it is sampled: the population is a few arrays indexed by client id, so its cost
-is a few tens of bytes per client (a million clients: well under 100 MB), and a draw of ``k`` clients costs
-``O(k)`` (uniform, weighted, available-now) or ``O(k)`` amortised (least recently used), never ``O(num_clients)``.
-Durations are simulated seconds on the virtual clock.
+A client is not an object until it is sampled: the population is a few columns indexed by client id. Seeded traits
+(speed factors, link latencies and bandwidths) are :class:`~flasync.clients.simulated._draws.DrawnColumn` s, whole
+for a small population and drawn again a block at a time for a large one; sample counts may be one value broadcast
+over every client; availability phases (``available_fraction < 1``), least-recently-used state (built by the first
+:meth:`Population.mark_used`) and weighted sampling's cumulative sums are arrays of a few bytes per client, built only
+when used. A draw of ``k`` clients costs ``O(k)`` (uniform, weighted, available-now) or ``O(k)`` amortised (least
+recently used), never ``O(num_clients)``. Durations are simulated seconds on the virtual clock.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
+from flasync.clients.simulated._draws import DrawnColumn
 from flasync.config import (
     SAMPLING_STRATEGIES,
     ConstantSpeed,
@@ -62,11 +66,13 @@ class Population:
         n = len(self.sizes)
         self.speed = speed
         self.seed = seed
+        self.slowdown: DrawnColumn | None = None
+        """Each client's speed factor (log-normal speed only), drawn on demand for a large population."""
         if isinstance(speed, LogNormalSpeed):
-            rng = seeding.numpy_stream(seed, seeding.SPEED)
-            self.slowdown = np.exp(rng.normal(0.0, speed.sigma, size=n))
-        else:
-            self.slowdown = np.ones(n)
+            sigma = speed.sigma
+            self.slowdown = DrawnColumn(
+                seeding.numpy_stream(seed, seeding.SPEED), n, lambda g, m: g.normal(0.0, sigma, size=m), np.exp
+            )
         self.available_fraction = available_fraction
         self.availability_period_s = availability_period_s
         self.phase: np.ndarray | None = None
@@ -85,9 +91,8 @@ class Population:
         self._queue_head = 0
         self._queue_tail = 0
         self._cdf: np.ndarray | None = None
-        self.fixed_slowdown = np.ones(n)
-        for client_id, factor in (slow_clients or {}).items():
-            self.fixed_slowdown[client_id] = factor
+        self.fixed_slowdown: dict[int, float] = {int(c): float(f) for c, f in (slow_clients or {}).items()}
+        """The fixed slowdown factors of the few clients that have one (every other client's is 1)."""
 
     def __len__(self) -> int:
         """Return the number of clients."""
@@ -96,17 +101,19 @@ class Population:
     @property
     def nbytes(self) -> int:
         """Return the bytes of every per-client array the population holds now."""
-        arrays = [self.sizes, self.slowdown, self.phase, self.last_used, self._fresh, self._queue, self._cdf]
-        return sum(a.nbytes for a in arrays if a is not None) + self._queue_stamp.nbytes
+        arrays = [self.sizes, self.phase, self.last_used, self._fresh, self._queue, self._cdf]
+        held = sum(_held_bytes(a) for a in arrays if a is not None) + self._queue_stamp.nbytes
+        return held + (self.slowdown.nbytes if self.slowdown is not None else 0)
 
     def train_seconds(self, client_id: int, steps: int, participation: int) -> float:
         """Return simulated seconds of ``client_id``'s ``participation``-th task of ``steps`` local steps."""
         speed = self.speed
-        base = steps * speed.seconds_per_step * float(self.fixed_slowdown[client_id])
+        base = steps * speed.seconds_per_step * self.fixed_slowdown.get(client_id, 1.0)
         if isinstance(speed, ConstantSpeed):
             return base
         draw = seeding.stream_normal(self.seed, seeding.TASK_SPEED, client_id, participation)
         if isinstance(speed, LogNormalSpeed):
+            assert self.slowdown is not None
             return base * float(self.slowdown[client_id]) * math.exp(speed.jitter * draw)
         if isinstance(speed, HalfNormalSpeed):
             return base * (1.0 + abs(speed.sigma * draw))
@@ -342,14 +349,27 @@ class Network:
     """
 
     def __init__(self, config: NetworkConfig, num_clients: int = 1, seed: int = 0) -> None:
-        """Draw every client's latency and bandwidths."""
+        """Draw every client's latency and bandwidths (one stream: latencies, then uploads, then downloads)."""
         self.config = config
         rng = seeding.numpy_stream(seed, seeding.NETWORK)
-        shape = (num_clients,)
-        self.latency_s = config.latency_s * np.exp(rng.normal(0.0, config.latency_sigma, shape))
-        spread = np.exp(rng.normal(0.0, config.bandwidth_sigma, (2, num_clients)))
-        self.upload_bytes_per_s = config.upload_bytes_per_s * spread[0]
-        self.download_bytes_per_s = config.download_bytes_per_s * spread[1]
+        latency, bandwidth = config.latency_sigma, config.bandwidth_sigma
+        self.latency_s = DrawnColumn(
+            rng, num_clients, lambda g, m: g.normal(0.0, latency, m), lambda z: config.latency_s * np.exp(z)
+        )
+        self.upload_bytes_per_s = DrawnColumn(
+            rng, num_clients, lambda g, m: g.normal(0.0, bandwidth, m), lambda z: config.upload_bytes_per_s * np.exp(z)
+        )
+        self.download_bytes_per_s = DrawnColumn(
+            rng,
+            num_clients,
+            lambda g, m: g.normal(0.0, bandwidth, m),
+            lambda z: config.download_bytes_per_s * np.exp(z),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes the links hold (see :class:`DrawnColumn`)."""
+        return self.latency_s.nbytes + self.upload_bytes_per_s.nbytes + self.download_bytes_per_s.nbytes
 
     def upload_seconds(self, client_id: int, num_bytes: int) -> float:
         """Return simulated seconds for ``client_id`` to upload ``num_bytes``."""
@@ -376,3 +396,8 @@ class Network:
         ids = np.asarray(client_ids, dtype=np.int64)
         seconds: list[float] = (self.latency_s[ids] + float(num_bytes) / self.download_bytes_per_s[ids]).tolist()
         return seconds
+
+
+def _held_bytes(array: np.ndarray) -> int:
+    """Return the bytes ``array`` holds: none for one value broadcast over every client (a zero stride)."""
+    return 0 if array.ndim == 1 and array.strides[0] == 0 else int(array.nbytes)

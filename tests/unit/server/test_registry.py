@@ -140,7 +140,25 @@ async def test_state_round_trip_restores_tasks_models_and_participations() -> No
     assert [(t.client_id, t.base_version, t.reply_to) for t in target.registry] == [(4, 0, CLOUD), (6, 1, "edge1")]
     assert target.registry.current is not None and target.registry.current.version == 1
     assert target.registry.base(Version(0)) is not None
-    assert target.registry.state_dict()["participations"].tolist() == state["participations"].tolist()
+    restored = target.registry.state_dict()
+    assert restored["participation_clients"].tolist() == state["participation_clients"].tolist() == [4, 6]
+    assert restored["participation_counts"].tolist() == state["participation_counts"].tolist() == [1, 1]
+
+
+async def test_state_with_one_counter_per_client_still_loads() -> None:
+    """A registry state holding a dense ``participations`` tensor (one counter per client) loads as sparse counters."""
+    source = ServerHarness(clients=_silent)
+    source.registry.publish(_snapshot(0))
+    state = source.registry.state_dict()
+    del state["participation_clients"], state["participation_counts"], state["num_clients"]
+    dense = torch.zeros(source.registry.num_clients, dtype=torch.int64)
+    dense[3], dense[5] = 2, 7
+    state["participations"] = dense
+    target = ServerHarness()
+    target.registry.load_state_dict(state, device=torch.device("cpu"))
+    restored = target.registry.state_dict()
+    assert restored["participation_clients"].tolist() == [3, 5]
+    assert restored["participation_counts"].tolist() == [2, 7]
 
 
 async def test_tasks_dispatched_before_the_first_starts_run_as_one_group() -> None:

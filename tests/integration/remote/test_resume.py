@@ -249,4 +249,3 @@ def test_flasync_serve_killed_then_resumed_with_client_processes(tmp_path: Path,
     refused = re.search(r"stale_task (\d+)", _figure(r"requests refused: (.*)", resumed.stdout))
     assert stale == (int(refused.group(1)) if refused else 0), (resumed.stdout, outputs)
     assert float(_figure(r"accuracy +([0-9.]+)", resumed.stdout)) >= 0.9
-    print(resumed.stdout, *outputs, sep="\n----\n")

@@ -80,7 +80,8 @@ def command_client(args: argparse.Namespace, *, process_ends: bool = False) -> i
     stats = run_loop(client.run(max_tasks=args.max_tasks), process_ends=process_ends)
     print(
         f"flasync client {stats.client_id}: {stats.uploads} updates delivered of {stats.tasks} tasks, "
-        f"{stats.dropped} no longer wanted (timed out, or the run had ended), {stats.failures} failed, "
+        f"{stats.dropped} no longer wanted (timed out, the run had ended, or {stats.stale} from before a server "
+        f"restart), {stats.failures} failed, "
         f"{stats.retries} retries, "
         f"{format_bytes(stats.download_bytes)} down, {format_bytes(stats.upload_bytes)} up"
         + (" (the run ended)" if stats.finished else ""),

@@ -110,4 +110,19 @@ def command_serve(args: argparse.Namespace, *, process_ends: bool = False) -> in
     except OSError as exc:
         raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
     print_summary(summary, config, None, resumed=resume is not None)
+    if federation.transport is not None:
+        print(remote_line(federation.transport.statistics(), resumed=resume is not None), flush=True)
     return 0
+
+
+def remote_line(statistics: dict[str, Any], *, resumed: bool = False) -> str:
+    """Return the summary's line about the remote clients: updates received and requests refused, by reason.
+
+    Args:
+        statistics: :meth:`~flasync.clients.remote.transport.RemoteTransport.statistics`.
+        resumed: Whether this process resumed the run (its counts are its own).
+    """
+    refused = statistics["refused"]
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(refused.items())) or "none"
+    here = " in this process" if resumed else ""
+    return f"  remote          {statistics['uploads']} updates received{here}; requests refused: {reasons}"

@@ -437,6 +437,7 @@ def build_server(
     start_task: StartTask | None = None,
     availability: Availability | None = None,
     plugins: Sequence[ServerPlugin] = (),
+    remote: Stateful | None = None,
 ) -> ServerParts:
     """Assemble the cloud of a run: registry, accounting, sampler, intake, aggregator, policy, edges.
 
@@ -458,6 +459,8 @@ def build_server(
         availability: Who can take a task now, instead of the failure model's windows (e.g. the remote transport:
             the devices connected now).
         plugins: A caller's own server-side algorithm state, after the run's own.
+        remote: What a checkpoint keeps of the remote transport (as its component ``remote``: which server
+            process dispatched each task in flight, see :class:`~flasync.clients.remote.transport.Incarnations`).
     """
     in_flight = clients_in_flight(config, len(population))
     accounting, registry, group, sampler = _make_dispatch(
@@ -493,7 +496,7 @@ def build_server(
         rules=_stop_rules(config),
         inbox_capacity=_inbox_capacity(in_flight, tree),
         download_generator=lambda version: seeding.torch_stream(seed, seeding.DOWNLOAD_CODEC, version),
-        components=_server_components(clock, world, registry),
+        components=_server_components(clock, world, registry, remote),
         plugins=server_plugins,
     )
     return ServerParts(server=server, edges=edges)
@@ -707,6 +710,12 @@ class _ClientState:
         self.plugin.load_state_dict(state)
 
 
-def _server_components(clock: RunClock, world: ClientWorld, registry: TaskRegistry) -> dict[str, Stateful]:
-    """Return the state a checkpoint keeps besides the server's own: the clock and the clients' plug-ins' state."""
-    return {"clock": clock, **{plugin.name: _ClientState(plugin, registry) for plugin in world.plugins}}
+def _server_components(
+    clock: RunClock, world: ClientWorld, registry: TaskRegistry, remote: Stateful | None
+) -> dict[str, Stateful]:
+    """Return the state a checkpoint keeps besides the server's own: the clock, the clients' plug-ins' state and
+    the remote transport's (when there is one)."""
+    components: dict[str, Stateful] = {"clock": clock}
+    if remote is not None:
+        components["remote"] = remote
+    return components | {plugin.name: _ClientState(plugin, registry) for plugin in world.plugins}

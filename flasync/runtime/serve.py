@@ -16,10 +16,12 @@ flasync's binary codec format as ``application/octet-stream``; refusals are ``{"
   token gets 409 ``token_in_use`` with ``Retry-After`` while the task is in flight, and 403 if it uploads for it.
 - ``GET /v1/models/{version}``: the encoded model of a version a task is based on (encoded once per version).
 - ``POST /v1/tasks/{task_id}/update``: the encoded update as the body, the training report as JSON in the
-  ``X-Flasync-Report`` header: 202 once it is on its way to the intake; 403 for a task that is not the client's,
-  409 for a replay, 413 for a body larger than the model's encoding (refused before it is read whole), 503 with
-  ``Retry-After`` when the server's inbox is full.
-- ``POST /v1/tasks/{task_id}/failed``: local training failed (JSON ``{"error": ...}``).
+  ``X-Flasync-Report`` header, the task's ``incarnation`` (from its offer) in ``X-Flasync-Incarnation``: 202 once
+  it is on its way to the intake; 403 for a task that is not the client's, 409 for a replay (``replay``) or for
+  a task of a server process that died and whose run was resumed from a checkpoint (``stale_task``), 413 for a
+  body larger than the model's encoding (refused before it is read whole), 503 with ``Retry-After`` when the
+  server's inbox is full.
+- ``POST /v1/tasks/{task_id}/failed``: local training failed (JSON ``{"error": ...}``; the same headers).
 - ``GET /v1/status``: whether the run is waiting, running or finished (no token needed).
 
 Under abuse: every refused request (no or a wrong token, a malformed id or header, a task that is not the client's)
@@ -58,12 +60,22 @@ from flasync.core.events import ClientId
 if TYPE_CHECKING:
     from flasync.runtime.federation import Federation, RunSummary
 
-__all__ = ["BODY_IDLE_S", "HEADER_TIMEOUT_S", "REPORT_HEADER", "SESSION_HEADER", "asgi_app", "serve"]
+__all__ = [
+    "BODY_IDLE_S",
+    "HEADER_TIMEOUT_S",
+    "INCARNATION_HEADER",
+    "REPORT_HEADER",
+    "SESSION_HEADER",
+    "asgi_app",
+    "serve",
+]
 
 REPORT_HEADER = "x-flasync-report"
 """The header holding an upload's training report (JSON)."""
 SESSION_HEADER = "x-flasync-session"
 """The header naming a client process's connection (a random string it picks once): a task is handed to one."""
+INCARNATION_HEADER = "x-flasync-incarnation"
+"""The header of an answer naming the server process that handed the task out (its offer's ``incarnation``)."""
 _MAX_SESSION_CHARS = 64
 _SESSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 _MAX_REPORT_CHARS = 4096
@@ -145,11 +157,20 @@ class _Routes:
 
     def session_of(self, request: Request) -> str | Refusal:
         """Return the request's session (the empty one when absent), or the refusal of a malformed one."""
-        session = request.headers.get(SESSION_HEADER, "")
-        if len(session) > _MAX_SESSION_CHARS or not set(session) <= _SESSION_CHARS:
-            detail = f"{SESSION_HEADER}: at most {_MAX_SESSION_CHARS} letters, digits, '-' or '_'"
-            return Refusal(400, "bad_request", detail)
-        return session
+        return _name_header(request, SESSION_HEADER) or ""
+
+    def answering(self, request: Request) -> tuple[int, str, str | None] | Refusal:
+        """Return the task id, session and incarnation (None: not sent) an answer names, or a refusal."""
+        task_id = _id(request, "task_id")
+        if isinstance(task_id, Refusal):
+            return task_id
+        session = self.session_of(request)
+        if isinstance(session, Refusal):
+            return session
+        incarnation = _name_header(request, INCARNATION_HEADER)
+        if isinstance(incarnation, Refusal):
+            return incarnation
+        return task_id, session, incarnation
 
     async def hello(self, request: Request) -> Response:
         """``GET /v1/hello``: answer the client's id and what it needs to train."""
@@ -196,15 +217,13 @@ class _Routes:
         client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
-        task_id = _id(request, "task_id")
-        if isinstance(task_id, Refusal):
-            return _refused(task_id)
-        session = self.session_of(request)
-        if isinstance(session, Refusal):
-            return _refused(session)
+        answering = self.answering(request)
+        if isinstance(answering, Refusal):
+            return _refused(answering)
+        task_id, session, incarnation = answering
         declared = request.headers.get("content-length")
         length = int(declared) if declared is not None and declared.isdigit() else None
-        refusal = self.transport.check_upload(client_id, task_id, length, session)
+        refusal = self.transport.check_upload(client_id, task_id, length, session, incarnation)
         if refusal is not None:
             return _refused(refusal)
         raw = request.headers.get(REPORT_HEADER, "")
@@ -220,7 +239,7 @@ class _Routes:
             return _refused(self.transport.oversize(client_id, body))
         if body is None:
             return _refused(self.transport.slow_body(client_id))
-        answer = self.transport.upload(client_id, task_id, body, report, session)
+        answer = self.transport.upload(client_id, task_id, body, report, session, incarnation)
         if answer is not None:
             return _refused(answer)
         return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)
@@ -230,12 +249,10 @@ class _Routes:
         client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
-        task_id = _id(request, "task_id")
-        if isinstance(task_id, Refusal):
-            return _refused(task_id)
-        session = self.session_of(request)
-        if isinstance(session, Refusal):
-            return _refused(session)
+        answering = self.answering(request)
+        if isinstance(answering, Refusal):
+            return _refused(answering)
+        task_id, session, incarnation = answering
         body = await _read_body(request, 4096)
         if body is None:
             return _refused(self.transport.slow_body(client_id))
@@ -245,7 +262,7 @@ class _Routes:
             error = str(json.loads(body).get("error", "failed")) if body else "failed"
         except (ValueError, AttributeError):
             error = "failed"
-        answer = self.transport.failed(client_id, task_id, error, session)
+        answer = self.transport.failed(client_id, task_id, error, session, incarnation)
         if answer is not None:
             return _refused(answer)
         return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)
@@ -254,6 +271,15 @@ class _Routes:
         """``GET /v1/status``: answer whether the run is waiting, running or finished (no token needed)."""
         state = "finished" if self.transport.finished else "running" if self.transport.attached else "waiting"
         return JSONResponse({"state": state, "version": self.version(), "reason": self.transport.finished or None})
+
+
+def _name_header(request: Request, header: str) -> str | Refusal | None:
+    """Return a header holding a name (a session, an incarnation; None when absent), or the refusal of a malformed
+    one."""
+    name = request.headers.get(header)
+    if name is not None and (len(name) > _MAX_SESSION_CHARS or not set(name) <= _SESSION_CHARS):
+        return Refusal(400, "bad_request", f"{header}: at most {_MAX_SESSION_CHARS} letters, digits, '-' or '_'")
+    return name
 
 
 def _id(request: Request, name: str) -> int | Refusal:

@@ -226,6 +226,7 @@ class Simulation:
             aggregator_factory=self._aggregator,
             start_task=self._transport.start_task if self._transport is not None else None,
             availability=self._transport,
+            remote=self._transport.incarnations if self._transport is not None else None,
             plugins=[plugin for plugin in self._plugins if isinstance(plugin, ServerPlugin)],
         )
         if self._transport is not None:

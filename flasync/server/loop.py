@@ -415,7 +415,8 @@ class Server:
         self.intake.load_state_dict(state["intake"])
         self.policy.load_state_dict(state["policy"])
         for name, component in self.components.items():
-            component.load_state_dict(state[name])
+            # A component a checkpoint lacks (one written before it had that component) restores an empty state.
+            component.load_state_dict(state.get(name, {}))
         self._answered = {int(t) for t in state.get("answered", [])}
         self._queued = [message_from_state(m) for m in state.get("queued", [])]
         self._restored = True

@@ -42,6 +42,7 @@ __all__ = ["Client", "ClientStats", "RemoteError", "model_from_config"]
 
 _REPORT_HEADER = "x-flasync-report"  # flasync.runtime.serve.REPORT_HEADER (not imported: the client needs no Starlette)
 _SESSION_HEADER = "x-flasync-session"  # flasync.runtime.serve.SESSION_HEADER
+_INCARNATION_HEADER = "x-flasync-incarnation"  # flasync.runtime.serve.INCARNATION_HEADER
 
 
 class RemoteError(FlasyncError):
@@ -58,6 +59,9 @@ class ClientStats:
     dropped: int = 0
     """Tasks whose answer the server no longer took: timed out or abandoned there, or the run had ended (the server
     counts them as timeouts or abandoned tasks, not as refused updates)."""
+    stale: int = 0
+    """Of :attr:`dropped`: tasks of a server process that died, answered to the one that resumed the run from a
+    checkpoint taken before them (refused there as ``stale_task``; it hands out the tasks of its checkpoint again)."""
     failures: int = 0
     retries: int = 0
     download_bytes: int = 0
@@ -199,6 +203,9 @@ class Client:
     async def _answer(self, http: httpx.AsyncClient, offer: dict[str, Any]) -> bool:
         """Download, train, upload one task; True if the server took the answer."""
         task_id, version = int(offer["task_id"]), int(offer["base_version"])
+        # Sent back with the answer: a server resumed from a checkpoint refuses answers to the tasks of one that died.
+        incarnation = str(offer.get("incarnation", ""))
+        answer_headers = {_INCARNATION_HEADER: incarnation} if incarnation else {}
         start = self._wall()
         weights = await self._weights(http, version)
         if weights is None:
@@ -210,22 +217,30 @@ class Client:
         except TrainingError as exc:
             self.stats.failures += 1
             body = json.dumps({"error": f"{type(exc).__name__}: {exc}"[:200]})
-            await self._request(http, "POST", f"/v1/tasks/{task_id}/failed", content=body.encode())
+            await self._request(
+                http, "POST", f"/v1/tasks/{task_id}/failed", content=body.encode(), headers=answer_headers
+            )
             return False
         response = await self._request(
             http,
             "POST",
             f"/v1/tasks/{task_id}/update",
             content=trained.payload,
-            headers={"content-type": "application/octet-stream", _REPORT_HEADER: json.dumps(trained.report)},
+            headers={
+                "content-type": "application/octet-stream",
+                _REPORT_HEADER: json.dumps(trained.report),
+                **answer_headers,
+            },
         )
-        # 409: an earlier attempt of this very upload arrived (its answer was lost), so it was delivered.
-        if response.status_code in (202, 409):
+        # 409 replay: an earlier attempt of this very upload arrived (its answer was lost), so it was delivered.
+        if response.status_code == 202 or (response.status_code == 409 and _error(response) != "stale_task"):
             self._residual = trained.residual
             self.stats.uploads += 1
             self.stats.upload_bytes += len(trained.payload)
             return True
-        self.stats.dropped += 1  # the task was timed out, or the run ended: the residual stays as it was
+        # The task was timed out, the run ended, or the server that dispatched it died: the residual stays as it was.
+        self.stats.dropped += 1
+        self.stats.stale += response.status_code == 409
         return False
 
     async def _weights(self, http: httpx.AsyncClient, version: int) -> torch.Tensor | None:

@@ -18,9 +18,10 @@ import asyncio
 import hashlib
 import hmac
 import math
+import secrets
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from flasync.server.registry import TaskRegistry, Timer
 
 __all__ = [
+    "Incarnations",
     "Offer",
     "Refusal",
     "RemoteTransport",
@@ -161,14 +163,17 @@ class Offer:
     base_version: int
     participation: int
     download_bytes: int
+    incarnation: str = ""
+    """The server process that dispatched the task (see :class:`Incarnations`); the client sends it back."""
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, int | str]:
         """Return the offer as a JSON object."""
         return {
             "task_id": self.task_id,
             "base_version": self.base_version,
             "participation": self.participation,
             "download_bytes": self.download_bytes,
+            "incarnation": self.incarnation,
         }
 
 
@@ -228,6 +233,43 @@ class _Posted:
     snapshot: ModelSnapshot
     session: str | None = None
     """The connection the task was handed to (None: not yet handed out)."""
+
+
+# ------------------------------------------------------------------------------------------- incarnations
+class Incarnations:
+    """Which server process dispatched each task in flight, so that a resumed run refuses a dead process's tasks.
+
+    Each server process of a run (the first, and each ``flasync serve --resume``) names itself with a random
+    string, its incarnation, sent with every task it hands out and sent back with the task's answer. A resumed
+    process goes on from a checkpoint: it takes over the tasks in flight there with the incarnations that dispatched
+    them (this object is the checkpoint component ``remote``), and dispatches task ids the dead process may have
+    dispatched too, after that checkpoint, for other models. An answer naming another incarnation than the one
+    that dispatched the task is one to a task of the lost stretch of the run: refused (``stale_task``), counted,
+    never aggregated.
+
+    Args:
+        in_flight: Returns the ids of the tasks in flight.
+        name: This process's incarnation (default: 16 random hex digits, new in every process).
+    """
+
+    def __init__(self, in_flight: Callable[[], Iterable[int]], name: str | None = None) -> None:
+        """Name this process; no task is taken over yet."""
+        self._in_flight = in_flight
+        self.name = name if name is not None else secrets.token_hex(8)
+        self._taken_over: dict[int, str] = {}
+
+    def of(self, task_id: int) -> str:
+        """Return the incarnation that dispatched ``task_id``: its own for a task taken over, else this one."""
+        return self._taken_over.get(task_id, self.name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return each task in flight with the incarnation that dispatched it."""
+        return {"tasks": [[task_id, self.of(task_id)] for task_id in self._in_flight()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over the tasks of :meth:`state_dict` (a checkpoint without it: every answer must name this
+        process, so the tasks it holds are trained again rather than answered by a client of the dead one)."""
+        self._taken_over = {int(task_id): str(name) for task_id, name in state.get("tasks", [])}
 
 
 # ------------------------------------------------------------------------------------------------ devices
@@ -300,10 +342,12 @@ class _TaskHandout:
         devices: _DeviceRegistry,
         refuse: Callable[[ClientId | None, Refusal], Refusal],
         ended: Callable[[], Refusal],
+        incarnations: Incarnations,
     ) -> None:
         """Start with empty mailboxes."""
         self.settings = settings
         self._devices = devices
+        self._incarnations = incarnations
         self._refuse = refuse
         self._ended = ended
         self.closed = False
@@ -378,6 +422,7 @@ class _TaskHandout:
             base_version=int(task.base_version),
             participation=task.participation,
             download_bytes=posted.snapshot.download_bytes,
+            incarnation=self._incarnations.of(task.task_id),
         )
 
     def forget_task(self, task_id: int) -> None:
@@ -442,6 +487,7 @@ class RemoteTransport:
         download_codec: How models are encoded for download (once per version).
         setup: The JSON object every client receives when it says hello (what it needs to train).
         wall: Monotonic real seconds.
+        incarnation: This server process's name for its tasks (default: random; see :class:`Incarnations`).
     """
 
     def __init__(
@@ -453,6 +499,7 @@ class RemoteTransport:
         download_codec: Pipeline,
         setup: Mapping[str, Any],
         wall: Callable[[], float] = time.perf_counter,
+        incarnation: str | None = None,
     ) -> None:
         """Start with no run attached: requests are answered 503 until :meth:`attach`."""
         self.tokens = tokens
@@ -466,7 +513,9 @@ class RemoteTransport:
         self._clock: Timer | None = None
         self._log: Any = None
         self._devices = _DeviceRegistry(wall)
-        self._handout = _TaskHandout(settings, self._devices, self._refuse, self._ended)
+        self.incarnations = Incarnations(lambda: [t.task_id for t in self._registry or ()], incarnation)
+        """Which process dispatched each task in flight (a checkpoint component)."""
+        self._handout = _TaskHandout(settings, self._devices, self._refuse, self._ended, self.incarnations)
         self._downloads = _ModelDownloads(download_codec)
         self.num_params = 0
         self.max_upload_bytes = 0
@@ -618,9 +667,15 @@ class RemoteTransport:
         return payload
 
     def check_upload(
-        self, client_id: ClientId, task_id: int, content_length: int | None, session: str = ""
+        self,
+        client_id: ClientId,
+        task_id: int,
+        content_length: int | None,
+        session: str = "",
+        incarnation: str | None = None,
     ) -> Refusal | None:
-        """Refuse an upload before its body is read: a run not attached, a replay, a task not the client's own
+        """Refuse an answer before its body is read: a run not attached, a task of a server process that has died
+        since (``incarnation``, the one its offer named; None: not checked), a replay, a task not the client's own
         or handed to another connection (``session``, see :meth:`next_task`), a declared body over
         :attr:`max_upload_bytes` (None: go on)."""
         if self.finished:
@@ -628,6 +683,9 @@ class RemoteTransport:
         registry = self._registry
         if registry is None:
             return self._not_started()
+        if incarnation is not None and incarnation != self.incarnations.of(task_id):
+            detail = f"task {task_id} is one of a server process that stopped: the run went on from a checkpoint"
+            return self._refuse(client_id, Refusal(409, "stale_task", detail))
         if task_id in self._answered:
             return self._refuse(client_id, Refusal(409, "replay", f"task {task_id} was answered already"))
         task = registry.busy.get(client_id)
@@ -660,7 +718,13 @@ class RemoteTransport:
         return self._refuse(client_id, Refusal(400, "bad_report", detail))
 
     def upload(
-        self, client_id: ClientId, task_id: int, payload: bytes, report: Report, session: str = ""
+        self,
+        client_id: ClientId,
+        task_id: int,
+        payload: bytes,
+        report: Report,
+        session: str = "",
+        incarnation: str | None = None,
     ) -> Refusal | None:
         """Put the update for ``task_id`` on the bus (the intake decides whether it is aggregated).
 
@@ -668,7 +732,7 @@ class RemoteTransport:
             None once the update is on its way to the intake, else why it was refused.
         """
         self._devices.heard(client_id)
-        refusal = self.check_upload(client_id, task_id, len(payload), session)
+        refusal = self.check_upload(client_id, task_id, len(payload), session, incarnation)
         if refusal is not None:
             return refusal
         assert self._registry is not None and self._bus is not None
@@ -715,9 +779,11 @@ class RemoteTransport:
             )
         return None
 
-    def failed(self, client_id: ClientId, task_id: int, error: str, session: str = "") -> Refusal | None:
+    def failed(
+        self, client_id: ClientId, task_id: int, error: str, session: str = "", incarnation: str | None = None
+    ) -> Refusal | None:
         """Publish that the client's training failed (the task is released and counted as a failure)."""
-        refusal = self.check_upload(client_id, task_id, None, session)
+        refusal = self.check_upload(client_id, task_id, None, session, incarnation)
         if refusal is not None:
             return refusal
         assert self._registry is not None and self._bus is not None

@@ -17,7 +17,7 @@ import torch
 from flasync import codecs
 from flasync.core.errors import RunInterrupted
 from flasync.runtime.federation import Federation
-from flasync.runtime.serve import REPORT_HEADER, SESSION_HEADER, asgi_app
+from flasync.runtime.serve import INCARNATION_HEADER, REPORT_HEADER, SESSION_HEADER, asgi_app
 from flasync.testing import MemoryTracker
 from tests.conftest import remote_config
 
@@ -44,8 +44,10 @@ class Served:
         data: dict[str, int] = response.json()
         return data
 
-    async def upload(self, client_id: int, task_id: int, body: bytes) -> httpx.Response:
-        headers = {**self.auth(client_id), **_REPORT, "content-type": "application/octet-stream"}
+    async def upload(
+        self, client_id: int, task_id: int, body: bytes, extra: dict[str, str] | None = None
+    ) -> httpx.Response:
+        headers = {**self.auth(client_id), **_REPORT, "content-type": "application/octet-stream", **(extra or {})}
         return await self.http.post(f"/v1/tasks/{task_id}/update", content=body, headers=headers)
 
     def metric(self, key: str) -> float:
@@ -144,6 +146,24 @@ async def test_a_replayed_task_is_refused(served: Served) -> None:
     server = served.federation.server
     assert server is not None and server.stats.updates_accepted == 1
     assert served.metric("remote/refused/replay") >= 1
+
+
+async def test_an_answer_to_a_dead_server_process_task_is_refused_as_stale(served: Served) -> None:
+    """An answer naming another incarnation than the one that dispatched the task gets 409 stale_task, counted; the
+    same answer naming the offer's incarnation is accepted."""
+    client_id, offer = await _busy_client(served)
+    transport = served.federation.transport
+    assert transport is not None and offer["incarnation"] == transport.incarnations.name
+    body = codecs.encode(torch.zeros(_num_params(served)))
+    stale = await served.upload(client_id, offer["task_id"], body, {INCARNATION_HEADER: "0123456789abcdef"})
+    assert (stale.status_code, stale.json()["error"]) == (409, "stale_task")
+    assert served.metric("remote/refused/stale_task") == 1
+    failed = await served.http.post(
+        f"/v1/tasks/{offer['task_id']}/failed", headers={**served.auth(client_id), INCARNATION_HEADER: "dead"}
+    )
+    assert failed.status_code == 409
+    answer = await served.upload(client_id, offer["task_id"], body, {INCARNATION_HEADER: str(offer["incarnation"])})
+    assert answer.status_code == 202
 
 
 async def test_an_oversize_body_is_refused_before_it_is_read(served: Served) -> None:

@@ -8,8 +8,10 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import mlflow
 import pytest
 
@@ -149,3 +151,101 @@ def test_flasync_serve_sigint_then_resume_with_client_processes(tmp_path: Path, 
     run = mlflow.MlflowClient(store).get_run(run_id)
     assert run.info.status == "FINISHED"
     assert len(mlflow.MlflowClient(store).search_runs([run.info.experiment_id])) == 1
+
+
+def _checkpointed_run(log: Path, store: str, port: int, version: int) -> str | None:
+    """Return the served run's id once it has reached ``version`` and a checkpoint is in the store (else None)."""
+    found = re.search(r"run_id=([0-9a-f]{32})", log.read_text(errors="replace"))
+    if found is None:  # the store is touched only once the server has made it and its run
+        return None
+    try:
+        status = httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=5.0).json()
+    except httpx.TransportError:
+        return None
+    if (status["version"] or 0) < version:
+        return None
+    artifacts = mlflow.MlflowClient(store).list_artifacts(found.group(1), checkpoint.CHECKPOINT_FOLDER)
+    return found.group(1) if any(a.path.endswith(".pt") for a in artifacts) else None
+
+
+def _figure(pattern: str, text: str) -> str:
+    found = re.search(pattern, text)
+    assert found, text
+    return found.group(1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("FLASYNC_SERVER_TESTS") != "1", reason="set FLASYNC_SERVER_TESTS=1 (minutes)")
+@pytest.mark.timeout(600)
+def test_flasync_serve_killed_then_resumed_with_client_processes(tmp_path: Path, tokens: dict[int, str]) -> None:
+    """`flasync serve` is SIGKILLed mid-run and `serve --resume` on the same port finishes it: the three client
+    processes ride it out, no update counts twice, and stale answers to the dead server's tasks are refused, counted."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = write_remote_config(
+        tmp_path / "served.yaml",
+        tmp_path / "tokens.txt",
+        stop={"max_versions": 300},
+        client={"epochs": 4},
+        checkpoint={"every_versions": 2},
+        tracking={"uri": store, "experiment": "killed"},
+        remote={"poll_s": 1.0},
+    )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    serve_cmd = [sys.executable, "-m", "flasync", "serve", "--port", str(port), "--no-system-metrics"]
+    logs = [tmp_path / f"client{cid}.log" for cid in range(3)]
+    clients = [
+        client_process(
+            url,
+            tokens[cid],
+            tmp_path / f"token{cid}.txt",
+            "--poll-s",
+            "1",
+            env=env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for cid, log in enumerate(logs)
+    ]
+    with (tmp_path / "serve.log").open("w") as sink:
+        server = subprocess.Popen(
+            [*serve_cmd, str(config)], env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path
+        )
+    try:
+        run_id = None
+        deadline = time.monotonic() + 240
+        while run_id is None and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            run_id = _checkpointed_run(tmp_path / "serve.log", store, port, 10)
+        assert run_id is not None, (tmp_path / "serve.log").read_text()
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=30)
+        assert mlflow.MlflowClient(store).get_run(run_id).info.status == "RUNNING"  # nobody ended it
+        resumed = subprocess.run(
+            [*serve_cmd, "--resume", run_id, "--tracking-uri", store],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+        assert resumed.returncode == 0, resumed.stderr
+        codes = [client.wait(timeout=120) for client in clients]
+    finally:
+        for process in [server, *clients]:
+            if process.poll() is None:
+                process.kill()
+    outputs = [log.read_text() for log in logs]
+    assert codes == [0, 0, 0], outputs
+    assert all("(the run ended)" in out for out in outputs), outputs
+    run = mlflow.MlflowClient(store).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert int(_figure(r"versions +(\d+)", resumed.stdout)) == 300
+    # FedBuff folds exactly buffer_size updates into each version: one more (an answer taken twice) would show.
+    assert int(_figure(r"updates +(\d+) accepted", resumed.stdout)) == 3 * 300
+    # Answers to the dead process's tasks: each client's count of them is the resumed server's count of refusals.
+    stale = sum(int(_figure(r"(\d+) from before a server restart", out)) for out in outputs)
+    refused = re.search(r"stale_task (\d+)", _figure(r"requests refused: (.*)", resumed.stdout))
+    assert stale == (int(refused.group(1)) if refused else 0), (resumed.stdout, outputs)
+    assert float(_figure(r"accuracy +([0-9.]+)", resumed.stdout)) >= 0.9

@@ -111,6 +111,8 @@ class RunLifecycle:
         self._log = log
         self._http = http
         self._finished = False
+        self.rows_lost: int | None = None
+        """Metric rows neither written nor kept in the journal, counted when the run ended (None before)."""
         self._opening: threading.Thread | None = None
         """The thread opening the run of a ``start(wait=False)``."""
         self._open_error: BaseException | None = None
@@ -380,7 +382,7 @@ class RunLifecycle:
         try:
             writers.stop_monitor()
         finally:
-            lost = writers.close_writer()
+            lost = self.rows_lost = writers.close_writer()
             self._failover.replay_spilled()  # what the backlog could not hold, while the run is still open
             if lost:
                 self._log.warning(

@@ -320,6 +320,21 @@ class MlflowTracker:
             self._failover.retire_journal()
 
     @property
+    def metric_rows_lost(self) -> int:
+        """Metric rows of the run neither written to the store nor kept in its journal: all of them once the run
+        ended, those dropped so far before (a backlog full with nowhere to spill)."""
+        final = self._lifecycle.rows_lost
+        if final is not None:
+            return final
+        writer = self._writers.writer
+        return writer.dropped if writer is not None else 0
+
+    @property
+    def metric_rows_spilled(self) -> int:
+        """Metric rows the writer's backlog could not hold, kept in the journal and sent to the run at its end."""
+        return self._failover.spilled
+
+    @property
     def offline(self) -> bool:
         """Whether records currently go to the spool (the store failed and has not answered since)."""
         return self._failover.offline

@@ -70,6 +70,9 @@ class RunSummary:
     """Differential privacy spent (epsilon at ``privacy.delta``); NaN without differential privacy."""
     first_update_s: float = math.nan
     """Real seconds from the start of the federation to its first accepted update (NaN: none was accepted)."""
+    metric_rows_lost: int = 0
+    """Metric rows of the run written neither to MLflow nor to its journal (also the tag
+    ``flasync.metric_rows_lost``); 0 for an untracked run."""
 
     @classmethod
     def from_stats(

@@ -10,6 +10,7 @@ worker threads. Every task it starts belongs to its ``asyncio.TaskGroup``. The r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -282,7 +283,6 @@ class Federation:
                     traces=simulation.diagnostics,
                 )
             status = "FINISHED"
-            return summary
         except (asyncio.CancelledError, KeyboardInterrupt, RunInterrupted) as stop:
             status = "KILLED"
             if isinstance(stop, RunInterrupted) and self.profile is not None:
@@ -299,6 +299,14 @@ class Federation:
             if tracked:
                 _phase("ending the MLflow run", cfg)  # a slow or silent store makes this the longest step
             await end_run(executor, tracker, status, log, opening=opening, constant=constant, trace_dir=trace_dir)
+            self._count_lost(tracker)
+        return self.summary or summary
+
+    def _count_lost(self, tracker: tracking.Tracker) -> None:
+        """Put the metric rows the ended tracking run lost in the summary (a stopped run's partial one too)."""
+        lost = tracker.metric_rows_lost if isinstance(tracker, tracking.MlflowTracker) else 0
+        if lost and self.summary is not None:
+            self.summary = dataclasses.replace(self.summary, metric_rows_lost=lost)
 
     def _keep(self, simulation: Simulation) -> None:
         """Keep what the simulation made: its run id, summary (partial after a stop or a cancellation), final weights

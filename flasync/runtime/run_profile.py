@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from flasync import codecs
+from flasync import codecs, tracking
 from flasync.config import RunConfig
 from flasync.core.bus import EventBus
 from flasync.observe.profiling import (
@@ -39,7 +39,7 @@ from flasync.server import Server
 from flasync.training.diagnostics import AlertMonitor, LayerLayout
 from flasync.training.executors.threads import TrainingExecutor
 
-__all__ = ["finish_profile", "instrumentation", "profile_artifact", "segment"]
+__all__ = ["finish_profile", "instrumentation", "profile_artifact", "segment", "tracking_health"]
 
 # Fields of a profile row that are no metric series of their own: a constant 1, and the figures the server's
 # ``server.version`` line already logs at the same steps (``server/version/updates``, ...). profile.json keeps them.
@@ -76,6 +76,15 @@ def segment(*, first_version: int, last_version: int, stopped: bool) -> dict[str
     """Return a profile's ``segment`` entry: the model versions it covers, ``(first_version, last_version]``, and
     whether the segment was stopped (its run then ends ``KILLED``, to be resumed) rather than finished."""
     return {"first_version": first_version, "last_version": last_version, "stopped": stopped}
+
+
+def tracking_health(tracker: tracking.Tracker) -> dict[str, int]:
+    """Return the profile's ``tracking`` entry: the metric rows lost so far (written neither to MLflow nor to the
+    run's journal; the summary and the tag ``flasync.metric_rows_lost`` have the count at the run's end) and those the
+    writer's backlog spilled to the journal (sent to the run at its end); zeros for an untracked run."""
+    if not isinstance(tracker, tracking.MlflowTracker):
+        return {"metric_rows_lost": 0, "metric_rows_spilled": 0}
+    return {"metric_rows_lost": tracker.metric_rows_lost, "metric_rows_spilled": tracker.metric_rows_spilled}
 
 
 def profile_artifact(profile: Mapping[str, Any]) -> str:

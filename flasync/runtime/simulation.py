@@ -28,7 +28,7 @@ from flasync.runtime.checkpoint import CheckpointWriter, ResumePoint
 from flasync.runtime.closing import off_loop
 from flasync.runtime.naming import topology_name
 from flasync.runtime.prepare import Prepared
-from flasync.runtime.run_profile import finish_profile, instrumentation, segment
+from flasync.runtime.run_profile import finish_profile, instrumentation, segment, tracking_health
 from flasync.runtime.run_tracking import tag_alerts
 from flasync.runtime.sizing import make_executor
 from flasync.server import Server, ServerStats
@@ -405,6 +405,7 @@ class Simulation:
             self.weights,
         )
         if profile is not None:
+            profile["tracking"] = tracking_health(self._tracker)
             profile["segment"] = segment(
                 first_version=self._first_version,
                 last_version=last_version,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import math
@@ -477,3 +478,33 @@ def test_metrics_the_store_cannot_take_in_time_reach_the_run_through_its_journal
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and "flasync.metric_rows_lost" not in run.data.tags
     assert list((tmp_path / "spool").rglob("*.jsonl"))  # the overflow went through the journal
+
+
+def test_rows_with_nowhere_to_go_are_counted_in_the_summary_the_profile_and_a_tag(
+    tracking_uri: str, client: mlflow.MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog that overflows while the journal cannot take the overflow: the rows dropped are counted, never
+    silently: in the run's summary, its profile (those dropped by then), the tag flasync.metric_rows_lost and one
+    warning."""
+    import flasync
+    from flasync.testing import small_config
+    from flasync.tracking import _writers, failover, writer
+
+    monkeypatch.setattr(_writers, "MetricWriter", functools.partial(writer.MetricWriter, max_backlog=5))
+    monkeypatch.setattr(failover.Failover, "spill", lambda self, metrics: False)
+    send = _writers.RunWriters._send_metrics
+
+    def slow(self: _writers.RunWriters, metrics: list[Metric]) -> None:
+        time.sleep(0.02)
+        send(self, metrics)
+
+    monkeypatch.setattr(_writers.RunWriters, "_send_metrics", slow)
+    tracker = MlflowTracker(tracking_uri, flush_interval_s=0.01, spool_root=tmp_path / "spool")
+    config = small_config("tracking.enabled=true", "stop.max_versions=6", "diagnostics.profile=true")
+    federation = flasync.Federation(config, tracker=tracker)
+    summary = asyncio.run(federation.run())
+    assert summary.metric_rows_lost > 0 and summary.metric_rows_lost == tracker.metric_rows_lost
+    run = client.get_run(summary.run_id or "")
+    assert run.data.tags["flasync.metric_rows_lost"] == str(summary.metric_rows_lost)
+    assert federation.profile is not None
+    assert 0 < federation.profile["tracking"]["metric_rows_lost"] <= summary.metric_rows_lost

@@ -8,19 +8,31 @@ crashes, 5% hangs (timed out), 5% dropouts, periodic checkpoints and MLflow trac
 process's resident memory, open file descriptors and threads every 5 s. At the end it prints the samples and, for
 each figure, the first, last and peak value and the change between the mean of the second quarter and that of the
 last quarter (growth without bound shows there; the first quarter is warm-up: imports, the writer process, caches).
+
+It also checks that no metric row was lost: every row the run hands its tracker is appended to a file beside the
+store as it is produced (disk, not memory: the RSS figures stay the run's own); at the end the distinct rows among
+them (a store keeps one of equal rows: same key, timestamp, step and value) are counted and compared with the rows
+the MLflow store holds for the run, and the tracker's own count of rows lost is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sqlite3
 import tempfile
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import psutil
 
 import flasync
+from flasync.config import validate
+from flasync.runtime.tracked import mlflow_tracker
+from flasync.tracking import MetricRow, MlflowTracker
 
 
 def _sample(process: psutil.Process) -> tuple[float, int, int]:
@@ -56,10 +68,17 @@ def main() -> None:
             "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db", "log_level": "warning", "log_model": False},
         }
         thread = threading.Thread(target=sampler, daemon=True)
+        produced = Path(tmp) / "produced.jsonl"
+        tracker = _teeing_tracker(config, produced)
         thread.start()
-        summary = flasync.run(config)
+        summary = flasync.run(config, tracker=tracker)
         done.set()
         thread.join()
+        distinct, written = _distinct_rows(produced), _stored_rows(Path(tmp) / "mlflow.db", summary.run_id or "")
+    print(
+        f"metric rows: {distinct} produced (distinct), {written} in the store, {tracker.metric_rows_lost} counted lost"
+        f" -> {'ALL WRITTEN' if written == distinct else f'{distinct - written} MISSING'}"
+    )
     print(
         f"{summary.versions} versions, {summary.updates_accepted} updates, {summary.updates_failed} failed, "
         f"{summary.tasks_timed_out} timed out in {summary.wall_s:.0f} s; accuracy {summary.accuracy:.3f}"
@@ -77,6 +96,36 @@ def main() -> None:
             f"{name}: first {values[0]:.1f}, last {values[-1]:.1f}, peak {max(values):.1f}; "
             f"mean of the last quarter vs the second: {last - second:+.1f} ({last / second - 1:+.1%})"
         )
+
+
+def _teeing_tracker(config: dict[str, Any], path: Path) -> MlflowTracker:
+    """Return the run's MLflow tracker, every metric row it is handed also appended to ``path`` (one write each)."""
+    tracker = mlflow_tracker(validate(config))
+    log_metrics = tracker.log_metrics
+
+    def tee(rows: list[MetricRow]) -> None:
+        with path.open("a", encoding="utf-8") as out:
+            out.write("".join(json.dumps([r.key, float(r.value), r.timestamp, r.step]) + "\n" for r in rows))
+        log_metrics(rows)
+
+    tracker.log_metrics = tee  # type: ignore[method-assign]
+    return tracker
+
+
+def _distinct_rows(path: Path) -> int:
+    """Count the distinct rows of a file of produced rows (as the store's primary key tells rows apart)."""
+    with sqlite3.connect(path.with_suffix(".db")) as db:
+        db.execute("CREATE TABLE rows (key, value, ts, step, PRIMARY KEY (key, value, ts, step))")
+        with path.open(encoding="utf-8") as rows:
+            db.executemany("INSERT OR IGNORE INTO rows VALUES (?, ?, ?, ?)", (json.loads(line) for line in rows))
+        return int(db.execute("SELECT COUNT(*) FROM rows").fetchone()[0])
+
+
+def _stored_rows(store: Path, run_id: str) -> int:
+    """Count the metric rows of the run in the MLflow SQLite store (MLflow's system metrics excluded)."""
+    with sqlite3.connect(store) as db:
+        query = "SELECT COUNT(*) FROM metrics WHERE run_uuid = ? AND key NOT LIKE 'system/%'"
+        return int(db.execute(query, (run_id,)).fetchone()[0])
 
 
 if __name__ == "__main__":

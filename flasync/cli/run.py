@@ -19,6 +19,7 @@ from flasync.cli.running import (
     resolve,
     resolve_resume,
     run_with_signals,
+    stopped_status,
 )
 from flasync.cli.shared import TRACKING_URI_HELP, UsageError
 from flasync.config import RunConfig
@@ -69,7 +70,8 @@ def add_run_parser(commands: Any) -> None:
 
 
 def command_run(args: argparse.Namespace, *, process_ends: bool = False) -> int:
-    """Run ``flasync run``: exit 0 when the run finishes, 130 or 143 when a signal stops it."""
+    """Run ``flasync run``: exit 0 when the run finishes, 130 or 143 when a signal stops it, 1 when something else
+    does (the MLflow run could not be opened, the Ray cluster is gone)."""
     resume: checkpoint.ResumePoint | None = None
     tracker: tracking.Tracker
     if args.resume:
@@ -121,7 +123,7 @@ def command_run(args: argparse.Namespace, *, process_ends: bool = False) -> int:
         spooled = tracker.replay_command() if isinstance(tracker, tracking.MlflowTracker) else None
         if spooled:
             print(f"flasync: MLflow did not answer; send the spool with: {spooled}", file=sys.stderr)
-        return SIGNAL_STATUS.get(exc.reason, 130)
+        return stopped_status(exc.reason)
     except asyncio.CancelledError:
         print_partial(federation.summary, "second signal")
         print(f"flasync: stopped at once (second signal){no_checkpoint(config)}", file=sys.stderr)

@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 SIGNAL_STATUS = {"SIGINT": 130, "SIGTERM": 143}
 
 
+def stopped_status(reason: str) -> int:
+    """Return the exit status of a run a stop request ended: 130 or 143 for a signal, 1 for anything else (the MLflow
+    run could not be opened, the Ray cluster is gone)."""
+    return SIGNAL_STATUS.get(reason, 1)
+
+
 def resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.ResumePoint, tracking.MlflowTracker]:
     """Fetch the run's checkpoint and config; only ``stop.*`` may be overridden."""
     if args.config:

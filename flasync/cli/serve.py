@@ -16,6 +16,7 @@ from flasync.cli.running import (
     resolve,
     resolve_resume,
     run_with_signals,
+    stopped_status,
 )
 from flasync.cli.shared import TRACKING_URI_HELP, UsageError
 from flasync.core.errors import RunInterrupted
@@ -102,7 +103,7 @@ def command_serve(args: argparse.Namespace, *, process_ends: bool = False) -> in
         print_partial(federation.summary, exc.reason)
         hint = f"; resume with: python -m flasync serve --resume {exc.run_id}" if exc.checkpoint and exc.run_id else ""
         print(f"flasync: {exc}{hint}", file=sys.stderr)
-        return SIGNAL_STATUS.get(exc.reason, 130)
+        return stopped_status(exc.reason)
     except asyncio.CancelledError:
         print_partial(federation.summary, "second signal")
         print(f"flasync: stopped at once (second signal){no_checkpoint(config)}", file=sys.stderr)

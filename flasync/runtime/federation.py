@@ -204,7 +204,7 @@ class Federation:
             _phase("starting Ray" if cfg.executor.ray.address is None else "joining the Ray cluster", cfg)
         try:
             # Before the MLflow run: an executor that cannot start (Ray) leaves no run behind.
-            executor = await start_executor(cfg, prepared, log, self._objective)
+            executor = await start_executor(cfg, prepared, log, self._objective, on_lost=self.request_stop)
         except BaseException:
             await off_loop(tracker.finish, "FAILED")
             raise

@@ -4,6 +4,7 @@ the stop rule, cleaned up and summarised."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import shutil
@@ -33,6 +34,7 @@ from flasync.runtime.run_tracking import tag_alerts
 from flasync.runtime.sizing import make_executor
 from flasync.server import Server, ServerStats
 from flasync.training.diagnostics import LayerLayout, TrainingDiagnostics, layer_layout
+from flasync.training.executors.ray_watch import CLUSTER_GONE
 from flasync.training.executors.threads import TrainingExecutor
 from flasync.training.local import LocalObjective
 from flasync.training.plugins import ClientPlugin, ServerPlugin
@@ -45,11 +47,20 @@ _RESIDUALS = "flasync-residuals-"
 
 
 async def start_executor(
-    config: RunConfig, prepared: Prepared, log: Any, objective: LocalObjective | None
+    config: RunConfig,
+    prepared: Prepared,
+    log: Any,
+    objective: LocalObjective | None,
+    on_lost: Callable[[str], None],
 ) -> TrainingExecutor:
     """Start the training executor ``config.executor`` names (in a worker thread); its fallbacks are logged as
-    warnings (once per reason), its replacements as warnings and its other events as info lines."""
+    warnings (once per reason), its replacements as warnings and its other events as info lines.
+
+    ``on_lost`` is called on the event loop with :data:`CLUSTER_GONE` when the executor's Ray cluster is gone (its
+    ``lost`` event, logged as a warning naming what is gone).
+    """
     warned: set[str] = set()
+    loop = asyncio.get_running_loop()
 
     def on_fallback(reason: str) -> None:
         if reason not in warned:  # once per reason, not once per cohort
@@ -57,6 +68,11 @@ async def start_executor(
             log.warning("executor.fallback", reason=reason, metrics=False)
 
     def on_executor(what: str, detail: str) -> None:
+        if what == "lost":
+            log.warning("executor.lost", detail=f"{detail}; stopping the run", metrics=False)
+            with contextlib.suppress(RuntimeError):  # the loop closed: the run is over already
+                loop.call_soon_threadsafe(on_lost, CLUSTER_GONE)
+            return
         log.log(
             logging.WARNING if what == "replaced" else logging.INFO,
             f"executor.{what}",

@@ -212,6 +212,49 @@ def test_ctrl_c_leaves_no_ray_behind(tmp_path: Path) -> None:
     assert not left, f"processes of the run still alive: {left}"
 
 
+def test_a_lost_ray_cluster_stops_the_run_with_one_line(tmp_path: Path) -> None:
+    """SIGKILL of the run's own GCS and raylet once training has started: one line names the cluster gone, the
+    partial summary is printed, the exit status is 1 and the MLflow run is KILLED or FAILED (not left RUNNING)."""
+    import mlflow
+    import psutil
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    settings = ["executor.kind=ray", "stop.max_versions=100000", "eval.every_versions=1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flasync", "run", "--tracking-uri", store, "--no-system-metrics"]
+        + [f"--set={s}" for s in settings],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # training has started once a version past the first is evaluated
+        seen.append(line)
+        if "server.eval" in line and "version=0/" not in line:
+            break
+    cluster = [
+        child
+        for child in psutil.Process(proc.pid).children(recursive=True)  # this run's Ray, not another test's
+        if child.name() in ("gcs_server", "raylet")
+    ]
+    assert len(cluster) == 2, f"the run's GCS and raylet were not found: {cluster}"
+    for child in cluster:
+        child.kill()
+    output = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 1, output[-3000:]
+    gone = [line for line in output.splitlines() if "the Ray cluster at" in line and "is gone" in line]
+    assert len(gone) == 1, output[-3000:]
+    assert "flasync run stopped (Ray cluster gone) at version" in output
+    client = mlflow.MlflowClient(store)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status in ("KILLED", "FAILED")
+    assert f"resume with: python -m flasync run --resume {run.info.run_id}" in output  # its checkpoint was written
+
+
 @pytest.mark.usefixtures("local_ray")
 def test_a_lazy_population_ships_client_ids_not_samples(monkeypatch: pytest.MonkeyPatch) -> None:
     """Actors draw a lazy client's samples from its seed: no data goes through the object store, same weights."""

@@ -13,6 +13,11 @@ behind it; driver threads wait on the calls, so the event loop never blocks. An 
 memory) fails the tasks it held, like any client failure the run accounts for, and is replaced. Ray started by
 flasync (no ``executor.ray.address``) is stopped when the run ends, also after Ctrl-C; a cluster flasync joined is
 left running.
+
+A :class:`~flasync.training.executors.ray_watch.ClusterWatch` probes the cluster's GCS and this node's raylet while
+the run goes on, and driver threads wait on calls one probe period at a time: once the cluster is gone (its GCS and
+raylet killed, say), the tasks waiting fail, no new one is sent, the executor tells ``on_event("lost", why)`` and the
+run stops as after a stop request, instead of hanging until Ray's core worker ends the process.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from flasync.config import RayConfig
 from flasync.core.errors import ConfigError, TrainingError
 from flasync.data import SyntheticClients
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
+from flasync.training.executors.ray_watch import CLUSTER_GONE, PROBE_EVERY_S, ClusterWatch
 from flasync.training.executors.threads import CohortBatcher, ModelPool, TrainingJob
 from flasync.training.local import FlatModel, LocalResult, LocalTraining, train
 
@@ -48,6 +54,11 @@ T = TypeVar("T")
 _VERSIONS_KEPT = 8  # model versions whose object refs stay alive (the ones tasks in flight start from)
 _PIPELINE = 2  # calls queued per actor: the next one's arguments travel while the current one trains
 _ACTOR_START_S = 120.0  # an actor whose resources no node has waits for ever: give up after this
+# Probes in a row that must fail before the cluster is taken for gone: a local Ray flasync started is not restarted
+# by anyone, while a joined cluster's GCS (with GCS fault tolerance) may come back within Ray's own 60 s.
+_MISSES_LOCAL = 2
+_MISSES_JOINED = 30
+_SHUTDOWN_GONE_S = 10.0  # longest wait for ray.shutdown once the cluster is gone (it takes seconds then)
 
 
 def _ray() -> Any:
@@ -102,6 +113,46 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             pass
     except OSError as exc:
         raise ConfigError(f"executor.ray.address: cannot reach the Ray cluster at {address} ({exc})") from None
+
+
+def _init_ray(settings: RayConfig) -> None:
+    """Start a local Ray (no ``settings.address``) or join the cluster at ``settings.address``.
+
+    Raises:
+        ConfigError: If Ray cannot start or the cluster cannot be reached.
+    """
+    ray = _ray()
+    if settings.address is not None:
+        _check_reachable(settings.address, settings.connect_timeout_s)
+    try:
+        if settings.address is None:
+            with _quiet_local_start():
+                ray.init(
+                    num_cpus=max(1, int(np.ceil(settings.actors * settings.cpus_per_actor))),
+                    num_gpus=int(np.ceil(settings.actors * settings.gpus_per_actor)),
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
+        else:
+            ray.init(address=settings.address, log_to_driver=False, configure_logging=False)
+    except Exception as exc:
+        where = "start a local Ray" if settings.address is None else f"join the Ray cluster at {settings.address}"
+        raise ConfigError(f"executor.ray: cannot {where}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+
+
+def _watch(settings: RayConfig, on_lost: Callable[[str], None]) -> ClusterWatch:
+    """A watch (not started) on the GCS of the Ray this process is connected to and on this node's raylet."""
+    ray = _ray()
+    host, _, port = str(ray.get_runtime_context().gcs_address).rpartition(":")
+    me = ray.get_runtime_context().get_node_id()
+    node = next(n for n in ray.nodes() if n["NodeID"] == me)
+    return ClusterWatch(
+        gcs=(host, int(port)),
+        raylet=(str(node["NodeManagerAddress"]), int(node["NodeManagerPort"])),
+        on_lost=on_lost,
+        misses=_MISSES_LOCAL if settings.address is None else _MISSES_JOINED,
+    )
 
 
 def _to_tensor(array: np.ndarray) -> torch.Tensor:
@@ -307,38 +358,23 @@ class RayTrainingExecutor:
         self.on_event = on_event
         self.models = ModelPool(factory, device)
         self.started_ray = False
+        self.joined_ray = False
         if not ray.is_initialized():
-            if settings.address is not None:
-                _check_reachable(settings.address, settings.connect_timeout_s)
-            try:
-                if settings.address is None:
-                    with _quiet_local_start():
-                        ray.init(
-                            num_cpus=max(1, int(np.ceil(settings.actors * settings.cpus_per_actor))),
-                            num_gpus=int(np.ceil(settings.actors * settings.gpus_per_actor)),
-                            include_dashboard=False,
-                            log_to_driver=False,
-                            configure_logging=False,
-                        )
-                else:
-                    ray.init(address=settings.address, log_to_driver=False, configure_logging=False)
-            except Exception as exc:
-                where = (
-                    "start a local Ray" if settings.address is None else f"join the Ray cluster at {settings.address}"
-                )
-                raise ConfigError(
-                    f"executor.ray: cannot {where}: {type(exc).__name__}: {exc}".splitlines()[0]
-                ) from None
+            _init_ray(settings)
             self.started_ray = settings.address is None
+            self.joined_ray = not self.started_ray
         self._remote_actor = ray.remote(
             num_cpus=settings.cpus_per_actor, num_gpus=settings.gpus_per_actor, max_restarts=0
         )(TrainingActor)
         self._device = "cuda" if settings.gpus_per_actor > 0 else "cpu"
         self._lock = threading.Lock()
         self._names = (f"flasync-train-{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
+        self.watch = _watch(settings, self._gone)
         try:
+            self.watch.start()
             self._slots = [self._new_slot() for _ in range(settings.actors)]
         except BaseException:
+            self.watch.close()
             if self.started_ray:  # a Ray started for this run must not outlive an executor that never was
                 ray.shutdown()
                 self.started_ray = False
@@ -374,7 +410,7 @@ class RayTrainingExecutor:
             self.factory, self.settings.threads_per_actor, self._device, self.lazy
         )
         try:
-            node = ray.get(actor.node.remote(), timeout=_ACTOR_START_S)
+            node = self._wait(actor.node.remote(), timeout_s=_ACTOR_START_S)
         except ray.exceptions.GetTimeoutError:
             ray.kill(actor)
             settings = self.settings
@@ -382,6 +418,8 @@ class RayTrainingExecutor:
                 f"executor.ray: no actor started within {_ACTOR_START_S:.0f} s: does the cluster have "
                 f"{settings.cpus_per_actor:g} CPU and {settings.gpus_per_actor:g} GPU free for one?"
             ) from None
+        except TrainingError:
+            raise  # the cluster is gone
         except Exception as exc:
             message = f"executor.ray: an actor could not start: {type(exc).__name__}: {exc}"
             raise ConfigError(message.splitlines()[0]) from None
@@ -405,10 +443,14 @@ class RayTrainingExecutor:
         ray = _ray()
         slot = self._slot()
         try:
+            self._check()
             ref = getattr(slot.actor, method).remote(*args)
             try:
-                value = ray.get(ref)
+                value = self._wait(ref)
             except ray.exceptions.RayActorError as exc:
+                self._check()
+                if self.watch.silent():  # the actor died with its node: a new one would wait on a GCS that is gone
+                    raise TrainingError(CLUSTER_GONE) from None
                 self._replace(slot, exc)
                 raise TrainingError(f"the Ray actor training this task died ({type(exc).__name__})") from None
             with self._lock:
@@ -417,6 +459,40 @@ class RayTrainingExecutor:
         finally:
             with self._lock:
                 slot.busy -= 1
+
+    def _wait(self, ref: Any, timeout_s: float | None = None) -> Any:
+        """``ray.get(ref)``, one probe period at a time, so that a cluster the watch finds gone ends the wait.
+
+        Raises:
+            TrainingError: If the cluster is gone (:data:`CLUSTER_GONE`).
+            ray.exceptions.GetTimeoutError: If ``timeout_s`` seconds passed (counted in probe periods).
+        """
+        ray = _ray()
+        periods = None if timeout_s is None else max(1, int(np.ceil(timeout_s / PROBE_EVERY_S)))
+        for period in itertools.count(1):
+            try:
+                return ray.get(ref, timeout=PROBE_EVERY_S)
+            except ray.exceptions.GetTimeoutError:
+                self._check()
+                if periods is not None and period >= periods:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover - itertools.count never ends
+
+    def _check(self) -> None:
+        """Raise :class:`TrainingError` if the watch found the cluster gone (nothing more is sent to it)."""
+        if self.watch.lost:
+            raise TrainingError(CLUSTER_GONE)
+
+    def _check_put(self) -> None:
+        """Raise :class:`TrainingError` unless this node's raylet answers now: Ray ends the process when its object
+        store is gone (on a put, or on freeing a ref the put evicts), without waiting for the watch."""
+        if not self.watch.raylet_answers():
+            raise TrainingError(CLUSTER_GONE)
+
+    def _gone(self, why: str) -> None:
+        """Tell the run, from the watch's thread, that the cluster is gone."""
+        if self.on_event is not None:
+            self.on_event("lost", why)
 
     def _replace(self, slot: _Slot, exc: BaseException) -> None:
         with self._lock:
@@ -436,6 +512,7 @@ class RayTrainingExecutor:
             if held is not None and held[0] is base:
                 self._bases.move_to_end(id(base))
                 return held[1]
+            self._check_put()
             ref = _ray().put(base.detach().to("cpu", torch.float32).numpy())
             self._bases[id(base)] = (base, ref)
             while len(self._bases) > _VERSIONS_KEPT:
@@ -448,6 +525,7 @@ class RayTrainingExecutor:
             held = self._data.get(id(x))
             if held is None or held[0] is not x or held[1] is not y:
                 ray = _ray()
+                self._check_put()
                 refs = [ray.put(x.detach().cpu().numpy()), ray.put(y.detach().cpu().numpy())]
                 if len(self._data) > 4:
                     self._data.clear()
@@ -516,14 +594,30 @@ class RayTrainingExecutor:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.waiters.shutdown(wait=True, cancel_futures=True)
         self.local.shutdown(wait=True, cancel_futures=True)
+        self.watch.close()
         ray = _ray()
         if not ray.is_initialized():
             return
-        for slot in self._slots:
-            with contextlib.suppress(Exception):  # an actor already gone
-                ray.kill(slot.actor)
+        if not self.watch.lost:
+            for slot in self._slots:
+                with contextlib.suppress(Exception):  # an actor already gone
+                    ray.kill(slot.actor)
         self._bases.clear()
         self._data.clear()
-        if self.started_ray:
-            ray.shutdown()
+        if self.watch.lost and (self.started_ray or self.joined_ray):
+            self.started_ray = self.joined_ray = False
+            _shutdown_gone()
+        elif self.started_ray:
             self.started_ray = False
+            ray.shutdown()
+
+
+def _shutdown_gone() -> None:
+    """Disconnect from a Ray whose GCS and raylet are gone, waiting at most :data:`_SHUTDOWN_GONE_S` seconds.
+
+    Without a disconnect, Ray's core worker ends the process once the GCS has not answered for a minute; the
+    disconnect itself waits on the GCS for a few seconds, and may hang, so it runs in a thread of its own.
+    """
+    done = threading.Thread(target=_ray().shutdown, name="flasync-ray-shutdown", daemon=True)
+    done.start()
+    done.join(_SHUTDOWN_GONE_S)

@@ -54,6 +54,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -248,12 +249,16 @@ class _Monitor:
         if self.running is None:
             self.running = start_monitor(run_id, tracking_uri, sink, interval_s)
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """Stop the monitor; return how many of its rows the store never took (counted lost, see
+        :class:`flasync.tracking._runs.MonitorSink`)."""
         from flasync.tracking._runs import stop_monitor
 
         running, self.running = self.running, None
-        if running is not None:
-            stop_monitor(running)
+        if running is None:
+            return 0
+        stop_monitor(running)
+        return int(running.sink.lost)
 
 
 class _Aside:
@@ -381,10 +386,11 @@ def _job(
         client.log_inputs(run_id, datasets=[dataset_input(**request["dataset"])])
         return ""
     if op == "end":
-        monitor.stop()  # its last samples before the run's end
-        if direct is None or not direct.end_run(run_id, request["status"], request["end_time"]):
-            client.set_terminated(run_id, request["status"], end_time=request["end_time"])
-        return ""
+        lost = monitor.stop()  # its last samples before the run's end
+        end_time = max(int(request["end_time"]), int(time.time() * 1000))  # not before those last samples
+        if direct is None or not direct.end_run(run_id, request["status"], end_time):
+            client.set_terminated(run_id, request["status"], end_time=end_time)
+        return str(lost)  # the system metric rows lost, for the parent to count
     if op == "model":
         from flasync.tracking._model import log_built_model
 

@@ -396,8 +396,10 @@ class RunLifecycle:
             if status == "FINISHED" and self._failover.records_lost:
                 status = "FAILED"  # records lost for good (a full disk under the store and the spool): not a whole run
             end = int(time.time() * 1000)
-            ended = writers.child_job({"op": "end", "status": status, "end_time": end})
+            answer = writers.child_reply({"op": "end", "status": status, "end_time": end})
+            ended = answer is not None
             writers.release_child(ended)
+            self._count_system_lost(answer)
 
             def send(run_id: str, client: mlflow.MlflowClient) -> None:
                 client.set_terminated(run_id, status, end_time=end)
@@ -411,6 +413,23 @@ class RunLifecycle:
                 failover.close()
                 if not lost and not failover.offline:
                     failover.retire_journal()  # the run holds all it kept
+
+
+    def _count_system_lost(self, answer: str | None) -> None:
+        """Count the system metric rows the writer process's monitor lost (its ``end`` answer) with the run's lost
+        rows, in one warning and the tag."""
+        lost = int(answer) if answer and answer.strip().isdigit() else 0
+        if not lost:
+            return
+        self.rows_lost = (self.rows_lost or 0) + lost
+        self._log.warning(
+            "tracking.system_metrics_lost",
+            message=f"{lost} system metric rows of this run never reached the store",
+            rows=lost,
+            metrics=False,
+        )
+        with contextlib.suppress(Exception):
+            self.set_tags({LOST_TAG: str(self.rows_lost)})
 
 
 def _param_value(value: Any) -> str:

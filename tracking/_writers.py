@@ -161,18 +161,23 @@ class RunWriters:
     def child_job(self, request: Mapping[str, Any]) -> bool:
         """Have the writer process do ``request``; False when there is none, the store is failing, or it failed
         (then the caller does the work itself, through the spool if need be)."""
+        return self.child_reply(request) is not None
+
+    def child_reply(self, request: Mapping[str, Any]) -> str | None:
+        """Have the writer process do ``request`` and return what its answer says (None as :meth:`child_job`'s
+        False)."""
         with self._failover.lock:
             if self._failover.offline:
-                return False
+                return None
             child = self.ready_child()
             if child is None:
-                return False
+                return None
             try:
-                child.job(request, CHILD_START_TIMEOUT_S, run=self.child_run)
+                return child.job(request, CHILD_START_TIMEOUT_S, run=self.child_run)
             except ConnectionError as exc:
                 self._log.warning("tracking.writer_process_lost", error=redact_uri(str(exc)), metrics=False)
                 self.child = None
-                return False
+                return None
             except RuntimeError as exc:
                 self._log.info(
                     "tracking.writer_process_job_failed",
@@ -180,8 +185,7 @@ class RunWriters:
                     error=redact_uri(str(exc))[:300],
                     metrics=False,
                 )
-                return False
-            return True
+                return None
 
     def _writer_process_failed(self, error: BaseException) -> None:
         """Warn that the writer process could not start or connect, and write from this process from now on."""

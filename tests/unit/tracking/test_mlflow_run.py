@@ -7,8 +7,9 @@ import functools
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import mlflow
 import pytest
@@ -508,3 +509,24 @@ def test_rows_with_nowhere_to_go_are_counted_in_the_summary_the_profile_and_a_ta
     assert run.data.tags["flasync.metric_rows_lost"] == str(summary.metric_rows_lost)
     assert federation.profile is not None
     assert 0 < federation.profile["tracking"]["metric_rows_lost"] <= summary.metric_rows_lost
+
+
+def test_system_rows_the_writer_process_lost_are_counted_with_the_runs(
+    tracking_uri: str, client: mlflow.MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer process's monitor says at the run's end how many system rows the store never took: they count in
+    the run's lost rows (and its tag), with one warning."""
+    from flasync.tracking import _writers
+
+    reply = _writers.RunWriters.child_reply
+
+    def lossy_end(self: _writers.RunWriters, request: Mapping[str, Any]) -> str | None:
+        answer = reply(self, request)
+        return "7" if request.get("op") == "end" and answer is not None else answer
+
+    monkeypatch.setattr(_writers.RunWriters, "child_reply", lossy_end)
+    tracker = MlflowTracker(tracking_uri, flush_interval_s=0.05)
+    run_id = tracker.start(experiment="system-lost")
+    tracker.finish("FINISHED")
+    assert tracker.metric_rows_lost == 7
+    assert client.get_run(run_id).data.tags["flasync.metric_rows_lost"] == "7"

@@ -47,6 +47,27 @@ _LAZY = {
 }
 
 
+def console(level: str = "info", *, fmt: str = "console") -> None:
+    """Print a run's log lines as ``python -m flasync run`` does: its phases, its progress lines (version, accuracy,
+    loss and time left at each evaluation), its warnings, on standard error.
+
+    For a program that embeds flasync; the command line calls it itself. It configures structlog for the whole
+    process (flasync's lines are structlog events: a service with a structlog setup of its own keeps that instead).
+
+    Args:
+        level: The lowest level printed: ``debug``, ``info``, ``warning`` or ``error``.
+        fmt: ``console`` (aligned lines for people) or ``json`` (one object per line, for log collectors).
+
+    Raises:
+        ValueError: ``level`` or ``fmt`` is unknown.
+    """
+    from flasync.tracking.logs import configure_logging
+
+    if fmt not in ("console", "json"):
+        raise ValueError(f"fmt must be 'console' or 'json', not {fmt!r}")
+    configure_logging(fmt="json" if fmt == "json" else "console", level=level)
+
+
 def __getattr__(name: str) -> Any:
     """Import the public names that need torch or pydantic on first use."""
     module = _LAZY.get(name)
@@ -78,6 +99,7 @@ __all__ = [
     "TaskPart",
     "TrainingError",
     "__version__",
+    "console",
     "load_config",
     "run",
 ]

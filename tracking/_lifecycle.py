@@ -414,7 +414,6 @@ class RunLifecycle:
                 if not lost and not failover.offline:
                     failover.retire_journal()  # the run holds all it kept
 
-
     def _count_system_lost(self, answer: str | None) -> None:
         """Count the system metric rows the writer process's monitor lost (its ``end`` answer) with the run's lost
         rows, in one warning and the tag."""

@@ -52,6 +52,14 @@ _PROBER = "127.0.0.2"
 _TIMEOUT_S = 10.0
 _UPLOAD = b"\0" * 16384
 PHASES = ("unauthenticated", "refused")
+_PROFILED = """
+import atexit, cProfile, runpy, sys
+profile = cProfile.Profile()
+atexit.register(lambda: (profile.disable(), profile.dump_stats({path!r})))
+sys.argv[0] = "flasync"
+profile.enable()
+runpy.run_module("flasync", run_name="__main__")
+"""
 
 
 # ------------------------------------------------------------------------------------------------ the server
@@ -87,8 +95,9 @@ def _free_port() -> int:
 
 def _start_server(folder: Path, config: Path, port: int, profile: Path | None) -> subprocess.Popen[bytes]:
     """Start ``python -m flasync serve`` (under cProfile when ``profile`` is given)."""
-    runner = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
-    command = [sys.executable, *runner, "-m", "flasync", "serve", str(config), "--port", str(port)]
+    # The command line ends with os._exit once its atexit handlers ran: the profile is written by one of them.
+    runner = ["-c", _PROFILED.format(path=str(profile))] if profile is not None else ["-m", "flasync"]
+    command = [sys.executable, *runner, "serve", str(config), "--port", str(port)]
     command += ["--no-system-metrics", "--log-level", "warning"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with (folder / "serve.out").open("wb") as out, (folder / "serve.err").open("wb") as err:

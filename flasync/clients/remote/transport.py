@@ -713,6 +713,10 @@ class RemoteTransport:
         detail = "too many refused requests from this address"
         return self._refuse(None, Refusal(429, "rate_limited", detail, retry_after_s))
 
+    def bad_request(self, client_id: ClientId, detail: str) -> Refusal:
+        """Refuse (and count) a request with a malformed id, header or query parameter (``detail``: which)."""
+        return self._refuse(client_id, Refusal(400, "bad_request", detail))
+
     def bad_report(self, client_id: ClientId, detail: str) -> Refusal:
         """Refuse (and count) an upload whose report is malformed."""
         return self._refuse(client_id, Refusal(400, "bad_report", detail))

@@ -89,10 +89,10 @@ async def _flood(url: str, requests: list[tuple[str, str, dict[str, str], bytes 
     return [answer for answer in answers if answer is not None]
 
 
-def _assert_limited(responses: list[httpx.Response], refused_code: int) -> Counter[int]:
-    """Every answer is the refusal or 429 with a Retry-After of whole seconds; both come; return the codes."""
+def _assert_limited(responses: list[httpx.Response], refused_codes: set[int]) -> Counter[int]:
+    """Every answer is a refusal or 429 with a Retry-After of whole seconds; each comes; return the codes."""
     codes = Counter(response.status_code for response in responses)
-    assert set(codes) == {refused_code, 429}, codes
+    assert set(codes) == {*refused_codes, 429}, codes
     for response in responses:
         if response.status_code == 429:
             assert int(response.headers["retry-after"]) >= 1
@@ -130,7 +130,7 @@ async def test_an_unauthenticated_flood_is_answered_limited_and_counted(flooded:
     flood = asyncio.create_task(_flood(flooded.url, requests))
     await _status_answers(flooded)
     responses = await flood
-    codes = _assert_limited(responses, 401)
+    codes = _assert_limited(responses, {401})
     assert responses[0].status_code == 401
     refused = flooded.refused()
     assert refused == {"unauthorized": codes[401], "rate_limited": codes[429]}
@@ -139,16 +139,21 @@ async def test_an_unauthenticated_flood_is_answered_limited_and_counted(flooded:
     assert len(flooded.refusal_rows()) < _REQUESTS / 8
 
 
-async def test_a_flood_of_refused_uploads_is_answered_before_the_body_and_limited(flooded: Flooded) -> None:
-    """Updates with a valid token for tasks that are not the client's, 16 KiB bodies from one address: each is
-    answered, 403 until the address's budget is spent, then 429 with Retry-After; counted; status still answers."""
-    auth = {"authorization": f"Bearer {flooded.tokens[1]}", REPORT_HEADER: '{"num_samples": 1, "train_loss": 0}'}
+async def test_a_flood_of_refused_requests_with_a_token_is_answered_limited_and_counted(flooded: Flooded) -> None:
+    """A valid token's updates (16 KiB bodies) for tasks that are not its client's and requests for malformed model
+    versions, from one address: each is answered, 403 or 400 until the address's budget is spent, then 429 with
+    Retry-After; each is counted by its reason; the status endpoint still answers."""
+    auth = {"authorization": f"Bearer {flooded.tokens[1]}"}
+    upload = {**auth, REPORT_HEADER: '{"num_samples": 1, "train_loss": 0}'}
     body = b"\0" * 16384
-    requests = [("POST", f"/v1/tasks/{10**9 + i}/update", auth, body) for i in range(_REQUESTS)]
+    requests = [
+        ("POST", f"/v1/tasks/{10**9 + i}/update", upload, body) if i % 2 else ("GET", f"/v1/models/v{i}", auth, None)
+        for i in range(_REQUESTS)
+    ]
     flood = asyncio.create_task(_flood(flooded.url, requests))
     await _status_answers(flooded)
     responses = await flood
-    codes = _assert_limited(responses, 403)
-    assert flooded.refused() == {"not_your_task": codes[403], "rate_limited": codes[429]}
+    codes = _assert_limited(responses, {400, 403})
+    assert flooded.refused() == {"bad_request": codes[400], "not_your_task": codes[403], "rate_limited": codes[429]}
     await _status_answers(flooded)
     _assert_bounded_rows(flooded)

@@ -17,10 +17,11 @@ requests sent by the flood and answered by status code, timed out and failed; th
 their ratio to the baseline's; and the server process's CPU (user + system seconds per wall second, psutil).
 The figures, with a description of the machine, go to ``benchmarks/results/flood.json``.
 
-On a 2-core machine the server, the flooding process and the probers share the cores: a probe's latency includes
-the wait for a core, which the baseline measures too.
+On a 2-core machine the server, the flooding processes and the probers share the cores: a probe's latency includes
+the wait for a core, which the baseline measures too. ``--flood-nice 10`` lowers the flooding processes' priority, so
+that they take the cores the server and the probers leave, as a flood from another machine would.
 
-    python benchmarks/flood.py [--seconds 10] [--concurrency 64] [--profile server.prof]
+    python benchmarks/flood.py [--seconds 10] [--concurrency 64] [--processes 1] [--flood-nice 0] [--profile PATH]
 """
 
 from __future__ import annotations
@@ -235,7 +236,10 @@ async def _phase(url: str, phase: str, token: str, args: argparse.Namespace, ser
         command = [sys.executable, __file__, "--worker", url, phase, token, str(args.concurrency), str(args.seconds)]
         for _ in range(args.processes):
             flooder = await asyncio.create_subprocess_exec(
-                *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+                *command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                preexec_fn=lambda: os.nice(args.flood_nice),
             )
             assert flooder.stdout is not None
             await flooder.stdout.readline()  # "ready": httpx imported
@@ -345,6 +349,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="seconds of each phase")
     parser.add_argument("--concurrency", type=int, default=64, help="concurrent flooding clients")
     parser.add_argument("--processes", type=int, default=1, help="flooding processes (each --concurrency clients)")
+    parser.add_argument(
+        "--flood-nice", type=int, default=0, help="niceness of the flooding processes (10: as if they ran elsewhere)"
+    )
     parser.add_argument("--probe-ms", type=float, default=5.0, help="pause between two probes of one prober")
     parser.add_argument("--profile", type=Path, help="run the server under cProfile, writing this file")
     parser.add_argument("--out", type=Path, default=_HERE / "results" / "flood.json", help="results JSON")
@@ -358,6 +365,10 @@ def main() -> None:
         args.profile = args.profile.resolve()
     described = machine()
     print(f"{described['cpu']}, {described['cpus']} CPUs, load {described['load_average_1m']}, {described['commit']}")
+    print(
+        f"phases of {args.seconds} s; flood: {args.processes} process(es) of {args.concurrency} clients, nice "
+        f"{args.flood_nice}; status probed every {args.probe_ms} ms from {_PROBER}"
+    )
     with tempfile.TemporaryDirectory(prefix="flood-") as folder:
         figures = asyncio.run(_run(args, Path(folder)))
     print(f"\nserver exit {figures['server_exit']}; refusals in the run's store (rows, last value):")
@@ -372,6 +383,7 @@ def main() -> None:
             "seconds": args.seconds,
             "concurrency": args.concurrency,
             "processes": args.processes,
+            "flood_nice": args.flood_nice,
             "probe_ms": args.probe_ms,
         },
         **figures,

@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import re
+import signal
 import socket
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,7 +23,7 @@ from flasync.core.errors import RunInterrupted
 from flasync.runtime.federation import Federation
 from flasync.runtime.serve import REPORT_HEADER, serve
 from flasync.testing import MemoryTracker
-from tests.conftest import remote_config
+from tests.conftest import free_port, remote_config, write_remote_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,3 +161,41 @@ async def test_a_flood_of_refused_requests_with_a_token_is_answered_limited_and_
     assert flooded.refused() == {"bad_request": codes[400], "not_your_task": codes[403], "rate_limited": codes[429]}
     await _status_answers(flooded)
     _assert_bounded_rows(flooded)
+
+
+@pytest.mark.slow
+async def test_flasync_serve_prints_a_floods_refusals_when_stopped(tmp_path: Path, tokens: dict[int, str]) -> None:
+    """A `flasync serve` process flooded from one address, then stopped by SIGINT: its summary's refusals (before:
+    not printed for a stopped run) are the answers the flood got, and the store holds a few rows per reason."""
+    store = tmp_path / "mlflow.db"
+    config = write_remote_config(
+        tmp_path / "served.yaml", tmp_path / "tokens.txt", tracking={"uri": f"sqlite:///{store}"}
+    )
+    port = free_port()
+    command = [sys.executable, "-m", "flasync", "serve", str(config), "--port", str(port), "--no-system-metrics"]
+    server = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path, env=dict(os.environ)
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url) as http:
+            for _ in range(600):
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get("/v1/status")).json()["state"] == "running":
+                        break
+                await asyncio.sleep(0.1)
+            # A device online: the server waits for messages, where it sees the stop (with none online it waits for
+            # one to come and misses the first SIGINT).
+            assert (await http.get("/v1/hello", headers={"authorization": f"Bearer {tokens[0]}"})).status_code == 200
+        requests = [("GET", "/v1/task?wait_s=0", {}, None)] * _REQUESTS
+        codes = _assert_limited(await _flood(url, requests), {401})
+        server.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(server.communicate(), 60)
+    finally:
+        if server.returncode is None:
+            server.kill()
+            await server.wait()
+    assert server.returncode == 130, err.decode()[-2000:]
+    line = re.search(r"requests refused: (.*)", out.decode())
+    assert line is not None, out.decode()
+    assert line.group(1) == f"rate_limited {codes[429]}, unauthorized {codes[401]}"

@@ -287,13 +287,21 @@ async def _run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     try:
         ready_s = await _wait_until_served(url, server, 120.0)
         print(f"server pid {server.pid} running after {ready_s:.1f} s on {url}", flush=True)
+        # A device online from the start (a task in flight): the server waits for messages, as in a run with clients.
+        await _served_again_s(url, token, 30.0)
         phases = {}
         for phase in ("baseline", *PHASES):
             phases[phase] = await _phase(url, phase, token, args, psutil.Process(server.pid))
             _print_phase(phase, phases[phase], phases["baseline"])
     finally:
         code = _stop_server(server)
-    return {"phases": phases, "server_exit": code, "refusal_metrics": _refusal_metrics(folder / "mlflow.db")}
+    printed = [line.strip() for line in (folder / "serve.out").read_text().splitlines() if "requests refused" in line]
+    return {
+        "phases": phases,
+        "server_exit": code,
+        "server_remote_line": printed[-1] if printed else None,
+        "refusal_metrics": _refusal_metrics(folder / "mlflow.db"),
+    }
 
 
 def _refusal_metrics(store: Path) -> dict[str, dict[str, float]]:
@@ -371,7 +379,8 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory(prefix="flood-") as folder:
         figures = asyncio.run(_run(args, Path(folder)))
-    print(f"\nserver exit {figures['server_exit']}; refusals in the run's store (rows, last value):")
+    print(f"\nserver exit {figures['server_exit']}; its summary: {figures['server_remote_line']}")
+    print("refusals in the run's store (rows, last value):")
     for key, metric in figures["refusal_metrics"].items():
         print(f"  {key:<32} {metric['rows']:>3} rows, {metric['count']:.0f}")
     result = {

@@ -101,6 +101,8 @@ def command_serve(args: argparse.Namespace, *, process_ends: bool = False) -> in
         )
     except RunInterrupted as exc:
         print_partial(federation.summary, exc.reason)
+        if federation.summary is not None and federation.transport is not None:  # refusals until the signal
+            print(remote_line(federation.transport.statistics(), resumed=resume is not None), flush=True)
         hint = f"; resume with: python -m flasync serve --resume {exc.run_id}" if exc.checkpoint and exc.run_id else ""
         print(f"flasync: {exc}{hint}", file=sys.stderr)
         return stopped_status(exc.reason)

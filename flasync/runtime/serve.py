@@ -155,6 +155,10 @@ class _Routes:
         client_id = self.transport.tokens.client_of(token.strip()) if scheme.lower() == "bearer" else None
         return self.transport.unauthorized() if client_id is None else client_id
 
+    def malformed(self, client_id: ClientId, detail: str) -> Response:
+        """Answer 400 to a malformed id, header or query parameter of an authenticated client (counted)."""
+        return _refused(self.transport.bad_request(client_id, detail))
+
     def session_of(self, request: Request) -> str | Refusal:
         """Return the request's session (the empty one when absent), or the refusal of a malformed one."""
         return _name_header(request, SESSION_HEADER) or ""
@@ -188,10 +192,10 @@ class _Routes:
         try:
             wait_s = float(request.query_params.get("wait_s", self.transport.settings.poll_s))
         except ValueError:
-            return _refused(Refusal(400, "bad_request", "wait_s must be a number of seconds"))
+            return self.malformed(client_id, "wait_s must be a number of seconds")
         session = self.session_of(request)
         if isinstance(session, Refusal):
-            return _refused(session)
+            return self.malformed(client_id, session.detail)
         offer = await self.transport.next_task(client_id, wait_s if wait_s == wait_s else 0.0, session)
         if offer is None:
             return Response(status_code=204)
@@ -206,7 +210,7 @@ class _Routes:
             return _refused(client_id)
         version = _id(request, "version")
         if isinstance(version, Refusal):
-            return _refused(version)
+            return self.malformed(client_id, version.detail)
         payload = await self.transport.model(client_id, version)
         if isinstance(payload, Refusal):
             return _refused(payload)
@@ -219,7 +223,7 @@ class _Routes:
             return _refused(client_id)
         answering = self.answering(request)
         if isinstance(answering, Refusal):
-            return _refused(answering)
+            return self.malformed(client_id, answering.detail)
         task_id, session, incarnation = answering
         declared = request.headers.get("content-length")
         length = int(declared) if declared is not None and declared.isdigit() else None
@@ -251,7 +255,7 @@ class _Routes:
             return _refused(client_id)
         answering = self.answering(request)
         if isinstance(answering, Refusal):
-            return _refused(answering)
+            return self.malformed(client_id, answering.detail)
         task_id, session, incarnation = answering
         body = await _read_body(request, 4096)
         if body is None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import math
 import secrets
 import time
@@ -59,10 +58,11 @@ _MAX_POLLS_PER_CLIENT = 2
 
 # --------------------------------------------------------------------------------------------------- tokens
 class Tokens:
-    """Bearer tokens bound to client ids, looked up in constant time per token.
+    """Bearer tokens bound to client ids, each request's token found with one dictionary lookup.
 
-    Tokens are kept as SHA-256 digests: the lookup is by digest and the match is confirmed with
-    :func:`hmac.compare_digest`, so neither the dictionary nor the comparison reveals a token's characters.
+    Tokens are kept as SHA-256 digests and looked up by the digest of the token a request sends: the lookup's time
+    depends on that digest (its hash and the bytes it shares with a stored one), never on a token's characters, and
+    not on the number of tokens.
 
     Args:
         bindings: Token -> client id.
@@ -86,11 +86,7 @@ class Tokens:
         """Return the client ``token`` is bound to (None: no such token)."""
         if not token or len(token) > _MAX_TOKEN_CHARS:
             return None
-        digest = _digest(token)
-        for known, client_id in self._by_digest.items():
-            if hmac.compare_digest(known, digest):
-                return client_id
-        return None
+        return self._by_digest.get(_digest(token))
 
 
 def _digest(token: str) -> bytes:
@@ -712,6 +708,10 @@ class RemoteTransport:
         """Refuse (and count) a request from an address that spent its budget of refused requests."""
         detail = "too many refused requests from this address"
         return self._refuse(None, Refusal(429, "rate_limited", detail, retry_after_s))
+
+    def bad_request(self, client_id: ClientId, detail: str) -> Refusal:
+        """Refuse (and count) a request with a malformed id, header or query parameter (``detail``: which)."""
+        return self._refuse(client_id, Refusal(400, "bad_request", detail))
 
     def bad_report(self, client_id: ClientId, detail: str) -> Refusal:
         """Refuse (and count) an upload whose report is malformed."""

@@ -229,6 +229,7 @@ class Server:
         if self._stop_requested:
             return
         self._stop_requested = reason or INTERRUPTED
+        self.policy.idle.wake()  # a policy waiting for clients to come online stops waiting
         with contextlib.suppress(BusFull, BusClosed):  # a full inbox is being drained: the flag is seen anyway
             self.bus.publish_nowait(StopRequested(reason=self._stop_requested))
 
@@ -294,6 +295,9 @@ class Server:
             return
         while True:
             await policy.fill()
+            if self._stop_requested and not len(self.registry) and not policy.step_due():
+                self._stop_reason()
+                return  # stopped while no client was online: nothing in flight to wait for
             if not policy.step_due():
                 message, decoded = await self._next()
                 if self._batch and isinstance(message, UpdateUploaded) and policy.rounds and not policy.abandons:

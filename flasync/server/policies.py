@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,11 +27,49 @@ from flasync.server.sampler import ClientSampler
 if TYPE_CHECKING:
     from flasync.server.edges import EdgeNetwork
 
-__all__ = ["AsyncSlots", "Policy", "SyncRounds", "TreeRounds"]
+__all__ = ["AsyncSlots", "IdleWait", "Policy", "SyncRounds", "TreeRounds"]
 
 
 _MIN_CLIENTS_POLL_S = 0.25
 """How often a round waiting for server.min_clients looks again, in seconds."""
+
+
+class IdleWait:
+    """A policy's wait for clients to come online, which a stop request cuts short.
+
+    With no client online and no task in flight a policy sleeps until the next client comes online; a served run
+    with no device connected would sleep until one connects, the stop request waiting in the inbox unread. On a
+    wall clock the sleep ends at a stop request; a virtual clock (``virtual`` true, or no such attribute) is awaited
+    as it is: its time jumps to the next client at once.
+    """
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self._woken: asyncio.Event | None = None
+
+    async def until(self, clock: Timer, when: float) -> bool:
+        """Sleep until ``clock`` reads ``when``; False when a stop request came before or cut the sleep short."""
+        if self.stopping:
+            return False
+        if getattr(clock, "virtual", True):
+            await clock.sleep_until(when)
+            return not self.stopping
+        woken = self._woken = asyncio.Event()
+        sleeper = asyncio.ensure_future(clock.sleep_until(when))
+        waker = asyncio.ensure_future(woken.wait())
+        try:
+            await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            waker.cancel()
+            self._woken = None
+        return not self.stopping
+
+    def wake(self) -> None:
+        """End the wait now and every later one: the run is stopping."""
+        self.stopping = True
+        if self._woken is not None:
+            self._woken.set()
 
 
 class Policy(Protocol):
@@ -52,8 +91,11 @@ class Policy(Protocol):
         """Start what runs beside the loop for the whole run (e.g. async edges)."""
         ...
 
+    idle: IdleWait
+    """Its wait for clients to come online, which :meth:`flasync.server.Server.request_stop` ends."""
+
     async def fill(self) -> None:
-        """Start the tasks the policy wants in flight now."""
+        """Start the tasks the policy wants in flight now (none once its :attr:`idle` wait is stopping)."""
         ...
 
     def note(self, message: object, *, accepted: bool) -> None:
@@ -120,6 +162,8 @@ class AsyncSlots:
         self.concurrency = concurrency
         self.registry = registry
         self.sampler = sampler
+        self.idle = IdleWait()
+        """Its wait for clients to come online (a stop request ends it)."""
         self.clock = clock
         self.ready = ready
         self.accounting = accounting
@@ -139,7 +183,8 @@ class AsyncSlots:
             if client_id is None:
                 if len(registry):
                     return  # the free slots are filled at the next message
-                await self.clock.sleep_until(self.sampler.next_online(self.clock.now()))
+                if not await self.idle.until(self.clock, self.sampler.next_online(self.clock.now())):
+                    return  # stopping
                 continue
             edges = self.edges
             if edges is None:
@@ -241,6 +286,8 @@ class SyncRounds:
         self.abandons = self.target < self.cohort_size or deadline_s is not None
         self.registry = registry
         self.sampler = sampler
+        self.idle = IdleWait()
+        """Its wait for clients to come online (a stop request ends it)."""
         self.clock = clock
         self.bus = bus
         self.accounting = accounting
@@ -261,7 +308,8 @@ class SyncRounds:
             cohort = self.sampler.cohort(self.cohort_size, clock.now())
             if cohort is not None:
                 break
-            await clock.sleep_until(self.sampler.next_online(clock.now()))
+            if not await self.idle.until(clock, self.sampler.next_online(clock.now())):
+                return  # stopping: no round opens
         now = clock.now()
         current = self.registry.current
         assert current is not None
@@ -276,7 +324,7 @@ class SyncRounds:
         if wanted is None:
             return
         start = clock.now()
-        while (online := self.sampler.online_count(clock.now())) < wanted:
+        while (online := self.sampler.online_count(clock.now())) < wanted and not self.idle.stopping:
             waited = clock.now() - start
             if waited >= self.min_clients_wait_s:
                 self.log.warning(
@@ -390,6 +438,8 @@ class TreeRounds:
         self.edges = edges
         self.registry = registry
         self.sampler = sampler
+        self.idle = IdleWait()
+        """Its wait for clients to come online (a stop request ends it)."""
         self.clock = clock
         self.accounting = accounting
         self._pending: int | None = None
@@ -406,7 +456,8 @@ class TreeRounds:
             cohort = self.sampler.cohort(self.clients_per_round, clock.now())
             if cohort is not None:
                 break
-            await clock.sleep_until(self.sampler.next_online(clock.now()))
+            if not await self.idle.until(clock, self.sampler.next_online(clock.now())):
+                return  # stopping: no round opens
         snapshot = self.registry.current
         assert snapshot is not None
         self._pending = self.edges.sync_round(snapshot, set(cohort.tolist()))

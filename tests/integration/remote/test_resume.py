@@ -249,3 +249,30 @@ def test_flasync_serve_killed_then_resumed_with_client_processes(tmp_path: Path,
     refused = re.search(r"stale_task (\d+)", _figure(r"requests refused: (.*)", resumed.stdout))
     assert stale == (int(refused.group(1)) if refused else 0), (resumed.stdout, outputs)
     assert float(_figure(r"accuracy +([0-9.]+)", resumed.stdout)) >= 0.9
+
+
+@pytest.mark.parametrize(
+    "server", [{"kind": "fedbuff", "buffer_size": 3, "concurrency": 5}, {"kind": "fedavg", "clients_per_round": 3}]
+)
+@pytest.mark.timeout(120)
+async def test_a_served_run_with_no_device_online_stops_at_the_first_request(
+    tmp_path: Path, tokens: dict[int, str], server: dict[str, object]
+) -> None:
+    """No device ever connects: the policy waits for one to come online, and a stop request (the CLI's first
+    SIGINT) ends that wait, so the run stops cleanly instead of only at a second signal (without a checkpoint)."""
+    config = remote_config(tmp_path / "tokens.txt", stop={"max_versions": 4})
+    config["server"] = server
+    federation = Federation(validate(config))
+
+    async def stop_while_waiting(f: Federation) -> RunSummary:
+        published = f.bus.subscribe(ModelPublished, policy="drop_oldest")
+        run = asyncio.create_task(f.run())
+        await published.receive()  # version 0: the server fills its slots next, and no client is online
+        await asyncio.sleep(0.3)
+        assert f.server is not None and f.server.stats.tasks_dispatched == 0
+        f.request_stop("SIGINT")
+        return await run
+
+    with pytest.raises(RunInterrupted) as stopped:
+        await serve(federation, port=free_port(), run=stop_while_waiting, linger_s=0.1)
+    assert stopped.value.reason == "SIGINT" and stopped.value.summary["versions"] == 0

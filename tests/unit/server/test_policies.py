@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from flasync.core.events import RoundDeadlinePassed, TaskAssigned
@@ -87,3 +89,18 @@ async def test_an_empty_round_makes_no_version_and_says_so() -> None:
     stats = await harness.run()
     assert [r["step"] for r in harness.log.events("server.round_empty")] == [0]
     assert stats.versions == 1 and stats.updates_failed == 6
+
+
+async def test_an_idle_wait_on_a_wall_clock_ends_at_a_stop_request() -> None:
+    """A wait for clients to come online ends when woken (and every later one at once); a virtual clock's is
+    awaited as it is."""
+    from flasync.core.clock import WallClock
+    from flasync.server.policies import IdleWait
+
+    idle = IdleWait()
+    waiting = asyncio.ensure_future(idle.until(WallClock(), 3600.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    idle.wake()
+    assert await asyncio.wait_for(waiting, 10) is False
+    assert await idle.until(WallClock(), 3600.0) is False

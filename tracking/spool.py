@@ -256,11 +256,7 @@ class SpoolWriter:
             temporary.write_bytes(data)
             os.replace(temporary, local)
         except OSError as exc:
-            with self._lock:
-                self.failure = exc.strerror or str(exc)
-                self.lost["artifact"] += 1
-            if self._on_failure is not None:
-                self._on_failure(self.path, self.failure)
+            self._artifact_failed(exc)
             return False
         if not known:
             with self._lock:
@@ -291,13 +287,17 @@ class SpoolWriter:
             local = self._new_slot() / name
             write(local)
         except OSError as exc:
-            with self._lock:
-                self.failure = exc.strerror or str(exc)
-                self.lost["artifact"] += 1
-            if self._on_failure is not None:
-                self._on_failure(self.path, self.failure)
+            self._artifact_failed(exc)
             return None
         return local
+
+    def _artifact_failed(self, error: OSError) -> None:
+        """An artifact could not be kept: the spool takes nothing more, the artifact counts as lost, and it is told."""
+        with self._lock:
+            self.failure = error.strerror or str(error)
+            self.lost["artifact"] += 1
+        if self._on_failure is not None:
+            self._on_failure(self.path, self.failure)
 
     def _new_slot(self) -> Path:
         with self._lock:

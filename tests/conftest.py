@@ -52,7 +52,7 @@ def _restore_structlog() -> Iterator[None]:
     structlog.configure(**before)
 
 
-LIBRARY_LOGGERS = ("mlflow", "alembic", "urllib3", "git", "matplotlib")
+LIBRARY_LOGGERS = ("mlflow", "alembic", "urllib3", "git", "matplotlib", "mlflow.store.db.utils")
 """The libraries' loggers whose level the command line's ``--log-level`` sets (with ``MLFLOW_LOGGING_LEVEL``)."""
 
 

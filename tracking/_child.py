@@ -249,14 +249,14 @@ class _Monitor:
         if self.running is None:
             self.running = start_monitor(run_id, tracking_uri, sink, interval_s)
 
-    def stop(self) -> int:
+    def stop(self) -> int | None:
         """Stop the monitor; return how many of its rows the store never took (counted lost, see
-        :class:`flasync.tracking._runs.MonitorSink`)."""
+        :class:`flasync.tracking._runs.MonitorSink`), None when none was running."""
         from flasync.tracking._runs import stop_monitor
 
         running, self.running = self.running, None
         if running is None:
-            return 0
+            return None
         stop_monitor(running)
         return int(running.sink.lost)
 
@@ -387,10 +387,12 @@ def _job(
         return ""
     if op == "end":
         lost = monitor.stop()  # its last samples before the run's end
-        end_time = max(int(request["end_time"]), int(time.time() * 1000))  # not before those last samples
+        end_time = int(request["end_time"])
+        if lost is not None:  # the monitor's last samples were taken just now: the run does not end before them
+            end_time = max(end_time, int(time.time() * 1000))
         if direct is None or not direct.end_run(run_id, request["status"], end_time):
             client.set_terminated(run_id, request["status"], end_time=end_time)
-        return str(lost)  # the system metric rows lost, for the parent to count
+        return str(lost or 0)  # the system metric rows lost, for the parent to count
     if op == "model":
         from flasync.tracking._model import log_built_model
 

@@ -410,6 +410,8 @@ class RunLifecycle:
                     if failover.offline:
                         failover.try_recover(force=True)
                     failover.deliver(send, lambda spool: spool.status(status, end))
+                    if failover.offline:
+                        failover.try_direct(send)  # the run's status, even where the spool's rows cannot go
                 failover.close()
                 if not lost and not failover.offline:
                     failover.retire_journal()  # the run holds all it kept

@@ -104,6 +104,8 @@ class RunWriters:
         self._opened.set()
         self._no_run = False
         """Opening the run failed: queued metrics have nowhere to go."""
+        self._journaled = 0
+        """Rows the journal took while the run was being opened and the writer has not handed on yet."""
         self._schema_told = False
 
     def prepare(self, started: bool) -> None:
@@ -276,10 +278,19 @@ class RunWriters:
 
     def _log_metric_batch(self, metrics: list[MetricRow]) -> None:
         """Write one batch (called by the metric writer's thread) once the run is open: direct, or to the spool;
-        never raises."""
+        never raises. The rows the journal took while the run was being opened come first (the queue keeps their
+        order): when the journal became the spool they are in it already, and are not written there again."""
         self._opened.wait()
         if self._no_run:
             return
+        if self._journaled:
+            first = min(self._journaled, len(metrics))
+            self._journaled -= first
+            journal = self._failover.journal
+            if journal is not None and journal.adopted:
+                metrics = metrics[first:]
+                if not metrics:
+                    return
         self._failover.send_metrics(metrics, self._send_metrics)
 
     def _send_metrics(self, metrics: list[MetricRow]) -> None:
@@ -309,8 +320,8 @@ class RunWriters:
         if held:
             metrics = [row for row in metrics if row.step not in held.get(row.key, ())]
         journal = self._failover.journal
-        if journal is not None and not self._opened.is_set():
-            journal.metrics(metrics)  # before the run opens, the journal is what a killed process leaves
+        if journal is not None and not self._opened.is_set() and journal.metrics(metrics):
+            self._journaled += len(metrics)  # before the run opens, the journal is what a killed process leaves
         self.writer.submit(metrics)
 
     @property

@@ -189,6 +189,20 @@ class Failover:
             assert self.spool is not None
             spool(self.spool)
 
+    def try_direct(self, send: Callable[[str, mlflow.MlflowClient], None]) -> bool:
+        """Send one record to the store even while offline (the spool could not be replayed first); False when it
+        fails too. For the run's final status: a store too full to take the spool's rows may still take that."""
+        with self.lock:
+            run_id = self.run.run_id
+            if run_id is None:
+                return False
+            try:
+                with self._http():
+                    send(run_id, self.run.connect(self._log))
+            except Exception:
+                return False
+            return True
+
     def spill(self, metrics: list[Any]) -> bool:
         """Keep metric rows the writer's backlog cannot hold in the spool (the run's journal), from which
         :meth:`replay_spilled` sends them to the run when it ends; False when they cannot be kept (no run yet, or

@@ -172,11 +172,13 @@ class RunJournal:
         """Whether the journal still takes records (it was neither retired nor taken as the spool)."""
         return self._live
 
-    def metrics(self, rows: list[MetricRow]) -> None:
-        """Append metric rows logged before the run opened."""
+    def metrics(self, rows: list[MetricRow]) -> bool:
+        """Append metric rows logged before the run opened; False when the journal no longer takes records."""
         with self._lock:
-            if self._live:
-                self.spool.metrics(rows)
+            if not self._live:
+                return False
+            self.spool.metrics(rows)
+            return True
 
     def artifact(self, data: bytes, artifact_file: str) -> bool:
         """Append an artifact (a checkpoint); False when the journal no longer takes records or could not keep it."""

@@ -203,6 +203,7 @@ class ConsoleFields:
 
 
 _LIBRARIES = ("mlflow", "alembic", "urllib3", "git", "matplotlib")
+_MLFLOW_DB_ERRORS = "mlflow.store.db.utils"
 
 
 def _set_library_levels(level: str) -> None:
@@ -214,6 +215,9 @@ def _set_library_levels(level: str) -> None:
     os.environ["MLFLOW_LOGGING_LEVEL"] = logging.getLevelName(library)
     for name in _LIBRARIES:
         logging.getLogger(name).setLevel(library)
+    # MLflow's SQL store logs a database error (a full disk, a locked file) with its whole traceback before raising it
+    # again; flasync handles what is raised and says it in one line (tracking.spooling): the traceback only at debug.
+    logging.getLogger(_MLFLOW_DB_ERRORS).setLevel(library if number <= logging.DEBUG else logging.CRITICAL)
 
 
 def make_logger(

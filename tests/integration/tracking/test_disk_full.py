@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ import mlflow
 import pytest
 
 from flasync.cli import main
+from flasync.tracking.spool import iter_records, read_header
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,7 +35,7 @@ def test_a_full_disk_loses_records_in_one_line_and_fails_the_run(
 ) -> None:
     """The store and then the spool fill their disk mid-run (before: the run stayed FINISHED, the replay hint pointed
     at a spool of a header alone): the training ends, one warning names the spool's path and what was lost and
-    kept, no replay hint is given, no traceback is printed, and the run is FAILED in the store."""
+    kept, a replay hint only for a spool holding records, no traceback is printed, and the run is FAILED."""
     monkeypatch.chdir(full_disk)
     uri = f"sqlite:///{full_disk}/mlruns/mlflow.db"
     assert main(["run", "--set", "stop.max_versions=300", "--tracking-uri", uri]) == 0
@@ -41,7 +43,12 @@ def test_a_full_disk_loses_records_in_one_line_and_fails_the_run(
     said = captured.out + captured.err
     lost = [line for line in said.splitlines() if "tracking.records_lost" in line]
     assert len(lost) == 1 and str(full_disk / "mlruns" / "spool") in lost[0] and "lost" in lost[0], lost
-    assert "Traceback" not in said and "flasync tracking replay" not in said
+    assert "Traceback" not in said
+    # The replay hint names the run's journal (its records from before the store failed), never a spool of a header.
+    hints = re.findall(r"flasync tracking replay (\S+\.jsonl)", said)
+    for hint in hints:
+        _, first = read_header(hint)
+        assert next(iter_records(hint, first), None) is not None, hint
     assert "tracking.recovered" not in said  # a spool that could not be written recovers nothing
     client = mlflow.MlflowClient(uri)
     (run,) = client.search_runs(["1"])

@@ -269,3 +269,14 @@ def test_debug_many_renders_each_event_where_debug_lines_are_shown() -> None:
     log.debug_many("client", [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}])  # type: ignore[attr-defined]
     assert [e["step"] for e in recorder.events] == [1, 2]
     assert rows.calls == 2
+
+
+def test_mlflow_database_error_tracebacks_are_shown_only_at_debug() -> None:
+    """MLflow's SQL store logs a database error with its traceback before raising it (flasync says it in one line):
+    that logger is quiet except at debug."""
+    import logging
+
+    configure_logging(level="info")
+    assert not logging.getLogger("mlflow.store.db.utils").isEnabledFor(logging.ERROR)
+    configure_logging(level="debug")
+    assert logging.getLogger("mlflow.store.db.utils").isEnabledFor(logging.ERROR)

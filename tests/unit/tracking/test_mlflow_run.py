@@ -168,8 +168,8 @@ def test_several_artifacts_are_stored_in_one_go(
     run_id = tracker.start(experiment="many-artifacts")
     assert tracker._writers.child is not None
     jobs: list[object] = []
-    job = tracker._writers.child_job
-    monkeypatch.setattr(tracker._writers, "child_job", lambda request: jobs.append(request.get("op")) or job(request))
+    job = tracker._writers.child_reply
+    monkeypatch.setattr(tracker._writers, "child_reply", lambda request: jobs.append(request.get("op")) or job(request))
     if not writer:
         tracker._writers.child._process.kill()
         tracker._writers.child._process.wait(10)

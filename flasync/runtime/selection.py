@@ -221,5 +221,6 @@ def register_selected(
     except Exception as exc:
         log.warning("tracking.register_failed", model=name, error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
         return None
-    log.info("tracking.registered", message=done.message, metrics=False)
+    # The command line prints the message in its summary; debug keeps the console from saying it twice.
+    log.debug("tracking.registered", message=done.message, metrics=False)
     return done

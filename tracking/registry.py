@@ -1,7 +1,7 @@
 """The MLflow Model Registry: register a run's logged model and move the alias ``champion`` to it when it is better.
 
-A run's model is registered as a new version of a registered model (made if missing), its source the logged model
-(``models:/<model_id>``). The version is tagged with the run, the model version it holds, the metric it was selected
+A run's model is registered as a new version of a registered model (made if missing), linked to the logged model
+(its ``model_id``, its artifacts the source). The version is tagged with the run, the model version it holds, the metric it was selected
 by (key, direction and value) and the training data's digest. The alias :data:`CHAMPION` moves to the new version only
 when its value is strictly better than the one the current champion's tags state for the same metric and direction;
 a tie, another metric, or a champion without those tags keeps the alias where it is.
@@ -83,7 +83,7 @@ def register_champion(
     ]
     if not logged:
         raise LookupError(f"the run {run_id} has no logged model {model_name!r} to register")
-    model_id = logged[-1].model_id
+    model_id, location = logged[-1].model_id, logged[-1].artifact_location
     digest = next((d.dataset.digest for d in run.inputs.dataset_inputs), "") if run.inputs else ""
     version_tags = {
         **tags,
@@ -99,9 +99,9 @@ def register_champion(
         if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
             raise
     champion = _champion(client, name)
-    made = client.create_model_version(
-        name, source=f"models:/{model_id}", run_id=run_id, tags=version_tags, model_id=model_id
-    )
+    # The logged model's artifact location as the source, not ``models:/<model_id>``: a SQL registry resolves that
+    # URI through the process's global tracking URI (MLflow 3), which need not be this client's store.
+    made = client.create_model_version(name, source=location, run_id=run_id, tags=version_tags, model_id=model_id)
     version = int(made.version)
     kept = _keeps(champion, metric, direction, value)
     if champion is None or kept is None:

@@ -1,14 +1,16 @@
 """The MLflow Model Registry: register a run's logged model and move the alias ``champion`` to it when it is better.
 
-A run's model is registered as a new version of a registered model (made if missing), linked to the logged model
-(its ``model_id``, its artifacts the source). The version is tagged with the run, the model version it holds, the metric it was selected
-by (key, direction and value) and the training data's digest. The alias :data:`CHAMPION` moves to the new version only
-when its value is strictly better than the one the current champion's tags state for the same metric and direction;
-a tie, another metric, or a champion without those tags keeps the alias where it is.
+A run's model is registered as a new version of a registered model (made if missing): its source is the logged
+model's artifact location, and the logged model lists the version (its tag ``mlflow.modelVersions``, as
+``mlflow.register_model`` keeps it). The version is tagged with the run, the model version it holds, the metric it
+was selected by (key, direction and value) and the training data's digest. The alias :data:`CHAMPION` moves to the
+new version only when its value is strictly better than the one the current champion's tags state for the same
+metric and direction; a tie, another metric, or a champion without those tags keeps the alias where it is.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ __all__ = ["CHAMPION", "Registration", "register_champion"]
 
 CHAMPION = "champion"
 """The alias that names the best registered version."""
+_MODEL_VERSIONS = "mlflow.modelVersions"
+"""The logged model's tag listing the registered versions made from it (``mlflow.utils.mlflow_tags``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +107,20 @@ def register_champion(
     # URI through the process's global tracking URI (MLflow 3), which need not be this client's store.
     made = client.create_model_version(name, source=location, run_id=run_id, tags=version_tags, model_id=model_id)
     version = int(made.version)
+    _link(client, logged[-1].tags.get(_MODEL_VERSIONS), model_id, name, version)
     kept = _keeps(champion, metric, direction, value)
     if champion is None or kept is None:
         client.set_registered_model_alias(name, CHAMPION, str(version))
         return Registration(name, version, version, f"registered {name} version {version}, alias {CHAMPION}")
     return Registration(name, version, int(champion.version), f"registered {name} version {version}; {kept}")
+
+
+def _link(client: mlflow.MlflowClient, listed: str | None, model_id: str, name: str, version: int) -> None:
+    """Add the registered version to the logged model's list of them (its tag ``mlflow.modelVersions``, which
+    MLflow's UI shows on the model's page, as ``mlflow.register_model`` keeps it)."""
+    versions = json.loads(listed) if listed else []
+    versions.append({"name": name, "version": version})
+    client.set_logged_model_tags(model_id, {_MODEL_VERSIONS: json.dumps(versions)})
 
 
 def _champion(client: mlflow.MlflowClient, name: str) -> ModelVersion | None:

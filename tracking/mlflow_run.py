@@ -595,7 +595,6 @@ class MlflowTracker:
         *,
         name: str = "model",
         input_example: Any = None,
-        tags: Mapping[str, str] | None = None,
     ) -> float:
         """Store the model ``builder(**kwargs)`` returns as an MLflow logged model; return the seconds waited
         (which process does it: :meth:`flasync.tracking._artifacts.RunArtifacts.log_model_from`).
@@ -606,12 +605,11 @@ class MlflowTracker:
             kwargs: Its keyword arguments, JSON values (e.g. a path to the weights).
             name: The logged model's name.
             input_example: A batch of inputs (a NumPy array) for the ``pt2`` format's tracing and signature.
-            tags: The logged model's tags.
 
         Returns:
             Wall-clock seconds spent.
         """
-        return self._artifacts.log_model_from(builder, kwargs, name, input_example, tags)
+        return self._artifacts.log_model_from(builder, kwargs, name, input_example)
 
     def start_model_from(
         self,
@@ -624,8 +622,8 @@ class MlflowTracker:
     ) -> Callable[[], float]:
         """Begin what :meth:`log_model_from` does and return at once; the function returned waits for it to end
         and returns the seconds since this call (raising what :meth:`log_model_from` would). Its arguments are those
-        of :meth:`log_model_from`. Call the function before :meth:`finish` (which otherwise waits for the job without
-        reporting it) and keep ``kwargs``' files until it returns (see
+        of :meth:`log_model_from`, and ``tags`` the logged model's. Call the function before :meth:`finish` (which
+        otherwise waits for the job without reporting it) and keep ``kwargs``' files until it returns (see
         :meth:`flasync.tracking._artifacts.RunArtifacts.start_model_from`).
         """
         return self._artifacts.start_model_from(builder, kwargs, name, input_example, tags)

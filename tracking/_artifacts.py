@@ -113,7 +113,9 @@ class RunArtifacts:
 
         self._failover.deliver(send, lambda spool: spool.dataset(name, digest, source, text, context))
 
-    def log_model(self, model: torch.nn.Module, name: str, input_example: Any) -> float:
+    def log_model(
+        self, model: torch.nn.Module, name: str, input_example: Any, tags: Mapping[str, str] | None = None
+    ) -> float:
         """Store a PyTorch model as an MLflow logged model of the run; return the seconds taken.
 
         With an ``input_example`` (a small batch of inputs, a NumPy array) the model is saved in MLflow's ``pt2``
@@ -131,7 +133,7 @@ class RunArtifacts:
         began = time.perf_counter()
         self._check_started()
 
-        send = self._model_sender(model, name, input_example)
+        send = self._model_sender(model, name, input_example, tags)
 
         def spool(writer: SpoolWriter) -> None:
             with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
@@ -143,7 +145,7 @@ class RunArtifacts:
         return time.perf_counter() - began
 
     def _model_sender(
-        self, model: torch.nn.Module, name: str, input_example: Any
+        self, model: torch.nn.Module, name: str, input_example: Any, tags: Mapping[str, str] | None
     ) -> Callable[[str, mlflow.MlflowClient], None]:
         """Return what logs ``model`` to a run of the store as an MLflow logged model (see :meth:`log_model`)."""
 
@@ -156,11 +158,19 @@ class RunArtifacts:
                 lambda local, description: _model.save_model(
                     model, local, description=description, input_example=input_example, log=self._log
                 ),
+                tags,
             )
 
         return send
 
-    def log_model_from(self, builder: str, kwargs: Mapping[str, Any], name: str, input_example: Any) -> float:
+    def log_model_from(
+        self,
+        builder: str,
+        kwargs: Mapping[str, Any],
+        name: str,
+        input_example: Any,
+        tags: Mapping[str, str] | None = None,
+    ) -> float:
         """Store the model ``builder(**kwargs)`` returns as an MLflow logged model; return the seconds waited.
 
         With a writer process, the process builds, exports and sends the model (``torch.export`` and MLflow's
@@ -172,12 +182,17 @@ class RunArtifacts:
         began = time.perf_counter()
         self._check_started()
         arguments = _model_arguments(builder, kwargs, name, input_example)
-        if not self._writers.child_job(self._model_request(arguments)):
-            self._model_here(arguments, input_example)
+        if not self._writers.child_job(self._model_request(arguments, tags)):
+            self._model_here(arguments, input_example, tags)
         return time.perf_counter() - began
 
     def start_model_from(
-        self, builder: str, kwargs: Mapping[str, Any], name: str, input_example: Any
+        self,
+        builder: str,
+        kwargs: Mapping[str, Any],
+        name: str,
+        input_example: Any,
+        tags: Mapping[str, str] | None = None,
     ) -> Callable[[], float]:
         """Begin what :meth:`log_model_from` does and return what waits for it.
 
@@ -188,7 +203,7 @@ class RunArtifacts:
         self._check_started()
         arguments = _model_arguments(builder, kwargs, name, input_example)
         return self._start_deferred(
-            "model", self._model_request(arguments), lambda: self._model_here(arguments, input_example)
+            "model", self._model_request(arguments, tags), lambda: self._model_here(arguments, input_example, tags)
         )
 
     def prepare_model_from(self, builder: str, kwargs: Mapping[str, Any], input_example: Any) -> None:
@@ -228,16 +243,19 @@ class RunArtifacts:
 
         return settle
 
-    def _model_request(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
-        """Return the writer process's job logging the model :func:`_model_arguments` describes."""
-        return {"op": "model", "model": {"experiment_id": str(self._run.experiment_id), **arguments}}
+    def _model_request(self, arguments: Mapping[str, Any], tags: Mapping[str, str] | None) -> dict[str, Any]:
+        """Return the writer process's job logging the model :func:`_model_arguments` describes, with ``tags``."""
+        model = {"experiment_id": str(self._run.experiment_id), **arguments}
+        if tags:
+            model["tags"] = dict(tags)
+        return {"op": "model", "model": model}
 
-    def _model_here(self, arguments: Mapping[str, Any], input_example: Any) -> None:
+    def _model_here(self, arguments: Mapping[str, Any], input_example: Any, tags: Mapping[str, str] | None) -> None:
         """Log the model :func:`_model_arguments` describes from this process (see :meth:`log_model_from`)."""
         name = str(arguments["name"])
         model = _model.build(arguments["builder"], arguments["kwargs"])  # a builder that fails is the caller's error
 
-        send = self._model_sender(model, name, input_example)
+        send = self._model_sender(model, name, input_example, tags)
 
         def spool(writer: SpoolWriter) -> None:
             # The store fails: a one-shot process saves the model, so this one never imports torch.export and

@@ -349,13 +349,16 @@ def log_to_run(
     experiment_id: str,
     name: str,
     save: Callable[[str, Model], None],
+    tags: Mapping[str, str] | None = None,
 ) -> None:
-    """Create a logged model linked to the run (its output at step 0), fill it with ``save(folder, description)``
-    and mark it ``READY`` (``FAILED`` if saving or sending fails, then raise)."""
+    """Create a logged model linked to the run (its output at step 0), with ``tags``, fill it with
+    ``save(folder, description)`` and mark it ``READY`` (``FAILED`` if saving or sending fails, then raise)."""
     from mlflow.entities import LoggedModelOutput
     from mlflow.models import Model
 
-    logged = client.create_logged_model(experiment_id, name=name, source_run_id=run_id)
+    logged = client.create_logged_model(
+        experiment_id, name=name, source_run_id=run_id, tags=dict(tags) if tags else None
+    )
     try:
         with tempfile.TemporaryDirectory(prefix="tracking-model-") as tmp:
             local = os.path.join(tmp, "model")
@@ -487,6 +490,7 @@ def log_built_model(
     input_dtype: str = "float32",
     aside: Callable[[dict[str, Any]], bool] | None = None,
     exports: Exports | None = None,
+    tags: Mapping[str, str] | None = None,
 ) -> float:
     """Build a model with ``builder(**kwargs)`` and log it to the run (see :func:`log_to_run`); return the seconds.
 
@@ -502,6 +506,7 @@ def log_built_model(
         aside: Has :func:`save_for`'s keyword arguments (a JSON object) done in another process; returns False
             when it cannot (then this process builds and saves the model).
         exports: The exports this process prepared ahead (see :class:`Exports`), for a model it saves itself.
+        tags: The logged model's tags.
     """
     began = time.perf_counter()
 
@@ -518,5 +523,5 @@ def log_built_model(
         if aside is None or not aside(request):
             save_for(**request, exports=exports)
 
-    log_to_run(client, run_id, experiment_id, name, save)
+    log_to_run(client, run_id, experiment_id, name, save, tags)
     return time.perf_counter() - began

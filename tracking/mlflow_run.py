@@ -563,7 +563,14 @@ class MlflowTracker:
         """
         return self._experiments.ui_url(self.experiment_id, base)
 
-    def log_model(self, model: torch.nn.Module, *, name: str = "model", input_example: Any = None) -> float:
+    def log_model(
+        self,
+        model: torch.nn.Module,
+        *,
+        name: str = "model",
+        input_example: Any = None,
+        tags: Mapping[str, str] | None = None,
+    ) -> float:
         """Store a PyTorch model as an MLflow logged model of this run; return the seconds taken (its formats, and
         the spool: :meth:`flasync.tracking._artifacts.RunArtifacts.log_model`).
 
@@ -571,6 +578,7 @@ class MlflowTracker:
             model: The model.
             name: The logged model's name.
             input_example: A batch of inputs the model takes (e.g. two test samples).
+            tags: The logged model's tags.
 
         Returns:
             Wall-clock seconds spent.
@@ -578,7 +586,7 @@ class MlflowTracker:
         Raises:
             RuntimeError: :meth:`start` was not called.
         """
-        return self._artifacts.log_model(model, name, input_example)
+        return self._artifacts.log_model(model, name, input_example, tags)
 
     def log_model_from(
         self,
@@ -610,14 +618,15 @@ class MlflowTracker:
         *,
         name: str = "model",
         input_example: Any = None,
+        tags: Mapping[str, str] | None = None,
     ) -> Callable[[], float]:
         """Begin what :meth:`log_model_from` does and return at once; the function returned waits for it to end
         and returns the seconds since this call (raising what :meth:`log_model_from` would). Its arguments are those
-        of :meth:`log_model_from`. Call the function before :meth:`finish` (which otherwise waits for the job without
-        reporting it) and keep ``kwargs``' files until it returns (see
+        of :meth:`log_model_from`, and ``tags`` the logged model's. Call the function before :meth:`finish` (which
+        otherwise waits for the job without reporting it) and keep ``kwargs``' files until it returns (see
         :meth:`flasync.tracking._artifacts.RunArtifacts.start_model_from`).
         """
-        return self._artifacts.start_model_from(builder, kwargs, name, input_example)
+        return self._artifacts.start_model_from(builder, kwargs, name, input_example, tags)
 
     def prepare_model_from(self, builder: str, kwargs: Mapping[str, Any], *, input_example: Any) -> None:
         """Have the writer process export the model ``builder(**kwargs)`` returns now, in the background, for a

@@ -59,6 +59,12 @@ def add_run_parser(commands: Any) -> None:
         "--experiment", help="MLflow experiment name (default: the config's tracking.experiment, 'flasync' unless set)"
     )
     run.add_argument("--run-name", help="MLflow run name")
+    run.add_argument(
+        "--register",
+        metavar="NAME",
+        help="register the selected model (eval.select's best, else the last) in the MLflow Model Registry as NAME, "
+        "alias champion when it beats the current one (config: tracking.register)",
+    )
     run.add_argument("--no-tracking", action="store_true", help="turn MLflow off (structured logs still print)")
     run.add_argument("--no-system-metrics", action="store_true", help="turn off MLflow's CPU/GPU/memory monitor")
     run.add_argument("--log-format", choices=["console", "json"], default="console", help="log line format")
@@ -129,7 +135,8 @@ def command_run(args: argparse.Namespace, *, process_ends: bool = False) -> int:
         print(f"flasync: stopped at once (second signal){no_checkpoint(config)}", file=sys.stderr)
         return SIGNAL_STATUS.get(received[-1] if received else "SIGINT", 130)
     url = tracker.ui_url() if isinstance(tracker, tracking.MlflowTracker) else None
-    print_summary(summary, config, tracker.ui_command(), url, resumed=resume is not None)
+    registered = federation.registration.message if federation.registration is not None else None
+    print_summary(summary, config, tracker.ui_command(), url, resumed=resume is not None, registered=registered)
     replay_command = tracker.replay_command() if isinstance(tracker, tracking.MlflowTracker) else None
     if replay_command:
         print(f"  tracking spool  MLflow did not answer; send the spool with: {replay_command}", flush=True)

@@ -36,6 +36,8 @@ def resolve_resume(args: argparse.Namespace) -> tuple[RunConfig, checkpoint.Resu
         raise ConfigError(f"--resume takes the config from run {args.resume}'s checkpoint; drop {args.config}")
     if args.no_tracking:
         raise ConfigError("--resume continues an MLflow run; it cannot be combined with --no-tracking")
+    if getattr(args, "register", None):
+        raise ConfigError("--register: a resumed run keeps its checkpoint's config; name the model when it starts")
     for override in args.overrides:
         if not override.strip().startswith("stop."):
             raise ConfigError(f"--set {override!r}: with --resume only stop.* may change")
@@ -122,6 +124,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"tracking.experiment={args.experiment}")
     if args.run_name:
         overrides.append(f"tracking.run_name={args.run_name}")
+    if getattr(args, "register", None) is not None:
+        overrides.append(f"tracking.register={args.register}")
     if args.no_tracking:
         overrides.append("tracking.enabled=false")
     if args.log_level:
@@ -139,8 +143,10 @@ def print_summary(
     ui_url: str | None = None,
     *,
     resumed: bool = False,
+    registered: str | None = None,
 ) -> None:
-    """Print a finished run's summary: accuracy, updates, versions, time, bytes, weights hash and MLflow run."""
+    """Print a finished run's summary: accuracy, updates, versions, time, bytes, weights hash, the best version,
+    the MLflow run and what was registered (``registered``: the registry's one-line account)."""
     # A resumed run's counts are the whole run's, its wall seconds and rate this process's.
     here = " in this process" if resumed else ""
     lines = [
@@ -157,6 +163,10 @@ def print_summary(
         f"  bytes           up {format_bytes(summary.upload_bytes)}, down {format_bytes(summary.download_bytes)}",
         f"  weights sha256  {summary.weights_sha256}",
     ]
+    if summary.best_metric:
+        best = "none evaluated" if summary.best_version is None else f"version {summary.best_version}"
+        value = f" ({summary.best_value:.4f})" if summary.best_version is not None else ""
+        lines.append(f"  best            {best} by {summary.best_metric}{value}")
     if math.isfinite(summary.privacy_epsilon):
         lines.append(f"  privacy         epsilon {summary.privacy_epsilon:.3g} at delta {config.privacy.delta:g}")
     if summary.peak_rss_bytes:
@@ -167,6 +177,8 @@ def print_summary(
         lines.append(profile)
     if summary.run_id:
         lines.append(f"  MLflow run      {summary.run_id} (experiment {config.tracking.experiment!r})")
+    if registered:
+        lines.append(f"  registry        {registered}")
     if ui_command:
         lines.append(f"  open the UI     {ui_command}")
         if ui_url:

@@ -112,7 +112,8 @@ def command_serve(args: argparse.Namespace, *, process_ends: bool = False) -> in
         return SIGNAL_STATUS.get(received[-1] if received else "SIGINT", 130)
     except OSError as exc:
         raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
-    print_summary(summary, config, None, resumed=resume is not None)
+    registered = federation.registration.message if federation.registration is not None else None
+    print_summary(summary, config, None, resumed=resume is not None, registered=registered)
     if federation.transport is not None:
         print(remote_line(federation.transport.statistics(), resumed=resume is not None), flush=True)
     return 0

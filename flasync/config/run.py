@@ -186,6 +186,15 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _registry_checks(self) -> RunConfig:
+        track = self.tracking
+        if track.register is not None and not track.enabled:
+            raise _FieldError(("tracking", "register"), "needs tracking (tracking.enabled = true, no --no-tracking)")
+        if track.register is not None and not track.log_model:
+            raise _FieldError(("tracking", "register"), "needs the model logged (tracking.log_model = true)")
+        return self
+
+    @model_validator(mode="after")
     def _remote_checks(self) -> RunConfig:
         if self.wall_time_factor is not None and self.clock != "wall":
             raise _FieldError(("wall_time_factor",), f"needs clock = 'wall', got {self.clock!r}")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from flasync.config._base import _FieldError, _Section
+from flasync.core.events import EVALUATED_METRICS
 
 
 class CheckpointConfig(_Section):
@@ -29,6 +32,37 @@ class EvalConfig(_Section):
 
     every_versions: int = Field(5, ge=1, description="Evaluate every N model versions (and at the end).")
     batch_size: int = Field(1024, ge=1, description="Samples per evaluation batch.")
+    select: str | None = Field(
+        None,
+        description="Keep the best version's weights by a metric the evaluation logs, as 'KEY:max' or 'KEY:min' "
+        "(e.g. 'server/eval/accuracy:max'); the run logs that model as 'best_model' besides the last one (None: off).",
+    )
+
+    @field_validator("select")
+    @classmethod
+    def _known_metric(cls, select: str | None) -> str | None:
+        if select is None:
+            return None
+        parse_select(select)
+        return select
+
+
+def parse_select(select: str) -> tuple[str, str]:
+    """Return the metric key and the direction (``max`` or ``min``) of an ``eval.select`` value.
+
+    Raises:
+        ValueError: The key is not one the central evaluation logs (:data:`flasync.core.events.EVALUATED_METRICS`), or
+            the direction is neither ``max`` nor ``min``.
+    """
+    key, colon, direction = select.rpartition(":")
+    if not colon:
+        key, direction = select, ""
+    known = ", ".join(EVALUATED_METRICS)
+    if key not in EVALUATED_METRICS:
+        raise _FieldError(("eval", "select"), f"{key!r} is not a metric the evaluation logs (one of: {known})")
+    if direction not in ("max", "min"):
+        raise _FieldError(("eval", "select"), f"the direction must be ':max' or ':min', got {direction!r}")
+    return key, direction
 
 
 class StopConfig(_Section):
@@ -157,53 +191,79 @@ _TRACKING_SCHEMES = frozenset(
 )
 
 
-class TrackingConfig(_Section):
-    """Structured logs and MLflow."""
+# The field `register` shadows the class's ABCMeta.register (never an instance's attribute): pydantic warns of it.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message='Field name "register"', category=UserWarning)
 
-    enabled: bool = Field(True, description="Log the run to MLflow (off: console only).")
-    uri: str | None = Field(None, description="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/).")
-    experiment: str = Field(
-        "flasync", min_length=1, description="The MLflow experiment the run goes to (made if missing)."
-    )
-    run_name: str | None = Field(
-        None, description="The MLflow run's name (None: one made from the config, seed and time)."
-    )
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Lowest level of the log lines printed on the console (metrics are logged whatever it is)."
-    )
-    log_model: bool = Field(True, description="Also log the final model with mlflow.pytorch.")
-    metrics: Literal["standard", "all"] = Field(
-        "standard",
-        description="Per-update metrics: 'standard' (samples, loss, peak memory, bytes, staleness) or 'all' (also "
-        "training, queue wait, encode/decode and simulated s, compression, residual and update norms, staleness "
-        "weight); the timings' per-version sums are logged either way.",
-    )
-    system_metrics: bool = Field(False, description="MLflow's CPU/GPU/memory monitor (on for CLI runs).")
-    system_metrics_interval_s: float = Field(
-        2.0,
-        ge=0.1,
-        description="Seconds between two samples of the system monitor (at least 0.1: each sample is a row of every "
-        "system/ metric).",
-    )
+    class TrackingConfig(_Section):
+        """Structured logs and MLflow."""
 
-    @field_validator("uri")
-    @classmethod
-    def _known_store(cls, uri: str | None) -> str | None:
-        if uri is None:
-            return None
-        scheme = uri.partition("://")[0].lower() if "://" in uri else ""
-        if scheme.partition("+")[0] not in _TRACKING_SCHEMES:
-            known = ", ".join(sorted(_TRACKING_SCHEMES))
-            shown = re.sub(r"//[^/@]*@", "//***@", uri)  # never echo credentials
-            raise _FieldError(("tracking", "uri"), f"{shown!r} is not an MLflow store URI (schemes: {known})")
-        if scheme == "sqlite":
-            path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
-            if uri.startswith("sqlite:///") and path.is_dir():
-                raise _FieldError(
-                    ("tracking", "uri"),
-                    f"the SQLite store {path} is a folder; name the database file, e.g. {path}/mlflow.db",
-                )
-        return uri
+        enabled: bool = Field(True, description="Log the run to MLflow (off: console only).")
+        uri: str | None = Field(None, description="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or mlruns/).")
+        experiment: str = Field(
+            "flasync", min_length=1, description="The MLflow experiment the run goes to (made if missing)."
+        )
+        run_name: str | None = Field(
+            None, description="The MLflow run's name (None: one made from the config, seed and time)."
+        )
+        log_level: Literal["debug", "info", "warning", "error"] = Field(
+            "info",
+            description="Lowest level of the log lines printed on the console (metrics are logged whatever it is).",
+        )
+        log_model: bool = Field(True, description="Also log the final model with mlflow.pytorch.")
+        register: str | None = Field(
+            None,
+            description="Register the selected model (eval.select's best, else the last) in the MLflow Model Registry "
+            "under this name, moving the alias 'champion' to it when its metric beats the champion's (None: off).",
+        )
+        metrics: Literal["standard", "all"] = Field(
+            "standard",
+            description="Per-update metrics: 'standard' (samples, loss, peak memory, bytes, staleness) or 'all' (also "
+            "training, queue wait, encode/decode and simulated s, compression, residual and update norms, staleness "
+            "weight); the timings' per-version sums are logged either way.",
+        )
+        system_metrics: bool = Field(False, description="MLflow's CPU/GPU/memory monitor (on for CLI runs).")
+        system_metrics_interval_s: float = Field(
+            2.0,
+            ge=0.1,
+            description="Seconds between two samples of the system monitor (at least 0.1: each sample is a row of "
+            "every system/ metric).",
+        )
+
+        @field_validator("register")
+        @classmethod
+        def _registry_name(cls, name: str | None) -> str | None:
+            if name is None:
+                return None
+            # MLflow's rules for a registered model's name (mlflow.utils.validation and its file store), checked here so
+            # that a refused name stops the run before training rather than after it.
+            if not name.strip():
+                raise _FieldError(("tracking", "register"), "the registered model's name is empty")
+            refused = [c for c in ("/", ":", "%", "\\") if c in name]
+            if refused or posixpath.normpath(name) != name or name in (".", ".."):
+                why = f"contains {refused[0]!r}" if refused else "is not a plain path segment"
+                message = f"MLflow refuses the registered model name {name!r}: it {why}"
+                raise _FieldError(("tracking", "register"), message)
+            return name
+
+        @field_validator("uri")
+        @classmethod
+        def _known_store(cls, uri: str | None) -> str | None:
+            if uri is None:
+                return None
+            scheme = uri.partition("://")[0].lower() if "://" in uri else ""
+            if scheme.partition("+")[0] not in _TRACKING_SCHEMES:
+                known = ", ".join(sorted(_TRACKING_SCHEMES))
+                shown = re.sub(r"//[^/@]*@", "//***@", uri)  # never echo credentials
+                raise _FieldError(("tracking", "uri"), f"{shown!r} is not an MLflow store URI (schemes: {known})")
+            if scheme == "sqlite":
+                path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+                if uri.startswith("sqlite:///") and path.is_dir():
+                    raise _FieldError(
+                        ("tracking", "uri"),
+                        f"the SQLite store {path} is a folder; name the database file, e.g. {path}/mlflow.db",
+                    )
+            return uri
 
 
 class RemoteConfig(_Section):

@@ -7,12 +7,15 @@ Tensors never travel in events; the one event that carries an update carries the
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import ClassVar, Literal, NewType
 
 __all__ = [
     "BATCH_EVENTS",
     "CLOUD",
+    "EVALUATED_METRICS",
     "Aggregated",
     "AlertRaised",
     "ClientFailed",
@@ -353,7 +356,8 @@ class Aggregated:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Evaluated:
-    """The server evaluated ``version`` on the held-out split."""
+    """The server evaluated ``version`` on the held-out split (each of :data:`EVALUATED_METRICS` is logged as the
+    metric ``server/eval/<name>``)."""
 
     version: Version
     accuracy: float
@@ -361,6 +365,13 @@ class Evaluated:
     simulated_s: float
     wall_s: float
     eval_s: float = 0.0
+
+
+EVALUATED_METRICS: Mapping[str, str] = MappingProxyType(
+    {"server/eval/accuracy": "accuracy", "server/eval/loss": "loss"}
+)
+"""The metric keys the central evaluation logs for each version evaluated, by the :class:`Evaluated` field each comes
+from: the keys ``eval.select`` may name."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -73,6 +73,14 @@ class RunSummary:
     metric_rows_lost: int = 0
     """Metric rows of the run written neither to MLflow nor to its journal (also the tag
     ``flasync.metric_rows_lost``); 0 for an untracked run."""
+    best_version: int | None = None
+    """The version ``eval.select`` rated best (None: no selection, or no evaluation with a finite figure)."""
+    best_metric: str = ""
+    """The metric it was selected by, with its direction (``server/eval/accuracy:max``); empty without a selection."""
+    best_value: float = math.nan
+    """That metric's value at ``best_version``."""
+    best_weights_sha256: str = ""
+    """The sha256 of the best version's weights (as :attr:`weights_sha256`); empty without a selection."""
 
     @classmethod
     def from_stats(

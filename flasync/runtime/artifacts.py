@@ -21,6 +21,7 @@ from flasync.runtime import tracked
 from flasync.runtime.prepare import Prepared
 from flasync.runtime.run_profile import profile_artifact
 from flasync.runtime.run_tracking import example, tag_constants
+from flasync.runtime.selection import Best, RunModel, run_models
 from flasync.training.diagnostics import TrainingDiagnostics
 
 __all__ = ["log_artifacts", "log_stopped_profile"]
@@ -48,24 +49,22 @@ def log_artifacts(
     weights: torch.Tensor,
     profile: dict[str, Any] | None,
     traces: TrainingDiagnostics | None,
+    best: Best | None = None,
 ) -> None:
-    """Log the run's artifacts (the summary, the profile and its plots, the weights, the model) and, with
-    ``constant``, its constant metrics as tags; the model is exported while the rest is logged."""
+    """Log the run's artifacts (the summary, the profile and its plots, the weights, the model, and with ``best`` the
+    best version's model) and, with ``constant``, its constant metrics as tags; the models are exported while the
+    rest is logged."""
     if isinstance(tracker, tracking.NullTracker):
         return
     config = prepared.config
     mlflow_tracker = tracker if isinstance(tracker, tracking.MlflowTracker) else None
     input_example = example(prepared)
-    built = config.tracking.log_model and mlflow_tracker is not None and prepared.model_spec is not None
-    settle_model: Callable[[], float] | None = None
-    if built:
-        assert mlflow_tracker is not None and prepared.model_spec is not None
-        # The writer process logs the model on a thread of its own (its helper exports it, on Linux) while this
+    models = run_models(summary, weights, best, config.eval.select) if config.tracking.log_model else []
+    started: dict[str, Callable[[], float] | None] = {}
+    if mlflow_tracker is not None and prepared.model_spec is not None:
+        # The writer process logs each model on a thread of its own (its helper exports it, on Linux) while this
         # process logs the other artifacts.
-        try:
-            settle_model = _start_model_from_spec(mlflow_tracker, prepared.model_spec, input_example, weights)
-        except Exception as exc:  # a model MLflow cannot serialise must not fail the run
-            log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+        started = _start_models(mlflow_tracker, prepared.model_spec, input_example, models, log)
     if mlflow_tracker is not None:
         # The metrics still queued are written while this process serialises the artifacts, not after them.
         mlflow_tracker.send_soon()
@@ -75,13 +74,7 @@ def log_artifacts(
         files[name] = tracking.artifact_bytes(json_ready(profile), name)
         if config.diagnostics.plots:
             files.update(_plots(profile, log))
-    module = prepared.factory()
-    offset = 0
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
-            n = tensor.numel()
-            tensor.copy_(weights[offset : offset + n].view_as(tensor))
-            offset += n
+    module = _module(prepared, weights)
     buffer = io.BytesIO()
     torch.save({"flat": weights, "state_dict": module.state_dict()}, buffer)
     files["weights.pt"] = buffer.getvalue()
@@ -97,20 +90,72 @@ def log_artifacts(
     if summary.alerts and profile is not None:
         tags["alerts"] = ", ".join(f"{k}={v}" for k, v in sorted(profile["alerts"].items()))
     tag_constants(tracker, constant, log, tags)  # done here, the end of the run's call to it finds nothing left
-    if settle_model is not None:
-        # The metrics still queued (the profile's rows among them) are written while the model is exported, not
-        # after it, when the run's end would wait for them.
+    if any(settle is not None for settle in started.values()):
+        # The metrics still queued (the profile's rows among them) are written while the models are exported, not
+        # after them, when the run's end would wait for them.
         tracker.flush()
-    if not config.tracking.log_model or mlflow_tracker is None or (built and settle_model is None):
-        return
-    try:
-        if settle_model is not None:
-            seconds = settle_model()
-        else:
-            seconds = mlflow_tracker.log_model(module, input_example=input_example)
-        log.debug("tracking.log_model", seconds=seconds, metrics=False)
-    except Exception as exc:  # a model MLflow cannot serialise must not fail the run
-        log.warning("tracking.log_model_failed", error=f"{type(exc).__name__}: {exc}", metrics=False)
+    if mlflow_tracker is not None:
+        _finish_models(mlflow_tracker, prepared, input_example, models, started, log)
+
+
+def _module(prepared: Prepared, weights: torch.Tensor) -> torch.nn.Module:
+    """Return the run's model with the flat ``weights`` loaded."""
+    module = prepared.factory()
+    offset = 0
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
+            n = tensor.numel()
+            tensor.copy_(weights[offset : offset + n].view_as(tensor))
+            offset += n
+    return module
+
+
+def _start_models(
+    tracker: tracking.MlflowTracker,
+    spec: tuple[str, dict[str, Any]],
+    input_example: np.ndarray,
+    models: list[RunModel],
+    log: Any,
+) -> dict[str, Callable[[], float] | None]:
+    """Start logging each of ``models`` from the builder's ``spec``; return what waits for each by its name (None:
+    it could not be started, which is logged)."""
+    started: dict[str, Callable[[], float] | None] = {}
+    for model in models:
+        try:
+            started[model.name] = _start_model_from_spec(tracker, spec, input_example, model)
+        except Exception as exc:  # a model MLflow cannot serialise must not fail the run
+            started[model.name] = None
+            _model_failed(log, model, exc)
+    return started
+
+
+def _finish_models(
+    tracker: tracking.MlflowTracker,
+    prepared: Prepared,
+    input_example: np.ndarray,
+    models: list[RunModel],
+    started: dict[str, Callable[[], float] | None],
+    log: Any,
+) -> None:
+    """Wait for the models started from the builder's spec; log the others (a user's model factory) from here."""
+    for model in models:
+        if model.name in started and started[model.name] is None:
+            continue  # its start failed, and said so
+        try:
+            settle = started.get(model.name)
+            if settle is not None:
+                seconds = settle()
+            else:
+                module = _module(prepared, model.weights)
+                seconds = tracker.log_model(module, name=model.name, input_example=input_example, tags=model.tags)
+            log.debug("tracking.log_model", model=model.name, seconds=seconds, metrics=False)
+        except Exception as exc:  # a model MLflow cannot serialise must not fail the run
+            _model_failed(log, model, exc)
+
+
+def _model_failed(log: Any, model: RunModel, exc: Exception) -> None:
+    """Warn that ``model`` could not be logged."""
+    log.warning("tracking.log_model_failed", model=model.name, error=f"{type(exc).__name__}: {exc}", metrics=False)
 
 
 def _plots(profile: dict[str, Any], log: Any) -> dict[str, bytes]:
@@ -130,18 +175,22 @@ def _start_model_from_spec(
     tracker: tracking.MlflowTracker,
     spec: tuple[str, dict[str, Any]],
     input_example: np.ndarray,
-    weights: torch.Tensor,
+    model: RunModel,
 ) -> Callable[[], float]:
-    """Start logging the model :func:`flasync.training.models.build` rebuilds from ``spec`` and the final weights
+    """Start logging ``model`` as :func:`flasync.training.models.build` rebuilds it from ``spec`` and its weights
     (in the writer process when there is one, see :meth:`tracking.MlflowTracker.start_model_from`); return what
     waits for it and returns the seconds."""
     name, kwargs = spec
     folder = tempfile.mkdtemp(prefix="flasync-model-")
     try:
         path = os.path.join(folder, "weights.npy")
-        np.save(path, weights.numpy(), allow_pickle=False)
+        np.save(path, model.weights.numpy(), allow_pickle=False)
         settle = tracker.start_model_from(
-            tracked.MODEL_BUILDER, {"model": name, "weights": path, **kwargs}, input_example=input_example
+            tracked.MODEL_BUILDER,
+            {"model": name, "weights": path, **kwargs},
+            name=model.name,
+            input_example=input_example,
+            tags=model.tags,
         )
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)

@@ -35,8 +35,10 @@ from flasync.runtime.build import AggregatorFactory, check_objective, check_plug
 from flasync.runtime.closing import Status, end_run, off_loop
 from flasync.runtime.prepare import ModelFactory, Prepared, RunInputs
 from flasync.runtime.run_tracking import federation_tags, make_tracker, open_run, run_logger
+from flasync.runtime.selection import Best, register_selected, run_models
 from flasync.runtime.simulation import Simulation, start_executor
 from flasync.server import Server
+from flasync.tracking.registry import Registration
 from flasync.training.executors.threads import TrainingExecutor
 from flasync.training.local import LocalObjective
 from flasync.training.plugins import ClientPlugin, ServerPlugin
@@ -132,6 +134,10 @@ class Federation:
         self.profile: dict[str, Any] | None = None
         """The profile of the run's last segment once it finished or was stopped with ``diagnostics.profile`` on
         (logged as :func:`~flasync.runtime.run_profile.profile_artifact` names it)."""
+        self.best: Best | None = None
+        """The best version's weights and figure of the last :meth:`run` (``eval.select``; None: no selection)."""
+        self.registration: Registration | None = None
+        """What the last :meth:`run` registered in the MLflow Model Registry (``tracking.register``; None: nothing)."""
         self._resume = resume
         self._simulation: Simulation | None = None
         self._stop_requested = ""
@@ -180,6 +186,7 @@ class Federation:
         """
         cfg = self.config
         self.summary = None
+        self.best = self.registration = None
         tracker = make_tracker(cfg, self._tracker)
         tracked = not isinstance(tracker, tracking.NullTracker)
         _phase("loading the data and building the model", cfg)
@@ -281,7 +288,11 @@ class Federation:
                     weights=self.weights,
                     profile=self.profile,
                     traces=simulation.diagnostics,
+                    best=self.best,
                 )
+                if cfg.tracking.register is not None and cfg.tracking.log_model:
+                    models = run_models(summary, self.weights, self.best, cfg.eval.select)
+                    self.registration = await asyncio.to_thread(register_selected, tracker, cfg, models, log)
             status = "FINISHED"
         except (asyncio.CancelledError, KeyboardInterrupt, RunInterrupted) as stop:
             status = "KILLED"
@@ -313,6 +324,7 @@ class Federation:
         and profile."""
         self.run_id = simulation.run_id
         self.summary = simulation.summary
+        self.best = simulation.selection.best if simulation.selection is not None else None
         if simulation.weights is not None:
             self.weights = simulation.weights
         if simulation.profile is not None:

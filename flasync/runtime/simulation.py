@@ -31,6 +31,7 @@ from flasync.runtime.naming import topology_name
 from flasync.runtime.prepare import Prepared
 from flasync.runtime.run_profile import finish_profile, instrumentation, segment, tracking_health
 from flasync.runtime.run_tracking import tag_alerts
+from flasync.runtime.selection import BestVersion, with_best
 from flasync.runtime.sizing import make_executor
 from flasync.server import Server, ServerStats
 from flasync.training.diagnostics import LayerLayout, TrainingDiagnostics, layer_layout
@@ -113,6 +114,7 @@ class Simulation:
         profile: The profile of this segment of the run (from its start or its resume), once it finished or was
             stopped with ``diagnostics.profile`` on (see :func:`~flasync.runtime.run_profile.profile_artifact`).
         run_id: The tracking run's id, that of the run opened in the background once it is known.
+        selection: What keeps the best version's weights (``eval.select``; None: no selection).
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class Simulation:
         self.weights: torch.Tensor | None = None
         self.summary: RunSummary | None = None
         self.profile: dict[str, Any] | None = None
+        self.selection: BestVersion | None = None
         self.run_id = run_id
         self._first_version = 0
 
@@ -177,6 +180,8 @@ class Simulation:
         if self._stop_requested():
             server.request_stop(self._stop_requested())
         instruments = instrumentation(cfg, self._bus, server, layout, self._log, self._clock.now)
+        if cfg.eval.select is not None:
+            self.selection = BestVersion(cfg.eval.select, server.registry.base).attach(self._bus)
         start_wall = self._wall()
         journal = getattr(self._tracker, "journal_id", None)  # names the run until MLflow has (--resume takes it)
         self._log.info(
@@ -194,7 +199,7 @@ class Simulation:
         simulated_s = self._clock.now() - start_sim
         self.weights = weights.cpu()  # artifacts and callers get host tensors, whatever the training device
         summary = await self._summarise(stats, parts, self.weights, wall_s, simulated_s, updates_before)
-        self.summary = summary
+        self.summary = summary = await off_loop(with_best, summary, self.selection)
         if cancelled is not None:
             raise cancelled
         return await self._finish(summary, stats, server, writes, instruments, layout, residual_memory)

@@ -77,6 +77,13 @@ SETS = [
         ["tracking.system_metrics_interval_s=0"],
         "tracking.system_metrics_interval_s: Input should be greater than or equal to 0.1 (got 0)",
     ),
+    (
+        ["eval.select=server/eval/f1:max"],
+        "eval.select: 'server/eval/f1' is not a metric the evaluation logs (one of: server/eval/accuracy, "
+        "server/eval/loss)",
+    ),
+    (["eval.select=server/eval/loss:lowest"], "eval.select: the direction must be ':max' or ':min', got 'lowest'"),
+    (["tracking.register=a:b"], "tracking.register: MLflow refuses the registered model name 'a:b': it contains ':'"),
 ]
 
 
@@ -99,6 +106,13 @@ def test_bad_overrides(capsys: pytest.CaptureFixture[str], store: str, overrides
         ),
         (["run", "--resume", "abc123", "--no-tracking"], "--resume continues an MLflow run; it cannot be combined"),
         (["run", "--resume", "abc123", "--set", "server.buffer_size=3"], "with --resume only stop.* may change"),
+        (["run", "--resume", "abc123", "--register", "digits"], "--register: a resumed run keeps its checkpoint's"),
+        (["run", "--register", "team/digits"], "MLflow refuses the registered model name 'team/digits'"),
+        (["run", "--register", "digits", "--no-tracking"], "tracking.register: needs tracking (tracking.enabled"),
+        (
+            ["run", "--register", "digits", "--set", "tracking.log_model=false"],
+            "tracking.register: needs the model logged (tracking.log_model = true)",
+        ),
         (["run", "--resume", "abc123"], "no MLflow run 'abc123': there is no store at sqlite:///"),
         (
             ["compare", "abc123", "--plot", "compare.png"],

@@ -278,3 +278,28 @@ def test_files_data_is_flattened_into_params() -> None:
     assert flat["data.kind"] == "files" and flat["data.train"] == "d.csv" and flat["data.test"] is None
     assert flat["data.client_column"] == "user" and flat["data.features"] == ["a", "b"]
     assert flat["partition.kind"] == "by_column" and flat["partition.min_samples"] == 1
+
+
+@pytest.mark.parametrize("select", ["server/eval/accuracy:max", "server/eval/loss:min", "server/eval/loss:max"])
+def test_a_selection_names_an_evaluation_metric_and_a_direction(select: str) -> None:
+    """eval.select takes each metric the central evaluation logs, with :max or :min."""
+    assert load_config(None, [f"eval.select={select}"]).eval.select == select
+
+
+@pytest.mark.parametrize(
+    "name", ["digits", "My model v2", "fl-async_1.0", "", "  ", "a/b", "a:b", "100%", ".", "..", "a/../b"]
+)
+def test_registry_names_are_refused_where_mlflow_refuses_them(name: str) -> None:
+    """tracking.register refuses what MLflow's registry refuses to name a model, and takes the rest."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.model_registry.file_store import _validate_model_name
+
+    try:
+        _validate_model_name(name)
+        refused = False
+    except MlflowException:
+        refused = True
+    if refused:
+        assert _error(None, [f"tracking.register={name}"]).startswith("tracking.register: ")
+    else:
+        assert load_config(None, [f"tracking.register={name}"]).tracking.register == name

@@ -1,0 +1,226 @@
+"""The best model of a run: the weights of the version a metric of the central evaluation rated best (``eval.select``).
+
+:class:`BestVersion` watches the bus for :class:`~flasync.core.events.Evaluated` and copies the evaluated version's
+weights when its figure beats the best so far (ties keep the earlier version). The evaluation happens anyway, every
+``eval.every_versions`` versions and at the end, so keeping the best costs one copy of the flat weights per
+improvement and nothing on the server loop's path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from flasync import tracking
+from flasync.config import RunConfig
+from flasync.config.runtime import parse_select
+from flasync.core.bus import EventBus
+from flasync.core.events import EVALUATED_METRICS, Evaluated, Version
+from flasync.core.instruments import Instrument
+from flasync.core.snapshots import ModelSnapshot
+from flasync.observe.summary import RunSummary, weights_sha256
+from flasync.tracking.registry import Registration, register_champion
+
+__all__ = [
+    "BEST_MODEL",
+    "DEFAULT_SELECT",
+    "LAST_MODEL",
+    "Best",
+    "BestVersion",
+    "RunModel",
+    "better",
+    "register_selected",
+    "run_models",
+    "with_best",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Best:
+    """The best version so far: its number, the metric it was selected by and that metric's value, its weights."""
+
+    version: int
+    """The model version."""
+    metric: str
+    """The metric key, e.g. ``server/eval/accuracy``."""
+    direction: str
+    """``max`` or ``min``: whether a larger or a smaller value is better."""
+    value: float
+    """The metric's value at ``version``."""
+    weights: torch.Tensor
+    """The server's flat weights of ``version`` (a copy on the host)."""
+
+
+LAST_MODEL = "model"
+"""The name of the run's last model among its logged models."""
+BEST_MODEL = "best_model"
+"""The name of the best version's model among the run's logged models (with ``eval.select``)."""
+DEFAULT_SELECT = "server/eval/accuracy:max"
+"""What a run without ``eval.select`` compares its registered (last) model by."""
+
+
+def better(value: float, than: float, direction: str) -> bool:
+    """Tell whether ``value`` is strictly better than ``than`` for ``direction`` (``max`` or ``min``); NaN never is."""
+    if math.isnan(value):
+        return False
+    if math.isnan(than):
+        return True
+    return value > than if direction == "max" else value < than
+
+
+class BestVersion(Instrument):
+    """Keep the weights of the best version the server evaluated (see the module).
+
+    Args:
+        select: The selection, ``KEY:max`` or ``KEY:min`` (``eval.select``).
+        model_of: Returns the published model of a version while it is current (the server's
+            :meth:`~flasync.server.registry.TaskRegistry.base`); the evaluation publishes its event before the next
+            version is made, so the evaluated version is current when the event arrives.
+    """
+
+    takes_batches = True  # it reads Evaluated only: batches of other events pass it by
+
+    def __init__(self, select: str, model_of: Callable[[Version], ModelSnapshot | None]) -> None:
+        """Select nothing yet."""
+        self.metric, self.direction = parse_select(select)
+        self._field = EVALUATED_METRICS[self.metric]
+        self._model_of = model_of
+        self.best: Best | None = None
+        """The best version so far (None: no evaluation yet had a finite figure)."""
+
+    def event_published(self, event: object) -> None:
+        """Copy the weights of an evaluated version that beats the best so far."""
+        if not isinstance(event, Evaluated):
+            return
+        value = float(getattr(event, self._field))
+        if self.best is not None and not better(value, self.best.value, self.direction):
+            return
+        if math.isnan(value):
+            return
+        snapshot = self._model_of(event.version)
+        if snapshot is None:  # not the current model any more: nothing to copy
+            return
+        weights = snapshot.exact.detach().to("cpu", copy=True)
+        self.best = Best(
+            version=int(event.version), metric=self.metric, direction=self.direction, value=value, weights=weights
+        )
+
+    def attach(self, bus: EventBus) -> BestVersion:
+        """Watch ``bus`` from now on; return self."""
+        bus.add_instrument(self)
+        return self
+
+
+def with_best(summary: RunSummary, selection: BestVersion | None) -> RunSummary:
+    """Return ``summary`` saying which version ``selection`` rated best, with that metric's value and the version's
+    weights' hash (``summary`` itself without a selection)."""
+    if selection is None:
+        return summary
+    metric = f"{selection.metric}:{selection.direction}"
+    best = selection.best
+    if best is None:
+        return replace(summary, best_metric=metric)
+    return replace(
+        summary,
+        best_version=best.version,
+        best_metric=metric,
+        best_value=best.value,
+        best_weights_sha256=weights_sha256(best.weights),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunModel:
+    """A model a run logs: its name among the run's logged models, weights, and what it was selected by."""
+
+    name: str
+    """``model`` (the last version) or ``best_model``."""
+    version: int
+    """The model version it holds."""
+    weights: torch.Tensor
+    """Its flat weights (on the host)."""
+    metric: str
+    """The metric key it is rated by."""
+    direction: str
+    """``max`` or ``min``."""
+    value: float
+    """The metric's value at ``version``."""
+
+    @property
+    def tags(self) -> dict[str, str]:
+        """Return the logged model's tags: the version, the metric with its direction, and its value."""
+        return {
+            "flasync.version": str(self.version),
+            "flasync.metric": self.metric,
+            "flasync.direction": self.direction,
+            "flasync.value": repr(self.value),
+        }
+
+
+def run_models(summary: RunSummary, weights: torch.Tensor, best: Best | None, select: str | None) -> list[RunModel]:
+    """Return the models a run logs: the last version's and, with ``best``, the best version's (the selected one
+    last).
+
+    The last model is rated by the selection's metric (``eval.select``, else :data:`DEFAULT_SELECT`) as the run's
+    final evaluation found it (the server evaluates the last version before it stops).
+    """
+    metric, direction = parse_select(select or DEFAULT_SELECT)
+    value = float(getattr(summary, EVALUATED_METRICS[metric]))
+    models = [
+        RunModel(
+            name=LAST_MODEL,
+            version=summary.versions,
+            weights=weights,
+            metric=metric,
+            direction=direction,
+            value=value,
+        )
+    ]
+    if best is not None:
+        models.append(
+            RunModel(
+                name=BEST_MODEL,
+                version=best.version,
+                weights=best.weights,
+                metric=best.metric,
+                direction=best.direction,
+                value=best.value,
+            )
+        )
+    return models
+
+
+def register_selected(
+    tracker: tracking.Tracker, config: RunConfig, models: list[RunModel], log: Any
+) -> Registration | None:
+    """Register the selected model (the last of ``models``: the best, else the last version's) under
+    ``tracking.register`` and move the alias ``champion`` to it when it beats the champion (see
+    :func:`flasync.tracking.registry.register_champion`); say what was done on the console. A store that refuses is a
+    warning (None), never a failure of the finished run."""
+    name = config.tracking.register
+    if name is None or not models or not isinstance(tracker, tracking.MlflowTracker) or not tracker.run_id:
+        return None
+    import mlflow
+
+    chosen = models[-1]
+    try:
+        done = register_champion(
+            mlflow.MlflowClient(tracker.tracking_uri),
+            name,
+            run_id=tracker.run_id,
+            model_name=chosen.name,
+            metric=chosen.metric,
+            direction=chosen.direction,
+            value=chosen.value,
+            tags={"flasync.version": str(chosen.version)},
+        )
+    except Exception as exc:
+        log.warning("tracking.register_failed", model=name, error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+        return None
+    # The command line prints the message in its summary; debug keeps the console from saying it twice.
+    log.debug("tracking.registered", message=done.message, metrics=False)
+    return done

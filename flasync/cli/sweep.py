@@ -78,11 +78,12 @@ def command_sweep(args: argparse.Namespace) -> int:
     if args.parallel < 1:
         raise UsageError(f"--parallel {args.parallel}: must be at least 1")
     uri = tracking.resolve_tracking_uri(args.tracking_uri)
+    plan = None if args.resume else _plan(args, uri)  # a bad grid is refused before the store is touched
     try:
         tracking.check_local_store(uri)
     except tracking.StoreNotWritableError as exc:
         raise UsageError(str(exc)) from None
-    parent, plan = _parent(args, uri)
+    parent, plan = _parent(args, uri, plan)
     level = args.log_level or plan.configs[0].tracking.log_level
     tracking.configure_logging(fmt=args.log_format, level=level)
     sweep = Sweep(
@@ -105,15 +106,10 @@ def command_sweep(args: argparse.Namespace) -> int:
     return 1 if any(row.status == "FAILED" for row in outcome.rows) else 0
 
 
-def _parent(args: argparse.Namespace, uri: str) -> tuple[SweepParent, SweepPlan]:
-    """Create the sweep's parent run, or reopen the interrupted one ``--resume`` names or finds."""
+def _plan(args: argparse.Namespace, uri: str) -> SweepPlan:
+    """Build the sweep's plan from its config, ``--set``, ``--grid`` and the tracking and logging flags."""
     from flasync.runtime.sweep import SweepPlan, parse_axis
-    from flasync.runtime.sweep_runs import SweepParent
 
-    if args.resume:
-        if args.config or args.grid or args.overrides:
-            raise ConfigError(f"--resume {args.resume} takes the sweep from its parent run; drop CONFIG, --grid, --set")
-        return SweepParent.reopen(uri, args.resume)
     overrides = list(args.overrides)
     if args.experiment:
         overrides.append(f"tracking.experiment={args.experiment}")
@@ -122,7 +118,18 @@ def _parent(args: argparse.Namespace, uri: str) -> tuple[SweepParent, SweepPlan]
     if not args.no_system_metrics:
         overrides.append("tracking.system_metrics=true")
     axes = [parse_axis(spec) for spec in args.grid]
-    plan = SweepPlan(config_data(args.config, overrides), axes, uri)
+    return SweepPlan(config_data(args.config, overrides), axes, uri)
+
+
+def _parent(args: argparse.Namespace, uri: str, plan: SweepPlan | None) -> tuple[SweepParent, SweepPlan]:
+    """Create the parent run of a new sweep of ``plan``, or reopen the interrupted one ``--resume`` names (``plan``
+    is None) or finds."""
+    from flasync.runtime.sweep_runs import SweepParent
+
+    if plan is None:
+        if args.config or args.grid or args.overrides:
+            raise ConfigError(f"--resume {args.resume} takes the sweep from its parent run; drop CONFIG, --grid, --set")
+        return SweepParent.reopen(uri, args.resume)
     experiment = plan.configs[0].tracking.experiment
     if args.resume is None:
         return SweepParent.create(uri, experiment, plan, parallel=args.parallel), plan

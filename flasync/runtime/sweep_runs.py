@@ -24,7 +24,7 @@ from flasync.core.errors import ConfigError
 from flasync.core.owner import owner_alive
 from flasync.runtime.sweep import PointTask, SweepPlan, SweepPoint, SweepRow
 from flasync.tracking.charts import Panel, Stairs, render
-from flasync.tracking.store import artifact_location, ensure_experiment
+from flasync.tracking.store import artifact_location, ensure_experiment, sqlite_path
 
 if TYPE_CHECKING:
     import mlflow
@@ -102,6 +102,9 @@ class SweepParent:
         """
         from mlflow.exceptions import MlflowException
 
+        db = sqlite_path(uri)
+        if db is not None and not db.is_file():  # no store to make just to find no run in it
+            raise ConfigError(f"--resume {run_id}: no MLflow run {run_id!r}: there is no store at {db}")
         client = _client(uri)
         try:
             run = client.get_run(run_id)

@@ -22,9 +22,11 @@ from flasync._version import __version__
 from flasync.config import RunConfig
 from flasync.core.errors import ConfigError
 from flasync.core.owner import owner_alive
+from flasync.runtime.runs_view import RUNS_VIEW
 from flasync.runtime.sweep import PointTask, SweepPlan, SweepPoint, SweepRow
 from flasync.tracking.charts import Panel, Stairs, render
-from flasync.tracking.store import artifact_location, ensure_experiment, sqlite_path
+from flasync.tracking.metrics import MetricRow
+from flasync.tracking.store import sqlite_path
 
 if TYPE_CHECKING:
     import mlflow
@@ -58,25 +60,29 @@ _COLUMNS = ("accuracy", "loss", "wall_s", "updates_per_s")
 class SweepParent:
     """The MLflow parent run of a sweep, and its view of the child runs under it.
 
+    The parent is written through an :class:`~flasync.tracking.MlflowTracker` of its own, so a new sweep never
+    imports MLflow in its process (its writer process does); only a resumed sweep reads the store here, with an
+    ``MlflowClient``, to find its child runs.
+
     Args:
-        client: A client of the store.
-        run_id: The parent run.
-        experiment_id: Its experiment (where its children are too).
+        tracker: The parent run's tracker, its run open.
+        uri: The store.
         sweep_id: The sweep's id (tag :data:`SWEEP_TAG`).
+        resumed: The sweep ran before (else it has no child runs to look for).
     """
 
-    def __init__(self, client: mlflow.MlflowClient, run_id: str, experiment_id: str, sweep_id: str) -> None:
-        """Hold the run's ids."""
-        self._client = client
-        self.run_id = run_id
-        self.experiment_id = experiment_id
+    def __init__(self, tracker: tracking.MlflowTracker, uri: str, sweep_id: str, *, resumed: bool) -> None:
+        """Hold the open parent run."""
+        self._tracker = tracker
+        self._uri = uri
+        self.run_id = tracker.run_id or ""
         self.sweep_id = sweep_id
+        self._resumed = resumed
+        self._store: tuple[mlflow.MlflowClient, str] | None = None
 
     @classmethod
     def create(cls, uri: str, experiment: str, plan: SweepPlan, *, parallel: int) -> SweepParent:
         """Create the parent run of a new sweep of ``plan``: its tags, its grid as params and ``sweep/plan.json``."""
-        client = _client(uri)
-        experiment_id = ensure_experiment(client, experiment, artifact_location(uri, experiment))
         sweep_id = uuid.uuid4().hex[:8]
         tags = {
             SWEEP_TAG: sweep_id,
@@ -84,14 +90,12 @@ class SweepParent:
             "flasync.sweep.grid": plan.grid,
             "flasync.version": __version__,
         }
-        run = client.create_run(experiment_id, run_name=f"sweep-{sweep_id}", tags=tags)
-        run_id = run.info.run_id
         params = {"sweep.grid": plan.grid, "sweep.points": len(plan.points), "sweep.parallel": parallel}
-        params |= {f"sweep.axis.{axis.key}": ",".join(axis.values)[:6000] for axis in plan.axes}
-        for key, value in params.items():
-            client.log_param(run_id, key, value)
-        client.log_text(run_id, json.dumps(plan.to_json(), indent=2, default=str), PLAN_ARTIFACT)
-        return cls(client, run_id, experiment_id, sweep_id)
+        params |= {f"sweep.axis.{axis.key}": ",".join(axis.values) for axis in plan.axes}
+        tracker = tracking.MlflowTracker(uri, runs_view=RUNS_VIEW)
+        tracker.start(experiment=experiment, run_name=f"sweep-{sweep_id}", params=params, tags=tags, wait=True)
+        tracker.log_bytes(json.dumps(plan.to_json(), indent=2, default=str).encode(), PLAN_ARTIFACT)
+        return cls(tracker, uri, sweep_id, resumed=False)
 
     @classmethod
     def reopen(cls, uri: str, run_id: str) -> tuple[SweepParent, SweepPlan]:
@@ -115,11 +119,14 @@ class SweepParent:
             raise ConfigError(f"--resume {run_id}: MLflow run {run_id} is not a sweep's parent run")
         if run.info.status == "FINISHED":
             raise ConfigError(f"--resume {run_id}: the sweep already FINISHED; there is nothing to resume")
-        if run.info.status == "RUNNING" and owner_alive(tags):
+        if run.info.status == "RUNNING" and owner_alive(tags) is not False:
             raise ConfigError(f"--resume {run_id}: the sweep is still running; stop it first (Ctrl-C)")
         plan = SweepPlan.from_json(json.loads(_read_text(client, run_id, PLAN_ARTIFACT)), uri)
-        client.update_run(run_id, status="RUNNING")
-        return cls(client, run_id, run.info.experiment_id, tags[SWEEP_TAG]), plan
+        tracker = tracking.MlflowTracker(uri, runs_view=RUNS_VIEW)
+        tracker.resume(run_id)
+        parent = cls(tracker, uri, tags[SWEEP_TAG], resumed=True)
+        parent._store = (client, run.info.experiment_id)
+        return parent, plan
 
     @staticmethod
     def find_unfinished(uri: str, experiment: str, plan: SweepPlan) -> str | None:
@@ -136,10 +143,21 @@ class SweepParent:
         )
         return runs[0].info.run_id if runs else None
 
+    def _read(self) -> tuple[mlflow.MlflowClient, str]:
+        """Return a client of the store and the parent's experiment id."""
+        if self._store is None:
+            client = _client(self._uri)
+            self._store = (client, client.get_run(self.run_id).info.experiment_id)
+        return self._store
+
     def children(self) -> dict[str, Run]:
-        """Return the parent's active child runs by grid point (a finished one before others of its point)."""
-        runs = self._client.search_runs(
-            [self.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{self.run_id}'", max_results=50_000
+        """Return the parent's active child runs by grid point (a finished one before others of its point); none
+        for a new sweep."""
+        if not self._resumed:
+            return {}
+        client, experiment_id = self._read()
+        runs = client.search_runs(
+            [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{self.run_id}'", max_results=50_000
         )
         found: dict[str, Run] = {}
         for run in sorted(runs, key=lambda r: (r.info.status == "FINISHED", r.info.start_time or 0)):
@@ -156,7 +174,7 @@ class SweepParent:
         for point in plan.points:
             run = children.get(point.name)
             if run is not None and run.info.status == "FINISHED":
-                summary = json.loads(_read_text(self._client, run.info.run_id, "summary.json"))
+                summary = json.loads(_read_text(self._read()[0], run.info.run_id, "summary.json"))
                 rows[point.index] = SweepRow(
                     point.index,
                     point.name,
@@ -185,9 +203,10 @@ class SweepParent:
         run_id = run.info.run_id
         if run.info.status == "RUNNING" and owner_alive(run.data.tags) is not False:
             raise ConfigError(f"child run {run_id} ({point.name}) is still running; stop it first")
-        if any(a.path.endswith(".pt") for a in self._client.list_artifacts(run_id, _CHECKPOINTS)):
+        client = self._read()[0]
+        if any(a.path.endswith(".pt") for a in client.list_artifacts(run_id, _CHECKPOINTS)):
             return PointTask(point, config, tags, resume_run_id=run_id)
-        self._client.delete_run(run_id)
+        client.delete_run(run_id)
         return PointTask(point, config, tags)
 
     def finish(self, plan: SweepPlan, rows: Sequence[SweepRow], status: str) -> None:
@@ -195,23 +214,20 @@ class SweepParent:
         each point's accuracy (metric ``accuracy``, step = point index) and the best child (tags
         ``flasync.sweep.best``, ``flasync.sweep.best_run_id``, metric ``best_accuracy``); end the run with
         ``status``."""
-        client, run_id = self._client, self.run_id
+        tracker = self._tracker
         keys = [axis.key for axis in plan.axes]
-        client.log_text(run_id, table_csv(rows, keys), "sweep/table.csv")
-        client.log_text(run_id, json.dumps([row.to_dict() for row in rows], indent=2), "sweep/table.json")
+        tracker.log_bytes(table_csv(rows, keys).encode(), "sweep/table.csv")
+        tracker.log_bytes(json.dumps([row.to_dict() for row in rows], indent=2).encode(), "sweep/table.json")
         if rows:
-            client.log_text(run_id, accuracy_chart(rows), "sweep/accuracy.svg")
-        from mlflow.entities import Metric, RunTag
-
+            tracker.log_bytes(accuracy_chart(rows).encode(), "sweep/accuracy.svg")
         now = int(time.time() * 1000)
-        metrics = [Metric("accuracy", row.accuracy, now, row.index) for row in rows if math.isfinite(row.accuracy)]
+        metrics = [MetricRow("accuracy", row.accuracy, now, row.index) for row in rows if math.isfinite(row.accuracy)]
         best = best_row(rows)
-        tags = []
         if best is not None:
-            metrics.append(Metric("best_accuracy", best.accuracy, now, 0))
-            tags = [RunTag("flasync.sweep.best", best.point), RunTag("flasync.sweep.best_run_id", best.run_id or "")]
-        client.log_batch(run_id, metrics=metrics, tags=tags)
-        client.set_terminated(run_id, status)
+            metrics.append(MetricRow("best_accuracy", best.accuracy, now, 0))
+            tracker.set_tags({"flasync.sweep.best": best.point, "flasync.sweep.best_run_id": best.run_id or ""})
+        tracker.log_metrics(metrics)
+        tracker.finish("KILLED" if status == "KILLED" else "FAILED" if status == "FAILED" else "FINISHED")
 
 
 def best_row(rows: Sequence[SweepRow]) -> SweepRow | None:

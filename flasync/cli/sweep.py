@@ -91,9 +91,8 @@ def command_sweep(args: argparse.Namespace) -> int:
         parallel=args.parallel,
         runner=_run_with_signals,
         worker_init=functools.partial(tracking.configure_logging, fmt=args.log_format, level=level),
-        on_start=_told_start,
+        on_start=_Progress(),
     )
-    print(f"flasync sweep: {len(plan.points)} runs, MLflow parent run {parent.run_id}", file=sys.stderr, flush=True)
     outcome = sweep.run(parent)
     _print_table(outcome, plan)
     if outcome.stopped:
@@ -117,8 +116,13 @@ def _plan(args: argparse.Namespace, uri: str) -> SweepPlan:
         overrides.append(f"tracking.log_level={args.log_level}")
     if not args.no_system_metrics:
         overrides.append("tracking.system_metrics=true")
-    axes = [parse_axis(spec) for spec in args.grid]
-    return SweepPlan(config_data(args.config, overrides), axes, uri)
+    base = config_data(args.config, overrides)
+    section = base.setdefault("tracking", {})
+    if isinstance(section, dict):
+        # Each child run's model is not logged unless asked for (its weights are): exporting it cost a
+        # third of a default run.
+        section.setdefault("log_model", False)
+    return SweepPlan(base, [parse_axis(spec) for spec in args.grid], uri)
 
 
 def _parent(args: argparse.Namespace, uri: str, plan: SweepPlan | None) -> tuple[SweepParent, SweepPlan]:
@@ -149,10 +153,22 @@ def _run_with_signals(build: Callable[[], Federation]) -> RunSummary:
     return run_loop(main(), builds_inside=True)
 
 
-def _told_start(task: PointTask, position: int, total: int) -> None:
-    """Say which run starts (the line a user, or a test, sees each run begin by)."""
-    how = f" (resuming child run {task.resume_run_id} from its checkpoint)" if task.resume_run_id else ""
-    print(f"flasync sweep: run {position}/{total} {task.point.name} started{how}", file=sys.stderr, flush=True)
+class _Progress:
+    """Say which run starts (the line a user, or a test, sees each run begin by), and the parent run before the
+    first one."""
+
+    def __init__(self) -> None:
+        self._told_parent = False
+
+    def __call__(self, task: PointTask, position: int, total: int) -> None:
+        from flasync.runtime.sweep_runs import PARENT_TAG
+
+        if not self._told_parent:
+            self._told_parent = True
+            parent = task.tags.get(PARENT_TAG) or "-"
+            print(f"flasync sweep: {total} runs, MLflow parent run {parent}", file=sys.stderr, flush=True)
+        how = f" (resuming child run {task.resume_run_id} from its checkpoint)" if task.resume_run_id else ""
+        print(f"flasync sweep: run {position}/{total} {task.point.name} started{how}", file=sys.stderr, flush=True)
 
 
 def _print_table(outcome: SweepOutcome, plan: SweepPlan) -> None:

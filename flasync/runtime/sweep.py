@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import importlib
 import itertools
 import json
 import math
@@ -409,6 +410,8 @@ class Sweep:
     def run(self, parent: SweepRuns) -> SweepOutcome:
         """Run every point ``parent`` has no finished child run of, then log the sweep's table on ``parent`` and end
         it: ``FINISHED`` (``FAILED`` when a child failed), or ``KILLED`` when a stop request ended the sweep."""
+        if self.parallel == 1:  # torch, while the parent run opens
+            importlib.import_module("flasync.runtime.federation")
         done = parent.finished_rows(self.plan)
         tasks = [parent.task(self.plan, point, config) for point, config in zip(*self._todo(done), strict=True)]
         outcome = SweepOutcome(parent.run_id, skipped=len(done))

@@ -71,18 +71,36 @@ class SweepParent:
         resumed: The sweep ran before (else it has no child runs to look for).
     """
 
-    def __init__(self, tracker: tracking.MlflowTracker, uri: str, sweep_id: str, *, resumed: bool) -> None:
-        """Hold the open parent run."""
+    def __init__(
+        self, tracker: tracking.MlflowTracker, uri: str, sweep_id: str, *, resumed: bool, plan: bytes = b""
+    ) -> None:
+        """Hold the parent run (still opening, for a new sweep: see :attr:`run_id`)."""
         self._tracker = tracker
         self._uri = uri
-        self.run_id = tracker.run_id or ""
         self.sweep_id = sweep_id
         self._resumed = resumed
+        self._plan = plan
+        self._run_id = tracker.run_id or ""
         self._store: tuple[mlflow.MlflowClient, str] | None = None
+
+    @property
+    def run_id(self) -> str:
+        """The parent run's id, once it is open (the first call waits for it and logs ``sweep/plan.json``).
+
+        Raises:
+            Exception: What opening the run raised (e.g. the experiment is deleted).
+        """
+        if not self._run_id:
+            self._run_id = self._tracker.opened(None)
+            if self._plan:
+                self._tracker.log_bytes(self._plan, PLAN_ARTIFACT)
+        return self._run_id
 
     @classmethod
     def create(cls, uri: str, experiment: str, plan: SweepPlan, *, parallel: int) -> SweepParent:
-        """Create the parent run of a new sweep of ``plan``: its tags, its grid as params and ``sweep/plan.json``."""
+        """Start creating the parent run of a new sweep of ``plan`` (its tags, its grid as params and
+        ``sweep/plan.json``) without waiting for it; with ``parallel == 1`` the children's writer process starts
+        beside its own."""
         sweep_id = uuid.uuid4().hex[:8]
         tags = {
             SWEEP_TAG: sweep_id,
@@ -93,9 +111,13 @@ class SweepParent:
         params = {"sweep.grid": plan.grid, "sweep.points": len(plan.points), "sweep.parallel": parallel}
         params |= {f"sweep.axis.{axis.key}": ",".join(axis.values) for axis in plan.axes}
         tracker = tracking.MlflowTracker(uri, runs_view=RUNS_VIEW)
-        tracker.start(experiment=experiment, run_name=f"sweep-{sweep_id}", params=params, tags=tags, wait=True)
-        tracker.log_bytes(json.dumps(plan.to_json(), indent=2, default=str).encode(), PLAN_ARTIFACT)
-        return cls(tracker, uri, sweep_id, resumed=False)
+        tracker.prepare()
+        if parallel == 1:  # the children's writer process starts beside the parent's
+            tracking.warm_idle_writer(uri)
+        # Opened in the background: this process imports torch meanwhile (see Sweep.run).
+        tracker.start(experiment=experiment, run_name=f"sweep-{sweep_id}", params=params, tags=tags, wait=False)
+        plan_json = json.dumps(plan.to_json(), indent=2, default=str).encode()
+        return cls(tracker, uri, sweep_id, resumed=False, plan=plan_json)
 
     @classmethod
     def reopen(cls, uri: str, run_id: str) -> tuple[SweepParent, SweepPlan]:

@@ -412,11 +412,12 @@ class Sweep:
         it: ``FINISHED`` (``FAILED`` when a child failed), or ``KILLED`` when a stop request ended the sweep."""
         if self.parallel == 1:  # torch, while the parent run opens
             importlib.import_module("flasync.runtime.federation")
-        done = parent.finished_rows(self.plan)
-        tasks = [parent.task(self.plan, point, config) for point, config in zip(*self._todo(done), strict=True)]
-        outcome = SweepOutcome(parent.run_id, skipped=len(done))
-        rows = dict(done)
+        outcome = SweepOutcome(parent.run_id)
+        rows: dict[int, SweepRow] = {}
         try:
+            rows |= parent.finished_rows(self.plan)
+            outcome.skipped = len(rows)
+            tasks = [parent.task(self.plan, point, config) for point, config in zip(*self._todo(rows), strict=True)]
             run = self._serial if self.parallel == 1 or len(tasks) <= 1 else self._pooled
             outcome.stopped = run(tasks, rows)
         finally:

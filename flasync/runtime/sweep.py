@@ -453,7 +453,7 @@ class Sweep:
         with ProcessPoolExecutor(
             self.parallel, mp_context=context, initializer=_start_worker, initargs=(self._worker_init,)
         ) as pool:
-            while pending or running:
+            while running or (pending and not stopped):
                 try:
                     while pending and not stopped and len(running) < self.parallel:
                         task = pending.popleft()

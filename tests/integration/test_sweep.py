@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mlflow
@@ -17,6 +18,10 @@ import pytest
 from mlflow.entities import Run
 
 from flasync.cli import main
+from flasync.config import RunConfig
+from flasync.core.errors import RunInterrupted
+from flasync.runtime.federation import Federation, RunSummary
+from flasync.runtime.sweep import PointTask, Sweep, SweepPlan, SweepPoint, SweepRow, parse_axis
 from flasync.runtime.sweep_runs import PARENT_TAG, POINT_TAG, SWEEP_TAG
 
 pytestmark = pytest.mark.slow
@@ -143,3 +148,40 @@ def test_a_parallel_sweep_runs_its_points_in_worker_processes(store: str, capsys
     assert parent.info.status == "FINISHED"
     assert [(c.info.run_name, c.info.status) for c in children] == [(p, "FINISHED") for p in POINTS]
     assert parent.data.params["sweep.parallel"] == "2"
+
+
+def _stopped(build: Callable[[], Federation]) -> RunSummary:
+    """A runner whose every run is stopped at once, as Ctrl-C stops one (picklable: a worker process runs it)."""
+    raise RunInterrupted("SIGINT")
+
+
+class _Parent:
+    """A sweep's runs kept in memory: no child finished, each point a new child run."""
+
+    def __init__(self) -> None:
+        self.run_id = "parent"
+        self.ended: tuple[list[SweepRow], str] | None = None
+
+    def finished_rows(self, plan: SweepPlan) -> dict[int, SweepRow]:
+        return {}
+
+    def task(self, plan: SweepPlan, point: SweepPoint, config: RunConfig) -> PointTask:
+        return PointTask(point, config, {PARENT_TAG: self.run_id})
+
+    def finish(self, plan: SweepPlan, rows: Sequence[SweepRow], status: str) -> None:
+        self.ended = (list(rows), status)
+
+
+def test_a_stopped_run_ends_a_parallel_sweep() -> None:
+    """With ``parallel = 2`` the two runs a stop request ends are KILLED rows, no further run starts and the parent
+    ends KILLED."""
+    plan = SweepPlan({}, [parse_axis("seed=0..3")])
+    started: list[str] = []
+    parent = _Parent()
+    outcome = Sweep(plan, parallel=2, runner=_stopped, on_start=lambda t, i, n: started.append(t.point.name)).run(
+        parent
+    )
+    assert outcome.stopped == "SIGINT"
+    assert started == ["seed=0", "seed=1"]
+    assert [(row.point, row.status) for row in outcome.rows] == [("seed=0", "KILLED"), ("seed=1", "KILLED")]
+    assert parent.ended is not None and parent.ended[1] == "KILLED"

@@ -185,6 +185,9 @@ def _print_table(outcome: SweepOutcome, plan: SweepPlan) -> None:
             f"  {row.point:<{width}}  {row.status:<8}  {_fmt(row.accuracy, 4):>8}  {_fmt(row.loss, 4):>7}  "
             f"{_fmt(row.wall_s, 2):>6}  {_fmt(row.updates_per_s, 1):>9}  {row.run_id or '-'}"
         )
+    for row in outcome.rows:
+        if row.status == "FAILED":
+            lines.append(f"  failed          {row.point}: {row.error}")
     best = best_row(outcome.rows)
     if best is not None:
         lines.append(f"  best            {best.point} (accuracy {best.accuracy:.4f}, run {best.run_id})")

@@ -69,6 +69,7 @@ class SweepParent:
         uri: The store.
         sweep_id: The sweep's id (tag :data:`SWEEP_TAG`).
         resumed: The sweep ran before (else it has no child runs to look for).
+        plan: ``sweep/plan.json``'s bytes, logged once the run is open (empty: it has it already).
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class SweepParent:
         self._plan = plan
         self._run_id = tracker.run_id or ""
         self._store: tuple[mlflow.MlflowClient, str] | None = None
+        self._children: dict[str, Run] | None = None
 
     @property
     def run_id(self) -> str:
@@ -173,10 +175,12 @@ class SweepParent:
         return self._store
 
     def children(self) -> dict[str, Run]:
-        """Return the parent's active child runs by grid point (a finished one before others of its point); none
-        for a new sweep."""
+        """Return the parent's active child runs by grid point (a finished one before others of its point), as they
+        were at the first call; none for a new sweep."""
         if not self._resumed:
             return {}
+        if self._children is not None:
+            return self._children
         client, experiment_id = self._read()
         runs = client.search_runs(
             [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{self.run_id}'", max_results=50_000
@@ -186,6 +190,7 @@ class SweepParent:
             point = run.data.tags.get(POINT_TAG)
             if point is not None:
                 found[point] = run
+        self._children = found
         return found
 
     def finished_rows(self, plan: SweepPlan) -> dict[int, SweepRow]:

@@ -81,6 +81,11 @@ def test_a_2x2_sweep_logs_a_parent_run_and_four_child_runs(store: str, capsys: p
     }
     for child in children:  # the console's table
         assert re.search(rf"{re.escape(child.info.run_name)} +FINISHED .* {child.info.run_id}", out), out
+    # A finished sweep has nothing to resume, by its parent's id or by its command.
+    assert main(["sweep", "--resume", parent.info.run_id, "--tracking-uri", store]) == 2
+    assert "the sweep already FINISHED" in capsys.readouterr().err
+    assert main(["sweep", *GRID, *SMALL, "--set", "stop.max_versions=6", "--tracking-uri", store, "--resume"]) == 2
+    assert "no unfinished sweep of this config and grid" in capsys.readouterr().err
 
 
 def _env() -> dict[str, str]:

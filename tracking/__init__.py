@@ -8,7 +8,7 @@ turns the numeric fields of every log call, debug ones included, into MLflow met
 While the MLflow store cannot be reached, an :class:`MlflowTracker` writes everything to a JSON-lines spool
 (:mod:`flasync.tracking.spool`) and replays it when the store answers again, or later with :func:`replay`.
 Its MLflow writer process outlives a run, idle, for the next tracked run of the process on the same store;
-:func:`close_idle_writer` stops it sooner than the process's exit.
+:func:`close_idle_writer` stops it sooner than the process's exit, :func:`warm_idle_writer` starts one ahead.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flasync.tracking._child import IdleChild, close_idle_writer
+    from flasync.tracking._child import IdleChild, close_idle_writer, warm_idle_writer
     from flasync.tracking.logs import LevelFilter, configure_logging, make_logger
     from flasync.tracking.metrics import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor, metric_key
     from flasync.tracking.mlflow_run import MlflowTracker, NullTracker, RunStatus, Tracker, artifact_bytes, yaml_text
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 _MODULES = {
     "IdleChild": "flasync.tracking._child",
     "close_idle_writer": "flasync.tracking._child",
+    "warm_idle_writer": "flasync.tracking._child",
     "LevelFilter": "flasync.tracking.logs",
     "configure_logging": "flasync.tracking.logs",
     "make_logger": "flasync.tracking.logs",
@@ -110,5 +111,6 @@ __all__ = [
     "redact_uri",
     "replay",
     "resolve_tracking_uri",
+    "warm_idle_writer",
     "yaml_text",
 ]

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from flasync.tracking.metrics import MetricRow
     from flasync.tracking.sqlite_metrics import SqliteMetrics
 
-__all__ = ["FORKS_HELPER", "IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer"]
+__all__ = ["FORKS_HELPER", "IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer", "warm_idle_writer"]
 
 _STOP = "stop"
 _EXIT_TIMEOUT_S = 10.0
@@ -897,6 +897,21 @@ class IdleChild:
         if earlier is not None:
             earlier.close()
 
+    def warm(self, tracking_uri: str) -> None:
+        """Start a writer process for ``tracking_uri`` (a local store: SQLite or files) and keep it for the next
+        tracker, unless one that serves it is kept already: its start-up (MLflow's import, the store's opening) then
+        overlaps with what this process does meanwhile, e.g. start another run. A remote store's is not started
+        (its process's environment bounds HTTP as the tracker's settings say)."""
+        from flasync.tracking.store import is_remote
+
+        if is_remote(tracking_uri):
+            return
+        with self._lock:
+            kept = self._child
+        if kept is not None and kept.idle and kept.serves(tracking_uri, None):
+            return
+        self.keep(ChildLogBatch(tracking_uri))
+
     @property
     def child(self) -> ChildLogBatch | None:
         """The child kept now, if any (for inspection)."""
@@ -921,6 +936,13 @@ IDLE = IdleChild()
 it."""
 atexit.register(IDLE.clear)
 os.register_at_fork(after_in_child=IDLE._forget)
+
+
+def warm_idle_writer(tracking_uri: str) -> None:
+    """Start the MLflow writer process the next tracked run of this process on ``tracking_uri`` (a local store) will
+    take, unless one is kept already, so that its start-up overlaps with what this process does first (see
+    :meth:`IdleChild.warm`)."""
+    IDLE.warm(tracking_uri)
 
 
 def close_idle_writer() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from flasync._version import __version__
-from flasync.cli import client, compare, config, report, run, serve, tracking
+from flasync.cli import client, compare, config, report, run, serve, sweep, tracking
 from flasync.cli.shared import Parser, UsageError
 from flasync.core.errors import FlasyncError
 
@@ -25,6 +25,7 @@ def _build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"flasync {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     run.add_run_parser(commands)
+    sweep.add_sweep_parser(commands)
     tracking.add_tracking_commands(commands)
     serve.add_serve_parser(commands)
     client.add_client_parser(commands)
@@ -73,6 +74,8 @@ def _dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None, proce
         return tracking.command_tracking(args)
     if args.command == "report":
         return report.command_report(args)
+    if args.command == "sweep":
+        return sweep.command_sweep(args)
     if args.command == "compare":
         return compare.command_compare(args)
     if args.command == "config":

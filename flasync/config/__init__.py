@@ -24,7 +24,14 @@ from flasync.config.data import (
     ShardsPartition,
     SyntheticData,
 )
-from flasync.config.loading import apply_override, format_validation_error, load_config, safe_yaml, validate
+from flasync.config.loading import (
+    apply_override,
+    config_data,
+    format_validation_error,
+    load_config,
+    safe_yaml,
+    validate,
+)
 from flasync.config.model import ClientConfig, MLPModel, ModelConfig, SmallCNNModel
 from flasync.config.population import (
     SAMPLING_STRATEGIES,
@@ -129,6 +136,7 @@ __all__ = [
     "TreeTopology",
     "YogiServerOptimizer",
     "apply_override",
+    "config_data",
     "flatten",
     "format_validation_error",
     "load_config",

@@ -85,12 +85,22 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     Raises:
         ConfigError: With a one-line message naming the file or field that is wrong.
     """
+    return validate(config_data(path, overrides))
+
+
+def config_data(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Return the plain mapping :func:`load_config` validates: the file's tables (its relative data paths made
+    absolute) with ``overrides`` applied; a sweep applies each grid point's overrides to it.
+
+    Raises:
+        ConfigError: If the file cannot be read or an override is malformed.
+    """
     data: dict[str, Any] = {} if path is None else _read_file(Path(path))
     if path is not None:
         _anchor_data_paths(data, Path(path).absolute().parent)
     for override in overrides:
         apply_override(data, override)
-    return validate(data)
+    return data
 
 
 def validate(data: Mapping[str, Any]) -> RunConfig:

@@ -74,6 +74,8 @@ class Federation:
         plugins: Algorithm state of your own (:class:`flasync.ClientPlugin` and :class:`flasync.ServerPlugin`
             objects), called after the run's own plug-ins at every point of an update's path; each is a checkpoint
             component under its ``name``.
+        tags: Tracking tags the new run gets besides its own (a sweep's ``mlflow.parentRunId``, say); a resumed
+            run keeps the tags it has.
 
     Attributes:
         config: The run's configuration; :meth:`run` replaces it by the one resolved against the data (with
@@ -99,6 +101,7 @@ class Federation:
         aggregator: AggregatorFactory | None = None,
         objective: LocalObjective | None = None,
         plugins: Sequence[ClientPlugin | ServerPlugin] = (),
+        tags: Mapping[str, str] | None = None,
     ) -> None:
         """Validate the configuration and create the clock and bus (nothing runs yet)."""
         if config is None:
@@ -117,6 +120,7 @@ class Federation:
         self._aggregator = aggregator
         self._objective = objective
         self._plugins = tuple(plugins)
+        self._tags = dict(tags or {})
         self._dataset = dataset
         self._test_dataset = test_dataset
         self._model_factory = model_factory
@@ -227,7 +231,8 @@ class Federation:
                 custom=self._dataset is not None,
                 tags=federation_tags(
                     cfg, virtual_clock=self.clock.virtual, aggregator=self._aggregator, objective=self._objective
-                ),
+                )
+                | self._tags,
                 on_unopened=self.request_stop,
             )
         except BaseException:

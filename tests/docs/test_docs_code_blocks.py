@@ -11,18 +11,18 @@ what its test does with it:
 - ``<!-- docs-test: skip: REASON -->``: leave it, for the reason given.
 
 A page's blocks run in order in one temporary folder holding a copy of ``examples/``, as a reader would run them
-from a clone. Shell blocks run with tiny settings: ``flasync run`` and ``flasync serve`` get
-``--set stop.max_versions=2``, and ``--no-tracking`` unless the block is ``tracked``, where they get
-``--set tracking.log_model=false`` (a final model's export, 4 CPU seconds a run, is tested in ``tests/unit/cli`` and
-``tests/integration/tracking``); each ``--port N`` of a block, with its ``127.0.0.1:N``, becomes a free port. Every
-command tracks to a temporary MLflow store, never to ``./mlruns`` of the checkout.
+from a clone. Shell blocks run with tiny settings: ``flasync run``, ``flasync serve`` and ``flasync sweep`` (whose
+blocks are ``tracked``) get ``--set stop.max_versions=2``, and ``--no-tracking`` unless the block is ``tracked``,
+where they get ``--set tracking.log_model=false`` (a final model's export, 4 CPU seconds a run, is tested in
+``tests/unit/cli`` and ``tests/integration/tracking``); each ``--port N`` of a block, with its ``127.0.0.1:N``,
+becomes a free port. Every command tracks to a temporary MLflow store, never to ``./mlruns`` of the checkout.
 
-A shell block made only of ``python -m flasync run|compare|report|tracking ...`` and ``python examples/NAME.py ...``
-lines (no Ray) runs them in the test's process, as does every Python block: a command through the ``main()`` that
-``python -m flasync`` calls, a script or block with :mod:`runpy` as ``__main__``, with the same folder, environment
-and arguments. A cold interpreter importing torch for each of them would cost seconds a command, and the entry
-point's own exit path is tested in ``tests/unit/cli``. Every other shell block (servers, clients, loops, pipes,
-Ray) runs in ``bash``, in a subprocess.
+A shell block made only of ``python -m flasync run|sweep|compare|report|tracking ...`` and ``python examples/NAME.py
+...`` lines (no Ray) runs them in the test's process, as does every Python block: a command through the ``main()``
+that ``python -m flasync`` calls, a script or block with :mod:`runpy` as ``__main__``, with the same folder,
+environment and arguments. A cold interpreter importing torch for each of them would cost seconds a command, and the
+entry point's own exit path is tested in ``tests/unit/cli``. Every other shell block (servers, clients, loops,
+pipes, Ray) runs in ``bash``, in a subprocess.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ TRACKED = "--set tracking.log_model=false"
 
 _MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<spec>.*?)\s*-->$")
 _FENCE_OPEN = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
-_FLASYNC_RUN = re.compile(r"^(?P<command>(?:python -m )?flasync (?:run|serve)\b.*?)(?P<tail>\s*&)?\s*$")
+_FLASYNC_RUN = re.compile(r"^(?P<command>(?:python -m )?flasync (?:run|serve|sweep)\b.*?)(?P<tail>\s*&)?\s*$")
 _COMMENT = re.compile(r"\s{2,}#.*$")
 _IN_PROCESS = re.compile(
-    r"python (?P<args>(?:-m flasync (?:run|compare|report|tracking)\b|examples/\w+\.py\b)[^&|;<>`$\\]*)"
+    r"python (?P<args>(?:-m flasync (?:run|sweep|compare|report|tracking)\b|examples/\w+\.py\b)[^&|;<>`$\\]*)"
 )
 
 

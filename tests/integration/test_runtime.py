@@ -606,3 +606,11 @@ def test_the_final_metrics_hold_the_profile_figures() -> None:
     assert summary.alerts > 0
     assert tracker.history("run/finished/alerts") == [(summary.versions, float(summary.alerts))]
     assert tracker.history("run/finished/peak_rss_bytes") == [(summary.versions, float(summary.peak_rss_bytes))]
+
+
+async def test_tags_given_to_a_federation_join_its_own() -> None:
+    """``Federation(tags=...)`` adds tags to the new run's own (a sweep child's ``mlflow.parentRunId``)."""
+    tracker = MemoryTracker()
+    await flasync.Federation(small_config(), tracker=tracker, tags={"mlflow.parentRunId": "p1"}).run()
+    assert tracker.tags["mlflow.parentRunId"] == "p1"
+    assert tracker.tags["aggregator"] == "fedbuff"

@@ -20,7 +20,15 @@ from mlflow.entities import Metric
 import flasync
 from flasync.testing import small_config
 from flasync.tracking import MlflowTracker, _files
-from flasync.tracking._child import _EXIT_TIMEOUT_S, FORKS_HELPER, IDLE, ChildLogBatch, IdleChild, close_idle_writer
+from flasync.tracking._child import (
+    _EXIT_TIMEOUT_S,
+    FORKS_HELPER,
+    IDLE,
+    ChildLogBatch,
+    IdleChild,
+    close_idle_writer,
+    warm_idle_writer,
+)
 from flasync.training import models
 from tests.conftest import ROOT
 
@@ -240,6 +248,24 @@ def _tracked_run(tracking_uri: str, experiment: str, key: str, *, status: str = 
     tracker.log_bytes(key.encode(), f"{key}.txt")
     tracker.finish(status)  # type: ignore[arg-type]
     return run_id
+
+
+def test_a_warmed_writer_process_serves_the_next_tracker(tracking_uri: str) -> None:
+    """``warm_idle_writer`` starts the writer process the next tracker on that store takes; a second call keeps it,
+    and a remote store gets none."""
+    close_idle_writer()
+    warm_idle_writer(tracking_uri)
+    kept = IDLE.child
+    assert kept is not None
+    warm_idle_writer(tracking_uri)
+    assert IDLE.child is kept
+    tracker = MlflowTracker(tracking_uri)
+    tracker.prepare()
+    assert tracker._writers.child is kept and tracker.writer_reused
+    tracker.finish("FINISHED")
+    close_idle_writer()
+    warm_idle_writer("http://127.0.0.1:9")
+    assert IDLE.child is None
 
 
 def test_a_second_run_reuses_the_idle_child_and_writes_to_its_own_run(tracking_uri: str) -> None:

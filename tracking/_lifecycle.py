@@ -416,6 +416,14 @@ class RunLifecycle:
                 if not lost and not failover.offline:
                     failover.retire_journal()  # the run holds all it kept
 
+    def lost(self) -> int:
+        """Return the metric rows of the run neither written to the store nor kept in its journal: all of them once
+        the run ended, those dropped so far before (a backlog full with nowhere to spill)."""
+        if self.rows_lost is not None:
+            return self.rows_lost
+        writer = self._writers.writer
+        return writer.dropped if writer is not None else 0
+
     def _count_system_lost(self, answer: str | None) -> None:
         """Count the system metric rows the writer process's monitor lost (its ``end`` answer) with the run's lost
         rows, in one warning and the tag."""

@@ -31,8 +31,9 @@ from flasync.tracking._lifecycle import Experiments, RunLifecycle, RunStatus
 from flasync.tracking._runs import SYSTEM_METRICS_INTERVAL_S
 from flasync.tracking._writers import RunWriters
 from flasync.tracking.failover import Failover, RunIdentity
+from flasync.tracking.journal import EarlyRecords
 from flasync.tracking.metrics import MetricRow
-from flasync.tracking.store import bounded_http, redact_uri, resolve_tracking_uri
+from flasync.tracking.store import bounded_http, resolve_tracking_uri, ui_command
 from flasync.tracking.writer import MetricWriter
 
 if TYPE_CHECKING:
@@ -282,6 +283,8 @@ class MlflowTracker:
             self._run, self._writers, self._failover, check_started=self._lifecycle.check_started, log=self._log
         )
         self._experiments = experiments
+        self.journal = EarlyRecords(self._failover, self._writers, self._lifecycle, self.log_artifacts, self._log)
+        """The run's journal while its MLflow run is being opened (see :class:`EarlyRecords`)."""
 
     @property
     def run_id(self) -> str | None:
@@ -300,34 +303,9 @@ class MlflowTracker:
         return spool.path if spool is not None else None
 
     @property
-    def journal_id(self) -> str | None:
-        """The id of the run's journal (see :mod:`flasync.tracking.journal`): set by ``start(wait=False)``, it names
-        the run before MLflow has, and ``python -m flasync run --resume`` takes it; None otherwise."""
-        journal = self._failover.journal
-        return journal.id if journal is not None else None
-
-    def keep_early(self, data: bytes, artifact_file: str) -> bool:
-        """Keep an artifact (a checkpoint) in the run's journal while its MLflow run is being opened, after every
-        metric logged so far; False when the run is open (or has no journal, or the journal cannot take it): then
-        log it as usual."""
-        journal = self._failover.journal
-        return journal is not None and self._writers.opening and journal.artifact(data, artifact_file)
-
-    def retire_journal(self) -> None:
-        """Remove the run's journal: the store holds everything it kept (a checkpoint was written after the run
-        opened, its metrics flushed first); a journal that became the spool is kept."""
-        if not self._writers.opening:
-            self._failover.retire_journal()
-
-    @property
     def metric_rows_lost(self) -> int:
-        """Metric rows of the run neither written to the store nor kept in its journal: all of them once the run
-        ended, those dropped so far before (a backlog full with nowhere to spill)."""
-        final = self._lifecycle.rows_lost
-        if final is not None:
-            return final
-        writer = self._writers.writer
-        return writer.dropped if writer is not None else 0
+        """Metric rows neither written nor kept in the journal (:meth:`~tracking._lifecycle.RunLifecycle.lost`)."""
+        return self._lifecycle.lost()
 
     @property
     def metric_rows_spilled(self) -> int:
@@ -519,40 +497,12 @@ class MlflowTracker:
         Raises:
             ValueError: ``status`` is not one of those.
         """
-        self._send_journaled()
+        self.journal.send_kept()
         self._lifecycle.finish(status)
 
-    def _send_journaled(self) -> None:
-        """Log the checkpoints the journal kept while the run was being opened, whose successors did not reach the
-        store (a run stopped early): the journal is removed once the run ends."""
-        journal = self._failover.journal
-        if journal is None or not journal.live:
-            return
-        kept = journal.kept()
-        if not kept:
-            return
-        self._lifecycle.await_open()
-        if not self._lifecycle.started or not journal.live:
-            return
-        try:
-            self.log_artifacts({name: path.read_bytes() for name, path in kept.items()})
-        except Exception as exc:  # then the journal is kept: a replay sends them
-            self._log.warning("tracking.journal_send_failed", error=redact_uri(str(exc))[:300], metrics=False)
-            journal.keep()
-
     def ui_command(self) -> str | None:
-        """Return the shell command that opens this store in the MLflow UI.
-
-        Artifacts under the experiments' ``file://`` locations are served by the UI as they are;
-        it needs no artifact flag. None when the store is a server (open its URL instead).
-
-        Returns:
-            E.g. ``"mlflow ui --backend-store-uri sqlite:////home/me/proj/mlruns/mlflow.db"``.
-        """
-        scheme = self.tracking_uri.partition(":")[0].lower()
-        if scheme in ("http", "https", "databricks", "databricks-uc", "uc"):
-            return None
-        return f"mlflow ui --backend-store-uri {shlex.quote(self.tracking_uri)}"
+        """Return the shell command that opens this store in the MLflow UI (:func:`~tracking.store.ui_command`)."""
+        return ui_command(self.tracking_uri)
 
     def ui_url(self, base: str = "http://127.0.0.1:5000") -> str | None:
         """Return the address of this run's experiment in the MLflow UI: its training runs (not the GenAI pages the
@@ -629,16 +579,9 @@ class MlflowTracker:
         return self._artifacts.start_model_from(builder, kwargs, name, input_example, tags)
 
     def prepare_model_from(self, builder: str, kwargs: Mapping[str, Any], *, input_example: Any) -> None:
-        """Have the writer process export the model ``builder(**kwargs)`` returns now, in the background, for a
-        later :meth:`log_model_from` or :meth:`start_model_from` of a model from ``builder`` with ``input_example``;
-        return at once (when that export is used: :meth:`flasync.tracking._artifacts.RunArtifacts.prepare_model_from`).
-
-        Args:
-            builder: ``package.module:name`` of a callable returning the ``nn.Module`` (see :meth:`log_model_from`).
-            kwargs: Its keyword arguments, JSON values.
-            input_example: The batch of inputs (a NumPy array) the later save will be given (None: nothing is
-                exported, as that save pickles the model).
-        """
+        """Have the writer process export the model ``builder(**kwargs)`` returns now, in the background, for a later
+        :meth:`log_model_from` or :meth:`start_model_from` with the same arguments; return at once (its arguments and
+        when the export is used: :meth:`flasync.tracking._artifacts.RunArtifacts.prepare_model_from`)."""
         self._artifacts.prepare_model_from(builder, kwargs, input_example)
 
 

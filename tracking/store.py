@@ -8,6 +8,8 @@ explicit ``MlflowClient``.
 
 from __future__ import annotations
 
+import shlex
+
 import contextlib
 import hashlib
 import os
@@ -46,6 +48,7 @@ __all__ = [
     "redact_uri",
     "resolve_tracking_uri",
     "sqlite_path",
+    "ui_command",
 ]
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
@@ -461,3 +464,18 @@ def _has_runs(db: Path) -> bool:
             return bool(connection.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
         except sqlite3.OperationalError:  # no runs table: nothing to lose
             return False
+
+
+def ui_command(tracking_uri: str) -> str | None:
+    """Return the shell command that opens the store ``tracking_uri`` in the MLflow UI.
+
+    Artifacts under the experiments' ``file://`` locations are served by the UI as they are; it needs no artifact
+    flag. None when the store is a server (open its URL instead).
+
+    Returns:
+        E.g. ``"mlflow ui --backend-store-uri sqlite:////home/me/proj/mlruns/mlflow.db"``.
+    """
+    scheme = tracking_uri.partition(":")[0].lower()
+    if scheme in ("http", "https", "databricks", "databricks-uc", "uc"):
+        return None
+    return f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)}"

@@ -123,21 +123,7 @@ class RunConfig(_Section):
                 "'by_column' needs data.kind = 'files' with data.client_column naming the client of each sample",
             )
         server = self.server
-        if isinstance(server, FedAvgServer) and server.clients_per_round > n:
-            raise _FieldError(
-                ("server", "clients_per_round"),
-                f"must be <= population.num_clients ({n}), got {server.clients_per_round}",
-            )
-        if isinstance(server, FedAvgServer) and server.min_clients is not None and server.min_clients > n:
-            raise _FieldError(
-                ("server", "min_clients"),
-                f"must be <= population.num_clients ({n}), got {server.min_clients}",
-            )
-        if isinstance(server, FedBuffServer | FedAsyncServer) and server.concurrency > n:
-            raise _FieldError(
-                ("server", "concurrency"),
-                f"must be <= population.num_clients ({n}), got {server.concurrency}",
-            )
+        self._check_server_sizes(n)
         topology = self.topology
         if isinstance(topology, TreeTopology) and topology.per_edge_metrics:
             count = len(topology.edges) or sum(math.prod(topology.fanout[: i + 1]) for i in range(len(topology.fanout)))
@@ -184,6 +170,18 @@ class RunConfig(_Section):
                 f"must be <= resilience.zscore_window ({res.zscore_window}), got {res.zscore_min_history}",
             )
         return self
+
+    def _check_server_sizes(self, n: int) -> None:
+        """Refuse a server that asks for more clients at once than the population's ``n``."""
+        server = self.server
+        counts: list[tuple[str, int | None]] = []
+        if isinstance(server, FedAvgServer):
+            counts = [("clients_per_round", server.clients_per_round), ("min_clients", server.min_clients)]
+        elif isinstance(server, FedBuffServer | FedAsyncServer):
+            counts = [("concurrency", server.concurrency)]
+        for name, count in counts:
+            if count is not None and count > n:
+                raise _FieldError(("server", name), f"must be <= population.num_clients ({n}), got {count}")
 
     @model_validator(mode="after")
     def _registry_checks(self) -> RunConfig:

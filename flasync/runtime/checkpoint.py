@@ -446,7 +446,7 @@ class CheckpointWriter:
             # The other slot keeps the previous checkpoint whole while this one is written (and if this fails).
             slot = CHECKPOINT_SLOTS[self._slot]
             # While the MLflow run is being opened, the run's journal keeps it, after the metrics it covers.
-            journaled = journaling is not None and journaling.keep_early(data, slot)
+            journaled = journaling is not None and journaling.journal.keep(data, slot)
             if not journaled:
                 if not tracker.flush():
                     self._log.warning(
@@ -458,7 +458,7 @@ class CheckpointWriter:
                     return
                 tracker.log_bytes(data, slot)
                 if journaling is not None:
-                    journaling.retire_journal()  # the store holds all the journal kept
+                    journaling.journal.retire()  # the store holds all the journal kept
         except Exception as exc:  # a failing store must not take the run down
             self._log.warning("checkpoint.failed", version=version, error=f"{type(exc).__name__}: {exc}", metrics=False)
             return

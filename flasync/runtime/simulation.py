@@ -183,7 +183,8 @@ class Simulation:
         if cfg.eval.select is not None:
             self.selection = BestVersion(cfg.eval.select, server.registry.base).attach(self._bus)
         start_wall = self._wall()
-        journal = getattr(self._tracker, "journal_id", None)  # names the run until MLflow has (--resume takes it)
+        # The journal's id names the run until MLflow has (--resume takes it).
+        journal = self._tracker.journal.id if isinstance(self._tracker, tracking.MlflowTracker) else None
         self._log.info(
             "run.started",
             **({"run_id": self.run_id} if self.run_id else {"run": journal} if journal else {}),

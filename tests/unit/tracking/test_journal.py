@@ -78,7 +78,7 @@ def test_a_background_opening_journals_what_comes_before_it_and_removes_the_jour
     and gets every row; the journal is gone once the run ended."""
     tracker = MlflowTracker(tracking_uri, flush_interval_s=0.05, spool_root=tmp_path / "spool")
     tracker.start(experiment="journal", params={"lr": 0.1}, wait=False)
-    journal_id = tracker.journal_id
+    journal_id = tracker.journal.id
     assert journal_id is not None and (tmp_path / "spool" / f"{journal_id}.jsonl").is_file()
     tracker.log_metrics([Metric("m", float(i), 0, i) for i in range(50)])
     run_id = tracker.opened(timeout=120)

@@ -303,10 +303,19 @@ class _DeviceRegistry:
     def online_mask(self, t: float) -> np.ndarray:
         """Return a boolean array over the population: which devices are connected now."""
         mask = np.zeros(self.num_clients, dtype=bool)
-        for client_id in set(self.seen) | set(self.polls):
-            if client_id < self.num_clients and self.online(client_id, t):
-                mask[client_id] = True
+        # online() over every device, in array operations: heard within the window, not holding a task, or polling.
+        ids = np.fromiter(self.seen, dtype=np.intp, count=len(self.seen))
+        heard = np.fromiter(self.seen.values(), dtype=np.float64, count=len(self.seen))
+        recent = ids[(self._wall() - heard <= self.online_window_s) & (ids < self.num_clients)]
+        mask[recent] = True
+        mask[self._ids(self.handed)] = False
+        mask[self._ids(self.polls)] = True
         return mask
+
+    def _ids(self, devices: Iterable[ClientId]) -> np.ndarray:
+        """Return the ids of ``devices`` within the population, as an index array."""
+        ids = np.fromiter(devices, dtype=np.intp)
+        return ids[ids < self.num_clients]
 
     @property
     def online_window_s(self) -> float:
@@ -314,11 +323,10 @@ class _DeviceRegistry:
         device is always waiting: it asks again as soon as a poll ends or its upload is answered)."""
         return 3.0
 
-    def forget_task(self, task_id: int) -> None:
-        """Forget that a device took ``task_id`` (it was answered)."""
-        for client_id, handed in list(self.handed.items()):
-            if handed == task_id:
-                del self.handed[client_id]
+    def forget_task(self, client_id: ClientId, task_id: int) -> None:
+        """Forget that device ``client_id`` took ``task_id`` (it was answered)."""
+        if self.handed.get(client_id) == task_id:
+            del self.handed[client_id]
 
 
 # ----------------------------------------------------------------------------------------------- hand-out
@@ -421,11 +429,12 @@ class _TaskHandout:
             incarnation=self._incarnations.of(task.task_id),
         )
 
-    def forget_task(self, task_id: int) -> None:
-        """Take an answered task out of its mailbox: never offered again, even before the server releases it."""
-        for client_id, posted in list(self.posted.items()):
-            if posted.task.task_id == task_id:
-                del self.posted[client_id]
+    def forget_task(self, client_id: ClientId, task_id: int) -> None:
+        """Take client ``client_id``'s answered task out of its mailbox: never offered again, even before the server
+        releases it."""
+        posted = self.posted.get(client_id)
+        if posted is not None and posted.task.task_id == task_id:
+            del self.posted[client_id]
 
     def close(self) -> None:
         """Wake every waiting poll (each learns the run ended) and empty the mailboxes."""
@@ -759,7 +768,7 @@ class RemoteTransport:
         refusal = self._publish(client_id, message)
         if refusal is not None:
             return refusal
-        self._remember(task_id)
+        self._remember(client_id, task_id)
         self.uploads += 1
         self.wire_upload_bytes += len(payload)
         if self._log is not None:
@@ -800,7 +809,7 @@ class RemoteTransport:
         refusal = self._publish(client_id, failed)
         if refusal is not None:
             return refusal
-        self._remember(task_id)
+        self._remember(client_id, task_id)
         return None
 
     def _publish(self, client_id: ClientId, message: UpdateUploaded | ClientFailed) -> Refusal | None:
@@ -837,9 +846,9 @@ class RemoteTransport:
         assert clock is not None
         return clock.now()
 
-    def _remember(self, task_id: int) -> None:
-        self._handout.forget_task(task_id)
-        self._devices.forget_task(task_id)
+    def _remember(self, client_id: ClientId, task_id: int) -> None:
+        self._handout.forget_task(client_id, task_id)
+        self._devices.forget_task(client_id, task_id)
         self._answered.add(task_id)
         self._answer_order.append(task_id)
         if len(self._answer_order) > _REMEMBERED_ANSWERS:

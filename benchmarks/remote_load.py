@@ -393,14 +393,38 @@ async def _measure(args: argparse.Namespace, devices: int) -> dict[str, Any]:
     return figures
 
 
-def _profile_top(path: Path, top: int) -> list[dict[str, Any]]:
-    """Return the profile's ``top`` functions by own time: calls, own and cumulative seconds, and where."""
-    stats = pstats.Stats(str(path))
-    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:top]  # type: ignore[attr-defined]
-    return [
+_HTTP = ("h11", "uvicorn", "starlette", "httptools", "anyio")
+
+
+def _area(filename: str) -> str:
+    """Name where a profiled function lives: HTTP (h11, uvicorn, Starlette), a flasync package, asyncio, builtins."""
+    if "site-packages/" in filename:
+        package = filename.split("site-packages/", 1)[1].split("/", 1)[0]
+        return "HTTP" if package in _HTTP else package
+    if "/flasync/" in filename:
+        return "flasync." + filename.rsplit("/flasync/", 1)[1].split("/", 1)[0].removesuffix(".py")
+    if "/asyncio/" in filename:
+        return "asyncio"
+    return "builtins" if filename == "~" else "other"
+
+
+def _profile_top(path: Path, top: int) -> dict[str, Any]:
+    """Return the profile's own seconds per area and its ``top`` functions by own time (calls, own and cumulative
+    seconds, where).
+
+    cProfile sees the event loop's thread only, and counts a long poll's wait for a task (``next_task``) and the
+    loop's wait for sockets (``select``/``poll``) as time spent in them.
+    """
+    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    areas: Counter[str] = Counter()
+    for (filename, _, _), (_, _, own_s, _, _) in stats.items():
+        areas[_area(filename)] += own_s
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    functions = [
         {"function": f"{Path(f).name}:{line}({name})", "calls": nc, "own_s": round(tt, 3), "cumulative_s": round(ct, 3)}
         for (f, line, name), (_, nc, tt, ct, _) in rows
     ]
+    return {"areas_own_s": {k: round(v, 3) for k, v in areas.most_common()}, "functions": functions}
 
 
 def _print(figures: dict[str, Any]) -> None:
@@ -435,8 +459,16 @@ def _print(figures: dict[str, Any]) -> None:
         f"({'holds' if total == updates['sent'] else 'DOES NOT HOLD'}); the server received "
         f"{server.get('updates_received')}, refused {server.get('refused')} (exit {figures['server_exit']})"
     )
-    for row in figures.get("profile", []):
-        print(f"    {row['own_s']:8.3f} s own {row['cumulative_s']:8.3f} s cum {row['calls']:>9}  {row['function']}")
+    profile = figures.get("profile")
+    if profile is not None:
+        print(
+            "  server profile (event loop thread), own seconds: "
+            + ", ".join(f"{area} {own_s:.2f}" for area, own_s in profile["areas_own_s"].items())
+        )
+        for row in profile["functions"]:
+            print(
+                f"    {row['own_s']:8.3f} s own {row['cumulative_s']:8.3f} s cum {row['calls']:>9}  {row['function']}"
+            )
 
 
 def main() -> None:

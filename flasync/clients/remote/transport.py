@@ -15,6 +15,7 @@ an HTTP status, counted per reason and logged as a ``remote.refused`` metric.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 import secrets
@@ -31,7 +32,7 @@ import torch
 from flasync.codecs import HEADER, Pipeline
 from flasync.core.bus import EventBus
 from flasync.core.errors import BusClosed, BusFull, ConfigError
-from flasync.core.events import ClientFailed, ClientId, TaskAssigned, UpdateUploaded, Version
+from flasync.core.events import ClientConnected, ClientFailed, ClientId, TaskAssigned, UpdateUploaded, Version
 from flasync.core.snapshots import ModelSnapshot
 
 if TYPE_CHECKING:
@@ -280,13 +281,24 @@ class _DeviceRegistry:
         """Start with no device heard from."""
         self._wall = wall
         self.num_clients = 0
+        self._bus: EventBus | None = None
         self.seen: dict[ClientId, float] = {}  # a device's last request (wall seconds)
         self.handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
         self.polls: Counter[ClientId] = Counter()
 
-    def heard(self, client_id: ClientId) -> None:
-        """Note that ``client_id`` made a request now."""
-        self.seen[client_id] = self._wall()
+    def attach(self, bus: EventBus, num_clients: int) -> None:
+        """Tell the run's server (on ``bus``) of devices that come online, from a population of ``num_clients``."""
+        self._bus, self.num_clients = bus, num_clients
+
+    def heard(self, client_id: ClientId, *, asking: bool = False) -> None:
+        """Note that ``client_id`` made a request now; one asking for a task (``asking``) after a silence longer than
+        :attr:`online_window_s` is published as :class:`ClientConnected`, so that the server may start its task now
+        rather than once the next answer arrives."""
+        now, last = self._wall(), self.seen.get(client_id)
+        self.seen[client_id] = now
+        if asking and self._bus is not None and (last is None or now - last > self.online_window_s):
+            with contextlib.suppress(BusFull, BusClosed):  # then the next answer fills the server's free slots
+                self._bus.publish_nowait(ClientConnected(client_id=client_id))
 
     def online(self, client_id: int, t: float) -> bool:
         """Tell whether device ``client_id`` is connected: asking for a task now, or heard from within
@@ -568,7 +580,7 @@ class RemoteTransport:
             num_classes: Number of classes (likewise).
         """
         self._bus, self._registry, self._clock, self._log = bus, registry, clock, log
-        self._devices.num_clients = registry.num_clients
+        self._devices.attach(bus, registry.num_clients)
         self.num_params = num_params
         self._setup.update(num_params=num_params, feature_shape=list(feature_shape), num_classes=num_classes)
         dense = HEADER.size + 4 * num_params
@@ -633,7 +645,7 @@ class RemoteTransport:
     # -------------------------------------------------------------------------------------------- requests
     def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
         """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
-        self._devices.heard(client_id)
+        self._devices.heard(client_id, asking=True)
         self._devices.handed.pop(client_id, None)
         if self.finished:
             return self._ended()
@@ -650,7 +662,7 @@ class RemoteTransport:
         until the task is answered or timed out, so two devices sharing a token never train the same task (and a
         restarted device waits for its old task's timeout).
         """
-        self._devices.heard(client_id)
+        self._devices.heard(client_id, asking=True)
         # It asks again: alive, and (again) given its task if one is in flight.
         self._devices.handed.pop(client_id, None)
         if self.finished:

@@ -23,10 +23,10 @@ For each number of devices (``--devices``, 100 and 1,000 by default), on a fresh
   updates received, requests refused by reason).
 
 On a 2-core machine the load processes share the cores with the server, so updates per second is a lower bound of
-the server's capacity; its CPU seconds per update is the figure that does not depend on them (2 / that: the
-updates a second 2 cores could take). ``--profile PATH`` runs the server under cProfile (the event loop's thread)
-and prints its top functions. The figures, with a description of the machine, go to
-``benchmarks/results/remote_load.json``.
+the server's capacity; its CPU seconds per update is the figure that depends least on them (1 / that: the updates
+a second one core could take, the server's event loop being one thread). ``--profile PATH`` runs the server under
+cProfile (the event loop's thread) and prints its own seconds per area and its top functions. The figures, with a
+description of the machine, go to ``benchmarks/results/remote_load.json``.
 
     python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2] [--profile PATH]
 """
@@ -438,7 +438,7 @@ def _print(figures: dict[str, Any]) -> None:
     print(
         f"  load: {updates['accepted']} updates accepted in {figures['wall_s']:.1f} s: {figures['updates_per_s']:.0f}"
         f" updates/s; server CPU {figures['server_cpu_s']:.1f} s, {figures['server_cpu_ms_per_update']:.3f} ms per"
-        f" update (2 cores: {2000 / max(figures['server_cpu_ms_per_update'], 1e-9):.0f} updates/s)"
+        f" update (one core: {1000 / max(figures['server_cpu_ms_per_update'], 1e-9):.0f} updates/s)"
     )
     for endpoint in ENDPOINTS:
         q = figures["latency"][endpoint]

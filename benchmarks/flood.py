@@ -87,14 +87,14 @@ def _config(folder: Path, clients: int) -> Path:
     return path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def _start_server(folder: Path, config: Path, port: int, profile: Path | None) -> subprocess.Popen[bytes]:
+def start_server(folder: Path, config: Path, port: int, profile: Path | None) -> subprocess.Popen[bytes]:
     """Start ``python -m flasync serve`` (under cProfile when ``profile`` is given)."""
     # The command line ends with os._exit once its atexit handlers ran: the profile is written by one of them.
     runner = ["-c", _PROFILED.format(path=str(profile))] if profile is not None else ["-m", "flasync"]
@@ -105,7 +105,7 @@ def _start_server(folder: Path, config: Path, port: int, profile: Path | None) -
         return subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=folder)
 
 
-async def _wait_until_served(url: str, server: subprocess.Popen[bytes], deadline_s: float) -> float:
+async def wait_until_served(url: str, server: subprocess.Popen[bytes], deadline_s: float) -> float:
     """Poll the status endpoint until the run is running; return the seconds it took."""
     began = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=2.0) as http:
@@ -119,7 +119,7 @@ async def _wait_until_served(url: str, server: subprocess.Popen[bytes], deadline
     raise SystemExit(f"the server did not answer within {deadline_s} s")
 
 
-def _stop_server(server: subprocess.Popen[bytes]) -> int:
+def stop_server(server: subprocess.Popen[bytes]) -> int:
     """Ask the server to stop (SIGINT, as Ctrl-C); kill it if it has not exited within 60 s."""
     server.send_signal(signal.SIGINT)
     try:
@@ -151,7 +151,8 @@ async def _probe(url: str, fresh: bool, every_s: float, stop: asyncio.Event) -> 
     return latencies
 
 
-def _quantiles_ms(latencies: list[float]) -> dict[str, float]:
+def quantiles_ms(latencies: list[float]) -> dict[str, float]:
+    """Return the count, p50, p99 and maximum of latencies in seconds, in ms."""
     ordered = sorted(latencies)
     if not ordered:
         return {"n": 0}
@@ -261,8 +262,8 @@ async def _phase(url: str, phase: str, token: str, args: argparse.Namespace, ser
     figures: dict[str, Any] = {
         "wall_s": round(wall_s, 3),
         "server_cpu": round(cpu_s / wall_s, 3),
-        "status_kept_alive": _quantiles_ms(kept_alive),
-        "status_new_connection": _quantiles_ms(fresh),
+        "status_kept_alive": quantiles_ms(kept_alive),
+        "status_new_connection": quantiles_ms(fresh),
     }
     if counts:
         answers: Counter[str] = Counter()
@@ -281,11 +282,11 @@ async def _phase(url: str, phase: str, token: str, args: argparse.Namespace, ser
 async def _run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     config = _config(folder, clients=4)
     token = (folder / "tokens.txt").read_text().split()[1]
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = _start_server(folder, config, port, args.profile)
+    server = start_server(folder, config, port, args.profile)
     try:
-        ready_s = await _wait_until_served(url, server, 120.0)
+        ready_s = await wait_until_served(url, server, 120.0)
         print(f"server pid {server.pid} running after {ready_s:.1f} s on {url}", flush=True)
         # A device online from the start (a task in flight): the server waits for messages, as in a run with clients.
         await _served_again_s(url, token, 30.0)
@@ -294,7 +295,7 @@ async def _run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             phases[phase] = await _phase(url, phase, token, args, psutil.Process(server.pid))
             _print_phase(phase, phases[phase], phases["baseline"])
     finally:
-        code = _stop_server(server)
+        code = stop_server(server)
     printed = [line.strip() for line in (folder / "serve.out").read_text().splitlines() if "requests refused" in line]
     return {
         "phases": phases,

@@ -18,6 +18,7 @@ __all__ = [
     "EVALUATED_METRICS",
     "Aggregated",
     "AlertRaised",
+    "ClientConnected",
     "ClientFailed",
     "ClientId",
     "ClientTimedOut",
@@ -333,6 +334,15 @@ class RoundDeadlinePassed:
 
     version: Version
     simulated_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientConnected:
+    """A remote device asked for its task after a silence (its first request, or its first after it went offline):
+    the server may start a task for it now, not only once the next answer arrives."""
+
+    to: str = CLOUD
+    client_id: ClientId
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

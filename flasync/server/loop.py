@@ -28,6 +28,7 @@ from flasync.core.clock import Clock
 from flasync.core.errors import BusClosed, BusFull, CheckpointError
 from flasync.core.events import (
     CLOUD,
+    ClientConnected,
     ClientFailed,
     ClientTimedOut,
     EdgeForwarded,
@@ -62,6 +63,7 @@ ServerMessage = (
     | ClientTimedOut
     | RoundDeadlinePassed
     | StopRequested
+    | ClientConnected
 )
 _RECEIVES = (
     UpdateUploaded,
@@ -72,6 +74,7 @@ _RECEIVES = (
     ClientTimedOut,
     RoundDeadlinePassed,
     StopRequested,
+    ClientConnected,
 )  # the types of ServerMessage, which the cloud's inbox takes
 
 
@@ -341,8 +344,8 @@ class Server:
         return self._batch.popleft()
 
     async def _handle(self, message: ServerMessage, decoded: Decoded | None = None) -> None:
-        if isinstance(message, StopRequested | RoundDeadlinePassed):
-            pass  # a stop request's flag is already set; the policy reads the deadline
+        if isinstance(message, StopRequested | RoundDeadlinePassed | ClientConnected):
+            pass  # a stop request's flag is already set; the policy reads the deadline; the loop fills next
         elif isinstance(message, TaskClosed):
             self._receiver.task_closed(message)
         elif isinstance(message, ClientTimedOut):

@@ -97,14 +97,15 @@ class ClientSampler:
                 candidate = ClientId(int(rng.integers(num_clients)))
                 if candidate not in busy:
                     return candidate
-        for _ in range(8 * num_clients):
-            candidate = ClientId(int(rng.integers(num_clients)))
-            if candidate not in busy and faults.online(candidate, now):
-                return candidate
-        idle = [c for c in np.flatnonzero(faults.online_mask(now)).tolist() if c not in busy]
-        if not idle:
+        idle = faults.online_mask(now).copy()
+        idle[np.fromiter(busy, dtype=np.intp, count=len(busy))] = False
+        hit = _first_draw_in(idle, 8 * num_clients, rng)
+        if hit is not None:
+            return ClientId(hit)
+        ids = np.flatnonzero(idle)
+        if not len(ids):
             return None
-        return ClientId(idle[int(rng.integers(len(idle)))])
+        return ClientId(int(ids[int(rng.integers(len(ids)))]))
 
     def next_online(self, now: float) -> float:
         """Return when the next client comes online (now, without availability windows)."""
@@ -136,3 +137,25 @@ class ClientSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.rng.bit_generator.state = json.loads(state["rng"])
+
+
+def _first_draw_in(allowed: np.ndarray, draws: int, rng: np.random.Generator) -> int | None:
+    """Draw uniform ids below ``len(allowed)`` one at a time, up to ``draws`` of them, until one is ``allowed``.
+
+    Returns that id (None if none of the ``draws`` was), leaving ``rng`` where drawing them one by one would: the
+    draws are made in blocks (``rng.integers(n, size=m)`` yields the values of ``m`` single draws), and the block
+    holding the hit is drawn again from its start, only up to the hit.
+    """
+    num_clients, count = len(allowed), int(allowed.sum())
+    block = max(16, 2 * num_clients // count) if count else 1 << 16  # about two hits a block
+    while draws > 0:
+        size = min(block, draws)
+        state = rng.bit_generator.state
+        candidates = rng.integers(num_clients, size=size)
+        hits = np.flatnonzero(allowed[candidates])
+        if len(hits):
+            rng.bit_generator.state = state
+            rng.integers(num_clients, size=int(hits[0]) + 1)
+            return int(candidates[hits[0]])
+        draws -= size
+    return None

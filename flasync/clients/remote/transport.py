@@ -15,6 +15,7 @@ an HTTP status, counted per reason and logged as a ``remote.refused`` metric.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 import secrets
@@ -31,7 +32,7 @@ import torch
 from flasync.codecs import HEADER, Pipeline
 from flasync.core.bus import EventBus
 from flasync.core.errors import BusClosed, BusFull, ConfigError
-from flasync.core.events import ClientFailed, ClientId, TaskAssigned, UpdateUploaded, Version
+from flasync.core.events import ClientConnected, ClientFailed, ClientId, TaskAssigned, UpdateUploaded, Version
 from flasync.core.snapshots import ModelSnapshot
 
 if TYPE_CHECKING:
@@ -280,13 +281,24 @@ class _DeviceRegistry:
         """Start with no device heard from."""
         self._wall = wall
         self.num_clients = 0
+        self._bus: EventBus | None = None
         self.seen: dict[ClientId, float] = {}  # a device's last request (wall seconds)
         self.handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
         self.polls: Counter[ClientId] = Counter()
 
-    def heard(self, client_id: ClientId) -> None:
-        """Note that ``client_id`` made a request now."""
-        self.seen[client_id] = self._wall()
+    def attach(self, bus: EventBus, num_clients: int) -> None:
+        """Tell the run's server (on ``bus``) of devices that come online, from a population of ``num_clients``."""
+        self._bus, self.num_clients = bus, num_clients
+
+    def heard(self, client_id: ClientId, *, asking: bool = False) -> None:
+        """Note that ``client_id`` made a request now; one asking for a task (``asking``) after a silence longer than
+        :attr:`online_window_s` is published as :class:`ClientConnected`, so that the server may start its task now
+        rather than once the next answer arrives."""
+        now, last = self._wall(), self.seen.get(client_id)
+        self.seen[client_id] = now
+        if asking and self._bus is not None and (last is None or now - last > self.online_window_s):
+            with contextlib.suppress(BusFull, BusClosed):  # then the next answer fills the server's free slots
+                self._bus.publish_nowait(ClientConnected(client_id=client_id))
 
     def online(self, client_id: int, t: float) -> bool:
         """Tell whether device ``client_id`` is connected: asking for a task now, or heard from within
@@ -303,10 +315,19 @@ class _DeviceRegistry:
     def online_mask(self, t: float) -> np.ndarray:
         """Return a boolean array over the population: which devices are connected now."""
         mask = np.zeros(self.num_clients, dtype=bool)
-        for client_id in set(self.seen) | set(self.polls):
-            if client_id < self.num_clients and self.online(client_id, t):
-                mask[client_id] = True
+        # online() over every device, in array operations: heard within the window, not holding a task, or polling.
+        ids = np.fromiter(self.seen, dtype=np.intp, count=len(self.seen))
+        heard = np.fromiter(self.seen.values(), dtype=np.float64, count=len(self.seen))
+        recent = ids[(self._wall() - heard <= self.online_window_s) & (ids < self.num_clients)]
+        mask[recent] = True
+        mask[self._ids(self.handed)] = False
+        mask[self._ids(self.polls)] = True
         return mask
+
+    def _ids(self, devices: Iterable[ClientId]) -> np.ndarray:
+        """Return the ids of ``devices`` within the population, as an index array."""
+        ids = np.fromiter(devices, dtype=np.intp)
+        return ids[ids < self.num_clients]
 
     @property
     def online_window_s(self) -> float:
@@ -314,11 +335,10 @@ class _DeviceRegistry:
         device is always waiting: it asks again as soon as a poll ends or its upload is answered)."""
         return 3.0
 
-    def forget_task(self, task_id: int) -> None:
-        """Forget that a device took ``task_id`` (it was answered)."""
-        for client_id, handed in list(self.handed.items()):
-            if handed == task_id:
-                del self.handed[client_id]
+    def forget_task(self, client_id: ClientId, task_id: int) -> None:
+        """Forget that device ``client_id`` took ``task_id`` (it was answered)."""
+        if self.handed.get(client_id) == task_id:
+            del self.handed[client_id]
 
 
 # ----------------------------------------------------------------------------------------------- hand-out
@@ -421,11 +441,12 @@ class _TaskHandout:
             incarnation=self._incarnations.of(task.task_id),
         )
 
-    def forget_task(self, task_id: int) -> None:
-        """Take an answered task out of its mailbox: never offered again, even before the server releases it."""
-        for client_id, posted in list(self.posted.items()):
-            if posted.task.task_id == task_id:
-                del self.posted[client_id]
+    def forget_task(self, client_id: ClientId, task_id: int) -> None:
+        """Take client ``client_id``'s answered task out of its mailbox: never offered again, even before the server
+        releases it."""
+        posted = self.posted.get(client_id)
+        if posted is not None and posted.task.task_id == task_id:
+            del self.posted[client_id]
 
     def close(self) -> None:
         """Wake every waiting poll (each learns the run ended) and empty the mailboxes."""
@@ -559,7 +580,7 @@ class RemoteTransport:
             num_classes: Number of classes (likewise).
         """
         self._bus, self._registry, self._clock, self._log = bus, registry, clock, log
-        self._devices.num_clients = registry.num_clients
+        self._devices.attach(bus, registry.num_clients)
         self.num_params = num_params
         self._setup.update(num_params=num_params, feature_shape=list(feature_shape), num_classes=num_classes)
         dense = HEADER.size + 4 * num_params
@@ -624,7 +645,7 @@ class RemoteTransport:
     # -------------------------------------------------------------------------------------------- requests
     def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
         """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
-        self._devices.heard(client_id)
+        self._devices.heard(client_id, asking=True)
         self._devices.handed.pop(client_id, None)
         if self.finished:
             return self._ended()
@@ -641,7 +662,7 @@ class RemoteTransport:
         until the task is answered or timed out, so two devices sharing a token never train the same task (and a
         restarted device waits for its old task's timeout).
         """
-        self._devices.heard(client_id)
+        self._devices.heard(client_id, asking=True)
         # It asks again: alive, and (again) given its task if one is in flight.
         self._devices.handed.pop(client_id, None)
         if self.finished:
@@ -759,7 +780,7 @@ class RemoteTransport:
         refusal = self._publish(client_id, message)
         if refusal is not None:
             return refusal
-        self._remember(task_id)
+        self._remember(client_id, task_id)
         self.uploads += 1
         self.wire_upload_bytes += len(payload)
         if self._log is not None:
@@ -800,7 +821,7 @@ class RemoteTransport:
         refusal = self._publish(client_id, failed)
         if refusal is not None:
             return refusal
-        self._remember(task_id)
+        self._remember(client_id, task_id)
         return None
 
     def _publish(self, client_id: ClientId, message: UpdateUploaded | ClientFailed) -> Refusal | None:
@@ -837,9 +858,9 @@ class RemoteTransport:
         assert clock is not None
         return clock.now()
 
-    def _remember(self, task_id: int) -> None:
-        self._handout.forget_task(task_id)
-        self._devices.forget_task(task_id)
+    def _remember(self, client_id: ClientId, task_id: int) -> None:
+        self._handout.forget_task(client_id, task_id)
+        self._devices.forget_task(client_id, task_id)
         self._answered.add(task_id)
         self._answer_order.append(task_id)
         if len(self._answer_order) > _REMEMBERED_ANSWERS:

@@ -4,12 +4,14 @@ ASGI transport."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import httpx
 import pytest
 
 from flasync.clients.remote.client import Client
+from flasync.core.errors import RunInterrupted
 from flasync.core.events import ClientId, TaskAssigned
 from flasync.runtime.federation import Federation
 from flasync.runtime.serve import asgi_app
@@ -180,3 +182,24 @@ async def test_clients_of_a_run_that_fails_stop_at_once_with_its_error(tmp_path:
     assert all(isinstance(r, RemoteError) for r in results), results
     said = "the server's run failed: TrainingError: the last 30 client tasks all failed"
     assert all(said in str(r) for r in results), results
+
+
+async def test_a_device_connecting_while_the_others_hold_tasks_gets_one(tmp_path: Path, tokens: dict[int, str]) -> None:
+    """A device that says hello while every connected device holds a task unanswered is given a task at once (its
+    connection is a message to the server), not only when the next answer arrives."""
+    federation = Federation(remote_config(tmp_path / "tokens.txt", stop={"max_versions": 1000}))
+    app = asgi_app(federation)
+    first, second = (({"Authorization": f"Bearer {tokens[i]}"}) for i in (0, 1))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=60.0) as http:
+        run = asyncio.create_task(federation.run())
+        offer = None
+        while offer is None:  # the first device takes a task and never answers it
+            answer = await http.get("http://fl/v1/task", params={"wait_s": 2.0}, headers=first)
+            offer = answer.json() if answer.status_code == 200 else None
+        assert (await http.get("http://fl/v1/hello", headers=second)).status_code == 200
+        answer = await http.get("http://fl/v1/task", params={"wait_s": 30.0}, headers=second)
+        federation.request_stop("test over")
+        with contextlib.suppress(RunInterrupted):
+            await run
+    assert answer.status_code == 200
+    assert answer.json()["task_id"] != offer["task_id"]

@@ -1,0 +1,517 @@
+"""A served run's own capacity: many simulated devices replaying one precomputed update against ``flasync serve``.
+
+A real ``python -m flasync serve`` (FedBuff, K = 10, on digits with the default model, every device busy:
+``server.concurrency`` = devices; the wall clock; tracking to a temporary SQLite store; a large ``stop.max_versions``
+and a ``stop.max_wall_s`` bounding the run) is started on a free port of 127.0.0.1, one token per device. The devices
+are httpx coroutines in ``--processes`` load processes (this script with ``--worker``), each holding its own
+connection; none trains. A load process encodes one valid update of the served model's size ahead, with the
+server's upload codec, as a real client would send it, and every device re-sends those bytes for each task it is
+offered, with what must match the task (its id in the path, its incarnation in ``X-Flasync-Incarnation``). So the
+server is what is measured: the HTTP exchanges, decoding, intake, aggregation and tracking of each update.
+
+For each number of devices (``--devices``, 100 and 1,000 by default), on a fresh server:
+
+* *connect*: every device says hello and asks for a task (``GET /v1/task``, long-polling) until it is offered one;
+  the seconds from its hello to its offer are the time a device connecting to a running server waits for its first
+  task. The server's RSS with no device and with all of them connected (each holding a task) gives its memory per
+  connected device.
+* *load*: for ``--seconds``, each device downloads the model of its task's version (once per version, as a client
+  that keeps the last one), uploads the update and asks for its next task. Printed: updates accepted per second,
+  p50/p99 of each endpoint (offer: the long-poll until the next task; model download; upload), the server's CPU
+  (user + system, psutil) per accepted update, and the accounting of every update sent: accepted (202) + refused
+  (any other answer) + timed out or failed = sent, beside the server's own counters (its summary's remote line:
+  updates received, requests refused by reason).
+
+On a 2-core machine the load processes share the cores with the server, so updates per second is a lower bound of
+the server's capacity; its CPU seconds per update is the figure that depends least on them (1 / that: the updates
+a second one core could take, the server's event loop being one thread). ``--profile PATH`` runs the server under
+cProfile (the event loop's thread) and prints its own seconds per area and its top functions. The figures, with a
+description of the machine, go to ``benchmarks/results/remote_load.json``.
+
+    python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2] [--profile PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import pstats
+import re
+import secrets
+import ssl
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import torch
+import yaml
+
+if __package__:  # imported as benchmarks.remote_load (by the tests)
+    from benchmarks.flood import free_port, machine, quantiles_ms, start_server, stop_server, wait_until_served
+else:
+    from flood import free_port, machine, quantiles_ms, start_server, stop_server, wait_until_served
+
+from flasync.codecs.build import pipeline
+from flasync.config import validate
+
+_HERE = Path(__file__).resolve().parent
+_TIMEOUT_S = 30.0
+_POLL_S = 10.0
+ENDPOINTS = ("offer", "model", "upload")
+_REPORT = json.dumps({"num_samples": 10, "train_loss": 0.5, "train_s": 0.01, "encode_s": 0.0, "download_s": 0.0})
+
+
+# -------------------------------------------------------------------------------------------- the tally
+@dataclass
+class Tally:
+    """What the devices of one load process sent and got back, per endpoint.
+
+    Attributes:
+        sent: Requests sent per endpoint.
+        answers: Answers per endpoint and status code (``"202"``, ``"503"``, ...).
+        timed_out: Requests that timed out (httpx's timeout) per endpoint.
+        failed: Requests that failed otherwise (a connection error) per endpoint.
+        latencies: Seconds from sending to the whole answer, per endpoint (answered requests only).
+        first_offer_s: Per device, seconds from its hello to its first offer.
+    """
+
+    sent: Counter[str] = field(default_factory=Counter)
+    answers: dict[str, Counter[str]] = field(default_factory=lambda: {e: Counter() for e in ENDPOINTS})
+    timed_out: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+    latencies: dict[str, list[float]] = field(default_factory=lambda: {e: [] for e in ENDPOINTS})
+    first_offer_s: list[float] = field(default_factory=list)
+
+    def updates(self) -> dict[str, int]:
+        """Return the accounting of updates: sent, accepted (202), refused (other answers), timed out, failed."""
+        answers = self.answers["upload"]
+        accepted = answers["202"]
+        return {
+            "sent": self.sent["upload"],
+            "accepted": accepted,
+            "refused": sum(answers.values()) - accepted,
+            "timed_out": self.timed_out["upload"],
+            "failed": self.failed["upload"],
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the tally as a JSON object (latencies rounded to microseconds)."""
+        return {
+            "sent": dict(self.sent),
+            "answers": {e: dict(c) for e, c in self.answers.items()},
+            "timed_out": dict(self.timed_out),
+            "failed": dict(self.failed),
+            "latencies": {e: [round(s, 6) for s in v] for e, v in self.latencies.items()},
+            "first_offer_s": [round(s, 6) for s in self.first_offer_s],
+        }
+
+    def add(self, data: dict[str, Any]) -> None:
+        """Add another process's :meth:`to_json`."""
+        self.sent.update(data["sent"])
+        self.timed_out.update(data["timed_out"])
+        self.failed.update(data["failed"])
+        for endpoint in ENDPOINTS:
+            self.answers[endpoint].update(data["answers"].get(endpoint, {}))
+            self.latencies[endpoint] += data["latencies"].get(endpoint, [])
+        self.first_offer_s += data["first_offer_s"]
+
+
+# ------------------------------------------------------------------------------------------- the devices
+def precomputed_update(setup: dict[str, Any]) -> bytes:
+    """Encode one update of the served model's size with the server's upload codec, as a client would send it.
+
+    Args:
+        setup: The server's answer to ``GET /v1/hello`` (its config and the model's parameter count).
+    """
+    config = validate(setup["config"])
+    delta = 1e-6 * torch.randn(int(setup["num_params"]), generator=torch.Generator().manual_seed(0))
+    encoded = pipeline(config.codec.upload).encode(delta, generator=torch.Generator().manual_seed(1))
+    return encoded.payload
+
+
+class Device:
+    """One simulated device: hello, then offer, model download (once per version) and upload, over and over.
+
+    Args:
+        http: The device's own client (one connection: a shared pool of many is scanned on every request).
+        token: The device's bearer token.
+        update: The encoded update it sends for every task.
+        tally: Where its requests are counted.
+    """
+
+    def __init__(self, http: httpx.AsyncClient, token: str, update: bytes, tally: Tally) -> None:
+        """Keep the settings (nothing is sent yet)."""
+        self._http = http
+        self._headers = {"authorization": f"Bearer {token}", "x-flasync-session": secrets.token_urlsafe(12)}
+        self._update = update
+        self._tally = tally
+        self._version = -1
+        self.ended = False
+
+    async def _send(self, endpoint: str, method: str, path: str, **kwargs: Any) -> httpx.Response | None:
+        """Send one request and count it; None when it timed out or failed."""
+        headers = {**self._headers, **kwargs.pop("headers", {})}
+        if endpoint in ENDPOINTS:
+            self._tally.sent[endpoint] += 1
+        began = time.perf_counter()
+        try:
+            response = await self._http.request(method, path, headers=headers, **kwargs)
+        except httpx.TimeoutException:
+            self._tally.timed_out[endpoint] += 1
+            return None
+        except httpx.TransportError:
+            self._tally.failed[endpoint] += 1
+            return None
+        if endpoint in ENDPOINTS:
+            self._tally.answers[endpoint][str(response.status_code)] += 1
+            self._tally.latencies[endpoint].append(time.perf_counter() - began)
+        return response
+
+    async def offer(self, until: float) -> dict[str, Any] | None:
+        """Ask for a task until one is offered (None: none by ``until`` on the performance counter, or the end)."""
+        while time.perf_counter() < until and not self.ended:
+            wait_s = max(0.05, min(_POLL_S, until - time.perf_counter()))  # every poll ends by ``until``
+            response = await self._send("offer", "GET", "/v1/task", params={"wait_s": round(wait_s, 3)})
+            if response is None or response.status_code == 204:
+                continue
+            if response.status_code == 200:
+                offer: dict[str, Any] = response.json()
+                return offer
+            self.ended = response.status_code == 410
+            await asyncio.sleep(float(response.headers.get("retry-after", 0.2)))
+        return None
+
+    async def connect(self, until: float) -> dict[str, Any] | None:
+        """Say hello and wait for the first offer; note the seconds between them (None: no offer by ``until``)."""
+        began = time.perf_counter()
+        hello = await self._send("hello", "GET", "/v1/hello")
+        if hello is None or hello.status_code != 200:
+            return None
+        offer = await self.offer(until)
+        if offer is not None:
+            self._tally.first_offer_s.append(time.perf_counter() - began)
+        return offer
+
+    async def answer(self, offer: dict[str, Any]) -> None:
+        """Download the task's model (unless this device holds that version) and upload the update until answered."""
+        version = int(offer["base_version"])
+        if version != self._version:
+            response = await self._send("model", "GET", f"/v1/models/{version}")
+            if response is None or response.status_code != 200:
+                return
+            self._version = version
+        headers = {
+            "content-type": "application/octet-stream",
+            "x-flasync-report": _REPORT,
+            "x-flasync-incarnation": str(offer.get("incarnation", "")),
+        }
+        path = f"/v1/tasks/{int(offer['task_id'])}/update"
+        while True:
+            response = await self._send("upload", "POST", path, content=self._update, headers=headers)
+            if response is None or response.status_code not in (429, 503):
+                return
+            await asyncio.sleep(float(response.headers.get("retry-after", 1.0)))
+
+    async def work(self, offer: dict[str, Any] | None, until: float) -> None:
+        """Answer tasks until ``until`` on the performance counter (an upload under way is finished)."""
+        while not self.ended and time.perf_counter() < until:
+            if offer is None:
+                offer = await self.offer(until)
+                continue
+            await self.answer(offer)
+            offer = None
+
+
+async def drive(
+    url: str,
+    tokens: list[str],
+    seconds: float,
+    connect_s: float,
+    connected: Callable[[int], Awaitable[None]] | None = None,
+) -> Tally:
+    """Connect one device per token, wait for ``connected`` (told how many have a task), then load for ``seconds``.
+
+    Args:
+        url: The served run's base URL.
+        tokens: One bearer token per device.
+        seconds: How long the devices answer tasks once connected (uploads under way are then finished).
+        connect_s: How long the devices wait for their first task (those without one go on asking during the load).
+        connected: Awaited once every device has its first task (or ``connect_s`` passed); the load starts when it
+            returns.
+
+    Returns:
+        What the devices sent and got back.
+    """
+    tally = Tally()
+    tls = ssl.create_default_context()  # unused over http://, but each client would build its own
+    async with contextlib.AsyncExitStack() as clients:
+        pools = [
+            await clients.enter_async_context(httpx.AsyncClient(base_url=url, timeout=_TIMEOUT_S, verify=tls))
+            for _ in tokens
+        ]
+        update = await asyncio.to_thread(precomputed_update, await _setup(pools[0], tokens[0]))
+        devices = [Device(http, token, update, tally) for http, token in zip(pools, tokens, strict=True)]
+        until = time.perf_counter() + connect_s
+        offers = await asyncio.gather(*(device.connect(until) for device in devices))
+        if connected is not None:
+            await connected(sum(offer is not None for offer in offers))
+        until = time.perf_counter() + seconds
+        await asyncio.gather(*(device.work(offer, until) for device, offer in zip(devices, offers, strict=True)))
+    return tally
+
+
+async def _setup(http: httpx.AsyncClient, token: str) -> dict[str, Any]:
+    """Return the server's answer to ``GET /v1/hello``, asking again while the run has not started (503)."""
+    while True:
+        response = await http.get("/v1/hello", headers={"authorization": f"Bearer {token}"})
+        if response.status_code != 503:
+            response.raise_for_status()
+            setup: dict[str, Any] = response.json()
+            return setup
+        await asyncio.sleep(0.1)
+
+
+def _worker(url: str, tokens_file: str, seconds: float, connect_s: float) -> None:
+    """A load process: drive its devices; say ``connected N``, wait for a line on stdin, load, print the tally."""
+
+    async def connected(count: int) -> None:
+        print(f"connected {count}", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+
+    tokens = Path(tokens_file).read_text().split()
+    tally = asyncio.run(drive(url, tokens, seconds, connect_s, connected))
+    print(json.dumps(tally.to_json()), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ the server
+def _config(folder: Path, devices: int, seconds: float) -> tuple[Path, list[str]]:
+    """Write the served run's config and tokens file; return the config's path and the tokens."""
+    tokens = [secrets.token_urlsafe(24) for _ in range(devices)]
+    (folder / "tokens.txt").write_text("".join(f"{i} {token}\n" for i, token in enumerate(tokens)))
+    config = {
+        "seed": 0,
+        "clock": "wall",
+        "partition": {"kind": "iid"},
+        "population": {"num_clients": devices},
+        "server": {"kind": "fedbuff", "concurrency": devices},
+        "stop": {"max_versions": 10**9, "max_wall_s": 300.0 + 4 * seconds},
+        "eval": {"every_versions": 10**9},
+        "resilience": {"task_timeout_s": 600.0},
+        "tracking": {"uri": f"sqlite:///{folder / 'mlflow.db'}", "log_model": False, "experiment": "remote_load"},
+        "remote": {"enabled": True, "tokens_file": str(folder / "tokens.txt"), "max_waiting": 2 * devices},
+    }
+    path = folder / "remote_load.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path, tokens
+
+
+def server_counters(serve_out: str) -> dict[str, Any] | None:
+    """Read the server's remote line (updates received, requests refused by reason) from its printed summary."""
+    lines = [line for line in serve_out.splitlines() if "updates received" in line and "requests refused" in line]
+    if not lines:
+        return None
+    received = re.search(r"(\d+) updates received", lines[-1])
+    reasons = lines[-1].split("requests refused:", 1)[1].strip()
+    refused = {} if reasons == "none" else {k: int(v) for k, v in (p.rsplit(" ", 1) for p in reasons.split(", "))}
+    return {"updates_received": int(received.group(1)) if received else None, "refused": refused}
+
+
+async def _load(args: argparse.Namespace, url: str, server: psutil.Process, tokens: list[str]) -> dict[str, Any]:
+    """Start the load processes, wait until their devices are connected, measure the load; return the figures."""
+    share = -(-len(tokens) // args.processes)
+    workers = []
+    for i in range(args.processes):
+        part = Path(args.folder) / f"tokens-{i}.txt"
+        part.write_text("\n".join(tokens[i * share : (i + 1) * share]) + "\n")
+        command = [sys.executable, __file__, "--worker", url, str(part), str(args.seconds), str(args.connect_s)]
+        pipe = asyncio.subprocess.PIPE
+        workers.append(await asyncio.create_subprocess_exec(*command, stdin=pipe, stdout=pipe))
+    rss_idle = server.memory_info().rss
+    began = time.perf_counter()
+    counts = [int((await w.stdout.readline()).split()[1]) for w in workers if w.stdout is not None]
+    connect_s = time.perf_counter() - began
+    rss_connected = server.memory_info().rss
+    cpu_before, began = server.cpu_times(), time.perf_counter()
+    for worker in workers:
+        assert worker.stdin is not None
+        worker.stdin.write(b"go\n")
+        await worker.stdin.drain()
+    tally = Tally()
+    for worker in workers:
+        tally.add(json.loads((await worker.communicate())[0]))
+    cpu_after, wall_s = server.cpu_times(), time.perf_counter() - began
+    cpu_s = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
+    updates = tally.updates()
+    accepted = max(updates["accepted"], 1)
+    return {
+        "devices": len(tokens),
+        "connected_with_task": sum(counts),
+        "connect_s": round(connect_s, 3),
+        "first_offer": quantiles_ms(tally.first_offer_s),
+        "wall_s": round(wall_s, 3),
+        "updates_per_s": round(updates["accepted"] / wall_s, 1),
+        "updates": updates,
+        "latency": {e: quantiles_ms(tally.latencies[e]) for e in ENDPOINTS},
+        "answers": {e: dict(sorted(tally.answers[e].items())) for e in ENDPOINTS},
+        "requests_sent": dict(tally.sent),
+        "server_cpu_s": round(cpu_s, 3),
+        "server_cpu_ms_per_update": round(1000 * cpu_s / accepted, 4),
+        "server_rss_idle_bytes": rss_idle,
+        "server_rss_connected_bytes": rss_connected,
+        "server_rss_per_device_bytes": round((rss_connected - rss_idle) / len(tokens)),
+    }
+
+
+async def _measure(args: argparse.Namespace, devices: int) -> dict[str, Any]:
+    """Serve a fresh run, load it with ``devices`` devices, stop it; return the figures with its counters."""
+    with tempfile.TemporaryDirectory(prefix="remote-load-") as folder:
+        args.folder = folder
+        config, tokens = _config(Path(folder), devices, args.seconds)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        profile = args.profile.with_suffix(f".{devices}.prof") if args.profile else None
+        server = start_server(Path(folder), config, port, profile)
+        try:
+            ready_s = await wait_until_served(url, server, 120.0)
+            print(f"\n{devices} devices: server pid {server.pid} running after {ready_s:.1f} s on {url}", flush=True)
+            figures = await _load(args, url, psutil.Process(server.pid), tokens)
+        finally:
+            figures_exit = stop_server(server)
+        figures["server_exit"] = figures_exit
+        figures["server"] = server_counters((Path(folder) / "serve.out").read_text())
+    if profile is not None:
+        figures["profile"] = _profile_top(profile, args.top)
+    return figures
+
+
+_HTTP = ("h11", "uvicorn", "starlette", "httptools", "anyio")
+
+
+def _area(filename: str) -> str:
+    """Name where a profiled function lives: HTTP (h11, uvicorn, Starlette), a flasync package, asyncio, builtins."""
+    if "site-packages/" in filename:
+        package = filename.split("site-packages/", 1)[1].split("/", 1)[0]
+        return "HTTP" if package in _HTTP else package
+    if "/flasync/" in filename:
+        return "flasync." + filename.rsplit("/flasync/", 1)[1].split("/", 1)[0].removesuffix(".py")
+    if "/asyncio/" in filename:
+        return "asyncio"
+    return "builtins" if filename == "~" else "other"
+
+
+def _profile_top(path: Path, top: int) -> dict[str, Any]:
+    """Return the profile's own seconds per area and its ``top`` functions by own time (calls, own and cumulative
+    seconds, where).
+
+    cProfile sees the event loop's thread only, and counts a long poll's wait for a task (``next_task``) and the
+    loop's wait for sockets (``select``/``poll``) as time spent in them.
+    """
+    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    areas: Counter[str] = Counter()
+    for (filename, _, _), (_, _, own_s, _, _) in stats.items():
+        areas[_area(filename)] += own_s
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    functions = [
+        {"function": f"{Path(f).name}:{line}({name})", "calls": nc, "own_s": round(tt, 3), "cumulative_s": round(ct, 3)}
+        for (f, line, name), (_, nc, tt, ct, _) in rows
+    ]
+    return {"areas_own_s": {k: round(v, 3) for k, v in areas.most_common()}, "functions": functions}
+
+
+def _print(figures: dict[str, Any]) -> None:
+    updates, server = figures["updates"], figures["server"] or {}
+    first = figures["first_offer"]
+    print(
+        f"  connect: {figures['connected_with_task']} of {figures['devices']} devices with a task after "
+        f"{figures['connect_s']:.1f} s; hello to first offer p50 {first.get('p50_ms')} ms, p99 {first.get('p99_ms')} "
+        f"ms, max {first.get('max_ms')} ms"
+    )
+    print(
+        f"  load: {updates['accepted']} updates accepted in {figures['wall_s']:.1f} s: {figures['updates_per_s']:.0f}"
+        f" updates/s; server CPU {figures['server_cpu_s']:.1f} s, {figures['server_cpu_ms_per_update']:.3f} ms per"
+        f" update (one core: {1000 / max(figures['server_cpu_ms_per_update'], 1e-9):.0f} updates/s)"
+    )
+    for endpoint in ENDPOINTS:
+        q = figures["latency"][endpoint]
+        answers = ", ".join(f"{code} {count}" for code, count in figures["answers"][endpoint].items())
+        print(
+            f"  {endpoint:<7} n {q['n']:>7}  p50 {q.get('p50_ms', 0):8.2f} ms  p99 {q.get('p99_ms', 0):8.2f} ms"
+            f"  ({answers})"
+        )
+    print(
+        f"  server RSS {figures['server_rss_idle_bytes'] / 2**20:.0f} MiB idle, "
+        f"{figures['server_rss_connected_bytes'] / 2**20:.0f} MiB with every device connected: "
+        f"{figures['server_rss_per_device_bytes'] / 1024:.1f} KiB per device"
+    )
+    total = updates["accepted"] + updates["refused"] + updates["timed_out"] + updates["failed"]
+    print(
+        f"  updates: accepted {updates['accepted']} + refused {updates['refused']} + timed out "
+        f"{updates['timed_out']} + failed {updates['failed']} = {total}, sent {updates['sent']} "
+        f"({'holds' if total == updates['sent'] else 'DOES NOT HOLD'}); the server received "
+        f"{server.get('updates_received')}, refused {server.get('refused')} (exit {figures['server_exit']})"
+    )
+    profile = figures.get("profile")
+    if profile is not None:
+        print(
+            "  server profile (event loop thread), own seconds: "
+            + ", ".join(f"{area} {own_s:.2f}" for area, own_s in profile["areas_own_s"].items())
+        )
+        for row in profile["functions"]:
+            print(
+                f"    {row['own_s']:8.3f} s own {row['cumulative_s']:8.3f} s cum {row['calls']:>9}  {row['function']}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, nargs="+", default=[100, 1000], help="devices of each measurement")
+    parser.add_argument("--seconds", type=float, default=20.0, help="seconds of load once the devices are connected")
+    parser.add_argument("--processes", type=int, default=2, help="load processes the devices are spread over")
+    parser.add_argument("--profile", type=Path, help="run the server under cProfile, writing PATH.<devices>.prof")
+    parser.add_argument("--top", type=int, default=25, help="profile rows printed and stored")
+    parser.add_argument("--out", type=Path, default=_HERE / "results" / "remote_load.json", help="results JSON")
+    parser.add_argument("--connect-s", type=float, default=10.0, help="longest wait of the devices for a first task")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        url, tokens_file, seconds, connect_s = args.worker
+        _worker(url, tokens_file, float(seconds), float(connect_s))
+        return
+    if args.profile is not None:
+        args.profile = args.profile.resolve()
+    described = machine()
+    print(f"{described['cpu']}, {described['cpus']} CPUs, load {described['load_average_1m']}, {described['commit']}")
+    print(f"{args.seconds} s of load; devices in {args.processes} process(es) on 127.0.0.1")
+    runs = {}
+    for devices in args.devices:
+        runs[str(devices)] = figures = asyncio.run(_measure(args, devices))
+        _print(figures)
+    result = {
+        "benchmark": "remote_load",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": described,
+        "settings": {
+            "seconds": args.seconds,
+            "connect_s": args.connect_s,
+            "processes": args.processes,
+            "profiled": args.profile is not None,
+        },
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The load generator of ``benchmarks/remote_load.py`` against a real uvicorn server: every update it sends is
+accounted for, and its counts agree with the server's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from benchmarks.remote_load import drive, server_counters
+from flasync.cli.serve import remote_line
+from flasync.core.errors import RunInterrupted
+from flasync.runtime.federation import Federation
+from flasync.runtime.serve import serve
+from tests.conftest import remote_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_every_update_sent_is_accepted_refused_or_timed_out(tmp_path: Path, tokens: dict[int, str]) -> None:
+    """A handful of devices replaying one update: accepted + refused + timed out + failed = sent, the accepted ones
+    are the server's uploads, and the server's remote line reads back as its counters."""
+    config = remote_config(tmp_path / "tokens.txt", stop={"max_versions": 10**6}, resilience={"task_timeout_s": 60.0})
+    federation = Federation(config)
+    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    served = asyncio.create_task(serve(federation, port=0, on_ready=port.set_result, linger_s=0.1))
+    connected: list[int] = []
+
+    async def note(count: int) -> None:
+        connected.append(count)
+
+    try:
+        tally = await drive(f"http://127.0.0.1:{await port}", list(tokens.values()), 1.0, 2.0, note)
+    finally:
+        federation.request_stop("test over")
+        with contextlib.suppress(RunInterrupted):
+            await served
+    updates = tally.updates()
+    assert updates["sent"] > 0
+    assert updates["accepted"] + updates["refused"] + updates["timed_out"] + updates["failed"] == updates["sent"]
+    assert len(connected) == 1 and 0 < connected[0] <= len(tokens)
+    assert len(tally.first_offer_s) == connected[0]
+    transport = federation.transport
+    assert transport is not None
+    statistics = transport.statistics()
+    assert statistics["uploads"] == updates["accepted"]
+    counters = server_counters(remote_line(statistics))
+    assert counters == {"updates_received": updates["accepted"], "refused": statistics["refused"]}

@@ -1,0 +1,62 @@
+"""The client sampler's draw of an idle online client."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flasync.core.events import ClientId
+from flasync.server.sampler import ClientSampler
+
+
+class _Online:
+    """Availability from a fixed mask."""
+
+    def __init__(self, mask: np.ndarray) -> None:
+        self.mask = mask
+
+    def online(self, client_id: int, t: float) -> bool:
+        return bool(self.mask[client_id])
+
+    def online_mask(self, t: float) -> np.ndarray:
+        return self.mask.copy()
+
+    def next_online(self, t: float) -> float:
+        return t
+
+
+def _one_by_one(busy: set[int], online: _Online, rng: np.random.Generator) -> int | None:
+    """The draw as a loop of single draws: up to 8 n uniform ids, the first idle online one, else one of them."""
+    num_clients = len(online.mask)
+    for _ in range(8 * num_clients):
+        candidate = int(rng.integers(num_clients))
+        if candidate not in busy and online.online(candidate, 0.0):
+            return candidate
+    idle = [c for c in np.flatnonzero(online.mask).tolist() if c not in busy]
+    return idle[int(rng.integers(len(idle)))] if idle else None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_clients=st.integers(1, 300),
+    online_fraction=st.floats(0.0, 1.0),
+    busy_fraction=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sample_idle_draws_as_single_draws_would(
+    num_clients: int, online_fraction: float, busy_fraction: float, seed: int
+) -> None:
+    """Drawing in blocks picks the client, and leaves the generator where, a loop of single draws would."""
+    layout = np.random.default_rng(seed)
+    online = _Online(layout.random(num_clients) < online_fraction)
+    busy = {int(c) for c in np.flatnonzero(layout.random(num_clients) < busy_fraction)}
+    sampler = ClientSampler(np.arange(num_clients), "uniform", np.random.default_rng(seed + 1), availability=online)
+    reference = np.random.default_rng(seed + 1)
+    for _ in range(3):
+        drawn = sampler.sample_idle(busy, 0.0)
+        expected = _one_by_one(busy, online, reference)
+        assert drawn == (None if expected is None else ClientId(expected))
+        assert sampler.rng.bit_generator.state == reference.bit_generator.state
+        if drawn is not None:
+            busy.add(int(drawn))

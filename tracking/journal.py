@@ -54,10 +54,10 @@ if TYPE_CHECKING:
     from flasync.tracking.failover import Failover
 
 __all__ = [
-    "EarlyRecords",
     "JOURNAL_ID",
     "JOURNAL_TAG",
     "SPOOL_ROOT",
+    "EarlyRecords",
     "Recovered",
     "RunJournal",
     "find_journal",

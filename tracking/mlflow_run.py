@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shlex
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType

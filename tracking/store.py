@@ -8,12 +8,11 @@ explicit ``MlflowClient``.
 
 from __future__ import annotations
 
-import shlex
-
 import contextlib
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import sqlite3
 import tempfile

@@ -408,10 +408,10 @@ class RunLifecycle:
             with failover.lock:
                 if not ended:
                     if failover.offline:
+                        # The status first: a store that cannot take the spool's rows (a full disk) may take that.
+                        failover.try_direct(send)
                         failover.try_recover(force=True)
                     failover.deliver(send, lambda spool: spool.status(status, end))
-                    if failover.offline:
-                        failover.try_direct(send)  # the run's status, even where the spool's rows cannot go
                 failover.close()
                 if not lost and not failover.offline:
                     failover.retire_journal()  # the run holds all it kept

@@ -26,11 +26,11 @@ import structlog
 
 from flasync.tracking._artifacts import RunArtifacts, artifact_bytes, yaml_text
 from flasync.tracking._child import IDLE, IdleChild
+from flasync.tracking._early import EarlyRecords
 from flasync.tracking._lifecycle import Experiments, RunLifecycle, RunStatus
 from flasync.tracking._runs import SYSTEM_METRICS_INTERVAL_S
 from flasync.tracking._writers import RunWriters
 from flasync.tracking.failover import Failover, RunIdentity
-from flasync.tracking.journal import EarlyRecords
 from flasync.tracking.metrics import MetricRow
 from flasync.tracking.store import bounded_http, resolve_tracking_uri, ui_command
 from flasync.tracking.writer import MetricWriter

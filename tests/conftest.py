@@ -111,6 +111,17 @@ def seeded_torch() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_user_journals(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Keep the journals and spools of runs made in the test process (a tracked ``flasync.run`` in the checkout's
+    folder) out of the user's ``mlruns/``: the default folder is a temporary one for the session."""
+    from flasync.tracking import journal
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(journal, "SPOOL_ROOT", tmp_path_factory.mktemp("journals") / "mlruns" / "spool")
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _no_user_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Point MLflow's environment default at a temporary store in the tracking tests (``tests/*/tracking/``), never

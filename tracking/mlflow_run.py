@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
+from flasync.tracking import journal
 from flasync.tracking._artifacts import RunArtifacts, artifact_bytes, yaml_text
 from flasync.tracking._child import IDLE, IdleChild
 from flasync.tracking._early import EarlyRecords
@@ -209,7 +210,7 @@ class MlflowTracker:
             MLflow's SQL work does not compete with training for this process's GIL.
         logger: Where warnings go; ``structlog.get_logger("tracking.mlflow")`` when None.
         spool_path: The spool file used if the store fails; a new file under ``spool_root`` when None.
-        spool_root: Folder of default spool files, relative to the current directory now.
+        spool_root: Folder of journals and spools, made absolute now; ``journal.SPOOL_ROOT`` (mlruns/spool) if None.
         retry_interval_s: Least time between two tries to reach a failed store, in seconds.
         http_timeout_s: Connect/read timeout of one request to an HTTP(S) server, in seconds.
         http_retries: Retries of one request to an HTTP(S) server.
@@ -238,7 +239,7 @@ class MlflowTracker:
         writer_process: bool = True,
         logger: Any = None,
         spool_path: str | Path | None = None,
-        spool_root: str | Path = "mlruns/spool",
+        spool_root: str | Path | None = None,
         retry_interval_s: float = 5.0,
         http_timeout_s: int = 10,
         http_retries: int = 1,
@@ -259,7 +260,7 @@ class MlflowTracker:
             experiment_id=experiments.experiment_id,
             retry_interval_s=retry_interval_s,
             spool_path=Path(spool_path).absolute() if spool_path is not None else None,
-            spool_root=Path(spool_root).expanduser().absolute(),
+            spool_root=Path(spool_root or journal.SPOOL_ROOT).expanduser().absolute(),
         )
         self._writers = RunWriters(
             self._run,

@@ -16,6 +16,7 @@ from mlflow.entities import Metric
 from flasync.cli import main
 from flasync.core.owner import owner_tags
 from flasync.tracking import MlflowTracker
+from flasync.tracking import journal as journal_module
 from flasync.tracking._child import close_idle_writer
 from flasync.tracking.journal import JOURNAL_TAG, RunJournal, left_behind, recover
 from flasync.tracking.spool import iter_records, read_header
@@ -137,7 +138,7 @@ def test_resuming_a_run_killed_before_its_first_checkpoint_keeps_its_metrics_and
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     prepare_sqlite_store(uri)
-    journal = _journal(tmp_path / "mlruns" / "spool", uri, tags=_dead_owner())
+    journal = _journal(journal_module.SPOOL_ROOT, uri, tags=_dead_owner())  # where the command looks
     journal.metrics([Metric("server/eval/accuracy", 0.5, 1_700_000_000_001, 0)])
     journal.spool.close()
     assert main(["run", "--resume", journal.id, "--tracking-uri", uri]) == 2

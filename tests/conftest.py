@@ -3,6 +3,7 @@ remote clients' configs and tokens)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import logging
@@ -112,14 +113,15 @@ def seeded_torch() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _no_user_journals(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Keep the journals and spools of runs made in the test process (a tracked ``flasync.run`` in the checkout's
-    folder) out of the user's ``mlruns/``: the default folder is a temporary one for the session."""
-    from flasync.tracking import journal
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(journal, "SPOOL_ROOT", tmp_path_factory.mktemp("journals") / "mlruns" / "spool")
-        yield
+def _no_user_journals() -> Iterator[None]:
+    """Leave no folder behind in the checkout's ``mlruns/``: a tracked run made in the test process writes its journal
+    under the current folder's ``mlruns/spool`` (tests that look at it work in a temporary folder) and removes it when
+    the run ends; an empty folder it made for it goes too."""
+    made = [folder for folder in (ROOT / "mlruns", ROOT / "mlruns" / "spool") if not folder.exists()]
+    yield
+    for folder in reversed(made):
+        with contextlib.suppress(OSError):  # not empty (a journal left behind): kept, for the user to see
+            folder.rmdir()
 
 
 @pytest.fixture(autouse=True)

@@ -16,11 +16,10 @@ from mlflow.entities import Metric
 from flasync.cli import main
 from flasync.core.owner import owner_tags
 from flasync.tracking import MlflowTracker
-from flasync.tracking import journal as journal_module
 from flasync.tracking._child import close_idle_writer
 from flasync.tracking.journal import JOURNAL_TAG, RunJournal, left_behind, recover
 from flasync.tracking.spool import iter_records, read_header
-from flasync.tracking.store import prepare_sqlite_store
+from flasync.tracking.store import ensure_experiment, prepare_sqlite_store
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -114,8 +113,7 @@ def test_resume_by_an_mlflow_run_id_replays_the_journal_its_process_left(tmp_pat
     journal (its tag), whose checkpoint is replayed into that same run."""
     journal = _journal(tmp_path, tracking_uri)
     client = mlflow.MlflowClient(tracking_uri)
-    experiment_id = client.get_experiment_by_name("journaled") or client.create_experiment("journaled")
-    experiment = experiment_id if isinstance(experiment_id, str) else experiment_id.experiment_id
+    experiment = ensure_experiment(client, "journaled", (tmp_path / "artifacts").as_uri())  # not ./mlruns
     run_id = client.create_run(experiment, tags={JOURNAL_TAG: journal.id}).info.run_id
     journal.opened(run_id, tracking_uri)
     journal.artifact(b"state", "checkpoints/a.pt")
@@ -138,7 +136,7 @@ def test_resuming_a_run_killed_before_its_first_checkpoint_keeps_its_metrics_and
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     prepare_sqlite_store(uri)
-    journal = _journal(journal_module.SPOOL_ROOT, uri, tags=_dead_owner())  # where the command looks
+    journal = _journal(tmp_path / "mlruns" / "spool", uri, tags=_dead_owner())
     journal.metrics([Metric("server/eval/accuracy", 0.5, 1_700_000_000_001, 0)])
     journal.spool.close()
     assert main(["run", "--resume", journal.id, "--tracking-uri", uri]) == 2

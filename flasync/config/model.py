@@ -9,7 +9,52 @@ from pydantic import Field, model_validator
 from flasync.config._base import _Section
 
 
-class MLPModel(_Section):
+class LoraAdapter(_Section):
+    """Low-rank adapters (LoRA, Hu et al., ICLR 2022) put on the model with the ``peft`` library.
+
+    Each targeted linear (or convolution) layer ``W`` becomes ``W + (alpha / r) B A`` with ``A`` (``r x in``) drawn
+    at random and ``B`` (``out x r``) zero, so training starts from the model as built. ``W`` is frozen: only the
+    adapters (and the layers ``modules_to_save`` names) train and travel.
+    """
+
+    kind: Literal["lora"] = "lora"
+    r: int = Field(4, ge=1, description="Rank of each adapter.")
+    alpha: float = Field(8.0, gt=0.0, description="LoRA's scale numerator: an adapter adds (alpha / r) B A.")
+    target: tuple[str, ...] = Field(
+        min_length=1,
+        description="Layers that get an adapter, by module name or name suffix (peft's target_modules; "
+        "e.g. 'layers.0' of the MLP).",
+    )
+    modules_to_save: tuple[str, ...] = Field(
+        (), description="Layers trained and exchanged whole beside the adapters (e.g. the classifier head)."
+    )
+
+
+class _ModelSection(_Section):
+    """What every model section shares: which of its tensors train and travel."""
+
+    exchange: tuple[str, ...] | Literal["trainable"] | None = Field(
+        None,
+        description="Partial-model exchange: name patterns (fnmatch, against a parameter's full name, any of its "
+        "dotted parts or a module prefix) of the parameters that train and travel, or 'trainable' for those that "
+        "require grad. The others stay at their initial values. None: every parameter (or, with model.adapter, "
+        "'trainable').",
+    )
+    adapter: LoraAdapter | None = Field(None, description="Put LoRA adapters on the model (None: none).")
+
+    @model_validator(mode="after")
+    def _patterns(self) -> _ModelSection:
+        if isinstance(self.exchange, tuple) and (not self.exchange or any(not p for p in self.exchange)):
+            raise ValueError("exchange needs at least one non-empty name pattern (or 'trainable')")
+        return self
+
+    @property
+    def partial(self) -> bool:
+        """Whether only part of the model trains and travels (``exchange`` or ``adapter`` set)."""
+        return self.exchange is not None or self.adapter is not None
+
+
+class MLPModel(_ModelSection):
     """Fully connected ReLU network."""
 
     kind: Literal["mlp"] = "mlp"
@@ -22,7 +67,7 @@ class MLPModel(_Section):
         return self
 
 
-class SmallCNNModel(_Section):
+class SmallCNNModel(_ModelSection):
     """Two conv layers and a linear head; flat inputs are reshaped to ``(C, H, W)``."""
 
     kind: Literal["cnn"] = "cnn"

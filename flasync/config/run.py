@@ -164,6 +164,8 @@ class RunConfig(_Section):
             self._check_privacy()
         if self.scaffold.enabled:
             self._check_scaffold()
+        if self.model.partial:
+            self._check_partial_model()
         if res.zscore_min_history > res.zscore_window:
             raise _FieldError(
                 ("resilience", "zscore_min_history"),
@@ -229,6 +231,17 @@ class RunConfig(_Section):
             raise _FieldError(where, "needs server.example_weight = 'equal' (sample weights break the noise's bound)")
         if isinstance(self.topology, TreeTopology):
             raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
+
+    def _check_partial_model(self) -> None:
+        # A cohort stacks whole models (each member's every parameter), and a remote device builds its model from
+        # the config without the run's initial weights, which the frozen part of a partial model is.
+        which = "model.adapter" if self.model.adapter is not None else "model.exchange"
+        if self.executor.kind == "vectorized":
+            raise _FieldError(
+                ("executor", "kind"), f"'vectorized' trains whole models; {which} needs 'thread', 'ray' or 'auto'"
+            )
+        if self.remote.enabled:
+            raise _FieldError(("remote", "enabled"), f"cannot be combined with {which} (in-process clients only)")
 
     def _check_scaffold(self) -> None:
         where = ("scaffold", "enabled")

@@ -40,7 +40,7 @@ from flasync.core.events import (
     UpdateUploaded,
 )
 from flasync.core.quantiles import StreamSummary, Thinned
-from flasync.training.local import FlatModel, LocalResult, LocalTraining, train
+from flasync.training.local import FlatModel, LocalResult, LocalTraining, flat_layout, train
 
 __all__ = [
     "Alert",
@@ -73,8 +73,8 @@ class LayerLayout:
 
 def layer_layout(module: nn.Module) -> LayerLayout:
     """Return the layout of ``module``'s parameters (and the total length with floating-point buffers)."""
-    named = list(module.named_parameters())
-    buffers = sum(b.numel() for b in module.buffers() if b.is_floating_point())
+    named, floating = flat_layout(module)
+    buffers = sum(b.numel() for _, b in floating)
     lengths = tuple(p.numel() for _, p in named)
     return LayerLayout(tuple(n for n, _ in named), lengths, sum(lengths) + buffers)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from flasync.config._base import _Section
 
@@ -42,11 +42,14 @@ class _ModelSection(_Section):
     )
     adapter: LoraAdapter | None = Field(None, description="Put LoRA adapters on the model (None: none).")
 
-    @model_validator(mode="after")
-    def _patterns(self) -> _ModelSection:
-        if isinstance(self.exchange, tuple) and (not self.exchange or any(not p for p in self.exchange)):
-            raise ValueError("exchange needs at least one non-empty name pattern (or 'trainable')")
-        return self
+    @field_validator("exchange", mode="before")
+    @classmethod
+    def _pattern_list(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "trainable":
+            raise ValueError("must be a list of name patterns or 'trainable'")
+        if isinstance(value, list | tuple) and (not value or any(not pattern for pattern in value)):
+            raise ValueError("needs at least one non-empty name pattern (or 'trainable')")
+        return value
 
     @property
     def partial(self) -> bool:

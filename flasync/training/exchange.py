@@ -153,7 +153,7 @@ def apply_lora(module: nn.Module, spec: LoraSpec) -> nn.Module:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PartialFactory:
-    """Build copies of a partial model: the user's module, adapted, with the run's initial weights, exchanged part named.
+    """Build copies of a partial model: the user's module, adapted, holding the run's initial weights.
 
     Attributes:
         base: Builds the user's module (its random initial weights are overwritten by ``state``).

@@ -30,6 +30,19 @@ class LoraAdapter(_Section):
     )
 
 
+class PruneConfig(_Section):
+    """Magnitude pruning of the global model on a schedule (a mask over the flat vector, sent with the model)."""
+
+    target_density: float = Field(gt=0.0, lt=1.0, description="Share of the (exchanged) weights kept in the end.")
+    every_versions: int = Field(20, ge=1, description="Versions between two pruning events.")
+    steps: int = Field(
+        1,
+        ge=1,
+        description="Pruning events that bring the density to its target: the i-th keeps "
+        "target_density ** (i / steps); later events choose the mask again at the target.",
+    )
+
+
 class _ModelSection(_Section):
     """What every model section shares: which of its tensors train and travel."""
 
@@ -41,6 +54,11 @@ class _ModelSection(_Section):
         "'trainable').",
     )
     adapter: LoraAdapter | None = Field(None, description="Put LoRA adapters on the model (None: none).")
+    prune: PruneConfig | None = Field(
+        None,
+        description="Prune the global model by magnitude on a schedule; clients train the kept weights only, and "
+        "weights and updates travel sparse (None: no pruning).",
+    )
 
     @field_validator("exchange", mode="before")
     @classmethod

@@ -166,6 +166,8 @@ class RunConfig(_Section):
             self._check_scaffold()
         if self.model.partial:
             self._check_partial_model()
+        if self.model.prune is not None:
+            self._check_pruning()
         if res.zscore_min_history > res.zscore_window:
             raise _FieldError(
                 ("resilience", "zscore_min_history"),
@@ -242,6 +244,21 @@ class RunConfig(_Section):
             )
         if self.remote.enabled:
             raise _FieldError(("remote", "enabled"), f"cannot be combined with {which} (in-process clients only)")
+
+    def _check_pruning(self) -> None:
+        # The mask multiplies each gradient in the threads' training loop: a cohort's step and a Ray actor's take no
+        # mask; SCAFFOLD sends its variate with each model, where the mask goes; a remote device takes no plug-in.
+        where = ("model", "prune")
+        if self.executor.kind in ("vectorized", "ray"):
+            raise _FieldError(where, f"needs executor.kind = 'thread' or 'auto', not {self.executor.kind!r}")
+        if self.scaffold.enabled:
+            raise _FieldError(where, "cannot be combined with scaffold.enabled (both send state with each model)")
+        if self.remote.enabled:
+            raise _FieldError(where, "cannot be combined with remote.enabled (in-process clients only)")
+        if isinstance(self.topology, TreeTopology):
+            raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
+        if any(stage.kind in ("topk", "randomk") for stage in self.codec.upload):
+            raise _FieldError(where, "sends updates sparse itself; drop the codec.upload topk/randomk stage")
 
     def _check_scaffold(self) -> None:
         where = ("scaffold", "enabled")

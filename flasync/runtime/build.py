@@ -31,6 +31,7 @@ from flasync.aggregation.privacy import (
 )
 from flasync.algorithms.error_feedback import ErrorFeedback
 from flasync.algorithms.privacy import CentralPrivacy
+from flasync.algorithms.pruning import PruningClients, PruningServer
 from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
 from flasync.clients.simulated.client import ClientWorld, CohortClients
 from flasync.clients.simulated.faults import FaultModel
@@ -133,7 +134,7 @@ def build_world(
         objective: The loss local training minimises (None: cross-entropy).
         plugins: A caller's own per-client algorithm state, after the run's own.
     """
-    upload_codec = pipeline(config.codec.upload)
+    upload_codec = pipeline(config.codec.upload, sparse=config.model.prune is not None)
     client_plugins = (*_client_plugins(config, prepared, upload_codec, scratch), *plugins)
     samples = _client_samples(config, prepared)
     job = JobContext(
@@ -170,6 +171,7 @@ def build_world(
 
 _TAKEN_NAMES = frozenset(
     {"clock", "residuals", "variates", "controls", "privacy", "version", "weights", "queued", "answered"}
+    | {"prune", "prune_mask"}
     | {"aggregator", "accounting", "sampler", "registry", "intake", "policy"}
 )
 """Names of a checkpoint's entries besides a caller's plug-ins: the server's own state and the run's own plug-ins."""
@@ -198,7 +200,8 @@ def _client_plugins(
     config: RunConfig, prepared: Prepared, upload_codec: Pipeline, scratch: Callable[[], str]
 ) -> tuple[ClientPlugin, ...]:
     """Return the clients' algorithm state: error-feedback residuals (when the upload codec keeps them) and SCAFFOLD's
-    control variates (when it is on), each bounded in memory and spilled to disk."""
+    control variates (when it is on), each bounded in memory and spilled to disk, and the pruning mask's gradient
+    masking (when pruning is on)."""
     plugins: list[ClientPlugin] = []
     num_params = prepared.initial.numel()
     if upload_codec.error_feedback:
@@ -214,6 +217,8 @@ def _client_plugins(
             num_params, max_in_memory=scaffold.max_in_memory, spill_dir=scaffold.spill_dir or scratch()
         )
         plugins.append(ScaffoldClients(store, seed=config.seed, lr=config.client.lr))
+    if config.model.prune is not None:
+        plugins.append(PruningClients())
     return tuple(plugins)
 
 
@@ -490,7 +495,7 @@ def build_server(
         intake=make_intake(server_plugins),
         accounting=accounting,
         sampler=sampler,
-        download_codec=pipeline(config.codec.download),
+        download_codec=pipeline(config.codec.download, sparse=config.model.prune is not None),
         edge_codec=edge_codec,
         evaluate=evaluate,
         rules=_stop_rules(config),
@@ -683,14 +688,21 @@ def _server_aggregator(
 def _server_plugins(
     config: RunConfig, weights: torch.Tensor, num_clients: int, privacy: PrivacyPlan | None, upload_codec: Pipeline
 ) -> tuple[ServerPlugin, ...]:
-    """Return the server's algorithm state: SCAFFOLD's control variate ``c`` and central differential privacy's
-    one-update-per-client rule and accountant (each when it is on)."""
+    """Return the server's algorithm state: SCAFFOLD's control variate ``c``, central differential privacy's
+    one-update-per-client rule and accountant, and the pruning mask (each when it is on)."""
     plugins: list[ServerPlugin] = []
     if config.scaffold.enabled:
         controls = ControlVariate(weights.numel(), num_clients=num_clients, device=weights.device)
         plugins.append(ScaffoldServer(controls, upload_codec))
     if privacy is not None:
         plugins.append(CentralPrivacy(privacy.accountant))
+    prune = config.model.prune
+    if prune is not None:
+        plugins.append(
+            PruningServer(
+                weights, target_density=prune.target_density, every_versions=prune.every_versions, steps=prune.steps
+            )
+        )
     return tuple(plugins)
 
 

@@ -160,13 +160,16 @@ class TrainingDiagnostics:
         train_fn: Callable[..., LocalResult] = train,
         indices: torch.Tensor | None = None,
         correction: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[LocalResult, TaskDiagnosis]:
         """Run ``train_fn`` (:func:`flasync.training.local.train`) and diagnose the result (see the module docstring).
 
-        ``indices``: train on those rows of ``x`` and ``y``; ``correction``: added to every gradient (see
-        :func:`~flasync.training.local.train`).
+        ``indices``: train on those rows of ``x`` and ``y``; ``correction``: added to every gradient; ``mask``:
+        multiplies it (see :func:`~flasync.training.local.train`).
         """
-        extra = {} if correction is None else {"correction": correction}
+        extra: dict[str, torch.Tensor] = {} if correction is None else {"correction": correction}
+        if mask is not None:
+            extra["mask"] = mask
         stats: _GradientStats | None = None
         if self.level == "full" and self._lengths is not None and self._lengths.numel():
             stats = _GradientStats(self._lengths.to(model.grad.device))

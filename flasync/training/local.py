@@ -438,6 +438,7 @@ def train(
     on_backward: Callable[[torch.Tensor], None] | None = None,
     indices: torch.Tensor | None = None,
     correction: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> LocalResult:
     """Train ``model`` from ``base`` on ``(x, y)`` with SGD and return the delta ``base - w_local``.
 
@@ -460,6 +461,9 @@ def train(
             as ``train(..., x[indices], y[indices], ...)``, without that copy (each epoch gathers its batches
             straight from ``x`` and ``y``).
         correction: Added to every step's gradient after clipping (a plug-in's correction; None: nothing).
+        mask: Multiplies every step's gradient last (after the correction, the proximal term and weight decay), so
+            the weights where it is 0 keep their values from ``base`` (a pruning mask; None: nothing). Its bytes
+            count in the peak memory.
 
     Returns:
         The delta, sample count, steps, mean training loss, seconds and peak tensor memory in bytes
@@ -474,17 +478,18 @@ def train(
     if n == 0:
         raise TrainingError("client has no samples")
     _load_for_training(model, base, cfg)
-    totals = _sgd_steps(model, base, x, y, cfg, generator, on_backward, indices, correction)
+    totals = _sgd_steps(model, base, x, y, cfg, generator, on_backward, indices, correction, mask)
     with torch.no_grad():
         delta = base - model.flat
     mean_loss = float(totals.loss_sum) / max(totals.seen, 1)
+    mask_bytes = 0 if mask is None else mask.numel() * mask.element_size()
     return LocalResult(
         delta=delta,
         num_samples=n,
         steps=totals.steps,
         loss=mean_loss,
         train_s=timer() - start,
-        peak_mem_bytes=model.nbytes + totals.batch_bytes + totals.activation_bytes,
+        peak_mem_bytes=model.nbytes + totals.batch_bytes + totals.activation_bytes + mask_bytes,
     )
 
 
@@ -519,6 +524,7 @@ def _sgd_steps(
     on_backward: Callable[[torch.Tensor], None] | None,
     indices: torch.Tensor | None,
     correction: torch.Tensor | None,
+    mask: torch.Tensor | None = None,
 ) -> _StepTotals:
     """Run :func:`train`'s SGD steps on ``model`` (loaded with ``base``); return what they add up."""
     module = model.module
@@ -574,6 +580,8 @@ def _sgd_steps(
             grad.add_(params, alpha=cfg.proximal_mu).sub_(base[: params.numel()], alpha=cfg.proximal_mu)
         if cfg.weight_decay:
             grad.add_(params, alpha=cfg.weight_decay)
+        if mask is not None:
+            grad.mul_(mask)
         if cfg.momentum:
             momentum.mul_(cfg.momentum).add_(grad)
             params.add_(momentum, alpha=-cfg.lr)

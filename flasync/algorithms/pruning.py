@@ -1,19 +1,19 @@
 """Magnitude pruning of the global model on a schedule, as a plug-in: a mask over the flat vector.
 
-Every ``every_versions`` versions the server keeps the ``density`` share of the flat weights of largest magnitude
-and zeroes the rest (global magnitude pruning, Han et al., NeurIPS 2015). The density steps down geometrically to
-its target over ``steps`` pruning events (the ``i``-th keeps ``target ** (i / steps)``), then stays there while the
-mask is chosen again at each event among the weights still kept. The mask goes out with every model (as a bitmap:
-``ceil(n / 8)`` bytes); clients multiply each local gradient by it, so the pruned weights stay exactly zero in their
-models and their updates, and the runtime sends weights and updates in the sparse form
-(:class:`flasync.codecs.NonZero`), whose bytes fall with the density. The server zeroes the pruned weights after
-every step, so a server optimizer's momentum cannot bring them back.
+Every ``every_versions`` versions the server keeps the ``density`` share of each weight tensor's values of largest
+magnitude and zeroes the rest (magnitude pruning, Han et al., NeurIPS 2015, layer by layer as Zhu and Gupta, 2017).
+The density steps down geometrically to its target over ``steps`` pruning events (the ``i``-th keeps
+``target ** (i / steps)``), then stays there while the mask is chosen again at each event among the weights still
+kept. The mask goes out with every model (as a bitmap: ``ceil(n / 8)`` bytes); clients multiply each local gradient
+by it, so the pruned weights stay exactly zero in their models and their updates, and the runtime sends weights and
+updates in the sparse form (:class:`flasync.codecs.NonZero`), whose bytes fall with the density. The server zeroes
+the pruned weights after every step, so a server optimizer's momentum cannot bring them back.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from flasync.core.events import TaskAssigned
 from flasync.core.snapshots import ModelSnapshot
 from flasync.training.plugins import ClientPlugin, Extra, ServerPlugin, TaskPart
 
-__all__ = ["PruningClients", "PruningServer", "density_at", "magnitude_mask"]
+__all__ = ["PruningClients", "PruningServer", "density_at", "layer_mask", "magnitude_mask"]
 
 
 def magnitude_mask(weights: torch.Tensor, density: float, kept: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,6 +52,41 @@ def magnitude_mask(weights: torch.Tensor, density: float, kept: torch.Tensor | N
     return mask
 
 
+def layer_mask(
+    weights: torch.Tensor, density: float, shapes: Sequence[tuple[int, ...]], kept: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Return the 0/1 mask that prunes each weight tensor of the flat vector to ``density`` on its own.
+
+    Each tensor of two or more dimensions (a linear layer's or a convolution's weights) keeps its own
+    ``ceil(density * numel)`` values of largest magnitude (:func:`magnitude_mask`), as Zhu and Gupta (2017) prune
+    every layer to the same sparsity: one global threshold would empty the layers whose initial scale is small and
+    cut the network apart. Biases, normalization parameters and buffers (tensors of fewer dimensions) are kept.
+
+    Args:
+        weights: The flat weights ``(n,)``.
+        density: Share of each weight tensor kept, in ``(0, 1]``.
+        shapes: The shapes of the flat vector's tensors, in order (their sizes add up to ``n``); empty: the whole
+            vector is one tensor.
+        kept: The current mask (None: every weight).
+
+    Raises:
+        ValueError: If the shapes do not add up to the vector's length.
+    """
+    if not shapes:
+        return magnitude_mask(weights, density, kept)
+    sizes = [math.prod(shape) for shape in shapes]
+    if sum(sizes) != weights.numel():
+        raise ValueError(f"tensor shapes of {sum(sizes)} values do not fit {weights.numel()} weights")
+    mask = torch.ones(weights.numel(), dtype=torch.float32, device=weights.device)
+    offset = 0
+    for shape, size in zip(shapes, sizes, strict=True):
+        if len(shape) >= 2 and size:
+            part = slice(offset, offset + size)
+            mask[part] = magnitude_mask(weights[part], density, None if kept is None else kept[part])
+        offset += size
+    return mask
+
+
 def density_at(event: int, *, target: float, steps: int) -> float:
     """Return the density the ``event``-th pruning (from 1) keeps: ``target ** (min(event, steps) / steps)``."""
     return float(target ** (min(event, steps) / steps))
@@ -67,13 +102,24 @@ class PruningServer(ServerPlugin):
         target_density: Share of the weights kept in the end, in ``(0, 1)``.
         every_versions: Versions between two pruning events.
         steps: Pruning events that bring the density to its target.
+        shapes: The shapes of the flat vector's tensors (each weight tensor is pruned on its own, see
+            :func:`layer_mask`; empty: the vector as one).
     """
 
     name = "prune_mask"
 
-    def __init__(self, weights: torch.Tensor, *, target_density: float, every_versions: int, steps: int = 1) -> None:
+    def __init__(
+        self,
+        weights: torch.Tensor,
+        *,
+        target_density: float,
+        every_versions: int,
+        steps: int = 1,
+        shapes: Sequence[tuple[int, ...]] = (),
+    ) -> None:
         """Start with no mask (every weight kept)."""
         self.weights = weights
+        self.shapes = tuple(shapes)
         self.target_density = target_density
         self.every_versions = every_versions
         self.steps = steps
@@ -94,7 +140,7 @@ class PruningServer(ServerPlugin):
         if made % self.every_versions == 0:
             self.events += 1
             density = density_at(self.events, target=self.target_density, steps=self.steps)
-            self.mask = magnitude_mask(self.weights, density, self.mask)
+            self.mask = layer_mask(self.weights, density, self.shapes, self.mask)
             self._pruned_at = made
         if self.mask is not None:
             self.weights.mul_(self.mask)

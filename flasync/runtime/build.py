@@ -443,6 +443,7 @@ def build_server(
     availability: Availability | None = None,
     plugins: Sequence[ServerPlugin] = (),
     remote: Stateful | None = None,
+    shapes: Sequence[tuple[int, ...]] = (),
 ) -> ServerParts:
     """Assemble the cloud of a run: registry, accounting, sampler, intake, aggregator, policy, edges.
 
@@ -461,11 +462,11 @@ def build_server(
         aggregator_factory: Builds the aggregation rule instead of ``config.server`` (which still picks the policy).
         start_task: How a task reaches its client instead of an in-process client coroutine (e.g. a remote
             transport's :meth:`~flasync.clients.remote.transport.RemoteTransport.start_task`).
-        availability: Who can take a task now, instead of the failure model's windows (e.g. the remote transport:
-            the devices connected now).
+        availability: Who can take a task now, instead of the failure model's windows (the remote transport's).
         plugins: A caller's own server-side algorithm state, after the run's own.
-        remote: What a checkpoint keeps of the remote transport (as its component ``remote``: which server
-            process dispatched each task in flight, see :class:`~flasync.clients.remote.transport.Incarnations`).
+        remote: What a checkpoint keeps of the remote transport (as its component ``remote``: which server process
+            dispatched each task in flight, see :class:`~flasync.clients.remote.transport.Incarnations`).
+        shapes: The shapes of the tensors of ``weights``, in order (``model.prune`` prunes each on its own).
     """
     in_flight = clients_in_flight(config, len(population))
     accounting, registry, group, sampler = _make_dispatch(
@@ -478,11 +479,10 @@ def build_server(
         config, tree, registry, make_intake, edge_codec, weights, bus=bus, clock=clock, wall=wall, log=log
     )
     aggregator = _server_aggregator(config, weights, noise, aggregator_factory)
-    server_plugins = (*_server_plugins(config, weights, len(population), privacy, world.job.upload_codec), *plugins)
+    server_plugins = _server_plugins(config, weights, len(population), privacy, world.job.upload_codec, shapes, plugins)
     policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
     if group is not None:
         _group_answers(group, policy, registry, tree)
-    seed = config.seed
     server = Server(
         weights,
         bus=bus,
@@ -500,7 +500,7 @@ def build_server(
         evaluate=evaluate,
         rules=_stop_rules(config),
         inbox_capacity=_inbox_capacity(in_flight, tree),
-        download_generator=lambda version: seeding.torch_stream(seed, seeding.DOWNLOAD_CODEC, version),
+        download_generator=lambda version: seeding.torch_stream(config.seed, seeding.DOWNLOAD_CODEC, version),
         components=_server_components(clock, world, registry, remote),
         plugins=server_plugins,
     )
@@ -686,10 +686,17 @@ def _server_aggregator(
 
 
 def _server_plugins(
-    config: RunConfig, weights: torch.Tensor, num_clients: int, privacy: PrivacyPlan | None, upload_codec: Pipeline
+    config: RunConfig,
+    weights: torch.Tensor,
+    num_clients: int,
+    privacy: PrivacyPlan | None,
+    upload_codec: Pipeline,
+    shapes: Sequence[tuple[int, ...]],
+    extra: Sequence[ServerPlugin],
 ) -> tuple[ServerPlugin, ...]:
     """Return the server's algorithm state: SCAFFOLD's control variate ``c``, central differential privacy's
-    one-update-per-client rule and accountant, and the pruning mask (each when it is on)."""
+    one-update-per-client rule and accountant, and the pruning mask (each when it is on), then ``extra`` (a caller's
+    own)."""
     plugins: list[ServerPlugin] = []
     if config.scaffold.enabled:
         controls = ControlVariate(weights.numel(), num_clients=num_clients, device=weights.device)
@@ -700,10 +707,14 @@ def _server_plugins(
     if prune is not None:
         plugins.append(
             PruningServer(
-                weights, target_density=prune.target_density, every_versions=prune.every_versions, steps=prune.steps
+                weights,
+                target_density=prune.target_density,
+                every_versions=prune.every_versions,
+                steps=prune.steps,
+                shapes=shapes,
             )
         )
-    return tuple(plugins)
+    return (*plugins, *extra)
 
 
 class _ClientState:

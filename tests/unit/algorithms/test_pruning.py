@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flasync.algorithms.pruning import PruningServer, density_at, magnitude_mask
+from flasync.algorithms.pruning import PruningServer, density_at, layer_mask, magnitude_mask
 from flasync.codecs import NonZero, Pipeline, decode
 from flasync.training.local import FlatModel, LocalTraining, train
 from flasync.training.models import MLP
@@ -90,3 +90,16 @@ def test_nonzero_sends_a_pruned_vector_losslessly_in_fewer_bytes(density: float)
     dense = 24 + 4 * vector.numel()
     assert (len(payload) < dense) is (density < 0.8)
     assert len(payload) <= dense
+
+
+def test_each_weight_tensor_is_pruned_on_its_own_and_biases_are_kept() -> None:
+    """A layer of small weights keeps its own share, not none of it; 1-d tensors keep everything."""
+    big = torch.tensor([[4.0, -5.0], [6.0, 1.0]])  # 2 x 2
+    bias = torch.tensor([0.01, 0.02])
+    small = torch.tensor([[0.1, -0.3], [0.2, 0.05]])
+    flat = torch.cat([big.reshape(-1), bias, small.reshape(-1)])
+    mask = layer_mask(flat, 0.5, [(2, 2), (2,), (2, 2)])
+    assert mask.tolist() == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert magnitude_mask(flat, 0.4)[6:].sum() == 0  # one global threshold empties the small layer
+    with pytest.raises(ValueError, match="do not fit"):
+        layer_mask(flat, 0.5, [(2, 2)])

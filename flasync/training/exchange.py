@@ -23,7 +23,7 @@ from torch import nn
 
 from flasync.core.errors import ConfigError
 
-__all__ = ["Exchanged", "LoraSpec", "PartialFactory", "apply_lora", "exchanged_names", "matches"]
+__all__ = ["Exchanged", "LoraSpec", "PartialFactory", "apply_lora", "exchanged_names", "matches", "merge_lora"]
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -149,6 +149,23 @@ def apply_lora(module: nn.Module, spec: LoraSpec) -> nn.Module:
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.adapter: {exc}".splitlines()[0]) from None
     return adapted
+
+
+def merge_lora(module: nn.Module) -> nn.Module:
+    """Return the plain model of a model :func:`apply_lora` adapted, each adapter merged into the layer it adapts.
+
+    peft's ``merge_and_unload``: each targeted weight becomes ``W + (alpha / r) B A`` and the adapters go, so the
+    result is the user's module class again (what the run logs as its model).
+
+    Raises:
+        TypeError: If ``module`` is not a peft model.
+    """
+    from peft import PeftModel
+
+    if not isinstance(module, PeftModel):
+        raise TypeError(f"merge_lora takes a peft model, not {type(module).__name__}")
+    merged: nn.Module = module.merge_and_unload()
+    return merged
 
 
 @dataclass(frozen=True, slots=True, eq=False)

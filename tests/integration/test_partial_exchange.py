@@ -107,6 +107,16 @@ def test_scaffold_and_privacy_run_on_the_exchanged_vector() -> None:
 def test_a_lora_adapter_run_exchanges_the_adapters_and_the_saved_head() -> None:
     """model.adapter sends A, B of each targeted layer and the saved head: (64 + 32) * r + 330 values an upload."""
     adapter = {"kind": "lora", "r": 4, "target": ["layers.0"], "modules_to_save": ["layers.2"]}
-    summary = flasync.run(small_config(model=_model(adapter=adapter)))
+    config = small_config(model=_model(adapter=adapter))
+    tracker = MemoryTracker()
+    summary = flasync.run(config, tracker=tracker)
     assert summary.download_bytes == summary.tasks_dispatched * (HEADER.size + 4 * ((64 + 32) * 4 + HEAD_VALUES))
     assert summary.accuracy > 0.3
+    # The logged model is the plain MLP, the trained adapters merged into the layer they adapt.
+    state = torch.load(io.BytesIO(tracker.artifacts["weights.pt"]), weights_only=True)["state_dict"]
+    assert list(state) == ["layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias"]
+    factory = RunInputs(config).prepare().factory
+    assert isinstance(factory, PartialFactory)
+    initial = factory.state["base_model.model.layers.0.base_layer.weight"]
+    assert not torch.equal(state["layers.0.weight"], initial)
+    assert torch.equal(state["layers.0.bias"], factory.state["base_model.model.layers.0.base_layer.bias"])

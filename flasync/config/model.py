@@ -33,7 +33,12 @@ class LoraAdapter(_Section):
 class PruneConfig(_Section):
     """Magnitude pruning of the global model on a schedule (a mask over the flat vector, sent with the model)."""
 
-    target_density: float = Field(gt=0.0, lt=1.0, description="Share of the (exchanged) weights kept in the end.")
+    target_density: float = Field(
+        gt=0.0,
+        lt=1.0,
+        description="Share of each weight tensor's values kept in the end (tensors of two or more dimensions; "
+        "biases and normalization parameters are kept whole).",
+    )
     every_versions: int = Field(20, ge=1, description="Versions between two pruning events.")
     steps: int = Field(
         1,

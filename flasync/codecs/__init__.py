@@ -71,6 +71,7 @@ __all__ = [
     "Flag",
     "Float16",
     "Int8",
+    "NonZero",
     "Pipeline",
     "RandomK",
     "Stage",
@@ -231,6 +232,20 @@ class RandomK(_Sparsifier):
     """
 
 
+@dataclass(frozen=True, slots=True)
+class NonZero(_Sparsifier):
+    """Send the nonzero values and their indices, or the dense vector where that is smaller: lossless.
+
+    What a pruned model's weights and updates are sent with (``model.prune``): their pruned entries are exact
+    zeros, which the sparse form leaves out. The indices are delta-encoded varints, about one byte each at a
+    density of 1/5, so the sparse form costs about ``5 k`` bytes for ``k`` nonzeros against ``4 n`` dense; where
+    ``5 k >= 4 n`` the payload is the dense one.
+    """
+
+    ratio: float = 1.0
+    error_feedback: bool = False
+
+
 # ------------------------------------------------------------------------------------------------ pipeline
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Encoded:
@@ -276,7 +291,9 @@ class Pipeline:
             if not isinstance(stage, Stage):
                 raise TypeError(f"pipeline stages must be Stage objects, got {stage!r}")
             if not isinstance(stage, _Sparsifier | _ValueEncoder):
-                raise ValueError(f"{stage!r} is not a concrete stage; use TopK, RandomK, Float16, BFloat16 or Int8")
+                raise ValueError(
+                    f"{stage!r} is not a concrete stage; use TopK, RandomK, NonZero, Float16, BFloat16 or Int8"
+                )
         sparsifiers = [i for i, stage in enumerate(stages) if isinstance(stage, _Sparsifier)]
         encoders = [i for i, stage in enumerate(stages) if isinstance(stage, _ValueEncoder)]
         if len(sparsifiers) > 1:
@@ -369,7 +386,12 @@ class Pipeline:
         flags = 0
         indices: _I64 | None = None
         kept = corrected
-        if self._sparsifier is not None:
+        if isinstance(self._sparsifier, NonZero):
+            nonzero = np.flatnonzero(corrected).astype(np.int64)
+            if 5 * nonzero.size < 4 * n:
+                indices, kept = nonzero, corrected[nonzero]
+                flags |= Flag.SPARSE
+        elif self._sparsifier is not None:
             indices = _select(self._sparsifier, corrected, generator)
             kept = corrected[indices]
             if isinstance(self._sparsifier, RandomK) and not self._sparsifier.error_feedback and indices.size:

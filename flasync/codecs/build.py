@@ -10,9 +10,14 @@ from flasync.config import BFloat16Stage, CodecStage, Float16Stage, Int8Stage, R
 __all__ = ["pipeline"]
 
 
-def pipeline(stages: Sequence[CodecStage]) -> codecs.Pipeline:
-    """Build the codec pipeline a config's stages describe."""
-    built: list[codecs.Stage] = []
+def pipeline(stages: Sequence[CodecStage], *, sparse: bool = False) -> codecs.Pipeline:
+    """Build the codec pipeline a config's stages describe.
+
+    Args:
+        stages: The config's stages.
+        sparse: Put a :class:`~flasync.codecs.NonZero` stage first (a pruned model's weights and updates).
+    """
+    built: list[codecs.Stage] = [codecs.NonZero()] if sparse else []
     for stage in stages:
         if isinstance(stage, Float16Stage):
             built.append(codecs.Float16())

@@ -32,7 +32,7 @@ from flasync.config.loading import (
     safe_yaml,
     validate,
 )
-from flasync.config.model import ClientConfig, MLPModel, ModelConfig, SmallCNNModel
+from flasync.config.model import ClientConfig, LoraAdapter, MLPModel, ModelConfig, PruneConfig, SmallCNNModel
 from flasync.config.population import (
     SAMPLING_STRATEGIES,
     AvailabilityConfig,
@@ -107,6 +107,7 @@ __all__ = [
     "IIDPartition",
     "Int8Stage",
     "LogNormalSpeed",
+    "LoraAdapter",
     "MLPModel",
     "ModelConfig",
     "NetworkConfig",
@@ -114,6 +115,7 @@ __all__ = [
     "PolynomialStalenessConfig",
     "PopulationConfig",
     "PrivacyConfig",
+    "PruneConfig",
     "RandomKStage",
     "RayConfig",
     "RemoteConfig",

@@ -2,14 +2,85 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from flasync.config._base import _Section
 
 
-class MLPModel(_Section):
+class LoraAdapter(_Section):
+    """Low-rank adapters (LoRA, Hu et al., ICLR 2022) put on the model with the ``peft`` library.
+
+    Each targeted linear (or convolution) layer ``W`` becomes ``W + (alpha / r) B A`` with ``A`` (``r x in``) drawn
+    at random and ``B`` (``out x r``) zero, so training starts from the model as built. ``W`` is frozen: only the
+    adapters (and the layers ``modules_to_save`` names) train and travel.
+    """
+
+    kind: Literal["lora"] = "lora"
+    r: int = Field(4, ge=1, description="Rank of each adapter.")
+    alpha: float = Field(8.0, gt=0.0, description="LoRA's scale numerator: an adapter adds (alpha / r) B A.")
+    target: tuple[str, ...] = Field(
+        min_length=1,
+        description="Layers that get an adapter, by module name or name suffix (peft's target_modules; "
+        "e.g. 'layers.0' of the MLP).",
+    )
+    modules_to_save: tuple[str, ...] = Field(
+        (), description="Layers trained and exchanged whole beside the adapters (e.g. the classifier head)."
+    )
+
+
+class PruneConfig(_Section):
+    """Magnitude pruning of the global model on a schedule (a mask over the flat vector, sent with the model)."""
+
+    target_density: float = Field(
+        gt=0.0,
+        lt=1.0,
+        description="Share of each weight tensor's values kept in the end (tensors of two or more dimensions; "
+        "biases and normalization parameters are kept whole).",
+    )
+    every_versions: int = Field(20, ge=1, description="Versions between two pruning events.")
+    steps: int = Field(
+        1,
+        ge=1,
+        description="Pruning events that bring the density to its target: the i-th keeps "
+        "target_density ** (i / steps); later events choose the mask again at the target.",
+    )
+
+
+class _ModelSection(_Section):
+    """What every model section shares: which of its tensors train and travel."""
+
+    exchange: tuple[str, ...] | Literal["trainable"] | None = Field(
+        None,
+        description="Partial-model exchange: name patterns (fnmatch, against a parameter's full name, any of its "
+        "dotted parts or a module prefix) of the parameters that train and travel, or 'trainable' for those that "
+        "require grad. The others stay at their initial values. None: every parameter (or, with model.adapter, "
+        "'trainable').",
+    )
+    adapter: LoraAdapter | None = Field(None, description="Put LoRA adapters on the model (None: none).")
+    prune: PruneConfig | None = Field(
+        None,
+        description="Prune the global model by magnitude on a schedule; clients train the kept weights only, and "
+        "weights and updates travel sparse (None: no pruning).",
+    )
+
+    @field_validator("exchange", mode="before")
+    @classmethod
+    def _pattern_list(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "trainable":
+            raise ValueError("must be a list of name patterns or 'trainable'")
+        if isinstance(value, list | tuple) and (not value or any(not pattern for pattern in value)):
+            raise ValueError("needs at least one non-empty name pattern (or 'trainable')")
+        return value
+
+    @property
+    def partial(self) -> bool:
+        """Whether only part of the model trains and travels (``exchange`` or ``adapter`` set)."""
+        return self.exchange is not None or self.adapter is not None
+
+
+class MLPModel(_ModelSection):
     """Fully connected ReLU network."""
 
     kind: Literal["mlp"] = "mlp"
@@ -22,7 +93,7 @@ class MLPModel(_Section):
         return self
 
 
-class SmallCNNModel(_Section):
+class SmallCNNModel(_ModelSection):
     """Two conv layers and a linear head; flat inputs are reshaped to ``(C, H, W)``."""
 
     kind: Literal["cnn"] = "cnn"

@@ -164,6 +164,10 @@ class RunConfig(_Section):
             self._check_privacy()
         if self.scaffold.enabled:
             self._check_scaffold()
+        if self.model.partial:
+            self._check_partial_model()
+        if self.model.prune is not None:
+            self._check_pruning()
         if res.zscore_min_history > res.zscore_window:
             raise _FieldError(
                 ("resilience", "zscore_min_history"),
@@ -229,6 +233,32 @@ class RunConfig(_Section):
             raise _FieldError(where, "needs server.example_weight = 'equal' (sample weights break the noise's bound)")
         if isinstance(self.topology, TreeTopology):
             raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
+
+    def _check_partial_model(self) -> None:
+        # A cohort stacks whole models (each member's every parameter), and a remote device builds its model from
+        # the config without the run's initial weights, which the frozen part of a partial model is.
+        which = "model.adapter" if self.model.adapter is not None else "model.exchange"
+        if self.executor.kind == "vectorized":
+            raise _FieldError(
+                ("executor", "kind"), f"'vectorized' trains whole models; {which} needs 'thread', 'ray' or 'auto'"
+            )
+        if self.remote.enabled:
+            raise _FieldError(("remote", "enabled"), f"cannot be combined with {which} (in-process clients only)")
+
+    def _check_pruning(self) -> None:
+        # The mask multiplies each gradient in the threads' training loop: a cohort's step and a Ray actor's take no
+        # mask; SCAFFOLD sends its variate with each model, where the mask goes; a remote device takes no plug-in.
+        where = ("model", "prune")
+        if self.executor.kind in ("vectorized", "ray"):
+            raise _FieldError(where, f"needs executor.kind = 'thread' or 'auto', not {self.executor.kind!r}")
+        if self.scaffold.enabled:
+            raise _FieldError(where, "cannot be combined with scaffold.enabled (both send state with each model)")
+        if self.remote.enabled:
+            raise _FieldError(where, "cannot be combined with remote.enabled (in-process clients only)")
+        if isinstance(self.topology, TreeTopology):
+            raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
+        if any(stage.kind in ("topk", "randomk") for stage in self.codec.upload):
+            raise _FieldError(where, "sends updates sparse itself; drop the codec.upload topk/randomk stage")
 
     def _check_scaffold(self) -> None:
         where = ("scaffold", "enabled")

@@ -23,6 +23,8 @@ from flasync.runtime.run_profile import profile_artifact
 from flasync.runtime.run_tracking import example, tag_constants
 from flasync.runtime.selection import Best, RunModel, run_models
 from flasync.training.diagnostics import TrainingDiagnostics
+from flasync.training.exchange import Exchanged, merge_lora
+from flasync.training.local import flat_layout
 
 __all__ = ["log_artifacts", "log_stopped_profile"]
 
@@ -101,13 +103,18 @@ def log_artifacts(
 def _module(prepared: Prepared, weights: torch.Tensor) -> torch.nn.Module:
     """Return the run's model with the flat ``weights`` loaded."""
     module = prepared.factory()
+    layout = flat_layout(module)
     offset = 0
     with torch.no_grad():
-        for tensor in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
+        for tensor in [*(p for _, p in layout.parameters), *(b for _, b in layout.buffers)]:
             n = tensor.numel()
             tensor.copy_(weights[offset : offset + n].view_as(tensor))
             offset += n
-    return module
+    if not isinstance(module, Exchanged):
+        return module
+    # A partial model's state dict is the user's model's (the frozen part at its initial values, the rest trained),
+    # with LoRA adapters merged into the layers they adapt.
+    return merge_lora(module.model) if prepared.config.model.adapter is not None else module.model
 
 
 def _start_models(

@@ -31,6 +31,7 @@ from flasync.aggregation.privacy import (
 )
 from flasync.algorithms.error_feedback import ErrorFeedback
 from flasync.algorithms.privacy import CentralPrivacy
+from flasync.algorithms.pruning import PruningClients, PruningServer
 from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
 from flasync.clients.simulated.client import ClientWorld, CohortClients
 from flasync.clients.simulated.faults import FaultModel
@@ -133,7 +134,7 @@ def build_world(
         objective: The loss local training minimises (None: cross-entropy).
         plugins: A caller's own per-client algorithm state, after the run's own.
     """
-    upload_codec = pipeline(config.codec.upload)
+    upload_codec = pipeline(config.codec.upload, sparse=config.model.prune is not None)
     client_plugins = (*_client_plugins(config, prepared, upload_codec, scratch), *plugins)
     samples = _client_samples(config, prepared)
     job = JobContext(
@@ -170,6 +171,7 @@ def build_world(
 
 _TAKEN_NAMES = frozenset(
     {"clock", "residuals", "variates", "controls", "privacy", "version", "weights", "queued", "answered"}
+    | {"prune", "prune_mask"}
     | {"aggregator", "accounting", "sampler", "registry", "intake", "policy"}
 )
 """Names of a checkpoint's entries besides a caller's plug-ins: the server's own state and the run's own plug-ins."""
@@ -198,7 +200,8 @@ def _client_plugins(
     config: RunConfig, prepared: Prepared, upload_codec: Pipeline, scratch: Callable[[], str]
 ) -> tuple[ClientPlugin, ...]:
     """Return the clients' algorithm state: error-feedback residuals (when the upload codec keeps them) and SCAFFOLD's
-    control variates (when it is on), each bounded in memory and spilled to disk."""
+    control variates (when it is on), each bounded in memory and spilled to disk, and the pruning mask's gradient
+    masking (when pruning is on)."""
     plugins: list[ClientPlugin] = []
     num_params = prepared.initial.numel()
     if upload_codec.error_feedback:
@@ -214,6 +217,8 @@ def _client_plugins(
             num_params, max_in_memory=scaffold.max_in_memory, spill_dir=scaffold.spill_dir or scratch()
         )
         plugins.append(ScaffoldClients(store, seed=config.seed, lr=config.client.lr))
+    if config.model.prune is not None:
+        plugins.append(PruningClients())
     return tuple(plugins)
 
 
@@ -438,6 +443,7 @@ def build_server(
     availability: Availability | None = None,
     plugins: Sequence[ServerPlugin] = (),
     remote: Stateful | None = None,
+    shapes: Sequence[tuple[int, ...]] = (),
 ) -> ServerParts:
     """Assemble the cloud of a run: registry, accounting, sampler, intake, aggregator, policy, edges.
 
@@ -456,11 +462,11 @@ def build_server(
         aggregator_factory: Builds the aggregation rule instead of ``config.server`` (which still picks the policy).
         start_task: How a task reaches its client instead of an in-process client coroutine (e.g. a remote
             transport's :meth:`~flasync.clients.remote.transport.RemoteTransport.start_task`).
-        availability: Who can take a task now, instead of the failure model's windows (e.g. the remote transport:
-            the devices connected now).
+        availability: Who can take a task now, instead of the failure model's windows (the remote transport's).
         plugins: A caller's own server-side algorithm state, after the run's own.
-        remote: What a checkpoint keeps of the remote transport (as its component ``remote``: which server
-            process dispatched each task in flight, see :class:`~flasync.clients.remote.transport.Incarnations`).
+        remote: What a checkpoint keeps of the remote transport (as its component ``remote``: which server process
+            dispatched each task in flight, see :class:`~flasync.clients.remote.transport.Incarnations`).
+        shapes: The shapes of the tensors of ``weights``, in order (``model.prune`` prunes each on its own).
     """
     in_flight = clients_in_flight(config, len(population))
     accounting, registry, group, sampler = _make_dispatch(
@@ -473,11 +479,10 @@ def build_server(
         config, tree, registry, make_intake, edge_codec, weights, bus=bus, clock=clock, wall=wall, log=log
     )
     aggregator = _server_aggregator(config, weights, noise, aggregator_factory)
-    server_plugins = (*_server_plugins(config, weights, len(population), privacy, world.job.upload_codec), *plugins)
+    server_plugins = _server_plugins(config, weights, len(population), privacy, world.job.upload_codec, shapes, plugins)
     policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
     if group is not None:
         _group_answers(group, policy, registry, tree)
-    seed = config.seed
     server = Server(
         weights,
         bus=bus,
@@ -490,12 +495,12 @@ def build_server(
         intake=make_intake(server_plugins),
         accounting=accounting,
         sampler=sampler,
-        download_codec=pipeline(config.codec.download),
+        download_codec=pipeline(config.codec.download, sparse=config.model.prune is not None),
         edge_codec=edge_codec,
         evaluate=evaluate,
         rules=_stop_rules(config),
         inbox_capacity=_inbox_capacity(in_flight, tree),
-        download_generator=lambda version: seeding.torch_stream(seed, seeding.DOWNLOAD_CODEC, version),
+        download_generator=lambda version: seeding.torch_stream(config.seed, seeding.DOWNLOAD_CODEC, version),
         components=_server_components(clock, world, registry, remote),
         plugins=server_plugins,
     )
@@ -681,17 +686,35 @@ def _server_aggregator(
 
 
 def _server_plugins(
-    config: RunConfig, weights: torch.Tensor, num_clients: int, privacy: PrivacyPlan | None, upload_codec: Pipeline
+    config: RunConfig,
+    weights: torch.Tensor,
+    num_clients: int,
+    privacy: PrivacyPlan | None,
+    upload_codec: Pipeline,
+    shapes: Sequence[tuple[int, ...]],
+    extra: Sequence[ServerPlugin],
 ) -> tuple[ServerPlugin, ...]:
-    """Return the server's algorithm state: SCAFFOLD's control variate ``c`` and central differential privacy's
-    one-update-per-client rule and accountant (each when it is on)."""
+    """Return the server's algorithm state: SCAFFOLD's control variate ``c``, central differential privacy's
+    one-update-per-client rule and accountant, and the pruning mask (each when it is on), then ``extra`` (a caller's
+    own)."""
     plugins: list[ServerPlugin] = []
     if config.scaffold.enabled:
         controls = ControlVariate(weights.numel(), num_clients=num_clients, device=weights.device)
         plugins.append(ScaffoldServer(controls, upload_codec))
     if privacy is not None:
         plugins.append(CentralPrivacy(privacy.accountant))
-    return tuple(plugins)
+    prune = config.model.prune
+    if prune is not None:
+        plugins.append(
+            PruningServer(
+                weights,
+                target_density=prune.target_density,
+                every_versions=prune.every_versions,
+                steps=prune.steps,
+                shapes=shapes,
+            )
+        )
+    return (*plugins, *extra)
 
 
 class _ClientState:

@@ -38,8 +38,9 @@ from flasync.data import (
     prepare,
 )
 from flasync.server.topology import Tree, build_tree
+from flasync.training.exchange import Exchanged, LoraSpec, PartialFactory, apply_lora, exchanged_names
 from flasync.training.executors.threads import resolve_device
-from flasync.training.local import flat_parameters
+from flasync.training.local import flat_layout, flat_parameters
 from flasync.training.models import MLP, SmallCNN
 
 __all__ = [
@@ -77,6 +78,8 @@ class Prepared:
     model_spec: tuple[str, dict[str, Any]] | None = None
     """The model as :func:`flasync.training.models.build` rebuilds it (class name, arguments); None for a caller's
     factory."""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """The shapes of the tensors of ``initial``, in order (:func:`flasync.training.local.flat_layout`)."""
 
 
 class RunInputs:
@@ -164,13 +167,29 @@ class RunInputs:
             "channels": list(model.channels),
         }
 
-    def _initial_weights(self, factory: ModelFactory, sample: ArrayData) -> torch.Tensor:
+    def _initial_weights(
+        self, factory: ModelFactory, sample: ArrayData
+    ) -> tuple[ModelFactory, torch.Tensor, tuple[tuple[int, ...], ...]]:
+        """Build the run's initial model; return the factory of its copies, its flat weights and their shapes.
+
+        With a partial exchange (``model.exchange``, ``model.adapter``) the factory is a
+        :class:`~flasync.training.exchange.PartialFactory` holding these initial weights, and the flat weights are
+        the exchanged part's.
+        """
         seed = seeding.stream_seed(self.config.seed, seeding.MODEL_INIT)
+        spec = self.config.model
+        adapter = None
+        if spec.adapter is not None:
+            adapter = LoraSpec(spec.adapter.r, spec.adapter.alpha, spec.adapter.target, spec.adapter.modules_to_save)
         try:
             # The factory's initialisers draw from torch's default generator: seed it for this call only.
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 module = factory()
+                if adapter is not None and isinstance(module, nn.Module):
+                    module = apply_lora(module, adapter)  # its A matrices draw from the same seeded stream
+        except ConfigError:
+            raise
         except Exception as exc:
             raise ConfigError(f"model factory failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(module, nn.Module):
@@ -186,7 +205,13 @@ class RunInputs:
             raise ConfigError(
                 f"model outputs shape {tuple(out.shape)} for 2 samples, expected (2, {sample.num_classes}) logits"
             )
-        return flat_parameters(module)
+        if not spec.partial:
+            return factory, flat_parameters(module), _shapes(module)
+        names = exchanged_names(module, spec.exchange if spec.exchange is not None else "trainable")
+        state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+        partial = PartialFactory(factory, names, state, adapter)
+        exchanged = Exchanged(module, names)
+        return partial, flat_parameters(exchanged), _shapes(exchanged)
 
     def _device(self) -> torch.device:
         executor = self.config.executor
@@ -226,8 +251,7 @@ class RunInputs:
         else:
             partition = loaded.partition if loaded.partition is not None else prepare.partition(self.config, train)
             sizes = partition.sizes
-        factory = self._factory(train)
-        initial = self._initial_weights(factory, train)
+        factory, initial, shapes = self._initial_weights(self._factory(train), train)
         tree = self._tree()
         privacy = plan_privacy(self.config, len(sizes)) if self.config.privacy.enabled else None
         return Prepared(
@@ -243,7 +267,8 @@ class RunInputs:
             self.config,
             loaded.files_sha256,
             privacy,
-            self._model_spec(train),
+            None if self.config.model.partial else self._model_spec(train),
+            shapes,
         )
 
     def _tree(self) -> Tree | None:
@@ -259,6 +284,12 @@ class RunInputs:
             if values.shape != (n,):
                 raise ConfigError(f"client_attributes[{name!r}]: {values.size} values for {n} clients")
         return build_tree(cfg.topology, n, attributes)
+
+
+def _shapes(module: nn.Module) -> tuple[tuple[int, ...], ...]:
+    """Return the shapes of the tensors of ``module``'s flat vector, in order."""
+    layout = flat_layout(module)
+    return tuple(tuple(t.shape) for _, t in [*layout.parameters, *layout.buffers])
 
 
 def plan_privacy(config: RunConfig, num_clients: int) -> PrivacyPlan:

@@ -250,6 +250,7 @@ class Simulation:
             availability=self._transport,
             remote=self._transport.incarnations if self._transport is not None else None,
             plugins=[plugin for plugin in self._plugins if isinstance(plugin, ServerPlugin)],
+            shapes=prepared.shapes,
         )
         if self._transport is not None:
             self._transport.attach(

@@ -196,6 +196,8 @@ def choose_executor(
         why = f"{server.kind} with {server.concurrency} clients in flight{where}: cohorts of those sent together"
     if config.client.checkpoint_segments:
         return "thread", "gradient checkpointing trains one client at a time"
+    if config.model.prune is not None:
+        return "thread", "model.prune masks each client's gradients, which a cohort's step does not"
     reason = unsupported_reason(model)
     if reason is not None:
         return "thread", reason

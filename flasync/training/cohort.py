@@ -39,6 +39,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from flasync.core.errors import TrainingError
+from flasync.training.exchange import Exchanged
 from flasync.training.local import (
     FlatModel,
     LocalObjective,
@@ -65,6 +66,8 @@ def unsupported_reason(module: nn.Module) -> str | None:
 
     A ``None`` is not a promise: a layer ``vmap`` has no batching rule for is found by the first vectorized step.
     """
+    if isinstance(module, Exchanged):
+        return "only part of the model trains (model.exchange): a cohort stacks whole models"
     for name, sub in module.named_modules():
         if isinstance(sub, _RANDOM_LAYERS) and sub.p > 0:
             return f"layer {name or type(sub).__name__} ({type(sub).__name__}) draws random numbers in training"

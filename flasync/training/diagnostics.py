@@ -40,7 +40,7 @@ from flasync.core.events import (
     UpdateUploaded,
 )
 from flasync.core.quantiles import StreamSummary, Thinned
-from flasync.training.local import FlatModel, LocalResult, LocalTraining, train
+from flasync.training.local import FlatModel, LocalResult, LocalTraining, flat_layout, train
 
 __all__ = [
     "Alert",
@@ -73,8 +73,8 @@ class LayerLayout:
 
 def layer_layout(module: nn.Module) -> LayerLayout:
     """Return the layout of ``module``'s parameters (and the total length with floating-point buffers)."""
-    named = list(module.named_parameters())
-    buffers = sum(b.numel() for b in module.buffers() if b.is_floating_point())
+    named, floating = flat_layout(module)
+    buffers = sum(b.numel() for _, b in floating)
     lengths = tuple(p.numel() for _, p in named)
     return LayerLayout(tuple(n for n, _ in named), lengths, sum(lengths) + buffers)
 
@@ -160,13 +160,16 @@ class TrainingDiagnostics:
         train_fn: Callable[..., LocalResult] = train,
         indices: torch.Tensor | None = None,
         correction: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[LocalResult, TaskDiagnosis]:
         """Run ``train_fn`` (:func:`flasync.training.local.train`) and diagnose the result (see the module docstring).
 
-        ``indices``: train on those rows of ``x`` and ``y``; ``correction``: added to every gradient (see
-        :func:`~flasync.training.local.train`).
+        ``indices``: train on those rows of ``x`` and ``y``; ``correction``: added to every gradient; ``mask``:
+        multiplies it (see :func:`~flasync.training.local.train`).
         """
-        extra = {} if correction is None else {"correction": correction}
+        extra: dict[str, torch.Tensor] = {} if correction is None else {"correction": correction}
+        if mask is not None:
+            extra["mask"] = mask
         stats: _GradientStats | None = None
         if self.level == "full" and self._lengths is not None and self._lengths.numel():
             stats = _GradientStats(self._lengths.to(model.grad.device))

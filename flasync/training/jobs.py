@@ -35,6 +35,7 @@ __all__ = [
     "finish_cohort",
     "finish_job",
     "injected_fault",
+    "mask_of",
     "train_job",
 ]
 
@@ -145,6 +146,7 @@ def train_job(
         rows = None
     diagnostics = ctx.diagnostics or _NO_DIAGNOSTICS
     correction = correction_of(parts)
+    mask = mask_of(parts)
     result, diagnosis = diagnostics.train(
         model,
         base,
@@ -156,6 +158,7 @@ def train_job(
         train_fn=train,  # looked up here, so that tests can replace flasync.training.jobs.train
         indices=rows,
         correction=None if correction is None else correction.to(device),
+        mask=None if mask is None else mask.to(device),
     )
     return finish_job(ctx, client_id, result, codec_generator, diagnosis, attack, parts)
 
@@ -211,6 +214,14 @@ def correction_of(parts: tuple[TaskPart, ...]) -> torch.Tensor | None:
     for part in parts:
         if part.correction is not None:
             return part.correction
+    return None
+
+
+def mask_of(parts: tuple[TaskPart, ...]) -> torch.Tensor | None:
+    """Return the gradient mask a task's plug-in parts give (None: none)."""
+    for part in parts:
+        if part.mask is not None:
+            return part.mask
     return None
 
 

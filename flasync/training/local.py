@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from flasync.core.errors import TrainingError
+from flasync.training.exchange import Exchanged
 
 __all__ = [
     "EvalResult",
@@ -34,6 +35,7 @@ __all__ = [
     "after_default_stream",
     "autocast",
     "evaluate",
+    "flat_layout",
     "flat_parameters",
     "objective_name",
     "set_checkpointing",
@@ -41,10 +43,39 @@ __all__ = [
 ]
 
 
+class FlatLayout(NamedTuple):
+    """The tensors of a module that make up its flat vector, in order: parameters, then floating-point buffers."""
+
+    parameters: list[tuple[str, nn.Parameter]]
+    buffers: list[tuple[str, torch.Tensor]]
+
+
+def flat_layout(module: nn.Module) -> FlatLayout:
+    """Return the named tensors of ``module``'s flat vector.
+
+    For an :class:`~flasync.training.exchange.Exchanged` model they are its exchanged parameters (named as in the
+    wrapped model) and the wrapped model's floating-point buffers; for any other module, all its parameters and
+    floating-point buffers, in module order.
+    """
+    if isinstance(module, Exchanged):
+        inner = module.model
+        return FlatLayout(
+            module.exchanged_parameters(), [(n, b) for n, b in inner.named_buffers() if b.is_floating_point()]
+        )
+    return FlatLayout(
+        list(module.named_parameters()), [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+    )
+
+
 def flat_parameters(module: nn.Module) -> torch.Tensor:
-    """Return a new flat float32 vector of ``module``'s parameters followed by its floating-point buffers."""
-    tensors = [p.detach().reshape(-1) for p in module.parameters()]
-    tensors += [b.detach().reshape(-1) for b in module.buffers() if b.is_floating_point()]
+    """Return a new flat float32 vector of ``module``'s parameters followed by its floating-point buffers.
+
+    For an :class:`~flasync.training.exchange.Exchanged` model, the exchanged parameters only (see
+    :func:`flat_layout`).
+    """
+    layout = flat_layout(module)
+    tensors = [p.detach().reshape(-1) for _, p in layout.parameters]
+    tensors += [b.detach().reshape(-1) for _, b in layout.buffers]
     return torch.cat(tensors).to(torch.float32) if tensors else torch.zeros(0)
 
 
@@ -52,13 +83,16 @@ class FlatModel:
     """A module whose state lives in one flat vector (``flat``) and whose gradients live in another (``grad``).
 
     Layout: parameters first (``flat[:num_trainable]``, in ``module.parameters()`` order), then floating-point
-    buffers (e.g. BatchNorm statistics), which are averaged like weights but not trained by gradient.
+    buffers (e.g. BatchNorm statistics), which are averaged like weights but not trained by gradient. An
+    :class:`~flasync.training.exchange.Exchanged` model's flat vector holds its exchanged parameters only (then its
+    buffers); its frozen parameters keep their own storage, and no gradient.
     """
 
     def __init__(self, module: nn.Module) -> None:
         """Re-point ``module``'s parameters, buffers and gradients at flat storage (in place)."""
-        params = list(module.parameters())
-        buffers = [b for b in module.buffers() if b.is_floating_point()]
+        layout = flat_layout(module)
+        params = [p for _, p in layout.parameters]
+        buffers = [b for _, b in layout.buffers]
         if any(p.dtype != torch.float32 for p in params) or any(b.dtype != torch.float32 for b in buffers):
             raise TrainingError("flasync trains float32 models; cast the model factory's output with .float()")
         self.module = module
@@ -404,6 +438,7 @@ def train(
     on_backward: Callable[[torch.Tensor], None] | None = None,
     indices: torch.Tensor | None = None,
     correction: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> LocalResult:
     """Train ``model`` from ``base`` on ``(x, y)`` with SGD and return the delta ``base - w_local``.
 
@@ -426,6 +461,9 @@ def train(
             as ``train(..., x[indices], y[indices], ...)``, without that copy (each epoch gathers its batches
             straight from ``x`` and ``y``).
         correction: Added to every step's gradient after clipping (a plug-in's correction; None: nothing).
+        mask: Multiplies every step's gradient last (after the correction, the proximal term and weight decay), so
+            the weights where it is 0 keep their values from ``base`` (a pruning mask; None: nothing). Its bytes
+            count in the peak memory.
 
     Returns:
         The delta, sample count, steps, mean training loss, seconds and peak tensor memory in bytes
@@ -440,17 +478,18 @@ def train(
     if n == 0:
         raise TrainingError("client has no samples")
     _load_for_training(model, base, cfg)
-    totals = _sgd_steps(model, base, x, y, cfg, generator, on_backward, indices, correction)
+    totals = _sgd_steps(model, base, x, y, cfg, generator, on_backward, indices, correction, mask)
     with torch.no_grad():
         delta = base - model.flat
     mean_loss = float(totals.loss_sum) / max(totals.seen, 1)
+    mask_bytes = 0 if mask is None else mask.numel() * mask.element_size()
     return LocalResult(
         delta=delta,
         num_samples=n,
         steps=totals.steps,
         loss=mean_loss,
         train_s=timer() - start,
-        peak_mem_bytes=model.nbytes + totals.batch_bytes + totals.activation_bytes,
+        peak_mem_bytes=model.nbytes + totals.batch_bytes + totals.activation_bytes + mask_bytes,
     )
 
 
@@ -485,6 +524,7 @@ def _sgd_steps(
     on_backward: Callable[[torch.Tensor], None] | None,
     indices: torch.Tensor | None,
     correction: torch.Tensor | None,
+    mask: torch.Tensor | None = None,
 ) -> _StepTotals:
     """Run :func:`train`'s SGD steps on ``model`` (loaded with ``base``); return what they add up."""
     module = model.module
@@ -540,6 +580,8 @@ def _sgd_steps(
             grad.add_(params, alpha=cfg.proximal_mu).sub_(base[: params.numel()], alpha=cfg.proximal_mu)
         if cfg.weight_decay:
             grad.add_(params, alpha=cfg.weight_decay)
+        if mask is not None:
+            grad.mul_(mask)
         if cfg.momentum:
             momentum.mul_(cfg.momentum).add_(grad)
             params.add_(momentum, alpha=-cfg.lr)

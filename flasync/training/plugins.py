@@ -5,7 +5,8 @@ client coroutine, the training job, the intake and the server loop call the hook
 fixed points of an update's path, and know nothing of which algorithms are on:
 
     client, event loop   a task is placed ....... ClientPlugin.task(task, model) -> TaskPart | None
-    worker thread        local training ......... TaskPart.correction, added to every local gradient
+    worker thread        local training ......... TaskPart.correction, added to every local gradient, and
+                                                  TaskPart.mask, multiplying it (only those weights train)
                          encoding the delta ..... TaskPart.residual(), carried into the upload codec
                          after encoding ......... TaskPart.finish(delta, result, encoded, codec) -> Finished
     client, event loop   training ended ......... TaskPart.keep(finished)   (in virtual time: an abandoned task
@@ -22,7 +23,8 @@ fixed points of an update's path, and know nothing of which algorithms are on:
 
 Error feedback, SCAFFOLD and central differential privacy are plug-ins (:mod:`flasync.algorithms`). At most one
 plug-in of a run sends an extra beside each delta (``UpdateUploaded.extra``) and one with each model
-(``ModelSnapshot.extra``), and at most one gives a gradient correction and one an error-feedback residual.
+(``ModelSnapshot.extra``), and at most one gives a gradient correction, one a gradient mask and one an
+error-feedback residual.
 """
 
 from __future__ import annotations
@@ -61,9 +63,12 @@ class TaskPart:
 
     Attributes:
         correction: Added to every local gradient (None: nothing).
+        mask: Multiplies every local gradient, after the correction, the proximal term and weight decay: the weights
+            where it is 0 do not train (a pruning mask of 0s and 1s; None: nothing).
     """
 
     correction: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
     def residual(self) -> torch.Tensor | None:
         """Return the error-feedback residual the upload codec adds to the delta (worker thread; None: none)."""

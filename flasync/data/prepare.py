@@ -15,8 +15,11 @@ from flasync.config import (
     ByColumnPartition,
     DigitsData,
     DirichletPartition,
+    FeatureSkewPartition,
     FilesData,
     IIDPartition,
+    LabelQuantityPartition,
+    QuantityPartition,
     RunConfig,
     ShardsPartition,
     SyntheticData,
@@ -38,6 +41,7 @@ from flasync.data import (
     train_test_split,
 )
 from flasync.data.files import load_files
+from flasync.data.skew import partition_label_quantity, partition_quantity, skew_features
 
 __all__ = ["Loaded", "lazy_clients", "load", "partition"]
 
@@ -68,8 +72,16 @@ def load(
         DataError: If the files cannot be read or leave no held-out sample.
     """
     if dataset is None and isinstance(config.data, FilesData):
-        return _load_files(config, config.data)
-    return Loaded(*_load_arrays(config, dataset, test_dataset))
+        loaded = _load_files(config, config.data)
+    else:
+        loaded = Loaded(*_load_arrays(config, dataset, test_dataset))
+    part = config.partition
+    if isinstance(part, FeatureSkewPartition):
+        # The split depends on the sample count and the seed only: the one partition() returns later.
+        owned = partition(config, loaded.train)
+        train = skew_features(loaded.train, owned, noise=part.noise, rotations=part.rotations, seed=config.seed)
+        return Loaded(train, loaded.test, loaded.partition, loaded.files_sha256)
+    return loaded
 
 
 def _load_arrays(
@@ -171,9 +183,23 @@ def partition(cfg: RunConfig, train: ArrayData) -> Partition:
         partition = partition_iid(len(train), n, rng=rng)
     elif isinstance(part, DirichletPartition):
         partition = partition_dirichlet(train.y.numpy(), n, alpha=part.alpha, rng=rng, min_samples=part.min_samples)
-    else:
-        assert isinstance(part, ShardsPartition)
+    elif isinstance(part, ShardsPartition):
         partition = partition_shards(train.y.numpy(), n, shards_per_client=part.shards_per_client, rng=rng)
+    elif isinstance(part, LabelQuantityPartition):
+        partition = partition_label_quantity(train.y.numpy(), n, labels_per_client=part.labels_per_client, rng=rng)
+    elif isinstance(part, QuantityPartition):
+        partition = partition_quantity(
+            len(train),
+            n,
+            distribution=part.distribution,
+            sigma=1.0 if part.sigma is None else part.sigma,
+            exponent=2.0 if part.exponent is None else part.exponent,
+            min_samples=part.min_samples,
+            rng=rng,
+        )
+    else:
+        assert isinstance(part, FeatureSkewPartition)
+        partition = partition_iid(len(train), n, rng=rng)
     empty = np.flatnonzero(partition.sizes == 0)
     if len(empty):
         raise DataError(f"partition leaves {len(empty)} client(s) with 0 samples (first: client {empty[0]})")

@@ -137,7 +137,7 @@ def _log_description(config: RunConfig, description: PartitionDescription, args:
     run = client.create_run(
         experiment, run_name=f"describe {config.partition.kind}", tags={"flasync.command": "data describe"}
     )
-    run_id = run.info.run_id
+    run_id: str = run.info.run_id
     flat = flatten(config)
     keys = [k for k in flat if k.startswith(("data.", "partition.", "population.num_clients", "seed"))]
     client.log_batch(
@@ -152,4 +152,26 @@ def _log_description(config: RunConfig, description: PartitionDescription, args:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    raise UsageError("data trace: not available")
+    from flasync.clients.simulated.trace import synthetic_trace, write_trace
+
+    if args.clients < 1:
+        raise UsageError(f"--clients must be >= 1, got {args.clients}")
+    if not args.horizon_s > 0:
+        raise UsageError(f"--horizon-s must be > 0, got {args.horizon_s:g}")
+    if not 0 < args.online_fraction <= 1:
+        raise UsageError(f"--online-fraction must be in (0, 1], got {args.online_fraction:g}")
+    if not args.sigma >= 0:
+        raise UsageError(f"--sigma must be >= 0, got {args.sigma:g}")
+    if not args.out.lower().endswith((".csv", ".json")):
+        raise UsageError(f"--out: name a .csv or .json trace file (got {args.out!r})")
+    trace = synthetic_trace(
+        args.clients, horizon_s=args.horizon_s, online_fraction=args.online_fraction, sigma=args.sigma, seed=args.seed
+    )
+    write_trace(trace, args.out)
+    share = trace.online_share()
+    print(
+        f"wrote {args.out}: {len(trace)} clients, online {share.mean():.0%} of {args.horizon_s:g} s on average, "
+        f"speeds {trace.speed.min():.2f}..{trace.speed.max():.2f}",
+        flush=True,
+    )
+    return 0

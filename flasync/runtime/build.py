@@ -35,6 +35,7 @@ from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
 from flasync.clients.simulated.client import ClientWorld, CohortClients
 from flasync.clients.simulated.faults import FaultModel
 from flasync.clients.simulated.population import Network, Population
+from flasync.clients.simulated.trace import TraceWindows
 from flasync.codecs import Pipeline
 from flasync.codecs.build import pipeline
 from flasync.codecs.validation import UpdateValidator
@@ -145,6 +146,7 @@ def build_world(
         wall=wall,
     )
     population = config.population
+    trace = prepared.trace
     return ClientWorld(
         clock=clock,
         bus=bus,
@@ -158,9 +160,15 @@ def build_world(
             available_fraction=population.available_fraction,
             availability_period_s=population.availability_period_s,
             slow_clients=population.slow_clients,
+            trace_slowdown=None if trace is None else 1.0 / trace.speed,
         ),
         network=Network(config.network, population.num_clients, config.seed),
-        faults=FaultModel(config.faults, config.seed, population.num_clients),
+        faults=FaultModel(
+            config.faults,
+            config.seed,
+            population.num_clients,
+            None if trace is None else TraceWindows(trace, population.num_clients),
+        ),
         samples=samples,
         pool=executor.pool,
         job=job,
@@ -541,7 +549,7 @@ def _make_dispatch(
         on_release=world.forget,
         share=share,
     )
-    if availability is None and world.faults is not None and world.faults.config.availability is not None:
+    if availability is None and world.faults is not None and world.faults.windows:
         availability = world.faults
     sampler = ClientSampler(
         population, config.population.sampling, seeding.numpy_stream(config.seed, seeding.SERVER), availability

@@ -45,6 +45,9 @@ class Population:
         availability_period_s: Length of a client's on/off cycle in simulated seconds (a day, by default); each
             client's cycle starts at its own random phase.
         slow_clients: Fixed slowdown factors of some clients (id -> factor), multiplying their training time.
+        trace_slowdown: A device trace's slowdown factor (``1 / speed``) of each trace client; client ``k`` takes
+            that of trace client ``k mod T`` in place of the speed model's per-client factor (its per-task
+            draws, lognormal jitter or half-normal spread, stay).
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class Population:
         available_fraction: float = 1.0,
         availability_period_s: float = 86_400.0,
         slow_clients: Mapping[int, float] | None = None,
+        trace_slowdown: np.ndarray | None = None,
     ) -> None:
         """Draw per-client speed factors and availability phases once, from the run's seed."""
         if not 0.0 < available_fraction <= 1.0:
@@ -68,7 +72,9 @@ class Population:
         self.seed = seed
         self.slowdown: DrawnColumn | None = None
         """Each client's speed factor (log-normal speed only), drawn on demand for a large population."""
-        if isinstance(speed, LogNormalSpeed):
+        self.trace_slowdown = None if trace_slowdown is None else np.asarray(trace_slowdown, dtype=np.float64)
+        """A device trace's slowdown of each trace client (None: the speed model's)."""
+        if isinstance(speed, LogNormalSpeed) and trace_slowdown is None:
             sigma = speed.sigma
             self.slowdown = DrawnColumn(
                 seeding.numpy_stream(seed, seeding.SPEED), n, lambda g, m: g.normal(0.0, sigma, size=m), np.exp
@@ -101,7 +107,7 @@ class Population:
     @property
     def nbytes(self) -> int:
         """Return the bytes of every per-client array the population holds now."""
-        arrays = [self.sizes, self.phase, self.last_used, self._fresh, self._queue, self._cdf]
+        arrays = [self.sizes, self.phase, self.last_used, self._fresh, self._queue, self._cdf, self.trace_slowdown]
         held = sum(_held_bytes(a) for a in arrays if a is not None) + self._queue_stamp.nbytes
         return held + (self.slowdown.nbytes if self.slowdown is not None else 0)
 
@@ -109,10 +115,15 @@ class Population:
         """Return simulated seconds of ``client_id``'s ``participation``-th task of ``steps`` local steps."""
         speed = self.speed
         base = steps * speed.seconds_per_step * self.fixed_slowdown.get(client_id, 1.0)
+        traced = self.trace_slowdown
+        if traced is not None:
+            base *= float(traced[client_id % len(traced)])
         if isinstance(speed, ConstantSpeed):
             return base
         draw = seeding.stream_normal(self.seed, seeding.TASK_SPEED, client_id, participation)
         if isinstance(speed, LogNormalSpeed):
+            if traced is not None:
+                return base * math.exp(speed.jitter * draw)
             assert self.slowdown is not None
             return base * float(self.slowdown[client_id]) * math.exp(speed.jitter * draw)
         if isinstance(speed, HalfNormalSpeed):

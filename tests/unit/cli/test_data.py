@@ -16,7 +16,7 @@ def _fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     status = main(list(argv))
     err = capsys.readouterr().err
     assert status == 2, err
-    lines = err.strip().splitlines()
+    lines = [line for line in err.strip().splitlines() if " run.phase " not in line]
     assert len(lines) == 1, err
     return lines[0].removeprefix("flasync: error: ")
 
@@ -73,3 +73,59 @@ def test_bad_partition_parameters_are_one_line(
     for item in sets:
         argv += ["--set", item]
     assert expected in _fails(capsys, *argv)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".json"])
+def test_trace_writes_a_readable_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path, suffix: str) -> None:
+    """`data trace` writes N clients' trace in the named format, which population.trace reads back."""
+    from flasync.clients.simulated.trace import read_trace
+
+    out = tmp_path / f"devices{suffix}"
+    assert main(["data", "trace", "--clients", "12", "--out", str(out), "--online-fraction", "0.3"]) == 0
+    assert f"wrote {out}: 12 clients" in capsys.readouterr().out
+    assert len(read_trace(out)) == 12
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--clients", "0", "--out", "t.csv"], "--clients must be >= 1, got 0"),
+        (["--clients", "3", "--out", "t.txt"], "--out: name a .csv or .json trace file"),
+        (["--clients", "3", "--out", "t.csv", "--online-fraction", "1.5"], "--online-fraction must be in (0, 1]"),
+    ],
+)
+def test_trace_bad_arguments_are_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], expected: str
+) -> None:
+    """Bad generator arguments are one line, exit 2."""
+    assert expected in _fails(capsys, "data", "trace", *argv)
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (["population.trace=t.txt"], "population.trace: unsupported format of 't.txt'"),
+        (["population.trace=nowhere.csv"], "population.trace: cannot read"),
+        (["population.trace=t.csv", "population.sampling=lru"], "population.trace: windows need population.sampling"),
+        (
+            ["population.trace=t.csv", "faults.availability.period_s=5", "faults.availability.online_fraction=0.5"],
+            "population.trace: gives the availability windows; remove faults.availability",
+        ),
+    ],
+)
+def test_bad_trace_runs_are_one_line(
+    capsys: pytest.CaptureFixture[str], store: str, tmp_path: Path, sets: list[str], expected: str
+) -> None:
+    """A run naming a bad or unreadable trace, or one it cannot combine with, stops in one line, exit 2."""
+    (tmp_path / "t.csv").write_text("client,speed,online\n0,1,0-10\n")
+    argv = ["run", "--no-tracking"]
+    for item in sets:
+        argv += ["--set", item]
+    assert expected in _fails(capsys, *argv)
+
+
+def test_a_bad_trace_row_stops_the_run_in_one_line(capsys: pytest.CaptureFixture[str], store: str) -> None:
+    """A trace with a bad field names the file, the row and the field."""
+    Path("bad.csv").write_text("client,speed,online\n0,1,0-10\n1,-2,0-10\n")
+    message = _fails(capsys, "run", "--no-tracking", "--set", "population.trace=bad.csv")
+    assert message.endswith("bad.csv: row 3, field 'speed': must be > 0, got '-2'")

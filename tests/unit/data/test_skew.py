@@ -70,7 +70,7 @@ def test_label_quantity_is_seeded() -> None:
 def test_label_quantity_refuses_more_labels_than_present_and_too_few_samples() -> None:
     """k above the labels present, or a label with fewer samples than holders, is a one-line DataError."""
     labels = _labels(500, 10)
-    with pytest.raises(DataError, match="labels_per_client: must be in 1..10"):
+    with pytest.raises(DataError, match=r"labels_per_client: must be in 1\.\.10"):
         partition_label_quantity(labels, 5, labels_per_client=11, rng=np.random.default_rng(0))
     rare = np.concatenate([np.zeros(200, dtype=np.int64), np.ones(2, dtype=np.int64)])
     with pytest.raises(DataError, match="label 1 has 2 samples for"):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from flasync.config import RunConfig
 from flasync.data import prepare
@@ -47,7 +48,8 @@ def _figures(partition: dict[str, Any], seed: int) -> dict[str, float]:
     figures = {}
     if partition["kind"] == "feature_skew":  # the noise each client's features carry, measured against clean ones
         clean = prepare.load(config.model_copy(update={"partition": RunConfig().partition})).train.x
-        residual = [(loaded.train.x[rows] - clean[rows]).std().item() for rows in split]
+        rows = [torch.from_numpy(np.array(part)) for part in split]
+        residual = [(loaded.train.x[index] - clean[index]).std().item() for index in rows]
         figures = {"noise_std_first": residual[0], "noise_std_last": residual[-1]}
     return figures | {
         "size_std": float(sizes.std()),

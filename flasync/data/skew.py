@@ -315,19 +315,20 @@ def skew_features(
     if rotations < 1:
         raise ValueError(f"rotations must be >= 1; got {rotations}")
     x = data.x.reshape(len(data), -1).clone()
-    dim = x.shape[1]
-    matrices = [rotation_matrix(dim, g, seed) for g in range(min(rotations, len(partition)))]
-    levels = feature_noise_levels(len(partition), noise)
-    for k, rows in enumerate(partition):
+    dim, clients = x.shape[1], len(partition)
+    # One group's matrix at a time: a group of 3072 features holds 36 MiB.
+    for group in range(1, min(rotations, clients)):
+        matrix = rotation_matrix(dim, group, seed)
+        for k in range(group, clients, rotations):
+            index = torch.from_numpy(np.array(partition[k], dtype=np.int64))
+            x.index_copy_(0, index, x.index_select(0, index) @ matrix)
+    levels = feature_noise_levels(clients, noise)
+    for k in np.flatnonzero(levels > 0).tolist():
+        rows = partition[k]
         if rows.shape[0] == 0:
             continue
         index = torch.from_numpy(np.array(rows, dtype=np.int64))
-        block = x.index_select(0, index)
-        group = k % rotations
-        if group:
-            block = block @ matrices[group]
-        if levels[k] > 0:
-            rng = seeding.numpy_stream(seed, seeding.DATA, _NOISE_KEY, k)
-            block += torch.from_numpy(rng.standard_normal(block.shape, dtype=np.float32) * np.float32(levels[k]))
-        x.index_copy_(0, index, block)
+        rng = seeding.numpy_stream(seed, seeding.DATA, _NOISE_KEY, k)
+        draw = rng.standard_normal((rows.shape[0], dim), dtype=np.float32) * np.float32(levels[k])
+        x.index_copy_(0, index, x.index_select(0, index) + torch.from_numpy(draw))
     return ArrayData(x=x.reshape(data.x.shape), y=data.y, num_classes=data.num_classes)

@@ -78,3 +78,16 @@ def test_trace_runs_are_bit_identical(trace_file: Path, capsys: pytest.CaptureFi
         digests.append(next(line for line in out.splitlines() if "sha256" in line))
     assert digests[0] == digests[1]
     assert digests[0] != digests[2]
+
+
+@pytest.mark.slow
+async def test_a_trace_run_resumes_exactly(trace_file: Path) -> None:
+    """Stopped mid-way and resumed from its checkpoint, a trace-driven run ends with the uninterrupted weights."""
+    from tests.integration.test_checkpoint import _resumes_exactly
+
+    config = small_config(
+        f"population.trace={trace_file}", "population.speed.seconds_per_step=0.2", "stop.max_versions=14"
+    )
+    fields = ("tasks_dispatched", "updates_accepted", "updates_failed", "simulated_s")
+    full, _ = await _resumes_exactly(config, 5, fields)
+    assert full.updates_failed > 0  # windows closed on some tasks, before and after the checkpoint

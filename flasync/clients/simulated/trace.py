@@ -100,6 +100,8 @@ class TraceWindows:
         # A client online over its whole cycle (one interval [0, period)) never goes offline.
         whole = (np.diff(trace.offsets) == 1) & (trace.starts[trace.offsets[:-1]] == 0.0)
         self._always = whole & (trace.ends[trace.offsets[:-1]] >= trace.period)
+        # The trace client each population client follows, where they differ (built once: the sampler asks often).
+        self._follow = None if num_clients == len(trace) else np.arange(num_clients) % len(trace)
 
     def _trace_mask(self, t: float) -> np.ndarray:
         """Return which trace clients are online at ``t``."""
@@ -119,9 +121,10 @@ class TraceWindows:
     def online_mask(self, t: float) -> np.ndarray:
         """Return a boolean array over the population: who is online at time ``t``."""
         mask = self._trace_mask(t)
-        if self.num_clients == len(mask):
+        if self._follow is None:
             return mask
-        return mask[np.arange(self.num_clients) % len(mask)]
+        followed: np.ndarray = mask[self._follow]
+        return followed
 
     def offline_at(self, client_id: int, t: float) -> float:
         """Return when ``client_id``, online at ``t``, next goes offline (``inf`` if it never does)."""

@@ -29,8 +29,9 @@ class SyntheticData(_Section):
     )
     lazy: bool = Field(
         False,
-        description="Draw each client's samples when it is sampled, from its own stream (for millions of clients; "
-        "every client holds samples_per_client, so the partition is ignored).",
+        description="Draw each client's samples when it is sampled, from its own stream (for millions of clients). "
+        "Every client holds samples_per_client (quantity: that many on average) and iid, dirichlet and shards do "
+        "not apply; label_quantity and feature_skew apply to each client's own draw.",
     )
 
 

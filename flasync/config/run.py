@@ -35,8 +35,6 @@ from flasync.config.server import FedAsyncServer, FedAvgServer, FedBuffServer, S
 from flasync.config.topology import FlatTopology, TopologyConfig, TreeTopology
 
 _MAX_EAGER_DATA_BYTES = 16 * 2**30
-_EAGER_PARTITIONS = ("label_quantity", "quantity", "feature_skew")
-"""Partitions a lazy synthetic source refuses (it ignores the older ones, as its docs say)."""
 
 
 class RunConfig(_Section):
@@ -117,11 +115,6 @@ class RunConfig(_Section):
                     f"{needed / 2**30:.0f} GiB in memory (at most {_MAX_EAGER_DATA_BYTES // 2**30} GiB); "
                     "use data.lazy = true to draw each client's samples when it is sampled",
                 )
-        if isinstance(data, SyntheticData) and data.lazy and self.partition.kind in _EAGER_PARTITIONS:
-            raise _FieldError(
-                ("partition", "kind"),
-                f"{self.partition.kind!r} splits samples held in memory; data.lazy = true draws every client's own",
-            )
         if isinstance(self.partition, ByColumnPartition) and (
             not isinstance(data, FilesData) or data.client_column is None
         ):

@@ -29,14 +29,17 @@ from flasync.core.errors import DataError
 from flasync.data import (
     ArrayData,
     Partition,
+    SyntheticClients,
     _check_client_count,
     _check_labels,
     _group_by_owner,
     _offsets,
     _shuffled_by_label,
+    make_synthetic,
 )
 
 __all__ = [
+    "LazySkewedClients",
     "SizeDistribution",
     "apportion",
     "client_labels",
@@ -53,6 +56,7 @@ SizeDistribution = Literal["lognormal", "powerlaw"]
 
 _NOISE_KEY = 3  # seeding.DATA sub-keys of the feature-skew streams (0..2 are the synthetic data's)
 _ROTATION_KEY = 4
+_LABELS_KEY = 5  # seeding.DATA sub-key of a lazy client's own labels
 
 
 def client_labels(num_classes: int, num_clients: int, labels_per_client: int, rng: np.random.Generator) -> np.ndarray:
@@ -332,3 +336,71 @@ def skew_features(
         draw = rng.standard_normal((rows.shape[0], dim), dtype=np.float32) * np.float32(levels[k])
         x.index_copy_(0, index, x.index_select(0, index) + torch.from_numpy(draw))
     return ArrayData(x=x.reshape(data.x.shape), y=data.y, num_classes=data.num_classes)
+
+
+class LazySkewedClients(SyntheticClients):
+    """Lazily drawn synthetic clients (:class:`~flasync.data.SyntheticClients`) with label-quantity or feature skew.
+
+    Nothing is stored per client beyond the sizes: client ``k`` draws its samples from its own stream each time it
+    is sampled. With ``labels_per_client`` it draws labels from its own ``k`` labels only: label ``k mod C`` and
+    ``k - 1`` others drawn from the stream ``(seed, DATA, 5, k)``, as :func:`client_labels` chooses them. With
+    ``noise`` or ``rotations`` its features get :func:`skew_features`'s transform (the rotation of group
+    ``k mod rotations``, then noise of ``noise * (k + 1) / K`` from the stream ``(seed, DATA, 3, k)``).
+
+    Args:
+        sizes: Samples per client.
+        num_features: Feature dimension.
+        num_classes: Number of classes ``C``.
+        seed: The run's seed.
+        labels_per_client: Labels of each client (None: all).
+        noise: The largest client's noise level (0: none).
+        rotations: Rotation groups (1: none).
+    """
+
+    def __init__(
+        self,
+        sizes: np.ndarray,
+        *,
+        num_features: int = 32,
+        num_classes: int = 10,
+        seed: int = 0,
+        labels_per_client: int | None = None,
+        noise: float = 0.0,
+        rotations: int = 1,
+    ) -> None:
+        """Remember the sizes and the skew; draw nothing yet."""
+        super().__init__(sizes, num_features=num_features, num_classes=num_classes, seed=seed)
+        if labels_per_client is not None and not 1 <= labels_per_client <= num_classes:
+            raise DataError(
+                f"partition.labels_per_client: must be in 1..{num_classes} (data.num_classes), got {labels_per_client}"
+            )
+        self.labels_per_client = labels_per_client
+        self.noise = noise
+        self.rotations = rotations
+
+    def labels_of(self, k: int) -> np.ndarray | None:
+        """Return client ``k``'s labels, ascending (None: every label)."""
+        if self.labels_per_client is None:
+            return None
+        rng = seeding.numpy_stream(self.seed, seeding.DATA, _LABELS_KEY, k)
+        others = np.delete(np.arange(self.num_classes), k % self.num_classes)
+        chosen = rng.choice(others, size=self.labels_per_client - 1, replace=False)
+        return np.sort(np.append(chosen, k % self.num_classes)).astype(np.int64)
+
+    def client(self, k: int) -> ArrayData:
+        """Draw client ``k``'s samples, then skew its features."""
+        rng = seeding.numpy_stream(self.seed, seeding.DATA, 2, k)
+        data = make_synthetic(
+            num_samples=int(self.sizes[k]),
+            num_features=self.num_features,
+            num_classes=self.num_classes,
+            rng=rng,
+            classes=self.labels_of(k),
+        )
+        group = k % self.rotations
+        x = data.x @ rotation_matrix(self.num_features, group, self.seed) if group else data.x
+        level = self.noise * (k + 1) / len(self)
+        if level > 0:
+            noise = seeding.numpy_stream(self.seed, seeding.DATA, _NOISE_KEY, k)
+            x = x + torch.from_numpy(noise.standard_normal(tuple(x.shape), dtype=np.float32) * np.float32(level))
+        return ArrayData(x=x, y=data.y, num_classes=data.num_classes)

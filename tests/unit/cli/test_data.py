@@ -62,7 +62,7 @@ def test_describe_logs_the_histograms_to_mlflow(capsys: pytest.CaptureFixture[st
         (["partition.kind=quantity", "partition.exponent=0.5"], "partition.exponent: Input should be greater than 1"),
         (["partition.kind=feature_skew"], "partition.noise: feature_skew needs noise > 0 or rotations > 1"),
         (["partition.kind=feature_skew", "partition.noise=-1"], "partition.noise: Input should be greater than"),
-        (["data.kind=synthetic", "data.lazy=true", "partition.kind=quantity"], "partition.kind: 'quantity' splits"),
+        (["data.kind=synthetic", "data.lazy=true", "partition.kind=quantity"], "data describe: data.lazy = true"),
     ],
 )
 def test_bad_partition_parameters_are_one_line(
@@ -129,3 +129,12 @@ def test_a_bad_trace_row_stops_the_run_in_one_line(capsys: pytest.CaptureFixture
     Path("bad.csv").write_text("client,speed,online\n0,1,0-10\n1,-2,0-10\n")
     message = _fails(capsys, "run", "--no-tracking", "--set", "population.trace=bad.csv")
     assert message.endswith("bad.csv: row 3, field 'speed': must be > 0, got '-2'")
+
+
+def test_a_lazy_run_with_too_many_labels_per_client_is_one_line(capsys: pytest.CaptureFixture[str], store: str) -> None:
+    """Lazy label-quantity skew asking for more labels than the synthetic data has stops before training."""
+    sets = ["data.kind=synthetic", "data.lazy=true", "data.num_classes=5", "partition.kind=label_quantity"]
+    argv = ["run", "--no-tracking", "--set", "partition.labels_per_client=6"]
+    for item in sets:
+        argv += ["--set", item]
+    assert _fails(capsys, *argv) == "partition.labels_per_client: must be in 1..5 (data.num_classes), got 6"

@@ -9,8 +9,9 @@ from scipy import stats
 
 from flasync.config import RunConfig
 from flasync.core.errors import DataError
-from flasync.data import ArrayData, make_synthetic, partition_iid, prepare
+from flasync.data import ArrayData, SyntheticClients, make_synthetic, partition_iid, prepare
 from flasync.data.skew import (
+    LazySkewedClients,
     apportion,
     client_labels,
     client_size_weights,
@@ -191,3 +192,43 @@ def test_prepare_applies_the_configured_partitions() -> None:
     assert torch.equal(skewed.test.x, plain.test.x)
     assert not torch.equal(skewed.train.x, plain.train.x)
     assert prepare.partition(cfg, skewed.train) == prepare.partition(cfg, plain.train)
+
+
+def _lazy(partition: dict[str, object], clients: int = 1000, per_client: int = 200) -> object:
+    data = {"kind": "synthetic", "lazy": True, "samples_per_client": per_client}
+    server = {"kind": "fedbuff", "buffer_size": 2, "concurrency": 2}
+    sections = {"data": data, "population": {"num_clients": clients}, "partition": partition, "server": server}
+    config = RunConfig.model_validate(sections)
+    return prepare.lazy_clients(config)
+
+
+def test_lazy_label_quantity_clients_draw_their_own_k_labels() -> None:
+    """A lazy client draws labels from exactly its k labels (label k mod C among them), the same each time."""
+    clients = _lazy({"kind": "label_quantity", "labels_per_client": 3})
+    assert isinstance(clients, LazySkewedClients)
+    for k in (0, 7, 999):
+        data = clients.client(k)
+        held = clients.labels_of(k)
+        assert held is not None and len(held) == 3 and k % 10 in held
+        assert np.array_equal(np.unique(data.y.numpy()), held)
+        assert torch.equal(clients.client(k).x, data.x)
+
+
+def test_lazy_quantity_sizes_follow_the_law_and_keep_the_total() -> None:
+    """Lazy quantity skew: sizes sum to samples_per_client x clients; log sizes spread by sigma."""
+    clients = _lazy({"kind": "quantity", "sigma": 0.7}, clients=20_000, per_client=500)
+    assert isinstance(clients, SyntheticClients)
+    sizes = np.asarray(clients.sizes)
+    assert sizes.sum() == 500 * 20_000 and sizes.min() >= 1
+    assert abs(np.log(sizes).std() - 0.7) < 0.03
+    assert len(clients.client(int(np.argmax(sizes)))) == sizes.max()
+
+
+def test_lazy_feature_skew_adds_each_clients_noise_level() -> None:
+    """A lazy client's features are the plain draw plus noise of noise * (k + 1) / K."""
+    skewed = _lazy({"kind": "feature_skew", "noise": 2.0}, clients=10, per_client=2000)
+    plain = _lazy({"kind": "iid"}, clients=10, per_client=2000)
+    assert type(plain) is SyntheticClients
+    for k in (0, 4, 9):
+        residual = (skewed.client(k).x - plain.client(k).x).numpy()  # type: ignore[attr-defined]
+        assert abs(residual.std() - 2.0 * (k + 1) / 10) < 0.03 * 2.0 * (k + 1) / 10

@@ -85,9 +85,10 @@ class PopulationConfig(_Section):
     trace: str | None = Field(
         None,
         min_length=1,
-        description="A device trace (.csv: client, speed, online intervals; .json: FedScale's device files): each "
-        "client's relative speed replaces the speed model's per-client factor, and its online intervals are the "
-        "availability windows (client k follows trace client k mod T).",
+        description="A device trace (.csv: client, speed, online intervals, optional bandwidths; .json: FedScale's "
+        "device files): each client's relative speed replaces the speed model's per-client factor, its online "
+        "intervals are the availability windows, its bandwidths (if given) its links' (client k follows trace "
+        "client k mod T).",
     )
 
     @model_validator(mode="after")

@@ -35,7 +35,7 @@ from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
 from flasync.clients.simulated.client import ClientWorld, CohortClients
 from flasync.clients.simulated.faults import FaultModel
 from flasync.clients.simulated.population import Network, Population
-from flasync.clients.simulated.trace import TraceWindows
+from flasync.clients.simulated.trace import DeviceTrace, TraceWindows
 from flasync.codecs import Pipeline
 from flasync.codecs.build import pipeline
 from flasync.codecs.validation import UpdateValidator
@@ -162,7 +162,7 @@ def build_world(
             slow_clients=population.slow_clients,
             trace_slowdown=None if trace is None else 1.0 / trace.speed,
         ),
-        network=Network(config.network, population.num_clients, config.seed),
+        network=Network(config.network, population.num_clients, config.seed, _trace_links(trace)),
         faults=FaultModel(
             config.faults,
             config.seed,
@@ -181,6 +181,13 @@ _TAKEN_NAMES = frozenset(
     | {"aggregator", "accounting", "sampler", "registry", "intake", "policy"}
 )
 """Names of a checkpoint's entries besides a caller's plug-ins: the server's own state and the run's own plug-ins."""
+
+
+def _trace_links(trace: DeviceTrace | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Return a device trace's link bandwidths (up, down), None where it gives none."""
+    if trace is None or trace.upload_bytes_per_s is None or trace.download_bytes_per_s is None:
+        return None
+    return trace.upload_bytes_per_s, trace.download_bytes_per_s
 
 
 def check_plugins(plugins: Sequence[object]) -> None:

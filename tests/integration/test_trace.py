@@ -9,7 +9,7 @@ import pytest
 import flasync
 from flasync.cli import main
 from flasync.clients.simulated.trace import TraceWindows, read_trace, synthetic_trace, write_trace
-from flasync.core.events import ClientFailed, TaskAssigned, UpdateReceived
+from flasync.core.events import ClientFailed, TaskAssigned, UpdateReceived, UpdateUploaded
 from flasync.testing import EventRecorder, small_config
 
 
@@ -63,6 +63,24 @@ async def test_trace_speeds_set_the_training_times(tmp_path: Path) -> None:
         task = started[update.task_id]
         expected = steps * (0.25 if task.client_id % 2 else 1.0)
         assert update.simulated_s - task.simulated_s == pytest.approx(expected)
+
+
+async def test_trace_links_set_the_transfer_times(tmp_path: Path) -> None:
+    """A trace's bandwidths time each client's download and upload: bytes / bandwidth (no latency here)."""
+    path = tmp_path / "links.csv"
+    rows = "".join(f"{k},1,,{1e5 if k % 2 else 4e5},{2e5 if k % 2 else 8e5}\n" for k in range(20))
+    path.write_text("client,speed,online,upload_bytes_per_s,download_bytes_per_s\n" + rows)
+    population = {"num_clients": 20, "trace": str(path), "speed": {"kind": "constant"}}
+    config = small_config("network.latency_s=0", population=population)
+    federation = flasync.Federation(config)
+    recorder = EventRecorder(federation.bus)
+    await federation.run()
+    uploads = recorder.of(UpdateUploaded)
+    assert uploads
+    for upload in uploads:
+        up, down = (1e5, 2e5) if upload.client_id % 2 else (4e5, 8e5)
+        assert upload.sim_upload_s == pytest.approx(upload.upload_bytes / up)
+        assert upload.sim_download_s == pytest.approx(upload.download_bytes / down)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -357,9 +358,17 @@ class Network:
         config: Medians and log-space spreads.
         num_clients: Population size.
         seed: The run's seed (the draws use their own stream, once per client).
+        trace_links: A device trace's uplink and downlink bandwidths of each trace client (bytes a second); client
+            ``k`` takes those of trace client ``k mod T`` instead of drawn ones (its latency is still drawn).
     """
 
-    def __init__(self, config: NetworkConfig, num_clients: int = 1, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: NetworkConfig,
+        num_clients: int = 1,
+        seed: int = 0,
+        trace_links: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         """Draw every client's latency and bandwidths (one stream: latencies, then uploads, then downloads)."""
         self.config = config
         rng = seeding.numpy_stream(seed, seeding.NETWORK)
@@ -367,15 +376,18 @@ class Network:
         self.latency_s = DrawnColumn(
             rng, num_clients, lambda g, m: g.normal(0.0, latency, m), lambda z: config.latency_s * np.exp(z)
         )
-        self.upload_bytes_per_s = DrawnColumn(
+        self.upload_bytes_per_s: DrawnColumn | _Cycled = DrawnColumn(
             rng, num_clients, lambda g, m: g.normal(0.0, bandwidth, m), lambda z: config.upload_bytes_per_s * np.exp(z)
         )
-        self.download_bytes_per_s = DrawnColumn(
+        self.download_bytes_per_s: DrawnColumn | _Cycled = DrawnColumn(
             rng,
             num_clients,
             lambda g, m: g.normal(0.0, bandwidth, m),
             lambda z: config.download_bytes_per_s * np.exp(z),
         )
+        if trace_links is not None:
+            self.upload_bytes_per_s = _Cycled(trace_links[0])
+            self.download_bytes_per_s = _Cycled(trace_links[1])
 
     @property
     def nbytes(self) -> int:
@@ -407,6 +419,25 @@ class Network:
         ids = np.asarray(client_ids, dtype=np.int64)
         seconds: list[float] = (self.latency_s[ids] + float(num_bytes) / self.download_bytes_per_s[ids]).tolist()
         return seconds
+
+
+class _Cycled:
+    """A trace's per-client values seen by population client id: client ``k`` has the value of ``k mod T``."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        """Keep the trace's values."""
+        self.values = np.asarray(values, dtype=np.float64)
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes held (the trace's values)."""
+        return int(self.values.nbytes)
+
+    def __getitem__(self, clients: int | np.ndarray) -> Any:
+        """Return one client's value or an array of the values of an array of clients."""
+        if isinstance(clients, int | np.integer):
+            return self.values[int(clients) % len(self.values)]
+        return self.values[np.asarray(clients, dtype=np.int64) % len(self.values)]
 
 
 def _held_bytes(array: np.ndarray) -> int:

@@ -7,14 +7,16 @@ Two formats (the suffix picks one):
   order); ``speed`` is the client's relative compute speed (> 0: 2 trains twice as fast as 1, whose steps take
   ``population.speed.seconds_per_step``); ``online`` lists its online intervals as ``start-end`` pairs in simulated
   seconds, separated by spaces or ``;`` (empty: always online); ``period_s`` is the length of the client's cycle
-  (its intervals repeat every ``period_s`` seconds; default: the latest interval end in the whole file).
+  (its intervals repeat every ``period_s`` seconds; default: the latest interval end in the whole file); the
+  optional ``upload_bytes_per_s`` and ``download_bytes_per_s`` give its links' bandwidths (both or neither).
 * **FedScale** (``.json``): FedScale's two device files (``client_behave_trace`` and ``client_device_capacity``,
   Lai et al., "FedScale: Benchmarking Model and System Performance of Federated Learning at Scale", ICML 2022),
   which FedScale ships as pickles, as one JSON object with those two keys: ``client_behave_trace`` maps a client
   id to ``{"active": [...], "inactive": [...], "finish_time": T}`` (online from ``active[i]`` to ``inactive[i]``
   seconds, repeating every ``finish_time``) and the optional ``client_device_capacity`` maps it to
   ``{"computation": ms, "communication": kbps}``. A client's relative speed is the median ``computation`` over
-  its own (``computation`` is a latency: larger is slower). Clients are taken in increasing order of id.
+  its own (``computation`` is a latency: larger is slower), and ``communication`` is its bandwidth both ways
+  (``kbps * 1000 / 8`` bytes a second). Clients are taken in increasing order of id.
 
 Population client ``k`` follows trace client ``k mod T`` (FedScale reuses its trace the same way). A trace is data,
 not randomness: the same file gives the same windows and speeds in every run.
@@ -26,9 +28,10 @@ import csv
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,7 +41,8 @@ from flasync.core.errors import ConfigError
 __all__ = ["DeviceTrace", "TraceWindows", "read_trace", "synthetic_trace", "write_trace"]
 
 TRACE_FORMATS = (".csv", ".json")
-_CSV_COLUMNS = ("client", "speed", "online", "period_s")
+_CSV_COLUMNS = ("client", "speed", "online", "period_s", "upload_bytes_per_s", "download_bytes_per_s")
+_LINKS = ("upload_bytes_per_s", "download_bytes_per_s")
 _PAIR = re.compile(r"^\s*([^-\s]+)\s*-\s*([^-\s]+)\s*$")
 
 
@@ -53,6 +57,8 @@ class DeviceTrace:
         offsets: ``int64`` of shape ``(T + 1,)``: client ``j`` holds intervals ``offsets[j]:offsets[j + 1]``
             (at least one each).
         period: Each client's cycle length in seconds, ``float64`` of shape ``(T,)``.
+        upload_bytes_per_s: Each trace client's uplink (None: the network model's).
+        download_bytes_per_s: Each trace client's downlink (None: the network model's).
     """
 
     speed: np.ndarray
@@ -60,6 +66,8 @@ class DeviceTrace:
     ends: np.ndarray
     offsets: np.ndarray
     period: np.ndarray
+    upload_bytes_per_s: np.ndarray | None = None
+    download_bytes_per_s: np.ndarray | None = None
 
     def __len__(self) -> int:
         """Return the number of trace clients."""
@@ -208,6 +216,15 @@ def _intervals(pairs: list[tuple[float, float]], period: float | None, where: st
     return merged
 
 
+class _Row(NamedTuple):
+    """One trace client as read: speed, online pairs, its cycle (None: the file's horizon), link bandwidths."""
+
+    speed: float
+    pairs: list[tuple[float, float]]
+    period: float | None
+    links: tuple[float, float] | None
+
+
 def _read_csv(path: Path, text: str) -> DeviceTrace:
     rows = list(csv.reader(text.splitlines()))
     if not rows or not rows[0]:
@@ -216,37 +233,23 @@ def _read_csv(path: Path, text: str) -> DeviceTrace:
     for name in header:
         if name not in _CSV_COLUMNS:
             raise ConfigError(f"{path}: row 1, field {name!r}: unknown column (use {', '.join(_CSV_COLUMNS)})")
-    for name in _CSV_COLUMNS[:3]:
+    for name in (*_CSV_COLUMNS[:3], *(_LINKS if set(_LINKS) & set(header) else ())):
         if name not in header:
             raise ConfigError(f"{path}: row 1, field {name!r}: missing column")
-    column = {name: header.index(name) for name in header}
-    entries: dict[int, tuple[float, list[tuple[float, float]], float | None]] = {}
+    entries: dict[int, _Row] = {}
     for number, row in enumerate(rows[1:], start=2):
         if not any(cell.strip() for cell in row):
             continue
         where = f"{path}: row {number}"
         if len(row) != len(header):
             raise ConfigError(f"{where}: {len(row)} fields, the header names {len(header)}")
-        cells = {name: row[i].strip() for name, i in column.items()}
+        cells = {name: cell.strip() for name, cell in zip(header, row, strict=True)}
         client = _number(cells["client"], where, "client")
         if client != int(client) or client < 0:
             raise ConfigError(f"{where}, field 'client': must be a whole number >= 0, got {cells['client']!r}")
         if int(client) in entries:
             raise ConfigError(f"{where}, field 'client': client {int(client)} is listed twice")
-        speed = _number(cells["speed"], where, "speed")
-        if speed <= 0:
-            raise ConfigError(f"{where}, field 'speed': must be > 0, got {cells['speed']!r}")
-        period = _number(cells["period_s"], where, "period_s") if cells.get("period_s") else None
-        if period is not None and period <= 0:
-            raise ConfigError(f"{where}, field 'period_s': must be > 0, got {cells['period_s']!r}")
-        pairs = []
-        for item in re.split(r"[;\s]+", cells["online"].strip()) if cells["online"].strip() else []:
-            match = _PAIR.match(item)
-            if match is None:
-                raise ConfigError(f"{where}, field 'online': {item!r} is not a start-end pair of seconds")
-            pairs.append((_number(match[1], where, "online"), _number(match[2], where, "online")))
-        entries[int(client)] = (speed, pairs, period)
-        _intervals(pairs, period, where, "online")
+        entries[int(client)] = _csv_row(cells, where)
     if not entries:
         raise ConfigError(f"population.trace: {path}: no client rows")
     missing = sorted(set(range(len(entries))) - set(entries))
@@ -254,14 +257,37 @@ def _read_csv(path: Path, text: str) -> DeviceTrace:
         raise ConfigError(
             f"{path}: field 'client': clients are numbered 0..{len(entries) - 1}; {missing[0]} is missing"
         )
-    horizon = max((end for _, pairs, _ in entries.values() for _, end in pairs), default=1.0)
+    horizon = max((end for entry in entries.values() for _, end in entry.pairs), default=1.0)
     clients = []
     for client in range(len(entries)):
-        speed, pairs, period = entries[client]
-        cycle = horizon if period is None else period
-        windows = _intervals(pairs, cycle, f"{path}: client {client}", "online") if pairs else [[0.0, cycle]]
-        clients.append((speed, windows, cycle))
+        entry = entries[client]
+        cycle = horizon if entry.period is None else entry.period
+        where = f"{path}: client {client}"
+        windows = _intervals(entry.pairs, cycle, where, "online") if entry.pairs else [[0.0, cycle]]
+        clients.append((entry.speed, windows, cycle, entry.links))
     return _assemble(clients)
+
+
+def _positive(cells: dict[str, str], name: str, where: str) -> float:
+    value = _number(cells[name], where, name)
+    if value <= 0:
+        raise ConfigError(f"{where}, field {name!r}: must be > 0, got {cells[name]!r}")
+    return value
+
+
+def _csv_row(cells: dict[str, str], where: str) -> _Row:
+    """Read one CSV row's speed, intervals, cycle and links (checked, not yet against the file's horizon)."""
+    speed = _positive(cells, "speed", where)
+    period = _positive(cells, "period_s", where) if cells.get("period_s") else None
+    links = (_positive(cells, _LINKS[0], where), _positive(cells, _LINKS[1], where)) if _LINKS[0] in cells else None
+    pairs = []
+    for item in re.split(r"[;\s]+", cells["online"]) if cells["online"] else []:
+        match = _PAIR.match(item)
+        if match is None:
+            raise ConfigError(f"{where}, field 'online': {item!r} is not a start-end pair of seconds")
+        pairs.append((_number(match[1], where, "online"), _number(match[2], where, "online")))
+    _intervals(pairs, period, where, "online")
+    return _Row(speed, pairs, period, links)
 
 
 def _read_fedscale(path: Path, text: str) -> DeviceTrace:
@@ -282,10 +308,13 @@ def _read_fedscale(path: Path, text: str) -> DeviceTrace:
     except ValueError:
         bad = next(key for key in behave if not key.lstrip("-").isdigit())
         raise ConfigError(f"{path}: client {bad!r}: client ids must be whole numbers") from None
-    latency = [_fedscale_latency(path, capacity, key) for key in ids]
+    latency = [_fedscale_capacity(path, capacity, key, "computation") for key in ids]
+    # Bandwidths where the capacities give them (FedScale's own files do, for every client).
+    links = capacity is not None and any(isinstance(e, dict) and "communication" in e for e in capacity.values())
+    kbps = [_fedscale_capacity(path, capacity, key, "communication") for key in ids] if links else None
     median = float(np.median(latency))
     clients = []
-    for key, ms in zip(ids, latency, strict=True):
+    for index, (key, ms) in enumerate(zip(ids, latency, strict=True)):
         entry = behave[key]
         where = f"{path}: client {key}"
         if not isinstance(entry, dict):
@@ -307,34 +336,47 @@ def _read_fedscale(path: Path, text: str) -> DeviceTrace:
         windows = _intervals([p for p in pairs if p[1] > p[0]], period, where, "active")
         if not windows:
             raise ConfigError(f"{where}, field 'active': no online interval")
-        clients.append((median / ms, windows, period))
+        bandwidth = None if kbps is None else kbps[index] * 1000.0 / 8.0  # kilobits a second -> bytes a second
+        clients.append((median / ms, windows, period, None if bandwidth is None else (bandwidth, bandwidth)))
     return _assemble(clients)
 
 
-def _fedscale_latency(path: Path, capacity: dict[str, Any] | None, key: str) -> float:
-    """Return a FedScale client's ``computation`` (ms per sample; 1 without capacities)."""
+def _fedscale_capacity(path: Path, capacity: dict[str, Any] | None, key: str, name: str) -> float:
+    """Return a FedScale client's ``computation`` (ms per sample) or ``communication`` (kbps); 1 without
+    capacities."""
     if capacity is None:
         return 1.0
     entry = capacity.get(key)
-    if not isinstance(entry, dict) or "computation" not in entry:
-        raise ConfigError(f"{path}: client {key}, field 'computation': missing from client_device_capacity")
-    value = _number(str(entry["computation"]), f"{path}: client {key}", "computation")
+    if not isinstance(entry, dict) or name not in entry:
+        raise ConfigError(f"{path}: client {key}, field {name!r}: missing from client_device_capacity")
+    value = _number(str(entry[name]), f"{path}: client {key}", name)
     if value <= 0:
-        raise ConfigError(f"{path}: client {key}, field 'computation': must be > 0, got {entry['computation']!r}")
+        raise ConfigError(f"{path}: client {key}, field {name!r}: must be > 0, got {entry[name]!r}")
     return value
 
 
-def _assemble(clients: list[tuple[float, list[list[float]], float]]) -> DeviceTrace:
-    sizes = np.array([len(windows) for _, windows, _ in clients], dtype=np.int64)
+_Assembled = tuple[float, list[list[float]], float, tuple[float, float] | None]
+"""One trace client for :func:`_assemble`: speed, merged windows, cycle, link bandwidths (up, down) or None."""
+
+
+def _assemble(clients: Sequence[_Assembled]) -> DeviceTrace:
+    sizes = np.array([len(windows) for _, windows, _, _ in clients], dtype=np.int64)
     offsets = np.zeros(len(clients) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    flat = np.array([pair for _, windows, _ in clients for pair in windows], dtype=np.float64).reshape(-1, 2)
+    flat = np.array([pair for _, windows, _, _ in clients for pair in windows], dtype=np.float64).reshape(-1, 2)
+    links = [link for _, _, _, link in clients]
+    up = down = None
+    if all(link is not None for link in links):
+        table = np.array(links, dtype=np.float64).reshape(-1, 2)
+        up, down = np.ascontiguousarray(table[:, 0]), np.ascontiguousarray(table[:, 1])
     return DeviceTrace(
-        speed=np.array([speed for speed, _, _ in clients], dtype=np.float64),
+        speed=np.array([speed for speed, _, _, _ in clients], dtype=np.float64),
         starts=np.ascontiguousarray(flat[:, 0]),
         ends=np.ascontiguousarray(flat[:, 1]),
         offsets=offsets,
-        period=np.array([period for _, _, period in clients], dtype=np.float64),
+        period=np.array([period for _, _, period, _ in clients], dtype=np.float64),
+        upload_bytes_per_s=up,
+        download_bytes_per_s=down,
     )
 
 
@@ -371,7 +413,7 @@ def synthetic_trace(
         for i, length in enumerate(lengths.tolist()):
             start = i * slot + float(rng.uniform(0.0, slot - length))
             windows.append([round(start, 3), round(min(start + max(length, 1.0), (i + 1) * slot), 3)])
-        clients.append((round(speed, 4), windows, horizon_s))
+        clients.append((round(speed, 4), windows, horizon_s, None))
     return _assemble(clients)
 
 
@@ -384,10 +426,13 @@ def write_trace(trace: DeviceTrace, path: str | Path) -> None:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix == ".csv":
-        lines = ["client,speed,online,period_s"]
+        up, down = trace.upload_bytes_per_s, trace.download_bytes_per_s
+        header = "client,speed,online,period_s" + (",upload_bytes_per_s,download_bytes_per_s" if up is not None else "")
+        lines = [header]
         for j in range(len(trace)):
             online = " ".join(f"{a:g}-{b:g}" for a, b in trace.intervals(j))
-            lines.append(f"{j},{trace.speed[j]:g},{online},{trace.period[j]:g}")
+            links = f",{up[j]:g},{down[j]:g}" if up is not None and down is not None else ""
+            lines.append(f"{j},{trace.speed[j]:g},{online},{trace.period[j]:g}{links}")
         text = "\n".join(lines) + "\n"
     elif suffix == ".json":
         behave = {
@@ -399,7 +444,12 @@ def write_trace(trace: DeviceTrace, path: str | Path) -> None:
             for j in range(len(trace))
         }
         # FedScale's computation is a latency (ms per sample): the slowest clients have the largest.
-        capacity = {str(j + 1): {"computation": 100.0 / float(trace.speed[j])} for j in range(len(trace))}
+        capacity: dict[str, dict[str, float]] = {
+            str(j + 1): {"computation": 100.0 / float(trace.speed[j])} for j in range(len(trace))
+        }
+        if trace.upload_bytes_per_s is not None:  # FedScale has one bandwidth, in kilobits a second
+            for j in range(len(trace)):
+                capacity[str(j + 1)]["communication"] = float(trace.upload_bytes_per_s[j]) * 8.0 / 1000.0
         text = json.dumps({"client_behave_trace": behave, "client_device_capacity": capacity}, indent=1) + "\n"
     else:
         raise ConfigError(f"--out: unsupported trace format {str(path)!r} (use .csv or .json)")

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flasync.clients.simulated.population import Population
+from flasync.clients.simulated.population import Network, Population
 from flasync.clients.simulated.trace import TraceWindows, read_trace, synthetic_trace, write_trace
-from flasync.config import ConstantSpeed, LogNormalSpeed
+from flasync.config import ConstantSpeed, LogNormalSpeed, NetworkConfig
 from flasync.core.errors import ConfigError
 
 CSV = """client,speed,online
@@ -100,6 +100,9 @@ def test_fedscale_json_is_read(tmp_path: Path) -> None:
     assert trace.intervals(0) == [(20.0, 40.0)] and trace.period[0] == 50.0
     assert trace.intervals(1) == [(0.0, 10.0), (50.0, 60.0)]
     assert trace.speed.tolist() == [1.0, 2.0, 0.5]
+    assert trace.upload_bytes_per_s is not None and trace.download_bytes_per_s is not None
+    assert trace.upload_bytes_per_s.tolist() == [625_000.0, 125_000.0, 125_000.0]  # kbps * 1000 / 8
+    assert trace.download_bytes_per_s.tolist() == trace.upload_bytes_per_s.tolist()
     assert TraceWindows(trace, 3).online_mask(75.0).tolist() == [True, False, True]
 
 
@@ -118,6 +121,23 @@ def test_generated_trace_round_trips(tmp_path: Path, suffix: str) -> None:
     assert 0.2 < float(back.online_share().mean()) <= 0.4 + 1e-9
 
 
+def test_csv_links_set_each_clients_transfer_times(tmp_path: Path) -> None:
+    """Bandwidth columns replace the drawn links of client k mod T; latency stays the network model's."""
+    path = _write(
+        tmp_path,
+        "t.csv",
+        "client,speed,online,upload_bytes_per_s,download_bytes_per_s\n0,1,,1000,4000\n1,1,,500,2000\n",
+    )
+    trace = read_trace(path)
+    assert trace.upload_bytes_per_s is not None and trace.download_bytes_per_s is not None
+    links = (trace.upload_bytes_per_s, trace.download_bytes_per_s)
+    network = Network(NetworkConfig(latency_s=0.5, bandwidth_sigma=2.0), 20, 0, links)
+    assert [network.upload_seconds(k, 1000) for k in range(3)] == [1.5, 2.5, 1.5]
+    assert network.download_seconds(3, 4000) == 2.5
+    assert network.upload_seconds_many(list(range(20)), [1000] * 20) == [1.5, 2.5] * 10
+    assert read_trace(_write(tmp_path, "u.csv", CSV)).upload_bytes_per_s is None
+
+
 BAD = [
     ("a.csv", "client,speed\n0,1\n", "a.csv: row 1, field 'online': missing column"),
     ("a.csv", "client,speed,online,colour\n", "a.csv: row 1, field 'colour': unknown column"),
@@ -130,6 +150,12 @@ BAD = [
     ("a.csv", "client,speed,online\n0,1,later\n", "a.csv: row 2, field 'online': 'later' is not a start-end pair"),
     ("a.csv", "client,speed,online,period_s\n0,1,0-20,10\n", "row 2, field 'online': interval 0-20 ends after"),
     ("a.csv", "client,speed,online\n0,1\n", "a.csv: row 2: 2 fields, the header names 3"),
+    ("a.csv", "client,speed,online,upload_bytes_per_s\n", "row 1, field 'download_bytes_per_s': missing column"),
+    (
+        "a.csv",
+        "client,speed,online,upload_bytes_per_s,download_bytes_per_s\n0,1,,0,5\n",
+        "a.csv: row 2, field 'upload_bytes_per_s': must be > 0",
+    ),
     ("a.json", "{", "a.json: invalid JSON"),
     ("a.json", "{}", "a.json: field 'client_behave_trace': missing"),
     ("a.json", '{"client_behave_trace": {"1": {"active": [0]}}}', "a.json: client 1, field 'inactive': missing"),

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from flasync._version import __version__
-from flasync.cli import client, compare, config, report, run, serve, sweep, tracking
+from flasync.cli import client, compare, config, data, report, run, serve, sweep, tracking
 from flasync.cli.shared import Parser, UsageError
 from flasync.core.errors import FlasyncError
 
@@ -32,6 +32,7 @@ def _build_parser() -> Parser:
     report.add_report_parser(commands)
     compare.add_compare_parser(commands)
     config.add_config_commands(commands)
+    data.add_data_commands(commands)
     return parser
 
 
@@ -80,6 +81,8 @@ def _dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None, proce
         return compare.command_compare(args)
     if args.command == "config":
         return config.command_config(args)
+    if args.command == "data":
+        return data.command_data(args)
     if args.command == "serve":
         return serve.command_serve(args, process_ends=process_ends)
     if args.command == "client":

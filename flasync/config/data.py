@@ -29,8 +29,9 @@ class SyntheticData(_Section):
     )
     lazy: bool = Field(
         False,
-        description="Draw each client's samples when it is sampled, from its own stream (for millions of clients; "
-        "every client holds samples_per_client, so the partition is ignored).",
+        description="Draw each client's samples when it is sampled, from its own stream (for millions of clients). "
+        "Every client holds samples_per_client (quantity: that many on average) and iid, dirichlet and shards do "
+        "not apply; label_quantity and feature_skew apply to each client's own draw.",
     )
 
 
@@ -143,6 +144,70 @@ class ByColumnPartition(_Section):
     )
 
 
+class LabelQuantityPartition(_Section):
+    """Each client holds samples of exactly ``labels_per_client`` labels (NIID-Bench's ``#C=k``, Li et al. 2022).
+
+    Client ``i`` holds label ``i mod C`` and ``labels_per_client - 1`` others drawn at random; each label's samples
+    are dealt evenly among the clients holding it.
+    """
+
+    kind: Literal["label_quantity"] = "label_quantity"
+    labels_per_client: int = Field(2, ge=1, le=1_000_000, description="Distinct labels every client holds (k).")
+
+
+class QuantityPartition(_Section):
+    """Labels spread IID, but client sizes drawn from a lognormal or a power law (quantity skew).
+
+    ``lognormal``: sizes in proportion to ``exp(N(0, sigma^2))``; ``powerlaw``: in proportion to Pareto draws of
+    density ``(a - 1) w^-a`` (``a = exponent``). Every client first gets ``min_samples``.
+    """
+
+    kind: Literal["quantity"] = "quantity"
+    distribution: Literal["lognormal", "powerlaw"] = Field(
+        "lognormal", description="Law of the client sizes: lognormal (sigma) or power law (exponent)."
+    )
+    sigma: float | None = Field(
+        None, ge=0.0, le=10.0, description="Log-space spread of the lognormal sizes (default 1; lognormal only)."
+    )
+    exponent: float | None = Field(
+        None, gt=1.0, le=100.0, description="The power law's exponent a > 1 (default 2; powerlaw only)."
+    )
+    min_samples: int = Field(1, ge=1, description="Fewest training samples a client gets.")
+
+    @model_validator(mode="after")
+    def _parameter_of_its_law(self) -> QuantityPartition:
+        unused = "exponent" if self.distribution == "lognormal" else "sigma"
+        if getattr(self, unused) is not None:
+            raise _FieldError(("partition", unused), f"is not used with distribution = {self.distribution!r}")
+        return self
+
+
+class FeatureSkewPartition(_Section):
+    """An IID split whose clients see different features: Gaussian noise growing with the client id, rotations.
+
+    Client ``k`` of ``K`` gets noise of standard deviation ``noise * (k + 1) / K`` on every feature (NIID-Bench's
+    noise-based feature skew) after its features are rotated by the random orthogonal matrix of group
+    ``k mod rotations`` (group 0 unrotated). The held-out data stays clean.
+    """
+
+    kind: Literal["feature_skew"] = "feature_skew"
+    noise: float = Field(0.0, ge=0.0, le=1000.0, description="The largest client's noise standard deviation.")
+    rotations: int = Field(1, ge=1, le=64, description="Groups of clients with their own random rotation (1: none).")
+
+    @model_validator(mode="after")
+    def _some_skew(self) -> FeatureSkewPartition:
+        if self.noise == 0 and self.rotations == 1:
+            raise _FieldError(("partition", "noise"), "feature_skew needs noise > 0 or rotations > 1")
+        return self
+
+
 PartitionConfig = Annotated[
-    IIDPartition | DirichletPartition | ShardsPartition | ByColumnPartition, Field(discriminator="kind")
+    IIDPartition
+    | DirichletPartition
+    | ShardsPartition
+    | ByColumnPartition
+    | LabelQuantityPartition
+    | QuantityPartition
+    | FeatureSkewPartition,
+    Field(discriminator="kind"),
 ]

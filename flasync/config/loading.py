@@ -165,8 +165,8 @@ def _depth(value: Any) -> int:
 
 
 def _anchor_data_paths(data: dict[str, Any], folder: Path) -> None:
-    """Make the relative file paths a config file names (a ``files`` data section's, the remote tokens file)
-    absolute against ``folder``, in place."""
+    """Make the relative file paths a config file names (a ``files`` data section's, the remote tokens file, a
+    device trace) absolute against ``folder``, in place."""
     places: list[tuple[dict[str, Any], str]] = []
     section = data.get("data")
     if isinstance(section, dict) and section.get("kind") == "files":
@@ -174,6 +174,9 @@ def _anchor_data_paths(data: dict[str, Any], folder: Path) -> None:
     remote = data.get("remote")
     if isinstance(remote, dict):
         places.append((remote, "tokens_file"))
+    population = data.get("population")
+    if isinstance(population, dict):
+        places.append((population, "trace"))
     for table, key in places:
         value = table.get(key)
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():

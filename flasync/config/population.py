@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -81,9 +82,19 @@ class PopulationConfig(_Section):
         default_factory=dict,
         description="Fixed slowdown factors of named clients (client id -> factor), on top of the speed model.",
     )
+    trace: str | None = Field(
+        None,
+        min_length=1,
+        description="A device trace (.csv: client, speed, online intervals, optional bandwidths; .json: FedScale's "
+        "device files): each client's relative speed replaces the speed model's per-client factor, its online "
+        "intervals are the availability windows, its bandwidths (if given) its links' (client k follows trace "
+        "client k mod T).",
+    )
 
     @model_validator(mode="after")
     def _check_slow_clients(self) -> PopulationConfig:
+        if self.trace is not None and Path(self.trace).suffix.lower() not in (".csv", ".json"):
+            raise _FieldError(("population", "trace"), f"unsupported format of {self.trace!r} (use .csv or .json)")
         for client_id, factor in self.slow_clients.items():
             if not 0 <= client_id < self.num_clients:
                 raise _FieldError(

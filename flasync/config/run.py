@@ -144,6 +144,8 @@ class RunConfig(_Section):
                 if value != default:
                     raise _FieldError(field_loc, "is not supported with topology.kind = 'tree' (flat runs only)")
         sampling = self.population.sampling
+        if self.population.trace is not None:
+            self._check_trace()
         if self.faults.availability is not None and sampling != "uniform":
             raise _FieldError(
                 ("faults", "availability"),
@@ -174,6 +176,18 @@ class RunConfig(_Section):
                 f"must be <= resilience.zscore_window ({res.zscore_window}), got {res.zscore_min_history}",
             )
         return self
+
+    def _check_trace(self) -> None:
+        """Refuse what a device trace cannot combine with: other windows, sampling that ignores them, devices."""
+        where = ("population", "trace")
+        if self.faults.availability is not None:
+            raise _FieldError(where, "gives the availability windows; remove faults.availability")
+        if self.population.sampling != "uniform":
+            raise _FieldError(where, f"windows need population.sampling = 'uniform', not {self.population.sampling!r}")
+        if self.population.available_fraction < 1.0:
+            raise _FieldError(where, "gives the availability windows; remove population.available_fraction")
+        if self.remote.enabled:
+            raise _FieldError(where, "simulates devices; remote.enabled trains on real ones")
 
     def _check_server_sizes(self, n: int) -> None:
         """Refuse a server that asks for more clients at once than the population's ``n``."""

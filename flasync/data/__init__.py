@@ -155,7 +155,12 @@ def _digits_table() -> np.ndarray | None:
 
 
 def make_synthetic(
-    *, num_samples: int, num_features: int = 32, num_classes: int = 10, rng: np.random.Generator
+    *,
+    num_samples: int,
+    num_features: int = 32,
+    num_classes: int = 10,
+    rng: np.random.Generator,
+    classes: np.ndarray | None = None,
 ) -> ArrayData:
     """Draw a linearly separable toy data set.
 
@@ -168,6 +173,7 @@ def make_synthetic(
         num_features: Feature dimension ``d`` (>= 1).
         num_classes: Number of classes (>= 1).
         rng: Source of randomness.
+        classes: Draw labels uniformly from these classes only (a client of label-quantity skew); default: all.
 
     Returns:
         ``x`` of shape ``(N, d)``, ``y`` of shape ``(N,)``.
@@ -182,7 +188,10 @@ def make_synthetic(
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1; got {num_classes}.")
     x = rng.standard_normal((num_samples, num_features), dtype=np.float32)
-    y = rng.integers(0, num_classes, size=num_samples, dtype=np.int64)
+    if classes is None:
+        y = rng.integers(0, num_classes, size=num_samples, dtype=np.int64)
+    else:
+        y = np.asarray(classes, dtype=np.int64)[rng.integers(0, len(classes), size=num_samples)]
     x[np.arange(num_samples), y % num_features] += 2.0
     return ArrayData(x=torch.from_numpy(x), y=torch.from_numpy(y), num_classes=num_classes)
 

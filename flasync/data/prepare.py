@@ -15,8 +15,11 @@ from flasync.config import (
     ByColumnPartition,
     DigitsData,
     DirichletPartition,
+    FeatureSkewPartition,
     FilesData,
     IIDPartition,
+    LabelQuantityPartition,
+    QuantityPartition,
     RunConfig,
     ShardsPartition,
     SyntheticData,
@@ -38,6 +41,14 @@ from flasync.data import (
     train_test_split,
 )
 from flasync.data.files import load_files
+from flasync.data.skew import (
+    LazySkewedClients,
+    apportion,
+    client_size_weights,
+    partition_label_quantity,
+    partition_quantity,
+    skew_features,
+)
 
 __all__ = ["Loaded", "lazy_clients", "load", "partition"]
 
@@ -68,8 +79,17 @@ def load(
         DataError: If the files cannot be read or leave no held-out sample.
     """
     if dataset is None and isinstance(config.data, FilesData):
-        return _load_files(config, config.data)
-    return Loaded(*_load_arrays(config, dataset, test_dataset))
+        loaded = _load_files(config, config.data)
+    else:
+        loaded = Loaded(*_load_arrays(config, dataset, test_dataset))
+    part, source = config.partition, config.data
+    lazy = isinstance(source, SyntheticData) and source.lazy and dataset is None
+    if isinstance(part, FeatureSkewPartition) and not lazy:  # lazy clients skew their own draws
+        # The split depends on the sample count and the seed only: the one partition() returns later.
+        owned = partition(config, loaded.train)
+        train = skew_features(loaded.train, owned, noise=part.noise, rotations=part.rotations, seed=config.seed)
+        return Loaded(train, loaded.test, loaded.partition, loaded.files_sha256)
+    return loaded
 
 
 def _load_arrays(
@@ -147,12 +167,39 @@ def _load_files(cfg: RunConfig, source: FilesData) -> Loaded:
 
 
 def lazy_clients(cfg: RunConfig) -> SyntheticClients:
-    """Return the clients of a lazy synthetic source, each drawing its own data when sampled."""
-    source = cfg.data
+    """Return the clients of a lazy synthetic source, each drawing its own data when sampled.
+
+    Quantity skew draws the clients' sizes (one count per client, ``samples_per_client`` on average); label-quantity
+    and feature skew apply to each client's own draw; the other partitions do not apply.
+    """
+    source, part, n = cfg.data, cfg.partition, cfg.population.num_clients
     assert isinstance(source, SyntheticData)
+    features, classes, seed = source.num_features, source.num_classes, cfg.seed
+    if isinstance(part, QuantityPartition):
+        weights = client_size_weights(
+            n,
+            distribution=part.distribution,
+            sigma=1.0 if part.sigma is None else part.sigma,
+            exponent=2.0 if part.exponent is None else part.exponent,
+            rng=seeding.numpy_stream(seed, seeding.PARTITION),
+        )
+        sizes = apportion(weights, source.samples_per_client * n, min_size=part.min_samples)
+        return SyntheticClients(sizes, num_features=features, num_classes=classes, seed=seed)
     # One value seen through a zero stride: every client holds the same count, stored once.
-    sizes = np.broadcast_to(np.int64(source.samples_per_client), (cfg.population.num_clients,))
-    return SyntheticClients(sizes, num_features=source.num_features, num_classes=source.num_classes, seed=cfg.seed)
+    sizes = np.broadcast_to(np.int64(source.samples_per_client), (n,))
+    if isinstance(part, LabelQuantityPartition | FeatureSkewPartition):
+        labels = part.labels_per_client if isinstance(part, LabelQuantityPartition) else None
+        noise, rotations = (part.noise, part.rotations) if isinstance(part, FeatureSkewPartition) else (0.0, 1)
+        return LazySkewedClients(
+            sizes,
+            num_features=features,
+            num_classes=classes,
+            seed=seed,
+            labels_per_client=labels,
+            noise=noise,
+            rotations=rotations,
+        )
+    return SyntheticClients(sizes, num_features=features, num_classes=classes, seed=seed)
 
 
 def partition(cfg: RunConfig, train: ArrayData) -> Partition:
@@ -171,9 +218,23 @@ def partition(cfg: RunConfig, train: ArrayData) -> Partition:
         partition = partition_iid(len(train), n, rng=rng)
     elif isinstance(part, DirichletPartition):
         partition = partition_dirichlet(train.y.numpy(), n, alpha=part.alpha, rng=rng, min_samples=part.min_samples)
-    else:
-        assert isinstance(part, ShardsPartition)
+    elif isinstance(part, ShardsPartition):
         partition = partition_shards(train.y.numpy(), n, shards_per_client=part.shards_per_client, rng=rng)
+    elif isinstance(part, LabelQuantityPartition):
+        partition = partition_label_quantity(train.y.numpy(), n, labels_per_client=part.labels_per_client, rng=rng)
+    elif isinstance(part, QuantityPartition):
+        partition = partition_quantity(
+            len(train),
+            n,
+            distribution=part.distribution,
+            sigma=1.0 if part.sigma is None else part.sigma,
+            exponent=2.0 if part.exponent is None else part.exponent,
+            min_samples=part.min_samples,
+            rng=rng,
+        )
+    else:
+        assert isinstance(part, FeatureSkewPartition)
+        partition = partition_iid(len(train), n, rng=rng)
     empty = np.flatnonzero(partition.sizes == 0)
     if len(empty):
         raise DataError(f"partition leaves {len(empty)} client(s) with 0 samples (first: client {empty[0]})")

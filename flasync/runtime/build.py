@@ -36,6 +36,7 @@ from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
 from flasync.clients.simulated.client import ClientWorld, CohortClients
 from flasync.clients.simulated.faults import FaultModel
 from flasync.clients.simulated.population import Network, Population
+from flasync.clients.simulated.trace import DeviceTrace, TraceWindows
 from flasync.codecs import Pipeline
 from flasync.codecs.build import pipeline
 from flasync.codecs.validation import UpdateValidator
@@ -146,6 +147,7 @@ def build_world(
         wall=wall,
     )
     population = config.population
+    trace = prepared.trace
     return ClientWorld(
         clock=clock,
         bus=bus,
@@ -159,9 +161,15 @@ def build_world(
             available_fraction=population.available_fraction,
             availability_period_s=population.availability_period_s,
             slow_clients=population.slow_clients,
+            trace_slowdown=None if trace is None else 1.0 / trace.speed,
         ),
-        network=Network(config.network, population.num_clients, config.seed),
-        faults=FaultModel(config.faults, config.seed, population.num_clients),
+        network=Network(config.network, population.num_clients, config.seed, _trace_links(trace)),
+        faults=FaultModel(
+            config.faults,
+            config.seed,
+            population.num_clients,
+            None if trace is None else TraceWindows(trace, population.num_clients),
+        ),
         samples=samples,
         pool=executor.pool,
         job=job,
@@ -175,6 +183,13 @@ _TAKEN_NAMES = frozenset(
     | {"aggregator", "accounting", "sampler", "registry", "intake", "policy"}
 )
 """Names of a checkpoint's entries besides a caller's plug-ins: the server's own state and the run's own plug-ins."""
+
+
+def _trace_links(trace: DeviceTrace | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Return a device trace's link bandwidths (up, down), None where it gives none."""
+    if trace is None or trace.upload_bytes_per_s is None or trace.download_bytes_per_s is None:
+        return None
+    return trace.upload_bytes_per_s, trace.download_bytes_per_s
 
 
 def check_plugins(plugins: Sequence[object]) -> None:
@@ -546,7 +561,7 @@ def _make_dispatch(
         on_release=world.forget,
         share=share,
     )
-    if availability is None and world.faults is not None and world.faults.config.availability is not None:
+    if availability is None and world.faults is not None and world.faults.windows:
         availability = world.faults
     sampler = ClientSampler(
         population, config.population.sampling, seeding.numpy_stream(config.seed, seeding.SERVER), availability

@@ -17,6 +17,7 @@ from flasync.aggregation.privacy import (
     calibrate_noise_multiplier,
     sampling_rate,
 )
+from flasync.clients.simulated.trace import DeviceTrace, read_trace
 from flasync.config import (
     ByColumnPartition,
     FedAvgServer,
@@ -80,6 +81,8 @@ class Prepared:
     factory."""
     shapes: tuple[tuple[int, ...], ...] = ()
     """The shapes of the tensors of ``initial``, in order (:func:`flasync.training.local.flat_layout`)."""
+    trace: DeviceTrace | None = None
+    """The device trace ``population.trace`` names (None: none)."""
 
 
 class RunInputs:
@@ -269,6 +272,7 @@ class RunInputs:
             privacy,
             None if self.config.model.partial else self._model_spec(train),
             shapes,
+            read_trace(self.config.population.trace) if self.config.population.trace is not None else None,
         )
 
     def _tree(self) -> Tree | None:
@@ -308,7 +312,8 @@ def plan_privacy(config: RunConfig, num_clients: int) -> PrivacyPlan:
         denominator = per_version = server.buffer_size
     else:  # pragma: no cover - the config refuses privacy with FedAsync
         raise ConfigError("privacy.enabled needs server.kind = 'fedavg' or 'fedbuff'")
-    uniform = config.population.sampling == "uniform" and config.faults.availability is None
+    windows = config.faults.availability is not None or config.population.trace is not None
+    uniform = config.population.sampling == "uniform" and not windows
     rate = sampling_rate(per_version=per_version, num_clients=num_clients, uniform=uniform)
     z = dp.noise_multiplier
     if z is None:

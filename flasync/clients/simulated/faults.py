@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flasync.clients.simulated.trace import TraceWindows
 from flasync.config import FaultsConfig
 from flasync.core import seeding
 
@@ -42,19 +43,21 @@ class TaskFate:
 
 
 class FaultModel:
-    """Per-task failure draws and per-client availability windows.
+    """Per-task failure draws and per-client availability windows (periodic, or a device trace's).
 
     Args:
-        config: The rates and the optional availability windows.
+        config: The rates and the optional periodic availability windows.
         seed: The run's seed.
         num_clients: Population size.
+        trace: A device trace's availability windows instead of periodic ones (``population.trace``).
     """
 
-    def __init__(self, config: FaultsConfig, seed: int, num_clients: int) -> None:
+    def __init__(self, config: FaultsConfig, seed: int, num_clients: int, trace: TraceWindows | None = None) -> None:
         """Draw each client's availability phase once."""
         self.config = config
         self.seed = seed
         self.num_clients = num_clients
+        self.trace = trace
         byzantine = round(config.byzantine * num_clients)
         self.attackers: frozenset[int] = frozenset()
         """The clients that attack with every update (``faults.byzantine`` of the population)."""
@@ -76,10 +79,15 @@ class FaultModel:
         return -factor if self.config.attack == "sign_flip" else factor
 
     @property
+    def windows(self) -> bool:
+        """Tell whether clients have availability windows (periodic or a trace's)."""
+        return self.config.availability is not None or self.trace is not None
+
+    @property
     def active(self) -> bool:
         """Tell whether any fault is configured."""
         cfg = self.config
-        return cfg.crash > 0 or cfg.hang > 0 or cfg.dropout > 0 or cfg.availability is not None
+        return cfg.crash > 0 or cfg.hang > 0 or cfg.dropout > 0 or self.windows
 
     def fate(self, client_id: int, participation: int) -> TaskFate:
         """Return the fate of ``client_id``'s ``participation``-th task (the same whenever it is asked)."""
@@ -99,6 +107,8 @@ class FaultModel:
     # ------------------------------------------------------------------------------------------- availability
     def online(self, client_id: int, t: float) -> bool:
         """Tell whether ``client_id`` is online at time ``t``."""
+        if self.trace is not None:
+            return self.trace.online(client_id, t)
         availability = self.config.availability
         if availability is None:
             return True
@@ -107,6 +117,8 @@ class FaultModel:
 
     def online_mask(self, t: float) -> np.ndarray:
         """Return a boolean array: which clients are online at time ``t``."""
+        if self.trace is not None:
+            return self.trace.online_mask(t)
         availability = self.config.availability
         if availability is None:
             return np.ones(self.num_clients, dtype=bool)
@@ -115,6 +127,8 @@ class FaultModel:
 
     def offline_at(self, client_id: int, t: float) -> float:
         """Return when ``client_id``, online at ``t``, next goes offline (``inf`` if it never does)."""
+        if self.trace is not None:
+            return self.trace.offline_at(client_id, t)
         availability = self.config.availability
         if availability is None or availability.online_fraction >= 1.0:
             return math.inf
@@ -124,6 +138,8 @@ class FaultModel:
 
     def next_online(self, t: float) -> float:
         """Return the first time ``>= t`` at which some client is online."""
+        if self.trace is not None:
+            return self.trace.next_online(t)
         availability = self.config.availability
         if availability is None:
             return t

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +46,9 @@ class Population:
         availability_period_s: Length of a client's on/off cycle in simulated seconds (a day, by default); each
             client's cycle starts at its own random phase.
         slow_clients: Fixed slowdown factors of some clients (id -> factor), multiplying their training time.
+        trace_slowdown: A device trace's slowdown factor (``1 / speed``) of each trace client; client ``k`` takes
+            that of trace client ``k mod T`` in place of the speed model's per-client factor (its per-task
+            draws, lognormal jitter or half-normal spread, stay).
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class Population:
         available_fraction: float = 1.0,
         availability_period_s: float = 86_400.0,
         slow_clients: Mapping[int, float] | None = None,
+        trace_slowdown: np.ndarray | None = None,
     ) -> None:
         """Draw per-client speed factors and availability phases once, from the run's seed."""
         if not 0.0 < available_fraction <= 1.0:
@@ -68,7 +73,9 @@ class Population:
         self.seed = seed
         self.slowdown: DrawnColumn | None = None
         """Each client's speed factor (log-normal speed only), drawn on demand for a large population."""
-        if isinstance(speed, LogNormalSpeed):
+        self.trace_slowdown = None if trace_slowdown is None else np.asarray(trace_slowdown, dtype=np.float64)
+        """A device trace's slowdown of each trace client (None: the speed model's)."""
+        if isinstance(speed, LogNormalSpeed) and trace_slowdown is None:
             sigma = speed.sigma
             self.slowdown = DrawnColumn(
                 seeding.numpy_stream(seed, seeding.SPEED), n, lambda g, m: g.normal(0.0, sigma, size=m), np.exp
@@ -101,7 +108,7 @@ class Population:
     @property
     def nbytes(self) -> int:
         """Return the bytes of every per-client array the population holds now."""
-        arrays = [self.sizes, self.phase, self.last_used, self._fresh, self._queue, self._cdf]
+        arrays = [self.sizes, self.phase, self.last_used, self._fresh, self._queue, self._cdf, self.trace_slowdown]
         held = sum(_held_bytes(a) for a in arrays if a is not None) + self._queue_stamp.nbytes
         return held + (self.slowdown.nbytes if self.slowdown is not None else 0)
 
@@ -109,10 +116,15 @@ class Population:
         """Return simulated seconds of ``client_id``'s ``participation``-th task of ``steps`` local steps."""
         speed = self.speed
         base = steps * speed.seconds_per_step * self.fixed_slowdown.get(client_id, 1.0)
+        traced = self.trace_slowdown
+        if traced is not None:
+            base *= float(traced[client_id % len(traced)])
         if isinstance(speed, ConstantSpeed):
             return base
         draw = seeding.stream_normal(self.seed, seeding.TASK_SPEED, client_id, participation)
         if isinstance(speed, LogNormalSpeed):
+            if traced is not None:
+                return base * math.exp(speed.jitter * draw)
             assert self.slowdown is not None
             return base * float(self.slowdown[client_id]) * math.exp(speed.jitter * draw)
         if isinstance(speed, HalfNormalSpeed):
@@ -346,9 +358,17 @@ class Network:
         config: Medians and log-space spreads.
         num_clients: Population size.
         seed: The run's seed (the draws use their own stream, once per client).
+        trace_links: A device trace's uplink and downlink bandwidths of each trace client (bytes a second); client
+            ``k`` takes those of trace client ``k mod T`` instead of drawn ones (its latency is still drawn).
     """
 
-    def __init__(self, config: NetworkConfig, num_clients: int = 1, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: NetworkConfig,
+        num_clients: int = 1,
+        seed: int = 0,
+        trace_links: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         """Draw every client's latency and bandwidths (one stream: latencies, then uploads, then downloads)."""
         self.config = config
         rng = seeding.numpy_stream(seed, seeding.NETWORK)
@@ -356,15 +376,18 @@ class Network:
         self.latency_s = DrawnColumn(
             rng, num_clients, lambda g, m: g.normal(0.0, latency, m), lambda z: config.latency_s * np.exp(z)
         )
-        self.upload_bytes_per_s = DrawnColumn(
+        self.upload_bytes_per_s: DrawnColumn | _Cycled = DrawnColumn(
             rng, num_clients, lambda g, m: g.normal(0.0, bandwidth, m), lambda z: config.upload_bytes_per_s * np.exp(z)
         )
-        self.download_bytes_per_s = DrawnColumn(
+        self.download_bytes_per_s: DrawnColumn | _Cycled = DrawnColumn(
             rng,
             num_clients,
             lambda g, m: g.normal(0.0, bandwidth, m),
             lambda z: config.download_bytes_per_s * np.exp(z),
         )
+        if trace_links is not None:
+            self.upload_bytes_per_s = _Cycled(trace_links[0])
+            self.download_bytes_per_s = _Cycled(trace_links[1])
 
     @property
     def nbytes(self) -> int:
@@ -396,6 +419,25 @@ class Network:
         ids = np.asarray(client_ids, dtype=np.int64)
         seconds: list[float] = (self.latency_s[ids] + float(num_bytes) / self.download_bytes_per_s[ids]).tolist()
         return seconds
+
+
+class _Cycled:
+    """A trace's per-client values seen by population client id: client ``k`` has the value of ``k mod T``."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        """Keep the trace's values."""
+        self.values = np.asarray(values, dtype=np.float64)
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes held (the trace's values)."""
+        return int(self.values.nbytes)
+
+    def __getitem__(self, clients: int | np.ndarray) -> Any:
+        """Return one client's value or an array of the values of an array of clients."""
+        if isinstance(clients, int | np.integer):
+            return self.values[int(clients) % len(self.values)]
+        return self.values[np.asarray(clients, dtype=np.int64) % len(self.values)]
 
 
 def _held_bytes(array: np.ndarray) -> int:

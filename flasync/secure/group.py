@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 from flasync.secure.keys import RandomSource
@@ -32,10 +33,11 @@ class Phase(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class WeightedEncoding:
-    """A client's update and its weight as one ring vector: ``[encode(w * delta), encode(w)]``.
+    """A client's update and its weights as one ring vector: ``[encode(w * delta), encode(e)]``.
 
-    The client applies its own weight (example weight times staleness weight, scaled to ``[0, 1]``) before masking,
-    so the unmasked sum is ``(sum w_u delta_u, sum w_u)``: the weighted mean needs nothing from one client alone.
+    The client applies its own weight ``w`` (example weight times staleness weight, scaled to ``[0, 1]``) before
+    masking and sends its share ``e`` of the denominator beside it, so the unmasked sum is
+    ``(sum w_u delta_u, sum e_u)``: the weighted mean needs nothing from one client alone.
 
     Attributes:
         values: Fixed-point code of the weighted delta's coordinates (clipped to its range).
@@ -54,21 +56,23 @@ class WeightedEncoding:
         """Return the ring elements of one encoded update."""
         return num_params + 1
 
-    def encode(self, delta: torch.Tensor, weight: float) -> RingVector:
-        """Encode ``weight * delta`` and ``weight``.
+    def encode(self, delta: torch.Tensor, weight: float, denominator: float | None = None) -> RingVector:
+        """Encode ``weight * delta`` and the weight the sum is divided by (``denominator``; None: ``weight``).
+
+        FedBuff divides the staleness-weighted sum by the sum of example weights alone: its clients pass
+        ``weight = s(tau) * e`` and ``denominator = e``.
 
         Raises:
-            ValueError: ``weight`` is outside ``[0, 1]``.
+            ValueError: A weight outside ``[0, 1]``.
         """
-        if not 0.0 <= weight <= 1.0:
-            raise ValueError(f"a client weight must be in [0, 1], got {weight}")
-        import numpy as np  # local: the module's math otherwise speaks torch
-
+        denominator = weight if denominator is None else denominator
+        if not (0.0 <= weight <= 1.0 and 0.0 <= denominator <= 1.0):
+            raise ValueError(f"client weights must be in [0, 1], got {weight} and {denominator}")
         scaled = self.values.encode(delta.reshape(-1).to(torch.float64) * weight)
-        return np.concatenate([scaled, self.weights.encode(torch.tensor([weight], dtype=torch.float64))])
+        return np.concatenate([scaled, self.weights.encode(torch.tensor([denominator], dtype=torch.float64))])
 
     def decode(self, total: RingVector) -> tuple[torch.Tensor, float]:
-        """Return the weighted sum of deltas (float64) and the sum of weights of an unmasked total."""
+        """Return the weighted sum of deltas (float64) and the sum of denominators of an unmasked total."""
         return self.values.decode(total[:-1]), float(self.weights.decode(total[-1:])[0])
 
 

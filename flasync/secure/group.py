@@ -6,15 +6,25 @@ messages) so that the simulation can charge it like any transfer (:func:`phase_s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from flasync.secure.keys import RandomSource
-from flasync.secure.messages import MaskedInput, ShareBundle, UnmaskResponse
+from flasync.secure.messages import (
+    Advertise,
+    KeysBroadcast,
+    MaskedInput,
+    Roster,
+    ShareBundle,
+    UnmaskRequest,
+    UnmaskResponse,
+    decode_message,
+)
 from flasync.secure.protocol import GroupParams, ProtocolAbort, SecAggClient
 from flasync.secure.ring import FixedPoint, RingVector
 from flasync.secure.server import GroupOutcome, SecAggServer
@@ -151,48 +161,37 @@ def run_group(
         return [u for u in sorted(clients) if drops.get(u, len(Phase)) > phase]
 
     try:
-        adverts = {u: clients[u].advertise() for u in alive(Phase.ADVERTISE)}
-        _charge(costs[Phase.ADVERTISE].upload_bytes, {u: a.nbytes for u, a in adverts.items()})
-        broadcasts = server.broadcast_keys(adverts)
-        _charge(costs[Phase.ADVERTISE].download_bytes, {u: b.nbytes for u, b in broadcasts.items()})
+        advertise, share, mask, unmask = (costs[p] for p in Phase)
+        adverts = _carry(advertise.upload_bytes, {u: clients[u].advertise() for u in alive(Phase.ADVERTISE)})
+        broadcasts = _carry(advertise.download_bytes, server.broadcast_keys(adverts))
         bundles = {u: clients[u].share(broadcasts[u]) for u in alive(Phase.SHARE) if u in broadcasts}
-        _share_round(costs[Phase.SHARE], bundles, server, clients)
-        masked = _mask_round(costs[Phase.MASK], alive(Phase.MASK), server, clients, inputs)
-        request = server.collect(masked)
+        inboxes = _carry(share.download_bytes, server.relay_shares(_carry(share.upload_bytes, bundles)))
+        _carry(share.download_bytes, server.rosters())
+        for u in sorted(inboxes):
+            clients[u].receive_shares(inboxes[u])
+        sharers = server.rosters().keys()
+        masked = {u: clients[u].mask(inputs[u]) for u in alive(Phase.MASK) if u in sharers}
+        request = server.collect(_carry(mask.upload_bytes, masked))
+        requests = _carry(unmask.download_bytes, dict.fromkeys(sorted(request.survivors), request))
         answering = [u for u in alive(Phase.UNMASK) if u in request.survivors]
-        _charge(costs[Phase.UNMASK].download_bytes, {u: request.nbytes for u in request.survivors})
-        responses: dict[int, UnmaskResponse] = {u: clients[u].unmask(request) for u in answering}
-        _charge(costs[Phase.UNMASK].upload_bytes, {u: r.nbytes for u, r in responses.items()})
+        responses = _carry(unmask.upload_bytes, {u: clients[u].unmask(requests[u]) for u in answering})
         outcome = server.unmask(request, responses)
     except ProtocolAbort as abort:
         return GroupResult(None, costs, dropped, str(abort))
     return GroupResult(outcome, costs, dropped)
 
 
-def _share_round(
-    cost: PhaseCost, bundles: Mapping[int, ShareBundle], server: SecAggServer, clients: Mapping[int, SecAggClient]
-) -> None:
-    _charge(cost.upload_bytes, {u: b.nbytes for u, b in bundles.items()})
-    inboxes = server.relay_shares(bundles)
-    rosters = server.rosters()
-    _charge(cost.download_bytes, {u: inboxes[u].nbytes + rosters[u].nbytes for u in inboxes})
-    for u in sorted(inboxes):
-        clients[u].receive_shares(inboxes[u])
+_M = TypeVar("_M", Advertise, KeysBroadcast, ShareBundle, Roster, MaskedInput, UnmaskRequest, UnmaskResponse)
 
 
-def _mask_round(
-    cost: PhaseCost,
-    alive: Sequence[int],
-    server: SecAggServer,
-    clients: Mapping[int, SecAggClient],
-    inputs: Mapping[int, RingVector],
-) -> dict[int, MaskedInput]:
-    sharers = server.rosters().keys()
-    masked = {u: clients[u].mask(inputs[u]) for u in alive if u in sharers}
-    _charge(cost.upload_bytes, {u: m.nbytes for u, m in masked.items()})
-    return masked
-
-
-def _charge(into: dict[int, int], amounts: Mapping[int, int]) -> None:
-    for client, nbytes in amounts.items():
-        into[client] = into.get(client, 0) + nbytes
+def _carry(into: dict[int, int], messages: Mapping[int, _M]) -> dict[int, _M]:
+    """Send each message through its wire form, as a transport would; charge its bytes to its client."""
+    carried: dict[int, _M] = {}
+    for client, message in messages.items():
+        data = message.to_bytes()
+        into[client] = into.get(client, 0) + len(data)
+        back = decode_message(data)
+        if not isinstance(back, type(message)):
+            raise ProtocolAbort(f"a {type(message).__name__} came back as a {type(back).__name__}")
+        carried[client] = back
+    return carried

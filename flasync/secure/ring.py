@@ -131,7 +131,7 @@ class FixedPoint:
         limit = float(((1 << (self.bits - 1)) - 1) // self.group_size)
         if int(limit) > ((1 << (self.bits - 1)) - 1) // self.group_size:  # float64 rounded the bound up
             limit = math.nextafter(limit, 0.0)
-        scaled = values.detach().reshape(-1).to(torch.float64).clamp(-self.clip, self.clip) * self.scale
+        scaled = values.detach().reshape(-1).to(torch.float64).clamp(-self.clip, self.clip) * float(self.scale)
         integers = torch.round(scaled.clamp(-limit, limit)).to(torch.int64).numpy()
         return np.bitwise_and(integers.astype(np.uint64), ring_mask(self.bits))
 
@@ -143,4 +143,4 @@ class FixedPoint:
         else:
             half = np.uint64(1 << (self.bits - 1))
             signed = reduced.astype(np.int64) - np.where(reduced >= half, np.int64(1 << self.bits), np.int64(0))
-        return torch.from_numpy(signed.astype(np.float64) / self.scale)
+        return torch.from_numpy(signed.astype(np.float64) / float(self.scale))

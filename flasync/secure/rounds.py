@@ -34,10 +34,13 @@ __all__ = ["ClientUpdate", "GroupReport", "Link", "SecureAggregator", "SecureBuf
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """The network the protocol's messages cross: bandwidths in bytes per second and one-way latency in seconds."""
+    """The network the protocol's messages cross: bandwidths in bytes per second and one-way latency in seconds.
 
-    upload_bytes_per_s: float = 1e6
-    download_bytes_per_s: float = 1e7
+    The defaults are ``[network]``'s medians (10 Mbit/s up, 40 Mbit/s down, 50 ms).
+    """
+
+    upload_bytes_per_s: float = 1.25e6
+    download_bytes_per_s: float = 5.0e6
     latency_s: float = 0.05
 
 
@@ -90,6 +93,27 @@ class GroupReport:
     def abandoned(self) -> bool:
         """Return whether the group ended without a sum."""
         return self.weighted_sum is None
+
+    def figures(self) -> dict[str, float]:
+        """Return the group's figures for one log line (dotted metric keys under ``secagg.``).
+
+        Bytes and simulated seconds of each protocol round, clients dropped and recovered, whether the group was
+        abandoned, and the overhead: all protocol bytes over what the survivors' plain float32 uploads would be.
+        """
+        figures: dict[str, float] = {}
+        for phase, nbytes in self.phase_bytes.items():
+            figures[f"secagg.{phase}_bytes"] = float(nbytes)
+            figures[f"secagg.{phase}_s"] = self.phase_s[phase]
+        figures["secagg.dropped"] = float(len(self.dropped))
+        figures["secagg.recovered"] = float(len(self.recovered))
+        figures["secagg.abandoned"] = float(self.abandoned)
+        if self.plain_upload_bytes:
+            figures["secagg.bytes_ratio"] = sum(self.phase_bytes.values()) / self.plain_upload_bytes
+        return figures
+
+    def log(self, log: Any, *, step: int) -> None:
+        """Write :meth:`figures` as one ``server.secagg`` line (the tracking processor makes them metrics)."""
+        log.info("server.secagg", step=step, group=self.group, **self.figures())
 
     def mean(self) -> torch.Tensor | None:
         """Return the weighted mean ``sum w delta / sum e`` (None: abandoned, or no weight)."""
@@ -247,10 +271,12 @@ class SecureBuffer:
         The version steps when the group gives a sum; an abandoned buffer leaves the version where it was.
 
         Raises:
-            ValueError: The update claims a base version newer than the model's.
+            ValueError: The update claims a base version newer than the model's, or its client already waits.
         """
         if not 0 <= update.base_version <= self.version:
             raise ValueError(f"base version {update.base_version} is not in [0, {self.version}]")
+        if any(w.client == update.client for w in self.waiting):
+            raise ValueError(f"client {update.client} already waits in this buffer (one update per client a buffer)")
         self.waiting.append(update)
         if len(self.waiting) < self.buffer_size:
             return None

@@ -46,7 +46,7 @@ def test_a_secure_fedavg_round_gives_the_sample_weighted_mean() -> None:
     bound = 10 * aggregator.encoding.values.step * scale / sum(samples) + 1e-6
     assert (mean - expected).abs().max().item() <= bound
     assert set(report.phase_bytes) == {"advertise", "share", "mask", "unmask"}
-    assert report.phase_bytes["mask"] == 10 * (8 + 4 * (_PARAMS + 1))
+    assert report.phase_bytes["mask"] == 10 * (1 + 8 + 4 * (_PARAMS + 1))
     assert all(seconds > 0.0 for seconds in report.phase_s.values())
 
 
@@ -145,3 +145,27 @@ def test_an_update_from_a_future_version_is_refused() -> None:
     """A base version newer than the buffer's model is refused."""
     with pytest.raises(ValueError, match="base version"):
         _buffer().arrive(WaitingUpdate(0, 1, torch.zeros(_PARAMS), 1.0, 0.0))
+
+
+def test_a_report_logs_bytes_and_seconds_per_round_and_its_dropouts() -> None:
+    """One server.secagg line carries each round's bytes and seconds, dropouts, recoveries and abandonment."""
+    import structlog
+    from structlog.testing import capture_logs
+
+    updates = [ClientUpdate(i, d, 1.0) for i, d in enumerate(_deltas(10))]
+    report = _aggregator().aggregate(0, updates, drops={4: Phase.MASK})
+    with capture_logs() as lines:
+        report.log(structlog.get_logger(), step=7)
+    (line,) = lines
+    assert line["event"] == "server.secagg" and line["step"] == 7
+    assert line["secagg.recovered"] == 1.0 and line["secagg.dropped"] == 1.0 and line["secagg.abandoned"] == 0.0
+    assert line["secagg.mask_bytes"] == 9 * (1 + 8 + 4 * (_PARAMS + 1))
+    assert line["secagg.bytes_ratio"] > 1.0
+
+
+def test_a_client_waits_in_a_buffer_once() -> None:
+    """A client holding an update in the filling buffer cannot add a second one to it."""
+    buffer = _buffer()
+    buffer.arrive(WaitingUpdate(3, 0, torch.zeros(_PARAMS), 1.0, 0.0))
+    with pytest.raises(ValueError, match="already waits"):
+        buffer.arrive(WaitingUpdate(3, 0, torch.zeros(_PARAMS), 1.0, 1.0))

@@ -8,13 +8,16 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flasync.secure.group import Phase, WeightedEncoding, run_group
 from flasync.secure.keys import SeededRandom
-from flasync.secure.messages import UnmaskRequest
+from flasync.secure.messages import UnmaskRequest, UnmaskResponse
 from flasync.secure.protocol import GroupParams, ProtocolAbort, SecAggClient, neighbour_graph
 from flasync.secure.ring import RingVector, ring_sum
 from flasync.secure.server import SecAggServer
+from flasync.secure.shamir import PRIME
 
 _CHI2_DF15_P999 = 37.697  # the 0.999 quantile of chi-square with 15 degrees of freedom
 
@@ -159,3 +162,39 @@ def test_a_group_repeats_bit_for_bit_from_its_seeds() -> None:
 
     assert digest(1) == digest(1)
     assert digest(1) != digest(2)
+
+
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None)
+@given(
+    phases=st.lists(st.sampled_from(list(Phase)), min_size=7, max_size=7),
+    chosen=st.sets(st.integers(10, 16), max_size=2),
+)
+def test_any_two_dropouts_among_seven_are_recovered_exactly(phases: list[Phase], chosen: set[int]) -> None:
+    """Whichever two clients drop, at whichever rounds, the result is the exact ring sum of the inputs that arrived."""
+    params = _group(7, threshold=4, length=12)
+    inputs = _inputs(params, seed=3)
+    drops = {u: phases[u - 10] for u in chosen}
+    result = run_group(params, inputs, _rngs(params), drops=drops)
+    assert result.outcome is not None, result.reason
+    arrived = [u for u in sorted(inputs) if drops.get(u, Phase.UNMASK + 1) > Phase.MASK]
+    assert np.array_equal(result.outcome.total, ring_sum([inputs[u] for u in arrived], params.bits))
+
+
+def test_corrupt_shares_stop_the_unmasking() -> None:
+    """A share altered between a client and the server makes the rebuilt seed invalid: the group stops, no sum."""
+    params = _group(5, threshold=3)
+    clients = {u: SecAggClient(u, params, SeededRandom(u)) for u in params.neighbours}
+    server = SecAggServer(params)
+    broadcasts = server.broadcast_keys({u: c.advertise() for u, c in clients.items()})
+    inboxes = server.relay_shares({u: c.share(broadcasts[u]) for u, c in clients.items()})
+    for u, client in clients.items():
+        client.receive_shares(inboxes[u])
+    request = server.collect({u: c.mask(_inputs(params)[u]) for u, c in clients.items()})
+    responses = {u: clients[u].unmask(request) for u in sorted(request.survivors)}
+    first = responses[10]
+    forged = dict(first.seed_shares)
+    forged[11] = (forged[11] + 1) % PRIME
+    responses[10] = UnmaskResponse(10, forged, first.key_shares)
+    with pytest.raises(ProtocolAbort, match="corrupt"):
+        server.unmask(request, responses)

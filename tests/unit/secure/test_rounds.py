@@ -169,3 +169,10 @@ def test_a_client_waits_in_a_buffer_once() -> None:
     buffer.arrive(WaitingUpdate(3, 0, torch.zeros(_PARAMS), 1.0, 0.0))
     with pytest.raises(ValueError, match="already waits"):
         buffer.arrive(WaitingUpdate(3, 0, torch.zeros(_PARAMS), 1.0, 1.0))
+
+
+def test_protocol_bytes_follow_the_guides_formula() -> None:
+    """Without dropouts each client sends and receives 128 + 546 k + 8 n + e (P + 1) bytes, as the guide says."""
+    n, k = 10, 8
+    report = _aggregator().aggregate(0, [ClientUpdate(i, d, 1.0) for i, d in enumerate(_deltas(n))], drops={})
+    assert sum(report.phase_bytes.values()) == n * (128 + 546 * k + 8 * n + 4 * (_PARAMS + 1))

@@ -1,10 +1,10 @@
 """Secure aggregation: accuracy with and without it, and what it costs per update in bytes and simulated seconds.
 
 1. Accuracy: FedBuff (K = 10, concurrency 20, polynomial staleness) and FedAvg (10 clients a round) on a non-IID
-   Gaussian-mixture task (100 clients, an MLP 32-64-10), each run twice from the same seed: plain float32 sums,
+   Gaussian-mixture task (100 clients, an MLP 32-64-10), each run three times from the same seed: plain float32 sums,
    then every buffer or round through SecAgg+ (:mod:`flasync.secure`, 32-bit ring, clip 1, 5% of clients dropping
-   at a random round of the protocol). The clients, their order and their deltas are the same in both runs; the
-   difference is the fixed-point quantization, the clipping and the dropped updates.
+   at a random round of the protocol), then secure with no dropout. The clients and their order are the same in
+   every run; what differs is the fixed-point quantization, the clipping and the dropped updates.
 2. Cost per update: one group of K = 10, 50, 100 (a FedBuff buffer, or a FedAvg round of 100) with the complete
    graph (SecAgg) and with 16 neighbours (SecAgg+): protocol bytes per client against a plain float32 upload of the
    same model, simulated seconds of the protocol's four rounds on [network]'s default link against one plain
@@ -49,8 +49,9 @@ class Task:
             self.clients.append((self._points(labels, generator), labels))
         test_labels = torch.arange(2000) % CLASSES
         self.test = (self._points(test_labels, generator), test_labels)
-        self.model = nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, CLASSES))
-        torch.manual_seed(seed)  # benchmark script: the model's initial weights
+        with torch.random.fork_rng():  # the model's initial weights from the seed, the global stream untouched
+            torch.manual_seed(seed)
+            self.model = nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, CLASSES))
         self.initial = nn.utils.parameters_to_vector(self.model.parameters()).detach().clone()
 
     def _points(self, labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -58,7 +59,8 @@ class Task:
 
     def delta(self, weights: torch.Tensor, client: int) -> torch.Tensor:
         """Train 2 local epochs of SGD (batch 20, lr 0.05) from ``weights``; return ``weights - local``."""
-        nn.utils.vector_to_parameters(weights, self.model.parameters())
+        # vector_to_parameters makes the parameters views of its vector: train on a copy, never on ``weights``
+        nn.utils.vector_to_parameters(weights.clone(), self.model.parameters())
         optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
         x, y = self.clients[client]
         for _ in range(2):
@@ -70,7 +72,7 @@ class Task:
 
     def accuracy(self, weights: torch.Tensor) -> float:
         """Return the test accuracy of ``weights``."""
-        nn.utils.vector_to_parameters(weights, self.model.parameters())
+        nn.utils.vector_to_parameters(weights.clone(), self.model.parameters())
         with torch.no_grad():
             x, y = self.test
             return float((self.model(x).argmax(1) == y).float().mean())
@@ -91,21 +93,23 @@ def secure(group_size: int, seed: int, neighbours: int | None = None, dropout: f
     )
 
 
-def fedbuff(task: Task, *, versions: int, seed: int, secured: bool) -> dict[str, Any]:
+def fedbuff(task: Task, *, versions: int, seed: int, secured: bool, dropout: float = 0.05) -> dict[str, Any]:
     """Run FedBuff in virtual time (lognormal durations); plain buffers or SecureBuffer; return accuracy and costs."""
     k, concurrency, staleness = 10, 20, PolynomialStaleness(a=0.5)
     rng = np.random.default_rng(seed)
     weights, version = task.initial.clone(), 0
-    buffer = SecureBuffer(secure(k, seed), k, staleness, example_weight_scale=float(PER_CLIENT))
+    buffer = SecureBuffer(secure(k, seed, dropout=dropout), k, staleness, example_weight_scale=float(PER_CLIENT))
     acc, total_e, count = torch.zeros_like(weights), 0.0, 0
     heap: list[tuple[float, int, int, int, torch.Tensor]] = []
     waits: list[float] = []
     abandoned = recovered = sequence = 0
+    in_buffer: set[int] = set()
 
     def dispatch(now: float) -> None:
-        # a client trains one task at a time, and one waiting for its buffer to fill trains none
+        # a client trains one task at a time, and one waiting for its buffer to fill trains none; the plain run
+        # samples the same way (no client twice in a buffer), so the runs differ in their aggregation alone
         nonlocal sequence
-        busy = {entry[2] for entry in heap} | {w.client for w in buffer.waiting}
+        busy = {entry[2] for entry in heap} | {w.client for w in buffer.waiting} | in_buffer
         client = int(rng.choice(sorted(set(range(CLIENTS)) - busy)))
         finish = now + float(rng.lognormal(0.0, 0.6))
         heapq.heappush(heap, (finish, sequence, client, version, weights.clone()))
@@ -130,7 +134,9 @@ def fedbuff(task: Task, *, versions: int, seed: int, secured: bool) -> dict[str,
         else:
             acc += staleness(version - base) * delta
             total_e, count = total_e + 1.0, count + 1
+            in_buffer.add(client)
             if count == k:
+                in_buffer.clear()
                 weights -= acc / total_e
                 acc.zero_()
                 total_e, count, version = 0.0, 0, version + 1
@@ -140,13 +146,14 @@ def fedbuff(task: Task, *, versions: int, seed: int, secured: bool) -> dict[str,
         "abandoned": abandoned,
         "recovered": recovered,
         "mean_wait_s": float(np.mean(waits)) if waits else 0.0,
+        "weights": weights,
     }
 
 
-def fedavg(task: Task, *, rounds: int, seed: int, secured: bool) -> dict[str, Any]:
+def fedavg(task: Task, *, rounds: int, seed: int, secured: bool, dropout: float = 0.05) -> dict[str, Any]:
     """Run FedAvg rounds of 10 sampled clients; plain or secure sums; return accuracy and the groups' counts."""
     rng = np.random.default_rng(seed)
-    weights, aggregator = task.initial.clone(), secure(10, seed)
+    weights, aggregator = task.initial.clone(), secure(10, seed, dropout=dropout)
     abandoned = recovered = 0
     for r in range(rounds):
         cohort = [int(c) for c in rng.choice(CLIENTS, 10, replace=False)]
@@ -160,7 +167,7 @@ def fedavg(task: Task, *, rounds: int, seed: int, secured: bool) -> dict[str, An
                 weights -= mean
         else:
             weights -= torch.stack(deltas).mean(0)
-    return {"accuracy": task.accuracy(weights), "abandoned": abandoned, "recovered": recovered}
+    return {"accuracy": task.accuracy(weights), "abandoned": abandoned, "recovered": recovered, "weights": weights}
 
 
 def overhead(num_params: int, seed: int) -> list[dict[str, Any]]:
@@ -217,25 +224,33 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "secagg.json")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest, and the figures do not depend on the core count
     task = Task(args.seed)
+    variants = (("plain", False, 0.0), ("secure", True, 0.05), ("secure, no dropout", True, 0.0))
     accuracy = {
         "fedbuff": {
-            name: fedbuff(task, versions=args.versions, seed=args.seed, secured=flag)
-            for name, flag in (("plain", False), ("secure", True))
+            name: fedbuff(task, versions=args.versions, seed=args.seed, secured=flag, dropout=rate)
+            for name, flag, rate in variants
         },
         "fedavg": {
-            name: fedavg(task, rounds=args.versions, seed=args.seed, secured=flag)
-            for name, flag in (("plain", False), ("secure", True))
+            name: fedavg(task, rounds=args.versions, seed=args.seed, secured=flag, dropout=rate)
+            for name, flag, rate in variants
         },
     }
     for mode, runs in accuracy.items():
-        plain, sec = runs["plain"], runs["secure"]
-        print(
-            f"{mode}: accuracy plain {plain['accuracy']:.4f}, secure {sec['accuracy']:.4f} "
-            f"(difference {sec['accuracy'] - plain['accuracy']:+.4f}); recovered {sec['recovered']}, "
-            f"abandoned {sec['abandoned']}"
-            + (f", mean buffer wait {sec['mean_wait_s']:.2f} s" if "mean_wait_s" in sec else "")
-        )
+        plain, plain_weights = runs["plain"]["accuracy"], runs["plain"]["weights"]
+        for run in runs.values():
+            run["max_weight_gap"] = float((run.pop("weights") - plain_weights).abs().max())
+        for name, run in runs.items():
+            line = (
+                f"{mode} {name}: accuracy {run['accuracy']:.4f} (against plain {run['accuracy'] - plain:+.4f}), "
+                f"largest weight gap to plain {run['max_weight_gap']:.2e}"
+            )
+            if name != "plain":
+                line += f"; recovered {run['recovered']}, abandoned {run['abandoned']}"
+            if run.get("mean_wait_s"):
+                line += f", mean buffer wait {run['mean_wait_s']:.2f} s"
+            print(line)
     rows = overhead(int(task.initial.numel()), args.seed)
     print(
         _table(

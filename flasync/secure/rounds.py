@@ -168,7 +168,12 @@ class SecureAggregator:
         return drops
 
     def aggregate(
-        self, group: int, updates: Sequence[ClientUpdate], *, drops: Mapping[int, Phase] | None = None
+        self,
+        group: int,
+        updates: Sequence[ClientUpdate],
+        *,
+        drops: Mapping[int, Phase] | None = None,
+        announce_bytes: int = 0,
     ) -> GroupReport:
         """Run ``updates``' clients through the protocol as group ``group``; return the sum and the costs.
 
@@ -176,6 +181,7 @@ class SecureAggregator:
             group: The group's id: keys, masks and graph are drawn for it alone.
             updates: Each member's update and weight (at most ``group_size``).
             drops: Who drops at which round (None: drawn with :meth:`drops`).
+            announce_bytes: What the server sends each member with round 0 beside the keys (a buffer's version).
 
         Raises:
             ValueError: More members than ``group_size``, or one client twice.
@@ -196,6 +202,10 @@ class SecureAggregator:
         rngs = {c: SeededRandom((self.seed, group, c, 2)) for c in clients}
         drops = self.drops(group, clients) if drops is None else drops
         result = run_group(params, inputs, rngs, drops=drops)
+        if announce_bytes:
+            downloads = result.costs[Phase.ADVERTISE].download_bytes
+            for client in downloads:
+                downloads[client] += announce_bytes
         return self._report(group, result, num_params)
 
     def _report(self, group: int, result: GroupResult, num_params: int) -> GroupReport:
@@ -230,6 +240,9 @@ class SecureAggregator:
     def element_bytes(self) -> int:
         """Return the bytes of one masked coordinate on the wire."""
         return element_bytes(self.bits)
+
+
+_VERSION_BYTES = 8  # the version a buffer steps from, sent to each member with round 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,7 +301,7 @@ class SecureBuffer:
             example = min(1.0, m.example_weight / self.example_weight_scale)
             staleness = self.staleness_weight(self.version - m.base_version)
             updates.append(ClientUpdate(m.client, m.delta, min(1.0, staleness * example), example))
-        report = self.aggregator.aggregate(self.buffers, updates)
+        report = self.aggregator.aggregate(self.buffers, updates, announce_bytes=_VERSION_BYTES)
         self.buffers += 1
         if not report.abandoned:
             self.version += 1

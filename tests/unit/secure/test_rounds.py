@@ -176,3 +176,16 @@ def test_protocol_bytes_follow_the_guides_formula() -> None:
     n, k = 10, 8
     report = _aggregator().aggregate(0, [ClientUpdate(i, d, 1.0) for i, d in enumerate(_deltas(n))], drops={})
     assert sum(report.phase_bytes.values()) == n * (128 + 546 * k + 8 * n + 4 * (_PARAMS + 1))
+
+
+def test_a_buffer_charges_the_version_it_announces_to_each_member() -> None:
+    """Each member of a buffer receives the version its buffer steps from: 8 bytes more in round 0 than a round."""
+    deltas = _deltas(5)
+    buffer = _buffer()
+    closed = None
+    for i, d in enumerate(deltas):
+        closed = buffer.arrive(WaitingUpdate(i, 0, d, 4.0, float(i)))
+    assert closed is not None
+    updates = [ClientUpdate(i, d, 1.0, 1.0) for i, d in enumerate(deltas)]
+    alone = _buffer().aggregator.aggregate(0, updates)
+    assert closed[0].phase_bytes["advertise"] == alone.phase_bytes["advertise"] + 5 * 8

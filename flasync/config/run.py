@@ -31,6 +31,7 @@ from flasync.config.runtime import (
     StopConfig,
     TrackingConfig,
 )
+from flasync.config.secure import SecureAggregationConfig
 from flasync.config.server import FedAsyncServer, FedAvgServer, FedBuffServer, ServerConfig
 from flasync.config.topology import FlatTopology, TopologyConfig, TreeTopology
 
@@ -74,6 +75,7 @@ class RunConfig(_Section):
     privacy: PrivacyConfig = PrivacyConfig()
     scaffold: ScaffoldConfig = ScaffoldConfig()
     remote: RemoteConfig = RemoteConfig()
+    secure_aggregation: SecureAggregationConfig = SecureAggregationConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -202,6 +204,12 @@ class RunConfig(_Section):
                 raise _FieldError(("server", name), f"must be <= population.num_clients ({n}), got {count}")
 
     @model_validator(mode="after")
+    def _secure_aggregation_checks(self) -> RunConfig:
+        if self.secure_aggregation.enabled:
+            check_secure_aggregation(self)
+        return self
+
+    @model_validator(mode="after")
     def _registry_checks(self) -> RunConfig:
         track = self.tracking
         if track.register is not None and not track.enabled:
@@ -282,6 +290,66 @@ class RunConfig(_Section):
             raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
         if self.privacy.enabled:
             raise _FieldError(where, "cannot be combined with privacy.enabled (the variates are not privatized)")
+
+
+def check_secure_aggregation(config: RunConfig) -> None:
+    """Refuse what secure aggregation cannot combine with, each with its reason, a group it cannot protect, and then
+    any run: the protocol runs in :mod:`flasync.secure`'s simulation, not yet inside ``flasync run``.
+
+    Raises:
+        _FieldError: The first combination refused.
+    """
+    where, server, res = ("secure_aggregation", "enabled"), config.server, config.resilience
+    if isinstance(server, FedAsyncServer):
+        raise _FieldError(where, "needs server.kind = 'fedavg' or 'fedbuff' (FedAsync applies each update alone)")
+    refusals: list[tuple[bool, str]] = [
+        (
+            any(s.kind in ("topk", "randomk") for s in config.codec.upload),
+            "cannot combine with a topk/randomk upload "
+            "stage: each client keeps other coordinates, and masks only cancel over the same coordinates",
+        ),
+        (
+            bool(config.codec.upload),
+            "takes no codec.upload stage: the masked ring vector is the upload's encoding "
+            "(secure_aggregation.bits per coordinate)",
+        ),
+        (
+            getattr(server, "aggregation", "mean") != "mean",
+            "needs server.aggregation = 'mean': a robust rule needs the individual updates the server must not see",
+        ),
+        (
+            any(
+                v is not None
+                for v in (res.max_update_norm, res.zscore_threshold, res.norm_bound_factor, res.clip_update_norm)
+            ),
+            "cannot combine with the server's norm checks or clipping (resilience.*_norm, zscore_threshold, "
+            "norm_bound_factor): the server never sees one update's norm; secure_aggregation.clip bounds each value",
+        ),
+        (
+            isinstance(config.topology, TreeTopology),
+            "is not supported with topology.kind = 'tree' (an edge would see its clients' updates)",
+        ),
+        (
+            config.privacy.enabled,
+            "cannot combine with privacy.enabled: central DP clips each update at the server's "
+            "intake, which never sees one under secure aggregation",
+        ),
+        (config.scaffold.enabled, "cannot combine with scaffold.enabled (the control variates would travel unmasked)"),
+        (config.remote.enabled, "runs with simulated clients; remote clients cannot take part yet"),
+    ]
+    for refused, reason in refusals:
+        if refused:
+            raise _FieldError(where, reason)
+    if isinstance(server, FedAvgServer):
+        group = math.ceil((1.0 + res.over_selection) * server.clients_per_round)
+        config.secure_aggregation.check_group(group, ("server", "clients_per_round"))
+    else:
+        config.secure_aggregation.check_group(server.buffer_size, ("server", "buffer_size"))
+    raise _FieldError(
+        where,
+        "flasync run does not run the protocol in a federation yet: simulate it with flasync.secure "
+        "(SecureAggregator for rounds, SecureBuffer for buffers) or benchmarks/secagg.py",
+    )
 
 
 def flatten(config: BaseModel) -> dict[str, Any]:

@@ -14,20 +14,25 @@ Both print a line as each run starts; this script stamps the lines as they arriv
 seconds (process start to exit) and the median seconds per run after the first (from one run's start line to the
 next's, runs 2 to N-1: the last one's end is the process's); then the sweep's wall time over the untracked one's
 (goal: below 1.3) and its per-run seconds less the untracked ones (the fixed cost of a tracked run once the writer
-process is warm; goal: within 0.2 s).
+process is warm; goal: within 0.2 s). Each repeat's figures, their medians, the load average before and after each
+command and a description of the machine go to ``benchmarks/results/sweep.json`` (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,29 +76,88 @@ def _per_run(starts: list[float]) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
+def machine() -> dict[str, Any]:
+    """Describe the machine and the code a result was measured with."""
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=False
+    ).stdout.strip()
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "commit": commit,
+    }
+
+
+def _load() -> float:
+    """The 1-minute load average (the machine may be shared: a figure is read beside the load it ran under)."""
+    return round(os.getloadavg()[0], 2)
+
+
 def main() -> None:
-    """Time both commands ``--repeats`` times and print the figures and their ratios."""
+    """Time both commands ``--repeats`` times, print the figures and their ratios and store them as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="runs per command (at least 3)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--sweep-arg", action="append", default=[], help="one more argument of the sweep command")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sweep.json", help="results")
     args = parser.parse_args()
-    print(f"{args.runs} runs of the default config each way, {os.cpu_count()} cores, python {sys.version.split()[0]}")
-    print(f"{'repeat':>6} {'command':<10} {'wall s':>8} {'s/run':>7}")
-    ratios, costs = [], []
+    described = machine()
+    print(
+        f"{args.runs} runs of the default config each way, {described['cpus']} cores ({described['cpu']}), "
+        f"python {described['python']}, commit {described['commit']}"
+    )
+    print(f"{'repeat':>6} {'command':<10} {'wall s':>8} {'s/run':>7} {'load':>10}")
+    ratios, costs, repeats = [], [], []
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="flasync-bench-sweep-") as folder:
+            before_plain = _load()
             plain = _timed([sys.executable, "-c", UNTRACKED, str(args.runs)], folder)
+            before_sweep = _load()
             store = f"sqlite:///{folder}/store/mlflow.db"
             sweep_command = [sys.executable, "-m", "flasync", "sweep", "--grid", f"seed=0..{args.runs - 1}"]
             sweep_command += ["--set", "tracking.log_level=warning", "--tracking-uri", store, *args.sweep_arg]
             swept = _timed(sweep_command, folder)
+            after = _load()
+        loads = {"untracked": (before_plain, before_sweep), "sweep": (before_sweep, after)}
+        row: dict[str, Any] = {"repeat": repeat}
         for name, (wall, starts) in (("untracked", plain), ("sweep", swept)):
-            print(f"{repeat:>6} {name:<10} {wall:>8.2f} {_per_run(starts):>7.3f}")
+            load = loads[name]
+            print(f"{repeat:>6} {name:<10} {wall:>8.2f} {_per_run(starts):>7.3f} {load[0]:>4.2f}-{load[1]:<4.2f}")
+            row[name] = {"wall_s": round(wall, 3), "per_run_s": round(_per_run(starts), 4), "load_1m": load}
         ratios.append(swept[0] / plain[0])
         costs.append(_per_run(swept[1]) - _per_run(plain[1]))
-    print(f"sweep / untracked wall time: {statistics.median(ratios):.3f}x (goal < 1.3)")
-    print(f"sweep's fixed cost per run after the first: {statistics.median(costs):+.3f} s (goal within 0.2 s)")
+        row |= {"wall_ratio": round(ratios[-1], 4), "fixed_cost_per_run_s": round(costs[-1], 4)}
+        repeats.append(row)
+    ratio, cost = statistics.median(ratios), statistics.median(costs)
+    print(f"sweep / untracked wall time: {ratio:.3f}x (goal < 1.3)")
+    print(f"sweep's fixed cost per run after the first: {cost:+.3f} s (goal within 0.2 s)")
+    result = {
+        "benchmark": "sweep",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": described,
+        "settings": {"runs": args.runs, "repeats": args.repeats, "sweep_args": args.sweep_arg},
+        "repeats": repeats,
+        "median": {
+            "wall_ratio": round(ratio, 4),
+            "fixed_cost_per_run_s": round(cost, 4),
+            "untracked_wall_s": round(statistics.median(r["untracked"]["wall_s"] for r in repeats), 3),
+            "sweep_wall_s": round(statistics.median(r["sweep"]["wall_s"] for r in repeats), 3),
+        },
+        "goals": {"wall_ratio_below": 1.3, "fixed_cost_per_run_within_s": 0.2},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"written to {args.out}")
 
 
 if __name__ == "__main__":

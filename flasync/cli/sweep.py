@@ -101,6 +101,8 @@ def command_sweep(args: argparse.Namespace) -> int:
     except tracking.StoreNotWritableError as exc:
         raise UsageError(str(exc)) from None
     parent, plan = _parent(args, uri, plan, parallel)
+    if args.resume is not None and args.parallel is None:  # as it was started: a search's batches stay the same
+        parallel = parent.parallel or parallel
     level = args.log_level or plan.template.tracking.log_level
     tracking.configure_logging(fmt=args.log_format, level=level)
     _quiet_optuna(plan)

@@ -61,6 +61,7 @@ evaluation logs (``server/eval/accuracy``), or one of the summary's figures."""
 
 _FIELD_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _MAX_TRIALS = 10_000
+_NO_WRAP = 1 << 30
 
 
 def parse_objective(objective: str) -> tuple[str, str]:
@@ -233,8 +234,6 @@ def value_text(value: Any) -> str:
     Raises:
         ConfigError: The value is a float that is not finite.
     """
-    import json
-
     import yaml
 
     from flasync.config.loading import safe_yaml
@@ -253,5 +252,8 @@ def value_text(value: Any) -> str:
             parsed = safe_yaml(value) if value.strip() else None
         except (yaml.YAMLError, ValueError):
             parsed = None
-        return value if parsed == value else json.dumps(value)
-    return json.dumps(value)
+        if parsed == value:
+            return value
+        return yaml.safe_dump(value, default_style='"', allow_unicode=True, width=_NO_WRAP).strip()
+    text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=_NO_WRAP)
+    return text.removesuffix("\n...\n").strip()

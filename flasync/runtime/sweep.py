@@ -191,8 +191,7 @@ def point_config(base: Mapping[str, Any], point: SweepPoint, uri: str | None) ->
             apply_override(data, override)
         config = validate(data)
     except ConfigError as exc:
-        what = "trial" if point.trial else "--grid point"
-        raise ConfigError(f"{what} {point.name}: {exc}") from None
+        raise ConfigError(f"{point.name}: {exc}" if point.trial else f"--grid point {point.name}: {exc}") from None
     if not config.tracking.enabled:
         raise ConfigError("tracking.enabled = false: a sweep's runs are MLflow child runs of one parent run")
     if config.remote.enabled:

@@ -97,6 +97,8 @@ class SweepParent:
         self._run_id = tracker.run_id or ""
         self._store: tuple[mlflow.MlflowClient, str] | None = None
         self._children: dict[str, Run] | None = None
+        self.parallel: int | None = None
+        """A reopened sweep's runs at once, as it was started (a search draws its trials in batches of as many)."""
 
     @property
     def run_id(self) -> str:
@@ -164,6 +166,8 @@ class SweepParent:
         tracker.resume(run_id)
         parent = cls(tracker, uri, tags[SWEEP_TAG], resumed=True)
         parent._store = (client, run.info.experiment_id)
+        recorded = run.data.params.get("sweep.parallel", "")
+        parent.parallel = int(recorded) if recorded.isdigit() and int(recorded) > 0 else None
         return parent, plan
 
     @staticmethod

@@ -154,19 +154,27 @@ class SearchPlan:
     def batches(
         self, rows: Mapping[int, SweepRow], unfinished: Sequence[SweepPoint], parallel: int
     ) -> Iterator[list[tuple[SweepPoint, RunConfig]]]:
-        """Yield the trials begun but not finished first (their values as they were drawn), then ``parallel`` new
-        trials at a time, each batch drawn once the runs before it have their rows, until ``trials`` have run."""
-        again = [point for point in unfinished if point.index not in rows]
-        if again:
-            yield [(point, self.config_of(point)) for point in again]
-        drawn = max([*rows, *(point.index for point in again), -1]) + 1
-        while drawn < self.size:
-            study = self._study(rows)
+        """Yield the trials without a row ``parallel`` at a time: trials ``k * parallel`` to ``(k + 1) * parallel - 1``
+        drawn together once every trial before them has its row, the ones begun before (``unfinished``) with the
+        values they had, until ``trials`` have run.
+
+        Each batch's trials are drawn again in full, so a batch of which some trials had finished, some had begun and
+        some had not yet started when the sweep was interrupted gets the values the uninterrupted search drew (with
+        the same ``parallel``)."""
+        begun = {point.index: point for point in unfinished}
+        done_before = -1
+        while True:
+            start = next((i - i % parallel for i in range(self.size) if i not in rows), None)
+            if start is None or start <= done_before:
+                return
+            done_before = start
+            study = self._study({index: row for index, row in rows.items() if index < start})
             batch = []
-            for index in range(drawn, min(drawn + parallel, self.size)):
-                point = self._draw(study, index)
-                batch.append((point, self.config_of(point)))
-            drawn += len(batch)
+            for index in range(start, min(start + parallel, self.size)):
+                drawn = self._draw(study, index)
+                if index not in rows:
+                    point = begun.get(index, drawn)
+                    batch.append((point, self.config_of(point)))
             yield batch
 
     def _draw(self, study: optuna.Study, index: int) -> SweepPoint:

@@ -67,7 +67,7 @@ KEY_TAG = "flasync.sweep.key"
 PLAN_ARTIFACT = "sweep/plan.json"
 """The parent's copy of the plan, which ``--resume PARENT_RUN_ID`` rebuilds the sweep from."""
 _CHECKPOINTS = "checkpoints"
-_COLUMNS = ("accuracy", "loss", "wall_s", "updates_per_s")
+_COLUMNS = ("accuracy", "loss", "wall_s", "updates_per_s", "objective")
 
 
 class SweepParent:

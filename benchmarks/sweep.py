@@ -3,7 +3,8 @@
     python benchmarks/sweep.py                    # 20 runs of the default config each way: a few minutes on 2 cores
     python benchmarks/sweep.py --runs 10 --repeats 2 --sweep-arg=--no-system-metrics
 
-Two commands, each in a fresh interpreter, alternated in each repeat so that a shared machine's drift hits both:
+Two commands, each in a fresh interpreter, their order swapped from one repeat to the next so that a shared machine's
+drift hits both:
 
 * ``untracked``: one process runs ``--runs`` runs of the default config (seeds ``0..runs-1``) one after another with
   ``flasync.run``, tracking off: the limit a sweep is measured against;
@@ -14,8 +15,10 @@ Both print a line as each run starts; this script stamps the lines as they arriv
 seconds (process start to exit) and the median seconds per run after the first (from one run's start line to the
 next's, runs 2 to N-1: the last one's end is the process's); then the sweep's wall time over the untracked one's
 (goal: below 1.3) and its per-run seconds less the untracked ones (the fixed cost of a tracked run once the writer
-process is warm; goal: within 0.2 s). Each repeat's figures, their medians, the load average before and after each
-command and a description of the machine go to ``benchmarks/results/sweep.json`` (``--out``).
+process is warm; goal: within 0.2 s). The CPU seconds of each command (its process and the processes it waited for,
+the writer among them) are printed beside: on a shared machine they move less with the load than wall seconds do.
+Each repeat's figures, their medians, the load average before and after each command and a description of the
+machine go to ``benchmarks/results/sweep.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import itertools
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,23 +55,36 @@ for seed in range(runs):
 """
 
 
-def _timed(command: list[str], cwd: str) -> tuple[float, list[float]]:
-    """Run ``command``; return its wall seconds and the seconds at which each run's start line arrived."""
+def _cpu() -> float:
+    """CPU seconds (user + system) of this process's finished and waited-for descendants."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(command: list[str], cwd: str) -> tuple[float, list[float], float]:
+    """Run ``command``; return its wall seconds, the seconds at which each run's start line arrived and its CPU
+    seconds."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cpu = _cpu()
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
     starts: list[float] = []
     tail: list[str] = []
-    for line in process.stderr:
-        if line.startswith("flasync sweep: run ") and line.rstrip().endswith("started"):
-            starts.append(time.perf_counter() - start)
-        tail = [*tail[-20:], line]
-    status = process.wait()
+    try:
+        for line in process.stderr:
+            if line.startswith("flasync sweep: run ") and line.rstrip().endswith("started"):
+                starts.append(time.perf_counter() - start)
+            tail = [*tail[-20:], line]
+        status = process.wait()
+    finally:
+        if process.poll() is None:  # interrupted here: the command does not outlive the benchmark
+            process.kill()
+            process.wait()
     wall = time.perf_counter() - start
     if status != 0:
         raise SystemExit(f"{command[:4]} exited {status}:\n{''.join(tail)}")
-    return wall, starts
+    return wall, starts, _cpu() - cpu
 
 
 def _per_run(starts: list[float]) -> float:
@@ -115,31 +132,44 @@ def main() -> None:
         f"{args.runs} runs of the default config each way, {described['cpus']} cores ({described['cpu']}), "
         f"python {described['python']}, commit {described['commit']}"
     )
-    print(f"{'repeat':>6} {'command':<10} {'wall s':>8} {'s/run':>7} {'load':>10}")
-    ratios, costs, repeats = [], [], []
+    print(f"{'repeat':>6} {'command':<10} {'wall s':>8} {'s/run':>7} {'cpu s':>7} {'load':>10}")
+    ratios, costs, cpu_ratios, repeats = [], [], [], []
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="flasync-bench-sweep-") as folder:
-            before_plain = _load()
-            plain = _timed([sys.executable, "-c", UNTRACKED, str(args.runs)], folder)
-            before_sweep = _load()
             store = f"sqlite:///{folder}/store/mlflow.db"
             sweep_command = [sys.executable, "-m", "flasync", "sweep", "--grid", f"seed=0..{args.runs - 1}"]
             sweep_command += ["--set", "tracking.log_level=warning", "--tracking-uri", store, *args.sweep_arg]
-            swept = _timed(sweep_command, folder)
-            after = _load()
-        loads = {"untracked": (before_plain, before_sweep), "sweep": (before_sweep, after)}
-        row: dict[str, Any] = {"repeat": repeat}
-        for name, (wall, starts) in (("untracked", plain), ("sweep", swept)):
+            commands = {"untracked": [sys.executable, "-c", UNTRACKED, str(args.runs)], "sweep": sweep_command}
+            order = ["untracked", "sweep"] if repeat % 2 == 0 else ["sweep", "untracked"]
+            timed, loads = {}, {}
+            for name in order:
+                before = _load()
+                timed[name] = _timed(commands[name], folder)
+                loads[name] = (before, _load())
+        row: dict[str, Any] = {"repeat": repeat, "order": order}
+        for name in ("untracked", "sweep"):
+            wall, starts, cpu = timed[name]
             load = loads[name]
-            print(f"{repeat:>6} {name:<10} {wall:>8.2f} {_per_run(starts):>7.3f} {load[0]:>4.2f}-{load[1]:<4.2f}")
-            row[name] = {"wall_s": round(wall, 3), "per_run_s": round(_per_run(starts), 4), "load_1m": load}
+            print(
+                f"{repeat:>6} {name:<10} {wall:>8.2f} {_per_run(starts):>7.3f} {cpu:>7.1f} "
+                f"{load[0]:>4.2f}-{load[1]:<4.2f}"
+            )
+            row[name] = {"wall_s": round(wall, 3), "per_run_s": round(_per_run(starts), 4), "cpu_s": round(cpu, 2)}
+            row[name]["load_1m"] = load
+        plain, swept = timed["untracked"], timed["sweep"]
         ratios.append(swept[0] / plain[0])
         costs.append(_per_run(swept[1]) - _per_run(plain[1]))
-        row |= {"wall_ratio": round(ratios[-1], 4), "fixed_cost_per_run_s": round(costs[-1], 4)}
+        cpu_ratios.append(swept[2] / plain[2])
+        row |= {
+            "wall_ratio": round(ratios[-1], 4),
+            "fixed_cost_per_run_s": round(costs[-1], 4),
+            "cpu_ratio": round(cpu_ratios[-1], 4),
+        }
         repeats.append(row)
     ratio, cost = statistics.median(ratios), statistics.median(costs)
     print(f"sweep / untracked wall time: {ratio:.3f}x (goal < 1.3)")
     print(f"sweep's fixed cost per run after the first: {cost:+.3f} s (goal within 0.2 s)")
+    print(f"sweep / untracked CPU seconds: {statistics.median(cpu_ratios):.3f}x")
     result = {
         "benchmark": "sweep",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -150,6 +180,7 @@ def main() -> None:
         "median": {
             "wall_ratio": round(ratio, 4),
             "fixed_cost_per_run_s": round(cost, 4),
+            "cpu_ratio": round(statistics.median(cpu_ratios), 4),
             "untracked_wall_s": round(statistics.median(r["untracked"]["wall_s"] for r in repeats), 3),
             "sweep_wall_s": round(statistics.median(r["sweep"]["wall_s"] for r in repeats), 3),
         },

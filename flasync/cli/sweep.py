@@ -15,7 +15,7 @@ from flasync import tracking
 from flasync.cli.running import run_with_signals, stopped_status
 from flasync.cli.shared import TRACKING_URI_HELP, UsageError
 from flasync.config import apply_override, config_data
-from flasync.config.sweep import SweepConfig, sweep_section, value_text
+from flasync.config.sweep import MAX_TRIALS, SweepConfig, sweep_section, value_text
 from flasync.core.errors import ConfigError
 from flasync.core.loops import run_loop
 
@@ -94,6 +94,8 @@ def command_sweep(args: argparse.Namespace) -> int:
     for flag, value in (("--parallel", args.parallel), ("--trials", args.trials)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
+    if args.trials is not None and args.trials > MAX_TRIALS:
+        raise UsageError(f"--trials {args.trials}: a search has at most {MAX_TRIALS} trials")
     uri = tracking.resolve_tracking_uri(args.tracking_uri)
     plan, parallel = (None, args.parallel or 1) if args.resume else _plan(args, uri)  # refused before the store
     try:

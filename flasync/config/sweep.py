@@ -32,6 +32,7 @@ from flasync.core.errors import ConfigError
 from flasync.core.events import EVALUATED_METRICS
 
 __all__ = [
+    "MAX_TRIALS",
     "OBJECTIVE_FIELDS",
     "CategoricalParameter",
     "FloatParameter",
@@ -60,7 +61,8 @@ OBJECTIVE_FIELDS: Mapping[str, str] = {
 evaluation logs (``server/eval/accuracy``), or one of the summary's figures."""
 
 _FIELD_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-_MAX_TRIALS = 10_000
+MAX_TRIALS = 10_000
+"""The most trials a search may have."""
 _NO_WRAP = 1 << 30
 
 
@@ -152,7 +154,7 @@ class SearchConfig(_Section):
     sampler: Literal["tpe", "random"] = Field(
         "tpe", description="Optuna's sampler: 'tpe' (Tree-structured Parzen Estimator) or 'random'."
     )
-    trials: int = Field(ge=1, le=_MAX_TRIALS, description="How many runs the search makes, in all.")
+    trials: int = Field(ge=1, le=MAX_TRIALS, description="How many runs the search makes, in all.")
     seed: int = Field(
         0, ge=0, lt=2**63, description="The sampler's seed: the same seed and results give the same trials."
     )

@@ -61,6 +61,7 @@ space."client.lr" = {kind = "float", low = 0.001, high = 0.3, log = true}
         (SEARCH, ["--objective", "loss:up"], "objective 'loss:up': the direction must be"),
         (SEARCH, ["--set", "sweep.search.trials=0"], "sweep.search.trials: "),
         (SEARCH, ["--trials", "0"], "--trials 0: must be at least 1"),
+        (SEARCH, ["--trials", "10001"], "--trials 10001: a search has at most 10000 trials"),
         (SEARCH.replace("0.001", "-1.0"), [], "sweep.search.space.client.lr.float: log = true needs low > 0"),
         (SEARCH.replace("0.001", "-1.0").replace(", log = true", ""), [], "trial 0: client.lr=-1.0: client.lr: "),
     ],

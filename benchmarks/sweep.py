@@ -16,7 +16,9 @@ seconds (process start to exit) and the median seconds per run after the first (
 next's, runs 2 to N-1: the last one's end is the process's); then the sweep's wall time over the untracked one's
 (goal: below 1.3) and its per-run seconds less the untracked ones (the fixed cost of a tracked run once the writer
 process is warm; goal: within 0.2 s). The CPU seconds of each command (its process and the processes it waited for,
-the writer among them) are printed beside: on a shared machine they move less with the load than wall seconds do.
+the writer among them) are printed beside, and its median CPU seconds per run after the first (the CPU time of the
+command's process and its live children read as each run's start line arrives): on a shared machine they move less
+with the load than wall seconds do, where a sweep's writer process also gets a share of the cores of its own.
 Each repeat's figures, their medians, the load average before and after each command and a description of the
 machine go to ``benchmarks/results/sweep.json`` (``--out``).
 """
@@ -37,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,20 +65,39 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _timed(command: list[str], cwd: str) -> tuple[float, list[float], float]:
-    """Run ``command``; return its wall seconds, the seconds at which each run's start line arrived and its CPU
-    seconds."""
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and its live descendants so far."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return float("nan")
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def _timed(command: list[str], cwd: str) -> tuple[float, list[float], float, list[float]]:
+    """Run ``command``; return its wall seconds, the seconds at which each run's start line arrived, its CPU
+    seconds, and its CPU seconds so far as each start line arrived."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cpu = _cpu()
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
     starts: list[float] = []
+    cpu_starts: list[float] = []
     tail: list[str] = []
     try:
         for line in process.stderr:
             if line.startswith("flasync sweep: run ") and line.rstrip().endswith("started"):
                 starts.append(time.perf_counter() - start)
+                cpu_starts.append(_tree_cpu(process.pid))
             tail = [*tail[-20:], line]
         status = process.wait()
     finally:
@@ -84,7 +107,7 @@ def _timed(command: list[str], cwd: str) -> tuple[float, list[float], float]:
     wall = time.perf_counter() - start
     if status != 0:
         raise SystemExit(f"{command[:4]} exited {status}:\n{''.join(tail)}")
-    return wall, starts, _cpu() - cpu
+    return wall, starts, _cpu() - cpu, cpu_starts
 
 
 def _per_run(starts: list[float]) -> float:
@@ -132,8 +155,8 @@ def main() -> None:
         f"{args.runs} runs of the default config each way, {described['cpus']} cores ({described['cpu']}), "
         f"python {described['python']}, commit {described['commit']}"
     )
-    print(f"{'repeat':>6} {'command':<10} {'wall s':>8} {'s/run':>7} {'cpu s':>7} {'load':>10}")
-    ratios, costs, cpu_ratios, repeats = [], [], [], []
+    print(f"{'repeat':>6} {'command':<10} {'wall s':>8} {'s/run':>7} {'cpu s':>7} {'cpu s/run':>9} {'load':>10}")
+    ratios, costs, cpu_ratios, cpu_costs, repeats = [], [], [], [], []
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="flasync-bench-sweep-") as folder:
             store = f"sqlite:///{folder}/store/mlflow.db"
@@ -148,28 +171,31 @@ def main() -> None:
                 loads[name] = (before, _load())
         row: dict[str, Any] = {"repeat": repeat, "order": order}
         for name in ("untracked", "sweep"):
-            wall, starts, cpu = timed[name]
+            wall, starts, cpu, cpu_starts = timed[name]
             load = loads[name]
             print(
                 f"{repeat:>6} {name:<10} {wall:>8.2f} {_per_run(starts):>7.3f} {cpu:>7.1f} "
-                f"{load[0]:>4.2f}-{load[1]:<4.2f}"
+                f"{_per_run(cpu_starts):>9.3f} {load[0]:>4.2f}-{load[1]:<4.2f}"
             )
             row[name] = {"wall_s": round(wall, 3), "per_run_s": round(_per_run(starts), 4), "cpu_s": round(cpu, 2)}
-            row[name]["load_1m"] = load
+            row[name] |= {"cpu_per_run_s": round(_per_run(cpu_starts), 4), "load_1m": load}
         plain, swept = timed["untracked"], timed["sweep"]
         ratios.append(swept[0] / plain[0])
         costs.append(_per_run(swept[1]) - _per_run(plain[1]))
         cpu_ratios.append(swept[2] / plain[2])
+        cpu_costs.append(_per_run(swept[3]) - _per_run(plain[3]))
         row |= {
             "wall_ratio": round(ratios[-1], 4),
             "fixed_cost_per_run_s": round(costs[-1], 4),
             "cpu_ratio": round(cpu_ratios[-1], 4),
+            "cpu_fixed_cost_per_run_s": round(cpu_costs[-1], 4),
         }
         repeats.append(row)
     ratio, cost = statistics.median(ratios), statistics.median(costs)
     print(f"sweep / untracked wall time: {ratio:.3f}x (goal < 1.3)")
     print(f"sweep's fixed cost per run after the first: {cost:+.3f} s (goal within 0.2 s)")
     print(f"sweep / untracked CPU seconds: {statistics.median(cpu_ratios):.3f}x")
+    print(f"sweep's CPU seconds per run after the first, over the untracked: {statistics.median(cpu_costs):+.3f} s")
     result = {
         "benchmark": "sweep",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -181,6 +207,7 @@ def main() -> None:
             "wall_ratio": round(ratio, 4),
             "fixed_cost_per_run_s": round(cost, 4),
             "cpu_ratio": round(statistics.median(cpu_ratios), 4),
+            "cpu_fixed_cost_per_run_s": round(statistics.median(cpu_costs), 4),
             "untracked_wall_s": round(statistics.median(r["untracked"]["wall_s"] for r in repeats), 3),
             "sweep_wall_s": round(statistics.median(r["sweep"]["wall_s"] for r in repeats), 3),
         },

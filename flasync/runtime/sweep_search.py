@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -59,14 +60,16 @@ class SearchPlan:
         objective: ``KEY:max`` or ``KEY:min``: what the search optimizes.
 
     Raises:
-        ConfigError: The objective is wrong, or the config is not valid at an end of a field's range or with one of
-            its choices (checked before any run).
+        ConfigError: Optuna is not installed, the objective is wrong, or the config is not valid at an end of a
+            field's range or with one of its choices (checked before any run).
     """
 
     def __init__(
         self, base: Mapping[str, Any], search: SearchConfig, uri: str | None = None, objective: str = DEFAULT_OBJECTIVE
     ) -> None:
         """Check the space's ends and choices against the config."""
+        if importlib.util.find_spec("optuna") is None:
+            raise ConfigError("sweep.search draws its trials with Optuna: pip install 'flasync[sweep]'")
         try:
             self._direction = parse_objective(objective)[1]
         except ValueError as exc:

@@ -147,3 +147,13 @@ def test_a_wrong_objective_is_refused() -> None:
     """An objective no run reports is a ConfigError."""
     with pytest.raises(ConfigError, match="is not a figure a run reports"):
         _plan(objective="server/eval/f1:max")
+
+
+def test_a_search_without_optuna_is_refused_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Optuna is not installed, a search is a ConfigError before any run, naming the ``sweep`` extra."""
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optuna" else found(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'flasync\[sweep\]'"):
+        _plan()

@@ -104,11 +104,13 @@ def config_data(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def validate(data: Mapping[str, Any]) -> RunConfig:
-    """Validate a plain mapping into a :class:`RunConfig`.
+    """Validate a plain mapping into a :class:`RunConfig` (a ``sweep`` table, ``flasync sweep``'s, is left out).
 
     Raises:
         ConfigError: With a one-line message naming the first wrong field.
     """
+    if "sweep" in data:  # `flasync sweep`'s section (flasync.config.sweep): a run is its base config
+        data = {key: value for key, value in data.items() if key != "sweep"}
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

@@ -2,7 +2,9 @@
 
 ``--grid server.kind=fedavg,fedbuff --grid seed=0..4`` is the cartesian product of its axes: ten points, each a
 list of ``--set`` overrides (values parsed as ``--set`` parses them) applied to one base config. Every point's
-config is validated before the first run starts, so a wrong key or value costs no run.
+config is validated before the first run starts, so a wrong key or value costs no run. A search
+(:class:`flasync.runtime.sweep_search.SearchPlan`) draws its points as it goes instead; both are a :class:`Plan`,
+which hands :class:`Sweep` its points in batches.
 
 The runs go one after another in this process (:class:`Sweep` with ``parallel=1``), or ``parallel`` at a time in
 worker processes; either way each process keeps its one MLflow writer process idle between its runs, so a run after
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hashlib
 import importlib
 import itertools
@@ -26,13 +29,15 @@ import multiprocessing.util
 import re
 import signal
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flasync import tracking
 from flasync.config import RunConfig, apply_override, validate
+from flasync.config.sweep import parse_objective, value_text
 from flasync.core.errors import ConfigError, RunInterrupted
 from flasync.core.loops import run_loop
 from flasync.runtime import tracked
@@ -41,8 +46,11 @@ if TYPE_CHECKING:
     from flasync.runtime.federation import Federation, RunSummary
 
 __all__ = [
+    "DEFAULT_OBJECTIVE",
     "MAX_POINTS",
+    "VALUES_TAG",
     "GridAxis",
+    "Plan",
     "PointTask",
     "Runner",
     "Sweep",
@@ -51,10 +59,18 @@ __all__ = [
     "SweepPoint",
     "SweepRow",
     "SweepRuns",
+    "grid_axis",
     "parse_axis",
+    "point_config",
     "run_federation",
     "run_point",
 ]
+
+VALUES_TAG = "flasync.sweep.values"
+"""A child run's point: ``{"index": ..., "values": [[key, text], ...]}`` (JSON), from which a search rebuilds it."""
+
+DEFAULT_OBJECTIVE = "server/eval/accuracy:max"
+"""What a sweep's best run is chosen by unless told otherwise: the final test accuracy, the higher the better."""
 
 MAX_POINTS = 10_000
 """The most points a sweep may have (a range such as ``seed=0..1000000`` is refused, not started)."""
@@ -108,6 +124,19 @@ def parse_axis(spec: str) -> GridAxis:
     return GridAxis(key, values, spec)
 
 
+def grid_axis(key: str, values: Sequence[Any] | str) -> GridAxis:
+    """Return the axis of a ``[sweep] grid`` entry: a text as ``--grid`` takes it (``"0..4"``), or a list of values
+    (each written as a ``--set`` text: ``[64, 64]``, ``1.0e-05``).
+
+    Raises:
+        ConfigError: As :func:`parse_axis` does for a text.
+    """
+    if isinstance(values, str):
+        return parse_axis(f"{key}={values}")
+    texts = tuple(value_text(value) for value in values)
+    return GridAxis(key, texts, f"{key}={','.join(texts)}")
+
+
 def _split_top_level(text: str) -> list[str]:
     """Split ``text`` at the commas outside brackets and braces (``[64, 64],[32]`` is two values)."""
     parts, depth, start = [], 0, 0
@@ -128,22 +157,102 @@ class SweepPoint:
     """One run of a sweep: its place in the grid and the value each axis takes.
 
     Attributes:
-        index: Its position (0-based) in the grid's order: the last axis varies fastest.
+        index: Its position (0-based) in the grid's order (the last axis varies fastest), or its trial's number.
         values: ``(key, value text)`` per axis, in the axes' order.
+        trial: A search's trial (its name starts with its number: two trials may draw the same values).
     """
 
     index: int
     values: tuple[tuple[str, str], ...]
+    trial: bool = False
 
     @property
     def name(self) -> str:
-        """The point's name, also its child run's name: ``server.kind=fedbuff,seed=3``."""
-        return ",".join(f"{key}={value}" for key, value in self.values)
+        """The point's name, also its child run's name: ``server.kind=fedbuff,seed=3`` (a trial's:
+        ``trial 3: client.lr=0.01``)."""
+        values = ",".join(f"{key}={value}" for key, value in self.values)
+        return f"trial {self.index}: {values}" if self.trial else values
 
     @property
     def overrides(self) -> list[str]:
         """The point's ``--set`` overrides."""
         return [f"{key}={value}" for key, value in self.values]
+
+
+def point_config(base: Mapping[str, Any], point: SweepPoint, uri: str | None) -> RunConfig:
+    """Return the validated config of ``point``: ``base`` with its overrides, named after it, logging to ``uri``.
+
+    Raises:
+        ConfigError: The config is not valid (the message names the point), has tracking off or remote clients.
+    """
+    data = copy.deepcopy(dict(base))
+    try:
+        for override in point.overrides:
+            apply_override(data, override)
+        config = validate(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{point.name}: {exc}" if point.trial else f"--grid point {point.name}: {exc}") from None
+    if not config.tracking.enabled:
+        raise ConfigError("tracking.enabled = false: a sweep's runs are MLflow child runs of one parent run")
+    if config.remote.enabled:
+        raise ConfigError("remote.enabled: a sweep runs simulated clients only")
+    named = {"run_name": point.name} | ({"uri": uri} if uri is not None else {})
+    return config.model_copy(update={"tracking": config.tracking.model_copy(update=named)})
+
+
+class Plan(Protocol):
+    """What a sweep runs: a grid (:class:`SweepPlan`) or a search
+    (:class:`flasync.runtime.sweep_search.SearchPlan`)."""
+
+    @property
+    def size(self) -> int:
+        """How many runs the sweep makes in all."""
+        ...
+
+    @property
+    def keys(self) -> list[str]:
+        """The fields the sweep varies (the table's columns)."""
+        ...
+
+    @property
+    def objective(self) -> str:
+        """``KEY:max`` or ``KEY:min``: what the best run is chosen by."""
+        ...
+
+    @property
+    def template(self) -> RunConfig:
+        """A run's config before the sweep's values are set (its experiment, logging and store are every run's)."""
+        ...
+
+    @property
+    def key(self) -> str:
+        """A digest of the plan: equal for the same sweep given again."""
+        ...
+
+    @property
+    def grid(self) -> str:
+        """The plan in one line (the parent run's ``flasync.sweep.grid`` tag)."""
+        ...
+
+    def params(self) -> dict[str, str | int]:
+        """Return the parent run's params describing the plan."""
+        ...
+
+    def to_json(self) -> dict[str, Any]:
+        """Return what the plan is rebuilt from (the parent run keeps it as ``sweep/plan.json``)."""
+        ...
+
+    def point_named(self, name: str, tags: Mapping[str, str]) -> SweepPoint | None:
+        """Return the point of a child run by its point's name and its tags (None: not one of this plan's)."""
+        ...
+
+    def batches(
+        self, rows: Mapping[int, SweepRow], unfinished: Sequence[SweepPoint], parallel: int
+    ) -> Iterator[list[tuple[SweepPoint, RunConfig]]]:
+        """Yield the points still to run, with their configs, a batch at a time; ``rows`` holds every point's
+        outcome so far (it grows as each batch runs) and ``unfinished`` the points a run began but did not
+        finish."""
+        ...
 
 
 class SweepPlan:
@@ -155,13 +264,21 @@ class SweepPlan:
         axes: The grid's axes.
         uri: The MLflow store every run logs to (None: the config's); kept out of :meth:`to_json`, since a URI may
             hold credentials.
+        objective: ``KEY:max`` or ``KEY:min`` (:data:`flasync.config.sweep.OBJECTIVE_FIELDS`): what the best run is
+            chosen by.
 
     Raises:
-        ConfigError: No axis, two axes of one field, more than :data:`MAX_POINTS` points, or a point whose config
-            is not valid (the message names the point), has tracking off or remote clients.
+        ConfigError: No axis, two axes of one field, more than :data:`MAX_POINTS` points, a point whose config
+            is not valid (the message names the point), has tracking off or remote clients, or a wrong objective.
     """
 
-    def __init__(self, base: Mapping[str, Any], axes: Sequence[GridAxis], uri: str | None = None) -> None:
+    def __init__(
+        self,
+        base: Mapping[str, Any],
+        axes: Sequence[GridAxis],
+        uri: str | None = None,
+        objective: str = DEFAULT_OBJECTIVE,
+    ) -> None:
         """Build the points and validate each one's config."""
         if not axes:
             raise ConfigError("a sweep needs a grid: --grid PATH=VALUES (e.g. --grid seed=0..4)")
@@ -172,44 +289,82 @@ class SweepPlan:
         size = math.prod(len(axis.values) for axis in axes)
         if size > MAX_POINTS:
             raise ConfigError(f"the grid has {size} points; a sweep has at most {MAX_POINTS}")
+        try:
+            parse_objective(objective)
+        except ValueError as exc:
+            raise ConfigError(f"objective {objective!r}: {exc}") from None
         self.base: dict[str, Any] = copy.deepcopy(dict(base))
         self.axes = tuple(axes)
         self.uri = uri
+        self._objective = objective
         self.points = [
             SweepPoint(i, tuple(zip(keys, combo, strict=True)))
             for i, combo in enumerate(itertools.product(*(axis.values for axis in axes)))
         ]
-        self.configs = [self._config(point) for point in self.points]
+        self.configs = [point_config(self.base, point, uri) for point in self.points]
+        self._by_name = {point.name: point for point in self.points}
 
-    def _config(self, point: SweepPoint) -> RunConfig:
-        data = copy.deepcopy(self.base)
-        try:
-            for override in point.overrides:
-                apply_override(data, override)
-            config = validate(data)
-        except ConfigError as exc:
-            raise ConfigError(f"--grid point {point.name}: {exc}") from None
-        if not config.tracking.enabled:
-            raise ConfigError("tracking.enabled = false: a sweep's runs are MLflow child runs of one parent run")
-        if config.remote.enabled:
-            raise ConfigError("remote.enabled: a sweep runs simulated clients only")
-        named = {"run_name": point.name} | ({"uri": self.uri} if self.uri is not None else {})
-        return config.model_copy(update={"tracking": config.tracking.model_copy(update=named)})
+    @property
+    def size(self) -> int:
+        """The number of points."""
+        return len(self.points)
+
+    @property
+    def keys(self) -> list[str]:
+        """The axes' fields."""
+        return [axis.key for axis in self.axes]
+
+    @property
+    def objective(self) -> str:
+        """What the best run is chosen by (``KEY:max`` or ``KEY:min``)."""
+        return self._objective
+
+    @property
+    def template(self) -> RunConfig:
+        """The first point's config."""
+        return self.configs[0]
+
+    def params(self) -> dict[str, str | int]:
+        """Return the grid as the parent run's params: ``sweep.grid``, ``sweep.points``, ``sweep.axis.<field>``."""
+        params: dict[str, str | int] = {"sweep.grid": self.grid, "sweep.points": len(self.points)}
+        return params | {f"sweep.axis.{axis.key}": ",".join(axis.values) for axis in self.axes}
 
     def to_json(self) -> dict[str, Any]:
         """Return what :meth:`from_json` rebuilds the plan from (the parent run keeps it as ``sweep/plan.json``)."""
-        return {"base": self.base, "grid": [axis.spec for axis in self.axes]}
+        data: dict[str, Any] = {"base": self.base, "grid": [axis.spec for axis in self.axes]}
+        if self._objective != DEFAULT_OBJECTIVE:
+            data["objective"] = self._objective
+        return data | {"axes": [[axis.key, list(axis.values)] for axis in self.axes]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], uri: str | None = None) -> SweepPlan:
         """Rebuild a plan from :meth:`to_json`'s mapping (its runs logging to ``uri``)."""
-        return cls(data["base"], [parse_axis(spec) for spec in data["grid"]], uri)
+        objective = data.get("objective", DEFAULT_OBJECTIVE)
+        if "axes" in data:  # each value as it was (a text of the grid may not split back where it was joined)
+            specs = dict(zip((key for key, _ in data["axes"]), data["grid"], strict=True))
+            axes = [GridAxis(key, tuple(values), specs[key]) for key, values in data["axes"]]
+            return cls(data["base"], axes, uri, objective)
+        return cls(data["base"], [parse_axis(spec) for spec in data["grid"]], uri, objective)
 
     @property
     def key(self) -> str:
         """A digest of the base config and the grid: equal for the same sweep given again (16 hex digits)."""
-        text = json.dumps(self.to_json(), sort_keys=True, default=str)
+        data = {key: value for key, value in self.to_json().items() if key != "axes"}
+        text = json.dumps(data, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def point_named(self, name: str, tags: Mapping[str, str]) -> SweepPoint | None:
+        """Return the grid's point of that name."""
+        return self._by_name.get(name)
+
+    def batches(
+        self, rows: Mapping[int, SweepRow], unfinished: Sequence[SweepPoint], parallel: int
+    ) -> Iterator[list[tuple[SweepPoint, RunConfig]]]:
+        """Yield every point without a row, in the grid's order, as one batch."""
+        todo = [(point, config) for point, config in zip(self.points, self.configs, strict=True)]
+        todo = [(point, config) for point, config in todo if point.index not in rows]
+        if todo:
+            yield todo
 
     @property
     def grid(self) -> str:
@@ -226,12 +381,14 @@ class PointTask:
         config: Its validated config (tracking URI and run name set).
         tags: The tags its new child run gets (the parent's id as ``mlflow.parentRunId``, the sweep's).
         resume_run_id: A child run to continue from its newest checkpoint instead (None: a new child run).
+        objective: The run summary's field the sweep's objective reads (its row's ``objective``).
     """
 
     point: SweepPoint
     config: RunConfig
     tags: dict[str, str]
     resume_run_id: str | None = None
+    objective: str = "accuracy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +406,7 @@ class SweepRow:
         wall_s: Real seconds of its run (of its last segment when resumed).
         updates_per_s: Accepted updates per real second.
         error: Why it stopped or failed (empty when it finished).
+        objective: The figure the sweep's objective names (NaN: not reported).
     """
 
     index: int
@@ -261,6 +419,7 @@ class SweepRow:
     wall_s: float = math.nan
     updates_per_s: float = math.nan
     error: str = ""
+    objective: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """Return the row as a JSON-ready mapping (NaN as None)."""
@@ -310,16 +469,23 @@ def run_point(task: PointTask, runner: Runner = run_federation) -> SweepRow:
         summary = runner(build)
     except (RunInterrupted, asyncio.CancelledError, KeyboardInterrupt) as exc:
         why = exc.reason if isinstance(exc, RunInterrupted) else "SIGINT"
-        return _with_summary(row, built, status="KILLED", error=why)
+        return _with_summary(row, built, task.objective, status="KILLED", error=why)
     except Exception as exc:
-        return _with_summary(row, built, status="FAILED", error=f"{type(exc).__name__}: {exc}")
-    return _with_summary(row, built, status="FINISHED", summary=summary)
+        return _with_summary(row, built, task.objective, status="FAILED", error=f"{type(exc).__name__}: {exc}")
+    return _with_summary(row, built, task.objective, status="FINISHED", summary=summary)
 
 
 def _with_summary(
-    row: SweepRow, built: list[Federation], *, status: str, error: str = "", summary: RunSummary | None = None
+    row: SweepRow,
+    built: list[Federation],
+    objective: str,
+    *,
+    status: str,
+    error: str = "",
+    summary: RunSummary | None = None,
 ) -> SweepRow:
-    """Fill ``row`` from the run's (whole or partial) summary."""
+    """Fill ``row`` from the run's (whole or partial) summary, its ``objective`` from the summary's field of that
+    name."""
     federation = built[-1] if built else None
     summary = summary or (federation.summary if federation is not None else None)
     run_id = (federation.run_id if federation is not None else None) or row.run_id
@@ -336,7 +502,13 @@ def _with_summary(
         wall_s=summary.wall_s,
         updates_per_s=summary.updates_per_s,
         error=error,
+        objective=_figure(getattr(summary, objective, math.nan)),
     )
+
+
+def _figure(value: object) -> float:
+    """Return a summary's figure as a float (NaN for a missing or non-numeric one)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
 
 
 @dataclass(slots=True)
@@ -365,15 +537,19 @@ class SweepRuns(Protocol):
         """The parent run's id."""
         ...
 
-    def finished_rows(self, plan: SweepPlan) -> dict[int, SweepRow]:
+    def finished_rows(self, plan: Plan) -> dict[int, SweepRow]:
         """Return the rows of the points whose child run finished, by point index."""
         ...
 
-    def task(self, plan: SweepPlan, point: SweepPoint, config: RunConfig) -> PointTask:
+    def unfinished_points(self, plan: Plan) -> list[SweepPoint]:
+        """Return the points whose child run began but did not finish."""
+        ...
+
+    def task(self, plan: Plan, point: SweepPoint, config: RunConfig) -> PointTask:
         """Return the task of a point not finished yet (a new child run, or one to resume)."""
         ...
 
-    def finish(self, plan: SweepPlan, rows: Sequence[SweepRow], status: str) -> None:
+    def finish(self, plan: Plan, rows: Sequence[SweepRow], status: str) -> None:
         """Log the sweep's table on the parent run and end it with ``status``."""
         ...
 
@@ -391,7 +567,7 @@ class Sweep:
 
     def __init__(
         self,
-        plan: SweepPlan,
+        plan: Plan,
         *,
         parallel: int = 1,
         runner: Runner = run_federation,
@@ -408,33 +584,47 @@ class Sweep:
         self._on_start = on_start or (lambda task, position, total: None)
 
     def run(self, parent: SweepRuns) -> SweepOutcome:
-        """Run every point ``parent`` has no finished child run of, then log the sweep's table on ``parent`` and end
-        it: ``FINISHED`` (``FAILED`` when a child failed), or ``KILLED`` when a stop request ended the sweep."""
+        """Run every point ``parent`` has no finished child run of, batch after batch as the plan hands them out,
+        then log the sweep's table on ``parent`` and end it: ``FINISHED`` (``FAILED`` when a child failed), or
+        ``KILLED`` when a stop request ended the sweep."""
         if self.parallel == 1:  # torch, while the parent run opens
             importlib.import_module("flasync.runtime.federation")
         outcome = SweepOutcome(parent.run_id)
         rows: dict[int, SweepRow] = {}
+        objective = parse_objective(self.plan.objective)[0]
         try:
-            rows |= parent.finished_rows(self.plan)
-            outcome.skipped = len(rows)
-            tasks = [parent.task(self.plan, point, config) for point, config in zip(*self._todo(rows), strict=True)]
-            run = self._serial if self.parallel == 1 or len(tasks) <= 1 else self._pooled
-            outcome.stopped = run(tasks, rows)
+            with ExitStack() as pools:
+                rows |= parent.finished_rows(self.plan)
+                outcome.skipped = len(rows)
+                pool: list[ProcessPoolExecutor] = []
+                for batch in self.plan.batches(rows, parent.unfinished_points(self.plan), self.parallel):
+                    tasks = [parent.task(self.plan, point, config) for point, config in batch]
+                    tasks = [dataclasses.replace(task, objective=objective) for task in tasks]
+                    if self.parallel == 1 or (len(tasks) <= 1 and not pool):
+                        outcome.stopped = self._serial(tasks, rows)
+                    else:
+                        pool = pool or [pools.enter_context(self._pool())]
+                        outcome.stopped = self._pooled(pool[0], tasks, rows)
+                    if outcome.stopped:
+                        break
         finally:
             outcome.rows = [rows[i] for i in sorted(rows)]
-            stopped = outcome.stopped or (len(rows) < len(self.plan.points) and "stopped")
+            stopped = outcome.stopped or (len(rows) < self.plan.size and "stopped")
             failed = any(row.status == "FAILED" for row in outcome.rows)
             parent.finish(self.plan, outcome.rows, "KILLED" if stopped else "FAILED" if failed else "FINISHED")
         return outcome
 
-    def _todo(self, done: Mapping[int, SweepRow]) -> tuple[list[SweepPoint], list[RunConfig]]:
-        todo = [i for i in range(len(self.plan.points)) if i not in done]
-        return [self.plan.points[i] for i in todo], [self.plan.configs[i] for i in todo]
+    def _pool(self) -> ProcessPoolExecutor:
+        """Return ``parallel`` worker processes (spawned: a forked torch is not safe), kept for the whole sweep."""
+        context = multiprocessing.get_context("spawn")
+        return ProcessPoolExecutor(
+            self.parallel, mp_context=context, initializer=_start_worker, initargs=(self._worker_init,)
+        )
 
     def _serial(self, tasks: Sequence[PointTask], rows: dict[int, SweepRow]) -> str:
         """Run ``tasks`` one after another in this process; return what stopped them (empty: nothing)."""
         for task in tasks:
-            self._on_start(task, task.point.index + 1, len(self.plan.points))
+            self._on_start(task, task.point.index + 1, self.plan.size)
             try:
                 row = run_point(task, self._runner)
             except KeyboardInterrupt:
@@ -444,30 +634,26 @@ class Sweep:
                 return row.error or "stopped"
         return ""
 
-    def _pooled(self, tasks: Sequence[PointTask], rows: dict[int, SweepRow]) -> str:
-        """Run ``tasks`` ``parallel`` at a time in worker processes; a stopped run (Ctrl-C reaches the workers too)
-        or a ``KeyboardInterrupt`` here starts no further one, and the running ones end as they do."""
+    def _pooled(self, pool: ProcessPoolExecutor, tasks: Sequence[PointTask], rows: dict[int, SweepRow]) -> str:
+        """Run ``tasks`` ``parallel`` at a time in ``pool``'s worker processes; a stopped run (Ctrl-C reaches the
+        workers too) or a ``KeyboardInterrupt`` here starts no further one, and the running ones end as they do."""
         pending, running = deque(tasks), dict[Future[SweepRow], PointTask]()
         stopped = ""
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(
-            self.parallel, mp_context=context, initializer=_start_worker, initargs=(self._worker_init,)
-        ) as pool:
-            while running or (pending and not stopped):
-                try:
-                    while pending and not stopped and len(running) < self.parallel:
-                        task = pending.popleft()
-                        self._on_start(task, task.point.index + 1, len(self.plan.points))
-                        running[pool.submit(_run_in_worker, task, self._runner)] = task
-                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                except KeyboardInterrupt:
-                    stopped = stopped or "SIGINT"
-                    continue
-                for future in finished:
-                    row = _row_of(future, running.pop(future))
-                    rows[row.index] = row
-                    if row.status == "KILLED":
-                        stopped = stopped or row.error or "stopped"
+        while running or (pending and not stopped):
+            try:
+                while pending and not stopped and len(running) < self.parallel:
+                    task = pending.popleft()
+                    self._on_start(task, task.point.index + 1, self.plan.size)
+                    running[pool.submit(_run_in_worker, task, self._runner)] = task
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            except KeyboardInterrupt:
+                stopped = stopped or "SIGINT"
+                continue
+            for future in finished:
+                row = _row_of(future, running.pop(future))
+                rows[row.index] = row
+                if row.status == "KILLED":
+                    stopped = stopped or row.error or "stopped"
         return stopped
 
 

@@ -2,8 +2,9 @@
 found again by their tags to resume a sweep.
 
 MLflow nests a run under another when it carries the tag ``mlflow.parentRunId``: the UI then shows the sweep as one
-expandable row. Each child also carries ``flasync.sweep`` (the sweep's id) and ``flasync.sweep.point`` (its grid
-point's name), by which :meth:`SweepParent.finished_rows` and :meth:`SweepParent.task` tell what is done.
+expandable row. Each child also carries ``flasync.sweep`` (the sweep's id), ``flasync.sweep.point`` (its point's
+name) and ``flasync.sweep.values`` (its point's values), by which :meth:`SweepParent.finished_rows` and
+:meth:`SweepParent.task` tell what is done, and a search rebuilds its trials.
 """
 
 from __future__ import annotations
@@ -20,10 +21,20 @@ from typing import TYPE_CHECKING
 from flasync import tracking
 from flasync._version import __version__
 from flasync.config import RunConfig
+from flasync.config.sweep import parse_objective
 from flasync.core.errors import ConfigError
 from flasync.core.owner import owner_alive
 from flasync.runtime.runs_view import RUNS_VIEW
-from flasync.runtime.sweep import PointTask, SweepPlan, SweepPoint, SweepRow
+from flasync.runtime.sweep import (
+    DEFAULT_OBJECTIVE,
+    VALUES_TAG,
+    Plan,
+    PointTask,
+    SweepPlan,
+    SweepPoint,
+    SweepRow,
+)
+from flasync.runtime.sweep_search import SearchPlan
 from flasync.tracking.charts import Panel, Stairs, render
 from flasync.tracking.metrics import MetricRow
 from flasync.tracking.store import sqlite_path
@@ -38,8 +49,10 @@ __all__ = [
     "PLAN_ARTIFACT",
     "POINT_TAG",
     "SWEEP_TAG",
+    "VALUES_TAG",
     "SweepParent",
     "best_row",
+    "load_plan",
     "table_csv",
 ]
 
@@ -54,7 +67,7 @@ KEY_TAG = "flasync.sweep.key"
 PLAN_ARTIFACT = "sweep/plan.json"
 """The parent's copy of the plan, which ``--resume PARENT_RUN_ID`` rebuilds the sweep from."""
 _CHECKPOINTS = "checkpoints"
-_COLUMNS = ("accuracy", "loss", "wall_s", "updates_per_s")
+_COLUMNS = ("accuracy", "loss", "wall_s", "updates_per_s", "objective")
 
 
 class SweepParent:
@@ -84,6 +97,8 @@ class SweepParent:
         self._run_id = tracker.run_id or ""
         self._store: tuple[mlflow.MlflowClient, str] | None = None
         self._children: dict[str, Run] | None = None
+        self.parallel: int | None = None
+        """A reopened sweep's runs at once, as it was started (a search draws its trials in batches of as many)."""
 
     @property
     def run_id(self) -> str:
@@ -99,7 +114,7 @@ class SweepParent:
         return self._run_id
 
     @classmethod
-    def create(cls, uri: str, experiment: str, plan: SweepPlan, *, parallel: int) -> SweepParent:
+    def create(cls, uri: str, experiment: str, plan: Plan, *, parallel: int) -> SweepParent:
         """Start creating the parent run of a new sweep of ``plan`` (its tags, its grid as params and
         ``sweep/plan.json``) without waiting for it; with ``parallel == 1`` the children's writer process starts
         beside its own."""
@@ -110,8 +125,9 @@ class SweepParent:
             "flasync.sweep.grid": plan.grid,
             "flasync.version": __version__,
         }
-        params = {"sweep.grid": plan.grid, "sweep.points": len(plan.points), "sweep.parallel": parallel}
-        params |= {f"sweep.axis.{axis.key}": ",".join(axis.values) for axis in plan.axes}
+        if plan.objective != DEFAULT_OBJECTIVE:
+            tags["flasync.sweep.objective"] = plan.objective
+        params = plan.params() | {"sweep.parallel": parallel, "sweep.objective": plan.objective}
         tracker = tracking.MlflowTracker(uri, runs_view=RUNS_VIEW)
         tracker.prepare()
         if parallel == 1:  # the children's writer process starts beside the parent's
@@ -122,7 +138,7 @@ class SweepParent:
         return cls(tracker, uri, sweep_id, resumed=False, plan=plan_json)
 
     @classmethod
-    def reopen(cls, uri: str, run_id: str) -> tuple[SweepParent, SweepPlan]:
+    def reopen(cls, uri: str, run_id: str) -> tuple[SweepParent, Plan]:
         """Reopen the parent run of an interrupted sweep and rebuild its plan.
 
         Raises:
@@ -145,15 +161,17 @@ class SweepParent:
             raise ConfigError(f"--resume {run_id}: the sweep already FINISHED; there is nothing to resume")
         if run.info.status == "RUNNING" and owner_alive(tags) is not False:
             raise ConfigError(f"--resume {run_id}: the sweep is still running; stop it first (Ctrl-C)")
-        plan = SweepPlan.from_json(json.loads(_read_text(client, run_id, PLAN_ARTIFACT)), uri)
+        plan = load_plan(json.loads(_read_text(client, run_id, PLAN_ARTIFACT)), uri)
         tracker = tracking.MlflowTracker(uri, runs_view=RUNS_VIEW)
         tracker.resume(run_id)
         parent = cls(tracker, uri, tags[SWEEP_TAG], resumed=True)
         parent._store = (client, run.info.experiment_id)
+        recorded = run.data.params.get("sweep.parallel", "")
+        parent.parallel = int(recorded) if recorded.isdigit() and int(recorded) > 0 else None
         return parent, plan
 
     @staticmethod
-    def find_unfinished(uri: str, experiment: str, plan: SweepPlan) -> str | None:
+    def find_unfinished(uri: str, experiment: str, plan: Plan) -> str | None:
         """Return the newest parent run of a sweep of ``plan`` in ``experiment`` that did not finish (None: none)."""
         client = _client(uri)
         found = client.get_experiment_by_name(experiment)
@@ -193,14 +211,22 @@ class SweepParent:
         self._children = found
         return found
 
-    def finished_rows(self, plan: SweepPlan) -> dict[int, SweepRow]:
+    def _points(self, plan: Plan) -> list[tuple[SweepPoint, Run]]:
+        """Return the plan's points that have a child run, with it, in the points' order."""
+        found = []
+        for name, run in self.children().items():
+            point = plan.point_named(name, run.data.tags)
+            if point is not None:
+                found.append((point, run))
+        return sorted(found, key=lambda pair: pair[0].index)
+
+    def finished_rows(self, plan: Plan) -> dict[int, SweepRow]:
         """Return the rows of the points whose child run finished, by point index (read from their
         ``summary.json``)."""
-        children = self.children()
+        field = parse_objective(plan.objective)[0]
         rows: dict[int, SweepRow] = {}
-        for point in plan.points:
-            run = children.get(point.name)
-            if run is not None and run.info.status == "FINISHED":
+        for point, run in self._points(plan):
+            if run.info.status == "FINISHED":
                 summary = json.loads(_read_text(self._read()[0], run.info.run_id, "summary.json"))
                 rows[point.index] = SweepRow(
                     point.index,
@@ -212,10 +238,15 @@ class SweepParent:
                     loss=_number(summary.get("loss")),
                     wall_s=_number(summary.get("wall_s")),
                     updates_per_s=_number(summary.get("updates_per_s")),
+                    objective=_number(summary.get(field)),
                 )
         return rows
 
-    def task(self, plan: SweepPlan, point: SweepPoint, config: RunConfig) -> PointTask:
+    def unfinished_points(self, plan: Plan) -> list[SweepPoint]:
+        """Return the points whose child run did not finish (stopped, killed or failed), in their order."""
+        return [point for point, run in self._points(plan) if run.info.status != "FINISHED"]
+
+    def task(self, plan: Plan, point: SweepPoint, config: RunConfig) -> PointTask:
         """Return the task of a point not finished yet: to resume its child run from the run's checkpoint, else to
         start a new child run (an earlier one without a checkpoint is deleted, so each point has one child run).
 
@@ -223,6 +254,7 @@ class SweepParent:
             ConfigError: The point's child run is still running in another process.
         """
         tags = {PARENT_TAG: self.run_id, SWEEP_TAG: self.sweep_id, POINT_TAG: point.name}
+        tags[VALUES_TAG] = json.dumps({"index": point.index, "values": [list(pair) for pair in point.values]})
         tags |= {f"sweep.{key}": value for key, value in point.values}
         run = self.children().get(point.name)
         if run is None:
@@ -236,31 +268,46 @@ class SweepParent:
         client.delete_run(run_id)
         return PointTask(point, config, tags)
 
-    def finish(self, plan: SweepPlan, rows: Sequence[SweepRow], status: str) -> None:
+    def finish(self, plan: Plan, rows: Sequence[SweepRow], status: str) -> None:
         """Log the table (``sweep/table.csv``, ``sweep/table.json``), the accuracy plot (``sweep/accuracy.svg``),
-        each point's accuracy (metric ``accuracy``, step = point index) and the best child (tags
-        ``flasync.sweep.best``, ``flasync.sweep.best_run_id``, metric ``best_accuracy``); end the run with
-        ``status``."""
+        each point's accuracy and objective (metrics ``accuracy`` and ``objective``, step = point index) and the best
+        child by the objective (tags ``flasync.sweep.best``, ``flasync.sweep.best_run_id``, metrics
+        ``best_objective`` and ``best_accuracy``); end the run with ``status``."""
         tracker = self._tracker
-        keys = [axis.key for axis in plan.axes]
-        tracker.log_bytes(table_csv(rows, keys).encode(), "sweep/table.csv")
+        tracker.log_bytes(table_csv(rows, plan.keys).encode(), "sweep/table.csv")
         tracker.log_bytes(json.dumps([row.to_dict() for row in rows], indent=2).encode(), "sweep/table.json")
         if rows:
             tracker.log_bytes(accuracy_chart(rows).encode(), "sweep/accuracy.svg")
         now = int(time.time() * 1000)
         metrics = [MetricRow("accuracy", row.accuracy, now, row.index) for row in rows if math.isfinite(row.accuracy)]
-        best = best_row(rows)
+        metrics += [MetricRow("objective", r.objective, now, r.index) for r in rows if math.isfinite(r.objective)]
+        best = best_row(rows, plan.objective)
         if best is not None:
-            metrics.append(MetricRow("best_accuracy", best.accuracy, now, 0))
+            metrics.append(MetricRow("best_objective", best.objective, now, 0))
+            if math.isfinite(best.accuracy):
+                metrics.append(MetricRow("best_accuracy", best.accuracy, now, 0))
             tracker.set_tags({"flasync.sweep.best": best.point, "flasync.sweep.best_run_id": best.run_id or ""})
         tracker.log_metrics(metrics)
         tracker.finish("KILLED" if status == "KILLED" else "FAILED" if status == "FAILED" else "FINISHED")
 
 
-def best_row(rows: Sequence[SweepRow]) -> SweepRow | None:
-    """Return the finished row of the highest accuracy (the first of equals), None when none finished."""
-    finished = [row for row in rows if row.status == "FINISHED" and math.isfinite(row.accuracy)]
-    return max(finished, key=lambda row: row.accuracy, default=None)
+def best_row(rows: Sequence[SweepRow], objective: str = DEFAULT_OBJECTIVE) -> SweepRow | None:
+    """Return the finished row of the best ``objective`` value (``KEY:max`` or ``KEY:min``; the first of equals),
+    None when none finished with a value."""
+    sign = 1.0 if parse_objective(objective)[1] == "max" else -1.0
+    finished = [row for row in rows if row.status == "FINISHED" and math.isfinite(row.objective)]
+    return max(finished, key=lambda row: sign * row.objective, default=None)
+
+
+def load_plan(data: dict[str, object], uri: str | None = None) -> Plan:
+    """Rebuild a grid's or a search's plan from its ``sweep/plan.json`` (its runs logging to ``uri``).
+
+    Raises:
+        ConfigError: The plan's config no longer validates.
+    """
+    if "search" in data:
+        return SearchPlan.from_json(data, uri)
+    return SweepPlan.from_json(data, uri)
 
 
 def table_csv(rows: Sequence[SweepRow], keys: Sequence[str]) -> str:
@@ -288,7 +335,7 @@ def accuracy_chart(rows: Sequence[SweepRow]) -> str:
 
 def _number(value: object) -> float:
     """Return a summary's figure as a float (NaN for a missing or non-numeric one)."""
-    return float(value) if isinstance(value, int | float) else math.nan
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
 
 
 def _client(uri: str) -> mlflow.MlflowClient:

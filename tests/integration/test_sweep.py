@@ -170,6 +170,9 @@ class _Parent:
     def finished_rows(self, plan: SweepPlan) -> dict[int, SweepRow]:
         return {}
 
+    def unfinished_points(self, plan: SweepPlan) -> list[SweepPoint]:
+        return []
+
     def task(self, plan: SweepPlan, point: SweepPoint, config: RunConfig) -> PointTask:
         return PointTask(point, config, {PARENT_TAG: self.run_id})
 

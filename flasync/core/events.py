@@ -9,13 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import ClassVar, Literal, NewType
 
 __all__ = [
     "BATCH_EVENTS",
     "CLOUD",
-    "EVALUATED_METRICS",
     "Aggregated",
     "AlertRaised",
     "ClientConnected",
@@ -366,8 +364,8 @@ class Aggregated:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Evaluated:
-    """The server evaluated ``version`` on the held-out split (each of :data:`EVALUATED_METRICS` is logged as the
-    metric ``server/eval/<name>``)."""
+    """The server evaluated ``version`` on the held-out split (each figure is logged as the metric
+    ``server/eval/<name>``: ``accuracy``, ``loss`` and each of ``metrics``, the names ``eval.metrics`` adds)."""
 
     version: Version
     accuracy: float
@@ -375,13 +373,17 @@ class Evaluated:
     simulated_s: float
     wall_s: float
     eval_s: float = 0.0
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
-
-EVALUATED_METRICS: Mapping[str, str] = MappingProxyType(
-    {"server/eval/accuracy": "accuracy", "server/eval/loss": "loss"}
-)
-"""The metric keys the central evaluation logs for each version evaluated, by the :class:`Evaluated` field each comes
-from: the keys ``eval.select`` may name."""
+    def value(self, key: str) -> float | None:
+        """Return the figure logged under the metric ``key`` (``server/eval/<name>``; None: not one of this event's)."""
+        prefix, _, name = key.rpartition("/")
+        if prefix != "server/eval":
+            return None
+        if name in ("accuracy", "loss"):
+            return float(getattr(self, name))
+        found = self.metrics.get(name)
+        return None if found is None else float(found)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -244,7 +244,9 @@ def make_evaluator(prepared: Prepared, executor: TrainingExecutor, clock: Clock,
             return None
         return await clock.run(
             executor.pool,
-            lambda: evaluate(executor.models.get(), flat, test_x, test_y, batch_size=batch_size),
+            lambda: evaluate(
+                executor.models.get(), flat, test_x, test_y, batch_size=batch_size, metrics=prepared.metrics
+            ),
             simulated_s=0.0,
         )
 

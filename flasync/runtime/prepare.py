@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ from flasync.data import (
 from flasync.server.topology import Tree, build_tree
 from flasync.training.executors.threads import resolve_device
 from flasync.training.local import flat_parameters
+from flasync.training.metrics import MetricSet, resolve_metrics
 from flasync.training.models import MLP, SmallCNN
 
 __all__ = [
@@ -77,6 +78,8 @@ class Prepared:
     model_spec: tuple[str, dict[str, Any]] | None = None
     """The model as :func:`flasync.training.models.build` rebuilds it (class name, arguments); None for a caller's
     factory."""
+    metrics: MetricSet = field(default_factory=MetricSet)
+    """The metrics ``eval.metrics`` adds to accuracy and loss, resolved against the data's classes."""
 
 
 class RunInputs:
@@ -202,7 +205,8 @@ class RunInputs:
         """Load and check the data, partition it, build the model and the tree.
 
         Raises:
-            ConfigError: If the model or the topology does not fit the data.
+            ConfigError: If the model, the topology or a metric does not fit the data, or a user's metric cannot be
+                imported.
             DataError: If the data set cannot be used.
         """
         device = self._device()
@@ -244,6 +248,7 @@ class RunInputs:
             loaded.files_sha256,
             privacy,
             self._model_spec(train),
+            resolve_metrics(self.config.eval.metrics, num_classes=train.num_classes),
         )
 
     def _tree(self) -> Tree | None:

@@ -19,7 +19,7 @@ from flasync import tracking
 from flasync.config import RunConfig
 from flasync.config.runtime import parse_select
 from flasync.core.bus import EventBus
-from flasync.core.events import EVALUATED_METRICS, Evaluated, Version
+from flasync.core.events import Evaluated, Version
 from flasync.core.instruments import Instrument
 from flasync.core.snapshots import ModelSnapshot
 from flasync.observe.summary import RunSummary, weights_sha256
@@ -35,6 +35,7 @@ __all__ = [
     "better",
     "register_selected",
     "run_models",
+    "summary_value",
     "with_best",
 ]
 
@@ -87,7 +88,6 @@ class BestVersion(Instrument):
     def __init__(self, select: str, model_of: Callable[[Version], ModelSnapshot | None]) -> None:
         """Select nothing yet."""
         self.metric, self.direction = parse_select(select)
-        self._field = EVALUATED_METRICS[self.metric]
         self._model_of = model_of
         self.best: Best | None = None
         """The best version so far (None: no evaluation yet had a finite figure)."""
@@ -96,7 +96,10 @@ class BestVersion(Instrument):
         """Copy the weights of an evaluated version that beats the best so far."""
         if not isinstance(event, Evaluated):
             return
-        value = float(getattr(event, self._field))
+        found = event.value(self.metric)
+        if found is None:
+            return
+        value = found
         if self.best is not None and not better(value, self.best.value, self.direction):
             return
         if math.isnan(value):
@@ -169,7 +172,7 @@ def run_models(summary: RunSummary, weights: torch.Tensor, best: Best | None, se
     final evaluation found it (the server evaluates the last version before it stops).
     """
     metric, direction = parse_select(select or DEFAULT_SELECT)
-    value = float(getattr(summary, EVALUATED_METRICS[metric]))
+    value = summary_value(summary, metric)
     models = [
         RunModel(
             name=LAST_MODEL,
@@ -192,6 +195,16 @@ def run_models(summary: RunSummary, weights: torch.Tensor, best: Best | None, se
             )
         )
     return models
+
+
+def summary_value(summary: RunSummary, metric: str) -> float:
+    """Return the final evaluation's figure of ``metric`` from a run's summary (NaN: it has none)."""
+    name = metric.rpartition("/")[2]
+    if metric in ("server/eval/accuracy", "server/eval/loss"):
+        return float(getattr(summary, name))
+    if metric.startswith("server/eval/"):
+        return float(summary.eval_metrics.get(name, math.nan))
+    return math.nan
 
 
 def register_selected(

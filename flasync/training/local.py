@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from flasync.core.errors import TrainingError
+
+if TYPE_CHECKING:
+    from flasync.training.metrics import MetricSet
 
 __all__ = [
     "EvalResult",
@@ -226,11 +229,12 @@ class LocalResult:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EvalResult:
-    """Accuracy and mean cross-entropy over a data split."""
+    """Accuracy and mean cross-entropy over a data split, and the figures of the metrics ``eval.metrics`` adds."""
 
     accuracy: float
     loss: float
     num_samples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 def autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
@@ -553,9 +557,16 @@ def _sgd_steps(
 
 @torch.no_grad()
 def evaluate(
-    model: FlatModel, weights: torch.Tensor, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 1024
+    model: FlatModel,
+    weights: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    batch_size: int = 1024,
+    metrics: MetricSet | None = None,
 ) -> EvalResult:
-    """Return accuracy and mean cross-entropy of ``weights`` on ``(x, y)``."""
+    """Return accuracy and mean cross-entropy of ``weights`` on ``(x, y)``, and the figures of ``metrics`` (fresh
+    instances of each, fed every batch's float32 outputs)."""
     after_default_stream(model.flat.device)
     model.load_(weights)
     module = model.module
@@ -563,9 +574,15 @@ def evaluate(
     n = int(y.shape[0])
     correct = torch.zeros((), dtype=torch.int64, device=x.device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    tally = metrics.tally(x.device) if metrics else None
     for start in range(0, n, batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         out = module(xb).float()
         loss_sum += F.cross_entropy(out, yb, reduction="sum").double()
         correct += (out.argmax(dim=1) == yb).sum()
-    return EvalResult(accuracy=int(correct) / max(n, 1), loss=float(loss_sum) / max(n, 1), num_samples=n)
+        if tally is not None:
+            tally.update(out, yb)
+    figures = tally.compute() if tally is not None and n else {}
+    return EvalResult(
+        accuracy=int(correct) / max(n, 1), loss=float(loss_sum) / max(n, 1), num_samples=n, metrics=figures
+    )

@@ -79,9 +79,11 @@ SETS = [
     ),
     (
         ["eval.select=server/eval/f1:max"],
-        "eval.select: 'server/eval/f1' is not a metric the evaluation logs (one of: server/eval/accuracy, "
-        "server/eval/loss)",
+        "eval.select: 'server/eval/f1' is not a metric this run logs (one of: server/eval/accuracy, server/eval/loss)",
     ),
+    (["eval.metrics=[accuracy, f2]"], "eval.metrics: unknown metric 'f2' (built-in: accuracy, loss, precision,"),
+    (["eval.metrics=[auc]"], "eval.metrics: 'auc' needs two classes, but the data has 10"),
+    (["eval.metrics=[m=no_such_module_here:M]"], "eval.metrics: m=no_such_module_here:M: cannot import it"),
     (["eval.select=server/eval/loss:lowest"], "eval.select: the direction must be ':max' or ':min', got 'lowest'"),
     (["tracking.register=a:b"], "tracking.register: MLflow refuses the registered model name 'a:b': it contains ':'"),
 ]

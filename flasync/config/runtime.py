@@ -31,6 +31,8 @@ ALWAYS_METRICS = ("accuracy", "loss")
 """What every evaluation logs, whatever ``eval.metrics`` names."""
 BUILTIN_METRIC_NAMES = ("precision", "recall", "f1", "auc", "mse", "mae")
 """The built-in metrics ``eval.metrics`` may add (:mod:`flasync.training.metrics`)."""
+CLIENT_EVAL_FIGURES = ("mean", "p10", "p50", "p90", "worst10")
+"""What client-side evaluation logs per metric and version closed (``client_eval/<metric>/<figure>``)."""
 _METRIC_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _RESERVED_FIELDS = frozenset(
     {"step", "version", "of", "updates", "simulated_s", "wall_s", "eta_s", "eval_s", "clients", "samples", "reports"}
@@ -72,8 +74,62 @@ def check_metric_names(entries: Iterable[str]) -> tuple[str, ...]:
     return tuple(names)
 
 
+class ClientEvalConfig(_Section):
+    """Client-side (federated) evaluation: clients evaluate the model they downloaded on a held-out share of their
+    own samples and report to the server, which sums the reports up per model version (off by default)."""
+
+    fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of tasks whose client evaluates (a draw per client and participation; 0: off).",
+    )
+    every: int | None = Field(
+        None, ge=1, description="Instead of a fraction: every Nth participation of each client evaluates (None: off)."
+    )
+    when: Literal["before", "after"] = Field(
+        "before",
+        description="Evaluate the downloaded model before local training, or the locally trained model after it "
+        "(either way the report counts towards the version downloaded).",
+    )
+    held_out: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="Share of each client's samples the partitioner holds out for its evaluation, never trained on "
+        "(None: 0.2 when client-side evaluation is on, no split otherwise; a value splits even with it off).",
+    )
+    min_reports: int = Field(
+        10, ge=1, description="A version's evaluation closes once this many reports for it arrived..."
+    )
+    deadline_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="... or once this many (simulated) seconds passed since the version was published, with at least "
+        "one report (None: no deadline; open versions close at the run's end).",
+    )
+
+    @model_validator(mode="after")
+    def _one_way(self) -> ClientEvalConfig:
+        if self.fraction > 0.0 and self.every is not None:
+            raise _FieldError(("eval", "clients", "every"), "set either eval.clients.fraction or every, not both")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether some tasks evaluate."""
+        return self.fraction > 0.0 or self.every is not None
+
+    @property
+    def held_out_share(self) -> float:
+        """Return the share of each client's samples held out for its evaluation (0: no split)."""
+        if self.held_out is not None:
+            return self.held_out
+        return 0.2 if self.enabled else 0.0
+
+
 class EvalConfig(_Section):
-    """Server-side evaluation on the held-out split."""
+    """Server-side evaluation on the held-out split, and client-side evaluation (``eval.clients``)."""
 
     every_versions: int = Field(5, ge=1, description="Evaluate every N model versions (and at the end).")
     batch_size: int = Field(1024, ge=1, description="Samples per evaluation batch.")
@@ -82,6 +138,9 @@ class EvalConfig(_Section):
         description="What the evaluation computes: accuracy and loss always, and any of precision, recall, f1 "
         "(macro), auc (two classes), mse, mae (regression), or a user's metric as 'NAME=module:attribute' "
         "(update(preds, targets) and compute()); each is logged as server/eval/NAME.",
+    )
+    clients: ClientEvalConfig = Field(
+        default_factory=ClientEvalConfig, description="Client-side (federated) evaluation (off by default)."
     )
     select: str | None = Field(
         None,
@@ -109,9 +168,13 @@ class EvalConfig(_Section):
 
 
 def selectable_keys(config: EvalConfig) -> tuple[str, ...]:
-    """Return the metric keys an evaluation of ``config`` logs once per evaluated version: what ``eval.select`` may
-    name."""
-    return tuple(f"server/eval/{name}" for name in config.metric_names)
+    """Return the metric keys the evaluations of ``config`` log once per evaluated version: what ``eval.select`` may
+    name (``server/eval/<metric>``, and ``client_eval/<metric>/<figure>`` with client-side evaluation on)."""
+    central = tuple(f"server/eval/{name}" for name in config.metric_names)
+    if not config.clients.enabled:
+        return central
+    figures = CLIENT_EVAL_FIGURES
+    return (*central, *(f"client_eval/{name}/{figure}" for name in config.metric_names for figure in figures))
 
 
 def parse_select(select: str, known: Iterable[str] | None = None) -> tuple[str, str]:

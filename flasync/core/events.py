@@ -17,6 +17,7 @@ __all__ = [
     "Aggregated",
     "AlertRaised",
     "ClientConnected",
+    "ClientEvaluated",
     "ClientFailed",
     "ClientId",
     "ClientTimedOut",
@@ -384,6 +385,43 @@ class Evaluated:
             return float(getattr(self, name))
         found = self.metrics.get(name)
         return None if found is None else float(found)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientEvaluated:
+    """A client evaluated a model on its own held-out samples (client-side evaluation, ``eval.clients``).
+
+    The report counts towards ``version``, the model version the client downloaded, whether it evaluated that model
+    before local training or the model it trained from it (``when``). It is what the server sums up per version,
+    and what a per-client view reads as a client's last evaluation.
+
+    Attributes:
+        client_id: The client.
+        task_id: The task it evaluated in.
+        version: The model version the report counts towards.
+        when: ``before`` or ``after`` local training.
+        num_samples: Held-out samples evaluated.
+        accuracy: Share of them predicted right.
+        loss: Mean cross-entropy over them.
+        metrics: The figures of the metrics ``eval.metrics`` adds, by name.
+        simulated_s: When the report was made (the task's training end).
+        eval_s: Real seconds the evaluation took (a member of a cohort: its share of the cohort's).
+    """
+
+    client_id: ClientId
+    task_id: int
+    version: Version
+    when: Literal["before", "after"]
+    num_samples: int
+    accuracy: float
+    loss: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    simulated_s: float = 0.0
+    eval_s: float = 0.0
+
+    def figures(self) -> dict[str, float]:
+        """Return every figure by metric name: ``accuracy``, ``loss`` and :attr:`metrics`."""
+        return {"accuracy": self.accuracy, "loss": self.loss, **self.metrics}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

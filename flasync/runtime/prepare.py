@@ -80,6 +80,9 @@ class Prepared:
     factory."""
     metrics: MetricSet = field(default_factory=MetricSet)
     """The metrics ``eval.metrics`` adds to accuracy and loss, resolved against the data's classes."""
+    held_out: Partition | None = None
+    """Each client's samples held out for client-side evaluation (``eval.clients``; None: no split): ``partition``
+    holds the rest."""
 
 
 class RunInputs:
@@ -230,6 +233,13 @@ class RunInputs:
         else:
             partition = loaded.partition if loaded.partition is not None else prepare.partition(self.config, train)
             sizes = partition.sizes
+        held_out = None
+        share = self.config.eval.clients.held_out_share
+        if share > 0.0:
+            if lazy is not None:
+                raise ConfigError("eval.clients: client-side evaluation needs data that is not lazy (data.lazy)")
+            partition, held_out = partition.hold_out(share, seeding.numpy_stream(self.config.seed, seeding.CLIENT_EVAL))
+            sizes = partition.sizes
         factory = self._factory(train)
         initial = self._initial_weights(factory, train)
         tree = self._tree()
@@ -249,6 +259,7 @@ class RunInputs:
             privacy,
             self._model_spec(train),
             resolve_metrics(self.config.eval.metrics, num_classes=train.num_classes),
+            held_out,
         )
 
     def _tree(self) -> Tree | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,6 +37,7 @@ __all__ = [
     "after_default_stream",
     "autocast",
     "evaluate",
+    "evaluate_segments",
     "flat_parameters",
     "objective_name",
     "set_checkpointing",
@@ -586,3 +587,55 @@ def evaluate(
     return EvalResult(
         accuracy=int(correct) / max(n, 1), loss=float(loss_sum) / max(n, 1), num_samples=n, metrics=figures
     )
+
+
+@torch.no_grad()
+def evaluate_segments(
+    model: FlatModel,
+    weights: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    sizes: Sequence[int],
+    *,
+    batch_size: int = 1024,
+    metrics: MetricSet | None = None,
+) -> list[EvalResult]:
+    """Evaluate ``weights`` on consecutive segments of ``(x, y)`` in shared batches: one result per segment.
+
+    The rows of ``x`` are the segments one after another (``sizes[j]`` rows for segment ``j``, e.g. the held-out
+    samples of a cohort's clients, all evaluating one model): the forward passes run over batches of up to
+    ``batch_size`` rows whatever the segments, and each segment's accuracy, mean cross-entropy and ``metrics`` are
+    those :func:`evaluate` gives on its rows alone (to float rounding of the loss's sum).
+    """
+    after_default_stream(model.flat.device)
+    model.load_(weights)
+    module = model.module
+    model.set_mode(training=False)
+    k = len(sizes)
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + int(size))
+    n = bounds[-1]
+    owner = torch.repeat_interleave(torch.arange(k, device=x.device), torch.tensor(list(sizes), device=x.device))
+    correct = torch.zeros(k, dtype=torch.int64, device=x.device)
+    loss_sum = torch.zeros(k, dtype=torch.float64, device=x.device)
+    tallies = [metrics.tally(x.device) for _ in range(k)] if metrics else []
+    for start in range(0, n, batch_size):
+        stop = min(start + batch_size, n)
+        xb, yb, ob = x[start:stop], y[start:stop], owner[start:stop]
+        out = module(xb).float()
+        loss_sum.index_add_(0, ob, F.cross_entropy(out, yb, reduction="none").double())
+        correct.index_add_(0, ob, (out.argmax(dim=1) == yb).long())
+        for j in range(int(ob[0]), int(ob[-1]) + 1) if tallies else ():
+            lo, hi = max(bounds[j], start) - start, min(bounds[j + 1], stop) - start
+            if hi > lo:
+                tallies[j].update(out[lo:hi], yb[lo:hi])
+    right, losses = correct.tolist(), loss_sum.tolist()
+    results = []
+    for j, size in enumerate(sizes):
+        figures = tallies[j].compute() if tallies and size else {}
+        count = max(int(size), 1)
+        results.append(
+            EvalResult(accuracy=right[j] / count, loss=losses[j] / count, num_samples=int(size), metrics=figures)
+        )
+    return results

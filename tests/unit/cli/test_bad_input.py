@@ -82,6 +82,12 @@ SETS = [
         "eval.select: 'server/eval/f1' is not a metric this run logs (one of: server/eval/accuracy, server/eval/loss)",
     ),
     (["eval.metrics=[accuracy, f2]"], "eval.metrics: unknown metric 'f2' (built-in: accuracy, loss, precision,"),
+    (
+        ["eval.clients.fraction=0.1", "eval.clients.every=3"],
+        "eval.clients.every: set either eval.clients.fraction or every, not both",
+    ),
+    (["eval.clients.held_out=1"], "eval.clients.held_out: Input should be less than 1"),
+    (["eval.clients.fraction=0.1", "data.kind=synthetic", "data.lazy=true"], "eval.clients: client-side evaluation"),
     (["eval.metrics=[auc]"], "eval.metrics: 'auc' needs two classes, but the data has 10"),
     (["eval.metrics=[m=no_such_module_here:M]"], "eval.metrics: m=no_such_module_here:M: cannot import it"),
     (["eval.select=server/eval/loss:lowest"], "eval.select: the direction must be ':max' or ':min', got 'lowest'"),

@@ -7,7 +7,7 @@ import torch
 
 from flasync.config.runtime import BUILTIN_METRIC_NAMES, check_metric_names
 from flasync.core.errors import ConfigError
-from flasync.training.local import FlatModel, evaluate
+from flasync.training.local import FlatModel, evaluate, evaluate_segments
 from flasync.training.metrics import BUILTIN_METRICS, resolve_metrics
 from tests.unit.training.user_metric import Brier
 
@@ -112,3 +112,22 @@ def test_evaluate_adds_the_metrics_and_keeps_accuracy_and_loss_exact() -> None:
         whole.update(module(x), y)
     assert with_metrics.metrics["brier"] == pytest.approx(whole.compute())
     assert set(with_metrics.metrics) == {"f1", "brier"}
+
+
+def test_segments_evaluated_in_shared_batches_match_one_evaluation_each() -> None:
+    """evaluate_segments gives each segment what evaluate gives on its rows alone, batches crossing segments."""
+    generator = torch.Generator().manual_seed(2)
+    model = FlatModel(torch.nn.Linear(4, 3))
+    weights = model.flat.clone()
+    x = torch.randn(23, 4, generator=generator)
+    y = torch.randint(0, 3, (23,), generator=generator)
+    sizes = [5, 0, 11, 7]
+    metrics = resolve_metrics(("f1", _BRIER), num_classes=3)
+    together = evaluate_segments(model, weights, x, y, sizes, batch_size=4, metrics=metrics)
+    start = 0
+    for size, result in zip(sizes, together, strict=True):
+        alone = evaluate(model, weights, x[start : start + size], y[start : start + size], metrics=metrics)
+        start += size
+        assert (result.num_samples, result.accuracy) == (alone.num_samples, alone.accuracy)
+        assert result.loss == pytest.approx(alone.loss)
+        assert result.metrics == pytest.approx(alone.metrics)

@@ -29,7 +29,7 @@ import torch
 
 from flasync.aggregation.evaluation import Report, summarize
 from flasync.core import seeding
-from flasync.core.events import ClientEvaluated, ClientId, RunFinished, TaskAssigned
+from flasync.core.events import ClientEvaluated, ClientId, ClientsEvaluated, RunFinished, TaskAssigned, Version
 from flasync.core.instruments import Instrument
 from flasync.core.snapshots import ModelSnapshot
 from flasync.training.executors.threads import ModelPool
@@ -209,7 +209,8 @@ class EvaluationSummary(ServerPlugin, Instrument):
             deadline).
         now: The clock's simulated seconds.
         log: The run's logger (the figures are metric lines).
-        on_closed: Called with each closed version and its figures (e.g. a selection of the best version).
+        publish: Sends a :class:`~flasync.core.events.ClientsEvaluated` for each closed version (the run's bus's
+            ``publish_nowait``; None: nothing is sent).
     """
 
     name = "client_eval_versions"
@@ -223,7 +224,7 @@ class EvaluationSummary(ServerPlugin, Instrument):
         deadline_s: float | None,
         now: Callable[[], float],
         log: Any,
-        on_closed: Callable[[int, Mapping[str, Mapping[str, float]]], None] | None = None,
+        publish: Callable[[object], None] | None = None,
     ) -> None:
         """Gather nothing yet."""
         self.names = tuple(names)
@@ -231,7 +232,7 @@ class EvaluationSummary(ServerPlugin, Instrument):
         self.deadline_s = deadline_s
         self.now = now
         self.log = log
-        self.on_closed = on_closed
+        self.publish = publish
         self._published: dict[int, float] = {}
         self._open: dict[int, _Open] = {}
         self._closed: set[int] = set()
@@ -293,8 +294,16 @@ class EvaluationSummary(ServerPlugin, Instrument):
         )
         for name, values in figures.items():
             self.log.debug(f"client_eval.{name}", step=version, **values)
-        if self.on_closed is not None:
-            self.on_closed(version, figures)
+        if self.publish is not None:
+            self.publish(
+                ClientsEvaluated(
+                    version=Version(version),
+                    reports=len(opened.reports),
+                    samples=samples,
+                    figures=figures,
+                    closed_by=reason,
+                )
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Return the versions open and closed, with the reports gathered so far."""

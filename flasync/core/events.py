@@ -21,6 +21,7 @@ __all__ = [
     "ClientFailed",
     "ClientId",
     "ClientTimedOut",
+    "ClientsEvaluated",
     "EdgeForwarded",
     "Evaluated",
     "FailureKind",
@@ -422,6 +423,34 @@ class ClientEvaluated:
     def figures(self) -> dict[str, float]:
         """Return every figure by metric name: ``accuracy``, ``loss`` and :attr:`metrics`."""
         return {"accuracy": self.accuracy, "loss": self.loss, **self.metrics}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientsEvaluated:
+    """The clients' evaluation of ``version`` closed (client-side evaluation): its reports summed up.
+
+    Attributes:
+        version: The model version.
+        reports: Reports counted.
+        samples: Held-out samples they evaluated.
+        figures: Per metric (``accuracy``, ``loss``, ...), its ``mean``, ``p10``, ``p50``, ``p90`` and ``worst10``
+            (logged as ``client_eval/<metric>/<figure>``).
+        closed_by: ``min_reports``, ``deadline`` or ``end`` (the run finished).
+    """
+
+    version: Version
+    reports: int
+    samples: int
+    figures: Mapping[str, Mapping[str, float]]
+    closed_by: str
+
+    def value(self, key: str) -> float | None:
+        """Return the figure logged under the metric ``key`` (``client_eval/<metric>/<figure>``; None: not one of
+        this event's)."""
+        head, metric, figure = [*key.split("/"), "", ""][:3]
+        if head != "client_eval" or metric not in self.figures or figure not in self.figures[metric]:
+            return None
+        return float(self.figures[metric][figure])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -272,7 +272,12 @@ def evaluation_summary(config: RunConfig, *, bus: EventBus, clock: Clock, log: A
     """Return the server's side of client-side evaluation, watching ``bus`` for the clients' reports."""
     cfg = config.eval.clients
     summary = EvaluationSummary(
-        config.eval.metric_names, min_reports=cfg.min_reports, deadline_s=cfg.deadline_s, now=clock.now, log=log
+        config.eval.metric_names,
+        min_reports=cfg.min_reports,
+        deadline_s=cfg.deadline_s,
+        now=clock.now,
+        log=log,
+        publish=bus.publish_nowait,
     )
     bus.add_instrument(summary)
     return summary

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import flasync
-from flasync.core.events import Aggregated, ClientEvaluated, TaskAssigned
+from flasync.core.events import Aggregated, ClientEvaluated, ClientsEvaluated, TaskAssigned
 from flasync.runtime import checkpoint
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
@@ -124,6 +124,20 @@ def test_client_evaluation_off_changes_nothing_and_on_changes_only_the_split() -
     evaluated = _run(*_ON)
     assert split_only[0].weights_sha256 == evaluated[0].weights_sha256
     assert not _series(split_only[1]) and _series(evaluated[1])
+
+
+def test_the_best_version_by_a_client_side_figure_is_kept() -> None:
+    """eval.select on client_eval/accuracy/p10 keeps the version whose closed evaluation had the best p10 (the
+    first to reach it), with that version's weights."""
+    summary, _, recorder = _run(*_ON, "eval.select=client_eval/accuracy/p10:max")
+    best_version, best_value = -1, -1.0
+    for closed in recorder.of(ClientsEvaluated):
+        if closed.figures["accuracy"]["p10"] > best_value:
+            best_version, best_value = int(closed.version), closed.figures["accuracy"]["p10"]
+    assert (summary.best_version, summary.best_value) == (best_version, best_value)
+    assert summary.best_metric == "client_eval/accuracy/p10:max"
+    stopped = flasync.run(small_config(*_ON, f"stop.max_versions={best_version}"))
+    assert summary.best_weights_sha256 == stopped.weights_sha256
 
 
 async def _interrupt_at(config: flasync.RunConfig, version: int) -> MemoryTracker:

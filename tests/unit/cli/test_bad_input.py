@@ -86,6 +86,10 @@ SETS = [
         ["eval.clients.fraction=0.1", "eval.clients.every=3"],
         "eval.clients.every: set either eval.clients.fraction or every, not both",
     ),
+    (
+        ["eval.select=client_eval/accuracy/p10:max"],
+        "eval.select: 'client_eval/accuracy/p10' is not a metric this run logs",
+    ),
     (["eval.clients.held_out=1"], "eval.clients.held_out: Input should be less than 1"),
     (["eval.clients.fraction=0.1", "data.kind=synthetic", "data.lazy=true"], "eval.clients: client-side evaluation"),
     (["eval.metrics=[auc]"], "eval.metrics: 'auc' needs two classes, but the data has 10"),

@@ -111,8 +111,10 @@ class ClientEvaluation(ClientPlugin):
         self.wall = wall
 
     def task(self, task: TaskAssigned, model: ModelSnapshot) -> TaskPart | None:
-        """Return the evaluation part of a task chosen to evaluate (None for the others)."""
-        if not evaluates(self.selection, int(task.client_id), task.participation):
+        """Return the evaluation part of a task chosen to evaluate (None for the others, and for a client that holds
+        out no sample: it has nothing to report)."""
+        client = int(task.client_id)
+        if not evaluates(self.selection, client, task.participation) or self.held_out(client)[2].numel() == 0:
             return None
         return _EvalPart(self, task, model.weights)
 

@@ -308,8 +308,12 @@ class Client:
         local = LocalTraining(**config.client.model_dump())
         x, y = self._data
         evaluation = config.eval.clients
-        chosen = self._held is not None and evaluates(
-            Selection(seed, fraction=evaluation.fraction, every=evaluation.every), client_id, participation
+        chosen = (
+            self._held is not None
+            and len(self._held[1]) > 0
+            and evaluates(
+                Selection(seed, fraction=evaluation.fraction, every=evaluation.every), client_id, participation
+            )
         )
         report: dict[str, Any] = {}
         if chosen and evaluation.when == "before":

@@ -106,3 +106,35 @@ def test_the_run_end_closes_what_is_open_unless_it_was_interrupted() -> None:
     resumed.load_state_dict(state)
     resumed.event_published(RunFinished(reason="max_versions", versions=4, updates_accepted=0, simulated_s=0, wall_s=0))
     assert resumed_log.closed() == [(3, 1, "end")]
+
+
+def test_a_client_without_held_out_samples_does_not_evaluate() -> None:
+    """A task is given an evaluation part only when chosen and when its client holds out a sample."""
+    import torch
+
+    from flasync.algorithms.client_eval import ClientEvaluation
+    from flasync.core.events import TaskAssigned
+    from flasync.core.snapshots import ModelSnapshot
+    from flasync.training.metrics import MetricSet
+
+    rows = {0: torch.arange(3), 1: torch.arange(0)}
+    x, y = torch.zeros(3, 2), torch.zeros(3, dtype=torch.long)
+    plugin = ClientEvaluation(
+        Selection(seed=0, every=1),
+        "before",
+        lambda client: (x, y, rows[client]),
+        models=None,  # type: ignore[arg-type]  # no evaluation runs here
+        metrics=MetricSet(),
+        publish=lambda event: None,
+        now=lambda: 0.0,
+    )
+    weights = torch.zeros(4)
+    model = ModelSnapshot(version=Version(0), weights=weights, exact=weights, download_bytes=16)
+
+    def task(client: int) -> TaskAssigned:
+        return TaskAssigned(
+            task_id=client, client_id=ClientId(client), participation=0, base_version=Version(0), simulated_s=0.0
+        )
+
+    assert plugin.task(task(0), model) is not None
+    assert plugin.task(task(1), model) is None

@@ -20,6 +20,7 @@ the bus as an :class:`~flasync.core.instruments.Instrument`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import torch
 
 from flasync.aggregation.evaluation import Report, summarize
 from flasync.core import seeding
+from flasync.core.errors import BusClosed, BusFull
 from flasync.core.events import ClientEvaluated, ClientId, ClientsEvaluated, RunFinished, TaskAssigned, Version
 from flasync.core.instruments import Instrument
 from flasync.core.snapshots import ModelSnapshot
@@ -152,20 +154,22 @@ class _EvalPart(TaskPart):
             return
         result, eval_s = self.result
         owner, task = self.owner, self.task
-        owner.publish(
-            ClientEvaluated(
-                client_id=ClientId(task.client_id),
-                task_id=task.task_id,
-                version=task.base_version,
-                when=owner.when,
-                num_samples=result.num_samples,
-                accuracy=result.accuracy,
-                loss=result.loss,
-                metrics=dict(result.metrics),
-                simulated_s=owner.now(),
-                eval_s=eval_s,
+        # A report is a figure: a full blocking subscription of the bus misses it rather than failing the task.
+        with contextlib.suppress(BusFull, BusClosed):
+            owner.publish(
+                ClientEvaluated(
+                    client_id=ClientId(task.client_id),
+                    task_id=task.task_id,
+                    version=task.base_version,
+                    when=owner.when,
+                    num_samples=result.num_samples,
+                    accuracy=result.accuracy,
+                    loss=result.loss,
+                    metrics=dict(result.metrics),
+                    simulated_s=owner.now(),
+                    eval_s=eval_s,
+                )
             )
-        )
 
 
 def _evaluate_group(members: list[tuple[_EvalPart, torch.Tensor]]) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import flasync
+from flasync.algorithms import client_eval
 from flasync.core.events import Aggregated, ClientEvaluated, ClientsEvaluated, TaskAssigned
 from flasync.runtime import checkpoint
 from flasync.testing import EventRecorder, MemoryTracker, small_config
@@ -87,10 +88,19 @@ def test_one_and_two_workers_give_the_same_weights_and_evaluation_series() -> No
     assert "client_eval/brier/mean" in _series(one[1]) and "client_eval/f1/p10" in _series(one[1])
 
 
-def test_the_vectorized_path_evaluates_as_the_threads_do() -> None:
+def test_the_vectorized_path_evaluates_as_the_threads_do(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cohort's evaluations, batched together, report what one evaluation per task reports (a user's metric too)."""
     threads = _run(*_ON, _BRIER, "executor.kind=thread")
+    segments: list[int] = []
+    batched = client_eval.evaluate_segments
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        segments.append(len(args[4]))
+        return batched(*args, **kwargs)
+
+    monkeypatch.setattr(client_eval, "evaluate_segments", counted)
     cohorts = _run(*_ON, _BRIER, "executor.kind=vectorized")
+    assert max(segments) > 1  # some cohort's members evaluated in one call
 
     def reports(recorder: EventRecorder) -> dict[int, ClientEvaluated]:
         return {r.task_id: r for r in recorder.of(ClientEvaluated)}

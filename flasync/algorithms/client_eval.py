@@ -244,6 +244,8 @@ class EvaluationSummary(ServerPlugin, Instrument):
         self._closed: set[int] = set()
         self.late = 0
         """Reports that arrived for a version already closed (not in its figures)."""
+        self.last: tuple[int, dict[str, dict[str, float]]] | None = None
+        """The version whose evaluation closed last, and its figures (None: none closed yet)."""
 
     def version_made(self, version: int, log: Any) -> None:
         """Note when ``version`` was published; close the versions whose deadline passed."""
@@ -287,8 +289,9 @@ class EvaluationSummary(ServerPlugin, Instrument):
         opened = self._open.pop(version)
         self._closed.add(version)
         figures = summarize(opened.reports, self.names)
+        self.last = (version, figures)
         samples = sum(report.num_samples for report in opened.reports)
-        self.log.info(
+        self.log.debug(  # a metric line, not a console line: versions close as often as they are made
             "client_eval.version",
             step=version,
             version=version,
@@ -325,6 +328,7 @@ class EvaluationSummary(ServerPlugin, Instrument):
             },
             "closed": sorted(self._closed),
             "late": self.late,
+            "last": self.last,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -340,3 +344,5 @@ class EvaluationSummary(ServerPlugin, Instrument):
         }
         self._closed = {int(v) for v in state.get("closed", [])}
         self.late = int(state.get("late", 0))
+        last = state.get("last")
+        self.last = None if last is None else (int(last[0]), {str(k): dict(v) for k, v in last[1].items()})

@@ -219,13 +219,15 @@ def run_models(summary: RunSummary, weights: torch.Tensor, best: Best | None, se
 
 
 def summary_value(summary: RunSummary, metric: str) -> float:
-    """Return the final evaluation's figure of ``metric`` from a run's summary (NaN: it has none)."""
+    """Return the final evaluation's figure of ``metric`` from a run's summary: the last central evaluation's, or the
+    last closed client-side evaluation's (NaN: it has none)."""
     name = metric.rpartition("/")[2]
     if metric in ("server/eval/accuracy", "server/eval/loss"):
         return float(getattr(summary, name))
     if metric.startswith("server/eval/"):
         return float(summary.eval_metrics.get(name, math.nan))
-    return math.nan
+    _, figure_of, figure = [*metric.split("/"), "", ""][:3]
+    return float(summary.client_eval.get(figure_of, {}).get(figure, math.nan))
 
 
 def register_selected(

@@ -41,7 +41,9 @@ def _series(tracker: MemoryTracker) -> dict[str, list[tuple[int, float]]]:
 def test_the_logged_figures_are_the_reports_summed_up_per_version() -> None:
     """Each closed version's mean is the reports' sample-weighted mean, its p50 the median of the clients' figures,
     its worst decile the lowest accuracy (highest loss) of the reports, from the reports counted towards it."""
-    _, tracker, recorder = _run(*_ON)
+    summary, tracker, recorder = _run(*_ON)
+    last = recorder.of(ClientsEvaluated)[-1]
+    assert (summary.client_eval_version, summary.client_eval) == (last.version, last.figures)
     by_version: dict[int, list[ClientEvaluated]] = defaultdict(list)
     for report in recorder.of(ClientEvaluated):
         by_version[int(report.version)].append(report)
@@ -174,6 +176,7 @@ def test_a_resumed_run_gives_the_uninterrupted_weights_and_evaluation_series() -
     resumed_tracker = MemoryTracker()
     resumed = flasync.run(saved, resume=checkpoint.ResumePoint(None, state), tracker=resumed_tracker)
     assert resumed.weights_sha256 == full.weights_sha256
+    assert (resumed.client_eval_version, resumed.client_eval) == (full.client_eval_version, full.client_eval)
     joined: dict[str, Any] = {}
     for key in _series(full_tracker):
         joined[key] = stopped.history(key) + resumed_tracker.history(key)

@@ -29,7 +29,6 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from flasync.config._base import _FieldError, _Section
 from flasync.core.errors import ConfigError
-from flasync.core.events import EVALUATED_METRICS
 
 __all__ = [
     "MAX_TRIALS",
@@ -49,7 +48,8 @@ SECTION = "sweep"
 """The config file's table that :class:`SweepConfig` reads."""
 
 OBJECTIVE_FIELDS: Mapping[str, str] = {
-    **EVALUATED_METRICS,
+    "server/eval/accuracy": "accuracy",
+    "server/eval/loss": "loss",
     "accuracy": "accuracy",
     "loss": "loss",
     "wall_s": "wall_s",

@@ -73,6 +73,12 @@ class RunSummary:
     metric_rows_lost: int = 0
     """Metric rows of the run written neither to MLflow nor to its journal (also the tag
     ``flasync.metric_rows_lost``); 0 for an untracked run."""
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    """The last central evaluation's figures besides accuracy and loss (``eval.metrics``), by name."""
+    client_eval_version: int | None = None
+    """The version whose client-side evaluation closed last (None: no client-side evaluation closed)."""
+    client_eval: dict[str, dict[str, float]] = field(default_factory=dict)
+    """That evaluation's figures: per metric, ``mean``, ``p10``, ``p50``, ``p90``, ``worst10``."""
     best_version: int | None = None
     """The version ``eval.select`` rated best (None: no selection, or no evaluation with a finite figure)."""
     best_metric: str = ""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from flasync import tracking
+from flasync.algorithms.client_eval import EvaluationSummary
 from flasync.clients.remote.transport import RemoteTransport
 from flasync.clients.simulated.client import ClientWorld
 from flasync.config import RunConfig
@@ -353,6 +354,7 @@ class Simulation:
                 topology=topology_name(self._config),
                 tiers=parts.edges.summary() if parts.edges is not None else {},
                 peak_rss_bytes=peak_rss_bytes(),
+                **_client_eval(parts),
                 **(
                     {"privacy_epsilon": prepared.privacy.accountant.epsilon(stats.versions)}
                     if prepared.privacy is not None
@@ -472,3 +474,11 @@ def root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
         if not isinstance(error, asyncio.CancelledError):
             return error
     return group.exceptions[0]
+
+
+def _client_eval(parts: ServerParts) -> dict[str, Any]:
+    """Return the summary's fields of the client-side evaluation that closed last (none without one)."""
+    for plugin in parts.server.plugins:
+        if isinstance(plugin, EvaluationSummary) and plugin.last is not None:
+            return {"client_eval_version": plugin.last[0], "client_eval": plugin.last[1]}
+    return {}

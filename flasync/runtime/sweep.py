@@ -193,7 +193,8 @@ class SweepPlan:
             raise ConfigError("tracking.enabled = false: a sweep's runs are MLflow child runs of one parent run")
         if config.remote.enabled:
             raise ConfigError("remote.enabled: a sweep runs simulated clients only")
-        named = {"run_name": point.name} | ({"uri": self.uri} if self.uri is not None else {})
+        literal = point.name.replace("{", "{{").replace("}", "}}")  # run_name's {fields} are filled in
+        named = {"run_name": literal} | ({"uri": self.uri} if self.uri is not None else {})
         return config.model_copy(update={"tracking": config.tracking.model_copy(update=named)})
 
     def to_json(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from flasync import tracking
 from flasync._version import __version__
 from flasync.config import (
     FedAvgServer,
@@ -23,6 +24,7 @@ __all__ = [
     "DatasetRecord",
     "data_name",
     "dataset_record",
+    "finished_tags",
     "rule_name",
     "run_mode",
     "run_name",
@@ -148,6 +150,13 @@ def run_tags(config: RunConfig, *, virtual_clock: bool) -> dict[str, str]:
         "topology": topology_name(config),
         "seed": str(config.seed),
     }
+
+
+def finished_tags(figures: dict[str, int | float]) -> dict[str, str]:
+    """Return a run's final figures as tracking tags, ``finished.<name>`` (a float written so that it reads back
+    exactly): one value each, shown with the run's tags rather than as a one-point chart each."""
+    prefix = tracking.FINISHED_TAG_PREFIX
+    return {f"{prefix}{key}": repr(value) if isinstance(value, float) else str(value) for key, value in figures.items()}
 
 
 def rule_name(rule: object) -> str:

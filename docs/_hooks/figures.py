@@ -57,11 +57,12 @@ class FigureError(ValueError):
 
 
 def load_results(folder: Path = RESULTS) -> dict[str, dict[str, Any]]:
-    """Return every stored result of ``folder`` by file stem: the JSON files that name a benchmark and a machine."""
+    """Return every stored result of ``folder`` by file stem: the JSON files that name a benchmark (other JSON files,
+    such as recorded golden weights, are not results)."""
     results: dict[str, dict[str, Any]] = {}
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
-        if isinstance(data, dict) and "benchmark" in data and "machine" in data:
+        if isinstance(data, dict) and "benchmark" in data:
             results[path.stem] = data
     return results
 
@@ -175,8 +176,9 @@ def _leaf(value: Any) -> str:
 def result_markdown(name: str, result: dict[str, Any]) -> str:
     """Return one stored result as a section of the performance page."""
     lines = [f"### {name} {{ #result-{name} }}", ""]
+    machine = f"a {machine_line(result['machine'])}" if "machine" in result else "a machine it did not describe"
     lines.append(
-        f"Measured {result.get('measured_at', 'at an unrecorded time')} on a {machine_line(result['machine'])}, "
+        f"Measured {result.get('measured_at', 'at an unrecorded time')} on {machine}, "
         f"with `{result.get('command', 'an unrecorded command')}` (stored in `benchmarks/results/{name}.json`)."
     )
     settings = result.get("settings") or {}

@@ -62,6 +62,7 @@ def test_performance_page_numbers_are_the_stored_results() -> None:
     assert set(sections) == set(results)
     for name, result in results.items():
         lines = sections[name]
+        assert "machine" in result, f"{name}.json has no machine description: store it with benchmarks/record.py"
         described = result["machine"]
         first = next(line for line in lines if line.strip())
         assert f"{described['cpus']}-core {described['cpu']}, load average {described['load_average_1m']}" in first
@@ -168,3 +169,14 @@ def test_a_marker_naming_nothing_stored_is_an_error(tmp_path: Path, marker: str,
 def test_numbers_show_three_significant_digits(value: float, shown: str) -> None:
     """A measured value is shown to three significant digits, thousands separated."""
     assert _figures().number(value) == shown
+
+
+def test_a_result_without_a_machine_is_shown_as_such(tmp_path: Path) -> None:
+    """A JSON result stored without the machine's description is still a result: its section says so (and the page
+    test above fails on it); other JSON files of the folder are not results."""
+    (tmp_path / "bare.json").write_text(json.dumps({"benchmark": "bare", "figures": {"s": 1.5}}))
+    (tmp_path / "golden.json").write_text(json.dumps({"runs": {}}))
+    figures = _figures()
+    results = figures.load_results(tmp_path)
+    assert set(results) == {"bare"}
+    assert "on a machine it did not describe" in figures.result_markdown("bare", results["bare"])

@@ -14,7 +14,8 @@ Both print a line as each run starts; this script stamps the lines as they arriv
 seconds (process start to exit) and the median seconds per run after the first (from one run's start line to the
 next's, runs 2 to N-1: the last one's end is the process's); then the sweep's wall time over the untracked one's
 (goal: below 1.3) and its per-run seconds less the untracked ones (the fixed cost of a tracked run once the writer
-process is warm; goal: within 0.2 s).
+process is warm; goal: within 0.2 s). The figures go to ``benchmarks/results/sweep.json`` (see
+``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+if __package__:  # imported as benchmarks.sweep
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,23 +84,40 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20, help="runs per command (at least 3)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--sweep-arg", action="append", default=[], help="one more argument of the sweep command")
+    parser.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/sweep.json)")
     args = parser.parse_args()
+    described = machine()
     print(f"{args.runs} runs of the default config each way, {os.cpu_count()} cores, python {sys.version.split()[0]}")
     print(f"{'repeat':>6} {'command':<10} {'wall s':>8} {'s/run':>7}")
     ratios, costs = [], []
+    rows: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="flasync-bench-sweep-") as folder:
             plain = _timed([sys.executable, "-c", UNTRACKED, str(args.runs)], folder)
-            store = f"sqlite:///{folder}/store/mlflow.db"
+            store_uri = f"sqlite:///{folder}/store/mlflow.db"
             sweep_command = [sys.executable, "-m", "flasync", "sweep", "--grid", f"seed=0..{args.runs - 1}"]
-            sweep_command += ["--set", "tracking.log_level=warning", "--tracking-uri", store, *args.sweep_arg]
+            sweep_command += ["--set", "tracking.log_level=warning", "--tracking-uri", store_uri, *args.sweep_arg]
             swept = _timed(sweep_command, folder)
         for name, (wall, starts) in (("untracked", plain), ("sweep", swept)):
             print(f"{repeat:>6} {name:<10} {wall:>8.2f} {_per_run(starts):>7.3f}")
+            rows.append({"repeat": repeat, "command": name, "wall_s": round(wall, 3), "s_per_run": _per_run(starts)})
         ratios.append(swept[0] / plain[0])
         costs.append(_per_run(swept[1]) - _per_run(plain[1]))
     print(f"sweep / untracked wall time: {statistics.median(ratios):.3f}x (goal < 1.3)")
     print(f"sweep's fixed cost per run after the first: {statistics.median(costs):+.3f} s (goal within 0.2 s)")
+    sweep_walls = [row["wall_s"] for row in rows if row["command"] == "sweep"]
+    headline = [
+        Figure(
+            f"sweep of {args.runs} runs, wall",
+            statistics.median(sweep_walls),
+            "s",
+            "untracked runs",
+            round(statistics.median(ratios), 3),
+        ),
+        Figure("fixed cost per tracked run after the first", round(statistics.median(costs), 3), "s"),
+    ]
+    settings = {"runs": args.runs, "repeats": args.repeats, "sweep_args": args.sweep_arg}
+    store("sweep", described, settings=settings, headline=headline, figures={"rows": rows}, out=args.out)
 
 
 if __name__ == "__main__":

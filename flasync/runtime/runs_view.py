@@ -74,8 +74,8 @@ def _line_chart(key: str, section: str) -> dict[str, Any]:
 
 RUNS_VIEW: dict[str, Any] = {
     "selectedColumns": [
-        "attributes.`Dataset`",
-        "attributes.`Source`",
+        # No Source or Dataset column (the entry point; the data set, on the run page and in the Datasets filter):
+        # MLflow puts them before the metrics, and without them the accuracy fits a laptop's screen.
         _param("server.kind"),
         # The last evaluation's figures (the UI sorts metric columns by name, so accuracy comes first).
         _metric("server/eval/accuracy"),

@@ -105,14 +105,17 @@ def test_the_printed_address_opens_the_training_runs_with_accuracy(ui: tuple[str
     url, folder, _ = ui
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 2000, "height": 800})
+        page = browser.new_page(viewport={"width": 1440, "height": 800})  # a laptop's screen
         page.goto(url)
         page.get_by_text("server/eval/accuracy").first.wait_for(timeout=60_000)
         page.screenshot(path=str(_shots(folder) / "runs.png"))
+        header = page.get_by_role("columnheader").filter(has_text="server/eval/accuracy").first.bounding_box()
+        grid = page.get_by_role("grid").first.bounding_box()
+        assert header is not None and grid is not None
+        assert header["x"] + header["width"] <= grid["x"] + grid["width"]  # in view without scrolling
         table = page.inner_text("body")
         assert "Model training" in table and "Training runs" not in table.split("Runs")[0]
         assert "fedbuff-digits-seed0-" in table and "fedasync-digits-seed0-" in table
-        assert "digits (" in table  # the dataset input
         assert "server/eval/accuracy" in table
         page.locator('input[value="CHART"]').evaluate("radio => radio.click()")  # the runs' chart view
         page.get_by_text("server/eval", exact=True).first.wait_for(timeout=60_000)
@@ -153,4 +156,5 @@ def test_the_run_page_shows_the_evaluation(ui: tuple[str, Path, str]) -> None:
     (shots / "run-page-sections.txt").write_text("\n".join(sections) + "\n")
     assert "Model training" in overview and "Evaluation runs" not in overview  # the sidebar of a training run
     assert "fedasync-digits-seed0-" in overview
+    assert "digits (" in overview  # the dataset input
     assert "server/eval" in sections and "client" in sections, sections

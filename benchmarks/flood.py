@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import secrets
 import signal
 import socket
@@ -47,6 +46,11 @@ from typing import Any
 import httpx
 import psutil
 import yaml
+
+if __package__:  # imported as benchmarks.flood (by the tests)
+    from benchmarks.record import machine
+else:
+    from record import machine
 
 _HERE = Path(__file__).resolve().parent
 _PROBER = "127.0.0.2"
@@ -329,28 +333,6 @@ def _print_phase(phase: str, figures: dict[str, Any], baseline: dict[str, Any]) 
             f"  {series:<22} n {q['n']:>5}  p50 {q['p50_ms']:7.2f} ms  p99 {q['p99_ms']:7.2f} ms  "
             f"max {q['max_ms']:8.2f} ms  (p99 / baseline p99: {ratio:.2f})"
         )
-
-
-def machine() -> dict[str, Any]:
-    """Describe the machine and the code a result was measured with."""
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_HERE, check=False
-    ).stdout.strip()
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": model,
-        "cpus": os.cpu_count(),
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "memory_bytes": psutil.virtual_memory().total,
-        "commit": commit,
-    }
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ For each repeat the script starts ``python -m flasync run`` (digits, FedBuff, 30
 top-k with error feedback, checkpoints every 10 versions, a fresh sqlite MLflow store), waits for the evaluation of
 version 10, sends the signal and times the process until it exits. As a baseline measured in the same repeat it
 prints the time from launch to that first evaluation (process start-up: imports, data, MLflow), and the ratio.
+The figures go to ``benchmarks/results/interrupt.json`` (see ``benchmarks/record.py``).
 
     python benchmarks/interrupt.py --repeats 3
 """
@@ -20,6 +21,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __package__:  # imported as benchmarks.interrupt
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """
@@ -67,11 +73,15 @@ def main() -> None:
     """Time the stop for SIGINT and SIGTERM, interleaved."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/interrupt.json)")
     args = parser.parse_args()
+    described = machine()
     results: dict[str, list[tuple[float, float, int]]] = {"SIGINT": [], "SIGTERM": []}
     for _ in range(args.repeats):
         for sig in (signal.SIGINT, signal.SIGTERM):
             results[sig.name].append(_once(sig))
+    headline: list[Figure] = []
+    figures: dict[str, dict[str, object]] = {}
     for name, runs in results.items():
         startup = statistics.median(r[0] for r in runs)
         stop = statistics.median(r[1] for r in runs)
@@ -81,6 +91,13 @@ def main() -> None:
             f"{name}: stop {stop:.2f} s (median of {len(runs)}; each {', '.join(f'{r[1]:.2f}' for r in runs)}), "
             f"start-up to version 10 {startup:.2f} s, stop / start-up {ratios:.2f}x (paired median), exit {codes}"
         )
+        headline.append(Figure(f"{name} to exit", round(stop, 3), "s", "start-up to version 10", round(ratios, 3)))
+        figures[name] = {
+            "stop_s": [round(r[1], 3) for r in runs],
+            "startup_s": [round(r[0], 3) for r in runs],
+            "exit_codes": codes,
+        }
+    store("interrupt", described, settings={"repeats": args.repeats}, headline=headline, figures=figures, out=args.out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ them), measuring the memory it allocates (tracemalloc, which sees NumPy's buffer
 before the build, in all and per client). Then draws ``--draw`` clients ``--repeats`` times per strategy, marking each
 cohort used (as the server does at dispatch for least-recently-used sampling, which builds that state on its first
 draw) and excluding 100 in-flight clients, and prints the RSS growth again, with the state sampling built. Targets:
-<= 1 GB for 1M clients, <= 10 ms per draw of 1000.
+<= 1 GB for 1M clients, <= 10 ms per draw of 1000 (the baselines of the stored ratios). The figures go to
+``benchmarks/results/population.json`` (see ``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -37,6 +40,11 @@ from flasync.core.snapshots import ModelSnapshot
 from flasync.data import LazyIIDPartition, SyntheticClients
 from flasync.server.accounting import Accounting
 from flasync.server.registry import TaskRegistry
+
+if __package__:  # imported as benchmarks.population
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 SAMPLES_PER_CLIENT = 200
 
@@ -61,7 +69,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=1_000_000)
     parser.add_argument("--draw", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/population.json)")
     args = parser.parse_args()
+    described = machine()
     n = args.clients
     process = psutil.Process()
     rss_before = process.memory_info().rss
@@ -91,6 +101,14 @@ def main() -> None:
     print(f"  traced now/peak  {traced_now / 2**20:8.1f} / {traced_peak / 2**20:.1f} MiB")
     print(f"  RSS growth       {rss_delta / 2**20:8.1f} MiB   (target <= 1024 MiB: {rss_delta / 2**30:.3f} of 1 GiB)")
     print(f"  RSS per client   {rss_delta / n:8.2f} B above the process's RSS before the build")
+    figures: dict[str, Any] = {
+        "build_ms": round(build_s * 1e3, 2),
+        "arrays_bytes": held,
+        "traced_peak_bytes": traced_peak,
+        "rss_growth_bytes": rss_delta,
+        "draw_ms": {},
+    }
+    headline = [Figure(f"RSS growth, {n:,} clients", rss_delta, "bytes", "1 GiB target", round(rss_delta / 2**30, 4))]
 
     rng = np.random.default_rng(1)
     in_flight = set(range(100))
@@ -108,6 +126,13 @@ def main() -> None:
         times.sort()
         median, p95 = statistics.median(times), times[int(0.95 * (len(times) - 1))]
         print(f"  {strategy:<10} {median * 1e3:10.3f} {p95 * 1e3:8.3f} {times[-1] * 1e3:8.3f} {median / 0.010:8.3f}x")
+        figures["draw_ms"][strategy] = {
+            "median": round(median * 1e3, 4),
+            "p95": round(p95 * 1e3, 4),
+            "max": round(times[-1] * 1e3, 4),
+        }
+        name = f"draw {args.draw:,} of {n:,} ({strategy}), median"
+        headline.append(Figure(name, round(median * 1e3, 4), "ms", "10 ms target", round(median / 0.010, 4)))
 
     dispatched = rng.integers(n, size=10_000)
     rss = process.memory_info().rss
@@ -127,6 +152,10 @@ def main() -> None:
         data.client(k)
         times.append(time.perf_counter() - begin)
     print(f"materialise one client (indices + its 200 synthetic samples): {statistics.median(times) * 1e6:.0f} us")
+    figures["rss_growth_with_sampling_state_bytes"] = rss_delta
+    figures["materialise_one_client_us"] = round(statistics.median(times) * 1e6, 1)
+    settings = {"clients": n, "draw": args.draw, "repeats": args.repeats}
+    store("population", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 
 if __name__ == "__main__":

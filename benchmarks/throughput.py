@@ -28,6 +28,8 @@ measures tracking inside one long tracked run: its tracker sends metrics only in
 each. Each sending window is compared with the mean of its two neighbours, which cancels drift slower than a few
 seconds. What windows cannot switch off, the extraction of metrics from each log call on the event loop, is timed
 apart (per update, against the time of an update) and printed with it.
+
+The figures of every section go to ``benchmarks/results/throughput.json`` (see ``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ from flasync.core import seeding
 from flasync.data import ArrayData, Partition, make_synthetic, partition_iid
 from flasync.training.local import FlatModel, LocalTraining, train
 from flasync.training.models import MLP
+
+if __package__:  # imported as benchmarks.throughput
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 FEATURES, CLASSES, HIDDEN, SAMPLES, BATCH, LR = 32, 10, (64,), 200, 32, 0.01
 
@@ -266,8 +273,8 @@ def extraction_us_per_update(events_per_update: float, repeats: int = 20_000) ->
     return (costs[0] - costs[1]) * 1e6 * events_per_update
 
 
-def tracking_windows(kind: str, num_clients: int, updates: int, window_s: float, uri: str) -> None:
-    """Print the on/off ratio of alternating windows of one tracked run (see the module docstring)."""
+def tracking_windows(kind: str, num_clients: int, updates: int, window_s: float, uri: str) -> dict[str, Any]:
+    """Print and return the on/off ratio of alternating windows of one tracked run (see the module docstring)."""
     tracker = WindowedTracker(uri, window_s)
     summary = asyncio.run(
         flasync.Federation(flasync_config(kind, num_clients, updates, tracking_uri=uri), tracker=tracker).run()
@@ -283,6 +290,16 @@ def tracking_windows(kind: str, num_clients: int, updates: int, window_s: float,
         f"{num_clients:>8} {kind + ' on/off':<16} {len(ratios):>7} {statistics.median(ratios):>8.3f}x"
         f" {low:>7.3f}-{high:.3f} {extraction:>9.1f} us {share:>6.1%} {statistics.median(ratios) * (1 - share):>8.3f}x"
     )
+    return {
+        "clients": num_clients,
+        "workload": kind,
+        "windows": len(ratios),
+        "on_off_median": round(statistics.median(ratios), 4),
+        "ci95": [round(low, 4), round(high, 4)],
+        "extraction_us_per_update": round(extraction, 2),
+        "extraction_share": round(share, 4),
+        "on_off_total": round(statistics.median(ratios) * (1 - share), 4),
+    }
 
 
 def median_interval(values: list[float], *, rng: np.random.Generator, resamples: int = 10_000) -> tuple[float, float]:
@@ -293,8 +310,8 @@ def median_interval(values: list[float], *, rng: np.random.Generator, resamples:
     return float(low), float(high)
 
 
-def tracking_pairs(kind: str, num_clients: int, updates: int, pairs: int, uri: str) -> None:
-    """Print the on/off ratio of ``pairs`` interleaved short runs (see the module docstring)."""
+def tracking_pairs(kind: str, num_clients: int, updates: int, pairs: int, uri: str) -> dict[str, Any]:
+    """Print and return the on/off ratio of ``pairs`` interleaved short runs (see the module docstring)."""
     ratios: list[float] = []
     extra_s: list[float] = []
     for index in range(pairs):
@@ -310,15 +327,24 @@ def tracking_pairs(kind: str, num_clients: int, updates: int, pairs: int, uri: s
         f"{num_clients:>8} {kind + ' on/off':<16} {pairs:>5} {statistics.median(ratios):>8.3f}x"
         f" {low:>7.3f}-{high:.3f} {quartiles[0]:>7.3f}-{quartiles[2]:.3f} {statistics.median(extra_s):>+8.1f} s"
     )
+    return {
+        "clients": num_clients,
+        "workload": kind,
+        "pairs": pairs,
+        "on_off_median": round(statistics.median(ratios), 4),
+        "ci95": [round(low, 4), round(high, 4)],
+        "quartiles": [round(quartiles[0], 4), round(quartiles[2], 4)],
+        "run_cost_s": round(statistics.median(extra_s), 2),
+    }
 
 
-def section(title: str, header: str, clients: list[int], measure: Callable[[str, int], None]) -> None:
-    """Print a table: its title and header, then one row per client count and workload."""
+def section(
+    title: str, header: str, clients: list[int], measure: Callable[[str, int], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Print a table: its title and header, then one row per client count and workload; return the rows."""
     print(f"\n{title}")
     print(header)
-    for num_clients in clients:
-        for kind in ("fedavg", "fedbuff"):
-            measure(kind, num_clients)
+    return [measure(kind, num_clients) for num_clients in clients for kind in ("fedavg", "fedbuff")]
 
 
 def main() -> None:
@@ -331,8 +357,11 @@ def main() -> None:
     parser.add_argument("--pair-updates", type=int, default=1000, help="client updates of each run of a pair")
     parser.add_argument("--windows", type=int, default=40000, help="updates of the windowed run (0: skip)")
     parser.add_argument("--window-s", type=float, default=1.0, help="seconds of each window of the windowed run")
+    parser.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/throughput.json)")
     args = parser.parse_args()
+    described = machine()
     tracking.configure_logging(level="warning")
+    figures: dict[str, list[dict[str, Any]]] = {"runners": [], "pairs": [], "windows": []}
     default_threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {default_threads} intra-op threads by default; best of {args.repeats} runs")
     print("baseline: the faster plain loop of each repeat, on torch's default intra-op threads or on one thread")
@@ -365,13 +394,15 @@ def main() -> None:
                 # drift between repeats cancels out of each ratio.
                 paired = statistics.median(value / base for value, base in zip(samples[name], baseline, strict=True))
                 print(f"{num_clients:>8} {name:<26} {rate:>10.1f} {rate / plain:>8.2f}x {paired:>10.2f}x")
+                row = {"clients": num_clients, "runner": name, "updates_per_s": round(rate, 1)}
+                figures["runners"].append(row | {"vs_plain": round(rate / plain, 3), "paired": round(paired, 3)})
             for kind in ("fedavg", "fedbuff"):
                 on, off = samples[f"{kind}, tracking on"], samples[f"{kind}, tracking off"]
                 paired = statistics.median(a / b for a, b in zip(on, off, strict=True))
                 best = rates[f"{kind}, tracking on"] / rates[f"{kind}, tracking off"]
                 print(f"{num_clients:>8} {kind + ' tracking on/off':<26} {'':>10} {best:>8.2f}x {paired:>10.2f}x")
         if args.pairs > 0:
-            section(
+            figures["pairs"] = section(
                 f"tracking on/off: {args.pairs} interleaved pairs of {args.pair_updates}-update runs per row",
                 f"{'clients':>8} {'workload':<16} {'pairs':>5} {'median':>9} {'95% CI':>13} {'quartiles':>13}"
                 f" {'run cost':>10}",
@@ -379,7 +410,7 @@ def main() -> None:
                 lambda kind, n: tracking_pairs(kind, n, args.pair_updates, args.pairs, uri),
             )
         if args.windows > 0:
-            section(
+            figures["windows"] = section(
                 f"tracking on/off inside one run of {args.windows} updates: metrics sent in alternate"
                 f" {args.window_s:g}-s windows; extraction timed apart",
                 f"{'clients':>8} {'workload':<16} {'windows':>7} {'median':>9} {'95% CI':>13} {'extraction':>12}"
@@ -387,6 +418,31 @@ def main() -> None:
                 args.clients,
                 lambda kind, n: tracking_windows(kind, n, args.windows, args.window_s, uri),
             )
+    headline = [
+        Figure(
+            f"{row['runner']}, {row['clients']:,} clients",
+            row["updates_per_s"],
+            "updates/s",
+            "plain loop",
+            row["paired"],
+        )
+        for row in figures["runners"]
+        if row["runner"].startswith(("fedavg", "fedbuff", "flasync"))
+    ]
+    headline += [
+        Figure(f"{row['workload']} tracking on/off ({row['clients']:,} clients, {what})", row["on_off_median"], "x")
+        for what in ("pairs", "windows")
+        for row in figures[what]
+    ]
+    settings = {k: getattr(args, k) for k in ("clients", "updates", "repeats", "pairs", "pair_updates", "windows")}
+    store(
+        "throughput",
+        described,
+        settings=settings | {"window_s": args.window_s},
+        headline=headline,
+        figures=figures,
+        out=args.out,
+    )
 
 
 if __name__ == "__main__":

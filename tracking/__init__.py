@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from flasync.tracking._child import IdleChild, close_idle_writer, warm_idle_writer
     from flasync.tracking.logs import LevelFilter, configure_logging, make_logger
-    from flasync.tracking.metrics import DEFAULT_EXCLUDE, ConstantSeries, MetricRow, MetricsProcessor, metric_key
+    from flasync.tracking.metrics import (
+        DEFAULT_EXCLUDE,
+        FINISHED_TAG_PREFIX,
+        ConstantSeries,
+        MetricRow,
+        MetricsProcessor,
+        metric_key,
+    )
     from flasync.tracking.mlflow_run import MlflowTracker, NullTracker, RunStatus, Tracker, artifact_bytes, yaml_text
     from flasync.tracking.spool import ReplayResult, SpoolError, replay
     from flasync.tracking.store import (
@@ -48,6 +55,7 @@ _MODULES = {
     "MetricRow": "flasync.tracking.metrics",
     "MetricsProcessor": "flasync.tracking.metrics",
     "metric_key": "flasync.tracking.metrics",
+    "FINISHED_TAG_PREFIX": "flasync.tracking.metrics",
     "MlflowTracker": "flasync.tracking.mlflow_run",
     "NullTracker": "flasync.tracking.mlflow_run",
     "RunStatus": "flasync.tracking.mlflow_run",
@@ -87,6 +95,7 @@ __all__ = [
     "DEFAULT_ARTIFACT_ROOT",
     "DEFAULT_EXCLUDE",
     "DEFAULT_TRACKING_URI",
+    "FINISHED_TAG_PREFIX",
     "ConstantSeries",
     "ExperimentDeletedError",
     "IdleChild",

@@ -30,6 +30,7 @@ from flasync.tracking.store import (
     ExperimentDeletedError,
     artifact_location,
     ensure_experiment,
+    experiment_url,
     redact_uri,
     sqlite_path,
 )
@@ -73,8 +74,7 @@ class Experiments:
         with the runs view, if any; None when there is no experiment yet."""
         if experiment_id is None:
             return None
-        view = f"&viewStateShareKey={RUNS_VIEW_KEY}" if self.runs_view is not None else ""
-        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning{view}"
+        return experiment_url(base, experiment_id, RUNS_VIEW_KEY if self.runs_view is not None else None)
 
     def artifact_location(self, experiment: str) -> str | None:
         """Return the artifact location a new experiment ``experiment`` gets (None: MLflow's default)."""

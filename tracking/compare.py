@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlflow
 
-from flasync.tracking.report import RunLookupError, get_run
+from flasync.tracking.report import RunLookupError, final_figures, get_run
 
 __all__ = [
     "EvalPoint",
@@ -92,7 +92,7 @@ def fetch_runs(
             name=run.info.run_name or run.info.run_id[:8],
             status=run.info.status,
             params=dict(run.data.params),
-            metrics=dict(run.data.metrics),
+            metrics=final_figures(run.data.metrics, run.data.tags),
             history=_history(client, run.info.run_id),
         )
         for run in runs

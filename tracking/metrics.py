@@ -14,7 +14,7 @@ from structlog.typing import EventDict, WrappedLogger
 
 from flasync.tracking._keys import safe_key
 
-__all__ = ["DEFAULT_EXCLUDE", "ConstantSeries", "MetricRow", "MetricsProcessor", "metric_key"]
+__all__ = ["DEFAULT_EXCLUDE", "FINISHED_TAG_PREFIX", "ConstantSeries", "MetricRow", "MetricsProcessor", "metric_key"]
 
 
 class MetricRow(NamedTuple):
@@ -34,6 +34,10 @@ class MetricRow(NamedTuple):
     step: int
     """The model version, or the update index for per-update figures."""
 
+
+FINISHED_TAG_PREFIX = "finished."
+"""The prefix of the tags that hold a run's final figures (``finished.accuracy``, ``finished.versions``...): one
+value each, which the MLflow UI would otherwise draw as a one-point chart each."""
 
 DEFAULT_EXCLUDE: frozenset[str] = frozenset(
     {"step", "client_id", "edge_id", "task_id", "base_version", "seq", "pid", "thread"}

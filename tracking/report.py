@@ -16,9 +16,19 @@ from typing import Any
 import mlflow
 from mlflow.entities import Run
 
-from flasync.tracking.store import redact_uri, resolve_tracking_uri, sqlite_path
+from flasync.tracking._runs import RUNS_VIEW_KEY, RUNS_VIEW_TAG
+from flasync.tracking.metrics import FINISHED_TAG_PREFIX
+from flasync.tracking.store import experiment_url, redact_uri, resolve_tracking_uri, sqlite_path, ui_command
 
-__all__ = ["RunLookupError", "format_report", "get_run", "load_profile", "open_store"]
+__all__ = [
+    "RunLookupError",
+    "experiment_address",
+    "final_figures",
+    "format_report",
+    "get_run",
+    "load_profile",
+    "open_store",
+]
 
 
 class RunLookupError(LookupError):
@@ -41,6 +51,48 @@ def open_store(uri: str | None = None) -> mlflow.MlflowClient:
     except mlflow.exceptions.MlflowException as exc:  # a scheme MLflow has no store for
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RunLookupError(f"{redact_uri(resolved)!r} is not an MLflow store URI: {first}") from None
+
+
+def final_figures(metrics: Mapping[str, float], tags: Mapping[str, str]) -> dict[str, float]:
+    """Return a run's metrics with its final figures as ``run/finished/<name>``: read from its ``finished.*`` tags,
+    or, for a run that logged them as one-point metrics, from those.
+
+    Args:
+        metrics: The run's latest metric values.
+        tags: The run's tags.
+    """
+    figures = dict(metrics)
+    for key, value in tags.items():
+        if key.startswith(FINISHED_TAG_PREFIX):
+            try:
+                figures[f"run/finished/{key.removeprefix(FINISHED_TAG_PREFIX)}"] = float(value)
+            except ValueError:
+                continue
+    return figures
+
+
+def experiment_address(
+    client: mlflow.MlflowClient, experiment: str, base: str = "http://127.0.0.1:5000"
+) -> tuple[str | None, str]:
+    """Return the command that serves the store in the MLflow UI (None for a tracking server) and the address of
+    experiment ``experiment``'s training runs there, with flasync's runs view when the experiment has it.
+
+    Args:
+        client: A client of the store.
+        experiment: The experiment's name.
+        base: Where ``mlflow ui`` serves the UI; a tracking server's own address is used instead.
+
+    Raises:
+        RunLookupError: The store has no experiment of that name.
+    """
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        names = sorted(e.name for e in client.search_experiments())
+        raise RunLookupError(f"no experiment {experiment!r} in the store (it has: {', '.join(names) or 'none'})")
+    command = ui_command(client.tracking_uri)
+    served = base if command is not None else client.tracking_uri
+    view = RUNS_VIEW_KEY if RUNS_VIEW_TAG in found.tags else None
+    return command, experiment_url(served, found.experiment_id, view)
 
 
 def get_run(client: mlflow.MlflowClient, run_id: str) -> Run:
@@ -99,7 +151,8 @@ def format_report(run_id: str, name: str, metrics: Mapping[str, float], profile:
     Args:
         run_id: The run's id.
         name: The run's name.
-        metrics: The run's latest metric values (``run/finished/*`` are used).
+        metrics: The run's latest metric values and final figures (``run/finished/*`` are used, see
+            :func:`final_figures`).
         profile: The run's ``profile.json`` (None: only the headline is printed).
     """
     lines = _headline_lines(run_id, name, metrics)

@@ -41,6 +41,7 @@ __all__ = [
     "check_local_store",
     "default_schema_cache",
     "ensure_experiment",
+    "experiment_url",
     "http_env",
     "is_remote",
     "prepare_sqlite_store",
@@ -463,6 +464,21 @@ def _has_runs(db: Path) -> bool:
             return bool(connection.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
         except sqlite3.OperationalError:  # no runs table: nothing to lose
             return False
+
+
+def experiment_url(base: str, experiment_id: str, view: str | None = None) -> str:
+    """Return the address of an experiment's training runs in the MLflow UI served at ``base``.
+
+    MLflow 3's UI opens an experiment on its GenAI pages unless the address asks for ``workflowType=machine_learning``
+    (the *Training runs* table); ``viewStateShareKey`` opens the runs view saved on the experiment under ``view``.
+
+    Args:
+        base: Where the UI is served, e.g. ``http://127.0.0.1:5000``.
+        experiment_id: The experiment's id.
+        view: The key of a runs view saved on the experiment, or None.
+    """
+    shared = f"&viewStateShareKey={view}" if view is not None else ""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning{shared}"
 
 
 def ui_command(tracking_uri: str) -> str | None:

@@ -22,7 +22,14 @@ def add_report_parser(commands: Any) -> None:
 def command_report(args: argparse.Namespace) -> int:
     """Run ``flasync report``: print the run's profile summary; exit 0."""
     # Imported here: they import MLflow, which `flasync run --no-tracking` never needs.
-    from flasync.tracking.report import RunLookupError, format_report, get_run, load_profile, open_store
+    from flasync.tracking.report import (
+        RunLookupError,
+        final_figures,
+        format_report,
+        get_run,
+        load_profile,
+        open_store,
+    )
 
     try:
         client = open_store(args.tracking_uri)
@@ -32,7 +39,7 @@ def command_report(args: argparse.Namespace) -> int:
     text = format_report(
         run.info.run_id,
         run.info.run_name or run.info.run_id[:8],
-        dict(run.data.metrics),
+        final_figures(run.data.metrics, run.data.tags),
         load_profile(client, run.info.run_id),
     )
     print(text, flush=True)

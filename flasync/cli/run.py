@@ -58,7 +58,7 @@ def add_run_parser(commands: Any) -> None:
     run.add_argument(
         "--experiment", help="MLflow experiment name (default: the config's tracking.experiment, 'flasync' unless set)"
     )
-    run.add_argument("--run-name", help="MLflow run name")
+    run.add_argument("--run-name", help="MLflow run name ({seed}, {time} and {id} are filled in)")
     run.add_argument(
         "--register",
         metavar="NAME",

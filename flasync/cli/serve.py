@@ -49,7 +49,7 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
     serve.add_argument("--tracking-uri", help=TRACKING_URI_HELP)
     serve.add_argument("--experiment", help="MLflow experiment name")
-    serve.add_argument("--run-name", help="MLflow run name")
+    serve.add_argument("--run-name", help="MLflow run name ({seed}, {time} and {id} are filled in)")
     serve.add_argument("--no-tracking", action="store_true", help="turn MLflow off (structured logs still print)")
     serve.add_argument("--no-system-metrics", action="store_true", help="turn off MLflow's CPU/GPU/memory monitor")
     serve.add_argument("--log-format", choices=["console", "json"], default="console", help="log line format")

@@ -1,4 +1,5 @@
-"""``flasync tracking``: replay a tracking spool, mark runs whose process is gone as FAILED."""
+"""``flasync tracking``: replay a tracking spool, mark runs whose process is gone as FAILED, print where the UI
+shows an experiment's runs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from flasync.core.errors import ConfigError
 
 
 def add_tracking_commands(commands: Any) -> None:
-    """Add ``flasync tracking replay SPOOL`` and ``flasync tracking mark-failed [RUN ...]``."""
+    """Add ``flasync tracking replay SPOOL``, ``flasync tracking mark-failed [RUN ...]`` and ``flasync tracking ui``."""
     group = commands.add_parser(
         "tracking",
         help="tracking tools (replay a spool written while MLflow was unreachable)",
@@ -38,6 +39,16 @@ def add_tracking_commands(commands: Any) -> None:
     failed.add_argument("--experiment", help="only runs of this experiment")
     failed.add_argument("--tracking-uri", help=TRACKING_URI_HELP)
     failed.add_argument("--force", action="store_true", help="also mark the named runs whose owner cannot be checked")
+    ui = actions.add_parser(
+        "ui",
+        help="print how to open an experiment's training runs in the MLflow UI",
+        description="Print the command that serves the store in the MLflow UI and the address of the experiment's "
+        "training runs there (MLflow 3 opens its GenAI pages otherwise), with flasync's runs view: evaluation "
+        "columns and charts first.",
+    )
+    ui.add_argument("--experiment", default="flasync", help="the experiment (default: flasync)")
+    ui.add_argument("--tracking-uri", help=TRACKING_URI_HELP)
+    ui.add_argument("--base", default="http://127.0.0.1:5000", help="where the UI is served (mlflow ui's default)")
 
 
 def _mark_failed(args: argparse.Namespace) -> int:
@@ -79,6 +90,20 @@ def _mark_failed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ui(args: argparse.Namespace) -> int:
+    """Run ``flasync tracking ui``: print the UI command and the experiment's address; exit 0."""
+    from flasync.tracking.report import RunLookupError, experiment_address, open_store
+
+    try:
+        command, url = experiment_address(open_store(args.tracking_uri), args.experiment, args.base)
+    except RunLookupError as exc:
+        raise ConfigError(str(exc)) from None
+    if command is not None:
+        print(f"open the UI     {command}")
+    print(f"then browse     {url}")
+    return 0
+
+
 def _has_checkpoint(client: Any, run_id: str) -> bool:
     """Tell whether the run has a checkpoint artifact to resume from (a store that cannot list says yes)."""
     try:
@@ -91,8 +116,10 @@ def command_tracking(args: argparse.Namespace) -> int:
     """Run ``flasync tracking ACTION``: exit 0 when replayed, 2 for a bad spool, 1 when the store fails."""
     if args.tracking_command == "mark-failed":
         return _mark_failed(args)
+    if args.tracking_command == "ui":
+        return _ui(args)
     if args.tracking_command != "replay":
-        raise UsageError("tracking needs an action: replay or mark-failed (see flasync tracking --help)")
+        raise UsageError("tracking needs an action: replay, mark-failed or ui (see flasync tracking --help)")
     from flasync.tracking.spool import SpoolError, replay
 
     try:

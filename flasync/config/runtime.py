@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+import string
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -319,6 +320,9 @@ class DiagnosticsConfig(_Section):
     )
 
 
+RUN_NAME_FIELDS = ("seed", "time", "id")
+"""The fields ``tracking.run_name`` may name: the run's seed, its UTC start time and a random id."""
+
 _TRACKING_SCHEMES = frozenset(
     {"sqlite", "file", "http", "https", "databricks", "databricks-uc", "uc", "postgresql", "mysql", "mssql"}
 )
@@ -337,7 +341,10 @@ with warnings.catch_warnings():
             "flasync", min_length=1, description="The MLflow experiment the run goes to (made if missing)."
         )
         run_name: str | None = Field(
-            None, description="The MLflow run's name (None: one made from the config, seed and time)."
+            None,
+            description="The MLflow run's name; {seed}, {time} (the UTC start, 20260105-143000) and {id} (6 random "
+            "hex digits) in it are filled in, so that repeated runs differ (None: "
+            "'<aggregator>-<data>-seed{seed}-{id}').",
         )
         log_level: Literal["debug", "info", "warning", "error"] = Field(
             "info",
@@ -362,6 +369,21 @@ with warnings.catch_warnings():
             description="Seconds between two samples of the system monitor (at least 0.1: each sample is a row of "
             "every system/ metric).",
         )
+
+        @field_validator("run_name")
+        @classmethod
+        def _run_name_fields(cls, name: str | None) -> str | None:
+            if name is None:
+                return None
+            try:
+                fields = {field for _, field, _, _ in string.Formatter().parse(name) if field is not None}
+            except ValueError as error:
+                raise _FieldError(("tracking", "run_name"), f"{name!r}: {error} (write {{{{ for a brace)") from None
+            unknown = sorted(fields - set(RUN_NAME_FIELDS))
+            if unknown:
+                known = ", ".join(f"{{{field}}}" for field in RUN_NAME_FIELDS)
+                raise _FieldError(("tracking", "run_name"), f"{name!r} names {{{unknown[0]}}}; it may use {known}")
+            return name
 
         @field_validator("register")
         @classmethod

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from flasync import tracking
 from flasync._version import __version__
 from flasync.config import (
     FedAvgServer,
@@ -22,9 +24,10 @@ __all__ = [
     "DatasetRecord",
     "data_name",
     "dataset_record",
-    "default_run_name",
+    "finished_tags",
     "rule_name",
     "run_mode",
+    "run_name",
     "run_tags",
     "topology_name",
 ]
@@ -117,10 +120,24 @@ def data_name(config: RunConfig, *, custom: bool = False) -> str:
     return config.data.kind
 
 
-def default_run_name(config: RunConfig, suffix: str, *, custom: bool = False) -> str:
-    """A run name that says what ran: ``<aggregator>-<data>-seed<seed>-<suffix>`` (``suffix`` tells reruns apart;
-    the data is named by :func:`data_name`)."""
-    return f"{config.server.kind}-{data_name(config, custom=custom)}-seed{config.seed}-{suffix}"
+def run_name(config: RunConfig, *, started: datetime, run_id: str, custom: bool = False) -> str:
+    """Return the run's name: ``tracking.run_name`` with its fields filled in, or a name that says what ran.
+
+    ``{seed}`` is the config's seed, ``{time}`` the UTC start as ``20260105-143000`` and ``{id}`` ``run_id`` (a few
+    random hex digits), so that repeated runs of one config get names that differ. Without ``tracking.run_name``
+    the name is ``<aggregator>-<data>-seed<seed>-<run_id>`` (the data named by :func:`data_name`).
+
+    Args:
+        config: The run's configuration.
+        started: When the run starts (timezone-aware).
+        run_id: What ``{id}`` stands for.
+        custom: The data came from the Python API.
+    """
+    template = config.tracking.run_name
+    if template is None:
+        template = f"{config.server.kind}-{data_name(config, custom=custom)}-seed{{seed}}-{{id}}"
+    utc = started.astimezone(UTC)
+    return template.format(seed=config.seed, time=utc.strftime("%Y%m%d-%H%M%S"), id=run_id)
 
 
 def run_tags(config: RunConfig, *, virtual_clock: bool) -> dict[str, str]:
@@ -133,6 +150,13 @@ def run_tags(config: RunConfig, *, virtual_clock: bool) -> dict[str, str]:
         "topology": topology_name(config),
         "seed": str(config.seed),
     }
+
+
+def finished_tags(figures: dict[str, int | float]) -> dict[str, str]:
+    """Return a run's final figures as tracking tags, ``finished.<name>`` (a float written so that it reads back
+    exactly): one value each, shown with the run's tags rather than as a one-point chart each."""
+    prefix = tracking.FINISHED_TAG_PREFIX
+    return {f"{prefix}{key}": repr(value) if isinstance(value, float) else str(value) for key, value in figures.items()}
 
 
 def rule_name(rule: object) -> str:

@@ -8,6 +8,7 @@ import functools
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
@@ -17,7 +18,7 @@ from flasync import tracking
 from flasync.config import RunConfig, flatten
 from flasync.runtime import checkpoint, tracked
 from flasync.runtime.build import AggregatorFactory
-from flasync.runtime.naming import dataset_record, default_run_name, rule_name, run_tags
+from flasync.runtime.naming import dataset_record, rule_name, run_name, run_tags
 from flasync.runtime.prepare import Prepared
 from flasync.runtime.tracked import redacted
 from flasync.training.local import LocalObjective, objective_name
@@ -139,7 +140,7 @@ async def open_run(
         start = functools.partial(
             tracker.start,
             experiment=cfg.tracking.experiment,
-            run_name=cfg.tracking.run_name or default_run_name(cfg, uuid.uuid4().hex[:6], custom=custom),
+            run_name=run_name(cfg, started=datetime.now(UTC), run_id=uuid.uuid4().hex[:6], custom=custom),
             params={**flatten(redacted(cfg)), **(prepared.privacy.params() if prepared.privacy else {})},
             tags=tags,
         )

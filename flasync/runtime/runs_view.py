@@ -3,10 +3,10 @@
 The view is saved on each experiment flasync logs to (see :class:`tracking.MlflowTracker`'s ``runs_view``) and the
 command's summary prints the address that opens it; without it MLflow's table shows no metric at all. It also lays
 out the page's chart view: MLflow groups metric charts in one section per key prefix and sorts the sections by name,
-which would put the evaluation (``server/eval``) fourth, after ``client``, ``profile/version`` and ``run/finished``;
-the view lists the sections in flasync's order instead, the evaluation's accuracy and loss first. (MLflow 3.17 keeps
-a single run's chart layout in the browser only, sorted by name: there the evaluation section stays where its name
-puts it.)
+which would put the evaluation (``server/eval``) third, after ``client`` and ``profile/version`` (a run's final
+figures are tags, not a section of one-point charts); the view lists the sections in flasync's order instead, the
+evaluation's accuracy and loss first. (MLflow 3.17 keeps a single run's chart layout in the browser only, sorted by
+name: there the evaluation section stays where its name puts it.)
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ CHART_SECTIONS = (
     "server/update",
     "server/version",
     "profile/version",
-    "run/finished",
     "Model metrics",  # MLflow's name for keys without a prefix
     "System metrics",  # MLflow's name for system/ keys
 )
@@ -75,8 +74,8 @@ def _line_chart(key: str, section: str) -> dict[str, Any]:
 
 RUNS_VIEW: dict[str, Any] = {
     "selectedColumns": [
-        "attributes.`Dataset`",
-        "attributes.`Source`",
+        # No Source or Dataset column (the entry point; the data set, on the run page and in the Datasets filter):
+        # MLflow puts them before the metrics, and without them the accuracy fits a laptop's screen.
         _param("server.kind"),
         # The last evaluation's figures (the UI sorts metric columns by name, so accuracy comes first).
         _metric("server/eval/accuracy"),

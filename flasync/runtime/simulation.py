@@ -28,7 +28,7 @@ from flasync.observe.summary import RunSummary
 from flasync.runtime.build import AggregatorFactory, ServerParts, build_server, build_world, make_evaluator
 from flasync.runtime.checkpoint import CheckpointWriter, ResumePoint
 from flasync.runtime.closing import off_loop
-from flasync.runtime.naming import topology_name
+from flasync.runtime.naming import finished_tags, topology_name
 from flasync.runtime.prepare import Prepared
 from flasync.runtime.run_profile import finish_profile, instrumentation, segment, tracking_health
 from flasync.runtime.run_tracking import tag_alerts
@@ -400,9 +400,11 @@ class Simulation:
             if isinstance(value, int | float) and not isinstance(value, bool)
         }
         bus = self._bus.statistics()
-        # Debug on the console (the command prints the summary once); metrics either way.
+        # Debug on the console (the command prints the summary once). One value each: tags, not one-point metrics
+        # (which the MLflow UI would draw as a chart each).
         extra = {"bus_dropped": bus.dropped, "bus_high_water": bus.high_water}
-        log.debug("run.finished", step=stats.versions, **figures, **extra)
+        log.debug("run.finished", step=stats.versions, metrics=False, **figures, **extra)
+        await off_loop(self._tracker.set_tags, finished_tags(figures | extra))
         return summary
 
     async def _profile(

@@ -196,7 +196,8 @@ def point_config(base: Mapping[str, Any], point: SweepPoint, uri: str | None) ->
         raise ConfigError("tracking.enabled = false: a sweep's runs are MLflow child runs of one parent run")
     if config.remote.enabled:
         raise ConfigError("remote.enabled: a sweep runs simulated clients only")
-    named = {"run_name": point.name} | ({"uri": uri} if uri is not None else {})
+    literal = point.name.replace("{", "{{").replace("}", "}}")  # run_name's {fields} are filled in
+    named = {"run_name": literal} | ({"uri": uri} if uri is not None else {})
     return config.model_copy(update={"tracking": config.tracking.model_copy(update=named)})
 
 

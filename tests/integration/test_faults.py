@@ -62,9 +62,9 @@ async def test_crashing_and_hanging_clients_give_exact_predicted_counts() -> Non
     assert summary.tasks_timed_out == predicted[Fate.HANG] == recorder.count(ClientTimedOut) > 0
     assert summary.updates_accepted == predicted[Fate.OK] == 12 * 4
     assert {e.kind for e in recorder.of(ClientFailed)} == {"crash"}
-    # The figures are metrics too.
+    # The figures are metrics and final tags too.
     assert tracker.history("server/timeout/timed_out")[-1][1] == summary.tasks_timed_out
-    assert tracker.history("run/finished/updates_failed")[-1][1] == summary.updates_failed
+    assert tracker.tags["finished.updates_failed"] == str(summary.updates_failed)
 
 
 def test_faulty_runs_are_deterministic() -> None:

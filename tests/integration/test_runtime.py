@@ -598,14 +598,18 @@ def test_an_objective_without_loss_is_a_config_error() -> None:
         flasync.Federation(small_config(), objective=object())  # type: ignore[arg-type]
 
 
-def test_the_final_metrics_hold_the_profile_figures() -> None:
-    """run/finished/alerts (and peak memory) are logged after the profile counted them, equal to the summary's."""
+def test_the_final_figures_hold_the_profile_figures() -> None:
+    """The finished.alerts tag (and peak memory) is set after the profile counted them, equal to the summary's; the
+    final figures are tags, not one-point metrics."""
     config = small_config("server.optimizer.lr=30", "stop.max_versions=6", "diagnostics.profile=true")
     tracker = MemoryTracker()
     summary = flasync.run(config, tracker=tracker)
     assert summary.alerts > 0
-    assert tracker.history("run/finished/alerts") == [(summary.versions, float(summary.alerts))]
-    assert tracker.history("run/finished/peak_rss_bytes") == [(summary.versions, float(summary.peak_rss_bytes))]
+    assert tracker.tags["finished.alerts"] == str(summary.alerts)
+    assert tracker.tags["finished.peak_rss_bytes"] == str(summary.peak_rss_bytes)
+    assert float(tracker.tags["finished.accuracy"]) == summary.accuracy
+    assert tracker.tags["finished.versions"] == str(summary.versions)
+    assert not [row for row in tracker.metrics if row.key.startswith("run/finished")]
 
 
 async def test_tags_given_to_a_federation_join_its_own() -> None:

@@ -103,10 +103,10 @@ def test_serve_and_five_client_processes(tmp_path: Path, tokens: dict[int, str])
         assert "(the run ended)" in (tmp_path / f"client{client_id}.out").read_text()
     store_client = MlflowClient(store)
     (remote,) = store_client.search_runs([store_client.get_experiment_by_name("remote-evidence").experiment_id])
-    metrics = remote.data.metrics
-    assert metrics["run/finished/accuracy"] >= 0.85
-    assert metrics["run/finished/versions"] == 60
-    assert metrics["run/finished/tasks_timed_out"] >= 1  # the killed client's task
+    metrics, tags = remote.data.metrics, remote.data.tags
+    assert float(tags["finished.accuracy"]) >= 0.85
+    assert tags["finished.versions"] == "60"
+    assert int(tags["finished.tasks_timed_out"]) >= 1  # the killed client's task
     assert remote.info.status == "FINISHED"
     # The same keys a simulated run of this config logs (remote refusals come on top).
     simulated = Federation(

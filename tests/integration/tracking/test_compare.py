@@ -164,3 +164,13 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(three_runs: list[str],
     _, err = process.communicate(timeout=120)
     assert process.returncode == 141, err.decode()
     assert b"Traceback" not in err and b"BrokenPipeError" not in err
+
+
+def test_final_figures_come_from_tags_or_older_runs_metrics() -> None:
+    """A run's final figures read from its finished.* tags; a run that logged run/finished/* metrics keeps them."""
+    from flasync.tracking.report import final_figures
+
+    tagged = final_figures({"server/eval/accuracy": 0.5}, {"finished.accuracy": "0.875", "finished.versions": "30"})
+    assert tagged == {"server/eval/accuracy": 0.5, "run/finished/accuracy": 0.875, "run/finished/versions": 30.0}
+    older = {"run/finished/accuracy": 0.75}
+    assert final_figures(older, {"mode": "async", "finished.note": "not a number"}) == older

@@ -1,12 +1,14 @@
 """The MLflow UI in a real browser, after flasync runs on a new store (opt-in: FLASYNC_UI_TESTS=1).
 
 Needs Playwright (``pip install playwright``) and Debian's ``chromium`` package; the test starts ``mlflow server``
-on a free port, drives ``/usr/bin/chromium`` headless, and leaves screenshots in its temporary folder.
+on a free port, drives ``/usr/bin/chromium`` headless, and leaves screenshots in its temporary folder (or in
+``$FLASYNC_UI_SCREENSHOTS``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,6 +89,13 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, st
         server.wait(timeout=30)
 
 
+def _shots(folder: Path) -> Path:
+    """Return where screenshots go: ``$FLASYNC_UI_SCREENSHOTS`` when set, else the runs' temporary folder."""
+    shots = Path(os.environ.get("FLASYNC_UI_SCREENSHOTS") or folder)
+    shots.mkdir(parents=True, exist_ok=True)
+    return shots
+
+
 @pytest.mark.slow
 def test_the_printed_address_opens_the_training_runs_with_accuracy(ui: tuple[str, Path, str]) -> None:
     """The address the summary prints opens the experiment's training runs (not the GenAI pages), the runs table
@@ -96,18 +105,21 @@ def test_the_printed_address_opens_the_training_runs_with_accuracy(ui: tuple[str
     url, folder, _ = ui
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 2000, "height": 800})
+        page = browser.new_page(viewport={"width": 1440, "height": 800})  # a laptop's screen
         page.goto(url)
         page.get_by_text("server/eval/accuracy").first.wait_for(timeout=60_000)
-        page.screenshot(path=str(folder / "runs.png"))
+        page.screenshot(path=str(_shots(folder) / "runs.png"))
+        header = page.get_by_role("columnheader").filter(has_text="server/eval/accuracy").first.bounding_box()
+        grid = page.get_by_role("grid").first.bounding_box()
+        assert header is not None and grid is not None
+        assert header["x"] + header["width"] <= grid["x"] + grid["width"]  # in view without scrolling
         table = page.inner_text("body")
         assert "Model training" in table and "Training runs" not in table.split("Runs")[0]
         assert "fedbuff-digits-seed0-" in table and "fedasync-digits-seed0-" in table
-        assert "digits (" in table  # the dataset input
         assert "server/eval/accuracy" in table
         page.locator('input[value="CHART"]').evaluate("radio => radio.click()")  # the runs' chart view
         page.get_by_text("server/eval", exact=True).first.wait_for(timeout=60_000)
-        page.screenshot(path=str(folder / "charts.png"))
+        page.screenshot(path=str(_shots(folder) / "charts.png"))
         sections = page.inner_text("body").splitlines()
         for section in ("server/eval", "server/version", "client"):
             assert section in sections, section  # a section of charts per key prefix
@@ -115,3 +127,34 @@ def test_the_printed_address_opens_the_training_runs_with_accuracy(ui: tuple[str
         text = page.inner_text("body")  # the evaluation's charts: accuracy and loss first
         assert text.index("server/eval/accuracy") < text.index("server/eval/loss") < text.index("server/eval/wall_s")
         browser.close()
+
+
+@pytest.mark.slow
+def test_the_run_page_shows_the_evaluation(ui: tuple[str, Path, str]) -> None:
+    """The last run's page, opened as a training run, shows its metrics table with the evaluation's accuracy and,
+    in its Model metrics tab, a section of evaluation charts; screenshots of both and the tab's section order are
+    kept (MLflow 3.17 orders a run page's sections by name and keeps a user's layout in the browser only)."""
+    from playwright.sync_api import sync_playwright
+
+    url, folder, summary = ui
+    run_id = next(line.split()[2] for line in summary.splitlines() if line.strip().startswith("MLflow run"))
+    base = url.split("/runs?", 1)[0]
+    shots = _shots(folder)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(f"{base}/runs/{run_id}?workflowType=machine_learning")
+        page.get_by_text("server/eval/accuracy").first.wait_for(timeout=60_000)
+        page.screenshot(path=str(shots / "run-overview.png"), full_page=True)
+        overview = page.inner_text("body")
+        page.get_by_text("Model metrics").first.click()
+        page.get_by_text("server/eval", exact=True).first.wait_for(timeout=60_000)
+        page.screenshot(path=str(shots / "run-charts.png"))
+        lines = page.inner_text("body").splitlines()
+        browser.close()
+    sections = [lines[i - 1] for i, line in enumerate(lines) if re.fullmatch(r"\(\d+\)", line) and i > 0]
+    (shots / "run-page-sections.txt").write_text("\n".join(sections) + "\n")
+    assert "Model training" in overview and "Evaluation runs" not in overview  # the sidebar of a training run
+    assert "fedasync-digits-seed0-" in overview
+    assert "digits (" in overview  # the dataset input
+    assert "server/eval" in sections and "client" in sections, sections

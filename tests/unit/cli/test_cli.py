@@ -366,3 +366,27 @@ def test_mark_failed_says_whether_a_run_can_be_resumed(
     assert f"{bare}  FAILED (its process is gone; it wrote no checkpoint, so it cannot be resumed)" in out
     assert f"{saved}  FAILED (its process is gone; resume it with: flasync run --resume {saved})" in out
     assert {client.get_run(run).info.status for run in (bare, saved)} == {"FAILED"}
+
+
+def test_tracking_ui_prints_the_training_runs_address(
+    capsys: pytest.CaptureFixture[str], store: str, tmp_path: Path
+) -> None:
+    """``flasync tracking ui`` prints the UI command and the experiment's Training runs address, with flasync's runs
+    view where the experiment has it; an unknown experiment is a one-line error, exit 2."""
+    from flasync.tracking._runs import RUNS_VIEW_TAG
+
+    client = mlflow.MlflowClient(store)
+    viewed = client.create_experiment("viewed", artifact_location=(tmp_path / "a").as_uri())
+    client.set_experiment_tag(viewed, RUNS_VIEW_TAG, "{}")
+    plain = client.create_experiment("plain", artifact_location=(tmp_path / "b").as_uri())
+    assert main(["tracking", "ui", "--experiment", "viewed", "--tracking-uri", store]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"open the UI     mlflow ui --backend-store-uri {store}",
+        f"then browse     http://127.0.0.1:5000/#/experiments/{viewed}/runs?workflowType=machine_learning"
+        "&viewStateShareKey=flasync",
+    ]
+    assert main(["tracking", "ui", "--experiment", "plain", "--tracking-uri", store, "--base", "http://h:80/"]) == 0
+    expected = f"then browse     http://h:80/#/experiments/{plain}/runs?workflowType=machine_learning"
+    assert capsys.readouterr().out.splitlines()[-1] == expected
+    error = _fails(capsys, "tracking", "ui", "--experiment", "absent", "--tracking-uri", store)
+    assert error.startswith("flasync: error: no experiment 'absent' in the store (it has: ")

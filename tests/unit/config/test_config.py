@@ -318,3 +318,19 @@ def test_registry_names_are_refused_where_mlflow_refuses_them(name: str) -> None
         assert _error(None, [f"tracking.register={name}"]).startswith("tracking.register: ")
     else:
         assert load_config(None, [f"tracking.register={name}"]).tracking.register == name
+
+
+def test_run_name_may_name_seed_time_and_id_only() -> None:
+    """tracking.run_name takes {seed}, {time} and {id}; another field or an unclosed brace is a one-line error."""
+    assert load_config(None, ["tracking.run_name=a-{seed}-{time}-{id}"]).tracking.run_name == "a-{seed}-{time}-{id}"
+    assert _error(None, ["tracking.run_name=a-{sed}"]).startswith("tracking.run_name: 'a-{sed}' names {sed}")
+    assert _error(None, ["tracking.run_name=a-{seed"]).startswith("tracking.run_name: 'a-{seed': ")
+
+
+def test_example_configs_name_repeated_runs_apart() -> None:
+    """Every example config that names its runs puts the seed and the start time in the name."""
+    named = [load_config(path, []).tracking.run_name for path in sorted(EXAMPLES.glob("*.toml"))]
+    named += [load_config(EXAMPLES / "fedavg.yaml", []).tracking.run_name]
+    given = [name for name in named if name is not None]
+    assert given, "no example config names its runs"
+    assert all("{seed}" in name and "{time}" in name for name in given), given

@@ -57,6 +57,7 @@ from flasync.config import (
 )
 from flasync.core import seeding
 from flasync.core.bus import EventBus
+from flasync.core.client_table import ClientTable
 from flasync.core.clock import Clock, RunClock
 from flasync.core.errors import ConfigError
 from flasync.runtime.naming import rule_name
@@ -539,7 +540,15 @@ def _make_dispatch(
     # genuine training errors count: injected faults, dropouts and timeouts never do.
     # A server that refuses every update for many waves of tasks cannot make progress: it ends the run with the
     # refusal reasons instead of training for ever.
-    accounting = Accounting(failure_limit=max(3 * in_flight, 30), rejection_limit=max(20 * in_flight, 200))
+    tcfg = config.tracking
+    clients = (
+        ClientTable(tcfg.client_table_rows, tcfg.client_table_top, tcfg.client_table_rank)
+        if tcfg.client_table
+        else None
+    )
+    accounting = Accounting(
+        failure_limit=max(3 * in_flight, 30), rejection_limit=max(20 * in_flight, 200), clients=clients
+    )
     group: CohortClients | None = None
     if start_task is None:
         group = CohortClients(world, live=lambda task: registry.holds(task))

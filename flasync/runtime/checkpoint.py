@@ -232,9 +232,27 @@ def check_state(state: dict[str, Any]) -> None:
         started = task.get("simulated_s")
         if not isinstance(started, int | float) or not math.isfinite(started) or started < 0:
             raise CheckpointError(f"checkpoint field {where}simulated_s: must be a finite number >= 0")
+    _check_selection(state, weights)
     norms = state["intake"].get("validator_norms")
     if not isinstance(norms, list) or not all(isinstance(n, int | float) for n in norms):
         raise CheckpointError("checkpoint field intake.validator_norms: must be a list of numbers")
+
+
+def _check_selection(state: dict[str, Any], weights: torch.Tensor) -> None:
+    """Check the best version a checkpoint holds (``eval.select``), when it holds one."""
+    selection = state.get("selection")
+    if selection is None or selection == {}:
+        return
+    if not isinstance(selection, dict):
+        raise CheckpointError("checkpoint field selection: not a mapping")
+    _int(selection, "version", low=0, high=int(state["version"]), where="selection.")
+    if _tensor(selection, "weights", dims=1, floating=True, where="selection.").shape != weights.shape:
+        raise CheckpointError("checkpoint field selection.weights: shape differs from the weights'")
+    value = selection.get("value")
+    if isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value):
+        raise CheckpointError(f"checkpoint field selection.value: must be a finite number, got {value!r}")
+    if not isinstance(selection.get("metric"), str) or selection.get("direction") not in ("max", "min"):
+        raise CheckpointError("checkpoint field selection: metric or direction missing")
 
 
 def check_fits(state: dict[str, Any], *, num_params: int, num_clients: int) -> None:

@@ -294,6 +294,7 @@ class Federation:
                     profile=self.profile,
                     traces=simulation.diagnostics,
                     best=self.best,
+                    clients=simulation.clients,
                 )
                 if cfg.tracking.register is not None and cfg.tracking.log_model:
                     models = run_models(summary, self.weights, self.best, cfg.eval.select)

@@ -33,9 +33,11 @@ from flasync.core.quantiles import percentile
 
 __all__ = [
     "BINS",
+    "HISTOGRAMS_ARTIFACT",
     "MAX_FIGURES",
     "MAX_REASONS",
     "RANKS",
+    "TABLE_ARTIFACT",
     "ClientFigures",
     "ClientTable",
     "Rank",
@@ -52,6 +54,10 @@ MAX_REASONS: Final = 32
 """Distinct refusal reasons counted by name; further ones count under ``other``."""
 MAX_FIGURES: Final = 32
 """Distinct reported figure names kept; further ones are ignored (and counted in ``figures_dropped``)."""
+TABLE_ARTIFACT: Final = "clients/table.json"
+"""The run artifact of :meth:`ClientTable.table` (MLflow's table format, shown in the UI's artifact view)."""
+HISTOGRAMS_ARTIFACT: Final = "clients/histograms.json"
+"""The run artifact of :meth:`ClientTable.histograms`."""
 _MASK = (1 << 64) - 1
 
 
@@ -337,6 +343,8 @@ class ClientTable:
         return {
             "rows": len(rows),
             "capacity": self.capacity,
+            "rank": self.rank,
+            "top": self.top,
             "sampled": self._full,
             "clients_seen": self.clients_seen(),
             "bins": [0] + [1 << (b - 1) for b in range(1, used)],

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from flasync import tracking
-from flasync.core.client_table import ClientTable
+from flasync.core.client_table import HISTOGRAMS_ARTIFACT, TABLE_ARTIFACT, ClientTable
 from flasync.observe.plots import render_plots
 from flasync.observe.summary import RunSummary, json_ready
 from flasync.runtime import tracked
@@ -27,12 +27,7 @@ from flasync.training.diagnostics import TrainingDiagnostics
 from flasync.training.exchange import Exchanged, merge_lora
 from flasync.training.local import flat_layout
 
-__all__ = ["CLIENT_HISTOGRAMS", "CLIENT_TABLE", "log_artifacts", "log_client_table", "log_stopped_profile"]
-
-CLIENT_TABLE = "clients/table.json"
-"""The per-client table's artifact (``tracking.client_table``): MLflow's table format, shown in the artifact view."""
-CLIENT_HISTOGRAMS = "clients/histograms.json"
-"""The per-client histograms' artifact (see :meth:`flasync.core.client_table.ClientTable.histograms`)."""
+__all__ = ["log_artifacts", "log_client_table", "log_stopped_profile"]
 
 
 def log_stopped_profile(tracker: tracking.Tracker, profile: dict[str, Any], log: Any) -> None:
@@ -88,7 +83,7 @@ def log_artifacts(
     torch.save({"flat": weights, "state_dict": module.state_dict()}, buffer)
     files["weights.pt"] = buffer.getvalue()
     if clients is not None:
-        files[CLIENT_HISTOGRAMS] = tracking.artifact_bytes(clients.histograms(), CLIENT_HISTOGRAMS)
+        files[HISTOGRAMS_ARTIFACT] = tracking.artifact_bytes(clients.histograms(), HISTOGRAMS_ARTIFACT)
     if mlflow_tracker is not None:
         mlflow_tracker.log_artifacts(files)  # one job of the writer process, not one per file
     else:
@@ -112,7 +107,7 @@ def log_artifacts(
 
 
 def log_client_table(tracker: tracking.Tracker, clients: ClientTable, log: Any) -> None:
-    """Log the per-client table as :data:`CLIENT_TABLE`: with ``MlflowClient.log_table`` on an MLflow run (the UI's
+    """Log the per-client table as :data:`TABLE_ARTIFACT`: with ``MlflowClient.log_table`` on an MLflow run (the UI's
     artifact view shows it as a table), else as the same JSON (``columns`` and ``data``). A store that refuses it is
     a warning, never a failure of the finished run."""
     table = clients.table()
@@ -122,9 +117,9 @@ def log_client_table(tracker: tracking.Tracker, clients: ClientTable, log: Any) 
 
             columns = {name: [row[i] for row in table["data"]] for i, name in enumerate(table["columns"])}
             client = mlflow.MlflowClient(tracker.tracking_uri)
-            client.log_table(tracker.run_id, data=columns, artifact_file=CLIENT_TABLE)
+            client.log_table(tracker.run_id, data=columns, artifact_file=TABLE_ARTIFACT)
         else:
-            tracker.log_bytes(tracking.artifact_bytes(table, CLIENT_TABLE), CLIENT_TABLE)
+            tracker.log_bytes(tracking.artifact_bytes(table, TABLE_ARTIFACT), TABLE_ARTIFACT)
     except Exception as exc:
         log.warning("tracking.client_table_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
 

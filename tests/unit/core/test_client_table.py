@@ -175,7 +175,7 @@ def test_a_state_larger_than_the_capacity_is_refused() -> None:
 @pytest.mark.parametrize(("rows", "top", "rank"), [(0, 1, "tasks"), (1, 0, "tasks"), (1, 1, "nope")])
 def test_bad_arguments_are_refused(rows: int, top: int, rank: str) -> None:
     """Rows and top below 1 and an unknown rank are errors."""
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be"):
         ClientTable(rows=rows, top=top, rank=rank)
 
 

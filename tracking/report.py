@@ -247,10 +247,12 @@ def format_client_table(run_id: str, name: str, table: Mapping[str, Any], histog
     columns = list(table["columns"])
     rows = [dict(zip(columns, row, strict=True)) for row in table["data"]]
     seen = histograms.get("clients_seen")
-    sample = " (a uniform hash sample)" if histograms.get("sampled") else ""
+    sampled = bool(histograms.get("sampled"))
+    sample = " (a uniform hash sample)" if sampled else ""
+    seen_text = f"~{round(seen)}" if sampled and isinstance(seen, int | float) else _num(seen, 6)
     lines = [
         f"clients of run {name} ({run_id})",
-        f"  {histograms.get('rows', len(rows))} rows kept{sample} of {_num(seen, 6)} clients seen; "
+        f"  {histograms.get('rows', len(rows))} rows kept{sample} of {seen_text} clients seen; "
         f"ranked by {histograms.get('rank', '-')}",
     ]
     shown = [c for c in columns if c != "group"]

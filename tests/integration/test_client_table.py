@@ -62,10 +62,21 @@ def _totals(table: dict[str, Any]) -> dict[str, int]:
     }
 
 
-def test_the_rows_add_up_to_the_runs_counts_and_leave_the_weights_alone() -> None:
-    """With every client in the table, its rows sum to the summary's counts; the weights are those of a run
-    without the table."""
-    config = small_config("stop.max_versions=10", *FAULTY, REFUSING)
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {},
+        {
+            "server": {"kind": "fedbuff", "buffer_size": 4, "concurrency": 8, "max_staleness": 1},
+            "topology": {"kind": "tree", "fanout": [2, 2], "buffer_size": 1},
+        },
+    ],
+    ids=["flat", "tree-depth2"],
+)
+def test_the_rows_add_up_to_the_runs_counts_and_leave_the_weights_alone(sections: dict[str, Any]) -> None:
+    """With every client in the table, its rows sum to the summary's counts (outcomes the edges report too); the
+    weights are those of a run without the table."""
+    config = small_config("stop.max_versions=10", *FAULTY, *(() if sections else (REFUSING,)), **sections)
     plain = flasync.run(config)
     tracker = MemoryTracker()
     summary = flasync.run(

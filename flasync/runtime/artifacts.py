@@ -16,7 +16,7 @@ import torch
 
 from flasync import tracking
 from flasync.core.client_table import HISTOGRAMS_ARTIFACT, TABLE_ARTIFACT, ClientTable
-from flasync.observe.plots import render_plots
+from flasync.observe.plots import render_client_histograms, render_plots
 from flasync.observe.summary import RunSummary, json_ready
 from flasync.runtime import tracked
 from flasync.runtime.prepare import Prepared
@@ -27,7 +27,10 @@ from flasync.training.diagnostics import TrainingDiagnostics
 from flasync.training.exchange import Exchanged, merge_lora
 from flasync.training.local import flat_layout
 
-__all__ = ["log_artifacts", "log_client_table", "log_stopped_profile"]
+__all__ = ["HISTOGRAMS_PLOT", "log_artifacts", "log_client_table", "log_stopped_profile"]
+
+HISTOGRAMS_PLOT = "clients/histograms.svg"
+"""The chart of the per-client histograms (:func:`~flasync.observe.plots.render_client_histograms`)."""
 
 
 def log_stopped_profile(tracker: tracking.Tracker, profile: dict[str, Any], log: Any) -> None:
@@ -83,7 +86,7 @@ def log_artifacts(
     torch.save({"flat": weights, "state_dict": module.state_dict()}, buffer)
     files["weights.pt"] = buffer.getvalue()
     if clients is not None:
-        files[HISTOGRAMS_ARTIFACT] = tracking.artifact_bytes(clients.histograms(), HISTOGRAMS_ARTIFACT)
+        files.update(_client_files(clients, log))
     if mlflow_tracker is not None:
         mlflow_tracker.log_artifacts(files)  # one job of the writer process, not one per file
     else:
@@ -104,6 +107,17 @@ def log_artifacts(
         tracker.flush()
     if mlflow_tracker is not None:
         _finish_models(mlflow_tracker, prepared, input_example, models, started, log)
+
+
+def _client_files(clients: ClientTable, log: Any) -> dict[str, bytes]:
+    """Return the per-client histograms' artifacts: the JSON and its chart (a chart that fails is only logged)."""
+    histograms = clients.histograms()
+    files = {HISTOGRAMS_ARTIFACT: tracking.artifact_bytes(histograms, HISTOGRAMS_ARTIFACT)}
+    try:
+        files[HISTOGRAMS_PLOT] = render_client_histograms(histograms)
+    except Exception as exc:
+        log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+    return files
 
 
 def log_client_table(tracker: tracking.Tracker, clients: ClientTable, log: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import xml.etree.ElementTree as ET
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from flasync.core.client_table import TABLE_ARTIFACT as CLIENT_TABLE
 from flasync.core.errors import CheckpointError, RunInterrupted
 from flasync.core.events import Aggregated
 from flasync.runtime import checkpoint
+from flasync.runtime.artifacts import HISTOGRAMS_PLOT
 from flasync.runtime.selection import SELECTION
 from flasync.testing import MemoryTracker, small_config
 
@@ -103,6 +105,9 @@ def test_the_rows_add_up_to_the_runs_counts_and_leave_the_weights_alone(sections
     assert sum(histograms["events"]["staleness"]) == summary.updates_accepted
     assert histograms["refusals"] == {"stale": summary.updates_dropped}
     assert histograms["clients_seen"] == len(table["data"]) and not histograms["sampled"]
+    chart = ET.fromstring(tracker.artifacts[HISTOGRAMS_PLOT])
+    texts = {element.text for element in chart.iter() if element.text}
+    assert {"Tasks per client", "Refused updates per client", "Staleness of accepted updates"} <= texts
 
 
 @pytest.mark.slow

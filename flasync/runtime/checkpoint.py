@@ -143,6 +143,7 @@ def decode(data: bytes) -> tuple[RunConfig, dict[str, Any]]:
     if not isinstance(state, dict):
         raise CheckpointError("the checkpoint's state is not a mapping")
     check_state(state)
+    _check_client_table(state["accounting"].get("clients"), config)
     if state["version"] > config.stop.max_versions:
         raise CheckpointError(
             f"checkpoint field version: {state['version']} is past the run's stop.max_versions "
@@ -236,6 +237,28 @@ def check_state(state: dict[str, Any]) -> None:
     norms = state["intake"].get("validator_norms")
     if not isinstance(norms, list) or not all(isinstance(n, int | float) for n in norms):
         raise CheckpointError("checkpoint field intake.validator_norms: must be a list of numbers")
+
+
+def _check_client_table(table: object, config: RunConfig) -> None:
+    """Check the per-client table a checkpoint holds (``tracking.client_table``): at most the config's rows, each a
+    mapping of its counts; a table the config does not keep is refused."""
+    if table is None:
+        return
+    where = "checkpoint field accounting.clients"
+    if not config.tracking.client_table:
+        raise CheckpointError(f"{where}: present, but the run's tracking.client_table is off")
+    if not isinstance(table, dict) or not isinstance(table.get("rows"), list):
+        raise CheckpointError(f"{where}: not a mapping with a list of rows")
+    rows = table["rows"]
+    if len(rows) > config.tracking.client_table_rows:
+        raise CheckpointError(
+            f"{where}.rows: {len(rows)} rows, more than tracking.client_table_rows {config.tracking.client_table_rows}"
+        )
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise CheckpointError(f"{where}.rows[{index}]: not a mapping")
+        for key in ("client_id", "tasks", "accepted", "refused", "failed", "timed_out", "staleness_sum"):
+            _int(row, key, low=0, where=f"accounting.clients.rows[{index}].")
 
 
 def _check_selection(state: dict[str, Any], weights: torch.Tensor) -> None:

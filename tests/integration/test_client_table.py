@@ -169,3 +169,18 @@ def test_a_checkpoint_whose_best_weights_do_not_fit_is_refused() -> None:
     state[SELECTION]["weights"] = state[SELECTION]["weights"][:-1]
     with pytest.raises(CheckpointError, match=r"selection\.weights"):
         checkpoint.decode(checkpoint.encode(state, config))
+
+
+def test_a_checkpoint_whose_client_table_does_not_fit_is_refused() -> None:
+    """A per-client table with more rows than the config keeps, or a negative count, is a one-line error."""
+    config = small_config("stop.max_versions=8", *TABLE, "tracking.client_table_rows=4")
+    stopped, _ = asyncio.run(_interrupt_at(config, 3))
+    _, state = checkpoint.decode(checkpoint.latest(stopped.artifacts))
+    rows = state["accounting"]["clients"]["rows"]
+    assert len(rows) == 4
+    state["accounting"]["clients"]["rows"] = [*rows, {**rows[0], "client_id": 19}]
+    with pytest.raises(CheckpointError, match=r"accounting\.clients\.rows: 5 rows, more than"):
+        checkpoint.decode(checkpoint.encode(state, config))
+    state["accounting"]["clients"]["rows"] = [{**rows[0], "tasks": -1}, *rows[1:]]
+    with pytest.raises(CheckpointError, match=r"accounting\.clients\.rows\[0\]\.tasks"):
+        checkpoint.decode(checkpoint.encode(state, config))

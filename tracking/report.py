@@ -293,6 +293,12 @@ def _histogram_lines(histograms: Mapping[str, Any]) -> list[str]:
                 f"  {key:<16} mean {fmt(spread['mean'])}  p10 {fmt(spread['p10'])}  p50 {fmt(spread['p50'])}  "
                 f"p90 {fmt(spread['p90'])}"
             )
+    heavy = histograms.get("heavy") or []
+    if heavy and histograms.get("sampled"):
+        rank = histograms.get("rank", "-")
+        lines.append(f"heaviest by {rank} over all clients (each at most overstated by the figure in brackets)")
+        for row in heavy:
+            lines.append(f"  client {row['client_id']:<8} {_num(row[rank])}  (+{row['overstated_by_at_most']})")
     refusals = histograms.get("refusals") or {}
     if refusals:
         lines.append("refusals      " + ", ".join(f"{reason} x{count}" for reason, count in refusals.items()))

@@ -13,6 +13,11 @@ has been there since its first task: every row is exact, and the rows are a unif
 Beside the rows, fixed-size histograms count every event of every client: the staleness of each accepted update,
 the bytes of each upload and download (log2 bins), and refusals by reason. :meth:`ClientTable.table` selects the
 ``top`` rows ranked highest and lowest by a chosen figure (most tasks, most refusals, highest mean staleness, ...).
+Since a sample can miss the one client that matters (the one the server refuses most), the table also keeps the
+heaviest clients by that figure over *all* clients with the Space-Saving algorithm (Metwally, Agrawal and El Abbadi,
+"Efficient computation of frequent and top-k elements in data streams", ICDT 2005): ``4 * top`` counters, each an
+upper bound of its client's figure with the most it may overstate it; every client whose figure exceeds ``1 / (4 *
+top)`` of the total is among them.
 
 The table is a :class:`ClientFigures` sink: whatever learns a per-client figure (a plug-in evaluating on clients)
 hands it to :meth:`ClientTable.record`, and it becomes a column of the rows (the last value per client) and a
@@ -151,6 +156,7 @@ class ClientTable:
         self._reasons: Counter[str] = Counter()
         self._figures: dict[str, list[float]] = {}  # name -> [count, sum, min, max] over every report
         self._figures_dropped = 0
+        self._heavy = _SpaceSaving(4 * top)
 
     # ------------------------------------------------------------------------------------------------ events
     def _row(self, client_id: int) -> _Row | None:
@@ -172,6 +178,8 @@ class ClientTable:
     def dispatched(self, client_id: int, download_bytes: int) -> None:
         """Count a task given to the client and the model it downloads."""
         self._download[log2_bin(download_bytes)] += 1
+        self._weigh(client_id, "tasks", 1)
+        self._weigh(client_id, "download_bytes", download_bytes)
         row = self._row(client_id)
         if row is not None:
             row.tasks += 1
@@ -180,6 +188,7 @@ class ClientTable:
     def uploaded(self, client_id: int, num_bytes: int) -> None:
         """Count the client's upload, whatever becomes of it."""
         self._upload[log2_bin(num_bytes)] += 1
+        self._weigh(client_id, "upload_bytes", num_bytes)
         row = self._row(client_id)
         if row is not None:
             row.upload_bytes += num_bytes
@@ -187,6 +196,7 @@ class ClientTable:
     def accepted(self, client_id: int, staleness: int) -> None:
         """Count the client's update folded in with ``staleness``."""
         self._staleness[log2_bin(staleness)] += 1
+        self._weigh(client_id, "accepted", 1)
         row = self._row(client_id)
         if row is not None:
             row.accepted += 1
@@ -196,6 +206,7 @@ class ClientTable:
         """Count the client's update refused for ``reason``."""
         reason = self._reason(reason)
         self._reasons[reason] += 1
+        self._weigh(client_id, "refused", 1)
         row = self._row(client_id)
         if row is not None:
             row.refused += 1
@@ -203,6 +214,7 @@ class ClientTable:
 
     def failed(self, client_id: int) -> None:
         """Count a task the client reported failed."""
+        self._weigh(client_id, "failed", 1)
         row = self._row(client_id)
         if row is not None:
             row.failed += 1
@@ -234,6 +246,11 @@ class ClientTable:
         row = self._row(client_id)
         if row is not None:
             row.figures.update(kept)
+
+    def _weigh(self, client_id: int, figure: str, amount: int) -> None:
+        """Add ``amount`` to the client's heavy-hitter counter when ``figure`` is the rank."""
+        if figure == self.rank:
+            self._heavy.add(client_id, amount)
 
     def _reason(self, reason: str) -> str:
         """Return the key a refusal reason counts under (``other`` past :data:`MAX_REASONS` reasons)."""
@@ -353,6 +370,10 @@ class ClientTable:
             "clients": per_client,
             "figures": figures,
             "figures_dropped": self._figures_dropped,
+            "heavy": [
+                {"client_id": client, self.rank: count, "overstated_by_at_most": error}
+                for client, count, error in self._heavy.heaviest(self.top)
+            ],
         }
 
     # ----------------------------------------------------------------------------------------- checkpoints
@@ -367,6 +388,7 @@ class ClientTable:
             "reasons": dict(self._reasons),
             "figures": {name: list(summary) for name, summary in self._figures.items()},
             "figures_dropped": self._figures_dropped,
+            "heavy": self._heavy.state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -392,6 +414,48 @@ class ClientTable:
         self._reasons = Counter({str(k): int(v) for k, v in state["reasons"].items()})
         self._figures = {str(k): [float(x) for x in v] for k, v in state["figures"].items()}
         self._figures_dropped = int(state["figures_dropped"])
+        self._heavy.load(state.get("heavy", []))
+
+
+class _SpaceSaving:
+    """The Space-Saving counters of the heaviest clients (see the module): at most ``capacity`` of them."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._counts: dict[int, list[int]] = {}  # client -> [count, error]
+
+    def add(self, client_id: int, amount: int) -> None:
+        """Add ``amount`` to the client's counter; a new client past the capacity takes the smallest counter over
+        (its count plus ``amount``, that count its error)."""
+        counter = self._counts.get(client_id)
+        if counter is not None:
+            counter[0] += amount
+            return
+        if len(self._counts) < self.capacity:
+            self._counts[client_id] = [amount, 0]
+            return
+        smallest = min(self._counts.items(), key=lambda item: (item[1][0], item[0]))[0]
+        floor = self._counts.pop(smallest)[0]
+        self._counts[client_id] = [floor + amount, floor]
+
+    def heaviest(self, count: int) -> list[tuple[int, int, int]]:
+        """Return the ``count`` largest counters as ``(client, count, error)``, largest first (ties by client id)."""
+        ranked = sorted(self._counts.items(), key=lambda item: (-item[1][0], item[0]))
+        return [(client, total, error) for client, (total, error) in ranked[:count]]
+
+    def state(self) -> list[list[int]]:
+        """Return the counters as ``[client, count, error]`` lists, by client."""
+        return [[client, total, error] for client, (total, error) in sorted(self._counts.items())]
+
+    def load(self, state: Sequence[Sequence[int]]) -> None:
+        """Restore :meth:`state`.
+
+        Raises:
+            ValueError: If it holds more counters than the capacity.
+        """
+        if len(state) > self.capacity:
+            raise ValueError(f"the client table holds {len(state)} heavy-hitter counters, more than {self.capacity}")
+        self._counts = {int(client): [int(total), int(error)] for client, total, error in state}
 
 
 def _finite(value: float) -> float:

@@ -254,6 +254,9 @@ def _check_client_table(table: object, config: RunConfig) -> None:
         raise CheckpointError(
             f"{where}.rows: {len(rows)} rows, more than tracking.client_table_rows {config.tracking.client_table_rows}"
         )
+    heavy, most = table.get("heavy", []), 4 * config.tracking.client_table_top
+    if not isinstance(heavy, list) or len(heavy) > most:
+        raise CheckpointError(f"{where}.heavy: not a list of at most {most} counters")
     for index, row in enumerate(rows):
         if not isinstance(row, dict):
             raise CheckpointError(f"{where}.rows[{index}]: not a mapping")

@@ -12,6 +12,7 @@ import flasync
 from flasync import tracking
 from flasync.cli import main
 from flasync.core.client_table import HISTOGRAMS_ARTIFACT, TABLE_ARTIFACT
+from flasync.runtime.artifacts import HISTOGRAMS_PLOT
 from flasync.testing import small_config
 from flasync.tracking.report import format_client_table, load_client_views, open_store
 
@@ -69,7 +70,8 @@ def test_the_table_is_an_mlflow_table_artifact(
     assert sum(histograms["refusals"].values()) == summary.updates_dropped
     assert histograms["clients_seen"] == histograms["rows"] > 6 and not histograms["sampled"]
     assert histograms["rank"] == "refused"
-    assert [a.path for a in client.list_artifacts(run_id, "clients")] == [HISTOGRAMS_ARTIFACT, TABLE_ARTIFACT]
+    listed = [a.path for a in client.list_artifacts(run_id, "clients")]
+    assert listed == [HISTOGRAMS_ARTIFACT, HISTOGRAMS_PLOT, TABLE_ARTIFACT]
 
 
 @pytest.mark.slow

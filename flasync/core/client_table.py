@@ -423,20 +423,39 @@ class _SpaceSaving:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._counts: dict[int, list[int]] = {}  # client -> [count, error]
+        # (count, client) of every counter as it was set, and older entries a later count made stale (skipped when
+        # they come up): the smallest counter in O(log n); rebuilt when stale entries pile up, so it stays bounded.
+        self._order: list[tuple[int, int]] = []
 
     def add(self, client_id: int, amount: int) -> None:
         """Add ``amount`` to the client's counter; a new client past the capacity takes the smallest counter over
-        (its count plus ``amount``, that count its error)."""
+        (its count plus ``amount``, that count its error; ties go to the smallest client id)."""
         counter = self._counts.get(client_id)
-        if counter is not None:
+        if counter is None:
+            if len(self._counts) < self.capacity:
+                counter = self._counts[client_id] = [amount, 0]
+            else:
+                floor = self._pop_smallest()
+                counter = self._counts[client_id] = [floor + amount, floor]
+        else:
             counter[0] += amount
-            return
-        if len(self._counts) < self.capacity:
-            self._counts[client_id] = [amount, 0]
-            return
-        smallest = min(self._counts.items(), key=lambda item: (item[1][0], item[0]))[0]
-        floor = self._counts.pop(smallest)[0]
-        self._counts[client_id] = [floor + amount, floor]
+        heapq.heappush(self._order, (counter[0], client_id))
+        if len(self._order) > 4 * self.capacity:
+            self._rebuild()
+
+    def _pop_smallest(self) -> int:
+        """Remove the smallest counter (by count, then client id); return its count."""
+        while True:
+            count, client = heapq.heappop(self._order)
+            counter = self._counts.get(client)
+            if counter is not None and counter[0] == count:
+                del self._counts[client]
+                return count
+
+    def _rebuild(self) -> None:
+        """Keep one ordering entry per counter, its current one."""
+        self._order = [(counter[0], client) for client, counter in self._counts.items()]
+        heapq.heapify(self._order)
 
     def heaviest(self, count: int) -> list[tuple[int, int, int]]:
         """Return the ``count`` largest counters as ``(client, count, error)``, largest first (ties by client id)."""
@@ -456,6 +475,7 @@ class _SpaceSaving:
         if len(state) > self.capacity:
             raise ValueError(f"the client table holds {len(state)} heavy-hitter counters, more than {self.capacity}")
         self._counts = {int(client): [int(total), int(error)] for client, total, error in state}
+        self._rebuild()
 
 
 def _finite(value: float) -> float:

@@ -213,3 +213,23 @@ def test_a_run_ranked_by_staleness_keeps_no_heavy_hitters() -> None:
     for client in range(100):
         table.accepted(client, 3)
     assert table.histograms()["heavy"] == []
+
+
+def test_the_heavy_hitters_match_the_plain_space_saving_algorithm() -> None:
+    """The counters equal those of Space-Saving as written in the paper (a linear search for the smallest counter,
+    ties to the smallest client id), on a skewed stream of weighted events."""
+    table = ClientTable(rows=4, top=3, rank="upload_bytes")
+    plain: dict[int, list[int]] = {}
+    rng = random.Random(7)
+    for _ in range(5000):
+        client, amount = int(rng.paretovariate(1.2)) % 300, rng.randint(1, 50)
+        table.uploaded(client, amount)
+        if client in plain:
+            plain[client][0] += amount
+        elif len(plain) < 12:
+            plain[client] = [amount, 0]
+        else:
+            smallest = min(plain, key=lambda c: (plain[c][0], c))
+            floor = plain.pop(smallest)[0]
+            plain[client] = [floor + amount, floor]
+    assert table.state_dict()["heavy"] == [[c, total, error] for c, (total, error) in sorted(plain.items())]

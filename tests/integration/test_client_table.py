@@ -151,6 +151,28 @@ def test_the_best_version_survives_a_stop_and_resume() -> None:
 
 
 @pytest.mark.slow
+def test_the_best_version_survives_a_kill_after_a_periodic_checkpoint() -> None:
+    """A run killed after its periodic checkpoint of version 10 (no checkpoint of its own at the kill) resumes from
+    it with the best version found before, and logs it as its best model."""
+    config = small_config(
+        "stop.max_versions=14",
+        "checkpoint.every_versions=5",
+        "eval.every_versions=1",
+        "eval.select=server/eval/accuracy:min",
+        *FAULTY,
+    )
+    tracker = MemoryTracker()
+    full = flasync.run(config, tracker=tracker)
+    _, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))  # what a kill after version 10 leaves
+    assert state["version"] == 10 and full.best_version is not None
+    assert state[SELECTION]["version"] == full.best_version < 10
+    _, federation, resumed = _resumed(tracker)
+    assert (resumed.best_version, resumed.best_weights_sha256) == (full.best_version, full.best_weights_sha256)
+    assert federation.best is not None and federation.best.version == full.best_version
+    assert resumed.weights_sha256 == full.weights_sha256
+
+
+@pytest.mark.slow
 def test_a_resumed_run_that_improves_keeps_its_own_best() -> None:
     """Selected by the highest accuracy, the resumed run's later, better version is its best, as in a run never
     stopped."""

@@ -16,6 +16,7 @@ from typing import Any
 import mlflow
 from mlflow.entities import Run
 
+from flasync.core.client_table import HISTOGRAMS_ARTIFACT, TABLE_ARTIFACT
 from flasync.tracking._runs import RUNS_VIEW_KEY, RUNS_VIEW_TAG
 from flasync.tracking.metrics import FINISHED_TAG_PREFIX
 from flasync.tracking.store import experiment_url, redact_uri, resolve_tracking_uri, sqlite_path, ui_command
@@ -24,8 +25,10 @@ __all__ = [
     "RunLookupError",
     "experiment_address",
     "final_figures",
+    "format_client_table",
     "format_report",
     "get_run",
+    "load_client_views",
     "load_profile",
     "open_store",
 ]
@@ -109,9 +112,23 @@ def get_run(client: mlflow.MlflowClient, run_id: str) -> Run:
 
 def load_profile(client: mlflow.MlflowClient, run_id: str) -> dict[str, Any] | None:
     """Return the run's ``profile.json`` artifact, or None when the run has none."""
+    return _load_json(client, run_id, "profile.json")
+
+
+def load_client_views(client: mlflow.MlflowClient, run_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Return the run's per-client table (``columns`` and ``data``) and its histograms (``tracking.client_table``),
+    or None when the run has no table (its histograms are empty when only they are missing)."""
+    table = _load_json(client, run_id, TABLE_ARTIFACT)
+    if table is None:
+        return None
+    return table, _load_json(client, run_id, HISTOGRAMS_ARTIFACT) or {}
+
+
+def _load_json(client: mlflow.MlflowClient, run_id: str, artifact: str) -> dict[str, Any] | None:
+    """Return the JSON artifact ``artifact`` of the run, or None when it has none."""
     with tempfile.TemporaryDirectory(prefix="tracking-report-") as tmp:
         try:
-            path = client.download_artifacts(run_id, "profile.json", tmp)
+            path = client.download_artifacts(run_id, artifact, tmp)
         except Exception:
             return None
         loaded: dict[str, Any] = json.loads(Path(path).read_text())
@@ -262,6 +279,82 @@ def _diagnostics_lines(diagnostics: Mapping[str, Any], alerts: Mapping[str, Any]
         )
     for name, norm in (diagnostics.get("layer_weight_norms") or {}).items():
         lines.append(f"  weight norm {name:<22} {_num(norm)}")
+    return lines
+
+
+def format_client_table(run_id: str, name: str, table: Mapping[str, Any], histograms: Mapping[str, Any]) -> str:
+    """Return the text view of a run's per-client table (``flasync report --clients``).
+
+    Args:
+        run_id: The run's id.
+        name: The run's name.
+        table: The table artifact: ``columns`` and ``data`` (rows), as :meth:`ClientTable.table` made them.
+        histograms: The histograms artifact (empty: only the rows are printed).
+    """
+    columns = list(table["columns"])
+    rows = [dict(zip(columns, row, strict=True)) for row in table["data"]]
+    seen = histograms.get("clients_seen")
+    sampled = bool(histograms.get("sampled"))
+    sample = " (a uniform hash sample)" if sampled else ""
+    seen_text = f"~{round(seen)}" if sampled and isinstance(seen, int | float) else _num(seen, 6)
+    lines = [
+        f"clients of run {name} ({run_id})",
+        f"  {histograms.get('rows', len(rows))} rows kept{sample} of {seen_text} clients seen; "
+        f"ranked by {histograms.get('rank', '-')}",
+    ]
+    shown = [c for c in columns if c != "group"]
+    for group in ("top", "bottom", "all"):
+        chosen = [row for row in rows if row.get("group") == group]
+        if chosen:
+            title = {"top": "highest", "bottom": "lowest", "all": "every row, highest first"}[group]
+            lines.append(f"{title}:")
+            lines += _aligned(shown, chosen)
+    lines += _histogram_lines(histograms)
+    return "\n".join(lines)
+
+
+def _cell(column: str, value: Any) -> str:
+    if column.endswith("_bytes"):
+        return _bytes(value)
+    return _num(value)
+
+
+def _aligned(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
+    """Return ``rows`` as lines of right-aligned columns under a header."""
+    cells = [[_cell(column, row.get(column)) for column in columns] for row in rows]
+    widths = [max(len(column), *(len(line[i]) for line in cells)) for i, column in enumerate(columns)]
+    out = ["  " + "  ".join(column.rjust(width) for column, width in zip(columns, widths, strict=True))]
+    out += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in cells]
+    return out
+
+
+def _histogram_lines(histograms: Mapping[str, Any]) -> list[str]:
+    """Return the lines of the per-client distributions, the refusals and the reported figures."""
+    lines: list[str] = []
+    clients = histograms.get("clients") or {}
+    if clients:
+        lines.append("per client (over the rows kept)")
+        for key, spread in clients.items():
+            fmt = _bytes if key.endswith("_bytes") else _num
+            lines.append(
+                f"  {key:<16} mean {fmt(spread['mean'])}  p10 {fmt(spread['p10'])}  p50 {fmt(spread['p50'])}  "
+                f"p90 {fmt(spread['p90'])}"
+            )
+    heavy = histograms.get("heavy") or []
+    if heavy and histograms.get("sampled"):
+        rank = histograms.get("rank", "-")
+        lines.append(f"heaviest by {rank} over all clients (each at most overstated by the figure in brackets)")
+        for row in heavy:
+            lines.append(f"  client {row['client_id']:<8} {_num(row[rank])}  (+{row['overstated_by_at_most']})")
+    refusals = histograms.get("refusals") or {}
+    if refusals:
+        lines.append("refusals      " + ", ".join(f"{reason} x{count}" for reason, count in refusals.items()))
+    for key, figure in (histograms.get("figures") or {}).items():
+        spread = figure["clients"]
+        lines.append(
+            f"eval.{key:<12} {figure['reports']} reports, mean {_num(figure['mean'])}; per client p10 "
+            f"{_num(spread['p10'])}  p50 {_num(spread['p50'])}  p90 {_num(spread['p90'])}"
+        )
     return lines
 
 

@@ -363,6 +363,24 @@ with warnings.catch_warnings():
             "weight); the timings' per-version sums are logged either way.",
         )
         system_metrics: bool = Field(False, description="MLflow's CPU/GPU/memory monitor (on for CLI runs).")
+        client_table: bool = Field(
+            False,
+            description="Count tasks, updates accepted and refused, staleness and bytes per client and log the "
+            "table (clients/table.json) and its histograms (clients/histograms.json) at the run's end.",
+        )
+        client_table_rows: int = Field(
+            1000,
+            ge=1,
+            le=1_000_000,
+            description="Most clients with an exact row of their own: beyond it the rows are a uniform hash sample "
+            "of the clients (memory stays bounded whatever the population).",
+        )
+        client_table_top: int = Field(
+            20, ge=1, le=10_000, description="Rows the logged table shows at each end of the ranking (top and bottom)."
+        )
+        client_table_rank: Literal[
+            "tasks", "accepted", "refused", "failed", "staleness", "upload_bytes", "download_bytes"
+        ] = Field("tasks", description="The figure the table's rows are ranked by (staleness: the mean staleness).")
         system_metrics_interval_s: float = Field(
             2.0,
             ge=0.1,

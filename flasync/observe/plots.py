@@ -18,7 +18,7 @@ from typing import Any
 
 from flasync.tracking.charts import Line, Panel, Stairs, VLine, histogram, render
 
-__all__ = ["ADDITIVE", "merge_rows", "render_plots", "write_plots"]
+__all__ = ["ADDITIVE", "merge_rows", "render_client_histograms", "render_plots", "write_plots"]
 
 ADDITIVE = (
     "updates",
@@ -111,6 +111,32 @@ def _accuracy(profile: Mapping[str, Any]) -> str:
         for key, label in (("wall_s", "wall seconds"), ("simulated_s", "simulated seconds"))
     ]
     return render(panels, title="Accuracy of the global model")
+
+
+def render_client_histograms(histograms: Mapping[str, Any]) -> bytes:
+    """Draw the per-client table's histograms (:meth:`flasync.core.client_table.ClientTable.histograms`) as one SVG:
+    tasks and refused updates per client (over the rows kept) and the staleness of every accepted update, each in
+    log2 bins (bin 0 holds 0, bin ``b`` holds ``[2**(b-1), 2**b)``)."""
+    clients, events = histograms["clients"], histograms["events"]
+    shown = (
+        ("Tasks per client", clients["tasks"]["histogram"], "tasks (log2 bin)", "clients"),
+        ("Refused updates per client", clients["refused"]["histogram"], "refused updates (log2 bin)", "clients"),
+        ("Staleness of accepted updates", events["staleness"], "staleness (log2 bin)", "updates"),
+    )
+    panels = [
+        Panel(
+            series=[Stairs(values=list(bins), edges=[b - 0.5 for b in range(len(bins) + 1)])],
+            title=title,
+            xlabel=xlabel,
+            ylabel=ylabel,
+            integer_x=True,
+        )
+        for title, bins, xlabel, ylabel in shown
+        if bins
+    ]
+    sample = " (a uniform hash sample)" if histograms["sampled"] else ""
+    title = f"Clients: {histograms['rows']} rows kept{sample}"
+    return render(panels or [Panel(title="no client took part")], width=1200, height=360, title=title).encode()
 
 
 def _staleness_varies(profile: Mapping[str, Any]) -> bool:

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from flasync import tracking
-from flasync.observe.plots import render_plots
+from flasync.core.client_table import HISTOGRAMS_ARTIFACT, TABLE_ARTIFACT, ClientTable
+from flasync.observe.plots import render_client_histograms, render_plots
 from flasync.observe.summary import RunSummary, json_ready
 from flasync.runtime import tracked
 from flasync.runtime.prepare import Prepared
@@ -26,7 +27,10 @@ from flasync.training.diagnostics import TrainingDiagnostics
 from flasync.training.exchange import Exchanged, merge_lora
 from flasync.training.local import flat_layout
 
-__all__ = ["log_artifacts", "log_stopped_profile"]
+__all__ = ["HISTOGRAMS_PLOT", "log_artifacts", "log_client_table", "log_stopped_profile"]
+
+HISTOGRAMS_PLOT = "clients/histograms.svg"
+"""The chart of the per-client histograms (:func:`~flasync.observe.plots.render_client_histograms`)."""
 
 
 def log_stopped_profile(tracker: tracking.Tracker, profile: dict[str, Any], log: Any) -> None:
@@ -52,10 +56,11 @@ def log_artifacts(
     profile: dict[str, Any] | None,
     traces: TrainingDiagnostics | None,
     best: Best | None = None,
+    clients: ClientTable | None = None,
 ) -> None:
-    """Log the run's artifacts (the summary, the profile and its plots, the weights, the model, and with ``best`` the
-    best version's model) and, with ``constant``, its constant metrics as tags; the models are exported while the
-    rest is logged."""
+    """Log the run's artifacts (the summary, the profile and its plots, the weights, the model, with ``best`` the
+    best version's model and with ``clients`` the per-client table) and, with ``constant``, its constant metrics as
+    tags; the models are exported while the rest is logged."""
     if isinstance(tracker, tracking.NullTracker):
         return
     config = prepared.config
@@ -80,11 +85,15 @@ def log_artifacts(
     buffer = io.BytesIO()
     torch.save({"flat": weights, "state_dict": module.state_dict()}, buffer)
     files["weights.pt"] = buffer.getvalue()
+    if clients is not None:
+        files.update(_client_files(clients, log))
     if mlflow_tracker is not None:
         mlflow_tracker.log_artifacts(files)  # one job of the writer process, not one per file
     else:
         for artifact_file, data in files.items():
             tracker.log_bytes(data, artifact_file)
+    if clients is not None:
+        log_client_table(tracker, clients, log)
     if traces is not None:
         for path in traces.traces:
             tracker.log_file(path, "torch_profiler")
@@ -98,6 +107,35 @@ def log_artifacts(
         tracker.flush()
     if mlflow_tracker is not None:
         _finish_models(mlflow_tracker, prepared, input_example, models, started, log)
+
+
+def _client_files(clients: ClientTable, log: Any) -> dict[str, bytes]:
+    """Return the per-client histograms' artifacts: the JSON and its chart (a chart that fails is only logged)."""
+    histograms = clients.histograms()
+    files = {HISTOGRAMS_ARTIFACT: tracking.artifact_bytes(histograms, HISTOGRAMS_ARTIFACT)}
+    try:
+        files[HISTOGRAMS_PLOT] = render_client_histograms(histograms)
+    except Exception as exc:
+        log.warning("tracking.plots_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+    return files
+
+
+def log_client_table(tracker: tracking.Tracker, clients: ClientTable, log: Any) -> None:
+    """Log the per-client table as :data:`TABLE_ARTIFACT`: with ``MlflowClient.log_table`` on an MLflow run (the UI's
+    artifact view shows it as a table), else as the same JSON (``columns`` and ``data``). A store that refuses it is
+    a warning, never a failure of the finished run."""
+    table = clients.table()
+    try:
+        if isinstance(tracker, tracking.MlflowTracker) and tracker.run_id:
+            import mlflow
+
+            columns = {name: [row[i] for row in table["data"]] for i, name in enumerate(table["columns"])}
+            client = mlflow.MlflowClient(tracker.tracking_uri)
+            client.log_table(tracker.run_id, data=columns, artifact_file=TABLE_ARTIFACT)
+        else:
+            tracker.log_bytes(tracking.artifact_bytes(table, TABLE_ARTIFACT), TABLE_ARTIFACT)
+    except Exception as exc:
+        log.warning("tracking.client_table_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
 
 
 def _module(prepared: Prepared, weights: torch.Tensor) -> torch.nn.Module:

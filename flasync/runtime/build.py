@@ -58,6 +58,7 @@ from flasync.config import (
 )
 from flasync.core import seeding
 from flasync.core.bus import EventBus
+from flasync.core.client_table import ClientTable
 from flasync.core.clock import Clock, RunClock
 from flasync.core.errors import ConfigError
 from flasync.data import Partition
@@ -94,6 +95,7 @@ __all__ = [
     "build_server",
     "build_world",
     "check_objective",
+    "client_table",
     "custom_aggregator",
     "make_aggregator",
     "make_evaluator",
@@ -573,6 +575,19 @@ def build_server(
     return ServerParts(server=server, edges=edges)
 
 
+def client_table(config: RunConfig) -> ClientTable | None:
+    """Return the run's per-client table (``tracking.client_table``; None: off).
+
+    The accounting counts every task's outcome and bytes in it (:attr:`Accounting.clients`). It is also a
+    :class:`~flasync.core.client_table.ClientFigures` sink: whatever learns per-client figures (an evaluation on
+    clients) feeds them to its ``record``, and each figure becomes a column of the table.
+    """
+    tcfg = config.tracking
+    if not tcfg.client_table:
+        return None
+    return ClientTable(tcfg.client_table_rows, tcfg.client_table_top, tcfg.client_table_rank)
+
+
 def _make_dispatch(
     config: RunConfig,
     population: Population,
@@ -590,7 +605,9 @@ def _make_dispatch(
     # genuine training errors count: injected faults, dropouts and timeouts never do.
     # A server that refuses every update for many waves of tasks cannot make progress: it ends the run with the
     # refusal reasons instead of training for ever.
-    accounting = Accounting(failure_limit=max(3 * in_flight, 30), rejection_limit=max(20 * in_flight, 200))
+    accounting = Accounting(
+        failure_limit=max(3 * in_flight, 30), rejection_limit=max(20 * in_flight, 200), clients=client_table(config)
+    )
     group: CohortClients | None = None
     if start_task is None:
         group = CohortClients(world, live=lambda task: registry.holds(task))

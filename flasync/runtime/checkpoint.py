@@ -143,6 +143,7 @@ def decode(data: bytes) -> tuple[RunConfig, dict[str, Any]]:
     if not isinstance(state, dict):
         raise CheckpointError("the checkpoint's state is not a mapping")
     check_state(state)
+    _check_client_table(state["accounting"].get("clients"), config)
     if state["version"] > config.stop.max_versions:
         raise CheckpointError(
             f"checkpoint field version: {state['version']} is past the run's stop.max_versions "
@@ -232,9 +233,52 @@ def check_state(state: dict[str, Any]) -> None:
         started = task.get("simulated_s")
         if not isinstance(started, int | float) or not math.isfinite(started) or started < 0:
             raise CheckpointError(f"checkpoint field {where}simulated_s: must be a finite number >= 0")
+    _check_selection(state, weights)
     norms = state["intake"].get("validator_norms")
     if not isinstance(norms, list) or not all(isinstance(n, int | float) for n in norms):
         raise CheckpointError("checkpoint field intake.validator_norms: must be a list of numbers")
+
+
+def _check_client_table(table: object, config: RunConfig) -> None:
+    """Check the per-client table a checkpoint holds (``tracking.client_table``): at most the config's rows, each a
+    mapping of its counts; a table the config does not keep is refused."""
+    if table is None:
+        return
+    where = "checkpoint field accounting.clients"
+    if not config.tracking.client_table:
+        raise CheckpointError(f"{where}: present, but the run's tracking.client_table is off")
+    if not isinstance(table, dict) or not isinstance(table.get("rows"), list):
+        raise CheckpointError(f"{where}: not a mapping with a list of rows")
+    rows = table["rows"]
+    if len(rows) > config.tracking.client_table_rows:
+        raise CheckpointError(
+            f"{where}.rows: {len(rows)} rows, more than tracking.client_table_rows {config.tracking.client_table_rows}"
+        )
+    heavy, most = table.get("heavy", []), 4 * config.tracking.client_table_top
+    if not isinstance(heavy, list) or len(heavy) > most:
+        raise CheckpointError(f"{where}.heavy: not a list of at most {most} counters")
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise CheckpointError(f"{where}.rows[{index}]: not a mapping")
+        for key in ("client_id", "tasks", "accepted", "refused", "failed", "timed_out", "staleness_sum"):
+            _int(row, key, low=0, where=f"accounting.clients.rows[{index}].")
+
+
+def _check_selection(state: dict[str, Any], weights: torch.Tensor) -> None:
+    """Check the best version a checkpoint holds (``eval.select``), when it holds one."""
+    selection = state.get("selection")
+    if selection is None or selection == {}:
+        return
+    if not isinstance(selection, dict):
+        raise CheckpointError("checkpoint field selection: not a mapping")
+    _int(selection, "version", low=0, high=int(state["version"]), where="selection.")
+    if _tensor(selection, "weights", dims=1, floating=True, where="selection.").shape != weights.shape:
+        raise CheckpointError("checkpoint field selection.weights: shape differs from the weights'")
+    value = selection.get("value")
+    if isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value):
+        raise CheckpointError(f"checkpoint field selection.value: must be a finite number, got {value!r}")
+    if not isinstance(selection.get("metric"), str) or selection.get("direction") not in ("max", "min"):
+        raise CheckpointError("checkpoint field selection: metric or direction missing")
 
 
 def check_fits(state: dict[str, Any], *, num_params: int, num_clients: int) -> None:

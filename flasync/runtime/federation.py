@@ -24,6 +24,7 @@ from flasync import tracking
 from flasync.clients.remote.transport import RemoteTransport, transport_for
 from flasync.config import RunConfig, validate
 from flasync.core.bus import EventBus
+from flasync.core.client_table import ClientTable
 from flasync.core.clock import RunClock, VirtualClock, WallClock
 from flasync.core.errors import ConfigError, RunInterrupted
 from flasync.core.loops import run_loop
@@ -142,6 +143,10 @@ class Federation:
         """The best version's weights and figure of the last :meth:`run` (``eval.select``; None: no selection)."""
         self.registration: Registration | None = None
         """What the last :meth:`run` registered in the MLflow Model Registry (``tracking.register``; None: nothing)."""
+        self.client_table: ClientTable | None = None
+        """The per-client table of the last :meth:`run` (``tracking.client_table``; None: off): its
+        :meth:`~flasync.core.client_table.ClientTable.table` and
+        :meth:`~flasync.core.client_table.ClientTable.histograms` are what the run logged."""
         self._resume = resume
         self._simulation: Simulation | None = None
         self._stop_requested = ""
@@ -190,7 +195,7 @@ class Federation:
         """
         cfg = self.config
         self.summary = None
-        self.best = self.registration = None
+        self.best = self.registration = self.client_table = None
         tracker = make_tracker(cfg, self._tracker)
         tracked = not isinstance(tracker, tracking.NullTracker)
         _phase("loading the data and building the model", cfg)
@@ -294,6 +299,7 @@ class Federation:
                     profile=self.profile,
                     traces=simulation.diagnostics,
                     best=self.best,
+                    clients=self.client_table,
                 )
                 if cfg.tracking.register is not None and cfg.tracking.log_model:
                     models = run_models(summary, self.weights, self.best, cfg.eval.select)
@@ -330,6 +336,7 @@ class Federation:
         self.run_id = simulation.run_id
         self.summary = simulation.summary
         self.best = simulation.selection.best if simulation.selection is not None else None
+        self.client_table = simulation.clients
         if simulation.weights is not None:
             self.weights = simulation.weights
         if simulation.profile is not None:

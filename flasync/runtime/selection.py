@@ -24,6 +24,7 @@ from flasync import tracking
 from flasync.config import RunConfig
 from flasync.config.runtime import parse_select
 from flasync.core.bus import EventBus
+from flasync.core.errors import CheckpointError
 from flasync.core.events import ClientEvaluated, ClientsEvaluated, Evaluated, Version
 from flasync.core.instruments import Instrument
 from flasync.core.snapshots import ModelSnapshot
@@ -34,6 +35,7 @@ __all__ = [
     "BEST_MODEL",
     "DEFAULT_SELECT",
     "LAST_MODEL",
+    "SELECTION",
     "Best",
     "BestVersion",
     "RunModel",
@@ -67,6 +69,8 @@ BEST_MODEL = "best_model"
 """The name of the best version's model among the run's logged models (with ``eval.select``)."""
 DEFAULT_SELECT = "server/eval/accuracy:max"
 """What a run without ``eval.select`` compares its registered (last) model by."""
+SELECTION = "selection"
+"""The checkpoint component holding the best version so far (:meth:`BestVersion.state_dict`)."""
 
 
 def better(value: float, than: float, direction: str) -> bool:
@@ -132,6 +136,41 @@ class BestVersion(Instrument):
 
     def _keep(self, version: int, value: float, weights: torch.Tensor) -> None:
         self.best = Best(version=version, metric=self.metric, direction=self.direction, value=value, weights=weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the best version so far for a checkpoint: its number, value and weights (empty: none yet)."""
+        best = self.best
+        if best is None:
+            return {}
+        return {
+            "version": best.version,
+            "metric": best.metric,
+            "direction": best.direction,
+            "value": best.value,
+            "weights": best.weights.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (an empty state: no best version yet).
+
+        Raises:
+            CheckpointError: If the state was selected by another metric or direction than this selection's.
+        """
+        if not state:
+            self.best = None
+            return
+        if state["metric"] != self.metric or state["direction"] != self.direction:
+            raise CheckpointError(
+                f"checkpoint field {SELECTION}: selected by {state['metric']}:{state['direction']}, this run by "
+                f"{self.metric}:{self.direction}"
+            )
+        self.best = Best(
+            version=int(state["version"]),
+            metric=self.metric,
+            direction=self.direction,
+            value=float(state["value"]),
+            weights=state["weights"].detach().to("cpu", copy=True),
+        )
 
     def attach(self, bus: EventBus) -> BestVersion:
         """Watch ``bus`` from now on; return self."""

@@ -20,6 +20,7 @@ from flasync.clients.remote.transport import RemoteTransport
 from flasync.clients.simulated.client import ClientWorld
 from flasync.config import RunConfig
 from flasync.core.bus import EventBus
+from flasync.core.client_table import ClientTable
 from flasync.core.clock import RunClock
 from flasync.core.errors import RunInterrupted
 from flasync.core.scratch import make_scratch, sweep_scratch
@@ -32,7 +33,7 @@ from flasync.runtime.naming import finished_tags, topology_name
 from flasync.runtime.prepare import Prepared
 from flasync.runtime.run_profile import finish_profile, instrumentation, segment, tracking_health
 from flasync.runtime.run_tracking import tag_alerts
-from flasync.runtime.selection import BestVersion, with_best
+from flasync.runtime.selection import SELECTION, BestVersion, with_best
 from flasync.runtime.sizing import make_executor
 from flasync.server import Server, ServerStats
 from flasync.training.diagnostics import LayerLayout, TrainingDiagnostics, layer_layout
@@ -115,7 +116,9 @@ class Simulation:
         profile: The profile of this segment of the run (from its start or its resume), once it finished or was
             stopped with ``diagnostics.profile`` on (see :func:`~flasync.runtime.run_profile.profile_artifact`).
         run_id: The tracking run's id, that of the run opened in the background once it is known.
-        selection: What keeps the best version's weights (``eval.select``; None: no selection).
+        selection: What keeps the best version's weights (``eval.select``; None: no selection); a part of the
+            run's checkpoints.
+        clients: The per-client table (``tracking.client_table``; None: off), once the server is built.
     """
 
     def __init__(
@@ -160,6 +163,7 @@ class Simulation:
         self.summary: RunSummary | None = None
         self.profile: dict[str, Any] | None = None
         self.selection: BestVersion | None = None
+        self.clients: ClientTable | None = None
         self.run_id = run_id
         self._first_version = 0
 
@@ -176,13 +180,15 @@ class Simulation:
             layout = await asyncio.to_thread(lambda: layer_layout(self._prepared.factory()))
         world, parts, weights = self._build(layout)
         server = parts.server
+        self.clients = server.accounting.clients
+        if cfg.eval.select is not None:
+            self.selection = BestVersion(cfg.eval.select, server.registry.base).attach(self._bus)
+            server.components[SELECTION] = self.selection  # checkpointed: a resumed run keeps its best so far
         start_sim, updates_before, writes = self._restore(server)
         self.server = server
         if self._stop_requested():
             server.request_stop(self._stop_requested())
         instruments = instrumentation(cfg, self._bus, server, layout, self._log, self._clock.now)
-        if cfg.eval.select is not None:
-            self.selection = BestVersion(cfg.eval.select, server.registry.base).attach(self._bus)
         start_wall = self._wall()
         # The journal's id names the run until MLflow has (--resume takes it).
         journal = self._tracker.journal.id if isinstance(self._tracker, tracking.MlflowTracker) else None

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from flasync.core.client_table import ClientTable
 from flasync.core.errors import TrainingError
 
 __all__ = ["Accounting", "ServerStats", "VersionFigures"]
@@ -85,11 +86,16 @@ class Accounting:
         rejection_limit: Consecutive refused updates after which the server is taken to be unable to make
             progress (every update refused, e.g. by a validation rule that no client can pass) and the run fails
             with the refusal reasons (None: no limit).
+        clients: Where each outcome and byte is also counted per client (``tracking.client_table``; None: nowhere).
+            It is a part of the accounting's checkpoint state.
     """
 
-    def __init__(self, failure_limit: int, rejection_limit: int | None = None) -> None:
+    def __init__(
+        self, failure_limit: int, rejection_limit: int | None = None, *, clients: ClientTable | None = None
+    ) -> None:
         """Start with zero counts."""
         self.stats = ServerStats()
+        self.clients = clients
         self.failure_limit = failure_limit
         self.rejection_limit = rejection_limit
         self._failure_streak = 0
@@ -99,8 +105,10 @@ class Accounting:
         self._egress = 0
 
     # --------------------------------------------------------------------------------------------- outcomes
-    def accepted(self, staleness: int) -> None:
-        """Count one update folded in (by the cloud or an edge)."""
+    def accepted(self, staleness: int, *, client_id: int | None = None) -> None:
+        """Count one update folded in (by the cloud or an edge), of client ``client_id`` when known."""
+        if self.clients is not None and client_id is not None:
+            self.clients.accepted(client_id, staleness)
         stats = self.stats
         self._failure_streak = 0
         self._rejections.clear()
@@ -109,12 +117,14 @@ class Accounting:
         stats.staleness_max = max(stats.staleness_max, staleness)
         self._staleness.append(staleness)
 
-    def rejected(self, reason: str) -> None:
-        """Count one update refused by an intake.
+    def rejected(self, reason: str, *, client_id: int | None = None) -> None:
+        """Count one update refused by an intake (of client ``client_id`` when known).
 
         Raises:
             TrainingError: If this refusal ends a streak of ``rejection_limit`` with no update accepted.
         """
+        if self.clients is not None and client_id is not None:
+            self.clients.refused(client_id, reason)
         self.stats.updates_dropped += 1
         self.stats.drop_reasons[reason] += 1
         self._rejections[reason] += 1
@@ -126,12 +136,14 @@ class Accounting:
                 "make progress (check the resilience settings and the clients)"
             )
 
-    def failed(self, kind: str, error: str) -> None:
-        """Count one task whose client reported a failure.
+    def failed(self, kind: str, error: str, *, client_id: int | None = None) -> None:
+        """Count one task whose client (``client_id`` when known) reported a failure.
 
         Raises:
             TrainingError: If this genuine error (``kind == "error"``) ends a streak of ``failure_limit``.
         """
+        if self.clients is not None and client_id is not None:
+            self.clients.failed(client_id)
         self.stats.updates_failed += 1
         self.stats.failure_kinds[kind] += 1
         if kind == "error":
@@ -139,8 +151,10 @@ class Accounting:
             if self._failure_streak >= self.failure_limit:
                 raise TrainingError(f"the last {self._failure_streak} client tasks all failed; the last error: {error}")
 
-    def timed_out(self) -> None:
-        """Count one task the registry's watchdog ended."""
+    def timed_out(self, *, client_id: int | None = None) -> None:
+        """Count one task the registry's watchdog ended (of client ``client_id`` when known)."""
+        if self.clients is not None and client_id is not None:
+            self.clients.timed_out(client_id)
         self.stats.tasks_timed_out += 1
 
     def abandoned(self, count: int) -> None:
@@ -148,8 +162,11 @@ class Accounting:
         self.stats.tasks_abandoned += count
 
     # ------------------------------------------------------------------------------------------------ bytes
-    def dispatched(self, download_bytes: int, *, from_cloud: bool) -> int:
-        """Count one task and its model download; return the task's id (the count before it)."""
+    def dispatched(self, download_bytes: int, *, from_cloud: bool, client_id: int | None = None) -> int:
+        """Count one task and its model download (to client ``client_id`` when known); return the task's id (the
+        count before it)."""
+        if self.clients is not None and client_id is not None:
+            self.clients.dispatched(client_id, download_bytes)
         stats = self.stats
         task_id = stats.tasks_dispatched
         stats.tasks_dispatched += 1
@@ -158,8 +175,10 @@ class Accounting:
             self.egress(download_bytes)
         return task_id
 
-    def uploaded(self, num_bytes: int) -> None:
-        """Count a client's upload, whatever becomes of it."""
+    def uploaded(self, num_bytes: int, *, client_id: int | None = None) -> None:
+        """Count a client's upload (of client ``client_id`` when known), whatever becomes of it."""
+        if self.clients is not None and client_id is not None:
+            self.clients.uploaded(client_id, num_bytes)
         self.stats.upload_bytes += num_bytes
 
     def ingress(self, num_bytes: int) -> None:
@@ -188,8 +207,10 @@ class Accounting:
         return figures
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the counters for a checkpoint."""
+        """Return the counters for a checkpoint (with the per-client table's state, when there is one)."""
+        clients = {"clients": self.clients.state_dict()} if self.clients is not None else {}
         return {
+            **clients,
             "stats": self.stats.to_state(),
             "failure_streak": self._failure_streak,
             "rejection_streak": dict(self._rejections),
@@ -206,3 +227,5 @@ class Accounting:
         self._staleness = [int(x) for x in state["round_staleness"]]
         self._ingress = int(state.get("ingress", 0))
         self._egress = int(state.get("egress", 0))
+        if self.clients is not None:
+            self.clients.load_state_dict(state.get("clients", {}))

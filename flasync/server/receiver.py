@@ -73,7 +73,7 @@ class CloudReceiver:
     # --------------------------------------------------------------------------------------------- outcomes
     def timed_out(self, task_id: int, client_id: int) -> None:
         """Count a task whose time limit passed before its answer (its task was released)."""
-        self.accounting.timed_out()
+        self.accounting.timed_out(client_id=client_id)
         timed_out = self.stats.tasks_timed_out
         self.log.debug("server.timeout", step=timed_out, task_id=task_id, client_id=client_id, timed_out=timed_out)
 
@@ -82,21 +82,22 @@ class CloudReceiver:
         stats = self.stats
         failed = stats.updates_failed + 1
         self.log.debug("server.failure", step=failed, kind=kind, task_id=task_id, client_id=client_id, failed=failed)
-        self.accounting.failed(kind, error)
+        self.accounting.failed(kind, error, client_id=client_id)
 
-    def _accepted(self, staleness: int) -> None:
+    def _accepted(self, staleness: int, client_id: int) -> None:
         """Count one update folded in (by the cloud or an edge); the first one's time is the run's start-up."""
-        self.accounting.accepted(staleness)
+        self.accounting.accepted(staleness, client_id=client_id)
         if math.isnan(self.stats.first_update_s):
             self.stats.first_update_s = self.versions.elapsed_s()
 
     def task_closed(self, message: TaskClosed) -> None:
         """An edge took a task's answer (it released the task itself): count the outcome."""
-        self.accounting.uploaded(message.upload_bytes)
+        client_id = int(message.client_id)
+        self.accounting.uploaded(message.upload_bytes, client_id=client_id)
         if message.outcome == "accepted":
-            self._accepted(message.staleness)
+            self._accepted(message.staleness, client_id)
         elif message.outcome == "rejected":
-            self.accounting.rejected(message.reason)
+            self.accounting.rejected(message.reason, client_id=client_id)
         elif message.outcome == "timed_out":
             self.timed_out(message.task_id, int(message.client_id))
         else:
@@ -148,14 +149,14 @@ class CloudReceiver:
         """Admit an upload (of ``size`` bytes, received at virtual time ``received_s``) and, if it passes, fold it in
         and count it; return its event or the refusal. Its debug line's fields are appended to ``lines`` for the
         caller to log."""
-        self.accounting.uploaded(size)
+        self.accounting.uploaded(size, client_id=int(message.client_id))
         version = self.versions.version
         folded = self.node.admit(message, version=int(version), into=self.aggregator, decoded=decoded)
         if isinstance(folded, Refused):
             return folded
         verdict, stats = folded.admitted, self.stats
         stats.cloud_aggregate_s += folded.aggregate_s
-        self._accepted(verdict.staleness)
+        self._accepted(verdict.staleness, int(message.client_id))
         queue_wait_s = verdict.received_wall - message.sent_wall_s
         if self._log_updates:
             line = {
@@ -182,7 +183,7 @@ class CloudReceiver:
 
     async def _reject(self, message: UpdateUploaded, refused: Refused, received_s: float) -> None:
         """Count and log a refusal, then publish it."""
-        self.accounting.rejected(refused.reason)
+        self.accounting.rejected(refused.reason, client_id=int(message.client_id))
         dropped = self.stats.updates_dropped
         # A second update of a client in one version is a plug-in's rule at work (one per client): not worth a line.
         # Of each other reason the first REFUSAL_LINES are info lines, the rest debug lines: a run whose every

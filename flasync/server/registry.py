@@ -258,7 +258,7 @@ class TaskRegistry:
         tasks = []
         for client, participation in zip(clients, participations, strict=True):
             task = TaskAssigned(
-                task_id=dispatched(download, from_cloud=from_cloud),
+                task_id=dispatched(download, from_cloud=from_cloud, client_id=client),
                 client_id=ClientId(client),
                 participation=participation,
                 base_version=version,

@@ -96,6 +96,8 @@ SETS = [
     (["eval.metrics=[m=no_such_module_here:M]"], "eval.metrics: m=no_such_module_here:M: cannot import it"),
     (["eval.select=server/eval/loss:lowest"], "eval.select: the direction must be ':max' or ':min', got 'lowest'"),
     (["tracking.register=a:b"], "tracking.register: MLflow refuses the registered model name 'a:b': it contains ':'"),
+    (["tracking.client_table_rows=0"], "tracking.client_table_rows: Input should be greater than or equal to 1"),
+    (["tracking.client_table_rank=loss"], "tracking.client_table_rank: Input should be 'tasks', 'accepted'"),
 ]
 
 

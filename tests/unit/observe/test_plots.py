@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import flasync
-from flasync.observe.plots import render_plots
+from flasync.core.client_table import ClientTable
+from flasync.observe.plots import render_client_histograms, render_plots
 from flasync.testing import MemoryTracker, small_config
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -108,3 +109,17 @@ def test_write_plots_draws_a_stored_profile_into_a_folder(profile: dict[str, obj
     folder.mkdir()
     write_plots(folder=str(folder), profile=str(stored))
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == render_plots(profile)
+
+
+def test_client_histograms_draw_one_panel_per_histogram_with_data() -> None:
+    """The client chart draws tasks, refusals and staleness where they have counts, and says so when none does."""
+    table = ClientTable(rows=10, top=5)
+    empty = ET.fromstring(render_client_histograms(table.histograms()))
+    assert "no client took part" in {e.text for e in empty.iter()}
+    for client in range(6):
+        table.dispatched(client, 100)
+        table.accepted(client, client)
+    chart = ET.fromstring(render_client_histograms(table.histograms()))
+    texts = {e.text for e in chart.iter() if e.text}
+    assert {"Tasks per client", "Staleness of accepted updates"} <= texts
+    assert "Refused updates per client" in texts  # every client refused 0 times: one bar at bin 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from flasync.core.client_table import ClientTable
 from flasync.core.errors import TrainingError
 from flasync.server import Accounting
 from flasync.testing import ScriptedClients, ServerHarness
@@ -113,3 +114,27 @@ async def test_a_server_that_refuses_everything_ends_instead_of_spinning() -> No
         await harness.run()
     assert caught.group_contains(TrainingError, match=r"the last 25 updates were all refused \(norm x25\)", depth=2)
     assert harness.accounting.stats.updates_accepted == 0
+
+
+def test_outcomes_of_known_clients_go_to_the_client_table() -> None:
+    """With a client table, each outcome and byte of a known client is counted in its row too, and the table is part
+    of the accounting's checkpoint state."""
+    accounting = Accounting(failure_limit=10, clients=ClientTable(rows=10, top=10))
+    accounting.dispatched(7, from_cloud=True, client_id=3)
+    accounting.uploaded(5, client_id=3)
+    accounting.accepted(2, client_id=3)
+    accounting.rejected("norm", client_id=4)
+    accounting.failed("crash", "injected", client_id=4)
+    accounting.timed_out(client_id=5)
+    accounting.accepted(1)  # no client id (e.g. a partial aggregate): counted in the totals only
+    restored = Accounting(failure_limit=10, clients=ClientTable(rows=10, top=10))
+    restored.load_state_dict(accounting.state_dict())
+    assert restored.clients is not None
+    rows = {row[1]: row[2:] for row in restored.clients.table()["data"]}
+    # tasks, accepted, refused, failed, timed_out, staleness_mean, upload, download, refused.norm
+    assert rows == {
+        3: [1, 1, 0, 0, 0, 2.0, 5, 7, 0],
+        4: [0, 0, 1, 1, 0, None, 0, 0, 1],
+        5: [0, 0, 0, 0, 1, None, 0, 0, 0],
+    }
+    assert restored.stats.updates_accepted == 2

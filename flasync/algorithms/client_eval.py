@@ -30,6 +30,7 @@ import torch
 
 from flasync.aggregation.evaluation import Report, summarize
 from flasync.core import seeding
+from flasync.core.client_table import ClientFigures
 from flasync.core.errors import BusClosed, BusFull
 from flasync.core.events import ClientEvaluated, ClientId, ClientsEvaluated, RunFinished, TaskAssigned, Version
 from flasync.core.instruments import Instrument
@@ -217,6 +218,8 @@ class EvaluationSummary(ServerPlugin, Instrument):
         log: The run's logger (the figures are metric lines).
         publish: Sends a :class:`~flasync.core.events.ClientsEvaluated` for each closed version (the run's bus's
             ``publish_nowait``; None: nothing is sent).
+        clients: Where each report's figures are also recorded per client (the per-client table,
+            ``tracking.client_table``; None: nowhere).
     """
 
     name = "client_eval_versions"
@@ -231,8 +234,10 @@ class EvaluationSummary(ServerPlugin, Instrument):
         now: Callable[[], float],
         log: Any,
         publish: Callable[[object], None] | None = None,
+        clients: ClientFigures | None = None,
     ) -> None:
         """Gather nothing yet."""
+        self.clients = clients
         self.names = tuple(names)
         self.min_reports = min_reports
         self.deadline_s = deadline_s
@@ -265,6 +270,8 @@ class EvaluationSummary(ServerPlugin, Instrument):
     def _take(self, event: ClientEvaluated) -> None:
         version = int(event.version)
         now = self.now()
+        if self.clients is not None:  # the client's latest figures, late or not
+            self.clients.record(int(event.client_id), event.figures())
         if version in self._closed:
             self.late += 1
             return

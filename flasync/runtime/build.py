@@ -58,7 +58,7 @@ from flasync.config import (
 )
 from flasync.core import seeding
 from flasync.core.bus import EventBus
-from flasync.core.client_table import ClientTable
+from flasync.core.client_table import ClientFigures, ClientTable
 from flasync.core.clock import Clock, RunClock
 from flasync.core.errors import ConfigError
 from flasync.data import Partition
@@ -290,8 +290,11 @@ def client_evaluation(
     )
 
 
-def evaluation_summary(config: RunConfig, *, bus: EventBus, clock: Clock, log: Any) -> EvaluationSummary:
-    """Return the server's side of client-side evaluation, watching ``bus`` for the clients' reports."""
+def evaluation_summary(
+    config: RunConfig, *, bus: EventBus, clock: Clock, log: Any, clients: ClientFigures | None = None
+) -> EvaluationSummary:
+    """Return the server's side of client-side evaluation, watching ``bus`` for the clients' reports (each also
+    recorded in ``clients``, the per-client table, where there is one)."""
     cfg = config.eval.clients
     summary = EvaluationSummary(
         config.eval.metric_names,
@@ -300,6 +303,7 @@ def evaluation_summary(config: RunConfig, *, bus: EventBus, clock: Clock, log: A
         now=clock.now,
         log=log,
         publish=bus.publish_nowait,
+        clients=clients,
     )
     bus.add_instrument(summary)
     return summary
@@ -547,7 +551,9 @@ def build_server(
         config, tree, registry, make_intake, edge_codec, weights, bus=bus, clock=clock, wall=wall, log=log
     )
     aggregator = _server_aggregator(config, weights, noise, aggregator_factory)
-    server_plugins = _server_plugins(config, weights, privacy, world, shapes, plugins, bus=bus, clock=clock, log=log)
+    server_plugins = _server_plugins(
+        config, weights, privacy, world, shapes, plugins, bus=bus, clock=clock, log=log, clients=accounting.clients
+    )
     policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
     if group is not None:
         _group_answers(group, policy, registry, tree)
@@ -779,13 +785,15 @@ def _server_plugins(
     bus: EventBus,
     clock: Clock,
     log: Any,
+    clients: ClientFigures | None = None,
 ) -> tuple[ServerPlugin, ...]:
-    """Return the server's algorithm state: client-side evaluation's summary, SCAFFOLD's control variate ``c``,
+    """Return the server's algorithm state: client-side evaluation's summary (its reports also go to ``clients``,
+    the per-client table), SCAFFOLD's control variate ``c``,
     central differential privacy's one-update-per-client rule and accountant, and the pruning mask (each when it is
     on), then ``extra`` (a caller's own)."""
     plugins: list[ServerPlugin] = []
     if config.eval.clients.enabled:
-        plugins.append(evaluation_summary(config, bus=bus, clock=clock, log=log))
+        plugins.append(evaluation_summary(config, bus=bus, clock=clock, log=log, clients=clients))
     if config.scaffold.enabled:
         controls = ControlVariate(weights.numel(), num_clients=len(world.population), device=weights.device)
         plugins.append(ScaffoldServer(controls, world.job.upload_codec))

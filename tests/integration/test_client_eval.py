@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
 from collections import defaultdict
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 
 import flasync
 from flasync.algorithms import client_eval
+from flasync.core.client_table import TABLE_ARTIFACT as CLIENT_TABLE
 from flasync.core.events import Aggregated, ClientEvaluated, ClientsEvaluated, TaskAssigned
 from flasync.runtime import checkpoint
 from flasync.testing import EventRecorder, MemoryTracker, small_config
@@ -182,3 +184,24 @@ def test_a_resumed_run_gives_the_uninterrupted_weights_and_evaluation_series() -
         joined[key] = stopped.history(key) + resumed_tracker.history(key)
     assert joined == _series(full_tracker)
     assert not math.isnan(full_tracker.history("client_eval/accuracy/mean")[-1][1])
+
+
+def test_each_clients_last_report_is_its_row_in_the_client_table() -> None:
+    """With the per-client table on, a client's row holds the figures of its last client-side evaluation report
+    (late ones included), and clients that never reported have no figure."""
+    _, tracker, recorder = _run(*_ON, "tracking.client_table=true")
+    last: dict[int, ClientEvaluated] = {}
+    for report in recorder.of(ClientEvaluated):
+        last[int(report.client_id)] = report
+    assert last
+    table = json.loads(tracker.artifacts[CLIENT_TABLE])
+    columns = table["columns"]
+    accuracy, loss = columns.index("eval.accuracy"), columns.index("eval.loss")
+    rows = {int(row[columns.index("client_id")]): row for row in table["data"]}
+    for client, row in rows.items():
+        report = last.get(client)
+        if report is None:
+            assert row[accuracy] is None or (isinstance(row[accuracy], float) and math.isnan(row[accuracy]))
+        else:
+            assert (row[accuracy], row[loss]) == pytest.approx((report.accuracy, report.loss))
+    assert set(last) <= set(rows)

@@ -1,4 +1,4 @@
-"""Where the samples come from (digits, synthetic, your own files) and how they are split over clients."""
+"""Where the samples come from (digits, diabetes, synthetic, your own files) and how they are split over clients."""
 
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ class DigitsData(_Section):
 
     kind: Literal["digits"] = "digits"
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out share, stratified by label.")
+
+
+class DiabetesData(_Section):
+    """scikit-learn's diabetes regression data: 442 patients, 10 features, a standardized real target (offline)."""
+
+    kind: Literal["diabetes"] = "diabetes"
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out share, drawn at random.")
 
 
 class SyntheticData(_Section):
@@ -96,7 +103,7 @@ class FilesData(_Section):
         return self
 
 
-DataSource = Annotated[DigitsData | SyntheticData | FilesData, Field(discriminator="kind")]
+DataSource = Annotated[DigitsData | DiabetesData | SyntheticData | FilesData, Field(discriminator="kind")]
 
 
 class IIDPartition(_Section):

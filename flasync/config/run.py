@@ -32,6 +32,7 @@ from flasync.config.runtime import (
     TrackingConfig,
 )
 from flasync.config.server import FedAsyncServer, FedAvgServer, FedBuffServer, ServerConfig
+from flasync.config.tasks import Task, check_task
 from flasync.config.topology import FlatTopology, TopologyConfig, TreeTopology
 
 _MAX_EAGER_DATA_BYTES = 16 * 2**30
@@ -41,6 +42,11 @@ class RunConfig(_Section):
     """One federated run: data, model, clients, server, time and tracking."""
 
     seed: int = Field(0, ge=0, lt=2**63, description="The run's seed: every random stream is derived from it.")
+    task: Task = Field(
+        "classification",
+        description="What the model learns: 'classification' (cross-entropy on class labels) or 'regression' "
+        "(mean squared error on a real target, one output).",
+    )
     data: DataSource = DigitsData()
     partition: PartitionConfig = DirichletPartition()
     model: ModelConfig = MLPModel()
@@ -186,6 +192,11 @@ class RunConfig(_Section):
         for name, count in counts:
             if count is not None and count > n:
                 raise _FieldError(("server", name), f"must be <= population.num_clients ({n}), got {count}")
+
+    @model_validator(mode="after")
+    def _task_checks(self) -> RunConfig:
+        check_task(self)
+        return self
 
     @model_validator(mode="after")
     def _registry_checks(self) -> RunConfig:

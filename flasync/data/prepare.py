@@ -13,6 +13,7 @@ import torch
 
 from flasync.config import (
     ByColumnPartition,
+    DiabetesData,
     DigitsData,
     DirichletPartition,
     FilesData,
@@ -28,6 +29,7 @@ from flasync.data import (
     Partition,
     SyntheticClients,
     from_dataset,
+    load_diabetes,
     load_digits,
     make_synthetic,
     partition_by_column,
@@ -86,9 +88,13 @@ def _load_arrays(
                 else from_dataset(test_dataset, num_classes=train.num_classes)
             )
             return train, test
-        fraction = cfg.data.test_fraction if isinstance(cfg.data, DigitsData | FilesData) else 0.2
+        fraction = cfg.data.test_fraction if isinstance(cfg.data, DigitsData | DiabetesData | FilesData) else 0.2
         return train_test_split(train, test_fraction=fraction, rng=seeding.numpy_stream(cfg.seed, seeding.DATA))
     source = cfg.data
+    if isinstance(source, DiabetesData):
+        return train_test_split(
+            load_diabetes(), test_fraction=source.test_fraction, rng=seeding.numpy_stream(cfg.seed, seeding.DATA)
+        )
     if isinstance(source, DigitsData):
         return train_test_split(
             load_digits(),

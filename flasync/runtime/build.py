@@ -86,6 +86,7 @@ from flasync.training.jobs import ClientSamples, JobContext
 from flasync.training.local import EvalResult, LocalObjective, LocalTraining, evaluate, objective_name
 from flasync.training.plugins import ClientPlugin, ServerPlugin
 from flasync.training.residuals import ResidualStore
+from flasync.training.tasks import task_objective
 
 __all__ = [
     "AggregatorFactory",
@@ -146,7 +147,7 @@ def build_world(
     samples = _client_samples(config, prepared)
     job = JobContext(
         models=executor.models,
-        local=LocalTraining(**config.client.model_dump(), objective=objective),
+        local=LocalTraining(**config.client.model_dump(), objective=task_objective(config.task, objective)),
         upload_codec=upload_codec,
         num_params=prepared.initial.numel(),
         diagnostics=diagnostics,
@@ -270,14 +271,16 @@ def client_evaluation(
         clock.now,
         batch_size=config.eval.batch_size,
         wall=wall,
+        regression=config.task == "regression",
     )
 
 
 def evaluation_summary(config: RunConfig, *, bus: EventBus, clock: Clock, log: Any) -> EvaluationSummary:
     """Return the server's side of client-side evaluation, watching ``bus`` for the clients' reports."""
     cfg = config.eval.clients
+    names = config.eval.metric_names
     summary = EvaluationSummary(
-        config.eval.metric_names,
+        names if config.task == "classification" else tuple(n for n in names if n != "accuracy"),
         min_reports=cfg.min_reports,
         deadline_s=cfg.deadline_s,
         now=clock.now,
@@ -299,7 +302,13 @@ def make_evaluator(prepared: Prepared, executor: TrainingExecutor, clock: Clock,
         return await clock.run(
             executor.pool,
             lambda: evaluate(
-                executor.models.get(), flat, test_x, test_y, batch_size=batch_size, metrics=prepared.metrics
+                executor.models.get(),
+                flat,
+                test_x,
+                test_y,
+                batch_size=batch_size,
+                metrics=prepared.metrics,
+                regression=prepared.test.regression,
             ),
             simulated_s=0.0,
         )

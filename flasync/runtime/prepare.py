@@ -248,6 +248,9 @@ class RunInputs:
             raise DataError("the held-out split is empty")
         if test.num_classes != train.num_classes or test.feature_shape != train.feature_shape:
             raise DataError("test data must have the training data's feature shape and classes")
+        if train.regression != (self.config.task == "regression") or test.regression != train.regression:
+            wanted = "float32 targets" if self.config.task == "regression" else "int64 class labels"
+            raise ConfigError(f"task: {self.config.task!r} needs {wanted} in the training and test data")
         lazy = None
         if isinstance(self.config.data, SyntheticData) and self.config.data.lazy:
             if self._dataset is not None:
@@ -283,7 +286,7 @@ class RunInputs:
             privacy,
             None if self.config.model.partial else self._model_spec(train),
             shapes,
-            resolve_metrics(self.config.eval.metrics, num_classes=train.num_classes),
+            resolve_metrics(self.config.eval.metrics, num_classes=train.num_classes, regression_task=train.regression),
             held_out,
         )
 

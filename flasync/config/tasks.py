@@ -1,0 +1,73 @@
+"""What a run learns (``task``), and the checks of the other sections against it.
+
+``task = "classification"`` (the default) trains a classifier with cross-entropy on integer labels. ``task =
+"regression"`` trains a model with one output to a real target with the mean squared error, on data whose targets
+are real numbers (``data.kind = "diabetes"``, or a given data set with float32 targets); its evaluations report the
+mean squared error as their loss, and ``eval.metrics`` may add ``mse`` and ``mae``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from flasync.config._base import _FieldError
+from flasync.config.data import DiabetesData, DigitsData, DirichletPartition, ShardsPartition, SyntheticData
+from flasync.config.runtime import check_metric_names, parse_select
+
+if TYPE_CHECKING:
+    from flasync.config.run import RunConfig
+
+__all__ = ["CLASSIFICATION_METRICS", "Task", "check_task"]
+
+Task = Literal["classification", "regression"]
+"""What a run learns: class labels (cross-entropy) or a real target (mean squared error)."""
+
+CLASSIFICATION_METRICS = frozenset({"accuracy", "precision", "recall", "f1", "auc"})
+"""The built-in metrics that need class labels."""
+
+
+def check_task(config: RunConfig) -> None:
+    """Refuse the sections of ``config`` that do not fit its ``task``, naming the field.
+
+    Raises:
+        _FieldError: Regression data with a classification task, or, for a regression task: class-labelled data, a
+            partition by label, a classification metric named in ``eval.metrics`` or ``eval.select``, a target
+            accuracy, the vectorized executor or remote clients.
+    """
+    if config.task == "classification":
+        if isinstance(config.data, DiabetesData):
+            raise _FieldError(("data", "kind"), "'diabetes' has real targets; it needs task = 'regression'")
+        return
+    _check_regression(config)
+
+
+def _check_regression(config: RunConfig) -> None:
+    """Refuse what a regression run cannot have (see :func:`check_task`)."""
+    if isinstance(config.data, DigitsData | SyntheticData):
+        raise _FieldError(
+            ("data", "kind"),
+            f"{config.data.kind!r} has class labels; task = 'regression' needs real targets "
+            "(data.kind = 'diabetes' or a given data set with float32 targets)",
+        )
+    if isinstance(config.partition, DirichletPartition | ShardsPartition):
+        raise _FieldError(
+            ("partition", "kind"),
+            f"{config.partition.kind!r} splits by class label; task = 'regression' needs 'iid' (or 'by_column')",
+        )
+    if "metrics" in config.eval.model_fields_set:
+        for name in check_metric_names(config.eval.metrics):
+            if name in CLASSIFICATION_METRICS:
+                raise _FieldError(
+                    ("eval", "metrics"), f"{name!r} needs class labels; task = 'regression' has loss (MSE), mse, mae"
+                )
+    select = config.eval.select
+    if select is not None and CLASSIFICATION_METRICS.intersection(parse_select(select)[0].split("/")):
+        raise _FieldError(("eval", "select"), f"{select!r} needs class labels; select by a regression metric")
+    if config.stop.target_accuracy is not None:
+        raise _FieldError(("stop", "target_accuracy"), "task = 'regression' has no accuracy")
+    if config.executor.kind == "vectorized":
+        raise _FieldError(
+            ("executor", "kind"), "'vectorized' trains classifiers only; task = 'regression' runs on 'thread' or 'ray'"
+        )
+    if config.remote.enabled:
+        raise _FieldError(("remote", "enabled"), "task = 'regression' trains in-process clients only")

@@ -8,14 +8,26 @@ mean squared error as their loss, and ``eval.metrics`` may add ``mse`` and ``mae
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from flasync.config._base import _FieldError
-from flasync.config.data import DiabetesData, DigitsData, DirichletPartition, ShardsPartition, SyntheticData
-from flasync.config.runtime import check_metric_names, parse_select
-
-if TYPE_CHECKING:
-    from flasync.config.run import RunConfig
+from flasync.config.data import (
+    DataSource,
+    DiabetesData,
+    DigitsData,
+    DirichletPartition,
+    PartitionConfig,
+    ShardsPartition,
+    SyntheticData,
+)
+from flasync.config.runtime import (
+    EvalConfig,
+    ExecutorConfig,
+    RemoteConfig,
+    StopConfig,
+    check_metric_names,
+    parse_select,
+)
 
 __all__ = ["CLASSIFICATION_METRICS", "Task", "check_task"]
 
@@ -26,7 +38,26 @@ CLASSIFICATION_METRICS = frozenset({"accuracy", "precision", "recall", "f1", "au
 """The built-in metrics that need class labels."""
 
 
-def check_task(config: RunConfig) -> None:
+class _TaskSections(Protocol):
+    """The sections of a run's config a task is checked against (:class:`~flasync.config.RunConfig` has them)."""
+
+    @property
+    def task(self) -> Task: ...
+    @property
+    def data(self) -> DataSource: ...
+    @property
+    def partition(self) -> PartitionConfig: ...
+    @property
+    def eval(self) -> EvalConfig: ...
+    @property
+    def stop(self) -> StopConfig: ...
+    @property
+    def executor(self) -> ExecutorConfig: ...
+    @property
+    def remote(self) -> RemoteConfig: ...
+
+
+def check_task(config: _TaskSections) -> None:
     """Refuse the sections of ``config`` that do not fit its ``task``, naming the field.
 
     Raises:
@@ -41,7 +72,7 @@ def check_task(config: RunConfig) -> None:
     _check_regression(config)
 
 
-def _check_regression(config: RunConfig) -> None:
+def _check_regression(config: _TaskSections) -> None:
     """Refuse what a regression run cannot have (see :func:`check_task`)."""
     if isinstance(config.data, DigitsData | SyntheticData):
         raise _FieldError(

@@ -2,8 +2,9 @@
 
 ``task = "classification"`` (the default) trains a classifier with cross-entropy on integer labels. ``task =
 "regression"`` trains a model with one output to a real target with the mean squared error, on data whose targets
-are real numbers (``data.kind = "diabetes"``, or a given data set with float32 targets); its evaluations report the
-mean squared error as their loss, and ``eval.metrics`` may add ``mse`` and ``mae``.
+are real numbers (``data.kind = "diabetes"``, or a given data set with float32 targets: the run refuses other data
+when it loads it); its evaluations report the mean squared error as their loss, and ``eval.metrics`` may add ``mse``
+and ``mae``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ from flasync.config._base import _FieldError
 from flasync.config.data import (
     DataSource,
     DiabetesData,
-    DigitsData,
     DirichletPartition,
     PartitionConfig,
     ShardsPartition,
-    SyntheticData,
 )
 from flasync.config.runtime import (
     EvalConfig,
@@ -61,9 +60,9 @@ def check_task(config: _TaskSections) -> None:
     """Refuse the sections of ``config`` that do not fit its ``task``, naming the field.
 
     Raises:
-        _FieldError: Regression data with a classification task, or, for a regression task: class-labelled data, a
-            partition by label, a classification metric named in ``eval.metrics`` or ``eval.select``, a target
-            accuracy, the vectorized executor or remote clients.
+        _FieldError: Regression data with a classification task, or, for a regression task: a partition by label,
+            a classification metric named in ``eval.metrics`` or ``eval.select``, a target accuracy, the vectorized
+            executor or remote clients.
     """
     if config.task == "classification":
         if isinstance(config.data, DiabetesData):
@@ -74,12 +73,6 @@ def check_task(config: _TaskSections) -> None:
 
 def _check_regression(config: _TaskSections) -> None:
     """Refuse what a regression run cannot have (see :func:`check_task`)."""
-    if isinstance(config.data, DigitsData | SyntheticData):
-        raise _FieldError(
-            ("data", "kind"),
-            f"{config.data.kind!r} has class labels; task = 'regression' needs real targets "
-            "(data.kind = 'diabetes' or a given data set with float32 targets)",
-        )
     if isinstance(config.partition, DirichletPartition | ShardsPartition):
         raise _FieldError(
             ("partition", "kind"),

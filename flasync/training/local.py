@@ -149,9 +149,10 @@ class LocalObjective(Protocol):
     """The loss local training minimises instead of cross-entropy (a classification loss of your own).
 
     Local training minimises the mean of :meth:`loss` over each batch, with the same SGD, momentum, weight decay,
-    clipping and FedProx term as the default. Labels are int64 class indices (the data checks insist on them), so
-    a regression target is out of reach; a custom classification objective (focal loss, label smoothing, a class
-    weighting) is not. The server's evaluation still reports accuracy and cross-entropy, one yardstick for every
+    clipping and FedProx term as the default. Targets are int64 class indices, or float32 values for a regression
+    (``task = "regression"``, whose own objective is :class:`flasync.training.tasks.SquaredError`); a custom
+    classification objective (focal loss, label smoothing, a class weighting) fits the first. The server's
+    evaluation reports accuracy and cross-entropy (a regression's: the mean squared error), one yardstick for every
     objective.
 
     An objective must be a pure function of its arguments (no random numbers, no state changed by a call), so the
@@ -182,7 +183,7 @@ class LocalObjective(Protocol):
 
         Args:
             outputs: The model's outputs ``(B, C)``, float32 (cast up from bf16/fp16 under mixed precision).
-            targets: The labels ``(B,)``, int64.
+            targets: The labels ``(B,)``, int64 (a regression's targets: float32).
         """
         ...
 

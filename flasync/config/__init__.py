@@ -21,6 +21,7 @@ from flasync.config.data import (
     DirichletPartition,
     FilesData,
     IIDPartition,
+    LineBlocksPartition,
     PartitionConfig,
     ShardsPartition,
     SyntheticData,
@@ -33,7 +34,7 @@ from flasync.config.loading import (
     safe_yaml,
     validate,
 )
-from flasync.config.model import ClientConfig, LoraAdapter, MLPModel, ModelConfig, PruneConfig, SmallCNNModel
+from flasync.config.model import ClientConfig, GRUModel, LoraAdapter, MLPModel, ModelConfig, PruneConfig, SmallCNNModel
 from flasync.config.population import (
     SAMPLING_STRATEGIES,
     AvailabilityConfig,
@@ -106,10 +107,12 @@ __all__ = [
     "FilesData",
     "FlatTopology",
     "Float16Stage",
+    "GRUModel",
     "HalfNormalSpeed",
     "HingeStalenessConfig",
     "IIDPartition",
     "Int8Stage",
+    "LineBlocksPartition",
     "LogNormalSpeed",
     "LoraAdapter",
     "MLPModel",

@@ -13,12 +13,16 @@ from typing import Literal, Protocol
 
 from flasync.config._base import _FieldError
 from flasync.config.data import (
+    ByColumnPartition,
     DataSource,
     DiabetesData,
     DirichletPartition,
+    FilesData,
+    LineBlocksPartition,
     PartitionConfig,
     ShardsPartition,
 )
+from flasync.config.model import GRUModel, ModelConfig
 from flasync.config.runtime import (
     EvalConfig,
     ExecutorConfig,
@@ -30,8 +34,9 @@ from flasync.config.runtime import (
 
 __all__ = ["CLASSIFICATION_METRICS", "Task", "check_task"]
 
-Task = Literal["classification", "regression"]
-"""What a run learns: class labels (cross-entropy) or a real target (mean squared error)."""
+Task = Literal["classification", "regression", "language_model"]
+"""What a run learns: class labels (cross-entropy), a real target (mean squared error), or the next character of a
+text (cross-entropy over the characters; perplexity)."""
 
 CLASSIFICATION_METRICS = frozenset({"accuracy", "precision", "recall", "f1", "auc"})
 """The built-in metrics that need class labels."""
@@ -54,6 +59,8 @@ class _TaskSections(Protocol):
     def executor(self) -> ExecutorConfig: ...
     @property
     def remote(self) -> RemoteConfig: ...
+    @property
+    def model(self) -> ModelConfig: ...
 
 
 def check_task(config: _TaskSections) -> None:
@@ -64,11 +71,40 @@ def check_task(config: _TaskSections) -> None:
             a classification metric named in ``eval.metrics`` or ``eval.select``, a target accuracy, the vectorized
             executor or remote clients.
     """
+    text = isinstance(config.data, FilesData) and config.data.text
+    if config.task != "language_model":
+        if text:
+            raise _FieldError(
+                ("data", "train"), "a .txt file makes next-character samples; it needs task = 'language_model'"
+            )
+        if isinstance(config.partition, LineBlocksPartition):
+            raise _FieldError(("partition", "kind"), "'line_blocks' cuts a .txt file; it needs task = 'language_model'")
+        if isinstance(config.model, GRUModel):
+            raise _FieldError(("model", "kind"), "'gru' reads characters; it needs task = 'language_model'")
     if config.task == "classification":
         if isinstance(config.data, DiabetesData):
             raise _FieldError(("data", "kind"), "'diabetes' has real targets; it needs task = 'regression'")
         return
+    if config.task == "language_model":
+        _check_language_model(config, text=text)
+        return
     _check_regression(config)
+
+
+def _check_language_model(config: _TaskSections, *, text: bool) -> None:
+    """Refuse what a character-level language model cannot have."""
+    if not text:
+        raise _FieldError(("data", "kind"), "task = 'language_model' needs data.kind = 'files' with a .txt train file")
+    if not isinstance(config.model, GRUModel):
+        raise _FieldError(("model", "kind"), f"task = 'language_model' needs 'gru', not {config.model.kind!r}")
+    if isinstance(config.partition, ByColumnPartition):
+        raise _FieldError(("partition", "kind"), "a .txt file has no client column; use 'line_blocks' or 'iid'")
+    if config.executor.kind == "vectorized":
+        raise _FieldError(
+            ("executor", "kind"), "'vectorized' cannot batch a GRU's clients; task = 'language_model' runs on 'thread'"
+        )
+    if config.remote.enabled:
+        raise _FieldError(("remote", "enabled"), "task = 'language_model' trains in-process clients only")
 
 
 def _check_regression(config: _TaskSections) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -292,14 +294,16 @@ def evaluation_summary(config: RunConfig, *, bus: EventBus, clock: Clock, log: A
 
 
 def make_evaluator(prepared: Prepared, executor: TrainingExecutor, clock: Clock, *, batch_size: int) -> Evaluator:
-    """Return the server's evaluator: the held-out split on the device, evaluated in the executor."""
+    """Return the server's evaluator: the held-out split on the device, evaluated in the executor (a language
+    model's figures have its perplexity, ``exp`` of the loss)."""
     device = prepared.device
     test_x, test_y = prepared.test.x.to(device), prepared.test.y.to(device)
+    perplexity = prepared.config.task == "language_model"
 
     async def evaluate_weights(flat: torch.Tensor) -> EvalResult | None:
         if test_y.numel() == 0:
             return None
-        return await clock.run(
+        result = await clock.run(
             executor.pool,
             lambda: evaluate(
                 executor.models.get(),
@@ -312,6 +316,9 @@ def make_evaluator(prepared: Prepared, executor: TrainingExecutor, clock: Clock,
             ),
             simulated_s=0.0,
         )
+        if perplexity:  # a language model's: exp of the mean cross-entropy per character
+            result = dataclasses.replace(result, metrics={**result.metrics, "perplexity": math.exp(result.loss)})
+        return result
 
     return evaluate_weights
 

@@ -22,6 +22,8 @@ from flasync.config import (
     FedAvgServer,
     FedBuffServer,
     FilesData,
+    GRUModel,
+    LineBlocksPartition,
     MLPModel,
     RunConfig,
     SmallCNNModel,
@@ -42,7 +44,7 @@ from flasync.training.exchange import Exchanged, LoraSpec, PartialFactory, apply
 from flasync.training.executors.threads import resolve_device
 from flasync.training.local import flat_layout, flat_parameters
 from flasync.training.metrics import MetricSet, resolve_metrics
-from flasync.training.models import MLP, SmallCNN
+from flasync.training.models import MLP, CharGRU, SmallCNN
 
 __all__ = [
     "ModelFactory",
@@ -145,6 +147,9 @@ class RunInputs:
         if isinstance(model, MLPModel):
             hidden = model.hidden
             return lambda: MLP(features, hidden, classes)
+        if isinstance(model, GRUModel):
+            embed, width, layers = model.embed, model.hidden, model.layers
+            return lambda: CharGRU(classes, embed, width, layers)
         assert isinstance(model, SmallCNNModel)
         expected = model.in_channels * model.image_size[0] * model.image_size[1]
         if expected != features:
@@ -165,6 +170,13 @@ class RunInputs:
         if isinstance(model, MLPModel):
             features = int(np.prod(train.feature_shape))
             return "MLP", {"in_features": features, "hidden": list(model.hidden), "num_classes": classes}
+        if isinstance(model, GRUModel):
+            return "CharGRU", {
+                "vocabulary": classes,
+                "embed": model.embed,
+                "hidden": model.hidden,
+                "layers": model.layers,
+            }
         assert isinstance(model, SmallCNNModel)
         return "SmallCNN", {
             "in_channels": model.in_channels,
@@ -242,8 +254,9 @@ class RunInputs:
         train, test = loaded.train, loaded.test
         if loaded.partition is not None:
             self.config = self._clients_from_data(len(loaded.partition))
-        elif isinstance(self.config.partition, ByColumnPartition):
-            raise ConfigError("partition.kind: 'by_column' needs data.kind = 'files'; a given data set has no clients")
+        elif isinstance(self.config.partition, ByColumnPartition | LineBlocksPartition):
+            kind = self.config.partition.kind
+            raise ConfigError(f"partition.kind: {kind!r} needs data.kind = 'files'; a given data set has no clients")
         if len(test) == 0:
             raise DataError("the held-out split is empty")
         if test.num_classes != train.num_classes or test.feature_shape != train.feature_shape:

@@ -176,7 +176,7 @@ def choose_executor(
     """
     server = config.server
     if config.task != "classification":
-        return "thread", f"vectorized cohorts train classifiers; task = {config.task!r} trains on the threads"
+        return "thread", f"task = {config.task!r} trains on the threads (vectorized cohorts: classification only)"
     if isinstance(config.topology, TreeTopology):
         return "thread", "edges start their rounds apart: cohorts would be small"
     # On an accelerator one client's step is a few launches of small kernels, and a cohort's step the same launches

@@ -12,6 +12,15 @@ from flasync.config import RunConfig
 _EXAMPLE = Path(__file__).parents[3] / "examples" / "regression.toml"
 _REGRESSION = ["task=regression", "data.kind=diabetes", "partition.kind=iid"]
 
+_LANGUAGE_MODEL = [
+    "task=language_model",
+    "data.kind=files",
+    "data.train=t.txt",
+    "partition.kind=line_blocks",
+    "model.kind=gru",
+    "model.hidden=64",
+]
+
 REFUSED = [
     (["data.kind=diabetes"], "data.kind: 'diabetes' has real targets; it needs task = 'regression'"),
     (["task=regression", "partition.kind=iid"], "task: 'regression' needs float32 targets in the training and test"),
@@ -21,7 +30,22 @@ REFUSED = [
     ([*_REGRESSION, "eval.select=server/eval/accuracy:max"], "eval.select: 'server/eval/accuracy:max' needs class"),
     ([*_REGRESSION, "stop.target_accuracy=0.9"], "stop.target_accuracy: task = 'regression' has no accuracy"),
     ([*_REGRESSION, "executor.kind=vectorized"], "executor.kind: 'vectorized' trains classifiers only"),
-    (["task=ranking"], "task: Input should be 'classification' or 'regression'"),
+    (["task=language_model"], "data.kind: task = 'language_model' needs data.kind = 'files' with a .txt train file"),
+    (
+        ["task=language_model", "data.kind=files", "data.train=t.txt", "partition.kind=line_blocks"],
+        "model.kind: task = 'language_model' needs 'gru', not 'mlp'",
+    ),
+    (
+        [*_LANGUAGE_MODEL, "executor.kind=vectorized"],
+        "executor.kind: 'vectorized' cannot batch a GRU's clients",
+    ),
+    (
+        ["data.kind=files", "data.train=t.txt"],
+        "data.train: a .txt file makes next-character samples; it needs task = 'language_model'",
+    ),
+    (["partition.kind=line_blocks"], "partition.kind: 'line_blocks' cuts a .txt file"),
+    (["model.kind=gru", "model.hidden=64"], "model.kind: 'gru' reads characters; it needs task = 'language_model'"),
+    (["task=ranking"], "task: Input should be 'classification', 'regression' or 'language_model'"),
 ]
 
 

@@ -44,8 +44,9 @@ class RunConfig(_Section):
     seed: int = Field(0, ge=0, lt=2**63, description="The run's seed: every random stream is derived from it.")
     task: Task = Field(
         "classification",
-        description="What the model learns: 'classification' (cross-entropy on class labels) or 'regression' "
-        "(mean squared error on a real target, one output).",
+        description="What the model learns: 'classification' (cross-entropy on class labels), 'regression' "
+        "(mean squared error on a real target, one output) or 'language_model' (the next character of a .txt file; "
+        "perplexity).",
     )
     data: DataSource = DigitsData()
     partition: PartitionConfig = DirichletPartition()

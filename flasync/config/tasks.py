@@ -4,7 +4,9 @@
 "regression"`` trains a model with one output to a real target with the mean squared error, on data whose targets
 are real numbers (``data.kind = "diabetes"``, or a given data set with float32 targets: the run refuses other data
 when it loads it); its evaluations report the mean squared error as their loss, and ``eval.metrics`` may add ``mse``
-and ``mae``.
+and ``mae``. ``task = "language_model"`` predicts the next character of a UTF-8 ``.txt`` file (``data.kind =
+"files"``, :mod:`flasync.data.text`) with a GRU (``model.kind = "gru"``), clients holding blocks of lines
+(``partition.kind = "line_blocks"``); its central evaluation adds the perplexity.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
-"""The regression task's objective, and evaluation of a model with one output."""
+"""The regression task's objective, evaluation of a model with one output, and the language model's GRU."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from flasync.training.local import FlatModel, LocalTraining, evaluate, evaluate_segments, flat_parameters, train
 from flasync.training.metrics import resolve_metrics
-from flasync.training.models import MLP
+from flasync.training.models import MLP, CharGRU, build
 from flasync.training.tasks import SquaredError, task_objective
 
 
@@ -65,3 +67,16 @@ def test_segments_give_each_segment_what_evaluate_gives_it() -> None:
         if want is not None:
             assert math.isclose(got.loss, want.loss, rel_tol=1e-6) and math.isnan(got.accuracy)
     assert results[1].num_samples == 0
+
+
+def test_char_gru_predicts_the_next_character_and_rebuilds_from_flat_weights(tmp_path: Path) -> None:
+    """CharGRU maps ids ``(N, context)`` (float or integer) to logits over the characters; ``build`` makes the same
+    model from its class name, arguments and flat weights (as MLflow's writer process does)."""
+    torch.manual_seed(0)
+    model = CharGRU(7, embed=4, hidden=6)
+    ids = torch.tensor([[0, 3, 6], [1, 1, 2]])
+    logits = model(ids.float())
+    assert logits.shape == (2, 7) and torch.equal(logits, model(ids))
+    np.save(tmp_path / "w.npy", flat_parameters(model).numpy())
+    rebuilt = build("CharGRU", str(tmp_path / "w.npy"), vocabulary=7, embed=4, hidden=6, layers=1)
+    assert torch.equal(rebuilt(ids), logits)

@@ -85,6 +85,7 @@ class ClientEvaluation(ClientPlugin):
         now: The clock's simulated seconds.
         batch_size: Samples per evaluation batch.
         wall: Monotonic real seconds (the evaluation's ``eval_s``).
+        regression: Whether the task is a regression (loss: mean squared error; accuracy: NaN).
     """
 
     name = "client_eval"
@@ -101,6 +102,7 @@ class ClientEvaluation(ClientPlugin):
         *,
         batch_size: int = 1024,
         wall: Callable[[], float] = time.perf_counter,
+        regression: bool = False,
     ) -> None:
         """Bind what the evaluations need."""
         self.selection = selection
@@ -112,6 +114,7 @@ class ClientEvaluation(ClientPlugin):
         self.now = now
         self.batch_size = batch_size
         self.wall = wall
+        self.regression = regression
 
     def task(self, task: TaskAssigned, model: ModelSnapshot) -> TaskPart | None:
         """Return the evaluation part of a task chosen to evaluate (None for the others, and for a client that holds
@@ -189,7 +192,14 @@ def _evaluate_group(members: list[tuple[_EvalPart, torch.Tensor]]) -> None:
     y_all = torch.cat(ys).to(device, non_blocking=True)
     weights = members[0][1].to(device)
     evaluated = evaluate_segments(
-        model, weights, x_all, y_all, sizes, batch_size=owner.batch_size, metrics=owner.metrics
+        model,
+        weights,
+        x_all,
+        y_all,
+        sizes,
+        batch_size=owner.batch_size,
+        metrics=owner.metrics,
+        regression=owner.regression,
     )
     share = (owner.wall() - start) / len(members)
     for (part, _), result in zip(members, evaluated, strict=True):

@@ -152,7 +152,9 @@ def print_summary(
     lines = [
         "",
         f"flasync run finished ({summary.stop_reason})",
-        f"  accuracy        {summary.accuracy:.4f}   loss {summary.loss:.4f}",
+        f"  accuracy        {summary.accuracy:.4f}   loss {summary.loss:.4f}"
+        if math.isfinite(summary.accuracy)
+        else f"  loss            {summary.loss:.4f}",
         f"  updates         {summary.updates_accepted} accepted, {summary.updates_dropped} dropped, "
         f"{summary.updates_failed} failed ({summary.updates_per_s:.1f}/s{here})",
         f"  versions        {summary.versions}   staleness mean {summary.staleness_mean:.2f}, "
@@ -205,11 +207,12 @@ def print_partial(summary: RunSummary | None, why: str) -> None:
     """Print a stopped run's partial summary on one line (nothing when it stopped before it started)."""
     if summary is None:
         return
-    evaluated = (
-        f"accuracy {summary.accuracy:.4f}, loss {summary.loss:.4f}"
-        if math.isfinite(summary.accuracy)
-        else "not evaluated yet"
-    )
+    if math.isfinite(summary.accuracy):
+        evaluated = f"accuracy {summary.accuracy:.4f}, loss {summary.loss:.4f}"
+    elif math.isfinite(summary.loss):
+        evaluated = f"loss {summary.loss:.4f}"
+    else:
+        evaluated = "not evaluated yet"
     print(
         f"flasync run stopped ({why}) at version {summary.versions}: {evaluated}; {summary.updates_accepted} updates "
         f"accepted, {summary.updates_dropped} dropped, {summary.updates_failed} failed; wall {summary.wall_s:.1f} s",

@@ -1,4 +1,4 @@
-"""Where the samples come from (digits, synthetic, your own files) and how they are split over clients."""
+"""Where the samples come from (digits, diabetes, synthetic, your own files) and how they are split over clients."""
 
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ class DigitsData(_Section):
 
     kind: Literal["digits"] = "digits"
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out share, stratified by label.")
+
+
+class DiabetesData(_Section):
+    """scikit-learn's diabetes regression data: 442 patients, 10 features, a standardized real target (offline)."""
+
+    kind: Literal["diabetes"] = "diabetes"
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out share, drawn at random.")
 
 
 class SyntheticData(_Section):
@@ -35,18 +42,22 @@ class SyntheticData(_Section):
     )
 
 
-FILE_FORMATS = (".npz", ".pt", ".csv", ".parquet")
+FILE_FORMATS = (".npz", ".pt", ".csv", ".parquet", ".txt")
 """The file suffixes ``data.kind = "files"`` reads (the format follows from the suffix, case-insensitively)."""
 
 
 class FilesData(_Section):
-    """Your own data, read from a ``.npz``, ``.pt``, ``.csv`` or ``.parquet`` file.
+    """Your own data, read from a ``.npz``, ``.pt``, ``.csv`` or ``.parquet`` file, or a ``.txt`` file of text.
 
     Arrays (``.npz``, ``.pt``): ``features`` names one array of shape ``(N, ...)``, ``label`` one of shape ``(N,)``,
     ``client_column`` (if set) one of shape ``(N,)``. Tables (``.csv`` with a header row, ``.parquet``): ``features``
     lists feature columns (default: every column but the label and client columns). Features become float32, labels
     are integer class ids or (tables and ``.npz``) text mapped to ids in sorted order. A relative path in a config
     file is read from that file's folder; one given by ``--set`` or in Python, from the working directory.
+
+    Text (``.txt``, UTF-8, ``task = "language_model"``): every character after the first ``context`` is a sample
+    predicting it from the ``context`` before it; ``partition.kind = "line_blocks"`` gives each client a block of
+    consecutive lines.
     """
 
     kind: Literal["files"] = "files"
@@ -69,6 +80,17 @@ class FilesData(_Section):
         None, min_length=1, description="The key or column naming each sample's client (user, device) for by_column."
     )
     num_classes: int | None = Field(None, ge=2, le=1_000_000, description="Default: inferred from the labels.")
+    context: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="A .txt file (task = 'language_model'): characters each sample sees before the one it predicts.",
+    )
+
+    @property
+    def text(self) -> bool:
+        """Whether the data is a text file (``.txt``): next-character samples for ``task = "language_model"``."""
+        return Path(self.train).suffix.lower() == ".txt"
 
     @field_validator("features", mode="before")
     @classmethod
@@ -81,6 +103,8 @@ class FilesData(_Section):
             path: str | None = getattr(self, name)
             if path is not None and Path(path).suffix.lower() not in FILE_FORMATS:
                 raise _FieldError(("data", name), f"unsupported format of {path!r} (use {', '.join(FILE_FORMATS)})")
+        if self.test is not None and (Path(self.test).suffix.lower() == ".txt") != self.text:
+            raise _FieldError(("data", "test"), "must be a .txt file exactly when data.train is one")
         if self.test is not None and self.test_fraction != FilesData.model_fields["test_fraction"].default:
             raise _FieldError(("data", "test_fraction"), "is not used when data.test is set; remove one of them")
         if self.features is not None:
@@ -97,7 +121,7 @@ class FilesData(_Section):
         return self
 
 
-DataSource = Annotated[DigitsData | SyntheticData | FilesData, Field(discriminator="kind")]
+DataSource = Annotated[DigitsData | DiabetesData | SyntheticData | FilesData, Field(discriminator="kind")]
 
 
 class IIDPartition(_Section):
@@ -201,6 +225,12 @@ class FeatureSkewPartition(_Section):
         return self
 
 
+class LineBlocksPartition(_Section):
+    """A text file's natural partition (``.txt``): ``population.num_clients`` blocks of consecutive lines."""
+
+    kind: Literal["line_blocks"] = "line_blocks"
+
+
 PartitionConfig = Annotated[
     IIDPartition
     | DirichletPartition
@@ -208,6 +238,7 @@ PartitionConfig = Annotated[
     | ByColumnPartition
     | LabelQuantityPartition
     | QuantityPartition
-    | FeatureSkewPartition,
+    | FeatureSkewPartition
+    | LineBlocksPartition,
     Field(discriminator="kind"),
 ]

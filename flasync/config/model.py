@@ -105,7 +105,16 @@ class SmallCNNModel(_ModelSection):
     channels: tuple[int, int] = Field((16, 32), description="Output channels of the two convolution layers.")
 
 
-ModelConfig = Annotated[MLPModel | SmallCNNModel, Field(discriminator="kind")]
+class GRUModel(_ModelSection):
+    """A character-level language model: embedding, GRU, linear head over the characters (task = 'language_model')."""
+
+    kind: Literal["gru"] = "gru"
+    embed: int = Field(32, ge=1, le=4096, description="Width of a character's embedding.")
+    hidden: int = Field(128, ge=1, le=8192, description="Width of the GRU's state.")
+    layers: int = Field(1, ge=1, le=8, description="Stacked GRU layers.")
+
+
+ModelConfig = Annotated[MLPModel | SmallCNNModel | GRUModel, Field(discriminator="kind")]
 
 
 class ClientConfig(_Section):

@@ -33,6 +33,7 @@ from flasync.config.runtime import (
 )
 from flasync.config.secure import SecureAggregationConfig
 from flasync.config.server import FedAsyncServer, FedAvgServer, FedBuffServer, ServerConfig
+from flasync.config.tasks import Task, check_task
 from flasync.config.topology import FlatTopology, TopologyConfig, TreeTopology
 
 _MAX_EAGER_DATA_BYTES = 16 * 2**30
@@ -42,6 +43,12 @@ class RunConfig(_Section):
     """One federated run: data, model, clients, server, time and tracking."""
 
     seed: int = Field(0, ge=0, lt=2**63, description="The run's seed: every random stream is derived from it.")
+    task: Task = Field(
+        "classification",
+        description="What the model learns: 'classification' (cross-entropy on class labels), 'regression' "
+        "(mean squared error on a real target, one output) or 'language_model' (the next character of a .txt file; "
+        "perplexity).",
+    )
     data: DataSource = DigitsData()
     partition: PartitionConfig = DirichletPartition()
     model: ModelConfig = MLPModel()
@@ -207,6 +214,11 @@ class RunConfig(_Section):
     def _secure_aggregation_checks(self) -> RunConfig:
         if self.secure_aggregation.enabled:
             check_secure_aggregation(self)
+        return self
+
+    @model_validator(mode="after")
+    def _task_checks(self) -> RunConfig:
+        check_task(self)
         return self
 
     @model_validator(mode="after")

@@ -29,6 +29,7 @@ __all__ = [
     "Partition",
     "SyntheticClients",
     "from_dataset",
+    "load_diabetes",
     "load_digits",
     "make_synthetic",
     "partition_by_column",
@@ -51,8 +52,9 @@ class ArrayData:
 
     Attributes:
         x: Features, shape ``(N, *feature_shape)``, ``torch.float32``.
-        y: Labels, shape ``(N,)``, ``torch.int64``, values in ``[0, num_classes)``.
-        num_classes: Number of classes; may exceed the largest label present.
+        y: Labels, shape ``(N,)``: ``torch.int64`` class ids in ``[0, num_classes)``, or ``torch.float32``
+            regression targets (then ``num_classes`` is 1: the model's one output).
+        num_classes: Number of classes (outputs of the model); may exceed the largest label present.
 
     Raises:
         DataError: If the tensors have the wrong types, dtypes or shapes, or a label is out of range.
@@ -67,8 +69,8 @@ class ArrayData:
             raise DataError(f"x and y must be torch tensors; got {type(self.x).__name__} and {type(self.y).__name__}.")
         if self.x.dtype != torch.float32:
             raise DataError(f"x must have dtype torch.float32; got {self.x.dtype}.")
-        if self.y.dtype != torch.int64:
-            raise DataError(f"y must have dtype torch.int64; got {self.y.dtype}.")
+        if self.y.dtype not in (torch.int64, torch.float32):
+            raise DataError(f"y must have dtype torch.int64 (classes) or torch.float32 (targets); got {self.y.dtype}.")
         if self.x.dim() < 1:
             raise DataError("x must have a leading sample dimension; got a 0-d tensor.")
         if self.y.dim() != 1:
@@ -80,7 +82,13 @@ class ArrayData:
         if self.num_classes < 1:
             raise DataError(f"num_classes must be >= 1; got {self.num_classes}.")
         object.__setattr__(self, "num_classes", int(self.num_classes))
-        _check_label_range(self.y, self.num_classes)
+        if self.regression:
+            if self.num_classes != 1:
+                raise DataError(f"float32 regression targets need num_classes = 1; got {self.num_classes}.")
+            if not bool(torch.isfinite(self.y).all()):
+                raise DataError("regression targets must be finite.")
+        else:
+            _check_label_range(self.y, self.num_classes)
         if not self.x.is_contiguous():
             # A layout detail, not a data error: fix it once here so every consumer can rely on it.
             object.__setattr__(self, "x", self.x.contiguous())
@@ -88,6 +96,11 @@ class ArrayData:
     def __len__(self) -> int:
         """Return the number of samples."""
         return int(self.y.shape[0])
+
+    @property
+    def regression(self) -> bool:
+        """Whether ``y`` holds float32 regression targets rather than class ids."""
+        return self.y.dtype == torch.float32
 
     @property
     def feature_shape(self) -> tuple[int, ...]:
@@ -138,6 +151,27 @@ def load_digits() -> ArrayData:
     x = torch.from_numpy(np.ascontiguousarray(features / 16.0, dtype=np.float32))
     y = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     return ArrayData(x=x, y=y, num_classes=10)
+
+
+def load_diabetes() -> ArrayData:
+    """Load scikit-learn's diabetes regression data set (bundled with scikit-learn, no download).
+
+    442 patients, 10 baseline features (age, sex, body mass index, blood pressure, six blood serum measurements) and
+    a quantitative measure of disease progression one year later (Efron et al., "Least Angle Regression", 2004).
+    Features and target are standardized over the whole set (mean 0, standard deviation 1), so an MLP trains with
+    the learning rates the classifiers use; a mean squared error of 1 is that of predicting the mean.
+
+    Returns:
+        ``x`` of shape ``(442, 10)``, ``y`` float32 of shape ``(442,)``, ``num_classes=1``.
+    """
+    from sklearn.datasets import load_diabetes as sklearn_load_diabetes
+
+    features, target = sklearn_load_diabetes(return_X_y=True, scaled=False)
+    x = np.asarray(features, dtype=np.float64)
+    y = np.asarray(target, dtype=np.float64)
+    x = (x - x.mean(axis=0)) / x.std(axis=0)
+    y = (y - y.mean()) / y.std()
+    return ArrayData(x=torch.from_numpy(x.astype(np.float32)), y=torch.from_numpy(y.astype(np.float32)), num_classes=1)
 
 
 def _digits_table() -> np.ndarray | None:
@@ -241,7 +275,7 @@ def from_dataset(dataset: torch.utils.data.Dataset[Any], *, num_classes: int | N
 
 
 def train_test_split(data: ArrayData, *, test_fraction: float, rng: np.random.Generator) -> tuple[ArrayData, ArrayData]:
-    """Split a data set into train and test sets, stratified by label.
+    """Split a data set into train and test sets, stratified by label (regression targets: not stratified).
 
     The test set has ``round(test_fraction * N)`` samples (at least 1 and at most ``N - 1``). Each class
     contributes ``floor(test_fraction * n_c)`` or one more, the extra samples going to the classes with the
@@ -260,7 +294,8 @@ def train_test_split(data: ArrayData, *, test_fraction: float, rng: np.random.Ge
         ValueError: If ``test_fraction`` is not in ``(0, 1)``.
         DataError: If the data set has fewer than 2 samples.
     """
-    train_indices, test_indices = split_indices(data.y.numpy(), data.num_classes, test_fraction=test_fraction, rng=rng)
+    groups = np.zeros(len(data), dtype=np.int64) if data.regression else data.y.numpy()
+    train_indices, test_indices = split_indices(groups, data.num_classes, test_fraction=test_fraction, rng=rng)
     return data.subset(train_indices), data.subset(test_indices)
 
 

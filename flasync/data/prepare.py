@@ -13,12 +13,14 @@ import torch
 
 from flasync.config import (
     ByColumnPartition,
+    DiabetesData,
     DigitsData,
     DirichletPartition,
     FeatureSkewPartition,
     FilesData,
     IIDPartition,
     LabelQuantityPartition,
+    LineBlocksPartition,
     QuantityPartition,
     RunConfig,
     ShardsPartition,
@@ -31,6 +33,7 @@ from flasync.data import (
     Partition,
     SyntheticClients,
     from_dataset,
+    load_diabetes,
     load_digits,
     make_synthetic,
     partition_by_column,
@@ -49,6 +52,7 @@ from flasync.data.skew import (
     partition_quantity,
     skew_features,
 )
+from flasync.data.text import load_text
 
 __all__ = ["Loaded", "lazy_clients", "load", "partition"]
 
@@ -106,9 +110,13 @@ def _load_arrays(
                 else from_dataset(test_dataset, num_classes=train.num_classes)
             )
             return train, test
-        fraction = cfg.data.test_fraction if isinstance(cfg.data, DigitsData | FilesData) else 0.2
+        fraction = cfg.data.test_fraction if isinstance(cfg.data, DigitsData | DiabetesData | FilesData) else 0.2
         return train_test_split(train, test_fraction=fraction, rng=seeding.numpy_stream(cfg.seed, seeding.DATA))
     source = cfg.data
+    if isinstance(source, DiabetesData):
+        return train_test_split(
+            load_diabetes(), test_fraction=source.test_fraction, rng=seeding.numpy_stream(cfg.seed, seeding.DATA)
+        )
     if isinstance(source, DigitsData):
         return train_test_split(
             load_digits(),
@@ -135,19 +143,23 @@ def _load_arrays(
 
 def _load_files(cfg: RunConfig, source: FilesData) -> Loaded:
     """Read ``data.kind = "files"``; split off a test set if no test file is named; partition ``by_column``."""
-    files = load_files(
-        source.train,
-        source.test,
-        features=source.features,
-        label=source.label,
-        client_column=source.client_column,
-        num_classes=source.num_classes,
-    )
+    if source.text:
+        files = load_text(source.train, source.test, context=source.context, num_clients=cfg.population.num_clients)
+    else:
+        files = load_files(
+            source.train,
+            source.test,
+            features=source.features,
+            label=source.label,
+            client_column=source.client_column,
+            num_classes=source.num_classes,
+        )
     part = cfg.partition
+    by_owner = isinstance(part, ByColumnPartition | LineBlocksPartition)
     train, test, owners = files.train, files.test, files.clients
     if test is None:
         # by_column holds out a share of every client's samples (LEAF's per-user split), else of every label's.
-        if isinstance(part, ByColumnPartition) and owners is not None:
+        if by_owner and owners is not None:
             groups, count, keep_one = owners, len(files.client_ids), True
         else:
             groups, count, keep_one = train.y.numpy(), train.num_classes, False
@@ -161,8 +173,9 @@ def _load_files(cfg: RunConfig, source: FilesData) -> Loaded:
         train, test = train.subset(keep), train.subset(held)
         owners = owners[keep] if owners is not None else None
     partition = None
-    if isinstance(part, ByColumnPartition) and owners is not None:
-        partition, _ = partition_by_column(owners, min_samples=part.min_samples)
+    if by_owner and owners is not None:
+        min_samples = part.min_samples if isinstance(part, ByColumnPartition) else 1
+        partition, _ = partition_by_column(owners, min_samples=min_samples)
     return Loaded(train, test, partition, files.sha256)
 
 

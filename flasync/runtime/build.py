@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +90,7 @@ from flasync.training.jobs import ClientSamples, JobContext
 from flasync.training.local import EvalResult, LocalObjective, LocalTraining, evaluate, objective_name
 from flasync.training.plugins import ClientPlugin, ServerPlugin
 from flasync.training.residuals import ResidualStore
+from flasync.training.tasks import task_objective
 
 __all__ = [
     "AggregatorFactory",
@@ -149,7 +152,7 @@ def build_world(
     samples = _client_samples(config, prepared)
     job = JobContext(
         models=executor.models,
-        local=LocalTraining(**config.client.model_dump(), objective=objective),
+        local=LocalTraining(**config.client.model_dump(), objective=task_objective(config.task, objective)),
         upload_codec=upload_codec,
         num_params=prepared.initial.numel(),
         diagnostics=diagnostics,
@@ -287,6 +290,7 @@ def client_evaluation(
         clock.now,
         batch_size=config.eval.batch_size,
         wall=wall,
+        regression=config.task == "regression",
     )
 
 
@@ -296,8 +300,9 @@ def evaluation_summary(
     """Return the server's side of client-side evaluation, watching ``bus`` for the clients' reports (each also
     recorded in ``clients``, the per-client table, where there is one)."""
     cfg = config.eval.clients
+    names = config.eval.metric_names
     summary = EvaluationSummary(
-        config.eval.metric_names,
+        names if config.task == "classification" else tuple(n for n in names if n != "accuracy"),
         min_reports=cfg.min_reports,
         deadline_s=cfg.deadline_s,
         now=clock.now,
@@ -310,20 +315,31 @@ def evaluation_summary(
 
 
 def make_evaluator(prepared: Prepared, executor: TrainingExecutor, clock: Clock, *, batch_size: int) -> Evaluator:
-    """Return the server's evaluator: the held-out split on the device, evaluated in the executor."""
+    """Return the server's evaluator: the held-out split on the device, evaluated in the executor (a language
+    model's figures have its perplexity, ``exp`` of the loss)."""
     device = prepared.device
     test_x, test_y = prepared.test.x.to(device), prepared.test.y.to(device)
+    perplexity = prepared.config.task == "language_model"
 
     async def evaluate_weights(flat: torch.Tensor) -> EvalResult | None:
         if test_y.numel() == 0:
             return None
-        return await clock.run(
+        result = await clock.run(
             executor.pool,
             lambda: evaluate(
-                executor.models.get(), flat, test_x, test_y, batch_size=batch_size, metrics=prepared.metrics
+                executor.models.get(),
+                flat,
+                test_x,
+                test_y,
+                batch_size=batch_size,
+                metrics=prepared.metrics,
+                regression=prepared.test.regression,
             ),
             simulated_s=0.0,
         )
+        if perplexity:  # a language model's: exp of the mean cross-entropy per character
+            result = dataclasses.replace(result, metrics={**result.metrics, "perplexity": math.exp(result.loss)})
+        return result
 
     return evaluate_weights
 
@@ -532,12 +548,10 @@ def build_server(
         evaluate: Evaluates a model off the event loop.
         privacy: The run's differential privacy (None: off).
         aggregator_factory: Builds the aggregation rule instead of ``config.server`` (which still picks the policy).
-        start_task: How a task reaches its client instead of an in-process client coroutine (e.g. a remote
-            transport's :meth:`~flasync.clients.remote.transport.RemoteTransport.start_task`).
+        start_task: How a task reaches its client instead of an in-process client coroutine (a remote transport's).
         availability: Who can take a task now, instead of the failure model's windows (the remote transport's).
         plugins: A caller's own server-side algorithm state, after the run's own.
-        remote: What a checkpoint keeps of the remote transport (as its component ``remote``: which server process
-            dispatched each task in flight, see :class:`~flasync.clients.remote.transport.Incarnations`).
+        remote: The remote transport's checkpoint component (:class:`~flasync.clients.remote.transport.Incarnations`).
         shapes: The shapes of the tensors of ``weights``, in order (``model.prune`` prunes each on its own).
     """
     in_flight = clients_in_flight(config, len(population))

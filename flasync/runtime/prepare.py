@@ -23,6 +23,8 @@ from flasync.config import (
     FedAvgServer,
     FedBuffServer,
     FilesData,
+    GRUModel,
+    LineBlocksPartition,
     MLPModel,
     RunConfig,
     SmallCNNModel,
@@ -43,7 +45,7 @@ from flasync.training.exchange import Exchanged, LoraSpec, PartialFactory, apply
 from flasync.training.executors.threads import resolve_device
 from flasync.training.local import flat_layout, flat_parameters
 from flasync.training.metrics import MetricSet, resolve_metrics
-from flasync.training.models import MLP, SmallCNN
+from flasync.training.models import MLP, CharGRU, SmallCNN
 
 __all__ = [
     "ModelFactory",
@@ -148,6 +150,9 @@ class RunInputs:
         if isinstance(model, MLPModel):
             hidden = model.hidden
             return lambda: MLP(features, hidden, classes)
+        if isinstance(model, GRUModel):
+            embed, width, layers = model.embed, model.hidden, model.layers
+            return lambda: CharGRU(classes, embed, width, layers)
         assert isinstance(model, SmallCNNModel)
         expected = model.in_channels * model.image_size[0] * model.image_size[1]
         if expected != features:
@@ -168,6 +173,13 @@ class RunInputs:
         if isinstance(model, MLPModel):
             features = int(np.prod(train.feature_shape))
             return "MLP", {"in_features": features, "hidden": list(model.hidden), "num_classes": classes}
+        if isinstance(model, GRUModel):
+            return "CharGRU", {
+                "vocabulary": classes,
+                "embed": model.embed,
+                "hidden": model.hidden,
+                "layers": model.layers,
+            }
         assert isinstance(model, SmallCNNModel)
         return "SmallCNN", {
             "in_channels": model.in_channels,
@@ -245,12 +257,16 @@ class RunInputs:
         train, test = loaded.train, loaded.test
         if loaded.partition is not None:
             self.config = self._clients_from_data(len(loaded.partition))
-        elif isinstance(self.config.partition, ByColumnPartition):
-            raise ConfigError("partition.kind: 'by_column' needs data.kind = 'files'; a given data set has no clients")
+        elif isinstance(self.config.partition, ByColumnPartition | LineBlocksPartition):
+            kind = self.config.partition.kind
+            raise ConfigError(f"partition.kind: {kind!r} needs data.kind = 'files'; a given data set has no clients")
         if len(test) == 0:
             raise DataError("the held-out split is empty")
         if test.num_classes != train.num_classes or test.feature_shape != train.feature_shape:
             raise DataError("test data must have the training data's feature shape and classes")
+        if train.regression != (self.config.task == "regression") or test.regression != train.regression:
+            wanted = "float32 targets" if self.config.task == "regression" else "int64 class labels"
+            raise ConfigError(f"task: {self.config.task!r} needs {wanted} in the training and test data")
         lazy = None
         if isinstance(self.config.data, SyntheticData) and self.config.data.lazy:
             if self._dataset is not None:
@@ -287,7 +303,7 @@ class RunInputs:
             None if self.config.model.partial else self._model_spec(train),
             shapes,
             read_trace(self.config.population.trace) if self.config.population.trace is not None else None,
-            resolve_metrics(self.config.eval.metrics, num_classes=train.num_classes),
+            resolve_metrics(self.config.eval.metrics, num_classes=train.num_classes, regression_task=train.regression),
             held_out,
         )
 

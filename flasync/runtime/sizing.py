@@ -175,6 +175,8 @@ def choose_executor(
     once for all its members. Everything else trains on the threads.
     """
     server = config.server
+    if config.task != "classification":
+        return "thread", f"task = {config.task!r} trains on the threads (vectorized cohorts: classification only)"
     if isinstance(config.topology, TreeTopology):
         return "thread", "edges start their rounds apart: cohorts would be small"
     # On an accelerator one client's step is a few launches of small kernels, and a cohort's step the same launches

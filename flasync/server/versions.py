@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -206,7 +207,7 @@ class VersionMaker:
             step=version,
             version=version,
             of=self.rules.max_versions,
-            accuracy=result.accuracy,
+            **({"accuracy": result.accuracy} if math.isfinite(result.accuracy) else {}),  # NaN: a regression's
             loss=result.loss,
             **result.metrics,
             updates=stats.updates_accepted,

@@ -149,9 +149,10 @@ class LocalObjective(Protocol):
     """The loss local training minimises instead of cross-entropy (a classification loss of your own).
 
     Local training minimises the mean of :meth:`loss` over each batch, with the same SGD, momentum, weight decay,
-    clipping and FedProx term as the default. Labels are int64 class indices (the data checks insist on them), so
-    a regression target is out of reach; a custom classification objective (focal loss, label smoothing, a class
-    weighting) is not. The server's evaluation still reports accuracy and cross-entropy, one yardstick for every
+    clipping and FedProx term as the default. Targets are int64 class indices, or float32 values for a regression
+    (``task = "regression"``, whose own objective is :class:`flasync.training.tasks.SquaredError`); a custom
+    classification objective (focal loss, label smoothing, a class weighting) fits the first. The server's
+    evaluation reports accuracy and cross-entropy (a regression's: the mean squared error), one yardstick for every
     objective.
 
     An objective must be a pure function of its arguments (no random numbers, no state changed by a call), so the
@@ -182,7 +183,7 @@ class LocalObjective(Protocol):
 
         Args:
             outputs: The model's outputs ``(B, C)``, float32 (cast up from bf16/fp16 under mixed precision).
-            targets: The labels ``(B,)``, int64.
+            targets: The labels ``(B,)``, int64 (a regression's targets: float32).
         """
         ...
 
@@ -264,7 +265,10 @@ class LocalResult:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EvalResult:
-    """Accuracy and mean cross-entropy over a data split, and the figures of the metrics ``eval.metrics`` adds."""
+    """Accuracy and mean cross-entropy over a data split, and the figures of the metrics ``eval.metrics`` adds.
+
+    A regression's evaluation has the mean squared error as its loss and NaN as its accuracy.
+    """
 
     accuracy: float
     loss: float
@@ -607,9 +611,14 @@ def evaluate(
     *,
     batch_size: int = 1024,
     metrics: MetricSet | None = None,
+    regression: bool = False,
 ) -> EvalResult:
     """Return accuracy and mean cross-entropy of ``weights`` on ``(x, y)``, and the figures of ``metrics`` (fresh
-    instances of each, fed every batch's float32 outputs)."""
+    instances of each, fed every batch's float32 outputs).
+
+    With ``regression`` (float targets, a model of one output) the loss is the mean squared error, the accuracy is
+    NaN (there is none), and ``metrics`` are fed the predictions ``(N,)``.
+    """
     after_default_stream(model.flat.device)
     model.load_(weights)
     module = model.module
@@ -621,14 +630,17 @@ def evaluate(
     for start in range(0, n, batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         out = module(xb).float()
-        loss_sum += F.cross_entropy(out, yb, reduction="sum").double()
-        correct += (out.argmax(dim=1) == yb).sum()
+        if regression:
+            out = out[:, 0]
+            loss_sum += (out - yb).square().sum().double()
+        else:
+            loss_sum += F.cross_entropy(out, yb, reduction="sum").double()
+            correct += (out.argmax(dim=1) == yb).sum()
         if tally is not None:
             tally.update(out, yb)
     figures = tally.compute() if tally is not None and n else {}
-    return EvalResult(
-        accuracy=int(correct) / max(n, 1), loss=float(loss_sum) / max(n, 1), num_samples=n, metrics=figures
-    )
+    accuracy = math.nan if regression else int(correct) / max(n, 1)
+    return EvalResult(accuracy=accuracy, loss=float(loss_sum) / max(n, 1), num_samples=n, metrics=figures)
 
 
 @torch.no_grad()
@@ -641,13 +653,15 @@ def evaluate_segments(
     *,
     batch_size: int = 1024,
     metrics: MetricSet | None = None,
+    regression: bool = False,
 ) -> list[EvalResult]:
     """Evaluate ``weights`` on consecutive segments of ``(x, y)`` in shared batches: one result per segment.
 
     The rows of ``x`` are the segments one after another (``sizes[j]`` rows for segment ``j``, e.g. the held-out
     samples of a cohort's clients, all evaluating one model): the forward passes run over batches of up to
     ``batch_size`` rows whatever the segments, and each segment's accuracy, mean cross-entropy and ``metrics`` are
-    those :func:`evaluate` gives on its rows alone (to float rounding of the loss's sum).
+    those :func:`evaluate` gives on its rows alone (to float rounding of the loss's sum); ``regression`` as for
+    :func:`evaluate`.
     """
     after_default_stream(model.flat.device)
     model.load_(weights)
@@ -666,8 +680,12 @@ def evaluate_segments(
         stop = min(start + batch_size, n)
         xb, yb, ob = x[start:stop], y[start:stop], owner[start:stop]
         out = module(xb).float()
-        loss_sum.index_add_(0, ob, F.cross_entropy(out, yb, reduction="none").double())
-        correct.index_add_(0, ob, (out.argmax(dim=1) == yb).long())
+        if regression:
+            out = out[:, 0]
+            loss_sum.index_add_(0, ob, (out - yb).square().double())
+        else:
+            loss_sum.index_add_(0, ob, F.cross_entropy(out, yb, reduction="none").double())
+            correct.index_add_(0, ob, (out.argmax(dim=1) == yb).long())
         for j in range(int(ob[0]), int(ob[-1]) + 1) if tallies else ():
             lo, hi = max(bounds[j], start) - start, min(bounds[j + 1], stop) - start
             if hi > lo:
@@ -678,6 +696,11 @@ def evaluate_segments(
         figures = tallies[j].compute() if tallies and size else {}
         count = max(int(size), 1)
         results.append(
-            EvalResult(accuracy=right[j] / count, loss=losses[j] / count, num_samples=int(size), metrics=figures)
+            EvalResult(
+                accuracy=math.nan if regression else right[j] / count,
+                loss=losses[j] / count,
+                num_samples=int(size),
+                metrics=figures,
+            )
         )
     return results

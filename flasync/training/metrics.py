@@ -4,7 +4,8 @@
 logs (they are exact counts, :func:`flasync.training.local.evaluate`). A metric sees every batch of the evaluated
 split: ``update(preds, targets)`` with the model's outputs ``(N, C)`` (float32 logits, on the model's device) and the
 labels ``(N,)``, then ``compute()`` once. A fresh instance is made for every evaluation, in the worker thread that runs
-it, so an instance never sees two evaluations or two threads.
+it, so an instance never sees two evaluations or two threads. A regression's metrics (``task = "regression"``) are
+fed the predictions ``(N,)`` (the model's one output) and the float targets ``(N,)`` instead.
 
 Built-in names:
 

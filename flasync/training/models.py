@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["MLP", "SmallCNN", "build", "num_parameters"]
+__all__ = ["MLP", "CharGRU", "SmallCNN", "build", "num_parameters"]
 
 
 class MLP(nn.Module):
@@ -196,6 +196,42 @@ class SmallCNN(nn.Module):
         return logits
 
 
+class CharGRU(nn.Module):
+    """Predict the next character from the ones before it: an embedding, a GRU and a linear head.
+
+    ``Embedding(vocabulary, embed) -> GRU(embed, hidden, layers) -> Linear(hidden, vocabulary)`` on the GRU's last
+    output. Inputs are character ids ``(N, context)``, as float32 (the data's feature type) or integers; the output
+    is the logits ``(N, vocabulary)`` of the next character. No dropout: training stays a function of the weights,
+    the data and the batch order.
+
+    Args:
+        vocabulary: Distinct characters (outputs).
+        embed: Width of a character's embedding.
+        hidden: Width of the GRU's state.
+        layers: Stacked GRU layers.
+
+    Raises:
+        ValueError: If a size is not positive.
+    """
+
+    def __init__(self, vocabulary: int, embed: int = 32, hidden: int = 128, layers: int = 1) -> None:
+        super().__init__()
+        if min(vocabulary, embed, hidden, layers) < 1:
+            raise ValueError(
+                f"CharGRU sizes must be >= 1; got vocabulary={vocabulary}, embed={embed}, hidden={hidden}, "
+                f"layers={layers}."
+            )
+        self.embedding = nn.Embedding(vocabulary, embed)
+        self.gru = nn.GRU(embed, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, vocabulary)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the next character's logits ``(N, vocabulary)`` for character ids ``(N, context)``."""
+        outputs, _ = self.gru(self.embedding(x.long()))
+        logits: torch.Tensor = self.head(outputs[:, -1])
+        return logits
+
+
 def num_parameters(model: nn.Module) -> int:
     """Return the number of scalar parameters of ``model``, counting shared parameters once."""
     return sum(parameter.numel() for parameter in model.parameters())
@@ -210,7 +246,7 @@ def build(model: str, weights: str | None, **kwargs: Any) -> nn.Module:
     trains (see :meth:`tracking.MlflowTracker.prepare_model_from`).
 
     Args:
-        model: ``"MLP"`` or ``"SmallCNN"``.
+        model: ``"MLP"``, ``"SmallCNN"`` or ``"CharGRU"``.
         weights: A ``.npy`` file of the flat float32 weights: parameters, then floating-point buffers, in module
             order (the layout of :func:`flasync.training.local.flat_parameters`); None keeps the initial weights.
         **kwargs: The class's arguments (lists for sequences).
@@ -218,7 +254,7 @@ def build(model: str, weights: str | None, **kwargs: Any) -> nn.Module:
     Raises:
         ValueError: If ``model`` names no class here, or the weights do not fit the model.
     """
-    classes: dict[str, type[nn.Module]] = {"MLP": MLP, "SmallCNN": SmallCNN}
+    classes: dict[str, type[nn.Module]] = {"MLP": MLP, "SmallCNN": SmallCNN, "CharGRU": CharGRU}
     if model not in classes:
         raise ValueError(f"no model {model!r} in flasync.training.models (one of {sorted(classes)})")
     if "image_size" in kwargs:

@@ -32,13 +32,13 @@ from torch import nn
 
 from flasync import codecs
 from flasync.algorithms.client_eval import Selection, evaluates
-from flasync.config import ModelConfig, RunConfig, SmallCNNModel, validate
+from flasync.config import GRUModel, ModelConfig, RunConfig, SmallCNNModel, validate
 from flasync.core import seeding
 from flasync.core.errors import ConfigError, DecodeError, FlasyncError, TrainingError
 from flasync.data import ArrayData, Partition, from_dataset, prepare
 from flasync.training.local import FlatModel, LocalTraining, evaluate, train
 from flasync.training.metrics import MetricSet, resolve_metrics
-from flasync.training.models import MLP, SmallCNN
+from flasync.training.models import MLP, CharGRU, SmallCNN
 
 __all__ = ["Client", "ClientStats", "RemoteError", "model_from_config"]
 
@@ -454,6 +454,8 @@ def model_from_config(model: ModelConfig, feature_shape: tuple[int, ...], num_cl
         return SmallCNN(
             in_channels=model.in_channels, image_size=model.image_size, num_classes=num_classes, channels=model.channels
         )
+    if isinstance(model, GRUModel):
+        return CharGRU(num_classes, model.embed, model.hidden, model.layers)
     return MLP(int(np.prod(feature_shape)), model.hidden, num_classes)
 
 

@@ -252,7 +252,7 @@ def test_relative_data_paths_from_the_command_line_stay_relative(tmp_path: Path)
     ("overrides", "expected"),
     [
         (["data.kind=files"], "data.train: required field is missing"),
-        (["data.kind=files", "data.train=d.txt"], "data.train: unsupported format of 'd.txt' (use .npz, .pt, .csv"),
+        (["data.kind=files", "data.train=d.json"], "data.train: unsupported format of 'd.json' (use .npz, .pt, .csv"),
         ([*_FILES, "data.test=t"], "data.test: unsupported format of 't'"),
         (["partition.kind=by_column"], "partition.kind: 'by_column' needs data.kind = 'files' with data.client_column"),
         (["data.kind=files", "data.train=d.csv", "partition.kind=by_column"], "needs data.kind = 'files' with"),

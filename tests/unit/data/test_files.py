@@ -64,8 +64,8 @@ def _refused(*parts: str, **kwargs: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------------- formats
 def test_the_config_and_the_loader_read_the_same_formats() -> None:
-    """The suffixes the config accepts are the ones the loader reads."""
-    assert FILE_FORMATS == FORMATS == (".npz", ".pt", ".csv", ".parquet")
+    """The suffixes the config accepts are the ones the loader reads, and text (flasync.data.text reads it)."""
+    assert (*FORMATS, ".txt") == FILE_FORMATS and FORMATS == (".npz", ".pt", ".csv", ".parquet")
 
 
 def test_npz_arrays_keep_their_shape_and_become_float32(tmp_path: Path) -> None:

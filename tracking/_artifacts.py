@@ -209,10 +209,12 @@ class RunArtifacts:
         def here() -> None:
             self._model_here(arguments, input_example, tags)
 
-        saved = self._saved_from_cache(arguments) if self._writers.child is not None else None
-        if saved is None:
+        kept = self._saved_from_cache(arguments) if self._writers.child is not None else None
+        if kept is None:
             return self._start_deferred("model", self._model_request(arguments, tags), here)
-        settle = self._start_deferred("model", self._model_request({"name": name, "saved": str(saved)}, tags), here)
+        saved, delta = kept
+        request = self._model_request({"name": name, "saved": str(saved), "size_delta": delta}, tags)
+        settle = self._start_deferred("model", request, here)
 
         def settled() -> float:
             try:
@@ -222,10 +224,11 @@ class RunArtifacts:
 
         return settled
 
-    def _saved_from_cache(self, arguments: Mapping[str, Any]) -> Path | None:
+    def _saved_from_cache(self, arguments: Mapping[str, Any]) -> tuple[Path, int] | None:
         """Save the model :func:`_model_arguments` describes here, from the export an earlier process kept for it
         (see :mod:`flasync.tracking.exports`): its final weights swapped into a copy of the kept folder, in a new
-        temporary folder; return the saved folder, or None when no export is kept for it or it does not fit."""
+        temporary folder; return the saved folder and its archive's size less the kept one's, or None when no export
+        is kept for it or it does not fit."""
         example = arguments["input_example"]
         if example is None:
             return None
@@ -241,7 +244,8 @@ class RunArtifacts:
         folder = Path(tempfile.mkdtemp(prefix="tracking-model-"), "model")
         if save_from_cache(entry, tensors, folder):
             self._log.debug("tracking.model_from_cache", folder=str(entry.folder), metrics=False)
-            return folder
+            archive = entry.archive
+            return folder, (folder / archive).stat().st_size - (entry.folder / archive).stat().st_size
         shutil.rmtree(folder.parent, ignore_errors=True)
         return None
 

@@ -157,6 +157,8 @@ class _Prepared:
     """The saved folder's files but the archive, by their paths relative to it."""
     archive: str
     """The archive's path in the folder (``data/model.pt2``)."""
+    archive_bytes: int
+    """The archive's size as first saved."""
     kwargs: str
     """The builder's arguments it was exported from (JSON)."""
 
@@ -261,7 +263,8 @@ class Exports:
                 raise RuntimeError(f"the saved model has {len(archives)} pt2 archives and MLmodel {_MLMODEL in files}")
             archive = os.path.join(local, archives[0])
             program = torch.export.load(archive)
-            prepared = _Prepared(program, program.module(), _classes(model), files, archives[0], arguments)
+            size = os.path.getsize(archive)
+            prepared = _Prepared(program, program.module(), _classes(model), files, archives[0], size, arguments)
             self._prepared[key] = prepared
             self._prepared.move_to_end(key)
             while len(self._prepared) > self._kept:
@@ -312,13 +315,13 @@ class Exports:
             archive = os.path.join(folder, prepared.archive)
             os.makedirs(os.path.dirname(archive), exist_ok=True)
             torch.export.save(prepared.program, archive)
-            describe(folder, description)
+            describe(folder, description, os.path.getsize(archive) - prepared.archive_bytes)
             return True
 
 
-def describe(folder: str, description: Model | None) -> None:
+def describe(folder: str, description: Model | None, size_delta: int) -> None:
     """Make the saved model at ``folder`` (saved for another logged model, or none) the one ``description`` describes:
-    its own fields (which logged model, when) and the size of its files."""
+    its own fields (which logged model, when), its size changed by ``size_delta`` bytes (its archive's change)."""
     from mlflow.models import Model
 
     path = os.path.join(folder, _MLMODEL)
@@ -326,13 +329,8 @@ def describe(folder: str, description: Model | None) -> None:
     fresh = description if description is not None else Model()
     for field in _DESCRIBED:
         setattr(described, field, getattr(fresh, field))
-    if described.model_size_bytes is not None:  # as MLflow counts it: every file but the description itself
-        described.model_size_bytes = sum(
-            os.path.getsize(os.path.join(root, name))
-            for root, _, names in os.walk(folder)
-            for name in names
-            if os.path.join(root, name) != path
-        )
+    if described.model_size_bytes is not None:
+        described.model_size_bytes += size_delta
     described.save(path)
 
 
@@ -411,16 +409,17 @@ def log_saved_model(
     experiment_id: str,
     saved: str,
     name: str = "model",
+    size_delta: int = 0,
     tags: Mapping[str, str] | None = None,
 ) -> float:
     """Log the model saved at ``saved`` (a ``pt2`` folder whose weights were swapped into a kept export, see
-    :mod:`flasync.tracking.exports`) to the run, described as its logged model (see :func:`log_to_run`); return the
-    seconds."""
+    :mod:`flasync.tracking.exports`; ``size_delta``: its archive's size less the kept one's) to the run, described as
+    its logged model (see :func:`log_to_run`); return the seconds."""
     began = time.perf_counter()
 
     def save(local: str, description: Model) -> None:
         shutil.copytree(saved, local)
-        describe(local, description)
+        describe(local, description, size_delta)
 
     log_to_run(client, run_id, experiment_id, name, save, tags)
     return time.perf_counter() - began

@@ -95,11 +95,14 @@ NAN = float("nan")
 def medians(runs: Runs) -> dict[str, dict[str, float]]:
     """Return the median seconds to each mark, per kind of run."""
     marks = [*MARKS, "first update", "exit"]
-    return {
-        kind: {mark: statistics.median(r[mark] for r in runs[kind] if mark in r) for mark in marks if runs[kind]}
-        for kind in KINDS
-        if any(mark in r for r in runs[kind] for mark in marks)
-    }
+    found: dict[str, dict[str, float]] = {}
+    for kind in KINDS:
+        found[kind] = {}
+        for mark in marks:
+            values = [r[mark] for r in runs[kind] if mark in r]
+            if values:
+                found[kind][mark] = statistics.median(values)
+    return found
 
 
 def adds(med: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:

@@ -70,14 +70,16 @@ def one(
     process = subprocess.Popen(args, cwd=folder, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert process.stderr is not None and process.stdout is not None
     seen: dict[str, float] = {}
+    tail: list[str] = []
     for line in process.stderr:
+        tail = [*tail[-30:], line]
         now = time.monotonic() - start
         for mark, needle in MARKS.items():
             if mark not in seen and (needle is None or needle in line):
                 seen[mark] = now
     summary = process.stdout.read()  # a few lines: the pipe never fills while stderr is read
     if process.wait() != 0:
-        raise SystemExit(f"the run failed (exit {process.returncode})")
+        raise SystemExit(f"the run failed (exit {process.returncode}) in {folder}:\n{''.join(tail)}")
     seen["exit"] = time.monotonic() - start
     # The summary's "first update X s" counts from the federation's start, which run.started announces.
     first = re.search(r"first update ([0-9.]+) s", summary)

@@ -16,11 +16,16 @@ Prints the medians and what tracking adds in each stretch.
     python benchmarks/startup.py               # 3 repeats: about two minutes on 2 cores
     python benchmarks/startup.py --repeats 5
     python benchmarks/startup.py --no-system-metrics   # tracked runs without MLflow's system monitor
+    python benchmarks/startup.py --baseline ../flasync-old   # also an older checkout, interleaved, same runs
+
+The medians, what tracking adds and every run's marks go to ``benchmarks/results/startup.json`` (``--out``), with
+the machine's description.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -31,6 +36,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flood import machine  # noqa: E402  (the machine's description every stored result carries)
+
 MARKS = {
     "first line": None,
     "torch": "phase='loading flasync and torch'",
@@ -43,11 +51,13 @@ MARKS = {
 }
 
 
-def one(folder: Path, tracked: bool, system_metrics: bool = True, cache: Path | None = None) -> dict[str, float]:
-    """Run once in ``folder`` (``cache``: the ``XDG_CACHE_HOME`` it sees); return seconds from the command's start
-    to each mark and to its exit."""
+def one(
+    folder: Path, tracked: bool, system_metrics: bool = True, cache: Path | None = None, tree: Path = ROOT
+) -> dict[str, float]:
+    """Run once in ``folder`` with ``tree``'s flasync (``cache``: the ``XDG_CACHE_HOME`` it sees); return seconds
+    from the command's start to each mark and to its exit."""
     folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     if cache is not None:
         env["XDG_CACHE_HOME"] = str(cache)
@@ -60,14 +70,16 @@ def one(folder: Path, tracked: bool, system_metrics: bool = True, cache: Path | 
     process = subprocess.Popen(args, cwd=folder, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert process.stderr is not None and process.stdout is not None
     seen: dict[str, float] = {}
+    tail: list[str] = []
     for line in process.stderr:
+        tail = [*tail[-30:], line]
         now = time.monotonic() - start
         for mark, needle in MARKS.items():
             if mark not in seen and (needle is None or needle in line):
                 seen[mark] = now
     summary = process.stdout.read()  # a few lines: the pipe never fills while stderr is read
     if process.wait() != 0:
-        raise SystemExit(f"the run failed (exit {process.returncode})")
+        raise SystemExit(f"the run failed (exit {process.returncode}) in {folder}:\n{''.join(tail)}")
     seen["exit"] = time.monotonic() - start
     # The summary's "first update X s" counts from the federation's start, which run.started announces.
     first = re.search(r"first update ([0-9.]+) s", summary)
@@ -76,48 +88,105 @@ def one(folder: Path, tracked: bool, system_metrics: bool = True, cache: Path | 
     return seen
 
 
+KINDS = ("first store", "new store", "existing store", "--no-tracking")
+FOLDERS = {"first store": "first", "new store": "second", "existing store": "second", "--no-tracking": "second"}
+Runs = dict[str, list[dict[str, float]]]
+NAN = float("nan")
+
+
+def medians(runs: Runs) -> dict[str, dict[str, float]]:
+    """Return the median seconds to each mark, per kind of run."""
+    marks = [*MARKS, "first update", "exit"]
+    found: dict[str, dict[str, float]] = {}
+    for kind in KINDS:
+        found[kind] = {}
+        for mark in marks:
+            values = [r[mark] for r in runs[kind] if mark in r]
+            if values:
+                found[kind][mark] = statistics.median(values)
+    return found
+
+
+def adds(med: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Return what tracking adds to each stretch of the run (medians against the untracked run's), per tracked kind."""
+    u = med["--no-tracking"]
+    nan = float("nan")
+    out = {}
+    for kind in KINDS[:3]:
+        k = med[kind]
+        out[kind] = {
+            "before_training_s": k["training"] - u["training"],
+            "mlflow_start_to_training_s": k["training"] - k.get("mlflow start", nan),
+            "run_opened_after_training_s": k.get("run opened", nan) - k["training"],
+            "training_s": (k["last eval"] - k["training"]) - (u["last eval"] - u["training"]),
+            "after_training_s": (k["exit"] - k["last eval"]) - (u["exit"] - u["last eval"]),
+            "in_all_s": k["exit"] - u["exit"],
+        }
+    return out
+
+
+def print_tree(name: str, med: dict[str, dict[str, float]], added: dict[str, dict[str, float]], repeats: int) -> None:
+    """Print one tree's table of medians and what tracking adds."""
+    print(f"\n{name}: seconds from the command's start (median of {repeats}; the default run)")
+    print(f"| mark | {' | '.join(KINDS)} |")
+    print(f"|---|{'---|' * len(KINDS)}")
+    marks = list(MARKS)
+    marks.insert(marks.index("run opened"), "first update")
+    for mark in (*marks, "exit"):
+        print(f"| {mark} | {' | '.join(f'{med[kind].get(mark, NAN):.2f}' for kind in KINDS)} |")
+    for kind, a in added.items():
+        print(f"what tracking adds ({kind}):")
+        print(
+            f"  before training   {a['before_training_s']:+.2f} s (from starting the MLflow run to training: "
+            f"{a['mlflow_start_to_training_s']:.2f} s)"
+        )
+        opened = a["run_opened_after_training_s"]
+        print(f"                    (the MLflow run exists {opened:+.2f} s after training started)")
+        print(f"  training          {a['training_s']:+.2f} s")
+        print(f"  after training    {a['after_training_s']:+.2f} s (artifacts, plots, model, closing the run)")
+        print(f"  in all            {a['in_all_s']:+.2f} s")
+
+
 def main() -> None:
-    """Run the repeats and print the medians."""
+    """Run the repeats, print the medians and store them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--no-system-metrics", action="store_true", help="tracked runs without MLflow's system monitor (default: on)"
     )
+    parser.add_argument("--baseline", type=Path, help="another flasync checkout to run the same way, interleaved")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "startup.json", help="results")
     args = parser.parse_args()
-    kinds = ("first store", "new store", "existing store", "--no-tracking")
-    folders = {"first store": "first", "new store": "second", "existing store": "second", "--no-tracking": "second"}
-    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
+    trees = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    described = machine()
+    print(f"{described['cpu']}, {described['cpus']} CPUs, load {described['load_average_1m']}, {described['commit']}")
+    runs: dict[str, Runs] = {name: {kind: [] for kind in KINDS} for name in trees}
     for _ in range(args.repeats):
-        with tempfile.TemporaryDirectory(prefix="flasync-startup-") as tmp:
-            for kind in kinds:
-                tracked = kind != "--no-tracking"
-                where = Path(tmp, folders[kind])
-                runs[kind].append(one(where, tracked, not args.no_system_metrics, Path(tmp, "cache")))
-
-    def med(kind: str, mark: str) -> float:
-        values = [r[mark] for r in runs[kind] if mark in r]
-        return statistics.median(values) if values else float("nan")
-
-    print(f"seconds from the command's start (median of {args.repeats}; the default run)")
-    print(f"| mark | {' | '.join(kinds)} |")
-    print(f"|---|{'---|' * len(kinds)}")
-    marks = list(MARKS)
-    marks.insert(marks.index("run opened"), "first update")
-    for mark in (*marks, "exit"):
-        print(f"| {mark} | {' | '.join(f'{med(kind, mark):.2f}' for kind in kinds)} |")
-    u = "--no-tracking"
-    for kind in kinds[:3]:
-        before = med(kind, "training") - med(u, "training")
-        start = med(kind, "training") - med(kind, "mlflow start")
-        during = (med(kind, "last eval") - med(kind, "training")) - (med(u, "last eval") - med(u, "training"))
-        after = (med(kind, "exit") - med(kind, "last eval")) - (med(u, "exit") - med(u, "last eval"))
-        print(f"what tracking adds ({kind}):")
-        opened = med(kind, "run opened") - med(kind, "training")
-        print(f"  before training   {before:+.2f} s (from starting the MLflow run to training: {start:.2f} s)")
-        print(f"                    (the MLflow run exists {opened:+.2f} s after training started)")
-        print(f"  training          {during:+.2f} s")
-        print(f"  after training    {after:+.2f} s (artifacts, plots, model, closing the run)")
-        print(f"  in all            {med(kind, 'exit') - med(u, 'exit'):+.2f} s")
+        for name, tree in trees.items():
+            # Each tree and repeat has a folder and a cache of its own: its first kind never finds a kept schema or
+            # model export, the kinds after it find what the first kept.
+            with tempfile.TemporaryDirectory(prefix="flasync-startup-") as tmp:
+                for kind in KINDS:
+                    where = Path(tmp, FOLDERS[kind])
+                    tracked = kind != "--no-tracking"
+                    runs[name][kind].append(one(where, tracked, not args.no_system_metrics, Path(tmp, "cache"), tree))
+    result: dict[str, object] = {
+        "benchmark": "startup",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": described,
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        "settings": {"repeats": args.repeats, "system_metrics": not args.no_system_metrics},
+        "trees": {},
+    }
+    for name, tree in trees.items():
+        med = medians(runs[name])
+        added = adds(med)
+        print_tree(f"{name} ({tree})", med, added, args.repeats)
+        result["trees"][name] = {"path": str(tree), "runs": runs[name], "medians": med, "adds": added}  # type: ignore[index]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"written to {args.out}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ session, against the untracked call just before it).
 
     python benchmarks/whole_run.py                        # 5 repeats: about 4 minutes on 2 cores
     python benchmarks/whole_run.py --baseline ../flasync-old   # also an older checkout, interleaved, same runners
+
+Every call's figures, the medians and the ratios go to ``benchmarks/results/whole_run.json`` (``--out``), with the
+machine's description.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flood import machine  # noqa: E402  (the machine's description every stored result carries)
 
 # Run in each fresh interpreter: argv = the calls' tracking modes ("off", "on" or "no-model", comma-separated), the
 # store's URI. One JSON line of figures per call.
@@ -127,18 +133,30 @@ def session(tree: Path, pairs: int, uri: str, cache: Path) -> dict[str, list[tup
 
 def print_medians(label: str, runs: list[Figures]) -> None:
     """Print one row of medians."""
-    med = {f: statistics.median(r[f] for r in runs) for f in FIGURES}
+    med = medians(runs)
     print(
         f"{label:<40} {med['call_s']:>7.2f} {med['updates_per_s']:>10.1f} {med['wall_s']:>7.2f}"
         f" {med['outside_s']:>8.2f} {med['cpu_s']:>6.2f} {med['child_cpu_s']:>10.2f}"
     )
 
 
-def print_ratio(label: str, pairs: list[tuple[Figures, Figures]]) -> None:
-    """Print the median of the tracked/untracked updates/s ratios of ``pairs`` and the median extra seconds."""
+def medians(runs: list[Figures]) -> Figures:
+    """Return the median of each figure of ``runs``."""
+    return {f: statistics.median(r[f] for r in runs) for f in FIGURES}
+
+
+def ratio(pairs: list[tuple[Figures, Figures]]) -> dict[str, float]:
+    """Return the median of the tracked/untracked updates/s ratios of ``pairs`` and the median extra seconds."""
     ratios = [on["updates_per_s"] / off["updates_per_s"] for off, on in pairs]
     extra = statistics.median(on["call_s"] - off["call_s"] for off, on in pairs)
-    print(f"  {label:<40} {statistics.median(ratios):.2f}x  ({extra:+.2f} s a call, {len(pairs)} pairs)")
+    return {"ratio": statistics.median(ratios), "extra_s": extra, "pairs": len(pairs)}
+
+
+def print_ratio(label: str, pairs: list[tuple[Figures, Figures]]) -> dict[str, float]:
+    """Print :func:`ratio` of ``pairs``; return it."""
+    found = ratio(pairs)
+    print(f"  {label:<40} {found['ratio']:.2f}x  ({found['extra_s']:+.2f} s a call, {len(pairs)} pairs)")
+    return found
 
 
 def main() -> None:
@@ -148,7 +166,10 @@ def main() -> None:
     parser.add_argument("--session-pairs", type=int, default=4, help="(untracked, tracked) pairs in one process")
     parser.add_argument("--no-fresh", action="store_true", help="only the session runner")
     parser.add_argument("--baseline", type=Path, help="another flasync checkout to run the same way, interleaved")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "whole_run.json", help="results")
     args = parser.parse_args()
+    described = machine()
+    print(f"{described['cpu']}, {described['cpus']} CPUs, load {described['load_average_1m']}, {described['commit']}")
     trees = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     fresh: dict[tuple[str, str], list[Figures]] = {(t, m): [] for t in trees for m in RUNNERS}
     sessions: dict[tuple[str, str], list[tuple[Figures, Figures]]] = {
@@ -183,14 +204,33 @@ def main() -> None:
                 if sessions[name, runner]:
                     print_medians(f"{name}, {LABELS[runner]}", [on for _, on in sessions[name, runner]])
     print("tracked updates/s against untracked, per repeat (median; the goal is >= 0.85x):")
-    for name in trees:
+    stored: dict[str, dict[str, object]] = {}
+    for name, tree in trees.items():
+        ratios, calls_made = {}, {}
         if not args.no_fresh:
             off = fresh[name, "off"]
+            calls_made |= {f"fresh {mode}": fresh[name, mode] for mode in RUNNERS}
             for mode in RUNNERS[1:]:
-                print_ratio(f"{name}, fresh: {LABELS[mode]}", list(zip(off, fresh[name, mode], strict=True)))
+                label = f"{name}, fresh: {LABELS[mode]}"
+                ratios[f"fresh {mode}"] = print_ratio(label, list(zip(off, fresh[name, mode], strict=True)))
         for runner in ("session-first", "session-later"):
             if sessions[name, runner]:
-                print_ratio(f"{name}, {LABELS[runner]}", sessions[name, runner])
+                ratios[runner] = print_ratio(f"{name}, {LABELS[runner]}", sessions[name, runner])
+                calls_made[runner] = [list(pair) for pair in sessions[name, runner]]
+        medians_made = {key: medians(runs) for key, runs in calls_made.items() if key.startswith("fresh")}
+        stored[name] = {"path": str(tree), "medians": medians_made, "ratios": ratios, "calls": calls_made}
+    result = {
+        "benchmark": "whole_run",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": described,
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        "settings": {"repeats": args.repeats, "session_pairs": args.session_pairs, "fresh": not args.no_fresh},
+        "trees": stored,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"written to {args.out}")
 
 
 if __name__ == "__main__":

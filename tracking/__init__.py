@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flasync.tracking._child import IdleChild, close_idle_writer, warm_idle_writer
+    from flasync.tracking.exports import ExportCache, default_export_cache
     from flasync.tracking.logs import LevelFilter, configure_logging, make_logger
     from flasync.tracking.metrics import (
         DEFAULT_EXCLUDE,
@@ -47,6 +48,8 @@ _MODULES = {
     "IdleChild": "flasync.tracking._child",
     "close_idle_writer": "flasync.tracking._child",
     "warm_idle_writer": "flasync.tracking._child",
+    "ExportCache": "flasync.tracking.exports",
+    "default_export_cache": "flasync.tracking.exports",
     "LevelFilter": "flasync.tracking.logs",
     "configure_logging": "flasync.tracking.logs",
     "make_logger": "flasync.tracking.logs",
@@ -98,6 +101,7 @@ __all__ = [
     "FINISHED_TAG_PREFIX",
     "ConstantSeries",
     "ExperimentDeletedError",
+    "ExportCache",
     "IdleChild",
     "LevelFilter",
     "MetricRow",
@@ -115,6 +119,7 @@ __all__ = [
     "check_local_store",
     "close_idle_writer",
     "configure_logging",
+    "default_export_cache",
     "make_logger",
     "metric_key",
     "redact_uri",

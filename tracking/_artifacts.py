@@ -16,6 +16,7 @@ import yaml
 
 from flasync.tracking import _files, _model
 from flasync.tracking._writers import RunWriters
+from flasync.tracking.exports import ExportCache, default_export_cache, save_from_cache
 from flasync.tracking.failover import Failover, RunIdentity
 from flasync.tracking.spool import SpoolWriter, dataset_input
 
@@ -55,6 +56,8 @@ class RunArtifacts:
         self._log = log
         self._deferred = itertools.count(1)
         """Numbers the writer process's deferred jobs (see :meth:`start_model_from`)."""
+        self._exports = ExportCache(default_export_cache())
+        """Models exported by earlier processes (see :mod:`flasync.tracking.exports`)."""
 
     def log_file(self, path: str | Path, artifact_path: str | None) -> None:
         """Store a local file or folder as an artifact in folder ``artifact_path``."""
@@ -202,9 +205,49 @@ class RunArtifacts:
         """
         self._check_started()
         arguments = _model_arguments(builder, kwargs, name, input_example)
-        return self._start_deferred(
-            "model", self._model_request(arguments, tags), lambda: self._model_here(arguments, input_example, tags)
-        )
+
+        def here() -> None:
+            self._model_here(arguments, input_example, tags)
+
+        kept = self._saved_from_cache(arguments) if self._writers.child is not None else None
+        if kept is None:
+            return self._start_deferred("model", self._model_request(arguments, tags), here)
+        saved, delta = kept
+        request = self._model_request({"name": name, "saved": str(saved), "size_delta": delta}, tags)
+        settle = self._start_deferred("model", request, here)
+
+        def settled() -> float:
+            try:
+                return settle()
+            finally:
+                shutil.rmtree(saved.parent, ignore_errors=True)
+
+        return settled
+
+    def _saved_from_cache(self, arguments: Mapping[str, Any]) -> tuple[Path, int] | None:
+        """Save the model :func:`_model_arguments` describes here, from the export an earlier process kept for it
+        (see :mod:`flasync.tracking.exports`): its final weights swapped into a copy of the kept folder, in a new
+        temporary folder; return the saved folder and its archive's size less the kept one's, or None when no export
+        is kept for it or it does not fit."""
+        example = arguments["input_example"]
+        if example is None:
+            return None
+        builder, kwargs = arguments["builder"], arguments["kwargs"]
+        entry = self._exports.get(self._exports.key(builder, kwargs, example, arguments["input_dtype"]))
+        if entry is None:
+            return None
+        try:
+            model = _model.build(builder, kwargs)
+        except Exception:  # the writer process's job reports what fails
+            return None
+        tensors = {name: tensor.detach().cpu().numpy() for name, tensor in model.state_dict().items()}
+        folder = Path(tempfile.mkdtemp(prefix="tracking-model-"), "model")
+        if save_from_cache(entry, tensors, folder):
+            self._log.debug("tracking.model_from_cache", folder=str(entry.folder), metrics=False)
+            archive = entry.archive
+            return folder, (folder / archive).stat().st_size - (entry.folder / archive).stat().st_size
+        shutil.rmtree(folder.parent, ignore_errors=True)
+        return None
 
     def prepare_model_from(self, builder: str, kwargs: Mapping[str, Any], input_example: Any) -> None:
         """Have the writer process export the model ``builder(**kwargs)`` returns now, in the background.
@@ -220,6 +263,10 @@ class RunArtifacts:
             return  # such a model is pickled: there is no export to make ahead
         arguments = _model_arguments(builder, kwargs, "model", input_example)
         del arguments["name"]
+        example, dtype = arguments["input_example"], arguments["input_dtype"]
+        if self._exports.get(self._exports.key(builder, kwargs, example, dtype)) is not None:
+            return  # an earlier process kept this export: the model is saved here from it (see start_model_from)
+        arguments["cache"] = str(self._exports.root)  # the helper keeps its export for later processes
         # Deferred and detached: the writer process answers at once and exports on a thread of its own; the model's
         # job waits for it (in the helper), the end of a run stopped before its model does not.
         job = f"prepare-{next(self._deferred)}"

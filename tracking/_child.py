@@ -15,18 +15,18 @@ elsewhere it calls ``log_batch``. A plain subprocess, not ``multiprocessing``: i
 
 The child also does the rest of a run's MLflow work a parent hands it, on its own core and with its own GIL. A job
 is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``files`` (several),
-``tags``, ``dataset`` (an input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and
-GPU samples are the machine's, wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a
-model, see :mod:`flasync.tracking._model`) or ``prepare`` (export a model of the same structure ahead of its ``model``
-job,
-see :class:`flasync.tracking._model.Exports`). What the child is to import (or call) ahead for its ``model`` jobs
-(``torch.export`` and MLflow's pytorch flavour import in about two seconds, and the first model they save takes one
-more: :func:`flasync.tracking._model.warm_up`) is named in its environment when it starts, or later by a line
-``preload KIND NAME,NAME`` (sent before a run, never answered; the one kind is ``model``); a name is preloaded once
-per child. On Linux (:data:`FORKS_HELPER`), the child forks a helper process right after MLflow's import (see
-:class:`_Helper`): it preloads on a core of its own, while the child opens the store and writes metrics, and does
-the model jobs (the child sends their results to the store). Elsewhere, or for names sent to a child without a
-helper, the child preloads on a background thread once the store is open, and does the jobs itself.
+``tags``, ``dataset`` (an input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU
+samples are the machine's, wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a model,
+see :mod:`flasync.tracking._model`; or log one saved already, its ``saved`` folder) or ``prepare`` (export a model
+of the same structure ahead of its ``model`` job, see :class:`flasync.tracking._model.Exports`). What the child is
+to import (or call) ahead for its ``model`` jobs (``torch.export`` and MLflow's pytorch flavour import in about two
+seconds, and the first model they save takes one more: :func:`flasync.tracking._model.warm_up`) is named in its
+environment when it starts, or later by a line ``preload KIND NAME,NAME`` (sent before a run, never answered; the
+one kind is ``model``); a name is preloaded once per child. On Linux (:data:`FORKS_HELPER`), the child forks a
+helper process right after MLflow's import (see :class:`_Helper`): it preloads on a core of its own, while the child
+opens the store and writes metrics, and does the model jobs (the child sends their results to the store). Elsewhere,
+or for names sent to a child without a helper, the child preloads on a background thread once the store is open, and
+does the jobs itself.
 
 A job that carries ``"defer": NAME`` is answered ``ok`` at once and done on a thread of its own while the child
 answers what follows; ``{"op": "settle", "id": NAME}`` waits for it and answers as the job would have. The ``end``
@@ -393,6 +393,10 @@ def _job(
         if direct is None or not direct.end_run(run_id, request["status"], end_time):
             client.set_terminated(run_id, request["status"], end_time=end_time)
         return str(lost or 0)  # the system metric rows lost, for the parent to count
+    if op == "model" and "saved" in request["model"]:
+        from flasync.tracking._model import log_saved_model
+
+        return f"{log_saved_model(client, run_id, **request['model']):.3f}"
     if op == "model":
         from flasync.tracking._model import log_built_model
 

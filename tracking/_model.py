@@ -24,7 +24,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from flasync.tracking.exports import ExportCache
 
 if TYPE_CHECKING:
     import mlflow
@@ -36,7 +39,9 @@ __all__ = [
     "Exports",
     "build",
     "call",
+    "describe",
     "log_built_model",
+    "log_saved_model",
     "log_to_run",
     "requirements",
     "save_built",
@@ -208,7 +213,13 @@ class Exports:
         return len(self._prepared)
 
     def prepare(
-        self, *, builder: str, kwargs: Mapping[str, Any], input_example: Sequence[Any], input_dtype: str = "float32"
+        self,
+        *,
+        builder: str,
+        kwargs: Mapping[str, Any],
+        input_example: Sequence[Any],
+        input_dtype: str = "float32",
+        cache: str | None = None,
     ) -> None:
         """Build the model ``builder(**kwargs)`` returns (its weights do not matter) and export it for the models
         :meth:`save` is later given from ``builder`` with ``input_example``.
@@ -218,6 +229,8 @@ class Exports:
             kwargs: Its keyword arguments (JSON values).
             input_example: A batch of inputs as nested lists (made an array of ``input_dtype``).
             input_dtype: The NumPy dtype of the inputs.
+            cache: The folder of an :class:`~flasync.tracking.exports.ExportCache` that keeps the export for later
+                processes too (None: only this object keeps it).
 
         Raises:
             Exception: What building, exporting or saving the model raises (nothing is kept then).
@@ -250,13 +263,16 @@ class Exports:
                 raise RuntimeError(f"the saved model has {len(archives)} pt2 archives and MLmodel {_MLMODEL in files}")
             archive = os.path.join(local, archives[0])
             program = torch.export.load(archive)
-            prepared = _Prepared(
-                program, program.module(), _classes(model), files, archives[0], os.path.getsize(archive), arguments
-            )
+            size = os.path.getsize(archive)
+            prepared = _Prepared(program, program.module(), _classes(model), files, archives[0], size, arguments)
             self._prepared[key] = prepared
             self._prepared.move_to_end(key)
             while len(self._prepared) > self._kept:
                 self._prepared.popitem(last=False)
+            if cache is not None:
+                lasting = ExportCache(Path(cache))
+                key_there = lasting.key(builder, kwargs, input_example, input_dtype)
+                lasting.put(key_there, files, archives[0], archive, program)
 
     def save(
         self,
@@ -284,7 +300,6 @@ class Exports:
         """
         import numpy as np
         import torch
-        from mlflow.models import Model
 
         with self._lock:
             prepared = self._prepared.get(_export_key(builder, input_example, input_dtype))
@@ -300,14 +315,23 @@ class Exports:
             archive = os.path.join(folder, prepared.archive)
             os.makedirs(os.path.dirname(archive), exist_ok=True)
             torch.export.save(prepared.program, archive)
-            described = Model.load(os.path.join(folder, _MLMODEL))
-            fresh = description if description is not None else Model()
-            for field in _DESCRIBED:
-                setattr(described, field, getattr(fresh, field))
-            if described.model_size_bytes is not None:
-                described.model_size_bytes += os.path.getsize(archive) - prepared.archive_bytes
-            described.save(os.path.join(folder, _MLMODEL))
+            describe(folder, description, os.path.getsize(archive) - prepared.archive_bytes)
             return True
+
+
+def describe(folder: str, description: Model | None, size_delta: int) -> None:
+    """Make the saved model at ``folder`` (saved for another logged model, or none) the one ``description`` describes:
+    its own fields (which logged model, when), its size changed by ``size_delta`` bytes (its archive's change)."""
+    from mlflow.models import Model
+
+    path = os.path.join(folder, _MLMODEL)
+    described = Model.load(path)
+    fresh = description if description is not None else Model()
+    for field in _DESCRIBED:
+        setattr(described, field, getattr(fresh, field))
+    if described.model_size_bytes is not None:
+        described.model_size_bytes += size_delta
+    described.save(path)
 
 
 def _export_key(builder: str, input_example: Sequence[Any], input_dtype: str) -> tuple[str, str, str]:
@@ -376,6 +400,29 @@ def log_to_run(
         with contextlib.suppress(Exception):
             client.finalize_logged_model(logged.model_id, "FAILED")
         raise
+
+
+def log_saved_model(
+    client: mlflow.MlflowClient,
+    run_id: str,
+    *,
+    experiment_id: str,
+    saved: str,
+    name: str = "model",
+    size_delta: int = 0,
+    tags: Mapping[str, str] | None = None,
+) -> float:
+    """Log the model saved at ``saved`` (a ``pt2`` folder whose weights were swapped into a kept export, see
+    :mod:`flasync.tracking.exports`; ``size_delta``: its archive's size less the kept one's) to the run, described as
+    its logged model (see :func:`log_to_run`); return the seconds."""
+    began = time.perf_counter()
+
+    def save(local: str, description: Model) -> None:
+        shutil.copytree(saved, local)
+        describe(local, description, size_delta)
+
+    log_to_run(client, run_id, experiment_id, name, save, tags)
+    return time.perf_counter() - began
 
 
 def call(target: str, kwargs: Mapping[str, Any]) -> Any:

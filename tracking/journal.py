@@ -202,8 +202,8 @@ class RunJournal:
                     save_progress(self.path, tracking_uri, run_id=run_id, records=0, offset=self.first)
 
     def retire(self) -> None:
-        """Stop taking records and remove the journal: the run in the store holds all of it; idempotent (and a no-op
-        after :meth:`keep`)."""
+        """Stop taking records and remove the journal, and its folder when nothing else is left in it: the run in the
+        store holds all of it; idempotent (and a no-op after :meth:`keep`)."""
         with self._lock:
             if not self._live:
                 return
@@ -212,6 +212,8 @@ class RunJournal:
             if self._kept:
                 return
         remove_journal(self.path)
+        with contextlib.suppress(OSError):  # the spool folder, once no journal nor spool is left in it
+            self.path.parent.rmdir()
 
     def keep(self) -> None:
         """Keep the journal when the run ends (what it holds did not all reach the store): a replay sends it."""

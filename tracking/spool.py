@@ -95,6 +95,26 @@ def _json_line(record: Mapping[str, Any]) -> str:
     return json.dumps(record, separators=(",", ":"), allow_nan=True, default=str) + "\n"
 
 
+def _create(path: Path, tries: int = 3) -> int:
+    """Create the file ``path`` for writing, readable by the owner only (the records may hold what the run logged:
+    params, artifacts), and its folder; return its descriptor. A folder another run's tracker removed meanwhile (an
+    empty spool folder is removed with its last journal, see :meth:`flasync.tracking.journal.RunJournal.retire`) is
+    made again.
+
+    Raises:
+        FileExistsError: The file exists.
+        OSError: It cannot be created.
+    """
+    for attempt in range(tries):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileNotFoundError:
+            if attempt == tries - 1:
+                raise
+    raise FileNotFoundError(path)
+
+
 class SpoolWriter:
     """Append records to a spool file; thread-safe, each record flushed to the OS as it is written.
 
@@ -132,9 +152,7 @@ class SpoolWriter:
         """Why the spool stopped taking records (e.g. ``No space left on device``); None while it takes them."""
         self._fd: int | None = None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # Readable by the owner only: the records may hold what the run logged (params, artifacts).
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            self._fd = _create(self.path)
         except FileExistsError:
             raise
         except OSError as exc:

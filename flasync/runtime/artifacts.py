@@ -107,6 +107,8 @@ def log_artifacts(
         tracker.flush()
     if mlflow_tracker is not None:
         _finish_models(mlflow_tracker, prepared, input_example, models, started, log)
+        if prepared.model_spec is not None and models:
+            tracked.remember_export(config, prepared.model_spec, input_example)
 
 
 def _client_files(clients: ClientTable, log: Any) -> dict[str, bytes]:

@@ -37,6 +37,7 @@ from flasync.core.events import (
 )
 from flasync.data import ArrayData
 from flasync.observe.summary import weights_sha256
+from flasync.runtime import tracked
 from flasync.runtime.build import make_aggregator
 from flasync.server import ServerStats
 from flasync.testing import EventRecorder, MeanOfDeltas, MemoryTracker, UntrainableModel, small_config
@@ -448,6 +449,33 @@ def test_a_tracked_run_exports_its_model_ahead_for_the_trained_one(
     model = flasync.training.models.MLP(64, [32], 10)
     model.load_state_dict(saved["state_dict"])
     x = torch.from_numpy(example)
+    assert torch.allclose(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_next_tracked_run_of_a_model_logs_it_from_the_export_the_first_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first tracked run of a config keeps its model's export and marks it for that config: the next run's writer
+    preloads no exporter, and its model, written into the kept export, loads to the next run's final weights."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    config = small_config("tracking.enabled=true", f"tracking.uri={uri}", "tracking.log_model=true")
+    assert "flasync.tracking._model:warm_up" in tracked.preload(config)
+    flasync.run(config)
+    assert tracked.preload(config) == ("flasync.tracking._model",)
+    assert len(list((tmp_path / "cache" / "flasync" / "model-exports").glob("*/export.json"))) == 1
+    summary = flasync.run(config)
+    client = mlflow.MlflowClient(uri)
+    [logged] = client.search_logged_models(
+        [client.get_run(summary.run_id).info.experiment_id], filter_string=f"source_run_id = '{summary.run_id}'"
+    )
+    assert str(logged.status) == "READY"
+    assert {Path(a.path).name for a in client.list_logged_model_artifacts(logged.model_id, "data")} == {"model.pt2"}
+    saved = torch.load(client.download_artifacts(summary.run_id, "weights.pt", str(tmp_path)), weights_only=True)
+    model = flasync.training.models.MLP(64, [32], 10)
+    model.load_state_dict(saved["state_dict"])
+    x = torch.randn(2, 64)
     assert torch.allclose(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x), atol=1e-6)
 
 

@@ -29,6 +29,7 @@ from flasync.tracking._child import (
     close_idle_writer,
     warm_idle_writer,
 )
+from flasync.tracking.exports import ExportCache, default_export_cache
 from flasync.training import models
 from tests.conftest import ROOT
 
@@ -746,6 +747,50 @@ def test_a_model_prepared_while_training_is_saved_without_a_second_trace(
     assert {Path(a.path).name for a in client.list_logged_model_artifacts(logged.model_id, "data")} == {"model.pt2"}
     x = torch.randn(5, 8)
     assert torch.equal(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x))
+
+
+def test_a_model_whose_export_a_writer_kept_is_saved_from_it_by_the_next_tracker(
+    tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The export a writer's helper made ahead is kept across processes: the next tracker neither sends it again nor
+    traces the trained model (its builder breaks torch.export wherever it builds it, this process included, so a
+    traced model would be pickled); it saves the model from the kept export, which its writer logs in the pt2
+    format with the trained model's own weights."""
+    monkeypatch.setattr(torch.export, "export", torch.export.export)  # put back once the builder broke it here
+    first, holder, _ = _builder_tracker(
+        tracking_uri, tmp_path, monkeypatch, ("export_once_builder", _EXPORT_ONCE_BUILDER), "child-kept-first"
+    )
+    kwargs, _ = _model_kwargs(tmp_path)
+    example = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
+    first.prepare_model_from("export_once_builder:build", {**kwargs, "weights": None}, input_example=example)
+    first.log_model_from("export_once_builder:build", kwargs, name="mlp", input_example=example)  # after the export
+    first.finish("FINISHED")
+    holder.clear()
+    cache = ExportCache(default_export_cache())
+    assert cache.get(cache.key("export_once_builder:build", kwargs, example.tolist(), "float32")) is not None
+
+    monkeypatch.syspath_prepend(str(tmp_path))  # the tracker's process builds the trained model too
+    trained = models.MLP(8, [4], 3)
+    np.save(tmp_path / "trained.npy", torch.cat([p.detach().reshape(-1) for p in trained.parameters()]).numpy())
+    second_holder = IdleChild()
+    second = MlflowTracker(tracking_uri, preload=("flasync.tracking._model",), idle_writers=second_holder)
+    run_id = second.start(experiment="child-kept-second")
+    sent: list[dict[str, object]] = []
+    job = second._writers.child_job
+    monkeypatch.setattr(second._writers, "child_job", lambda request: sent.append(dict(request)) or job(request))
+    second.prepare_model_from("export_once_builder:build", {**kwargs, "weights": None}, input_example=example)
+    trained_kwargs = {**kwargs, "weights": str(tmp_path / "trained.npy")}
+    settle = second.start_model_from("export_once_builder:build", trained_kwargs, name="mlp", input_example=example)
+    settle()
+    second.finish("FINISHED")
+    second_holder.clear()
+    assert [r["op"] for r in sent if r["op"] in ("prepare", "model")] == ["model"]
+    client = mlflow.MlflowClient(tracking_uri)
+    [logged] = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    assert str(logged.status) == "READY" and logged.source_run_id == run_id
+    assert {Path(a.path).name for a in client.list_logged_model_artifacts(logged.model_id, "data")} == {"model.pt2"}
+    x = torch.randn(2, 8)
+    assert torch.equal(mlflow.pytorch.load_model(logged.artifact_location)(x), trained(x))
 
 
 _BLOCKING_BUILDER = """

@@ -48,6 +48,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lora r=4": {"adapter": {"kind": "lora", "r": 4, "target": ["layers.0", "layers.2", "layers.4"]}},
     "head only": {"exchange": ["layers.4"]},
 }
+KEYS = {"full": "full", "lora r=4 + head": "lora_r4_head", "lora r=4": "lora_r4", "head only": "head_only"}
+"""Each variant's key in the stored result (a figure marker's path names it)."""
 
 
 def config_of(variant: dict[str, Any], *, versions: int, seed: int) -> RunConfig:
@@ -147,7 +149,8 @@ def main() -> None:
         if name != "full"
     ]
     settings = {"versions": args.versions, "public": args.public, "seed": args.seed, "hidden": list(HIDDEN)}
-    figures = {"pretrained_accuracy": pretrained, "runs": results}
+    runs = {KEYS[name]: {"exchange": name, **figures} for name, figures in results.items()}
+    figures = {"pretrained_accuracy": pretrained, "runs": runs}
     store("partial_models", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 

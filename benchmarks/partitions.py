@@ -40,6 +40,9 @@ KINDS: dict[str, dict[str, Any]] = {
     "quantity(powerlaw 2.0)": {"kind": "quantity", "distribution": "powerlaw", "exponent": 2.0},
     "feature_skew(noise 0.5)": {"kind": "feature_skew", "noise": 0.5},
 }
+KEYS = {name: name.replace("(", "_").replace(")", "").replace(" ", "_").replace("k=", "") for name in KINDS}
+"""Each kind's key in the stored result (``dirichlet_0.1``, ``quantity_lognormal_1.0``: a figure marker's path
+names it)."""
 
 
 def _figures(partition: dict[str, Any], seed: int) -> dict[str, float]:
@@ -101,7 +104,11 @@ def main() -> None:
     )
     wall_s = round(time.perf_counter() - started, 1)
     settings = {"data": "digits", "clients": 100, "seeds": list(SEEDS), "statistic": "median over the seeds"}
-    figures = {"median": medians, "tv_over_iid": tv_over_iid, "wall_s": wall_s}
+    figures = {
+        "median": {KEYS[name]: {"partition": name, **f} for name, f in medians.items()},
+        "tv_over_iid": {KEYS[name]: ratio for name, ratio in tv_over_iid.items()},
+        "wall_s": wall_s,
+    }
     noise = medians["feature_skew(noise 0.5)"]
     print(
         f"feature_skew(noise 0.5): measured noise std {noise['noise_std_first']:.4f} (client 0, configured 0.005), "

@@ -124,9 +124,13 @@ def main() -> None:
         settings={"target_accuracy": args.target, "seeds": args.seeds, "limit_s": args.limit_s, "clients": 100},
         headline=_headline(median, args.target),
         figures={
-            "median_simulated_s": {f"{world}/{server}": value for (world, server), value in median.items()},
+            "median_simulated_s": {
+                world.replace("-", "_"): {server: median[(world, server)] for server in SERVERS}
+                for world in ("always-on", "trace")
+            },
             "fedavg_over_fedbuff": {
-                world: median[(world, "fedavg")] / median[(world, "fedbuff")] for world in ("always-on", "trace")
+                world.replace("-", "_"): median[(world, "fedavg")] / median[(world, "fedbuff")]
+                for world in ("always-on", "trace")
             },
             "trace_over_always_on": slowdown,
             "runs": runs,

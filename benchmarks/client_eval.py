@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -40,9 +39,9 @@ from flasync.core.events import ClientsEvaluated, Evaluated  # noqa: E402
 from flasync.testing import EventRecorder  # noqa: E402
 
 if __package__:
-    from benchmarks.flood import machine
+    from benchmarks.record import Figure, machine, store
 else:
-    from flood import machine
+    from record import Figure, machine, store
 
 _BASE = [
     "seed=0",
@@ -135,6 +134,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternated pairs of overhead runs")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "client_eval.json")
     args = parser.parse_args()
+    described = machine()
     cost = overhead(args.versions, args.repeats)
     print(f"{args.versions} versions, {args.repeats} pairs; median wall s:")
     print(f"  no client evaluation     {cost['median_wall_s']['none']:.2f}")
@@ -153,18 +153,43 @@ def main() -> None:
             f"{row['version']:>7}  {row['central']:7.3f}  {row['mean']:13.3f} {row['p10']:6.3f} {row['p50']:6.3f} "
             f"{row['p90']:6.3f} {row['worst10']:8.3f} {row['reports']:8d}"
         )
-    result = {
-        "benchmark": "client_eval",
-        "command": " ".join(["python", "benchmarks/client_eval.py", *sys.argv[1:]]),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(),
-        "config": _BASE,
-        "overhead": cost,
-        "spread": seen,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written to {args.out}")
+    settings = {"versions": args.versions, "repeats": args.repeats, "config": _BASE}
+    figures = {"overhead": cost, "spread": seen}
+    store("client_eval", described, settings=settings, headline=_headline(cost, seen), figures=figures, out=args.out)
+
+
+def _headline(cost: dict[str, Any], seen: dict[str, Any]) -> list[Figure]:
+    """The overhead against the same run without client evaluation, and the last version's spread against the
+    central accuracy."""
+    figures = [
+        Figure(
+            "median wall s, 10% of tasks evaluating",
+            cost["median_wall_s"]["fraction_0.1"],
+            "s",
+            "no client evaluation",
+            cost["ratio"],
+        ),
+        Figure(
+            "clients' evaluation s (profile)",
+            statistics.median(cost["client_eval_s"]["fraction_0.1"]),
+            "s",
+            "clients' training s",
+            cost["eval_share_of_compute"],
+        ),
+    ]
+    if seen["rows"]:
+        last = seen["rows"][-1]
+        for key, label in (("p10", "p10"), ("worst10", "worst 10%")):
+            figures.append(
+                Figure(
+                    f"clients' accuracy {label}, version {last['version']}",
+                    last[key],
+                    "accuracy",
+                    "central accuracy",
+                    last[key] / last["central"] if last["central"] else None,
+                )
+            )
+    return figures
 
 
 if __name__ == "__main__":

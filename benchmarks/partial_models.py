@@ -18,11 +18,6 @@ with a description of the machine to ``benchmarks/results/partial_models.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +31,11 @@ from flasync.config import RunConfig, load_config
 from flasync.data import prepare
 from flasync.training.models import MLP
 
+if __package__:
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
+
 _HERE = Path(__file__).resolve().parent
 EXAMPLE = _HERE.parent / "examples" / "lora_adapters.toml"
 HIDDEN = (256, 256)
@@ -48,6 +48,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lora r=4": {"adapter": {"kind": "lora", "r": 4, "target": ["layers.0", "layers.2", "layers.4"]}},
     "head only": {"exchange": ["layers.4"]},
 }
+KEYS = {"full": "full", "lora r=4 + head": "lora_r4_head", "lora r=4": "lora_r4", "head only": "head_only"}
+"""Each variant's key in the stored result (a figure marker's path names it)."""
 
 
 def config_of(variant: dict[str, Any], *, versions: int, seed: int) -> RunConfig:
@@ -96,27 +98,6 @@ def run_variant(config: RunConfig, state: dict[str, torch.Tensor]) -> dict[str, 
     }
 
 
-def machine() -> dict[str, Any]:
-    """Describe the machine and the code a result was measured with."""
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_HERE, check=False
-    ).stdout.strip()
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": model,
-        "cpus": os.cpu_count(),
-        "commit": commit,
-    }
-
-
 def main() -> None:
     """Pretrain, run the four exchanges, print the table and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -127,6 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     tracking.configure_logging(level="warning")
     torch.set_num_threads(1)
+    described = machine()
     state = pretrain(config_of({}, versions=args.versions, seed=args.seed), args.public, seed=args.seed)
     test = prepare.load(config_of({}, versions=1, seed=args.seed)).test
     with torch.no_grad():
@@ -150,23 +132,26 @@ def main() -> None:
             f"{figures['upload_bytes_per_update']:>12.0f} {figures['download_bytes_per_task']:>12.0f} "
             f"{figures['fewer_bytes_than_full']:>11.1f}x"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "partial_models",
-                "command": "python benchmarks/partial_models.py",
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": machine(),
-                "settings": {"versions": args.versions, "public": args.public, "seed": args.seed, "hidden": HIDDEN},
-                "pretrained_accuracy": pretrained,
-                "runs": results,
-            },
-            indent=1,
+    headline = [
+        Figure(
+            f"upload bytes per update, {name}",
+            figures["upload_bytes_per_update"],
+            "bytes",
+            "full model",
+            figures["upload_bytes_per_update"] / full["upload_bytes_per_update"],
         )
-        + "\n"
-    )
-    print(f"wrote {args.out}")
+        for name, figures in results.items()
+        if name != "full"
+    ]
+    headline += [
+        Figure(f"accuracy, {name}", accuracy, "accuracy", "full model", accuracy / full["accuracy"])
+        for name, accuracy in ((name, figures["accuracy"]) for name, figures in results.items())
+        if name != "full"
+    ]
+    settings = {"versions": args.versions, "public": args.public, "seed": args.seed, "hidden": list(HIDDEN)}
+    runs = {KEYS[name]: {"exchange": name, **figures} for name, figures in results.items()}
+    figures = {"pretrained_accuracy": pretrained, "runs": runs}
+    store("partial_models", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 
 def _loaded(state: dict[str, torch.Tensor]) -> MLP:

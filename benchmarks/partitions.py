@@ -10,8 +10,7 @@ IID split made in the same run; writes them to ``benchmarks/results/partitions.j
 
 from __future__ import annotations
 
-import json
-import platform
+import argparse
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,13 @@ from flasync.config import RunConfig
 from flasync.data import prepare
 from flasync.data.describe import describe_partition
 
+if __package__:
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
+
 RESULT = Path(__file__).resolve().parent / "results" / "partitions.json"
+SEEDS = (0, 1, 2)
 
 KINDS: dict[str, dict[str, Any]] = {
     "iid": {"kind": "iid"},
@@ -35,6 +40,9 @@ KINDS: dict[str, dict[str, Any]] = {
     "quantity(powerlaw 2.0)": {"kind": "quantity", "distribution": "powerlaw", "exponent": 2.0},
     "feature_skew(noise 0.5)": {"kind": "feature_skew", "noise": 0.5},
 }
+KEYS = {name: name.replace("(", "_").replace(")", "").replace(" ", "_").replace("k=", "") for name in KINDS}
+"""Each kind's key in the stored result (``dirichlet_0.1``, ``quantity_lognormal_1.0``: a figure marker's path
+names it)."""
 
 
 def _figures(partition: dict[str, Any], seed: int) -> dict[str, float]:
@@ -61,11 +69,15 @@ def _figures(partition: dict[str, Any], seed: int) -> dict[str, float]:
 
 
 def main() -> None:
-    """Describe each partition for three seeds; print the medians and their ratios to IID."""
+    """Describe each partition for three seeds; print the medians and their ratios to IID, and store them."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULT)
+    args = parser.parse_args()
+    described = machine()
     started = time.perf_counter()
     medians: dict[str, dict[str, float]] = {}
     for name, partition in KINDS.items():
-        per_seed = [_figures(partition, seed) for seed in (0, 1, 2)]
+        per_seed = [_figures(partition, seed) for seed in SEEDS]
         medians[name] = {key: float(np.median([f[key] for f in per_seed])) for key in per_seed[0]}
     base = medians["iid"]
     print("digits, 100 clients, median of seeds 0-2")
@@ -76,24 +88,34 @@ def main() -> None:
             f"| {name} | {f['size_std']:.1f} | {f['size_log_std']:.2f} | {f['labels_per_client_mean']:.2f} | "
             f"{f['label_tv_mean']:.3f} | {f['label_tv_mean'] / base['label_tv_mean']:.1f}x |"
         )
-    result = {
-        "benchmark": "partitions",
-        "data": "digits",
-        "clients": 100,
-        "seeds": [0, 1, 2],
-        "median": medians,
-        "tv_over_iid": {name: f["label_tv_mean"] / base["label_tv_mean"] for name, f in medians.items()},
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "wall_s": round(time.perf_counter() - started, 1),
+    tv_over_iid = {name: f["label_tv_mean"] / base["label_tv_mean"] for name, f in medians.items()}
+    headline = [
+        Figure(f"label TV distance, {name}", medians[name]["label_tv_mean"], "TV", "iid", tv_over_iid[name])
+        for name in ("dirichlet(0.1)", "shards(2)", "label_quantity(k=2)")
+    ]
+    headline.append(
+        Figure(
+            "std of log client size, quantity(lognormal 1.0)",
+            medians["quantity(lognormal 1.0)"]["size_log_std"],
+            "log",
+            "iid",
+            medians["quantity(lognormal 1.0)"]["size_log_std"] / base["size_log_std"],
+        )
+    )
+    wall_s = round(time.perf_counter() - started, 1)
+    settings = {"data": "digits", "clients": 100, "seeds": list(SEEDS), "statistic": "median over the seeds"}
+    figures = {
+        "median": {KEYS[name]: {"partition": name, **f} for name, f in medians.items()},
+        "tv_over_iid": {KEYS[name]: ratio for name, ratio in tv_over_iid.items()},
+        "wall_s": wall_s,
     }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=1) + "\n")
     noise = medians["feature_skew(noise 0.5)"]
     print(
         f"feature_skew(noise 0.5): measured noise std {noise['noise_std_first']:.4f} (client 0, configured 0.005), "
         f"{noise['noise_std_last']:.4f} (client 99, configured 0.5)"
     )
-    print(f"({result['wall_s']:.0f} s; written to {RESULT})")
+    print(f"({wall_s:.0f} s)")
+    store("partitions", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 
 if __name__ == "__main__":

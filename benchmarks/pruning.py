@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
-import os
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 import flasync
 from flasync import tracking
 from flasync.config import RunConfig, load_config
 from flasync.core.events import ModelPublished, UpdateReceived
 from flasync.testing import EventRecorder, MemoryTracker
+
+if __package__:
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 _HERE = Path(__file__).resolve().parent
 EXAMPLE = _HERE.parent / "examples" / "pruning.toml"
@@ -79,27 +77,6 @@ def run(config: RunConfig, *, tail_from: int) -> dict[str, Any]:
     }
 
 
-def machine() -> dict[str, Any]:
-    """Describe the machine and the code a result was measured with."""
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_HERE, check=False
-    ).stdout.strip()
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": model,
-        "cpus": os.cpu_count(),
-        "commit": commit,
-    }
-
-
 def main() -> None:
     """Run the baseline and each density; print the table and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -111,6 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     tracking.configure_logging(level="warning")
     tail_from = STEPS * args.every  # the last step reaches the target
+    described = machine()
     results: dict[str, dict[str, Any]] = {}
     for density in [None, *args.densities]:
         config = config_of(density, versions=args.versions, every=args.every, seed=args.seed)
@@ -138,28 +116,43 @@ def main() -> None:
             f"{figures['fewer_upload_bytes']:>8.2f}x {figures['fewer_download_bytes']:>10.2f}x "
             f"{figures['client_peak_mem_bytes'] / 1e6:>15.3f}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "pruning",
-                "command": "python benchmarks/pruning.py",
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": machine(),
-                "settings": {
-                    "versions": args.versions,
-                    "every_versions": args.every,
-                    "steps": STEPS,
-                    "seed": args.seed,
-                    "bytes_from_version": tail_from,
-                },
-                "runs": results,
-            },
-            indent=1,
+    settings = {
+        "versions": args.versions,
+        "every_versions": args.every,
+        "steps": STEPS,
+        "densities": args.densities,
+        "seed": args.seed,
+        "bytes_from_version": tail_from,
+    }
+    store("pruning", described, settings=settings, headline=_headline(results), figures={"runs": results}, out=args.out)
+
+
+def _headline(results: dict[str, dict[str, Any]]) -> list[Figure]:
+    """Per target density: upload bytes per update after the last pruning step and final accuracy, against dense."""
+    base = results["1.0"]
+    figures = []
+    for name, run in results.items():
+        if name == "1.0":
+            continue
+        figures.append(
+            Figure(
+                f"upload bytes per update, density {name}",
+                run["upload_bytes_per_update_pruned"],
+                "bytes",
+                "unpruned",
+                run["upload_bytes_per_update_pruned"] / base["upload_bytes_per_update_pruned"],
+            )
         )
-        + "\n"
-    )
-    print(f"wrote {args.out}")
+        figures.append(
+            Figure(
+                f"accuracy, density {name}",
+                run["accuracy"],
+                "accuracy",
+                "unpruned",
+                run["accuracy"] / base["accuracy"],
+            )
+        )
+    return figures
 
 
 if __name__ == "__main__":

@@ -10,15 +10,15 @@
    same model, simulated seconds of the protocol's four rounds on [network]'s default link against one plain
    upload, and the real CPU seconds the whole group's cryptography took on this machine.
 
-    python benchmarks/secagg.py [--versions 60] [--seed 0] [--out benchmarks/results/secagg.json]
+    python benchmarks/secagg.py [--versions 60] [--seed 0] [--max-complete 100] [--out benchmarks/results/secagg.json]
+
+``--max-complete 50`` leaves out the complete graph of 100 (the slowest group: seconds of cryptography on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
-import json
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +30,11 @@ from torch import nn
 
 from flasync.aggregation import PolynomialStaleness
 from flasync.secure.rounds import ClientUpdate, Link, SecureAggregator, SecureBuffer, WaitingUpdate
+
+if __package__:
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 FEATURES, CLASSES, CLIENTS, PER_CLIENT = 32, 10, 100, 60
 LINK = Link()
@@ -170,8 +175,11 @@ def fedavg(task: Task, *, rounds: int, seed: int, secured: bool, dropout: float 
     return {"accuracy": task.accuracy(weights), "abandoned": abandoned, "recovered": recovered, "weights": weights}
 
 
-def overhead(num_params: int, seed: int) -> list[dict[str, Any]]:
-    """Return one row per group size and graph: bytes and simulated seconds per update against a plain upload."""
+def overhead(num_params: int, seed: int, max_complete: int = 100) -> list[dict[str, Any]]:
+    """Return one row per group size and graph: bytes and simulated seconds per update against a plain upload.
+
+    A complete graph (every client a neighbour of every other) is measured for groups up to ``max_complete``.
+    """
     rows = []
     plain_bytes = 4 * num_params
     plain_s = LINK.latency_s + plain_bytes / LINK.upload_bytes_per_s
@@ -184,6 +192,8 @@ def overhead(num_params: int, seed: int) -> list[dict[str, Any]]:
         ("fedbuff K=100", 100, 16),
         ("fedavg round of 100", 100, 16),
     ):
+        if neighbours is None and size > max_complete:
+            continue
         aggregator = secure(size, seed, neighbours, dropout=0.05 if label.startswith("fedavg") else 0.0)
         updates = [ClientUpdate(i, torch.randn(num_params, generator=generator) * 0.01, 1.0) for i in range(size)]
         start = time.perf_counter()
@@ -222,8 +232,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-complete", type=int, default=100, help="largest group measured with the complete graph (SecAgg)"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "secagg.json")
     args = parser.parse_args()
+    described = machine()
     torch.set_num_threads(1)  # tiny models: one thread is fastest, and the figures do not depend on the core count
     task = Task(args.seed)
     variants = (("plain", False, 0.0), ("secure", True, 0.05), ("secure, no dropout", True, 0.0))
@@ -251,7 +265,7 @@ def main() -> None:
             if run.get("mean_wait_s"):
                 line += f", mean buffer wait {run['mean_wait_s']:.2f} s"
             print(line)
-    rows = overhead(int(task.initial.numel()), args.seed)
+    rows = overhead(int(task.initial.numel()), args.seed, args.max_complete)
     print(
         _table(
             rows,
@@ -265,22 +279,55 @@ def main() -> None:
             },
         )
     )
-    result = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
+    settings = {
         "versions": args.versions,
         "seed": args.seed,
+        "max_complete": args.max_complete,
         "model_params": int(task.initial.numel()),
         "link": {
             "upload_bytes_per_s": LINK.upload_bytes_per_s,
             "download_bytes_per_s": LINK.download_bytes_per_s,
             "latency_s": LINK.latency_s,
         },
-        "accuracy": accuracy,
-        "overhead": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    figures = {"accuracy": accuracy, "overhead": rows}
+    store("secagg", described, settings=settings, headline=_headline(accuracy, rows), figures=figures, out=args.out)
+
+
+def _headline(accuracy: dict[str, dict[str, dict[str, Any]]], rows: list[dict[str, Any]]) -> list[Figure]:
+    """Secure accuracy against plain for each server; the largest SecAgg+ group's bytes and seconds per update."""
+    figures = [
+        Figure(
+            f"{mode} accuracy, secure (5% dropout)",
+            runs["secure"]["accuracy"],
+            "accuracy",
+            "plain float32 sums",
+            runs["secure"]["accuracy"] / runs["plain"]["accuracy"],
+        )
+        for mode, runs in accuracy.items()
+    ]
+    for row in rows:
+        if row["setting"] == "fedbuff K=100" and row["neighbours"] == 16:
+            label = f"{row['setting']}, {row['neighbours']} neighbours"
+            figures.append(
+                Figure(
+                    f"protocol bytes per update, {label}",
+                    row["bytes_per_update"],
+                    "bytes",
+                    "plain float32 upload",
+                    row["bytes_ratio"],
+                )
+            )
+            figures.append(
+                Figure(
+                    f"simulated protocol s per update, {label}",
+                    row["protocol_s"],
+                    "s",
+                    "plain upload",
+                    row["time_ratio"],
+                )
+            )
+    return figures
 
 
 if __name__ == "__main__":

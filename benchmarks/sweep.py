@@ -26,11 +26,8 @@ machine go to ``benchmarks/results/sweep.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
-import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -41,6 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+if __package__:
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,27 +118,6 @@ def _per_run(starts: list[float]) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
-def machine() -> dict[str, Any]:
-    """Describe the machine and the code a result was measured with."""
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=False
-    ).stdout.strip()
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": model,
-        "cpus": os.cpu_count(),
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "commit": commit,
-    }
-
-
 def _load() -> float:
     """The 1-minute load average (the machine may be shared: a figure is read beside the load it ran under)."""
     return round(os.getloadavg()[0], 2)
@@ -159,9 +140,9 @@ def main() -> None:
     ratios, costs, cpu_ratios, cpu_costs, repeats = [], [], [], [], []
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="flasync-bench-sweep-") as folder:
-            store = f"sqlite:///{folder}/store/mlflow.db"
+            uri = f"sqlite:///{folder}/store/mlflow.db"
             sweep_command = [sys.executable, "-m", "flasync", "sweep", "--grid", f"seed=0..{args.runs - 1}"]
-            sweep_command += ["--set", "tracking.log_level=warning", "--tracking-uri", store, *args.sweep_arg]
+            sweep_command += ["--set", "tracking.log_level=warning", "--tracking-uri", uri, *args.sweep_arg]
             commands = {"untracked": [sys.executable, "-c", UNTRACKED, str(args.runs)], "sweep": sweep_command}
             order = ["untracked", "sweep"] if repeat % 2 == 0 else ["sweep", "untracked"]
             timed, loads = {}, {}
@@ -196,26 +177,28 @@ def main() -> None:
     print(f"sweep's fixed cost per run after the first: {cost:+.3f} s (goal within 0.2 s)")
     print(f"sweep / untracked CPU seconds: {statistics.median(cpu_ratios):.3f}x")
     print(f"sweep's CPU seconds per run after the first, over the untracked: {statistics.median(cpu_costs):+.3f} s")
-    result = {
-        "benchmark": "sweep",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": described,
-        "settings": {"runs": args.runs, "repeats": args.repeats, "sweep_args": args.sweep_arg},
+    median = {
+        "wall_ratio": round(ratio, 4),
+        "fixed_cost_per_run_s": round(cost, 4),
+        "cpu_ratio": round(statistics.median(cpu_ratios), 4),
+        "cpu_fixed_cost_per_run_s": round(statistics.median(cpu_costs), 4),
+        "untracked_wall_s": round(statistics.median(r["untracked"]["wall_s"] for r in repeats), 3),
+        "sweep_wall_s": round(statistics.median(r["sweep"]["wall_s"] for r in repeats), 3),
+        "untracked_cpu_s": round(statistics.median(r["untracked"]["cpu_s"] for r in repeats), 2),
+        "sweep_cpu_s": round(statistics.median(r["sweep"]["cpu_s"] for r in repeats), 2),
+    }
+    headline = [
+        Figure(f"sweep of {args.runs} runs, wall s", median["sweep_wall_s"], "s", "untracked", median["wall_ratio"]),
+        Figure(f"sweep of {args.runs} runs, CPU s", median["sweep_cpu_s"], "s", "untracked", median["cpu_ratio"]),
+        Figure("sweep's fixed cost per run after the first", median["fixed_cost_per_run_s"], "s"),
+    ]
+    settings = {"runs": args.runs, "repeats": args.repeats, "sweep_args": args.sweep_arg}
+    figures = {
+        "median": median,
         "repeats": repeats,
-        "median": {
-            "wall_ratio": round(ratio, 4),
-            "fixed_cost_per_run_s": round(cost, 4),
-            "cpu_ratio": round(statistics.median(cpu_ratios), 4),
-            "cpu_fixed_cost_per_run_s": round(statistics.median(cpu_costs), 4),
-            "untracked_wall_s": round(statistics.median(r["untracked"]["wall_s"] for r in repeats), 3),
-            "sweep_wall_s": round(statistics.median(r["sweep"]["wall_s"] for r in repeats), 3),
-        },
         "goals": {"wall_ratio_below": 1.3, "fixed_cost_per_run_within_s": 0.2},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"written to {args.out}")
+    store("sweep", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,7 @@ machine's description to ``benchmarks/results/trace_time_to_accuracy.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +27,11 @@ from typing import Any
 
 import flasync
 from flasync.clients.simulated.trace import synthetic_trace, write_trace
+
+if __package__:
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 _HERE = Path(__file__).resolve().parent
 RESULT = _HERE / "results" / "trace_time_to_accuracy.json"
@@ -59,18 +60,6 @@ def _config(server: str, trace: Path, seed: int, target: float, limit_s: float) 
     }
 
 
-def _machine() -> dict[str, Any]:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_HERE, check=False
-    ).stdout.strip()
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "commit": commit,
-    }
-
-
 def main() -> None:
     """Run both servers in both worlds for every seed; print and store the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -79,6 +68,7 @@ def main() -> None:
     parser.add_argument("--limit-s", type=float, default=20_000.0, help="simulated seconds before giving up")
     parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args()
+    described = machine()
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
@@ -128,22 +118,51 @@ def main() -> None:
         print(f"| {world} | {avg:.0f} s | {buff:.0f} s | {avg / buff:.2f}x |")
     slowdown = {server: median[("trace", server)] / median[("always-on", server)] for server in SERVERS}
     print("trace / always-on: " + ", ".join(f"{server} {ratio:.2f}x" for server, ratio in slowdown.items()))
-    result = {
-        "benchmark": "trace_time_to_accuracy",
-        "target_accuracy": args.target,
-        "seeds": args.seeds,
-        "median_simulated_s": {f"{world}/{server}": value for (world, server), value in median.items()},
-        "fedavg_over_fedbuff": {
-            world: median[(world, "fedavg")] / median[(world, "fedbuff")] for world in ("always-on", "trace")
+    store(
+        "trace_time_to_accuracy",
+        described,
+        settings={"target_accuracy": args.target, "seeds": args.seeds, "limit_s": args.limit_s, "clients": 100},
+        headline=_headline(median, args.target),
+        figures={
+            "median_simulated_s": {
+                world.replace("-", "_"): {server: median[(world, server)] for server in SERVERS}
+                for world in ("always-on", "trace")
+            },
+            "fedavg_over_fedbuff": {
+                world.replace("-", "_"): median[(world, "fedavg")] / median[(world, "fedbuff")]
+                for world in ("always-on", "trace")
+            },
+            "trace_over_always_on": slowdown,
+            "runs": runs,
+            "wall_s": round(time.perf_counter() - started, 1),
         },
-        "trace_over_always_on": slowdown,
-        "runs": runs,
-        "machine": _machine(),
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"({result['wall_s']:.0f} s; written to {args.out})")
+        out=args.out,
+    )
+
+
+def _headline(median: dict[tuple[str, str], float], target: float) -> list[Figure]:
+    """FedBuff against FedAvg in each world, and what the trace costs each server against always-on."""
+    figures = [
+        Figure(
+            f"FedBuff, simulated s to {target:.2f}, {world}",
+            median[(world, "fedbuff")],
+            "s",
+            f"FedAvg, {world}",
+            median[(world, "fedbuff")] / median[(world, "fedavg")],
+        )
+        for world in ("always-on", "trace")
+    ]
+    figures += [
+        Figure(
+            f"{label}, simulated s to {target:.2f} under the trace",
+            median[("trace", server)],
+            "s",
+            f"{label}, always-on",
+            median[("trace", server)] / median[("always-on", server)],
+        )
+        for server, label in (("fedavg", "FedAvg"), ("fedbuff", "FedBuff"))
+    ]
+    return figures
 
 
 if __name__ == "__main__":

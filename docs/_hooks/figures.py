@@ -9,7 +9,7 @@ module turns those files into text in two ways:
 * a figure quoted in prose is written between two markers, ``<!-- figure: RESULT PATH UNIT -->TEXT<!-- /figure -->``:
   ``RESULT`` is a file's stem, ``PATH`` a dotted path into it (``figures.total_s``; ``machine`` gives the machine's
   description), ``UNIT`` how the value is shown (``s``, ``ms``, ``GB``, ``MB``, ``x``, ``%`` or ``-`` for the number
-  alone). ``TEXT`` is what this module rendered last.
+  alone, an integer whole). ``TEXT`` is what this module rendered last.
 
 MkDocs loads this file as a hook (``hooks:`` in ``mkdocs.yml``): the built site always shows the stored results.
 The README and the pages on disk are refreshed with ``python docs/_hooks/figures.py`` after a benchmark stored a
@@ -132,8 +132,10 @@ def figure_text(results: dict[str, dict[str, Any]], result: str, path: str, unit
         return machine_line(value)
     if unit not in _UNITS:
         raise FigureError(f"figure {result} {path}: unit {unit!r} is not one of {sorted(_UNITS)}")
-    if not isinstance(value, int | float):
+    if not isinstance(value, int | float) or isinstance(value, bool):
         raise FigureError(f"figure {result} {path} is not a number: {value!r}")
+    if isinstance(value, int) and unit == "-":  # a count (clients, runs, a version) is shown whole
+        return f"{value:,}"
     scale, suffix = _UNITS[unit]
     return number(value / scale) + suffix
 

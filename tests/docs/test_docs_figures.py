@@ -147,6 +147,15 @@ def test_figure_markers_render_values_in_their_unit(tmp_path: Path) -> None:
     assert figures.render_figures(rendered, results) == rendered
 
 
+def test_a_count_is_shown_whole(tmp_path: Path) -> None:
+    """An integer shown as a number alone (a count of runs, a version) keeps no decimals; in a unit it is scaled."""
+    figures = _figures()
+    results = _result(tmp_path)
+    assert figures.figure_text(results, "demo", "settings.repeats", "-") == "3"
+    assert figures.figure_text(results, "demo", "figures.rows.0.n", "-") == "1,000"
+    assert figures.figure_text(results, "demo", "figures.venv_bytes", "GB") == "1.90 GB"
+
+
 @pytest.mark.parametrize(
     ("marker", "message"),
     [

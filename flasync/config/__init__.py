@@ -51,6 +51,7 @@ from flasync.config.population import (
 from flasync.config.run import RunConfig, flatten
 from flasync.config.runtime import (
     CheckpointConfig,
+    ClientEvalConfig,
     DiagnosticsConfig,
     EvalConfig,
     ExecutorConfig,
@@ -86,6 +87,7 @@ __all__ = [
     "ByColumnPartition",
     "CheckpointConfig",
     "ClientConfig",
+    "ClientEvalConfig",
     "CodecConfig",
     "CodecStage",
     "ConstantSpeed",

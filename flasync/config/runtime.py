@@ -5,13 +5,13 @@ from __future__ import annotations
 import posixpath
 import re
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from flasync.config._base import _FieldError, _Section
-from flasync.core.events import EVALUATED_METRICS
 
 
 class CheckpointConfig(_Section):
@@ -27,39 +27,172 @@ class CheckpointConfig(_Section):
     on_interrupt: bool = Field(True, description="Write a checkpoint when SIGINT/SIGTERM stops the run.")
 
 
+ALWAYS_METRICS = ("accuracy", "loss")
+"""What every evaluation logs, whatever ``eval.metrics`` names."""
+BUILTIN_METRIC_NAMES = ("precision", "recall", "f1", "auc", "mse", "mae")
+"""The built-in metrics ``eval.metrics`` may add (:mod:`flasync.training.metrics`)."""
+CLIENT_EVAL_FIGURES = ("mean", "p10", "p50", "p90", "worst10")
+"""What client-side evaluation logs per metric and version closed (``client_eval/<metric>/<figure>``)."""
+_METRIC_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_RESERVED_FIELDS = frozenset(
+    {"step", "version", "of", "updates", "simulated_s", "wall_s", "eta_s", "eval_s", "clients", "samples", "reports"}
+)
+"""Field names of the evaluation's log lines: a user's metric cannot take one."""
+
+
+def check_metric_names(entries: Iterable[str]) -> tuple[str, ...]:
+    """Check the entries of ``eval.metrics`` without importing anything; return the metric names they give.
+
+    An entry is a built-in name (:data:`ALWAYS_METRICS`, :data:`BUILTIN_METRIC_NAMES`) or a user's metric,
+    ``NAME=module:attribute``.
+
+    Raises:
+        ValueError: An entry is neither, or two entries give one name.
+    """
+    names: list[str] = []
+    for entry in entries:
+        name, eq, target = entry.partition("=")
+        name = name.strip()
+        if not eq:
+            if name not in BUILTIN_METRIC_NAMES and name not in ALWAYS_METRICS:
+                known = ", ".join((*ALWAYS_METRICS, *BUILTIN_METRIC_NAMES))
+                raise ValueError(f"unknown metric {entry!r} (built-in: {known}; or NAME=module:attribute)")
+        else:
+            module, colon, attribute = target.strip().partition(":")
+            if (
+                not _METRIC_NAME.fullmatch(name)
+                or name in _RESERVED_FIELDS
+                or name in BUILTIN_METRIC_NAMES
+                or name in ALWAYS_METRICS
+            ):
+                raise ValueError(f"{entry!r}: a user's metric needs a new lower-case identifier as its name")
+            if not colon or not module or not attribute:
+                raise ValueError(f"{entry!r}: a user's metric is NAME=module:attribute")
+        if name in names:
+            raise ValueError(f"metric {name!r} is named twice")
+        names.append(name)
+    return tuple(names)
+
+
+class ClientEvalConfig(_Section):
+    """Client-side (federated) evaluation: clients evaluate the model they downloaded on a held-out share of their
+    own samples and report to the server, which sums the reports up per model version (off by default)."""
+
+    fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of tasks whose client evaluates (a draw per client and participation; 0: off).",
+    )
+    every: int | None = Field(
+        None, ge=1, description="Instead of a fraction: every Nth participation of each client evaluates (None: off)."
+    )
+    when: Literal["before", "after"] = Field(
+        "before",
+        description="Evaluate the downloaded model before local training, or the locally trained model after it "
+        "(either way the report counts towards the version downloaded).",
+    )
+    held_out: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="Share of each client's samples the partitioner holds out for its evaluation, never trained on "
+        "(None: 0.2 when client-side evaluation is on, no split otherwise; a value splits even with it off).",
+    )
+    min_reports: int = Field(
+        10, ge=1, description="A version's evaluation closes once this many reports for it arrived..."
+    )
+    deadline_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="... or once this many (simulated) seconds passed since the version was published, with at least "
+        "one report (None: no deadline; open versions close at the run's end).",
+    )
+
+    @model_validator(mode="after")
+    def _one_way(self) -> ClientEvalConfig:
+        if self.fraction > 0.0 and self.every is not None:
+            raise _FieldError(("eval", "clients", "every"), "set either eval.clients.fraction or every, not both")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether some tasks evaluate."""
+        return self.fraction > 0.0 or self.every is not None
+
+    @property
+    def held_out_share(self) -> float:
+        """Return the share of each client's samples held out for its evaluation (0: no split)."""
+        if self.held_out is not None:
+            return self.held_out
+        return 0.2 if self.enabled else 0.0
+
+
 class EvalConfig(_Section):
-    """Server-side evaluation on the held-out split."""
+    """Server-side evaluation on the held-out split, and client-side evaluation (``eval.clients``)."""
 
     every_versions: int = Field(5, ge=1, description="Evaluate every N model versions (and at the end).")
     batch_size: int = Field(1024, ge=1, description="Samples per evaluation batch.")
+    metrics: tuple[str, ...] = Field(
+        ALWAYS_METRICS,
+        description="What the evaluation computes: accuracy and loss always, and any of precision, recall, f1 "
+        "(macro), auc (two classes), mse, mae (regression), or a user's metric as 'NAME=module:attribute' "
+        "(update(preds, targets) and compute()); each is logged as server/eval/NAME.",
+    )
+    clients: ClientEvalConfig = Field(
+        default_factory=ClientEvalConfig, description="Client-side (federated) evaluation (off by default)."
+    )
     select: str | None = Field(
         None,
         description="Keep the best version's weights by a metric the evaluation logs, as 'KEY:max' or 'KEY:min' "
         "(e.g. 'server/eval/accuracy:max'); the run logs that model as 'best_model' besides the last one (None: off).",
     )
 
-    @field_validator("select")
+    @field_validator("metrics")
     @classmethod
-    def _known_metric(cls, select: str | None) -> str | None:
-        if select is None:
-            return None
-        parse_select(select)
-        return select
+    def _known_metrics(cls, metrics: tuple[str, ...]) -> tuple[str, ...]:
+        check_metric_names(metrics)
+        return metrics
+
+    @model_validator(mode="after")
+    def _known_select(self) -> EvalConfig:
+        if self.select is not None:
+            parse_select(self.select, selectable_keys(self))
+        return self
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """Return the names of the metrics the central evaluation logs (accuracy and loss first)."""
+        names = check_metric_names(self.metrics)
+        return (*ALWAYS_METRICS, *(n for n in names if n not in ALWAYS_METRICS))
 
 
-def parse_select(select: str) -> tuple[str, str]:
+def selectable_keys(config: EvalConfig) -> tuple[str, ...]:
+    """Return the metric keys the evaluations of ``config`` log once per evaluated version: what ``eval.select`` may
+    name (``server/eval/<metric>``, and ``client_eval/<metric>/<figure>`` with client-side evaluation on)."""
+    central = tuple(f"server/eval/{name}" for name in config.metric_names)
+    if not config.clients.enabled:
+        return central
+    figures = CLIENT_EVAL_FIGURES
+    return (*central, *(f"client_eval/{name}/{figure}" for name in config.metric_names for figure in figures))
+
+
+def parse_select(select: str, known: Iterable[str] | None = None) -> tuple[str, str]:
     """Return the metric key and the direction (``max`` or ``min``) of an ``eval.select`` value.
 
+    Args:
+        select: ``KEY:max`` or ``KEY:min``.
+        known: The keys the run logs (None: any key; the config checked it already).
+
     Raises:
-        ValueError: The key is not one the central evaluation logs (:data:`flasync.core.events.EVALUATED_METRICS`), or
-            the direction is neither ``max`` nor ``min``.
+        ValueError: The key is not one of ``known``, or the direction is neither ``max`` nor ``min``.
     """
     key, colon, direction = select.rpartition(":")
     if not colon:
         key, direction = select, ""
-    known = ", ".join(EVALUATED_METRICS)
-    if key not in EVALUATED_METRICS:
-        raise _FieldError(("eval", "select"), f"{key!r} is not a metric the evaluation logs (one of: {known})")
+    keys = tuple(known) if known is not None else (key,)
+    if key not in keys:
+        raise _FieldError(("eval", "select"), f"{key!r} is not a metric this run logs (one of: {', '.join(keys)})")
     if direction not in ("max", "min"):
         raise _FieldError(("eval", "select"), f"the direction must be ':max' or ':min', got {direction!r}")
     return key, direction

@@ -9,19 +9,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import ClassVar, Literal, NewType
 
 __all__ = [
     "BATCH_EVENTS",
     "CLOUD",
-    "EVALUATED_METRICS",
     "Aggregated",
     "AlertRaised",
     "ClientConnected",
+    "ClientEvaluated",
     "ClientFailed",
     "ClientId",
     "ClientTimedOut",
+    "ClientsEvaluated",
     "EdgeForwarded",
     "Evaluated",
     "FailureKind",
@@ -366,8 +366,8 @@ class Aggregated:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Evaluated:
-    """The server evaluated ``version`` on the held-out split (each of :data:`EVALUATED_METRICS` is logged as the
-    metric ``server/eval/<name>``)."""
+    """The server evaluated ``version`` on the held-out split (each figure is logged as the metric
+    ``server/eval/<name>``: ``accuracy``, ``loss`` and each of ``metrics``, the names ``eval.metrics`` adds)."""
 
     version: Version
     accuracy: float
@@ -375,13 +375,82 @@ class Evaluated:
     simulated_s: float
     wall_s: float
     eval_s: float = 0.0
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    def value(self, key: str) -> float | None:
+        """Return the figure logged under the metric ``key`` (``server/eval/<name>``; None: not one of this event's)."""
+        prefix, _, name = key.rpartition("/")
+        if prefix != "server/eval":
+            return None
+        if name in ("accuracy", "loss"):
+            return float(getattr(self, name))
+        found = self.metrics.get(name)
+        return None if found is None else float(found)
 
 
-EVALUATED_METRICS: Mapping[str, str] = MappingProxyType(
-    {"server/eval/accuracy": "accuracy", "server/eval/loss": "loss"}
-)
-"""The metric keys the central evaluation logs for each version evaluated, by the :class:`Evaluated` field each comes
-from: the keys ``eval.select`` may name."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientEvaluated:
+    """A client evaluated a model on its own held-out samples (client-side evaluation, ``eval.clients``).
+
+    The report counts towards ``version``, the model version the client downloaded, whether it evaluated that model
+    before local training or the model it trained from it (``when``). It is what the server sums up per version,
+    and what a per-client view reads as a client's last evaluation.
+
+    Attributes:
+        client_id: The client.
+        task_id: The task it evaluated in.
+        version: The model version the report counts towards.
+        when: ``before`` or ``after`` local training.
+        num_samples: Held-out samples evaluated.
+        accuracy: Share of them predicted right.
+        loss: Mean cross-entropy over them.
+        metrics: The figures of the metrics ``eval.metrics`` adds, by name.
+        simulated_s: When the report was made (the task's training end).
+        eval_s: Real seconds the evaluation took (a member of a cohort: its share of the cohort's).
+    """
+
+    client_id: ClientId
+    task_id: int
+    version: Version
+    when: Literal["before", "after"]
+    num_samples: int
+    accuracy: float
+    loss: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    simulated_s: float = 0.0
+    eval_s: float = 0.0
+
+    def figures(self) -> dict[str, float]:
+        """Return every figure by metric name: ``accuracy``, ``loss`` and :attr:`metrics`."""
+        return {"accuracy": self.accuracy, "loss": self.loss, **self.metrics}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientsEvaluated:
+    """The clients' evaluation of ``version`` closed (client-side evaluation): its reports summed up.
+
+    Attributes:
+        version: The model version.
+        reports: Reports counted.
+        samples: Held-out samples they evaluated.
+        figures: Per metric (``accuracy``, ``loss``, ...), its ``mean``, ``p10``, ``p50``, ``p90`` and ``worst10``
+            (logged as ``client_eval/<metric>/<figure>``).
+        closed_by: ``min_reports``, ``deadline`` or ``end`` (the run finished).
+    """
+
+    version: Version
+    reports: int
+    samples: int
+    figures: Mapping[str, Mapping[str, float]]
+    closed_by: str
+
+    def value(self, key: str) -> float | None:
+        """Return the figure logged under the metric ``key`` (``client_eval/<metric>/<figure>``; None: not one of
+        this event's)."""
+        head, metric, figure = [*key.split("/"), "", ""][:3]
+        if head != "client_eval" or metric not in self.figures or figure not in self.figures[metric]:
+            return None
+        return float(self.figures[metric][figure])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "AVAILABILITY",
+    "CLIENT_EVAL",
     "CODEC",
     "CONTROL_CODEC",
     "DATA",
@@ -58,6 +59,7 @@ EDGE_CODEC = 12
 DOWNLOAD_CODEC = 13
 PRIVACY = 14
 CONTROL_CODEC = 15
+CLIENT_EVAL = 16
 
 _MASK = (1 << 64) - 1
 _ARRAY_MIX_FROM = 16  # keys from which stream_seeds mixes them as arrays

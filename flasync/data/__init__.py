@@ -413,6 +413,32 @@ class Partition:
         """Number of samples of each client, ``int64`` of shape ``(num_clients,)``."""
         return np.diff(self.offsets)
 
+    def hold_out(self, share: float, generator: np.random.Generator) -> tuple[Partition, Partition]:
+        """Split every client's samples into a training part and a held-out part for its own evaluation.
+
+        Client ``k`` with ``n_k`` samples holds out ``min(floor(share * n_k), n_k - 1)`` of them, drawn uniformly with
+        ``generator`` (one draw per sample, in index order: the same generator state gives the same split); both parts
+        keep the partition's order of the indices. A client with one sample keeps it for training and holds out none.
+
+        Args:
+            share: Share of each client's samples held out, in ``(0, 1)``.
+            generator: Where the draws come from.
+
+        Returns:
+            ``(train, held)``: two partitions of the same clients.
+        """
+        sizes = self.sizes
+        held_sizes = np.minimum(np.floor(share * sizes).astype(np.int64), np.maximum(sizes - 1, 0))
+        owner = np.repeat(np.arange(len(self), dtype=np.int64), sizes)
+        keys = np.asarray(generator.random(self.indices.shape[0]), dtype=np.float64)
+        order = np.lexsort((keys, owner))  # each client's samples, in the order of their draws
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.shape[0], dtype=np.int64) - np.repeat(self.offsets[:-1], sizes)
+        held = rank < held_sizes[owner]
+        train_offsets = np.concatenate(([0], np.cumsum(sizes - held_sizes)))
+        held_offsets = np.concatenate(([0], np.cumsum(held_sizes)))
+        return Partition(self.indices[~held], train_offsets), Partition(self.indices[held], held_offsets)
+
     @classmethod
     def from_lists(cls, parts: Sequence[np.ndarray]) -> Partition:
         """Build a partition from one index array per client.

@@ -29,6 +29,7 @@ ADDITIVE = (
     "queue_wait_s",
     "aggregate_s",
     "eval_s",
+    "client_eval_s",
     "idle_s",
     "sim_train_s",
     "transfer_sim_s",

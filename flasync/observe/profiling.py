@@ -32,6 +32,7 @@ from flasync.core.events import (
     BATCH_EVENTS,
     Aggregated,
     AlertRaised,
+    ClientEvaluated,
     ClientFailed,
     ClientId,
     EdgeForwarded,
@@ -118,6 +119,7 @@ class _Version:
     simulated_s: float = math.nan
     publish_encode_s: float = 0.0
     eval_s: float = 0.0
+    client_eval_s: float = 0.0
     aggregated: bool = False
 
 
@@ -267,6 +269,9 @@ class Profiler:
             r.forwards[event.tier] += 1
         elif isinstance(event, Aggregated):
             self._aggregated(event)
+        elif isinstance(event, ClientEvaluated):
+            # Clients' evaluation time counts towards the version being made while it is spent, as training does.
+            r.open_versions[self._version + 1].client_eval_s += event.eval_s
         elif isinstance(event, Evaluated):
             r.open_versions[int(event.version)].eval_s += event.eval_s
             r.evaluations.add(
@@ -378,6 +383,7 @@ class Profiler:
             "queue_wait_s": rec.queue_wait_s,
             "aggregate_s": rec.aggregate_s,
             "eval_s": rec.eval_s,
+            "client_eval_s": rec.client_eval_s,
             "idle_s": max(0.0, interval - busy),
             "sim_train_s": rec.sim_train_s,
             "transfer_sim_s": rec.transfer_sim_s,
@@ -455,7 +461,16 @@ def _time_totals(rows: Sequence[Mapping[str, float]], mode: str) -> dict[str, fl
     """Return the run's time totals: wall seconds by phase, then simulated transfer, training and straggler wait."""
     time_totals = {
         key: _column_total(rows, key)
-        for key in ("compute_s", "encode_s", "decode_s", "queue_wait_s", "aggregate_s", "eval_s", "idle_s")
+        for key in (
+            "compute_s",
+            "encode_s",
+            "decode_s",
+            "queue_wait_s",
+            "aggregate_s",
+            "eval_s",
+            "client_eval_s",
+            "idle_s",
+        )
     }
     time_totals["transfer_sim_s"] = _column_total(rows, "transfer_sim_s")
     time_totals["sim_train_s"] = _column_total(rows, "sim_train_s")

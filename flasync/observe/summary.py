@@ -73,6 +73,8 @@ class RunSummary:
     metric_rows_lost: int = 0
     """Metric rows of the run written neither to MLflow nor to its journal (also the tag
     ``flasync.metric_rows_lost``); 0 for an untracked run."""
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    """The last central evaluation's figures besides accuracy and loss (``eval.metrics``), by name."""
     best_version: int | None = None
     """The version ``eval.select`` rated best (None: no selection, or no evaluation with a finite figure)."""
     best_metric: str = ""

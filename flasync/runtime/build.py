@@ -29,6 +29,7 @@ from flasync.aggregation.privacy import (
     GaussianMechanism,
     PrivacyPlan,
 )
+from flasync.algorithms.client_eval import ClientEvaluation, EvaluationSummary, Selection
 from flasync.algorithms.error_feedback import ErrorFeedback
 from flasync.algorithms.privacy import CentralPrivacy
 from flasync.algorithms.pruning import PruningClients, PruningServer
@@ -59,6 +60,7 @@ from flasync.core import seeding
 from flasync.core.bus import EventBus
 from flasync.core.clock import Clock, RunClock
 from flasync.core.errors import ConfigError
+from flasync.data import Partition
 from flasync.runtime.naming import rule_name
 from flasync.runtime.prepare import Prepared, clients_in_flight
 from flasync.server import (
@@ -137,6 +139,11 @@ def build_world(
     """
     upload_codec = pipeline(config.codec.upload, sparse=config.model.prune is not None)
     client_plugins = (*_client_plugins(config, prepared, upload_codec, scratch), *plugins)
+    if config.eval.clients.enabled:
+        client_plugins = (
+            client_evaluation(config, prepared, executor, bus=bus, clock=clock, wall=wall),
+            *client_plugins,
+        )
     samples = _client_samples(config, prepared)
     job = JobContext(
         models=executor.models,
@@ -180,6 +187,7 @@ def build_world(
 _TAKEN_NAMES = frozenset(
     {"clock", "residuals", "variates", "controls", "privacy", "version", "weights", "queued", "answered"}
     | {"prune", "prune_mask"}
+    | {"client_eval", "client_eval_versions"}
     | {"aggregator", "accounting", "sampler", "registry", "intake", "policy"}
 )
 """Names of a checkpoint's entries besides a caller's plug-ins: the server's own state and the run's own plug-ins."""
@@ -237,7 +245,7 @@ def _client_plugins(
     return tuple(plugins)
 
 
-def _client_samples(config: RunConfig, prepared: Prepared) -> ClientSamples:
+def _client_samples(config: RunConfig, prepared: Prepared, partition: Partition | None = None) -> ClientSamples:
     """Return the training data where the clients' jobs read it: on the device, or pinned in host memory."""
     device = prepared.device
     # Data, weights and the aggregation buffers (which follow the weights) live on the training device.
@@ -245,13 +253,54 @@ def _client_samples(config: RunConfig, prepared: Prepared) -> ClientSamples:
     train_x, train_y = prepared.train.x.to(data_device), prepared.train.y.to(data_device)
     if device.type == "cuda" and not config.executor.data_on_device:
         train_x, train_y = train_x.pin_memory(), train_y.pin_memory()
+    rows = prepared.partition if partition is None else partition
     return ClientSamples(
         train_x,
         train_y,
-        prepared.partition,
-        torch.from_numpy(np.array(prepared.partition.indices, dtype=np.int64)).to(data_device),
+        rows,
+        torch.from_numpy(np.array(rows.indices, dtype=np.int64)).to(data_device),
         prepared.lazy,
     )
+
+
+def client_evaluation(
+    config: RunConfig,
+    prepared: Prepared,
+    executor: TrainingExecutor,
+    *,
+    bus: EventBus,
+    clock: Clock,
+    wall: Callable[[], float],
+) -> ClientEvaluation:
+    """Return the clients' side of client-side evaluation (``eval.clients``), on each client's held-out samples."""
+    cfg = config.eval.clients
+    assert prepared.held_out is not None  # prepare() splits whenever client-side evaluation is on
+    return ClientEvaluation(
+        Selection(config.seed, fraction=cfg.fraction, every=cfg.every),
+        cfg.when,
+        _client_samples(config, prepared, prepared.held_out),
+        executor.models,
+        prepared.metrics,
+        bus.publish_nowait,
+        clock.now,
+        batch_size=config.eval.batch_size,
+        wall=wall,
+    )
+
+
+def evaluation_summary(config: RunConfig, *, bus: EventBus, clock: Clock, log: Any) -> EvaluationSummary:
+    """Return the server's side of client-side evaluation, watching ``bus`` for the clients' reports."""
+    cfg = config.eval.clients
+    summary = EvaluationSummary(
+        config.eval.metric_names,
+        min_reports=cfg.min_reports,
+        deadline_s=cfg.deadline_s,
+        now=clock.now,
+        log=log,
+        publish=bus.publish_nowait,
+    )
+    bus.add_instrument(summary)
+    return summary
 
 
 def make_evaluator(prepared: Prepared, executor: TrainingExecutor, clock: Clock, *, batch_size: int) -> Evaluator:
@@ -264,7 +313,9 @@ def make_evaluator(prepared: Prepared, executor: TrainingExecutor, clock: Clock,
             return None
         return await clock.run(
             executor.pool,
-            lambda: evaluate(executor.models.get(), flat, test_x, test_y, batch_size=batch_size),
+            lambda: evaluate(
+                executor.models.get(), flat, test_x, test_y, batch_size=batch_size, metrics=prepared.metrics
+            ),
             simulated_s=0.0,
         )
 
@@ -494,7 +545,7 @@ def build_server(
         config, tree, registry, make_intake, edge_codec, weights, bus=bus, clock=clock, wall=wall, log=log
     )
     aggregator = _server_aggregator(config, weights, noise, aggregator_factory)
-    server_plugins = _server_plugins(config, weights, len(population), privacy, world.job.upload_codec, shapes, plugins)
+    server_plugins = _server_plugins(config, weights, privacy, world, shapes, plugins, bus=bus, clock=clock, log=log)
     policy = _make_policy(config, aggregator, registry, sampler, accounting, edges, bus=bus, clock=clock, log=log)
     if group is not None:
         _group_answers(group, policy, registry, tree)
@@ -703,19 +754,24 @@ def _server_aggregator(
 def _server_plugins(
     config: RunConfig,
     weights: torch.Tensor,
-    num_clients: int,
     privacy: PrivacyPlan | None,
-    upload_codec: Pipeline,
+    world: ClientWorld,
     shapes: Sequence[tuple[int, ...]],
     extra: Sequence[ServerPlugin],
+    *,
+    bus: EventBus,
+    clock: Clock,
+    log: Any,
 ) -> tuple[ServerPlugin, ...]:
-    """Return the server's algorithm state: SCAFFOLD's control variate ``c``, central differential privacy's
-    one-update-per-client rule and accountant, and the pruning mask (each when it is on), then ``extra`` (a caller's
-    own)."""
+    """Return the server's algorithm state: client-side evaluation's summary, SCAFFOLD's control variate ``c``,
+    central differential privacy's one-update-per-client rule and accountant, and the pruning mask (each when it is
+    on), then ``extra`` (a caller's own)."""
     plugins: list[ServerPlugin] = []
+    if config.eval.clients.enabled:
+        plugins.append(evaluation_summary(config, bus=bus, clock=clock, log=log))
     if config.scaffold.enabled:
-        controls = ControlVariate(weights.numel(), num_clients=num_clients, device=weights.device)
-        plugins.append(ScaffoldServer(controls, upload_codec))
+        controls = ControlVariate(weights.numel(), num_clients=len(world.population), device=weights.device)
+        plugins.append(ScaffoldServer(controls, world.job.upload_codec))
     if privacy is not None:
         plugins.append(CentralPrivacy(privacy.accountant))
     prune = config.model.prune

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,7 @@ from flasync.server.topology import Tree, build_tree
 from flasync.training.exchange import Exchanged, LoraSpec, PartialFactory, apply_lora, exchanged_names
 from flasync.training.executors.threads import resolve_device
 from flasync.training.local import flat_layout, flat_parameters
+from flasync.training.metrics import MetricSet, resolve_metrics
 from flasync.training.models import MLP, SmallCNN
 
 __all__ = [
@@ -83,6 +84,11 @@ class Prepared:
     """The shapes of the tensors of ``initial``, in order (:func:`flasync.training.local.flat_layout`)."""
     trace: DeviceTrace | None = None
     """The device trace ``population.trace`` names (None: none)."""
+    metrics: MetricSet = field(default_factory=MetricSet)
+    """The metrics ``eval.metrics`` adds to accuracy and loss, resolved against the data's classes."""
+    held_out: Partition | None = None
+    """Each client's samples held out for client-side evaluation (``eval.clients``; None: no split): ``partition``
+    holds the rest."""
 
 
 class RunInputs:
@@ -230,7 +236,8 @@ class RunInputs:
         """Load and check the data, partition it, build the model and the tree.
 
         Raises:
-            ConfigError: If the model or the topology does not fit the data.
+            ConfigError: If the model, the topology or a metric does not fit the data, or a user's metric cannot be
+                imported.
             DataError: If the data set cannot be used.
         """
         device = self._device()
@@ -254,6 +261,13 @@ class RunInputs:
         else:
             partition = loaded.partition if loaded.partition is not None else prepare.partition(self.config, train)
             sizes = partition.sizes
+        held_out = None
+        share = self.config.eval.clients.held_out_share
+        if share > 0.0:
+            if lazy is not None:
+                raise ConfigError("eval.clients: client-side evaluation needs data that is not lazy (data.lazy)")
+            partition, held_out = partition.hold_out(share, seeding.numpy_stream(self.config.seed, seeding.CLIENT_EVAL))
+            sizes = partition.sizes
         factory, initial, shapes = self._initial_weights(self._factory(train), train)
         tree = self._tree()
         privacy = plan_privacy(self.config, len(sizes)) if self.config.privacy.enabled else None
@@ -273,6 +287,8 @@ class RunInputs:
             None if self.config.model.partial else self._model_spec(train),
             shapes,
             read_trace(self.config.population.trace) if self.config.population.trace is not None else None,
+            resolve_metrics(self.config.eval.metrics, num_classes=train.num_classes),
+            held_out,
         )
 
     def _tree(self) -> Tree | None:

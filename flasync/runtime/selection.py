@@ -1,9 +1,14 @@
-"""The best model of a run: the weights of the version a metric of the central evaluation rated best (``eval.select``).
+"""The best model of a run: the weights of the version a metric of the evaluation rated best (``eval.select``).
 
 :class:`BestVersion` watches the bus for :class:`~flasync.core.events.Evaluated` and copies the evaluated version's
 weights when its figure beats the best so far (ties keep the earlier version). The evaluation happens anyway, every
 ``eval.every_versions`` versions and at the end, so keeping the best costs one copy of the flat weights per
 improvement and nothing on the server loop's path.
+
+A client-side metric (``client_eval/<metric>/<figure>``) is known only when a version's evaluation closes
+(:class:`~flasync.core.events.ClientsEvaluated`), often after newer versions were made: the weights of a version are
+copied at its first client report (while that client's task holds them) and kept until its evaluation closes, so
+the copies held are those of the versions whose evaluation is open.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from flasync import tracking
 from flasync.config import RunConfig
 from flasync.config.runtime import parse_select
 from flasync.core.bus import EventBus
-from flasync.core.events import EVALUATED_METRICS, Evaluated, Version
+from flasync.core.events import ClientEvaluated, ClientsEvaluated, Evaluated, Version
 from flasync.core.instruments import Instrument
 from flasync.core.snapshots import ModelSnapshot
 from flasync.observe.summary import RunSummary, weights_sha256
@@ -35,6 +40,7 @@ __all__ = [
     "better",
     "register_selected",
     "run_models",
+    "summary_value",
     "with_best",
 ]
 
@@ -87,27 +93,45 @@ class BestVersion(Instrument):
     def __init__(self, select: str, model_of: Callable[[Version], ModelSnapshot | None]) -> None:
         """Select nothing yet."""
         self.metric, self.direction = parse_select(select)
-        self._field = EVALUATED_METRICS[self.metric]
         self._model_of = model_of
+        self._client_side = self.metric.startswith("client_eval/")
+        self._pending: dict[int, torch.Tensor] = {}
         self.best: Best | None = None
         """The best version so far (None: no evaluation yet had a finite figure)."""
 
     def event_published(self, event: object) -> None:
-        """Copy the weights of an evaluated version that beats the best so far."""
+        """Copy the weights of an evaluated version that beats the best so far (see the module)."""
+        if self._client_side:
+            self._client_event(event)
+            return
         if not isinstance(event, Evaluated):
             return
-        value = float(getattr(event, self._field))
-        if self.best is not None and not better(value, self.best.value, self.direction):
-            return
-        if math.isnan(value):
+        found = event.value(self.metric)
+        if found is None or not self._improves(found):
             return
         snapshot = self._model_of(event.version)
         if snapshot is None:  # not the current model any more: nothing to copy
             return
-        weights = snapshot.exact.detach().to("cpu", copy=True)
-        self.best = Best(
-            version=int(event.version), metric=self.metric, direction=self.direction, value=value, weights=weights
-        )
+        self._keep(int(event.version), found, snapshot.exact.detach().to("cpu", copy=True))
+
+    def _client_event(self, event: object) -> None:
+        if isinstance(event, ClientEvaluated):
+            version = int(event.version)
+            if version not in self._pending:
+                snapshot = self._model_of(event.version)
+                if snapshot is not None:
+                    self._pending[version] = snapshot.exact.detach().to("cpu", copy=True)
+        elif isinstance(event, ClientsEvaluated):
+            weights = self._pending.pop(int(event.version), None)
+            found = event.value(self.metric)
+            if weights is not None and found is not None and self._improves(found):
+                self._keep(int(event.version), found, weights)
+
+    def _improves(self, value: float) -> bool:
+        return not math.isnan(value) and (self.best is None or better(value, self.best.value, self.direction))
+
+    def _keep(self, version: int, value: float, weights: torch.Tensor) -> None:
+        self.best = Best(version=version, metric=self.metric, direction=self.direction, value=value, weights=weights)
 
     def attach(self, bus: EventBus) -> BestVersion:
         """Watch ``bus`` from now on; return self."""
@@ -169,7 +193,7 @@ def run_models(summary: RunSummary, weights: torch.Tensor, best: Best | None, se
     final evaluation found it (the server evaluates the last version before it stops).
     """
     metric, direction = parse_select(select or DEFAULT_SELECT)
-    value = float(getattr(summary, EVALUATED_METRICS[metric]))
+    value = summary_value(summary, metric)
     models = [
         RunModel(
             name=LAST_MODEL,
@@ -192,6 +216,16 @@ def run_models(summary: RunSummary, weights: torch.Tensor, best: Best | None, se
             )
         )
     return models
+
+
+def summary_value(summary: RunSummary, metric: str) -> float:
+    """Return the final evaluation's figure of ``metric`` from a run's summary (NaN: it has none)."""
+    name = metric.rpartition("/")[2]
+    if metric in ("server/eval/accuracy", "server/eval/loss"):
+        return float(getattr(summary, name))
+    if metric.startswith("server/eval/"):
+        return float(summary.eval_metrics.get(name, math.nan))
+    return math.nan
 
 
 def register_selected(

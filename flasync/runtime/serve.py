@@ -16,11 +16,12 @@ flasync's binary codec format as ``application/octet-stream``; refusals are ``{"
   token gets 409 ``token_in_use`` with ``Retry-After`` while the task is in flight, and 403 if it uploads for it.
 - ``GET /v1/models/{version}``: the encoded model of a version a task is based on (encoded once per version).
 - ``POST /v1/tasks/{task_id}/update``: the encoded update as the body, the training report as JSON in the
-  ``X-Flasync-Report`` header, the task's ``incarnation`` (from its offer) in ``X-Flasync-Incarnation``: 202 once
-  it is on its way to the intake; 403 for a task that is not the client's, 409 for a replay (``replay``) or for
-  a task of a server process that died and whose run was resumed from a checkpoint (``stale_task``), 413 for a
-  body larger than the model's encoding (refused before it is read whole), 503 with ``Retry-After`` when the
-  server's inbox is full.
+  ``X-Flasync-Report`` header (with the client's evaluation of the downloaded model when ``eval.clients`` chose
+  the task: :class:`~flasync.clients.remote.transport.EvaluationReport`), the task's ``incarnation`` (from its
+  offer) in ``X-Flasync-Incarnation``: 202 once it is on its way to the intake; 403 for a task that is not the
+  client's, 409 for a replay (``replay``) or for a task of a server process that died and whose run was resumed
+  from a checkpoint (``stale_task``), 413 for a body larger than the model's encoding (refused before it is read
+  whole), 503 with ``Retry-After`` when the server's inbox is full.
 - ``POST /v1/tasks/{task_id}/failed``: local training failed (JSON ``{"error": ...}``; the same headers).
 - ``GET /v1/status``: whether the run is waiting, running or finished (no token needed).
 
@@ -234,7 +235,11 @@ class _Routes:
         try:
             if len(raw) > _MAX_REPORT_CHARS:
                 raise ValueError(f"the report has more than {_MAX_REPORT_CHARS} characters")
-            report = Report.from_json(json.loads(raw), max_num_samples=self.transport.settings.max_num_samples)
+            report = Report.from_json(
+                json.loads(raw),
+                max_num_samples=self.transport.settings.max_num_samples,
+                metric_names=self.transport.metric_names,
+            )
         except ValueError as exc:  # json.JSONDecodeError is one
             return _refused(self.transport.bad_report(client_id, f"{REPORT_HEADER}: {exc}".splitlines()[0]))
         # Read in chunks, never more than the limit: a body without (or with a false) Content-Length is cut off.

@@ -32,6 +32,8 @@ class ServerStats:
     accuracy: float = math.nan
     loss: float = math.nan
     evaluated_version: int = -1
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    """The last central evaluation's figures besides accuracy and loss (``eval.metrics``), by name."""
     stop_reason: str = ""
     tasks_timed_out: int = 0
     tasks_abandoned: int = 0

@@ -198,6 +198,7 @@ class VersionMaker:
         if result is None:
             return
         stats.accuracy, stats.loss, stats.evaluated_version = result.accuracy, result.loss, int(snapshot.version)
+        stats.eval_metrics = dict(result.metrics)
         wall_s = self.elapsed_s()
         version = int(snapshot.version)
         self.log.info(
@@ -207,6 +208,7 @@ class VersionMaker:
             of=self.rules.max_versions,
             accuracy=result.accuracy,
             loss=result.loss,
+            **result.metrics,
             updates=stats.updates_accepted,
             simulated_s=self.clock.now(),
             wall_s=wall_s,
@@ -220,5 +222,6 @@ class VersionMaker:
                 simulated_s=self.clock.now(),
                 wall_s=wall_s,
                 eval_s=self.wall() - start,
+                metrics=dict(result.metrics),
             )
         )

@@ -9,6 +9,7 @@ plug-in keeps for the client is returned, not stored: the client coroutine store
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -186,6 +187,8 @@ def finish_job(
         diagnosis = (ctx.diagnostics or _NO_DIAGNOSTICS).diagnose(result)
     if not diagnosis.update_finite:
         raise _diverged(result, diagnosis)
+    for part in parts:
+        type(part).finish_together((part,), (result,))
     start = ctx.wall()
     residual = None
     for part in parts:
@@ -256,6 +259,7 @@ def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> li
         payloads = ctx.upload_codec.encode_rows(deltas.cpu())
         encode_s = (ctx.wall() - start) / len(jobs)
     if ctx is None or payloads is None:
+        _finish_together(jobs, results)
         return [_finish_one(job, result) for job, result in zip(jobs, results, strict=True)]
     diagnose = (ctx.diagnostics or _NO_DIAGNOSTICS).diagnose
     empty = ctx.no_delta
@@ -274,6 +278,24 @@ def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> li
             )
         )
     return finished
+
+
+def _finish_together(jobs: Sequence[TrainingJob[Any]], results: Sequence[LocalResult]) -> None:
+    """Let the plug-in parts of a cohort's tasks do together the work they share (each class's parts at once)."""
+    groups: dict[type[TaskPart], tuple[list[TaskPart], list[LocalResult]]] = {}
+    for job, result in zip(jobs, results, strict=True):
+        finish = job.finish
+        if not isinstance(finish, Finish):
+            continue
+        for part in finish.parts:
+            group = groups.setdefault(type(part), ([], []))
+            group[0].append(part)
+            group[1].append(result)
+    for cls, (parts, members) in groups.items():
+        if len(parts) > 1:
+            # On an error each task does its own part's work again as it finishes, and meets the error itself.
+            with contextlib.suppress(Exception):
+                cls.finish_together(parts, members)
 
 
 def _plain_context(jobs: Sequence[TrainingJob[Any]]) -> JobContext | None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from flasync.core.errors import TrainingError
 from flasync.training.exchange import Exchanged
+
+if TYPE_CHECKING:
+    from flasync.training.metrics import MetricSet
 
 __all__ = [
     "EvalResult",
@@ -35,6 +38,7 @@ __all__ = [
     "after_default_stream",
     "autocast",
     "evaluate",
+    "evaluate_segments",
     "flat_layout",
     "flat_parameters",
     "objective_name",
@@ -260,11 +264,12 @@ class LocalResult:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EvalResult:
-    """Accuracy and mean cross-entropy over a data split."""
+    """Accuracy and mean cross-entropy over a data split, and the figures of the metrics ``eval.metrics`` adds."""
 
     accuracy: float
     loss: float
     num_samples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 def autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
@@ -595,9 +600,16 @@ def _sgd_steps(
 
 @torch.no_grad()
 def evaluate(
-    model: FlatModel, weights: torch.Tensor, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 1024
+    model: FlatModel,
+    weights: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    batch_size: int = 1024,
+    metrics: MetricSet | None = None,
 ) -> EvalResult:
-    """Return accuracy and mean cross-entropy of ``weights`` on ``(x, y)``."""
+    """Return accuracy and mean cross-entropy of ``weights`` on ``(x, y)``, and the figures of ``metrics`` (fresh
+    instances of each, fed every batch's float32 outputs)."""
     after_default_stream(model.flat.device)
     model.load_(weights)
     module = model.module
@@ -605,9 +617,67 @@ def evaluate(
     n = int(y.shape[0])
     correct = torch.zeros((), dtype=torch.int64, device=x.device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    tally = metrics.tally(x.device) if metrics else None
     for start in range(0, n, batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         out = module(xb).float()
         loss_sum += F.cross_entropy(out, yb, reduction="sum").double()
         correct += (out.argmax(dim=1) == yb).sum()
-    return EvalResult(accuracy=int(correct) / max(n, 1), loss=float(loss_sum) / max(n, 1), num_samples=n)
+        if tally is not None:
+            tally.update(out, yb)
+    figures = tally.compute() if tally is not None and n else {}
+    return EvalResult(
+        accuracy=int(correct) / max(n, 1), loss=float(loss_sum) / max(n, 1), num_samples=n, metrics=figures
+    )
+
+
+@torch.no_grad()
+def evaluate_segments(
+    model: FlatModel,
+    weights: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    sizes: Sequence[int],
+    *,
+    batch_size: int = 1024,
+    metrics: MetricSet | None = None,
+) -> list[EvalResult]:
+    """Evaluate ``weights`` on consecutive segments of ``(x, y)`` in shared batches: one result per segment.
+
+    The rows of ``x`` are the segments one after another (``sizes[j]`` rows for segment ``j``, e.g. the held-out
+    samples of a cohort's clients, all evaluating one model): the forward passes run over batches of up to
+    ``batch_size`` rows whatever the segments, and each segment's accuracy, mean cross-entropy and ``metrics`` are
+    those :func:`evaluate` gives on its rows alone (to float rounding of the loss's sum).
+    """
+    after_default_stream(model.flat.device)
+    model.load_(weights)
+    module = model.module
+    model.set_mode(training=False)
+    k = len(sizes)
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + int(size))
+    n = bounds[-1]
+    owner = torch.repeat_interleave(torch.arange(k, device=x.device), torch.tensor(list(sizes), device=x.device))
+    correct = torch.zeros(k, dtype=torch.int64, device=x.device)
+    loss_sum = torch.zeros(k, dtype=torch.float64, device=x.device)
+    tallies = [metrics.tally(x.device) for _ in range(k)] if metrics else []
+    for start in range(0, n, batch_size):
+        stop = min(start + batch_size, n)
+        xb, yb, ob = x[start:stop], y[start:stop], owner[start:stop]
+        out = module(xb).float()
+        loss_sum.index_add_(0, ob, F.cross_entropy(out, yb, reduction="none").double())
+        correct.index_add_(0, ob, (out.argmax(dim=1) == yb).long())
+        for j in range(int(ob[0]), int(ob[-1]) + 1) if tallies else ():
+            lo, hi = max(bounds[j], start) - start, min(bounds[j + 1], stop) - start
+            if hi > lo:
+                tallies[j].update(out[lo:hi], yb[lo:hi])
+    right, losses = correct.tolist(), loss_sum.tolist()
+    results = []
+    for j, size in enumerate(sizes):
+        figures = tallies[j].compute() if tallies and size else {}
+        count = max(int(size), 1)
+        results.append(
+            EvalResult(accuracy=right[j] / count, loss=losses[j] / count, num_samples=int(size), metrics=figures)
+        )
+    return results

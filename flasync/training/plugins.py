@@ -8,6 +8,7 @@ fixed points of an update's path, and know nothing of which algorithms are on:
     worker thread        local training ......... TaskPart.correction, added to every local gradient, and
                                                   TaskPart.mask, multiplying it (only those weights train)
                          encoding the delta ..... TaskPart.residual(), carried into the upload codec
+                         a cohort's parts ....... type(part).finish_together(parts, results)   (work they share)
                          after encoding ......... TaskPart.finish(delta, result, encoded, codec) -> Finished
     client, event loop   training ended ......... TaskPart.keep(finished)   (in virtual time: an abandoned task
                                                                             keeps nothing)
@@ -29,7 +30,7 @@ error-feedback residual.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -73,6 +74,16 @@ class TaskPart:
     def residual(self) -> torch.Tensor | None:
         """Return the error-feedback residual the upload codec adds to the delta (worker thread; None: none)."""
         return None
+
+    @classmethod
+    def finish_together(cls, parts: Sequence[TaskPart], results: Sequence[LocalResult]) -> None:
+        """Do the work the parts of one class share, for tasks trained together (worker thread; no-op here).
+
+        A cohort's tasks call it once with their parts of this class and their training results, in the cohort's
+        order, before any of them finishes; then each task calls it again with its own part alone, before
+        :meth:`finish` (a task trained alone calls only this). So it does the work of the parts that have not done
+        it yet: a batched evaluation of a cohort, for example, rather than one per task.
+        """
 
     def finish(self, delta: torch.Tensor, result: LocalResult, encoded: Encoded, codec: Pipeline) -> Finished:
         """Take the task's encoded delta (worker thread); return what to send beside it and what to keep."""

@@ -31,11 +31,13 @@ import torch
 from torch import nn
 
 from flasync import codecs
+from flasync.algorithms.client_eval import Selection, evaluates
 from flasync.config import ModelConfig, RunConfig, SmallCNNModel, validate
 from flasync.core import seeding
-from flasync.core.errors import DecodeError, FlasyncError, TrainingError
-from flasync.data import ArrayData, from_dataset, prepare
-from flasync.training.local import FlatModel, LocalTraining, train
+from flasync.core.errors import ConfigError, DecodeError, FlasyncError, TrainingError
+from flasync.data import ArrayData, Partition, from_dataset, prepare
+from flasync.training.local import FlatModel, LocalTraining, evaluate, train
+from flasync.training.metrics import MetricSet, resolve_metrics
 from flasync.training.models import MLP, SmallCNN
 
 __all__ = ["Client", "ClientStats", "RemoteError", "model_from_config"]
@@ -142,6 +144,8 @@ class Client:
         self._residual: torch.Tensor | None = None
         self._model: FlatModel | None = None
         self._data: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._held: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._metrics = MetricSet()
         self._setup: dict[str, Any] = {}
         self._cached: tuple[int, torch.Tensor] | None = None
         self._on_status = on_status
@@ -269,10 +273,10 @@ class Client:
         feature_shape = tuple(int(d) for d in self._setup["feature_shape"])
         num_classes = int(self._setup["num_classes"])
         if self._dataset is None:
-            x, y = _own_partition(config, self.stats.client_id)
+            x, y, held = _own_partition(config, self.stats.client_id)
         else:
             data = self._dataset if isinstance(self._dataset, ArrayData) else from_dataset(self._dataset)
-            x, y = data.x, data.y
+            x, y, held = _held_out(config, self.stats.client_id, data.x, data.y)
         if tuple(x.shape[1:]) != feature_shape:
             raise RemoteError(
                 f"local samples have shape {tuple(x.shape[1:])}, the server's model takes {feature_shape}"
@@ -290,6 +294,11 @@ class Client:
             )
         self._model = model
         self._data = (x.float(), y.long())
+        self._held = None if held is None else (held[0].float(), held[1].long())
+        try:
+            self._metrics = resolve_metrics(config.eval.metrics, num_classes=num_classes)
+        except ConfigError as exc:
+            raise RemoteError(f"the server's {exc}") from None
 
     def _train(self, weights: torch.Tensor, participation: int, download_s: float) -> _Trained:
         """Train from ``weights`` and encode the delta with error feedback (in a worker thread)."""
@@ -298,8 +307,21 @@ class Client:
         seed, client_id = config.seed, self.stats.client_id
         local = LocalTraining(**config.client.model_dump())
         x, y = self._data
+        evaluation = config.eval.clients
+        chosen = (
+            self._held is not None
+            and len(self._held[1]) > 0
+            and evaluates(
+                Selection(seed, fraction=evaluation.fraction, every=evaluation.every), client_id, participation
+            )
+        )
+        report: dict[str, Any] = {}
+        if chosen and evaluation.when == "before":
+            report["evaluation"] = self._evaluate(weights, "before")
         generator = seeding.torch_stream(seed, seeding.TASK, client_id, participation)
         result = train(self._model, weights, x, y, local, generator)
+        if chosen and evaluation.when == "after":
+            report["evaluation"] = self._evaluate(weights - result.delta.to(weights.device), "after")
         if not bool(torch.isfinite(result.delta).all()):
             raise TrainingError(f"local training diverged: the update has NaN or Inf (loss {result.loss})")
         from flasync.codecs.build import pipeline
@@ -311,7 +333,7 @@ class Client:
             generator=seeding.torch_stream(seed, seeding.CODEC, client_id, participation),
             residual=self._residual,
         )
-        report = {
+        report |= {
             "num_samples": result.num_samples,
             "train_loss": result.loss if math.isfinite(result.loss) else 0.0,
             "train_s": result.train_s,
@@ -320,6 +342,20 @@ class Client:
             "peak_mem_bytes": result.peak_mem_bytes,
         }
         return _Trained(encoded.payload, encoded.residual, report)
+
+    def _evaluate(self, weights: torch.Tensor, when: str) -> dict[str, Any]:
+        """Evaluate ``weights`` on the held-out samples; return the report's ``evaluation`` (in a worker thread)."""
+        assert self._model is not None and self._held is not None
+        start = self._wall()
+        done = evaluate(self._model, weights, *self._held, metrics=self._metrics)
+        return {
+            "num_samples": done.num_samples,
+            "accuracy": done.accuracy,
+            "loss": done.loss,
+            "when": when,
+            "eval_s": self._wall() - start,
+            "metrics": dict(done.metrics),
+        }
 
     # --------------------------------------------------------------------------------------------- HTTP
     async def _request(self, http: httpx.AsyncClient, method: str, path: str, **kwargs: Any) -> httpx.Response:
@@ -421,12 +457,37 @@ def model_from_config(model: ModelConfig, feature_shape: tuple[int, ...], num_cl
     return MLP(int(np.prod(feature_shape)), model.hidden, num_classes)
 
 
-def _own_partition(config: RunConfig, client_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the samples the server's configured data set and partition give ``client_id``."""
+_Held = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _own_partition(config: RunConfig, client_id: int) -> tuple[torch.Tensor, torch.Tensor, _Held]:
+    """Return the samples the server's configured data set and partition give ``client_id`` to train on, and those
+    held out for its evaluation (None: no split), as a simulation gives them."""
     loaded = prepare.load(config)
     part = loaded.partition if loaded.partition is not None else prepare.partition(config, loaded.train)
+    share = config.eval.clients.held_out_share
+    held: Partition | None = None
+    if share > 0.0:
+        part, held = part.hold_out(share, seeding.numpy_stream(config.seed, seeding.CLIENT_EVAL))
+    x, y = loaded.train.x, loaded.train.y
     rows = torch.from_numpy(np.array(part[client_id], dtype=np.int64))
-    return loaded.train.x[rows], loaded.train.y[rows]
+    if held is None:
+        return x[rows], y[rows], None
+    kept = torch.from_numpy(np.array(held[client_id], dtype=np.int64))
+    return x[rows], y[rows], (x[kept], y[kept])
+
+
+def _held_out(
+    config: RunConfig, client_id: int, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, _Held]:
+    """Split a device's own samples as the partitioner splits a client's (``eval.clients.held_out``; None: none)."""
+    share = config.eval.clients.held_out_share
+    if share <= 0.0:
+        return x, y, None
+    whole = Partition.from_lists([np.arange(len(y), dtype=np.int64)])
+    train_part, held = whole.hold_out(share, seeding.numpy_stream(config.seed, seeding.CLIENT_EVAL, client_id))
+    rows, kept = (torch.from_numpy(np.array(p[0], dtype=np.int64)) for p in (train_part, held))
+    return x[rows], y[rows], (x[kept], y[kept])
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:

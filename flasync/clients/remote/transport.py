@@ -21,10 +21,10 @@ import math
 import secrets
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -32,7 +32,15 @@ import torch
 from flasync.codecs import HEADER, Pipeline
 from flasync.core.bus import EventBus
 from flasync.core.errors import BusClosed, BusFull, ConfigError
-from flasync.core.events import ClientConnected, ClientFailed, ClientId, TaskAssigned, UpdateUploaded, Version
+from flasync.core.events import (
+    ClientConnected,
+    ClientEvaluated,
+    ClientFailed,
+    ClientId,
+    TaskAssigned,
+    UpdateUploaded,
+    Version,
+)
 from flasync.core.snapshots import ModelSnapshot
 
 if TYPE_CHECKING:
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
     from flasync.server.registry import TaskRegistry, Timer
 
 __all__ = [
+    "EvaluationReport",
     "Incarnations",
     "Offer",
     "Refusal",
@@ -175,6 +184,75 @@ class Offer:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EvaluationReport:
+    """A client's evaluation of the model it downloaded, sent with its update (client-side evaluation).
+
+    Attributes:
+        num_samples: Held-out samples evaluated.
+        accuracy: Share of them predicted right.
+        loss: Mean cross-entropy over them.
+        when: ``before`` or ``after`` local training.
+        eval_s: Wall seconds of the evaluation.
+        metrics: The figures of the run's added metrics (``eval.metrics``), by name.
+    """
+
+    num_samples: int
+    accuracy: float
+    loss: float
+    when: Literal["before", "after"] = "before"
+    eval_s: float = 0.0
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: object, *, max_num_samples: int, metric_names: Sequence[str]) -> EvaluationReport:
+        """Validate a decoded JSON object holding every metric of ``metric_names`` and no other.
+
+        Raises:
+            ValueError: A missing, mistyped or out-of-range field (one line).
+        """
+        if not isinstance(data, dict):
+            raise ValueError("evaluation must be a JSON object")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown evaluation field {sorted(unknown)[0]!r}")
+        samples = data.get("num_samples")
+        if not isinstance(samples, int) or isinstance(samples, bool) or not 0 <= samples <= max_num_samples:
+            raise ValueError(f"evaluation.num_samples must be an integer in 0 .. {max_num_samples}")
+        when = data.get("when", "before")
+        if when not in ("before", "after"):
+            raise ValueError("evaluation.when must be 'before' or 'after'")
+        metrics = data.get("metrics", {})
+        if not isinstance(metrics, dict) or sorted(metrics) != sorted(metric_names):
+            raise ValueError(f"evaluation.metrics must hold exactly this run's metrics: {sorted(metric_names)}")
+        figures = {name: _finite(data.get(name), f"evaluation.{name}") for name in ("accuracy", "loss", "eval_s")}
+        if not 0.0 <= figures["accuracy"] <= 1.0 or figures["loss"] < 0 or figures["eval_s"] < 0:
+            raise ValueError("evaluation.accuracy must be in 0 .. 1, its loss and eval_s >= 0")
+        values = {str(k): _finite(v, f"evaluation.metrics.{k}") for k, v in metrics.items()}
+        return cls(num_samples=samples, when=when, metrics=values, **figures)
+
+    def event(self, client_id: ClientId, task: TaskAssigned, simulated_s: float) -> ClientEvaluated:
+        """Return the report as the bus carries it, counted towards the task's base version."""
+        return ClientEvaluated(
+            client_id=client_id,
+            task_id=task.task_id,
+            version=task.base_version,
+            when=self.when,
+            num_samples=self.num_samples,
+            accuracy=self.accuracy,
+            loss=self.loss,
+            metrics=dict(self.metrics),
+            simulated_s=simulated_s,
+            eval_s=self.eval_s,
+        )
+
+
+def _finite(value: object, name: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Report:
     """What a client says about its training (JSON beside the binary update; it weighs and describes the update).
 
@@ -185,6 +263,7 @@ class Report:
         encode_s: Wall seconds of encoding.
         download_s: Wall seconds the model download took.
         peak_mem_bytes: Peak tensor memory of training.
+        evaluation: The client's evaluation of the model it downloaded (None: it did not evaluate).
     """
 
     num_samples: int
@@ -193,10 +272,12 @@ class Report:
     encode_s: float = 0.0
     download_s: float = 0.0
     peak_mem_bytes: int = 0
+    evaluation: EvaluationReport | None = None
 
     @classmethod
-    def from_json(cls, data: object, *, max_num_samples: int) -> Report:
-        """Validate a decoded JSON object.
+    def from_json(cls, data: object, *, max_num_samples: int, metric_names: Sequence[str] = ()) -> Report:
+        """Validate a decoded JSON object (``metric_names``: the metrics an evaluation holds besides accuracy and
+        loss).
 
         Raises:
             ValueError: A missing, mistyped or out-of-range field (one line).
@@ -221,7 +302,12 @@ class Report:
         memory = data.get("peak_mem_bytes", 0)
         if not isinstance(memory, int) or isinstance(memory, bool) or memory < 0:
             raise ValueError("peak_mem_bytes must be a non-negative integer")
-        return cls(num_samples=samples, peak_mem_bytes=memory, **figures)
+        evaluation = data.get("evaluation")
+        if evaluation is not None:
+            evaluation = EvaluationReport.from_json(
+                evaluation, max_num_samples=max_num_samples, metric_names=metric_names
+            )
+        return cls(num_samples=samples, peak_mem_bytes=memory, evaluation=evaluation, **figures)
 
 
 @dataclass(slots=True)
@@ -505,6 +591,7 @@ class RemoteTransport:
         setup: The JSON object every client receives when it says hello (what it needs to train).
         wall: Monotonic real seconds.
         incarnation: This server process's name for its tasks (default: random; see :class:`Incarnations`).
+        metric_names: The metrics a client's evaluation report holds besides accuracy and loss (``eval.metrics``).
     """
 
     def __init__(
@@ -517,8 +604,10 @@ class RemoteTransport:
         setup: Mapping[str, Any],
         wall: Callable[[], float] = time.perf_counter,
         incarnation: str | None = None,
+        metric_names: Sequence[str] = (),
     ) -> None:
         """Start with no run attached: requests are answered 503 until :meth:`attach`."""
+        self.metric_names = tuple(metric_names)
         self.tokens = tokens
         self.settings = settings
         self.upload_codec = upload_codec
@@ -783,21 +872,11 @@ class RemoteTransport:
         self._remember(client_id, task_id)
         self.uploads += 1
         self.wire_upload_bytes += len(payload)
+        if report.evaluation is not None:
+            with contextlib.suppress(BusFull, BusClosed):  # the update went through; its report is a figure
+                self._bus.publish_nowait(report.evaluation.event(client_id, task, self._registry_now()))
         if self._log is not None:
-            # The same figures a simulated client logs (the same metric keys), measured on the device.
-            self._log.debug(
-                "client",
-                step=task_id,
-                client_id=int(client_id),
-                train_s=report.train_s,
-                samples=report.num_samples,
-                loss=report.train_loss,
-                peak_mem_bytes=report.peak_mem_bytes,
-                encode_s=report.encode_s,
-                download_bytes=download_bytes,
-                upload_bytes=len(payload),
-                compression=(HEADER.size + 4 * self.num_params) / max(len(payload), 1),
-            )
+            _log_upload(self._log, client_id, task_id, report, download_bytes, len(payload), self.num_params)
         return None
 
     def failed(
@@ -889,6 +968,25 @@ class RemoteTransport:
         return refusal
 
 
+def _log_upload(
+    log: Any, client_id: ClientId, task_id: int, report: Report, download_bytes: int, upload_bytes: int, params: int
+) -> None:
+    """Log an upload's figures as a simulated client logs them (the same metric keys), measured on the device."""
+    log.debug(
+        "client",
+        step=task_id,
+        client_id=int(client_id),
+        train_s=report.train_s,
+        samples=report.num_samples,
+        loss=report.train_loss,
+        peak_mem_bytes=report.peak_mem_bytes,
+        encode_s=report.encode_s,
+        download_bytes=download_bytes,
+        upload_bytes=upload_bytes,
+        compression=(HEADER.size + 4 * params) / max(upload_bytes, 1),
+    )
+
+
 def transport_for(config: RunConfig) -> RemoteTransport:
     """Build the transport ``config.remote`` describes (reads its tokens file).
 
@@ -912,4 +1010,5 @@ def transport_for(config: RunConfig) -> RemoteTransport:
         upload_codec=pipeline(config.codec.upload),
         download_codec=pipeline(config.codec.download),
         setup={"config": setup},
+        metric_names=config.eval.metric_names[2:],  # after accuracy and loss
     )

@@ -210,14 +210,22 @@ async def test_bad_updates_go_through_the_intake(served: Served, make_body: obje
 
 
 async def test_a_malformed_report_is_400(served: Served) -> None:
-    """A report that is not JSON, or claims an absurd sample count, is refused with 400."""
+    """A report that is not JSON, claims an absurd sample count, or holds an evaluation out of range or with
+    metrics the run does not have, is refused with 400."""
     owner, offer = await _busy_client(served)
     body = codecs.encode(torch.zeros(_num_params(served)))
     url = f"/v1/tasks/{offer['task_id']}/update"
-    for report in ("{", json.dumps({"num_samples": 10**12, "train_loss": 0.0})):
+    evaluation = {"num_samples": 5, "accuracy": 0.5, "loss": 1.0}
+    bad = [
+        "{",
+        json.dumps({"num_samples": 10**12, "train_loss": 0.0}),
+        json.dumps({"num_samples": 10, "train_loss": 0.0, "evaluation": {**evaluation, "accuracy": 1.5}}),
+        json.dumps({"num_samples": 10, "train_loss": 0.0, "evaluation": {**evaluation, "metrics": {"f1": 0.5}}}),
+    ]
+    for report in bad:
         response = await served.http.post(url, content=body, headers={**served.auth(owner), REPORT_HEADER: report})
-        assert response.status_code == 400
-    assert served.metric("remote/refused/bad_report") == 2
+        assert response.status_code == 400, report
+    assert served.metric("remote/refused/bad_report") == len(bad)  # logged at the 1st, 2nd, 4th, ... refusal
 
 
 @pytest.mark.slow

@@ -79,9 +79,21 @@ SETS = [
     ),
     (
         ["eval.select=server/eval/f1:max"],
-        "eval.select: 'server/eval/f1' is not a metric the evaluation logs (one of: server/eval/accuracy, "
-        "server/eval/loss)",
+        "eval.select: 'server/eval/f1' is not a metric this run logs (one of: server/eval/accuracy, server/eval/loss)",
     ),
+    (["eval.metrics=[accuracy, f2]"], "eval.metrics: unknown metric 'f2' (built-in: accuracy, loss, precision,"),
+    (
+        ["eval.clients.fraction=0.1", "eval.clients.every=3"],
+        "eval.clients.every: set either eval.clients.fraction or every, not both",
+    ),
+    (
+        ["eval.select=client_eval/accuracy/p10:max"],
+        "eval.select: 'client_eval/accuracy/p10' is not a metric this run logs",
+    ),
+    (["eval.clients.held_out=1"], "eval.clients.held_out: Input should be less than 1"),
+    (["eval.clients.fraction=0.1", "data.kind=synthetic", "data.lazy=true"], "eval.clients: client-side evaluation"),
+    (["eval.metrics=[auc]"], "eval.metrics: 'auc' needs two classes, but the data has 10"),
+    (["eval.metrics=[m=no_such_module_here:M]"], "eval.metrics: m=no_such_module_here:M: cannot import it"),
     (["eval.select=server/eval/loss:lowest"], "eval.select: the direction must be ':max' or ':min', got 'lowest'"),
     (["tracking.register=a:b"], "tracking.register: MLflow refuses the registered model name 'a:b': it contains ':'"),
 ]

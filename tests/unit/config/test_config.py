@@ -286,6 +286,21 @@ def test_a_selection_names_an_evaluation_metric_and_a_direction(select: str) -> 
     assert load_config(None, [f"eval.select={select}"]).eval.select == select
 
 
+def test_a_selection_may_name_a_metric_the_run_adds() -> None:
+    """eval.select takes server/eval/NAME for a metric eval.metrics adds, built-in or a user's, and no other."""
+    config = load_config(None, ["eval.metrics=[f1, brier=pkg.mod:Brier]", "eval.select=server/eval/brier:min"])
+    assert config.eval.metric_names == ("accuracy", "loss", "f1", "brier")
+    assert "'server/eval/f1' is not a metric this run logs" in _error(None, ["eval.select=server/eval/f1:max"])
+
+
+def test_a_selection_may_name_a_client_side_figure_with_client_evaluation_on() -> None:
+    """eval.select takes client_eval/<metric>/<figure> when eval.clients is on, and refuses it when it is off."""
+    on = ["eval.clients.fraction=0.1", "eval.metrics=[f1]", "eval.select=client_eval/f1/worst10:max"]
+    assert load_config(None, on).eval.select == "client_eval/f1/worst10:max"
+    assert "is not a metric this run logs" in _error(None, on[1:])
+    assert "is not a metric this run logs" in _error(None, [*on[:2], "eval.select=client_eval/f1/p75:max"])
+
+
 @pytest.mark.parametrize(
     "name", ["digits", "My model v2", "fl-async_1.0", "", "  ", "a/b", "a:b", "100%", ".", "..", "a/../b"]
 )

@@ -696,3 +696,20 @@ def test_partition_by_column_refuses_when_no_owner_qualifies() -> None:
         partition_by_column(np.array([0, 1, 1]), min_samples=3)
     with pytest.raises(DataError, match="non-negative"):
         partition_by_column(np.array([0, -1]))
+
+
+def test_holding_out_splits_every_client_apart_and_repeatably() -> None:
+    """Each client holds out floor(share * n) of its samples (at most n - 1), disjoint from the ones it trains on,
+    the same for the same generator state."""
+    import numpy as np
+
+    from flasync.data import Partition
+
+    partition = Partition.from_lists([np.arange(0, 10), np.arange(10, 11), np.arange(11, 16), np.array([], dtype=int)])
+    train, held = partition.hold_out(0.3, np.random.default_rng(7))
+    assert held.sizes.tolist() == [3, 0, 1, 0] and train.sizes.tolist() == [7, 1, 4, 0]
+    for k in range(4):
+        assert sorted([*train[k], *held[k]]) == sorted(partition[k])
+        assert list(train[k]) == [i for i in partition[k] if i in set(train[k])]  # the partition's order is kept
+    again = partition.hold_out(0.3, np.random.default_rng(7))
+    assert again == (train, held)

@@ -118,3 +118,45 @@ _SUMMARY = {
     "stop_reason": "max_versions",
     "weights_sha256": "",
 }
+
+
+def test_a_client_side_metric_selects_the_version_whose_evaluation_closed_best() -> None:
+    """The weights are copied at a version's first report (while current) and the best is decided when its
+    evaluation closes, even after newer versions were made; a version that closes worse is forgotten."""
+    from flasync.core.events import ClientEvaluated, ClientId, ClientsEvaluated
+
+    current = {"version": 0}
+    bus = EventBus()
+    keeper = BestVersion(
+        "client_eval/accuracy/p10:max",
+        lambda v: _snapshot(int(v)) if int(v) == current["version"] else None,
+    ).attach(bus)
+
+    def report(version: int) -> None:
+        bus.publish_nowait(
+            ClientEvaluated(
+                client_id=ClientId(0),
+                task_id=0,
+                version=Version(version),
+                when="before",
+                num_samples=3,
+                accuracy=0.5,
+                loss=1.0,
+            )
+        )
+
+    def closed(version: int, p10: float) -> None:
+        figures = {"accuracy": {"mean": 0.5, "p10": p10, "p50": 0.5, "p90": 0.5, "worst10": 0.1}}
+        bus.publish_nowait(
+            ClientsEvaluated(version=Version(version), reports=1, samples=3, figures=figures, closed_by="end")
+        )
+
+    report(0)
+    current["version"] = 1
+    report(1)
+    current["version"] = 3
+    closed(1, 0.4)  # closes after version 3 was made: its weights were copied at its first report
+    closed(0, 0.3)
+    assert keeper.best is not None and (keeper.best.version, keeper.best.value) == (1, 0.4)
+    assert torch.equal(keeper.best.weights, torch.full((3,), 1.0))
+    assert keeper._pending == {}

@@ -35,7 +35,16 @@ from flasync.config.loading import (
     safe_yaml,
     validate,
 )
-from flasync.config.model import ClientConfig, LoraAdapter, MLPModel, ModelConfig, PruneConfig, SmallCNNModel
+from flasync.config.model import (
+    ClientConfig,
+    FedBNPersonal,
+    LoraAdapter,
+    MLPModel,
+    ModelConfig,
+    PersonalConfig,
+    PruneConfig,
+    SmallCNNModel,
+)
 from flasync.config.population import (
     SAMPLING_STRATEGIES,
     AvailabilityConfig,
@@ -104,6 +113,7 @@ __all__ = [
     "FeatureSkewPartition",
     "FedAsyncServer",
     "FedAvgServer",
+    "FedBNPersonal",
     "FedBuffServer",
     "FilesData",
     "FlatTopology",
@@ -119,6 +129,7 @@ __all__ = [
     "ModelConfig",
     "NetworkConfig",
     "PartitionConfig",
+    "PersonalConfig",
     "PolynomialStalenessConfig",
     "PopulationConfig",
     "PrivacyConfig",

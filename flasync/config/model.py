@@ -108,6 +108,37 @@ class SmallCNNModel(_ModelSection):
 ModelConfig = Annotated[MLPModel | SmallCNNModel, Field(discriminator="kind")]
 
 
+class FedBNPersonal(_Section):
+    """FedBN (Li et al., ICLR 2021): named layers are trained by each client and never leave it.
+
+    The server's copy of those layers keeps its initial values; each client keeps its own (bounded in memory, spilled
+    to disk, checkpointed) and trains from them at every task. The other layers are federated as usual.
+    """
+
+    kind: Literal["fedbn"] = "fedbn"
+    layers: tuple[str, ...] | None = Field(
+        None,
+        description="Name patterns of the local layers' parameters and buffers (fnmatch against a full dotted name, "
+        "any of its parts or a module prefix, as model.exchange). None: every normalization layer (BatchNorm, "
+        "LayerNorm, GroupNorm, InstanceNorm).",
+    )
+    max_in_memory: int = Field(1024, ge=1, description="Clients' local layers kept in memory; older ones spill.")
+    spill_dir: str | None = Field(None, description="Where clients' local layers spill (default: a temporary folder).")
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _pattern_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            raise ValueError("must be a list of name patterns")
+        if isinstance(value, list | tuple) and (not value or any(not pattern for pattern in value)):
+            raise ValueError("needs at least one non-empty name pattern (or leave it out: normalization layers)")
+        return value
+
+
+PersonalConfig = Annotated[FedBNPersonal, Field(discriminator="kind")]
+"""How clients personalize the federated model (``client.personal``)."""
+
+
 class ClientConfig(_Section):
     """Local training of one client task: SGD over the client's own samples."""
 
@@ -125,6 +156,9 @@ class ClientConfig(_Section):
     )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="bf16 = autocast of the forward pass; fp16 = autocast with dynamic loss scaling (CUDA)."
+    )
+    personal: PersonalConfig | None = Field(
+        None, description="Personalization: each client keeps part of the model as its own (None: one global model)."
     )
     checkpoint_segments: int = Field(
         0,

@@ -170,6 +170,8 @@ class RunConfig(_Section):
             self._check_partial_model()
         if self.model.prune is not None:
             self._check_pruning()
+        if self.client.personal is not None:
+            self._check_personal()
         if res.zscore_min_history > res.zscore_window:
             raise _FieldError(
                 ("resilience", "zscore_min_history"),
@@ -273,6 +275,31 @@ class RunConfig(_Section):
             raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
         if any(stage.kind in ("topk", "randomk") for stage in self.codec.upload):
             raise _FieldError(where, "sends updates sparse itself; drop the codec.upload topk/randomk stage")
+
+    def _check_personal(self) -> None:
+        # The start of local training and the withheld layers are a threads' task's parts: a cohort's step and a Ray
+        # actor take none, a remote device takes no plug-in; SCAFFOLD and pruning would correct or mask the local
+        # layers as shared ones; a partial model's flat vector is not the whole model's.
+        where = ("client", "personal")
+        if self.executor.kind in ("vectorized", "ray"):
+            raise _FieldError(where, f"needs executor.kind = 'thread' or 'auto', not {self.executor.kind!r}")
+        clash = next(
+            (
+                name
+                for name, on in (
+                    ("remote.enabled", self.remote.enabled),
+                    ("scaffold.enabled", self.scaffold.enabled),
+                    ("model.prune", self.model.prune is not None),
+                    ("model.exchange / model.adapter", self.model.partial),
+                )
+                if on
+            ),
+            None,
+        )
+        if clash is not None:
+            raise _FieldError(where, f"cannot be combined with {clash}")
+        if self.eval.clients.enabled and self.eval.clients.when != "before":
+            raise _FieldError(where, "evaluates the personal model before local training: set eval.clients.when")
 
     def _check_scaffold(self) -> None:
         where = ("scaffold", "enabled")

@@ -31,6 +31,7 @@ from flasync.aggregation.privacy import (
 )
 from flasync.algorithms.client_eval import ClientEvaluation, EvaluationSummary, Selection
 from flasync.algorithms.error_feedback import ErrorFeedback
+from flasync.algorithms.personal import LocalLayers, local_positions
 from flasync.algorithms.privacy import CentralPrivacy
 from flasync.algorithms.pruning import PruningClients, PruningServer
 from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
@@ -140,14 +141,15 @@ def build_world(
     upload_codec = pipeline(config.codec.upload, sparse=config.model.prune is not None)
     client_plugins = (*_client_plugins(config, prepared, upload_codec, scratch), *plugins)
     if config.eval.clients.enabled:
+        local = next((plugin for plugin in client_plugins if isinstance(plugin, LocalLayers)), None)
         client_plugins = (
-            client_evaluation(config, prepared, executor, bus=bus, clock=clock, wall=wall),
+            client_evaluation(config, prepared, executor, bus=bus, clock=clock, wall=wall, local=local),
             *client_plugins,
         )
     samples = _client_samples(config, prepared)
     job = JobContext(
         models=executor.models,
-        local=LocalTraining(**config.client.model_dump(), objective=objective),
+        local=LocalTraining(**config.client.model_dump(exclude={"personal"}), objective=objective),
         upload_codec=upload_codec,
         num_params=prepared.initial.numel(),
         diagnostics=diagnostics,
@@ -186,7 +188,7 @@ def build_world(
 
 _TAKEN_NAMES = frozenset(
     {"clock", "residuals", "variates", "controls", "privacy", "version", "weights", "queued", "answered"}
-    | {"prune", "prune_mask"}
+    | {"prune", "prune_mask", "personal"}
     | {"client_eval", "client_eval_versions"}
     | {"aggregator", "accounting", "sampler", "registry", "intake", "policy"}
 )
@@ -224,7 +226,7 @@ def _client_plugins(
 ) -> tuple[ClientPlugin, ...]:
     """Return the clients' algorithm state: error-feedback residuals (when the upload codec keeps them) and SCAFFOLD's
     control variates (when it is on), each bounded in memory and spilled to disk, and the pruning mask's gradient
-    masking (when pruning is on)."""
+    masking (when pruning is on), and the clients' own local layers (``client.personal``)."""
     plugins: list[ClientPlugin] = []
     num_params = prepared.initial.numel()
     if upload_codec.error_feedback:
@@ -242,6 +244,13 @@ def _client_plugins(
         plugins.append(ScaffoldClients(store, seed=config.seed, lr=config.client.lr))
     if config.model.prune is not None:
         plugins.append(PruningClients())
+    personal = config.client.personal
+    if personal is not None:
+        positions = local_positions(prepared.factory(), personal.layers)
+        store = ResidualStore(
+            positions.numel(), max_in_memory=personal.max_in_memory, spill_dir=personal.spill_dir or scratch()
+        )
+        plugins.append(LocalLayers(store, positions))
     return tuple(plugins)
 
 
@@ -271,8 +280,10 @@ def client_evaluation(
     bus: EventBus,
     clock: Clock,
     wall: Callable[[], float],
+    local: LocalLayers | None = None,
 ) -> ClientEvaluation:
-    """Return the clients' side of client-side evaluation (``eval.clients``), on each client's held-out samples."""
+    """Return the clients' side of client-side evaluation (``eval.clients``), on each client's held-out samples,
+    with the clients' ``local`` layers (``client.personal``) also evaluated as their personal models."""
     cfg = config.eval.clients
     assert prepared.held_out is not None  # prepare() splits whenever client-side evaluation is on
     return ClientEvaluation(
@@ -285,14 +296,18 @@ def client_evaluation(
         clock.now,
         batch_size=config.eval.batch_size,
         wall=wall,
+        personal=None if local is None else local.personal,
     )
 
 
 def evaluation_summary(config: RunConfig, *, bus: EventBus, clock: Clock, log: Any) -> EvaluationSummary:
     """Return the server's side of client-side evaluation, watching ``bus`` for the clients' reports."""
     cfg = config.eval.clients
+    names = config.eval.metric_names
+    if config.client.personal is not None:
+        names = (*names, *(f"personal/{name}" for name in names))
     summary = EvaluationSummary(
-        config.eval.metric_names,
+        names,
         min_reports=cfg.min_reports,
         deadline_s=cfg.deadline_s,
         now=clock.now,

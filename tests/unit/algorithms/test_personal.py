@@ -1,0 +1,115 @@
+"""FedBN's local layers (flasync.algorithms.personal): which positions are local, what a task starts from and keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flasync.algorithms.personal import LocalLayers, local_positions
+from flasync.codecs.build import pipeline
+from flasync.core.errors import ConfigError
+from flasync.core.events import ClientId, TaskAssigned, Version
+from flasync.core.snapshots import ModelSnapshot
+from flasync.training.jobs import start_of
+from flasync.training.local import LocalResult, flat_parameters
+from flasync.training.residuals import ResidualStore
+
+
+def _norm_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2), nn.LayerNorm(2))
+
+
+def _task(task_id: int, client_id: int) -> TaskAssigned:
+    return TaskAssigned(
+        task_id=task_id, client_id=ClientId(client_id), participation=0, base_version=Version(0), simulated_s=0.0
+    )
+
+
+def _snapshot(weights: torch.Tensor) -> ModelSnapshot:
+    return ModelSnapshot(version=Version(0), weights=weights, exact=weights, download_bytes=0)
+
+
+def test_normalization_layers_are_local_by_default() -> None:
+    """The BatchNorm's and LayerNorm's parameters and float running statistics are local, nothing else."""
+    positions = local_positions(_norm_model(), None)
+    # parameters: 0.weight 12, 0.bias 4 | 1.weight 4, 1.bias 4 | 3.weight 8, 3.bias 2 | 4.weight 2, 4.bias 2 (= 38);
+    # float buffers: 1.running_mean 4, 1.running_var 4 (num_batches_tracked is an integer, not in the flat vector)
+    expected = [*range(16, 24), *range(34, 38), *range(38, 46)]
+    assert positions.tolist() == expected
+    assert flat_parameters(_norm_model()).numel() == 46
+
+
+def test_name_patterns_pick_any_layer() -> None:
+    """A module prefix picks its tensors; a dotted-part pattern picks every bias."""
+    assert local_positions(_norm_model(), ["3"]).tolist() == list(range(24, 34))
+    biases = local_positions(_norm_model(), ["bias"]).tolist()
+    assert biases == [*range(12, 16), *range(20, 24), *range(32, 34), *range(36, 38)]
+
+
+@pytest.mark.parametrize(
+    ("model", "layers", "message"),
+    [
+        (nn.Sequential(nn.Linear(3, 2)), None, "the model has no normalization layer; name its local layers"),
+        (_norm_model(), ["head"], "pattern 'head' selects nothing of the model"),
+        (_norm_model(), ["*"], "selects every tensor of the model"),
+    ],
+)
+def test_local_layers_that_cannot_work_are_one_line_errors(
+    model: nn.Module, layers: list[str] | None, message: str
+) -> None:
+    """No local layer, a pattern that selects nothing, or everything local is refused."""
+    with pytest.raises(ConfigError, match=message):
+        local_positions(model, layers)
+
+
+def _result(delta: torch.Tensor) -> LocalResult:
+    return LocalResult(delta=delta, num_samples=1, steps=1, loss=0.0, train_s=0.0, peak_mem_bytes=0)
+
+
+def _train(plugin: LocalLayers, task: TaskAssigned, weights: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """Run a task's part through the hooks as a job would, with ``trained`` the local result; return the sent delta."""
+    part = plugin.task(task, _snapshot(weights))
+    start = start_of((part,))
+    base = weights if start is None else start
+    delta = base - trained
+    part.withhold(delta)
+    codec = pipeline(())
+    encoded = codec.encode(delta)
+    part.keep(part.finish(delta, _result(delta), encoded, codec))
+    plugin.released(task)
+    return delta
+
+
+def test_a_task_sends_nothing_of_its_local_layers_and_keeps_them() -> None:
+    """A first task starts from the download; its delta is zero at the local positions, and its next task starts
+    from the next download with the trained local values in (hand computed)."""
+    positions = torch.tensor([1, 2])
+    plugin = LocalLayers(ResidualStore(2), positions)
+    weights = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    sent = _train(plugin, _task(1, 7), weights, torch.tensor([0.5, 1.5, 2.5, 3.5]))
+    assert sent.tolist() == [0.5, 0.0, 0.0, 0.5]
+    assert plugin.personal(7, torch.zeros(4)).tolist() == [0.0, 1.5, 2.5, 0.0]
+    assert plugin.personal(8, weights) is weights  # no own layers yet: the download itself
+    second = plugin.task(_task(2, 7), _snapshot(torch.tensor([10.0, 20.0, 30.0, 40.0])))
+    assert second.start is not None and second.start.tolist() == [10.0, 1.5, 2.5, 40.0]
+    sent = _train(plugin, _task(3, 7), torch.tensor([10.0, 20.0, 30.0, 40.0]), torch.tensor([9.0, 1.0, 2.0, 39.0]))
+    assert sent.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert plugin.personal(7, torch.zeros(4)).tolist() == [0.0, 1.0, 2.0, 0.0]
+
+
+def test_the_checkpoint_holds_each_clients_local_layers_as_its_task_in_flight_started() -> None:
+    """A checkpoint taken while a task is in flight keeps the values it started from; restored, they are put in."""
+    plugin = LocalLayers(ResidualStore(1), torch.tensor([0]))
+    _train(plugin, _task(1, 3), torch.tensor([1.0, 1.0]), torch.tensor([0.25, 0.0]))
+    in_flight = _task(2, 3)
+    part = plugin.task(in_flight, _snapshot(torch.tensor([1.0, 1.0])))
+    delta = torch.tensor([0.5, 0.5])
+    part.withhold(delta)
+    codec = pipeline(())
+    part.keep(part.finish(delta, _result(delta), codec.encode(delta), codec))
+    saved = plugin.state_dict([in_flight])
+    assert saved["ids"] == [3] and saved["values"].tolist() == [[0.25]]
+    restored = LocalLayers(ResidualStore(1), torch.tensor([0]))
+    restored.load_state_dict(saved)
+    assert restored.personal(3, torch.tensor([9.0, 9.0])).tolist() == [0.25, 9.0]

@@ -87,6 +87,8 @@ class ClientEvaluation(ClientPlugin):
         personal: Client id, downloaded weights -> the client's own model (``client.personal``; e.g.
             :meth:`flasync.algorithms.personal.LocalLayers.personal`), evaluated beside the downloaded one: its
             figures are reported as ``personal/<metric>`` (``when = "before"`` only; None: no personal model).
+        adapt: Client id, participation, weights -> the personal model made of them in the worker thread, e.g.
+            :class:`flasync.algorithms.personal.FineTune` (None: none).
     """
 
     name = "client_eval"
@@ -104,9 +106,10 @@ class ClientEvaluation(ClientPlugin):
         batch_size: int = 1024,
         wall: Callable[[], float] = time.perf_counter,
         personal: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        adapt: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """Bind what the evaluations need."""
-        if personal is not None and when != "before":
+        if (personal is not None or adapt is not None) and when != "before":
             raise ValueError("a personal model is evaluated before local training only")
         self.selection = selection
         self.when = when
@@ -118,6 +121,7 @@ class ClientEvaluation(ClientPlugin):
         self.batch_size = batch_size
         self.wall = wall
         self.personal = personal
+        self.adapt = adapt
 
     def task(self, task: TaskAssigned, model: ModelSnapshot) -> TaskPart | None:
         """Return the evaluation part of a task chosen to evaluate (None for the others, and for a client that holds
@@ -126,6 +130,8 @@ class ClientEvaluation(ClientPlugin):
         if not evaluates(self.selection, client, task.participation) or self.held_out(client)[2].numel() == 0:
             return None
         own = None if self.personal is None else self.personal(client, model.weights)
+        if own is None and self.adapt is not None:
+            own = model.weights
         return _EvalPart(self, task, model.weights, own)
 
 
@@ -216,12 +222,16 @@ def _evaluate_group(members: list[tuple[_EvalPart, torch.Tensor]]) -> None:
 
 
 def _evaluate_own(part: _EvalPart, weights: torch.Tensor) -> EvalResult:
-    """Evaluate a task's personal model on its client's held-out samples (its seconds count in the task's)."""
+    """Evaluate a task's personal model on its client's held-out samples, adapted first (fine-tuned) when the owner
+    adapts; its seconds count in the task's."""
     owner = part.owner
     start = owner.wall()
     model = owner.models.get()
     device = model.flat.device
-    x, y, rows = owner.held_out(int(part.task.client_id))
+    client = int(part.task.client_id)
+    if owner.adapt is not None:
+        weights = owner.adapt(client, part.task.participation, weights)
+    x, y, rows = owner.held_out(client)
     (result,) = evaluate_segments(
         model,
         weights.to(device),

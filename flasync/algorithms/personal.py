@@ -1,4 +1,4 @@
-"""Personalization as a plug-in: FedBN's local layers, kept by each client and never sent.
+"""Personalization as a plug-in: FedBN's local layers, kept by each client and never sent; local fine-tuning.
 
 Li et al., "FedBN: Federated Learning on Non-IID Features via Local Batch Normalization", ICLR 2021. Some layers of
 the model (the normalization layers by default, any by name pattern) are *local*: each client trains its own copy
@@ -13,11 +13,15 @@ The clients' local values are one vector of ``|L|`` floats per client in a
 :class:`~flasync.training.residuals.ResidualStore` (bounded in memory, spilled to disk, checkpointed with what each
 task in flight started from, so a resumed run is bit-exact). :meth:`LocalLayers.personal` gives client-side
 evaluation (``eval.clients``) the client's own model: the downloaded weights with its local layers in.
+
+:class:`FineTune` is the simplest personalization baseline: an evaluating client evaluates the downloaded model
+after ``K`` local SGD steps on its own training samples (its training and update are unchanged).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,15 +29,17 @@ from torch import nn
 
 from flasync.algorithms.per_client import PerClientPlugin, PerClientState
 from flasync.codecs import Encoded, Pipeline
+from flasync.core import seeding
 from flasync.core.errors import ConfigError
 from flasync.core.events import TaskAssigned
 from flasync.core.snapshots import ModelSnapshot
 from flasync.training.exchange import matches
-from flasync.training.local import LocalResult, flat_layout
+from flasync.training.executors.threads import ModelPool
+from flasync.training.local import LocalResult, LocalTraining, flat_layout, train
 from flasync.training.plugins import Finished, TaskPart
 from flasync.training.residuals import ResidualStore
 
-__all__ = ["NORM_LAYERS", "LocalLayers", "local_positions"]
+__all__ = ["NORM_LAYERS", "FineTune", "LocalLayers", "local_positions"]
 
 NORM_LAYERS: tuple[type[nn.Module], ...] = (
     nn.BatchNorm1d,
@@ -158,3 +164,49 @@ class _LocalPart(TaskPart):
         """Store the client's trained local values."""
         if finished.kept is not None:
             self.owner.state.put(self.client_id, finished.kept)
+
+
+class FineTune:
+    """Fine-tune a downloaded model on a client's own training samples, for its evaluation (worker thread).
+
+    The fine-tuning is ``steps`` SGD steps of the run's local training (``client.*``: batch size, momentum, weight
+    decay, clipping, objective) at ``lr``, drawing its batches from a stream keyed by the run's seed, the client and
+    its participation, so a run's figures are the same whoever evaluates, whenever.
+
+    Args:
+        samples: Client id -> ``(x, y, rows)``: its training samples are ``x[rows]``, ``y[rows]``.
+        local: The run's local training.
+        models: The worker threads' models (the fine-tuning trains the worker's own).
+        seed: The run's seed.
+        steps: SGD steps.
+        lr: Learning rate (None: ``local.lr``).
+    """
+
+    def __init__(
+        self,
+        samples: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        local: LocalTraining,
+        models: ModelPool,
+        *,
+        seed: int,
+        steps: int,
+        lr: float | None = None,
+    ) -> None:
+        """Bind the data, the training and the stream."""
+        self.samples = samples
+        self.local = dataclasses.replace(local, epochs=steps, max_steps=steps, lr=local.lr if lr is None else lr)
+        self.models = models
+        self.seed = seed
+
+    def __call__(self, client_id: int, participation: int, weights: torch.Tensor) -> torch.Tensor:
+        """Return ``weights`` after the fine-tuning on ``client_id``'s samples (a new tensor on the model's device)."""
+        model = self.models.get()
+        device = model.flat.device
+        x, y, rows = self.samples(client_id)
+        indices: torch.Tensor | None = rows
+        if x.device != device or y.device != device or rows.device != device:
+            x, y, indices = x[rows].to(device), y[rows].to(device), None
+        base = weights.to(device)
+        generator = seeding.torch_stream(self.seed, seeding.PERSONAL, client_id, participation)
+        result = train(model, base, x, y, self.local, generator, indices=indices)
+        return base - result.delta

@@ -38,6 +38,7 @@ from flasync.config.loading import (
 from flasync.config.model import (
     ClientConfig,
     FedBNPersonal,
+    FineTunePersonal,
     LoraAdapter,
     MLPModel,
     ModelConfig,
@@ -116,6 +117,7 @@ __all__ = [
     "FedBNPersonal",
     "FedBuffServer",
     "FilesData",
+    "FineTunePersonal",
     "FlatTopology",
     "Float16Stage",
     "HalfNormalSpeed",

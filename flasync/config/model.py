@@ -135,7 +135,17 @@ class FedBNPersonal(_Section):
         return value
 
 
-PersonalConfig = Annotated[FedBNPersonal, Field(discriminator="kind")]
+class FineTunePersonal(_Section):
+    """Local fine-tuning: each evaluating client evaluates the downloaded model after ``steps`` local SGD steps on
+    its own training samples (``client_eval/personal/*``, beside the downloaded model's figures); its training and
+    its update are unchanged. It reports through client-side evaluation (``eval.clients``)."""
+
+    kind: Literal["finetune"] = "finetune"
+    steps: int = Field(5, ge=1, description="Local SGD steps (batches of client.batch_size) of the fine-tuning.")
+    lr: float | None = Field(None, gt=0.0, description="Fine-tuning learning rate (None: client.lr).")
+
+
+PersonalConfig = Annotated[FedBNPersonal | FineTunePersonal, Field(discriminator="kind")]
 """How clients personalize the federated model (``client.personal``)."""
 
 

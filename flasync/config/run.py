@@ -277,27 +277,26 @@ class RunConfig(_Section):
             raise _FieldError(where, "sends updates sparse itself; drop the codec.upload topk/randomk stage")
 
     def _check_personal(self) -> None:
-        # The start of local training and the withheld layers are a threads' task's parts: a cohort's step and a Ray
-        # actor take none, a remote device takes no plug-in; SCAFFOLD and pruning would correct or mask the local
-        # layers as shared ones; a partial model's flat vector is not the whole model's.
+        # FedBN's start and withheld layers are a threads' task's parts: a cohort's step and a Ray actor take none;
+        # SCAFFOLD and pruning would correct or mask the local layers as shared ones; a partial model's flat vector
+        # is not the whole model's. Fine-tuning is an evaluation, made on the clients' side by the run's workers.
         where = ("client", "personal")
-        if self.executor.kind in ("vectorized", "ray"):
+        personal = self.client.personal
+        fedbn = personal is not None and personal.kind == "fedbn"
+        if self.executor.kind == "ray" or (fedbn and self.executor.kind == "vectorized"):
             raise _FieldError(where, f"needs executor.kind = 'thread' or 'auto', not {self.executor.kind!r}")
-        clash = next(
-            (
-                name
-                for name, on in (
-                    ("remote.enabled", self.remote.enabled),
-                    ("scaffold.enabled", self.scaffold.enabled),
-                    ("model.prune", self.model.prune is not None),
-                    ("model.exchange / model.adapter", self.model.partial),
-                )
-                if on
-            ),
-            None,
-        )
+        clashes = [("remote.enabled", self.remote.enabled)]
+        if fedbn:
+            clashes += [
+                ("scaffold.enabled", self.scaffold.enabled),
+                ("model.prune", self.model.prune is not None),
+                ("model.exchange / model.adapter", self.model.partial),
+            ]
+        clash = next((name for name, on in clashes if on), None)
         if clash is not None:
             raise _FieldError(where, f"cannot be combined with {clash}")
+        if not fedbn and not self.eval.clients.enabled:
+            raise _FieldError(where, "reports through client-side evaluation: set eval.clients.fraction or every")
         if self.eval.clients.enabled and self.eval.clients.when != "before":
             raise _FieldError(where, "evaluates the personal model before local training: set eval.clients.when")
 

@@ -31,7 +31,7 @@ from flasync.aggregation.privacy import (
 )
 from flasync.algorithms.client_eval import ClientEvaluation, EvaluationSummary, Selection
 from flasync.algorithms.error_feedback import ErrorFeedback
-from flasync.algorithms.personal import LocalLayers, local_positions
+from flasync.algorithms.personal import FineTune, LocalLayers, local_positions
 from flasync.algorithms.privacy import CentralPrivacy
 from flasync.algorithms.pruning import PruningClients, PruningServer
 from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
@@ -140,16 +140,19 @@ def build_world(
     """
     upload_codec = pipeline(config.codec.upload, sparse=config.model.prune is not None)
     client_plugins = (*_client_plugins(config, prepared, upload_codec, scratch), *plugins)
+    training = LocalTraining(**config.client.model_dump(exclude={"personal"}), objective=objective)
     if config.eval.clients.enabled:
         local = next((plugin for plugin in client_plugins if isinstance(plugin, LocalLayers)), None)
         client_plugins = (
-            client_evaluation(config, prepared, executor, bus=bus, clock=clock, wall=wall, local=local),
+            client_evaluation(
+                config, prepared, executor, bus=bus, clock=clock, wall=wall, local=local, training=training
+            ),
             *client_plugins,
         )
     samples = _client_samples(config, prepared)
     job = JobContext(
         models=executor.models,
-        local=LocalTraining(**config.client.model_dump(exclude={"personal"}), objective=objective),
+        local=training,
         upload_codec=upload_codec,
         num_params=prepared.initial.numel(),
         diagnostics=diagnostics,
@@ -245,7 +248,7 @@ def _client_plugins(
     if config.model.prune is not None:
         plugins.append(PruningClients())
     personal = config.client.personal
-    if personal is not None:
+    if personal is not None and personal.kind == "fedbn":
         positions = local_positions(prepared.factory(), personal.layers)
         store = ResidualStore(
             positions.numel(), max_in_memory=personal.max_in_memory, spill_dir=personal.spill_dir or scratch()
@@ -281,10 +284,17 @@ def client_evaluation(
     clock: Clock,
     wall: Callable[[], float],
     local: LocalLayers | None = None,
+    training: LocalTraining | None = None,
 ) -> ClientEvaluation:
     """Return the clients' side of client-side evaluation (``eval.clients``), on each client's held-out samples,
-    with the clients' ``local`` layers (``client.personal``) also evaluated as their personal models."""
+    with the clients' ``local`` layers (``client.personal``) also evaluated as their personal models, or the downloaded
+    model fine-tuned with the run's local ``training``."""
     cfg = config.eval.clients
+    personal = config.client.personal
+    adapt = None
+    if personal is not None and personal.kind == "finetune" and training is not None:
+        samples = _client_samples(config, prepared)
+        adapt = FineTune(samples, training, executor.models, seed=config.seed, steps=personal.steps, lr=personal.lr)
     assert prepared.held_out is not None  # prepare() splits whenever client-side evaluation is on
     return ClientEvaluation(
         Selection(config.seed, fraction=cfg.fraction, every=cfg.every),
@@ -297,6 +307,7 @@ def client_evaluation(
         batch_size=config.eval.batch_size,
         wall=wall,
         personal=None if local is None else local.personal,
+        adapt=adapt,
     )
 
 

@@ -154,18 +154,41 @@ async def _interrupt_at(config: flasync.RunConfig, version: int) -> MemoryTracke
     return tracker
 
 
+_FINETUNE = ("client.personal.kind=finetune", "client.personal.steps=5")
+
+
+def test_fine_tuning_reports_personal_figures_and_leaves_training_unchanged() -> None:
+    """Every report carries the fine-tuned model's figures (other than the downloaded model's for some); the run's
+    weights are those of the same run without fine-tuning, and the same with 1 or 3 workers."""
+    federation = flasync.Federation(_config(*_FINETUNE, *_EVAL))
+    recorder = EventRecorder(federation.bus)
+    summary = asyncio.run(federation.run())
+    reports = recorder.of(ClientEvaluated)
+    assert reports and all({"personal/accuracy", "personal/loss"} <= r.metrics.keys() for r in reports)
+    assert any(r.metrics["personal/loss"] != r.loss for r in reports)
+    assert summary.weights_sha256 == flasync.run(_config(*_EVAL)).weights_sha256
+    three = flasync.Federation(_config(*_FINETUNE, *_EVAL, "executor.workers=3"))
+    recorder_three = EventRecorder(three.bus)
+    asyncio.run(three.run())
+    by_task = {r.task_id: r.metrics["personal/loss"] for r in reports}
+    assert by_task == {r.task_id: r.metrics["personal/loss"] for r in recorder_three.of(ClientEvaluated)}
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (("executor.kind=vectorized",), "client.personal: needs executor.kind = 'thread' or 'auto', not 'vectorized'"),
-        (("scaffold.enabled=true",), "client.personal: cannot be combined with scaffold.enabled"),
-        (("eval.clients.fraction=0.5", "eval.clients.when=after"), "client.personal: evaluates the personal model"),
+        ((*_FEDBN, "executor.kind=vectorized"), "client.personal: needs executor.kind = 'thread' or 'auto', not 'vect"),
+        ((*_FEDBN, "scaffold.enabled=true"), "client.personal: cannot be combined with scaffold.enabled"),
+        ((*_FEDBN, *_EVAL, "eval.clients.when=after"), "client.personal: evaluates the personal model before"),
+        (_FINETUNE, "client.personal: reports through client-side evaluation"),
+        ((*_FINETUNE, *_EVAL, "executor.kind=ray"), "client.personal: needs executor.kind = 'thread' or 'auto'"),
     ],
 )
 def test_unsupported_combinations_are_one_line_errors(overrides: tuple[str, ...], expected: str) -> None:
-    """FedBN with vectorized cohorts, SCAFFOLD or evaluation after training is refused before the run."""
+    """FedBN with vectorized cohorts, SCAFFOLD or evaluation after training, fine-tuning without client-side
+    evaluation or on Ray are refused before the run."""
     with pytest.raises(flasync.ConfigError, match=expected):
-        _config(*_FEDBN, *overrides)
+        _config(*overrides)
 
 
 def test_a_model_without_normalization_layers_is_refused_in_one_line() -> None:

@@ -1,18 +1,22 @@
-"""FedBN's local layers (flasync.algorithms.personal): which positions are local, what a task starts from and keeps."""
+"""Personalization (flasync.algorithms.personal): FedBN's local positions, what a task starts from and keeps;
+fine-tuning."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from torch import nn
 
-from flasync.algorithms.personal import LocalLayers, local_positions
+from flasync.algorithms.personal import FineTune, LocalLayers, local_positions
 from flasync.codecs.build import pipeline
 from flasync.core.errors import ConfigError
 from flasync.core.events import ClientId, TaskAssigned, Version
 from flasync.core.snapshots import ModelSnapshot
+from flasync.training.executors.threads import ModelPool
 from flasync.training.jobs import start_of
-from flasync.training.local import LocalResult, flat_parameters
+from flasync.training.local import LocalResult, LocalTraining, flat_parameters
 from flasync.training.residuals import ResidualStore
 
 
@@ -113,3 +117,38 @@ def test_the_checkpoint_holds_each_clients_local_layers_as_its_task_in_flight_st
     restored = LocalLayers(ResidualStore(1), torch.tensor([0]))
     restored.load_state_dict(saved)
     assert restored.personal(3, torch.tensor([9.0, 9.0])).tolist() == [0.25, 9.0]
+
+
+def test_fine_tuning_is_k_sgd_steps_on_the_clients_own_samples() -> None:
+    """One full-batch step at lr 0.5 is w - 0.5 * grad of the mean cross-entropy on the client's rows (hand
+    computed with autograd on a copy); the rows of other clients play no part; the weights given are not changed."""
+    torch.manual_seed(0)
+    template = nn.Linear(3, 2)
+    pool = ModelPool(lambda: copy.deepcopy(template))
+    x = torch.randn(10, 3)
+    y = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1, 1, 0])
+    rows = {4: torch.tensor([1, 3, 5, 7])}
+    local = LocalTraining(epochs=1, batch_size=4, lr=0.1)
+    tune = FineTune(lambda c: (x, y, rows[c]), local, pool, seed=0, steps=1, lr=0.5)
+    weights = flat_parameters(template)
+    kept = weights.clone()
+    tuned = tune(4, 0, weights)
+    reference = copy.deepcopy(template)
+    loss = nn.functional.cross_entropy(reference(x[rows[4]]), y[rows[4]])
+    loss.backward()
+    assert reference.weight.grad is not None and reference.bias.grad is not None
+    expected = weights - 0.5 * torch.cat([reference.weight.grad.reshape(-1), reference.bias.grad])
+    assert torch.allclose(tuned, expected, atol=1e-6)
+    assert torch.equal(weights, kept)
+
+
+def test_fine_tuning_is_the_same_for_a_client_and_participation_whenever_asked() -> None:
+    """Three steps of batch 2 over 4 rows: the same client and participation give the same weights bit for bit."""
+    torch.manual_seed(1)
+    template = nn.Linear(3, 2)
+    pool = ModelPool(lambda: copy.deepcopy(template))
+    x, y = torch.randn(8, 3), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+    tune = FineTune(lambda c: (x, y, torch.arange(4)), LocalTraining(batch_size=2, lr=0.3), pool, seed=3, steps=3)
+    weights = flat_parameters(template)
+    assert torch.equal(tune(1, 0, weights), tune(1, 0, weights))
+    assert not torch.equal(tune(1, 0, weights), weights)

@@ -1,14 +1,15 @@
-"""Personalization (FedBN's local layers) against the global model on non-IID digits, evaluated by the clients.
+"""Personalization (FedBN's local layers, fine-tuning) against the global model on non-IID digits, client-side.
 
     python benchmarks/personalization.py                 # about a minute on 2 cores
     python benchmarks/personalization.py --versions 150
 
 FedBuff on digits split among 40 clients by label with Dirichlet(0.1) (most clients hold two or three digits), each
 client holding out 20% of its samples; every task evaluates before training (``eval.clients.fraction = 1``,
-``when = "before"``), a version closing at 5 reports. Two models, each run twice in this process with the same seed:
+``when = "before"``), a version closing at 5 reports. Two models, run in this process with the same seed:
 
-* **mlp**: the built-in MLP (64-64-10), as one global model (the baseline) and with its head local
-  (``client.personal = {kind = "fedbn", layers = ["layers.2"]}``);
+* **mlp**: the built-in MLP (64-64-10), as one global model (the baseline), with its head local
+  (``client.personal = {kind = "fedbn", layers = ["layers.2"]}``), and fine-tuned by each evaluating client for 5
+  local steps before it evaluates (``client.personal = {kind = "finetune", steps = 5}``: training unchanged);
 * **bn-mlp**: an MLP with a BatchNorm after its hidden layer (defined here, passed as the model factory), as one global
   model and with FedBN's default (``client.personal = {kind = "fedbn"}``: the BatchNorm's weight, bias and running
   statistics are local).
@@ -100,11 +101,12 @@ def _arm(overrides: list[str], factory: Callable[[], nn.Module] | None) -> dict[
 
 
 def measure(versions: int) -> dict[str, dict[str, Any]]:
-    """Run the four arms; return their figures by name."""
+    """Run the five arms; return their figures by name."""
     base = [*_BASE, f"stop.max_versions={versions}"]
     return {
         "mlp/global": _arm(base, None),
         "mlp/local_head": _arm([*base, "client.personal.kind=fedbn", "client.personal.layers=[layers.2]"], None),
+        "mlp/finetune": _arm([*base, "client.personal.kind=finetune", "client.personal.steps=5"], None),
         "bn-mlp/global": _arm(base, BatchNormMLP),
         "bn-mlp/fedbn": _arm([*base, "client.personal.kind=fedbn"], BatchNormMLP),
     }

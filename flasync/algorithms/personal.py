@@ -1,4 +1,4 @@
-"""Personalization as a plug-in: FedBN's local layers, kept by each client and never sent; local fine-tuning.
+"""Personalization as plug-ins: FedBN's local layers, kept by each client and never sent; fine-tuning; Ditto.
 
 Li et al., "FedBN: Federated Learning on Non-IID Features via Local Batch Normalization", ICLR 2021. Some layers of
 the model (the normalization layers by default, any by name pattern) are *local*: each client trains its own copy
@@ -15,7 +15,8 @@ task in flight started from, so a resumed run is bit-exact). :meth:`LocalLayers.
 evaluation (``eval.clients``) the client's own model: the downloaded weights with its local layers in.
 
 :class:`FineTune` is the simplest personalization baseline: an evaluating client evaluates the downloaded model
-after ``K`` local SGD steps on its own training samples (its training and update are unchanged).
+after ``K`` local SGD steps on its own training samples (its training and update are unchanged). :class:`Ditto`
+trains a personal model per client beside the global update, pulled towards the downloaded model.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from flasync.training.local import LocalResult, LocalTraining, flat_layout, trai
 from flasync.training.plugins import Finished, TaskPart
 from flasync.training.residuals import ResidualStore
 
-__all__ = ["NORM_LAYERS", "FineTune", "LocalLayers", "local_positions"]
+__all__ = ["NORM_LAYERS", "Ditto", "FineTune", "LocalLayers", "local_positions"]
 
 NORM_LAYERS: tuple[type[nn.Module], ...] = (
     nn.BatchNorm1d,
@@ -178,7 +179,7 @@ class FineTune:
         local: The run's local training.
         models: The worker threads' models (the fine-tuning trains the worker's own).
         seed: The run's seed.
-        steps: SGD steps.
+        steps: SGD steps (None: those of ``local``).
         lr: Learning rate (None: ``local.lr``).
     """
 
@@ -189,17 +190,25 @@ class FineTune:
         models: ModelPool,
         *,
         seed: int,
-        steps: int,
+        steps: int | None,
         lr: float | None = None,
     ) -> None:
         """Bind the data, the training and the stream."""
         self.samples = samples
-        self.local = dataclasses.replace(local, epochs=steps, max_steps=steps, lr=local.lr if lr is None else lr)
+        rate = local.lr if lr is None else lr
+        self.local = (
+            dataclasses.replace(local, lr=rate)
+            if steps is None
+            else dataclasses.replace(local, epochs=steps, max_steps=steps, lr=rate)
+        )
         self.models = models
         self.seed = seed
 
-    def __call__(self, client_id: int, participation: int, weights: torch.Tensor) -> torch.Tensor:
-        """Return ``weights`` after the fine-tuning on ``client_id``'s samples (a new tensor on the model's device)."""
+    def __call__(
+        self, client_id: int, participation: int, weights: torch.Tensor, correction: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Return ``weights`` after the fine-tuning on ``client_id``'s samples (a new tensor on the model's device),
+        ``correction`` added to every step's gradient (None: nothing)."""
         model = self.models.get()
         device = model.flat.device
         x, y, rows = self.samples(client_id)
@@ -208,5 +217,73 @@ class FineTune:
             x, y, indices = x[rows].to(device), y[rows].to(device), None
         base = weights.to(device)
         generator = seeding.torch_stream(self.seed, seeding.PERSONAL, client_id, participation)
-        result = train(model, base, x, y, self.local, generator, indices=indices)
+        fix = None if correction is None else correction.to(device)
+        result = train(model, base, x, y, self.local, generator, indices=indices, correction=fix)
         return base - result.delta
+
+
+class Ditto(PerClientPlugin):
+    """Ditto's personal models (Li et al., "Ditto: Fair and Robust Federated Learning Through Personalization",
+    ICML 2021, Algorithm 1; checkpoint component ``ditto``).
+
+    Beside its usual task on the global model (unchanged), client ``i`` trains its personal model ``v_i`` (the
+    downloaded ``w`` at its first task) for ``steps`` SGD steps on ``f_i(v) + lambda/2 ||v - w||^2``:
+    ``v <- v - lr (grad f_i(v) + lambda (v - w))``, with ``w`` the downloaded model, and keeps it. The proximal
+    gradient is FedProx's term towards the start ``v_0`` plus the constant ``lambda (v_0 - w)`` (a gradient
+    correction), which sums to ``lambda (v - w)``. ``v_i`` is one full vector per client, bounded in memory, spilled
+    to disk and checkpointed; client-side evaluation evaluates it as the client's personal model.
+
+    Args:
+        store: Where the personal models live.
+        tune: The personal model's local SGD (its ``local.proximal_mu`` is ``lambda``).
+        lam: ``lambda``.
+    """
+
+    name = "ditto"
+
+    def __init__(self, store: ResidualStore, tune: FineTune, *, lam: float) -> None:
+        """Bind the store and the training."""
+        self.state = PerClientState(store)
+        self.tune = tune
+        self.lam = lam
+        tune.local = dataclasses.replace(tune.local, proximal_mu=lam)
+
+    def task(self, task: TaskAssigned, model: ModelSnapshot) -> TaskPart:
+        """Return the task's part: the personal model it starts from (the download for a first task)."""
+        own = self.state.begin(task)
+        return _DittoPart(self, task, model.weights, own)
+
+    def personal(self, client_id: int, weights: torch.Tensor) -> torch.Tensor:
+        """Return ``client_id``'s personal model (``weights`` for a client that has none yet)."""
+        own = self.state.get(client_id)
+        return weights if own is None else own.to(weights.device)
+
+    def close(self, log: Any) -> dict[str, int]:
+        """Close the store (its spill folder goes)."""
+        self.state.store.close()
+        return {}
+
+
+class _DittoPart(TaskPart):
+    """A task's personal update: ``v_i`` trained towards the downloaded model in the worker, kept at the end."""
+
+    __slots__ = ("download", "own", "owner", "task")
+
+    def __init__(self, owner: Ditto, task: TaskAssigned, download: torch.Tensor, own: torch.Tensor | None) -> None:
+        self.owner = owner
+        self.task = task
+        self.download = download
+        self.own = own
+
+    def finish(self, delta: torch.Tensor, result: LocalResult, encoded: Encoded, codec: Pipeline) -> Finished:
+        """Train the personal model (worker thread, once the global update is encoded); hand it to :meth:`keep`."""
+        owner, task = self.owner, self.task
+        start = self.download if self.own is None else self.own.to(self.download.device)
+        correction = None if self.own is None else (start - self.download).mul_(owner.lam)
+        trained = owner.tune(int(task.client_id), task.participation, start, correction)
+        return Finished(kept=trained.cpu())
+
+    def keep(self, finished: Finished) -> None:
+        """Store the client's new personal model."""
+        if finished.kept is not None:
+            self.owner.state.put(int(self.task.client_id), finished.kept)

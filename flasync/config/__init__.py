@@ -37,6 +37,7 @@ from flasync.config.loading import (
 )
 from flasync.config.model import (
     ClientConfig,
+    DittoPersonal,
     FedBNPersonal,
     FineTunePersonal,
     LoraAdapter,
@@ -106,6 +107,7 @@ __all__ = [
     "DiagnosticsConfig",
     "DigitsData",
     "DirichletPartition",
+    "DittoPersonal",
     "EdgeLinkConfig",
     "EdgeSpec",
     "EvalConfig",

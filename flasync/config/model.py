@@ -145,7 +145,23 @@ class FineTunePersonal(_Section):
     lr: float | None = Field(None, gt=0.0, description="Fine-tuning learning rate (None: client.lr).")
 
 
-PersonalConfig = Annotated[FedBNPersonal | FineTunePersonal, Field(discriminator="kind")]
+class DittoPersonal(_Section):
+    """Ditto (Li et al., ICML 2021): beside its usual update of the global model, each client trains a personal model
+    on its own samples with the proximal term ``lambda/2 ||v - w||^2`` towards the downloaded model ``w``, and keeps
+    it (bounded in memory, spilled to disk, checkpointed). Client-side evaluation (``eval.clients``) reports it as
+    ``personal/*``."""
+
+    kind: Literal["ditto"] = "ditto"
+    lam: float = Field(0.1, gt=0.0, description="lambda: weight of the proximal term towards the global model.")
+    steps: int | None = Field(
+        None, ge=1, description="Local SGD steps of the personal model per task (None: those of the global update)."
+    )
+    lr: float | None = Field(None, gt=0.0, description="The personal model's learning rate (None: client.lr).")
+    max_in_memory: int = Field(1024, ge=1, description="Personal models kept in memory; older ones spill.")
+    spill_dir: str | None = Field(None, description="Where personal models spill (default: a temporary folder).")
+
+
+PersonalConfig = Annotated[FedBNPersonal | FineTunePersonal | DittoPersonal, Field(discriminator="kind")]
 """How clients personalize the federated model (``client.personal``)."""
 
 

@@ -279,7 +279,7 @@ class RunConfig(_Section):
     def _check_personal(self) -> None:
         # FedBN's start and withheld layers are a threads' task's parts: a cohort's step and a Ray actor take none;
         # SCAFFOLD and pruning would correct or mask the local layers as shared ones; a partial model's flat vector
-        # is not the whole model's. Fine-tuning is an evaluation, made on the clients' side by the run's workers.
+        # is not the whole model's. Fine-tuning and Ditto train in the run's workers beside the global update.
         where = ("client", "personal")
         personal = self.client.personal
         fedbn = personal is not None and personal.kind == "fedbn"
@@ -295,7 +295,7 @@ class RunConfig(_Section):
         clash = next((name for name, on in clashes if on), None)
         if clash is not None:
             raise _FieldError(where, f"cannot be combined with {clash}")
-        if not fedbn and not self.eval.clients.enabled:
+        if personal is not None and personal.kind == "finetune" and not self.eval.clients.enabled:
             raise _FieldError(where, "reports through client-side evaluation: set eval.clients.fraction or every")
         if self.eval.clients.enabled and self.eval.clients.when != "before":
             raise _FieldError(where, "evaluates the personal model before local training: set eval.clients.when")

@@ -31,7 +31,7 @@ from flasync.aggregation.privacy import (
 )
 from flasync.algorithms.client_eval import ClientEvaluation, EvaluationSummary, Selection
 from flasync.algorithms.error_feedback import ErrorFeedback
-from flasync.algorithms.personal import FineTune, LocalLayers, local_positions
+from flasync.algorithms.personal import Ditto, FineTune, LocalLayers, local_positions
 from flasync.algorithms.privacy import CentralPrivacy
 from flasync.algorithms.pruning import PruningClients, PruningServer
 from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
@@ -83,7 +83,7 @@ from flasync.server.registry import StartGroup, StartTask, one_each
 from flasync.server.sampler import Availability
 from flasync.server.topology import Tree
 from flasync.training.diagnostics import TrainingDiagnostics
-from flasync.training.executors.threads import TrainingExecutor
+from flasync.training.executors.threads import ModelPool, TrainingExecutor
 from flasync.training.jobs import ClientSamples, JobContext
 from flasync.training.local import EvalResult, LocalObjective, LocalTraining, evaluate, objective_name
 from flasync.training.plugins import ClientPlugin, ServerPlugin
@@ -139,10 +139,10 @@ def build_world(
         plugins: A caller's own per-client algorithm state, after the run's own.
     """
     upload_codec = pipeline(config.codec.upload, sparse=config.model.prune is not None)
-    client_plugins = (*_client_plugins(config, prepared, upload_codec, scratch), *plugins)
     training = LocalTraining(**config.client.model_dump(exclude={"personal"}), objective=objective)
+    client_plugins = (*_client_plugins(config, prepared, upload_codec, scratch, training, executor.models), *plugins)
     if config.eval.clients.enabled:
-        local = next((plugin for plugin in client_plugins if isinstance(plugin, LocalLayers)), None)
+        local = next((plugin for plugin in client_plugins if isinstance(plugin, LocalLayers | Ditto)), None)
         client_plugins = (
             client_evaluation(
                 config, prepared, executor, bus=bus, clock=clock, wall=wall, local=local, training=training
@@ -191,7 +191,7 @@ def build_world(
 
 _TAKEN_NAMES = frozenset(
     {"clock", "residuals", "variates", "controls", "privacy", "version", "weights", "queued", "answered"}
-    | {"prune", "prune_mask", "personal"}
+    | {"prune", "prune_mask", "personal", "ditto"}
     | {"client_eval", "client_eval_versions"}
     | {"aggregator", "accounting", "sampler", "registry", "intake", "policy"}
 )
@@ -225,11 +225,16 @@ def check_plugins(plugins: Sequence[object]) -> None:
 
 
 def _client_plugins(
-    config: RunConfig, prepared: Prepared, upload_codec: Pipeline, scratch: Callable[[], str]
+    config: RunConfig,
+    prepared: Prepared,
+    upload_codec: Pipeline,
+    scratch: Callable[[], str],
+    training: LocalTraining,
+    models: ModelPool,
 ) -> tuple[ClientPlugin, ...]:
     """Return the clients' algorithm state: error-feedback residuals (when the upload codec keeps them) and SCAFFOLD's
     control variates (when it is on), each bounded in memory and spilled to disk, and the pruning mask's gradient
-    masking (when pruning is on), and the clients' own local layers (``client.personal``)."""
+    masking (when pruning is on), and the clients' own local layers or personal models (``client.personal``)."""
     plugins: list[ClientPlugin] = []
     num_params = prepared.initial.numel()
     if upload_codec.error_feedback:
@@ -247,14 +252,29 @@ def _client_plugins(
         plugins.append(ScaffoldClients(store, seed=config.seed, lr=config.client.lr))
     if config.model.prune is not None:
         plugins.append(PruningClients())
+    personal = _personal(config, prepared, scratch, training, models)
+    return (*plugins, personal) if personal is not None else tuple(plugins)
+
+
+def _personal(
+    config: RunConfig, prepared: Prepared, scratch: Callable[[], str], training: LocalTraining, models: ModelPool
+) -> LocalLayers | Ditto | None:
+    """Return the clients' local layers (FedBN) or personal models (Ditto), bounded in memory and spilled to disk
+    (None: neither; fine-tuning keeps nothing)."""
     personal = config.client.personal
-    if personal is not None and personal.kind == "fedbn":
+    if personal is None or personal.kind == "finetune":
+        return None
+    spill = personal.spill_dir or scratch()
+    if personal.kind == "fedbn":
         positions = local_positions(prepared.factory(), personal.layers)
-        store = ResidualStore(
-            positions.numel(), max_in_memory=personal.max_in_memory, spill_dir=personal.spill_dir or scratch()
+        return LocalLayers(
+            ResidualStore(positions.numel(), max_in_memory=personal.max_in_memory, spill_dir=spill), positions
         )
-        plugins.append(LocalLayers(store, positions))
-    return tuple(plugins)
+    tune = FineTune(
+        _client_samples(config, prepared), training, models, seed=config.seed, steps=personal.steps, lr=personal.lr
+    )
+    store = ResidualStore(prepared.initial.numel(), max_in_memory=personal.max_in_memory, spill_dir=spill)
+    return Ditto(store, tune, lam=personal.lam)
 
 
 def _client_samples(config: RunConfig, prepared: Prepared, partition: Partition | None = None) -> ClientSamples:
@@ -283,7 +303,7 @@ def client_evaluation(
     bus: EventBus,
     clock: Clock,
     wall: Callable[[], float],
-    local: LocalLayers | None = None,
+    local: LocalLayers | Ditto | None = None,
     training: LocalTraining | None = None,
 ) -> ClientEvaluation:
     """Return the clients' side of client-side evaluation (``eval.clients``), on each client's held-out samples,

@@ -1,4 +1,4 @@
-"""FedBN end to end: local layers never leave their clients, the server's copy stays put, personal figures, resume."""
+"""Personalization end to end: FedBN's local layers never leave their clients, fine-tuning, Ditto; figures, resume."""
 
 from __future__ import annotations
 
@@ -174,6 +174,41 @@ def test_fine_tuning_reports_personal_figures_and_leaves_training_unchanged() ->
     assert by_task == {r.task_id: r.metrics["personal/loss"] for r in recorder_three.of(ClientEvaluated)}
 
 
+_DITTO = ("client.personal.kind=ditto", "client.personal.lam=0.1")
+
+
+def test_ditto_reports_its_personal_models_and_leaves_the_global_training_unchanged() -> None:
+    """Reports carry the personal models' figures (the download's at a client's first task); the global weights are
+    those of the same run without Ditto."""
+    federation = flasync.Federation(_config(*_DITTO, *_EVAL))
+    recorder = EventRecorder(federation.bus)
+    summary = asyncio.run(federation.run())
+    participation = {task.task_id: task.participation for task in recorder.of(TaskAssigned)}
+    reports = recorder.of(ClientEvaluated)
+    firsts = [r for r in reports if participation[r.task_id] == 0]
+    laters = [r for r in reports if participation[r.task_id] > 0]
+    assert firsts and laters
+    assert all(r.metrics["personal/loss"] == r.loss for r in firsts)
+    assert all(r.metrics["personal/loss"] != r.loss for r in laters)
+    assert summary.weights_sha256 == flasync.run(_config(*_EVAL)).weights_sha256
+
+
+@pytest.mark.slow
+def test_a_resumed_ditto_run_gives_the_uninterrupted_personal_figures() -> None:
+    """Stopped mid-way and resumed from its checkpoint (which holds the personal models), a Ditto run reports the
+    personal figures of the run uninterrupted."""
+    config = _config(*_DITTO, *_EVAL, "stop.max_versions=16")
+    full_tracker = MemoryTracker()
+    flasync.run(config, tracker=full_tracker)
+    stopped = asyncio.run(_interrupt_at(config, 6))
+    saved, state = checkpoint.decode(checkpoint.latest(stopped.artifacts))
+    assert state["ditto"]["ids"] and state["ditto"]["values"].shape[1] == NUM_PARAMS
+    resumed = MemoryTracker()
+    flasync.run(saved, resume=checkpoint.ResumePoint(None, state), tracker=resumed)
+    key = "client_eval/personal/loss/mean"
+    assert stopped.history(key) + resumed.history(key) == full_tracker.history(key)
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
@@ -182,11 +217,12 @@ def test_fine_tuning_reports_personal_figures_and_leaves_training_unchanged() ->
         ((*_FEDBN, *_EVAL, "eval.clients.when=after"), "client.personal: evaluates the personal model before"),
         (_FINETUNE, "client.personal: reports through client-side evaluation"),
         ((*_FINETUNE, *_EVAL, "executor.kind=ray"), "client.personal: needs executor.kind = 'thread' or 'auto'"),
+        ((*_DITTO, "remote.enabled=true"), "client.personal: cannot be combined with remote.enabled"),
     ],
 )
 def test_unsupported_combinations_are_one_line_errors(overrides: tuple[str, ...], expected: str) -> None:
     """FedBN with vectorized cohorts, SCAFFOLD or evaluation after training, fine-tuning without client-side
-    evaluation or on Ray are refused before the run."""
+    evaluation or on Ray, Ditto with remote clients are refused before the run."""
     with pytest.raises(flasync.ConfigError, match=expected):
         _config(*overrides)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from flasync.algorithms.personal import FineTune, LocalLayers, local_positions
+from flasync.algorithms.personal import Ditto, FineTune, LocalLayers, local_positions
 from flasync.codecs.build import pipeline
 from flasync.core.errors import ConfigError
 from flasync.core.events import ClientId, TaskAssigned, Version
@@ -152,3 +152,42 @@ def test_fine_tuning_is_the_same_for_a_client_and_participation_whenever_asked()
     weights = flat_parameters(template)
     assert torch.equal(tune(1, 0, weights), tune(1, 0, weights))
     assert not torch.equal(tune(1, 0, weights), weights)
+
+
+def _ditto_step(
+    template: nn.Module, v: torch.Tensor, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """One full-batch Ditto step by hand: v - lr (grad f(v) + lambda (v - w)), lr 0.5, lambda 0.3."""
+    reference = copy.deepcopy(template)
+    torch.nn.utils.vector_to_parameters(v, reference.parameters())
+    nn.functional.cross_entropy(reference(x), y).backward()
+    grad = torch.cat([p.grad.reshape(-1) for p in reference.parameters() if p.grad is not None])
+    return v - 0.5 * (grad + 0.3 * (v - w))
+
+
+def test_ditto_trains_the_personal_model_towards_the_downloaded_one() -> None:
+    """A first task's personal model is one step from the download; a second starts from it and is pulled towards
+    the new download by lambda (v - w) (both hand computed); the global update is not touched."""
+    torch.manual_seed(2)
+    template = nn.Linear(3, 2)
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    tune = FineTune(
+        lambda c: (x, y, torch.arange(4)),
+        LocalTraining(batch_size=4, lr=0.5),
+        ModelPool(lambda: copy.deepcopy(template)),
+        seed=0,
+        steps=1,
+    )
+    ditto = Ditto(ResidualStore(8), tune, lam=0.3)
+    codec = pipeline(())
+    first = flat_parameters(template)
+    for task_id, download in ((1, first), (2, first + 0.1)):
+        task = _task(task_id, 5)
+        before = ditto.personal(5, download).clone()
+        part = ditto.task(task, _snapshot(download))
+        delta = torch.ones(8)
+        part.keep(part.finish(delta, _result(delta), codec.encode(delta), codec))
+        ditto.released(task)
+        assert torch.equal(delta, torch.ones(8))
+        assert torch.allclose(ditto.personal(5, download), _ditto_step(template, before, download, x, y), atol=1e-6)
+    assert not torch.equal(ditto.personal(5, first), first)

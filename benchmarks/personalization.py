@@ -1,4 +1,4 @@
-"""Personalization (FedBN's local layers, fine-tuning) against the global model on non-IID digits, client-side.
+"""Personalization (FedBN, fine-tuning, Ditto) against the global model on non-IID digits, evaluated client-side.
 
     python benchmarks/personalization.py                 # about a minute on 2 cores
     python benchmarks/personalization.py --versions 150
@@ -9,7 +9,8 @@ client holding out 20% of its samples; every task evaluates before training (``e
 
 * **mlp**: the built-in MLP (64-64-10), as one global model (the baseline), with its head local
   (``client.personal = {kind = "fedbn", layers = ["layers.2"]}``), and fine-tuned by each evaluating client for 5
-  local steps before it evaluates (``client.personal = {kind = "finetune", steps = 5}``: training unchanged);
+  local steps before it evaluates (``client.personal = {kind = "finetune", steps = 5}``: training unchanged), and
+  with Ditto's personal models (``client.personal = {kind = "ditto", lam = 0.1}``: training unchanged);
 * **bn-mlp**: an MLP with a BatchNorm after its hidden layer (defined here, passed as the model factory), as one global
   model and with FedBN's default (``client.personal = {kind = "fedbn"}``: the BatchNorm's weight, bias and running
   statistics are local).
@@ -101,12 +102,13 @@ def _arm(overrides: list[str], factory: Callable[[], nn.Module] | None) -> dict[
 
 
 def measure(versions: int) -> dict[str, dict[str, Any]]:
-    """Run the five arms; return their figures by name."""
+    """Run the six arms; return their figures by name."""
     base = [*_BASE, f"stop.max_versions={versions}"]
     return {
         "mlp/global": _arm(base, None),
         "mlp/local_head": _arm([*base, "client.personal.kind=fedbn", "client.personal.layers=[layers.2]"], None),
         "mlp/finetune": _arm([*base, "client.personal.kind=finetune", "client.personal.steps=5"], None),
+        "mlp/ditto": _arm([*base, "client.personal.kind=ditto", "client.personal.lam=0.1"], None),
         "bn-mlp/global": _arm(base, BatchNormMLP),
         "bn-mlp/fedbn": _arm([*base, "client.personal.kind=fedbn"], BatchNormMLP),
     }

@@ -86,6 +86,11 @@ class ClientEvaluation(ClientPlugin):
         batch_size: Samples per evaluation batch.
         wall: Monotonic real seconds (the evaluation's ``eval_s``).
         regression: Whether the task is a regression (loss: mean squared error; accuracy: NaN).
+        personal: Client id, downloaded weights -> the client's own model (``client.personal``; e.g.
+            :meth:`flasync.algorithms.personal.LocalLayers.personal`), evaluated beside the downloaded one: its
+            figures are reported as ``personal/<metric>`` (``when = "before"`` only; None: no personal model).
+        adapt: Client id, participation, weights -> the personal model made of them in the worker thread, e.g.
+            :class:`flasync.algorithms.personal.FineTune` (None: none).
     """
 
     name = "client_eval"
@@ -103,8 +108,12 @@ class ClientEvaluation(ClientPlugin):
         batch_size: int = 1024,
         wall: Callable[[], float] = time.perf_counter,
         regression: bool = False,
+        personal: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        adapt: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """Bind what the evaluations need."""
+        if (personal is not None or adapt is not None) and when != "before":
+            raise ValueError("a personal model is evaluated before local training only")
         self.selection = selection
         self.when = when
         self.held_out = held_out
@@ -115,6 +124,8 @@ class ClientEvaluation(ClientPlugin):
         self.batch_size = batch_size
         self.wall = wall
         self.regression = regression
+        self.personal = personal
+        self.adapt = adapt
 
     def task(self, task: TaskAssigned, model: ModelSnapshot) -> TaskPart | None:
         """Return the evaluation part of a task chosen to evaluate (None for the others, and for a client that holds
@@ -122,19 +133,26 @@ class ClientEvaluation(ClientPlugin):
         client = int(task.client_id)
         if not evaluates(self.selection, client, task.participation) or self.held_out(client)[2].numel() == 0:
             return None
-        return _EvalPart(self, task, model.weights)
+        own = None if self.personal is None else self.personal(client, model.weights)
+        if own is None and self.adapt is not None:
+            own = model.weights
+        return _EvalPart(self, task, model.weights, own)
 
 
 class _EvalPart(TaskPart):
     """A task's evaluation: made in the worker (with its cohort's, see :meth:`finish_together`), reported on keep."""
 
-    __slots__ = ("base", "owner", "result", "task")
+    __slots__ = ("base", "own", "own_result", "owner", "result", "task")
 
-    def __init__(self, owner: ClientEvaluation, task: TaskAssigned, base: torch.Tensor) -> None:
+    def __init__(
+        self, owner: ClientEvaluation, task: TaskAssigned, base: torch.Tensor, own: torch.Tensor | None = None
+    ) -> None:
         self.owner = owner
         self.task = task
         self.base = base
+        self.own = own
         self.result: tuple[EvalResult, float] | None = None
+        self.own_result: EvalResult | None = None
 
     @classmethod
     def finish_together(cls, parts: Sequence[TaskPart], results: Sequence[LocalResult]) -> None:
@@ -151,6 +169,9 @@ class _EvalPart(TaskPart):
             groups.setdefault(key, []).append((part, weights))
         for members in groups.values():
             _evaluate_group(members)
+        for part in parts:
+            if isinstance(part, _EvalPart) and part.own is not None and part.own_result is None:
+                part.own_result = _evaluate_own(part, part.own)
 
     def keep(self, finished: Any) -> None:
         """Publish the report, now that the training ended in (virtual) time."""
@@ -158,6 +179,11 @@ class _EvalPart(TaskPart):
             return
         result, eval_s = self.result
         owner, task = self.owner, self.task
+        metrics = dict(result.metrics)
+        if self.own_result is not None:
+            own = self.own_result
+            metrics.update({f"personal/{k}": v for k, v in own.metrics.items()})
+            metrics.update({"personal/accuracy": own.accuracy, "personal/loss": own.loss})
         # A report is a figure: a full blocking subscription of the bus misses it rather than failing the task.
         with contextlib.suppress(BusFull, BusClosed):
             owner.publish(
@@ -169,7 +195,7 @@ class _EvalPart(TaskPart):
                     num_samples=result.num_samples,
                     accuracy=result.accuracy,
                     loss=result.loss,
-                    metrics=dict(result.metrics),
+                    metrics=metrics,
                     simulated_s=owner.now(),
                     eval_s=eval_s,
                 )
@@ -204,6 +230,31 @@ def _evaluate_group(members: list[tuple[_EvalPart, torch.Tensor]]) -> None:
     share = (owner.wall() - start) / len(members)
     for (part, _), result in zip(members, evaluated, strict=True):
         part.result = (result, share)
+
+
+def _evaluate_own(part: _EvalPart, weights: torch.Tensor) -> EvalResult:
+    """Evaluate a task's personal model on its client's held-out samples, adapted first (fine-tuned) when the owner
+    adapts; its seconds count in the task's."""
+    owner = part.owner
+    start = owner.wall()
+    model = owner.models.get()
+    device = model.flat.device
+    client = int(part.task.client_id)
+    if owner.adapt is not None:
+        weights = owner.adapt(client, part.task.participation, weights)
+    x, y, rows = owner.held_out(client)
+    (result,) = evaluate_segments(
+        model,
+        weights.to(device),
+        x[rows].to(device),
+        y[rows].to(device),
+        [int(rows.numel())],
+        batch_size=owner.batch_size,
+        metrics=owner.metrics,
+    )
+    if part.result is not None:
+        part.result = (part.result[0], part.result[1] + owner.wall() - start)
+    return result
 
 
 @dataclass(slots=True)

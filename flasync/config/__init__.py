@@ -37,7 +37,19 @@ from flasync.config.loading import (
     safe_yaml,
     validate,
 )
-from flasync.config.model import ClientConfig, GRUModel, LoraAdapter, MLPModel, ModelConfig, PruneConfig, SmallCNNModel
+from flasync.config.model import (
+    ClientConfig,
+    DittoPersonal,
+    FedBNPersonal,
+    FineTunePersonal,
+    GRUModel,
+    LoraAdapter,
+    MLPModel,
+    ModelConfig,
+    PersonalConfig,
+    PruneConfig,
+    SmallCNNModel,
+)
 from flasync.config.population import (
     SAMPLING_STRATEGIES,
     AvailabilityConfig,
@@ -99,6 +111,7 @@ __all__ = [
     "DiagnosticsConfig",
     "DigitsData",
     "DirichletPartition",
+    "DittoPersonal",
     "EdgeLinkConfig",
     "EdgeSpec",
     "EvalConfig",
@@ -107,8 +120,10 @@ __all__ = [
     "FeatureSkewPartition",
     "FedAsyncServer",
     "FedAvgServer",
+    "FedBNPersonal",
     "FedBuffServer",
     "FilesData",
+    "FineTunePersonal",
     "FlatTopology",
     "Float16Stage",
     "GRUModel",
@@ -124,6 +139,7 @@ __all__ = [
     "ModelConfig",
     "NetworkConfig",
     "PartitionConfig",
+    "PersonalConfig",
     "PolynomialStalenessConfig",
     "PopulationConfig",
     "PrivacyConfig",

@@ -117,6 +117,63 @@ class GRUModel(_ModelSection):
 ModelConfig = Annotated[MLPModel | SmallCNNModel | GRUModel, Field(discriminator="kind")]
 
 
+class FedBNPersonal(_Section):
+    """FedBN (Li et al., ICLR 2021): named layers are trained by each client and never leave it.
+
+    The server's copy of those layers keeps its initial values; each client keeps its own (bounded in memory, spilled
+    to disk, checkpointed) and trains from them at every task. The other layers are federated as usual.
+    """
+
+    kind: Literal["fedbn"] = "fedbn"
+    layers: tuple[str, ...] | None = Field(
+        None,
+        description="Name patterns of the local layers' parameters and buffers (fnmatch against a full dotted name, "
+        "any of its parts or a module prefix, as model.exchange). None: every normalization layer (BatchNorm, "
+        "LayerNorm, GroupNorm, InstanceNorm).",
+    )
+    max_in_memory: int = Field(1024, ge=1, description="Clients' local layers kept in memory; older ones spill.")
+    spill_dir: str | None = Field(None, description="Where clients' local layers spill (default: a temporary folder).")
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _pattern_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            raise ValueError("must be a list of name patterns")
+        if isinstance(value, list | tuple) and (not value or any(not pattern for pattern in value)):
+            raise ValueError("needs at least one non-empty name pattern (or leave it out: normalization layers)")
+        return value
+
+
+class FineTunePersonal(_Section):
+    """Local fine-tuning: each evaluating client evaluates the downloaded model after ``steps`` local SGD steps on
+    its own training samples (``client_eval/personal/*``, beside the downloaded model's figures); its training and
+    its update are unchanged. It reports through client-side evaluation (``eval.clients``)."""
+
+    kind: Literal["finetune"] = "finetune"
+    steps: int = Field(5, ge=1, description="Local SGD steps (batches of client.batch_size) of the fine-tuning.")
+    lr: float | None = Field(None, gt=0.0, description="Fine-tuning learning rate (None: client.lr).")
+
+
+class DittoPersonal(_Section):
+    """Ditto (Li et al., ICML 2021): beside its usual update of the global model, each client trains a personal model
+    on its own samples with the proximal term ``lambda/2 ||v - w||^2`` towards the downloaded model ``w``, and keeps
+    it (bounded in memory, spilled to disk, checkpointed). Client-side evaluation (``eval.clients``) reports it as
+    ``personal/*``."""
+
+    kind: Literal["ditto"] = "ditto"
+    lam: float = Field(0.1, gt=0.0, description="lambda: weight of the proximal term towards the global model.")
+    steps: int | None = Field(
+        None, ge=1, description="Local SGD steps of the personal model per task (None: those of the global update)."
+    )
+    lr: float | None = Field(None, gt=0.0, description="The personal model's learning rate (None: client.lr).")
+    max_in_memory: int = Field(1024, ge=1, description="Personal models kept in memory; older ones spill.")
+    spill_dir: str | None = Field(None, description="Where personal models spill (default: a temporary folder).")
+
+
+PersonalConfig = Annotated[FedBNPersonal | FineTunePersonal | DittoPersonal, Field(discriminator="kind")]
+"""How clients personalize the federated model (``client.personal``)."""
+
+
 class ClientConfig(_Section):
     """Local training of one client task: SGD over the client's own samples."""
 
@@ -134,6 +191,9 @@ class ClientConfig(_Section):
     )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="bf16 = autocast of the forward pass; fp16 = autocast with dynamic loss scaling (CUDA)."
+    )
+    personal: PersonalConfig | None = Field(
+        None, description="Personalization: each client keeps part of the model as its own (None: one global model)."
     )
     checkpoint_segments: int = Field(
         0,

@@ -179,6 +179,8 @@ class RunConfig(_Section):
             self._check_partial_model()
         if self.model.prune is not None:
             self._check_pruning()
+        if self.client.personal is not None:
+            self._check_personal()
         if res.zscore_min_history > res.zscore_window:
             raise _FieldError(
                 ("resilience", "zscore_min_history"),
@@ -293,6 +295,30 @@ class RunConfig(_Section):
             raise _FieldError(where, "is not supported with topology.kind = 'tree' (flat runs only)")
         if any(stage.kind in ("topk", "randomk") for stage in self.codec.upload):
             raise _FieldError(where, "sends updates sparse itself; drop the codec.upload topk/randomk stage")
+
+    def _check_personal(self) -> None:
+        # FedBN's start and withheld layers are a threads' task's parts: a cohort's step and a Ray actor take none;
+        # SCAFFOLD and pruning would correct or mask the local layers as shared ones; a partial model's flat vector
+        # is not the whole model's. Fine-tuning and Ditto train in the run's workers beside the global update.
+        where = ("client", "personal")
+        personal = self.client.personal
+        fedbn = personal is not None and personal.kind == "fedbn"
+        if self.executor.kind == "ray" or (fedbn and self.executor.kind == "vectorized"):
+            raise _FieldError(where, f"needs executor.kind = 'thread' or 'auto', not {self.executor.kind!r}")
+        clashes = [("remote.enabled", self.remote.enabled)]
+        if fedbn:
+            clashes += [
+                ("scaffold.enabled", self.scaffold.enabled),
+                ("model.prune", self.model.prune is not None),
+                ("model.exchange / model.adapter", self.model.partial),
+            ]
+        clash = next((name for name, on in clashes if on), None)
+        if clash is not None:
+            raise _FieldError(where, f"cannot be combined with {clash}")
+        if personal is not None and personal.kind == "finetune" and not self.eval.clients.enabled:
+            raise _FieldError(where, "reports through client-side evaluation: set eval.clients.fraction or every")
+        if self.eval.clients.enabled and self.eval.clients.when != "before":
+            raise _FieldError(where, "evaluates the personal model before local training: set eval.clients.when")
 
     def _check_scaffold(self) -> None:
         where = ("scaffold", "enabled")

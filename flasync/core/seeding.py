@@ -60,6 +60,7 @@ DOWNLOAD_CODEC = 13
 PRIVACY = 14
 CONTROL_CODEC = 15
 CLIENT_EVAL = 16
+PERSONAL = 17
 
 _MASK = (1 << 64) - 1
 _ARRAY_MIX_FROM = 16  # keys from which stream_seeds mixes them as arrays

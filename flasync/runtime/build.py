@@ -33,6 +33,7 @@ from flasync.aggregation.privacy import (
 )
 from flasync.algorithms.client_eval import ClientEvaluation, EvaluationSummary, Selection
 from flasync.algorithms.error_feedback import ErrorFeedback
+from flasync.algorithms.personal import Ditto, FineTune, LocalLayers, local_positions
 from flasync.algorithms.privacy import CentralPrivacy
 from flasync.algorithms.pruning import PruningClients, PruningServer
 from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
@@ -85,7 +86,7 @@ from flasync.server.registry import StartGroup, StartTask, one_each
 from flasync.server.sampler import Availability
 from flasync.server.topology import Tree
 from flasync.training.diagnostics import TrainingDiagnostics
-from flasync.training.executors.threads import TrainingExecutor
+from flasync.training.executors.threads import ModelPool, TrainingExecutor
 from flasync.training.jobs import ClientSamples, JobContext
 from flasync.training.local import EvalResult, LocalObjective, LocalTraining, evaluate, objective_name
 from flasync.training.plugins import ClientPlugin, ServerPlugin
@@ -143,16 +144,21 @@ def build_world(
         plugins: A caller's own per-client algorithm state, after the run's own.
     """
     upload_codec = pipeline(config.codec.upload, sparse=config.model.prune is not None)
-    client_plugins = (*_client_plugins(config, prepared, upload_codec, scratch), *plugins)
+    objective = task_objective(config.task, objective)
+    training = LocalTraining(**config.client.model_dump(exclude={"personal"}), objective=objective)
+    client_plugins = (*_client_plugins(config, prepared, upload_codec, scratch, training, executor.models), *plugins)
     if config.eval.clients.enabled:
+        local = next((plugin for plugin in client_plugins if isinstance(plugin, LocalLayers | Ditto)), None)
         client_plugins = (
-            client_evaluation(config, prepared, executor, bus=bus, clock=clock, wall=wall),
+            client_evaluation(
+                config, prepared, executor, bus=bus, clock=clock, wall=wall, local=local, training=training
+            ),
             *client_plugins,
         )
     samples = _client_samples(config, prepared)
     job = JobContext(
         models=executor.models,
-        local=LocalTraining(**config.client.model_dump(), objective=task_objective(config.task, objective)),
+        local=training,
         upload_codec=upload_codec,
         num_params=prepared.initial.numel(),
         diagnostics=diagnostics,
@@ -191,7 +197,7 @@ def build_world(
 
 _TAKEN_NAMES = frozenset(
     {"clock", "residuals", "variates", "controls", "privacy", "version", "weights", "queued", "answered"}
-    | {"prune", "prune_mask"}
+    | {"prune", "prune_mask", "personal", "ditto"}
     | {"client_eval", "client_eval_versions"}
     | {"aggregator", "accounting", "sampler", "registry", "intake", "policy"}
 )
@@ -225,11 +231,16 @@ def check_plugins(plugins: Sequence[object]) -> None:
 
 
 def _client_plugins(
-    config: RunConfig, prepared: Prepared, upload_codec: Pipeline, scratch: Callable[[], str]
+    config: RunConfig,
+    prepared: Prepared,
+    upload_codec: Pipeline,
+    scratch: Callable[[], str],
+    training: LocalTraining,
+    models: ModelPool,
 ) -> tuple[ClientPlugin, ...]:
     """Return the clients' algorithm state: error-feedback residuals (when the upload codec keeps them) and SCAFFOLD's
     control variates (when it is on), each bounded in memory and spilled to disk, and the pruning mask's gradient
-    masking (when pruning is on)."""
+    masking (when pruning is on), and the clients' own local layers or personal models (``client.personal``)."""
     plugins: list[ClientPlugin] = []
     num_params = prepared.initial.numel()
     if upload_codec.error_feedback:
@@ -247,7 +258,29 @@ def _client_plugins(
         plugins.append(ScaffoldClients(store, seed=config.seed, lr=config.client.lr))
     if config.model.prune is not None:
         plugins.append(PruningClients())
-    return tuple(plugins)
+    personal = _personal(config, prepared, scratch, training, models)
+    return (*plugins, personal) if personal is not None else tuple(plugins)
+
+
+def _personal(
+    config: RunConfig, prepared: Prepared, scratch: Callable[[], str], training: LocalTraining, models: ModelPool
+) -> LocalLayers | Ditto | None:
+    """Return the clients' local layers (FedBN) or personal models (Ditto), bounded in memory and spilled to disk
+    (None: neither; fine-tuning keeps nothing)."""
+    personal = config.client.personal
+    if personal is None or personal.kind == "finetune":
+        return None
+    spill = personal.spill_dir or scratch()
+    if personal.kind == "fedbn":
+        positions = local_positions(prepared.factory(), personal.layers)
+        return LocalLayers(
+            ResidualStore(positions.numel(), max_in_memory=personal.max_in_memory, spill_dir=spill), positions
+        )
+    tune = FineTune(
+        _client_samples(config, prepared), training, models, seed=config.seed, steps=personal.steps, lr=personal.lr
+    )
+    store = ResidualStore(prepared.initial.numel(), max_in_memory=personal.max_in_memory, spill_dir=spill)
+    return Ditto(store, tune, lam=personal.lam)
 
 
 def _client_samples(config: RunConfig, prepared: Prepared, partition: Partition | None = None) -> ClientSamples:
@@ -276,9 +309,18 @@ def client_evaluation(
     bus: EventBus,
     clock: Clock,
     wall: Callable[[], float],
+    local: LocalLayers | Ditto | None = None,
+    training: LocalTraining | None = None,
 ) -> ClientEvaluation:
-    """Return the clients' side of client-side evaluation (``eval.clients``), on each client's held-out samples."""
+    """Return the clients' side of client-side evaluation (``eval.clients``), on each client's held-out samples,
+    with the clients' ``local`` layers (``client.personal``) also evaluated as their personal models, or the downloaded
+    model fine-tuned with the run's local ``training``."""
     cfg = config.eval.clients
+    personal = config.client.personal
+    adapt = None
+    if personal is not None and personal.kind == "finetune" and training is not None:
+        samples = _client_samples(config, prepared)
+        adapt = FineTune(samples, training, executor.models, seed=config.seed, steps=personal.steps, lr=personal.lr)
     assert prepared.held_out is not None  # prepare() splits whenever client-side evaluation is on
     return ClientEvaluation(
         Selection(config.seed, fraction=cfg.fraction, every=cfg.every),
@@ -291,6 +333,8 @@ def client_evaluation(
         batch_size=config.eval.batch_size,
         wall=wall,
         regression=config.task == "regression",
+        personal=None if local is None else local.personal,
+        adapt=adapt,
     )
 
 
@@ -301,8 +345,10 @@ def evaluation_summary(
     recorded in ``clients``, the per-client table, where there is one)."""
     cfg = config.eval.clients
     names = config.eval.metric_names
+    if config.client.personal is not None:
+        names = (*names, *(f"personal/{name}" for name in names))
     summary = EvaluationSummary(
-        names if config.task == "classification" else tuple(n for n in names if n != "accuracy"),
+        names if config.task == "classification" else tuple(n for n in names if not n.endswith("accuracy")),
         min_reports=cfg.min_reports,
         deadline_s=cfg.deadline_s,
         now=clock.now,

@@ -200,6 +200,8 @@ def choose_executor(
         return "thread", "gradient checkpointing trains one client at a time"
     if config.model.prune is not None:
         return "thread", "model.prune masks each client's gradients, which a cohort's step does not"
+    if config.client.personal is not None:
+        return "thread", "client.personal starts each client from its own layers, which a cohort's step does not"
     reason = unsupported_reason(model)
     if reason is not None:
         return "thread", reason

@@ -37,6 +37,7 @@ __all__ = [
     "finish_job",
     "injected_fault",
     "mask_of",
+    "start_of",
     "train_job",
 ]
 
@@ -189,6 +190,8 @@ def finish_job(
         raise _diverged(result, diagnosis)
     for part in parts:
         type(part).finish_together((part,), (result,))
+    for part in parts:
+        part.withhold(result.delta)
     start = ctx.wall()
     residual = None
     for part in parts:
@@ -217,6 +220,14 @@ def correction_of(parts: tuple[TaskPart, ...]) -> torch.Tensor | None:
     for part in parts:
         if part.correction is not None:
             return part.correction
+    return None
+
+
+def start_of(parts: tuple[TaskPart, ...]) -> torch.Tensor | None:
+    """Return the weights a task's plug-in parts start local training from (None: the downloaded model's)."""
+    for part in parts:
+        if part.start is not None:
+            return part.start
     return None
 
 

@@ -5,10 +5,12 @@ client coroutine, the training job, the intake and the server loop call the hook
 fixed points of an update's path, and know nothing of which algorithms are on:
 
     client, event loop   a task is placed ....... ClientPlugin.task(task, model) -> TaskPart | None
-    worker thread        local training ......... TaskPart.correction, added to every local gradient, and
+    worker thread        local training ......... starts from TaskPart.start (the client's own layers put in),
+                                                  TaskPart.correction, added to every local gradient, and
                                                   TaskPart.mask, multiplying it (only those weights train)
-                         encoding the delta ..... TaskPart.residual(), carried into the upload codec
                          a cohort's parts ....... type(part).finish_together(parts, results)   (work they share)
+                         before encoding ........ TaskPart.withhold(delta)   (what never leaves the client)
+                         encoding the delta ..... TaskPart.residual(), carried into the upload codec
                          after encoding ......... TaskPart.finish(delta, result, encoded, codec) -> Finished
     client, event loop   training ended ......... TaskPart.keep(finished)   (in virtual time: an abandoned task
                                                                             keeps nothing)
@@ -24,7 +26,7 @@ fixed points of an update's path, and know nothing of which algorithms are on:
 
 Error feedback, SCAFFOLD and central differential privacy are plug-ins (:mod:`flasync.algorithms`). At most one
 plug-in of a run sends an extra beside each delta (``UpdateUploaded.extra``) and one with each model
-(``ModelSnapshot.extra``), and at most one gives a gradient correction, one a gradient mask and one an
+(``ModelSnapshot.extra``), and at most one gives a gradient correction, one a gradient mask, one a start and one an
 error-feedback residual.
 """
 
@@ -66,10 +68,13 @@ class TaskPart:
         correction: Added to every local gradient (None: nothing).
         mask: Multiplies every local gradient, after the correction, the proximal term and weight decay: the weights
             where it is 0 do not train (a pruning mask of 0s and 1s; None: nothing).
+        start: The flat weights local training starts from instead of the downloaded model's (the downloaded
+            weights with the client's own layers put in; None: the downloaded weights). The delta is taken from it.
     """
 
     correction: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    start: torch.Tensor | None = None
 
     def residual(self) -> torch.Tensor | None:
         """Return the error-feedback residual the upload codec adds to the delta (worker thread; None: none)."""
@@ -84,6 +89,10 @@ class TaskPart:
         :meth:`finish` (a task trained alone calls only this). So it does the work of the parts that have not done
         it yet: a batched evaluation of a cohort, for example, rather than one per task.
         """
+
+    def withhold(self, delta: torch.Tensor) -> None:
+        """Take out of the trained ``delta``, in place, what never leaves the client (worker thread, after
+        :meth:`finish_together` and before the delta is encoded; no-op here)."""
 
     def finish(self, delta: torch.Tensor, result: LocalResult, encoded: Encoded, codec: Pipeline) -> Finished:
         """Take the task's encoded delta (worker thread); return what to send beside it and what to keep."""

@@ -305,7 +305,7 @@ class Client:
         assert self._model is not None and self._data is not None
         config = self._config()
         seed, client_id = config.seed, self.stats.client_id
-        local = LocalTraining(**config.client.model_dump())
+        local = LocalTraining(**config.client.model_dump(exclude={"personal"}))
         x, y = self._data
         evaluation = config.eval.clients
         chosen = (

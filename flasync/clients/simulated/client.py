@@ -47,6 +47,7 @@ from flasync.training.jobs import (
     correction_of,
     finish_cohort,
     injected_fault,
+    start_of,
     train_job,
 )
 from flasync.training.plugins import ClientPlugin, TaskPart
@@ -149,8 +150,10 @@ def _training_job(
         if job_ctx.upload_codec.draws_random
         else None
     )
+    start = start_of(parts)
+    base = model.weights if start is None else start
     return TrainingJob(
-        base=model.weights,
+        base=base,
         x=samples[0],
         y=samples[1],
         indices=samples[2],
@@ -158,7 +161,7 @@ def _training_job(
         generator=generator,
         finish=Finish(job_ctx, cid, codec_generator, attack, parts),
         solo=functools.partial(
-            train_job, job_ctx, cid, model.weights, samples, generator, codec_generator, task.task_id, attack, parts
+            train_job, job_ctx, cid, base, samples, generator, codec_generator, task.task_id, attack, parts
         ),
         correction=correction_of(parts),
         client=int(cid) if world.samples.lazy is not None else None,

@@ -96,6 +96,20 @@ def test_quoted_figures_are_the_stored_ones() -> None:
     assert not stale, f"figures differ from benchmarks/results/ in {stale}: run python docs/_hooks/figures.py"
 
 
+def test_every_figure_marker_names_a_value_the_hook_reads() -> None:
+    """A figure marker on a page is one the hook can read (a path of letters, digits, ``_`` and ``.``): a marker it
+    cannot parse would keep its text, typed, for ever."""
+    figures = _figures()
+    unread = [
+        f"{page.relative_to(ROOT)}: {opening[:80]}"
+        for page in figures.pages()
+        for text in [page.read_text()]
+        for opening in re.findall(r"<!-- figure: [^>]*-->", text)
+        if not figures.FIGURE.match(opening + "x<!-- /figure -->")
+    ]
+    assert not unread, unread
+
+
 def test_quoted_figures_exist() -> None:
     """The README quotes its install figures from a stored result (the markers are there and name real values)."""
     figures = _figures()

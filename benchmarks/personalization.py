@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -46,9 +45,9 @@ from flasync.core.events import ClientsEvaluated  # noqa: E402
 from flasync.testing import EventRecorder  # noqa: E402
 
 if __package__:
-    from benchmarks.flood import machine
+    from benchmarks.record import Figure, machine, store
 else:
-    from flood import machine
+    from record import Figure, machine, store
 
 _BASE = [
     "seed=0",
@@ -105,26 +104,33 @@ def measure(versions: int) -> dict[str, dict[str, Any]]:
     """Run the six arms; return their figures by name."""
     base = [*_BASE, f"stop.max_versions={versions}"]
     return {
-        "mlp/global": _arm(base, None),
-        "mlp/local_head": _arm([*base, "client.personal.kind=fedbn", "client.personal.layers=[layers.2]"], None),
-        "mlp/finetune": _arm([*base, "client.personal.kind=finetune", "client.personal.steps=5"], None),
-        "mlp/ditto": _arm([*base, "client.personal.kind=ditto", "client.personal.lam=0.1"], None),
-        "bn-mlp/global": _arm(base, BatchNormMLP),
-        "bn-mlp/fedbn": _arm([*base, "client.personal.kind=fedbn"], BatchNormMLP),
+        "mlp_global": _arm(base, None),
+        "mlp_local_head": _arm([*base, "client.personal.kind=fedbn", "client.personal.layers=[layers.2]"], None),
+        "mlp_finetune": _arm([*base, "client.personal.kind=finetune", "client.personal.steps=5"], None),
+        "mlp_ditto": _arm([*base, "client.personal.kind=ditto", "client.personal.lam=0.1"], None),
+        "bn_mlp_global": _arm(base, BatchNormMLP),
+        "bn_mlp_fedbn": _arm([*base, "client.personal.kind=fedbn"], BatchNormMLP),
     }
 
 
+def _baseline(name: str) -> str:
+    """The arm of one global model on the same network as arm ``name``."""
+    return "bn_mlp_global" if name.startswith("bn_mlp_") else "mlp_global"
+
+
 def main() -> None:
-    """Measure, print and write the JSON result."""
+    """Measure, print and store the result (``benchmarks/results/personalization.json``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", type=int, default=100, help="model versions of each run")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "personalization.json")
+    parser.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/personalization.json)")
     args = parser.parse_args()
+    described = machine()
     arms = measure(args.versions)
     print(f"{args.versions} versions; clients' accuracy, mean over the last quarter's closed versions")
     print("arm              global  personal  ratio  global w10  personal w10  central  up B/update")
+    headline = []
     for name, row in arms.items():
-        baseline = arms[f"{name.split('/')[0]}/global"]["global_accuracy"]
+        baseline = arms[_baseline(name)]["global_accuracy"]
         personal = row.get("personal_accuracy")
         shown = "      -" if personal is None else f"{personal:8.3f}"
         ratio = "    -" if personal is None else f"{personal / baseline:5.2f}"
@@ -133,18 +139,23 @@ def main() -> None:
             f"{name:<15} {row['global_accuracy']:7.3f}  {shown}  {ratio}  {row['global_worst10']:10.3f}  {worst}"
             f"  {row['central_accuracy']:7.3f}  {row['upload_bytes_per_update']:11.0f}"
         )
-    result = {
-        "benchmark": "personalization",
-        "command": " ".join(["python", "benchmarks/personalization.py", *sys.argv[1:]]),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(),
-        "config": _BASE,
-        "versions": args.versions,
-        "arms": arms,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written to {args.out}")
+        if personal is not None:
+            row["personal_over_global"] = personal / baseline
+            label = f"{name}: clients' personalized accuracy"
+            headline.append(
+                Figure(
+                    label,
+                    round(personal, 4),
+                    "accuracy",
+                    f"{_baseline(name)} (one global model)",
+                    round(personal / baseline, 3),
+                )
+            )
+    settings = {"versions": args.versions, "config": _BASE}
+    where = store(
+        "personalization", described, settings=settings, headline=headline, figures={"arms": arms}, out=args.out
+    )
+    print(f"written to {where}")
 
 
 if __name__ == "__main__":

@@ -271,6 +271,17 @@ def _check_selection(state: dict[str, Any], weights: torch.Tensor) -> None:
         return
     if not isinstance(selection, dict):
         raise CheckpointError("checkpoint field selection: not a mapping")
+    pending = selection.get("pending", {})
+    if not isinstance(pending, dict):
+        raise CheckpointError("checkpoint field selection.pending: not a mapping")
+    for version in pending:
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= int(state["version"]):
+            raise CheckpointError(f"checkpoint field selection.pending: version {version!r} out of range")
+        kept = pending[version]
+        if not isinstance(kept, torch.Tensor) or not kept.is_floating_point() or kept.shape != weights.shape:
+            raise CheckpointError(f"checkpoint field selection.pending.{version}: not weights of the model's shape")
+    if "version" not in selection:
+        return
     _int(selection, "version", low=0, high=int(state["version"]), where="selection.")
     if _tensor(selection, "weights", dims=1, floating=True, where="selection.").shape != weights.shape:
         raise CheckpointError("checkpoint field selection.weights: shape differs from the weights'")

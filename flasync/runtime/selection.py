@@ -138,11 +138,15 @@ class BestVersion(Instrument):
         self.best = Best(version=version, metric=self.metric, direction=self.direction, value=value, weights=weights)
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the best version so far for a checkpoint: its number, value and weights (empty: none yet)."""
+        """Return the best version so far for a checkpoint: its number, value and weights, and (a client-side
+        figure) the weights of the versions whose evaluation is still open, by version (empty: none of these)."""
+        state: dict[str, Any] = {}
+        if self._pending:
+            state["pending"] = {version: weights.clone() for version, weights in sorted(self._pending.items())}
         best = self.best
         if best is None:
-            return {}
-        return {
+            return state
+        return state | {
             "version": best.version,
             "metric": best.metric,
             "direction": best.direction,
@@ -151,12 +155,14 @@ class BestVersion(Instrument):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (an empty state: no best version yet).
+        """Restore :meth:`state_dict` (no ``version``: no best version yet).
 
         Raises:
             CheckpointError: If the state was selected by another metric or direction than this selection's.
         """
-        if not state:
+        pending = state.get("pending", {})
+        self._pending = {int(v): weights.detach().to("cpu", copy=True) for v, weights in pending.items()}
+        if "version" not in state:
             self.best = None
             return
         if state["metric"] != self.metric or state["direction"] != self.direction:

@@ -183,6 +183,30 @@ def test_a_resumed_run_that_improves_keeps_its_own_best() -> None:
     assert (resumed.best_version, resumed.best_weights_sha256) == (full.best_version, full.best_weights_sha256)
 
 
+@pytest.mark.slow
+def test_a_client_side_selection_keeps_the_weights_of_versions_still_open_across_a_resume() -> None:
+    """Selected by a client-side figure, a version's weights are copied at its first report and its evaluation closes
+    later: the versions still open at a stop travel in the checkpoint, and the resumed run picks the uninterrupted
+    run's best version and weights."""
+    config = small_config(
+        "stop.max_versions=12",
+        "eval.clients.fraction=0.5",
+        "eval.clients.min_reports=4",
+        "eval.select=client_eval/accuracy/mean:max",
+    )
+    full = flasync.run(config)
+    stopped, _ = asyncio.run(_interrupt_at(config, 6))
+    _, state = checkpoint.decode(checkpoint.latest(stopped.artifacts))
+    pending = state[SELECTION].get("pending", {})
+    assert pending, "no version's evaluation was open at the stop: the test needs one"
+    assert all(version <= state["version"] for version in pending)
+    _, _, resumed = _resumed(stopped)
+    assert full.best_version is not None
+    assert (resumed.best_version, resumed.best_value) == (full.best_version, full.best_value)
+    assert resumed.best_weights_sha256 == full.best_weights_sha256
+    assert resumed.weights_sha256 == full.weights_sha256
+
+
 def test_a_checkpoint_whose_best_weights_do_not_fit_is_refused() -> None:
     """The best version's weights in a checkpoint are checked like the weights: another shape is a one-line error."""
     config = small_config("stop.max_versions=8", "eval.every_versions=1", "eval.select=server/eval/loss:min")

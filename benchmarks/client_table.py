@@ -12,17 +12,16 @@ checkpoint state in bytes, and the microseconds per event (timed in a second fee
 off, interleaved ``--repeats`` times; printed: the median wall seconds of each and their ratio, and whether the final
 weights agree (they must: the table draws nothing and reads no clock).
 
-The figures, with a description of the machine, go to ``benchmarks/results/client_table.json``.
+The figures, with a description of the machine, go to ``benchmarks/results/client_table.json``
+(``benchmarks/record.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import json
-import os
-import platform
 import statistics
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -34,7 +33,11 @@ import flasync
 from flasync.core.client_table import ClientTable
 from flasync.testing import small_config
 
-_RESULTS = Path(__file__).resolve().parent / "results" / "client_table.json"
+if __package__:  # imported as benchmarks.client_table
+    from benchmarks.record import Figure, machine, store
+else:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from record import Figure, machine, store
 
 
 def _feed_table(clients: int, rows: int) -> tuple[ClientTable, float]:
@@ -125,19 +128,24 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    results = {
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-        },
-        "memory": memory([int(p) for p in args.populations.split(",")], args.rows),
-        "run": run(args.versions, args.repeats),
-    }
-    _RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    _RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {_RESULTS}")
+    described = machine()
+    rows = memory([int(p) for p in args.populations.split(",")], args.rows)
+    timed = run(args.versions, args.repeats)
+    headline = [
+        Figure(
+            f"table of {row['clients']:,} clients, memory",
+            row["table_bytes"],
+            "bytes",
+            "a row for every client",
+            round(row["table_over_dict"], 4),
+        )
+        for row in rows
+    ]
+    headline.append(
+        Figure("run with the table, wall", round(timed["on_s"], 3), "s", "without", round(timed["ratio"], 3))
+    )
+    settings = {"populations": args.populations, "rows": args.rows, "versions": args.versions, "repeats": args.repeats}
+    store("client_table", described, settings=settings, headline=headline, figures={"memory": rows, "run": timed})
 
 
 if __name__ == "__main__":

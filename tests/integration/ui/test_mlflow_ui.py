@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,21 +53,18 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, st
         )
         summary = done.stdout
     url = next(line.split()[-1] for line in summary.splitlines() if line.strip().startswith("then browse"))
+    with _served(folder, env) as base:
+        yield url.replace("http://127.0.0.1:5000", base), folder, summary
+
+
+@contextmanager
+def _served(folder: Path, env: dict[str, str]) -> Iterator[str]:
+    """Serve the store ``folder/mlruns/mlflow.db`` with ``mlflow server`` on a free port; yield its address."""
     port = free_port()
     store = f"sqlite:///{folder / 'mlruns' / 'mlflow.db'}"
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            store,
-        ],
+        [*command, "--backend-store-uri", store],
         cwd=folder,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -83,7 +81,7 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, st
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
-        yield url.replace("http://127.0.0.1:5000", f"http://127.0.0.1:{port}"), folder, summary
+        yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
@@ -158,3 +156,78 @@ def test_the_run_page_shows_the_evaluation(ui: tuple[str, Path, str]) -> None:
     assert "fedasync-digits-seed0-" in overview
     assert "digits (" in overview  # the dataset input
     assert "server/eval" in sections and "client" in sections, sections
+
+
+REGISTERED = "digits-mlp"
+"""The registered model's name in the registry test."""
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
+    """A tiny run with a selection registered as ``digits-mlp`` into a new store, and ``mlflow server`` on it."""
+    pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("no chromium (apt-get install chromium)")
+    folder = tmp_path_factory.mktemp("registry")
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    settings = ["stop.max_versions=4", "tracking.log_model=true", "eval.every_versions=1"]
+    settings.append("eval.select=server/eval/accuracy:max")
+    args = ["run", "--no-system-metrics", *(f"--set={setting}" for setting in settings), "--register", REGISTERED]
+    done = subprocess.run(
+        [sys.executable, "-m", "flasync", *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    with _served(folder, env) as base:
+        yield base, folder, done.stdout
+
+
+@pytest.mark.slow
+def test_the_registered_model_shows_its_champion_alias_and_tags(registry: tuple[str, Path, str]) -> None:
+    """The registered model's page lists its version with the alias ``champion``; the version's page shows the
+    alias and the tags the run gave it (run id, the model version it holds, the metric, its direction and value).
+    Screenshots of both pages are kept (``registered-model.png``, ``registered-version.png``)."""
+    from playwright.sync_api import sync_playwright
+
+    base, folder, summary = registry
+    assert f"registered {REGISTERED} version 1, alias champion" in summary
+    run_id = next(line.split()[2] for line in summary.splitlines() if line.strip().startswith("MLflow run"))
+    best = re.search(r"best\s+version (\d+) by server/eval/accuracy:max \(([0-9.]+)\)", summary)
+    assert best is not None, summary
+    expected = {
+        "flasync.run_id": run_id,
+        "flasync.version": best[1],
+        "flasync.metric": "server/eval/accuracy",
+        "flasync.direction": "max",
+    }
+    shots = _shots(folder)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        page.goto(f"{base}/#/models/{REGISTERED}")
+        page.get_by_text("flasync.run_id").first.wait_for(timeout=60_000)
+        page.get_by_role("button", name="Close").first.click()  # the assistant's side panel: the page in full
+        page.screenshot(path=str(shots / "registered-model.png"), full_page=True)
+        model = page.inner_text("body")
+        page.goto(f"{base}/#/models/{REGISTERED}/versions/1")
+        page.get_by_text("digits-seed0-").first.wait_for(timeout=60_000)  # the source run's name
+        tag = page.get_by_text("flasync.version", exact=True).first
+        tag.wait_for(timeout=60_000)
+        tag.scroll_into_view_if_needed()  # the tags table scrolls on its own: its last row (sorted by name) in view
+        page.screenshot(path=str(shots / "registered-version.png"), full_page=True)
+        version = page.inner_text("body")
+        rows = {
+            key: page.get_by_role("row").filter(has_text=key).first.inner_text() for key in (*expected, "flasync.value")
+        }
+        browser.close()
+    assert re.search(r"Version 1\s.*@\s*champion", model, re.DOTALL), model
+    for key, value in expected.items():
+        assert key in model and value in model, key
+        assert value in rows[key].split(key, 1)[1], (key, rows[key])
+    assert round(float(rows["flasync.value"].split("flasync.value", 1)[1].split()[0]), 4) == float(best[2])
+    assert re.search(r"Aliases\s*:\s*@\s*champion", version), version

@@ -30,15 +30,21 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
-    """Two flasync runs (FedBuff, FedAsync) into a new store in a fresh folder, and ``mlflow server`` on it."""
+def _browser_and_folder(factory: pytest.TempPathFactory, name: str) -> tuple[Path, dict[str, str]]:
+    """Skip without playwright or chromium; return a fresh folder and the environment a flasync command runs in there
+    (this checkout first on the path, no tracking URI of the caller's)."""
     pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
         pytest.skip("no chromium (apt-get install chromium)")
-    folder = tmp_path_factory.mktemp("ui")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return factory.mktemp(name), env
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
+    """Two flasync runs (FedBuff, FedAsync) into a new store in a fresh folder, and ``mlflow server`` on it."""
+    folder, env = _browser_and_folder(tmp_path_factory, "ui")
     summary = ""
     for kind in ("fedbuff", "fedasync"):
         args = ["run", "--no-system-metrics", "--set", "stop.max_versions=30", "--set", f"server.kind={kind}"]
@@ -165,12 +171,7 @@ REGISTERED = "digits-mlp"
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
     """A tiny run with a selection registered as ``digits-mlp`` into a new store, and ``mlflow server`` on it."""
-    pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("no chromium (apt-get install chromium)")
-    folder = tmp_path_factory.mktemp("registry")
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    folder, env = _browser_and_folder(tmp_path_factory, "registry")
     settings = ["stop.max_versions=4", "tracking.log_model=true", "eval.every_versions=1"]
     settings.append("eval.select=server/eval/accuracy:max")
     args = ["run", "--no-system-metrics", *(f"--set={setting}" for setting in settings), "--register", REGISTERED]

@@ -331,8 +331,7 @@ class RunConfig(_Section):
 
 
 def check_secure_aggregation(config: RunConfig) -> None:
-    """Refuse what secure aggregation cannot combine with, each with its reason, a group it cannot protect, and then
-    any run: the protocol runs in :mod:`flasync.secure`'s simulation, not yet inside ``flasync run``.
+    """Refuse what secure aggregation cannot combine with, each with its reason, and a group it cannot protect.
 
     Raises:
         _FieldError: The first combination refused.
@@ -374,6 +373,16 @@ def check_secure_aggregation(config: RunConfig) -> None:
         ),
         (config.scaffold.enabled, "cannot combine with scaffold.enabled (the control variates would travel unmasked)"),
         (config.remote.enabled, "runs with simulated clients; remote clients cannot take part yet"),
+        (
+            res.task_timeout_s is not None or res.round_deadline_s is not None,
+            "cannot combine with resilience.task_timeout_s or round_deadline_s: a client that finished training "
+            "waits, holding its update, until its group is complete (members drop out in the protocol only)",
+        ),
+        (
+            isinstance(server, FedBuffServer) and server.concurrency < server.buffer_size,
+            "needs server.concurrency >= server.buffer_size: the clients of a filling buffer wait in their task "
+            "slots until the buffer is full",
+        ),
     ]
     for refused, reason in refusals:
         if refused:
@@ -383,11 +392,6 @@ def check_secure_aggregation(config: RunConfig) -> None:
         config.secure_aggregation.check_group(group, ("server", "clients_per_round"))
     else:
         config.secure_aggregation.check_group(server.buffer_size, ("server", "buffer_size"))
-    raise _FieldError(
-        where,
-        "flasync run does not run the protocol in a federation yet: simulate it with flasync.secure "
-        "(SecureAggregator for rounds, SecureBuffer for buffers) or benchmarks/secagg.py",
-    )
 
 
 def flatten(config: BaseModel) -> dict[str, Any]:

@@ -35,6 +35,14 @@ class SecureAggregationConfig(_Section):
     max_dropouts: int = Field(
         1, ge=0, description="D: clients of a group that may drop during the protocol and still be recovered."
     )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Chance that a member of a group drops out at one of the protocol's four rounds (drawn from the "
+        "run's seed per group and client, the round uniformly): up to max_dropouts are recovered, more abandon the "
+        "group (its sum is not revealed and the model does not step on it).",
+    )
     example_weight_scale: float | None = Field(
         None,
         gt=0.0,

@@ -28,6 +28,7 @@ __all__ = [
     "ModelPublished",
     "RoundDeadlinePassed",
     "RunFinished",
+    "SecureGroupClosed",
     "StopRequested",
     "TaskAssigned",
     "TaskClosed",
@@ -292,6 +293,40 @@ class EdgeForwarded:
     payload: bytes = field(repr=False)
     simulated_s: float
     sent_wall_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SecureGroupClosed:
+    """A secure-aggregation group (a FedBuff buffer, or a FedAvg round's cohort) ended its protocol at ``to``.
+
+    The server unmasked ``weighted_sum``, the float32 bytes of ``sum_u w_u delta_u`` over the ``survivors`` (each
+    member weighted its own update before masking), and ``example_weight``, ``sum_u e_u``: nothing of one update.
+    ``weighted_sum`` is empty when the group was abandoned (more than ``max_dropouts`` dropped: ``reason``).
+    ``version`` is the version the group's sum steps from; ``members`` are the tasks whose clients held their
+    updates for it, ``dropped`` the clients that left during the protocol and ``recovered`` how many of them were
+    unmasked with the others' shares. ``upload_bytes`` and ``download_bytes`` are each member's protocol bytes by
+    client id, ``figures`` the group's ``secagg`` figures (bytes and simulated seconds per round, CPU seconds).
+    """
+
+    to: str = CLOUD
+    group: int
+    version: Version
+    members: tuple[TaskAssigned, ...]
+    survivors: frozenset[int]
+    dropped: frozenset[int]
+    recovered: int
+    weighted_sum: bytes = field(repr=False)
+    example_weight: float
+    upload_bytes: Mapping[int, int]
+    download_bytes: Mapping[int, int]
+    figures: Mapping[str, float]
+    reason: str
+    simulated_s: float
+
+    @property
+    def abandoned(self) -> bool:
+        """Return whether the group ended without a sum."""
+        return not self.weighted_sum
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

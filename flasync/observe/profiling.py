@@ -39,6 +39,7 @@ from flasync.core.events import (
     Evaluated,
     ModelPublished,
     RunFinished,
+    SecureGroupClosed,
     TaskAssigned,
     TaskClosed,
     UpdateReceived,
@@ -120,6 +121,8 @@ class _Version:
     publish_encode_s: float = 0.0
     eval_s: float = 0.0
     client_eval_s: float = 0.0
+    secagg_cpu_s: float = 0.0
+    secagg_sim_s: float = 0.0
     aggregated: bool = False
 
 
@@ -207,6 +210,8 @@ class ProfileRecords:
     """Tier name -> bytes uploaded by the clients of that tier."""
     wall_s: float = math.nan
     simulated_s: float = math.nan
+    secure: bool = False
+    """Secure aggregation groups ran: each row carries their CPU and simulated seconds."""
 
     def __post_init__(self) -> None:
         """Create the streamed summaries on the records' generator."""
@@ -269,6 +274,8 @@ class Profiler:
             r.forwards[event.tier] += 1
         elif isinstance(event, Aggregated):
             self._aggregated(event)
+        elif isinstance(event, SecureGroupClosed):
+            self._secure_group(event)
         elif isinstance(event, ClientEvaluated):
             # Clients' evaluation time counts towards the version being made while it is spent, as training does.
             r.open_versions[self._version + 1].client_eval_s += event.eval_s
@@ -340,6 +347,25 @@ class Profiler:
         rec.simulated_s = event.simulated_s
         rec.aggregated = True
 
+    def _secure_group(self, event: SecureGroupClosed) -> None:
+        """Record a secure-aggregation group: its protocol's CPU and simulated seconds and bytes, and its members'
+        updates, in the version its sum goes into."""
+        r = self.records
+        r.secure = True
+        rec = r.open_versions[int(event.version) + 1]
+        figures = event.figures
+        rec.secagg_cpu_s += figures.get("secagg.cpu_s", 0.0)
+        rec.secagg_sim_s += sum(v for k, v in figures.items() if k.endswith("_s") and k != "secagg.cpu_s")
+        rec.upload_bytes += sum(event.upload_bytes.values())
+        rec.download_bytes += sum(event.download_bytes.values())
+        if not event.abandoned:
+            rec.updates += len(event.survivors)
+            for task in event.members:
+                if int(task.client_id) in event.survivors:
+                    staleness = int(event.version) - int(task.base_version)
+                    r.staleness[staleness] += 1
+                    rec.staleness_sum += staleness
+
     def _fold(self, version: int, task_id: int, staleness: int, decode_s: float, queue_wait_s: float) -> None:
         """Fold one accepted upload into the version it goes into."""
         r = self.records
@@ -392,6 +418,9 @@ class Profiler:
             "download_bytes": float(rec.download_bytes),
             "staleness_mean": rec.staleness_sum / rec.updates if rec.updates else 0.0,
         }
+        if r.secure:
+            row["secagg_cpu_s"] = rec.secagg_cpu_s
+            row["secagg_sim_s"] = rec.secagg_sim_s
         if self.mode == "sync":
             durations = rec.durations
             row["straggler_wait_sim_s"] = max(durations) - statistics.median(durations) if durations else 0.0

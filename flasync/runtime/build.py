@@ -40,6 +40,7 @@ from flasync.algorithms.scaffold import ScaffoldClients, ScaffoldServer
 from flasync.clients.simulated.client import ClientWorld, CohortClients
 from flasync.clients.simulated.faults import FaultModel
 from flasync.clients.simulated.population import Network, Population
+from flasync.clients.simulated.secure import SecureRoom
 from flasync.clients.simulated.trace import DeviceTrace, TraceWindows
 from flasync.codecs import Pipeline
 from flasync.codecs.build import pipeline
@@ -64,9 +65,11 @@ from flasync.core.bus import EventBus
 from flasync.core.client_table import ClientFigures, ClientTable
 from flasync.core.clock import Clock, RunClock
 from flasync.core.errors import ConfigError
+from flasync.core.events import TaskAssigned
 from flasync.data import Partition
 from flasync.runtime.naming import rule_name
 from flasync.runtime.prepare import Prepared, clients_in_flight
+from flasync.runtime.secure import RoomState, secure_room
 from flasync.server import (
     Accounting,
     AsyncSlots,
@@ -199,7 +202,7 @@ _TAKEN_NAMES = frozenset(
     {"clock", "residuals", "variates", "controls", "privacy", "version", "weights", "queued", "answered"}
     | {"prune", "prune_mask", "personal", "ditto"}
     | {"client_eval", "client_eval_versions"}
-    | {"aggregator", "accounting", "sampler", "registry", "intake", "policy"}
+    | {"aggregator", "accounting", "sampler", "registry", "intake", "policy", "secure_aggregation"}
 )
 """Names of a checkpoint's entries besides a caller's plug-ins: the server's own state and the run's own plug-ins."""
 
@@ -601,7 +604,7 @@ def build_server(
         shapes: The shapes of the tensors of ``weights``, in order (``model.prune`` prunes each on its own).
     """
     in_flight = clients_in_flight(config, len(population))
-    accounting, registry, group, sampler = _make_dispatch(
+    accounting, registry, group, sampler, room = _make_dispatch(
         config, population, world, in_flight, bus=bus, clock=clock, start_task=start_task, availability=availability
     )
     clip_norm, noise = _privacy_noise(config, privacy, weights)
@@ -635,7 +638,7 @@ def build_server(
         rules=_stop_rules(config),
         inbox_capacity=_inbox_capacity(in_flight, tree),
         download_generator=lambda version: seeding.torch_stream(config.seed, seeding.DOWNLOAD_CODEC, version),
-        components=_server_components(clock, world, registry, remote),
+        components=_server_components(clock, world, registry, remote, room),
         plugins=server_plugins,
     )
     return ServerParts(server=server, edges=edges)
@@ -664,9 +667,10 @@ def _make_dispatch(
     clock: RunClock,
     start_task: StartTask | None,
     availability: Availability | None,
-) -> tuple[Accounting, TaskRegistry, CohortClients | None, ClientSampler]:
+) -> tuple[Accounting, TaskRegistry, CohortClients | None, ClientSampler, SecureRoom | None]:
     """Return how tasks reach clients: the accounting of their outcomes, the registry of tasks in flight, the
-    simulated clients' coroutine (None: a transport starts each task), the sampler."""
+    simulated clients' coroutine (None: a transport starts each task), the sampler, and the room where clients hold
+    their updates for secure aggregation (None: off)."""
     # Every task of several waves failing means the model or data is broken, not an unlucky client. Only
     # genuine training errors count: injected faults, dropouts and timeouts never do.
     # A server that refuses every update for many waves of tasks cannot make progress: it ends the run with the
@@ -674,9 +678,10 @@ def _make_dispatch(
     accounting = Accounting(
         failure_limit=max(3 * in_flight, 30), rejection_limit=max(20 * in_flight, 200), clients=client_table(config)
     )
+    room = _secure_room(config, world, lambda: registry, bus=bus, clock=clock)
     group: CohortClients | None = None
     if start_task is None:
-        group = CohortClients(world, live=lambda task: registry.holds(task))
+        group = CohortClients(world, live=lambda task: registry.holds(task), secure=room)
         start: StartGroup = group.run
     else:
         start = one_each(start_task)
@@ -692,15 +697,41 @@ def _make_dispatch(
         timeout_s=config.resilience.task_timeout_s,
         # Only least-recently-used sampling reads the clients' last use: other runs never build that state.
         mark_used=population.mark_used if config.population.sampling == "lru" else None,
-        on_release=world.forget,
+        on_release=world.forget if room is None else _both(world.forget, room.released),
         share=share,
+        holding=None if room is None else room.holds,
+        on_attach=None if room is None else room.attached,
     )
     if availability is None and world.faults is not None and world.faults.windows:
         availability = world.faults
     sampler = ClientSampler(
         population, config.population.sampling, seeding.numpy_stream(config.seed, seeding.SERVER), availability
     )
-    return accounting, registry, group, sampler
+    return accounting, registry, group, sampler, room
+
+
+def _both(
+    first: Callable[[TaskAssigned], None], second: Callable[[TaskAssigned], None]
+) -> Callable[[TaskAssigned], None]:
+    """Return a callback that tells ``first``, then ``second``."""
+
+    def both(task: TaskAssigned) -> None:
+        first(task)
+        second(task)
+
+    return both
+
+
+def _secure_room(
+    config: RunConfig, world: ClientWorld, registry: Callable[[], TaskRegistry], *, bus: EventBus, clock: Clock
+) -> SecureRoom | None:
+    """Return the room where simulated clients hold their updates for secure aggregation (None: off)."""
+    if not config.secure_aggregation.enabled:
+        return None
+    staleness, example_weight = _staleness_of(config.server), make_example_weight(config.server)
+    return secure_room(
+        config, world, registry, staleness=staleness, example_weight=example_weight, bus=bus, clock=clock
+    )
 
 
 def _group_answers(group: CohortClients, policy: Policy, registry: TaskRegistry, tree: Tree | None) -> None:
@@ -830,7 +861,11 @@ def _server_aggregator(
 ) -> Aggregator:
     """Return the cloud's aggregation rule: the one ``config.server`` names, or a user's factory's."""
     if aggregator_factory is None:
-        return make_aggregator(weights, config.server, noise)
+        server = config.server
+        if config.secure_aggregation.enabled and isinstance(server, FedBuffServer):
+            # each revealed buffer sum is one step: the clients formed the buffer of K themselves
+            server = server.model_copy(update={"buffer_size": 1})
+        return make_aggregator(weights, server, noise)
     return custom_aggregator(aggregator_factory, weights, config.server)
 
 
@@ -890,11 +925,13 @@ class _ClientState:
 
 
 def _server_components(
-    clock: RunClock, world: ClientWorld, registry: TaskRegistry, remote: Stateful | None
+    clock: RunClock, world: ClientWorld, registry: TaskRegistry, remote: Stateful | None, room: SecureRoom | None
 ) -> dict[str, Stateful]:
-    """Return the state a checkpoint keeps besides the server's own: the clock, the clients' plug-ins' state and
-    the remote transport's (when there is one)."""
+    """Return the state a checkpoint keeps besides the server's own: the clock, the clients' plug-ins' state, the
+    remote transport's and the updates clients hold for secure aggregation (each when there is one)."""
     components: dict[str, Stateful] = {"clock": clock}
     if remote is not None:
         components["remote"] = remote
+    if room is not None:
+        components[room.name] = RoomState(room, registry)
     return components | {plugin.name: _ClientState(plugin, registry) for plugin in world.plugins}

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from flasync.secure.group import GroupResult, Phase, WeightedEncoding, phase_seconds, run_group
+from flasync.secure.group import GroupResult, Phase, PhaseCost, WeightedEncoding, phase_seconds, run_group
 from flasync.secure.keys import SeededRandom
 from flasync.secure.protocol import GroupParams, neighbour_graph
-from flasync.secure.ring import element_bytes
+from flasync.secure.ring import RingVector, element_bytes
 
 __all__ = ["ClientUpdate", "GroupReport", "Link", "SecureAggregator", "SecureBuffer", "WaitingUpdate"]
 
@@ -76,6 +76,8 @@ class GroupReport:
         phase_bytes: Bytes both ways of each protocol round.
         phase_s: Simulated seconds of each protocol round.
         plain_upload_bytes: What the survivors' updates would have cost as plain float32 uploads.
+        upload_bytes: Each member's bytes to the server over the four rounds.
+        download_bytes: Each member's bytes from the server over the four rounds.
     """
 
     group: int
@@ -88,6 +90,8 @@ class GroupReport:
     phase_bytes: Mapping[str, int]
     phase_s: Mapping[str, float]
     plain_upload_bytes: int
+    upload_bytes: Mapping[int, int] = field(default_factory=dict)
+    download_bytes: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def abandoned(self) -> bool:
@@ -112,8 +116,10 @@ class GroupReport:
         return figures
 
     def log(self, log: Any, *, step: int) -> None:
-        """Write :meth:`figures` as one ``server.secagg`` line (the tracking processor makes them metrics)."""
-        log.info("server.secagg", step=step, group=self.group, **self.figures())
+        """Write :meth:`figures` as one ``secagg`` line; the tracking processor makes each field a metric, e.g.
+        ``secagg/share_bytes`` (dots become slashes in MLflow keys)."""
+        figures = {key.removeprefix("secagg."): value for key, value in self.figures().items()}
+        log.info("secagg", step=step, group=self.group, **figures)
 
     def mean(self) -> torch.Tensor | None:
         """Return the weighted mean ``sum w delta / sum e`` (None: abandoned, or no weight)."""
@@ -174,6 +180,8 @@ class SecureAggregator:
         *,
         drops: Mapping[int, Phase] | None = None,
         announce_bytes: int = 0,
+        observe: Callable[[int, RingVector], None] | None = None,
+        price: Callable[[PhaseCost], float] | None = None,
     ) -> GroupReport:
         """Run ``updates``' clients through the protocol as group ``group``; return the sum and the costs.
 
@@ -182,6 +190,8 @@ class SecureAggregator:
             updates: Each member's update and weight (at most ``group_size``).
             drops: Who drops at which round (None: drawn with :meth:`drops`).
             announce_bytes: What the server sends each member with round 0 beside the keys (a buffer's version).
+            observe: Called with each masked input the server receives (see :class:`SecAggServer`).
+            price: A round's simulated seconds from its bytes per client (None: :func:`phase_seconds` on ``link``).
 
         Raises:
             ValueError: More members than ``group_size``, or one client twice.
@@ -201,26 +211,48 @@ class SecureAggregator:
         inputs = {u.client: self.encoding.encode(u.delta, u.weight, u.example_weight) for u in updates}
         rngs = {c: SeededRandom((self.seed, group, c, 2)) for c in clients}
         drops = self.drops(group, clients) if drops is None else drops
-        result = run_group(params, inputs, rngs, drops=drops)
+        result = run_group(params, inputs, rngs, drops=drops, observe=observe)
         if announce_bytes:
             downloads = result.costs[Phase.ADVERTISE].download_bytes
             for client in downloads:
                 downloads[client] += announce_bytes
-        return self._report(group, result, num_params)
+        return self._report(group, result, num_params, price)
 
-    def _report(self, group: int, result: GroupResult, num_params: int) -> GroupReport:
+    def _price(self, cost: PhaseCost) -> float:
+        """Return a round's simulated seconds on the one :attr:`link` every client has."""
         link = self.link
+        return phase_seconds(
+            cost, up_bps=link.upload_bytes_per_s, down_bps=link.download_bytes_per_s, latency_s=link.latency_s
+        )
+
+    def _report(
+        self, group: int, result: GroupResult, num_params: int, price: Callable[[PhaseCost], float] | None
+    ) -> GroupReport:
+        price = self._price if price is None else price
         phase_bytes = {p.name.lower(): c.total_bytes for p, c in result.costs.items()}
-        phase_s = {
-            p.name.lower(): phase_seconds(
-                c, up_bps=link.upload_bytes_per_s, down_bps=link.download_bytes_per_s, latency_s=link.latency_s
-            )
-            for p, c in result.costs.items()
-        }
+        phase_s = {p.name.lower(): price(c) for p, c in result.costs.items()}
+        uploads: dict[int, int] = {}
+        downloads: dict[int, int] = {}
+        for cost in result.costs.values():
+            for client, nbytes in cost.upload_bytes.items():
+                uploads[client] = uploads.get(client, 0) + nbytes
+            for client, nbytes in cost.download_bytes.items():
+                downloads[client] = downloads.get(client, 0) + nbytes
         outcome = result.outcome
         if outcome is None:
             return GroupReport(
-                group, None, 0.0, frozenset(), frozenset(), result.dropped, result.reason, phase_bytes, phase_s, 0
+                group,
+                None,
+                0.0,
+                frozenset(),
+                frozenset(),
+                result.dropped,
+                result.reason,
+                phase_bytes,
+                phase_s,
+                0,
+                uploads,
+                downloads,
             )
         weighted, total_weight = self.encoding.decode(outcome.total)
         return GroupReport(
@@ -234,6 +266,8 @@ class SecureAggregator:
             phase_bytes=phase_bytes,
             phase_s=phase_s,
             plain_upload_bytes=4 * num_params * len(outcome.survivors),
+            upload_bytes=uploads,
+            download_bytes=downloads,
         )
 
     @property

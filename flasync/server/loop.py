@@ -34,6 +34,7 @@ from flasync.core.events import (
     EdgeForwarded,
     RoundDeadlinePassed,
     RunFinished,
+    SecureGroupClosed,
     StopRequested,
     TaskClosed,
     UpdatesUploaded,
@@ -64,6 +65,7 @@ ServerMessage = (
     | RoundDeadlinePassed
     | StopRequested
     | ClientConnected
+    | SecureGroupClosed
 )
 _RECEIVES = (
     UpdateUploaded,
@@ -75,6 +77,7 @@ _RECEIVES = (
     RoundDeadlinePassed,
     StopRequested,
     ClientConnected,
+    SecureGroupClosed,
 )  # the types of ServerMessage, which the cloud's inbox takes
 
 
@@ -356,6 +359,11 @@ class Server:
                 self._receiver.failed(message.kind, message.error, message.task_id, int(message.client_id))
         elif isinstance(message, EdgeForwarded):
             self._receiver.partial(message)
+        elif isinstance(message, SecureGroupClosed):
+            for task in message.members:
+                self.registry.release(task)
+            self._receiver.secure_group(message)
+            return
         elif isinstance(message, UpdateUploaded):
             await self._receiver.receive([(message, decoded)], now=self.clock.now())
             return

@@ -14,9 +14,18 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from flasync.aggregation import Aggregator
 from flasync.core.bus import EventBus
-from flasync.core.events import EdgeForwarded, TaskClosed, UpdateReceived, UpdatesReceived, UpdateUploaded
+from flasync.core.events import (
+    EdgeForwarded,
+    SecureGroupClosed,
+    TaskClosed,
+    UpdateReceived,
+    UpdatesReceived,
+    UpdateUploaded,
+)
 from flasync.core.instruments import debug_many, logs_debug
 from flasync.server.accounting import Accounting, ServerStats
 from flasync.server.intake import Decoded, Refused
@@ -226,3 +235,45 @@ class CloudReceiver:
             queue_wait_s=folded.received_wall - message.sent_wall_s,
             decode_s=folded.aggregate_s,
         )
+
+    def secure_group(self, message: SecureGroupClosed) -> None:
+        """Fold a secure-aggregation group's unmasked weighted sum in (its members weighted themselves: the sum
+        joins at full weight) and count its members: each survivor's update accepted, each member that dropped out
+        of the protocol failed, the others of an abandoned group refused (``secagg_abandoned``); the protocol's
+        bytes both ways are counted as each member's upload and download."""
+        accounting, stats = self.accounting, self.stats
+        for client, nbytes in message.upload_bytes.items():
+            accounting.uploaded(nbytes, client_id=client)
+            accounting.ingress(nbytes)
+        for nbytes in message.download_bytes.values():
+            stats.download_bytes += nbytes
+            accounting.egress(nbytes)
+        version = int(message.version)
+        if not message.abandoned:
+            start = self.node.wall()
+            weighted = torch.frombuffer(bytearray(message.weighted_sum), dtype=torch.float32)
+            self.aggregator.add_partial(
+                weighted.to(self.node.device), example_weight=message.example_weight, staleness=0
+            )
+            stats.cloud_aggregate_s += self.node.wall() - start
+        for task in message.members:
+            client = int(task.client_id)
+            if client in message.dropped:
+                accounting.failed("dropout", "dropped out of secure aggregation", client_id=client)
+            elif message.abandoned:
+                accounting.rejected("secagg_abandoned", client_id=client)
+            else:
+                self._accepted(version - int(task.base_version), client)
+                self.policy.note(message, accepted=True)
+        figures = {key.removeprefix("secagg."): value for key, value in message.figures.items()}
+        self.log.info("secagg", step=version, **figures)
+        if message.abandoned:
+            self.log.warning(
+                "secagg.abandoned",
+                step=version,
+                group=message.group,
+                reason=message.reason,
+                message=f"secure aggregation group {message.group} was abandoned ({message.reason}): its sum is not "
+                "revealed and the model does not step on it",
+                metrics=False,
+            )

@@ -101,6 +101,10 @@ class TaskRegistry:
         share: Start the tasks dispatched on one model before the first of them starts in one call of ``start``
             (its answers then depend on nothing but their own timelines: no fault, no task released early by
             another's answer), instead of a call each.
+        holding: Tells whether a task's client holds its answer (a trained update waiting for its secure
+            aggregation group): such a task does not start again when a checkpoint is resumed.
+        on_attach: Told when the registry is attached to the run's task group (what a restored state holds may
+            start then).
     """
 
     def __init__(
@@ -115,8 +119,12 @@ class TaskRegistry:
         mark_used: Callable[[list[int]], None] | None = None,
         on_release: Callable[[TaskAssigned], None] | None = None,
         share: bool = False,
+        holding: Callable[[TaskAssigned], bool] | None = None,
+        on_attach: Callable[[], None] | None = None,
     ) -> None:
         """Start with no task and no model."""
+        self._holding = holding
+        self._on_attach = on_attach
         self._bus = bus
         self._clock = clock
         self._accounting = accounting
@@ -143,6 +151,8 @@ class TaskRegistry:
     def attach(self, tg: asyncio.TaskGroup) -> None:
         """Own every task started from now on in ``tg`` (the run's task group)."""
         self._tg = tg
+        if self._on_attach is not None:
+            self._on_attach()
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """Start a background task of the run (cancelled by :meth:`cancel_all`)."""
@@ -315,8 +325,10 @@ class TaskRegistry:
         Args:
             answered: Tasks whose answer the checkpoint holds on its way (only their watchdogs start again).
         """
+        holding = self._holding
         for task in self:
-            self._start(task, self._bases[task.base_version], client=task.task_id not in answered)
+            held = holding is not None and holding(task)
+            self._start(task, self._bases[task.base_version], client=task.task_id not in answered and not held)
 
     def release(self, message: Answer) -> bool:
         """Close the task ``message`` answers; False if no such task is in flight (nothing changes then)."""

@@ -22,6 +22,7 @@ import torch
 from flasync import codecs
 from flasync.clients.simulated.faults import Fate, FaultModel
 from flasync.clients.simulated.population import Network, Population
+from flasync.clients.simulated.secure import SecureRoom
 from flasync.core import seeding
 from flasync.core.bus import EventBus
 from flasync.core.clock import Clock, Started, VirtualClock
@@ -334,15 +335,20 @@ class CohortClients:
     what they would see of it sent alone at its own time (its ``simulated_s``), in the same order, and the round
     closes at the same time, without a timer, a loop pass and an event per upload time.
 
+    Under secure aggregation (``secure``) a trained task uploads nothing: at the end of its training its client
+    hands its update to the :class:`~flasync.clients.simulated.secure.SecureRoom` and holds it there, its task in
+    flight, until its group runs the protocol.
+
     Args:
         world: The simulated world the clients live in.
         live: Tells whether a task is still in flight.
         together: Publish the uploads due at one time together.
         gather: Publish the uploads due at different times together, at the last of them, where the clock has
             nothing else before it (only with ``together``).
+        secure: Where trained updates wait for their secure-aggregation group (None: they are uploaded).
     """
 
-    __slots__ = ("gather", "live", "together", "world")
+    __slots__ = ("gather", "live", "secure", "together", "world")
 
     def __init__(
         self,
@@ -351,12 +357,14 @@ class CohortClients:
         *,
         together: bool = True,
         gather: bool = False,
+        secure: SecureRoom | None = None,
     ) -> None:
         """Bind the group to the run."""
         self.world = world
         self.live = live
         self.together = together
         self.gather = gather
+        self.secure = secure
 
     async def run(self, tasks: Sequence[TaskAssigned], model: ModelSnapshot) -> None:
         """Run ``tasks``, all on ``model``: train each, and upload each (or publish its failure) at its time."""
@@ -416,6 +424,8 @@ class CohortClients:
         elif kind == _FAILED:
             await world.clock.sleep_until(when)
             await self._publish_failures(state, due)
+        elif self.secure is not None:
+            await self._hold(self.secure, state, when, due)
         elif self.together:
             await self._upload_together(state, when, due)
         else:  # one at a time: the server has handled each before the next goes out
@@ -496,6 +506,8 @@ class CohortClients:
     ) -> None:
         """Put task ``i``'s upload on the agenda at its time, unless its client goes offline before it is sent."""
         task, plan = state.tasks[i], state.plan.prepared[i]
+        if self.secure is not None:
+            upload_s = 0.0  # the update waits on the client for its group
         up_at = plan.done_at + upload_s
         offline_at = state.plan.offline[i]
         if offline_at < up_at:
@@ -515,6 +527,18 @@ class CohortClients:
             kind, error, diagnosis = state.failures.pop(i)
             if self.live(task):
                 await world.bus.publish(_failed(world, task, kind, error, diagnosis, **_context(task)))
+
+    async def _hold(self, room: SecureRoom, state: _GroupState, when: float, due: list[int]) -> None:
+        """Hand the updates of the tasks ``due`` at ``when`` to their clients' wait for a secure group (the client
+        decodes its own encoded delta: the float update never leaves it)."""
+        world = self.world
+        await world.clock.sleep_until(when)
+        codec, num_params = world.job.upload_codec, world.job.num_params
+        for i in due:
+            task, (trained, _) = state.tasks[i], state.uploads.pop(i)
+            if self.live(task):
+                delta = codec.decode(trained.payload, expected_elements=num_params)
+                room.hold(task, delta, trained.result.num_samples, when)
 
     async def _upload_together(self, state: _GroupState, when: float, due: list[int]) -> None:
         """Publish at ``when`` the uploads due then (with ``gather``, and those due later when the clock has nothing

@@ -45,7 +45,10 @@ def test_secure_aggregation_is_off_by_default() -> None:
         (["secure_aggregation.neighbours=3"], "secure_aggregation.neighbours:", "must be even"),
         (["secure_aggregation.threshold=4"], "secure_aggregation.threshold:", "must exceed half of the 9"),
         (["secure_aggregation.max_dropouts=5"], "secure_aggregation.max_dropouts:", "exceeds the 9 neighbours"),
-        ([], "secure_aggregation.enabled:", "flasync run does not run the protocol"),
+        (["remote.enabled=true"], "secure_aggregation.enabled:", "remote clients cannot take part yet"),
+        (["resilience.task_timeout_s=5"], "secure_aggregation.enabled:", "waits, holding its update"),
+        (["resilience.round_deadline_s=5", "server.kind=fedavg"], "secure_aggregation.enabled:", "task_timeout_s"),
+        (["server.concurrency=5"], "secure_aggregation.enabled:", "concurrency >= server.buffer_size"),
     ],
 )
 def test_unsupported_combinations_are_refused_in_one_line(overrides: list[str], start: str, reason: str) -> None:
@@ -67,3 +70,11 @@ def test_a_group_uses_over_selected_clients_for_its_size() -> None:
         ]
     )
     assert message.startswith("secure_aggregation.bits:") and "sum 130 updates" in message
+
+
+@pytest.mark.parametrize("server", ["server.kind=fedbuff", "server.kind=fedavg"])
+def test_a_supported_run_validates_with_its_dropout_probability(server: str) -> None:
+    """FedBuff and FedAvg with simulated clients take the section, with a dropout probability in [0, 1]."""
+    config = load_config(None, [*_ON, server, "secure_aggregation.dropout=0.1"])
+    assert config.secure_aggregation.enabled and config.secure_aggregation.dropout == 0.1
+    assert _error([*_ON, server, "secure_aggregation.dropout=1.5"]).startswith("secure_aggregation.dropout:")

@@ -148,7 +148,8 @@ def test_an_update_from_a_future_version_is_refused() -> None:
 
 
 def test_a_report_logs_bytes_and_seconds_per_round_and_its_dropouts() -> None:
-    """One server.secagg line carries each round's bytes and seconds, dropouts, recoveries and abandonment."""
+    """One secagg line (metrics secagg/<field>) carries each round's bytes and seconds, dropouts, recoveries and
+    abandonment."""
     import structlog
     from structlog.testing import capture_logs
 
@@ -157,10 +158,11 @@ def test_a_report_logs_bytes_and_seconds_per_round_and_its_dropouts() -> None:
     with capture_logs() as lines:
         report.log(structlog.get_logger(), step=7)
     (line,) = lines
-    assert line["event"] == "server.secagg" and line["step"] == 7
-    assert line["secagg.recovered"] == 1.0 and line["secagg.dropped"] == 1.0 and line["secagg.abandoned"] == 0.0
-    assert line["secagg.mask_bytes"] == 9 * (1 + 8 + 4 * (_PARAMS + 1))
-    assert line["secagg.bytes_ratio"] > 1.0
+    assert line["event"] == "secagg" and line["step"] == 7
+    assert line["recovered"] == 1.0 and line["dropped"] == 1.0 and line["abandoned"] == 0.0
+    assert line["mask_bytes"] == 9 * (1 + 8 + 4 * (_PARAMS + 1))
+    assert line["bytes_ratio"] > 1.0
+    assert sum(report.upload_bytes.values()) + sum(report.download_bytes.values()) == sum(report.phase_bytes.values())
 
 
 def test_a_client_waits_in_a_buffer_once() -> None:

@@ -100,7 +100,7 @@ async def test_a_full_buffer_runs_the_protocol_and_reveals_its_weighted_sum_only
         assert closed.simulated_s == pytest.approx(1.0 + phases) and phases > 0
         got = torch.frombuffer(bytearray(closed.weighted_sum), dtype=torch.float32)
         staleness = PolynomialStaleness(a=0.5)
-        want = sum(staleness(2 - min(c, 2)) * _delta(c) for c in range(4))
+        want = torch.stack([staleness(2 - min(c, 2)) * _delta(c) for c in range(4)]).sum(0)
         assert torch.allclose(got, want, atol=4 * 0.5 / ((2**31 - 1) // 4)), (got - want).abs().max()
         assert closed.example_weight == pytest.approx(4.0)
         assert room.version == 3 and room.groups == 1 and not room.waiting and not room.pending

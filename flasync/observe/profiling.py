@@ -355,7 +355,7 @@ class Profiler:
         rec = r.open_versions[int(event.version) + 1]
         figures = event.figures
         rec.secagg_cpu_s += figures.get("secagg.cpu_s", 0.0)
-        rec.secagg_sim_s += sum(v for k, v in figures.items() if k.endswith("_s") and k != "secagg.cpu_s")
+        rec.secagg_sim_s += figures.get("secagg.protocol_s", 0.0)
         rec.upload_bytes += sum(event.upload_bytes.values())
         rec.download_bytes += sum(event.download_bytes.values())
         if not event.abandoned:

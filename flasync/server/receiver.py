@@ -266,7 +266,7 @@ class CloudReceiver:
                 self._accepted(version - int(task.base_version), client)
                 self.policy.note(message, accepted=True)
         figures = {key.removeprefix("secagg."): value for key, value in message.figures.items()}
-        self.log.info("secagg", step=version, **figures)
+        self.log.debug("secagg", step=version, **figures)
         if message.abandoned:
             self.log.warning(
                 "secagg.abandoned",

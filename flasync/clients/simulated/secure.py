@@ -203,7 +203,7 @@ class SecureRoom:
         job = functools.partial(self._protocol, self.groups, updates)
         report, cpu_s = await clock.run(self.pool, job)
         await clock.sleep_until(clock.now() + sum(report.phase_s.values()))
-        figures = {**report.figures(), "secagg.cpu_s": cpu_s, "secagg.wait_s": clock.now() - group.closed_s}
+        figures = {**report.figures(), "secagg.cpu_s": cpu_s, "secagg.protocol_s": clock.now() - group.closed_s}
         message = SecureGroupClosed(
             to=CLOUD,
             group=self.groups,

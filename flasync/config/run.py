@@ -372,11 +372,10 @@ def check_secure_aggregation(config: RunConfig) -> None:
             "intake, which never sees one under secure aggregation",
         ),
         (config.scaffold.enabled, "cannot combine with scaffold.enabled (the control variates would travel unmasked)"),
-        (config.remote.enabled, "runs with simulated clients; remote clients cannot take part yet"),
         (
-            res.task_timeout_s is not None or res.round_deadline_s is not None,
-            "cannot combine with resilience.task_timeout_s or round_deadline_s: a client that finished training "
-            "waits, holding its update, until its group is complete (members drop out in the protocol only)",
+            res.round_deadline_s is not None,
+            "cannot combine with resilience.round_deadline_s: a round's clients that finished training hold their "
+            "updates until the round's group is complete (members drop out in the protocol only)",
         ),
         (
             isinstance(server, FedBuffServer) and server.concurrency < server.buffer_size,

@@ -43,6 +43,12 @@ class SecureAggregationConfig(_Section):
         "run's seed per group and client, the round uniformly): up to max_dropouts are recovered, more abandon the "
         "group (its sum is not revealed and the model does not step on it).",
     )
+    round_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="Remote clients: wall seconds each round of the protocol waits for its members' messages; "
+        "those that have not answered by then have dropped out.",
+    )
     example_weight_scale: float | None = Field(
         None,
         gt=0.0,

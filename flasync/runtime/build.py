@@ -109,6 +109,7 @@ __all__ = [
     "make_example_weight",
     "make_server_optimizer",
     "make_staleness_weight",
+    "staleness_weight_of",
 ]
 
 
@@ -420,7 +421,8 @@ def make_example_weight(config: ServerConfig) -> ExampleWeight:
     return EqualExampleWeight()
 
 
-def _staleness_of(config: ServerConfig) -> StalenessWeight:
+def staleness_weight_of(config: ServerConfig) -> StalenessWeight:
+    """Return the staleness weight of a server's updates (FedAvg's rounds have none: a constant 1)."""
     return (
         make_staleness_weight(config.staleness)
         if isinstance(config, FedBuffServer | FedAsyncServer)
@@ -507,7 +509,7 @@ def _edge_settings(config: RunConfig, topology: TreeTopology) -> EdgeSettings:
         kappa2=topology.kappa2,
         link=topology.link,
         per_edge_metrics=topology.per_edge_metrics,
-        staleness=_staleness_of(config.server),
+        staleness=staleness_weight_of(config.server),
         example_weight=make_example_weight(config.server),
         seed=config.seed,
     )
@@ -728,7 +730,7 @@ def _secure_room(
     """Return the room where simulated clients hold their updates for secure aggregation (None: off)."""
     if not config.secure_aggregation.enabled:
         return None
-    staleness, example_weight = _staleness_of(config.server), make_example_weight(config.server)
+    staleness, example_weight = staleness_weight_of(config.server), make_example_weight(config.server)
     return secure_room(
         config, world, registry, staleness=staleness, example_weight=example_weight, bus=bus, clock=clock
     )

@@ -9,6 +9,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from flasync.aggregation import ExampleWeight, StalenessWeight
+from flasync.clients.remote.secure import RemoteGroups
 from flasync.clients.simulated.client import ClientWorld
 from flasync.clients.simulated.secure import SecureRoom
 from flasync.config import FedAvgServer, FedBuffServer, RunConfig
@@ -17,7 +18,7 @@ from flasync.core.clock import Clock
 from flasync.secure import Link, SecureAggregator
 from flasync.server.registry import TaskRegistry
 
-__all__ = ["RoomState", "group_size", "secure_room"]
+__all__ = ["RoomState", "group_size", "remote_groups", "secure_room"]
 
 
 def group_size(config: RunConfig, num_clients: int) -> int:
@@ -83,6 +84,7 @@ def secure_room(
         pool=world.pool,
         in_flight=lambda: iter(registry()),
         spawn=spawn,
+        held=lambda task: registry().hold(task),
     )
 
 
@@ -100,3 +102,52 @@ class RoomState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the room's state against the restored tasks in flight."""
         self.room.load_state_dict(state, {task.task_id: task for task in self.registry})
+
+
+def remote_groups(
+    config: RunConfig,
+    world: ClientWorld,
+    registry: TaskRegistry,
+    *,
+    staleness: StalenessWeight,
+    example_weight: ExampleWeight,
+    bus: EventBus,
+    clock: Clock,
+    num_params: int,
+) -> RemoteGroups | None:
+    """Return the server's side of secure aggregation with remote clients (None: ``[secure_aggregation]`` off).
+
+    Each member's weights are ``(s(tau) e(n) / scale, e(n) / scale)`` (clipped to 1), with ``scale``
+    ``example_weight_scale`` or the largest example weight of the population.
+    """
+    secure, server = config.secure_aggregation, config.server
+    if not secure.enabled:
+        return None
+    size = group_size(config, len(world.population))
+    scale = secure.example_weight_scale
+    if scale is None:
+        scale = max(example_weight(int(n)) for n in world.population.sizes)
+    rounds = isinstance(server, FedAvgServer)
+
+    def weights(staleness_versions: int, num_samples: int) -> tuple[float, float]:
+        example = min(1.0, example_weight(num_samples) / float(scale))
+        tau_weight = 1.0 if rounds else staleness(staleness_versions)
+        return min(1.0, tau_weight * example), example
+
+    return RemoteGroups(
+        bits=secure.bits,
+        clip=secure.clip,
+        group_size=size,
+        threshold=secure.effective_threshold(size),
+        neighbours=secure.neighbours,
+        buffer_size=None if rounds else size,
+        weights=weights,
+        num_params=num_params,
+        seed=config.seed,
+        round_timeout_s=secure.round_timeout_s,
+        bus=bus,
+        in_flight=lambda: iter(registry),
+        spawn=registry.spawn,
+        held=registry.hold,
+        now=clock.now,
+    )

@@ -108,6 +108,7 @@ def asgi_app(federation: Federation) -> Starlette:
 def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starlette:
     routes = _Routes(transport, version, AddressLimits())
     limited = routes.limited
+    secagg = _SecAggRoutes(routes)
     return Starlette(
         routes=[
             Route("/v1/hello", limited(routes.hello), methods=["GET"]),
@@ -116,6 +117,9 @@ def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starl
             Route("/v1/tasks/{task_id}/update", limited(routes.upload), methods=["POST"]),
             Route("/v1/tasks/{task_id}/failed", limited(routes.failed), methods=["POST"]),
             Route("/v1/status", routes.status, methods=["GET"]),
+            Route("/v1/tasks/{task_id}/held", limited(secagg.held), methods=["POST"]),
+            Route("/v1/secagg", limited(secagg.instruction), methods=["GET"]),
+            Route("/v1/secagg/{group}/{round}", limited(secagg.message), methods=["POST"]),
         ]
     )
 
@@ -280,6 +284,83 @@ class _Routes:
         """``GET /v1/status``: answer whether the run is waiting, running or finished (no token needed)."""
         state = "finished" if self.transport.finished else "running" if self.transport.attached else "waiting"
         return JSONResponse({"state": state, "version": self.version(), "reason": self.transport.finished or None})
+
+
+class _SecAggRoutes:
+    """Secure aggregation's endpoints (:mod:`flasync.clients.remote.secure`): a client holds its trained update,
+    then long-polls for and answers its group's rounds.
+
+    Args:
+        routes: The protocol's other endpoints (their token and task checks).
+    """
+
+    def __init__(self, routes: _Routes) -> None:
+        """Serve beside ``routes``."""
+        self.routes = routes
+        self.transport = routes.transport
+
+    async def held(self, request: Request) -> Response:
+        """``POST /v1/tasks/{task_id}/held``: the client finished the task and holds its update for its group."""
+        client_id = self.routes.authorize(request)
+        if isinstance(client_id, Refusal):
+            return _refused(client_id)
+        answering = self.routes.answering(request)
+        if isinstance(answering, Refusal):
+            return self.routes.malformed(client_id, answering.detail)
+        groups = self.transport.secure
+        if groups is None:
+            return self.routes.malformed(client_id, "this run does not run secure aggregation")
+        task_id, session, incarnation = answering
+        refusal = self.transport.check_upload(client_id, task_id, None, session, incarnation)
+        if refusal is not None:
+            return _refused(refusal)
+        body = await _read_body(request, 4096)
+        try:
+            num_samples = int(json.loads(body)["num_samples"]) if isinstance(body, bytes) else -1
+        except (ValueError, KeyError, TypeError):
+            num_samples = -1
+        if not 0 < num_samples <= self.transport.settings.max_num_samples:
+            return _refused(self.transport.bad_report(client_id, 'the body must be {"num_samples": N}, N > 0'))
+        groups.hold(self.transport.held(client_id, task_id), num_samples)
+        return JSONResponse({"status": "held", "task_id": task_id}, status_code=202)
+
+    async def instruction(self, request: Request) -> Response:
+        """``GET /v1/secagg``: long-poll for the client's next round (``after``: the ``GROUP/ROUND`` it did last)."""
+        client_id = self.routes.authorize(request)
+        if isinstance(client_id, Refusal):
+            return _refused(client_id)
+        groups = self.transport.secure
+        if self.transport.finished or groups is None:
+            return JSONResponse({"error": "finished", "detail": "the run has ended"}, status_code=410)
+        try:
+            wait_s = min(float(request.query_params.get("wait_s", self.transport.settings.poll_s)), 60.0)
+        except ValueError:
+            return self.routes.malformed(client_id, "wait_s must be a number of seconds")
+        step = await groups.next_instruction(int(client_id), request.query_params.get("after", ""), wait_s)
+        return Response(status_code=204) if step is None else JSONResponse(step)
+
+    async def message(self, request: Request) -> Response:
+        """``POST /v1/secagg/{group}/{round}``: a member's message of a round, in its wire form."""
+        client_id = self.routes.authorize(request)
+        if isinstance(client_id, Refusal):
+            return _refused(client_id)
+        group = _id(request, "group")
+        groups = self.transport.secure
+        if isinstance(group, Refusal) or groups is None:
+            return self.routes.malformed(client_id, "no such secure aggregation group")
+        body = await _read_body(request, self.transport.max_upload_bytes + _MAX_SHARES_BYTES)
+        if isinstance(body, int):
+            return _refused(self.transport.oversize(client_id, body))
+        if body is None:
+            return _refused(self.transport.slow_body(client_id))
+        refused = groups.receive(int(client_id), group, str(request.path_params["round"]), body)
+        if refused is not None:  # late (the round closed without it) or out of turn: the client goes on
+            return JSONResponse({"error": "not_expected", "detail": refused}, status_code=409)
+        return JSONResponse({"status": "received"}, status_code=202)
+
+
+_MAX_SHARES_BYTES = 1 << 20
+"""Room beside a masked update for a round's other messages (a share bundle is about 200 bytes a neighbour)."""
 
 
 def _name_header(request: Request, header: str) -> str | Refusal | None:

@@ -26,13 +26,22 @@ from flasync.core.errors import RunInterrupted
 from flasync.core.scratch import make_scratch, sweep_scratch
 from flasync.observe.profiling import Instrumentation, peak_rss_bytes
 from flasync.observe.summary import RunSummary
-from flasync.runtime.build import AggregatorFactory, ServerParts, build_server, build_world, make_evaluator
+from flasync.runtime.build import (
+    AggregatorFactory,
+    ServerParts,
+    build_server,
+    build_world,
+    make_evaluator,
+    make_example_weight,
+    staleness_weight_of,
+)
 from flasync.runtime.checkpoint import CheckpointWriter, ResumePoint
 from flasync.runtime.closing import off_loop
 from flasync.runtime.naming import finished_tags, topology_name
 from flasync.runtime.prepare import Prepared
 from flasync.runtime.run_profile import finish_profile, instrumentation, segment, tracking_health
 from flasync.runtime.run_tracking import tag_alerts
+from flasync.runtime.secure import remote_groups
 from flasync.runtime.selection import SELECTION, BestVersion, with_best
 from flasync.runtime.sizing import make_executor
 from flasync.server import Server, ServerStats
@@ -260,15 +269,7 @@ class Simulation:
             shapes=prepared.shapes,
         )
         if self._transport is not None:
-            self._transport.attach(
-                bus=self._bus,
-                registry=parts.server.registry,
-                clock=self._clock,
-                log=self._log,
-                num_params=prepared.initial.numel(),
-                feature_shape=tuple(prepared.train.feature_shape),
-                num_classes=prepared.train.num_classes,
-            )
+            _attach(self._transport, cfg, world, parts, prepared, bus=self._bus, clock=self._clock, log=self._log)
         return world, parts, weights
 
     def _restore(self, server: Server) -> tuple[float, int, CheckpointWriter]:
@@ -463,6 +464,41 @@ class Simulation:
         if self._scratch is None:
             self._scratch = str(make_scratch(_RESIDUALS))
         return self._scratch
+
+
+def _attach(
+    transport: RemoteTransport,
+    config: RunConfig,
+    world: ClientWorld,
+    parts: ServerParts,
+    prepared: Prepared,
+    *,
+    bus: EventBus,
+    clock: RunClock,
+    log: Any,
+) -> None:
+    """Serve the run's remote clients through ``transport`` (with secure aggregation's groups when it is on)."""
+    registry = parts.server.registry
+    secure = remote_groups(
+        config,
+        world,
+        registry,
+        staleness=staleness_weight_of(config.server),
+        example_weight=make_example_weight(config.server),
+        bus=bus,
+        clock=clock,
+        num_params=prepared.initial.numel(),
+    )
+    transport.attach(
+        bus=bus,
+        registry=registry,
+        clock=clock,
+        log=log,
+        num_params=prepared.initial.numel(),
+        feature_shape=tuple(prepared.train.feature_shape),
+        num_classes=prepared.train.num_classes,
+        secure=secure,
+    )
 
 
 def _sweep(config: RunConfig, log: Any) -> None:

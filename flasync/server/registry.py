@@ -319,6 +319,13 @@ class TaskRegistry:
                 )
             )
 
+    def hold(self, task: TaskAssigned) -> None:
+        """Learn that ``task``'s client holds its answer, a trained update waiting for its secure-aggregation group:
+        the task stays in flight (its client takes no other) but its time limit no longer runs."""
+        watchdog = self._watchdogs.pop(task.task_id, None)
+        if watchdog is not None:
+            watchdog.cancel()
+
     def redispatch(self, answered: set[int] | frozenset[int] = frozenset()) -> None:
         """Start again the tasks a checkpoint had in flight, on their original timelines.
 
@@ -329,6 +336,8 @@ class TaskRegistry:
         for task in self:
             held = holding is not None and holding(task)
             self._start(task, self._bases[task.base_version], client=task.task_id not in answered and not held)
+            if held:
+                self.hold(task)
 
     def release(self, message: Answer) -> bool:
         """Close the task ``message`` answers; False if no such task is in flight (nothing changes then)."""

@@ -32,6 +32,7 @@ from torch import nn
 
 from flasync import codecs
 from flasync.algorithms.client_eval import Selection, evaluates
+from flasync.clients.remote.member import take_part
 from flasync.config import GRUModel, ModelConfig, RunConfig, SmallCNNModel, validate
 from flasync.core import seeding
 from flasync.core.errors import ConfigError, DecodeError, FlasyncError, TrainingError
@@ -225,6 +226,8 @@ class Client:
                 http, "POST", f"/v1/tasks/{task_id}/failed", content=body.encode(), headers=answer_headers
             )
             return False
+        if self._config().secure_aggregation.enabled:
+            return await self._hold(http, task_id, trained, answer_headers)
         response = await self._request(
             http,
             "POST",
@@ -246,6 +249,27 @@ class Client:
         self.stats.dropped += 1
         self.stats.stale += response.status_code == 409
         return False
+
+    async def _hold(self, http: httpx.AsyncClient, task_id: int, trained: _Trained, headers: dict[str, str]) -> bool:
+        """Hold the trained update for its secure-aggregation group and take part in its rounds; True if it is in
+        the group's sum."""
+
+        async def request(method: str, path: str, **kwargs: Any) -> httpx.Response:
+            return await self._request(http, method, path, **{"headers": headers, **kwargs})
+
+        delta = codecs.decode(trained.payload, expected_elements=int(self._setup["num_params"]))
+        num_samples = int(trained.report["num_samples"])
+        outcome = await take_part(
+            request,
+            client_id=self.stats.client_id,
+            task_id=task_id,
+            delta=delta,
+            num_samples=num_samples,
+            poll_s=self.poll_s,
+        )
+        self.stats.uploads += outcome == "summed"
+        self.stats.dropped += outcome != "summed"
+        return outcome == "summed"
 
     async def _weights(self, http: httpx.AsyncClient, version: int) -> torch.Tensor | None:
         cached = self._cached

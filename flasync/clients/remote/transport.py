@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from flasync.clients.remote.secure import RemoteGroups
 from flasync.codecs import HEADER, Pipeline
 from flasync.core.bus import EventBus
 from flasync.core.errors import BusClosed, BusFull, ConfigError
@@ -639,6 +640,8 @@ class RemoteTransport:
         """Update bodies received (bytes)."""
         self.wire_download_bytes = 0
         """Model bodies sent (bytes)."""
+        self.secure: RemoteGroups | None = None
+        """The server's side of secure aggregation's groups (None: off), given with :meth:`attach`."""
 
     # ------------------------------------------------------------------------------------------ lifetime
     @property
@@ -656,6 +659,7 @@ class RemoteTransport:
         num_params: int,
         feature_shape: tuple[int, ...],
         num_classes: int,
+        secure: RemoteGroups | None = None,
     ) -> None:
         """Serve the run whose bus and registry these are (called by the runtime when the run starts).
 
@@ -667,8 +671,10 @@ class RemoteTransport:
             num_params: Length of the flat model.
             feature_shape: Shape of one input sample (told to clients, which build the model from it).
             num_classes: Number of classes (likewise).
+            secure: Secure aggregation's groups (None: clients upload their updates).
         """
         self._bus, self._registry, self._clock, self._log = bus, registry, clock, log
+        self.secure = secure
         self._devices.attach(bus, registry.num_clients)
         self.num_params = num_params
         self._setup.update(num_params=num_params, feature_shape=list(feature_shape), num_classes=num_classes)
@@ -804,6 +810,12 @@ class RemoteTransport:
         if content_length is not None and content_length > self.max_upload_bytes:
             return self.oversize(client_id, content_length)
         return None
+
+    def held(self, client_id: ClientId, task_id: int) -> TaskAssigned:
+        """Take a checked answer that is an update held for secure aggregation; return its task (still in flight)."""
+        assert self._registry is not None
+        self._remember(client_id, task_id)
+        return self._registry.busy[client_id]
 
     def oversize(self, client_id: ClientId, size: int) -> Refusal:
         """Refuse (and count) a body found larger than :attr:`max_upload_bytes` (``size``: bytes seen so far)."""

@@ -79,6 +79,7 @@ class SecureRoom:
         pool: Where the protocol's cryptography runs (off the event loop).
         in_flight: The tasks in flight (the registry's): a FedAvg round is complete when each of them holds.
         spawn: Starts a background task of the run (the registry's), cancelled at its end.
+        held: Told each task whose client holds its update (the registry's: its time limit stops).
         observe: Called with each masked input the group's server side receives (instrumentation; None: nothing).
     """
 
@@ -98,6 +99,7 @@ class SecureRoom:
         pool: Executor,
         in_flight: Callable[[], Iterable[TaskAssigned]],
         spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
+        held: Callable[[TaskAssigned], None] = lambda task: None,
         observe: Callable[[int, RingVector], None] | None = None,
     ) -> None:
         """Start with nobody waiting."""
@@ -112,6 +114,7 @@ class SecureRoom:
         self.pool = pool
         self.in_flight = in_flight
         self.spawn = spawn
+        self.held = held
         self.observe = observe
         self.waiting: list[_Held] = []
         self.pending: deque[_Group] = deque()
@@ -128,6 +131,7 @@ class SecureRoom:
     def hold(self, task: TaskAssigned, delta: torch.Tensor, num_samples: int, at: float) -> None:
         """Keep a trained update (its delta, float32, read and kept) until its group is complete at time ``at``."""
         self.waiting.append(_Held(task, delta.to(torch.float32).clone(), num_samples, at))
+        self.held(task)
         self._close_groups(at)
 
     def released(self, task: TaskAssigned) -> None:

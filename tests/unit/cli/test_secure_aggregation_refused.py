@@ -1,4 +1,5 @@
-"""``flasync run`` with secure aggregation on: one line on stderr, exit status 2, before any run starts."""
+"""``flasync run`` with secure aggregation on and what it cannot combine with: one line on stderr, exit status 2,
+before any run starts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from flasync.cli import main
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        ([], "flasync run does not run the protocol"),
+        (["--set", "server.kind=fedasync"], "FedAsync applies each update alone"),
         (["--set", "codec.upload=[{kind: topk, ratio: 0.1}]"], "masks only cancel over the same coordinates"),
     ],
 )

@@ -21,7 +21,15 @@ from scipy import stats
 import flasync
 from flasync.cli import main
 from flasync.core.errors import RunInterrupted
-from flasync.core.events import Aggregated, ModelPublished, SecureGroupClosed, TaskAssigned, UpdateUploaded
+from flasync.core.events import (
+    Aggregated,
+    ClientFailed,
+    ClientTimedOut,
+    ModelPublished,
+    SecureGroupClosed,
+    TaskAssigned,
+    UpdateUploaded,
+)
 from flasync.runtime import checkpoint
 from flasync.runtime.prepare import RunInputs
 from flasync.secure import GroupOutcome, GroupParams, SecAggServer, WeightedEncoding
@@ -182,6 +190,31 @@ async def test_a_secure_run_repeats_bit_for_bit_with_one_or_two_workers(server: 
     models = sum(recorder.of(ModelPublished)[0].download_bytes for _ in recorder.of(TaskAssigned))
     assert runs[0].upload_bytes == sum(sum(g.upload_bytes.values()) for g in groups) > 0
     assert runs[0].download_bytes == models + sum(sum(g.download_bytes.values()) for g in groups)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", [_FEDBUFF, _FEDAVG])
+async def test_a_client_holding_its_update_is_handed_no_task_until_its_group_ends(server: str) -> None:
+    """Every client's next task comes after its previous one ended: in a group's end (its update held until then),
+    a failure or a time-out; with crashes, hangs and a time limit that stops once the update is held."""
+    faults = ("faults.crash=0.1", "faults.hang=0.05", "resilience.task_timeout_s=5")
+    federation = flasync.Federation(small_config(server, _ON, "stop.max_versions=8", *faults))
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    open_task: dict[int, int] = {}
+    grouped = 0
+    for event in recorder.events:
+        if isinstance(event, TaskAssigned):
+            assert int(event.client_id) not in open_task, f"client {event.client_id} got a task while busy"
+            open_task[int(event.client_id)] = event.task_id
+        elif isinstance(event, SecureGroupClosed):
+            for task in event.members:
+                assert open_task.pop(int(task.client_id)) == task.task_id  # it was holding its update
+                grouped += 1
+        elif isinstance(event, ClientFailed | ClientTimedOut):
+            assert open_task.pop(int(event.client_id)) == event.task_id
+    assert summary.versions == 8 and grouped >= 8 * 4
+    assert summary.updates_failed + summary.tasks_timed_out > 0
 
 
 @pytest.mark.slow

@@ -10,13 +10,16 @@
    on, and on with 5% of the members dropping out during the protocol: accuracy, simulated seconds, and upload and
    download bytes per accepted update (the protocol's, under secure aggregation) against the plain run measured in
    the same invocation.
-3. Cost per update: one group of K = 10, 50, 100 (a FedBuff buffer, or a FedAvg round of 100) with the complete
+3. Remote clients: a ``flasync serve`` server on 127.0.0.1 and 5 remote clients (``flasync.clients.remote``) over
+   HTTP, FedBuff with K = 3, plain and secure: upload and download bytes per accepted update on the wire (the
+   protocol's four rounds under secure aggregation) and wall seconds per version on this machine.
+4. Cost per update: one group of K = 10, 50, 100 (a FedBuff buffer, or a FedAvg round of 100) with the complete
    graph (SecAgg) and with 16 neighbours (SecAgg+): protocol bytes per client against a plain float32 upload of the
    same model, simulated seconds of the protocol's four rounds on [network]'s default link against one plain
    upload, and the real CPU seconds the whole group's cryptography took on this machine.
 
     python benchmarks/secagg.py [--versions 60] [--seed 0] [--max-complete 100] [--federation-versions 40]
-        [--out benchmarks/results/secagg.json]
+        [--remote-versions 10] [--out benchmarks/results/secagg.json]
 
 ``--max-complete 50`` leaves out the complete graph of 100 (the slowest group: seconds of cryptography on 2 cores).
 """
@@ -237,6 +240,63 @@ def federations(versions: int, seed: int) -> dict[str, dict[str, dict[str, Any]]
     return out
 
 
+REMOTE_CLIENTS = 5
+
+
+async def _remote_run(folder: Path, versions: int, seed: int, secure: bool) -> dict[str, Any]:
+    """Serve one run on 127.0.0.1 to five remote clients over HTTP; return its figures."""
+    import asyncio
+    import secrets
+
+    from flasync.clients.remote.client import Client
+    from flasync.runtime.serve import serve
+
+    tokens = {client: secrets.token_urlsafe(24) for client in range(REMOTE_CLIENTS)}
+    (folder / "tokens.txt").write_text("".join(f"{c} {t}\n" for c, t in tokens.items()))
+    config: dict[str, Any] = {
+        **FEDERATION,
+        "seed": seed,
+        "clock": "wall",
+        "population": {"num_clients": REMOTE_CLIENTS},
+        "server": {"kind": "fedbuff", "buffer_size": 3, "concurrency": REMOTE_CLIENTS},
+        "resilience": {"task_timeout_s": 60.0},
+        "eval": {"every_versions": versions},
+        "stop": {"max_versions": versions},
+        "remote": {"enabled": True, "tokens_file": str(folder / "tokens.txt"), "poll_s": 5.0},
+    }
+    if secure:
+        config["secure_aggregation"] = {"enabled": True, "max_dropouts": 0}
+    federation = flasync.Federation(config)
+    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    served = asyncio.create_task(serve(federation, port=0, on_ready=port.set_result, linger_s=2.0))
+    url = f"http://127.0.0.1:{await port}"
+    await asyncio.gather(*(Client(url, t, poll_s=2.0, backoff_s=0.05).run() for t in tokens.values()))
+    summary = await served
+    updates = max(summary.updates_accepted, 1)
+    return {
+        "accuracy": summary.accuracy,
+        "versions": summary.versions,
+        "upload_bytes_per_update": summary.upload_bytes / updates,
+        "download_bytes_per_update": summary.download_bytes / updates,
+        "wall_s_per_version": summary.wall_s / max(summary.versions, 1),
+    }
+
+
+def remote(versions: int, seed: int) -> dict[str, dict[str, Any]]:
+    """Return the plain and secure remote runs, with ratios against the plain one."""
+    import asyncio
+    import tempfile
+
+    runs = {}
+    for name, secure in (("plain", False), ("secure", True)):
+        with tempfile.TemporaryDirectory() as folder:
+            runs[name] = asyncio.run(_remote_run(Path(folder), versions, seed, secure))
+    for run in runs.values():
+        for key in ("upload_bytes_per_update", "download_bytes_per_update", "wall_s_per_version"):
+            run[f"{key}_ratio"] = run[key] / runs["plain"][key]
+    return runs
+
+
 def overhead(num_params: int, seed: int, max_complete: int = 100) -> list[dict[str, Any]]:
     """Return one row per group size and graph: bytes and simulated seconds per update against a plain upload.
 
@@ -300,6 +360,7 @@ def main() -> None:
     parser.add_argument(
         "--federation-versions", type=int, default=40, help="versions of each flasync federation run (part 2)"
     )
+    parser.add_argument("--remote-versions", type=int, default=10, help="versions of each remote run (part 3)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "secagg.json")
     args = parser.parse_args()
     described = machine()
@@ -339,6 +400,14 @@ def main() -> None:
                 f"up {run['upload_bytes_per_update']:,.0f} B/update ({run['upload_bytes_per_update_ratio']:.2f}x), "
                 f"down {run['download_bytes_per_update']:,.0f} B/update ({run['download_bytes_per_update_ratio']:.2f}x)"
             )
+    remote_runs = remote(args.remote_versions, args.seed)
+    for name, run in remote_runs.items():
+        print(
+            f"remote fedbuff {name}: accuracy {run['accuracy']:.4f}, "
+            f"up {run['upload_bytes_per_update']:,.0f} B/update ({run['upload_bytes_per_update_ratio']:.2f}x), "
+            f"down {run['download_bytes_per_update']:,.0f} B/update ({run['download_bytes_per_update_ratio']:.2f}x), "
+            f"{run['wall_s_per_version']:.3f} wall s a version ({run['wall_s_per_version_ratio']:.2f}x)"
+        )
     rows = overhead(int(task.initial.numel()), args.seed, args.max_complete)
     print(
         _table(
@@ -358,6 +427,7 @@ def main() -> None:
         "seed": args.seed,
         "max_complete": args.max_complete,
         "federation_versions": args.federation_versions,
+        "remote_versions": args.remote_versions,
         "model_params": int(task.initial.numel()),
         "link": {
             "upload_bytes_per_s": LINK.upload_bytes_per_s,
@@ -365,7 +435,7 @@ def main() -> None:
             "latency_s": LINK.latency_s,
         },
     }
-    figures = {"accuracy": accuracy, "federation": runs, "overhead": rows}
+    figures = {"accuracy": accuracy, "federation": runs, "remote": remote_runs, "overhead": rows}
     headline = _headline(accuracy, rows, runs)
     store("secagg", described, settings=settings, headline=headline, figures=figures, out=args.out)
 

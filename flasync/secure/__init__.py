@@ -4,7 +4,8 @@ The protocol is SecAgg+ (Bonawitz et al., CCS 2017; Bell et al., CCS 2020) over 
 from the ``cryptography`` package, with Shamir secret sharing and fixed-point encoding written here as small pure
 functions. :mod:`flasync.secure.group` runs one group in memory with its costs; :mod:`flasync.secure.rounds` runs
 a FedAvg round's cohort (:class:`SecureAggregator`) and FedBuff's buffers (:class:`SecureBuffer`, one group per
-buffer) with simulated clients.
+buffer) with simulated clients. Inside a federation (``[secure_aggregation]``), simulated clients' groups run in
+:mod:`flasync.clients.simulated.secure` and remote clients' over HTTP in :mod:`flasync.clients.remote.secure`.
 """
 
 from __future__ import annotations

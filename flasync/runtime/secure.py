@@ -85,6 +85,7 @@ def secure_room(
         in_flight=lambda: iter(registry()),
         spawn=spawn,
         held=lambda task: registry().hold(task),
+        online=world.faults.online if world.faults is not None and world.faults.windows else None,
     )
 
 

@@ -37,7 +37,7 @@ from flasync.core.bus import EventBus
 from flasync.core.clock import Clock
 from flasync.core.errors import BusFull
 from flasync.core.events import CLOUD, SecureGroupClosed, TaskAssigned, Version
-from flasync.secure import ClientUpdate, GroupReport, PhaseCost, SecureAggregator
+from flasync.secure import ClientUpdate, GroupReport, Phase, PhaseCost, SecureAggregator
 from flasync.secure.ring import RingVector
 
 __all__ = ["SecureRoom"]
@@ -80,6 +80,8 @@ class SecureRoom:
         in_flight: The tasks in flight (the registry's): a FedAvg round is complete when each of them holds.
         spawn: Starts a background task of the run (the registry's), cancelled at its end.
         held: Told each task whose client holds its update (the registry's: its time limit stops).
+        online: Tells whether a client is online at a time (the availability windows; None: always): a member
+            offline when its group starts drops out at the first round.
         observe: Called with each masked input the group's server side receives (instrumentation; None: nothing).
     """
 
@@ -100,6 +102,7 @@ class SecureRoom:
         in_flight: Callable[[], Iterable[TaskAssigned]],
         spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
         held: Callable[[TaskAssigned], None] = lambda task: None,
+        online: Callable[[int, float], bool] | None = None,
         observe: Callable[[int, RingVector], None] | None = None,
     ) -> None:
         """Start with nobody waiting."""
@@ -115,6 +118,7 @@ class SecureRoom:
         self.in_flight = in_flight
         self.spawn = spawn
         self.held = held
+        self.online = online
         self.observe = observe
         self.waiting: list[_Held] = []
         self.pending: deque[_Group] = deque()
@@ -186,12 +190,17 @@ class SecureRoom:
             default=0.0,
         )
 
-    def _protocol(self, group_id: int, updates: list[ClientUpdate]) -> tuple[GroupReport, float]:
-        """Run one group (worker thread); return its report and the CPU seconds it took."""
+    def _protocol(self, group_id: int, updates: list[ClientUpdate], now: float) -> tuple[GroupReport, float]:
+        """Run one group starting at ``now`` (worker thread); return its report and the CPU seconds it took."""
         started = time.thread_time()
+        clients = [u.client for u in updates]
+        drops = self.aggregator.drops(group_id, clients)
+        if self.online is not None:  # a member whose availability window closed before its group started
+            drops.update({c: Phase.ADVERTISE for c in clients if not self.online(c, now)})
         report = self.aggregator.aggregate(
             group_id,
             updates,
+            drops=drops,
             announce_bytes=_VERSION_BYTES if self.buffer_size is not None else 0,
             observe=self.observe,
             price=self._price,
@@ -204,7 +213,7 @@ class SecureRoom:
         members = group.members
         version = self.version if self.buffer_size is not None else int(members[0].task.base_version)
         updates = [self._weights(held, version) for held in members]
-        job = functools.partial(self._protocol, self.groups, updates)
+        job = functools.partial(self._protocol, self.groups, updates, clock.now())
         report, cpu_s = await clock.run(self.pool, job)
         await clock.sleep_until(clock.now() + sum(report.phase_s.values()))
         figures = {**report.figures(), "secagg.cpu_s": cpu_s, "secagg.protocol_s": clock.now() - group.closed_s}

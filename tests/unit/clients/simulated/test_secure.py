@@ -45,6 +45,7 @@ async def _with_room(
     buffer_size: int | None,
     group_size: int = 4,
     dropout: float = 0.0,
+    online: Callable[[int, float], bool] | None = None,
 ) -> None:
     """Run ``body(room, clock, inbox, in_flight)`` with a room on a driven virtual clock."""
     clock = VirtualClock()
@@ -76,6 +77,7 @@ async def _with_room(
                 pool=pool,
                 in_flight=lambda: iter(in_flight),
                 spawn=lambda coro, name: tg.create_task(coro, name=name),
+                online=online,
             )
             try:
                 await body(room, clock, inbox, in_flight)
@@ -141,6 +143,19 @@ async def test_dropouts_beyond_the_threshold_abandon_the_group_and_keep_the_vers
         assert closed.dropped == frozenset(range(3)) and room.version == 0 and room.groups == 1
 
     await _with_room(body, buffer_size=3, group_size=3, dropout=1.0)
+
+
+async def test_a_member_offline_when_its_group_starts_drops_out() -> None:
+    """A client whose availability window closed while it held its update does not take part: the others' sum."""
+
+    async def body(room: SecureRoom, clock: VirtualClock, inbox: Any, in_flight: list[TaskAssigned]) -> None:
+        for client in range(4):
+            room.hold(_task(client), _delta(client), 10, at=0.0)
+        closed = await inbox.receive()
+        assert closed.dropped == frozenset({2}) and closed.survivors == frozenset({0, 1, 3})
+        assert closed.recovered == 0 and not closed.abandoned
+
+    await _with_room(body, buffer_size=4, online=lambda client, t: client != 2)
 
 
 async def test_a_half_full_buffer_survives_a_checkpoint() -> None:

@@ -134,3 +134,24 @@ async def test_a_member_that_leaves_after_sharing_is_recovered(tmp_path: Path, t
     assert 4 in with_leaver.dropped and 4 not in with_leaver.survivors and with_leaver.recovered == 1
     assert not with_leaver.abandoned and len(with_leaver.survivors) == 3
     assert summary.versions == 2
+
+
+@pytest.mark.slow
+async def test_a_fedavg_round_of_remote_clients_is_one_group(tmp_path: Path, tokens: dict[int, str]) -> None:
+    """FedAvg with remote clients: each round's cohort holds its updates until the last member trained, then runs
+    the protocol as one group; the model steps on each round's sum (over httpx's ASGI transport)."""
+    config = _config(tmp_path / "tokens.txt", versions=3)
+    config["server"] = {"kind": "fedavg", "clients_per_round": 4}
+    config["secure_aggregation"] = {**_SECURE, "max_dropouts": 1}
+    federation = Federation(config)
+    recorder = EventRecorder(federation.bus)
+    app = asgi_app(federation)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=60.0) as http:
+        run = asyncio.create_task(federation.run())
+        clients = [Client("http://fl", token, http=http, poll_s=2.0, backoff_s=0.05) for token in tokens.values()]
+        await asyncio.gather(*(client.run() for client in clients))
+        summary = await run
+    groups = recorder.of(SecureGroupClosed)
+    assert summary.versions == 3 and [int(g.version) for g in groups] == [0, 1, 2]
+    assert all(len(g.members) == 4 and len(g.survivors) == 4 for g in groups)
+    assert recorder.count(UpdateUploaded) == 0 and summary.updates_accepted == 12

@@ -22,12 +22,12 @@ from flasync.runtime import tracked
 from flasync.runtime.prepare import Prepared
 from flasync.runtime.run_profile import profile_artifact
 from flasync.runtime.run_tracking import example, tag_constants
-from flasync.runtime.selection import Best, RunModel, run_models
+from flasync.runtime.selection import LAST_MODEL, Best, RunModel, run_models
 from flasync.training.diagnostics import TrainingDiagnostics
 from flasync.training.exchange import Exchanged, merge_lora
 from flasync.training.local import flat_layout
 
-__all__ = ["HISTOGRAMS_PLOT", "log_artifacts", "log_client_table", "log_stopped_profile"]
+__all__ = ["HISTOGRAMS_PLOT", "link_models", "log_artifacts", "log_client_table", "log_stopped_profile"]
 
 HISTOGRAMS_PLOT = "clients/histograms.svg"
 """The chart of the per-client histograms (:func:`~flasync.observe.plots.render_client_histograms`)."""
@@ -107,6 +107,7 @@ def log_artifacts(
         tracker.flush()
     if mlflow_tracker is not None:
         _finish_models(mlflow_tracker, prepared, input_example, models, started, log)
+        link_models(mlflow_tracker, models, log)
         if prepared.model_spec is not None and models:
             tracked.remember_export(config, prepared.model_spec, input_example)
 
@@ -198,6 +199,37 @@ def _finish_models(
             log.debug("tracking.log_model", model=model.name, seconds=seconds, metrics=False)
         except Exception as exc:  # a model MLflow cannot serialise must not fail the run
             _model_failed(log, model, exc)
+
+
+def link_models(tracker: tracking.MlflowTracker, models: list[RunModel], log: Any) -> None:
+    """Link the run's evaluation metrics to its logged models (:func:`flasync.tracking.model_metrics.link_evaluation`):
+    every point of the series to the last model (``model``, the model the run trained through those versions), the
+    points of the best version's step to ``best_model``. Done once the run's metrics are stored (a flush first); a
+    run whose store is offline (its records spooled) links nothing, and a store that refuses is a warning, never a
+    failure of the finished run."""
+    if not models or tracker.run_id is None or not tracker.flush() or tracker.offline:
+        return
+    import mlflow
+
+    from flasync.tracking.model_metrics import link_evaluation, logged_model_id
+
+    began = time.perf_counter()
+    client = mlflow.MlflowClient(tracker.tracking_uri)
+    linked = 0
+    for model in models:
+        try:
+            model_id = logged_model_id(client, tracker.run_id, model.name)
+            if model_id is not None:
+                step = None if model.name == LAST_MODEL else model.version
+                linked += link_evaluation(client, tracker.run_id, model_id, step=step)
+        except Exception as exc:
+            log.warning(
+                "tracking.link_metrics_failed",
+                model=model.name,
+                error=f"{type(exc).__name__}: {exc}"[:300],
+                metrics=False,
+            )
+    log.debug("tracking.link_metrics", points=linked, seconds=time.perf_counter() - began, metrics=False)
 
 
 def _model_failed(log: Any, model: RunModel, exc: Exception) -> None:

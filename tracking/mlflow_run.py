@@ -22,8 +22,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
-import structlog
-
 from flasync.tracking import journal
 from flasync.tracking._artifacts import RunArtifacts, artifact_bytes, yaml_text
 from flasync.tracking._child import IDLE, IdleChild
@@ -32,6 +30,7 @@ from flasync.tracking._lifecycle import Experiments, RunLifecycle, RunStatus
 from flasync.tracking._runs import SYSTEM_METRICS_INTERVAL_S
 from flasync.tracking._writers import RunWriters
 from flasync.tracking.failover import Failover, RunIdentity
+from flasync.tracking.logs import LibraryLogger
 from flasync.tracking.metrics import MetricRow
 from flasync.tracking.store import bounded_http, resolve_tracking_uri, ui_command
 from flasync.tracking.writer import MetricWriter
@@ -208,7 +207,8 @@ class MlflowTracker:
         flush_timeout_s: Longest wait of :meth:`flush` and of :meth:`finish` for a failing backend, in seconds.
         writer_process: Send metric batches from a spawned child process (see :mod:`flasync.tracking._child`), so
             MLflow's SQL work does not compete with training for this process's GIL.
-        logger: Where warnings go; ``structlog.get_logger("tracking.mlflow")`` when None.
+        logger: Where warnings go; a :class:`~flasync.tracking.logs.LibraryLogger` named ``tracking.mlflow`` when
+            None (no debug lines unless structlog is configured).
         spool_path: The spool file used if the store fails; a new file under ``spool_root`` when None.
         spool_root: Folder of journals and spools, made absolute now; ``journal.SPOOL_ROOT`` (mlruns/spool) if None.
         retry_interval_s: Least time between two tries to reach a failed store, in seconds.
@@ -248,7 +248,7 @@ class MlflowTracker:
         idle_writers: IdleChild = IDLE,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
-        self._log = logger if logger is not None else structlog.get_logger("tracking.mlflow")
+        self._log = logger if logger is not None else LibraryLogger("tracking.mlflow")
         self._run = RunIdentity(self.tracking_uri, probe_timeout_s=http_timeout_s)
         http = functools.partial(bounded_http, self.tracking_uri, timeout_s=http_timeout_s, retries=http_retries)
         view = None if runs_view is None else json.dumps(dict(runs_view))

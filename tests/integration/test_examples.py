@@ -34,3 +34,30 @@ def test_custom_strategy_runs_and_is_tracked(tmp_path: Path) -> None:
     assert run.data.tags["aggregator.custom"] == "multi_krum"
     assert run.data.tags["objective"] == "FocalLoss"
     assert abs(run.data.metrics["server/eval/accuracy"] - float(found.group(1))) < 5e-4  # printed to 3 places
+
+
+@pytest.mark.slow
+def test_the_text_corpus_is_the_same_for_a_seed_and_a_sentence_a_line(tmp_path: Path) -> None:
+    """examples/make_text_corpus.py writes --lines sentences, byte for byte the same for a seed, another for
+    another seed."""
+    made = []
+    for seed, name in ((0, "a.txt"), (0, "b.txt"), (1, "c.txt")):
+        out = tmp_path / name
+        subprocess.run(
+            [
+                sys.executable,
+                str(EXAMPLES / "make_text_corpus.py"),
+                "--out",
+                str(out),
+                "--lines",
+                "50",
+                "--seed",
+                str(seed),
+            ],
+            check=True,
+            timeout=120,
+        )
+        made.append(out.read_bytes())
+    lines = made[0].decode().splitlines()
+    assert len(lines) == 50 and all(line.startswith("the ") and line.endswith(".") for line in lines)
+    assert made[0] == made[1] and made[0] != made[2]

@@ -22,7 +22,7 @@ from flasync.runtime import tracked
 from flasync.runtime.prepare import Prepared
 from flasync.runtime.run_profile import profile_artifact
 from flasync.runtime.run_tracking import example, tag_constants
-from flasync.runtime.selection import LAST_MODEL, Best, RunModel, run_models
+from flasync.runtime.selection import Best, RunModel, run_models
 from flasync.training.diagnostics import TrainingDiagnostics
 from flasync.training.exchange import Exchanged, merge_lora
 from flasync.training.local import flat_layout
@@ -203,10 +203,10 @@ def _finish_models(
 
 def link_models(tracker: tracking.MlflowTracker, models: list[RunModel], log: Any) -> None:
     """Link the run's evaluation metrics to its logged models (:func:`flasync.tracking.model_metrics.link_evaluation`):
-    every point of the series to the last model (``model``, the model the run trained through those versions), the
-    points of the best version's step to ``best_model``. Done once the run's metrics are stored (a flush first); a
-    run whose store is offline (its records spooled) links nothing, and a store that refuses is a warning, never a
-    failure of the finished run."""
+    to each model the points of the version it holds (``model``: the last version, which the run evaluates before it
+    stops; ``best_model``: the best version), which the model's page in the MLflow UI lists, one row a metric. Done
+    once the run's metrics are stored (a flush first); a run whose store is offline (its records spooled) links
+    nothing, and a store that refuses is a warning, never a failure of the finished run."""
     if not models or tracker.run_id is None or not tracker.flush() or tracker.offline:
         return
     import mlflow
@@ -220,8 +220,7 @@ def link_models(tracker: tracking.MlflowTracker, models: list[RunModel], log: An
         try:
             model_id = logged_model_id(client, tracker.run_id, model.name)
             if model_id is not None:
-                step = None if model.name == LAST_MODEL else model.version
-                linked += link_evaluation(client, tracker.run_id, model_id, step=step)
+                linked += link_evaluation(client, tracker.run_id, model_id, step=model.version)
         except Exception as exc:
             log.warning(
                 "tracking.link_metrics_failed",

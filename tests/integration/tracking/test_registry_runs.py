@@ -79,12 +79,12 @@ def test_a_run_registers_its_best_model_and_only_a_better_run_moves_the_champion
 
 @pytest.mark.slow
 def test_a_run_links_its_evaluation_metrics_to_its_logged_models(store: str) -> None:
-    """The last model holds every evaluation point (central and client-side), the best model those of its version,
-    the run's series hold each point once, and the registered version is the best model."""
+    """Each logged model holds the evaluation (central and, where clients evaluated its version, client-side) of the
+    version it holds, the run's series hold each point once, and the registered version is the best model."""
     federation = flasync.Federation(
         small_config(
             "eval.every_versions=1",
-            "eval.select=server/eval/accuracy:max",
+            "eval.select=client_eval/accuracy/mean:max",
             "eval.clients.fraction=0.5",
             "eval.clients.held_out=0.2",
             "eval.clients.min_reports=2",
@@ -103,14 +103,15 @@ def test_a_run_links_its_evaluation_metrics_to_its_logged_models(store: str) -> 
     for points in series.values():
         assert len({p.step for p in points}) == len(points)  # one point per evaluated version
     logged = {m.name: m for m in client.search_logged_models([run.info.experiment_id])}
-    last = sorted((m.key, m.step, m.value) for m in logged["model"].metrics)
-    finite = [p for points in series.values() for p in points if not math.isnan(p.value)]  # a model holds no NaN
-    assert last == sorted((p.key, p.step, p.value) for p in finite)
-    best_version = int(logged["best_model"].tags["flasync.version"])
-    best = {(m.key, m.step): m.value for m in logged["best_model"].metrics}
-    assert best[("server/eval/accuracy", best_version)] == float(logged["best_model"].tags["flasync.value"])
-    assert {step for _, step in best} == {best_version}
-    assert set(best) == {(p.key, p.step) for points in series.values() for p in points if p.step == best_version}
+    for name in ("model", "best_model"):  # each model: the evaluation of the version it holds, one point a key
+        version = int(logged[name].tags["flasync.version"])
+        held = sorted((m.key, m.step, m.value) for m in logged[name].metrics)
+        points = [p for values in series.values() for p in values if p.step == version and not math.isnan(p.value)]
+        assert held == sorted((p.key, p.step, p.value) for p in points), name
+        assert {"server/eval/accuracy", "server/eval/loss"} <= {key for key, _, _ in held}, name
+    assert int(logged["model"].tags["flasync.version"]) == federation.summary.versions
+    best = {m.key: m.value for m in logged["best_model"].metrics}
+    assert best["client_eval/accuracy/mean"] == float(logged["best_model"].tags["flasync.value"])
     # MLflow's SQL registry keeps no model id on a version: its source and the model's version list are the link.
     champion = client.get_model_version_by_alias("digits", CHAMPION)
     assert (champion.source, champion.run_id) == (logged["best_model"].artifact_location, run.info.run_id)

@@ -402,14 +402,13 @@ class MlflowTracker:
         return self._writers.system_metrics_interval
 
     def log_metrics(self, metrics: list[MetricRow]) -> None:
-        """Queue metrics for the run; never blocks (dropped before start and after finish).
-
-        In a resumed run, a metric at a step the store already holds for its key is dropped (see :meth:`resume`).
-
-        Args:
-            metrics: The metrics; the list is handed over.
-        """
+        """Queue ``metrics`` (the list is handed over) for the run; never blocks (dropped before start and after
+        finish; in a resumed run, those at a step the store already holds for their key, see :meth:`resume`)."""
         self._writers.log_metrics(metrics)
+
+    def link_models(self, models: Mapping[str, int]) -> int:
+        """Link each named logged model to the run's evaluation at its step (:meth:`RunArtifacts.link_models`)."""
+        return self._artifacts.link_models(models)
 
     def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
         """Store ``data`` as an artifact: YAML for ``.yaml``/``.yml``, JSON otherwise.

@@ -14,13 +14,13 @@ metric writer's path while the run trains.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import mlflow
 
-__all__ = ["EVALUATION_PREFIXES", "link_evaluation", "logged_model_id"]
+__all__ = ["EVALUATION_PREFIXES", "link_evaluation", "link_models", "logged_model_id"]
 
 EVALUATION_PREFIXES = ("server/eval/", "client_eval/")
 """The metric keys of the evaluation (the central one, and the clients' reports): those linked to a run's models."""
@@ -78,3 +78,18 @@ def link_evaluation(
     for first in range(0, len(points), max_batch):
         client.log_batch(run_id, metrics=points[first : first + max_batch], synchronous=True)
     return len(points)
+
+
+def link_models(client: mlflow.MlflowClient, run_id: str, models: Mapping[str, int]) -> int:
+    """Link to each of the run's ``READY`` logged models named in ``models`` the evaluation points of its step (the
+    version it holds); return the points linked (a name the run has no ready model of links nothing).
+
+    Raises:
+        mlflow.MlflowException: What the store refuses.
+    """
+    linked = 0
+    for name, step in models.items():
+        model_id = logged_model_id(client, run_id, name)
+        if model_id is not None:
+            linked += link_evaluation(client, run_id, model_id, step=step)
+    return linked

@@ -209,25 +209,12 @@ def link_models(tracker: tracking.MlflowTracker, models: list[RunModel], log: An
     nothing, and a store that refuses is a warning, never a failure of the finished run."""
     if not models or tracker.run_id is None or not tracker.flush() or tracker.offline:
         return
-    import mlflow
-
-    from flasync.tracking.model_metrics import link_evaluation, logged_model_id
-
     began = time.perf_counter()
-    client = mlflow.MlflowClient(tracker.tracking_uri)
-    linked = 0
-    for model in models:
-        try:
-            model_id = logged_model_id(client, tracker.run_id, model.name)
-            if model_id is not None:
-                linked += link_evaluation(client, tracker.run_id, model_id, step=model.version)
-        except Exception as exc:
-            log.warning(
-                "tracking.link_metrics_failed",
-                model=model.name,
-                error=f"{type(exc).__name__}: {exc}"[:300],
-                metrics=False,
-            )
+    try:
+        linked = tracker.link_models({model.name: model.version for model in models})
+    except Exception as exc:
+        log.warning("tracking.link_metrics_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+        return
     log.debug("tracking.link_metrics", points=linked, seconds=time.perf_counter() - began, metrics=False)
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import mlflow
+import pytest
+import structlog
+import structlog.testing
 from mlflow.entities import Metric
 
-from flasync.tracking.model_metrics import link_evaluation, logged_model_id
+from flasync.tracking import IdleChild, MetricRow, MlflowTracker
+from flasync.tracking.model_metrics import link_evaluation, link_models, logged_model_id
 
 
 def _run_with_series(tracking_uri: str) -> tuple[mlflow.MlflowClient, str, str]:
@@ -64,3 +68,34 @@ def test_the_model_id_is_that_of_the_run_s_ready_model_of_the_name(tracking_uri:
     client.finalize_logged_model(pending.model_id, "READY")
     assert logged_model_id(client, run_id, "model") == pending.model_id
     assert logged_model_id(client, run_id, "best_model") is None
+
+
+def test_link_models_links_each_named_model_at_its_step(tracking_uri: str) -> None:
+    """Each ready model named gets the points of its step; a name without a ready model links nothing."""
+    client, run_id, experiment = _run_with_series(tracking_uri)
+    last = client.create_logged_model(experiment, name="model", source_run_id=run_id)
+    client.finalize_logged_model(last.model_id, "READY")
+    assert link_models(client, run_id, {"model": 3, "best_model": 1}) == 2
+    held = sorted((m.key, m.step) for m in client.get_logged_model(last.model_id).metrics)
+    assert held == [("client_eval/accuracy/mean", 3), ("server/eval/accuracy", 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer_process", [False, True], ids=["this process", "writer process"])
+def test_a_tracker_links_its_run_s_models_where_it_writes(tracking_uri: str, writer_process: bool) -> None:
+    """MlflowTracker.link_models links the run's stored evaluation to its model, from this process or from the
+    writer process, once the metrics are flushed."""
+    tracker = MlflowTracker(tracking_uri, writer_process=writer_process, idle_writers=IdleChild())
+    run_id = tracker.start(experiment=f"tracker-links-{writer_process}")
+    tracker.log_metrics([MetricRow("server/eval/accuracy", 0.5, 1_000, 4), MetricRow("client/loss", 1.0, 1_000, 4)])
+    assert tracker.flush()
+    client = mlflow.MlflowClient(tracking_uri)
+    model = client.create_logged_model(client.get_run(run_id).info.experiment_id, name="model", source_run_id=run_id)
+    client.finalize_logged_model(model.model_id, "READY")
+    try:
+        with structlog.testing.capture_logs() as logs:
+            assert tracker.link_models({"model": 4}) == 1
+    finally:
+        tracker.finish("FINISHED")
+    assert not [e for e in logs if e["event"] == "tracking.writer_process_job_failed"], logs  # no fallback
+    assert [(m.key, m.step) for m in client.get_logged_model(model.model_id).metrics] == [("server/eval/accuracy", 4)]

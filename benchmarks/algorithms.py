@@ -11,7 +11,8 @@ clients per round, at three noise multipliers and without noise; epsilon at delt
     python benchmarks/algorithms.py                    # about 1 minute on 2 cores
     python benchmarks/algorithms.py --seeds 0 --updates 600   # quicker
 
-Prints two markdown tables.
+Prints two markdown tables; their figures go to ``benchmarks/results/algorithms.json`` (``--out``; see
+``benchmarks/record.py``), headed by each method's final accuracy against FedAvg's and DP-FedAvg's against no noise.
 """
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ import argparse
 import asyncio
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import uvloop
 
 import flasync
 from flasync.core.events import Evaluated
+
+if __package__:  # imported as benchmarks.algorithms
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 ROUND = 10  # clients per round (FedAvg family) and buffer size K (FedBuff family): one version = 10 updates
 FEDAVG = {"kind": "fedavg", "clients_per_round": ROUND}
@@ -96,7 +103,14 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=1000, help="client updates per method (a multiple of 10)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--noise", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    parser.add_argument(
+        "--out", type=Path, default=None, help="result file (default benchmarks/results/algorithms.json)"
+    )
     args = parser.parse_args()
+    described = machine()
+    headline: list[Figure] = []
+    methods: dict[str, dict[str, Any]] = {}
+    private: dict[str, dict[str, Any]] = {}
     versions = args.updates // ROUND
     started = time.perf_counter()
 
@@ -114,6 +128,9 @@ def main() -> None:
             ends.append(end)
         mean = statistics.fmean(ends)
         baseline = baseline or mean
+        methods[name] = {"half": halves, "end": ends, "seconds": seconds}
+        ratio = mean / baseline if baseline else None
+        headline.append(Figure(f"{name}: accuracy after {args.updates} updates", mean, "accuracy", "FedAvg", ratio))
         print(
             f"| {name} | {_cell(halves)} | {_cell(ends)} | {mean - baseline:+.3f} | {statistics.fmean(seconds):.1f} |",
             flush=True,
@@ -137,7 +154,22 @@ def main() -> None:
             epsilon = summary.privacy_epsilon if z is not None else float("inf")
         label = "no noise (no privacy)" if z is None else f"{z:g}"
         print(f"| {label} | {epsilon:.2f} | {_cell(ends)} |", flush=True)
-    print(f"\n({time.perf_counter() - started:.0f} s)")
+        private[label] = {"noise_multiplier": z, "epsilon": None if z is None else epsilon, "end": ends}
+        if z is not None:
+            plain = statistics.fmean(private["no noise (no privacy)"]["end"])
+            mean = statistics.fmean(ends)
+            name = f"DP-FedAvg z {z:g} (epsilon {epsilon:.2f}): accuracy"
+            headline.append(Figure(name, mean, "accuracy", "no noise", mean / plain if plain else None))
+    seconds = time.perf_counter() - started
+    print(f"\n({seconds:.0f} s)")
+    store(
+        "algorithms",
+        described,
+        settings={"updates": args.updates, "seeds": args.seeds, "noise": args.noise},
+        headline=headline,
+        figures={"methods": methods, "dp_fedavg": private, "seconds": seconds},
+        out=args.out,
+    )
 
 
 if __name__ == "__main__":

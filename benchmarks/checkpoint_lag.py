@@ -8,6 +8,9 @@ evaluation the run had printed, and in seconds at the run's own pace.
 
     python benchmarks/checkpoint_lag.py               # 6 trials, killed 4-20 s after the first evaluation
     python benchmarks/checkpoint_lag.py --trials 3
+
+Every trial goes to ``benchmarks/results/checkpoint_lag.json`` (``--out``; see ``benchmarks/record.py``), headed by
+the median lags (no baseline: a lag is measured against the run's own last printed evaluation).
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from pathlib import Path
 import mlflow
 
 from flasync.runtime import checkpoint
+
+if __package__:  # imported as benchmarks.checkpoint_lag
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """
@@ -94,7 +102,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    described = machine()
     rng = random.Random(args.seed)
     rows = []
     columns = ("killed at version", "newest checkpoint", "newest metric step", "covered", "checkpoint lag (s)")
@@ -112,7 +122,15 @@ def main() -> None:
     for key in ("checkpoint_lag_s", "metric_lag_s"):
         values = [r[key] for r in rows]
         print(f"{key}: median {statistics.median(values):.1f} s, max {max(values):.1f} s")
-    print(f"checkpoints covered by their metrics: {sum(int(r['covered']) for r in rows)}/{len(rows)}")
+    covered = sum(int(r["covered"]) for r in rows)
+    print(f"checkpoints covered by their metrics: {covered}/{len(rows)}")
+    headline = [
+        Figure("newest checkpoint's lag (median)", statistics.median(r["checkpoint_lag_s"] for r in rows), "s"),
+        Figure("newest metric's lag (median)", statistics.median(r["metric_lag_s"] for r in rows), "s"),
+        Figure("checkpoints covered by their metrics", covered / len(rows), "share"),
+    ]
+    settings = {"trials": args.trials, "seed": args.seed}
+    store("checkpoint_lag", described, settings=settings, headline=headline, figures={"trials": rows}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ with
 With ``--device cuda`` the plain loop runs on the CPU (the CPU baseline) and again on the GPU (one client at a time
 on the same GPU), and flasync's runners on the GPU. Each repeat runs every runner once, interleaved; printed are
 the median rate of each runner, its ratio to the plain loop's median, and the median over repeats of the ratio
-within a repeat ("paired"), which cancels drifts in the load of a shared machine.
+within a repeat ("paired"), which cancels drifts in the load of a shared machine. Every rate (and the engine's
+phases) goes to ``benchmarks/results/cohort.json`` (``--out``; see ``benchmarks/record.py``), headed by each
+runner's paired ratio to the plain loop on the CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +54,11 @@ from flasync.training.cohort import CohortMember, CohortTrainer
 from flasync.training.executors.threads import CohortBatcher
 from flasync.training.local import FlatModel, LocalTraining, flat_parameters, train
 from flasync.training.models import MLP
+
+if __package__:  # imported as benchmarks.cohort
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 FEATURES, CLASSES, HIDDEN, SAMPLES, BATCH, LR = 32, 10, (64,), 200, 32, 0.01
 CFG = LocalTraining(epochs=1, batch_size=BATCH, lr=LR)
@@ -256,9 +264,10 @@ def length(intervals: list[Interval]) -> float:
 
 def engine_phases(
     num_clients: int, max_cohort: int, device: torch.device, repeats: int, speed: str, rounds: int = 1
-) -> None:
+) -> dict[str, list[float]]:
     """Print where one vectorized engine run's wall time goes (medians over ``repeats`` runs, in ms): the time at
-    least one cohort trains, the time at least one finishes while none trains, and the rest."""
+    least one cohort trains, the time at least one finishes while none trains, and the rest; return every run's
+    figures (ms) by name."""
     rows: dict[str, list[float]] = {}
     for _ in range(repeats):
         with phase_marks() as marks:
@@ -284,6 +293,7 @@ def engine_phases(
     print(f"{num_clients:>8} engine phases, vectorized, medians of {repeats} runs (ms):")
     for key, values in rows.items():
         print(f"{'':>8}   {key:<40} {statistics.median(values):8.1f}")
+    return rows
 
 
 def main() -> None:
@@ -321,7 +331,11 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op torch threads (1, as flasync's workers: robust when shared)"
     )
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    described = machine()
+    headline: list[Figure] = []
+    figures: dict[str, Any] = {}
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -363,6 +377,10 @@ def main() -> None:
             median = statistics.median(values)
             ratio = median / statistics.median(baseline)
             print(f"{num_clients:>8} {runner_name:<38} {median:11.0f} {ratio:8.2f}x {paired:8.2f}x")
+            if runner_name != "plain loop (cpu)":
+                name = f"{num_clients} clients, {runner_name}"
+                headline.append(Figure(name, median, "updates/s", "plain loop (cpu), paired", paired))
+        figures[str(num_clients)] = {"updates_per_s": rates}
         if args.engine:
             engine_rates = rates["engine, vectorized"]
             title = "the vectorized engine against the bare cohorts:"
@@ -374,11 +392,14 @@ def main() -> None:
                     against = "  engine / bare " + runner_name
                     print(f"{num_clients:>8} {against:<54} {ratio:8.2f}x {paired:8.2f}x")
         if args.engine and args.phases:
-            engine_phases(num_clients, args.max_cohort, device, args.repeats, args.speed, args.rounds)
+            phases = engine_phases(num_clients, args.max_cohort, device, args.repeats, args.speed, args.rounds)
+            figures[str(num_clients)]["engine_phases_ms"] = phases
         if device.type == "cuda":
             gpu_plain, vec = rates["plain loop (cuda)"], rates[list(runners)[-1]]
             paired = statistics.median(v / b for v, b in zip(vec, gpu_plain, strict=True))
             print(f"{num_clients:>8} {'vectorized vs plain (cuda)':<38} {'':>11} {'':>9} {paired:8.2f}x")
+    settings = {key: value for key, value in vars(args).items() if key != "out"}
+    store("cohort", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ Models: the tutorial MLP (32-64-10, 200 samples per client, batch 32: its own ``
 CNN on 8 x 8 images (50 samples per client, batch 16: through ``vmap``).
 
     python benchmarks/cohort_split.py [--sizes 64 100 160 256 400] [--repeats 5] [--models mlp cnn]
+
+The medians go to ``benchmarks/results/cohort_split.json`` (``--out``; see ``benchmarks/record.py``), headed by the
+split group's wall time against the single cohort's.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 from cohort import CFG, CLASSES, FEATURES, HIDDEN, Workload
+from record import Figure, machine, store
 
 from flasync.core import seeding
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
@@ -76,7 +81,11 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 100, 160, 256, 400])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", nargs="+", choices=["mlp", "cnn"], default=["mlp", "cnn"])
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    described = machine()
+    headline: list[Figure] = []
+    figures: dict[str, dict[str, object]] = {}
     torch.set_num_threads(1)
     pool = ThreadPoolExecutor(2, initializer=_init_worker, initargs=(1, 1))
     header = f"{'model':>5} {'clients':>7} {'one cohort':>11} {'two cohorts':>12} {'one/split':>10}"
@@ -112,7 +121,16 @@ def main() -> None:
                 f"{model:>5} {size:>7} {1e3 * a:8.1f} ms {1e3 * b:9.1f} ms {a / b:9.2f}x"
                 f" {1e3 * statistics.median(cpu):8.3f} ms {parts:>5}"
             )
+            figures.setdefault(model, {})[str(size)] = {
+                "one_s": one,
+                "split_s": split,
+                "cpu_per_member_s": cpu,
+                "parts": parts,
+            }
+            headline.append(Figure(f"{model}, {size} clients: two cohorts side by side", b, "s", "one cohort", b / a))
     pool.shutdown()
+    settings = {"sizes": args.sizes, "repeats": args.repeats, "models": args.models}
+    store("cohort_split", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 
 if __name__ == "__main__":

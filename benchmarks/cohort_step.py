@@ -11,6 +11,8 @@ the two paths are equal bit for bit.
 With ``--baseline DIR`` (another flasync checkout) it prints instead the CPU per client of the model's own path in
 this tree and in ``DIR``, each measured in a fresh interpreter with that tree's flasync, the two trees interleaved in
 every repeat, and the ratio of their medians: what a change to the cohort trainer or the MLP's step gained.
+
+Either way the medians go to ``benchmarks/results/cohort_step.json`` (``--out``; see ``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 from cohort import CFG, FEATURES, HIDDEN, Workload
+from record import Figure, machine, store
 
 from flasync.training.cohort import CohortMember, CohortTrainer
 from flasync.training.models import MLP
@@ -39,6 +42,7 @@ DRIVER = """
 import json, sys, time
 import torch
 from cohort import CFG, FEATURES, HIDDEN, Workload
+from record import Figure, machine, store
 from flasync.training.cohort import CohortMember, CohortTrainer
 from flasync.training.models import MLP
 torch.set_num_threads(1)
@@ -82,8 +86,10 @@ def tree_cpu_ms(tree: Path, sizes: list[int], calls: int = 5) -> dict[int, float
     return {int(size): ms for size, ms in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
-def against_baseline(baseline: Path, sizes: list[int], repeats: int) -> None:
-    """Print the model's own path's CPU per client in this tree and in ``baseline``, interleaved, and the ratio."""
+def against_baseline(baseline: Path, sizes: list[int], repeats: int, out: Path | None) -> None:
+    """Print the model's own path's CPU per client in this tree and in ``baseline``, interleaved, and the ratio; store
+    them."""
+    described = machine()
     trees = {"this": ROOT, "baseline": baseline.resolve()}
     runs: dict[str, list[dict[int, float]]] = {name: [] for name in trees}
     for _ in range(repeats):
@@ -91,10 +97,14 @@ def against_baseline(baseline: Path, sizes: list[int], repeats: int) -> None:
             runs[name].append(tree_cpu_ms(tree, sizes))
     print(f"CPU per client of the model's own path, medians of {repeats} interleaved repeats ({trees['baseline']})")
     print(f"{'K':>5} {'this':>10} {'baseline':>10} {'baseline/this':>14}")
+    headline: list[Figure] = []
     for size in sizes:
         this = statistics.median(run[size] for run in runs["this"])
         base = statistics.median(run[size] for run in runs["baseline"])
         print(f"{size:>5} {this:7.3f} ms {base:7.3f} ms {base / this:13.2f}x")
+        headline.append(Figure(f"K {size}: CPU per client, this tree", this, "ms", "baseline tree", this / base))
+    settings = {"mode": "baseline", "baseline": str(trees["baseline"]), "sizes": sizes, "repeats": repeats}
+    store("cohort_step", described, settings=settings, headline=headline, figures=runs, out=out)
 
 
 def main() -> None:
@@ -103,10 +113,14 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 100])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--baseline", type=Path, help="another flasync checkout: compare the model's own path")
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
     if args.baseline is not None:
-        against_baseline(args.baseline, args.sizes, args.repeats)
+        against_baseline(args.baseline, args.sizes, args.repeats, args.out)
         return
+    described = machine()
+    headline: list[Figure] = []
+    figures: dict[str, dict[str, object]] = {}
     torch.set_num_threads(1)
     work = Workload(max(args.sizes), torch.device("cpu"))
     own = CohortTrainer(MLP(FEATURES, HIDDEN, CLASSES))
@@ -126,6 +140,10 @@ def main() -> None:
             slow.append(per_client_cpu_ms(plain, work, size))
         f, s = statistics.median(fast), statistics.median(slow)
         print(f"{size:>5} {f:12.3f} ms {s:6.3f} ms {s / f:6.2f}x  {'equal' if same else 'DIFFER'}")
+        figures[str(size)] = {"cohort_forward_ms": fast, "vmap_ms": slow, "equal_deltas": same}
+        headline.append(Figure(f"K {size}: CPU per client, cohort_forward", f, "ms", "vmap over forward", f / s))
+    settings = {"mode": "paths", "sizes": args.sizes, "repeats": args.repeats}
+    store("cohort_step", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 
 if __name__ == "__main__":

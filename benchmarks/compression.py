@@ -5,6 +5,9 @@ top-k 1% with error feedback, top-k 1% without it (for contrast), and int8 with 
 encode + decode throughput of each codec on a 1M-element vector next to a plain memory copy of the same size.
 
     python benchmarks/compression.py [--versions 300] [--extra 3] [--seeds 0 1 2]
+
+The tables go to ``benchmarks/results/compression.json`` (``--out``; see ``benchmarks/record.py``), headed by each
+codec's accuracy and upload bytes after the dense run's versions against dense's, and its throughput against a copy.
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ from flasync.codecs import Float16, Int8, Pipeline, Stage, TopK
 from flasync.config import load_config
 from flasync.core.events import Evaluated, UpdateReceived
 from flasync.testing import EventRecorder
+
+if __package__:  # imported as benchmarks.compression
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CODECS: dict[str, list[dict[str, Any]]] = {
@@ -105,8 +113,12 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=300, help="versions of the dense run (and of table 1)")
     parser.add_argument("--extra", type=float, default=3.0, help="compressed runs may go this many times longer")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
     tracking.configure_logging(level="warning")
+    described = machine()
+    headline: list[Figure] = []
+    figures: dict[str, Any] = {"equal_versions": {}, "to_target": {}, "throughput_mb_s": {}}
     runs: dict[str, list[list[Point]]] = {name: [] for name in CODECS}
     for seed in args.seeds:
         for name, stages in CODECS.items():
@@ -126,6 +138,11 @@ def main() -> None:
             f"{name:<18} {accuracy:>9.4f} {100 * (accuracy - dense_acc):>+8.2f}pt {sent / 1e6:>10.2f} "
             f"{dense_bytes / sent:>11.1f}x {mean(p.simulated_s for p in final):>12.1f}"
         )
+        simulated = mean(p.simulated_s for p in final)
+        figures["equal_versions"][name] = {"accuracy": accuracy, "upload_bytes": sent, "simulated_s": simulated}
+        if name != "dense":
+            headline.append(Figure(f"{name}: accuracy", accuracy, "accuracy", "dense", accuracy / dense_acc))
+            headline.append(Figure(f"{name}: upload bytes", sent, "bytes", "dense", sent / dense_bytes))
     for label, margin in (("2a", 0.01), ("2b", 0.005)):
         print(
             f"\n{label}. to reach dense's final accuracy minus {100 * margin:.1f} point (per seed), up to "
@@ -141,6 +158,13 @@ def main() -> None:
                 print(f"{name:<18} {'0/' + str(len(hits)):>8}")
                 continue
             sent = mean(h.upload_bytes for h in got)
+            figures["to_target"].setdefault(label, {})[name] = {
+                "reached": len(got),
+                "of": len(hits),
+                "versions": mean(h.version for h in got),
+                "upload_bytes": sent,
+                "simulated_s": mean(h.simulated_s for h in got),
+            }
             print(
                 f"{name:<18} {f'{len(got)}/{len(hits)}':>8} {mean(h.version for h in got):>9.0f} {sent / 1e6:>10.2f} "
                 f"{dense_to_target / sent:>11.1f}x {mean(h.simulated_s for h in got):>12.1f}"
@@ -156,6 +180,11 @@ def main() -> None:
     }.items():
         rate = throughput(stages)
         print(f"  {name:<18} {rate:>8.0f} MB/s  ({rate / copy:.2f}x of copy)")
+        figures["throughput_mb_s"][name] = rate
+        headline.append(Figure(f"{name}: encode+decode of 1M values", rate, "MB/s", "plain clone()", rate / copy))
+    figures["throughput_mb_s"]["plain clone()"] = copy
+    settings = {"versions": args.versions, "extra": args.extra, "seeds": args.seeds}
+    store("compression", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ writer's queue replaced by a sink that keeps nothing), with batches of ``--batch
 give the same rows. Printed: the medians over ``--repeats`` of microseconds per line, and their ratio.
 
     python benchmarks/debug_lines.py [--lines 50000] [--batch 100] [--repeats 5]
+
+The medians go to ``benchmarks/results/debug_lines.json`` (``--out``; see ``benchmarks/record.py``), headed by the
+batched way's time per line against one by one's.
 """
 
 from __future__ import annotations
@@ -18,11 +21,17 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from flasync import tracking
 from flasync.core.instruments import debug_many
 from flasync.runtime import run_tracking
+
+if __package__:  # imported as benchmarks.debug_lines
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 LINES: dict[str, Callable[[int], dict[str, Any]]] = {
     "client": lambda i: {
@@ -81,7 +90,11 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=50_000)
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    described = machine()
+    headline: list[Figure] = []
+    figures: dict[str, Any] = {}
     if args.lines < args.batch or args.batch < 1 or args.repeats < 1:
         raise SystemExit("--lines must be at least --batch, and --batch and --repeats at least 1")
     print(f"a tracked run's debug lines, batches of {args.batch}, {args.lines} lines, {args.repeats} repeats")
@@ -105,6 +118,18 @@ def main() -> None:
         single, batched = (statistics.median(timings[name]) for name in WAYS)
         same = rows["one by one"] == rows["together"]
         print(f"{event:<15} {single:>9.2f} us {batched:>9.2f} us {single / batched:>6.2f}x  {same}")
+        figures[event] = {"us_per_line": timings, "same_rows": same}
+        headline.append(
+            Figure(f"{event}: a batch's lines together, per line", batched, "us", "one by one", batched / single)
+        )
+    store(
+        "debug_lines",
+        described,
+        settings={"lines": args.lines, "batch": args.batch, "repeats": args.repeats},
+        headline=headline,
+        figures=figures,
+        out=args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ bound to 127.0.0.2 (Linux routes all of 127.0.0.0/8 to the loopback interface), 
 ``--probe-ms``: one over a kept-alive connection, one opening a new connection per request. Printed per phase:
 requests sent by the flood and answered by status code, timed out and failed; the probes' p50/p99/max in ms and
 their ratio to the baseline's; and the server process's CPU (user + system seconds per wall second, psutil).
-The figures, with a description of the machine, go to ``benchmarks/results/flood.json``.
+The figures, with a description of the machine, go to ``benchmarks/results/flood.json`` (through
+``benchmarks/record.py``), headed by each flood phase's p99 status latency against the baseline phase's.
 
 On a 2-core machine the server, the flooding processes and the probers share the cores: a probe's latency includes
 the wait for a core, which the baseline measures too. ``--flood-nice 10`` lowers the flooding processes' priority, so
@@ -48,9 +49,9 @@ import psutil
 import yaml
 
 if __package__:  # imported as benchmarks.flood (by the tests)
-    from benchmarks.record import machine
+    from benchmarks.record import Figure, machine, store
 else:
-    from record import machine
+    from record import Figure, machine, store
 
 _HERE = Path(__file__).resolve().parent
 _PROBER = "127.0.0.2"
@@ -366,23 +367,34 @@ def main() -> None:
     print("refusals in the run's store (rows, last value):")
     for key, metric in figures["refusal_metrics"].items():
         print(f"  {key:<32} {metric['rows']:>3} rows, {metric['count']:.0f}")
-    result = {
-        "benchmark": "flood",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": described,
-        "settings": {
+    store(
+        "flood",
+        described,
+        settings={
             "seconds": args.seconds,
             "concurrency": args.concurrency,
             "processes": args.processes,
             "flood_nice": args.flood_nice,
             "probe_ms": args.probe_ms,
         },
-        **figures,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"written to {args.out}")
+        headline=_headline(figures["phases"]),
+        figures=figures,
+        out=args.out,
+    )
+
+
+def _headline(phases: dict[str, dict[str, Any]]) -> list[Figure]:
+    """Return each flood phase's p99 status latency (kept-alive and new connections) against the baseline phase's."""
+    rows: list[Figure] = []
+    for phase, figures in phases.items():
+        if phase == "baseline":
+            continue
+        for series in ("status_kept_alive", "status_new_connection"):
+            value, base = figures[series].get("p99_ms"), phases["baseline"][series].get("p99_ms")
+            if value is not None:
+                ratio = value / base if base else None
+                rows.append(Figure(f"{phase} flood: {series} p99", value, "ms", "no flood", ratio))
+    return rows
 
 
 if __name__ == "__main__":

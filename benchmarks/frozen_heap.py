@@ -17,7 +17,10 @@ the first (which starts from the state another way left). Printed: median whole-
 of ``first full`` and ``none`` to ``at start`` (medians of the per-repeat ratios), and the median number of full
 collections a call made (``at start`` counts the one at its end, which walks only what the run allocated).
 
-    python benchmarks/frozen_heap.py [--repeats 5] [--calls 3]
+    python benchmarks/frozen_heap.py [--repeats 5] [--calls 3] [--points "100 x 20" ...]
+
+The medians and ratios go to ``benchmarks/results/frozen_heap.json`` (``--out``; see ``benchmarks/record.py``),
+headed by ``at start``'s whole call against ``none``'s at each point.
 """
 
 from __future__ import annotations
@@ -26,12 +29,18 @@ import argparse
 import gc
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import uvloop
 
 import flasync
 from flasync.core.loops import run_loop
+
+if __package__:  # imported as benchmarks.frozen_heap
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 POINTS = {"100 x 20": (100, 20), "1,000 x 5": (1000, 5), "1,000 x 20": (1000, 20)}
 
@@ -73,26 +82,51 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3, help="consecutive calls of a way per repeat (2 or more)")
+    parser.add_argument("--points", nargs="+", choices=list(POINTS), default=list(POINTS), help="clients x rounds")
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
     if args.calls < 2 or args.repeats < 1:
         raise SystemExit("--calls must be at least 2 and --repeats at least 1")
+    described = machine()
+    points = {point: POINTS[point] for point in args.points}
     flasync.run(config(100, 1))  # imports and first-call costs out of the way
     # (point, way) -> per repeat, the median seconds and full collections of the timed calls
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for repeat in range(args.repeats):
-        for point, (clients, rounds) in POINTS.items():
+        for point, (clients, rounds) in points.items():
             for way in WAYS[repeat % 3 :] + WAYS[: repeat % 3]:
                 calls = [timed(way, config(clients, rounds)) for _ in range(args.calls)][1:]
                 median = (statistics.median(t for t, _ in calls), statistics.median(c for _, c in calls))
                 results.setdefault((point, way), []).append(median)
     header = f"{'point':<12} " + " ".join(f"{way + ' s':>12}" for way in WAYS)
     print(f"{header} {'first/start':>12} {'none/start':>11} {'full collections':>20}")
-    for point in POINTS:
+    headline: list[Figure] = []
+    figures: dict[str, Any] = {}
+    for point in points:
         rows = [results[(point, way)] for way in WAYS]
         seconds = " ".join(f"{statistics.median(t for t, _ in row):12.3f}" for row in rows)
         ratios = [statistics.median(a[0] / b[0] for a, b in zip(row, rows[2], strict=True)) for row in rows[:2]]
         counts = " / ".join(f"{statistics.median(c for _, c in row):g}" for row in rows)
         print(f"{point:<12} {seconds} {ratios[1]:11.2f}x {ratios[0]:10.2f}x {counts:>20}")
+        medians = {way: statistics.median(t for t, _ in row) for way, row in zip(WAYS, rows, strict=True)}
+        figures[point] = {
+            "seconds": medians,
+            "full_collections": {
+                way: statistics.median(c for _, c in row) for way, row in zip(WAYS, rows, strict=True)
+            },
+            "first_full_over_at_start": ratios[1],
+            "none_over_at_start": ratios[0],
+        }
+        at_start = medians["at start"]
+        headline.append(Figure(f"{point}: whole call, at start", at_start, "s", "none", 1 / ratios[0]))
+    store(
+        "frozen_heap",
+        described,
+        settings={"repeats": args.repeats, "calls": args.calls, "points": args.points},
+        headline=headline,
+        figures=figures,
+        out=args.out,
+    )
 
 
 if __name__ == "__main__":

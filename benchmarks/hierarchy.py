@@ -10,18 +10,26 @@ every version) or ``--versions``. Printed per topology, with ratios against flat
 * simulated and wall seconds to 0.90 accuracy.
 
     python benchmarks/hierarchy.py [--seeds 0 1 2] [--versions 400]
+
+The medians, their ratios and every run go to ``benchmarks/results/hierarchy.json`` (``--out``; see
+``benchmarks/record.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import flasync
 from flasync.config import load_config
+
+if __package__:  # imported as benchmarks.hierarchy
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hierarchical.toml"
 
@@ -79,7 +87,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--versions", type=int, default=400)
     parser.add_argument("--target", type=float, default=0.90)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="result file (default benchmarks/results/hierarchy.json)"
+    )
     args = parser.parse_args()
+    described = machine()
     results: dict[str, list[Result]] = {name: [] for name in TOPOLOGIES}
     for seed in args.seeds:
         for name, (topology, cloud_k) in TOPOLOGIES.items():
@@ -113,6 +125,37 @@ def main() -> None:
             f"{med(name, 'wall_s'):7.1f} {med(name, 'wall_s') / med('flat', 'wall_s'):6.2f} "
             f"{reached:>5}/{len(results[name])}"
         )
+    medians = {
+        name: {
+            field: med(name, field)
+            for field in ("ingress_per_version", "aggregate_s_per_version", "simulated_s", "wall_s")
+        }
+        for name in TOPOLOGIES
+    }
+    store(
+        "hierarchy",
+        described,
+        settings={"seeds": args.seeds, "versions": args.versions, "target": args.target},
+        headline=_headline(medians, args.target),
+        figures={"medians": medians, "runs": {name: [asdict(r) for r in rs] for name, rs in results.items()}},
+        out=args.out,
+    )
+
+
+def _headline(medians: dict[str, dict[str, float]], target: float) -> list[Figure]:
+    """Return each tree's median cloud ingress per version and simulated seconds to the target, against flat's."""
+    flat = medians["flat"]
+    rows = []
+    for name, figures in medians.items():
+        if name == "flat":
+            continue
+        for field, what, unit in (
+            ("ingress_per_version", "cloud ingress per version", "bytes"),
+            ("simulated_s", f"simulated seconds to {target}", "s"),
+        ):
+            ratio = figures[field] / flat[field] if flat[field] else None
+            rows.append(Figure(f"{name}: {what}", figures[field], unit, baseline="flat", ratio=ratio))
+    return rows
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ update" is the process's CPU time (all threads) per accepted update, less sensit
 of other processes on a shared machine; "CPU vs none" is its paired ratio.
 
     PYTHONPATH=. python benchmarks/instrumentation.py [--clients 100] [--updates 1000] [--repeats 5]
+
+The figures go to ``benchmarks/results/instrumentation.json`` (``--out``; see ``benchmarks/record.py``), headed by
+each runner's paired rate and CPU ratios against ``none``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +39,11 @@ import uvloop
 import flasync
 from flasync import tracking
 from flasync.observe.plots import render_plots
+
+if __package__:  # imported as benchmarks.instrumentation
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 RUNNERS: dict[str, dict[str, Any]] = {
     "none": {"profile": False, "level": "off"},
@@ -77,7 +86,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--updates", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    described = machine()
     tracking.configure_logging(level="error")
     names = list(RUNNERS)
     measure(args.clients, 100, RUNNERS["none"])  # warm-up: imports, first model build
@@ -108,19 +119,41 @@ def main() -> None:
         f"{'/update':>7} {'none':>8}"
     )
     best_none = max(rates["none"])
+    headline: list[Figure] = []
     for name in names:
         paired = statistics.median(a / b for a, b in zip(rates[name], rates["none"], strict=True))
+        cpu_paired = statistics.median(a / b for a, b in zip(cpus[name], cpus["none"], strict=True))
         print(
             f"{name:<22} {statistics.median(rates[name]):>10.1f} {max(rates[name]):>10.1f} "
             f"{paired:>8.3f}x {max(rates[name]) / best_none:>8.3f}x {statistics.median(ends[name]):>7.2f} "
-            f"{statistics.median(cpus[name]):>7.2f} "
-            f"{statistics.median(a / b for a, b in zip(cpus[name], cpus['none'], strict=True)):>7.3f}x"
+            f"{statistics.median(cpus[name]):>7.2f} {cpu_paired:>7.3f}x"
         )
+        if name != "none":
+            rate = statistics.median(rates[name])
+            headline.append(Figure(f"{name}: updates per second", rate, "updates/s", "none (paired)", paired))
+            cpu = statistics.median(cpus[name])
+            headline.append(Figure(f"{name}: CPU per update", cpu, "ms", "none (paired)", cpu_paired))
+    drawn_ms = None
     if profile is not None:
         start = time.perf_counter()
         plots = render_plots(profile)
         drawn_ms = 1000 * (time.perf_counter() - start)
         print(f"plots: {len(plots)} SVG charts drawn in {drawn_ms:.1f} ms (once, at the end of a run)")
+    store(
+        "instrumentation",
+        described,
+        settings={"clients": args.clients, "updates": args.updates, "repeats": args.repeats},
+        headline=headline,
+        figures={
+            "updates_per_s": rates,
+            "end_s": ends,
+            "cpu_ms_per_update": cpus,
+            "same_weights": len(hashes) == 1,
+            "plots_ms": drawn_ms,
+            "intra_op_threads": torch.get_num_threads(),
+        },
+        out=args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ untracked (the baseline measured in the same repeat), tracked to a new SQLite st
 that accepts connections and never answers. The ratio is each kind's median worst gap to the untracked one's.
 
     python benchmarks/loop_gaps.py --repeats 3
+
+Every repeat's figures go to ``benchmarks/results/loop_gaps.json`` (``--out``; see ``benchmarks/record.py``), headed by
+each tracked kind's median worst gap against the untracked run's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import Any
+
+if __package__:  # imported as benchmarks.loop_gaps
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("sklearn", "scipy", "pandas", "matplotlib", "mlflow", "mlflow.pytorch")
@@ -102,7 +110,9 @@ def main() -> None:
     """Run the repeats and print one line per kind of run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    described = machine()
     silent = _silent_server()
     results: dict[str, list[dict[str, Any]]] = {"untracked": [], "sqlite": [], "silent": []}
     for _ in range(args.repeats):
@@ -120,6 +130,17 @@ def main() -> None:
             f"{kind:<10} {median * 1000:>11.0f} ms, {max(worst) * 1000:>5.0f} ms {median / baseline:>6.2f}"
             f" {fulls:>9} {objects:>17}  {heavy}"
         )
+    headline = [
+        Figure(
+            f"{kind}: worst event-loop gap (median)",
+            statistics.median(float(r["worst_s"]) for r in rows),
+            "s",
+            None if kind == "untracked" else "untracked",
+            None if kind == "untracked" else statistics.median(float(r["worst_s"]) for r in rows) / baseline,
+        )
+        for kind, rows in results.items()
+    ]
+    store("loop_gaps", described, settings={"repeats": args.repeats}, headline=headline, figures=results, out=args.out)
 
 
 if __name__ == "__main__":

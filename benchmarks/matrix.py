@@ -24,6 +24,9 @@ median rate, and the median over repeats of the ratio within a repeat (``paired`
 shared machine's load between repeats).
 
     python benchmarks/matrix.py [--repeats 3] [--points 100x20 1000x5] [--concurrency 20 50 100]
+
+Every rate goes to ``benchmarks/results/matrix.json`` (``--out``; see ``benchmarks/record.py``), headed by each
+runner's whole-call rate against the plain loop's (paired) and vectorized FedBuff against the threads.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from record import Figure, machine, store
 from throughput import BATCH, FEATURES, HIDDEN, LR, SAMPLES, plain_loop
 
 import flasync
@@ -107,8 +111,10 @@ def interleave(runners: dict[str, Callable[[], Rates]], repeats: int) -> dict[st
     return rates
 
 
-def print_point(label: str, rates: dict[str, list[Rates]]) -> None:
-    """Print each runner's median whole-call and federation rates and their ratios to the plain loop."""
+def print_point(label: str, rates: dict[str, list[Rates]]) -> list[Figure]:
+    """Print each runner's median whole-call and federation rates and their ratios to the plain loop; return the
+    whole-call rates as headline figures (paired ratios to the plain loop)."""
+    headline: list[Figure] = []
     baseline = [whole for whole, _ in rates["plain loop"]]
     base = statistics.median(baseline)
     print(f"\n{label}: updates/s (ratio to the plain loop's median; paired: median of per-repeat ratios)")
@@ -119,14 +125,20 @@ def print_point(label: str, rates: dict[str, list[Rates]]) -> None:
         paired = statistics.median(w / b for w, b in zip(whole, baseline, strict=True))
         w, f = statistics.median(whole), statistics.median(federation)
         print(f"{name:<32} {w:11.0f} {w / base:6.2f}x {paired:6.2f}x {f:11.0f} {f / base:6.2f}x")
+        if name != "plain loop":
+            headline.append(Figure(f"{label}, {name}: whole call", w, "updates/s", "plain loop (paired)", paired))
     for kind in ("threads", "vectorized"):
         on = statistics.median(w for w, _ in rates[f"FedAvg {kind}, tracking on"])
         off = statistics.median(w for w, _ in rates[f"FedAvg {kind}, no tracking"])
         print(f"{f'tracked / untracked (FedAvg {kind}, whole call)':<60} {on / off:6.2f}x")
+    return headline
 
 
-def fedbuff_cohorts(concurrency: list[int], repeats: int) -> None:
-    """Print FedBuff's threads against vectorized cohorts at each concurrency, with the weights' sha256s."""
+def fedbuff_cohorts(concurrency: list[int], repeats: int) -> tuple[list[Figure], dict[str, Any]]:
+    """Print FedBuff's threads against vectorized cohorts at each concurrency, with the weights' sha256s; return the
+    headline figures and every rate by concurrency."""
+    headline: list[Figure] = []
+    figures: dict[str, Any] = {}
     clients, updates = 1000, 2000
     print(f"\nFedBuff cohorts: {clients} clients, K = 10, {updates} updates, tracking off (whole-call updates/s)")
     print(f"{'C':>4} {'threads':>9} {'vectorized':>11} {'ratio':>7} {'paired':>7}  vectorized sha256 (every repeat)")
@@ -144,6 +156,10 @@ def fedbuff_cohorts(concurrency: list[int], repeats: int) -> None:
         paired = statistics.median(b / a for a, b in zip(threads, vectorized, strict=True))
         same = "all equal" if len(set(hashes)) == 1 else "DIFFER"
         print(f"{c:>4} {t:9.0f} {v:11.0f} {v / t:6.2f}x {paired:6.2f}x  {' '.join(hashes)} ({same})")
+        figures[str(c)] = {"threads": threads, "vectorized": vectorized, "sha256": hashes}
+        name = f"FedBuff C {c}, vectorized cohorts: whole call"
+        headline.append(Figure(name, v, "updates/s", "threads (paired)", paired))
+    return headline, figures
 
 
 def main() -> None:
@@ -152,7 +168,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--points", nargs="+", default=["100x20", "1000x5"], help="CLIENTSxROUNDS")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[20, 50, 100])
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    described = machine()
+    headline: list[Figure] = []
+    figures: dict[str, Any] = {"intra_op_threads": torch.get_num_threads(), "points": {}}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads by default, {args.repeats} repeats")
     with tempfile.TemporaryDirectory(prefix="flasync-matrix-") as tmp:
         uri = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
@@ -161,9 +181,13 @@ def main() -> None:
         for point in args.points:
             clients, rounds = (int(part) for part in point.split("x"))
             rates = interleave(point_runners(clients, rounds, uri), args.repeats)
-            print_point(f"{clients} clients x {rounds} rounds", rates)
+            headline += print_point(f"{clients} clients x {rounds} rounds", rates)
+            figures["points"][point] = {name: [list(r) for r in values] for name, values in rates.items()}
     if args.concurrency:
-        fedbuff_cohorts(args.concurrency, args.repeats)
+        cohort_headline, figures["fedbuff_cohorts"] = fedbuff_cohorts(args.concurrency, args.repeats)
+        headline += cohort_headline
+    settings = {"repeats": args.repeats, "points": args.points, "concurrency": args.concurrency}
+    store("matrix", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ Printed: the medians of CPU and wall seconds per run, microseconds of CPU per ro
 runs of every repeat left the same rows in ``metrics`` and ``latest_metrics``.
 
     python benchmarks/metric_writes.py [--updates 2000] [--versions 20] [--per-version 25] [--repeats 5]
+
+The figures go to ``benchmarks/results/metric_writes.json`` (``--out``; see ``benchmarks/record.py``), headed by the
+direct writes' CPU per row against ``log_batch``'s.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ from mlflow.entities import Metric
 
 from flasync.tracking.sqlite_metrics import Row, SqliteMetrics
 from flasync.tracking.store import prepare_sqlite_store
+
+if __package__:  # imported as benchmarks.metric_writes
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 BATCH = 1_000
 PER_UPDATE = ("client/loss", "client/train_s", "server/update/queue_wait_s")
@@ -70,7 +78,9 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=20)
     parser.add_argument("--per-version", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    described = machine()
     data = rows(args.updates, args.versions, args.per_version)
     with tempfile.TemporaryDirectory(prefix="flasync-metric-writes-") as folder:
         db = Path(folder, "mlflow.db")
@@ -117,6 +127,25 @@ def main() -> None:
         print(f"{name:<10} {median:7.3f} {statistics.median(wall[name]):7.3f} {1e6 * median / len(data):11.1f}")
     ratio = statistics.median(cpu["log_batch"]) / statistics.median(cpu["direct"])
     print(f"direct writes take {ratio:.1f}x less CPU; same rows in both tables in every repeat: {all(same)}")
+    per_row = {name: 1e6 * statistics.median(cpu[name]) / len(data) for name in writers}
+    store(
+        "metric_writes",
+        described,
+        settings={
+            "updates": args.updates,
+            "versions": args.versions,
+            "per_version": args.per_version,
+            "repeats": args.repeats,
+            "rows": len(data),
+            "batch": BATCH,
+        },
+        headline=[
+            Figure("direct writes: CPU per row", per_row["direct"], "us", "log_batch", 1 / ratio),
+            Figure("log_batch: CPU per row", per_row["log_batch"], "us"),
+        ],
+        figures={"cpu_s": cpu, "wall_s": wall, "same_rows": all(same)},
+        out=args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ Two nodes on one machine (what a cluster needs; Ray 2.59+ wants the same token o
     ray stop
 
 With ``--address`` the script joins that cluster instead of starting Ray, and prints on which nodes the tasks ran.
+
+The figures go to ``benchmarks/results/ray_scaling.json`` (``--out``; see ``benchmarks/record.py``), headed by each
+executor's rate against one thread worker's on the same workload.
 """
 
 from __future__ import annotations
@@ -31,11 +34,17 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 import flasync
+
+if __package__:  # imported as benchmarks.ray_scaling
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "mlp": {
@@ -98,7 +107,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="FedAvg rounds of 10 clients per run")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--address", help="join this Ray cluster (default: start a local Ray with 2 CPUs)")
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    described = machine()
+    headline: list[Figure] = []
+    figures: dict[str, Any] = {}
 
     import ray
 
@@ -107,7 +120,8 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     else:
         ray.init(address=args.address, log_to_driver=False, configure_logging=False)
-    print(f"\nRay {'started' if args.address is None else 'joined'} in {time.perf_counter() - started:.1f} s")
+    ray_start_s = time.perf_counter() - started
+    print(f"\nRay {'started' if args.address is None else 'joined'} in {ray_start_s:.1f} s")
     nodes = [n for n in ray.nodes() if n["Alive"]]
     print(f"nodes: {len(nodes)} ({', '.join(n['NodeID'][:12] for n in nodes)})")
 
@@ -135,7 +149,19 @@ def main() -> None:
                 f"{summary.weights_sha256[:12]} |",
                 flush=True,
             )
+            figures.setdefault(workload, {})[name] = {
+                "updates_per_s": rate,
+                "driver_peak_rss_bytes": summary.peak_rss_bytes,
+                "ray_peak_rss_bytes": memory.peak,
+                "weights_sha256": summary.weights_sha256,
+            }
+            if name != "threads, 1 worker":
+                headline.append(Figure(f"{workload}, {name}", rate, "updates/s", "threads, 1 worker", rate / baseline))
     ray.shutdown()
+    figures["ray_start_s"] = ray_start_s
+    figures["nodes"] = len(nodes)
+    settings = {"rounds": args.rounds, "workloads": args.workloads, "address": args.address}
+    store("ray_scaling", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ downloaded and the updates they uploaded), and the run's own accounting (``downl
 download per task, where a remote client reuses a version's model it already holds).
 
     python benchmarks/remote.py [--clients 5 20 50] [--versions 30] [--repeats 1]
+
+Every row goes to ``benchmarks/results/remote.json`` (``--out``; see ``benchmarks/record.py``), headed by the remote
+run's rate and median latency against the simulated run's of the same clients.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+if __package__:  # imported as benchmarks.remote
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 from flasync.clients.remote.client import Client
 from flasync.core.events import TaskAssigned, UpdateReceived
@@ -165,6 +173,7 @@ async def main(args: argparse.Namespace) -> None:
     """Run every client count and print the tables."""
     torch_threads = os.environ.get("OMP_NUM_THREADS", "default")
     print(f"flasync remote benchmark: {args.versions} versions, loopback HTTP, OMP_NUM_THREADS={torch_threads}")
+    described = machine()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for clients in args.clients:
@@ -204,6 +213,36 @@ async def main(args: argparse.Namespace) -> None:
             f" {wire['response_bodies']:>11,} {wire['payload_download']:>10,} |"
             f" {wire['request_bodies']:>10,} {wire['payload_upload']:>10,} | {accounted:>12,}"
         )
+    _store(args, rows, described)
+
+
+def _store(args: argparse.Namespace, rows: list[Any], described: dict[str, Any]) -> None:
+    """Store every row: rates, latencies and bytes; the headline compares remote with simulated per client count."""
+    headline: list[Figure] = []
+    figures: list[dict[str, Any]] = []
+    for clients, sim, (_, sim_lat), rem, (rem_first, rem_lat), wire in rows:
+        rate = rem.updates_per_s / sim.updates_per_s
+        p50 = statistics.median(rem_lat) / statistics.median(sim_lat)
+        headline.append(
+            Figure(f"{clients} clients, remote: updates/s", rem.updates_per_s, "updates/s", "simulated", rate)
+        )
+        headline.append(
+            Figure(f"{clients} clients, remote: p50 latency", statistics.median(rem_lat), "s", "simulated", p50)
+        )
+        figures.append(
+            {
+                "clients": clients,
+                "simulated_updates_per_s": sim.updates_per_s,
+                "remote_updates_per_s": rem.updates_per_s,
+                "simulated_latency_s": sim_lat,
+                "remote_latency_s": rem_lat,
+                "remote_first_task_s": rem_first,
+                "wire": wire,
+                "accounted_bytes": rem.download_bytes + rem.upload_bytes,
+            }
+        )
+    settings = {"clients": args.clients, "versions": args.versions, "repeats": args.repeats}
+    store("remote", described, settings=settings, headline=headline, figures={"rows": figures}, out=args.out)
 
 
 if __name__ == "__main__":
@@ -215,4 +254,5 @@ if __name__ == "__main__":
     parser.add_argument("--clients", type=int, nargs="+", default=[5, 20, 50])
     parser.add_argument("--versions", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     asyncio.run(main(parser.parse_args()))

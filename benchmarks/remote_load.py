@@ -26,7 +26,8 @@ On a 2-core machine the load processes share the cores with the server, so updat
 the server's capacity; its CPU seconds per update is the figure that depends least on them (1 / that: the updates
 a second one core could take, the server's event loop being one thread). ``--profile PATH`` runs the server under
 cProfile (the event loop's thread) and prints its own seconds per area and its top functions. The figures, with a
-description of the machine, go to ``benchmarks/results/remote_load.json``.
+description of the machine, go to ``benchmarks/results/remote_load.json`` (through ``benchmarks/record.py``), headed by
+each device count's updates per second and server CPU per update against the smallest count's.
 
     python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2] [--profile PATH]
 """
@@ -57,8 +58,10 @@ import yaml
 
 if __package__:  # imported as benchmarks.remote_load (by the tests)
     from benchmarks.flood import free_port, machine, quantiles_ms, start_server, stop_server, wait_until_served
+    from benchmarks.record import Figure, store
 else:
     from flood import free_port, machine, quantiles_ms, start_server, stop_server, wait_until_served
+    from record import Figure, store
 
 from flasync.codecs.build import pipeline
 from flasync.config import validate
@@ -495,22 +498,36 @@ def main() -> None:
     for devices in args.devices:
         runs[str(devices)] = figures = asyncio.run(_measure(args, devices))
         _print(figures)
-    result = {
-        "benchmark": "remote_load",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": described,
-        "settings": {
+    store(
+        "remote_load",
+        described,
+        settings={
             "seconds": args.seconds,
             "connect_s": args.connect_s,
             "processes": args.processes,
             "profiled": args.profile is not None,
         },
-        "runs": runs,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"written to {args.out}")
+        headline=_headline(runs),
+        figures={"runs": runs},
+        out=args.out,
+    )
+
+
+def _headline(runs: dict[str, dict[str, Any]]) -> list[Figure]:
+    """Return each device count's accepted updates per second and server CPU per update, against the smallest
+    device count's of the same run."""
+    first = runs[min(runs, key=int)]
+    rows: list[Figure] = []
+    for devices, figures in runs.items():
+        base = None if figures is first else f"{first['devices']} devices"
+        for key, name, unit in (
+            ("updates_per_s", "accepted updates per second", "updates/s"),
+            ("server_cpu_ms_per_update", "server CPU per update", "ms"),
+        ):
+            value = float(figures[key])
+            ratio = None if base is None or not first[key] else value / float(first[key])
+            rows.append(Figure(f"{devices} devices: {name}", value, unit, base, ratio))
+    return rows
 
 
 if __name__ == "__main__":

@@ -11,16 +11,24 @@ Attackers are a fixed share of the population (``faults.byzantine``) that send `
     python benchmarks/robustness.py                 # digits, 100 clients, 60 versions: about 3 minutes on 2 cores
     python benchmarks/robustness.py --versions 30   # quicker
 
-Prints one table per attack: final test accuracy of every (server, defence) at each attacker share.
+Prints one table per attack: final test accuracy of every (server, defence) at each attacker share. The accuracies
+go to ``benchmarks/results/robustness.json`` (``--out``; see ``benchmarks/record.py``), headed by each defence's
+accuracy at the largest attacker share against no defence at that share, in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import flasync
+
+if __package__:  # imported as benchmarks.robustness
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 DEFENCES: dict[str, dict[str, Any]] = {
     "none": {},
@@ -49,15 +57,41 @@ def _config(server: str, defence: str, share: float, attack: str, versions: int,
     }
 
 
+def headline(accuracy: dict[str, dict[str, dict[str, float]]], share: str) -> list[Figure]:
+    """Return each defence's accuracy at attacker share ``share`` against no defence's there (same attack, server)."""
+    rows = []
+    for attack, servers in accuracy.items():
+        for server, defences in servers.items():
+            plain = defences["none"][share]
+            for defence, by_share in defences.items():
+                if defence != "none":
+                    value = by_share[share]
+                    rows.append(
+                        Figure(
+                            f"{attack}, {server}, {defence}, {float(share):.0%} attackers: accuracy",
+                            value,
+                            "accuracy",
+                            baseline="no defence",
+                            ratio=value / plain if plain else None,
+                        )
+                    )
+    return rows
+
+
 def main() -> None:
-    """Run every combination once and print the tables."""
+    """Run every combination once, print the tables and store the result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.1, 0.3])
     parser.add_argument("--attacks", nargs="+", default=["sign_flip", "scale"])
+    parser.add_argument(
+        "--out", type=Path, default=None, help="result file (default benchmarks/results/robustness.json)"
+    )
     args = parser.parse_args()
+    described = machine()
     started = time.perf_counter()
+    accuracy: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for attack in args.attacks:
         print(f"\n{attack} (x20), accuracy after {args.versions} versions, seed {args.seed}")
         print("| server | defence | " + " | ".join(f"{share:.0%} attackers" for share in args.shares) + " |")
@@ -66,12 +100,22 @@ def main() -> None:
             for defence in DEFENCES:
                 if server == "fedbuff" and defence in ("median", "trimmed_mean"):
                     continue  # coordinate-wise rules need a round's updates together
-                cells = []
+                cells = accuracy.setdefault(attack, {}).setdefault(server, {}).setdefault(defence, {})
                 for share in args.shares:
                     summary = flasync.run(_config(server, defence, share, attack, args.versions, args.seed))
-                    cells.append(f"{summary.accuracy:.3f}")
-                print(f"| {server} | {defence} | " + " | ".join(cells) + " |", flush=True)
-    print(f"\n({time.perf_counter() - started:.0f} s)")
+                    cells[str(share)] = summary.accuracy
+                row = " | ".join(f"{value:.3f}" for value in cells.values())
+                print(f"| {server} | {defence} | {row} |", flush=True)
+    seconds = time.perf_counter() - started
+    print(f"\n({seconds:.0f} s)")
+    store(
+        "robustness",
+        described,
+        settings={"versions": args.versions, "seed": args.seed, "shares": args.shares, "attacks": args.attacks},
+        headline=headline(accuracy, str(max(args.shares))),
+        figures={"accuracy": accuracy, "seconds": seconds},
+        out=args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ last quarter (growth without bound shows there; the first quarter is warm-up: im
 It also checks that no metric row was lost: every row the run hands its tracker is appended to a file beside the
 store as it is produced (disk, not memory: the RSS figures stay the run's own); at the end the distinct rows among
 them (a store keeps one of equal rows: same key, timestamp, step and value) are counted and compared with the rows
-the MLflow store holds for the run, and the tracker's own count of rows lost is printed.
+the MLflow store holds for the run, and the tracker's own count of rows lost is printed. The samples, the trends and
+the row counts go to ``benchmarks/results/soak.json`` (``--out``; see ``benchmarks/record.py``), headed by the last
+quarter's mean of each figure against the second quarter's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+if __package__:  # imported as benchmarks.soak
+    from benchmarks.record import Figure, machine, store
+else:
+    from record import Figure, machine, store
 
 import flasync
 from flasync.config import validate
@@ -45,7 +52,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=10_000)
     parser.add_argument("--every", type=float, default=5.0, help="seconds between samples")
+    parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    described = machine()
     process = psutil.Process()
     samples: list[tuple[float, float, int, int]] = []
     done = threading.Event()
@@ -88,6 +97,7 @@ def main() -> None:
     for t, rss, fds, threads in samples:
         print(f"| {t:.0f} | {rss:.1f} | {fds} | {threads} |")
     quarter = max(len(samples) // 4, 1)
+    headline: list[Figure] = []
     for index, name in ((1, "RSS (MiB)"), (2, "fds"), (3, "threads")):
         values = [s[index] for s in samples]
         second = sum(values[quarter : 2 * quarter]) / max(len(values[quarter : 2 * quarter]), 1)
@@ -96,6 +106,28 @@ def main() -> None:
             f"{name}: first {values[0]:.1f}, last {values[-1]:.1f}, peak {max(values):.1f}; "
             f"mean of the last quarter vs the second: {last - second:+.1f} ({last / second - 1:+.1%})"
         )
+        unit = name.partition(" (")[2].rstrip(")") or name
+        headline.append(
+            Figure(
+                f"{name.partition(' (')[0]}, last quarter's mean", last, unit, "second quarter's mean", last / second
+            )
+        )
+    store(
+        "soak",
+        described,
+        settings={"minutes": args.minutes, "clients": args.clients, "every": args.every},
+        headline=headline,
+        figures={
+            "rows": {"produced_distinct": distinct, "stored": written, "counted_lost": tracker.metric_rows_lost},
+            "run": {
+                "versions": summary.versions,
+                "updates": summary.updates_accepted,
+                "failed": summary.updates_failed,
+            },
+            "samples": [{"t_s": t, "rss_mib": rss, "fds": fds, "threads": threads} for t, rss, fds, threads in samples],
+        },
+        out=args.out,
+    )
 
 
 def _teeing_tracker(config: dict[str, Any], path: Path) -> MlflowTracker:

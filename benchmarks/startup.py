@@ -18,14 +18,14 @@ Prints the medians and what tracking adds in each stretch.
     python benchmarks/startup.py --no-system-metrics   # tracked runs without MLflow's system monitor
     python benchmarks/startup.py --baseline ../flasync-old   # also an older checkout, interleaved, same runs
 
-The medians, what tracking adds and every run's marks go to ``benchmarks/results/startup.json`` (``--out``), with
-the machine's description.
+The medians, what tracking adds and every run's marks go to ``benchmarks/results/startup.json`` (``--out``; see
+``benchmarks/record.py``), headed by each tracked kind's whole run against the untracked one's (and, with
+``--baseline``, this tree's against the baseline's).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flood import machine  # noqa: E402  (the machine's description every stored result carries)
+from record import Figure, machine, store  # noqa: E402
 
 MARKS = {
     "first line": None,
@@ -170,23 +170,31 @@ def main() -> None:
                     where = Path(tmp, FOLDERS[kind])
                     tracked = kind != "--no-tracking"
                     runs[name][kind].append(one(where, tracked, not args.no_system_metrics, Path(tmp, "cache"), tree))
-    result: dict[str, object] = {
-        "benchmark": "startup",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": described,
-        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-        "settings": {"repeats": args.repeats, "system_metrics": not args.no_system_metrics},
-        "trees": {},
-    }
+    trees_figures: dict[str, object] = {}
+    headline: list[Figure] = []
     for name, tree in trees.items():
         med = medians(runs[name])
         added = adds(med)
         print_tree(f"{name} ({tree})", med, added, args.repeats)
-        result["trees"][name] = {"path": str(tree), "runs": runs[name], "medians": med, "adds": added}  # type: ignore[index]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"written to {args.out}")
+        trees_figures[name] = {"path": str(tree), "runs": runs[name], "medians": med, "adds": added}
+        untracked = med["--no-tracking"].get("exit", NAN)
+        for kind in KINDS[:-1]:
+            exit_s = med[kind].get("exit", NAN)
+            headline.append(
+                Figure(f"{name}: the default run, {kind}", exit_s, "s", "--no-tracking", exit_s / untracked)
+            )
+    if "baseline" in trees:
+        for kind in KINDS:
+            this, base = (medians(runs[name])[kind].get("exit", NAN) for name in ("this", "baseline"))
+            headline.append(Figure(f"this tree against the baseline, {kind}", this, "s", "baseline tree", this / base))
+    store(
+        "startup",
+        described,
+        settings={"repeats": args.repeats, "system_metrics": not args.no_system_metrics},
+        headline=headline,
+        figures={"load_average_1m_at_end": round(os.getloadavg()[0], 2), "trees": trees_figures},
+        out=args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ session, against the untracked call just before it).
     python benchmarks/whole_run.py                        # 5 repeats: about 4 minutes on 2 cores
     python benchmarks/whole_run.py --baseline ../flasync-old   # also an older checkout, interleaved, same runners
 
-Every call's figures, the medians and the ratios go to ``benchmarks/results/whole_run.json`` (``--out``), with the
-machine's description.
+Every call's figures, the medians and the ratios go to ``benchmarks/results/whole_run.json`` (``--out``; see
+``benchmarks/record.py``), headed by each tracked runner's updates per second over the untracked runner's of the same
+repeat and its extra seconds a call.
 """
 
 from __future__ import annotations
@@ -34,12 +35,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flood import machine  # noqa: E402  (the machine's description every stored result carries)
+from record import Figure, machine, store  # noqa: E402
 
 # Run in each fresh interpreter: argv = the calls' tracking modes ("off", "on" or "no-model", comma-separated), the
 # store's URI. One JSON line of figures per call.
@@ -205,6 +205,7 @@ def main() -> None:
                     print_medians(f"{name}, {LABELS[runner]}", [on for _, on in sessions[name, runner]])
     print("tracked updates/s against untracked, per repeat (median; the goal is >= 0.85x):")
     stored: dict[str, dict[str, object]] = {}
+    headline: list[Figure] = []
     for name, tree in trees.items():
         ratios, calls_made = {}, {}
         if not args.no_fresh:
@@ -219,18 +220,17 @@ def main() -> None:
                 calls_made[runner] = [list(pair) for pair in sessions[name, runner]]
         medians_made = {key: medians(runs) for key, runs in calls_made.items() if key.startswith("fresh")}
         stored[name] = {"path": str(tree), "medians": medians_made, "ratios": ratios, "calls": calls_made}
-    result = {
-        "benchmark": "whole_run",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": described,
-        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-        "settings": {"repeats": args.repeats, "session_pairs": args.session_pairs, "fresh": not args.no_fresh},
-        "trees": stored,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"written to {args.out}")
+        for key, found in ratios.items():  # paired per repeat: the untracked call of the same repeat is the baseline
+            headline.append(Figure(f"{name}, {key}: tracked updates/s over untracked", found["ratio"], "x"))
+            headline.append(Figure(f"{name}, {key}: extra seconds a tracked call", found["extra_s"], "s"))
+    store(
+        "whole_run",
+        described,
+        settings={"repeats": args.repeats, "session_pairs": args.session_pairs, "fresh": not args.no_fresh},
+        headline=headline,
+        figures={"load_average_1m_at_end": round(os.getloadavg()[0], 2), "trees": stored},
+        out=args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         metric_key,
     )
     from flasync.tracking.mlflow_run import MlflowTracker, NullTracker, RunStatus, Tracker, artifact_bytes, yaml_text
+    from flasync.tracking.model_metrics import EVALUATION_PREFIXES, link_evaluation
     from flasync.tracking.spool import ReplayResult, SpoolError, replay
     from flasync.tracking.store import (
         DEFAULT_ARTIFACT_ROOT,
@@ -59,6 +60,8 @@ _MODULES = {
     "MetricsProcessor": "flasync.tracking.metrics",
     "metric_key": "flasync.tracking.metrics",
     "FINISHED_TAG_PREFIX": "flasync.tracking.metrics",
+    "EVALUATION_PREFIXES": "flasync.tracking.model_metrics",
+    "link_evaluation": "flasync.tracking.model_metrics",
     "MlflowTracker": "flasync.tracking.mlflow_run",
     "NullTracker": "flasync.tracking.mlflow_run",
     "RunStatus": "flasync.tracking.mlflow_run",
@@ -98,6 +101,7 @@ __all__ = [
     "DEFAULT_ARTIFACT_ROOT",
     "DEFAULT_EXCLUDE",
     "DEFAULT_TRACKING_URI",
+    "EVALUATION_PREFIXES",
     "FINISHED_TAG_PREFIX",
     "ConstantSeries",
     "ExperimentDeletedError",
@@ -120,6 +124,7 @@ __all__ = [
     "close_idle_writer",
     "configure_logging",
     "default_export_cache",
+    "link_evaluation",
     "make_logger",
     "metric_key",
     "redact_uri",

@@ -116,6 +116,27 @@ class RunArtifacts:
 
         self._failover.deliver(send, lambda spool: spool.dataset(name, digest, source, text, context))
 
+    def link_models(self, models: Mapping[str, int]) -> int:
+        """Link the run's evaluation points of each step to its logged model of that name
+        (:func:`flasync.tracking.model_metrics.link_models`); return the points linked. The writer process does it
+        where there is one (the store is open there), else this process; nothing while the store fails (the run's
+        records go to the spool). Call it once the run's metrics are written (:meth:`RunWriters.flush`).
+
+        Raises:
+            Exception: What the store raises when this process links.
+        """
+        self._check_started()
+        if self._failover.offline:
+            return 0
+        reply = self._writers.child_reply({"op": "link", "models": dict(models)})
+        if reply is not None:
+            return int(reply)
+        from flasync.tracking.model_metrics import link_models
+
+        run_id = self._run.run_id
+        assert run_id is not None
+        return link_models(self._run.connect(self._log), run_id, models)
+
     def log_model(
         self, model: torch.nn.Module, name: str, input_example: Any, tags: Mapping[str, str] | None = None
     ) -> float:

@@ -408,6 +408,10 @@ def _job(
             exports=aside.exports,
         )
         return f"{seconds:.3f}"
+    if op == "link":
+        from flasync.tracking.model_metrics import link_models
+
+        return str(link_models(client, run_id, request["models"]))
     if op == "prepare":
         if not aside("model", {"op": "prepare", **request["model"]}):
             aside.exports.prepare(**request["model"])

@@ -17,6 +17,7 @@ import mlflow
 from flasync.tracking.report import RunLookupError, final_figures, get_run
 
 __all__ = [
+    "DEFAULT_LAST",
     "EvalPoint",
     "RunRecord",
     "comparison_table",
@@ -27,7 +28,8 @@ __all__ = [
     "time_to_target",
 ]
 
-_MAX_RUNS = 50
+DEFAULT_LAST = 50
+"""How many of an experiment's latest runs ``flasync compare`` compares unless told (``--last``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +68,30 @@ def _history(client: mlflow.MlflowClient, run_id: str) -> list[EvalPoint]:
 
 
 def fetch_runs(
-    client: mlflow.MlflowClient, run_ids: Sequence[str] = (), *, experiment: str | None = None
+    client: mlflow.MlflowClient,
+    run_ids: Sequence[str] = (),
+    *,
+    experiment: str | None = None,
+    last: int = DEFAULT_LAST,
+    filter_string: str = "",
 ) -> list[RunRecord]:
-    """Read the runs to compare: the given ids, else the (latest 50) runs of ``experiment``, oldest first.
+    """Read the runs to compare: the given ids, else the latest ``last`` runs of ``experiment`` that match
+    ``filter_string``, oldest first.
+
+    Args:
+        client: The store's client.
+        run_ids: The runs, in the order given (the experiment's when empty).
+        experiment: The experiment whose runs are compared without ``run_ids`` (``flasync`` when None).
+        last: How many of the experiment's latest runs.
+        filter_string: An MLflow search filter the experiment's runs must match, e.g.
+            ``params.`server.kind` = 'fedavg'`` or ``tags.aggregator = 'fedbuff'`` (all runs when empty).
 
     Raises:
-        RunLookupError: A run id or the experiment does not exist, or the experiment has no runs.
+        RunLookupError: A run id or the experiment does not exist, the filter is not one MLflow reads, or no run of
+            the experiment matches it.
     """
+    from mlflow.exceptions import MlflowException
+
     if run_ids:
         runs = [get_run(client, run_id) for run_id in run_ids]
     else:
@@ -80,11 +99,21 @@ def fetch_runs(
         found = client.get_experiment_by_name(name)
         if found is None:
             raise RunLookupError(f"no experiment {name!r} in {client.tracking_uri}")
-        runs = list(
-            client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=_MAX_RUNS)
-        )
+        try:
+            runs = list(
+                client.search_runs(
+                    [found.experiment_id],
+                    filter_string=filter_string,
+                    order_by=["attributes.start_time DESC"],
+                    max_results=last,
+                )
+            )
+        except MlflowException as exc:
+            reason = " ".join(str(exc.message).split())[:300]
+            raise RunLookupError(f"--filter {filter_string!r}: {reason}") from None
         if not runs:
-            raise RunLookupError(f"experiment {name!r} has no runs")
+            matching = f" matching {filter_string!r}" if filter_string else ""
+            raise RunLookupError(f"experiment {name!r} has no runs{matching}")
         runs.reverse()
     return [
         RunRecord(

@@ -23,7 +23,7 @@ from structlog.typing import EventDict, FilteringBoundLogger, Processor, Wrapped
 from flasync.tracking.metrics import MetricsProcessor
 from flasync.tracking.progress import ProgressBar
 
-__all__ = ["ConsoleFields", "LevelFilter", "configure_logging", "make_logger"]
+__all__ = ["ConsoleFields", "LevelFilter", "LibraryLogger", "configure_logging", "make_logger"]
 
 _LEVELS: dict[str, int] = {
     "critical": logging.CRITICAL,
@@ -97,6 +97,42 @@ class LevelFilter:
 
     def __repr__(self) -> str:
         return f"LevelFilter({logging.getLevelName(self.level).lower()!r})"
+
+
+class LibraryLogger:
+    """A logger for library code that prints no debug lines unless the process configured structlog.
+
+    structlog's defaults print every level, debug included, so a library logging through ``structlog.get_logger()``
+    would print its debug lines into the console of any application that never configured structlog (one calling
+    :func:`flasync.run`). This logger looks at each call whether structlog is configured (the command line's
+    :func:`configure_logging`, or the application's own ``structlog.configure``): then it is the configured chain,
+    with its levels; else its debug events are dropped and the rest goes through structlog's defaults.
+
+    Args:
+        name: Passed to the logger factory (the stdlib logger name, when it is one).
+    """
+
+    __slots__ = ("_name", "_unconfigured")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._unconfigured: Any = None
+
+    def _current(self) -> Any:
+        """Return the logger a call goes to now (see the class)."""
+        if structlog.is_configured():
+            return structlog.get_logger(self._name)
+        if self._unconfigured is None:
+            self._unconfigured = structlog.wrap_logger(
+                None,
+                wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+                logger_factory_args=(self._name,),
+            )
+        return self._unconfigured
+
+    def __getattr__(self, method: str) -> Any:
+        """Return the method of the logger a call goes to now (``debug``, ``info``, ``bind``, ...)."""
+        return getattr(self._current(), method)
 
 
 class _StderrLogger:

@@ -22,8 +22,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
-import structlog
-
 from flasync.tracking import journal
 from flasync.tracking._artifacts import RunArtifacts, artifact_bytes, yaml_text
 from flasync.tracking._child import IDLE, IdleChild
@@ -32,6 +30,7 @@ from flasync.tracking._lifecycle import Experiments, RunLifecycle, RunStatus
 from flasync.tracking._runs import SYSTEM_METRICS_INTERVAL_S
 from flasync.tracking._writers import RunWriters
 from flasync.tracking.failover import Failover, RunIdentity
+from flasync.tracking.logs import LibraryLogger
 from flasync.tracking.metrics import MetricRow
 from flasync.tracking.store import bounded_http, resolve_tracking_uri, ui_command
 from flasync.tracking.writer import MetricWriter
@@ -208,7 +207,8 @@ class MlflowTracker:
         flush_timeout_s: Longest wait of :meth:`flush` and of :meth:`finish` for a failing backend, in seconds.
         writer_process: Send metric batches from a spawned child process (see :mod:`flasync.tracking._child`), so
             MLflow's SQL work does not compete with training for this process's GIL.
-        logger: Where warnings go; ``structlog.get_logger("tracking.mlflow")`` when None.
+        logger: Where warnings go; a :class:`~flasync.tracking.logs.LibraryLogger` named ``tracking.mlflow`` when
+            None (no debug lines unless structlog is configured).
         spool_path: The spool file used if the store fails; a new file under ``spool_root`` when None.
         spool_root: Folder of journals and spools, made absolute now; ``journal.SPOOL_ROOT`` (mlruns/spool) if None.
         retry_interval_s: Least time between two tries to reach a failed store, in seconds.
@@ -248,7 +248,7 @@ class MlflowTracker:
         idle_writers: IdleChild = IDLE,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
-        self._log = logger if logger is not None else structlog.get_logger("tracking.mlflow")
+        self._log = logger if logger is not None else LibraryLogger("tracking.mlflow")
         self._run = RunIdentity(self.tracking_uri, probe_timeout_s=http_timeout_s)
         http = functools.partial(bounded_http, self.tracking_uri, timeout_s=http_timeout_s, retries=http_retries)
         view = None if runs_view is None else json.dumps(dict(runs_view))
@@ -402,14 +402,13 @@ class MlflowTracker:
         return self._writers.system_metrics_interval
 
     def log_metrics(self, metrics: list[MetricRow]) -> None:
-        """Queue metrics for the run; never blocks (dropped before start and after finish).
-
-        In a resumed run, a metric at a step the store already holds for its key is dropped (see :meth:`resume`).
-
-        Args:
-            metrics: The metrics; the list is handed over.
-        """
+        """Queue ``metrics`` (the list is handed over) for the run; never blocks (dropped before start and after
+        finish; in a resumed run, those at a step the store already holds for their key, see :meth:`resume`)."""
         self._writers.log_metrics(metrics)
+
+    def link_models(self, models: Mapping[str, int]) -> int:
+        """Link each named logged model to the run's evaluation at its step (:meth:`RunArtifacts.link_models`)."""
+        return self._artifacts.link_models(models)
 
     def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
         """Store ``data`` as an artifact: YAML for ``.yaml``/``.yml``, JSON otherwise.

@@ -11,8 +11,7 @@ from itertools import islice
 from queue import Empty, SimpleQueue
 from typing import Any, NamedTuple
 
-import structlog
-
+from flasync.tracking.logs import LibraryLogger
 from flasync.tracking.metrics import MetricRow
 from flasync.tracking.store import redact_uri
 
@@ -98,7 +97,8 @@ class MetricWriter:
         flush_interval_s: Longest time a metric waits for its batch to fill, in seconds.
         max_backlog: Most metrics kept while the backend fails.
         close_timeout_s: How long :meth:`close` keeps retrying a failing backend, in seconds.
-        logger: Where warnings go; ``structlog.get_logger("flasync.tracking.writer")`` when None.
+        logger: Where warnings go; a :class:`~flasync.tracking.logs.LibraryLogger` named
+            ``flasync.tracking.writer`` when None (no debug lines unless structlog is configured).
         spill: Keeps metrics the writer cannot send in time elsewhere (called on its thread); returns False when
             it could not (they are then dropped and counted). None: nowhere.
 
@@ -128,7 +128,7 @@ class MetricWriter:
         self._interval = flush_interval_s
         self._max_backlog = max_backlog
         self._close_timeout = close_timeout_s
-        self._log = logger if logger is not None else structlog.get_logger("flasync.tracking.writer")
+        self._log = logger if logger is not None else LibraryLogger("flasync.tracking.writer")
         self._queue: SimpleQueue[_Wake | _Flush | _Stop] = SimpleQueue()
         self._lock = threading.Lock()
         # Submitted metrics wait here; the thread is woken only when this list starts or fills a batch, not per call

@@ -159,9 +159,7 @@ def print_summary(
         f"{summary.updates_failed} failed ({summary.updates_per_s:.1f}/s{here})",
         f"  versions        {summary.versions}   staleness mean {summary.staleness_mean:.2f}, "
         f"max {summary.staleness_max}",
-        f"  time            wall {summary.wall_s:.2f} s{here}, "
-        f"simulated {summary.simulated_s:.1f} s ({config.clock} clock)"
-        + (f", first update {summary.first_update_s:.3f} s" if math.isfinite(summary.first_update_s) else ""),
+        f"  time            {time_line(summary, config.clock, resumed=resumed)}",
         f"  bytes           up {format_bytes(summary.upload_bytes)}, down {format_bytes(summary.download_bytes)}",
         f"  weights sha256  {summary.weights_sha256}",
     ]
@@ -188,6 +186,22 @@ def print_summary(
     if summary.run_id and summary.stragglers:
         lines.append(f"  full profile    flasync report {summary.run_id}")
     print("\n".join(lines), flush=True)
+
+
+def time_line(summary: RunSummary, clock: str, *, resumed: bool = False) -> str:
+    """Return the summary's time line, naming the clock the run ran on: the wall seconds this process ran and, on the
+    virtual clock, the simulated seconds; on the wall clock, the run's own clock is the wall clock (a resumed run's
+    reads on from its checkpoint, so it says the seconds since the run first started); then the real seconds to the
+    first accepted update."""
+    here = " in this process" if resumed else ""
+    if clock == "virtual":
+        line = f"wall {summary.wall_s:.2f} s{here}, simulated {summary.simulated_s:.1f} s (virtual clock)"
+    else:
+        line = f"wall {summary.wall_s:.2f} s{here} (wall clock"
+        line += f", {summary.simulated_s:.1f} s since the run started)" if resumed else ")"
+    if math.isfinite(summary.first_update_s):
+        line += f", first update {summary.first_update_s:.3f} s"
+    return line
 
 
 def _stopping(config: RunConfig) -> str:

@@ -27,7 +27,7 @@ from flasync.training.diagnostics import TrainingDiagnostics
 from flasync.training.exchange import Exchanged, merge_lora
 from flasync.training.local import flat_layout
 
-__all__ = ["HISTOGRAMS_PLOT", "log_artifacts", "log_client_table", "log_stopped_profile"]
+__all__ = ["HISTOGRAMS_PLOT", "link_models", "log_artifacts", "log_client_table", "log_stopped_profile"]
 
 HISTOGRAMS_PLOT = "clients/histograms.svg"
 """The chart of the per-client histograms (:func:`~flasync.observe.plots.render_client_histograms`)."""
@@ -107,6 +107,7 @@ def log_artifacts(
         tracker.flush()
     if mlflow_tracker is not None:
         _finish_models(mlflow_tracker, prepared, input_example, models, started, log)
+        link_models(mlflow_tracker, models, log)
         if prepared.model_spec is not None and models:
             tracked.remember_export(config, prepared.model_spec, input_example)
 
@@ -198,6 +199,23 @@ def _finish_models(
             log.debug("tracking.log_model", model=model.name, seconds=seconds, metrics=False)
         except Exception as exc:  # a model MLflow cannot serialise must not fail the run
             _model_failed(log, model, exc)
+
+
+def link_models(tracker: tracking.MlflowTracker, models: list[RunModel], log: Any) -> None:
+    """Link the run's evaluation metrics to its logged models (:func:`flasync.tracking.model_metrics.link_evaluation`):
+    to each model the points of the version it holds (``model``: the last version, which the run evaluates before it
+    stops; ``best_model``: the best version), which the model's page in the MLflow UI lists, one row a metric. Done
+    once the run's metrics are stored (a flush first); a run whose store is offline (its records spooled) links
+    nothing, and a store that refuses is a warning, never a failure of the finished run."""
+    if not models or tracker.run_id is None or not tracker.flush() or tracker.offline:
+        return
+    began = time.perf_counter()
+    try:
+        linked = tracker.link_models({model.name: model.version for model in models})
+    except Exception as exc:
+        log.warning("tracking.link_metrics_failed", error=f"{type(exc).__name__}: {exc}"[:300], metrics=False)
+        return
+    log.debug("tracking.link_metrics", points=linked, seconds=time.perf_counter() - began, metrics=False)
 
 
 def _model_failed(log: Any, model: RunModel, exc: Exception) -> None:

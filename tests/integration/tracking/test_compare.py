@@ -72,6 +72,22 @@ def test_compare_by_experiment(three_runs: list[str], tracking_uri: str, capsys:
     assert reached.split()[-3:] == ["0", "0", "0"]  # the initial model beats a 5% target
 
 
+@pytest.mark.slow
+def test_compare_picks_the_latest_runs_and_those_a_filter_matches(
+    three_runs: list[str], tracking_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--last N compares the N latest runs of the experiment (oldest first), --filter those matching an MLflow search
+    filter, and both together the latest matching ones."""
+
+    def compared(*flags: str) -> list[str]:
+        assert main(["compare", "--experiment", "compare-test", "--tracking-uri", tracking_uri, *flags]) == 0
+        return capsys.readouterr().out.splitlines()[1].split()[2:]
+
+    assert compared("--last", "2") == three_runs[1:]
+    assert compared("--filter", "params.`server.buffer_size` != '3'") == [three_runs[0], three_runs[2]]
+    assert compared("--filter", "params.`server.buffer_size` != '4'", "--last", "1") == [three_runs[1]]
+
+
 def test_report_prints_the_profile(
     three_runs: list[str], tracking_uri: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -89,6 +105,11 @@ def test_report_prints_the_profile(
         (["compare", "nope-run"], "no run 'nope-run'"),
         (["compare", "--experiment", "no-such-experiment"], "no experiment 'no-such-experiment'"),
         (["compare", "--target-accuracy", "2"], "--target-accuracy must be in (0, 1]"),
+        (["compare", "--experiment", "compare-test", "--filter", "params.x =="], "--filter 'params.x ==': "),
+        (
+            ["compare", "--experiment", "compare-test", "--filter", "tags.aggregator = 'fedprox'"],
+            "experiment 'compare-test' has no runs matching \"tags.aggregator = 'fedprox'\"",
+        ),
     ],
 )
 def test_bad_lookups_exit_2_with_one_line(

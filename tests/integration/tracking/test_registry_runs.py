@@ -4,6 +4,7 @@ champion moved only by a better run."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import mlflow
@@ -74,3 +75,44 @@ def test_a_run_registers_its_best_model_and_only_a_better_run_moves_the_champion
     assert better is not None and (better.version, better.champion) == (3, 3)
     assert int(client.get_model_version_by_alias("digits", CHAMPION).version) == 3
     assert np.isfinite(float(client.get_model_version("digits", "3").tags["flasync.value"]))
+
+
+@pytest.mark.slow
+def test_a_run_links_its_evaluation_metrics_to_its_logged_models(store: str) -> None:
+    """Each logged model holds the evaluation (central and, where clients evaluated its version, client-side) of the
+    version it holds, the run's series hold each point once, and the registered version is the best model."""
+    federation = flasync.Federation(
+        small_config(
+            "eval.every_versions=1",
+            "eval.select=client_eval/accuracy/mean:max",
+            "eval.clients.fraction=0.5",
+            "eval.clients.held_out=0.2",
+            "eval.clients.min_reports=2",
+            "tracking.enabled=true",
+            f"tracking.uri={store}",
+            "tracking.log_model=true",
+            "tracking.register=digits",
+        )
+    )
+    flasync.core.loops.run_loop(federation.run())
+    client = mlflow.MlflowClient(store)
+    run = client.get_run(federation.run_id)
+    keys = sorted(k for k in run.data.metrics if k.startswith(("server/eval/", "client_eval/")))
+    assert "server/eval/accuracy" in keys and any(k.startswith("client_eval/accuracy/") for k in keys)
+    series = {key: client.get_metric_history(run.info.run_id, key) for key in keys}
+    for points in series.values():
+        assert len({p.step for p in points}) == len(points)  # one point per evaluated version
+    logged = {m.name: m for m in client.search_logged_models([run.info.experiment_id])}
+    for name in ("model", "best_model"):  # each model: the evaluation of the version it holds, one point a key
+        version = int(logged[name].tags["flasync.version"])
+        held = sorted((m.key, m.step, m.value) for m in logged[name].metrics)
+        points = [p for values in series.values() for p in values if p.step == version and not math.isnan(p.value)]
+        assert held == sorted((p.key, p.step, p.value) for p in points), name
+        assert {"server/eval/accuracy", "server/eval/loss"} <= {key for key, _, _ in held}, name
+    assert int(logged["model"].tags["flasync.version"]) == federation.summary.versions
+    best = {m.key: m.value for m in logged["best_model"].metrics}
+    assert best["client_eval/accuracy/mean"] == float(logged["best_model"].tags["flasync.value"])
+    # MLflow's SQL registry keeps no model id on a version: its source and the model's version list are the link.
+    champion = client.get_model_version_by_alias("digits", CHAMPION)
+    assert (champion.source, champion.run_id) == (logged["best_model"].artifact_location, run.info.run_id)
+    assert json.loads(logged["best_model"].tags["mlflow.modelVersions"]) == [{"name": "digits", "version": 1}]

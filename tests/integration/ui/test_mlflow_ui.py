@@ -232,3 +232,30 @@ def test_the_registered_model_shows_its_champion_alias_and_tags(registry: tuple[
         assert value in rows[key].split(key, 1)[1], (key, rows[key])
     assert round(float(rows["flasync.value"].split("flasync.value", 1)[1].split()[0]), 4) == float(best[2])
     assert re.search(r"Aliases\s*:\s*@\s*champion", version), version
+
+
+@pytest.mark.slow
+def test_the_best_model_page_lists_its_version_s_evaluation(registry: tuple[str, Path, str]) -> None:
+    """The best model's page in the UI shows the evaluation of its version among its metrics (the metrics flasync
+    linked to it); a screenshot is kept (``best-model-metrics.png``)."""
+    import mlflow
+    from playwright.sync_api import sync_playwright
+
+    base, folder, summary = registry
+    run_id = next(line.split()[2] for line in summary.splitlines() if line.strip().startswith("MLflow run"))
+    client = mlflow.MlflowClient(f"sqlite:///{folder / 'mlruns' / 'mlflow.db'}")
+    experiment = client.get_run(run_id).info.experiment_id
+    (best,) = client.search_logged_models([experiment], filter_string="name = 'best_model'")
+    accuracy = next(m.value for m in best.metrics if m.key == "server/eval/accuracy")
+    shots = _shots(folder)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        page.goto(f"{base}/#/experiments/{experiment}/models/{best.model_id}")
+        page.get_by_text("server/eval/accuracy").first.wait_for(timeout=60_000)
+        page.get_by_role("button", name="Close").first.click()  # the assistant's side panel: the page in full
+        page.screenshot(path=str(shots / "best-model-metrics.png"), full_page=True)
+        body = page.inner_text("body")
+        browser.close()
+    assert "best_model" in body and "server/eval/loss" in body and "Metrics (5)" in body  # one row a key
+    assert f"{accuracy:.4f}"[:5] in body, body

@@ -142,6 +142,14 @@ def test_bad_overrides(capsys: pytest.CaptureFixture[str], store: str, overrides
             "'bogus://x' is not an MLflow store URI: Model registry",
         ),
         (["compare", "abc123", "--experiment", "flasync"], "compare takes run ids or --experiment, not both"),
+        (
+            ["compare", "abc123", "--last", "2"],
+            "--last and --filter pick among an experiment's runs: give them without",
+        ),
+        (["compare", "abc123", "--filter", "tags.seed = '1'"], "--last and --filter pick among an experiment's runs"),
+        (["compare", "--last", "0"], "--last must be at least 1, got 0"),
+        (["compare", "--last", "two"], "argument --last: invalid int value: 'two'"),
+        (["compare", "--filter", " "], "--filter: empty filter (leave it out to compare every run)"),
         (["report", "abc123", "--tracking-uri", "bogus://x"], "'bogus://x' is not an MLflow store URI: "),
     ],
 )
@@ -349,3 +357,11 @@ def test_an_unwritable_working_directory_is_one_line_at_once(
     assert err[0].startswith("flasync: error: cannot write the MLflow store's folder /proc/mlruns (")
     assert "--no-tracking" in err[0]
     assert main(["run", "--no-tracking", "--set", "stop.max_versions=1"]) == 0  # nothing else needs the folder
+
+
+def test_compare_s_default_count_is_the_tracking_module_s() -> None:
+    """The parser's default --last (kept apart so that parsing imports no MLflow) is what fetch_runs takes."""
+    from flasync.cli import compare
+    from flasync.tracking import compare as tracking_compare
+
+    assert compare.DEFAULT_LAST == tracking_compare.DEFAULT_LAST

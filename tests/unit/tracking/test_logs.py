@@ -12,6 +12,7 @@ import structlog
 from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
 
 from flasync.tracking import LevelFilter, MetricRow, MetricsProcessor, configure_logging, make_logger
+from flasync.tracking.logs import LibraryLogger
 
 
 class Recorder:
@@ -280,3 +281,20 @@ def test_mlflow_database_error_tracebacks_are_shown_only_at_debug() -> None:
     assert not logging.getLogger("mlflow.store.db.utils").isEnabledFor(logging.ERROR)
     configure_logging(level="debug")
     assert logging.getLogger("mlflow.store.db.utils").isEnabledFor(logging.ERROR)
+
+
+def test_a_library_logger_drops_debug_lines_while_structlog_is_not_configured(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without any structlog configuration a library logger prints info but no debug line; configured, the
+    configuration's level decides."""
+    structlog.reset_defaults()  # the state of a process that never configured structlog
+    log = LibraryLogger("flasync.test")
+    log.debug("library.detail", a=1)
+    log.info("library.news", b=2)
+    out = capsys.readouterr().out
+    assert "library.news" in out and "library.detail" not in out
+    stream = io.StringIO()
+    configure_logging(level="debug", stream=stream)
+    log.debug("library.detail", a=1)
+    assert "library.detail" in stream.getvalue()

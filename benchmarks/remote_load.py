@@ -37,10 +37,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import pstats
 import re
 import secrets
+import signal
 import ssl
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,12 +56,15 @@ from typing import Any
 import httpx
 import psutil
 import torch
+import uvloop
 import yaml
 
 if __package__:  # imported as benchmarks.remote_load (by the tests)
     from benchmarks.flood import free_port, machine, quantiles_ms, start_server, stop_server, wait_until_served
+    from benchmarks.wire import Answer, Connection, WireError
 else:
     from flood import free_port, machine, quantiles_ms, start_server, stop_server, wait_until_served
+    from wire import Answer, Connection, WireError
 
 from flasync.codecs.build import pipeline
 from flasync.config import validate
@@ -67,6 +73,8 @@ _HERE = Path(__file__).resolve().parent
 _TIMEOUT_S = 30.0
 _POLL_S = 10.0
 ENDPOINTS = ("offer", "model", "upload")
+OFFER_HEADER = "x-flasync-offer"  # flasync.runtime.serve.OFFER_HEADER
+Http = httpx.AsyncClient | Connection
 _REPORT = json.dumps({"num_samples": 10, "train_loss": 0.5, "train_s": 0.01, "encode_s": 0.0, "download_s": 0.0})
 
 
@@ -148,16 +156,17 @@ class Device:
         tally: Where its requests are counted.
     """
 
-    def __init__(self, http: httpx.AsyncClient, token: str, update: bytes, tally: Tally) -> None:
+    def __init__(self, http: Http, token: str, update: bytes, tally: Tally, inline: bool = True) -> None:
         """Keep the settings (nothing is sent yet)."""
         self._http = http
         self._headers = {"authorization": f"Bearer {token}", "x-flasync-session": secrets.token_urlsafe(12)}
         self._update = update
         self._tally = tally
+        self._inline = inline
         self._version = -1
         self.ended = False
 
-    async def _send(self, endpoint: str, method: str, path: str, **kwargs: Any) -> httpx.Response | None:
+    async def _send(self, endpoint: str, method: str, path: str, **kwargs: Any) -> Answer | httpx.Response | None:
         """Send one request and count it; None when it timed out or failed."""
         headers = {**self._headers, **kwargs.pop("headers", {})}
         if endpoint in ENDPOINTS:
@@ -165,10 +174,10 @@ class Device:
         began = time.perf_counter()
         try:
             response = await self._http.request(method, path, headers=headers, **kwargs)
-        except httpx.TimeoutException:
+        except (httpx.TimeoutException, TimeoutError):
             self._tally.timed_out[endpoint] += 1
             return None
-        except httpx.TransportError:
+        except (httpx.TransportError, WireError):
             self._tally.failed[endpoint] += 1
             return None
         if endpoint in ENDPOINTS:
@@ -177,14 +186,28 @@ class Device:
         return response
 
     async def offer(self, until: float) -> dict[str, Any] | None:
-        """Ask for a task until one is offered (None: none by ``until`` on the performance counter, or the end)."""
+        """Ask for a task until one is offered (None: none by ``until`` on the performance counter, or the end).
+
+        With ``inline``, the offer is asked for with the model of its version in the same answer (unless this
+        device holds that version); a server that does not inline answers the offer alone, and :meth:`answer`
+        downloads the model.
+        """
         while time.perf_counter() < until and not self.ended:
             wait_s = max(0.05, min(_POLL_S, until - time.perf_counter()))  # every poll ends by ``until``
-            response = await self._send("offer", "GET", "/v1/task", params={"wait_s": round(wait_s, 3)})
+            params: dict[str, Any] = {"wait_s": round(wait_s, 3)}
+            if self._inline:
+                params |= {"model": "inline", "have": self._version}
+            response = await self._send("offer", "GET", "/v1/task", params=params)
             if response is None or response.status_code == 204:
                 continue
             if response.status_code == 200:
-                offer: dict[str, Any] = response.json()
+                inlined = response.headers.get(OFFER_HEADER)
+                if inlined is None:
+                    offer: dict[str, Any] = response.json()
+                    return offer
+                offer = json.loads(inlined)
+                if response.content:
+                    self._version = int(offer["base_version"])
                 return offer
             self.ended = response.status_code == 410
             await asyncio.sleep(float(response.headers.get("retry-after", 0.2)))
@@ -237,6 +260,9 @@ async def drive(
     seconds: float,
     connect_s: float,
     connected: Callable[[int], Awaitable[None]] | None = None,
+    *,
+    client: str = "wire",
+    inline: bool = True,
 ) -> Tally:
     """Connect one device per token, wait for ``connected`` (told how many have a task), then load for ``seconds``.
 
@@ -247,19 +273,28 @@ async def drive(
         connect_s: How long the devices wait for their first task (those without one go on asking during the load).
         connected: Awaited once every device has its first task (or ``connect_s`` passed); the load starts when it
             returns.
+        client: Each device's HTTP client: ``wire`` (:class:`~wire.Connection`, one keep-alive connection and
+            little CPU per request) or ``httpx`` (an ``httpx.AsyncClient`` per device, as flasync's client).
+        inline: Ask for each offer with its model in the same answer (see :meth:`Device.offer`).
 
     Returns:
         What the devices sent and got back.
     """
     tally = Tally()
-    tls = ssl.create_default_context()  # unused over http://, but each client would build its own
     async with contextlib.AsyncExitStack() as clients:
-        pools = [
-            await clients.enter_async_context(httpx.AsyncClient(base_url=url, timeout=_TIMEOUT_S, verify=tls))
-            for _ in tokens
-        ]
+        pools: list[Http] = []
+        for _ in tokens:
+            if client == "httpx":
+                tls = ssl.create_default_context()  # unused over http://, but each client would build its own
+                pools.append(
+                    await clients.enter_async_context(httpx.AsyncClient(base_url=url, timeout=_TIMEOUT_S, verify=tls))
+                )
+            else:
+                connection = Connection(url, _TIMEOUT_S)
+                clients.push_async_callback(connection.aclose)
+                pools.append(connection)
         update = await asyncio.to_thread(precomputed_update, await _setup(pools[0], tokens[0]))
-        devices = [Device(http, token, update, tally) for http, token in zip(pools, tokens, strict=True)]
+        devices = [Device(http, token, update, tally, inline) for http, token in zip(pools, tokens, strict=True)]
         until = time.perf_counter() + connect_s
         offers = await asyncio.gather(*(device.connect(until) for device in devices))
         if connected is not None:
@@ -269,30 +304,54 @@ async def drive(
     return tally
 
 
-async def _setup(http: httpx.AsyncClient, token: str) -> dict[str, Any]:
+async def _setup(http: Http, token: str) -> dict[str, Any]:
     """Return the server's answer to ``GET /v1/hello``, asking again while the run has not started (503)."""
     while True:
-        response = await http.get("/v1/hello", headers={"authorization": f"Bearer {token}"})
+        response = await http.request("GET", "/v1/hello", headers={"authorization": f"Bearer {token}"})
         if response.status_code != 503:
-            response.raise_for_status()
+            if response.status_code != 200:
+                raise SystemExit(f"GET /v1/hello answered {response.status_code}")
             setup: dict[str, Any] = response.json()
             return setup
         await asyncio.sleep(0.1)
 
 
-def _worker(url: str, tokens_file: str, seconds: float, connect_s: float) -> None:
-    """A load process: drive its devices; say ``connected N``, wait for a line on stdin, load, print the tally."""
+def _worker(url: str, tokens_file: str, seconds: float, connect_s: float, client: str, inline: bool) -> None:
+    """A load process: drive its devices; say ``connected N``, wait for a line on stdin, load, write the tally
+    beside ``tokens_file`` (``.tally.json``)."""
 
     async def connected(count: int) -> None:
         print(f"connected {count}", flush=True)
         await asyncio.to_thread(sys.stdin.readline)
 
     tokens = Path(tokens_file).read_text().split()
-    tally = asyncio.run(drive(url, tokens, seconds, connect_s, connected))
-    print(json.dumps(tally.to_json()), flush=True)
+    tally = uvloop.run(drive(url, tokens, seconds, connect_s, connected, client=client, inline=inline))
+    Path(tokens_file).with_suffix(".tally.json").write_text(json.dumps(tally.to_json()))
 
 
 # ------------------------------------------------------------------------------------------------ the server
+_PROFILED_WINDOW = """
+import cProfile, runpy, signal, sys, time
+profile = cProfile.Profile(time.thread_time)
+signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
+signal.signal(signal.SIGUSR2, lambda *_: (profile.disable(), profile.dump_stats({path!r})))
+sys.argv[0] = "flasync"
+runpy.run_module("flasync", run_name="__main__")
+"""
+
+
+def _start_server(folder: Path, config: Path, port: int, profile: Path | None) -> subprocess.Popen[bytes]:
+    """Start ``python -m flasync serve``; with ``profile``, under cProfile counting the event loop thread's CPU
+    seconds between SIGUSR1 (enable) and SIGUSR2 (disable and write ``profile``)."""
+    if profile is None:
+        return start_server(folder, config, port, None)
+    command = [sys.executable, "-c", _PROFILED_WINDOW.format(path=str(profile)), "serve", str(config)]
+    command += ["--port", str(port), "--no-system-metrics", "--log-level", "warning"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with (folder / "serve.out").open("wb") as out, (folder / "serve.err").open("wb") as err:
+        return subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=folder)
+
+
 def _config(folder: Path, devices: int, seconds: float) -> tuple[Path, list[str]]:
     """Write the served run's config and tokens file; return the config's path and the tokens."""
     tokens = [secrets.token_urlsafe(24) for _ in range(devices)]
@@ -333,6 +392,7 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         part = Path(args.folder) / f"tokens-{i}.txt"
         part.write_text("\n".join(tokens[i * share : (i + 1) * share]) + "\n")
         command = [sys.executable, __file__, "--worker", url, str(part), str(args.seconds), str(args.connect_s)]
+        command += ["--client", args.client, "--offer", args.offer]
         pipe = asyncio.subprocess.PIPE
         workers.append(await asyncio.create_subprocess_exec(*command, stdin=pipe, stdout=pipe))
     rss_idle = server.memory_info().rss
@@ -340,15 +400,22 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
     counts = [int((await w.stdout.readline()).split()[1]) for w in workers if w.stdout is not None]
     connect_s = time.perf_counter() - began
     rss_connected = server.memory_info().rss
+    if args.profile is not None:
+        server.send_signal(signal.SIGUSR1)  # the profile covers the load, not the start nor the connections
     cpu_before, began = server.cpu_times(), time.perf_counter()
     for worker in workers:
         assert worker.stdin is not None
         worker.stdin.write(b"go\n")
         await worker.stdin.drain()
     tally = Tally()
-    for worker in workers:
-        tally.add(json.loads((await worker.communicate())[0]))
+    for i, worker in enumerate(workers):
+        said = (await worker.communicate())[0].decode(errors="replace").strip()
+        if said:
+            print(f"  load process {i} said: {said[:500]}", file=sys.stderr)
+        tally.add(json.loads((Path(args.folder) / f"tokens-{i}.tally.json").read_text()))
     cpu_after, wall_s = server.cpu_times(), time.perf_counter() - began
+    if args.profile is not None:
+        server.send_signal(signal.SIGUSR2)
     cpu_s = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
     updates = tally.updates()
     accepted = max(updates["accepted"], 1)
@@ -379,52 +446,94 @@ async def _measure(args: argparse.Namespace, devices: int) -> dict[str, Any]:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         profile = args.profile.with_suffix(f".{devices}.prof") if args.profile else None
-        server = start_server(Path(folder), config, port, profile)
+        if profile is not None:
+            profile.unlink(missing_ok=True)
+        server = _start_server(Path(folder), config, port, profile)
         try:
             ready_s = await wait_until_served(url, server, 120.0)
             print(f"\n{devices} devices: server pid {server.pid} running after {ready_s:.1f} s on {url}", flush=True)
             figures = await _load(args, url, psutil.Process(server.pid), tokens)
+            for _ in range(100):  # the profile is written by the server's SIGUSR2 handler
+                if profile is None or profile.exists():
+                    break
+                await asyncio.sleep(0.1)
         finally:
             figures_exit = stop_server(server)
         figures["server_exit"] = figures_exit
         figures["server"] = server_counters((Path(folder) / "serve.out").read_text())
     if profile is not None:
-        figures["profile"] = _profile_top(profile, args.top)
+        figures["profile"] = _profile_top(profile, args.top, figures["updates"]["accepted"])
     return figures
 
 
-_HTTP = ("h11", "uvicorn", "starlette", "httptools", "anyio")
+_AREAS = (
+    # (where the file lives, the area): the first match names a function's area
+    ("/flasync/codecs/", "decode (flasync.codecs)"),
+    ("/flasync/aggregation/", "aggregation"),
+    ("/flasync/server/", "intake and server loop (flasync.server)"),
+    ("/flasync/clients/remote/", "transport (flasync.clients.remote)"),
+    ("/flasync/runtime/serve", "endpoints (flasync.runtime.serve)"),
+    ("/flasync/tracking/", "logging and tracking"),
+    ("/flasync/observe/", "logging and tracking"),
+    ("/structlog/", "logging and tracking"),
+    ("/logging/", "logging and tracking"),
+    ("/flasync/", "flasync, other"),
+    ("/h11/", "HTTP parsing and writing (uvicorn, h11, httptools)"),
+    ("/httptools/", "HTTP parsing and writing (uvicorn, h11, httptools)"),
+    ("/uvicorn/", "HTTP parsing and writing (uvicorn, h11, httptools)"),
+    ("/starlette/", "Starlette (requests, routing, responses)"),
+    ("/anyio/", "Starlette (requests, routing, responses)"),
+    ("/json/", "JSON"),
+    ("/asyncio/", "asyncio scheduling"),
+    ("/uvloop/", "asyncio scheduling"),
+    ("/torch/", "torch and numpy"),
+    ("/numpy/", "torch and numpy"),
+)
 
 
 def _area(filename: str) -> str:
-    """Name where a profiled function lives: HTTP (h11, uvicorn, Starlette), a flasync package, asyncio, builtins."""
-    if "site-packages/" in filename:
-        package = filename.split("site-packages/", 1)[1].split("/", 1)[0]
-        return "HTTP" if package in _HTTP else package
-    if "/flasync/" in filename:
-        return "flasync." + filename.rsplit("/flasync/", 1)[1].split("/", 1)[0].removesuffix(".py")
-    if "/asyncio/" in filename:
-        return "asyncio"
-    return "builtins" if filename == "~" else "other"
+    """Name the area of the server a profiled function's file belongs to (see :data:`_AREAS`)."""
+    for where, area in _AREAS:
+        if where in filename:
+            return area
+    return "other"
 
 
-def _profile_top(path: Path, top: int) -> dict[str, Any]:
-    """Return the profile's own seconds per area and its ``top`` functions by own time (calls, own and cumulative
-    seconds, where).
+def _profile_top(path: Path, top: int, updates: int) -> dict[str, Any]:
+    """Return the profile's CPU seconds per area, per update, and its ``top`` functions by own time.
 
-    cProfile sees the event loop's thread only, and counts a long poll's wait for a task (``next_task``) and the
-    loop's wait for sockets (``select``/``poll``) as time spent in them.
+    The profile counts the event loop thread's CPU seconds (``time.thread_time``) during the load only. A built-in
+    function's (C) own time goes to the areas of its callers, in the shares they called it for, so that
+    ``json.loads``'s scanner counts as JSON and a socket write as the HTTP layer that asked for it; the loop's own
+    C code (uvloop) calling back into Python is not a function cProfile sees, so its time lands in its caller
+    (``asyncio.runners``).
     """
     stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
     areas: Counter[str] = Counter()
-    for (filename, _, _), (_, _, own_s, _, _) in stats.items():
-        areas[_area(filename)] += own_s
+    for (filename, _, _), (_, _, own_s, _, callers) in stats.items():
+        if filename != "~":
+            areas[_area(filename)] += own_s
+            continue
+        shares = {caller: figures[2] for caller, figures in callers.items()}
+        if not shares:
+            areas["built-in, no caller seen"] += own_s
+        for (caller_file, _, _), share_s in shares.items():
+            areas["built-in, called by built-in" if caller_file == "~" else _area(caller_file)] += share_s
     rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
     functions = [
         {"function": f"{Path(f).name}:{line}({name})", "calls": nc, "own_s": round(tt, 3), "cumulative_s": round(ct, 3)}
         for (f, line, name), (_, nc, tt, ct, _) in rows
     ]
-    return {"areas_own_s": {k: round(v, 3) for k, v in areas.most_common()}, "functions": functions}
+    total = sum(areas.values())
+    per_update = max(updates, 1)
+    return {
+        "cpu_s": round(total, 3),
+        "updates": updates,
+        "cpu_us_per_update": round(1e6 * total / per_update, 1),
+        "areas_cpu_s": {k: round(v, 3) for k, v in areas.most_common()},
+        "areas_us_per_update": {k: round(1e6 * v / per_update, 1) for k, v in areas.most_common()},
+        "functions": functions,
+    }
 
 
 def _print(figures: dict[str, Any]) -> None:
@@ -462,9 +571,11 @@ def _print(figures: dict[str, Any]) -> None:
     profile = figures.get("profile")
     if profile is not None:
         print(
-            "  server profile (event loop thread), own seconds: "
-            + ", ".join(f"{area} {own_s:.2f}" for area, own_s in profile["areas_own_s"].items())
+            f"  server profile (event loop thread's CPU during the load): {profile['cpu_s']:.2f} s, "
+            f"{profile['cpu_us_per_update']:.0f} us per update; per update by area:"
         )
+        for area, us in profile["areas_us_per_update"].items():
+            print(f"    {us:8.1f} us  {area}")
         for row in profile["functions"]:
             print(
                 f"    {row['own_s']:8.3f} s own {row['cumulative_s']:8.3f} s cum {row['calls']:>9}  {row['function']}"
@@ -480,11 +591,20 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="profile rows printed and stored")
     parser.add_argument("--out", type=Path, default=_HERE / "results" / "remote_load.json", help="results JSON")
     parser.add_argument("--connect-s", type=float, default=10.0, help="longest wait of the devices for a first task")
+    parser.add_argument(
+        "--client", choices=("wire", "httpx"), default="wire", help="each device's HTTP client (see drive())"
+    )
+    parser.add_argument(
+        "--offer",
+        choices=("inline", "separate"),
+        default="inline",
+        help="ask for each offer with its model inline (a server without it answers the offer alone)",
+    )
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         url, tokens_file, seconds, connect_s = args.worker
-        _worker(url, tokens_file, float(seconds), float(connect_s))
+        _worker(url, tokens_file, float(seconds), float(connect_s), args.client, args.offer == "inline")
         return
     if args.profile is not None:
         args.profile = args.profile.resolve()

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EvaluationReport",
     "Incarnations",
+    "ModelDownload",
     "Offer",
     "Refusal",
     "RemoteTransport",
@@ -184,6 +185,23 @@ class Offer:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ModelDownload:
+    """The encoded model of one version as it is downloaded.
+
+    Attributes:
+        version: The model's version.
+        payload: Its encoding (empty when the client holds it already: ``modified`` is False).
+        etag: A strong HTTP entity tag of the encoding (quoted; the same for every request for that version).
+        modified: False when the client named ``etag`` as one it holds (HTTP 304: nothing is sent).
+    """
+
+    version: int
+    payload: bytes
+    etag: str
+    modified: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EvaluationReport:
     """A client's evaluation of the model it downloaded, sent with its update (client-side evaluation).
 
@@ -244,6 +262,15 @@ class EvaluationReport:
             simulated_s=simulated_s,
             eval_s=self.eval_s,
         )
+
+
+def _names_etag(if_none_match: str, etag: str) -> bool:
+    """Tell whether an ``If-None-Match`` header names ``etag`` (or is ``*``), weak tags compared weakly."""
+    for tag in if_none_match.split(","):
+        tag = tag.strip()
+        if tag == "*" or tag.removeprefix("W/") == etag:
+            return True
+    return False
 
 
 def _finite(value: object, name: str) -> float:
@@ -545,7 +572,8 @@ class _TaskHandout:
 
 # ---------------------------------------------------------------------------------------------- downloads
 class _ModelDownloads:
-    """The encoded models clients download: each version encoded once, off the event loop, while a task uses it.
+    """The encoded models clients download: each version encoded once, off the event loop, while a task uses it,
+    with its entity tag (a digest of the encoding, computed with it).
 
     Args:
         codec: How models are encoded for download.
@@ -554,22 +582,26 @@ class _ModelDownloads:
     def __init__(self, codec: Pipeline) -> None:
         """Start with no model encoded."""
         self.codec = codec
-        self._models: dict[int, asyncio.Future[bytes]] = {}
+        self._models: dict[int, asyncio.Future[ModelDownload]] = {}
 
-    async def payload(self, registry: TaskRegistry, version: int, snapshot: ModelSnapshot) -> bytes:
+    async def payload(self, registry: TaskRegistry, version: int, snapshot: ModelSnapshot) -> ModelDownload:
         """Return ``snapshot`` (the model of ``version``) encoded, and forget the versions no task uses."""
-        for held in [v for v in self._models if v != version and registry.base(Version(v)) is None]:
-            del self._models[held]  # no task uses that version any more
         future = self._models.get(version)
         if future is None:
+            for held in [v for v in self._models if registry.base(Version(v)) is None]:
+                del self._models[held]  # no task uses that version any more
             future = asyncio.ensure_future(asyncio.to_thread(self._encode, snapshot))
             self._models[version] = future
+        if future.done():
+            return future.result()
         return await asyncio.shield(future)
 
-    def _encode(self, snapshot: ModelSnapshot) -> bytes:
+    def _encode(self, snapshot: ModelSnapshot) -> ModelDownload:
         weights = snapshot.weights.detach().to("cpu")
         generator = torch.Generator().manual_seed(int(snapshot.version))
-        return self.codec.encode(weights, generator=generator).payload
+        payload = self.codec.encode(weights, generator=generator).payload
+        etag = f'"{hashlib.blake2b(payload, digest_size=16).hexdigest()}"'
+        return ModelDownload(version=int(snapshot.version), payload=payload, etag=etag)
 
     def clear(self) -> None:
         """Forget every encoded model."""
@@ -758,8 +790,17 @@ class RemoteTransport:
             return self._ended()
         return await self._handout.next_task(client_id, wait_s, session)
 
-    async def model(self, client_id: ClientId, version: int) -> bytes | Refusal:
-        """Return the encoded model of ``version`` (encoded once per version, off the event loop)."""
+    async def model(
+        self, client_id: ClientId, version: int, if_none_match: str | None = None
+    ) -> ModelDownload | Refusal:
+        """Return the encoded model of ``version`` (encoded once per version, off the event loop).
+
+        Args:
+            client_id: Who asks.
+            version: The model's version.
+            if_none_match: The request's ``If-None-Match`` header (None: absent): naming the encoding's entity tag
+                (or ``*``), the answer holds no bytes (``modified`` False, HTTP 304).
+        """
         if self.finished:
             return self._ended()
         registry = self._registry
@@ -768,9 +809,11 @@ class RemoteTransport:
         snapshot = registry.base(Version(version))
         if snapshot is None:
             return self._refuse(client_id, Refusal(404, "no_model", f"version {version} is not served"))
-        payload = await self._downloads.payload(registry, version, snapshot)
-        self.wire_download_bytes += len(payload)
-        return payload
+        download = await self._downloads.payload(registry, version, snapshot)
+        if if_none_match is not None and _names_etag(if_none_match, download.etag):
+            return ModelDownload(version=download.version, payload=b"", etag=download.etag, modified=False)
+        self.wire_download_bytes += len(download.payload)
+        return download
 
     def check_upload(
         self,

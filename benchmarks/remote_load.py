@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import pstats
+import random
 import re
 import secrets
 import signal
@@ -156,9 +157,13 @@ class Device:
         tally: Where its requests are counted.
     """
 
-    def __init__(self, http: Http, token: str, update: bytes, tally: Tally, inline: bool = True) -> None:
+    def __init__(
+        self, http: Http, token: str, update: bytes, tally: Tally, inline: bool = True, train_s: float = 0.0
+    ) -> None:
         """Keep the settings (nothing is sent yet)."""
         self._http = http
+        self._train_s = train_s
+        self._pace = random.Random(token)  # each device's own stream of training times
         self._headers = {"authorization": f"Bearer {token}", "x-flasync-session": secrets.token_urlsafe(12)}
         self._update = update
         self._tally = tally
@@ -232,6 +237,8 @@ class Device:
             if response is None or response.status_code != 200:
                 return
             self._version = version
+        if self._train_s > 0:  # as long as a device trains: uniform in 0.5 .. 1.5 times train_s
+            await asyncio.sleep(self._train_s * (0.5 + self._pace.random()))
         headers = {
             "content-type": "application/octet-stream",
             "x-flasync-report": _REPORT,
@@ -263,6 +270,7 @@ async def drive(
     *,
     client: str = "wire",
     inline: bool = True,
+    train_s: float = 0.0,
 ) -> Tally:
     """Connect one device per token, wait for ``connected`` (told how many have a task), then load for ``seconds``.
 
@@ -276,6 +284,9 @@ async def drive(
         client: Each device's HTTP client: ``wire`` (:class:`~wire.Connection`, one keep-alive connection and
             little CPU per request) or ``httpx`` (an ``httpx.AsyncClient`` per device, as flasync's client).
         inline: Ask for each offer with its model in the same answer (see :meth:`Device.offer`).
+        train_s: Mean seconds a device spends between its model and its upload, as if it trained (0: none, every
+            device answers at once: the server is saturated and each request's latency is the queue of every
+            device before it).
 
     Returns:
         What the devices sent and got back.
@@ -294,7 +305,7 @@ async def drive(
                 clients.push_async_callback(connection.aclose)
                 pools.append(connection)
         update = await asyncio.to_thread(precomputed_update, await _setup(pools[0], tokens[0]))
-        devices = [Device(http, token, update, tally, inline) for http, token in zip(pools, tokens, strict=True)]
+        devices = [Device(http, token, update, tally, inline, train_s) for http, token in zip(pools, tokens, strict=True)]
         until = time.perf_counter() + connect_s
         offers = await asyncio.gather(*(device.connect(until) for device in devices))
         if connected is not None:
@@ -316,7 +327,9 @@ async def _setup(http: Http, token: str) -> dict[str, Any]:
         await asyncio.sleep(0.1)
 
 
-def _worker(url: str, tokens_file: str, seconds: float, connect_s: float, client: str, inline: bool) -> None:
+def _worker(
+    url: str, tokens_file: str, seconds: float, connect_s: float, client: str, inline: bool, train_s: float
+) -> None:
     """A load process: drive its devices; say ``connected N``, wait for a line on stdin, load, write the tally
     beside ``tokens_file`` (``.tally.json``)."""
 
@@ -325,7 +338,9 @@ def _worker(url: str, tokens_file: str, seconds: float, connect_s: float, client
         await asyncio.to_thread(sys.stdin.readline)
 
     tokens = Path(tokens_file).read_text().split()
-    tally = uvloop.run(drive(url, tokens, seconds, connect_s, connected, client=client, inline=inline))
+    tally = uvloop.run(
+        drive(url, tokens, seconds, connect_s, connected, client=client, inline=inline, train_s=train_s)
+    )
     Path(tokens_file).with_suffix(".tally.json").write_text(json.dumps(tally.to_json()))
 
 
@@ -392,7 +407,7 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         part = Path(args.folder) / f"tokens-{i}.txt"
         part.write_text("\n".join(tokens[i * share : (i + 1) * share]) + "\n")
         command = [sys.executable, __file__, "--worker", url, str(part), str(args.seconds), str(args.connect_s)]
-        command += ["--client", args.client, "--offer", args.offer]
+        command += ["--client", args.client, "--offer", args.offer, "--train-s", str(args.train_s)]
         pipe = asyncio.subprocess.PIPE
         workers.append(await asyncio.create_subprocess_exec(*command, stdin=pipe, stdout=pipe))
     rss_idle = server.memory_info().rss
@@ -600,11 +615,17 @@ def main() -> None:
         default="inline",
         help="ask for each offer with its model inline (a server without it answers the offer alone)",
     )
+    parser.add_argument(
+        "--train-s",
+        type=float,
+        default=0.0,
+        help="mean seconds each device 'trains' between offer and upload (0: saturate the server)",
+    )
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         url, tokens_file, seconds, connect_s = args.worker
-        _worker(url, tokens_file, float(seconds), float(connect_s), args.client, args.offer == "inline")
+        _worker(url, tokens_file, float(seconds), float(connect_s), args.client, args.offer == "inline", args.train_s)
         return
     if args.profile is not None:
         args.profile = args.profile.resolve()
@@ -624,6 +645,9 @@ def main() -> None:
             "seconds": args.seconds,
             "connect_s": args.connect_s,
             "processes": args.processes,
+            "client": args.client,
+            "offer": args.offer,
+            "train_s": args.train_s,
             "profiled": args.profile is not None,
         },
         "runs": runs,

@@ -386,6 +386,10 @@ class Incarnations:
 class _DeviceRegistry:
     """Which remote devices are connected: each one's last request, the polls it has open and the task it took.
 
+    Each figure is kept twice: by device (a dictionary, for one device's question) and as an array over the
+    population (for :meth:`online_mask`, which the sampler asks at every dispatch: array operations over the
+    population, never a pass over dictionaries).
+
     Args:
         wall: Monotonic real seconds.
     """
@@ -398,10 +402,25 @@ class _DeviceRegistry:
         self.seen: dict[ClientId, float] = {}  # a device's last request (wall seconds)
         self.handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
         self.polls: Counter[ClientId] = Counter()
+        self._seen_at = np.empty(0, dtype=np.float64)  # -inf: never heard from
+        self._handed = np.empty(0, dtype=bool)
+        self._polls = np.empty(0, dtype=np.int64)
 
     def attach(self, bus: EventBus, num_clients: int) -> None:
         """Tell the run's server (on ``bus``) of devices that come online, from a population of ``num_clients``."""
         self._bus, self.num_clients = bus, num_clients
+        self._seen_at = np.full(num_clients, -np.inf)
+        self._handed = np.zeros(num_clients, dtype=bool)
+        self._polls = np.zeros(num_clients, dtype=np.int64)
+        for client_id, at in self.seen.items():
+            if client_id < num_clients:
+                self._seen_at[client_id] = at
+        for client_id, count in self.polls.items():
+            if client_id < num_clients:
+                self._polls[client_id] = count
+        for client_id in self.handed:
+            if client_id < num_clients:
+                self._handed[client_id] = True
 
     def heard(self, client_id: ClientId, *, asking: bool = False) -> None:
         """Note that ``client_id`` made a request now; one asking for a task (``asking``) after a silence longer than
@@ -409,9 +428,30 @@ class _DeviceRegistry:
         rather than once the next answer arrives."""
         now, last = self._wall(), self.seen.get(client_id)
         self.seen[client_id] = now
+        if client_id < self.num_clients:
+            self._seen_at[client_id] = now
         if asking and self._bus is not None and (last is None or now - last > self.online_window_s):
             with contextlib.suppress(BusFull, BusClosed):  # then the next answer fills the server's free slots
                 self._bus.publish_nowait(ClientConnected(client_id=client_id))
+
+    def hand(self, client_id: ClientId, task_id: int) -> None:
+        """Note that ``client_id`` took ``task_id`` (it is not given another before it asks again)."""
+        self.handed[client_id] = task_id
+        if client_id < self.num_clients:
+            self._handed[client_id] = True
+
+    def asks(self, client_id: ClientId) -> None:
+        """Forget the task ``client_id`` took: it asks again (alive, and given its task again if one is in flight)."""
+        if self.handed.pop(client_id, None) is not None and client_id < self.num_clients:
+            self._handed[client_id] = False
+
+    def poll(self, client_id: ClientId, change: int) -> None:
+        """Count a poll of ``client_id`` that opens (``change`` 1) or closes (-1)."""
+        count = self.polls[client_id] = self.polls[client_id] + change
+        if not count:
+            del self.polls[client_id]
+        if client_id < self.num_clients:
+            self._polls[client_id] = count
 
     def online(self, client_id: int, t: float) -> bool:
         """Tell whether device ``client_id`` is connected: asking for a task now, or heard from within
@@ -426,21 +466,12 @@ class _DeviceRegistry:
         return seen is not None and self._wall() - seen <= self.online_window_s
 
     def online_mask(self, t: float) -> np.ndarray:
-        """Return a boolean array over the population: which devices are connected now."""
-        mask = np.zeros(self.num_clients, dtype=bool)
-        # online() over every device, in array operations: heard within the window, not holding a task, or polling.
-        ids = np.fromiter(self.seen, dtype=np.intp, count=len(self.seen))
-        heard = np.fromiter(self.seen.values(), dtype=np.float64, count=len(self.seen))
-        recent = ids[(self._wall() - heard <= self.online_window_s) & (ids < self.num_clients)]
-        mask[recent] = True
-        mask[self._ids(self.handed)] = False
-        mask[self._ids(self.polls)] = True
+        """Return a boolean array over the population: which devices are connected now (:meth:`online` of each:
+        heard within the window and not holding a task, or polling)."""
+        mask: np.ndarray = self._wall() - self._seen_at <= self.online_window_s
+        mask &= ~self._handed
+        mask |= self._polls > 0
         return mask
-
-    def _ids(self, devices: Iterable[ClientId]) -> np.ndarray:
-        """Return the ids of ``devices`` within the population, as an index array."""
-        ids = np.fromiter(devices, dtype=np.intp)
-        return ids[ids < self.num_clients]
 
     @property
     def online_window_s(self) -> float:
@@ -451,7 +482,7 @@ class _DeviceRegistry:
     def forget_task(self, client_id: ClientId, task_id: int) -> None:
         """Forget that device ``client_id`` took ``task_id`` (it was answered)."""
         if self.handed.get(client_id) == task_id:
-            del self.handed[client_id]
+            self.asks(client_id)
 
 
 # ----------------------------------------------------------------------------------------------- hand-out
@@ -505,14 +536,14 @@ class _TaskHandout:
         posted = self.posted.get(client_id)
         if posted is not None:
             return self._hand(client_id, posted, session)
-        polls = self._devices.polls
-        if self.waiting >= self.settings.max_waiting or polls[client_id] >= _MAX_POLLS_PER_CLIENT:
+        devices = self._devices
+        if self.waiting >= self.settings.max_waiting or devices.polls[client_id] >= _MAX_POLLS_PER_CLIENT:
             return self._refuse(
                 client_id,
                 Refusal(429, "busy", "too many clients are waiting for tasks", self.settings.retry_after_s),
             )
         self.waiting += 1
-        polls[client_id] += 1
+        devices.poll(client_id, 1)
         try:
             async with asyncio.timeout(max(0.0, min(wait_s, self.settings.poll_s))):
                 while not self.closed:
@@ -525,10 +556,8 @@ class _TaskHandout:
             return None
         finally:
             self.waiting -= 1
-            polls[client_id] -= 1
-            if not polls[client_id]:
-                del polls[client_id]
-            self._devices.heard(client_id)
+            devices.poll(client_id, -1)
+            devices.heard(client_id)
         return self._ended()
 
     def _hand(self, client_id: ClientId, posted: _Posted, session: str) -> Offer | Refusal:
@@ -541,7 +570,7 @@ class _TaskHandout:
                 " retry once it is answered or timed out"
             )
             return self._refuse(client_id, Refusal(409, "token_in_use", detail, self.settings.retry_after_s))
-        self._devices.handed[client_id] = posted.task.task_id
+        self._devices.hand(client_id, posted.task.task_id)
         return self._offer(posted)
 
     def _offer(self, posted: _Posted) -> Offer:
@@ -767,7 +796,7 @@ class RemoteTransport:
     def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
         """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
         self._devices.heard(client_id, asking=True)
-        self._devices.handed.pop(client_id, None)
+        self._devices.asks(client_id)
         if self.finished:
             return self._ended()
         if self._registry is None:
@@ -785,7 +814,7 @@ class RemoteTransport:
         """
         self._devices.heard(client_id, asking=True)
         # It asks again: alive, and (again) given its task if one is in flight.
-        self._devices.handed.pop(client_id, None)
+        self._devices.asks(client_id)
         if self.finished:
             return self._ended()
         return await self._handout.next_task(client_id, wait_s, session)

@@ -305,7 +305,9 @@ async def drive(
                 clients.push_async_callback(connection.aclose)
                 pools.append(connection)
         update = await asyncio.to_thread(precomputed_update, await _setup(pools[0], tokens[0]))
-        devices = [Device(http, token, update, tally, inline, train_s) for http, token in zip(pools, tokens, strict=True)]
+        devices = [
+            Device(http, token, update, tally, inline, train_s) for http, token in zip(pools, tokens, strict=True)
+        ]
         until = time.perf_counter() + connect_s
         offers = await asyncio.gather(*(device.connect(until) for device in devices))
         if connected is not None:
@@ -338,9 +340,7 @@ def _worker(
         await asyncio.to_thread(sys.stdin.readline)
 
     tokens = Path(tokens_file).read_text().split()
-    tally = uvloop.run(
-        drive(url, tokens, seconds, connect_s, connected, client=client, inline=inline, train_s=train_s)
-    )
+    tally = uvloop.run(drive(url, tokens, seconds, connect_s, connected, client=client, inline=inline, train_s=train_s))
     Path(tokens_file).with_suffix(".tally.json").write_text(json.dumps(tally.to_json()))
 
 

@@ -10,6 +10,7 @@ chunked bodies, no TLS. Its :meth:`Connection.request` has the shape of httpx's,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -119,7 +120,5 @@ class Connection:
         writer = self._writer
         self.close()
         if writer is not None:
-            try:
+            with contextlib.suppress(OSError):
                 await writer.wait_closed()
-            except OSError:
-                pass

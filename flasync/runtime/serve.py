@@ -332,21 +332,20 @@ async def _read_body(request: Request, limit: int) -> bytes | int | None:
     """Read a request's body in chunks: its bytes; the size read so far once it passes ``limit`` (the rest is never
     read); None when a chunk took longer than :data:`BODY_IDLE_S` to come."""
     idle_s = BODY_IDLE_S
+    loop = asyncio.get_running_loop()
     chunks: list[bytes] = []
     size = 0
-    stream = request.stream().__aiter__()
-    while True:
-        try:
-            async with asyncio.timeout(idle_s):
-                chunk = await anext(stream)
-        except StopAsyncIteration:
-            return b"".join(chunks)
-        except TimeoutError:
-            return None
-        size += len(chunk)
-        if size > limit:
-            return size
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(idle_s) as deadline:  # one deadline, moved on at every chunk
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return size
+                chunks.append(chunk)
+                deadline.reschedule(loop.time() + idle_s)
+    except TimeoutError:
+        return None
+    return b"".join(chunks)  # one chunk: that very object, not a copy
 
 
 def _model_response(download: ModelDownload) -> Response:

@@ -613,17 +613,21 @@ class _ModelDownloads:
         self.codec = codec
         self._models: dict[int, asyncio.Future[ModelDownload]] = {}
 
-    async def payload(self, registry: TaskRegistry, version: int, snapshot: ModelSnapshot) -> ModelDownload:
-        """Return ``snapshot`` (the model of ``version``) encoded, and forget the versions no task uses."""
+    async def payload(
+        self, registry: TaskRegistry, version: int, snapshot: ModelSnapshot, if_none_match: str | None = None
+    ) -> ModelDownload:
+        """Return ``snapshot`` (the model of ``version``) encoded (without its bytes when ``if_none_match`` names
+        its entity tag), and forget the versions no task uses."""
         future = self._models.get(version)
         if future is None:
             for held in [v for v in self._models if registry.base(Version(v)) is None]:
                 del self._models[held]  # no task uses that version any more
             future = asyncio.ensure_future(asyncio.to_thread(self._encode, snapshot))
             self._models[version] = future
-        if future.done():
-            return future.result()
-        return await asyncio.shield(future)
+        download = future.result() if future.done() else await asyncio.shield(future)
+        if if_none_match is not None and _names_etag(if_none_match, download.etag):
+            return ModelDownload(version=download.version, payload=b"", etag=download.etag, modified=False)
+        return download
 
     def _encode(self, snapshot: ModelSnapshot) -> ModelDownload:
         weights = snapshot.weights.detach().to("cpu")
@@ -822,14 +826,8 @@ class RemoteTransport:
     async def model(
         self, client_id: ClientId, version: int, if_none_match: str | None = None
     ) -> ModelDownload | Refusal:
-        """Return the encoded model of ``version`` (encoded once per version, off the event loop).
-
-        Args:
-            client_id: Who asks.
-            version: The model's version.
-            if_none_match: The request's ``If-None-Match`` header (None: absent): naming the encoding's entity tag
-                (or ``*``), the answer holds no bytes (``modified`` False, HTTP 304).
-        """
+        """Return the encoded model of ``version`` (encoded once per version, off the event loop); none of its bytes
+        when ``if_none_match`` (a request's ``If-None-Match``) names its entity tag (``modified`` False: HTTP 304)."""
         if self.finished:
             return self._ended()
         registry = self._registry
@@ -838,9 +836,7 @@ class RemoteTransport:
         snapshot = registry.base(Version(version))
         if snapshot is None:
             return self._refuse(client_id, Refusal(404, "no_model", f"version {version} is not served"))
-        download = await self._downloads.payload(registry, version, snapshot)
-        if if_none_match is not None and _names_etag(if_none_match, download.etag):
-            return ModelDownload(version=download.version, payload=b"", etag=download.etag, modified=False)
+        download = await self._downloads.payload(registry, version, snapshot, if_none_match)
         self.wire_download_bytes += len(download.payload)
         return download
 

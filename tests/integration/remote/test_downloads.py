@@ -42,7 +42,9 @@ def _without_inline(app: _App) -> _App:
 
 
 @contextlib.asynccontextmanager
-async def _served(tmp_path: Path, wrap: Callable[[_App], _App] = lambda app: app) -> AsyncIterator[tuple[str, Federation]]:
+async def _served(
+    tmp_path: Path, wrap: Callable[[_App], _App] = lambda app: app
+) -> AsyncIterator[tuple[str, Federation]]:
     """Run a remote federation under uvicorn (flasync's HTTP protocol) on a free loopback port; yield its URL."""
     config = remote_config(tmp_path / "tokens.txt", stop={"max_versions": 10**6}, resilience={"task_timeout_s": 60.0})
     federation = Federation(config)
@@ -136,7 +138,7 @@ async def test_a_model_named_by_its_etag_is_304_without_a_body(tmp_path: Path, t
         transport = federation.transport
         assert transport is not None
         counted = transport.wire_download_bytes
-        for named in (etag, f'W/{etag}', f'"other", {etag}', "*"):
+        for named in (etag, f"W/{etag}", f'"other", {etag}', "*"):
             held = await http.get(path, headers={**headers, "if-none-match": named})
             assert (held.status_code, held.content, held.headers["etag"]) == (304, b"", etag)
         assert transport.wire_download_bytes == counted

@@ -3,11 +3,13 @@
 A real ``python -m flasync serve`` (FedBuff, K = 10, on digits with the default model, every device busy:
 ``server.concurrency`` = devices; the wall clock; tracking to a temporary SQLite store; a large ``stop.max_versions``
 and a ``stop.max_wall_s`` bounding the run) is started on a free port of 127.0.0.1, one token per device. The devices
-are httpx coroutines in ``--processes`` load processes (this script with ``--worker``), each holding its own
-connection; none trains. A load process encodes one valid update of the served model's size ahead, with the
-server's upload codec, as a real client would send it, and every device re-sends those bytes for each task it is
-offered, with what must match the task (its id in the path, its incarnation in ``X-Flasync-Incarnation``). So the
-server is what is measured: the HTTP exchanges, decoding, intake, aggregation and tracking of each update.
+are coroutines in ``--processes`` load processes (this script with ``--worker``), each with its own keep-alive
+connection (``--client wire``: :mod:`wire`, a lean HTTP/1.1 client, so that the load processes leave the cores to the
+server; ``--client httpx``: an ``httpx.AsyncClient`` per device, as flasync's client); none trains. A load process
+encodes one valid update of the served model's size ahead, with the server's upload codec, as a real client would
+send it, and every device re-sends those bytes for each task it is offered, with what must match the task (its id in
+the path, its incarnation in ``X-Flasync-Incarnation``). So the server is what is measured: the HTTP exchanges,
+decoding, intake, aggregation and tracking of each update.
 
 For each number of devices (``--devices``, 100 and 1,000 by default), on a fresh server:
 
@@ -15,20 +17,28 @@ For each number of devices (``--devices``, 100 and 1,000 by default), on a fresh
   the seconds from its hello to its offer are the time a device connecting to a running server waits for its first
   task. The server's RSS with no device and with all of them connected (each holding a task) gives its memory per
   connected device.
-* *load*: for ``--seconds``, each device downloads the model of its task's version (once per version, as a client
-  that keeps the last one), uploads the update and asks for its next task. Printed: updates accepted per second,
-  p50/p99 of each endpoint (offer: the long-poll until the next task; model download; upload), the server's CPU
-  (user + system, psutil) per accepted update, and the accounting of every update sent: accepted (202) + refused
-  (any other answer) + timed out or failed = sent, beside the server's own counters (its summary's remote line:
-  updates received, requests refused by reason).
+* *load*: for ``--seconds``, each device takes its task with the model of its version inline (``--offer inline``:
+  ``GET /v1/task?model=inline&have=V``, nothing when it holds that version; a server without it answers the offer
+  alone and the device downloads the model, ``GET /v1/models/V``, as with ``--offer separate``), waits
+  ``--train-s`` on average as if it trained (0: not at all, the server saturated: each request then waits behind
+  every other device's), uploads the update and asks for its next task. Printed: updates accepted per second,
+  p50/p99 of each endpoint (offer: the long-poll until the next task, with its model when inline; model download;
+  upload), the server's CPU (user + system, psutil) per accepted update, and the accounting of every update sent:
+  accepted (202) + refused (any other answer) + timed out or failed = sent, beside the server's own counters (its
+  summary's remote line: updates received, requests refused by reason).
 
-On a 2-core machine the load processes share the cores with the server, so updates per second is a lower bound of
-the server's capacity; its CPU seconds per update is the figure that depends least on them (1 / that: the updates
-a second one core could take, the server's event loop being one thread). ``--profile PATH`` runs the server under
-cProfile (the event loop's thread) and prints its own seconds per area and its top functions. The figures, with a
-description of the machine, go to ``benchmarks/results/remote_load.json``.
+``--baseline DIR`` measures the server of another flasync checkout too (a git worktree of an earlier commit; the
+load processes stay this script's), before this one at each step, ``--repeat`` times: the headline is each figure's
+mean over the repeats with its ratio to the baseline's. On a 2-core machine the load processes share the cores with
+the server, so updates per second is a lower bound of the server's capacity; its CPU seconds per update is the figure
+that depends least on them (1 / that: the updates a second one core could take, the server's event loop being one
+thread). ``--profile PATH`` runs the server under cProfile counting its event loop thread's CPU seconds during the
+load only, and prints them per update by area (HTTP, Starlette, the endpoints, the transport, decoding, intake,
+aggregation, logging and tracking, asyncio) and its top functions. The figures, with a description of the machine,
+go to ``benchmarks/results/remote_load.json`` (``benchmarks/record.py``).
 
-    python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2] [--profile PATH]
+    python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2] [--train-s S]
+        [--baseline DIR --repeat N] [--profile PATH] [--out JSON]
 """
 
 from __future__ import annotations
@@ -61,10 +71,12 @@ import uvloop
 import yaml
 
 if __package__:  # imported as benchmarks.remote_load (by the tests)
-    from benchmarks.flood import free_port, machine, quantiles_ms, start_server, stop_server, wait_until_served
+    from benchmarks.flood import free_port, quantiles_ms, start_server, stop_server, wait_until_served
+    from benchmarks.record import Figure, describe, machine, store
     from benchmarks.wire import Answer, Connection, WireError
 else:
-    from flood import free_port, machine, quantiles_ms, start_server, stop_server, wait_until_served
+    from flood import free_port, quantiles_ms, start_server, stop_server, wait_until_served
+    from record import Figure, describe, machine, store
     from wire import Answer, Connection, WireError
 
 from flasync.codecs.build import pipeline
@@ -355,14 +367,20 @@ runpy.run_module("flasync", run_name="__main__")
 """
 
 
-def _start_server(folder: Path, config: Path, port: int, profile: Path | None) -> subprocess.Popen[bytes]:
-    """Start ``python -m flasync serve``; with ``profile``, under cProfile counting the event loop thread's CPU
-    seconds between SIGUSR1 (enable) and SIGUSR2 (disable and write ``profile``)."""
-    if profile is None:
+def _start_server(
+    folder: Path, config: Path, port: int, profile: Path | None, checkout: Path | None
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m flasync serve`` from ``checkout`` (None: the flasync this script imports); with
+    ``profile``, under cProfile counting the event loop thread's CPU seconds between SIGUSR1 (enable) and SIGUSR2
+    (disable and write ``profile``)."""
+    if profile is None and checkout is None:
         return start_server(folder, config, port, None)
-    command = [sys.executable, "-c", _PROFILED_WINDOW.format(path=str(profile)), "serve", str(config)]
+    runner = ["-c", _PROFILED_WINDOW.format(path=str(profile))] if profile is not None else ["-m", "flasync"]
+    command = [sys.executable, *runner, "serve", str(config)]
     command += ["--port", str(port), "--no-system-metrics", "--log-level", "warning"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if checkout is not None:
+        env["PYTHONPATH"] = str(checkout)
     with (folder / "serve.out").open("wb") as out, (folder / "serve.err").open("wb") as err:
         return subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=folder)
 
@@ -453,8 +471,9 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
     }
 
 
-async def _measure(args: argparse.Namespace, devices: int) -> dict[str, Any]:
-    """Serve a fresh run, load it with ``devices`` devices, stop it; return the figures with its counters."""
+async def _measure(args: argparse.Namespace, devices: int, checkout: Path | None = None) -> dict[str, Any]:
+    """Serve a fresh run (from ``checkout``; None: this flasync), load it with ``devices`` devices, stop it; return
+    the figures with its counters."""
     with tempfile.TemporaryDirectory(prefix="remote-load-") as folder:
         args.folder = folder
         config, tokens = _config(Path(folder), devices, args.seconds)
@@ -463,7 +482,7 @@ async def _measure(args: argparse.Namespace, devices: int) -> dict[str, Any]:
         profile = args.profile.with_suffix(f".{devices}.prof") if args.profile else None
         if profile is not None:
             profile.unlink(missing_ok=True)
-        server = _start_server(Path(folder), config, port, profile)
+        server = _start_server(Path(folder), config, port, profile, checkout)
         try:
             ready_s = await wait_until_served(url, server, 120.0)
             print(f"\n{devices} devices: server pid {server.pid} running after {ready_s:.1f} s on {url}", flush=True)
@@ -621,6 +640,13 @@ def main() -> None:
         default=0.0,
         help="mean seconds each device 'trains' between offer and upload (0: saturate the server)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another flasync checkout (a git worktree of an earlier commit) whose server is measured too, before "
+        "this one at each step (the same load processes, this script's)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="measurements of each configuration, interleaved")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -630,31 +656,77 @@ def main() -> None:
     if args.profile is not None:
         args.profile = args.profile.resolve()
     described = machine()
-    print(f"{described['cpu']}, {described['cpus']} CPUs, load {described['load_average_1m']}, {described['commit']}")
+    print(describe(described))
     print(f"{args.seconds} s of load; devices in {args.processes} process(es) on 127.0.0.1")
-    runs = {}
-    for devices in args.devices:
-        runs[str(devices)] = figures = asyncio.run(_measure(args, devices))
-        _print(figures)
-    result = {
-        "benchmark": "remote_load",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": described,
-        "settings": {
-            "seconds": args.seconds,
-            "connect_s": args.connect_s,
-            "processes": args.processes,
-            "client": args.client,
-            "offer": args.offer,
-            "train_s": args.train_s,
-            "profiled": args.profile is not None,
-        },
-        "runs": runs,
+    servers: dict[str, Path | None] = {"this": None}
+    if args.baseline is not None:
+        servers = {"baseline": args.baseline.resolve(), "this": None}  # the baseline first in every pair
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name in servers}
+    for repeat in range(args.repeat):
+        for devices in args.devices:
+            for name, checkout in servers.items():
+                print(f"\n[{name}{f' {checkout}' if checkout else ''}, repeat {repeat + 1}]", flush=True)
+                figures = asyncio.run(_measure(args, devices, checkout))
+                figures["load_average_1m"] = round(os.getloadavg()[0], 2)
+                runs[name].setdefault(str(devices), []).append(figures)
+                _print(figures)
+    headline = _headline(runs, args.baseline)
+    print()
+    for row in headline:
+        against = f" ({row.ratio:.2f}x the {row.baseline})" if row.ratio is not None else ""
+        print(f"  {row.name}: {row.value:g} {row.unit}{against}")
+    settings = {
+        "seconds": args.seconds,
+        "connect_s": args.connect_s,
+        "processes": args.processes,
+        "client": args.client,
+        "offer": args.offer,
+        "train_s": args.train_s,
+        "repeat": args.repeat,
+        "baseline": str(args.baseline) if args.baseline is not None else None,
+        "profiled": args.profile is not None,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"written to {args.out}")
+    store("remote_load", described, settings=settings, headline=headline, figures={"runs": runs}, out=args.out)
+
+
+_HEADLINE = (
+    # (what, the path into a run's figures, its unit)
+    ("updates accepted per second", ("updates_per_s",), "updates/s"),
+    ("server CPU per update", ("server_cpu_ms_per_update",), "ms"),
+    ("offer p99 (long poll until the next task)", ("latency", "offer", "p99_ms"), "ms"),
+    ("upload p99", ("latency", "upload", "p99_ms"), "ms"),
+    ("hello to first task p99", ("first_offer", "p99_ms"), "ms"),
+)
+
+
+def _mean(rows: list[dict[str, Any]], path: tuple[str, ...]) -> float:
+    values = []
+    for row in rows:
+        value: Any = row
+        for key in path:
+            value = value.get(key, 0.0) if isinstance(value, dict) else 0.0
+        values.append(float(value))
+    return round(sum(values) / max(len(values), 1), 3)
+
+
+def _headline(runs: dict[str, dict[str, list[dict[str, Any]]]], baseline: Path | None) -> list[Figure]:
+    """Return the headline: per number of devices, each figure of :data:`_HEADLINE` as the mean of the repeats of
+    this server, with its ratio to the baseline's mean (measured in the same invocation, interleaved)."""
+    headline = []
+    for devices, rows in runs["this"].items():
+        for what, path, unit in _HEADLINE:
+            value = _mean(rows, path)
+            base = _mean(runs["baseline"][devices], path) if baseline is not None else None
+            headline.append(
+                Figure(
+                    name=f"{what}, {devices} devices",
+                    value=value,
+                    unit=unit,
+                    baseline=f"server of {baseline.name}" if baseline is not None else None,
+                    ratio=round(value / base, 3) if base else None,
+                )
+            )
+    return headline
 
 
 if __name__ == "__main__":

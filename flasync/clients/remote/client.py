@@ -8,7 +8,8 @@ only when an update was delivered. Network errors, 429 and 503 are retried with 
 (honouring ``Retry-After``), so a client rides out a server restart; a task the server no longer holds is dropped.
 Each client process names its connection with a random session (``X-Flasync-Session``): a task is handed to one
 connection, and a client whose token another device is using waits (409 ``token_in_use``) rather than train the
-same task.
+same task. A task is asked for with its model inline (``model=inline``, naming the version the client holds), so a
+task costs two requests; from a server that answers the task alone, the model is downloaded next.
 See :mod:`flasync.runtime.serve` for the protocol.
 """
 

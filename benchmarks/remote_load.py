@@ -358,10 +358,14 @@ def _worker(
 
 # ------------------------------------------------------------------------------------------------ the server
 _PROFILED_WINDOW = """
-import cProfile, runpy, signal, sys, time
+import cProfile, os, runpy, signal, sys, time
 profile = cProfile.Profile(time.thread_time)
+def dump(*_):  # written whole under another name, then renamed: the file is there once complete
+    profile.disable()
+    profile.dump_stats({path!r} + ".part")
+    os.replace({path!r} + ".part", {path!r})
 signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
-signal.signal(signal.SIGUSR2, lambda *_: (profile.disable(), profile.dump_stats({path!r})))
+signal.signal(signal.SIGUSR2, dump)
 sys.argv[0] = "flasync"
 runpy.run_module("flasync", run_name="__main__")
 """
@@ -487,7 +491,7 @@ async def _measure(args: argparse.Namespace, devices: int, checkout: Path | None
             ready_s = await wait_until_served(url, server, 120.0)
             print(f"\n{devices} devices: server pid {server.pid} running after {ready_s:.1f} s on {url}", flush=True)
             figures = await _load(args, url, psutil.Process(server.pid), tokens)
-            for _ in range(100):  # the profile is written by the server's SIGUSR2 handler
+            for _ in range(300):  # the profile is written by the server's SIGUSR2 handler
                 if profile is None or profile.exists():
                     break
                 await asyncio.sleep(0.1)
@@ -495,6 +499,8 @@ async def _measure(args: argparse.Namespace, devices: int, checkout: Path | None
             figures_exit = stop_server(server)
         figures["server_exit"] = figures_exit
         figures["server"] = server_counters((Path(folder) / "serve.out").read_text())
+        if figures["server"] is None:  # no summary: say why the server ended as it did
+            print((Path(folder) / "serve.err").read_text()[-2000:], file=sys.stderr)
     if profile is not None:
         figures["profile"] = _profile_top(profile, args.top, figures["updates"]["accepted"])
     return figures

@@ -732,6 +732,21 @@ def _headline(runs: dict[str, dict[str, list[dict[str, Any]]]], baseline: Path |
                     ratio=round(value / base, 3) if base else None,
                 )
             )
+        if "profile" not in rows[0]:
+            continue
+        for area in rows[0]["profile"]["areas_us_per_update"]:  # the profile's areas, the largest first
+            path = ("profile", "areas_us_per_update", area)
+            value = _mean(rows, path)
+            base = _mean(runs["baseline"][devices], path) if baseline is not None else None
+            headline.append(
+                Figure(
+                    name=f"event loop CPU per update (profiled): {area}, {devices} devices",
+                    value=value,
+                    unit="us",
+                    baseline=f"server of {baseline.name}" if baseline is not None else None,
+                    ratio=round(value / base, 3) if base else None,
+                )
+            )
     return headline
 
 

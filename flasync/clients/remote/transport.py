@@ -41,6 +41,7 @@ from flasync.core.events import (
     UpdateUploaded,
     Version,
 )
+from flasync.core.instruments import debug_many, logs_debug
 from flasync.core.snapshots import ModelSnapshot
 
 if TYPE_CHECKING:
@@ -1039,20 +1040,23 @@ class RemoteTransport:
 def _log_upload(
     log: Any, client_id: ClientId, task_id: int, report: Report, download_bytes: int, upload_bytes: int, params: int
 ) -> None:
-    """Log an upload's figures as a simulated client logs them (the same metric keys), measured on the device."""
-    log.debug(
-        "client",
-        step=task_id,
-        client_id=int(client_id),
-        train_s=report.train_s,
-        samples=report.num_samples,
-        loss=report.train_loss,
-        peak_mem_bytes=report.peak_mem_bytes,
-        encode_s=report.encode_s,
-        download_bytes=download_bytes,
-        upload_bytes=upload_bytes,
-        compression=(HEADER.size + 4 * params) / max(upload_bytes, 1),
-    )
+    """Log an upload's figures as a simulated client logs them (the same metric keys, through the same batch path
+    of :func:`~flasync.core.instruments.debug_many`), measured on the device."""
+    if not logs_debug(log):
+        return
+    fields = {
+        "step": task_id,
+        "client_id": int(client_id),
+        "train_s": report.train_s,
+        "samples": report.num_samples,
+        "loss": report.train_loss,
+        "peak_mem_bytes": report.peak_mem_bytes,
+        "encode_s": report.encode_s,
+        "download_bytes": download_bytes,
+        "upload_bytes": upload_bytes,
+        "compression": (HEADER.size + 4 * params) / max(upload_bytes, 1),
+    }
+    debug_many(log, "client", (fields,))
 
 
 def transport_for(config: RunConfig) -> RemoteTransport:

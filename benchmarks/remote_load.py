@@ -699,7 +699,9 @@ _HEADLINE = (
     # (what, the path into a run's figures, its unit)
     ("updates accepted per second", ("updates_per_s",), "updates/s"),
     ("server CPU per update", ("server_cpu_ms_per_update",), "ms"),
-    ("offer p99 (long poll until the next task)", ("latency", "offer", "p99_ms"), "ms"),
+    # inline, the offer's answer holds the model: a server without it answers it alone and is asked for the model next
+    ("offer p99 (long poll until the next task, with its model when inline)", ("latency", "offer", "p99_ms"), "ms"),
+    ("model download p99 (a request of its own when not inline)", ("latency", "model", "p99_ms"), "ms"),
     ("upload p99", ("latency", "upload", "p99_ms"), "ms"),
     ("hello to first task p99", ("first_offer", "p99_ms"), "ms"),
 )

@@ -3,11 +3,13 @@
 A real ``python -m flasync serve`` (FedBuff, K = 10, on digits with the default model, every device busy:
 ``server.concurrency`` = devices; the wall clock; tracking to a temporary SQLite store; a large ``stop.max_versions``
 and a ``stop.max_wall_s`` bounding the run) is started on a free port of 127.0.0.1, one token per device. The devices
-are httpx coroutines in ``--processes`` load processes (this script with ``--worker``), each holding its own
-connection; none trains. A load process encodes one valid update of the served model's size ahead, with the
-server's upload codec, as a real client would send it, and every device re-sends those bytes for each task it is
-offered, with what must match the task (its id in the path, its incarnation in ``X-Flasync-Incarnation``). So the
-server is what is measured: the HTTP exchanges, decoding, intake, aggregation and tracking of each update.
+are coroutines in ``--processes`` load processes (this script with ``--worker``), each with its own keep-alive
+connection (``--client wire``: :mod:`wire`, a lean HTTP/1.1 client, so that the load processes leave the cores to the
+server; ``--client httpx``: an ``httpx.AsyncClient`` per device, as flasync's client); none trains. A load process
+encodes one valid update of the served model's size ahead, with the server's upload codec, as a real client would
+send it, and every device re-sends those bytes for each task it is offered, with what must match the task (its id in
+the path, its incarnation in ``X-Flasync-Incarnation``). So the server is what is measured: the HTTP exchanges,
+decoding, intake, aggregation and tracking of each update.
 
 For each number of devices (``--devices``, 100 and 1,000 by default), on a fresh server:
 
@@ -15,21 +17,28 @@ For each number of devices (``--devices``, 100 and 1,000 by default), on a fresh
   the seconds from its hello to its offer are the time a device connecting to a running server waits for its first
   task. The server's RSS with no device and with all of them connected (each holding a task) gives its memory per
   connected device.
-* *load*: for ``--seconds``, each device downloads the model of its task's version (once per version, as a client
-  that keeps the last one), uploads the update and asks for its next task. Printed: updates accepted per second,
-  p50/p99 of each endpoint (offer: the long-poll until the next task; model download; upload), the server's CPU
-  (user + system, psutil) per accepted update, and the accounting of every update sent: accepted (202) + refused
-  (any other answer) + timed out or failed = sent, beside the server's own counters (its summary's remote line:
-  updates received, requests refused by reason).
+* *load*: for ``--seconds``, each device takes its task with the model of its version inline (``--offer inline``:
+  ``GET /v1/task?model=inline&have=V``, nothing when it holds that version; a server without it answers the offer
+  alone and the device downloads the model, ``GET /v1/models/V``, as with ``--offer separate``), waits
+  ``--train-s`` on average as if it trained (0: not at all, the server saturated: each request then waits behind
+  every other device's), uploads the update and asks for its next task. Printed: updates accepted per second,
+  p50/p99 of each endpoint (offer: the long-poll until the next task, with its model when inline; model download;
+  upload), the server's CPU (user + system, psutil) per accepted update, and the accounting of every update sent:
+  accepted (202) + refused (any other answer) + timed out or failed = sent, beside the server's own counters (its
+  summary's remote line: updates received, requests refused by reason).
 
-On a 2-core machine the load processes share the cores with the server, so updates per second is a lower bound of
-the server's capacity; its CPU seconds per update is the figure that depends least on them (1 / that: the updates
-a second one core could take, the server's event loop being one thread). ``--profile PATH`` runs the server under
-cProfile (the event loop's thread) and prints its own seconds per area and its top functions. The figures, with a
-description of the machine, go to ``benchmarks/results/remote_load.json`` (through ``benchmarks/record.py``), headed by
-each device count's updates per second and server CPU per update against the smallest count's.
+``--baseline DIR`` measures the server of another flasync checkout too (a git worktree of an earlier commit; the
+load processes stay this script's), before this one at each step, ``--repeat`` times: the headline is each figure's
+mean over the repeats with its ratio to the baseline's. On a 2-core machine the load processes share the cores with
+the server, so updates per second is a lower bound of the server's capacity; its CPU seconds per update is the figure
+that depends least on them (1 / that: the updates a second one core could take, the server's event loop being one
+thread). ``--profile PATH`` runs the server under cProfile counting its event loop thread's CPU seconds during the
+load only, and prints them per update by area (HTTP, Starlette, the endpoints, the transport, decoding, intake,
+aggregation, logging and tracking, asyncio) and its top functions. The figures, with a description of the machine,
+go to ``benchmarks/results/remote_load.json`` (``benchmarks/record.py``).
 
-    python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2] [--profile PATH]
+    python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2] [--train-s S]
+        [--baseline DIR --repeat N] [--profile PATH] [--out JSON]
 """
 
 from __future__ import annotations
@@ -38,10 +47,14 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import pstats
+import random
 import re
 import secrets
+import signal
 import ssl
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,14 +67,17 @@ from typing import Any
 import httpx
 import psutil
 import torch
+import uvloop
 import yaml
 
 if __package__:  # imported as benchmarks.remote_load (by the tests)
-    from benchmarks.flood import free_port, machine, quantiles_ms, start_server, stop_server, wait_until_served
-    from benchmarks.record import Figure, store
+    from benchmarks.flood import free_port, quantiles_ms, start_server, stop_server, wait_until_served
+    from benchmarks.record import Figure, describe, machine, store
+    from benchmarks.wire import Answer, Connection, WireError
 else:
-    from flood import free_port, machine, quantiles_ms, start_server, stop_server, wait_until_served
-    from record import Figure, store
+    from flood import free_port, quantiles_ms, start_server, stop_server, wait_until_served
+    from record import Figure, describe, machine, store
+    from wire import Answer, Connection, WireError
 
 from flasync.codecs.build import pipeline
 from flasync.config import validate
@@ -70,6 +86,8 @@ _HERE = Path(__file__).resolve().parent
 _TIMEOUT_S = 30.0
 _POLL_S = 10.0
 ENDPOINTS = ("offer", "model", "upload")
+OFFER_HEADER = "x-flasync-offer"  # flasync.runtime.serve.OFFER_HEADER
+Http = httpx.AsyncClient | Connection
 _REPORT = json.dumps({"num_samples": 10, "train_loss": 0.5, "train_s": 0.01, "encode_s": 0.0, "download_s": 0.0})
 
 
@@ -151,16 +169,21 @@ class Device:
         tally: Where its requests are counted.
     """
 
-    def __init__(self, http: httpx.AsyncClient, token: str, update: bytes, tally: Tally) -> None:
+    def __init__(
+        self, http: Http, token: str, update: bytes, tally: Tally, inline: bool = True, train_s: float = 0.0
+    ) -> None:
         """Keep the settings (nothing is sent yet)."""
         self._http = http
+        self._train_s = train_s
+        self._pace = random.Random(token)  # each device's own stream of training times
         self._headers = {"authorization": f"Bearer {token}", "x-flasync-session": secrets.token_urlsafe(12)}
         self._update = update
         self._tally = tally
+        self._inline = inline
         self._version = -1
         self.ended = False
 
-    async def _send(self, endpoint: str, method: str, path: str, **kwargs: Any) -> httpx.Response | None:
+    async def _send(self, endpoint: str, method: str, path: str, **kwargs: Any) -> Answer | httpx.Response | None:
         """Send one request and count it; None when it timed out or failed."""
         headers = {**self._headers, **kwargs.pop("headers", {})}
         if endpoint in ENDPOINTS:
@@ -168,10 +191,10 @@ class Device:
         began = time.perf_counter()
         try:
             response = await self._http.request(method, path, headers=headers, **kwargs)
-        except httpx.TimeoutException:
+        except (httpx.TimeoutException, TimeoutError):
             self._tally.timed_out[endpoint] += 1
             return None
-        except httpx.TransportError:
+        except (httpx.TransportError, WireError):
             self._tally.failed[endpoint] += 1
             return None
         if endpoint in ENDPOINTS:
@@ -180,14 +203,28 @@ class Device:
         return response
 
     async def offer(self, until: float) -> dict[str, Any] | None:
-        """Ask for a task until one is offered (None: none by ``until`` on the performance counter, or the end)."""
+        """Ask for a task until one is offered (None: none by ``until`` on the performance counter, or the end).
+
+        With ``inline``, the offer is asked for with the model of its version in the same answer (unless this
+        device holds that version); a server that does not inline answers the offer alone, and :meth:`answer`
+        downloads the model.
+        """
         while time.perf_counter() < until and not self.ended:
             wait_s = max(0.05, min(_POLL_S, until - time.perf_counter()))  # every poll ends by ``until``
-            response = await self._send("offer", "GET", "/v1/task", params={"wait_s": round(wait_s, 3)})
+            params: dict[str, Any] = {"wait_s": round(wait_s, 3)}
+            if self._inline:
+                params |= {"model": "inline", "have": self._version}
+            response = await self._send("offer", "GET", "/v1/task", params=params)
             if response is None or response.status_code == 204:
                 continue
             if response.status_code == 200:
-                offer: dict[str, Any] = response.json()
+                inlined = response.headers.get(OFFER_HEADER)
+                if inlined is None:
+                    offer: dict[str, Any] = response.json()
+                    return offer
+                offer = json.loads(inlined)
+                if response.content:
+                    self._version = int(offer["base_version"])
                 return offer
             self.ended = response.status_code == 410
             await asyncio.sleep(float(response.headers.get("retry-after", 0.2)))
@@ -212,6 +249,8 @@ class Device:
             if response is None or response.status_code != 200:
                 return
             self._version = version
+        if self._train_s > 0:  # as long as a device trains: uniform in 0.5 .. 1.5 times train_s
+            await asyncio.sleep(self._train_s * (0.5 + self._pace.random()))
         headers = {
             "content-type": "application/octet-stream",
             "x-flasync-report": _REPORT,
@@ -240,6 +279,10 @@ async def drive(
     seconds: float,
     connect_s: float,
     connected: Callable[[int], Awaitable[None]] | None = None,
+    *,
+    client: str = "wire",
+    inline: bool = True,
+    train_s: float = 0.0,
 ) -> Tally:
     """Connect one device per token, wait for ``connected`` (told how many have a task), then load for ``seconds``.
 
@@ -250,19 +293,33 @@ async def drive(
         connect_s: How long the devices wait for their first task (those without one go on asking during the load).
         connected: Awaited once every device has its first task (or ``connect_s`` passed); the load starts when it
             returns.
+        client: Each device's HTTP client: ``wire`` (:class:`~wire.Connection`, one keep-alive connection and
+            little CPU per request) or ``httpx`` (an ``httpx.AsyncClient`` per device, as flasync's client).
+        inline: Ask for each offer with its model in the same answer (see :meth:`Device.offer`).
+        train_s: Mean seconds a device spends between its model and its upload, as if it trained (0: none, every
+            device answers at once: the server is saturated and each request's latency is the queue of every
+            device before it).
 
     Returns:
         What the devices sent and got back.
     """
     tally = Tally()
-    tls = ssl.create_default_context()  # unused over http://, but each client would build its own
     async with contextlib.AsyncExitStack() as clients:
-        pools = [
-            await clients.enter_async_context(httpx.AsyncClient(base_url=url, timeout=_TIMEOUT_S, verify=tls))
-            for _ in tokens
-        ]
+        pools: list[Http] = []
+        for _ in tokens:
+            if client == "httpx":
+                tls = ssl.create_default_context()  # unused over http://, but each client would build its own
+                pools.append(
+                    await clients.enter_async_context(httpx.AsyncClient(base_url=url, timeout=_TIMEOUT_S, verify=tls))
+                )
+            else:
+                connection = Connection(url, _TIMEOUT_S)
+                clients.push_async_callback(connection.aclose)
+                pools.append(connection)
         update = await asyncio.to_thread(precomputed_update, await _setup(pools[0], tokens[0]))
-        devices = [Device(http, token, update, tally) for http, token in zip(pools, tokens, strict=True)]
+        devices = [
+            Device(http, token, update, tally, inline, train_s) for http, token in zip(pools, tokens, strict=True)
+        ]
         until = time.perf_counter() + connect_s
         offers = await asyncio.gather(*(device.connect(until) for device in devices))
         if connected is not None:
@@ -272,30 +329,66 @@ async def drive(
     return tally
 
 
-async def _setup(http: httpx.AsyncClient, token: str) -> dict[str, Any]:
+async def _setup(http: Http, token: str) -> dict[str, Any]:
     """Return the server's answer to ``GET /v1/hello``, asking again while the run has not started (503)."""
     while True:
-        response = await http.get("/v1/hello", headers={"authorization": f"Bearer {token}"})
+        response = await http.request("GET", "/v1/hello", headers={"authorization": f"Bearer {token}"})
         if response.status_code != 503:
-            response.raise_for_status()
+            if response.status_code != 200:
+                raise SystemExit(f"GET /v1/hello answered {response.status_code}")
             setup: dict[str, Any] = response.json()
             return setup
         await asyncio.sleep(0.1)
 
 
-def _worker(url: str, tokens_file: str, seconds: float, connect_s: float) -> None:
-    """A load process: drive its devices; say ``connected N``, wait for a line on stdin, load, print the tally."""
+def _worker(
+    url: str, tokens_file: str, seconds: float, connect_s: float, client: str, inline: bool, train_s: float
+) -> None:
+    """A load process: drive its devices; say ``connected N``, wait for a line on stdin, load, write the tally
+    beside ``tokens_file`` (``.tally.json``)."""
 
     async def connected(count: int) -> None:
         print(f"connected {count}", flush=True)
         await asyncio.to_thread(sys.stdin.readline)
 
     tokens = Path(tokens_file).read_text().split()
-    tally = asyncio.run(drive(url, tokens, seconds, connect_s, connected))
-    print(json.dumps(tally.to_json()), flush=True)
+    tally = uvloop.run(drive(url, tokens, seconds, connect_s, connected, client=client, inline=inline, train_s=train_s))
+    Path(tokens_file).with_suffix(".tally.json").write_text(json.dumps(tally.to_json()))
 
 
 # ------------------------------------------------------------------------------------------------ the server
+_PROFILED_WINDOW = """
+import cProfile, os, runpy, signal, sys, time
+profile = cProfile.Profile(time.thread_time)
+def dump(*_):  # written whole under another name, then renamed: the file is there once complete
+    profile.disable()
+    profile.dump_stats({path!r} + ".part")
+    os.replace({path!r} + ".part", {path!r})
+signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
+signal.signal(signal.SIGUSR2, dump)
+sys.argv[0] = "flasync"
+runpy.run_module("flasync", run_name="__main__")
+"""
+
+
+def _start_server(
+    folder: Path, config: Path, port: int, profile: Path | None, checkout: Path | None
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m flasync serve`` from ``checkout`` (None: the flasync this script imports); with
+    ``profile``, under cProfile counting the event loop thread's CPU seconds between SIGUSR1 (enable) and SIGUSR2
+    (disable and write ``profile``)."""
+    if profile is None and checkout is None:
+        return start_server(folder, config, port, None)
+    runner = ["-c", _PROFILED_WINDOW.format(path=str(profile))] if profile is not None else ["-m", "flasync"]
+    command = [sys.executable, *runner, "serve", str(config)]
+    command += ["--port", str(port), "--no-system-metrics", "--log-level", "warning"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if checkout is not None:
+        env["PYTHONPATH"] = str(checkout)
+    with (folder / "serve.out").open("wb") as out, (folder / "serve.err").open("wb") as err:
+        return subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=folder)
+
+
 def _config(folder: Path, devices: int, seconds: float) -> tuple[Path, list[str]]:
     """Write the served run's config and tokens file; return the config's path and the tokens."""
     tokens = [secrets.token_urlsafe(24) for _ in range(devices)]
@@ -336,6 +429,7 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         part = Path(args.folder) / f"tokens-{i}.txt"
         part.write_text("\n".join(tokens[i * share : (i + 1) * share]) + "\n")
         command = [sys.executable, __file__, "--worker", url, str(part), str(args.seconds), str(args.connect_s)]
+        command += ["--client", args.client, "--offer", args.offer, "--train-s", str(args.train_s)]
         pipe = asyncio.subprocess.PIPE
         workers.append(await asyncio.create_subprocess_exec(*command, stdin=pipe, stdout=pipe))
     rss_idle = server.memory_info().rss
@@ -343,15 +437,22 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
     counts = [int((await w.stdout.readline()).split()[1]) for w in workers if w.stdout is not None]
     connect_s = time.perf_counter() - began
     rss_connected = server.memory_info().rss
+    if args.profile is not None:
+        server.send_signal(signal.SIGUSR1)  # the profile covers the load, not the start nor the connections
     cpu_before, began = server.cpu_times(), time.perf_counter()
     for worker in workers:
         assert worker.stdin is not None
         worker.stdin.write(b"go\n")
         await worker.stdin.drain()
     tally = Tally()
-    for worker in workers:
-        tally.add(json.loads((await worker.communicate())[0]))
+    for i, worker in enumerate(workers):
+        said = (await worker.communicate())[0].decode(errors="replace").strip()
+        if said:
+            print(f"  load process {i} said: {said[:500]}", file=sys.stderr)
+        tally.add(json.loads((Path(args.folder) / f"tokens-{i}.tally.json").read_text()))
     cpu_after, wall_s = server.cpu_times(), time.perf_counter() - began
+    if args.profile is not None:
+        server.send_signal(signal.SIGUSR2)
     cpu_s = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
     updates = tally.updates()
     accepted = max(updates["accepted"], 1)
@@ -374,60 +475,105 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
     }
 
 
-async def _measure(args: argparse.Namespace, devices: int) -> dict[str, Any]:
-    """Serve a fresh run, load it with ``devices`` devices, stop it; return the figures with its counters."""
+async def _measure(args: argparse.Namespace, devices: int, checkout: Path | None = None) -> dict[str, Any]:
+    """Serve a fresh run (from ``checkout``; None: this flasync), load it with ``devices`` devices, stop it; return
+    the figures with its counters."""
     with tempfile.TemporaryDirectory(prefix="remote-load-") as folder:
         args.folder = folder
         config, tokens = _config(Path(folder), devices, args.seconds)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         profile = args.profile.with_suffix(f".{devices}.prof") if args.profile else None
-        server = start_server(Path(folder), config, port, profile)
+        if profile is not None:
+            profile.unlink(missing_ok=True)
+        server = _start_server(Path(folder), config, port, profile, checkout)
         try:
             ready_s = await wait_until_served(url, server, 120.0)
             print(f"\n{devices} devices: server pid {server.pid} running after {ready_s:.1f} s on {url}", flush=True)
             figures = await _load(args, url, psutil.Process(server.pid), tokens)
+            for _ in range(300):  # the profile is written by the server's SIGUSR2 handler
+                if profile is None or profile.exists():
+                    break
+                await asyncio.sleep(0.1)
         finally:
             figures_exit = stop_server(server)
         figures["server_exit"] = figures_exit
         figures["server"] = server_counters((Path(folder) / "serve.out").read_text())
+        if figures["server"] is None:  # no summary: say why the server ended as it did
+            print((Path(folder) / "serve.err").read_text()[-2000:], file=sys.stderr)
     if profile is not None:
-        figures["profile"] = _profile_top(profile, args.top)
+        figures["profile"] = _profile_top(profile, args.top, figures["updates"]["accepted"])
     return figures
 
 
-_HTTP = ("h11", "uvicorn", "starlette", "httptools", "anyio")
+_AREAS = (
+    # (where the file lives, the area): the first match names a function's area
+    ("/flasync/codecs/", "decode (flasync.codecs)"),
+    ("/flasync/aggregation/", "aggregation"),
+    ("/flasync/server/", "intake and server loop (flasync.server)"),
+    ("/flasync/clients/remote/", "transport (flasync.clients.remote)"),
+    ("/flasync/runtime/serve", "endpoints (flasync.runtime.serve)"),
+    ("/flasync/tracking/", "logging and tracking"),
+    ("/flasync/observe/", "logging and tracking"),
+    ("/structlog/", "logging and tracking"),
+    ("/logging/", "logging and tracking"),
+    ("/flasync/", "flasync, other"),
+    ("/h11/", "HTTP parsing and writing (uvicorn, h11, httptools)"),
+    ("/httptools/", "HTTP parsing and writing (uvicorn, h11, httptools)"),
+    ("/uvicorn/", "HTTP parsing and writing (uvicorn, h11, httptools)"),
+    ("/starlette/", "Starlette (requests, routing, responses)"),
+    ("/anyio/", "Starlette (requests, routing, responses)"),
+    ("/json/", "JSON"),
+    ("/asyncio/", "asyncio scheduling"),
+    ("/uvloop/", "asyncio scheduling"),
+    ("/torch/", "torch and numpy"),
+    ("/numpy/", "torch and numpy"),
+)
 
 
 def _area(filename: str) -> str:
-    """Name where a profiled function lives: HTTP (h11, uvicorn, Starlette), a flasync package, asyncio, builtins."""
-    if "site-packages/" in filename:
-        package = filename.split("site-packages/", 1)[1].split("/", 1)[0]
-        return "HTTP" if package in _HTTP else package
-    if "/flasync/" in filename:
-        return "flasync." + filename.rsplit("/flasync/", 1)[1].split("/", 1)[0].removesuffix(".py")
-    if "/asyncio/" in filename:
-        return "asyncio"
-    return "builtins" if filename == "~" else "other"
+    """Name the area of the server a profiled function's file belongs to (see :data:`_AREAS`)."""
+    for where, area in _AREAS:
+        if where in filename:
+            return area
+    return "other"
 
 
-def _profile_top(path: Path, top: int) -> dict[str, Any]:
-    """Return the profile's own seconds per area and its ``top`` functions by own time (calls, own and cumulative
-    seconds, where).
+def _profile_top(path: Path, top: int, updates: int) -> dict[str, Any]:
+    """Return the profile's CPU seconds per area, per update, and its ``top`` functions by own time.
 
-    cProfile sees the event loop's thread only, and counts a long poll's wait for a task (``next_task``) and the
-    loop's wait for sockets (``select``/``poll``) as time spent in them.
+    The profile counts the event loop thread's CPU seconds (``time.thread_time``) during the load only. A built-in
+    function's (C) own time goes to the areas of its callers, in the shares they called it for, so that
+    ``json.loads``'s scanner counts as JSON and a socket write as the HTTP layer that asked for it; the loop's own
+    C code (uvloop) calling back into Python is not a function cProfile sees, so its time lands in its caller
+    (``asyncio.runners``).
     """
     stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
     areas: Counter[str] = Counter()
-    for (filename, _, _), (_, _, own_s, _, _) in stats.items():
-        areas[_area(filename)] += own_s
+    for (filename, _, _), (_, _, own_s, _, callers) in stats.items():
+        if filename != "~":
+            areas[_area(filename)] += own_s
+            continue
+        shares = {caller: figures[2] for caller, figures in callers.items()}
+        if not shares:
+            areas["built-in, no caller seen"] += own_s
+        for (caller_file, _, _), share_s in shares.items():
+            areas["built-in, called by built-in" if caller_file == "~" else _area(caller_file)] += share_s
     rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
     functions = [
         {"function": f"{Path(f).name}:{line}({name})", "calls": nc, "own_s": round(tt, 3), "cumulative_s": round(ct, 3)}
         for (f, line, name), (_, nc, tt, ct, _) in rows
     ]
-    return {"areas_own_s": {k: round(v, 3) for k, v in areas.most_common()}, "functions": functions}
+    total = sum(areas.values())
+    per_update = max(updates, 1)
+    return {
+        "cpu_s": round(total, 3),
+        "updates": updates,
+        "cpu_us_per_update": round(1e6 * total / per_update, 1),
+        "areas_cpu_s": {k: round(v, 3) for k, v in areas.most_common()},
+        "areas_us_per_update": {k: round(1e6 * v / per_update, 1) for k, v in areas.most_common()},
+        "functions": functions,
+    }
 
 
 def _print(figures: dict[str, Any]) -> None:
@@ -465,9 +611,11 @@ def _print(figures: dict[str, Any]) -> None:
     profile = figures.get("profile")
     if profile is not None:
         print(
-            "  server profile (event loop thread), own seconds: "
-            + ", ".join(f"{area} {own_s:.2f}" for area, own_s in profile["areas_own_s"].items())
+            f"  server profile (event loop thread's CPU during the load): {profile['cpu_s']:.2f} s, "
+            f"{profile['cpu_us_per_update']:.0f} us per update; per update by area:"
         )
+        for area, us in profile["areas_us_per_update"].items():
+            print(f"    {us:8.1f} us  {area}")
         for row in profile["functions"]:
             print(
                 f"    {row['own_s']:8.3f} s own {row['cumulative_s']:8.3f} s cum {row['calls']:>9}  {row['function']}"
@@ -483,51 +631,125 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="profile rows printed and stored")
     parser.add_argument("--out", type=Path, default=_HERE / "results" / "remote_load.json", help="results JSON")
     parser.add_argument("--connect-s", type=float, default=10.0, help="longest wait of the devices for a first task")
+    parser.add_argument(
+        "--client", choices=("wire", "httpx"), default="wire", help="each device's HTTP client (see drive())"
+    )
+    parser.add_argument(
+        "--offer",
+        choices=("inline", "separate"),
+        default="inline",
+        help="ask for each offer with its model inline (a server without it answers the offer alone)",
+    )
+    parser.add_argument(
+        "--train-s",
+        type=float,
+        default=0.0,
+        help="mean seconds each device 'trains' between offer and upload (0: saturate the server)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another flasync checkout (a git worktree of an earlier commit) whose server is measured too, before "
+        "this one at each step (the same load processes, this script's)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="measurements of each configuration, interleaved")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         url, tokens_file, seconds, connect_s = args.worker
-        _worker(url, tokens_file, float(seconds), float(connect_s))
+        _worker(url, tokens_file, float(seconds), float(connect_s), args.client, args.offer == "inline", args.train_s)
         return
     if args.profile is not None:
         args.profile = args.profile.resolve()
     described = machine()
-    print(f"{described['cpu']}, {described['cpus']} CPUs, load {described['load_average_1m']}, {described['commit']}")
+    print(describe(described))
     print(f"{args.seconds} s of load; devices in {args.processes} process(es) on 127.0.0.1")
-    runs = {}
-    for devices in args.devices:
-        runs[str(devices)] = figures = asyncio.run(_measure(args, devices))
-        _print(figures)
-    store(
-        "remote_load",
-        described,
-        settings={
-            "seconds": args.seconds,
-            "connect_s": args.connect_s,
-            "processes": args.processes,
-            "profiled": args.profile is not None,
-        },
-        headline=_headline(runs),
-        figures={"runs": runs},
-        out=args.out,
-    )
+    servers: dict[str, Path | None] = {"this": None}
+    if args.baseline is not None:
+        servers = {"baseline": args.baseline.resolve(), "this": None}  # the baseline first in every pair
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name in servers}
+    for repeat in range(args.repeat):
+        for devices in args.devices:
+            for name, checkout in servers.items():
+                print(f"\n[{name}{f' {checkout}' if checkout else ''}, repeat {repeat + 1}]", flush=True)
+                figures = asyncio.run(_measure(args, devices, checkout))
+                figures["load_average_1m"] = round(os.getloadavg()[0], 2)
+                runs[name].setdefault(str(devices), []).append(figures)
+                _print(figures)
+    headline = _headline(runs, args.baseline)
+    print()
+    for row in headline:
+        against = f" ({row.ratio:.2f}x the {row.baseline})" if row.ratio is not None else ""
+        print(f"  {row.name}: {row.value:g} {row.unit}{against}")
+    settings = {
+        "seconds": args.seconds,
+        "connect_s": args.connect_s,
+        "processes": args.processes,
+        "client": args.client,
+        "offer": args.offer,
+        "train_s": args.train_s,
+        "repeat": args.repeat,
+        "baseline": str(args.baseline) if args.baseline is not None else None,
+        "profiled": args.profile is not None,
+    }
+    store("remote_load", described, settings=settings, headline=headline, figures={"runs": runs}, out=args.out)
 
 
-def _headline(runs: dict[str, dict[str, Any]]) -> list[Figure]:
-    """Return each device count's accepted updates per second and server CPU per update, against the smallest
-    device count's of the same run."""
-    first = runs[min(runs, key=int)]
-    rows: list[Figure] = []
-    for devices, figures in runs.items():
-        base = None if figures is first else f"{first['devices']} devices"
-        for key, name, unit in (
-            ("updates_per_s", "accepted updates per second", "updates/s"),
-            ("server_cpu_ms_per_update", "server CPU per update", "ms"),
-        ):
-            value = float(figures[key])
-            ratio = None if base is None or not first[key] else value / float(first[key])
-            rows.append(Figure(f"{devices} devices: {name}", value, unit, base, ratio))
-    return rows
+_HEADLINE = (
+    # (what, the path into a run's figures, its unit)
+    ("updates accepted per second", ("updates_per_s",), "updates/s"),
+    ("server CPU per update", ("server_cpu_ms_per_update",), "ms"),
+    # inline, the offer's answer holds the model: a server without it answers it alone and is asked for the model next
+    ("offer p99 (long poll until the next task, with its model when inline)", ("latency", "offer", "p99_ms"), "ms"),
+    ("model download p99 (a request of its own when not inline)", ("latency", "model", "p99_ms"), "ms"),
+    ("upload p99", ("latency", "upload", "p99_ms"), "ms"),
+    ("hello to first task p99", ("first_offer", "p99_ms"), "ms"),
+)
+
+
+def _mean(rows: list[dict[str, Any]], path: tuple[str, ...]) -> float:
+    values = []
+    for row in rows:
+        value: Any = row
+        for key in path:
+            value = value.get(key, 0.0) if isinstance(value, dict) else 0.0
+        values.append(float(value))
+    return round(sum(values) / max(len(values), 1), 3)
+
+
+def _headline(runs: dict[str, dict[str, list[dict[str, Any]]]], baseline: Path | None) -> list[Figure]:
+    """Return the headline: per number of devices, each figure of :data:`_HEADLINE` as the mean of the repeats of
+    this server, with its ratio to the baseline's mean (measured in the same invocation, interleaved)."""
+    headline = []
+    for devices, rows in runs["this"].items():
+        for what, path, unit in _HEADLINE:
+            value = _mean(rows, path)
+            base = _mean(runs["baseline"][devices], path) if baseline is not None else None
+            headline.append(
+                Figure(
+                    name=f"{what}, {devices} devices",
+                    value=value,
+                    unit=unit,
+                    baseline=f"server of {baseline.name}" if baseline is not None else None,
+                    ratio=round(value / base, 3) if base else None,
+                )
+            )
+        if "profile" not in rows[0]:
+            continue
+        for area in rows[0]["profile"]["areas_us_per_update"]:  # the profile's areas, the largest first
+            path = ("profile", "areas_us_per_update", area)
+            value = _mean(rows, path)
+            base = _mean(runs["baseline"][devices], path) if baseline is not None else None
+            headline.append(
+                Figure(
+                    name=f"event loop CPU per update (profiled): {area}, {devices} devices",
+                    value=value,
+                    unit="us",
+                    baseline=f"server of {baseline.name}" if baseline is not None else None,
+                    ratio=round(value / base, 3) if base else None,
+                )
+            )
+    return headline
 
 
 if __name__ == "__main__":

@@ -14,7 +14,12 @@ flasync's binary codec format as ``application/octet-stream``; refusals are ``{"
   A task is handed to one connection, named by the ``X-Flasync-Session`` header (a random string a client process
   picks once; absent: the empty one): that connection asking again gets the same task; another with the same
   token gets 409 ``token_in_use`` with ``Retry-After`` while the task is in flight, and 403 if it uploads for it.
-- ``GET /v1/models/{version}``: the encoded model of a version a task is based on (encoded once per version).
+  With ``model=inline`` (and ``have=V``, the version the client holds; -1: none), a task comes with its model:
+  the body is the encoded model of the task's version (empty when that is ``V``), the task's JSON is in the
+  ``X-Flasync-Offer`` header; one request where a task used to take two. A server without it answers the JSON
+  offer alone, which a client reads as before.
+- ``GET /v1/models/{version}``: the encoded model of a version a task is based on (encoded once per version), with
+  an ``ETag``; ``If-None-Match`` naming it is answered 304 with no body.
 - ``POST /v1/tasks/{task_id}/update``: the encoded update as the body, the training report as JSON in the
   ``X-Flasync-Report`` header (with the client's evaluation of the downloaded model when ``eval.clients`` chose
   the task: :class:`~flasync.clients.remote.transport.EvaluationReport`), the task's ``incarnation`` (from its
@@ -52,9 +57,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from flasync.clients.remote.limits import AddressLimits
-from flasync.clients.remote.transport import Refusal, RemoteTransport, Report
+from flasync.clients.remote.transport import ModelDownload, Offer, Refusal, RemoteTransport, Report
 from flasync.core.errors import ConfigError
 from flasync.core.events import ClientId
 
@@ -65,6 +71,7 @@ __all__ = [
     "BODY_IDLE_S",
     "HEADER_TIMEOUT_S",
     "INCARNATION_HEADER",
+    "OFFER_HEADER",
     "REPORT_HEADER",
     "SESSION_HEADER",
     "asgi_app",
@@ -77,6 +84,8 @@ SESSION_HEADER = "x-flasync-session"
 """The header naming a client process's connection (a random string it picks once): a task is handed to one."""
 INCARNATION_HEADER = "x-flasync-incarnation"
 """The header of an answer naming the server process that handed the task out (its offer's ``incarnation``)."""
+OFFER_HEADER = "x-flasync-offer"
+"""The header of an offer answered with its model inline (``GET /v1/task?model=inline``): the offer's JSON."""
 _MAX_SESSION_CHARS = 64
 _SESSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 _MAX_REPORT_CHARS = 4096
@@ -110,11 +119,12 @@ def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starl
     limited = routes.limited
     secagg = _SecAggRoutes(routes)
     return Starlette(
+        # In the order of their share of requests: the router tries them one by one.
         routes=[
-            Route("/v1/hello", limited(routes.hello), methods=["GET"]),
             Route("/v1/task", limited(routes.task), methods=["GET"]),
-            Route("/v1/models/{version}", limited(routes.model), methods=["GET"]),
             Route("/v1/tasks/{task_id}/update", limited(routes.upload), methods=["POST"]),
+            Route("/v1/models/{version}", limited(routes.model), methods=["GET"]),
+            Route("/v1/hello", limited(routes.hello), methods=["GET"]),
             Route("/v1/tasks/{task_id}/failed", limited(routes.failed), methods=["POST"]),
             Route("/v1/status", routes.status, methods=["GET"]),
             Route("/v1/tasks/{task_id}/held", limited(secagg.held), methods=["POST"]),
@@ -201,25 +211,44 @@ class _Routes:
         session = self.session_of(request)
         if isinstance(session, Refusal):
             return self.malformed(client_id, session.detail)
+        inline = request.query_params.get("model") == "inline"
+        have = request.query_params.get("have", "-1") if inline else "-1"
+        if not (have == "-1" or (have.isascii() and have.isdigit() and len(have) <= _MAX_ID_DIGITS)):
+            return self.malformed(client_id, "have must be a model version (-1: none)")
         offer = await self.transport.next_task(client_id, wait_s if wait_s == wait_s else 0.0, session)
         if offer is None:
             return Response(status_code=204)
         if isinstance(offer, Refusal):
             return _refused(offer)
+        if inline:
+            return await self.inline(client_id, offer, int(have))
         return JSONResponse(offer.to_json())
 
+    async def inline(self, client_id: ClientId, offer: Offer, have: int) -> Response:
+        """Answer ``offer`` with the encoded model of its version as the body (empty when the client holds that
+        version, ``have``, or when it is no longer served: the client then downloads it), the offer's JSON in
+        :data:`OFFER_HEADER`."""
+        headers = {OFFER_HEADER: json.dumps(offer.to_json(), separators=(",", ":"))}
+        if offer.base_version == have:
+            return Response(b"", media_type=_OCTETS, headers=headers)
+        download = await self.transport.model(client_id, offer.base_version)
+        if isinstance(download, Refusal):  # the run ended or the version went meanwhile: the offer alone
+            return Response(b"", media_type=_OCTETS, headers=headers)
+        return Response(download.payload, media_type=_OCTETS, headers={**headers, "etag": download.etag})
+
     async def model(self, request: Request) -> Response:
-        """``GET /v1/models/{version}``: answer the encoded model of a version."""
+        """``GET /v1/models/{version}``: answer the encoded model of a version (304 when ``If-None-Match`` names
+        its entity tag)."""
         client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
         version = _id(request, "version")
         if isinstance(version, Refusal):
             return self.malformed(client_id, version.detail)
-        payload = await self.transport.model(client_id, version)
-        if isinstance(payload, Refusal):
-            return _refused(payload)
-        return Response(payload, media_type=_OCTETS)
+        download = await self.transport.model(client_id, version, request.headers.get("if-none-match"))
+        if isinstance(download, Refusal):
+            return _refused(download)
+        return _model_response(download)
 
     async def upload(self, request: Request) -> Response:
         """``POST /v1/tasks/{task_id}/update``: take a task's encoded update and its training report."""
@@ -384,21 +413,27 @@ async def _read_body(request: Request, limit: int) -> bytes | int | None:
     """Read a request's body in chunks: its bytes; the size read so far once it passes ``limit`` (the rest is never
     read); None when a chunk took longer than :data:`BODY_IDLE_S` to come."""
     idle_s = BODY_IDLE_S
+    loop = asyncio.get_running_loop()
     chunks: list[bytes] = []
     size = 0
-    stream = request.stream().__aiter__()
-    while True:
-        try:
-            async with asyncio.timeout(idle_s):
-                chunk = await anext(stream)
-        except StopAsyncIteration:
-            return b"".join(chunks)
-        except TimeoutError:
-            return None
-        size += len(chunk)
-        if size > limit:
-            return size
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(idle_s) as deadline:  # one deadline, moved on at every chunk
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return size
+                chunks.append(chunk)
+                deadline.reschedule(loop.time() + idle_s)
+    except TimeoutError:
+        return None
+    return b"".join(chunks)  # one chunk: that very object, not a copy
+
+
+def _model_response(download: ModelDownload) -> Response:
+    headers = {"etag": download.etag, "cache-control": "private, no-cache"}
+    if not download.modified:
+        return Response(status_code=304, headers=headers)
+    return Response(download.payload, media_type=_OCTETS, headers=headers)
 
 
 def _refused(refusal: Refusal) -> Response:
@@ -439,8 +474,9 @@ async def serve(
         host=host,
         port=port,
         log_level="warning",
+        access_log=False,
         lifespan="off",
-        http=_HeaderDeadline,
+        http=_FastHeaderDeadline,
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
         timeout_graceful_shutdown=1,
@@ -523,4 +559,52 @@ class _HeaderDeadline(H11Protocol):
     def _headers_late(self) -> None:
         self._deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+class _FastHeaderDeadline(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol on httptools (llhttp's C parser, the one :func:`serve` runs) with the deadline of
+    :class:`_HeaderDeadline` on a request's headers.
+
+    The deadline runs from the moment the connection opened or answered its last request (its next request's
+    headers are what is to come) until that request's headers are complete; a request taken in while another was
+    answered (pipelined) has its headers already.
+    """
+
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Start the connection's first deadline."""
+        super().connection_made(transport)
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        """Drop the deadline: a whole request line and headers came."""
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        """Start the next request's deadline unless that request came whole already (pipelined)."""
+        pipelined = bool(self.pipeline)
+        super().on_response_complete()
+        if not pipelined:
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Drop the deadline with the connection."""
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is None and not self.transport.is_closing():
+            self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
             self.transport.close()

@@ -8,7 +8,8 @@ only when an update was delivered. Network errors, 429 and 503 are retried with 
 (honouring ``Retry-After``), so a client rides out a server restart; a task the server no longer holds is dropped.
 Each client process names its connection with a random session (``X-Flasync-Session``): a task is handed to one
 connection, and a client whose token another device is using waits (409 ``token_in_use``) rather than train the
-same task.
+same task. A task is asked for with its model inline (``model=inline``, naming the version the client holds), so a
+task costs two requests; from a server that answers the task alone, the model is downloaded next.
 See :mod:`flasync.runtime.serve` for the protocol.
 """
 
@@ -46,6 +47,7 @@ __all__ = ["Client", "ClientStats", "RemoteError", "model_from_config"]
 _REPORT_HEADER = "x-flasync-report"  # flasync.runtime.serve.REPORT_HEADER (not imported: the client needs no Starlette)
 _SESSION_HEADER = "x-flasync-session"  # flasync.runtime.serve.SESSION_HEADER
 _INCARNATION_HEADER = "x-flasync-incarnation"  # flasync.runtime.serve.INCARNATION_HEADER
+_OFFER_HEADER = "x-flasync-offer"  # flasync.runtime.serve.OFFER_HEADER
 
 
 class RemoteError(FlasyncError):
@@ -177,13 +179,17 @@ class Client:
         await asyncio.to_thread(self._prepare)
         answered = 0
         while max_tasks is None or answered < max_tasks:
-            response = await self._request(http, "GET", "/v1/task", params={"wait_s": self.poll_s})
+            # The task with its model in one answer (unless the model is the one held); a server that does not
+            # inline answers the offer alone and the model is downloaded next.
+            held = self._cached[0] if self._cached is not None else -1
+            params = {"wait_s": self.poll_s, "model": "inline", "have": held}
+            response = await self._request(http, "GET", "/v1/task", params=params)
             if response.status_code == 204:
                 continue
             if response.status_code == 410:
                 self._ended(response)
                 break
-            offer = _json(response)
+            offer = self._offer(response)
             self.stats.tasks += 1
             if await self._answer(http, offer):
                 answered += 1
@@ -271,17 +277,38 @@ class Client:
         self.stats.dropped += outcome != "summed"
         return outcome == "summed"
 
+    def _offer(self, response: httpx.Response) -> dict[str, Any]:
+        """Return an answered task; keep the model that came inline with it (see :mod:`flasync.runtime.serve`)."""
+        inline = response.headers.get(_OFFER_HEADER)
+        if inline is None:
+            return _json(response)
+        try:
+            offer: dict[str, Any] = json.loads(inline)
+        except ValueError:
+            raise RemoteError(f"{self.server} sent an offer that is not JSON") from None
+        if response.content:
+            self._keep(int(offer["base_version"]), response.content)
+        return offer
+
     async def _weights(self, http: httpx.AsyncClient, version: int) -> torch.Tensor | None:
+        """Return the model of ``version``: the one held, else downloaded (None: the server no longer serves it)."""
         cached = self._cached
         if cached is not None and cached[0] == version:
             return cached[1]
         response = await self._request(http, "GET", f"/v1/models/{version}")
         if response.status_code != 200:
             return None
-        self.stats.download_bytes += len(response.content)
-        num_params = int(self._setup["num_params"])
+        return self._keep(version, response.content)
+
+    def _keep(self, version: int, payload: bytes) -> torch.Tensor:
+        """Decode the model of ``version`` and hold it (the last one only).
+
+        Raises:
+            RemoteError: It does not decode to the model's size.
+        """
+        self.stats.download_bytes += len(payload)
         try:
-            weights = codecs.decode(response.content, expected_elements=num_params)
+            weights = codecs.decode(payload, expected_elements=int(self._setup["num_params"]))
         except DecodeError as exc:
             raise RemoteError(f"the server's model of version {version} does not decode: {exc}") from None
         self._cached = (version, weights)

@@ -42,6 +42,7 @@ from flasync.core.events import (
     UpdateUploaded,
     Version,
 )
+from flasync.core.instruments import debug_many, logs_debug
 from flasync.core.snapshots import ModelSnapshot
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EvaluationReport",
     "Incarnations",
+    "ModelDownload",
     "Offer",
     "Refusal",
     "RemoteTransport",
@@ -185,6 +187,23 @@ class Offer:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ModelDownload:
+    """The encoded model of one version as it is downloaded.
+
+    Attributes:
+        version: The model's version.
+        payload: Its encoding (empty when the client holds it already: ``modified`` is False).
+        etag: A strong HTTP entity tag of the encoding (quoted; the same for every request for that version).
+        modified: False when the client named ``etag`` as one it holds (HTTP 304: nothing is sent).
+    """
+
+    version: int
+    payload: bytes
+    etag: str
+    modified: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EvaluationReport:
     """A client's evaluation of the model it downloaded, sent with its update (client-side evaluation).
 
@@ -245,6 +264,15 @@ class EvaluationReport:
             simulated_s=simulated_s,
             eval_s=self.eval_s,
         )
+
+
+def _names_etag(if_none_match: str, etag: str) -> bool:
+    """Tell whether an ``If-None-Match`` header names ``etag`` (or is ``*``), weak tags compared weakly."""
+    for tag in if_none_match.split(","):
+        tag = tag.strip()
+        if tag == "*" or tag.removeprefix("W/") == etag:
+            return True
+    return False
 
 
 def _finite(value: object, name: str) -> float:
@@ -360,6 +388,10 @@ class Incarnations:
 class _DeviceRegistry:
     """Which remote devices are connected: each one's last request, the polls it has open and the task it took.
 
+    Each figure is kept twice: by device (a dictionary, for one device's question) and as an array over the
+    population (for :meth:`online_mask`, which the sampler asks at every dispatch: array operations over the
+    population, never a pass over dictionaries).
+
     Args:
         wall: Monotonic real seconds.
     """
@@ -372,10 +404,25 @@ class _DeviceRegistry:
         self.seen: dict[ClientId, float] = {}  # a device's last request (wall seconds)
         self.handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
         self.polls: Counter[ClientId] = Counter()
+        self._seen_at = np.empty(0, dtype=np.float64)  # -inf: never heard from
+        self._handed = np.empty(0, dtype=bool)
+        self._polls = np.empty(0, dtype=np.int64)
 
     def attach(self, bus: EventBus, num_clients: int) -> None:
         """Tell the run's server (on ``bus``) of devices that come online, from a population of ``num_clients``."""
         self._bus, self.num_clients = bus, num_clients
+        self._seen_at = np.full(num_clients, -np.inf)
+        self._handed = np.zeros(num_clients, dtype=bool)
+        self._polls = np.zeros(num_clients, dtype=np.int64)
+        for client_id, at in self.seen.items():
+            if client_id < num_clients:
+                self._seen_at[client_id] = at
+        for client_id, count in self.polls.items():
+            if client_id < num_clients:
+                self._polls[client_id] = count
+        for client_id in self.handed:
+            if client_id < num_clients:
+                self._handed[client_id] = True
 
     def heard(self, client_id: ClientId, *, asking: bool = False) -> None:
         """Note that ``client_id`` made a request now; one asking for a task (``asking``) after a silence longer than
@@ -383,9 +430,30 @@ class _DeviceRegistry:
         rather than once the next answer arrives."""
         now, last = self._wall(), self.seen.get(client_id)
         self.seen[client_id] = now
+        if client_id < self.num_clients:
+            self._seen_at[client_id] = now
         if asking and self._bus is not None and (last is None or now - last > self.online_window_s):
             with contextlib.suppress(BusFull, BusClosed):  # then the next answer fills the server's free slots
                 self._bus.publish_nowait(ClientConnected(client_id=client_id))
+
+    def hand(self, client_id: ClientId, task_id: int) -> None:
+        """Note that ``client_id`` took ``task_id`` (it is not given another before it asks again)."""
+        self.handed[client_id] = task_id
+        if client_id < self.num_clients:
+            self._handed[client_id] = True
+
+    def asks(self, client_id: ClientId) -> None:
+        """Forget the task ``client_id`` took: it asks again (alive, and given its task again if one is in flight)."""
+        if self.handed.pop(client_id, None) is not None and client_id < self.num_clients:
+            self._handed[client_id] = False
+
+    def poll(self, client_id: ClientId, change: int) -> None:
+        """Count a poll of ``client_id`` that opens (``change`` 1) or closes (-1)."""
+        count = self.polls[client_id] = self.polls[client_id] + change
+        if not count:
+            del self.polls[client_id]
+        if client_id < self.num_clients:
+            self._polls[client_id] = count
 
     def online(self, client_id: int, t: float) -> bool:
         """Tell whether device ``client_id`` is connected: asking for a task now, or heard from within
@@ -400,21 +468,12 @@ class _DeviceRegistry:
         return seen is not None and self._wall() - seen <= self.online_window_s
 
     def online_mask(self, t: float) -> np.ndarray:
-        """Return a boolean array over the population: which devices are connected now."""
-        mask = np.zeros(self.num_clients, dtype=bool)
-        # online() over every device, in array operations: heard within the window, not holding a task, or polling.
-        ids = np.fromiter(self.seen, dtype=np.intp, count=len(self.seen))
-        heard = np.fromiter(self.seen.values(), dtype=np.float64, count=len(self.seen))
-        recent = ids[(self._wall() - heard <= self.online_window_s) & (ids < self.num_clients)]
-        mask[recent] = True
-        mask[self._ids(self.handed)] = False
-        mask[self._ids(self.polls)] = True
+        """Return a boolean array over the population: which devices are connected now (:meth:`online` of each:
+        heard within the window and not holding a task, or polling)."""
+        mask: np.ndarray = self._wall() - self._seen_at <= self.online_window_s
+        mask &= ~self._handed
+        mask |= self._polls > 0
         return mask
-
-    def _ids(self, devices: Iterable[ClientId]) -> np.ndarray:
-        """Return the ids of ``devices`` within the population, as an index array."""
-        ids = np.fromiter(devices, dtype=np.intp)
-        return ids[ids < self.num_clients]
 
     @property
     def online_window_s(self) -> float:
@@ -425,7 +484,7 @@ class _DeviceRegistry:
     def forget_task(self, client_id: ClientId, task_id: int) -> None:
         """Forget that device ``client_id`` took ``task_id`` (it was answered)."""
         if self.handed.get(client_id) == task_id:
-            del self.handed[client_id]
+            self.asks(client_id)
 
 
 # ----------------------------------------------------------------------------------------------- hand-out
@@ -479,14 +538,14 @@ class _TaskHandout:
         posted = self.posted.get(client_id)
         if posted is not None:
             return self._hand(client_id, posted, session)
-        polls = self._devices.polls
-        if self.waiting >= self.settings.max_waiting or polls[client_id] >= _MAX_POLLS_PER_CLIENT:
+        devices = self._devices
+        if self.waiting >= self.settings.max_waiting or devices.polls[client_id] >= _MAX_POLLS_PER_CLIENT:
             return self._refuse(
                 client_id,
                 Refusal(429, "busy", "too many clients are waiting for tasks", self.settings.retry_after_s),
             )
         self.waiting += 1
-        polls[client_id] += 1
+        devices.poll(client_id, 1)
         try:
             async with asyncio.timeout(max(0.0, min(wait_s, self.settings.poll_s))):
                 while not self.closed:
@@ -499,10 +558,8 @@ class _TaskHandout:
             return None
         finally:
             self.waiting -= 1
-            polls[client_id] -= 1
-            if not polls[client_id]:
-                del polls[client_id]
-            self._devices.heard(client_id)
+            devices.poll(client_id, -1)
+            devices.heard(client_id)
         return self._ended()
 
     def _hand(self, client_id: ClientId, posted: _Posted, session: str) -> Offer | Refusal:
@@ -515,7 +572,7 @@ class _TaskHandout:
                 " retry once it is answered or timed out"
             )
             return self._refuse(client_id, Refusal(409, "token_in_use", detail, self.settings.retry_after_s))
-        self._devices.handed[client_id] = posted.task.task_id
+        self._devices.hand(client_id, posted.task.task_id)
         return self._offer(posted)
 
     def _offer(self, posted: _Posted) -> Offer:
@@ -546,7 +603,8 @@ class _TaskHandout:
 
 # ---------------------------------------------------------------------------------------------- downloads
 class _ModelDownloads:
-    """The encoded models clients download: each version encoded once, off the event loop, while a task uses it.
+    """The encoded models clients download: each version encoded once, off the event loop, while a task uses it,
+    with its entity tag (a digest of the encoding, computed with it).
 
     Args:
         codec: How models are encoded for download.
@@ -555,22 +613,30 @@ class _ModelDownloads:
     def __init__(self, codec: Pipeline) -> None:
         """Start with no model encoded."""
         self.codec = codec
-        self._models: dict[int, asyncio.Future[bytes]] = {}
+        self._models: dict[int, asyncio.Future[ModelDownload]] = {}
 
-    async def payload(self, registry: TaskRegistry, version: int, snapshot: ModelSnapshot) -> bytes:
-        """Return ``snapshot`` (the model of ``version``) encoded, and forget the versions no task uses."""
-        for held in [v for v in self._models if v != version and registry.base(Version(v)) is None]:
-            del self._models[held]  # no task uses that version any more
+    async def payload(
+        self, registry: TaskRegistry, version: int, snapshot: ModelSnapshot, if_none_match: str | None = None
+    ) -> ModelDownload:
+        """Return ``snapshot`` (the model of ``version``) encoded (without its bytes when ``if_none_match`` names
+        its entity tag), and forget the versions no task uses."""
         future = self._models.get(version)
         if future is None:
+            for held in [v for v in self._models if registry.base(Version(v)) is None]:
+                del self._models[held]  # no task uses that version any more
             future = asyncio.ensure_future(asyncio.to_thread(self._encode, snapshot))
             self._models[version] = future
-        return await asyncio.shield(future)
+        download = future.result() if future.done() else await asyncio.shield(future)
+        if if_none_match is not None and _names_etag(if_none_match, download.etag):
+            return ModelDownload(version=download.version, payload=b"", etag=download.etag, modified=False)
+        return download
 
-    def _encode(self, snapshot: ModelSnapshot) -> bytes:
+    def _encode(self, snapshot: ModelSnapshot) -> ModelDownload:
         weights = snapshot.weights.detach().to("cpu")
         generator = torch.Generator().manual_seed(int(snapshot.version))
-        return self.codec.encode(weights, generator=generator).payload
+        payload = self.codec.encode(weights, generator=generator).payload
+        etag = f'"{hashlib.blake2b(payload, digest_size=16).hexdigest()}"'
+        return ModelDownload(version=int(snapshot.version), payload=payload, etag=etag)
 
     def clear(self) -> None:
         """Forget every encoded model."""
@@ -741,7 +807,7 @@ class RemoteTransport:
     def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
         """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
         self._devices.heard(client_id, asking=True)
-        self._devices.handed.pop(client_id, None)
+        self._devices.asks(client_id)
         if self.finished:
             return self._ended()
         if self._registry is None:
@@ -759,13 +825,16 @@ class RemoteTransport:
         """
         self._devices.heard(client_id, asking=True)
         # It asks again: alive, and (again) given its task if one is in flight.
-        self._devices.handed.pop(client_id, None)
+        self._devices.asks(client_id)
         if self.finished:
             return self._ended()
         return await self._handout.next_task(client_id, wait_s, session)
 
-    async def model(self, client_id: ClientId, version: int) -> bytes | Refusal:
-        """Return the encoded model of ``version`` (encoded once per version, off the event loop)."""
+    async def model(
+        self, client_id: ClientId, version: int, if_none_match: str | None = None
+    ) -> ModelDownload | Refusal:
+        """Return the encoded model of ``version`` (encoded once per version, off the event loop); none of its bytes
+        when ``if_none_match`` (a request's ``If-None-Match``) names its entity tag (``modified`` False: HTTP 304)."""
         if self.finished:
             return self._ended()
         registry = self._registry
@@ -774,9 +843,9 @@ class RemoteTransport:
         snapshot = registry.base(Version(version))
         if snapshot is None:
             return self._refuse(client_id, Refusal(404, "no_model", f"version {version} is not served"))
-        payload = await self._downloads.payload(registry, version, snapshot)
-        self.wire_download_bytes += len(payload)
-        return payload
+        download = await self._downloads.payload(registry, version, snapshot, if_none_match)
+        self.wire_download_bytes += len(download.payload)
+        return download
 
     def check_upload(
         self,
@@ -961,42 +1030,49 @@ class RemoteTransport:
         return Refusal(503, "not_started", "the run has not started yet", self.settings.retry_after_s)
 
     def _refuse(self, client_id: ClientId | None, refusal: Refusal) -> Refusal:
-        """Count a refusal; log its line (and metrics) at the 1st, 2nd, 4th, 8th, ... of its reason, so that a flood
-        of refused requests adds a few rows to the run's store, not rows per request (:meth:`statistics` holds every
-        count)."""
-        count = self.refusals[refusal.reason] = self.refusals[refusal.reason] + 1
-        if self._log is not None and count & (count - 1) == 0:
-            total = sum(self.refusals.values())
-            self._log.debug(
-                "remote.refused",
-                step=total,
-                total=total,
-                **{refusal.reason: self.refusals[refusal.reason]},
-                status=str(refusal.status),
-                reason=refusal.reason,
-                detail=refusal.detail,
-                client_id=-1 if client_id is None else int(client_id),
-            )
-        return refusal
+        """Count a refusal and log it (:func:`_count_refusal`); return it."""
+        return _count_refusal(self.refusals, self._log, client_id, refusal)
+
+
+def _count_refusal(refusals: Counter[str], log: Any, client_id: ClientId | None, refusal: Refusal) -> Refusal:
+    """Count a refusal; log its line (and metrics) at the 1st, 2nd, 4th, 8th, ... of its reason, so that a flood of
+    refused requests adds a few rows to the run's store, not rows per request (``statistics()`` holds every count)."""
+    count = refusals[refusal.reason] = refusals[refusal.reason] + 1
+    if log is not None and count & (count - 1) == 0:
+        total = sum(refusals.values())
+        log.debug(
+            "remote.refused",
+            step=total,
+            total=total,
+            **{refusal.reason: refusals[refusal.reason]},
+            status=str(refusal.status),
+            reason=refusal.reason,
+            detail=refusal.detail,
+            client_id=-1 if client_id is None else int(client_id),
+        )
+    return refusal
 
 
 def _log_upload(
     log: Any, client_id: ClientId, task_id: int, report: Report, download_bytes: int, upload_bytes: int, params: int
 ) -> None:
-    """Log an upload's figures as a simulated client logs them (the same metric keys), measured on the device."""
-    log.debug(
-        "client",
-        step=task_id,
-        client_id=int(client_id),
-        train_s=report.train_s,
-        samples=report.num_samples,
-        loss=report.train_loss,
-        peak_mem_bytes=report.peak_mem_bytes,
-        encode_s=report.encode_s,
-        download_bytes=download_bytes,
-        upload_bytes=upload_bytes,
-        compression=(HEADER.size + 4 * params) / max(upload_bytes, 1),
-    )
+    """Log an upload's figures as a simulated client logs them (the same metric keys, through the same batch path
+    of :func:`~flasync.core.instruments.debug_many`), measured on the device."""
+    if not logs_debug(log):
+        return
+    fields = {
+        "step": task_id,
+        "client_id": int(client_id),
+        "train_s": report.train_s,
+        "samples": report.num_samples,
+        "loss": report.train_loss,
+        "peak_mem_bytes": report.peak_mem_bytes,
+        "encode_s": report.encode_s,
+        "download_bytes": download_bytes,
+        "upload_bytes": upload_bytes,
+        "compression": (HEADER.size + 4 * params) / max(upload_bytes, 1),
+    }
+    debug_many(log, "client", (fields,))
 
 
 def transport_for(config: RunConfig) -> RemoteTransport:

@@ -328,3 +328,14 @@ async def test_a_body_that_stops_coming_is_408(served: Served, monkeypatch: pyte
     assert served.metric("remote/refused/slow_body") == 1
     body = codecs.encode(torch.zeros(_num_params(served)))
     assert (await served.upload(owner, offer["task_id"], body)).status_code == 202
+
+
+async def test_an_accepted_update_logs_the_devices_figures_as_a_simulated_client_does(served: Served) -> None:
+    """A remote upload's report becomes the ``client/*`` metric rows a simulated client's update gives, at the
+    task's step."""
+    owner, offer = await _busy_client(served)
+    body = codecs.encode(torch.full((_num_params(served),), 1e-3))
+    assert (await served.upload(owner, offer["task_id"], body)).status_code == 202
+    await served.settle()
+    rows = [row for row in served.tracker.metrics if row.key == "client/loss"]
+    assert [(row.step, row.value) for row in rows] == [(offer["task_id"], 1.0)]

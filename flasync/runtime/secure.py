@@ -149,6 +149,6 @@ def remote_groups(
         bus=bus,
         in_flight=lambda: iter(registry),
         spawn=registry.spawn,
+        clock=clock,
         held=registry.hold,
-        now=clock.now,
     )

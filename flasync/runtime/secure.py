@@ -72,6 +72,8 @@ def secure_room(
     def spawn(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         return registry().spawn(coro, name)
 
+    windows = world.faults if world.faults is not None and world.faults.windows else None
+
     return SecureRoom(
         aggregator=aggregator,
         buffer_size=None if isinstance(server, FedAvgServer) else size,
@@ -85,7 +87,8 @@ def secure_room(
         in_flight=lambda: iter(registry()),
         spawn=spawn,
         held=lambda task: registry().hold(task),
-        online=world.faults.online if world.faults is not None and world.faults.windows else None,
+        online=None if windows is None else windows.online,
+        offline_at=None if windows is None else windows.offline_at,
     )
 
 

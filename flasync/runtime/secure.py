@@ -118,11 +118,13 @@ def remote_groups(
     bus: EventBus,
     clock: Clock,
     num_params: int,
+    model_version: Callable[[], int],
 ) -> RemoteGroups | None:
     """Return the server's side of secure aggregation with remote clients (None: ``[secure_aggregation]`` off).
 
     Each member's weights are ``(s(tau) e(n) / scale, e(n) / scale)`` (clipped to 1), with ``scale``
-    ``example_weight_scale`` or the largest example weight of the population.
+    ``example_weight_scale`` or the largest example weight of the population. ``model_version`` reads the model's
+    version (FedBuff's first group steps from it: a resumed server's from its checkpoint's).
     """
     secure, server = config.secure_aggregation, config.server
     if not secure.enabled:
@@ -154,4 +156,5 @@ def remote_groups(
         spawn=registry.spawn,
         clock=clock,
         held=registry.hold,
+        model_version=model_version,
     )

@@ -86,6 +86,8 @@ class RemoteGroups:
         spawn: Starts a background task of the run (the round timers).
         clock: The run's clock: it times each round (its timeout, its duration) and stamps each group's end.
         held: Told each task whose client holds its update (the registry's: its time limit stops).
+        model_version: The model's version now (the server's). FedBuff's first group of this process steps from
+            it (a server resumed from a checkpoint goes on from the checkpoint's version); the next ones count on.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class RemoteGroups:
         spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
         clock: Timer,
         held: Callable[[TaskAssigned], None] = lambda task: None,
+        model_version: Callable[[], int] = lambda: 0,
     ) -> None:
         """Start with nobody holding an update."""
         self.encoding = WeightedEncoding.create(bits, clip, group_size)
@@ -115,10 +118,12 @@ class RemoteGroups:
         self.round_timeout_s = round_timeout_s
         self.bus, self.in_flight, self.spawn, self.clock = bus, in_flight, spawn, clock
         self.held = held
+        self.model_version = model_version
         self.waiting: list[tuple[TaskAssigned, int]] = []
         self.pending: deque[list[tuple[TaskAssigned, int]]] = deque()
         self.active: _Group | None = None
-        self.version = 0
+        self.version: int | None = None
+        """The version FedBuff's next group steps from (None: read from ``model_version`` when the first starts)."""
         self.groups = 0
         self._of_client: dict[int, _Group] = {}
         self._changed = asyncio.Event()
@@ -164,6 +169,8 @@ class RemoteGroups:
             threshold=self.threshold,
             neighbours=neighbour_graph(clients, self.neighbours, order),
         )
+        if self.version is None:  # no group of this process has ended: none is on its way to the model
+            self.version = self.model_version()
         version = self.version if self.buffer_size is not None else int(members[0][0].base_version)
         group = _Group(
             self.groups,
@@ -343,7 +350,7 @@ class RemoteGroups:
             simulated_s=self.clock.now(),
         )
         if self.buffer_size is not None and outcome is not None:
-            self.version += 1
+            self.version = group.version + 1
         for client in group.members:
             group.outgoing[client] = {"group": group.group_id, "round": "done", "dropped": client not in survivors}
         self.active = None

@@ -64,6 +64,7 @@ def _groups(
     held: list[int],
     clock: _ManualClock | None = None,
     size: int = 3,
+    model_version: int = 0,
 ) -> RemoteGroups:
     return RemoteGroups(
         bits=32,
@@ -81,6 +82,7 @@ def _groups(
         spawn=lambda coro, name: _spawn(timers, coro, name),
         clock=clock or _ManualClock(),
         held=lambda task: held.append(task.task_id),
+        model_version=lambda: model_version,
     )
 
 
@@ -204,3 +206,17 @@ async def test_a_round_times_out_on_the_runs_clock_and_the_silent_member_is_reco
     assert figures["secagg.protocol_s"] == 31.0 and closed.simulated_s == 31.0
     await asyncio.sleep(0)
     assert all(timer.done() for timer in timers)
+
+
+async def test_a_resumed_servers_first_buffer_steps_from_the_models_version() -> None:
+    """A server resumed at version 5 holds none of the old groups: its first buffer steps from version 5 (the
+    model's), each member's staleness weight counted against it, never a negative staleness."""
+    timers: list[asyncio.Task[None]] = []
+    groups = _groups(EventBus(), timers, [], model_version=5)
+    for client, base in ((0, 5), (1, 4), (2, 3)):
+        groups.hold(_task(client, base), 50)
+    steps = [groups.instruction(c) for c in range(3)]
+    assert all(step is not None and step["version"] == 5 for step in steps)
+    assert [step["weight"] for step in steps if step is not None] == [0.5, 0.25, 0.125]
+    for timer in timers:
+        timer.cancel()

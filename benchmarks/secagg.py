@@ -10,16 +10,17 @@
    on, and on with 5% of the members dropping out during the protocol: accuracy, simulated seconds, and upload and
    download bytes per accepted update (the protocol's, under secure aggregation) against the plain run measured in
    the same invocation.
-3. Remote clients: a ``flasync serve`` server on 127.0.0.1 and 5 remote clients (``flasync.clients.remote``) over
-   HTTP, FedBuff with K = 3, plain and secure: upload and download bytes per accepted update on the wire (the
-   protocol's four rounds under secure aggregation) and wall seconds per version on this machine.
+3. Remote clients: a ``flasync serve`` server on 127.0.0.1 and K + 2 remote clients (``flasync.clients.remote``)
+   over HTTP, all in this process, FedBuff with K = 3, 10 and 50, plain and secure: upload and download bytes per
+   accepted update on the wire (the protocol's four rounds under secure aggregation) and wall seconds per version
+   on this machine.
 4. Cost per update: one group of K = 10, 50, 100 (a FedBuff buffer, or a FedAvg round of 100) with the complete
    graph (SecAgg) and with 16 neighbours (SecAgg+): protocol bytes per client against a plain float32 upload of the
    same model, simulated seconds of the protocol's four rounds on [network]'s default link against one plain
    upload, and the real CPU seconds the whole group's cryptography took on this machine.
 
     python benchmarks/secagg.py [--versions 60] [--seed 0] [--max-complete 100] [--federation-versions 40]
-        [--remote-versions 10] [--out benchmarks/results/secagg.json]
+        [--remote-versions 10] [--remote-sizes 3 10 50] [--out benchmarks/results/secagg.json]
 
 ``--max-complete 50`` leaves out the complete graph of 100 (the slowest group: seconds of cryptography on 2 cores).
 """
@@ -240,25 +241,28 @@ def federations(versions: int, seed: int) -> dict[str, dict[str, dict[str, Any]]
     return out
 
 
-REMOTE_CLIENTS = 5
+REMOTE_SPARE = 2
+"""Remote devices beyond the buffer's K (a buffer fills while the previous one runs its protocol)."""
 
 
-async def _remote_run(folder: Path, versions: int, seed: int, secure: bool) -> dict[str, Any]:
-    """Serve one run on 127.0.0.1 to five remote clients over HTTP; return its figures."""
+async def _remote_run(folder: Path, versions: int, seed: int, secure: bool, buffer_size: int) -> dict[str, Any]:
+    """Serve one FedBuff run of ``buffer_size`` on 127.0.0.1 to ``buffer_size + 2`` remote devices over HTTP; return
+    its figures."""
     import asyncio
     import secrets
 
     from flasync.clients.remote.client import Client
     from flasync.runtime.serve import serve
 
-    tokens = {client: secrets.token_urlsafe(24) for client in range(REMOTE_CLIENTS)}
+    devices = buffer_size + REMOTE_SPARE
+    tokens = {client: secrets.token_urlsafe(24) for client in range(devices)}
     (folder / "tokens.txt").write_text("".join(f"{c} {t}\n" for c, t in tokens.items()))
     config: dict[str, Any] = {
         **FEDERATION,
         "seed": seed,
         "clock": "wall",
-        "population": {"num_clients": REMOTE_CLIENTS},
-        "server": {"kind": "fedbuff", "buffer_size": 3, "concurrency": REMOTE_CLIENTS},
+        "population": {"num_clients": devices},
+        "server": {"kind": "fedbuff", "buffer_size": buffer_size, "concurrency": devices},
         "resilience": {"task_timeout_s": 60.0},
         "eval": {"every_versions": versions},
         "stop": {"max_versions": versions},
@@ -282,18 +286,18 @@ async def _remote_run(folder: Path, versions: int, seed: int, secure: bool) -> d
     }
 
 
-def remote(versions: int, seed: int) -> dict[str, dict[str, Any]]:
-    """Return the plain and secure remote runs, with ratios against the plain one."""
+def remote(versions: int, seed: int, buffer_size: int) -> dict[str, Any]:
+    """Return the plain and secure remote runs of one buffer size, with ratios against the plain one."""
     import asyncio
     import tempfile
 
-    runs = {}
+    runs: dict[str, Any] = {"buffer_size": buffer_size, "devices": buffer_size + REMOTE_SPARE}
     for name, secure in (("plain", False), ("secure", True)):
         with tempfile.TemporaryDirectory() as folder:
-            runs[name] = asyncio.run(_remote_run(Path(folder), versions, seed, secure))
-    for run in runs.values():
+            runs[name] = asyncio.run(_remote_run(Path(folder), versions, seed, secure, buffer_size))
+    for name in ("plain", "secure"):
         for key in ("upload_bytes_per_update", "download_bytes_per_update", "wall_s_per_version"):
-            run[f"{key}_ratio"] = run[key] / runs["plain"][key]
+            runs[name][f"{key}_ratio"] = runs[name][key] / runs["plain"][key]
     return runs
 
 
@@ -361,6 +365,9 @@ def main() -> None:
         "--federation-versions", type=int, default=40, help="versions of each flasync federation run (part 2)"
     )
     parser.add_argument("--remote-versions", type=int, default=10, help="versions of each remote run (part 3)")
+    parser.add_argument(
+        "--remote-sizes", type=int, nargs="+", default=[3, 10, 50], help="buffer sizes K of the remote runs (part 3)"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "secagg.json")
     args = parser.parse_args()
     described = machine()
@@ -400,14 +407,18 @@ def main() -> None:
                 f"up {run['upload_bytes_per_update']:,.0f} B/update ({run['upload_bytes_per_update_ratio']:.2f}x), "
                 f"down {run['download_bytes_per_update']:,.0f} B/update ({run['download_bytes_per_update_ratio']:.2f}x)"
             )
-    remote_runs = remote(args.remote_versions, args.seed)
-    for name, run in remote_runs.items():
-        print(
-            f"remote fedbuff {name}: accuracy {run['accuracy']:.4f}, "
-            f"up {run['upload_bytes_per_update']:,.0f} B/update ({run['upload_bytes_per_update_ratio']:.2f}x), "
-            f"down {run['download_bytes_per_update']:,.0f} B/update ({run['download_bytes_per_update_ratio']:.2f}x), "
-            f"{run['wall_s_per_version']:.3f} wall s a version ({run['wall_s_per_version_ratio']:.2f}x)"
-        )
+    remote_runs = [remote(args.remote_versions, args.seed, k) for k in args.remote_sizes]
+    for sized in remote_runs:
+        for name in ("plain", "secure"):
+            run = sized[name]
+            print(
+                f"remote fedbuff K={sized['buffer_size']} ({sized['devices']} devices) {name}: "
+                f"accuracy {run['accuracy']:.4f}, "
+                f"up {run['upload_bytes_per_update']:,.0f} B/update ({run['upload_bytes_per_update_ratio']:.2f}x), "
+                f"down {run['download_bytes_per_update']:,.0f} B/update "
+                f"({run['download_bytes_per_update_ratio']:.2f}x), "
+                f"{run['wall_s_per_version']:.3f} wall s a version ({run['wall_s_per_version_ratio']:.2f}x)"
+            )
     rows = overhead(int(task.initial.numel()), args.seed, args.max_complete)
     print(
         _table(
@@ -428,6 +439,7 @@ def main() -> None:
         "max_complete": args.max_complete,
         "federation_versions": args.federation_versions,
         "remote_versions": args.remote_versions,
+        "remote_sizes": list(args.remote_sizes),
         "model_params": int(task.initial.numel()),
         "link": {
             "upload_bytes_per_s": LINK.upload_bytes_per_s,

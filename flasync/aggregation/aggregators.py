@@ -58,6 +58,8 @@ class Aggregator(Protocol):
     the client's training samples and ``base`` the weights it started from. The tensors are the server's: read
     them, or clone what must be kept until :meth:`step`. An edge (``topology.kind = "tree"``) sends sums instead,
     through :meth:`add_partial`; a rule that combines individual updates only may raise ``ValueError`` there.
+    Under secure aggregation each group's unmasked sum comes through :meth:`add_partial` (``staleness`` 0) and
+    :meth:`add` is never called; a factory runs there only if it says so with ``partial_sums = True``.
 
     When :meth:`step` runs depends on the server's kind (the policy):
 

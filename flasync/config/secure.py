@@ -46,8 +46,8 @@ class SecureAggregationConfig(_Section):
     round_timeout_s: float = Field(
         30.0,
         gt=0.0,
-        description="Remote clients: wall seconds each round of the protocol waits for its members' messages; "
-        "those that have not answered by then have dropped out.",
+        description="Remote clients: seconds of the run's clock (wall seconds with clock = 'wall') each round of "
+        "the protocol waits for its members' messages; those that have not answered by then have dropped out.",
     )
     example_weight_scale: float | None = Field(
         None,

@@ -101,6 +101,7 @@ __all__ = [
     "ServerParts",
     "build_server",
     "build_world",
+    "check_aggregator",
     "check_objective",
     "client_table",
     "custom_aggregator",
@@ -476,6 +477,25 @@ def custom_aggregator(factory: AggregatorFactory, weights: torch.Tensor, config:
             f"{', '.join(missing)} of the flasync.Aggregator protocol"
         )
     return CustomAggregator(rule, objective_name(rule))
+
+
+def check_aggregator(config: RunConfig, factory: AggregatorFactory) -> None:
+    """Check that a user's aggregation rule can work under the configuration, before anything runs.
+
+    Under ``[secure_aggregation]`` the server never holds one update: the rule gets each group's unmasked sum
+    through ``add_partial`` (its members weighted themselves: ``staleness`` 0) and ``add`` is never called. A rule
+    that combines individual updates (a robust rule, a filter on norms) cannot do its job on sums, so a factory runs
+    under secure aggregation only when it says it works from sums: ``partial_sums = True`` on the factory (a class
+    attribute of a rule class used as its own factory, or an attribute set on a factory function).
+
+    Raises:
+        ConfigError: If secure aggregation is on and the factory does not say ``partial_sums = True``.
+    """
+    if config.secure_aggregation.enabled and getattr(factory, "partial_sums", False) is not True:
+        raise ConfigError(
+            f"secure_aggregation.enabled: the aggregator {rule_name(factory)} would get only each group's sum "
+            "(add_partial), never one update; set partial_sums = True on it if it works from sums"
+        )
 
 
 def check_objective(config: RunConfig, objective: LocalObjective) -> None:

@@ -32,7 +32,7 @@ from flasync.data import ArrayData
 from flasync.observe.summary import RunSummary, weights_sha256
 from flasync.runtime import checkpoint
 from flasync.runtime.artifacts import log_artifacts, log_stopped_profile
-from flasync.runtime.build import AggregatorFactory, check_objective, check_plugins
+from flasync.runtime.build import AggregatorFactory, check_aggregator, check_objective, check_plugins
 from flasync.runtime.closing import Status, end_run, off_loop
 from flasync.runtime.prepare import ModelFactory, Prepared, RunInputs
 from flasync.runtime.run_tracking import federation_tags, make_tracker, open_run, run_logger
@@ -69,7 +69,8 @@ class Federation:
         aggregator: Builds the server's aggregation rule instead of ``config.server``: called once with the flat
             global weights and ``config.server``, it returns a :class:`flasync.Aggregator`. ``config.server.kind``
             still picks when versions are made (``fedavg`` rounds, ``fedbuff``/``fedasync`` slots asking
-            ``ready()``). Tagged ``aggregator.custom`` in tracking.
+            ``ready()``). Tagged ``aggregator.custom`` in tracking. Under ``[secure_aggregation]`` it gets each
+            group's sum through ``add_partial`` only, and is refused unless it says ``partial_sums = True``.
         objective: The loss local training minimises instead of cross-entropy (a :class:`flasync.LocalObjective`).
             Tagged ``objective`` in tracking.
         plugins: Algorithm state of your own (:class:`flasync.ClientPlugin` and :class:`flasync.ServerPlugin`
@@ -112,6 +113,8 @@ class Federation:
         if objective is not None:
             check_objective(config, objective)
         check_plugins(plugins)
+        if aggregator is not None:
+            check_aggregator(config, aggregator)
         if aggregator is not None and config.privacy.enabled:
             # The noise is added by flasync's buffered rule; a user's rule would publish unnoised sums.
             raise ConfigError(

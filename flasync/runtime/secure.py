@@ -72,6 +72,8 @@ def secure_room(
     def spawn(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         return registry().spawn(coro, name)
 
+    windows = world.faults if world.faults is not None and world.faults.windows else None
+
     return SecureRoom(
         aggregator=aggregator,
         buffer_size=None if isinstance(server, FedAvgServer) else size,
@@ -85,7 +87,8 @@ def secure_room(
         in_flight=lambda: iter(registry()),
         spawn=spawn,
         held=lambda task: registry().hold(task),
-        online=world.faults.online if world.faults is not None and world.faults.windows else None,
+        online=None if windows is None else windows.online,
+        offline_at=None if windows is None else windows.offline_at,
     )
 
 
@@ -115,11 +118,13 @@ def remote_groups(
     bus: EventBus,
     clock: Clock,
     num_params: int,
+    model_version: Callable[[], int],
 ) -> RemoteGroups | None:
     """Return the server's side of secure aggregation with remote clients (None: ``[secure_aggregation]`` off).
 
     Each member's weights are ``(s(tau) e(n) / scale, e(n) / scale)`` (clipped to 1), with ``scale``
-    ``example_weight_scale`` or the largest example weight of the population.
+    ``example_weight_scale`` or the largest example weight of the population. ``model_version`` reads the model's
+    version (FedBuff's first group steps from it: a resumed server's from its checkpoint's).
     """
     secure, server = config.secure_aggregation, config.server
     if not secure.enabled:
@@ -149,6 +154,7 @@ def remote_groups(
         bus=bus,
         in_flight=lambda: iter(registry),
         spawn=registry.spawn,
+        clock=clock,
         held=registry.hold,
-        now=clock.now,
+        model_version=model_version,
     )

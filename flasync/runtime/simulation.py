@@ -488,6 +488,7 @@ def _attach(
         bus=bus,
         clock=clock,
         num_params=prepared.initial.numel(),
+        model_version=lambda: int(parts.server.version),
     )
     transport.attach(
         bus=bus,

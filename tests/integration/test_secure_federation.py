@@ -266,3 +266,69 @@ def test_flasync_run_with_the_section_logs_the_protocols_figures(
     assert "secagg/cpu_s" in metrics and metrics["secagg/abandoned"] == 0.0
     assert [m.step for m in client.get_metric_history(run.info.run_id, "secagg/mask_bytes")] == [0, 1, 2, 3]
     assert run.data.params["secure_aggregation.enabled"] == "True"
+
+
+class _MeanOfSums:
+    """A user's rule that works from sums: the server SGD step (lr 1) on each group's weighted mean."""
+
+    partial_sums = True  # it says it works from sums: secure aggregation may hand it each group's sum
+
+    def __init__(self, weights: torch.Tensor, server: Any) -> None:
+        self.weights, self.sums, self.example_weight, self.partials = weights, torch.zeros_like(weights), 0.0, 0
+
+    def add(self, delta: torch.Tensor, *, staleness: int, num_samples: int, base: torch.Tensor) -> float:
+        raise AssertionError("secure aggregation hands the rule no single update")
+
+    def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
+        assert staleness == 0  # the members weighted themselves
+        self.sums += weighted_sum
+        self.example_weight += example_weight
+        self.partials += 1
+        return 1.0
+
+    def ready(self) -> bool:
+        return self.partials >= 1  # each sum is a whole buffer
+
+    def step(self) -> None:
+        self.weights.sub_(self.sums / self.example_weight)
+        self.sums.zero_()
+        self.example_weight, self.partials = 0.0, 0
+
+    def count(self) -> int:
+        return self.partials
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.sums.numel()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sums": self.sums.clone(), "example_weight": self.example_weight, "partials": self.partials}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sums = state["sums"].clone()
+        self.example_weight, self.partials = float(state["example_weight"]), int(state["partials"])
+
+
+def test_a_user_rule_that_does_not_say_it_works_from_sums_is_refused() -> None:
+    """A custom aggregation rule would see only each group's sum: without partial_sums = True it is refused when the
+    federation is built, in one line naming it."""
+
+    def norm_filter(weights: torch.Tensor, server: Any) -> Any:
+        return _MeanOfSums(weights, server)
+
+    with pytest.raises(flasync.ConfigError, match=r"^secure_aggregation\.enabled: the aggregator .*norm_filter would"):
+        flasync.Federation(small_config(_FEDAVG, _ON), aggregator=norm_filter)
+    flasync.Federation(small_config(_FEDAVG), aggregator=norm_filter)  # without secure aggregation: taken
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", [_FEDAVG, _FEDBUFF], ids=["fedavg", "fedbuff"])
+async def test_a_user_rule_working_from_sums_steps_on_each_groups_sum(server: str) -> None:
+    """A rule saying partial_sums = True gets one sum a group (never an update) and makes the model the built-in
+    mean makes from the same sums."""
+    config = small_config(server, _ON, "stop.max_versions=3")
+    mine = flasync.Federation(config, aggregator=_MeanOfSums)
+    theirs = flasync.Federation(config)
+    assert (await mine.run()).versions == 3 and (await theirs.run()).versions == 3
+    assert mine.weights is not None and theirs.weights is not None
+    assert torch.allclose(mine.weights, theirs.weights, atol=1e-6)

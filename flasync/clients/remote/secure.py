@@ -6,18 +6,18 @@ updates; FedAvg: every task of the round still in flight does) the server names 
 and hands each member, at its next ``GET /v1/secagg``, the group's parameters and the weights it applies to its
 own update before masking (staleness weight times example weight, and the example weight alone, in ``[0, 1]``).
 Each round then goes the same way: every member still in the group posts its message (``POST
-/v1/secagg/{group}/{round}``, the message's wire form), and once all have, or ``round_timeout_s`` has passed (the
-silent ones have dropped out), the server's :class:`~flasync.secure.SecAggServer` computes what each member gets
-next. After round 3 the server unmasks the sum and publishes a :class:`~flasync.core.events.SecureGroupClosed` to
-the cloud, as simulated clients' groups do. The server only ever holds public keys, ciphertexts it cannot open,
-masked ring vectors and, in round 3, shares of a survivor's seed or of a dropped client's key.
+/v1/secagg/{group}/{round}``, the message's wire form), and once all have, or ``round_timeout_s`` has passed on
+the run's clock (the silent ones have dropped out), the server's :class:`~flasync.secure.SecAggServer` computes
+what each member gets next. After round 3 the server unmasks the sum and publishes a
+:class:`~flasync.core.events.SecureGroupClosed` to the cloud, as simulated clients' groups do. The server only
+ever holds public keys, ciphertexts it cannot open, masked ring vectors and, in round 3, shares of a survivor's
+seed or of a dropped client's key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ from flasync.core.errors import BusClosed, BusFull
 from flasync.core.events import CLOUD, SecureGroupClosed, TaskAssigned, Version
 from flasync.secure import GroupParams, Phase, ProtocolAbort, SecAggServer, WeightedEncoding, neighbour_graph
 from flasync.secure.messages import Advertise, MaskedInput, ShareBundle, UnmaskRequest, UnmaskResponse, decode_message
+from flasync.server.registry import Timer
 
 __all__ = ["RemoteGroups"]
 
@@ -79,13 +80,14 @@ class RemoteGroups:
         weights: A member's two weights, ``(s(tau) e, e)``, from its staleness ``tau`` and its sample count.
         num_params: Length of the flat model.
         seed: Draws each group's neighbour graph.
-        round_timeout_s: Wall seconds a round waits for its members.
+        round_timeout_s: Seconds of ``clock`` a round waits for its members.
         bus: Where each group's end goes (to the cloud).
         in_flight: The tasks in flight (a FedAvg round is complete when each of them holds).
         spawn: Starts a background task of the run (the round timers).
+        clock: The run's clock: it times each round (its timeout, its duration) and stamps each group's end.
         held: Told each task whose client holds its update (the registry's: its time limit stops).
-        wall: Monotonic real seconds.
-        now: The run's clock (stamps each group's end).
+        model_version: The model's version now (the server's). FedBuff's first group of this process steps from
+            it (a server resumed from a checkpoint goes on from the checkpoint's version); the next ones count on.
     """
 
     def __init__(
@@ -104,9 +106,9 @@ class RemoteGroups:
         bus: EventBus,
         in_flight: Callable[[], Iterable[TaskAssigned]],
         spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
+        clock: Timer,
         held: Callable[[TaskAssigned], None] = lambda task: None,
-        wall: Callable[[], float] = time.perf_counter,
-        now: Callable[[], float] = time.perf_counter,
+        model_version: Callable[[], int] = lambda: 0,
     ) -> None:
         """Start with nobody holding an update."""
         self.encoding = WeightedEncoding.create(bits, clip, group_size)
@@ -114,12 +116,14 @@ class RemoteGroups:
         self.threshold, self.neighbours, self.buffer_size = threshold, neighbours, buffer_size
         self.weights, self.num_params, self.seed = weights, num_params, seed
         self.round_timeout_s = round_timeout_s
-        self.bus, self.in_flight, self.spawn, self.wall, self.now = bus, in_flight, spawn, wall, now
+        self.bus, self.in_flight, self.spawn, self.clock = bus, in_flight, spawn, clock
         self.held = held
+        self.model_version = model_version
         self.waiting: list[tuple[TaskAssigned, int]] = []
         self.pending: deque[list[tuple[TaskAssigned, int]]] = deque()
         self.active: _Group | None = None
-        self.version = 0
+        self.version: int | None = None
+        """The version FedBuff's next group steps from (None: read from ``model_version`` when the first starts)."""
         self.groups = 0
         self._of_client: dict[int, _Group] = {}
         self._changed = asyncio.Event()
@@ -165,6 +169,8 @@ class RemoteGroups:
             threshold=self.threshold,
             neighbours=neighbour_graph(clients, self.neighbours, order),
         )
+        if self.version is None:  # no group of this process has ended: none is on its way to the model
+            self.version = self.model_version()
         version = self.version if self.buffer_size is not None else int(members[0][0].base_version)
         group = _Group(
             self.groups,
@@ -172,9 +178,9 @@ class RemoteGroups:
             {int(t.client_id): t for t, _ in members},
             params,
             SecAggServer(params),
-            self.wall(),
+            self.clock.now(),
             alive=set(clients),
-            phase_started=self.wall(),
+            phase_started=self.clock.now(),
         )
         shared = {
             "group": group.group_id,
@@ -216,19 +222,15 @@ class RemoteGroups:
 
     async def next_instruction(self, client_id: int, after: str, wait_s: float) -> dict[str, Any] | None:
         """Wait up to ``wait_s`` for an instruction other than ``after`` (``"GROUP/ROUND"``; None: none came)."""
-        deadline = self.wall() + wait_s
-        while True:
-            found = self.instruction(client_id)
-            if found is not None and f"{found['group']}/{found['round']}" != after:
-                return found
-            left = deadline - self.wall()
-            if left <= 0:
-                return None
-            changed = self._changed
-            try:
-                await asyncio.wait_for(changed.wait(), left)
-            except TimeoutError:
-                return None
+        try:
+            async with asyncio.timeout(max(0.0, wait_s)):  # an HTTP request's wait: real time
+                while True:
+                    found = self.instruction(client_id)
+                    if found is not None and f"{found['group']}/{found['round']}" != after:
+                        return found
+                    await self._changed.wait()
+        except TimeoutError:
+            return None
 
     def receive(self, client_id: int, group_id: int, round_name: str, body: bytes) -> str | None:
         """Take a member's message of a round (its wire form); return why it is refused (None: taken)."""
@@ -252,8 +254,10 @@ class RemoteGroups:
         return None
 
     def _timer(self, group: _Group, phase: Phase) -> None:
+        deadline = self.clock.now() + self.round_timeout_s  # from the round's start, however late its task runs
+
         async def expire() -> None:
-            await asyncio.sleep(self.round_timeout_s)
+            await self.clock.sleep_until(deadline)
             if self.active is group and group.phase == phase:
                 self._advance(group)  # the members that did not answer dropped out
 
@@ -264,7 +268,7 @@ class RemoteGroups:
     def _advance(self, group: _Group) -> None:
         """Close the group's round: compute what each member still in it gets next, or end the group."""
         name = group.phase.name.lower()
-        group.phase_s[name] = self.wall() - group.phase_started
+        group.phase_s[name] = self.clock.now() - group.phase_started
         received, group.received = group.received, {}
         if group.phase == Phase.UNMASK:
             self._unmask(group, received)
@@ -275,7 +279,7 @@ class RemoteGroups:
             self._end(group, None, str(abort))
             return
         phase = Phase(group.phase + 1)
-        group.phase, group.alive, group.phase_started = phase, set(nxt), self.wall()
+        group.phase, group.alive, group.phase_started = phase, set(nxt), self.clock.now()
         round_name = phase.name.lower()
         for client, message in nxt.items():
             data = message.to_bytes()
@@ -323,7 +327,7 @@ class RemoteGroups:
                 "secagg.dropped": float(len(dropped)),
                 "secagg.recovered": float(recovered),
                 "secagg.abandoned": float(outcome is None),
-                "secagg.protocol_s": self.wall() - group.started,
+                "secagg.protocol_s": self.clock.now() - group.started,
             }
         )
         plain = 4 * self.num_params * len(survivors)
@@ -343,10 +347,10 @@ class RemoteGroups:
             download_bytes=dict(group.download_bytes),
             figures=figures,
             reason=reason,
-            simulated_s=self.now(),
+            simulated_s=self.clock.now(),
         )
         if self.buffer_size is not None and outcome is not None:
-            self.version += 1
+            self.version = group.version + 1
         for client in group.members:
             group.outgoing[client] = {"group": group.group_id, "round": "done", "dropped": client not in survivors}
         self.active = None

@@ -13,7 +13,10 @@ every message through its wire form) in a worker thread. Each member weights its
 (staleness weight of ``version - base_version`` times its example weight, over the run's largest example weight),
 the group's server side (:class:`~flasync.secure.SecAggServer`) holds only masked ring vectors and unmasks their
 sum, and each of the four rounds lasts, in virtual time, as long as its slowest member's transfers on that member's
-own link (the population's network model) plus the round trip. When the protocol ends the room publishes a
+own link (the population's network model) plus the round trip. A member whose availability window closes before
+its group starts drops out at round 0; one whose window closes while the protocol runs drops out at the round
+during which it goes offline (the rounds' times are known from their prices), recovered with the others' shares up
+to the threshold, or the group is abandoned. When the protocol ends the room publishes a
 :class:`~flasync.core.events.SecureGroupClosed` with the weighted sum to the cloud, which folds it in and releases
 the members' tasks. Groups run one after the other, so each names the version its sum will step.
 """
@@ -82,6 +85,8 @@ class SecureRoom:
         held: Told each task whose client holds its update (the registry's: its time limit stops).
         online: Tells whether a client is online at a time (the availability windows; None: always): a member
             offline when its group starts drops out at the first round.
+        offline_at: When a client online at a time next goes offline (the availability windows; None: never): a
+            member drops out at the protocol round during which its window closes.
         observe: Called with each masked input the group's server side receives (instrumentation; None: nothing).
     """
 
@@ -103,6 +108,7 @@ class SecureRoom:
         spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
         held: Callable[[TaskAssigned], None] = lambda task: None,
         online: Callable[[int, float], bool] | None = None,
+        offline_at: Callable[[int, float], float] | None = None,
         observe: Callable[[int, RingVector], None] | None = None,
     ) -> None:
         """Start with nobody waiting."""
@@ -119,6 +125,7 @@ class SecureRoom:
         self.spawn = spawn
         self.held = held
         self.online = online
+        self.offline_at = offline_at
         self.observe = observe
         self.waiting: list[_Held] = []
         self.pending: deque[_Group] = deque()
@@ -197,15 +204,58 @@ class SecureRoom:
         drops = self.aggregator.drops(group_id, clients)
         if self.online is not None:  # a member whose availability window closed before its group started
             drops.update({c: Phase.ADVERTISE for c in clients if not self.online(c, now)})
-        report = self.aggregator.aggregate(
+        if self.offline_at is None:
+            return self._aggregate(group_id, updates, drops, self.observe), time.thread_time() - started
+        offline_at = self.offline_at
+        closing = {c: offline_at(c, now) for c in clients if drops.get(c) != Phase.ADVERTISE}
+        report = self._window_drops(group_id, updates, drops, closing, now)
+        if self.observe is not None:  # the instrumentation sees the masked inputs of the run that stands
+            report = self._aggregate(group_id, updates, drops, self.observe)
+        return report, time.thread_time() - started
+
+    def _aggregate(
+        self,
+        group_id: int,
+        updates: list[ClientUpdate],
+        drops: Mapping[int, Phase],
+        observe: Callable[[int, RingVector], None] | None = None,
+    ) -> GroupReport:
+        """Run one group's protocol with ``drops`` (worker thread)."""
+        return self.aggregator.aggregate(
             group_id,
             updates,
             drops=drops,
             announce_bytes=_VERSION_BYTES if self.buffer_size is not None else 0,
-            observe=self.observe,
+            observe=observe,
             price=self._price,
         )
-        return report, time.thread_time() - started
+
+    def _window_drops(
+        self,
+        group_id: int,
+        updates: list[ClientUpdate],
+        drops: dict[int, Phase],
+        closing: Mapping[int, float],
+        now: float,
+    ) -> GroupReport:
+        """Drop each member at the round during which its availability window closes (``closing``: when).
+
+        The rounds run from ``now`` one after the other, each as long as its price. Round by round, a member still
+        in the protocol whose window closes before the round ends sends nothing from that round on; the group is
+        run again with it dropping there, and the next rounds start when that shorter round ends. The same drops
+        and prices give the same times, so the outcome is deterministic. ``drops`` is updated in place.
+        """
+        report = self._aggregate(group_id, updates, drops)
+        start = now
+        for phase in Phase:
+            end = start + report.phase_s[phase.name.lower()]
+            late = [c for c, at in closing.items() if drops.get(c, len(Phase)) > phase and at < end]
+            if late:
+                drops.update(dict.fromkeys(late, phase))
+                report = self._aggregate(group_id, updates, drops)
+                end = start + report.phase_s[phase.name.lower()]
+            start = end
+        return report
 
     async def _run(self, group: _Group) -> None:
         """Run ``group``'s protocol from now; publish its end to the cloud when its last round is over."""

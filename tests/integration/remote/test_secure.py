@@ -12,13 +12,16 @@ import httpx
 import pytest
 
 from flasync.clients.remote.client import Client
-from flasync.core.events import SecureGroupClosed, UpdateUploaded
-from flasync.runtime.federation import Federation
+from flasync.config import validate
+from flasync.core.errors import RunInterrupted
+from flasync.core.events import ModelPublished, SecureGroupClosed, UpdateUploaded
+from flasync.observe.summary import RunSummary
+from flasync.runtime.federation import Federation, checkpoint
 from flasync.runtime.serve import asgi_app, serve
 from flasync.secure import GroupParams, SecAggClient, SecAggServer, SystemRandom
 from flasync.secure.messages import decode_message
 from flasync.testing import EventRecorder
-from tests.conftest import remote_config
+from tests.conftest import free_port, remote_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,3 +158,79 @@ async def test_a_fedavg_round_of_remote_clients_is_one_group(tmp_path: Path, tok
     assert summary.versions == 3 and [int(g.version) for g in groups] == [0, 1, 2]
     assert all(len(g.members) == 4 and len(g.survivors) == 4 for g in groups)
     assert recorder.count(UpdateUploaded) == 0 and summary.updates_accepted == 12
+
+
+async def _stop_while_devices_hold(federation: Federation, versions: int, holding: list[int]) -> RunSummary:
+    """Run ``federation``; once ``versions`` were published and devices hold updates for a group that has not
+    started, ask it to stop (as SIGINT does), noting how many held then in ``holding``."""
+    published = federation.bus.subscribe(ModelPublished, policy="drop_oldest")
+    run = asyncio.create_task(federation.run())
+    for _ in range(versions + 1):  # version 0 is published too
+        await published.receive()
+    assert federation.transport is not None and federation.transport.secure is not None
+    groups, held = federation.transport.secure, asyncio.Event()
+    told = groups.held
+
+    def hold(task: Any) -> None:  # a device said it holds its update
+        told(task)
+        held.set()
+
+    groups.held = hold
+    while not groups.waiting:  # devices hold updates for a buffer that has not filled
+        held.clear()
+        await held.wait()
+    holding.append(len(groups.waiting))
+    federation.request_stop("SIGINT")
+    return await run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_a_server_stopped_while_devices_hold_updates_resumes_and_counts_each_update_once(
+    tmp_path: Path, tokens: dict[int, str]
+) -> None:
+    """Stop a loopback server while devices hold updates for a buffer that has not filled, serve its checkpoint on
+    the same port: the devices, told to retry while it is down, learn that the resumed server holds nothing of
+    theirs (``done``), train their reposted tasks again, and the run finishes with every version stepped by one
+    buffer's sum and no task summed twice."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = validate(
+        remote_config(
+            tmp_path / "tokens.txt",
+            resilience={"task_timeout_s": 30.0},
+            secure_aggregation=_SECURE,
+            stop={"max_versions": 8},
+            eval={"every_versions": 8},
+            checkpoint={"every_versions": 2},
+            tracking={"enabled": True, "uri": store, "experiment": "secure", "log_model": False},
+        )
+    )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    clients = [
+        Client(url, token, poll_s=1.0, backoff_s=0.05, max_backoff_s=0.2, give_up_s=60.0) for token in tokens.values()
+    ]
+    running = [asyncio.create_task(client.run()) for client in clients]
+    first = Federation(config)
+    before = EventRecorder(first.bus)
+    holding: list[int] = []
+    with pytest.raises(RunInterrupted) as stopped:
+        await serve(first, port=port, run=lambda f: _stop_while_devices_hold(f, 3, holding), linger_s=0.2)
+    assert stopped.value.checkpoint is not None and stopped.value.run_id is not None
+    assert holding and holding[0] > 0 and all(not task.done() for task in running)
+
+    fetched = await asyncio.to_thread(checkpoint.fetch, stopped.value.run_id, store)
+    resumed_at = int(fetched[1]["version"])
+    second = Federation(config, resume=checkpoint.ResumePoint(stopped.value.run_id, fetched[1], fetched[4]))
+    after = EventRecorder(second.bus)
+    summary = await serve(second, port=port, linger_s=3.0)
+    results = await asyncio.gather(*running)
+
+    assert summary.versions == 8 and all(r.finished == "finished" for r in results)
+    revealed = [g for g in after.of(SecureGroupClosed) if not g.abandoned]
+    assert sorted(int(g.version) for g in revealed) == list(range(resumed_at, 8))  # each version stepped once
+    assert summary.updates_accepted == 3 * 8  # one buffer of 3 a version, before and after the stop
+    kept = {t.task_id for g in before.of(SecureGroupClosed) if g.version < resumed_at for t in g.members}
+    summed = [t.task_id for g in revealed for t in g.members]
+    assert len(summed) == len(set(summed)) and not kept & set(summed)  # no task summed twice
+    assert after.count(UpdateUploaded) == 0

@@ -46,6 +46,7 @@ async def _with_room(
     group_size: int = 4,
     dropout: float = 0.0,
     online: Callable[[int, float], bool] | None = None,
+    offline_at: Callable[[int, float], float] | None = None,
 ) -> None:
     """Run ``body(room, clock, inbox, in_flight)`` with a room on a driven virtual clock."""
     clock = VirtualClock()
@@ -78,6 +79,7 @@ async def _with_room(
                 in_flight=lambda: iter(in_flight),
                 spawn=lambda coro, name: tg.create_task(coro, name=name),
                 online=online,
+                offline_at=offline_at,
             )
             try:
                 await body(room, clock, inbox, in_flight)
@@ -156,6 +158,68 @@ async def test_a_member_offline_when_its_group_starts_drops_out() -> None:
         assert closed.recovered == 0 and not closed.abandoned
 
     await _with_room(body, buffer_size=4, online=lambda client, t: client != 2)
+
+
+async def _window_run(closing: dict[int, float]) -> SecureGroupClosed:
+    """Return the end of one group of four whose members' availability windows close at ``closing`` (else never)."""
+    ends: list[SecureGroupClosed] = []
+
+    async def body(room: SecureRoom, clock: VirtualClock, inbox: Any, in_flight: list[TaskAssigned]) -> None:
+        for client in range(4):
+            room.hold(_task(client), _delta(client), 10, at=0.0)
+        ends.append(await inbox.receive())
+
+    await _with_room(
+        body,
+        buffer_size=4,
+        online=lambda client, t: t < closing.get(client, float("inf")),
+        offline_at=lambda client, t: closing.get(client, float("inf")),
+    )
+    return ends[0]
+
+
+def _round_ends(closed: SecureGroupClosed) -> list[float]:
+    """Return when each protocol round of a group that started at 0 ended."""
+    ends, t = [], 0.0
+    for phase in _PHASES:
+        t += closed.figures[f"secagg.{phase}_s"]
+        ends.append(t)
+    return ends
+
+
+async def test_a_member_whose_window_closes_during_a_round_drops_out_at_that_round() -> None:
+    """A window closing mid-protocol drops the member at the round during which it closes (its pairwise masks
+    recovered from the others' shares); a window closing after the protocol changes nothing; the same windows give
+    the same outcome."""
+    plain = await _window_run({})
+    ends = _round_ends(plain)
+    assert plain.dropped == frozenset() and all(b > a for a, b in zip([0.0, *ends], ends, strict=False))
+    mid_mask = (ends[1] + ends[2]) / 2  # client 2 goes offline while it sends its masked input
+    windows = {2: mid_mask, 3: ends[3] + 1.0}
+    closed = await _window_run(windows)
+    assert closed.dropped == frozenset({2}) and closed.survivors == frozenset({0, 1, 3}) and not closed.abandoned
+    assert closed.recovered == 1  # it shared, so its key is rebuilt to cancel its masks
+    got = torch.frombuffer(bytearray(closed.weighted_sum), dtype=torch.float32)
+    staleness = PolynomialStaleness(a=0.5)
+    want = staleness(0) * (_delta(0) + _delta(1) + _delta(3))
+    assert torch.allclose(got, want, atol=4 * 0.5 / ((2**31 - 1) // 4))
+    assert _round_ends(closed)[:2] == ends[:2]  # it took part in rounds 0 and 1, and sent nothing from round 2 on
+    assert closed.figures["secagg.mask_bytes"] < plain.figures["secagg.mask_bytes"]
+    again = await _window_run(windows)
+    simulated = {k: v for k, v in closed.figures.items() if k != "secagg.cpu_s"}  # all but the machine's CPU time
+    assert (again.weighted_sum, again.simulated_s, again.dropped) == (closed.weighted_sum, closed.simulated_s, {2})
+    assert {k: v for k, v in again.figures.items() if k != "secagg.cpu_s"} == simulated
+    early = await _window_run({1: ends[0] / 2})  # offline during round 0: nothing of it to recover
+    assert early.dropped == frozenset({1}) and early.recovered == 0 and not early.abandoned
+
+
+async def test_windows_closing_beyond_the_threshold_abandon_the_group() -> None:
+    """Three of four members going offline while they share leave fewer than the threshold: the group is abandoned
+    and counted, and its buffer's version does not step."""
+    plain = await _window_run({})
+    mid_share = (_round_ends(plain)[0] + _round_ends(plain)[1]) / 2
+    closed = await _window_run(dict.fromkeys((0, 1, 2), mid_share))
+    assert closed.abandoned and closed.dropped == frozenset({0, 1, 2}) and closed.figures["secagg.abandoned"] == 1.0
 
 
 async def test_a_half_full_buffer_survives_a_checkpoint() -> None:

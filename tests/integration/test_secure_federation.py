@@ -151,6 +151,24 @@ async def test_the_server_holds_only_uniform_masked_vectors_and_never_both_share
 
 
 @pytest.mark.slow
+async def test_members_whose_availability_window_closes_drop_out_and_the_run_finishes() -> None:
+    """Short availability windows: members go offline while they wait for their buffer or during its protocol; each
+    such member drops out (its task failed as offline), its group recovers it or is abandoned, and the run still
+    reaches its versions (a window ending within rounding of a dispatch once stalled such a run)."""
+    availability = "faults.availability={period_s: 5, online_fraction: 0.8}"
+    federation = flasync.Federation(small_config(_FEDBUFF, _ON, availability, "stop.max_versions=8"))
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    groups = recorder.of(SecureGroupClosed)
+    offline = [f for f in recorder.of(ClientFailed) if f.kind == "offline"]
+    assert summary.versions == 8 and len(groups) == 8 + sum(g.abandoned for g in groups)
+    assert any(g.abandoned for g in groups) and sum(g.recovered for g in groups) > 0
+    # secure_aggregation.dropout is 0: every member that dropped out did so because its window closed.
+    assert federation.config.secure_aggregation.dropout == 0.0 and sum(len(g.dropped) for g in groups) > 0
+    assert offline  # and tasks whose window closed during training failed as offline, as in any run
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("server", [_FEDBUFF, _FEDAVG])
 async def test_dropouts_are_recovered_or_abandon_their_group_and_the_run_finishes(server: str) -> None:
     """With a third of the members dropping, groups with at most D dropouts are unmasked (recoveries counted), the

@@ -110,20 +110,24 @@ class FaultModel:
         if self.trace is not None:
             return self.trace.online(client_id, t)
         availability = self.config.availability
-        if availability is None:
+        if availability is None or availability.online_fraction >= 1.0:
             return True
-        period = availability.period_s
-        return bool(math.fmod(t + float(self.phase[client_id]), period) < availability.online_fraction * period)
+        window, position = availability.online_fraction * availability.period_s, self._position(client_id, t)
+        # Online while its window has time left at ``t``'s precision: one ending within rounding of ``t`` (which
+        # :meth:`offline_at` would give as ``t`` itself) is offline, or a task given it would fail at once, forever.
+        return bool(position < window and t + (window - position) > t)
 
     def online_mask(self, t: float) -> np.ndarray:
         """Return a boolean array: which clients are online at time ``t``."""
         if self.trace is not None:
             return self.trace.online_mask(t)
         availability = self.config.availability
-        if availability is None:
+        if availability is None or availability.online_fraction >= 1.0:
             return np.ones(self.num_clients, dtype=bool)
-        period = availability.period_s
-        return np.fmod(t + self.phase, period) < availability.online_fraction * period
+        window = availability.online_fraction * availability.period_s
+        position = np.fmod(t + self.phase, availability.period_s)
+        online: np.ndarray = (position < window) & (t + (window - position) > t)  # as :meth:`online`
+        return online
 
     def offline_at(self, client_id: int, t: float) -> float:
         """Return when ``client_id``, online at ``t``, next goes offline (``inf`` if it never does)."""
@@ -132,9 +136,13 @@ class FaultModel:
         availability = self.config.availability
         if availability is None or availability.online_fraction >= 1.0:
             return math.inf
-        period = availability.period_s
-        position = math.fmod(t + float(self.phase[client_id]), period)
-        return t + (availability.online_fraction * period - position)
+        return t + (availability.online_fraction * availability.period_s - self._position(client_id, t))
+
+    def _position(self, client_id: int, t: float) -> float:
+        """Return where ``t`` falls in ``client_id``'s availability period (``availability`` set)."""
+        availability = self.config.availability
+        assert availability is not None
+        return math.fmod(t + float(self.phase[client_id]), availability.period_s)
 
     def next_online(self, t: float) -> float:
         """Return the first time ``>= t`` at which some client is online."""
@@ -144,9 +152,8 @@ class FaultModel:
         if availability is None:
             return t
         period = availability.period_s
-        position = np.fmod(t + self.phase, period)
-        online = position < availability.online_fraction * period
-        if online.any():
+        if self.online_mask(t).any():
             return t
+        position = np.fmod(t + self.phase, period)
         # A hair past the window's start, so that rounding cannot leave the client just short of it.
         return t + float(np.min(period - position)) + 1e-9 * period

@@ -64,6 +64,23 @@ def test_availability_windows() -> None:
     assert model.online_mask(start).any()
 
 
+def test_a_window_ending_within_rounding_of_now_is_offline() -> None:
+    """A client whose window ends less than a rounding step after ``t`` (``offline_at`` gives ``t`` itself) is
+    offline at ``t`` for every helper: a task handed to it would fail at once at the same time, again and again,
+    with the clock never moving (a secure-aggregation run with short windows stalled on this)."""
+    config = FaultsConfig.model_validate({"availability": {"period_s": 2.0, "online_fraction": 0.6}})
+    model = FaultModel(config, seed=0, num_clients=3)
+    t = 8.548936089821607
+    model.phase[:] = [1.2 - 6.661338147750939e-16 - math.fmod(t, 2.0), 0.0, 1.0]
+    position = math.fmod(t + float(model.phase[0]), 2.0)
+    assert position < 1.2 and model.offline_at(0, t) == t  # inside the window, yet it ends at t
+    assert not model.online(0, t) and not bool(model.online_mask(t)[0])
+    assert model.online_mask(t).tolist() == [model.online(c, t) for c in range(3)]
+    assert model.online(0, t - 0.1) and model.offline_at(0, t - 0.1) > t - 0.1
+    model.phase[:] = model.phase[0]  # nobody else online: the next one is a whole off-window later
+    assert model.next_online(t) > t + 0.7 and model.online_mask(model.next_online(t)).all()
+
+
 def test_fault_rates_must_leave_room_for_success() -> None:
     """crash + hang + dropout >= 1 is a config error; so is hang without a task timeout."""
     with pytest.raises(ConfigError, match="faults: crash \\+ hang \\+ dropout must be < 1, got 1"):

@@ -39,6 +39,10 @@ REFUSAL_LINES = 3
 """Refusals of one reason logged as info lines in a run; the rest of them at debug level (all counted)."""
 
 
+_ABANDONED_PRINTED = 3
+"""Abandoned secure-aggregation groups printed as warnings; the rest are debug lines (the metric counts each)."""
+
+
 class CloudReceiver:
     """Fold what reaches the cloud into its aggregator and count every task's outcome.
 
@@ -72,6 +76,7 @@ class CloudReceiver:
         self.bus = bus
         self.log = log
         self._log_updates = logs_debug(log)  # each accepted update's debug line reaches something
+        self._abandoned = 0  # secure-aggregation groups abandoned: the first few are warnings, the rest debug lines
         self._told: Counter[str] = Counter()  # refusals of each reason logged at info level
 
     @property
@@ -268,12 +273,19 @@ class CloudReceiver:
         figures = {key.removeprefix("secagg."): value for key, value in message.figures.items()}
         self.log.debug("secagg", step=version, **figures)
         if message.abandoned:
-            self.log.warning(
+            self._abandoned += 1
+            text = (
+                f"secure aggregation group {message.group} was abandoned ({message.reason}): its sum is not revealed "
+                "and the model does not step on it"
+            )
+            if self._abandoned == _ABANDONED_PRINTED:
+                text += " (further abandoned groups at debug level; secagg/abandoned counts them all)"
+            emit = self.log.warning if self._abandoned <= _ABANDONED_PRINTED else self.log.debug
+            emit(
                 "secagg.abandoned",
                 step=version,
                 group=message.group,
                 reason=message.reason,
-                message=f"secure aggregation group {message.group} was abandoned ({message.reason}): its sum is not "
-                "revealed and the model does not step on it",
+                message=text,
                 metrics=False,
             )

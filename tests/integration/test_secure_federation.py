@@ -20,7 +20,7 @@ from scipy import stats
 
 import flasync
 from flasync.cli import main
-from flasync.core.errors import RunInterrupted
+from flasync.core.errors import RunInterrupted, TrainingError
 from flasync.core.events import (
     Aggregated,
     ClientFailed,
@@ -35,6 +35,7 @@ from flasync.runtime.prepare import RunInputs
 from flasync.secure import GroupOutcome, GroupParams, SecAggServer, WeightedEncoding
 from flasync.secure.messages import UnmaskRequest, UnmaskResponse
 from flasync.secure.ring import RingVector
+from flasync.server import receiver
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -166,6 +167,22 @@ async def test_members_whose_availability_window_closes_drop_out_and_the_run_fin
     # secure_aggregation.dropout is 0: every member that dropped out did so because its window closed.
     assert federation.config.secure_aggregation.dropout == 0.0 and sum(len(g.dropped) for g in groups) > 0
     assert offline  # and tasks whose window closed during training failed as offline, as in any run
+
+
+@pytest.mark.slow
+def test_windows_too_short_for_a_group_end_the_run_with_its_reason_and_a_few_warnings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Windows of 1.2 s in 2: members go offline before their buffer's protocol ends, so every group is abandoned.
+    The run ends with the server's no-progress error naming the reason (it once stalled instead, the clock stuck at a
+    window's end), and only the first few abandoned groups are warnings, the last saying the rest are debug lines."""
+    overrides = (_FEDBUFF, _ON, "faults.availability={period_s: 2, online_fraction: 0.6}", "tracking.log_level=info")
+    with pytest.raises(TrainingError, match="secagg_abandoned"):
+        flasync.run(small_config(*overrides, "stop.max_versions=10"))
+    output = capsys.readouterr()
+    warnings = [line for line in (output.out + output.err).splitlines() if "secagg.abandoned" in line]
+    assert len(warnings) == receiver._ABANDONED_PRINTED
+    assert "further abandoned groups at debug level" in warnings[-1]
 
 
 @pytest.mark.slow

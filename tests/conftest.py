@@ -3,6 +3,7 @@ remote clients' configs and tokens)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import importlib.util
@@ -21,6 +22,11 @@ import structlog
 import torch
 import yaml
 
+import flasync
+from flasync.core.errors import RunInterrupted
+from flasync.core.events import Aggregated
+from flasync.runtime import checkpoint
+from flasync.testing import MemoryTracker
 from flasync.tracking import close_idle_writer
 from flasync.tracking.store import prepare_sqlite_store
 
@@ -228,3 +234,21 @@ def tokens(tmp_path: Path) -> dict[int, str]:
     lines = ["# client_id token", *(f"{cid} {token}" for cid, token in issued.items())]
     (tmp_path / "tokens.txt").write_text("\n".join(lines) + "\n")
     return issued
+
+
+async def interrupt_at(
+    config: flasync.RunConfig, version: int, resume: checkpoint.ResumePoint | None = None, **kwargs: Any
+) -> tuple[MemoryTracker, flasync.Federation]:
+    """Run ``config`` (``resume``, and ``kwargs`` for :class:`~flasync.Federation`) and request a stop as SIGINT would
+    once ``version`` was aggregated; return the tracker it wrote to (its checkpoints) and the federation."""
+    tracker = MemoryTracker()
+    federation = flasync.Federation(config, tracker=tracker, resume=resume, **kwargs)
+    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
+    task = asyncio.create_task(federation.run())
+    async for event in aggregated:
+        if event.version >= version:
+            federation.request_stop("SIGINT")
+            break
+    with pytest.raises(RunInterrupted, match="interrupted \\(SIGINT\\)"):
+        await task
+    return tracker, federation

@@ -19,12 +19,11 @@ import torch
 
 import flasync
 from flasync.config import load_config
-from flasync.core.errors import CheckpointError, RunInterrupted
-from flasync.core.events import Aggregated
+from flasync.core.errors import CheckpointError
 from flasync.runtime import checkpoint
 from flasync.testing import MeanOfDeltas, MemoryTracker, small_config
 from flasync.tracking.store import prepare_sqlite_store
-from tests.conftest import NEEDS_DP_ACCOUNTING
+from tests.conftest import NEEDS_DP_ACCOUNTING, interrupt_at
 
 ROOT = Path(flasync.__file__).resolve().parents[1]
 FAULTY = ("faults.crash=0.2", "faults.hang=0.1", "faults.dropout=0.05", "resilience.task_timeout_s=3")
@@ -35,16 +34,7 @@ async def _interrupt_at(
     config: flasync.RunConfig, version: int, resume: checkpoint.ResumePoint | None = None, **kwargs: Any
 ) -> MemoryTracker:
     """Run ``config`` and request a stop once ``version`` was aggregated; return the tracker it wrote to."""
-    tracker = MemoryTracker()
-    federation = flasync.Federation(config, tracker=tracker, resume=resume, **kwargs)
-    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
-    task = asyncio.create_task(federation.run())
-    async for event in aggregated:
-        if event.version >= version:
-            federation.request_stop("SIGINT")
-            break
-    with pytest.raises(RunInterrupted, match="interrupted \\(SIGINT\\)"):
-        await task
+    tracker, _ = await interrupt_at(config, version, resume, **kwargs)
     assert tracker.status == "KILLED"
     return tracker
 

@@ -15,9 +15,10 @@ import pytest
 import flasync
 from flasync.algorithms import client_eval
 from flasync.core.client_table import TABLE_ARTIFACT as CLIENT_TABLE
-from flasync.core.events import Aggregated, ClientEvaluated, ClientsEvaluated, TaskAssigned
+from flasync.core.events import ClientEvaluated, ClientsEvaluated, TaskAssigned
 from flasync.runtime import checkpoint
 from flasync.testing import EventRecorder, MemoryTracker, small_config
+from tests.conftest import interrupt_at
 
 pytestmark = pytest.mark.slow
 
@@ -154,26 +155,12 @@ def test_the_best_version_by_a_client_side_figure_is_kept() -> None:
     assert summary.best_weights_sha256 == stopped.weights_sha256
 
 
-async def _interrupt_at(config: flasync.RunConfig, version: int) -> MemoryTracker:
-    tracker = MemoryTracker()
-    federation = flasync.Federation(config, tracker=tracker)
-    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
-    task = asyncio.create_task(federation.run())
-    async for event in aggregated:
-        if event.version >= version:
-            federation.request_stop("SIGINT")
-            break
-    with pytest.raises(flasync.RunInterrupted):
-        await task
-    return tracker
-
-
 def test_a_resumed_run_gives_the_uninterrupted_weights_and_evaluation_series() -> None:
     """Stopped mid-way and resumed from its checkpoint, a run ends with the same weights, and its evaluation series
     (the stopped part's points, then the resumed part's) are those of the run uninterrupted."""
     config = small_config(*_ON, "stop.max_versions=16")
     full, full_tracker, _ = _run(*_ON, "stop.max_versions=16")
-    stopped = asyncio.run(_interrupt_at(config, 6))
+    stopped = asyncio.run(interrupt_at(config, 6))[0]
     saved, state = checkpoint.decode(checkpoint.latest(stopped.artifacts))
     resumed_tracker = MemoryTracker()
     resumed = flasync.run(saved, resume=checkpoint.ResumePoint(None, state), tracker=resumed_tracker)

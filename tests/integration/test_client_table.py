@@ -13,33 +13,16 @@ import pytest
 import flasync
 from flasync.core.client_table import HISTOGRAMS_ARTIFACT as CLIENT_HISTOGRAMS
 from flasync.core.client_table import TABLE_ARTIFACT as CLIENT_TABLE
-from flasync.core.errors import CheckpointError, RunInterrupted
-from flasync.core.events import Aggregated
+from flasync.core.errors import CheckpointError
 from flasync.runtime import checkpoint
 from flasync.runtime.artifacts import HISTOGRAMS_PLOT
 from flasync.runtime.selection import SELECTION
 from flasync.testing import MemoryTracker, small_config
+from tests.conftest import interrupt_at
 
 FAULTY = ("faults.crash=0.2", "faults.hang=0.1", "faults.dropout=0.05", "resilience.task_timeout_s=3")
 TABLE = ("tracking.client_table=true", "tracking.client_table_top=20")
 REFUSING = "server.max_staleness=1"  # FedBuff with 8 in flight and K=4: some updates come too late
-
-
-async def _interrupt_at(
-    config: flasync.RunConfig, version: int, resume: checkpoint.ResumePoint | None = None
-) -> tuple[MemoryTracker, flasync.Federation]:
-    """Run ``config`` and request a stop once ``version`` was aggregated; return the tracker and the federation."""
-    tracker = MemoryTracker()
-    federation = flasync.Federation(config, tracker=tracker, resume=resume)
-    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
-    task = asyncio.create_task(federation.run())
-    async for event in aggregated:
-        if event.version >= version:
-            federation.request_stop("SIGINT")
-            break
-    with pytest.raises(RunInterrupted):
-        await task
-    return tracker, federation
 
 
 def _resumed(tracker: MemoryTracker) -> tuple[MemoryTracker, flasync.Federation, flasync.RunSummary]:
@@ -119,7 +102,7 @@ def test_a_resumed_run_logs_the_uninterrupted_runs_table() -> None:
     )
     whole = MemoryTracker()
     full = flasync.run(config, tracker=whole)
-    stopped, _ = asyncio.run(_interrupt_at(config, 4))
+    stopped, _ = asyncio.run(interrupt_at(config, 4))
     _, state = checkpoint.decode(checkpoint.latest(stopped.artifacts))
     assert 4 <= state["version"] < 12 and len(state["accounting"]["clients"]["rows"]) == 8
     again, _, resumed = _resumed(stopped)
@@ -138,7 +121,7 @@ def test_the_best_version_survives_a_stop_and_resume() -> None:
     config = small_config("stop.max_versions=12", "eval.every_versions=1", "eval.select=server/eval/accuracy:min")
     full_federation = flasync.Federation(config)
     full = asyncio.run(full_federation.run())
-    stopped, before = asyncio.run(_interrupt_at(config, 6))
+    stopped, before = asyncio.run(interrupt_at(config, 6))
     assert before.best is not None
     _, state = checkpoint.decode(checkpoint.latest(stopped.artifacts))
     assert state[SELECTION]["version"] == before.best.version < state["version"]
@@ -178,7 +161,7 @@ def test_a_resumed_run_that_improves_keeps_its_own_best() -> None:
     stopped."""
     config = small_config("stop.max_versions=12", "eval.every_versions=1", "eval.select=server/eval/accuracy:max")
     full = flasync.run(config)
-    stopped, _ = asyncio.run(_interrupt_at(config, 3))
+    stopped, _ = asyncio.run(interrupt_at(config, 3))
     _, _, resumed = _resumed(stopped)
     assert (resumed.best_version, resumed.best_weights_sha256) == (full.best_version, full.best_weights_sha256)
 
@@ -195,7 +178,7 @@ def test_a_client_side_selection_keeps_the_weights_of_versions_still_open_across
         "eval.select=client_eval/accuracy/mean:max",
     )
     full = flasync.run(config)
-    stopped, _ = asyncio.run(_interrupt_at(config, 6))
+    stopped, _ = asyncio.run(interrupt_at(config, 6))
     _, state = checkpoint.decode(checkpoint.latest(stopped.artifacts))
     pending = state[SELECTION].get("pending", {})
     assert pending, "no version's evaluation was open at the stop: the test needs one"
@@ -210,7 +193,7 @@ def test_a_client_side_selection_keeps_the_weights_of_versions_still_open_across
 def test_a_checkpoint_whose_best_weights_do_not_fit_is_refused() -> None:
     """The best version's weights in a checkpoint are checked like the weights: another shape is a one-line error."""
     config = small_config("stop.max_versions=8", "eval.every_versions=1", "eval.select=server/eval/loss:min")
-    stopped, _ = asyncio.run(_interrupt_at(config, 3))
+    stopped, _ = asyncio.run(interrupt_at(config, 3))
     _, state = checkpoint.decode(checkpoint.latest(stopped.artifacts))
     state[SELECTION]["weights"] = state[SELECTION]["weights"][:-1]
     with pytest.raises(CheckpointError, match=r"selection\.weights"):
@@ -220,7 +203,7 @@ def test_a_checkpoint_whose_best_weights_do_not_fit_is_refused() -> None:
 def test_a_checkpoint_whose_client_table_does_not_fit_is_refused() -> None:
     """A per-client table with more rows than the config keeps, or a negative count, is a one-line error."""
     config = small_config("stop.max_versions=8", *TABLE, "tracking.client_table_rows=4")
-    stopped, _ = asyncio.run(_interrupt_at(config, 3))
+    stopped, _ = asyncio.run(interrupt_at(config, 3))
     _, state = checkpoint.decode(checkpoint.latest(stopped.artifacts))
     rows = state["accounting"]["clients"]["rows"]
     assert len(rows) == 4

@@ -12,10 +12,11 @@ from torch import nn
 
 import flasync
 from flasync.codecs import decode
-from flasync.core.events import Aggregated, ClientEvaluated, TaskAssigned, UpdateUploaded
+from flasync.core.events import ClientEvaluated, TaskAssigned, UpdateUploaded
 from flasync.runtime import checkpoint
 from flasync.runtime.prepare import RunInputs
 from flasync.testing import EventRecorder, MemoryTracker, small_config
+from tests.conftest import interrupt_at
 
 NUM_PARAMS = 64 * 32 + 32 + 32 * 10 + 10  # the small config's MLP
 FIRST_LAYER = 64 * 32 + 32  # layers.0's weight and bias lead the flat vector
@@ -127,7 +128,7 @@ def test_a_resumed_run_keeps_each_clients_local_layers() -> None:
     the uninterrupted weights."""
     config = _config(*_FEDBN, "stop.max_versions=16")
     full = flasync.run(config)
-    tracker = asyncio.run(_interrupt_at(config, 6))
+    tracker = asyncio.run(interrupt_at(config, 6))[0]
     saved, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
     assert state["personal"]["ids"] and state["personal"]["values"].shape[1] == FIRST_LAYER
     resumed = flasync.run(saved, resume=checkpoint.ResumePoint(None, state))
@@ -138,20 +139,6 @@ def test_local_layers_spill_to_disk_beyond_the_bound() -> None:
     """With room for 2 clients' layers in memory the run spills the others and ends with the same weights."""
     bounded = flasync.run(_config(*_FEDBN, "client.personal.max_in_memory=2"))
     assert bounded.weights_sha256 == flasync.run(_config(*_FEDBN)).weights_sha256
-
-
-async def _interrupt_at(config: flasync.RunConfig, version: int) -> MemoryTracker:
-    tracker = MemoryTracker()
-    federation = flasync.Federation(config, tracker=tracker)
-    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
-    task = asyncio.create_task(federation.run())
-    async for event in aggregated:
-        if event.version >= version:
-            federation.request_stop("SIGINT")
-            break
-    with pytest.raises(flasync.RunInterrupted):
-        await task
-    return tracker
 
 
 _FINETUNE = ("client.personal.kind=finetune", "client.personal.steps=5")
@@ -200,7 +187,7 @@ def test_a_resumed_ditto_run_gives_the_uninterrupted_personal_figures() -> None:
     config = _config(*_DITTO, *_EVAL, "stop.max_versions=16")
     full_tracker = MemoryTracker()
     flasync.run(config, tracker=full_tracker)
-    stopped = asyncio.run(_interrupt_at(config, 6))
+    stopped = asyncio.run(interrupt_at(config, 6))[0]
     saved, state = checkpoint.decode(checkpoint.latest(stopped.artifacts))
     assert state["ditto"]["ids"] and state["ditto"]["values"].shape[1] == NUM_PARAMS
     resumed = MemoryTracker()

@@ -12,10 +12,10 @@ import torch
 
 import flasync
 from flasync.codecs import decode
-from flasync.core.errors import RunInterrupted
-from flasync.core.events import Aggregated, UpdateUploaded
+from flasync.core.events import UpdateUploaded
 from flasync.runtime import checkpoint
 from flasync.testing import EventRecorder, MemoryTracker, small_config
+from tests.conftest import interrupt_at
 
 NUM_PARAMS = 64 * 32 + 32 + 32 * 10 + 10  # the small config's MLP
 WEIGHT_MATRICES = (64 * 32, 32 * 10)  # pruned each on its own; the biases are kept
@@ -77,16 +77,7 @@ async def test_a_run_stopped_before_pruning_and_resumed_prunes_on_schedule() -> 
     """A run stopped (SIGINT) before the first pruning holds no mask; the resumed run prunes when the schedule says."""
     config = _config(0.2, every=5)
     full = await flasync.Federation(config).run()
-    tracker = MemoryTracker()
-    federation = flasync.Federation(config, tracker=tracker)
-    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
-    task = asyncio.create_task(federation.run())
-    async for event in aggregated:
-        if event.version >= 2:
-            federation.request_stop("SIGINT")
-            break
-    with pytest.raises(RunInterrupted):
-        await task
+    tracker, _ = await interrupt_at(config, 2)
     _, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
     assert state["version"] < 5 and state["prune_mask"]["mask"] is None
     resumed = await asyncio.to_thread(flasync.run, config, resume=checkpoint.ResumePoint(None, state))

@@ -20,9 +20,8 @@ from scipy import stats
 
 import flasync
 from flasync.cli import main
-from flasync.core.errors import RunInterrupted, TrainingError
+from flasync.core.errors import TrainingError
 from flasync.core.events import (
-    Aggregated,
     ClientFailed,
     ClientTimedOut,
     ModelPublished,
@@ -37,6 +36,7 @@ from flasync.secure.messages import UnmaskRequest, UnmaskResponse
 from flasync.secure.ring import RingVector
 from flasync.server import receiver
 from flasync.testing import EventRecorder, MemoryTracker, small_config
+from tests.conftest import interrupt_at
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -258,16 +258,7 @@ async def test_a_run_stopped_with_a_half_full_buffer_resumes_exactly() -> None:
     with the uninterrupted run's weights."""
     config = small_config(_FEDBUFF, _ON, "stop.max_versions=8")
     full = await flasync.Federation(config).run()
-    tracker = MemoryTracker()
-    federation = flasync.Federation(config, tracker=tracker)
-    aggregated = federation.bus.subscribe(Aggregated, policy="drop_oldest")
-    task = asyncio.create_task(federation.run())
-    async for event in aggregated:
-        if event.version >= 3:
-            federation.request_stop("SIGINT")
-            break
-    with pytest.raises(RunInterrupted):
-        await task
+    tracker, _ = await interrupt_at(config, 3)
     saved, state = checkpoint.decode(checkpoint.latest(tracker.artifacts))
     assert 3 <= state["version"] < 8 and state["secure_aggregation"]["waiting"]  # a buffer half full
     resumed = await asyncio.to_thread(flasync.run, saved, resume=checkpoint.ResumePoint(None, state))

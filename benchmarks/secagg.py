@@ -245,16 +245,32 @@ REMOTE_SPARE = 2
 """Remote devices beyond the buffer's K (a buffer fills while the previous one runs its protocol)."""
 
 
-async def _remote_run(folder: Path, versions: int, seed: int, secure: bool, buffer_size: int) -> dict[str, Any]:
-    """Serve one FedBuff run of ``buffer_size`` on 127.0.0.1 to ``buffer_size + 2`` remote devices over HTTP; return
-    its figures."""
+REMOTE_NEIGHBOURS = 16
+"""The SecAgg+ degree of remote groups larger than :data:`REMOTE_COMPLETE` (smaller ones use the complete graph)."""
+REMOTE_COMPLETE = 50
+
+
+def _remote_secure(group: int) -> dict[str, Any]:
+    """Return a remote run's ``[secure_aggregation]`` for groups of ``group``: the complete graph up to
+    :data:`REMOTE_COMPLETE` members, :data:`REMOTE_NEIGHBOURS` neighbours above."""
+    section: dict[str, Any] = {"enabled": True, "max_dropouts": 0}
+    if group > REMOTE_COMPLETE:
+        section["neighbours"] = REMOTE_NEIGHBOURS
+    return section
+
+
+async def _remote_run(
+    folder: Path, versions: int, seed: int, secure: bool, buffer_size: int, fedavg: bool = False
+) -> dict[str, Any]:
+    """Serve one FedBuff run of ``buffer_size`` on 127.0.0.1 to ``buffer_size + 2`` remote devices over HTTP (with
+    ``fedavg``: FedAvg rounds of ``buffer_size`` devices, all of them); return its figures."""
     import asyncio
     import secrets
 
     from flasync.clients.remote.client import Client
     from flasync.runtime.serve import serve
 
-    devices = buffer_size + REMOTE_SPARE
+    devices = buffer_size if fedavg else buffer_size + REMOTE_SPARE
     tokens = {client: secrets.token_urlsafe(24) for client in range(devices)}
     (folder / "tokens.txt").write_text("".join(f"{c} {t}\n" for c, t in tokens.items()))
     config: dict[str, Any] = {
@@ -262,14 +278,18 @@ async def _remote_run(folder: Path, versions: int, seed: int, secure: bool, buff
         "seed": seed,
         "clock": "wall",
         "population": {"num_clients": devices},
-        "server": {"kind": "fedbuff", "buffer_size": buffer_size, "concurrency": devices},
+        "server": (
+            {"kind": "fedavg", "clients_per_round": devices}
+            if fedavg
+            else {"kind": "fedbuff", "buffer_size": buffer_size, "concurrency": devices}
+        ),
         "resilience": {"task_timeout_s": 60.0},
         "eval": {"every_versions": versions},
         "stop": {"max_versions": versions},
         "remote": {"enabled": True, "tokens_file": str(folder / "tokens.txt"), "poll_s": 5.0},
     }
     if secure:
-        config["secure_aggregation"] = {"enabled": True, "max_dropouts": 0}
+        config["secure_aggregation"] = _remote_secure(buffer_size)
     federation = flasync.Federation(config)
     port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     served = asyncio.create_task(serve(federation, port=0, on_ready=port.set_result, linger_s=2.0))
@@ -286,15 +306,21 @@ async def _remote_run(folder: Path, versions: int, seed: int, secure: bool, buff
     }
 
 
-def remote(versions: int, seed: int, buffer_size: int) -> dict[str, Any]:
-    """Return the plain and secure remote runs of one buffer size, with ratios against the plain one."""
+def remote(versions: int, seed: int, buffer_size: int, fedavg: bool = False) -> dict[str, Any]:
+    """Return the plain and secure remote runs of one buffer size (``fedavg``: of one FedAvg round's size), with
+    ratios against the plain one."""
     import asyncio
     import tempfile
 
-    runs: dict[str, Any] = {"buffer_size": buffer_size, "devices": buffer_size + REMOTE_SPARE}
+    runs: dict[str, Any] = {
+        "server": "fedavg" if fedavg else "fedbuff",
+        "buffer_size": buffer_size,
+        "devices": buffer_size if fedavg else buffer_size + REMOTE_SPARE,
+        "neighbours": _remote_secure(buffer_size).get("neighbours", buffer_size - 1),
+    }
     for name, secure in (("plain", False), ("secure", True)):
         with tempfile.TemporaryDirectory() as folder:
-            runs[name] = asyncio.run(_remote_run(Path(folder), versions, seed, secure, buffer_size))
+            runs[name] = asyncio.run(_remote_run(Path(folder), versions, seed, secure, buffer_size, fedavg))
     for name in ("plain", "secure"):
         for key in ("upload_bytes_per_update", "download_bytes_per_update", "wall_s_per_version"):
             runs[name][f"{key}_ratio"] = runs[name][key] / runs["plain"][key]
@@ -366,7 +392,14 @@ def main() -> None:
     )
     parser.add_argument("--remote-versions", type=int, default=10, help="versions of each remote run (part 3)")
     parser.add_argument(
-        "--remote-sizes", type=int, nargs="+", default=[3, 10, 50], help="buffer sizes K of the remote runs (part 3)"
+        "--remote-sizes",
+        type=int,
+        nargs="+",
+        default=[3, 10, 50, 100],
+        help="buffer sizes K of the remote runs (part 3)",
+    )
+    parser.add_argument(
+        "--remote-rounds", type=int, nargs="*", default=[100], help="FedAvg round sizes of the remote runs (part 3)"
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "secagg.json")
     args = parser.parse_args()
@@ -408,11 +441,13 @@ def main() -> None:
                 f"down {run['download_bytes_per_update']:,.0f} B/update ({run['download_bytes_per_update_ratio']:.2f}x)"
             )
     remote_runs = [remote(args.remote_versions, args.seed, k) for k in args.remote_sizes]
+    remote_runs += [remote(args.remote_versions, args.seed, n, fedavg=True) for n in args.remote_rounds]
     for sized in remote_runs:
         for name in ("plain", "secure"):
             run = sized[name]
             print(
-                f"remote fedbuff K={sized['buffer_size']} ({sized['devices']} devices) {name}: "
+                f"remote {sized['server']} K={sized['buffer_size']} ({sized['devices']} devices, "
+                f"{sized['neighbours']} neighbours) {name}: "
                 f"accuracy {run['accuracy']:.4f}, "
                 f"up {run['upload_bytes_per_update']:,.0f} B/update ({run['upload_bytes_per_update_ratio']:.2f}x), "
                 f"down {run['download_bytes_per_update']:,.0f} B/update "
@@ -440,6 +475,8 @@ def main() -> None:
         "federation_versions": args.federation_versions,
         "remote_versions": args.remote_versions,
         "remote_sizes": list(args.remote_sizes),
+        "remote_rounds": list(args.remote_rounds),
+        "remote_neighbours": {"above": REMOTE_COMPLETE, "neighbours": REMOTE_NEIGHBOURS},
         "model_params": int(task.initial.numel()),
         "link": {
             "upload_bytes_per_s": LINK.upload_bytes_per_s,

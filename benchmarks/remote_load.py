@@ -21,7 +21,10 @@ For each number of devices (``--devices``, 100 and 1,000 by default), on a fresh
   ``GET /v1/task?model=inline&have=V``, nothing when it holds that version; a server without it answers the offer
   alone and the device downloads the model, ``GET /v1/models/V``, as with ``--offer separate``), waits
   ``--train-s`` on average as if it trained (0: not at all, the server saturated: each request then waits behind
-  every other device's), uploads the update and asks for its next task. Printed: updates accepted per second,
+  every other device's), uploads the update and asks for its next task: in the upload's answer (``--offer next``,
+  the default: ``POST /v1/tasks/{id}/update?next=inline&have=V``, one request an update when the server carries the
+  next task; a server without it answers as before and the device long-polls), else ``GET /v1/task``. Printed:
+  updates accepted per second, requests sent per accepted update, upload answers that carried the next task,
   p50/p99 of each endpoint (offer: the long-poll until the next task, with its model when inline; model download;
   upload), the server's CPU (user + system, psutil) per accepted update, and the accounting of every update sent:
   accepted (202) + refused (any other answer) + timed out or failed = sent, beside the server's own counters (its
@@ -103,6 +106,7 @@ class Tally:
         failed: Requests that failed otherwise (a connection error) per endpoint.
         latencies: Seconds from sending to the whole answer, per endpoint (answered requests only).
         first_offer_s: Per device, seconds from its hello to its first offer.
+        carried: Upload answers that carried the next task (``--offer next``).
     """
 
     sent: Counter[str] = field(default_factory=Counter)
@@ -111,6 +115,7 @@ class Tally:
     failed: Counter[str] = field(default_factory=Counter)
     latencies: dict[str, list[float]] = field(default_factory=lambda: {e: [] for e in ENDPOINTS})
     first_offer_s: list[float] = field(default_factory=list)
+    carried: int = 0
 
     def updates(self) -> dict[str, int]:
         """Return the accounting of updates: sent, accepted (202), refused (other answers), timed out, failed."""
@@ -133,6 +138,7 @@ class Tally:
             "failed": dict(self.failed),
             "latencies": {e: [round(s, 6) for s in v] for e, v in self.latencies.items()},
             "first_offer_s": [round(s, 6) for s in self.first_offer_s],
+            "carried": self.carried,
         }
 
     def add(self, data: dict[str, Any]) -> None:
@@ -144,6 +150,7 @@ class Tally:
             self.answers[endpoint].update(data["answers"].get(endpoint, {}))
             self.latencies[endpoint] += data["latencies"].get(endpoint, [])
         self.first_offer_s += data["first_offer_s"]
+        self.carried += data.get("carried", 0)
 
 
 # ------------------------------------------------------------------------------------------- the devices
@@ -170,7 +177,7 @@ class Device:
     """
 
     def __init__(
-        self, http: Http, token: str, update: bytes, tally: Tally, inline: bool = True, train_s: float = 0.0
+        self, http: Http, token: str, update: bytes, tally: Tally, offer: str = "next", train_s: float = 0.0
     ) -> None:
         """Keep the settings (nothing is sent yet)."""
         self._http = http
@@ -179,7 +186,8 @@ class Device:
         self._headers = {"authorization": f"Bearer {token}", "x-flasync-session": secrets.token_urlsafe(12)}
         self._update = update
         self._tally = tally
-        self._inline = inline
+        self._inline = offer in ("inline", "next")
+        self._next = offer == "next"
         self._version = -1
         self.ended = False
 
@@ -241,13 +249,14 @@ class Device:
             self._tally.first_offer_s.append(time.perf_counter() - began)
         return offer
 
-    async def answer(self, offer: dict[str, Any]) -> None:
-        """Download the task's model (unless this device holds that version) and upload the update until answered."""
+    async def answer(self, offer: dict[str, Any]) -> dict[str, Any] | None:
+        """Download the task's model (unless this device holds that version) and upload the update until answered;
+        return the next task when the upload's answer carried it (``--offer next``), else None."""
         version = int(offer["base_version"])
         if version != self._version:
             response = await self._send("model", "GET", f"/v1/models/{version}")
             if response is None or response.status_code != 200:
-                return
+                return None
             self._version = version
         if self._train_s > 0:  # as long as a device trains: uniform in 0.5 .. 1.5 times train_s
             await asyncio.sleep(self._train_s * (0.5 + self._pace.random()))
@@ -257,11 +266,20 @@ class Device:
             "x-flasync-incarnation": str(offer.get("incarnation", "")),
         }
         path = f"/v1/tasks/{int(offer['task_id'])}/update"
+        params = {"next": "inline", "have": self._version} if self._next else None
         while True:
-            response = await self._send("upload", "POST", path, content=self._update, headers=headers)
+            response = await self._send("upload", "POST", path, content=self._update, headers=headers, params=params)
             if response is None or response.status_code not in (429, 503):
-                return
+                break
             await asyncio.sleep(float(response.headers.get("retry-after", 1.0)))
+        carried = response.headers.get(OFFER_HEADER) if response is not None else None
+        if carried is None or response is None or response.status_code != 202:
+            return None
+        self._tally.carried += 1
+        following: dict[str, Any] = json.loads(carried)
+        if response.content:
+            self._version = int(following["base_version"])
+        return following
 
     async def work(self, offer: dict[str, Any] | None, until: float) -> None:
         """Answer tasks until ``until`` on the performance counter (an upload under way is finished)."""
@@ -269,8 +287,7 @@ class Device:
             if offer is None:
                 offer = await self.offer(until)
                 continue
-            await self.answer(offer)
-            offer = None
+            offer = await self.answer(offer)
 
 
 async def drive(
@@ -281,7 +298,7 @@ async def drive(
     connected: Callable[[int], Awaitable[None]] | None = None,
     *,
     client: str = "wire",
-    inline: bool = True,
+    offer: str = "next",
     train_s: float = 0.0,
 ) -> Tally:
     """Connect one device per token, wait for ``connected`` (told how many have a task), then load for ``seconds``.
@@ -295,7 +312,9 @@ async def drive(
             returns.
         client: Each device's HTTP client: ``wire`` (:class:`~wire.Connection`, one keep-alive connection and
             little CPU per request) or ``httpx`` (an ``httpx.AsyncClient`` per device, as flasync's client).
-        inline: Ask for each offer with its model in the same answer (see :meth:`Device.offer`).
+        offer: ``inline``: ask for each offer with its model in the same answer (see :meth:`Device.offer`);
+            ``next``: that, and ask each upload's answer for the next task with its model (:meth:`Device.answer`);
+            ``separate``: the offer alone, then the model.
         train_s: Mean seconds a device spends between its model and its upload, as if it trained (0: none, every
             device answers at once: the server is saturated and each request's latency is the queue of every
             device before it).
@@ -318,7 +337,7 @@ async def drive(
                 pools.append(connection)
         update = await asyncio.to_thread(precomputed_update, await _setup(pools[0], tokens[0]))
         devices = [
-            Device(http, token, update, tally, inline, train_s) for http, token in zip(pools, tokens, strict=True)
+            Device(http, token, update, tally, offer, train_s) for http, token in zip(pools, tokens, strict=True)
         ]
         until = time.perf_counter() + connect_s
         offers = await asyncio.gather(*(device.connect(until) for device in devices))
@@ -342,7 +361,7 @@ async def _setup(http: Http, token: str) -> dict[str, Any]:
 
 
 def _worker(
-    url: str, tokens_file: str, seconds: float, connect_s: float, client: str, inline: bool, train_s: float
+    url: str, tokens_file: str, seconds: float, connect_s: float, client: str, offer: str, train_s: float
 ) -> None:
     """A load process: drive its devices; say ``connected N``, wait for a line on stdin, load, write the tally
     beside ``tokens_file`` (``.tally.json``)."""
@@ -352,7 +371,7 @@ def _worker(
         await asyncio.to_thread(sys.stdin.readline)
 
     tokens = Path(tokens_file).read_text().split()
-    tally = uvloop.run(drive(url, tokens, seconds, connect_s, connected, client=client, inline=inline, train_s=train_s))
+    tally = uvloop.run(drive(url, tokens, seconds, connect_s, connected, client=client, offer=offer, train_s=train_s))
     Path(tokens_file).with_suffix(".tally.json").write_text(json.dumps(tally.to_json()))
 
 
@@ -467,6 +486,8 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         "latency": {e: quantiles_ms(tally.latencies[e]) for e in ENDPOINTS},
         "answers": {e: dict(sorted(tally.answers[e].items())) for e in ENDPOINTS},
         "requests_sent": dict(tally.sent),
+        "requests_per_update": round(sum(tally.sent.values()) / accepted, 3),
+        "upload_answers_with_next_task": tally.carried,
         "server_cpu_s": round(cpu_s, 3),
         "server_cpu_ms_per_update": round(1000 * cpu_s / accepted, 4),
         "server_rss_idle_bytes": rss_idle,
@@ -587,7 +608,9 @@ def _print(figures: dict[str, Any]) -> None:
     print(
         f"  load: {updates['accepted']} updates accepted in {figures['wall_s']:.1f} s: {figures['updates_per_s']:.0f}"
         f" updates/s; server CPU {figures['server_cpu_s']:.1f} s, {figures['server_cpu_ms_per_update']:.3f} ms per"
-        f" update (one core: {1000 / max(figures['server_cpu_ms_per_update'], 1e-9):.0f} updates/s)"
+        f" update (one core: {1000 / max(figures['server_cpu_ms_per_update'], 1e-9):.0f} updates/s);"
+        f" {figures['requests_per_update']} requests per update, {figures['upload_answers_with_next_task']} upload"
+        " answers carried the next task"
     )
     for endpoint in ENDPOINTS:
         q = figures["latency"][endpoint]
@@ -636,9 +659,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--offer",
-        choices=("inline", "separate"),
-        default="inline",
-        help="ask for each offer with its model inline (a server without it answers the offer alone)",
+        choices=("next", "inline", "separate"),
+        default="next",
+        help="next: each upload's answer asks for the next task with its model (one request per update when one is"
+        " ready; else the offer is asked for as inline); inline: ask for each offer with its model in the answer (a"
+        " server without it answers the offer alone); separate: the offer, then the model",
     )
     parser.add_argument(
         "--train-s",
@@ -657,7 +682,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         url, tokens_file, seconds, connect_s = args.worker
-        _worker(url, tokens_file, float(seconds), float(connect_s), args.client, args.offer == "inline", args.train_s)
+        _worker(url, tokens_file, float(seconds), float(connect_s), args.client, args.offer, args.train_s)
         return
     if args.profile is not None:
         args.profile = args.profile.resolve()
@@ -704,6 +729,8 @@ _HEADLINE = (
     ("model download p99 (a request of its own when not inline)", ("latency", "model", "p99_ms"), "ms"),
     ("upload p99", ("latency", "upload", "p99_ms"), "ms"),
     ("hello to first task p99", ("first_offer", "p99_ms"), "ms"),
+    # --offer next: one request an update when each upload's answer carries the device's next task
+    ("requests per accepted update", ("requests_per_update",), "requests"),
 )
 
 

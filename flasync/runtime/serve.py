@@ -26,7 +26,11 @@ flasync's binary codec format as ``application/octet-stream``; refusals are ``{"
   offer) in ``X-Flasync-Incarnation``: 202 once it is on its way to the intake; 403 for a task that is not the
   client's, 409 for a replay (``replay``) or for a task of a server process that died and whose run was resumed
   from a checkpoint (``stale_task``), 413 for a body larger than the model's encoding (refused before it is read
-  whole), 503 with ``Retry-After`` when the server's inbox is full.
+  whole), 503 with ``Retry-After`` when the server's inbox is full. With ``next=inline`` (and ``have=V``), a 202
+  carries the client's next task as an inline offer does (``X-Flasync-Offer``, the model in the body, empty when it
+  is version ``V``) if the server posts it within a few turns of its event loop (it takes the update and hands the
+  freed device its next task): one request an update for a busy device. The answer never waits on a clock for a
+  task: without the header the client long-polls ``GET /v1/task`` as before.
 - ``POST /v1/tasks/{task_id}/failed``: local training failed (JSON ``{"error": ...}``; the same headers).
 - ``GET /v1/status``: whether the run is waiting, running or finished (no token needed).
 
@@ -212,8 +216,8 @@ class _Routes:
         if isinstance(session, Refusal):
             return self.malformed(client_id, session.detail)
         inline = request.query_params.get("model") == "inline"
-        have = request.query_params.get("have", "-1") if inline else "-1"
-        if not (have == "-1" or (have.isascii() and have.isdigit() and len(have) <= _MAX_ID_DIGITS)):
+        have = _have(request) if inline else -1
+        if have is None:
             return self.malformed(client_id, "have must be a model version (-1: none)")
         offer = await self.transport.next_task(client_id, wait_s if wait_s == wait_s else 0.0, session)
         if offer is None:
@@ -221,20 +225,20 @@ class _Routes:
         if isinstance(offer, Refusal):
             return _refused(offer)
         if inline:
-            return await self.inline(client_id, offer, int(have))
+            return await self.inline(client_id, offer, have)
         return JSONResponse(offer.to_json())
 
-    async def inline(self, client_id: ClientId, offer: Offer, have: int) -> Response:
+    async def inline(self, client_id: ClientId, offer: Offer, have: int, status: int = 200) -> Response:
         """Answer ``offer`` with the encoded model of its version as the body (empty when the client holds that
         version, ``have``, or when it is no longer served: the client then downloads it), the offer's JSON in
         :data:`OFFER_HEADER`."""
         headers = {OFFER_HEADER: json.dumps(offer.to_json(), separators=(",", ":"))}
         if offer.base_version == have:
-            return Response(b"", media_type=_OCTETS, headers=headers)
+            return Response(b"", status, media_type=_OCTETS, headers=headers)
         download = await self.transport.model(client_id, offer.base_version)
         if isinstance(download, Refusal):  # the run ended or the version went meanwhile: the offer alone
-            return Response(b"", media_type=_OCTETS, headers=headers)
-        return Response(download.payload, media_type=_OCTETS, headers={**headers, "etag": download.etag})
+            return Response(b"", status, media_type=_OCTETS, headers=headers)
+        return Response(download.payload, status, media_type=_OCTETS, headers={**headers, "etag": download.etag})
 
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{version}``: answer the encoded model of a version (304 when ``If-None-Match`` names
@@ -259,6 +263,10 @@ class _Routes:
         if isinstance(answering, Refusal):
             return self.malformed(client_id, answering.detail)
         task_id, session, incarnation = answering
+        after = request.query_params.get("next") == "inline"
+        have = _have(request) if after else -1
+        if have is None:
+            return self.malformed(client_id, "have must be a model version (-1: none)")
         declared = request.headers.get("content-length")
         length = int(declared) if declared is not None and declared.isdigit() else None
         refusal = self.transport.check_upload(client_id, task_id, length, session, incarnation)
@@ -284,6 +292,10 @@ class _Routes:
         answer = self.transport.upload(client_id, task_id, body, report, session, incarnation)
         if answer is not None:
             return _refused(answer)
+        # The next task if it is posted within a few turns of the loop: the answer never waits on a clock for one.
+        offer = await self.transport.ready_task(client_id, session) if after else None
+        if offer is not None:
+            return await self.inline(client_id, offer, have, status=202)
         return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)
 
     async def failed(self, request: Request) -> Response:
@@ -399,6 +411,14 @@ def _name_header(request: Request, header: str) -> str | Refusal | None:
     if name is not None and (len(name) > _MAX_SESSION_CHARS or not set(name) <= _SESSION_CHARS):
         return Refusal(400, "bad_request", f"{header}: at most {_MAX_SESSION_CHARS} letters, digits, '-' or '_'")
     return name
+
+
+def _have(request: Request) -> int | None:
+    """Return the model version the query's ``have`` names (-1, the default: none), or None when malformed."""
+    have = request.query_params.get("have", "-1")
+    if have == "-1" or (have.isascii() and have.isdigit() and len(have) <= _MAX_ID_DIGITS):
+        return int(have)
+    return None
 
 
 def _id(request: Request, name: str) -> int | Refusal:

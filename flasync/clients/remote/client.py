@@ -54,6 +54,23 @@ class RemoteError(FlasyncError):
     """The server refused the client for good (a bad token, an incompatible model) or stayed unreachable."""
 
 
+def _ended(stats: ClientStats, response: httpx.Response) -> None:
+    """Note the run's end (410) in ``stats``; a run that failed is the client's error too, with the server's reason.
+
+    Raises:
+        RemoteError: The server's run failed.
+    """
+    try:
+        detail = str(response.json().get("detail", ""))
+    except ValueError:
+        detail = ""
+    stats.finished = "finished"
+    if "(FAILED" in detail:
+        stats.finished = "failed"
+        reason = detail.removeprefix("the run has ended (FAILED").removesuffix(")").removeprefix(": ")
+        raise RemoteError(f"the server's run failed: {reason or 'no reason given'}")
+
+
 @dataclass(slots=True)
 class ClientStats:
     """What one client did: tasks received, updates delivered, refusals, retries and bytes on the wire."""
@@ -154,6 +171,7 @@ class Client:
         self._on_status = on_status
         self.status_every_s = status_every_s
         self._waiting: _Waiting | None = None
+        self._following: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------------ run
     async def run(self, *, max_tasks: int | None = None) -> ClientStats:
@@ -171,7 +189,7 @@ class Client:
     async def _run(self, http: httpx.AsyncClient, max_tasks: int | None) -> ClientStats:
         hello = await self._request(http, "GET", "/v1/hello")
         if hello.status_code == 410:
-            self._ended(hello)
+            _ended(self.stats, hello)
             return self.stats
         self._setup = _json(hello)
         self.stats.client_id = int(self._setup["client_id"])
@@ -179,40 +197,27 @@ class Client:
         await asyncio.to_thread(self._prepare)
         answered = 0
         while max_tasks is None or answered < max_tasks:
-            # The task with its model in one answer (unless the model is the one held); a server that does not
-            # inline answers the offer alone and the model is downloaded next.
-            held = self._cached[0] if self._cached is not None else -1
-            params = {"wait_s": self.poll_s, "model": "inline", "have": held}
-            response = await self._request(http, "GET", "/v1/task", params=params)
-            if response.status_code == 204:
-                continue
-            if response.status_code == 410:
-                self._ended(response)
-                break
-            offer = self._offer(response)
+            offer, self._following = self._following, None  # the next task, when the last upload's answer held it
+            if offer is None:
+                # The task with its model in one answer (unless the model is the one held); a server that does not
+                # inline answers the offer alone and the model is downloaded next.
+                params = {"wait_s": self.poll_s, "model": "inline", "have": self._held_version()}
+                response = await self._request(http, "GET", "/v1/task", params=params)
+                if response.status_code == 204:
+                    continue
+                if response.status_code == 410:
+                    _ended(self.stats, response)
+                    break
+                offer = self._offer(response)
             self.stats.tasks += 1
-            if await self._answer(http, offer):
+            if await self._answer(http, offer, more=max_tasks is None or answered + 1 < max_tasks):
                 answered += 1
         return self.stats
 
-    def _ended(self, response: httpx.Response) -> None:
-        """Note the run's end (410); a run that failed is this client's error too, with the server's reason.
-
-        Raises:
-            RemoteError: The server's run failed.
-        """
-        try:
-            detail = str(response.json().get("detail", ""))
-        except ValueError:
-            detail = ""
-        self.stats.finished = "finished"
-        if "(FAILED" in detail:
-            self.stats.finished = "failed"
-            reason = detail.removeprefix("the run has ended (FAILED").removesuffix(")").removeprefix(": ")
-            raise RemoteError(f"the server's run failed: {reason or 'no reason given'}")
-
-    async def _answer(self, http: httpx.AsyncClient, offer: dict[str, Any]) -> bool:
-        """Download, train, upload one task; True if the server took the answer."""
+    async def _answer(self, http: httpx.AsyncClient, offer: dict[str, Any], *, more: bool = True) -> bool:
+        """Download, train, upload one task; True if the server took the answer. With ``more`` (another task is
+        wanted), the upload asks for the next task in its answer (kept for :meth:`_run`; a server without it or
+        with none posted answers without one, and the next task is long-polled for)."""
         task_id, version = int(offer["task_id"]), int(offer["base_version"])
         # Sent back with the answer: a server resumed from a checkpoint refuses answers to the tasks of one that died.
         incarnation = str(offer.get("incarnation", ""))
@@ -238,6 +243,7 @@ class Client:
             http,
             "POST",
             f"/v1/tasks/{task_id}/update",
+            params={"next": "inline", "have": self._held_version()} if more else None,
             content=trained.payload,
             headers={
                 "content-type": "application/octet-stream",
@@ -250,6 +256,8 @@ class Client:
             self._residual = trained.residual
             self.stats.uploads += 1
             self.stats.upload_bytes += len(trained.payload)
+            if response.status_code == 202 and _OFFER_HEADER in response.headers:
+                self._following = self._offer(response)
             return True
         # The task was timed out, the run ended, or the server that dispatched it died: the residual stays as it was.
         self.stats.dropped += 1
@@ -289,6 +297,9 @@ class Client:
         if response.content:
             self._keep(int(offer["base_version"]), response.content)
         return offer
+
+    def _held_version(self) -> int:
+        return self._cached[0] if self._cached is not None else -1
 
     async def _weights(self, http: httpx.AsyncClient, version: int) -> torch.Tensor | None:
         """Return the model of ``version``: the one held, else downloaded (None: the server no longer serves it)."""

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from flasync.server.registry import TaskRegistry, Timer
 
 __all__ = [
+    "NEXT_TASK_TURNS",
     "EvaluationReport",
     "Incarnations",
     "ModelDownload",
@@ -488,6 +489,11 @@ class _DeviceRegistry:
 
 
 # ----------------------------------------------------------------------------------------------- hand-out
+NEXT_TASK_TURNS = 8
+"""Turns of the event loop an upload's answer lets pass for the device's next task (``next=inline``): the intake
+takes the update and the server posts the freed device's task within a few; each turn only runs what is ready."""
+
+
 class _TaskHandout:
     """Each client's mailbox of one task, the polls waiting on it, and the connection a task is handed to.
 
@@ -516,6 +522,7 @@ class _TaskHandout:
         self.posted: dict[ClientId, _Posted] = {}
         self._wakers: dict[ClientId, asyncio.Event] = {}
         self.waiting = 0
+        self.handed = 0  # tasks handed to a connection (a task asked for again is counted once)
 
     async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
         """Post ``task`` to its client's mailbox and wait (the registry cancels this when the task is released)."""
@@ -566,6 +573,7 @@ class _TaskHandout:
         """Hand ``posted`` to ``session`` if it is not another connection's; else refuse (409)."""
         if posted.session is None:
             posted.session = session
+            self.handed += 1
         elif posted.session != session:
             detail = (
                 f"client {client_id}'s task {posted.task.task_id} is held by another connection with this token;"
@@ -574,6 +582,21 @@ class _TaskHandout:
             return self._refuse(client_id, Refusal(409, "token_in_use", detail, self.settings.retry_after_s))
         self._devices.hand(client_id, posted.task.task_id)
         return self._offer(posted)
+
+    async def ready(self, client_id: ClientId, session: str) -> Offer | None:
+        """Hand ``client_id``'s task to ``session`` if one is in its mailbox within :data:`NEXT_TASK_TURNS` turns of
+        the event loop (its intake takes a few to take an answered update and post the device's next task); never
+        waits on a clock nor for a task coming later (None: none came, the client long-polls :meth:`next_task`)."""
+        for turn in range(NEXT_TASK_TURNS + 1):
+            if turn:
+                await asyncio.sleep(0)  # one turn of the loop: whatever is ready runs, nothing is waited for
+            posted = self.posted.get(client_id)
+            if self.closed or (posted is not None and posted.session not in (None, session)):
+                return None
+            if posted is not None:
+                offer = self._hand(client_id, posted, session)
+                return offer if isinstance(offer, Offer) else None
+        return None
 
     def _offer(self, posted: _Posted) -> Offer:
         task = posted.task
@@ -830,6 +853,12 @@ class RemoteTransport:
             return self._ended()
         return await self._handout.next_task(client_id, wait_s, session)
 
+    async def ready_task(self, client_id: ClientId, session: str = "") -> Offer | None:
+        """Return ``client_id``'s next task if it is posted within a few turns of the event loop (the device just
+        answered its last), handed to ``session`` as :meth:`next_task` hands it; None: it is not, ask
+        :meth:`next_task` (nothing is waited for on a clock)."""
+        return None if self.finished else await self._handout.ready(client_id, session)
+
     async def model(
         self, client_id: ClientId, version: int, if_none_match: str | None = None
     ) -> ModelDownload | Refusal:
@@ -1006,6 +1035,7 @@ class RemoteTransport:
             "finished": self.finished,
             "waiting": self._handout.waiting,
             "posted": len(self._handout.posted),
+            "handed": self._handout.handed,
             "uploads": self.uploads,
             "wire_upload_bytes": self.wire_upload_bytes,
             "wire_download_bytes": self.wire_download_bytes,

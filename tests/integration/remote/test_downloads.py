@@ -42,11 +42,18 @@ def _without_inline(app: _App) -> _App:
 
 
 @contextlib.asynccontextmanager
-async def _served(
-    tmp_path: Path, wrap: Callable[[_App], _App] = lambda app: app
+async def served(
+    tmp_path: Path, wrap: Callable[[_App], _App] = lambda app: app, **overrides: Any
 ) -> AsyncIterator[tuple[str, Federation]]:
-    """Run a remote federation under uvicorn (flasync's HTTP protocol) on a free loopback port; yield its URL."""
-    config = remote_config(tmp_path / "tokens.txt", stop={"max_versions": 10**6}, resilience={"task_timeout_s": 60.0})
+    """Run a remote federation under uvicorn (flasync's HTTP protocol) on a free loopback port; yield its URL.
+
+    Args:
+        tmp_path: Where the tokens file is (the ``tokens`` fixture's).
+        wrap: Puts the served application behind something (another server, a counter).
+        overrides: Config sections over :func:`~tests.conftest.remote_config`'s, with a run that does not stop.
+    """
+    overrides = {"stop": {"max_versions": 10**6}, "resilience": {"task_timeout_s": 60.0}, **overrides}
+    config = remote_config(tmp_path / "tokens.txt", **overrides)
     federation = Federation(config)
     port = free_port()
     server = uvicorn.Server(
@@ -76,7 +83,7 @@ async def _served(
         await serving
 
 
-async def _offer(http: httpx.AsyncClient, headers: dict[str, str], **params: Any) -> httpx.Response:
+async def offer_of(http: httpx.AsyncClient, headers: dict[str, str], **params: Any) -> httpx.Response:
     """Ask for a task until one comes (the run starts and the device connects meanwhile)."""
     for _ in range(200):
         response = await http.get("/v1/task", params={"wait_s": 1.0, **params}, headers=headers)
@@ -86,7 +93,8 @@ async def _offer(http: httpx.AsyncClient, headers: dict[str, str], **params: Any
     raise AssertionError("no task came")
 
 
-def _headers(token: str) -> dict[str, str]:
+def device_headers(token: str) -> dict[str, str]:
+    """Return the headers of a device's requests: its bearer token and its session."""
     return {"authorization": f"Bearer {token}", SESSION_HEADER: "device-0"}
 
 
@@ -94,9 +102,9 @@ async def test_an_inline_offer_holds_the_model_of_its_version(tmp_path: Path, to
     """``model=inline`` answers the task in a header and the model of its version as the body, the very bytes the
     model endpoint serves; asked again naming that version as held, the same task comes with no body; the update is
     then accepted."""
-    async with _served(tmp_path) as (url, federation), httpx.AsyncClient(base_url=url, timeout=30.0) as http:
-        headers = _headers(tokens[0])
-        first = await _offer(http, headers, model="inline", have=-1)
+    async with served(tmp_path) as (url, federation), httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+        headers = device_headers(tokens[0])
+        first = await offer_of(http, headers, model="inline", have=-1)
         assert first.headers["content-type"] == "application/octet-stream"
         offer = json.loads(first.headers[OFFER_HEADER])
         transport = federation.transport
@@ -105,7 +113,7 @@ async def test_an_inline_offer_holds_the_model_of_its_version(tmp_path: Path, to
         assert weights.shape == (transport.num_params,)
         separate = await http.get(f"/v1/models/{offer['base_version']}", headers=headers)
         assert separate.content == first.content and separate.headers["etag"] == first.headers["etag"]
-        again = await _offer(http, headers, model="inline", have=offer["base_version"])
+        again = await offer_of(http, headers, model="inline", have=offer["base_version"])
         assert json.loads(again.headers[OFFER_HEADER]) == offer and again.content == b""
         body = codecs.encode(torch.zeros(transport.num_params))
         upload_headers = {**headers, REPORT_HEADER: json.dumps({"num_samples": 10, "train_loss": 1.0})}
@@ -116,9 +124,9 @@ async def test_an_inline_offer_holds_the_model_of_its_version(tmp_path: Path, to
 
 async def test_a_plain_offer_is_json_and_a_malformed_have_is_400(tmp_path: Path, tokens: dict[int, str]) -> None:
     """Without ``model=inline`` the offer is the JSON it always was; a ``have`` that is not a version is 400."""
-    async with _served(tmp_path) as (url, _), httpx.AsyncClient(base_url=url, timeout=30.0) as http:
-        headers = _headers(tokens[1])
-        plain = await _offer(http, headers)
+    async with served(tmp_path) as (url, _), httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+        headers = device_headers(tokens[1])
+        plain = await offer_of(http, headers)
         assert plain.headers["content-type"] == "application/json" and OFFER_HEADER not in plain.headers
         assert {"task_id", "base_version", "participation", "incarnation"} <= set(plain.json())
         bad = await http.get("/v1/task", params={"wait_s": 0, "model": "inline", "have": "1e3"}, headers=headers)
@@ -128,9 +136,9 @@ async def test_a_plain_offer_is_json_and_a_malformed_have_is_400(tmp_path: Path,
 async def test_a_model_named_by_its_etag_is_304_without_a_body(tmp_path: Path, tokens: dict[int, str]) -> None:
     """The model endpoint answers an ``ETag``; ``If-None-Match`` naming it (or ``*``) is 304 with no body and no
     bytes counted, another tag gets the model again."""
-    async with _served(tmp_path) as (url, federation), httpx.AsyncClient(base_url=url, timeout=30.0) as http:
-        headers = _headers(tokens[2])
-        offer = (await _offer(http, headers)).json()
+    async with served(tmp_path) as (url, federation), httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+        headers = device_headers(tokens[2])
+        offer = (await offer_of(http, headers)).json()
         path = f"/v1/models/{offer['base_version']}"
         full = await http.get(path, headers=headers)
         etag = full.headers["etag"]
@@ -165,7 +173,7 @@ async def test_the_remote_client_trains_against_either_server(
 
         return counted
 
-    async with _served(tmp_path, wrap) as (url, federation):
+    async with served(tmp_path, wrap) as (url, federation):
         client = Client(url, tokens[3], poll_s=2.0, backoff_s=0.05)
         stats = await client.run(max_tasks=3)
         transport = federation.transport

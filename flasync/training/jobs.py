@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from flasync.codecs import Pipeline
+from flasync.core import seeding
 from flasync.core.errors import InjectedFault
 from flasync.core.events import ClientId, TaskDiagnosis
 from flasync.data import Partition, SyntheticClients
@@ -130,13 +131,18 @@ def train_job(
     client_id: ClientId,
     base: torch.Tensor,
     samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    generator: torch.Generator,
+    generator: torch.Generator | int,
     codec_generator: torch.Generator | None,
     task_id: int = 0,
     attack: float = 1.0,
     parts: tuple[TaskPart, ...] = (),
 ) -> TrainedUpdate:
-    """Train on the worker's model and encode the delta, with the plug-ins' ``parts`` (runs in a worker thread)."""
+    """Train on the worker's model and encode the delta, with the plug-ins' ``parts`` (runs in a worker thread).
+
+    ``generator`` is the task's random stream, or the seed of one (made here, in the worker).
+    """
+    if not isinstance(generator, torch.Generator):
+        generator = seeding.torch_generator(generator)
     model = ctx.models.get()
     device = model.flat.device
     data_x, data_y, indices = samples

@@ -24,6 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import nn
 
+from flasync.core import seeding
 from flasync.core.clock import VirtualClock
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
 from flasync.training.executors import LoopExecutor
@@ -104,7 +105,9 @@ class TrainingJob(Generic[T]):
         y: The data set's labels.
         indices: The client's sample indices (int64).
         cfg: Local hyper-parameters.
-        generator: The task's random stream (batch order).
+        generator: The task's random stream (batch order), or the seed of one (one of
+            :func:`~flasync.core.seeding.stream_seeds`): the stream is then made where the job trains, off the event
+            loop (see :meth:`stream`).
         finish: Turns the training result into what the job returns (e.g. encodes the delta); runs in the worker.
         solo: Trains this client alone and finishes.
         correction: Added to every gradient of the client (a plug-in's correction; None: nothing).
@@ -122,7 +125,7 @@ class TrainingJob(Generic[T]):
     y: torch.Tensor
     indices: torch.Tensor
     cfg: LocalTraining
-    generator: torch.Generator
+    generator: torch.Generator | int
     finish: Callable[[LocalResult], T]
     solo: Callable[[], T]
     correction: torch.Tensor | None = None
@@ -133,6 +136,11 @@ class TrainingJob(Generic[T]):
     def __call__(self) -> T:
         """Train this client alone and finish."""
         return self.solo()
+
+    def stream(self) -> torch.Generator:
+        """Return the task's random stream: the generator given, or a fresh one seeded with the seed given."""
+        generator = self.generator
+        return generator if isinstance(generator, torch.Generator) else seeding.torch_generator(generator)
 
     @property
     def group(self) -> Hashable:
@@ -571,7 +579,7 @@ class CohortBatcher(LoopExecutor):
             members = [
                 CohortMember(
                     indices=part,
-                    generator=job.generator,
+                    generator=job.stream(),
                     correction=job.correction,
                     base=None if job.base is first.base else job.base,
                 )

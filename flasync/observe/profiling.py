@@ -310,8 +310,14 @@ class Profiler:
             self._uploaded_many(cast("Sequence[UpdateUploaded]", events))
         elif isinstance(first, UpdateReceived):
             fold = self._fold
-            for event in cast("Sequence[UpdateReceived]", events):
-                fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
+            for received in cast("Sequence[UpdateReceived]", events):
+                fold(
+                    int(received.version) + 1,
+                    received.task_id,
+                    received.staleness,
+                    received.decode_s,
+                    received.queue_wait_s,
+                )
         elif isinstance(first, TaskAssigned):
             self._assigned_many(cast("Sequence[TaskAssigned]", events))
         else:

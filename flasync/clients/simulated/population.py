@@ -169,7 +169,7 @@ class Population:
         n = len(self)
         # A set or mapping (the registry's clients in flight) is looked up as it is: copying it would cost a draw
         # of one client as many steps as there are tasks in flight.
-        excluded = exclude if isinstance(exclude, set | frozenset | Mapping) else {int(c) for c in exclude}
+        excluded = exclude if isinstance(exclude, dict | set | frozenset | Mapping) else {int(c) for c in exclude}
         if k < 0 or k > n - len(excluded):
             raise ValueError(f"cannot draw {k} clients from {n} with {len(excluded)} excluded")
         if k == 0:

@@ -245,15 +245,36 @@ def mask_of(parts: tuple[TaskPart, ...]) -> torch.Tensor | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
 class Finish:
-    """A task's :func:`finish_job`, as a training job's ``finish``: called with the task's training result."""
+    """A task's :func:`finish_job`, as a training job's ``finish``: called with the task's training result.
 
-    ctx: JobContext
-    client_id: ClientId
-    codec_generator: torch.Generator | None
-    attack: float = 1.0
-    parts: tuple[TaskPart, ...] = ()
+    A plain slotted class: one is made per task on the event loop, and a frozen dataclass's constructor costs several
+    times this one's. Its fields are not changed once made.
+
+    Args:
+        ctx: The run's job context.
+        client_id: The task's client.
+        codec_generator: The codec's random stream (None: the codec draws none).
+        attack: The factor a simulated Byzantine client multiplies its delta by (1: an honest client).
+        parts: The task's plug-in parts.
+    """
+
+    __slots__ = ("attack", "client_id", "codec_generator", "ctx", "parts")
+
+    def __init__(
+        self,
+        ctx: JobContext,
+        client_id: ClientId,
+        codec_generator: torch.Generator | None,
+        attack: float = 1.0,
+        parts: tuple[TaskPart, ...] = (),
+    ) -> None:
+        """Bind the task's finishing."""
+        self.ctx = ctx
+        self.client_id = client_id
+        self.codec_generator = codec_generator
+        self.attack = attack
+        self.parts = parts
 
     def __call__(self, result: LocalResult) -> TrainedUpdate:
         """Check and encode ``result``'s delta for this task."""

@@ -90,9 +90,12 @@ class ModelPool:
         return trainer
 
 
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+@dataclass(slots=True, kw_only=True, eq=False)
 class TrainingJob(Generic[T]):
     """One client's local training, in a form a :class:`CohortBatcher` can batch with others.
+
+    Not frozen, though nothing changes a job once made: one is made per task on the event loop, and a frozen
+    dataclass's constructor costs several times a plain one's.
 
     Called directly (by any executor) it runs ``solo``, which trains the client alone. A batcher instead trains the
     jobs that share data layout and hyper-parameters as one cohort (each row from its own ``base``) and calls each

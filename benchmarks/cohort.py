@@ -520,7 +520,12 @@ def main() -> None:
             paired = statistics.median(v / b for v, b in zip(vec, gpu_plain, strict=True))
             print(f"{num_clients:>8} {'vectorized vs plain (cuda)':<38} {'':>11} {'':>9} {paired:8.2f}x")
     settings = {key: value for key, value in vars(args).items() if key not in ("out", "phases_worker")}
-    settings["baseline"] = None if args.baseline is None else str(args.baseline)
+    if args.baseline is not None:
+        head = ["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(head, capture_output=True, text=True, check=False).stdout.strip()
+        settings["baseline"] = f"{args.baseline} ({commit or 'not a git checkout'})"
+    else:
+        settings["baseline"] = None
     store("cohort", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 

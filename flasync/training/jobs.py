@@ -122,8 +122,8 @@ class ClientSamples:
 
     def indices(self, client_id: int) -> torch.Tensor:
         """Return the rows of ``client_id``'s samples in :attr:`x` (a view, no copy)."""
-        offsets = self.partition.offsets
-        return self.index[int(offsets[client_id]) : int(offsets[client_id + 1])]
+        row = self.partition.offsets.item  # Python ints, without a NumPy scalar each
+        return self.index[row(client_id) : row(client_id + 1)]
 
 
 def train_job(

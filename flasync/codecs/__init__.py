@@ -579,7 +579,7 @@ def decode_stacked(
     stacked = torch.empty((len(payloads), num_elements), dtype=torch.float32) if out is None else out
     rows = stacked.numpy()
     if codec_id is CodecId.FLOAT32 and _LITTLE_ENDIAN:  # the bodies' bytes are the rows' bytes: copy them as bytes
-        into, row_bytes, at = memoryview(rows).cast("B"), body_bytes, 0
+        into, row_bytes, at = rows.data.cast("B"), body_bytes, 0
         for payload in payloads:
             into[at : at + row_bytes] = memoryview(payload)[HEADER.size :]
             at += row_bytes

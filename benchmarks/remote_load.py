@@ -107,6 +107,7 @@ class Tally:
         latencies: Seconds from sending to the whole answer, per endpoint (answered requests only).
         first_offer_s: Per device, seconds from its hello to its first offer.
         carried: Upload answers that carried the next task (``--offer next``).
+        cpu_s: CPU seconds (user + system) the load process spent during the load.
     """
 
     sent: Counter[str] = field(default_factory=Counter)
@@ -116,6 +117,7 @@ class Tally:
     latencies: dict[str, list[float]] = field(default_factory=lambda: {e: [] for e in ENDPOINTS})
     first_offer_s: list[float] = field(default_factory=list)
     carried: int = 0
+    cpu_s: float = 0.0
 
     def updates(self) -> dict[str, int]:
         """Return the accounting of updates: sent, accepted (202), refused (other answers), timed out, failed."""
@@ -139,6 +141,7 @@ class Tally:
             "latencies": {e: [round(s, 6) for s in v] for e, v in self.latencies.items()},
             "first_offer_s": [round(s, 6) for s in self.first_offer_s],
             "carried": self.carried,
+            "cpu_s": round(self.cpu_s, 3),
         }
 
     def add(self, data: dict[str, Any]) -> None:
@@ -151,6 +154,7 @@ class Tally:
             self.latencies[endpoint] += data["latencies"].get(endpoint, [])
         self.first_offer_s += data["first_offer_s"]
         self.carried += data.get("carried", 0)
+        self.cpu_s += data.get("cpu_s", 0.0)
 
 
 # ------------------------------------------------------------------------------------------- the devices
@@ -166,6 +170,35 @@ def precomputed_update(setup: dict[str, Any]) -> bytes:
     return encoded.payload
 
 
+class Pace:
+    """How long one device 'trains' on each task: a seeded draw per task, uniform in ``train_s * (1 - spread)`` ..
+    ``train_s * (1 + spread)``.
+
+    Each device has its own stream (seeded by the run's ``seed`` and the device's index), so the devices' training
+    times differ from task to task and from one device to another: they connect together but drift out of phase
+    after their first task, as devices of different speeds do, and the same seed replays the same times. The mean
+    is ``train_s``: ``devices / train_s`` updates per second is the load the devices offer once their requests take
+    no time.
+
+    Args:
+        train_s: Mean seconds of training per task (> 0).
+        spread: Half the width of the range, as a fraction of ``train_s`` (0 <= spread <= 1).
+        seed: The run's seed.
+        index: The device's index among all the devices of the run (over every load process).
+    """
+
+    def __init__(self, train_s: float, spread: float, seed: int, index: int) -> None:
+        """Seed the device's stream."""
+        if train_s <= 0 or not 0 <= spread <= 1:
+            raise ValueError(f"a pace needs train_s > 0 and 0 <= spread <= 1, not {train_s}, {spread}")
+        self.train_s, self.spread = train_s, spread
+        self._rng = random.Random(f"{seed}:{index}")
+
+    def next_s(self) -> float:
+        """Return the seconds the device trains on its next task."""
+        return self.train_s * (1.0 + self.spread * (2.0 * self._rng.random() - 1.0))
+
+
 class Device:
     """One simulated device: hello, then offer, model download (once per version) and upload, over and over.
 
@@ -174,15 +207,22 @@ class Device:
         token: The device's bearer token.
         update: The encoded update it sends for every task.
         tally: Where its requests are counted.
+        offer: How it asks for tasks (see :func:`drive`).
+        pace: How long it trains on each task (None: not at all, it answers at once).
     """
 
     def __init__(
-        self, http: Http, token: str, update: bytes, tally: Tally, offer: str = "next", train_s: float = 0.0
+        self,
+        http: Http,
+        token: str,
+        update: bytes,
+        tally: Tally,
+        offer: str = "next",
+        pace: Pace | None = None,
     ) -> None:
         """Keep the settings (nothing is sent yet)."""
         self._http = http
-        self._train_s = train_s
-        self._pace = random.Random(token)  # each device's own stream of training times
+        self._pace = pace
         self._headers = {"authorization": f"Bearer {token}", "x-flasync-session": secrets.token_urlsafe(12)}
         self._update = update
         self._tally = tally
@@ -258,8 +298,8 @@ class Device:
             if response is None or response.status_code != 200:
                 return None
             self._version = version
-        if self._train_s > 0:  # as long as a device trains: uniform in 0.5 .. 1.5 times train_s
-            await asyncio.sleep(self._train_s * (0.5 + self._pace.random()))
+        if self._pace is not None:  # as long as the device trains on this task
+            await asyncio.sleep(self._pace.next_s())
         headers = {
             "content-type": "application/octet-stream",
             "x-flasync-report": _REPORT,
@@ -300,6 +340,9 @@ async def drive(
     client: str = "wire",
     offer: str = "next",
     train_s: float = 0.0,
+    spread: float = 0.5,
+    seed: int = 0,
+    first_index: int = 0,
 ) -> Tally:
     """Connect one device per token, wait for ``connected`` (told how many have a task), then load for ``seconds``.
 
@@ -317,7 +360,11 @@ async def drive(
             ``separate``: the offer alone, then the model.
         train_s: Mean seconds a device spends between its model and its upload, as if it trained (0: none, every
             device answers at once: the server is saturated and each request's latency is the queue of every
-            device before it).
+            device before it); each task's is drawn by the device's :class:`Pace`.
+        spread: The paces' spread (a fraction of ``train_s``).
+        seed: The paces' seed.
+        first_index: The index of the first token's device among every load process's (each device's pace is
+            seeded by its index).
 
     Returns:
         What the devices sent and got back.
@@ -337,14 +384,16 @@ async def drive(
                 pools.append(connection)
         update = await asyncio.to_thread(precomputed_update, await _setup(pools[0], tokens[0]))
         devices = [
-            Device(http, token, update, tally, offer, train_s) for http, token in zip(pools, tokens, strict=True)
+            Device(http, token, update, tally, offer, Pace(train_s, spread, seed, first_index + i) if train_s else None)
+            for i, (http, token) in enumerate(zip(pools, tokens, strict=True))
         ]
         until = time.perf_counter() + connect_s
         offers = await asyncio.gather(*(device.connect(until) for device in devices))
         if connected is not None:
             await connected(sum(offer is not None for offer in offers))
-        until = time.perf_counter() + seconds
+        until, cpu_s = time.perf_counter() + seconds, time.process_time()
         await asyncio.gather(*(device.work(offer, until) for device, offer in zip(devices, offers, strict=True)))
+        tally.cpu_s = time.process_time() - cpu_s
     return tally
 
 
@@ -360,9 +409,7 @@ async def _setup(http: Http, token: str) -> dict[str, Any]:
         await asyncio.sleep(0.1)
 
 
-def _worker(
-    url: str, tokens_file: str, seconds: float, connect_s: float, client: str, offer: str, train_s: float
-) -> None:
+def _worker(url: str, tokens_file: str, seconds: float, connect_s: float, args: argparse.Namespace) -> None:
     """A load process: drive its devices; say ``connected N``, wait for a line on stdin, load, write the tally
     beside ``tokens_file`` (``.tally.json``)."""
 
@@ -371,7 +418,20 @@ def _worker(
         await asyncio.to_thread(sys.stdin.readline)
 
     tokens = Path(tokens_file).read_text().split()
-    tally = uvloop.run(drive(url, tokens, seconds, connect_s, connected, client=client, offer=offer, train_s=train_s))
+    load = drive(
+        url,
+        tokens,
+        seconds,
+        connect_s,
+        connected,
+        client=args.client,
+        offer=args.offer,
+        train_s=args.train_s,
+        spread=args.train_spread,
+        seed=args.seed,
+        first_index=args.first_index,
+    )
+    tally = uvloop.run(load)
     Path(tokens_file).with_suffix(".tally.json").write_text(json.dumps(tally.to_json()))
 
 
@@ -440,6 +500,14 @@ def server_counters(serve_out: str) -> dict[str, Any] | None:
     return {"updates_received": int(received.group(1)) if received else None, "refused": refused}
 
 
+def _loop_cpu_s(server: psutil.Process) -> float:
+    """Return the CPU seconds (user + system) of the server's main thread, where its event loop runs."""
+    for thread in server.threads():
+        if thread.id == server.pid:
+            return float(thread.user_time + thread.system_time)
+    return 0.0
+
+
 async def _load(args: argparse.Namespace, url: str, server: psutil.Process, tokens: list[str]) -> dict[str, Any]:
     """Start the load processes, wait until their devices are connected, measure the load; return the figures."""
     share = -(-len(tokens) // args.processes)
@@ -449,6 +517,7 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         part.write_text("\n".join(tokens[i * share : (i + 1) * share]) + "\n")
         command = [sys.executable, __file__, "--worker", url, str(part), str(args.seconds), str(args.connect_s)]
         command += ["--client", args.client, "--offer", args.offer, "--train-s", str(args.train_s)]
+        command += ["--train-spread", str(args.train_spread), "--seed", str(args.seed), "--first-index", str(i * share)]
         pipe = asyncio.subprocess.PIPE
         workers.append(await asyncio.create_subprocess_exec(*command, stdin=pipe, stdout=pipe))
     rss_idle = server.memory_info().rss
@@ -458,7 +527,7 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
     rss_connected = server.memory_info().rss
     if args.profile is not None:
         server.send_signal(signal.SIGUSR1)  # the profile covers the load, not the start nor the connections
-    cpu_before, began = server.cpu_times(), time.perf_counter()
+    cpu_before, loop_before, began = server.cpu_times(), _loop_cpu_s(server), time.perf_counter()
     for worker in workers:
         assert worker.stdin is not None
         worker.stdin.write(b"go\n")
@@ -469,7 +538,7 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         if said:
             print(f"  load process {i} said: {said[:500]}", file=sys.stderr)
         tally.add(json.loads((Path(args.folder) / f"tokens-{i}.tally.json").read_text()))
-    cpu_after, wall_s = server.cpu_times(), time.perf_counter() - began
+    cpu_after, loop_after, wall_s = server.cpu_times(), _loop_cpu_s(server), time.perf_counter() - began
     if args.profile is not None:
         server.send_signal(signal.SIGUSR2)
     cpu_s = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
@@ -490,6 +559,11 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         "upload_answers_with_next_task": tally.carried,
         "server_cpu_s": round(cpu_s, 3),
         "server_cpu_ms_per_update": round(1000 * cpu_s / accepted, 4),
+        # the event loop's thread (the process's first): what every request waits on
+        "server_loop_cpu_s": round(loop_after - loop_before, 3),
+        "server_loop_busy": round((loop_after - loop_before) / wall_s, 3),
+        "load_processes_cpu_s": round(tally.cpu_s, 3),
+        "offered_updates_per_s": round(len(tokens) / args.train_s, 1) if args.train_s else None,
         "server_rss_idle_bytes": rss_idle,
         "server_rss_connected_bytes": rss_connected,
         "server_rss_per_device_bytes": round((rss_connected - rss_idle) / len(tokens)),
@@ -612,6 +686,12 @@ def _print(figures: dict[str, Any]) -> None:
         f" {figures['requests_per_update']} requests per update, {figures['upload_answers_with_next_task']} upload"
         " answers carried the next task"
     )
+    offered = figures.get("offered_updates_per_s")
+    print(
+        f"  event loop thread busy {100 * figures.get('server_loop_busy', 0):.0f}% of the load's wall time; load"
+        f" processes' CPU {figures.get('load_processes_cpu_s', 0):.1f} s"
+        + (f"; the devices offer {offered:.0f} updates/s (devices / mean training)" if offered else "")
+    )
     for endpoint in ENDPOINTS:
         q = figures["latency"][endpoint]
         answers = ", ".join(f"{code} {count}" for code, count in figures["answers"][endpoint].items())
@@ -669,8 +749,16 @@ def main() -> None:
         "--train-s",
         type=float,
         default=0.0,
-        help="mean seconds each device 'trains' between offer and upload (0: saturate the server)",
+        help="mean seconds each device 'trains' between offer and upload (0: saturate the server), drawn per task",
     )
+    parser.add_argument(
+        "--train-spread",
+        type=float,
+        default=0.5,
+        help="each task's training is uniform in train_s * (1 - spread) .. train_s * (1 + spread)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the devices' training times")
+    parser.add_argument("--first-index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--baseline",
         type=Path,
@@ -680,9 +768,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="measurements of each configuration, interleaved")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.train_s < 0 or not 0 <= args.train_spread <= 1:
+        parser.error("--train-s must be >= 0 and --train-spread within 0 .. 1")
     if args.worker:
         url, tokens_file, seconds, connect_s = args.worker
-        _worker(url, tokens_file, float(seconds), float(connect_s), args.client, args.offer, args.train_s)
+        _worker(url, tokens_file, float(seconds), float(connect_s), args)
         return
     if args.profile is not None:
         args.profile = args.profile.resolve()
@@ -713,6 +803,8 @@ def main() -> None:
         "client": args.client,
         "offer": args.offer,
         "train_s": args.train_s,
+        "train_spread": args.train_spread,
+        "seed": args.seed,
         "repeat": args.repeat,
         "baseline": str(args.baseline) if args.baseline is not None else None,
         "profiled": args.profile is not None,
@@ -724,9 +816,11 @@ _HEADLINE = (
     # (what, the path into a run's figures, its unit)
     ("updates accepted per second", ("updates_per_s",), "updates/s"),
     ("server CPU per update", ("server_cpu_ms_per_update",), "ms"),
+    ("server event loop thread busy (its CPU / wall time)", ("server_loop_busy",), "fraction"),
     # inline, the offer's answer holds the model: a server without it answers it alone and is asked for the model next
     ("offer p99 (long poll until the next task, with its model when inline)", ("latency", "offer", "p99_ms"), "ms"),
     ("model download p99 (a request of its own when not inline)", ("latency", "model", "p99_ms"), "ms"),
+    ("upload p50", ("latency", "upload", "p50_ms"), "ms"),
     ("upload p99", ("latency", "upload", "p99_ms"), "ms"),
     ("hello to first task p99", ("first_offer", "p99_ms"), "ms"),
     # --offer next: one request an update when each upload's answer carries the device's next task

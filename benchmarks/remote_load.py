@@ -19,14 +19,19 @@ For each number of devices (``--devices``, 100 and 1,000 by default), on a fresh
   connected device.
 * *load*: for ``--seconds``, each device takes its task with the model of its version inline (``--offer inline``:
   ``GET /v1/task?model=inline&have=V``, nothing when it holds that version; a server without it answers the offer
-  alone and the device downloads the model, ``GET /v1/models/V``, as with ``--offer separate``), waits
-  ``--train-s`` on average as if it trained (0: not at all, the server saturated: each request then waits behind
-  every other device's), uploads the update and asks for its next task: in the upload's answer (``--offer next``,
-  the default: ``POST /v1/tasks/{id}/update?next=inline&have=V``, one request an update when the server carries the
-  next task; a server without it answers as before and the device long-polls), else ``GET /v1/task``. Printed:
-  updates accepted per second, requests sent per accepted update, upload answers that carried the next task,
-  p50/p99 of each endpoint (offer: the long-poll until the next task, with its model when inline; model download;
-  upload), the server's CPU (user + system, psutil) per accepted update, and the accounting of every update sent:
+  alone and the device downloads the model, ``GET /v1/models/V``, as with ``--offer separate``), waits as if it
+  trained (``--train-s``, the mean, each task's time drawn from the device's own seeded stream within
+  ``--train-spread`` of it, its first task what remains of one under way, so the devices are out of phase from
+  the start: :class:`Pace`; 0: not at all, the server saturated: each request then waits behind every other
+  device's), uploads the update and asks for its next task: in the upload's answer (``--offer next``, the default:
+  ``POST /v1/tasks/{id}/update?next=inline&have=V``, one request an update when the server carries the next task; a
+  server without it answers as before and the device long-polls), else ``GET /v1/task``. Printed: updates accepted
+  per second (those accepted within the load's seconds; uploads under way then are finished and counted in the
+  accounting), the load the devices offer (devices / mean training time), requests sent per accepted update,
+  upload answers that carried the next task, p50/p99 of each endpoint (offer: the long-poll until the next task,
+  with its model when inline, the connecting devices' first ones included; model download; upload), the server's
+  CPU (user + system, psutil) per accepted update, its event loop thread's CPU over the wall time (near 1: the
+  loop is saturated and requests queue), the load processes' CPU, and the accounting of every update sent:
   accepted (202) + refused (any other answer) + timed out or failed = sent, beside the server's own counters (its
   summary's remote line: updates received, requests refused by reason).
 
@@ -40,8 +45,8 @@ load only, and prints them per update by area (HTTP, Starlette, the endpoints, t
 aggregation, logging and tracking, asyncio) and its top functions. The figures, with a description of the machine,
 go to ``benchmarks/results/remote_load.json`` (``benchmarks/record.py``).
 
-    python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2] [--train-s S]
-        [--baseline DIR --repeat N] [--profile PATH] [--out JSON]
+    python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2]
+        [--train-s S [--train-spread F] [--seed N]] [--baseline DIR --repeat N] [--profile PATH] [--out JSON]
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import pstats
 import random
@@ -108,6 +114,7 @@ class Tally:
         first_offer_s: Per device, seconds from its hello to its first offer.
         carried: Upload answers that carried the next task (``--offer next``).
         cpu_s: CPU seconds (user + system) the load process spent during the load.
+        in_window: Uploads accepted within the load's ``seconds`` (those finished after it are in ``answers``).
     """
 
     sent: Counter[str] = field(default_factory=Counter)
@@ -118,6 +125,7 @@ class Tally:
     first_offer_s: list[float] = field(default_factory=list)
     carried: int = 0
     cpu_s: float = 0.0
+    in_window: int = 0
 
     def updates(self) -> dict[str, int]:
         """Return the accounting of updates: sent, accepted (202), refused (other answers), timed out, failed."""
@@ -142,6 +150,7 @@ class Tally:
             "first_offer_s": [round(s, 6) for s in self.first_offer_s],
             "carried": self.carried,
             "cpu_s": round(self.cpu_s, 3),
+            "in_window": self.in_window,
         }
 
     def add(self, data: dict[str, Any]) -> None:
@@ -155,6 +164,7 @@ class Tally:
         self.first_offer_s += data["first_offer_s"]
         self.carried += data.get("carried", 0)
         self.cpu_s += data.get("cpu_s", 0.0)
+        self.in_window += data.get("in_window", 0)
 
 
 # ------------------------------------------------------------------------------------------- the devices
@@ -175,10 +185,12 @@ class Pace:
     ``train_s * (1 + spread)``.
 
     Each device has its own stream (seeded by the run's ``seed`` and the device's index), so the devices' training
-    times differ from task to task and from one device to another: they connect together but drift out of phase
-    after their first task, as devices of different speeds do, and the same seed replays the same times. The mean
-    is ``train_s``: ``devices / train_s`` updates per second is the load the devices offer once their requests take
-    no time.
+    times differ from task to task and from one device to another, as devices of different speeds do, and the same
+    seed replays the same times. The mean is ``train_s``: ``devices / train_s`` updates per second is the load the
+    devices offer once their requests take no time. The devices all connect within the first second, but their
+    first task is not a whole one: it lasts what remains of a task under way at a random moment (:meth:`first_s`),
+    so the load starts in its steady state, the uploads spread evenly over time, rather than with every device
+    uploading in one wave a task's time after connecting.
 
     Args:
         train_s: Mean seconds of training per task (> 0).
@@ -197,6 +209,16 @@ class Pace:
     def next_s(self) -> float:
         """Return the seconds the device trains on its next task."""
         return self.train_s * (1.0 + self.spread * (2.0 * self._rng.random() - 1.0))
+
+    def first_s(self) -> float:
+        """Return the seconds left of a task under way at a random moment of the steady state (the residual time
+        of a renewal process: density ``P(task > x) / train_s``, by its inverse distribution function)."""
+        low, high, mean = self.train_s * (1 - self.spread), self.train_s * (1 + self.spread), self.train_s
+        u = self._rng.random()
+        if u * mean < low:  # below the shortest task every moment is equally likely
+            return u * mean
+        width = high - low
+        return high - math.sqrt(max(0.0, width * width - 2.0 * width * (u * mean - low)))
 
 
 class Device:
@@ -223,6 +245,8 @@ class Device:
         """Keep the settings (nothing is sent yet)."""
         self._http = http
         self._pace = pace
+        self._trained = False  # its first task is what remains of one under way (Pace.first_s)
+        self._until = math.inf  # the load's end: uploads accepted by then count in the updates per second
         self._headers = {"authorization": f"Bearer {token}", "x-flasync-session": secrets.token_urlsafe(12)}
         self._update = update
         self._tally = tally
@@ -299,7 +323,8 @@ class Device:
                 return None
             self._version = version
         if self._pace is not None:  # as long as the device trains on this task
-            await asyncio.sleep(self._pace.next_s())
+            await asyncio.sleep(self._pace.next_s() if self._trained else self._pace.first_s())
+            self._trained = True
         headers = {
             "content-type": "application/octet-stream",
             "x-flasync-report": _REPORT,
@@ -312,6 +337,8 @@ class Device:
             if response is None or response.status_code not in (429, 503):
                 break
             await asyncio.sleep(float(response.headers.get("retry-after", 1.0)))
+        if response is not None and response.status_code == 202 and time.perf_counter() <= self._until:
+            self._tally.in_window += 1
         carried = response.headers.get(OFFER_HEADER) if response is not None else None
         if carried is None or response is None or response.status_code != 202:
             return None
@@ -323,6 +350,7 @@ class Device:
 
     async def work(self, offer: dict[str, Any] | None, until: float) -> None:
         """Answer tasks until ``until`` on the performance counter (an upload under way is finished)."""
+        self._until = until
         while not self.ended and time.perf_counter() < until:
             if offer is None:
                 offer = await self.offer(until)
@@ -550,7 +578,10 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         "connect_s": round(connect_s, 3),
         "first_offer": quantiles_ms(tally.first_offer_s),
         "wall_s": round(wall_s, 3),
-        "updates_per_s": round(updates["accepted"] / wall_s, 1),
+        # the uploads accepted within the load's seconds: not the drain after it, nor the load processes' exit
+        "updates_per_s": round(tally.in_window / args.seconds, 1),
+        "in_window": tally.in_window,
+        "seconds": args.seconds,
         "updates": updates,
         "latency": {e: quantiles_ms(tally.latencies[e]) for e in ENDPOINTS},
         "answers": {e: dict(sorted(tally.answers[e].items())) for e in ENDPOINTS},
@@ -680,9 +711,10 @@ def _print(figures: dict[str, Any]) -> None:
         f"ms, max {first.get('max_ms')} ms"
     )
     print(
-        f"  load: {updates['accepted']} updates accepted in {figures['wall_s']:.1f} s: {figures['updates_per_s']:.0f}"
-        f" updates/s; server CPU {figures['server_cpu_s']:.1f} s, {figures['server_cpu_ms_per_update']:.3f} ms per"
-        f" update (one core: {1000 / max(figures['server_cpu_ms_per_update'], 1e-9):.0f} updates/s);"
+        f"  load: {updates['accepted']} updates accepted in {figures['wall_s']:.1f} s, {figures['in_window']} within"
+        f" the load's {figures['seconds']:g} s: {figures['updates_per_s']:.0f} updates/s; server CPU"
+        f" {figures['server_cpu_s']:.1f} s, {figures['server_cpu_ms_per_update']:.3f} ms per update (one core:"
+        f" {1000 / max(figures['server_cpu_ms_per_update'], 1e-9):.0f} updates/s);"
         f" {figures['requests_per_update']} requests per update, {figures['upload_answers_with_next_task']} upload"
         " answers carried the next task"
     )

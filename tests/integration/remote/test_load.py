@@ -56,7 +56,7 @@ async def test_every_update_sent_is_accepted_refused_or_timed_out(
 
 def test_a_devices_training_times_are_its_own_seeded_stream() -> None:
     """Each device's pace is drawn within the spread around the mean, replays with its seed and index, and differs
-    from another device's."""
+    from another device's; its first task lasts what remains of one under way (the mean residual time)."""
     first = Pace(0.9, 0.5, seed=3, index=7).next_s()
     pace = Pace(0.9, 0.5, seed=3, index=7)
     drawn = [pace.next_s() for _ in range(2000)]
@@ -65,5 +65,8 @@ def test_a_devices_training_times_are_its_own_seeded_stream() -> None:
     assert abs(sum(drawn) / len(drawn) - 0.9) < 0.02
     other = Pace(0.9, 0.5, seed=3, index=8)
     assert [other.next_s() for _ in range(5)] != drawn[:5]
+    residual = [pace.first_s() for _ in range(4000)]  # what remains of a task under way at a random moment
+    assert all(0.0 <= s <= 1.35 for s in residual)
+    assert abs(sum(residual) / len(residual) - (0.9**2 + 0.9**2 / 12) / (2 * 0.9)) < 0.02  # E[D^2] / (2 E[D])
     with pytest.raises(ValueError, match="spread"):
         Pace(0.9, 1.5, seed=0, index=0)

@@ -95,6 +95,7 @@ _HERE = Path(__file__).resolve().parent
 _TIMEOUT_S = 30.0
 _POLL_S = 10.0
 ENDPOINTS = ("offer", "model", "upload")
+WARMUP_S = 3.0  # the load's first seconds, left out of the steady state's upload latency
 OFFER_HEADER = "x-flasync-offer"  # flasync.runtime.serve.OFFER_HEADER
 Http = httpx.AsyncClient | Connection
 _REPORT = json.dumps({"num_samples": 10, "train_loss": 0.5, "train_s": 0.01, "encode_s": 0.0, "download_s": 0.0})
@@ -115,6 +116,7 @@ class Tally:
         carried: Upload answers that carried the next task (``--offer next``).
         cpu_s: CPU seconds (user + system) the load process spent during the load.
         in_window: Uploads accepted within the load's ``seconds`` (those finished after it are in ``answers``).
+        upload_sent_s: For each upload latency (in order), when it was sent: seconds since the load started.
     """
 
     sent: Counter[str] = field(default_factory=Counter)
@@ -126,6 +128,7 @@ class Tally:
     carried: int = 0
     cpu_s: float = 0.0
     in_window: int = 0
+    upload_sent_s: list[float] = field(default_factory=list)
 
     def updates(self) -> dict[str, int]:
         """Return the accounting of updates: sent, accepted (202), refused (other answers), timed out, failed."""
@@ -151,6 +154,7 @@ class Tally:
             "carried": self.carried,
             "cpu_s": round(self.cpu_s, 3),
             "in_window": self.in_window,
+            "upload_sent_s": [round(s, 4) for s in self.upload_sent_s],
         }
 
     def add(self, data: dict[str, Any]) -> None:
@@ -165,6 +169,7 @@ class Tally:
         self.carried += data.get("carried", 0)
         self.cpu_s += data.get("cpu_s", 0.0)
         self.in_window += data.get("in_window", 0)
+        self.upload_sent_s += data.get("upload_sent_s", [])
 
 
 # ------------------------------------------------------------------------------------------- the devices
@@ -247,6 +252,7 @@ class Device:
         self._pace = pace
         self._trained = False  # its first task is what remains of one under way (Pace.first_s)
         self._until = math.inf  # the load's end: uploads accepted by then count in the updates per second
+        self._began = time.perf_counter()  # the load's start (set by work())
         self._headers = {"authorization": f"Bearer {token}", "x-flasync-session": secrets.token_urlsafe(12)}
         self._update = update
         self._tally = tally
@@ -272,6 +278,8 @@ class Device:
         if endpoint in ENDPOINTS:
             self._tally.answers[endpoint][str(response.status_code)] += 1
             self._tally.latencies[endpoint].append(time.perf_counter() - began)
+            if endpoint == "upload":
+                self._tally.upload_sent_s.append(began - self._began)
         return response
 
     async def offer(self, until: float) -> dict[str, Any] | None:
@@ -350,7 +358,7 @@ class Device:
 
     async def work(self, offer: dict[str, Any] | None, until: float) -> None:
         """Answer tasks until ``until`` on the performance counter (an upload under way is finished)."""
-        self._until = until
+        self._until, self._began = until, time.perf_counter()
         while not self.ended and time.perf_counter() < until:
             if offer is None:
                 offer = await self.offer(until)
@@ -584,6 +592,10 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         "seconds": args.seconds,
         "updates": updates,
         "latency": {e: quantiles_ms(tally.latencies[e]) for e in ENDPOINTS},
+        # the uploads sent after the load's first WARMUP_S: the steady state, without the devices' first uploads
+        "upload_after_warmup": quantiles_ms(
+            [s for s, at in zip(tally.latencies["upload"], tally.upload_sent_s, strict=True) if at >= WARMUP_S]
+        ),
         "answers": {e: dict(sorted(tally.answers[e].items())) for e in ENDPOINTS},
         "requests_sent": dict(tally.sent),
         "requests_per_update": round(sum(tally.sent.values()) / accepted, 3),
@@ -731,6 +743,11 @@ def _print(figures: dict[str, Any]) -> None:
             f"  {endpoint:<7} n {q['n']:>7}  p50 {q.get('p50_ms', 0):8.2f} ms  p99 {q.get('p99_ms', 0):8.2f} ms"
             f"  ({answers})"
         )
+    steady = figures["upload_after_warmup"]
+    print(
+        f"  upload after the load's first {WARMUP_S:g} s: n {steady['n']}, p50 {steady.get('p50_ms', 0):.2f} ms,"
+        f" p99 {steady.get('p99_ms', 0):.2f} ms"
+    )
     print(
         f"  server RSS {figures['server_rss_idle_bytes'] / 2**20:.0f} MiB idle, "
         f"{figures['server_rss_connected_bytes'] / 2**20:.0f} MiB with every device connected: "
@@ -854,6 +871,7 @@ _HEADLINE = (
     ("model download p99 (a request of its own when not inline)", ("latency", "model", "p99_ms"), "ms"),
     ("upload p50", ("latency", "upload", "p50_ms"), "ms"),
     ("upload p99", ("latency", "upload", "p99_ms"), "ms"),
+    ("upload p99 after the load's first 3 s", ("upload_after_warmup", "p99_ms"), "ms"),
     ("hello to first task p99", ("first_offer", "p99_ms"), "ms"),
     # --offer next: one request an update when each upload's answer carries the device's next task
     ("requests per accepted update", ("requests_per_update",), "requests"),

@@ -46,6 +46,7 @@ async def test_every_update_sent_is_accepted_refused_or_timed_out(
     assert updates["accepted"] + updates["refused"] + updates["timed_out"] + updates["failed"] == updates["sent"]
     assert len(connected) == 1 and 0 < connected[0] <= len(tokens)
     assert len(tally.first_offer_s) == connected[0]
+    assert len(tally.upload_sent_s) == len(tally.latencies["upload"]) and all(s >= 0 for s in tally.upload_sent_s)
     transport = federation.transport
     assert transport is not None
     statistics = transport.statistics()

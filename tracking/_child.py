@@ -472,14 +472,13 @@ def _serve_runs(
     # Open the store before the parent says what to do: that (SQLAlchemy's set-up, a new store's schema) overlaps with
     # the parent's own start-up, and only the run itself is left to create when the request comes.
     from flasync.tracking.sqlite_metrics import SqliteMetrics
+    from flasync.tracking.store import prepare_sqlite_store
 
     client: Any = None
     direct: SqliteMetrics | None = None
     failure: Exception | None = None
     store: tuple[int, int] | None = None
     try:
-        from flasync.tracking.store import prepare_sqlite_store
-
         prepare_sqlite_store(tracking_uri)
         client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         store = _store_file(tracking_uri)

@@ -11,6 +11,7 @@ recently used), never ``O(num_clients)``. Durations are simulated seconds on the
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -97,6 +98,13 @@ class Population:
         self._queue_stamp = np.zeros(0, dtype=np.int64)
         self._queue_head = 0
         self._queue_tail = 0
+        # Tasks in flight, where the population follows them (see follow_tasks): the clients busy now (built with
+        # the LRU state) and a heap of (stamp, client) of the used clients released since their last use, so that a
+        # draw passes over the busy ones without looking at them. Entries of clients used again are stale.
+        self._follows: Mapping[int, object] | None = None
+        self._busy: np.ndarray | None = None
+        self._busy_count = 0
+        self._released: list[tuple[int, int]] = []
         self._cdf: np.ndarray | None = None
         self.fixed_slowdown: dict[int, float] = {int(c): float(f) for c, f in (slow_clients or {}).items()}
         """The fixed slowdown factors of the few clients that have one (every other client's is 1)."""
@@ -222,6 +230,10 @@ class Population:
         stamps = np.arange(self._uses, self._uses + len(ids), dtype=np.int64)
         self._uses += len(ids)
         self.last_used[ids] = stamps
+        busy = self._busy
+        if busy is not None:
+            self._busy_count += len(ids) - int(np.count_nonzero(busy[ids]))
+            busy[ids] = True
         need = self._queue_tail + len(ids)
         if need > len(self._queue):
             self._compact(need)
@@ -229,7 +241,41 @@ class Population:
         self._queue_stamp[self._queue_tail : self._queue_tail + len(ids)] = stamps
         self._queue_tail += len(ids)
 
+    def follow_tasks(self, in_flight: Mapping[int, object]) -> None:
+        """Follow the tasks in flight for least-recently-used sampling: ``in_flight`` (the task registry's clients
+        in flight, by client) holds the clients :meth:`mark_used` was told of and :meth:`mark_idle` was not told of
+        since. A draw that excludes ``in_flight`` itself then passes over the busy clients without looking at them
+        (the same clients as a walk past them would draw).
+
+        Raises:
+            RuntimeError: If a client was marked used already.
+        """
+        if self._uses:
+            raise RuntimeError("follow_tasks must be called before the first client is marked used")
+        self._follows = in_flight
+        if self.last_used is not None:
+            self._busy = np.zeros(len(self), dtype=bool)
+
+    def mark_idle(self, client: int) -> None:
+        """Record that ``client``'s task in flight ended (see :meth:`follow_tasks`)."""
+        busy = self._busy
+        if self._follows is None or busy is None or not busy[client]:
+            return
+        busy[client] = False
+        self._busy_count -= 1
+        assert self.last_used is not None
+        released = self._released
+        heapq.heappush(released, (int(self.last_used[client]), client))
+        if len(released) > 2 * (self._uses - self._busy_count) + 64:  # many stale entries: keep the live ones
+            self._released = [entry for entry in released if self._idle_at(*entry)]
+            heapq.heapify(self._released)
+
     # ------------------------------------------------------------------------------------------------ private
+    def _idle_at(self, stamp: int, client: int) -> bool:
+        """Tell whether ``client`` is idle and was last used at ``stamp`` (a live released entry)."""
+        assert self.last_used is not None and self._busy is not None
+        return not self._busy[client] and int(self.last_used[client]) == stamp
+
     def _mark_one(self, client: int) -> None:
         """:meth:`mark_used` of one client."""
         self._lru_state()
@@ -237,6 +283,10 @@ class Population:
         stamp = self._uses
         self._uses = stamp + 1
         self.last_used[client] = stamp
+        busy = self._busy
+        if busy is not None and not busy[client]:
+            busy[client] = True
+            self._busy_count += 1
         tail = self._queue_tail
         if tail + 1 > len(self._queue):
             self._compact(tail + 1)
@@ -280,6 +330,8 @@ class Population:
             n = len(self)
             self.last_used = np.full(n, _NEVER, dtype=np.int64)
             self._fresh = seeding.numpy_stream(self.seed, seeding.SERVER, 1).permutation(n).astype(np.int32)
+            if self._follows is not None:
+                self._busy = np.zeros(n, dtype=bool)
 
     def _compact(self, need: int) -> None:
         """Drop stale queue entries; grow the queue if it is still too small."""
@@ -333,6 +385,9 @@ class Population:
             if at_head:
                 self._fresh_head = position + len(block)
             position += len(block)
+        if len(chosen) < k and excluded is self._follows and len(excluded) == self._busy_count:
+            self._least_recently_released(k, chosen, taken)
+            return np.asarray(chosen, dtype=np.int64)
         # Then used clients, oldest last use first; stale entries at the head are dropped for good.
         position, at_head = self._queue_head, True
         while len(chosen) < k and position < self._queue_tail:
@@ -351,6 +406,22 @@ class Population:
                         break
             position += len(ids)
         return np.asarray(chosen, dtype=np.int64)
+
+    def _least_recently_released(self, k: int, chosen: list[int], taken: set[int]) -> None:
+        """Add to ``chosen`` the idle used clients, oldest last use first, until it holds ``k``: the live entries of
+        the released heap (those excluded, the clients in flight, are not there); stale ones are dropped for good."""
+        released, kept = self._released, []
+        while len(chosen) < k and released:
+            stamp, client = released[0]
+            if not self._idle_at(stamp, client):
+                heapq.heappop(released)
+                continue
+            kept.append(heapq.heappop(released))
+            if client not in taken:
+                chosen.append(client)
+                taken.add(client)
+        for entry in kept:  # drawn, not used yet: a draw changes nothing
+            heapq.heappush(released, entry)
 
 
 class Network:

@@ -162,6 +162,54 @@ def test_marking_clients_one_at_a_time_is_marking_them_in_one_array() -> None:
     assert one.sample(50, rng_one, strategy="lru").tolist() == arrays.sample(50, rng_arrays, strategy="lru").tolist()
 
 
+@pytest.mark.parametrize(("num_clients", "concurrency"), [(40, 40), (60, 25), (300, 120)])
+def test_following_the_tasks_in_flight_draws_what_walking_past_them_draws(num_clients: int, concurrency: int) -> None:
+    """A population following the tasks in flight (as the registry keeps them: dispatch marks used, release marks
+    idle) draws, with them excluded, the clients one that walks past them draws: over thousands of tasks released
+    in random order, cohorts of several clients, and the released heap compacted more than once."""
+    following, walking = _population(num_clients), _population(num_clients)
+    in_flight: dict[int, int] = {}
+    following.follow_tasks(in_flight)
+    order = np.random.default_rng(num_clients)
+    rng = np.random.default_rng(0)
+    drawn_at_once = [1, 1, 1, 3]
+    for step in range(3000):
+        room = concurrency - len(in_flight)
+        k = min(room, drawn_at_once[step % len(drawn_at_once)])
+        if k:
+            drawn = following.sample(k, rng, strategy="lru", exclude=in_flight)
+            assert drawn.tolist() == walking.sample(k, rng, strategy="lru", exclude=set(in_flight)).tolist()
+            for client in drawn.tolist():
+                in_flight[client] = step
+            following.mark_used(drawn.tolist() if k > 1 else [int(drawn[0])])
+            walking.mark_used(drawn)
+        for client in order.permutation(list(in_flight))[: int(order.integers(0, 3))].tolist():  # random releases
+            del in_flight[client]
+            following.mark_idle(client)
+    assert following.last_used is not None and walking.last_used is not None
+    assert following.last_used.tolist() == walking.last_used.tolist()
+    assert len(following._released) <= 2 * num_clients + 64  # stale entries are dropped
+
+
+def test_a_draw_excluding_other_clients_than_those_followed_walks_the_queue() -> None:
+    """Only a draw that excludes the followed tasks in flight themselves skips the busy clients: a draw with no
+    exclusion (a round's cohort) still sees every used client, busy ones included."""
+    population = _population(10)
+    in_flight: dict[int, int] = {}
+    population.follow_tasks(in_flight)
+    rng = np.random.default_rng(0)
+    first = population.sample(10, rng, strategy="lru").tolist()
+    population.mark_used(first)
+    in_flight.update(dict.fromkeys(first, 0))
+    for client in first[5:]:
+        del in_flight[client]
+        population.mark_idle(client)
+    assert population.sample(3, rng, strategy="lru", exclude=in_flight).tolist() == first[5:8]
+    assert population.sample(3, rng, strategy="lru").tolist() == first[:3]  # the busy ones are the oldest
+    with pytest.raises(RuntimeError, match="before the first client"):
+        population.follow_tasks({})
+
+
 def test_available_now_follows_the_phases() -> None:
     """Available-now draws only online clients while enough are online, and fills with offline ones otherwise."""
     population = _population(1000, available_fraction=0.2, availability_period_s=100.0)

@@ -101,7 +101,7 @@ class Population:
         # Tasks in flight, where the population follows them (see follow_tasks): the clients busy now (built with
         # the LRU state) and a heap of (stamp, client) of the used clients released since their last use, so that a
         # draw passes over the busy ones without looking at them. Entries of clients used again are stale.
-        self._follows: Mapping[int, object] | None = None
+        self._follows: Collection[int] | None = None
         self._busy: np.ndarray | None = None
         self._busy_count = 0
         self._released: list[tuple[int, int]] = []
@@ -241,7 +241,7 @@ class Population:
         self._queue_stamp[self._queue_tail : self._queue_tail + len(ids)] = stamps
         self._queue_tail += len(ids)
 
-    def follow_tasks(self, in_flight: Mapping[int, object]) -> None:
+    def follow_tasks(self, in_flight: Collection[int]) -> None:
         """Follow the tasks in flight for least-recently-used sampling: ``in_flight`` (the task registry's clients
         in flight, by client) holds the clients :meth:`mark_used` was told of and :meth:`mark_idle` was not told of
         since. A draw that excludes ``in_flight`` itself then passes over the busy clients without looking at them

@@ -33,6 +33,7 @@ from flasync.core import seeding
 __all__ = ["SAMPLING_STRATEGIES", "Network", "Population", "SamplingStrategy"]
 
 _NEVER = -1
+_ONE_BY_ONE = 8  # never-used clients drawn at most, from which the order is read a block at a time
 _ARRAY_PASS_FROM = 16  # clients from which the link times of a group are computed as arrays (a fixed cost of ~8)
 
 
@@ -365,26 +366,7 @@ class Population:
                 chosen.append(candidate)
                 taken.add(candidate)
         self._deferred = still_deferred
-        position, at_head = self._fresh_head, True
-        while len(chosen) < k and position < len(self._fresh):
-            block = self._fresh[position : position + chunk]
-            unused = self.last_used[block] == _NEVER
-            for offset, candidate in zip(np.flatnonzero(unused).tolist(), block[unused].tolist(), strict=True):
-                if candidate in excluded:
-                    if at_head:
-                        self._deferred.append(candidate)
-                    continue
-                if at_head:  # everything before this client is used or deferred
-                    self._fresh_head = position + offset
-                    at_head = False
-                if candidate not in taken:
-                    chosen.append(candidate)
-                    taken.add(candidate)
-                if len(chosen) == k:
-                    break
-            if at_head:
-                self._fresh_head = position + len(block)
-            position += len(block)
+        self._never_used(k, excluded, chosen, taken, chunk)
         if len(chosen) < k and excluded is self._follows and len(excluded) == self._busy_count:
             self._least_recently_released(k, chosen, taken)
             return np.asarray(chosen, dtype=np.int64)
@@ -406,6 +388,55 @@ class Population:
                         break
             position += len(ids)
         return np.asarray(chosen, dtype=np.int64)
+
+    def _never_used(self, k: int, excluded: Collection[int], chosen: list[int], taken: set[int], chunk: int) -> None:
+        """Add to ``chosen`` never-used clients in their fixed random order, from the head, until it holds ``k``.
+
+        The head moves past used clients for good, and past excluded (in-flight) never-used ones by deferring them.
+        A draw of a few clients reads the order one client at a time; a larger one a block at a time (the same
+        clients, the same head).
+        """
+        assert self.last_used is not None and self._fresh is not None
+        if k - len(chosen) <= _ONE_BY_ONE:
+            fresh, last_used, end = self._fresh, self.last_used, len(self._fresh)
+            position, at_head = self._fresh_head, True
+            while len(chosen) < k and position < end:
+                candidate = int(fresh[position])
+                if last_used[candidate] == _NEVER:
+                    if candidate in excluded:
+                        if at_head:
+                            self._deferred.append(candidate)
+                    else:
+                        if at_head:  # everything before this client is used or deferred
+                            self._fresh_head = position
+                            at_head = False
+                        if candidate not in taken:
+                            chosen.append(candidate)
+                            taken.add(candidate)
+                position += 1
+                if at_head:
+                    self._fresh_head = position
+            return
+        position, at_head = self._fresh_head, True
+        while len(chosen) < k and position < len(self._fresh):
+            block = self._fresh[position : position + chunk]
+            unused = self.last_used[block] == _NEVER
+            for offset, candidate in zip(np.flatnonzero(unused).tolist(), block[unused].tolist(), strict=True):
+                if candidate in excluded:
+                    if at_head:
+                        self._deferred.append(candidate)
+                    continue
+                if at_head:  # everything before this client is used or deferred
+                    self._fresh_head = position + offset
+                    at_head = False
+                if candidate not in taken:
+                    chosen.append(candidate)
+                    taken.add(candidate)
+                if len(chosen) == k:
+                    break
+            if at_head:
+                self._fresh_head = position + len(block)
+            position += len(block)
 
     def _least_recently_released(self, k: int, chosen: list[int], taken: set[int]) -> None:
         """Add to ``chosen`` the idle used clients, oldest last use first, until it holds ``k``: the live entries of

@@ -9,6 +9,7 @@ import pytest
 
 from flasync.clients.simulated.population import Network, Population
 from flasync.config import ConstantSpeed, HalfNormalSpeed, LogNormalSpeed, NetworkConfig
+from flasync.core import seeding
 
 SIZES = np.array([10, 20, 30, 40])
 
@@ -162,6 +163,30 @@ def test_marking_clients_one_at_a_time_is_marking_them_in_one_array() -> None:
     assert one.sample(50, rng_one, strategy="lru").tolist() == arrays.sample(50, rng_arrays, strategy="lru").tolist()
 
 
+def _least_recently_used_by_hand(population: Population, k: int, excluded: set[int]) -> list[int]:
+    """The first ``k`` of the LRU order, not excluded: never-used clients in the fixed random order (a permutation
+    from the server's stream of the run's seed), then used ones by last use, oldest first."""
+    n = len(population)
+    last_used = population.last_used if population.last_used is not None else np.full(n, -1)
+    order = seeding.numpy_stream(population.seed, seeding.SERVER, 1).permutation(n).tolist()
+    fresh = [c for c in order if last_used[c] == -1 and c not in excluded]
+    used = sorted((c for c in range(n) if last_used[c] != -1 and c not in excluded), key=lambda c: int(last_used[c]))
+    return (fresh + used)[:k]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 12, 40])
+def test_least_recently_used_draws_follow_the_lru_order_with_any_clients_excluded(k: int) -> None:
+    """Draws of a few clients (read one by one) and of many (a block at a time) are the first ``k`` of the LRU order
+    not excluded, whoever is excluded: never-used clients too, deferred while excluded and drawn first later."""
+    population = _population(200)
+    rng, chance = np.random.default_rng(0), np.random.default_rng(k)
+    for _ in range(60):
+        excluded = set(chance.choice(200, size=int(chance.integers(0, 60)), replace=False).tolist())
+        drawn = population.sample(k, rng, strategy="lru", exclude=excluded).tolist()
+        assert drawn == _least_recently_used_by_hand(population, k, excluded)
+        population.mark_used(drawn[: len(drawn) // 2 + 1])  # some drawn clients are not dispatched
+
+
 @pytest.mark.parametrize(("num_clients", "concurrency"), [(40, 40), (60, 25), (300, 120)])
 def test_following_the_tasks_in_flight_draws_what_walking_past_them_draws(num_clients: int, concurrency: int) -> None:
     """A population following the tasks in flight (as the registry keeps them: dispatch marks used, release marks
@@ -172,13 +197,15 @@ def test_following_the_tasks_in_flight_draws_what_walking_past_them_draws(num_cl
     following.follow_tasks(in_flight)
     order = np.random.default_rng(num_clients)
     rng = np.random.default_rng(0)
-    drawn_at_once = [1, 1, 1, 3]
+    drawn_at_once = [1, 1, 1, 3, 12]  # up to 8 never-used clients are read one by one, more a block at a time
     for step in range(3000):
         room = concurrency - len(in_flight)
         k = min(room, drawn_at_once[step % len(drawn_at_once)])
         if k:
+            expected = _least_recently_used_by_hand(walking, k, set(in_flight))
             drawn = following.sample(k, rng, strategy="lru", exclude=in_flight)
             assert drawn.tolist() == walking.sample(k, rng, strategy="lru", exclude=set(in_flight)).tolist()
+            assert drawn.tolist() == expected
             for client in drawn.tolist():
                 in_flight[client] = step
             following.mark_used(drawn.tolist() if k > 1 else [int(drawn[0])])

@@ -11,7 +11,6 @@ recently used), never ``O(num_clients)``. Durations are simulated seconds on the
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from flasync.clients.simulated._draws import DrawnColumn
+from flasync.clients.simulated._idle import IdleByLastUse
 from flasync.config import (
     SAMPLING_STRATEGIES,
     ConstantSpeed,
@@ -99,13 +99,10 @@ class Population:
         self._queue_stamp = np.zeros(0, dtype=np.int64)
         self._queue_head = 0
         self._queue_tail = 0
-        # Tasks in flight, where the population follows them (see follow_tasks): the clients busy now (built with
-        # the LRU state) and a heap of (stamp, client) of the used clients released since their last use, so that a
-        # draw passes over the busy ones without looking at them. Entries of clients used again are stale.
+        # The tasks in flight, where the population follows them (see follow_tasks), and (built with the LRU state)
+        # the used clients not in flight by last use, that a draw passes over the busy clients with.
         self._follows: Collection[int] | None = None
-        self._busy: np.ndarray | None = None
-        self._busy_count = 0
-        self._released: list[tuple[int, int]] = []
+        self._idle: IdleByLastUse | None = None
         self._cdf: np.ndarray | None = None
         self.fixed_slowdown: dict[int, float] = {int(c): float(f) for c, f in (slow_clients or {}).items()}
         """The fixed slowdown factors of the few clients that have one (every other client's is 1)."""
@@ -231,10 +228,8 @@ class Population:
         stamps = np.arange(self._uses, self._uses + len(ids), dtype=np.int64)
         self._uses += len(ids)
         self.last_used[ids] = stamps
-        busy = self._busy
-        if busy is not None:
-            self._busy_count += len(ids) - int(np.count_nonzero(busy[ids]))
-            busy[ids] = True
+        if self._idle is not None:
+            self._idle.dispatched(ids)
         need = self._queue_tail + len(ids)
         if need > len(self._queue):
             self._compact(need)
@@ -255,28 +250,15 @@ class Population:
             raise RuntimeError("follow_tasks must be called before the first client is marked used")
         self._follows = in_flight
         if self.last_used is not None:
-            self._busy = np.zeros(len(self), dtype=bool)
+            self._idle = IdleByLastUse(in_flight, len(self))
 
     def mark_idle(self, client: int) -> None:
         """Record that ``client``'s task in flight ended (see :meth:`follow_tasks`)."""
-        busy = self._busy
-        if self._follows is None or busy is None or not busy[client]:
-            return
-        busy[client] = False
-        self._busy_count -= 1
-        assert self.last_used is not None
-        released = self._released
-        heapq.heappush(released, (int(self.last_used[client]), client))
-        if len(released) > 2 * (self._uses - self._busy_count) + 64:  # many stale entries: keep the live ones
-            self._released = [entry for entry in released if self._idle_at(*entry)]
-            heapq.heapify(self._released)
+        if self._idle is not None:
+            assert self.last_used is not None
+            self._idle.released(client, self.last_used)
 
     # ------------------------------------------------------------------------------------------------ private
-    def _idle_at(self, stamp: int, client: int) -> bool:
-        """Tell whether ``client`` is idle and was last used at ``stamp`` (a live released entry)."""
-        assert self.last_used is not None and self._busy is not None
-        return not self._busy[client] and int(self.last_used[client]) == stamp
-
     def _mark_one(self, client: int) -> None:
         """:meth:`mark_used` of one client."""
         self._lru_state()
@@ -284,10 +266,8 @@ class Population:
         stamp = self._uses
         self._uses = stamp + 1
         self.last_used[client] = stamp
-        busy = self._busy
-        if busy is not None and not busy[client]:
-            busy[client] = True
-            self._busy_count += 1
+        if self._idle is not None:
+            self._idle.dispatched_one(client)
         tail = self._queue_tail
         if tail + 1 > len(self._queue):
             self._compact(tail + 1)
@@ -332,7 +312,7 @@ class Population:
             self.last_used = np.full(n, _NEVER, dtype=np.int64)
             self._fresh = seeding.numpy_stream(self.seed, seeding.SERVER, 1).permutation(n).astype(np.int32)
             if self._follows is not None:
-                self._busy = np.zeros(n, dtype=bool)
+                self._idle = IdleByLastUse(self._follows, n)
 
     def _compact(self, need: int) -> None:
         """Drop stale queue entries; grow the queue if it is still too small."""
@@ -367,8 +347,8 @@ class Population:
                 taken.add(candidate)
         self._deferred = still_deferred
         self._never_used(k, excluded, chosen, taken, chunk)
-        if len(chosen) < k and excluded is self._follows and len(excluded) == self._busy_count:
-            self._least_recently_released(k, chosen, taken)
+        if len(chosen) < k and self._idle is not None and self._idle.covers(excluded):
+            self._idle.take(k, chosen, taken, self.last_used)  # the used clients not in flight, by last use
             return np.asarray(chosen, dtype=np.int64)
         # Then used clients, oldest last use first; stale entries at the head are dropped for good.
         position, at_head = self._queue_head, True
@@ -437,22 +417,6 @@ class Population:
             if at_head:
                 self._fresh_head = position + len(block)
             position += len(block)
-
-    def _least_recently_released(self, k: int, chosen: list[int], taken: set[int]) -> None:
-        """Add to ``chosen`` the idle used clients, oldest last use first, until it holds ``k``: the live entries of
-        the released heap (those excluded, the clients in flight, are not there); stale ones are dropped for good."""
-        released, kept = self._released, []
-        while len(chosen) < k and released:
-            stamp, client = released[0]
-            if not self._idle_at(stamp, client):
-                heapq.heappop(released)
-                continue
-            kept.append(heapq.heappop(released))
-            if client not in taken:
-                chosen.append(client)
-                taken.add(client)
-        for entry in kept:  # drawn, not used yet: a draw changes nothing
-            heapq.heappush(released, entry)
 
 
 class Network:

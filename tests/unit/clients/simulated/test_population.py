@@ -215,7 +215,7 @@ def test_following_the_tasks_in_flight_draws_what_walking_past_them_draws(num_cl
             following.mark_idle(client)
     assert following.last_used is not None and walking.last_used is not None
     assert following.last_used.tolist() == walking.last_used.tolist()
-    assert len(following._released) <= 2 * num_clients + 64  # stale entries are dropped
+    assert following._idle is not None and len(following._idle) <= 2 * num_clients + 64  # stale entries dropped
 
 
 def test_a_draw_excluding_other_clients_than_those_followed_walks_the_queue() -> None:

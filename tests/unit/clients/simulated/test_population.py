@@ -272,6 +272,39 @@ async def test_lru_sampling_in_a_sync_run_visits_every_client() -> None:
     assert sorted(task.client_id for task in recorder.of(TaskAssigned)) == list(range(20))
 
 
+@pytest.mark.parametrize("server", ["fedbuff", "fedavg"])
+async def test_async_slots_draw_lru_clients_past_those_in_flight_from_the_released(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FedBuff run with LRU sampling follows its tasks in flight: once every client was used, its slots' draws take
+    the idle clients from the released ones (what the sampler takes is counted); FedAvg's cohorts exclude no one, so
+    its runs follow nothing."""
+    import flasync
+    from flasync.clients.simulated._idle import IdleByLastUse
+    from flasync.testing import small_config
+
+    taken: list[int] = []
+    take = IdleByLastUse.take
+
+    def counted(self: IdleByLastUse, k: int, chosen: list[int], drawn: set[int], last_used: np.ndarray) -> None:
+        before = len(chosen)
+        take(self, k, chosen, drawn, last_used)
+        taken.extend(chosen[before:])
+
+    monkeypatch.setattr(IdleByLastUse, "take", counted)
+    aggregator = (
+        {"kind": "fedbuff", "buffer_size": 2, "concurrency": 10}
+        if server == "fedbuff"
+        else {"kind": "fedavg", "clients_per_round": 10}
+    )
+    config = small_config("population.sampling=lru", "stop.max_versions=12", server=aggregator)
+    await flasync.Federation(config).run()
+    if server == "fedbuff":
+        assert len(taken) > 10 and set(taken) <= set(range(20))
+    else:
+        assert taken == []
+
+
 def test_slow_clients_multiply_their_training_time() -> None:
     """A fixed slowdown factor multiplies one client's simulated training time and no other's."""
     speed = ConstantSpeed(seconds_per_step=0.5)

@@ -710,6 +710,9 @@ def _make_dispatch(
     # Simulated clients that never crash, hang, drop out or go offline answer on timelines known at dispatch: the
     # tasks dispatched together share one coroutine (such a fault decides per task whether and when it answers).
     share = group is not None and (world.faults is None or not world.faults.active) and clock.virtual
+    lru = config.population.sampling == "lru"
+    # Async slots draw idle clients one at a time, excluding those in flight: there an LRU draw passes over them.
+    follow = lru and not isinstance(config.server, FedAvgServer)
     registry = TaskRegistry(
         bus=bus,
         clock=clock,
@@ -718,12 +721,15 @@ def _make_dispatch(
         start=start,
         timeout_s=config.resilience.task_timeout_s,
         # Only least-recently-used sampling reads the clients' last use: other runs never build that state.
-        mark_used=population.mark_used if config.population.sampling == "lru" else None,
+        mark_used=population.mark_used if lru else None,
+        mark_idle=population.mark_idle if follow else None,
         on_release=world.forget if room is None else _both(world.forget, room.released),
         share=share,
         holding=None if room is None else room.holds,
         on_attach=None if room is None else room.attached,
     )
+    if follow:
+        population.follow_tasks(registry.busy)
     if availability is None and world.faults is not None and world.faults.windows:
         availability = world.faults
     sampler = ClientSampler(

@@ -97,6 +97,8 @@ class TaskRegistry:
             together in one call where ``share`` (see :data:`StartGroup`).
         timeout_s: A task not answered this long after dispatch is timed out (None: never).
         mark_used: Told the clients dispatched (e.g. a least-recently-used sampler).
+        mark_idle: Told each client whose task was released (e.g. a least-recently-used sampler following the
+            tasks in flight, :attr:`busy`).
         on_release: Told each task released (e.g. to forget what a checkpoint would restore for it).
         share: Start the tasks dispatched on one model before the first of them starts in one call of ``start``
             (its answers then depend on nothing but their own timelines: no fault, no task released early by
@@ -117,6 +119,7 @@ class TaskRegistry:
         start: StartGroup,
         timeout_s: float | None = None,
         mark_used: Callable[[list[int]], None] | None = None,
+        mark_idle: Callable[[int], None] | None = None,
         on_release: Callable[[TaskAssigned], None] | None = None,
         share: bool = False,
         holding: Callable[[TaskAssigned], bool] | None = None,
@@ -133,6 +136,7 @@ class TaskRegistry:
         self._open: _Group | None = None
         self.timeout_s = timeout_s
         self._mark_used = mark_used
+        self._mark_idle = mark_idle
         self._on_release = on_release
         self.current: ModelSnapshot | None = None
         self._bases: dict[Version, ModelSnapshot] = {}
@@ -345,6 +349,8 @@ class TaskRegistry:
         if task is None or task.task_id != message.task_id or task.base_version != message.base_version:
             return False
         del self._in_flight[message.client_id]
+        if self._mark_idle is not None:
+            self._mark_idle(task.client_id)
         handle = self._handles.pop(task.task_id, None)
         if handle is not None and not handle.done():
             handle.cancel()  # a timed-out or abandoned client; one that answered has ended already

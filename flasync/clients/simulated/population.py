@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from flasync.clients.simulated._draws import DrawnColumn
+from flasync.clients.simulated._idle import IdleByLastUse
 from flasync.config import (
     SAMPLING_STRATEGIES,
     ConstantSpeed,
@@ -32,6 +33,7 @@ from flasync.core import seeding
 __all__ = ["SAMPLING_STRATEGIES", "Network", "Population", "SamplingStrategy"]
 
 _NEVER = -1
+_ONE_BY_ONE = 8  # never-used clients drawn at most, from which the order is read a block at a time
 _ARRAY_PASS_FROM = 16  # clients from which the link times of a group are computed as arrays (a fixed cost of ~8)
 
 
@@ -97,6 +99,10 @@ class Population:
         self._queue_stamp = np.zeros(0, dtype=np.int64)
         self._queue_head = 0
         self._queue_tail = 0
+        # The tasks in flight, where the population follows them (see follow_tasks), and (built with the LRU state)
+        # the used clients not in flight by last use, that a draw passes over the busy clients with.
+        self._follows: Collection[int] | None = None
+        self._idle: IdleByLastUse | None = None
         self._cdf: np.ndarray | None = None
         self.fixed_slowdown: dict[int, float] = {int(c): float(f) for c, f in (slow_clients or {}).items()}
         """The fixed slowdown factors of the few clients that have one (every other client's is 1)."""
@@ -222,12 +228,35 @@ class Population:
         stamps = np.arange(self._uses, self._uses + len(ids), dtype=np.int64)
         self._uses += len(ids)
         self.last_used[ids] = stamps
+        if self._idle is not None:
+            self._idle.dispatched(ids)
         need = self._queue_tail + len(ids)
         if need > len(self._queue):
             self._compact(need)
         self._queue[self._queue_tail : self._queue_tail + len(ids)] = ids
         self._queue_stamp[self._queue_tail : self._queue_tail + len(ids)] = stamps
         self._queue_tail += len(ids)
+
+    def follow_tasks(self, in_flight: Collection[int]) -> None:
+        """Follow the tasks in flight for least-recently-used sampling: ``in_flight`` (the task registry's clients
+        in flight, by client) holds the clients :meth:`mark_used` was told of and :meth:`mark_idle` was not told of
+        since. A draw that excludes ``in_flight`` itself then passes over the busy clients without looking at them
+        (the same clients as a walk past them would draw).
+
+        Raises:
+            RuntimeError: If a client was marked used already.
+        """
+        if self._uses:
+            raise RuntimeError("follow_tasks must be called before the first client is marked used")
+        self._follows = in_flight
+        if self.last_used is not None:
+            self._idle = IdleByLastUse(in_flight, len(self))
+
+    def mark_idle(self, client: int) -> None:
+        """Record that ``client``'s task in flight ended (see :meth:`follow_tasks`)."""
+        if self._idle is not None:
+            assert self.last_used is not None
+            self._idle.released(client, self.last_used)
 
     # ------------------------------------------------------------------------------------------------ private
     def _mark_one(self, client: int) -> None:
@@ -237,6 +266,8 @@ class Population:
         stamp = self._uses
         self._uses = stamp + 1
         self.last_used[client] = stamp
+        if self._idle is not None:
+            self._idle.dispatched_one(client)
         tail = self._queue_tail
         if tail + 1 > len(self._queue):
             self._compact(tail + 1)
@@ -280,6 +311,8 @@ class Population:
             n = len(self)
             self.last_used = np.full(n, _NEVER, dtype=np.int64)
             self._fresh = seeding.numpy_stream(self.seed, seeding.SERVER, 1).permutation(n).astype(np.int32)
+            if self._follows is not None:
+                self._idle = IdleByLastUse(self._follows, n)
 
     def _compact(self, need: int) -> None:
         """Drop stale queue entries; grow the queue if it is still too small."""
@@ -313,6 +346,57 @@ class Population:
                 chosen.append(candidate)
                 taken.add(candidate)
         self._deferred = still_deferred
+        self._never_used(k, excluded, chosen, taken, chunk)
+        if len(chosen) < k and self._idle is not None and self._idle.covers(excluded):
+            self._idle.take(k, chosen, taken, self.last_used)  # the used clients not in flight, by last use
+            return np.asarray(chosen, dtype=np.int64)
+        # Then used clients, oldest last use first; stale entries at the head are dropped for good.
+        position, at_head = self._queue_head, True
+        while len(chosen) < k and position < self._queue_tail:
+            ids = self._queue[position : min(position + chunk, self._queue_tail)]
+            stamps = self._queue_stamp[position : position + len(ids)]
+            live = self.last_used[ids] == stamps
+            if at_head:
+                lead = int(np.argmax(live)) if live.any() else len(ids)
+                self._queue_head = position + lead
+                at_head = lead == len(ids)
+            for candidate in ids[live].tolist():
+                if candidate not in excluded and candidate not in taken:
+                    chosen.append(candidate)
+                    taken.add(candidate)
+                    if len(chosen) == k:
+                        break
+            position += len(ids)
+        return np.asarray(chosen, dtype=np.int64)
+
+    def _never_used(self, k: int, excluded: Collection[int], chosen: list[int], taken: set[int], chunk: int) -> None:
+        """Add to ``chosen`` never-used clients in their fixed random order, from the head, until it holds ``k``.
+
+        The head moves past used clients for good, and past excluded (in-flight) never-used ones by deferring them.
+        A draw of a few clients reads the order one client at a time; a larger one a block at a time (the same
+        clients, the same head).
+        """
+        assert self.last_used is not None and self._fresh is not None
+        if k - len(chosen) <= _ONE_BY_ONE:
+            fresh, last_used, end = self._fresh, self.last_used, len(self._fresh)
+            position, at_head = self._fresh_head, True
+            while len(chosen) < k and position < end:
+                candidate = int(fresh[position])
+                if last_used[candidate] == _NEVER:
+                    if candidate in excluded:
+                        if at_head:
+                            self._deferred.append(candidate)
+                    else:
+                        if at_head:  # everything before this client is used or deferred
+                            self._fresh_head = position
+                            at_head = False
+                        if candidate not in taken:
+                            chosen.append(candidate)
+                            taken.add(candidate)
+                position += 1
+                if at_head:
+                    self._fresh_head = position
+            return
         position, at_head = self._fresh_head, True
         while len(chosen) < k and position < len(self._fresh):
             block = self._fresh[position : position + chunk]
@@ -333,24 +417,6 @@ class Population:
             if at_head:
                 self._fresh_head = position + len(block)
             position += len(block)
-        # Then used clients, oldest last use first; stale entries at the head are dropped for good.
-        position, at_head = self._queue_head, True
-        while len(chosen) < k and position < self._queue_tail:
-            ids = self._queue[position : min(position + chunk, self._queue_tail)]
-            stamps = self._queue_stamp[position : position + len(ids)]
-            live = self.last_used[ids] == stamps
-            if at_head:
-                lead = int(np.argmax(live)) if live.any() else len(ids)
-                self._queue_head = position + lead
-                at_head = lead == len(ids)
-            for candidate in ids[live].tolist():
-                if candidate not in excluded and candidate not in taken:
-                    chosen.append(candidate)
-                    taken.add(candidate)
-                    if len(chosen) == k:
-                        break
-            position += len(ids)
-        return np.asarray(chosen, dtype=np.int64)
 
 
 class Network:

@@ -285,3 +285,26 @@ async def test_dispatch_many_starts_the_tasks_dispatch_would_start_one_by_one() 
     assert marks["many"] == marks["one"] == [3, 7, 1, 7, 2]
     assert many.accounting.stats == one.accounting.stats
     assert many.bus.statistics().published == published + 2  # one event per cohort
+
+
+async def test_each_released_client_is_marked_idle_once() -> None:
+    """A release tells ``mark_idle`` its client (a least-recently-used draw following the tasks in flight): once a
+    task, and never for an answer that releases nothing."""
+    idle: list[int] = []
+    harness = ServerHarness(clients=_silent)
+    registry = harness.registry
+    registry._mark_idle = idle.append
+    registry.publish(_snapshot(0))
+
+    async def body() -> None:
+        first, second = await registry.dispatch_many([2, 6])
+        forged = TaskAssigned(
+            task_id=first.task_id, client_id=ClientId(2), participation=0, base_version=Version(9), simulated_s=0.0
+        )
+        assert not registry.release(forged)
+        assert registry.release(second) and not registry.release(second)
+        assert registry.release(first)
+        assert 2 not in registry.busy and 6 not in registry.busy
+
+    await _started(harness, body())
+    assert idle == [6, 2]

@@ -9,6 +9,7 @@ import pytest
 
 from flasync.clients.simulated.population import Network, Population
 from flasync.config import ConstantSpeed, HalfNormalSpeed, LogNormalSpeed, NetworkConfig
+from flasync.core import seeding
 
 SIZES = np.array([10, 20, 30, 40])
 
@@ -162,6 +163,80 @@ def test_marking_clients_one_at_a_time_is_marking_them_in_one_array() -> None:
     assert one.sample(50, rng_one, strategy="lru").tolist() == arrays.sample(50, rng_arrays, strategy="lru").tolist()
 
 
+def _least_recently_used_by_hand(population: Population, k: int, excluded: set[int]) -> list[int]:
+    """The first ``k`` of the LRU order, not excluded: never-used clients in the fixed random order (a permutation
+    from the server's stream of the run's seed), then used ones by last use, oldest first."""
+    n = len(population)
+    last_used = population.last_used if population.last_used is not None else np.full(n, -1)
+    order = seeding.numpy_stream(population.seed, seeding.SERVER, 1).permutation(n).tolist()
+    fresh = [c for c in order if last_used[c] == -1 and c not in excluded]
+    used = sorted((c for c in range(n) if last_used[c] != -1 and c not in excluded), key=lambda c: int(last_used[c]))
+    return (fresh + used)[:k]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 12, 40])
+def test_least_recently_used_draws_follow_the_lru_order_with_any_clients_excluded(k: int) -> None:
+    """Draws of a few clients (read one by one) and of many (a block at a time) are the first ``k`` of the LRU order
+    not excluded, whoever is excluded: never-used clients too, deferred while excluded and drawn first later."""
+    population = _population(200)
+    rng, chance = np.random.default_rng(0), np.random.default_rng(k)
+    for _ in range(60):
+        excluded = set(chance.choice(200, size=int(chance.integers(0, 60)), replace=False).tolist())
+        drawn = population.sample(k, rng, strategy="lru", exclude=excluded).tolist()
+        assert drawn == _least_recently_used_by_hand(population, k, excluded)
+        population.mark_used(drawn[: len(drawn) // 2 + 1])  # some drawn clients are not dispatched
+
+
+@pytest.mark.parametrize(("num_clients", "concurrency"), [(40, 40), (60, 25), (300, 120)])
+def test_following_the_tasks_in_flight_draws_what_walking_past_them_draws(num_clients: int, concurrency: int) -> None:
+    """A population following the tasks in flight (as the registry keeps them: dispatch marks used, release marks
+    idle) draws, with them excluded, the clients one that walks past them draws: over thousands of tasks released
+    in random order, cohorts of several clients, and the released heap compacted more than once."""
+    following, walking = _population(num_clients), _population(num_clients)
+    in_flight: dict[int, int] = {}
+    following.follow_tasks(in_flight)
+    order = np.random.default_rng(num_clients)
+    rng = np.random.default_rng(0)
+    drawn_at_once = [1, 1, 1, 3, 12]  # up to 8 never-used clients are read one by one, more a block at a time
+    for step in range(3000):
+        room = concurrency - len(in_flight)
+        k = min(room, drawn_at_once[step % len(drawn_at_once)])
+        if k:
+            expected = _least_recently_used_by_hand(walking, k, set(in_flight))
+            drawn = following.sample(k, rng, strategy="lru", exclude=in_flight)
+            assert drawn.tolist() == walking.sample(k, rng, strategy="lru", exclude=set(in_flight)).tolist()
+            assert drawn.tolist() == expected
+            for client in drawn.tolist():
+                in_flight[client] = step
+            following.mark_used(drawn.tolist() if k > 1 else [int(drawn[0])])
+            walking.mark_used(drawn)
+        for client in order.permutation(list(in_flight))[: int(order.integers(0, 3))].tolist():  # random releases
+            del in_flight[client]
+            following.mark_idle(client)
+    assert following.last_used is not None and walking.last_used is not None
+    assert following.last_used.tolist() == walking.last_used.tolist()
+    assert following._idle is not None and len(following._idle) <= 2 * num_clients + 64  # stale entries dropped
+
+
+def test_a_draw_excluding_other_clients_than_those_followed_walks_the_queue() -> None:
+    """Only a draw that excludes the followed tasks in flight themselves skips the busy clients: a draw with no
+    exclusion (a round's cohort) still sees every used client, busy ones included."""
+    population = _population(10)
+    in_flight: dict[int, int] = {}
+    population.follow_tasks(in_flight)
+    rng = np.random.default_rng(0)
+    first = population.sample(10, rng, strategy="lru").tolist()
+    population.mark_used(first)
+    in_flight.update(dict.fromkeys(first, 0))
+    for client in first[5:]:
+        del in_flight[client]
+        population.mark_idle(client)
+    assert population.sample(3, rng, strategy="lru", exclude=in_flight).tolist() == first[5:8]
+    assert population.sample(3, rng, strategy="lru").tolist() == first[:3]  # the busy ones are the oldest
+    with pytest.raises(RuntimeError, match="before the first client"):
+        population.follow_tasks({})
+
+
 def test_available_now_follows_the_phases() -> None:
     """Available-now draws only online clients while enough are online, and fills with offline ones otherwise."""
     population = _population(1000, available_fraction=0.2, availability_period_s=100.0)
@@ -195,6 +270,39 @@ async def test_lru_sampling_in_a_sync_run_visits_every_client() -> None:
     recorder = EventRecorder(federation.bus)
     await federation.run()
     assert sorted(task.client_id for task in recorder.of(TaskAssigned)) == list(range(20))
+
+
+@pytest.mark.parametrize("server", ["fedbuff", "fedavg"])
+async def test_async_slots_draw_lru_clients_past_those_in_flight_from_the_released(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FedBuff run with LRU sampling follows its tasks in flight: once every client was used, its slots' draws take
+    the idle clients from the released ones (what the sampler takes is counted); FedAvg's cohorts exclude no one, so
+    its runs follow nothing."""
+    import flasync
+    from flasync.clients.simulated._idle import IdleByLastUse
+    from flasync.testing import small_config
+
+    taken: list[int] = []
+    take = IdleByLastUse.take
+
+    def counted(self: IdleByLastUse, k: int, chosen: list[int], drawn: set[int], last_used: np.ndarray) -> None:
+        before = len(chosen)
+        take(self, k, chosen, drawn, last_used)
+        taken.extend(chosen[before:])
+
+    monkeypatch.setattr(IdleByLastUse, "take", counted)
+    aggregator = (
+        {"kind": "fedbuff", "buffer_size": 2, "concurrency": 10}
+        if server == "fedbuff"
+        else {"kind": "fedavg", "clients_per_round": 10}
+    )
+    config = small_config("population.sampling=lru", "stop.max_versions=12", server=aggregator)
+    await flasync.Federation(config).run()
+    if server == "fedbuff":
+        assert len(taken) > 10 and set(taken) <= set(range(20))
+    else:
+        assert taken == []
 
 
 def test_slow_clients_multiply_their_training_time() -> None:

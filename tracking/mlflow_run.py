@@ -224,6 +224,8 @@ class MlflowTracker:
         idle_writers: Where an idle writer process is taken from and left for the next tracker: the process's holder
             :data:`flasync.tracking._child.IDLE` by default; a tracker given its own :class:`IdleChild` (a test, or an
             application that wants no process-wide sharing) shares only with trackers given the same one.
+        nest_under: Returns the MLflow run the new run is nested under (tag ``mlflow.parentRunId``), asked on the
+            thread that opens it: a sweep's parent run may still be opening as its first child starts.
     """
 
     def __init__(
@@ -246,6 +248,7 @@ class MlflowTracker:
         runs_view: Mapping[str, Any] | None = None,
         preload: Sequence[str] = (),
         idle_writers: IdleChild = IDLE,
+        nest_under: Callable[[], str] | None = None,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self._log = logger if logger is not None else LibraryLogger("tracking.mlflow")
@@ -278,7 +281,9 @@ class MlflowTracker:
             http_timeout_s=http_timeout_s,
             http_retries=http_retries,
         )
-        self._lifecycle = RunLifecycle(self._run, self._writers, self._failover, experiments, log=self._log, http=http)
+        self._lifecycle = RunLifecycle(
+            self._run, self._writers, self._failover, experiments, log=self._log, http=http, nest_under=nest_under
+        )
         self._artifacts = RunArtifacts(
             self._run, self._writers, self._failover, check_started=self._lifecycle.check_started, log=self._log
         )
@@ -431,12 +436,8 @@ class MlflowTracker:
         self._artifacts.log_file(path, artifact_path)
 
     def log_bytes(self, data: bytes, artifact_file: str) -> None:
-        """Store ``data`` as an artifact.
-
-        Args:
-            data: The file's content.
-            artifact_file: Path of the artifact inside the run, e.g. ``"clients/table.csv"``.
-        """
+        """Store ``data`` (the file's content) as an artifact at ``artifact_file``, its path inside the run (e.g.
+        ``"clients/table.csv"``)."""
         self.log_artifacts({artifact_file: data})
 
     def log_artifacts(self, files: Mapping[str, bytes]) -> None:
@@ -467,11 +468,7 @@ class MlflowTracker:
         self._artifacts.log_dataset(name, digest, source, profile, context)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
-        """Set tags on the run (values stringified and cut to 8000 characters).
-
-        Args:
-            tags: Tag names and values.
-        """
+        """Set tags on the run: ``tags``' names and values (stringified and cut to 8000 characters)."""
         self._lifecycle.set_tags(tags)
 
     def send_soon(self) -> None:

@@ -27,6 +27,7 @@ from flasync.core.owner import owner_alive
 from flasync.runtime.runs_view import RUNS_VIEW
 from flasync.runtime.sweep import (
     DEFAULT_OBJECTIVE,
+    PARENT_TAG,
     VALUES_TAG,
     Plan,
     PointTask,
@@ -56,8 +57,6 @@ __all__ = [
     "table_csv",
 ]
 
-PARENT_TAG = "mlflow.parentRunId"
-"""The tag by which MLflow nests a child run under its parent."""
 SWEEP_TAG = "flasync.sweep"
 """The sweep's id, on the parent and on every child."""
 POINT_TAG = "flasync.sweep.point"
@@ -112,6 +111,11 @@ class SweepParent:
             if self._plan:
                 self._tracker.log_bytes(self._plan, PLAN_ARTIFACT)
         return self._run_id
+
+    @property
+    def opened_run_id(self) -> str:
+        """The parent run's id if it is open already, else ``""`` (never waits)."""
+        return self._run_id or self._tracker.run_id or ""
 
     @classmethod
     def create(cls, uri: str, experiment: str, plan: Plan, *, parallel: int) -> SweepParent:
@@ -248,12 +252,14 @@ class SweepParent:
 
     def task(self, plan: Plan, point: SweepPoint, config: RunConfig) -> PointTask:
         """Return the task of a point not finished yet: to resume its child run from the run's checkpoint, else to
-        start a new child run (an earlier one without a checkpoint is deleted, so each point has one child run).
+        start a new child run (an earlier one without a checkpoint is deleted, so each point has one child run). A new
+        child's tags leave out :data:`PARENT_TAG`: the parent run of a new sweep may still be opening (see
+        :meth:`flasync.runtime.sweep.Sweep.run`).
 
         Raises:
             ConfigError: The point's child run is still running in another process.
         """
-        tags = {PARENT_TAG: self.run_id, SWEEP_TAG: self.sweep_id, POINT_TAG: point.name}
+        tags = {SWEEP_TAG: self.sweep_id, POINT_TAG: point.name}
         tags[VALUES_TAG] = json.dumps({"index": point.index, "values": [list(pair) for pair in point.values]})
         tags |= {f"sweep.{key}": value for key, value in point.values}
         run = self.children().get(point.name)

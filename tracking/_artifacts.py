@@ -78,7 +78,7 @@ class RunArtifacts:
         names = {artifact_file: _artifact_name(artifact_file) for artifact_file in files}
         if not files:
             return
-        if self._writers.child is not None:
+        if self._writers.has_child:
             with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
                 entries = []
                 for index, (artifact_file, data) in enumerate(files.items()):
@@ -230,7 +230,7 @@ class RunArtifacts:
         def here() -> None:
             self._model_here(arguments, input_example, tags)
 
-        kept = self._saved_from_cache(arguments) if self._writers.child is not None else None
+        kept = self._saved_from_cache(arguments) if self._writers.has_child else None
         if kept is None:
             return self._start_deferred("model", self._model_request(arguments, tags), here)
         saved, delta = kept

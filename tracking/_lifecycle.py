@@ -124,6 +124,12 @@ class RunLifecycle:
         """The thread opening the run of a ``start(wait=False)``."""
         self._open_error: BaseException | None = None
 
+    def prepare(self) -> None:
+        """Start the writer process now, or take an idle one (see :meth:`RunWriters.prepare`); a nested run takes it
+        as it opens, once the run it nests under is open: that run's opening may hand one back to take."""
+        if self._nest_under is None:
+            self._writers.prepare(self.started)
+
     @property
     def started(self) -> bool:
         """Whether the run started (its start time is set)."""
@@ -151,7 +157,7 @@ class RunLifecycle:
         """
         if self.started:
             raise RuntimeError(f"this tracker already started run {self._run.run_id or '(spooled)'}")
-        self._writers.prepare(False)  # the writer process imports MLflow while the caller prepares its data
+        self.prepare()  # the writer process imports MLflow while the caller prepares its data
         run = self._run
         run.started_at = int(time.time() * 1000)
         run.experiment, run.run_name = experiment, run_name
@@ -217,6 +223,7 @@ class RunLifecycle:
         try:
             if self._nest_under is not None:
                 given_tags = {**given_tags, PARENT_RUN_TAG: self._nested_in()}
+                self._writers.prepare(False)
             self._open_run(experiment, run_name, given_tags, clean_params)
         except BaseException:
             self._writers.end_open(failed=True)

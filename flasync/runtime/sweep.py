@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 PARENT_TAG = "mlflow.parentRunId"
-"""The tag by which MLflow nests a child run under its parent (:data:`tracking.PARENT_RUN_TAG`)."""
+"""The tag by which MLflow nests a child run under its parent (the UI shows them as one expandable row)."""
 VALUES_TAG = "flasync.sweep.values"
 """A child run's point: ``{"index": ..., "values": [[key, text], ...]}`` (JSON), from which a search rebuilds it."""
 

@@ -259,14 +259,16 @@ class SweepParent:
 
     def task(self, plan: Plan, point: SweepPoint, config: RunConfig) -> PointTask:
         """Return the task of a point not finished yet: to resume its child run from the run's checkpoint, else to
-        start a new child run (an earlier one without a checkpoint is deleted, so each point has one child run). A new
-        child's tags leave out :data:`PARENT_TAG`: the parent run of a new sweep may still be opening (see
-        :meth:`flasync.runtime.sweep.Sweep.run`).
+        start a new child run (an earlier one without a checkpoint is deleted, so each point has one child run). Its
+        tags hold :data:`PARENT_TAG` once :attr:`run_id` has answered; a new sweep's first tasks come while the parent
+        run is still opening, and :func:`~flasync.runtime.sweep.run_point` then nests the run as it opens
+        (``nest_under``), after the parent handed its writer process on.
 
         Raises:
             ConfigError: The point's child run is still running in another process.
         """
-        tags = {SWEEP_TAG: self.sweep_id, POINT_TAG: point.name}
+        tags = {PARENT_TAG: self._run_id, SWEEP_TAG: self.sweep_id, POINT_TAG: point.name}
+        tags = {key: value for key, value in tags.items() if value}
         tags[VALUES_TAG] = json.dumps({"index": point.index, "values": [list(pair) for pair in point.values]})
         tags |= {f"sweep.{key}": value for key, value in point.values}
         run = self.children().get(point.name)

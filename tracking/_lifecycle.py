@@ -408,6 +408,7 @@ class RunLifecycle:
             return
         self._finished = True
         try:
+            writers.take_back()  # a run that handed its writer process on ends through one again
             writers.stop_monitor()
         finally:
             lost = self.rows_lost = writers.close_writer()

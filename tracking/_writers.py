@@ -108,6 +108,8 @@ class RunWriters:
         """Rows the journal took while the run was being opened and the writer has not handed on yet."""
         self._released: str | None = None
         """The run whose writer process :meth:`release` handed back (the next record takes one again)."""
+        self._lost_before = 0
+        """Metric rows the metric writers :meth:`release` closed lost (counted by :meth:`close_writer`)."""
         self._schema_told = False
 
     def prepare(self, started: bool) -> None:
@@ -148,7 +150,7 @@ class RunWriters:
         record takes a writer process again, that one or another. False when there was none to hand back."""
         if self.child is None or self._failover.offline:
             return False
-        self.close_writer()
+        self._lost_before = self.close_writer()
         self.writer = None
         answer = self.child_reply({"op": "release"})
         if answer is None or self.child is None:
@@ -157,8 +159,9 @@ class RunWriters:
         self._released = run_id
         return True
 
-    def _take_back(self) -> None:
-        """Take a writer process again for the run :meth:`release` left (an idle one of this process, or a new one)."""
+    def take_back(self) -> None:
+        """Take a writer process again for the run :meth:`release` left (an idle one of this process, or a new one),
+        and start its metric writer; nothing when none was released."""
         if self._released is None:
             return
         with self._failover.lock:
@@ -204,7 +207,7 @@ class RunWriters:
         with self._failover.lock:
             if self._failover.offline:
                 return None
-            self._take_back()
+            self.take_back()
             child = self.ready_child()
             if child is None:
                 return None
@@ -348,7 +351,7 @@ class RunWriters:
     def log_metrics(self, metrics: list[MetricRow]) -> None:
         """Queue metrics for the run; never blocks (dropped before start and after finish; in a resumed run, those
         at a step the store already holds for their key)."""
-        self._take_back()
+        self.take_back()
         if self.writer is None:
             return
         held = self.held_steps
@@ -403,6 +406,6 @@ class RunWriters:
         """Write what is queued (waiting at most ``flush_timeout_s``) and stop the metric writer's thread; return how
         many metric rows were lost (neither written nor kept in the journal)."""
         if self.writer is None:
-            return 0
+            return self._lost_before
         self.writer.close(self.flush_timeout)
-        return self.writer.dropped + self.writer.pending
+        return self._lost_before + self.writer.dropped + self.writer.pending

@@ -336,6 +336,24 @@ def test_a_run_that_releases_its_writer_stays_open_while_a_nested_run_uses_it_th
     close_idle_writer()
 
 
+def test_a_run_that_released_its_writer_and_logs_nothing_more_still_ends_through_one(tracking_uri: str) -> None:
+    """``finish`` right after ``release_writer`` takes a writer process back to end the run: FINISHED, the same
+    process kept idle again, and the metric writer it started for that closed."""
+    close_idle_writer()
+    tracker = MlflowTracker(tracking_uri)
+    tracker.prepare()
+    run_id = tracker.start(experiment="released")
+    assert tracker._writers.child is not None
+    writer = tracker._writers.child.pid
+    assert tracker.release_writer() and tracker._writers.child is None
+    assert IDLE.child is not None and IDLE.child.pid == writer and IDLE.child.idle
+    tracker.finish("FINISHED")
+    assert mlflow.MlflowClient(tracking_uri).get_run(run_id).info.status == "FINISHED"
+    assert IDLE.child is not None and IDLE.child.pid == writer and IDLE.child.run == 2
+    assert tracker.writer is not None and tracker.writer.closed
+    close_idle_writer()
+
+
 def test_a_kept_child_serves_through_a_changed_test_name_but_not_a_changed_mlflow_setting(
     tracking_uri: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

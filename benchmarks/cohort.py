@@ -11,17 +11,24 @@ sums the deltas (sample-weighted), as one FedAvg round does:
 with
   ``UpdateBuffer.add_stacked``;
 * with ``--engine``, the whole engine (``flasync.run``: sync FedAvg rounds of ``min(clients, --max-cohort)``, virtual
-  clock, tracking off, clients of ``--speed``) with ``executor.kind = "thread"`` and ``"vectorized"``, each client
-  trained once (``--rounds R``: R times, so that the run's start and end, two evaluations among them, weigh less),
-  and the vectorized engine's rate against each bare vectorized runner's; with ``--phases`` also where the vectorized
-  engine's time goes: the dispatch before the first cohort trains, the cohorts' training, the worker's finishing of
-  their updates while no cohort trains, and the rest (the event loop's intake of the updates, the end), each the
-  median over ``--repeats`` extra runs. The engine trains a round's cohorts on one thread per core
-  (``executor.workers`` unset), so ``--bare-threads 2`` also times the bare trainer with 2 intra-op threads.
+  clock, tracking off, clients of ``--speed``) with ``executor.kind = "thread"`` and ``"vectorized"``, and FedBuff
+  with as many tasks in flight (``K`` a tenth of them) on vectorized cohorts, each client trained once
+  (``--rounds R``: R times, so that the run's start and end, two evaluations among them, weigh less), and the
+  vectorized engine's rate against each bare vectorized runner's; with ``--phases`` also where the vectorized
+  engine's time goes, FedAvg and FedBuff: the dispatch before the first cohort trains, the cohorts' training, the
+  worker's finishing of their updates while no cohort trains, and the rest (the event loop's intake of the updates,
+  the end), and the event loop thread's CPU time in the server run per accepted update (``time.thread_time``: the
+  loop's own Python per update, which sets the engine's pace once training is fast), each the median over
+  ``--repeats`` extra runs. With ``--baseline CHECKOUT`` (a checkout of flasync, e.g. ``git worktree add
+  /tmp/base-loop main``) every phases run of this tree and of the baseline runs in its own process (after a warm-up
+  run there), interleaved, and the loop CPU per update is printed against the baseline's. The engine trains a
+  round's cohorts on one thread per core (``executor.workers`` unset), so ``--bare-threads 2`` also times the bare
+  trainer with 2 intra-op threads.
 
     python benchmarks/cohort.py [--clients 100 1000 10000] [--repeats 3] [--max-cohort 1000] [--device cpu|cuda]
                                 [--threads 1] [--bare-threads 2] [--no-per-client]
-                                [--engine [--phases] [--speed constant|lognormal] [--rounds 1]]
+                                [--engine [--phases [--baseline CHECKOUT]] [--speed constant|lognormal]
+                                 [--rounds 1]]
 
 With ``--device cuda`` the plain loop runs on the CPU (the CPU baseline) and again on the GPU (one client at a time
 on the same GPU), and flasync's runners on the GPU. Each repeat runs every runner once, interleaved; printed are
@@ -35,7 +42,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -168,21 +179,46 @@ def with_threads(threads: int, runner: Callable[[], float]) -> float:
         torch.set_num_threads(before)
 
 
+SERVERS = ("fedavg", "fedbuff")
+"""The engine's aggregators: sync FedAvg rounds, and FedBuff with a round's clients in flight (K = a tenth of them)."""
+
+
 def engine(
-    num_clients: int, kind: str, max_cohort: int, device: torch.device, speed: str = "constant", rounds: int = 1
+    num_clients: int,
+    kind: str,
+    max_cohort: int,
+    device: torch.device,
+    speed: str = "constant",
+    rounds: int = 1,
+    server: str = "fedavg",
 ) -> float:
-    """Run FedAvg over every client ``rounds`` times with the given executor and client speed model (``constant``:
-    every client finishes at one simulated time; ``lognormal``: each at its own); return accepted updates per wall
-    second."""
-    summary = engine_run(num_clients, kind, max_cohort, device, speed, rounds)
+    """Run the engine over every client ``rounds`` times with the given executor, client speed model (``constant``:
+    every client finishes at one simulated time; ``lognormal``: each at its own) and aggregator; return accepted
+    updates per wall second."""
+    summary = engine_run(num_clients, kind, max_cohort, device, speed, rounds, server)
     return summary.updates_accepted / summary.wall_s
 
 
 def engine_run(
-    num_clients: int, kind: str, max_cohort: int, device: torch.device, speed: str = "constant", rounds: int = 1
+    num_clients: int,
+    kind: str,
+    max_cohort: int,
+    device: torch.device,
+    speed: str = "constant",
+    rounds: int = 1,
+    server: str = "fedavg",
 ) -> flasync.RunSummary:
-    """Run :func:`engine`'s federation; return its summary."""
+    """Run :func:`engine`'s federation: ``min(num_clients, max_cohort)`` clients a round, as FedAvg rounds or as
+    FedBuff's tasks in flight (buffer ``K`` a tenth of them, so ten versions a round); return its summary."""
     per_round = min(num_clients, max_cohort)
+    rounds_total = max(1, num_clients // per_round) * rounds
+    if server == "fedavg":
+        aggregator: dict[str, Any] = {"kind": "fedavg", "clients_per_round": per_round}
+        versions = rounds_total
+    else:
+        buffer = max(1, per_round // 10)
+        aggregator = {"kind": "fedbuff", "buffer_size": buffer, "concurrency": per_round}
+        versions = rounds_total * per_round // buffer
     config = {
         "seed": 0,
         "data": {"kind": "synthetic", "samples_per_client": SAMPLES, "num_features": FEATURES, "test_samples": 500},
@@ -190,10 +226,10 @@ def engine_run(
         "model": {"kind": "mlp", "hidden": list(HIDDEN)},
         "population": {"num_clients": num_clients, "speed": {"kind": speed}, "sampling": "lru"},
         "client": {"epochs": 1, "batch_size": BATCH, "lr": LR},
-        "server": {"kind": "fedavg", "clients_per_round": per_round},
+        "server": aggregator,
         "executor": {"kind": kind, "max_cohort": max_cohort, "device": device.type},
         "eval": {"every_versions": 10_000},
-        "stop": {"max_versions": max(1, num_clients // per_round) * rounds},
+        "stop": {"max_versions": versions},
         "tracking": {"enabled": False, "log_level": "warning", "log_model": False},
     }
     return flasync.run(config)
@@ -262,38 +298,99 @@ def length(intervals: list[Interval]) -> float:
     return sum(ended - began for began, ended in covered(intervals))
 
 
+LOOP_CPU = "loop CPU per accepted update (us)"
+"""The figure the loop's work is judged by: the event loop thread's CPU time in the server run over its updates."""
+
+
+def phase_figures(
+    num_clients: int, max_cohort: int, device: torch.device, speed: str, rounds: int, server: str
+) -> dict[str, float]:
+    """Run one vectorized engine run; return where its wall time went (ms) and its loop CPU per update (us)."""
+    with phase_marks() as marks:
+        summary = engine_run(num_clients, "vectorized", max_cohort, device, speed, rounds, server)
+    ((start, end),) = marks["serve"]
+    ((cpu_start, cpu_end),) = marks["serve_cpu"]
+    first = min(began for began, _ in marks["train"])
+    training = length(marks["train"])
+    finishing = length(marks["train"] + marks["finish"]) - training
+    seconds = {
+        "server run": end - start,
+        "dispatch (start to first cohort)": first - start,
+        "training (some cohort trains)": training,
+        "finishing (encode, deliver; none trains)": finishing,
+        "rest (intake, end)": (end - start) - (first - start) - training - finishing,
+        "after the last delivery": end - max(ended for _, ended in marks["finish"]),
+        # The loop's own work (dispatch, jobs, intake, events): little of it overlaps a FedAvg round's training.
+        "event-loop thread CPU in the server run": cpu_end - cpu_start,
+    }
+    figures = {key: 1000 * value for key, value in seconds.items()}
+    figures[LOOP_CPU] = (cpu_end - cpu_start) / summary.updates_accepted * 1e6
+    return figures
+
+
+def phases_in(
+    tree: Path, num_clients: int, max_cohort: int, device: torch.device, speed: str, rounds: int, server: str
+) -> dict[str, float]:
+    """Run :func:`phase_figures` in a fresh process that imports flasync from the checkout ``tree`` (after one
+    warm-up run of the same federation there); return its figures."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--phases-worker", server]
+    command += ["--clients", str(num_clients), "--max-cohort", str(max_cohort), "--device", device.type]
+    command += ["--speed", speed, "--rounds", str(rounds)]
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
 def engine_phases(
-    num_clients: int, max_cohort: int, device: torch.device, repeats: int, speed: str, rounds: int = 1
-) -> dict[str, list[float]]:
-    """Print where one vectorized engine run's wall time goes (medians over ``repeats`` runs, in ms): the time at
-    least one cohort trains, the time at least one finishes while none trains, and the rest; return every run's
-    figures (ms) by name."""
-    rows: dict[str, list[float]] = {}
-    for _ in range(repeats):
-        with phase_marks() as marks:
-            summary = engine_run(num_clients, "vectorized", max_cohort, device, speed, rounds)
-        ((start, end),) = marks["serve"]
-        ((cpu_start, cpu_end),) = marks["serve_cpu"]
-        first = min(began for began, _ in marks["train"])
-        training = length(marks["train"])
-        finishing = length(marks["train"] + marks["finish"]) - training
-        figures = {
-            "server run": end - start,
-            "dispatch (start to first cohort)": first - start,
-            "training (some cohort trains)": training,
-            "finishing (encode, deliver; none trains)": finishing,
-            "rest (intake, end)": (end - start) - (first - start) - training - finishing,
-            "after the last delivery": end - max(ended for _, ended in marks["finish"]),
-            # The loop's own work (dispatch, jobs, intake, events): little of it overlaps a FedAvg round's training.
-            "event-loop thread CPU in the server run": cpu_end - cpu_start,
-            "  the same per accepted update, in us": (cpu_end - cpu_start) / summary.updates_accepted * 1000,
-        }
-        for key, value in figures.items():
-            rows.setdefault(key, []).append(1000 * value)
-    print(f"{num_clients:>8} engine phases, vectorized, medians of {repeats} runs (ms):")
-    for key, values in rows.items():
-        print(f"{'':>8}   {key:<40} {statistics.median(values):8.1f}")
-    return rows
+    num_clients: int,
+    max_cohort: int,
+    device: torch.device,
+    repeats: int,
+    speed: str,
+    rounds: int = 1,
+    baseline: Path | None = None,
+) -> dict[str, Any]:
+    """Print where the vectorized engine's time goes and its loop CPU per update, FedAvg and FedBuff (medians over
+    ``repeats`` runs); with a ``baseline`` checkout, each run of this tree and of the baseline in its own process,
+    interleaved, and the ratio of their loop CPU per update. Return every run's figures by aggregator, tree and
+    name."""
+    found: dict[str, Any] = {}
+    trees = {"this tree": Path(__file__).resolve().parent.parent}
+    if baseline is not None:
+        trees["baseline"] = baseline
+    for server in SERVERS:
+        rows: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+        for _ in range(repeats):
+            for name, tree in trees.items():
+                if baseline is None:
+                    figures = phase_figures(num_clients, max_cohort, device, speed, rounds, server)
+                else:
+                    figures = phases_in(tree, num_clients, max_cohort, device, speed, rounds, server)
+                for key, value in figures.items():
+                    rows[name].setdefault(key, []).append(value)
+        print(f"{num_clients:>8} engine phases, vectorized {server}, medians of {repeats} runs (ms; us per update):")
+        print(f"{'':>8}   {'':<44} " + " ".join(f"{name:>10}" for name in trees))
+        for key in rows["this tree"]:
+            values = " ".join(f"{statistics.median(rows[name][key]):10.1f}" for name in trees)
+            print(f"{'':>8}   {key:<44} {values}")
+        if baseline is not None:
+            ours, theirs = rows["this tree"][LOOP_CPU], rows["baseline"][LOOP_CPU]
+            paired = statistics.median(o / t for o, t in zip(ours, theirs, strict=True))
+            print(f"{'':>8}   {'loop CPU per update, this tree / baseline':<44} {paired:9.2f}x (paired)")
+        found[server] = rows
+    return found
+
+
+def phases_worker(args: argparse.Namespace) -> None:
+    """Print one :func:`phase_figures` run's figures as a JSON line, after a warm-up run of the same federation."""
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    (num_clients,) = args.clients
+    vectorized(Workload(min(num_clients, 8), device), 8)
+    engine_run(num_clients, "vectorized", args.max_cohort, device, args.speed, args.rounds, args.phases_worker)
+    figures = phase_figures(num_clients, args.max_cohort, device, args.speed, args.rounds, args.phases_worker)
+    print(json.dumps(figures))
 
 
 def main() -> None:
@@ -331,8 +428,19 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op torch threads (1, as flasync's workers: robust when shared)"
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="with --engine --phases: a checkout of flasync (e.g. a git worktree of main) whose engine is measured "
+        "too, each run in its own process, interleaved with this tree's",
+    )
+    parser.add_argument("--phases-worker", choices=SERVERS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
+    if args.phases_worker is not None:
+        phases_worker(args)
+        return
     described = machine()
     headline: list[Figure] = []
     figures: dict[str, Any] = {}
@@ -366,6 +474,9 @@ def main() -> None:
                 runners[f"engine, {kind}"] = lambda n=num_clients, k=kind: engine(
                     n, k, args.max_cohort, device, args.speed, args.rounds
                 )
+            runners["engine, vectorized fedbuff"] = lambda n=num_clients: engine(
+                n, "vectorized", args.max_cohort, device, args.speed, args.rounds, "fedbuff"
+            )
         vectorized(Workload(min(num_clients, 8), device), 8)  # warm up torch.func and kernels
         rates: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(args.repeats):
@@ -392,13 +503,29 @@ def main() -> None:
                     against = "  engine / bare " + runner_name
                     print(f"{num_clients:>8} {against:<54} {ratio:8.2f}x {paired:8.2f}x")
         if args.engine and args.phases:
-            phases = engine_phases(num_clients, args.max_cohort, device, args.repeats, args.speed, args.rounds)
-            figures[str(num_clients)]["engine_phases_ms"] = phases
+            phases = engine_phases(
+                num_clients, args.max_cohort, device, args.repeats, args.speed, args.rounds, args.baseline
+            )
+            figures[str(num_clients)]["engine_phases"] = phases
+            for server, rows in phases.items():
+                cpu = statistics.median(rows["this tree"][LOOP_CPU])
+                name = f"{num_clients} clients, vectorized {server}: {LOOP_CPU}"
+                if args.baseline is None:
+                    headline.append(Figure(name, cpu, "us"))
+                else:
+                    base = statistics.median(rows["baseline"][LOOP_CPU])
+                    headline.append(Figure(name, cpu, "us", f"baseline checkout ({base:.1f} us)", cpu / base))
         if device.type == "cuda":
             gpu_plain, vec = rates["plain loop (cuda)"], rates[list(runners)[-1]]
             paired = statistics.median(v / b for v, b in zip(vec, gpu_plain, strict=True))
             print(f"{num_clients:>8} {'vectorized vs plain (cuda)':<38} {'':>11} {'':>9} {paired:8.2f}x")
-    settings = {key: value for key, value in vars(args).items() if key != "out"}
+    settings = {key: value for key, value in vars(args).items() if key not in ("out", "phases_worker")}
+    if args.baseline is not None:
+        head = ["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(head, capture_output=True, text=True, check=False).stdout.strip()
+        settings["baseline"] = f"{args.baseline} ({commit or 'not a git checkout'})"
+    else:
+        settings["baseline"] = None
     store("cohort", described, settings=settings, headline=headline, figures=figures, out=args.out)
 
 

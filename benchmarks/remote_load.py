@@ -19,14 +19,19 @@ For each number of devices (``--devices``, 100 and 1,000 by default), on a fresh
   connected device.
 * *load*: for ``--seconds``, each device takes its task with the model of its version inline (``--offer inline``:
   ``GET /v1/task?model=inline&have=V``, nothing when it holds that version; a server without it answers the offer
-  alone and the device downloads the model, ``GET /v1/models/V``, as with ``--offer separate``), waits
-  ``--train-s`` on average as if it trained (0: not at all, the server saturated: each request then waits behind
-  every other device's), uploads the update and asks for its next task: in the upload's answer (``--offer next``,
-  the default: ``POST /v1/tasks/{id}/update?next=inline&have=V``, one request an update when the server carries the
-  next task; a server without it answers as before and the device long-polls), else ``GET /v1/task``. Printed:
-  updates accepted per second, requests sent per accepted update, upload answers that carried the next task,
-  p50/p99 of each endpoint (offer: the long-poll until the next task, with its model when inline; model download;
-  upload), the server's CPU (user + system, psutil) per accepted update, and the accounting of every update sent:
+  alone and the device downloads the model, ``GET /v1/models/V``, as with ``--offer separate``), waits as if it
+  trained (``--train-s``, the mean, each task's time drawn from the device's own seeded stream within
+  ``--train-spread`` of it, its first task what remains of one under way, so the devices are out of phase from
+  the start: :class:`Pace`; 0: not at all, the server saturated: each request then waits behind every other
+  device's), uploads the update and asks for its next task: in the upload's answer (``--offer next``, the default:
+  ``POST /v1/tasks/{id}/update?next=inline&have=V``, one request an update when the server carries the next task; a
+  server without it answers as before and the device long-polls), else ``GET /v1/task``. Printed: updates accepted
+  per second (those accepted within the load's seconds; uploads under way then are finished and counted in the
+  accounting), the load the devices offer (devices / mean training time), requests sent per accepted update,
+  upload answers that carried the next task, p50/p99 of each endpoint (offer: the long-poll until the next task,
+  with its model when inline, the connecting devices' first ones included; model download; upload), the server's
+  CPU (user + system, psutil) per accepted update, its event loop thread's CPU over the wall time (near 1: the
+  loop is saturated and requests queue), the load processes' CPU, and the accounting of every update sent:
   accepted (202) + refused (any other answer) + timed out or failed = sent, beside the server's own counters (its
   summary's remote line: updates received, requests refused by reason).
 
@@ -40,8 +45,8 @@ load only, and prints them per update by area (HTTP, Starlette, the endpoints, t
 aggregation, logging and tracking, asyncio) and its top functions. The figures, with a description of the machine,
 go to ``benchmarks/results/remote_load.json`` (``benchmarks/record.py``).
 
-    python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2] [--train-s S]
-        [--baseline DIR --repeat N] [--profile PATH] [--out JSON]
+    python benchmarks/remote_load.py [--devices 100 1000] [--seconds 20] [--processes 2]
+        [--train-s S [--train-spread F] [--seed N]] [--baseline DIR --repeat N] [--profile PATH] [--out JSON]
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import pstats
 import random
@@ -89,6 +95,7 @@ _HERE = Path(__file__).resolve().parent
 _TIMEOUT_S = 30.0
 _POLL_S = 10.0
 ENDPOINTS = ("offer", "model", "upload")
+WARMUP_S = 3.0  # the load's first seconds, left out of the steady state's upload latency
 OFFER_HEADER = "x-flasync-offer"  # flasync.runtime.serve.OFFER_HEADER
 Http = httpx.AsyncClient | Connection
 _REPORT = json.dumps({"num_samples": 10, "train_loss": 0.5, "train_s": 0.01, "encode_s": 0.0, "download_s": 0.0})
@@ -107,6 +114,9 @@ class Tally:
         latencies: Seconds from sending to the whole answer, per endpoint (answered requests only).
         first_offer_s: Per device, seconds from its hello to its first offer.
         carried: Upload answers that carried the next task (``--offer next``).
+        cpu_s: CPU seconds (user + system) the load process spent during the load.
+        in_window: Uploads accepted within the load's ``seconds`` (those finished after it are in ``answers``).
+        upload_sent_s: For each upload latency (in order), when it was sent: seconds since the load started.
     """
 
     sent: Counter[str] = field(default_factory=Counter)
@@ -116,6 +126,9 @@ class Tally:
     latencies: dict[str, list[float]] = field(default_factory=lambda: {e: [] for e in ENDPOINTS})
     first_offer_s: list[float] = field(default_factory=list)
     carried: int = 0
+    cpu_s: float = 0.0
+    in_window: int = 0
+    upload_sent_s: list[float] = field(default_factory=list)
 
     def updates(self) -> dict[str, int]:
         """Return the accounting of updates: sent, accepted (202), refused (other answers), timed out, failed."""
@@ -139,6 +152,9 @@ class Tally:
             "latencies": {e: [round(s, 6) for s in v] for e, v in self.latencies.items()},
             "first_offer_s": [round(s, 6) for s in self.first_offer_s],
             "carried": self.carried,
+            "cpu_s": round(self.cpu_s, 3),
+            "in_window": self.in_window,
+            "upload_sent_s": [round(s, 4) for s in self.upload_sent_s],
         }
 
     def add(self, data: dict[str, Any]) -> None:
@@ -151,6 +167,9 @@ class Tally:
             self.latencies[endpoint] += data["latencies"].get(endpoint, [])
         self.first_offer_s += data["first_offer_s"]
         self.carried += data.get("carried", 0)
+        self.cpu_s += data.get("cpu_s", 0.0)
+        self.in_window += data.get("in_window", 0)
+        self.upload_sent_s += data.get("upload_sent_s", [])
 
 
 # ------------------------------------------------------------------------------------------- the devices
@@ -166,6 +185,47 @@ def precomputed_update(setup: dict[str, Any]) -> bytes:
     return encoded.payload
 
 
+class Pace:
+    """How long one device 'trains' on each task: a seeded draw per task, uniform in ``train_s * (1 - spread)`` ..
+    ``train_s * (1 + spread)``.
+
+    Each device has its own stream (seeded by the run's ``seed`` and the device's index), so the devices' training
+    times differ from task to task and from one device to another, as devices of different speeds do, and the same
+    seed replays the same times. The mean is ``train_s``: ``devices / train_s`` updates per second is the load the
+    devices offer once their requests take no time. The devices all connect within the first second, but their
+    first task is not a whole one: it lasts what remains of a task under way at a random moment (:meth:`first_s`),
+    so the load starts in its steady state, the uploads spread evenly over time, rather than with every device
+    uploading in one wave a task's time after connecting.
+
+    Args:
+        train_s: Mean seconds of training per task (> 0).
+        spread: Half the width of the range, as a fraction of ``train_s`` (0 <= spread <= 1).
+        seed: The run's seed.
+        index: The device's index among all the devices of the run (over every load process).
+    """
+
+    def __init__(self, train_s: float, spread: float, seed: int, index: int) -> None:
+        """Seed the device's stream."""
+        if train_s <= 0 or not 0 <= spread <= 1:
+            raise ValueError(f"a pace needs train_s > 0 and 0 <= spread <= 1, not {train_s}, {spread}")
+        self.train_s, self.spread = train_s, spread
+        self._rng = random.Random(f"{seed}:{index}")
+
+    def next_s(self) -> float:
+        """Return the seconds the device trains on its next task."""
+        return self.train_s * (1.0 + self.spread * (2.0 * self._rng.random() - 1.0))
+
+    def first_s(self) -> float:
+        """Return the seconds left of a task under way at a random moment of the steady state (the residual time
+        of a renewal process: density ``P(task > x) / train_s``, by its inverse distribution function)."""
+        low, high, mean = self.train_s * (1 - self.spread), self.train_s * (1 + self.spread), self.train_s
+        u = self._rng.random()
+        if u * mean < low:  # below the shortest task every moment is equally likely
+            return u * mean
+        width = high - low
+        return high - math.sqrt(max(0.0, width * width - 2.0 * width * (u * mean - low)))
+
+
 class Device:
     """One simulated device: hello, then offer, model download (once per version) and upload, over and over.
 
@@ -174,15 +234,25 @@ class Device:
         token: The device's bearer token.
         update: The encoded update it sends for every task.
         tally: Where its requests are counted.
+        offer: How it asks for tasks (see :func:`drive`).
+        pace: How long it trains on each task (None: not at all, it answers at once).
     """
 
     def __init__(
-        self, http: Http, token: str, update: bytes, tally: Tally, offer: str = "next", train_s: float = 0.0
+        self,
+        http: Http,
+        token: str,
+        update: bytes,
+        tally: Tally,
+        offer: str = "next",
+        pace: Pace | None = None,
     ) -> None:
         """Keep the settings (nothing is sent yet)."""
         self._http = http
-        self._train_s = train_s
-        self._pace = random.Random(token)  # each device's own stream of training times
+        self._pace = pace
+        self._trained = False  # its first task is what remains of one under way (Pace.first_s)
+        self._until = math.inf  # the load's end: uploads accepted by then count in the updates per second
+        self._began = time.perf_counter()  # the load's start (set by work())
         self._headers = {"authorization": f"Bearer {token}", "x-flasync-session": secrets.token_urlsafe(12)}
         self._update = update
         self._tally = tally
@@ -208,6 +278,8 @@ class Device:
         if endpoint in ENDPOINTS:
             self._tally.answers[endpoint][str(response.status_code)] += 1
             self._tally.latencies[endpoint].append(time.perf_counter() - began)
+            if endpoint == "upload":
+                self._tally.upload_sent_s.append(began - self._began)
         return response
 
     async def offer(self, until: float) -> dict[str, Any] | None:
@@ -258,8 +330,9 @@ class Device:
             if response is None or response.status_code != 200:
                 return None
             self._version = version
-        if self._train_s > 0:  # as long as a device trains: uniform in 0.5 .. 1.5 times train_s
-            await asyncio.sleep(self._train_s * (0.5 + self._pace.random()))
+        if self._pace is not None:  # as long as the device trains on this task
+            await asyncio.sleep(self._pace.next_s() if self._trained else self._pace.first_s())
+            self._trained = True
         headers = {
             "content-type": "application/octet-stream",
             "x-flasync-report": _REPORT,
@@ -272,6 +345,8 @@ class Device:
             if response is None or response.status_code not in (429, 503):
                 break
             await asyncio.sleep(float(response.headers.get("retry-after", 1.0)))
+        if response is not None and response.status_code == 202 and time.perf_counter() <= self._until:
+            self._tally.in_window += 1
         carried = response.headers.get(OFFER_HEADER) if response is not None else None
         if carried is None or response is None or response.status_code != 202:
             return None
@@ -283,6 +358,7 @@ class Device:
 
     async def work(self, offer: dict[str, Any] | None, until: float) -> None:
         """Answer tasks until ``until`` on the performance counter (an upload under way is finished)."""
+        self._until, self._began = until, time.perf_counter()
         while not self.ended and time.perf_counter() < until:
             if offer is None:
                 offer = await self.offer(until)
@@ -300,6 +376,9 @@ async def drive(
     client: str = "wire",
     offer: str = "next",
     train_s: float = 0.0,
+    spread: float = 0.5,
+    seed: int = 0,
+    first_index: int = 0,
 ) -> Tally:
     """Connect one device per token, wait for ``connected`` (told how many have a task), then load for ``seconds``.
 
@@ -317,7 +396,11 @@ async def drive(
             ``separate``: the offer alone, then the model.
         train_s: Mean seconds a device spends between its model and its upload, as if it trained (0: none, every
             device answers at once: the server is saturated and each request's latency is the queue of every
-            device before it).
+            device before it); each task's is drawn by the device's :class:`Pace`.
+        spread: The paces' spread (a fraction of ``train_s``).
+        seed: The paces' seed.
+        first_index: The index of the first token's device among every load process's (each device's pace is
+            seeded by its index).
 
     Returns:
         What the devices sent and got back.
@@ -337,14 +420,16 @@ async def drive(
                 pools.append(connection)
         update = await asyncio.to_thread(precomputed_update, await _setup(pools[0], tokens[0]))
         devices = [
-            Device(http, token, update, tally, offer, train_s) for http, token in zip(pools, tokens, strict=True)
+            Device(http, token, update, tally, offer, Pace(train_s, spread, seed, first_index + i) if train_s else None)
+            for i, (http, token) in enumerate(zip(pools, tokens, strict=True))
         ]
         until = time.perf_counter() + connect_s
         offers = await asyncio.gather(*(device.connect(until) for device in devices))
         if connected is not None:
             await connected(sum(offer is not None for offer in offers))
-        until = time.perf_counter() + seconds
+        until, cpu_s = time.perf_counter() + seconds, time.process_time()
         await asyncio.gather(*(device.work(offer, until) for device, offer in zip(devices, offers, strict=True)))
+        tally.cpu_s = time.process_time() - cpu_s
     return tally
 
 
@@ -360,9 +445,7 @@ async def _setup(http: Http, token: str) -> dict[str, Any]:
         await asyncio.sleep(0.1)
 
 
-def _worker(
-    url: str, tokens_file: str, seconds: float, connect_s: float, client: str, offer: str, train_s: float
-) -> None:
+def _worker(url: str, tokens_file: str, seconds: float, connect_s: float, args: argparse.Namespace) -> None:
     """A load process: drive its devices; say ``connected N``, wait for a line on stdin, load, write the tally
     beside ``tokens_file`` (``.tally.json``)."""
 
@@ -371,7 +454,20 @@ def _worker(
         await asyncio.to_thread(sys.stdin.readline)
 
     tokens = Path(tokens_file).read_text().split()
-    tally = uvloop.run(drive(url, tokens, seconds, connect_s, connected, client=client, offer=offer, train_s=train_s))
+    load = drive(
+        url,
+        tokens,
+        seconds,
+        connect_s,
+        connected,
+        client=args.client,
+        offer=args.offer,
+        train_s=args.train_s,
+        spread=args.train_spread,
+        seed=args.seed,
+        first_index=args.first_index,
+    )
+    tally = uvloop.run(load)
     Path(tokens_file).with_suffix(".tally.json").write_text(json.dumps(tally.to_json()))
 
 
@@ -440,6 +536,14 @@ def server_counters(serve_out: str) -> dict[str, Any] | None:
     return {"updates_received": int(received.group(1)) if received else None, "refused": refused}
 
 
+def _loop_cpu_s(server: psutil.Process) -> float:
+    """Return the CPU seconds (user + system) of the server's main thread, where its event loop runs."""
+    for thread in server.threads():
+        if thread.id == server.pid:
+            return float(thread.user_time + thread.system_time)
+    return 0.0
+
+
 async def _load(args: argparse.Namespace, url: str, server: psutil.Process, tokens: list[str]) -> dict[str, Any]:
     """Start the load processes, wait until their devices are connected, measure the load; return the figures."""
     share = -(-len(tokens) // args.processes)
@@ -449,6 +553,7 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         part.write_text("\n".join(tokens[i * share : (i + 1) * share]) + "\n")
         command = [sys.executable, __file__, "--worker", url, str(part), str(args.seconds), str(args.connect_s)]
         command += ["--client", args.client, "--offer", args.offer, "--train-s", str(args.train_s)]
+        command += ["--train-spread", str(args.train_spread), "--seed", str(args.seed), "--first-index", str(i * share)]
         pipe = asyncio.subprocess.PIPE
         workers.append(await asyncio.create_subprocess_exec(*command, stdin=pipe, stdout=pipe))
     rss_idle = server.memory_info().rss
@@ -458,7 +563,7 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
     rss_connected = server.memory_info().rss
     if args.profile is not None:
         server.send_signal(signal.SIGUSR1)  # the profile covers the load, not the start nor the connections
-    cpu_before, began = server.cpu_times(), time.perf_counter()
+    cpu_before, loop_before, began = server.cpu_times(), _loop_cpu_s(server), time.perf_counter()
     for worker in workers:
         assert worker.stdin is not None
         worker.stdin.write(b"go\n")
@@ -469,7 +574,7 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         if said:
             print(f"  load process {i} said: {said[:500]}", file=sys.stderr)
         tally.add(json.loads((Path(args.folder) / f"tokens-{i}.tally.json").read_text()))
-    cpu_after, wall_s = server.cpu_times(), time.perf_counter() - began
+    cpu_after, loop_after, wall_s = server.cpu_times(), _loop_cpu_s(server), time.perf_counter() - began
     if args.profile is not None:
         server.send_signal(signal.SIGUSR2)
     cpu_s = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
@@ -481,15 +586,27 @@ async def _load(args: argparse.Namespace, url: str, server: psutil.Process, toke
         "connect_s": round(connect_s, 3),
         "first_offer": quantiles_ms(tally.first_offer_s),
         "wall_s": round(wall_s, 3),
-        "updates_per_s": round(updates["accepted"] / wall_s, 1),
+        # the uploads accepted within the load's seconds: not the drain after it, nor the load processes' exit
+        "updates_per_s": round(tally.in_window / args.seconds, 1),
+        "in_window": tally.in_window,
+        "seconds": args.seconds,
         "updates": updates,
         "latency": {e: quantiles_ms(tally.latencies[e]) for e in ENDPOINTS},
+        # the uploads sent after the load's first WARMUP_S: the steady state, without the devices' first uploads
+        "upload_after_warmup": quantiles_ms(
+            [s for s, at in zip(tally.latencies["upload"], tally.upload_sent_s, strict=True) if at >= WARMUP_S]
+        ),
         "answers": {e: dict(sorted(tally.answers[e].items())) for e in ENDPOINTS},
         "requests_sent": dict(tally.sent),
         "requests_per_update": round(sum(tally.sent.values()) / accepted, 3),
         "upload_answers_with_next_task": tally.carried,
         "server_cpu_s": round(cpu_s, 3),
         "server_cpu_ms_per_update": round(1000 * cpu_s / accepted, 4),
+        # the event loop's thread (the process's first): what every request waits on
+        "server_loop_cpu_s": round(loop_after - loop_before, 3),
+        "server_loop_busy": round((loop_after - loop_before) / wall_s, 3),
+        "load_processes_cpu_s": round(tally.cpu_s, 3),
+        "offered_updates_per_s": round(len(tokens) / args.train_s, 1) if args.train_s else None,
         "server_rss_idle_bytes": rss_idle,
         "server_rss_connected_bytes": rss_connected,
         "server_rss_per_device_bytes": round((rss_connected - rss_idle) / len(tokens)),
@@ -606,11 +723,18 @@ def _print(figures: dict[str, Any]) -> None:
         f"ms, max {first.get('max_ms')} ms"
     )
     print(
-        f"  load: {updates['accepted']} updates accepted in {figures['wall_s']:.1f} s: {figures['updates_per_s']:.0f}"
-        f" updates/s; server CPU {figures['server_cpu_s']:.1f} s, {figures['server_cpu_ms_per_update']:.3f} ms per"
-        f" update (one core: {1000 / max(figures['server_cpu_ms_per_update'], 1e-9):.0f} updates/s);"
+        f"  load: {updates['accepted']} updates accepted in {figures['wall_s']:.1f} s, {figures['in_window']} within"
+        f" the load's {figures['seconds']:g} s: {figures['updates_per_s']:.0f} updates/s; server CPU"
+        f" {figures['server_cpu_s']:.1f} s, {figures['server_cpu_ms_per_update']:.3f} ms per update (one core:"
+        f" {1000 / max(figures['server_cpu_ms_per_update'], 1e-9):.0f} updates/s);"
         f" {figures['requests_per_update']} requests per update, {figures['upload_answers_with_next_task']} upload"
         " answers carried the next task"
+    )
+    offered = figures.get("offered_updates_per_s")
+    print(
+        f"  event loop thread busy {100 * figures.get('server_loop_busy', 0):.0f}% of the load's wall time; load"
+        f" processes' CPU {figures.get('load_processes_cpu_s', 0):.1f} s"
+        + (f"; the devices offer {offered:.0f} updates/s (devices / mean training)" if offered else "")
     )
     for endpoint in ENDPOINTS:
         q = figures["latency"][endpoint]
@@ -619,6 +743,11 @@ def _print(figures: dict[str, Any]) -> None:
             f"  {endpoint:<7} n {q['n']:>7}  p50 {q.get('p50_ms', 0):8.2f} ms  p99 {q.get('p99_ms', 0):8.2f} ms"
             f"  ({answers})"
         )
+    steady = figures["upload_after_warmup"]
+    print(
+        f"  upload after the load's first {WARMUP_S:g} s: n {steady['n']}, p50 {steady.get('p50_ms', 0):.2f} ms,"
+        f" p99 {steady.get('p99_ms', 0):.2f} ms"
+    )
     print(
         f"  server RSS {figures['server_rss_idle_bytes'] / 2**20:.0f} MiB idle, "
         f"{figures['server_rss_connected_bytes'] / 2**20:.0f} MiB with every device connected: "
@@ -669,8 +798,16 @@ def main() -> None:
         "--train-s",
         type=float,
         default=0.0,
-        help="mean seconds each device 'trains' between offer and upload (0: saturate the server)",
+        help="mean seconds each device 'trains' between offer and upload (0: saturate the server), drawn per task",
     )
+    parser.add_argument(
+        "--train-spread",
+        type=float,
+        default=0.5,
+        help="each task's training is uniform in train_s * (1 - spread) .. train_s * (1 + spread)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the devices' training times")
+    parser.add_argument("--first-index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--baseline",
         type=Path,
@@ -680,9 +817,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="measurements of each configuration, interleaved")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.train_s < 0 or not 0 <= args.train_spread <= 1:
+        parser.error("--train-s must be >= 0 and --train-spread within 0 .. 1")
     if args.worker:
         url, tokens_file, seconds, connect_s = args.worker
-        _worker(url, tokens_file, float(seconds), float(connect_s), args.client, args.offer, args.train_s)
+        _worker(url, tokens_file, float(seconds), float(connect_s), args)
         return
     if args.profile is not None:
         args.profile = args.profile.resolve()
@@ -713,6 +852,8 @@ def main() -> None:
         "client": args.client,
         "offer": args.offer,
         "train_s": args.train_s,
+        "train_spread": args.train_spread,
+        "seed": args.seed,
         "repeat": args.repeat,
         "baseline": str(args.baseline) if args.baseline is not None else None,
         "profiled": args.profile is not None,
@@ -724,10 +865,13 @@ _HEADLINE = (
     # (what, the path into a run's figures, its unit)
     ("updates accepted per second", ("updates_per_s",), "updates/s"),
     ("server CPU per update", ("server_cpu_ms_per_update",), "ms"),
+    ("server event loop thread busy (its CPU / wall time)", ("server_loop_busy",), "fraction"),
     # inline, the offer's answer holds the model: a server without it answers it alone and is asked for the model next
     ("offer p99 (long poll until the next task, with its model when inline)", ("latency", "offer", "p99_ms"), "ms"),
     ("model download p99 (a request of its own when not inline)", ("latency", "model", "p99_ms"), "ms"),
+    ("upload p50", ("latency", "upload", "p50_ms"), "ms"),
     ("upload p99", ("latency", "upload", "p99_ms"), "ms"),
+    ("upload p99 after the load's first 3 s", ("upload_after_warmup", "p99_ms"), "ms"),
     ("hello to first task p99", ("first_offer", "p99_ms"), "ms"),
     # --offer next: one request an update when each upload's answer carries the device's next task
     ("requests per accepted update", ("requests_per_update",), "requests"),

@@ -213,8 +213,14 @@ def _help(requests: IO[str], replies: IO[str]) -> None:
     exports = Exports()
     for line in requests:
         if line.startswith(_PRELOAD):
+            # As in the writer process (forked with the collector off): what the imports and the warm-up leave is
+            # nearly all alive (their garbage, frozen with it, is made once per name and helper); the jobs collect.
+            gc.disable()
             _preload([n for n in line.strip().removeprefix(_PRELOAD).split(",") if n])
+            gc.freeze()
+            gc.enable()
             continue
+        gc.enable()
         try:
             request = json.loads(line)
             op = request.pop("op")
@@ -426,6 +432,10 @@ def _job(
 def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     """Serve runs one after the other: for each, read its id (or the run to create), then answer batches and jobs
     read from ``requests`` until its ``end`` job; until told to stop or the parent is gone (runs in the child)."""
+    # No cyclic collections until the run is ready (see _serve_runs): what MLflow's import and the store's opening make
+    # (some 300,000 objects) is nearly all alive for good, and the collections its allocations set off, walking it
+    # again and again, took a fifth of this process's CPU on the way to the run's creation.
+    gc.disable()
     import mlflow  # noqa: F401  (before the helper's fork: it inherits MLflow imported)
 
     # Ctrl-C in a terminal signals the whole process group: the parent stops the child itself (it closes the
@@ -466,14 +476,13 @@ def _serve_runs(
     # Open the store before the parent says what to do: that (SQLAlchemy's set-up, a new store's schema) overlaps with
     # the parent's own start-up, and only the run itself is left to create when the request comes.
     from flasync.tracking.sqlite_metrics import SqliteMetrics
+    from flasync.tracking.store import prepare_sqlite_store
 
     client: Any = None
     direct: SqliteMetrics | None = None
     failure: Exception | None = None
     store: tuple[int, int] | None = None
     try:
-        from flasync.tracking.store import prepare_sqlite_store
-
         prepare_sqlite_store(tracking_uri)
         client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         store = _store_file(tracking_uri)
@@ -524,6 +533,7 @@ def _serve_runs(
         # full collections that the store's object churn triggers skip it: a quarter less CPU per metric, and no walk
         # over tens of MB of heap that would evict the training process's data from the shared cache.
         gc.freeze()
+        gc.enable()
         reply(f"ready{started}")
         monitor = _Monitor()  # per run: a new run starts with none
         try:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flasync.cli.shared import TRACKING_URI_HELP, Parser, UsageError
 from flasync.config import FeatureSkewPartition, RunConfig, SyntheticData, load_config
-from flasync.data.describe import PartitionDescription, describe_partition, format_description
+
+if TYPE_CHECKING:
+    # flasync.data imports torch: the command line (`flasync run` first of all) reads this module before it starts
+    # MLflow's writer process, which should import MLflow while this process imports torch, not after.
+    from flasync.data.describe import PartitionDescription
 
 _PLOTTED_CLIENTS = 100  # the stacked label bars show at most this many clients (the JSON artifact holds every one)
 
@@ -61,6 +65,7 @@ def command_data(args: argparse.Namespace) -> int:
 
 def _describe(args: argparse.Namespace) -> int:
     from flasync.data import prepare
+    from flasync.data.describe import describe_partition, format_description
     from flasync.data.skew import feature_noise_levels
 
     if args.rows < 0:

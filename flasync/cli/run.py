@@ -24,7 +24,7 @@ from flasync.cli.running import (
 from flasync.cli.shared import TRACKING_URI_HELP, UsageError
 from flasync.config import RunConfig
 from flasync.core.errors import ConfigError, RunInterrupted
-from flasync.core.loops import run_loop
+from flasync.core.loops import collections_held, run_loop
 from flasync.runtime import tracked
 
 if TYPE_CHECKING:
@@ -112,7 +112,8 @@ def command_run(args: argparse.Namespace, *, process_ends: bool = False) -> int:
     tracker.prepare()  # MLflow's writer process imports MLflow and opens the store while this one imports torch
     # The first line comes before torch is imported (about a second on 2 cores).
     structlog.get_logger("flasync").info("run.phase", phase="loading flasync and torch")
-    from flasync.runtime.federation import Federation
+    with collections_held():  # run_loop freezes what the imports leave
+        from flasync.runtime.federation import Federation
 
     received: list[str] = []
     federation = Federation(config, tracker=tracker, resume=resume)

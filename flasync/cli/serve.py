@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -19,11 +21,15 @@ from flasync.cli.running import (
     stopped_status,
 )
 from flasync.cli.shared import TRACKING_URI_HELP, UsageError
+from flasync.core.bus import EventBus, OverflowPolicy
 from flasync.core.errors import RunInterrupted
+from flasync.core.events import ModelPublished
 from flasync.core.loops import run_loop
 
 if TYPE_CHECKING:
+    from flasync.observe.summary import RunSummary
     from flasync.runtime import checkpoint
+    from flasync.runtime.federation import Federation
 
 
 def add_serve_parser(commands: Any) -> None:
@@ -94,7 +100,7 @@ def command_serve(args: argparse.Namespace, *, process_ends: bool = False) -> in
                 port=args.port,
                 ssl_certfile=args.ssl_certfile,
                 ssl_keyfile=args.ssl_keyfile,
-                run=lambda f: run_with_signals(f, received),
+                run=lambda f: _run_settled(f, received, settle=process_ends),
                 on_ready=ready,
             ),
             process_ends=process_ends,
@@ -117,6 +123,54 @@ def command_serve(args: argparse.Namespace, *, process_ends: bool = False) -> in
     if federation.transport is not None:
         print(remote_line(federation.transport.statistics(), resumed=resume is not None), flush=True)
     return 0
+
+
+FULL_COLLECTION_EVERY = 100
+"""Collections of the garbage collector's middle generation between two full ones in a served run
+(:func:`settle_heap`; CPython's default is 10)."""
+
+
+async def _run_settled(federation: Federation, received: list[str], *, settle: bool) -> RunSummary:
+    """Run ``federation`` as :func:`run_with_signals` does; with ``settle`` (the process ends with the run), freeze
+    the heap once the run has started (:func:`settle_heap`)."""
+    if not settle:
+        return await run_with_signals(federation, received)
+    # Not a TaskGroup: the run's own exceptions (RunInterrupted) must reach the caller as they are, not in a group.
+    settling = asyncio.create_task(settle_heap(federation.bus), name="flasync-settle-heap")
+    try:
+        return await run_with_signals(federation, received)
+    finally:
+        settling.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await settling
+
+
+async def settle_heap(bus: EventBus) -> None:
+    """Once the run on ``bus`` has published its first model, collect the garbage, freeze what is left for good and
+    make full collections rarer.
+
+    The command line freezes the imports' objects as its process starts (:func:`~flasync.core.loops.run_loop`);
+    a served run then builds its data, model, executor and MLflow run, hundreds of thousands of objects more, that
+    every full collection of the cyclic garbage collector would walk again, a pause of every request each time.
+    Once the first model is published those objects live as long as the process; what is frozen has just been
+    found alive. What is left to walk are the objects of the tasks in flight (a task, a coroutine and futures per
+    device's task, each living as long as the device trains): they outlive the young generations, so under load
+    a full collection would come every second or two, each pausing every request while it walks them all. A
+    full collection then waits for :data:`FULL_COLLECTION_EVERY` collections of the middle generation instead of
+    CPython's 10 (what a full collection frees, cyclic garbage that outlived the young generations, waits longer;
+    everything else is freed as before). Only for a process that ends with its run: a frozen object that becomes
+    cyclic garbage later is never collected.
+
+    Args:
+        bus: The run's event bus (subscribed to before the run starts).
+    """
+    with bus.subscribe(ModelPublished, capacity=1, policy=OverflowPolicy.DROP_OLDEST, name="heap settling") as first:
+        async for _ in first:
+            gc.collect()
+            gc.freeze()
+            young, middle, _ = gc.get_threshold()
+            gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
+            return
 
 
 def remote_line(statistics: dict[str, Any], *, resumed: bool = False) -> str:

@@ -22,7 +22,7 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -252,10 +252,7 @@ class Profiler:
             r.rejected[event.reason] += 1
             r.pending.pop(event.task_id, None)
         elif isinstance(event, TaskAssigned):
-            size = r.download_sizes.get(int(event.base_version), 0)
-            r.downloads += 1
-            r.client(int(event.client_id)).download_bytes += size
-            r.download_tiers["client"] += size
+            self._assigned_many((event,))
         elif isinstance(event, ModelPublished):
             version = int(event.version)
             r.open_versions[version].publish_encode_s += event.encode_s
@@ -304,34 +301,79 @@ class Profiler:
             self._close(version)
         return r
 
-    def _uploaded(self, event: UpdateUploaded) -> None:
-        """Record a client's upload: its totals, the run's summaries, and the task until its version is made."""
+    def observe_many(self, events: Sequence[object]) -> None:
+        """Record the events of one batch (of one class), in order: what :meth:`observe` of each records."""
+        if not events:
+            return
+        first = events[0]
+        if isinstance(first, UpdateUploaded):
+            self._uploaded_many(cast("Sequence[UpdateUploaded]", events))
+        elif isinstance(first, UpdateReceived):
+            fold = self._fold
+            for received in cast("Sequence[UpdateReceived]", events):
+                fold(
+                    int(received.version) + 1,
+                    received.task_id,
+                    received.staleness,
+                    received.decode_s,
+                    received.queue_wait_s,
+                )
+        elif isinstance(first, TaskAssigned):
+            self._assigned_many(cast("Sequence[TaskAssigned]", events))
+        else:
+            for event in events:
+                self.observe(event)
+
+    def _assigned_many(self, events: Sequence[TaskAssigned]) -> None:
+        """Record tasks handed out: each client's download and the run's."""
         r = self.records
-        sim_task_s = event.sim_download_s + event.sim_train_s + event.sim_upload_s
-        upload_bytes = event.upload_bytes
-        client = r.client(int(event.client_id))
-        client.tasks += 1
-        client.sim_task_s += sim_task_s
-        client.compute_s += event.compute_s
-        client.upload_bytes += upload_bytes
-        r.tasks_completed += 1
-        r.tier_uploads[event.tier] += upload_bytes
-        r.sim_task_s.add(sim_task_s)
-        r.sim_train_s.add(event.sim_train_s)
-        r.compute_s.add(event.compute_s)
-        r.encode_s.add(event.encode_s)
-        r.peak_mem_bytes.add(float(event.peak_mem_bytes))
-        if len(r.pending) >= _IN_FLIGHT:
-            del r.pending[next(iter(r.pending))]
-            r.dropped_pending += 1
-        r.pending[event.task_id] = _Task(
-            compute_s=event.compute_s,
-            encode_s=event.encode_s,
-            sim_task_s=sim_task_s,
-            sim_train_s=event.sim_train_s,
-            upload_bytes=upload_bytes,
-            download_bytes=event.download_bytes,
-        )
+        sizes, client = r.download_sizes, r.client
+        total = 0
+        for event in events:
+            size = sizes.get(int(event.base_version), 0)
+            client(int(event.client_id)).download_bytes += size
+            total += size
+        r.downloads += len(events)
+        r.download_tiers["client"] += total
+
+    def _uploaded(self, event: UpdateUploaded) -> None:
+        """Record a client's upload: :meth:`_uploaded_many` of one."""
+        self._uploaded_many((event,))
+
+    def _uploaded_many(self, events: Sequence[UpdateUploaded]) -> None:
+        """Record clients' uploads, in order: their totals, the run's summaries, and each task until its version is
+        made."""
+        r = self.records
+        client_of, pending, tiers = r.client, r.pending, r.tier_uploads
+        # One random stream behind every summary: each upload's values are taken in turn, as one at a time would.
+        add_task, add_train, add_compute = r.sim_task_s.add, r.sim_train_s.add, r.compute_s.add
+        add_encode, add_memory = r.encode_s.add, r.peak_mem_bytes.add
+        for event in events:
+            sim_task_s = event.sim_download_s + event.sim_train_s + event.sim_upload_s
+            upload_bytes = event.upload_bytes
+            client = client_of(int(event.client_id))
+            client.tasks += 1
+            client.sim_task_s += sim_task_s
+            client.compute_s += event.compute_s
+            client.upload_bytes += upload_bytes
+            tiers[event.tier] += upload_bytes
+            add_task(sim_task_s)
+            add_train(event.sim_train_s)
+            add_compute(event.compute_s)
+            add_encode(event.encode_s)
+            add_memory(float(event.peak_mem_bytes))
+            if len(pending) >= _IN_FLIGHT:
+                del pending[next(iter(pending))]
+                r.dropped_pending += 1
+            pending[event.task_id] = _Task(
+                compute_s=event.compute_s,
+                encode_s=event.encode_s,
+                sim_task_s=sim_task_s,
+                sim_train_s=event.sim_train_s,
+                upload_bytes=upload_bytes,
+                download_bytes=event.download_bytes,
+            )
+        r.tasks_completed += len(events)
 
     def _aggregated(self, event: Aggregated) -> None:
         """Record a version's aggregation, closing the rows of the versions made before it."""
@@ -716,9 +758,7 @@ class Instrumentation(Instrument):
         monitor about those it does not read (``AlertMonitor.READS``)."""
         profiler, monitor = self.profiler, self.monitor
         if profiler is not None:
-            observe = profiler.observe
-            for member in members:
-                observe(member)
+            profiler.observe_many(members)
         if monitor is not None and members and isinstance(members[0], monitor.READS):
             version = self._version
             for member in members:

@@ -201,7 +201,7 @@ class _Routes:
         if isinstance(client_id, Refusal):
             return _refused(client_id)
         answer = self.transport.hello(client_id)
-        return _refused(answer) if isinstance(answer, Refusal) else JSONResponse(answer)
+        return _refused(answer) if isinstance(answer, Refusal) else Response(answer, media_type="application/json")
 
     async def task(self, request: Request) -> Response:
         """``GET /v1/task``: long-poll for the client's next task."""

@@ -43,9 +43,10 @@ class Decoded(NamedTuple):
     error: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """An update that may be aggregated: the decoded (and clipped) delta and what was learnt about it."""
+class Admitted(NamedTuple):
+    """An update that may be aggregated: the decoded (and clipped) delta and what was learnt about it (a named
+    tuple: one is made per update on the event loop, and a frozen dataclass's constructor costs several times
+    one)."""
 
     delta: torch.Tensor
     staleness: int

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -67,9 +67,8 @@ class BufferSink:
         return 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class Folded:
-    """A client update admitted and folded in.
+class Folded(NamedTuple):
+    """A client update admitted and folded in (a named tuple: one is made per update on the event loop).
 
     Attributes:
         admitted: What the intake learnt of it (delta, staleness, norm, timings).

@@ -97,12 +97,10 @@ class ClientSampler:
                 candidate = ClientId(int(rng.integers(num_clients)))
                 if candidate not in busy:
                     return candidate
-        idle = faults.online_mask(now).copy()
-        idle[np.fromiter(busy, dtype=np.intp, count=len(busy))] = False
-        hit = _first_draw_in(idle, 8 * num_clients, rng)
+        idle, ids = _idle(faults.online_mask(now), busy)
+        hit = _first_draw_in(idle, len(ids), 8 * num_clients, rng)
         if hit is not None:
             return ClientId(hit)
-        ids = np.flatnonzero(idle)
         if not len(ids):
             return None
         return ClientId(int(ids[int(rng.integers(len(ids)))]))
@@ -139,15 +137,37 @@ class ClientSampler:
         self.rng.bit_generator.state = json.loads(state["rng"])
 
 
-def _first_draw_in(allowed: np.ndarray, draws: int, rng: np.random.Generator) -> int | None:
+def _idle(online: np.ndarray, busy: Collection[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Return the mask of the clients ``online`` and not ``busy`` (a new array) and their ids, in order.
+
+    The work follows the smaller side: where fewer clients are online than busy (remote devices, most of them
+    training), the online ones are looked up in ``busy``; else the busy ones are cleared from the mask.
+    """
+    online_ids = np.flatnonzero(online)
+    if len(online_ids) <= len(busy):
+        ids = np.fromiter((c for c in online_ids.tolist() if c not in busy), dtype=np.intp)
+        idle = np.zeros(len(online), dtype=bool)
+        idle[ids] = True
+        return idle, ids
+    idle = online.copy()
+    idle[np.fromiter(busy, dtype=np.intp, count=len(busy))] = False
+    return idle, np.flatnonzero(idle)
+
+
+def _first_draw_in(allowed: np.ndarray, count: int, draws: int, rng: np.random.Generator) -> int | None:
     """Draw uniform ids below ``len(allowed)`` one at a time, up to ``draws`` of them, until one is ``allowed``.
 
     Returns that id (None if none of the ``draws`` was), leaving ``rng`` where drawing them one by one would: the
     draws are made in blocks (``rng.integers(n, size=m)`` yields the values of ``m`` single draws), and the block
-    holding the hit is drawn again from its start, only up to the hit.
+    holding the hit is drawn again from its start, only up to the hit. ``count`` is how many ids are ``allowed``.
     """
-    num_clients, count = len(allowed), int(allowed.sum())
-    block = max(16, 2 * num_clients // count) if count else 1 << 16  # about two hits a block
+    num_clients = len(allowed)
+    if not count:  # no draw can hit: the generator moves on by ``draws`` single draws
+        while draws > 0:
+            rng.integers(num_clients, size=min(draws, 1 << 16))
+            draws -= 1 << 16
+        return None
+    block = max(16, 2 * num_clients // count)  # about two hits a block
     while draws > 0:
         size = min(block, draws)
         state = rng.bit_generator.state

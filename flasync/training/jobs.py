@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from flasync.codecs import Pipeline
+from flasync.core import seeding
 from flasync.core.errors import InjectedFault
 from flasync.core.events import ClientId, TaskDiagnosis
 from flasync.data import Partition, SyntheticClients
@@ -121,8 +122,8 @@ class ClientSamples:
 
     def indices(self, client_id: int) -> torch.Tensor:
         """Return the rows of ``client_id``'s samples in :attr:`x` (a view, no copy)."""
-        offsets = self.partition.offsets
-        return self.index[int(offsets[client_id]) : int(offsets[client_id + 1])]
+        row = self.partition.offsets.item  # Python ints, without a NumPy scalar each
+        return self.index[row(client_id) : row(client_id + 1)]
 
 
 def train_job(
@@ -130,13 +131,18 @@ def train_job(
     client_id: ClientId,
     base: torch.Tensor,
     samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    generator: torch.Generator,
+    generator: torch.Generator | int,
     codec_generator: torch.Generator | None,
     task_id: int = 0,
     attack: float = 1.0,
     parts: tuple[TaskPart, ...] = (),
 ) -> TrainedUpdate:
-    """Train on the worker's model and encode the delta, with the plug-ins' ``parts`` (runs in a worker thread)."""
+    """Train on the worker's model and encode the delta, with the plug-ins' ``parts`` (runs in a worker thread).
+
+    ``generator`` is the task's random stream, or the seed of one (made here, in the worker).
+    """
+    if not isinstance(generator, torch.Generator):
+        generator = seeding.torch_generator(generator)
     model = ctx.models.get()
     device = model.flat.device
     data_x, data_y, indices = samples
@@ -239,15 +245,36 @@ def mask_of(parts: tuple[TaskPart, ...]) -> torch.Tensor | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
 class Finish:
-    """A task's :func:`finish_job`, as a training job's ``finish``: called with the task's training result."""
+    """A task's :func:`finish_job`, as a training job's ``finish``: called with the task's training result.
 
-    ctx: JobContext
-    client_id: ClientId
-    codec_generator: torch.Generator | None
-    attack: float = 1.0
-    parts: tuple[TaskPart, ...] = ()
+    A plain slotted class: one is made per task on the event loop, and a frozen dataclass's constructor costs several
+    times this one's. Its fields are not changed once made.
+
+    Args:
+        ctx: The run's job context.
+        client_id: The task's client.
+        codec_generator: The codec's random stream (None: the codec draws none).
+        attack: The factor a simulated Byzantine client multiplies its delta by (1: an honest client).
+        parts: The task's plug-in parts.
+    """
+
+    __slots__ = ("attack", "client_id", "codec_generator", "ctx", "parts")
+
+    def __init__(
+        self,
+        ctx: JobContext,
+        client_id: ClientId,
+        codec_generator: torch.Generator | None,
+        attack: float = 1.0,
+        parts: tuple[TaskPart, ...] = (),
+    ) -> None:
+        """Bind the task's finishing."""
+        self.ctx = ctx
+        self.client_id = client_id
+        self.codec_generator = codec_generator
+        self.attack = attack
+        self.parts = parts
 
     def __call__(self, result: LocalResult) -> TrainedUpdate:
         """Check and encode ``result``'s delta for this task."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import math
 import secrets
 import time
@@ -703,6 +704,7 @@ class RemoteTransport:
         self.upload_codec = upload_codec
         self.download_codec = download_codec
         self._setup = dict(setup)
+        self._setup_json: bytes | None = None  # the setup's members as JSON, encoded once a run is attached
         self._wall = wall
         self._bus: EventBus | None = None
         self._registry: TaskRegistry | None = None
@@ -767,6 +769,8 @@ class RemoteTransport:
         self._devices.attach(bus, registry.num_clients)
         self.num_params = num_params
         self._setup.update(num_params=num_params, feature_shape=list(feature_shape), num_classes=num_classes)
+        members = json.dumps(self._setup, ensure_ascii=False, allow_nan=False, separators=(",", ":"))[1:-1]
+        self._setup_json = members.encode()
         dense = HEADER.size + 4 * num_params
         probe = torch.randn(num_params, generator=torch.Generator().manual_seed(0))
         largest = len(self.upload_codec.encode(probe, generator=torch.Generator().manual_seed(0)).payload)
@@ -827,15 +831,17 @@ class RemoteTransport:
         return self._devices.online_window_s
 
     # -------------------------------------------------------------------------------------------- requests
-    def hello(self, client_id: ClientId) -> dict[str, Any] | Refusal:
-        """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings)."""
+    def hello(self, client_id: ClientId) -> bytes | Refusal:
+        """Return what ``client_id`` needs to train (its id, the model's size and shape, local settings) as a JSON
+        object (the run's setup is encoded once, not for each device that says hello)."""
         self._devices.heard(client_id, asking=True)
         self._devices.asks(client_id)
         if self.finished:
             return self._ended()
-        if self._registry is None:
+        if self._registry is None or self._setup_json is None:
             return self._not_started()
-        return {"client_id": int(client_id), "max_upload_bytes": self.max_upload_bytes, **self._setup}
+        head = f'{{"client_id":{int(client_id)},"max_upload_bytes":{int(self.max_upload_bytes)}'
+        return b"".join((head.encode(), b"," if self._setup_json else b"", self._setup_json, b"}"))
 
     async def next_task(self, client_id: ClientId, wait_s: float, session: str = "") -> Offer | Refusal | None:
         """Return ``client_id``'s task, waiting up to ``wait_s`` for one (None: none came; ask again).

@@ -121,7 +121,7 @@ def _prepare(
     if download_s is None:
         download_s = world.network.download_seconds(cid, model.download_bytes)
     samples = world.samples(cid)
-    steps = job_ctx.local.steps_for(len(samples[2]))
+    steps = job_ctx.local.steps_for(samples[2].shape[0])
     # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
     simulated = world.population.train_seconds(cid, steps, task.participation)
     plugins = world.plugins
@@ -141,17 +141,14 @@ def _training_job(
     (``seed``: its task stream's, when mixed with others' by :func:`~flasync.core.seeding.stream_seeds`)."""
     job_ctx, cid = world.job, task.client_id
     samples, parts = prepared.samples, prepared.parts
-    generator = (
-        seeding.torch_stream(world.seed, seeding.TASK, cid, task.participation)
-        if seed is None
-        else seeding.torch_generator(seed)
-    )
+    # The stream's seed: its generator is made where the job trains, off the event loop.
+    generator = seeding.stream_seed(world.seed, seeding.TASK, cid, task.participation) if seed is None else seed
     codec_generator = (
         seeding.torch_stream(world.seed, seeding.CODEC, cid, task.participation)
         if job_ctx.upload_codec.draws_random
         else None
     )
-    start = start_of(parts)
+    start = start_of(parts) if parts else None
     base = model.weights if start is None else start
     return TrainingJob(
         base=base,
@@ -164,7 +161,7 @@ def _training_job(
         solo=functools.partial(
             train_job, job_ctx, cid, base, samples, generator, codec_generator, task.task_id, attack, parts
         ),
-        correction=correction_of(parts),
+        correction=correction_of(parts) if parts else None,
         client=int(cid) if world.samples.lazy is not None else None,
         deltas_on=_HOST,  # finish_job encodes the delta as bytes on the host
         finish_many=finish_cohort,

@@ -167,7 +167,9 @@ class Population:
             ValueError: If fewer than ``k`` clients are eligible or the strategy is unknown.
         """
         n = len(self)
-        excluded = set(int(c) for c in exclude)
+        # A set or mapping (the registry's clients in flight) is looked up as it is: copying it would cost a draw
+        # of one client as many steps as there are tasks in flight.
+        excluded = exclude if isinstance(exclude, dict | set | frozenset | Mapping) else {int(c) for c in exclude}
         if k < 0 or k > n - len(excluded):
             raise ValueError(f"cannot draw {k} clients from {n} with {len(excluded)} excluded")
         if k == 0:
@@ -203,7 +205,7 @@ class Population:
             online = everyone[self.available(everyone, now)]  # few online: look at all of them
             online = np.setdiff1d(online, np.fromiter(excluded, dtype=np.int64, count=len(excluded)))
             chosen = rng.permutation(online)[:k]
-            rest = self.sample(k - len(chosen), rng, strategy="uniform", exclude=excluded | set(online.tolist()))
+            rest = self.sample(k - len(chosen), rng, strategy="uniform", exclude={*excluded, *online.tolist()})
             return np.concatenate([chosen, rest]).astype(np.int64)
         raise ValueError(f"unknown sampling strategy {strategy!r}; expected one of {', '.join(SAMPLING_STRATEGIES)}")
 
@@ -246,7 +248,7 @@ class Population:
     @staticmethod
     def _rejection(
         k: int,
-        excluded: set[int],
+        excluded: Collection[int],
         draw: Callable[[int], np.ndarray],
         *,
         limit: int = 1_000,
@@ -254,12 +256,12 @@ class Population:
     ) -> np.ndarray:
         """Draw candidates in batches, keeping new, non-excluded ones in draw order, until ``k`` are kept."""
         chosen: list[int] = []
-        seen: set[int] = set(excluded)
+        seen: set[int] = set()  # drawn already (the excluded are looked up where they are)
         for _ in range(limit):
             want = k - len(chosen)
             batch = draw(math.ceil((want + len(excluded)) * oversample * 1.25) + 8)
             for candidate in np.asarray(batch).tolist():
-                if candidate not in seen:
+                if candidate not in seen and candidate not in excluded:
                     seen.add(candidate)
                     chosen.append(candidate)
                     if len(chosen) == k:
@@ -294,7 +296,7 @@ class Population:
         self._queue_stamp[: len(ids)] = stamps
         self._queue_head, self._queue_tail = 0, len(ids)
 
-    def _least_recently_used(self, k: int, excluded: set[int]) -> np.ndarray:
+    def _least_recently_used(self, k: int, excluded: Collection[int]) -> np.ndarray:
         self._lru_state()
         assert self.last_used is not None and self._fresh is not None
         chosen: list[int] = []

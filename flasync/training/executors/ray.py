@@ -538,7 +538,7 @@ class RayTrainingExecutor:
         """Train ``job`` on an actor, then finish it here (encode, residuals), in a waiting thread."""
         correction = None if job.correction is None else job.correction.detach().cpu().numpy()
         if job.client is not None and self.lazy is not None:  # the actor draws the client's samples
-            state = job.generator.get_state().numpy()
+            state = job.stream().get_state().numpy()
             fields = self._call("train_client", self._base_ref(job.base), job.client, job.cfg, state, correction)
             return job.finish(_result(fields))
         fields = self._call(
@@ -547,7 +547,7 @@ class RayTrainingExecutor:
             self._data_ref(job.x, job.y),
             job.indices.detach().cpu().numpy(),
             job.cfg,
-            job.generator.get_state().numpy(),
+            job.stream().get_state().numpy(),
             correction,
         )
         return job.finish(_result(fields))

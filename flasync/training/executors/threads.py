@@ -24,6 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import nn
 
+from flasync.core import seeding
 from flasync.core.clock import VirtualClock
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
 from flasync.training.executors import LoopExecutor
@@ -89,9 +90,12 @@ class ModelPool:
         return trainer
 
 
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+@dataclass(slots=True, kw_only=True, eq=False)
 class TrainingJob(Generic[T]):
     """One client's local training, in a form a :class:`CohortBatcher` can batch with others.
+
+    Not frozen, though nothing changes a job once made: one is made per task on the event loop, and a frozen
+    dataclass's constructor costs several times a plain one's.
 
     Called directly (by any executor) it runs ``solo``, which trains the client alone. A batcher instead trains the
     jobs that share data layout and hyper-parameters as one cohort (each row from its own ``base``) and calls each
@@ -104,7 +108,9 @@ class TrainingJob(Generic[T]):
         y: The data set's labels.
         indices: The client's sample indices (int64).
         cfg: Local hyper-parameters.
-        generator: The task's random stream (batch order).
+        generator: The task's random stream (batch order), or the seed of one (one of
+            :func:`~flasync.core.seeding.stream_seeds`): the stream is then made where the job trains, off the event
+            loop (see :meth:`stream`).
         finish: Turns the training result into what the job returns (e.g. encodes the delta); runs in the worker.
         solo: Trains this client alone and finishes.
         correction: Added to every gradient of the client (a plug-in's correction; None: nothing).
@@ -122,7 +128,7 @@ class TrainingJob(Generic[T]):
     y: torch.Tensor
     indices: torch.Tensor
     cfg: LocalTraining
-    generator: torch.Generator
+    generator: torch.Generator | int
     finish: Callable[[LocalResult], T]
     solo: Callable[[], T]
     correction: torch.Tensor | None = None
@@ -133,6 +139,11 @@ class TrainingJob(Generic[T]):
     def __call__(self) -> T:
         """Train this client alone and finish."""
         return self.solo()
+
+    def stream(self) -> torch.Generator:
+        """Return the task's random stream: the generator given, or a fresh one seeded with the seed given."""
+        generator = self.generator
+        return generator if isinstance(generator, torch.Generator) else seeding.torch_generator(generator)
 
     @property
     def group(self) -> Hashable:
@@ -571,7 +582,7 @@ class CohortBatcher(LoopExecutor):
             members = [
                 CohortMember(
                     indices=part,
-                    generator=job.generator,
+                    generator=job.stream(),
                     correction=job.correction,
                     base=None if job.base is first.base else job.base,
                 )

@@ -187,3 +187,20 @@ async def test_the_remote_client_trains_against_either_server(
         assert transport.statistics()["handed"] == 3
     asked = sum(path == "/v1/task" for path in paths)
     assert asked == (1 if carries else 3)
+
+
+async def test_hello_answers_each_device_its_id_with_the_runs_setup(tmp_path: Path, tokens: dict[int, str]) -> None:
+    """``GET /v1/hello`` is a JSON object: the device's own id, the upload limit and the run's setup (its config
+    without the server's sections, the model's size and shape), the same setup for every device."""
+    async with served(tmp_path, **_BUFFERED) as (url, federation), httpx.AsyncClient(base_url=url, timeout=30) as http:
+        transport = federation.transport
+        assert transport is not None
+        await _update(http, device_headers(tokens[0]))  # once the run started
+        answers = [(await http.get("/v1/hello", headers=device_headers(tokens[c]))) for c in (0, 1)]
+    assert all(a.status_code == 200 and a.headers["content-type"] == "application/json" for a in answers)
+    first, second = (a.json() for a in answers)
+    assert (first["client_id"], second["client_id"]) == (0, 1)
+    assert first["max_upload_bytes"] == transport.max_upload_bytes
+    assert first["num_params"] == transport.num_params and first["num_classes"] > 1 and first["feature_shape"]
+    assert "tracking" not in first["config"] and "remote" not in first["config"]
+    assert {k: v for k, v in first.items() if k != "client_id"} == {k: v for k, v in second.items() if k != "client_id"}

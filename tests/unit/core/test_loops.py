@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 import flasync
-from flasync.core.loops import frozen_heap, run_loop
+from flasync.core.loops import collections_held, frozen_heap, run_loop
 from flasync.observe.summary import weights_sha256
 
 SMALL = {
@@ -111,6 +111,27 @@ def test_frozen_heap_leaves_a_heap_frozen_by_someone_else_frozen() -> None:
     with frozen_heap(), frozen_heap():
         gc.collect()
     assert gc.get_freeze_count() == frozen  # what the process froze itself stays frozen, nothing more is
+
+
+def test_collections_held_turns_the_collector_off_for_the_block_and_back_on_after_it() -> None:
+    """The collector is off inside the block and on again after it, also when the block raises."""
+    with collections_held():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"), collections_held():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+def test_collections_held_leaves_a_collector_turned_off_by_someone_else_off() -> None:
+    """A process that turned the collector off keeps it off after the block."""
+    gc.disable()
+    try:
+        with collections_held():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def _collect_then_fail() -> None:

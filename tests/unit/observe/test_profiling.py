@@ -344,3 +344,73 @@ def test_a_batch_is_profiled_and_alerted_as_its_events_one_by_one() -> None:
     alerts = [[(a.kind, a.client_id) for a in recorder.of(AlertRaised)] for _, _, recorder, _ in (together, alone)]
     assert alerts[0] == alerts[1] == [("nan", 5), ("exploding_update", 6)]
     assert together[3].records == alone[3].records
+
+
+def test_batches_past_the_summaries_capacity_keep_the_samples_one_at_a_time_keeps() -> None:
+    """Batches of tasks, uploads and receipts of 5,000 updates (past the 4,096 values a summary keeps, so its random
+    stream replaces kept values) leave the same per-client totals, kept samples and rows as the events one by one."""
+    n, clients = 5_000, 37
+    publish = ModelPublished(version=Version(0), simulated_s=0.0, download_bytes=1_000, encode_s=0.0)
+    tasks = [
+        TaskAssigned(
+            task_id=k, client_id=ClientId(k % clients), participation=0, base_version=Version(0), simulated_s=0.0
+        )
+        for k in range(n)
+    ]
+    uploads = [
+        UpdateUploaded(
+            task_id=k,
+            client_id=ClientId(k % clients),
+            base_version=Version(0),
+            num_samples=10,
+            payload=bytes(8 + k % 5),
+            train_loss=0.5,
+            simulated_s=1.0,
+            sent_wall_s=0.0,
+            compute_s=0.001 * (k % 97),
+            encode_s=0.0001 * (k % 13),
+            sim_train_s=0.1 * (k % 31),
+            sim_download_s=0.01 * (k % 7),
+            sim_upload_s=0.02 * (k % 11),
+            peak_mem_bytes=1_000 + k,
+            download_bytes=1_000,
+        )
+        for k in range(n)
+    ]
+    received = [
+        UpdateReceived(
+            task_id=k,
+            client_id=ClientId(k % clients),
+            base_version=Version(0),
+            version=Version(0),
+            staleness=k % 3,
+            upload_bytes=8 + k % 5,
+            simulated_s=1.0,
+            decode_s=0.001 * (k % 5),
+            queue_wait_s=0.002 * (k % 3),
+        )
+        for k in range(n)
+    ]
+    together, alone = Profiler("sync"), Profiler("sync")
+    for profiler in (together, alone):
+        profiler.observe(publish)
+    for members in (tasks, uploads, received):
+        for first in range(0, n, 1_000):
+            together.observe_many(members[first : first + 1_000])
+        for event in members:
+            alone.observe(event)
+    aggregated = Aggregated(
+        version=Version(1), num_updates=n, mean_staleness=1.0, aggregate_s=0.0, simulated_s=2.0, wall_s=0.1
+    )
+    records = []
+    for profiler in (together, alone):
+        profiler.observe(aggregated)
+        records.append(profiler.finish())
+    for name in ("sim_task_s", "sim_train_s", "compute_s", "encode_s", "peak_mem_bytes"):
+        kept = [getattr(r, name) for r in records]
+        assert kept[0].count == n and kept[0]._sample == kept[1]._sample and kept[0].total == kept[1].total
+    assert records[0].clients == records[1].clients
+    assert records[0].downloads == records[1].downloads == n
+    assert records[0].download_tiers == records[1].download_tiers == {"client": 1_000 * n}
+    profiles = [build_profile(r, mode="sync", num_params=4, dense_bytes=32) for r in records]
+    assert profiles[0] == profiles[1]

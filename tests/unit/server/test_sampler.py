@@ -60,3 +60,23 @@ def test_sample_idle_draws_as_single_draws_would(
         assert sampler.rng.bit_generator.state == reference.bit_generator.state
         if drawn is not None:
             busy.add(int(drawn))
+
+
+def test_few_devices_online_among_many_busy_are_drawn_as_single_draws_would() -> None:
+    """With most clients busy and a few online (remote devices training), the draw and the generator's state are the
+    single draws' ones, and a draw with no idle online client moves the generator as 8 n single draws do."""
+    num_clients = 1000
+    mask = np.zeros(num_clients, dtype=bool)
+    mask[[3, 500, 998]] = True
+    online = _Online(mask)
+    busy = set(range(num_clients)) - {500, 998, 7}
+    sampler = ClientSampler(np.arange(num_clients), "uniform", np.random.default_rng(11), availability=online)
+    reference = np.random.default_rng(11)
+    for _ in range(3):  # 500 or 998, the other, then none idle online
+        drawn = sampler.sample_idle(busy, 0.0)
+        expected = _one_by_one(busy, online, reference)
+        assert drawn == (None if expected is None else ClientId(expected))
+        assert sampler.rng.bit_generator.state == reference.bit_generator.state
+        if drawn is not None:
+            busy.add(int(drawn))
+    assert drawn is None

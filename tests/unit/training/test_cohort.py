@@ -338,6 +338,31 @@ async def test_a_large_group_is_split_into_a_cohort_for_each_thread(
     assert all(torch.equal(got.delta, want.delta) for got, want in zip(results, whole.results, strict=True))
 
 
+@pytest.mark.parametrize("factory", [_mlp, _BatchNormNet], ids=["vectorized", "fallback"])
+async def test_a_job_given_its_streams_seed_trains_as_one_given_the_generator(factory: Callable[[], nn.Module]) -> None:
+    """A job may carry its random stream's seed instead of the generator (made where it trains): a cohort, or the
+    fallback one client at a time, gives bit for bit the deltas of jobs carrying generators seeded alike."""
+    x, y, parts = _data()
+    parts = _no_single_sample_batches(parts)
+    base = flat_parameters(factory())
+    pool = ModelPool(factory)
+    seeded = [
+        dataclasses.replace(_job(base, x, y, p, k, pool), generator=seeding.stream_seed(3, seeding.TASK, k, 0))
+        for k, p in enumerate(parts)
+    ]
+    assert all(isinstance(job.generator, int) for job in seeded)
+    outcomes = []
+    for jobs in (seeded, [_job(base, x, y, p, k, pool) for k, p in enumerate(parts)]):
+        batcher = CohortBatcher(ThreadPoolExecutor(1), pool, max_cohort=len(parts))
+        try:
+            outcomes.append(await asyncio.gather(*(asyncio.wrap_future(batcher.submit(job)) for job in jobs)))
+        finally:
+            batcher.shutdown()
+    for with_seed, with_generator in zip(*outcomes, strict=True):
+        assert torch.equal(with_seed.delta, with_generator.delta)
+    assert seeded[0].stream().initial_seed() == seeding.stream_seed(3, seeding.TASK, 0, 0)
+
+
 async def test_batcher_with_a_remote_cohort_trainer_keeps_one_base_per_cohort() -> None:
     """A train_cohort that takes one base for all members (Ray's) is given cohorts of a single base."""
     x, y, parts = _data()

@@ -94,6 +94,26 @@ def test_every_strategy_draws_distinct_eligible_clients(strategy: str) -> None:
         population.mark_used(drawn)
 
 
+@pytest.mark.parametrize("strategy", ["uniform", "weighted", "lru", "available"])
+def test_clients_in_flight_are_excluded_alike_as_a_mapping_a_set_or_a_list(strategy: str) -> None:
+    """The registry's tasks by client (a mapping, looked up as it is) exclude the same clients as a set or a list of
+    their ids: the same draws, the random stream left in the same state."""
+    tasks = {client: f"task {client}" for client in range(0, 300, 2)}
+    draws: list[list[list[int]]] = []
+    for exclude in (tasks, set(tasks), list(tasks)):
+        population = _population(300, available_fraction=0.5, availability_period_s=10.0)
+        rng = np.random.default_rng(3)
+        drawn = []
+        for step in range(20):
+            one = population.sample(7, rng, strategy=strategy, now=float(step), exclude=exclude)  # type: ignore[arg-type]
+            population.mark_used(one)
+            drawn.append(one.tolist())
+        drawn.append(rng.integers(1 << 30, size=3).tolist())
+        draws.append(drawn)
+    assert draws[0] == draws[1] == draws[2]
+    assert not {c for step in draws[0][:-1] for c in step} & set(tasks)
+
+
 def test_too_many_clients_or_an_unknown_strategy_is_an_error() -> None:
     """Drawing more clients than are eligible, or by an unknown rule, raises ValueError naming the problem."""
     population = _population(10)

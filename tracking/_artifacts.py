@@ -78,15 +78,12 @@ class RunArtifacts:
         names = {artifact_file: _artifact_name(artifact_file) for artifact_file in files}
         if not files:
             return
-        if self._writers.child is not None:
+        if self._writers.has_child:
             with tempfile.TemporaryDirectory(prefix="tracking-") as tmp:
                 entries = []
-                for index, (artifact_file, data) in enumerate(files.items()):
-                    folder, name = names[artifact_file]
-                    local = Path(tmp, str(index), name)  # one folder each: two artifacts may share a name
-                    local.parent.mkdir()
-                    local.write_bytes(data)
-                    entries.append([str(local), folder or None])
+                for local, artifact_file in _local_files(Path(tmp), names):
+                    local.write_bytes(files[artifact_file])
+                    entries.append([str(local), names[artifact_file][0] or None])
                 if self._writers.child_job({"op": "files", "files": entries}):
                     return
         for artifact_file, data in files.items():  # storing a file twice replaces it: those stored already are kept
@@ -230,7 +227,7 @@ class RunArtifacts:
         def here() -> None:
             self._model_here(arguments, input_example, tags)
 
-        kept = self._saved_from_cache(arguments) if self._writers.child is not None else None
+        kept = self._saved_from_cache(arguments) if self._writers.has_child else None
         if kept is None:
             return self._start_deferred("model", self._model_request(arguments, tags), here)
         saved, delta = kept
@@ -358,6 +355,24 @@ def artifact_bytes(data: Mapping[str, Any], artifact_file: str) -> bytes:
     else:
         text = json.dumps(data, indent=2, default=str, allow_nan=True)
     return text.encode()
+
+
+def _local_files(tmp: Path, names: Mapping[str, tuple[str, str]]) -> list[tuple[Path, str]]:
+    """Return where each artifact of ``names`` (its path in the run -> its folder and file name) is written before the
+    writer process stores it, with that path: a file named as the artifact, in ``tmp`` or, for a name taken there
+    already (``a/x.svg`` beside ``b/x.svg``), in the first numbered folder of ``tmp`` without it (made here). Each
+    folder costs a ``mkdir`` and an ``rmdir``, which some disks make milliseconds each."""
+    taken: list[set[str]] = []
+    placed = []
+    for artifact_file, (_, name) in names.items():
+        slot = next((i for i, used in enumerate(taken) if name not in used), len(taken))
+        if slot == len(taken):
+            taken.append(set())
+            if slot:
+                Path(tmp, str(slot)).mkdir()
+        taken[slot].add(name)
+        placed.append((Path(tmp, str(slot), name) if slot else Path(tmp, name), artifact_file))
+    return placed
 
 
 def _artifact_name(artifact_file: str) -> tuple[str, str]:

@@ -16,7 +16,8 @@ elsewhere it calls ``log_batch``. A plain subprocess, not ``multiprocessing``: i
 The child also does the rest of a run's MLflow work a parent hands it, on its own core and with its own GIL. A job
 is one JSON object, answered like a batch: ``file`` (log a local file as an artifact), ``files`` (several),
 ``tags``, ``dataset`` (an input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU
-samples are the machine's, wherever it runs), ``end`` (the run's status), ``model`` (build, export and log a model,
+samples are the machine's, wherever it runs), ``end`` (the run's status), ``release`` (leave the run open, its status
+as it is, to serve other runs: a sweep's parent run while its children run), ``model`` (build, export and log a model,
 see :mod:`flasync.tracking._model`; or log one saved already, its ``saved`` folder) or ``prepare`` (export a model
 of the same structure ahead of its ``model`` job, see :class:`flasync.tracking._model.Exports`). What the child is
 to import (or call) ahead for its ``model`` jobs (``torch.export`` and MLflow's pytorch flavour import in about two
@@ -34,12 +35,11 @@ job waits for those not settled, but for a job that also carries ``"detached": t
 one (a model exported ahead, which a later ``model`` job waits for in the helper anyway; a run stopped before its
 model is logged does not).
 
-After a run's ``end`` job (answered ``ok`` or ``error: ...``) the child has no run again: its system monitor is
-stopped and it waits for the next run's first line, with MLflow, the open store and whatever it preloaded still
-loaded. :data:`IDLE` keeps one such idle child per process, so consecutive tracked runs on the same store (a sweep, a
-notebook, a service) skip the child's start-up (MLflow's import, the store's opening, the model export's warm-up:
-several seconds of CPU each).
-"""
+After a run's ``end`` or ``release`` job (answered ``ok`` or ``error: ...``) the child has no run again: its system
+monitor is stopped and it waits for the next run's first line, with MLflow, the open store and whatever it preloaded
+still loaded. :data:`IDLE` keeps one such idle child per process, so consecutive tracked runs on the same store (a
+sweep, a notebook, a service) skip the child's start-up (MLflow's import, the store's opening, the model export's
+warm-up: several seconds of CPU each)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 __all__ = ["FORKS_HELPER", "IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer", "warm_idle_writer"]
 
 _STOP = "stop"
+_LEAVING = frozenset({"end", "release"})
+"""The jobs after which the child serves no run (it waits for the next run's first line)."""
 _EXIT_TIMEOUT_S = 10.0
 
 
@@ -391,6 +393,8 @@ def _job(
 
         client.log_inputs(run_id, datasets=[dataset_input(**request["dataset"])])
         return ""
+    if op == "release":
+        return str(monitor.stop() or 0)  # the run stays open; the system metric rows lost, for the parent to count
     if op == "end":
         lost = monitor.stop()  # its last samples before the run's end
         end_time = int(request["end_time"])
@@ -564,9 +568,9 @@ def _answer(
     aside: _Aside,
     direct: SqliteMetrics | None = None,
 ) -> bool:
-    """Answer batches and jobs of run ``run_id``; return True after its ``end`` job (whether it succeeded or not:
-    the child serves no run then), False when told to stop (or the parent is gone). Batches go to ``direct`` when
-    it is given, else to MLflow's ``log_batch``."""
+    """Answer batches and jobs of run ``run_id``; return True after its ``end`` or ``release`` job (whether it
+    succeeded or not: the child serves no run then), False when told to stop (or the parent is gone). Batches go to
+    ``direct`` when it is given, else to MLflow's ``log_batch``."""
     from mlflow.entities import Metric
 
     # Deferred jobs run on threads of their own: the store's direct writer (one connection) stays with this one.
@@ -580,7 +584,7 @@ def _answer(
             request = json.loads(line)
             if isinstance(request, dict):
                 op = request.get("op")
-                ending = op == "end"
+                ending = op in _LEAVING
                 if request.get("defer"):
                     deferred.start(str(request["defer"]), request)
                     reply("ok")
@@ -828,7 +832,7 @@ class ChildLogBatch:
     def job(self, request: Mapping[str, Any], timeout: float, *, run: int | None = None) -> str:
         """Have the child do one job (see the module docstring); return what its ``ok`` answer says.
 
-        After an ``end`` job the child serves no run, whatever the answer (:attr:`idle`).
+        After an ``end`` or ``release`` job the child serves no run, whatever the answer (:attr:`idle`).
 
         Args:
             request: The job, e.g. ``{"op": "file", "path": "/tmp/x/summary.json", "folder": None}``;
@@ -841,7 +845,7 @@ class ChildLogBatch:
             RuntimeError: The job failed (its message), or the child has no run.
         """
         line = json.dumps(dict(request))
-        ending = request.get("op") == "end"
+        ending = request.get("op") in _LEAVING
         with self._lock:
             self._check_run(run)
             self._wait_ready(timeout)

@@ -38,9 +38,12 @@ from flasync.tracking.store import (
 if TYPE_CHECKING:
     import mlflow
 
-__all__ = ["LOST_TAG", "Experiments", "RunLifecycle", "RunStatus"]
+__all__ = ["LOST_TAG", "PARENT_RUN_TAG", "Experiments", "RunLifecycle", "RunStatus"]
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+
+PARENT_RUN_TAG = "mlflow.parentRunId"
+"""The tag by which MLflow nests a run under another (the UI shows them as one expandable row)."""
 
 _MAX_PARAM_VALUE = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
 LOST_TAG = "flasync.metric_rows_lost"
@@ -91,6 +94,8 @@ class RunLifecycle:
         experiments: Finds or creates the experiment.
         log: Where warnings go.
         http: Bounds one block of calls to a server.
+        nest_under: Returns the run a new run is nested under (:data:`PARENT_RUN_TAG`); called on the thread that
+            opens the run, so it may wait for that run to be opened (None: not nested).
     """
 
     def __init__(
@@ -102,8 +107,10 @@ class RunLifecycle:
         *,
         log: Any,
         http: Callable[[], contextlib.AbstractContextManager[None]],
+        nest_under: Callable[[], str] | None = None,
     ) -> None:
         """Start with no run."""
+        self._nest_under = nest_under
         self._run = run
         self._writers = writers
         self._failover = failover
@@ -116,6 +123,12 @@ class RunLifecycle:
         self._opening: threading.Thread | None = None
         """The thread opening the run of a ``start(wait=False)``."""
         self._open_error: BaseException | None = None
+
+    def prepare(self) -> None:
+        """Start the writer process now, or take an idle one (see :meth:`RunWriters.prepare`); a nested run takes it
+        as it opens, once the run it nests under is open: that run's opening may hand one back to take."""
+        if self._nest_under is None:
+            self._writers.prepare(self.started)
 
     @property
     def started(self) -> bool:
@@ -144,7 +157,7 @@ class RunLifecycle:
         """
         if self.started:
             raise RuntimeError(f"this tracker already started run {self._run.run_id or '(spooled)'}")
-        self._writers.prepare(False)  # the writer process imports MLflow while the caller prepares its data
+        self.prepare()  # the writer process imports MLflow while the caller prepares its data
         run = self._run
         run.started_at = int(time.time() * 1000)
         run.experiment, run.run_name = experiment, run_name
@@ -208,6 +221,9 @@ class RunLifecycle:
         then start the writers. The metric writer waits for this to end; when it raises, queued metrics are dropped
         (there is no run to hold them)."""
         try:
+            if self._nest_under is not None:
+                given_tags = {**given_tags, PARENT_RUN_TAG: self._nested_in()}
+                self._writers.prepare(False)
             self._open_run(experiment, run_name, given_tags, clean_params)
         except BaseException:
             self._writers.end_open(failed=True)
@@ -216,6 +232,18 @@ class RunLifecycle:
             self._writers.end_open(failed=False)
         if not self._failover.offline:
             self._failover.journal_opened()
+
+    def _nested_in(self) -> str:
+        """Return the run to nest the new one under; when that raises, the new run is not opened either (its journal
+        is retired, the writer process stopped)."""
+        assert self._nest_under is not None
+        try:
+            return self._nest_under()
+        except BaseException:
+            self._run.started_at = None
+            self._writers.stop_child()
+            self._failover.retire_journal()
+            raise
 
     def _open_run(
         self, experiment: str, run_name: str | None, given_tags: Mapping[str, str], clean_params: Mapping[str, str]
@@ -380,6 +408,7 @@ class RunLifecycle:
             return
         self._finished = True
         try:
+            writers.take_back()  # a run that handed its writer process on ends through one again
             writers.stop_monitor()
         finally:
             lost = self.rows_lost = writers.close_writer()

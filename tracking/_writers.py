@@ -106,6 +106,10 @@ class RunWriters:
         """Opening the run failed: queued metrics have nowhere to go."""
         self._journaled = 0
         """Rows the journal took while the run was being opened and the writer has not handed on yet."""
+        self._released: str | None = None
+        """The run whose writer process :meth:`release` handed back (the next record takes one again)."""
+        self._lost_before = 0
+        """Metric rows the metric writers :meth:`release` closed lost (counted by :meth:`close_writer`)."""
         self._schema_told = False
 
     def prepare(self, started: bool) -> None:
@@ -133,6 +137,38 @@ class RunWriters:
                 child.close()
                 child = None
         self.child = child or self.new_child()
+
+    @property
+    def has_child(self) -> bool:
+        """Whether the run's records go through a writer process (also one :meth:`release` handed back, which the
+        next record takes again)."""
+        return self.child is not None or self._released is not None
+
+    def release(self, run_id: str) -> bool:
+        """Write the queued metrics, then have the writer process leave run ``run_id`` open (its status as it is) and
+        keep it idle for other runs of this process (a sweep's parent run while its children run); the run's next
+        record takes a writer process again, that one or another. False when there was none to hand back."""
+        if self.child is None or self._failover.offline:
+            return False
+        self._lost_before = self.close_writer()
+        self.writer = None
+        answer = self.child_reply({"op": "release"})
+        if answer is None or self.child is None:
+            return False
+        self.release_child(True)
+        self._released = run_id
+        return True
+
+    def take_back(self) -> None:
+        """Take a writer process again for the run :meth:`release` left (an idle one of this process, or a new one),
+        and start its metric writer; nothing when none was released."""
+        if self._released is None:
+            return
+        with self._failover.lock:
+            run_id, self._released = self._released, None
+            if run_id is not None:
+                self.prepare(False)
+                self.start_writers(run_id)
 
     def new_child(self) -> ChildLogBatch:
         """Start a writer process, told what to preload."""
@@ -171,6 +207,7 @@ class RunWriters:
         with self._failover.lock:
             if self._failover.offline:
                 return None
+            self.take_back()
             child = self.ready_child()
             if child is None:
                 return None
@@ -314,6 +351,7 @@ class RunWriters:
     def log_metrics(self, metrics: list[MetricRow]) -> None:
         """Queue metrics for the run; never blocks (dropped before start and after finish; in a resumed run, those
         at a step the store already holds for their key)."""
+        self.take_back()
         if self.writer is None:
             return
         held = self.held_steps
@@ -368,6 +406,6 @@ class RunWriters:
         """Write what is queued (waiting at most ``flush_timeout_s``) and stop the metric writer's thread; return how
         many metric rows were lost (neither written nor kept in the journal)."""
         if self.writer is None:
-            return 0
+            return self._lost_before
         self.writer.close(self.flush_timeout)
-        return self.writer.dropped + self.writer.pending
+        return self._lost_before + self.writer.dropped + self.writer.pending

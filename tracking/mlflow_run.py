@@ -224,6 +224,9 @@ class MlflowTracker:
         idle_writers: Where an idle writer process is taken from and left for the next tracker: the process's holder
             :data:`flasync.tracking._child.IDLE` by default; a tracker given its own :class:`IdleChild` (a test, or an
             application that wants no process-wide sharing) shares only with trackers given the same one.
+        nest_under: Returns the MLflow run the new run is nested under (tag ``mlflow.parentRunId``), asked on the
+            thread that opens it, before it takes a writer process: a sweep's parent run may still be opening as its
+            first child starts, and hands its writer process on once open (:meth:`release_writer`).
     """
 
     def __init__(
@@ -246,6 +249,7 @@ class MlflowTracker:
         runs_view: Mapping[str, Any] | None = None,
         preload: Sequence[str] = (),
         idle_writers: IdleChild = IDLE,
+        nest_under: Callable[[], str] | None = None,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self._log = logger if logger is not None else LibraryLogger("tracking.mlflow")
@@ -278,7 +282,9 @@ class MlflowTracker:
             http_timeout_s=http_timeout_s,
             http_retries=http_retries,
         )
-        self._lifecycle = RunLifecycle(self._run, self._writers, self._failover, experiments, log=self._log, http=http)
+        self._lifecycle = RunLifecycle(
+            self._run, self._writers, self._failover, experiments, log=self._log, http=http, nest_under=nest_under
+        )
         self._artifacts = RunArtifacts(
             self._run, self._writers, self._failover, check_started=self._lifecycle.check_started, log=self._log
         )
@@ -329,7 +335,7 @@ class MlflowTracker:
     def prepare(self) -> None:
         """Start the metric writer process now, if this tracker uses one; idempotent (see
         :meth:`flasync.tracking._writers.RunWriters.prepare`)."""
-        self._writers.prepare(self._lifecycle.started)
+        self._lifecycle.prepare()
 
     @property
     def writer_reused(self) -> bool:
@@ -411,32 +417,19 @@ class MlflowTracker:
         return self._artifacts.link_models(models)
 
     def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
-        """Store ``data`` as an artifact: YAML for ``.yaml``/``.yml``, JSON otherwise.
-
-        JSON values it cannot encode (paths, NumPy scalars, ...) are written as their ``str``.
-
-        Args:
-            data: A JSON-like mapping.
-            artifact_file: Path of the artifact inside the run, e.g. ``"config/run.json"``.
-        """
+        """Store ``data``, a JSON-like mapping, as the artifact ``artifact_file`` (its path inside the run, e.g.
+        ``"config/run.json"``): YAML for ``.yaml``/``.yml``, JSON otherwise, where values JSON cannot encode (paths,
+        NumPy scalars, ...) are written as their ``str``."""
         self.log_bytes(artifact_bytes(data, artifact_file), artifact_file)
 
     def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
-        """Store a local file or folder as an artifact.
-
-        Args:
-            path: The local file or folder.
-            artifact_path: Folder inside the run's artifacts; the root when None.
-        """
+        """Store the local file or folder ``path`` as an artifact, in the folder ``artifact_path`` inside the run's
+        artifacts (the root when None)."""
         self._artifacts.log_file(path, artifact_path)
 
     def log_bytes(self, data: bytes, artifact_file: str) -> None:
-        """Store ``data`` as an artifact.
-
-        Args:
-            data: The file's content.
-            artifact_file: Path of the artifact inside the run, e.g. ``"clients/table.csv"``.
-        """
+        """Store ``data`` (the file's content) as an artifact at ``artifact_file``, its path inside the run (e.g.
+        ``"clients/table.csv"``)."""
         self.log_artifacts({artifact_file: data})
 
     def log_artifacts(self, files: Mapping[str, bytes]) -> None:
@@ -467,12 +460,16 @@ class MlflowTracker:
         self._artifacts.log_dataset(name, digest, source, profile, context)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
-        """Set tags on the run (values stringified and cut to 8000 characters).
-
-        Args:
-            tags: Tag names and values.
-        """
+        """Set tags on the run: ``tags``' names and values (stringified and cut to 8000 characters)."""
         self._lifecycle.set_tags(tags)
+
+    def release_writer(self) -> bool:
+        """Hand the writer process to this process's other runs while this run stays open (a sweep's parent run while
+        its children run), queued metrics written first; the run's next record takes one again. False when there
+        was none to hand (see :meth:`flasync.tracking._writers.RunWriters.release`)."""
+        self._lifecycle.await_open()
+        run_id = self._run.run_id
+        return run_id is not None and self._writers.release(run_id)
 
     def send_soon(self) -> None:
         """Start writing the queued metrics now, without waiting for them (see :meth:`flush`, which waits)."""

@@ -113,7 +113,7 @@ def command_sweep(args: argparse.Namespace) -> int:
         parallel=parallel,
         runner=_run_with_signals,
         worker_init=functools.partial(tracking.configure_logging, fmt=args.log_format, level=level),
-        on_start=_Progress(),
+        on_start=_Progress(parent),
     )
     outcome = sweep.run(parent)
     _print_table(outcome, plan)
@@ -230,19 +230,26 @@ def _run_with_signals(build: Callable[[], Federation]) -> RunSummary:
 
 
 class _Progress:
-    """Say which run starts (the line a user, or a test, sees each run begin by), and the parent run before the
-    first one."""
+    """Say which run starts (the line a user, or a test, sees each run begin by), and the parent run once it is open:
+    before the first run, or (a new sweep's first run trains while its parent run opens) before a later one.
 
-    def __init__(self) -> None:
-        self._told_parent = False
+    Args:
+        parent: The sweep's parent run.
+    """
+
+    def __init__(self, parent: SweepParent) -> None:
+        self._parent = parent
+        self._told_size = self._told_parent = False
 
     def __call__(self, task: PointTask, position: int, total: int) -> None:
-        from flasync.runtime.sweep_runs import PARENT_TAG
-
-        if not self._told_parent:
+        parent = self._parent.opened_run_id
+        if not self._told_size:
+            self._told_size, self._told_parent = True, bool(parent)
+            named = f", MLflow parent run {parent}" if parent else ""
+            print(f"flasync sweep: {total} runs{named}", file=sys.stderr, flush=True)
+        elif parent and not self._told_parent:
             self._told_parent = True
-            parent = task.tags.get(PARENT_TAG) or "-"
-            print(f"flasync sweep: {total} runs, MLflow parent run {parent}", file=sys.stderr, flush=True)
+            print(f"flasync sweep: MLflow parent run {parent}", file=sys.stderr, flush=True)
         how = f" (resuming child run {task.resume_run_id} from its checkpoint)" if task.resume_run_id else ""
         print(f"flasync sweep: run {position}/{total} {task.point.name} started{how}", file=sys.stderr, flush=True)
 

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_OBJECTIVE",
     "MAX_POINTS",
+    "PARENT_TAG",
     "VALUES_TAG",
     "GridAxis",
     "Plan",
@@ -66,6 +67,8 @@ __all__ = [
     "run_point",
 ]
 
+PARENT_TAG = "mlflow.parentRunId"
+"""The tag by which MLflow nests a child run under its parent (the UI shows them as one expandable row)."""
 VALUES_TAG = "flasync.sweep.values"
 """A child run's point: ``{"index": ..., "values": [[key, text], ...]}`` (JSON), from which a search rebuilds it."""
 
@@ -380,7 +383,8 @@ class PointTask:
     Attributes:
         point: The grid point.
         config: Its validated config (tracking URI and run name set).
-        tags: The tags its new child run gets (the parent's id as ``mlflow.parentRunId``, the sweep's).
+        tags: The tags its new child run gets (the sweep's; the parent's id as :data:`PARENT_TAG`, unless
+            :func:`run_point` is told how to find it as the run opens).
         resume_run_id: A child run to continue from its newest checkpoint instead (None: a new child run).
         objective: The run summary's field the sweep's objective reads (its row's ``objective``).
     """
@@ -441,8 +445,13 @@ def run_federation(build: Callable[[], Federation]) -> RunSummary:
     return run_loop(main(), builds_inside=True)
 
 
-def run_point(task: PointTask, runner: Runner = run_federation) -> SweepRow:
+def run_point(
+    task: PointTask, runner: Runner = run_federation, nest_under: Callable[[], str] | None = None
+) -> SweepRow:
     """Run one point of a sweep as an MLflow child run and return its row; a stop or a failure is a row too.
+
+    ``nest_under`` returns the parent run's id (:data:`PARENT_TAG`) when ``task.tags`` lacks it: asked as the
+    child run opens, after its training has begun, so a parent run still opening holds up no training.
 
     Raises:
         CheckpointError: ``task.resume_run_id``'s checkpoint cannot be read.
@@ -458,11 +467,8 @@ def run_point(task: PointTask, runner: Runner = run_federation) -> SweepRow:
     built: list[Federation] = []
 
     def build() -> Federation:
-        built.append(
-            Federation(
-                config, tracker=tracked.mlflow_tracker(config), resume=resume, tags=task.tags if not resume else None
-            )
-        )
+        tracker = tracked.mlflow_tracker(config, nest_under=None if resume or PARENT_TAG in task.tags else nest_under)
+        built.append(Federation(config, tracker=tracker, resume=resume, tags=task.tags if not resume else None))
         return built[-1]
 
     row = SweepRow(point.index, point.name, dict(point.values), "FAILED", task.resume_run_id)
@@ -547,7 +553,8 @@ class SweepRuns(Protocol):
         ...
 
     def task(self, plan: Plan, point: SweepPoint, config: RunConfig) -> PointTask:
-        """Return the task of a point not finished yet (a new child run, or one to resume)."""
+        """Return the task of a point not finished yet (a new child run, or one to resume); its tags need not hold
+        :data:`PARENT_TAG` (the parent run may still be opening)."""
         ...
 
     def finish(self, plan: Plan, rows: Sequence[SweepRow], status: str) -> None:
@@ -590,7 +597,7 @@ class Sweep:
         ``KILLED`` when a stop request ended the sweep."""
         if self.parallel == 1:  # torch, while the parent run opens
             importlib.import_module("flasync.runtime.federation")
-        outcome = SweepOutcome(parent.run_id)
+        outcome = SweepOutcome("")  # the parent run's id once it is open: the first run does not wait for it
         rows: dict[int, SweepRow] = {}
         objective = parse_objective(self.plan.objective)[0]
         try:
@@ -602,9 +609,11 @@ class Sweep:
                     tasks = [parent.task(self.plan, point, config) for point, config in batch]
                     tasks = [dataclasses.replace(task, objective=objective) for task in tasks]
                     if self.parallel == 1 or (len(tasks) <= 1 and not pool):
-                        outcome.stopped = self._serial(tasks, rows)
+                        outcome.stopped = self._serial(tasks, rows, parent)
                     else:
                         pool = pool or [pools.enter_context(self._pool())]
+                        # A worker process is handed its parent run's id (it cannot wait for the run to open).
+                        tasks = [dataclasses.replace(t, tags={PARENT_TAG: parent.run_id, **t.tags}) for t in tasks]
                         outcome.stopped = self._pooled(pool[0], tasks, rows)
                     if outcome.stopped:
                         break
@@ -612,6 +621,7 @@ class Sweep:
             outcome.rows = [rows[i] for i in sorted(rows)]
             stopped = outcome.stopped or (len(rows) < self.plan.size and "stopped")
             failed = any(row.status == "FAILED" for row in outcome.rows)
+            outcome.parent_run_id = parent.run_id  # raises what opening it raised: then there is no run to end
             parent.finish(self.plan, outcome.rows, "KILLED" if stopped else "FAILED" if failed else "FINISHED")
         return outcome
 
@@ -622,15 +632,21 @@ class Sweep:
             self.parallel, mp_context=context, initializer=_start_worker, initargs=(self._worker_init,)
         )
 
-    def _serial(self, tasks: Sequence[PointTask], rows: dict[int, SweepRow]) -> str:
-        """Run ``tasks`` one after another in this process; return what stopped them (empty: nothing)."""
+    def _serial(self, tasks: Sequence[PointTask], rows: dict[int, SweepRow], parent: SweepRuns) -> str:
+        """Run ``tasks`` one after another in this process, each nested under ``parent`` as its run opens (the first
+        trains while the parent run is still being opened); return what stopped them (empty: nothing).
+
+        Raises:
+            Exception: What opening the parent run raised (e.g. its experiment is deleted).
+        """
         for task in tasks:
             self._on_start(task, task.point.index + 1, self.plan.size)
             try:
-                row = run_point(task, self._runner)
+                row = run_point(task, self._runner, nest_under=lambda: parent.run_id)
             except KeyboardInterrupt:
                 return "SIGINT"
             rows[row.index] = row
+            _ = parent.run_id  # raises what opening the parent run raised: the sweep ends with that error
             if row.status == "KILLED":
                 return row.error or "stopped"
         return ""

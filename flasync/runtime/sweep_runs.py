@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import math
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from flasync.core.owner import owner_alive
 from flasync.runtime.runs_view import RUNS_VIEW
 from flasync.runtime.sweep import (
     DEFAULT_OBJECTIVE,
+    PARENT_TAG,
     VALUES_TAG,
     Plan,
     PointTask,
@@ -56,8 +58,6 @@ __all__ = [
     "table_csv",
 ]
 
-PARENT_TAG = "mlflow.parentRunId"
-"""The tag by which MLflow nests a child run under its parent."""
 SWEEP_TAG = "flasync.sweep"
 """The sweep's id, on the parent and on every child."""
 POINT_TAG = "flasync.sweep.point"
@@ -75,7 +75,9 @@ class SweepParent:
 
     The parent is written through an :class:`~flasync.tracking.MlflowTracker` of its own, so a new sweep never
     imports MLflow in its process (its writer process does); only a resumed sweep reads the store here, with an
-    ``MlflowClient``, to find its child runs.
+    ``MlflowClient``, to find its child runs. Once the parent run is open its writer process is handed on
+    (:meth:`~flasync.tracking.MlflowTracker.release_writer`) to the child runs of this process, one after the other,
+    and taken back to log the sweep's table: one MLflow import, one store opened, for the whole sweep.
 
     Args:
         tracker: The parent run's tracker, its run open.
@@ -95,6 +97,7 @@ class SweepParent:
         self._resumed = resumed
         self._plan = plan
         self._run_id = tracker.run_id or ""
+        self._opening = threading.Lock()
         self._store: tuple[mlflow.MlflowClient, str] | None = None
         self._children: dict[str, Run] | None = None
         self.parallel: int | None = None
@@ -102,22 +105,30 @@ class SweepParent:
 
     @property
     def run_id(self) -> str:
-        """The parent run's id, once it is open (the first call waits for it and logs ``sweep/plan.json``).
+        """The parent run's id, once it is open (the first call waits for it, logs ``sweep/plan.json`` and hands the
+        writer process on to the child runs); thread-safe.
 
         Raises:
             Exception: What opening the run raised (e.g. the experiment is deleted).
         """
-        if not self._run_id:
-            self._run_id = self._tracker.opened(None)
-            if self._plan:
-                self._tracker.log_bytes(self._plan, PLAN_ARTIFACT)
+        with self._opening:
+            if not self._run_id:
+                run_id = self._tracker.opened(None)
+                if self._plan:
+                    self._tracker.log_bytes(self._plan, PLAN_ARTIFACT)
+                self._tracker.release_writer()
+                self._run_id = run_id
         return self._run_id
+
+    @property
+    def opened_run_id(self) -> str:
+        """The parent run's id if it is open already, else ``""`` (never waits)."""
+        return self._run_id or self._tracker.run_id or ""
 
     @classmethod
     def create(cls, uri: str, experiment: str, plan: Plan, *, parallel: int) -> SweepParent:
         """Start creating the parent run of a new sweep of ``plan`` (its tags, its grid as params and
-        ``sweep/plan.json``) without waiting for it; with ``parallel == 1`` the children's writer process starts
-        beside its own."""
+        ``sweep/plan.json``) without waiting for it."""
         sweep_id = uuid.uuid4().hex[:8]
         tags = {
             SWEEP_TAG: sweep_id,
@@ -130,9 +141,8 @@ class SweepParent:
         params = plan.params() | {"sweep.parallel": parallel, "sweep.objective": plan.objective}
         tracker = tracking.MlflowTracker(uri, runs_view=RUNS_VIEW)
         tracker.prepare()
-        if parallel == 1:  # the children's writer process starts beside the parent's
-            tracking.warm_idle_writer(uri)
-        # Opened in the background: this process imports torch meanwhile (see Sweep.run).
+        # Opened in the background: this process imports torch meanwhile, and starts the first child run (see
+        # Sweep.run), which takes the parent's writer process once the parent run is open.
         tracker.start(experiment=experiment, run_name=f"sweep-{sweep_id}", params=params, tags=tags, wait=False)
         plan_json = json.dumps(plan.to_json(), indent=2, default=str).encode()
         return cls(tracker, uri, sweep_id, resumed=False, plan=plan_json)
@@ -164,6 +174,7 @@ class SweepParent:
         plan = load_plan(json.loads(_read_text(client, run_id, PLAN_ARTIFACT)), uri)
         tracker = tracking.MlflowTracker(uri, runs_view=RUNS_VIEW)
         tracker.resume(run_id)
+        tracker.release_writer()  # for the child runs, until the table is logged
         parent = cls(tracker, uri, tags[SWEEP_TAG], resumed=True)
         parent._store = (client, run.info.experiment_id)
         recorded = run.data.params.get("sweep.parallel", "")
@@ -248,12 +259,16 @@ class SweepParent:
 
     def task(self, plan: Plan, point: SweepPoint, config: RunConfig) -> PointTask:
         """Return the task of a point not finished yet: to resume its child run from the run's checkpoint, else to
-        start a new child run (an earlier one without a checkpoint is deleted, so each point has one child run).
+        start a new child run (an earlier one without a checkpoint is deleted, so each point has one child run). Its
+        tags hold :data:`PARENT_TAG` once :attr:`run_id` has answered; a new sweep's first tasks come while the parent
+        run is still opening, and :func:`~flasync.runtime.sweep.run_point` then nests the run as it opens
+        (``nest_under``), after the parent handed its writer process on.
 
         Raises:
             ConfigError: The point's child run is still running in another process.
         """
-        tags = {PARENT_TAG: self.run_id, SWEEP_TAG: self.sweep_id, POINT_TAG: point.name}
+        tags = {PARENT_TAG: self._run_id, SWEEP_TAG: self.sweep_id, POINT_TAG: point.name}
+        tags = {key: value for key, value in tags.items() if value}
         tags[VALUES_TAG] = json.dumps({"index": point.index, "values": [list(pair) for pair in point.values]})
         tags |= {f"sweep.{key}": value for key, value in point.values}
         run = self.children().get(point.name)

@@ -10,6 +10,7 @@ same for the runtime and the command line; :func:`redacted` is the config its pa
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flasync import tracking
@@ -58,9 +59,10 @@ def _export_hint(config: RunConfig) -> str:
     return json.dumps({**{k: v.model_dump(mode="json") for k, v in sections.items()}, "seed": config.seed})
 
 
-def mlflow_tracker(config: RunConfig) -> tracking.MlflowTracker:
+def mlflow_tracker(config: RunConfig, nest_under: Callable[[], str] | None = None) -> tracking.MlflowTracker:
     """Return the tracker of ``config``'s ``tracking`` section: its store, system monitor, runs view and what its writer
-    process imports ahead for the model."""
+    process imports ahead for the model; its run nested under the one ``nest_under`` returns, if given (asked as the
+    run opens, see :class:`tracking.MlflowTracker`)."""
     cfg = config.tracking
     return tracking.MlflowTracker(
         cfg.uri,
@@ -68,6 +70,7 @@ def mlflow_tracker(config: RunConfig) -> tracking.MlflowTracker:
         system_metrics_interval_s=cfg.system_metrics_interval_s,
         runs_view=RUNS_VIEW,
         preload=preload(config),
+        nest_under=nest_under,
     )
 
 

@@ -54,11 +54,16 @@ def _runs(uri: str) -> tuple[Run, list[Run]]:
 def test_a_2x2_sweep_logs_a_parent_run_and_four_child_runs(store: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Four FINISHED children named after their points under one parent, whose table lists them and their figures."""
     status = main(["sweep", *GRID, *SMALL, "--set", "stop.max_versions=6", "--tracking-uri", store])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert status == 0, out
     parent, children = _runs(store)
     assert parent.info.status == "FINISHED"
     assert [c.info.run_name for c in children] == POINTS
+    # The parent run is named once on the console, as soon as it is open: before the second run at the latest.
+    lines = err.splitlines()
+    named = [i for i, line in enumerate(lines) if f"MLflow parent run {parent.info.run_id}" in line]
+    second = [i for i, line in enumerate(lines) if f"run 2/4 {POINTS[1]} started" in line]
+    assert len(named) == 1 and len(second) == 1 and named[0] < second[0], err
     assert {c.info.status for c in children} == {"FINISHED"}
     assert {c.data.tags[SWEEP_TAG] for c in children} == {parent.data.tags[SWEEP_TAG]}
     assert [(c.data.params["server.kind"], c.data.params["seed"]) for c in children] == [

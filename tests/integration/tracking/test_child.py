@@ -292,6 +292,68 @@ def test_a_second_run_reuses_the_idle_child_and_writes_to_its_own_run(tracking_u
     assert _artifacts(tracking_uri, second, "") == {"two.txt"}
 
 
+def test_a_run_that_releases_its_writer_stays_open_while_a_nested_run_uses_it_then_takes_it_back(
+    tracking_uri: str,
+) -> None:
+    """A sweep's shape: the parent run opens in the background and a nested run starts before it is open, taking no
+    writer process of its own; once open, the parent hands its writer over (``release_writer``) and stays RUNNING
+    while the nested run, tagged ``mlflow.parentRunId``, logs and ends through it; the parent's next records take it
+    back. One writer process (one pid) served all three runs, each with only its own records."""
+    close_idle_writer()
+    parent = MlflowTracker(tracking_uri)
+    parent.prepare()
+    assert parent._writers.child is not None
+    writer = parent._writers.child.pid
+    parent.start(experiment="nested", wait=False)
+
+    def parent_id() -> str:
+        run_id = parent.opened()
+        parent.release_writer()
+        return run_id
+
+    child = MlflowTracker(tracking_uri, nest_under=parent_id)
+    child.prepare()
+    assert child._writers.child is None  # it takes the parent's once that run is open
+    child.start(experiment="nested", wait=False)
+    child.log_metrics(_metrics("child", range(3)))
+    child.log_bytes(b"child", "child.txt")
+    child.finish("FINISHED")
+    client = mlflow.MlflowClient(tracking_uri)
+    parent_run_id = parent.opened()
+    assert child.run_id is not None and client.get_run(parent_run_id).info.status == "RUNNING"
+    assert IDLE.child is not None and IDLE.child.pid == writer and IDLE.child.run == 2
+    parent.log_metrics(_metrics("parent", range(2)))
+    parent.log_bytes(b"parent", "parent.txt")
+    parent.finish("FINISHED")
+    assert IDLE.child is not None and IDLE.child.pid == writer and IDLE.child.run == 3
+    nested = client.get_run(child.run_id)
+    assert nested.data.tags["mlflow.parentRunId"] == parent_run_id and nested.info.status == "FINISHED"
+    assert client.get_run(parent_run_id).info.status == "FINISHED"
+    assert _steps(client, child.run_id, "child") == [0, 1, 2] and _steps(client, child.run_id, "parent") == []
+    assert _steps(client, parent_run_id, "parent") == [0, 1] and _steps(client, parent_run_id, "child") == []
+    assert _artifacts(tracking_uri, child.run_id, "") == {"child.txt"}
+    assert _artifacts(tracking_uri, parent_run_id, "") == {"parent.txt"}
+    close_idle_writer()
+
+
+def test_a_run_that_released_its_writer_and_logs_nothing_more_still_ends_through_one(tracking_uri: str) -> None:
+    """``finish`` right after ``release_writer`` takes a writer process back to end the run: FINISHED, the same
+    process kept idle again, and the metric writer it started for that closed."""
+    close_idle_writer()
+    tracker = MlflowTracker(tracking_uri)
+    tracker.prepare()
+    run_id = tracker.start(experiment="released")
+    assert tracker._writers.child is not None
+    writer = tracker._writers.child.pid
+    assert tracker.release_writer() and tracker._writers.child is None
+    assert IDLE.child is not None and IDLE.child.pid == writer and IDLE.child.idle
+    tracker.finish("FINISHED")
+    assert mlflow.MlflowClient(tracking_uri).get_run(run_id).info.status == "FINISHED"
+    assert IDLE.child is not None and IDLE.child.pid == writer and IDLE.child.run == 2
+    assert tracker.writer is not None and tracker.writer.closed
+    close_idle_writer()
+
+
 def test_a_kept_child_serves_through_a_changed_test_name_but_not_a_changed_mlflow_setting(
     tracking_uri: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
 import pytest
 
+from flasync.config import RunConfig
 from flasync.core.errors import ConfigError
-from flasync.runtime.sweep import MAX_POINTS, SweepPlan, SweepRow, parse_axis
+from flasync.runtime.sweep import (
+    MAX_POINTS,
+    PARENT_TAG,
+    PointTask,
+    Sweep,
+    SweepPlan,
+    SweepPoint,
+    SweepRow,
+    parse_axis,
+)
+
+if TYPE_CHECKING:
+    from flasync.runtime.federation import Federation, RunSummary
 
 
 def test_a_range_is_inclusive() -> None:
@@ -92,3 +108,46 @@ def test_a_row_is_json_ready() -> None:
     """NaN figures of a run that stopped early become None."""
     row = SweepRow(0, "seed=0", {"seed": "0"}, "KILLED", None, error="SIGINT")
     assert row.to_dict()["accuracy"] is None
+
+
+class _OpeningParent:
+    """A sweep's parent run that is still being opened: it counts the reads of its id (each would wait for it)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.ended: str | None = None
+
+    @property
+    def run_id(self) -> str:
+        self.reads += 1
+        return "parent"
+
+    def finished_rows(self, plan: SweepPlan) -> dict[int, SweepRow]:
+        return {}
+
+    def unfinished_points(self, plan: SweepPlan) -> list[SweepPoint]:
+        return []
+
+    def task(self, plan: SweepPlan, point: SweepPoint, config: RunConfig) -> PointTask:
+        return PointTask(point, config, {"flasync.sweep.point": point.name})
+
+    def finish(self, plan: SweepPlan, rows: Sequence[SweepRow], status: str) -> None:
+        self.ended = status
+
+
+def test_the_first_run_starts_before_the_parent_run_is_waited_for() -> None:
+    """Run by run in this process, a run starts without the parent run's id (its tracker asks for it as the child
+    run opens), and the id is read after each run, so a parent that could not be opened ends the sweep."""
+    plan = SweepPlan({}, [parse_axis("seed=0..2")])
+    parent = _OpeningParent()
+    seen: list[tuple[int, bool]] = []
+
+    def runner(build: Callable[[], Federation]) -> RunSummary:
+        seen.append((parent.reads, any(PARENT_TAG in tags for tags in started)))
+        raise RuntimeError("not run")
+
+    started: list[dict[str, str]] = []
+    outcome = Sweep(plan, runner=runner, on_start=lambda task, i, n: started.append(task.tags)).run(parent)
+    assert seen == [(0, False), (1, False), (2, False)]
+    assert outcome.parent_run_id == "parent" and parent.ended == "FAILED"
+    assert [row.status for row in outcome.rows] == ["FAILED"] * 3

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Clock", "RunClock", "Started", "VirtualClock", "WallClock"]
+__all__ = ["CallsAt", "Clock", "RunClock", "Started", "VirtualClock", "WallClock"]
 
 T = TypeVar("T")
 
@@ -158,6 +158,20 @@ class _Sources(tuple[object, ...]):
     """What the executor returned for each job of a group timer (each is offered to ``on_wait``)."""
 
 
+@runtime_checkable
+class CallsAt(Protocol):
+    """A clock that can call a plain function at one of its times from the event loop's own timers.
+
+    A time limit that is rarely reached (a remote task's) then costs a loop timer, not a task that sleeps. Only
+    clocks whose time the loop's timers can follow offer it (:class:`WallClock`); the virtual clock orders its
+    wake-ups itself and has none.
+    """
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> asyncio.TimerHandle:
+        """Call ``callback`` from the running loop once the clock reads ``when``; return its cancellable handle."""
+        ...
+
+
 class WallClock:
     """Real time from an injected monotonic function.
 
@@ -213,6 +227,12 @@ class WallClock:
         delay = when - self.now()
         if delay > 0:
             await asyncio.sleep(delay * self._scale)
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> asyncio.TimerHandle:
+        """Call ``callback`` from the running loop once ``now() >= when`` (the wait :meth:`sleep_until` makes, as a
+        loop timer: no task, no future); return the timer's handle (``cancel()`` it to drop the call)."""
+        delay = (when - self.now()) * self._scale
+        return asyncio.get_running_loop().call_later(max(delay, 0.0), callback)
 
     async def elapse(self, seconds: float, *, until: float) -> None:
         """Sleep ``seconds`` (scaled by ``factor``, with one; the simulated timeline's ``until`` does not apply)."""

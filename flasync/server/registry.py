@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from flasync.core.bus import EventBus
+from flasync.core.clock import CallsAt
 from flasync.core.errors import CheckpointError
 from flasync.core.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, TasksAssigned, Version
 from flasync.core.snapshots import ModelSnapshot
@@ -46,6 +47,14 @@ def one_each(start_task: StartTask) -> StartGroup:
             await start_task(task, snapshot)
 
     return start
+
+
+class _Cancellable(Protocol):
+    """A watchdog: a task that sleeps until a time limit, or a loop timer (:class:`~flasync.core.clock.CallsAt`)."""
+
+    def cancel(self) -> object:
+        """Drop the watch (nothing happens if it has fired)."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -90,7 +99,8 @@ class TaskRegistry:
 
     Args:
         bus: Where :class:`TaskAssigned` and :class:`ClientTimedOut` go.
-        clock: Times watchdogs.
+        clock: Times watchdogs: a loop timer each where the clock offers
+            :meth:`~flasync.core.clock.CallsAt.call_at` (real time), else a task that sleeps (virtual time).
         accounting: Counts dispatches and their downloads.
         num_clients: Size of the population (the clients' ids are ``0..num_clients - 1``).
         start: Runs tasks: each in a call of its own, cancelled when the task is released, or those dispatched
@@ -130,6 +140,7 @@ class TaskRegistry:
         self._on_attach = on_attach
         self._bus = bus
         self._clock = clock
+        self._call_at = clock.call_at if isinstance(clock, CallsAt) else None
         self._accounting = accounting
         self._start_tasks = start
         self.share = share
@@ -143,7 +154,7 @@ class TaskRegistry:
         self._base_refs: Counter[Version] = Counter()
         self._in_flight: dict[ClientId, TaskAssigned] = {}
         self._handles: dict[int, asyncio.Task[None]] = {}
-        self._watchdogs: dict[int, asyncio.Task[None]] = {}
+        self._watchdogs: dict[int, _Cancellable] = {}
         self._num_clients = num_clients
         # Tasks dispatched to each client so far, for the clients dispatched to: a population of any size costs its
         # clients that took part, not a counter each.
@@ -171,6 +182,8 @@ class TaskRegistry:
         """Cancel every task the registry started and detach from the task group."""
         for task in list(self._tasks):
             task.cancel()
+        for watchdog in self._watchdogs.values():
+            watchdog.cancel()  # the loop timers (watchdog tasks were cancelled above)
         self._tg = None
         self._open = None
 
@@ -298,10 +311,25 @@ class TaskRegistry:
             name = f"flasync-client-{task.client_id}-task-{task.task_id}"
             self._handles[task.task_id] = self.spawn(self._start_tasks((task,), snapshot), name=name)
         if self.timeout_s is not None:
-            self._watchdogs[task.task_id] = self.spawn(
-                self._watch(task, task.simulated_s + self.timeout_s, limit_s=self.timeout_s),
-                name=f"flasync-timeout-{task.task_id}",
-            )
+            self._watchdogs[task.task_id] = self._watchdog(task, self.timeout_s)
+
+    def _watchdog(self, task: TaskAssigned, limit_s: float) -> _Cancellable:
+        """Start timing ``task`` out ``limit_s`` after its dispatch: a loop timer that starts :meth:`_expire` when it
+        fires, where the clock offers one, else a task that sleeps until then (the virtual clock's timelines)."""
+        when = task.simulated_s + limit_s
+        if self._call_at is None:
+            return self.spawn(self._watch(task, when, limit_s=limit_s), name=f"flasync-timeout-{task.task_id}")
+
+        def fire() -> None:
+            # The task that publishes the timeout takes the timer's place: releasing the task cancels it, as it
+            # would cancel a sleeping watchdog.
+            if self._watchdogs.get(task.task_id) is handle and self._tg is not None:
+                self._watchdogs[task.task_id] = self.spawn(
+                    self._expire(task, limit_s), name=f"flasync-timeout-{task.task_id}"
+                )
+
+        handle = self._call_at(when, fire)
+        return handle
 
     async def _run_group(self, group: _Group) -> None:
         if self._open is group:
@@ -310,6 +338,10 @@ class TaskRegistry:
 
     async def _watch(self, task: TaskAssigned, when: float, *, limit_s: float) -> None:
         await self._clock.sleep_until(when)
+        await self._expire(task, limit_s)
+
+    async def _expire(self, task: TaskAssigned, limit_s: float) -> None:
+        """Time ``task`` out if it is still in flight."""
         current = self._in_flight.get(task.client_id)
         if current is not None and current.task_id == task.task_id:
             await self._bus.publish(

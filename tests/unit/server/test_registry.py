@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 from flasync.core.bus import EventBus
-from flasync.core.clock import VirtualClock
+from flasync.core.clock import VirtualClock, WallClock
 from flasync.core.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, Version
 from flasync.core.snapshots import ModelSnapshot
+from flasync.server.accounting import Accounting
 from flasync.server.registry import TaskRegistry
 from flasync.testing import EventRecorder, ScriptedClients, ServerHarness
 
@@ -308,3 +310,57 @@ async def test_each_released_client_is_marked_idle_once() -> None:
 
     await _started(harness, body())
     assert idle == [6, 2]
+
+
+def _wall_registry(timeout_s: float) -> tuple[TaskRegistry, EventBus]:
+    """A registry on real time (a deployment's clock) whose clients never answer."""
+
+    async def silent(tasks: Sequence[TaskAssigned], snapshot: ModelSnapshot) -> None:
+        await asyncio.Event().wait()
+
+    bus = EventBus()
+    registry = TaskRegistry(
+        bus=bus, clock=WallClock(), accounting=Accounting(10), num_clients=4, start=silent, timeout_s=timeout_s
+    )
+    registry.publish(_snapshot(0))
+    return registry, bus
+
+
+async def test_on_real_time_the_watchdog_is_a_loop_timer_that_times_the_task_out() -> None:
+    """On a clock with loop timers a task's time limit costs no task of its own, and still times the task out."""
+    registry, bus = _wall_registry(timeout_s=0.01)
+    timeouts = bus.subscribe(ClientTimedOut, address="edge7")
+
+    async def body() -> None:
+        before = len(asyncio.all_tasks())
+        task = await registry.dispatch(2, reply_to="edge7")
+        assert len(asyncio.all_tasks()) == before + 1  # the client's task alone
+        timed_out = await timeouts.receive()
+        assert (timed_out.task_id, timed_out.to, timed_out.timeout_s) == (task.task_id, "edge7", 0.01)
+
+    async with asyncio.TaskGroup() as tg:
+        registry.attach(tg)
+        try:
+            await body()
+        finally:
+            registry.cancel_all()
+
+
+async def test_on_real_time_a_released_or_held_task_never_times_out() -> None:
+    """Releasing a task (or learning that its client holds its answer) drops its timer: no timeout follows."""
+    registry, bus = _wall_registry(timeout_s=0.0)  # a timer due at the loop's next pass
+    events = EventRecorder(bus)
+
+    async with asyncio.TaskGroup() as tg:
+        registry.attach(tg)
+        try:
+            released = await registry.dispatch(1)
+            held = await registry.dispatch(2)
+            assert registry.release(released)
+            registry.hold(held)
+            for _ in range(5):  # the timers' passes, and those of any task they would start
+                await asyncio.sleep(0)
+            assert held.client_id in registry
+        finally:
+            registry.cancel_all()
+    assert events.of(ClientTimedOut) == []

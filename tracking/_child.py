@@ -208,8 +208,9 @@ def _help(requests: IO[str], replies: IO[str]) -> None:
     :func:`flasync.tracking._model.save_for`); ``prepare`` exports a model of that structure ahead of it (see
     :class:`flasync.tracking._model.Exports`).
     """
-    from flasync.tracking._model import Exports, save_for
+    from flasync.tracking._model import Exports, save_for, skip_package_scan
 
+    skip_package_scan()  # it saves flasync's models only, whose requirements are stated
     exports = Exports()
     for line in requests:
         if line.startswith(_PRELOAD):

@@ -47,6 +47,7 @@ __all__ = [
     "save_built",
     "save_for",
     "save_model",
+    "skip_package_scan",
     "warm_up",
 ]
 
@@ -57,6 +58,24 @@ def requirements() -> list[str]:
     import torch
 
     return [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
+
+
+def skip_package_scan() -> None:
+    """Spare this process MLflow's scan of every installed package when it saves models (call it where only models
+    stating :func:`requirements` are saved: the writer process's helper).
+
+    Given explicit requirements, MLflow's ``save_model`` still checks them against the installed packages, and first
+    maps the modules of every installed distribution (``importlib_metadata.packages_distributions``: each one's file
+    list, some 0.7 s of CPU for a hundred packages, once per process). The requirements flasync states are the
+    installed MLflow and torch, which that check looks up by their distributions' names; here MLflow's map is made
+    of those two, so the scan never runs. An MLflow that keeps no such map, or has made it already, is left alone.
+    """
+    try:
+        from mlflow.utils import requirements_utils
+    except ImportError:  # pragma: no cover - an MLflow without that module checks as it likes
+        return
+    if getattr(requirements_utils, "_MODULES_TO_PACKAGES", False) is None:
+        setattr(requirements_utils, "_MODULES_TO_PACKAGES", {"mlflow": ["mlflow"], "torch": ["torch"]})  # noqa: B010
 
 
 def save_model(

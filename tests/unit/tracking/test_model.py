@@ -280,3 +280,47 @@ def test_the_writer_without_a_helper_prepares_and_saves_itself(
     assert "model.pt2" in {Path(a.path).name for a in client.list_logged_model_artifacts(logged.model_id, "data")}
     x = torch.randn(5, 8)
     assert torch.equal(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x))
+
+
+def test_a_model_saved_without_the_package_scan_is_the_same_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where MLflow's map of installed packages is not made yet, :func:`_model.skip_package_scan` has a save check
+    the requirements it states without scanning every installed package, and the folder saved is the one a save
+    after the scan writes (but for its time)."""
+    from mlflow.utils import requirements_utils
+
+    common = {"builder": _BUILDER, "kwargs": _final_mlp(tmp_path)[0], "description": _DESCRIPTION}
+    monkeypatch.setattr(requirements_utils, "_MODULES_TO_PACKAGES", None)
+    monkeypatch.setattr(requirements_utils, "_PACKAGES_TO_MODULES", None)
+    _model.save_for(folder=str(tmp_path / "scanned"), input_example=_EXAMPLE, **common)
+    assert requirements_utils._MODULES_TO_PACKAGES is not None  # the scan ran: many packages mapped
+    scanned = requirements_utils._MODULES_TO_PACKAGES
+    assert len(scanned) > 2
+
+    scans: list[None] = []
+
+    def scan() -> dict[str, list[str]]:  # MLflow's check swallows what it raises: counted instead
+        scans.append(None)
+        return dict(scanned)
+
+    monkeypatch.setattr(requirements_utils, "_MODULES_TO_PACKAGES", None)
+    monkeypatch.setattr(requirements_utils.importlib_metadata, "packages_distributions", scan)
+    _model.skip_package_scan()
+    _model.save_for(folder=str(tmp_path / "skipped"), input_example=_EXAMPLE, **common)
+    assert scans == []
+    compared = filecmp.dircmp(tmp_path / "skipped", tmp_path / "scanned")
+    assert compared.left_only == compared.right_only == []
+    assert compared.diff_files == ["MLmodel"]
+    requirements = (tmp_path / "skipped/requirements.txt").read_text().split()
+    assert requirements == _model.requirements()
+
+
+def test_a_package_map_made_already_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`_model.skip_package_scan` keeps the map of installed packages MLflow has made already."""
+    from mlflow.utils import requirements_utils
+
+    made = {"numpy": ["numpy"], "mlflow": ["mlflow"], "torch": ["torch"]}
+    monkeypatch.setattr(requirements_utils, "_MODULES_TO_PACKAGES", made)
+    _model.skip_package_scan()
+    assert requirements_utils._MODULES_TO_PACKAGES is made

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import pytest
 import torch
@@ -29,13 +29,18 @@ def _snapshot(version: int) -> ModelSnapshot:
     return ModelSnapshot(version=Version(version), weights=weights, exact=weights, download_bytes=100)
 
 
-async def _started(harness: ServerHarness, body: object) -> None:
+async def _started(harness: ServerHarness, body: Awaitable[object]) -> None:
+    await _attached(harness.registry, body)
+
+
+async def _attached(registry: TaskRegistry, body: Awaitable[object]) -> None:
+    """Await ``body`` with ``registry`` attached to a task group; cancel the registry's tasks after it."""
     async with asyncio.TaskGroup() as tg:
-        harness.registry.attach(tg)
+        registry.attach(tg)
         try:
-            await body  # type: ignore[misc]
+            await body
         finally:
-            harness.registry.cancel_all()
+            registry.cancel_all()
 
 
 async def test_dispatch_records_the_task_counts_the_download_and_publishes_it() -> None:
@@ -202,12 +207,7 @@ async def test_tasks_dispatched_before_the_first_starts_run_as_one_group() -> No
         assert held[0] == [True, False, True]
         assert registry._handles == {}  # a group's tasks have no coroutine of their own to cancel on release
 
-    async with asyncio.TaskGroup() as tg:
-        registry.attach(tg)
-        try:
-            await body()
-        finally:
-            registry.cancel_all()
+    await _attached(registry, body())
 
 
 async def test_a_registry_that_does_not_share_starts_groups_of_one_and_cancels_them_on_release() -> None:
@@ -239,12 +239,7 @@ async def test_a_registry_that_does_not_share_starts_groups_of_one_and_cancels_t
         await asyncio.sleep(0)
         assert cancelled == [tasks[1].task_id]
 
-    async with asyncio.TaskGroup() as tg:
-        registry.attach(tg)
-        try:
-            await body()
-        finally:
-            registry.cancel_all()
+    await _attached(registry, body())
 
 
 async def test_dispatch_many_starts_the_tasks_dispatch_would_start_one_by_one() -> None:
@@ -338,12 +333,7 @@ async def test_on_real_time_the_watchdog_is_a_loop_timer_that_times_the_task_out
         timed_out = await timeouts.receive()
         assert (timed_out.task_id, timed_out.to, timed_out.timeout_s) == (task.task_id, "edge7", 0.01)
 
-    async with asyncio.TaskGroup() as tg:
-        registry.attach(tg)
-        try:
-            await body()
-        finally:
-            registry.cancel_all()
+    await _attached(registry, body())
 
 
 async def test_on_real_time_a_released_or_held_task_never_times_out() -> None:

@@ -37,6 +37,22 @@ def _one_by_one(busy: set[int], online: _Online, rng: np.random.Generator) -> in
     return idle[int(rng.integers(len(idle)))] if idle else None
 
 
+def _draw_as_single_draws(
+    sampler: ClientSampler, busy: set[int], online: _Online, reference: np.random.Generator, times: int
+) -> ClientId | None:
+    """Draw ``times`` idle clients (each drawn one becomes busy), checking each draw and the generator's state
+    against :func:`_one_by_one` on ``reference``; return the last draw."""
+    drawn: ClientId | None = None
+    for _ in range(times):
+        drawn = sampler.sample_idle(busy, 0.0)
+        expected = _one_by_one(busy, online, reference)
+        assert drawn == (None if expected is None else ClientId(expected))
+        assert sampler.rng.bit_generator.state == reference.bit_generator.state
+        if drawn is not None:
+            busy.add(int(drawn))
+    return drawn
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     num_clients=st.integers(1, 300),
@@ -53,13 +69,7 @@ def test_sample_idle_draws_as_single_draws_would(
     busy = {int(c) for c in np.flatnonzero(layout.random(num_clients) < busy_fraction)}
     sampler = ClientSampler(np.arange(num_clients), "uniform", np.random.default_rng(seed + 1), availability=online)
     reference = np.random.default_rng(seed + 1)
-    for _ in range(3):
-        drawn = sampler.sample_idle(busy, 0.0)
-        expected = _one_by_one(busy, online, reference)
-        assert drawn == (None if expected is None else ClientId(expected))
-        assert sampler.rng.bit_generator.state == reference.bit_generator.state
-        if drawn is not None:
-            busy.add(int(drawn))
+    _draw_as_single_draws(sampler, busy, online, reference, times=3)
 
 
 def test_few_devices_online_among_many_busy_are_drawn_as_single_draws_would() -> None:
@@ -72,11 +82,5 @@ def test_few_devices_online_among_many_busy_are_drawn_as_single_draws_would() ->
     busy = set(range(num_clients)) - {500, 998, 7}
     sampler = ClientSampler(np.arange(num_clients), "uniform", np.random.default_rng(11), availability=online)
     reference = np.random.default_rng(11)
-    for _ in range(3):  # 500 or 998, the other, then none idle online
-        drawn = sampler.sample_idle(busy, 0.0)
-        expected = _one_by_one(busy, online, reference)
-        assert drawn == (None if expected is None else ClientId(expected))
-        assert sampler.rng.bit_generator.state == reference.bit_generator.state
-        if drawn is not None:
-            busy.add(int(drawn))
+    drawn = _draw_as_single_draws(sampler, busy, online, reference, times=3)  # 500 or 998, the other, then none
     assert drawn is None

@@ -183,19 +183,8 @@ SERVERS = ("fedavg", "fedbuff")
 """The engine's aggregators: sync FedAvg rounds, and FedBuff with a round's clients in flight (K = a tenth of them)."""
 
 
-def engine(
-    num_clients: int,
-    kind: str,
-    max_cohort: int,
-    device: torch.device,
-    speed: str = "constant",
-    rounds: int = 1,
-    server: str = "fedavg",
-) -> float:
-    """Run the engine over every client ``rounds`` times with the given executor, client speed model (``constant``:
-    every client finishes at one simulated time; ``lognormal``: each at its own) and aggregator; return accepted
-    updates per wall second."""
-    summary = engine_run(num_clients, kind, max_cohort, device, speed, rounds, server)
+def rate(summary: flasync.RunSummary) -> float:
+    """A run's accepted updates per wall second."""
     return summary.updates_accepted / summary.wall_s
 
 
@@ -208,8 +197,10 @@ def engine_run(
     rounds: int = 1,
     server: str = "fedavg",
 ) -> flasync.RunSummary:
-    """Run :func:`engine`'s federation: ``min(num_clients, max_cohort)`` clients a round, as FedAvg rounds or as
-    FedBuff's tasks in flight (buffer ``K`` a tenth of them, so ten versions a round); return its summary."""
+    """Run the engine over every client ``rounds`` times with executor ``kind``, client speed model ``speed``
+    (``constant``: every client finishes at one simulated time; ``lognormal``: each at its own) and ``server``:
+    ``min(num_clients, max_cohort)`` clients a round, as FedAvg rounds or as FedBuff's tasks in flight (buffer ``K``
+    a tenth of them, so ten versions a round); return its summary."""
     per_round = min(num_clients, max_cohort)
     rounds_total = max(1, num_clients // per_round) * rounds
     if server == "fedavg":
@@ -471,11 +462,11 @@ def main() -> None:
                 )
         if args.engine:
             for kind in ("thread", "vectorized"):
-                runners[f"engine, {kind}"] = lambda n=num_clients, k=kind: engine(
-                    n, k, args.max_cohort, device, args.speed, args.rounds
+                runners[f"engine, {kind}"] = lambda n=num_clients, k=kind: rate(
+                    engine_run(n, k, args.max_cohort, device, args.speed, args.rounds)
                 )
-            runners["engine, vectorized fedbuff"] = lambda n=num_clients: engine(
-                n, "vectorized", args.max_cohort, device, args.speed, args.rounds, "fedbuff"
+            runners["engine, vectorized fedbuff"] = lambda n=num_clients: rate(
+                engine_run(n, "vectorized", args.max_cohort, device, args.speed, args.rounds, "fedbuff")
             )
         vectorized(Workload(min(num_clients, 8), device), 8)  # warm up torch.func and kernels
         rates: dict[str, list[float]] = {name: [] for name in runners}

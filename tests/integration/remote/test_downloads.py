@@ -41,6 +41,22 @@ def _without_inline(app: _App) -> _App:
     return older
 
 
+def counting_paths(paths: list[str], inner: Callable[[_App], _App] | None = None) -> Callable[[_App], _App]:
+    """A wrapper for :func:`served` that appends each request's path to ``paths`` (after wrapping the app in
+    ``inner``, if given)."""
+
+    def wrap(app: _App) -> _App:
+        wrapped = app if inner is None else inner(app)
+
+        async def counted(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            paths.append(scope.get("path", ""))
+            await wrapped(scope, receive, send)
+
+        return counted
+
+    return wrap
+
+
 @contextlib.asynccontextmanager
 async def served(
     tmp_path: Path, wrap: Callable[[_App], _App] = lambda app: app, **overrides: Any
@@ -163,16 +179,7 @@ async def test_the_remote_client_trains_against_either_server(
     one that answers offers alone (it downloads each model then); either way every model byte the server sent is one
     the client received."""
     paths: list[str] = []
-
-    def wrap(app: _App) -> _App:
-        inner = app if inlines else _without_inline(app)
-
-        async def counted(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            paths.append(scope.get("path", ""))
-            await inner(scope, receive, send)
-
-        return counted
-
+    wrap = counting_paths(paths, None if inlines else _without_inline)
     async with served(tmp_path, wrap) as (url, federation):
         client = Client(url, tokens[3], poll_s=2.0, backoff_s=0.05)
         stats = await client.run(max_tasks=3)

@@ -17,7 +17,7 @@ from benchmarks.remote_load import precomputed_update
 from flasync.clients.remote.client import Client
 from flasync.runtime.serve import INCARNATION_HEADER, OFFER_HEADER, REPORT_HEADER
 from tests.conftest import NUM_CLIENTS
-from tests.integration.remote.test_downloads import _App, device_headers, offer_of, served
+from tests.integration.remote.test_downloads import _App, counting_paths, device_headers, offer_of, served
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,16 +167,7 @@ async def test_the_remote_client_trains_against_either_server(
     only once) and long-polls for each when the server ignores ``next``; either way every task it was handed is
     answered or left at the end, and the server counts each upload once."""
     paths: list[str] = []
-
-    def wrap(app: _App) -> _App:
-        inner = app if carries else _ignoring_next(app)
-
-        async def counted(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            paths.append(scope.get("path", ""))
-            await inner(scope, receive, send)
-
-        return counted
-
+    wrap = counting_paths(paths, None if carries else _ignoring_next)
     async with served(tmp_path, wrap, **_BUFFERED) as (url, federation):
         client = Client(url, tokens[3], poll_s=2.0, backoff_s=0.05)
         stats = await client.run(max_tasks=3)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from flasync.codecs import Pipeline
@@ -125,6 +126,15 @@ class ClientSamples:
         row = self.partition.offsets.item  # Python ints, without a NumPy scalar each
         return self.index[row(client_id) : row(client_id + 1)]
 
+    def spans(self, client_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Return where each of ``client_ids``'s samples lie in :attr:`index`: their starts and stops, in one pass
+        (``index[start:stop]`` is :meth:`indices` of the client)."""
+        offsets = self.partition.offsets
+        ids = np.asarray(client_ids, dtype=np.int64)
+        starts: list[int] = offsets[ids].tolist()
+        stops: list[int] = offsets[ids + 1].tolist()
+        return starts, stops
+
 
 def train_job(
     ctx: JobContext,
@@ -136,16 +146,20 @@ def train_job(
     task_id: int = 0,
     attack: float = 1.0,
     parts: tuple[TaskPart, ...] = (),
+    span: tuple[int, int] | None = None,
 ) -> TrainedUpdate:
     """Train on the worker's model and encode the delta, with the plug-ins' ``parts`` (runs in a worker thread).
 
-    ``generator`` is the task's random stream, or the seed of one (made here, in the worker).
+    ``generator`` is the task's random stream, or the seed of one (made here, in the worker). With ``span``, the
+    client's sample indices are ``samples[2][start:stop]`` (sliced here, in the worker).
     """
     if not isinstance(generator, torch.Generator):
         generator = seeding.torch_generator(generator)
     model = ctx.models.get()
     device = model.flat.device
     data_x, data_y, indices = samples
+    if span is not None:
+        indices = indices[span[0] : span[1]]
     rows: torch.Tensor | None = indices
     if data_x.device != device or data_y.device != device or indices.device != device:
         # Data kept in host memory: the client's samples are gathered and copied to the model's device.

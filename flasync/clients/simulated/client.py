@@ -12,7 +12,7 @@ import functools
 import heapq
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -102,47 +102,80 @@ class ClientWorld:
             plugin.released(task)
 
 
-class _Prepared(NamedTuple):
-    """A task's timeline and inputs, known before it trains."""
-
-    samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    download_s: float
-    simulated: float
-    done_at: float
-    parts: tuple[TaskPart, ...]
+_Samples = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _prepare(
-    world: ClientWorld, task: TaskAssigned, model: ModelSnapshot, download_s: float | None = None
-) -> _Prepared:
-    """Place a task's download (of ``download_s`` seconds, when known) and training on its timeline; record what a
-    checkpoint must restore for it."""
-    job_ctx, cid = world.job, task.client_id
-    if download_s is None:
-        download_s = world.network.download_seconds(cid, model.download_bytes)
-    samples = world.samples(cid)
-    steps = job_ctx.local.steps_for(samples[2].shape[0])
-    # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
-    simulated = world.population.train_seconds(cid, steps, task.participation)
+class _Plan(NamedTuple):
+    """What a group of tasks does, known at dispatch: each task's timeline (by task index: its download and
+    training seconds, and when its training ends) and plug-in parts, the jobs of those that train (by task index),
+    the failures the fault model decides, and when each client next goes offline."""
+
+    download_s: list[float]
+    simulated: list[float]
+    done_at: list[float]
+    parts: list[tuple[TaskPart, ...]] | None
+    """Each task's plug-in parts (None: the run has no plug-in)."""
+    training: dict[int, TrainingJob[TrainedUpdate]]
+    faults: dict[int, _Fault]
+    offline: list[float] | None
+    """When each task's client next goes offline (None: never)."""
+
+
+def _timeline(
+    world: ClientWorld, tasks: Sequence[TaskAssigned], model: ModelSnapshot
+) -> tuple[_Plan, list[_Samples], list[tuple[int, int] | None]]:
+    """Place each task's download and training on its timeline and record what a checkpoint must restore for it;
+    return the group's plan (no jobs, faults nor offline times yet), each task's data and the span of its sample
+    indices in the data's (None: the data's indices are the client's own)."""
+    clients = [task.client_id for task in tasks]
+    downloads = world.network.download_seconds_many(clients, model.download_bytes)
+    samples = world.samples
+    data: list[_Samples]
+    spans: list[tuple[int, int] | None]
+    if samples.lazy is None:  # rows of one data set: where each client's lie, sliced where its job trains
+        starts, stops = samples.spans(clients)
+        sizes = [stop - start for start, stop in zip(starts, stops, strict=True)]
+        data = [(samples.x, samples.y, samples.index)] * len(clients)
+        spans = list(zip(starts, stops, strict=True))
+    else:
+        data = [samples(cid) for cid in clients]
+        sizes = [drawn[2].shape[0] for drawn in data]
+        spans = [None] * len(clients)
+    steps_for, train_seconds = world.job.local.steps_for, world.population.train_seconds
+    steps_of: dict[int, int] = {}  # clients of one size take the same steps
+    simulated = []
+    for task, size in zip(tasks, sizes, strict=True):
+        steps = steps_of.get(size)
+        if steps is None:
+            steps = steps_of[size] = steps_for(size)
+        # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
+        simulated.append(train_seconds(task.client_id, steps, task.participation))
+    done_at = [task.simulated_s + (d + s) for task, d, s in zip(tasks, downloads, simulated, strict=True)]
     plugins = world.plugins
-    parts = tuple(part for plugin in plugins if (part := plugin.task(task, model)) is not None) if plugins else ()
-    return _Prepared(samples, download_s, simulated, task.simulated_s + (download_s + simulated), parts)
+    parts = (
+        [tuple(part for plugin in plugins if (part := plugin.task(task, model)) is not None) for task in tasks]
+        if plugins
+        else None
+    )
+    return _Plan(downloads, simulated, done_at, parts, {}, {}, None), data, spans
 
 
 def _training_job(
     world: ClientWorld,
     task: TaskAssigned,
     model: ModelSnapshot,
-    prepared: _Prepared,
+    samples: _Samples,
+    span: tuple[int, int] | None,
+    parts: tuple[TaskPart, ...],
     attack: float,
-    seed: int | None = None,
+    seed: int,
 ) -> TrainingJob[TrainedUpdate]:
     """Return the task's local training, in the form a batching executor trains with others of its cohort
-    (``seed``: its task stream's, when mixed with others' by :func:`~flasync.core.seeding.stream_seeds`)."""
+    (``seed``: its task stream's, one of :func:`~flasync.core.seeding.stream_seeds`; ``span``: where its sample
+    indices lie in ``samples``'s)."""
     job_ctx, cid = world.job, task.client_id
-    samples, parts = prepared.samples, prepared.parts
-    # The stream's seed: its generator is made where the job trains, off the event loop.
-    generator = seeding.stream_seed(world.seed, seeding.TASK, cid, task.participation) if seed is None else seed
+    # The stream's seed and the indices' span: the generator is made and the indices sliced where the job trains,
+    # off the event loop.
     codec_generator = (
         seeding.torch_stream(world.seed, seeding.CODEC, cid, task.participation)
         if job_ctx.upload_codec.draws_random
@@ -155,14 +188,15 @@ def _training_job(
         x=samples[0],
         y=samples[1],
         indices=samples[2],
+        span=span,
         cfg=job_ctx.local,
-        generator=generator,
+        generator=seed,
         finish=Finish(job_ctx, cid, codec_generator, attack, parts),
         solo=functools.partial(
-            train_job, job_ctx, cid, base, samples, generator, codec_generator, task.task_id, attack, parts
+            train_job, job_ctx, cid, base, samples, seed, codec_generator, task.task_id, attack, parts, span
         ),
         correction=correction_of(parts) if parts else None,
-        client=int(cid) if world.samples.lazy is not None else None,
+        client=None if span is not None else int(cid),
         deltas_on=_HOST,  # finish_job encodes the delta as bytes on the host
         finish_many=finish_cohort,
     )
@@ -172,32 +206,32 @@ def _keep(
     world: ClientWorld,
     task: TaskAssigned,
     model: ModelSnapshot,
-    prepared: _Prepared,
+    plan: _Plan,
+    i: int,
     trained: TrainedUpdate,
-    context: Mapping[str, int] | None = None,
     lines: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Keep what a trained task's plug-in parts hand back, and log its figures (``context``: extra fields). With
-    ``lines``, the debug line's fields are appended there for the caller to log rather than logged."""
-    job_ctx = world.job
-    for part, finished in zip(prepared.parts, trained.finished, strict=True):
-        part.keep(finished)
+    """Keep what the plug-in parts of trained task ``i`` hand back, and log its figures. With ``lines``, the debug
+    line's fields are appended there for the caller to log rather than logged."""
+    if plan.parts is not None:
+        for part, finished in zip(plan.parts[i], trained.finished, strict=True):
+            part.keep(finished)
     if not logs_debug(world.log):
         return
     result = trained.result
     line: dict[str, Any] = {
-        **(context or {}),
+        **_context(task),
         "step": task.task_id,
         "train_s": result.train_s,
-        "sim_train_s": prepared.simulated,
-        "sim_download_s": prepared.download_s,
+        "sim_train_s": plan.simulated[i],
+        "sim_download_s": plan.download_s[i],
         "samples": result.num_samples,
         "loss": result.loss,
         "peak_mem_bytes": result.peak_mem_bytes,
         "encode_s": trained.encode_s,
         "download_bytes": model.download_bytes,
         "upload_bytes": trained.upload_bytes,
-        "compression": (codecs.HEADER.size + 4 * job_ctx.num_params) / len(trained.payload),
+        "compression": (codecs.HEADER.size + 4 * world.job.num_params) / len(trained.payload),
     }
     for finished in trained.finished:
         line.update(finished.figures)
@@ -211,13 +245,15 @@ def _uploaded(
     world: ClientWorld,
     task: TaskAssigned,
     model: ModelSnapshot,
-    prepared: _Prepared,
+    plan: _Plan,
+    i: int,
     trained: TrainedUpdate,
     upload_s: float,
     at: float | None = None,
+    wall: float | None = None,
 ) -> UpdateUploaded:
-    """Return the upload of a trained task, sent at virtual time ``at`` (None: now; a batch of uploads sent at
-    several times is handed over at the last of them)."""
+    """Return the upload of trained task ``i``, sent at virtual time ``at`` (None: now; a batch of uploads sent at
+    several times is handed over at the last of them) and real time ``wall`` (None: now)."""
     result = trained.result
     return UpdateUploaded(
         to=task.reply_to,
@@ -229,11 +265,11 @@ def _uploaded(
         extra=trained.extra,
         train_loss=result.loss,
         simulated_s=world.clock.now() if at is None else at,
-        sent_wall_s=world.wall(),
+        sent_wall_s=world.wall() if wall is None else wall,
         compute_s=result.train_s,
         encode_s=trained.encode_s,
-        sim_download_s=prepared.download_s,
-        sim_train_s=prepared.simulated,
+        sim_download_s=plan.download_s[i],
+        sim_train_s=plan.simulated[i],
         sim_upload_s=upload_s,
         download_bytes=model.download_bytes,
         peak_mem_bytes=result.peak_mem_bytes,
@@ -289,16 +325,6 @@ class _Fault(NamedTuple):
 
     at: float
     failure: tuple[FailureKind, str, TaskDiagnosis | None]
-
-
-class _Plan(NamedTuple):
-    """What a group of tasks does, known at dispatch: each task's timeline, the jobs of those that train (by task
-    index), the failures the fault model decides, and when each client next goes offline."""
-
-    prepared: list[_Prepared]
-    training: dict[int, TrainingJob[TrainedUpdate]]
-    faults: dict[int, _Fault]
-    offline: list[float]
 
 
 class CohortClients:
@@ -381,7 +407,8 @@ class CohortClients:
         if batcher is not None and self.together and len(training) > 1:
             group = batcher.submit_many_async(list(training.values()))
             jobs[_ALL] = Started(group, group)
-            agenda.append((min(plan.prepared[i].done_at for i in training), -1, _ALL_TRAINED, -1))
+            done_at = plan.done_at
+            agenda.append((min(done_at[i] for i in training), -1, _ALL_TRAINED, -1))
         else:
             for i, training_job in training.items():
                 if batcher is not None:  # a batch of one
@@ -389,7 +416,7 @@ class CohortClients:
                     jobs[i] = Started(one, one)
                 else:
                     jobs[i] = clock.start(pool, training_job)
-                agenda.append((plan.prepared[i].done_at, i, _TRAINED, i))
+                agenda.append((plan.done_at[i], i, _TRAINED, i))
         heapq.heapify(agenda)
         state = _GroupState(
             tasks=tasks,
@@ -430,90 +457,98 @@ class CohortClients:
                 task, (trained, upload_s) = state.tasks[i], state.uploads.pop(i)
                 await world.clock.elapse(upload_s, until=when)
                 if self.live(task):
-                    plan = state.plan.prepared[i]
-                    await world.bus.publish(_uploaded(world, task, state.model, plan, trained, upload_s))
+                    await world.bus.publish(_uploaded(world, task, state.model, state.plan, i, trained, upload_s))
 
     def _plans(self, tasks: Sequence[TaskAssigned], model: ModelSnapshot) -> _Plan:
         """Return each task's timeline and inputs, the training job of each that trains, and the faults."""
         world = self.world
-        # The group's download times and task seeds in one call each (array passes for a large group: the same
-        # numbers).
-        clients = [task.client_id for task in tasks]
-        downloads = world.network.download_seconds_many(clients, model.download_bytes)
-        seeds = seeding.stream_seeds(world.seed, seeding.TASK, clients, [task.participation for task in tasks])
-        prepared = [_prepare(world, task, model, downloads[k]) for k, task in enumerate(tasks)]
-        faults = world.faults
+        plan, data, spans = _timeline(world, tasks, model)
+        # The group's task seeds in one call (array passes for a large group: the same numbers).
+        seeds = seeding.stream_seeds(
+            world.seed, seeding.TASK, [task.client_id for task in tasks], [task.participation for task in tasks]
+        )
+        parts = plan.parts if plan.parts is not None else [()] * len(tasks)
+        faults, training = world.faults, plan.training
         if faults is None or not faults.active:
-            offline = [math.inf] * len(tasks)
-            training = {
-                k: _training_job(
-                    world, task, model, plan, faults.attack_factor(task.client_id) if faults else 1.0, seeds[k]
-                )
-                for k, (task, plan) in enumerate(zip(tasks, prepared, strict=True))
-            }
-            return _Plan(prepared, training, {}, offline)
+            for k, task in enumerate(tasks):
+                attack = faults.attack_factor(task.client_id) if faults else 1.0
+                training[k] = _training_job(world, task, model, data[k], spans[k], parts[k], attack, seeds[k])
+            return plan
         offline = [faults.offline_at(task.client_id, task.simulated_s) for task in tasks]
-        training, decided = {}, {}
-        for k, (task, plan) in enumerate(zip(tasks, prepared, strict=True)):
-            fault = _fault(faults, task, plan, offline[k])
+        for k, task in enumerate(tasks):
+            fault = _fault(faults, task, plan.download_s[k], plan.simulated[k], plan.done_at[k], offline[k])
             if fault is None:
                 attack = faults.attack_factor(task.client_id)
-                training[k] = _training_job(world, task, model, plan, attack, seeds[k])
+                training[k] = _training_job(world, task, model, data[k], spans[k], parts[k], attack, seeds[k])
             elif fault is not _HANGS:
-                decided[k] = fault
-        return _Plan(prepared, training, decided, offline)
+                plan.faults[k] = fault
+        return plan._replace(offline=offline)
 
     async def _trained(self, state: _GroupState, when: float, kind: int, due: list[int]) -> None:
         """Take the outcomes of the jobs due at ``when``: a failure is published now, a trained update of a task
         still in flight goes on the agenda for its upload time (or its client's going offline before then)."""
-        world, clock, tasks, prepared = self.world, self.world.clock, state.tasks, state.plan.prepared
+        world, clock, tasks, done_at = self.world, self.world.clock, state.tasks, state.plan.done_at
         if kind == _ALL_TRAINED:  # every job, taken in the order of their completion times
             trains = list(state.plan.training)
             (results,) = await clock.finish([state.jobs[_ALL]], until=when)
             if isinstance(results, BaseException):
                 raise results  # the group's future was cancelled
-            by_task = dict(zip(trains, results, strict=True))
-            due = sorted(trains, key=lambda i: (prepared[i].done_at, i))
-            outcomes = [by_task[i] for i in due]
+            # A stable sort of tasks in index order: by completion time, then index.
+            order = sorted(range(len(trains)), key=[done_at[i] for i in trains].__getitem__)
+            due = [trains[k] for k in order]
+            outcomes = [results[k] for k in order]
         else:
             outcomes = await clock.finish([state.jobs[i] for i in due], until=when)
             if state.batches:  # each job's batch of one; a cancelled one's error stands for it
                 outcomes = [o if isinstance(o, BaseException) else o[0] for o in outcomes]
         upload_times = _upload_times(world.network, tasks, due, outcomes)
         lines: list[dict[str, Any]] = []  # the trained tasks' debug lines, logged together
+        # Whether a trained task leaves anything to keep: its plug-in parts' state, or its debug line.
+        kept = lines if state.plan.parts is not None or logs_debug(world.log) else None
         failed_now: list[int] = []
+        uploads: list[tuple[float, int, int, int]] = []  # put on the agenda together
+        live = self.live
         try:
-            for i, outcome in zip(due, outcomes, strict=True):
-                if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
-                    raise outcome
-                if isinstance(outcome, Exception):
+            for i, outcome, upload_s in zip(due, outcomes, upload_times, strict=True):
+                if upload_s is None:  # its training raised
+                    if not isinstance(outcome, Exception):
+                        raise outcome
                     state.failures[i] = _training_failure(outcome)
-                    if prepared[i].done_at == when:
+                    if done_at[i] == when:
                         failed_now.append(i)
                     else:  # published at the task's own completion time
-                        heapq.heappush(state.agenda, (prepared[i].done_at, i, _FAILED, i))
-                elif self.live(tasks[i]):  # else released meanwhile: nothing to send
-                    self._schedule_upload(state, i, outcome, upload_times[i], lines)
+                        heapq.heappush(state.agenda, (done_at[i], i, _FAILED, i))
+                elif live(tasks[i]):  # else released meanwhile: nothing to send
+                    self._schedule_upload(state, i, outcome, upload_s, kept, uploads)
         finally:  # those kept so far, also when an outcome is raised
             debug_many(world.log, "client", lines)
+            _push_all(state.agenda, uploads)
         await self._publish_failures(state, failed_now)
 
     def _schedule_upload(
-        self, state: _GroupState, i: int, trained: TrainedUpdate, upload_s: float, lines: list[dict[str, Any]]
+        self,
+        state: _GroupState,
+        i: int,
+        trained: TrainedUpdate,
+        upload_s: float,
+        lines: list[dict[str, Any]] | None,
+        uploads: list[tuple[float, int, int, int]],
     ) -> None:
-        """Put task ``i``'s upload on the agenda at its time, unless its client goes offline before it is sent."""
-        task, plan = state.tasks[i], state.plan.prepared[i]
+        """Put task ``i``'s upload among ``uploads`` at its time, unless its client goes offline before it is sent
+        (then its failure goes on the agenda); keep what its plug-in parts hand back and add its debug line to
+        ``lines`` (None: nothing to keep)."""
+        plan = state.plan
         if self.secure is not None:
             upload_s = 0.0  # the update waits on the client for its group
-        up_at = plan.done_at + upload_s
-        offline_at = state.plan.offline[i]
-        if offline_at < up_at:
+        up_at = plan.done_at[i] + upload_s
+        if plan.offline is not None and plan.offline[i] < up_at:
             state.failures[i] = ("offline", "availability window closed during upload", None)
-            heapq.heappush(state.agenda, (offline_at, i, _FAILED, i))
+            heapq.heappush(state.agenda, (plan.offline[i], i, _FAILED, i))
             return
-        _keep(self.world, task, state.model, plan, trained, _context(task), lines)
+        if lines is not None:
+            _keep(self.world, state.tasks[i], state.model, plan, i, trained, lines)
         state.uploads[i] = (trained, upload_s)
-        heapq.heappush(state.agenda, (up_at, state.order, _UPLOAD, i))
+        uploads.append((up_at, state.order, _UPLOAD, i))
         state.order += 1
 
     async def _publish_failures(self, state: _GroupState, due: list[int]) -> None:
@@ -551,11 +586,11 @@ class CohortClients:
                 await clock.sleep_until(later[-1][0])
                 due += [i for _, i in later]
                 times += [at for at, _ in later]
-        prepared = state.plan.prepared
+        plan, model, uploads, live, wall = state.plan, state.model, state.uploads, self.live, world.wall()
         sent = [
-            _uploaded(world, tasks[i], state.model, prepared[i], *state.uploads.pop(i), at=at)
+            _uploaded(world, tasks[i], model, plan, i, *uploads.pop(i), at=at, wall=wall)
             for i, at in zip(due, times, strict=True)
-            if self.live(tasks[i])
+            if live(tasks[i])
         ]
         # As one batch where every receiver takes it (the server decodes and checks them together).
         if sent and all(message.to == sent[0].to for message in sent):
@@ -569,21 +604,23 @@ _HANGS = _Fault(math.inf, ("error", "hangs", None))
 """A task that never answers (the registry times it out)."""
 
 
-def _fault(faults: FaultModel, task: TaskAssigned, plan: _Prepared, offline_at: float) -> _Fault | None:
-    """Return how the fault model ends ``task`` before it trains to the end (:data:`_HANGS`: never answers), or None
-    when it trains (a Byzantine client trains and attacks)."""
+def _fault(
+    faults: FaultModel, task: TaskAssigned, download_s: float, simulated: float, done_at: float, offline_at: float
+) -> _Fault | None:
+    """Return how the fault model ends ``task`` (its download and training seconds, and when its training ends)
+    before it trains to the end (:data:`_HANGS`: never answers), or None when it trains (a Byzantine client trains
+    and attacks)."""
     fate = faults.fate(task.client_id, task.participation)
-    simulated = plan.simulated
     if fate.fate is Fate.HANG:
         return _HANGS
     if fate.fate is Fate.DROPOUT:
         error = f"dropped out after {fate.fraction:.0%} of training"
-        return _Fault(task.simulated_s + (plan.download_s + fate.fraction * simulated), ("dropout", error, None))
-    if offline_at < plan.done_at:
+        return _Fault(task.simulated_s + (download_s + fate.fraction * simulated), ("dropout", error, None))
+    if offline_at < done_at:
         return _Fault(offline_at, ("offline", "availability window closed during training", None))
     if fate.fate is Fate.CRASH:
         # What a worker's training error would be: the injected fault, at its fraction of the training.
-        at = task.simulated_s + (plan.download_s + fate.fraction * simulated)
+        at = task.simulated_s + (download_s + fate.fraction * simulated)
         return _Fault(at, _training_failure(injected_fault(fate.fraction)))
     return None
 
@@ -624,13 +661,33 @@ def _quiet_uploads(agenda: list[tuple[float, int, int, int]], clock: Clock) -> l
 
 def _upload_times(
     network: Network, tasks: Sequence[TaskAssigned], due: Sequence[int], outcomes: Sequence[Any]
-) -> dict[int, float]:
-    """Return the upload seconds of each trained task among ``due`` (indices into ``tasks``), from one call."""
-    trained = [(i, o) for i, o in zip(due, outcomes, strict=True) if not isinstance(o, BaseException)]
-    seconds = network.upload_seconds_many(
-        [tasks[i].client_id for i, _ in trained], [o.upload_bytes for _, o in trained]
+) -> list[float | None]:
+    """Return the upload seconds of each of the tasks ``due`` (indices into ``tasks``), from one call: None for
+    those whose outcome is an exception."""
+    trained = [k for k, o in enumerate(outcomes) if not isinstance(o, BaseException)]
+    if len(trained) == len(outcomes):  # every one trained
+        seconds: list[Any] = network.upload_seconds_many(
+            [tasks[i].client_id for i in due], [o.upload_bytes for o in outcomes]
+        )
+        return seconds
+    times: list[float | None] = [None] * len(outcomes)
+    made = network.upload_seconds_many(
+        [tasks[due[k]].client_id for k in trained], [outcomes[k].upload_bytes for k in trained]
     )
-    return {i: s for (i, _), s in zip(trained, seconds, strict=True)}
+    for k, upload_s in zip(trained, made, strict=True):
+        times[k] = upload_s
+    return times
+
+
+def _push_all(agenda: list[tuple[float, int, int, int]], entries: list[tuple[float, int, int, int]]) -> None:
+    """Put ``entries`` on the heap ``agenda`` (one heapify for many: entries are distinct, so what the heap gives
+    and in which order does not depend on how they were put)."""
+    if len(entries) > 8:
+        agenda += entries
+        heapq.heapify(agenda)
+    else:
+        for entry in entries:
+            heapq.heappush(agenda, entry)
 
 
 _ALL_TRAINED, _TRAINED, _FAILED, _UPLOAD = range(4)  # what a group's agenda entry waits for

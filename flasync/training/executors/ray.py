@@ -545,7 +545,7 @@ class RayTrainingExecutor:
             "train",
             self._base_ref(job.base),
             self._data_ref(job.x, job.y),
-            job.indices.detach().cpu().numpy(),
+            job.rows().detach().cpu().numpy(),
             job.cfg,
             job.stream().get_state().numpy(),
             correction,

@@ -106,7 +106,7 @@ class TrainingJob(Generic[T]):
         base: Flat weights the client starts from.
         x: The data set's inputs; ``indices`` select the client's samples.
         y: The data set's labels.
-        indices: The client's sample indices (int64).
+        indices: The client's sample indices (int64), or, with ``span``, the tensor they are a slice of.
         cfg: Local hyper-parameters.
         generator: The task's random stream (batch order), or the seed of one (one of
             :func:`~flasync.core.seeding.stream_seeds`): the stream is then made where the job trains, off the event
@@ -121,6 +121,8 @@ class TrainingJob(Generic[T]):
         finish_many: Finishes the jobs of one cohort together from the cohort's result: what ``finish`` of each
             job with its own result returns, or the exception it raises, in the jobs' order. A batcher calls it
             where every job of a cohort has this same function (None: ``finish`` each).
+        span: Where the client's sample indices lie in ``indices``: positions ``[start, stop)``, sliced where the
+            job trains (:meth:`rows`), off the event loop (None: ``indices`` are the client's).
     """
 
     base: torch.Tensor
@@ -135,6 +137,7 @@ class TrainingJob(Generic[T]):
     client: int | None = None
     deltas_on: torch.device | None = None
     finish_many: Callable[[Sequence[TrainingJob[T]], CohortResult], Sequence[T | Exception]] | None = None
+    span: tuple[int, int] | None = None
 
     def __call__(self) -> T:
         """Train this client alone and finish."""
@@ -144,6 +147,11 @@ class TrainingJob(Generic[T]):
         """Return the task's random stream: the generator given, or a fresh one seeded with the seed given."""
         generator = self.generator
         return generator if isinstance(generator, torch.Generator) else seeding.torch_generator(generator)
+
+    def rows(self) -> torch.Tensor:
+        """Return the client's sample indices: :attr:`indices`, or their :attr:`span` of it (a view, no copy)."""
+        span = self.span
+        return self.indices if span is None else self.indices[span[0] : span[1]]
 
     @property
     def group(self) -> Hashable:
@@ -155,9 +163,10 @@ def _cohort_data(jobs: list[TrainingJob[Any]]) -> tuple[torch.Tensor, torch.Tens
     """Return one data pair for a cohort: the jobs' shared tensors, or their own samples concatenated."""
     first = jobs[0]
     if all(job.x is first.x and job.y is first.y for job in jobs):
-        return first.x, first.y, [job.indices for job in jobs]
-    xs = [job.x[job.indices] for job in jobs]
-    ys = [job.y[job.indices] for job in jobs]
+        return first.x, first.y, [job.rows() for job in jobs]
+    rows = [job.rows() for job in jobs]
+    xs = [job.x[part] for job, part in zip(jobs, rows, strict=True)]
+    ys = [job.y[part] for job, part in zip(jobs, rows, strict=True)]
     parts, offset = [], 0
     for part in ys:
         parts.append(torch.arange(offset, offset + len(part), device=part.device))

@@ -19,13 +19,12 @@ import numpy as np
 import torch
 
 from flasync.codecs import Pipeline
-from flasync.core import seeding
 from flasync.core.errors import InjectedFault
 from flasync.core.events import ClientId, TaskDiagnosis
 from flasync.data import Partition, SyntheticClients
 from flasync.training.cohort import CohortResult
 from flasync.training.diagnostics import DivergedTraining, TrainingDiagnostics
-from flasync.training.executors.threads import ModelPool, TrainingJob
+from flasync.training.executors.threads import ModelPool, StreamKey, TrainingJob, task_stream
 from flasync.training.local import LocalResult, LocalTraining, train
 from flasync.training.plugins import Finished, TaskPart
 
@@ -141,8 +140,8 @@ def train_job(
     client_id: ClientId,
     base: torch.Tensor,
     samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    generator: torch.Generator | int,
-    codec_generator: torch.Generator | None,
+    generator: torch.Generator | int | StreamKey,
+    codec_generator: torch.Generator | StreamKey | None,
     task_id: int = 0,
     attack: float = 1.0,
     parts: tuple[TaskPart, ...] = (),
@@ -150,11 +149,11 @@ def train_job(
 ) -> TrainedUpdate:
     """Train on the worker's model and encode the delta, with the plug-ins' ``parts`` (runs in a worker thread).
 
-    ``generator`` is the task's random stream, or the seed of one (made here, in the worker). With ``span``, the
-    client's sample indices are ``samples[2][start:stop]`` (sliced here, in the worker).
+    ``generator`` is the task's random stream, or the seed or key of one (made here, in the worker), and
+    ``codec_generator`` the codec's (or its key). With ``span``, the client's sample indices are
+    ``samples[2][start:stop]`` (sliced here, in the worker).
     """
-    if not isinstance(generator, torch.Generator):
-        generator = seeding.torch_generator(generator)
+    generator = task_stream(generator)
     model = ctx.models.get()
     device = model.flat.device
     data_x, data_y, indices = samples
@@ -189,7 +188,7 @@ def finish_job(
     ctx: JobContext,
     client_id: ClientId,
     result: LocalResult,
-    codec_generator: torch.Generator | None,
+    codec_generator: torch.Generator | StreamKey | None,
     diagnosis: TaskDiagnosis | None = None,
     attack: float = 1.0,
     parts: tuple[TaskPart, ...] = (),
@@ -222,6 +221,8 @@ def finish_job(
     if attack != 1.0:
         delta = delta * attack
     codec = ctx.upload_codec
+    if isinstance(codec_generator, tuple):  # its key: the stream is made here
+        codec_generator = task_stream(codec_generator)
     encoded = codec.encode(delta, generator=codec_generator, residual=residual)
     finished = tuple(part.finish(delta, result, encoded, codec) for part in parts) if parts else ()
     extra = b"".join(done.extra for done in finished) if finished else b""  # at most one plug-in sends one
@@ -268,7 +269,7 @@ class Finish:
     Args:
         ctx: The run's job context.
         client_id: The task's client.
-        codec_generator: The codec's random stream (None: the codec draws none).
+        codec_generator: The codec's random stream, or its key (None: the codec draws none).
         attack: The factor a simulated Byzantine client multiplies its delta by (1: an honest client).
         parts: The task's plug-in parts.
     """
@@ -279,7 +280,7 @@ class Finish:
         self,
         ctx: JobContext,
         client_id: ClientId,
-        codec_generator: torch.Generator | None,
+        codec_generator: torch.Generator | StreamKey | None,
         attack: float = 1.0,
         parts: tuple[TaskPart, ...] = (),
     ) -> None:

@@ -39,7 +39,7 @@ from flasync.core.instruments import debug_many, logs_debug
 from flasync.core.snapshots import ModelSnapshot
 from flasync.training.diagnostics import DivergedTraining
 from flasync.training.executors import LoopExecutor
-from flasync.training.executors.threads import TrainingJob
+from flasync.training.executors.threads import StreamKey, TrainingJob
 from flasync.training.jobs import (
     ClientSamples,
     Finish,
@@ -168,19 +168,14 @@ def _training_job(
     span: tuple[int, int] | None,
     parts: tuple[TaskPart, ...],
     attack: float,
-    seed: int,
 ) -> TrainingJob[TrainedUpdate]:
     """Return the task's local training, in the form a batching executor trains with others of its cohort
-    (``seed``: its task stream's, one of :func:`~flasync.core.seeding.stream_seeds`; ``span``: where its sample
-    indices lie in ``samples``'s)."""
-    job_ctx, cid = world.job, task.client_id
-    # The stream's seed and the indices' span: the generator is made and the indices sliced where the job trains,
+    (``span``: where its sample indices lie in ``samples``'s)."""
+    job_ctx, cid, participation = world.job, task.client_id, task.participation
+    # The streams' keys and the indices' span: the generators are made and the indices sliced where the job trains,
     # off the event loop.
-    codec_generator = (
-        seeding.torch_stream(world.seed, seeding.CODEC, cid, task.participation)
-        if job_ctx.upload_codec.draws_random
-        else None
-    )
+    seed: StreamKey = (world.seed, seeding.TASK, cid, participation)
+    codec_generator = (world.seed, seeding.CODEC, cid, participation) if job_ctx.upload_codec.draws_random else None
     start = start_of(parts) if parts else None
     base = model.weights if start is None else start
     return TrainingJob(
@@ -463,23 +458,19 @@ class CohortClients:
         """Return each task's timeline and inputs, the training job of each that trains, and the faults."""
         world = self.world
         plan, data, spans = _timeline(world, tasks, model)
-        # The group's task seeds in one call (array passes for a large group: the same numbers).
-        seeds = seeding.stream_seeds(
-            world.seed, seeding.TASK, [task.client_id for task in tasks], [task.participation for task in tasks]
-        )
         parts = plan.parts if plan.parts is not None else [()] * len(tasks)
         faults, training = world.faults, plan.training
         if faults is None or not faults.active:
             for k, task in enumerate(tasks):
                 attack = faults.attack_factor(task.client_id) if faults else 1.0
-                training[k] = _training_job(world, task, model, data[k], spans[k], parts[k], attack, seeds[k])
+                training[k] = _training_job(world, task, model, data[k], spans[k], parts[k], attack)
             return plan
         offline = [faults.offline_at(task.client_id, task.simulated_s) for task in tasks]
         for k, task in enumerate(tasks):
             fault = _fault(faults, task, plan.download_s[k], plan.simulated[k], plan.done_at[k], offline[k])
             if fault is None:
                 attack = faults.attack_factor(task.client_id)
-                training[k] = _training_job(world, task, model, data[k], spans[k], parts[k], attack, seeds[k])
+                training[k] = _training_job(world, task, model, data[k], spans[k], parts[k], attack)
             elif fault is not _HANGS:
                 plan.faults[k] = fault
         return plan._replace(offline=offline)

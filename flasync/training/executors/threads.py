@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -33,14 +33,42 @@ from flasync.training.local import FlatModel, LocalResult, LocalTraining
 __all__ = [
     "CohortBatcher",
     "ModelPool",
+    "StreamKey",
     "ThreadTrainingExecutor",
     "TrainingExecutor",
     "TrainingJob",
     "cohorts_for",
     "resolve_device",
+    "task_stream",
 ]
 
 T = TypeVar("T")
+
+StreamKey = tuple[int, int, int, int]
+"""A random stream named by its key, ``(seed, purpose, id, counter)``: the stream of
+:func:`~flasync.core.seeding.stream_seed` ``(seed, purpose, id, counter)``, made where it is drawn from."""
+
+
+def task_stream(generator: torch.Generator | int | StreamKey) -> torch.Generator:
+    """Return a task's random stream: ``generator`` itself, or a fresh one seeded with the seed given, or with the
+    seed of the key given (:data:`StreamKey`)."""
+    if isinstance(generator, torch.Generator):
+        return generator
+    if isinstance(generator, tuple):
+        generator = seeding.stream_seed(*generator)
+    return seeding.torch_generator(generator)
+
+
+def _streams(jobs: Sequence[TrainingJob[Any]]) -> list[torch.Generator]:
+    """Return each job's :meth:`~TrainingJob.stream`; the seeds of jobs keyed under one seed and purpose are mixed
+    together (:func:`~flasync.core.seeding.stream_seeds`: the same seeds)."""
+    keys = [job.generator for job in jobs]
+    first = keys[0]
+    if isinstance(first, tuple) and all(isinstance(key, tuple) and key[:2] == first[:2] for key in keys):
+        keyed = cast(list[StreamKey], keys)
+        seeds = seeding.stream_seeds(first[0], first[1], [key[2] for key in keyed], [key[3] for key in keyed])
+        return [seeding.torch_generator(seed) for seed in seeds]
+    return [job.stream() for job in jobs]
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -109,8 +137,8 @@ class TrainingJob(Generic[T]):
         indices: The client's sample indices (int64), or, with ``span``, the tensor they are a slice of.
         cfg: Local hyper-parameters.
         generator: The task's random stream (batch order), or the seed of one (one of
-            :func:`~flasync.core.seeding.stream_seeds`): the stream is then made where the job trains, off the event
-            loop (see :meth:`stream`).
+            :func:`~flasync.core.seeding.stream_seeds`), or its key (:data:`StreamKey`): the stream is then made
+            where the job trains, off the event loop (see :meth:`stream`).
         finish: Turns the training result into what the job returns (e.g. encodes the delta); runs in the worker.
         solo: Trains this client alone and finishes.
         correction: Added to every gradient of the client (a plug-in's correction; None: nothing).
@@ -130,7 +158,7 @@ class TrainingJob(Generic[T]):
     y: torch.Tensor
     indices: torch.Tensor
     cfg: LocalTraining
-    generator: torch.Generator | int
+    generator: torch.Generator | int | StreamKey
     finish: Callable[[LocalResult], T]
     solo: Callable[[], T]
     correction: torch.Tensor | None = None
@@ -144,9 +172,9 @@ class TrainingJob(Generic[T]):
         return self.solo()
 
     def stream(self) -> torch.Generator:
-        """Return the task's random stream: the generator given, or a fresh one seeded with the seed given."""
-        generator = self.generator
-        return generator if isinstance(generator, torch.Generator) else seeding.torch_generator(generator)
+        """Return the task's random stream: the generator given, or a fresh one seeded with the seed (or the key's)
+        given."""
+        return task_stream(self.generator)
 
     def rows(self) -> torch.Tensor:
         """Return the client's sample indices: :attr:`indices`, or their :attr:`span` of it (a view, no copy)."""
@@ -591,11 +619,11 @@ class CohortBatcher(LoopExecutor):
             members = [
                 CohortMember(
                     indices=part,
-                    generator=job.stream(),
+                    generator=generator,
                     correction=job.correction,
                     base=None if job.base is first.base else job.base,
                 )
-                for job, part in zip(jobs, parts, strict=True)
+                for job, part, generator in zip(jobs, parts, _streams(jobs), strict=True)
             ]
             if self.train_cohort is not None:
                 outcome = self.train_cohort(first.base, x, y, members, first.cfg, jobs)

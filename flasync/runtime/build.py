@@ -728,6 +728,8 @@ def _make_dispatch(
         holding=None if room is None else room.holds,
         on_attach=None if room is None else room.attached,
     )
+    if group is not None:  # the registry's own check, asked once per task: no lambda in between once it exists
+        group.live = registry.holds
     if follow:
         population.follow_tasks(registry.busy)
     if availability is None and world.faults is not None and world.faults.windows:

@@ -76,7 +76,8 @@ class TrainedUpdate:
     ``result`` holds the training's figures with an empty ``delta``: ``payload`` carries the update (a cohort's
     deltas are rows of one tensor, which one member's kept delta would keep whole until its upload is delivered).
     ``extra`` is what a plug-in sends beside the delta, and ``finished`` what each of the task's plug-in parts
-    handed back, in the order of the parts.
+    handed back, in the order of the parts. ``upload_bytes`` is what the upload sends: the delta and a plug-in's
+    extra (counted where the update is made, in the worker).
     """
 
     result: LocalResult
@@ -85,11 +86,11 @@ class TrainedUpdate:
     diagnosis: TaskDiagnosis | None = None
     extra: bytes = b""
     finished: tuple[Finished, ...] = ()
+    upload_bytes: int = field(init=False)
 
-    @property
-    def upload_bytes(self) -> int:
-        """Bytes the upload sends: the delta and a plug-in's extra."""
-        return len(self.payload) + len(self.extra)
+    def __post_init__(self) -> None:
+        """Count the bytes the upload sends."""
+        object.__setattr__(self, "upload_bytes", len(self.payload) + len(self.extra))
 
 
 @dataclass(frozen=True, slots=True)

@@ -236,42 +236,6 @@ def _keep(
         lines.append(line)
 
 
-def _uploaded(
-    world: ClientWorld,
-    task: TaskAssigned,
-    model: ModelSnapshot,
-    plan: _Plan,
-    i: int,
-    trained: TrainedUpdate,
-    upload_s: float,
-    at: float | None = None,
-    wall: float | None = None,
-) -> UpdateUploaded:
-    """Return the upload of trained task ``i``, sent at virtual time ``at`` (None: now; a batch of uploads sent at
-    several times is handed over at the last of them) and real time ``wall`` (None: now)."""
-    result = trained.result
-    return UpdateUploaded(
-        to=task.reply_to,
-        task_id=task.task_id,
-        client_id=task.client_id,
-        base_version=task.base_version,
-        num_samples=result.num_samples,
-        payload=trained.payload,
-        extra=trained.extra,
-        train_loss=result.loss,
-        simulated_s=world.clock.now() if at is None else at,
-        sent_wall_s=world.wall() if wall is None else wall,
-        compute_s=result.train_s,
-        encode_s=trained.encode_s,
-        sim_download_s=plan.download_s[i],
-        sim_train_s=plan.simulated[i],
-        sim_upload_s=upload_s,
-        download_bytes=model.download_bytes,
-        peak_mem_bytes=result.peak_mem_bytes,
-        diagnosis=trained.diagnosis,
-    )
-
-
 def _failed(
     world: ClientWorld,
     task: TaskAssigned,
@@ -449,10 +413,9 @@ class CohortClients:
             await self._upload_together(state, when, due)
         else:  # one at a time: the server has handled each before the next goes out
             for i in due:
-                task, (trained, upload_s) = state.tasks[i], state.uploads.pop(i)
-                await world.clock.elapse(upload_s, until=when)
-                if self.live(task):
-                    await world.bus.publish(_uploaded(world, task, state.model, state.plan, i, trained, upload_s))
+                await world.clock.elapse(state.uploads[i][1], until=when)
+                for message in _uploads(world, state, [i], [world.clock.now()], self.live):
+                    await world.bus.publish(message)
 
     def _plans(self, tasks: Sequence[TaskAssigned], model: ModelSnapshot) -> _Plan:
         """Return each task's timeline and inputs, the training job of each that trains, and the faults."""
@@ -567,7 +530,7 @@ class CohortClients:
         """Publish at ``when`` the uploads due then (with ``gather``, and those due later when the clock has nothing
         else before them), as one batch where every receiver takes it."""
         world = self.world
-        clock, bus, tasks = world.clock, world.bus, state.tasks
+        clock, bus = world.clock, world.bus
         # Under virtual time this waits until ``when``; real time counts the upload from the end of the training.
         await clock.elapse(state.uploads[due[0]][1], until=when)
         times = [clock.now()] * len(due)
@@ -577,12 +540,7 @@ class CohortClients:
                 await clock.sleep_until(later[-1][0])
                 due += [i for _, i in later]
                 times += [at for at, _ in later]
-        plan, model, uploads, live, wall = state.plan, state.model, state.uploads, self.live, world.wall()
-        sent = [
-            _uploaded(world, tasks[i], model, plan, i, *uploads.pop(i), at=at, wall=wall)
-            for i, at in zip(due, times, strict=True)
-            if live(tasks[i])
-        ]
+        sent = _uploads(world, state, due, times, self.live)
         # As one batch where every receiver takes it (the server decodes and checks them together).
         if sent and all(message.to == sent[0].to for message in sent):
             await bus.publish_together(UpdatesUploaded, sent, to=sent[0].to)
@@ -648,6 +606,50 @@ def _quiet_uploads(agenda: list[tuple[float, int, int, int]], clock: Clock) -> l
         return []
     agenda.clear()
     return [(when, index) for when, _, _, index in entries]
+
+
+def _uploads(
+    world: ClientWorld,
+    state: _GroupState,
+    due: list[int],
+    times: list[float],
+    live: Callable[[TaskAssigned], bool],
+) -> list[UpdateUploaded]:
+    """Return the uploads of the trained tasks ``due``, sent at virtual ``times`` (a batch of uploads sent at several
+    times is handed over at the last of them) and now in real time, of those whose tasks are still in flight (``live``),
+    in order; take them from ``state``."""
+    tasks, model, plan, uploads, wall = state.tasks, state.model, state.plan, state.uploads, world.wall()
+    download_bytes, download_s, simulated = model.download_bytes, plan.download_s, plan.simulated
+    sent = []
+    for i, at in zip(due, times, strict=True):
+        trained, upload_s = uploads.pop(i)
+        task = tasks[i]
+        if not live(task):
+            continue
+        result = trained.result
+        sent.append(
+            UpdateUploaded(
+                to=task.reply_to,
+                task_id=task.task_id,
+                client_id=task.client_id,
+                base_version=task.base_version,
+                num_samples=result.num_samples,
+                payload=trained.payload,
+                extra=trained.extra,
+                train_loss=result.loss,
+                simulated_s=at,
+                sent_wall_s=wall,
+                compute_s=result.train_s,
+                encode_s=trained.encode_s,
+                sim_download_s=download_s[i],
+                sim_train_s=simulated[i],
+                sim_upload_s=upload_s,
+                download_bytes=download_bytes,
+                peak_mem_bytes=result.peak_mem_bytes,
+                diagnosis=trained.diagnosis,
+            )
+        )
+    return sent
 
 
 def _upload_times(

@@ -19,6 +19,7 @@ from flasync.core.errors import ConfigError, TrainingError
 from flasync.testing import small_config
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer, unsupported_reason
 from flasync.training.diagnostics import TrainingDiagnostics
+from flasync.training.executors import threads as threads_module
 from flasync.training.executors.threads import CohortBatcher, ModelPool, TrainingJob, cohorts_for, resolve_device
 from flasync.training.local import FlatModel, LocalResult, LocalTraining, flat_parameters, train
 from flasync.training.models import MLP, SmallCNN
@@ -361,6 +362,69 @@ async def test_a_job_given_its_streams_seed_trains_as_one_given_the_generator(fa
     for with_seed, with_generator in zip(*outcomes, strict=True):
         assert torch.equal(with_seed.delta, with_generator.delta)
     assert seeded[0].stream().initial_seed() == seeding.stream_seed(3, seeding.TASK, 0, 0)
+
+
+@pytest.mark.parametrize("factory", [_mlp, _BatchNormNet], ids=["vectorized", "fallback"])
+async def test_a_job_given_its_streams_key_and_its_indices_span_trains_as_one_given_both(
+    factory: Callable[[], nn.Module],
+) -> None:
+    """A job may carry its random stream's key and the span of its sample indices in a shared index tensor (the
+    stream made and the indices sliced where it trains): a cohort, or the fallback one client at a time, gives bit
+    for bit the deltas of jobs carrying their generators and their own indices."""
+    x, y, parts = _data()
+    parts = _no_single_sample_batches(parts)
+    base = flat_parameters(factory())
+    pool = ModelPool(factory)
+    index = torch.cat(parts)
+    stops = torch.cumsum(torch.tensor([len(p) for p in parts]), 0).tolist()
+    spans = list(zip([0, *stops[:-1]], stops, strict=True))
+    keyed = [
+        dataclasses.replace(
+            _job(base, x, y, p, k, pool), generator=(3, seeding.TASK, k, 0), indices=index, span=spans[k]
+        )
+        for k, p in enumerate(parts)
+    ]
+    assert all(torch.equal(job.rows(), p) for job, p in zip(keyed, parts, strict=True))
+    outcomes = []
+    for jobs in (keyed, [_job(base, x, y, p, k, pool) for k, p in enumerate(parts)]):
+        batcher = CohortBatcher(ThreadPoolExecutor(1), pool, max_cohort=len(parts))
+        try:
+            outcomes.append(await asyncio.gather(*(asyncio.wrap_future(batcher.submit(job)) for job in jobs)))
+        finally:
+            batcher.shutdown()
+    for with_key, with_generator in zip(*outcomes, strict=True):
+        assert torch.equal(with_key.delta, with_generator.delta)
+        assert with_key.num_samples == with_generator.num_samples
+
+
+@pytest.mark.parametrize("count", [1, 5, 40])  # below and above the count from which seeds are mixed as arrays
+def test_the_streams_of_keyed_jobs_are_those_of_their_seeds_whatever_else_the_cohort_holds(count: int) -> None:
+    """Jobs keyed under one seed and purpose get the streams of their keys' seeds (mixed together); a cohort that
+    also holds a seed, a generator or another purpose's key gives each job its own stream just the same."""
+    rng = torch.Generator().manual_seed(count)
+    ids = torch.randint(0, 1 << 40, (count,), generator=rng).tolist()
+    counters = torch.randint(0, 1 << 20, (count,), generator=rng).tolist()
+    x, y, parts = _data()
+    pool = ModelPool(_mlp)
+    base = flat_parameters(_mlp())
+
+    def with_generator(key: Any) -> TrainingJob[Any]:
+        return dataclasses.replace(_job(base, x, y, parts[0], 0, pool), generator=key)
+
+    keys: list[Any] = [(11, seeding.TASK, i, c) for i, c in zip(ids, counters, strict=True)]
+    mixes = [keys, [*keys, 123], [*keys, (11, seeding.CODEC, 1, 2)], [torch.Generator().manual_seed(5), *keys]]
+    for mix in mixes:
+        streams = threads_module._streams([with_generator(key) for key in mix])
+        for key, stream in zip(mix, streams, strict=True):
+            if isinstance(key, tuple):
+                assert stream.initial_seed() == seeding.stream_seed(*key)
+            elif isinstance(key, int):
+                assert stream.initial_seed() == key
+            else:
+                assert stream is key
+        want = seeding.torch_stream(11, seeding.TASK, ids[0], counters[0])
+        first = next(k for k, key in enumerate(mix) if key is keys[0])
+        assert torch.equal(torch.rand(8, generator=streams[first]), torch.rand(8, generator=want))
 
 
 async def test_batcher_with_a_remote_cohort_trainer_keeps_one_base_per_cohort() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,10 +14,11 @@ from flasync.algorithms.error_feedback import ErrorFeedback
 from flasync.core import seeding
 from flasync.core.events import ClientId, TaskAssigned, Version
 from flasync.core.snapshots import ModelSnapshot
+from flasync.data import Partition
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
 from flasync.training.diagnostics import DivergedTraining, TrainingDiagnostics
 from flasync.training.executors.threads import ModelPool, TrainingJob
-from flasync.training.jobs import Finish, JobContext, TrainedUpdate, finish_cohort, finish_job
+from flasync.training.jobs import ClientSamples, Finish, JobContext, TrainedUpdate, finish_cohort, finish_job, train_job
 from flasync.training.local import LocalTraining, flat_parameters
 from flasync.training.models import MLP
 from flasync.training.plugins import TaskPart
@@ -152,3 +154,53 @@ def test_a_cohort_that_cannot_be_encoded_together_is_finished_one_by_one() -> No
                 continue
             alone = Finish(finish.ctx, ClientId(k), None, attack=finish.attack, parts=finish.parts)(result)
             assert isinstance(finished, TrainedUpdate) and finished.payload == alone.payload
+
+
+def test_the_spans_of_clients_samples_are_where_their_indices_lie() -> None:
+    """ClientSamples.spans gives, for any clients in any order (empty ones, the first and the last included), the
+    positions in the index tensor whose slice is that client's indices."""
+    rng = np.random.default_rng(7)
+    counts = rng.integers(0, 6, size=50)
+    counts[[0, 17, 49]] = [3, 0, 4]
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    order = rng.permutation(int(offsets[-1]))
+    samples = ClientSamples(
+        x=torch.zeros(len(order), 2),
+        y=torch.zeros(len(order)),
+        partition=Partition(order, offsets),
+        index=torch.from_numpy(order),
+    )
+    for clients in ([0], [49, 17, 0], rng.integers(0, 50, size=30).tolist(), list(range(50))):
+        starts, stops = samples.spans(clients)
+        assert all(isinstance(v, int) for v in (*starts, *stops))
+        for client, start, stop in zip(clients, starts, stops, strict=True):
+            assert torch.equal(samples.index[start:stop], samples.indices(client))
+            assert stop - start == counts[client]
+
+
+def test_a_job_trained_alone_from_its_indices_span_and_streams_key_equals_one_given_both() -> None:
+    """train_job slices a span of the index tensor and makes the streams of the keys it is given (task and codec):
+    the same payload, bit for bit, as with the client's own indices and the generators seeded alike."""
+    torch.manual_seed(3)
+    x, y = torch.randn(60, 8), torch.randint(0, 3, (60,))
+    index = torch.randperm(60)
+    cfg = LocalTraining(epochs=1, batch_size=8, lr=0.1)
+    base = flat_parameters(MLP(8, [16], 3))
+    ctx = JobContext(
+        models=ModelPool(lambda: MLP(8, [16], 3)),
+        local=cfg,
+        upload_codec=codecs.Pipeline([codecs.RandomK(0.3)]),
+        num_params=base.numel(),
+    )
+    task, codec = (5, seeding.TASK, 4, 2), (5, seeding.CODEC, 4, 2)
+    keyed = train_job(ctx, ClientId(4), base, (x, y, index), task, codec, span=(13, 41))
+    given = train_job(
+        ctx,
+        ClientId(4),
+        base,
+        (x, y, index[13:41]),
+        seeding.torch_stream(*task),
+        seeding.torch_stream(*codec),
+    )
+    assert keyed.payload == given.payload and keyed.result.num_samples == 28
+    assert keyed.upload_bytes == len(keyed.payload) + len(keyed.extra)

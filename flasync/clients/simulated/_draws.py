@@ -10,7 +10,7 @@ a block of ``b`` made from the generator's state at ``s``: a large population ke
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -123,6 +123,15 @@ class DrawnColumn:
         for index, begin, end in zip(blocks.tolist(), starts.tolist(), [*starts[1:].tolist(), len(flat)], strict=True):
             values[order[begin:end]] = self._values_of(index)[ordered[begin:end] % self._block]
         return out
+
+    def floats(self, clients: Sequence[int]) -> list[float]:
+        """Return the values of ``clients`` as Python floats (the same numbers as indexing), without an array pass
+        for a few clients of a column held whole."""
+        if self._whole is not None:
+            item = self._whole.item
+            return [item(client) for client in clients]
+        values: list[float] = self[np.asarray(clients, dtype=np.int64)].tolist()
+        return values
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         """Return every value as one array (a large column draws all its blocks)."""

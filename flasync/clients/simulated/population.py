@@ -472,8 +472,9 @@ class Network:
 
     def upload_seconds_many(self, client_ids: Sequence[int], num_bytes: Sequence[int]) -> list[float]:
         """Return :meth:`upload_seconds` of each client and size, in one pass (the same floats)."""
-        if len(client_ids) < _ARRAY_PASS_FROM:
-            return [self.upload_seconds(c, b) for c, b in zip(client_ids, num_bytes, strict=True)]
+        if len(client_ids) < _ARRAY_PASS_FROM:  # Python floats: the same IEEE operations as NumPy's scalars
+            latency, rate = self.latency_s.floats(client_ids), self.upload_bytes_per_s.floats(client_ids)
+            return [lat + size / r for lat, size, r in zip(latency, num_bytes, rate, strict=True)]
         ids = np.asarray(client_ids, dtype=np.int64)
         seconds: list[float] = (
             self.latency_s[ids] + np.asarray(num_bytes, dtype=np.float64) / self.upload_bytes_per_s[ids]
@@ -482,8 +483,9 @@ class Network:
 
     def download_seconds_many(self, client_ids: Sequence[int], num_bytes: int) -> list[float]:
         """Return :meth:`download_seconds` of each client for ``num_bytes``, in one pass (the same floats)."""
-        if len(client_ids) < _ARRAY_PASS_FROM:
-            return [self.download_seconds(c, num_bytes) for c in client_ids]
+        if len(client_ids) < _ARRAY_PASS_FROM:  # Python floats: the same IEEE operations as NumPy's scalars
+            latency, rate = self.latency_s.floats(client_ids), self.download_bytes_per_s.floats(client_ids)
+            return [lat + num_bytes / r for lat, r in zip(latency, rate, strict=True)]
         ids = np.asarray(client_ids, dtype=np.int64)
         seconds: list[float] = (self.latency_s[ids] + float(num_bytes) / self.download_bytes_per_s[ids]).tolist()
         return seconds
@@ -506,6 +508,11 @@ class _Cycled:
         if isinstance(clients, int | np.integer):
             return self.values[int(clients) % len(self.values)]
         return self.values[np.asarray(clients, dtype=np.int64) % len(self.values)]
+
+    def floats(self, clients: Sequence[int]) -> list[float]:
+        """Return the values of ``clients`` as Python floats."""
+        item, count = self.values.item, len(self.values)
+        return [item(int(client) % count) for client in clients]
 
 
 def _held_bytes(array: np.ndarray) -> int:

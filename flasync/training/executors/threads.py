@@ -301,14 +301,12 @@ _DELIVERY_CHUNK = 64
 
 
 def _settle(outcomes: list[_Outcome]) -> None:
-    """Resolve loop futures with their results (on their loop); a future cancelled meanwhile is left as it is."""
-    for future, value, error in outcomes:
-        if future.done():
-            continue
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
+    """Deliver jobs' results to their groups' loop futures (on their loop); a group cancelled meanwhile is left as it
+    is."""
+    for slot, value, error in outcomes:
+        group = slot.group
+        if not group.done():
+            group.deliver(slot.index, value if error is None else error)
 
 
 class _Delivery:

@@ -324,3 +324,23 @@ def test_a_groups_link_times_in_one_pass_are_each_clients_own() -> None:
         network.upload_seconds(c, b) for c, b in zip(clients, sizes, strict=True)
     ]
     assert network.download_seconds_many(clients, 11_320) == [network.download_seconds(c, 11_320) for c in clients]
+
+
+@pytest.mark.parametrize("links", ["drawn", "drawn in blocks", "traced"])
+def test_link_times_of_small_and_large_groups_are_each_clients_own(links: str) -> None:
+    """A group's link times, whether read as Python floats (a few clients) or as arrays (many), equal each client's
+    own bit for bit: for a population's links held whole, drawn block by block, or cycled from a device trace."""
+    config = NetworkConfig(latency_sigma=0.5, bandwidth_sigma=0.5)
+    trace = (np.array([1e5, 3e6, 7.5e4]), np.array([2e6, 9e5, 4e7])) if links == "traced" else None
+    count = 70_000 if links == "drawn in blocks" else 300
+    network = Network(config, count, 5, trace_links=trace)
+    rng = np.random.default_rng(11)
+    for size in (1, 3, 15, 16, 40):
+        clients = rng.integers(0, count, size=size).tolist()
+        sizes = rng.integers(0, 10**9, size=size).tolist()
+        assert network.upload_seconds_many(clients, sizes) == [
+            network.upload_seconds(c, b) for c, b in zip(clients, sizes, strict=True)
+        ]
+        assert network.download_seconds_many(clients, sizes[0]) == [
+            network.download_seconds(c, sizes[0]) for c in clients
+        ]

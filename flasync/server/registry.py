@@ -296,22 +296,30 @@ class TaskRegistry:
             tasks.append(task)
         self._base_refs[version] += len(tasks)
         await self._bus.publish_together(TasksAssigned, tasks)
-        for task in tasks:
-            self._start(task, snapshot)
+        if self.share and self.timeout_s is None:  # the tasks join one group as they would one by one
+            self._group_for(snapshot, tasks[0]).tasks.extend(tasks)
+        else:
+            for task in tasks:
+                self._start(task, snapshot)
         return tasks
 
     def _start(self, task: TaskAssigned, snapshot: ModelSnapshot, *, client: bool = True) -> None:
         if client and self.share:
-            group = self._open
-            if group is None or group.snapshot is not snapshot:
-                group = self._open = _Group(snapshot)
-                self.spawn(self._run_group(group), name=f"flasync-clients-from-task-{task.task_id}")
-            group.tasks.append(task)
+            self._group_for(snapshot, task).tasks.append(task)
         elif client:
             name = f"flasync-client-{task.client_id}-task-{task.task_id}"
             self._handles[task.task_id] = self.spawn(self._start_tasks((task,), snapshot), name=name)
         if self.timeout_s is not None:
             self._watchdogs[task.task_id] = self._watchdog(task, self.timeout_s)
+
+    def _group_for(self, snapshot: ModelSnapshot, task: TaskAssigned) -> _Group:
+        """Return the open group of tasks on ``snapshot`` whose coroutine has not started, starting one for ``task``
+        (the first to join it) if there is none."""
+        group = self._open
+        if group is None or group.snapshot is not snapshot:
+            group = self._open = _Group(snapshot)
+            self.spawn(self._run_group(group), name=f"flasync-clients-from-task-{task.task_id}")
+        return group
 
     def _watchdog(self, task: TaskAssigned, limit_s: float) -> _Cancellable:
         """Start timing ``task`` out ``limit_s`` after its dispatch: a loop timer that starts :meth:`_expire` when it

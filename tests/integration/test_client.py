@@ -369,3 +369,42 @@ def test_a_recorder_lists_the_uploads_of_a_batch_one_by_one() -> None:
     assert len(recorder.of(TaskAssigned)) == summary.tasks_dispatched
     assert federation.bus.statistics().published < len(recorder.events)  # some uploads did travel together
     assert [u.task_id for u in uploads] == sorted(u.task_id for u in uploads)  # a round's uploads in task order
+
+
+@pytest.mark.parametrize("speed", ["constant", "lognormal"])
+def test_a_groups_uploads_are_those_of_the_path_that_keeps_each_tasks_line(
+    speed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group whose tasks all train, with nothing to keep and no window to miss, puts its uploads on its agenda in
+    one pass: the uploads published (every field but the real-time ones, in order) and the weights are those of the
+    same run whose debug lines send each task through the general path."""
+    published: list[list[tuple[Any, ...]]] = [[], []]
+    passes: list[int] = [0, 0]
+    uploads, due = client_module._uploads, client_module._uploads_due
+    timing = {"sent_wall_s", "compute_s", "encode_s"}
+
+    def recorded(*args: Any) -> list[UpdateUploaded]:
+        sent = uploads(*args)
+        published[run].extend(tuple(getattr(m, f) for f in m.__dataclass_fields__ if f not in timing) for m in sent)
+        return sent
+
+    def counted(*args: Any) -> Any:
+        passes[run] += 1
+        return due(*args)
+
+    monkeypatch.setattr(client_module, "_uploads", recorded)
+    monkeypatch.setattr(client_module, "_uploads_due", counted)
+    overrides = (
+        "executor.kind=vectorized",
+        "server={kind: fedavg, clients_per_round: 12}",
+        f"population.speed={{kind: {speed}}}",
+        "stop.max_versions=4",
+    )
+    run = 0
+    plain = flasync.run(small_config(*overrides))
+    run = 1
+    general = flasync.run(small_config(*overrides, "tracking.log_level=debug"))
+    assert passes[0] > 0 and passes[1] == 0  # each run took the path it stands for
+    assert len(published[0]) == plain.updates_accepted == 48
+    assert published[0] == published[1]
+    assert plain.weights_sha256 == general.weights_sha256

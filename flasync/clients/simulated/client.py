@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -459,6 +459,10 @@ class CohortClients:
         lines: list[dict[str, Any]] = []  # the trained tasks' debug lines, logged together
         # Whether a trained task leaves anything to keep: its plug-in parts' state, or its debug line.
         kept = lines if state.plan.parts is not None or logs_debug(world.log) else None
+        if kept is None and self.secure is None and state.plan.offline is None and None not in upload_times:
+            # Every one trained, with nothing to keep and no window to miss: each still in flight uploads.
+            _push_all(state.agenda, _uploads_due(state, due, outcomes, cast(list[float], upload_times), self.live))
+            return
         failed_now: list[int] = []
         uploads: list[tuple[float, int, int, int]] = []  # put on the agenda together
         live = self.live
@@ -650,6 +654,27 @@ def _uploads(
             )
         )
     return sent
+
+
+def _uploads_due(
+    state: _GroupState,
+    due: list[int],
+    trained: list[TrainedUpdate],
+    upload_times: list[float],
+    live: Callable[[TaskAssigned], bool],
+) -> list[tuple[float, int, int, int]]:
+    """Keep the trained updates of the tasks ``due`` that are still in flight in ``state`` and return their agenda
+    entries, numbered in order (what :meth:`CohortClients._schedule_upload` does for each, where nothing is kept
+    and no client goes offline)."""
+    tasks, done_at, stored, order = state.tasks, state.plan.done_at, state.uploads, state.order
+    entries = []
+    for i, update, upload_s in zip(due, trained, upload_times, strict=True):
+        if live(tasks[i]):  # else released meanwhile: nothing to send
+            stored[i] = (update, upload_s)
+            entries.append((done_at[i] + upload_s, order, _UPLOAD, i))
+            order += 1
+    state.order = order
+    return entries
 
 
 def _upload_times(

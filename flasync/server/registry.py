@@ -16,7 +16,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -283,16 +283,17 @@ class TaskRegistry:
         dispatched = self._accounting.dispatched
         in_flight = self._in_flight
         tasks = []
-        for client, participation in zip(clients, participations, strict=True):
+        # The same ints, typed as the client ids they are (no NewType call per task).
+        for client, participation in zip(cast(list[ClientId], clients), participations, strict=True):
             task = TaskAssigned(
                 task_id=dispatched(download, from_cloud=from_cloud, client_id=client),
-                client_id=ClientId(client),
+                client_id=client,
                 participation=participation,
                 base_version=version,
                 simulated_s=now,
                 reply_to=reply_to,
             )
-            in_flight[task.client_id] = task
+            in_flight[client] = task
             tasks.append(task)
         self._base_refs[version] += len(tasks)
         await self._bus.publish_together(TasksAssigned, tasks)

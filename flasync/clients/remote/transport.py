@@ -1,7 +1,9 @@
 """The remote transport: tasks handed to devices over the network instead of to in-process coroutines.
 
 The task registry starts every task through :meth:`RemoteTransport.start_task` (its ``start_task`` seam): the task
-waits in its client's mailbox until that client asks for it, and a client's upload goes onto the run's bus as the
+is posted to its client's mailbox, where it waits until that client asks for it (nothing runs for it meanwhile: a
+mailbox holding a task the registry no longer has in flight, timed out, say, is found so and emptied when it is next
+looked at), and a client's upload goes onto the run's bus as the
 same :class:`~flasync.core.events.UpdateUploaded` a simulated client publishes, so it meets the same intake (decoding,
 shape, NaN and norm checks), aggregator, accounting, tracking and checkpoints. A task whose client never answers is
 timed out by the registry like any other.
@@ -344,7 +346,8 @@ class Report:
 @dataclass(slots=True)
 class _Posted:
     task: TaskAssigned
-    snapshot: ModelSnapshot
+    download_bytes: int
+    """The size of the task's model as the run counts its download."""
     session: str | None = None
     """The connection the task was handed to (None: not yet handed out)."""
 
@@ -498,11 +501,17 @@ takes the update and the server posts the freed device's task within a few; each
 class _TaskHandout:
     """Each client's mailbox of one task, the polls waiting on it, and the connection a task is handed to.
 
+    A task stays in its mailbox until it is answered or the registry releases it (a time limit): the registry's
+    release is not told to the mailbox, which finds it out when the task is next looked for (``in_flight``), so a
+    posted task costs no coroutine waiting for its release.
+
     Args:
         settings: The ``remote`` config section (poll and waiting limits, ``Retry-After``).
         devices: Where polls and handed tasks are noted.
         refuse: Counts and logs a refusal, and returns it.
         ended: Returns the refusal of a request after the run ended.
+        incarnations: Names the process that dispatched each task.
+        in_flight: Tells whether a task is still in flight (the registry's ``holds``).
     """
 
     def __init__(
@@ -512,38 +521,47 @@ class _TaskHandout:
         refuse: Callable[[ClientId | None, Refusal], Refusal],
         ended: Callable[[], Refusal],
         incarnations: Incarnations,
+        in_flight: Callable[[TaskAssigned], bool],
     ) -> None:
         """Start with empty mailboxes."""
+        self._in_flight = in_flight
         self.settings = settings
         self._devices = devices
         self._incarnations = incarnations
         self._refuse = refuse
         self._ended = ended
         self.closed = False
-        self.posted: dict[ClientId, _Posted] = {}
+        self._posted: dict[ClientId, _Posted] = {}
         self._wakers: dict[ClientId, asyncio.Event] = {}
         self.waiting = 0
         self.handed = 0  # tasks handed to a connection (a task asked for again is counted once)
 
-    async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
-        """Post ``task`` to its client's mailbox and wait (the registry cancels this when the task is released)."""
-        posted = _Posted(task, snapshot)
+    def post(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
+        """Post ``task`` (from ``snapshot``) to its client's mailbox and wake the client's poll, if one waits; the
+        answer arrives over HTTP and is published by :meth:`RemoteTransport.upload`."""
         client_id = task.client_id
-        self.posted[client_id] = posted
+        self._posted[client_id] = _Posted(task, snapshot.download_bytes)
         waker = self._wakers.pop(client_id, None)
         if waker is not None:
             waker.set()
-        try:
-            # The answer arrives over HTTP and is published by upload(); the registry's release cancels this wait.
-            await asyncio.get_running_loop().create_future()
-        finally:
-            if self.posted.get(client_id) is posted:
-                del self.posted[client_id]
+
+    def get(self, client_id: ClientId) -> _Posted | None:
+        """Return the task in ``client_id``'s mailbox (None: none, or one the registry no longer has in flight,
+        which is taken out)."""
+        posted = self._posted.get(client_id)
+        if posted is not None and not self._in_flight(posted.task):
+            del self._posted[client_id]
+            return None
+        return posted
+
+    def __len__(self) -> int:
+        """Count the tasks posted and still in flight."""
+        return sum(1 for posted in self._posted.values() if self._in_flight(posted.task))
 
     async def next_task(self, client_id: ClientId, wait_s: float, session: str) -> Offer | Refusal | None:
         """Return ``client_id``'s task, waiting up to ``wait_s`` for one (None: none came), as
         :meth:`RemoteTransport.next_task` describes."""
-        posted = self.posted.get(client_id)
+        posted = self.get(client_id)
         if posted is not None:
             return self._hand(client_id, posted, session)
         devices = self._devices
@@ -557,7 +575,7 @@ class _TaskHandout:
         try:
             async with asyncio.timeout(max(0.0, min(wait_s, self.settings.poll_s))):
                 while not self.closed:
-                    posted = self.posted.get(client_id)
+                    posted = self.get(client_id)
                     if posted is not None:
                         return self._hand(client_id, posted, session)
                     waker = self._wakers.setdefault(client_id, asyncio.Event())
@@ -591,7 +609,7 @@ class _TaskHandout:
         for turn in range(NEXT_TASK_TURNS + 1):
             if turn:
                 await asyncio.sleep(0)  # one turn of the loop: whatever is ready runs, nothing is waited for
-            posted = self.posted.get(client_id)
+            posted = self.get(client_id)
             if self.closed or (posted is not None and posted.session not in (None, session)):
                 return None
             if posted is not None:
@@ -605,16 +623,16 @@ class _TaskHandout:
             task_id=task.task_id,
             base_version=int(task.base_version),
             participation=task.participation,
-            download_bytes=posted.snapshot.download_bytes,
+            download_bytes=posted.download_bytes,
             incarnation=self._incarnations.of(task.task_id),
         )
 
     def forget_task(self, client_id: ClientId, task_id: int) -> None:
         """Take client ``client_id``'s answered task out of its mailbox: never offered again, even before the server
         releases it."""
-        posted = self.posted.get(client_id)
+        posted = self._posted.get(client_id)
         if posted is not None and posted.task.task_id == task_id:
-            del self.posted[client_id]
+            del self._posted[client_id]
 
     def close(self) -> None:
         """Wake every waiting poll (each learns the run ended) and empty the mailboxes."""
@@ -622,7 +640,7 @@ class _TaskHandout:
         for waker in self._wakers.values():
             waker.set()
         self._wakers.clear()
-        self.posted.clear()
+        self._posted.clear()
 
 
 # ---------------------------------------------------------------------------------------------- downloads
@@ -713,7 +731,9 @@ class RemoteTransport:
         self._devices = _DeviceRegistry(wall)
         self.incarnations = Incarnations(lambda: [t.task_id for t in self._registry or ()], incarnation)
         """Which process dispatched each task in flight (a checkpoint component)."""
-        self._handout = _TaskHandout(settings, self._devices, self._refuse, self._ended, self.incarnations)
+        self._handout = _TaskHandout(
+            settings, self._devices, self._refuse, self._ended, self.incarnations, self._in_flight
+        )
         self._downloads = _ModelDownloads(download_codec)
         self.num_params = 0
         self.max_upload_bytes = 0
@@ -807,8 +827,12 @@ class RemoteTransport:
 
     # --------------------------------------------------------------------------------------- registry seam
     async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
-        """Post ``task`` to its client's mailbox and wait (the registry cancels this when the task is released)."""
-        await self._handout.start_task(task, snapshot)
+        """Post ``task`` to its client's mailbox (it waits there for the client, see :class:`_TaskHandout`)."""
+        self._handout.post(task, snapshot)
+
+    def _in_flight(self, task: TaskAssigned) -> bool:
+        registry = self._registry
+        return registry is not None and registry.holds(task)
 
     # ------------------------------------------------------------------------------------------ availability
     def online(self, client_id: int, t: float) -> bool:
@@ -907,7 +931,7 @@ class RemoteTransport:
         task = registry.busy.get(client_id)
         if task is None or task.task_id != task_id:
             return self._refuse(client_id, Refusal(403, "not_your_task", f"client {client_id} has no task {task_id}"))
-        posted = self._handout.posted.get(client_id)
+        posted = self._handout.get(client_id)
         if posted is not None and posted.task.task_id == task_id and posted.session not in (None, session):
             detail = f"task {task_id} was handed to another connection with this token"
             return self._refuse(client_id, Refusal(403, "other_connection", detail))
@@ -963,8 +987,8 @@ class RemoteTransport:
             return refusal
         assert self._registry is not None and self._bus is not None
         task = self._registry.busy[client_id]
-        posted = self._handout.posted.get(client_id)
-        download_bytes = posted.snapshot.download_bytes if posted is not None else 0
+        posted = self._handout.get(client_id)
+        download_bytes = posted.download_bytes if posted is not None else 0
         message = UpdateUploaded(
             to=task.reply_to,
             task_id=task.task_id,
@@ -1040,7 +1064,7 @@ class RemoteTransport:
         return {
             "finished": self.finished,
             "waiting": self._handout.waiting,
-            "posted": len(self._handout.posted),
+            "posted": len(self._handout),
             "handed": self._handout.handed,
             "uploads": self.uploads,
             "wire_upload_bytes": self.wire_upload_bytes,

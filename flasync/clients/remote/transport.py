@@ -410,24 +410,24 @@ class _DeviceRegistry:
         self.handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
         self.polls: Counter[ClientId] = Counter()
         self._seen_at = np.empty(0, dtype=np.float64)  # -inf: never heard from
-        self._handed = np.empty(0, dtype=bool)
-        self._polls = np.empty(0, dtype=np.int64)
+        self._free = np.empty(0, dtype=bool)  # not holding a task it took
+        self._polling = np.empty(0, dtype=bool)
 
     def attach(self, bus: EventBus, num_clients: int) -> None:
         """Tell the run's server (on ``bus``) of devices that come online, from a population of ``num_clients``."""
         self._bus, self.num_clients = bus, num_clients
         self._seen_at = np.full(num_clients, -np.inf)
-        self._handed = np.zeros(num_clients, dtype=bool)
-        self._polls = np.zeros(num_clients, dtype=np.int64)
+        self._free = np.ones(num_clients, dtype=bool)
+        self._polling = np.zeros(num_clients, dtype=bool)
         for client_id, at in self.seen.items():
             if client_id < num_clients:
                 self._seen_at[client_id] = at
         for client_id, count in self.polls.items():
             if client_id < num_clients:
-                self._polls[client_id] = count
+                self._polling[client_id] = count > 0
         for client_id in self.handed:
             if client_id < num_clients:
-                self._handed[client_id] = True
+                self._free[client_id] = False
 
     def heard(self, client_id: ClientId, *, asking: bool = False) -> None:
         """Note that ``client_id`` made a request now; one asking for a task (``asking``) after a silence longer than
@@ -445,12 +445,12 @@ class _DeviceRegistry:
         """Note that ``client_id`` took ``task_id`` (it is not given another before it asks again)."""
         self.handed[client_id] = task_id
         if client_id < self.num_clients:
-            self._handed[client_id] = True
+            self._free[client_id] = False
 
     def asks(self, client_id: ClientId) -> None:
         """Forget the task ``client_id`` took: it asks again (alive, and given its task again if one is in flight)."""
         if self.handed.pop(client_id, None) is not None and client_id < self.num_clients:
-            self._handed[client_id] = False
+            self._free[client_id] = True
 
     def poll(self, client_id: ClientId, change: int) -> None:
         """Count a poll of ``client_id`` that opens (``change`` 1) or closes (-1)."""
@@ -458,7 +458,7 @@ class _DeviceRegistry:
         if not count:
             del self.polls[client_id]
         if client_id < self.num_clients:
-            self._polls[client_id] = count
+            self._polling[client_id] = count > 0
 
     def online(self, client_id: int, t: float) -> bool:
         """Tell whether device ``client_id`` is connected: asking for a task now, or heard from within
@@ -475,9 +475,9 @@ class _DeviceRegistry:
     def online_mask(self, t: float) -> np.ndarray:
         """Return a boolean array over the population: which devices are connected now (:meth:`online` of each:
         heard within the window and not holding a task, or polling)."""
-        mask: np.ndarray = self._wall() - self._seen_at <= self.online_window_s
-        mask &= ~self._handed
-        mask |= self._polls > 0
+        mask: np.ndarray = self._seen_at >= self._wall() - self.online_window_s
+        mask &= self._free
+        mask |= self._polling
         return mask
 
     @property
@@ -511,7 +511,6 @@ class _TaskHandout:
         refuse: Counts and logs a refusal, and returns it.
         ended: Returns the refusal of a request after the run ended.
         incarnations: Names the process that dispatched each task.
-        in_flight: Tells whether a task is still in flight (the registry's ``holds``).
     """
 
     def __init__(
@@ -521,10 +520,10 @@ class _TaskHandout:
         refuse: Callable[[ClientId | None, Refusal], Refusal],
         ended: Callable[[], Refusal],
         incarnations: Incarnations,
-        in_flight: Callable[[TaskAssigned], bool],
     ) -> None:
         """Start with empty mailboxes."""
-        self._in_flight = in_flight
+        self.in_flight: Callable[[TaskAssigned], bool] = lambda task: False
+        """Tells whether a task is still in flight (the run's registry's ``holds``, given when a run is attached)."""
         self.settings = settings
         self._devices = devices
         self._incarnations = incarnations
@@ -533,6 +532,7 @@ class _TaskHandout:
         self.closed = False
         self._posted: dict[ClientId, _Posted] = {}
         self._wakers: dict[ClientId, asyncio.Event] = {}
+        self._ready_waiters: dict[ClientId, list[asyncio.Future[None]]] = {}  # answers waiting a few turns
         self.waiting = 0
         self.handed = 0  # tasks handed to a connection (a task asked for again is counted once)
 
@@ -544,19 +544,26 @@ class _TaskHandout:
         waker = self._wakers.pop(client_id, None)
         if waker is not None:
             waker.set()
+        for waiter in self._ready_waiters.get(client_id, ()):
+            if not waiter.done():
+                waiter.set_result(None)
 
     def get(self, client_id: ClientId) -> _Posted | None:
         """Return the task in ``client_id``'s mailbox (None: none, or one the registry no longer has in flight,
         which is taken out)."""
         posted = self._posted.get(client_id)
-        if posted is not None and not self._in_flight(posted.task):
+        if posted is not None and not self.in_flight(posted.task):
             del self._posted[client_id]
             return None
         return posted
 
     def __len__(self) -> int:
         """Count the tasks posted and still in flight."""
-        return sum(1 for posted in self._posted.values() if self._in_flight(posted.task))
+        return sum(1 for posted in self._posted.values() if self.in_flight(posted.task))
+
+    def statistics(self) -> dict[str, int]:
+        """Return the polls waiting, the tasks posted (and in flight) and those handed to a connection."""
+        return {"waiting": self.waiting, "posted": len(self), "handed": self.handed}
 
     async def next_task(self, client_id: ClientId, wait_s: float, session: str) -> Offer | Refusal | None:
         """Return ``client_id``'s task, waiting up to ``wait_s`` for one (None: none came), as
@@ -605,17 +612,34 @@ class _TaskHandout:
     async def ready(self, client_id: ClientId, session: str) -> Offer | None:
         """Hand ``client_id``'s task to ``session`` if one is in its mailbox within :data:`NEXT_TASK_TURNS` turns of
         the event loop (its intake takes a few to take an answered update and post the device's next task); never
-        waits on a clock nor for a task coming later (None: none came, the client long-polls :meth:`next_task`)."""
-        for turn in range(NEXT_TASK_TURNS + 1):
-            if turn:
-                await asyncio.sleep(0)  # one turn of the loop: whatever is ready runs, nothing is waited for
-            posted = self.get(client_id)
-            if self.closed or (posted is not None and posted.session not in (None, session)):
-                return None
-            if posted is not None:
-                offer = self._hand(client_id, posted, session)
-                return offer if isinstance(offer, Offer) else None
-        return None
+        waits on a clock nor for a task coming later (None: none came, the client long-polls :meth:`next_task`).
+
+        Nothing runs for the request meanwhile: it waits on a future that :meth:`post` resolves, or a callback
+        counting the loop's turns once they have passed."""
+        if self.closed or self.get(client_id) is not None:
+            return self._ready(client_id, session)
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._ready_waiters.setdefault(client_id, []).append(waiter)
+        # Resolved in the turn before the last, so that this request looks again in the last.
+        loop.call_soon(_count_turns, loop, waiter, NEXT_TASK_TURNS - 2)
+        try:
+            await waiter
+        finally:
+            waiters = self._ready_waiters.get(client_id)
+            if waiters is not None:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._ready_waiters[client_id]
+        return self._ready(client_id, session)
+
+    def _ready(self, client_id: ClientId, session: str) -> Offer | None:
+        """Hand ``client_id``'s task to ``session`` if it is in the mailbox and not another connection's."""
+        posted = self.get(client_id)
+        if self.closed or posted is None or posted.session not in (None, session):
+            return None
+        offer = self._hand(client_id, posted, session)
+        return offer if isinstance(offer, Offer) else None
 
     def _offer(self, posted: _Posted) -> Offer:
         task = posted.task
@@ -640,7 +664,21 @@ class _TaskHandout:
         for waker in self._wakers.values():
             waker.set()
         self._wakers.clear()
+        for waiters in self._ready_waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
         self._posted.clear()
+
+
+def _count_turns(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None], left: int) -> None:
+    """Resolve ``waiter`` once ``left`` more turns of ``loop`` have passed (unless something resolved it first)."""
+    if waiter.done():
+        return
+    if left <= 0:
+        waiter.set_result(None)
+    else:
+        loop.call_soon(_count_turns, loop, waiter, left - 1)
 
 
 # ---------------------------------------------------------------------------------------------- downloads
@@ -731,9 +769,7 @@ class RemoteTransport:
         self._devices = _DeviceRegistry(wall)
         self.incarnations = Incarnations(lambda: [t.task_id for t in self._registry or ()], incarnation)
         """Which process dispatched each task in flight (a checkpoint component)."""
-        self._handout = _TaskHandout(
-            settings, self._devices, self._refuse, self._ended, self.incarnations, self._in_flight
-        )
+        self._handout = _TaskHandout(settings, self._devices, self._refuse, self._ended, self.incarnations)
         self._downloads = _ModelDownloads(download_codec)
         self.num_params = 0
         self.max_upload_bytes = 0
@@ -787,6 +823,7 @@ class RemoteTransport:
         self._bus, self._registry, self._clock, self._log = bus, registry, clock, log
         self.secure = secure
         self._devices.attach(bus, registry.num_clients)
+        self._handout.in_flight = registry.holds
         self.num_params = num_params
         self._setup.update(num_params=num_params, feature_shape=list(feature_shape), num_classes=num_classes)
         members = json.dumps(self._setup, ensure_ascii=False, allow_nan=False, separators=(",", ":"))[1:-1]
@@ -829,10 +866,6 @@ class RemoteTransport:
     async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
         """Post ``task`` to its client's mailbox (it waits there for the client, see :class:`_TaskHandout`)."""
         self._handout.post(task, snapshot)
-
-    def _in_flight(self, task: TaskAssigned) -> bool:
-        registry = self._registry
-        return registry is not None and registry.holds(task)
 
     # ------------------------------------------------------------------------------------------ availability
     def online(self, client_id: int, t: float) -> bool:
@@ -1063,9 +1096,7 @@ class RemoteTransport:
         """Return the transport's counters (a JSON object)."""
         return {
             "finished": self.finished,
-            "waiting": self._handout.waiting,
-            "posted": len(self._handout),
-            "handed": self._handout.handed,
+            **self._handout.statistics(),
             "uploads": self.uploads,
             "wire_upload_bytes": self.wire_upload_bytes,
             "wire_download_bytes": self.wire_download_bytes,

@@ -766,6 +766,7 @@ class RemoteTransport:
         self._registry: TaskRegistry | None = None
         self._clock: Timer | None = None
         self._log: Any = None
+        self._upload_log = _UploadLog(lambda: self._log, lambda: self.num_params)
         self._devices = _DeviceRegistry(wall)
         self.incarnations = Incarnations(lambda: [t.task_id for t in self._registry or ()], incarnation)
         """Which process dispatched each task in flight (a checkpoint component)."""
@@ -853,6 +854,7 @@ class RemoteTransport:
             reason: The tracking status the run ends with; after ``KILLED`` clients are told to retry (503).
             error: Why a ``FAILED`` run failed (one line), told to the clients with its end.
         """
+        self._upload_log.flush()
         self.finished = reason or "finished"
         self.finished_error = " ".join(error.split())[:300]
         self._handout.close()
@@ -1048,8 +1050,7 @@ class RemoteTransport:
         if report.evaluation is not None:
             with contextlib.suppress(BusFull, BusClosed):  # the update went through; its report is a figure
                 self._bus.publish_nowait(report.evaluation.event(client_id, task, self._registry_now()))
-        if self._log is not None:
-            _log_upload(self._log, client_id, task_id, report, download_bytes, len(payload), self.num_params)
+        self._upload_log.add(client_id, task_id, report, download_bytes, len(payload))
         return None
 
     def failed(
@@ -1144,26 +1145,50 @@ def _count_refusal(refusals: Counter[str], log: Any, client_id: ClientId | None,
     return refusal
 
 
-def _log_upload(
-    log: Any, client_id: ClientId, task_id: int, report: Report, download_bytes: int, upload_bytes: int, params: int
-) -> None:
-    """Log an upload's figures as a simulated client logs them (the same metric keys, through the same batch path
-    of :func:`~flasync.core.instruments.debug_many`), measured on the device."""
-    if not logs_debug(log):
-        return
-    fields = {
-        "step": task_id,
-        "client_id": int(client_id),
-        "train_s": report.train_s,
-        "samples": report.num_samples,
-        "loss": report.train_loss,
-        "peak_mem_bytes": report.peak_mem_bytes,
-        "encode_s": report.encode_s,
-        "download_bytes": download_bytes,
-        "upload_bytes": upload_bytes,
-        "compression": (HEADER.size + 4 * params) / max(upload_bytes, 1),
-    }
-    debug_many(log, "client", (fields,))
+class _UploadLog:
+    """The figures of each accepted upload, logged as a simulated client logs them (the same metric keys, through
+    the same batch path of :func:`~flasync.core.instruments.debug_many`), measured on the device: the uploads
+    accepted in one turn of the event loop are logged together at its end, one batch rather than one call each.
+
+    Args:
+        log: Returns the run's logger (None: no run attached, nothing is logged).
+        num_params: Returns the length of the flat model (the dense size an upload's compression is against).
+    """
+
+    def __init__(self, log: Callable[[], Any], num_params: Callable[[], int]) -> None:
+        """Start with nothing to log."""
+        self._log = log
+        self._num_params = num_params
+        self._rows: list[dict[str, Any]] = []
+
+    def add(self, client_id: ClientId, task_id: int, report: Report, download_bytes: int, upload_bytes: int) -> None:
+        """Log an accepted upload's figures at the end of this turn of the event loop."""
+        log = self._log()
+        if log is None or not logs_debug(log):
+            return
+        if not self._rows:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._rows.append(
+            {
+                "step": task_id,
+                "client_id": int(client_id),
+                "train_s": report.train_s,
+                "samples": report.num_samples,
+                "loss": report.train_loss,
+                "peak_mem_bytes": report.peak_mem_bytes,
+                "encode_s": report.encode_s,
+                "download_bytes": download_bytes,
+                "upload_bytes": upload_bytes,
+                "compression": (HEADER.size + 4 * self._num_params()) / max(upload_bytes, 1),
+            }
+        )
+
+    def flush(self) -> None:
+        """Log the figures not logged yet."""
+        rows, self._rows = self._rows, []
+        log = self._log()
+        if rows and log is not None:
+            debug_many(log, "client", rows)
 
 
 def transport_for(config: RunConfig) -> RemoteTransport:

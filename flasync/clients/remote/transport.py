@@ -317,7 +317,7 @@ class Report:
         """
         if not isinstance(data, dict):
             raise ValueError("the report must be a JSON object")
-        unknown = set(data) - set(cls.__dataclass_fields__)
+        unknown = data.keys() - _REPORT_FIELDS
         if unknown:
             raise ValueError(f"unknown report field {sorted(unknown)[0]!r}")
         samples = data.get("num_samples")
@@ -341,6 +341,9 @@ class Report:
                 evaluation, max_num_samples=max_num_samples, metric_names=metric_names
             )
         return cls(num_samples=samples, peak_mem_bytes=memory, evaluation=evaluation, **figures)
+
+
+_REPORT_FIELDS = frozenset(Report.__dataclass_fields__)
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-__all__ = ["Endpoint", "Hot", "Incoming", "ServedApp", "read_body"]
+__all__ = ["Answer", "Endpoint", "Hot", "Incoming", "ServedApp", "read_body"]
 
 
 class Incoming:
@@ -126,6 +126,27 @@ async def read_body(receive: Receive, limit: int, idle_s: float) -> bytes | int 
     except TimeoutError:
         return None
     return b"".join(chunks)  # one chunk: that very object, not a copy
+
+
+class Answer(Response):
+    """A response of bytes with raw headers: what Starlette's ``Response(body, status, headers=..., media_type=...)``
+    sends (the headers given, then its length and type), without converting a header mapping for each answer.
+
+    Args:
+        body: The body.
+        status: The status code (one with a body: 200, 202, ...).
+        media_type: The content type.
+        headers: Headers before the length and type, as (lower-case name, value) bytes.
+    """
+
+    def __init__(
+        self, body: bytes, status: int, media_type: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+    ) -> None:
+        """Keep the answer's parts."""
+        self.status_code = status
+        self.body = body
+        self.background = None
+        self.raw_headers = [*headers, (b"content-length", b"%d" % len(body)), (b"content-type", media_type)]
 
 
 Endpoint = Callable[[Incoming], Awaitable[Response]]

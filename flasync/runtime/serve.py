@@ -67,7 +67,7 @@ from flasync.clients.remote.limits import AddressLimits
 from flasync.clients.remote.transport import ModelDownload, Offer, Refusal, RemoteTransport, Report
 from flasync.core.errors import ConfigError
 from flasync.core.events import ClientId
-from flasync.runtime._asgi import Endpoint, Hot, Incoming, ServedApp, read_body
+from flasync.runtime._asgi import Answer, Endpoint, Hot, Incoming, ServedApp, read_body
 
 if TYPE_CHECKING:
     from flasync.runtime.federation import Federation, RunSummary
@@ -95,10 +95,11 @@ _AUTHORIZATION = b"authorization"
 _REPORT = REPORT_HEADER.encode()
 _SESSION = SESSION_HEADER.encode()
 _INCARNATION = INCARNATION_HEADER.encode()
+_OFFER = OFFER_HEADER.encode()
 _MAX_SESSION_CHARS = 64
 _SESSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 _MAX_REPORT_CHARS = 4096
-_OCTETS = "application/octet-stream"
+_OCTETS = b"application/octet-stream"
 _MAX_ID_DIGITS = 18
 HEADER_TIMEOUT_S = 10.0
 """Seconds a connection has to send a request's headers (a slow-header connection is closed after them)."""
@@ -238,13 +239,13 @@ class _Routes:
         """Answer ``offer`` with the encoded model of its version as the body (empty when the client holds that
         version, ``have``, or when it is no longer served: the client then downloads it), the offer's JSON in
         :data:`OFFER_HEADER`."""
-        headers = {OFFER_HEADER: _compact_json(offer.to_json())}
+        header = (_OFFER, _compact_json(offer.to_json()).encode("latin-1"))
         if offer.base_version == have:
-            return Response(b"", status, media_type=_OCTETS, headers=headers)
+            return Answer(b"", status, _OCTETS, (header,))
         download = await self.transport.model(client_id, offer.base_version)
         if isinstance(download, Refusal):  # the run ended or the version went meanwhile: the offer alone
-            return Response(b"", status, media_type=_OCTETS, headers=headers)
-        return Response(download.payload, status, media_type=_OCTETS, headers={**headers, "etag": download.etag})
+            return Answer(b"", status, _OCTETS, (header,))
+        return Answer(download.payload, status, _OCTETS, (header, (b"etag", download.etag.encode("latin-1"))))
 
     async def model(self, request: Incoming) -> Response:
         """``GET /v1/models/{version}``: answer the encoded model of a version (304 when ``If-None-Match`` names
@@ -445,10 +446,10 @@ def _id(request: Incoming, name: str) -> int | Refusal:
 
 
 def _model_response(download: ModelDownload) -> Response:
-    headers = {"etag": download.etag, "cache-control": "private, no-cache"}
     if not download.modified:
-        return Response(status_code=304, headers=headers)
-    return Response(download.payload, media_type=_OCTETS, headers=headers)
+        return Response(status_code=304, headers={"etag": download.etag, "cache-control": "private, no-cache"})
+    headers = ((b"etag", download.etag.encode("latin-1")), (b"cache-control", b"private, no-cache"))
+    return Answer(download.payload, 200, _OCTETS, headers)
 
 
 def _refused(refusal: Refusal) -> Response:

@@ -11,7 +11,7 @@ from starlette.datastructures import Headers, QueryParams
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from flasync.runtime._asgi import Hot, Incoming, ServedApp, parse_query, read_body
+from flasync.runtime._asgi import Answer, Hot, Incoming, ServedApp, parse_query, read_body
 
 _QUERIES = [
     b"",
@@ -122,3 +122,12 @@ async def _status(app: ServedApp, method: str, path: str) -> int:
     await app(scope, _chunks({"type": "http.request"}), send)
     status: int = sent[0]["status"]
     return status
+
+
+@pytest.mark.parametrize("body", [b"", b"\x00model bytes"])
+def test_an_answer_sends_what_starlettes_response_sends(body: bytes) -> None:
+    """Status, headers in order (those given, then the length and type) and body are Starlette's."""
+    given = {"x-flasync-offer": '{"task_id":3}', "etag": '"ab12"'}
+    expected = Response(body, 202, media_type="application/octet-stream", headers=given)
+    answer = Answer(body, 202, b"application/octet-stream", [(k.encode(), v.encode()) for k, v in given.items()])
+    assert (answer.status_code, answer.raw_headers, answer.body) == (202, expected.raw_headers, expected.body)

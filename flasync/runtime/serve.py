@@ -4,6 +4,8 @@
 :class:`~flasync.clients.remote.transport.RemoteTransport`; mount it in your own service
 (``app.mount("/fl", flasync.runtime.serve.asgi_app(federation))``) and run ``await federation.run()`` in that service's
 event loop (its lifespan, say). :func:`serve` runs one under uvicorn, as ``python -m flasync serve CONFIG`` does.
+Its token-checked endpoints are answered at the application's front door (:mod:`flasync.runtime._asgi`), before
+Starlette's router and middleware, which answer ``/v1/status`` and any other request.
 
 The protocol (every request carries ``Authorization: Bearer TOKEN``; control is JSON, models and updates are
 flasync's binary codec format as ``application/octet-stream``; refusals are ``{"error": reason, "detail": ...}``):

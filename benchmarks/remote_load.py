@@ -651,6 +651,7 @@ _AREAS = (
     ("/flasync/server/", "intake and server loop (flasync.server)"),
     ("/flasync/clients/remote/", "transport (flasync.clients.remote)"),
     ("/flasync/runtime/serve", "endpoints (flasync.runtime.serve)"),
+    ("/flasync/runtime/_asgi", "endpoints (flasync.runtime.serve)"),  # their front door
     ("/flasync/tracking/", "logging and tracking"),
     ("/flasync/observe/", "logging and tracking"),
     ("/structlog/", "logging and tracking"),

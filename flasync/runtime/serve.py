@@ -4,6 +4,8 @@
 :class:`~flasync.clients.remote.transport.RemoteTransport`; mount it in your own service
 (``app.mount("/fl", flasync.runtime.serve.asgi_app(federation))``) and run ``await federation.run()`` in that service's
 event loop (its lifespan, say). :func:`serve` runs one under uvicorn, as ``python -m flasync serve CONFIG`` does.
+Its token-checked endpoints are answered at the application's front door (:mod:`flasync.runtime._asgi`), before
+Starlette's router and middleware, which answer ``/v1/status`` and any other request.
 
 The protocol (every request carries ``Authorization: Bearer TOKEN``; control is JSON, models and updates are
 flasync's binary codec format as ``application/octet-stream``; refusals are ``{"error": reason, "detail": ...}``):
@@ -67,6 +69,7 @@ from flasync.clients.remote.limits import AddressLimits
 from flasync.clients.remote.transport import ModelDownload, Offer, Refusal, RemoteTransport, Report
 from flasync.core.errors import ConfigError
 from flasync.core.events import ClientId
+from flasync.runtime._asgi import Answer, Endpoint, Hot, Incoming, ServedApp, read_body
 
 if TYPE_CHECKING:
     from flasync.runtime.federation import Federation, RunSummary
@@ -90,15 +93,22 @@ INCARNATION_HEADER = "x-flasync-incarnation"
 """The header of an answer naming the server process that handed the task out (its offer's ``incarnation``)."""
 OFFER_HEADER = "x-flasync-offer"
 """The header of an offer answered with its model inline (``GET /v1/task?model=inline``): the offer's JSON."""
+_AUTHORIZATION = b"authorization"
+_REPORT = REPORT_HEADER.encode()
+_SESSION = SESSION_HEADER.encode()
+_INCARNATION = INCARNATION_HEADER.encode()
+_OFFER = OFFER_HEADER.encode()
 _MAX_SESSION_CHARS = 64
 _SESSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 _MAX_REPORT_CHARS = 4096
-_OCTETS = "application/octet-stream"
+_OCTETS = b"application/octet-stream"
 _MAX_ID_DIGITS = 18
 HEADER_TIMEOUT_S = 10.0
 """Seconds a connection has to send a request's headers (a slow-header connection is closed after them)."""
 BODY_IDLE_S = 20.0
 """Seconds a request's body may pause between chunks before the request is refused (408) and closed."""
+_compact_json = json.JSONEncoder(separators=(",", ":")).encode
+"""JSON without spaces (one encoder, not one built per call as ``json.dumps`` with options does)."""
 _CHARGED = frozenset({400, 401, 403, 404, 408, 413})
 """The refusals that cost an address a token: what a well-behaved client never gets."""
 
@@ -122,20 +132,19 @@ def _app(transport: RemoteTransport, version: Callable[[], int | None]) -> Starl
     routes = _Routes(transport, version, AddressLimits())
     limited = routes.limited
     secagg = _SecAggRoutes(routes)
-    return Starlette(
-        # In the order of their share of requests: the router tries them one by one.
-        routes=[
-            Route("/v1/task", limited(routes.task), methods=["GET"]),
-            Route("/v1/tasks/{task_id}/update", limited(routes.upload), methods=["POST"]),
-            Route("/v1/models/{version}", limited(routes.model), methods=["GET"]),
-            Route("/v1/hello", limited(routes.hello), methods=["GET"]),
-            Route("/v1/tasks/{task_id}/failed", limited(routes.failed), methods=["POST"]),
-            Route("/v1/status", routes.status, methods=["GET"]),
-            Route("/v1/tasks/{task_id}/held", limited(secagg.held), methods=["POST"]),
-            Route("/v1/secagg", limited(secagg.instruction), methods=["GET"]),
-            Route("/v1/secagg/{group}/{round}", limited(secagg.message), methods=["POST"]),
-        ]
-    )
+    # Every token-checked endpoint is answered by the application's front door (see flasync.runtime._asgi), the
+    # unauthenticated status, wrong methods and unknown paths by Starlette's router.
+    hot = [
+        Hot("GET", "/v1/task", limited(routes.task)),
+        Hot("POST", "/v1/tasks/{task_id}/update", limited(routes.upload)),
+        Hot("GET", "/v1/models/{version}", limited(routes.model)),
+        Hot("GET", "/v1/hello", limited(routes.hello)),
+        Hot("POST", "/v1/tasks/{task_id}/failed", limited(routes.failed)),
+        Hot("POST", "/v1/tasks/{task_id}/held", limited(secagg.held)),
+        Hot("GET", "/v1/secagg", limited(secagg.instruction)),
+        Hot("POST", "/v1/secagg/{group}/{round}", limited(secagg.message)),
+    ]
+    return ServedApp(hot, [Route("/v1/status", routes.status, methods=["GET"])])
 
 
 class _Routes:
@@ -153,11 +162,11 @@ class _Routes:
         self.version = version
         self.limits = limits
 
-    def limited(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def limited(self, handler: Endpoint) -> Endpoint:
         """Return ``handler`` behind its address's budget: 429 once the address has spent it on refused requests."""
 
-        async def endpoint(request: Request) -> Response:
-            address = request.client.host if request.client is not None else ""
+        async def endpoint(request: Incoming) -> Response:
+            address = request.address
             wait_s = self.limits.retry_after(address)
             if wait_s is not None:
                 return _refused(self.transport.rate_limited(wait_s))
@@ -168,9 +177,9 @@ class _Routes:
 
         return endpoint
 
-    def authorize(self, request: Request) -> ClientId | Refusal:
+    def authorize(self, request: Incoming) -> ClientId | Refusal:
         """Return the client the request's bearer token names, or the refusal of a missing or unknown token."""
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        scheme, _, token = (request.header(_AUTHORIZATION) or "").partition(" ")
         client_id = self.transport.tokens.client_of(token.strip()) if scheme.lower() == "bearer" else None
         return self.transport.unauthorized() if client_id is None else client_id
 
@@ -178,11 +187,11 @@ class _Routes:
         """Answer 400 to a malformed id, header or query parameter of an authenticated client (counted)."""
         return _refused(self.transport.bad_request(client_id, detail))
 
-    def session_of(self, request: Request) -> str | Refusal:
+    def session_of(self, request: Incoming) -> str | Refusal:
         """Return the request's session (the empty one when absent), or the refusal of a malformed one."""
-        return _name_header(request, SESSION_HEADER) or ""
+        return _name_header(request.header(_SESSION), SESSION_HEADER) or ""
 
-    def answering(self, request: Request) -> tuple[int, str, str | None] | Refusal:
+    def answering(self, request: Incoming) -> tuple[int, str, str | None] | Refusal:
         """Return the task id, session and incarnation (None: not sent) an answer names, or a refusal."""
         task_id = _id(request, "task_id")
         if isinstance(task_id, Refusal):
@@ -190,12 +199,12 @@ class _Routes:
         session = self.session_of(request)
         if isinstance(session, Refusal):
             return session
-        incarnation = _name_header(request, INCARNATION_HEADER)
+        incarnation = _name_header(request.header(_INCARNATION), INCARNATION_HEADER)
         if isinstance(incarnation, Refusal):
             return incarnation
         return task_id, session, incarnation
 
-    async def hello(self, request: Request) -> Response:
+    async def hello(self, request: Incoming) -> Response:
         """``GET /v1/hello``: answer the client's id and what it needs to train."""
         client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
@@ -203,19 +212,19 @@ class _Routes:
         answer = self.transport.hello(client_id)
         return _refused(answer) if isinstance(answer, Refusal) else Response(answer, media_type="application/json")
 
-    async def task(self, request: Request) -> Response:
+    async def task(self, request: Incoming) -> Response:
         """``GET /v1/task``: long-poll for the client's next task."""
         client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
             return _refused(client_id)
         try:
-            wait_s = float(request.query_params.get("wait_s", self.transport.settings.poll_s))
+            wait_s = _seconds(request, self.transport.settings.poll_s)
         except ValueError:
             return self.malformed(client_id, "wait_s must be a number of seconds")
         session = self.session_of(request)
         if isinstance(session, Refusal):
             return self.malformed(client_id, session.detail)
-        inline = request.query_params.get("model") == "inline"
+        inline = request.query("model") == "inline"
         have = _have(request) if inline else -1
         if have is None:
             return self.malformed(client_id, "have must be a model version (-1: none)")
@@ -232,15 +241,15 @@ class _Routes:
         """Answer ``offer`` with the encoded model of its version as the body (empty when the client holds that
         version, ``have``, or when it is no longer served: the client then downloads it), the offer's JSON in
         :data:`OFFER_HEADER`."""
-        headers = {OFFER_HEADER: json.dumps(offer.to_json(), separators=(",", ":"))}
+        header = (_OFFER, _compact_json(offer.to_json()).encode("latin-1"))
         if offer.base_version == have:
-            return Response(b"", status, media_type=_OCTETS, headers=headers)
+            return Answer(b"", status, _OCTETS, (header,))
         download = await self.transport.model(client_id, offer.base_version)
         if isinstance(download, Refusal):  # the run ended or the version went meanwhile: the offer alone
-            return Response(b"", status, media_type=_OCTETS, headers=headers)
-        return Response(download.payload, status, media_type=_OCTETS, headers={**headers, "etag": download.etag})
+            return Answer(b"", status, _OCTETS, (header,))
+        return Answer(download.payload, status, _OCTETS, (header, (b"etag", download.etag.encode("latin-1"))))
 
-    async def model(self, request: Request) -> Response:
+    async def model(self, request: Incoming) -> Response:
         """``GET /v1/models/{version}``: answer the encoded model of a version (304 when ``If-None-Match`` names
         its entity tag)."""
         client_id = self.authorize(request)
@@ -249,12 +258,12 @@ class _Routes:
         version = _id(request, "version")
         if isinstance(version, Refusal):
             return self.malformed(client_id, version.detail)
-        download = await self.transport.model(client_id, version, request.headers.get("if-none-match"))
+        download = await self.transport.model(client_id, version, request.header(b"if-none-match"))
         if isinstance(download, Refusal):
             return _refused(download)
         return _model_response(download)
 
-    async def upload(self, request: Request) -> Response:
+    async def upload(self, request: Incoming) -> Response:
         """``POST /v1/tasks/{task_id}/update``: take a task's encoded update and its training report."""
         client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
@@ -263,16 +272,16 @@ class _Routes:
         if isinstance(answering, Refusal):
             return self.malformed(client_id, answering.detail)
         task_id, session, incarnation = answering
-        after = request.query_params.get("next") == "inline"
+        after = request.query("next") == "inline"
         have = _have(request) if after else -1
         if have is None:
             return self.malformed(client_id, "have must be a model version (-1: none)")
-        declared = request.headers.get("content-length")
+        declared = request.header(b"content-length")
         length = int(declared) if declared is not None and declared.isdigit() else None
         refusal = self.transport.check_upload(client_id, task_id, length, session, incarnation)
         if refusal is not None:
             return _refused(refusal)
-        raw = request.headers.get(REPORT_HEADER, "")
+        raw = request.header(_REPORT) or ""
         try:
             if len(raw) > _MAX_REPORT_CHARS:
                 raise ValueError(f"the report has more than {_MAX_REPORT_CHARS} characters")
@@ -284,7 +293,7 @@ class _Routes:
         except ValueError as exc:  # json.JSONDecodeError is one
             return _refused(self.transport.bad_report(client_id, f"{REPORT_HEADER}: {exc}".splitlines()[0]))
         # Read in chunks, never more than the limit: a body without (or with a false) Content-Length is cut off.
-        body = await _read_body(request, self.transport.max_upload_bytes)
+        body = await read_body(request.receive, self.transport.max_upload_bytes, BODY_IDLE_S)
         if isinstance(body, int):
             return _refused(self.transport.oversize(client_id, body))
         if body is None:
@@ -298,7 +307,7 @@ class _Routes:
             return await self.inline(client_id, offer, have, status=202)
         return JSONResponse({"status": "received", "task_id": task_id}, status_code=202)
 
-    async def failed(self, request: Request) -> Response:
+    async def failed(self, request: Incoming) -> Response:
         """``POST /v1/tasks/{task_id}/failed``: take the report that a task's local training failed."""
         client_id = self.authorize(request)
         if isinstance(client_id, Refusal):
@@ -307,7 +316,7 @@ class _Routes:
         if isinstance(answering, Refusal):
             return self.malformed(client_id, answering.detail)
         task_id, session, incarnation = answering
-        body = await _read_body(request, 4096)
+        body = await read_body(request.receive, 4096, BODY_IDLE_S)
         if body is None:
             return _refused(self.transport.slow_body(client_id))
         if isinstance(body, int):
@@ -340,7 +349,7 @@ class _SecAggRoutes:
         self.routes = routes
         self.transport = routes.transport
 
-    async def held(self, request: Request) -> Response:
+    async def held(self, request: Incoming) -> Response:
         """``POST /v1/tasks/{task_id}/held``: the client finished the task and holds its update for its group."""
         client_id = self.routes.authorize(request)
         if isinstance(client_id, Refusal):
@@ -355,7 +364,7 @@ class _SecAggRoutes:
         refusal = self.transport.check_upload(client_id, task_id, None, session, incarnation)
         if refusal is not None:
             return _refused(refusal)
-        body = await _read_body(request, 4096)
+        body = await read_body(request.receive, 4096, BODY_IDLE_S)
         try:
             num_samples = int(json.loads(body)["num_samples"]) if isinstance(body, bytes) else -1
         except (ValueError, KeyError, TypeError):
@@ -365,7 +374,7 @@ class _SecAggRoutes:
         groups.hold(self.transport.held(client_id, task_id), num_samples)
         return JSONResponse({"status": "held", "task_id": task_id}, status_code=202)
 
-    async def instruction(self, request: Request) -> Response:
+    async def instruction(self, request: Incoming) -> Response:
         """``GET /v1/secagg``: long-poll for the client's next round (``after``: the ``GROUP/ROUND`` it did last)."""
         client_id = self.routes.authorize(request)
         if isinstance(client_id, Refusal):
@@ -374,13 +383,13 @@ class _SecAggRoutes:
         if self.transport.finished or groups is None:
             return JSONResponse({"error": "finished", "detail": "the run has ended"}, status_code=410)
         try:
-            wait_s = min(float(request.query_params.get("wait_s", self.transport.settings.poll_s)), 60.0)
+            wait_s = min(_seconds(request, self.transport.settings.poll_s), 60.0)
         except ValueError:
             return self.routes.malformed(client_id, "wait_s must be a number of seconds")
-        step = await groups.next_instruction(int(client_id), request.query_params.get("after", ""), wait_s)
+        step = await groups.next_instruction(int(client_id), request.query("after") or "", wait_s)
         return Response(status_code=204) if step is None else JSONResponse(step)
 
-    async def message(self, request: Request) -> Response:
+    async def message(self, request: Incoming) -> Response:
         """``POST /v1/secagg/{group}/{round}``: a member's message of a round, in its wire form."""
         client_id = self.routes.authorize(request)
         if isinstance(client_id, Refusal):
@@ -389,7 +398,7 @@ class _SecAggRoutes:
         groups = self.transport.secure
         if isinstance(group, Refusal) or groups is None:
             return self.routes.malformed(client_id, "no such secure aggregation group")
-        body = await _read_body(request, self.transport.max_upload_bytes + _MAX_SHARES_BYTES)
+        body = await read_body(request.receive, self.transport.max_upload_bytes + _MAX_SHARES_BYTES, BODY_IDLE_S)
         if isinstance(body, int):
             return _refused(self.transport.oversize(client_id, body))
         if body is None:
@@ -404,24 +413,33 @@ _MAX_SHARES_BYTES = 1 << 20
 """Room beside a masked update for a round's other messages (a share bundle is about 200 bytes a neighbour)."""
 
 
-def _name_header(request: Request, header: str) -> str | Refusal | None:
-    """Return a header holding a name (a session, an incarnation; None when absent), or the refusal of a malformed
-    one."""
-    name = request.headers.get(header)
+def _name_header(name: str | None, header: str) -> str | Refusal | None:
+    """Return the value of a header holding a name (a session, an incarnation; None when absent), or the refusal of
+    a malformed one (``header``: its name)."""
     if name is not None and (len(name) > _MAX_SESSION_CHARS or not set(name) <= _SESSION_CHARS):
         return Refusal(400, "bad_request", f"{header}: at most {_MAX_SESSION_CHARS} letters, digits, '-' or '_'")
     return name
 
 
-def _have(request: Request) -> int | None:
+def _seconds(request: Incoming, default: float) -> float:
+    """Return the seconds the query's ``wait_s`` names (``default`` when absent).
+
+    Raises:
+        ValueError: It is not a number.
+    """
+    raw = request.query("wait_s")
+    return default if raw is None else float(raw)
+
+
+def _have(request: Incoming) -> int | None:
     """Return the model version the query's ``have`` names (-1, the default: none), or None when malformed."""
-    have = request.query_params.get("have", "-1")
+    have = request.query("have", "-1") or ""
     if have == "-1" or (have.isascii() and have.isdigit() and len(have) <= _MAX_ID_DIGITS):
         return int(have)
     return None
 
 
-def _id(request: Request, name: str) -> int | Refusal:
+def _id(request: Incoming, name: str) -> int | Refusal:
     """Return the path parameter ``name`` as an id, or the refusal of one that is not at most 18 digits."""
     text = str(request.path_params[name])
     if not (text.isascii() and text.isdigit() and len(text) <= _MAX_ID_DIGITS):
@@ -429,31 +447,11 @@ def _id(request: Request, name: str) -> int | Refusal:
     return int(text)
 
 
-async def _read_body(request: Request, limit: int) -> bytes | int | None:
-    """Read a request's body in chunks: its bytes; the size read so far once it passes ``limit`` (the rest is never
-    read); None when a chunk took longer than :data:`BODY_IDLE_S` to come."""
-    idle_s = BODY_IDLE_S
-    loop = asyncio.get_running_loop()
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async with asyncio.timeout(idle_s) as deadline:  # one deadline, moved on at every chunk
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    return size
-                chunks.append(chunk)
-                deadline.reschedule(loop.time() + idle_s)
-    except TimeoutError:
-        return None
-    return b"".join(chunks)  # one chunk: that very object, not a copy
-
-
 def _model_response(download: ModelDownload) -> Response:
-    headers = {"etag": download.etag, "cache-control": "private, no-cache"}
     if not download.modified:
-        return Response(status_code=304, headers=headers)
-    return Response(download.payload, media_type=_OCTETS, headers=headers)
+        return Response(status_code=304, headers={"etag": download.etag, "cache-control": "private, no-cache"})
+    headers = ((b"etag", download.etag.encode("latin-1")), (b"cache-control", b"private, no-cache"))
+    return Answer(download.payload, 200, _OCTETS, headers)
 
 
 def _refused(refusal: Refusal) -> Response:

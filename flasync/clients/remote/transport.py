@@ -1,7 +1,9 @@
 """The remote transport: tasks handed to devices over the network instead of to in-process coroutines.
 
 The task registry starts every task through :meth:`RemoteTransport.start_task` (its ``start_task`` seam): the task
-waits in its client's mailbox until that client asks for it, and a client's upload goes onto the run's bus as the
+is posted to its client's mailbox, where it waits until that client asks for it (nothing runs for it meanwhile: a
+mailbox holding a task the registry no longer has in flight, timed out, say, is found so and emptied when it is next
+looked at), and a client's upload goes onto the run's bus as the
 same :class:`~flasync.core.events.UpdateUploaded` a simulated client publishes, so it meets the same intake (decoding,
 shape, NaN and norm checks), aggregator, accounting, tracking and checkpoints. A task whose client never answers is
 timed out by the registry like any other.
@@ -315,7 +317,7 @@ class Report:
         """
         if not isinstance(data, dict):
             raise ValueError("the report must be a JSON object")
-        unknown = set(data) - set(cls.__dataclass_fields__)
+        unknown = data.keys() - _REPORT_FIELDS
         if unknown:
             raise ValueError(f"unknown report field {sorted(unknown)[0]!r}")
         samples = data.get("num_samples")
@@ -341,10 +343,14 @@ class Report:
         return cls(num_samples=samples, peak_mem_bytes=memory, evaluation=evaluation, **figures)
 
 
+_REPORT_FIELDS = frozenset(Report.__dataclass_fields__)
+
+
 @dataclass(slots=True)
 class _Posted:
     task: TaskAssigned
-    snapshot: ModelSnapshot
+    download_bytes: int
+    """The size of the task's model as the run counts its download."""
     session: str | None = None
     """The connection the task was handed to (None: not yet handed out)."""
 
@@ -407,24 +413,24 @@ class _DeviceRegistry:
         self.handed: dict[ClientId, int] = {}  # the task a device took and has not answered, since it last asked
         self.polls: Counter[ClientId] = Counter()
         self._seen_at = np.empty(0, dtype=np.float64)  # -inf: never heard from
-        self._handed = np.empty(0, dtype=bool)
-        self._polls = np.empty(0, dtype=np.int64)
+        self._free = np.empty(0, dtype=bool)  # not holding a task it took
+        self._polling = np.empty(0, dtype=bool)
 
     def attach(self, bus: EventBus, num_clients: int) -> None:
         """Tell the run's server (on ``bus``) of devices that come online, from a population of ``num_clients``."""
         self._bus, self.num_clients = bus, num_clients
         self._seen_at = np.full(num_clients, -np.inf)
-        self._handed = np.zeros(num_clients, dtype=bool)
-        self._polls = np.zeros(num_clients, dtype=np.int64)
+        self._free = np.ones(num_clients, dtype=bool)
+        self._polling = np.zeros(num_clients, dtype=bool)
         for client_id, at in self.seen.items():
             if client_id < num_clients:
                 self._seen_at[client_id] = at
         for client_id, count in self.polls.items():
             if client_id < num_clients:
-                self._polls[client_id] = count
+                self._polling[client_id] = count > 0
         for client_id in self.handed:
             if client_id < num_clients:
-                self._handed[client_id] = True
+                self._free[client_id] = False
 
     def heard(self, client_id: ClientId, *, asking: bool = False) -> None:
         """Note that ``client_id`` made a request now; one asking for a task (``asking``) after a silence longer than
@@ -442,12 +448,12 @@ class _DeviceRegistry:
         """Note that ``client_id`` took ``task_id`` (it is not given another before it asks again)."""
         self.handed[client_id] = task_id
         if client_id < self.num_clients:
-            self._handed[client_id] = True
+            self._free[client_id] = False
 
     def asks(self, client_id: ClientId) -> None:
         """Forget the task ``client_id`` took: it asks again (alive, and given its task again if one is in flight)."""
         if self.handed.pop(client_id, None) is not None and client_id < self.num_clients:
-            self._handed[client_id] = False
+            self._free[client_id] = True
 
     def poll(self, client_id: ClientId, change: int) -> None:
         """Count a poll of ``client_id`` that opens (``change`` 1) or closes (-1)."""
@@ -455,7 +461,7 @@ class _DeviceRegistry:
         if not count:
             del self.polls[client_id]
         if client_id < self.num_clients:
-            self._polls[client_id] = count
+            self._polling[client_id] = count > 0
 
     def online(self, client_id: int, t: float) -> bool:
         """Tell whether device ``client_id`` is connected: asking for a task now, or heard from within
@@ -472,9 +478,9 @@ class _DeviceRegistry:
     def online_mask(self, t: float) -> np.ndarray:
         """Return a boolean array over the population: which devices are connected now (:meth:`online` of each:
         heard within the window and not holding a task, or polling)."""
-        mask: np.ndarray = self._wall() - self._seen_at <= self.online_window_s
-        mask &= ~self._handed
-        mask |= self._polls > 0
+        mask: np.ndarray = self._seen_at >= self._wall() - self.online_window_s
+        mask &= self._free
+        mask |= self._polling
         return mask
 
     @property
@@ -498,11 +504,16 @@ takes the update and the server posts the freed device's task within a few; each
 class _TaskHandout:
     """Each client's mailbox of one task, the polls waiting on it, and the connection a task is handed to.
 
+    A task stays in its mailbox until it is answered or the registry releases it (a time limit): the registry's
+    release is not told to the mailbox, which finds it out when the task is next looked for (``in_flight``), so a
+    posted task costs no coroutine waiting for its release.
+
     Args:
         settings: The ``remote`` config section (poll and waiting limits, ``Retry-After``).
         devices: Where polls and handed tasks are noted.
         refuse: Counts and logs a refusal, and returns it.
         ended: Returns the refusal of a request after the run ended.
+        incarnations: Names the process that dispatched each task.
     """
 
     def __init__(
@@ -514,36 +525,53 @@ class _TaskHandout:
         incarnations: Incarnations,
     ) -> None:
         """Start with empty mailboxes."""
+        self.in_flight: Callable[[TaskAssigned], bool] = lambda task: False
+        """Tells whether a task is still in flight (the run's registry's ``holds``, given when a run is attached)."""
         self.settings = settings
         self._devices = devices
         self._incarnations = incarnations
         self._refuse = refuse
         self._ended = ended
         self.closed = False
-        self.posted: dict[ClientId, _Posted] = {}
+        self._posted: dict[ClientId, _Posted] = {}
         self._wakers: dict[ClientId, asyncio.Event] = {}
+        self._ready_waiters: dict[ClientId, list[asyncio.Future[None]]] = {}  # answers waiting a few turns
         self.waiting = 0
         self.handed = 0  # tasks handed to a connection (a task asked for again is counted once)
 
-    async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
-        """Post ``task`` to its client's mailbox and wait (the registry cancels this when the task is released)."""
-        posted = _Posted(task, snapshot)
+    def post(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
+        """Post ``task`` (from ``snapshot``) to its client's mailbox and wake the client's poll, if one waits; the
+        answer arrives over HTTP and is published by :meth:`RemoteTransport.upload`."""
         client_id = task.client_id
-        self.posted[client_id] = posted
+        self._posted[client_id] = _Posted(task, snapshot.download_bytes)
         waker = self._wakers.pop(client_id, None)
         if waker is not None:
             waker.set()
-        try:
-            # The answer arrives over HTTP and is published by upload(); the registry's release cancels this wait.
-            await asyncio.get_running_loop().create_future()
-        finally:
-            if self.posted.get(client_id) is posted:
-                del self.posted[client_id]
+        for waiter in self._ready_waiters.get(client_id, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def get(self, client_id: ClientId) -> _Posted | None:
+        """Return the task in ``client_id``'s mailbox (None: none, or one the registry no longer has in flight,
+        which is taken out)."""
+        posted = self._posted.get(client_id)
+        if posted is not None and not self.in_flight(posted.task):
+            del self._posted[client_id]
+            return None
+        return posted
+
+    def __len__(self) -> int:
+        """Count the tasks posted and still in flight."""
+        return sum(1 for posted in self._posted.values() if self.in_flight(posted.task))
+
+    def statistics(self) -> dict[str, int]:
+        """Return the polls waiting, the tasks posted (and in flight) and those handed to a connection."""
+        return {"waiting": self.waiting, "posted": len(self), "handed": self.handed}
 
     async def next_task(self, client_id: ClientId, wait_s: float, session: str) -> Offer | Refusal | None:
         """Return ``client_id``'s task, waiting up to ``wait_s`` for one (None: none came), as
         :meth:`RemoteTransport.next_task` describes."""
-        posted = self.posted.get(client_id)
+        posted = self.get(client_id)
         if posted is not None:
             return self._hand(client_id, posted, session)
         devices = self._devices
@@ -557,7 +585,7 @@ class _TaskHandout:
         try:
             async with asyncio.timeout(max(0.0, min(wait_s, self.settings.poll_s))):
                 while not self.closed:
-                    posted = self.posted.get(client_id)
+                    posted = self.get(client_id)
                     if posted is not None:
                         return self._hand(client_id, posted, session)
                     waker = self._wakers.setdefault(client_id, asyncio.Event())
@@ -587,17 +615,34 @@ class _TaskHandout:
     async def ready(self, client_id: ClientId, session: str) -> Offer | None:
         """Hand ``client_id``'s task to ``session`` if one is in its mailbox within :data:`NEXT_TASK_TURNS` turns of
         the event loop (its intake takes a few to take an answered update and post the device's next task); never
-        waits on a clock nor for a task coming later (None: none came, the client long-polls :meth:`next_task`)."""
-        for turn in range(NEXT_TASK_TURNS + 1):
-            if turn:
-                await asyncio.sleep(0)  # one turn of the loop: whatever is ready runs, nothing is waited for
-            posted = self.posted.get(client_id)
-            if self.closed or (posted is not None and posted.session not in (None, session)):
-                return None
-            if posted is not None:
-                offer = self._hand(client_id, posted, session)
-                return offer if isinstance(offer, Offer) else None
-        return None
+        waits on a clock nor for a task coming later (None: none came, the client long-polls :meth:`next_task`).
+
+        Nothing runs for the request meanwhile: it waits on a future that :meth:`post` resolves, or a callback
+        counting the loop's turns once they have passed."""
+        if self.closed or self.get(client_id) is not None:
+            return self._ready(client_id, session)
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._ready_waiters.setdefault(client_id, []).append(waiter)
+        # Resolved in the turn before the last, so that this request looks again in the last.
+        loop.call_soon(_count_turns, loop, waiter, NEXT_TASK_TURNS - 2)
+        try:
+            await waiter
+        finally:
+            waiters = self._ready_waiters.get(client_id)
+            if waiters is not None:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._ready_waiters[client_id]
+        return self._ready(client_id, session)
+
+    def _ready(self, client_id: ClientId, session: str) -> Offer | None:
+        """Hand ``client_id``'s task to ``session`` if it is in the mailbox and not another connection's."""
+        posted = self.get(client_id)
+        if self.closed or posted is None or posted.session not in (None, session):
+            return None
+        offer = self._hand(client_id, posted, session)
+        return offer if isinstance(offer, Offer) else None
 
     def _offer(self, posted: _Posted) -> Offer:
         task = posted.task
@@ -605,16 +650,16 @@ class _TaskHandout:
             task_id=task.task_id,
             base_version=int(task.base_version),
             participation=task.participation,
-            download_bytes=posted.snapshot.download_bytes,
+            download_bytes=posted.download_bytes,
             incarnation=self._incarnations.of(task.task_id),
         )
 
     def forget_task(self, client_id: ClientId, task_id: int) -> None:
         """Take client ``client_id``'s answered task out of its mailbox: never offered again, even before the server
         releases it."""
-        posted = self.posted.get(client_id)
+        posted = self._posted.get(client_id)
         if posted is not None and posted.task.task_id == task_id:
-            del self.posted[client_id]
+            del self._posted[client_id]
 
     def close(self) -> None:
         """Wake every waiting poll (each learns the run ended) and empty the mailboxes."""
@@ -622,7 +667,21 @@ class _TaskHandout:
         for waker in self._wakers.values():
             waker.set()
         self._wakers.clear()
-        self.posted.clear()
+        for waiters in self._ready_waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+        self._posted.clear()
+
+
+def _count_turns(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None], left: int) -> None:
+    """Resolve ``waiter`` once ``left`` more turns of ``loop`` have passed (unless something resolved it first)."""
+    if waiter.done():
+        return
+    if left <= 0:
+        waiter.set_result(None)
+    else:
+        loop.call_soon(_count_turns, loop, waiter, left - 1)
 
 
 # ---------------------------------------------------------------------------------------------- downloads
@@ -710,6 +769,7 @@ class RemoteTransport:
         self._registry: TaskRegistry | None = None
         self._clock: Timer | None = None
         self._log: Any = None
+        self._upload_log = _UploadLog(lambda: self._log, lambda: self.num_params)
         self._devices = _DeviceRegistry(wall)
         self.incarnations = Incarnations(lambda: [t.task_id for t in self._registry or ()], incarnation)
         """Which process dispatched each task in flight (a checkpoint component)."""
@@ -767,6 +827,7 @@ class RemoteTransport:
         self._bus, self._registry, self._clock, self._log = bus, registry, clock, log
         self.secure = secure
         self._devices.attach(bus, registry.num_clients)
+        self._handout.in_flight = registry.holds
         self.num_params = num_params
         self._setup.update(num_params=num_params, feature_shape=list(feature_shape), num_classes=num_classes)
         members = json.dumps(self._setup, ensure_ascii=False, allow_nan=False, separators=(",", ":"))[1:-1]
@@ -796,6 +857,7 @@ class RemoteTransport:
             reason: The tracking status the run ends with; after ``KILLED`` clients are told to retry (503).
             error: Why a ``FAILED`` run failed (one line), told to the clients with its end.
         """
+        self._upload_log.flush()
         self.finished = reason or "finished"
         self.finished_error = " ".join(error.split())[:300]
         self._handout.close()
@@ -807,8 +869,8 @@ class RemoteTransport:
 
     # --------------------------------------------------------------------------------------- registry seam
     async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
-        """Post ``task`` to its client's mailbox and wait (the registry cancels this when the task is released)."""
-        await self._handout.start_task(task, snapshot)
+        """Post ``task`` to its client's mailbox (it waits there for the client, see :class:`_TaskHandout`)."""
+        self._handout.post(task, snapshot)
 
     # ------------------------------------------------------------------------------------------ availability
     def online(self, client_id: int, t: float) -> bool:
@@ -907,7 +969,7 @@ class RemoteTransport:
         task = registry.busy.get(client_id)
         if task is None or task.task_id != task_id:
             return self._refuse(client_id, Refusal(403, "not_your_task", f"client {client_id} has no task {task_id}"))
-        posted = self._handout.posted.get(client_id)
+        posted = self._handout.get(client_id)
         if posted is not None and posted.task.task_id == task_id and posted.session not in (None, session):
             detail = f"task {task_id} was handed to another connection with this token"
             return self._refuse(client_id, Refusal(403, "other_connection", detail))
@@ -963,8 +1025,8 @@ class RemoteTransport:
             return refusal
         assert self._registry is not None and self._bus is not None
         task = self._registry.busy[client_id]
-        posted = self._handout.posted.get(client_id)
-        download_bytes = posted.snapshot.download_bytes if posted is not None else 0
+        posted = self._handout.get(client_id)
+        download_bytes = posted.download_bytes if posted is not None else 0
         message = UpdateUploaded(
             to=task.reply_to,
             task_id=task.task_id,
@@ -991,8 +1053,7 @@ class RemoteTransport:
         if report.evaluation is not None:
             with contextlib.suppress(BusFull, BusClosed):  # the update went through; its report is a figure
                 self._bus.publish_nowait(report.evaluation.event(client_id, task, self._registry_now()))
-        if self._log is not None:
-            _log_upload(self._log, client_id, task_id, report, download_bytes, len(payload), self.num_params)
+        self._upload_log.add(client_id, task_id, report, download_bytes, len(payload))
         return None
 
     def failed(
@@ -1039,9 +1100,7 @@ class RemoteTransport:
         """Return the transport's counters (a JSON object)."""
         return {
             "finished": self.finished,
-            "waiting": self._handout.waiting,
-            "posted": len(self._handout.posted),
-            "handed": self._handout.handed,
+            **self._handout.statistics(),
             "uploads": self.uploads,
             "wire_upload_bytes": self.wire_upload_bytes,
             "wire_download_bytes": self.wire_download_bytes,
@@ -1089,26 +1148,50 @@ def _count_refusal(refusals: Counter[str], log: Any, client_id: ClientId | None,
     return refusal
 
 
-def _log_upload(
-    log: Any, client_id: ClientId, task_id: int, report: Report, download_bytes: int, upload_bytes: int, params: int
-) -> None:
-    """Log an upload's figures as a simulated client logs them (the same metric keys, through the same batch path
-    of :func:`~flasync.core.instruments.debug_many`), measured on the device."""
-    if not logs_debug(log):
-        return
-    fields = {
-        "step": task_id,
-        "client_id": int(client_id),
-        "train_s": report.train_s,
-        "samples": report.num_samples,
-        "loss": report.train_loss,
-        "peak_mem_bytes": report.peak_mem_bytes,
-        "encode_s": report.encode_s,
-        "download_bytes": download_bytes,
-        "upload_bytes": upload_bytes,
-        "compression": (HEADER.size + 4 * params) / max(upload_bytes, 1),
-    }
-    debug_many(log, "client", (fields,))
+class _UploadLog:
+    """The figures of each accepted upload, logged as a simulated client logs them (the same metric keys, through
+    the same batch path of :func:`~flasync.core.instruments.debug_many`), measured on the device: the uploads
+    accepted in one turn of the event loop are logged together at its end, one batch rather than one call each.
+
+    Args:
+        log: Returns the run's logger (None: no run attached, nothing is logged).
+        num_params: Returns the length of the flat model (the dense size an upload's compression is against).
+    """
+
+    def __init__(self, log: Callable[[], Any], num_params: Callable[[], int]) -> None:
+        """Start with nothing to log."""
+        self._log = log
+        self._num_params = num_params
+        self._rows: list[dict[str, Any]] = []
+
+    def add(self, client_id: ClientId, task_id: int, report: Report, download_bytes: int, upload_bytes: int) -> None:
+        """Log an accepted upload's figures at the end of this turn of the event loop."""
+        log = self._log()
+        if log is None or not logs_debug(log):
+            return
+        if not self._rows:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._rows.append(
+            {
+                "step": task_id,
+                "client_id": int(client_id),
+                "train_s": report.train_s,
+                "samples": report.num_samples,
+                "loss": report.train_loss,
+                "peak_mem_bytes": report.peak_mem_bytes,
+                "encode_s": report.encode_s,
+                "download_bytes": download_bytes,
+                "upload_bytes": upload_bytes,
+                "compression": (HEADER.size + 4 * self._num_params()) / max(upload_bytes, 1),
+            }
+        )
+
+    def flush(self) -> None:
+        """Log the figures not logged yet."""
+        rows, self._rows = self._rows, []
+        log = self._log()
+        if rows and log is not None:
+            debug_many(log, "client", rows)
 
 
 def transport_for(config: RunConfig) -> RemoteTransport:

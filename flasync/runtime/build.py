@@ -85,7 +85,7 @@ from flasync.server import (
     TreeRounds,
 )
 from flasync.server.loop import Evaluator, Stateful
-from flasync.server.registry import StartGroup, StartTask, one_each
+from flasync.server.registry import PostTask, StartGroup
 from flasync.server.sampler import Availability
 from flasync.server.topology import Tree
 from flasync.training.diagnostics import TrainingDiagnostics
@@ -598,7 +598,7 @@ def build_server(
     evaluate: Evaluator,
     privacy: PrivacyPlan | None = None,
     aggregator_factory: AggregatorFactory | None = None,
-    start_task: StartTask | None = None,
+    start_task: PostTask | None = None,
     availability: Availability | None = None,
     plugins: Sequence[ServerPlugin] = (),
     remote: Stateful | None = None,
@@ -619,7 +619,7 @@ def build_server(
         evaluate: Evaluates a model off the event loop.
         privacy: The run's differential privacy (None: off).
         aggregator_factory: Builds the aggregation rule instead of ``config.server`` (which still picks the policy).
-        start_task: How a task reaches its client instead of an in-process client coroutine (a remote transport's).
+        start_task: Posts each task to its client at dispatch (a remote transport's mailbox), instead of coroutines.
         availability: Who can take a task now, instead of the failure model's windows (the remote transport's).
         plugins: A caller's own server-side algorithm state, after the run's own.
         remote: The remote transport's checkpoint component (:class:`~flasync.clients.remote.transport.Incarnations`).
@@ -687,7 +687,7 @@ def _make_dispatch(
     *,
     bus: EventBus,
     clock: RunClock,
-    start_task: StartTask | None,
+    start_task: PostTask | None,
     availability: Availability | None,
 ) -> tuple[Accounting, TaskRegistry, CohortClients | None, ClientSampler, SecureRoom | None]:
     """Return how tasks reach clients: the accounting of their outcomes, the registry of tasks in flight, the
@@ -702,11 +702,12 @@ def _make_dispatch(
     )
     room = _secure_room(config, world, lambda: registry, bus=bus, clock=clock)
     group: CohortClients | None = None
+    start: StartGroup | PostTask
     if start_task is None:
         group = CohortClients(world, live=lambda task: registry.holds(task), secure=room)
-        start: StartGroup = group.run
+        start = group.run
     else:
-        start = one_each(start_task)
+        start = start_task
     # Simulated clients that never crash, hang, drop out or go offline answer on timelines known at dispatch: the
     # tasks dispatched together share one coroutine (such a fault decides per task whether and when it answers).
     share = group is not None and (world.faults is None or not world.faults.active) and clock.virtual
@@ -727,6 +728,7 @@ def _make_dispatch(
         share=share,
         holding=None if room is None else room.holds,
         on_attach=None if room is None else room.attached,
+        post=start_task is not None,
     )
     if group is not None:  # the registry's own check, asked once per task: no lambda in between once it exists
         group.live = registry.holds

@@ -20,7 +20,7 @@ from flasync.server.edges import EdgeLink, EdgeNetwork, EdgeNode, EdgeSettings, 
 from flasync.server.intake import Admitted, Intake, Refused
 from flasync.server.loop import INTERRUPTED, Evaluator, Server, StopRules
 from flasync.server.policies import AsyncSlots, Policy, SyncRounds, TreeRounds
-from flasync.server.registry import StartGroup, StartTask, TaskRegistry, Timer, one_each
+from flasync.server.registry import PostTask, StartGroup, StartTask, TaskRegistry, Timer, one_each
 from flasync.server.sampler import ClientSampler
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "Evaluator",
     "Intake",
     "Policy",
+    "PostTask",
     "Refused",
     "Server",
     "ServerStats",

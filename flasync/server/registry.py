@@ -28,19 +28,32 @@ from flasync.core.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, T
 from flasync.core.snapshots import ModelSnapshot
 from flasync.server.accounting import Accounting
 
-__all__ = ["Answer", "StartGroup", "StartTask", "TaskRegistry", "Timer", "one_each", "participation_counters"]
+__all__ = [
+    "Answer",
+    "PostTask",
+    "StartGroup",
+    "StartTask",
+    "TaskRegistry",
+    "Timer",
+    "one_each",
+    "participation_counters",
+]
 
 StartTask = Callable[[TaskAssigned, ModelSnapshot], Coroutine[Any, Any, None]]
 """Run one task: train ``snapshot`` on the task's client and put the answer on the bus (never raise)."""
 
+PostTask = Callable[[TaskAssigned, ModelSnapshot], None]
+"""Hand one task to its client and return at once (a transport's mailbox): the answer comes on the bus later, and a
+task released meanwhile is found so by the transport (:meth:`TaskRegistry.holds`)."""
+
 StartGroup = Callable[[Sequence[TaskAssigned], ModelSnapshot], Coroutine[Any, Any, None]]
-"""Run tasks on one model (one or several) as :data:`StartTask` runs each, answering only those still in flight
-(:meth:`TaskRegistry.holds`) when their answers are due."""
+"""Run tasks on one model (one or several): train ``snapshot`` on each task's client and put the answers on the bus
+(never raise), answering only those still in flight (:meth:`TaskRegistry.holds`) when their answers are due."""
 
 
 def one_each(start_task: StartTask) -> StartGroup:
-    """Return a :data:`StartGroup` that runs each task of a group with ``start_task`` in turn (a transport hands a
-    task to one device; a registry that does not ``share`` starts groups of one)."""
+    """Return a :data:`StartGroup` that runs each task of a group with ``start_task`` in turn (a registry that does
+    not ``share`` starts groups of one)."""
 
     async def start(tasks: Sequence[TaskAssigned], snapshot: ModelSnapshot) -> None:
         for task in tasks:
@@ -103,8 +116,9 @@ class TaskRegistry:
             :meth:`~flasync.core.clock.CallsAt.call_at` (real time), else a task that sleeps (virtual time).
         accounting: Counts dispatches and their downloads.
         num_clients: Size of the population (the clients' ids are ``0..num_clients - 1``).
-        start: Runs tasks: each in a call of its own, cancelled when the task is released, or those dispatched
-            together in one call where ``share`` (see :data:`StartGroup`).
+        start: Runs tasks: a :data:`StartGroup` runs each in a call of its own, cancelled when the task is released,
+            or those dispatched together in one call where ``share``; a :data:`PostTask` (``post``) hands each to its
+            client at dispatch, with no coroutine of its own.
         timeout_s: A task not answered this long after dispatch is timed out (None: never).
         mark_used: Told the clients dispatched (e.g. a least-recently-used sampler).
         mark_idle: Told each client whose task was released (e.g. a least-recently-used sampler following the
@@ -117,6 +131,7 @@ class TaskRegistry:
             aggregation group): such a task does not start again when a checkpoint is resumed.
         on_attach: Told when the registry is attached to the run's task group (what a restored state holds may
             start then).
+        post: ``start`` is a :data:`PostTask`.
     """
 
     def __init__(
@@ -126,7 +141,7 @@ class TaskRegistry:
         clock: Timer,
         accounting: Accounting,
         num_clients: int,
-        start: StartGroup,
+        start: StartGroup | PostTask,
         timeout_s: float | None = None,
         mark_used: Callable[[list[int]], None] | None = None,
         mark_idle: Callable[[int], None] | None = None,
@@ -134,15 +149,19 @@ class TaskRegistry:
         share: bool = False,
         holding: Callable[[TaskAssigned], bool] | None = None,
         on_attach: Callable[[], None] | None = None,
+        post: bool = False,
     ) -> None:
         """Start with no task and no model."""
+        if post and share:
+            raise ValueError("a registry that posts tasks starts no group: share must be False")
         self._holding = holding
         self._on_attach = on_attach
         self._bus = bus
         self._clock = clock
         self._call_at = clock.call_at if isinstance(clock, CallsAt) else None
         self._accounting = accounting
-        self._start_tasks = start
+        self._start_tasks = cast(StartGroup, start)
+        self._post = cast(PostTask, start) if post else None
         self.share = share
         self._open: _Group | None = None
         self.timeout_s = timeout_s
@@ -305,7 +324,9 @@ class TaskRegistry:
         return tasks
 
     def _start(self, task: TaskAssigned, snapshot: ModelSnapshot, *, client: bool = True) -> None:
-        if client and self.share:
+        if client and self._post is not None:
+            self._post(task, snapshot)
+        elif client and self.share:
             self._group_for(snapshot, task).tasks.append(task)
         elif client:
             name = f"flasync-client-{task.client_id}-task-{task.task_id}"

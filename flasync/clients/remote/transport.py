@@ -1,9 +1,9 @@
 """The remote transport: tasks handed to devices over the network instead of to in-process coroutines.
 
-The task registry starts every task through :meth:`RemoteTransport.start_task` (its ``start_task`` seam): the task
-is posted to its client's mailbox, where it waits until that client asks for it (nothing runs for it meanwhile: a
-mailbox holding a task the registry no longer has in flight, timed out, say, is found so and emptied when it is next
-looked at), and a client's upload goes onto the run's bus as the
+The task registry hands every task to :meth:`RemoteTransport.start_task` at dispatch (its ``post`` seam, no
+coroutine per task): the task is posted to its client's mailbox, where it waits until that client asks for it
+(nothing runs for it meanwhile: a mailbox holding a task the registry no longer has in flight, timed out, say, is
+found so and emptied when it is next looked at), and a client's upload goes onto the run's bus as the
 same :class:`~flasync.core.events.UpdateUploaded` a simulated client publishes, so it meets the same intake (decoding,
 shape, NaN and norm checks), aggregator, accounting, tracking and checkpoints. A task whose client never answers is
 timed out by the registry like any other.
@@ -868,7 +868,7 @@ class RemoteTransport:
             self._log.debug("remote.refused", step=total, total=total, **counts)
 
     # --------------------------------------------------------------------------------------- registry seam
-    async def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
+    def start_task(self, task: TaskAssigned, snapshot: ModelSnapshot) -> None:
         """Post ``task`` to its client's mailbox (it waits there for the client, see :class:`_TaskHandout`)."""
         self._handout.post(task, snapshot)
 

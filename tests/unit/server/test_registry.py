@@ -242,6 +242,48 @@ async def test_a_registry_that_does_not_share_starts_groups_of_one_and_cancels_t
     await _attached(registry, body())
 
 
+async def test_a_registry_that_posts_hands_each_task_over_at_dispatch_with_no_coroutine() -> None:
+    """With ``post`` each task is handed to ``start`` during its dispatch (a transport's mailbox), in order, with its
+    model; no task of the run is made for it, and a checkpoint's tasks are posted again when resumed. A posting
+    registry cannot share."""
+    harness = ServerHarness(clients=_silent)
+    posted: list[tuple[int, int]] = []
+
+    def post(task: TaskAssigned, snapshot: ModelSnapshot) -> None:
+        posted.append((task.task_id, int(snapshot.version)))
+
+    registry = TaskRegistry(
+        bus=harness.bus, clock=harness.clock, accounting=harness.accounting, num_clients=8, start=post, post=True
+    )
+    registry.publish(_snapshot(3))
+
+    async def body() -> None:
+        tasks = await registry.dispatch_many([4, 1, 6])
+        assert posted == [(t.task_id, 3) for t in tasks]  # already during the dispatch
+        assert registry._tasks == set() and registry._handles == {}
+        assert registry.release(tasks[0]) and not registry.holds(tasks[0]) and registry.holds(tasks[1])
+        state = registry.state_dict()
+        again = TaskRegistry(
+            bus=harness.bus, clock=harness.clock, accounting=harness.accounting, num_clients=8, start=post, post=True
+        )
+        again.load_state_dict(state, device=torch.device("cpu"))
+        posted.clear()
+        again.redispatch()
+        assert posted == [(tasks[1].task_id, 3), (tasks[2].task_id, 3)]
+
+    await _attached(registry, body())
+    with pytest.raises(ValueError, match="share must be False"):
+        TaskRegistry(
+            bus=harness.bus,
+            clock=harness.clock,
+            accounting=harness.accounting,
+            num_clients=8,
+            start=post,
+            post=True,
+            share=True,
+        )
+
+
 async def test_dispatch_many_starts_the_tasks_dispatch_would_start_one_by_one() -> None:
     """dispatch_many gives the tasks of dispatch() in turn - ids, participations, downloads, least-recently-used
     marks, the same events in order - with one TasksAssigned where every observer takes batches; a client named

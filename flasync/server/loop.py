@@ -347,6 +347,9 @@ class Server:
         return self._batch.popleft()
 
     async def _handle(self, message: ServerMessage, decoded: Decoded | None = None) -> None:
+        if isinstance(message, UpdateUploaded):  # the most frequent message first
+            await self._receiver.receive([(message, decoded)], now=self.clock.now())
+            return
         if isinstance(message, StopRequested | RoundDeadlinePassed | ClientConnected):
             pass  # a stop request's flag is already set; the policy reads the deadline; the loop fills next
         elif isinstance(message, TaskClosed):
@@ -363,9 +366,6 @@ class Server:
             for task in message.members:
                 self.registry.release(task)
             self._receiver.secure_group(message)
-            return
-        elif isinstance(message, UpdateUploaded):
-            await self._receiver.receive([(message, decoded)], now=self.clock.now())
             return
         self.policy.note(message, accepted=False)
 

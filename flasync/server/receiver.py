@@ -25,6 +25,7 @@ from flasync.core.events import (
     UpdateReceived,
     UpdatesReceived,
     UpdateUploaded,
+    Version,
 )
 from flasync.core.instruments import debug_many, logs_debug
 from flasync.server.accounting import Accounting, ServerStats
@@ -132,13 +133,12 @@ class CloudReceiver:
         """
         received: list[UpdateReceived] = []
         lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
-        take, note, accounting = self._take, self.policy.note, self.accounting
+        take, note = self._take, self.policy.note
+        version = self.versions.version  # only the loop steps it, and it is here until the batch is taken
         try:
             for message, decoded in batch:
                 received_s = message.simulated_s if now is None else now
-                size = message.upload_bytes
-                accounting.arrived(size, client_id=int(message.client_id))
-                outcome = take(message, decoded, size, received_s, lines)
+                outcome = take(message, decoded, version, received_s, lines)
                 if isinstance(outcome, Refused):
                     if lines:
                         debug_many(self.log, "server.update", lines)
@@ -159,21 +159,22 @@ class CloudReceiver:
         self,
         message: UpdateUploaded,
         decoded: Decoded | None,
-        size: int,
+        version: Version,
         received_s: float,
         lines: list[dict[str, Any]],
     ) -> UpdateReceived | Refused:
-        """Admit an upload (of ``size`` bytes, counted as arrived, received at virtual time ``received_s``) and, if
+        """Count an upload's arrival, admit it against ``version`` (received at virtual time ``received_s``) and, if
         it passes, fold it in and count it; return its event or the refusal. Its debug line's fields are appended to
         ``lines`` for the caller to log."""
-        version = self.versions.version
+        size, client = message.upload_bytes, int(message.client_id)
+        self.accounting.arrived(size, client_id=client)
         folded = self.node.admit(message, version=int(version), into=self.aggregator, decoded=decoded)
         if isinstance(folded, Refused):
             return folded
         verdict, stats = folded.admitted, self.stats
         stats.cloud_aggregate_s += folded.aggregate_s
         staleness = verdict.staleness
-        self._accepted(staleness, int(message.client_id))
+        self._accepted(staleness, client)
         queue_wait_s = verdict.received_wall - message.sent_wall_s
         if self._log_updates:
             line = {

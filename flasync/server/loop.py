@@ -306,12 +306,14 @@ class Server:
                 return  # stopped while no client was online: nothing in flight to wait for
             if not policy.step_due():
                 message, decoded = await self._next()
-                if self._batch and isinstance(message, UpdateUploaded) and policy.rounds and not policy.abandons:
+                if not isinstance(message, UpdateUploaded):
+                    self._handle(message)
+                elif self._batch and policy.rounds and not policy.abandons:
                     batch = [(message, decoded), *self._batch]
                     self._batch.clear()
                     await self._receiver.receive(batch)
-                else:
-                    await self._handle(message, decoded)
+                else:  # one upload, as it would come alone
+                    await self._receiver.receive([(message, decoded)], now=self.clock.now())
                 if policy.rounds and policy.interruptible and self._stop_requested:
                     self._stop_reason()
                     return  # mid-round: the checkpoint keeps the round and its tasks in flight
@@ -346,10 +348,8 @@ class Server:
             self._batch.extend(zip(uploads, self.intake.decode(uploads), strict=True))
         return self._batch.popleft()
 
-    async def _handle(self, message: ServerMessage, decoded: Decoded | None = None) -> None:
-        if isinstance(message, UpdateUploaded):  # the most frequent message first
-            await self._receiver.receive([(message, decoded)], now=self.clock.now())
-            return
+    def _handle(self, message: ServerMessage) -> None:
+        """Handle a message other than an upload (:meth:`_drive` hands uploads to the receiver)."""
         if isinstance(message, StopRequested | RoundDeadlinePassed | ClientConnected):
             pass  # a stop request's flag is already set; the policy reads the deadline; the loop fills next
         elif isinstance(message, TaskClosed):

@@ -153,7 +153,10 @@ class CloudReceiver:
         finally:  # also those of updates folded in before an error
             if lines:
                 debug_many(self.log, "server.update", lines)
-        await self.bus.publish_together(UpdatesReceived, received)
+        if len(received) == 1:  # what publish_together does with one event, without its coroutine (once an upload)
+            await self.bus.publish(received[0])
+        elif received:
+            await self.bus.publish_together(UpdatesReceived, received)
 
     def _take(
         self,

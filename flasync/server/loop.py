@@ -305,7 +305,8 @@ class Server:
                 self._stop_reason()
                 return  # stopped while no client was online: nothing in flight to wait for
             if not policy.step_due():
-                message, decoded = await self._next()
+                # The next upload of a batch being handled is taken here, without a coroutine for it.
+                message, decoded = self._batch.popleft() if self._batch else await self._next()
                 if not isinstance(message, UpdateUploaded):
                     self._handle(message)
                 elif self._batch and policy.rounds and not policy.abandons:

@@ -135,7 +135,7 @@ class UpdateValidator:
         """Return ``(verdict, norm)``: ``verdict`` is ``None`` if ``delta`` may be aggregated.
 
         Nothing is recorded but the norm bound's view of the norms seen; call :meth:`accepted` once the update was
-        really aggregated. The same as :meth:`check_alone` (form, finiteness, norm bound) and then, if that passes,
+        really aggregated. The same as :meth:`check_alone` (form, finiteness, ``max_norm``) and then, if that passes,
         :meth:`check_norm` (the checks against the norms seen before).
 
         Args:

@@ -190,24 +190,22 @@ class Intake:
         limit = self.max_staleness
         if limit is not None and staleness > limit:
             return Refused("stale", f"staleness {staleness} > max_staleness {limit}")
-        if plugins:
-            for plugin in plugins:
-                objection = plugin.admit(message, version)
-                if objection is not None:
-                    return Refused(*objection)
+        for plugin in plugins:
+            objection = plugin.admit(message, version)
+            if objection is not None:
+                return Refused(*objection)
         if decoded is None:
             decoded = self._decode_one(message)
         delta = decoded.delta
         if delta is None:
             return Refused("decode", decoded.error)
         extra = None
-        if plugins:
-            for plugin in plugins:
-                value = plugin.decode_extra(message)
-                if isinstance(value, Refusal):
-                    return Refused(*value)
-                if value is not None:
-                    extra = value
+        for plugin in plugins:
+            value = plugin.decode_extra(message)
+            if isinstance(value, Refusal):
+                return Refused(*value)
+            if value is not None:
+                extra = value
         alone = decoded.alone
         if alone is None:
             verdict, norm = self.validator.check(delta, decoded.norm)
@@ -219,9 +217,8 @@ class Intake:
             return Refused(verdict.reason, verdict.detail)
         if self.clip_norm is not None:
             delta, _ = clip_to_norm(delta, self.clip_norm)
-        if plugins:
-            for plugin in plugins:
-                plugin.admitted(message, version)
+        for plugin in plugins:
+            plugin.admitted(message, version)
         return _new_tuple(Admitted, (delta, staleness, norm, base, received_wall, decoded.decode_s, extra))
 
     def accepted(self, admitted: Admitted) -> None:

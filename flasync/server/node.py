@@ -157,9 +157,8 @@ class AggregationNode:
         weight = into.add(
             verdict.delta, staleness=verdict.staleness, num_samples=message.num_samples, base=verdict.base.weights
         )
-        if self.plugins:
-            for plugin in self.plugins:
-                plugin.folded(verdict.extra)
+        for plugin in self.plugins:
+            plugin.folded(verdict.extra)
         self.intake.accepted(verdict)
         return _new_tuple(Folded, (verdict, weight, self.wall() - start))
 

@@ -36,7 +36,7 @@ class UpdateBuffer:
         ValueError: If ``num_params < 1``.
     """
 
-    __slots__ = ("_acc", "_count", "_total_example_weight")
+    __slots__ = ("_acc", "_count", "_device", "_dtype", "_shape", "_total_example_weight")
 
     def __init__(
         self, num_params: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
@@ -44,6 +44,8 @@ class UpdateBuffer:
         if num_params < 1:
             raise ValueError(f"num_params must be >= 1, got {num_params}")
         self._acc = torch.zeros(num_params, dtype=dtype, device=device)
+        # What a delta must match, read once: one comparison each per update instead of the tensor's attributes.
+        self._shape, self._dtype, self._device = self._acc.shape, self._acc.dtype, self._acc.device
         self._count = 0
         self._total_example_weight = 0.0
 
@@ -91,7 +93,14 @@ class UpdateBuffer:
             ValueError: If ``delta`` has the wrong shape, dtype or device, or a weight is out of range. The
                 buffer is left unchanged.
         """
-        self._check(delta, example_weight, staleness_weight)
+        if not (
+            0 < example_weight < math.inf
+            and 0 <= staleness_weight < math.inf
+            and delta.shape == self._shape
+            and delta.dtype == self._dtype
+            and delta.device == self._device
+        ):
+            self._check(delta, example_weight, staleness_weight)  # names what is wrong
         self._acc.add_(delta, alpha=example_weight * staleness_weight)
         self._total_example_weight += example_weight
         self._count += 1

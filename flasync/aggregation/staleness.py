@@ -41,9 +41,9 @@ class StalenessWeight(Protocol):
         ...
 
 
-def _check_staleness(staleness: int) -> None:
-    if staleness < 0:
-        raise ValueError(f"staleness must be >= 0 model versions, got {staleness}")
+def _negative(staleness: int) -> ValueError:
+    """The error of a negative ``staleness`` (the weights test the sign inline: they run once per update)."""
+    return ValueError(f"staleness must be >= 0 model versions, got {staleness}")
 
 
 def _check_exponent(name: str, value: float) -> None:
@@ -72,7 +72,8 @@ class ConstantStaleness:
         Raises:
             ValueError: If ``staleness`` is negative.
         """
-        _check_staleness(staleness)
+        if staleness < 0:
+            raise _negative(staleness)
         return 1.0
 
 
@@ -105,7 +106,8 @@ class PolynomialStaleness:
         Raises:
             ValueError: If ``staleness`` is negative.
         """
-        _check_staleness(staleness)
+        if staleness < 0:
+            raise _negative(staleness)
         return float((1 + staleness) ** -self.a)
 
 
@@ -143,7 +145,8 @@ class HingeStaleness:
         Raises:
             ValueError: If ``staleness`` is negative.
         """
-        _check_staleness(staleness)
+        if staleness < 0:
+            raise _negative(staleness)
         if staleness <= self.b:
             return 1.0
         return 1.0 / (self.a * (staleness - self.b) + 1.0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -134,12 +134,25 @@ class UpdateValidator:
     def check(self, delta: torch.Tensor, norm: float | None = None) -> tuple[Verdict | None, float]:
         """Return ``(verdict, norm)``: ``verdict`` is ``None`` if ``delta`` may be aggregated.
 
-        Nothing is recorded; call :meth:`accepted` once the update was really aggregated.
+        Nothing is recorded but the norm bound's view of the norms seen; call :meth:`accepted` once the update was
+        really aggregated. The same as :meth:`check_alone` (form, finiteness, ``max_norm``) and then, if that passes,
+        :meth:`check_norm` (the checks against the norms seen before).
 
         Args:
             delta: The decoded update.
             norm: Its L2 norm if already taken (a batch's norms come from one reduction); a norm that is not
                 finite is taken again, element by element, to tell NaN and Inf from an overflowing sum.
+        """
+        verdict, norm = self.check_alone(delta, norm)
+        if verdict is not None:
+            return verdict, norm
+        return self.check_norm(norm), norm
+
+    def check_alone(self, delta: torch.Tensor, norm: float | None = None) -> tuple[Verdict | None, float]:
+        """Return ``(verdict, norm)`` of the checks that look at ``delta`` alone: form, finiteness, ``max_norm``.
+
+        They read and record nothing, so they may run ahead of the update's turn (:meth:`check_rows`); arguments as
+        :meth:`check`.
         """
         if delta.dim() != 1 or delta.numel() != self.num_params:
             return Verdict("shape", f"update has shape {tuple(delta.shape)}, expected ({self.num_params},)"), math.nan
@@ -147,13 +160,46 @@ class UpdateValidator:
             return Verdict("dtype", f"update has dtype {delta.dtype}, expected {self.dtype}"), math.nan
         if norm is None or not math.isfinite(norm):
             norm = finite_norm(delta)
+        return self._norm_alone(norm), norm
+
+    def _norm_alone(self, norm: float) -> Verdict | None:
+        """The verdict of :meth:`check_alone` on a delta of the right form whose norm (NaN: not finite) is ``norm``."""
         if math.isnan(norm):
-            return Verdict("non_finite", "update contains NaN or Inf"), math.nan
+            return Verdict("non_finite", "update contains NaN or Inf")
         if math.isinf(norm):
             # Every element is finite but the norm overflows float32: folded in, it would overflow the model.
-            return Verdict("non_finite", "update norm overflows (inf) though every element is finite"), norm
+            return Verdict("non_finite", "update norm overflows (inf) though every element is finite")
         if self.max_norm is not None and norm > self.max_norm:
-            return Verdict("norm", f"update norm {norm:.4g} > max_update_norm {self.max_norm:g}"), norm
+            return Verdict("norm", f"update norm {norm:.4g} > max_update_norm {self.max_norm:g}")
+        return None
+
+    def check_rows(self, rows: torch.Tensor, norms: Sequence[float]) -> list[tuple[Verdict | None, float]]:
+        """Return :meth:`check_alone` of each row of ``rows`` (a batch decoded together), in one pass.
+
+        Each entry is the verdict and norm :meth:`check_alone` gives that row with its norm: the form is checked
+        once for the batch, and where every norm is finite and within ``max_norm`` (one sum and one maximum) no row
+        is looked at again; a row whose norm is not finite is taken again alone, as :meth:`check_alone` would.
+
+        Args:
+            rows: ``(K, P)`` deltas.
+            norms: Their L2 norms, one reduction over the rows.
+        """
+        if rows.dim() != 2 or rows.shape[1] != self.num_params or rows.dtype != self.dtype:
+            return [self.check_alone(row, norm) for row, norm in zip(rows.unbind(0), norms, strict=True)]
+        # A sum is finite only if every term is (a NaN or an Inf stays in it): one C loop, cheaper than making an
+        # array for the few rows of a small batch. A sum that overflows only sends the batch row by row.
+        if math.isfinite(sum(norms)) and (self.max_norm is None or max(norms, default=0.0) <= self.max_norm):
+            return [(None, norm) for norm in norms]
+        out: list[tuple[Verdict | None, float]] = []
+        for k, norm in enumerate(norms):
+            if not math.isfinite(norm):
+                norm = finite_norm(rows[k])
+            out.append((self._norm_alone(norm), norm))
+        return out
+
+    def check_norm(self, norm: float) -> Verdict | None:
+        """Return the verdict of the checks against the norms seen before (norm bound, z-score) on a finite ``norm``
+        that :meth:`check_alone` passed; the norm bound's reference records it (see ``norm_bound_factor``)."""
         if self.norm_bound_factor is not None:
             # The median of accepted norms once there are enough, else of every norm seen so far (a minority of
             # attackers cannot move a median): the bound holds from the first updates on.
@@ -162,26 +208,20 @@ class UpdateValidator:
             if len(reference) >= _NORM_BOUND_MIN_SEEN:
                 bound = self.norm_bound_factor * _median(sorted(reference))
                 if norm > bound:
-                    return (
-                        Verdict(
-                            "norm_bound",
-                            f"update norm {norm:.4g} > {self.norm_bound_factor:g} x the median of "
-                            f"{len(reference)} recent norms ({bound:.4g})",
-                        ),
-                        norm,
+                    return Verdict(
+                        "norm_bound",
+                        f"update norm {norm:.4g} > {self.norm_bound_factor:g} x the median of "
+                        f"{len(reference)} recent norms ({bound:.4g})",
                     )
         if self.zscore_threshold is not None and len(self._norms) >= self.min_history:
             score = robust_zscore(norm, self._norms)
             if score > self.zscore_threshold:
-                return (
-                    Verdict(
-                        "zscore",
-                        f"update norm {norm:.4g} has robust z-score {score:.3g} > {self.zscore_threshold:g} "
-                        f"over the last {len(self._norms)} accepted updates",
-                    ),
-                    norm,
+                return Verdict(
+                    "zscore",
+                    f"update norm {norm:.4g} has robust z-score {score:.3g} > {self.zscore_threshold:g} "
+                    f"over the last {len(self._norms)} accepted updates",
                 )
-        return None, norm
+        return None
 
     def accepted(self, norm: float) -> None:
         """Record the norm of an update that was aggregated."""

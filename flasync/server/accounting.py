@@ -111,10 +111,12 @@ class Accounting:
             self.clients.accepted(client_id, staleness)
         stats = self.stats
         self._failure_streak = 0
-        self._rejections.clear()
+        if self._rejections:
+            self._rejections.clear()
         stats.updates_accepted += 1
         stats.staleness_sum += staleness
-        stats.staleness_max = max(stats.staleness_max, staleness)
+        if staleness > stats.staleness_max:
+            stats.staleness_max = staleness
         self._staleness.append(staleness)
 
     def rejected(self, reason: str, *, client_id: int | None = None) -> None:
@@ -180,6 +182,16 @@ class Accounting:
         if self.clients is not None and client_id is not None:
             self.clients.uploaded(client_id, num_bytes)
         self.stats.upload_bytes += num_bytes
+
+    def arrived(self, num_bytes: int, *, client_id: int | None = None) -> None:
+        """Count a client's upload that reached the cloud (of client ``client_id`` when known): :meth:`uploaded` and
+        :meth:`ingress` of its bytes in one call (one is made per update on the event loop)."""
+        if self.clients is not None and client_id is not None:
+            self.clients.uploaded(client_id, num_bytes)
+        stats = self.stats
+        stats.upload_bytes += num_bytes
+        stats.cloud_ingress_bytes += num_bytes
+        self._ingress += num_bytes
 
     def ingress(self, num_bytes: int) -> None:
         """Count bytes that reached the cloud."""

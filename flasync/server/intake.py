@@ -9,7 +9,6 @@ forged or broken upload costs its sender, never the run.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -17,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from flasync.codecs import Pipeline
-from flasync.codecs.validation import UpdateValidator, clip_to_norm
+from flasync.codecs.validation import UpdateValidator, Verdict, clip_to_norm
 from flasync.core.errors import DecodeError
 from flasync.core.events import UpdateUploaded
 from flasync.core.snapshots import ModelSnapshot
@@ -25,6 +24,8 @@ from flasync.server.registry import TaskRegistry
 from flasync.training.plugins import Refusal, ServerPlugin
 
 __all__ = ["Admitted", "Decoded", "Intake", "Refused"]
+
+_new_tuple = tuple.__new__  # builds a named tuple (every field given) in C, without its class's Python constructor
 
 
 class Decoded(NamedTuple):
@@ -35,12 +36,16 @@ class Decoded(NamedTuple):
         norm: Its L2 norm where a batch's norms were taken together (None: the validator takes it).
         decode_s: Real seconds its decoding took (its share of a batch's).
         error: Why the payload does not decode (empty when it does).
+        alone: The validator's verdict and norm of the checks that look at the delta alone
+            (:meth:`~flasync.codecs.validation.UpdateValidator.check_alone`), where a batch's rows were checked
+            together (None: they are taken at admission).
     """
 
     delta: torch.Tensor | None
     norm: float | None
     decode_s: float
     error: str = ""
+    alone: tuple[Verdict | None, float] | None = None
 
 
 class Admitted(NamedTuple):
@@ -113,12 +118,14 @@ class Intake:
     def decode(self, messages: Sequence[UpdateUploaded]) -> list[Decoded]:
         """Decode the deltas of uploads that arrived together (one upload or many), in order.
 
-        A batch whose payloads share one form is decoded in a few tensor calls and its norms taken in one reduction
-        (:meth:`~flasync.codecs.Pipeline.decode_stacked`, one ``vector_norm`` over the rows); one upload, or a batch
-        that cannot be decoded together (payloads of several forms, a plug-in's extras beside the deltas), is
-        decoded upload by upload. Nothing is checked or released here: each upload still goes through
-        :meth:`admit` with its entry. A batch's deltas are rows of a buffer the next batch writes again: admit its
-        uploads before decoding another.
+        A batch whose payloads share one form is decoded in a few tensor calls, its norms taken in one reduction
+        (:meth:`~flasync.codecs.Pipeline.decode_stacked`, one ``vector_norm`` over the rows) and the validator's
+        checks of each delta alone (form, finiteness, ``max_norm``) made over its rows together
+        (:meth:`~flasync.codecs.validation.UpdateValidator.check_rows`: each row's verdict and norm as alone); one
+        upload, or a batch that cannot be decoded together (payloads of several forms, a plug-in's extras beside the
+        deltas), is decoded upload by upload. Nothing is released or recorded here: each upload still goes through
+        :meth:`admit` with its entry, which refuses it in its turn. A batch's deltas are rows of a buffer the next
+        batch writes again: admit its uploads before decoding another.
 
         Args:
             messages: The uploads, in the order they will be admitted.
@@ -154,7 +161,11 @@ class Intake:
             stacked = stacked.to(self.device)
         norms = torch.linalg.vector_norm(stacked, dim=1).tolist()
         share = (self.wall() - start) / count
-        return [Decoded(row, norm, share) for row, norm in zip(stacked.unbind(0), norms, strict=True)]
+        checks = self.validator.check_rows(stacked, norms)
+        return [
+            _new_tuple(Decoded, (row, norm, share, "", alone))
+            for row, norm, alone in zip(stacked.unbind(0), norms, checks, strict=True)
+        ]
 
     def admit(self, message: UpdateUploaded, *, version: int, decoded: Decoded | None = None) -> Admitted | Refused:
         """Check ``message`` against the model ``version`` it would join; release its task unless it is forged.
@@ -164,20 +175,22 @@ class Intake:
             version: The version the receiver holds now (the cloud's, or the one an edge last installed).
             decoded: Its entry of :meth:`decode` (None: decoded here, as a batch of one).
         """
-        base = self.registry.base(message.base_version)
+        registry, plugins = self.registry, self.plugins
+        base_version = int(message.base_version)
+        base = registry.base(message.base_version)
         received_wall = self.wall()
-        if not 0 <= int(message.base_version) <= version:
+        if not 0 <= base_version <= version:
             # Refused before it can close a task: a forged or corrupt message must not cost the real answer.
             return Refused("unknown_version", f"base version {message.base_version} was never published")
-        if not self.registry.release(message):
+        if not registry.release(message):
             return Refused("unexpected", f"client {message.client_id} has no task {message.task_id}")
-        staleness = version - int(message.base_version)
+        staleness = version - base_version
         if base is None or staleness < 0:
             return Refused("unknown_version", f"base version {message.base_version} was never published")
         limit = self.max_staleness
         if limit is not None and staleness > limit:
             return Refused("stale", f"staleness {staleness} > max_staleness {limit}")
-        for plugin in self.plugins:
+        for plugin in plugins:
             objection = plugin.admit(message, version)
             if objection is not None:
                 return Refused(*objection)
@@ -187,25 +200,30 @@ class Intake:
         if delta is None:
             return Refused("decode", decoded.error)
         extra = None
-        for plugin in self.plugins:
+        for plugin in plugins:
             value = plugin.decode_extra(message)
             if isinstance(value, Refusal):
                 return Refused(*value)
             if value is not None:
                 extra = value
-        verdict, norm = self.validator.check(delta, decoded.norm)
+        alone = decoded.alone
+        if alone is None:
+            verdict, norm = self.validator.check(delta, decoded.norm)
+        else:  # the checks of the delta alone were made with its batch's; those against the history are made now
+            verdict, norm = alone
+            if verdict is None:
+                verdict = self.validator.check_norm(norm)
         if verdict is not None:
             return Refused(verdict.reason, verdict.detail)
         if self.clip_norm is not None:
             delta, _ = clip_to_norm(delta, self.clip_norm)
-        for plugin in self.plugins:
+        for plugin in plugins:
             plugin.admitted(message, version)
-        return Admitted(delta, staleness, norm, base, received_wall, decoded.decode_s, extra)
+        return _new_tuple(Admitted, (delta, staleness, norm, base, received_wall, decoded.decode_s, extra))
 
     def accepted(self, admitted: Admitted) -> None:
         """Record that ``admitted`` was aggregated (its norm joins the z-score's reference)."""
-        if math.isfinite(admitted.norm):
-            self.validator.accepted(admitted.norm)
+        self.validator.accepted(admitted.norm)  # a norm that is not finite is not recorded
 
     def state_dict(self) -> dict[str, Any]:
         """Return the validator's reference norms."""

@@ -305,13 +305,16 @@ class Server:
                 self._stop_reason()
                 return  # stopped while no client was online: nothing in flight to wait for
             if not policy.step_due():
-                message, decoded = await self._next()
-                if self._batch and isinstance(message, UpdateUploaded) and policy.rounds and not policy.abandons:
+                # The next upload of a batch being handled is taken here, without a coroutine for it.
+                message, decoded = self._batch.popleft() if self._batch else await self._next()
+                if not isinstance(message, UpdateUploaded):
+                    self._handle(message)
+                elif self._batch and policy.rounds and not policy.abandons:
                     batch = [(message, decoded), *self._batch]
                     self._batch.clear()
                     await self._receiver.receive(batch)
-                else:
-                    await self._handle(message, decoded)
+                else:  # one upload, as it would come alone
+                    await self._receiver.receive([(message, decoded)], now=self.clock.now())
                 if policy.rounds and policy.interruptible and self._stop_requested:
                     self._stop_reason()
                     return  # mid-round: the checkpoint keeps the round and its tasks in flight
@@ -346,7 +349,8 @@ class Server:
             self._batch.extend(zip(uploads, self.intake.decode(uploads), strict=True))
         return self._batch.popleft()
 
-    async def _handle(self, message: ServerMessage, decoded: Decoded | None = None) -> None:
+    def _handle(self, message: ServerMessage) -> None:
+        """Handle a message other than an upload (:meth:`_drive` hands uploads to the receiver)."""
         if isinstance(message, StopRequested | RoundDeadlinePassed | ClientConnected):
             pass  # a stop request's flag is already set; the policy reads the deadline; the loop fills next
         elif isinstance(message, TaskClosed):
@@ -363,9 +367,6 @@ class Server:
             for task in message.members:
                 self.registry.release(task)
             self._receiver.secure_group(message)
-            return
-        elif isinstance(message, UpdateUploaded):
-            await self._receiver.receive([(message, decoded)], now=self.clock.now())
             return
         self.policy.note(message, accepted=False)
 

@@ -25,6 +25,8 @@ from flasync.training.plugins import ServerPlugin
 
 __all__ = ["AggregationNode", "BufferSink", "Folded", "PartialFolded", "Sink"]
 
+_new_tuple = tuple.__new__  # builds a named tuple (every field given) in C, without its class's Python constructor
+
 
 class Sink(Protocol):
     """Where a node folds what it admits: the part of :class:`~flasync.aggregation.Aggregator` a node needs."""
@@ -158,7 +160,7 @@ class AggregationNode:
         for plugin in self.plugins:
             plugin.folded(verdict.extra)
         self.intake.accepted(verdict)
-        return Folded(verdict, weight, self.wall() - start)
+        return _new_tuple(Folded, (verdict, weight, self.wall() - start))
 
     def fold_partial(self, message: EdgeForwarded, *, version: int, into: Sink) -> PartialFolded | None:
         """Decode a sub-edge's partial and fold it ``into`` a sink, its staleness counted against ``version``.

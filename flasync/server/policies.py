@@ -188,7 +188,7 @@ class AsyncSlots:
                 continue
             edges = self.edges
             if edges is None:
-                await registry.dispatch(client_id)
+                await registry.dispatch_many((int(client_id),))  # dispatch's own work, one coroutine fewer
             else:
                 await registry.dispatch(
                     client_id, edges.snapshot_for(client_id) or registry.current, reply_to=edges.address_of(client_id)

@@ -25,6 +25,7 @@ from flasync.core.events import (
     UpdateReceived,
     UpdatesReceived,
     UpdateUploaded,
+    Version,
 )
 from flasync.core.instruments import debug_many, logs_debug
 from flasync.server.accounting import Accounting, ServerStats
@@ -132,50 +133,56 @@ class CloudReceiver:
         """
         received: list[UpdateReceived] = []
         lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
+        take, note = self._take, self.policy.note
+        version = self.versions.version  # only the loop steps it, and it is here until the batch is taken
         try:
             for message, decoded in batch:
                 received_s = message.simulated_s if now is None else now
-                size = message.upload_bytes
-                self.accounting.ingress(size)
-                outcome = self._take(message, decoded, size, received_s, lines)
+                outcome = take(message, decoded, version, received_s, lines)
                 if isinstance(outcome, Refused):
-                    debug_many(self.log, "server.update", lines)
-                    lines = []
+                    if lines:
+                        debug_many(self.log, "server.update", lines)
+                        lines = []
                     await self.bus.publish_together(UpdatesReceived, received)
                     received = []
                     await self._reject(message, outcome, received_s)
-                    self.policy.note(message, accepted=False)
+                    note(message, accepted=False)
                 else:
                     received.append(outcome)
-                    self.policy.note(message, accepted=True)
+                    note(message, accepted=True)
         finally:  # also those of updates folded in before an error
-            debug_many(self.log, "server.update", lines)
-        await self.bus.publish_together(UpdatesReceived, received)
+            if lines:
+                debug_many(self.log, "server.update", lines)
+        if len(received) == 1:  # what publish_together does with one event, without its coroutine (once an upload)
+            await self.bus.publish(received[0])
+        elif received:
+            await self.bus.publish_together(UpdatesReceived, received)
 
     def _take(
         self,
         message: UpdateUploaded,
         decoded: Decoded | None,
-        size: int,
+        version: Version,
         received_s: float,
         lines: list[dict[str, Any]],
     ) -> UpdateReceived | Refused:
-        """Admit an upload (of ``size`` bytes, received at virtual time ``received_s``) and, if it passes, fold it in
-        and count it; return its event or the refusal. Its debug line's fields are appended to ``lines`` for the
-        caller to log."""
-        self.accounting.uploaded(size, client_id=int(message.client_id))
-        version = self.versions.version
+        """Count an upload's arrival, admit it against ``version`` (received at virtual time ``received_s``) and, if
+        it passes, fold it in and count it; return its event or the refusal. Its debug line's fields are appended to
+        ``lines`` for the caller to log."""
+        size, client = message.upload_bytes, int(message.client_id)
+        self.accounting.arrived(size, client_id=client)
         folded = self.node.admit(message, version=int(version), into=self.aggregator, decoded=decoded)
         if isinstance(folded, Refused):
             return folded
         verdict, stats = folded.admitted, self.stats
         stats.cloud_aggregate_s += folded.aggregate_s
-        self._accepted(verdict.staleness, int(message.client_id))
+        staleness = verdict.staleness
+        self._accepted(staleness, client)
         queue_wait_s = verdict.received_wall - message.sent_wall_s
         if self._log_updates:
             line = {
                 "step": stats.updates_accepted,
-                "staleness": verdict.staleness,
+                "staleness": staleness,
                 "staleness_weight": folded.weight,
                 "queue_wait_s": queue_wait_s,
                 "decode_s": verdict.decode_s,
@@ -187,7 +194,7 @@ class CloudReceiver:
             client_id=message.client_id,
             base_version=message.base_version,
             version=version,
-            staleness=verdict.staleness,
+            staleness=staleness,
             upload_bytes=size,
             simulated_s=received_s,
             tier=message.tier,

@@ -421,10 +421,12 @@ class TaskRegistry:
             watchdog.cancel()
         if self._on_release is not None:
             self._on_release(task)
-        base_version = task.base_version
-        self._base_refs[base_version] -= 1
-        if self._base_refs[base_version] <= 0:
-            del self._base_refs[base_version]
+        base_version, refs = task.base_version, self._base_refs
+        left = refs[base_version] - 1
+        if left > 0:
+            refs[base_version] = left
+        else:
+            del refs[base_version]
             if self.current is None or base_version != self.current.version:
                 self._bases.pop(base_version, None)
         return True

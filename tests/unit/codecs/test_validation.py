@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flasync.codecs.validation import UpdateValidator, clip_to_norm, finite_norm, robust_zscore
 
@@ -135,3 +137,72 @@ def test_a_norm_taken_ahead_is_used_and_a_non_finite_one_is_checked_again() -> N
     assert validator.check(delta, math.nan) == (None, 5.0)
     verdict, norm = validator.check(torch.tensor([1.0, math.inf, 0.0]), math.inf)
     assert verdict is not None and verdict.reason == "non_finite" and math.isnan(norm)
+
+
+def _rows(seed: int, count: int, length: int) -> torch.Tensor:
+    """Random deltas of several scales, some with a NaN, an Inf or elements whose squares overflow float32."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn((count, length), generator=generator)
+    rows *= torch.exp(4.0 * torch.rand((count, 1), generator=generator))  # norms from about 1 to 400
+    kinds = torch.randint(0, 6, (count,), generator=generator).tolist()
+    for k, kind in enumerate(kinds):
+        if kind == 1:
+            rows[k, k % length] = math.nan
+        elif kind == 2:
+            rows[k, (k + 1) % length] = -math.inf
+        elif kind == 3:
+            rows[k, :2] = 3e38  # every element finite, the norm overflows
+    return rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    count=st.integers(1, 24),
+    max_norm=st.one_of(st.none(), st.floats(1.0, 500.0)),
+)
+def test_rows_checked_together_get_the_verdicts_and_norms_each_gets_alone(
+    seed: int, count: int, max_norm: float | None
+) -> None:
+    """check_rows gives every row of a batch the verdict and the norm check_alone gives it with the batch's norm:
+    NaN, Inf, an overflowing norm, a norm over max_norm, or none, and the same float norm."""
+    validator = UpdateValidator(7, max_norm=max_norm)
+    rows = _rows(seed, count, 7)
+    norms = torch.linalg.vector_norm(rows, dim=1).tolist()
+    together = validator.check_rows(rows, norms)
+    alone = [validator.check_alone(row, norm) for row, norm in zip(rows.unbind(0), norms, strict=True)]
+    assert [verdict for verdict, _ in together] == [verdict for verdict, _ in alone]
+    for (_, norm), (_, expected) in zip(together, alone, strict=True):
+        assert norm == expected or (math.isnan(norm) and math.isnan(expected))
+
+
+def test_rows_of_another_form_are_refused_row_by_row_as_alone() -> None:
+    """A batch of the wrong dtype or length gives each row the form's verdict, as each gets alone."""
+    validator = UpdateValidator(3)
+    for rows in (torch.ones((2, 3), dtype=torch.float64), torch.ones((2, 4))):
+        norms = torch.linalg.vector_norm(rows, dim=1).tolist()
+        together = validator.check_rows(rows, norms)
+        assert together == [validator.check_alone(row, norm) for row, norm in zip(rows.unbind(0), norms, strict=True)]
+        assert {verdict.reason for verdict, _ in together if verdict is not None} == {
+            "dtype" if rows.dtype == torch.float64 else "shape"
+        }
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_check_is_the_checks_alone_then_those_against_the_history(seed: int) -> None:
+    """check() over a stream of updates, with the norm bound and the z-score on and every passing norm accepted,
+    gives what check_alone then check_norm give, update by update, and leaves the same history."""
+    options = {"max_norm": 300.0, "zscore_threshold": 2.5, "window": 8, "min_history": 4, "norm_bound_factor": 3.0}
+    whole, split = UpdateValidator(5, **options), UpdateValidator(5, **options)  # type: ignore[arg-type]
+    for row in _rows(seed, 60, 5).unbind(0):
+        expected = whole.check(row)
+        verdict, norm = split.check_alone(row)
+        if verdict is None:
+            verdict = split.check_norm(norm)
+        assert verdict == expected[0]
+        assert norm == expected[1] or (math.isnan(norm) and math.isnan(expected[1]))
+        if verdict is None:
+            whole.accepted(norm)
+            split.accepted(norm)
+    assert whole.norms == split.norms

@@ -138,3 +138,16 @@ def test_outcomes_of_known_clients_go_to_the_client_table() -> None:
         5: [0, 0, 0, 0, 1, None, 0, 0, 0],
     }
     assert restored.stats.updates_accepted == 2
+
+
+def test_an_arrival_counts_as_an_upload_and_cloud_ingress() -> None:
+    """arrived() counts what uploaded() and ingress() count together: the run's and the client's upload bytes, the
+    cloud's ingress and the version's."""
+    one, both = (Accounting(failure_limit=10, clients=ClientTable(rows=10, top=10)) for _ in range(2))
+    for client, size in ((3, 100), (5, 40), (3, 7)):
+        one.arrived(size, client_id=client)
+        both.uploaded(size, client_id=client)
+        both.ingress(size)
+    assert one.state_dict() == both.state_dict()
+    assert one.stats.upload_bytes == one.stats.cloud_ingress_bytes == 147
+    assert one.close_version(1).ingress_bytes == 147

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flasync import codecs
 from flasync.aggregation.scaffold import ControlVariate
@@ -221,3 +223,77 @@ def test_uploads_of_mixed_forms_and_an_upload_alone_are_decoded_one_by_one() -> 
     assert isinstance(verdict, Refused) and verdict.reason == "decode" and verdict.detail == broken[1].error
     stale = _intake(_Tasks((2, 2, 0)), max_staleness=0).admit(junk, version=1, decoded=broken[1])
     assert isinstance(stale, Refused) and stale.reason == "stale"  # the task's checks come before the payload's
+
+
+def _checking_intake(tasks: _Tasks) -> Intake:
+    """An intake with every check on: staleness, max_norm, the norm bound and the z-score."""
+    validator = UpdateValidator(N, max_norm=50.0, zscore_threshold=3.0, window=6, min_history=3, norm_bound_factor=4.0)
+    return Intake(
+        registry=tasks,  # type: ignore[arg-type]
+        codec=codecs.Pipeline(),
+        num_params=N,
+        device=torch.device("cpu"),
+        validator=validator,
+        max_staleness=1,
+        clip_norm=None,
+        wall=lambda: 0.0,
+    )
+
+
+def _random_batch(seed: int, count: int, wrong_size: bool) -> tuple[list[UpdateUploaded], list[tuple[int, int, int]]]:
+    """Uploads of every fate (good, norm over the bound, NaN, Inf, stale, no such task, a wrong length) and the
+    tasks in flight they may answer."""
+    generator = torch.Generator().manual_seed(seed)
+    uploads, tasks = [], []
+    for k in range(count):
+        fate = int(torch.randint(0, 8, (1,), generator=generator))
+        delta = torch.randn(N, generator=generator) * float(torch.empty(1).uniform_(0.5, 4.0, generator=generator))
+        base = 0 if fate == 4 else int(torch.randint(1, 3, (1,), generator=generator))  # version 2: base 0 is stale
+        if fate == 1:
+            delta = delta * 100.0  # over max_norm
+        elif fate == 2:
+            delta[k % N] = math.nan
+        elif fate == 3:
+            delta[k % N] = math.inf
+        elif fate == 6:
+            delta = delta * 8.0  # may pass max_norm but not the norm bound or the z-score
+        uploads.append(_upload(k, k, base, delta))
+        if fate != 5:  # 5: answers no task in flight
+            tasks.append((k, k, base))
+    if wrong_size:
+        at = count // 2
+        uploads[at] = _upload(at, at, 1, torch.ones(N + 1))
+    return uploads, tasks
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), count=st.integers(2, 16), wrong_size=st.booleans())
+def test_a_batch_checked_together_is_admitted_as_its_uploads_are_one_by_one(
+    seed: int, count: int, wrong_size: bool
+) -> None:
+    """Random batches with refusals of every kind (a norm over the bound, NaN, Inf, stale, no such task, the wrong
+    length, the norm bound and the z-score) get, upload by upload in order, what each gets when its checks are all
+    made at its admission: the same refusals, deltas bit for bit, the same norms, the same history; and the verdicts
+    of uploads admitted alone, each decoded by itself."""
+    uploads, tasks = _random_batch(seed, count, wrong_size)
+    together, checked_late, alone = (_checking_intake(_Tasks(*tasks)) for _ in range(3))
+    entries = together.decode(uploads)
+    assert all((entry.alone is None) == wrong_size for entry in entries)  # stacked and checked unless one is off
+    for upload, entry in zip(uploads, entries, strict=True):
+        outcomes = (
+            together.admit(upload, version=2, decoded=entry),
+            checked_late.admit(upload, version=2, decoded=entry._replace(alone=None)),
+            alone.admit(upload, version=2),
+        )
+        for intake, outcome in zip((together, checked_late, alone), outcomes, strict=True):
+            if isinstance(outcome, Admitted):
+                intake.accepted(outcome)
+        first, second, third = outcomes
+        if isinstance(first, Refused):
+            assert first == second and isinstance(third, Refused) and third.reason == first.reason
+            continue
+        assert isinstance(second, Admitted) and isinstance(third, Admitted)
+        assert torch.equal(first.delta, second.delta) and torch.equal(first.delta, third.delta)
+        assert first.norm == second.norm and first.norm == pytest.approx(third.norm, rel=1e-6)
+        assert first.staleness == second.staleness == third.staleness
+    assert together.validator.norms == checked_late.validator.norms

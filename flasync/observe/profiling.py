@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import random
 import statistics
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from functools import reduce
+from itertools import groupby, repeat
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -48,7 +51,7 @@ from flasync.core.events import (
     Version,
 )
 from flasync.core.instruments import Instrument
-from flasync.core.quantiles import StreamSummary, Thinned, counted_percentile, percentile
+from flasync.core.quantiles import StreamSummary, Thinned, add_columns, counted_percentile, percentile
 from flasync.observe.plots import merge_rows
 from flasync.training.diagnostics import Alert, AlertMonitor
 
@@ -77,16 +80,15 @@ def quantiles(values: Sequence[float]) -> dict[str, float] | None:
     }
 
 
-@dataclass(slots=True)
-class _Task:
+class _Task(NamedTuple):
     """An uploaded update waiting to be folded into a version (kept only until then)."""
 
-    compute_s: float = 0.0
-    encode_s: float = 0.0
-    sim_task_s: float = 0.0
-    sim_train_s: float = 0.0
-    upload_bytes: int = 0
-    download_bytes: int = 0
+    compute_s: float
+    encode_s: float
+    sim_task_s: float
+    sim_train_s: float
+    upload_bytes: int
+    download_bytes: int
 
 
 @dataclass(slots=True)
@@ -161,6 +163,9 @@ class VersionRows:
         """The rows, oldest first (the last may cover fewer versions than the others)."""
         return [*self._rows, *([self._open] if self._open is not None else [])]
 
+
+_new_task = cast("Callable[[type[_Task], tuple[Any, ...]], _Task]", tuple.__new__)
+"""Make a :class:`_Task` from a tuple of its fields, without a Python call per task."""
 
 _SAMPLE = 4096  # values kept per streamed quantile summary (exact up to this many)
 _IN_FLIGHT = 65_536  # uploads awaiting their version, at most (the oldest are dropped beyond)
@@ -309,15 +314,7 @@ class Profiler:
         if isinstance(first, UpdateUploaded):
             self._uploaded_many(cast("Sequence[UpdateUploaded]", events))
         elif isinstance(first, UpdateReceived):
-            fold = self._fold
-            for received in cast("Sequence[UpdateReceived]", events):
-                fold(
-                    int(received.version) + 1,
-                    received.task_id,
-                    received.staleness,
-                    received.decode_s,
-                    received.queue_wait_s,
-                )
+            self._received_many(cast("Sequence[UpdateReceived]", events))
         elif isinstance(first, TaskAssigned):
             self._assigned_many(cast("Sequence[TaskAssigned]", events))
         else:
@@ -344,36 +341,69 @@ class Profiler:
         """Record clients' uploads, in order: their totals, the run's summaries, and each task until its version is
         made."""
         r = self.records
-        client_of, pending, tiers = r.client, r.pending, r.tier_uploads
-        # One random stream behind every summary: each upload's values are taken in turn, as one at a time would.
-        add_task, add_train, add_compute = r.sim_task_s.add, r.sim_train_s.add, r.compute_s.add
-        add_encode, add_memory = r.encode_s.add, r.peak_mem_bytes.add
-        for event in events:
-            sim_task_s = event.sim_download_s + event.sim_train_s + event.sim_upload_s
-            upload_bytes = event.upload_bytes
-            client = client_of(int(event.client_id))
+        compute = [event.compute_s for event in events]
+        train = [event.sim_train_s for event in events]
+        task = [event.sim_download_s + event.sim_train_s + event.sim_upload_s for event in events]
+        uploaded = [event.upload_bytes for event in events]
+        clients, new_client = r.clients, _Client
+        for event, sim_task_s, compute_s, upload_bytes in zip(events, task, compute, uploaded, strict=True):
+            client_id = int(event.client_id)
+            client = clients.get(client_id)
+            if client is None:
+                client = clients[client_id] = new_client()
             client.tasks += 1
             client.sim_task_s += sim_task_s
-            client.compute_s += event.compute_s
+            client.compute_s += compute_s
             client.upload_bytes += upload_bytes
-            tiers[event.tier] += upload_bytes
-            add_task(sim_task_s)
-            add_train(event.sim_train_s)
-            add_compute(event.compute_s)
-            add_encode(event.encode_s)
-            add_memory(float(event.peak_mem_bytes))
-            if len(pending) >= _IN_FLIGHT:
-                del pending[next(iter(pending))]
-                r.dropped_pending += 1
-            pending[event.task_id] = _Task(
-                compute_s=event.compute_s,
-                encode_s=event.encode_s,
-                sim_task_s=sim_task_s,
-                sim_train_s=event.sim_train_s,
-                upload_bytes=upload_bytes,
-                download_bytes=event.download_bytes,
-            )
+        tiers = r.tier_uploads
+        for tier, group in groupby(zip(events, uploaded, strict=True), key=lambda pair: pair[0].tier):
+            tiers[tier] += sum(upload_bytes for _, upload_bytes in group)
+        encode = [event.encode_s for event in events]
+        # One random stream behind every summary: its draws are taken upload by upload, as one at a time would.
+        add_columns(
+            (r.sim_task_s, r.sim_train_s, r.compute_s, r.encode_s, r.peak_mem_bytes),
+            (task, train, compute, encode, [float(event.peak_mem_bytes) for event in events]),
+        )
+        held = zip(compute, encode, task, train, uploaded, [event.download_bytes for event in events], strict=True)
+        waiting = zip([event.task_id for event in events], map(_new_task, repeat(_Task), held), strict=True)
+        pending = r.pending
+        if len(pending) + len(events) <= _IN_FLIGHT:
+            pending.update(waiting)
+        else:
+            for task_id, waiter in waiting:
+                if len(pending) >= _IN_FLIGHT:
+                    del pending[next(iter(pending))]
+                    r.dropped_pending += 1
+                pending[task_id] = waiter
         r.tasks_completed += len(events)
+
+    def _received_many(self, events: Sequence[UpdateReceived]) -> None:
+        """Fold accepted uploads into the versions they go into, in order: what :meth:`_fold` of each does."""
+        r = self.records
+        r.staleness.update([event.staleness for event in events])
+        pop = r.pending.pop
+        found = [(event, task) for event in events if (task := pop(event.task_id, None)) is not None]
+        for version, run in groupby(found, key=lambda pair: int(pair[0].version) + 1):
+            self._fold_run(version, list(run))
+
+    def _fold_run(self, version: int, run: list[tuple[UpdateReceived, _Task]]) -> None:
+        """Fold accepted uploads of one version, each sum taken value by value in the order of the uploads."""
+        rec = self.records.open_versions[version]
+        received = [event for event, _ in run]
+        compute, encode, task, train, uploaded, downloaded = zip(*(task for _, task in run), strict=True)
+        add = operator.add
+        rec.updates += len(run)
+        rec.compute_s = reduce(add, compute, rec.compute_s)
+        rec.encode_s = reduce(add, encode, rec.encode_s)
+        rec.decode_s = reduce(add, [event.decode_s for event in received], rec.decode_s)
+        rec.queue_wait_s = reduce(add, [event.queue_wait_s for event in received], rec.queue_wait_s)
+        rec.sim_train_s = reduce(add, train, rec.sim_train_s)
+        rec.transfer_sim_s = reduce(add, map(operator.sub, task, train), rec.transfer_sim_s)
+        rec.upload_bytes += sum(uploaded)
+        rec.download_bytes += sum(downloaded)
+        rec.staleness_sum += sum(event.staleness for event in received)
+        if self.mode == "sync":
+            rec.durations.extend(task)
 
     def _aggregated(self, event: Aggregated) -> None:
         """Record a version's aggregation, closing the rows of the versions made before it."""
@@ -760,11 +790,9 @@ class Instrumentation(Instrument):
         if profiler is not None:
             profiler.observe_many(members)
         if monitor is not None and members and isinstance(members[0], monitor.READS):
-            version = self._version
-            for member in members:
-                for alert in monitor.observe(member, version):
-                    # At the member's own time: a batch may hold events of several times (its uploads).
-                    self._raise(alert, getattr(member, "simulated_s", None))
+            for index, alert in monitor.observe_many(members, self._version):
+                # At the member's own time: a batch may hold events of several times (its uploads).
+                self._raise(alert, getattr(members[index], "simulated_s", None))
 
     def _observe(self, event: object) -> None:
         if isinstance(event, Aggregated):

@@ -23,7 +23,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -315,6 +315,19 @@ def is_diverging(losses: Sequence[float], *, window: int, tolerance: float, best
     return rising and tail[-1] > best * (1.0 + tolerance) + 1e-12
 
 
+def _is_plain(upload: UpdateUploaded) -> bool:
+    """Tell whether an upload's diagnosis holds no NaN/Inf and no per-layer figures (only its norm can alert)."""
+    diagnosis = upload.diagnosis
+    return (
+        diagnosis is not None
+        and diagnosis.loss_finite
+        and diagnosis.grad_finite
+        and diagnosis.update_finite
+        and not diagnosis.layer_grad_norm_max
+        and not diagnosis.layer_grad_norm_mean
+    )
+
+
 _NORMS_KEPT = 4096  # update norms kept for quantiles (a uniform sample beyond)
 
 
@@ -441,6 +454,54 @@ class AlertMonitor:
                 return [Alert("nan", f"server weights of version {now} hold NaN/Inf", norm)]
             return self._step_alerts(now, weights)
         return []
+
+    def observe_many(self, events: Sequence[object], version: int) -> list[tuple[int, Alert]]:
+        """Read the events of one batch (of one class) in order; return the alerts they raise, in order, each with
+        the index of the event that raised it: what :meth:`observe` of each returns.
+
+        Uploads are read a run at a time: the diagnoses of a run that hold no NaN/Inf and no per-layer figures can
+        only raise ``exploding_update``, and none can when every finite norm among them is within the factor of the
+        smallest norm the recent window holds at any point of the run; then the run's norms are folded in at once.
+        """
+        if not events or not isinstance(events[0], UpdateUploaded):
+            return [(index, alert) for index, event in enumerate(events) for alert in self.observe(event, version)]
+        uploads = cast("Sequence[UpdateUploaded]", events)
+        found: list[tuple[int, Alert]] = []
+        start = 0
+        for plain, run in itertools.groupby(uploads, key=_is_plain):
+            count = sum(1 for _ in run)
+            if not (plain and self._uploads_quiet(uploads[start : start + count], version)):
+                for index in range(start, start + count):
+                    found.extend((index, alert) for alert in self.observe(uploads[index], version))
+            start += count
+        return found
+
+    def _uploads_quiet(self, uploads: Sequence[UpdateUploaded], version: int) -> bool:
+        """Fold in plain uploads (:func:`_is_plain`) that raise no alert and return True; else change nothing and
+        return False.
+
+        An upload alerts when its norm exceeds ``exploding_factor`` times the smallest of the recent norms, which is
+        never below the smallest of the window now and the run's norms together (and the factor is positive).
+        """
+        norms = [upload.diagnosis.update_norm for upload in uploads]  # type: ignore[union-attr]
+        finite = list(filter(math.isfinite, norms))
+        if not finite:
+            return True
+        recent = self._recent
+        floor = min(min(recent), min(finite)) if recent else min(finite)
+        if len(recent) + len(finite) > 5 and max(finite) > self.config.exploding_factor * floor:
+            return False
+        recent.extend(finite)
+        series = self.series
+        series.norms.add_many(finite)
+        series.update_norms.add_many(
+            [
+                (version, int(upload.client_id), norm)
+                for upload, norm in zip(uploads, norms, strict=True)
+                if math.isfinite(norm)
+            ]
+        )
+        return True
 
     def _step_alerts(self, version: int, weights: torch.Tensor) -> list[Alert]:
         """Alert when one version moves the weights by more than ``step_ratio_max`` of their norm.

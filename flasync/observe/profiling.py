@@ -249,15 +249,17 @@ class Profiler:
     def observe(self, event: object) -> None:
         """Record one event."""
         r = self.records
-        if isinstance(event, UpdateUploaded):
-            self._uploaded(event)
-        elif isinstance(event, UpdateReceived):
+        # First the two events a buffered server sees one by one for every update. (No event is an instance of two
+        # of these classes: slotted classes with fields of their own cannot be combined, so the order decides nothing.)
+        if isinstance(event, UpdateReceived):
             self._fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
+        elif isinstance(event, TaskAssigned):
+            self._assigned(event)
+        elif isinstance(event, UpdateUploaded):
+            self._uploaded(event)
         elif isinstance(event, UpdateRejected):
             r.rejected[event.reason] += 1
             r.pending.pop(event.task_id, None)
-        elif isinstance(event, TaskAssigned):
-            self._assigned_many((event,))
         elif isinstance(event, ModelPublished):
             version = int(event.version)
             r.open_versions[version].publish_encode_s += event.encode_s
@@ -320,6 +322,14 @@ class Profiler:
         else:
             for event in events:
                 self.observe(event)
+
+    def _assigned(self, event: TaskAssigned) -> None:
+        """Record one task handed out: :meth:`_assigned_many` of one."""
+        r = self.records
+        size = r.download_sizes.get(int(event.base_version), 0)
+        r.client(int(event.client_id)).download_bytes += size
+        r.downloads += 1
+        r.download_tiers["client"] += size
 
     def _assigned_many(self, events: Sequence[TaskAssigned]) -> None:
         """Record tasks handed out: each client's download and the run's."""
@@ -772,6 +782,7 @@ class Instrumentation(Instrument):
         self.lost_alerts = 0
         self.first_alerts: dict[str, str] = {}
         """The message of the first alert of each kind (MLflow tags ``alert.<kind>`` at the end of the run)."""
+        self._reads: dict[type[Any], bool] = {}
         bus.add_instrument(self)
 
     takes_batches = True
@@ -783,13 +794,20 @@ class Instrumentation(Instrument):
         elif not isinstance(event, AlertRaised):  # this instrument's own
             self._observe(event)
 
+    def _monitor_reads(self, kind: type[Any]) -> bool:
+        """Tell whether the alert monitor reads events of class ``kind`` (``AlertMonitor.READS``; cached)."""
+        reads = self._reads.get(kind)
+        if reads is None:
+            reads = self._reads[kind] = self.monitor is not None and issubclass(kind, self.monitor.READS)
+        return reads
+
     def _observe_batch(self, members: tuple[object, ...]) -> None:
         """:meth:`_observe` each of a batch's events (of one class, never a version), without asking the alert
         monitor about those it does not read (``AlertMonitor.READS``)."""
         profiler, monitor = self.profiler, self.monitor
         if profiler is not None:
             profiler.observe_many(members)
-        if monitor is not None and members and isinstance(members[0], monitor.READS):
+        if monitor is not None and members and self._monitor_reads(type(members[0])):
             for index, alert in monitor.observe_many(members, self._version):
                 # At the member's own time: a batch may hold events of several times (its uploads).
                 self._raise(alert, getattr(members[index], "simulated_s", None))
@@ -799,7 +817,8 @@ class Instrumentation(Instrument):
             self._version = int(event.version)
         if self.profiler is not None:
             self.profiler.observe(event)
-        if self.monitor is not None:
+        # The monitor is asked only about the events it reads: it raises nothing and keeps nothing of the others.
+        if self.monitor is not None and self._monitor_reads(type(event)):
             for alert in self.monitor.observe(event, self._version):
                 self._raise(alert)
 

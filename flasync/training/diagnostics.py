@@ -315,19 +315,6 @@ def is_diverging(losses: Sequence[float], *, window: int, tolerance: float, best
     return rising and tail[-1] > best * (1.0 + tolerance) + 1e-12
 
 
-def _is_plain(upload: UpdateUploaded) -> bool:
-    """Tell whether an upload's diagnosis holds no NaN/Inf and no per-layer figures (only its norm can alert)."""
-    diagnosis = upload.diagnosis
-    return (
-        diagnosis is not None
-        and diagnosis.loss_finite
-        and diagnosis.grad_finite
-        and diagnosis.update_finite
-        and not diagnosis.layer_grad_norm_max
-        and not diagnosis.layer_grad_norm_mean
-    )
-
-
 _NORMS_KEPT = 4096  # update norms kept for quantiles (a uniform sample beyond)
 
 
@@ -466,24 +453,40 @@ class AlertMonitor:
         if not events or not isinstance(events[0], UpdateUploaded):
             return [(index, alert) for index, event in enumerate(events) for alert in self.observe(event, version)]
         uploads = cast("Sequence[UpdateUploaded]", events)
+        diagnoses = [upload.diagnosis for upload in uploads]
+        # Plain: a diagnosis without NaN/Inf and without per-layer figures, whose norm alone can raise an alert.
+        plain = [
+            d is not None
+            and d.loss_finite
+            and d.grad_finite
+            and d.update_finite
+            and not d.layer_grad_norm_max
+            and not d.layer_grad_norm_mean
+            for d in diagnoses
+        ]
         found: list[tuple[int, Alert]] = []
         start = 0
-        for plain, run in itertools.groupby(uploads, key=_is_plain):
-            count = sum(1 for _ in run)
-            if not (plain and self._uploads_quiet(uploads[start : start + count], version)):
-                for index in range(start, start + count):
+        for is_plain, run in itertools.groupby(plain):
+            end = start + sum(1 for _ in run)
+            quiet = is_plain and self._uploads_quiet(
+                uploads[start:end], cast("list[TaskDiagnosis]", diagnoses[start:end]), version
+            )
+            if not quiet:
+                for index in range(start, end):
                     found.extend((index, alert) for alert in self.observe(uploads[index], version))
-            start += count
+            start = end
         return found
 
-    def _uploads_quiet(self, uploads: Sequence[UpdateUploaded], version: int) -> bool:
-        """Fold in plain uploads (:func:`_is_plain`) that raise no alert and return True; else change nothing and
-        return False.
+    def _uploads_quiet(
+        self, uploads: Sequence[UpdateUploaded], diagnoses: Sequence[TaskDiagnosis], version: int
+    ) -> bool:
+        """Fold in plain uploads (their ``diagnoses`` hold no NaN/Inf and no per-layer figures) that raise no alert
+        and return True; else change nothing and return False.
 
         An upload alerts when its norm exceeds ``exploding_factor`` times the smallest of the recent norms, which is
         never below the smallest of the window now and the run's norms together (and the factor is positive).
         """
-        norms = [upload.diagnosis.update_norm for upload in uploads]  # type: ignore[union-attr]
+        norms = [diagnosis.update_norm for diagnosis in diagnoses]
         finite = list(filter(math.isfinite, norms))
         if not finite:
             return True

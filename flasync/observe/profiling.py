@@ -252,7 +252,7 @@ class Profiler:
         # First the two events a buffered server sees one by one for every update. (No event is an instance of two
         # of these classes: slotted classes with fields of their own cannot be combined, so the order decides nothing.)
         if isinstance(event, UpdateReceived):
-            self._fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
+            self._received(event)
         elif isinstance(event, TaskAssigned):
             self._assigned(event)
         elif isinstance(event, UpdateUploaded):
@@ -301,6 +301,19 @@ class Profiler:
         elif isinstance(event, RunFinished):
             r.wall_s, r.simulated_s = event.wall_s, event.simulated_s
 
+    def handler(self, kind: type[Any]) -> Callable[[Any], None]:
+        """Return what records an event of class ``kind``: :meth:`observe` itself, or for the events a buffered
+        server sees one by one for every update (a receipt, a task) the part of it they reach, a call fewer."""
+        if issubclass(kind, UpdateReceived):
+            return self._received
+        if issubclass(kind, TaskAssigned):
+            return self._assigned
+        return self.observe
+
+    def _received(self, event: UpdateReceived) -> None:
+        """Record one accepted upload: :meth:`_fold` it into its version."""
+        self._fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
+
     def finish(self) -> ProfileRecords:
         """Fold every version made so far into rows and return the records (call once, at the end of the run)."""
         r = self.records
@@ -327,7 +340,11 @@ class Profiler:
         """Record one task handed out: :meth:`_assigned_many` of one."""
         r = self.records
         size = r.download_sizes.get(int(event.base_version), 0)
-        r.client(int(event.client_id)).download_bytes += size
+        client_id = int(event.client_id)
+        client = r.clients.get(client_id)
+        if client is None:
+            client = r.clients[client_id] = _Client()
+        client.download_bytes += size
         r.downloads += 1
         r.download_tiers["client"] += size
 
@@ -392,17 +409,25 @@ class Profiler:
         r = self.records
         r.staleness.update([event.staleness for event in events])
         pop = r.pending.pop
-        found = [(event, task) for event in events if (task := pop(event.task_id, None)) is not None]
-        for version, run in groupby(found, key=lambda pair: int(pair[0].version) + 1):
-            self._fold_run(version, list(run))
+        received: list[UpdateReceived] = []
+        tasks: list[_Task] = []
+        for event in events:
+            task = pop(event.task_id, None)
+            if task is not None:
+                received.append(event)
+                tasks.append(task)
+        start = 0
+        for version, run in groupby([int(event.version) + 1 for event in received]):
+            end = start + sum(1 for _ in run)
+            self._fold_run(version, received[start:end], tasks[start:end])
+            start = end
 
-    def _fold_run(self, version: int, run: list[tuple[UpdateReceived, _Task]]) -> None:
+    def _fold_run(self, version: int, received: list[UpdateReceived], tasks: list[_Task]) -> None:
         """Fold accepted uploads of one version, each sum taken value by value in the order of the uploads."""
         rec = self.records.open_versions[version]
-        received = [event for event, _ in run]
-        compute, encode, task, train, uploaded, downloaded = zip(*(task for _, task in run), strict=True)
+        compute, encode, task, train, uploaded, downloaded = zip(*tasks, strict=True)
         add = operator.add
-        rec.updates += len(run)
+        rec.updates += len(tasks)
         rec.compute_s = reduce(add, compute, rec.compute_s)
         rec.encode_s = reduce(add, encode, rec.encode_s)
         rec.decode_s = reduce(add, [event.decode_s for event in received], rec.decode_s)
@@ -411,7 +436,7 @@ class Profiler:
         rec.transfer_sim_s = reduce(add, map(operator.sub, task, train), rec.transfer_sim_s)
         rec.upload_bytes += sum(uploaded)
         rec.download_bytes += sum(downloaded)
-        rec.staleness_sum += sum(event.staleness for event in received)
+        rec.staleness_sum += sum([event.staleness for event in received])
         if self.mode == "sync":
             rec.durations.extend(task)
 
@@ -747,6 +772,10 @@ def torch_memory() -> dict[str, int]:
 _ALERTS_PRINTED = 3
 
 
+def _ignore(event: object) -> None:
+    """Do nothing with ``event``."""
+
+
 class Instrumentation(Instrument):
     """The run's profiler and alert monitor, as an instrument on its bus (hooks, no task of its own).
 
@@ -783,16 +812,31 @@ class Instrumentation(Instrument):
         self.first_alerts: dict[str, str] = {}
         """The message of the first alert of each kind (MLflow tags ``alert.<kind>`` at the end of the run)."""
         self._reads: dict[type[Any], bool] = {}
+        self._handlers: dict[type[Any], Callable[[Any], None]] = {}
         bus.add_instrument(self)
 
     takes_batches = True
 
     def event_published(self, event: object) -> None:
         """Profile the event and raise the alerts it triggers (a batch's events one by one, in order)."""
-        if isinstance(event, BATCH_EVENTS):
-            self._observe_batch(event.members)
-        elif not isinstance(event, AlertRaised):  # this instrument's own
-            self._observe(event)
+        kind = type(event)
+        handle = self._handlers.get(kind)
+        if handle is None:
+            handle = self._handlers[kind] = self._handler(kind)
+        handle(event)
+
+    def _handler(self, kind: type[Any]) -> Callable[[Any], None]:
+        """Return what :meth:`event_published` does with events of class ``kind`` (made once per class)."""
+        if issubclass(kind, BATCH_EVENTS):
+            return self._observe_batch_event
+        if issubclass(kind, AlertRaised):  # this instrument's own
+            return _ignore
+        if self.profiler is not None and not issubclass(kind, Aggregated) and not self._monitor_reads(kind):
+            return self.profiler.handler(kind)  # the profiler alone reads it
+        return self._observe
+
+    def _observe_batch_event(self, event: Any) -> None:
+        self._observe_batch(event.members)
 
     def _monitor_reads(self, kind: type[Any]) -> bool:
         """Tell whether the alert monitor reads events of class ``kind`` (``AlertMonitor.READS``; cached)."""

@@ -520,3 +520,20 @@ def test_random_batches_leave_the_records_of_their_events_one_by_one(
     assert records[0].rng.getstate() == records[1].rng.getstate()
     profiles = [build_profile(r, mode=mode, num_params=4, dense_bytes=32) for r in records]
     assert profiles[0] == profiles[1]
+
+
+def test_events_published_one_by_one_are_profiled_as_the_profiler_observes_them() -> None:
+    """Tasks, uploads, receipts and versions published one by one reach the instrumentation's profiler, through the
+    handler it keeps per event class, with exactly the records that observing each event directly leaves."""
+    bus, through_bus, _, _ = _instrumented()
+    direct = Profiler("sync")
+    for batch in _random_stream(random.Random(5), 10_000):
+        for event in batch:
+            bus.publish_nowait(event)
+            direct.observe(event)
+    records = [through_bus.finish(), direct.finish()]
+    assert records[0].clients == records[1].clients and records[0].pending == records[1].pending
+    assert records[0].downloads == records[1].downloads > 0
+    assert records[0].sim_task_s._sample == records[1].sim_task_s._sample
+    profiles = [build_profile(r, mode="sync", num_params=4, dense_bytes=32) for r in records]
+    assert profiles[0] == profiles[1]

@@ -147,43 +147,42 @@ def add_columns(summaries: Sequence[StreamSummary], columns: Sequence[Sequence[f
     """
     if len(columns) != len(summaries):
         raise ValueError(f"{len(summaries)} summaries need as many columns, got {len(columns)}")
-    rows = len(columns[0]) if columns else 0
-    if any(len(column) != rows for column in columns):
+    if len(set(map(len, columns))) > 1:
         raise ValueError("every column must have one length")
+    rows = len(columns[0]) if columns else 0
     if not rows:
         return
     first = summaries[0]
     count, capacity = first.count, first._capacity
-    if not all(s.count == count and s._capacity == capacity and type(s._rng) is random.Random for s in summaries):
-        for row in range(rows):
-            for summary, column in zip(summaries, columns, strict=True):
-                summary.add(column[row])
-        return
-    free = max(0, min(capacity - count, rows))
-    slots: list[list[int]] = [[] for _ in summaries]
-    places: list[list[int]] = [[] for _ in summaries]
-    draws = [(s._rng.getrandbits, slots[j].append, places[j].append) for j, s in enumerate(summaries)]
-    seen = count + free
-    for row in range(free, rows):
-        seen += 1
-        bits = seen.bit_length()
-        # random.Random.randrange(seen), inlined: the same draws from the same generator.
-        for getrandbits, slot_of, place_of in draws:
-            slot = getrandbits(bits)
-            while slot >= seen:
-                slot = getrandbits(bits)
-            if slot < capacity:
-                slot_of(slot)
-                place_of(row)
-    for summary, column, kept, at in zip(summaries, columns, slots, places, strict=True):
+    for summary in summaries:
+        if summary.count != count or summary._capacity != capacity or type(summary._rng) is not random.Random:
+            for row in range(rows):
+                for each, column in zip(summaries, columns, strict=True):
+                    each.add(column[row])
+            return
+    free = max(0, min(capacity - count, rows))  # the rows every summary keeps without a draw
+    for summary, column in zip(summaries, columns, strict=True):
         summary.count = count + rows
         summary.total = reduce(operator.add, column, summary.total)
         # As add(): a value replaces the maximum only when greater (so a NaN never does).
         summary.max = max(itertools.chain((summary.max,), column))
-        sample = summary._sample
-        sample.extend(column[:free])
-        for slot, row in zip(kept, at, strict=True):
-            sample[slot] = column[row]
+        summary._sample.extend(column[:free])
+    lanes = [(s._rng.getrandbits, s._sample, column) for s, column in zip(summaries, columns, strict=True)]
+    seen = count + free
+    bits = (seen + 1).bit_length()  # of the next row's count; it grows by one bit when the count reaches ``top``
+    top = 1 << bits
+    for row in range(free, rows):
+        seen += 1
+        if seen == top:
+            bits += 1
+            top <<= 1
+        # random.Random.randrange(seen), inlined: the same draws from the same generator, row by row.
+        for getrandbits, sample, column in lanes:
+            slot = getrandbits(bits)
+            while slot >= seen:
+                slot = getrandbits(bits)
+            if slot < capacity:
+                sample[slot] = column[row]
 
 
 class Thinned(Generic[T]):

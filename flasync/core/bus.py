@@ -552,7 +552,7 @@ class EventBus:
             BusClosed: The bus is closed, or closes while this publish waits.
         """
         route = self._route_for(event)
-        if self._first_full(route) is not None:
+        if route.blocking and self._first_full(route) is not None:
             await self._publish_when_room(event, route)
             return
         self._deliver(event, route.targets)
@@ -570,7 +570,7 @@ class EventBus:
             BusFull: A matching ``block`` subscription is full; the event was delivered to no one.
         """
         route = self._route_for(event)
-        full = self._first_full(route)
+        full = self._first_full(route) if route.blocking else None
         if full is not None:
             raise BusFull(f"subscription {full._name!r} is full ({full._capacity} events) and its policy is block")
         self._deliver(event, route.targets)

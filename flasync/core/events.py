@@ -7,9 +7,9 @@ Tensors never travel in events; the one event that carries an update carries the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import ClassVar, Literal, NewType
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Literal, NewType, TypeVar
 
 __all__ = [
     "BATCH_EVENTS",
@@ -53,7 +53,64 @@ Version = NewType("Version", int)
 CLOUD = "cloud"
 """The bus address of the server; an edge's address is its name. Events with a ``to`` field are addressed."""
 
+_Event = TypeVar("_Event")
 
+
+class _Factory:
+    """Stands for an argument whose field has a default factory and which was not given (shown as ``<factory>``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        """Return ``<factory>``, as ``dataclasses`` shows such a default."""
+        return "<factory>"
+
+
+_NO_VALUE: Any = _Factory()
+
+
+def _slot_init(cls: type[_Event]) -> type[_Event]:
+    """Give a frozen, slotted, keyword-only dataclass a quicker ``__init__`` that makes equal objects.
+
+    The one ``dataclass`` writes stores each field with ``object.__setattr__``; this one stores it through the field's
+    slot descriptor, which skips the attribute lookup. Same signature (names, keyword-only, defaults and default
+    factories), same checks on the arguments, same annotations; the class stays frozen for everyone else.
+
+    Raises:
+        TypeError: ``cls`` is not such a dataclass, or has a ``__post_init__``.
+    """
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is None or not params.frozen or "__slots__" not in cls.__dict__ or hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__qualname__} must be a frozen, slotted dataclass without __post_init__")
+    namespace: dict[str, Any] = {"_NO_VALUE": _NO_VALUE}
+    arguments, body = [], []
+    for spec in fields(cls):  # type: ignore[arg-type]
+        name = spec.name
+        if not (spec.init and spec.kw_only):
+            raise TypeError(f"{cls.__qualname__}.{name} must be a keyword-only argument of __init__")
+        if spec.default is not MISSING:
+            namespace[f"_default_{name}"] = spec.default
+            arguments.append(f"{name}=_default_{name}")
+        elif spec.default_factory is not MISSING:
+            namespace[f"_factory_{name}"] = spec.default_factory
+            arguments.append(f"{name}=_NO_VALUE")
+            body.append(f"    if {name} is _NO_VALUE:\n        {name} = _factory_{name}()")
+        else:
+            arguments.append(name)
+        namespace[f"_store_{name}"] = cls.__dict__[name].__set__
+        body.append(f"    _store_{name}(self, {name})")
+    source = f"def __init__(self, *, {', '.join(arguments)}):\n" + "\n".join([*body, "    pass"]) + "\n"
+    exec(source, namespace)  # how dataclasses itself writes __init__: one flat function per class
+    init: Callable[..., None] = namespace["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__module__ = cls.__module__
+    init.__annotations__ = {**{spec.name: spec.type for spec in fields(cls)}, "return": None}  # type: ignore[arg-type]
+    init.__doc__ = cls.__init__.__doc__
+    setattr(cls, "__init__", init)  # noqa: B010 - mypy refuses assigning to a method
+    return cls
+
+
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskDiagnosis:
     """What the training thread found about one local training call (numbers only, never tensors).
@@ -72,6 +129,7 @@ class TaskDiagnosis:
     layer_grad_norm_max: tuple[float, ...] = ()
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelPublished:
     """The server made global model ``version`` available for download.
@@ -87,6 +145,7 @@ class ModelPublished:
     encode_s: float = 0.0
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskAssigned:
     """Client ``client_id`` was given task ``task_id`` (its ``participation``-th, from 0) on model ``base_version``."""
@@ -99,6 +158,7 @@ class TaskAssigned:
     reply_to: str = CLOUD
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TasksAssigned:
     """Several tasks were given at once (a round's cohort), in this order.
@@ -121,6 +181,7 @@ class TasksAssigned:
         return self.tasks
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateUploaded:
     """A client finished its upload to ``to``; ``payload`` holds the encoded delta ``w_base - w_local``.
@@ -158,6 +219,7 @@ class UpdateUploaded:
         return len(self.payload) + len(self.extra)
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdatesUploaded:
     """Several uploads to ``to`` finished at one simulated time and go to the receiver as one message, in order.
@@ -188,6 +250,7 @@ class UpdatesUploaded:
         return sum(upload.upload_bytes for upload in self.uploads)
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateReceived:
     """The server accepted an update into aggregation."""
@@ -204,6 +267,7 @@ class UpdateReceived:
     queue_wait_s: float = 0.0
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdatesReceived:
     """The server accepted several updates of one batch (:class:`UpdatesUploaded`) at once, in this order.
@@ -232,6 +296,7 @@ BATCH_EVENTS = (TasksAssigned, UpdatesUploaded, UpdatesReceived)
 events each stands for, in order."""
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateRejected:
     """The server refused an update; aggregation state is left as it was.
@@ -251,6 +316,7 @@ class UpdateRejected:
     where: str = CLOUD
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskClosed:
     """Edge ``edge`` took a client's answer to a task the cloud dispatched: the cloud counts it and may refill the slot.
@@ -273,6 +339,7 @@ class TaskClosed:
     kind: FailureKind = "error"
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EdgeForwarded:
     """Edge ``edge`` (tier ``tier``) sent its partial aggregate to ``to``, its parent.
@@ -295,6 +362,7 @@ class EdgeForwarded:
     sent_wall_s: float
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SecureGroupClosed:
     """A secure-aggregation group (a FedBuff buffer, or a FedAvg round's cohort) ended its protocol at ``to``.
@@ -329,6 +397,7 @@ class SecureGroupClosed:
         return not self.weighted_sum
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientFailed:
     """A client task ended with an error instead of an update, reported to ``to`` (``diagnosis``: when training
@@ -348,6 +417,7 @@ class ClientFailed:
     kind: FailureKind = "error"
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientTimedOut:
     """A client task was not answered within ``timeout_s`` of its dispatch; whoever it answers to abandons it.
@@ -363,6 +433,7 @@ class ClientTimedOut:
     simulated_s: float
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundDeadlinePassed:
     """The deadline of the sync round that started from model ``version`` passed."""
@@ -371,6 +442,7 @@ class RoundDeadlinePassed:
     simulated_s: float
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientConnected:
     """A remote device asked for its task after a silence (its first request, or its first after it went offline):
@@ -380,6 +452,7 @@ class ClientConnected:
     client_id: ClientId
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StopRequested:
     """Something outside the run (a signal, :meth:`flasync.Federation.request_stop`) asked it to stop."""
@@ -387,6 +460,7 @@ class StopRequested:
     reason: str
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Aggregated:
     """The server folded ``num_updates`` updates into the model, producing ``version``."""
@@ -399,6 +473,7 @@ class Aggregated:
     wall_s: float = 0.0
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Evaluated:
     """The server evaluated ``version`` on the held-out split (each figure is logged as the metric
@@ -423,6 +498,7 @@ class Evaluated:
         return None if found is None else float(found)
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientEvaluated:
     """A client evaluated a model on its own held-out samples (client-side evaluation, ``eval.clients``).
@@ -460,6 +536,7 @@ class ClientEvaluated:
         return {"accuracy": self.accuracy, "loss": self.loss, **self.metrics}
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientsEvaluated:
     """The clients' evaluation of ``version`` closed (client-side evaluation): its reports summed up.
@@ -488,6 +565,7 @@ class ClientsEvaluated:
         return float(self.figures[metric][figure])
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunFinished:
     """The run stopped (``reason``: ``max_versions``, ``target_accuracy``, ``max_simulated_s``, ``max_wall_s``)."""
@@ -499,6 +577,7 @@ class RunFinished:
     wall_s: float
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AlertRaised:
     """A diagnostic found something wrong (``kind``: ``nan``, ``exploding_gradient``, ``vanishing_gradient``,

@@ -51,6 +51,8 @@ def debug_many(log: Any, event: str, many: Sequence[Mapping[str, Any]]) -> None:
     batch of metrics (its ``debug_many``): the same rows, in the same order, for a batch of updates at the cost of
     one call. Any other logger gets the calls one by one. The lines carry no ``metrics`` flag: each is a metric event.
     """
+    if not many:  # no line: no call (a batch of none sends no metric either)
+        return
     batch = getattr(type(log), "debug_many", None)  # on the class: structlog's generic loggers proxy any attribute
     if batch is not None:
         batch(log, event, many)

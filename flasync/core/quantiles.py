@@ -4,12 +4,15 @@ runs too long to keep every value: :class:`StreamSummary` (quantiles of a stream
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import random
 from collections.abc import Mapping, Sequence
+from functools import reduce
 from typing import Generic, TypeVar
 
-__all__ = ["StreamSummary", "Thinned", "counted_percentile", "percentile"]
+__all__ = ["StreamSummary", "Thinned", "add_columns", "counted_percentile", "percentile"]
 
 T = TypeVar("T")
 
@@ -100,6 +103,10 @@ class StreamSummary:
         if slot < self._capacity:
             self._sample[slot] = value
 
+    def add_many(self, values: Sequence[float]) -> None:
+        """Take ``values`` in order: the same state, and the same draws from the generator, as :meth:`add` of each."""
+        add_columns((self,), (values,))
+
     def quantile(self, p: float) -> float:
         """The ``p``-quantile of the kept values (:func:`percentile`; NaN when empty)."""
         return percentile(sorted(self._sample), p) if self._sample else math.nan
@@ -121,6 +128,61 @@ class StreamSummary:
             "mean": self.total / self.count,
             "count": float(self.count),
         }
+
+
+def add_columns(summaries: Sequence[StreamSummary], columns: Sequence[Sequence[float]]) -> None:
+    """Give each summary its column, row by row: the state of ``summaries[j].add(columns[j][i])`` for each row ``i``
+    and, within a row, each ``j`` in turn.
+
+    Several summaries may share one generator; their draws are made in that same interleaved order, so the kept
+    samples are exactly those of the calls one at a time. Counts, totals and maxima are folded a column at a time
+    (each total is still added value by value, in order).
+
+    Args:
+        summaries: The summaries, each at most once.
+        columns: One sequence of values per summary, all of one length.
+
+    Raises:
+        ValueError: If the columns do not match the summaries or differ in length.
+    """
+    if len(columns) != len(summaries):
+        raise ValueError(f"{len(summaries)} summaries need as many columns, got {len(columns)}")
+    if len(set(map(len, columns))) > 1:
+        raise ValueError("every column must have one length")
+    rows = len(columns[0]) if columns else 0
+    if not rows:
+        return
+    first = summaries[0]
+    count, capacity = first.count, first._capacity
+    for summary in summaries:
+        if summary.count != count or summary._capacity != capacity or type(summary._rng) is not random.Random:
+            for row in range(rows):
+                for each, column in zip(summaries, columns, strict=True):
+                    each.add(column[row])
+            return
+    free = max(0, min(capacity - count, rows))  # the rows every summary keeps without a draw
+    for summary, column in zip(summaries, columns, strict=True):
+        summary.count = count + rows
+        summary.total = reduce(operator.add, column, summary.total)
+        # As add(): a value replaces the maximum only when greater (so a NaN never does).
+        summary.max = max(itertools.chain((summary.max,), column))
+        summary._sample.extend(column[:free])
+    lanes = [(s._rng.getrandbits, s._sample, column) for s, column in zip(summaries, columns, strict=True)]
+    seen = count + free
+    bits = (seen + 1).bit_length()  # of the next row's count; it grows by one bit when the count reaches ``top``
+    top = 1 << bits
+    for row in range(free, rows):
+        seen += 1
+        if seen == top:
+            bits += 1
+            top <<= 1
+        # random.Random.randrange(seen), inlined: the same draws from the same generator, row by row.
+        for getrandbits, sample, column in lanes:
+            slot = getrandbits(bits)
+            while slot >= seen:
+                slot = getrandbits(bits)
+            if slot < capacity:
+                sample[slot] = column[row]
 
 
 class Thinned(Generic[T]):
@@ -153,6 +215,26 @@ class Thinned(Generic[T]):
         if len(self._items) >= self.capacity:
             self._items = self._items[::2]
             self._stride *= 2
+
+    def add_many(self, items: Sequence[T]) -> None:
+        """Offer ``items`` in order: the same state as :meth:`add` of each."""
+        start, end = 0, len(items)
+        while start < end:
+            stride, kept = self._stride, self._items
+            # Item ``i`` is the (seen + i - start + 1)-th offered: kept when (seen + i - start) is a multiple of stride.
+            first = start + (-self._seen) % stride
+            taken = items[first:end:stride][: self.capacity - len(kept)]
+            kept.extend(taken)
+            if len(kept) < self.capacity:
+                self._seen += end - start
+                break
+            last = first + (len(taken) - 1) * stride
+            self._seen += last - start + 1
+            self._items = kept[::2]
+            self._stride *= 2
+            start = last + 1
+        if end:
+            self._latest = items[-1]
 
     def items(self) -> list[T]:
         """The kept items in arrival order, ending with the latest."""

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import random
 import statistics
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from functools import reduce
+from itertools import groupby, repeat
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -48,7 +51,7 @@ from flasync.core.events import (
     Version,
 )
 from flasync.core.instruments import Instrument
-from flasync.core.quantiles import StreamSummary, Thinned, counted_percentile, percentile
+from flasync.core.quantiles import StreamSummary, Thinned, add_columns, counted_percentile, percentile
 from flasync.observe.plots import merge_rows
 from flasync.training.diagnostics import Alert, AlertMonitor
 
@@ -77,16 +80,15 @@ def quantiles(values: Sequence[float]) -> dict[str, float] | None:
     }
 
 
-@dataclass(slots=True)
-class _Task:
+class _Task(NamedTuple):
     """An uploaded update waiting to be folded into a version (kept only until then)."""
 
-    compute_s: float = 0.0
-    encode_s: float = 0.0
-    sim_task_s: float = 0.0
-    sim_train_s: float = 0.0
-    upload_bytes: int = 0
-    download_bytes: int = 0
+    compute_s: float
+    encode_s: float
+    sim_task_s: float
+    sim_train_s: float
+    upload_bytes: int
+    download_bytes: int
 
 
 @dataclass(slots=True)
@@ -161,6 +163,9 @@ class VersionRows:
         """The rows, oldest first (the last may cover fewer versions than the others)."""
         return [*self._rows, *([self._open] if self._open is not None else [])]
 
+
+_new_task = cast("Callable[[type[_Task], tuple[Any, ...]], _Task]", tuple.__new__)
+"""Make a :class:`_Task` from a tuple of its fields, without a Python call per task."""
 
 _SAMPLE = 4096  # values kept per streamed quantile summary (exact up to this many)
 _IN_FLIGHT = 65_536  # uploads awaiting their version, at most (the oldest are dropped beyond)
@@ -244,15 +249,17 @@ class Profiler:
     def observe(self, event: object) -> None:
         """Record one event."""
         r = self.records
-        if isinstance(event, UpdateUploaded):
+        # First the two events a buffered server sees one by one for every update. (No event is an instance of two
+        # of these classes: slotted classes with fields of their own cannot be combined, so the order decides nothing.)
+        if isinstance(event, UpdateReceived):
+            self._received(event)
+        elif isinstance(event, TaskAssigned):
+            self._assigned(event)
+        elif isinstance(event, UpdateUploaded):
             self._uploaded(event)
-        elif isinstance(event, UpdateReceived):
-            self._fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
         elif isinstance(event, UpdateRejected):
             r.rejected[event.reason] += 1
             r.pending.pop(event.task_id, None)
-        elif isinstance(event, TaskAssigned):
-            self._assigned_many((event,))
         elif isinstance(event, ModelPublished):
             version = int(event.version)
             r.open_versions[version].publish_encode_s += event.encode_s
@@ -294,6 +301,19 @@ class Profiler:
         elif isinstance(event, RunFinished):
             r.wall_s, r.simulated_s = event.wall_s, event.simulated_s
 
+    def handler(self, kind: type[Any]) -> Callable[[Any], None]:
+        """Return what records an event of class ``kind``: :meth:`observe` itself, or for the events a buffered
+        server sees one by one for every update (a receipt, a task) the part of it they reach, a call fewer."""
+        if issubclass(kind, UpdateReceived):
+            return self._received
+        if issubclass(kind, TaskAssigned):
+            return self._assigned
+        return self.observe
+
+    def _received(self, event: UpdateReceived) -> None:
+        """Record one accepted upload: :meth:`_fold` it into its version."""
+        self._fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
+
     def finish(self) -> ProfileRecords:
         """Fold every version made so far into rows and return the records (call once, at the end of the run)."""
         r = self.records
@@ -309,20 +329,24 @@ class Profiler:
         if isinstance(first, UpdateUploaded):
             self._uploaded_many(cast("Sequence[UpdateUploaded]", events))
         elif isinstance(first, UpdateReceived):
-            fold = self._fold
-            for received in cast("Sequence[UpdateReceived]", events):
-                fold(
-                    int(received.version) + 1,
-                    received.task_id,
-                    received.staleness,
-                    received.decode_s,
-                    received.queue_wait_s,
-                )
+            self._received_many(cast("Sequence[UpdateReceived]", events))
         elif isinstance(first, TaskAssigned):
             self._assigned_many(cast("Sequence[TaskAssigned]", events))
         else:
             for event in events:
                 self.observe(event)
+
+    def _assigned(self, event: TaskAssigned) -> None:
+        """Record one task handed out: :meth:`_assigned_many` of one."""
+        r = self.records
+        size = r.download_sizes.get(int(event.base_version), 0)
+        client_id = int(event.client_id)
+        client = r.clients.get(client_id)
+        if client is None:
+            client = r.clients[client_id] = _Client()
+        client.download_bytes += size
+        r.downloads += 1
+        r.download_tiers["client"] += size
 
     def _assigned_many(self, events: Sequence[TaskAssigned]) -> None:
         """Record tasks handed out: each client's download and the run's."""
@@ -344,36 +368,77 @@ class Profiler:
         """Record clients' uploads, in order: their totals, the run's summaries, and each task until its version is
         made."""
         r = self.records
-        client_of, pending, tiers = r.client, r.pending, r.tier_uploads
-        # One random stream behind every summary: each upload's values are taken in turn, as one at a time would.
-        add_task, add_train, add_compute = r.sim_task_s.add, r.sim_train_s.add, r.compute_s.add
-        add_encode, add_memory = r.encode_s.add, r.peak_mem_bytes.add
-        for event in events:
-            sim_task_s = event.sim_download_s + event.sim_train_s + event.sim_upload_s
-            upload_bytes = event.upload_bytes
-            client = client_of(int(event.client_id))
+        compute = [event.compute_s for event in events]
+        train = [event.sim_train_s for event in events]
+        task = [event.sim_download_s + event.sim_train_s + event.sim_upload_s for event in events]
+        uploaded = [event.upload_bytes for event in events]
+        clients, new_client = r.clients, _Client
+        for event, sim_task_s, compute_s, upload_bytes in zip(events, task, compute, uploaded, strict=True):
+            client_id = int(event.client_id)
+            client = clients.get(client_id)
+            if client is None:
+                client = clients[client_id] = new_client()
             client.tasks += 1
             client.sim_task_s += sim_task_s
-            client.compute_s += event.compute_s
+            client.compute_s += compute_s
             client.upload_bytes += upload_bytes
-            tiers[event.tier] += upload_bytes
-            add_task(sim_task_s)
-            add_train(event.sim_train_s)
-            add_compute(event.compute_s)
-            add_encode(event.encode_s)
-            add_memory(float(event.peak_mem_bytes))
-            if len(pending) >= _IN_FLIGHT:
-                del pending[next(iter(pending))]
-                r.dropped_pending += 1
-            pending[event.task_id] = _Task(
-                compute_s=event.compute_s,
-                encode_s=event.encode_s,
-                sim_task_s=sim_task_s,
-                sim_train_s=event.sim_train_s,
-                upload_bytes=upload_bytes,
-                download_bytes=event.download_bytes,
-            )
+        tiers = r.tier_uploads
+        for tier, group in groupby(zip(events, uploaded, strict=True), key=lambda pair: pair[0].tier):
+            tiers[tier] += sum(upload_bytes for _, upload_bytes in group)
+        encode = [event.encode_s for event in events]
+        # One random stream behind every summary: its draws are taken upload by upload, as one at a time would.
+        add_columns(
+            (r.sim_task_s, r.sim_train_s, r.compute_s, r.encode_s, r.peak_mem_bytes),
+            (task, train, compute, encode, [float(event.peak_mem_bytes) for event in events]),
+        )
+        held = zip(compute, encode, task, train, uploaded, [event.download_bytes for event in events], strict=True)
+        waiting = zip([event.task_id for event in events], map(_new_task, repeat(_Task), held), strict=True)
+        pending = r.pending
+        if len(pending) + len(events) <= _IN_FLIGHT:
+            pending.update(waiting)
+        else:
+            for task_id, waiter in waiting:
+                if len(pending) >= _IN_FLIGHT:
+                    del pending[next(iter(pending))]
+                    r.dropped_pending += 1
+                pending[task_id] = waiter
         r.tasks_completed += len(events)
+
+    def _received_many(self, events: Sequence[UpdateReceived]) -> None:
+        """Fold accepted uploads into the versions they go into, in order: what :meth:`_fold` of each does."""
+        r = self.records
+        r.staleness.update([event.staleness for event in events])
+        pop = r.pending.pop
+        received: list[UpdateReceived] = []
+        tasks: list[_Task] = []
+        for event in events:
+            task = pop(event.task_id, None)
+            if task is not None:
+                received.append(event)
+                tasks.append(task)
+        start = 0
+        for version, run in groupby([int(event.version) + 1 for event in received]):
+            end = start + sum(1 for _ in run)
+            self._fold_run(version, received[start:end], tasks[start:end])
+            start = end
+
+    def _fold_run(self, version: int, received: list[UpdateReceived], tasks: list[_Task]) -> None:
+        """Fold accepted uploads of one version, each sum taken value by value in the order of the uploads."""
+        rec = self.records.open_versions[version]
+        compute, encode, task, train, uploaded, downloaded = zip(*tasks, strict=True)
+        add = operator.add
+        rec.updates += len(tasks)
+        rec.compute_s = reduce(add, compute, rec.compute_s)
+        rec.encode_s = reduce(add, encode, rec.encode_s)
+        rec.decode_s = reduce(add, [event.decode_s for event in received], rec.decode_s)
+        rec.queue_wait_s = reduce(add, [event.queue_wait_s for event in received], rec.queue_wait_s)
+        rec.sim_train_s = reduce(add, train, rec.sim_train_s)
+        rec.transfer_sim_s = reduce(add, map(operator.sub, task, train), rec.transfer_sim_s)
+        rec.upload_bytes += sum(uploaded)
+        rec.download_bytes += sum(downloaded)
+        rec.staleness_sum += sum([event.staleness for event in received])
+        if self.mode == "sync":
+            rec.durations.extend(task)
 
     def _aggregated(self, event: Aggregated) -> None:
         """Record a version's aggregation, closing the rows of the versions made before it."""
@@ -707,6 +772,10 @@ def torch_memory() -> dict[str, int]:
 _ALERTS_PRINTED = 3
 
 
+def _ignore(event: object) -> None:
+    """Do nothing with ``event``."""
+
+
 class Instrumentation(Instrument):
     """The run's profiler and alert monitor, as an instrument on its bus (hooks, no task of its own).
 
@@ -742,16 +811,39 @@ class Instrumentation(Instrument):
         self.lost_alerts = 0
         self.first_alerts: dict[str, str] = {}
         """The message of the first alert of each kind (MLflow tags ``alert.<kind>`` at the end of the run)."""
+        self._reads: dict[type[Any], bool] = {}
+        self._handlers: dict[type[Any], Callable[[Any], None]] = {}
         bus.add_instrument(self)
 
     takes_batches = True
 
     def event_published(self, event: object) -> None:
         """Profile the event and raise the alerts it triggers (a batch's events one by one, in order)."""
-        if isinstance(event, BATCH_EVENTS):
-            self._observe_batch(event.members)
-        elif not isinstance(event, AlertRaised):  # this instrument's own
-            self._observe(event)
+        kind = type(event)
+        handle = self._handlers.get(kind)
+        if handle is None:
+            handle = self._handlers[kind] = self._handler(kind)
+        handle(event)
+
+    def _handler(self, kind: type[Any]) -> Callable[[Any], None]:
+        """Return what :meth:`event_published` does with events of class ``kind`` (made once per class)."""
+        if issubclass(kind, BATCH_EVENTS):
+            return self._observe_batch_event
+        if issubclass(kind, AlertRaised):  # this instrument's own
+            return _ignore
+        if self.profiler is not None and not issubclass(kind, Aggregated) and not self._monitor_reads(kind):
+            return self.profiler.handler(kind)  # the profiler alone reads it
+        return self._observe
+
+    def _observe_batch_event(self, event: Any) -> None:
+        self._observe_batch(event.members)
+
+    def _monitor_reads(self, kind: type[Any]) -> bool:
+        """Tell whether the alert monitor reads events of class ``kind`` (``AlertMonitor.READS``; cached)."""
+        reads = self._reads.get(kind)
+        if reads is None:
+            reads = self._reads[kind] = self.monitor is not None and issubclass(kind, self.monitor.READS)
+        return reads
 
     def _observe_batch(self, members: tuple[object, ...]) -> None:
         """:meth:`_observe` each of a batch's events (of one class, never a version), without asking the alert
@@ -759,19 +851,18 @@ class Instrumentation(Instrument):
         profiler, monitor = self.profiler, self.monitor
         if profiler is not None:
             profiler.observe_many(members)
-        if monitor is not None and members and isinstance(members[0], monitor.READS):
-            version = self._version
-            for member in members:
-                for alert in monitor.observe(member, version):
-                    # At the member's own time: a batch may hold events of several times (its uploads).
-                    self._raise(alert, getattr(member, "simulated_s", None))
+        if monitor is not None and members and self._monitor_reads(type(members[0])):
+            for index, alert in monitor.observe_many(members, self._version):
+                # At the member's own time: a batch may hold events of several times (its uploads).
+                self._raise(alert, getattr(members[index], "simulated_s", None))
 
     def _observe(self, event: object) -> None:
         if isinstance(event, Aggregated):
             self._version = int(event.version)
         if self.profiler is not None:
             self.profiler.observe(event)
-        if self.monitor is not None:
+        # The monitor is asked only about the events it reads: it raises nothing and keeps nothing of the others.
+        if self.monitor is not None and self._monitor_reads(type(event)):
             for alert in self.monitor.observe(event, self._version):
                 self._raise(alert)
 

@@ -23,7 +23,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -441,6 +441,70 @@ class AlertMonitor:
                 return [Alert("nan", f"server weights of version {now} hold NaN/Inf", norm)]
             return self._step_alerts(now, weights)
         return []
+
+    def observe_many(self, events: Sequence[object], version: int) -> list[tuple[int, Alert]]:
+        """Read the events of one batch (of one class) in order; return the alerts they raise, in order, each with
+        the index of the event that raised it: what :meth:`observe` of each returns.
+
+        Uploads are read a run at a time: the diagnoses of a run that hold no NaN/Inf and no per-layer figures can
+        only raise ``exploding_update``, and none can when every finite norm among them is within the factor of the
+        smallest norm the recent window holds at any point of the run; then the run's norms are folded in at once.
+        """
+        if not events or not isinstance(events[0], UpdateUploaded):
+            return [(index, alert) for index, event in enumerate(events) for alert in self.observe(event, version)]
+        uploads = cast("Sequence[UpdateUploaded]", events)
+        diagnoses = [upload.diagnosis for upload in uploads]
+        # Plain: a diagnosis without NaN/Inf and without per-layer figures, whose norm alone can raise an alert.
+        plain = [
+            d is not None
+            and d.loss_finite
+            and d.grad_finite
+            and d.update_finite
+            and not d.layer_grad_norm_max
+            and not d.layer_grad_norm_mean
+            for d in diagnoses
+        ]
+        found: list[tuple[int, Alert]] = []
+        start = 0
+        for is_plain, run in itertools.groupby(plain):
+            end = start + sum(1 for _ in run)
+            quiet = is_plain and self._uploads_quiet(
+                uploads[start:end], cast("list[TaskDiagnosis]", diagnoses[start:end]), version
+            )
+            if not quiet:
+                for index in range(start, end):
+                    found.extend((index, alert) for alert in self.observe(uploads[index], version))
+            start = end
+        return found
+
+    def _uploads_quiet(
+        self, uploads: Sequence[UpdateUploaded], diagnoses: Sequence[TaskDiagnosis], version: int
+    ) -> bool:
+        """Fold in plain uploads (their ``diagnoses`` hold no NaN/Inf and no per-layer figures) that raise no alert
+        and return True; else change nothing and return False.
+
+        An upload alerts when its norm exceeds ``exploding_factor`` times the smallest of the recent norms, which is
+        never below the smallest of the window now and the run's norms together (and the factor is positive).
+        """
+        norms = [diagnosis.update_norm for diagnosis in diagnoses]
+        finite = list(filter(math.isfinite, norms))
+        if not finite:
+            return True
+        recent = self._recent
+        floor = min(min(recent), min(finite)) if recent else min(finite)
+        if len(recent) + len(finite) > 5 and max(finite) > self.config.exploding_factor * floor:
+            return False
+        recent.extend(finite)
+        series = self.series
+        series.norms.add_many(finite)
+        series.update_norms.add_many(
+            [
+                (version, int(upload.client_id), norm)
+                for upload, norm in zip(uploads, norms, strict=True)
+                if math.isfinite(norm)
+            ]
+        )
+        return True
 
     def _step_alerts(self, version: int, weights: torch.Tensor) -> list[Alert]:
         """Alert when one version moves the weights by more than ``step_ratio_max`` of their norm.

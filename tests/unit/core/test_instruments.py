@@ -36,3 +36,13 @@ def test_debug_many_hands_a_tracked_loggers_events_over_as_one_batch() -> None:
     log = make_logger(level="warning", metrics=MetricsProcessor(batches.append, clock_ms=lambda: 1))
     debug_many(log, "server.update", [{"step": 1, "norm": 0.5}, {"step": 2, "norm": 0.25}])
     assert batches == [[MetricRow("server/update/norm", 0.5, 1, 1), MetricRow("server/update/norm", 0.25, 1, 2)]]
+
+
+def test_debug_many_of_no_lines_calls_no_logger() -> None:
+    """No line is no call: neither one by one nor as a batch, so a tracked logger's processor gets nothing."""
+    batches: list[list[MetricRow]] = []
+    tracked = make_logger(level="warning", metrics=MetricsProcessor(batches.append, clock_ms=lambda: 1))
+    with structlog.testing.capture_logs() as captured:
+        debug_many(structlog.get_logger(), "server.update", [])
+        debug_many(tracked, "server.update", ())
+    assert captured == [] and batches == []

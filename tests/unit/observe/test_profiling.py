@@ -414,3 +414,126 @@ def test_batches_past_the_summaries_capacity_keep_the_samples_one_at_a_time_keep
     assert records[0].download_tiers == records[1].download_tiers == {"client": 1_000 * n}
     profiles = [build_profile(r, mode="sync", num_params=4, dense_bytes=32) for r in records]
     assert profiles[0] == profiles[1]
+
+
+def _random_stream(rng: random.Random, n: int) -> list[list[Any]]:
+    """Batches of tasks, uploads and receipts of ``n`` updates: tiers mixed, some uploads never received, some receipts
+    of unknown tasks or repeated task ids, and receipts of one batch spread over consecutive versions."""
+    batches: list[list[Any]] = []
+    task_id = 0
+    for version in range(n // 40):
+        size = rng.choice([1, 2, 5, 40, 90])
+        ids = [task_id + k for k in range(size)]
+        task_id += size
+        if rng.random() < 0.2:
+            ids[-1] = ids[0]  # a task id uploaded twice
+        clients = [ClientId(rng.randrange(30)) for _ in ids]
+        batches.append(
+            [
+                TaskAssigned(task_id=t, client_id=c, participation=0, base_version=Version(version), simulated_s=0.0)
+                for t, c in zip(ids, clients, strict=True)
+            ]
+        )
+        batches.append(
+            [
+                UpdateUploaded(
+                    task_id=t,
+                    client_id=c,
+                    base_version=Version(version),
+                    num_samples=10,
+                    payload=bytes(rng.randrange(1, 40)),
+                    extra=bytes(rng.choice([0, 3])),
+                    train_loss=0.5,
+                    simulated_s=1.0,
+                    sent_wall_s=0.0,
+                    tier=rng.choice(["client", "client", "edge-a"]),
+                    compute_s=rng.random(),
+                    encode_s=rng.random() * 1e-3,
+                    sim_train_s=rng.expovariate(1.0),
+                    sim_download_s=rng.random() * 0.1,
+                    sim_upload_s=rng.random() * 0.2,
+                    peak_mem_bytes=rng.randrange(1 << 20),
+                    download_bytes=rng.randrange(1 << 12),
+                )
+                for t, c in zip(ids, clients, strict=True)
+            ]
+        )
+        received = [t for t in ids if rng.random() < 0.9] + [10**9 + task_id]  # the last was never uploaded
+        batches.append(
+            [
+                UpdateReceived(
+                    task_id=t,
+                    client_id=ClientId(0),
+                    base_version=Version(version),
+                    version=Version(version + (k * 3 // len(received))),
+                    staleness=rng.randrange(4),
+                    upload_bytes=1,
+                    simulated_s=1.0,
+                    decode_s=rng.random() * 1e-2,
+                    queue_wait_s=rng.random() * 1e-3,
+                )
+                for k, t in enumerate(received)
+            ]
+        )
+        batches.append(
+            [
+                Aggregated(
+                    version=Version(version + 1),
+                    num_updates=size,
+                    mean_staleness=0.0,
+                    aggregate_s=rng.random(),
+                    simulated_s=float(version),
+                    wall_s=float(version + 1),
+                )
+            ]
+        )
+    return batches
+
+
+@pytest.mark.parametrize(("seed", "mode", "in_flight"), [(0, "sync", 65_536), (1, "async", 65_536), (2, "sync", 64)])
+def test_random_batches_leave_the_records_of_their_events_one_by_one(
+    seed: int, mode: str, in_flight: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random batches (past the summaries' capacity, and past the bound on uploads waiting for their version when it is
+    small) leave exactly the records, samples and profile that observing their events one by one leaves."""
+    monkeypatch.setattr("flasync.observe.profiling._IN_FLIGHT", in_flight)
+    together, alone = Profiler(mode), Profiler(mode)
+    for profiler in (together, alone):
+        profiler.observe(ModelPublished(version=Version(0), simulated_s=0.0, download_bytes=64))
+    for batch in _random_stream(random.Random(seed), 10_000):
+        together.observe_many(batch)
+        for event in batch:
+            alone.observe(event)
+    records = [together.finish(), alone.finish()]
+    assert records[0].pending == records[1].pending
+    assert records[0].dropped_pending == records[1].dropped_pending
+    assert (records[0].dropped_pending > 0) == (in_flight < 1_000)
+    assert records[0].clients == records[1].clients
+    assert records[0].tier_uploads == records[1].tier_uploads
+    assert records[0].staleness == records[1].staleness
+    assert records[0].rows.rows() == records[1].rows.rows()
+    for name in ("sim_task_s", "sim_train_s", "compute_s", "encode_s", "peak_mem_bytes"):
+        kept = [getattr(r, name) for r in records]
+        assert kept[0].count > 4_096
+        assert (kept[0].count, kept[0].total, kept[0].max) == (kept[1].count, kept[1].total, kept[1].max)
+        assert kept[0]._sample == kept[1]._sample
+    assert records[0].rng.getstate() == records[1].rng.getstate()
+    profiles = [build_profile(r, mode=mode, num_params=4, dense_bytes=32) for r in records]
+    assert profiles[0] == profiles[1]
+
+
+def test_events_published_one_by_one_are_profiled_as_the_profiler_observes_them() -> None:
+    """Tasks, uploads, receipts and versions published one by one reach the instrumentation's profiler, through the
+    handler it keeps per event class, with exactly the records that observing each event directly leaves."""
+    bus, through_bus, _, _ = _instrumented()
+    direct = Profiler("sync")
+    for batch in _random_stream(random.Random(5), 10_000):
+        for event in batch:
+            bus.publish_nowait(event)
+            direct.observe(event)
+    records = [through_bus.finish(), direct.finish()]
+    assert records[0].clients == records[1].clients and records[0].pending == records[1].pending
+    assert records[0].downloads == records[1].downloads > 0
+    assert records[0].sim_task_s._sample == records[1].sim_task_s._sample
+    profiles = [build_profile(r, mode="sync", num_params=4, dense_bytes=32) for r in records]
+    assert profiles[0] == profiles[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -10,8 +11,15 @@ from torch import nn
 
 import flasync
 from flasync.config import DiagnosticsConfig
-from flasync.core.events import TaskDiagnosis
-from flasync.training.diagnostics import DivergedTraining, TrainingDiagnostics, is_diverging, layer_layout, task_alerts
+from flasync.core.events import ClientFailed, ClientId, TaskDiagnosis, UpdateUploaded, Version
+from flasync.training.diagnostics import (
+    AlertMonitor,
+    DivergedTraining,
+    TrainingDiagnostics,
+    is_diverging,
+    layer_layout,
+    task_alerts,
+)
 from flasync.training.local import FlatModel, LocalResult, LocalTraining
 
 CONFIG = DiagnosticsConfig()
@@ -118,3 +126,75 @@ def test_diverged_training_carries_its_diagnosis() -> None:
     error = DivergedTraining("boom", TaskDiagnosis(update_finite=False))
     assert isinstance(error, flasync.core.errors.TrainingError)
     assert error.diagnosis.update_finite is False
+
+
+def _random_upload(rng: random.Random, task_id: int) -> UpdateUploaded:
+    """An upload whose diagnosis is, at random, missing, plain, exploding, non-finite, norm-less or per-layer."""
+    pick = rng.random()
+    norm = rng.lognormvariate(0.0, 0.3) * (30.0 if rng.random() < 0.04 else 1.0)
+    if pick < 0.05:
+        diagnosis = None
+    elif pick < 0.1:
+        diagnosis = TaskDiagnosis(loss_finite=False, update_norm=norm)
+    elif pick < 0.15:
+        diagnosis = TaskDiagnosis(update_finite=False)
+    elif pick < 0.2:
+        diagnosis = TaskDiagnosis()  # level off: no norm
+    elif pick < 0.25:
+        diagnosis = TaskDiagnosis(update_norm=math.inf)
+    elif pick < 0.3:
+        peaks = (rng.choice([1.0, 5e3]), 1.0)
+        diagnosis = TaskDiagnosis(
+            update_norm=norm, layer_grad_norm_max=peaks, layer_grad_norm_mean=(rng.choice([1.0, 1e-9]), 0.5)
+        )
+    else:
+        diagnosis = TaskDiagnosis(update_norm=norm)
+    return UpdateUploaded(
+        task_id=task_id,
+        client_id=ClientId(rng.randrange(40)),
+        base_version=Version(0),
+        num_samples=10,
+        payload=b"",
+        train_loss=0.5,
+        simulated_s=float(task_id),
+        sent_wall_s=0.0,
+        diagnosis=diagnosis,
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_observe_many_raises_and_keeps_what_observe_of_each_does(seed: int) -> None:
+    """Random batches of uploads (quiet and exploding norms, NaN/Inf, no norm, per-layer figures, no diagnosis)
+    raise the same alerts, from the same uploads, in the same order, and leave the same series, as one at a time."""
+    rng = random.Random(seed)
+    names = ("a", "b")
+    together = AlertMonitor(CONFIG, layer_names=names, rng=random.Random(seed))
+    alone = AlertMonitor(CONFIG, layer_names=names, rng=random.Random(seed))
+    task_id, raised = 0, 0
+    for version in range(40):
+        batch = [_random_upload(rng, task_id + k) for k in range(rng.choice([0, 1, 2, 7, 30, 120]))]
+        task_id += len(batch)
+        expected = [(index, alert) for index, event in enumerate(batch) for alert in alone.observe(event, version)]
+        assert together.observe_many(batch, version) == expected
+        raised += len(expected)
+    assert raised > 0
+    assert together.summary() == alone.summary()
+    assert list(together._recent) == list(alone._recent)
+    assert together.series.norms.sample == alone.series.norms.sample
+
+
+def test_observe_many_of_other_events_is_observe_of_each() -> None:
+    """A batch of events other than uploads is read one by one."""
+    failed = [
+        ClientFailed(
+            task_id=k,
+            client_id=ClientId(k),
+            base_version=Version(0),
+            error="boom",
+            simulated_s=0.0,
+            diagnosis=TaskDiagnosis(loss_finite=k % 2 == 0),
+        )
+        for k in range(4)
+    ]
+    found = AlertMonitor(CONFIG).observe_many(failed, 0)
+    assert [(index, alert.kind) for index, alert in found] == [(1, "nan"), (3, "nan")]

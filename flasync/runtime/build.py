@@ -162,16 +162,7 @@ def build_world(
             *client_plugins,
         )
     samples = _client_samples(config, prepared)
-    num_params = prepared.initial.numel()
-    job = JobContext(
-        models=executor.models,
-        local=training,
-        upload_codec=upload_codec,
-        num_params=num_params,
-        diagnostics=diagnostics,
-        wall=wall,
-        prepare=_row_decoder(config, prepared, upload_codec, num_params, wall),
-    )
+    job = _job_context(config, prepared, executor, upload_codec, training, diagnostics=diagnostics, wall=wall)
     population = config.population
     trace = prepared.trace
     return ClientWorld(
@@ -210,6 +201,29 @@ _TAKEN_NAMES = frozenset(
     | {"aggregator", "accounting", "sampler", "registry", "intake", "policy", "secure_aggregation"}
 )
 """Names of a checkpoint's entries besides a caller's plug-ins: the server's own state and the run's own plug-ins."""
+
+
+def _job_context(
+    config: RunConfig,
+    prepared: Prepared,
+    executor: TrainingExecutor,
+    upload_codec: Pipeline,
+    training: LocalTraining,
+    *,
+    diagnostics: TrainingDiagnostics | None,
+    wall: Callable[[], float],
+) -> JobContext:
+    """Return what the training jobs need in their worker threads (with the cloud intake's decoder, if any)."""
+    num_params = prepared.initial.numel()
+    return JobContext(
+        models=executor.models,
+        local=training,
+        upload_codec=upload_codec,
+        num_params=num_params,
+        diagnostics=diagnostics,
+        wall=wall,
+        prepare=_row_decoder(config, prepared, upload_codec, num_params, wall),
+    )
 
 
 def _row_decoder(

@@ -84,7 +84,8 @@ class TrainedUpdate:
     ``extra`` is what a plug-in sends beside the delta, and ``finished`` what each of the task's plug-in parts
     handed back, in the order of the parts. ``upload_bytes`` is what the upload sends: the delta and a plug-in's
     extra (counted where the update is made, in the worker). ``prepared`` is what the receiver would make of the
-    payload, made ahead in the worker with the rest of its cohort (:attr:`JobContext.prepare`; None: nothing).
+    payload, made ahead in the worker with the rest of its cohort (:attr:`JobContext.prepare`; None: nothing): its
+    delta is a row of the tensor its cohort's payloads were decoded into, which it keeps until it is handled.
     """
 
     result: LocalResult

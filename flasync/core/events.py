@@ -228,16 +228,22 @@ class UpdatesUploaded:
     that would receive them one by one takes the batch too (:meth:`flasync.core.bus.EventBus.batches_reach`): the
     receiver handles ``uploads`` exactly as it would handle them one at a time, in this order, and decodes and
     checks them together. Observers that want the uploads themselves read ``uploads``.
+
+    ``prepared`` holds, where the worker that encoded the uploads also decoded and checked them as their receiver
+    would (:class:`flasync.server.intake.RowDecoder`), each upload's entry, in order: the receiver takes them
+    instead of decoding, when they are its own decoder's (None: the receiver decodes the uploads).
     """
 
     member: ClassVar[type[UpdateUploaded]] = UpdateUploaded
     to: str = CLOUD
     uploads: tuple[UpdateUploaded, ...]
+    prepared: tuple[object, ...] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def of(cls, events: tuple[UpdateUploaded, ...]) -> UpdatesUploaded:
-        """Return the batch of ``events``, all addressed alike (to the first one's address)."""
-        return cls(to=events[0].to, uploads=events)
+    def of(cls, events: tuple[UpdateUploaded, ...], prepared: tuple[object, ...] | None = None) -> UpdatesUploaded:
+        """Return the batch of ``events``, all addressed alike (to the first one's address), with each one's entry
+        decoded ahead (``prepared``, None: none)."""
+        return cls(to=events[0].to, uploads=events, prepared=prepared)
 
     @property
     def members(self) -> tuple[UpdateUploaded, ...]:

@@ -84,6 +84,7 @@ from flasync.server import (
     TaskRegistry,
     TreeRounds,
 )
+from flasync.server.intake import RowDecoder
 from flasync.server.loop import Evaluator, Stateful
 from flasync.server.registry import PostTask, StartGroup
 from flasync.server.sampler import Availability
@@ -161,14 +162,7 @@ def build_world(
             *client_plugins,
         )
     samples = _client_samples(config, prepared)
-    job = JobContext(
-        models=executor.models,
-        local=training,
-        upload_codec=upload_codec,
-        num_params=prepared.initial.numel(),
-        diagnostics=diagnostics,
-        wall=wall,
-    )
+    job = _job_context(config, prepared, executor, upload_codec, training, diagnostics=diagnostics, wall=wall)
     population = config.population
     trace = prepared.trace
     return ClientWorld(
@@ -207,6 +201,39 @@ _TAKEN_NAMES = frozenset(
     | {"aggregator", "accounting", "sampler", "registry", "intake", "policy", "secure_aggregation"}
 )
 """Names of a checkpoint's entries besides a caller's plug-ins: the server's own state and the run's own plug-ins."""
+
+
+def _job_context(
+    config: RunConfig,
+    prepared: Prepared,
+    executor: TrainingExecutor,
+    upload_codec: Pipeline,
+    training: LocalTraining,
+    *,
+    diagnostics: TrainingDiagnostics | None,
+    wall: Callable[[], float],
+) -> JobContext:
+    """Return what the training jobs need in their worker threads (with the cloud intake's decoder, if any)."""
+    num_params = prepared.initial.numel()
+    return JobContext(
+        models=executor.models,
+        local=training,
+        upload_codec=upload_codec,
+        num_params=num_params,
+        diagnostics=diagnostics,
+        wall=wall,
+        prepare=_row_decoder(config, prepared, upload_codec, num_params, wall),
+    )
+
+
+def _row_decoder(
+    config: RunConfig, prepared: Prepared, codec: Pipeline, num_params: int, wall: Callable[[], float]
+) -> RowDecoder | None:
+    """Return the decoder the training workers run on a cohort's uploads for the cloud's intake, where the uploads go
+    straight to it on the CPU (None: edges, secure aggregation or a GPU server decode them themselves)."""
+    if isinstance(config.topology, TreeTopology) or config.secure_aggregation.enabled or prepared.device.type != "cpu":
+        return None
+    return RowDecoder(codec=codec, num_params=num_params, max_norm=config.resilience.max_update_norm, wall=wall)
 
 
 def _trace_links(trace: DeviceTrace | None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -651,7 +678,7 @@ def build_server(
         aggregator=aggregator,
         policy=policy,
         registry=registry,
-        intake=make_intake(server_plugins),
+        intake=make_intake(server_plugins, _cloud_rows(world)),
         accounting=accounting,
         sampler=sampler,
         download_codec=pipeline(config.codec.download, sparse=config.model.prune is not None),
@@ -792,6 +819,12 @@ def _privacy_noise(
     return clip_norm, noise
 
 
+def _cloud_rows(world: ClientWorld) -> RowDecoder | None:
+    """The decoder the workers run for the cloud's intake (None: none)."""
+    prepare = world.job.prepare
+    return prepare if isinstance(prepare, RowDecoder) else None
+
+
 def _intake_factory(
     config: RunConfig,
     registry: TaskRegistry,
@@ -808,7 +841,7 @@ def _intake_factory(
     max_staleness = server_cfg.max_staleness if isinstance(server_cfg, FedBuffServer | FedAsyncServer) else None
     upload_codec = world.job.upload_codec
 
-    def make_intake(plugins: Sequence[ServerPlugin] = ()) -> Intake:
+    def make_intake(plugins: Sequence[ServerPlugin] = (), row_decoder: RowDecoder | None = None) -> Intake:
         return Intake(
             registry=registry,
             codec=upload_codec,
@@ -826,6 +859,7 @@ def _intake_factory(
             clip_norm=clip_norm,
             wall=wall,
             plugins=plugins,
+            row_decoder=row_decoder,
         )
 
     return make_intake

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -23,7 +23,7 @@ from flasync.core.snapshots import ModelSnapshot
 from flasync.server.registry import TaskRegistry
 from flasync.training.plugins import Refusal, ServerPlugin
 
-__all__ = ["Admitted", "Decoded", "Intake", "Refused"]
+__all__ = ["Admitted", "Decoded", "Intake", "PreparedRow", "Refused", "RowDecoder"]
 
 _new_tuple = tuple.__new__  # builds a named tuple (every field given) in C, without its class's Python constructor
 
@@ -62,6 +62,85 @@ class Admitted(NamedTuple):
     extra: torch.Tensor | None = None
 
 
+class PreparedRow(NamedTuple):
+    """One upload's delta as :meth:`Intake.decode` would give it in a batch, made ahead by a :class:`RowDecoder`.
+
+    Attributes:
+        decoded: The entry :meth:`Intake.decode` gives the upload: its delta (a row of the stacked tensor its batch
+            was decoded into), norm, share of the decoding's seconds and the verdict of the checks of the delta
+            alone.
+        payload: The bytes it was decoded from (an intake takes the entry only for the upload that carries them).
+        decoder: The decoder that made it (an intake takes only its own decoder's rows).
+    """
+
+    decoded: Decoded
+    payload: bytes
+    decoder: RowDecoder
+
+
+class RowDecoder:
+    """Decode uploads' payloads together and check each delta alone, as :meth:`Intake.decode` does a batch, anywhere.
+
+    The training worker that encodes a cohort's uploads calls it right after (see
+    :attr:`flasync.training.jobs.JobContext.prepare`), so the event loop finds each upload's delta decoded, measured
+    and checked when the upload arrives. It reads only what is fixed when it is made (the codec, the model's length,
+    the validator's ``max_norm``) and writes only the fresh tensor it returns rows of, so any thread may call it while
+    the run goes on. Row ``k`` of a batch is what :meth:`Intake.decode` gives the same payload in any batch of two or
+    more: the same delta, bit for bit, the same norm (one ``vector_norm`` per row, whatever the other rows) and the
+    same verdict (:meth:`~flasync.codecs.validation.UpdateValidator.check_rows` judges each row alone).
+
+    Args:
+        codec: How clients encode their deltas (the receiving intake's).
+        num_params: Length of the flat model.
+        max_norm: The validator's bound on an update's L2 norm (None: no bound).
+        wall: Monotonic real seconds (decode timing).
+    """
+
+    __slots__ = ("_checks", "codec", "num_params", "wall")
+
+    def __init__(self, *, codec: Pipeline, num_params: int, max_norm: float | None, wall: Callable[[], float]) -> None:
+        """Bind the codec and the checks of a delta alone."""
+        self.codec = codec
+        self.num_params = num_params
+        self.wall = wall
+        # Its own validator, with no history: the checks of a delta alone read only its form and max_norm.
+        self._checks = UpdateValidator(num_params, max_norm=max_norm)
+
+    @property
+    def max_norm(self) -> float | None:
+        """The bound on an update's L2 norm its checks apply (None: none)."""
+        return self._checks.max_norm
+
+    def matches(self, codec: Pipeline, num_params: int, validator: UpdateValidator) -> bool:
+        """Whether its rows are what an intake of ``codec``, ``num_params`` and ``validator`` decodes and checks."""
+        checks = self._checks
+        return (
+            codec == self.codec
+            and num_params == self.num_params
+            and validator.num_params == num_params
+            and validator.dtype == checks.dtype
+            and validator.max_norm == checks.max_norm
+        )
+
+    def __call__(self, payloads: Sequence[bytes]) -> list[PreparedRow] | None:
+        """Decode ``payloads`` (two or more) into the rows of a new tensor; None where they cannot be decoded
+        together (fewer than two, or not of one dense form: the receiver decodes them then)."""
+        count = len(payloads)
+        if count < 2:
+            return None
+        start = self.wall()
+        stacked = self.codec.decode_stacked(payloads, expected_elements=self.num_params)
+        if stacked is None:
+            return None
+        norms = torch.linalg.vector_norm(stacked, dim=1).tolist()
+        share = (self.wall() - start) / count
+        checks = self._checks.check_rows(stacked, norms)
+        return [
+            PreparedRow(_new_tuple(Decoded, (row, norm, share, "", alone)), payload, self)
+            for row, norm, alone, payload in zip(stacked.unbind(0), norms, checks, payloads, strict=True)
+        ]
+
+
 @dataclass(frozen=True, slots=True)
 class Refused:
     """An update that must not be aggregated: a short ``reason`` key and a one-line ``detail``."""
@@ -84,6 +163,9 @@ class Intake:
         wall: Monotonic real seconds (decode timing).
         plugins: The run's server-side algorithm state: each checks an upload before its delta is decoded, decodes
             what the client sent beside it, and learns of its admission.
+        row_decoder: Whose rows :meth:`decode` takes where a batch arrives with them (:class:`PreparedRow`), made
+            ahead off the event loop; ignored unless it decodes and checks as this intake does, on the CPU (None:
+            every batch is decoded here).
     """
 
     def __init__(
@@ -98,6 +180,7 @@ class Intake:
         clip_norm: float | None,
         wall: Callable[[], float],
         plugins: Sequence[ServerPlugin] = (),
+        row_decoder: RowDecoder | None = None,
     ) -> None:
         """Bind the registry, codec and checks."""
         self.registry = registry
@@ -114,8 +197,15 @@ class Intake:
         # batch is decoded once the previous one was handled): a fresh buffer of a megabyte or more would cost its
         # pages' first touch every time, several times the decoding.
         self._rows: torch.Tensor | None = None
+        takes_rows = (
+            row_decoder is not None
+            and device.type == "cpu"
+            and not self._decodes_extra
+            and row_decoder.matches(codec, num_params, validator)
+        )
+        self.row_decoder = row_decoder if takes_rows else None
 
-    def decode(self, messages: Sequence[UpdateUploaded]) -> list[Decoded]:
+    def decode(self, messages: Sequence[UpdateUploaded], prepared: Sequence[object] | None = None) -> list[Decoded]:
         """Decode the deltas of uploads that arrived together (one upload or many), in order.
 
         A batch whose payloads share one form is decoded in a few tensor calls, its norms taken in one reduction
@@ -127,14 +217,32 @@ class Intake:
         :meth:`admit` with its entry, which refuses it in its turn. A batch's deltas are rows of a buffer the next
         batch writes again: admit its uploads before decoding another.
 
+        Where the batch comes with each upload's row made ahead by this intake's :attr:`row_decoder`, those are its
+        entries (the same deltas, norms and verdicts, decoded off the event loop), else it is decoded here.
+
         Args:
             messages: The uploads, in the order they will be admitted.
+            prepared: Each upload's :class:`PreparedRow`, in order, where they were decoded ahead (None: none).
         """
         if len(messages) > 1 and not self._decodes_extra:
+            if prepared is not None and self.row_decoder is not None:
+                rows = self._prepared(messages, prepared)
+                if rows is not None:
+                    return rows
             stacked = self._decode_stacked(messages)
             if stacked is not None:
                 return stacked
         return [self._decode_one(message) for message in messages]
+
+    def _prepared(self, messages: Sequence[UpdateUploaded], prepared: Sequence[object]) -> list[Decoded] | None:
+        """The entries of ``prepared`` where each is this intake's decoder's row of its upload's payload, else None."""
+        decoder = self.row_decoder
+        if len(prepared) != len(messages):
+            return None
+        for row, message in zip(prepared, messages, strict=True):
+            if type(row) is not PreparedRow or row.decoder is not decoder or row.payload is not message.payload:
+                return None
+        return [row.decoded for row in cast("Sequence[PreparedRow]", prepared)]
 
     def _decode_one(self, message: UpdateUploaded) -> Decoded:
         start = self.wall()

@@ -346,7 +346,7 @@ class Server:
             if not isinstance(message, UpdatesUploaded):
                 return message, None
             uploads = message.uploads
-            self._batch.extend(zip(uploads, self.intake.decode(uploads), strict=True))
+            self._batch.extend(zip(uploads, self.intake.decode(uploads, message.prepared), strict=True))
         return self._batch.popleft()
 
     def _handle(self, message: ServerMessage) -> None:

@@ -10,6 +10,7 @@ plug-in keeps for the client is returned, not stored: the client coroutine store
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,10 @@ class JobContext:
         wall: Monotonic real seconds (encode timing).
         no_delta: The empty tensor every finished update's result holds instead of its delta (one for all: an
             allocation per update is most of what keeping the figures without the delta costs).
+        prepare: Decodes the payloads of a cohort's uploads together as their receiver would, one entry per payload
+            in order, or None where they cannot be (the cloud intake's
+            :class:`~flasync.server.intake.RowDecoder`): called in the worker right after a cohort is encoded, so
+            the receiver finds each delta decoded and checked (None: the receiver decodes them).
     """
 
     models: ModelPool
@@ -67,6 +72,7 @@ class JobContext:
     diagnostics: TrainingDiagnostics | None = None
     wall: Callable[[], float] = time.perf_counter
     no_delta: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    prepare: Callable[[Sequence[bytes]], Sequence[object] | None] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,7 +83,9 @@ class TrainedUpdate:
     deltas are rows of one tensor, which one member's kept delta would keep whole until its upload is delivered).
     ``extra`` is what a plug-in sends beside the delta, and ``finished`` what each of the task's plug-in parts
     handed back, in the order of the parts. ``upload_bytes`` is what the upload sends: the delta and a plug-in's
-    extra (counted where the update is made, in the worker).
+    extra (counted where the update is made, in the worker). ``prepared`` is what the receiver would make of the
+    payload, made ahead in the worker with the rest of its cohort (:attr:`JobContext.prepare`; None: nothing): its
+    delta is a row of the tensor its cohort's payloads were decoded into, which it keeps until it is handled.
     """
 
     result: LocalResult
@@ -86,6 +94,7 @@ class TrainedUpdate:
     diagnosis: TaskDiagnosis | None = None
     extra: bytes = b""
     finished: tuple[Finished, ...] = ()
+    prepared: object = None
     upload_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -304,6 +313,9 @@ def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> li
     or attack, and the cohort's deltas are the rows of one tensor, the rows are encoded together
     (:meth:`~flasync.codecs.Pipeline.encode_rows`): the same payloads, diagnoses and figures as :func:`finish_job`
     of each, each update's ``encode_s`` its share of the cohort's encoding.
+
+    Where the jobs' context can prepare their receiver's decoding (:attr:`JobContext.prepare`), the payloads of the
+    updates that send nothing beside their delta are decoded together then, and each update carries its entry.
     """
     results, deltas = outcome.results, outcome.deltas
     ctx = _plain_context(jobs) if deltas is not None else None
@@ -314,11 +326,14 @@ def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> li
         encode_s = (ctx.wall() - start) / len(jobs)
     if ctx is None or payloads is None:
         _finish_together(jobs, results)
-        return [_finish_one(job, result) for job, result in zip(jobs, results, strict=True)]
+        finished: list[Any] = [_finish_one(job, result) for job, result in zip(jobs, results, strict=True)]
+        return _with_prepared(_shared_context(jobs), finished)
     diagnose = (ctx.diagnostics or _NO_DIAGNOSTICS).diagnose
     empty = ctx.no_delta
-    finished: list[Any] = []
-    for result, payload in zip(results, payloads, strict=True):
+    prepared = ctx.prepare(payloads) if ctx.prepare is not None else None
+    rows = prepared if prepared is not None else [None] * len(payloads)
+    finished = []
+    for result, payload, row in zip(results, payloads, rows, strict=True):
         diagnosis = diagnose(result)
         if not diagnosis.update_finite:
             finished.append(_diverged(result, diagnosis))
@@ -329,9 +344,39 @@ def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> li
                 payload=payload,
                 encode_s=encode_s,
                 diagnosis=diagnosis,
+                prepared=row,
             )
         )
     return finished
+
+
+def _with_prepared(ctx: JobContext | None, finished: list[Any]) -> list[Any]:
+    """Give the updates among ``finished`` that send nothing beside their delta their entries of ``ctx.prepare``
+    (decoded together), where there are two or more; the rest as they are."""
+    if ctx is None or ctx.prepare is None:
+        return finished
+    plain = [k for k, update in enumerate(finished) if isinstance(update, TrainedUpdate) and not update.extra]
+    if len(plain) < 2:
+        return finished
+    rows = ctx.prepare([finished[k].payload for k in plain])
+    if rows is None:
+        return finished
+    for k, row in zip(plain, rows, strict=True):
+        finished[k] = dataclasses.replace(finished[k], prepared=row)
+    return finished
+
+
+def _shared_context(jobs: Sequence[TrainingJob[Any]]) -> JobContext | None:
+    """The context every job's ``finish`` shares, where each is a :class:`Finish` (None otherwise)."""
+    first = jobs[0].finish if jobs else None
+    if not isinstance(first, Finish):
+        return None
+    ctx = first.ctx
+    for job in jobs:
+        finish = job.finish
+        if not isinstance(finish, Finish) or finish.ctx is not ctx:
+            return None
+    return ctx
 
 
 def _finish_together(jobs: Sequence[TrainingJob[Any]], results: Sequence[LocalResult]) -> None:

@@ -544,13 +544,21 @@ class CohortClients:
                 await clock.sleep_until(later[-1][0])
                 due += [i for _, i in later]
                 times += [at for at, _ in later]
-        sent = _uploads(world, state, due, times, self.live)
-        # As one batch where every receiver takes it (the server decodes and checks them together).
-        if sent and all(message.to == sent[0].to for message in sent):
-            await bus.publish_together(UpdatesUploaded, sent, to=sent[0].to)
-        else:
-            for message in sent:
-                await bus.publish(message)
+        prepared: list[object] = []
+        sent = _uploads(world, state, due, times, self.live, prepared)
+        # As one batch where every receiver takes it (the server decodes and checks them together, or takes each
+        # delta as the worker decoded and checked it with its cohort's).
+        to = sent[0].to if sent else None
+        if (
+            len(sent) > 1
+            and all(message.to == to for message in sent)
+            and bus.batches_reach(UpdatesUploaded, UpdateUploaded, to)
+        ):
+            ready = tuple(prepared) if None not in prepared else None
+            await bus.publish(UpdatesUploaded.of(tuple(sent), ready))
+            return
+        for message in sent:
+            await bus.publish(message)
 
 
 _HANGS = _Fault(math.inf, ("error", "hangs", None))
@@ -618,10 +626,11 @@ def _uploads(
     due: list[int],
     times: list[float],
     live: Callable[[TaskAssigned], bool],
+    prepared: list[object] | None = None,
 ) -> list[UpdateUploaded]:
     """Return the uploads of the trained tasks ``due``, sent at virtual ``times`` (a batch of uploads sent at several
     times is handed over at the last of them) and now in real time, of those whose tasks are still in flight (``live``),
-    in order; take them from ``state``."""
+    in order; take them from ``state``, and append each one's decoding made ahead (or None) to ``prepared``."""
     tasks, model, plan, uploads, wall = state.tasks, state.model, state.plan, state.uploads, world.wall()
     download_bytes, download_s, simulated = model.download_bytes, plan.download_s, plan.simulated
     sent = []
@@ -631,6 +640,8 @@ def _uploads(
         if not live(task):
             continue
         result = trained.result
+        if prepared is not None:
+            prepared.append(trained.prepared)
         sent.append(
             UpdateUploaded(
                 to=task.reply_to,

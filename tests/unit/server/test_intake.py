@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from flasync.codecs.validation import UpdateValidator
 from flasync.core.events import ClientId, UpdateUploaded, Version
 from flasync.core.snapshots import ModelSnapshot
 from flasync.server import Admitted, Intake, Refused
+from flasync.server.intake import Decoded, RowDecoder
 from flasync.testing import ServerHarness
 
 pytestmark = pytest.mark.timeout(30)
@@ -297,3 +299,161 @@ def test_a_batch_checked_together_is_admitted_as_its_uploads_are_one_by_one(
         assert first.norm == second.norm and first.norm == pytest.approx(third.norm, rel=1e-6)
         assert first.staleness == second.staleness == third.staleness
     assert together.validator.norms == checked_late.validator.norms
+
+
+# ----------------------------------------------------------------------------------- rows decoded ahead (RowDecoder)
+_STACKED_CODECS = {
+    "float32": codecs.Pipeline(),
+    "float16": codecs.Pipeline([codecs.Float16()]),
+    "bfloat16": codecs.Pipeline([codecs.BFloat16()]),
+}
+
+
+def _same_float(a: float | None, b: float | None) -> bool:
+    """Equal bit for bit, or both NaN (a NaN's bits are its element's, see _same_entry)."""
+    if a is None or b is None:
+        return a is b
+    return (math.isnan(a) and math.isnan(b)) or struct.pack("<d", a) == struct.pack("<d", b)
+
+
+def _same_entry(ahead: Decoded, here: Decoded) -> None:
+    """Two entries of Intake.decode agree: the same delta bit for bit (a NaN element as NaN: the bits of a widened
+    half-precision NaN are the vector unit's, and a delta with one is refused), norm and verdict of the checks alone."""
+    assert ahead.delta is not None and here.delta is not None
+    assert ahead.delta.dtype == here.delta.dtype and ahead.delta.shape == here.delta.shape
+    nan = torch.isnan(ahead.delta)
+    assert torch.equal(nan, torch.isnan(here.delta))
+    assert torch.equal(ahead.delta.view(torch.int32)[~nan], here.delta.view(torch.int32)[~nan])
+    assert _same_float(ahead.norm, here.norm) and ahead.error == here.error == ""
+    assert ahead.alone is not None and here.alone is not None
+    assert ahead.alone[0] == here.alone[0] and _same_float(ahead.alone[1], here.alone[1])
+
+
+def _rows_intake(codec: codecs.Pipeline, n: int, max_norm: float | None, decoder: RowDecoder | None) -> Intake:
+    return Intake(
+        registry=_Tasks(),  # type: ignore[arg-type]
+        codec=codec,
+        num_params=n,
+        device=torch.device("cpu"),
+        validator=UpdateValidator(n, max_norm=max_norm, zscore_threshold=3.0, norm_bound_factor=4.0),
+        max_staleness=None,
+        clip_norm=None,
+        wall=lambda: 0.0,
+        row_decoder=decoder,
+    )
+
+
+def _cohort_payloads(codec: codecs.Pipeline, seed: int, count: int, n: int) -> list[bytes]:
+    """Payloads of every fate a delta alone can meet: good, over max_norm (10), NaN, Inf, overflowing float32."""
+    generator = torch.Generator().manual_seed(seed)
+    payloads = []
+    for k in range(count):
+        fate = int(torch.randint(0, 6, (1,), generator=generator))
+        delta = torch.randn(n, generator=generator) * 3.0 / math.sqrt(n)
+        if fate == 1:
+            delta = delta * 100.0
+        elif fate == 2:
+            delta[k % n] = math.nan
+        elif fate == 3:
+            delta[(3 * k) % n] = -math.inf
+        elif fate == 4 and codec.lossless:
+            delta[:] = 3e38  # every element finite, the norm overflows
+        payloads.append(codec.encode(delta).payload)
+    return payloads
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    count=st.integers(2, 12),
+    n=st.sampled_from([4, 1_000, 70_000]),
+    codec_name=st.sampled_from(sorted(_STACKED_CODECS)),
+    max_norm=st.sampled_from([None, 10.0]),
+    data=st.data(),
+)
+def test_rows_decoded_ahead_are_what_the_intake_decodes_of_any_batch_of_them(
+    seed: int, count: int, n: int, codec_name: str, max_norm: float | None, data: st.DataObject
+) -> None:
+    """A cohort's payloads decoded ahead by a RowDecoder give, for any batch of two or more of them in any order,
+    what the intake decodes of that batch itself: the same deltas bit for bit, norms and verdicts (NaN, Inf, an
+    overflowing norm, over max_norm), for every codec that decodes stacked; the intake takes the rows made ahead."""
+    codec = _STACKED_CODECS[codec_name]
+    payloads = _cohort_payloads(codec, seed, count, n)
+    decoder = RowDecoder(codec=codec, num_params=n, max_norm=max_norm, wall=lambda: 0.0)
+    rows = decoder(payloads)
+    assert rows is not None and len(rows) == count
+    uploads = [_upload(k, k, 0, payload) for k, payload in enumerate(payloads)]
+    picked = data.draw(st.lists(st.integers(0, count - 1), min_size=2, max_size=count, unique=True))
+    batch = [uploads[k] for k in picked]
+    ahead = _rows_intake(codec, n, max_norm, decoder).decode(batch, [rows[k] for k in picked])
+    here = _rows_intake(codec, n, max_norm, None).decode(batch)
+    for k, entry_ahead, entry_here in zip(picked, ahead, here, strict=True):
+        assert entry_ahead is rows[k].decoded  # taken, not decoded again
+        _same_entry(entry_ahead, entry_here)
+
+
+def test_an_intake_takes_only_its_own_decoders_rows_of_the_uploads_they_came_with() -> None:
+    """Rows of another decoder, of other payloads, of a batch of another length, or given with one upload alone
+    are not taken: the intake decodes the batch itself, as without them."""
+    codec = codecs.Pipeline()
+    decoder = RowDecoder(codec=codec, num_params=N, max_norm=None, wall=lambda: 0.0)
+    intake = _rows_intake(codec, N, None, decoder)
+    assert intake.row_decoder is decoder
+    payloads = [codec.encode(torch.randn(N)).payload for _ in range(3)]
+    uploads = [_upload(k, k, 0, payload) for k, payload in enumerate(payloads)]
+    rows = decoder(payloads)
+    other = RowDecoder(codec=codec, num_params=N, max_norm=None, wall=lambda: 0.0)(payloads)
+    assert rows is not None and other is not None
+    taken = intake.decode(uploads, rows)
+    assert all(entry is row.decoded for entry, row in zip(taken, rows, strict=True))
+    swapped = [rows[1], rows[0], rows[2]]
+    for wrong in (other, swapped, rows[:2], [object(), *rows[1:]]):
+        for entry, row in zip(intake.decode(uploads, wrong), rows, strict=True):
+            assert entry is not row.decoded
+            _same_entry(entry, row.decoded)
+    (alone,) = intake.decode(uploads[:1], rows[:1])
+    assert alone.norm is None and alone.alone is None  # one upload is decoded alone, its checks made at admission
+
+
+def test_an_intake_ignores_a_decoder_that_would_decode_or_check_otherwise() -> None:
+    """A decoder of another codec, model length or max_norm, or one given to an intake on another device or whose
+    plug-ins decode extras beside the deltas, is not the intake's: none of its rows is ever taken."""
+    codec = codecs.Pipeline()
+
+    def decoder(**changes: object) -> RowDecoder:
+        options: dict[str, object] = {"codec": codec, "num_params": N, "max_norm": 10.0, "wall": lambda: 0.0}
+        options.update(changes)
+        return RowDecoder(**options)  # type: ignore[arg-type]
+
+    assert _rows_intake(codec, N, 10.0, decoder()).row_decoder is not None
+    others = (decoder(codec=codecs.Pipeline([codecs.Float16()])), decoder(num_params=N + 1), decoder(max_norm=None))
+    for other in others:
+        assert _rows_intake(codec, N, 10.0, other).row_decoder is None
+    meta = Intake(
+        registry=_Tasks(),  # type: ignore[arg-type]
+        codec=codec,
+        num_params=N,
+        device=torch.device("meta"),
+        validator=UpdateValidator(N, max_norm=10.0),
+        max_staleness=None,
+        clip_norm=None,
+        wall=lambda: 0.0,
+        row_decoder=decoder(),
+    )
+    assert meta.row_decoder is None
+    scaffold = ScaffoldServer(ControlVariate(N, num_clients=4), codec)
+    assert scaffold.decodes_extra
+    with_extras = _intake(_Tasks(), plugins=[scaffold], row_decoder=decoder(max_norm=None))
+    assert with_extras.row_decoder is None
+
+
+def test_a_decoder_declines_what_the_intake_would_decode_upload_by_upload() -> None:
+    """Fewer than two payloads, payloads of several forms or lengths, or a sparse one: no rows (None)."""
+    codec = codecs.Pipeline()
+    decoder = RowDecoder(codec=codec, num_params=N, max_norm=None, wall=lambda: 0.0)
+    dense = codec.encode(torch.ones(N)).payload
+    assert decoder([dense]) is None
+    assert decoder([dense, codecs.Pipeline([codecs.Float16()]).encode(torch.ones(N)).payload]) is None
+    assert decoder([dense, codec.encode(torch.ones(N + 1)).payload]) is None
+    assert decoder([dense, codecs.Pipeline([codecs.TopK(ratio=0.5)]).encode(torch.ones(N)).payload]) is None
+    assert decoder([dense, b"junk"]) is None

@@ -204,3 +204,72 @@ def test_a_job_trained_alone_from_its_indices_span_and_streams_key_equals_one_gi
     )
     assert keyed.payload == given.payload and keyed.result.num_samples == 28
     assert keyed.upload_bytes == len(keyed.payload) + len(keyed.extra)
+
+
+class _Prepare:
+    """A context's ``prepare`` that records the payloads it is given and answers one marker per payload."""
+
+    def __init__(self, answer: bool = True) -> None:
+        self.calls: list[list[bytes]] = []
+        self.answer = answer
+
+    def __call__(self, payloads: Any) -> list[object] | None:
+        self.calls.append(list(payloads))
+        return [("row", payload) for payload in payloads] if self.answer else None
+
+
+def _with_a_diverged_member(outcome: CohortResult) -> CohortResult:
+    """The cohort with a NaN in member 1's delta."""
+    deltas = outcome.deltas
+    assert deltas is not None
+    deltas = deltas.clone()
+    deltas[1, 3] = float("nan")
+    results = [dataclasses.replace(r, delta=deltas[k]) for k, r in enumerate(outcome.results)]
+    results[1] = dataclasses.replace(results[1], update_norm=None)
+    return dataclasses.replace(outcome, results=results, deltas=deltas)
+
+
+def test_a_cohorts_payloads_are_prepared_together_in_the_worker_and_each_update_carries_its_entry() -> None:
+    """With a context's ``prepare``, the payloads of a cohort encoded together (and of one finished member by member,
+    under a lossy codec) are prepared in one call, in order; each update carries its own entry and is otherwise what
+    it is without ``prepare``; a member that diverged fails as it does without."""
+    trained, cfg, base, x = _trained_cohort()
+    pool, n = ModelPool(lambda: MLP(8, [16], 3)), base.numel()
+    for codec in (codecs.Pipeline(), codecs.Pipeline([codecs.Float16()])):
+        for outcome in (trained, _with_a_diverged_member(trained)):
+            prepare = _Prepare()
+            ctx = JobContext(models=pool, local=cfg, upload_codec=codec, num_params=n, prepare=prepare)
+            without = JobContext(models=pool, local=cfg, upload_codec=codec, num_params=n, no_delta=ctx.no_delta)
+            together = finish_cohort(_jobs([Finish(ctx, ClientId(k), None) for k in range(3)], base, x, cfg), outcome)
+            alone = finish_cohort(_jobs([Finish(without, ClientId(k), None) for k in range(3)], base, x, cfg), outcome)
+            sent = [update.payload for update in together if isinstance(update, TrainedUpdate)]
+            (call,) = prepare.calls
+            # Encoded together, every row's payload is prepared (a diverged one's too, never sent); else those sent.
+            assert [payload for payload in call if payload in sent] == sent and len(call) in (len(sent), 3)
+            for finished, reference in zip(together, alone, strict=True):
+                if isinstance(reference, DivergedTraining):
+                    assert isinstance(finished, DivergedTraining)
+                    continue
+                assert isinstance(finished, TrainedUpdate) and isinstance(reference, TrainedUpdate)
+                assert finished.prepared == ("row", finished.payload) and reference.prepared is None
+                _same(finished, reference)
+
+
+def test_a_cohort_whose_payloads_cannot_be_prepared_carries_no_entry() -> None:
+    """Where ``prepare`` declines (None), or one member alone is left to send, no update carries an entry."""
+    outcome, cfg, base, x = _trained_cohort()
+    pool, n = ModelPool(lambda: MLP(8, [16], 3)), base.numel()
+    declines = JobContext(models=pool, local=cfg, upload_codec=codecs.Pipeline(), num_params=n, prepare=_Prepare(False))
+    finished = finish_cohort(_jobs([Finish(declines, ClientId(k), None) for k in range(3)], base, x, cfg), outcome)
+    assert all(isinstance(f, TrainedUpdate) and f.prepared is None for f in finished)
+
+    def boom(result: Any) -> Any:
+        raise RuntimeError("boom")
+
+    prepare = _Prepare()
+    lossy = JobContext(
+        models=pool, local=cfg, upload_codec=codecs.Pipeline([codecs.Float16()]), num_params=n, prepare=prepare
+    )
+    finishes: list[Any] = [Finish(lossy, ClientId(0), None), boom, boom]
+    finished = finish_cohort(_jobs(finishes, base, x, cfg), outcome)
+    assert isinstance(finished[0], TrainedUpdate) and finished[0].prepared is None and not prepare.calls

@@ -1,0 +1,116 @@
+"""A cohort's uploads decoded and checked in its training worker: the run is the run that decodes them on the loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import flasync
+from flasync.core.bus import EventBus
+from flasync.core.events import UpdatesUploaded
+from flasync.core.loops import run_loop
+from flasync.runtime import build
+from flasync.server.intake import Intake
+from flasync.testing import EventRecorder, small_config
+
+pytestmark = pytest.mark.timeout(120)
+
+_FACTS = ("task_id", "client_id", "base_version", "version", "staleness", "simulated_s", "reason", "num_samples")
+
+
+def _facts(event: Any) -> tuple[Any, ...]:
+    """What an event says of the run (its real-time figures left out): its kind and the simulated facts it carries."""
+    return (type(event).__name__, *(getattr(event, name, None) for name in _FACTS))
+
+
+def _batches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Return a list that gets, for every UpdatesUploaded published from now on, whether it carries rows."""
+    carried: list[bool] = []
+    publish = EventBus.publish
+
+    async def spied(bus: EventBus, event: object) -> None:
+        if isinstance(event, UpdatesUploaded):
+            carried.append(event.prepared is not None)
+        await publish(bus, event)
+
+    monkeypatch.setattr(EventBus, "publish", spied)
+    return carried
+
+
+def _taken(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Return a list that gets the size of every batch whose rows the cloud's intake takes from now on."""
+    sizes: list[int] = []
+    prepared = Intake._prepared
+
+    def spied(intake: Intake, messages: Any, rows: Any) -> Any:
+        taken = prepared(intake, messages, rows)
+        if taken is not None:
+            sizes.append(len(taken))
+        return taken
+
+    monkeypatch.setattr(Intake, "_prepared", spied)
+    return sizes
+
+
+def _recorded(*overrides: str) -> tuple[flasync.RunSummary, list[tuple[Any, ...]]]:
+    federation = flasync.Federation(small_config("executor.kind=vectorized", *overrides))
+    recorder = EventRecorder(federation.bus)
+    summary = run_loop(federation.run())
+    return summary, [_facts(event) for event in recorder.events]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(("server={kind: fedavg, clients_per_round: 8}",), id="fedavg"),
+        pytest.param(
+            (
+                "server={kind: fedbuff, buffer_size: 3, concurrency: 8, max_staleness: 1}",
+                "population.speed={kind: constant}",
+                "faults.byzantine=0.3",
+                "resilience.max_update_norm=3.0",
+            ),
+            id="fedbuff-refusals",
+        ),
+        pytest.param(("server={kind: fedavg, clients_per_round: 6}", "codec.upload=[{kind: bf16}]"), id="fedavg-bf16"),
+    ],
+)
+def test_a_run_whose_workers_decode_its_uploads_is_the_run_that_decodes_them_on_the_loop(
+    overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cloud takes rows decoded in the workers for its batches, and the run ends as one whose loop decodes every
+    batch: the same weights bit for bit, counts, and events (kinds, tasks, versions, staleness, refusals) in order."""
+    carried, taken = _batches(monkeypatch), _taken(monkeypatch)
+    ahead, ahead_events = _recorded(*overrides)
+    assert any(carried) and taken and max(taken) > 1
+    monkeypatch.setattr(build, "_row_decoder", lambda *args: None)
+    carried.clear()
+    taken.clear()
+    here, here_events = _recorded(*overrides)
+    assert carried and not any(carried) and not taken  # batches still travel, decoded on the loop
+    assert ahead.weights_sha256 == here.weights_sha256
+    counts = ("updates_accepted", "updates_dropped", "updates_failed", "versions", "tasks_dispatched")
+    assert [getattr(ahead, c) for c in counts] == [getattr(here, c) for c in counts]
+    assert ahead_events == here_events
+    if "faults.byzantine=0.3" in overrides:
+        assert ahead.updates_dropped > 0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(("topology={kind: tree, fanout: [2], kappa2: 2}",), id="edges"),
+        pytest.param(("secure_aggregation.enabled=true", "stop.max_versions=4"), id="secure-aggregation"),
+        pytest.param(("codec.upload=[{kind: topk, ratio: 0.1}]",), id="sparse-codec"),
+    ],
+)
+def test_uploads_the_cloud_does_not_decode_in_batches_of_one_form_carry_no_rows(
+    overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uploads that go to edges, wait for a secure group, or do not stack (a sparse codec) are decoded where they
+    arrive, as without the seam: no batch carries rows and no intake takes any."""
+    carried, taken = _batches(monkeypatch), _taken(monkeypatch)
+    summary, _ = _recorded("server={kind: fedbuff, buffer_size: 4, concurrency: 8}", *overrides)
+    assert summary.updates_accepted > 0
+    assert not any(carried) and not taken

@@ -94,15 +94,26 @@ class RowDecoder:
         num_params: Length of the flat model.
         max_norm: The validator's bound on an update's L2 norm (None: no bound).
         wall: Monotonic real seconds (decode timing).
+        max_bytes: The most bytes a batch's decoded rows may take: a larger batch is left to the receiver (its rows
+            would live beside the payloads until the last of them is taken, doubling a large cohort's memory).
     """
 
-    __slots__ = ("_checks", "codec", "num_params", "wall")
+    __slots__ = ("_checks", "codec", "max_bytes", "num_params", "wall")
 
-    def __init__(self, *, codec: Pipeline, num_params: int, max_norm: float | None, wall: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        *,
+        codec: Pipeline,
+        num_params: int,
+        max_norm: float | None,
+        wall: Callable[[], float],
+        max_bytes: int = 256 << 20,
+    ) -> None:
         """Bind the codec and the checks of a delta alone."""
         self.codec = codec
         self.num_params = num_params
         self.wall = wall
+        self.max_bytes = max_bytes
         # Its own validator, with no history: the checks of a delta alone read only its form and max_norm.
         self._checks = UpdateValidator(num_params, max_norm=max_norm)
 
@@ -124,9 +135,10 @@ class RowDecoder:
 
     def __call__(self, payloads: Sequence[bytes]) -> list[PreparedRow] | None:
         """Decode ``payloads`` (two or more) into the rows of a new tensor; None where they cannot be decoded
-        together (fewer than two, or not of one dense form: the receiver decodes them then)."""
+        together (fewer than two, more than ``max_bytes`` of rows, or not of one dense form: the receiver decodes
+        them then)."""
         count = len(payloads)
-        if count < 2:
+        if count < 2 or count * self.num_params * self._checks.dtype.itemsize > self.max_bytes:
             return None
         start = self.wall()
         stacked = self.codec.decode_stacked(payloads, expected_elements=self.num_params)

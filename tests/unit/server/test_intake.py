@@ -457,3 +457,8 @@ def test_a_decoder_declines_what_the_intake_would_decode_upload_by_upload() -> N
     assert decoder([dense, codec.encode(torch.ones(N + 1)).payload]) is None
     assert decoder([dense, codecs.Pipeline([codecs.TopK(ratio=0.5)]).encode(torch.ones(N)).payload]) is None
     assert decoder([dense, b"junk"]) is None
+    # Rows over the decoder's memory bound are left to the receiver; at the bound they are made.
+    bounded = RowDecoder(codec=codec, num_params=N, max_norm=None, wall=lambda: 0.0, max_bytes=2 * N * 4)
+    assert bounded([dense, dense, dense]) is None
+    rows = bounded([dense, dense])
+    assert rows is not None and len(rows) == 2

@@ -215,6 +215,25 @@ class Population:
             return np.concatenate([chosen, rest]).astype(np.int64)
         raise ValueError(f"unknown sampling strategy {strategy!r}; expected one of {', '.join(SAMPLING_STRATEGIES)}")
 
+    def sample_idle_many(
+        self, busy: Collection[int], now: float, k: int, rng: np.random.Generator, *, strategy: SamplingStrategy
+    ) -> list[int]:
+        """Draw the clients ``k`` successive ``sample(1, rng, strategy=strategy, now=now, exclude=...)`` calls would,
+        each excluding ``busy`` and the clients drawn before it, consuming ``rng`` as they would (a least-recently-used
+        draw of ``k`` is such draws already: a drawn client is excluded, its use only moves it behind the others).
+
+        Raises:
+            ValueError: As :meth:`sample` does when a draw finds no eligible client (or the strategy is unknown).
+        """
+        if strategy == "lru":
+            drawn: list[int] = self.sample(k, rng, strategy="lru", now=now, exclude=busy).tolist()
+            return drawn
+        excluded, drawn = set(busy), []
+        for _ in range(k):
+            drawn.append(int(self.sample(1, rng, strategy=strategy, now=now, exclude=excluded)[0]))
+            excluded.add(drawn[-1])
+        return drawn
+
     def mark_used(self, clients: np.ndarray | list[int]) -> None:
         """Record that ``clients`` were just dispatched (in this order), for least-recently-used sampling."""
         if type(clients) is list and len(clients) == 1:  # one dispatch: scalar stores, a fifth of the arrays' cost

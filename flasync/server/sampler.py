@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -119,13 +119,13 @@ class ClientSampler:
 
         Fewer than ``k`` where a draw finds no idle client online: that draw's random draws are made, no later one.
         """
-        if k <= 1:
-            one = self.sample_idle(busy, now) if k == 1 else None
-            return [] if one is None else [one]
         rng = self.rng
         if self.strategy != "uniform":
             drawn = self.population.sample_idle_many(busy, now, k, rng, strategy=self.strategy)
-            return [ClientId(c) for c in drawn]
+            return cast(list[ClientId], drawn)  # the ints, typed as the client ids they are
+        if k <= 1:
+            one = self.sample_idle(busy, now) if k == 1 else None
+            return [] if one is None else [one]
         num_clients = len(self.population)
         faults = self.faults
         if faults is None:

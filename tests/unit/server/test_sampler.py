@@ -7,8 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flasync.clients.simulated.faults import FaultModel
 from flasync.clients.simulated.population import Population
-from flasync.config import ConstantSpeed
+from flasync.clients.simulated.trace import TraceWindows, synthetic_trace
+from flasync.config import AvailabilityConfig, ConstantSpeed, FaultsConfig
 from flasync.core.events import ClientId
 from flasync.server.sampler import ClientSampler
 
@@ -186,4 +188,33 @@ def test_sample_idle_many_past_a_draws_budget_takes_one_of_the_idle_as_a_single_
     reference = np.random.default_rng(seed)
     assert _draw_as_single_draws(single, set(busy), online, reference, times=2) is None  # 5, then none
     assert batched.sample_idle_many(busy, 0.0, 3) == [ClientId(5)]
+    assert batched.rng.bit_generator.state == single.rng.bit_generator.state
+
+
+@pytest.mark.parametrize("windows", ["periodic", "trace"])
+@settings(max_examples=20, deadline=None)
+@given(num_clients=st.integers(2, 150), seed=st.integers(0, 2**16), now=st.floats(0.0, 500.0))
+def test_sample_idle_many_over_the_fault_models_windows_draws_what_single_draws_would(
+    windows: str, num_clients: int, seed: int, now: float
+) -> None:
+    """With the fault model's own availability windows (periodic phases, or a device trace's sessions), a batch
+    draws the clients, and moves the stream, as successive single draws at the same time do."""
+    trace = None
+    if windows == "trace":
+        trace = TraceWindows(synthetic_trace(7, horizon_s=300.0, online_fraction=0.4, seed=seed), num_clients)
+    config = FaultsConfig(availability=AvailabilityConfig(period_s=100.0, online_fraction=0.3))
+    faults = FaultModel(config, seed, num_clients, trace=trace)
+    layout = np.random.default_rng(seed)
+    busy = {int(c) for c in np.flatnonzero(layout.random(num_clients) < layout.random())}
+    k = int(layout.integers(1, num_clients + 2))
+    single = ClientSampler(np.arange(num_clients), "uniform", np.random.default_rng(seed), availability=faults)
+    batched = ClientSampler(np.arange(num_clients), "uniform", np.random.default_rng(seed), availability=faults)
+    expected, single_busy = [], set(busy)
+    for _ in range(k):
+        client = single.sample_idle(single_busy, now)
+        if client is None:
+            break
+        expected.append(client)
+        single_busy.add(int(client))
+    assert batched.sample_idle_many(busy, now, k) == expected
     assert batched.rng.bit_generator.state == single.rng.bit_generator.state

@@ -176,7 +176,29 @@ class AsyncSlots:
             self.edges.start()
 
     async def fill(self) -> None:
-        """Refill the free slots with newly sampled idle clients."""
+        """Refill the free slots with newly sampled idle clients.
+
+        A flat run draws a client for every free slot first (each draw excluding those before it) and dispatches
+        them together; where a draw finds no idle client online, those drawn are dispatched and the free slots are
+        filled at the next message, or, with no task in flight, once the next client comes online.
+        """
+        if self.edges is not None:
+            await self._fill_from_edges(self.edges)
+            return
+        registry, sampler, clock = self.registry, self.sampler, self.clock
+        while (free := self.concurrency - len(registry)) > 0:
+            drawn = sampler.sample_idle_many(registry.busy, clock.now(), free)
+            if drawn:
+                await registry.dispatch_many(drawn)
+            if len(drawn) == free:
+                continue
+            if len(registry):
+                return  # the free slots are filled at the next message
+            if not await self.idle.until(clock, sampler.next_online(clock.now())):
+                return  # stopping
+
+    async def _fill_from_edges(self, edges: EdgeNetwork) -> None:
+        """Refill the free slots one client at a time, each on its edge's model and answering to its edge."""
         registry = self.registry
         while len(registry) < self.concurrency:
             client_id = self.sampler.sample_idle(registry.busy, self.clock.now())
@@ -186,13 +208,9 @@ class AsyncSlots:
                 if not await self.idle.until(self.clock, self.sampler.next_online(self.clock.now())):
                     return  # stopping
                 continue
-            edges = self.edges
-            if edges is None:
-                await registry.dispatch_many((int(client_id),))  # dispatch's own work, one coroutine fewer
-            else:
-                await registry.dispatch(
-                    client_id, edges.snapshot_for(client_id) or registry.current, reply_to=edges.address_of(client_id)
-                )
+            await registry.dispatch(
+                client_id, edges.snapshot_for(client_id) or registry.current, reply_to=edges.address_of(client_id)
+            )
 
     def note(self, message: object, *, accepted: bool) -> None:
         """Nothing to learn: slots are refilled by :meth:`fill`."""

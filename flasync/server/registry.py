@@ -39,6 +39,8 @@ __all__ = [
     "participation_counters",
 ]
 
+_ClientIds = list[ClientId]
+
 StartTask = Callable[[TaskAssigned, ModelSnapshot], Coroutine[Any, Any, None]]
 """Run one task: train ``snapshot`` on the task's client and put the answer on the bus (never raise)."""
 
@@ -292,10 +294,11 @@ class TaskRegistry:
         # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.
         version = snapshot.version
         self._bases.setdefault(version, snapshot)
-        counters = self._participations
-        participations = [counters.get(c, 0) for c in clients]
-        for client, participation in zip(clients, participations, strict=True):
+        counters, participations = self._participations, []
+        for client in clients:
+            participation = counters.get(client, 0)
             counters[client] = participation + 1
+            participations.append(participation)
         if self._mark_used is not None:
             self._mark_used(clients)
         now, download, from_cloud = self._clock.now(), snapshot.download_bytes, reply_to == CLOUD
@@ -303,7 +306,7 @@ class TaskRegistry:
         in_flight = self._in_flight
         tasks = []
         # The same ints, typed as the client ids they are (no NewType call per task).
-        for client, participation in zip(cast(list[ClientId], clients), participations, strict=True):
+        for client, participation in zip(cast(_ClientIds, clients), participations, strict=True):
             task = TaskAssigned(
                 task_id=dispatched(download, from_cloud=from_cloud, client_id=client),
                 client_id=client,

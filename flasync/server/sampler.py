@@ -1,15 +1,16 @@
 """Client sampling: who trains next, drawn from the server's own random stream.
 
-The sampler draws idle clients one at a time (async slots) or a cohort at once (sync rounds) by the population's
-strategy (uniform, weighted by samples, least recently used, available now), and only online clients when the
-fault model has availability windows, or (remote devices) when the transport says who is connected.
+The sampler draws idle clients for free slots (async slots: each draw excluding the clients drawn before it, as
+successive single draws would) or a cohort at once (sync rounds) by the population's strategy (uniform, weighted by
+samples, least recently used, available now), and only online clients when the fault model has availability windows,
+or (remote devices) when the transport says who is connected.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Collection
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -52,6 +53,13 @@ class Roster(Protocol):
         exclude: Collection[int] = (),
     ) -> np.ndarray:
         """Draw ``k`` distinct client ids by ``strategy`` at time ``now``, none of them in ``exclude``."""
+        ...
+
+    def sample_idle_many(
+        self, busy: Collection[int], now: float, k: int, rng: np.random.Generator, *, strategy: SamplingStrategy
+    ) -> list[int]:
+        """Draw the clients ``k`` successive ``sample(1, ..., exclude=busy)`` calls would, each excluding the clients
+        drawn before it, consuming ``rng`` as they would."""
         ...
 
 
@@ -104,6 +112,31 @@ class ClientSampler:
         if not len(ids):
             return None
         return ClientId(int(ids[int(rng.integers(len(ids)))]))
+
+    def sample_idle_many(self, busy: Collection[int], now: float, k: int) -> list[ClientId]:
+        """Return the clients ``k`` successive :meth:`sample_idle` calls would, each with the clients drawn before it
+        added to ``busy``, leaving the random stream where they would.
+
+        Fewer than ``k`` where a draw finds no idle client online: that draw's random draws are made, no later one.
+        """
+        rng = self.rng
+        if self.strategy != "uniform":
+            drawn = self.population.sample_idle_many(busy, now, k, rng, strategy=self.strategy)
+            return cast(list[ClientId], drawn)  # the ints, typed as the client ids they are
+        if k <= 1:
+            one = self.sample_idle(busy, now) if k == 1 else None
+            return [] if one is None else [one]
+        num_clients = len(self.population)
+        faults = self.faults
+        if faults is None:
+            allowed = np.ones(num_clients, dtype=bool)
+            allowed[np.fromiter(busy, dtype=np.intp, count=len(busy))] = False
+            count = num_clients - len(busy)
+            if count < k:
+                raise ValueError(f"cannot draw {k} idle clients: {count} of the {num_clients} are idle")
+            return [ClientId(c) for c in _successive_draws(allowed, count, k, None, rng)]
+        idle, ids = _idle(faults.online_mask(now), busy)
+        return [ClientId(c) for c in _successive_draws(idle, len(ids), k, 8 * num_clients, rng)]
 
     def next_online(self, now: float) -> float:
         """Return when the next client comes online (now, without availability windows)."""
@@ -179,3 +212,94 @@ def _first_draw_in(allowed: np.ndarray, count: int, draws: int, rng: np.random.G
             return int(candidates[hits[0]])
         draws -= size
     return None
+
+
+def _successive_draws(
+    allowed: np.ndarray, count: int, k: int, budget: int | None, rng: np.random.Generator
+) -> list[int]:
+    """Make up to ``k`` successive single draws of an ``allowed`` client, each then no longer allowed.
+
+    A single draw draws uniform ids below ``len(allowed)`` one at a time until one is allowed, at most ``budget``
+    of them (None: no limit); if none of them is, it takes one of the allowed ids (in ascending order) by one more
+    draw, or, with none allowed, fails: the draws stop there. The ids are drawn in blocks (``rng.integers(n,
+    size=m)`` yields the values of ``m`` single draws) and the block holding the last one needed is drawn again from
+    its start, only up to it, so that ``rng`` ends where the single draws leave it. ``allowed`` (``count`` of its ids
+    true) is cleared at every id drawn.
+
+    Returns:
+        The ids drawn, in order.
+    """
+    num_clients, spent = len(allowed), 0  # spent: draws made by the single draw in progress
+    drawn: list[int] = []
+    while len(drawn) < k:
+        if not count:
+            if budget is None:
+                raise ValueError("no client is left to draw")
+            _first_draw_in(allowed, 0, budget - spent, rng)  # moves on as the failing single draw does
+            return drawn
+        want = k - len(drawn)
+        size = max(16, (2 * num_clients * want) // count)
+        if budget is not None:
+            size = min(size, budget * want)
+        state = rng.bit_generator.state
+        candidates = rng.integers(num_clients, size=size)
+        positions = np.flatnonzero(allowed[candidates])
+        if len(positions):  # the first draw of each id: a later one finds it drawn
+            _, first = np.unique(candidates[positions], return_index=True)
+            positions = positions[np.sort(first)][:want]
+        used, hits, failed_at = _spans(positions, size, spent, budget, want)
+        if failed_at is None and len(hits) < want:  # the whole block was needed
+            for position in hits:
+                client = int(candidates[position])
+                drawn.append(client)
+                allowed[client] = False
+            count -= len(hits)
+            spent = used
+            continue
+        rng.bit_generator.state = state
+        end = failed_at if failed_at is not None else int(hits[-1]) + 1
+        rng.integers(num_clients, size=end)
+        for position in hits:
+            client = int(candidates[position])
+            drawn.append(client)
+            allowed[client] = False
+        count -= len(hits)
+        spent = 0
+        if failed_at is not None and not count:  # that single draw found no client idle: the draws end
+            return drawn
+        if failed_at is not None:  # that single draw found none of its ``budget`` draws allowed: one of them
+            ids = np.flatnonzero(allowed)
+            client = int(ids[int(rng.integers(len(ids)))])
+            drawn.append(client)
+            allowed[client] = False
+            count -= 1
+    return drawn
+
+
+def _spans(
+    positions: np.ndarray, size: int, spent: int, budget: int | None, want: int
+) -> tuple[int, np.ndarray, int | None]:
+    """Split a block of ``size`` draws at the hits ``positions`` (``want`` at most) into single draws and check each
+    against ``budget``.
+
+    ``spent`` draws of the first single draw were made before the block. Returns the draws of the single draw left
+    in progress at the block's end, the hits made within budget, and the block position (exclusive) at which a
+    single draw ran out of its ``budget`` draws (None: none did).
+    """
+    if budget is None:
+        tail = size - (int(positions[-1]) + 1) if len(positions) else size + spent
+        return tail, positions, None
+    starts = np.empty(len(positions), dtype=np.int64)
+    if len(positions):
+        starts[0] = -spent
+        starts[1:] = positions[:-1] + 1
+    over = np.flatnonzero(positions - starts + 1 > budget)
+    if len(over):  # the first single draw past its budget stops there
+        index = int(over[0])
+        return 0, positions[:index], int(starts[index]) + budget
+    if len(positions) == want:
+        return 0, positions, None
+    begin = int(positions[-1]) + 1 if len(positions) else -spent
+    if size - begin > budget:
+        return 0, positions, begin + budget
+    return size - begin, positions, None

@@ -188,7 +188,7 @@ class Population:
                 k, excluded, lambda m: np.searchsorted(cdf, rng.random(m) * cdf[-1], side="right"), limit=64
             )
         if strategy == "lru":
-            return self._least_recently_used(k, excluded)
+            return np.asarray(self._least_recently_used(k, excluded), dtype=np.int64)
         if strategy == "available":
             if self.phase is None:
                 return self.sample(k, rng, strategy="uniform", exclude=excluded)
@@ -214,6 +214,25 @@ class Population:
             rest = self.sample(k - len(chosen), rng, strategy="uniform", exclude={*excluded, *online.tolist()})
             return np.concatenate([chosen, rest]).astype(np.int64)
         raise ValueError(f"unknown sampling strategy {strategy!r}; expected one of {', '.join(SAMPLING_STRATEGIES)}")
+
+    def sample_idle_many(
+        self, busy: Collection[int], now: float, k: int, rng: np.random.Generator, *, strategy: SamplingStrategy
+    ) -> list[int]:
+        """Draw the clients ``k`` successive ``sample(1, rng, strategy=strategy, now=now, exclude=...)`` calls would,
+        each excluding ``busy`` and the clients drawn before it, consuming ``rng`` as they would; raise as
+        :meth:`sample` does. A least-recently-used draw of ``k`` is such draws already (a drawn client is excluded and
+        its use only moves it behind the others)."""
+        excluded = busy if isinstance(busy, dict | set | frozenset | Mapping) else {int(c) for c in busy}
+        if strategy == "lru":
+            if not 0 <= k <= len(self) - len(excluded):
+                raise ValueError(f"cannot draw {k} clients from {len(self)} with {len(excluded)} excluded")
+            return self._least_recently_used(k, excluded) if k else []
+        drawn = [int(self.sample(1, rng, strategy=strategy, now=now, exclude=excluded)[0])] if k else []
+        taken = {*excluded, *drawn} if k > 1 else set()  # ``busy`` is not the population's to add to
+        for _ in range(k - 1):
+            drawn.append(int(self.sample(1, rng, strategy=strategy, now=now, exclude=taken)[0]))
+            taken.add(drawn[-1])
+        return drawn
 
     def mark_used(self, clients: np.ndarray | list[int]) -> None:
         """Record that ``clients`` were just dispatched (in this order), for least-recently-used sampling."""
@@ -329,7 +348,7 @@ class Population:
         self._queue_stamp[: len(ids)] = stamps
         self._queue_head, self._queue_tail = 0, len(ids)
 
-    def _least_recently_used(self, k: int, excluded: Collection[int]) -> np.ndarray:
+    def _least_recently_used(self, k: int, excluded: Collection[int]) -> list[int]:
         self._lru_state()
         assert self.last_used is not None and self._fresh is not None
         chosen: list[int] = []
@@ -349,7 +368,7 @@ class Population:
         self._never_used(k, excluded, chosen, taken, chunk)
         if len(chosen) < k and self._idle is not None and self._idle.covers(excluded):
             self._idle.take(k, chosen, taken, self.last_used)  # the used clients not in flight, by last use
-            return np.asarray(chosen, dtype=np.int64)
+            return chosen
         # Then used clients, oldest last use first; stale entries at the head are dropped for good.
         position, at_head = self._queue_head, True
         while len(chosen) < k and position < self._queue_tail:
@@ -367,7 +386,7 @@ class Population:
                     if len(chosen) == k:
                         break
             position += len(ids)
-        return np.asarray(chosen, dtype=np.int64)
+        return chosen
 
     def _never_used(self, k: int, excluded: Collection[int], chosen: list[int], taken: set[int], chunk: int) -> None:
         """Add to ``chosen`` never-used clients in their fixed random order, from the head, until it holds ``k``.

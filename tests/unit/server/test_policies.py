@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import fields
+from typing import Any
 
 import pytest
 
+from flasync.config import RunConfig
 from flasync.core.events import RoundDeadlinePassed, TaskAssigned
-from flasync.server import SyncRounds
-from flasync.testing import EventRecorder, ScriptedClients, ServerHarness
+from flasync.runtime import Federation
+from flasync.server import AsyncSlots, SyncRounds
+from flasync.testing import EventRecorder, ScriptedClients, ServerHarness, small_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -104,3 +108,61 @@ async def test_an_idle_wait_on_a_wall_clock_ends_at_a_stop_request() -> None:
     idle.wake()
     assert await asyncio.wait_for(waiting, 10) is False
     assert await idle.until(WallClock(), 3600.0) is False
+
+
+async def _fill_one_at_a_time(self: AsyncSlots) -> None:
+    """Refill free slots as single draws: one idle client drawn, then dispatched, per slot (the reference)."""
+    registry = self.registry
+    while len(registry) < self.concurrency:
+        client_id = self.sampler.sample_idle(registry.busy, self.clock.now())
+        if client_id is None:
+            if len(registry):
+                return
+            if not await self.idle.until(self.clock, self.sampler.next_online(self.clock.now())):
+                return
+            continue
+        await registry.dispatch_many((int(client_id),))
+
+
+def _virtual(name: str) -> bool:
+    """Tell whether an event field is not a wall-clock duration (those differ between any two runs)."""
+    return not name.endswith("_s") or name == "simulated_s" or name.startswith("sim_")
+
+
+async def _recorded_run(config: RunConfig) -> tuple[list[Any], str]:
+    """Run ``config``; return every event published (batches as their members, as its class and fields but the wall
+    times) and the final weights' digest."""
+    federation = Federation(config)
+    recorder = EventRecorder(federation.bus)
+    summary = await federation.run()
+    events = [
+        (type(e).__name__, {f.name: getattr(e, f.name) for f in fields(e) if _virtual(f.name)}) for e in recorder.events
+    ]
+    return events, summary.weights_sha256
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("population.sampling=uniform", "faults.crash=0.1", "faults.dropout=0.1", "faults.hang=0.05"),
+        ("population.sampling=lru", "faults.crash=0.1", "faults.dropout=0.1", "faults.hang=0.05"),
+        ("population.sampling=uniform", "faults.crash=0.1", "faults.availability.period_s=20"),
+        ("population.sampling=weighted", "faults.dropout=0.1"),
+    ],
+)
+async def test_async_slots_filling_free_slots_together_publishes_what_single_draws_did(
+    overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FedBuff run (faults on, tasks timed out, availability windows) that draws its free slots' clients together
+    and dispatches them at once publishes the same events, tasks (ids, clients, participations, times) in the same
+    order and reaches the same weights as one that draws and dispatches a client per slot."""
+    overrides = (*overrides, "resilience.task_timeout_s=30")
+    if any("availability" in o for o in overrides):
+        overrides = (*overrides, "faults.availability.online_fraction=0.4")
+    server = {"kind": "fedbuff", "buffer_size": 3, "concurrency": 12}
+    config = small_config(*overrides, "stop.max_versions=10", server=server)
+    together, together_weights = await _recorded_run(config)
+    monkeypatch.setattr(AsyncSlots, "fill", _fill_one_at_a_time)
+    single, single_weights = await _recorded_run(config)
+    assert sum(name == "TaskAssigned" for name, _ in single) > 12
+    assert together == single and together_weights == single_weights

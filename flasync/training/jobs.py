@@ -14,7 +14,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -400,13 +400,12 @@ def _finish_together(jobs: Sequence[TrainingJob[Any]], results: Sequence[LocalRe
 def _plain_context(jobs: Sequence[TrainingJob[Any]]) -> JobContext | None:
     """The context every job's ``finish`` shares, where each is a :class:`Finish` with no plug-in part or attack (None
     otherwise)."""
-    first = jobs[0].finish if jobs else None
-    if not isinstance(first, Finish):
+    ctx = _shared_context(jobs)
+    if ctx is None:
         return None
-    ctx = first.ctx
     for job in jobs:
-        finish = job.finish
-        if not isinstance(finish, Finish) or finish.ctx is not ctx or finish.attack != 1.0 or finish.parts:
+        finish = cast(Finish, job.finish)
+        if finish.attack != 1.0 or finish.parts:
             return None
     return ctx
 

@@ -15,10 +15,10 @@ from flasync.aggregation.scaffold import ControlVariate
 from flasync.algorithms.scaffold import ScaffoldServer
 from flasync.codecs.validation import UpdateValidator
 from flasync.core.events import ClientId, UpdateUploaded, Version
-from flasync.core.snapshots import ModelSnapshot
 from flasync.server import Admitted, Intake, Refused
 from flasync.server.intake import Decoded, RowDecoder
 from flasync.testing import ServerHarness
+from tests.unit.server.stand_ins import TasksInFlight
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -39,24 +39,9 @@ def _upload(task_id: int, client: int, base: int, delta: torch.Tensor | bytes) -
     )
 
 
-class _Tasks:
-    """A registry stand-in: the tasks in flight by (task, client, base), and the published versions."""
-
-    def __init__(self, *tasks: tuple[int, int, int]) -> None:
-        self.tasks = set(tasks)
-        self.released: list[int] = []
-
-    def base(self, version: Version) -> ModelSnapshot | None:
-        weights = torch.zeros(N)
-        return ModelSnapshot(version=version, weights=weights, exact=weights, download_bytes=0)
-
-    def release(self, message: UpdateUploaded) -> bool:
-        key = (message.task_id, int(message.client_id), int(message.base_version))
-        if key not in self.tasks:
-            return False
-        self.tasks.remove(key)
-        self.released.append(message.task_id)
-        return True
+def _Tasks(*tasks: tuple[int, int, int]) -> TasksInFlight:
+    """The tasks in flight, of a model of ``N`` parameters."""
+    return TasksInFlight(N, *tasks)
 
 
 def _intake(tasks: _Tasks, **kwargs: object) -> Intake:

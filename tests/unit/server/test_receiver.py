@@ -23,35 +23,17 @@ from flasync.core.events import (
     UpdateUploaded,
     Version,
 )
-from flasync.core.snapshots import ModelSnapshot
 from flasync.server import Accounting, Intake
 from flasync.server.intake import Decoded
 from flasync.server.node import AggregationNode
 from flasync.server.receiver import CloudReceiver
 from flasync.testing import NullLog
+from tests.unit.server.stand_ins import TasksInFlight
 
 pytestmark = pytest.mark.timeout(60)
 
 N = 6
 VERSION = 3
-
-
-class _Tasks:
-    """A registry stand-in: the tasks in flight by (task, client, base); every version was published."""
-
-    def __init__(self, tasks: list[tuple[int, int, int]]) -> None:
-        self.tasks = set(tasks)
-
-    def base(self, version: Version) -> ModelSnapshot | None:
-        weights = torch.zeros(N)
-        return ModelSnapshot(version=version, weights=weights, exact=weights, download_bytes=0)
-
-    def release(self, message: UpdateUploaded) -> bool:
-        key = (message.task_id, int(message.client_id), int(message.base_version))
-        if key not in self.tasks:
-            return False
-        self.tasks.remove(key)
-        return True
 
 
 class _Versions:
@@ -80,7 +62,7 @@ class _Cloud:
         self.bus = EventBus()
         self.seen = self.bus.subscribe(capacity=10_000)
         self.intake = Intake(
-            registry=_Tasks(tasks),  # type: ignore[arg-type]
+            registry=TasksInFlight(N, *tasks),  # type: ignore[arg-type]
             codec=codecs.Pipeline(),
             num_params=N,
             device=torch.device("cpu"),

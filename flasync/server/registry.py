@@ -191,10 +191,19 @@ class TaskRegistry:
             self._on_attach()
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """Start a background task of the run (cancelled by :meth:`cancel_all`)."""
-        if self._tg is None:
-            raise RuntimeError("the registry has no task group: call attach() inside the run")
-        handle = self._tg.create_task(coro, name=name)
+        """Start a background task of the run (cancelled by :meth:`cancel_all`).
+
+        Raises:
+            RuntimeError: If the registry has no task group, or its group is shutting down (``coro`` is closed: it
+                will never run).
+        """
+        try:
+            if self._tg is None:
+                raise RuntimeError("the registry has no task group: call attach() inside the run")
+            handle = self._tg.create_task(coro, name=name)
+        except RuntimeError:
+            coro.close()
+            raise
         self._tasks.add(handle)
         handle.add_done_callback(self._tasks.discard)
         return handle

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Sequence
 
 import pytest
@@ -282,6 +283,37 @@ async def test_a_registry_that_posts_hands_each_task_over_at_dispatch_with_no_co
             post=True,
             share=True,
         )
+
+
+async def test_a_task_spawned_with_no_task_group_is_closed_not_left_unawaited() -> None:
+    """A background task asked for before the run or after it stopped raises, and its coroutine is closed (no
+    "never awaited" warning from a round timer set as a served run stops)."""
+    harness = ServerHarness(clients=_silent)
+
+    async def never() -> None:
+        await asyncio.sleep(0)
+
+    coro = never()
+    with pytest.raises(RuntimeError, match="no task group"):
+        harness.registry.spawn(coro, "late")
+    assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+
+    async def failing_run() -> None:
+        async with asyncio.TaskGroup() as tg:
+            harness.registry.attach(tg)
+            tg.create_task(_fail())
+            await asyncio.sleep(0.01)
+
+    with pytest.raises(ExceptionGroup):
+        await failing_run()
+    late = never()  # the registry still names the run's group, which has finished
+    with pytest.raises(RuntimeError):
+        harness.registry.spawn(late, "late")
+    assert inspect.getcoroutinestate(late) == inspect.CORO_CLOSED
+
+
+async def _fail() -> None:
+    raise RuntimeError("the run failed")
 
 
 async def test_dispatch_many_starts_the_tasks_dispatch_would_start_one_by_one() -> None:

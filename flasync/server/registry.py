@@ -191,12 +191,8 @@ class TaskRegistry:
             self._on_attach()
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """Start a background task of the run (cancelled by :meth:`cancel_all`).
-
-        Raises:
-            RuntimeError: If the registry has no task group, or its group is shutting down (``coro`` is closed: it
-                will never run).
-        """
+        """Start a background task of the run (cancelled by :meth:`cancel_all`); raise RuntimeError, with ``coro``
+        closed unrun, when the registry has no task group or its group has finished."""
         try:
             if self._tg is None:
                 raise RuntimeError("the registry has no task group: call attach() inside the run")

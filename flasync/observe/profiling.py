@@ -338,15 +338,7 @@ class Profiler:
 
     def _assigned(self, event: TaskAssigned) -> None:
         """Record one task handed out: :meth:`_assigned_many` of one."""
-        r = self.records
-        size = r.download_sizes.get(int(event.base_version), 0)
-        client_id = int(event.client_id)
-        client = r.clients.get(client_id)
-        if client is None:
-            client = r.clients[client_id] = _Client()
-        client.download_bytes += size
-        r.downloads += 1
-        r.download_tiers["client"] += size
+        self._assigned_many((event,))
 
     def _assigned_many(self, events: Sequence[TaskAssigned]) -> None:
         """Record tasks handed out: each client's download and the run's."""

@@ -174,7 +174,8 @@ class BufferedAggregator:
     def step(self) -> None:
         """Step the optimizer with the buffer's weighted mean delta (or what ``release`` makes) and empty the buffer."""
         if self.release is None:
-            self.optimizer.step(self.buffer.pseudo_gradient())
+            # The mean is taken in place: the buffer is emptied right after the step reads it.
+            self.optimizer.step(self.buffer.mean_())
         else:
             self.optimizer.step(self.release(self.buffer.weighted_sum, self.steps))
         self.steps += 1

@@ -190,6 +190,22 @@ class UpdateBuffer:
             raise ValueError("the buffer is empty; add at least one update before taking its pseudo-gradient")
         return self._acc / self._total_example_weight
 
+    def mean_(self) -> Tensor:
+        """Turn the accumulator into the aggregate ``acc / total_example_weight``, in place, and return it.
+
+        :meth:`pseudo_gradient` without a new tensor: the same values, bit for bit. The buffer then holds the mean,
+        not the sum, until `reset` (call it before the next `add`); read the result before that.
+
+        Returns:
+            The accumulator itself, a flat tensor of ``num_params`` elements holding the weighted mean delta.
+
+        Raises:
+            ValueError: If no update has been added since construction or the last `reset`.
+        """
+        if self._count == 0:
+            raise ValueError("the buffer is empty; add at least one update before taking its pseudo-gradient")
+        return self._acc.div_(self._total_example_weight)
+
     def reset(self) -> None:
         """Empty the buffer, zeroing the accumulator in place (no reallocation)."""
         self._acc.zero_()

@@ -104,8 +104,11 @@ class ServerOptimizer(ABC):
             raise ValueError(f"pseudo_gradient has dtype {pseudo_gradient.dtype}, expected {self._weights.dtype}")
         if pseudo_gradient.device != self._weights.device:
             raise ValueError(f"pseudo_gradient is on device {pseudo_gradient.device}, expected {self._weights.device}")
-        with torch.no_grad():
-            self._update(pseudo_gradient.detach())
+        if pseudo_gradient.requires_grad or self._weights.requires_grad:
+            with torch.no_grad():
+                self._update(pseudo_gradient.detach())
+        else:  # nothing to keep out of a graph: autograd records no operation on these tensors
+            self._update(pseudo_gradient)
 
     @abstractmethod
     def _update(self, gradient: Tensor) -> None:

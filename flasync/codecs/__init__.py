@@ -331,6 +331,13 @@ class Pipeline:
         """Whether the pipeline has no stages: dense float32, bit-exact."""
         return not self._stages
 
+    def payload_nbytes(self, num_elements: int) -> int | None:
+        """Return the length of the payload :meth:`encode` writes for ``num_elements`` values (without a residual)
+        when it is known without encoding them: the lossless pipeline's, a header and four bytes a value; None for
+        any other pipeline, whose payload's length depends on the values.
+        """
+        return HEADER.size + 4 * num_elements if not self._stages else None
+
     def __repr__(self) -> str:
         return f"Pipeline({list(self._stages)!r})"
 

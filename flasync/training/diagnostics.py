@@ -373,6 +373,7 @@ class AlertMonitor:
         self._weights_version: int | None = None
         self._diverging = False
         self._previous: torch.Tensor | None = None
+        self._previous_norm: float | None = None  # ||_previous|| when known (it was the norm of its version)
         self.counts: Counter[str] = Counter()
         self.series = _Series(StreamSummary(_NORMS_KEPT, rng if rng is not None else random.Random(0)))
 
@@ -427,19 +428,7 @@ class AlertMonitor:
                 ]
             return []
         if isinstance(event, Aggregated) and self._weights is not None and cfg.level != "off":
-            now, weights = self._weights()
-            if self._weights_version == now:
-                return []  # several versions were read in one batch: the weights are those of the latest
-            self._weights_version = now
-            with torch.no_grad():
-                norm = float(torch.linalg.vector_norm(weights))
-                drift = (
-                    float(torch.linalg.vector_norm(weights - self._initial)) if self._initial is not None else math.nan
-                )
-            self.series.weights.add((now, norm, drift))
-            if not math.isfinite(norm):
-                return [Alert("nan", f"server weights of version {now} hold NaN/Inf", norm)]
-            return self._step_alerts(now, weights)
+            return self._observe_weights(*self._weights())
         return []
 
     def observe_many(self, events: Sequence[object], version: int) -> list[tuple[int, Alert]]:
@@ -506,18 +495,42 @@ class AlertMonitor:
         )
         return True
 
-    def _step_alerts(self, version: int, weights: torch.Tensor) -> list[Alert]:
+    def _observe_weights(self, now: int, weights: torch.Tensor) -> list[Alert]:
+        """Keep the norm and drift of the server's weights of version ``now``; alert on NaN/Inf or a too-large step."""
+        if self._weights_version == now:
+            return []  # several versions were read in one batch: the weights are those of the latest
+        self._weights_version = now
+        if weights.requires_grad:
+            weights = weights.detach()
+        # torch.dist(a, b) is torch.linalg.vector_norm(a - b), bit for bit, without the difference's tensor.
+        norm = float(torch.linalg.vector_norm(weights))
+        drift = float(torch.dist(weights, self._initial)) if self._initial is not None else math.nan
+        self.series.weights.add((now, norm, drift))
+        if not math.isfinite(norm):
+            return [Alert("nan", f"server weights of version {now} hold NaN/Inf", norm)]
+        return self._step_alerts(now, weights, norm)
+
+    def _step_alerts(self, version: int, weights: torch.Tensor, norm: float) -> list[Alert]:
         """Alert when one version moves the weights by more than ``step_ratio_max`` of their norm.
 
         Healthy runs move the model by a few percent of its norm per version; a server step that large means a
         learning rate (or an update) far too big, and the model is being destroyed between evaluations.
+
+        Args:
+            version: The version of ``weights``.
+            weights: The server's weights (not in an autograd graph).
+            norm: ``||weights||``, kept as the next step's base: the norm of the copy kept is that very value.
         """
-        previous, self._previous = self._previous, weights.detach().clone()
-        if previous is None or previous.shape != weights.shape:
+        previous, base = self._previous, self._previous_norm
+        if previous is None or previous.shape != weights.shape or previous.dtype != weights.dtype:  # start afresh
+            self._previous = weights.clone()
+            self._previous_norm = norm if weights.is_contiguous() else None
             return []
-        with torch.no_grad():
+        if base is None:
             base = float(torch.linalg.vector_norm(previous))
-            ratio = float(torch.linalg.vector_norm(weights - previous)) / max(base, 1e-12)
+        ratio = float(torch.dist(weights, previous)) / max(base, 1e-12)
+        previous.copy_(weights)  # the copy kept, refreshed in place
+        self._previous_norm = norm if weights.is_contiguous() else None
         limit = self.config.step_ratio_max
         if not ratio > limit:
             return []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flasync import codecs
 from flasync.core.errors import TrainingError
 from flasync.core.events import Aggregated, Evaluated, ModelPublished
 from flasync.server import StopRules
@@ -19,7 +20,12 @@ async def _no_model(weights: torch.Tensor) -> EvalResult | None:
     return None
 
 
-def _maker(harness: ServerHarness, evaluate: Evaluator = _no_model, keys: list[int] | None = None) -> VersionMaker:
+def _maker(
+    harness: ServerHarness,
+    evaluate: Evaluator = _no_model,
+    keys: list[int] | None = None,
+    codec: codecs.Pipeline | None = None,
+) -> VersionMaker:
     def generator(key: int) -> torch.Generator:
         if keys is not None:
             keys.append(key)
@@ -35,7 +41,7 @@ def _maker(harness: ServerHarness, evaluate: Evaluator = _no_model, keys: list[i
         clock=harness.clock,
         wall=lambda: 0.0,
         log=harness.log,
-        download_codec=harness.clients.codec,
+        download_codec=harness.clients.codec if codec is None else codec,
         evaluate=evaluate,
         rules=StopRules(max_versions=3),
         download_generator=generator,
@@ -73,14 +79,45 @@ async def test_a_step_makes_publishes_and_reports_the_next_version() -> None:
 
 
 async def test_each_version_draws_its_download_stream_by_its_number() -> None:
-    """The model of version v is encoded with the download stream of key v."""
+    """The model of version v is encoded with the download stream of key v (by a codec that draws)."""
     harness = ServerHarness()
     keys: list[int] = []
-    maker = _maker(harness, keys=keys)
+    maker = _maker(harness, keys=keys, codec=codecs.Pipeline([codecs.Int8(stochastic=True)]))
     await maker.publish()
     _fold(harness, 1.0)
     await maker.step()
     assert keys == [0, 1]
+
+
+async def test_a_lossless_download_is_sized_without_encoding_or_drawing() -> None:
+    """The lossless model is published as it is, its size that of its payload, and no download stream is drawn."""
+    harness = ServerHarness()
+    keys: list[int] = []
+    events = EventRecorder(harness.bus)
+    maker = _maker(harness, keys=keys)
+    await maker.publish()
+    _fold(harness, 1.0)
+    await maker.step()
+    current = harness.registry.current
+    assert current is not None and current.weights is current.exact
+    assert current.download_bytes == len(codecs.encode(harness.weights))
+    assert [e.download_bytes for e in events.of(ModelPublished)] == [len(codecs.encode(harness.weights))] * 2
+    assert keys == []
+
+
+async def test_a_lossy_download_publishes_what_clients_decode() -> None:
+    """A lossy codec's model is what its payload decodes to, beside the exact weights, and its size the payload's."""
+    harness = ServerHarness()
+    codec = codecs.Pipeline([codecs.Float16()])
+    maker = _maker(harness, codec=codec)
+    _fold(harness, 1.0 / 3.0)
+    await maker.step()
+    current = harness.registry.current
+    assert current is not None and torch.equal(current.exact, harness.weights)
+    payload = codec.encode(harness.weights).payload
+    assert torch.equal(current.weights, codecs.decode(payload, expected_elements=4))
+    assert not torch.equal(current.weights, current.exact)
+    assert current.download_bytes == len(payload)
 
 
 async def test_a_step_to_non_finite_weights_raises_and_keeps_the_version() -> None:
@@ -92,6 +129,27 @@ async def test_a_step_to_non_finite_weights_raises_and_keeps_the_version() -> No
     with pytest.raises(TrainingError, match="NaN or Inf after the server step to version 1"):
         await maker.step()
     assert maker.version == 0 and harness.accounting.stats.versions == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+async def test_a_step_to_a_single_non_finite_weight_raises(bad: float) -> None:
+    """One NaN, Inf or -Inf element among finite ones is caught, wherever it lies."""
+    harness = ServerHarness()
+    maker = _maker(harness)
+    delta = torch.zeros(4)
+    delta[2] = bad
+    harness.aggregator.add(delta, staleness=0, num_samples=1, base=harness.weights)
+    with pytest.raises(TrainingError, match="NaN or Inf"):
+        await maker.step()
+
+
+async def test_a_step_to_huge_finite_weights_publishes() -> None:
+    """Finite weights whose L2 norm overflows float32 are finite: the step publishes them."""
+    harness = ServerHarness()
+    maker = _maker(harness)
+    _fold(harness, -3e38)
+    await maker.step()
+    assert maker.version == 1 and float(torch.linalg.vector_norm(harness.weights)) == float("inf")
 
 
 async def test_evaluation_keeps_the_figures_of_the_published_model() -> None:

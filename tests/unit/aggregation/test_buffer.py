@@ -257,3 +257,26 @@ def test_add_stacked_rejects_bad_weights_without_change() -> None:
     with pytest.raises(ValueError, match=r"deltas must have shape \(K, 3\)"):
         buffer.add_stacked(torch.ones(2, 4), example_weights=torch.ones(2), staleness_weights=torch.ones(2))
     assert buffer.count == 0
+
+
+@given(_updates())
+def test_mean_in_place_is_the_pseudo_gradient_bit_for_bit(updates: tuple[list[Tensor], list[int], list[float]]) -> None:
+    """mean_ turns the accumulator into exactly the tensor pseudo_gradient returns, and reset empties it again."""
+    deltas, staleness, examples = updates
+    buffer = UpdateBuffer(deltas[0].numel())
+    for delta, tau, example in zip(deltas, staleness, examples, strict=True):
+        buffer.add(delta, example_weight=example, staleness_weight=1.0 / (1 + tau))
+    expected = buffer.pseudo_gradient()
+    mean = buffer.mean_()
+    assert mean is buffer.weighted_sum
+    assert torch.equal(mean, expected)
+    buffer.reset()
+    assert buffer.count == 0 and torch.equal(buffer.weighted_sum, torch.zeros_like(expected))
+
+
+def test_mean_in_place_of_empty_buffer_raises() -> None:
+    """mean_ raises ValueError on an empty buffer and leaves it as it was."""
+    buffer = UpdateBuffer(3)
+    with pytest.raises(ValueError, match="empty"):
+        buffer.mean_()
+    assert torch.equal(buffer.weighted_sum, torch.zeros(3))

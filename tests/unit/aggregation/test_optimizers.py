@@ -384,3 +384,28 @@ def test_a_bad_adaptive_setting_is_a_one_line_config_error() -> None:
 
     with pytest.raises(flasync.ConfigError, match=r"server\.optimizer\.yogi\.tau|server\.optimizer.*tau"):
         small_config("server.optimizer={kind: yogi, tau: 0}")
+
+
+@given(
+    vectors=_vectors(3),
+    lr=st.floats(min_value=0.01, max_value=2.0),
+    momentum=st.sampled_from([0.0, 0.9]),
+    adam=st.booleans(),
+)
+def test_steps_on_tensors_outside_autograd_equal_steps_on_tensors_in_it(
+    vectors: list[Tensor], lr: float, momentum: float, adam: bool
+) -> None:
+    """Weights or pseudo-gradients that require grad step to the same bits as plain ones, and stay out of a graph."""
+
+    def build(weights: Tensor) -> ServerOptimizer:
+        return ServerOptimizer.adam(weights, lr=lr) if adam else ServerOptimizer.sgd(weights, lr=lr, momentum=momentum)
+
+    initial, first, second = vectors
+    plain = initial.clone()
+    tracked = initial.clone().requires_grad_()
+    plain_optimizer, tracked_optimizer = build(plain), build(tracked)
+    for gradient in (first, second):
+        plain_optimizer.step(gradient)
+        tracked_optimizer.step(gradient.clone().requires_grad_())
+    assert torch.equal(plain, tracked.detach())
+    assert not plain.requires_grad and tracked.requires_grad and tracked.grad_fn is None

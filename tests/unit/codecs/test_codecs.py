@@ -1016,3 +1016,18 @@ def test_only_a_lossless_pipeline_encodes_rows_together() -> None:
     assert Pipeline([TopK(0.5)]).encode_rows(rows) is None
     with pytest.raises(ValueError, match="2-D"):
         encode_rows(torch.ones(8))
+
+
+@FAST
+@given(pipeline=st.sampled_from(_PIPELINES), x=_VECTORS, seed=st.integers(0, 2**32))
+def test_payload_nbytes_is_the_lossless_payloads_length_and_unknown_otherwise(
+    pipeline: Pipeline, x: torch.Tensor, seed: int
+) -> None:
+    """payload_nbytes is the length of what the lossless pipeline encodes, and None where the values decide it."""
+    expected = len(pipeline.encode(x, generator=_generator(seed)).payload) if pipeline.lossless else None
+    assert pipeline.payload_nbytes(x.numel()) == expected
+
+
+def test_payload_nbytes_of_an_empty_vector_is_the_header() -> None:
+    """The lossless payload of no values is its header alone."""
+    assert Pipeline().payload_nbytes(0) == len(Pipeline().encode(torch.zeros(0)).payload) == HEADER.size

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 import torch
 
@@ -9,8 +12,8 @@ from flasync import codecs
 from flasync.core.errors import TrainingError
 from flasync.core.events import Aggregated, Evaluated, ModelPublished
 from flasync.server import StopRules
-from flasync.server.versions import Evaluator, VersionMaker
-from flasync.testing import EventRecorder, ServerHarness
+from flasync.server.versions import Evaluator, VersionMaker, _all_finite
+from flasync.testing import EventRecorder, NullLog, ServerHarness
 from flasync.training.local import EvalResult
 
 pytestmark = pytest.mark.timeout(30)
@@ -180,3 +183,45 @@ async def test_nothing_to_evaluate_on_leaves_the_stats() -> None:
     await maker.evaluate()
     assert harness.accounting.stats.evaluated_version == -1
     assert events.of(Evaluated) == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_finiteness_check_is_the_element_wise_test(seed: int) -> None:
+    """_all_finite says what torch.isfinite(w).all() says, for tiny, plain and overflowing magnitudes with NaN, Inf
+    and -Inf anywhere (sizes around the vector width), and for a tensor that requires grad."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(30):
+        size = rng.choice([0, 1, 2, 7, 8, 9, 15, 16, 17, 64, 65, 1000, 2762, 70_001])
+        weights = torch.randn(size, generator=generator) * rng.choice([1e-30, 1.0, 1e19, 3e38])
+        for _ in range(rng.choice([0, 0, 1, 2]) if size else 0):
+            weights[rng.randrange(size)] = rng.choice([math.nan, math.inf, -math.inf])
+        if rng.random() < 0.2:
+            weights.requires_grad_()
+        assert _all_finite(weights) == bool(torch.isfinite(weights).all())
+
+
+class _QuietLog(NullLog):
+    """A logger set above debug, as structlog's filtering loggers tell it."""
+
+    def is_enabled_for(self, level: int) -> bool:
+        """Tell that debug (10) is not logged."""
+        return level > 10
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+async def test_the_version_line_is_logged_where_debug_reaches_a_logger(quiet: bool) -> None:
+    """Each version's ``server.version`` debug line carries its figures; a logger above debug is not called."""
+    harness = ServerHarness()
+    log = harness.log = _QuietLog() if quiet else NullLog()
+    maker = _maker(harness)
+    await maker.publish()
+    for value in (1.0, 2.0):
+        _fold(harness, value)
+        harness.accounting.accepted(1)
+    await maker.step()
+    lines = log.events("server.version")
+    if quiet:
+        assert lines == []
+    else:
+        assert [(line["step"], line["updates"], line["staleness_mean"]) for line in lines] == [(1, 2, 1.0)]

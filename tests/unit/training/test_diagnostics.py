@@ -11,7 +11,7 @@ from torch import nn
 
 import flasync
 from flasync.config import DiagnosticsConfig
-from flasync.core.events import ClientFailed, ClientId, TaskDiagnosis, UpdateUploaded, Version
+from flasync.core.events import Aggregated, ClientFailed, ClientId, TaskDiagnosis, UpdateUploaded, Version
 from flasync.training.diagnostics import (
     AlertMonitor,
     DivergedTraining,
@@ -198,3 +198,81 @@ def test_observe_many_of_other_events_is_observe_of_each() -> None:
     ]
     found = AlertMonitor(CONFIG).observe_many(failed, 0)
     assert [(index, alert.kind) for index, alert in found] == [(1, "nan"), (3, "nan")]
+
+
+class _OldWeightsMonitor:
+    """The weights' figures and step alerts as the monitor first computed them (norms of fresh differences, the
+    step's base the norm of a fresh copy), to compare the monitor with."""
+
+    def __init__(self, initial: torch.Tensor, limit: float) -> None:
+        self.initial, self.limit = initial, limit
+        self.previous: torch.Tensor | None = None
+        self.series: list[tuple[int, float, float]] = []
+
+    def observe(self, version: int, weights: torch.Tensor) -> list[tuple[str, float]]:
+        with torch.no_grad():
+            norm = float(torch.linalg.vector_norm(weights))
+            drift = float(torch.linalg.vector_norm(weights - self.initial))
+        self.series.append((version, norm, drift))
+        if not math.isfinite(norm):
+            return [("nan", norm)]
+        previous, self.previous = self.previous, weights.detach().clone()
+        if previous is None:
+            return []
+        with torch.no_grad():
+            base = float(torch.linalg.vector_norm(previous))
+            ratio = float(torch.linalg.vector_norm(weights - previous)) / max(base, 1e-12)
+        return [("step_ratio", ratio)] if ratio > self.limit else []
+
+
+def _aggregated(version: int) -> Aggregated:
+    return Aggregated(
+        version=Version(version), num_updates=1, mean_staleness=0.0, aggregate_s=0.0, simulated_s=0.0, wall_s=0.0
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("layout", ["plain", "offset", "strided", "requires_grad"])
+def test_weights_figures_and_step_alerts_are_those_of_fresh_norms(seed: int, layout: str) -> None:
+    """Random walks of the weights (small and huge steps, a NaN version, sizes around the vector width; weights in
+    a storage at an offset, strided, or requiring grad) keep the same norms and drifts, bit for bit, and raise the
+    same alerts with the same values as norms of fresh differences and copies."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    size = rng.choice([1, 7, 8, 9, 63, 64, 65, 1000, 2762, 70_001])
+    storage = torch.randn(3 * size + 5, generator=generator)
+    weights = {
+        "plain": storage[:size],
+        "offset": storage[3 : 3 + size],
+        "strided": storage[1 : 1 + 3 * size : 3],
+        "requires_grad": storage[:size].clone().requires_grad_(),
+    }[layout]
+    initial = weights.detach().clone()
+    config = DiagnosticsConfig(level="basic")
+    version = 0
+    monitor = AlertMonitor(config, weights=lambda: (version, weights), initial=initial)
+    old = _OldWeightsMonitor(initial, config.step_ratio_max)
+    raised = []
+    for version in range(1, 40):
+        with torch.no_grad():
+            scale = rng.choice([1e-3, 0.1, 1.0, 5.0])
+            weights.add_(torch.randn(size, generator=generator), alpha=scale)
+            if rng.random() < 0.05:
+                weights[rng.randrange(size)] = math.nan
+            elif not bool(torch.isfinite(weights).all()):
+                weights.copy_(torch.randn(size, generator=generator))  # the run goes on from finite weights
+        found = [(alert.kind, alert.value) for alert in monitor.observe(_aggregated(version), version)]
+        expected = old.observe(version, weights)
+        assert repr(found) == repr(expected)  # float reprs round-trip: equal bits (NaN equal to NaN)
+        raised += found
+    assert repr(monitor.series.weights.items()) == repr(old.series)
+    assert {kind for kind, _ in raised} <= {"nan", "step_ratio"}
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 17, 64, 1000, 2762, 40_000, 300_000])
+def test_dist_is_the_norm_of_the_difference(size: int) -> None:
+    """torch.dist(a, b), which the monitor's drift and step use, is torch.linalg.vector_norm(a - b), bit for bit."""
+    generator = torch.Generator().manual_seed(size)
+    for scale in (1e-20, 1.0, 1e18):
+        a, b = torch.randn(size, generator=generator) * scale, torch.randn(size, generator=generator)
+        assert float(torch.dist(a, b)) == float(torch.linalg.vector_norm(a - b))

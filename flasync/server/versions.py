@@ -182,12 +182,12 @@ class VersionMaker:
         codec = self.download_codec
         # One download is encoded (and, if lossy, decoded) per version, not per client.
         size = codec.payload_nbytes(exact.numel()) if exact.dim() == 1 else None
-        if size is not None:
+        if size is not None:  # lossless: what clients decode is the weights themselves
             weights = exact
         else:
             generator = self._generator() if codec.draws_random else None
             payload = codec.encode(exact, generator=generator).payload
-            weights = exact if codec.lossless else codec.decode(payload, expected_elements=exact.numel()).to(exact.device)
+            weights = codec.decode(payload, expected_elements=exact.numel()).to(exact.device)
             size = len(payload)
         extra = None
         for plugin in self.plugins:  # what a plug-in sends with the model goes through the same codec

@@ -10,6 +10,9 @@ from torch import Tensor
 
 __all__ = ["UpdateBuffer"]
 
+# The largest divisor a float32 scalar holds: a larger total weight divides as a Python number (see mean_).
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 class UpdateBuffer:
     """Accumulate weighted client deltas in one flat tensor, in place, for FedBuff.
@@ -36,7 +39,7 @@ class UpdateBuffer:
         ValueError: If ``num_params < 1``.
     """
 
-    __slots__ = ("_acc", "_count", "_device", "_dtype", "_shape", "_total_example_weight")
+    __slots__ = ("_acc", "_count", "_device", "_divisor", "_dtype", "_shape", "_total_example_weight")
 
     def __init__(
         self, num_params: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
@@ -48,6 +51,8 @@ class UpdateBuffer:
         self._shape, self._dtype, self._device = self._acc.shape, self._acc.dtype, self._acc.device
         self._count = 0
         self._total_example_weight = 0.0
+        # mean_ divides by a 0-d CPU tensor of the accumulator's dtype (None: by the Python number); see mean_.
+        self._divisor = torch.zeros((), dtype=dtype) if dtype in (torch.float32, torch.float64) else None
 
     def __repr__(self) -> str:
         return (
@@ -204,7 +209,13 @@ class UpdateBuffer:
         """
         if self._count == 0:
             raise ValueError("the buffer is empty; add at least one update before taking its pseudo-gradient")
-        return self._acc.div_(self._total_example_weight)
+        total, divisor = self._total_example_weight, self._divisor
+        if divisor is None or (self._dtype is torch.float32 and not total <= _FLOAT32_MAX):
+            return self._acc.div_(total)
+        # A Python number divides as the accumulator's dtype rounds it; a 0-d tensor holding that rounded value
+        # gives the same quotients without wrapping the number in a new tensor at each call.
+        divisor.fill_(total)
+        return self._acc.div_(divisor)
 
     def reset(self) -> None:
         """Empty the buffer, zeroing the accumulator in place (no reallocation)."""

@@ -280,3 +280,20 @@ def test_mean_in_place_of_empty_buffer_raises() -> None:
     with pytest.raises(ValueError, match="empty"):
         buffer.mean_()
     assert torch.equal(buffer.weighted_sum, torch.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_mean_in_place_divides_as_the_python_number_does(dtype: torch.dtype) -> None:
+    """mean_ equals the accumulator divided by the total example weight as a Python number, bit for bit, for totals
+    that float32 rounds, that underflow it, and beyond its largest value."""
+    generator = torch.Generator().manual_seed(0)
+    totals = [1.0, 3.0, 1 / 3, 0.1 + 0.2, 7e-46, 1e-300, 123456.789, 3.4028235e38, 1e39, 1e300]
+    for total in totals:
+        for scale in (1e-30, 1.0, 1e30):
+            buffer = UpdateBuffer(2762, dtype=dtype)
+            weighted_sum = (torch.randn(2762, generator=generator, dtype=torch.float64) * scale).to(dtype)
+            buffer.load_state_dict({"accumulator": weighted_sum, "count": 1, "total_example_weight": total})
+            expected = buffer.weighted_sum / buffer.total_example_weight
+            mean = buffer.mean_()
+            assert torch.equal(mean.isnan(), expected.isnan())
+            assert torch.equal(mean.nan_to_num(nan=0.0), expected.nan_to_num(nan=0.0))

@@ -51,8 +51,9 @@ class UpdateBuffer:
         self._shape, self._dtype, self._device = self._acc.shape, self._acc.dtype, self._acc.device
         self._count = 0
         self._total_example_weight = 0.0
-        # mean_ divides by a 0-d CPU tensor of the accumulator's dtype (None: by the Python number); see mean_.
-        self._divisor = torch.zeros((), dtype=dtype) if dtype in (torch.float32, torch.float64) else None
+        # mean_ divides by a 0-d tensor of the accumulator's dtype (None: by the Python number); see mean_.
+        exact = dtype in (torch.float32, torch.float64) and self._device.type == "cpu"
+        self._divisor = torch.zeros((), dtype=dtype) if exact else None
 
     def __repr__(self) -> str:
         return (
@@ -212,8 +213,8 @@ class UpdateBuffer:
         total, divisor = self._total_example_weight, self._divisor
         if divisor is None or (self._dtype is torch.float32 and not total <= _FLOAT32_MAX):
             return self._acc.div_(total)
-        # A Python number divides as the accumulator's dtype rounds it; a 0-d tensor holding that rounded value
-        # gives the same quotients without wrapping the number in a new tensor at each call.
+        # On the CPU a Python number divides a float32 or float64 tensor as that dtype rounds it; a 0-d tensor
+        # holding the rounded value gives the same quotients without wrapping the number in a new tensor each call.
         divisor.fill_(total)
         return self._acc.div_(divisor)
 

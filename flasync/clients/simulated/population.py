@@ -35,7 +35,7 @@ __all__ = ["SAMPLING_STRATEGIES", "Network", "Population", "SamplingStrategy"]
 _NEVER = -1
 _ONE_BY_ONE = 8  # never-used clients drawn at most, from which the order is read a block at a time
 _ARRAY_PASS_FROM = 16  # clients from which the link times of a group are computed as arrays (a fixed cost of ~8)
-_LOOKED_UP = (dict, set, frozenset, Mapping)  # collections a draw looks clients up in as they are (made once, not per draw)
+_LOOKED_UP = (dict, set, frozenset, Mapping)  # what a draw looks clients up in as it is (one tuple, not one a draw)
 
 
 class Population:
@@ -308,7 +308,7 @@ class Population:
         if self.last_used is None:
             n = len(self)
             self.last_used = np.full(n, _NEVER, dtype=np.int64)
-            self._stamps = memoryview(self.last_used)  # one stamp read or written as a Python int
+            self._stamps = self.last_used.data  # a memoryview: one stamp read or written as a Python int
             self._fresh = seeding.numpy_stream(self.seed, seeding.SERVER, 1).permutation(n).astype(np.int32)
             if self._follows is not None:
                 self._idle = IdleByLastUse(self._follows, n)

@@ -508,7 +508,7 @@ def _distinct_ints(client_ids: Sequence[int] | np.ndarray) -> list[int]:
     if isinstance(client_ids, np.ndarray):
         clients: list[int] = client_ids.reshape(-1).astype(np.int64).tolist()
     else:
-        clients = [int(c) for c in client_ids]
+        clients = list(map(int, client_ids))
     if len(clients) > 1 and len(set(clients)) != len(clients):
         raise ValueError("dispatch_many takes distinct clients (a client has one task in flight at most)")
     return clients

@@ -282,7 +282,8 @@ class Population:
     # ------------------------------------------------------------------------------------------------ private
     def _mark_one(self, client: int) -> None:
         """:meth:`mark_used` of one client."""
-        self._lru_state()
+        if self.last_used is None:
+            self._lru_state()
         assert self._stamps is not None
         stamp = self._uses
         self._uses = stamp + 1
@@ -329,7 +330,8 @@ class Population:
         self._queue_head, self._queue_tail = 0, len(ids)
 
     def _least_recently_used(self, k: int, excluded: Collection[int]) -> list[int]:
-        self._lru_state()
+        if self.last_used is None:
+            self._lru_state()
         assert self.last_used is not None and self._fresh is not None and self._stamps is not None
         chosen: list[int] = []
         taken: set[int] = set()

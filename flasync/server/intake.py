@@ -314,11 +314,9 @@ class Intake:
             objection = plugin.admit(message, version)
             if objection is not None:
                 return Refused(*objection)
-        if decoded is None:
-            decoded = self._decode_one(message)
-        delta = decoded.delta
+        delta, norm, decode_s, error, alone = self._decode_one(message) if decoded is None else decoded
         if delta is None:
-            return Refused("decode", decoded.error)
+            return Refused("decode", error)
         extra = None
         for plugin in plugins:
             value = plugin.decode_extra(message)
@@ -326,9 +324,8 @@ class Intake:
                 return Refused(*value)
             if value is not None:
                 extra = value
-        alone = decoded.alone
         if alone is None:
-            verdict, norm = self.validator.check(delta, decoded.norm)
+            verdict, norm = self.validator.check(delta, norm)
         else:  # the checks of the delta alone were made with its batch's; those against the history are made now
             verdict, norm = alone
             if verdict is None:
@@ -339,7 +336,7 @@ class Intake:
             delta, _ = clip_to_norm(delta, self.clip_norm)
         for plugin in plugins:
             plugin.admitted(message, version)
-        return _new_tuple(Admitted, (delta, staleness, norm, base, received_wall, decoded.decode_s, extra))
+        return _new_tuple(Admitted, (delta, staleness, norm, base, received_wall, decode_s, extra))
 
     def accepted(self, admitted: Admitted) -> None:
         """Record that ``admitted`` was aggregated (its norm joins the z-score's reference)."""

@@ -245,12 +245,12 @@ class Server:
         return self._stop_requested
 
     def _stop_reason(self) -> str:
-        elapsed_s = self._versions.elapsed_s
-        reason = self.rules.reason(
-            self.stats, requested=bool(self._stop_requested), now=self.clock.now, elapsed_s=elapsed_s
+        versions, stats = self._versions, self.accounting.stats  # asked after every update: no property calls
+        reason = versions.rules.reason(
+            stats, requested=bool(self._stop_requested), now=self.clock.now, elapsed_s=versions.elapsed_s
         )
         if reason:
-            self.stats.stop_reason = reason
+            stats.stop_reason = reason
         return reason
 
     # ------------------------------------------------------------------------------------------------ run

@@ -150,17 +150,17 @@ class AggregationNode:
         Returns:
             The update folded in, or the refusal (nothing folded; publish it with :meth:`reject`).
         """
-        start = self.wall()
-        verdict = self.intake.admit(message, version=version, decoded=decoded)
+        wall, intake = self.wall, self.intake
+        start = wall()
+        verdict = intake.admit(message, version=version, decoded=decoded)
         if isinstance(verdict, Refused):
             return verdict
-        weight = into.add(
-            verdict.delta, staleness=verdict.staleness, num_samples=message.num_samples, base=verdict.base.weights
-        )
+        delta, staleness, _, base, _, _, extra = verdict
+        weight = into.add(delta, staleness=staleness, num_samples=message.num_samples, base=base.weights)
         for plugin in self.plugins:
-            plugin.folded(verdict.extra)
-        self.intake.accepted(verdict)
-        return _new_tuple(Folded, (verdict, weight, self.wall() - start))
+            plugin.folded(extra)
+        intake.accepted(verdict)
+        return _new_tuple(Folded, (verdict, weight, wall() - start))
 
     def fold_partial(self, message: EdgeForwarded, *, version: int, into: Sink) -> PartialFolded | None:
         """Decode a sub-edge's partial and fold it ``into`` a sink, its staleness counted against ``version``.

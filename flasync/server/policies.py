@@ -191,7 +191,7 @@ class AsyncSlots:
             if drawn:
                 await registry.dispatch_many(drawn)
             if len(drawn) == free:
-                continue
+                return  # every slot is taken (only the loop, awaiting this, releases tasks)
             if len(registry):
                 return  # the free slots are filled at the next message
             if not await self.idle.until(clock, sampler.next_online(clock.now())):

@@ -134,7 +134,7 @@ class CloudReceiver:
         received: list[UpdateReceived] = []
         lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
         take, note = self._take, self.policy.note
-        version = self.versions.version  # only the loop steps it, and it is here until the batch is taken
+        version = self.versions.version  # only the loop steps it (an int), and it is here until the batch is taken
         try:
             for message, decoded in batch:
                 received_s = message.simulated_s if now is None else now
@@ -169,15 +169,17 @@ class CloudReceiver:
         """Count an upload's arrival, admit it against ``version`` (received at virtual time ``received_s``) and, if
         it passes, fold it in and count it; return its event or the refusal. Its debug line's fields are appended to
         ``lines`` for the caller to log."""
-        size, client = message.upload_bytes, int(message.client_id)
-        self.accounting.arrived(size, client_id=client)
-        folded = self.node.admit(message, version=int(version), into=self.aggregator, decoded=decoded)
+        size, client, accounting = message.upload_bytes, int(message.client_id), self.accounting
+        accounting.arrived(size, client_id=client)
+        folded = self.node.admit(message, version=version, into=self.aggregator, decoded=decoded)
         if isinstance(folded, Refused):
             return folded
-        verdict, stats = folded.admitted, self.stats
+        verdict, stats = folded.admitted, accounting.stats
         stats.cloud_aggregate_s += folded.aggregate_s
         staleness = verdict.staleness
-        self._accepted(staleness, client)
+        accounting.accepted(staleness, client_id=client)  # what _accepted does, without its calls
+        if stats.first_update_s != stats.first_update_s:  # NaN: this is the run's first update
+            stats.first_update_s = self.versions.elapsed_s()
         queue_wait_s = verdict.received_wall - message.sent_wall_s
         if self._log_updates:
             line = {

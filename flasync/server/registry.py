@@ -288,14 +288,9 @@ class TaskRegistry:
             snapshot = self.current
             if snapshot is None:
                 raise RuntimeError("no model was published before the first dispatch")
-        if isinstance(client_ids, np.ndarray):
-            clients = client_ids.reshape(-1).astype(np.int64).tolist()
-        else:
-            clients = [int(c) for c in client_ids]
+        clients = _distinct_ints(client_ids)
         if not clients:
             return []
-        if len(clients) > 1 and len(set(clients)) != len(clients):
-            raise ValueError("dispatch_many takes distinct clients (a client has one task in flight at most)")
         # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.
         version = snapshot.version
         self._bases.setdefault(version, snapshot)
@@ -323,7 +318,10 @@ class TaskRegistry:
             in_flight[client] = task
             tasks.append(task)
         self._base_refs[version] += len(tasks)
-        await self._bus.publish_together(TasksAssigned, tasks)
+        if len(tasks) == 1:  # what publish_together does with one event, without its coroutine (once a refill)
+            await self._bus.publish(tasks[0])
+        else:
+            await self._bus.publish_together(TasksAssigned, tasks)
         if self.share and self.timeout_s is None:  # the tasks join one group as they would one by one
             self._group_for(snapshot, tasks[0]).tasks.extend(tasks)
         else:
@@ -421,12 +419,14 @@ class TaskRegistry:
         del self._in_flight[message.client_id]
         if self._mark_idle is not None:
             self._mark_idle(task.client_id)
-        handle = self._handles.pop(task.task_id, None)
-        if handle is not None and not handle.done():
-            handle.cancel()  # a timed-out or abandoned client; one that answered has ended already
-        watchdog = self._watchdogs.pop(task.task_id, None)
-        if watchdog is not None:
-            watchdog.cancel()
+        if self._handles:  # empty where tasks start in groups or are posted
+            handle = self._handles.pop(task.task_id, None)
+            if handle is not None and not handle.done():
+                handle.cancel()  # a timed-out or abandoned client; one that answered has ended already
+        if self._watchdogs:  # empty without a time limit
+            watchdog = self._watchdogs.pop(task.task_id, None)
+            if watchdog is not None:
+                watchdog.cancel()
         if self._on_release is not None:
             self._on_release(task)
         base_version, refs = task.base_version, self._base_refs
@@ -463,17 +463,7 @@ class TaskRegistry:
             "num_clients": self._num_clients,
             "participation_clients": torch.tensor(clients, dtype=torch.int64),
             "participation_counts": torch.tensor([self._participations[c] for c in clients], dtype=torch.int64),
-            "in_flight": [
-                {
-                    "task_id": t.task_id,
-                    "client_id": int(t.client_id),
-                    "participation": t.participation,
-                    "base_version": int(t.base_version),
-                    "simulated_s": t.simulated_s,
-                    "reply_to": t.reply_to,
-                }
-                for t in self
-            ],
+            "in_flight": [_task_record(t) for t in self],
         }
 
     def load_state_dict(self, state: dict[str, Any], *, device: torch.device) -> None:
@@ -507,6 +497,33 @@ class TaskRegistry:
             )
             self._in_flight[task.client_id] = task
             self._base_refs[task.base_version] += 1
+
+
+def _distinct_ints(client_ids: Sequence[int] | np.ndarray) -> list[int]:
+    """Return ``client_ids`` as a list of Python ints.
+
+    Raises:
+        ValueError: If a client appears twice (a client has one task in flight at most).
+    """
+    if isinstance(client_ids, np.ndarray):
+        clients: list[int] = client_ids.reshape(-1).astype(np.int64).tolist()
+    else:
+        clients = list(map(int, client_ids))
+    if len(clients) > 1 and len(set(clients)) != len(clients):
+        raise ValueError("dispatch_many takes distinct clients (a client has one task in flight at most)")
+    return clients
+
+
+def _task_record(task: TaskAssigned) -> dict[str, Any]:
+    """Return a task in flight as a checkpoint holds it (plain values)."""
+    return {
+        "task_id": task.task_id,
+        "client_id": int(task.client_id),
+        "participation": task.participation,
+        "base_version": int(task.base_version),
+        "simulated_s": task.simulated_s,
+        "reply_to": task.reply_to,
+    }
 
 
 def participation_counters(state: dict[str, Any]) -> tuple[int, torch.Tensor, torch.Tensor]:

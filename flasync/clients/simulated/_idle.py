@@ -28,7 +28,10 @@ class IdleByLastUse:
     def __init__(self, in_flight: Collection[int], num_clients: int) -> None:
         """Start with no client busy and none released."""
         self.in_flight = in_flight
-        self.busy = np.zeros(num_clients, dtype=bool)
+        # One byte a client, read and written one at a time through the bytearray (a Python int each, no NumPy
+        # scalar) and many at a time through ``busy``, an array over the same memory.
+        self._flags = bytearray(num_clients)
+        self.busy = np.frombuffer(self._flags, dtype=bool)
         """Clients dispatched and not released since."""
         self.count = 0
         """How many clients are busy."""
@@ -51,40 +54,44 @@ class IdleByLastUse:
 
     def dispatched_one(self, client: int) -> None:
         """Mark ``client`` busy."""
-        if not self.busy[client]:
-            self.busy[client] = True
+        flags = self._flags
+        if not flags[client]:
+            flags[client] = 1
             self.count += 1
 
-    def released(self, client: int, last_used: np.ndarray) -> None:
-        """Mark ``client`` idle, at its last use in ``last_used``."""
-        busy = self.busy
-        if not busy[client]:
+    def released(self, client: int, last_used: memoryview) -> None:
+        """Mark ``client`` idle, at its last use in ``last_used`` (a view of the population's int64 stamps)."""
+        flags = self._flags
+        if not flags[client]:
             return
-        busy[client] = False
+        flags[client] = 0
         self.count -= 1
         heap = self._released
-        heapq.heappush(heap, (int(last_used[client]), client))
-        if len(heap) > 2 * len(busy) + 64:  # more stale entries than clients: keep the live ones
+        heapq.heappush(heap, (last_used[client], client))
+        if len(heap) > 2 * len(flags) + 64:  # more stale entries than clients: keep the live ones
             self._released = [entry for entry in heap if self._idle_at(*entry, last_used)]
             heapq.heapify(self._released)
 
-    def take(self, k: int, chosen: list[int], taken: set[int], last_used: np.ndarray) -> None:
+    def take(self, k: int, chosen: list[int], taken: set[int], last_used: memoryview) -> None:
         """Add to ``chosen`` the idle used clients, oldest last use first, until it holds ``k`` (none in ``taken``);
         stale entries (clients used again since) are dropped for good, the drawn ones stay (a draw changes nothing
-        until its clients are marked used)."""
-        heap, kept = self._released, []
+        until its clients are marked used). Entries are distinct ``(stamp, client)`` pairs, so the heap pops them in
+        one order whatever its layout: the last client drawn is read at the top and left there."""
+        heap, kept, flags = self._released, [], self._flags
         while len(chosen) < k and heap:
             stamp, client = heap[0]
-            if not self._idle_at(stamp, client, last_used):
+            if flags[client] or last_used[client] != stamp:
                 heapq.heappop(heap)
                 continue
-            kept.append(heapq.heappop(heap))
             if client not in taken:
                 chosen.append(client)
                 taken.add(client)
+                if len(chosen) == k:
+                    break
+            kept.append(heapq.heappop(heap))
         for entry in kept:
             heapq.heappush(heap, entry)
 
-    def _idle_at(self, stamp: int, client: int, last_used: np.ndarray) -> bool:
+    def _idle_at(self, stamp: int, client: int, last_used: memoryview) -> bool:
         """Tell whether ``client`` is idle and was last used at ``stamp`` (a live entry)."""
-        return not self.busy[client] and int(last_used[client]) == stamp
+        return not self._flags[client] and last_used[client] == stamp

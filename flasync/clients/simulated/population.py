@@ -35,6 +35,7 @@ __all__ = ["SAMPLING_STRATEGIES", "Network", "Population", "SamplingStrategy"]
 _NEVER = -1
 _ONE_BY_ONE = 8  # never-used clients drawn at most, from which the order is read a block at a time
 _ARRAY_PASS_FROM = 16  # clients from which the link times of a group are computed as arrays (a fixed cost of ~8)
+_LOOKED_UP = (dict, set, frozenset, Mapping)  # what a draw looks clients up in as it is (one tuple, not one a draw)
 
 
 class Population:
@@ -92,6 +93,7 @@ class Population:
         # entries - clients used again since - are skipped lazily). All built on first use.
         self._uses = 0
         self.last_used: np.ndarray | None = None
+        self._stamps: memoryview | None = None
         self._fresh: np.ndarray | None = None
         self._fresh_head = 0
         self._deferred: list[int] = []
@@ -175,16 +177,16 @@ class Population:
         n = len(self)
         # A set or mapping (the registry's clients in flight) is looked up as it is: copying it would cost a draw
         # of one client as many steps as there are tasks in flight.
-        excluded = exclude if isinstance(exclude, dict | set | frozenset | Mapping) else {int(c) for c in exclude}
+        excluded = exclude if isinstance(exclude, _LOOKED_UP) else {int(c) for c in exclude}
         if k < 0 or k > n - len(excluded):
             raise ValueError(f"cannot draw {k} clients from {n} with {len(excluded)} excluded")
         if k == 0:
             return np.zeros(0, dtype=np.int64)
         if strategy == "uniform":
-            return self._rejection(k, excluded, lambda m: rng.choice(n, size=min(m, n), replace=False))
+            return _rejection(k, excluded, lambda m: rng.choice(n, size=min(m, n), replace=False))
         if strategy == "weighted":
             cdf = self._weights_cdf()
-            return self._rejection(
+            return _rejection(
                 k, excluded, lambda m: np.searchsorted(cdf, rng.random(m) * cdf[-1], side="right"), limit=64
             )
         if strategy == "lru":
@@ -198,7 +200,7 @@ class Population:
                 online: np.ndarray = candidates[self.available(candidates, now)]
                 return online
 
-            online = self._rejection(
+            online = _rejection(
                 k,
                 excluded,
                 online_candidates,
@@ -222,7 +224,7 @@ class Population:
         each excluding ``busy`` and the clients drawn before it, consuming ``rng`` as they would; raise as
         :meth:`sample` does. A least-recently-used draw of ``k`` is such draws already (a drawn client is excluded and
         its use only moves it behind the others)."""
-        excluded = busy if isinstance(busy, dict | set | frozenset | Mapping) else {int(c) for c in busy}
+        excluded = busy if isinstance(busy, _LOOKED_UP) else {int(c) for c in busy}
         if strategy == "lru":
             if not 0 <= k <= len(self) - len(excluded):
                 raise ValueError(f"cannot draw {k} clients from {len(self)} with {len(excluded)} excluded")
@@ -274,17 +276,18 @@ class Population:
     def mark_idle(self, client: int) -> None:
         """Record that ``client``'s task in flight ended (see :meth:`follow_tasks`)."""
         if self._idle is not None:
-            assert self.last_used is not None
-            self._idle.released(client, self.last_used)
+            assert self._stamps is not None
+            self._idle.released(client, self._stamps)
 
     # ------------------------------------------------------------------------------------------------ private
     def _mark_one(self, client: int) -> None:
         """:meth:`mark_used` of one client."""
-        self._lru_state()
-        assert self.last_used is not None
+        if self.last_used is None:
+            self._lru_state()
+        assert self._stamps is not None
         stamp = self._uses
         self._uses = stamp + 1
-        self.last_used[client] = stamp
+        self._stamps[client] = stamp
         if self._idle is not None:
             self._idle.dispatched_one(client)
         tail = self._queue_tail
@@ -294,29 +297,6 @@ class Population:
         self._queue[tail] = client
         self._queue_stamp[tail] = stamp
         self._queue_tail = tail + 1
-
-    @staticmethod
-    def _rejection(
-        k: int,
-        excluded: Collection[int],
-        draw: Callable[[int], np.ndarray],
-        *,
-        limit: int = 1_000,
-        oversample: float = 1.0,
-    ) -> np.ndarray:
-        """Draw candidates in batches, keeping new, non-excluded ones in draw order, until ``k`` are kept."""
-        chosen: list[int] = []
-        seen: set[int] = set()  # drawn already (the excluded are looked up where they are)
-        for _ in range(limit):
-            want = k - len(chosen)
-            batch = draw(math.ceil((want + len(excluded)) * oversample * 1.25) + 8)
-            for candidate in np.asarray(batch).tolist():
-                if candidate not in seen and candidate not in excluded:
-                    seen.add(candidate)
-                    chosen.append(candidate)
-                    if len(chosen) == k:
-                        return np.asarray(chosen, dtype=np.int64)
-        return np.asarray(chosen, dtype=np.int64)
 
     def _weights_cdf(self) -> np.ndarray:
         if self._cdf is None:
@@ -329,6 +309,7 @@ class Population:
         if self.last_used is None:
             n = len(self)
             self.last_used = np.full(n, _NEVER, dtype=np.int64)
+            self._stamps = self.last_used.data  # a memoryview: one stamp read or written as a Python int
             self._fresh = seeding.numpy_stream(self.seed, seeding.SERVER, 1).permutation(n).astype(np.int32)
             if self._follows is not None:
                 self._idle = IdleByLastUse(self._follows, n)
@@ -349,10 +330,15 @@ class Population:
         self._queue_head, self._queue_tail = 0, len(ids)
 
     def _least_recently_used(self, k: int, excluded: Collection[int]) -> list[int]:
-        self._lru_state()
-        assert self.last_used is not None and self._fresh is not None
+        if self.last_used is None:
+            self._lru_state()
+        assert self.last_used is not None and self._fresh is not None and self._stamps is not None
         chosen: list[int] = []
         taken: set[int] = set()
+        idle = self._idle
+        if idle is not None and not self._deferred and self._fresh_head == len(self._fresh) and idle.covers(excluded):
+            idle.take(k, chosen, taken, self._stamps)  # every client was used: the idle ones by last use
+            return chosen
         chunk = max(2 * k, 64)
         # Never-used clients, in their fixed random order. The head moves past used clients for good, and past
         # excluded (in-flight) never-used ones by deferring them to a short list that later draws look at first.
@@ -367,7 +353,7 @@ class Population:
         self._deferred = still_deferred
         self._never_used(k, excluded, chosen, taken, chunk)
         if len(chosen) < k and self._idle is not None and self._idle.covers(excluded):
-            self._idle.take(k, chosen, taken, self.last_used)  # the used clients not in flight, by last use
+            self._idle.take(k, chosen, taken, self._stamps)  # the used clients not in flight, by last use
             return chosen
         # Then used clients, oldest last use first; stale entries at the head are dropped for good.
         position, at_head = self._queue_head, True
@@ -532,6 +518,29 @@ class _Cycled:
         """Return the values of ``clients`` as Python floats."""
         item, count = self.values.item, len(self.values)
         return [item(int(client) % count) for client in clients]
+
+
+def _rejection(
+    k: int,
+    excluded: Collection[int],
+    draw: Callable[[int], np.ndarray],
+    *,
+    limit: int = 1_000,
+    oversample: float = 1.0,
+) -> np.ndarray:
+    """Draw candidates in batches, keeping new, non-excluded ones in draw order, until ``k`` are kept."""
+    chosen: list[int] = []
+    seen: set[int] = set()  # drawn already (the excluded are looked up where they are)
+    for _ in range(limit):
+        want = k - len(chosen)
+        batch = draw(math.ceil((want + len(excluded)) * oversample * 1.25) + 8)
+        for candidate in np.asarray(batch).tolist():
+            if candidate not in seen and candidate not in excluded:
+                seen.add(candidate)
+                chosen.append(candidate)
+                if len(chosen) == k:
+                    return np.asarray(chosen, dtype=np.int64)
+    return np.asarray(chosen, dtype=np.int64)
 
 
 def _held_bytes(array: np.ndarray) -> int:

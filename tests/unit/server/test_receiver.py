@@ -169,3 +169,36 @@ async def test_a_batch_is_received_as_its_uploads_one_by_one(seed: int, count: i
     assert together.intake.state_dict() == one_by_one.intake.state_dict()
     assert torch.equal(together.aggregator.buffer.weighted_sum, one_by_one.aggregator.buffer.weighted_sum)
     assert together.aggregator.count() == one_by_one.aggregator.count()
+
+
+class _Clocked(_Versions):
+    """Versions whose run started ``elapsed`` seconds ago (set by the test)."""
+
+    elapsed = 0.0
+
+    def elapsed_s(self) -> float:
+        return self.elapsed
+
+
+async def test_the_first_accepted_update_times_the_start_up_and_later_ones_keep_it() -> None:
+    """The run's start-up is the time of its first accepted update: a refused one before it does not set it, and
+    neither does any update after it (nor one received once a checkpoint restored it)."""
+    uploads, tasks = _batch(3, 12, wrong_size=False)
+    cloud, versions = _Cloud(tasks), _Clocked()
+    cloud.receiver.versions = versions  # type: ignore[assignment]
+    stats = cloud.accounting.stats
+    for number, upload in enumerate(uploads):
+        versions.elapsed = 10.0 + number
+        accepted = stats.updates_accepted
+        await cloud.receiver.receive([(upload, cloud.intake.decode([upload])[0])])
+        if not accepted:
+            assert (stats.updates_accepted == 0) == math.isnan(stats.first_update_s)
+            if stats.updates_accepted:
+                assert stats.first_update_s == 10.0 + number
+    assert stats.updates_accepted and stats.first_update_s < 10.0 + len(uploads) - 1
+    restored = _Cloud(tasks)
+    restored.accounting.stats.first_update_s = 0.25
+    restored.receiver.versions = versions  # type: ignore[assignment]
+    for upload in uploads:
+        await restored.receiver.receive([(upload, restored.intake.decode([upload])[0])])
+    assert restored.accounting.stats.updates_accepted and restored.accounting.stats.first_update_s == 0.25

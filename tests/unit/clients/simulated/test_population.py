@@ -218,6 +218,26 @@ def test_following_the_tasks_in_flight_draws_what_walking_past_them_draws(num_cl
     assert following._idle is not None and len(following._idle) <= 2 * num_clients + 64  # stale entries dropped
 
 
+def test_a_fully_used_population_following_its_tasks_draws_the_idle_ones_by_last_use() -> None:
+    """Once every client was used, refills of the free slots (the async policy's draws of the idle clients, one or
+    several) are the first idle clients of the LRU order, as a walk past the busy ones finds them."""
+    population = _population(30)
+    in_flight: dict[int, int] = {}
+    population.follow_tasks(in_flight)
+    rng, order = np.random.default_rng(0), np.random.default_rng(1)
+    for step in range(400):
+        k = 30 - len(in_flight) if step % 7 else min(1, 30 - len(in_flight))
+        expected = _least_recently_used_by_hand(population, k, set(in_flight))
+        drawn = population.sample_idle_many(in_flight, 0.0, k, rng, strategy="lru")
+        assert drawn == expected
+        in_flight.update(dict.fromkeys(drawn, step))
+        population.mark_used(drawn)
+        for client in order.permutation(list(in_flight))[: int(order.integers(1, 6))].tolist():
+            del in_flight[client]
+            population.mark_idle(client)
+    assert population._fresh is not None and population._fresh_head == len(population._fresh)  # all used
+
+
 def test_a_draw_excluding_other_clients_than_those_followed_walks_the_queue() -> None:
     """Only a draw that excludes the followed tasks in flight themselves skips the busy clients: a draw with no
     exclusion (a round's cohort) still sees every used client, busy ones included."""

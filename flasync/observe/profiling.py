@@ -167,6 +167,27 @@ class VersionRows:
 _new_task = cast("Callable[[type[_Task], tuple[Any, ...]], _Task]", tuple.__new__)
 """Make a :class:`_Task` from a tuple of its fields, without a Python call per task."""
 
+_UPLOAD_FIELDS = operator.attrgetter(
+    "client_id",
+    "compute_s",
+    "sim_download_s",
+    "sim_train_s",
+    "sim_upload_s",
+    "payload",
+    "extra",
+    "encode_s",
+    "peak_mem_bytes",
+    "download_bytes",
+    "task_id",
+    "tier",
+)
+"""What the profiler reads of an :class:`UpdateUploaded`, in one call per event."""
+_RECEIVED_FIELDS = operator.attrgetter("task_id", "version", "staleness", "decode_s", "queue_wait_s")
+"""What the profiler reads of an :class:`UpdateReceived`, in one call per event."""
+_CLIENT_ID = operator.attrgetter("client_id")
+_BASE_VERSION = operator.attrgetter("base_version")
+_FIRST = operator.itemgetter(0)
+
 _SAMPLE = 4096  # values kept per streamed quantile summary (exact up to this many)
 _IN_FLIGHT = 65_536  # uploads awaiting their version, at most (the oldest are dropped beyond)
 _DOWNLOAD_SIZES = 1024  # published versions whose download size is remembered
@@ -343,14 +364,16 @@ class Profiler:
     def _assigned_many(self, events: Sequence[TaskAssigned]) -> None:
         """Record tasks handed out: each client's download and the run's."""
         r = self.records
-        sizes, client = r.download_sizes, r.client
-        total = 0
-        for event in events:
-            size = sizes.get(int(event.base_version), 0)
-            client(int(event.client_id)).download_bytes += size
-            total += size
+        clients, new_client = r.clients, _Client
+        get = r.download_sizes.get
+        sizes = list(map(get, map(int, map(_BASE_VERSION, events)), repeat(0)))
+        for client_id, size in zip(map(int, map(_CLIENT_ID, events)), sizes, strict=True):
+            client = clients.get(client_id)
+            if client is None:
+                client = clients[client_id] = new_client()
+            client.download_bytes += size
         r.downloads += len(events)
-        r.download_tiers["client"] += total
+        r.download_tiers["client"] += sum(sizes)
 
     def _uploaded(self, event: UpdateUploaded) -> None:
         """Record a client's upload: :meth:`_uploaded_many` of one."""
@@ -359,14 +382,17 @@ class Profiler:
     def _uploaded_many(self, events: Sequence[UpdateUploaded]) -> None:
         """Record clients' uploads, in order: their totals, the run's summaries, and each task until its version is
         made."""
+        if not events:
+            return
         r = self.records
-        compute = [event.compute_s for event in events]
-        train = [event.sim_train_s for event in events]
-        task = [event.sim_download_s + event.sim_train_s + event.sim_upload_s for event in events]
-        uploaded = [event.upload_bytes for event in events]
+        # One pass over the events for every field read, then a column per field.
+        ids, compute, download, train, upload, payloads, extras, encode, peaks, downloaded, task_ids, tiers = zip(
+            *map(_UPLOAD_FIELDS, events), strict=True
+        )
+        task = list(map(operator.add, map(operator.add, download, train), upload))  # as d + t + u of each
+        uploaded = list(map(operator.add, map(len, payloads), map(len, extras)))  # UpdateUploaded.upload_bytes
         clients, new_client = r.clients, _Client
-        for event, sim_task_s, compute_s, upload_bytes in zip(events, task, compute, uploaded, strict=True):
-            client_id = int(event.client_id)
+        for client_id, sim_task_s, compute_s, upload_bytes in zip(map(int, ids), task, compute, uploaded, strict=True):
             client = clients.get(client_id)
             if client is None:
                 client = clients[client_id] = new_client()
@@ -374,17 +400,19 @@ class Profiler:
             client.sim_task_s += sim_task_s
             client.compute_s += compute_s
             client.upload_bytes += upload_bytes
-        tiers = r.tier_uploads
-        for tier, group in groupby(zip(events, uploaded, strict=True), key=lambda pair: pair[0].tier):
-            tiers[tier] += sum(upload_bytes for _, upload_bytes in group)
-        encode = [event.encode_s for event in events]
+        totals = r.tier_uploads
+        if tiers.count(tiers[0]) == len(tiers):  # one tier (byte counts are integers: their sum in any order)
+            totals[tiers[0]] += sum(uploaded)
+        else:
+            for tier, group in groupby(zip(tiers, uploaded, strict=True), key=_FIRST):
+                totals[tier] += sum(upload_bytes for _, upload_bytes in group)
         # One random stream behind every summary: its draws are taken upload by upload, as one at a time would.
         add_columns(
             (r.sim_task_s, r.sim_train_s, r.compute_s, r.encode_s, r.peak_mem_bytes),
-            (task, train, compute, encode, [float(event.peak_mem_bytes) for event in events]),
+            (task, train, compute, encode, list(map(float, peaks))),
         )
-        held = zip(compute, encode, task, train, uploaded, [event.download_bytes for event in events], strict=True)
-        waiting = zip([event.task_id for event in events], map(_new_task, repeat(_Task), held), strict=True)
+        held = zip(compute, encode, task, train, uploaded, downloaded, strict=True)
+        waiting = zip(task_ids, map(_new_task, repeat(_Task), held), strict=True)
         pending = r.pending
         if len(pending) + len(events) <= _IN_FLIGHT:
             pending.update(waiting)
@@ -398,37 +426,55 @@ class Profiler:
 
     def _received_many(self, events: Sequence[UpdateReceived]) -> None:
         """Fold accepted uploads into the versions they go into, in order: what :meth:`_fold` of each does."""
+        if not events:
+            return
         r = self.records
-        r.staleness.update([event.staleness for event in events])
-        pop = r.pending.pop
-        received: list[UpdateReceived] = []
-        tasks: list[_Task] = []
-        for event in events:
-            task = pop(event.task_id, None)
-            if task is not None:
-                received.append(event)
-                tasks.append(task)
+        task_ids, versions, staleness, decode, queue_wait = zip(*map(_RECEIVED_FIELDS, events), strict=True)
+        r.staleness.update(staleness)
+        tasks = list(map(r.pending.pop, task_ids, repeat(None)))
+        if None in tasks:  # uploads not (or no longer) waiting: folded into nothing
+            kept = [k for k, task in enumerate(tasks) if task is not None]
+            if not kept:
+                return
+            tasks = [tasks[k] for k in kept]
+            versions, staleness, decode, queue_wait = (
+                [column[k] for k in kept] for column in (versions, staleness, decode, queue_wait)
+            )
         start = 0
-        for version, run in groupby([int(event.version) + 1 for event in received]):
+        for version, run in groupby(map(int, versions)):
             end = start + sum(1 for _ in run)
-            self._fold_run(version, received[start:end], tasks[start:end])
+            self._fold_run(
+                version + 1,
+                cast("list[_Task]", tasks[start:end]),
+                staleness[start:end],
+                decode[start:end],
+                queue_wait[start:end],
+            )
             start = end
 
-    def _fold_run(self, version: int, received: list[UpdateReceived], tasks: list[_Task]) -> None:
-        """Fold accepted uploads of one version, each sum taken value by value in the order of the uploads."""
+    def _fold_run(
+        self,
+        version: int,
+        tasks: list[_Task],
+        staleness: Sequence[int],
+        decode: Sequence[float],
+        queue_wait: Sequence[float],
+    ) -> None:
+        """Fold accepted uploads of one version (their tasks, staleness, decoding and queue seconds), each sum taken
+        value by value in the order of the uploads."""
         rec = self.records.open_versions[version]
         compute, encode, task, train, uploaded, downloaded = zip(*tasks, strict=True)
         add = operator.add
         rec.updates += len(tasks)
         rec.compute_s = reduce(add, compute, rec.compute_s)
         rec.encode_s = reduce(add, encode, rec.encode_s)
-        rec.decode_s = reduce(add, [event.decode_s for event in received], rec.decode_s)
-        rec.queue_wait_s = reduce(add, [event.queue_wait_s for event in received], rec.queue_wait_s)
+        rec.decode_s = reduce(add, decode, rec.decode_s)
+        rec.queue_wait_s = reduce(add, queue_wait, rec.queue_wait_s)
         rec.sim_train_s = reduce(add, train, rec.sim_train_s)
         rec.transfer_sim_s = reduce(add, map(operator.sub, task, train), rec.transfer_sim_s)
         rec.upload_bytes += sum(uploaded)
         rec.download_bytes += sum(downloaded)
-        rec.staleness_sum += sum([event.staleness for event in received])
+        rec.staleness_sum += sum(staleness)
         if self.mode == "sync":
             rec.durations.extend(task)
 

@@ -160,41 +160,50 @@ def _timeline(
     return _Plan(downloads, simulated, done_at, parts, {}, {}, None), data, spans
 
 
-def _training_job(
+def _training_jobs(
     world: ClientWorld,
-    task: TaskAssigned,
     model: ModelSnapshot,
-    samples: _Samples,
-    span: tuple[int, int] | None,
-    parts: tuple[TaskPart, ...],
-    attack: float,
-) -> TrainingJob[TrainedUpdate]:
-    """Return the task's local training, in the form a batching executor trains with others of its cohort
-    (``span``: where its sample indices lie in ``samples``'s)."""
-    job_ctx, cid, participation = world.job, task.client_id, task.participation
-    # The streams' keys and the indices' span: the generators are made and the indices sliced where the job trains,
-    # off the event loop.
-    seed: StreamKey = (world.seed, seeding.TASK, cid, participation)
-    codec_generator = (world.seed, seeding.CODEC, cid, participation) if job_ctx.upload_codec.draws_random else None
-    start = start_of(parts) if parts else None
-    base = model.weights if start is None else start
-    return TrainingJob(
-        base=base,
-        x=samples[0],
-        y=samples[1],
-        indices=samples[2],
-        span=span,
-        cfg=job_ctx.local,
-        generator=seed,
-        finish=Finish(job_ctx, cid, codec_generator, attack, parts),
-        solo=functools.partial(
-            train_job, job_ctx, cid, base, samples, seed, codec_generator, task.task_id, attack, parts, span
-        ),
-        correction=correction_of(parts) if parts else None,
-        client=None if span is not None else int(cid),
-        deltas_on=_HOST,  # finish_job encodes the delta as bytes on the host
-        finish_many=finish_cohort,
-    )
+    tasks: Sequence[TaskAssigned],
+    train: Sequence[int],
+    data: list[_Samples],
+    spans: list[tuple[int, int] | None],
+    parts: Sequence[tuple[TaskPart, ...]],
+    attacks: Sequence[float],
+) -> dict[int, TrainingJob[TrainedUpdate]]:
+    """Return the local training of the tasks ``train`` (indices into ``tasks``, each with its ``attacks`` factor),
+    by task index, in the form a batching executor trains with others of its cohort (``spans``: where each task's
+    sample indices lie in its ``data``'s)."""
+    job_ctx, seed, draws = world.job, world.seed, world.job.upload_codec.draws_random
+    cfg, weights, make, finish = job_ctx.local, model.weights, TrainingJob, Finish
+    task_purpose, codec_purpose = seeding.TASK, seeding.CODEC
+    jobs: dict[int, TrainingJob[TrainedUpdate]] = {}
+    for k, attack in zip(train, attacks, strict=True):
+        task, samples, span, task_parts = tasks[k], data[k], spans[k], parts[k]
+        cid, participation = task.client_id, task.participation
+        # The streams' keys and the indices' span: the generators are made and the indices sliced where the job
+        # trains, off the event loop.
+        key: StreamKey = (seed, task_purpose, cid, participation)
+        codec_key = (seed, codec_purpose, cid, participation) if draws else None
+        start = start_of(task_parts) if task_parts else None
+        base = weights if start is None else start
+        jobs[k] = make(
+            base=base,
+            x=samples[0],
+            y=samples[1],
+            indices=samples[2],
+            span=span,
+            cfg=cfg,
+            generator=key,
+            finish=finish(job_ctx, cid, codec_key, attack, task_parts),
+            solo=functools.partial(
+                train_job, job_ctx, cid, base, samples, key, codec_key, task.task_id, attack, task_parts, span
+            ),
+            correction=correction_of(task_parts) if task_parts else None,
+            client=None if span is not None else int(cid),
+            deltas_on=_HOST,  # finish_job encodes the delta as bytes on the host
+            finish_many=finish_cohort,
+        )
+    return jobs
 
 
 def _keep(
@@ -422,20 +431,22 @@ class CohortClients:
         world = self.world
         plan, data, spans = _timeline(world, tasks, model)
         parts = plan.parts if plan.parts is not None else [()] * len(tasks)
-        faults, training = world.faults, plan.training
+        faults = world.faults
         if faults is None or not faults.active:
-            for k, task in enumerate(tasks):
-                attack = faults.attack_factor(task.client_id) if faults else 1.0
-                training[k] = _training_job(world, task, model, data[k], spans[k], parts[k], attack)
+            train = range(len(tasks))
+            attacks = [faults.attack_factor(task.client_id) for task in tasks] if faults else [1.0] * len(tasks)
+            plan.training.update(_training_jobs(world, model, tasks, train, data, spans, parts, attacks))
             return plan
         offline = [faults.offline_at(task.client_id, task.simulated_s) for task in tasks]
+        trains: list[int] = []
         for k, task in enumerate(tasks):
             fault = _fault(faults, task, plan.download_s[k], plan.simulated[k], plan.done_at[k], offline[k])
             if fault is None:
-                attack = faults.attack_factor(task.client_id)
-                training[k] = _training_job(world, task, model, data[k], spans[k], parts[k], attack)
+                trains.append(k)
             elif fault is not _HANGS:
                 plan.faults[k] = fault
+        attacks = [faults.attack_factor(tasks[k].client_id) for k in trains]
+        plan.training.update(_training_jobs(world, model, tasks, trains, data, spans, parts, attacks))
         return plan._replace(offline=offline)
 
     async def _trained(self, state: _GroupState, when: float, kind: int, due: list[int]) -> None:

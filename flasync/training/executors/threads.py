@@ -243,8 +243,13 @@ class _GroupFuture(asyncio.Future[list[Any]]):
 
     def deliver(self, index: int, outcome: Any) -> None:
         """Record one job's result or exception; resolve the group with the last."""
-        self.outcomes[index] = outcome
-        self.left -= 1
+        self.deliver_run(index, [outcome])
+
+    def deliver_run(self, start: int, outcomes: list[Any]) -> None:
+        """Record the results or exceptions of the jobs ``start``, ``start + 1``, ... in one step; resolve the group
+        with the last."""
+        self.outcomes[start : start + len(outcomes)] = outcomes
+        self.left -= len(outcomes)
         if not self.left:
             self.set_result(self.outcomes)
 
@@ -295,18 +300,34 @@ class _Slot:
 
 _AnyHeld = _HeldFuture[Any] | _Slot
 _Outcome = tuple[_Slot, Any, BaseException | None]
+_Run = tuple[_GroupFuture, int, list[Any]]
+"""Outcomes of consecutive jobs of one group: the group, the first job's index and each job's result or exception."""
 
 # Results handed to the event loop per callback: the loop starts on the first ones while the worker finishes the rest.
 _DELIVERY_CHUNK = 64
 
 
-def _settle(outcomes: list[_Outcome]) -> None:
-    """Deliver jobs' results to their groups' loop futures (on their loop); a group cancelled meanwhile is left as it
-    is."""
+def _runs(outcomes: list[_Outcome]) -> dict[asyncio.AbstractEventLoop, list[_Run]]:
+    """Return ``outcomes`` (in a worker) as runs of consecutive jobs of one group each, by their groups' loops."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Run]] = {}
+    group: _GroupFuture | None = None
+    values: list[Any] = []
+    following = 0
     for slot, value, error in outcomes:
-        group = slot.group
+        if slot.group is not group or slot.index != following:
+            group, values = slot.group, []
+            by_loop.setdefault(group.get_loop(), []).append((group, slot.index, values))
+        values.append(value if error is None else error)
+        following = slot.index + 1
+    return by_loop
+
+
+def _settle(runs: list[_Run]) -> None:
+    """Deliver runs of jobs' results to their groups' loop futures (on their loop); a group cancelled meanwhile is
+    left as it is."""
+    for group, start, values in runs:
         if not group.done():
-            group.deliver(slot.index, value if error is None else error)
+            group.deliver_run(start, values)
 
 
 class _Delivery:
@@ -331,12 +352,9 @@ class _Delivery:
         if not self._pending:
             return
         outcomes, self._pending = self._pending, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
-        for outcome in outcomes:
-            by_loop.setdefault(outcome[0].get_loop(), []).append(outcome)
-        for loop, batch in by_loop.items():
+        for loop, runs in _runs(outcomes).items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits these any more
-                loop.call_soon_threadsafe(_settle, batch)
+                loop.call_soon_threadsafe(_settle, runs)
 
 
 def _cancel(future: _AnyHeld) -> None:

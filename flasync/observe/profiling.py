@@ -167,23 +167,6 @@ class VersionRows:
 _new_task = cast("Callable[[type[_Task], tuple[Any, ...]], _Task]", tuple.__new__)
 """Make a :class:`_Task` from a tuple of its fields, without a Python call per task."""
 
-_UPLOAD_FIELDS = operator.attrgetter(
-    "client_id",
-    "compute_s",
-    "sim_download_s",
-    "sim_train_s",
-    "sim_upload_s",
-    "payload",
-    "extra",
-    "encode_s",
-    "peak_mem_bytes",
-    "download_bytes",
-    "task_id",
-    "tier",
-)
-"""What the profiler reads of an :class:`UpdateUploaded`, in one call per event."""
-_RECEIVED_FIELDS = operator.attrgetter("task_id", "version", "staleness", "decode_s", "queue_wait_s")
-"""What the profiler reads of an :class:`UpdateReceived`, in one call per event."""
 _CLIENT_ID = operator.attrgetter("client_id")
 _BASE_VERSION = operator.attrgetter("base_version")
 _FIRST = operator.itemgetter(0)
@@ -385,12 +368,11 @@ class Profiler:
         if not events:
             return
         r = self.records
-        # One pass over the events for every field read, then a column per field.
-        ids, compute, download, train, upload, payloads, extras, encode, peaks, downloaded, task_ids, tiers = zip(
-            *map(_UPLOAD_FIELDS, events), strict=True
-        )
-        task = list(map(operator.add, map(operator.add, download, train), upload))  # as d + t + u of each
-        uploaded = list(map(operator.add, map(len, payloads), map(len, extras)))  # UpdateUploaded.upload_bytes
+        compute = [event.compute_s for event in events]
+        train = [event.sim_train_s for event in events]
+        task = [event.sim_download_s + event.sim_train_s + event.sim_upload_s for event in events]
+        uploaded = [len(event.payload) + len(event.extra) for event in events]  # UpdateUploaded.upload_bytes
+        ids = [event.client_id for event in events]
         clients, new_client = r.clients, _Client
         for client_id, sim_task_s, compute_s, upload_bytes in zip(map(int, ids), task, compute, uploaded, strict=True):
             client = clients.get(client_id)
@@ -401,18 +383,20 @@ class Profiler:
             client.compute_s += compute_s
             client.upload_bytes += upload_bytes
         totals = r.tier_uploads
+        tiers = [event.tier for event in events]
         if tiers.count(tiers[0]) == len(tiers):  # one tier (byte counts are integers: their sum in any order)
             totals[tiers[0]] += sum(uploaded)
         else:
             for tier, group in groupby(zip(tiers, uploaded, strict=True), key=_FIRST):
                 totals[tier] += sum(upload_bytes for _, upload_bytes in group)
+        encode = [event.encode_s for event in events]
         # One random stream behind every summary: its draws are taken upload by upload, as one at a time would.
         add_columns(
             (r.sim_task_s, r.sim_train_s, r.compute_s, r.encode_s, r.peak_mem_bytes),
-            (task, train, compute, encode, list(map(float, peaks))),
+            (task, train, compute, encode, [float(event.peak_mem_bytes) for event in events]),
         )
-        held = zip(compute, encode, task, train, uploaded, downloaded, strict=True)
-        waiting = zip(task_ids, map(_new_task, repeat(_Task), held), strict=True)
+        held = zip(compute, encode, task, train, uploaded, [event.download_bytes for event in events], strict=True)
+        waiting = zip([event.task_id for event in events], map(_new_task, repeat(_Task), held), strict=True)
         pending = r.pending
         if len(pending) + len(events) <= _IN_FLIGHT:
             pending.update(waiting)
@@ -429,9 +413,12 @@ class Profiler:
         if not events:
             return
         r = self.records
-        task_ids, versions, staleness, decode, queue_wait = zip(*map(_RECEIVED_FIELDS, events), strict=True)
+        staleness = [event.staleness for event in events]
         r.staleness.update(staleness)
-        tasks = list(map(r.pending.pop, task_ids, repeat(None)))
+        tasks = list(map(r.pending.pop, [event.task_id for event in events], repeat(None)))
+        versions = [event.version for event in events]
+        decode = [event.decode_s for event in events]
+        queue_wait = [event.queue_wait_s for event in events]
         if None in tasks:  # uploads not (or no longer) waiting: folded into nothing
             kept = [k for k, task in enumerate(tasks) if task is not None]
             if not kept:

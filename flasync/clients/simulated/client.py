@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
+import numpy as np
 import torch
 
 from flasync import codecs
@@ -174,7 +175,7 @@ def _training_jobs(
     by task index, in the form a batching executor trains with others of its cohort (``spans``: where each task's
     sample indices lie in its ``data``'s)."""
     job_ctx, seed, draws = world.job, world.seed, world.job.upload_codec.draws_random
-    cfg, weights, make, finish = job_ctx.local, model.weights, TrainingJob, Finish
+    cfg, weights, make, finish = job_ctx.local, model.weights, TrainingJob.of, Finish
     task_purpose, codec_purpose = seeding.TASK, seeding.CODEC
     jobs: dict[int, TrainingJob[TrainedUpdate]] = {}
     for k, attack in zip(train, attacks, strict=True):
@@ -187,21 +188,21 @@ def _training_jobs(
         start = start_of(task_parts) if task_parts else None
         base = weights if start is None else start
         jobs[k] = make(
-            base=base,
-            x=samples[0],
-            y=samples[1],
-            indices=samples[2],
-            span=span,
-            cfg=cfg,
-            generator=key,
-            finish=finish(job_ctx, cid, codec_key, attack, task_parts),
-            solo=functools.partial(
+            base,
+            samples[0],
+            samples[1],
+            samples[2],
+            cfg,
+            key,
+            finish(job_ctx, cid, codec_key, attack, task_parts),
+            functools.partial(
                 train_job, job_ctx, cid, base, samples, key, codec_key, task.task_id, attack, task_parts, span
             ),
-            correction=correction_of(task_parts) if task_parts else None,
-            client=None if span is not None else int(cid),
-            deltas_on=_HOST,  # finish_job encodes the delta as bytes on the host
-            finish_many=finish_cohort,
+            correction_of(task_parts) if task_parts else None,
+            None if span is not None else int(cid),
+            _HOST,  # finish_job encodes the delta as bytes on the host
+            finish_cohort,
+            span,
         )
     return jobs
 
@@ -458,8 +459,9 @@ class CohortClients:
             (results,) = await clock.finish([state.jobs[_ALL]], until=when)
             if isinstance(results, BaseException):
                 raise results  # the group's future was cancelled
-            # A stable sort of tasks in index order: by completion time, then index.
-            order = sorted(range(len(trains)), key=[done_at[i] for i in trains].__getitem__)
+            # A stable sort of tasks in index order: by completion time, then index (as ``sorted`` would order them).
+            ends = np.asarray(done_at, dtype=np.float64)
+            order: list[int] = np.argsort(ends[trains] if len(trains) < len(ends) else ends, kind="stable").tolist()
             due = [trains[k] for k in order]
             outcomes = [results[k] for k in order]
         else:

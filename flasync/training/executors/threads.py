@@ -167,6 +167,42 @@ class TrainingJob(Generic[T]):
     finish_many: Callable[[Sequence[TrainingJob[T]], CohortResult], Sequence[T | Exception]] | None = None
     span: tuple[int, int] | None = None
 
+    @classmethod
+    def of(
+        cls,
+        base: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        indices: torch.Tensor,
+        cfg: LocalTraining,
+        generator: torch.Generator | int | StreamKey,
+        finish: Callable[[LocalResult], T],
+        solo: Callable[[], T],
+        correction: torch.Tensor | None,
+        client: int | None,
+        deltas_on: torch.device | None,
+        finish_many: Callable[[Sequence[TrainingJob[T]], CohortResult], Sequence[T | Exception]] | None,
+        span: tuple[int, int] | None,
+        /,
+    ) -> TrainingJob[T]:
+        """Return the job the constructor makes of these fields (every one given, in the order of the attributes),
+        without its handling of keyword arguments: a client makes one per task on the event loop."""
+        job = object.__new__(cls)
+        job.base = base
+        job.x = x
+        job.y = y
+        job.indices = indices
+        job.cfg = cfg
+        job.generator = generator
+        job.finish = finish
+        job.solo = solo
+        job.correction = correction
+        job.client = client
+        job.deltas_on = deltas_on
+        job.finish_many = finish_many
+        job.span = span
+        return job
+
     def __call__(self) -> T:
         """Train this client alone and finish."""
         return self.solo()
@@ -545,16 +581,31 @@ class CohortBatcher(LoopExecutor):
         full: list[_Held] = []
         with self._lock:
             held_by_group = self._held
-            for fn, future in zip(jobs, futures, strict=True):
-                group = self._group(fn) if self.train_cohort is None else (id(fn.base), self._group(fn))
-                held = held_by_group.get(group)
-                if held is None:  # not setdefault: it would build a _Held per job
-                    held = held_by_group[group] = _Held()
-                held.jobs.append(fn)
-                held.futures.append(future)
-                if len(held.jobs) >= self.max_cohort:
-                    del held_by_group[group]
-                    full.append(held)
+            if self._one_group(jobs):  # as the loop below would hold them, a slice at a time
+                group = self._key(jobs[0])
+                start, count = 0, len(jobs)
+                while start < count:
+                    held = held_by_group.get(group)
+                    if held is None:
+                        held = held_by_group[group] = _Held()
+                    stop = min(count, start + self.max_cohort - len(held.jobs))
+                    held.jobs += jobs[start:stop]
+                    held.futures += futures[start:stop]
+                    start = stop
+                    if len(held.jobs) >= self.max_cohort:
+                        del held_by_group[group]
+                        full.append(held)
+            else:
+                for fn, future in zip(jobs, futures, strict=True):
+                    group = self._key(fn)
+                    held = held_by_group.get(group)
+                    if held is None:  # not setdefault: it would build a _Held per job
+                        held = held_by_group[group] = _Held()
+                    held.jobs.append(fn)
+                    held.futures.append(future)
+                    if len(held.jobs) >= self.max_cohort:
+                        del held_by_group[group]
+                        full.append(held)
             self._submitted += len(jobs)
             waiting = bool(held_by_group)
         for held in full:
@@ -562,6 +613,22 @@ class CohortBatcher(LoopExecutor):
         if waiting and not self._driven and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._tick, self._submitted, 0)
+
+    def _key(self, fn: TrainingJob[Any]) -> Hashable:
+        """Return the key of the held group a job joins (call locked)."""
+        return self._group(fn) if self.train_cohort is None else (id(fn.base), self._group(fn))
+
+    def _one_group(self, jobs: Sequence[TrainingJob[Any]]) -> bool:
+        """Tell whether several ``jobs`` all join one held group (one configuration and data set, and one base where
+        cohorts train elsewhere), told apart by identity."""
+        if len(jobs) < 2:
+            return False
+        first = jobs[0]
+        cfg, x = first.cfg, first.x
+        if self.train_cohort is not None:
+            base = first.base
+            return all(job.cfg is cfg and job.x is x and job.base is base for job in jobs)
+        return all(job.cfg is cfg and job.x is x for job in jobs)
 
     def _tick(self, mark: int, quiet: int) -> None:
         quiet = quiet + 1 if self._submitted == mark else 0

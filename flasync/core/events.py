@@ -41,6 +41,7 @@ __all__ = [
     "UpdatesReceived",
     "UpdatesUploaded",
     "Version",
+    "positional",
 ]
 
 ClientId = NewType("ClientId", int)
@@ -96,6 +97,7 @@ def _slot_init(cls: type[_Event]) -> type[_Event]:
         "_cls": cls,
         "_writable": writable,
         "_set_class": object.__setattr__,
+        "_new": object.__new__,
     }
     arguments, factories, plain, stored = [], [], [], []
     for spec in fields(cls):  # type: ignore[arg-type]
@@ -114,8 +116,14 @@ def _slot_init(cls: type[_Event]) -> type[_Event]:
         namespace[f"_store_{name}"] = cls.__dict__[name].__set__
         plain.append(f"        self.{name} = {name}")
         stored.append(f"        _store_{name}(self, {name})")
+    names = [spec.name for spec in fields(cls)]  # type: ignore[arg-type]
     source = (
-        f"def __init__(self, *, {', '.join(arguments)}):\n"
+        f"def _positional({', '.join(names)}, /):\n"
+        + "    self = _new(_writable)\n"
+        + "".join(f"    self.{name} = {name}\n" for name in names)
+        + "    self.__class__ = _cls\n"
+        + "    return self\n"
+        + f"def __init__(self, *, {', '.join(arguments)}):\n"
         + "".join(f"{line}\n" for line in factories)
         + "    if type(self) is _cls:\n"
         + "        _set_class(self, '__class__', _writable)\n"
@@ -132,7 +140,25 @@ def _slot_init(cls: type[_Event]) -> type[_Event]:
     init.__annotations__ = {**{spec.name: spec.type for spec in fields(cls)}, "return": None}  # type: ignore[arg-type]
     init.__doc__ = cls.__init__.__doc__
     setattr(cls, "__init__", init)  # noqa: B010 - mypy refuses assigning to a method
+    positional = namespace["_positional"]
+    positional.__qualname__ = f"{cls.__qualname__}._positional"
+    positional.__module__ = cls.__module__
+    cls._positional = staticmethod(positional)  # type: ignore[attr-defined]
     return cls
+
+
+def positional(cls: type[_Event]) -> Callable[..., _Event]:
+    """Return what makes an event of class ``cls`` from the value of each of its fields, given positionally in the
+    order of :func:`dataclasses.fields` (every one, defaults included): the event its constructor makes of them,
+    without the constructor's handling of keyword arguments (for code that makes one per update).
+
+    Raises:
+        TypeError: ``cls`` is not one of the events here.
+    """
+    made: Callable[..., _Event] | None = cls.__dict__.get("_positional")
+    if made is None:
+        raise TypeError(f"{cls.__qualname__} is not an event of flasync.core.events")
+    return made
 
 
 @_slot_init

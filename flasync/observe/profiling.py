@@ -427,6 +427,9 @@ class Profiler:
             versions, staleness, decode, queue_wait = (
                 [column[k] for k in kept] for column in (versions, staleness, decode, queue_wait)
             )
+        if versions.count(versions[0]) == len(versions):  # one version (the common case): one run
+            self._fold_run(int(versions[0]) + 1, cast("list[_Task]", tasks), staleness, decode, queue_wait)
+            return
         start = 0
         for version, run in groupby(map(int, versions)):
             end = start + sum(1 for _ in run)

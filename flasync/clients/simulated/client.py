@@ -35,6 +35,7 @@ from flasync.core.events import (
     TaskDiagnosis,
     UpdatesUploaded,
     UpdateUploaded,
+    positional,
 )
 from flasync.core.instruments import debug_many, logs_debug
 from flasync.core.snapshots import ModelSnapshot
@@ -60,6 +61,7 @@ FAILURE_WARNINGS = 3
 """Failures of clients with one error logged as warnings in a run; the rest of them at debug level."""
 _MAX_WARNED_ERRORS = 1_000  # distinct errors counted (an error naming its client would make one per client)
 _HOST = torch.device("cpu")  # where the upload codec writes bytes
+_MAKE_UPLOAD = positional(UpdateUploaded)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -646,6 +648,7 @@ def _uploads(
     in order; take them from ``state``, and append each one's decoding made ahead (or None) to ``prepared``."""
     tasks, model, plan, uploads, wall = state.tasks, state.model, state.plan, state.uploads, world.wall()
     download_bytes, download_s, simulated = model.download_bytes, plan.download_s, plan.simulated
+    make = _MAKE_UPLOAD
     sent = []
     for i, at in zip(due, times, strict=True):
         trained, upload_s = uploads.pop(i)
@@ -656,25 +659,26 @@ def _uploads(
         if prepared is not None:
             prepared.append(trained.prepared)
         sent.append(
-            UpdateUploaded(
-                to=task.reply_to,
-                task_id=task.task_id,
-                client_id=task.client_id,
-                base_version=task.base_version,
-                num_samples=result.num_samples,
-                payload=trained.payload,
-                extra=trained.extra,
-                train_loss=result.loss,
-                simulated_s=at,
-                sent_wall_s=wall,
-                compute_s=result.train_s,
-                encode_s=trained.encode_s,
-                sim_download_s=download_s[i],
-                sim_train_s=simulated[i],
-                sim_upload_s=upload_s,
-                download_bytes=download_bytes,
-                peak_mem_bytes=result.peak_mem_bytes,
-                diagnosis=trained.diagnosis,
+            make(  # the fields in their order (flasync.core.events.positional)
+                task.reply_to,
+                task.task_id,
+                task.client_id,
+                task.base_version,
+                result.num_samples,
+                trained.payload,
+                result.loss,
+                at,
+                wall,
+                "client",
+                result.train_s,
+                trained.encode_s,
+                download_s[i],
+                simulated[i],
+                upload_s,
+                download_bytes,
+                result.peak_mem_bytes,
+                trained.diagnosis,
+                trained.extra,
             )
         )
     return sent

@@ -27,7 +27,6 @@ from functools import reduce
 from itertools import groupby, repeat
 from typing import Any, NamedTuple, cast
 
-import numpy as np
 import torch
 
 from flasync.core.bus import EventBus
@@ -103,78 +102,6 @@ class _Client:
     download_bytes: int = 0
 
 
-_TOTALS = ("_tasks", "_sim_task_s", "_compute_s", "_upload_bytes", "_download_bytes")
-"""The columns of :class:`ClientTotals`, one entry per client."""
-
-
-class ClientTotals:
-    """Each client's totals over the run (:class:`_Client`'s figures), a row of arrays per client that took part.
-
-    A batch of events is added in one pass of array operations, each total still taken value by value in the order
-    of the events (``numpy.add.at`` adds an index's values in order, as ``+=`` of each would), so the totals are
-    those of the events one at a time. Rows are kept in the order clients first appear.
-    """
-
-    __slots__ = ("_compute_s", "_download_bytes", "_rows", "_sim_task_s", "_tasks", "_upload_bytes")
-
-    def __init__(self) -> None:
-        """Start with no client."""
-        self._rows: dict[int, int] = {}
-        self._tasks = np.zeros(0, dtype=np.int64)
-        self._sim_task_s = np.zeros(0, dtype=np.float64)
-        self._compute_s = np.zeros(0, dtype=np.float64)
-        self._upload_bytes = np.zeros(0, dtype=np.int64)
-        self._download_bytes = np.zeros(0, dtype=np.int64)
-
-    def __len__(self) -> int:
-        """The number of clients seen."""
-        return len(self._rows)
-
-    def _rows_of(self, client_ids: list[int]) -> np.ndarray:
-        """Return the row of each client (a new one's added after the rows there are, in order of appearance)."""
-        rows: list[int | None] = list(map(self._rows.get, client_ids))
-        if None in rows:
-            known = self._rows
-            for k, row in enumerate(rows):
-                if row is None:
-                    row = rows[k] = known.setdefault(client_ids[k], len(known))
-            size = len(self._tasks)
-            if len(known) > size:
-                grown = max(len(known), 2 * size, 64)
-                for name in _TOTALS:
-                    column = getattr(self, name)
-                    setattr(self, name, np.concatenate([column, np.zeros(grown - size, dtype=column.dtype)]))
-        return np.asarray(rows, dtype=np.intp)
-
-    def uploaded(
-        self, client_ids: list[int], sim_task_s: list[float], compute_s: list[float], upload_bytes: list[int]
-    ) -> None:
-        """Count one task of each of ``client_ids`` (in order, a client maybe more than once) and add its figures."""
-        rows = self._rows_of(client_ids)
-        np.add.at(self._tasks, rows, 1)
-        np.add.at(self._sim_task_s, rows, np.asarray(sim_task_s, dtype=np.float64))
-        np.add.at(self._compute_s, rows, np.asarray(compute_s, dtype=np.float64))
-        np.add.at(self._upload_bytes, rows, np.asarray(upload_bytes, dtype=np.int64))
-
-    def downloaded(self, client_ids: list[int], download_bytes: list[int]) -> None:
-        """Add the bytes each of ``client_ids`` downloaded (in order)."""
-        rows = self._rows_of(client_ids)  # first: it may grow the columns
-        np.add.at(self._download_bytes, rows, np.asarray(download_bytes, dtype=np.int64))
-
-    def as_dict(self) -> dict[int, _Client]:
-        """Return each client's totals by client id, in order of appearance."""
-        n = len(self._rows)
-        columns = zip(
-            self._tasks[:n].tolist(),
-            self._sim_task_s[:n].tolist(),
-            self._compute_s[:n].tolist(),
-            self._upload_bytes[:n].tolist(),
-            self._download_bytes[:n].tolist(),
-            strict=True,
-        )
-        return {client_id: _Client(*row) for client_id, row in zip(self._rows, columns, strict=True)}
-
-
 @dataclass(slots=True)
 class _Version:
     """A version being made: the updates folded into it and its own costs (folded into a row once complete)."""
@@ -240,6 +167,8 @@ class VersionRows:
 _new_task = cast("Callable[[type[_Task], tuple[Any, ...]], _Task]", tuple.__new__)
 """Make a :class:`_Task` from a tuple of its fields, without a Python call per task."""
 
+_CLIENT_ID = operator.attrgetter("client_id")
+_BASE_VERSION = operator.attrgetter("base_version")
 _FIRST = operator.itemgetter(0)
 
 _SAMPLE = 4096  # values kept per streamed quantile summary (exact up to this many)
@@ -257,8 +186,7 @@ class ProfileRecords:
     """
 
     rng: random.Random
-    totals: ClientTotals = field(default_factory=ClientTotals)
-    """Each client's totals (:attr:`clients`)."""
+    clients: dict[int, _Client] = field(default_factory=dict)
     pending: dict[int, _Task] = field(default_factory=dict)
     """Task id -> an upload not yet folded into a version."""
     dropped_pending: int = 0
@@ -299,10 +227,12 @@ class ProfileRecords:
         for name in ("sim_task_s", "sim_train_s", "compute_s", "encode_s", "peak_mem_bytes"):
             setattr(self, name, StreamSummary(_SAMPLE, self.rng))
 
-    @property
-    def clients(self) -> dict[int, _Client]:
-        """Each client's totals, by client id, in order of appearance (made when asked)."""
-        return self.totals.as_dict()
+    def client(self, client_id: int) -> _Client:
+        """The totals of one client (created on first use)."""
+        found = self.clients.get(client_id)
+        if found is None:
+            found = self.clients[client_id] = _Client()
+        return found
 
 
 class Profiler:
@@ -417,9 +347,14 @@ class Profiler:
     def _assigned_many(self, events: Sequence[TaskAssigned]) -> None:
         """Record tasks handed out: each client's download and the run's."""
         r = self.records
+        clients, new_client = r.clients, _Client
         get = r.download_sizes.get
-        sizes = [get(int(event.base_version), 0) for event in events]
-        r.totals.downloaded([int(event.client_id) for event in events], sizes)
+        sizes = list(map(get, map(int, map(_BASE_VERSION, events)), repeat(0)))
+        for client_id, size in zip(map(int, map(_CLIENT_ID, events)), sizes, strict=True):
+            client = clients.get(client_id)
+            if client is None:
+                client = clients[client_id] = new_client()
+            client.download_bytes += size
         r.downloads += len(events)
         r.download_tiers["client"] += sum(sizes)
 
@@ -437,7 +372,16 @@ class Profiler:
         train = [event.sim_train_s for event in events]
         task = [event.sim_download_s + event.sim_train_s + event.sim_upload_s for event in events]
         uploaded = [len(event.payload) + len(event.extra) for event in events]  # UpdateUploaded.upload_bytes
-        r.totals.uploaded([int(event.client_id) for event in events], task, compute, uploaded)
+        ids = [event.client_id for event in events]
+        clients, new_client = r.clients, _Client
+        for client_id, sim_task_s, compute_s, upload_bytes in zip(map(int, ids), task, compute, uploaded, strict=True):
+            client = clients.get(client_id)
+            if client is None:
+                client = clients[client_id] = new_client()
+            client.tasks += 1
+            client.sim_task_s += sim_task_s
+            client.compute_s += compute_s
+            client.upload_bytes += upload_bytes
         totals = r.tier_uploads
         tiers = [event.tier for event in events]
         if tiers.count(tiers[0]) == len(tiers):  # one tier (byte counts are integers: their sum in any order)
@@ -480,10 +424,9 @@ class Profiler:
             if not kept:
                 return
             tasks = [tasks[k] for k in kept]
-            versions = [versions[k] for k in kept]
-            staleness = [staleness[k] for k in kept]
-            decode = [decode[k] for k in kept]
-            queue_wait = [queue_wait[k] for k in kept]
+            versions, staleness, decode, queue_wait = (
+                [column[k] for k in kept] for column in (versions, staleness, decode, queue_wait)
+            )
         if versions.count(versions[0]) == len(versions):  # one version (the common case): one run
             self._fold_run(int(versions[0]) + 1, cast("list[_Task]", tasks), staleness, decode, queue_wait)
             return
@@ -641,8 +584,7 @@ def build_profile(
         diagnostics: The alert monitor's summary.
     """
     rows = records.rows.rows()
-    clients = records.clients
-    trained = {c: stats for c, stats in clients.items() if stats.tasks}
+    trained = {c: stats for c, stats in records.clients.items() if stats.tasks}
     wall = records.wall_s
     time_totals = _time_totals(rows, mode)
     stale = records.staleness
@@ -659,7 +601,7 @@ def build_profile(
             "per_version": rows,
         },
         "clients": _clients_section(records, trained, stragglers),
-        "communication": _communication_section(records, clients, trained, dense_bytes),
+        "communication": _communication_section(records, trained, dense_bytes),
         "staleness": {
             "histogram": {str(k): n for k, n in sorted(stale.items())},
             "summary": _staleness_summary(stale),
@@ -749,19 +691,17 @@ def _tier_bytes(records: ProfileRecords) -> dict[str, dict[str, int]]:
     return {k: dict(v) for k, v in sorted(tiers.items())}
 
 
-def _communication_section(
-    records: ProfileRecords, clients: Mapping[int, _Client], trained: Mapping[int, _Client], dense_bytes: int
-) -> dict[str, Any]:
+def _communication_section(records: ProfileRecords, trained: Mapping[int, _Client], dense_bytes: int) -> dict[str, Any]:
     """Return the profile's ``communication`` section: bytes moved, per tier and per client, and compression."""
     upload_total = sum(records.tier_uploads.values())
-    download_total = sum(stats.download_bytes for stats in clients.values())
+    download_total = sum(stats.download_bytes for stats in records.clients.values())
     return {
         "upload_bytes": upload_total,
         "download_bytes": download_total,
         "per_tier": _tier_bytes(records),
         "upload_bytes_per_client": quantiles([float(stats.upload_bytes) for stats in trained.values()]),
         "download_bytes_per_client": quantiles(
-            [float(stats.download_bytes) for stats in clients.values() if stats.download_bytes]
+            [float(stats.download_bytes) for stats in records.clients.values() if stats.download_bytes]
         ),
         "upload_compression": dense_bytes * records.tasks_completed / upload_total if upload_total else 1.0,
         "download_compression": dense_bytes * records.downloads / download_total if download_total else 1.0,

@@ -29,15 +29,7 @@ from flasync.core.events import (
     Version,
 )
 from flasync.core.quantiles import StreamSummary, Thinned, counted_percentile
-from flasync.observe.profiling import (
-    ClientTotals,
-    Instrumentation,
-    Profiler,
-    VersionRows,
-    build_profile,
-    headline,
-    quantiles,
-)
+from flasync.observe.profiling import Instrumentation, Profiler, VersionRows, build_profile, headline, quantiles
 from flasync.testing import EventRecorder, NullLog
 from flasync.training.diagnostics import AlertMonitor
 
@@ -545,38 +537,3 @@ def test_events_published_one_by_one_are_profiled_as_the_profiler_observes_them(
     assert records[0].sim_task_s._sample == records[1].sim_task_s._sample
     profiles = [build_profile(r, mode="sync", num_params=4, dense_bytes=32) for r in records]
     assert profiles[0] == profiles[1]
-
-
-def test_client_totals_are_the_sums_taken_one_event_at_a_time() -> None:
-    """ClientTotals fed batches (clients repeated within a batch, new ones among known ones) holds, per client in
-    order of appearance, the very floats and counts that adding each event's figures in turn gives."""
-    rng = random.Random(11)
-    totals = ClientTotals()
-    expected: dict[int, list[Any]] = {}
-    for _ in range(60):
-        size = rng.choice([1, 3, 50, 200])
-        ids = [rng.randrange(300) * 7 for _ in range(size)]
-        if rng.random() < 0.3:
-            sizes = [rng.randrange(1 << 30) for _ in ids]
-            totals.downloaded(ids, sizes)
-            for cid, size_bytes in zip(ids, sizes, strict=True):
-                expected.setdefault(cid, [0, 0.0, 0.0, 0, 0])[4] += size_bytes
-            continue
-        sim = [rng.expovariate(0.3) * 10 ** rng.randrange(-8, 8) for _ in ids]
-        compute = [rng.random() * 1e-3 for _ in ids]
-        uploaded = [rng.randrange(1 << 40) for _ in ids]
-        totals.uploaded(ids, sim, compute, uploaded)
-        for cid, s, c, u in zip(ids, sim, compute, uploaded, strict=True):
-            row = expected.setdefault(cid, [0, 0.0, 0.0, 0, 0])
-            row[0] += 1
-            row[1] += s
-            row[2] += c
-            row[3] += u
-    got = totals.as_dict()
-    assert list(got) == list(expected) and len(totals) == len(expected)
-    for cid, row in expected.items():
-        client = got[cid]
-        assert (client.tasks, client.sim_task_s, client.compute_s, client.upload_bytes, client.download_bytes) == tuple(
-            row
-        )
-        assert type(client.sim_task_s) is float and type(client.upload_bytes) is int

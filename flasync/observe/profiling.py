@@ -424,9 +424,10 @@ class Profiler:
             if not kept:
                 return
             tasks = [tasks[k] for k in kept]
-            versions, staleness, decode, queue_wait = (
-                [column[k] for k in kept] for column in (versions, staleness, decode, queue_wait)
-            )
+            versions = [versions[k] for k in kept]
+            staleness = [staleness[k] for k in kept]
+            decode = [decode[k] for k in kept]
+            queue_wait = [queue_wait[k] for k in kept]
         if versions.count(versions[0]) == len(versions):  # one version (the common case): one run
             self._fold_run(int(versions[0]) + 1, cast("list[_Task]", tasks), staleness, decode, queue_wait)
             return

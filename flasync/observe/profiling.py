@@ -167,8 +167,6 @@ class VersionRows:
 _new_task = cast("Callable[[type[_Task], tuple[Any, ...]], _Task]", tuple.__new__)
 """Make a :class:`_Task` from a tuple of its fields, without a Python call per task."""
 
-_CLIENT_ID = operator.attrgetter("client_id")
-_BASE_VERSION = operator.attrgetter("base_version")
 _FIRST = operator.itemgetter(0)
 
 _SAMPLE = 4096  # values kept per streamed quantile summary (exact up to this many)
@@ -347,16 +345,14 @@ class Profiler:
     def _assigned_many(self, events: Sequence[TaskAssigned]) -> None:
         """Record tasks handed out: each client's download and the run's."""
         r = self.records
-        clients, new_client = r.clients, _Client
-        get = r.download_sizes.get
-        sizes = list(map(get, map(int, map(_BASE_VERSION, events)), repeat(0)))
-        for client_id, size in zip(map(int, map(_CLIENT_ID, events)), sizes, strict=True):
-            client = clients.get(client_id)
-            if client is None:
-                client = clients[client_id] = new_client()
-            client.download_bytes += size
+        sizes, client = r.download_sizes, r.client
+        total = 0
+        for event in events:
+            size = sizes.get(int(event.base_version), 0)
+            client(int(event.client_id)).download_bytes += size
+            total += size
         r.downloads += len(events)
-        r.download_tiers["client"] += sum(sizes)
+        r.download_tiers["client"] += total
 
     def _uploaded(self, event: UpdateUploaded) -> None:
         """Record a client's upload: :meth:`_uploaded_many` of one."""

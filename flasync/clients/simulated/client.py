@@ -8,7 +8,6 @@ run's clock from the simulated world (network, speeds, faults).
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from collections import Counter
@@ -196,17 +195,35 @@ def _training_jobs(
             samples[2],
             cfg,
             key,
-            finish(job_ctx, cid, codec_key, attack, task_parts),
-            functools.partial(
-                train_job, job_ctx, cid, base, samples, key, codec_key, task.task_id, attack, task_parts, span
-            ),
+            finish(job_ctx, cid, codec_key, attack, task_parts, task.task_id),
+            None,  # trained alone by _train_alone, from its own attributes
             correction_of(task_parts) if task_parts else None,
             None if span is not None else int(cid),
             _HOST,  # finish_job encodes the delta as bytes on the host
             finish_cohort,
             span,
+            _train_alone,
         )
     return jobs
+
+
+def _train_alone(job: TrainingJob[TrainedUpdate]) -> TrainedUpdate:
+    """Train a task's job alone and finish it (its :attr:`~flasync.training.executors.threads.TrainingJob.alone`):
+    :func:`~flasync.training.jobs.train_job` of the job's base, data, index span and stream key, and of its
+    :class:`~flasync.training.jobs.Finish`'s task, client, codec stream, attack and plug-in parts (in a worker)."""
+    finish = cast(Finish, job.finish)
+    return train_job(
+        finish.ctx,
+        finish.client_id,
+        job.base,
+        (job.x, job.y, job.indices),
+        job.generator,
+        finish.codec_generator,
+        finish.task_id,
+        finish.attack,
+        finish.parts,
+        job.span,
+    )
 
 
 def _keep(

@@ -125,7 +125,8 @@ class TrainingJob(Generic[T]):
     Not frozen, though nothing changes a job once made: one is made per task on the event loop, and a frozen
     dataclass's constructor costs several times a plain one's.
 
-    Called directly (by any executor) it runs ``solo``, which trains the client alone. A batcher instead trains the
+    Called directly (by any executor) it runs ``solo`` (or ``alone`` of itself), which trains the client alone. A
+    batcher instead trains the
     jobs that share data layout and hyper-parameters as one cohort (each row from its own ``base``) and calls each
     job's ``finish`` with its own :class:`LocalResult`; ``solo()`` must equal ``finish(train(...))`` of the same
     client.
@@ -140,7 +141,7 @@ class TrainingJob(Generic[T]):
             :func:`~flasync.core.seeding.stream_seeds`), or its key (:data:`StreamKey`): the stream is then made
             where the job trains, off the event loop (see :meth:`stream`).
         finish: Turns the training result into what the job returns (e.g. encodes the delta); runs in the worker.
-        solo: Trains this client alone and finishes.
+        solo: Trains this client alone and finishes (None: ``alone`` does).
         correction: Added to every gradient of the client (a plug-in's correction; None: nothing).
         client: The client of a lazily drawn population, whose samples an executor may draw itself instead of
             receiving ``x`` and ``y`` (None: the samples are rows of a data set held in memory).
@@ -151,6 +152,8 @@ class TrainingJob(Generic[T]):
             where every job of a cohort has this same function (None: ``finish`` each).
         span: Where the client's sample indices lie in ``indices``: positions ``[start, stop)``, sliced where the
             job trains (:meth:`rows`), off the event loop (None: ``indices`` are the client's).
+        alone: Trains a job alone from its own attributes and finishes, where ``solo`` is None: one function for
+            every job of its kind, so that a job made per task need not carry a closure of its own.
     """
 
     base: torch.Tensor
@@ -160,12 +163,13 @@ class TrainingJob(Generic[T]):
     cfg: LocalTraining
     generator: torch.Generator | int | StreamKey
     finish: Callable[[LocalResult], T]
-    solo: Callable[[], T]
+    solo: Callable[[], T] | None = None
     correction: torch.Tensor | None = None
     client: int | None = None
     deltas_on: torch.device | None = None
     finish_many: Callable[[Sequence[TrainingJob[T]], CohortResult], Sequence[T | Exception]] | None = None
     span: tuple[int, int] | None = None
+    alone: Callable[[TrainingJob[T]], T] | None = None
 
     @classmethod
     def of(
@@ -177,12 +181,13 @@ class TrainingJob(Generic[T]):
         cfg: LocalTraining,
         generator: torch.Generator | int | StreamKey,
         finish: Callable[[LocalResult], T],
-        solo: Callable[[], T],
+        solo: Callable[[], T] | None,
         correction: torch.Tensor | None,
         client: int | None,
         deltas_on: torch.device | None,
         finish_many: Callable[[Sequence[TrainingJob[T]], CohortResult], Sequence[T | Exception]] | None,
         span: tuple[int, int] | None,
+        alone: Callable[[TrainingJob[T]], T] | None,
         /,
     ) -> TrainingJob[T]:
         """Return the job the constructor makes of these fields (every one given, in the order of the attributes),
@@ -201,11 +206,20 @@ class TrainingJob(Generic[T]):
         job.deltas_on = deltas_on
         job.finish_many = finish_many
         job.span = span
+        job.alone = alone
         return job
 
     def __call__(self) -> T:
-        """Train this client alone and finish."""
-        return self.solo()
+        """Train this client alone and finish.
+
+        Raises:
+            TypeError: If the job has neither ``solo`` nor ``alone``.
+        """
+        if self.solo is not None:
+            return self.solo()
+        if self.alone is None:
+            raise TypeError("a TrainingJob needs solo or alone to train by itself")
+        return self.alone(self)
 
     def stream(self) -> torch.Generator:
         """Return the task's random stream: the generator given, or a fresh one seeded with the seed (or the key's)

@@ -732,6 +732,9 @@ def test_job_of_makes_the_job_the_constructor_makes() -> None:
     assert type(quick) is TrainingJob
     assert all(getattr(quick, name) is values[name] for name in names)
     assert quick.rows().tolist() == made.indices[1:3].tolist()
+    values.update(solo=None)
+    with pytest.raises(TypeError, match="solo or alone"):
+        TrainingJob.of(*(values[name] for name in names))()
 
 
 async def test_runs_of_delivered_outcomes_settle_groups_as_one_by_one() -> None:

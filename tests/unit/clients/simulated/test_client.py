@@ -8,10 +8,14 @@ from typing import Any, cast
 
 import torch
 
+from flasync import codecs
 from flasync.clients.simulated import client as client_module
+from flasync.core import seeding
 from flasync.core.events import ClientId, TaskAssigned, TaskDiagnosis, UpdateUploaded, Version
-from flasync.training.jobs import TrainedUpdate
-from flasync.training.local import LocalResult
+from flasync.training.executors.threads import ModelPool, TrainingJob
+from flasync.training.jobs import Finish, JobContext, TrainedUpdate, train_job
+from flasync.training.local import LocalResult, LocalTraining, flat_parameters
+from flasync.training.models import MLP
 
 
 def test_uploads_are_the_events_the_keyword_constructor_makes_of_each_task() -> None:
@@ -98,3 +102,28 @@ def test_uploads_are_the_events_the_keyword_constructor_makes_of_each_task() -> 
     assert sent == expected and all(type(event) is UpdateUploaded for event in sent)
     assert prepared == [None] * 3
     assert sorted(state.uploads) == [2, 5]  # the due ones taken, the released one's too
+
+
+def test_a_tasks_job_trained_alone_is_train_job_of_its_own_attributes() -> None:
+    """A task's job made without a closure trains alone (called as any executor calls it) to the very update that
+    train_job of the same task, data span, stream keys, codec and attack gives."""
+    torch.manual_seed(3)
+    x, y = torch.randn(60, 8), torch.randint(0, 3, (60,))
+    index = torch.randperm(60)
+    cfg = LocalTraining(epochs=1, batch_size=8, lr=0.1)
+    base = flat_parameters(MLP(8, [16], 3))
+    ctx = JobContext(
+        models=ModelPool(lambda: MLP(8, [16], 3)),
+        local=cfg,
+        upload_codec=codecs.Pipeline([codecs.RandomK(0.3)]),
+        num_params=base.numel(),
+    )
+    key, codec = (5, seeding.TASK, 4, 2), (5, seeding.CODEC, 4, 2)
+    finish = Finish(ctx, ClientId(4), codec, -2.0, (), 17)
+    job: TrainingJob[TrainedUpdate] = TrainingJob.of(
+        base, x, y, index, cfg, key, finish, None, None, None, None, None, (13, 41), client_module._train_alone
+    )
+    alone = job()
+    expected = train_job(ctx, ClientId(4), base, (x, y, index), key, codec, 17, -2.0, (), (13, 41))
+    assert alone.payload == expected.payload and alone.result.num_samples == expected.result.num_samples == 28
+    assert alone.result.loss == expected.result.loss

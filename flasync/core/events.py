@@ -41,6 +41,7 @@ __all__ = [
     "UpdatesReceived",
     "UpdatesUploaded",
     "Version",
+    "positional",
 ]
 
 ClientId = NewType("ClientId", int)
@@ -72,9 +73,13 @@ _NO_VALUE: Any = _Factory()
 def _slot_init(cls: type[_Event]) -> type[_Event]:
     """Give a frozen, slotted, keyword-only dataclass a quicker ``__init__`` that makes equal objects.
 
-    The one ``dataclass`` writes stores each field with ``object.__setattr__``; this one stores it through the field's
-    slot descriptor, which skips the attribute lookup. Same signature (names, keyword-only, defaults and default
-    factories), same checks on the arguments, same annotations; the class stays frozen for everyone else.
+    The one ``dataclass`` writes stores each field with ``object.__setattr__``. This one lends the new object, for the
+    time of its stores, a writable twin of its class: a subclass with no slots of its own (so the same layout) whose
+    ``__setattr__`` and ``__delattr__`` are ``object``'s, so each field is stored as a plain attribute of a slotted
+    class is, without a call per field; then the object is given its class back. An object of a subclass (another
+    layout, maybe) is stored field by field through the slots' descriptors. Same signature (names, keyword-only,
+    defaults and default factories), same checks on the arguments, same annotations; the class stays frozen for
+    everyone else.
 
     Raises:
         TypeError: ``cls`` is not such a dataclass, or has a ``__post_init__``.
@@ -82,8 +87,19 @@ def _slot_init(cls: type[_Event]) -> type[_Event]:
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or "__slots__" not in cls.__dict__ or hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__qualname__} must be a frozen, slotted dataclass without __post_init__")
-    namespace: dict[str, Any] = {"_NO_VALUE": _NO_VALUE}
-    arguments, body = [], []
+    writable = type(
+        f"_Writable{cls.__name__}",
+        (cls,),
+        {"__slots__": (), "__setattr__": object.__setattr__, "__delattr__": object.__delattr__},
+    )
+    namespace: dict[str, Any] = {
+        "_NO_VALUE": _NO_VALUE,
+        "_cls": cls,
+        "_writable": writable,
+        "_set_class": object.__setattr__,
+        "_new": object.__new__,
+    }
+    arguments, factories, plain, stored = [], [], [], []
     for spec in fields(cls):  # type: ignore[arg-type]
         name = spec.name
         if not (spec.init and spec.kw_only):
@@ -94,12 +110,29 @@ def _slot_init(cls: type[_Event]) -> type[_Event]:
         elif spec.default_factory is not MISSING:
             namespace[f"_factory_{name}"] = spec.default_factory
             arguments.append(f"{name}=_NO_VALUE")
-            body.append(f"    if {name} is _NO_VALUE:\n        {name} = _factory_{name}()")
+            factories.append(f"    if {name} is _NO_VALUE:\n        {name} = _factory_{name}()")
         else:
             arguments.append(name)
         namespace[f"_store_{name}"] = cls.__dict__[name].__set__
-        body.append(f"    _store_{name}(self, {name})")
-    source = f"def __init__(self, *, {', '.join(arguments)}):\n" + "\n".join([*body, "    pass"]) + "\n"
+        plain.append(f"        self.{name} = {name}")
+        stored.append(f"        _store_{name}(self, {name})")
+    names = [spec.name for spec in fields(cls)]  # type: ignore[arg-type]
+    source = (
+        f"def _positional({', '.join(names)}, /):\n"
+        + "    self = _new(_writable)\n"
+        + "".join(f"    self.{name} = {name}\n" for name in names)
+        + "    self.__class__ = _cls\n"
+        + "    return self\n"
+        + f"def __init__(self, *, {', '.join(arguments)}):\n"
+        + "".join(f"{line}\n" for line in factories)
+        + "    if type(self) is _cls:\n"
+        + "        _set_class(self, '__class__', _writable)\n"
+        + "\n".join(plain)
+        + "\n        self.__class__ = _cls\n"
+        + "    else:\n"
+        + "\n".join([*stored, "        pass"])
+        + "\n"
+    )
     exec(source, namespace)  # how dataclasses itself writes __init__: one flat function per class
     init: Callable[..., None] = namespace["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
@@ -107,7 +140,25 @@ def _slot_init(cls: type[_Event]) -> type[_Event]:
     init.__annotations__ = {**{spec.name: spec.type for spec in fields(cls)}, "return": None}  # type: ignore[arg-type]
     init.__doc__ = cls.__init__.__doc__
     setattr(cls, "__init__", init)  # noqa: B010 - mypy refuses assigning to a method
+    positional = namespace["_positional"]
+    positional.__qualname__ = f"{cls.__qualname__}._positional"
+    positional.__module__ = cls.__module__
+    cls._positional = staticmethod(positional)  # type: ignore[attr-defined]
     return cls
+
+
+def positional(cls: type[_Event]) -> Callable[..., _Event]:
+    """Return what makes an event of class ``cls`` from the value of each of its fields, given positionally in the
+    order of :func:`dataclasses.fields` (every one, defaults included): the event its constructor makes of them,
+    without the constructor's handling of keyword arguments (for code that makes one per update).
+
+    Raises:
+        TypeError: ``cls`` is not one of the events here.
+    """
+    made: Callable[..., _Event] | None = cls.__dict__.get("_positional")
+    if made is None:
+        raise TypeError(f"{cls.__qualname__} is not an event of flasync.core.events")
+    return made
 
 
 @_slot_init

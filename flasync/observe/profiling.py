@@ -167,6 +167,8 @@ class VersionRows:
 _new_task = cast("Callable[[type[_Task], tuple[Any, ...]], _Task]", tuple.__new__)
 """Make a :class:`_Task` from a tuple of its fields, without a Python call per task."""
 
+_FIRST = operator.itemgetter(0)
+
 _SAMPLE = 4096  # values kept per streamed quantile summary (exact up to this many)
 _IN_FLIGHT = 65_536  # uploads awaiting their version, at most (the oldest are dropped beyond)
 _DOWNLOAD_SIZES = 1024  # published versions whose download size is remembered
@@ -359,14 +361,16 @@ class Profiler:
     def _uploaded_many(self, events: Sequence[UpdateUploaded]) -> None:
         """Record clients' uploads, in order: their totals, the run's summaries, and each task until its version is
         made."""
+        if not events:
+            return
         r = self.records
         compute = [event.compute_s for event in events]
         train = [event.sim_train_s for event in events]
         task = [event.sim_download_s + event.sim_train_s + event.sim_upload_s for event in events]
-        uploaded = [event.upload_bytes for event in events]
+        uploaded = [len(event.payload) + len(event.extra) for event in events]  # UpdateUploaded.upload_bytes
+        ids = [event.client_id for event in events]
         clients, new_client = r.clients, _Client
-        for event, sim_task_s, compute_s, upload_bytes in zip(events, task, compute, uploaded, strict=True):
-            client_id = int(event.client_id)
+        for client_id, sim_task_s, compute_s, upload_bytes in zip(map(int, ids), task, compute, uploaded, strict=True):
             client = clients.get(client_id)
             if client is None:
                 client = clients[client_id] = new_client()
@@ -374,9 +378,13 @@ class Profiler:
             client.sim_task_s += sim_task_s
             client.compute_s += compute_s
             client.upload_bytes += upload_bytes
-        tiers = r.tier_uploads
-        for tier, group in groupby(zip(events, uploaded, strict=True), key=lambda pair: pair[0].tier):
-            tiers[tier] += sum(upload_bytes for _, upload_bytes in group)
+        totals = r.tier_uploads
+        tiers = [event.tier for event in events]
+        if tiers.count(tiers[0]) == len(tiers):  # one tier (byte counts are integers: their sum in any order)
+            totals[tiers[0]] += sum(uploaded)
+        else:
+            for tier, group in groupby(zip(tiers, uploaded, strict=True), key=_FIRST):
+                totals[tier] += sum(upload_bytes for _, upload_bytes in group)
         encode = [event.encode_s for event in events]
         # One random stream behind every summary: its draws are taken upload by upload, as one at a time would.
         add_columns(
@@ -398,37 +406,62 @@ class Profiler:
 
     def _received_many(self, events: Sequence[UpdateReceived]) -> None:
         """Fold accepted uploads into the versions they go into, in order: what :meth:`_fold` of each does."""
+        if not events:
+            return
         r = self.records
-        r.staleness.update([event.staleness for event in events])
-        pop = r.pending.pop
-        received: list[UpdateReceived] = []
-        tasks: list[_Task] = []
-        for event in events:
-            task = pop(event.task_id, None)
-            if task is not None:
-                received.append(event)
-                tasks.append(task)
+        staleness = [event.staleness for event in events]
+        r.staleness.update(staleness)
+        tasks = list(map(r.pending.pop, [event.task_id for event in events], repeat(None)))
+        versions = [event.version for event in events]
+        decode = [event.decode_s for event in events]
+        queue_wait = [event.queue_wait_s for event in events]
+        if None in tasks:  # uploads not (or no longer) waiting: folded into nothing
+            kept = [k for k, task in enumerate(tasks) if task is not None]
+            if not kept:
+                return
+            tasks = [tasks[k] for k in kept]
+            versions = [versions[k] for k in kept]
+            staleness = [staleness[k] for k in kept]
+            decode = [decode[k] for k in kept]
+            queue_wait = [queue_wait[k] for k in kept]
+        if versions.count(versions[0]) == len(versions):  # one version (the common case): one run
+            self._fold_run(int(versions[0]) + 1, cast("list[_Task]", tasks), staleness, decode, queue_wait)
+            return
         start = 0
-        for version, run in groupby([int(event.version) + 1 for event in received]):
+        for version, run in groupby(map(int, versions)):
             end = start + sum(1 for _ in run)
-            self._fold_run(version, received[start:end], tasks[start:end])
+            self._fold_run(
+                version + 1,
+                cast("list[_Task]", tasks[start:end]),
+                staleness[start:end],
+                decode[start:end],
+                queue_wait[start:end],
+            )
             start = end
 
-    def _fold_run(self, version: int, received: list[UpdateReceived], tasks: list[_Task]) -> None:
-        """Fold accepted uploads of one version, each sum taken value by value in the order of the uploads."""
+    def _fold_run(
+        self,
+        version: int,
+        tasks: list[_Task],
+        staleness: Sequence[int],
+        decode: Sequence[float],
+        queue_wait: Sequence[float],
+    ) -> None:
+        """Fold accepted uploads of one version (their tasks, staleness, decoding and queue seconds), each sum taken
+        value by value in the order of the uploads."""
         rec = self.records.open_versions[version]
         compute, encode, task, train, uploaded, downloaded = zip(*tasks, strict=True)
         add = operator.add
         rec.updates += len(tasks)
         rec.compute_s = reduce(add, compute, rec.compute_s)
         rec.encode_s = reduce(add, encode, rec.encode_s)
-        rec.decode_s = reduce(add, [event.decode_s for event in received], rec.decode_s)
-        rec.queue_wait_s = reduce(add, [event.queue_wait_s for event in received], rec.queue_wait_s)
+        rec.decode_s = reduce(add, decode, rec.decode_s)
+        rec.queue_wait_s = reduce(add, queue_wait, rec.queue_wait_s)
         rec.sim_train_s = reduce(add, train, rec.sim_train_s)
         rec.transfer_sim_s = reduce(add, map(operator.sub, task, train), rec.transfer_sim_s)
         rec.upload_bytes += sum(uploaded)
         rec.download_bytes += sum(downloaded)
-        rec.staleness_sum += sum([event.staleness for event in received])
+        rec.staleness_sum += sum(staleness)
         if self.mode == "sync":
             rec.durations.extend(task)
 

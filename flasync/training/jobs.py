@@ -282,9 +282,10 @@ class Finish:
         codec_generator: The codec's random stream, or its key (None: the codec draws none).
         attack: The factor a simulated Byzantine client multiplies its delta by (1: an honest client).
         parts: The task's plug-in parts.
+        task_id: The task (what its diagnostics name when it is trained alone).
     """
 
-    __slots__ = ("attack", "client_id", "codec_generator", "ctx", "parts")
+    __slots__ = ("attack", "client_id", "codec_generator", "ctx", "parts", "task_id")
 
     def __init__(
         self,
@@ -293,6 +294,7 @@ class Finish:
         codec_generator: torch.Generator | StreamKey | None,
         attack: float = 1.0,
         parts: tuple[TaskPart, ...] = (),
+        task_id: int = 0,
     ) -> None:
         """Bind the task's finishing."""
         self.ctx = ctx
@@ -300,6 +302,7 @@ class Finish:
         self.codec_generator = codec_generator
         self.attack = attack
         self.parts = parts
+        self.task_id = task_id
 
     def __call__(self, result: LocalResult) -> TrainedUpdate:
         """Check and encode ``result``'s delta for this task."""

@@ -8,7 +8,6 @@ run's clock from the simulated world (network, speeds, faults).
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from collections import Counter
@@ -17,6 +16,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
+import numpy as np
 import torch
 
 from flasync import codecs
@@ -34,6 +34,7 @@ from flasync.core.events import (
     TaskDiagnosis,
     UpdatesUploaded,
     UpdateUploaded,
+    positional,
 )
 from flasync.core.instruments import debug_many, logs_debug
 from flasync.core.snapshots import ModelSnapshot
@@ -59,6 +60,8 @@ FAILURE_WARNINGS = 3
 """Failures of clients with one error logged as warnings in a run; the rest of them at debug level."""
 _MAX_WARNED_ERRORS = 1_000  # distinct errors counted (an error naming its client would make one per client)
 _HOST = torch.device("cpu")  # where the upload codec writes bytes
+_MAKE_UPLOAD = positional(UpdateUploaded)
+_ARRAY_SORT_FROM = 64  # tasks from which a group's completion order is sorted with NumPy (quicker from about there)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,40 +163,67 @@ def _timeline(
     return _Plan(downloads, simulated, done_at, parts, {}, {}, None), data, spans
 
 
-def _training_job(
+def _training_jobs(
     world: ClientWorld,
-    task: TaskAssigned,
     model: ModelSnapshot,
-    samples: _Samples,
-    span: tuple[int, int] | None,
-    parts: tuple[TaskPart, ...],
-    attack: float,
-) -> TrainingJob[TrainedUpdate]:
-    """Return the task's local training, in the form a batching executor trains with others of its cohort
-    (``span``: where its sample indices lie in ``samples``'s)."""
-    job_ctx, cid, participation = world.job, task.client_id, task.participation
-    # The streams' keys and the indices' span: the generators are made and the indices sliced where the job trains,
-    # off the event loop.
-    seed: StreamKey = (world.seed, seeding.TASK, cid, participation)
-    codec_generator = (world.seed, seeding.CODEC, cid, participation) if job_ctx.upload_codec.draws_random else None
-    start = start_of(parts) if parts else None
-    base = model.weights if start is None else start
-    return TrainingJob(
-        base=base,
-        x=samples[0],
-        y=samples[1],
-        indices=samples[2],
-        span=span,
-        cfg=job_ctx.local,
-        generator=seed,
-        finish=Finish(job_ctx, cid, codec_generator, attack, parts),
-        solo=functools.partial(
-            train_job, job_ctx, cid, base, samples, seed, codec_generator, task.task_id, attack, parts, span
-        ),
-        correction=correction_of(parts) if parts else None,
-        client=None if span is not None else int(cid),
-        deltas_on=_HOST,  # finish_job encodes the delta as bytes on the host
-        finish_many=finish_cohort,
+    tasks: Sequence[TaskAssigned],
+    train: Sequence[int],
+    data: list[_Samples],
+    spans: list[tuple[int, int] | None],
+    parts: Sequence[tuple[TaskPart, ...]],
+    attacks: Sequence[float],
+) -> dict[int, TrainingJob[TrainedUpdate]]:
+    """Return the local training of the tasks ``train`` (indices into ``tasks``, each with its ``attacks`` factor),
+    by task index, in the form a batching executor trains with others of its cohort (``spans``: where each task's
+    sample indices lie in its ``data``'s)."""
+    job_ctx, seed, draws = world.job, world.seed, world.job.upload_codec.draws_random
+    cfg, weights, make, finish = job_ctx.local, model.weights, TrainingJob.of, Finish
+    task_purpose, codec_purpose = seeding.TASK, seeding.CODEC
+    jobs: dict[int, TrainingJob[TrainedUpdate]] = {}
+    for k, attack in zip(train, attacks, strict=True):
+        task, samples, span, task_parts = tasks[k], data[k], spans[k], parts[k]
+        cid, participation = task.client_id, task.participation
+        # The streams' keys and the indices' span: the generators are made and the indices sliced where the job
+        # trains, off the event loop.
+        key: StreamKey = (seed, task_purpose, cid, participation)
+        codec_key = (seed, codec_purpose, cid, participation) if draws else None
+        start = start_of(task_parts) if task_parts else None
+        base = weights if start is None else start
+        jobs[k] = make(
+            base,
+            samples[0],
+            samples[1],
+            samples[2],
+            cfg,
+            key,
+            finish(job_ctx, cid, codec_key, attack, task_parts, task.task_id),
+            None,  # trained alone by _train_alone, from its own attributes
+            correction_of(task_parts) if task_parts else None,
+            None if span is not None else int(cid),
+            _HOST,  # finish_job encodes the delta as bytes on the host
+            finish_cohort,
+            span,
+            _train_alone,
+        )
+    return jobs
+
+
+def _train_alone(job: TrainingJob[TrainedUpdate]) -> TrainedUpdate:
+    """Train a task's job alone and finish it (its :attr:`~flasync.training.executors.threads.TrainingJob.alone`):
+    :func:`~flasync.training.jobs.train_job` of the job's base, data, index span and stream key, and of its
+    :class:`~flasync.training.jobs.Finish`'s task, client, codec stream, attack and plug-in parts (in a worker)."""
+    finish = cast(Finish, job.finish)
+    return train_job(
+        finish.ctx,
+        finish.client_id,
+        job.base,
+        (job.x, job.y, job.indices),
+        job.generator,
+        finish.codec_generator,
+        finish.task_id,
+        finish.attack,
+        finish.parts,
+        job.span,
     )
 
 
@@ -422,20 +452,22 @@ class CohortClients:
         world = self.world
         plan, data, spans = _timeline(world, tasks, model)
         parts = plan.parts if plan.parts is not None else [()] * len(tasks)
-        faults, training = world.faults, plan.training
+        faults = world.faults
         if faults is None or not faults.active:
-            for k, task in enumerate(tasks):
-                attack = faults.attack_factor(task.client_id) if faults else 1.0
-                training[k] = _training_job(world, task, model, data[k], spans[k], parts[k], attack)
+            train = range(len(tasks))
+            attacks = [faults.attack_factor(task.client_id) for task in tasks] if faults else [1.0] * len(tasks)
+            plan.training.update(_training_jobs(world, model, tasks, train, data, spans, parts, attacks))
             return plan
         offline = [faults.offline_at(task.client_id, task.simulated_s) for task in tasks]
+        trains: list[int] = []
         for k, task in enumerate(tasks):
             fault = _fault(faults, task, plan.download_s[k], plan.simulated[k], plan.done_at[k], offline[k])
             if fault is None:
-                attack = faults.attack_factor(task.client_id)
-                training[k] = _training_job(world, task, model, data[k], spans[k], parts[k], attack)
+                trains.append(k)
             elif fault is not _HANGS:
                 plan.faults[k] = fault
+        attacks = [faults.attack_factor(tasks[k].client_id) for k in trains]
+        plan.training.update(_training_jobs(world, model, tasks, trains, data, spans, parts, attacks))
         return plan._replace(offline=offline)
 
     async def _trained(self, state: _GroupState, when: float, kind: int, due: list[int]) -> None:
@@ -447,8 +479,14 @@ class CohortClients:
             (results,) = await clock.finish([state.jobs[_ALL]], until=when)
             if isinstance(results, BaseException):
                 raise results  # the group's future was cancelled
-            # A stable sort of tasks in index order: by completion time, then index.
-            order = sorted(range(len(trains)), key=[done_at[i] for i in trains].__getitem__)
+            # A stable sort of tasks in index order: by completion time, then index (a large group's with NumPy's
+            # stable sort, which orders them as ``sorted`` does).
+            ends = [done_at[i] for i in trains]
+            order: list[int] = (
+                np.argsort(np.asarray(ends, dtype=np.float64), kind="stable").tolist()
+                if len(ends) >= _ARRAY_SORT_FROM
+                else sorted(range(len(ends)), key=ends.__getitem__)
+            )
             due = [trains[k] for k in order]
             outcomes = [results[k] for k in order]
         else:
@@ -633,6 +671,7 @@ def _uploads(
     in order; take them from ``state``, and append each one's decoding made ahead (or None) to ``prepared``."""
     tasks, model, plan, uploads, wall = state.tasks, state.model, state.plan, state.uploads, world.wall()
     download_bytes, download_s, simulated = model.download_bytes, plan.download_s, plan.simulated
+    make = _MAKE_UPLOAD
     sent = []
     for i, at in zip(due, times, strict=True):
         trained, upload_s = uploads.pop(i)
@@ -643,25 +682,26 @@ def _uploads(
         if prepared is not None:
             prepared.append(trained.prepared)
         sent.append(
-            UpdateUploaded(
-                to=task.reply_to,
-                task_id=task.task_id,
-                client_id=task.client_id,
-                base_version=task.base_version,
-                num_samples=result.num_samples,
-                payload=trained.payload,
-                extra=trained.extra,
-                train_loss=result.loss,
-                simulated_s=at,
-                sent_wall_s=wall,
-                compute_s=result.train_s,
-                encode_s=trained.encode_s,
-                sim_download_s=download_s[i],
-                sim_train_s=simulated[i],
-                sim_upload_s=upload_s,
-                download_bytes=download_bytes,
-                peak_mem_bytes=result.peak_mem_bytes,
-                diagnosis=trained.diagnosis,
+            make(  # the fields in their order (flasync.core.events.positional)
+                task.reply_to,
+                task.task_id,
+                task.client_id,
+                task.base_version,
+                result.num_samples,
+                trained.payload,
+                result.loss,
+                at,
+                wall,
+                "client",
+                result.train_s,
+                trained.encode_s,
+                download_s[i],
+                simulated[i],
+                upload_s,
+                download_bytes,
+                result.peak_mem_bytes,
+                trained.diagnosis,
+                trained.extra,
             )
         )
     return sent

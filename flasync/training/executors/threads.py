@@ -125,7 +125,8 @@ class TrainingJob(Generic[T]):
     Not frozen, though nothing changes a job once made: one is made per task on the event loop, and a frozen
     dataclass's constructor costs several times a plain one's.
 
-    Called directly (by any executor) it runs ``solo``, which trains the client alone. A batcher instead trains the
+    Called directly (by any executor) it runs ``solo`` (or ``alone`` of itself), which trains the client alone. A
+    batcher instead trains the
     jobs that share data layout and hyper-parameters as one cohort (each row from its own ``base``) and calls each
     job's ``finish`` with its own :class:`LocalResult`; ``solo()`` must equal ``finish(train(...))`` of the same
     client.
@@ -140,7 +141,7 @@ class TrainingJob(Generic[T]):
             :func:`~flasync.core.seeding.stream_seeds`), or its key (:data:`StreamKey`): the stream is then made
             where the job trains, off the event loop (see :meth:`stream`).
         finish: Turns the training result into what the job returns (e.g. encodes the delta); runs in the worker.
-        solo: Trains this client alone and finishes.
+        solo: Trains this client alone and finishes (None: ``alone`` does).
         correction: Added to every gradient of the client (a plug-in's correction; None: nothing).
         client: The client of a lazily drawn population, whose samples an executor may draw itself instead of
             receiving ``x`` and ``y`` (None: the samples are rows of a data set held in memory).
@@ -151,6 +152,8 @@ class TrainingJob(Generic[T]):
             where every job of a cohort has this same function (None: ``finish`` each).
         span: Where the client's sample indices lie in ``indices``: positions ``[start, stop)``, sliced where the
             job trains (:meth:`rows`), off the event loop (None: ``indices`` are the client's).
+        alone: Trains a job alone from its own attributes and finishes, where ``solo`` is None: one function for
+            every job of its kind, so that a job made per task need not carry a closure of its own.
     """
 
     base: torch.Tensor
@@ -160,16 +163,63 @@ class TrainingJob(Generic[T]):
     cfg: LocalTraining
     generator: torch.Generator | int | StreamKey
     finish: Callable[[LocalResult], T]
-    solo: Callable[[], T]
+    solo: Callable[[], T] | None = None
     correction: torch.Tensor | None = None
     client: int | None = None
     deltas_on: torch.device | None = None
     finish_many: Callable[[Sequence[TrainingJob[T]], CohortResult], Sequence[T | Exception]] | None = None
     span: tuple[int, int] | None = None
+    alone: Callable[[TrainingJob[T]], T] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        base: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        indices: torch.Tensor,
+        cfg: LocalTraining,
+        generator: torch.Generator | int | StreamKey,
+        finish: Callable[[LocalResult], T],
+        solo: Callable[[], T] | None,
+        correction: torch.Tensor | None,
+        client: int | None,
+        deltas_on: torch.device | None,
+        finish_many: Callable[[Sequence[TrainingJob[T]], CohortResult], Sequence[T | Exception]] | None,
+        span: tuple[int, int] | None,
+        alone: Callable[[TrainingJob[T]], T] | None,
+        /,
+    ) -> TrainingJob[T]:
+        """Return the job the constructor makes of these fields (every one given, in the order of the attributes),
+        without its handling of keyword arguments: a client makes one per task on the event loop."""
+        job = object.__new__(cls)
+        job.base = base
+        job.x = x
+        job.y = y
+        job.indices = indices
+        job.cfg = cfg
+        job.generator = generator
+        job.finish = finish
+        job.solo = solo
+        job.correction = correction
+        job.client = client
+        job.deltas_on = deltas_on
+        job.finish_many = finish_many
+        job.span = span
+        job.alone = alone
+        return job
 
     def __call__(self) -> T:
-        """Train this client alone and finish."""
-        return self.solo()
+        """Train this client alone and finish.
+
+        Raises:
+            TypeError: If the job has neither ``solo`` nor ``alone``.
+        """
+        if self.solo is not None:
+            return self.solo()
+        if self.alone is None:
+            raise TypeError("a TrainingJob needs solo or alone to train by itself")
+        return self.alone(self)
 
     def stream(self) -> torch.Generator:
         """Return the task's random stream: the generator given, or a fresh one seeded with the seed (or the key's)
@@ -243,8 +293,13 @@ class _GroupFuture(asyncio.Future[list[Any]]):
 
     def deliver(self, index: int, outcome: Any) -> None:
         """Record one job's result or exception; resolve the group with the last."""
-        self.outcomes[index] = outcome
-        self.left -= 1
+        self.deliver_run(index, [outcome])
+
+    def deliver_run(self, start: int, outcomes: list[Any]) -> None:
+        """Record the results or exceptions of the jobs ``start``, ``start + 1``, ... in one step; resolve the group
+        with the last."""
+        self.outcomes[start : start + len(outcomes)] = outcomes
+        self.left -= len(outcomes)
         if not self.left:
             self.set_result(self.outcomes)
 
@@ -295,18 +350,34 @@ class _Slot:
 
 _AnyHeld = _HeldFuture[Any] | _Slot
 _Outcome = tuple[_Slot, Any, BaseException | None]
+_Run = tuple[_GroupFuture, int, list[Any]]
+"""Outcomes of consecutive jobs of one group: the group, the first job's index and each job's result or exception."""
 
 # Results handed to the event loop per callback: the loop starts on the first ones while the worker finishes the rest.
 _DELIVERY_CHUNK = 64
 
 
-def _settle(outcomes: list[_Outcome]) -> None:
-    """Deliver jobs' results to their groups' loop futures (on their loop); a group cancelled meanwhile is left as it
-    is."""
+def _runs(outcomes: list[_Outcome]) -> dict[asyncio.AbstractEventLoop, list[_Run]]:
+    """Return ``outcomes`` (in a worker) as runs of consecutive jobs of one group each, by their groups' loops."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Run]] = {}
+    group: _GroupFuture | None = None
+    values: list[Any] = []
+    following = 0
     for slot, value, error in outcomes:
-        group = slot.group
+        if slot.group is not group or slot.index != following:
+            group, values = slot.group, []
+            by_loop.setdefault(group.get_loop(), []).append((group, slot.index, values))
+        values.append(value if error is None else error)
+        following = slot.index + 1
+    return by_loop
+
+
+def _settle(runs: list[_Run]) -> None:
+    """Deliver runs of jobs' results to their groups' loop futures (on their loop); a group cancelled meanwhile is
+    left as it is."""
+    for group, start, values in runs:
         if not group.done():
-            group.deliver(slot.index, value if error is None else error)
+            group.deliver_run(start, values)
 
 
 class _Delivery:
@@ -331,12 +402,9 @@ class _Delivery:
         if not self._pending:
             return
         outcomes, self._pending = self._pending, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
-        for outcome in outcomes:
-            by_loop.setdefault(outcome[0].get_loop(), []).append(outcome)
-        for loop, batch in by_loop.items():
+        for loop, runs in _runs(outcomes).items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits these any more
-                loop.call_soon_threadsafe(_settle, batch)
+                loop.call_soon_threadsafe(_settle, runs)
 
 
 def _cancel(future: _AnyHeld) -> None:
@@ -527,16 +595,31 @@ class CohortBatcher(LoopExecutor):
         full: list[_Held] = []
         with self._lock:
             held_by_group = self._held
-            for fn, future in zip(jobs, futures, strict=True):
-                group = self._group(fn) if self.train_cohort is None else (id(fn.base), self._group(fn))
-                held = held_by_group.get(group)
-                if held is None:  # not setdefault: it would build a _Held per job
-                    held = held_by_group[group] = _Held()
-                held.jobs.append(fn)
-                held.futures.append(future)
-                if len(held.jobs) >= self.max_cohort:
-                    del held_by_group[group]
-                    full.append(held)
+            if self._one_group(jobs):  # as the loop below would hold them, a slice at a time
+                group = self._key(jobs[0])
+                start, count = 0, len(jobs)
+                while start < count:
+                    held = held_by_group.get(group)
+                    if held is None:
+                        held = held_by_group[group] = _Held()
+                    stop = min(count, start + self.max_cohort - len(held.jobs))
+                    held.jobs += jobs[start:stop]
+                    held.futures += futures[start:stop]
+                    start = stop
+                    if len(held.jobs) >= self.max_cohort:
+                        del held_by_group[group]
+                        full.append(held)
+            else:
+                for fn, future in zip(jobs, futures, strict=True):
+                    group = self._key(fn)
+                    held = held_by_group.get(group)
+                    if held is None:  # not setdefault: it would build a _Held per job
+                        held = held_by_group[group] = _Held()
+                    held.jobs.append(fn)
+                    held.futures.append(future)
+                    if len(held.jobs) >= self.max_cohort:
+                        del held_by_group[group]
+                        full.append(held)
             self._submitted += len(jobs)
             waiting = bool(held_by_group)
         for held in full:
@@ -544,6 +627,22 @@ class CohortBatcher(LoopExecutor):
         if waiting and not self._driven and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._tick, self._submitted, 0)
+
+    def _key(self, fn: TrainingJob[Any]) -> Hashable:
+        """Return the key of the held group a job joins (call locked)."""
+        return self._group(fn) if self.train_cohort is None else (id(fn.base), self._group(fn))
+
+    def _one_group(self, jobs: Sequence[TrainingJob[Any]]) -> bool:
+        """Tell whether several ``jobs`` all join one held group (one configuration and data set, and one base where
+        cohorts train elsewhere), told apart by identity."""
+        if len(jobs) < 2:
+            return False
+        first = jobs[0]
+        cfg, x = first.cfg, first.x
+        if self.train_cohort is not None:
+            base = first.base
+            return all(job.cfg is cfg and job.x is x and job.base is base for job in jobs)
+        return all(job.cfg is cfg and job.x is x for job in jobs)
 
     def _tick(self, mark: int, quiet: int) -> None:
         quiet = quiet + 1 if self._submitted == mark else 0

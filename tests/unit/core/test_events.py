@@ -128,3 +128,54 @@ def test_constructors_refuse_what_dataclass_constructors_refuse() -> None:
     )
     assert dataclasses.replace(upload, task_id=5).task_id == 5
     assert upload.upload_bytes == 2 and upload.to == events.CLOUD
+
+
+def test_an_event_is_made_of_its_own_class_and_a_subclass_of_its_subclass() -> None:
+    """An event is made with its class's quicker stores yet is of that class, frozen; an object of a subclass with
+    a slot of its own (another layout, which the quicker stores leave alone) is made field by field, of that
+    subclass, equal in every field."""
+
+    class Tagged(UpdateUploaded):
+        __slots__ = ("tag",)
+
+    values: dict[str, Any] = {
+        "task_id": 3,
+        "client_id": events.ClientId(4),
+        "base_version": events.Version(5),
+        "num_samples": 6,
+        "payload": b"abc",
+        "train_loss": 0.25,
+        "simulated_s": 1.5,
+        "sent_wall_s": 2.5,
+    }
+    made, tagged = UpdateUploaded(**values), Tagged(**values)
+    assert type(made) is UpdateUploaded and type(tagged) is Tagged
+    assert all(getattr(tagged, f.name) == getattr(made, f.name) for f in dataclasses.fields(UpdateUploaded))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.task_id = 9  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tagged.task_id = 9  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cls", EVENT_CLASSES, ids=lambda cls: cls.__name__)
+def test_positional_makes_the_event_the_constructor_makes(cls: type[Any]) -> None:
+    """positional(cls) given every field's value in field order makes an event of that class equal to (and printing
+    and pickling like) the constructor's, frozen."""
+    rng = random.Random(f"positional {cls.__name__}")
+    specs = dataclasses.fields(cls)
+    for _ in range(3):
+        values = {s.name: _value(rng, s) for s in specs}
+        made = events.positional(cls)(*values.values())
+        expected = cls(**values)
+        assert type(made) is cls and made == expected and repr(made) == repr(expected)
+        assert repr(pickle.loads(pickle.dumps(made))) == repr(made)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(made, specs[0].name, values[specs[0].name])
+    with pytest.raises(TypeError, match="positional"):
+        events.positional(cls)(*list(values.values())[:-1])
+
+
+def test_positional_refuses_a_class_that_is_no_event() -> None:
+    """Only the events of flasync.core.events have a positional maker."""
+    with pytest.raises(TypeError, match="is not an event"):
+        events.positional(dict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from torch import nn
 
 import flasync
 from flasync.core import seeding
+from flasync.core.clock import VirtualClock
 from flasync.core.errors import ConfigError, TrainingError
 from flasync.testing import small_config
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer, unsupported_reason
@@ -716,6 +718,104 @@ async def test_a_cancelled_group_trains_none_of_its_held_jobs() -> None:
     finally:
         batcher.shutdown()
     assert sorted(trained) == [0, 1]
+
+
+def test_job_of_makes_the_job_the_constructor_makes() -> None:
+    """TrainingJob.of gives every attribute the value the keyword constructor gives it."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    made = _job(base, x, y, parts[0], 0, ModelPool(_mlp))
+    names = list(TrainingJob.__dataclass_fields__)
+    values = {name: getattr(made, name) for name in names}
+    values.update(correction=base * 0, client=7, deltas_on=torch.device("cpu"), span=(1, 3))
+    quick = TrainingJob.of(*(values[name] for name in names))
+    assert type(quick) is TrainingJob
+    assert all(getattr(quick, name) is values[name] for name in names)
+    assert quick.rows().tolist() == made.indices[1:3].tolist()
+    values.update(solo=None)
+    with pytest.raises(TypeError, match="solo or alone"):
+        TrainingJob.of(*(values[name] for name in names))()
+
+
+async def test_runs_of_delivered_outcomes_settle_groups_as_one_by_one() -> None:
+    """Outcomes of jobs of several groups, in any order, handed over as runs of consecutive jobs of one group, leave
+    every group with the outcomes, in job order, that delivering each alone leaves; a cancelled group keeps none."""
+    loop = asyncio.get_running_loop()
+    rng = random.Random(5)
+    for _ in range(20):
+        sizes = [rng.randrange(1, 12) for _ in range(3)]
+        groups = [threads_module._GroupFuture(loop, size) for size in sizes]
+        alone = [threads_module._GroupFuture(loop, size) for size in sizes]
+        slots = [(g, k) for g, size in enumerate(sizes) for k in range(size)]
+        if rng.random() < 0.5:
+            rng.shuffle(slots)
+        cancelled = rng.randrange(4)  # 3: none
+        if cancelled < 3:
+            groups[cancelled].cancel()
+        error = TrainingError("boom")
+        outcomes = [
+            (threads_module._Slot(groups[g], k), (g, k), error if rng.random() < 0.2 else None) for g, k in slots
+        ]
+        for loop_runs in threads_module._runs(outcomes).values():
+            threads_module._settle(loop_runs)
+        for slot, value, failed in outcomes:
+            alone[groups.index(slot.group)].deliver(slot.index, value if failed is None else failed)
+        for g, (group, each) in enumerate(zip(groups, alone, strict=True)):
+            if g == cancelled:
+                assert group.cancelled()
+            else:
+                assert group.result() == each.result() and len(each.result()) == sizes[g]
+
+
+class _Recording(ThreadPoolExecutor):
+    """A pool that records the cohorts it is given and runs none."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.cohorts: list[list[int]] = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        self.cohorts.append([id(job) for job in args[0].jobs])
+        return super().submit(lambda: None)
+
+
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["here", "train_cohort"])
+async def test_jobs_of_one_group_are_held_together_as_one_by_one(elsewhere: bool) -> None:
+    """Jobs of one configuration, data set (and base, trained elsewhere) submitted together fill the cohorts that
+    each one submitted in turn fills, full ones started at once and the rest held, whatever was held before; jobs of
+    mixed groups too."""
+    x, y, parts = _data()
+    base = flat_parameters(_mlp())
+    pool = ModelPool(_mlp)
+    cfg = LocalTraining(epochs=1, batch_size=16, lr=0.05)
+    other = LocalTraining(epochs=2, batch_size=16, lr=0.05)
+    train_cohort = (lambda *args: None) if elsewhere else None
+
+    def jobs(configs: Sequence[LocalTraining]) -> list[TrainingJob[Any]]:
+        return [
+            dataclasses.replace(_job(base, x, y, parts[k % len(parts)], k, pool), cfg=c) for k, c in enumerate(configs)
+        ]
+
+    for configs in ([cfg] * 11, [cfg, other, cfg, cfg, other, cfg, cfg, cfg]):
+        made = jobs(configs)
+        seen = []
+        for together in (True, False):
+            inner = _Recording()
+            batcher = CohortBatcher(inner, pool, max_cohort=3, train_cohort=train_cohort)  # type: ignore[arg-type]
+            batcher.attach(VirtualClock())  # started by the clock (or when full), never by a timer
+            try:
+                batcher._hold_many(made[:2], [threads_module._HeldFuture() for _ in range(2)])  # held before
+                rest = made[2:]
+                if together:
+                    batcher._hold_many(rest, [threads_module._HeldFuture() for _ in rest])
+                else:
+                    for job in rest:
+                        batcher._hold(job, threads_module._HeldFuture())
+                held = [[id(job) for job in h.jobs] for h in batcher._held.values()]
+                seen.append((inner.cohorts, held))
+            finally:
+                batcher.shutdown(wait=True, cancel_futures=True)
+        assert seen[0] == seen[1] and seen[0][0]  # some cohorts filled and started
 
 
 # ------------------------------------------------------------------------------------------------ engine

@@ -1,0 +1,129 @@
+"""The simulated client group's uploads: each made of its task, its plan and its trained update."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any, cast
+
+import torch
+
+from flasync import codecs
+from flasync.clients.simulated import client as client_module
+from flasync.core import seeding
+from flasync.core.events import ClientId, TaskAssigned, TaskDiagnosis, UpdateUploaded, Version
+from flasync.training.executors.threads import ModelPool, TrainingJob
+from flasync.training.jobs import Finish, JobContext, TrainedUpdate, train_job
+from flasync.training.local import LocalResult, LocalTraining, flat_parameters
+from flasync.training.models import MLP
+
+
+def test_uploads_are_the_events_the_keyword_constructor_makes_of_each_task() -> None:
+    """_uploads makes, for each live task due, the upload the keyword constructor makes of its task, its plan's
+    seconds, its trained update and its time, in order; a released task's upload is dropped."""
+    rng = random.Random(3)
+    n = 6
+    tasks = [
+        TaskAssigned(
+            task_id=10 + k,
+            client_id=ClientId(rng.randrange(100)),
+            participation=k,
+            base_version=Version(rng.randrange(5)),
+            simulated_s=rng.random(),
+            reply_to=rng.choice(["cloud", "edge-1"]),
+        )
+        for k in range(n)
+    ]
+    trained = [
+        TrainedUpdate(
+            result=LocalResult(
+                delta=torch.empty(0),
+                num_samples=rng.randrange(1, 50),
+                steps=3,
+                loss=rng.random(),
+                train_s=rng.random(),
+                peak_mem_bytes=rng.randrange(1 << 20),
+            ),
+            payload=rng.randbytes(rng.randrange(1, 20)),
+            encode_s=rng.random(),
+            diagnosis=TaskDiagnosis(update_norm=rng.random()),
+            extra=rng.randbytes(rng.choice([0, 4])),
+        )
+        for _ in range(n)
+    ]
+    plan = client_module._Plan(
+        download_s=[rng.random() for _ in range(n)],
+        simulated=[rng.random() for _ in range(n)],
+        done_at=[rng.random() for _ in range(n)],
+        parts=None,
+        training={},
+        faults={},
+        offline=None,
+    )
+    upload_s = [rng.random() for _ in range(n)]
+    state = client_module._GroupState(
+        tasks=tasks,
+        model=cast(Any, SimpleNamespace(download_bytes=1234)),
+        plan=plan,
+        jobs={},
+        agenda=[],
+        order=n,
+        uploads={k: (trained[k], upload_s[k]) for k in range(n)},
+    )
+    world = cast(Any, SimpleNamespace(wall=lambda: 42.5))
+    due, times = [4, 1, 3, 0], [7.0, 7.5, 8.0, 9.0]
+    released = tasks[3]
+    prepared: list[object] = []
+    sent = client_module._uploads(world, state, due, times, lambda task: task is not released, prepared)
+    expected = [
+        UpdateUploaded(
+            to=tasks[i].reply_to,
+            task_id=tasks[i].task_id,
+            client_id=tasks[i].client_id,
+            base_version=tasks[i].base_version,
+            num_samples=trained[i].result.num_samples,
+            payload=trained[i].payload,
+            extra=trained[i].extra,
+            train_loss=trained[i].result.loss,
+            simulated_s=at,
+            sent_wall_s=42.5,
+            compute_s=trained[i].result.train_s,
+            encode_s=trained[i].encode_s,
+            sim_download_s=plan.download_s[i],
+            sim_train_s=plan.simulated[i],
+            sim_upload_s=upload_s[i],
+            download_bytes=1234,
+            peak_mem_bytes=trained[i].result.peak_mem_bytes,
+            diagnosis=trained[i].diagnosis,
+        )
+        for i, at in zip(due, times, strict=True)
+        if i != 3
+    ]
+    assert sent == expected and all(type(event) is UpdateUploaded for event in sent)
+    assert prepared == [None] * 3
+    assert sorted(state.uploads) == [2, 5]  # the due ones taken, the released one's too
+
+
+def test_a_tasks_job_trained_alone_is_train_job_of_its_own_attributes() -> None:
+    """A task's job made without a closure trains alone (called as any executor calls it) to the very update that
+    train_job of the same task, data span, stream keys, codec and attack gives."""
+    torch.manual_seed(3)
+    x, y = torch.randn(60, 8), torch.randint(0, 3, (60,))
+    index = torch.randperm(60)
+    cfg = LocalTraining(epochs=1, batch_size=8, lr=0.1)
+    base = flat_parameters(MLP(8, [16], 3))
+    ctx = JobContext(
+        models=ModelPool(lambda: MLP(8, [16], 3)),
+        local=cfg,
+        upload_codec=codecs.Pipeline([codecs.RandomK(0.3)]),
+        num_params=base.numel(),
+    )
+    key, codec = (5, seeding.TASK, 4, 2), (5, seeding.CODEC, 4, 2)
+    finish = Finish(ctx, ClientId(4), codec, -2.0, (), 17)
+    job: TrainingJob[TrainedUpdate] = TrainingJob.of(
+        base, x, y, index, cfg, key, finish, None, None, None, None, None, (13, 41), client_module._train_alone
+    )
+    alone = job()
+    expected = train_job(ctx, ClientId(4), base, (x, y, index), key, codec, 17, -2.0, (), (13, 41))
+    assert alone.payload == expected.payload and alone.result.num_samples == expected.result.num_samples == 28
+    assert alone.result.loss == expected.result.loss

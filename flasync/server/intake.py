@@ -23,7 +23,7 @@ from flasync.core.snapshots import ModelSnapshot
 from flasync.server.registry import TaskRegistry
 from flasync.training.plugins import Refusal, ServerPlugin
 
-__all__ = ["Admitted", "Decoded", "Intake", "PreparedRow", "Refused", "RowDecoder"]
+__all__ = ["Admitted", "Decoded", "Intake", "Plain", "PreparedRow", "Refused", "RowDecoder"]
 
 _new_tuple = tuple.__new__  # builds a named tuple (every field given) in C, without its class's Python constructor
 
@@ -159,6 +159,18 @@ class Refused:
 
     reason: str
     detail: str
+
+
+def _unexpected(message: UpdateUploaded) -> Refused:
+    """The refusal of an upload that answers no task in flight."""
+    return Refused("unexpected", f"client {message.client_id} has no task {message.task_id}")
+
+
+class Plain(NamedTuple):
+    """A run of uploads :meth:`Intake.plain` found: each one's staleness and its delta's L2 norm, in order."""
+
+    staleness: list[int]
+    norms: list[float]
 
 
 class Intake:
@@ -303,7 +315,7 @@ class Intake:
             # Refused before it can close a task: a forged or corrupt message must not cost the real answer.
             return Refused("unknown_version", f"base version {message.base_version} was never published")
         if not registry.release(message):
-            return Refused("unexpected", f"client {message.client_id} has no task {message.task_id}")
+            return _unexpected(message)
         staleness = version - base_version
         if base is None or staleness < 0:
             return Refused("unknown_version", f"base version {message.base_version} was never published")
@@ -337,6 +349,84 @@ class Intake:
         for plugin in plugins:
             plugin.admitted(message, version)
         return _new_tuple(Admitted, (delta, staleness, norm, base, received_wall, decode_s, extra))
+
+    def plain(self, batch: Sequence[tuple[UpdateUploaded, Decoded | None]], start: int, version: int) -> Plain:
+        """Find the longest run of uploads from ``batch[start]`` on that :meth:`admit` would pass up to the release of
+        its task and the checks against the norms seen before (:meth:`take_run` makes those); nothing is changed.
+
+        Each is plain: decoded (its entry of :meth:`decode`) into a delta that passes the checks of a delta alone,
+        trained from a version that exists, ``version`` holds its model and it is not too stale, and no plug-in of
+        the run's algorithm state takes part (with one the run is empty). The first upload that is not stops it:
+        :meth:`admit` takes that one.
+
+        Args:
+            batch: Uploads and their entries of :meth:`decode`, in the order they are admitted.
+            start: Where the run begins.
+            version: The version the receiver holds now.
+        """
+        staleness: list[int] = []
+        norms: list[float] = []
+        if self.plugins:
+            return Plain(staleness, norms)
+        registry, limit, validator = self.registry, self.max_staleness, self.validator
+        known = -1  # the last base version found (a batch's uploads mostly share theirs)
+        for index in range(start, len(batch)):
+            message, decoded = batch[index]
+            base_version = int(message.base_version)
+            if not 0 <= base_version <= version:
+                break
+            if base_version != known:
+                if registry.base(message.base_version) is None:
+                    break
+                known = base_version
+            tau = version - base_version
+            if limit is not None and tau > limit or decoded is None or decoded.delta is None:
+                break
+            alone = decoded.alone
+            if alone is None:  # an upload decoded alone: the checks of its delta alone are made here
+                alone = validator.check_alone(decoded.delta, decoded.norm)
+            if alone[0] is not None:
+                break
+            staleness.append(tau)
+            norms.append(alone[1])
+        return Plain(staleness, norms)
+
+    def take_run(
+        self, batch: Sequence[tuple[UpdateUploaded, Decoded | None]], start: int, norms: Sequence[float]
+    ) -> tuple[list[torch.Tensor], Refused | None]:
+        """Admit the run of plain uploads from ``batch[start]`` whose norms :meth:`plain` gave, in order, as
+        :meth:`admit` would one by one, and record each as :meth:`accepted` would: the caller folds every delta
+        returned (the norms join the z-score's reference as they are taken, each before the next one is judged).
+
+        Each upload's task is released and its norm checked against the norms seen before; the run stops at the
+        first that is refused (its task released, as :meth:`admit` would leave it).
+
+        Returns:
+            The deltas admitted (clipped to ``clip_norm``), in order, and the refusal of the upload after the last
+            of them (None: every upload of the run was admitted).
+        """
+        registry, validator, clip = self.registry, self.validator, self.clip_norm
+        history = validator.judges_history
+        deltas: list[torch.Tensor] = []
+        refused: Refused | None = None
+        for index, norm in enumerate(norms, start):
+            message, decoded = batch[index]
+            if not registry.release(message):
+                refused = _unexpected(message)
+                break
+            if history:
+                verdict = validator.check_norm(norm)
+                if verdict is not None:
+                    refused = Refused(verdict.reason, verdict.detail)
+                    break
+                validator.accepted(norm)
+            delta = cast("Decoded", decoded).delta
+            if clip is not None:
+                delta, _ = clip_to_norm(cast("torch.Tensor", delta), clip)
+            deltas.append(cast("torch.Tensor", delta))
+        if not history:
+            validator.accepted_many(norms[: len(deltas)])
+        return deltas, refused
 
     def accepted(self, admitted: Admitted) -> None:
         """Record that ``admitted`` was aggregated (its norm joins the z-score's reference)."""

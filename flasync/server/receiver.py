@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from flasync.aggregation import Aggregator
+from flasync.aggregation import Aggregator, BufferedAggregator
 from flasync.core.bus import EventBus
 from flasync.core.events import (
     EdgeForwarded,
@@ -30,7 +30,7 @@ from flasync.core.events import (
 from flasync.core.instruments import debug_many, logs_debug
 from flasync.server.accounting import Accounting, ServerStats
 from flasync.server.intake import Decoded, Refused
-from flasync.server.node import AggregationNode
+from flasync.server.node import AggregationNode, RunFolded
 from flasync.server.policies import Policy
 from flasync.server.versions import VersionMaker
 
@@ -79,6 +79,10 @@ class CloudReceiver:
         self._log_updates = logs_debug(log)  # each accepted update's debug line reaches something
         self._abandoned = 0  # secure-aggregation groups abandoned: the first few are warnings, the rest debug lines
         self._told: Counter[str] = Counter()  # refusals of each reason logged at info level
+        # Where runs of plain uploads are settled together (AggregationNode.admit_run): a buffered aggregator with no
+        # server plug-in (None: each upload is taken alone).
+        plain = isinstance(aggregator, BufferedAggregator) and not node.plugins and not node.intake.plugins
+        self._runs = aggregator if plain and isinstance(aggregator, BufferedAggregator) else None
 
     @property
     def stats(self) -> ServerStats:
@@ -133,12 +137,26 @@ class CloudReceiver:
         """
         received: list[UpdateReceived] = []
         lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
-        take, note = self._take, self.policy.note
+        take, note, runs = self._take, self.policy.note, self._runs
         version = self.versions.version  # only the loop steps it (an int), and it is here until the batch is taken
+        index, count = 0, len(batch)
         try:
-            for message, decoded in batch:
+            while index < count:
+                message, decoded = batch[index]
+                outcome: UpdateReceived | Refused | None = None
+                if runs is not None:  # a run of plain uploads settled together, up to the first refused
+                    run = self.node.admit_run(batch, index, version=version, into=runs)
+                    if run is not None:
+                        index = self._took(batch, index, run, version, now, lines, received)
+                        if run.refused is None:
+                            continue
+                        message, decoded = batch[index]
+                        self.accounting.arrived(message.upload_bytes, client_id=int(message.client_id))
+                        outcome = run.refused
                 received_s = message.simulated_s if now is None else now
-                outcome = take(message, decoded, version, received_s, lines)
+                if outcome is None:
+                    outcome = take(message, decoded, version, received_s, lines)
+                index += 1
                 if isinstance(outcome, Refused):
                     if lines:
                         debug_many(self.log, "server.update", lines)
@@ -157,6 +175,66 @@ class CloudReceiver:
             await self.bus.publish(received[0])
         elif received:
             await self.bus.publish_together(UpdatesReceived, received)
+
+    def _took(
+        self,
+        batch: Sequence[tuple[UpdateUploaded, Decoded | None]],
+        start: int,
+        run: RunFolded,
+        version: Version,
+        now: float | None,
+        lines: list[dict[str, Any]],
+        received: list[UpdateReceived],
+    ) -> int:
+        """Count, log and tell the policy of the updates of ``run`` (from ``batch[start]`` on), as :meth:`_take` and
+        :meth:`receive` would one by one: their events are appended to ``received``, their debug lines' fields to
+        ``lines``. Return the index of the upload after them."""
+        staleness = run.staleness
+        end = start + len(staleness)
+        uploads = [message for message, _ in batch[start:end]]
+        if not uploads:
+            return end
+        accounting, note = self.accounting, self.policy.note
+        stats = accounting.stats
+        accounting.took(
+            [message.upload_bytes for message in uploads], staleness, [int(m.client_id) for m in uploads]
+        )
+        stats.cloud_aggregate_s += run.aggregate_s
+        if stats.first_update_s != stats.first_update_s:  # NaN: this is the run's first update
+            stats.first_update_s = self.versions.elapsed_s()
+        received_wall, step = run.received_wall, stats.updates_accepted - len(uploads)
+        for message, tau, weight, norm, (_, decoded) in zip(
+            uploads, staleness, run.weights, run.norms, batch[start:end], strict=True
+        ):
+            decode_s = cast("Decoded", decoded).decode_s
+            queue_wait_s = received_wall - message.sent_wall_s
+            step += 1
+            if self._log_updates:
+                line = {
+                    "step": step,
+                    "staleness": tau,
+                    "staleness_weight": weight,
+                    "queue_wait_s": queue_wait_s,
+                    "decode_s": decode_s,
+                    "norm": norm,
+                }
+                lines.append(line)
+            received.append(
+                UpdateReceived(
+                    task_id=message.task_id,
+                    client_id=message.client_id,
+                    base_version=message.base_version,
+                    version=version,
+                    staleness=tau,
+                    upload_bytes=message.upload_bytes,
+                    simulated_s=message.simulated_s if now is None else now,
+                    tier=message.tier,
+                    decode_s=decode_s,
+                    queue_wait_s=queue_wait_s,
+                )
+            )
+            note(message, accepted=True)
+        return end
 
     def _take(
         self,

@@ -380,7 +380,7 @@ class Intake:
                     break
                 known = base_version
             tau = version - base_version
-            if limit is not None and tau > limit or decoded is None or decoded.delta is None:
+            if (limit is not None and tau > limit) or decoded is None or decoded.delta is None:
                 break
             alone = decoded.alone
             if alone is None:  # an upload decoded alone: the checks of its delta alone are made here

@@ -196,9 +196,7 @@ class CloudReceiver:
             return end
         accounting, note = self.accounting, self.policy.note
         stats = accounting.stats
-        accounting.took(
-            [message.upload_bytes for message in uploads], staleness, [int(m.client_id) for m in uploads]
-        )
+        accounting.took([message.upload_bytes for message in uploads], staleness, [int(m.client_id) for m in uploads])
         stats.cloud_aggregate_s += run.aggregate_s
         if stats.first_update_s != stats.first_update_s:  # NaN: this is the run's first update
             stats.first_update_s = self.versions.elapsed_s()

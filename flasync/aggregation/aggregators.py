@@ -164,18 +164,29 @@ class BufferedAggregator:
 
     def weigh(self, staleness: Sequence[int], num_samples: Sequence[int]) -> tuple[list[float], list[float]]:
         """Return the example weights ``e_k`` and staleness weights ``s(tau_k)`` :meth:`add` would give updates of
-        ``staleness`` versions trained on ``num_samples`` samples, each called in turn as :meth:`add` calls them,
-        up to the first update whose weights the buffer would refuse (so :meth:`add_rows` takes every pair given)."""
-        example_weight, weigh = self.example_weight, self.staleness
-        example_weights: list[float] = []
-        staleness_weights: list[float] = []
-        for tau, samples in zip(staleness, num_samples, strict=True):
-            weight = weigh(tau)
-            example = example_weight(samples)
-            if not (0 < example < math.inf and 0 <= weight < math.inf):
-                break
-            example_weights.append(example)
-            staleness_weights.append(weight)
+        ``staleness`` versions trained on ``num_samples`` samples, up to the first update whose weights the buffer
+        would refuse (so :meth:`add_rows` takes every pair given).
+
+        ``s`` is asked once for each staleness of the batch (a batch's updates mostly share theirs), ``e`` for each
+        update.
+        """
+        weigh: dict[int, float] = {}
+        for tau in staleness:
+            if tau not in weigh:
+                weigh[tau] = self.staleness(tau)
+        staleness_weights = [weigh[tau] for tau in staleness]
+        example_weight = self.example_weight
+        example_weights = [example_weight(samples) for samples in num_samples]
+        # A NaN or an Inf makes the sum so; a sum that overflows only sends the batch to the check of each.
+        if not (
+            math.isfinite(sum(example_weights) + sum(weigh.values()))
+            and min(example_weights, default=1.0) > 0
+            and min(weigh.values(), default=0.0) >= 0
+        ):
+            for index, (example, weight) in enumerate(zip(example_weights, staleness_weights, strict=True)):
+                if not (0 < example < math.inf and 0 <= weight < math.inf):
+                    del example_weights[index:], staleness_weights[index:]
+                    break
         return example_weights, staleness_weights
 
     def add_rows(

@@ -167,10 +167,14 @@ def _unexpected(message: UpdateUploaded) -> Refused:
 
 
 class Plain(NamedTuple):
-    """A run of uploads :meth:`Intake.plain` found: each one's staleness and its delta's L2 norm, in order."""
+    """A run of uploads :meth:`Intake.plain` found, as columns in order: the uploads, their staleness, their deltas,
+    the deltas' L2 norms and each one's decoding seconds."""
 
+    uploads: list[UpdateUploaded]
     staleness: list[int]
+    deltas: list[torch.Tensor]
     norms: list[float]
+    decode_s: list[float]
 
 
 class Intake:
@@ -364,10 +368,10 @@ class Intake:
             start: Where the run begins.
             version: The version the receiver holds now.
         """
-        staleness: list[int] = []
-        norms: list[float] = []
+        run = Plain([], [], [], [], [])
         if self.plugins:
-            return Plain(staleness, norms)
+            return run
+        uploads, staleness, deltas, norms, seconds = run
         registry, limit, validator = self.registry, self.max_staleness, self.validator
         known = -1  # the last base version found (a batch's uploads mostly share theirs)
         for index in range(start, len(batch)):
@@ -380,38 +384,42 @@ class Intake:
                     break
                 known = base_version
             tau = version - base_version
-            if (limit is not None and tau > limit) or decoded is None or decoded.delta is None:
+            if (limit is not None and tau > limit) or decoded is None:
                 break
-            alone = decoded.alone
+            delta, norm, decode_s, _, alone = decoded
+            if delta is None:
+                break
             if alone is None:  # an upload decoded alone: the checks of its delta alone are made here
-                alone = validator.check_alone(decoded.delta, decoded.norm)
+                alone = validator.check_alone(delta, norm)
             if alone[0] is not None:
                 break
+            uploads.append(message)
             staleness.append(tau)
+            deltas.append(delta)
             norms.append(alone[1])
-        return Plain(staleness, norms)
+            seconds.append(decode_s)
+        return run
 
     def take_run(
-        self, batch: Sequence[tuple[UpdateUploaded, Decoded | None]], start: int, norms: Sequence[float]
-    ) -> tuple[list[torch.Tensor], Refused | None]:
-        """Admit the run of plain uploads from ``batch[start]`` whose norms :meth:`plain` gave, in order, as
-        :meth:`admit` would one by one, and record each as :meth:`accepted` would: the caller folds every delta
-        returned (the norms join the z-score's reference as they are taken, each before the next one is judged).
+        self, uploads: Sequence[UpdateUploaded], deltas: list[torch.Tensor], norms: Sequence[float]
+    ) -> Refused | None:
+        """Admit a run of plain uploads (:meth:`plain`) in order, as :meth:`admit` would one by one, and record each
+        as :meth:`accepted` would: the caller folds every delta left in ``deltas`` (the norms join the z-score's
+        reference as they are taken, each before the next one is judged).
 
         Each upload's task is released and its norm checked against the norms seen before; the run stops at the
-        first that is refused (its task released, as :meth:`admit` would leave it).
+        first that is refused (its task released, as :meth:`admit` would leave it). ``deltas`` is cut to those
+        admitted (and clipped to ``clip_norm`` where that is set).
 
         Returns:
-            The deltas admitted (clipped to ``clip_norm``), in order, and the refusal of the upload after the last
-            of them (None: every upload of the run was admitted).
+            The refusal of the upload after the last one admitted (None: every upload of the run was admitted).
         """
         registry, validator, clip = self.registry, self.validator, self.clip_norm
-        history = validator.judges_history
-        deltas: list[torch.Tensor] = []
+        history, release = validator.judges_history, registry.release
         refused: Refused | None = None
-        for index, norm in enumerate(norms, start):
-            message, decoded = batch[index]
-            if not registry.release(message):
+        taken = 0
+        for message, norm in zip(uploads, norms, strict=True):
+            if not release(message):
                 refused = _unexpected(message)
                 break
             if history:
@@ -420,13 +428,13 @@ class Intake:
                     refused = Refused(verdict.reason, verdict.detail)
                     break
                 validator.accepted(norm)
-            delta = cast("Decoded", decoded).delta
-            if clip is not None:
-                delta, _ = clip_to_norm(cast("torch.Tensor", delta), clip)
-            deltas.append(cast("torch.Tensor", delta))
+            taken += 1
+        del deltas[taken:]
         if not history:
-            validator.accepted_many(norms[: len(deltas)])
-        return deltas, refused
+            validator.accepted_many(norms[:taken])
+        if clip is not None:
+            deltas[:] = [clip_to_norm(delta, clip)[0] for delta in deltas]
+        return refused
 
     def accepted(self, admitted: Admitted) -> None:
         """Record that ``admitted`` was aggregated (its norm joins the z-score's reference)."""

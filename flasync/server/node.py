@@ -87,17 +87,21 @@ class RunFolded(NamedTuple):
     """A run of client updates admitted and folded in (:meth:`AggregationNode.admit_run`), as columns.
 
     Attributes:
-        staleness: Each update's staleness, in order.
+        uploads: The uploads folded in, in order.
+        staleness: Each one's staleness.
         weights: The weight the aggregator gave each one's staleness.
         norms: Each one's L2 norm.
+        decode_s: Real seconds each one's decoding took.
         received_wall: Wall seconds when the run's admission started.
         aggregate_s: Wall seconds from then until the last of them was folded in.
         refused: The refusal of the upload after the last of them, which ended the run (None: none).
     """
 
+    uploads: list[UpdateUploaded]
     staleness: list[int]
     weights: list[float]
     norms: list[float]
+    decode_s: list[float]
     received_wall: float
     aggregate_s: float
     refused: Refused | None
@@ -209,21 +213,22 @@ class AggregationNode:
         """
         wall, intake = self.wall, self.intake
         begin = wall()
-        plain = intake.plain(batch, start, version)
-        if not plain.staleness:
+        uploads, staleness, deltas, norms, decode_s = intake.plain(batch, start, version)
+        if not uploads:
             return None
-        count = len(plain.staleness)
-        samples = [message.num_samples for message, _ in batch[start : start + count]]
-        example_weights, staleness_weights = into.weigh(plain.staleness, samples)
-        if not example_weights:
+        example_weights, staleness_weights = into.weigh(staleness, [message.num_samples for message in uploads])
+        count = len(example_weights)
+        if not count:
             return None  # its weights are refused: admit raises as it would
-        norms = plain.norms[: len(example_weights)]
-        deltas, refused = intake.take_run(batch, start, norms)
+        if count < len(uploads):
+            del uploads[count:], deltas[count:], norms[count:]
+        refused = intake.take_run(uploads, deltas, norms)
         taken = len(deltas)
-        if taken < len(example_weights):
-            del example_weights[taken:], staleness_weights[taken:]
+        if taken < len(staleness):
+            del uploads[taken:], staleness[taken:], example_weights[taken:], staleness_weights[taken:]
+            del norms[taken:], decode_s[taken:]
         into.add_rows(deltas, example_weights=example_weights, staleness_weights=staleness_weights)
-        return RunFolded(plain.staleness[:taken], staleness_weights, norms[:taken], begin, wall() - begin, refused)
+        return RunFolded(uploads, staleness, staleness_weights, norms, decode_s, begin, wall() - begin, refused)
 
     def fold_partial(self, message: EdgeForwarded, *, version: int, into: Sink) -> PartialFolded | None:
         """Decode a sub-edge's partial and fold it ``into`` a sink, its staleness counted against ``version``.

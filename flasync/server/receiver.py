@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -147,7 +147,8 @@ class CloudReceiver:
                 if runs is not None:  # a run of plain uploads settled together, up to the first refused
                     run = self.node.admit_run(batch, index, version=version, into=runs)
                     if run is not None:
-                        index = self._took(batch, index, run, version, now, lines, received)
+                        self._took(run, version, now, lines, received)
+                        index += len(run.uploads)
                         if run.refused is None:
                             continue
                         message, decoded = batch[index]
@@ -178,36 +179,29 @@ class CloudReceiver:
 
     def _took(
         self,
-        batch: Sequence[tuple[UpdateUploaded, Decoded | None]],
-        start: int,
         run: RunFolded,
         version: Version,
         now: float | None,
         lines: list[dict[str, Any]],
         received: list[UpdateReceived],
-    ) -> int:
-        """Count, log and tell the policy of the updates of ``run`` (from ``batch[start]`` on), as :meth:`_take` and
-        :meth:`receive` would one by one: their events are appended to ``received``, their debug lines' fields to
-        ``lines``. Return the index of the upload after them."""
-        staleness = run.staleness
-        end = start + len(staleness)
-        uploads = [message for message, _ in batch[start:end]]
+    ) -> None:
+        """Count, log and tell the policy of the updates of ``run``, as :meth:`_take` and :meth:`receive` would one
+        by one: their events are appended to ``received``, their debug lines' fields to ``lines``."""
+        uploads, staleness = run.uploads, run.staleness
         if not uploads:
-            return end
-        accounting, note = self.accounting, self.policy.note
+            return
+        accounting, note, log_updates = self.accounting, self.policy.note, self._log_updates
         stats = accounting.stats
         accounting.took([message.upload_bytes for message in uploads], staleness, [int(m.client_id) for m in uploads])
         stats.cloud_aggregate_s += run.aggregate_s
         if stats.first_update_s != stats.first_update_s:  # NaN: this is the run's first update
             stats.first_update_s = self.versions.elapsed_s()
         received_wall, step = run.received_wall, stats.updates_accepted - len(uploads)
-        for message, tau, weight, norm, (_, decoded) in zip(
-            uploads, staleness, run.weights, run.norms, batch[start:end], strict=True
-        ):
-            decode_s = cast("Decoded", decoded).decode_s
+        columns = zip(uploads, staleness, run.decode_s, run.weights, run.norms, strict=True)
+        for message, tau, decode_s, weight, norm in columns:
             queue_wait_s = received_wall - message.sent_wall_s
-            step += 1
-            if self._log_updates:
+            if log_updates:
+                step += 1
                 line = {
                     "step": step,
                     "staleness": tau,
@@ -232,7 +226,6 @@ class CloudReceiver:
                 )
             )
             note(message, accepted=True)
-        return end
 
     def _take(
         self,

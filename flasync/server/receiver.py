@@ -144,7 +144,9 @@ class CloudReceiver:
             while index < count:
                 message, decoded = batch[index]
                 outcome: UpdateReceived | Refused | None = None
-                if runs is not None:  # a run of plain uploads settled together, up to the first refused
+                # Two or more uploads left: a run of plain ones settled together, up to the first refused (one alone
+                # is taken the quicker way, without a run's lists).
+                if runs is not None and count - index > 1:
                     run = self.node.admit_run(batch, index, version=version, into=runs)
                     if run is not None:
                         self._took(run, version, now, lines, received)

@@ -195,12 +195,13 @@ async def test_a_batch_is_received_as_its_uploads_one_by_one(
     """A batch with refusals of every kind (a norm over the bound, NaN, Inf, stale, no such task, an upload again, the
     norm bound, the wrong length) and plain uploads between them, decoded and checked together and received at once
     (its runs of plain uploads settled together), publishes the same events in the same order (each refusal in its
-    place), notes the policy alike, releases the same tasks, counts the same (per client too), keeps the same
-    validator history and folds the same weights bit for bit as its uploads received one by one, each checked at its
-    admission and taken alone; with or without the checks against the norms seen before, with or without clipping."""
+    place), notes the policy alike, logs the same lines, releases the same tasks, counts the same (per client too),
+    keeps the same validator history and folds the same weights bit for bit as its uploads received one by one, each
+    checked at its admission and taken alone, and as the batch received two uploads at a time; with or without the
+    checks against the norms seen before, with or without clipping."""
     uploads, tasks = _batch(seed, count, wrong_size)
     options: dict[str, Any] = {"history": history, "clip_norm": 2.0 if clip else None, "clients": clients}
-    together, one_by_one, singles = (
+    together, one_by_one, pairs = (
         _Cloud(tasks, **options),
         _Cloud(tasks, runs=False, **options),
         _Cloud(tasks, **options),
@@ -211,9 +212,10 @@ async def test_a_batch_is_received_as_its_uploads_one_by_one(
     for upload, entry in zip(uploads, entries, strict=True):
         late: Decoded = entry._replace(alone=None)  # its checks all made at its admission, with the batch's norm
         await one_by_one.receiver.receive([(upload, late)])
-        await singles.receiver.receive([(upload, late)])  # a run of one
+    for first in range(0, count, 2):  # the batch in twos (a run of one last where the count is odd), the same rows
+        await pairs.receiver.receive(list(zip(uploads, entries, strict=True))[first : first + 2])
     events = together.events()
-    for other in (one_by_one, singles):
+    for other in (one_by_one, pairs):
         assert events == other.events()
         assert together.policy.notes == other.policy.notes
         assert together.log.lines == other.log.lines

@@ -79,10 +79,10 @@ class CloudReceiver:
         self._log_updates = logs_debug(log)  # each accepted update's debug line reaches something
         self._abandoned = 0  # secure-aggregation groups abandoned: the first few are warnings, the rest debug lines
         self._told: Counter[str] = Counter()  # refusals of each reason logged at info level
-        # Where runs of plain uploads are settled together (AggregationNode.admit_run): a buffered aggregator with no
-        # server plug-in (None: each upload is taken alone).
-        plain = isinstance(aggregator, BufferedAggregator) and not node.plugins and not node.intake.plugins
-        self._runs = aggregator if plain and isinstance(aggregator, BufferedAggregator) else None
+        # Where runs of plain uploads are settled together (AggregationNode.admit_run): flasync's buffered aggregator
+        # itself (a subclass may fold otherwise) with no server plug-in (None: each upload is taken alone).
+        runs = type(aggregator) is BufferedAggregator and not node.plugins and not node.intake.plugins
+        self._runs = aggregator if runs and isinstance(aggregator, BufferedAggregator) else None
 
     @property
     def stats(self) -> ServerStats:
@@ -134,6 +134,11 @@ class CloudReceiver:
         at the last of their times: see :class:`~flasync.clients.simulated.client.CohortClients`). The updates
         accepted are published as one :class:`UpdatesReceived` where every observer takes batches (a refusal's event
         keeps its place between them), and the policy learns of each.
+
+        Into a :class:`~flasync.aggregation.BufferedAggregator` with no server plug-in, each run of two or more plain
+        uploads (:meth:`~flasync.server.intake.Intake.plain`) is admitted, folded and counted together
+        (:meth:`AggregationNode.admit_run`): the same events, logs, refusals, counts and weights, bit for bit, with
+        what is the same for all of them settled once.
         """
         received: list[UpdateReceived] = []
         lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events

@@ -209,8 +209,10 @@ class AggregationNode:
 
         Returns:
             What was folded and the refusal that ended the run, or None where the upload at ``start`` is not plain
-            (nothing done: :meth:`admit` takes it).
+            or the node has server plug-ins (nothing done: :meth:`admit` takes it).
         """
+        if self.plugins:  # each learns of every update folded in: admit tells them
+            return None
         wall, intake = self.wall, self.intake
         begin = wall()
         uploads, staleness, deltas, norms, decode_s = intake.plain(batch, start, version)

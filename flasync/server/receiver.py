@@ -204,6 +204,7 @@ class CloudReceiver:
         if stats.first_update_s != stats.first_update_s:  # NaN: this is the run's first update
             stats.first_update_s = self.versions.elapsed_s()
         received_wall, step = run.received_wall, stats.updates_accepted - len(uploads)
+        event, keep = UpdateReceived, received.append
         columns = zip(uploads, staleness, run.decode_s, run.weights, run.norms, strict=True)
         for message, tau, decode_s, weight, norm in columns:
             queue_wait_s = received_wall - message.sent_wall_s
@@ -218,8 +219,8 @@ class CloudReceiver:
                     "norm": norm,
                 }
                 lines.append(line)
-            received.append(
-                UpdateReceived(
+            keep(
+                event(
                     task_id=message.task_id,
                     client_id=message.client_id,
                     base_version=message.base_version,

@@ -18,7 +18,8 @@ A rule of your own satisfies :class:`Aggregator` and is passed to ``flasync.Fede
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
@@ -160,6 +161,40 @@ class BufferedAggregator:
         weight = self.staleness(staleness)
         self.buffer.add(delta, example_weight=self.example_weight(num_samples), staleness_weight=weight)
         return weight
+
+    def weigh(self, staleness: Sequence[int], num_samples: Sequence[int]) -> tuple[list[float], list[float]]:
+        """Return the example weights ``e_k`` and staleness weights ``s(tau_k)`` :meth:`add` would give updates of
+        ``staleness`` versions trained on ``num_samples`` samples, up to the first update whose weights the buffer
+        would refuse (so :meth:`add_rows` takes every pair given).
+
+        ``s`` is asked once for each staleness of the batch (a batch's updates mostly share theirs), ``e`` for each
+        update.
+        """
+        weigh: dict[int, float] = {}
+        for tau in staleness:
+            if tau not in weigh:
+                weigh[tau] = self.staleness(tau)
+        staleness_weights = [weigh[tau] for tau in staleness]
+        example_weight = self.example_weight
+        example_weights = [example_weight(samples) for samples in num_samples]
+        # A NaN or an Inf makes the sum so; a sum that overflows only sends the batch to the check of each.
+        if not (
+            math.isfinite(sum(example_weights) + sum(weigh.values()))
+            and min(example_weights, default=1.0) > 0
+            and min(weigh.values(), default=0.0) >= 0
+        ):
+            for index, (example, weight) in enumerate(zip(example_weights, staleness_weights, strict=True)):
+                if not (0 < example < math.inf and 0 <= weight < math.inf):
+                    del example_weights[index:], staleness_weights[index:]
+                    break
+        return example_weights, staleness_weights
+
+    def add_rows(
+        self, deltas: Sequence[torch.Tensor], *, example_weights: Sequence[float], staleness_weights: Sequence[float]
+    ) -> None:
+        """Add ``e_k s_k delta_k`` of each update in turn, its weights as :meth:`weigh` gave them: :meth:`add` of each,
+        bit for bit (see :meth:`UpdateBuffer.add_rows`)."""
+        self.buffer.add_rows(deltas, example_weights=example_weights, staleness_weights=staleness_weights)
 
     def add_partial(self, weighted_sum: torch.Tensor, *, example_weight: float, staleness: int) -> float:
         """Add ``s(tau) S`` and ``E`` of an edge's partial; return ``s(tau)``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -110,6 +111,45 @@ class UpdateBuffer:
         self._acc.add_(delta, alpha=example_weight * staleness_weight)
         self._total_example_weight += example_weight
         self._count += 1
+
+    def add_rows(
+        self, deltas: Sequence[Tensor], *, example_weights: Sequence[float], staleness_weights: Sequence[float]
+    ) -> None:
+        """Fold client deltas in, one at a time and in order: :meth:`add` of each, bit for bit.
+
+        The arguments are checked once for all of them (the rows of a batch decoded together share one shape, dtype
+        and device), then each row is added as :meth:`add` adds it (``acc += e_k * s_k * delta_k``, never a sum of
+        the rows first) and ``E`` grows by each ``e_k`` in turn.
+
+        Args:
+            deltas: Flat client deltas, each as :meth:`add` takes it.
+            example_weights: Their weights ``e_k``, finite and > 0.
+            staleness_weights: Their discounts ``s(tau_k)``, finite and >= 0.
+
+        Raises:
+            ValueError: If the lengths differ, or a delta or weight is wrong as :meth:`add` says; nothing is added.
+        """
+        if not len(deltas) == len(example_weights) == len(staleness_weights):
+            raise ValueError(
+                f"{len(deltas)} deltas, {len(example_weights)} example weights and {len(staleness_weights)} "
+                "staleness weights: one of each per update"
+            )
+        shape, dtype, device = self._shape, self._dtype, self._device
+        # The weights' bounds in a few C loops (a NaN or an Inf makes the sum so), then each row's form.
+        weights_ok = not deltas or (
+            math.isfinite(sum(example_weights) + sum(staleness_weights))
+            and min(example_weights) > 0
+            and min(staleness_weights) >= 0
+        )
+        for delta, example_weight, staleness_weight in zip(deltas, example_weights, staleness_weights, strict=True):
+            if not (weights_ok and delta.shape == shape and delta.dtype == dtype and delta.device == device):
+                self._check(delta, example_weight, staleness_weight)  # names what is wrong, if anything is
+        fold, total = self._acc.add_, self._total_example_weight
+        for delta, example_weight, staleness_weight in zip(deltas, example_weights, staleness_weights, strict=True):
+            fold(delta, alpha=example_weight * staleness_weight)
+            total += example_weight
+        self._total_example_weight = total
+        self._count += len(deltas)
 
     def _check(self, delta: Tensor, example_weight: float, staleness_weight: float) -> None:
         if delta.dim() != 1:

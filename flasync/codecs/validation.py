@@ -197,6 +197,12 @@ class UpdateValidator:
             out.append((self._norm_alone(norm), norm))
         return out
 
+    @property
+    def judges_history(self) -> bool:
+        """Whether :meth:`check_norm` looks at the norms seen before (a norm bound or a z-score is on): else it
+        passes every norm and records none, so accepted norms may be recorded together."""
+        return self.norm_bound_factor is not None or self.zscore_threshold is not None
+
     def check_norm(self, norm: float) -> Verdict | None:
         """Return the verdict of the checks against the norms seen before (norm bound, z-score) on a finite ``norm``
         that :meth:`check_alone` passed; the norm bound's reference records it (see ``norm_bound_factor``)."""
@@ -227,3 +233,7 @@ class UpdateValidator:
         """Record the norm of an update that was aggregated."""
         if math.isfinite(norm):
             self._norms.append(norm)
+
+    def accepted_many(self, norms: Iterable[float]) -> None:
+        """Record the norms of updates that were aggregated, in order: :meth:`accepted` of each."""
+        self._norms.extend(norm for norm in norms if math.isfinite(norm))

@@ -751,7 +751,8 @@ def _make_dispatch(
         # Only least-recently-used sampling reads the clients' last use: other runs never build that state.
         mark_used=population.mark_used if lru else None,
         mark_idle=population.mark_idle if follow else None,
-        on_release=world.forget if room is None else _both(world.forget, room.released),
+        # Only client plug-ins and a secure room keep state per task: without them a release tells nobody.
+        on_release=_released(world, room),
         share=share,
         holding=None if room is None else room.holds,
         on_attach=None if room is None else room.attached,
@@ -767,6 +768,14 @@ def _make_dispatch(
         population, config.population.sampling, seeding.numpy_stream(config.seed, seeding.SERVER), availability
     )
     return accounting, registry, group, sampler, room
+
+
+def _released(world: ClientWorld, room: SecureRoom | None) -> Callable[[TaskAssigned], None] | None:
+    """What a task's release tells: the client plug-ins (:meth:`ClientWorld.forget`) where there are any, the secure
+    room where there is one (None: nothing keeps state per task, and a release calls nothing)."""
+    if room is None:
+        return world.forget if world.plugins else None
+    return _both(world.forget, room.released) if world.plugins else room.released
 
 
 def _both(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -118,6 +119,31 @@ class Accounting:
         if staleness > stats.staleness_max:
             stats.staleness_max = staleness
         self._staleness.append(staleness)
+
+    def took(self, upload_bytes: Sequence[int], staleness: Sequence[int], client_ids: Sequence[int]) -> None:
+        """Count updates that reached the cloud and were folded in there, in order: :meth:`arrived` and then
+        :meth:`accepted` of each in turn (the per-client table is told of each in that order; the sums are added
+        once)."""
+        clients = self.clients
+        if clients is not None:
+            for client_id, num_bytes, tau in zip(client_ids, upload_bytes, staleness, strict=True):
+                clients.uploaded(client_id, num_bytes)
+                clients.accepted(client_id, tau)
+        if not staleness:
+            return
+        stats, size = self.stats, sum(upload_bytes)
+        stats.upload_bytes += size
+        stats.cloud_ingress_bytes += size
+        self._ingress += size
+        self._failure_streak = 0
+        if self._rejections:
+            self._rejections.clear()
+        stats.updates_accepted += len(staleness)
+        stats.staleness_sum += sum(staleness)
+        most = max(staleness)
+        if most > stats.staleness_max:
+            stats.staleness_max = most
+        self._staleness.extend(staleness)
 
     def rejected(self, reason: str, *, client_id: int | None = None) -> None:
         """Count one update refused by an intake (of client ``client_id`` when known).

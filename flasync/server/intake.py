@@ -23,7 +23,7 @@ from flasync.core.snapshots import ModelSnapshot
 from flasync.server.registry import TaskRegistry
 from flasync.training.plugins import Refusal, ServerPlugin
 
-__all__ = ["Admitted", "Decoded", "Intake", "PreparedRow", "Refused", "RowDecoder"]
+__all__ = ["Admitted", "Decoded", "Intake", "Plain", "PreparedRow", "Refused", "RowDecoder"]
 
 _new_tuple = tuple.__new__  # builds a named tuple (every field given) in C, without its class's Python constructor
 
@@ -159,6 +159,22 @@ class Refused:
 
     reason: str
     detail: str
+
+
+def _unexpected(message: UpdateUploaded) -> Refused:
+    """The refusal of an upload that answers no task in flight."""
+    return Refused("unexpected", f"client {message.client_id} has no task {message.task_id}")
+
+
+class Plain(NamedTuple):
+    """A run of uploads :meth:`Intake.plain` found, as columns in order: the uploads, their staleness, their deltas,
+    the deltas' L2 norms and each one's decoding seconds."""
+
+    uploads: list[UpdateUploaded]
+    staleness: list[int]
+    deltas: list[torch.Tensor]
+    norms: list[float]
+    decode_s: list[float]
 
 
 class Intake:
@@ -303,7 +319,7 @@ class Intake:
             # Refused before it can close a task: a forged or corrupt message must not cost the real answer.
             return Refused("unknown_version", f"base version {message.base_version} was never published")
         if not registry.release(message):
-            return Refused("unexpected", f"client {message.client_id} has no task {message.task_id}")
+            return _unexpected(message)
         staleness = version - base_version
         if base is None or staleness < 0:
             return Refused("unknown_version", f"base version {message.base_version} was never published")
@@ -337,6 +353,88 @@ class Intake:
         for plugin in plugins:
             plugin.admitted(message, version)
         return _new_tuple(Admitted, (delta, staleness, norm, base, received_wall, decode_s, extra))
+
+    def plain(self, batch: Sequence[tuple[UpdateUploaded, Decoded | None]], start: int, version: int) -> Plain:
+        """Find the longest run of uploads from ``batch[start]`` on that :meth:`admit` would pass up to the release of
+        its task and the checks against the norms seen before (:meth:`take_run` makes those); nothing is changed.
+
+        Each is plain: decoded (its entry of :meth:`decode`) into a delta that passes the checks of a delta alone,
+        trained from a version that exists, ``version`` holds its model and it is not too stale, and no plug-in of
+        the run's algorithm state takes part (with one the run is empty). The first upload that is not stops it:
+        :meth:`admit` takes that one.
+
+        Args:
+            batch: Uploads and their entries of :meth:`decode`, in the order they are admitted.
+            start: Where the run begins.
+            version: The version the receiver holds now.
+        """
+        run = Plain([], [], [], [], [])
+        if self.plugins:
+            return run
+        uploads, staleness, deltas, norms, seconds = run
+        registry, limit, validator = self.registry, self.max_staleness, self.validator
+        known = -1  # the last base version found (a batch's uploads mostly share theirs)
+        for index in range(start, len(batch)):
+            message, decoded = batch[index]
+            base_version = int(message.base_version)
+            if not 0 <= base_version <= version:
+                break
+            if base_version != known:
+                if registry.base(message.base_version) is None:
+                    break
+                known = base_version
+            tau = version - base_version
+            if (limit is not None and tau > limit) or decoded is None:
+                break
+            delta, norm, decode_s, _, alone = decoded
+            if delta is None:
+                break
+            if alone is None:  # an upload decoded alone: the checks of its delta alone are made here
+                alone = validator.check_alone(delta, norm)
+            if alone[0] is not None:
+                break
+            uploads.append(message)
+            staleness.append(tau)
+            deltas.append(delta)
+            norms.append(alone[1])
+            seconds.append(decode_s)
+        return run
+
+    def take_run(
+        self, uploads: Sequence[UpdateUploaded], deltas: list[torch.Tensor], norms: Sequence[float]
+    ) -> Refused | None:
+        """Admit a run of plain uploads (:meth:`plain`) in order, as :meth:`admit` would one by one, and record each
+        as :meth:`accepted` would: the caller folds every delta left in ``deltas`` (the norms join the z-score's
+        reference as they are taken, each before the next one is judged).
+
+        Each upload's task is released and its norm checked against the norms seen before; the run stops at the
+        first that is refused (its task released, as :meth:`admit` would leave it). ``deltas`` is cut to those
+        admitted (and clipped to ``clip_norm`` where that is set).
+
+        Returns:
+            The refusal of the upload after the last one admitted (None: every upload of the run was admitted).
+        """
+        registry, validator, clip = self.registry, self.validator, self.clip_norm
+        history, release = validator.judges_history, registry.release
+        refused: Refused | None = None
+        taken = 0
+        for message, norm in zip(uploads, norms, strict=True):
+            if not release(message):
+                refused = _unexpected(message)
+                break
+            if history:
+                verdict = validator.check_norm(norm)
+                if verdict is not None:
+                    refused = Refused(verdict.reason, verdict.detail)
+                    break
+                validator.accepted(norm)
+            taken += 1
+        del deltas[taken:]
+        if not history:
+            validator.accepted_many(norms[:taken])
+        if clip is not None:
+            deltas[:] = [clip_to_norm(delta, clip)[0] for delta in deltas]
+        return refused
 
     def accepted(self, admitted: Admitted) -> None:
         """Record that ``admitted`` was aggregated (its norm joins the z-score's reference)."""

@@ -16,14 +16,14 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from flasync.aggregation import ExampleWeight, StalenessWeight, UpdateBuffer
+from flasync.aggregation import BufferedAggregator, ExampleWeight, StalenessWeight, UpdateBuffer
 from flasync.codecs import Pipeline
 from flasync.core.bus import EventBus
 from flasync.core.events import EdgeForwarded, UpdateRejected, UpdateUploaded
 from flasync.server.intake import Admitted, Decoded, Intake, Refused
 from flasync.training.plugins import ServerPlugin
 
-__all__ = ["AggregationNode", "BufferSink", "Folded", "PartialFolded", "Sink"]
+__all__ = ["AggregationNode", "BufferSink", "Folded", "PartialFolded", "RunFolded", "Sink"]
 
 _new_tuple = tuple.__new__  # builds a named tuple (every field given) in C, without its class's Python constructor
 
@@ -81,6 +81,30 @@ class Folded(NamedTuple):
     admitted: Admitted
     weight: float
     aggregate_s: float
+
+
+class RunFolded(NamedTuple):
+    """A run of client updates admitted and folded in (:meth:`AggregationNode.admit_run`), as columns.
+
+    Attributes:
+        uploads: The uploads folded in, in order.
+        staleness: Each one's staleness.
+        weights: The weight the aggregator gave each one's staleness.
+        norms: Each one's L2 norm.
+        decode_s: Real seconds each one's decoding took.
+        received_wall: Wall seconds when the run's admission started.
+        aggregate_s: Wall seconds from then until the last of them was folded in.
+        refused: The refusal of the upload after the last of them, which ended the run (None: none).
+    """
+
+    uploads: list[UpdateUploaded]
+    staleness: list[int]
+    weights: list[float]
+    norms: list[float]
+    decode_s: list[float]
+    received_wall: float
+    aggregate_s: float
+    refused: Refused | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +185,52 @@ class AggregationNode:
             plugin.folded(extra)
         intake.accepted(verdict)
         return _new_tuple(Folded, (verdict, weight, wall() - start))
+
+    def admit_run(
+        self,
+        batch: Sequence[tuple[UpdateUploaded, Decoded | None]],
+        start: int,
+        *,
+        version: int,
+        into: BufferedAggregator,
+    ) -> RunFolded | None:
+        """Admit and fold the longest run of plain uploads from ``batch[start]`` on (see :meth:`Intake.plain`), as
+        :meth:`admit` would each in turn: the same releases, refusals, weights and folds, in order.
+
+        What is the same for every upload of the run is settled once (the version, the arguments of the fold); what
+        one depends on the last stays per upload and in order (the checks against the norms seen before, the fold of
+        each delta). The run ends before the first upload that is not plain, or at the first refused.
+
+        Args:
+            batch: Uploads and their entries of :meth:`Intake.decode`, in order.
+            start: Where the run begins.
+            version: The version they would join.
+            into: Where they are folded (a buffered aggregator: its weights are asked for first).
+
+        Returns:
+            What was folded and the refusal that ended the run, or None where the upload at ``start`` is not plain
+            or the node has server plug-ins (nothing done: :meth:`admit` takes it).
+        """
+        if self.plugins:  # each learns of every update folded in: admit tells them
+            return None
+        wall, intake = self.wall, self.intake
+        begin = wall()
+        uploads, staleness, deltas, norms, decode_s = intake.plain(batch, start, version)
+        if not uploads:
+            return None
+        example_weights, staleness_weights = into.weigh(staleness, [message.num_samples for message in uploads])
+        count = len(example_weights)
+        if not count:
+            return None  # its weights are refused: admit raises as it would
+        if count < len(uploads):
+            del uploads[count:], deltas[count:], norms[count:]
+        refused = intake.take_run(uploads, deltas, norms)
+        taken = len(deltas)
+        if taken < len(staleness):
+            del uploads[taken:], staleness[taken:], example_weights[taken:], staleness_weights[taken:]
+            del norms[taken:], decode_s[taken:]
+        into.add_rows(deltas, example_weights=example_weights, staleness_weights=staleness_weights)
+        return RunFolded(uploads, staleness, staleness_weights, norms, decode_s, begin, wall() - begin, refused)
 
     def fold_partial(self, message: EdgeForwarded, *, version: int, into: Sink) -> PartialFolded | None:
         """Decode a sub-edge's partial and fold it ``into`` a sink, its staleness counted against ``version``.

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from flasync.aggregation import Aggregator
+from flasync.aggregation import Aggregator, BufferedAggregator
 from flasync.core.bus import EventBus
 from flasync.core.events import (
     EdgeForwarded,
@@ -30,7 +30,7 @@ from flasync.core.events import (
 from flasync.core.instruments import debug_many, logs_debug
 from flasync.server.accounting import Accounting, ServerStats
 from flasync.server.intake import Decoded, Refused
-from flasync.server.node import AggregationNode
+from flasync.server.node import AggregationNode, RunFolded
 from flasync.server.policies import Policy
 from flasync.server.versions import VersionMaker
 
@@ -79,6 +79,10 @@ class CloudReceiver:
         self._log_updates = logs_debug(log)  # each accepted update's debug line reaches something
         self._abandoned = 0  # secure-aggregation groups abandoned: the first few are warnings, the rest debug lines
         self._told: Counter[str] = Counter()  # refusals of each reason logged at info level
+        # Where runs of plain uploads are settled together (AggregationNode.admit_run): flasync's buffered aggregator
+        # itself (a subclass may fold otherwise) with no server plug-in (None: each upload is taken alone).
+        runs = type(aggregator) is BufferedAggregator and not node.plugins and not node.intake.plugins
+        self._runs = aggregator if runs and isinstance(aggregator, BufferedAggregator) else None
 
     @property
     def stats(self) -> ServerStats:
@@ -130,15 +134,37 @@ class CloudReceiver:
         at the last of their times: see :class:`~flasync.clients.simulated.client.CohortClients`). The updates
         accepted are published as one :class:`UpdatesReceived` where every observer takes batches (a refusal's event
         keeps its place between them), and the policy learns of each.
+
+        Into a :class:`~flasync.aggregation.BufferedAggregator` with no server plug-in, each run of two or more plain
+        uploads (:meth:`~flasync.server.intake.Intake.plain`) is admitted, folded and counted together
+        (:meth:`AggregationNode.admit_run`): the same events, logs, refusals, counts and weights, bit for bit, with
+        what is the same for all of them settled once.
         """
         received: list[UpdateReceived] = []
         lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
-        take, note = self._take, self.policy.note
+        take, note, runs = self._take, self.policy.note, self._runs
         version = self.versions.version  # only the loop steps it (an int), and it is here until the batch is taken
+        index, count = 0, len(batch)
         try:
-            for message, decoded in batch:
+            while index < count:
+                message, decoded = batch[index]
+                outcome: UpdateReceived | Refused | None = None
+                # Two or more uploads left: a run of plain ones settled together, up to the first refused (one alone
+                # is taken the quicker way, without a run's lists).
+                if runs is not None and count - index > 1:
+                    run = self.node.admit_run(batch, index, version=version, into=runs)
+                    if run is not None:
+                        self._took(run, version, now, lines, received)
+                        index += len(run.uploads)
+                        if run.refused is None:
+                            continue
+                        message, decoded = batch[index]
+                        self.accounting.arrived(message.upload_bytes, client_id=int(message.client_id))
+                        outcome = run.refused
                 received_s = message.simulated_s if now is None else now
-                outcome = take(message, decoded, version, received_s, lines)
+                if outcome is None:
+                    outcome = take(message, decoded, version, received_s, lines)
+                index += 1
                 if isinstance(outcome, Refused):
                     if lines:
                         debug_many(self.log, "server.update", lines)
@@ -157,6 +183,57 @@ class CloudReceiver:
             await self.bus.publish(received[0])
         elif received:
             await self.bus.publish_together(UpdatesReceived, received)
+
+    def _took(
+        self,
+        run: RunFolded,
+        version: Version,
+        now: float | None,
+        lines: list[dict[str, Any]],
+        received: list[UpdateReceived],
+    ) -> None:
+        """Count, log and tell the policy of the updates of ``run``, as :meth:`_take` and :meth:`receive` would one
+        by one: their events are appended to ``received``, their debug lines' fields to ``lines``."""
+        uploads, staleness = run.uploads, run.staleness
+        if not uploads:
+            return
+        accounting, note, log_updates = self.accounting, self.policy.note, self._log_updates
+        stats = accounting.stats
+        accounting.took([message.upload_bytes for message in uploads], staleness, [int(m.client_id) for m in uploads])
+        stats.cloud_aggregate_s += run.aggregate_s
+        if stats.first_update_s != stats.first_update_s:  # NaN: this is the run's first update
+            stats.first_update_s = self.versions.elapsed_s()
+        received_wall, step = run.received_wall, stats.updates_accepted - len(uploads)
+        event, keep = UpdateReceived, received.append
+        columns = zip(uploads, staleness, run.decode_s, run.weights, run.norms, strict=True)
+        for message, tau, decode_s, weight, norm in columns:
+            queue_wait_s = received_wall - message.sent_wall_s
+            if log_updates:
+                step += 1
+                line = {
+                    "step": step,
+                    "staleness": tau,
+                    "staleness_weight": weight,
+                    "queue_wait_s": queue_wait_s,
+                    "decode_s": decode_s,
+                    "norm": norm,
+                }
+                lines.append(line)
+            keep(
+                event(
+                    task_id=message.task_id,
+                    client_id=message.client_id,
+                    base_version=message.base_version,
+                    version=version,
+                    staleness=tau,
+                    upload_bytes=message.upload_bytes,
+                    simulated_s=message.simulated_s if now is None else now,
+                    tier=message.tier,
+                    decode_s=decode_s,
+                    queue_wait_s=queue_wait_s,
+                )
+            )
+            note(message, accepted=True)
 
     def _take(
         self,

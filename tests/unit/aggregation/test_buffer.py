@@ -297,3 +297,57 @@ def test_mean_in_place_divides_as_the_python_number_does(dtype: torch.dtype) -> 
             mean = buffer.mean_()
             assert torch.equal(mean.isnan(), expected.isnan())
             assert torch.equal(mean.nan_to_num(nan=0.0), expected.nan_to_num(nan=0.0))
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    count=st.integers(0, 9),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_add_rows_equals_adding_each_row_in_turn(seed: int, count: int, dtype: torch.dtype) -> None:
+    """Rows folded together give the accumulator, total weight and count of adding them one by one, bit for bit."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = (torch.randn(count, 7, generator=generator) * 3.0).to(dtype)
+    example = [float(x) for x in torch.randint(1, 50, (count,), generator=generator)]
+    staleness = [float(x) for x in torch.rand(count, generator=generator)]
+    together, one_by_one = UpdateBuffer(7, dtype=dtype), UpdateBuffer(7, dtype=dtype)
+    together.add(torch.ones(7, dtype=dtype), example_weight=0.3, staleness_weight=0.7)
+    one_by_one.add(torch.ones(7, dtype=dtype), example_weight=0.3, staleness_weight=0.7)
+    together.add_rows(list(rows.unbind(0)), example_weights=example, staleness_weights=staleness)
+    for row, e, s in zip(rows.unbind(0), example, staleness, strict=True):
+        one_by_one.add(row, example_weight=e, staleness_weight=s)
+    assert torch.equal(together.weighted_sum, one_by_one.weighted_sum)
+    assert together.total_example_weight == one_by_one.total_example_weight
+    assert together.count == one_by_one.count == count + 1
+
+
+@pytest.mark.parametrize(
+    ("rows", "example", "staleness", "match"),
+    [
+        ([torch.ones(4), torch.ones(5)], [1.0, 1.0], [1.0, 1.0], "elements"),
+        ([torch.ones(4), torch.ones(4, dtype=torch.float64)], [1.0, 1.0], [1.0, 1.0], "dtype"),
+        ([torch.ones(4), torch.ones(4)], [1.0, 0.0], [1.0, 1.0], "example_weight"),
+        ([torch.ones(4), torch.ones(4)], [1.0, math.nan], [1.0, 1.0], "example_weight"),
+        ([torch.ones(4), torch.ones(4)], [1.0, 1.0], [math.inf, 1.0], "staleness_weight"),
+        ([torch.ones(4), torch.ones(4)], [1.0, 1.0], [1.0, -0.5], "staleness_weight"),
+        ([torch.ones(4), torch.ones(4)], [1.0], [1.0, 1.0], "one of each"),
+    ],
+)
+def test_add_rows_refuses_a_bad_row_and_adds_none(
+    rows: list[Tensor], example: list[float], staleness: list[float], match: str
+) -> None:
+    """A wrong row or weight anywhere names what is wrong and leaves the buffer as it was (the good rows before it
+    are not added)."""
+    buffer = UpdateBuffer(4)
+    with pytest.raises(ValueError, match=match):
+        buffer.add_rows(rows, example_weights=example, staleness_weights=staleness)
+    assert buffer.count == 0 and buffer.total_example_weight == 0.0
+    assert torch.equal(buffer.weighted_sum, torch.zeros(4))
+
+
+def test_add_rows_takes_weights_whose_sum_overflows() -> None:
+    """Weights each in range whose sum overflows a float (the quick check of them all fails) are still taken."""
+    buffer = UpdateBuffer(2, dtype=torch.float64)
+    big = 1e308
+    buffer.add_rows([torch.zeros(2, dtype=torch.float64)] * 2, example_weights=[big, big], staleness_weights=[1.0, 1.0])
+    assert buffer.count == 2 and buffer.total_example_weight == math.inf

@@ -206,3 +206,24 @@ def test_check_is_the_checks_alone_then_those_against_the_history(seed: int) -> 
             whole.accepted(norm)
             split.accepted(norm)
     assert whole.norms == split.norms
+
+
+@given(norms=st.lists(st.one_of(st.floats(0.0, 100.0), st.sampled_from([math.nan, math.inf])), max_size=12))
+def test_accepted_many_records_as_each_accepted_in_turn(norms: list[float]) -> None:
+    """Norms recorded together join the history as each recorded alone would (those not finite left out), oldest
+    first, within the window."""
+    together, one_by_one = UpdateValidator(3, window=5), UpdateValidator(3, window=5)
+    together.accepted_many(norms)
+    for norm in norms:
+        one_by_one.accepted(norm)
+    assert together.norms == one_by_one.norms
+
+
+def test_a_validator_judges_history_only_with_a_norm_bound_or_a_zscore() -> None:
+    """Without a norm bound or a z-score the checks against the norms seen pass every norm and record none."""
+    assert not UpdateValidator(3, max_norm=2.0).judges_history
+    assert UpdateValidator(3, zscore_threshold=3.0).judges_history
+    assert UpdateValidator(3, norm_bound_factor=4.0).judges_history
+    plain = UpdateValidator(3)
+    assert plain.check_norm(1e9) is None and plain.check_norm(0.0) is None
+    assert not plain._seen and not plain.norms

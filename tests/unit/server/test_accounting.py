@@ -151,3 +151,22 @@ def test_an_arrival_counts_as_an_upload_and_cloud_ingress() -> None:
     assert one.state_dict() == both.state_dict()
     assert one.stats.upload_bytes == one.stats.cloud_ingress_bytes == 147
     assert one.close_version(1).ingress_bytes == 147
+
+
+@pytest.mark.parametrize("table", [False, True])
+def test_updates_taken_together_are_counted_as_each_arrived_and_accepted_in_turn(table: bool) -> None:
+    """:meth:`Accounting.took` leaves the counters, the version's figures and the per-client table as
+    :meth:`arrived` and then :meth:`accepted` of each update in turn; a refusal's streak ends alike."""
+    sizes, staleness, clients = [10, 20, 30, 40, 50], [0, 2, 1, 0, 3], [7, 3, 7, 9, 1]
+    together = Accounting(failure_limit=3, rejection_limit=5, clients=ClientTable(3, 2) if table else None)
+    one_by_one = Accounting(failure_limit=3, rejection_limit=5, clients=ClientTable(3, 2) if table else None)
+    for accounting in (together, one_by_one):
+        accounting.rejected("norm", client_id=4)
+        accounting.rejected("stale", client_id=4)
+    together.took(sizes, staleness, clients)
+    together.took([], [], [])
+    for size, tau, client in zip(sizes, staleness, clients, strict=True):
+        one_by_one.arrived(size, client_id=client)
+        one_by_one.accepted(tau, client_id=client)
+    assert together.state_dict() == one_by_one.state_dict()
+    assert together.close_version(1) == one_by_one.close_version(1)

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from flasync import codecs
-from flasync.aggregation import ConstantStaleness, PolynomialStaleness, SampleExampleWeight, UpdateBuffer
+from flasync.aggregation import (
+    BufferedAggregator,
+    ConstantStaleness,
+    FlatSGD,
+    PolynomialStaleness,
+    SampleExampleWeight,
+    UpdateBuffer,
+)
 from flasync.codecs.validation import UpdateValidator
 from flasync.core.bus import EventBus
 from flasync.core.events import CLOUD, ClientId, EdgeForwarded, UpdateRejected, UpdateUploaded, Version
@@ -146,6 +153,50 @@ def test_the_plugins_learn_of_each_update_folded_in() -> None:
     node.admit(_upload(1, 0, torch.full((N,), 0.5)), version=0, into=_Sink())
     node.admit(_upload(2, 0, torch.full((N,), 5.0)), version=0, into=_Sink())
     assert plugin.folded_extras == [None]
+
+
+def _buffered() -> BufferedAggregator:
+    weights = torch.zeros(N)
+    return BufferedAggregator(
+        weights,
+        size=100,
+        optimizer=FlatSGD(weights),
+        staleness=PolynomialStaleness(),
+        example_weight=SampleExampleWeight(),
+    )
+
+
+def test_a_run_of_plain_uploads_is_folded_as_each_admitted_in_turn_up_to_the_first_refused() -> None:
+    """A run stops at the upload whose task is not in flight (its refusal returned, as admit's) and folds the ones
+    before it as admit folds each; an upload that is not plain (too big alone) is left to admit, untouched."""
+    node, alone = _node(EventBus(), max_norm=3.0), _node(EventBus(), max_norm=3.0)
+    uploads = [_upload(k, k % 3, torch.full((N,), 0.1 * (k + 1)), num_samples=k + 1) for k in range(4)]
+    uploads.insert(2, uploads[0])  # its task was answered: refused
+    uploads.append(_upload(9, 0, torch.full((N,), 5.0)))  # over max_norm: not plain
+    batch = list(zip(uploads, node.intake.decode(uploads), strict=True))
+    together, one_by_one = _buffered(), _buffered()
+    run = node.admit_run(batch, 0, version=4, into=together)
+    assert run is not None and [m.task_id for m in run.uploads] == [0, 1]
+    assert run.refused == Refused("unexpected", "client 0 has no task 0")
+    assert run.staleness == [4, 3] and len(run.weights) == len(run.norms) == len(run.decode_s) == 2
+    rest = node.admit_run(batch, 3, version=4, into=together)
+    assert rest is not None and [m.task_id for m in rest.uploads] == [2, 3] and rest.refused is None
+    assert node.admit_run(batch, 5, version=4, into=together) is None
+    for upload in uploads[:5]:
+        alone.admit(upload, version=4, into=one_by_one)
+    assert torch.equal(together.buffer.weighted_sum, one_by_one.buffer.weighted_sum)
+    assert together.count() == one_by_one.count() == 4
+    assert node.intake.validator.norms == alone.intake.validator.norms
+
+
+def test_a_node_with_plugins_takes_no_run() -> None:
+    """Server plug-ins learn of each update folded in through admit: a node with any leaves every upload to it."""
+    node = _node(EventBus(), plugins=(_Plugin(),))
+    uploads = [_upload(k, 0, torch.full((N,), 0.5)) for k in range(3)]
+    batch = list(zip(uploads, node.intake.decode(uploads), strict=True))
+    aggregator = _buffered()
+    assert node.admit_run(batch, 0, version=0, into=aggregator) is None
+    assert aggregator.count() == 0 and not node.intake.registry.released  # type: ignore[attr-defined]
 
 
 def test_a_partial_is_decoded_and_folded_with_its_staleness() -> None:

@@ -14,6 +14,7 @@ from flasync import codecs
 from flasync.aggregation import BufferedAggregator, FlatSGD, PolynomialStaleness, SampleExampleWeight
 from flasync.codecs.validation import UpdateValidator
 from flasync.core.bus import EventBus
+from flasync.core.client_table import ClientTable
 from flasync.core.events import (
     CLOUD,
     ClientId,
@@ -27,7 +28,6 @@ from flasync.server import Accounting, Intake
 from flasync.server.intake import Decoded
 from flasync.server.node import AggregationNode
 from flasync.server.receiver import CloudReceiver
-from flasync.testing import NullLog
 from tests.unit.server.stand_ins import TasksInFlight
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,20 +55,46 @@ class _Policy:
         self.notes.append((message.task_id, accepted))
 
 
+class _Log:
+    """A logger that records every line: its level, event and fields."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict[str, Any]]] = []
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self.lines.append(("debug", event, fields))
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.lines.append(("info", event, fields))
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.lines.append(("warning", event, fields))
+
+
 class _Cloud:
     """A receiver over a real intake, node, FedBuff aggregator, accounting and bus."""
 
-    def __init__(self, tasks: list[tuple[int, int, int]]) -> None:
+    def __init__(
+        self,
+        tasks: list[tuple[int, int, int]],
+        *,
+        history: bool = True,
+        clip_norm: float | None = None,
+        clients: bool = False,
+        runs: bool = True,
+    ) -> None:
         self.bus = EventBus()
         self.seen = self.bus.subscribe(capacity=10_000)
+        self.registry = TasksInFlight(N, *tasks)
+        bounds: dict[str, Any] = {"zscore_threshold": 3.0, "norm_bound_factor": 4.0} if history else {}
         self.intake = Intake(
-            registry=TasksInFlight(N, *tasks),  # type: ignore[arg-type]
+            registry=self.registry,  # type: ignore[arg-type]
             codec=codecs.Pipeline(),
             num_params=N,
             device=torch.device("cpu"),
-            validator=UpdateValidator(N, max_norm=40.0, zscore_threshold=3.0, min_history=3, norm_bound_factor=4.0),
+            validator=UpdateValidator(N, max_norm=40.0, min_history=3, **bounds),
             max_staleness=2,
-            clip_norm=None,
+            clip_norm=clip_norm,
             wall=lambda: 0.0,
         )
         self.weights = torch.zeros(N)
@@ -89,7 +115,8 @@ class _Cloud:
             device=torch.device("cpu"),
         )
         self.policy = _Policy()
-        self.accounting = Accounting(failure_limit=10)
+        self.log = _Log()
+        self.accounting = Accounting(failure_limit=10, clients=ClientTable(4, 2) if clients else None)
         self.receiver = CloudReceiver(
             node,
             aggregator=self.aggregator,
@@ -97,8 +124,10 @@ class _Cloud:
             policy=self.policy,  # type: ignore[arg-type]
             accounting=self.accounting,
             bus=self.bus,
-            log=NullLog(),
+            log=self.log,
         )
+        if not runs:  # each upload taken alone, as before runs were settled together
+            self.receiver._runs = None
 
     def events(self) -> list[Any]:
         """What was published, batches spelt out as their members."""
@@ -112,9 +141,16 @@ def _batch(seed: int, count: int, wrong_size: bool) -> tuple[list[UpdateUploaded
     """Uploads of every fate (good, a norm over the bound, NaN, Inf, stale, no such task, the norm bound, a wrong
     length) and the tasks in flight they answer."""
     generator = torch.Generator().manual_seed(seed)
-    uploads, tasks = [], []
+    uploads: list[UpdateUploaded] = []
+    tasks: list[tuple[int, int, int]] = []
     for k in range(count):
-        fate = int(torch.randint(0, 8, (1,), generator=generator))
+        fate = int(torch.randint(0, 9, (1,), generator=generator))
+        if (
+            fate == 8 and uploads and not (wrong_size and k == count // 2)
+        ):  # an upload again: its task was answered (or was never there)
+            uploads.append(uploads[int(torch.randint(0, len(uploads), (1,), generator=generator))])
+            continue
+        fate = min(fate, 7)
         delta = torch.randn(N, generator=generator) * float(torch.empty(1).uniform_(0.5, 3.0, generator=generator))
         base = 0 if fate == 4 else int(torch.randint(1, VERSION + 1, (1,), generator=generator))
         if fate == 1:
@@ -144,31 +180,89 @@ def _batch(seed: int, count: int, wrong_size: bool) -> tuple[list[UpdateUploaded
     return uploads, tasks
 
 
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), count=st.integers(2, 12), wrong_size=st.booleans())
-async def test_a_batch_is_received_as_its_uploads_one_by_one(seed: int, count: int, wrong_size: bool) -> None:
-    """A batch with refusals of every kind (a norm over the bound, NaN, Inf, stale, no such task, the norm bound, the
-    wrong length), decoded and checked together and received at once, publishes the same events in the same order
-    (each refusal in its place), notes the policy alike, counts the same and folds the same weights bit for bit as
-    its uploads received one by one, each checked at its admission."""
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    count=st.integers(2, 12),
+    wrong_size=st.booleans(),
+    history=st.booleans(),
+    clip=st.booleans(),
+    clients=st.booleans(),
+)
+async def test_a_batch_is_received_as_its_uploads_one_by_one(
+    seed: int, count: int, wrong_size: bool, history: bool, clip: bool, clients: bool
+) -> None:
+    """A batch with refusals of every kind (a norm over the bound, NaN, Inf, stale, no such task, an upload again, the
+    norm bound, the wrong length) and plain uploads between them, decoded and checked together and received at once
+    (its runs of plain uploads settled together), publishes the same events in the same order (each refusal in its
+    place), notes the policy alike, logs the same lines, releases the same tasks, counts the same (per client too),
+    keeps the same validator history and folds the same weights bit for bit as its uploads received one by one, each
+    checked at its admission and taken alone, and as the batch received two uploads at a time; with or without the
+    checks against the norms seen before, with or without clipping."""
     uploads, tasks = _batch(seed, count, wrong_size)
-    together, one_by_one = _Cloud(tasks), _Cloud(tasks)
+    options: dict[str, Any] = {"history": history, "clip_norm": 2.0 if clip else None, "clients": clients}
+    together, one_by_one, pairs = (
+        _Cloud(tasks, **options),
+        _Cloud(tasks, runs=False, **options),
+        _Cloud(tasks, **options),
+    )
     entries = together.intake.decode(uploads)
     assert all((entry.alone is None) == wrong_size for entry in entries)
     await together.receiver.receive(list(zip(uploads, entries, strict=True)))
     for upload, entry in zip(uploads, entries, strict=True):
         late: Decoded = entry._replace(alone=None)  # its checks all made at its admission, with the batch's norm
         await one_by_one.receiver.receive([(upload, late)])
+    for first in range(0, count, 2):  # the batch in twos (a run of one last where the count is odd), the same rows
+        await pairs.receiver.receive(list(zip(uploads, entries, strict=True))[first : first + 2])
     events = together.events()
-    assert events == one_by_one.events()
-    assert [event.task_id for event in events if isinstance(event, UpdateReceived | UpdateRejected)] == list(
-        range(count)
-    )
-    assert together.policy.notes == one_by_one.policy.notes
+    for other in (one_by_one, pairs):
+        assert events == other.events()
+        assert together.policy.notes == other.policy.notes
+        assert together.log.lines == other.log.lines
+        assert together.registry.released == other.registry.released
+        assert together.accounting.state_dict() == other.accounting.state_dict()
+        assert together.intake.state_dict() == other.intake.state_dict()
+        assert together.intake.validator._seen == other.intake.validator._seen
+        assert torch.equal(together.aggregator.buffer.weighted_sum, other.aggregator.buffer.weighted_sum)
+        assert together.aggregator.buffer.total_example_weight == other.aggregator.buffer.total_example_weight
+        assert together.aggregator.count() == other.aggregator.count()
+    assert [event.task_id for event in events if isinstance(event, UpdateReceived | UpdateRejected)] == [
+        upload.task_id for upload in uploads
+    ]
+
+
+async def test_an_update_the_buffer_cannot_weigh_fails_the_batch_after_the_updates_before_it() -> None:
+    """An update whose weights the buffer refuses (no samples, under sample weighting) raises where it would alone:
+    the plain updates before it are admitted, counted and folded, it and those after it are not."""
+    generator = torch.Generator().manual_seed(5)
+    uploads = [
+        UpdateUploaded(
+            task_id=k,
+            client_id=ClientId(k),
+            base_version=Version(VERSION),
+            num_samples=0 if k == 5 else 1 + k,
+            payload=codecs.Pipeline().encode(torch.randn(N, generator=generator)).payload,
+            train_loss=0.0,
+            simulated_s=float(k),
+            sent_wall_s=0.0,
+        )
+        for k in range(8)
+    ]
+    tasks = [(k, k, VERSION) for k in range(8)]
+    results = []
+    for runs in (True, False):
+        cloud = _Cloud(tasks, runs=runs)
+        entries = cloud.intake.decode(uploads)
+        with pytest.raises(ValueError, match="example_weight"):
+            await cloud.receiver.receive(list(zip(uploads, entries, strict=True)))
+        results.append(cloud)
+    together, one_by_one = results
+    assert together.registry.released == one_by_one.registry.released
     assert together.accounting.state_dict() == one_by_one.accounting.state_dict()
     assert together.intake.state_dict() == one_by_one.intake.state_dict()
     assert torch.equal(together.aggregator.buffer.weighted_sum, one_by_one.aggregator.buffer.weighted_sum)
-    assert together.aggregator.count() == one_by_one.aggregator.count()
+    assert together.events() == one_by_one.events() == []
+    assert together.registry.released == [0, 1, 2, 3, 4, 5] and together.aggregator.count() == 5
 
 
 class _Clocked(_Versions):

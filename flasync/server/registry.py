@@ -24,7 +24,15 @@ import torch
 from flasync.core.bus import EventBus
 from flasync.core.clock import CallsAt
 from flasync.core.errors import CheckpointError
-from flasync.core.events import CLOUD, ClientId, ClientTimedOut, TaskAssigned, TasksAssigned, Version
+from flasync.core.events import (
+    CLOUD,
+    ClientId,
+    ClientTimedOut,
+    TaskAssigned,
+    TasksAssigned,
+    Version,
+    positional,
+)
 from flasync.core.snapshots import ModelSnapshot
 from flasync.server.accounting import Accounting
 
@@ -292,38 +300,37 @@ class TaskRegistry:
         if not clients:
             return []
         # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.
-        version = snapshot.version
-        self._bases.setdefault(version, snapshot)
-        counters, participations = self._participations, []
-        for client in clients:
+        version, bases = snapshot.version, self._bases
+        if version not in bases:
+            bases[version] = snapshot
+        counters, refs = self._participations, self._base_refs
+        now, download, from_cloud = self._clock.now(), snapshot.download_bytes, reply_to == CLOUD
+        if len(clients) == 1:  # a refill of one slot: no list pass
+            client = clients[0]
             participation = counters.get(client, 0)
             counters[client] = participation + 1
-            participations.append(participation)
-        if self._mark_used is not None:
-            self._mark_used(clients)
-        now, download, from_cloud = self._clock.now(), snapshot.download_bytes, reply_to == CLOUD
-        dispatched = self._accounting.dispatched
-        in_flight = self._in_flight
-        tasks = []
-        # The same ints, typed as the client ids they are (no NewType call per task).
-        for client, participation in zip(cast(_ClientIds, clients), participations, strict=True):
-            task = TaskAssigned(
-                task_id=dispatched(download, from_cloud=from_cloud, client_id=client),
-                client_id=client,
-                participation=participation,
-                base_version=version,
-                simulated_s=now,
-                reply_to=reply_to,
-            )
-            in_flight[client] = task
-            tasks.append(task)
-        self._base_refs[version] += len(tasks)
-        if len(tasks) == 1:  # what publish_together does with one event, without its coroutine (once a refill)
-            await self._bus.publish(tasks[0])
+            if self._mark_used is not None:
+                self._mark_used(clients)
+            task_id = self._accounting.dispatched(download, from_cloud=from_cloud, client_id=client)
+            # The ints are the client ids they stand for (no NewType call per task).
+            task = _MAKE_TASK(task_id, client, participation, version, now, reply_to)
+            self._in_flight[cast(ClientId, client)] = task
+            refs[version] = refs.get(version, 0) + 1
+            tasks = [task]
+            await self._bus.publish(task)  # what publish_together does with one event, without its coroutine
         else:
+            participations = _participations(counters, clients)
+            if self._mark_used is not None:
+                self._mark_used(clients)
+            tasks = _assigned(clients, participations, version, now, reply_to, self._accounting, download, from_cloud)
+            self._in_flight.update(zip(cast(_ClientIds, clients), tasks, strict=True))
+            refs[version] = refs.get(version, 0) + len(tasks)
             await self._bus.publish_together(TasksAssigned, tasks)
         if self.share and self.timeout_s is None:  # the tasks join one group as they would one by one
-            self._group_for(snapshot, tasks[0]).tasks.extend(tasks)
+            group = self._open
+            if group is None or group.snapshot is not snapshot:
+                group = self._group_for(snapshot, tasks[0])
+            group.tasks += tasks
         else:
             for task in tasks:
                 self._start(task, snapshot)
@@ -497,6 +504,39 @@ class TaskRegistry:
             )
             self._in_flight[task.client_id] = task
             self._base_refs[task.base_version] += 1
+
+
+_MAKE_TASK = positional(TaskAssigned)
+"""A :class:`TaskAssigned` from its fields in order (task id, client, participation, base version, time, reply_to)."""
+
+
+def _participations(counters: dict[int, int], clients: list[int]) -> list[int]:
+    """Return each of ``clients``' participation (its tasks so far) and count one more task for each."""
+    participations = [counters.get(client, 0) for client in clients]
+    counters.update(zip(clients, [p + 1 for p in participations], strict=True))
+    return participations
+
+
+def _assigned(
+    clients: list[int],
+    participations: list[int],
+    version: Version,
+    now: float,
+    reply_to: str,
+    accounting: Accounting,
+    download: int,
+    from_cloud: bool,
+) -> list[TaskAssigned]:
+    """Return the tasks of ``clients`` (distinct) with their ``participations``, each numbered by the ``accounting``
+    that counts its dispatch and download, in order."""
+    dispatched, make = accounting.dispatched, _MAKE_TASK
+    # The ints are the client ids they stand for (no NewType call per task).
+    return [
+        make(
+            dispatched(download, from_cloud=from_cloud, client_id=client), client, participation, version, now, reply_to
+        )
+        for client, participation in zip(cast(_ClientIds, clients), participations, strict=True)
+    ]
 
 
 def _distinct_ints(client_ids: Sequence[int] | np.ndarray) -> list[int]:

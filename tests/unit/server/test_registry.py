@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import random
 from collections.abc import Awaitable, Sequence
 
 import pytest
@@ -428,3 +429,97 @@ async def test_on_real_time_a_released_or_held_task_never_times_out() -> None:
         finally:
             registry.cancel_all()
     assert events.of(ClientTimedOut) == []
+
+
+class _SetClock:
+    """A clock read as it is set (the registry reads it at dispatch)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(0)
+
+    async def sleep_until(self, when: float) -> None:
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_dispatch_many_over_random_cohorts_gives_the_tasks_of_the_field_by_field_path(seed: int) -> None:
+    """Random cohorts (one client or several, on the current model or another, to the cloud or an edge) with random
+    releases between them give the tasks the keyword constructor makes of the next task id, each client's tasks so
+    far, the model's version and the clock's time, in order; the events carry them in that order, the accounting
+    counts each, the least-recently-used marks follow them, a shared group takes them as they come, and a model is
+    kept exactly while a task uses it (or it is current)."""
+    rng = random.Random(seed)
+    clock = _SetClock()
+    bus, accounting = EventBus(), Accounting(10)
+    groups: list[tuple[list[TaskAssigned], Version]] = []
+
+    async def start(tasks: Sequence[TaskAssigned], snapshot: ModelSnapshot) -> None:
+        groups.append((list(tasks), snapshot.version))
+
+    marks: list[int] = []
+    registry = TaskRegistry(
+        bus=bus, clock=clock, accounting=accounting, num_clients=12, start=start, mark_used=marks.extend, share=True
+    )
+    events = EventRecorder(bus)
+    registry.publish(_snapshot(0))
+    expected: list[TaskAssigned] = []
+    counts: dict[int, int] = {}
+    in_use: dict[Version, int] = {}
+
+    async def body() -> None:
+        for step in range(60):
+            clock.t = float(step) * 0.5
+            if rng.random() < 0.2:
+                registry.publish(_snapshot(step + 1))
+            idle = [c for c in range(12) if c not in registry]
+            cohort = rng.sample(idle, min(len(idle), rng.choice([1, 1, 2, 3, 5])))
+            snapshot = _snapshot(100 + step) if rng.random() < 0.2 else None
+            reply_to = "edge-1" if rng.random() < 0.3 else CLOUD
+            want: list[TaskAssigned] = []
+            for client in cohort:
+                assert registry.current is not None
+                version = (snapshot or registry.current).version
+                want.append(
+                    TaskAssigned(
+                        task_id=len(expected) + len(want),
+                        client_id=ClientId(client),
+                        participation=counts.get(client, 0),
+                        base_version=version,
+                        simulated_s=clock.t,
+                        reply_to=reply_to,
+                    )
+                )
+                counts[client] = counts.get(client, 0) + 1
+                in_use[version] = in_use.get(version, 0) + 1
+            got = await registry.dispatch_many(cohort, snapshot, reply_to=reply_to)
+            assert got == want and all(type(t) is TaskAssigned for t in got)
+            expected.extend(want)
+            if rng.random() < 0.5:
+                await asyncio.sleep(0)  # the open group starts: later tasks join a new one
+            for task in list(registry):
+                if rng.random() < 0.5:
+                    assert registry.release(task)
+                    in_use[task.base_version] -= 1
+            for version, count in in_use.items():
+                assert (registry.base(version) is not None) == (count > 0 or version == registry.current.version)  # type: ignore[union-attr]
+        await asyncio.sleep(0)
+
+    await _attached(registry, body())
+    assert events.of(TaskAssigned) == expected
+    assert marks == [t.client_id for t in expected]
+    assert [t for tasks, _ in groups for t in tasks] == expected
+    assert all(t.base_version == version for tasks, version in groups for t in tasks)
+    assert accounting.stats.tasks_dispatched == len(expected)
+    assert accounting.stats.download_bytes == 100 * len(expected)
+    assert accounting.stats.cloud_egress_bytes == 100 * sum(t.reply_to == CLOUD for t in expected)
+    state = registry.state_dict()
+    assert (
+        dict(zip(state["participation_clients"].tolist(), state["participation_counts"].tolist(), strict=True))
+        == counts
+    )

@@ -133,6 +133,18 @@ class DrawnColumn:
         values: list[float] = self[np.asarray(clients, dtype=np.int64)].tolist()
         return values
 
+    @property
+    def item(self) -> Callable[[int], float]:
+        """What returns one client's value as a Python float (the number indexing gives): the values' own ``item``
+        for a column held whole, a call of ``float(column[client])`` otherwise."""
+        if self._whole is not None:
+            item: Callable[[int], float] = self._whole.item
+            return item
+        return self._float_of
+
+    def _float_of(self, client: int) -> float:
+        return float(self[client])
+
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         """Return every value as one array (a large column draws all its blocks)."""
         whole = self._whole if self._whole is not None else self[np.arange(self._n)]

@@ -144,15 +144,12 @@ def _timeline(
         data = [samples(cid) for cid in clients]
         sizes = [drawn[2].shape[0] for drawn in data]
         spans = [None] * len(clients)
-    steps_for, train_seconds = world.job.local.steps_for, world.population.train_seconds
-    steps_of: dict[int, int] = {}  # clients of one size take the same steps
-    simulated = []
-    for task, size in zip(tasks, sizes, strict=True):
-        steps = steps_of.get(size)
-        if steps is None:
-            steps = steps_of[size] = steps_for(size)
-        # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
-        simulated.append(train_seconds(task.client_id, steps, task.participation))
+    steps_for = world.job.local.steps_for
+    steps_of = {size: steps_for(size) for size in set(sizes)}  # clients of one size take the same steps
+    # A client's k-th participation draws the same numbers whenever and by whom it is dispatched.
+    simulated = world.population.train_seconds_many(
+        clients, list(map(steps_of.__getitem__, sizes)), [task.participation for task in tasks]
+    )
     done_at = [task.simulated_s + (d + s) for task, d, s in zip(tasks, downloads, simulated, strict=True)]
     plugins = world.plugins
     parts = (

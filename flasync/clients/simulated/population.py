@@ -139,6 +139,13 @@ class Population:
             return base * (1.0 + abs(speed.sigma * draw))
         raise AssertionError(f"unhandled speed model {speed!r}")  # pragma: no cover
 
+    def train_seconds_many(
+        self, client_ids: Sequence[int], steps: Sequence[int], participations: Sequence[int]
+    ) -> list[float]:
+        """Return :meth:`train_seconds` of each client, its local steps and its participation, in one pass (the same
+        floats, from the same per-task draws)."""
+        return _train_seconds_many(self, client_ids, steps, participations)
+
     # ------------------------------------------------------------------------------------------- availability
     def available(self, clients: np.ndarray, now: float) -> np.ndarray:
         """Return a bool mask: which of ``clients`` are online at simulated time ``now``."""
@@ -478,8 +485,8 @@ class Network:
     def upload_seconds_many(self, client_ids: Sequence[int], num_bytes: Sequence[int]) -> list[float]:
         """Return :meth:`upload_seconds` of each client and size, in one pass (the same floats)."""
         if len(client_ids) < _ARRAY_PASS_FROM:  # Python floats: the same IEEE operations as NumPy's scalars
-            latency, rate = self.latency_s.floats(client_ids), self.upload_bytes_per_s.floats(client_ids)
-            return [lat + size / r for lat, size, r in zip(latency, num_bytes, rate, strict=True)]
+            latency, rate = self.latency_s.item, self.upload_bytes_per_s.item
+            return [latency(c) + size / rate(c) for c, size in zip(client_ids, num_bytes, strict=True)]
         ids = np.asarray(client_ids, dtype=np.int64)
         seconds: list[float] = (
             self.latency_s[ids] + np.asarray(num_bytes, dtype=np.float64) / self.upload_bytes_per_s[ids]
@@ -489,8 +496,8 @@ class Network:
     def download_seconds_many(self, client_ids: Sequence[int], num_bytes: int) -> list[float]:
         """Return :meth:`download_seconds` of each client for ``num_bytes``, in one pass (the same floats)."""
         if len(client_ids) < _ARRAY_PASS_FROM:  # Python floats: the same IEEE operations as NumPy's scalars
-            latency, rate = self.latency_s.floats(client_ids), self.download_bytes_per_s.floats(client_ids)
-            return [lat + num_bytes / r for lat, r in zip(latency, rate, strict=True)]
+            latency, rate = self.latency_s.item, self.download_bytes_per_s.item
+            return [latency(c) + num_bytes / rate(c) for c in client_ids]
         ids = np.asarray(client_ids, dtype=np.int64)
         seconds: list[float] = (self.latency_s[ids] + float(num_bytes) / self.download_bytes_per_s[ids]).tolist()
         return seconds
@@ -518,6 +525,48 @@ class _Cycled:
         """Return the values of ``clients`` as Python floats."""
         item, count = self.values.item, len(self.values)
         return [item(int(client) % count) for client in clients]
+
+    @property
+    def item(self) -> Callable[[int], float]:
+        """What returns one client's value as a Python float."""
+        return self._float_of
+
+    def _float_of(self, client: int) -> float:
+        values = self.values
+        value: float = values.item(int(client) % len(values))
+        return value
+
+
+def _train_seconds_many(
+    population: Population, clients: Sequence[int], steps: Sequence[int], participations: Sequence[int]
+) -> list[float]:
+    """:meth:`Population.train_seconds` of each of ``clients``, the same operations in the same order per task."""
+    speed, fixed, traced = population.speed, population.fixed_slowdown, population.trace_slowdown
+    per_step = speed.seconds_per_step
+    if fixed:
+        base = [n * per_step * fixed.get(c, 1.0) for c, n in zip(clients, steps, strict=True)]
+    else:  # a factor of 1.0 leaves every float as it is
+        base = [n * per_step for n in steps]
+        if len(base) != len(clients):
+            raise ValueError(f"{len(clients)} clients with {len(base)} step counts")
+    if traced is not None:
+        item, count = traced.item, len(traced)
+        base = [b * item(c % count) for b, c in zip(base, clients, strict=True)]
+    if isinstance(speed, ConstantSpeed):
+        return base
+    seed, normal, purpose = population.seed, seeding.stream_normal, seeding.TASK_SPEED
+    draws = [normal(seed, purpose, c, p) for c, p in zip(clients, participations, strict=True)]
+    if isinstance(speed, LogNormalSpeed):
+        jitter, exp = speed.jitter, math.exp
+        if traced is not None:
+            return [b * exp(jitter * d) for b, d in zip(base, draws, strict=True)]
+        assert population.slowdown is not None
+        slowdown = population.slowdown.item
+        return [b * slowdown(c) * exp(jitter * d) for b, c, d in zip(base, clients, draws, strict=True)]
+    if isinstance(speed, HalfNormalSpeed):
+        sigma = speed.sigma
+        return [b * (1.0 + abs(sigma * d)) for b, d in zip(base, draws, strict=True)]
+    raise AssertionError(f"unhandled speed model {speed!r}")  # pragma: no cover
 
 
 def _rejection(

@@ -75,3 +75,14 @@ def test_a_large_network_has_the_links_one_draw_gives() -> None:
     assert [network.download_seconds(c, 1000) for c in ids] == [
         float(latency[c] + 1000 / (config.download_bytes_per_s * spread[1][c])) for c in ids
     ]
+
+
+@pytest.mark.parametrize("eager_up_to", [10, EAGER_UP_TO])
+def test_item_reads_a_clients_value_as_the_python_float_indexing_gives(eager_up_to: int) -> None:
+    """``item`` gives each client's value as a Python float equal to indexing's, for a column held whole or drawn
+    block by block."""
+    column = DrawnColumn(np.random.default_rng(8), 500, _normal, _scaled, eager_up_to=eager_up_to, block=33)
+    item = column.item
+    for client in np.random.default_rng(2).integers(500, size=100).tolist():
+        value = item(client)
+        assert type(value) is float and value == float(column[client])

@@ -364,3 +364,36 @@ def test_link_times_of_small_and_large_groups_are_each_clients_own(links: str) -
         assert network.download_seconds_many(clients, sizes[0]) == [
             network.download_seconds(c, sizes[0]) for c in clients
         ]
+
+
+@pytest.mark.parametrize(
+    "speed",
+    [
+        ConstantSpeed(seconds_per_step=0.37),
+        LogNormalSpeed(seconds_per_step=0.21, sigma=0.8, jitter=0.3),
+        HalfNormalSpeed(seconds_per_step=0.13, sigma=0.6),
+    ],
+    ids=["constant", "lognormal", "halfnormal"],
+)
+@pytest.mark.parametrize("clients", ["plain", "slow clients", "traced", "drawn in blocks"])
+def test_a_groups_training_times_in_one_pass_are_each_tasks_own(speed: object, clients: str) -> None:
+    """train_seconds_many gives every task's train_seconds bit for bit, from the same per-task draws, for every speed
+    model, with fixed slowdowns, a device trace's slowdowns or speed factors drawn block by block."""
+    count = 70_000 if clients == "drawn in blocks" else 300
+    population = Population(
+        np.full(count, 10),
+        speed,  # type: ignore[arg-type]
+        seed=9,
+        slow_clients={3: 2.5, 17: 0.75} if clients == "slow clients" else None,
+        trace_slowdown=np.array([1.0, 3.3, 0.6]) if clients == "traced" else None,
+    )
+    rng = np.random.default_rng(4)
+    for size in (0, 1, 3, 16, 40):
+        ids = rng.integers(0, count, size=size).tolist() + ([3, 17] if size else [])
+        steps = rng.integers(1, 500, size=len(ids)).tolist()
+        participations = rng.integers(0, 50, size=len(ids)).tolist()
+        assert population.train_seconds_many(ids, steps, participations) == [
+            population.train_seconds(c, n, p) for c, n, p in zip(ids, steps, participations, strict=True)
+        ]
+    with pytest.raises(ValueError, match=r"shorter|step counts"):
+        population.train_seconds_many([1, 2], [5], [0, 0])

@@ -363,22 +363,17 @@ class Population:
             self._idle.take(k, chosen, taken, self._stamps)  # the used clients not in flight, by last use
             return chosen
         # Then used clients, oldest last use first; stale entries at the head are dropped for good.
-        position, at_head = self._queue_head, True
-        while len(chosen) < k and position < self._queue_tail:
-            ids = self._queue[position : min(position + chunk, self._queue_tail)]
-            stamps = self._queue_stamp[position : position + len(ids)]
-            live = self.last_used[ids] == stamps
-            if at_head:
-                lead = int(np.argmax(live)) if live.any() else len(ids)
-                self._queue_head = position + lead
-                at_head = lead == len(ids)
-            for candidate in ids[live].tolist():
-                if candidate not in excluded and candidate not in taken:
-                    chosen.append(candidate)
-                    taken.add(candidate)
-                    if len(chosen) == k:
-                        break
-            position += len(ids)
+        self._queue_head = _walk_queue(
+            self._queue,
+            self._queue_stamp,
+            self.last_used,
+            (self._queue_head, self._queue_tail),
+            k,
+            excluded,
+            chosen,
+            taken,
+            chunk,
+        )
         return chosen
 
     def _never_used(self, k: int, excluded: Collection[int], chosen: list[int], taken: set[int], chunk: int) -> None:
@@ -535,6 +530,40 @@ class _Cycled:
         values = self.values
         value: float = values.item(int(client) % len(values))
         return value
+
+
+def _walk_queue(
+    queue: np.ndarray,
+    queue_stamp: np.ndarray,
+    last_used: np.ndarray,
+    span: tuple[int, int],
+    k: int,
+    excluded: Collection[int],
+    chosen: list[int],
+    taken: set[int],
+    chunk: int,
+) -> int:
+    """Add to ``chosen`` the clients of the used-clients queue's live entries (those at their client's last use) in
+    ``span`` (head, tail), in order, none ``excluded`` or ``taken``, until it holds ``k``; return the new head (the
+    first live entry, stale ones before it dropped for good). A block of ``chunk`` entries is read at a time."""
+    position, tail = span
+    head, at_head, need = position, True, k - len(chosen)
+    while need > 0 and position < tail:
+        ids = queue[position : min(position + chunk, tail)]
+        live = last_used[ids] == queue_stamp[position : position + len(ids)]
+        if at_head:
+            lead = int(np.argmax(live)) if live.any() else len(ids)
+            head = position + lead
+            at_head = lead == len(ids)
+        found: list[int] = ids[live].tolist()  # distinct: a client's one live entry is its last use
+        if excluded or taken:
+            found = [c for c in found if c not in excluded and c not in taken]
+        found = found[:need]
+        chosen += found
+        taken.update(found)
+        need -= len(found)
+        position += len(ids)
+    return head
 
 
 def _train_seconds_many(

@@ -397,3 +397,16 @@ def test_a_groups_training_times_in_one_pass_are_each_tasks_own(speed: object, c
         ]
     with pytest.raises(ValueError, match=r"shorter|step counts"):
         population.train_seconds_many([1, 2], [5], [0, 0])
+
+
+@pytest.mark.parametrize("num_clients", [30, 150])
+def test_least_recently_used_cohorts_without_exclusion_follow_the_lru_order(num_clients: int) -> None:
+    """Rounds' cohorts (no client excluded), of any size up to the whole population and with some drawn clients
+    not dispatched, are the first clients of the LRU order, read a block of the used clients' queue at a time."""
+    population = _population(num_clients)
+    rng, chance = np.random.default_rng(0), np.random.default_rng(num_clients)
+    for _ in range(80):
+        k = int(chance.integers(1, num_clients + 1))
+        drawn = population.sample(k, rng, strategy="lru").tolist()
+        assert drawn == _least_recently_used_by_hand(population, k, set())
+        population.mark_used(drawn if chance.random() < 0.7 else drawn[: k // 2 + 1])

@@ -570,14 +570,14 @@ def _train_seconds_many(
     population: Population, clients: Sequence[int], steps: Sequence[int], participations: Sequence[int]
 ) -> list[float]:
     """:meth:`Population.train_seconds` of each of ``clients``, the same operations in the same order per task."""
+    if not len(clients) == len(steps) == len(participations):
+        raise ValueError(f"{len(clients)} clients, {len(steps)} step counts and {len(participations)} participations")
     speed, fixed, traced = population.speed, population.fixed_slowdown, population.trace_slowdown
     per_step = speed.seconds_per_step
     if fixed:
         base = [n * per_step * fixed.get(c, 1.0) for c, n in zip(clients, steps, strict=True)]
     else:  # a factor of 1.0 leaves every float as it is
         base = [n * per_step for n in steps]
-        if len(base) != len(clients):
-            raise ValueError(f"{len(clients)} clients with {len(base)} step counts")
     if traced is not None:
         item, count = traced.item, len(traced)
         base = [b * item(c % count) for b, c in zip(base, clients, strict=True)]

@@ -395,8 +395,10 @@ def test_a_groups_training_times_in_one_pass_are_each_tasks_own(speed: object, c
         assert population.train_seconds_many(ids, steps, participations) == [
             population.train_seconds(c, n, p) for c, n, p in zip(ids, steps, participations, strict=True)
         ]
-    with pytest.raises(ValueError, match=r"shorter|step counts"):
+    with pytest.raises(ValueError, match="2 clients, 1 step counts and 2 participations"):
         population.train_seconds_many([1, 2], [5], [0, 0])
+    with pytest.raises(ValueError, match="2 clients, 2 step counts and 1 participations"):
+        population.train_seconds_many([1, 2], [5, 5], [0])
 
 
 @pytest.mark.parametrize("num_clients", [30, 150])

@@ -296,7 +296,10 @@ class TaskRegistry:
             snapshot = self.current
             if snapshot is None:
                 raise RuntimeError("no model was published before the first dispatch")
-        clients = _distinct_ints(client_ids)
+        # A refill's one client (a list of one int) needs no check.
+        clients = (
+            [int(client_ids[0])] if type(client_ids) is list and len(client_ids) == 1 else _distinct_ints(client_ids)
+        )
         if not clients:
             return []
         # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.

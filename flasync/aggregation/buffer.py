@@ -128,6 +128,7 @@ class UpdateBuffer:
 
         Raises:
             ValueError: If the lengths differ, or a delta or weight is wrong as :meth:`add` says; nothing is added.
+                An error of the fold itself leaves the rows folded before it counted (:attr:`count`).
         """
         if not len(deltas) == len(example_weights) == len(staleness_weights):
             raise ValueError(
@@ -144,12 +145,15 @@ class UpdateBuffer:
         for delta, example_weight, staleness_weight in zip(deltas, example_weights, staleness_weights, strict=True):
             if not (weights_ok and delta.shape == shape and delta.dtype == dtype and delta.device == device):
                 self._check(delta, example_weight, staleness_weight)  # names what is wrong, if anything is
-        fold, total = self._acc.add_, self._total_example_weight
-        for delta, example_weight, staleness_weight in zip(deltas, example_weights, staleness_weights, strict=True):
-            fold(delta, alpha=example_weight * staleness_weight)
-            total += example_weight
-        self._total_example_weight = total
-        self._count += len(deltas)
+        fold, total, done = self._acc.add_, self._total_example_weight, 0
+        try:
+            for delta, example_weight, staleness_weight in zip(deltas, example_weights, staleness_weights, strict=True):
+                fold(delta, alpha=example_weight * staleness_weight)
+                total += example_weight
+                done += 1
+        finally:  # a fold that fails leaves the rows before it counted, as many calls of add would
+            self._total_example_weight = total
+            self._count += done
 
     def _check(self, delta: Tensor, example_weight: float, staleness_weight: float) -> None:
         if delta.dim() != 1:

@@ -95,6 +95,8 @@ class RunFolded(NamedTuple):
         received_wall: Wall seconds when the run's admission started.
         aggregate_s: Wall seconds from then until the last of them was folded in.
         refused: The refusal of the upload after the last of them, which ended the run (None: none).
+        failure: The error that stopped the fold after the uploads above (None: none): the caller counts and logs
+            them, as it would have each folded before the error, then raises it.
     """
 
     uploads: list[UpdateUploaded]
@@ -105,6 +107,7 @@ class RunFolded(NamedTuple):
     received_wall: float
     aggregate_s: float
     refused: Refused | None
+    failure: Exception | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +232,15 @@ class AggregationNode:
         if taken < len(staleness):
             del uploads[taken:], staleness[taken:], example_weights[taken:], staleness_weights[taken:]
             del norms[taken:], decode_s[taken:]
-        into.add_rows(deltas, example_weights=example_weights, staleness_weights=staleness_weights)
-        return RunFolded(uploads, staleness, staleness_weights, norms, decode_s, begin, wall() - begin, refused)
+        before, failure = into.count(), None
+        try:
+            into.add_rows(deltas, example_weights=example_weights, staleness_weights=staleness_weights)
+        except Exception as error:  # the updates folded before it stay counted and logged
+            failure, refused, folded = error, None, into.count() - before
+            del uploads[folded:], staleness[folded:], staleness_weights[folded:], norms[folded:], decode_s[folded:]
+        return RunFolded(
+            uploads, staleness, staleness_weights, norms, decode_s, begin, wall() - begin, refused, failure
+        )
 
     def fold_partial(self, message: EdgeForwarded, *, version: int, into: Sink) -> PartialFolded | None:
         """Decode a sub-edge's partial and fold it ``into`` a sink, its staleness counted against ``version``.

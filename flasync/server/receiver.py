@@ -155,6 +155,8 @@ class CloudReceiver:
                     run = self.node.admit_run(batch, index, version=version, into=runs)
                     if run is not None:
                         self._took(run, version, now, lines, received)
+                        if run.failure is not None:
+                            raise run.failure
                         index += len(run.uploads)
                         if run.refused is None:
                             continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -237,7 +238,7 @@ def test_a_batchs_debug_lines_reach_the_metrics_when_an_update_of_it_fails(monke
     """An error folding in an update of a batch ends the run, and the lines of the updates folded before it are
     still in the tracked run's metrics."""
     folded: list[int] = []
-    add = BufferedAggregator.add
+    add, add_rows = BufferedAggregator.add, BufferedAggregator.add_rows
 
     def failing(self: BufferedAggregator, delta: torch.Tensor, **kwargs: Any) -> float:
         if len(folded) == 5:
@@ -245,7 +246,22 @@ def test_a_batchs_debug_lines_reach_the_metrics_when_an_update_of_it_fails(monke
         folded.append(1)
         return add(self, delta, **kwargs)
 
+    def failing_rows(
+        self: BufferedAggregator,
+        deltas: Sequence[torch.Tensor],
+        *,
+        example_weights: Sequence[float],
+        staleness_weights: Sequence[float],
+    ) -> None:
+        # A batch's uploads are folded as a run (AggregationNode.admit_run): the sixth fails there just the same.
+        for delta, example, discount in zip(deltas, example_weights, staleness_weights, strict=True):
+            if len(folded) == 5:
+                raise RuntimeError("the sixth update cannot be folded")
+            folded.append(1)
+            add_rows(self, [delta], example_weights=[example], staleness_weights=[discount])
+
     monkeypatch.setattr(BufferedAggregator, "add", failing)
+    monkeypatch.setattr(BufferedAggregator, "add_rows", failing_rows)
     tracker = MemoryTracker()
     config = small_config(
         "executor.kind=vectorized",
@@ -255,6 +271,7 @@ def test_a_batchs_debug_lines_reach_the_metrics_when_an_update_of_it_fails(monke
     )
     with pytest.raises(RuntimeError, match="sixth update"):
         run_loop(flasync.Federation(config, tracker=tracker).run())
+    assert len(folded) == 5
     assert sorted(r.step for r in tracker.metrics if r.key == "server/update/norm") == [1, 2, 3, 4, 5]
 
 

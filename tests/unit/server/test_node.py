@@ -251,3 +251,33 @@ def test_the_buffer_sink_adds_partials_at_full_weight() -> None:
     sink = BufferSink(buffer, example_weight=SampleExampleWeight(), staleness=ConstantStaleness())
     assert sink.add_partial(torch.full((N,), 3.0), example_weight=6.0, staleness=5) == 1.0
     assert buffer.weighted_sum.tolist() == [3.0] * N and buffer.total_example_weight == 6.0
+
+
+def test_a_fold_that_fails_mid_run_returns_the_updates_folded_before_it_and_the_error() -> None:
+    """An error of the fold itself (not a refusal) ends the run: the updates folded before it come back, counted by
+    the buffer, with the error for the receiver to raise once it has counted and logged them."""
+    node = _node(EventBus())
+    uploads = [_upload(k, 0, torch.full((N,), 0.1 * (k + 1))) for k in range(5)]
+    batch = list(zip(uploads, node.intake.decode(uploads), strict=True))
+    reference, weights = _buffered(), torch.zeros(N)
+
+    class ThirdFails(BufferedAggregator):
+        def add_rows(self, deltas: Any, *, example_weights: Any, staleness_weights: Any) -> None:
+            super().add_rows(deltas[:2], example_weights=example_weights[:2], staleness_weights=staleness_weights[:2])
+            raise RuntimeError("the third cannot be folded")
+
+    aggregator = ThirdFails(
+        weights,
+        size=100,
+        optimizer=FlatSGD(weights),
+        staleness=PolynomialStaleness(),
+        example_weight=SampleExampleWeight(),
+    )
+    run = node.admit_run(batch, 0, version=0, into=aggregator)
+    assert run is not None and isinstance(run.failure, RuntimeError) and run.refused is None
+    assert [m.task_id for m in run.uploads] == [0, 1]
+    assert len(run.staleness) == len(run.weights) == len(run.norms) == len(run.decode_s) == 2
+    reference.buffer.add_rows(
+        [torch.full((N,), 0.1), torch.full((N,), 0.2)], example_weights=[10.0, 10.0], staleness_weights=[1.0, 1.0]
+    )
+    assert aggregator.count() == 2 and torch.equal(aggregator.buffer.weighted_sum, reference.buffer.weighted_sum)

@@ -537,3 +537,24 @@ def test_events_published_one_by_one_are_profiled_as_the_profiler_observes_them(
     assert records[0].sim_task_s._sample == records[1].sim_task_s._sample
     profiles = [build_profile(r, mode="sync", num_params=4, dense_bytes=32) for r in records]
     assert profiles[0] == profiles[1]
+
+
+@pytest.mark.parametrize(("seed", "mode"), [(3, "sync"), (4, "async")])
+def test_lone_event_handlers_record_what_batches_of_one_record(seed: int, mode: str) -> None:
+    """Tasks and receipts handed one by one to the profiler's per-class handlers (a buffered server's lone events)
+    leave exactly the records, samples and rows that the same events as batches of one leave."""
+    alone, batched = Profiler(mode), Profiler(mode)
+    for profiler in (alone, batched):
+        profiler.observe(ModelPublished(version=Version(0), simulated_s=0.0, download_bytes=64))
+    for batch in _random_stream(random.Random(seed), 10_000):
+        for event in batch:
+            alone.handler(type(event))(event)
+            batched.observe_many([event])
+    records = [alone.finish(), batched.finish()]
+    assert records[0].clients == records[1].clients and records[0].downloads == records[1].downloads > 0
+    assert records[0].download_tiers == records[1].download_tiers
+    assert records[0].pending == records[1].pending and records[0].staleness == records[1].staleness
+    assert records[0].rows.rows() == records[1].rows.rows() and records[0].rows.rows()
+    assert records[0].rng.getstate() == records[1].rng.getstate()
+    profiles = [build_profile(r, mode=mode, num_params=4, dense_bytes=32) for r in records]
+    assert profiles[0] == profiles[1]

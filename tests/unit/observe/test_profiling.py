@@ -20,7 +20,6 @@ from flasync.core.events import (
     ModelPublished,
     RunFinished,
     TaskAssigned,
-    TaskClosed,
     TaskDiagnosis,
     TasksAssigned,
     UpdateReceived,
@@ -626,71 +625,5 @@ def test_versions_made_out_of_order_or_twice_close_the_rows_a_sort_over_open_ver
     records = [kept.finish(), sorting.finish()]
     assert not records[0].made and len(records[0].rows.rows()) > 25
     assert records[0].rows.rows() == records[1].rows.rows()
-    profiles = [build_profile(r, mode=mode, num_params=4, dense_bytes=32) for r in records]
-    assert profiles[0] == profiles[1]
-
-
-class _InlineFoldProfiler(Profiler):
-    """The profiler as it folded every lone receipt (and every upload an edge accepted) into its version's sums at
-    once, one value at a time."""
-
-    def _received(self, event: UpdateReceived) -> None:
-        self._fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
-
-    def _fold(self, version: int, task_id: int, staleness: int, decode_s: float, queue_wait_s: float) -> None:
-        r = self.records
-        r.staleness[staleness] += 1
-        task = r.pending.pop(task_id, None)
-        if task is None:
-            return
-        rec = r.open_versions[version]
-        rec.updates += 1
-        rec.compute_s += task.compute_s
-        rec.encode_s += task.encode_s
-        rec.decode_s += decode_s
-        rec.queue_wait_s += queue_wait_s
-        rec.sim_train_s += task.sim_train_s
-        rec.transfer_sim_s += task.sim_task_s - task.sim_train_s
-        rec.upload_bytes += task.upload_bytes
-        rec.download_bytes += task.download_bytes
-        rec.staleness_sum += staleness
-        if self.mode == "sync":
-            rec.durations.append(task.sim_task_s)
-
-
-@pytest.mark.parametrize(("seed", "mode"), [(8, "sync"), (9, "async")])
-def test_held_receipts_fold_into_the_sums_that_folding_each_at_once_leaves(seed: int, mode: str) -> None:
-    """Lone receipts, edges' accepted uploads and batches of receipts into the same versions leave the rows and profile
-    that folding every lone receipt into its version's sums at once left."""
-    rng = random.Random(seed)
-    held, inline = Profiler(mode), _InlineFoldProfiler(mode)
-    for batch in _random_stream(rng, 8_000):
-        events: list[Any] = list(batch)
-        if isinstance(batch[0], UpdateReceived) and rng.random() < 0.3:
-            events = [batch[:2], *batch[2:]]  # a batch of receipts among lone ones
-        elif isinstance(batch[0], UpdateReceived) and rng.random() < 0.3:
-            events = [
-                TaskClosed(
-                    edge="edge-a",
-                    task_id=event.task_id,
-                    client_id=event.client_id,
-                    base_version=event.base_version,
-                    outcome=rng.choice(["accepted", "accepted", "rejected"]),
-                    reason="",
-                    staleness=event.staleness,
-                    upload_bytes=1,
-                    simulated_s=1.0,
-                )
-                for event in batch
-            ]
-        for event in events:
-            for profiler in (held, inline):
-                if isinstance(event, list):
-                    profiler.observe_many(event)
-                else:
-                    profiler.handler(type(event))(event)
-    records = [held.finish(), inline.finish()]
-    assert len(records[0].rows.rows()) > 25 and records[0].rows.rows() == records[1].rows.rows()
-    assert records[0].staleness == records[1].staleness and records[0].pending == records[1].pending
     profiles = [build_profile(r, mode=mode, num_params=4, dense_bytes=32) for r in records]
     assert profiles[0] == profiles[1]

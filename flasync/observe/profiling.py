@@ -127,10 +127,6 @@ class _Version:
     secagg_cpu_s: float = 0.0
     secagg_sim_s: float = 0.0
     aggregated: bool = False
-    held: list[_Task] = field(default_factory=list)
-    """Tasks of lone receipts not yet folded into the sums above (folded, in order, before any other fold or read)."""
-    held_received: list[UpdateReceived] = field(default_factory=list)
-    """The receipts of ``held``, in the same order."""
 
 
 class VersionRows:
@@ -330,16 +326,27 @@ class Profiler:
             del sizes[next(iter(sizes))]
 
     def _received(self, event: UpdateReceived) -> None:
-        """Record one accepted upload: what :meth:`_fold` records, its sums held until the version's next fold or
-        its row (a buffered server sends one of these for every update; they are then folded as a run, in order)."""
+        """Record one accepted upload: :meth:`_fold` it into its version (the same sums, in the same order, inline:
+        a buffered server sends one of these for every update)."""
         r = self.records
-        r.staleness[event.staleness] += 1
+        staleness = event.staleness
+        r.staleness[staleness] += 1
         task = r.pending.pop(event.task_id, None)
         if task is None:
             return
         rec = r.open_versions[int(event.version) + 1]
-        rec.held.append(task)
-        rec.held_received.append(event)
+        rec.updates += 1
+        rec.compute_s += task.compute_s
+        rec.encode_s += task.encode_s
+        rec.decode_s += event.decode_s
+        rec.queue_wait_s += event.queue_wait_s
+        rec.sim_train_s += task.sim_train_s
+        rec.transfer_sim_s += task.sim_task_s - task.sim_train_s
+        rec.upload_bytes += task.upload_bytes
+        rec.download_bytes += task.download_bytes
+        rec.staleness_sum += staleness
+        if self.mode == "sync":
+            rec.durations.append(task.sim_task_s)
 
     def finish(self) -> ProfileRecords:
         """Fold every version made so far into rows and return the records (call once, at the end of the run)."""
@@ -482,33 +489,8 @@ class Profiler:
         queue_wait: Sequence[float],
     ) -> None:
         """Fold accepted uploads of one version (their tasks, staleness, decoding and queue seconds), each sum taken
-        value by value in the order of the uploads (after those the version holds)."""
+        value by value in the order of the uploads."""
         rec = self.records.open_versions[version]
-        if rec.held:
-            self._fold_held(rec)
-        self._fold_into(rec, tasks, staleness, decode, queue_wait)
-
-    def _fold_held(self, rec: _Version) -> None:
-        """Fold the lone receipts ``rec`` holds into its sums, in order."""
-        tasks, received = rec.held, rec.held_received
-        rec.held, rec.held_received = [], []
-        self._fold_into(
-            rec,
-            tasks,
-            [event.staleness for event in received],
-            [event.decode_s for event in received],
-            [event.queue_wait_s for event in received],
-        )
-
-    def _fold_into(
-        self,
-        rec: _Version,
-        tasks: list[_Task],
-        staleness: Sequence[int],
-        decode: Sequence[float],
-        queue_wait: Sequence[float],
-    ) -> None:
-        """Add uploads to ``rec``'s sums, value by value in order."""
         compute, encode, task, train, uploaded, downloaded = zip(*tasks, strict=True)
         add = operator.add
         rec.updates += len(tasks)
@@ -569,14 +551,24 @@ class Profiler:
         task = r.pending.pop(task_id, None)
         if task is None:
             return
-        self._fold_run(version, [task], (staleness,), (decode_s,), (queue_wait_s,))
+        rec = r.open_versions[version]
+        rec.updates += 1
+        rec.compute_s += task.compute_s
+        rec.encode_s += task.encode_s
+        rec.decode_s += decode_s
+        rec.queue_wait_s += queue_wait_s
+        rec.sim_train_s += task.sim_train_s
+        rec.transfer_sim_s += task.sim_task_s - task.sim_train_s
+        rec.upload_bytes += task.upload_bytes
+        rec.download_bytes += task.download_bytes
+        rec.staleness_sum += staleness
+        if self.mode == "sync":
+            rec.durations.append(task.sim_task_s)
 
     def _close(self, version: int) -> None:
         """Turn a made version into its row (its wall interval, breakdown and idle time) and forget its details."""
         r = self.records
         rec = r.open_versions.pop(version)
-        if rec.held:
-            self._fold_held(rec)
         if version <= 0 or math.isnan(rec.wall_s):
             r.last_eval_s = rec.eval_s
             return

@@ -541,14 +541,20 @@ def test_events_published_one_by_one_are_profiled_as_the_profiler_observes_them(
 
 @pytest.mark.parametrize(("seed", "mode"), [(3, "sync"), (4, "async")])
 def test_lone_event_handlers_record_what_batches_of_one_record(seed: int, mode: str) -> None:
-    """Tasks and receipts handed one by one to the profiler's per-class handlers (a buffered server's lone events)
-    leave exactly the records, samples and rows that the same events as batches of one leave."""
+    """Tasks and receipts handed one by one to the profiler's per-class handlers (a buffered server's lone events),
+    between batches that fold into the same versions, leave exactly the records, samples and rows that the same
+    events as batches of one leave."""
+    rng = random.Random(seed)
     alone, batched = Profiler(mode), Profiler(mode)
     for profiler in (alone, batched):
         profiler.observe(ModelPublished(version=Version(0), simulated_s=0.0, download_bytes=64))
-    for batch in _random_stream(random.Random(seed), 10_000):
+    for batch in _random_stream(rng, 10_000):
+        if rng.random() < 0.3:
+            alone.observe_many(batch)
+        else:
+            for event in batch:
+                alone.handler(type(event))(event)
         for event in batch:
-            alone.handler(type(event))(event)
             batched.observe_many([event])
     records = [alone.finish(), batched.finish()]
     assert records[0].clients == records[1].clients and records[0].downloads == records[1].downloads > 0

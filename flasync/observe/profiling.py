@@ -14,6 +14,7 @@ Units: ``*_s`` fields named ``sim_*`` or ``transfer_sim_s`` are simulated second
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import operator
@@ -197,6 +198,8 @@ class ProfileRecords:
     peak_mem_bytes: StreamSummary = field(init=False)
     staleness: Counter[int] = field(default_factory=Counter)
     open_versions: dict[int, _Version] = field(default_factory=lambda: defaultdict(_Version))
+    made: list[int] = field(default_factory=list)
+    """The versions of ``open_versions`` that were aggregated (their rows not yet closed), ascending."""
     rows: VersionRows = field(default_factory=VersionRows)
     last_row_wall_s: float = 0.0
     last_eval_s: float = 0.0
@@ -263,11 +266,7 @@ class Profiler:
             r.rejected[event.reason] += 1
             r.pending.pop(event.task_id, None)
         elif isinstance(event, ModelPublished):
-            version = int(event.version)
-            r.open_versions[version].publish_encode_s += event.encode_s
-            r.download_sizes[version] = event.download_bytes
-            while len(r.download_sizes) > _DOWNLOAD_SIZES:
-                del r.download_sizes[next(iter(r.download_sizes))]
+            self._published(event)
         elif isinstance(event, TaskClosed):
             # An edge closed a client's task; an accepted update goes into the cloud's next version.
             # (Its rejections and failures are counted from UpdateRejected and ClientFailed, which edges publish too.)
@@ -310,16 +309,50 @@ class Profiler:
             return self._received
         if issubclass(kind, TaskAssigned):
             return self._assigned
+        if issubclass(kind, ModelPublished):
+            return self._published
+        if issubclass(kind, Aggregated):
+            return self._aggregated
         return self.observe
 
+    def _published(self, event: ModelPublished) -> None:
+        """Record a published version: its encoding time and its download's size."""
+        r = self.records
+        version = int(event.version)
+        r.open_versions[version].publish_encode_s += event.encode_s
+        sizes = r.download_sizes
+        sizes[version] = event.download_bytes
+        while len(sizes) > _DOWNLOAD_SIZES:
+            del sizes[next(iter(sizes))]
+
     def _received(self, event: UpdateReceived) -> None:
-        """Record one accepted upload: :meth:`_fold` it into its version."""
-        self._fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
+        """Record one accepted upload: :meth:`_fold` it into its version (the same sums, in the same order, inline:
+        a buffered server sends one of these for every update)."""
+        r = self.records
+        staleness = event.staleness
+        r.staleness[staleness] += 1
+        task = r.pending.pop(event.task_id, None)
+        if task is None:
+            return
+        rec = r.open_versions[int(event.version) + 1]
+        rec.updates += 1
+        rec.compute_s += task.compute_s
+        rec.encode_s += task.encode_s
+        rec.decode_s += event.decode_s
+        rec.queue_wait_s += event.queue_wait_s
+        rec.sim_train_s += task.sim_train_s
+        rec.transfer_sim_s += task.sim_task_s - task.sim_train_s
+        rec.upload_bytes += task.upload_bytes
+        rec.download_bytes += task.download_bytes
+        rec.staleness_sum += staleness
+        if self.mode == "sync":
+            rec.durations.append(task.sim_task_s)
 
     def finish(self) -> ProfileRecords:
         """Fold every version made so far into rows and return the records (call once, at the end of the run)."""
         r = self.records
-        for version in sorted(v for v in r.open_versions if r.open_versions[v].aggregated):
+        made, r.made = r.made, []
+        for version in made:
             self._close(version)
         return r
 
@@ -339,8 +372,16 @@ class Profiler:
                 self.observe(event)
 
     def _assigned(self, event: TaskAssigned) -> None:
-        """Record one task handed out: :meth:`_assigned_many` of one."""
-        self._assigned_many((event,))
+        """Record one task handed out: what :meth:`_assigned_many` of one records, without its loop."""
+        r = self.records
+        size = r.download_sizes.get(int(event.base_version), 0)
+        client_id = int(event.client_id)
+        client = r.clients.get(client_id)
+        if client is None:
+            client = r.clients[client_id] = _Client()
+        client.download_bytes += size
+        r.downloads += 1
+        r.download_tiers["client"] += size
 
     def _assigned_many(self, events: Sequence[TaskAssigned]) -> None:
         """Record tasks handed out: each client's download and the run's."""
@@ -469,15 +510,20 @@ class Profiler:
         """Record a version's aggregation, closing the rows of the versions made before it."""
         r = self.records
         version = int(event.version)
-        # The previous version's row is complete now: its publication and evaluation came before this.
-        for done in sorted(v for v in r.open_versions if v < version and r.open_versions[v].aggregated):
-            self._close(done)
-        self._version = max(self._version, version)
+        # The previous version's row is complete now: its publication and evaluation came before this. (``made``
+        # holds exactly the open versions aggregated, ascending: those before this one are a prefix of it.)
+        made = r.made
+        while made and made[0] < version:
+            self._close(made.pop(0))
+        if version > self._version:
+            self._version = version
         rec = r.open_versions[version]
         rec.aggregate_s += event.aggregate_s
         rec.wall_s = event.wall_s
         rec.simulated_s = event.simulated_s
-        rec.aggregated = True
+        if not rec.aggregated:
+            rec.aggregated = True
+            bisect.insort(made, version)
 
     def _secure_group(self, event: SecureGroupClosed) -> None:
         """Record a secure-aggregation group: its protocol's CPU and simulated seconds and bytes, and its members'
@@ -838,16 +884,17 @@ class Instrumentation(Instrument):
         """The message of the first alert of each kind (MLflow tags ``alert.<kind>`` at the end of the run)."""
         self._reads: dict[type[Any], bool] = {}
         self._handlers: dict[type[Any], Callable[[Any], None]] = {}
+        self._profile_aggregated: Callable[[Aggregated], None] = _ignore
         bus.add_instrument(self)
 
     takes_batches = True
 
     def event_published(self, event: object) -> None:
         """Profile the event and raise the alerts it triggers (a batch's events one by one, in order)."""
-        kind = type(event)
-        handle = self._handlers.get(kind)
-        if handle is None:
-            handle = self._handlers[kind] = self._handler(kind)
+        try:
+            handle = self._handlers[type(event)]
+        except KeyError:
+            handle = self._handlers[type(event)] = self._handler(type(event))
         handle(event)
 
     def _handler(self, kind: type[Any]) -> Callable[[Any], None]:
@@ -856,9 +903,22 @@ class Instrumentation(Instrument):
             return self._observe_batch_event
         if issubclass(kind, AlertRaised):  # this instrument's own
             return _ignore
-        if self.profiler is not None and not issubclass(kind, Aggregated) and not self._monitor_reads(kind):
+        if issubclass(kind, Aggregated):
+            if self.profiler is not None:
+                self._profile_aggregated = self.profiler.handler(kind)
+            return self._observe_aggregated
+        if self.profiler is not None and not self._monitor_reads(kind):
             return self.profiler.handler(kind)  # the profiler alone reads it
         return self._observe
+
+    def _observe_aggregated(self, event: Aggregated) -> None:
+        """:meth:`_observe` a version made, through the profiler's handler of the class (made by :meth:`_handler`)."""
+        self._version = version = int(event.version)
+        if self.profiler is not None:
+            self._profile_aggregated(event)
+        if self.monitor is not None and self._monitor_reads(type(event)):
+            for alert in self.monitor.observe(event, version):
+                self._raise(alert)
 
     def _observe_batch_event(self, event: Any) -> None:
         self._observe_batch(event.members)

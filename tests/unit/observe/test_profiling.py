@@ -537,3 +537,93 @@ def test_events_published_one_by_one_are_profiled_as_the_profiler_observes_them(
     assert records[0].sim_task_s._sample == records[1].sim_task_s._sample
     profiles = [build_profile(r, mode="sync", num_params=4, dense_bytes=32) for r in records]
     assert profiles[0] == profiles[1]
+
+
+@pytest.mark.parametrize(("seed", "mode"), [(3, "sync"), (4, "async")])
+def test_lone_event_handlers_record_what_batches_of_one_record(seed: int, mode: str) -> None:
+    """Tasks and receipts handed one by one to the profiler's per-class handlers (a buffered server's lone events),
+    between batches that fold into the same versions, leave exactly the records, samples and rows that the same
+    events as batches of one leave."""
+    rng = random.Random(seed)
+    alone, batched = Profiler(mode), Profiler(mode)
+    for profiler in (alone, batched):
+        profiler.observe(ModelPublished(version=Version(0), simulated_s=0.0, download_bytes=64))
+    for batch in _random_stream(rng, 10_000):
+        if rng.random() < 0.3:
+            alone.observe_many(batch)
+        else:
+            for event in batch:
+                alone.handler(type(event))(event)
+        for event in batch:
+            batched.observe_many([event])
+    records = [alone.finish(), batched.finish()]
+    assert records[0].clients == records[1].clients and records[0].downloads == records[1].downloads > 0
+    assert records[0].download_tiers == records[1].download_tiers
+    assert records[0].pending == records[1].pending and records[0].staleness == records[1].staleness
+    assert records[0].rows.rows() == records[1].rows.rows() and records[0].rows.rows()
+    assert records[0].rng.getstate() == records[1].rng.getstate()
+    profiles = [build_profile(r, mode=mode, num_params=4, dense_bytes=32) for r in records]
+    assert profiles[0] == profiles[1]
+
+
+class _SortingProfiler(Profiler):
+    """The profiler as it closed rows before it kept the versions made in order: every aggregated open version
+    before the new one, found and sorted on each version."""
+
+    def _aggregated(self, event: Aggregated) -> None:
+        r = self.records
+        version = int(event.version)
+        for done in sorted(v for v in r.open_versions if v < version and r.open_versions[v].aggregated):
+            self._close(done)
+        self._version = max(self._version, version)
+        rec = r.open_versions[version]
+        rec.aggregate_s += event.aggregate_s
+        rec.wall_s = event.wall_s
+        rec.simulated_s = event.simulated_s
+        rec.aggregated = True
+
+    def finish(self) -> Any:
+        r = self.records
+        for version in sorted(v for v in r.open_versions if r.open_versions[v].aggregated):
+            self._close(version)
+        return r
+
+
+@pytest.mark.parametrize(("seed", "mode"), [(6, "sync"), (7, "async")])
+def test_versions_made_out_of_order_or_twice_close_the_rows_a_sort_over_open_versions_closes(
+    seed: int, mode: str
+) -> None:
+    """Versions made in order, out of order and twice, published and evaluated, through the profiler's per-class
+    handlers, close the same rows at the same times as sorting the open versions on every version did."""
+    rng = random.Random(seed)
+    kept, sorting = Profiler(mode), _SortingProfiler(mode)
+    events: list[Any] = []
+    for batch in _random_stream(rng, 4_000):
+        for event in batch:
+            events.append(event)
+            if isinstance(event, Aggregated) and rng.random() < 0.5:
+                version = max(0, int(event.version) + rng.randrange(-3, 3))
+                events.append(ModelPublished(version=Version(version), simulated_s=0.0, download_bytes=8, encode_s=0.1))
+                events.append(
+                    Evaluated(version=Version(version), accuracy=0.5, loss=1.0, simulated_s=0.0, wall_s=0.0, eval_s=0.2)
+                )
+                events.append(
+                    Aggregated(
+                        version=Version(version),
+                        num_updates=1,
+                        mean_staleness=0.0,
+                        aggregate_s=rng.random(),
+                        simulated_s=1.0,
+                        wall_s=rng.random() * 100,
+                    )
+                )
+    for event in events:
+        kept.handler(type(event))(event)
+        sorting.observe(event)
+        if isinstance(event, Aggregated):
+            assert kept.records.rows.rows() == sorting.records.rows.rows()
+    records = [kept.finish(), sorting.finish()]
+    assert not records[0].made and len(records[0].rows.rows()) > 25
+    assert records[0].rows.rows() == records[1].rows.rows()
+    profiles = [build_profile(r, mode=mode, num_params=4, dense_bytes=32) for r in records]
+    assert profiles[0] == profiles[1]

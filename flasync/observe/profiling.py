@@ -326,27 +326,8 @@ class Profiler:
             del sizes[next(iter(sizes))]
 
     def _received(self, event: UpdateReceived) -> None:
-        """Record one accepted upload: :meth:`_fold` it into its version (the same sums, in the same order, inline:
-        a buffered server sends one of these for every update)."""
-        r = self.records
-        staleness = event.staleness
-        r.staleness[staleness] += 1
-        task = r.pending.pop(event.task_id, None)
-        if task is None:
-            return
-        rec = r.open_versions[int(event.version) + 1]
-        rec.updates += 1
-        rec.compute_s += task.compute_s
-        rec.encode_s += task.encode_s
-        rec.decode_s += event.decode_s
-        rec.queue_wait_s += event.queue_wait_s
-        rec.sim_train_s += task.sim_train_s
-        rec.transfer_sim_s += task.sim_task_s - task.sim_train_s
-        rec.upload_bytes += task.upload_bytes
-        rec.download_bytes += task.download_bytes
-        rec.staleness_sum += staleness
-        if self.mode == "sync":
-            rec.durations.append(task.sim_task_s)
+        """Record one accepted upload: :meth:`_fold` it into its version."""
+        self._fold(int(event.version) + 1, event.task_id, event.staleness, event.decode_s, event.queue_wait_s)
 
     def finish(self) -> ProfileRecords:
         """Fold every version made so far into rows and return the records (call once, at the end of the run)."""

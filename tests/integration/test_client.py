@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -26,6 +27,8 @@ from flasync.core.events import (
 )
 from flasync.core.instruments import Instrument
 from flasync.core.loops import run_loop
+from flasync.runtime import build as build_module
+from flasync.server import TaskRegistry
 from flasync.testing import EventRecorder, MemoryTracker, small_config
 from flasync.training.executors.threads import CohortBatcher
 
@@ -425,3 +428,71 @@ def test_a_groups_uploads_are_those_of_the_path_that_keeps_each_tasks_line(
     assert len(published[0]) == plain.updates_accepted == 48
     assert published[0] == published[1]
     assert plain.weights_sha256 == general.weights_sha256
+
+
+_WALL_CLOCK = frozenset(
+    {"sent_wall_s", "compute_s", "encode_s", "decode_s", "queue_wait_s", "wall_s", "eval_s", "aggregate_s"}
+)
+"""Event fields that read real time (they differ between any two runs)."""
+
+
+def _event_stream(overrides: tuple[str, ...], *, share: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Run FedBuff with the registry told to ``share`` (or not) whatever the run's world; return every event (its
+    type and every field but those of real time) in order, the run's summary and the size of each group started."""
+    sizes: list[int] = []
+    run_group = client_module.CohortClients.run
+    registry = build_module.TaskRegistry
+
+    async def counted(self: client_module.CohortClients, tasks: Any, model: Any) -> None:
+        sizes.append(len(tasks))
+        await run_group(self, tasks, model)
+
+    def told(**kwargs: Any) -> TaskRegistry:
+        return registry(**{**kwargs, "share": share})
+
+    with monkeypatch.context() as patch:
+        patch.setattr(client_module.CohortClients, "run", counted)
+        patch.setattr(build_module, "TaskRegistry", told)
+        federation = flasync.Federation(small_config("executor.kind=vectorized", *overrides))
+        recorder = EventRecorder(federation.bus)
+        summary = run_loop(federation.run())
+    events = [
+        (type(event).__name__, *((f.name, getattr(event, f.name)) for f in fields(event) if f.name not in _WALL_CLOCK))
+        for event in recorder.events
+    ]
+    return events, summary, sizes
+
+
+@pytest.mark.parametrize(
+    ("overrides", "apart"),
+    [
+        pytest.param(("population.speed={kind: lognormal}",), True, id="lognormal"),
+        pytest.param(("population.speed={kind: constant}",), False, id="constant"),
+        pytest.param(
+            ("population.speed={kind: lognormal}", "faults={crash: 0.15, dropout: 0.15}"), True, id="lognormal-faults"
+        ),
+        pytest.param(
+            ("population.speed={kind: constant}", "faults={crash: 0.15, dropout: 0.15}"), False, id="constant-faults"
+        ),
+    ],
+)
+def test_a_fedbuff_runs_events_are_those_of_groups_of_one(
+    overrides: tuple[str, ...], apart: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FedBuff with the tasks dispatched on one model before the first starts run in one coroutine, and with each
+    task in a coroutine of its own: every event with every field but those of real time, in the same order, and the
+    same weights, where no two uploads are due at one time (lognormal speeds); where they are (constant speeds), a
+    group publishes its uploads due at one time together, before the server takes the first of them, and each event
+    but those uploads keeps its place (the uploads keep their fields and their order among themselves). Crash and
+    dropout faults, decided per task, leave the same events in a group as alone."""
+    grouped, together, sizes = _event_stream(overrides, share=True, monkeypatch=monkeypatch)
+    alone, apart_summary, alone_sizes = _event_stream(overrides, share=False, monkeypatch=monkeypatch)
+    assert max(sizes) > 1 and set(alone_sizes) == {1}  # each run took the path it stands for
+    assert together.weights_sha256 == apart_summary.weights_sha256
+    assert together.updates_accepted == apart_summary.updates_accepted > 0
+    if "faults" in overrides[-1]:
+        assert together.updates_failed > 0
+    uploaded = "UpdateUploaded"
+    assert [e for e in grouped if e[0] == uploaded] == [e for e in alone if e[0] == uploaded]
+    assert [e for e in grouped if e[0] != uploaded] == [e for e in alone if e[0] != uploaded]
+    assert (grouped == alone) is apart

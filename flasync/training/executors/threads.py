@@ -126,10 +126,9 @@ class TrainingJob(Generic[T]):
     dataclass's constructor costs several times a plain one's.
 
     Called directly (by any executor) it runs ``solo`` (or ``alone`` of itself), which trains the client alone. A
-    batcher instead trains the
-    jobs that share data layout and hyper-parameters as one cohort (each row from its own ``base``) and calls each
-    job's ``finish`` with its own :class:`LocalResult`; ``solo()`` must equal ``finish(train(...))`` of the same
-    client.
+    batcher instead trains the jobs that share data layout and hyper-parameters as one cohort (each row from its own
+    ``base``) and calls each job's ``finish`` with its own :class:`LocalResult`; ``solo()`` must equal
+    ``finish(train(...))`` of the same client.
 
     Attributes:
         base: Flat weights the client starts from.

@@ -26,6 +26,7 @@ from flasync.core.events import (
     UpdatesReceived,
     UpdateUploaded,
     Version,
+    positional,
 )
 from flasync.core.instruments import debug_many, logs_debug
 from flasync.server.accounting import Accounting, ServerStats
@@ -42,6 +43,9 @@ REFUSAL_LINES = 3
 
 _ABANDONED_PRINTED = 3
 """Abandoned secure-aggregation groups printed as warnings; the rest are debug lines (the metric counts each)."""
+
+_MAKE_RECEIVED = positional(UpdateReceived)
+"""An :class:`UpdateReceived` from its fields in order (one made per accepted update of a run)."""
 
 
 class CloudReceiver:
@@ -206,7 +210,7 @@ class CloudReceiver:
         if stats.first_update_s != stats.first_update_s:  # NaN: this is the run's first update
             stats.first_update_s = self.versions.elapsed_s()
         received_wall, step = run.received_wall, stats.updates_accepted - len(uploads)
-        event, keep = UpdateReceived, received.append
+        make, keep = _MAKE_RECEIVED, received.append
         columns = zip(uploads, staleness, run.decode_s, run.weights, run.norms, strict=True)
         for message, tau, decode_s, weight, norm in columns:
             queue_wait_s = received_wall - message.sent_wall_s
@@ -222,17 +226,17 @@ class CloudReceiver:
                 }
                 lines.append(line)
             keep(
-                event(
-                    task_id=message.task_id,
-                    client_id=message.client_id,
-                    base_version=message.base_version,
-                    version=version,
-                    staleness=tau,
-                    upload_bytes=message.upload_bytes,
-                    simulated_s=message.simulated_s if now is None else now,
-                    tier=message.tier,
-                    decode_s=decode_s,
-                    queue_wait_s=queue_wait_s,
+                make(
+                    message.task_id,
+                    message.client_id,
+                    message.base_version,
+                    version,
+                    tau,
+                    message.upload_bytes,
+                    message.simulated_s if now is None else now,
+                    message.tier,
+                    decode_s,
+                    queue_wait_s,
                 )
             )
             note(message, accepted=True)

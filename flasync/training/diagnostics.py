@@ -23,7 +23,6 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter, is_
 from typing import Literal, cast
 
 import torch
@@ -318,18 +317,6 @@ def is_diverging(losses: Sequence[float], *, window: int, tolerance: float, best
 
 _NORMS_KEPT = 4096  # update norms kept for quantiles (a uniform sample beyond)
 
-_DIAGNOSIS = attrgetter("diagnosis")
-_NORM = attrgetter("update_norm")
-_CLIENT = attrgetter("client_id")
-_CHECKS = attrgetter("loss_finite", "grad_finite", "update_finite", "layer_grad_norm_max", "layer_grad_norm_mean")
-"""The figures of a diagnosis that tell whether it is plain (see :func:`_is_plain`)."""
-
-
-def _is_plain(checks: tuple[bool, bool, bool, tuple[float, ...], tuple[float, ...]]) -> bool:
-    """Tell whether a diagnosis's ``checks`` (:data:`_CHECKS`) hold no NaN/Inf and no per-layer figures."""
-    loss_finite, grad_finite, update_finite, layer_max, layer_mean = checks
-    return bool(loss_finite and grad_finite and update_finite and not layer_max and not layer_mean)
-
 
 @dataclass(slots=True)
 class _Series:
@@ -455,13 +442,17 @@ class AlertMonitor:
         if not events or not isinstance(events[0], UpdateUploaded):
             return [(index, alert) for index, event in enumerate(events) for alert in self.observe(event, version)]
         uploads = cast("Sequence[UpdateUploaded]", events)
-        diagnoses = list(map(_DIAGNOSIS, uploads))
+        diagnoses = [upload.diagnosis for upload in uploads]
         # Plain: a diagnosis without NaN/Inf and without per-layer figures, whose norm alone can raise an alert.
-        kinds = set(map(_CHECKS, diagnoses)) if not any(map(is_, diagnoses, itertools.repeat(None))) else None
-        if kinds is not None and len(kinds) == 1 and _is_plain(kinds.pop()):
-            plain = [True] * len(diagnoses)  # the usual batch: all alike (equal figures are alike true or false)
-        else:
-            plain = [d is not None and _is_plain(_CHECKS(d)) for d in diagnoses]
+        plain = [
+            d is not None
+            and d.loss_finite
+            and d.grad_finite
+            and d.update_finite
+            and not d.layer_grad_norm_max
+            and not d.layer_grad_norm_mean
+            for d in diagnoses
+        ]
         found: list[tuple[int, Alert]] = []
         start = 0
         for is_plain, run in itertools.groupby(plain):
@@ -484,7 +475,7 @@ class AlertMonitor:
         An upload alerts when its norm exceeds ``exploding_factor`` times the smallest of the recent norms, which is
         never below the smallest of the window now and the run's norms together (and the factor is positive).
         """
-        norms = list(map(_NORM, diagnoses))
+        norms = [diagnosis.update_norm for diagnosis in diagnoses]
         finite = list(filter(math.isfinite, norms))
         if not finite:
             return True
@@ -495,17 +486,13 @@ class AlertMonitor:
         recent.extend(finite)
         series = self.series
         series.norms.add_many(finite)
-        if len(finite) == len(norms):
-            clients = map(int, map(_CLIENT, uploads))
-            series.update_norms.add_many(list(zip(itertools.repeat(version), clients, norms)))
-        else:
-            series.update_norms.add_many(
-                [
-                    (version, int(upload.client_id), norm)
-                    for upload, norm in zip(uploads, norms, strict=True)
-                    if math.isfinite(norm)
-                ]
-            )
+        series.update_norms.add_many(
+            [
+                (version, int(upload.client_id), norm)
+                for upload, norm in zip(uploads, norms, strict=True)
+                if math.isfinite(norm)
+            ]
+        )
         return True
 
     def _observe_weights(self, now: int, weights: torch.Tensor) -> list[Alert]:

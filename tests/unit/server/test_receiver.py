@@ -298,9 +298,11 @@ async def test_the_first_accepted_update_times_the_start_up_and_later_ones_keep_
     assert restored.accounting.stats.updates_accepted and restored.accounting.stats.first_update_s == 0.25
 
 
-async def test_the_events_of_a_run_equal_those_the_keyword_constructor_makes() -> None:
-    """The events of a run of plain uploads settled together (made from their fields in order) equal, field for
-    field and class for class, the events the keyword constructor makes of each upload's figures, and stay frozen."""
+@pytest.mark.parametrize("now", [None, 12.5])
+async def test_the_events_of_a_run_equal_those_the_keyword_constructor_makes(now: float | None) -> None:
+    """The events of a run of plain uploads settled together (made column by column from their fields in order)
+    equal, field for field and class for class, the events the keyword constructor makes of each upload's figures
+    (received at ``now`` when given, else when sent), and stay frozen; the policy learns of each, in order."""
     generator = torch.Generator().manual_seed(11)
     uploads = [
         UpdateUploaded(
@@ -320,7 +322,7 @@ async def test_the_events_of_a_run_equal_those_the_keyword_constructor_makes() -
     ticks = iter(range(1, 100))
     cloud.intake.wall = lambda: 0.875 * next(ticks)  # the batch's decoding takes 0.875 s: 0.125 s each
     entries = cloud.intake.decode(uploads)
-    await cloud.receiver.receive(list(zip(uploads, entries, strict=True)))
+    await cloud.receiver.receive(list(zip(uploads, entries, strict=True)), now=now)
     events = cloud.events()
     expected = [
         UpdateReceived(
@@ -330,7 +332,7 @@ async def test_the_events_of_a_run_equal_those_the_keyword_constructor_makes() -
             version=Version(VERSION),
             staleness=VERSION - upload.base_version,
             upload_bytes=upload.upload_bytes,
-            simulated_s=upload.simulated_s,
+            simulated_s=upload.simulated_s if now is None else now,
             tier=upload.tier,
             decode_s=0.125,
             queue_wait_s=-upload.sent_wall_s,  # received at wall time 0
@@ -339,5 +341,6 @@ async def test_the_events_of_a_run_equal_those_the_keyword_constructor_makes() -
     ]
     assert events == expected
     assert all(type(event) is UpdateReceived for event in events)
+    assert cloud.policy.notes == [(upload.task_id, True) for upload in uploads]
     with pytest.raises(AttributeError):
         events[0].staleness = 0  # type: ignore[misc]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from flasync.core.events import (
     UpdatesReceived,
     UpdateUploaded,
     Version,
+    positional,
 )
 from flasync.core.instruments import debug_many, logs_debug
 from flasync.server.accounting import Accounting, ServerStats
@@ -42,6 +44,9 @@ REFUSAL_LINES = 3
 
 _ABANDONED_PRINTED = 3
 """Abandoned secure-aggregation groups printed as warnings; the rest are debug lines (the metric counts each)."""
+
+_MAKE_RECEIVED = positional(UpdateReceived)
+"""An :class:`UpdateReceived` from its fields in order (one made per accepted update of a run)."""
 
 
 class CloudReceiver:
@@ -201,40 +206,46 @@ class CloudReceiver:
             return
         accounting, note, log_updates = self.accounting, self.policy.note, self._log_updates
         stats = accounting.stats
-        accounting.took([message.upload_bytes for message in uploads], staleness, [int(m.client_id) for m in uploads])
+        sizes, decode = [message.upload_bytes for message in uploads], run.decode_s
+        if not len(staleness) == len(decode) == len(run.weights) == len(run.norms) == len(uploads):
+            raise ValueError("every column of a run needs one value per upload")
+        accounting.took(sizes, staleness, [int(m.client_id) for m in uploads])
         stats.cloud_aggregate_s += run.aggregate_s
         if stats.first_update_s != stats.first_update_s:  # NaN: this is the run's first update
             stats.first_update_s = self.versions.elapsed_s()
-        received_wall, step = run.received_wall, stats.updates_accepted - len(uploads)
-        event, keep = UpdateReceived, received.append
-        columns = zip(uploads, staleness, run.decode_s, run.weights, run.norms, strict=True)
-        for message, tau, decode_s, weight, norm in columns:
-            queue_wait_s = received_wall - message.sent_wall_s
-            if log_updates:
+        received_wall = run.received_wall
+        queue_wait = [received_wall - message.sent_wall_s for message in uploads]
+        if log_updates:
+            step = stats.updates_accepted - len(uploads)
+            for tau, weight, wait_s, decode_s, norm in zip(
+                staleness, run.weights, queue_wait, decode, run.norms, strict=True
+            ):
                 step += 1
-                line = {
-                    "step": step,
-                    "staleness": tau,
-                    "staleness_weight": weight,
-                    "queue_wait_s": queue_wait_s,
-                    "decode_s": decode_s,
-                    "norm": norm,
-                }
-                lines.append(line)
-            keep(
-                event(
-                    task_id=message.task_id,
-                    client_id=message.client_id,
-                    base_version=message.base_version,
-                    version=version,
-                    staleness=tau,
-                    upload_bytes=message.upload_bytes,
-                    simulated_s=message.simulated_s if now is None else now,
-                    tier=message.tier,
-                    decode_s=decode_s,
-                    queue_wait_s=queue_wait_s,
+                lines.append(
+                    {
+                        "step": step,
+                        "staleness": tau,
+                        "staleness_weight": weight,
+                        "queue_wait_s": wait_s,
+                        "decode_s": decode_s,
+                        "norm": norm,
+                    }
                 )
-            )
+        # The events made column by column (their fields in order), then the policy told of each in turn.
+        received += map(
+            _MAKE_RECEIVED,
+            [message.task_id for message in uploads],
+            [message.client_id for message in uploads],
+            [message.base_version for message in uploads],
+            repeat(version),
+            staleness,
+            sizes,
+            [message.simulated_s for message in uploads] if now is None else repeat(now),
+            [message.tier for message in uploads],
+            decode,
+            queue_wait,
+        )
+        for message in uploads:
             note(message, accepted=True)
 
     def _take(

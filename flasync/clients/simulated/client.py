@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -714,15 +716,20 @@ def _uploads_due(
     """Keep the trained updates of the tasks ``due`` that are still in flight in ``state`` and return their agenda
     entries, numbered in order (what :meth:`CohortClients._schedule_upload` does for each, where nothing is kept
     and no client goes offline)."""
-    tasks, done_at, stored, order = state.tasks, state.plan.done_at, state.uploads, state.order
-    entries = []
-    for i, update, upload_s in zip(due, trained, upload_times, strict=True):
-        if live(tasks[i]):  # else released meanwhile: nothing to send
-            stored[i] = (update, upload_s)
-            entries.append((done_at[i] + upload_s, order, _UPLOAD, i))
-            order += 1
-    state.order = order
-    return entries
+    tasks, done_at, order = state.tasks, state.plan.done_at, state.order
+    if len(trained) != len(due) or len(upload_times) != len(due):
+        raise ValueError("every task due needs its trained update and its upload seconds")
+    asked = list(map(live, map(tasks.__getitem__, due)))  # each task asked once, in order
+    if not all(asked):  # some released meanwhile: nothing to send for them
+        due, trained, upload_times = (
+            list(compress(due, asked)),
+            list(compress(trained, asked)),
+            list(compress(upload_times, asked)),
+        )
+    state.uploads.update(zip(due, zip(trained, upload_times, strict=True), strict=True))
+    end = state.order = order + len(due)
+    ends = map(operator.add, map(done_at.__getitem__, due), upload_times)
+    return list(zip(ends, range(order, end), repeat(_UPLOAD), due))
 
 
 def _upload_times(

@@ -296,3 +296,51 @@ async def test_the_first_accepted_update_times_the_start_up_and_later_ones_keep_
     for upload in uploads:
         await restored.receiver.receive([(upload, restored.intake.decode([upload])[0])])
     assert restored.accounting.stats.updates_accepted and restored.accounting.stats.first_update_s == 0.25
+
+
+@pytest.mark.parametrize("now", [None, 12.5])
+async def test_the_events_of_a_run_equal_those_the_keyword_constructor_makes(now: float | None) -> None:
+    """The events of a run of plain uploads settled together (made column by column from their fields in order)
+    equal, field for field and class for class, the events the keyword constructor makes of each upload's figures
+    (received at ``now`` when given, else when sent), and stay frozen; the policy learns of each, in order."""
+    generator = torch.Generator().manual_seed(11)
+    uploads = [
+        UpdateUploaded(
+            task_id=k,
+            client_id=ClientId(100 + k),
+            base_version=Version(1 + k % VERSION),
+            num_samples=1 + k,
+            payload=codecs.Pipeline().encode(torch.randn(N, generator=generator)).payload,
+            train_loss=0.0,
+            simulated_s=0.5 * k,
+            sent_wall_s=-0.25 * k,
+            tier="edge-7" if k % 2 else "client",
+        )
+        for k in range(7)
+    ]
+    cloud = _Cloud([(k, 100 + k, 1 + k % VERSION) for k in range(7)], history=False)
+    ticks = iter(range(1, 100))
+    cloud.intake.wall = lambda: 0.875 * next(ticks)  # the batch's decoding takes 0.875 s: 0.125 s each
+    entries = cloud.intake.decode(uploads)
+    await cloud.receiver.receive(list(zip(uploads, entries, strict=True)), now=now)
+    events = cloud.events()
+    expected = [
+        UpdateReceived(
+            task_id=upload.task_id,
+            client_id=upload.client_id,
+            base_version=upload.base_version,
+            version=Version(VERSION),
+            staleness=VERSION - upload.base_version,
+            upload_bytes=upload.upload_bytes,
+            simulated_s=upload.simulated_s if now is None else now,
+            tier=upload.tier,
+            decode_s=0.125,
+            queue_wait_s=-upload.sent_wall_s,  # received at wall time 0
+        )
+        for upload in uploads
+    ]
+    assert events == expected
+    assert all(type(event) is UpdateReceived for event in events)
+    assert cloud.policy.notes == [(upload.task_id, True) for upload in uploads]
+    with pytest.raises(AttributeError):
+        events[0].staleness = 0  # type: ignore[misc]

@@ -183,6 +183,65 @@ def test_observe_many_raises_and_keeps_what_observe_of_each_does(seed: int) -> N
     assert together.series.norms.sample == alone.series.norms.sample
 
 
+def _alike_batch(rng: random.Random, task_id: int, size: int) -> list[UpdateUploaded]:
+    """A batch whose diagnoses are mostly alike: all plain (quiet norms, at times an exploding one, a NaN or Inf norm,
+    no norm at all), all with the same per-layer figures, all non-finite alike, or, now and then, one odd upload."""
+    mode = rng.randrange(6)
+    plain: list[TaskDiagnosis | None] = [TaskDiagnosis(update_norm=rng.lognormvariate(0.0, 0.3)) for _ in range(size)]
+    if mode == 1 and size:  # one exploding norm, one NaN norm, one Inf norm among plain ones
+        for value in (rng.uniform(20.0, 80.0), math.nan, math.inf):
+            plain[rng.randrange(size)] = TaskDiagnosis(update_norm=value)
+    elif mode == 2:
+        plain = [TaskDiagnosis() for _ in range(size)]  # level off: no norm
+    elif mode == 3:
+        layers = {"layer_grad_norm_max": (rng.choice([1.0, 5e3]), 1.0), "layer_grad_norm_mean": (1.0, 0.5)}
+        plain = [TaskDiagnosis(update_norm=rng.random(), **layers) for _ in range(size)]  # type: ignore[arg-type]
+    elif mode == 4:
+        plain = [TaskDiagnosis(update_finite=False) for _ in range(size)]
+    elif mode == 5 and size:  # one odd upload among plain ones
+        plain[rng.randrange(size)] = rng.choice([TaskDiagnosis(loss_finite=False), None])
+    return [
+        UpdateUploaded(
+            task_id=task_id + k,
+            client_id=ClientId(rng.randrange(40)),
+            base_version=Version(0),
+            num_samples=10,
+            payload=b"",
+            train_loss=0.5,
+            simulated_s=float(task_id + k),
+            sent_wall_s=0.0,
+            diagnosis=diagnosis,
+        )
+        for k, diagnosis in enumerate(plain)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_observe_many_of_batches_alike_raises_and_keeps_what_observe_of_each_does(seed: int) -> None:
+    """Batches whose diagnoses are alike (all plain, with or without an exploding, NaN or Inf norm, all without a norm,
+    all with the same per-layer figures, all non-finite) or all but one alike raise the same alerts from the same
+    uploads in the same order, and keep the same series and the same sample of norms (the same draws), as one at a
+    time; past the sketch's capacity too."""
+    rng = random.Random(seed)
+    names = ("a", "b")
+    together = AlertMonitor(CONFIG, layer_names=names, rng=random.Random(seed))
+    alone = AlertMonitor(CONFIG, layer_names=names, rng=random.Random(seed))
+    task_id, raised, kinds = 0, 0, set[str]()
+    for version in range(100):
+        batch = _alike_batch(rng, task_id, rng.choice([0, 1, 2, 7, 30, 600, 1500]))
+        task_id += len(batch)
+        expected = [(index, alert) for index, event in enumerate(batch) for alert in alone.observe(event, version)]
+        assert together.observe_many(batch, version) == expected
+        raised += len(expected)
+        kinds.update(alert.kind for _, alert in expected)
+    assert kinds == {"nan", "exploding_update", "exploding_gradient"} and raised > 0
+    assert together.series.norms.count > 4096  # past the sketch's capacity: random draws made
+    assert together.summary() == alone.summary()
+    assert list(together._recent) == list(alone._recent)
+    assert together.series.norms.sample == alone.series.norms.sample
+    assert together.series.update_norms.items() == alone.series.update_norms.items()
+
+
 def test_observe_many_of_other_events_is_observe_of_each() -> None:
     """A batch of events other than uploads is read one by one."""
     failed = [

@@ -127,3 +127,58 @@ def test_a_tasks_job_trained_alone_is_train_job_of_its_own_attributes() -> None:
     expected = train_job(ctx, ClientId(4), base, (x, y, index), key, codec, 17, -2.0, (), (13, 41))
     assert alone.payload == expected.payload and alone.result.num_samples == expected.result.num_samples == 28
     assert alone.result.loss == expected.result.loss
+
+
+def _due_state(rng: random.Random, n: int) -> client_module._GroupState:
+    """A group of ``n`` tasks, a few uploads already kept, its next upload numbered at random."""
+    tasks = [
+        TaskAssigned(
+            task_id=k, client_id=ClientId(k), participation=k, base_version=Version(0), simulated_s=rng.random()
+        )
+        for k in range(n)
+    ]
+    plan = client_module._Plan(
+        download_s=[0.0] * n,
+        simulated=[0.0] * n,
+        done_at=[rng.uniform(0.0, 50.0) for _ in range(n)],
+        parts=None,
+        training={},
+        faults={},
+        offline=None,
+    )
+    kept = {n + k: (cast(Any, f"earlier {k}"), float(k)) for k in range(rng.randrange(3))}
+    return client_module._GroupState(
+        tasks=tasks, model=cast(Any, None), plan=plan, jobs={}, agenda=[], order=rng.randrange(100), uploads=kept
+    )
+
+
+def test_uploads_due_keeps_and_numbers_the_live_tasks_as_one_at_a_time() -> None:
+    """_uploads_due asks once, in order, whether each task due is in flight; it keeps the trained update and upload
+    seconds of each live one (in order, after those kept before), returns their agenda entries (their upload time,
+    their number counted on from the group's, the upload kind, their index) and counts the group's numbers on: what
+    taking them one at a time does, with every task, none or some of them released."""
+    rng = random.Random(7)
+    for trial in range(60):
+        n = rng.randrange(1, 40)
+        ours, reference = _due_state(random.Random(trial), n), _due_state(random.Random(trial), n)
+        due = rng.sample(range(n), rng.randrange(n + 1))
+        trained = [cast(Any, f"update {i}") for i in due]
+        upload_s = [rng.expovariate(1.0) for _ in due]
+        released = {i for i in due if rng.random() < [0.0, 1.0, 0.3][trial % 3]}
+        asked: list[int] = []
+
+        def live(task: TaskAssigned, asked: list[int] = asked, released: set[int] = released) -> bool:
+            asked.append(task.task_id)
+            return task.task_id not in released
+
+        entries = client_module._uploads_due(ours, due, trained, upload_s, live)
+        expected, order = [], reference.order
+        for i, update, seconds in zip(due, trained, upload_s, strict=True):
+            if i not in released:
+                reference.uploads[i] = (update, seconds)
+                expected.append((reference.plan.done_at[i] + seconds, order, client_module._UPLOAD, i))
+                order += 1
+        assert entries == expected
+        assert asked == due
+        assert list(ours.uploads.items()) == list(reference.uploads.items())
+        assert ours.order == order

@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import enum
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, overload
 
@@ -654,18 +654,21 @@ class EventBus:
             self._batches[key] = known
         return known
 
-    async def publish_together(self, batch: type[BatchEvent], events: Sequence[Any], *, to: str | None = None) -> None:
+    def publish_together(
+        self, batch: type[BatchEvent], events: Sequence[Any], *, to: str | None = None
+    ) -> Coroutine[Any, Any, None]:
         """Publish ``events`` (of ``batch.member``, addressed ``to``) as one ``batch.of(events)`` where that reaches
-        everything they would (:meth:`batches_reach`), else one by one, in order.
+        everything they would (:meth:`batches_reach`), else one by one, in order; await what it returns (one event:
+        :meth:`publish`'s own coroutine, no other between).
 
         Raises:
             BusClosed: The bus is closed, or closes while a publish waits.
         """
+        if len(events) == 1:
+            return self.publish(events[0])
         if len(events) > 1 and self.batches_reach(batch, batch.member, to):
-            await self.publish(batch.of(tuple(events)))
-            return
-        for event in events:
-            await self.publish(event)
+            return self.publish(batch.of(tuple(events)))
+        return _publish_each(self, events)
 
     def _targets_of(self, cls: type[Any], to: Any) -> list[Subscription[Any]]:
         """Return the subscriptions an event of class ``cls`` addressed ``to`` goes to."""
@@ -784,3 +787,9 @@ class EventBus:
             if subscription._pending and not subscription._closed:
                 subscription._grant()
         publish.granted.clear()
+
+
+async def _publish_each(bus: EventBus, events: Sequence[Any]) -> None:
+    """Publish ``events`` on ``bus`` one by one, in order."""
+    for event in events:
+        await bus.publish(event)

@@ -353,16 +353,8 @@ class Profiler:
                 self.observe(event)
 
     def _assigned(self, event: TaskAssigned) -> None:
-        """Record one task handed out: what :meth:`_assigned_many` of one records, without its loop."""
-        r = self.records
-        size = r.download_sizes.get(int(event.base_version), 0)
-        client_id = int(event.client_id)
-        client = r.clients.get(client_id)
-        if client is None:
-            client = r.clients[client_id] = _Client()
-        client.download_bytes += size
-        r.downloads += 1
-        r.download_tiers["client"] += size
+        """Record one task handed out: :meth:`_assigned_many` of one."""
+        self._assigned_many((event,))
 
     def _assigned_many(self, events: Sequence[TaskAssigned]) -> None:
         """Record tasks handed out: each client's download and the run's."""
@@ -389,7 +381,7 @@ class Profiler:
         compute = [event.compute_s for event in events]
         train = [event.sim_train_s for event in events]
         task = [event.sim_download_s + event.sim_train_s + event.sim_upload_s for event in events]
-        uploaded = [len(event.payload) + len(event.extra) for event in events]  # UpdateUploaded.upload_bytes
+        uploaded = [event.upload_bytes for event in events]
         ids = [event.client_id for event in events]
         clients, new_client = r.clients, _Client
         for client_id, sim_task_s, compute_s, upload_bytes in zip(map(int, ids), task, compute, uploaded, strict=True):

@@ -86,8 +86,9 @@ class CloudReceiver:
         self._told: Counter[str] = Counter()  # refusals of each reason logged at info level
         # Where runs of plain uploads are settled together (AggregationNode.admit_run): flasync's buffered aggregator
         # itself (a subclass may fold otherwise) with no server plug-in (None: each upload is taken alone).
-        runs = type(aggregator) is BufferedAggregator and not node.plugins and not node.intake.plugins
-        self._runs = aggregator if runs and isinstance(aggregator, BufferedAggregator) else None
+        self._runs: BufferedAggregator | None = None
+        if type(aggregator) is BufferedAggregator and not node.plugins and not node.intake.plugins:
+            self._runs = aggregator
 
     @property
     def stats(self) -> ServerStats:
@@ -111,8 +112,13 @@ class CloudReceiver:
     def _accepted(self, staleness: int, client_id: int) -> None:
         """Count one update folded in (by the cloud or an edge); the first one's time is the run's start-up."""
         self.accounting.accepted(staleness, client_id=client_id)
-        if math.isnan(self.stats.first_update_s):
-            self.stats.first_update_s = self.versions.elapsed_s()
+        self._started()
+
+    def _started(self) -> None:
+        """Time the run's start-up at its first update folded in (later ones change nothing)."""
+        stats = self.accounting.stats
+        if math.isnan(stats.first_update_s):
+            stats.first_update_s = self.versions.elapsed_s()
 
     def task_closed(self, message: TaskClosed) -> None:
         """An edge took a task's answer (it released the task itself): count the outcome."""
@@ -186,9 +192,7 @@ class CloudReceiver:
         finally:  # also those of updates folded in before an error
             if lines:
                 debug_many(self.log, "server.update", lines)
-        if len(received) == 1:  # what publish_together does with one event, without its coroutine (once an upload)
-            await self.bus.publish(received[0])
-        elif received:
+        if received:
             await self.bus.publish_together(UpdatesReceived, received)
 
     def _took(
@@ -211,8 +215,7 @@ class CloudReceiver:
             raise ValueError("every column of a run needs one value per upload")
         accounting.took(sizes, staleness, [int(m.client_id) for m in uploads])
         stats.cloud_aggregate_s += run.aggregate_s
-        if stats.first_update_s != stats.first_update_s:  # NaN: this is the run's first update
-            stats.first_update_s = self.versions.elapsed_s()
+        self._started()
         received_wall = run.received_wall
         queue_wait = [received_wall - message.sent_wall_s for message in uploads]
         if log_updates:
@@ -267,9 +270,7 @@ class CloudReceiver:
         verdict, stats = folded.admitted, accounting.stats
         stats.cloud_aggregate_s += folded.aggregate_s
         staleness = verdict.staleness
-        accounting.accepted(staleness, client_id=client)  # what _accepted does, without its calls
-        if stats.first_update_s != stats.first_update_s:  # NaN: this is the run's first update
-            stats.first_update_s = self.versions.elapsed_s()
+        self._accepted(staleness, client)
         queue_wait_s = verdict.received_wall - message.sent_wall_s
         if self._log_updates:
             line = {

@@ -296,10 +296,7 @@ class TaskRegistry:
             snapshot = self.current
             if snapshot is None:
                 raise RuntimeError("no model was published before the first dispatch")
-        # A refill's one client (a list of one int) needs no check.
-        clients = (
-            [int(client_ids[0])] if type(client_ids) is list and len(client_ids) == 1 else _distinct_ints(client_ids)
-        )
+        clients = _distinct_ints(client_ids)
         if not clients:
             return []
         # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.
@@ -308,27 +305,13 @@ class TaskRegistry:
             bases[version] = snapshot
         counters, refs = self._participations, self._base_refs
         now, download, from_cloud = self._clock.now(), snapshot.download_bytes, reply_to == CLOUD
-        if len(clients) == 1:  # a refill of one slot: no list pass
-            client = clients[0]
-            participation = counters.get(client, 0)
-            counters[client] = participation + 1
-            if self._mark_used is not None:
-                self._mark_used(clients)
-            task_id = self._accounting.dispatched(download, from_cloud=from_cloud, client_id=client)
-            # The ints are the client ids they stand for (no NewType call per task).
-            task = _MAKE_TASK(task_id, client, participation, version, now, reply_to)
-            self._in_flight[cast(ClientId, client)] = task
-            refs[version] = refs.get(version, 0) + 1
-            tasks = [task]
-            await self._bus.publish(task)  # what publish_together does with one event, without its coroutine
-        else:
-            participations = _participations(counters, clients)
-            if self._mark_used is not None:
-                self._mark_used(clients)
-            tasks = _assigned(clients, participations, version, now, reply_to, self._accounting, download, from_cloud)
-            self._in_flight.update(zip(cast(_ClientIds, clients), tasks, strict=True))
-            refs[version] = refs.get(version, 0) + len(tasks)
-            await self._bus.publish_together(TasksAssigned, tasks)
+        participations = _participations(counters, clients)
+        if self._mark_used is not None:
+            self._mark_used(clients)
+        tasks = _assigned(clients, participations, version, now, reply_to, self._accounting, download, from_cloud)
+        self._in_flight.update(zip(cast(_ClientIds, clients), tasks, strict=True))
+        refs[version] = refs.get(version, 0) + len(tasks)
+        await self._bus.publish_together(TasksAssigned, tasks)
         if self.share and self.timeout_s is None:  # the tasks join one group as they would one by one
             group = self._open
             if group is None or group.snapshot is not snapshot:

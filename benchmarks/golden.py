@@ -38,6 +38,8 @@ def _case(**sections: Any) -> dict[str, Any]:
 
 FEDAVG = {"kind": "fedavg", "clients_per_round": 8}
 FAULTS = {"crash": 0.2, "hang": 0.1, "dropout": 0.1}
+CONSTANT = {"num_clients": 40, "speed": {"kind": "constant"}}
+BUFFERED = {"kind": "fedbuff", "buffer_size": 4, "concurrency": 10}
 CASES: dict[str, dict[str, Any]] = {
     "fedbuff": _case(),
     "fedbuff_samples_hinge": _case(
@@ -96,6 +98,21 @@ CASES: dict[str, dict[str, Any]] = {
     "dp_fedavg": _case(server=FEDAVG, privacy={"enabled": True, "clip_norm": 1.0, "noise_multiplier": 1.0}),
     "fedbuff_topk_spill": _case(
         codec={"upload": [{"kind": "topk", "ratio": 0.1, "error_feedback": True}], "max_residuals_in_memory": 4}
+    ),
+    # Every client trains and uploads in the same simulated time: uploads arrive together, slots refill between them.
+    "fedbuff_constant": _case(population=CONSTANT, server=BUFFERED),
+    "fedbuff_constant_lru": _case(population={**CONSTANT, "sampling": "lru"}, server=BUFFERED),
+    "fedbuff_constant_weighted": _case(population={**CONSTANT, "sampling": "weighted"}, server=BUFFERED),
+    "fedbuff_constant_refusals": _case(
+        population=CONSTANT,
+        server={**BUFFERED, "max_staleness": 1},
+        resilience={"zscore_threshold": 1.0, "zscore_min_history": 3, "clip_update_norm": 1.0},
+    ),
+    "fedbuff_constant_faults": _case(
+        population={**CONSTANT, "sampling": "lru"}, server=BUFFERED, faults=FAULTS, resilience={"task_timeout_s": 30.0}
+    ),
+    "fedbuff_constant_vectorized": _case(
+        population={**CONSTANT, "sampling": "lru"}, server=BUFFERED, executor={"kind": "vectorized"}
     ),
     "default": {"tracking": {"enabled": False}},
 }

@@ -206,6 +206,10 @@ class BufferedAggregator:
         """Tell whether ``K`` updates are in."""
         return self.buffer.count >= self.size
 
+    def room(self) -> int:
+        """Count the updates the buffer takes before :meth:`ready` (the last of them makes a version due)."""
+        return max(self.size - self.buffer.count, 0)
+
     def step(self) -> None:
         """Step the optimizer with the buffer's weighted mean delta (or what ``release`` makes) and empty the buffer."""
         if self.release is None:

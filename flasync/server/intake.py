@@ -354,9 +354,12 @@ class Intake:
             plugin.admitted(message, version)
         return _new_tuple(Admitted, (delta, staleness, norm, base, received_wall, decode_s, extra))
 
-    def plain(self, batch: Sequence[tuple[UpdateUploaded, Decoded | None]], start: int, version: int) -> Plain:
-        """Find the longest run of uploads from ``batch[start]`` on that :meth:`admit` would pass up to the release of
-        its task and the checks against the norms seen before (:meth:`take_run` makes those); nothing is changed.
+    def plain(
+        self, batch: Sequence[tuple[UpdateUploaded, Decoded | None]], start: int, version: int, end: int | None = None
+    ) -> Plain:
+        """Find the longest run of uploads from ``batch[start]`` on (before ``batch[end]``, if given) that :meth:`admit`
+        would pass up to the release of its task and the checks against the norms seen before (:meth:`take_run` makes
+        those); nothing is changed.
 
         Each is plain: decoded (its entry of :meth:`decode`) into a delta that passes the checks of a delta alone,
         trained from a version that exists, ``version`` holds its model and it is not too stale, and no plug-in of
@@ -374,7 +377,7 @@ class Intake:
         uploads, staleness, deltas, norms, seconds = run
         registry, limit, validator = self.registry, self.max_staleness, self.validator
         known = -1  # the last base version found (a batch's uploads mostly share theirs)
-        for index in range(start, len(batch)):
+        for index in range(start, len(batch) if end is None else min(end, len(batch))):
             message, decoded = batch[index]
             base_version = int(message.base_version)
             if not 0 <= base_version <= version:
@@ -401,7 +404,11 @@ class Intake:
         return run
 
     def take_run(
-        self, uploads: Sequence[UpdateUploaded], deltas: list[torch.Tensor], norms: Sequence[float]
+        self,
+        uploads: Sequence[UpdateUploaded],
+        deltas: list[torch.Tensor],
+        norms: Sequence[float],
+        after: Callable[[bool], None] | None = None,
     ) -> Refused | None:
         """Admit a run of plain uploads (:meth:`plain`) in order, as :meth:`admit` would one by one, and record each
         as :meth:`accepted` would: the caller folds every delta left in ``deltas`` (the norms join the z-score's
@@ -409,7 +416,8 @@ class Intake:
 
         Each upload's task is released and its norm checked against the norms seen before; the run stops at the
         first that is refused (its task released, as :meth:`admit` would leave it). ``deltas`` is cut to those
-        admitted (and clipped to ``clip_norm`` where that is set).
+        admitted (and clipped to ``clip_norm`` where that is set). ``after`` (if given) is called with each one's
+        outcome (accepted or not) once it is known, before the next task is released.
 
         Returns:
             The refusal of the upload after the last one admitted (None: every upload of the run was admitted).
@@ -429,6 +437,10 @@ class Intake:
                     break
                 validator.accepted(norm)
             taken += 1
+            if after is not None:
+                after(True)
+        if refused is not None and after is not None:
+            after(False)
         del deltas[taken:]
         if not history:
             validator.accepted_many(norms[:taken])

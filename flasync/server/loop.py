@@ -45,7 +45,7 @@ from flasync.server.accounting import Accounting, ServerStats
 from flasync.server.edges import message_from_state, message_state, relayed
 from flasync.server.intake import Decoded, Intake
 from flasync.server.node import AggregationNode
-from flasync.server.policies import Policy
+from flasync.server.policies import AsyncSlots, Policy
 from flasync.server.receiver import CloudReceiver
 from flasync.server.registry import TaskRegistry
 from flasync.server.sampler import ClientSampler
@@ -313,6 +313,18 @@ class Server:
                     batch = [(message, decoded), *self._batch]
                     self._batch.clear()
                     await self._receiver.receive(batch)
+                elif (
+                    self._batch
+                    and isinstance(policy, AsyncSlots)
+                    and policy.refills_at_once
+                    and not self._stop_reason()
+                ):
+                    # The uploads up to the next version, each slot refilled as it would be after each alone.
+                    batch = [(message, decoded), *self._batch]
+                    self._batch.clear()
+                    taken = await self._receiver.receive(batch, now=self.clock.now(), refill=policy.refill)
+                    self._batch.extend(batch[taken:])
+                    await policy.start_refilled()
                 else:  # one upload, as it would come alone
                     await self._receiver.receive([(message, decoded)], now=self.clock.now())
                 if policy.rounds and policy.interruptible and self._stop_requested:
@@ -339,7 +351,9 @@ class Server:
         A batch's uploads are handled one at a time, exactly as if each had come alone (the policy fills and
         versions step between them), but their deltas are decoded and measured together when the batch arrives;
         :meth:`_drive` hands the rest of the batch to the receiver (:meth:`CloudReceiver.receive`) where nothing can
-        come between them.
+        come between them, or, with asynchronous slots every client of which is always online, up to the next
+        version, each free slot refilled between two uploads (:meth:`AsyncSlots.refill`) and the new tasks announced
+        once the receiver is done: the same tasks, draws and weights, each task's event after the receipts.
         """
         while not self._batch:
             message = await self._inbox.receive()

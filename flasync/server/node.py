@@ -196,6 +196,8 @@ class AggregationNode:
         *,
         version: int,
         into: BufferedAggregator,
+        end: int | None = None,
+        after: Callable[[bool], None] | None = None,
     ) -> RunFolded | None:
         """Admit and fold the longest run of plain uploads from ``batch[start]`` on (see :meth:`Intake.plain`), as
         :meth:`admit` would each in turn: the same releases, refusals, weights and folds, in order.
@@ -209,6 +211,9 @@ class AggregationNode:
             start: Where the run begins.
             version: The version they would join.
             into: Where they are folded (a buffered aggregator: its weights are asked for first).
+            end: Where the run ends at the latest (None: the end of ``batch``).
+            after: Called with each upload's outcome as it is known, before the next task is released (see
+                :meth:`Intake.take_run`).
 
         Returns:
             What was folded and the refusal that ended the run, or None where the upload at ``start`` is not plain
@@ -218,7 +223,7 @@ class AggregationNode:
             return None
         wall, intake = self.wall, self.intake
         begin = wall()
-        uploads, staleness, deltas, norms, decode_s = intake.plain(batch, start, version)
+        uploads, staleness, deltas, norms, decode_s = intake.plain(batch, start, version, end)
         if not uploads:
             return None
         example_weights, staleness_weights = into.weigh(staleness, [message.num_samples for message in uploads])
@@ -227,7 +232,7 @@ class AggregationNode:
             return None  # its weights are refused: admit raises as it would
         if count < len(uploads):
             del uploads[count:], deltas[count:], norms[count:]
-        refused = intake.take_run(uploads, deltas, norms)
+        refused = intake.take_run(uploads, deltas, norms, after)
         taken = len(deltas)
         if taken < len(staleness):
             del uploads[taken:], staleness[taken:], example_weights[taken:], staleness_weights[taken:]

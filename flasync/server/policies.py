@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flasync.core.bus import EventBus
-from flasync.core.events import EdgeForwarded, RoundDeadlinePassed, Version
+from flasync.core.events import EdgeForwarded, RoundDeadlinePassed, TaskAssigned, Version
 from flasync.core.snapshots import ModelSnapshot
 from flasync.server.accounting import Accounting
 from flasync.server.registry import TaskRegistry, Timer
@@ -169,6 +169,7 @@ class AsyncSlots:
         self.accounting = accounting
         self.edges = edges
         self.abandons = edges is not None  # edges close rounds of their own
+        self._refilled: list[TaskAssigned] = []
 
     def start(self) -> None:
         """Start every edge's receive loop."""
@@ -196,6 +197,32 @@ class AsyncSlots:
                 return  # the free slots are filled at the next message
             if not await self.idle.until(clock, sampler.next_online(clock.now())):
                 return  # stopping
+
+    @property
+    def refills_at_once(self) -> bool:
+        """Tell whether :meth:`refill` may stand for :meth:`fill` between two uploads of a batch: a flat run in which
+        every client is always online (a draw then always finds one, and :meth:`fill` never waits)."""
+        return self.edges is None and self.sampler.faults is None
+
+    def refill(self) -> None:
+        """Fill the free slots now, as :meth:`fill` would (:attr:`refills_at_once`), each draw excluding those before
+        it: the tasks are in flight at once, and announced and started by :meth:`start_refilled`."""
+        registry = self.registry
+        free = self.concurrency - len(registry)
+        if free > 0:
+            snapshot = registry.current
+            assert snapshot is not None
+            drawn = self.sampler.sample_idle_many(registry.busy, self.clock.now(), free)
+            self._refilled += registry.assign_many(drawn, snapshot)
+
+    async def start_refilled(self) -> None:
+        """Announce and start the tasks :meth:`refill` put in flight since the last call (all on the current
+        model)."""
+        tasks, self._refilled = self._refilled, []
+        if tasks:
+            snapshot = self.registry.current
+            assert snapshot is not None
+            await self.registry.start_assigned(tasks, snapshot)
 
     async def _fill_from_edges(self, edges: EdgeNetwork) -> None:
         """Refill the free slots one client at a time, each on its edge's model and answering to its edge."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -47,6 +47,22 @@ _ABANDONED_PRINTED = 3
 
 _MAKE_RECEIVED = positional(UpdateReceived)
 """An :class:`UpdateReceived` from its fields in order (one made per accepted update of a run)."""
+
+
+def _refills(refill: Callable[[], None], room: int) -> Callable[[bool], None]:
+    """Return the hook of a run taken into a buffer with ``room`` updates left: ``refill`` after each upload's outcome,
+    but the acceptance that fills the buffer (its slot is filled after the version it makes due)."""
+    left = room
+
+    def after(accepted: bool) -> None:
+        nonlocal left
+        if accepted:
+            left -= 1
+            if not left:
+                return
+        refill()
+
+    return after
 
 
 class CloudReceiver:
@@ -135,9 +151,13 @@ class CloudReceiver:
 
     # ---------------------------------------------------------------------------------------------- updates
     async def receive(
-        self, batch: Sequence[tuple[UpdateUploaded, Decoded | None]], *, now: float | None = None
-    ) -> None:
-        """Take uploads in order; one upload is a batch of one.
+        self,
+        batch: Sequence[tuple[UpdateUploaded, Decoded | None]],
+        *,
+        now: float | None = None,
+        refill: Callable[[], None] | None = None,
+    ) -> int:
+        """Take uploads in order; one upload is a batch of one. Return how many were taken.
 
         Each upload is counted, admitted, folded in and logged as it would be alone, in order. An upload is received
         at ``now`` when given (one that arrived alone, at the clock's time), else at the time it was sent (the
@@ -150,6 +170,11 @@ class CloudReceiver:
         uploads (:meth:`~flasync.server.intake.Intake.plain`) is admitted, folded and counted together
         (:meth:`AggregationNode.admit_run`): the same events, logs, refusals, counts and weights, bit for bit, with
         what is the same for all of them settled once.
+
+        With ``refill`` (an asynchronous policy's :meth:`~flasync.server.policies.AsyncSlots.refill`), the uploads are
+        taken up to the one that makes a version due, and ``refill`` is called after each other one's outcome, before
+        the next task is released: the free slots are filled in the same state as they would be between uploads
+        that came alone. The rest of ``batch`` is left to the caller.
         """
         received: list[UpdateReceived] = []
         lines: list[dict[str, Any]] = []  # the accepted updates' debug lines, logged together before their events
@@ -163,18 +188,23 @@ class CloudReceiver:
                 # Two or more uploads left: a run of plain ones settled together, up to the first refused (one alone
                 # is taken the quicker way, without a run's lists).
                 if runs is not None and count - index > 1:
-                    run = self.node.admit_run(batch, index, version=version, into=runs)
+                    room = runs.room() if refill is not None else count
+                    after = None if refill is None else _refills(refill, room)
+                    run = self.node.admit_run(batch, index, version=version, into=runs, end=index + room, after=after)
                     if run is not None:
                         self._took(run, version, now, lines, received)
                         if run.failure is not None:
                             raise run.failure
                         index += len(run.uploads)
                         if run.refused is None:
+                            if refill is not None and runs.ready():
+                                break  # the rest are taken after the version
                             continue
                         message, decoded = batch[index]
                         self.accounting.arrived(message.upload_bytes, client_id=int(message.client_id))
                         outcome = run.refused
                 received_s = message.simulated_s if now is None else now
+                refilled = outcome is not None  # a run's refusal: refilled after it already
                 if outcome is None:
                     outcome = take(message, decoded, version, received_s, lines)
                 index += 1
@@ -189,11 +219,16 @@ class CloudReceiver:
                 else:
                     received.append(outcome)
                     note(message, accepted=True)
+                    if refill is not None and self.policy.step_due():
+                        break  # the rest are taken after the version
+                if refill is not None and not refilled:
+                    refill()
         finally:  # also those of updates folded in before an error
             if lines:
                 debug_many(self.log, "server.update", lines)
         if received:
             await self.bus.publish_together(UpdatesReceived, received)
+        return index
 
     def _took(
         self,

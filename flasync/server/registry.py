@@ -281,11 +281,8 @@ class TaskRegistry:
         *,
         reply_to: str = CLOUD,
     ) -> list[TaskAssigned]:
-        """Start a task for each of ``client_ids`` (distinct clients, none in flight) on ``snapshot``, in order.
-
-        Each task gets the next task id and its client's next participation, marks its client used and counts its
-        download; the :class:`TaskAssigned` events go out as one :class:`TasksAssigned` where every observer takes
-        batches (one by one otherwise), then the tasks start.
+        """Start a task for each of ``client_ids`` (distinct clients, none in flight) on ``snapshot``, in order:
+        :meth:`assign_many`, then :meth:`start_assigned`.
 
         Args:
             client_ids: The clients.
@@ -296,6 +293,19 @@ class TaskRegistry:
             snapshot = self.current
             if snapshot is None:
                 raise RuntimeError("no model was published before the first dispatch")
+        tasks = self.assign_many(client_ids, snapshot, reply_to=reply_to)
+        await self.start_assigned(tasks, snapshot)
+        return tasks
+
+    def assign_many(
+        self, client_ids: Sequence[int] | np.ndarray, snapshot: ModelSnapshot, *, reply_to: str = CLOUD
+    ) -> list[TaskAssigned]:
+        """Put a task for each of ``client_ids`` (distinct clients, none in flight) in flight on ``snapshot``, in
+        order, without announcing or starting it (:meth:`start_assigned` does, for the tasks of one snapshot).
+
+        Each task gets the next task id and its client's next participation, marks its client used and counts its
+        download: what a later draw or release depends on is settled here.
+        """
         clients = _distinct_ints(client_ids)
         if not clients:
             return []
@@ -311,6 +321,16 @@ class TaskRegistry:
         tasks = _assigned(clients, participations, version, now, reply_to, self._accounting, download, from_cloud)
         self._in_flight.update(zip(cast(_ClientIds, clients), tasks, strict=True))
         refs[version] = refs.get(version, 0) + len(tasks)
+        return tasks
+
+    async def start_assigned(self, tasks: list[TaskAssigned], snapshot: ModelSnapshot) -> None:
+        """Announce ``tasks`` (assigned on ``snapshot`` by :meth:`assign_many`) and start them.
+
+        The :class:`TaskAssigned` events go out as one :class:`TasksAssigned` where every observer takes batches (one
+        by one otherwise), then the tasks start.
+        """
+        if not tasks:
+            return
         await self._bus.publish_together(TasksAssigned, tasks)
         if self.share and self.timeout_s is None:  # the tasks join one group as they would one by one
             group = self._open
@@ -320,7 +340,6 @@ class TaskRegistry:
         else:
             for task in tasks:
                 self._start(task, snapshot)
-        return tasks
 
     def _start(self, task: TaskAssigned, snapshot: ModelSnapshot, *, client: bool = True) -> None:
         if client and self._post is not None:

@@ -166,3 +166,57 @@ async def test_async_slots_filling_free_slots_together_publishes_what_single_dra
     single, single_weights = await _recorded_run(config)
     assert sum(name == "TaskAssigned" for name, _ in single) > 12
     assert together == single and together_weights == single_weights
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("population.sampling=uniform",),
+        ("population.sampling=lru", "executor.kind=vectorized"),
+        ("population.sampling=weighted", "server.max_staleness=1", "resilience.zscore_threshold=1.5"),
+        ("population.sampling=lru", "resilience.clip_update_norm=0.5", "resilience.max_update_norm=2.0"),
+    ],
+)
+async def test_async_slots_refilling_between_the_uploads_of_a_batch_keeps_every_task_and_weight(
+    overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FedBuff with every client as fast (uploads arrive together): slots refilled between the uploads of a batch as
+    they are taken, the tasks announced once the batch is taken up to the next version, give the same tasks (ids,
+    clients, participations, versions, times), events of each kind in the same order, the same events between two
+    versions and the same weights as every upload taken alone and its slot filled after it; with refusals and
+    clipping."""
+    server = {"kind": "fedbuff", "buffer_size": 4, "concurrency": 10}
+    config = small_config(
+        *overrides,
+        "population.speed={kind: constant}",
+        "stop.max_versions=12",
+        "population.num_clients=30",
+        server=server,
+    )
+    refills = 0
+    refill = AsyncSlots.refill
+
+    def counted(self: AsyncSlots) -> None:
+        nonlocal refills
+        refills += 1
+        refill(self)
+
+    monkeypatch.setattr(AsyncSlots, "refill", counted)
+    together, together_weights = await _recorded_run(config)
+    assert refills > 12  # the batches' slots were refilled between their uploads
+    monkeypatch.setattr(AsyncSlots, "refills_at_once", property(lambda self: False))
+    alone, alone_weights = await _recorded_run(config)
+    assert together_weights == alone_weights and together != alone
+    for kind in {name for name, _ in alone}:
+        assert [e for e in together if e[0] == kind] == [e for e in alone if e[0] == kind]
+
+    def between_versions(events: list[Any]) -> list[list[str]]:
+        stretches: list[list[str]] = [[]]
+        for name, values in events:
+            if name != "UpdateUploaded":  # a group publishes its uploads due at one time before they are taken
+                stretches[-1].append(repr((name, values)))
+            if name == "Aggregated":
+                stretches.append([])
+        return [sorted(stretch) for stretch in stretches]
+
+    assert between_versions(together) == between_versions(alone)

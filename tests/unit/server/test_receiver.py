@@ -48,11 +48,15 @@ class _Versions:
 class _Policy:
     """Records what it learns of each upload."""
 
-    def __init__(self) -> None:
+    def __init__(self, ready: Any = None) -> None:
         self.notes: list[tuple[int, bool]] = []
+        self.ready = ready
 
     def note(self, message: Any, *, accepted: bool) -> None:
         self.notes.append((message.task_id, accepted))
+
+    def step_due(self) -> bool:
+        return bool(self.ready())
 
 
 class _Log:
@@ -82,6 +86,7 @@ class _Cloud:
         clip_norm: float | None = None,
         clients: bool = False,
         runs: bool = True,
+        size: int = 1000,
     ) -> None:
         self.bus = EventBus()
         self.seen = self.bus.subscribe(capacity=10_000)
@@ -100,7 +105,7 @@ class _Cloud:
         self.weights = torch.zeros(N)
         self.aggregator = BufferedAggregator(
             self.weights,
-            size=1000,
+            size=size,
             optimizer=FlatSGD(self.weights),
             staleness=PolynomialStaleness(),
             example_weight=SampleExampleWeight(),
@@ -114,7 +119,7 @@ class _Cloud:
             num_params=N,
             device=torch.device("cpu"),
         )
-        self.policy = _Policy()
+        self.policy = _Policy(self.aggregator.ready)
         self.log = _Log()
         self.accounting = Accounting(failure_limit=10, clients=ClientTable(4, 2) if clients else None)
         self.receiver = CloudReceiver(
@@ -229,6 +234,48 @@ async def test_a_batch_is_received_as_its_uploads_one_by_one(
     assert [event.task_id for event in events if isinstance(event, UpdateReceived | UpdateRejected)] == [
         upload.task_id for upload in uploads
     ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    count=st.integers(2, 12),
+    size=st.integers(1, 8),
+    history=st.booleans(),
+)
+async def test_a_batch_taken_with_refills_stops_at_the_version_and_refills_between_uploads_as_one_by_one(
+    seed: int, count: int, size: int, history: bool
+) -> None:
+    """With a refill hook, a batch with refusals of every kind into a buffer of ``size`` is taken up to the upload
+    that makes the version due, and the hook is called after each other upload's outcome, in the state one-by-one
+    receipt leaves between two uploads (the same tasks released, what a refill's draws read): the same uploads taken,
+    events, notes, counts and weights as each upload received alone with a refill after each until the version is
+    due."""
+    uploads, tasks = _batch(seed, count, wrong_size=False)
+    together, one_by_one = _Cloud(tasks, history=history, size=size), _Cloud(tasks, history=history, size=size)
+    seen: dict[str, list[list[int]]] = {"together": [], "one_by_one": []}
+
+    def hook(cloud: _Cloud, name: str) -> Any:
+        return lambda: seen[name].append(list(cloud.registry.released))
+
+    entries = together.intake.decode(uploads)
+    taken = await together.receiver.receive(
+        list(zip(uploads, entries, strict=True)), now=2.5, refill=hook(together, "together")
+    )
+    alone = 0
+    for upload, entry in zip(uploads, entries, strict=True):
+        await one_by_one.receiver.receive([(upload, entry)], now=2.5)
+        alone += 1
+        if one_by_one.aggregator.ready():
+            break
+        hook(one_by_one, "one_by_one")()
+    assert taken == alone and (taken == count or together.aggregator.ready())
+    assert seen["together"] == seen["one_by_one"]
+    assert together.events() == one_by_one.events()
+    assert together.policy.notes == one_by_one.policy.notes
+    assert together.accounting.state_dict() == one_by_one.accounting.state_dict()
+    assert torch.equal(together.aggregator.buffer.weighted_sum, one_by_one.aggregator.buffer.weighted_sum)
+    assert together.aggregator.count() == one_by_one.aggregator.count() <= size
 
 
 async def test_an_update_the_buffer_cannot_weigh_fails_the_batch_after_the_updates_before_it() -> None:

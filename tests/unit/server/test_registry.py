@@ -359,6 +359,41 @@ async def test_dispatch_many_starts_the_tasks_dispatch_would_start_one_by_one() 
     assert many.bus.statistics().published == published + 2  # one event per cohort
 
 
+async def test_tasks_assigned_are_in_flight_at_once_and_announced_and_started_later() -> None:
+    """assign_many puts tasks in flight (ids, participations, downloads, least-recently-used marks) with no event;
+    start_assigned announces them in one TasksAssigned and starts them: the tasks, events, marks and counts of
+    dispatch_many."""
+    marks: dict[str, list[int]] = {"assigned": [], "dispatched": []}
+    harnesses = {name: ServerHarness(clients=_silent) for name in marks}
+    for name, harness in harnesses.items():
+        harness.registry._mark_used = marks[name].extend
+        harness.registry.publish(_snapshot(0))
+    seen = {name: EventRecorder(harness.bus) for name, harness in harnesses.items()}
+    assigned, dispatched = harnesses["assigned"], harnesses["dispatched"]
+    published = assigned.bus.statistics().published
+
+    async def in_two_steps() -> None:
+        registry = assigned.registry
+        snapshot = registry.current
+        assert snapshot is not None
+        first = registry.assign_many([5, 2], snapshot)
+        second = registry.assign_many([6], snapshot)
+        assert [t.task_id for t in first + second] == [0, 1, 2] and len(registry) == 3 and 2 in registry
+        assert assigned.bus.statistics().published == published  # nothing announced yet
+        await registry.start_assigned(first + second, snapshot)
+        await registry.start_assigned([], snapshot)
+
+    async def at_once() -> None:
+        await dispatched.registry.dispatch_many([5, 2, 6])
+
+    await _started(assigned, in_two_steps())
+    await _started(dispatched, at_once())
+    assert seen["assigned"].of(TaskAssigned) == seen["dispatched"].of(TaskAssigned)
+    assert marks["assigned"] == marks["dispatched"] == [5, 2, 6]
+    assert assigned.accounting.stats == dispatched.accounting.stats
+    assert assigned.bus.statistics().published == published + 1  # one event for the three
+
+
 async def test_each_released_client_is_marked_idle_once() -> None:
     """A release tells ``mark_idle`` its client (a least-recently-used draw following the tasks in flight): once a
     task, and never for an answer that releases nothing."""

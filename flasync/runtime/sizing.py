@@ -38,7 +38,8 @@ def make_executor(
     on_event: Callable[[str, str], None] | None = None,
     objective: LocalObjective | None = None,
 ) -> TrainingExecutor:
-    """Build the executor a run's training jobs run in (threads, vectorized cohorts on the threads, or Ray actors).
+    """Build the executor a run's training jobs run in (threads, vectorized cohorts on the threads, or Ray actors),
+    its threads started.
 
     ``auto`` picks threads or vectorized cohorts (:func:`choose_executor`) and tells ``on_event("auto", why)``.
 
@@ -72,7 +73,7 @@ def make_executor(
         )
         if on_event is not None and workers > 1:
             on_event("workers", f"{workers} training threads: {why}")
-    return ThreadTrainingExecutor(
+    threads = ThreadTrainingExecutor(
         prepared.factory,
         workers=workers,
         threads_per_worker=executor.threads_per_worker,
@@ -81,6 +82,8 @@ def make_executor(
         device=prepared.device,
         on_fallback=on_fallback,
     )
+    threads.start_threads()  # here, not on the event loop at the first jobs
+    return threads
 
 
 AUTO_MAX_WORKERS = 4

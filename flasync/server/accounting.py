@@ -203,6 +203,20 @@ class Accounting:
             self.egress(download_bytes)
         return task_id
 
+    def dispatched_many(self, download_bytes: int, clients: Sequence[int], *, from_cloud: bool) -> range:
+        """Count a task and its model download for each of ``clients``, in order: :meth:`dispatched` of each, the
+        counts added once; return the tasks' ids."""
+        if self.clients is not None:
+            for client_id in clients:
+                self.clients.dispatched(client_id, download_bytes)
+        stats, count = self.stats, len(clients)
+        first = stats.tasks_dispatched
+        stats.tasks_dispatched = first + count
+        stats.download_bytes += download_bytes * count
+        if from_cloud:
+            self.egress(download_bytes * count)
+        return range(first, first + count)
+
     def uploaded(self, num_bytes: int, *, client_id: int | None = None) -> None:
         """Count a client's upload (of client ``client_id`` when known), whatever becomes of it."""
         if self.clients is not None and client_id is not None:

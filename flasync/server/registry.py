@@ -16,6 +16,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -532,16 +533,13 @@ def _assigned(
     download: int,
     from_cloud: bool,
 ) -> list[TaskAssigned]:
-    """Return the tasks of ``clients`` (distinct) with their ``participations``, each numbered by the ``accounting``
-    that counts its dispatch and download, in order."""
-    dispatched, make = accounting.dispatched, _MAKE_TASK
-    # The ints are the client ids they stand for (no NewType call per task).
-    return [
-        make(
-            dispatched(download, from_cloud=from_cloud, client_id=client), client, participation, version, now, reply_to
-        )
-        for client, participation in zip(cast(_ClientIds, clients), participations, strict=True)
-    ]
+    """Return the tasks of ``clients`` (distinct) with their ``participations``, numbered by the ``accounting`` that
+    counts their dispatches and downloads, in order."""
+    ids = accounting.dispatched_many(download, clients, from_cloud=from_cloud)
+    # The ints are the client ids they stand for (no NewType call per task); the fields in their order.
+    return list(
+        map(_MAKE_TASK, ids, cast(_ClientIds, clients), participations, repeat(version), repeat(now), repeat(reply_to))
+    )
 
 
 def _distinct_ints(client_ids: Sequence[int] | np.ndarray) -> list[int]:

@@ -831,7 +831,7 @@ class ThreadTrainingExecutor:
         device: torch.device | str = "cpu",
         on_fallback: Callable[[str], None] | None = None,
     ) -> None:
-        """Start no threads yet; they start with the first job."""
+        """Start no threads yet: they start with the first job, or with :meth:`start_threads`."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if threads_per_worker < 1:
@@ -852,6 +852,20 @@ class ThreadTrainingExecutor:
                 threads, self.models, max_cohort=max_cohort, on_fallback=on_fallback, parallel=workers
             )
         self.pool: Executor = self.batcher if self.batcher is not None else threads
+        self._threads = threads
+
+    def start_threads(self, timeout_s: float = 10.0) -> None:
+        """Start every worker thread now, where the executor is made (a run makes it off the event loop, which then
+        starts no thread of its own at its first jobs).
+
+        Each thread takes a job that waits for all of them, so the pool starts a thread for each; a thread that does
+        not start within ``timeout_s`` is left to start with a later job, as it would without this.
+        """
+        barrier = threading.Barrier(self.workers)
+        waits = [self._threads.submit(barrier.wait, timeout_s) for _ in range(self.workers)]
+        for wait in waits:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                wait.result()
 
     def attach(self, clock: object) -> None:
         """Let a virtual clock start held cohorts when it must wait for them (no-op without batching)."""

@@ -170,3 +170,21 @@ def test_updates_taken_together_are_counted_as_each_arrived_and_accepted_in_turn
         one_by_one.accepted(tau, client_id=client)
     assert together.state_dict() == one_by_one.state_dict()
     assert together.close_version(1) == one_by_one.close_version(1)
+
+
+@pytest.mark.parametrize(("table", "from_cloud"), [(False, True), (True, True), (True, False)])
+def test_tasks_dispatched_together_are_counted_as_each_in_turn(table: bool, from_cloud: bool) -> None:
+    """:meth:`Accounting.dispatched_many` numbers the tasks as :meth:`dispatched` of each in turn would, and leaves
+    the same counters, egress, version figures and per-client table; none dispatched counts nothing."""
+    clients = [7, 3, 9, 1]
+    together = Accounting(failure_limit=3, clients=ClientTable(3, 2) if table else None)
+    one_by_one = Accounting(failure_limit=3, clients=ClientTable(3, 2) if table else None)
+    for accounting in (together, one_by_one):
+        accounting.dispatched(500, from_cloud=True, client_id=4)
+    ids = together.dispatched_many(1234, clients, from_cloud=from_cloud)
+    assert together.dispatched_many(1234, [], from_cloud=from_cloud) == range(5, 5)
+    assert (
+        list(ids) == [one_by_one.dispatched(1234, from_cloud=from_cloud, client_id=c) for c in clients] == [1, 2, 3, 4]
+    )
+    assert together.state_dict() == one_by_one.state_dict()
+    assert together.close_version(1) == one_by_one.close_version(1)

@@ -460,6 +460,28 @@ def test_executor_sets_worker_threads_only(main_threads: int) -> None:
     assert torch.get_num_threads() == main_threads
 
 
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_executor_starts_its_threads_where_it_is_made_and_no_more_later(main_threads: int, vectorized: bool) -> None:
+    """start_threads starts one thread per worker, each with ``threads_per_worker`` intra-op threads, where it is
+    called; the jobs after it start none (a run's event loop starts no thread), and a second call starts none."""
+    per_worker = 1 if main_threads != 1 else 2
+    executor = ThreadTrainingExecutor(_mlp, workers=3, threads_per_worker=per_worker, vectorized=vectorized)
+    try:
+
+        def workers() -> set[int | None]:
+            return {t.ident for t in threading.enumerate() if t.name.startswith("flasync-train")}
+
+        before = workers()
+        executor.start_threads()
+        started = workers() - before
+        assert len(started) == 3
+        executor.start_threads()
+        counts = [f.result() for f in [executor.pool.submit(torch.get_num_threads) for _ in range(9)]]
+        assert workers() - before == started and counts == [per_worker] * 9
+    finally:
+        executor.shutdown()
+
+
 def test_executor_leaves_other_threads_default(main_threads: int) -> None:
     """A thread started after the workers ran still gets the main thread's intra-op thread count."""
     per_worker = 1 if main_threads != 1 else 2

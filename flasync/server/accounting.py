@@ -192,23 +192,16 @@ class Accounting:
     # ------------------------------------------------------------------------------------------------ bytes
     def dispatched(self, download_bytes: int, *, from_cloud: bool, client_id: int | None = None) -> int:
         """Count one task and its model download (to client ``client_id`` when known); return the task's id (the
-        count before it)."""
-        if self.clients is not None and client_id is not None:
-            self.clients.dispatched(client_id, download_bytes)
-        stats = self.stats
-        task_id = stats.tasks_dispatched
-        stats.tasks_dispatched += 1
-        stats.download_bytes += download_bytes
-        if from_cloud:
-            self.egress(download_bytes)
-        return task_id
+        count before it): :meth:`dispatched_many` of one."""
+        return self.dispatched_many(download_bytes, (client_id,), from_cloud=from_cloud)[0]
 
-    def dispatched_many(self, download_bytes: int, clients: Sequence[int], *, from_cloud: bool) -> range:
-        """Count a task and its model download for each of ``clients``, in order: :meth:`dispatched` of each, the
-        counts added once; return the tasks' ids."""
+    def dispatched_many(self, download_bytes: int, clients: Sequence[int | None], *, from_cloud: bool) -> range:
+        """Count a task and its model download for each of ``clients`` (None: a client not known), in order; return
+        the tasks' ids (each the count before it)."""
         if self.clients is not None:
             for client_id in clients:
-                self.clients.dispatched(client_id, download_bytes)
+                if client_id is not None:
+                    self.clients.dispatched(client_id, download_bytes)
         stats, count = self.stats, len(clients)
         first = stats.tasks_dispatched
         stats.tasks_dispatched = first + count

@@ -370,6 +370,7 @@ class Intake:
             batch: Uploads and their entries of :meth:`decode`, in the order they are admitted.
             start: Where the run begins.
             version: The version the receiver holds now.
+            end: Where the run ends at the latest (None: the end of ``batch``).
         """
         run = Plain([], [], [], [], [])
         if self.plugins:

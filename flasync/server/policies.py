@@ -186,34 +186,38 @@ class AsyncSlots:
         if self.edges is not None:
             await self._fill_from_edges(self.edges)
             return
-        registry, sampler, clock = self.registry, self.sampler, self.clock
-        while (free := self.concurrency - len(registry)) > 0:
-            drawn = sampler.sample_idle_many(registry.busy, clock.now(), free)
-            if drawn:
-                await registry.dispatch_many(drawn)
-            if len(drawn) == free:
+        while True:
+            every = self.refill()
+            await self.start_refilled()
+            if every:
                 return  # every slot is taken (only the loop, awaiting this, releases tasks)
-            if len(registry):
+            if len(self.registry):
                 return  # the free slots are filled at the next message
-            if not await self.idle.until(clock, sampler.next_online(clock.now())):
+            if not await self.idle.until(self.clock, self.sampler.next_online(self.clock.now())):
                 return  # stopping
 
     @property
     def refills_at_once(self) -> bool:
         """Tell whether :meth:`refill` may stand for :meth:`fill` between two uploads of a batch: a flat run in which
-        every client is always online (a draw then always finds one, and :meth:`fill` never waits)."""
+        every client is always online (a draw then always finds one, and :meth:`fill` never waits or goes by edge)."""
         return self.edges is None and self.sampler.faults is None
 
-    def refill(self) -> None:
-        """Fill the free slots now, as :meth:`fill` would (:attr:`refills_at_once`), each draw excluding those before
-        it: the tasks are in flight at once, and announced and started by :meth:`start_refilled`."""
+    def refill(self) -> bool:
+        """Draw a client for every free slot (each draw excluding those before it) and put its task in flight at
+        once, on the current model; :meth:`start_refilled` announces and starts the tasks. Return whether every free
+        slot was filled (a draw may find no idle client online; with :attr:`refills_at_once` one always does).
+
+        :meth:`fill` is this, the start, and a wait where no client is online; between two uploads of a batch, this
+        alone (the state each draw sees is the one :meth:`fill` after each upload would see)."""
         registry = self.registry
         free = self.concurrency - len(registry)
-        if free > 0:
-            snapshot = registry.current
-            assert snapshot is not None
-            drawn = self.sampler.sample_idle_many(registry.busy, self.clock.now(), free)
-            self._refilled += registry.assign_many(drawn, snapshot)
+        if free <= 0:
+            return True
+        snapshot = registry.current
+        assert snapshot is not None, "the server publishes a model before it fills its slots"
+        drawn = self.sampler.sample_idle_many(registry.busy, self.clock.now(), free)
+        self._refilled += registry.assign_many(drawn, snapshot)
+        return len(drawn) == free
 
     async def start_refilled(self) -> None:
         """Announce and start the tasks :meth:`refill` put in flight since the last call (all on the current

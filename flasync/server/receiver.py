@@ -49,7 +49,7 @@ _MAKE_RECEIVED = positional(UpdateReceived)
 """An :class:`UpdateReceived` from its fields in order (one made per accepted update of a run)."""
 
 
-def _refills(refill: Callable[[], None], room: int) -> Callable[[bool], None]:
+def _refills(refill: Callable[[], object], room: int) -> Callable[[bool], None]:
     """Return the hook of a run taken into a buffer with ``room`` updates left: ``refill`` after each upload's outcome,
     but the acceptance that fills the buffer (its slot is filled after the version it makes due)."""
     left = room
@@ -155,7 +155,7 @@ class CloudReceiver:
         batch: Sequence[tuple[UpdateUploaded, Decoded | None]],
         *,
         now: float | None = None,
-        refill: Callable[[], None] | None = None,
+        refill: Callable[[], object] | None = None,
     ) -> int:
         """Take uploads in order; one upload is a batch of one. Return how many were taken.
 

@@ -590,36 +590,30 @@ class CohortBatcher(LoopExecutor):
         self._hold_many((fn,), (future,))
 
     def _hold_many(self, jobs: Sequence[TrainingJob[Any]], futures: Sequence[_AnyHeld]) -> None:
-        """Hold each job with its future, in order, under one acquisition of the lock; start the groups that fill."""
+        """Hold each job with its future, in order, under one acquisition of the lock; start the groups that fill.
+
+        Consecutive jobs of one configuration and data set (and one base, where cohorts train elsewhere), told apart
+        by identity, join their held group a slice at a time, as they would one by one.
+        """
         full: list[_Held] = []
         with self._lock:
             held_by_group = self._held
-            if self._one_group(jobs):  # as the loop below would hold them, a slice at a time
-                group = self._key(jobs[0])
-                start, count = 0, len(jobs)
-                while start < count:
+            start, count = 0, len(jobs)
+            while start < count:
+                stop = self._run_end(jobs, start)
+                group = self._key(jobs[start])
+                while start < stop:
                     held = held_by_group.get(group)
-                    if held is None:
+                    if held is None:  # not setdefault: it would build a _Held per slice
                         held = held_by_group[group] = _Held()
-                    stop = min(count, start + self.max_cohort - len(held.jobs))
-                    held.jobs += jobs[start:stop]
-                    held.futures += futures[start:stop]
-                    start = stop
+                    end = min(stop, start + self.max_cohort - len(held.jobs))
+                    held.jobs += jobs[start:end]
+                    held.futures += futures[start:end]
+                    start = end
                     if len(held.jobs) >= self.max_cohort:
                         del held_by_group[group]
                         full.append(held)
-            else:
-                for fn, future in zip(jobs, futures, strict=True):
-                    group = self._key(fn)
-                    held = held_by_group.get(group)
-                    if held is None:  # not setdefault: it would build a _Held per job
-                        held = held_by_group[group] = _Held()
-                    held.jobs.append(fn)
-                    held.futures.append(future)
-                    if len(held.jobs) >= self.max_cohort:
-                        del held_by_group[group]
-                        full.append(held)
-            self._submitted += len(jobs)
+            self._submitted += count
             waiting = bool(held_by_group)
         for held in full:
             self._launch(held)
@@ -631,17 +625,15 @@ class CohortBatcher(LoopExecutor):
         """Return the key of the held group a job joins (call locked)."""
         return self._group(fn) if self.train_cohort is None else (id(fn.base), self._group(fn))
 
-    def _one_group(self, jobs: Sequence[TrainingJob[Any]]) -> bool:
-        """Tell whether several ``jobs`` all join one held group (one configuration and data set, and one base where
-        cohorts train elsewhere), told apart by identity."""
-        if len(jobs) < 2:
-            return False
-        first = jobs[0]
-        cfg, x = first.cfg, first.x
-        if self.train_cohort is not None:
-            base = first.base
-            return all(job.cfg is cfg and job.x is x and job.base is base for job in jobs)
-        return all(job.cfg is cfg and job.x is x for job in jobs)
+    def _run_end(self, jobs: Sequence[TrainingJob[Any]], start: int) -> int:
+        """Return where the run of jobs from ``jobs[start]`` that share its configuration and data set (and its base,
+        where cohorts train elsewhere), by identity, ends: they all join one held group."""
+        first = jobs[start]
+        cfg, x, base, bases = first.cfg, first.x, first.base, self.train_cohort is not None
+        end = start + 1
+        while end < len(jobs) and (job := jobs[end]).cfg is cfg and job.x is x and (not bases or job.base is base):
+            end += 1
+        return end
 
     def _tick(self, mark: int, quiet: int) -> None:
         quiet = quiet + 1 if self._submitted == mark else 0

@@ -23,6 +23,7 @@ from flasync.training.local import LocalTraining, flat_parameters
 from flasync.training.models import MLP
 from flasync.training.plugins import TaskPart
 from flasync.training.residuals import ResidualStore
+from tests.unit.training.job_inputs import small_job
 
 
 def _trained_cohort() -> tuple[CohortResult, LocalTraining, torch.Tensor, torch.Tensor]:
@@ -181,17 +182,7 @@ def test_the_spans_of_clients_samples_are_where_their_indices_lie() -> None:
 def test_a_job_trained_alone_from_its_indices_span_and_streams_key_equals_one_given_both() -> None:
     """train_job slices a span of the index tensor and makes the streams of the keys it is given (task and codec):
     the same payload, bit for bit, as with the client's own indices and the generators seeded alike."""
-    torch.manual_seed(3)
-    x, y = torch.randn(60, 8), torch.randint(0, 3, (60,))
-    index = torch.randperm(60)
-    cfg = LocalTraining(epochs=1, batch_size=8, lr=0.1)
-    base = flat_parameters(MLP(8, [16], 3))
-    ctx = JobContext(
-        models=ModelPool(lambda: MLP(8, [16], 3)),
-        local=cfg,
-        upload_codec=codecs.Pipeline([codecs.RandomK(0.3)]),
-        num_params=base.numel(),
-    )
+    x, y, index, _, base, ctx = small_job()
     task, codec = (5, seeding.TASK, 4, 2), (5, seeding.CODEC, 4, 2)
     keyed = train_job(ctx, ClientId(4), base, (x, y, index), task, codec, span=(13, 41))
     given = train_job(

@@ -8,14 +8,13 @@ from typing import Any, cast
 
 import torch
 
-from flasync import codecs
 from flasync.clients.simulated import client as client_module
 from flasync.core import seeding
 from flasync.core.events import ClientId, TaskAssigned, TaskDiagnosis, UpdateUploaded, Version
-from flasync.training.executors.threads import ModelPool, TrainingJob
-from flasync.training.jobs import Finish, JobContext, TrainedUpdate, train_job
-from flasync.training.local import LocalResult, LocalTraining, flat_parameters
-from flasync.training.models import MLP
+from flasync.training.executors.threads import TrainingJob
+from flasync.training.jobs import Finish, TrainedUpdate, train_job
+from flasync.training.local import LocalResult
+from tests.unit.training.job_inputs import small_job
 
 
 def test_uploads_are_the_events_the_keyword_constructor_makes_of_each_task() -> None:
@@ -107,17 +106,7 @@ def test_uploads_are_the_events_the_keyword_constructor_makes_of_each_task() -> 
 def test_a_tasks_job_trained_alone_is_train_job_of_its_own_attributes() -> None:
     """A task's job made without a closure trains alone (called as any executor calls it) to the very update that
     train_job of the same task, data span, stream keys, codec and attack gives."""
-    torch.manual_seed(3)
-    x, y = torch.randn(60, 8), torch.randint(0, 3, (60,))
-    index = torch.randperm(60)
-    cfg = LocalTraining(epochs=1, batch_size=8, lr=0.1)
-    base = flat_parameters(MLP(8, [16], 3))
-    ctx = JobContext(
-        models=ModelPool(lambda: MLP(8, [16], 3)),
-        local=cfg,
-        upload_codec=codecs.Pipeline([codecs.RandomK(0.3)]),
-        num_params=base.numel(),
-    )
+    x, y, index, cfg, base, ctx = small_job()
     key, codec = (5, seeding.TASK, 4, 2), (5, seeding.CODEC, 4, 2)
     finish = Finish(ctx, ClientId(4), codec, -2.0, (), 17)
     job: TrainingJob[TrainedUpdate] = TrainingJob.of(

@@ -58,6 +58,38 @@ def test_ray_gives_the_threads_weights(server: str, actors: int) -> None:
 
 
 @pytest.mark.usefixtures("local_ray")
+@pytest.mark.parametrize("inline", [True, False])
+def test_model_versions_travel_inside_the_tasks_or_through_the_object_store(
+    monkeypatch: pytest.MonkeyPatch, inline: bool
+) -> None:
+    """A small model's versions go inside the tasks and nothing of them is put (a put to a store that dies ends the
+    process); above the inline size each version is put once. The threads' weights either way."""
+    import numpy as np
+
+    from flasync.training.executors import ray as ray_executor
+
+    if not inline:
+        monkeypatch.setattr(ray_executor, "_INLINE_BYTES", 0)
+    put = ray.put
+    versions_put: list[tuple[int, ...]] = []
+
+    def counted(value: object, **kwargs: object) -> object:
+        if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == np.float32:
+            versions_put.append(value.shape)
+        return put(value, **kwargs)
+
+    monkeypatch.setattr(ray, "put", counted)
+    server = SERVERS["fedbuff"]
+    threads = flasync.run(small_config("executor.kind=thread", server=server))
+    on_ray = flasync.run(small_config("executor.kind=ray", server=server))
+    assert on_ray.weights_sha256 == threads.weights_sha256
+    if inline:
+        assert versions_put == []
+    else:
+        assert 2 <= len(versions_put) <= on_ray.versions + 1  # once per version a task started from
+
+
+@pytest.mark.usefixtures("local_ray")
 def test_scaffold_corrections_travel_to_the_actors() -> None:
     """SCAFFOLD on Ray: each task's c - c_i reaches its actor, so the weights are the threads' ones."""
     overrides = ("scaffold.enabled=true", "stop.max_versions=6")

@@ -2,11 +2,11 @@
 
 ``executor.kind = "ray"`` (``pip install 'flasync[ray]'``). Each actor is a process that holds the model and the
 training data: the data go into Ray's object store once and every actor reads them from there; each model version is
-put once and passed by reference; a task ships its client's sample indices, its random state and any gradient
-correction a plug-in gives, and gets the delta back. Encoding, error-feedback residuals and diagnosis stay in the
-driver, as with threads, so a Ray run ends with the weights of a threads run of the same config, whatever the number
-of actors (training is a function of the task's inputs only, and under the virtual clock the order of results
-depends on simulated times alone).
+put once and passed by reference (a small model's versions, :data:`_INLINE_BYTES` or less, travel inside the tasks);
+a task ships its client's sample indices, its random state and any gradient correction a plug-in gives, and gets the
+delta back. Encoding, error-feedback residuals and diagnosis stay in the driver, as with threads, so a Ray run ends
+with the weights of a threads run of the same config, whatever the number of actors (training is a function of the
+task's inputs only, and under the virtual clock the order of results depends on simulated times alone).
 
 Each actor trains one task (or, with ``executor.ray.vectorized``, one cohort) at a time, with the next call queued
 behind it; driver threads wait on the calls, so the event loop never blocks. An actor that dies (killed, out of
@@ -52,6 +52,9 @@ __all__ = ["RayTrainingExecutor", "TrainingActor"]
 T = TypeVar("T")
 
 _VERSIONS_KEPT = 8  # model versions whose object refs stay alive (the ones tasks in flight start from)
+# A model version this small travels inside each task (Ray inlines arguments below 100 KiB) instead of being put: the
+# driver then touches no object store while it trains, and a store that dies under a put ends the process at once.
+_INLINE_BYTES = 64 * 1024
 _PIPELINE = 2  # calls queued per actor: the next one's arguments travel while the current one trains
 _ACTOR_START_S = 120.0  # an actor whose resources no node has waits for ever: give up after this
 # Probes in a row that must fail before the cluster is taken for gone: a local Ray flasync started is not restarted
@@ -506,18 +509,21 @@ class RayTrainingExecutor:
 
     # --------------------------------------------------------------------------------------------- payloads
     def _base_ref(self, base: torch.Tensor) -> Any:
-        """One object-store copy per model version (tasks of a version share the snapshot's tensor)."""
+        """One object-store copy per model version (tasks of a version share the snapshot's tensor), or the version's
+        array itself if it is :data:`_INLINE_BYTES` or smaller (Ray sends it inside each task)."""
         with self._lock:
             held = self._bases.get(id(base))
             if held is not None and held[0] is base:
                 self._bases.move_to_end(id(base))
                 return held[1]
-            self._check_put()
-            ref = _ray().put(base.detach().to("cpu", torch.float32).numpy())
-            self._bases[id(base)] = (base, ref)
+            payload: Any = base.detach().to("cpu", torch.float32).numpy()
+            if payload.nbytes > _INLINE_BYTES:
+                self._check_put()
+                payload = _ray().put(payload)
+            self._bases[id(base)] = (base, payload)
             while len(self._bases) > _VERSIONS_KEPT:
                 self._bases.popitem(last=False)
-            return ref
+            return payload
 
     def _data_ref(self, x: torch.Tensor, y: torch.Tensor) -> tuple[int, list[Any]]:
         """The training data, put once (a lazy client's own samples, put per task)."""

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flasync.core.bus import EventBus
-from flasync.core.events import EdgeForwarded, RoundDeadlinePassed, TaskAssigned, Version
+from flasync.core.events import EdgeForwarded, RoundDeadlinePassed, Version
 from flasync.core.snapshots import ModelSnapshot
 from flasync.server.accounting import Accounting
 from flasync.server.registry import TaskRegistry, Timer
@@ -169,7 +169,6 @@ class AsyncSlots:
         self.accounting = accounting
         self.edges = edges
         self.abandons = edges is not None  # edges close rounds of their own
-        self._refilled: list[TaskAssigned] = []
 
     def start(self) -> None:
         """Start every edge's receive loop."""
@@ -203,9 +202,10 @@ class AsyncSlots:
         return self.edges is None and self.sampler.faults is None
 
     def refill(self) -> bool:
-        """Draw a client for every free slot (each draw excluding those before it) and put its task in flight at
-        once, on the current model; :meth:`start_refilled` announces and starts the tasks. Return whether every free
-        slot was filled (a draw may find no idle client online; with :attr:`refills_at_once` one always does).
+        """Draw a client for every free slot (each draw excluding those before it) and reserve it at once
+        (:meth:`~flasync.server.registry.TaskRegistry.reserve`); :meth:`start_refilled` gives the reserved clients
+        their tasks on the current model, announces and starts them. Return whether every free slot was filled (a draw
+        may find no idle client online; with :attr:`refills_at_once` one always does).
 
         :meth:`fill` is this, the start, and a wait where no client is online; between two uploads of a batch, this
         alone (the state each draw sees is the one :meth:`fill` after each upload would see)."""
@@ -213,20 +213,16 @@ class AsyncSlots:
         free = self.concurrency - len(registry)
         if free <= 0:
             return True
-        snapshot = registry.current
-        assert snapshot is not None, "the server publishes a model before it fills its slots"
         drawn = self.sampler.sample_idle_many(registry.busy, self.clock.now(), free)
-        self._refilled += registry.assign_many(drawn, snapshot)
+        registry.reserve(drawn)
         return len(drawn) == free
 
     async def start_refilled(self) -> None:
-        """Announce and start the tasks :meth:`refill` put in flight since the last call (all on the current
-        model)."""
-        tasks, self._refilled = self._refilled, []
-        if tasks:
-            snapshot = self.registry.current
-            assert snapshot is not None
-            await self.registry.start_assigned(tasks, snapshot)
+        """Give the clients :meth:`refill` reserved since the last call their tasks on the current model, in the order
+        they were drawn, then announce and start them."""
+        snapshot = self.registry.current
+        assert snapshot is not None, "the server publishes a model before it fills its slots"
+        await self.registry.start_assigned(self.registry.assign_reserved(snapshot), snapshot)
 
     async def _fill_from_edges(self, edges: EdgeNetwork) -> None:
         """Refill the free slots one client at a time, each on its edge's model and answering to its edge."""

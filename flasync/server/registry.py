@@ -183,6 +183,7 @@ class TaskRegistry:
         self._bases: dict[Version, ModelSnapshot] = {}
         self._base_refs: Counter[Version] = Counter()
         self._in_flight: dict[ClientId, TaskAssigned] = {}
+        self._reserved: list[int] = []  # held by reserve, in flight once assign_reserved gives them their tasks
         self._handles: dict[int, asyncio.Task[None]] = {}
         self._watchdogs: dict[int, _Cancellable] = {}
         self._num_clients = num_clients
@@ -283,7 +284,7 @@ class TaskRegistry:
         reply_to: str = CLOUD,
     ) -> list[TaskAssigned]:
         """Start a task for each of ``client_ids`` (distinct clients, none in flight) on ``snapshot``, in order:
-        :meth:`assign_many`, then :meth:`start_assigned`.
+        :meth:`reserve`, :meth:`assign_reserved`, then :meth:`start_assigned`.
 
         Args:
             client_ids: The clients.
@@ -294,38 +295,42 @@ class TaskRegistry:
             snapshot = self.current
             if snapshot is None:
                 raise RuntimeError("no model was published before the first dispatch")
-        tasks = self.assign_many(client_ids, snapshot, reply_to=reply_to)
+        self.reserve(client_ids)
+        tasks = self.assign_reserved(snapshot, reply_to=reply_to)
         await self.start_assigned(tasks, snapshot)
         return tasks
 
-    def assign_many(
-        self, client_ids: Sequence[int] | np.ndarray, snapshot: ModelSnapshot, *, reply_to: str = CLOUD
-    ) -> list[TaskAssigned]:
-        """Put a task for each of ``client_ids`` (distinct clients, none in flight) in flight on ``snapshot``, in
-        order, without announcing or starting it (:meth:`start_assigned` does, for the tasks of one snapshot).
-
-        Each task gets the next task id and its client's next participation, marks its client used and counts its
-        download: what a later draw or release depends on is settled here.
-        """
+    def reserve(self, client_ids: Sequence[int] | np.ndarray) -> None:
+        """Hold ``client_ids`` (distinct clients, none in flight) for the tasks :meth:`assign_reserved` puts in
+        flight: they count as in flight and are marked used now, so that a later draw sees what it would after their
+        tasks; their task ids, participations and downloads wait for :meth:`assign_reserved`."""
         clients = _distinct_ints(client_ids)
+        if clients:
+            if self._mark_used is not None:
+                self._mark_used(clients)
+            self._in_flight.update(dict.fromkeys(cast(_ClientIds, clients), _RESERVED))
+            self._reserved += clients
+
+    def assign_reserved(self, snapshot: ModelSnapshot, *, reply_to: str = CLOUD) -> list[TaskAssigned]:
+        """Put a task on ``snapshot`` in flight for each client :meth:`reserve` held, in the order they were held,
+        without announcing or starting it (:meth:`start_assigned` does, for the tasks of one snapshot): each gets the
+        next task id and its client's next participation, and counts its download."""
+        clients, self._reserved = self._reserved, []
         if not clients:
             return []
         # An edge may still serve a version the cloud has moved past: keep its weights while tasks use it.
         version, bases = snapshot.version, self._bases
         if version not in bases:
             bases[version] = snapshot
-        counters, refs = self._participations, self._base_refs
+        participations = _participations(self._participations, clients)
         now, download, from_cloud = self._clock.now(), snapshot.download_bytes, reply_to == CLOUD
-        participations = _participations(counters, clients)
-        if self._mark_used is not None:
-            self._mark_used(clients)
         tasks = _assigned(clients, participations, version, now, reply_to, self._accounting, download, from_cloud)
         self._in_flight.update(zip(cast(_ClientIds, clients), tasks, strict=True))
-        refs[version] = refs.get(version, 0) + len(tasks)
+        self._base_refs[version] += len(tasks)
         return tasks
 
     async def start_assigned(self, tasks: list[TaskAssigned], snapshot: ModelSnapshot) -> None:
-        """Announce ``tasks`` (assigned on ``snapshot`` by :meth:`assign_many`) and start them.
+        """Announce ``tasks`` (assigned on ``snapshot`` by :meth:`assign_reserved`) and start them.
 
         The :class:`TaskAssigned` events go out as one :class:`TasksAssigned` where every observer takes batches (one
         by one otherwise), then the tasks start.
@@ -429,6 +434,8 @@ class TaskRegistry:
         task = self._in_flight.get(message.client_id)
         if task is None or task.task_id != message.task_id or task.base_version != message.base_version:
             return False
+        if task is _RESERVED:
+            return False  # a forged answer naming a task not assigned yet
         del self._in_flight[message.client_id]
         if self._mark_idle is not None:
             self._mark_idle(task.client_id)
@@ -511,6 +518,11 @@ class TaskRegistry:
             self._in_flight[task.client_id] = task
             self._base_refs[task.base_version] += 1
 
+
+_RESERVED = TaskAssigned(
+    task_id=-1, client_id=ClientId(-1), participation=0, base_version=Version(-1), simulated_s=0.0, reply_to=CLOUD
+)
+"""What :meth:`TaskRegistry.busy` holds for a reserved client until its task is assigned (no upload answers it)."""
 
 _MAKE_TASK = positional(TaskAssigned)
 """A :class:`TaskAssigned` from its fields in order (task id, client, participation, base version, time, reply_to)."""

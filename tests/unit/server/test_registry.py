@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import random
 from collections.abc import Awaitable, Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -359,39 +361,50 @@ async def test_dispatch_many_starts_the_tasks_dispatch_would_start_one_by_one() 
     assert many.bus.statistics().published == published + 2  # one event per cohort
 
 
-async def test_tasks_assigned_are_in_flight_at_once_and_announced_and_started_later() -> None:
-    """assign_many puts tasks in flight (ids, participations, downloads, least-recently-used marks) with no event;
-    start_assigned announces them in one TasksAssigned and starts them: the tasks, events, marks and counts of
-    dispatch_many."""
-    marks: dict[str, list[int]] = {"assigned": [], "dispatched": []}
+async def test_reserved_clients_are_busy_at_once_and_get_their_tasks_in_order_later() -> None:
+    """reserve makes its clients busy and marks them used at once, with no task id, download or event; no answer
+    releases a reserved client; assign_reserved gives them their tasks (ids, participations, downloads) in the order
+    they were held, and start_assigned announces them in one TasksAssigned and starts them: the tasks, events, marks
+    and counts of dispatch_many."""
+    marks: dict[str, list[int]] = {"reserved": [], "dispatched": []}
     harnesses = {name: ServerHarness(clients=_silent) for name in marks}
     for name, harness in harnesses.items():
         harness.registry._mark_used = marks[name].extend
         harness.registry.publish(_snapshot(0))
     seen = {name: EventRecorder(harness.bus) for name, harness in harnesses.items()}
-    assigned, dispatched = harnesses["assigned"], harnesses["dispatched"]
-    published = assigned.bus.statistics().published
+    reserved, dispatched = harnesses["reserved"], harnesses["dispatched"]
+    published = reserved.bus.statistics().published
+    before = copy.deepcopy(reserved.accounting.stats)
 
-    async def in_two_steps() -> None:
-        registry = assigned.registry
+    async def in_steps() -> None:
+        registry = reserved.registry
         snapshot = registry.current
         assert snapshot is not None
-        first = registry.assign_many([5, 2], snapshot)
-        second = registry.assign_many([6], snapshot)
-        assert [t.task_id for t in first + second] == [0, 1, 2] and len(registry) == 3 and 2 in registry
-        assert assigned.bus.statistics().published == published  # nothing announced yet
-        await registry.start_assigned(first + second, snapshot)
+        registry.reserve([5, 2])
+        registry.reserve(np.array([6]))
+        assert len(registry) == 3 and 2 in registry and set(registry.busy) == {5, 2, 6}
+        assert marks["reserved"] == [5, 2, 6] and reserved.accounting.stats == before
+        for task_id in (-1, 0):  # the placeholder's numbers, and the task the client will get
+            forged = TaskAssigned(
+                task_id=task_id, client_id=ClientId(2), participation=0, base_version=Version(-1), simulated_s=0.0
+            )
+            assert not registry.release(forged)
+        tasks = registry.assign_reserved(snapshot)
+        assert [(t.task_id, t.client_id) for t in tasks] == [(0, 5), (1, 2), (2, 6)]
+        assert all(registry.holds(t) for t in tasks) and registry.assign_reserved(snapshot) == []
+        assert reserved.bus.statistics().published == published  # nothing announced yet
+        await registry.start_assigned(tasks, snapshot)
         await registry.start_assigned([], snapshot)
 
     async def at_once() -> None:
         await dispatched.registry.dispatch_many([5, 2, 6])
 
-    await _started(assigned, in_two_steps())
+    await _started(reserved, in_steps())
     await _started(dispatched, at_once())
-    assert seen["assigned"].of(TaskAssigned) == seen["dispatched"].of(TaskAssigned)
-    assert marks["assigned"] == marks["dispatched"] == [5, 2, 6]
-    assert assigned.accounting.stats == dispatched.accounting.stats
-    assert assigned.bus.statistics().published == published + 1  # one event for the three
+    assert seen["reserved"].of(TaskAssigned) == seen["dispatched"].of(TaskAssigned)
+    assert marks["reserved"] == marks["dispatched"] == [5, 2, 6]
+    assert reserved.accounting.stats == dispatched.accounting.stats
+    assert reserved.bus.statistics().published == published + 1  # one event for the three
 
 
 async def test_each_released_client_is_marked_idle_once() -> None:

@@ -474,8 +474,8 @@ class TaskRegistry:
         The counters are those of the clients dispatched to: ``participation_clients`` (ascending ids) and
         ``participation_counts`` (their tasks so far), int64 tensors of one length, beside ``num_clients``.
         """
-        if self.current is None:
-            raise RuntimeError("nothing was published yet")
+        if self.current is None or self._reserved:
+            raise RuntimeError("nothing was published yet" if self.current is None else "clients are reserved")
         clients = sorted(self._participations)
         return {
             "snapshot_version": int(self.current.version),

@@ -363,9 +363,9 @@ async def test_dispatch_many_starts_the_tasks_dispatch_would_start_one_by_one() 
 
 async def test_reserved_clients_are_busy_at_once_and_get_their_tasks_in_order_later() -> None:
     """reserve makes its clients busy and marks them used at once, with no task id, download or event; no answer
-    releases a reserved client; assign_reserved gives them their tasks (ids, participations, downloads) in the order
-    they were held, and start_assigned announces them in one TasksAssigned and starts them: the tasks, events, marks
-    and counts of dispatch_many."""
+    releases a reserved client and no checkpoint is taken; assign_reserved gives them their tasks (ids,
+    participations, downloads) in the order they were held, and start_assigned announces them in one TasksAssigned
+    and starts them: the tasks, events, marks and counts of dispatch_many."""
     marks: dict[str, list[int]] = {"reserved": [], "dispatched": []}
     harnesses = {name: ServerHarness(clients=_silent) for name in marks}
     for name, harness in harnesses.items():
@@ -384,6 +384,8 @@ async def test_reserved_clients_are_busy_at_once_and_get_their_tasks_in_order_la
         registry.reserve(np.array([6]))
         assert len(registry) == 3 and 2 in registry and set(registry.busy) == {5, 2, 6}
         assert marks["reserved"] == [5, 2, 6] and reserved.accounting.stats == before
+        with pytest.raises(RuntimeError, match="reserved"):
+            registry.state_dict()  # no checkpoint holds a client without its task
         for task_id in (-1, 0):  # the placeholder's numbers, and the task the client will get
             forged = TaskAssigned(
                 task_id=task_id, client_id=ClientId(2), participation=0, base_version=Version(-1), simulated_s=0.0

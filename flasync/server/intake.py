@@ -84,10 +84,12 @@ class RowDecoder:
     The training worker that encodes a cohort's uploads calls it right after (see
     :attr:`flasync.training.jobs.JobContext.prepare`), so the event loop finds each upload's delta decoded, measured
     and checked when the upload arrives. It reads only what is fixed when it is made (the codec, the model's length,
-    the validator's ``max_norm``) and writes only the fresh tensor it returns rows of, so any thread may call it while
-    the run goes on. Row ``k`` of a batch is what :meth:`Intake.decode` gives the same payload in any batch of two or
-    more: the same delta, bit for bit, the same norm (one ``vector_norm`` per row, whatever the other rows) and the
-    same verdict (:meth:`~flasync.codecs.validation.UpdateValidator.check_rows` judges each row alone).
+    the validator's ``max_norm``) and writes only the fresh tensor it returns rows of, so any thread may call it
+    while the run goes on. Row ``k`` of a batch is what :meth:`Intake.decode` gives the same payload in any batch of
+    two or more: the same delta, bit for bit, the same norm (one ``vector_norm`` per row, whatever the other rows) and
+    the same verdict (:meth:`~flasync.codecs.validation.UpdateValidator.check_rows` judges each row alone). The row
+    of a lone payload is admitted as the upload decoded alone and checked at admission would be: the same delta,
+    norm and verdict.
 
     Args:
         codec: How clients encode their deltas (the receiving intake's).
@@ -134,11 +136,10 @@ class RowDecoder:
         )
 
     def __call__(self, payloads: Sequence[bytes]) -> list[PreparedRow] | None:
-        """Decode ``payloads`` (two or more) into the rows of a new tensor; None where they cannot be decoded
-        together (fewer than two, more than ``max_bytes`` of rows, or not of one dense form: the receiver decodes
-        them then)."""
+        """Decode ``payloads`` into the rows of a new tensor; None where they cannot be decoded together (none, more
+        than ``max_bytes`` of rows, or not of one dense form: the receiver decodes them then)."""
         count = len(payloads)
-        if count < 2 or count * self.num_params * self._checks.dtype.itemsize > self.max_bytes:
+        if not count or count * self.num_params * self._checks.dtype.itemsize > self.max_bytes:
             return None
         start = self.wall()
         stacked = self.codec.decode_stacked(payloads, expected_elements=self.num_params)
@@ -245,21 +246,23 @@ class Intake:
         :meth:`admit` with its entry, which refuses it in its turn. A batch's deltas are rows of a buffer the next
         batch writes again: admit its uploads before decoding another.
 
-        Where the batch comes with each upload's row made ahead by this intake's :attr:`row_decoder`, those are its
-        entries (the same deltas, norms and verdicts, decoded off the event loop), else it is decoded here.
+        Where the batch (one upload included) comes with each upload's row made ahead by this intake's
+        :attr:`row_decoder`, those are its entries (the same deltas, norms and verdicts, decoded off the event loop),
+        else it is decoded here.
 
         Args:
             messages: The uploads, in the order they will be admitted.
             prepared: Each upload's :class:`PreparedRow`, in order, where they were decoded ahead (None: none).
         """
-        if len(messages) > 1 and not self._decodes_extra:
+        if not self._decodes_extra:
             if prepared is not None and self.row_decoder is not None:
                 rows = self._prepared(messages, prepared)
                 if rows is not None:
                     return rows
-            stacked = self._decode_stacked(messages)
-            if stacked is not None:
-                return stacked
+            if len(messages) > 1:
+                stacked = self._decode_stacked(messages)
+                if stacked is not None:
+                    return stacked
         return [self._decode_one(message) for message in messages]
 
     def _prepared(self, messages: Sequence[UpdateUploaded], prepared: Sequence[object]) -> list[Decoded] | None:

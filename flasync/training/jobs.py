@@ -84,8 +84,9 @@ class TrainedUpdate:
     ``extra`` is what a plug-in sends beside the delta, and ``finished`` what each of the task's plug-in parts
     handed back, in the order of the parts. ``upload_bytes`` is what the upload sends: the delta and a plug-in's
     extra (counted where the update is made, in the worker). ``prepared`` is what the receiver would make of the
-    payload, made ahead in the worker with the rest of its cohort (:attr:`JobContext.prepare`; None: nothing): its
-    delta is a row of the tensor its cohort's payloads were decoded into, which it keeps until it is handled.
+    payload, made ahead in the worker, with the rest of its cohort or alone (:attr:`JobContext.prepare`; None:
+    nothing): its delta is a row of the tensor its cohort's payloads were decoded into, which it keeps until it is
+    handled.
     """
 
     result: LocalResult
@@ -157,7 +158,8 @@ def train_job(
     parts: tuple[TaskPart, ...] = (),
     span: tuple[int, int] | None = None,
 ) -> TrainedUpdate:
-    """Train on the worker's model and encode the delta, with the plug-ins' ``parts`` (runs in a worker thread).
+    """Train on the worker's model and encode the delta, with the plug-ins' ``parts`` (runs in a worker thread); an
+    update that sends nothing beside its delta carries its receiver's decoding too (:attr:`JobContext.prepare`).
 
     ``generator`` is the task's random stream, or the seed or key of one (made here, in the worker), and
     ``codec_generator`` the codec's (or its key). With ``span``, the client's sample indices are
@@ -191,7 +193,8 @@ def train_job(
         correction=None if correction is None else correction.to(device),
         mask=None if mask is None else mask.to(device),
     )
-    return finish_job(ctx, client_id, result, codec_generator, diagnosis, attack, parts)
+    update = finish_job(ctx, client_id, result, codec_generator, diagnosis, attack, parts)
+    return cast(TrainedUpdate, _with_prepared(ctx, [update])[0])  # with its receiver's decoding where it has one
 
 
 def finish_job(
@@ -355,11 +358,11 @@ def finish_cohort(jobs: Sequence[TrainingJob[Any]], outcome: CohortResult) -> li
 
 def _with_prepared(ctx: JobContext | None, finished: list[Any]) -> list[Any]:
     """Give the updates among ``finished`` that send nothing beside their delta their entries of ``ctx.prepare``
-    (decoded together), where there are two or more; the rest as they are."""
+    (decoded together); the rest as they are."""
     if ctx is None or ctx.prepare is None:
         return finished
     plain = [k for k, update in enumerate(finished) if isinstance(update, TrainedUpdate) and not update.extra]
-    if len(plain) < 2:
+    if not plain:
         return finished
     rows = ctx.prepare([finished[k].payload for k in plain])
     if rows is None:

@@ -97,6 +97,28 @@ def test_a_run_whose_workers_decode_its_uploads_is_the_run_that_decodes_them_on_
         assert ahead.updates_dropped > 0
 
 
+@pytest.mark.parametrize("executor", ["thread", "vectorized"])
+def test_a_lone_upload_is_decoded_in_its_worker_and_the_run_is_the_run_that_decodes_it_on_the_loop(
+    executor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uploads at their own times (clients of lognormal speeds) each go as a batch of one carrying the decoding its
+    worker made, which the cloud takes; the run ends as one whose loop decodes each upload alone: the same weights
+    bit for bit, counts and events in order."""
+    overrides = ("server={kind: fedbuff, buffer_size: 3, concurrency: 6}", f"executor.kind={executor}")
+    carried, taken = _batches(monkeypatch), _taken(monkeypatch)
+    ahead, ahead_events = _recorded(*overrides)
+    assert carried and all(carried) and 1 in taken
+    monkeypatch.setattr(build, "_row_decoder", lambda *args: None)
+    carried.clear()
+    taken.clear()
+    here, here_events = _recorded(*overrides)
+    assert not any(carried) and not taken  # decoded on the loop, each upload alone
+    assert ahead.weights_sha256 == here.weights_sha256
+    counts = ("updates_accepted", "updates_dropped", "updates_failed", "versions", "tasks_dispatched")
+    assert [getattr(ahead, c) for c in counts] == [getattr(here, c) for c in counts]
+    assert ahead_events == here_events
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

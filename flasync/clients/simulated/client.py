@@ -585,13 +585,14 @@ class CohortClients:
         sent = _uploads(world, state, due, times, self.live, prepared)
         # As one batch where every receiver takes it (the server decodes and checks them together, or takes each
         # delta as the worker decoded and checked it with its cohort's).
+        # A lone upload decoded in its worker goes as a batch of one, which carries its entry.
         to = sent[0].to if sent else None
+        ready = tuple(prepared) if prepared and None not in prepared else None
         if (
-            len(sent) > 1
+            (len(sent) > 1 or ready is not None)
             and all(message.to == to for message in sent)
             and bus.batches_reach(UpdatesUploaded, UpdateUploaded, to)
         ):
-            ready = tuple(prepared) if None not in prepared else None
             await bus.publish(UpdatesUploaded.of(tuple(sent), ready))
             return
         for message in sent:

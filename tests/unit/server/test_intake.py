@@ -314,9 +314,11 @@ def _same_entry(ahead: Decoded, here: Decoded) -> None:
     assert ahead.alone[0] == here.alone[0] and _same_float(ahead.alone[1], here.alone[1])
 
 
-def _rows_intake(codec: codecs.Pipeline, n: int, max_norm: float | None, decoder: RowDecoder | None) -> Intake:
+def _rows_intake(
+    codec: codecs.Pipeline, n: int, max_norm: float | None, decoder: RowDecoder | None, *tasks: tuple[int, int, int]
+) -> Intake:
     return Intake(
-        registry=_Tasks(),  # type: ignore[arg-type]
+        registry=TasksInFlight(n, *tasks),  # type: ignore[arg-type]
         codec=codec,
         num_params=n,
         device=torch.device("cpu"),
@@ -377,9 +379,44 @@ def test_rows_decoded_ahead_are_what_the_intake_decodes_of_any_batch_of_them(
         _same_entry(entry_ahead, entry_here)
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.sampled_from([4, 1_000, 70_000]),
+    codec_name=st.sampled_from(sorted(_STACKED_CODECS)),
+    max_norm=st.sampled_from([None, 10.0]),
+)
+def test_a_lone_upload_decoded_ahead_is_admitted_as_the_intake_admits_it_decoded_here(
+    seed: int, n: int, codec_name: str, max_norm: float | None
+) -> None:
+    """A lone upload's row made ahead (a batch of one) is taken, and admitting the upload with it gives what the
+    intake gives decoding it alone: the same delta bit for bit and norm, or the same refusal, for every fate (NaN,
+    Inf, an overflowing norm, over max_norm) and codec that decodes stacked."""
+    codec = _STACKED_CODECS[codec_name]
+    for k, payload in enumerate(_cohort_payloads(codec, seed, 5, n)):
+        upload = _upload(k, k, 0, payload)
+        rows = RowDecoder(codec=codec, num_params=n, max_norm=max_norm, wall=lambda: 0.0)([payload])
+        assert rows is not None and len(rows) == 1
+        ahead_intake = _rows_intake(codec, n, max_norm, rows[0].decoder, (k, k, 0))
+        (entry,) = ahead_intake.decode([upload], rows)
+        assert entry is rows[0].decoded  # taken, not decoded again
+        ahead = ahead_intake.admit(upload, version=0, decoded=entry)
+        here_intake = _rows_intake(codec, n, max_norm, None, (k, k, 0))
+        here = here_intake.admit(upload, version=0)
+        assert type(ahead) is type(here)
+        if isinstance(here, Refused):
+            assert ahead == here
+            continue
+        assert isinstance(ahead, Admitted)
+        nan = torch.isnan(ahead.delta)
+        assert torch.equal(nan, torch.isnan(here.delta))
+        assert torch.equal(ahead.delta.view(torch.int32)[~nan], here.delta.view(torch.int32)[~nan])
+        assert _same_float(ahead.norm, here.norm)
+
+
 def test_an_intake_takes_only_its_own_decoders_rows_of_the_uploads_they_came_with() -> None:
-    """Rows of another decoder, of other payloads, of a batch of another length, or given with one upload alone
-    are not taken: the intake decodes the batch itself, as without them."""
+    """Rows of another decoder, of other payloads or of a batch of another length are not taken: the intake decodes
+    the batch itself, as without them (a lone upload's own row is taken, another decoder's is not)."""
     codec = codecs.Pipeline()
     decoder = RowDecoder(codec=codec, num_params=N, max_norm=None, wall=lambda: 0.0)
     intake = _rows_intake(codec, N, None, decoder)
@@ -397,7 +434,9 @@ def test_an_intake_takes_only_its_own_decoders_rows_of_the_uploads_they_came_wit
             assert entry is not row.decoded
             _same_entry(entry, row.decoded)
     (alone,) = intake.decode(uploads[:1], rows[:1])
-    assert alone.norm is None and alone.alone is None  # one upload is decoded alone, its checks made at admission
+    assert alone is rows[0].decoded  # a lone upload's own row is taken too
+    (alone,) = intake.decode(uploads[:1], other[:1])
+    assert alone.norm is None and alone.alone is None  # decoded here alone, its checks made at admission
 
 
 def test_an_intake_ignores_a_decoder_that_would_decode_or_check_otherwise() -> None:
@@ -433,11 +472,11 @@ def test_an_intake_ignores_a_decoder_that_would_decode_or_check_otherwise() -> N
 
 
 def test_a_decoder_declines_what_the_intake_would_decode_upload_by_upload() -> None:
-    """Fewer than two payloads, payloads of several forms or lengths, or a sparse one: no rows (None)."""
+    """No payload, payloads of several forms or lengths, or a sparse one: no rows (None)."""
     codec = codecs.Pipeline()
     decoder = RowDecoder(codec=codec, num_params=N, max_norm=None, wall=lambda: 0.0)
     dense = codec.encode(torch.ones(N)).payload
-    assert decoder([dense]) is None
+    assert decoder([]) is None
     assert decoder([dense, codecs.Pipeline([codecs.Float16()]).encode(torch.ones(N)).payload]) is None
     assert decoder([dense, codec.encode(torch.ones(N + 1)).payload]) is None
     assert decoder([dense, codecs.Pipeline([codecs.TopK(ratio=0.5)]).encode(torch.ones(N)).payload]) is None

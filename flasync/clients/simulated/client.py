@@ -584,8 +584,8 @@ class CohortClients:
         prepared: list[object] = []
         sent = _uploads(world, state, due, times, self.live, prepared)
         # As one batch where every receiver takes it (the server decodes and checks them together, or takes each
-        # delta as the worker decoded and checked it with its cohort's).
-        # A lone upload decoded in its worker goes as a batch of one, which carries its entry.
+        # delta as the worker decoded and checked it with its cohort's); a lone upload its worker decoded goes as a
+        # batch of one, which carries its entry.
         to = sent[0].to if sent else None
         ready = tuple(prepared) if prepared and None not in prepared else None
         if (

@@ -106,11 +106,16 @@ def test_frozen_heap_at_start_does_nothing_where_the_collector_is_off() -> None:
 
 
 def test_frozen_heap_leaves_a_heap_frozen_by_someone_else_frozen() -> None:
+    """What the process froze itself stays frozen (an unfreeze would leave none) and nothing more is frozen. Frozen
+    objects freed meanwhile, by another test's thread say, leave the frozen heap: the count may only fall a little."""
     gc.freeze()
-    frozen = gc.get_freeze_count()
-    with frozen_heap(), frozen_heap():
-        gc.collect()
-    assert gc.get_freeze_count() == frozen  # what the process froze itself stays frozen, nothing more is
+    try:
+        frozen = gc.get_freeze_count()
+        with frozen_heap(), frozen_heap():
+            gc.collect()
+        assert frozen // 2 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_collections_held_turns_the_collector_off_for_the_block_and_back_on_after_it() -> None:

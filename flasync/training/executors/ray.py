@@ -51,7 +51,7 @@ __all__ = ["RayTrainingExecutor", "TrainingActor"]
 
 T = TypeVar("T")
 
-_VERSIONS_KEPT = 8  # model versions whose object refs stay alive (the ones tasks in flight start from)
+_VERSIONS_KEPT = 8  # model versions whose payloads (object refs, or small arrays) are kept for the tasks in flight
 # A model version this small travels inside each task (Ray inlines arguments below 100 KiB) instead of being put: the
 # driver then touches no object store while it trains, and a store that dies under a put ends the process at once.
 _INLINE_BYTES = 64 * 1024

@@ -9,6 +9,8 @@ forged or broken upload costs its sender, never the run.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
@@ -96,11 +98,14 @@ class RowDecoder:
         num_params: Length of the flat model.
         max_norm: The validator's bound on an update's L2 norm (None: no bound).
         wall: Monotonic real seconds (decode timing).
-        max_bytes: The most bytes a batch's decoded rows may take: a larger batch is left to the receiver (its rows
-            would live beside the payloads until the last of them is taken, doubling a large cohort's memory).
+        max_bytes: The most bytes its decoded rows may take at once, every batch's together: a row lives beside its
+            payload from the moment it is made until the last row of its batch is freed (taken and folded, or
+            dropped with its upload), so rows are made only while those alive and the new batch's fit in it, and
+            the receiver decodes the rest as they arrive. Memory made ahead is bounded by it, whatever the number
+            of uploads waiting and their model's size.
     """
 
-    __slots__ = ("_checks", "codec", "max_bytes", "num_params", "wall")
+    __slots__ = ("_alive", "_checks", "_lock", "codec", "max_bytes", "num_params", "wall")
 
     def __init__(
         self,
@@ -116,6 +121,9 @@ class RowDecoder:
         self.num_params = num_params
         self.wall = wall
         self.max_bytes = max_bytes
+        self._alive = 0  # bytes of the rows it made that are not yet freed
+        # Reentrant: a row may be freed (and its bytes given back) by a collection inside the counting itself.
+        self._lock = threading.RLock()
         # Its own validator, with no history: the checks of a delta alone read only its form and max_norm.
         self._checks = UpdateValidator(num_params, max_norm=max_norm)
 
@@ -135,16 +143,29 @@ class RowDecoder:
             and validator.max_norm == checks.max_norm
         )
 
+    @property
+    def alive_bytes(self) -> int:
+        """Bytes of the rows it made that are not freed yet (each batch's until the last of its rows is)."""
+        return self._alive
+
     def __call__(self, payloads: Sequence[bytes]) -> list[PreparedRow] | None:
-        """Decode ``payloads`` into the rows of a new tensor; None where they cannot be decoded together (none, more
-        than ``max_bytes`` of rows, or not of one dense form: the receiver decodes them then)."""
+        """Decode ``payloads`` into the rows of a new tensor; None where they cannot be decoded together (none, rows
+        that would take the rows alive past ``max_bytes``, or not of one dense form: the receiver decodes them)."""
         count = len(payloads)
-        if not count or count * self.num_params * self._checks.dtype.itemsize > self.max_bytes:
+        nbytes = count * self.num_params * self._checks.dtype.itemsize
+        if not count or not self._take(nbytes):
             return None
-        start = self.wall()
-        stacked = self.codec.decode_stacked(payloads, expected_elements=self.num_params)
+        try:
+            start = self.wall()
+            stacked = self.codec.decode_stacked(payloads, expected_elements=self.num_params)
+        except BaseException:
+            self._give_back(nbytes)
+            raise
         if stacked is None:
+            self._give_back(nbytes)
             return None
+        # Its bytes come back when the tensor's last row is freed, in whichever thread that happens.
+        weakref.finalize(stacked, self._give_back, nbytes)
         norms = torch.linalg.vector_norm(stacked, dim=1).tolist()
         share = (self.wall() - start) / count
         checks = self._checks.check_rows(stacked, norms)
@@ -152,6 +173,18 @@ class RowDecoder:
             PreparedRow(_new_tuple(Decoded, (row, norm, share, "", alone)), payload, self)
             for row, norm, alone, payload in zip(stacked.unbind(0), norms, checks, payloads, strict=True)
         ]
+
+    def _take(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more rows alive if they fit in ``max_bytes``; tell whether they did."""
+        with self._lock:
+            if self._alive + nbytes > self.max_bytes:
+                return False
+            self._alive += nbytes
+            return True
+
+    def _give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self._alive -= nbytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from flasync.core.bus import EventBus
 from flasync.core.events import UpdatesUploaded
 from flasync.core.loops import run_loop
 from flasync.runtime import build
-from flasync.server.intake import Intake
+from flasync.server.intake import Intake, RowDecoder
 from flasync.testing import EventRecorder, small_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -136,3 +137,56 @@ def test_uploads_the_cloud_does_not_decode_in_batches_of_one_form_carry_no_rows(
     summary, _ = _recorded("server={kind: fedbuff, buffer_size: 4, concurrency: 8}", *overrides)
     assert summary.updates_accepted > 0
     assert not any(carried) and not taken
+
+
+def test_a_run_whose_decoder_may_hold_few_rows_makes_no_more_and_is_the_run_that_decodes_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows made ahead are bounded all together (``RowDecoder.max_bytes``). With room for two rows, and each client's
+    upload decoded alone in its worker while others wait for their times, the uploads that would pass the bound are
+    decoded by the cloud as they arrive, the rows alive reach it and never pass it, every batch's bytes come back once
+    its rows are freed, and the run ends as one whose loop decodes every upload: the same weights bit for bit, counts
+    and events in order. (Its events are read as they are published: a subscriber that keeps them keeps their rows.)"""
+    overrides = ("server={kind: fedbuff, buffer_size: 3, concurrency: 6}",)
+    made, take = build._row_decoder, RowDecoder._take
+    decoders: list[RowDecoder] = []
+    alive: list[int] = []
+
+    def bounded(*args: Any) -> RowDecoder | None:
+        decoder = made(*args)
+        assert decoder is not None
+        two_rows = 2 * decoder.num_params * 4
+        options = {"codec": decoder.codec, "num_params": decoder.num_params, "max_norm": None, "wall": decoder.wall}
+        decoders.append(RowDecoder(**options, max_bytes=two_rows))  # type: ignore[arg-type]
+        return decoders[-1]
+
+    def counted(decoder: RowDecoder, nbytes: int) -> bool:
+        fits = take(decoder, nbytes)
+        alive.append(decoder.alive_bytes)
+        return fits
+
+    published: list[tuple[Any, ...]] = []
+    publish = EventBus.publish
+
+    async def read(bus: EventBus, event: object) -> None:
+        published.extend(_facts(e) for e in getattr(event, "members", (event,)))
+        await publish(bus, event)
+
+    monkeypatch.setattr(EventBus, "publish", read)
+    monkeypatch.setattr(build, "_row_decoder", bounded)
+    monkeypatch.setattr(RowDecoder, "_take", counted)
+    taken = _taken(monkeypatch)
+    ahead = run_loop(flasync.Federation(small_config("executor.kind=thread", *overrides)).run())
+    ahead_events = list(published)
+    (decoder,) = decoders
+    assert taken and sum(taken) < ahead.updates_accepted + ahead.updates_dropped  # the others were left to the cloud
+    assert max(alive) == decoder.max_bytes  # reached, never passed
+    gc.collect()
+    assert decoder.alive_bytes == 0
+    monkeypatch.setattr(build, "_row_decoder", lambda *args: None)
+    published.clear()
+    here = run_loop(flasync.Federation(small_config("executor.kind=thread", *overrides)).run())
+    assert ahead.weights_sha256 == here.weights_sha256
+    counts = ("updates_accepted", "updates_dropped", "updates_failed", "versions", "tasks_dispatched")
+    assert [getattr(ahead, c) for c in counts] == [getattr(here, c) for c in counts]
+    assert ahead_events == published

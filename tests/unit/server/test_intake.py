@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import struct
 
@@ -486,3 +487,31 @@ def test_a_decoder_declines_what_the_intake_would_decode_upload_by_upload() -> N
     assert bounded([dense, dense, dense]) is None
     rows = bounded([dense, dense])
     assert rows is not None and len(rows) == 2
+
+
+def test_a_decoders_rows_alive_together_stay_within_its_bound() -> None:
+    """The bound holds for every batch's rows together: a batch is made only while the rows not yet freed and its own
+    fit, and a batch's bytes come back once the last of its rows is freed (taken, or dropped with its upload)."""
+    codec = codecs.Pipeline()
+    dense = codec.encode(torch.ones(N)).payload
+    bounded = RowDecoder(codec=codec, num_params=N, max_norm=None, wall=lambda: 0.0, max_bytes=3 * N * 4)
+    pair = bounded([dense, dense])
+    assert pair is not None and bounded.alive_bytes == 2 * N * 4
+    lone = bounded([dense])
+    assert lone is not None and bounded.alive_bytes == 3 * N * 4
+    assert bounded([dense]) is None  # the receiver decodes it: nothing more is made, nothing is counted
+    assert bounded.alive_bytes == 3 * N * 4
+    kept = pair[1].decoded.delta
+    del pair
+    gc.collect()
+    assert bounded.alive_bytes == 3 * N * 4 and bounded([dense]) is None  # one row of the pair is still held
+    del kept
+    gc.collect()
+    assert bounded.alive_bytes == N * 4
+    again = bounded([dense, dense])
+    assert again is not None and torch.equal(again[0].decoded.delta, lone[0].decoded.delta)
+    del lone, again
+    gc.collect()
+    assert bounded.alive_bytes == 0
+    # A payload that does not decode gives its bytes back at once.
+    assert bounded([dense, b"junk"]) is None and bounded.alive_bytes == 0

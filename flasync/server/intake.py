@@ -10,7 +10,6 @@ forged or broken upload costs its sender, never the run.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
@@ -73,11 +72,29 @@ class PreparedRow(NamedTuple):
             alone.
         payload: The bytes it was decoded from (an intake takes the entry only for the upload that carries them).
         decoder: The decoder that made it (an intake takes only its own decoder's rows).
+        lease: Its batch's rows counted in the decoder's bound (``RowDecoder.max_bytes``), shared by the batch's
+            entries: their bytes come back when the last entry is dropped (taken by an intake, or dropped with its
+            upload).
     """
 
     decoded: Decoded
     payload: bytes
     decoder: RowDecoder
+    lease: _Lease
+
+
+class _Lease:
+    """Bytes of a batch's rows counted in a :class:`RowDecoder`'s bound, given back when the lease is freed (in
+    whichever thread drops it last: a batch's entries share one)."""
+
+    __slots__ = ("_give_back", "nbytes")
+
+    def __init__(self, give_back: Callable[[int], None], nbytes: int) -> None:
+        self._give_back = give_back
+        self.nbytes = nbytes
+
+    def __del__(self) -> None:
+        self._give_back(self.nbytes)
 
 
 class RowDecoder:
@@ -98,11 +115,11 @@ class RowDecoder:
         num_params: Length of the flat model.
         max_norm: The validator's bound on an update's L2 norm (None: no bound).
         wall: Monotonic real seconds (decode timing).
-        max_bytes: The most bytes its decoded rows may take at once, every batch's together: a row lives beside its
-            payload from the moment it is made until the last row of its batch is freed (taken and folded, or
-            dropped with its upload), so rows are made only while those alive and the new batch's fit in it, and
-            the receiver decodes the rest as they arrive. Memory made ahead is bounded by it, whatever the number
-            of uploads waiting and their model's size.
+        max_bytes: The most bytes of decoded rows it may have waiting at once, every batch's together: a row waits
+            beside its payload from the moment it is made until its batch's entries are dropped (taken by the
+            intake, or dropped with their uploads), so rows are made only while those waiting and the new batch's fit
+            in it, and the receiver decodes the rest as they arrive. Memory made ahead is bounded by it, whatever the
+            number of uploads waiting and their model's size.
     """
 
     __slots__ = ("_alive", "_checks", "_lock", "codec", "max_bytes", "num_params", "wall")
@@ -121,8 +138,8 @@ class RowDecoder:
         self.num_params = num_params
         self.wall = wall
         self.max_bytes = max_bytes
-        self._alive = 0  # bytes of the rows it made that are not yet freed
-        # Reentrant: a row may be freed (and its bytes given back) by a collection inside the counting itself.
+        self._alive = 0  # bytes of the rows it made that are still waiting
+        # Reentrant: a lease may be freed (and its bytes given back) by a collection inside the counting itself.
         self._lock = threading.RLock()
         # Its own validator, with no history: the checks of a delta alone read only its form and max_norm.
         self._checks = UpdateValidator(num_params, max_norm=max_norm)
@@ -145,7 +162,7 @@ class RowDecoder:
 
     @property
     def alive_bytes(self) -> int:
-        """Bytes of the rows it made that are not freed yet (each batch's until the last of its rows is)."""
+        """Bytes of the rows it made that are still waiting (each batch's until the last of its entries is dropped)."""
         return self._alive
 
     def __call__(self, payloads: Sequence[bytes]) -> list[PreparedRow] | None:
@@ -164,13 +181,12 @@ class RowDecoder:
         if stacked is None:
             self._give_back(nbytes)
             return None
-        # Its bytes come back when the tensor's last row is freed, in whichever thread that happens.
-        weakref.finalize(stacked, self._give_back, nbytes)
+        lease = _Lease(self._give_back, nbytes)
         norms = torch.linalg.vector_norm(stacked, dim=1).tolist()
         share = (self.wall() - start) / count
         checks = self._checks.check_rows(stacked, norms)
         return [
-            PreparedRow(_new_tuple(Decoded, (row, norm, share, "", alone)), payload, self)
+            PreparedRow(_new_tuple(Decoded, (row, norm, share, "", alone)), payload, self, lease)
             for row, norm, alone, payload in zip(stacked.unbind(0), norms, checks, payloads, strict=True)
         ]
 

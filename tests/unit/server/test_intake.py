@@ -490,8 +490,9 @@ def test_a_decoder_declines_what_the_intake_would_decode_upload_by_upload() -> N
 
 
 def test_a_decoders_rows_alive_together_stay_within_its_bound() -> None:
-    """The bound holds for every batch's rows together: a batch is made only while the rows not yet freed and its own
-    fit, and a batch's bytes come back once the last of its rows is freed (taken, or dropped with its upload)."""
+    """The bound holds for every batch's rows together: a batch is made only while the rows still waiting and its own
+    fit, and a batch's bytes come back once the last of its entries is dropped (taken by an intake, or dropped with
+    its upload)."""
     codec = codecs.Pipeline()
     dense = codec.encode(torch.ones(N)).payload
     bounded = RowDecoder(codec=codec, num_params=N, max_norm=None, wall=lambda: 0.0, max_bytes=3 * N * 4)
@@ -501,17 +502,16 @@ def test_a_decoders_rows_alive_together_stay_within_its_bound() -> None:
     assert lone is not None and bounded.alive_bytes == 3 * N * 4
     assert bounded([dense]) is None  # the receiver decodes it: nothing more is made, nothing is counted
     assert bounded.alive_bytes == 3 * N * 4
-    kept = pair[1].decoded.delta
+    kept = pair[1]
     del pair
     gc.collect()
-    assert bounded.alive_bytes == 3 * N * 4 and bounded([dense]) is None  # one row of the pair is still held
+    assert bounded.alive_bytes == 3 * N * 4 and bounded([dense]) is None  # one entry of the pair still waits
+    delta = kept.decoded.delta
     del kept
-    gc.collect()
-    assert bounded.alive_bytes == N * 4
+    assert bounded.alive_bytes == N * 4  # taken: the delta may live on, in the aggregator's hands
     again = bounded([dense, dense])
-    assert again is not None and torch.equal(again[0].decoded.delta, lone[0].decoded.delta)
+    assert again is not None and torch.equal(again[0].decoded.delta, delta)
     del lone, again
-    gc.collect()
     assert bounded.alive_bytes == 0
     # A payload that does not decode gives its bytes back at once.
     assert bounded([dense, b"junk"]) is None and bounded.alive_bytes == 0

@@ -145,8 +145,9 @@ def test_a_run_whose_decoder_may_hold_few_rows_makes_no_more_and_is_the_run_that
     """Rows made ahead are bounded all together (``RowDecoder.max_bytes``). With room for two rows, and each client's
     upload decoded alone in its worker while others wait for their times, the uploads that would pass the bound are
     decoded by the cloud as they arrive, the rows waiting reach it and never pass it, every batch's bytes come back
-    once its entries are taken, and the run ends as one whose loop decodes every upload: the same weights bit for bit, counts
-    and events in order. (Its events are read as they are published: a subscriber that keeps them keeps their rows.)"""
+    once its entries are taken, and the run ends as one whose loop decodes every upload: the same weights bit for bit,
+    counts and events in order. (Its events are read as they are published: a subscriber that keeps them keeps their
+    rows.)"""
     overrides = ("server={kind: fedbuff, buffer_size: 3, concurrency: 6}",)
     made, take = build._row_decoder, RowDecoder._take
     decoders: list[RowDecoder] = []

@@ -303,16 +303,23 @@ def test_mean_in_place_divides_as_the_python_number_does(dtype: torch.dtype) -> 
     seed=st.integers(0, 2**31 - 1),
     count=st.integers(0, 9),
     dtype=st.sampled_from([torch.float32, torch.float64]),
+    one_weight=st.booleans(),
+    size=st.sampled_from([7, 67, 1031]),
 )
-def test_add_rows_equals_adding_each_row_in_turn(seed: int, count: int, dtype: torch.dtype) -> None:
-    """Rows folded together give the accumulator, total weight and count of adding them one by one, bit for bit."""
+def test_add_rows_equals_adding_each_row_in_turn(
+    seed: int, count: int, dtype: torch.dtype, one_weight: bool, size: int
+) -> None:
+    """Rows folded together give the accumulator, total weight and count of adding them one by one, bit for bit:
+    rows of several weights, and rows of one weight (folded in one call), across vector widths and their tails."""
     generator = torch.Generator().manual_seed(seed)
-    rows = (torch.randn(count, 7, generator=generator) * 3.0).to(dtype)
+    rows = (torch.randn(count, size, generator=generator) * 3.0).to(dtype)
     example = [float(x) for x in torch.randint(1, 50, (count,), generator=generator)]
     staleness = [float(x) for x in torch.rand(count, generator=generator)]
-    together, one_by_one = UpdateBuffer(7, dtype=dtype), UpdateBuffer(7, dtype=dtype)
-    together.add(torch.ones(7, dtype=dtype), example_weight=0.3, staleness_weight=0.7)
-    one_by_one.add(torch.ones(7, dtype=dtype), example_weight=0.3, staleness_weight=0.7)
+    if one_weight:
+        example, staleness = example[:1] * count, staleness[:1] * count
+    together, one_by_one = UpdateBuffer(size, dtype=dtype), UpdateBuffer(size, dtype=dtype)
+    together.add(torch.ones(size, dtype=dtype), example_weight=0.3, staleness_weight=0.7)
+    one_by_one.add(torch.ones(size, dtype=dtype), example_weight=0.3, staleness_weight=0.7)
     together.add_rows(list(rows.unbind(0)), example_weights=example, staleness_weights=staleness)
     for row, e, s in zip(rows.unbind(0), example, staleness, strict=True):
         one_by_one.add(row, example_weight=e, staleness_weight=s)

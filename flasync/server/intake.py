@@ -167,7 +167,7 @@ class RowDecoder:
 
     def __call__(self, payloads: Sequence[bytes]) -> list[PreparedRow] | None:
         """Decode ``payloads`` into the rows of a new tensor; None where they cannot be decoded together (none, rows
-        that would take the rows alive past ``max_bytes``, or not of one dense form: the receiver decodes them)."""
+        that would take those waiting past ``max_bytes``, or not of one dense form: the receiver decodes them)."""
         count = len(payloads)
         nbytes = count * self.num_params * self._checks.dtype.itemsize
         if not count or not self._take(nbytes):
@@ -191,7 +191,7 @@ class RowDecoder:
         ]
 
     def _take(self, nbytes: int) -> bool:
-        """Count ``nbytes`` more rows alive if they fit in ``max_bytes``; tell whether they did."""
+        """Count ``nbytes`` more of rows waiting if they fit in ``max_bytes``; tell whether they did."""
         with self._lock:
             if self._alive + nbytes > self.max_bytes:
                 return False

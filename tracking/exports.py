@@ -23,6 +23,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import platform
 import shutil
 import struct
 import tempfile
@@ -85,8 +86,9 @@ class ExportCache:
     @staticmethod
     def key(builder: str, kwargs: Mapping[str, Any], input_example: Sequence[Any], input_dtype: str) -> str:
         """Return the key of the export of ``builder(**kwargs)`` traced on ``input_example``: a digest of the builder,
-        its arguments but ``weights`` (whose values the export does not keep), the example, and the installed torch
-        and MLflow (an export is read back by the torch that wrote it)."""
+        its arguments but ``weights`` (whose values the export does not keep), the example, the installed torch and
+        MLflow (an export is read back by the torch that wrote it) and the Python running it (the saved folder names
+        it, in ``MLmodel`` and ``python_env.yaml``, as the one to serve the model with)."""
         what = {
             "builder": builder,
             "kwargs": {k: v for k, v in kwargs.items() if k != "weights"},
@@ -94,6 +96,7 @@ class ExportCache:
             "input_dtype": input_dtype,
             "torch": _version("torch"),
             "mlflow": _version("mlflow"),
+            "python": platform.python_version(),
         }
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

@@ -3,9 +3,13 @@
 The configuration page is written from :mod:`flasync.config.explain`, the walk of the schema that
 ``flasync config explain`` prints from: the page and the command say the same.
 
-MkDocs loads this file as a hook (``hooks:`` in ``mkdocs.yml``): ``on_files`` adds ``reference/cli.md``, written
-from ``python -m flasync ... --help``, and ``reference/config.md``, written from the pydantic models of
-``flasync.config.RunConfig``. ``tests/docs/`` imports it to check that the configuration page covers every field.
+Both pages are kept in the repository too, so that the links to them work where the Markdown is read as it is
+(GitHub, an editor): ``python docs/_hooks/reference.py`` writes ``docs/reference/cli.md``, from
+``python -m flasync ... --help``, and ``docs/reference/config.md``, from the pydantic models of
+``flasync.config.RunConfig``; ``--check`` only tells which is stale (exit status 1). MkDocs loads this file as a hook
+(``hooks:`` in ``mkdocs.yml``): ``on_files`` builds the site's pages from the code itself, whatever the kept files
+hold. ``tests/docs/`` imports it to check that the configuration page covers every field and that the kept pages
+are current.
 """
 
 from __future__ import annotations
@@ -84,8 +88,9 @@ def cli_markdown() -> str:
     lines = [
         "# Command line",
         "",
-        "Generated from `python -m flasync ... --help` when the site is built. Every command also runs as `flasync "
-        "...` once flasync is installed. A malformed command line is one line on standard error and exit status 2.",
+        "Generated from `python -m flasync ... --help` (`python docs/_hooks/reference.py` writes this page). Every "
+        "command also runs as `flasync ...` once flasync is installed. A malformed command line is one line on "
+        "standard error and exit status 2.",
         "",
     ]
     for path, text in _command_tree():
@@ -166,12 +171,12 @@ def config_markdown() -> str:
     lines = [
         "# Configuration",
         "",
-        "Generated from the pydantic models of `flasync.config.RunConfig` when the site is built: every field, "
-        "its type, its default, its bounds and its description. A run config is a TOML or YAML file of these "
-        "sections; any field is also set with `--set path=value` (`--set server.buffer_size=20`). Unknown keys "
-        "are errors. A table with a `kind` is one choice of a component: `kind` picks the choice, and the other "
-        "fields belong to that choice. `path[]` is an item of a list. `python -m flasync config explain PATH` "
-        "prints the same for one field or section (`python -m flasync config explain server.buffer_size`).",
+        "Generated from the pydantic models of `flasync.config.RunConfig` (`python docs/_hooks/reference.py` writes "
+        "this page): every field, its type, its default, its bounds and its description. A run config is a TOML or "
+        "YAML file of these sections; any field is also set with `--set path=value` (`--set server.buffer_size=20`). "
+        "Unknown keys are errors. A table with a `kind` is one choice of a component: `kind` picks the choice, and "
+        "the other fields belong to that choice. `path[]` is an item of a list. `python -m flasync config explain "
+        "PATH` prints the same for one field or section (`python -m flasync config explain server.buffer_size`).",
         "",
     ]
     models = config_models()
@@ -245,14 +250,35 @@ def layers_markdown() -> str:
 # --- the MkDocs hook -------------------------------------------------------------------------------------------
 
 
+PAGES = {"reference/cli.md": cli_markdown, "reference/config.md": config_markdown}
+"""The pages made from the code, by their path under ``docs/``."""
+
+
+def stale_pages(*, write: bool) -> list[str]:
+    """Return the pages of :data:`PAGES` whose kept file under ``docs/`` is not what the code makes now; rewrite them
+    too if ``write``."""
+    stale = []
+    for uri, make in PAGES.items():
+        path = ROOT / "docs" / uri
+        content = make()
+        if not path.is_file() or path.read_text() != content:
+            stale.append(uri)
+            if write:
+                path.write_text(content)
+    return stale
+
+
 def on_files(files: Any, config: Any) -> Any:
-    """Add the generated pages to the site's files (MkDocs hook)."""
+    """Build the generated pages of the site from the code, in place of the kept files (MkDocs hook)."""
     from mkdocs.structure.files import File
 
     sys.path.insert(0, str(ROOT))
     try:
-        for uri, content in (("reference/cli.md", cli_markdown()), ("reference/config.md", config_markdown())):
-            files.append(File.generated(config, uri, content=content))
+        for uri, make in PAGES.items():
+            kept = files.get_file_from_path(uri)
+            if kept is not None:
+                files.remove(kept)
+            files.append(File.generated(config, uri, content=make()))
     finally:
         sys.path.remove(str(ROOT))
     return files
@@ -263,3 +289,21 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if LAYERS_MARKER in markdown:
         markdown = markdown.replace(LAYERS_MARKER, layers_markdown())
     return markdown
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the kept reference pages (``--check``: only tell which are stale); return the exit status."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write docs/reference/cli.md and config.md from the code.")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page is stale")
+    check = parser.parse_args(argv).check
+    sys.path.insert(0, str(ROOT))
+    stale = stale_pages(write=not check)
+    for uri in stale:
+        print(f"docs/{uri} {'is stale' if check else 'written'}")
+    return 1 if check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

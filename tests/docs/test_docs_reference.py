@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -99,3 +100,19 @@ def test_cli_page_has_every_command() -> None:
     ):
         assert f"## `flasync {command}`" in page
     assert "--set PATH=VALUE" in page
+
+
+def test_the_kept_config_page_is_the_one_the_code_makes() -> None:
+    """``docs/reference/config.md`` is kept in the repository (its links work where the Markdown is read as it is) and
+    is what the schema makes now: after a change of the config, ``python docs/_hooks/reference.py`` rewrites it."""
+    kept = (ROOT / "docs" / "reference" / "config.md").read_text()
+    assert kept == _reference().config_markdown(), "docs/reference/config.md is stale: run docs/_hooks/reference.py"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the kept page holds Python 3.11's argparse formatting")
+def test_the_kept_cli_page_is_the_one_the_code_makes() -> None:
+    """``docs/reference/cli.md`` is what each command's ``--help`` prints now (as Python 3.11 formats it, the Python
+    CI runs): after a change of the command line, ``python docs/_hooks/reference.py`` rewrites it."""
+    kept = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    assert kept == _reference().cli_markdown(), "docs/reference/cli.md is stale: run docs/_hooks/reference.py"

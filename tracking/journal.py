@@ -59,6 +59,7 @@ __all__ = [
     "left_behind",
     "recover",
     "remove_journal",
+    "run_of_journal",
 ]
 
 JOURNAL_TAG = "flasync.journal"
@@ -268,7 +269,7 @@ def recover(resume_id: str, tracking_uri: str, root: Path | None = None) -> Reco
             if tags is not None:
                 path = find_journal(folder, tags.get(JOURNAL_TAG, ""))
             else:
-                run_id = _run_of_journal(client, resume_id) or resume_id
+                run_id = run_of_journal(client, resume_id) or resume_id
     if path is None:
         return Recovered(run_id)
     result = replay(path, tracking_uri)
@@ -287,8 +288,8 @@ def _run_tags(client: Any, run_id: str) -> dict[str, str] | None:
         return None
 
 
-def _run_of_journal(client: Any, journal_id: str) -> str | None:
-    """Return the MLflow run tagged with journal ``journal_id``, or None."""
+def run_of_journal(client: Any, journal_id: str) -> str | None:
+    """Return the id of the MLflow run tagged with journal ``journal_id`` (:data:`JOURNAL_TAG`), or None."""
     experiments = [e.experiment_id for e in client.search_experiments()]
     if not experiments:
         return None

@@ -18,6 +18,7 @@ from mlflow.entities import Run
 
 from flasync.core.client_table import HISTOGRAMS_ARTIFACT, TABLE_ARTIFACT
 from flasync.tracking._runs import RUNS_VIEW_KEY, RUNS_VIEW_TAG
+from flasync.tracking.journal import JOURNAL_ID, run_of_journal
 from flasync.tracking.metrics import FINISHED_TAG_PREFIX
 from flasync.tracking.store import experiment_url, redact_uri, resolve_tracking_uri, sqlite_path, ui_command
 
@@ -99,7 +100,8 @@ def experiment_address(
 
 
 def get_run(client: mlflow.MlflowClient, run_id: str) -> Run:
-    """Return the run ``run_id``.
+    """Return the run ``run_id``: an MLflow run id, or the journal id a run prints in its first lines
+    (``run.started run=ID``, before MLflow has the run), which the run carries as a tag.
 
     Raises:
         RunLookupError: There is no such run in the store.
@@ -107,7 +109,14 @@ def get_run(client: mlflow.MlflowClient, run_id: str) -> Run:
     try:
         return client.get_run(run_id)
     except mlflow.exceptions.MlflowException:
-        raise RunLookupError(f"no run {run_id!r} in {client.tracking_uri}") from None
+        pass
+    try:
+        found = run_of_journal(client, run_id) if JOURNAL_ID.fullmatch(run_id) else None
+        if found is not None:
+            return client.get_run(found)
+    except mlflow.exceptions.MlflowException:
+        pass
+    raise RunLookupError(f"no run {run_id!r} in {client.tracking_uri}")
 
 
 def load_profile(client: mlflow.MlflowClient, run_id: str) -> dict[str, Any] | None:

@@ -153,3 +153,20 @@ def test_the_journal_file_is_private(tmp_path: Path) -> None:
     journal = _journal(tmp_path, "sqlite:///x.db")
     assert os.stat(journal.path).st_mode & 0o077 == 0
     assert json.loads(journal.path.read_text().splitlines()[0])["run_id"] is None
+
+
+def test_a_runs_journal_id_names_it_for_report_and_compare(tmp_path: Path, tracking_uri: str) -> None:
+    """The id a run prints first (``run.started run=ID``, its journal's) finds its MLflow run wherever a run id is
+    asked for (``flasync report``, ``flasync compare``) through the run's journal tag; an id that is neither is one
+    lookup error."""
+    from flasync.tracking.report import RunLookupError, get_run
+
+    client = mlflow.MlflowClient(tracking_uri)
+    experiment = ensure_experiment(client, "journaled", (tmp_path / "artifacts").as_uri())  # not ./mlruns
+    journal_id = "0123456789abcdef0123456789abcdef"
+    run_id = client.create_run(experiment, tags={JOURNAL_TAG: journal_id}).info.run_id
+    assert get_run(client, run_id).info.run_id == run_id
+    assert get_run(client, journal_id).info.run_id == run_id
+    for unknown in ("fedcba9876543210fedcba9876543210", "not-a-run-id"):
+        with pytest.raises(RunLookupError, match=f"no run '{unknown}'"):
+            get_run(client, unknown)

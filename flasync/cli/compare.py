@@ -23,7 +23,12 @@ def add_compare_parser(commands: Any) -> None:
         "updates, staleness and the config fields that differ. Without run ids: the latest runs of --experiment "
         "(--last of them, those matching --filter).",
     )
-    compare.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="runs to compare (default: the experiment's)")
+    compare.add_argument(
+        "run_ids",
+        nargs="*",
+        metavar="RUN_ID",
+        help="runs to compare, by MLflow run id or the id each printed first (default: the experiment's)",
+    )
     compare.add_argument("--experiment", help="compare the runs of this experiment (default: flasync)")
     compare.add_argument(
         "--last",

@@ -15,7 +15,9 @@ def add_report_parser(commands: Any) -> None:
         help="print one run's profile (time, clients, bytes, memory, alerts)",
         description="Print the profile summary of one MLflow run (its profile.json artifact and final metrics).",
     )
-    report.add_argument("run_id", metavar="RUN_ID", help="the MLflow run id")
+    report.add_argument(
+        "run_id", metavar="RUN_ID", help="the MLflow run id, or the id the run printed first (run.started run=ID)"
+    )
     report.add_argument("--tracking-uri", help=TRACKING_URI_HELP)
     report.add_argument(
         "--clients",

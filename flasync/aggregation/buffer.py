@@ -121,7 +121,8 @@ class UpdateBuffer:
 
         The arguments are checked once for all of them (the rows of a batch decoded together share one shape, dtype
         and device), then each row is added as :meth:`add` adds it (``acc += e_k * s_k * delta_k``, never a sum of
-        the rows first) and ``E`` grows by each ``e_k`` in turn.
+        the rows first) and ``E`` grows by each ``e_k`` in turn. Rows of one weight on the CPU are added in one call
+        that adds them in turn with the same kernel.
 
         Args:
             deltas: Flat client deltas, each as :meth:`add` takes it.
@@ -130,7 +131,8 @@ class UpdateBuffer:
 
         Raises:
             ValueError: If the lengths differ, or a delta or weight is wrong as :meth:`add` says; nothing is added.
-                An error of the fold itself leaves the rows folded before it counted (:attr:`count`).
+                An error of the fold itself leaves the rows folded before it counted (:attr:`count`); in the one call
+                for rows of one weight, none is counted.
         """
         if not len(deltas) == len(example_weights) == len(staleness_weights):
             raise ValueError(

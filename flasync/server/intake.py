@@ -172,16 +172,11 @@ class RowDecoder:
         nbytes = count * self.num_params * self._checks.dtype.itemsize
         if not count or not self._take(nbytes):
             return None
-        try:
-            start = self.wall()
-            stacked = self.codec.decode_stacked(payloads, expected_elements=self.num_params)
-        except BaseException:
-            self._give_back(nbytes)
-            raise
+        lease = _Lease(self._give_back, nbytes)  # gives the bytes back when dropped: returned unused, raised or freed
+        start = self.wall()
+        stacked = self.codec.decode_stacked(payloads, expected_elements=self.num_params)
         if stacked is None:
-            self._give_back(nbytes)
             return None
-        lease = _Lease(self._give_back, nbytes)
         norms = torch.linalg.vector_norm(stacked, dim=1).tolist()
         share = (self.wall() - start) / count
         checks = self._checks.check_rows(stacked, norms)

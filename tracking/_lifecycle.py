@@ -436,11 +436,7 @@ class RunLifecycle:
             failover = self._failover
             with failover.lock:
                 if not ended:
-                    if failover.offline:
-                        # The status first: a store that cannot take the spool's rows (a full disk) may take that.
-                        failover.try_direct(send)
-                        failover.try_recover(force=True)
-                    failover.deliver(send, lambda spool: spool.status(status, end))
+                    failover.deliver_status(send, status, end)
                 failover.close()
                 if not lost and not failover.offline:
                     failover.retire_journal()  # the run holds all it kept

@@ -189,19 +189,30 @@ class Failover:
             assert self.spool is not None
             spool(self.spool)
 
-    def try_direct(self, send: Callable[[str, mlflow.MlflowClient], None]) -> bool:
-        """Send one record to the store even while offline (the spool could not be replayed first); False when it
-        fails too. For the run's final status: a store too full to take the spool's rows may still take that."""
+    def deliver_status(self, send: Callable[[str, mlflow.MlflowClient], None], status: str, end_time: int) -> None:
+        """Deliver the run's final status with ``send``, as :meth:`deliver` does a record, but sent to the store first
+        even while offline: a store too full to take the spool's rows (a full disk) may still take that one. A status
+        the store took is not counted lost by a spool that could not keep it too."""
         with self.lock:
-            run_id = self.run.run_id
-            if run_id is None:
-                return False
-            try:
-                with self._http():
-                    send(run_id, self.run.connect(self._log))
-            except Exception:
-                return False
-            return True
+            direct = False
+            if self.offline:
+                direct = self._try_direct(send)
+                self.try_recover(force=True)
+            if direct and self.offline and self.spool is not None and self.spool.failure is not None:
+                return  # in the store; the failed spool would only count it lost
+            self.deliver(send, lambda spool: spool.status(status, end_time))
+
+    def _try_direct(self, send: Callable[[str, mlflow.MlflowClient], None]) -> bool:
+        """Send one record to the store even while offline; False when it fails."""
+        run_id = self.run.run_id
+        if run_id is None:
+            return False
+        try:
+            with self._http():
+                send(run_id, self.run.connect(self._log))
+        except Exception:
+            return False
+        return True
 
     def spill(self, metrics: list[Any]) -> bool:
         """Keep metric rows the writer's backlog cannot hold in the spool (the run's journal), from which
@@ -371,11 +382,15 @@ class Failover:
         if self.spool.lost:
             lost = ", ".join(f"{count} {kind}" for kind, count in sorted(self.spool.lost.items()))
             kept = f"; the spool kept {self.spool.records} records" if self.spool.records else ""
+            ended = (
+                "; the run's end status could not be written either: the store shows it RUNNING"
+                if self.spool.lost["status"]
+                else "; a run that finished is marked FAILED"
+            )
             self._log.warning(
                 "tracking.records_lost",
                 message=f"tracking records lost: the store failed and the spool {self.spool.path} could not be "
-                f"written ({self.spool.failure}): {lost} lost; the store kept what it took before{kept}; a run "
-                "that finished is marked FAILED",
+                f"written ({self.spool.failure}): {lost} lost; the store kept what it took before{kept}{ended}",
                 path=str(self.spool.path),
                 metrics=False,
                 **{f"lost_{kind}": count for kind, count in self.spool.lost.items()},

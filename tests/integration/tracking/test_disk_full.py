@@ -35,7 +35,8 @@ def test_a_full_disk_loses_records_in_one_line_and_fails_the_run(
 ) -> None:
     """The store and then the spool fill their disk mid-run (before: the run stayed FINISHED, the replay hint pointed
     at a spool of a header alone): the training ends, one warning names the spool's path and what was lost and
-    kept, a replay hint only for a spool holding records, no traceback is printed, and the run is FAILED."""
+    kept, a replay hint only for a spool holding records, no traceback is printed, and the run is FAILED, or, where
+    not even its status found room, the warning says the store shows it RUNNING."""
     monkeypatch.chdir(full_disk)
     uri = f"sqlite:///{full_disk}/mlruns/mlflow.db"
     assert main(["run", "--set", "stop.max_versions=300", "--tracking-uri", uri]) == 0
@@ -52,4 +53,10 @@ def test_a_full_disk_loses_records_in_one_line_and_fails_the_run(
     assert "tracking.recovered" not in said  # a spool that could not be written recovers nothing
     client = mlflow.MlflowClient(uri)
     (run,) = client.search_runs(["1"])
-    assert run.info.status == "FAILED"
+    # The end status is one row more in a store whose disk is full: whether the store still finds room for it
+    # depends on how much the spool took first. Either the run is FAILED, or the warning says its status is lost.
+    if "end status could not be written either" in lost[0]:
+        assert run.info.status == "RUNNING" and "lost_status=1" in lost[0], lost
+    else:
+        assert run.info.status == "FAILED" and "a run that finished is marked FAILED" in lost[0], lost
+        assert "lost_status" not in lost[0], lost

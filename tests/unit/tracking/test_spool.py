@@ -601,3 +601,67 @@ def test_a_real_full_filesystem(tmp_path: Path) -> None:
         assert all(r["type"] == "metrics" for r, _ in iter_records(mount / "run.jsonl", first))
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("store_takes_the_status", [True, False])
+def test_a_full_disk_under_store_and_spool_ends_the_run_failed_or_says_its_status_was_lost(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    store_takes_the_status: bool,
+) -> None:
+    """A full disk's shape: the store refuses metric rows and the spool cannot be written. A store that still takes
+    the run's end status holds the run FAILED and no status is counted lost (before: the status the store took was
+    counted lost too); one that does not leaves the run RUNNING, and the warning says so instead of saying FAILED."""
+    import errno
+    import sqlite3
+
+    import flasync
+    import flasync.tracking.spool as spool_module
+    from flasync.testing import small_config
+    from flasync.tracking.sqlite_metrics import SqliteMetrics
+
+    refused = {"n": 0}
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        refused["n"] += 1
+        raise sqlite3.OperationalError("database or disk is full")
+
+    real_log_batch = mlflow.MlflowClient.log_batch
+
+    def refuses_metrics(self: mlflow.MlflowClient, run_id: str, metrics: Any = (), *args: Any, **kwargs: Any) -> Any:
+        if metrics:
+            full()
+        return real_log_batch(self, run_id, metrics, *args, **kwargs)
+
+    real_write = spool_module.os.write
+    written_since = {"n": 0}
+
+    def fills_up(fd: int, data: bytes) -> int:
+        """Once the store is full, the spool takes two writes more, then its disk is full too."""
+        if refused["n"]:
+            written_since["n"] += 1
+            if written_since["n"] > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(SqliteMetrics, "write", full)
+    monkeypatch.setattr(mlflow.MlflowClient, "log_batch", refuses_metrics)
+    if not store_takes_the_status:
+        monkeypatch.setattr(mlflow.MlflowClient, "set_terminated", full)
+    monkeypatch.setattr(spool_module.os, "write", fills_up)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    prepare_sqlite_store(uri)
+    tracker = MlflowTracker(uri, writer_process=False, spool_root=tmp_path / "spool")
+    summary = flasync.run(small_config("tracking.enabled=true", "stop.max_versions=4"), tracker=tracker)
+    assert summary.versions == 4
+    said = capsys.readouterr()
+    (lost,) = [line for line in (said.out + said.err).splitlines() if "tracking.records_lost" in line]
+    (run,) = mlflow.MlflowClient(uri).search_runs(["0", "1"])
+    if store_takes_the_status:
+        assert run.info.status == "FAILED"
+        assert "a run that finished is marked FAILED" in lost and "lost_status" not in lost, lost
+    else:
+        assert run.info.status == "RUNNING"
+        assert "end status could not be written either: the store shows it RUNNING" in lost, lost
+        assert "lost_status=1" in lost, lost

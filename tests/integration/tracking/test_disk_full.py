@@ -57,6 +57,7 @@ def test_a_full_disk_loses_records_in_one_line_and_fails_the_run(
     # depends on how much the spool took first. Either the run is FAILED, or the warning says its status is lost.
     if "end status could not be written either" in lost[0]:
         assert run.info.status == "RUNNING" and "lost_status=1" in lost[0], lost
+        assert f"flasync tracking mark-failed {run.info.run_id} --tracking-uri {uri}" in lost[0], lost
     else:
         assert run.info.status == "FAILED" and "a run that finished is marked FAILED" in lost[0], lost
         assert "lost_status" not in lost[0], lost

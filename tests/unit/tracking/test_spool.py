@@ -612,7 +612,8 @@ def test_a_full_disk_under_store_and_spool_ends_the_run_failed_or_says_its_statu
 ) -> None:
     """A full disk's shape: the store refuses metric rows and the spool cannot be written. A store that still takes
     the run's end status holds the run FAILED and no status is counted lost (before: the status the store took was
-    counted lost too); one that does not leaves the run RUNNING, and the warning says so instead of saying FAILED."""
+    counted lost too); one that does not leaves the run RUNNING, and the warning says so instead of saying FAILED, with
+    the command that marks it FAILED later."""
     import errno
     import sqlite3
 
@@ -665,3 +666,18 @@ def test_a_full_disk_under_store_and_spool_ends_the_run_failed_or_says_its_statu
         assert run.info.status == "RUNNING"
         assert "end status could not be written either: the store shows it RUNNING" in lost, lost
         assert "lost_status=1" in lost, lost
+        # The command the warning names marks it FAILED once the store takes writes again and the run's process
+        # is gone (this one stands for it: the run's owner tag names a process that ended).
+        command = f"flasync tracking mark-failed {run.info.run_id} --tracking-uri {uri}"
+        assert command in lost, lost
+        monkeypatch.undo()
+        import subprocess
+        import sys
+
+        from flasync.core.owner import PID_TAG
+
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        mlflow.MlflowClient(uri).set_tag(run.info.run_id, PID_TAG, gone.stdout.strip())
+        assert cli.main(command.split()[1:]) == 0
+        assert f"{run.info.run_id}  FAILED" in capsys.readouterr().out
+        assert mlflow.MlflowClient(uri).get_run(run.info.run_id).info.status == "FAILED"

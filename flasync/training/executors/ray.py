@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
@@ -33,7 +34,7 @@ import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -43,9 +44,13 @@ from flasync.config import RayConfig
 from flasync.core.errors import ConfigError, TrainingError
 from flasync.data import SyntheticClients
 from flasync.training.cohort import CohortMember, CohortResult, CohortTrainer
+from flasync.training.executors import ray_processes
 from flasync.training.executors.ray_watch import CLUSTER_GONE, PROBE_EVERY_S, ClusterWatch
 from flasync.training.executors.threads import CohortBatcher, ModelPool, TrainingJob
 from flasync.training.local import FlatModel, LocalResult, LocalTraining, train
+
+if TYPE_CHECKING:
+    import psutil
 
 __all__ = ["RayTrainingExecutor", "TrainingActor"]
 
@@ -62,6 +67,7 @@ _ACTOR_START_S = 120.0  # an actor whose resources no node has waits for ever: g
 _MISSES_LOCAL = 2
 _MISSES_JOINED = 30
 _SHUTDOWN_GONE_S = 10.0  # longest wait for ray.shutdown once the cluster is gone (it takes seconds then)
+_PROCESSES_END_S = 2.0  # after stopping a local Ray, how long its workers and agents may take to end before a kill
 
 
 def _ray() -> Any:
@@ -362,10 +368,14 @@ class RayTrainingExecutor:
         self.models = ModelPool(factory, device)
         self.started_ray = False
         self.joined_ray = False
+        self._ray_processes: list[psutil.Process] = []  # the processes ray.init started here (a local Ray)
         if not ray.is_initialized():
+            before = ray_processes.children()
             _init_ray(settings)
             self.started_ray = settings.address is None
             self.joined_ray = not self.started_ray
+            if self.started_ray:
+                self._ray_processes = ray_processes.started_since(before, os.path.dirname(ray.__file__))
         self._remote_actor = ray.remote(
             num_cpus=settings.cpus_per_actor, num_gpus=settings.gpus_per_actor, max_restarts=0
         )(TrainingActor)
@@ -379,8 +389,8 @@ class RayTrainingExecutor:
         except BaseException:
             self.watch.close()
             if self.started_ray:  # a Ray started for this run must not outlive an executor that never was
-                ray.shutdown()
                 self.started_ray = False
+                self._stop_local_ray(ray.shutdown)
             raise
         self._turn = itertools.count()
         self._bases: OrderedDict[int, tuple[torch.Tensor, Any]] = OrderedDict()
@@ -611,11 +621,22 @@ class RayTrainingExecutor:
         self._bases.clear()
         self._data.clear()
         if self.watch.lost and (self.started_ray or self.joined_ray):
-            self.started_ray = self.joined_ray = False
-            _shutdown_gone()
+            started, self.started_ray, self.joined_ray = self.started_ray, False, False
+            if started:
+                self._stop_local_ray(_shutdown_gone)
+            else:
+                _shutdown_gone()
         elif self.started_ray:
             self.started_ray = False
-            ray.shutdown()
+            self._stop_local_ray(ray.shutdown)
+
+    def _stop_local_ray(self, stop: Callable[[], None]) -> None:
+        """Stop the Ray this executor started with ``stop``, then wait for every process it had (workers and agents
+        end a moment after the raylet) and kill any still there after :data:`_PROCESSES_END_S`."""
+        tree = ray_processes.with_descendants(self._ray_processes)
+        self._ray_processes = []
+        stop()
+        ray_processes.reap(tree, _PROCESSES_END_S)
 
 
 def _shutdown_gone() -> None:

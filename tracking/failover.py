@@ -383,12 +383,14 @@ class Failover:
             lost = ", ".join(f"{count} {kind}" for kind, count in sorted(self.spool.lost.items()))
             kept = f"; the spool kept {self.spool.records} records" if self.spool.records else ""
             ended = "; a run that finished is marked FAILED"
-            if self.spool.lost["status"]:
+            if self.spool.lost["status"] and self.run.run_id is not None:
                 ended = (
                     "; the run's end status could not be written either: the store shows it RUNNING (once it has "
                     f"room: flasync tracking mark-failed {self.run.run_id} --tracking-uri "
                     f"{shlex.quote(redact_uri(self.run.tracking_uri))})"
                 )
+            elif self.spool.lost["status"]:
+                ended = "; the store holds no run of it"
             self._log.warning(
                 "tracking.records_lost",
                 message=f"tracking records lost: the store failed and the spool {self.spool.path} could not be "

@@ -579,6 +579,7 @@ def test_a_run_whose_spool_fills_the_disk_finishes_and_says_what_was_lost(
     text = said.out + said.err
     assert "cannot write the tracking spool" in text and "No space left on device" in text
     assert "could not be written (No space left on device):" in text and "lost" in text
+    assert "the store holds no run of it" in text and "marked FAILED" not in text  # the store never answered
 
 
 @pytest.mark.slow

@@ -621,18 +621,16 @@ class RayTrainingExecutor:
         self._bases.clear()
         self._data.clear()
         if self.watch.lost and (self.started_ray or self.joined_ray):
-            started, self.started_ray, self.joined_ray = self.started_ray, False, False
-            if started:
-                self._stop_local_ray(_shutdown_gone)
-            else:
-                _shutdown_gone()
+            self.started_ray = self.joined_ray = False
+            self._stop_local_ray(_shutdown_gone)
         elif self.started_ray:
             self.started_ray = False
             self._stop_local_ray(ray.shutdown)
 
     def _stop_local_ray(self, stop: Callable[[], None]) -> None:
-        """Stop the Ray this executor started with ``stop``, then wait for every process it had (workers and agents
-        end a moment after the raylet) and kill any still there after :data:`_PROCESSES_END_S`."""
+        """Disconnect from Ray with ``stop``, then wait for every process of the local Ray this executor started
+        (none for a cluster it joined: workers and agents end a moment after the raylet) and kill any still there
+        after :data:`_PROCESSES_END_S`."""
         tree = ray_processes.with_descendants(self._ray_processes)
         self._ray_processes = []
         stop()

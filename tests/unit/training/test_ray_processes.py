@@ -26,8 +26,8 @@ def test_the_children_started_from_the_package_are_named_and_others_are_not(tmp_
     """Of two children started after the mark, only the one running a script under the package's folder is named;
     a child from before the mark is not either."""
     package, elsewhere = tmp_path / "ray", tmp_path / "other"
-    package.mkdir(), elsewhere.mkdir()
     for folder in (package, elsewhere):
+        folder.mkdir()
         (folder / "monitor.py").write_text("import time\ntime.sleep(120)\n")
     earlier = subprocess.Popen([sys.executable, str(package / "monitor.py")])
     before = ray_processes.children()

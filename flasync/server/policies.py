@@ -169,6 +169,7 @@ class AsyncSlots:
         self.accounting = accounting
         self.edges = edges
         self.abandons = edges is not None  # edges close rounds of their own
+        self._quick_one = sampler.quick_one
 
     def start(self) -> None:
         """Start every edge's receive loop."""
@@ -213,6 +214,11 @@ class AsyncSlots:
         free = self.concurrency - len(registry)
         if free <= 0:
             return True
+        if free == 1 and self._quick_one is not None:  # one slot, as after each upload: no lists where it can
+            client = self._quick_one(registry.busy)
+            if client is not None:
+                registry.reserve_one(client)
+                return True
         drawn = self.sampler.sample_idle_many(registry.busy, self.clock.now(), free)
         registry.reserve(drawn)
         return len(drawn) == free

@@ -9,7 +9,7 @@ or (remote devices) when the transport says who is connected.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -62,6 +62,11 @@ class Roster(Protocol):
         drawn before it, consuming ``rng`` as they would."""
         ...
 
+    def least_recent_idle(self, busy: Collection[int]) -> int | None:
+        """Return the client a least-recently-used draw of one excluding ``busy`` takes where that is quick to find
+        (None: draw it with :meth:`sample_idle_many`)."""
+        ...
+
 
 class ClientSampler:
     """Draw clients for tasks.
@@ -86,6 +91,12 @@ class ClientSampler:
         self.strategy = strategy
         self.rng = rng
         self.faults = availability
+        self.quick_one: Callable[[Collection[int]], int | None] | None = (
+            population.least_recent_idle if strategy == "lru" else None
+        )
+        """Where the strategy has one, a quicker way to what ``sample_idle_many(busy, now, 1)`` draws: the client,
+        or None where it has no answer at once (draw the general way then). A least-recently-used draw of one reads
+        no clock and no random stream (:meth:`Roster.least_recent_idle`)."""
 
     @property
     def checkpointable(self) -> bool:

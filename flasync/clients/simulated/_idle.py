@@ -72,6 +72,18 @@ class IdleByLastUse:
             self._released = [entry for entry in heap if self._idle_at(*entry, last_used)]
             heapq.heapify(self._released)
 
+    def oldest(self, last_used: memoryview) -> int | None:
+        """Return the idle used client of the oldest last use (None: there is none), left on the heap: what
+        :meth:`take` of one adds. Stale entries at the top are dropped for good, as there."""
+        heap, flags = self._released, self._flags
+        while heap:
+            stamp, client = heap[0]
+            if flags[client] or last_used[client] != stamp:
+                heapq.heappop(heap)
+                continue
+            return client
+        return None
+
     def take(self, k: int, chosen: list[int], taken: set[int], last_used: memoryview) -> None:
         """Add to ``chosen`` the idle used clients, oldest last use first, until it holds ``k`` (none in ``taken``);
         stale entries (clients used again since) are dropped for good, the drawn ones stay (a draw changes nothing

@@ -243,6 +243,19 @@ class Population:
             taken.add(drawn[-1])
         return drawn
 
+    def least_recent_idle(self, busy: Collection[int]) -> int | None:
+        """Return the client a least-recently-used draw of one excluding ``busy`` takes, where the heap of idle
+        clients answers it at once: every client was used, and ``busy`` is the tasks in flight followed
+        (:meth:`follow_tasks`). That is ``sample_idle_many(busy, now, 1, rng, strategy="lru")``'s client, found
+        without its checks, lists and sets: an async run refills one slot after each upload this way. None where the
+        heap does not answer (a client never used yet, other exclusions, or no idle client): draw the general way.
+        """
+        idle, fresh = self._idle, self._fresh
+        if idle is None or fresh is None or self._deferred or self._fresh_head != len(fresh) or not idle.covers(busy):
+            return None
+        assert self._stamps is not None
+        return idle.oldest(self._stamps)
+
     def mark_used(self, clients: np.ndarray | list[int]) -> None:
         """Record that ``clients`` were just dispatched (in this order), for least-recently-used sampling."""
         if type(clients) is list and len(clients) == 1:  # one dispatch: scalar stores, a fifth of the arrays' cost

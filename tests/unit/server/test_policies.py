@@ -220,3 +220,38 @@ async def test_async_slots_refilling_between_the_uploads_of_a_batch_keeps_every_
         return [sorted(stretch) for stretch in stretches]
 
     assert between_versions(together) == between_versions(alone)
+
+
+@pytest.mark.parametrize("speed", ["constant", "lognormal"])
+async def test_a_refill_of_one_slot_drawn_the_quick_way_is_the_general_draw(
+    speed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Least-recently-used FedBuff: once every client was used, a slot freed by an upload is refilled with the idle
+    heap's oldest client (:meth:`Population.least_recent_idle`, no lists); the run publishes the same events (tasks,
+    clients, participations, times) and reaches the same weights as one that draws every slot the general way."""
+    from flasync.clients.simulated.population import Population
+
+    server = {"kind": "fedbuff", "buffer_size": 4, "concurrency": 10}
+    config = small_config(
+        "population.sampling=lru",
+        f"population.speed={{kind: {speed}}}",
+        "population.num_clients=16",
+        "stop.max_versions=12",
+        server=server,
+    )
+    answered = 0
+    quick = Population.least_recent_idle
+
+    def counted(self: Population, busy: Any) -> int | None:
+        nonlocal answered
+        client = quick(self, busy)
+        answered += client is not None
+        return client
+
+    monkeypatch.setattr(Population, "least_recent_idle", counted)
+    quick_events, quick_weights = await _recorded_run(config)
+    assert answered > 20  # most refills after the first few versions
+    monkeypatch.setattr(Population, "least_recent_idle", lambda self, busy: None)
+    general_events, general_weights = await _recorded_run(config)
+    assert sum(name == "TaskAssigned" for name, _ in quick_events) > 40
+    assert quick_events == general_events and quick_weights == general_weights

@@ -24,8 +24,8 @@ class _Reference:
 def test_draws_take_the_idle_clients_by_last_use_whatever_was_drawn_before(num_clients: int) -> None:
     """Over thousands of dispatches (one by one and in arrays), releases and draws of one or several clients (some
     drawn and not dispatched, some with clients already taken), each draw is the idle used clients, oldest use
-    first: the last client of a draw read at the heap's top and left there changes no later draw, and compacting
-    the heap's stale entries neither."""
+    first, and the oldest alone (:meth:`IdleByLastUse.oldest`) is the first of them: the last client of a draw read
+    at the heap's top and left there changes no later draw, and compacting the heap's stale entries neither."""
     in_flight: dict[int, int] = {}
     idle, reference = IdleByLastUse(in_flight, num_clients), _Reference(num_clients)
     rng = np.random.default_rng(num_clients)
@@ -58,6 +58,7 @@ def test_draws_take_the_idle_clients_by_last_use_whatever_was_drawn_before(num_c
             chosen: list[int] = []
             idle.take(k, chosen, set(taken), reference.last_used.data)
             assert chosen == reference.oldest_idle(k, taken)
+            assert idle.oldest(reference.last_used.data) == next(iter(reference.oldest_idle(1, set())), None)
         assert idle.count == int(reference.busy.sum())
         assert np.array_equal(idle.busy, reference.busy)
     assert len(idle) <= 2 * num_clients + 64

@@ -238,6 +238,34 @@ def test_a_fully_used_population_following_its_tasks_draws_the_idle_ones_by_last
     assert population._fresh is not None and population._fresh_head == len(population._fresh)  # all used
 
 
+def test_the_least_recent_idle_client_is_the_draw_of_one_once_every_client_was_used() -> None:
+    """:meth:`Population.least_recent_idle` answers a draw of one that excludes the followed tasks in flight with
+    the client :meth:`Population.sample_idle_many` draws, once every client was used; before that, or for another
+    exclusion, it has no answer (None) and the general draw is made."""
+    population = _population(12)
+    in_flight: dict[int, int] = {}
+    population.follow_tasks(in_flight)
+    rng, order = np.random.default_rng(0), np.random.default_rng(1)
+    answered = 0
+    for step in range(300):
+        fresh = population._fresh
+        every_used = fresh is not None and population._fresh_head == len(fresh) and not population._deferred
+        quick = population.least_recent_idle(in_flight)
+        assert population.least_recent_idle(set(in_flight)) is None  # not the followed tasks themselves
+        if len(in_flight) < 12:
+            (drawn,) = population.sample_idle_many(in_flight, 0.0, 1, rng, strategy="lru")
+            assert quick == (drawn if every_used else None)
+            answered += quick is not None
+            in_flight[drawn] = step
+            population.mark_used([drawn])
+        else:
+            assert quick is None  # no idle client
+        for client in order.permutation(list(in_flight))[: int(order.integers(0, 2))].tolist():
+            del in_flight[client]
+            population.mark_idle(client)
+    assert answered > 100
+
+
 def test_a_draw_excluding_other_clients_than_those_followed_walks_the_queue() -> None:
     """Only a draw that excludes the followed tasks in flight themselves skips the busy clients: a draw with no
     exclusion (a round's cohort) still sees every used client, busy ones included."""
@@ -297,21 +325,27 @@ async def test_async_slots_draw_lru_clients_past_those_in_flight_from_the_releas
     server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A FedBuff run with LRU sampling follows its tasks in flight: once every client was used, its slots' draws take
-    the idle clients from the released ones (what the sampler takes is counted); FedAvg's cohorts exclude no one, so
-    its runs follow nothing."""
+    the idle clients from the released ones (what the sampler takes is counted, a slot at a time or several);
+    FedAvg's cohorts exclude no one, so its runs follow nothing."""
     import flasync
     from flasync.clients.simulated._idle import IdleByLastUse
     from flasync.testing import small_config
 
     taken: list[int] = []
-    take = IdleByLastUse.take
+    take, oldest = IdleByLastUse.take, IdleByLastUse.oldest
 
-    def counted(self: IdleByLastUse, k: int, chosen: list[int], drawn: set[int], last_used: np.ndarray) -> None:
+    def counted(self: IdleByLastUse, k: int, chosen: list[int], drawn: set[int], last_used: memoryview) -> None:
         before = len(chosen)
         take(self, k, chosen, drawn, last_used)
         taken.extend(chosen[before:])
 
+    def counted_one(self: IdleByLastUse, last_used: memoryview) -> int | None:
+        client = oldest(self, last_used)
+        taken.extend([] if client is None else [client])
+        return client
+
     monkeypatch.setattr(IdleByLastUse, "take", counted)
+    monkeypatch.setattr(IdleByLastUse, "oldest", counted_one)
     aggregator = (
         {"kind": "fedbuff", "buffer_size": 2, "concurrency": 10}
         if server == "fedbuff"

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sqlite3
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import mlflow
 import pytest
+from mlflow.entities import Metric
 
 from flasync.cli import main
 from flasync.tracking.spool import iter_records, read_header
@@ -35,8 +39,8 @@ def test_a_full_disk_loses_records_in_one_line_and_fails_the_run(
 ) -> None:
     """The store and then the spool fill their disk mid-run (before: the run stayed FINISHED, the replay hint pointed
     at a spool of a header alone): the training ends, one warning names the spool's path and what was lost and
-    kept, a replay hint only for a spool holding records, no traceback is printed, and the run is FAILED, or, where
-    not even its status found room, the warning says the store shows it RUNNING."""
+    kept, a replay hint only for a spool holding records, no traceback is printed, and the run is FAILED: its status
+    takes the room held for it."""
     monkeypatch.chdir(full_disk)
     uri = f"sqlite:///{full_disk}/mlruns/mlflow.db"
     assert main(["run", "--set", "stop.max_versions=300", "--tracking-uri", uri]) == 0
@@ -53,11 +57,61 @@ def test_a_full_disk_loses_records_in_one_line_and_fails_the_run(
     assert "tracking.recovered" not in said  # a spool that could not be written recovers nothing
     client = mlflow.MlflowClient(uri)
     (run,) = client.search_runs(["1"])
-    # The end status is one row more in a store whose disk is full: whether the store still finds room for it
-    # depends on how much the spool took first. Either the run is FAILED, or the warning says its status is lost.
-    if "end status could not be written either" in lost[0]:
-        assert run.info.status == "RUNNING" and "lost_status=1" in lost[0], lost
-        assert f"flasync tracking mark-failed {run.info.run_id} --tracking-uri {uri}" in lost[0], lost
+    # The end status is one row more in a store whose disk is full: it takes the room held for it since the run
+    # opened (without it, the run stayed RUNNING in some runs).
+    assert run.info.status == "FAILED" and "a run that finished is marked FAILED" in lost[0], lost
+    assert "lost_status" not in lost[0], lost
+    assert not list((full_disk / "mlruns").glob(".flasync-status-room-*"))
+
+
+def _fill(folder: Path) -> None:
+    """Take every byte the disk of ``folder`` has left."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\0" * 4096):
+                pass
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\0"):
+                pass
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["room held", "no room"])
+def test_a_disk_filled_just_before_the_end_status_still_takes_it_from_the_room_held(
+    full_disk: Path, room: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that has not one byte left when the run ends: the room held since the run opened takes the end
+    status, and the run is FINISHED (nothing was lost). Without it the status is lost, the run stays RUNNING, and
+    the warning says so with the command that ends it."""
+    from flasync.tracking import MlflowTracker
+    from flasync.tracking.failover import Failover
+
+    monkeypatch.chdir(full_disk)  # the spool's folder too
+    uri = f"sqlite:///{full_disk}/mlruns/mlflow.db"
+    give_back = Failover.give_back_room
+
+    def filled_first(self: Failover) -> None:
+        # The store's write-ahead log emptied (as a checkpoint leaves it), then not one byte left: the status needs
+        # the log to grow.
+        with contextlib.closing(sqlite3.connect(full_disk / "mlruns" / "mlflow.db")) as db:
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        _fill(full_disk)
+        give_back(self)
+
+    monkeypatch.setattr(Failover, "give_back_room", filled_first)
+    if not room:
+        monkeypatch.setattr(Failover, "hold_room", lambda self: None)
+    tracker = MlflowTracker(uri, flush_interval_s=0.05)
+    run_id = tracker.start(experiment="full")
+    tracker.log_metrics([Metric("loss", 1.0 / step, 0, step) for step in range(1, 50)])
+    tracker.finish("FINISHED")
+    said = capsys.readouterr()
+    (full_disk / "filler").unlink()
+    status = mlflow.MlflowClient(uri).get_run(run_id).info.status
+    if room:
+        assert status == "FINISHED", said
     else:
-        assert run.info.status == "FAILED" and "a run that finished is marked FAILED" in lost[0], lost
-        assert "lost_status" not in lost[0], lost
+        assert status == "RUNNING"
+        assert f"flasync tracking mark-failed {run_id}" in said.out + said.err

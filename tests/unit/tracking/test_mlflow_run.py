@@ -201,6 +201,29 @@ def test_finish_sets_the_run_status(tracker: MlflowTracker, client: mlflow.Mlflo
 
 
 @pytest.mark.slow
+def test_a_run_on_a_local_store_holds_room_for_its_status_until_it_ends(
+    tracker: MlflowTracker, tracking_uri: str
+) -> None:
+    """From the moment its run is open, a tracker holds room beside a SQLite store for the run's end status (a full
+    disk then still takes it), and gives it back when the run ends; a resumed run holds it again."""
+    folder = Path(tracking_uri.removeprefix("sqlite:///")).parent
+
+    def held() -> list[Path]:
+        return sorted(folder.glob(".flasync-status-room-*"))
+
+    run_id = tracker.start(experiment="room")
+    (room,) = held()
+    assert room.stat().st_blocks * 512 >= room.stat().st_size > 0
+    tracker.finish("KILLED")
+    assert held() == []
+    resumed = MlflowTracker(tracking_uri, flush_interval_s=0.05)
+    resumed.resume(run_id)
+    assert len(held()) == 1
+    resumed.finish("FINISHED")
+    assert held() == []
+
+
+@pytest.mark.slow
 def test_finish_is_idempotent(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
     """A second finish changes nothing."""
     run_id = tracker.start(experiment="status")

@@ -367,8 +367,10 @@ def engine_phases(
             print(f"{'':>8}   {key:<44} {values}")
         if baseline is not None:
             ours, theirs = rows["this tree"][LOOP_CPU], rows["baseline"][LOOP_CPU]
-            paired = statistics.median(o / t for o, t in zip(ours, theirs, strict=True))
-            print(f"{'':>8}   {'loop CPU per update, this tree / baseline':<44} {paired:9.2f}x (paired)")
+            pairs = [o / t for o, t in zip(ours, theirs, strict=True)]
+            paired, spread = statistics.median(pairs), f"{min(pairs):.2f}x to {max(pairs):.2f}x"
+            # The spread of the pairs says how far a shared machine's noise reaches (a short run's is wide).
+            print(f"{'':>8}   {'loop CPU per update, this tree / baseline':<44} {paired:9.2f}x (paired; {spread})")
         found[server] = rows
     return found
 

@@ -3,9 +3,10 @@
 A run whose store and spool fill one disk loses records; its end status is then one more row the store must write.
 SQLite grows its write-ahead log by a page or more for it, which a disk with no byte left refuses, and the run stays
 ``RUNNING`` in the store. A :class:`StatusRoom` holds :data:`ROOM_BYTES` on the store's disk from the moment the run
-opens (a file beside the database, its blocks allocated) and gives them back just before the status is written, once
-records were lost; it is removed at the run's end in every case. A process killed before that leaves its file: the
-next run that holds room on that disk removes the files of processes no longer running.
+opens (a file beside the database, its blocks allocated) and gives them back just before the status is written, so
+the file is gone once the run has ended, whatever its end. A process killed before that leaves its file: the next
+run that holds room in that folder removes the files of processes no longer running (a process this one cannot
+see, in another container sharing the folder, counts as gone: its run only loses its room).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _NAME = re.compile(re.escape(_PREFIX) + r"(\d+)-")
 
 class StatusRoom:
     """Room for a run's end status on the disk of a folder (a local store's), held from :meth:`hold` to
-    :meth:`give_back` or :meth:`close`.
+    :meth:`give_back`.
 
     Args:
         folder: The folder of the store's database (None: nothing is held, every call does nothing).

@@ -110,6 +110,7 @@ def test_a_disk_filled_just_before_the_end_status_still_takes_it_from_the_room_h
     said = capsys.readouterr()
     (full_disk / "filler").unlink()
     status = mlflow.MlflowClient(uri).get_run(run_id).info.status
+    assert not list((full_disk / "mlruns").glob(".flasync-status-room-*"))  # given back, whatever the end
     if room:
         assert status == "FINISHED", said
     else:

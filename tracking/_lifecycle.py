@@ -232,7 +232,7 @@ class RunLifecycle:
             self._writers.end_open(failed=False)
         if not self._failover.offline:
             self._failover.journal_opened()
-            self._failover.hold_room()
+            self._failover.room.hold()
 
     def _nested_in(self) -> str:
         """Return the run to nest the new one under; when that raises, the new run is not opened either (its journal
@@ -361,7 +361,7 @@ class RunLifecycle:
         identity.experiment, identity.run_name = experiment.name, run.info.run_name
         identity.experiment_id = run.info.experiment_id
         identity.run_id = run_id
-        self._failover.hold_room()
+        self._failover.room.hold()
         self._writers.start_writers(run_id)
         return run_id
 
@@ -427,7 +427,7 @@ class RunLifecycle:
             if status == "FINISHED" and self._failover.records_lost:
                 status = "FAILED"  # records lost for good (a full disk under the store and the spool): not a whole run
             end = int(time.time() * 1000)
-            self._failover.give_back_room()  # a disk that the store and the spool filled has room for the status
+            self._failover.room.give_back()  # a disk that the store and the spool filled has room for the status
             answer = writers.child_reply({"op": "end", "status": status, "end_time": end})
             ended = answer is not None
             writers.release_child(ended)

@@ -128,7 +128,8 @@ class Failover:
         """The run's journal while its MLflow run is being opened (see :mod:`flasync.tracking.journal`)."""
         db = sqlite_path(run.tracking_uri)
         self.room = StatusRoom(None if db is None else db.absolute().parent)
-        """Room held on a local store's disk for the run's end status (:meth:`hold_room`)."""
+        """Room on a local store's disk for the run's end status (see :mod:`flasync.tracking._room`): held once the run
+        is open, given back just before the status is written."""
 
     def open_journal(self, tags: Mapping[str, str], params: Mapping[str, str]) -> RunJournal:
         """Start the run's journal with its ``tags`` (after MLflow's user and source tags) and ``params``."""
@@ -176,17 +177,6 @@ class Failover:
         if self.spool is None or not (self.offline or self._unreplayed) or self.spool.records <= self._replayed:
             return None  # nothing left in the spool to send
         return f"flasync tracking replay {shlex.quote(str(self.spool.path))}"
-
-    def hold_room(self) -> None:
-        """Hold room for the run's end status on a local store's disk (see :mod:`flasync.tracking._room`), from the
-        moment its run is open: given back just before the status is written (:meth:`give_back_room`), and at
-        :meth:`close`."""
-        self.room.hold()
-
-    def give_back_room(self) -> None:
-        """Free the room held for the end status, which is written next (a store or a spool that filled the disk
-        then finds it)."""
-        self.room.give_back()
 
     def deliver(self, send: Callable[[str, mlflow.MlflowClient], None], spool: Callable[[SpoolWriter], None]) -> None:
         """Send one record to the store, or to the spool while (or when) the store fails; order is kept."""
@@ -391,7 +381,6 @@ class Failover:
 
     def close(self) -> str | None:
         """Close the spool (if any); return the replay command of what is left in it, after saying so."""
-        self.room.give_back()
         if self.spool is None:
             return None
         self.spool.close()

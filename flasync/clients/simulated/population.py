@@ -244,17 +244,18 @@ class Population:
         return drawn
 
     def least_recent_idle(self, busy: Collection[int]) -> int | None:
-        """Return the client a least-recently-used draw of one excluding ``busy`` takes, where the heap of idle
-        clients answers it at once: every client was used, and ``busy`` is the tasks in flight followed
-        (:meth:`follow_tasks`). That is ``sample_idle_many(busy, now, 1, rng, strategy="lru")``'s client, found
-        without its checks, lists and sets: an async run refills one slot after each upload this way. None where the
-        heap does not answer (a client never used yet, other exclusions, or no idle client): draw the general way.
-        """
-        idle, fresh = self._idle, self._fresh
-        if idle is None or fresh is None or self._deferred or self._fresh_head != len(fresh) or not idle.covers(busy):
+        """Return the client :meth:`sample_idle_many` draws alone excluding ``busy``, least recently used, found at
+        once where the heap of idle clients answers such a draw; None elsewhere (draw the general way then)."""
+        idle, stamps = self._idle, self._stamps
+        if idle is None or stamps is None or not self._idle_answers(busy):
             return None
-        assert self._stamps is not None
-        return idle.oldest(self._stamps)
+        return idle.oldest(stamps)
+
+    def _idle_answers(self, excluded: Collection[int]) -> bool:
+        """Tell whether the heap of idle clients answers a draw excluding ``excluded``: every client was used and
+        ``excluded`` is the tasks in flight followed (:meth:`follow_tasks`)."""
+        used = self._fresh is not None and not self._deferred and self._fresh_head == len(self._fresh)
+        return used and self._idle is not None and self._idle.covers(excluded)
 
     def mark_used(self, clients: np.ndarray | list[int]) -> None:
         """Record that ``clients`` were just dispatched (in this order), for least-recently-used sampling."""
@@ -356,7 +357,7 @@ class Population:
         chosen: list[int] = []
         taken: set[int] = set()
         idle = self._idle
-        if idle is not None and not self._deferred and self._fresh_head == len(self._fresh) and idle.covers(excluded):
+        if idle is not None and self._idle_answers(excluded):
             idle.take(k, chosen, taken, self._stamps)  # every client was used: the idle ones by last use
             return chosen
         chunk = max(2 * k, 64)

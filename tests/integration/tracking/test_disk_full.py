@@ -86,23 +86,23 @@ def test_a_disk_filled_just_before_the_end_status_still_takes_it_from_the_room_h
     status, and the run is FINISHED (nothing was lost). Without it the status is lost, the run stays RUNNING, and
     the warning says so with the command that ends it."""
     from flasync.tracking import MlflowTracker
-    from flasync.tracking.failover import Failover
+    from flasync.tracking._room import StatusRoom
 
     monkeypatch.chdir(full_disk)  # the spool's folder too
     uri = f"sqlite:///{full_disk}/mlruns/mlflow.db"
-    give_back = Failover.give_back_room
+    give_back = StatusRoom.give_back
 
-    def filled_first(self: Failover) -> None:
+    def filled_first(self: StatusRoom) -> bool:
         # The store's write-ahead log emptied (as a checkpoint leaves it), then not one byte left: the status needs
         # the log to grow.
         with contextlib.closing(sqlite3.connect(full_disk / "mlruns" / "mlflow.db")) as db:
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         _fill(full_disk)
-        give_back(self)
+        return give_back(self)
 
-    monkeypatch.setattr(Failover, "give_back_room", filled_first)
+    monkeypatch.setattr(StatusRoom, "give_back", filled_first)
     if not room:
-        monkeypatch.setattr(Failover, "hold_room", lambda self: None)
+        monkeypatch.setattr(StatusRoom, "hold", lambda self: False)
     tracker = MlflowTracker(uri, flush_interval_s=0.05)
     run_id = tracker.start(experiment="full")
     tracker.log_metrics([Metric("loss", 1.0 / step, 0, step) for step in range(1, 50)])

@@ -169,8 +169,11 @@ def tiny(code: str, *, tracked: bool) -> str:
 
 
 def _environment(folder: Path) -> dict[str, str]:
+    """The pages' commands' environment: a store and cache in ``folder``, and this interpreter's ``python`` and
+    scripts first on ``PATH`` (the suite run as ``.venv/bin/python -m pytest`` without the environment activated)."""
     env = dict(os.environ)
     env.update(
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
         MLFLOW_TRACKING_URI=f"sqlite:///{folder / 'store' / 'mlflow.db'}",
         XDG_CACHE_HOME=str(folder / "cache"),

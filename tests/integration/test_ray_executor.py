@@ -115,8 +115,7 @@ async def test_an_actor_killed_mid_run_fails_its_task_and_is_replaced() -> None:
     killed: list[str] = []
     async for event in aggregated:
         if event.version >= 3:
-            names = [n["name"] if isinstance(n, dict) else n for n in ray.util.list_named_actors()]
-            victim = sorted(n for n in names if n.startswith("flasync-train-"))[0]
+            victim = _train_actors()[0]
             ray.kill(ray.get_actor(victim))
             killed.append(victim)
             break
@@ -124,6 +123,38 @@ async def test_an_actor_killed_mid_run_fails_its_task_and_is_replaced() -> None:
     assert killed
     assert summary.versions == 12
     assert summary.updates_failed >= 1
+
+
+def _train_actors() -> list[str]:
+    """The names of flasync's training actors alive in the local Ray."""
+    names = [n["name"] if isinstance(n, dict) else n for n in ray.util.list_named_actors()]
+    return sorted(n for n in names if n.startswith("flasync-train-"))
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_runs_actors_start_side_by_side_and_all_are_killed_if_one_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every actor is asked for before the executor waits for the first (they load at once); when one of them cannot
+    start, the run fails with its one-line error and none of its actors is left."""
+    from flasync.training.executors import ray as ray_executor
+
+    node_of = ray_executor.RayTrainingExecutor._node_of
+    asked_when_waiting: list[int] = []
+
+    def waited(self: ray_executor.RayTrainingExecutor, actor: object) -> str:
+        asked_when_waiting.append(len(_train_actors()))
+        if len(asked_when_waiting) == 2:
+            raise flasync.ConfigError("executor.ray: an actor could not start: a test's")
+        return node_of(self, actor)
+
+    monkeypatch.setattr(ray_executor.RayTrainingExecutor, "_node_of", waited)
+    before = _train_actors()
+    with pytest.raises(flasync.ConfigError, match="a test's"):
+        flasync.run(small_config("executor.kind=ray", "executor.ray.actors=3"))
+    assert asked_when_waiting[0] == len(before) + 3
+    deadline = time.monotonic() + 30
+    while _train_actors() != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _train_actors() == before
 
 
 def _env() -> dict[str, str]:

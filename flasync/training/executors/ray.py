@@ -385,7 +385,7 @@ class RayTrainingExecutor:
         self.watch = _watch(settings, self._gone)
         try:
             self.watch.start()
-            self._slots = [self._new_slot() for _ in range(settings.actors)]
+            self._slots = self._start_slots(settings.actors)
         except BaseException:
             self.watch.close()
             if self.started_ray:  # a Ray started for this run must not outlive an executor that never was
@@ -416,16 +416,36 @@ class RayTrainingExecutor:
             self.pool = self.batcher
 
     # ------------------------------------------------------------------------------------------------ actors
-    def _new_slot(self) -> _Slot:
+    def _start_slots(self, count: int) -> list[_Slot]:
+        """Start ``count`` actors at once and wait until each answers: they load side by side, so a run with many
+        actors starts in about the time of one. If any cannot start, every one of them is killed."""
         ray = _ray()
         # Named (flasync-train-<run>-<n>), so that `ray list actors` and tests can find them.
-        actor = self._remote_actor.options(name=next(self._names)).remote(
-            self.factory, self.settings.threads_per_actor, self._device, self.lazy
-        )
+        actors = [
+            self._remote_actor.options(name=next(self._names)).remote(
+                self.factory, self.settings.threads_per_actor, self._device, self.lazy
+            )
+            for _ in range(count)
+        ]
         try:
-            node = self._wait(actor.node.remote(), timeout_s=_ACTOR_START_S)
+            return [_Slot(actor, self._node_of(actor)) for actor in actors]
+        except BaseException:
+            for actor in actors:
+                with contextlib.suppress(Exception):  # an actor already gone
+                    ray.kill(actor)
+            raise
+
+    def _node_of(self, actor: Any) -> str:
+        """Wait until the just-started ``actor`` answers; return its node.
+
+        Raises:
+            ConfigError: If it did not start within :data:`_ACTOR_START_S` seconds, or failed to start.
+            TrainingError: If the cluster is gone.
+        """
+        ray = _ray()
+        try:
+            node: str = self._wait(actor.node.remote(), timeout_s=_ACTOR_START_S)
         except ray.exceptions.GetTimeoutError:
-            ray.kill(actor)
             settings = self.settings
             raise ConfigError(
                 f"executor.ray: no actor started within {_ACTOR_START_S:.0f} s: does the cluster have "
@@ -436,7 +456,7 @@ class RayTrainingExecutor:
         except Exception as exc:
             message = f"executor.ray: an actor could not start: {type(exc).__name__}: {exc}"
             raise ConfigError(message.splitlines()[0]) from None
-        return _Slot(actor, node)
+        return node
 
     def _slot(self) -> _Slot:
         """Pick the actor with the fewest calls in flight (round robin among equals) and count the call."""
@@ -512,7 +532,7 @@ class RayTrainingExecutor:
             if slot not in self._slots:
                 return  # another call on the same actor replaced it already
             index = self._slots.index(slot)
-            self._slots[index] = self._new_slot()
+            self._slots[index] = self._start_slots(1)[0]
             self.replaced += 1
         if self.on_event is not None:
             self.on_event("replaced", f"{type(exc).__name__} on node {slot.node[:12]}")

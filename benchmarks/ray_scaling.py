@@ -9,11 +9,14 @@ Workloads (FedAvg, virtual clock, no tracking):
 
 Executors: the threads executor (1 worker, the default, and 2), and Ray with 1 and 2 actors (1 CPU and 1 torch thread
 each). Ray is started once by the script (``ray.init``), so the figures are of training; its start-up is printed
-apart. Peak memory: the driver's peak RSS (of the process so far), and the summed RSS of every Ray process (GCS,
-raylet, workers, actors) sampled every 0.2 s during the run.
+apart, and so is how long a run's executor takes to start its actors (``--start-actors``, 2 by default): side by
+side, as flasync starts them, against one after another (each waited for before the next is asked for), in the same
+run, interleaved, ``--start-repeats`` times each. Peak memory: the driver's peak RSS (of the process so far), and
+the summed RSS of every Ray process (GCS, raylet, workers, actors) sampled every 0.2 s during the run.
 
-    python benchmarks/ray_scaling.py                  # about 1 minute on 2 cores
+    python benchmarks/ray_scaling.py                  # about 2 minutes on 2 cores
     python benchmarks/ray_scaling.py --rounds 5 --workloads mlp
+    python benchmarks/ray_scaling.py --workloads --start-repeats 3   # only the actors' start
 
 Two nodes on one machine (what a cluster needs; Ray 2.59+ wants the same token on every node)::
 
@@ -32,6 +35,7 @@ executor's rate against one thread worker's on the same workload.
 from __future__ import annotations
 
 import argparse
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -101,11 +105,53 @@ class _RayMemory:
         self._thread.join()
 
 
+def _actor_start(actors: int, repeats: int, headline: list[Figure]) -> dict[str, Any]:
+    """Time the start of an executor of ``actors`` Ray actors (made, each answering, then shut down), as flasync
+    starts them (side by side) and one after another, ``repeats`` times each, interleaved; print and return the
+    medians."""
+    from flasync.config import RayConfig
+    from flasync.training.executors.ray import RayTrainingExecutor
+    from flasync.training.models import MLP
+
+    def one_after_another(executor: RayTrainingExecutor, count: int) -> list[Any]:
+        return [side_by_side(executor, 1)[0] for _ in range(count)]
+
+    side_by_side = RayTrainingExecutor._start_slots
+    settings = RayConfig(actors=actors)
+    times: dict[str, list[float]] = {"side by side": [], "one after another": []}
+    for _ in range(repeats):
+        for way, start in (("one after another", one_after_another), ("side by side", side_by_side)):
+            RayTrainingExecutor._start_slots = start  # type: ignore[method-assign]
+            try:
+                began = time.perf_counter()
+                executor = RayTrainingExecutor(lambda: MLP(32, (64,), 10), settings)
+                times[way].append(time.perf_counter() - began)
+                executor.shutdown()
+            finally:
+                RayTrainingExecutor._start_slots = side_by_side  # type: ignore[method-assign]
+    medians = {way: statistics.median(seconds) for way, seconds in times.items()}
+    ratio = medians["side by side"] / medians["one after another"]
+    print(f"\nAn executor of {actors} actors started in (median of {repeats}; each: made, answering):")
+    for way, seconds in times.items():
+        print(f"  {way:<18} {medians[way]:.2f} s   ({', '.join(f'{t:.2f}' for t in seconds)})")
+    print(f"  side by side / one after another: {ratio:.2f}x")
+    headline.append(Figure(f"start of {actors} actors", medians["side by side"], "s", "one after another", ratio))
+    keys = {way: way.replace(" ", "_") for way in times}
+    return {
+        "actors": actors,
+        "seconds": {keys[way]: seconds for way, seconds in times.items()},
+        "median_s": {keys[way]: seconds for way, seconds in medians.items()},
+        "ratio": ratio,
+    }
+
+
 def main() -> None:
     """Run every (workload, executor) once and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30, help="FedAvg rounds of 10 clients per run")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--start-actors", type=int, default=2, help="actors of the executor whose start is timed")
+    parser.add_argument("--start-repeats", type=int, default=2, help="timed starts of each way (0: none)")
     parser.add_argument("--address", help="join this Ray cluster (default: start a local Ray with 2 CPUs)")
     parser.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/)")
     args = parser.parse_args()
@@ -124,6 +170,9 @@ def main() -> None:
     print(f"\nRay {'started' if args.address is None else 'joined'} in {ray_start_s:.1f} s")
     nodes = [n for n in ray.nodes() if n["Alive"]]
     print(f"nodes: {len(nodes)} ({', '.join(n['NodeID'][:12] for n in nodes)})")
+
+    if args.start_repeats:
+        figures["actor_start"] = _actor_start(args.start_actors, args.start_repeats, headline)
 
     executors: dict[str, dict[str, Any]] = {
         "threads, 1 worker": {"kind": "thread"},

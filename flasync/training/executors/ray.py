@@ -418,7 +418,8 @@ class RayTrainingExecutor:
     # ------------------------------------------------------------------------------------------------ actors
     def _start_slots(self, count: int) -> list[_Slot]:
         """Start ``count`` actors at once and wait until each answers: they load side by side, so a run with many
-        actors starts in about the time of one. If any cannot start, every one of them is killed."""
+        actors starts in about the time of one. If any cannot start, every one of them is killed (unless the cluster is
+        gone)."""
         ray = _ray()
         # Named (flasync-train-<run>-<n>), so that `ray list actors` and tests can find them.
         actors = [
@@ -429,6 +430,8 @@ class RayTrainingExecutor:
         ]
         try:
             return [_Slot(actor, self._node_of(actor)) for actor in actors]
+        except TrainingError:
+            raise  # the cluster is gone, and its actors with it: a kill would wait on a GCS that never answers
         except BaseException:
             for actor in actors:
                 with contextlib.suppress(Exception):  # an actor already gone

@@ -102,6 +102,7 @@ async def _resumes_exactly(
         "fedbuff-groups-vectorized-topk",
     ],
 )
+@pytest.mark.slow
 async def test_stop_and_resume_gives_the_uninterrupted_weights(
     server: dict[str, Any], overrides: tuple[str, ...]
 ) -> None:
@@ -340,6 +341,7 @@ TREE_FAULTY = (
 
 
 @pytest.mark.parametrize("fanout", [[4], [2, 2]], ids=["depth1", "depth2"])
+@pytest.mark.slow
 async def test_a_tree_with_faults_validation_and_timeouts_resumes_exactly(fanout: list[int]) -> None:
     """HierFAVG with 20% crashing clients, hangs timed out at the edges, validation and clipping: stopped by a
     signal and resumed from its checkpoint, it ends with the uninterrupted run's weights and counts."""
@@ -365,6 +367,7 @@ async def test_a_tree_with_faults_validation_and_timeouts_resumes_exactly(fanout
     ],
     ids=["buffered", "depth2-deadlines-fp16", "depth2-relays"],
 )
+@pytest.mark.slow
 async def test_an_async_tree_resumes_exactly(topology: dict[str, Any]) -> None:
     """FedBuff over edges with slow links: partials and relayed uploads in transit, edge deadlines and queued
     messages are in the checkpoint; the resumed run ends with the uninterrupted run's weights and counts."""

@@ -65,6 +65,7 @@ _ONE_EACH = "faults.availability={period_s: 1000.0, online_fraction: 1.0}"
         pytest.param(("scaffold.enabled=true", "server={kind: fedavg, clients_per_round: 6}"), id="scaffold"),
     ],
 )
+@pytest.mark.slow
 def test_tasks_run_as_a_group_give_the_weights_and_counts_of_one_coroutine_per_task(
     overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -50,6 +50,7 @@ def test_spilling_residuals_does_not_change_results(tmp_path: Any) -> None:
     assert list(tmp_path.iterdir()) == []  # spill files are removed at the end
 
 
+@pytest.mark.slow
 def test_error_feedback_beats_no_feedback() -> None:
     """Top-k 1% learns better with error feedback than without it."""
     overrides = ("stop.max_versions=40",)

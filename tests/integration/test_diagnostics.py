@@ -29,6 +29,7 @@ def _nan_data() -> tuple[ArrayData, ArrayData]:
     return train, test
 
 
+@pytest.mark.slow
 async def test_nan_client_raises_the_nan_alert_as_event_metric_and_tag(tmp_path: Path) -> None:
     """A client whose data holds a NaN fails its tasks; each failure is a NaN alert: bus event, metric and tag."""
     train, test = _nan_data()

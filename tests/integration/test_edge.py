@@ -64,6 +64,7 @@ async def test_nested_raw_relays_are_still_flat() -> None:
     assert 0 < tree.first_update_s < tree.wall_s  # the first update an edge relayed, counted by the cloud
 
 
+@pytest.mark.slow
 async def test_sync_hierfavg_with_kappa2_one_is_flat_fedavg() -> None:
     """HierFAVG with one edge round per cloud round equals FedAvg over the same sampled clients."""
     server = {"kind": "fedavg", "clients_per_round": 8}
@@ -101,6 +102,7 @@ async def test_sync_hierfavg_runs_kappa2_edge_rounds() -> None:
     assert summary.accuracy > 0.5
 
 
+@pytest.mark.slow
 async def test_cloud_ingress_shrinks_by_the_fan_in() -> None:
     """Edges folding K_e = 4 updates send one dense partial per four dense uploads."""
     flat, _, _ = await _run(small_config())
@@ -179,6 +181,7 @@ async def test_client_attributes_from_the_caller() -> None:
         ).run()
 
 
+@pytest.mark.slow
 async def test_tier_metrics_are_bounded_and_per_edge_on_request() -> None:
     """Per-tier keys by default; per-edge keys only when configured; ingress per cloud version."""
     tracker = MemoryTracker()

@@ -162,6 +162,7 @@ async def test_sync_rounds_count_failures_and_refill_nothing() -> None:
     assert summary.updates_accepted + summary.updates_failed == summary.tasks_dispatched == 60
 
 
+@pytest.mark.slow
 async def test_a_norm_bound_on_a_robust_reference_refuses_the_attackers_only() -> None:
     """10% sign-flip attackers (-20x): with resilience.norm_bound_factor every refused update is an attacker's,
     and the model ends better than without the defence."""

@@ -144,6 +144,7 @@ def test_local_layers_spill_to_disk_beyond_the_bound() -> None:
 _FINETUNE = ("client.personal.kind=finetune", "client.personal.steps=5")
 
 
+@pytest.mark.slow
 def test_fine_tuning_reports_personal_figures_and_leaves_training_unchanged() -> None:
     """Every report carries the fine-tuned model's figures (other than the downloaded model's for some); the run's
     weights are those of the same run without fine-tuning, and the same with 1 or 3 workers."""

@@ -139,6 +139,7 @@ def test_uploads_the_cloud_does_not_decode_in_batches_of_one_form_carry_no_rows(
     assert not any(carried) and not taken
 
 
+@pytest.mark.slow
 def test_a_run_whose_decoder_may_hold_few_rows_makes_no_more_and_is_the_run_that_decodes_on_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.timeout(60), NEEDS_DP_ACCOUNTING]
 
 # ----------------------------------------------------------------------------------------------- whole runs
 @pytest.mark.parametrize("server", ["fedbuff", "fedavg"])
+@pytest.mark.slow
 async def test_a_private_run_logs_epsilon_per_version_and_is_deterministic(server: str) -> None:
     """Epsilon per version as a metric, in the summary and the params; the same seed, the same weights."""
     kind = "{kind: fedavg, clients_per_round: 4}" if server == "fedavg" else "{kind: fedbuff, buffer_size: 4}"

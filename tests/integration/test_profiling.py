@@ -94,6 +94,7 @@ async def test_profile_json_and_plots_are_artifacts() -> None:
     assert int(tracker.tags["finished.peak_rss_bytes"]) > 0  # the run's tags carry it too, not only summary.json
 
 
+@pytest.mark.slow
 async def test_plots_of_a_long_run_stay_readable_and_only_say_something() -> None:
     """Beyond 60 versions each bar is the mean of consecutive versions (at most 60 bars); the bytes plot is drawn
     only when an update's size varies (top-k here), not for a dense run whose bars would all be alike; the staleness

@@ -56,6 +56,7 @@ def test_bytes_fall_with_density() -> None:
     assert downloads == sorted(downloads, reverse=True) and len(set(downloads)) == 4
 
 
+@pytest.mark.slow
 def test_a_pruned_run_is_deterministic() -> None:
     """The same pruned config gives the same weights twice."""
     assert flasync.run(_config(0.2)).weights_sha256 == flasync.run(_config(0.2)).weights_sha256

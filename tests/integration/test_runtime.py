@@ -492,6 +492,7 @@ async def test_params_and_tags() -> None:
     assert tracker.tags["flasync.version"] == flasync.__version__
 
 
+@pytest.mark.slow
 async def test_runs_are_named_and_record_their_data_set() -> None:
     """A run without a name is named for what ran (aggregator, data, seed) plus a suffix telling reruns apart; its
     training data is a dataset input whose digest tells data sets apart and whose profile gives the sizes."""
@@ -594,6 +595,7 @@ def test_the_built_in_rule_passed_as_a_user_rule_gives_the_same_weights(server: 
     assert flasync.run(config, aggregator=make_aggregator).weights_sha256 == flasync.run(config).weights_sha256
 
 
+@pytest.mark.slow
 def test_a_custom_objective_changes_the_run_and_is_deterministic() -> None:
     """Focal loss ends at other weights than cross-entropy, the same ones twice; the run is tagged with it."""
     tracker = MemoryTracker()

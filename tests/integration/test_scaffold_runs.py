@@ -19,6 +19,7 @@ SERVERS = {
 
 
 @pytest.mark.parametrize("server", sorted(SERVERS))
+@pytest.mark.slow
 def test_the_server_variate_is_the_mean_of_the_client_variates(server: str) -> None:
     """In a checkpoint taken mid-run, c plus its pending changes over N equals the mean of all N clients' c_i."""
     config = small_config(

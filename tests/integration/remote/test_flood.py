@@ -123,6 +123,7 @@ async def _status_answers(flooded: Flooded) -> None:
             assert (await other.get("/v1/hello", headers=auth)).status_code == 200  # only the flooder is limited
 
 
+@pytest.mark.slow
 async def test_an_unauthenticated_flood_is_answered_limited_and_counted(flooded: Flooded) -> None:
     """Requests without a valid token from one address, 16 at a time: each is answered, 401 until the address's
     budget is spent, then 429 with Retry-After; the transport counts each; the status endpoint answers during the
@@ -143,6 +144,7 @@ async def test_an_unauthenticated_flood_is_answered_limited_and_counted(flooded:
     assert len(flooded.refusal_rows()) < _REQUESTS / 8
 
 
+@pytest.mark.slow
 async def test_a_flood_of_refused_requests_with_a_token_is_answered_limited_and_counted(flooded: Flooded) -> None:
     """A valid token's updates (16 KiB bodies) for tasks that are not its client's and requests for malformed model
     versions, from one address: each is answered, 403 or 400 until the address's budget is spent, then 429 with

@@ -225,6 +225,7 @@ async def test_before_the_run_starts_the_hot_endpoints_answer_503_and_cost_nothi
         await serving
 
 
+@pytest.mark.slow
 async def test_bodies_at_the_front_door_are_bounded_and_timed(
     tmp_path: Path, tokens: dict[int, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

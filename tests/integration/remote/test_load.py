@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.mark.parametrize("train_s", [0.0, 0.05], ids=["saturated", "paced"])
+@pytest.mark.slow
 async def test_every_update_sent_is_accepted_refused_or_timed_out(
     tmp_path: Path, tokens: dict[int, str], train_s: float
 ) -> None:

@@ -87,6 +87,7 @@ async def test_the_upload_answer_carries_the_next_task_and_its_model(tmp_path: P
         assert transport.refusals == {}
 
 
+@pytest.mark.slow
 async def test_without_a_posted_task_the_answer_has_no_offer(tmp_path: Path, tokens: dict[int, str]) -> None:
     """When the device's next task goes elsewhere, the upload's answer is today's 202 with no offer; the device then
     long-polls ``GET /v1/task`` as before and is handed its next task there once its turn comes."""

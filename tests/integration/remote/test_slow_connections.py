@@ -70,6 +70,7 @@ async def _slow(request: Request) -> JSONResponse:
 
 
 @pytest.mark.parametrize("protocol", [serve._FastHeaderDeadline, serve._HeaderDeadline], ids=["httptools", "h11"])
+@pytest.mark.slow
 async def test_a_request_answered_after_the_header_deadline_keeps_its_connection(
     monkeypatch: pytest.MonkeyPatch, protocol: type[asyncio.Protocol]
 ) -> None:

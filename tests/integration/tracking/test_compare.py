@@ -59,6 +59,7 @@ def test_compare_names_all_three_runs(
     assert sum(1 for text in texts if text and text.startswith("buffer-")) == 3  # one legend entry a run
 
 
+@pytest.mark.slow
 def test_compare_by_experiment(three_runs: list[str], tracking_uri: str, capsys: pytest.CaptureFixture[str]) -> None:
     """By experiment: the experiment's runs, oldest first, with time to the given target accuracy."""
     code = main(

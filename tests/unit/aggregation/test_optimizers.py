@@ -125,6 +125,7 @@ def test_adam_matches_torch_adam(vectors: list[Tensor], lr: float) -> None:
     momentum=st.sampled_from([0.0, 0.5, 0.9]),
     nesterov=st.booleans(),
 )
+@pytest.mark.slow
 def test_sgd_matches_torch_sgd(vectors: list[Tensor], lr: float, momentum: float, nesterov: bool) -> None:
     """ServerOptimizer.sgd takes the very steps of torch.optim.SGD (heavy ball or Nesterov)."""
     nesterov = nesterov and momentum > 0

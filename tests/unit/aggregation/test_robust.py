@@ -50,6 +50,7 @@ def test_bad_inputs(call: object) -> None:
 
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
+@pytest.mark.slow
 def test_sync_runs_with_robust_rules(rule: str) -> None:
     """FedAvg rounds aggregate with the robust rule, deterministically, and still learn."""
     config = small_config(

@@ -342,6 +342,7 @@ def test_ctrl_c_without_tracking_prints_the_partial_summary_and_no_mlflow(tmp_pa
     assert "MLflow" not in out + err and "mlflow" not in out + err
 
 
+@pytest.mark.slow
 def test_mark_failed_says_whether_a_run_can_be_resumed(
     capsys: pytest.CaptureFixture[str], store: str, tmp_path: Path
 ) -> None:
@@ -368,6 +369,7 @@ def test_mark_failed_says_whether_a_run_can_be_resumed(
     assert {client.get_run(run).info.status for run in (bare, saved)} == {"FAILED"}
 
 
+@pytest.mark.slow
 def test_tracking_ui_prints_the_training_runs_address(
     capsys: pytest.CaptureFixture[str], store: str, tmp_path: Path
 ) -> None:

@@ -671,6 +671,7 @@ def test_random_k_keeps_k_distinct_indices(n: int, ratio: float, seed: int) -> N
     assert torch.equal(encoded.sent[kept], x[kept])
 
 
+@pytest.mark.slow
 def test_random_k_without_error_feedback_is_unbiased() -> None:
     """Without error feedback the kept values are scaled by n/k: the mean over 4000 draws is ``x``."""
     draws, n, k = 4000, 20, 5

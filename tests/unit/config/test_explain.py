@@ -10,6 +10,7 @@ from flasync.config.explain import explain, field_docs
 from flasync.core.errors import ConfigError
 
 
+@pytest.mark.slow
 def test_every_field_is_explained_with_its_description_type_and_default() -> None:
     """Each value field of every section and choice has a description, and explaining its path prints it with its
     type and default (the text of the configuration reference)."""

@@ -65,6 +65,7 @@ def test_frozen_heap_freezes_what_survives_the_first_full_collection_and_gives_i
     assert alive_ref() is None  # and the rest once the block has ended: nothing leaks
 
 
+@pytest.mark.slow
 def test_frozen_heap_at_start_freezes_at_once_and_collects_the_blocks_garbage_at_its_end() -> None:
     """at_start: the heap is frozen when the block starts, without a full collection (young garbage is collected
     first); a full collection inside walks only what the block allocated; the block's end frees its garbage and
@@ -175,6 +176,7 @@ def test_run_loop_returns_the_coroutine_result_inside_frozen_heap() -> None:
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.slow
 def test_a_loop_its_process_ends_with_freezes_the_heap_at_once_and_for_good() -> None:
     """The command line's loop: what exists at the start is frozen before the coroutine runs, without a collection,
     and stays frozen; a loop the process outlives freezes nothing before a full collection."""

@@ -71,6 +71,7 @@ def test_a_journal_keeps_the_opening_the_metrics_and_one_file_per_checkpoint(tmp
     assert kept.path.exists() and not kept.live
 
 
+@pytest.mark.slow
 def test_a_background_opening_journals_what_comes_before_it_and_removes_the_journal_at_the_end(
     tmp_path: Path, tracking_uri: str
 ) -> None:

@@ -95,6 +95,7 @@ def test_logged_events_become_metrics_with_their_steps(tracker: MlflowTracker, c
     tracker.finish("FINISHED")
 
 
+@pytest.mark.slow
 def test_finish_writes_queued_metrics(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
     """Metrics queued before finish are stored, in batches of at most 1000."""
     run_id = tracker.start(experiment="metrics")
@@ -232,6 +233,7 @@ def test_finish_is_idempotent(tracker: MlflowTracker, client: mlflow.MlflowClien
     assert client.get_run(run_id).info.status == "FAILED"
 
 
+@pytest.mark.slow
 def test_finish_refuses_an_unknown_status(tracker: MlflowTracker) -> None:
     """A status other than FINISHED, FAILED or KILLED raises ValueError."""
     tracker.start(experiment="status")
@@ -385,6 +387,7 @@ def test_null_tracker_does_nothing() -> None:
     assert tracker.ui_command() is None
 
 
+@pytest.mark.slow
 def test_runs_look_as_mlflow_users_expect(tracker: MlflowTracker, client: mlflow.MlflowClient) -> None:
     """The experiment is a training experiment (not MLflow's GenAI page), the run carries MLflow's standard source
     and user tags, and a data set is a dataset input with its digest and profile."""
@@ -415,6 +418,7 @@ def test_an_existing_experiment_without_a_kind_gets_one(client: mlflow.MlflowCli
     assert client.get_experiment(genai).tags["mlflow.experimentKind"] == "genai_development"
 
 
+@pytest.mark.slow
 def test_a_model_with_an_input_example_is_saved_without_pickle(
     tracker: MlflowTracker, client: mlflow.MlflowClient, tmp_path: Path
 ) -> None:

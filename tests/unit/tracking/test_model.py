@@ -282,6 +282,7 @@ def test_the_writer_without_a_helper_prepares_and_saves_itself(
     assert torch.equal(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x))
 
 
+@pytest.mark.slow
 def test_a_model_saved_without_the_package_scan_is_the_same_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

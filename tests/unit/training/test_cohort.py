@@ -826,6 +826,7 @@ SERVERS = [
 
 
 @pytest.mark.parametrize("server", SERVERS, ids=["fedavg", "fedbuff"])
+@pytest.mark.slow
 async def test_vectorized_runs_are_deterministic(server: dict[str, object]) -> None:
     """Same seed, same weights bit for bit, with one or two workers; accuracy as with the thread executor."""
     hashes = set()
@@ -1222,6 +1223,7 @@ async def test_cohorts_trained_off_the_cpu_leave_the_split_to_min_split() -> Non
         batcher.shutdown()
 
 
+@pytest.mark.slow
 def test_a_round_trains_on_a_thread_per_core_in_cohorts_side_by_side_with_the_weights_of_one_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

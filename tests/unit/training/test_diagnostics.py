@@ -217,6 +217,7 @@ def _alike_batch(rng: random.Random, task_id: int, size: int) -> list[UpdateUplo
 
 
 @pytest.mark.parametrize("seed", range(8))
+@pytest.mark.slow
 def test_observe_many_of_batches_alike_raises_and_keeps_what_observe_of_each_does(seed: int) -> None:
     """Batches whose diagnoses are alike (all plain, with or without an exploding, NaN or Inf norm, all without a norm,
     all with the same per-layer figures, all non-finite) or all but one alike raise the same alerts from the same

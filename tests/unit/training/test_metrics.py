@@ -29,6 +29,7 @@ def test_the_built_in_names_are_the_ones_the_config_accepts() -> None:
     assert tuple(BUILTIN_METRICS) == BUILTIN_METRIC_NAMES
 
 
+@pytest.mark.slow
 def test_macro_precision_recall_and_f1_match_a_hand_computation() -> None:
     """Macro precision, recall and F1 are the unweighted means over the classes of the per-class figures."""
     targets = torch.tensor([0, 0, 0, 1, 1, 2])

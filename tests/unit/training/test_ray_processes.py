@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from flasync.training.executors import ray_processes
 
@@ -47,6 +48,7 @@ def test_the_children_started_from_the_package_are_named_and_others_are_not(tmp_
             process.wait()
 
 
+@pytest.mark.slow
 def test_reap_waits_for_what_ends_and_kills_what_stays() -> None:
     """A process tree that ignores SIGTERM is killed after the grace, grandchild included; one that ends within
     the grace is waited for and not killed."""

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from flasync.training.local import FlatModel, LocalTraining, evaluate, evaluate_segments, flat_parameters, train
@@ -31,6 +32,7 @@ def test_squared_error_is_per_sample_and_the_task_picks_it() -> None:
     assert task_objective("regression", mine) is mine
 
 
+@pytest.mark.slow
 def test_local_training_lowers_the_mean_squared_error_that_evaluate_reports() -> None:
     """SGD on the squared error lowers the MSE; evaluate's loss is the MSE by hand, its accuracy NaN, and the
     metrics see the predictions."""

@@ -417,9 +417,8 @@ class RayTrainingExecutor:
 
     # ------------------------------------------------------------------------------------------------ actors
     def _start_slots(self, count: int) -> list[_Slot]:
-        """Start ``count`` actors at once and wait until each answers: they load side by side, so a run with many
-        actors starts in about the time of one. If any cannot start, every one of them is killed (unless the cluster is
-        gone)."""
+        """Start ``count`` actors at once and wait until each answers: they load side by side, on as many cores as
+        the cluster gives them. If any cannot start, every one of them is killed (unless the cluster is gone)."""
         ray = _ray()
         # Named (flasync-train-<run>-<n>), so that `ray list actors` and tests can find them.
         actors = [

@@ -112,6 +112,7 @@ async def test_stop_and_resume_gives_the_uninterrupted_weights(
     await _resumes_exactly(config, 5, fields)
 
 
+@pytest.mark.slow
 async def test_a_resumed_run_can_be_interrupted_and_resumed_again() -> None:
     """Stop, resume, stop again, resume again: still the uninterrupted weights."""
     config = small_config("stop.max_versions=14", *FAULTY, TOPK)
@@ -128,6 +129,7 @@ def _held_mean(weights: torch.Tensor, server: Any) -> MeanOfDeltas:
     return MeanOfDeltas(weights, server.buffer_size)
 
 
+@pytest.mark.slow
 async def test_a_user_aggregator_resumes_exactly() -> None:
     """A run with a user rule, stopped and resumed with the rule, ends at the uninterrupted weights; without the
     rule the checkpoint is refused."""
@@ -143,6 +145,7 @@ async def test_a_user_aggregator_resumes_exactly() -> None:
         await flasync.Federation(config, resume=resume).run()
 
 
+@pytest.mark.slow
 def test_periodic_checkpoints_resume_exactly() -> None:
     """Every N versions a checkpoint is written; resuming from the last one reproduces the end of the run."""
     config = small_config("stop.max_versions=14", "checkpoint.every_versions=5", *FAULTY, TOPK)

@@ -58,6 +58,7 @@ def _totals(table: dict[str, Any]) -> dict[str, int]:
     ],
     ids=["flat", "tree-depth2"],
 )
+@pytest.mark.slow
 def test_the_rows_add_up_to_the_runs_counts_and_leave_the_weights_alone(sections: dict[str, Any]) -> None:
     """With every client in the table, its rows sum to the summary's counts (outcomes the edges report too); the
     weights are those of a run without the table."""

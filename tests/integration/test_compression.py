@@ -35,6 +35,7 @@ async def test_upload_bytes_are_the_compressed_payloads() -> None:
     assert tracker.history("client/residual_norm")
 
 
+@pytest.mark.slow
 def test_error_feedback_runs_are_deterministic() -> None:
     """Top-k with error feedback gives the same weights with 1 and 3 threads."""
     one = flasync.run(_config("executor.workers=1"))
@@ -42,6 +43,7 @@ def test_error_feedback_runs_are_deterministic() -> None:
     assert one.weights_sha256 == three.weights_sha256
 
 
+@pytest.mark.slow
 def test_spilling_residuals_does_not_change_results(tmp_path: Any) -> None:
     """Residuals spilled to disk (2 kept in memory) give the same weights as residuals all in memory."""
     in_memory = flasync.run(_config())
@@ -59,6 +61,7 @@ def test_error_feedback_beats_no_feedback() -> None:
     assert with_ef.accuracy > without.accuracy
 
 
+@pytest.mark.slow
 def test_int8_is_about_four_times_smaller() -> None:
     """int8 uploads are about a quarter of dense float32 uploads."""
     dense = flasync.run(_config(upload=[]))
@@ -67,6 +70,7 @@ def test_int8_is_about_four_times_smaller() -> None:
     assert int8.accuracy > 0.5
 
 
+@pytest.mark.slow
 async def test_lossy_download_is_decoded_once_per_version() -> None:
     """An fp16 download halves download bytes; every version is published once."""
     federation = flasync.Federation(small_config(codec={"download": [{"kind": "fp16"}]}))
@@ -77,6 +81,7 @@ async def test_lossy_download_is_decoded_once_per_version() -> None:
     assert recorder.count(ModelPublished) == summary.versions + 1
 
 
+@pytest.mark.slow
 async def test_malformed_payloads_are_rejected_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Truncated, oversized and garbage payloads are dropped with reason 'decode'; the run completes."""
     original = flasync.training.jobs.train_job
@@ -106,6 +111,7 @@ async def test_malformed_payloads_are_rejected_and_the_run_goes_on(monkeypatch: 
     assert {e.reason for e in rejected} == {"decode"}
 
 
+@pytest.mark.slow
 async def test_unexpected_uploads_are_rejected_without_side_effects() -> None:
     """An upload for a task the server never assigned is rejected as 'unexpected' and changes nothing else."""
     federation = flasync.Federation(small_config())

@@ -73,6 +73,7 @@ async def test_full_level_run_reports_layer_statistics() -> None:
     assert all(w["drift"] > 0 for w in diagnostics["weights"])
 
 
+@pytest.mark.slow
 async def test_a_destroying_server_step_alerts_between_evaluations() -> None:
     """A server learning rate of 30 moves the weights by more than half their norm in one version: a step_ratio
     alert, though no evaluation happens before the end; the default learning rate raises none."""

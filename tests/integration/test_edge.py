@@ -39,6 +39,7 @@ async def _run(config: Any, **kwargs: Any) -> tuple[flasync.RunSummary, torch.Te
         {"kind": "fedasync", "concurrency": 8},
     ],
 )
+@pytest.mark.slow
 async def test_edges_that_forward_each_update_unchanged_give_the_flat_result(server: dict[str, Any]) -> None:
     """buffer_size 1 and instant links: every edge relays each upload unchanged, and the weights are bit-identical."""
     flat, _, _ = await _run(small_config(server=server))
@@ -56,6 +57,7 @@ async def test_edges_that_forward_each_update_unchanged_give_the_flat_result(ser
     assert all(e.tier == "edge1" for e in relayed)
 
 
+@pytest.mark.slow
 async def test_nested_raw_relays_are_still_flat() -> None:
     """A depth-2 tree of raw relays is also bit-identical to flat FedBuff."""
     flat, _, _ = await _run(small_config())
@@ -118,6 +120,7 @@ async def test_cloud_ingress_shrinks_by_the_fan_in() -> None:
     assert tree.updates_accepted >= 12 * 16
 
 
+@pytest.mark.slow
 async def test_edge_deadline_forwards_a_partial_buffer() -> None:
     """max_wait_s makes an edge forward fewer than K_e updates."""
     _, _, events = await _run(small_config(topology=_tree(fanout=[4], buffer_size=50, max_wait_s=0.5)))
@@ -144,6 +147,7 @@ async def test_depth_three_tree_end_to_end(server: dict[str, Any]) -> None:
     assert summary.topology == "tree(2x2x2)"
 
 
+@pytest.mark.slow
 async def test_task_outcomes_are_counted_once() -> None:
     """Every dispatched task ends in exactly one TaskClosed or is still open when the run stops."""
     summary, _, events = await _run(small_config(topology=_tree(fanout=[4], buffer_size=3)))
@@ -153,6 +157,7 @@ async def test_task_outcomes_are_counted_once() -> None:
     assert summary.upload_bytes == sum(e.upload_bytes for e in closed)
 
 
+@pytest.mark.slow
 async def test_region_attribute_assignment() -> None:
     """population.regions draws a seeded region per client; assign = attribute gives one edge per region."""
     summary, _, events = await _run(
@@ -165,6 +170,7 @@ async def test_region_attribute_assignment() -> None:
     assert summary.versions == 12
 
 
+@pytest.mark.slow
 async def test_client_attributes_from_the_caller() -> None:
     """Attributes passed to Federation drive the assignment; a wrong length is a one-line error."""
     labels = ["a" if i % 2 else "b" for i in range(20)]

@@ -67,6 +67,7 @@ async def test_crashing_and_hanging_clients_give_exact_predicted_counts() -> Non
     assert tracker.tags["finished.updates_failed"] == str(summary.updates_failed)
 
 
+@pytest.mark.slow
 def test_faulty_runs_are_deterministic() -> None:
     """The same faulty config gives the same weights and the same counts, with one or two training threads."""
     first = flasync.run(small_config(*FAULTY, "faults.dropout=0.1", "executor.workers=1"))

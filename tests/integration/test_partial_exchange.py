@@ -23,6 +23,7 @@ def _model(**fields: Any) -> dict[str, Any]:
     return {"kind": "mlp", "hidden": [32], **fields}
 
 
+@pytest.mark.slow
 async def test_a_filtered_exchange_sends_exactly_the_named_tensors() -> None:
     """Each upload and download carries the head's 330 values (dense float32), nothing of the frozen layer."""
     tracker = MemoryTracker()
@@ -61,6 +62,7 @@ async def test_the_server_keeps_the_frozen_tensors_at_their_initial_values() -> 
     assert summary.accuracy > 0.3  # a linear head on fixed random features still learns digits
 
 
+@pytest.mark.slow
 def test_a_partial_run_is_deterministic() -> None:
     """The same partial config gives the same weights twice and with 1 or 3 worker threads."""
     config = small_config(model=_model(exchange=["*.bias", "layers.2"]))
@@ -70,6 +72,7 @@ def test_a_partial_run_is_deterministic() -> None:
     assert one.weights_sha256 == again.weights_sha256 == three.weights_sha256
 
 
+@pytest.mark.slow
 async def test_top_k_with_error_feedback_works_on_the_exchanged_vector() -> None:
     """Top-k with error feedback compresses the exchanged part only: smaller than its dense uploads, residuals kept."""
     codec = {"upload": [{"kind": "topk", "ratio": 0.1, "error_feedback": True}]}

@@ -47,6 +47,7 @@ async def test_local_layers_never_leave_and_stay_bit_identical_on_the_server() -
     assert not torch.equal(flat[FIRST_LAYER:], initial[FIRST_LAYER:])
 
 
+@pytest.mark.slow
 def test_personal_figures_are_reported_beside_the_global_ones() -> None:
     """Each report carries the client's own model's accuracy and loss (different from the global model's once the
     client trained its local layer); each closed version logs their sample-weighted mean beside the global one."""
@@ -135,6 +136,7 @@ def test_a_resumed_run_keeps_each_clients_local_layers() -> None:
     assert resumed.weights_sha256 == full.weights_sha256
 
 
+@pytest.mark.slow
 def test_local_layers_spill_to_disk_beyond_the_bound() -> None:
     """With room for 2 clients' layers in memory the run spills the others and ends with the same weights."""
     bounded = flasync.run(_config(*_FEDBN, "client.personal.max_in_memory=2"))
@@ -165,6 +167,7 @@ def test_fine_tuning_reports_personal_figures_and_leaves_training_unchanged() ->
 _DITTO = ("client.personal.kind=ditto", "client.personal.lam=0.1")
 
 
+@pytest.mark.slow
 def test_ditto_reports_its_personal_models_and_leaves_the_global_training_unchanged() -> None:
     """Reports carry the personal models' figures (the download's at a client's first task); the global weights are
     those of the same run without Ditto."""

@@ -128,6 +128,7 @@ def test_a_lone_upload_is_decoded_in_its_worker_and_the_run_is_the_run_that_deco
         pytest.param(("codec.upload=[{kind: topk, ratio: 0.1}]",), id="sparse-codec"),
     ],
 )
+@pytest.mark.slow
 def test_uploads_the_cloud_does_not_decode_in_batches_of_one_form_carry_no_rows(
     overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:

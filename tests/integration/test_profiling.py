@@ -122,6 +122,7 @@ async def test_plots_of_a_long_run_stay_readable_and_only_say_something() -> Non
     assert "staleness.svg" not in render_plots(json.loads(rounds.artifacts["profile.json"]))  # one bar: staleness 0
 
 
+@pytest.mark.slow
 async def test_torch_profiler_trace_is_an_artifact() -> None:
     """diagnostics.torch_profiler_tasks=1 logs one Chrome trace of a local training call."""
     tracker = MemoryTracker()
@@ -134,6 +135,7 @@ async def test_torch_profiler_trace_is_an_artifact() -> None:
     assert "traceEvents" in json.loads(tracker.artifacts[traces[0]])
 
 
+@pytest.mark.slow
 async def test_no_instrumentation_switch() -> None:
     """With profile off and level off, nothing subscribes and no profile is written; weights are unchanged."""
     tracker = MemoryTracker()
@@ -145,6 +147,7 @@ async def test_no_instrumentation_switch() -> None:
     assert bare.weights_sha256 == instrumented.weights_sha256
 
 
+@pytest.mark.slow
 async def test_hierarchy_bytes_per_tier() -> None:
     """With edges, the profile counts client uploads at tier client and the edges' forwards at their own tier."""
     config = small_config(topology={"kind": "tree", "fanout": [4], "buffer_size": 2})

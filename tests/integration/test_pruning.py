@@ -74,6 +74,7 @@ def test_a_resumed_run_keeps_the_mask() -> None:
     assert resumed.weights_sha256 == full.weights_sha256
 
 
+@pytest.mark.slow
 async def test_a_run_stopped_before_pruning_and_resumed_prunes_on_schedule() -> None:
     """A run stopped (SIGINT) before the first pruning holds no mask; the resumed run prunes when the schedule says."""
     config = _config(0.2, every=5)

@@ -62,16 +62,19 @@ def _sha(*overrides: str, **kwargs: Any) -> str:
     return flasync.run(small_config(*overrides), **kwargs).weights_sha256
 
 
+@pytest.mark.slow
 def test_same_seed_same_weights() -> None:
     """Two runs with one seed end with bit-identical weights."""
     assert _sha() == _sha()
 
 
+@pytest.mark.slow
 def test_thread_count_does_not_change_weights() -> None:
     """1 and 3 executor threads give the same weights under the virtual clock."""
     assert _sha("executor.workers=1") == _sha("executor.workers=3")
 
 
+@pytest.mark.slow
 def test_other_seed_other_weights() -> None:
     """Another seed gives other weights."""
     assert _sha("seed=0") != _sha("seed=1")
@@ -93,6 +96,7 @@ def test_event_loop_implementation_does_not_change_weights() -> None:
         {"kind": "fedasync", "alpha": 0.5, "concurrency": 6},
     ],
 )
+@pytest.mark.slow
 def test_every_aggregator_is_deterministic(server: dict[str, Any]) -> None:
     """FedAvg, FedBuff and FedAsync each reproduce their weights with 1 and 2 threads."""
     first = flasync.run(small_config("executor.workers=1", server=server))
@@ -176,6 +180,7 @@ async def test_staleness_is_counted_in_versions() -> None:
     assert summary.staleness_max == max(e.staleness for e in received)
 
 
+@pytest.mark.slow
 async def test_max_staleness_drops_and_counts() -> None:
     """Updates older than max_staleness are rejected as stale and counted as dropped."""
     federation = flasync.Federation(
@@ -389,6 +394,7 @@ async def test_logged_bytes_are_payload_lengths() -> None:
     assert tracker.tags["constant/client/upload_bytes"] == str(24 + 4 * params)  # dense: every update's size
 
 
+@pytest.mark.slow
 async def test_per_update_figures_that_never_change_are_tags_not_series() -> None:
     """A per-update figure constant all run long (a dense codec's bytes) is one tag, not a series; one that varies
     (samples of unequal partitions, staleness of FedBuff, the bytes of a top-k codec with int8 values) is a whole
@@ -522,6 +528,7 @@ def test_injected_clock_is_used() -> None:
     assert clock.now() > 1000.0 and clock.fired > 0
 
 
+@pytest.mark.slow
 async def test_standard_metrics_leave_out_the_per_update_details() -> None:
     """tracking.metrics = standard keeps the required per-update figures and the timings' per-version sums; all adds
     the details, every update's timings among them."""
@@ -589,6 +596,7 @@ async def test_a_user_aggregator_decides_when_async_slots_make_a_version() -> No
     ],
     ids=["fedavg", "fedbuff", "fedasync"],
 )
+@pytest.mark.slow
 def test_the_built_in_rule_passed_as_a_user_rule_gives_the_same_weights(server: dict[str, Any]) -> None:
     """make_aggregator passed as the factory reproduces the configured run bit for bit (the seam adds nothing)."""
     config = small_config(server=server)

@@ -38,6 +38,7 @@ def test_the_server_variate_is_the_mean_of_the_client_variates(server: str) -> N
     assert float(controls["value"].abs().sum()) > 0
 
 
+@pytest.mark.slow
 def test_variates_count_on_the_wire_and_the_run_is_deterministic() -> None:
     """Uploads carry the delta and Delta c_i, downloads the model and c: twice the dense bytes; same seed, same sha."""
     config = small_config("scaffold.enabled=true")
@@ -51,6 +52,7 @@ def test_variates_count_on_the_wire_and_the_run_is_deterministic() -> None:
     )
 
 
+@pytest.mark.slow
 def test_variates_go_through_a_lossy_codec_and_training_still_improves() -> None:
     """With top-k uploads and int8 downloads the variates are compressed too, and the run still learns."""
     config = small_config(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 import flasync
 from flasync.core.events import Evaluated
 from flasync.testing import EventRecorder, small_config
@@ -12,6 +14,7 @@ from flasync.testing import EventRecorder, small_config
 _EVERY_VERSION = "eval.every_versions=1"
 
 
+@pytest.mark.slow
 def test_the_best_version_is_kept_where_the_accuracy_is_not_monotone() -> None:
     """The best weights are those of the version with the highest accuracy: a run stopped there ends with them."""
     federation = flasync.Federation(small_config(_EVERY_VERSION, "eval.select=server/eval/accuracy:max"))
@@ -27,6 +30,7 @@ def test_the_best_version_is_kept_where_the_accuracy_is_not_monotone() -> None:
     assert federation.best is not None and federation.best.version == best
 
 
+@pytest.mark.slow
 def test_selecting_changes_neither_the_training_nor_the_final_weights() -> None:
     """A run with a selection ends with the same weights as the same run without one."""
     selected = flasync.run(small_config(_EVERY_VERSION, "eval.select=server/eval/loss:min"))

@@ -128,6 +128,7 @@ async def test_an_update_whose_norm_overflows_cannot_break_the_default_run() -> 
     assert sha == dropout_sha  # as if the client had left: nothing of it reached the model
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_update_is_refused_says_so_a_few_times_then_fails(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

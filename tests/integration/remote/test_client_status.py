@@ -42,6 +42,7 @@ WAITING = (
 )
 
 
+@pytest.mark.slow
 async def test_a_client_says_when_it_waits_connects_and_gets_through_again(
     tmp_path: Path, tokens: dict[int, str]
 ) -> None:

@@ -102,6 +102,7 @@ async def _refusals(http: httpx.AsyncClient, tokens: dict[int, str], federation:
     return [_answer(await http.request(method, path, **kwargs)) for method, path, kwargs in requests]
 
 
+@pytest.mark.slow
 async def test_refusals_are_the_same_through_either_door(tmp_path: Path, tokens: dict[int, str]) -> None:
     """Each refusal of a hot endpoint (no or a wrong token, a malformed query, header or id, a task that is not the
     client's, a malformed report, an oversized body) has the status, headers and body Starlette's router answers,
@@ -166,6 +167,7 @@ async def test_each_hot_endpoint_answers_through_either_door(tmp_path: Path, tok
         assert apps[0].middleware_stack is not None  # /v1/status goes through Starlette
 
 
+@pytest.mark.slow
 async def test_an_address_that_spent_its_budget_gets_429_at_the_front_door(
     tmp_path: Path, tokens: dict[int, str]
 ) -> None:
@@ -290,6 +292,7 @@ async def test_a_mounted_application_is_answered_at_its_front_door(tmp_path: Pat
         assert (await http.get(url + "/v1/task", headers=headers)).status_code == 404  # not below the prefix
 
 
+@pytest.mark.slow
 async def test_a_timed_out_task_is_not_handed_again(tmp_path: Path, tokens: dict[int, str]) -> None:
     """A task handed to a device that never answers is timed out by the registry; the device asking again is not
     offered that task (its mailbox finds it is no longer in flight), and its upload for it is refused."""

@@ -255,6 +255,7 @@ def test_flasync_serve_killed_then_resumed_with_client_processes(tmp_path: Path,
     "server", [{"kind": "fedbuff", "buffer_size": 3, "concurrency": 5}, {"kind": "fedavg", "clients_per_round": 3}]
 )
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 async def test_a_served_run_with_no_device_online_stops_at_the_first_request(
     tmp_path: Path, tokens: dict[int, str], server: dict[str, object]
 ) -> None:

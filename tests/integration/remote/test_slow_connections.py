@@ -24,6 +24,7 @@ async def _status(request: Request) -> JSONResponse:
 
 
 @pytest.mark.parametrize("protocol", [serve._FastHeaderDeadline, serve._HeaderDeadline], ids=["httptools", "h11"])
+@pytest.mark.slow
 async def test_slow_header_connections_are_closed_and_others_served(
     monkeypatch: pytest.MonkeyPatch, protocol: type[asyncio.Protocol]
 ) -> None:

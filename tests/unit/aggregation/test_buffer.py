@@ -211,6 +211,7 @@ def test_reset_buffer_matches_fresh_buffer(updates: tuple[list[Tensor], list[int
     assert torch.equal(reused.pseudo_gradient(), fresh.pseudo_gradient())
 
 
+@pytest.mark.slow
 def test_add_sum_of_a_partial_equals_adding_its_updates() -> None:
     """An edge's partial (sum of e*s*delta, sum of e) folds to the same pseudo-gradient as its updates one by one."""
     gen = torch.Generator().manual_seed(3)

@@ -153,6 +153,7 @@ def test_built_in_optimizers_do_not_import_dynamo() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_torch_server_optimizer_steps_a_torch_optimizer() -> None:
     """TorchServerOptimizer steps any torch optimizer over the weights and clears the gradient after."""
     weights = torch.tensor([1.0, 2.0])
@@ -364,6 +365,7 @@ def test_adaptive_optimizers_checkpoint_and_refuse_bad_settings() -> None:
 
 @pytest.mark.parametrize("kind", ["adagrad", "yogi"])
 @pytest.mark.parametrize("server", ["fedavg", "fedbuff"])
+@pytest.mark.slow
 def test_fedadagrad_and_fedyogi_run_under_fedavg_and_fedbuff(kind: str, server: str) -> None:
     """The config picks them for either server; the run is deterministic and learns."""
     import flasync

@@ -29,6 +29,7 @@ def unfrozen() -> Iterator[None]:
         gc.set_threshold(*thresholds)
 
 
+@pytest.mark.slow
 async def test_the_heap_is_frozen_once_the_first_model_is_published(unfrozen: None) -> None:
     """Nothing is frozen while the run starts; the first ModelPublished freezes what is alive, an object of the run's
     included, and sets the full collections' threshold."""

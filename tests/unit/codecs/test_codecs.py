@@ -584,6 +584,7 @@ def test_int8_deterministic_rounds_half_to_even() -> None:
     assert decoded.tolist() == [127.0, 0.0, 2.0, 2.0, 0.0]
 
 
+@pytest.mark.slow
 def test_int8_stochastic_rounding_is_unbiased() -> None:
     """The mean of stochastic int8 decodes over 4000 generators is within 5 standard errors of ``x``."""
     draws = 4000
@@ -684,6 +685,7 @@ def test_random_k_without_error_feedback_is_unbiased() -> None:
     assert ((total / draws - x.double()).abs() <= 5 * standard_error + 1e-9).all()
 
 
+@pytest.mark.slow
 def test_random_k_small_ratio_draws_indices_uniformly() -> None:
     """With k much smaller than n every region of indices is kept about equally often."""
     n, k, draws, bins = 1000, 10, 2000, 10

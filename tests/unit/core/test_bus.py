@@ -520,6 +520,7 @@ def test_conservation_law_without_waiting(
         max_size=50,
     ),
 )
+@pytest.mark.slow
 def test_conservation_law_with_waiting_and_cancelled_publishers(
     specs: list[tuple[int, OverflowPolicy, tuple[type[Any], ...]]], operations: list[tuple[str, int]]
 ) -> None:

@@ -147,6 +147,7 @@ def _collect_then_fail() -> None:
         raise RuntimeError("boom")
 
 
+@pytest.mark.slow
 def test_frozen_heap_gives_the_heap_back_when_the_block_raises() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         _collect_then_fail()
@@ -166,6 +167,7 @@ def test_a_full_collection_on_another_thread_that_ends_after_the_block_freezes_n
     assert late not in gc.callbacks
 
 
+@pytest.mark.slow
 def test_run_loop_returns_the_coroutine_result_inside_frozen_heap() -> None:
     async def count() -> int:
         await asyncio.sleep(0)
@@ -236,6 +238,7 @@ def test_flasync_run_freezes_at_its_start_without_a_full_collection() -> None:
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.slow
 def test_runs_one_after_another_without_collections_between_them_keep_a_flat_heap() -> None:
     """A sweep of runs with nothing collecting between them: each run's garbage is freed at its end, none is frozen
     by the next one."""
@@ -246,6 +249,7 @@ def test_runs_one_after_another_without_collections_between_them_keep_a_flat_hea
     assert counts[-1] - counts[1] < 100, counts
 
 
+@pytest.mark.slow
 def test_runs_one_after_another_in_one_process_keep_no_earlier_run_alive() -> None:
     """Every run's garbage is collectable after it: the live objects stay flat over runs, collections or not."""
 

@@ -121,6 +121,7 @@ def test_stream_seed_uses_the_top_bit_range() -> None:
 # ------------------------------------------------------------------------------------------ stream_normal
 @PROPERTY
 @given(seed=_SEEDS, key=_KEYS)
+@pytest.mark.slow
 def test_stream_normal_is_deterministic_and_finite(seed: int, key: tuple[int, ...]) -> None:
     """``stream_normal`` is a pure function of seed and key, and always finite."""
     value = stream_normal(seed, *key)

@@ -553,6 +553,7 @@ def test_print_config_leaves_the_population_to_the_data(capsys: pytest.CaptureFi
     assert printed == load_config(None, [a for a in argv if a not in ("--set", "--no-system-metrics")])
 
 
+@pytest.mark.slow
 def test_example_script_writes_the_same_samples_in_every_format(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

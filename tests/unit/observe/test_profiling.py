@@ -491,6 +491,7 @@ def _random_stream(rng: random.Random, n: int) -> list[list[Any]]:
 
 
 @pytest.mark.parametrize(("seed", "mode", "in_flight"), [(0, "sync", 65_536), (1, "async", 65_536), (2, "sync", 64)])
+@pytest.mark.slow
 def test_random_batches_leave_the_records_of_their_events_one_by_one(
     seed: int, mode: str, in_flight: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -489,6 +489,7 @@ def test_a_decoder_declines_what_the_intake_would_decode_upload_by_upload() -> N
     assert rows is not None and len(rows) == 2
 
 
+@pytest.mark.slow
 def test_a_decoders_rows_alive_together_stay_within_its_bound() -> None:
     """The bound holds for every batch's rows together: a batch is made only while the rows still waiting and its own
     fit, and a batch's bytes come back once the last of its entries is dropped (taken by an intake, or dropped with

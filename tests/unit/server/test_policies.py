@@ -177,6 +177,7 @@ async def test_async_slots_filling_free_slots_together_publishes_what_single_dra
         ("population.sampling=lru", "resilience.clip_update_norm=0.5", "resilience.max_update_norm=2.0"),
     ],
 )
+@pytest.mark.slow
 async def test_async_slots_refilling_between_the_uploads_of_a_batch_keeps_every_task_and_weight(
     overrides: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,6 +224,7 @@ async def test_async_slots_refilling_between_the_uploads_of_a_batch_keeps_every_
 
 
 @pytest.mark.parametrize("speed", ["constant", "lognormal"])
+@pytest.mark.slow
 async def test_a_refill_of_one_slot_drawn_the_quick_way_is_the_general_draw(
     speed: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

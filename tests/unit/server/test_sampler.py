@@ -137,6 +137,7 @@ def _one_at_a_time(sampler: ClientSampler, busy: dict[int, int], k: int, now: fl
 @pytest.mark.parametrize("kind", ["uniform", "weighted", "lru", "available", "windows", "few online"])
 @settings(max_examples=60, deadline=None)
 @given(num_clients=st.integers(1, 200), seed=st.integers(0, 2**32 - 1), fills=st.integers(1, 4))
+@pytest.mark.slow
 def test_sample_idle_many_draws_what_successive_single_draws_would(
     kind: str, num_clients: int, seed: int, fills: int
 ) -> None:

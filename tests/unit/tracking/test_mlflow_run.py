@@ -107,6 +107,7 @@ def test_finish_writes_queued_metrics(tracker: MlflowTracker, client: mlflow.Mlf
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["sqlite-query", "metric-histories"])
+@pytest.mark.slow
 def test_a_resumed_run_writes_each_step_once_including_steps_below_the_latest(
     tracker: MlflowTracker,
     client: mlflow.MlflowClient,
@@ -274,6 +275,7 @@ def test_artifacts_default_to_a_folder_next_to_the_database(tracker: MlflowTrack
     assert (store_dir / "artifacts" / "fresh_one" / run_id / "artifacts" / "x.txt").read_bytes() == b"x"
 
 
+@pytest.mark.slow
 def test_new_experiment_keeps_artifacts_under_artifact_root(
     tracking_uri: str, client: mlflow.MlflowClient, tmp_path: Path
 ) -> None:
@@ -406,6 +408,7 @@ def test_runs_look_as_mlflow_users_expect(tracker: MlflowTracker, client: mlflow
     assert [(tag.key, tag.value) for tag in entry.tags] == [("mlflow.data.context", "training")]
 
 
+@pytest.mark.slow
 def test_an_existing_experiment_without_a_kind_gets_one(client: mlflow.MlflowClient, tracking_uri: str) -> None:
     """An experiment made elsewhere without a kind is tagged; one that names its kind keeps it."""
     bare = client.create_experiment("made-elsewhere")

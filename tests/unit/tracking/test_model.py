@@ -89,6 +89,7 @@ def _saved(folder: Path) -> Model:
     return Model.load(str(folder / "MLmodel"))
 
 
+@pytest.mark.slow
 def test_a_prepared_export_saves_what_a_full_save_does(tmp_path: Path) -> None:
     """A model saved from the export prepared for its structure is the full save's folder: the same files, the same
     archive bytes, the same MLmodel but for its time; it loads to the final weights."""
@@ -178,6 +179,7 @@ def test_buffers_are_swapped_in_too(tmp_path: Path, norm_builder: str, train: bo
     [{"hidden": 7}, {"activation": "tanh"}, {"factor": -1.0}],
     ids=["other shapes", "other classes", "same classes and weights, other computation"],
 )
+@pytest.mark.slow
 def test_a_model_of_another_structure_is_refused(tmp_path: Path, norm_builder: str, kwargs: dict[str, Any]) -> None:
     """A model whose parameters or outputs differ from the export's is not saved from it (nothing is written), and
     save_for then exports it in full."""

@@ -227,6 +227,7 @@ def test_a_server_that_answers_anything_answers(answering_server: str) -> None:
     check_answers(f"http://user:secret@{answering_server}/prefix/", 2.0)
 
 
+@pytest.mark.slow
 def test_a_silent_or_closed_server_does_not_answer() -> None:
     """A server that accepts and never answers, or a port where nothing listens, is a one-line ConnectionError
     naming the store without its credentials; other stores pass."""

@@ -206,6 +206,7 @@ def test_close_is_idempotent_and_later_submits_are_dropped() -> None:
     assert backend.values == [float(i) for i in range(5)]
 
 
+@pytest.mark.slow
 def test_backlog_is_bounded() -> None:
     """While the backend fails, the oldest metrics beyond max_backlog are dropped."""
     writer = MetricWriter(Backend(failures=10**9), max_backlog=100)
@@ -217,6 +218,7 @@ def test_backlog_is_bounded() -> None:
     assert writer.close(timeout=0) == 100
 
 
+@pytest.mark.slow
 def test_a_backlog_overflow_and_what_close_leaves_unsent_are_spilled_not_dropped() -> None:
     """With somewhere to spill, the backlog's overflow and the rows still unsent when close gives up go there, in
     order, counted as spilled: every row is sent or spilled, none dropped."""
@@ -238,6 +240,7 @@ def test_a_backlog_overflow_and_what_close_leaves_unsent_are_spilled_not_dropped
     assert [m.value for m in spilled] == [float(i) for i in range(250)]
 
 
+@pytest.mark.slow
 def test_rows_a_spill_refuses_are_dropped_and_counted() -> None:
     """A spill that cannot keep rows (or raises) leaves them dropped and counted, the thread alive."""
     calls: list[int] = []

@@ -840,6 +840,7 @@ async def test_vectorized_runs_are_deterministic(server: dict[str, object]) -> N
     assert summary.updates_accepted == threads.updates_accepted
 
 
+@pytest.mark.slow
 async def test_vectorized_fedbuff_trains_clients_of_several_versions_together(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -863,6 +864,7 @@ async def test_vectorized_fedbuff_trains_clients_of_several_versions_together(
     assert torch.allclose(vectorized.weights, threads.weights, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 async def test_vectorized_run_with_an_unbatchable_model_falls_back() -> None:
     """A model with BatchNorm trains one client at a time under the vectorized executor, and finishes."""
     config = small_config("executor.kind=vectorized", "data.kind=synthetic", "data.num_features=64")
@@ -943,6 +945,7 @@ async def test_cuda_runs(precision: str, kind: str) -> None:
     assert summary.accuracy > 0.5
 
 
+@pytest.mark.slow
 async def test_lazy_synthetic_clients_scale_to_a_large_population() -> None:
     """200,000 clients whose data is drawn when sampled: a vectorized run is deterministic and equals threads."""
     config = small_config(

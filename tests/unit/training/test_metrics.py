@@ -43,6 +43,7 @@ def test_macro_precision_recall_and_f1_match_a_hand_computation() -> None:
     assert got == pytest.approx({"precision": sum(precision) / 3, "recall": sum(recall) / 3, "f1": sum(f1) / 3})
 
 
+@pytest.mark.slow
 def test_auc_ranks_the_probability_of_class_one() -> None:
     """AUC is the share of (positive, negative) pairs the probability of class 1 orders rightly."""
     targets = torch.tensor([0, 0, 1, 1])

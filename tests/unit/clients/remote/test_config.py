@@ -90,6 +90,7 @@ def test_client_refuses_a_missing_token_file(tmp_path: Path, capsys: pytest.Capt
     assert "--token-file" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_client_gives_up_on_an_unreachable_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A server that never answers ends the client with a one-line error after --give-up-s."""
     token = tmp_path / "token"

@@ -188,6 +188,7 @@ def test_least_recently_used_draws_follow_the_lru_order_with_any_clients_exclude
 
 
 @pytest.mark.parametrize(("num_clients", "concurrency"), [(40, 40), (60, 25), (300, 120)])
+@pytest.mark.slow
 def test_following_the_tasks_in_flight_draws_what_walking_past_them_draws(num_clients: int, concurrency: int) -> None:
     """A population following the tasks in flight (as the registry keeps them: dispatch marks used, release marks
     idle) draws, with them excluded, the clients one that walks past them draws: over thousands of tasks released

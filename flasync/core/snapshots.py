@@ -17,7 +17,9 @@ class ModelSnapshot:
 
     ``weights`` is what clients receive (the decoded download, equal to ``exact`` for a lossless download codec);
     ``exact`` is the server's own copy. ``extra`` is what an algorithm's plug-in sends with the model, as clients
-    receive it (None: nothing); ``download_bytes`` counts it too.
+    receive it (None: nothing); ``download_bytes`` counts it too. ``norm`` is ``||exact||_2`` as the server measured
+    it when it made the version (None: not measured); readers of the weights' figures take it instead of measuring
+    again.
     """
 
     version: Version
@@ -25,3 +27,4 @@ class ModelSnapshot:
     exact: torch.Tensor
     download_bytes: int
     extra: torch.Tensor | None = None
+    norm: float | None = None

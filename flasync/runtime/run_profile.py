@@ -59,7 +59,7 @@ def instrumentation(
         monitor=AlertMonitor(
             dcfg,
             layer_names=layout.names if layout is not None else (),
-            weights=lambda: (int(server.version), server.weights),
+            model=lambda: server.registry.current,
             initial=server.weights.clone() if dcfg.level != "off" else None,
             step_cause=(
                 "the privacy noise: a smaller privacy.noise_multiplier or more clients per version?"

@@ -35,16 +35,18 @@ Evaluator = Callable[[torch.Tensor], Awaitable[EvalResult | None]]
 """Evaluate flat weights off the event loop (None: there is nothing to evaluate on)."""
 
 
-def _all_finite(weights: torch.Tensor) -> bool:
-    """Tell whether every element of ``weights`` is finite: ``torch.isfinite(weights).all()``, mostly in one reduction.
+def _checked_norm(weights: torch.Tensor) -> float | None:
+    """Return ``||weights||_2``, or None when an element of ``weights`` is NaN or infinite: the finite check of
+    ``torch.isfinite(weights).all()``, mostly in one reduction, whose norm the version's snapshot keeps.
 
     A NaN or infinite element makes the L2 norm NaN or infinite, so a finite norm proves every element finite (one
     reduction instead of the element-wise test's five passes); only a norm that is not finite, which finite elements
-    give when their squares overflow, is settled by the element-wise test.
+    give when their squares overflow, is settled by the element-wise test (their norm is then infinite).
     """
     if weights.requires_grad:
         weights = weights.detach()
-    return math.isfinite(float(torch.linalg.vector_norm(weights))) or bool(torch.isfinite(weights).all())
+    norm = float(torch.linalg.vector_norm(weights))
+    return norm if math.isfinite(norm) or bool(torch.isfinite(weights).all()) else None
 
 
 class VersionMaker:
@@ -131,7 +133,8 @@ class VersionMaker:
         for plugin in self.plugins:
             plugin.stepped(int(self.version))
         aggregate_s = self.wall() - start
-        if not _all_finite(self.weights):
+        norm = _checked_norm(self.weights)
+        if norm is None:
             # Nothing a later version does can repair it, and every client would train from it.
             raise TrainingError(
                 f"the global model has NaN or Inf after the server step to version {int(self.version) + 1}: "
@@ -140,7 +143,8 @@ class VersionMaker:
         stats.cloud_aggregate_s += aggregate_s
         self.version = version = Version(self.version + 1)
         stats.versions = int(version)
-        await self.publish()
+        # The snapshot's clone has the weights' values; in the same layout (contiguous), the same norm, bit for bit.
+        await self.publish(norm=norm if self.weights.is_contiguous() else None)
         figures = self.accounting.close_version(int(version))
         wall_s = self.elapsed_s()
         if logs_debug(self.log):  # a filtered debug call would still build its fields
@@ -170,8 +174,9 @@ class VersionMaker:
             )
         )
 
-    async def publish(self) -> None:
-        """Encode the current weights once (with what each plug-in sends beside them) and publish the snapshot.
+    async def publish(self, *, norm: float | None = None) -> None:
+        """Encode the current weights once (with what each plug-in sends beside them) and publish the snapshot,
+        which keeps ``norm`` (``||weights||_2`` when the caller measured it).
 
         The lossless download's size is known without encoding it (its payload would only be measured), and a
         download stream is drawn only for a codec that draws random numbers.
@@ -195,7 +200,9 @@ class VersionMaker:
             size += sent.nbytes
             if sent.value is not None:
                 extra = sent.value
-        snapshot = ModelSnapshot(version=self.version, weights=weights, exact=exact, download_bytes=size, extra=extra)
+        snapshot = ModelSnapshot(
+            version=self.version, weights=weights, exact=exact, download_bytes=size, extra=extra, norm=norm
+        )
         self.registry.publish(snapshot)
         self.policy.published(snapshot)
         await self.bus.publish(

@@ -23,7 +23,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from flasync.core.events import (
 )
 from flasync.core.quantiles import StreamSummary, Thinned
 from flasync.training.local import FlatModel, LocalResult, LocalTraining, flat_layout, train
+
+if TYPE_CHECKING:
+    from flasync.core.snapshots import ModelSnapshot
 
 __all__ = [
     "Alert",
@@ -336,9 +339,11 @@ class AlertMonitor:
     Args:
         config: The diagnostics settings.
         layer_names: Names of the model's trainable tensors (for per-layer statistics).
-        weights: Returns the server's current ``(version, weights)``; read on each new version at ``basic``+
+        model: Returns the server's latest published model (None: none yet); read on each new version at ``basic``+
             (events are read in batches a little after they are published, so the server may have moved on: the
-            version recorded is the one the weights belong to, and versions between batches are skipped).
+            version recorded is the one the weights belong to, and versions between batches are skipped). Its
+            ``exact`` weights are never changed after it is published, so the monitor keeps them, not a copy, as the
+            next step's base, and takes its ``norm`` where the server measured it.
         initial: The initial weights (for drift).
         rng: Chooses which update norms the quantiles keep once there are too many (seeded by default).
         step_cause: What a too-large server step most likely comes from, named in its alert (the server's learning
@@ -356,7 +361,7 @@ class AlertMonitor:
         config: DiagnosticsConfig,
         *,
         layer_names: tuple[str, ...] = (),
-        weights: Callable[[], tuple[int, torch.Tensor]] | None = None,
+        model: Callable[[], ModelSnapshot | None] | None = None,
         initial: torch.Tensor | None = None,
         rng: random.Random | None = None,
         step_cause: str = "server.optimizer.lr?",
@@ -365,7 +370,7 @@ class AlertMonitor:
         self.config = config
         self.step_cause = step_cause
         self.layer_names = layer_names
-        self._weights = weights
+        self._model = model
         self._initial = initial
         self._recent: deque[float] = deque(maxlen=50)
         self._losses: deque[float] = deque(maxlen=config.divergence_window + 1)
@@ -373,7 +378,7 @@ class AlertMonitor:
         self._weights_version: int | None = None
         self._diverging = False
         self._previous: torch.Tensor | None = None
-        self._previous_norm: float | None = None  # ||_previous|| when known (it was the norm of its version)
+        self._previous_norm = math.nan  # ||_previous||
         self.counts: Counter[str] = Counter()
         self.series = _Series(StreamSummary(_NORMS_KEPT, rng if rng is not None else random.Random(0)))
 
@@ -427,8 +432,9 @@ class AlertMonitor:
                     )
                 ]
             return []
-        if isinstance(event, Aggregated) and self._weights is not None and cfg.level != "off":
-            return self._observe_weights(*self._weights())
+        if isinstance(event, Aggregated) and self._model is not None and cfg.level != "off":
+            snapshot = self._model()
+            return [] if snapshot is None else self._observe_weights(snapshot)
         return []
 
     def observe_many(self, events: Sequence[object], version: int) -> list[tuple[int, Alert]]:
@@ -495,15 +501,17 @@ class AlertMonitor:
         )
         return True
 
-    def _observe_weights(self, now: int, weights: torch.Tensor) -> list[Alert]:
-        """Keep the norm and drift of the server's weights of version ``now``; alert on NaN/Inf or a too-large step."""
+    def _observe_weights(self, snapshot: ModelSnapshot) -> list[Alert]:
+        """Keep the norm and drift of the server's weights of ``snapshot``; alert on NaN/Inf or a too-large step."""
+        now = int(snapshot.version)
         if self._weights_version == now:
             return []  # several versions were read in one batch: the weights are those of the latest
         self._weights_version = now
+        weights = snapshot.exact
         if weights.requires_grad:
             weights = weights.detach()
+        norm = snapshot.norm if snapshot.norm is not None else float(torch.linalg.vector_norm(weights))
         # torch.dist(a, b) is torch.linalg.vector_norm(a - b), bit for bit, without the difference's tensor.
-        norm = float(torch.linalg.vector_norm(weights))
         drift = float(torch.dist(weights, self._initial)) if self._initial is not None else math.nan
         self.series.weights.add((now, norm, drift))
         if not math.isfinite(norm):
@@ -518,19 +526,14 @@ class AlertMonitor:
 
         Args:
             version: The version of ``weights``.
-            weights: The server's weights (not in an autograd graph).
-            norm: ``||weights||``, kept as the next step's base: the norm of the copy kept is that very value.
+            weights: The server's weights (not in an autograd graph; never changed later: kept as the next base).
+            norm: ``||weights||``, kept as the next step's base.
         """
         previous, base = self._previous, self._previous_norm
+        self._previous, self._previous_norm = weights, norm
         if previous is None or previous.shape != weights.shape or previous.dtype != weights.dtype:  # start afresh
-            self._previous = weights.clone()
-            self._previous_norm = norm if weights.is_contiguous() else None
             return []
-        if base is None:
-            base = float(torch.linalg.vector_norm(previous))
         ratio = float(torch.dist(weights, previous)) / max(base, 1e-12)
-        previous.copy_(weights)  # the copy kept, refreshed in place
-        self._previous_norm = norm if weights.is_contiguous() else None
         limit = self.config.step_ratio_max
         if not ratio > limit:
             return []

@@ -100,10 +100,15 @@ def test_alert_monitor_memory_does_not_grow_with_updates_or_versions() -> None:
     import tracemalloc
 
     from flasync.core.events import Aggregated, ClientId, Evaluated, UpdateUploaded, Version
+    from flasync.core.snapshots import ModelSnapshot
     from flasync.training.diagnostics import AlertMonitor
 
     weights = torch.ones(4)
-    monitor = AlertMonitor(CONFIG, weights=lambda: (version, weights), initial=torch.zeros(4))
+    monitor = AlertMonitor(
+        CONFIG,
+        model=lambda: ModelSnapshot(version=Version(version), weights=weights, exact=weights, download_bytes=0),
+        initial=torch.zeros(4),
+    )
 
     def feed(first: int, count: int) -> None:
         nonlocal version

@@ -12,7 +12,7 @@ from flasync import codecs
 from flasync.core.errors import TrainingError
 from flasync.core.events import Aggregated, Evaluated, ModelPublished
 from flasync.server import StopRules
-from flasync.server.versions import Evaluator, VersionMaker, _all_finite
+from flasync.server.versions import Evaluator, VersionMaker, _checked_norm
 from flasync.testing import EventRecorder, NullLog, ServerHarness
 from flasync.training.local import EvalResult
 
@@ -79,6 +79,22 @@ async def test_a_step_makes_publishes_and_reports_the_next_version() -> None:
     assert torch.equal(harness.weights, torch.full((4,), -2.0))  # SGD, lr 1, on the mean delta
     assert [e.version for e in events.of(ModelPublished)] == [0, 1]
     assert [e.version for e in events.of(Aggregated)] == [1]
+
+
+async def test_a_steps_snapshot_keeps_the_norm_its_finite_check_measured() -> None:
+    """The version a step makes carries ||weights||, that of its own copy bit for bit, for the alert monitor to take;
+    a model published without a step (the first, a resumed one) carries none."""
+    harness = ServerHarness()
+    maker = _maker(harness)
+    await maker.publish()
+    assert harness.registry.current is not None and harness.registry.current.norm is None
+    _fold(harness, 0.1)
+    _fold(harness, 0.7)
+    await maker.step()
+    current = harness.registry.current
+    assert current is not None and current.version == 1 and current.norm is not None
+    assert repr(current.norm) == repr(float(torch.linalg.vector_norm(current.exact)))
+    assert current.norm == pytest.approx(0.8)
 
 
 async def test_each_version_draws_its_download_stream_by_its_number() -> None:
@@ -187,8 +203,9 @@ async def test_nothing_to_evaluate_on_leaves_the_stats() -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_finiteness_check_is_the_element_wise_test(seed: int) -> None:
-    """_all_finite says what torch.isfinite(w).all() says, for tiny, plain and overflowing magnitudes with NaN, Inf
-    and -Inf anywhere (sizes around the vector width), and for a tensor that requires grad."""
+    """_checked_norm gives a norm exactly when torch.isfinite(w).all(), for tiny, plain and overflowing magnitudes with
+    NaN, Inf and -Inf anywhere (sizes around the vector width), and for a tensor that requires grad; the norm is
+    torch.linalg.vector_norm's, bit for bit (infinite where the squares of finite elements overflow)."""
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(30):
@@ -198,7 +215,10 @@ def test_the_finiteness_check_is_the_element_wise_test(seed: int) -> None:
             weights[rng.randrange(size)] = rng.choice([math.nan, math.inf, -math.inf])
         if rng.random() < 0.2:
             weights.requires_grad_()
-        assert _all_finite(weights) == bool(torch.isfinite(weights).all())
+        norm = _checked_norm(weights)
+        assert (norm is not None) == bool(torch.isfinite(weights).all())
+        if norm is not None:
+            assert repr(norm) == repr(float(torch.linalg.vector_norm(weights.detach())))
 
 
 class _QuietLog(NullLog):

@@ -12,6 +12,7 @@ from torch import nn
 import flasync
 from flasync.config import DiagnosticsConfig
 from flasync.core.events import Aggregated, ClientFailed, ClientId, TaskDiagnosis, UpdateUploaded, Version
+from flasync.core.snapshots import ModelSnapshot
 from flasync.training.diagnostics import (
     AlertMonitor,
     DivergedTraining,
@@ -261,12 +262,12 @@ def test_observe_many_of_other_events_is_observe_of_each() -> None:
 
 
 class _OldWeightsMonitor:
-    """The weights' figures and step alerts as the monitor first computed them (norms of fresh differences, the
-    step's base the norm of a fresh copy), to compare the monitor with."""
+    """The weights' figures and step alerts as norms of fresh differences (the step's base the norm the previous
+    version recorded), to compare the monitor with."""
 
     def __init__(self, initial: torch.Tensor, limit: float) -> None:
         self.initial, self.limit = initial, limit
-        self.previous: torch.Tensor | None = None
+        self.previous: tuple[torch.Tensor, float] | None = None
         self.series: list[tuple[int, float, float]] = []
 
     def observe(self, version: int, weights: torch.Tensor) -> list[tuple[str, float]]:
@@ -276,12 +277,11 @@ class _OldWeightsMonitor:
         self.series.append((version, norm, drift))
         if not math.isfinite(norm):
             return [("nan", norm)]
-        previous, self.previous = self.previous, weights.detach().clone()
+        previous, self.previous = self.previous, (weights.detach().clone(), norm)
         if previous is None:
             return []
         with torch.no_grad():
-            base = float(torch.linalg.vector_norm(previous))
-            ratio = float(torch.linalg.vector_norm(weights - previous)) / max(base, 1e-12)
+            ratio = float(torch.linalg.vector_norm(weights - previous[0])) / max(previous[1], 1e-12)
         return [("step_ratio", ratio)] if ratio > self.limit else []
 
 
@@ -291,36 +291,49 @@ def _aggregated(version: int) -> Aggregated:
     )
 
 
+def _snapshot(version: int, weights: torch.Tensor, norm: float | None = None) -> ModelSnapshot:
+    return ModelSnapshot(version=Version(version), weights=weights, exact=weights, download_bytes=0, norm=norm)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("layout", ["plain", "offset", "strided", "requires_grad"])
-def test_weights_figures_and_step_alerts_are_those_of_fresh_norms(seed: int, layout: str) -> None:
-    """Random walks of the weights (small and huge steps, a NaN version, sizes around the vector width; weights in
-    a storage at an offset, strided, or requiring grad) keep the same norms and drifts, bit for bit, and raise the
-    same alerts with the same values as norms of fresh differences and copies."""
+@pytest.mark.parametrize("measured", [False, True])
+def test_weights_figures_and_step_alerts_are_those_of_fresh_norms(seed: int, layout: str, measured: bool) -> None:
+    """Random walks of the weights (small and huge steps, a NaN version, sizes around the vector width; each
+    version's weights in a storage of their own, at an offset, strided, or requiring grad; their norm measured by the
+    server or not) keep the same norms and drifts, bit for bit, and raise the same alerts with the same values as
+    norms of fresh differences and copies, though the monitor keeps each version's own weights, not a copy."""
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     size = rng.choice([1, 7, 8, 9, 63, 64, 65, 1000, 2762, 70_001])
-    storage = torch.randn(3 * size + 5, generator=generator)
-    weights = {
-        "plain": storage[:size],
-        "offset": storage[3 : 3 + size],
-        "strided": storage[1 : 1 + 3 * size : 3],
-        "requires_grad": storage[:size].clone().requires_grad_(),
-    }[layout]
-    initial = weights.detach().clone()
+
+    def laid_out(values: torch.Tensor) -> torch.Tensor:
+        storage = torch.randn(3 * size + 5, generator=generator)
+        if layout == "offset":
+            return storage[3 : 3 + size].copy_(values)
+        if layout == "strided":
+            return storage[1 : 1 + 3 * size : 3].copy_(values)
+        fresh = values.clone()
+        return fresh.requires_grad_() if layout == "requires_grad" else fresh
+
+    values = torch.randn(size, generator=generator)
+    initial = values.clone()
     config = DiagnosticsConfig(level="basic")
-    version = 0
-    monitor = AlertMonitor(config, weights=lambda: (version, weights), initial=initial)
+    snapshot: ModelSnapshot | None = None
+    monitor = AlertMonitor(config, model=lambda: snapshot, initial=initial)
+    assert monitor.observe(_aggregated(0), 0) == []  # nothing published yet
     old = _OldWeightsMonitor(initial, config.step_ratio_max)
     raised = []
     for version in range(1, 40):
-        with torch.no_grad():
-            scale = rng.choice([1e-3, 0.1, 1.0, 5.0])
-            weights.add_(torch.randn(size, generator=generator), alpha=scale)
-            if rng.random() < 0.05:
-                weights[rng.randrange(size)] = math.nan
-            elif not bool(torch.isfinite(weights).all()):
-                weights.copy_(torch.randn(size, generator=generator))  # the run goes on from finite weights
+        scale = rng.choice([1e-3, 0.1, 1.0, 5.0])
+        values = values + scale * torch.randn(size, generator=generator)
+        if rng.random() < 0.05:
+            values[rng.randrange(size)] = math.nan
+        elif not bool(torch.isfinite(values).all()):
+            values = torch.randn(size, generator=generator)  # the run goes on from finite weights
+        weights = laid_out(values)
+        norm = float(torch.linalg.vector_norm(weights.detach())) if measured else None
+        snapshot = _snapshot(version, weights, norm)
         found = [(alert.kind, alert.value) for alert in monitor.observe(_aggregated(version), version)]
         expected = old.observe(version, weights)
         assert repr(found) == repr(expected)  # float reprs round-trip: equal bits (NaN equal to NaN)

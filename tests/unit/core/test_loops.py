@@ -13,7 +13,13 @@ from collections.abc import Iterator
 import pytest
 
 import flasync
-from flasync.core.loops import collections_held, frozen_heap, run_loop
+from flasync.core.loops import (
+    YOUNG_COLLECTION_THRESHOLD,
+    collections_held,
+    frozen_heap,
+    run_loop,
+    spaced_young_collections,
+)
 from flasync.observe.summary import weights_sha256
 
 SMALL = {
@@ -138,6 +144,67 @@ def test_collections_held_leaves_a_collector_turned_off_by_someone_else_off() ->
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.fixture
+def default_thresholds() -> Iterator[tuple[int, int, int]]:
+    saved = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        yield gc.get_threshold()
+    finally:
+        gc.set_threshold(*saved)
+
+
+def test_spaced_young_collections_raise_the_youngest_threshold_for_the_block_only(
+    default_thresholds: tuple[int, int, int],
+) -> None:
+    """Inside the block the youngest generation waits for 20,000 allocations, the older ones keep theirs; the block's
+    end, raising or not, gives the thresholds back."""
+    with spaced_young_collections():
+        assert gc.get_threshold() == (YOUNG_COLLECTION_THRESHOLD, 10, 10)
+    assert gc.get_threshold() == default_thresholds
+    seen: list[tuple[int, int, int]] = []
+
+    def fail() -> None:
+        with spaced_young_collections(5_000):
+            seen.append(gc.get_threshold())
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail()
+    assert seen == [(5_000, 10, 10)]
+    assert gc.get_threshold() == default_thresholds
+
+
+def test_spaced_young_collections_leave_what_they_should_not_touch(default_thresholds: tuple[int, int, int]) -> None:
+    """A collector that is off, a threshold already as high (or 0, never collecting) and a threshold other code sets
+    in the block are left as they are; a threshold that is not positive is refused."""
+    gc.disable()
+    try:
+        with spaced_young_collections():
+            assert gc.get_threshold() == default_thresholds
+    finally:
+        gc.enable()
+    for young in (50_000, 0):
+        gc.set_threshold(young, 10, 10)
+        with spaced_young_collections():
+            assert gc.get_threshold() == (young, 10, 10)
+        assert gc.get_threshold() == (young, 10, 10)
+    gc.set_threshold(700, 10, 10)
+    with spaced_young_collections():
+        gc.set_threshold(1_234, 10, 10)
+    assert gc.get_threshold() == (1_234, 10, 10)
+    with pytest.raises(ValueError, match="threshold must be > 0, got 0"), spaced_young_collections(0):
+        pass
+
+
+def test_run_loop_spaces_young_collections_while_it_runs(default_thresholds: tuple[int, int, int]) -> None:
+    async def threshold() -> tuple[int, int, int]:
+        return gc.get_threshold()
+
+    assert run_loop(threshold()) == (YOUNG_COLLECTION_THRESHOLD, 10, 10)
+    assert gc.get_threshold() == default_thresholds
 
 
 def _collect_then_fail() -> None:

@@ -23,16 +23,15 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import flasync
-from flasync.server import Server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cohort import phase_marks
 from record import Figure, machine, store
 
 FEATURES, CLASSES = 32, 10
@@ -57,23 +56,11 @@ def config(hidden: list[int], versions: int) -> dict[str, Any]:
 
 def loop_ms_per_version(hidden: list[int], versions: int) -> tuple[float, int]:
     """Run once; return the loop thread's CPU ms per version made and the model's parameter count."""
-    spent: list[float] = []
-    run = Server.run
-
-    async def timed(self: Server) -> Any:
-        cpu = time.thread_time()  # the event loop's thread
-        try:
-            return await run(self)
-        finally:
-            spent.append(time.thread_time() - cpu)
-
-    Server.run = timed  # type: ignore[method-assign]
-    try:
+    with phase_marks() as marks:  # the server run's CPU clock of the event loop's thread, as cohort.py reads it
         summary = flasync.run(config(hidden, versions))
-    finally:
-        Server.run = run  # type: ignore[method-assign]
+    ((cpu_start, cpu_end),) = marks["serve_cpu"]
     params = sum(a * b + b for a, b in zip([FEATURES, *hidden], [*hidden, CLASSES], strict=True))
-    return 1000 * spent[0] / summary.versions, params
+    return 1000 * (cpu_end - cpu_start) / summary.versions, params
 
 
 def measured_in(tree: Path, hidden: list[int], versions: int) -> float:

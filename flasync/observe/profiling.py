@@ -22,7 +22,7 @@ import random
 import statistics
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 from itertools import groupby, repeat
@@ -358,12 +358,21 @@ class Profiler:
 
     def _assigned_many(self, events: Sequence[TaskAssigned]) -> None:
         """Record tasks handed out: each client's download and the run's."""
+        if not events:
+            return
         r = self.records
-        sizes, client = r.download_sizes, r.client
+        sizes, clients, new_client = r.download_sizes, r.clients, _Client
+        versions = [event.base_version for event in events]
+        if versions.count(versions[0]) == len(versions):  # one model (the common case): its size looked up once
+            downloads: Iterable[int] = repeat(sizes.get(int(versions[0]), 0), len(events))
+        else:
+            downloads = [sizes.get(int(version), 0) for version in versions]
         total = 0
-        for event in events:
-            size = sizes.get(int(event.base_version), 0)
-            client(int(event.client_id)).download_bytes += size
+        for client_id, size in zip(map(int, [event.client_id for event in events]), downloads, strict=True):
+            client = clients.get(client_id)
+            if client is None:
+                client = clients[client_id] = new_client()
+            client.download_bytes += size
             total += size
         r.downloads += len(events)
         r.download_tiers["client"] += total

@@ -428,9 +428,16 @@ class CohortClients:
         """Take the entries of the agenda due first (of one time and kind) and do what they wait for."""
         world, agenda = self.world, state.agenda
         when, _, kind, _ = agenda[0]
-        due = []
-        while agenda and agenda[0][0] == when and agenda[0][2] == kind:
-            due.append(heapq.heappop(agenda)[3])
+        if len(agenda) > 8 and all(entry[0] == when and entry[2] == kind for entry in agenda):
+            # Every entry is due now and of one kind (a cohort's uploads at one time): all of them, in the order the
+            # heap gives them (entries are distinct), from one sort instead of a pop each.
+            agenda.sort()
+            due = [entry[3] for entry in agenda]
+            agenda.clear()
+        else:
+            due = []
+            while agenda and agenda[0][0] == when and agenda[0][2] == kind:
+                due.append(heapq.heappop(agenda)[3])
         if kind in (_ALL_TRAINED, _TRAINED):
             await self._trained(state, when, kind, due)
         elif kind == _FAILED:

@@ -311,6 +311,15 @@ class TaskRegistry:
             self._in_flight.update(dict.fromkeys(cast(_ClientIds, clients), _RESERVED))
             self._reserved += clients
 
+    def reserve_one(self, client_id: int) -> None:
+        """:meth:`reserve` of one client (not in flight), without the lists a group's reservation builds: what refills
+        one slot after each upload."""
+        client = int(client_id)
+        if self._mark_used is not None:
+            self._mark_used([client])
+        self._in_flight[cast(ClientId, client)] = _RESERVED
+        self._reserved.append(client)
+
     def assign_reserved(self, snapshot: ModelSnapshot, *, reply_to: str = CLOUD) -> list[TaskAssigned]:
         """Put a task on ``snapshot`` in flight for each client :meth:`reserve` held, in the order they were held,
         without announcing or starting it (:meth:`start_assigned` does, for the tasks of one snapshot): each gets the

@@ -362,10 +362,10 @@ async def test_dispatch_many_starts_the_tasks_dispatch_would_start_one_by_one() 
 
 
 async def test_reserved_clients_are_busy_at_once_and_get_their_tasks_in_order_later() -> None:
-    """reserve makes its clients busy and marks them used at once, with no task id, download or event; no answer
-    releases a reserved client and no checkpoint is taken; assign_reserved gives them their tasks (ids,
-    participations, downloads) in the order they were held, and start_assigned announces them in one TasksAssigned
-    and starts them: the tasks, events, marks and counts of dispatch_many."""
+    """reserve (and reserve_one, of one client) makes its clients busy and marks them used at once, with no task id,
+    download or event; no answer releases a reserved client and no checkpoint is taken; assign_reserved gives them
+    their tasks (ids, participations, downloads) in the order they were held, and start_assigned announces them in one
+    TasksAssigned and starts them: the tasks, events, marks and counts of dispatch_many."""
     marks: dict[str, list[int]] = {"reserved": [], "dispatched": []}
     harnesses = {name: ServerHarness(clients=_silent) for name in marks}
     for name, harness in harnesses.items():
@@ -382,8 +382,10 @@ async def test_reserved_clients_are_busy_at_once_and_get_their_tasks_in_order_la
         assert snapshot is not None
         registry.reserve([5, 2])
         registry.reserve(np.array([6]))
-        assert len(registry) == 3 and 2 in registry and set(registry.busy) == {5, 2, 6}
-        assert marks["reserved"] == [5, 2, 6] and reserved.accounting.stats == before
+        registry.reserve_one(np.int64(4))  # type: ignore[arg-type]  # a drawn NumPy integer, held as an int
+        assert len(registry) == 4 and 2 in registry and set(registry.busy) == {5, 2, 6, 4}
+        assert all(type(client) is int for client in registry.busy)
+        assert marks["reserved"] == [5, 2, 6, 4] and reserved.accounting.stats == before
         with pytest.raises(RuntimeError, match="reserved"):
             registry.state_dict()  # no checkpoint holds a client without its task
         for task_id in (-1, 0):  # the placeholder's numbers, and the task the client will get
@@ -392,21 +394,21 @@ async def test_reserved_clients_are_busy_at_once_and_get_their_tasks_in_order_la
             )
             assert not registry.release(forged)
         tasks = registry.assign_reserved(snapshot)
-        assert [(t.task_id, t.client_id) for t in tasks] == [(0, 5), (1, 2), (2, 6)]
+        assert [(t.task_id, t.client_id) for t in tasks] == [(0, 5), (1, 2), (2, 6), (3, 4)]
         assert all(registry.holds(t) for t in tasks) and registry.assign_reserved(snapshot) == []
         assert reserved.bus.statistics().published == published  # nothing announced yet
         await registry.start_assigned(tasks, snapshot)
         await registry.start_assigned([], snapshot)
 
     async def at_once() -> None:
-        await dispatched.registry.dispatch_many([5, 2, 6])
+        await dispatched.registry.dispatch_many([5, 2, 6, 4])
 
     await _started(reserved, in_steps())
     await _started(dispatched, at_once())
     assert seen["reserved"].of(TaskAssigned) == seen["dispatched"].of(TaskAssigned)
-    assert marks["reserved"] == marks["dispatched"] == [5, 2, 6]
+    assert marks["reserved"] == marks["dispatched"] == [5, 2, 6, 4]
     assert reserved.accounting.stats == dispatched.accounting.stats
-    assert reserved.bus.statistics().published == published + 1  # one event for the three
+    assert reserved.bus.statistics().published == published + 1  # one event for the four
 
 
 async def test_each_released_client_is_marked_idle_once() -> None:

@@ -659,6 +659,9 @@ class ChildLogBatch:
         self._bound = False
         self._run = 0
         self._lock = threading.Lock()
+        self.told: set[str] = set()
+        """What the trackers this child served warned of once for all of them (a later run it serves, such as a
+        sweep's next child run, does not say it again)."""
         if run_id is not None:
             self.bind(run_id)
 

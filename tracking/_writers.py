@@ -21,6 +21,10 @@ __all__ = ["CHILD_START_TIMEOUT_S", "RunWriters"]
 
 CHILD_START_TIMEOUT_S = 60.0
 
+_SCHEMA_MISMATCH = "sqlite_schema_mismatch"
+"""What a writer process's :attr:`~flasync.tracking._child.ChildLogBatch.told` holds once its store's schema
+mismatch was warned of."""
+
 
 class RunWriters:
     """Queue a run's metrics and send them (from the writer process, or this one), and own that process.
@@ -285,13 +289,17 @@ class RunWriters:
     def tell_schema_mismatch(self) -> None:
         """Warn once (``tracking.sqlite_schema_mismatch``) when the SQLite store's schema is not the one the direct
         writes into its tables were written for: those writes then go through MLflow's ``log_batch`` (the writer
-        process decides so itself, with the same check, :meth:`flasync.tracking.sqlite_metrics.SqliteMetrics.open`)."""
-        if self._schema_told:
+        process decides so itself, with the same check, :meth:`flasync.tracking.sqlite_metrics.SqliteMetrics.open`).
+        Once for a tracker, and once for all the runs one writer process serves (a sweep's child runs)."""
+        child = self.child
+        if self._schema_told or (child is not None and _SCHEMA_MISMATCH in child.told):
             return
         mismatch = schema_mismatch(self.tracking_uri)
         if mismatch is None:
             return
         self._schema_told = True
+        if child is not None:
+            child.told.add(_SCHEMA_MISMATCH)
         self._log.warning(
             "tracking.sqlite_schema_mismatch",
             message=f"the MLflow store's schema is at revision {mismatch.store}, not the one flasync's direct SQLite "

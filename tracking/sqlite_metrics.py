@@ -43,10 +43,19 @@ from flasync.tracking.store import sqlite_path
 
 __all__ = ["SCHEMA_REVISIONS", "SchemaMismatch", "SqliteMetrics", "mlflow_head_revision", "schema_mismatch"]
 
-SCHEMA_REVISIONS: frozenset[str] = frozenset({"dc11669786a5"})
+SCHEMA_REVISIONS: frozenset[str] = frozenset(
+    {
+        "dc11669786a5",  # MLflow 3.17's head
+        # MLflow 3.18's migrations: skill registry tables, issue categories, case-sensitive MCP server versions (none
+        # touches the runs, metrics, latest_metrics, params or tags tables)
+        "e7d1f4b2a9c6",
+        "8b6ad64cb8f5",
+        "f4a9b2c7d1e6",  # MLflow 3.18's head
+    }
+)
 """The Alembic revisions of MLflow's store schema whose tables this module writes as ``log_batch`` does: a store at
-another revision is left to ``log_batch``. A revision joins once ``tests/tracking/test_sqlite_metrics.py`` passes with
-the MLflow whose head it is."""
+another revision is left to ``log_batch``. A revision joins once ``tests/unit/tracking/test_sqlite_metrics.py`` passes
+with the MLflow whose head it is."""
 
 _LARGEST = 1.7976931348623157e308
 _METRICS = {"key", "value", "timestamp", "run_uuid", "step", "is_nan"}

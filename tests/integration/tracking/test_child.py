@@ -14,12 +14,13 @@ import mlflow.pytorch
 import numpy as np
 import psutil
 import pytest
+import structlog
 import torch
 from mlflow.entities import Metric
 
 import flasync
 from flasync.testing import small_config
-from flasync.tracking import MlflowTracker, _files
+from flasync.tracking import MlflowTracker, _files, sqlite_metrics
 from flasync.tracking._child import (
     _EXIT_TIMEOUT_S,
     FORKS_HELPER,
@@ -249,6 +250,26 @@ def _tracked_run(tracking_uri: str, experiment: str, key: str, *, status: str = 
     tracker.log_bytes(key.encode(), f"{key}.txt")
     tracker.finish(status)  # type: ignore[arg-type]
     return run_id
+
+
+def test_a_schema_mismatch_is_told_once_for_the_runs_one_writer_process_serves(
+    tracking_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs that share a writer process (a sweep's child runs, consecutive runs of one process) warn of a store
+    schema the direct writes were not written for once between them; a new writer process says it again."""
+    close_idle_writer()
+    monkeypatch.setattr(sqlite_metrics, "SCHEMA_REVISIONS", frozenset({"0123456789ab"}))
+    with structlog.testing.capture_logs() as logs:
+        _tracked_run(tracking_uri, "told", "one")
+        kept = IDLE.child
+        _tracked_run(tracking_uri, "told", "two")
+        assert kept is not None and IDLE.child is kept  # one writer process served both runs
+        told = len([log for log in logs if log["event"] == "tracking.sqlite_schema_mismatch"])
+        close_idle_writer()
+        _tracked_run(tracking_uri, "told", "three")
+    assert told == 1
+    warnings = [log for log in logs if log["event"] == "tracking.sqlite_schema_mismatch"]
+    assert len(warnings) == 2 and warnings[0]["expected_revisions"] == "0123456789ab"
 
 
 def test_a_warmed_writer_process_serves_the_next_tracker(tracking_uri: str) -> None:

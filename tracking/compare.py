@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import mlflow
 
@@ -18,6 +19,7 @@ from flasync.tracking.report import RunLookupError, final_figures, get_run
 
 __all__ = [
     "DEFAULT_LAST",
+    "SWEEP_PARENT_TAG",
     "EvalPoint",
     "RunRecord",
     "comparison_table",
@@ -30,6 +32,10 @@ __all__ = [
 
 DEFAULT_LAST = 50
 """How many of an experiment's latest runs ``flasync compare`` compares unless told (``--last``)."""
+
+SWEEP_PARENT_TAG = "flasync.sweep.grid"
+"""The tag only a sweep's parent run carries (its grid; :mod:`flasync.runtime.sweep_runs` writes it): a parent trains
+nothing, so comparing an experiment leaves it out (its child runs are compared)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +82,8 @@ def fetch_runs(
     filter_string: str = "",
 ) -> list[RunRecord]:
     """Read the runs to compare: the given ids, else the latest ``last`` runs of ``experiment`` that match
-    ``filter_string``, oldest first.
+    ``filter_string``, oldest first, sweeps' parent runs left out (:data:`SWEEP_PARENT_TAG`; their child runs are
+    the experiment's runs like any other).
 
     Args:
         client: The store's client.
@@ -100,14 +107,7 @@ def fetch_runs(
         if found is None:
             raise RunLookupError(f"no experiment {name!r} in {client.tracking_uri}")
         try:
-            runs = list(
-                client.search_runs(
-                    [found.experiment_id],
-                    filter_string=filter_string,
-                    order_by=["attributes.start_time DESC"],
-                    max_results=last,
-                )
-            )
+            runs = _latest_trained(client, found.experiment_id, filter_string, last)
         except MlflowException as exc:
             reason = " ".join(str(exc.message).split())[:300]
             raise RunLookupError(f"--filter {filter_string!r}: {reason}") from None
@@ -126,6 +126,26 @@ def fetch_runs(
         )
         for run in runs
     ]
+
+
+def _latest_trained(client: mlflow.MlflowClient, experiment_id: str, filter_string: str, last: int) -> list[Any]:
+    """Return the latest ``last`` runs of the experiment that match ``filter_string`` and are no sweep's parent,
+    newest first (a page of ``last`` at a time, as long as parents took places)."""
+    runs: list[Any] = []
+    token: str | None = None
+    while len(runs) < last:
+        page = client.search_runs(
+            [experiment_id],
+            filter_string=filter_string,
+            order_by=["attributes.start_time DESC"],
+            max_results=last,
+            page_token=token,
+        )
+        runs += [run for run in page if SWEEP_PARENT_TAG not in run.data.tags]
+        token = page.token
+        if not token:
+            break
+    return runs[:last]
 
 
 def time_to_target(history: Sequence[EvalPoint], target: float) -> EvalPoint | None:

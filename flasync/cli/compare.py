@@ -21,7 +21,7 @@ def add_compare_parser(commands: Any) -> None:
         help="compare runs side by side",
         description="Print a side-by-side table of MLflow runs: final accuracy, time to a target accuracy, bytes, "
         "updates, staleness and the config fields that differ. Without run ids: the latest runs of --experiment "
-        "(--last of them, those matching --filter).",
+        "(--last of them, those matching --filter), sweeps' parent runs left out (their child runs are compared).",
     )
     compare.add_argument(
         "run_ids",

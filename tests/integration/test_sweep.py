@@ -23,6 +23,7 @@ from flasync.core.errors import RunInterrupted
 from flasync.runtime.federation import Federation, RunSummary
 from flasync.runtime.sweep import PointTask, Sweep, SweepPlan, SweepPoint, SweepRow, parse_axis
 from flasync.runtime.sweep_runs import PARENT_TAG, POINT_TAG, SWEEP_TAG
+from flasync.tracking.compare import SWEEP_PARENT_TAG, fetch_runs
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +87,11 @@ def test_a_2x2_sweep_logs_a_parent_run_and_four_child_runs(store: str, capsys: p
     }
     for child in children:  # the console's table
         assert re.search(rf"{re.escape(child.info.run_name)} +FINISHED .* {child.info.run_id}", out), out
+    # Comparing the experiment compares the child runs, not the parent (it trains nothing), also for --last.
+    compared = fetch_runs(client, experiment="flasync")
+    assert [r.run_id for r in compared] == [c.info.run_id for c in children]
+    assert [r.run_id for r in fetch_runs(client, experiment="flasync", last=2)] == [c.info.run_id for c in children[2:]]
+    assert SWEEP_PARENT_TAG in parent.data.tags and not any(SWEEP_PARENT_TAG in c.data.tags for c in children)
     # A finished sweep has nothing to resume, by its parent's id or by its command.
     assert main(["sweep", "--resume", parent.info.run_id, "--tracking-uri", store]) == 2
     assert "the sweep already FINISHED" in capsys.readouterr().err

@@ -11,9 +11,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlflow
+from mlflow.entities import Run
 
 from flasync.tracking.report import RunLookupError, final_figures, get_run
 
@@ -128,10 +128,10 @@ def fetch_runs(
     ]
 
 
-def _latest_trained(client: mlflow.MlflowClient, experiment_id: str, filter_string: str, last: int) -> list[Any]:
+def _latest_trained(client: mlflow.MlflowClient, experiment_id: str, filter_string: str, last: int) -> list[Run]:
     """Return the latest ``last`` runs of the experiment that match ``filter_string`` and are no sweep's parent,
     newest first (a page of ``last`` at a time, as long as parents took places)."""
-    runs: list[Any] = []
+    runs: list[Run] = []
     token: str | None = None
     while len(runs) < last:
         page = client.search_runs(

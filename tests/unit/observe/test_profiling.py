@@ -346,6 +346,32 @@ def test_a_batch_is_profiled_and_alerted_as_its_events_one_by_one() -> None:
     assert together[3].records == alone[3].records
 
 
+def test_a_batch_of_tasks_on_several_models_counts_each_ones_download() -> None:
+    """Tasks handed out together on models of different sizes (and on a model whose size is not known) count each
+    client's download and the run's as the same tasks one by one do."""
+    together, alone = Profiler("async"), Profiler("async")
+    sizes = {0: 400, 1: 1_000}
+    tasks = [
+        TaskAssigned(
+            task_id=k, client_id=ClientId(k % 3), participation=k // 3, base_version=Version(v), simulated_s=0.0
+        )
+        for k, v in enumerate([0, 0, 1, 2, 1, 0, 1])
+    ]
+    for profiler in (together, alone):
+        for version, size in sizes.items():
+            profiler.observe(
+                ModelPublished(version=Version(version), simulated_s=0.0, download_bytes=size, encode_s=0.0)
+            )
+    together.observe_many(tasks)
+    together.observe_many([])
+    for task in tasks:
+        alone.observe(task)
+    assert together.records.clients == alone.records.clients
+    assert {c: r.download_bytes for c, r in together.records.clients.items()} == {0: 1_400, 1: 1_400, 2: 1_400}
+    assert together.records.downloads == alone.records.downloads == 7
+    assert together.records.download_tiers == alone.records.download_tiers == {"client": 4_200}
+
+
 def test_batches_past_the_summaries_capacity_keep_the_samples_one_at_a_time_keeps() -> None:
     """Batches of tasks, uploads and receipts of 5,000 updates (past the 4,096 values a summary keeps, so its random
     stream replaces kept values) leave the same per-client totals, kept samples and rows as the events one by one."""

@@ -217,7 +217,7 @@ class AsyncSlots:
         if free == 1 and self._quick_one is not None:  # one slot, as after each upload: no lists where it can
             client = self._quick_one(registry.busy)
             if client is not None:
-                registry.reserve_one(client)
+                registry.reserve([client])
                 return True
         drawn = self.sampler.sample_idle_many(registry.busy, self.clock.now(), free)
         registry.reserve(drawn)

@@ -308,17 +308,10 @@ class TaskRegistry:
         if clients:
             if self._mark_used is not None:
                 self._mark_used(clients)
-            self._in_flight.update(dict.fromkeys(cast(_ClientIds, clients), _RESERVED))
+            in_flight = self._in_flight
+            for client in cast(_ClientIds, clients):  # mostly one (a slot refilled after each upload): no dict built
+                in_flight[client] = _RESERVED
             self._reserved += clients
-
-    def reserve_one(self, client_id: int) -> None:
-        """:meth:`reserve` of one client (not in flight), without the lists a group's reservation builds: what refills
-        one slot after each upload."""
-        client = int(client_id)
-        if self._mark_used is not None:
-            self._mark_used([client])
-        self._in_flight[cast(ClientId, client)] = _RESERVED
-        self._reserved.append(client)
 
     def assign_reserved(self, snapshot: ModelSnapshot, *, reply_to: str = CLOUD) -> list[TaskAssigned]:
         """Put a task on ``snapshot`` in flight for each client :meth:`reserve` held, in the order they were held,
@@ -569,6 +562,8 @@ def _distinct_ints(client_ids: Sequence[int] | np.ndarray) -> list[int]:
     Raises:
         ValueError: If a client appears twice (a client has one task in flight at most).
     """
+    if type(client_ids) is list and len(client_ids) == 1:  # one client: nothing to convert in bulk or compare
+        return [int(client_ids[0])]
     if isinstance(client_ids, np.ndarray):
         clients: list[int] = client_ids.reshape(-1).astype(np.int64).tolist()
     else:

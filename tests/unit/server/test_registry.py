@@ -362,10 +362,11 @@ async def test_dispatch_many_starts_the_tasks_dispatch_would_start_one_by_one() 
 
 
 async def test_reserved_clients_are_busy_at_once_and_get_their_tasks_in_order_later() -> None:
-    """reserve (and reserve_one, of one client) makes its clients busy and marks them used at once, with no task id,
-    download or event; no answer releases a reserved client and no checkpoint is taken; assign_reserved gives them
-    their tasks (ids, participations, downloads) in the order they were held, and start_assigned announces them in one
-    TasksAssigned and starts them: the tasks, events, marks and counts of dispatch_many."""
+    """reserve (of a group, or of one client as a slot's refill) makes its clients busy and marks them used at once,
+    with no task id, download or event; no answer releases a reserved client and no checkpoint is taken;
+    assign_reserved gives them their tasks (ids, participations, downloads) in the order they were held, and
+    start_assigned announces them in one TasksAssigned and starts them: the tasks, events, marks and counts of
+    dispatch_many."""
     marks: dict[str, list[int]] = {"reserved": [], "dispatched": []}
     harnesses = {name: ServerHarness(clients=_silent) for name in marks}
     for name, harness in harnesses.items():
@@ -382,7 +383,7 @@ async def test_reserved_clients_are_busy_at_once_and_get_their_tasks_in_order_la
         assert snapshot is not None
         registry.reserve([5, 2])
         registry.reserve(np.array([6]))
-        registry.reserve_one(np.int64(4))  # type: ignore[arg-type]  # a drawn NumPy integer, held as an int
+        registry.reserve([np.int64(4)])  # type: ignore[list-item]  # one drawn NumPy integer, held as an int
         assert len(registry) == 4 and 2 in registry and set(registry.busy) == {5, 2, 6, 4}
         assert all(type(client) is int for client in registry.busy)
         assert marks["reserved"] == [5, 2, 6, 4] and reserved.accounting.stats == before

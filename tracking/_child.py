@@ -18,8 +18,10 @@ is one JSON object, answered like a batch: ``file`` (log a local file as an arti
 ``tags``, ``dataset`` (an input), ``monitor`` (start MLflow's system monitor: its CPU, memory, disk, network and GPU
 samples are the machine's, wherever it runs), ``end`` (the run's status), ``release`` (leave the run open, its status
 as it is, to serve other runs: a sweep's parent run while its children run), ``model`` (build, export and log a model,
-see :mod:`flasync.tracking._model`; or log one saved already, its ``saved`` folder) or ``prepare`` (export a model
-of the same structure ahead of its ``model`` job, see :class:`flasync.tracking._model.Exports`). What the child is
+see :mod:`flasync.tracking._model`; or log one saved already, its ``saved`` folder), ``link`` (link a step's
+evaluation points to the run's models, :mod:`flasync.tracking.model_metrics`: those of the models the child logged
+to the run, read from a SQLite store in one query) or ``prepare`` (export a model of the same structure ahead of its
+``model`` job, see :class:`flasync.tracking._model.Exports`). What the child is
 to import (or call) ahead for its ``model`` jobs (``torch.export`` and MLflow's pytorch flavour import in about two
 seconds, and the first model they save takes one more: :func:`flasync.tracking._model.warm_up`) is named in its
 environment when it starts, or later by a line ``preload KIND NAME,NAME`` (sent before a run, never answered; the
@@ -369,10 +371,12 @@ def _job(
     monitor: _Monitor,
     tracking_uri: str,
     aside: _Aside,
+    logged: dict[str, str],
     direct: SqliteMetrics | None = None,
 ) -> str:
-    """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``. ``direct``: a
-    SQLite store's writer, for the tags and the run's end it takes."""
+    """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``. ``logged``: the
+    id of the latest model of each name this process logged to the run (its ``model`` jobs keep it, its ``link``
+    jobs read it). ``direct``: a SQLite store's writer, for the tags, the run's end and the points a link reads."""
     op = request.get("op")
     if op == "monitor":
         monitor.start(client, run_id, tracking_uri, float(request["interval_s"]))
@@ -404,25 +408,27 @@ def _job(
         if direct is None or not direct.end_run(run_id, request["status"], end_time):
             client.set_terminated(run_id, request["status"], end_time=end_time)
         return str(lost or 0)  # the system metric rows lost, for the parent to count
-    if op == "model" and "saved" in request["model"]:
-        from flasync.tracking._model import log_saved_model
-
-        return f"{log_saved_model(client, run_id, **request['model']):.3f}"
     if op == "model":
-        from flasync.tracking._model import log_built_model
+        from flasync.tracking._model import log_built_model, log_saved_model
 
-        seconds = log_built_model(
-            client,
-            run_id,
-            **request["model"],
-            aside=lambda job: aside("model", {"op": "model", **job}),
-            exports=aside.exports,
-        )
-        return f"{seconds:.3f}"
+        name = str(request["model"].get("name", "model"))
+        logged.pop(name, None)  # one that fails leaves the store to say which model of the name is the latest ready
+        if "saved" in request["model"]:
+            done = log_saved_model(client, run_id, **request["model"])
+        else:
+            done = log_built_model(
+                client,
+                run_id,
+                **request["model"],
+                aside=lambda job: aside("model", {"op": "model", **job}),
+                exports=aside.exports,
+            )
+        logged[name] = done.model_id
+        return f"{done.seconds:.3f}"
     if op == "link":
         from flasync.tracking.model_metrics import link_models
 
-        return str(link_models(client, run_id, request["models"]))
+        return str(link_models(client, run_id, request["models"], logged=logged, direct=direct))
     if op == "prepare":
         if not aside("model", {"op": "prepare", **request["model"]}):
             aside.exports.prepare(**request["model"])
@@ -575,7 +581,8 @@ def _answer(
     from mlflow.entities import Metric
 
     # Deferred jobs run on threads of their own: the store's direct writer (one connection) stays with this one.
-    deferred = _Deferred(lambda request: _job(client, run_id, request, monitor, tracking_uri, aside))
+    logged: dict[str, str] = {}  # the run's models this process logged, by name (see _job)
+    deferred = _Deferred(lambda request: _job(client, run_id, request, monitor, tracking_uri, aside, logged))
     for line in requests:
         if line.strip() == _STOP:
             deferred.settle_all()
@@ -594,7 +601,7 @@ def _answer(
                 else:
                     if ending:
                         deferred.settle_all()  # a job left unsettled still ends before its run
-                    reply(f"ok {_job(client, run_id, request, monitor, tracking_uri, aside, direct)}")
+                    reply(f"ok {_job(client, run_id, request, monitor, tracking_uri, aside, logged, direct)}")
             elif direct is not None:
                 direct.write(run_id, request)
                 reply("ok")

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from flasync.tracking.exports import ExportCache
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Exports",
+    "ModelLogged",
     "build",
     "call",
     "describe",
@@ -393,9 +394,10 @@ def log_to_run(
     name: str,
     save: Callable[[str, Model], None],
     tags: Mapping[str, str] | None = None,
-) -> None:
+) -> str:
     """Create a logged model linked to the run (its output at step 0), with ``tags``, fill it with
-    ``save(folder, description)`` and mark it ``READY`` (``FAILED`` if saving or sending fails, then raise)."""
+    ``save(folder, description)`` and mark it ``READY`` (``FAILED`` if saving or sending fails, then raise); return
+    its id."""
     from mlflow.entities import LoggedModelOutput
     from mlflow.models import Model
 
@@ -419,6 +421,16 @@ def log_to_run(
         with contextlib.suppress(Exception):
             client.finalize_logged_model(logged.model_id, "FAILED")
         raise
+    return str(logged.model_id)
+
+
+class ModelLogged(NamedTuple):
+    """A model logged to a run by :func:`log_saved_model` or :func:`log_built_model`."""
+
+    model_id: str
+    """The logged model's id (``READY``)."""
+    seconds: float
+    """How long logging it took."""
 
 
 def log_saved_model(
@@ -430,18 +442,18 @@ def log_saved_model(
     name: str = "model",
     size_delta: int = 0,
     tags: Mapping[str, str] | None = None,
-) -> float:
+) -> ModelLogged:
     """Log the model saved at ``saved`` (a ``pt2`` folder whose weights were swapped into a kept export, see
     :mod:`flasync.tracking.exports`; ``size_delta``: its archive's size less the kept one's) to the run, described as
-    its logged model (see :func:`log_to_run`); return the seconds."""
+    its logged model (see :func:`log_to_run`)."""
     began = time.perf_counter()
 
     def save(local: str, description: Model) -> None:
         shutil.copytree(saved, local)
         describe(local, description, size_delta)
 
-    log_to_run(client, run_id, experiment_id, name, save, tags)
-    return time.perf_counter() - began
+    model_id = log_to_run(client, run_id, experiment_id, name, save, tags)
+    return ModelLogged(model_id, time.perf_counter() - began)
 
 
 def call(target: str, kwargs: Mapping[str, Any]) -> Any:
@@ -557,8 +569,8 @@ def log_built_model(
     aside: Callable[[dict[str, Any]], bool] | None = None,
     exports: Exports | None = None,
     tags: Mapping[str, str] | None = None,
-) -> float:
-    """Build a model with ``builder(**kwargs)`` and log it to the run (see :func:`log_to_run`); return the seconds.
+) -> ModelLogged:
+    """Build a model with ``builder(**kwargs)`` and log it to the run (see :func:`log_to_run`).
 
     Args:
         client: The store's client.
@@ -589,5 +601,5 @@ def log_built_model(
         if aside is None or not aside(request):
             save_for(**request, exports=exports)
 
-    log_to_run(client, run_id, experiment_id, name, save, tags)
-    return time.perf_counter() - began
+    model_id = log_to_run(client, run_id, experiment_id, name, save, tags)
+    return ModelLogged(model_id, time.perf_counter() - began)

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import mlflow
 
+    from flasync.tracking.sqlite_metrics import SqliteMetrics
+
 __all__ = ["EVALUATION_PREFIXES", "link_evaluation", "link_models", "logged_model_id"]
 
 EVALUATION_PREFIXES = ("server/eval/", "client_eval/")
@@ -30,16 +32,18 @@ _MAX_BATCH = 1000
 
 
 def logged_model_id(client: mlflow.MlflowClient, run_id: str, name: str) -> str | None:
-    """Return the id of the run's ``READY`` logged model named ``name`` (the latest logged; None: there is none)."""
+    """Return the id of the run's ``READY`` logged model named ``name`` (the latest created; None: there is none)."""
     run = client.get_run(run_id)
     found = [
         model
         for model in client.search_logged_models(
-            [run.info.experiment_id], filter_string=f"source_run_id = '{run_id}' AND name = '{name}'"
+            [run.info.experiment_id],
+            filter_string=f"source_run_id = '{run_id}' AND name = '{name}'",
+            order_by=[{"field_name": "creation_timestamp", "ascending": False}],
         )
         if str(model.status) == "READY"
     ]
-    return found[-1].model_id if found else None
+    return found[0].model_id if found else None
 
 
 def link_evaluation(
@@ -50,6 +54,7 @@ def link_evaluation(
     step: int | None = None,
     prefixes: Sequence[str] = EVALUATION_PREFIXES,
     max_batch: int = _MAX_BATCH,
+    direct: SqliteMetrics | None = None,
 ) -> int:
     """Link the run's evaluation metrics to the logged model ``model_id`` (see the module); return the points linked.
 
@@ -62,34 +67,57 @@ def link_evaluation(
             would store 0).
         prefixes: The keys linked: those starting with one of these.
         max_batch: Most points per ``log_batch`` call.
+        direct: The store's SQLite reader (the writer process's, see :mod:`flasync.tracking.sqlite_metrics`): the
+            points are read from its ``metrics`` table in one query, not through ``client`` (the run, then each
+            series: a query each, about 30 ms of CPU at a default run's end).
 
     Raises:
         mlflow.MlflowException: What the store refuses.
     """
     from mlflow.entities import Metric
 
-    keys = sorted(key for key in client.get_run(run_id).data.metrics if key.startswith(tuple(prefixes)))
-    points = [
-        Metric(point.key, point.value, point.timestamp, point.step, model_id=model_id)
-        for key in keys
-        for point in client.get_metric_history(run_id, key)
-        if (step is None or point.step == step) and not math.isnan(point.value)
-    ]
+    if direct is not None:
+        points = [Metric(*row, model_id=model_id) for row in direct.points(run_id, prefixes, step)]
+    else:
+        keys = sorted(key for key in client.get_run(run_id).data.metrics if key.startswith(tuple(prefixes)))
+        points = [
+            Metric(point.key, point.value, point.timestamp, point.step, model_id=model_id)
+            for key in keys
+            for point in client.get_metric_history(run_id, key)
+            if (step is None or point.step == step) and not math.isnan(point.value)
+        ]
     for first in range(0, len(points), max_batch):
         client.log_batch(run_id, metrics=points[first : first + max_batch], synchronous=True)
     return len(points)
 
 
-def link_models(client: mlflow.MlflowClient, run_id: str, models: Mapping[str, int]) -> int:
+def link_models(
+    client: mlflow.MlflowClient,
+    run_id: str,
+    models: Mapping[str, int],
+    *,
+    logged: Mapping[str, str] | None = None,
+    direct: SqliteMetrics | None = None,
+) -> int:
     """Link to each of the run's ``READY`` logged models named in ``models`` the evaluation points of its step (the
     version it holds); return the points linked (a name the run has no ready model of links nothing).
+
+    Args:
+        client: The store's client.
+        run_id: The run.
+        models: The step of each model by its name.
+        logged: The ids of the run's latest ``READY`` models of some of those names, known to the caller (it logged
+            them): no search of the store for them.
+        direct: The store's SQLite reader, if it has one: the points are read in one query (see
+            :func:`link_evaluation`).
 
     Raises:
         mlflow.MlflowException: What the store refuses.
     """
+    known = logged or {}
     linked = 0
     for name, step in models.items():
-        model_id = logged_model_id(client, run_id, name)
+        model_id = known.get(name) or logged_model_id(client, run_id, name)
         if model_id is not None:
-            linked += link_evaluation(client, run_id, model_id, step=step)
+            linked += link_evaluation(client, run_id, model_id, step=step, direct=direct)
     return linked

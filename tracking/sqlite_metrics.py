@@ -281,6 +281,18 @@ class SqliteMetrics:
             held.setdefault(key, []).append(step)
         return held
 
+    def points(self, run_id: str, prefixes: Sequence[str], step: int | None = None) -> list[Row]:
+        """Return the points of run ``run_id`` whose keys start with one of ``prefixes`` (of ``step`` only, unless
+        None), NaN points left out, as ``(key, value, timestamp, step)`` ordered by key, timestamp and step: what
+        ``MlflowClient.get_metric_history`` gives of those series, in one query (infinities as MLflow stores them)."""
+        query = "SELECT key, value, timestamp, step FROM metrics WHERE run_uuid = ? AND is_nan = 0"
+        arguments: tuple[object, ...] = (run_id,)
+        if step is not None:
+            query, arguments = f"{query} AND step = ?", (run_id, step)
+        starts = tuple(prefixes)
+        rows = self._connection.execute(f"{query} ORDER BY key, timestamp, step", arguments)
+        return [(key, float(value), int(t), int(s)) for key, value, t, s in rows if key.startswith(starts)]
+
     def close(self) -> None:
         """Close the connection."""
         self._connection.close()

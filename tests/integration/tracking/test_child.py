@@ -20,7 +20,7 @@ from mlflow.entities import Metric
 
 import flasync
 from flasync.testing import small_config
-from flasync.tracking import MlflowTracker, _files, sqlite_metrics
+from flasync.tracking import MetricRow, MlflowTracker, _files, sqlite_metrics
 from flasync.tracking._child import (
     _EXIT_TIMEOUT_S,
     FORKS_HELPER,
@@ -618,6 +618,47 @@ def test_a_writer_with_preloads_leaves_the_model_to_a_helper_of_its_own(
     close_idle_writer()
     _, alive = psutil.wait_procs([writer, *helpers], timeout=_EXIT_TIMEOUT_S)
     assert not alive
+
+
+def test_the_writer_links_the_evaluation_to_the_model_it_logged(tracking_uri: str, tmp_path: Path) -> None:
+    """The writer process links a step's evaluation points to the model it logged to the run under that name, read
+    from the store in one query: a later model of the same name from elsewhere (READY) gets none."""
+    tracker = MlflowTracker(tracking_uri, idle_writers=IdleChild())
+    run_id = tracker.start(experiment="child-links")
+    assert tracker._writers.child is not None
+    kwargs, _ = _model_kwargs(tmp_path)
+    tracker.log_model_from(
+        "flasync.training.models:build", kwargs, name="mlp", input_example=np.zeros((2, 8), np.float32)
+    )
+    client = mlflow.MlflowClient(tracking_uri)
+    experiment = client.get_run(run_id).info.experiment_id
+    [ours] = client.search_logged_models([experiment])
+    other = client.create_logged_model(experiment, name="mlp", source_run_id=run_id)
+    client.finalize_logged_model(other.model_id, "READY")
+    tracker.log_metrics(
+        [
+            MetricRow("server/eval/accuracy", 0.5, 1_000, 3),
+            MetricRow("server/eval/accuracy", 0.75, 2_000, 4),
+            MetricRow("server/eval/loss", float("inf"), 2_000, 4),
+            MetricRow("server/eval/loss", float("nan"), 2_001, 4),
+            MetricRow("clientxeval/accuracy", 1.0, 2_000, 4),  # "_" of "client_eval/" is no wildcard
+            MetricRow("client_eval/accuracy/mean", 0.25, 2_000, 4),
+        ]
+    )
+    assert tracker.flush()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            assert tracker.link_models({"mlp": 4}) == 3
+    finally:
+        tracker.finish("FINISHED")
+    assert not [e for e in logs if e["event"] == "tracking.writer_process_job_failed"], logs  # no fallback here
+    linked = sorted((m.key, m.step, m.value, m.timestamp) for m in client.get_logged_model(ours.model_id).metrics)
+    assert linked == [
+        ("client_eval/accuracy/mean", 4, 0.25, 2_000),
+        ("server/eval/accuracy", 4, 0.75, 2_000),
+        ("server/eval/loss", 4, sys.float_info.max, 2_000),  # as MLflow stores an infinity
+    ]
+    assert not client.get_logged_model(other.model_id).metrics
 
 
 @pytest.mark.skipif(not FORKS_HELPER, reason="the writer forks its helpers on Linux only")

@@ -267,7 +267,8 @@ def test_the_writer_without_a_helper_prepares_and_saves_itself(
     run_id = client.create_run(experiment).info.run_id
     aside = _Aside({})
     request: dict[str, Any] = {"builder": _BUILDER, "kwargs": {**_SPEC, "weights": None}, "input_example": _EXAMPLE}
-    _job(client, run_id, {"op": "prepare", "model": request}, _Monitor(), tracking_uri, aside)
+    logged: dict[str, str] = {}
+    _job(client, run_id, {"op": "prepare", "model": request}, _Monitor(), tracking_uri, aside, logged)
     assert len(aside.exports) == 1
 
     def broken(*args: object, **kwargs: object) -> None:
@@ -276,12 +277,12 @@ def test_the_writer_without_a_helper_prepares_and_saves_itself(
     monkeypatch.setattr(torch.export, "export", broken)
     kwargs, model = _final_mlp(tmp_path)
     model_job = {"experiment_id": experiment, **request, "kwargs": kwargs, "name": "mlp"}
-    _job(client, run_id, {"op": "model", "model": model_job}, _Monitor(), tracking_uri, aside)
-    [logged] = client.search_logged_models([experiment])
-    assert str(logged.status) == "READY"
-    assert "model.pt2" in {Path(a.path).name for a in client.list_logged_model_artifacts(logged.model_id, "data")}
+    _job(client, run_id, {"op": "model", "model": model_job}, _Monitor(), tracking_uri, aside, logged)
+    [found] = client.search_logged_models([experiment])
+    assert str(found.status) == "READY" and logged == {"mlp": found.model_id}  # what the run's link jobs link to
+    assert "model.pt2" in {Path(a.path).name for a in client.list_logged_model_artifacts(found.model_id, "data")}
     x = torch.randn(5, 8)
-    assert torch.equal(mlflow.pytorch.load_model(logged.artifact_location)(x), model(x))
+    assert torch.equal(mlflow.pytorch.load_model(found.artifact_location)(x), model(x))
 
 
 @pytest.mark.slow

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import mlflow
+    from mlflow.entities import LoggedModel
 
     from flasync.tracking.sqlite_metrics import SqliteMetrics
 
-__all__ = ["EVALUATION_PREFIXES", "link_evaluation", "link_models", "logged_model_id"]
+__all__ = ["EVALUATION_PREFIXES", "latest_ready_model", "link_evaluation", "link_models", "logged_model_id"]
 
 EVALUATION_PREFIXES = ("server/eval/", "client_eval/")
 """The metric keys of the evaluation (the central one, and the clients' reports): those linked to a run's models."""
@@ -31,19 +32,25 @@ _MAX_BATCH = 1000
 """Most metrics per ``log_batch`` call (MLflow's limit)."""
 
 
+def latest_ready_model(
+    client: mlflow.MlflowClient, run_id: str, name: str, experiment_id: str | None = None
+) -> LoggedModel | None:
+    """Return the run's ``READY`` logged model named ``name`` created last (None: there is none); ``experiment_id``:
+    the run's experiment, if the caller has it."""
+    if experiment_id is None:
+        experiment_id = client.get_run(run_id).info.experiment_id
+    found = client.search_logged_models(
+        [experiment_id],
+        filter_string=f"source_run_id = '{run_id}' AND name = '{name}'",
+        order_by=[{"field_name": "creation_timestamp", "ascending": False}],
+    )
+    return next((model for model in found if str(model.status) == "READY"), None)
+
+
 def logged_model_id(client: mlflow.MlflowClient, run_id: str, name: str) -> str | None:
     """Return the id of the run's ``READY`` logged model named ``name`` (the latest created; None: there is none)."""
-    run = client.get_run(run_id)
-    found = [
-        model
-        for model in client.search_logged_models(
-            [run.info.experiment_id],
-            filter_string=f"source_run_id = '{run_id}' AND name = '{name}'",
-            order_by=[{"field_name": "creation_timestamp", "ascending": False}],
-        )
-        if str(model.status) == "READY"
-    ]
-    return found[0].model_id if found else None
+    model = latest_ready_model(client, run_id, name)
+    return None if model is None else str(model.model_id)
 
 
 def link_evaluation(

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flasync.tracking.model_metrics import latest_ready_model
+
 if TYPE_CHECKING:
     import mlflow
     from mlflow.entities.model_registry import ModelVersion
@@ -78,16 +80,10 @@ def register_champion(
     from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
     run = client.get_run(run_id)
-    logged = [
-        model
-        for model in client.search_logged_models(
-            [run.info.experiment_id], filter_string=f"source_run_id = '{run_id}' AND name = '{model_name}'"
-        )
-        if str(model.status) == "READY"
-    ]
-    if not logged:
+    logged = latest_ready_model(client, run_id, model_name, run.info.experiment_id)
+    if logged is None:
         raise LookupError(f"the run {run_id} has no logged model {model_name!r} to register")
-    model_id, location = logged[-1].model_id, logged[-1].artifact_location
+    model_id, location = logged.model_id, logged.artifact_location
     digest = next((d.dataset.digest for d in run.inputs.dataset_inputs), "") if run.inputs else ""
     version_tags = {
         **tags,
@@ -107,7 +103,7 @@ def register_champion(
     # URI through the process's global tracking URI (MLflow 3), which need not be this client's store.
     made = client.create_model_version(name, source=location, run_id=run_id, tags=version_tags, model_id=model_id)
     version = int(made.version)
-    _link(client, logged[-1].tags.get(_MODEL_VERSIONS), model_id, name, version)
+    _link(client, logged.tags.get(_MODEL_VERSIONS), model_id, name, version)
     kept = _keeps(champion, metric, direction, value)
     if champion is None or kept is None:
         client.set_registered_model_alias(name, CHAMPION, str(version))

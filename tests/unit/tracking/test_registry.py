@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import mlflow
 import pytest
 
@@ -104,3 +106,29 @@ def test_a_run_without_that_model_is_a_lookup_error(tracking_uri: str) -> None:
             value=0.5,
             tags={},
         )
+
+
+def test_the_latest_ready_model_of_the_name_is_registered(tracking_uri: str) -> None:
+    """Of several READY models of one name in the run (a service logging its model again), the one created last is
+    registered; a later one still pending is not."""
+    client = mlflow.MlflowClient(tracking_uri)
+    experiment = client.create_experiment("registry-latest")
+    run_id = client.create_run(experiment).info.run_id
+    made = []
+    for _ in range(3):
+        model = client.create_logged_model(experiment, name="model", source_run_id=run_id)
+        client.finalize_logged_model(model.model_id, "READY")
+        made.append(model.artifact_location)
+        time.sleep(0.005)  # a creation time of its own (milliseconds)
+    client.create_logged_model(experiment, name="model", source_run_id=run_id)  # pending, created last
+    done = register_champion(
+        client,
+        "latest",
+        run_id=run_id,
+        model_name="model",
+        metric="server/eval/accuracy",
+        direction="max",
+        value=0.5,
+        tags={},
+    )
+    assert client.get_model_version("latest", str(done.version)).source == made[-1]

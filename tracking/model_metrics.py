@@ -74,9 +74,10 @@ def link_evaluation(
             would store 0).
         prefixes: The keys linked: those starting with one of these.
         max_batch: Most points per ``log_batch`` call.
-        direct: The store's SQLite reader (the writer process's, see :mod:`flasync.tracking.sqlite_metrics`): the
+        direct: The store's SQLite writer (the writer process's, see :mod:`flasync.tracking.sqlite_metrics`): the
             points are read from its ``metrics`` table in one query, not through ``client`` (the run, then each
-            series: a query each, about 30 ms of CPU at a default run's end).
+            series: a query each), and linked in one transaction of that connection where the store's tables are
+            the shape it knows, not through ``log_batch`` (which reads the run and writes each point again).
 
     Raises:
         mlflow.MlflowException: What the store refuses.
@@ -84,7 +85,10 @@ def link_evaluation(
     from mlflow.entities import Metric
 
     if direct is not None:
-        points = [Metric(*row, model_id=model_id) for row in direct.points(run_id, prefixes, step)]
+        rows = direct.points(run_id, prefixes, step)
+        if direct.link(run_id, model_id, rows):
+            return len(rows)
+        points = [Metric(*row, model_id=model_id) for row in rows]
     else:
         keys = sorted(key for key in client.get_run(run_id).data.metrics if key.startswith(tuple(prefixes)))
         points = [

@@ -25,6 +25,11 @@ as ``set_terminated`` does): keys and values checked (values cut to MLflow's len
 and ``_validate_tag``, the run active, a tag's value replaced; they return False, writing nothing, wherever MLflow
 would do more than that or refuse (a parameter given another value than the one stored, the tag
 ``mlflow.runName``, which renames the run, tables of another shape), and the caller then calls ``log_batch``.
+
+At a run's end its evaluation is linked to its logged models (:mod:`flasync.tracking.model_metrics`):
+:meth:`SqliteMetrics.points` reads the stored points of some series in one query, and :meth:`SqliteMetrics.link`
+adds them to a model's metrics (``logged_model_metrics``) in one transaction, as ``log_batch`` of the same points
+with the model's id leaves the store, without reading the run and writing each point again.
 """
 
 from __future__ import annotations
@@ -65,6 +70,23 @@ _LATEST_KEY = ("key", "run_uuid")
 _NAMED = {"key", "value", "run_uuid"}  # the columns of ``params`` and of ``tags``
 _NAMED_KEY = ("key", "run_uuid")
 _RUN_COLUMNS = {"run_uuid", "status", "end_time", "lifecycle_stage"}  # of ``runs``, that end_run reads and writes
+_MODEL_METRICS = {
+    "model_id",
+    "metric_name",
+    "metric_timestamp_ms",
+    "metric_step",
+    "metric_value",
+    "experiment_id",
+    "run_id",
+    "dataset_uuid",
+    "dataset_name",
+    "dataset_digest",
+}
+_MODEL_METRICS_KEY = ("model_id", "metric_name", "metric_timestamp_ms", "metric_step", "run_id")
+_LINK = (
+    "INSERT OR IGNORE INTO logged_model_metrics (model_id, metric_name, metric_timestamp_ms, metric_step, "
+    "metric_value, experiment_id, run_id) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
 _END_STATUSES = frozenset({"FINISHED", "FAILED", "KILLED"})
 _RUN_NAME_TAG = "mlflow.runName"  # MLflow's ``set_tag`` renames the run too: left to it
 _BUSY_TIMEOUT_S = 30.0  # as long as flasync's own schema work waits for the store's lock
@@ -94,14 +116,22 @@ class SqliteMetrics:
     """
 
     def __init__(
-        self, connection: sqlite3.Connection, validate: Callable[..., None], *, params_and_tags: bool = False
+        self,
+        connection: sqlite3.Connection,
+        validate: Callable[..., None],
+        *,
+        params_and_tags: bool = False,
+        model_metrics: bool = False,
     ) -> None:
         """Take the connection; ``params_and_tags``: the ``params``, ``tags`` and ``runs`` tables have the shape
-        :meth:`write_params`, :meth:`write_tags` and :meth:`end_run` write (else they write nothing)."""
+        :meth:`write_params`, :meth:`write_tags` and :meth:`end_run` write (else they write nothing);
+        ``model_metrics``: the ``logged_model_metrics`` table has the shape :meth:`link` writes (else it writes
+        nothing)."""
         self._connection = connection
         self._validate = validate
         self._keys: set[str] = set()  # keys MLflow's check accepted already (the check of a key is the dear part)
         self._named = params_and_tags
+        self._models = model_metrics
 
     @classmethod
     def open(cls, tracking_uri: str, *, timeout_s: float = _BUSY_TIMEOUT_S) -> SqliteMetrics | None:
@@ -145,7 +175,11 @@ class SqliteMetrics:
             )
         except sqlite3.Error:
             named = False
-        return cls(connection, validate, params_and_tags=named)
+        try:
+            models = named and _table_fits(connection, "logged_model_metrics", _MODEL_METRICS, _MODEL_METRICS_KEY)
+        except sqlite3.Error:
+            models = False
+        return cls(connection, validate, params_and_tags=named, model_metrics=models)
 
     def write(self, run_id: str, rows: Iterable[Row]) -> None:
         """Store ``rows`` of run ``run_id`` in one transaction (all or nothing).
@@ -281,16 +315,47 @@ class SqliteMetrics:
             held.setdefault(key, []).append(step)
         return held
 
+    def link(self, run_id: str, model_id: str, points: Sequence[Row]) -> bool:
+        """Link ``points`` of run ``run_id`` (as :meth:`points` gives them: stored already) to its experiment's
+        logged model ``model_id`` in one transaction, as ``log_batch`` of those points with the model's id does (the
+        run's series hold them already: only the model's metrics gain rows, each point once; of points of one key,
+        time and step but different values, which ``log_batch`` refuses together, the first is linked); False,
+        writing nothing, where it leaves them to MLflow: a ``logged_model_metrics`` table of another shape, or no
+        such model in the run's experiment.
+
+        Raises:
+            LookupError: If the store has no run ``run_id``.
+            ValueError: If the run is not active (deleted).
+            sqlite3.Error: If the store cannot be written (locked past the timeout, read-only, full).
+        """
+        if not self._models:
+            return False
+        try:
+            with self._transaction(run_id) as connection:
+                query = (
+                    "SELECT runs.experiment_id FROM runs JOIN logged_models ON logged_models.experiment_id = "
+                    "runs.experiment_id WHERE runs.run_uuid = ? AND logged_models.model_id = ?"
+                )
+                found = connection.execute(query, (run_id, model_id)).fetchone()
+                if found is None:
+                    raise _LeftToMlflow  # MLflow says what is wrong with the model
+                rows = [(model_id, key, t, step, value, found[0], run_id) for key, value, t, step in points]
+                connection.executemany(_LINK, rows)
+        except _LeftToMlflow:
+            return False
+        return True
+
     def points(self, run_id: str, prefixes: Sequence[str], step: int | None = None) -> list[Row]:
         """Return the points of run ``run_id`` whose keys start with one of ``prefixes`` (of ``step`` only, unless
-        None), NaN points left out, as ``(key, value, timestamp, step)`` ordered by key, timestamp and step: what
-        ``MlflowClient.get_metric_history`` gives of those series, in one query (infinities as MLflow stores them)."""
+        None), NaN points left out, as ``(key, value, timestamp, step)`` ordered by key, timestamp, step and value:
+        what ``MlflowClient.get_metric_history`` gives of those series, in one query (infinities as MLflow stores
+        them)."""
         query = "SELECT key, value, timestamp, step FROM metrics WHERE run_uuid = ? AND is_nan = 0"
         arguments: tuple[object, ...] = (run_id,)
         if step is not None:
             query, arguments = f"{query} AND step = ?", (run_id, step)
         starts = tuple(prefixes)
-        rows = self._connection.execute(f"{query} ORDER BY key, timestamp, step", arguments)
+        rows = self._connection.execute(f"{query} ORDER BY key, timestamp, step, value", arguments)
         return [(key, float(value), int(t), int(s)) for key, value, t, s in rows if key.startswith(starts)]
 
     def close(self) -> None:

@@ -231,6 +231,75 @@ def test_a_run_ended_directly_reads_as_set_terminated_leaves_it(tracking_uri: st
     assert client.get_run(other).info.status == "RUNNING"
 
 
+def _model_metrics(tracking_uri: str, model_id: str) -> list[tuple[object, ...]]:
+    """Return the logged model's rows of ``logged_model_metrics`` (its id and run's left out)."""
+    path = tracking_uri.removeprefix("sqlite:///")
+    query = (
+        "SELECT metric_name, metric_timestamp_ms, metric_step, metric_value, experiment_id, dataset_uuid, "
+        "dataset_name, dataset_digest FROM logged_model_metrics WHERE model_id = ? ORDER BY 1, 2, 3, 4"
+    )
+    with sqlite3.connect(path) as connection:
+        return connection.execute(query, (model_id,)).fetchall()
+
+
+def test_points_linked_directly_are_stored_as_log_batch_stores_them(
+    tracking_uri: str, client: mlflow.MlflowClient
+) -> None:
+    """A run's stored points linked to its logged model (twice) leave the model's metrics and the run's series as
+    log_batch of the same points with the model's id leaves them; a model of another experiment, or none, is left
+    to MLflow (nothing written), and a deleted run is refused."""
+    by_mlflow, direct_run = _run(client, "linked"), _run(client, "linked")
+    experiment = client.get_run(by_mlflow).info.experiment_id
+    theirs = client.create_logged_model(experiment, name="model", source_run_id=by_mlflow).model_id
+    mine = client.create_logged_model(experiment, name="model", source_run_id=direct_run).model_id
+    elsewhere = client.create_logged_model(client.create_experiment("other"), name="model").model_id
+    writer = SqliteMetrics.open(tracking_uri)
+    assert writer is not None
+    try:
+        for run_id in (by_mlflow, direct_run):
+            for batch in BATCHES:
+                writer.write(run_id, [row for row in batch if isinstance(row[1], float)])
+        prefixes = ("loss", "grad")  # "late" holds two points of one time and step, which log_batch refuses
+        points = writer.points(by_mlflow, prefixes)
+        assert points == writer.points(direct_run, prefixes) and len(points) == 5  # the NaN points left out
+        before = _stored(tracking_uri, direct_run)
+        for _ in range(2):
+            client.log_batch(by_mlflow, metrics=[Metric(*row, model_id=theirs) for row in points], synchronous=True)
+            assert writer.link(direct_run, mine, writer.points(direct_run, prefixes))
+        assert not writer.link(direct_run, elsewhere, points)
+        assert not writer.link(direct_run, "m-none", points)
+        client.delete_run(by_mlflow)
+        with pytest.raises(ValueError, match="must be in the 'active' state"):
+            writer.link(by_mlflow, theirs, points)
+    finally:
+        writer.close()
+    assert _model_metrics(tracking_uri, mine) == _model_metrics(tracking_uri, theirs)
+    assert len(_model_metrics(tracking_uri, mine)) == 5 and not _model_metrics(tracking_uri, elsewhere)
+    assert _stored(tracking_uri, direct_run) == before
+    got = sorted((m.key, m.step, m.value) for m in client.get_logged_model(mine).metrics)
+    assert got == sorted((m.key, m.step, m.value) for m in client.get_logged_model(theirs).metrics)
+
+
+def test_points_of_one_time_and_step_link_the_first(tracking_uri: str, client: mlflow.MlflowClient) -> None:
+    """Of two stored points of one key, time and step with different values (log_batch refuses them together), the
+    first in the reader's order (the smaller value) is linked; the rest of the points are."""
+    run_id = _run(client, "linked-twice")
+    model = client.create_logged_model(client.get_run(run_id).info.experiment_id, name="model", source_run_id=run_id)
+    writer = SqliteMetrics.open(tracking_uri)
+    assert writer is not None
+    try:
+        writer.write(run_id, [("late", 7.0, 2_000, 9), ("late", 3.0, 2_000, 9), ("late", 1.0, 1_000, 4)])
+        points = writer.points(run_id, ("late",))
+        assert points == [("late", 1.0, 1_000, 4), ("late", 3.0, 2_000, 9), ("late", 7.0, 2_000, 9)]
+        assert writer.link(run_id, model.model_id, points)
+    finally:
+        writer.close()
+    assert [(row[0], row[2], row[3]) for row in _model_metrics(tracking_uri, model.model_id)] == [
+        ("late", 4, 1.0),
+        ("late", 9, 3.0),
+    ]
+
+
 def test_params_and_tags_mlflow_treats_otherwise_are_left_to_it(
     tracking_uri: str, client: mlflow.MlflowClient, tmp_path: Path
 ) -> None:

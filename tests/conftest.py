@@ -13,6 +13,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,19 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+
+
+def ready_models(client: Any, experiment_id: str, run_id: str, name: str, count: int = 3) -> list[Any]:
+    """Log ``count`` READY models called ``name`` to run ``run_id`` (each created a millisecond or more after the one
+    before), then one more still pending; return the READY ones, oldest first."""
+    made = []
+    for _ in range(count):
+        model = client.create_logged_model(experiment_id, name=name, source_run_id=run_id)
+        client.finalize_logged_model(model.model_id, "READY")
+        made.append(model)
+        time.sleep(0.005)  # a creation time of its own (milliseconds)
+    client.create_logged_model(experiment_id, name=name, source_run_id=run_id)  # pending, created last
+    return made
 
 
 def free_port() -> int:

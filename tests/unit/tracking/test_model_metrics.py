@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 
 import mlflow
 import pytest
@@ -15,6 +14,7 @@ from mlflow.entities import Metric
 from flasync.tracking import IdleChild, MetricRow, MlflowTracker
 from flasync.tracking.model_metrics import link_evaluation, link_models, logged_model_id
 from flasync.tracking.sqlite_metrics import SqliteMetrics
+from tests.conftest import ready_models
 
 
 def _run_with_series(tracking_uri: str) -> tuple[mlflow.MlflowClient, str, str]:
@@ -96,14 +96,8 @@ def test_the_model_id_is_that_of_the_latest_ready_model_of_the_name(tracking_uri
     """Of several READY models of the run with one name (a resumed run logs its model again), the one created last
     is found; one still pending is not."""
     client, run_id, experiment = _run_with_series(tracking_uri)
-    made = []
-    for _ in range(3):
-        model = client.create_logged_model(experiment, name="model", source_run_id=run_id)
-        client.finalize_logged_model(model.model_id, "READY")
-        made.append(model.model_id)
-        time.sleep(0.005)  # a creation time of its own (milliseconds)
-    client.create_logged_model(experiment, name="model", source_run_id=run_id)  # pending, created last
-    assert logged_model_id(client, run_id, "model") == made[-1]
+    made = ready_models(client, experiment, run_id, "model")
+    assert logged_model_id(client, run_id, "model") == made[-1].model_id
 
 
 def test_the_store_s_reader_gives_the_points_the_client_reads(tracking_uri: str) -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import mlflow
 import pytest
 
 from flasync.tracking.registry import CHAMPION, Registration, register_champion
+from tests.conftest import ready_models
 
 
 def _run_with_model(client: mlflow.MlflowClient, name: str = "best_model") -> str:
@@ -114,13 +113,7 @@ def test_the_latest_ready_model_of_the_name_is_registered(tracking_uri: str) -> 
     client = mlflow.MlflowClient(tracking_uri)
     experiment = client.create_experiment("registry-latest")
     run_id = client.create_run(experiment).info.run_id
-    made = []
-    for _ in range(3):
-        model = client.create_logged_model(experiment, name="model", source_run_id=run_id)
-        client.finalize_logged_model(model.model_id, "READY")
-        made.append(model.artifact_location)
-        time.sleep(0.005)  # a creation time of its own (milliseconds)
-    client.create_logged_model(experiment, name="model", source_run_id=run_id)  # pending, created last
+    made = ready_models(client, experiment, run_id, "model")
     done = register_champion(
         client,
         "latest",
@@ -131,4 +124,4 @@ def test_the_latest_ready_model_of_the_name_is_registered(tracking_uri: str) -> 
         value=0.5,
         tags={},
     )
-    assert client.get_model_version("latest", str(done.version)).source == made[-1]
+    assert client.get_model_version("latest", str(done.version)).source == made[-1].artifact_location

@@ -19,9 +19,9 @@ is one JSON object, answered like a batch: ``file`` (log a local file as an arti
 samples are the machine's, wherever it runs), ``end`` (the run's status), ``release`` (leave the run open, its status
 as it is, to serve other runs: a sweep's parent run while its children run), ``model`` (build, export and log a model,
 see :mod:`flasync.tracking._model`; or log one saved already, its ``saved`` folder), ``link`` (link a step's
-evaluation points to the run's models, :mod:`flasync.tracking.model_metrics`: those of the models the child logged
-to the run, read from a SQLite store in one query) or ``prepare`` (export a model of the same structure ahead of its
-``model`` job, see :class:`flasync.tracking._model.Exports`). What the child is
+evaluation points to the run's models, :mod:`flasync.tracking.model_metrics`: to the models the child logged to
+the run without a search, in a SQLite store in one query and one transaction) or ``prepare`` (export a model of the
+same structure ahead of its ``model`` job, see :class:`flasync.tracking._model.Exports`). What the child is
 to import (or call) ahead for its ``model`` jobs (``torch.export`` and MLflow's pytorch flavour import in about two
 seconds, and the first model they save takes one more: :func:`flasync.tracking._model.warm_up`) is named in its
 environment when it starts, or later by a line ``preload KIND NAME,NAME`` (sent before a run, never answered; the
@@ -376,7 +376,7 @@ def _job(
 ) -> str:
     """Do one job of the parent's (see the module docstring); return the reply's words after ``ok``. ``logged``: the
     id of the latest model of each name this process logged to the run (its ``model`` jobs keep it, its ``link``
-    jobs read it). ``direct``: a SQLite store's writer, for the tags, the run's end and the points a link reads."""
+    jobs read it). ``direct``: a SQLite store's writer, for the tags, the run's end and a link's points."""
     op = request.get("op")
     if op == "monitor":
         monitor.start(client, run_id, tracking_uri, float(request["interval_s"]))

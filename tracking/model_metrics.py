@@ -119,8 +119,8 @@ def link_models(
         models: The step of each model by its name.
         logged: The ids of the run's latest ``READY`` models of some of those names, known to the caller (it logged
             them): no search of the store for them.
-        direct: The store's SQLite reader, if it has one: the points are read in one query (see
-            :func:`link_evaluation`).
+        direct: The store's SQLite writer, if it has one: the points are read in one query and linked in one
+            transaction (see :func:`link_evaluation`).
 
     Raises:
         mlflow.MlflowException: What the store refuses.

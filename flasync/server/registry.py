@@ -308,9 +308,8 @@ class TaskRegistry:
         if clients:
             if self._mark_used is not None:
                 self._mark_used(clients)
-            in_flight = self._in_flight
             for client in cast(_ClientIds, clients):  # mostly one (a slot refilled after each upload): no dict built
-                in_flight[client] = _RESERVED
+                self._in_flight[client] = _RESERVED
             self._reserved += clients
 
     def assign_reserved(self, snapshot: ModelSnapshot, *, reply_to: str = CLOUD) -> list[TaskAssigned]:

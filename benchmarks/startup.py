@@ -5,8 +5,10 @@ into a new SQLite store with no schema kept yet (a new user's very first run: it
 flasync ships, or built by MLflow's migrations for an MLflow it ships none for), tracked into
 a new store in another folder (its schema a copy of the one the first run kept, see
 :func:`flasync.tracking.store.prepare_sqlite_store`), tracked again into that store, and with ``--no-tracking``. Each
-repeat
-has a cache folder of its own (``XDG_CACHE_HOME``), so the first kind never finds a kept schema.
+repeat has a cache folder of its own (``XDG_CACHE_HOME``), so the first kind never finds a kept schema. The tracked
+kinds run in that order (each needs what the one before kept); the untracked run takes another place in each repeat,
+and with ``--baseline`` the two trees take turns going first, so that what one run leaves behind (its processes
+ending, the page cache) and a drift of the machine within a repeat fall on every kind and tree alike.
 Every stderr line is time-stamped as it arrives, which gives: the first line, the start of each phase (``run.phase``:
 loading the data, starting the MLflow run, logging the artifacts), training (``run.started`` to the last
 ``server.eval``), the first client update (``run.started`` plus the summary's ``first update``), the moment the
@@ -105,6 +107,22 @@ Runs = dict[str, list[dict[str, float]]]
 NAN = float("nan")
 
 
+def order(names: list[str], repeat: int) -> list[str]:
+    """Return ``names`` rotated by ``repeat``: each tree goes first in turn, so that a drift of the machine within a
+    repeat (what the runs before leave running or cached) falls on each alike."""
+    shift = repeat % len(names)
+    return names[shift:] + names[:shift]
+
+
+def kinds_in_turn(repeat: int) -> list[str]:
+    """Return the kinds of run in the order repeat ``repeat`` runs them: the tracked ones in :data:`KINDS`' order
+    (each needs what the one before kept), the untracked one moved to another place each repeat (after all of them
+    in the first), so that what a run leaves behind for the next one falls on every kind in turn."""
+    tracked = [kind for kind in KINDS if kind != "--no-tracking"]
+    place = (len(tracked) - repeat) % (len(tracked) + 1)
+    return [*tracked[:place], "--no-tracking", *tracked[place:]]
+
+
 def medians(runs: Runs) -> dict[str, dict[str, float]]:
     """Return the median seconds to each mark, per kind of run."""
     marks = [*MARKS, "first update", "exit", "cpu"]
@@ -174,12 +192,13 @@ def main() -> None:
     described = machine()
     print(f"{described['cpu']}, {described['cpus']} CPUs, load {described['load_average_1m']}, {described['commit']}")
     runs: dict[str, Runs] = {name: {kind: [] for kind in KINDS} for name in trees}
-    for _ in range(args.repeats):
-        for name, tree in trees.items():
+    for repeat in range(args.repeats):
+        for name in order(list(trees), repeat):
+            tree = trees[name]
             # Each tree and repeat has a folder and a cache of its own: its first kind never finds a kept schema or
             # model export, the kinds after it find what the first kept.
             with tempfile.TemporaryDirectory(prefix="flasync-startup-") as tmp:
-                for kind in KINDS:
+                for kind in kinds_in_turn(repeat):
                     where = Path(tmp, FOLDERS[kind])
                     tracked = kind != "--no-tracking"
                     runs[name][kind].append(one(where, tracked, not args.no_system_metrics, Path(tmp, "cache"), tree))

@@ -69,10 +69,12 @@ def main() -> None:
         pq.write_table(pa.table(columns), args.out)
     else:
         parser.error(f"--out must end in .csv, .npz or .parquet, not {suffix!r}")
-    sizes = np.bincount(owner, minlength=args.writers)
+    drawn = np.bincount(owner, minlength=args.writers)
+    sizes = drawn[drawn > 0]  # a writer the draw gave no digit is not in the file
+    empty = f"; {args.writers - len(sizes)} of the {args.writers} drew none" if len(sizes) < args.writers else ""
     print(
-        f"wrote {args.out}: {len(labels)} samples of {np.count_nonzero(sizes)} writers "
-        f"({sizes.min()} to {sizes.max()} samples each, median {int(np.median(sizes))})"
+        f"wrote {args.out}: {len(labels)} samples of {len(sizes)} writers "
+        f"({sizes.min()} to {sizes.max()} samples each, median {int(np.median(sizes))}{empty})"
     )
 
 

@@ -7,7 +7,7 @@ import itertools
 import sys
 import threading
 import time
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from flasync.core.owner import owner_tags
@@ -333,7 +333,7 @@ class RunLifecycle:
         self._run.run_id, self._run.experiment_id = run_id, experiment_id
         return True
 
-    def resume(self, run_id: str) -> str:
+    def resume(self, run_id: str, recomputed: Collection[str] = ()) -> str:
         """Reopen an existing run: set its status back to ``RUNNING`` and log to it from now on.
 
         Unlike :meth:`start`, this needs the store: a run that cannot be reached cannot be continued.
@@ -342,7 +342,8 @@ class RunLifecycle:
         (up to where it was stopped or killed). Each step is written once: for every metric key the store holds,
         values at the steps it holds for that key are dropped, and the steps it misses (per-update series, stepped
         by task, finish out of order) are written (MLflow's ``system/`` metrics excepted: their steps count
-        samples and start again at 0).
+        samples and start again at 0). The keys in ``recomputed`` are figures this life computes again from the
+        whole (a sweep's table): written at every step, the new value the latest of its step.
         """
         if self.started:
             raise RuntimeError(f"this tracker already started run {self._run.run_id or '(spooled)'}")
@@ -353,7 +354,11 @@ class RunLifecycle:
             run = client.get_run(run_id)
             experiment = client.get_experiment(run.info.experiment_id)
             client.update_run(run_id, status="RUNNING")
-            keys = [metric.key for metric in run.data.to_proto().metrics if not metric.key.startswith("system/")]
+            keys = [
+                metric.key
+                for metric in run.data.to_proto().metrics
+                if not metric.key.startswith("system/") and metric.key not in recomputed
+            ]
             self._writers.held_steps = self._stored_steps(client, run_id, keys)
             for key, value in owner_tags().items():  # this process owns the run from now on
                 client.set_tag(run_id, key, value)

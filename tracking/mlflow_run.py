@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -386,12 +386,14 @@ class MlflowTracker:
         """
         return self._lifecycle.opened(timeout)
 
-    def resume(self, run_id: str) -> str:
+    def resume(self, run_id: str, *, recomputed: Collection[str] = ()) -> str:
         """Reopen an existing run: set its status back to ``RUNNING`` and log to it from now on; each step once
         (see :meth:`flasync.tracking._lifecycle.RunLifecycle.resume`).
 
         Args:
             run_id: The run to continue (e.g. one ended ``KILLED`` by an interrupt).
+            recomputed: Metric keys this life computes again from the whole (a sweep's table, whose interrupted
+                life logged it from the points it had): written at every step, the new value the latest of its step.
 
         Returns:
             ``run_id``.
@@ -400,7 +402,7 @@ class MlflowTracker:
             RuntimeError: The tracker was already started.
             mlflow.exceptions.MlflowException: The run does not exist, or the store refused a call.
         """
-        return self._lifecycle.resume(run_id)
+        return self._lifecycle.resume(run_id, recomputed)
 
     @property
     def system_metrics_interval_s(self) -> float:

@@ -51,6 +51,7 @@ __all__ = [
     "PLAN_ARTIFACT",
     "POINT_TAG",
     "SWEEP_TAG",
+    "TABLE_METRICS",
     "VALUES_TAG",
     "SweepParent",
     "best_row",
@@ -173,7 +174,7 @@ class SweepParent:
             raise ConfigError(f"--resume {run_id}: the sweep is still running; stop it first (Ctrl-C)")
         plan = load_plan(json.loads(_read_text(client, run_id, PLAN_ARTIFACT)), uri)
         tracker = tracking.MlflowTracker(uri, runs_view=RUNS_VIEW)
-        tracker.resume(run_id)
+        tracker.resume(run_id, recomputed=TABLE_METRICS)  # an interrupted finish logged the points it had
         tracker.release_writer()  # for the child runs, until the table is logged
         parent = cls(tracker, uri, tags[SWEEP_TAG], resumed=True)
         parent._store = (client, run.info.experiment_id)
@@ -304,6 +305,10 @@ class SweepParent:
             tracker.set_tags({"flasync.sweep.best": best.point, "flasync.sweep.best_run_id": best.run_id or ""})
         tracker.log_metrics(metrics)
         tracker.finish("KILLED" if status == "KILLED" else "FAILED" if status == "FAILED" else "FINISHED")
+
+
+TABLE_METRICS = ("accuracy", "objective", "best_objective", "best_accuracy")
+"""The parent run's metrics, logged from the whole table by :meth:`SweepParent.finish`."""
 
 
 def best_row(rows: Sequence[SweepRow], objective: str = DEFAULT_OBJECTIVE) -> SweepRow | None:

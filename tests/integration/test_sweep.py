@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import re
 import signal
@@ -153,6 +154,18 @@ def test_an_interrupted_sweep_resumes_without_repeating_or_losing_a_run(store: s
     assert children[0].info.end_time == first.info.end_time  # not run again
     assert children[1].info.run_id == killed.info.run_id  # continued, not started again
     assert "flasync sweep finished (4 of 4 runs, 1 finished before)" in resumed.stdout
+    # The parent's figures are the whole table's, not those its interrupted end logged from the points it had.
+    client = mlflow.MlflowClient(store)
+    table_file = client.download_artifacts(parent.info.run_id, "sweep/table.json", str(tmp_path))
+    table = json.loads(Path(table_file).read_text())
+    for key in ("accuracy", "objective"):
+        latest = {}
+        for point in sorted(client.get_metric_history(parent.info.run_id, key), key=lambda m: m.timestamp):
+            latest[point.step] = point.value
+        assert latest == {row["index"]: row[key] for row in table}
+    best = max(table, key=lambda row: row["objective"])
+    assert parent_again.data.metrics["best_objective"] == best["objective"]
+    assert parent_again.data.metrics["best_accuracy"] == best["accuracy"]
 
 
 def test_a_parallel_sweep_runs_its_points_in_worker_processes(store: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,6 +9,12 @@ repeat has a cache folder of its own (``XDG_CACHE_HOME``), so the first kind nev
 kinds run in that order (each needs what the one before kept); the untracked run takes another place in each repeat,
 and with ``--baseline`` the two trees take turns going first, so that what one run leaves behind (its processes
 ending, the page cache) and a drift of the machine within a repeat fall on every kind and tree alike.
+A tracked command ends by starting a writer server (:mod:`flasync.tracking._server`) that the next command's MLflow
+writer process is forked from, MLflow imported: each repeat's sockets go to a folder of its own
+(``XDG_RUNTIME_DIR``), so its first kind never finds a server, and after each command the script waits until the
+server listens and has reaped the command's writer (a user's pause between two commands), then counts that writer's
+CPU with the command's and the server's own start apart (``server start cpu``: spent after the command, nothing
+waiting for it). ``--without-server`` also runs this tree with ``FLASYNC_WRITER_SERVER=0``, interleaved.
 Every stderr line is time-stamped as it arrives, which gives: the first line, the start of each phase (``run.phase``:
 loading the data, starting the MLflow run, logging the artifacts), training (``run.started`` to the last
 ``server.eval``), the first client update (``run.started`` plus the summary's ``first update``), the moment the
@@ -21,24 +27,29 @@ Prints the medians and what tracking adds in each stretch.
     python benchmarks/startup.py --repeats 5
     python benchmarks/startup.py --no-system-metrics   # tracked runs without MLflow's system monitor
     python benchmarks/startup.py --baseline ../flasync-old   # also an older checkout, interleaved, same runs
+    python benchmarks/startup.py --without-server      # also this tree without the writer server, interleaved
 
 The medians, what tracking adds and every run's marks go to ``benchmarks/results/startup.json`` (``--out``; see
 ``benchmarks/record.py``), headed by each tracked kind's whole run against the untracked one's (and, with
-``--baseline``, this tree's against the baseline's).
+``--baseline`` or ``--without-server``, this tree's against the other's).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import resource
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,15 +68,27 @@ MARKS = {
 
 
 def one(
-    folder: Path, tracked: bool, system_metrics: bool = True, cache: Path | None = None, tree: Path = ROOT
+    folder: Path,
+    tracked: bool,
+    system_metrics: bool = True,
+    cache: Path | None = None,
+    tree: Path = ROOT,
+    runtime: Path | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, float]:
-    """Run once in ``folder`` with ``tree``'s flasync (``cache``: the ``XDG_CACHE_HOME`` it sees); return seconds
-    from the command's start to each mark and to its exit."""
+    """Run once in ``folder`` with ``tree``'s flasync (``cache``: the ``XDG_CACHE_HOME`` it sees, ``runtime`` its
+    ``XDG_RUNTIME_DIR``, where its writer server's socket goes; ``extra_env`` more variables); return seconds from
+    the command's start to each mark and to its exit, the CPU seconds of its processes (``cpu``: with its MLflow
+    writer's where a writer server forked it) and, where the command started a writer server, that server's CPU
+    seconds until it listens (``server start cpu``: spent after the command, while nothing waits for it)."""
     folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(extra_env or {})}
     env.pop("MLFLOW_TRACKING_URI", None)
     if cache is not None:
         env["XDG_CACHE_HOME"] = str(cache)
+    if runtime is not None:
+        env["XDG_RUNTIME_DIR"] = str(runtime)
+    servers_before = _servers(runtime)
     args = [sys.executable, "-m", "flasync", "run"]
     if not system_metrics:
         args.append("--no-system-metrics")
@@ -88,11 +111,72 @@ def one(
         raise SystemExit(f"the run failed (exit {process.returncode}) in {folder}:\n{''.join(tail)}")
     seen["exit"] = time.monotonic() - start
     seen["cpu"] = _children_cpu_s() - used
+    if runtime is not None:
+        # A writer forked by a server is the server's child: its CPU reaches the server's count once reaped.
+        _settle(
+            runtime, tracked and env.get("FLASYNC_WRITER_SERVER") != "0" and (tree / "tracking/_server.py").exists()
+        )
+        servers_after = _servers(runtime)
+        seen["cpu"] += sum(
+            servers_after[pid][1] - cpu[1] for pid, cpu in servers_before.items() if pid in servers_after
+        )
+        started = sum(own for pid, (own, _) in servers_after.items() if pid not in servers_before)
+        if started:
+            seen["server start cpu"] = started
     # The summary's "first update X s" counts from the federation's start, which run.started announces.
     first = re.search(r"first update ([0-9.]+) s", summary)
     if first is not None and "training" in seen:
         seen["first update"] = seen["training"] + float(first.group(1))
     return seen
+
+
+def _servers(runtime: Path | None) -> dict[int, tuple[float, float]]:
+    """Return the writer servers whose socket is in ``runtime`` (one repeat's), by pid: their own CPU seconds and
+    those of the writers they forked and reaped."""
+    found: dict[int, tuple[float, float]] = {}
+    if runtime is None:
+        return found
+    for process in psutil.process_iter(["cmdline"]):
+        command = process.info["cmdline"] or []
+        if "--server" in command and any(str(runtime) in part for part in command):
+            with contextlib.suppress(psutil.Error):
+                cpu = process.cpu_times()
+                found[process.pid] = (cpu.user + cpu.system, cpu.children_user + cpu.children_system)
+    return found
+
+
+def _settle(runtime: Path, expect_server: bool, timeout_s: float = 60.0) -> None:
+    """Wait until the writer servers of ``runtime`` have reaped their writers and, with ``expect_server``, one
+    listens there (a command that tracked a run starts one as it ends): what a user's next command finds after a
+    pause, measured apart from the command before."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = False
+        for pid in _servers(runtime):
+            with contextlib.suppress(psutil.Error):
+                busy = busy or bool(psutil.Process(pid).children())
+        if not busy and (not expect_server or any(_listens(path) for path in runtime.glob("*.sock"))):
+            return
+        time.sleep(0.05)
+
+
+def _listens(path: Path) -> bool:
+    """Tell whether a server accepts connections at the Unix socket ``path``."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+            probe.connect(str(path))
+    except OSError:
+        return False
+    return True
+
+
+def _stop_servers(runtime: Path) -> None:
+    """End the writer servers of ``runtime`` (one repeat's: the next starts with none)."""
+    for pid in _servers(runtime):
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            process.terminate()
+            process.wait(30)
 
 
 def _children_cpu_s() -> float:
@@ -101,6 +185,8 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+WITHOUT_SERVER = "this, no writer server"
+"""With ``--without-server``: this tree again, its tracked runs' writers each a process of its own."""
 KINDS = ("first store", "new store", "existing store", "--no-tracking")
 FOLDERS = {"first store": "first", "new store": "second", "existing store": "second", "--no-tracking": "second"}
 Runs = dict[str, list[dict[str, float]]]
@@ -125,7 +211,7 @@ def kinds_in_turn(repeat: int) -> list[str]:
 
 def medians(runs: Runs) -> dict[str, dict[str, float]]:
     """Return the median seconds to each mark, per kind of run."""
-    marks = [*MARKS, "first update", "exit", "cpu"]
+    marks = [*MARKS, "first update", "exit", "cpu", "server start cpu"]
     found: dict[str, dict[str, float]] = {}
     for kind in KINDS:
         found[kind] = {}
@@ -151,6 +237,7 @@ def adds(med: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
             "after_training_s": (k["exit"] - k["last eval"]) - (u["exit"] - u["last eval"]),
             "in_all_s": k["exit"] - u["exit"],
             "cpu_s": k.get("cpu", nan) - u.get("cpu", nan),
+            "server_start_cpu_s": k.get("server start cpu", 0.0),
         }
     return out
 
@@ -162,7 +249,7 @@ def print_tree(name: str, med: dict[str, dict[str, float]], added: dict[str, dic
     print(f"|---|{'---|' * len(KINDS)}")
     marks = list(MARKS)
     marks.insert(marks.index("run opened"), "first update")
-    for mark in (*marks, "exit", "cpu"):
+    for mark in (*marks, "exit", "cpu", "server start cpu"):
         print(f"| {mark} | {' | '.join(f'{med[kind].get(mark, NAN):.2f}' for kind in KINDS)} |")
     for kind, a in added.items():
         print(f"what tracking adds ({kind}):")
@@ -175,7 +262,10 @@ def print_tree(name: str, med: dict[str, dict[str, float]], added: dict[str, dic
         print(f"  training          {a['training_s']:+.2f} s")
         print(f"  after training    {a['after_training_s']:+.2f} s (artifacts, plots, model, closing the run)")
         print(f"  in all            {a['in_all_s']:+.2f} s")
-        print(f"  CPU               {a['cpu_s']:+.2f} s (all the command's processes)")
+        print(f"  CPU               {a['cpu_s']:+.2f} s (all the command's processes, its MLflow writer's too)")
+        if a["server_start_cpu_s"]:
+            started = a["server_start_cpu_s"]
+            print(f"  after the command {started:.2f} s CPU (the writer server it started, importing MLflow)")
 
 
 def main() -> None:
@@ -186,9 +276,17 @@ def main() -> None:
         "--no-system-metrics", action="store_true", help="tracked runs without MLflow's system monitor (default: on)"
     )
     parser.add_argument("--baseline", type=Path, help="another flasync checkout to run the same way, interleaved")
+    parser.add_argument(
+        "--without-server",
+        action="store_true",
+        help="also this tree with FLASYNC_WRITER_SERVER=0 (every writer a process of its own), interleaved",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "startup.json", help="results")
     args = parser.parse_args()
     trees = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    if args.without_server:
+        trees[WITHOUT_SERVER] = ROOT
+    envs = {name: {"FLASYNC_WRITER_SERVER": "0"} if name == WITHOUT_SERVER else {} for name in trees}
     described = machine()
     print(f"{described['cpu']}, {described['cpus']} CPUs, load {described['load_average_1m']}, {described['commit']}")
     runs: dict[str, Runs] = {name: {kind: [] for kind in KINDS} for name in trees}
@@ -197,11 +295,21 @@ def main() -> None:
             tree = trees[name]
             # Each tree and repeat has a folder and a cache of its own: its first kind never finds a kept schema or
             # model export, the kinds after it find what the first kept.
+            # A folder of its own for the writer server's socket, too: the first kind never finds one, and the
+            # server the first tracked command starts is ended with the repeat.
             with tempfile.TemporaryDirectory(prefix="flasync-startup-") as tmp:
-                for kind in kinds_in_turn(repeat):
-                    where = Path(tmp, FOLDERS[kind])
-                    tracked = kind != "--no-tracking"
-                    runs[name][kind].append(one(where, tracked, not args.no_system_metrics, Path(tmp, "cache"), tree))
+                runtime = Path(tmp, "run")
+                runtime.mkdir(mode=0o700)
+                try:
+                    for kind in kinds_in_turn(repeat):
+                        where = Path(tmp, FOLDERS[kind])
+                        tracked = kind != "--no-tracking"
+                        figures = one(
+                            where, tracked, not args.no_system_metrics, Path(tmp, "cache"), tree, runtime, envs[name]
+                        )
+                        runs[name][kind].append(figures)
+                finally:
+                    _stop_servers(runtime)
     trees_figures: dict[str, object] = {}
     headline: list[Figure] = []
     for name, tree in trees.items():
@@ -215,19 +323,23 @@ def main() -> None:
             headline.append(
                 Figure(f"{name}: the default run, {kind}", exit_s, "s", "--no-tracking", exit_s / untracked)
             )
-    if "baseline" in trees:
-        for kind in KINDS:
-            this, base = (medians(runs[name])[kind].get("exit", NAN) for name in ("this", "baseline"))
-            headline.append(Figure(f"this tree against the baseline, {kind}", this, "s", "baseline tree", this / base))
-        for kind in KINDS:
-            this, base = (medians(runs[name])[kind].get("cpu", NAN) for name in ("this", "baseline"))
-            headline.append(
-                Figure(f"this tree against the baseline, {kind}, CPU", this, "s", "baseline tree", this / base)
-            )
+    for other in ("baseline", WITHOUT_SERVER):
+        if other not in trees:
+            continue
+        against = "the baseline" if other == "baseline" else "no writer server"
+        for figure in ("exit", "cpu"):
+            for kind in KINDS:
+                this, base = (medians(runs[name])[kind].get(figure, NAN) for name in ("this", other))
+                label = f"this tree against {against}, {kind}" + (", CPU" if figure == "cpu" else "")
+                headline.append(Figure(label, this, "s", other, this / base))
     store(
         "startup",
         described,
-        settings={"repeats": args.repeats, "system_metrics": not args.no_system_metrics},
+        settings={
+            "repeats": args.repeats,
+            "system_metrics": not args.no_system_metrics,
+            "without_server": args.without_server,
+        },
         headline=headline,
         figures={"load_average_1m_at_end": round(os.getloadavg()[0], 2), "trees": trees_figures},
         out=args.out,

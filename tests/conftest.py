@@ -46,9 +46,15 @@ NEEDS_DP_ACCOUNTING = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Keep what runs cache (MLflow's empty store schema) in a temporary folder, never the user's ``~/.cache``."""
+    """Keep what runs cache (MLflow's empty store schema) in a temporary folder, never the user's ``~/.cache``; and
+    start or ask no writer server (:mod:`flasync.tracking._server`), which would outlive the tests, but in the tests
+    of it, whose sockets go to a private temporary folder."""
+    runtime = tmp_path_factory.mktemp("runtime")
+    runtime.chmod(0o700)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        patch.setenv("XDG_RUNTIME_DIR", str(runtime))
+        patch.setenv("FLASYNC_WRITER_SERVER", "0")
         yield
 
 

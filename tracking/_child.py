@@ -37,6 +37,10 @@ job waits for those not settled, but for a job that also carries ``"detached": t
 one (a model exported ahead, which a later ``model`` job waits for in the helper anyway; a run stopped before its
 model is logged does not).
 
+Where this install's writer server listens (:mod:`flasync.tracking._server`, which a tracked command leaves behind),
+the child is a fork of it rather than a new interpreter: MLflow imported already, its start-up is a fork and the
+store's opening; it serves the same protocol.
+
 After a run's ``end`` or ``release`` job (answered ``ok`` or ``error: ...``) the child has no run again: its system
 monitor is stopped and it waits for the next run's first line, with MLflow, the open store and whatever it preloaded
 still loaded. :data:`IDLE` keeps one such idle child per process, so consecutive tracked runs on the same store (a
@@ -59,13 +63,23 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
+
+from flasync.tracking import _server
 
 if TYPE_CHECKING:
     from flasync.tracking.metrics import MetricRow
     from flasync.tracking.sqlite_metrics import SqliteMetrics
 
-__all__ = ["FORKS_HELPER", "IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer", "warm_idle_writer"]
+__all__ = [
+    "FORKS_HELPER",
+    "IDLE",
+    "ChildLogBatch",
+    "IdleChild",
+    "close_idle_writer",
+    "start_writer_server",
+    "warm_idle_writer",
+]
 
 _STOP = "stop"
 _LEAVING = frozenset({"end", "release"})
@@ -653,15 +667,7 @@ class ChildLogBatch:
         self._preloaded: dict[str, set[str]] = {kind: set(names) for kind, names in lists.items()}
         # Known at its start, what to preload goes to helpers the child forks at once (see _Helper).
         initial = {_PRELOADS[kind]: ",".join(names) for kind, names in lists.items() if names}
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "flasync.tracking._child"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            encoding="utf-8",
-            env={**self._env, **initial},
-        )
+        self._process = _launch({**self._env, **initial})
         self._ready = False
         self._bound = False
         self._run = 0
@@ -920,6 +926,11 @@ class IdleChild:
         child.close()
         return None
 
+    @property
+    def kept(self) -> bool:
+        """Tell whether a child is kept."""
+        return self._child is not None
+
     def keep(self, child: ChildLogBatch) -> None:
         """Keep ``child`` for the next run if it is idle (stop the one kept before); else stop it."""
         if not child.idle:
@@ -978,6 +989,13 @@ def warm_idle_writer(tracking_uri: str) -> None:
     IDLE.warm(tracking_uri)
 
 
+def start_writer_server() -> int | None:
+    """Where this process tracked a run (it keeps its writer process), start this install's writer server unless one
+    answers already (see :mod:`flasync.tracking._server`): later processes' writers are forks of it, MLflow imported.
+    Return its pid (None: none started). The command line calls it once a tracked command is done."""
+    return _server.start() if IDLE.kept else None
+
+
 def close_idle_writer() -> None:
     """Stop the MLflow writer process this process keeps between tracked runs, if any (it is stopped at exit too).
 
@@ -1016,6 +1034,50 @@ def _child_env(tracking_uri: str, extra_env: Mapping[str, str] | None) -> dict[s
     return env
 
 
+class _Process(Protocol):
+    """A writer process as its parent sees it: a :class:`subprocess.Popen`, or one a writer server forked
+    (:class:`flasync.tracking._server.Forked`)."""
+
+    pid: int
+    stdin: IO[str] | None
+    stdout: IO[str] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+def _launch(env: Mapping[str, str]) -> _Process:
+    """Start a writer process with the environment ``env``: a fork of this install's writer server where one
+    answers (MLflow imported already, see :mod:`flasync.tracking._server`), else ``python -m
+    flasync.tracking._child``."""
+    if _server.enabled(env):
+        down_read, down_write = os.pipe()
+        up_read, up_write = os.pipe()
+        try:
+            forked = _server.fork_writer(env, down_read, up_write)
+        finally:  # the writer holds its own ends now, or there is none
+            os.close(down_read)
+            os.close(up_write)
+        if forked is not None:
+            pid, pidfd = forked
+            requests = open(down_write, "w", encoding="utf-8")  # noqa: SIM115 - the process's pipes, closed with it
+            return _server.Forked(pid, pidfd, requests, open(up_read, encoding="utf-8"))
+        os.close(down_write)
+        os.close(up_read)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flasync.tracking._child"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        encoding="utf-8",
+        env=dict(env),
+    )
+
+
 def protocol_replies() -> IO[str]:
     """Return the stream the child answers its parent on (its standard output), and point ``sys.stdout`` at its
     standard error: what a library writes on stdout (MLflow's "View run ... at" lines when a run on a tracking
@@ -1025,7 +1087,33 @@ def protocol_replies() -> IO[str]:
     return replies
 
 
-if __name__ == "__main__":
+def _serve_forked(request: _server.Request, requests_fd: int, replies_fd: int) -> None:  # pragma: no cover
+    """Serve as the writer process of a request's parent, in a fork of the writer server (see
+    :mod:`flasync.tracking._server`): its pipes as standard input and output, its environment, working folder,
+    import path and file mode mask; end when it is done."""
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(requests_fd, 0)
+    os.dup2(replies_fd, 1)
+    os.dup2(null, 2)
+    for fd in (requests_fd, replies_fd, null):
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request.env)
+    os.chdir(request.cwd)
+    os.umask(request.umask)
+    sys.path[:] = request.path
+    requests = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - the process's own streams, to its end
+    replies = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stdin, sys.stdout = requests, open(2, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = sys.stdout
+    _serve(request.env[_URI_VARIABLE], requests, replies)
+    replies.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--server"]:
+    _server.serve(Path(sys.argv[2]), _serve_forked, float(sys.argv[3]) if len(sys.argv) > 3 else _server.IDLE_S)
+elif __name__ == "__main__":
     _replies = protocol_replies()
     _serve(os.environ[_URI_VARIABLE], sys.stdin, _replies)
     # Everything was written and answered: end without the interpreter's teardown (freeing MLflow, SQLAlchemy and

@@ -108,6 +108,16 @@ def _download_bars_off() -> Iterator[None]:
 _BARS = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 
 
+def _warm_next_writer() -> None:
+    """After a command that tracked a run, start the writer server that later commands' MLflow writer processes are
+    forked from, MLflow imported (:func:`flasync.tracking.start_writer_server`). A command that tracked nothing never
+    imported the writer's module, and does not import it now."""
+    child = sys.modules.get("flasync.tracking._child")
+    if child is not None:
+        with contextlib.suppress(Exception):  # a speed-up for the commands after this one, never its failure
+            child.start_writer_server()
+
+
 def console() -> NoReturn:
     """Run the command line as a program (``python -m flasync``, the ``flasync`` script) and exit with its status.
 
@@ -117,6 +127,7 @@ def console() -> NoReturn:
     nothing the operating system would not.
     """
     status = main(process_ends=True)
+    _warm_next_writer()
     # What a normal exit runs, in its order: the threading module's exit hooks (they end idle thread pools' workers,
     # such as the one MLflow's artifact repository keeps, which would otherwise wait for work forever) and the join
     # of every other non-daemon thread; then the atexit handlers (logging's flush, temporary folders' finalizers).

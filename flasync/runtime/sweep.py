@@ -194,6 +194,10 @@ def point_config(base: Mapping[str, Any], point: SweepPoint, uri: str | None) ->
             apply_override(data, override)
         config = validate(data)
     except ConfigError as exc:
+        try:  # wrong without the point's values too: the config or its --set, which the error names as run does
+            validate(copy.deepcopy(dict(base)))
+        except ConfigError:
+            raise exc from None
         raise ConfigError(f"{point.name}: {exc}" if point.trial else f"--grid point {point.name}: {exc}") from None
     if not config.tracking.enabled:
         raise ConfigError("tracking.enabled = false: a sweep's runs are MLflow child runs of one parent run")

@@ -168,6 +168,11 @@ class SweepParent:
         tags = run.data.tags
         if SWEEP_TAG not in tags:
             raise ConfigError(f"--resume {run_id}: MLflow run {run_id} is not a sweep's parent run")
+        if POINT_TAG in tags:
+            raise ConfigError(
+                f"--resume {run_id}: MLflow run {run_id} is one of a sweep's runs, not its parent run: "
+                f"--resume {tags.get(PARENT_TAG, '')} resumes the sweep"
+            )
         if run.info.status == "FINISHED":
             raise ConfigError(f"--resume {run_id}: the sweep already FINISHED; there is nothing to resume")
         if run.info.status == "RUNNING" and owner_alive(tags) is not False:

@@ -96,6 +96,8 @@ def test_a_2x2_sweep_logs_a_parent_run_and_four_child_runs(store: str, capsys: p
     # A finished sweep has nothing to resume, by its parent's id or by its command.
     assert main(["sweep", "--resume", parent.info.run_id, "--tracking-uri", store]) == 2
     assert "the sweep already FINISHED" in capsys.readouterr().err
+    assert main(["sweep", "--resume", children[0].info.run_id, "--tracking-uri", store]) == 2
+    assert f"not its parent run: --resume {parent.info.run_id} resumes the sweep" in capsys.readouterr().err
     assert main(["sweep", *GRID, *SMALL, "--set", "stop.max_versions=6", "--tracking-uri", store, "--resume"]) == 2
     assert "no unfinished sweep of this config and grid" in capsys.readouterr().err
 

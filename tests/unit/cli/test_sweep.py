@@ -21,6 +21,8 @@ from flasync.cli import main
         (["--grid", "seed=0,1", "--set", "tracking.enabled=false"], "tracking.enabled = false"),
         (["--grid", "seed=0,1", "--parallel", "0"], "--parallel 0: must be at least 1"),
         (["--grid", "server.kind=fedavg,fedbux"], "--grid point server.kind=fedbux: server: unknown kind 'fedbux'"),
+        # A mistake of --set is the config's, not a grid point's.
+        (["--grid", "seed=0,1", "--set", "stop.max_version=4"], "error: stop.max_version: unknown field (did you"),
         (["--resume", "abc", "--grid", "seed=0,1"], "--resume abc takes the sweep from its parent run"),
         (["--resume", "abc"], "--resume abc: no MLflow run 'abc'"),
     ],

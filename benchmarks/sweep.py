@@ -92,7 +92,9 @@ def _tree_cpu(pid: int) -> float:
 def _timed(command: list[str], cwd: str, root: Path = ROOT) -> tuple[float, list[float], float, list[float]]:
     """Run ``command`` with the flasync of checkout ``root``; return its wall seconds, the seconds at which each run's
     start line arrived, its CPU seconds, and its CPU seconds so far as each start line arrived."""
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    # Every sweep's writer a process of its own, as when these figures were first stored: a writer server left by an
+    # earlier command (benchmarks/startup.py measures it) would make only the first command of a run cheaper.
+    env = {**os.environ, "PYTHONPATH": str(root), "FLASYNC_WRITER_SERVER": "0"}
     cpu = _cpu()
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -109,6 +109,9 @@ def calls(tree: Path, modes: list[str], uri: str, cache: Path) -> list[Figures]:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     env["XDG_CACHE_HOME"] = str(cache)
+    # Every fresh process's writer a process of its own: a writer server left by an earlier command (which
+    # benchmarks/startup.py measures) would make the fresh calls cheaper only where one happens to be running.
+    env["FLASYNC_WRITER_SERVER"] = "0"
     # Run from the cache's folder: `python -c` puts the working directory first on sys.path, before PYTHONPATH.
     done = subprocess.run(
         [sys.executable, "-c", DRIVER, ",".join(modes), uri],

@@ -41,7 +41,6 @@ import contextlib
 import os
 import re
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import Figure, machine, store  # noqa: E402
+
+from flasync.tracking._server import listens  # noqa: E402  (a socket probe: the same in every tree)
 
 MARKS = {
     "first line": None,
@@ -155,19 +156,9 @@ def _settle(runtime: Path, expect_server: bool, timeout_s: float = 60.0) -> None
         for pid in _servers(runtime):
             with contextlib.suppress(psutil.Error):
                 busy = busy or bool(psutil.Process(pid).children())
-        if not busy and (not expect_server or any(_listens(path) for path in runtime.glob("*.sock"))):
+        if not busy and (not expect_server or any(listens(path) for path in runtime.glob("*.sock"))):
             return
         time.sleep(0.05)
-
-
-def _listens(path: Path) -> bool:
-    """Tell whether a server accepts connections at the Unix socket ``path``."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
-            probe.connect(str(path))
-    except OSError:
-        return False
-    return True
 
 
 def _stop_servers(runtime: Path) -> None:

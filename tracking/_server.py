@@ -41,7 +41,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, NamedTuple
 
-__all__ = ["IDLE_S", "VARIABLE", "Forked", "Request", "address", "enabled", "fork_writer", "serve", "start"]
+__all__ = [
+    "IDLE_S",
+    "VARIABLE",
+    "Forked",
+    "Request",
+    "address",
+    "enabled",
+    "fork_writer",
+    "listens",
+    "serve",
+    "start",
+]
 
 VARIABLE = "FLASYNC_WRITER_SERVER"
 """The environment variable that, set to ``0``, keeps flasync from starting or asking a writer server."""
@@ -222,7 +233,7 @@ def start(env: Mapping[str, str] | None = None) -> int | None:
     if not enabled(env):
         return None
     path = address()
-    if path is None or _answers(path):
+    if path is None or listens(path):
         return None
     env["PYTHONPATH"] = os.pathsep.join([str(_root()), *filter(None, [env.get("PYTHONPATH")])])
     server = subprocess.Popen(
@@ -237,7 +248,7 @@ def start(env: Mapping[str, str] | None = None) -> int | None:
     return server.pid
 
 
-def _answers(path: Path) -> bool:
+def listens(path: Path) -> bool:
     """Tell whether a server listens at ``path``."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
@@ -310,7 +321,7 @@ def _remove_dead_sockets(folder: Path) -> None:
     """Remove the sockets of writer servers (of any install) that no server answers at any more: one killed, or
     its machine restarted with the folder kept."""
     for path in folder.glob("flasync-writer-*.sock"):
-        if not _answers(path):
+        if not listens(path):
             with contextlib.suppress(OSError):
                 path.unlink()
 

@@ -37,15 +37,6 @@ def _wait(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _listening(path: Path) -> bool:
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
-            probe.connect(str(path))
-    except OSError:
-        return False
-    return True
-
-
 @pytest.fixture
 def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A private folder for the sockets (a short path: a Unix socket's is at most 107 bytes), and writer servers on
@@ -66,7 +57,7 @@ def server(runtime: Path) -> Iterator[psutil.Process]:
     path = _server.address()
     assert path is not None and path.parent == runtime
     try:
-        _wait(lambda: _listening(path), 120, "the server listens")
+        _wait(lambda: _server.listens(path), 120, "the server listens")
         yield process
     finally:
         close_idle_writer()
@@ -77,6 +68,20 @@ def server(runtime: Path) -> Iterator[psutil.Process]:
 
 def _parent_of(pid: int) -> int:
     return psutil.Process(pid).ppid()
+
+
+def _rows(key: str, count: int) -> list[MetricRow]:
+    return [MetricRow(key, float(step), 1_000 + step, step) for step in range(count)]
+
+
+def _forked(uri: str, experiment: str, server: psutil.Process) -> tuple[mlflow.MlflowClient, str, ChildLogBatch]:
+    """Return a client of ``uri``, a new run in ``experiment`` and a writer process for it, ready: the server's."""
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment(experiment)).info.run_id
+    child = ChildLogBatch(uri, run_id)
+    child.wait_ready(60)
+    assert _parent_of(child.pid) == server.pid
+    return client, run_id, child
 
 
 def test_a_tracked_run_gets_a_writer_forked_by_the_server(server: psutil.Process, tmp_path: Path) -> None:
@@ -109,13 +114,8 @@ def test_the_fork_takes_its_parents_folder_and_environment(
     itself reaches the writer in that process's environment (the server's names none)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mlruns").mkdir()
-    uri = "sqlite:///mlruns/mlflow.db"
-    client = mlflow.MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("forked")).info.run_id
-    child = ChildLogBatch(uri, run_id)
+    client, run_id, child = _forked("sqlite:///mlruns/mlflow.db", "forked", server)
     try:
-        child.wait_ready(60)
-        assert _parent_of(child.pid) == server.pid
         assert psutil.Process(child.pid).cwd() == str(tmp_path)
         child(_rows("relative", 3))
     finally:
@@ -124,19 +124,11 @@ def test_the_fork_takes_its_parents_folder_and_environment(
     assert not child.alive
 
 
-def _rows(key: str, count: int) -> list[MetricRow]:
-    return [MetricRow(key, float(step), 1_000 + step, step) for step in range(count)]
-
-
 def test_a_killed_forked_writer_is_seen_gone(server: psutil.Process, tracking_uri: str) -> None:
     """A forked writer that dies is seen dead by its parent (through the pidfd the server sent), and a batch to it
     fails as one to a dead writer of its own start does."""
-    client = mlflow.MlflowClient(tracking_uri)
-    run_id = client.create_run(client.create_experiment("killed")).info.run_id
-    child = ChildLogBatch(tracking_uri, run_id)
+    _, _, child = _forked(tracking_uri, "killed", server)
     try:
-        child.wait_ready(60)
-        assert _parent_of(child.pid) == server.pid
         os.kill(child.pid, signal.SIGKILL)
         _wait(lambda: not child.alive, 30, "the parent sees its writer gone")
         with pytest.raises(ConnectionError):
@@ -161,14 +153,8 @@ def test_the_server_refuses_a_malformed_request_and_serves_the_next(server: psut
         os.close(read)
         os.close(write)
     assert server.children() == []
-    client = mlflow.MlflowClient(tracking_uri)
-    run_id = client.create_run(client.create_experiment("after-refusals")).info.run_id
-    child = ChildLogBatch(tracking_uri, run_id)
-    try:
-        child.wait_ready(60)
-        assert _parent_of(child.pid) == server.pid
-    finally:
-        child.close()
+    _, _, child = _forked(tracking_uri, "after-refusals", server)
+    child.close()
 
 
 def test_a_second_server_is_not_started_and_a_removed_socket_ends_it(server: psutil.Process) -> None:
@@ -191,7 +177,7 @@ def test_an_idle_server_ends_and_removes_its_socket(runtime: Path) -> None:
     command = [sys.executable, "-m", "flasync.tracking._child", "--server", str(path), "1"]
     process = subprocess.Popen(command, env={**os.environ}, stdin=subprocess.DEVNULL)
     try:
-        _wait(lambda: _listening(path), 120, "the server listens")
+        _wait(lambda: _server.listens(path), 120, "the server listens")
         assert not stale.exists()
         assert process.wait(30) == 0
     finally:

@@ -254,13 +254,22 @@ class _Progress:
         print(f"flasync sweep: run {position}/{total} {task.point.name} started{how}", file=sys.stderr, flush=True)
 
 
+_ENDED = (("KILLED", "stopped"), ("FAILED", "failed"))
+"""How a stopped sweep's header counts the runs it reached that did not finish."""
+
+
 def _print_table(outcome: SweepOutcome, plan: Plan) -> None:
     """Print the sweep's table, its best run and its parent run."""
     from flasync.runtime.sweep_runs import best_row
 
-    done = "stopped" if outcome.stopped else "finished"
     skipped = f", {outcome.skipped} finished before" if outcome.skipped else ""
-    lines = ["", f"flasync sweep {done} ({len(outcome.rows)} of {plan.size} runs{skipped})"]
+    if outcome.stopped:  # the runs it reached are not all finished: say how many are
+        statuses = [row.status for row in outcome.rows]
+        ended = [f"{statuses.count(status)} {word}" for status, word in _ENDED if statuses.count(status)]
+        head = f"stopped ({statuses.count('FINISHED')} of {plan.size} runs finished, {', '.join(ended)}{skipped})"
+    else:
+        head = f"finished ({len(outcome.rows)} of {plan.size} runs{skipped})"
+    lines = ["", f"flasync sweep {head}"]
     width = max([len("point"), *(len(row.point) for row in outcome.rows)])
     lines.append(f"  {'point':<{width}}  status    accuracy  loss     wall_s  updates/s  run")
     for row in outcome.rows:

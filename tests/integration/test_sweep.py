@@ -135,6 +135,7 @@ def test_an_interrupted_sweep_resumes_without_repeating_or_losing_a_run(store: s
     parent, children = _runs(store)
     assert parent.info.status == "KILLED"
     assert f"resume with: python -m flasync sweep --resume {parent.info.run_id}" in output
+    assert "flasync sweep stopped (1 of 4 runs finished, 1 stopped)" in output
     assert [(c.info.run_name, c.info.status) for c in children] == [(POINTS[0], "FINISHED"), (POINTS[1], "KILLED")]
     first, killed = children
 

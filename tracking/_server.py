@@ -95,8 +95,9 @@ def _digest() -> str:
     """Return what tells this install from another: the Python, flasync's sources and MLflow's first module (each
     file's path, size and time) and the time of the folder MLflow is installed in (an install or removal there
     changes it)."""
-    what: list[object] = [sys.executable, sys.version, str(_root())]
-    package = _root() / "flasync"
+    root = _root()
+    what: list[object] = [sys.executable, sys.version, str(root)]
+    package = root / "flasync"
     for folder, names, files in os.walk(package, followlinks=True):
         names[:] = sorted(name for name in names if name != "__pycache__")
         for name in sorted(files):

@@ -195,7 +195,7 @@ def point_config(base: Mapping[str, Any], point: SweepPoint, uri: str | None) ->
         config = validate(data)
     except ConfigError as exc:
         try:  # wrong without the point's values too: the config or its --set, which the error names as run does
-            validate(copy.deepcopy(dict(base)))
+            validate(base)  # reads the mapping, changes nothing
         except ConfigError:
             raise exc from None
         raise ConfigError(f"{point.name}: {exc}" if point.trial else f"--grid point {point.name}: {exc}") from None

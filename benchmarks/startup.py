@@ -9,12 +9,13 @@ repeat has a cache folder of its own (``XDG_CACHE_HOME``), so the first kind nev
 kinds run in that order (each needs what the one before kept); the untracked run takes another place in each repeat,
 and with ``--baseline`` the two trees take turns going first, so that what one run leaves behind (its processes
 ending, the page cache) and a drift of the machine within a repeat fall on every kind and tree alike.
-A tracked command ends by starting a writer server (:mod:`flasync.tracking._server`) that the next command's MLflow
-writer process is forked from, MLflow imported: each repeat's sockets go to a folder of its own
-(``XDG_RUNTIME_DIR``), so its first kind never finds a server, and after each command the script waits until the
-server listens and has reaped the command's writer (a user's pause between two commands), then counts that writer's
-CPU with the command's and the server's own start apart (``server start cpu``: spent after the command, nothing
-waiting for it). ``--without-server`` also runs this tree with ``FLASYNC_WRITER_SERVER=0``, interleaved.
+A tracked command leaves a writer server (:mod:`flasync.tracking._server`: its MLflow writer process forks one, MLflow
+imported; older trees start one as the command ends) that the next command's writer is forked from: each repeat's
+sockets go to a folder of its own (``XDG_RUNTIME_DIR``), so its first kind never finds a server, and after each
+command the script waits until the server listens and has reaped the command's writer (a user's pause between two
+commands), then counts that writer's CPU with the command's and the server's own apart (``server start cpu``: what
+the server spent on its own, nothing waiting for it). ``--without-server`` also runs this tree with
+``FLASYNC_WRITER_SERVER=0``, interleaved.
 Every stderr line is time-stamped as it arrives, which gives: the first line, the start of each phase (``run.phase``:
 loading the data, starting the MLflow run, logging the artifacts), training (``run.started`` to the last
 ``server.eval``), the first client update (``run.started`` plus the summary's ``first update``), the moment the
@@ -133,14 +134,21 @@ def one(
 
 def _servers(runtime: Path | None) -> dict[int, tuple[float, float]]:
     """Return the writer servers whose socket is in ``runtime`` (one repeat's), by pid: their own CPU seconds and
-    those of the writers they forked and reaped."""
+    those of the writers they forked and reaped. A server started on its own names the socket in its command line;
+    one a writer forked has the writer's, and is known by the socket it listens on."""
     found: dict[int, tuple[float, float]] = {}
     if runtime is None:
         return found
     for process in psutil.process_iter(["cmdline"]):
         command = process.info["cmdline"] or []
-        if "--server" in command and any(str(runtime) in part for part in command):
-            with contextlib.suppress(psutil.Error):
+        if "flasync.tracking._child" not in command:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if "--server" in command:
+                ours = any(str(runtime) in part for part in command)
+            else:
+                ours = any(str(c.laddr).startswith(f"{runtime}/") for c in process.net_connections(kind="unix"))
+            if ours:
                 cpu = process.cpu_times()
                 found[process.pid] = (cpu.user + cpu.system, cpu.children_user + cpu.children_system)
     return found
@@ -256,7 +264,7 @@ def print_tree(name: str, med: dict[str, dict[str, float]], added: dict[str, dic
         print(f"  CPU               {a['cpu_s']:+.2f} s (all the command's processes, its MLflow writer's too)")
         if a["server_start_cpu_s"]:
             started = a["server_start_cpu_s"]
-            print(f"  after the command {started:.2f} s CPU (the writer server it started, importing MLflow)")
+            print(f"  server on its own {started:.2f} s CPU (the writer server the command left)")
 
 
 def main() -> None:

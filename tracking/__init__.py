@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flasync.tracking._child import IdleChild, close_idle_writer, start_writer_server, warm_idle_writer
+    from flasync.tracking._child import IdleChild, close_idle_writer, warm_idle_writer
     from flasync.tracking.exports import ExportCache, default_export_cache
     from flasync.tracking.logs import LevelFilter, configure_logging, make_logger
     from flasync.tracking.metrics import (
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 _MODULES = {
     "IdleChild": "flasync.tracking._child",
     "close_idle_writer": "flasync.tracking._child",
-    "start_writer_server": "flasync.tracking._child",
     "warm_idle_writer": "flasync.tracking._child",
     "ExportCache": "flasync.tracking.exports",
     "default_export_cache": "flasync.tracking.exports",
@@ -131,7 +130,6 @@ __all__ = [
     "redact_uri",
     "replay",
     "resolve_tracking_uri",
-    "start_writer_server",
     "warm_idle_writer",
     "yaml_text",
 ]

@@ -37,9 +37,9 @@ job waits for those not settled, but for a job that also carries ``"detached": t
 one (a model exported ahead, which a later ``model`` job waits for in the helper anyway; a run stopped before its
 model is logged does not).
 
-Where this install's writer server listens (:mod:`flasync.tracking._server`, which a tracked command leaves behind),
-the child is a fork of it rather than a new interpreter: MLflow imported already, its start-up is a fork and the
-store's opening; it serves the same protocol.
+Where this install's writer server listens (:mod:`flasync.tracking._server`, which the first tracked command's
+child forks once MLflow is imported), the child is a fork of it rather than a new interpreter: MLflow imported
+already, its start-up is a fork and the store's opening; it serves the same protocol.
 
 After a run's ``end`` or ``release`` job (answered ``ok`` or ``error: ...``) the child has no run again: its system
 monitor is stopped and it waits for the next run's first line, with MLflow, the open store and whatever it preloaded
@@ -77,7 +77,6 @@ __all__ = [
     "ChildLogBatch",
     "IdleChild",
     "close_idle_writer",
-    "start_writer_server",
     "warm_idle_writer",
 ]
 
@@ -989,13 +988,6 @@ def warm_idle_writer(tracking_uri: str) -> None:
     IDLE.warm(tracking_uri)
 
 
-def start_writer_server() -> int | None:
-    """Where this process tracked a run (it keeps its writer process), start this install's writer server unless one
-    answers already (see :mod:`flasync.tracking._server`): later processes' writers are forks of it, MLflow imported.
-    Return its pid (None: none started). The command line calls it once a tracked command is done."""
-    return _server.start() if IDLE.kept else None
-
-
 def close_idle_writer() -> None:
     """Stop the MLflow writer process this process keeps between tracked runs, if any (it is stopped at exit too).
 
@@ -1115,6 +1107,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--server"]:
     _server.serve(Path(sys.argv[2]), _serve_forked, float(sys.argv[3]) if len(sys.argv) > 3 else _server.IDLE_S)
 elif __name__ == "__main__":
     _replies = protocol_replies()
+    _server.fork_server(_serve_forked)  # where the command line asked for one and none listens: MLflow imported first
     _serve(os.environ[_URI_VARIABLE], sys.stdin, _replies)
     # Everything was written and answered: end without the interpreter's teardown (freeing MLflow, SQLAlchemy and
     # torch object by object took a second, which the parent's close() waited for).

@@ -2,12 +2,14 @@
 
 A writer process (:mod:`flasync.tracking._child`) spends its first seconds of CPU importing MLflow, SQLAlchemy and
 Alembic (about 4 s on a 2-core AMD EPYC) while the run it serves imports torch and trains beside it, and each tracked
-``flasync run`` from the shell starts one. After such a run, the command line starts this server (:func:`start`:
-``python -m flasync.tracking._child --server PATH``), detached: it imports what a writer needs, then waits on a Unix
-socket. A writer asked for later, by any process of the same user running the same Python, flasync and MLflow
-(:func:`fork_writer`), is a fork of the server: it gets the two pipes its parent talks to it on, that parent's
-environment, working folder, import path and file mode mask, and serves exactly as a writer started with ``python -m
-flasync.tracking._child`` would, with nothing left to import. It runs with the server's priority and limits.
+``flasync run`` from the shell starts one. The first such writer, MLflow imported, forks this server
+(:func:`fork_server`: where :data:`VARIABLE` is ``1``, which the command line sets), detached, and goes on with its
+run: the server waits on a Unix socket from the first command's first seconds, at the cost of a fork. A writer asked
+for later, by any process of the same user running the same Python, flasync and MLflow (:func:`fork_writer`), is a
+fork of the server: it gets the two pipes its parent talks to it on, that parent's environment, working folder, import
+path and file mode mask, and serves exactly as a writer started with ``python -m flasync.tracking._child`` would, with
+nothing left to import. It runs with the server's priority and limits. ``python -m flasync.tracking._child --server
+PATH`` starts a server on its own (:func:`serve`).
 
 What travels is JSON and two file descriptors: nothing is pickled. The socket lies in a folder only its user can
 enter (``$XDG_RUNTIME_DIR``, else ``/tmp/flasync-UID``), and the server serves only processes of its own user (the
@@ -48,14 +50,17 @@ __all__ = [
     "Request",
     "address",
     "enabled",
+    "fork_server",
     "fork_writer",
     "listens",
     "serve",
-    "start",
+    "starts",
 ]
 
 VARIABLE = "FLASYNC_WRITER_SERVER"
-"""The environment variable that, set to ``0``, keeps flasync from starting or asking a writer server."""
+"""The environment variable that, set to ``0``, keeps flasync from starting or asking a writer server; set to ``1``
+(the command line's default), a writer process started on its own also starts one (:func:`fork_server`); unset, a
+server is asked where one listens but none is started."""
 IDLE_S = 600.0
 """How long a server waits, with no writer of its own alive, before it ends."""
 _MAX_MESSAGE = 1 << 20
@@ -82,6 +87,13 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
     by default) sets :data:`VARIABLE` to ``0``."""
     env = os.environ if env is None else env
     return sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and env.get(VARIABLE, "1") != "0"
+
+
+def starts(env: Mapping[str, str] | None = None) -> bool:
+    """Tell whether a writer process started on its own should start a server (see :func:`fork_server`): where
+    servers are :func:`enabled` and ``env`` (this process's environment by default) sets :data:`VARIABLE` to ``1``."""
+    env = os.environ if env is None else env
+    return enabled(env) and env.get(VARIABLE) == "1"
 
 
 def _root() -> Path:
@@ -227,28 +239,6 @@ def _umask() -> int:
     return 0o022
 
 
-def start(env: Mapping[str, str] | None = None) -> int | None:
-    """Start this install's writer server, detached, unless one answers already or servers are off; return its pid
-    (None: none started). It imports MLflow on its own (a few seconds of CPU, best spent once a command is done)."""
-    env = dict(os.environ if env is None else env)
-    if not enabled(env):
-        return None
-    path = address()
-    if path is None or listens(path):
-        return None
-    env["PYTHONPATH"] = os.pathsep.join([str(_root()), *filter(None, [env.get("PYTHONPATH")])])
-    server = subprocess.Popen(
-        [sys.executable, "-m", "flasync.tracking._child", "--server", str(path)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        cwd="/",
-        env=env,
-    )
-    return server.pid
-
-
 def listens(path: Path) -> bool:
     """Tell whether a server listens at ``path``."""
     try:
@@ -261,9 +251,79 @@ def listens(path: Path) -> bool:
 
 
 def serve(path: Path, writer: Callable[[Request, int, int], None], idle_s: float = IDLE_S) -> None:
-    """Import what a writer needs, listen at ``path`` and fork a writer for each request of this user, until idle
-    for ``idle_s`` seconds or ``path`` is another's (runs in the server process, ``python -m
-    flasync.tracking._child --server PATH``).
+    """Import what a writer needs, then :func:`listen` at ``path`` (runs in a server process started on its own,
+    ``python -m flasync.tracking._child --server PATH``)."""
+    _preimport()
+    if threading.active_count() == 1:  # a fork copies one thread: never fork where others run
+        listen(path, writer, idle_s)
+
+
+def fork_server(writer: Callable[[Request, int, int], None], idle_s: float = IDLE_S) -> int | None:
+    """In a writer process started on its own, before it opens a store or starts a thread: where :func:`starts` says
+    so and no server listens, import what a writer needs (this writer needs it too) and fork a server, detached (its
+    own session, ``/`` its folder, its standard streams ``/dev/null``), that listens at once (:func:`listen`, with
+    ``writer`` and ``idle_s``). Return the server's pid (None: none forked). The fork costs the writer a few
+    milliseconds; a server started on its own imports MLflow again (some 3 s of CPU)."""
+    if not starts():
+        return None
+    path = address()
+    if path is None or listens(path):
+        return None
+    _preimport()
+    if threading.active_count() != 1:
+        return None
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # pragma: no cover - a fork (the server tested through what it serves)
+        try:
+            os.close(read)
+            os.setsid()
+            server = os.fork()
+            if server == 0:
+                os.close(write)
+                _detach()
+                listen(path, writer, idle_s)
+            else:
+                os.write(write, str(server).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        with open(read, "rb") as answer:
+            told = answer.read()
+    finally:
+        os.waitpid(middle, 0)
+    return int(told) if told.isdigit() else None
+
+
+def _preimport() -> None:
+    """Import what a writer needs on its way to a run's metrics (:data:`_PREIMPORTS`), the cyclic collector off:
+    nearly everything the imports make lives as long as the process (see ``_serve`` of
+    :mod:`flasync.tracking._child`)."""
+    gc.disable()
+    for name in _PREIMPORTS:
+        with contextlib.suppress(Exception):  # one this MLflow lacks is left to the writer that needs it
+            importlib.import_module(name)
+
+
+def _detach() -> None:
+    """Point this process's standard streams at ``/dev/null`` and its folder at ``/``: a server forked by a writer
+    keeps neither its parent's pipes (whose end the parent waits for) nor a folder the user may remove."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    os.chdir("/")
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def listen(path: Path, writer: Callable[[Request, int, int], None], idle_s: float = IDLE_S) -> None:
+    """Listen at ``path`` and fork a writer for each request of this user, until idle for ``idle_s`` seconds or
+    ``path`` is another's (runs in the server process, what a writer needs imported, no other thread running).
 
     Args:
         path: The socket's path (see :func:`address`).
@@ -271,12 +331,6 @@ def serve(path: Path, writer: Callable[[Request, int, int], None], idle_s: float
         idle_s: How long to wait with no writer alive before ending.
     """
     signal.signal(signal.SIGTERM, _stop)  # ``kill PID``: remove the socket on the way out
-    gc.disable()  # what the imports make lives as long as the server (see _child._serve)
-    for name in _PREIMPORTS:
-        with contextlib.suppress(Exception):  # one this MLflow lacks is left to the writer that needs it
-            importlib.import_module(name)
-    if threading.active_count() != 1:  # a fork copies one thread: never fork where others run
-        return
     _remove_dead_sockets(path.parent)
     gc.freeze()  # the forks share these pages instead of copying them at their first collection
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

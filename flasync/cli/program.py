@@ -15,6 +15,7 @@ from flasync._version import __version__
 from flasync.cli import client, compare, config, data, report, run, serve, sweep, tracking
 from flasync.cli.shared import Parser, UsageError
 from flasync.core.errors import FlasyncError
+from flasync.tracking import _server
 
 
 def _build_parser() -> Parser:
@@ -108,16 +109,6 @@ def _download_bars_off() -> Iterator[None]:
 _BARS = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 
 
-def _warm_next_writer() -> None:
-    """After a command that tracked a run, start the writer server that later commands' MLflow writer processes are
-    forked from, MLflow imported (:func:`flasync.tracking.start_writer_server`). A command that tracked nothing never
-    imported the writer's module, and does not import it now."""
-    child = sys.modules.get("flasync.tracking._child")
-    if child is not None:
-        with contextlib.suppress(Exception):  # a speed-up for the commands after this one, never its failure
-            child.start_writer_server()
-
-
 def console() -> NoReturn:
     """Run the command line as a program (``python -m flasync``, the ``flasync`` script) and exit with its status.
 
@@ -125,9 +116,12 @@ def console() -> NoReturn:
     - the process ends without the interpreter's teardown: freeing the modules a tracked run loads (torch, MLflow,
     SQLAlchemy) one object at a time took 2 s of a default run's 10 (0.7 s without tracking), and frees
     nothing the operating system would not.
+
+    A tracked command's MLflow writer process starts the writer server that later commands' writers are forked
+    from, MLflow imported (:func:`flasync.tracking._server.fork_server`); ``FLASYNC_WRITER_SERVER=0`` keeps it off.
     """
+    os.environ.setdefault(_server.VARIABLE, "1")
     status = main(process_ends=True)
-    _warm_next_writer()
     # What a normal exit runs, in its order: the threading module's exit hooks (they end idle thread pools' workers,
     # such as the one MLflow's artifact repository keeps, which would otherwise wait for work forever) and the join
     # of every other non-daemon thread; then the atexit handlers (logging's flush, temporary folders' finalizers).

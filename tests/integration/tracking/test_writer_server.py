@@ -1,8 +1,9 @@
-"""The writer server: MLflow writer processes forked from one that imported MLflow once, for real runs in a real
-store (see :mod:`flasync.tracking._server`)."""
+"""The writer server: forked by a writer process started on its own, MLflow imported, it forks later writer processes
+for real runs in a real store (see :mod:`flasync.tracking._server`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ import pytest
 import flasync
 from flasync.testing import small_config
 from flasync.tracking import MetricRow, _server
-from flasync.tracking._child import IDLE, ChildLogBatch, close_idle_writer, start_writer_server
+from flasync.tracking._child import IDLE, ChildLogBatch, close_idle_writer
 
 pytestmark = [
     pytest.mark.slow,
@@ -48,16 +49,47 @@ def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _listening(path: Path) -> psutil.Process | None:
+    """Return the process that listens at the Unix socket ``path``, if one does (bound to a name of its own, then
+    renamed to ``path``: see :func:`flasync.tracking._server.listen`)."""
+    for process in psutil.process_iter(["cmdline"]):
+        if "flasync.tracking._child" not in (process.info["cmdline"] or []):
+            continue
+        with contextlib.suppress(psutil.Error):
+            if any(c.laddr.startswith(f"{path}.") for c in process.net_connections(kind="unix")):
+                return process
+    return None
+
+
+def _write_run(uri: str, experiment: str, key: str) -> tuple[ChildLogBatch, int]:
+    """Write three rows of ``key`` to a new run of ``uri`` through a new writer process; return it (closed) and its
+    parent's pid, once the store holds the rows."""
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment(experiment)).info.run_id
+    child = ChildLogBatch(uri, run_id)
+    try:
+        child.wait_ready(120)
+        parent = _parent_of(child.pid)
+        child(_rows(key, 3))
+    finally:
+        child.close()
+    assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [0, 1, 2]
+    return child, parent
+
+
 @pytest.fixture
-def server(runtime: Path) -> Iterator[psutil.Process]:
-    """A writer server of this install, listening; killed (and gone) after the test."""
-    pid = _server.start()
-    assert pid is not None
-    process = psutil.Process(pid)
+def server(runtime: Path, tmp_path: Path) -> Iterator[psutil.Process]:
+    """A writer server of this install, listening: forked, as a tracked command's first writer forks it, by a writer
+    process started on its own (which wrote its run meanwhile); killed (and gone) after the test."""
+    close_idle_writer()
     path = _server.address()
     assert path is not None and path.parent == runtime
+    first, parent = _write_run(f"sqlite:///{tmp_path}/first.db", "first", "first")
+    assert parent == os.getpid()  # started on its own: no server listened yet
+    _wait(lambda: _server.listens(path), 60, "the server listens")
+    process = _listening(path)
+    assert process is not None and process.pid != first.pid
     try:
-        _wait(lambda: _server.listens(path), 120, "the server listens")
         yield process
     finally:
         close_idle_writer()
@@ -157,11 +189,31 @@ def test_the_server_refuses_a_malformed_request_and_serves_the_next(server: psut
     child.close()
 
 
-def test_a_second_server_is_not_started_and_a_removed_socket_ends_it(server: psutil.Process) -> None:
-    """start() leaves a listening server alone; removing its socket ends it within seconds."""
-    assert _server.start() is None
+def test_the_forked_server_is_detached_from_the_writer_that_forked_it(server: psutil.Process, tmp_path: Path) -> None:
+    """The server keeps nothing of the writer it was forked from: a session of its own, ``/`` as its folder, its
+    standard streams ``/dev/null`` (not the pipes whose end that writer's parent waits for), and it outlives it."""
+    assert server.ppid() != os.getpid()
+    assert os.getsid(server.pid) != os.getsid(0)
+    assert server.cwd() == "/"
+    assert {os.readlink(f"/proc/{server.pid}/fd/{fd}") for fd in (0, 1, 2)} == {os.devnull}
+    assert server.children() == []
+
+
+def test_a_second_server_is_not_started_and_a_removed_socket_ends_it(server: psutil.Process, tmp_path: Path) -> None:
+    """A writer started on its own while a server listens forks none (the server keeps its socket); removing the
+    socket ends the server within seconds."""
     path = _server.address()
     assert path is not None
+    inode = path.stat().st_ino
+    command = [sys.executable, "-m", "flasync.tracking._child"]
+    env = {**os.environ, "FLASYNC_CHILD_TRACKING_URI": f"sqlite:///{tmp_path}/own.db"}
+    writer = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert writer.stdin is not None
+    writer.stdin.write(b"stop\n")
+    writer.stdin.close()
+    assert writer.wait(120) == 0
+    assert server.is_running() and path.stat().st_ino == inode
+    assert _listening(path) == server
     path.unlink()
     server.wait(30)
 
@@ -186,10 +238,52 @@ def test_an_idle_server_ends_and_removes_its_socket(runtime: Path) -> None:
     assert not path.exists()
 
 
-def test_servers_off_are_neither_started_nor_asked(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLASYNC_WRITER_SERVER=0 keeps the command line's start from starting one, and writers start as processes of
-    their own."""
-    monkeypatch.setenv(_server.VARIABLE, "0")
-    assert _server.start() is None
-    assert start_writer_server() is None
+@pytest.mark.parametrize("setting", ["0", None])
+def test_servers_off_or_unasked_are_not_started(
+    runtime: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None
+) -> None:
+    """``FLASYNC_WRITER_SERVER=0`` keeps writers from forking a server (and from asking one); unset (a library's
+    default: only the command line sets it to 1), a writer asks but forks none."""
+    if setting is None:
+        monkeypatch.delenv(_server.VARIABLE)
+    else:
+        monkeypatch.setenv(_server.VARIABLE, setting)
+    close_idle_writer()
+    _, parent = _write_run(f"sqlite:///{tmp_path}/mlflow.db", "off", "off")
+    assert parent == os.getpid()
+    time.sleep(0.5)
     assert list(runtime.iterdir()) == []
+
+
+def test_a_tracked_command_leaves_a_server_that_the_next_command_s_writer_is_forked_from(
+    runtime: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m flasync run`` asks for a server with the variable unset: its writer forks one, which outlives the
+    command, and the next command's writer is that server's child; both runs are whole."""
+    monkeypatch.delenv(_server.VARIABLE)
+    (tmp_path / "cfg.yaml").write_text(
+        "data: {kind: digits}\nmodel: {kind: mlp, hidden: [16]}\npopulation: {num_clients: 10}\n"
+        "server: {kind: fedavg, clients_per_round: 5}\nstop: {max_versions: 3}\ntracking: {log_model: false}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    command = [sys.executable, "-m", "flasync", "run", "cfg.yaml", "--no-system-metrics"]
+    path = _server.address()
+    assert path is not None
+    first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    server = _listening(path)
+    assert server is not None
+    try:
+        second = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _wait(lambda: bool(server.children()) or second.poll() is not None, 120, "the server forks a writer")
+        forked = server.children()
+        _, errors = second.communicate(timeout=240)
+        assert second.returncode == 0, errors[-3000:]
+        assert forked, "the second command's writer was not the server's"
+        client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+        runs = client.search_runs([client.get_experiment_by_name("flasync").experiment_id])
+        assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+        assert all("server/eval/accuracy" in r.data.metrics for r in runs)
+    finally:
+        server.terminate()
+        server.wait(30)

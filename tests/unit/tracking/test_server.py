@@ -24,6 +24,17 @@ def test_servers_are_on_unless_the_variable_says_0() -> None:
     assert not _server.enabled({_server.VARIABLE: "0"})
 
 
+def test_only_a_variable_of_1_has_a_writer_start_a_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library's tracked run (the variable unset) asks a listening server but starts none; the command line's
+    ``1`` starts one; ``0`` neither."""
+    assert _server.starts({_server.VARIABLE: "1"})
+    assert not _server.starts({})
+    assert not _server.starts({_server.VARIABLE: "0"})
+    assert not _server.starts({_server.VARIABLE: "yes"})
+    monkeypatch.setenv(_server.VARIABLE, "0")
+    assert _server.fork_server(lambda request, down, up: None) is None  # nothing forked
+
+
 @pytest.fixture
 def short(tmp_path: Path) -> Iterator[Path]:
     """A private folder of a short path (a Unix socket's path is at most 107 bytes, a test's folder's may be more)."""

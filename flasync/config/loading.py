@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import tomllib
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from flasync.config._base import _FieldError
 from flasync.config.run import RunConfig
+from flasync.config.tasks import check_task_model_kind
 from flasync.core.errors import ConfigError
 
 _YAML_MAX_DEPTH = 64
@@ -76,8 +78,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
     Args:
         path: A ``.toml``, ``.yaml`` or ``.yml`` file; ``None`` starts from the defaults.
-        overrides: ``path.to.field=value`` strings; values are parsed as YAML scalars or lists
-            (``0.5``, ``true``, ``[64, 64]``, ``fedasync``).
+        overrides: ``path.to.field=value`` strings; values are parsed as YAML scalars, lists or tables
+            (``0.5``, ``true``, ``[64, 64]``, ``fedasync``, ``{kind: mlp}``), or as a TOML inline table
+            (``{kind = "mlp", hidden = [64]}``).
 
     Returns:
         The validated configuration.
@@ -114,6 +117,11 @@ def validate(data: Mapping[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
+        if any(error["loc"][:1] == ("model",) for error in exc.errors()):
+            try:  # a model kind the task cannot train, named as such rather than by the fields its table lacks
+                check_task_model_kind(data)
+            except _FieldError as mismatch:
+                raise ConfigError(str(mismatch)) from None
         raise ConfigError(format_validation_error(exc, data, model=RunConfig)) from None
 
 
@@ -198,10 +206,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     parts = key.split(".")
     if any(not p.strip() or not p.replace("_", "a").isalnum() for p in parts):
         raise ConfigError(f"--set {override!r}: {key!r} is not a dotted field path")
-    try:
-        value = safe_yaml(raw) if raw.strip() else ""
-    except (yaml.YAMLError, ValueError):  # not YAML, or a number too long for Python to convert: the raw text
-        value = raw
+    value = _override_value(raw)
     node = data
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
@@ -210,6 +215,23 @@ def apply_override(data: dict[str, Any], override: str) -> None:
             raise ConfigError(f"--set {override!r}: {where} is a value, not a table")
         node = child
     node[parts[-1]] = value
+
+
+def _override_value(raw: str) -> Any:
+    """Read an override's value: a TOML inline table (``{kind = "mlp", hidden = [64]}``, as the config files write
+    one) where it is one, else YAML (``[a, b]``, ``{kind: mlp}``, numbers, words), else the text as it is."""
+    text = raw.strip()
+    if not text:
+        return ""
+    if text.startswith("{") and "=" in text:
+        with contextlib.suppress(tomllib.TOMLDecodeError, RecursionError, ValueError):
+            table = tomllib.loads(f"value = {text}")["value"]
+            if _depth(table) <= _YAML_MAX_DEPTH:
+                return table
+    try:
+        return safe_yaml(raw)
+    except (yaml.YAMLError, ValueError):  # not YAML, or a number too long for Python to convert: the raw text
+        return raw
 
 
 def format_validation_error(
@@ -313,5 +335,13 @@ def _message(error: Mapping[str, Any]) -> str:
         message = message[len("Value error, ") :]
     if "input" in error and not isinstance(error["input"], Mapping):
         shown = repr(error["input"])
-        message += f" (got {shown if len(shown) <= 80 else shown[:60] + f'... ({len(shown)} characters)'})"
+        got = shown if len(shown) <= 80 else shown[:60] + f"... ({len(shown)} characters)"
+        if kind in _SEQUENCE_ERRORS and isinstance(error["input"], str | int | float):
+            got += f"; a list is written [a, b], e.g. [{error['input']}]"
+        message += f" (got {got})"
     return message
+
+
+_SEQUENCE_ERRORS = frozenset({"list_type", "tuple_type", "set_type", "frozen_set_type"})
+"""pydantic's error types for a value that should have been a list: one value where a list was asked for is told how
+a list is written (in a file and in ``--set``)."""

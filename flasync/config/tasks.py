@@ -11,6 +11,7 @@ and ``mae``. ``task = "language_model"`` predicts the next character of a UTF-8 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal, Protocol
 
 from flasync.config._base import _FieldError
@@ -34,7 +35,7 @@ from flasync.config.runtime import (
     parse_select,
 )
 
-__all__ = ["CLASSIFICATION_METRICS", "Task", "check_task"]
+__all__ = ["CLASSIFICATION_METRICS", "Task", "check_task", "check_task_model_kind"]
 
 Task = Literal["classification", "regression", "language_model"]
 """What a run learns: class labels (cross-entropy), a real target (mean squared error), or the next character of a
@@ -91,6 +92,25 @@ def check_task(config: _TaskSections) -> None:
         _check_language_model(config, text=text)
         return
     _check_regression(config)
+
+
+def check_task_model_kind(data: object) -> None:
+    """Refuse, in a config that failed validation (a mapping), a model kind its task cannot train: ``task =
+    'language_model'`` with another model than ``gru``, whose table may lack what the GRU's holds (``--set
+    model.kind=mlp`` on a GRU's table is named as such, not as ``model.hidden: ...``).
+
+    Raises:
+        _FieldError: Naming ``model.kind``.
+    """
+    if not isinstance(data, Mapping):
+        return
+    model = data.get("model")
+    kind = model.get("kind") if isinstance(model, Mapping) else None
+    if not isinstance(kind, str):
+        return
+    task = data.get("task", "classification")
+    if task == "language_model" and kind != "gru":
+        raise _FieldError(("model", "kind"), f"task = 'language_model' needs 'gru', not {kind!r}")
 
 
 def _check_language_model(config: _TaskSections, *, text: bool) -> None:

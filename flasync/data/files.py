@@ -30,7 +30,7 @@ import torch
 from flasync.core.errors import DataError
 from flasync.data import ArrayData
 
-__all__ = ["FORMATS", "FileData", "load_files"]
+__all__ = ["FORMATS", "FileData", "load_files", "missing"]
 
 FORMATS = (".npz", ".pt", ".csv", ".parquet")
 """The suffixes :func:`load_files` reads (case-insensitively)."""
@@ -176,6 +176,13 @@ def _read(
     return raw
 
 
+def missing(path: Path, role: str) -> DataError:
+    """Return the error for the data file ``path`` (``data.<role>``) that does not exist; a relative path (one
+    ``--set`` gave: a config file's are made absolute against its folder) says which folder it was looked for in."""
+    where = "" if path.is_absolute() else f", looked for in the working folder {Path.cwd()}"
+    return DataError(f"{path}: file not found (data.{role}{where})")
+
+
 def _check_path(path: Path, role: str) -> None:
     """Refuse a file of an unknown format, a missing one, or a folder, before anything is read."""
     suffix = path.suffix.lower()
@@ -184,7 +191,7 @@ def _check_path(path: Path, role: str) -> None:
             f"{path}: unsupported format {suffix or '(no suffix)'!r} (data.{role}; use {', '.join(FORMATS)})"
         )
     if not path.exists():
-        raise DataError(f"{path}: file not found (data.{role})")
+        raise missing(path, role)
     if not path.is_file():
         raise DataError(f"{path}: not a file (data.{role})")
 

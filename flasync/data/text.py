@@ -17,7 +17,7 @@ import torch
 
 from flasync.core.errors import DataError
 from flasync.data import ArrayData
-from flasync.data.files import FileData
+from flasync.data.files import FileData, missing
 
 __all__ = ["load_text"]
 
@@ -71,7 +71,7 @@ def load_text(train: str | Path, test: str | Path | None, *, context: int, num_c
 
 def _read(path: Path, role: str, digest: hashlib._Hash) -> str:
     if not path.is_file():
-        raise DataError(f"{path}: file not found (data.{role})")
+        raise missing(path, role)
     raw = path.read_bytes()
     digest.update(raw)
     try:

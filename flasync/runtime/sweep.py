@@ -469,9 +469,11 @@ def run_point(
         fetched = checkpoint.fetch(task.resume_run_id, config.tracking.uri or "")
         resume = checkpoint.ResumePoint(task.resume_run_id, fetched.state, fetched.artifact)
     built: list[Federation] = []
+    trackers: list[tracking.MlflowTracker] = []
 
     def build() -> Federation:
         tracker = tracked.mlflow_tracker(config, nest_under=None if resume or PARENT_TAG in task.tags else nest_under)
+        trackers.append(tracker)
         built.append(Federation(config, tracker=tracker, resume=resume, tags=task.tags if not resume else None))
         return built[-1]
 
@@ -480,15 +482,17 @@ def run_point(
         summary = runner(build)
     except (RunInterrupted, asyncio.CancelledError, KeyboardInterrupt) as exc:
         why = exc.reason if isinstance(exc, RunInterrupted) else "SIGINT"
-        return _with_summary(row, built, task.objective, status="KILLED", error=why)
+        return _with_summary(row, built, trackers, task.objective, status="KILLED", error=why)
     except Exception as exc:
-        return _with_summary(row, built, task.objective, status="FAILED", error=f"{type(exc).__name__}: {exc}")
-    return _with_summary(row, built, task.objective, status="FINISHED", summary=summary)
+        error = f"{type(exc).__name__}: {exc}"
+        return _with_summary(row, built, trackers, task.objective, status="FAILED", error=error)
+    return _with_summary(row, built, trackers, task.objective, status="FINISHED", summary=summary)
 
 
 def _with_summary(
     row: SweepRow,
     built: list[Federation],
+    trackers: list[tracking.MlflowTracker],
     objective: str,
     *,
     status: str,
@@ -496,10 +500,12 @@ def _with_summary(
     summary: RunSummary | None = None,
 ) -> SweepRow:
     """Fill ``row`` from the run's (whole or partial) summary, its ``objective`` from the summary's field of that
-    name."""
+    name; its run id from the federation, else from its tracker (a run stopped while its MLflow run was still being
+    opened: the federation never learnt the id, the store has the run)."""
     federation = built[-1] if built else None
     summary = summary or (federation.summary if federation is not None else None)
-    run_id = (federation.run_id if federation is not None else None) or row.run_id
+    opened = trackers[-1].run_id if trackers else None
+    run_id = (federation.run_id if federation is not None else None) or opened or row.run_id
     if summary is None:
         return SweepRow(row.index, row.point, row.values, status, run_id, error=error)
     return SweepRow(

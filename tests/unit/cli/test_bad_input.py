@@ -83,6 +83,10 @@ SETS = [
     ),
     (["eval.metrics=[accuracy, f2]"], "eval.metrics: unknown metric 'f2' (built-in: accuracy, loss, precision,"),
     (
+        ["eval.metrics=f1"],
+        "eval.metrics: Input should be a valid tuple (got 'f1'; a list is written [a, b], e.g. [f1])",
+    ),
+    (
         ["eval.clients.fraction=0.1", "eval.clients.every=3"],
         "eval.clients.every: set either eval.clients.fraction or every, not both",
     ),

@@ -181,6 +181,19 @@ def test_malformed_set(override: str, expected: str) -> None:
     assert expected in _error(None, [override])
 
 
+def test_a_table_is_set_as_a_toml_inline_table_or_in_yaml() -> None:
+    """A whole table in --set, written as the TOML config files write it or in YAML's flow style, gives the same
+    config; TOML-looking text that is not TOML is read as before."""
+    toml = load_config(None, ['model={kind = "mlp", hidden = [24, 12]}', 'server={kind = "fedasync", alpha = 0.4}'])
+    flow = load_config(None, ["model={kind: mlp, hidden: [24, 12]}", "server={kind: fedasync, alpha: 0.4}"])
+    assert toml == flow
+    assert toml.model.kind == "mlp" and toml.model.hidden == (24, 12)
+    assert isinstance(toml.server, FedAsyncServer) and toml.server.alpha == 0.4
+    data: dict[str, object] = {}
+    apply_override(data, "a={b = }")  # not TOML: YAML's reading, a key with no value
+    assert data == {"a": {"b =": None}}
+
+
 def test_apply_override_creates_tables() -> None:
     """apply_override creates intermediate tables."""
     data: dict[str, object] = {}

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from flasync.cli import main
-from flasync.config import RunConfig
+from flasync.config import RunConfig, load_config
+from flasync.core.errors import ConfigError
 
 _EXAMPLE = Path(__file__).parents[3] / "examples" / "regression.toml"
 _REGRESSION = ["task=regression", "data.kind=diabetes", "partition.kind=iid"]
@@ -47,6 +48,16 @@ REFUSED = [
     (["model.kind=gru", "model.hidden=64"], "model.kind: 'gru' reads characters; it needs task = 'language_model'"),
     (["task=ranking"], "task: Input should be 'classification', 'regression' or 'language_model'"),
 ]
+
+
+def test_another_model_kind_on_a_language_model_s_table_names_the_task_first() -> None:
+    """``--set model.kind=mlp`` on the GRU example's table: the task's need, not the fields the MLP lacks."""
+    example = _EXAMPLE.with_name("language_model.toml")
+    for override in ("model.kind=mlp", 'model={kind = "cnn"}'):
+        with pytest.raises(ConfigError) as error:
+            load_config(example, [override])
+        kind = "mlp" if "mlp" in override else "cnn"
+        assert str(error.value) == f"model.kind: task = 'language_model' needs 'gru', not {kind!r}"
 
 
 @pytest.mark.parametrize(

@@ -160,6 +160,17 @@ def test_missing_file_names_it_and_the_field(tmp_path: Path) -> None:
     _refused("gone.csv: file not found (data.test)", train=table, test=tmp_path / "gone.csv", label="label")
 
 
+def test_a_missing_relative_file_says_the_working_folder_it_was_looked_for_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative path (``--set data.train=...``: a config file's are made absolute) is looked for in the working
+    folder, and the error says which."""
+    monkeypatch.chdir(tmp_path)
+    _refused(
+        f"nope.csv: file not found (data.train, looked for in the working folder {tmp_path})", train=Path("nope.csv")
+    )
+
+
 def test_unknown_suffix_is_refused(tmp_path: Path) -> None:
     """A suffix that is not a known format is refused before the file is opened."""
     (tmp_path / "d.json").write_text("{}")

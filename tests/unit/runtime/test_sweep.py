@@ -151,3 +151,37 @@ def test_the_first_run_starts_before_the_parent_run_is_waited_for() -> None:
     assert seen == [(0, False), (1, False), (2, False)]
     assert outcome.parent_run_id == "parent" and parent.ended == "FAILED"
     assert [row.status for row in outcome.rows] == ["FAILED"] * 3
+
+
+def test_a_run_stopped_before_its_federation_knew_its_id_keeps_the_id_in_its_row(
+    store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second Ctrl-C can stop a run whose MLflow run exists while its federation has not learnt the id yet: the row
+    (the stopped sweep's table, ``--resume``'s hint) takes it from the run's tracker, not ``-``."""
+    from flasync.runtime import sweep, tracked
+    from flasync.testing import small_config
+
+    made: list[object] = []
+    real = tracked.mlflow_tracker
+
+    def tracker(*args: object, **kwargs: object) -> object:
+        made.append(real(*args, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    monkeypatch.setattr(tracked, "mlflow_tracker", tracker)
+    opened: list[str] = []
+
+    def runner(build: Callable[[], Federation]) -> RunSummary:
+        federation = build()
+        opened.append(made[-1].start(experiment="sweep-stop"))  # type: ignore[attr-defined]
+        assert federation.run_id is None
+        raise KeyboardInterrupt
+
+    config = small_config("tracking.enabled=true", f"tracking.uri={store}", "tracking.log_model=false")
+    task = PointTask(SweepPoint(0, (("seed", "0"),)), config, {})
+    try:
+        row = sweep.run_point(task, runner)
+    finally:
+        made[-1].finish("KILLED")  # type: ignore[attr-defined]
+    assert row.status == "KILLED" and opened[0]
+    assert row.run_id == opened[0]

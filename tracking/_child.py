@@ -449,9 +449,11 @@ def _job(
     raise ValueError(f"unknown job {op!r}")
 
 
-def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
+def _serve(tracking_uri: str, requests: IO[str], replies: IO[str], *, fork_server: bool = False) -> None:
     """Serve runs one after the other: for each, read its id (or the run to create), then answer batches and jobs
-    read from ``requests`` until its ``end`` job; until told to stop or the parent is gone (runs in the child)."""
+    read from ``requests`` until its ``end`` job; until told to stop or the parent is gone (runs in the child).
+    ``fork_server``: a child started on its own forks this install's writer server where the command line asked for
+    one and none listens (:func:`flasync.tracking._server.fork_server`), once its helpers have started."""
     # No cyclic collections until the run is ready (see _serve_runs): what MLflow's import and the store's opening make
     # (some 300,000 objects) is nearly all alive for good, and the collections its allocations set off, walking it
     # again and again, took a fifth of this process's CPU on the way to the run's creation.
@@ -476,6 +478,12 @@ def _serve(tracking_uri: str, requests: IO[str], replies: IO[str]) -> None:
     aside = _Aside({kind: _Helper.fork() if names[kind] else None for kind in names})
     for kind in list(aside.helpers):
         aside.preload(kind, names[kind])  # a helper already gone is dropped: the writer preloads instead
+    if fork_server:
+        # A speed-up for later commands, never this writer's failure (a fork the system refuses, a socket it cannot
+        # bind). After the helpers: they start on the run's model at once, while this process imports the rest of
+        # what a writer needs (it needs it too) and then forks the server.
+        with contextlib.suppress(Exception):
+            _server.fork_server(_serve_forked)
     try:
         _serve_runs(tracking_uri, requests, reply, aside, names)
     finally:
@@ -1107,8 +1115,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--server"]:
     _server.serve(Path(sys.argv[2]), _serve_forked, float(sys.argv[3]) if len(sys.argv) > 3 else _server.IDLE_S)
 elif __name__ == "__main__":
     _replies = protocol_replies()
-    _server.fork_server(_serve_forked)  # where the command line asked for one and none listens: MLflow imported first
-    _serve(os.environ[_URI_VARIABLE], sys.stdin, _replies)
+    _serve(os.environ[_URI_VARIABLE], sys.stdin, _replies, fork_server=True)
     # Everything was written and answered: end without the interpreter's teardown (freeing MLflow, SQLAlchemy and
     # torch object by object took a second, which the parent's close() waited for).
     _replies.flush()

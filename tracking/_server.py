@@ -261,9 +261,9 @@ def serve(path: Path, writer: Callable[[Request, int, int], None], idle_s: float
 def fork_server(writer: Callable[[Request, int, int], None], idle_s: float = IDLE_S) -> int | None:
     """In a writer process started on its own, before it opens a store or starts a thread: where :func:`starts` says
     so and no server listens, import what a writer needs (this writer needs it too) and fork a server, detached (its
-    own session, ``/`` its folder, its standard streams ``/dev/null``), that listens at once (:func:`listen`, with
-    ``writer`` and ``idle_s``). Return the server's pid (None: none forked). The fork costs the writer a few
-    milliseconds; a server started on its own imports MLflow again (some 3 s of CPU)."""
+    own session, ``/`` its folder, its standard streams ``/dev/null``, no other file of the writer's), that listens
+    at once (:func:`listen`, with ``writer`` and ``idle_s``). Return the server's pid (None: none forked). The fork
+    costs the writer a few milliseconds; a server started on its own imports MLflow again (some 3 s of CPU)."""
     if not starts():
         return None
     path = address()
@@ -311,12 +311,15 @@ def _preimport() -> None:
 
 
 def _detach() -> None:
-    """Point this process's standard streams at ``/dev/null`` and its folder at ``/``: a server forked by a writer
-    keeps neither its parent's pipes (whose end the parent waits for) nor a folder the user may remove."""
+    """Point this process's standard streams at ``/dev/null``, close its other files and point its folder at ``/``:
+    a server forked by a writer keeps neither its parent's pipes (whose end the parent waits for), nor those to the
+    writer's helpers, nor a folder the user may remove. (The objects that held those files are never collected:
+    the collector is off and frozen, and the server ends with ``os._exit``.)"""
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     os.close(null)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     os.chdir("/")
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 

@@ -61,12 +61,12 @@ def _listening(path: Path) -> psutil.Process | None:
     return None
 
 
-def _write_run(uri: str, experiment: str, key: str) -> tuple[ChildLogBatch, int]:
-    """Write three rows of ``key`` to a new run of ``uri`` through a new writer process; return it (closed) and its
-    parent's pid, once the store holds the rows."""
+def _write_run(uri: str, experiment: str, key: str, preload: tuple[str, ...] = ()) -> tuple[ChildLogBatch, int]:
+    """Write three rows of ``key`` to a new run of ``uri`` through a new writer process (told to ``preload``: it
+    forks a helper for that); return it (closed) and its parent's pid, once the store holds the rows."""
     client = mlflow.MlflowClient(uri)
     run_id = client.create_run(client.create_experiment(experiment)).info.run_id
-    child = ChildLogBatch(uri, run_id)
+    child = ChildLogBatch(uri, run_id, preload=preload)
     try:
         child.wait_ready(120)
         parent = _parent_of(child.pid)
@@ -84,7 +84,7 @@ def server(runtime: Path, tmp_path: Path) -> Iterator[psutil.Process]:
     close_idle_writer()
     path = _server.address()
     assert path is not None and path.parent == runtime
-    first, parent = _write_run(f"sqlite:///{tmp_path}/first.db", "first", "first")
+    first, parent = _write_run(f"sqlite:///{tmp_path}/first.db", "first", "first", ("flasync.tracking._model",))
     assert parent == os.getpid()  # started on its own: no server listened yet
     _wait(lambda: _server.listens(path), 60, "the server listens")
     process = _listening(path)
@@ -191,11 +191,14 @@ def test_the_server_refuses_a_malformed_request_and_serves_the_next(server: psut
 
 def test_the_forked_server_is_detached_from_the_writer_that_forked_it(server: psutil.Process, tmp_path: Path) -> None:
     """The server keeps nothing of the writer it was forked from: a session of its own, ``/`` as its folder, its
-    standard streams ``/dev/null`` (not the pipes whose end that writer's parent waits for), and it outlives it."""
+    standard streams ``/dev/null`` (not the pipes whose end that writer's parent waits for), no other file but its
+    socket (not the pipes to the writer's helpers), and it outlives the writer."""
     assert server.ppid() != os.getpid()
     assert os.getsid(server.pid) != os.getsid(0)
     assert server.cwd() == "/"
     assert {os.readlink(f"/proc/{server.pid}/fd/{fd}") for fd in (0, 1, 2)} == {os.devnull}
+    others = [os.readlink(f"/proc/{server.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{server.pid}/fd")][3:]
+    assert [kind.split(":")[0] for kind in others] == ["socket"]  # its own, and none of the writer's pipes
     assert server.children() == []
 
 

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import Figure, machine, store  # noqa: E402
@@ -49,17 +51,27 @@ class Loop:
         walls: Each command's wall seconds, in the loop's order.
         wall: The whole loop's.
         cpu: The CPU seconds of every process the loop ran (a writer server's and its forks' included).
+        server_mb: The writer servers' resident memory once the loop is over, in MiB (0: none runs), and the part
+            of it no other process shares (``server_unique_mb``).
     """
 
     walls: list[float]
     wall: float
     cpu: float
+    server_mb: float = 0.0
+    server_unique_mb: float = 0.0
 
     @classmethod
     def median(cls, loops: list[Loop]) -> Loop:
         """Return the medians of ``loops`` (each command's by its place, the whole loop's, the CPU)."""
         walls = [statistics.median(one.walls[i] for one in loops) for i in range(len(loops[0].walls))]
-        return cls(walls, statistics.median(one.wall for one in loops), statistics.median(one.cpu for one in loops))
+        return cls(
+            walls,
+            statistics.median(one.wall for one in loops),
+            statistics.median(one.cpu for one in loops),
+            statistics.median(one.server_mb for one in loops),
+            statistics.median(one.server_unique_mb for one in loops),
+        )
 
 
 def loop(tree: Path, folder: Path, cache: Path, runtime: Path, commands: int, tracked: bool, server: bool) -> Loop:
@@ -81,7 +93,11 @@ def loop(tree: Path, folder: Path, cache: Path, runtime: Path, commands: int, tr
     cpu = _children_cpu_s() - used
     if tracked and server:
         _settle(runtime, expect_server=True)
-        cpu += sum(own + forked for own, forked in _servers(runtime).values())
+        servers = _servers(runtime)
+        cpu += sum(own + forked for own, forked in servers.values())
+        memory = [psutil.Process(pid).memory_full_info() for pid in servers]
+        mib = 1024 * 1024
+        return Loop(walls, sum(walls), cpu, sum(m.rss for m in memory) / mib, sum(m.uss for m in memory) / mib)
     return Loop(walls, sum(walls), cpu)
 
 
@@ -118,10 +134,12 @@ def main() -> None:
                 print(f"repeat {repeat + 1}, {name}: {loops[name][-1].wall:.2f} s", flush=True)
     medians = {name: Loop.median(done) for name, done in loops.items()}
     print(f"\nmedians of {args.repeats}, {args.commands} commands a loop (s):")
-    print(f"| way | {' | '.join(f'run {i + 1}' for i in range(args.commands))} | loop | CPU |")
-    print(f"|---|{'---|' * (args.commands + 2)}")
+    print(f"| way | {' | '.join(f'run {i + 1}' for i in range(args.commands))} | loop | CPU | server MiB |")
+    print(f"|---|{'---|' * (args.commands + 3)}")
     for name, med in medians.items():
-        print(f"| {name} | {' | '.join(f'{w:.2f}' for w in med.walls)} | {med.wall:.2f} | {med.cpu:.2f} |")
+        held = f"{med.server_mb:.0f} ({med.server_unique_mb:.0f} its own)" if med.server_mb else "-"
+        walls = " | ".join(f"{w:.2f}" for w in med.walls)
+        print(f"| {name} | {walls} | {med.wall:.2f} | {med.cpu:.2f} | {held} |")
     untracked = medians[UNTRACKED].wall
     headline = [Figure(f"{args.commands} runs in a shell loop, {UNTRACKED}", untracked, "s")]
     for name, med in medians.items():

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import resource
@@ -122,9 +123,9 @@ def one(
         seen["cpu"] += sum(
             servers_after[pid][1] - cpu[1] for pid, cpu in servers_before.items() if pid in servers_after
         )
-        started = sum(own for pid, (own, _) in servers_after.items() if pid not in servers_before)
-        if started:
-            seen["server start cpu"] = started
+        started = [own for pid, (own, _) in servers_after.items() if pid not in servers_before]
+        if started:  # the command left a server (its CPU: the imports of one started on its own, a forked one's own)
+            seen["server start cpu"] = sum(started)
     # The summary's "first update X s" counts from the federation's start, which run.started announces.
     first = re.search(r"first update ([0-9.]+) s", summary)
     if first is not None and "training" in seen:
@@ -236,7 +237,7 @@ def adds(med: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
             "after_training_s": (k["exit"] - k["last eval"]) - (u["exit"] - u["last eval"]),
             "in_all_s": k["exit"] - u["exit"],
             "cpu_s": k.get("cpu", nan) - u.get("cpu", nan),
-            "server_start_cpu_s": k.get("server start cpu", 0.0),
+            "server_start_cpu_s": k.get("server start cpu", nan),
         }
     return out
 
@@ -262,7 +263,7 @@ def print_tree(name: str, med: dict[str, dict[str, float]], added: dict[str, dic
         print(f"  after training    {a['after_training_s']:+.2f} s (artifacts, plots, model, closing the run)")
         print(f"  in all            {a['in_all_s']:+.2f} s")
         print(f"  CPU               {a['cpu_s']:+.2f} s (all the command's processes, its MLflow writer's too)")
-        if a["server_start_cpu_s"]:
+        if not math.isnan(a["server_start_cpu_s"]):  # the command left a server
             started = a["server_start_cpu_s"]
             print(f"  server on its own {started:.2f} s CPU (the writer server the command left)")
 

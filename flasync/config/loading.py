@@ -336,7 +336,7 @@ def _message(error: Mapping[str, Any]) -> str:
     if "input" in error and not isinstance(error["input"], Mapping):
         shown = repr(error["input"])
         got = shown if len(shown) <= 80 else shown[:60] + f"... ({len(shown)} characters)"
-        if kind in _SEQUENCE_ERRORS and isinstance(error["input"], str | int | float):
+        if kind in _SEQUENCE_ERRORS and isinstance(error["input"], str | int | float) and len(shown) <= 80:
             got += f"; a list is written [a, b], e.g. [{error['input']}]"
         message += f" (got {got})"
     return message

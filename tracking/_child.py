@@ -71,14 +71,7 @@ if TYPE_CHECKING:
     from flasync.tracking.metrics import MetricRow
     from flasync.tracking.sqlite_metrics import SqliteMetrics
 
-__all__ = [
-    "FORKS_HELPER",
-    "IDLE",
-    "ChildLogBatch",
-    "IdleChild",
-    "close_idle_writer",
-    "warm_idle_writer",
-]
+__all__ = ["FORKS_HELPER", "IDLE", "ChildLogBatch", "IdleChild", "close_idle_writer", "warm_idle_writer"]
 
 _STOP = "stop"
 _LEAVING = frozenset({"end", "release"})
@@ -932,11 +925,6 @@ class IdleChild:
             return child
         child.close()
         return None
-
-    @property
-    def kept(self) -> bool:
-        """Tell whether a child is kept."""
-        return self._child is not None
 
     def keep(self, child: ChildLogBatch) -> None:
         """Keep ``child`` for the next run if it is idle (stop the one kept before); else stop it."""

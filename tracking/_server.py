@@ -52,6 +52,7 @@ __all__ = [
     "enabled",
     "fork_server",
     "fork_writer",
+    "listen",
     "listens",
     "serve",
     "starts",
